@@ -1,0 +1,30 @@
+"""reliable_messaging: exactly-once effects for Django services that talk over RabbitMQ.
+
+Public API::
+
+    from reliable_messaging import consumer, publish, Message, PermanentError
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .envelope import Message
+from .exceptions import PermanentError
+from .registry import consumer
+
+if TYPE_CHECKING:
+    from .outbox import publish
+
+__all__ = ["Message", "PermanentError", "consumer", "publish"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # publish() touches models; importing it lazily keeps `import reliable_messaging` safe before
+    # Django's app registry is ready (settings files, consumers.py modules).
+    if name == "publish":
+        from .outbox import publish
+
+        return publish
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,130 @@
+"""One typed settings object over ``settings.RELIABLE_MESSAGING``, read lazily.
+
+Every attribute is read from Django settings at access time, so ``override_settings`` in tests
+and settings changed after import both take effect. Validation lives in :mod:`.checks`; here
+values are only converted, never judged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from django.conf import settings as django_settings
+
+DEFAULTS: dict[str, Any] = {
+    "BROKER_URL": "amqp://guest:guest@localhost:5672/%2F",
+    "EXCHANGE": "reliable_messaging",
+    "PREFETCH": 20,
+    "RETRY_DELAYS": (1, 5, 30, 120, 600),
+    "MAX_ATTEMPTS": 6,
+    "DEDUP_RETENTION": timedelta(days=14),
+    "OUTBOX_RETENTION": timedelta(days=7),
+    "CACHE_ALIAS": None,
+    "QUEUE_TYPE": "classic",
+    # A delivery whose body is larger than this is dead-lettered without being decoded.
+    "MAX_BODY_BYTES": 1024 * 1024,
+    # When True, a message without a message_id gets "sha256:<hex of body>" as its id instead of
+    # being dead-lettered. Only safe when identical bodies always mean the same event.
+    "DERIVE_MESSAGE_ID": False,
+    # Seconds a graceful stop waits for handlers in flight before giving up on them.
+    "SHUTDOWN_TIMEOUT": 30.0,
+    # Cap of the exponential backoff between broker reconnects and database probes.
+    "RECONNECT_MAX_DELAY": 30.0,
+    "HEARTBEAT": 60,
+}
+
+
+def redact_url(url: str) -> str:
+    """Return ``url`` with any password replaced by ``***``, safe for logs and reprs."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable URL>"
+    if parts.password is None:
+        return url
+    netloc = parts.hostname or ""
+    if parts.username:
+        netloc = f"{parts.username}:***@{netloc}"
+    if parts.port:
+        netloc = f"{netloc}:{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+class MessagingSettings:
+    """Typed, lazily-read view of ``settings.RELIABLE_MESSAGING`` with the contract's defaults."""
+
+    @property
+    def raw(self) -> Mapping[str, Any]:
+        value = getattr(django_settings, "RELIABLE_MESSAGING", None) or {}
+        return value if isinstance(value, Mapping) else {}
+
+    def get(self, key: str) -> Any:
+        return self.raw.get(key, DEFAULTS[key])
+
+    @property
+    def broker_url(self) -> str:
+        return str(self.get("BROKER_URL"))
+
+    @property
+    def exchange(self) -> str:
+        return str(self.get("EXCHANGE"))
+
+    @property
+    def prefetch(self) -> int:
+        return int(self.get("PREFETCH"))
+
+    @property
+    def retry_delays(self) -> tuple[float, ...]:
+        return tuple(float(d) for d in self.get("RETRY_DELAYS"))
+
+    @property
+    def max_attempts(self) -> int:
+        return int(self.get("MAX_ATTEMPTS"))
+
+    @property
+    def dedup_retention(self) -> timedelta:
+        value: timedelta = self.get("DEDUP_RETENTION")
+        return value
+
+    @property
+    def outbox_retention(self) -> timedelta:
+        value: timedelta = self.get("OUTBOX_RETENTION")
+        return value
+
+    @property
+    def cache_alias(self) -> str | None:
+        value = self.get("CACHE_ALIAS")
+        return None if value is None else str(value)
+
+    @property
+    def queue_type(self) -> str:
+        return str(self.get("QUEUE_TYPE"))
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.get("MAX_BODY_BYTES"))
+
+    @property
+    def derive_message_id(self) -> bool:
+        return bool(self.get("DERIVE_MESSAGE_ID"))
+
+    @property
+    def shutdown_timeout(self) -> float:
+        return float(self.get("SHUTDOWN_TIMEOUT"))
+
+    @property
+    def reconnect_max_delay(self) -> float:
+        return float(self.get("RECONNECT_MAX_DELAY"))
+
+    @property
+    def heartbeat(self) -> int:
+        return int(self.get("HEARTBEAT"))
+
+    def __repr__(self) -> str:
+        return f"<MessagingSettings broker={redact_url(self.broker_url)} exchange={self.exchange}>"
+
+
+messaging_settings = MessagingSettings()

@@ -1,0 +1,117 @@
+"""Writing dead letters: one row per (consumer, message_id), updated when it fails again."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from django.db import DataError, IntegrityError, router, transaction
+from django.utils import timezone
+
+from .envelope import FIRST_FAILED_AT_HEADER, Delivery, jsonable
+from .models import DeadLetter, DeadLetterStatus
+
+logger = logging.getLogger(__name__)
+
+
+def _clip(value: str, length: int = 255) -> str:
+    return value if len(value) <= length else value[: length - 1] + "…"
+
+
+def _first_failed_at(headers: Mapping[str, Any], now: dt.datetime) -> dt.datetime:
+    raw = headers.get(FIRST_FAILED_AT_HEADER)
+    if isinstance(raw, int | float) and not isinstance(raw, bool):
+        try:
+            return dt.datetime.fromtimestamp(raw / 1000, tz=dt.UTC)
+        except (OverflowError, OSError, ValueError):
+            return now
+    return now
+
+
+def record_dead_letter(
+    *,
+    consumer: str,
+    delivery: Delivery,
+    message_id: str,
+    reason: str,
+    attempts: int,
+    payload: Any = None,
+    exchange: str | None = None,
+    routing_key: str | None = None,
+    exception: BaseException | None = None,
+    exception_message: str = "",
+    traceback_text: str = "",
+) -> DeadLetter:
+    """Store (or update) the dead letter of ``message_id`` for ``consumer``.
+
+    Raises the database's error when the row cannot be written: the caller must then not ack.
+    """
+    now = timezone.now()
+    exception_type = ""
+    if exception is not None:
+        exception_type = f"{type(exception).__module__}.{type(exception).__qualname__}"
+        exception_message = exception_message or str(exception)
+    fields: dict[str, Any] = {
+        "queue": _clip(delivery.queue),
+        "exchange": _clip(exchange if exchange is not None else delivery.exchange),
+        "routing_key": _clip(routing_key if routing_key is not None else delivery.routing_key),
+        "headers": jsonable(dict(delivery.headers)),
+        "payload": jsonable(payload),
+        "body": bytes(delivery.body),
+        "content_type": _clip(delivery.content_type or ""),
+        "reason": reason,
+        "exception_type": _clip(exception_type),
+        "exception_message": exception_message,
+        "traceback": traceback_text,
+        "attempts": attempts,
+        "last_failed_at": now,
+        "status": DeadLetterStatus.DEAD,
+    }
+    event = {
+        "event": "dead_lettered",
+        "at": now.isoformat(),
+        "reason": reason,
+        "attempts": attempts,
+        "exception_type": exception_type,
+    }
+    message_id = _clip(message_id)
+    using = router.db_for_write(DeadLetter)
+    try:
+        return _upsert(using, consumer, message_id, fields, event, delivery, now)
+    except DataError:
+        # A payload the database's JSON type refuses (PostgreSQL jsonb rejects \u0000): keep the
+        # raw body, which always survives byte for byte, and drop the decoded copy.
+        logger.warning("dead letter payload of message_id=%s refused by the database; "
+                       "storing the raw body only", message_id)
+        fields["payload"] = None
+        return _upsert(using, consumer, message_id, fields, event, delivery, now)
+
+
+def _upsert(using: str, consumer: str, message_id: str, fields: dict[str, Any],
+            event: dict[str, Any], delivery: Delivery, now: dt.datetime) -> DeadLetter:
+    for _ in range(2):  # a concurrent first insert of the same key turns into an update
+        with transaction.atomic(using=using):
+            existing = None
+            if message_id:
+                existing = (DeadLetter.objects.using(using).select_for_update()
+                            .filter(consumer=consumer, message_id=message_id).first())
+            if existing is not None:
+                for name, value in fields.items():
+                    setattr(existing, name, value)
+                existing.history = [*existing.history, event]
+                existing.save(using=using)
+                return existing
+            try:
+                with transaction.atomic(using=using):
+                    return DeadLetter.objects.using(using).create(
+                        consumer=consumer,
+                        message_id=message_id,
+                        first_failed_at=_first_failed_at(delivery.headers, now),
+                        history=[event],
+                        **fields,
+                    )
+            except IntegrityError:
+                continue
+    raise IntegrityError(f"could not record the dead letter of message_id={message_id}")

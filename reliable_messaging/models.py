@@ -1,0 +1,114 @@
+"""The inbox (``ProcessedMessage``) and the dead letters (``DeadLetter``)."""
+
+from __future__ import annotations
+
+from django.db import models
+from django.db.models import Q
+from django.utils import timezone
+from django.utils.translation import gettext_lazy as _
+
+
+class ProcessedMessage(models.Model):
+    """One row per (consumer, message_id) whose handler committed: the inbox.
+
+    The unique constraint is what makes effects happen at most once: the row is inserted in the
+    handler's own transaction, so two deliveries of one message can never both commit.
+    """
+
+    consumer = models.CharField(max_length=255)
+    message_id = models.CharField(max_length=255)
+    processed_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        verbose_name = _("processed message")
+        constraints = [
+            models.UniqueConstraint(
+                fields=["consumer", "message_id"], name="rm_inbox_consumer_message_uniq"
+            ),
+        ]
+        indexes = [
+            models.Index(fields=["processed_at"], name="rm_inbox_processed_at_idx"),
+            models.Index(fields=["message_id"], name="rm_inbox_message_id_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.message_id} by {self.consumer}"
+
+
+class DeadLetterReason(models.TextChoices):
+    PERMANENT = "permanent", _("permanent error")
+    RETRIES_EXHAUSTED = "retries_exhausted", _("retries exhausted")
+    INVALID_JSON = "invalid_json", _("invalid JSON")
+    INVALID_UTF8 = "invalid_utf8", _("invalid UTF-8")
+    EMPTY_BODY = "empty_body", _("empty body")
+    MISSING_MESSAGE_ID = "missing_message_id", _("missing message_id")
+    BODY_TOO_LARGE = "body_too_large", _("body too large")
+    UNSUPPORTED_CONTENT_TYPE = "unsupported_content_type", _("unsupported content type")
+    INVALID_HEADERS = "invalid_headers", _("invalid headers")
+    NO_HANDLER = "no_handler", _("no handler for the queue")
+
+
+class DeadLetterStatus(models.TextChoices):
+    DEAD = "dead", _("dead")
+    REPLAYED = "replayed", _("replayed, awaiting outcome")
+    RESOLVED = "resolved", _("resolved")
+    DISCARDED = "discarded", _("discarded")
+
+
+class DeadLetterQuerySet(models.QuerySet):
+    def dead(self) -> DeadLetterQuerySet:
+        return self.filter(status=DeadLetterStatus.DEAD)
+
+
+class DeadLetter(models.Model):
+    """A message a consumer gave up on, with everything needed to understand and replay it.
+
+    One row per (consumer, message_id): a replayed message that fails again updates its row.
+    ``body`` always holds the delivery's bytes exactly, also when they are not JSON or UTF-8.
+    """
+
+    message_id = models.CharField(max_length=255, blank=True)
+    consumer = models.CharField(max_length=255)
+    queue = models.CharField(max_length=255)
+    exchange = models.CharField(max_length=255, blank=True)
+    routing_key = models.CharField(max_length=255, blank=True)
+    headers = models.JSONField(default=dict, blank=True)
+    payload = models.JSONField(null=True, blank=True)
+    body = models.BinaryField()
+    content_type = models.CharField(max_length=255, blank=True)
+    reason = models.CharField(max_length=40, choices=DeadLetterReason.choices)
+    exception_type = models.CharField(max_length=255, blank=True)
+    exception_message = models.TextField(blank=True)
+    traceback = models.TextField(blank=True)
+    attempts = models.PositiveIntegerField(default=1)
+    first_failed_at = models.DateTimeField(default=timezone.now)
+    last_failed_at = models.DateTimeField(default=timezone.now)
+    status = models.CharField(
+        max_length=20, choices=DeadLetterStatus.choices, default=DeadLetterStatus.DEAD
+    )
+    replay_count = models.PositiveIntegerField(default=0)
+    # Append-only record of what happened to this message: failures, replays, resolution.
+    history = models.JSONField(default=list, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    objects = DeadLetterQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = _("dead letter")
+        ordering = ["-last_failed_at", "-id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["consumer", "message_id"],
+                condition=~Q(message_id=""),
+                name="rm_deadletter_consumer_msg_uniq",
+            ),
+        ]
+        indexes = [
+            models.Index(fields=["status", "-last_failed_at"], name="rm_deadletter_status_idx"),
+            models.Index(fields=["consumer", "status"], name="rm_deadletter_consumer_idx"),
+            models.Index(fields=["message_id"], name="rm_deadletter_message_id_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.message_id or '(no id)'} in {self.consumer}: {self.reason}"

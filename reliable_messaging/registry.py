@@ -1,0 +1,152 @@
+"""The ``@consumer`` decorator and the registry of handlers it fills."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from .envelope import Message
+from .exceptions import ConsumerConfigurationError
+
+Handler = Callable[[Message], Any]
+
+
+@dataclass(frozen=True)
+class ConsumerSpec:
+    """A registered handler and how it is wired to the broker.
+
+    ``name`` is the deduplication scope: the inbox remembers (name, message_id).
+    ``exchange`` None means ``RELIABLE_MESSAGING["EXCHANGE"]``; ``max_attempts`` and
+    ``retry_delays`` None mean the settings' values.
+    """
+
+    name: str
+    queue: str
+    handler: Handler
+    bindings: tuple[str, ...] = ()
+    exchange: str | None = None
+    ordered: bool = False
+    max_attempts: int | None = None
+    retry_delays: tuple[float, ...] | None = None
+
+
+class ConsumerRegistry:
+    """Handlers by name, with one handler per queue."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, ConsumerSpec] = {}
+        self._lock = threading.Lock()
+
+    def register(self, spec: ConsumerSpec) -> None:
+        with self._lock:
+            existing = self._by_name.get(spec.name)
+            if existing is not None:
+                if existing.handler is spec.handler or existing == spec:
+                    return  # the same module imported twice under one name
+                raise ConsumerConfigurationError(
+                    f"Two consumers are named {spec.name!r}. The name is the deduplication "
+                    f"scope, so it must be unique: pass name=... to one of them."
+                )
+            for other in self._by_name.values():
+                if other.queue == spec.queue:
+                    raise ConsumerConfigurationError(
+                        f"Queue {spec.queue!r} has two handlers: {other.name!r} and "
+                        f"{spec.name!r}. Each queue feeds exactly one handler (retries and "
+                        f"replays go back to the queue); give one of them its own queue."
+                    )
+            self._by_name[spec.name] = spec
+
+    def unregister(self, name: str) -> None:
+        with self._lock:
+            self._by_name.pop(name, None)
+
+    def get(self, name: str) -> ConsumerSpec:
+        return self._by_name[name]
+
+    def for_queue(self, queue: str) -> ConsumerSpec | None:
+        return next((s for s in self._by_name.values() if s.queue == queue), None)
+
+    def all(self) -> list[ConsumerSpec]:
+        return sorted(self._by_name.values(), key=lambda s: s.queue)
+
+    def __iter__(self) -> Iterator[ConsumerSpec]:
+        return iter(self.all())
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    @contextmanager
+    def isolated(self) -> Iterator[ConsumerRegistry]:
+        """Temporarily empty the registry (for tests); restores it on exit."""
+        with self._lock:
+            saved = dict(self._by_name)
+            self._by_name.clear()
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._by_name.clear()
+                self._by_name.update(saved)
+
+
+registry = ConsumerRegistry()
+
+
+def _validate(queue: str, bindings: Sequence[str], max_attempts: int | None,
+              retry_delays: Iterable[float] | None) -> tuple[float, ...] | None:
+    if not isinstance(queue, str) or not queue.strip():
+        raise ConsumerConfigurationError("consumer(queue=...) must be a non-empty string")
+    if isinstance(bindings, str):
+        raise ConsumerConfigurationError(
+            f"bindings of {queue!r} must be a list of routing-key patterns, not a string "
+            f"(write bindings=[{bindings!r}])"
+        )
+    if max_attempts is not None and (not isinstance(max_attempts, int) or max_attempts < 1):
+        raise ConsumerConfigurationError(f"max_attempts of {queue!r} must be an integer >= 1")
+    if retry_delays is None:
+        return None
+    delays = tuple(float(d) for d in retry_delays)
+    if any(d <= 0 for d in delays) or list(delays) != sorted(delays):
+        raise ConsumerConfigurationError(
+            f"retry_delays of {queue!r} must be positive seconds in increasing order, "
+            f"got {list(retry_delays)!r}"
+        )
+    return delays
+
+
+def consumer(
+    queue: str,
+    *,
+    bindings: Sequence[str] = (),
+    exchange: str | None = None,
+    name: str | None = None,
+    ordered: bool = False,
+    max_attempts: int | None = None,
+    retry_delays: Sequence[float] | None = None,
+    registry: ConsumerRegistry = registry,
+) -> Callable[[Handler], Handler]:
+    """Register ``func`` as the handler of ``queue``, bound to ``bindings`` on the exchange.
+
+    The handler runs inside ``transaction.atomic()`` together with the insert of its inbox row,
+    so a redelivered or duplicated message_id does not take effect twice.
+    """
+    delays = _validate(queue, bindings, max_attempts, retry_delays)
+
+    def decorator(func: Handler) -> Handler:
+        spec = ConsumerSpec(
+            name=name or f"{func.__module__}.{func.__qualname__}",
+            queue=queue,
+            handler=func,
+            bindings=tuple(bindings),
+            exchange=exchange,
+            ordered=ordered,
+            max_attempts=max_attempts,
+            retry_delays=delays,
+        )
+        registry.register(spec)
+        return func
+
+    return decorator

@@ -1,0 +1,85 @@
+"""Settings of the test suite: PostgreSQL, RabbitMQ and Redis on this machine.
+
+``RM_TEST_NAMESPACE`` isolates broker objects: the exchange and every test queue carry it, so a
+failed run leaves nothing that breaks the next one. A test that starts ``manage.py consume`` in a
+subprocess passes its own namespace (and the test database's URL) in the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from datetime import timedelta
+
+import dj_database_url
+
+NAMESPACE = os.environ.setdefault("RM_TEST_NAMESPACE", f"t{uuid.uuid4().hex[:10]}")
+
+SECRET_KEY = "tests-only-not-secret"
+DEBUG = False
+USE_TZ = True
+TIME_ZONE = "UTC"
+ALLOWED_HOSTS = ["*"]
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "reliable_messaging",
+    "tests.testapp",
+]
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+ROOT_URLCONF = "tests.urls"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+STATIC_URL = "/static/"
+
+DATABASES = {
+    "default": dj_database_url.parse(
+        os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/reliable_messaging")
+    )
+}
+CACHES = {
+    "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+}
+
+RELIABLE_MESSAGING = {
+    "BROKER_URL": os.environ.get("RM_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/%2F"),
+    "EXCHANGE": f"rmtest.{NAMESPACE}",
+    "RETRY_DELAYS": [0.2, 0.4, 0.8],
+    "MAX_ATTEMPTS": 3,
+    "DEDUP_RETENTION": timedelta(days=1),
+    "SHUTDOWN_TIMEOUT": 15.0,
+    "RECONNECT_MAX_DELAY": 2.0,
+    "MAX_BODY_BYTES": 64 * 1024,
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(process)d %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "loggers": {"reliable_messaging": {"handlers": ["console"], "level": "INFO"}},
+}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"

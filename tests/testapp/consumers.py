@@ -1,0 +1,44 @@
+"""Handlers the suite drives, including through real ``manage.py consume`` subprocesses.
+
+Each handler records an :class:`Effect` and then behaves as the payload asks, per consumer label:
+``{"fail": {"alpha": 2}}`` fails the first two attempts of alpha, ``{"permanent": {"alpha": 1}}``
+raises PermanentError, ``{"sleep": {"alpha": 1.5}}`` sleeps, ``{"require": "field"}`` reads a
+field that may be missing (KeyError). The effect rolls back whenever the handler raises.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from reliable_messaging import Message, PermanentError, consumer
+
+from .models import Effect
+
+NAMESPACE = os.environ["RM_TEST_NAMESPACE"]
+
+
+def behave(label: str, message: Message) -> None:
+    payload = message.payload if isinstance(message.payload, dict) else {}
+    Effect.objects.create(consumer=label, message_id=message.message_id,
+                          attempt=message.attempt, payload=message.payload)
+    sleep = payload.get("sleep", {}).get(label)
+    if sleep:
+        time.sleep(float(sleep))
+    if payload.get("permanent", {}).get(label):
+        raise PermanentError(f"{label} refuses this message for good")
+    failures = payload.get("fail", {}).get(label, 0)
+    if message.attempt <= failures:
+        raise RuntimeError(f"{label}: transient failure on attempt {message.attempt}")
+    if "require" in payload:
+        payload["fields"][payload["require"]]  # KeyError when the field is missing
+
+
+@consumer(f"{NAMESPACE}.alpha", bindings=["order.*"], name="tests.alpha")
+def alpha(message: Message) -> None:
+    behave("alpha", message)
+
+
+@consumer(f"{NAMESPACE}.beta", bindings=["order.*"], name="tests.beta")
+def beta(message: Message) -> None:
+    behave("beta", message)
