@@ -3,13 +3,17 @@
 Each handler records an :class:`Effect` and then behaves as the payload asks, per consumer label:
 ``{"fail": {"alpha": 2}}`` fails the first two attempts of alpha, ``{"permanent": {"alpha": 1}}``
 raises PermanentError, ``{"sleep": {"alpha": 1.5}}`` sleeps, ``{"require": "field"}`` reads a
-field that may be missing (KeyError). The effect rolls back whenever the handler raises.
+field that may be missing (KeyError), ``{"crash_after_commit": {"alpha": 1}}`` kills the process
+with SIGKILL after the commit and before the ack (first delivery only). The effect rolls back whenever the handler raises.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
+
+from django.db import transaction
 
 from reliable_messaging import Message, PermanentError, consumer
 
@@ -22,6 +26,10 @@ def behave(label: str, message: Message) -> None:
     payload = message.payload if isinstance(message.payload, dict) else {}
     Effect.objects.create(consumer=label, message_id=message.message_id,
                           attempt=message.attempt, payload=message.payload)
+    if payload.get("crash_after_commit", {}).get(label) and not message.redelivered:
+        # Dies right after the commit, before the ack can be sent: a real crash in the window
+        # the inbox exists for.
+        transaction.on_commit(lambda: os.kill(os.getpid(), signal.SIGKILL))
     sleep = payload.get("sleep", {}).get(label)
     if sleep:
         time.sleep(float(sleep))
