@@ -1,0 +1,71 @@
+# Build / CI entry points for reliable_messaging.
+#   make test   - create/refresh .venv, ensure PostgreSQL/Redis/RabbitMQ are up, run pytest
+#   make demo   - same prerequisites, then run the end-to-end demo (SQLite unless DATABASE_URL is set)
+# Pass extra pytest arguments with: make test PYTEST_ARGS="-x -k outbox"
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: help venv .venv services test demo lint format bench clean
+
+help:
+	@echo "Targets:"
+	@echo "  venv      create .venv and install requirements + the package (editable)"
+	@echo "  services  make sure PostgreSQL, Redis and RabbitMQ are running"
+	@echo "  test      run the test suite (PYTEST_ARGS=... to pass options)"
+	@echo "  demo      run the end-to-end demo (manage.py run_demo)"
+	@echo "  lint      ruff format --check, ruff check, mypy"
+	@echo "  format    ruff format + ruff check --fix"
+	@echo "  bench     run every bench/*.py script"
+	@echo "  clean     remove .venv and caches"
+
+# The stamp is refreshed whenever the dependency/packaging files change, so that
+# `make venv` is a no-op (fast) when nothing changed.
+venv .venv: $(STAMP)
+
+$(STAMP): requirements.txt setup.cfg pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/python -m pip install --quiet --upgrade pip \
+		|| echo "warning: could not upgrade pip, continuing with $$($(BIN)/python -m pip --version)"
+	$(BIN)/python -m pip install -r requirements.txt
+	$(BIN)/python -m pip install -e . --no-deps
+	@touch $@
+
+services:
+	@scripts/ensure-services.sh
+
+test: venv services
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+demo: venv services
+	$(BIN)/python manage.py run_demo
+
+lint: venv
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+	$(BIN)/mypy reliable_messaging demo_project tests
+
+format: venv
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+# Runs every bench/*.py script (helpers named _*.py are skipped).
+bench: venv services
+	@shopt -s nullglob; \
+	scripts=(bench/[!_]*.py); \
+	if (( $${#scripts[@]} == 0 )); then echo "bench: no bench/*.py scripts"; exit 0; fi; \
+	for f in "$${scripts[@]}"; do \
+		echo "==> $(BIN)/python $$f"; \
+		$(BIN)/python "$$f"; \
+	done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build dist *.egg-info .coverage htmlcov
+	find . -path ./.git -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +
