@@ -106,10 +106,16 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     if not isinstance(body_limit, int) or isinstance(body_limit, bool) or body_limit < 1:
         errors.append(_error(9, f"{SETTING}['MAX_BODY_BYTES'] must be a positive integer, "
                                 f"got {body_limit!r}.", "The default is 1048576 (1 MiB)."))
-    for key in ("SHUTDOWN_TIMEOUT", "RECONNECT_MAX_DELAY"):
+    for key in ("SHUTDOWN_TIMEOUT", "RECONNECT_MAX_DELAY", "RELAY_POLL_INTERVAL",
+                "RELAY_CONFIRM_TIMEOUT"):
         if not _is_number(value(key)) or value(key) <= 0:
             errors.append(_error(10, f"{SETTING}[{key!r}] must be a positive number of "
                                      f"seconds, got {value(key)!r}.", "e.g. 30"))
+    for key in ("RELAY_BATCH_SIZE", "OUTBOX_MAX_ATTEMPTS"):
+        number = value(key)
+        if not isinstance(number, int) or isinstance(number, bool) or number < 1:
+            errors.append(_error(12, f"{SETTING}[{key!r}] must be an integer >= 1, "
+                                     f"got {number!r}.", f"The default is {DEFAULTS[key]}."))
     heartbeat = value("HEARTBEAT")
     if not isinstance(heartbeat, int) or isinstance(heartbeat, bool) or heartbeat < 0:
         errors.append(_error(11, f"{SETTING}['HEARTBEAT'] must be an integer >= 0, "

@@ -34,6 +34,13 @@ DEFAULTS: dict[str, Any] = {
     # Cap of the exponential backoff between broker reconnects and database probes.
     "RECONNECT_MAX_DELAY": 30.0,
     "HEARTBEAT": 60,
+    # The relay: rows claimed per batch, the polling period when no NOTIFY wakes it (the only
+    # mode on SQLite), how long to wait for the broker's confirms, and how many failed sends
+    # (nack, unroutable, timeout) make a row "failed" for a person to look at.
+    "RELAY_BATCH_SIZE": 500,
+    "RELAY_POLL_INTERVAL": 1.0,
+    "RELAY_CONFIRM_TIMEOUT": 30.0,
+    "OUTBOX_MAX_ATTEMPTS": 10,
 }
 
 
@@ -122,6 +129,22 @@ class MessagingSettings:
     @property
     def heartbeat(self) -> int:
         return int(self.get("HEARTBEAT"))
+
+    @property
+    def relay_batch_size(self) -> int:
+        return int(self.get("RELAY_BATCH_SIZE"))
+
+    @property
+    def relay_poll_interval(self) -> float:
+        return float(self.get("RELAY_POLL_INTERVAL"))
+
+    @property
+    def relay_confirm_timeout(self) -> float:
+        return float(self.get("RELAY_CONFIRM_TIMEOUT"))
+
+    @property
+    def outbox_max_attempts(self) -> int:
+        return int(self.get("OUTBOX_MAX_ATTEMPTS"))
 
     def __repr__(self) -> str:
         return f"<MessagingSettings broker={redact_url(self.broker_url)} exchange={self.exchange}>"

@@ -112,3 +112,65 @@ class DeadLetter(models.Model):
 
     def __str__(self) -> str:
         return f"{self.message_id or '(no id)'} in {self.consumer}: {self.reason}"
+
+
+class OutboxStatus(models.TextChoices):
+    PENDING = "pending", _("pending")
+    SENT = "sent", _("sent")
+    FAILED = "failed", _("failed")
+
+
+class OutboxMessageQuerySet(models.QuerySet):
+    def pending(self) -> OutboxMessageQuerySet:
+        return self.filter(status=OutboxStatus.PENDING)
+
+    def failed(self) -> OutboxMessageQuerySet:
+        return self.filter(status=OutboxStatus.FAILED)
+
+
+class OutboxMessage(models.Model):
+    """A message written by ``publish()`` in the caller's transaction, sent later by the relay.
+
+    ``body`` is the exact JSON text the relay sends: encoding happens at ``publish()`` time, so
+    a payload JSON cannot hold fails there and then, never in the relay.
+    """
+
+    message_id = models.CharField(max_length=255)
+    exchange = models.CharField(max_length=255, blank=True)
+    routing_key = models.CharField(max_length=255)
+    body = models.TextField()
+    headers = models.JSONField(default=dict, blank=True)
+    ordering_key = models.CharField(max_length=255, null=True, blank=True)
+    idempotency_key = models.CharField(max_length=255, null=True, blank=True, unique=True)
+    status = models.CharField(
+        max_length=10, choices=OutboxStatus.choices, default=OutboxStatus.PENDING
+    )
+    attempts = models.PositiveIntegerField(default=0)
+    last_error = models.TextField(blank=True)
+    next_attempt_at = models.DateTimeField(default=timezone.now)
+    created_at = models.DateTimeField(default=timezone.now)
+    sent_at = models.DateTimeField(null=True, blank=True)
+
+    objects = OutboxMessageQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = _("outbox message")
+        indexes = [
+            # The relay's claim: pending rows due now, oldest first.
+            models.Index(
+                fields=["next_attempt_at", "id"],
+                condition=Q(status="pending"),
+                name="rm_outbox_due_idx",
+            ),
+            # "Is an earlier message of this key still unsent?" for per-key order.
+            models.Index(
+                fields=["ordering_key", "id"],
+                condition=Q(status__in=["pending", "failed"]) & Q(ordering_key__isnull=False),
+                name="rm_outbox_key_order_idx",
+            ),
+            models.Index(fields=["status", "sent_at"], name="rm_outbox_status_sent_idx"),
+            models.Index(fields=["message_id"], name="rm_outbox_message_id_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.message_id} → {self.routing_key} ({self.status})"

@@ -1,0 +1,31 @@
+"""``manage.py purge_messages``: apply DEDUP_RETENTION and OUTBOX_RETENTION."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from reliable_messaging.conf import messaging_settings
+from reliable_messaging.retention import purge_messages
+
+
+class Command(BaseCommand):
+    help = ("Delete inbox rows older than DEDUP_RETENTION and sent outbox rows older than "
+            "OUTBOX_RETENTION, in batches.")
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--dry-run", action="store_true",
+                            help="count what would be deleted, delete nothing")
+        parser.add_argument("--batch-size", type=int, default=5000, metavar="N")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        if options["batch_size"] < 1:
+            raise CommandError("--batch-size must be at least 1")
+        result = purge_messages(batch_size=options["batch_size"], dry_run=options["dry_run"])
+        verb = "would delete" if options["dry_run"] else "deleted"
+        self.stdout.write(
+            f"{verb} {result.inbox} inbox row(s) older than {messaging_settings.dedup_retention} "
+            f"and {result.outbox} sent outbox row(s) older than "
+            f"{messaging_settings.outbox_retention}"
+        )

@@ -1,0 +1,86 @@
+"""``publish()``: the transactional outbox's write side.
+
+``publish`` only inserts a row, on the caller's database connection and so inside the caller's
+transaction: the message exists exactly when the business change it announces exists. The relay
+(:mod:`.relay`) sends committed rows later. Called with no transaction open (autocommit), the
+row commits at once, like any other ORM write.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from django.db import IntegrityError, transaction
+
+from .conf import messaging_settings
+from .envelope import MAX_MESSAGE_ID_LENGTH, MessageJSONEncoder, encode_payload
+from .models import OutboxMessage
+
+
+def _json_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
+    if not headers:
+        return {}
+    if not isinstance(headers, Mapping) or not all(isinstance(k, str) for k in headers):
+        raise TypeError("headers must be a mapping with string keys")
+    try:
+        result: dict[str, Any] = json.loads(json.dumps(dict(headers), cls=MessageJSONEncoder,
+                                                       allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"headers cannot be encoded as JSON: {exc}") from exc
+    return result
+
+
+def publish(
+    routing_key: str,
+    payload: Any,
+    *,
+    exchange: str | None = None,
+    message_id: str | None = None,
+    headers: Mapping[str, Any] | None = None,
+    ordering_key: str | None = None,
+    idempotency_key: str | None = None,
+    using: str = "default",
+) -> str:
+    """Write a message to the outbox in the current transaction of ``using``; return its id.
+
+    The relay sends it once the transaction commits; a rollback discards it. A payload JSON
+    cannot encode raises ``TypeError`` here. With an ``idempotency_key`` already in the outbox
+    this is a no-op that returns the first message's id.
+    """
+    if not isinstance(routing_key, str) or not routing_key:
+        raise ValueError("routing_key must be a non-empty string")
+    body = encode_payload(payload).decode("utf-8")
+    message_id = str(uuid.uuid4()) if message_id is None else str(message_id)
+    if not message_id or len(message_id) > MAX_MESSAGE_ID_LENGTH:
+        raise ValueError(f"message_id must be 1 to {MAX_MESSAGE_ID_LENGTH} characters long")
+    row = OutboxMessage(
+        message_id=message_id,
+        exchange=messaging_settings.exchange if exchange is None else exchange,
+        routing_key=routing_key,
+        body=body,
+        headers=_json_headers(headers),
+        ordering_key=ordering_key,
+        idempotency_key=idempotency_key,
+    )
+    if idempotency_key is None:
+        row.save(using=using, force_insert=True)
+        return message_id
+    for _ in range(3):
+        try:
+            # A savepoint, so a duplicate key leaves the caller's transaction usable. Under
+            # concurrency the second insert waits on the unique index until the first commits.
+            with transaction.atomic(using=using):
+                row.save(using=using, force_insert=True)
+        except IntegrityError:
+            existing = (OutboxMessage.objects.using(using)
+                        .filter(idempotency_key=idempotency_key)
+                        .values_list("message_id", flat=True).first())
+            if existing is not None:
+                return existing
+            row.pk = None  # the other insert rolled back meanwhile: ours may go now
+            continue
+        return message_id
+    raise IntegrityError(f"could not publish with idempotency_key={idempotency_key!r}")

@@ -1,0 +1,620 @@
+"""The outbox relay: sends committed outbox rows with pipelined publisher confirms.
+
+One thread runs pika's asynchronous ``SelectConnection`` I/O loop; database work happens in its
+callbacks (each query is short). A batch goes like this:
+
+1. ``claim``: in a transaction, ``SELECT ... FOR UPDATE SKIP LOCKED`` the oldest due rows, at
+   most one per ordering key (a keyed row is eligible only when no earlier row of its key is
+   still unsent), so relays running side by side never take the same row and never send a
+   key's later message before its earlier one is confirmed.
+2. ``publish``: every row goes out at once (``mandatory=True``, persistent); the locks are held.
+3. ``settle``: confirms arrive, ``multiple=True`` settling every tag up to the one named. When
+   all are in (or ``RELAY_CONFIRM_TIMEOUT`` passes) the confirmed rows are marked sent, the
+   others get their error, an attempt and a backoff, and the transaction commits.
+
+A crash anywhere before that commit rolls the transaction back: the rows are pending again and a
+relay sends them again (consumers absorb the duplicate by message_id). Nothing committed is lost.
+
+On PostgreSQL the relay also LISTENs on a channel that a trigger NOTIFYs on every committed
+insert, with the listening socket watched by the same I/O loop, so a new row leaves within
+milliseconds; polling every ``RELAY_POLL_INTERVAL`` remains as the fallback (the only mode on
+other databases).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pika
+import pika.channel
+import pika.exceptions
+from django.db import DatabaseError, close_old_connections, connections, router, transaction
+from django.db.models import Count, Exists, OuterRef, Q
+from django.utils import timezone
+from pika.spec import Basic, BasicProperties
+
+from .backoff import Backoff
+from .conf import MessagingSettings, messaging_settings, redact_url
+from .envelope import CONTENT_TYPE, ORDERING_KEY_HEADER, PUBLISHED_AT_HEADER
+from .models import OutboxMessage, OutboxStatus
+from .topology import connection_parameters
+
+logger = logging.getLogger(__name__)
+
+NOTIFY_CHANNEL = "reliable_messaging_outbox"
+OUTBOX_ID_HEADER = "x-rm-outbox-id"
+NOT_FOUND = 404
+_MISSING_EXCHANGE = re.compile(r"no exchange '([^']*)'")
+
+
+def resend_backoff(attempts: int) -> dt.timedelta:
+    """Wait before the next try of a row that failed ``attempts`` times: 1 s doubling to 5 min."""
+    return dt.timedelta(seconds=min(2 ** max(attempts - 1, 0), 300))
+
+
+def claimable(using: str) -> Any:
+    """Due pending rows, oldest first, each either keyless or the oldest unsent of its key."""
+    earlier_unsent = OutboxMessage.objects.using(using).filter(
+        ordering_key=OuterRef("ordering_key"),
+        status__in=[OutboxStatus.PENDING, OutboxStatus.FAILED],
+        id__lt=OuterRef("id"),
+    )
+    return (
+        OutboxMessage.objects.using(using)
+        .filter(status=OutboxStatus.PENDING, next_attempt_at__lte=timezone.now())
+        .filter(Q(ordering_key__isnull=True) | ~Exists(earlier_unsent))
+        .order_by("id")
+    )
+
+
+def message_properties(row: OutboxMessage) -> BasicProperties:
+    headers: dict[str, Any] = dict(row.headers or {})
+    headers[PUBLISHED_AT_HEADER] = int(row.created_at.timestamp() * 1000)
+    headers[OUTBOX_ID_HEADER] = row.pk
+    if row.ordering_key is not None:
+        headers[ORDERING_KEY_HEADER] = row.ordering_key
+    return BasicProperties(
+        content_type=CONTENT_TYPE,
+        delivery_mode=pika.DeliveryMode.Persistent,
+        message_id=row.message_id,
+        timestamp=int(row.created_at.timestamp()),
+        headers=headers,
+    )
+
+
+@dataclass
+class RelayReport:
+    """What a relay did; ``left_failed`` counts failed rows in the outbox when it stopped."""
+
+    sent: int = 0
+    nacked: int = 0
+    returned: int = 0
+    timed_out: int = 0
+    batches: int = 0
+    left_failed: int = 0
+    left_pending: int = 0
+    left_retrying: int = 0  # pending rows that already failed at least once
+
+    def summary(self) -> str:
+        return (f"sent {self.sent}, nacked {self.nacked}, unroutable {self.returned}, "
+                f"confirm timeouts {self.timed_out} in {self.batches} batch(es); outbox now has "
+                f"{self.left_pending} pending ({self.left_retrying} after failed sends) and "
+                f"{self.left_failed} failed row(s)")
+
+
+@dataclass
+class _Batch:
+    """Rows published and awaiting confirms, with their claim transaction still open."""
+
+    atomic: Any
+    rows: dict[int, OutboxMessage]  # published, by delivery tag
+    unpublished: list[OutboxMessage] = field(default_factory=list)  # refused before publishing
+    errors: dict[int, str] = field(default_factory=dict)  # row id -> why it was not sent
+    confirmed: set[int] = field(default_factory=set)  # row ids acked by the broker
+    settled: set[int] = field(default_factory=set)  # delivery tags acked or nacked
+    full: bool = False
+    timer: Any = None
+
+    def all_rows(self) -> list[OutboxMessage]:
+        return [*self.rows.values(), *self.unpublished]
+
+
+class _ExchangeProbe:
+    """Checks that an exchange exists before rows are published to it.
+
+    Publishing to a missing exchange makes the broker close the channel, which would throw away
+    the confirms of every other row in flight (and send them twice). A passive declare on a
+    separate, blocking connection costs one round trip per exchange per minute instead.
+    """
+
+    TTL = 60.0
+
+    def __init__(self, settings: MessagingSettings) -> None:
+        self.settings = settings
+        self._known: dict[str, float] = {"": float("inf")}  # the default exchange always exists
+        self._connection: pika.BlockingConnection | None = None
+        self._channel: Any = None
+
+    def exists(self, exchange: str) -> bool:
+        if self._known.get(exchange, 0.0) > time.monotonic():
+            return True
+        try:
+            if self._connection is None or not self._connection.is_open:
+                self._connection = pika.BlockingConnection(
+                    connection_parameters(self.settings, name="relay exchange probe"))
+            if self._channel is None or not self._channel.is_open:
+                self._channel = self._connection.channel()
+            self._channel.exchange_declare(exchange, passive=True)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code == NOT_FOUND:
+                return False
+            raise
+        except pika.exceptions.AMQPError:
+            # The probe cannot tell; let the publish try (a 404 there is handled too).
+            self.close()
+            return True
+        self._known[exchange] = time.monotonic() + self.TTL
+        return True
+
+    def close(self) -> None:
+        connection, self._connection, self._channel = self._connection, None, None
+        if connection is not None and connection.is_open:
+            try:
+                connection.close()
+            except Exception:  # noqa: BLE001 - closing a broken connection
+                logger.debug("closing the exchange probe failed", exc_info=True)
+
+
+class _Listener:
+    """A dedicated autocommit psycopg connection LISTENing for committed outbox inserts."""
+
+    def __init__(self, using: str) -> None:
+        import psycopg
+
+        cfg = connections[using].settings_dict
+        conninfo = psycopg.conninfo.make_conninfo(
+            dbname=cfg["NAME"], user=cfg.get("USER") or None,
+            password=cfg.get("PASSWORD") or None, host=cfg.get("HOST") or None,
+            port=str(cfg["PORT"]) if cfg.get("PORT") else None,
+        )
+        self.connection = psycopg.connect(conninfo, autocommit=True, connect_timeout=5)
+        self.connection.execute(f"LISTEN {NOTIFY_CHANNEL}")
+
+    def fileno(self) -> int:
+        return self.connection.fileno()
+
+    def drain(self) -> int:
+        """Read what arrived; returns how many notifications there were. Raises when the
+        connection is broken."""
+        pgconn = self.connection.pgconn
+        pgconn.consume_input()
+        count = 0
+        while pgconn.notifies() is not None:
+            count += 1
+        return count
+
+    def close(self) -> None:
+        try:
+            self.connection.close()
+        except Exception:  # noqa: BLE001 - closing a dead connection
+            logger.debug("error closing the LISTEN connection", exc_info=True)
+
+
+class OutboxRelay:
+    """Publishes the outbox until stopped; with ``once`` until nothing is pending."""
+
+    def __init__(
+        self,
+        *,
+        batch_size: int | None = None,
+        once: bool = False,
+        max_seconds: float | None = None,
+        listen: bool = True,
+        settings: MessagingSettings = messaging_settings,
+        on_batch: Callable[[RelayReport], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.batch_size = batch_size or settings.relay_batch_size
+        self.once = once
+        self.deadline = None if max_seconds is None else time.monotonic() + max_seconds
+        self.using = router.db_for_write(OutboxMessage)
+        self.listen = listen and connections[self.using].vendor == "postgresql"
+        self.on_batch = on_batch
+        self.report = RelayReport()
+        self._stop_requested = False
+        self._finished = False
+        self._connection: pika.SelectConnection | None = None
+        self._channel: pika.channel.Channel | None = None
+        self._next_tag = 1
+        self._batch: _Batch | None = None
+        self._tick_timer: Any = None
+        self._watch_timer: Any = None
+        self._listener: _Listener | None = None
+        self._listener_retry_at = 0.0
+        self._probe = _ExchangeProbe(settings)
+        self._reconnect = Backoff(0.5, settings.reconnect_max_delay)
+        self._db_backoff = Backoff(0.5, settings.reconnect_max_delay)
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Finish the batch in flight, then return from :meth:`run`. Only sets a flag, so it
+        is safe from a signal handler; the I/O loop notices within 0.2 s."""
+        self._stop_requested = True
+
+    def run(self) -> RelayReport:
+        try:
+            while not (self._finished or self._stop_requested or self._past_deadline()):
+                self._connection = pika.SelectConnection(
+                    connection_parameters(self.settings, name="relay"),
+                    on_open_callback=self.on_connection_open,
+                    on_open_error_callback=self.on_connection_open_error,
+                    on_close_callback=self.on_connection_closed,
+                )
+                self._connection.ioloop.start()
+                if self._finished or self._stop_requested or self._past_deadline():
+                    break
+                wait = self._reconnect.next()
+                logger.warning("relay: broker %s unavailable; reconnecting in %.1fs",
+                               redact_url(self.settings.broker_url), wait)
+                self._sleep(wait)
+        finally:
+            self._close_listener()
+            self._probe.close()
+        self._count_left()
+        return self.report
+
+    def _past_deadline(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def _sleep(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while not self._stop_requested and time.monotonic() < end:
+            time.sleep(min(0.2, end - time.monotonic()))
+
+    def _count_left(self) -> None:
+        try:
+            counts = OutboxMessage.objects.using(self.using).aggregate(
+                pending=Count("id", filter=Q(status=OutboxStatus.PENDING)),
+                retrying=Count("id", filter=Q(status=OutboxStatus.PENDING, attempts__gt=0)),
+                failed=Count("id", filter=Q(status=OutboxStatus.FAILED)),
+            )
+        except DatabaseError:
+            logger.warning("relay: cannot count the outbox rows left (database unavailable)")
+            return
+        self.report.left_pending = counts["pending"]
+        self.report.left_retrying = counts["retrying"]
+        self.report.left_failed = counts["failed"]
+
+    # -- connection and channel callbacks ----------------------------------------------------
+
+    def on_connection_open(self, connection: pika.SelectConnection) -> None:
+        connection.channel(on_open_callback=self.on_channel_open)
+
+    def on_connection_open_error(self, connection: pika.SelectConnection,
+                                 error: BaseException | str) -> None:
+        logger.warning("relay: cannot connect to %s: %s", redact_url(self.settings.broker_url),
+                       error)
+        connection.ioloop.stop()
+
+    def on_connection_closed(self, connection: pika.SelectConnection,
+                             reason: BaseException) -> None:
+        self._channel = None
+        self._abort_batch(f"connection closed: {reason}")
+        self._cancel_timers(connection)
+        if not (self._finished or self._stop_requested):
+            logger.warning("relay: broker connection closed: %s", reason)
+        connection.ioloop.stop()
+
+    def on_channel_open(self, channel: pika.channel.Channel) -> None:
+        self._channel = channel
+        self._next_tag = 1
+        channel.add_on_close_callback(self.on_channel_closed)
+        channel.add_on_return_callback(self.on_return)
+        channel.confirm_delivery(ack_nack_callback=self.on_delivery_confirmation,
+                                 callback=self.on_confirm_mode)
+
+    def on_confirm_mode(self, frame: Any) -> None:
+        logger.info("relay: publishing the outbox to %s with confirms (batch size %d%s)",
+                    redact_url(self.settings.broker_url), self.batch_size,
+                    ", LISTEN/NOTIFY wake-ups" if self.listen else ", polling")
+        self._reconnect.reset()
+        self._watch()
+        self._schedule_tick(0)
+
+    def on_channel_closed(self, channel: pika.channel.Channel, reason: BaseException) -> None:
+        self._channel = None
+        batch = self._batch
+        if (batch is not None and isinstance(reason, pika.exceptions.ChannelClosedByBroker)
+                and reason.reply_code == NOT_FOUND):
+            # Publishing to an exchange that does not exist closes the channel. Charge the rows
+            # bound for it; the rest of the batch stays pending, untouched.
+            match = _MISSING_EXCHANGE.search(reason.reply_text)
+            missing = match.group(1) if match else None
+            for row in batch.all_rows():
+                if missing is not None and row.exchange == missing:
+                    batch.errors[row.pk] = f"exchange {missing!r} does not exist"
+            self._finish_batch(only_errors=True)
+        else:
+            self._abort_batch(f"channel closed: {reason}")
+        connection = self._connection
+        if connection is not None and connection.is_open and not self._finished:
+            logger.warning("relay: channel closed (%s); opening a new one", reason)
+            self._cancel_timers(connection)
+            connection.channel(on_open_callback=self.on_channel_open)
+
+    def on_return(self, channel: pika.channel.Channel, method: Basic.Return,
+                  properties: BasicProperties, body: bytes) -> None:
+        """An unroutable message (mandatory): the broker still acks it afterwards, so record
+        why here and let the confirm settle it as not sent."""
+        batch = self._batch
+        row_id = (properties.headers or {}).get(OUTBOX_ID_HEADER)
+        if batch is None or row_id is None:
+            return
+        batch.errors[int(row_id)] = (
+            f"unroutable: {method.reply_code} {method.reply_text} (exchange "
+            f"{method.exchange!r}, routing key {method.routing_key!r}): no queue is bound for it"
+        )
+        self.report.returned += 1
+
+    def on_delivery_confirmation(self, frame: Any) -> None:
+        batch = self._batch
+        if batch is None:
+            return
+        method = frame.method
+        acked = isinstance(method, Basic.Ack)
+        tag = method.delivery_tag
+        tags = [t for t in batch.rows if t <= tag] if method.multiple else [tag]
+        for settled in tags:
+            row = batch.rows.get(settled)
+            if row is None or settled in batch.settled:
+                continue
+            batch.settled.add(settled)
+            if acked:
+                batch.confirmed.add(row.pk)
+            else:
+                batch.errors.setdefault(row.pk, "nacked by the broker")
+                self.report.nacked += 1
+        if len(batch.settled) >= len(batch.rows):
+            self._finish_batch()
+
+    # -- timers -----------------------------------------------------------------------------
+
+    def _schedule_tick(self, delay: float) -> None:
+        connection = self._connection
+        if connection is None or not connection.is_open:
+            return
+        if self._tick_timer is not None:
+            connection.ioloop.remove_timeout(self._tick_timer)
+        self._tick_timer = connection.ioloop.call_later(delay, self._tick)
+
+    def _watch(self) -> None:
+        """Every 0.2 s: honour a stop request or the deadline, and look after LISTEN."""
+        connection = self._connection
+        if connection is None or not connection.is_open:
+            return
+        if (self._stop_requested or self._past_deadline()) and self._batch is None:
+            self._close(connection)
+            return
+        if self.listen and self._listener is None and time.monotonic() >= self._listener_retry_at:
+            self._open_listener(connection)
+        self._watch_timer = connection.ioloop.call_later(0.2, self._watch)
+
+    def _cancel_timers(self, connection: pika.SelectConnection) -> None:
+        for timer in (self._tick_timer, self._watch_timer):
+            if timer is not None:
+                connection.ioloop.remove_timeout(timer)
+        self._tick_timer = self._watch_timer = None
+
+    def _close(self, connection: pika.SelectConnection) -> None:
+        self._finished = True
+        self._cancel_timers(connection)
+        if connection.is_open:
+            connection.close()
+        else:
+            connection.ioloop.stop()
+
+    # -- LISTEN/NOTIFY -------------------------------------------------------------------------
+
+    def _open_listener(self, connection: pika.SelectConnection) -> None:
+        try:
+            self._listener = _Listener(self.using)
+        except Exception as exc:  # noqa: BLE001 - any failure: poll and try again later
+            self._listener_retry_at = time.monotonic() + 5
+            logger.warning("relay: cannot LISTEN for new outbox rows (%s); polling every %ss",
+                           exc, self.settings.relay_poll_interval)
+            return
+        connection.ioloop.add_handler(self._listener.fileno(), self._on_notify,
+                                      connection.ioloop.READ)
+
+    def _on_notify(self, fd: int, events: int) -> None:
+        listener = self._listener
+        if listener is None:
+            return
+        try:
+            listener.drain()
+        except Exception as exc:  # noqa: BLE001 - the database went away: poll meanwhile
+            logger.warning("relay: LISTEN connection lost (%s); polling until it is back", exc)
+            self._close_listener()
+            self._listener_retry_at = time.monotonic() + 1
+            return
+        if self._batch is None:
+            self._schedule_tick(0)
+        else:
+            self._batch.full = True  # look again right after the batch in flight
+
+    def _close_listener(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is None:
+            return
+        connection = self._connection
+        if connection is not None:
+            try:
+                connection.ioloop.remove_handler(listener.fileno())
+            except Exception:  # noqa: BLE001 - already gone
+                logger.debug("removing the LISTEN handler failed", exc_info=True)
+        listener.close()
+
+    # -- batches -----------------------------------------------------------------------------
+
+    def _tick(self) -> None:
+        self._tick_timer = None
+        connection, channel = self._connection, self._channel
+        if connection is None or channel is None or not channel.is_open or self._batch:
+            return
+        if self._stop_requested or self._past_deadline():
+            return  # _watch closes the connection
+        try:
+            claimed = self.publish_batch(channel)
+        except DatabaseError as exc:
+            wait = self._db_backoff.next()
+            logger.warning("relay: database unavailable (%s); rows stay pending, retrying in "
+                           "%.1fs", exc, wait)
+            self._schedule_tick(wait)
+            return
+        self._db_backoff.reset()
+        if claimed:
+            return  # the batch's completion schedules the next tick
+        if self.once:
+            # Nothing is due now: rows waiting out a backoff after a failure are left for a
+            # later run (and reported), not waited for.
+            logger.info("relay: nothing left to send")
+            self._close(connection)
+            return
+        self._schedule_tick(self._idle_wait())
+
+    def _idle_wait(self) -> float:
+        poll = self.settings.relay_poll_interval
+        if self.listen and self._listener is not None:
+            poll = max(poll, 5.0)  # NOTIFY wakes us; polling only catches backoffs and misses
+        due = (OutboxMessage.objects.using(self.using)
+               .filter(status=OutboxStatus.PENDING)
+               .order_by("next_attempt_at").values_list("next_attempt_at", flat=True).first())
+        if due is not None:
+            poll = min(poll, max(0.0, (due - timezone.now()).total_seconds()))
+        return poll
+
+    def publish_batch(self, channel: pika.channel.Channel) -> int:
+        """Claim due rows and publish them all; returns how many. Confirms settle them later."""
+        close_old_connections()
+        atomic = transaction.atomic(using=self.using)
+        atomic.__enter__()
+        try:
+            rows = list(claimable(self.using).select_for_update(skip_locked=True)
+                        [: self.batch_size])
+        except BaseException as exc:
+            atomic.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        if not rows:
+            atomic.__exit__(None, None, None)
+            return 0
+        batch = _Batch(atomic=atomic, rows={}, full=len(rows) >= self.batch_size)
+        self._batch = batch
+        for row in rows:
+            if not self._probe.exists(row.exchange):
+                batch.unpublished.append(row)
+                batch.errors[row.pk] = f"exchange {row.exchange!r} does not exist"
+                continue
+            batch.rows[self._next_tag] = row
+            self._next_tag += 1
+            channel.basic_publish(
+                exchange=row.exchange,
+                routing_key=row.routing_key,
+                body=row.body.encode("utf-8"),
+                properties=message_properties(row),
+                mandatory=True,
+            )
+        if not batch.rows:
+            self._finish_batch()
+            return len(rows)
+        assert self._connection is not None
+        batch.timer = self._connection.ioloop.call_later(
+            self.settings.relay_confirm_timeout, self._on_confirm_timeout
+        )
+        return len(rows)
+
+    def _on_confirm_timeout(self) -> None:
+        batch = self._batch
+        if batch is None:
+            return
+        batch.timer = None
+        for row in batch.rows.values():
+            if row.pk not in batch.confirmed and row.pk not in batch.errors:
+                batch.errors[row.pk] = (f"no confirm from the broker within "
+                                        f"{self.settings.relay_confirm_timeout}s")
+                self.report.timed_out += 1
+        self._finish_batch()
+        # A channel that stopped confirming is not to be trusted: start afresh.
+        connection = self._connection
+        if connection is not None and connection.is_open:
+            connection.close(reply_text="confirm timeout")
+
+    def _finish_batch(self, *, only_errors: bool = False) -> None:
+        """Record the batch's outcome and commit, releasing the row locks."""
+        batch, self._batch = self._batch, None
+        if batch is None:
+            return
+        if batch.timer is not None and self._connection is not None:
+            self._connection.ioloop.remove_timeout(batch.timer)
+        now = timezone.now()
+        sent = [] if only_errors else [pk for pk in batch.confirmed if pk not in batch.errors]
+        try:
+            if sent:
+                OutboxMessage.objects.using(self.using).filter(pk__in=sent).update(
+                    status=OutboxStatus.SENT, sent_at=now, last_error="")
+            for row in batch.all_rows():
+                error = batch.errors.get(row.pk)
+                if error is None:
+                    continue
+                row.attempts += 1
+                row.last_error = error[:2000]
+                row.next_attempt_at = now + resend_backoff(row.attempts)
+                if row.attempts >= self.settings.outbox_max_attempts:
+                    row.status = OutboxStatus.FAILED
+                    logger.error("relay: message_id=%s failed %d times, marked failed: %s",
+                                 row.message_id, row.attempts, error)
+                else:
+                    logger.warning("relay: message_id=%s not sent (attempt %d): %s",
+                                   row.message_id, row.attempts, error)
+                row.save(using=self.using,
+                         update_fields=["attempts", "last_error", "next_attempt_at", "status"])
+        except BaseException as exc:
+            # The rows were published but cannot be marked: they stay pending and go again
+            # later, which consumers absorb by message_id.
+            batch.atomic.__exit__(type(exc), exc, exc.__traceback__)
+            logger.warning("relay: cannot record a batch's confirms (%s); its %d row(s) stay "
+                           "pending and will be sent again", exc, len(batch.all_rows()))
+            self._schedule_tick(self._db_backoff.next())
+            return
+        batch.atomic.__exit__(None, None, None)
+        self.report.sent += len(sent)
+        self.report.batches += 1
+        for pk in sent:
+            logger.debug("relay: sent outbox row %s", pk)
+        if self.on_batch is not None:
+            self.on_batch(self.report)
+        self._schedule_tick(0)
+
+    def _abort_batch(self, why: str) -> None:
+        """The connection or channel died mid-batch: roll back, the rows stay pending."""
+        batch, self._batch = self._batch, None
+        if batch is None:
+            return
+        if batch.timer is not None and self._connection is not None:
+            try:
+                self._connection.ioloop.remove_timeout(batch.timer)
+            except Exception:  # noqa: BLE001
+                logger.debug("removing the confirm timer failed", exc_info=True)
+        try:
+            batch.atomic.__exit__(RuntimeError, RuntimeError(why), None)
+        except DatabaseError:
+            logger.debug("rollback of an aborted batch failed", exc_info=True)
+        logger.warning("relay: batch of %d row(s) aborted (%s); they stay pending", len(batch.rows),
+                       why)
+
