@@ -36,16 +36,42 @@ class ProcessedMessageAdmin(admin.ModelAdmin):
 
 @admin.register(DeadLetter)
 class DeadLetterAdmin(admin.ModelAdmin):
-    list_display = ("last_failed_at", "consumer", "queue", "routing_key", "message_id",
-                    "reason", "exception_type", "short_message", "attempts", "status")
+    list_display = (
+        "last_failed_at",
+        "consumer",
+        "queue",
+        "routing_key",
+        "message_id",
+        "reason",
+        "exception_type",
+        "short_message",
+        "attempts",
+        "status",
+    )
     list_filter = ("status", "reason", "consumer", "queue", "exception_type")
     search_fields = ("=message_id", "exception_message")
     date_hierarchy = "last_failed_at"
-    readonly_fields = ("message_id", "consumer", "queue", "exchange", "routing_key", "reason",
-                       "status", "attempts", "replay_count", "first_failed_at", "last_failed_at",
-                       "exception_type", "exception_message", "pretty_payload",
-                       "pretty_headers", "raw_body", "traceback_block", "created_at",
-                       "updated_at")
+    readonly_fields = (
+        "message_id",
+        "consumer",
+        "queue",
+        "exchange",
+        "routing_key",
+        "reason",
+        "status",
+        "attempts",
+        "replay_count",
+        "first_failed_at",
+        "last_failed_at",
+        "exception_type",
+        "exception_message",
+        "pretty_payload",
+        "pretty_headers",
+        "raw_body",
+        "traceback_block",
+        "created_at",
+        "updated_at",
+    )
     exclude = ("payload", "headers", "body", "traceback", "history", "content_type")
 
     @admin.display(description="message")
@@ -81,8 +107,17 @@ class DeadLetterAdmin(admin.ModelAdmin):
 
 @admin.register(OutboxMessage)
 class OutboxMessageAdmin(admin.ModelAdmin):
-    list_display = ("created_at", "message_id", "exchange", "routing_key", "ordering_key",
-                    "status", "attempts", "short_error", "sent_at")
+    list_display = (
+        "created_at",
+        "message_id",
+        "exchange",
+        "routing_key",
+        "ordering_key",
+        "status",
+        "attempts",
+        "short_error",
+        "sent_at",
+    )
     list_filter = ("status", "exchange", "routing_key")
     search_fields = ("=message_id", "=idempotency_key", "=ordering_key", "last_error")
     date_hierarchy = "created_at"
@@ -90,13 +125,21 @@ class OutboxMessageAdmin(admin.ModelAdmin):
     actions = ["retry_failed"]
     readonly_fields = [f.name for f in OutboxMessage._meta.fields]
 
-    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None
-                        ) -> Any:
-        oldest = (OutboxMessage.objects.pending().order_by("created_at")
-                  .values_list("created_at", flat=True).first())
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> Any:
+        oldest = (
+            OutboxMessage.objects.pending()
+            .order_by("created_at")
+            .values_list("created_at", flat=True)
+            .first()
+        )
         if oldest is not None:
-            self.message_user(request, f"Oldest pending row waits for "
-                                       f"{timesince(oldest, timezone.now())}.", messages.INFO)
+            self.message_user(
+                request,
+                f"Oldest pending row waits for {timesince(oldest, timezone.now())}.",
+                messages.INFO,
+            )
         return super().changelist_view(request, extra_context)
 
     @admin.display(description="last error")
@@ -106,10 +149,14 @@ class OutboxMessageAdmin(admin.ModelAdmin):
     @admin.action(description="Retry the selected failed rows", permissions=["change"])
     def retry_failed(self, request: HttpRequest, queryset: QuerySet) -> None:
         count = queryset.filter(status=OutboxStatus.FAILED).update(
-            status=OutboxStatus.PENDING, attempts=0, next_attempt_at=timezone.now())
-        self.message_user(request, ngettext("%d failed row is pending again.",
-                                            "%d failed rows are pending again.", count) % count,
-                          messages.SUCCESS)
+            status=OutboxStatus.PENDING, attempts=0, next_attempt_at=timezone.now()
+        )
+        self.message_user(
+            request,
+            ngettext("%d failed row is pending again.", "%d failed rows are pending again.", count)
+            % count,
+            messages.SUCCESS,
+        )
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

@@ -33,15 +33,22 @@ def _check_broker_url(value: Any) -> list[CheckMessage]:
     hint = "Use amqp://USER:PASSWORD@HOST:5672/VHOST (the default vhost is %2F)."
     if not isinstance(value, str) or not value.startswith(("amqp://", "amqps://")):
         shown = redact_url(value) if isinstance(value, str) else repr(value)
-        return [_error(1, f"{SETTING}['BROKER_URL'] is not an amqp:// or amqps:// URL: {shown}",
-                       hint)]
+        return [
+            _error(1, f"{SETTING}['BROKER_URL'] is not an amqp:// or amqps:// URL: {shown}", hint)
+        ]
     try:
         params = pika.URLParameters(value)
         if not params.host:
             raise ValueError("no host")
     except Exception as exc:  # noqa: BLE001 - pika raises several types for bad URLs
-        return [_error(1, f"{SETTING}['BROKER_URL'] cannot be parsed ({type(exc).__name__}): "
-                          f"{redact_url(value)}", hint)]
+        return [
+            _error(
+                1,
+                f"{SETTING}['BROKER_URL'] cannot be parsed ({type(exc).__name__}): "
+                f"{redact_url(value)}",
+                hint,
+            )
+        ]
     return []
 
 
@@ -50,8 +57,7 @@ def _check_delays(name: str, value: Any, id_: int) -> list[CheckMessage]:
     if isinstance(value, str | bytes) or not isinstance(value, Sequence) or not value:
         return [_error(id_, f"{name} must be a non-empty list of seconds, got {value!r}.", hint)]
     if not all(_is_number(d) and d > 0 for d in value):
-        return [_error(id_, f"{name} must hold only positive numbers, got {list(value)!r}.",
-                       hint)]
+        return [_error(id_, f"{name} must hold only positive numbers, got {list(value)!r}.", hint)]
     if list(value) != sorted(value):
         return [_error(id_, f"{name} must be in increasing order, got {list(value)!r}.", hint)]
     return []
@@ -63,63 +69,125 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     if raw is None:
         return []
     if not isinstance(raw, dict):
-        return [_error(0, f"{SETTING} must be a dict, got {type(raw).__name__}.",
-                       "Write RELIABLE_MESSAGING = {'BROKER_URL': ..., ...} in your settings.")]
+        return [
+            _error(
+                0,
+                f"{SETTING} must be a dict, got {type(raw).__name__}.",
+                "Write RELIABLE_MESSAGING = {'BROKER_URL': ..., ...} in your settings.",
+            )
+        ]
     errors: list[CheckMessage] = []
     for key in raw:
         if key not in DEFAULTS:
             close = difflib.get_close_matches(key, DEFAULTS, n=1)
-            hint = f"Did you mean {close[0]!r}?" if close else (
-                f"Known keys: {', '.join(sorted(DEFAULTS))}.")
-            errors.append(_warning(1, f"{SETTING} has an unknown key {key!r}; it is ignored.",
-                                   hint))
+            hint = (
+                f"Did you mean {close[0]!r}?"
+                if close
+                else (f"Known keys: {', '.join(sorted(DEFAULTS))}.")
+            )
+            errors.append(
+                _warning(1, f"{SETTING} has an unknown key {key!r}; it is ignored.", hint)
+            )
     value = messaging_settings.get
     errors += _check_broker_url(value("BROKER_URL"))
     exchange = value("EXCHANGE")
     if not isinstance(exchange, str) or not exchange.strip():
-        errors.append(_error(2, f"{SETTING}['EXCHANGE'] must be a non-empty string.",
-                             "Name the topic exchange publish() uses, e.g. 'events'."))
+        errors.append(
+            _error(
+                2,
+                f"{SETTING}['EXCHANGE'] must be a non-empty string.",
+                "Name the topic exchange publish() uses, e.g. 'events'.",
+            )
+        )
     prefetch = value("PREFETCH")
     if not isinstance(prefetch, int) or isinstance(prefetch, bool) or not 1 <= prefetch <= 65535:
-        errors.append(_error(3, f"{SETTING}['PREFETCH'] must be an integer from 1 to 65535, "
-                                f"got {prefetch!r}.", "A value near 2-4x --concurrency is usual."))
+        errors.append(
+            _error(
+                3,
+                f"{SETTING}['PREFETCH'] must be an integer from 1 to 65535, got {prefetch!r}.",
+                "A value near 2-4x --concurrency is usual.",
+            )
+        )
     errors += _check_delays(f"{SETTING}['RETRY_DELAYS']", value("RETRY_DELAYS"), 4)
     attempts = value("MAX_ATTEMPTS")
     if not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 1:
-        errors.append(_error(5, f"{SETTING}['MAX_ATTEMPTS'] must be an integer >= 1, "
-                                f"got {attempts!r}.", "1 means no retry; the default is 6."))
+        errors.append(
+            _error(
+                5,
+                f"{SETTING}['MAX_ATTEMPTS'] must be an integer >= 1, got {attempts!r}.",
+                "1 means no retry; the default is 6.",
+            )
+        )
     for key in ("DEDUP_RETENTION", "OUTBOX_RETENTION"):
         retention = value(key)
         if not isinstance(retention, timedelta) or retention <= timedelta(0):
-            errors.append(_error(6, f"{SETTING}[{key!r}] must be a positive timedelta, "
-                                    f"got {retention!r}.", "e.g. timedelta(days=14)"))
+            errors.append(
+                _error(
+                    6,
+                    f"{SETTING}[{key!r}] must be a positive timedelta, got {retention!r}.",
+                    "e.g. timedelta(days=14)",
+                )
+            )
     alias = value("CACHE_ALIAS")
     if alias is not None and alias not in getattr(settings, "CACHES", {}):
-        errors.append(_error(7, f"{SETTING}['CACHE_ALIAS'] is {alias!r}, which names no cache "
-                                f"in CACHES.", "Add a django-redis cache under that alias in "
-                                "CACHES, or set CACHE_ALIAS to None."))
+        errors.append(
+            _error(
+                7,
+                f"{SETTING}['CACHE_ALIAS'] is {alias!r}, which names no cache in CACHES.",
+                "Add a django-redis cache under that alias in CACHES, or set CACHE_ALIAS to None.",
+            )
+        )
     queue_type = value("QUEUE_TYPE")
     if queue_type not in ("classic", "quorum"):
-        errors.append(_error(8, f"{SETTING}['QUEUE_TYPE'] must be 'classic' or 'quorum', "
-                                f"got {queue_type!r}.", "Use 'quorum' for replicated queues."))
+        errors.append(
+            _error(
+                8,
+                f"{SETTING}['QUEUE_TYPE'] must be 'classic' or 'quorum', got {queue_type!r}.",
+                "Use 'quorum' for replicated queues.",
+            )
+        )
     body_limit = value("MAX_BODY_BYTES")
     if not isinstance(body_limit, int) or isinstance(body_limit, bool) or body_limit < 1:
-        errors.append(_error(9, f"{SETTING}['MAX_BODY_BYTES'] must be a positive integer, "
-                                f"got {body_limit!r}.", "The default is 1048576 (1 MiB)."))
-    for key in ("SHUTDOWN_TIMEOUT", "RECONNECT_MAX_DELAY", "RELAY_POLL_INTERVAL",
-                "RELAY_CONFIRM_TIMEOUT"):
+        errors.append(
+            _error(
+                9,
+                f"{SETTING}['MAX_BODY_BYTES'] must be a positive integer, got {body_limit!r}.",
+                "The default is 1048576 (1 MiB).",
+            )
+        )
+    for key in (
+        "SHUTDOWN_TIMEOUT",
+        "RECONNECT_MAX_DELAY",
+        "RELAY_POLL_INTERVAL",
+        "RELAY_CONFIRM_TIMEOUT",
+    ):
         if not _is_number(value(key)) or value(key) <= 0:
-            errors.append(_error(10, f"{SETTING}[{key!r}] must be a positive number of "
-                                     f"seconds, got {value(key)!r}.", "e.g. 30"))
+            errors.append(
+                _error(
+                    10,
+                    f"{SETTING}[{key!r}] must be a positive number of seconds, got {value(key)!r}.",
+                    "e.g. 30",
+                )
+            )
     for key in ("RELAY_BATCH_SIZE", "OUTBOX_MAX_ATTEMPTS"):
         number = value(key)
         if not isinstance(number, int) or isinstance(number, bool) or number < 1:
-            errors.append(_error(12, f"{SETTING}[{key!r}] must be an integer >= 1, "
-                                     f"got {number!r}.", f"The default is {DEFAULTS[key]}."))
+            errors.append(
+                _error(
+                    12,
+                    f"{SETTING}[{key!r}] must be an integer >= 1, got {number!r}.",
+                    f"The default is {DEFAULTS[key]}.",
+                )
+            )
     heartbeat = value("HEARTBEAT")
     if not isinstance(heartbeat, int) or isinstance(heartbeat, bool) or heartbeat < 0:
-        errors.append(_error(11, f"{SETTING}['HEARTBEAT'] must be an integer >= 0, "
-                                 f"got {heartbeat!r}.", "0 disables heartbeats; 60 is usual."))
+        errors.append(
+            _error(
+                11,
+                f"{SETTING}['HEARTBEAT'] must be an integer >= 0, got {heartbeat!r}.",
+                "0 disables heartbeats; 60 is usual.",
+            )
+        )
     if not errors:
         errors += _check_retention_horizon()
     return errors
@@ -131,14 +199,23 @@ def _check_retention_horizon() -> list[CheckMessage]:
 
     horizons = [_horizon(messaging_settings.retry_delays, messaging_settings.max_attempts)]
     for spec in registry:
-        horizons.append(_horizon(spec.retry_delays or messaging_settings.retry_delays,
-                                 spec.max_attempts or messaging_settings.max_attempts))
+        horizons.append(
+            _horizon(
+                spec.retry_delays or messaging_settings.retry_delays,
+                spec.max_attempts or messaging_settings.max_attempts,
+            )
+        )
     horizon = timedelta(seconds=max(horizons))
     if messaging_settings.dedup_retention < horizon:
-        return [_warning(2, f"{SETTING}['DEDUP_RETENTION'] ({messaging_settings.dedup_retention})"
-                            f" is shorter than the retry horizon ({horizon}): a late redelivery "
-                            f"could run a handler twice.",
-                         "Keep DEDUP_RETENTION well above the sum of the retry delays.")]
+        return [
+            _warning(
+                2,
+                f"{SETTING}['DEDUP_RETENTION'] ({messaging_settings.dedup_retention})"
+                f" is shorter than the retry horizon ({horizon}): a late redelivery "
+                f"could run a handler twice.",
+                "Keep DEDUP_RETENTION well above the sum of the retry delays.",
+            )
+        ]
     return []
 
 
@@ -155,8 +232,13 @@ def check_consumers(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage
     errors: list[CheckMessage] = []
     for spec in registry:
         if not spec.bindings:
-            errors.append(_warning(3, f"Consumer {spec.name!r} on queue {spec.queue!r} has no "
-                                      f"bindings: it only receives messages sent to the queue "
-                                      f"directly.", "Pass bindings=['some.routing.key'] to "
-                                                    "@consumer(...)."))
+            errors.append(
+                _warning(
+                    3,
+                    f"Consumer {spec.name!r} on queue {spec.queue!r} has no "
+                    f"bindings: it only receives messages sent to the queue "
+                    f"directly.",
+                    "Pass bindings=['some.routing.key'] to @consumer(...).",
+                )
+            )
     return errors

@@ -125,9 +125,13 @@ class ConsumerService:
                     if self._stop.is_set():
                         break
                     wait = self._reconnect.next()
-                    logger.warning("broker connection to %s lost or refused (%s: %s); "
-                                   "reconnecting in %.1fs", redact_url(self.settings.broker_url),
-                                   type(exc).__name__, exc, wait)
+                    logger.warning(
+                        "broker connection to %s lost or refused (%s: %s); reconnecting in %.1fs",
+                        redact_url(self.settings.broker_url),
+                        type(exc).__name__,
+                        exc,
+                        wait,
+                    )
                     self._stop.wait(wait)
         finally:
             self.connected.clear()
@@ -136,8 +140,9 @@ class ConsumerService:
 
     def _start_workers(self) -> None:
         for index in range(self.concurrency):
-            thread = threading.Thread(target=self._worker_loop, name=f"rm-worker-{index}",
-                                      daemon=True)
+            thread = threading.Thread(
+                target=self._worker_loop, name=f"rm-worker-{index}", daemon=True
+            )
             thread.start()
             self._workers.append(thread)
 
@@ -167,18 +172,20 @@ class ConsumerService:
                 )
                 for spec in self.specs
             ]
-            logger.info("consuming %s from %s (concurrency %d, prefetch %d)",
-                        ", ".join(s.queue for s in self.specs),
-                        redact_url(self.settings.broker_url), self.concurrency,
-                        max(self.settings.prefetch, self.concurrency))
+            logger.info(
+                "consuming %s from %s (concurrency %d, prefetch %d)",
+                ", ".join(s.queue for s in self.specs),
+                redact_url(self.settings.broker_url),
+                self.concurrency,
+                max(self.settings.prefetch, self.concurrency),
+            )
             self._reconnect.reset()
             self.connected.set()
             self._last_delivery = time.monotonic()
             while not self._stop.is_set():
                 connection.process_data_events(time_limit=0.2)
                 if self._idle_expired(link):
-                    logger.info("no delivery for %ss: stopping (--idle-timeout)",
-                                self.idle_timeout)
+                    logger.info("no delivery for %ss: stopping (--idle-timeout)", self.idle_timeout)
                     self._stop.set()
             self._shutdown(link, tags)
         finally:
@@ -186,7 +193,7 @@ class ConsumerService:
             if connection.is_open:
                 try:
                     connection.close()
-                except Exception:  # noqa: BLE001 - closing a broken connection may fail too
+                except Exception:
                     logger.debug("error while closing the broker connection", exc_info=True)
 
     def _idle_expired(self, link: _Link) -> bool:
@@ -213,15 +220,25 @@ class ConsumerService:
         with link.lock:
             left = link.in_flight
         if left:
-            logger.error("%d handler(s) still running after SHUTDOWN_TIMEOUT=%ss; their messages "
-                         "are not acked and will be redelivered", left,
-                         self.settings.shutdown_timeout)
+            logger.error(
+                "%d handler(s) still running after SHUTDOWN_TIMEOUT=%ss; their messages "
+                "are not acked and will be redelivered",
+                left,
+                self.settings.shutdown_timeout,
+            )
             self.exit_code = 1
         else:
             logger.info("stopped gracefully: every handler in flight finished and was acked")
 
-    def _on_message(self, link: _Link, spec: ConsumerSpec, channel: BlockingChannel,
-                    method: Basic.Deliver, properties: BasicProperties, body: bytes) -> None:
+    def _on_message(
+        self,
+        link: _Link,
+        spec: ConsumerSpec,
+        channel: BlockingChannel,
+        method: Basic.Deliver,
+        properties: BasicProperties,
+        body: bytes,
+    ) -> None:
         delivery = Delivery(
             body=body,
             queue=spec.queue,
@@ -245,9 +262,12 @@ class ConsumerService:
         with link.lock:
             link.in_flight -= 1
         if not link.open:
-            logger.warning("message_id=%s: connection closed before its %s could be settled; "
-                           "the broker will redeliver it", item.delivery.message_id,
-                           type(outcome).__name__)
+            logger.warning(
+                "message_id=%s: connection closed before its %s could be settled; "
+                "the broker will redeliver it",
+                item.delivery.message_id,
+                type(outcome).__name__,
+            )
             return
         if isinstance(outcome, Acknowledge):
             link.consume_channel.basic_ack(tag)
@@ -277,8 +297,12 @@ class ConsumerService:
                 mandatory=True,
             )
         except (pika.exceptions.UnroutableError, pika.exceptions.NackError) as exc:
-            logger.error("message_id=%s: the broker refused the retry copy (%s); the original "
-                         "is requeued and will be tried again now", delivery.message_id, exc)
+            logger.error(
+                "message_id=%s: the broker refused the retry copy (%s); the original "
+                "is requeued and will be tried again now",
+                delivery.message_id,
+                exc,
+            )
             link.consume_channel.basic_nack(delivery.delivery_tag, requeue=True)
             return
         link.consume_channel.basic_ack(delivery.delivery_tag)
@@ -312,16 +336,25 @@ class ConsumerService:
             except DatabaseUnavailable as exc:
                 delay = wait.next()
                 log = logger.warning if not warned else logger.debug
-                log("message_id=%s consumer=%s: %s; holding it unacked and retrying in %.1fs",
-                    item.delivery.message_id, item.spec.name, exc.__cause__ or exc, delay)
+                log(
+                    "message_id=%s consumer=%s: %s; holding it unacked and retrying in %.1fs",
+                    item.delivery.message_id,
+                    item.spec.name,
+                    exc.__cause__ or exc,
+                    delay,
+                )
                 warned = True
             except Exception:
                 # A bug on our side (never the handler's: its exceptions are outcomes). Hold the
                 # delivery and try again rather than lose it or spin on it.
                 delay = wait.next()
-                logger.exception("message_id=%s consumer=%s: unexpected error while processing; "
-                                 "holding it unacked and retrying in %.1fs",
-                                 item.delivery.message_id, item.spec.name, delay)
+                logger.exception(
+                    "message_id=%s consumer=%s: unexpected error while processing; "
+                    "holding it unacked and retrying in %.1fs",
+                    item.delivery.message_id,
+                    item.spec.name,
+                    delay,
+                )
             finally:
                 close_old_connections()
             for conn in connections.all(initialized_only=True):
@@ -339,5 +372,8 @@ class ConsumerService:
         except Exception:  # noqa: BLE001 - the connection is gone: the broker redelivers
             with item.link.lock:
                 item.link.in_flight -= 1
-            logger.warning("message_id=%s: connection closed before its outcome could be "
-                           "settled; the broker will redeliver it", item.delivery.message_id)
+            logger.warning(
+                "message_id=%s: connection closed before its outcome could be "
+                "settled; the broker will redeliver it",
+                item.delivery.message_id,
+            )

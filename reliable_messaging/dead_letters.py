@@ -83,20 +83,34 @@ def record_dead_letter(
     except DataError:
         # A payload the database's JSON type refuses (PostgreSQL jsonb rejects \u0000): keep the
         # raw body, which always survives byte for byte, and drop the decoded copy.
-        logger.warning("dead letter payload of message_id=%s refused by the database; "
-                       "storing the raw body only", message_id)
+        logger.warning(
+            "dead letter payload of message_id=%s refused by the database; "
+            "storing the raw body only",
+            message_id,
+        )
         fields["payload"] = None
         return _upsert(using, consumer, message_id, fields, event, delivery, now)
 
 
-def _upsert(using: str, consumer: str, message_id: str, fields: dict[str, Any],
-            event: dict[str, Any], delivery: Delivery, now: dt.datetime) -> DeadLetter:
+def _upsert(
+    using: str,
+    consumer: str,
+    message_id: str,
+    fields: dict[str, Any],
+    event: dict[str, Any],
+    delivery: Delivery,
+    now: dt.datetime,
+) -> DeadLetter:
     for _ in range(2):  # a concurrent first insert of the same key turns into an update
         with transaction.atomic(using=using):
             existing = None
             if message_id:
-                existing = (DeadLetter.objects.using(using).select_for_update()
-                            .filter(consumer=consumer, message_id=message_id).first())
+                existing = (
+                    DeadLetter.objects.using(using)
+                    .select_for_update()
+                    .filter(consumer=consumer, message_id=message_id)
+                    .first()
+                )
             if existing is not None:
                 for name, value in fields.items():
                     setattr(existing, name, value)

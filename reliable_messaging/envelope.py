@@ -30,9 +30,17 @@ LAST_ERROR_HEADER = "x-rm-last-error"
 PUBLISHED_AT_HEADER = "x-rm-published-at"
 REPLAY_HEADER = "x-rm-replay"
 # Headers RabbitMQ adds on dead-lettering; they grow with every retry, so copies drop them.
-BROKER_HEADERS = frozenset({"x-death", "x-first-death-exchange", "x-first-death-queue",
-                            "x-first-death-reason", "x-last-death-exchange",
-                            "x-last-death-queue", "x-last-death-reason"})
+BROKER_HEADERS = frozenset(
+    {
+        "x-death",
+        "x-first-death-exchange",
+        "x-first-death-queue",
+        "x-first-death-reason",
+        "x-last-death-exchange",
+        "x-last-death-queue",
+        "x-last-death-reason",
+    }
+)
 
 
 class MessageJSONEncoder(json.JSONEncoder):
@@ -56,8 +64,13 @@ class MessageJSONEncoder(json.JSONEncoder):
 def encode_payload(payload: Any) -> bytes:
     """Encode ``payload`` as the UTF-8 JSON body; a value JSON cannot hold raises ``TypeError``."""
     try:
-        text = json.dumps(payload, cls=MessageJSONEncoder, ensure_ascii=False,
-                          separators=(",", ":"), allow_nan=False)
+        text = json.dumps(
+            payload,
+            cls=MessageJSONEncoder,
+            ensure_ascii=False,
+            separators=(",", ":"),
+            allow_nan=False,
+        )
     except ValueError as exc:  # NaN / Infinity, circular references
         raise TypeError(f"payload cannot be encoded as JSON: {exc}") from exc
     except TypeError as exc:
@@ -181,7 +194,8 @@ def _published_at(delivery: Delivery) -> dt.datetime | None:
 def user_headers(headers: Mapping[str, Any]) -> dict[str, Any]:
     """Headers without ours and without the broker's dead-letter bookkeeping."""
     return {
-        k: v for k, v in headers.items()
+        k: v
+        for k, v in headers.items()
         if not k.startswith(HEADER_PREFIX) and k not in BROKER_HEADERS
     }
 
@@ -198,21 +212,28 @@ def decode_delivery(
         return DecodeError(reason=reason, detail=detail, message_id=message_id)
 
     if len(delivery.body) > max_body_bytes:
-        return error(DecodeReason.BODY_TOO_LARGE,
-                     f"body is {len(delivery.body)} bytes, the limit (MAX_BODY_BYTES) is "
-                     f"{max_body_bytes}")
+        return error(
+            DecodeReason.BODY_TOO_LARGE,
+            f"body is {len(delivery.body)} bytes, the limit (MAX_BODY_BYTES) is {max_body_bytes}",
+        )
     if not message_id:
-        return error(DecodeReason.MISSING_MESSAGE_ID,
-                     "the message has no message_id property, so duplicates cannot be "
-                     "recognised; publish with a message_id (or set DERIVE_MESSAGE_ID)")
+        return error(
+            DecodeReason.MISSING_MESSAGE_ID,
+            "the message has no message_id property, so duplicates cannot be "
+            "recognised; publish with a message_id (or set DERIVE_MESSAGE_ID)",
+        )
     if len(message_id) > MAX_MESSAGE_ID_LENGTH:
-        return error(DecodeReason.INVALID_HEADERS,
-                     f"message_id is {len(message_id)} characters long, the limit is "
-                     f"{MAX_MESSAGE_ID_LENGTH}")
+        return error(
+            DecodeReason.INVALID_HEADERS,
+            f"message_id is {len(message_id)} characters long, the limit is "
+            f"{MAX_MESSAGE_ID_LENGTH}",
+        )
     content_type = (_text(delivery.content_type) or "").split(";")[0].strip().lower()
     if content_type and content_type != CONTENT_TYPE and not content_type.endswith("+json"):
-        return error(DecodeReason.UNSUPPORTED_CONTENT_TYPE,
-                     f"content type {content_type!r} is not JSON; only {CONTENT_TYPE} is accepted")
+        return error(
+            DecodeReason.UNSUPPORTED_CONTENT_TYPE,
+            f"content type {content_type!r} is not JSON; only {CONTENT_TYPE} is accepted",
+        )
     if not delivery.body:
         return error(DecodeReason.EMPTY_BODY, "the body is empty; a JSON document was expected")
     try:

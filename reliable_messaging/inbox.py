@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from collections.abc import Mapping
 from typing import Any
 
 from django.db import (
@@ -57,8 +56,9 @@ def database_reachable(alias: str) -> bool:
     return True
 
 
-def retry_headers(delivery: Delivery, message: Message, exc: BaseException,
-                  next_attempt: int) -> dict[str, Any]:
+def retry_headers(
+    delivery: Delivery, message: Message, exc: BaseException, next_attempt: int
+) -> dict[str, Any]:
     """Headers of the retried copy: the original's, minus the broker's dead-letter bookkeeping,
     plus the next attempt number and where the message was first published."""
     headers = {k: v for k, v in delivery.headers.items() if k not in BROKER_HEADERS}
@@ -103,11 +103,17 @@ class DeliveryProcessor:
     def _reject_undecodable(self, delivery: Delivery, error: DecodeError) -> Outcome:
         logger.error(
             "dead-lettering message_id=%s consumer=%s: %s (%s)",
-            error.message_id or "-", self.spec.name, error.reason, error.detail,
+            error.message_id or "-",
+            self.spec.name,
+            error.reason,
+            error.detail,
         )
         self._write_dead_letter(
-            delivery=delivery, message_id=error.message_id, reason=error.reason,
-            attempts=1, exception_message=error.detail,
+            delivery=delivery,
+            message_id=error.message_id,
+            reason=error.reason,
+            attempts=1,
+            exception_message=error.detail,
         )
         return Acknowledge("dead_lettered", error.reason)
 
@@ -126,46 +132,74 @@ class DeliveryProcessor:
                 self.spec.handler(message)
         except IntegrityError as exc:
             if not inserted:
-                logger.info("duplicate message_id=%s consumer=%s attempt=%d: already processed, "
-                            "acked without running the handler",
-                            message.message_id, self.spec.name, message.attempt)
+                logger.info(
+                    "duplicate message_id=%s consumer=%s attempt=%d: already processed, "
+                    "acked without running the handler",
+                    message.message_id,
+                    self.spec.name,
+                    message.attempt,
+                )
                 return Acknowledge("duplicate")
             return self._on_failure(delivery, message, exc, started)
         except (OperationalError, InterfaceError) as exc:
             if not inserted or not database_reachable(self.using):
-                raise DatabaseUnavailable(f"database error on message_id={message.message_id}: "
-                                          f"{exc}") from exc
+                raise DatabaseUnavailable(
+                    f"database error on message_id={message.message_id}: {exc}"
+                ) from exc
             return self._on_failure(delivery, message, exc, started)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any handler error is an outcome to decide on
             return self._on_failure(delivery, message, exc, started)
-        logger.info("processed message_id=%s consumer=%s attempt=%d outcome=processed "
-                    "duration_ms=%.1f", message.message_id, self.spec.name, message.attempt,
-                    (time.perf_counter() - started) * 1000)
+        logger.info(
+            "processed message_id=%s consumer=%s attempt=%d outcome=processed duration_ms=%.1f",
+            message.message_id,
+            self.spec.name,
+            message.attempt,
+            (time.perf_counter() - started) * 1000,
+        )
         return Acknowledge("processed")
 
-    def _on_failure(self, delivery: Delivery, message: Message, exc: Exception,
-                    started: float) -> Outcome:
+    def _on_failure(
+        self, delivery: Delivery, message: Message, exc: Exception, started: float
+    ) -> Outcome:
         duration_ms = (time.perf_counter() - started) * 1000
-        decision = decide(exc, attempt=message.attempt, max_attempts=self.max_attempts,
-                          delays=self.retry_delays)
+        decision = decide(
+            exc, attempt=message.attempt, max_attempts=self.max_attempts, delays=self.retry_delays
+        )
         if isinstance(decision, GiveUp):
             logger.error(
                 "dead-lettering message_id=%s consumer=%s attempt=%d outcome=dead_lettered "
-                "reason=%s duration_ms=%.1f: %s: %s", message.message_id, self.spec.name,
-                message.attempt, decision.reason, duration_ms, type(exc).__name__, exc,
+                "reason=%s duration_ms=%.1f: %s: %s",
+                message.message_id,
+                self.spec.name,
+                message.attempt,
+                decision.reason,
+                duration_ms,
+                type(exc).__name__,
+                exc,
             )
             self._write_dead_letter(
-                delivery=delivery, message_id=message.message_id, reason=decision.reason,
-                attempts=message.attempt, payload=message.payload, exchange=message.exchange,
-                routing_key=message.routing_key, exception=exc,
+                delivery=delivery,
+                message_id=message.message_id,
+                reason=decision.reason,
+                attempts=message.attempt,
+                payload=message.payload,
+                exchange=message.exchange,
+                routing_key=message.routing_key,
+                exception=exc,
                 traceback_text="".join(traceback.format_exception(exc)),
             )
             return Acknowledge("dead_lettered", decision.reason)
         logger.warning(
             "retrying message_id=%s consumer=%s attempt=%d outcome=retry next_attempt=%d "
-            "in %.3gs duration_ms=%.1f: %s: %s", message.message_id, self.spec.name,
-            message.attempt, decision.next_attempt, decision.delay, duration_ms,
-            type(exc).__name__, exc,
+            "in %.3gs duration_ms=%.1f: %s: %s",
+            message.message_id,
+            self.spec.name,
+            message.attempt,
+            decision.next_attempt,
+            decision.delay,
+            duration_ms,
+            type(exc).__name__,
+            exc,
         )
         return ScheduleRetry(
             delay=decision.delay,
@@ -182,5 +216,3 @@ class DeliveryProcessor:
             raise DatabaseUnavailable(
                 f"cannot record the dead letter of message_id={kwargs.get('message_id')}: {exc}"
             ) from exc
-
-

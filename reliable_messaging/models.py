@@ -140,7 +140,8 @@ class OutboxMessage(models.Model):
     routing_key = models.CharField(max_length=255)
     body = models.TextField()
     headers = models.JSONField(default=dict, blank=True)
-    ordering_key = models.CharField(max_length=255, null=True, blank=True)
+    # NULL, not "", means "no key": "" is a legitimate key, and the order index skips NULLs.
+    ordering_key = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001
     idempotency_key = models.CharField(max_length=255, null=True, blank=True, unique=True)
     status = models.CharField(
         max_length=10, choices=OutboxStatus.choices, default=OutboxStatus.PENDING

@@ -26,8 +26,9 @@ def _json_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
     if not isinstance(headers, Mapping) or not all(isinstance(k, str) for k in headers):
         raise TypeError("headers must be a mapping with string keys")
     try:
-        result: dict[str, Any] = json.loads(json.dumps(dict(headers), cls=MessageJSONEncoder,
-                                                       allow_nan=False))
+        result: dict[str, Any] = json.loads(
+            json.dumps(dict(headers), cls=MessageJSONEncoder, allow_nan=False)
+        )
     except (TypeError, ValueError) as exc:
         raise TypeError(f"headers cannot be encoded as JSON: {exc}") from exc
     return result
@@ -75,9 +76,12 @@ def publish(
             with transaction.atomic(using=using):
                 row.save(using=using, force_insert=True)
         except IntegrityError:
-            existing = (OutboxMessage.objects.using(using)
-                        .filter(idempotency_key=idempotency_key)
-                        .values_list("message_id", flat=True).first())
+            existing = (
+                OutboxMessage.objects.using(using)
+                .filter(idempotency_key=idempotency_key)
+                .values_list("message_id", flat=True)
+                .first()
+            )
             if existing is not None:
                 return existing
             row.pk = None  # the other insert rolled back meanwhile: ours may go now

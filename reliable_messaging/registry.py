@@ -95,8 +95,12 @@ class ConsumerRegistry:
 registry = ConsumerRegistry()
 
 
-def _validate(queue: str, bindings: Sequence[str], max_attempts: int | None,
-              retry_delays: Iterable[float] | None) -> tuple[float, ...] | None:
+def _validate(
+    queue: str,
+    bindings: Sequence[str],
+    max_attempts: int | None,
+    retry_delays: Iterable[float] | None,
+) -> tuple[float, ...] | None:
     if not isinstance(queue, str) or not queue.strip():
         raise ConsumerConfigurationError("consumer(queue=...) must be a non-empty string")
     if isinstance(bindings, str):

@@ -102,10 +102,12 @@ class RelayReport:
     left_retrying: int = 0  # pending rows that already failed at least once
 
     def summary(self) -> str:
-        return (f"sent {self.sent}, nacked {self.nacked}, unroutable {self.returned}, "
-                f"confirm timeouts {self.timed_out} in {self.batches} batch(es); outbox now has "
-                f"{self.left_pending} pending ({self.left_retrying} after failed sends) and "
-                f"{self.left_failed} failed row(s)")
+        return (
+            f"sent {self.sent}, nacked {self.nacked}, unroutable {self.returned}, "
+            f"confirm timeouts {self.timed_out} in {self.batches} batch(es); outbox now has "
+            f"{self.left_pending} pending ({self.left_retrying} after failed sends) and "
+            f"{self.left_failed} failed row(s)"
+        )
 
 
 @dataclass
@@ -147,7 +149,8 @@ class _ExchangeProbe:
         try:
             if self._connection is None or not self._connection.is_open:
                 self._connection = pika.BlockingConnection(
-                    connection_parameters(self.settings, name="relay exchange probe"))
+                    connection_parameters(self.settings, name="relay exchange probe")
+                )
             if self._channel is None or not self._channel.is_open:
                 self._channel = self._connection.channel()
             self._channel.exchange_declare(exchange, passive=True)
@@ -167,7 +170,7 @@ class _ExchangeProbe:
         if connection is not None and connection.is_open:
             try:
                 connection.close()
-            except Exception:  # noqa: BLE001 - closing a broken connection
+            except Exception:
                 logger.debug("closing the exchange probe failed", exc_info=True)
 
 
@@ -179,8 +182,10 @@ class _Listener:
 
         cfg = connections[using].settings_dict
         conninfo = psycopg.conninfo.make_conninfo(
-            dbname=cfg["NAME"], user=cfg.get("USER") or None,
-            password=cfg.get("PASSWORD") or None, host=cfg.get("HOST") or None,
+            dbname=cfg["NAME"],
+            user=cfg.get("USER") or None,
+            password=cfg.get("PASSWORD") or None,
+            host=cfg.get("HOST") or None,
             port=str(cfg["PORT"]) if cfg.get("PORT") else None,
         )
         self.connection = psycopg.connect(conninfo, autocommit=True, connect_timeout=5)
@@ -202,7 +207,7 @@ class _Listener:
     def close(self) -> None:
         try:
             self.connection.close()
-        except Exception:  # noqa: BLE001 - closing a dead connection
+        except Exception:
             logger.debug("error closing the LISTEN connection", exc_info=True)
 
 
@@ -261,8 +266,11 @@ class OutboxRelay:
                 if self._finished or self._stop_requested or self._past_deadline():
                     break
                 wait = self._reconnect.next()
-                logger.warning("relay: broker %s unavailable; reconnecting in %.1fs",
-                               redact_url(self.settings.broker_url), wait)
+                logger.warning(
+                    "relay: broker %s unavailable; reconnecting in %.1fs",
+                    redact_url(self.settings.broker_url),
+                    wait,
+                )
                 self._sleep(wait)
         finally:
             self._close_listener()
@@ -297,14 +305,17 @@ class OutboxRelay:
     def on_connection_open(self, connection: pika.SelectConnection) -> None:
         connection.channel(on_open_callback=self.on_channel_open)
 
-    def on_connection_open_error(self, connection: pika.SelectConnection,
-                                 error: BaseException | str) -> None:
-        logger.warning("relay: cannot connect to %s: %s", redact_url(self.settings.broker_url),
-                       error)
+    def on_connection_open_error(
+        self, connection: pika.SelectConnection, error: BaseException | str
+    ) -> None:
+        logger.warning(
+            "relay: cannot connect to %s: %s", redact_url(self.settings.broker_url), error
+        )
         connection.ioloop.stop()
 
-    def on_connection_closed(self, connection: pika.SelectConnection,
-                             reason: BaseException) -> None:
+    def on_connection_closed(
+        self, connection: pika.SelectConnection, reason: BaseException
+    ) -> None:
         self._channel = None
         self._abort_batch(f"connection closed: {reason}")
         self._cancel_timers(connection)
@@ -317,13 +328,17 @@ class OutboxRelay:
         self._next_tag = 1
         channel.add_on_close_callback(self.on_channel_closed)
         channel.add_on_return_callback(self.on_return)
-        channel.confirm_delivery(ack_nack_callback=self.on_delivery_confirmation,
-                                 callback=self.on_confirm_mode)
+        channel.confirm_delivery(
+            ack_nack_callback=self.on_delivery_confirmation, callback=self.on_confirm_mode
+        )
 
     def on_confirm_mode(self, frame: Any) -> None:
-        logger.info("relay: publishing the outbox to %s with confirms (batch size %d%s)",
-                    redact_url(self.settings.broker_url), self.batch_size,
-                    ", LISTEN/NOTIFY wake-ups" if self.listen else ", polling")
+        logger.info(
+            "relay: publishing the outbox to %s with confirms (batch size %d%s)",
+            redact_url(self.settings.broker_url),
+            self.batch_size,
+            ", LISTEN/NOTIFY wake-ups" if self.listen else ", polling",
+        )
         self._reconnect.reset()
         self._watch()
         self._schedule_tick(0)
@@ -331,8 +346,11 @@ class OutboxRelay:
     def on_channel_closed(self, channel: pika.channel.Channel, reason: BaseException) -> None:
         self._channel = None
         batch = self._batch
-        if (batch is not None and isinstance(reason, pika.exceptions.ChannelClosedByBroker)
-                and reason.reply_code == NOT_FOUND):
+        if (
+            batch is not None
+            and isinstance(reason, pika.exceptions.ChannelClosedByBroker)
+            and reason.reply_code == NOT_FOUND
+        ):
             # Publishing to an exchange that does not exist closes the channel. Charge the rows
             # bound for it; the rest of the batch stays pending, untouched.
             match = _MISSING_EXCHANGE.search(reason.reply_text)
@@ -349,15 +367,20 @@ class OutboxRelay:
             self._cancel_timers(connection)
             connection.channel(on_open_callback=self.on_channel_open)
 
-    def on_return(self, channel: pika.channel.Channel, method: Basic.Return,
-                  properties: BasicProperties, body: bytes) -> None:
+    def on_return(
+        self,
+        channel: pika.channel.Channel,
+        method: Basic.Return,
+        properties: BasicProperties,
+        body: bytes,
+    ) -> None:
         """An unroutable message (mandatory): the broker still acks it afterwards, so record
         why here and let the confirm settle it as not sent."""
         batch = self._batch
         row_id = (properties.headers or {}).get(OUTBOX_ID_HEADER)
-        if batch is None or row_id is None:
+        if batch is None or not isinstance(row_id, int):
             return
-        batch.errors[int(row_id)] = (
+        batch.errors[row_id] = (
             f"unroutable: {method.reply_code} {method.reply_text} (exchange "
             f"{method.exchange!r}, routing key {method.routing_key!r}): no queue is bound for it"
         )
@@ -427,11 +450,15 @@ class OutboxRelay:
             self._listener = _Listener(self.using)
         except Exception as exc:  # noqa: BLE001 - any failure: poll and try again later
             self._listener_retry_at = time.monotonic() + 5
-            logger.warning("relay: cannot LISTEN for new outbox rows (%s); polling every %ss",
-                           exc, self.settings.relay_poll_interval)
+            logger.warning(
+                "relay: cannot LISTEN for new outbox rows (%s); polling every %ss",
+                exc,
+                self.settings.relay_poll_interval,
+            )
             return
-        connection.ioloop.add_handler(self._listener.fileno(), self._on_notify,
-                                      connection.ioloop.READ)
+        connection.ioloop.add_handler(
+            self._listener.fileno(), self._on_notify, connection.ioloop.READ
+        )
 
     def _on_notify(self, fd: int, events: int) -> None:
         listener = self._listener
@@ -457,7 +484,7 @@ class OutboxRelay:
         if connection is not None:
             try:
                 connection.ioloop.remove_handler(listener.fileno())
-            except Exception:  # noqa: BLE001 - already gone
+            except Exception:
                 logger.debug("removing the LISTEN handler failed", exc_info=True)
         listener.close()
 
@@ -474,8 +501,9 @@ class OutboxRelay:
             claimed = self.publish_batch(channel)
         except DatabaseError as exc:
             wait = self._db_backoff.next()
-            logger.warning("relay: database unavailable (%s); rows stay pending, retrying in "
-                           "%.1fs", exc, wait)
+            logger.warning(
+                "relay: database unavailable (%s); rows stay pending, retrying in %.1fs", exc, wait
+            )
             self._schedule_tick(wait)
             return
         self._db_backoff.reset()
@@ -493,9 +521,13 @@ class OutboxRelay:
         poll = self.settings.relay_poll_interval
         if self.listen and self._listener is not None:
             poll = max(poll, 5.0)  # NOTIFY wakes us; polling only catches backoffs and misses
-        due = (OutboxMessage.objects.using(self.using)
-               .filter(status=OutboxStatus.PENDING)
-               .order_by("next_attempt_at").values_list("next_attempt_at", flat=True).first())
+        due = (
+            OutboxMessage.objects.using(self.using)
+            .filter(status=OutboxStatus.PENDING)
+            .order_by("next_attempt_at")
+            .values_list("next_attempt_at", flat=True)
+            .first()
+        )
         if due is not None:
             poll = min(poll, max(0.0, (due - timezone.now()).total_seconds()))
         return poll
@@ -506,8 +538,9 @@ class OutboxRelay:
         atomic = transaction.atomic(using=self.using)
         atomic.__enter__()
         try:
-            rows = list(claimable(self.using).select_for_update(skip_locked=True)
-                        [: self.batch_size])
+            rows = list(
+                claimable(self.using).select_for_update(skip_locked=True)[: self.batch_size]
+            )
         except BaseException as exc:
             atomic.__exit__(type(exc), exc, exc.__traceback__)
             raise
@@ -546,8 +579,9 @@ class OutboxRelay:
         batch.timer = None
         for row in batch.rows.values():
             if row.pk not in batch.confirmed and row.pk not in batch.errors:
-                batch.errors[row.pk] = (f"no confirm from the broker within "
-                                        f"{self.settings.relay_confirm_timeout}s")
+                batch.errors[row.pk] = (
+                    f"no confirm from the broker within {self.settings.relay_confirm_timeout}s"
+                )
                 self.report.timed_out += 1
         self._finish_batch()
         # A channel that stopped confirming is not to be trusted: start afresh.
@@ -567,7 +601,8 @@ class OutboxRelay:
         try:
             if sent:
                 OutboxMessage.objects.using(self.using).filter(pk__in=sent).update(
-                    status=OutboxStatus.SENT, sent_at=now, last_error="")
+                    status=OutboxStatus.SENT, sent_at=now, last_error=""
+                )
             for row in batch.all_rows():
                 error = batch.errors.get(row.pk)
                 if error is None:
@@ -577,19 +612,33 @@ class OutboxRelay:
                 row.next_attempt_at = now + resend_backoff(row.attempts)
                 if row.attempts >= self.settings.outbox_max_attempts:
                     row.status = OutboxStatus.FAILED
-                    logger.error("relay: message_id=%s failed %d times, marked failed: %s",
-                                 row.message_id, row.attempts, error)
+                    logger.error(
+                        "relay: message_id=%s failed %d times, marked failed: %s",
+                        row.message_id,
+                        row.attempts,
+                        error,
+                    )
                 else:
-                    logger.warning("relay: message_id=%s not sent (attempt %d): %s",
-                                   row.message_id, row.attempts, error)
-                row.save(using=self.using,
-                         update_fields=["attempts", "last_error", "next_attempt_at", "status"])
-        except BaseException as exc:
+                    logger.warning(
+                        "relay: message_id=%s not sent (attempt %d): %s",
+                        row.message_id,
+                        row.attempts,
+                        error,
+                    )
+                row.save(
+                    using=self.using,
+                    update_fields=["attempts", "last_error", "next_attempt_at", "status"],
+                )
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the transaction must end
             # The rows were published but cannot be marked: they stay pending and go again
             # later, which consumers absorb by message_id.
             batch.atomic.__exit__(type(exc), exc, exc.__traceback__)
-            logger.warning("relay: cannot record a batch's confirms (%s); its %d row(s) stay "
-                           "pending and will be sent again", exc, len(batch.all_rows()))
+            logger.warning(
+                "relay: cannot record a batch's confirms (%s); its %d row(s) stay "
+                "pending and will be sent again",
+                exc,
+                len(batch.all_rows()),
+            )
             self._schedule_tick(self._db_backoff.next())
             return
         batch.atomic.__exit__(None, None, None)
@@ -609,12 +658,12 @@ class OutboxRelay:
         if batch.timer is not None and self._connection is not None:
             try:
                 self._connection.ioloop.remove_timeout(batch.timer)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 logger.debug("removing the confirm timer failed", exc_info=True)
         try:
             batch.atomic.__exit__(RuntimeError, RuntimeError(why), None)
         except DatabaseError:
             logger.debug("rollback of an aborted batch failed", exc_info=True)
-        logger.warning("relay: batch of %d row(s) aborted (%s); they stay pending", len(batch.rows),
-                       why)
-
+        logger.warning(
+            "relay: batch of %d row(s) aborted (%s); they stay pending", len(batch.rows), why
+        )

@@ -27,21 +27,28 @@ def _purge(queryset: models.QuerySet, batch_size: int, dry_run: bool) -> int:
     while True:
         # One short transaction per batch: never a huge delete holding locks for minutes.
         with transaction.atomic(using=using):
-            ids = list(queryset.using(using).order_by("pk").values_list("pk", flat=True)
-                       [:batch_size])
+            ids = list(
+                queryset.using(using).order_by("pk").values_list("pk", flat=True)[:batch_size]
+            )
             if not ids:
                 return deleted
             deleted += model._default_manager.using(using).filter(pk__in=ids).delete()[0]
 
 
-def purge_messages(*, now: dt.datetime | None = None, batch_size: int = 5000,
-                   dry_run: bool = False,
-                   settings: MessagingSettings = messaging_settings) -> PurgeResult:
+def purge_messages(
+    *,
+    now: dt.datetime | None = None,
+    batch_size: int = 5000,
+    dry_run: bool = False,
+    settings: MessagingSettings = messaging_settings,
+) -> PurgeResult:
     """Delete inbox rows older than ``DEDUP_RETENTION`` and sent outbox rows older than
     ``OUTBOX_RETENTION``. Pending and failed outbox rows are never touched."""
     now = now or timezone.now()
     inbox = ProcessedMessage.objects.filter(processed_at__lt=now - settings.dedup_retention)
-    outbox = OutboxMessage.objects.filter(status=OutboxStatus.SENT,
-                                          sent_at__lt=now - settings.outbox_retention)
-    return PurgeResult(inbox=_purge(inbox, batch_size, dry_run),
-                       outbox=_purge(outbox, batch_size, dry_run))
+    outbox = OutboxMessage.objects.filter(
+        status=OutboxStatus.SENT, sent_at__lt=now - settings.outbox_retention
+    )
+    return PurgeResult(
+        inbox=_purge(inbox, batch_size, dry_run), outbox=_purge(outbox, batch_size, dry_run)
+    )

@@ -22,7 +22,13 @@ from .relay import OutboxRelay
 @shared_task(name="reliable_messaging.relay_outbox", ignore_result=False)
 def relay_outbox(max_seconds: float = 50.0, batch_size: int | None = None) -> dict[str, Any]:
     """Publish pending outbox rows until none is left or ``max_seconds`` have passed."""
-    report = OutboxRelay(once=True, max_seconds=max_seconds, batch_size=batch_size,
-                         listen=False).run()
-    return {"sent": report.sent, "nacked": report.nacked, "unroutable": report.returned,
-            "pending": report.left_pending, "failed": report.left_failed}
+    report = OutboxRelay(
+        once=True, max_seconds=max_seconds, batch_size=batch_size, listen=False
+    ).run()
+    return {
+        "sent": report.sent,
+        "nacked": report.nacked,
+        "unroutable": report.returned,
+        "pending": report.left_pending,
+        "failed": report.left_failed,
+    }

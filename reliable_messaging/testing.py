@@ -29,8 +29,9 @@ from .registry import ConsumerRegistry, ConsumerSpec, registry
 __all__ = ["Acknowledge", "Release", "ScheduleRetry", "deliver", "find_consumer"]
 
 
-def find_consumer(consumer: str | Callable[..., Any],
-                  consumers: ConsumerRegistry = registry) -> ConsumerSpec:
+def find_consumer(
+    consumer: str | Callable[..., Any], consumers: ConsumerRegistry = registry
+) -> ConsumerSpec:
     """A registered consumer by name, queue name or handler function."""
     for spec in consumers:
         if consumer in (spec.name, spec.queue, spec.handler):

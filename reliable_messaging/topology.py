@@ -42,8 +42,9 @@ def queue_arguments(settings: MessagingSettings = messaging_settings) -> dict[st
     return {}
 
 
-def all_delays(specs: Iterable[ConsumerSpec],
-               settings: MessagingSettings = messaging_settings) -> list[float]:
+def all_delays(
+    specs: Iterable[ConsumerSpec], settings: MessagingSettings = messaging_settings
+) -> list[float]:
     delays = set(settings.retry_delays)
     for spec in specs:
         delays.update(spec.retry_delays or ())
@@ -61,8 +62,11 @@ def _mismatch(kind: str, name: str, exc: pika.exceptions.ChannelClosedByBroker) 
     )
 
 
-def declare_topology(channel: BlockingChannel, specs: Iterable[ConsumerSpec],
-                     settings: MessagingSettings = messaging_settings) -> None:
+def declare_topology(
+    channel: BlockingChannel,
+    specs: Iterable[ConsumerSpec],
+    settings: MessagingSettings = messaging_settings,
+) -> None:
     """Declare (idempotently) everything the given consumers need. A declaration that conflicts
     with what the broker has raises :class:`TopologyMismatchError` saying what differs."""
     specs = list(specs)
@@ -83,19 +87,27 @@ def declare_topology(channel: BlockingChannel, specs: Iterable[ConsumerSpec],
         name = delay_exchange_name(delay, settings)
         try:
             channel.exchange_declare(name, exchange_type="fanout", durable=True)
-            channel.queue_declare(name, durable=True, arguments={
-                "x-message-ttl": round(delay * 1000),
-                "x-dead-letter-exchange": "",
-            })
+            channel.queue_declare(
+                name,
+                durable=True,
+                arguments={
+                    "x-message-ttl": round(delay * 1000),
+                    "x-dead-letter-exchange": "",
+                },
+            )
         except pika.exceptions.ChannelClosedByBroker as exc:
             raise _mismatch("delay queue", name, exc) from exc
         channel.queue_bind(name, name)
-    logger.info("declared topology: %d queue(s), %d delay queue(s)", len(specs),
-                len(all_delays(specs, settings)))
+    logger.info(
+        "declared topology: %d queue(s), %d delay queue(s)",
+        len(specs),
+        len(all_delays(specs, settings)),
+    )
 
 
-def connection_parameters(settings: MessagingSettings = messaging_settings,
-                          name: str = "reliable_messaging") -> pika.URLParameters:
+def connection_parameters(
+    settings: MessagingSettings = messaging_settings, name: str = "reliable_messaging"
+) -> pika.URLParameters:
     params = pika.URLParameters(settings.broker_url)
     params.heartbeat = settings.heartbeat
     params.blocked_connection_timeout = 300

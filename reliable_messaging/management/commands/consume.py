@@ -17,45 +17,70 @@ logger = logging.getLogger("reliable_messaging.consume")
 
 
 class Command(BaseCommand):
-    help = ("Consume the registered handlers' queues with exactly-once effects. SIGTERM/SIGINT "
-            "stop gracefully (a second signal exits at once).")
+    help = (
+        "Consume the registered handlers' queues with exactly-once effects. SIGTERM/SIGINT "
+        "stop gracefully (a second signal exits at once)."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--queue", action="append", dest="queues", metavar="Q",
-                            help="consume only this queue (repeatable); default: all handlers")
-        parser.add_argument("--concurrency", type=int, default=1, metavar="N",
-                            help="handler threads, each with its own database connection")
-        parser.add_argument("--idle-timeout", type=float, default=None, metavar="S",
-                            help="exit 0 after S seconds without a delivery")
+        parser.add_argument(
+            "--queue",
+            action="append",
+            dest="queues",
+            metavar="Q",
+            help="consume only this queue (repeatable); default: all handlers",
+        )
+        parser.add_argument(
+            "--concurrency",
+            type=int,
+            default=1,
+            metavar="N",
+            help="handler threads, each with its own database connection",
+        )
+        parser.add_argument(
+            "--idle-timeout",
+            type=float,
+            default=None,
+            metavar="S",
+            help="exit 0 after S seconds without a delivery",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         specs = registry.all()
         if not specs:
-            raise CommandError("No consumers are registered. Define handlers with @consumer in "
-                               "a consumers.py module of an installed app.")
+            raise CommandError(
+                "No consumers are registered. Define handlers with @consumer in "
+                "a consumers.py module of an installed app."
+            )
         wanted = options["queues"]
         if wanted:
             known = {s.queue for s in specs}
             unknown = sorted(set(wanted) - known)
             if unknown:
-                raise CommandError(f"Unknown queue(s): {', '.join(unknown)}. Registered queues: "
-                                   f"{', '.join(sorted(known))}.")
+                raise CommandError(
+                    f"Unknown queue(s): {', '.join(unknown)}. Registered queues: "
+                    f"{', '.join(sorted(known))}."
+                )
             specs = [s for s in specs if s.queue in wanted]
         if options["concurrency"] < 1:
             raise CommandError("--concurrency must be at least 1")
         if options["idle_timeout"] is not None and options["idle_timeout"] <= 0:
             raise CommandError("--idle-timeout must be a positive number of seconds")
 
-        service = ConsumerService(specs, concurrency=options["concurrency"],
-                                  idle_timeout=options["idle_timeout"])
+        service = ConsumerService(
+            specs, concurrency=options["concurrency"], idle_timeout=options["idle_timeout"]
+        )
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
             if service.stopping:
                 # Second signal: leave now. Uncommitted work rolls back when the database
                 # connection drops and unacked deliveries go back to their queues.
                 os._exit(128 + signum)
-            logger.info("received %s: finishing the handlers in flight, then exiting "
-                        "(send it again to exit at once)", signal.Signals(signum).name)
+            logger.info(
+                "received %s: finishing the handlers in flight, then exiting "
+                "(send it again to exit at once)",
+                signal.Signals(signum).name,
+            )
             service.request_stop()
 
         signal.signal(signal.SIGTERM, on_signal)

@@ -11,12 +11,15 @@ from reliable_messaging.retention import purge_messages
 
 
 class Command(BaseCommand):
-    help = ("Delete inbox rows older than DEDUP_RETENTION and sent outbox rows older than "
-            "OUTBOX_RETENTION, in batches.")
+    help = (
+        "Delete inbox rows older than DEDUP_RETENTION and sent outbox rows older than "
+        "OUTBOX_RETENTION, in batches."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--dry-run", action="store_true",
-                            help="count what would be deleted, delete nothing")
+        parser.add_argument(
+            "--dry-run", action="store_true", help="count what would be deleted, delete nothing"
+        )
         parser.add_argument("--batch-size", type=int, default=5000, metavar="N")
 
     def handle(self, *args: Any, **options: Any) -> None:

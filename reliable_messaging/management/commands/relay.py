@@ -15,16 +15,25 @@ logger = logging.getLogger("reliable_messaging.relay")
 
 
 class Command(BaseCommand):
-    help = ("Publish committed outbox rows to RabbitMQ with publisher confirms. Runs until "
-            "SIGTERM/SIGINT (the batch in flight is finished first), or with --once until "
-            "nothing is pending.")
+    help = (
+        "Publish committed outbox rows to RabbitMQ with publisher confirms. Runs until "
+        "SIGTERM/SIGINT (the batch in flight is finished first), or with --once until "
+        "nothing is pending."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--once", action="store_true",
-                            help="drain what is pending, then exit (non-zero if rows are left "
-                                 "failed)")
-        parser.add_argument("--batch-size", type=int, default=None, metavar="N",
-                            help="rows claimed and published per batch (RELAY_BATCH_SIZE)")
+        parser.add_argument(
+            "--once",
+            action="store_true",
+            help="drain what is pending, then exit (non-zero if rows are left failed)",
+        )
+        parser.add_argument(
+            "--batch-size",
+            type=int,
+            default=None,
+            metavar="N",
+            help="rows claimed and published per batch (RELAY_BATCH_SIZE)",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         if options["batch_size"] is not None and options["batch_size"] < 1:
@@ -32,8 +41,10 @@ class Command(BaseCommand):
         relay = OutboxRelay(batch_size=options["batch_size"], once=options["once"])
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
-            logger.info("received %s: finishing the batch in flight, then exiting",
-                        signal.Signals(signum).name)
+            logger.info(
+                "received %s: finishing the batch in flight, then exiting",
+                signal.Signals(signum).name,
+            )
             relay.request_stop()
 
         signal.signal(signal.SIGTERM, on_signal)
