@@ -157,11 +157,10 @@ class OutboxMessage(models.Model):
     class Meta:
         verbose_name = _("outbox message")
         indexes = [
-            # The relay's claim: pending rows due now, oldest first.
+            # The relay's claim walks pending rows in id order; without this partial index each
+            # claim would step over every row already sent.
             models.Index(
-                fields=["next_attempt_at", "id"],
-                condition=Q(status="pending"),
-                name="rm_outbox_due_idx",
+                fields=["id"], condition=Q(status="pending"), name="rm_outbox_pending_idx"
             ),
             # "Is an earlier message of this key still unsent?" for per-key order.
             models.Index(

@@ -73,7 +73,35 @@ def claimable(using: str) -> Any:
     )
 
 
-def message_properties(row: OutboxMessage) -> BasicProperties:
+@dataclass(frozen=True)
+class ClaimedRow:
+    """The columns of a claimed outbox row the relay needs (no model instance: cheaper)."""
+
+    pk: int
+    message_id: str
+    exchange: str
+    routing_key: str
+    body: str
+    headers: dict[str, Any]
+    ordering_key: str | None
+    attempts: int
+    created_at: dt.datetime
+
+
+CLAIMED_FIELDS = (
+    "pk",
+    "message_id",
+    "exchange",
+    "routing_key",
+    "body",
+    "headers",
+    "ordering_key",
+    "attempts",
+    "created_at",
+)
+
+
+def message_properties(row: ClaimedRow) -> BasicProperties:
     headers: dict[str, Any] = dict(row.headers or {})
     headers[PUBLISHED_AT_HEADER] = int(row.created_at.timestamp() * 1000)
     headers[OUTBOX_ID_HEADER] = row.pk
@@ -115,15 +143,16 @@ class _Batch:
     """Rows published and awaiting confirms, with their claim transaction still open."""
 
     atomic: Any
-    rows: dict[int, OutboxMessage]  # published, by delivery tag
-    unpublished: list[OutboxMessage] = field(default_factory=list)  # refused before publishing
+    rows: dict[int, ClaimedRow]  # published, by delivery tag
+    unpublished: list[ClaimedRow] = field(default_factory=list)  # refused before publishing
     errors: dict[int, str] = field(default_factory=dict)  # row id -> why it was not sent
     confirmed: set[int] = field(default_factory=set)  # row ids acked by the broker
     settled: set[int] = field(default_factory=set)  # delivery tags acked or nacked
+    lowest_unsettled: int = 0
     full: bool = False
     timer: Any = None
 
-    def all_rows(self) -> list[OutboxMessage]:
+    def all_rows(self) -> list[ClaimedRow]:
         return [*self.rows.values(), *self.unpublished]
 
 
@@ -393,7 +422,12 @@ class OutboxRelay:
         method = frame.method
         acked = isinstance(method, Basic.Ack)
         tag = method.delivery_tag
-        tags = [t for t in batch.rows if t <= tag] if method.multiple else [tag]
+        if method.multiple:
+            # Tags of a batch are consecutive: settle from the lowest unsettled one up to tag.
+            tags = range(batch.lowest_unsettled, tag + 1)
+            batch.lowest_unsettled = max(batch.lowest_unsettled, tag + 1)
+        else:
+            tags = range(tag, tag + 1)
         for settled in tags:
             row = batch.rows.get(settled)
             if row is None or settled in batch.settled:
@@ -538,16 +572,24 @@ class OutboxRelay:
         atomic = transaction.atomic(using=self.using)
         atomic.__enter__()
         try:
-            rows = list(
-                claimable(self.using).select_for_update(skip_locked=True)[: self.batch_size]
-            )
+            rows = [
+                ClaimedRow(*values)
+                for values in claimable(self.using)
+                .select_for_update(skip_locked=True)
+                .values_list(*CLAIMED_FIELDS)[: self.batch_size]
+            ]
         except BaseException as exc:
             atomic.__exit__(type(exc), exc, exc.__traceback__)
             raise
         if not rows:
             atomic.__exit__(None, None, None)
             return 0
-        batch = _Batch(atomic=atomic, rows={}, full=len(rows) >= self.batch_size)
+        batch = _Batch(
+            atomic=atomic,
+            rows={},
+            full=len(rows) >= self.batch_size,
+            lowest_unsettled=self._next_tag,
+        )
         self._batch = batch
         for row in rows:
             if not self._probe.exists(row.exchange):
@@ -605,30 +647,8 @@ class OutboxRelay:
                 )
             for row in batch.all_rows():
                 error = batch.errors.get(row.pk)
-                if error is None:
-                    continue
-                row.attempts += 1
-                row.last_error = error[:2000]
-                row.next_attempt_at = now + resend_backoff(row.attempts)
-                if row.attempts >= self.settings.outbox_max_attempts:
-                    row.status = OutboxStatus.FAILED
-                    logger.error(
-                        "relay: message_id=%s failed %d times, marked failed: %s",
-                        row.message_id,
-                        row.attempts,
-                        error,
-                    )
-                else:
-                    logger.warning(
-                        "relay: message_id=%s not sent (attempt %d): %s",
-                        row.message_id,
-                        row.attempts,
-                        error,
-                    )
-                row.save(
-                    using=self.using,
-                    update_fields=["attempts", "last_error", "next_attempt_at", "status"],
-                )
+                if error is not None:
+                    self._record_failure(row, error, now)
         except Exception as exc:  # noqa: BLE001 - whatever failed, the transaction must end
             # The rows were published but cannot be marked: they stay pending and go again
             # later, which consumers absorb by message_id.
@@ -649,6 +669,27 @@ class OutboxRelay:
         if self.on_batch is not None:
             self.on_batch(self.report)
         self._schedule_tick(0)
+
+    def _record_failure(self, row: ClaimedRow, error: str, now: dt.datetime) -> None:
+        attempts = row.attempts + 1
+        failed = attempts >= self.settings.outbox_max_attempts
+        if failed:
+            logger.error(
+                "relay: message_id=%s failed %d times, marked failed: %s",
+                row.message_id,
+                attempts,
+                error,
+            )
+        else:
+            logger.warning(
+                "relay: message_id=%s not sent (attempt %d): %s", row.message_id, attempts, error
+            )
+        OutboxMessage.objects.using(self.using).filter(pk=row.pk).update(
+            attempts=attempts,
+            last_error=error[:2000],
+            next_attempt_at=now + resend_backoff(attempts),
+            status=OutboxStatus.FAILED if failed else OutboxStatus.PENDING,
+        )
 
     def _abort_batch(self, why: str) -> None:
         """The connection or channel died mid-batch: roll back, the rows stay pending."""

@@ -11,22 +11,53 @@ database, and returns what the consumer would have done::
         again = deliver("billing.charge-order", {"order_id": 1}, message_id="m-1")
         assert (first.result, again.result) == ("processed", "duplicate")
         assert Payment.objects.count() == 1
+
+``published()`` lists what ``publish()`` wrote (pending outbox rows, oldest first), and
+``run_outbox()`` delivers those rows to every registered consumer whose bindings match, the way
+the relay and the topic exchange would, until nothing is left (handlers may publish more)::
+
+    def test_order_flow(db):
+        with transaction.atomic():
+            place_order(...)                 # calls publish("order.placed", ...)
+        assert [m.routing_key for m in published()] == ["order.placed"]
+        outcomes = run_outbox()              # billing, shipping, then payment.captured...
+        assert Payment.objects.count() == 1
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from django.utils import timezone
+
 from .conf import messaging_settings
-from .envelope import ATTEMPT_HEADER, CONTENT_TYPE, Delivery, encode_payload
+from .envelope import (
+    ATTEMPT_HEADER,
+    CONTENT_TYPE,
+    ORDERING_KEY_HEADER,
+    Delivery,
+    Message,
+    encode_payload,
+)
 from .inbox import DeliveryProcessor
+from .models import OutboxMessage, OutboxStatus
 from .outcomes import Acknowledge, Outcome, Release, ScheduleRetry
 from .registry import ConsumerRegistry, ConsumerSpec, registry
+from .routing import topic_matches
 
-__all__ = ["Acknowledge", "Release", "ScheduleRetry", "deliver", "find_consumer"]
+__all__ = [
+    "Acknowledge",
+    "Release",
+    "ScheduleRetry",
+    "deliver",
+    "find_consumer",
+    "published",
+    "run_outbox",
+]
 
 
 def find_consumer(
@@ -72,3 +103,75 @@ def deliver(
         headers=all_headers,
     )
     return DeliveryProcessor(spec).process(delivery)
+
+
+def published(routing_key: str | None = None, *, using: str = "default") -> list[Message]:
+    """Messages ``publish()`` wrote and no relay has sent yet, oldest first, as handlers would
+    see them; optionally only those with ``routing_key``."""
+    rows = OutboxMessage.objects.using(using).filter(status=OutboxStatus.PENDING).order_by("id")
+    if routing_key is not None:
+        rows = rows.filter(routing_key=routing_key)
+    return [
+        Message(
+            message_id=row.message_id,
+            routing_key=row.routing_key,
+            exchange=row.exchange,
+            payload=json.loads(row.body),
+            headers=dict(row.headers),
+            published_at=row.created_at,
+            ordering_key=row.ordering_key,
+        )
+        for row in rows
+    ]
+
+
+def _routes_to(row: OutboxMessage, spec: ConsumerSpec) -> bool:
+    if row.exchange == "":  # the default exchange: straight to the queue of that name
+        return row.routing_key == spec.queue
+    exchange = spec.exchange or messaging_settings.exchange
+    return row.exchange == exchange and any(
+        topic_matches(binding, row.routing_key) for binding in spec.bindings
+    )
+
+
+def run_outbox(
+    *, consumers: ConsumerRegistry = registry, using: str = "default", max_rounds: int = 100
+) -> list[tuple[str, str, Outcome]]:
+    """Deliver pending outbox rows to every consumer bound to their exchange and routing key,
+    mark them sent, and repeat for what the handlers publish. Retries are delivered again at
+    once with the next attempt number (no delays). Returns ``(consumer, message_id, outcome)``
+    in delivery order."""
+    results: list[tuple[str, str, Outcome]] = []
+    for _ in range(max_rounds):
+        rows = list(
+            OutboxMessage.objects.using(using).filter(status=OutboxStatus.PENDING).order_by("id")
+        )
+        if not rows:
+            return results
+        for row in rows:
+            for spec in consumers:
+                if not _routes_to(row, spec):
+                    continue
+                headers: dict[str, Any] = dict(row.headers)
+                if row.ordering_key is not None:
+                    headers[ORDERING_KEY_HEADER] = row.ordering_key
+                attempt = 1
+                while True:
+                    outcome = deliver(
+                        spec,
+                        body=row.body.encode("utf-8"),
+                        message_id=row.message_id,
+                        routing_key=row.routing_key,
+                        headers=headers,
+                        attempt=attempt,
+                    )
+                    results.append((spec.name, row.message_id, outcome))
+                    if not isinstance(outcome, ScheduleRetry):
+                        break
+                    attempt = outcome.next_attempt
+            row.status = OutboxStatus.SENT
+            row.sent_at = timezone.now()
+            row.save(using=using, update_fields=["status", "sent_at"])
+    raise RuntimeError(
+        f"the outbox was still not empty after {max_rounds} rounds: do handlers publish in a loop?"
+    )

@@ -62,7 +62,7 @@ class Migration(migrations.Migration):
             ],
             options={
                 'verbose_name': 'outbox message',
-                'indexes': [models.Index(condition=models.Q(('status', 'pending')), fields=['next_attempt_at', 'id'], name='rm_outbox_due_idx'), models.Index(condition=models.Q(('status__in', ['pending', 'failed']), ('ordering_key__isnull', False)), fields=['ordering_key', 'id'], name='rm_outbox_key_order_idx'), models.Index(fields=['status', 'sent_at'], name='rm_outbox_status_sent_idx'), models.Index(fields=['message_id'], name='rm_outbox_message_id_idx')],
+                'indexes': [models.Index(condition=models.Q(('status', 'pending')), fields=['id'], name='rm_outbox_pending_idx'), models.Index(condition=models.Q(('status__in', ['pending', 'failed']), ('ordering_key__isnull', False)), fields=['ordering_key', 'id'], name='rm_outbox_key_order_idx'), models.Index(fields=['status', 'sent_at'], name='rm_outbox_status_sent_idx'), models.Index(fields=['message_id'], name='rm_outbox_message_id_idx')],
             },
         ),
         migrations.RunPython(create_notify_trigger, drop_notify_trigger),

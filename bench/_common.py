@@ -1,0 +1,59 @@
+"""Shared set-up of the benchmarks: a dedicated database and exchange, and small helpers."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH_DB = os.environ.get("RM_BENCH_DB", "rm_bench")
+DATABASE_URL = f"postgres://postgres@127.0.0.1:5432/{BENCH_DB}"
+BROKER_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+
+
+def setup_django(namespace: str | None = None) -> str:
+    """Point Django at the bench database with a fresh exchange; returns the namespace."""
+    namespace = namespace or f"bench{uuid.uuid4().hex[:8]}"
+    os.environ["RM_TEST_NAMESPACE"] = namespace
+    os.environ["DATABASE_URL"] = DATABASE_URL
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+    sys.path.insert(0, str(ROOT))
+    subprocess.run(
+        ["psql", "-h", "127.0.0.1", "-U", "postgres", "-qc", f"CREATE DATABASE {BENCH_DB}"],
+        capture_output=True, check=False,
+    )
+    import django
+    from django.core.management import call_command
+
+    django.setup()
+    call_command("migrate", verbosity=0)
+    return namespace
+
+
+def subprocess_env(namespace: str, **extra: str) -> dict[str, str]:
+    return {**os.environ, "RM_TEST_NAMESPACE": namespace, "DATABASE_URL": DATABASE_URL,
+            "DJANGO_SETTINGS_MODULE": "tests.settings", "PYTHONUNBUFFERED": "1", **extra}
+
+
+def percentile(values: list[float], pct: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    index = min(len(ordered) - 1, max(0, round(pct / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def describe_machine() -> str:
+    cores = os.cpu_count()
+    rabbit = subprocess.run(["rabbitmqctl", "-q", "version"], capture_output=True, text=True)
+    pg = subprocess.run(["psql", "--version"], capture_output=True, text=True)
+    return (f"{cores} cores, Python {sys.version.split()[0]}, RabbitMQ "
+            f"{rabbit.stdout.strip() or '?'} (loopback), {pg.stdout.strip()} (local)")
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")

@@ -1,0 +1,211 @@
+"""Relay benchmark: outbox relay throughput against raw pika with pipelined confirms, and
+commit-to-broker latency at a steady rate with LISTEN/NOTIFY.
+
+    .venv/bin/python bench/relay.py [--rows 20000] [--rate 500] [--seconds 10]
+
+Both throughput runs publish the same bodies and properties to the same durable queue, on the
+same machine, in the same run; the ratio is relay / raw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import ROOT, describe_machine, percentile, setup_django, subprocess_env  # noqa: E402
+
+import pika  # noqa: E402
+
+
+def declare_sink(exchange: str, queue: str) -> None:
+    connection = pika.BlockingConnection(pika.URLParameters("amqp://guest:guest@127.0.0.1/%2F"))
+    channel = connection.channel()
+    channel.exchange_declare(exchange, "topic", durable=True)
+    channel.queue_declare(queue, durable=True)
+    channel.queue_bind(queue, exchange, "bench.#")
+    channel.queue_purge(queue)
+    connection.close()
+
+
+def drop_sink(exchange: str, queue: str) -> None:
+    connection = pika.BlockingConnection(pika.URLParameters("amqp://guest:guest@127.0.0.1/%2F"))
+    channel = connection.channel()
+    channel.queue_delete(queue)
+    channel.exchange_delete(exchange)
+    connection.close()
+
+
+def raw_pika_publish(exchange: str, rows: list[tuple[str, bytes]]) -> float:
+    """Publish every body with confirms kept in flight, settled as they come (multiple=True):
+    the fastest honest way pika can do it. Returns seconds."""
+    params = pika.URLParameters("amqp://guest:guest@127.0.0.1/%2F")
+    state = {"confirmed": 0, "start": 0.0, "end": 0.0}
+
+    def on_open(connection: pika.SelectConnection) -> None:
+        connection.channel(on_open_callback=on_channel)
+
+    def on_channel(channel: pika.channel.Channel) -> None:
+        outstanding: set[int] = set()
+
+        def on_confirm(frame: pika.frame.Method) -> None:
+            tag = frame.method.delivery_tag
+            settled = [t for t in outstanding if t <= tag] if frame.method.multiple else [tag]
+            for t in settled:
+                outstanding.discard(t)
+            state["confirmed"] += len(settled)
+            if state["confirmed"] >= len(rows):
+                state["end"] = time.perf_counter()
+                channel.connection.close()
+
+        def publish_all(_frame: object) -> None:
+            state["start"] = time.perf_counter()
+            for tag, (message_id, body) in enumerate(rows, start=1):
+                outstanding.add(tag)
+                channel.basic_publish(
+                    exchange, "bench.raw", body,
+                    pika.BasicProperties(content_type="application/json", delivery_mode=2,
+                                         message_id=message_id, timestamp=int(time.time()),
+                                         headers={"x-rm-published-at": 0}),
+                    mandatory=True)
+
+        channel.confirm_delivery(ack_nack_callback=on_confirm, callback=publish_all)
+
+    connection = pika.SelectConnection(params, on_open_callback=on_open,
+                                       on_close_callback=lambda c, r: c.ioloop.stop())
+    connection.ioloop.start()
+    return state["end"] - state["start"]
+
+
+def relay_throughput(rows: int, exchange: str) -> tuple[float, list[tuple[str, bytes]]]:
+    from django.db import transaction
+    from django.test import override_settings
+
+    from reliable_messaging import publish
+    from reliable_messaging.models import OutboxMessage
+    from reliable_messaging.relay import OutboxRelay
+
+    OutboxMessage.objects.all().delete()
+    with transaction.atomic():
+        for i in range(rows):
+            publish("bench.order", {"order_id": i, "amount": "19.99", "customer": f"c{i % 97}"},
+                    exchange=exchange)
+    bodies = [(m, b.encode()) for m, b in
+              OutboxMessage.objects.order_by("id").values_list("message_id", "body")]
+    with override_settings(RELIABLE_MESSAGING={**_settings(), "EXCHANGE": exchange}):
+        started = time.perf_counter()
+        report = OutboxRelay(once=True, listen=False).run()
+        elapsed = time.perf_counter() - started
+    assert report.sent == rows, report.summary()
+    return elapsed, bodies
+
+
+def _settings() -> dict:
+    from django.conf import settings
+
+    return dict(settings.RELIABLE_MESSAGING)
+
+
+def latency(namespace: str, exchange: str, queue: str, rate: int, seconds: float) -> list[float]:
+    """Publish in autocommit at ``rate``/s while a `manage.py relay` process (LISTEN/NOTIFY)
+    runs; measure commit→arrival on the queue from the row's created_at header."""
+    from django.db import connection
+
+    from reliable_messaging import publish
+
+    relay = subprocess.Popen(
+        [sys.executable, str(ROOT / "manage.py"), "relay"],
+        env=subprocess_env(namespace), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True,
+    )
+    latencies: list[float] = []
+    total = int(rate * seconds)
+    done = threading.Event()
+
+    def consume() -> None:
+        conn = pika.BlockingConnection(pika.URLParameters("amqp://guest:guest@127.0.0.1/%2F"))
+        channel = conn.channel()
+        for _method, properties, _body in channel.consume(queue, auto_ack=True,
+                                                          inactivity_timeout=1):
+            if properties is None:
+                if done.is_set():
+                    break
+                continue
+            sent_ms = (properties.headers or {}).get("x-rm-committed-at")
+            if sent_ms is not None:
+                latencies.append(time.time() * 1000 - sent_ms)
+            if len(latencies) >= total:
+                break
+        conn.close()
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    time.sleep(2)  # the relay connects and starts listening
+    consumer.start()
+    interval = 1 / rate
+    next_at = time.perf_counter()
+    for i in range(total):
+        # Autocommit: each publish commits at once and its NOTIFY wakes the relay. The header
+        # carries the commit time (taken right after the insert returned).
+        publish("bench.latency", {"i": i}, exchange=exchange,
+                headers={"x-rm-committed-at": time.time() * 1000})
+        next_at += interval
+        pause = next_at - time.perf_counter()
+        if pause > 0:
+            time.sleep(pause)
+    done.set()
+    consumer.join(timeout=30)
+    relay.terminate()
+    relay.wait(timeout=30)
+    connection.close()
+    return latencies
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", type=int, default=20000)
+    parser.add_argument("--rate", type=int, default=500)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    args = parser.parse_args()
+
+    namespace = setup_django()
+    exchange = f"rmtest.{namespace}"
+    queue = f"{namespace}.sink"
+    declare_sink(exchange, queue)
+    try:
+        relay_s, bodies = relay_throughput(args.rows, exchange)
+        declare_sink(exchange, queue)  # purge
+        raw_s = raw_pika_publish(exchange, bodies)
+        declare_sink(exchange, queue)
+        lat = latency(namespace, exchange, queue, args.rate, args.seconds)
+    finally:
+        drop_sink(exchange, queue)
+    relay_rate, raw_rate = args.rows / relay_s, args.rows / raw_s
+    result = {
+        "machine": describe_machine(),
+        "rows": args.rows,
+        "relay_msgs_per_s": round(relay_rate),
+        "raw_pika_confirms_msgs_per_s": round(raw_rate),
+        "ratio": round(relay_rate / raw_rate, 2),
+        "latency_rate_per_s": args.rate,
+        "latency_messages": len(lat),
+        "latency_p50_ms": round(percentile(lat, 50), 1),
+        "latency_p99_ms": round(percentile(lat, 99), 1),
+    }
+    print(f"machine: {result['machine']}")
+    print(f"relay:    {args.rows} rows in {relay_s:.2f}s = {relay_rate:,.0f} msg/s")
+    print(f"raw pika: {args.rows} msgs in {raw_s:.2f}s = {raw_rate:,.0f} msg/s (pipelined "
+          f"confirms)")
+    print(f"ratio relay/raw = {result['ratio']} (target >= 0.5, aim 0.7)")
+    print(f"commit->broker latency at {args.rate} msg/s over {len(lat)} messages with "
+          f"LISTEN/NOTIFY: p50 {result['latency_p50_ms']} ms, p99 {result['latency_p99_ms']} ms")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
