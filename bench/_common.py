@@ -24,7 +24,8 @@ def setup_django(namespace: str | None = None) -> str:
     sys.path.insert(0, str(ROOT))
     subprocess.run(
         ["psql", "-h", "127.0.0.1", "-U", "postgres", "-qc", f"CREATE DATABASE {BENCH_DB}"],
-        capture_output=True, check=False,
+        capture_output=True,
+        check=False,
     )
     import django
     from django.core.management import call_command
@@ -35,8 +36,14 @@ def setup_django(namespace: str | None = None) -> str:
 
 
 def subprocess_env(namespace: str, **extra: str) -> dict[str, str]:
-    return {**os.environ, "RM_TEST_NAMESPACE": namespace, "DATABASE_URL": DATABASE_URL,
-            "DJANGO_SETTINGS_MODULE": "tests.settings", "PYTHONUNBUFFERED": "1", **extra}
+    return {
+        **os.environ,
+        "RM_TEST_NAMESPACE": namespace,
+        "DATABASE_URL": DATABASE_URL,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "PYTHONUNBUFFERED": "1",
+        **extra,
+    }
 
 
 def percentile(values: list[float], pct: float) -> float:
@@ -51,8 +58,10 @@ def describe_machine() -> str:
     cores = os.cpu_count()
     rabbit = subprocess.run(["rabbitmqctl", "-q", "version"], capture_output=True, text=True)
     pg = subprocess.run(["psql", "--version"], capture_output=True, text=True)
-    return (f"{cores} cores, Python {sys.version.split()[0]}, RabbitMQ "
-            f"{rabbit.stdout.strip() or '?'} (loopback), {pg.stdout.strip()} (local)")
+    return (
+        f"{cores} cores, Python {sys.version.split()[0]}, RabbitMQ "
+        f"{rabbit.stdout.strip() or '?'} (loopback), {pg.stdout.strip()} (local)"
+    )
 
 
 def median(values: list[float]) -> float:

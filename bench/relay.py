@@ -15,13 +15,11 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, describe_machine, percentile, setup_django, subprocess_env  # noqa: E402
-
-import pika  # noqa: E402
+import pika
+from _common import ROOT, describe_machine, percentile, setup_django, subprocess_env
 
 
 def declare_sink(exchange: str, queue: str) -> None:
@@ -69,16 +67,24 @@ def raw_pika_publish(exchange: str, rows: list[tuple[str, bytes]]) -> float:
             for tag, (message_id, body) in enumerate(rows, start=1):
                 outstanding.add(tag)
                 channel.basic_publish(
-                    exchange, "bench.raw", body,
-                    pika.BasicProperties(content_type="application/json", delivery_mode=2,
-                                         message_id=message_id, timestamp=int(time.time()),
-                                         headers={"x-rm-published-at": 0}),
-                    mandatory=True)
+                    exchange,
+                    "bench.raw",
+                    body,
+                    pika.BasicProperties(
+                        content_type="application/json",
+                        delivery_mode=2,
+                        message_id=message_id,
+                        timestamp=int(time.time()),
+                        headers={"x-rm-published-at": 0},
+                    ),
+                    mandatory=True,
+                )
 
         channel.confirm_delivery(ack_nack_callback=on_confirm, callback=publish_all)
 
-    connection = pika.SelectConnection(params, on_open_callback=on_open,
-                                       on_close_callback=lambda c, r: c.ioloop.stop())
+    connection = pika.SelectConnection(
+        params, on_open_callback=on_open, on_close_callback=lambda c, r: c.ioloop.stop()
+    )
     connection.ioloop.start()
     return state["end"] - state["start"]
 
@@ -94,10 +100,15 @@ def relay_throughput(rows: int, exchange: str) -> tuple[float, list[tuple[str, b
     OutboxMessage.objects.all().delete()
     with transaction.atomic():
         for i in range(rows):
-            publish("bench.order", {"order_id": i, "amount": "19.99", "customer": f"c{i % 97}"},
-                    exchange=exchange)
-    bodies = [(m, b.encode()) for m, b in
-              OutboxMessage.objects.order_by("id").values_list("message_id", "body")]
+            publish(
+                "bench.order",
+                {"order_id": i, "amount": "19.99", "customer": f"c{i % 97}"},
+                exchange=exchange,
+            )
+    bodies = [
+        (m, b.encode())
+        for m, b in OutboxMessage.objects.order_by("id").values_list("message_id", "body")
+    ]
     with override_settings(RELIABLE_MESSAGING={**_settings(), "EXCHANGE": exchange}):
         started = time.perf_counter()
         report = OutboxRelay(once=True, listen=False).run()
@@ -121,7 +132,9 @@ def latency(namespace: str, exchange: str, queue: str, rate: int, seconds: float
 
     relay = subprocess.Popen(
         [sys.executable, str(ROOT / "manage.py"), "relay"],
-        env=subprocess_env(namespace), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env=subprocess_env(namespace),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
         text=True,
     )
     latencies: list[float] = []
@@ -131,15 +144,16 @@ def latency(namespace: str, exchange: str, queue: str, rate: int, seconds: float
     def consume() -> None:
         conn = pika.BlockingConnection(pika.URLParameters("amqp://guest:guest@127.0.0.1/%2F"))
         channel = conn.channel()
-        for _method, properties, _body in channel.consume(queue, auto_ack=True,
-                                                          inactivity_timeout=1):
+        for _method, properties, _body in channel.consume(
+            queue, auto_ack=True, inactivity_timeout=1
+        ):
             if properties is None:
                 if done.is_set():
                     break
                 continue
-            sent_ms = (properties.headers or {}).get("x-rm-committed-at")
-            if sent_ms is not None:
-                latencies.append(time.time() * 1000 - sent_ms)
+            sent_us = (properties.headers or {}).get("x-rm-committed-at")
+            if sent_us is not None:
+                latencies.append(time.time_ns() / 1e6 - sent_us / 1000)
             if len(latencies) >= total:
                 break
         conn.close()
@@ -152,8 +166,12 @@ def latency(namespace: str, exchange: str, queue: str, rate: int, seconds: float
     for i in range(total):
         # Autocommit: each publish commits at once and its NOTIFY wakes the relay. The header
         # carries the commit time (taken right after the insert returned).
-        publish("bench.latency", {"i": i}, exchange=exchange,
-                headers={"x-rm-committed-at": time.time() * 1000})
+        publish(
+            "bench.latency",
+            {"i": i},
+            exchange=exchange,
+            headers={"x-rm-committed-at": time.time_ns() // 1000},
+        )
         next_at += interval
         pause = next_at - time.perf_counter()
         if pause > 0:
@@ -199,11 +217,14 @@ def main() -> None:
     }
     print(f"machine: {result['machine']}")
     print(f"relay:    {args.rows} rows in {relay_s:.2f}s = {relay_rate:,.0f} msg/s")
-    print(f"raw pika: {args.rows} msgs in {raw_s:.2f}s = {raw_rate:,.0f} msg/s (pipelined "
-          f"confirms)")
+    print(
+        f"raw pika: {args.rows} msgs in {raw_s:.2f}s = {raw_rate:,.0f} msg/s (pipelined confirms)"
+    )
     print(f"ratio relay/raw = {result['ratio']} (target >= 0.5, aim 0.7)")
-    print(f"commit->broker latency at {args.rate} msg/s over {len(lat)} messages with "
-          f"LISTEN/NOTIFY: p50 {result['latency_p50_ms']} ms, p99 {result['latency_p99_ms']} ms")
+    print(
+        f"commit->broker latency at {args.rate} msg/s over {len(lat)} messages with "
+        f"LISTEN/NOTIFY: p50 {result['latency_p50_ms']} ms, p99 {result['latency_p99_ms']} ms"
+    )
     print(json.dumps(result))
 
 

@@ -8,7 +8,6 @@ row commits at once, like any other ORM write.
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -16,22 +15,45 @@ from typing import Any
 from django.db import IntegrityError, transaction
 
 from .conf import messaging_settings
-from .envelope import MAX_MESSAGE_ID_LENGTH, MessageJSONEncoder, encode_payload
+from .envelope import MAX_MESSAGE_ID_LENGTH, encode_payload
 from .models import OutboxMessage
+
+
+def _check_header_value(name: str, value: Any) -> None:
+    # AMQP tables (as pika encodes them) hold strings, integers, booleans, None, and lists and
+    # tables of those; a float or another object would only fail later, in the relay.
+    if value is None or isinstance(value, str | bool):
+        return
+    if isinstance(value, int):
+        if not -(2**63) <= value < 2**63:
+            raise TypeError(f"header {name!r} is out of the 64-bit integer range")
+        return
+    if isinstance(value, list | tuple):
+        for item in value:
+            _check_header_value(name, item)
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"header {name!r} has a non-string key {key!r}")
+            _check_header_value(f"{name}.{key}", item)
+        return
+    raise TypeError(
+        f"header {name!r} has a value of type {type(value).__name__}; AMQP headers hold "
+        f"str, int, bool, None, and lists or dicts of these (send a float as a string)"
+    )
 
 
 def _json_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
     if not headers:
         return {}
-    if not isinstance(headers, Mapping) or not all(isinstance(k, str) for k in headers):
+    if not isinstance(headers, Mapping):
         raise TypeError("headers must be a mapping with string keys")
-    try:
-        result: dict[str, Any] = json.loads(
-            json.dumps(dict(headers), cls=MessageJSONEncoder, allow_nan=False)
-        )
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"headers cannot be encoded as JSON: {exc}") from exc
-    return result
+    for name, value in headers.items():
+        if not isinstance(name, str):
+            raise TypeError(f"header names must be strings, got {name!r}")
+        _check_header_value(name, value)
+    return dict(headers)
 
 
 def publish(

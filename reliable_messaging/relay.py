@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import re
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -596,15 +597,26 @@ class OutboxRelay:
                 batch.unpublished.append(row)
                 batch.errors[row.pk] = f"exchange {row.exchange!r} does not exist"
                 continue
+            try:
+                channel.basic_publish(
+                    exchange=row.exchange,
+                    routing_key=row.routing_key,
+                    body=row.body.encode("utf-8"),
+                    properties=message_properties(row),
+                    mandatory=True,
+                )
+            except (
+                pika.exceptions.UnsupportedAMQPFieldException,
+                struct.error,
+                TypeError,
+                ValueError,
+            ) as exc:
+                # Encoding fails before anything is written, so no delivery tag is used.
+                batch.unpublished.append(row)
+                batch.errors[row.pk] = f"cannot encode the message: {exc!r}"[:2000]
+                continue
             batch.rows[self._next_tag] = row
             self._next_tag += 1
-            channel.basic_publish(
-                exchange=row.exchange,
-                routing_key=row.routing_key,
-                body=row.body.encode("utf-8"),
-                properties=message_properties(row),
-                mandatory=True,
-            )
         if not batch.rows:
             self._finish_batch()
             return len(rows)
