@@ -11,6 +11,7 @@ from django.db import DataError, IntegrityError, router, transaction
 from django.utils import timezone
 
 from .envelope import FIRST_FAILED_AT_HEADER, Delivery, jsonable
+from .fingerprints import exception_fingerprint, reason_fingerprint
 from .models import DeadLetter, DeadLetterStatus
 
 logger = logging.getLogger(__name__)
@@ -50,9 +51,11 @@ def record_dead_letter(
     """
     now = timezone.now()
     exception_type = ""
+    fingerprint = reason_fingerprint(reason)
     if exception is not None:
         exception_type = f"{type(exception).__module__}.{type(exception).__qualname__}"
         exception_message = exception_message or str(exception)
+        fingerprint = exception_fingerprint(exception)
     fields: dict[str, Any] = {
         "queue": _clip(delivery.queue),
         "exchange": _clip(exchange if exchange is not None else delivery.exchange),
@@ -68,6 +71,7 @@ def record_dead_letter(
         "attempts": attempts,
         "last_failed_at": now,
         "status": DeadLetterStatus.DEAD,
+        "fingerprint": fingerprint,
     }
     event = {
         "event": "dead_lettered",

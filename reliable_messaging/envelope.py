@@ -28,7 +28,9 @@ ORDERING_KEY_HEADER = "x-rm-ordering-key"
 FIRST_FAILED_AT_HEADER = "x-rm-first-failed-at"
 LAST_ERROR_HEADER = "x-rm-last-error"
 PUBLISHED_AT_HEADER = "x-rm-published-at"
-REPLAY_HEADER = "x-rm-replay"
+REPLAY_HEADER = "x-rm-replay"  # how many times the message was replayed
+REPLAYED_BY_HEADER = "x-rm-replayed-by"
+DEAD_LETTER_ID_HEADER = "x-rm-dead-letter-id"
 # Headers RabbitMQ adds on dead-lettering; they grow with every retry, so copies drop them.
 BROKER_HEADERS = frozenset(
     {

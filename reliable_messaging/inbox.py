@@ -31,6 +31,7 @@ from .envelope import (
     LAST_ERROR_HEADER,
     ORIGINAL_EXCHANGE_HEADER,
     ORIGINAL_ROUTING_KEY_HEADER,
+    REPLAY_HEADER,
     DecodeError,
     Delivery,
     Message,
@@ -40,6 +41,7 @@ from .exceptions import DatabaseUnavailable
 from .models import ProcessedMessage
 from .outcomes import Acknowledge, Outcome, ScheduleRetry
 from .registry import ConsumerSpec
+from .replay import mark_resolved
 from .retry import GiveUp, decide
 
 logger = logging.getLogger(__name__)
@@ -130,6 +132,8 @@ class DeliveryProcessor:
                 )
                 inserted = True
                 self.spec.handler(message)
+                if REPLAY_HEADER in delivery.headers:
+                    mark_resolved(self.spec.name, message.message_id, self.using)
         except IntegrityError as exc:
             if not inserted:
                 logger.info(

@@ -87,6 +87,8 @@ class DeadLetter(models.Model):
         max_length=20, choices=DeadLetterStatus.choices, default=DeadLetterStatus.DEAD
     )
     replay_count = models.PositiveIntegerField(default=0)
+    # Groups the dead letters that fail the same way (see fingerprints.py).
+    fingerprint = models.CharField(max_length=64, blank=True)
     # Append-only record of what happened to this message: failures, replays, resolution.
     history = models.JSONField(default=list, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -97,6 +99,7 @@ class DeadLetter(models.Model):
     class Meta:
         verbose_name = _("dead letter")
         ordering = ["-last_failed_at", "-id"]
+        permissions = [("replay_deadletter", "Can replay and discard dead letters")]
         constraints = [
             models.UniqueConstraint(
                 fields=["consumer", "message_id"],
@@ -108,6 +111,7 @@ class DeadLetter(models.Model):
             models.Index(fields=["status", "-last_failed_at"], name="rm_deadletter_status_idx"),
             models.Index(fields=["consumer", "status"], name="rm_deadletter_consumer_idx"),
             models.Index(fields=["message_id"], name="rm_deadletter_message_id_idx"),
+            models.Index(fields=["fingerprint", "status"], name="rm_deadletter_fprint_idx"),
         ]
 
     def __str__(self) -> str:

@@ -1,0 +1,159 @@
+"""``manage.py replay_dead_letters``: replay dead letters chosen by filters."""
+
+from __future__ import annotations
+
+import datetime as dt
+import getpass
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db.models import Q
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime, parse_duration
+
+from reliable_messaging.models import DeadLetter, DeadLetterReason, DeadLetterStatus
+from reliable_messaging.replay import replay_batch
+
+
+def _moment(value: str) -> dt.datetime:
+    """An ISO datetime, or an age such as ``2h``, ``30m``, ``3d`` (meaning that long ago)."""
+    units = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
+    if value[-1:] in units and value[:-1].replace(".", "", 1).isdigit():
+        return timezone.now() - dt.timedelta(**{units[value[-1]]: float(value[:-1])})
+    duration = parse_duration(value)
+    if duration is not None:
+        return timezone.now() - duration
+    moment = parse_datetime(value)
+    if moment is None:
+        raise CommandError(
+            f"cannot read {value!r} as a date-time (2026-11-22T10:00) or an age (30m, 2h, 3d)"
+        )
+    return moment if timezone.is_aware(moment) else timezone.make_aware(moment)
+
+
+class Command(BaseCommand):
+    help = (
+        "Replay dead letters to the consumer that failed them (through the outbox). "
+        "Choose them with filters, or --all."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--consumer", action="append", default=[])
+        parser.add_argument("--queue", action="append", default=[])
+        parser.add_argument(
+            "--reason", action="append", default=[], choices=list(DeadLetterReason.values)
+        )
+        parser.add_argument(
+            "--exception",
+            action="append",
+            default=[],
+            metavar="TYPE",
+            help="exception type, dotted (builtins.KeyError) or bare (KeyError)",
+        )
+        parser.add_argument("--fingerprint", action="append", default=[])
+        parser.add_argument(
+            "--since",
+            type=_moment,
+            metavar="WHEN",
+            help="last failed at or after WHEN (ISO date-time or age: 2h, 3d)",
+        )
+        parser.add_argument("--until", type=_moment, metavar="WHEN", help="last failed before WHEN")
+        parser.add_argument("--id", type=int, action="append", default=[], dest="ids")
+        parser.add_argument(
+            "--status",
+            action="append",
+            default=[],
+            choices=[DeadLetterStatus.DEAD, DeadLetterStatus.DISCARDED],
+            help="default: dead",
+        )
+        parser.add_argument("--limit", type=int, metavar="N")
+        parser.add_argument(
+            "--all",
+            action="store_true",
+            help="replay every dead letter (required when no filter is given)",
+        )
+        parser.add_argument(
+            "--force",
+            action="store_true",
+            help="also replay messages the consumer already processed (runs the handler again)",
+        )
+        parser.add_argument("--batch-size", type=int, default=500)
+        parser.add_argument(
+            "--dry-run", action="store_true", help="show what would be replayed, change nothing"
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        filters = (
+            "consumer",
+            "queue",
+            "reason",
+            "exception",
+            "fingerprint",
+            "since",
+            "until",
+            "ids",
+        )
+        if not any(options[f] for f in filters) and not options["all"]:
+            raise CommandError(
+                "No filter given: pass --consumer, --queue, --reason, "
+                "--exception, --fingerprint, --since, --until or --id, or --all "
+                "to replay every dead letter."
+            )
+        if options["limit"] is not None and options["limit"] < 1:
+            raise CommandError("--limit must be at least 1")
+        if options["batch_size"] < 1:
+            raise CommandError("--batch-size must be at least 1")
+        queryset = self.select(options)
+        ids = list(queryset.order_by("pk").values_list("pk", flat=True)[: options["limit"]])
+        if options["dry_run"]:
+            for letter in DeadLetter.objects.filter(pk__in=ids).order_by("pk"):
+                self.stdout.write(
+                    f"would replay #{letter.pk} message_id={letter.message_id} "
+                    f"to {letter.consumer} ({letter.queue}): {letter.reason}"
+                )
+            self.stdout.write(f"dry run: {len(ids)} dead letter(s) match; nothing replayed")
+            return
+        replayed, refused = 0, 0
+        who = f"{getpass.getuser()} (replay_dead_letters)"
+        for start in range(0, len(ids), options["batch_size"]):
+            result = replay_batch(
+                ids[start : start + options["batch_size"]], replayed_by=who, force=options["force"]
+            )
+            replayed += len(result.replayed)
+            refused += len(result.refused)
+            for pk, why in result.refused.items():
+                self.stderr.write(f"not replayed #{pk}: {why}")
+            self.stdout.write(
+                f"progress: {start + len(result.replayed) + len(result.refused)}/{len(ids)}"
+            )
+        self.stdout.write(
+            self.style.SUCCESS(
+                f"replayed {replayed} dead letter(s), refused {refused}; the relay sends them to "
+                f"their consumers' queues"
+            )
+        )
+
+    def select(self, options: dict[str, Any]) -> Any:
+        queryset = DeadLetter.objects.filter(
+            status__in=options["status"] or [DeadLetterStatus.DEAD]
+        )
+        if options["consumer"]:
+            queryset = queryset.filter(consumer__in=options["consumer"])
+        if options["queue"]:
+            queryset = queryset.filter(queue__in=options["queue"])
+        if options["reason"]:
+            queryset = queryset.filter(reason__in=options["reason"])
+        if options["fingerprint"]:
+            queryset = queryset.filter(fingerprint__in=options["fingerprint"])
+        if options["exception"]:
+            match = Q()
+            for name in options["exception"]:
+                match |= Q(exception_type=name) | Q(exception_type__endswith=f".{name}")
+            queryset = queryset.filter(match)
+        if options["since"]:
+            queryset = queryset.filter(last_failed_at__gte=options["since"])
+        if options["until"]:
+            queryset = queryset.filter(last_failed_at__lt=options["until"])
+        if options["ids"]:
+            queryset = queryset.filter(pk__in=options["ids"])
+        return queryset

@@ -1,0 +1,199 @@
+"""Replaying dead letters: back through the outbox, to the consumer that failed, only.
+
+A replay writes an outbox row addressed to the default exchange with the failed consumer's queue
+as routing key, so only that queue receives it, never the routing key's other subscribers. It
+keeps the message_id (the inbox keeps protecting against doubles), starts again at attempt 1, and
+carries the original exchange and routing key plus who replayed it in our headers. The consumer
+marks the dead letter resolved in the same transaction as the handler's effects when it succeeds;
+if it fails again, the same dead letter row is updated (history kept).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db import router, transaction
+from django.db.models import QuerySet
+from django.utils import timezone
+
+from .envelope import (
+    ATTEMPT_HEADER,
+    BROKER_HEADERS,
+    DEAD_LETTER_ID_HEADER,
+    FIRST_FAILED_AT_HEADER,
+    LAST_ERROR_HEADER,
+    ORDERING_KEY_HEADER,
+    ORIGINAL_EXCHANGE_HEADER,
+    ORIGINAL_ROUTING_KEY_HEADER,
+    PUBLISHED_AT_HEADER,
+    REPLAY_HEADER,
+    REPLAYED_BY_HEADER,
+)
+from .models import (
+    DeadLetter,
+    DeadLetterReason,
+    DeadLetterStatus,
+    OutboxMessage,
+    ProcessedMessage,
+)
+
+logger = logging.getLogger(__name__)
+
+# Reasons a replay would certainly fail for again: the body or the id itself is the problem.
+UNREPLAYABLE_REASONS = {
+    DeadLetterReason.MISSING_MESSAGE_ID: "it has no message_id, so it would be refused again",
+    DeadLetterReason.INVALID_JSON: "its body is not JSON, so it would be refused again",
+    DeadLetterReason.INVALID_UTF8: "its body is not UTF-8, so it would be refused again",
+    DeadLetterReason.EMPTY_BODY: "its body is empty, so it would be refused again",
+}
+REPLAYABLE_STATUSES = (DeadLetterStatus.DEAD, DeadLetterStatus.DISCARDED)
+# Headers describing the previous life of the message, which a replay starts afresh.
+_RESET_HEADERS = {
+    ATTEMPT_HEADER,
+    FIRST_FAILED_AT_HEADER,
+    LAST_ERROR_HEADER,
+    PUBLISHED_AT_HEADER,
+    "x-rm-outbox-id",
+} | BROKER_HEADERS
+
+
+@dataclass
+class ReplayResult:
+    """What a replay did; ``refused`` maps dead letter ids to why they were not replayed."""
+
+    replayed: list[int] = field(default_factory=list)
+    refused: dict[int, str] = field(default_factory=dict)
+
+    def merge(self, other: ReplayResult) -> None:
+        self.replayed.extend(other.replayed)
+        self.refused.update(other.refused)
+
+
+def _refusal(dead_letter: DeadLetter, already_processed: bool, force: bool) -> str | None:
+    if dead_letter.status not in REPLAYABLE_STATUSES:
+        return f"its status is {dead_letter.status}, not dead or discarded"
+    unreplayable = UNREPLAYABLE_REASONS.get(DeadLetterReason(dead_letter.reason))
+    if unreplayable:
+        return unreplayable
+    if already_processed and not force:
+        return (
+            f"consumer {dead_letter.consumer} already processed message "
+            f"{dead_letter.message_id}; replaying it would not run the handler (force it to "
+            f"forget that and run it again)"
+        )
+    return None
+
+
+def _replay_headers(dead_letter: DeadLetter, replayed_by: str) -> dict[str, Any]:
+    headers = {k: v for k, v in (dead_letter.headers or {}).items() if k not in _RESET_HEADERS}
+    headers[ORIGINAL_EXCHANGE_HEADER] = dead_letter.exchange
+    headers[ORIGINAL_ROUTING_KEY_HEADER] = dead_letter.routing_key
+    headers[REPLAY_HEADER] = dead_letter.replay_count + 1
+    headers[REPLAYED_BY_HEADER] = replayed_by
+    headers[DEAD_LETTER_ID_HEADER] = dead_letter.pk
+    return headers
+
+
+def replay_batch(ids: Iterable[int], *, replayed_by: str, force: bool = False) -> ReplayResult:
+    """Replay the given dead letters in one transaction (call it with bounded batches)."""
+    result = ReplayResult()
+    using = router.db_for_write(DeadLetter)
+    now = timezone.now()
+    with transaction.atomic(using=using):
+        letters = list(
+            DeadLetter.objects.using(using)
+            .select_for_update()
+            .filter(pk__in=list(ids))
+            .order_by("pk")
+        )
+        processed = set(
+            ProcessedMessage.objects.using(using)
+            .filter(message_id__in=[d.message_id for d in letters if d.message_id])
+            .values_list("consumer", "message_id")
+        )
+        for dead_letter in letters:
+            already = (dead_letter.consumer, dead_letter.message_id) in processed
+            refusal = _refusal(dead_letter, already, force)
+            if refusal:
+                result.refused[dead_letter.pk] = refusal
+                continue
+            if already:
+                # Forced: forget the inbox row, or the consumer would ack it as a duplicate.
+                ProcessedMessage.objects.using(using).filter(
+                    consumer=dead_letter.consumer, message_id=dead_letter.message_id
+                ).delete()
+            OutboxMessage.objects.using(using).create(
+                message_id=dead_letter.message_id,
+                exchange="",  # the default exchange: straight to the failed consumer's queue
+                routing_key=dead_letter.queue,
+                body=bytes(dead_letter.body).decode("utf-8"),
+                headers=_replay_headers(dead_letter, replayed_by),
+                ordering_key=(dead_letter.headers or {}).get(ORDERING_KEY_HEADER),
+            )
+            dead_letter.status = DeadLetterStatus.REPLAYED
+            dead_letter.replay_count += 1
+            dead_letter.history = [
+                *dead_letter.history,
+                {
+                    "event": "replayed",
+                    "at": now.isoformat(),
+                    "by": replayed_by,
+                    "forced": already,
+                },
+            ]
+            dead_letter.save(
+                using=using, update_fields=["status", "replay_count", "history", "updated_at"]
+            )
+            result.replayed.append(dead_letter.pk)
+            logger.info(
+                "replay of message_id=%s to consumer=%s (queue %s) queued by %s",
+                dead_letter.message_id,
+                dead_letter.consumer,
+                dead_letter.queue,
+                replayed_by,
+            )
+    return result
+
+
+def replay(
+    queryset: QuerySet[DeadLetter], *, replayed_by: str, force: bool = False, batch_size: int = 500
+) -> ReplayResult:
+    """Replay every dead letter of ``queryset``, ``batch_size`` per transaction."""
+    result = ReplayResult()
+    ids = list(queryset.order_by("pk").values_list("pk", flat=True))
+    for start in range(0, len(ids), batch_size):
+        result.merge(
+            replay_batch(ids[start : start + batch_size], replayed_by=replayed_by, force=force)
+        )
+    return result
+
+
+def discard(queryset: QuerySet[DeadLetter], *, discarded_by: str) -> int:
+    """Mark dead letters resolved-by-hand ("discarded"): kept for the record, not replayed."""
+    now = timezone.now()
+    count = 0
+    for dead_letter in queryset.exclude(status=DeadLetterStatus.DISCARDED).iterator():
+        dead_letter.status = DeadLetterStatus.DISCARDED
+        dead_letter.history = [
+            *dead_letter.history,
+            {"event": "discarded", "at": now.isoformat(), "by": discarded_by},
+        ]
+        dead_letter.save(update_fields=["status", "history", "updated_at"])
+        count += 1
+    return count
+
+
+def mark_resolved(consumer: str, message_id: str, using: str) -> None:
+    """Called inside the handler's transaction when a replayed message succeeded."""
+    now = timezone.now()
+    for dead_letter in (
+        DeadLetter.objects.using(using)
+        .select_for_update()
+        .filter(consumer=consumer, message_id=message_id)
+    ):
+        dead_letter.status = DeadLetterStatus.RESOLVED
+        dead_letter.history = [*dead_letter.history, {"event": "resolved", "at": now.isoformat()}]
+        dead_letter.save(using=using, update_fields=["status", "history", "updated_at"])
