@@ -534,23 +534,23 @@ class OutboxRelay:
             return  # _watch closes the connection
         try:
             claimed = self.publish_batch(channel)
+            if claimed:
+                self._db_backoff.reset()
+                return  # the batch's completion schedules the next tick
+            if self.once:
+                # Nothing is due now: rows waiting out a backoff after a failure are left for
+                # a later run (and reported), not waited for.
+                logger.info("relay: nothing left to send")
+                self._close(connection)
+                return
+            wait = self._idle_wait()
+            self._db_backoff.reset()
         except DatabaseError as exc:
             wait = self._db_backoff.next()
             logger.warning(
                 "relay: database unavailable (%s); rows stay pending, retrying in %.1fs", exc, wait
             )
-            self._schedule_tick(wait)
-            return
-        self._db_backoff.reset()
-        if claimed:
-            return  # the batch's completion schedules the next tick
-        if self.once:
-            # Nothing is due now: rows waiting out a backoff after a failure are left for a
-            # later run (and reported), not waited for.
-            logger.info("relay: nothing left to send")
-            self._close(connection)
-            return
-        self._schedule_tick(self._idle_wait())
+        self._schedule_tick(wait)
 
     def _idle_wait(self) -> float:
         poll = self.settings.relay_poll_interval
@@ -664,7 +664,10 @@ class OutboxRelay:
         except Exception as exc:  # noqa: BLE001 - whatever failed, the transaction must end
             # The rows were published but cannot be marked: they stay pending and go again
             # later, which consumers absorb by message_id.
-            batch.atomic.__exit__(type(exc), exc, exc.__traceback__)
+            try:
+                batch.atomic.__exit__(type(exc), exc, exc.__traceback__)
+            except DatabaseError:
+                logger.debug("rollback after a failed batch update failed too", exc_info=True)
             logger.warning(
                 "relay: cannot record a batch's confirms (%s); its %d row(s) stay "
                 "pending and will be sent again",
