@@ -292,7 +292,14 @@ class OutboxRelay:
                     on_open_error_callback=self.on_connection_open_error,
                     on_close_callback=self.on_connection_closed,
                 )
-                self._connection.ioloop.start()
+                try:
+                    self._connection.ioloop.start()
+                except Exception:
+                    # A callback failed in a way nothing above handled (a channel closing under
+                    # a publish, say). Never die for it: roll back, reconnect, go on.
+                    logger.exception("relay: unexpected error; reconnecting")
+                    self._abort_batch("unexpected error")
+                    self._close_quietly()
                 if self._finished or self._stop_requested or self._past_deadline():
                     break
                 wait = self._reconnect.next()
@@ -307,6 +314,15 @@ class OutboxRelay:
             self._probe.close()
         self._count_left()
         return self.report
+
+    def _close_quietly(self) -> None:
+        connection, self._connection, self._channel = self._connection, None, None
+        if connection is not None and connection.is_open:
+            try:
+                connection.close()
+                connection.ioloop.start()  # runs until on_connection_closed stops it
+            except Exception:
+                logger.debug("closing a broken relay connection failed", exc_info=True)
 
     def _past_deadline(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline

@@ -51,9 +51,10 @@ ensure_postgresql() {
     local state="up"
     if ! pg_up; then
         state="started"
+        # "Cluster is already running" (a restart under way) is not a failure: the wait decides.
         # shellcheck disable=SC2046
         pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start 9>&- ||
-            die "postgresql: 'pg_ctlcluster ... main start' failed"
+            echo "postgresql: start command failed; waiting to see whether it comes up" >&2
         wait_for postgresql pg_up
     fi
     # The server may accept connections a moment before queries succeed.

@@ -1,0 +1,1 @@
+"""The demo shop for reliable_messaging: ``make demo`` runs it end to end."""

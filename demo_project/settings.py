@@ -1,0 +1,97 @@
+"""Settings of the demo shop.
+
+SQLite by default (``demo_project/db.sqlite3``); set ``DATABASE_URL`` to use another database,
+e.g. ``postgres://postgres@127.0.0.1:5432/rm_demo``. Not for production: the secret key is public.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import dj_database_url
+
+BASE_DIR = Path(__file__).resolve().parent
+
+SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "demo-only-not-secret")
+DEBUG = True
+ALLOWED_HOSTS = ["127.0.0.1", "localhost"]
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "reliable_messaging",
+    "demo_project.shop",
+]
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+ROOT_URLCONF = "demo_project.urls"
+WSGI_APPLICATION = "demo_project.wsgi.application"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+STATIC_URL = "/static/"
+
+if os.environ.get("DATABASE_URL"):
+    DATABASES = {"default": dj_database_url.parse(os.environ["DATABASE_URL"])}
+else:
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": str(BASE_DIR / "db.sqlite3"),
+            "OPTIONS": {
+                # Three processes share the file (run_demo, consume, relay). WAL lets readers
+                # run beside the one writer; IMMEDIATE takes the write lock at BEGIN, so a
+                # transaction waits (up to the timeout) instead of failing with "database is
+                # locked" when it upgrades from reading to writing.
+                "timeout": 20,
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+                "transaction_mode": "IMMEDIATE",
+            },
+        }
+    }
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+USE_TZ = True
+TIME_ZONE = "UTC"
+
+RELIABLE_MESSAGING = {
+    "BROKER_URL": os.environ.get("RM_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/%2F"),
+    "EXCHANGE": "shop",
+    # Short delays and few attempts so a transient failure is retried within the demo's run.
+    "RETRY_DELAYS": [1, 2],
+    "MAX_ATTEMPTS": 3,
+    # SQLite has no LISTEN/NOTIFY: the relay polls, so poll often.
+    "RELAY_POLL_INTERVAL": 0.2,
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {
+        # run_demo, consume and relay log side by side: the pid says which process spoke.
+        "plain": {"format": "%(asctime)s pid=%(process)d %(levelname)s %(name)s: %(message)s"},
+    },
+    "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "loggers": {"reliable_messaging": {"handlers": ["stderr"], "level": "INFO"}},
+}

@@ -1,0 +1,82 @@
+"""The demo's own use of RabbitMQ: a clean slate of queues, a poison message, queue depths.
+
+The demo talks to the broker directly only for what the app deliberately does not offer: purging
+queues and publishing a malformed message. Everything else goes through ``publish()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import pika
+from pika.spec import BasicProperties
+
+from reliable_messaging.conf import messaging_settings
+from reliable_messaging.envelope import CONTENT_TYPE
+from reliable_messaging.registry import ConsumerSpec
+from reliable_messaging.topology import (
+    all_delays,
+    connection_parameters,
+    declare_topology,
+    delay_exchange_name,
+)
+
+
+class DemoBroker:
+    """One blocking connection of the demo process, kept apart from the workers' connections."""
+
+    def __init__(self, specs: Iterable[ConsumerSpec]) -> None:
+        self.specs = list(specs)
+        self.consumer_queues = [spec.queue for spec in self.specs]
+        self.delay_queues = [delay_exchange_name(d) for d in all_delays(self.specs)]
+        self._connection = pika.BlockingConnection(connection_parameters(name="run_demo"))
+        self._channel = self._connection.channel()
+        # The poison message must really be in the queues before the consumers start.
+        self._channel.confirm_delivery()
+
+    @property
+    def queues(self) -> list[str]:
+        return [*self.consumer_queues, *self.delay_queues]
+
+    def declare(self) -> None:
+        """Declare the exchange, the handlers' queues and the delay queues (idempotent)."""
+        declare_topology(self._channel, self.specs)
+
+    def attached_consumers(self) -> dict[str, int]:
+        """Queues some other process consumes right now, with how many consumers."""
+        counts = {
+            queue: self._channel.queue_declare(queue, passive=True).method.consumer_count or 0
+            for queue in self.consumer_queues
+        }
+        return {queue: count for queue, count in counts.items() if count}
+
+    def purge(self) -> None:
+        """Drop messages an interrupted run left behind, so they cannot skew this run's counts."""
+        for queue in self.queues:
+            self._channel.queue_purge(queue)
+
+    def publish_raw(self, routing_key: str, body: bytes, *, message_id: str) -> None:
+        """Publish ``body`` as is, bypassing the outbox (which only accepts valid JSON)."""
+        self._channel.basic_publish(
+            exchange=messaging_settings.exchange,
+            routing_key=routing_key,
+            body=body,
+            properties=BasicProperties(
+                content_type=CONTENT_TYPE,
+                delivery_mode=pika.DeliveryMode.Persistent,
+                message_id=message_id,
+            ),
+            mandatory=True,
+        )
+
+    def depths(self) -> dict[str, int]:
+        """Messages ready in each queue. Deliveries a consumer holds unacked are not counted;
+        once the consumers have exited, those are back in their queue and counted again."""
+        return {
+            queue: self._channel.queue_declare(queue, passive=True).method.message_count or 0
+            for queue in self.queues
+        }
+
+    def close(self) -> None:
+        if self._connection.is_open:
+            self._connection.close()

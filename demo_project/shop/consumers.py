@@ -1,0 +1,55 @@
+"""The shop's handlers; ``reliable_messaging`` imports this module on startup.
+
+Each runs inside ``transaction.atomic()`` with its inbox row, so a duplicated or redelivered
+message_id never charges, ships or receipts twice.
+"""
+
+from __future__ import annotations
+
+from reliable_messaging import Message, PermanentError, consumer, publish
+
+from .models import Card, Order, Payment, Receipt, Shipment
+
+# Consumer names are the inbox's deduplication scope; the demo's report looks them up too.
+BILLING = "billing.charge-order"
+SHIPPING = "shipping.ship-order"
+RECEIPTS = "receipts.send-receipt"
+
+
+def order_of(message: Message) -> Order:
+    """The order a message is about. A payload without a valid order can never succeed, so
+    retrying would only delay the dead letter: it is a permanent error."""
+    payload = message.payload
+    order_id = payload.get("order_id") if isinstance(payload, dict) else None
+    if order_id is None:
+        raise PermanentError(f"payload has no order_id: {payload!r}")
+    try:
+        return Order.objects.get(pk=order_id)
+    except (Order.DoesNotExist, ValueError, TypeError):
+        raise PermanentError(f"order {order_id!r} does not exist") from None
+
+
+@consumer("shop.billing", bindings=["order.placed"], name=BILLING)
+def charge_order(message: Message) -> None:
+    """Charge the order once, then announce it with ``payment.captured``."""
+    order = order_of(message)
+    if order.card == Card.DECLINED:
+        raise PermanentError("card declined")
+    if order.card == Card.FLAKY and message.attempt < 2:
+        # Any exception other than PermanentError is retried after RETRY_DELAYS.
+        raise ConnectionError("payment gateway timed out")
+    Payment.objects.create(order=order, amount=order.amount, attempt=message.attempt)
+    # Same transaction as the payment: the event exists exactly when the charge does.
+    publish("payment.captured", {"order_id": order.pk}, ordering_key=str(order.pk))
+
+
+@consumer("shop.shipping", bindings=["order.placed"], name=SHIPPING)
+def ship_order(message: Message) -> None:
+    """Ship the order."""
+    Shipment.objects.create(order=order_of(message))
+
+
+@consumer("shop.receipts", bindings=["payment.captured"], name=RECEIPTS)
+def send_receipt(message: Message) -> None:
+    """Send the receipt of a captured payment."""
+    Receipt.objects.create(order=order_of(message))

@@ -1,0 +1,72 @@
+"""Orders and what the handlers do with them: payments, shipments, receipts.
+
+No unique constraint ties a payment, shipment or receipt to its order, on purpose: the inbox
+alone must keep them single, and a doubled charge would show up as a second row.
+
+The managers and ``order_id`` are declared explicitly because the repository's mypy runs the
+django-stubs plugin with ``tests.settings``, where this app is not installed, so the plugin
+cannot add them.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from django.db import models
+from django.utils import timezone
+
+
+class Card(models.TextChoices):
+    """How the payment gateway treats the order's card."""
+
+    OK = "ok", "ok"
+    FLAKY = "flaky", "flaky (gateway times out once)"
+    DECLINED = "declined", "declined"
+
+
+class Order(models.Model):
+    customer = models.CharField(max_length=100)
+    amount = models.DecimalField(max_digits=10, decimal_places=2)
+    card = models.CharField(max_length=10, choices=Card.choices, default=Card.OK)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    objects: ClassVar[models.Manager[Order]] = models.Manager()
+
+    def __str__(self) -> str:
+        return f"order {self.pk} ({self.customer}, {self.amount})"
+
+
+class Payment(models.Model):
+    order = models.ForeignKey(Order, on_delete=models.CASCADE, related_name="payments")
+    order_id: int
+    amount = models.DecimalField(max_digits=10, decimal_places=2)
+    # The delivery attempt whose transaction committed the charge: 2 after one transient failure.
+    attempt = models.PositiveIntegerField()
+    created_at = models.DateTimeField(default=timezone.now)
+
+    objects: ClassVar[models.Manager[Payment]] = models.Manager()
+
+    def __str__(self) -> str:
+        return f"payment of {self.amount} for order {self.order_id}"
+
+
+class Shipment(models.Model):
+    order = models.ForeignKey(Order, on_delete=models.CASCADE, related_name="shipments")
+    order_id: int
+    created_at = models.DateTimeField(default=timezone.now)
+
+    objects: ClassVar[models.Manager[Shipment]] = models.Manager()
+
+    def __str__(self) -> str:
+        return f"shipment of order {self.order_id}"
+
+
+class Receipt(models.Model):
+    order = models.ForeignKey(Order, on_delete=models.CASCADE, related_name="receipts")
+    order_id: int
+    created_at = models.DateTimeField(default=timezone.now)
+
+    objects: ClassVar[models.Manager[Receipt]] = models.Manager()
+
+    def __str__(self) -> str:
+        return f"receipt for order {self.order_id}"

@@ -1,0 +1,347 @@
+"""What a demo run left in the database, whether the guarantees held, and the printed summary.
+
+Every figure is read back from the database (orders, payments, inbox, outbox, dead letters).
+The only inputs are what cannot be found there afterwards: the message ids publish() returned
+inside the rolled-back transactions (rolled back, so nowhere) and the poison message's id.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from django.db import connection
+from django.db.models import Count
+
+from reliable_messaging.models import (
+    DeadLetter,
+    DeadLetterReason,
+    OutboxMessage,
+    OutboxStatus,
+    ProcessedMessage,
+)
+from reliable_messaging.registry import registry
+
+from .consumers import BILLING
+from .models import Card, Order, Payment
+
+ORDER_PLACED = "order.placed"
+
+
+@dataclass(frozen=True)
+class Injected:
+    """What the scenario did that the database cannot show afterwards."""
+
+    rolled_back_message_ids: tuple[str, ...]
+    poison_message_id: str
+
+
+class OrderEffects(NamedTuple):
+    card: str
+    payments: int
+    shipments: int
+    receipts: int
+
+    @property
+    def payable(self) -> bool:
+        return self.card != Card.DECLINED
+
+
+class DeadLetterRow(NamedTuple):
+    consumer: str
+    message_id: str
+    reason: str
+    error: str
+
+
+@dataclass(frozen=True)
+class RunState:
+    """The shop, the inbox, the outbox, the dead letters and the queues, read in one go."""
+
+    orders: tuple[OrderEffects, ...]
+    retry_attempts: tuple[int, ...]  # Payment.attempt of every payment that needed a retry
+    dead_letters: tuple[DeadLetterRow, ...]
+    outbox_pending: int
+    outbox_failed: int
+    leaked: int  # outbox, inbox and dead-letter rows of the rolled-back orders' messages
+    duplicated_ids: tuple[str, ...]  # message ids published twice (two outbox rows)
+    inbox_rows_of_duplicates: Mapping[str, int]
+    order_placed_consumers: tuple[str, ...]
+    poison_message_id: str
+    queue_depths: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def by_card(self) -> Counter[str]:
+        return Counter(order.card for order in self.orders)
+
+    @property
+    def payable(self) -> list[OrderEffects]:
+        return [order for order in self.orders if order.payable]
+
+    @property
+    def doubled(self) -> dict[str, int]:
+        """Orders with more than one payment, shipment or receipt: must all be 0."""
+        return {
+            "payments": sum(1 for o in self.orders if o.payments > 1),
+            "shipments": sum(1 for o in self.orders if o.shipments > 1),
+            "receipts": sum(1 for o in self.orders if o.receipts > 1),
+        }
+
+    def is_declined_card(self, letter: DeadLetterRow) -> bool:
+        return (
+            letter.consumer == BILLING
+            and letter.reason == DeadLetterReason.PERMANENT
+            and "card declined" in letter.error
+        )
+
+    def is_poison(self, letter: DeadLetterRow) -> bool:
+        return (
+            letter.message_id == self.poison_message_id
+            and letter.reason == DeadLetterReason.INVALID_JSON
+        )
+
+    @property
+    def expected_dead_letters(self) -> int:
+        """One per declined card (billing), one per consumer the poison message reached."""
+        return self.by_card[Card.DECLINED] + len(self.order_placed_consumers)
+
+    @property
+    def complete(self) -> bool:
+        """Every expected effect and dead letter is there and nothing waits to be sent or
+        consumed. Doubles do not hold it back: they are reported as problems."""
+        return (
+            all(o.payments and o.receipts for o in self.payable)
+            and all(o.shipments for o in self.orders)
+            and sum(1 for d in self.dead_letters if self.is_declined_card(d))
+            >= self.by_card[Card.DECLINED]
+            and sum(1 for d in self.dead_letters if self.is_poison(d))
+            >= len(self.order_placed_consumers)
+            and self.outbox_pending == 0
+            and not any(self.queue_depths.values())
+        )
+
+    def progress(self) -> str:
+        payments = sum(o.payments for o in self.orders)
+        shipments = sum(o.shipments for o in self.orders)
+        receipts = sum(o.receipts for o in self.orders)
+        return (
+            f"payments {payments}/{len(self.payable)}, shipments {shipments}/{len(self.orders)}, "
+            f"receipts {receipts}/{len(self.payable)}, dead letters {len(self.dead_letters)}/"
+            f"{self.expected_dead_letters}, outbox pending {self.outbox_pending}, "
+            f"queued {sum(self.queue_depths.values())}"
+        )
+
+
+def read_state(injected: Injected, queue_depths: Mapping[str, int] | None = None) -> RunState:
+    """Read the run's state from the database (and the queue depths the caller measured)."""
+    orders = Order.objects.annotate(
+        # distinct: the three joins multiply the rows; counting distinct ids keeps each exact.
+        paid=Count("payments", distinct=True),
+        shipped=Count("shipments", distinct=True),
+        receipted=Count("receipts", distinct=True),
+    ).order_by("pk")
+    duplicated = tuple(
+        OutboxMessage.objects.filter(routing_key=ORDER_PLACED)
+        .values("message_id")
+        .annotate(rows=Count("id"))
+        .filter(rows__gt=1)
+        .values_list("message_id", flat=True)
+    )
+    rolled_back = list(injected.rolled_back_message_ids)
+    return RunState(
+        orders=tuple(
+            OrderEffects(*row) for row in orders.values_list("card", "paid", "shipped", "receipted")
+        ),
+        retry_attempts=tuple(
+            Payment.objects.filter(attempt__gt=1).values_list("attempt", flat=True)
+        ),
+        dead_letters=tuple(
+            DeadLetterRow(*row)
+            for row in DeadLetter.objects.order_by("pk").values_list(
+                "consumer", "message_id", "reason", "exception_message"
+            )
+        ),
+        outbox_pending=OutboxMessage.objects.pending().count(),
+        outbox_failed=OutboxMessage.objects.filter(status=OutboxStatus.FAILED).count(),
+        leaked=(
+            OutboxMessage.objects.filter(message_id__in=rolled_back).count()
+            + ProcessedMessage.objects.filter(message_id__in=rolled_back).count()
+            + DeadLetter.objects.filter(message_id__in=rolled_back).count()
+        ),
+        duplicated_ids=duplicated,
+        inbox_rows_of_duplicates=dict(
+            ProcessedMessage.objects.filter(message_id__in=duplicated)
+            .values("message_id")
+            .annotate(rows=Count("id"))
+            .values_list("message_id", "rows")
+        ),
+        # An exact binding match is enough: the shop binds no wildcard patterns.
+        order_placed_consumers=tuple(s.name for s in registry.all() if ORDER_PLACED in s.bindings),
+        poison_message_id=injected.poison_message_id,
+        queue_depths=dict(queue_depths or {}),
+    )
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """How the run went outside the database: duration, worker exits, the consume log."""
+
+    seconds: float
+    exit_codes: Mapping[str, int]
+    duplicates_skipped: int  # "duplicate message_id=..." lines in the consume log
+    unfinished: str = ""  # why the run stopped before the expected final state, if it did
+
+
+def problems(state: RunState, injected: Injected, facts: RunFacts) -> list[str]:
+    """Every broken guarantee or unexpected outcome, in words; empty when the run is clean."""
+    found: list[str] = []
+    if facts.unfinished:
+        found.append(facts.unfinished)
+    for what, count in state.doubled.items():
+        if count:
+            found.append(f"{count} order(s) have more than one of their {what}")
+    uncharged = sum(1 for o in state.payable if not o.payments)
+    if uncharged:
+        found.append(f"{uncharged} payable order(s) were never charged")
+    if any(o.payments for o in state.orders if not o.payable):
+        found.append("an order with a declined card was charged")
+    if any(not o.receipts for o in state.payable):
+        found.append("a charged order has no receipt")
+    if any(not o.shipments for o in state.orders):
+        found.append("an order was never shipped")
+    if state.leaked:
+        found.append(
+            f"{state.leaked} message row(s) exist for the {len(injected.rolled_back_message_ids)} "
+            f"rolled-back orders (outbox, inbox or dead letters)"
+        )
+    for message_id in state.duplicated_ids:
+        rows = state.inbox_rows_of_duplicates.get(message_id, 0)
+        if rows != len(state.order_placed_consumers):
+            found.append(
+                f"duplicated message_id={message_id} was taken {rows} time(s) by its "
+                f"{len(state.order_placed_consumers)} consumers"
+            )
+    declined = [d for d in state.dead_letters if state.is_declined_card(d)]
+    if len(declined) != state.by_card[Card.DECLINED]:
+        found.append(
+            f"{len(declined)} declined-card dead letters for {state.by_card[Card.DECLINED]} "
+            f"declined orders"
+        )
+    poison = [d for d in state.dead_letters if state.is_poison(d)]
+    if len(poison) != len(state.order_placed_consumers):
+        found.append(
+            f"the poison message is a dead letter in {len(poison)} of the "
+            f"{len(state.order_placed_consumers)} consumers it reached"
+        )
+    found += [
+        f"unexpected dead letter: {d.consumer} message_id={d.message_id} {d.reason}: {d.error}"
+        for d in state.dead_letters
+        if not (state.is_declined_card(d) or state.is_poison(d))
+    ]
+    if state.outbox_pending or state.outbox_failed:
+        found.append(
+            f"the outbox still has {state.outbox_pending} pending and "
+            f"{state.outbox_failed} failed row(s)"
+        )
+    left = {queue: n for queue, n in state.queue_depths.items() if n}
+    if left:
+        found.append(f"messages left in the queues after the workers stopped: {left}")
+    for name, code in facts.exit_codes.items():
+        if code:
+            found.append(f"manage.py {name} exited with code {code}")
+    return found
+
+
+def _attempts_text(attempts: tuple[int, ...]) -> str:
+    distinct = sorted(set(attempts))
+    if not distinct:
+        return "none were needed"
+    if len(distinct) == 1:
+        return f"all succeeded on attempt {distinct[0]}"
+    return "succeeded on attempts " + ", ".join(str(a) for a in distinct)
+
+
+def _dead_letters_text(state: RunState) -> str:
+    """E.g. "3 permanent error: card declined; 2 invalid JSON: 1 message x 2 consumers"."""
+    labels: dict[str, Any] = dict(DeadLetterReason.choices)
+    parts = []
+    for reason, count in Counter(d.reason for d in state.dead_letters).most_common():
+        letters = [d for d in state.dead_letters if d.reason == reason]
+        text = f"{count} {labels.get(reason, reason)}"
+        if reason in (DeadLetterReason.PERMANENT, DeadLetterReason.RETRIES_EXHAUSTED):
+            text += ": " + ", ".join(sorted({d.error for d in letters}))
+        messages = len({d.message_id for d in letters})
+        if messages < count:
+            consumers = len({d.consumer for d in letters})
+            text += f": {messages} message x {consumers} consumers"
+        parts.append(text)
+    return "; ".join(parts) or "none"
+
+
+def _row(label: str, value: object, detail: str = "") -> str:
+    return f"  {label:<30}{value!s:>6}   {detail}".rstrip()
+
+
+def summary_lines(state: RunState, injected: Injected, facts: RunFacts) -> list[str]:
+    """The summary a person can check at a glance."""
+    yes = {True: "yes", False: "NO"}
+    doubled = state.doubled
+    by_card = state.by_card
+    charged_once = all(o.payments == 1 for o in state.payable)
+    taken_once = all(
+        state.inbox_rows_of_duplicates.get(m, 0) == len(state.order_placed_consumers)
+        for m in state.duplicated_ids
+    )
+    codes = " / ".join(str(facts.exit_codes.get(name, "-")) for name in ("relay", "consume"))
+    lines = [
+        f"reliable_messaging demo — summary ({connection.display_name}, {facts.seconds:.1f} s)",
+        _row(
+            "orders placed (committed)",
+            len(state.orders),
+            f"{by_card[Card.OK]} card ok, {by_card[Card.FLAKY]} flaky, "
+            f"{by_card[Card.DECLINED]} declined",
+        ),
+        _row(
+            "orders rolled back",
+            len(injected.rolled_back_message_ids),
+            f"messages sent for them: {state.leaked}",
+        ),
+        _row(
+            "duplicate deliveries injected",
+            len(state.duplicated_ids),
+            f"each taken once per consumer: {yes[taken_once]} "
+            f"({facts.duplicates_skipped} copies skipped by the inbox)",
+        ),
+        _row(
+            "payments made",
+            sum(o.payments for o in state.orders),
+            f"(one per payable order: {yes[charged_once]}; doubled: {doubled['payments']})",
+        ),
+        _row(
+            "shipments",
+            sum(o.shipments for o in state.orders),
+            f"receipts {sum(o.receipts for o in state.orders)} "
+            f"(doubled: {doubled['shipments'] + doubled['receipts']})",
+        ),
+        _row(
+            "retries (transient failures)",
+            len(state.retry_attempts),
+            _attempts_text(state.retry_attempts),
+        ),
+        _row("dead letters", len(state.dead_letters), f"({_dead_letters_text(state)})"),
+        _row("relay / consume exit codes", codes),
+    ]
+    found = problems(state, injected, facts)
+    lines += [f"PROBLEM: {text}" for text in found] or [
+        "OK: nothing charged, shipped or receipted twice; nothing sent for rolled-back "
+        "orders; only the expected dead letters"
+    ]
+    lines += [
+        "Review and replay the dead letters in the admin:",
+        "  python manage.py runserver   then open "
+        "http://127.0.0.1:8000/admin/reliable_messaging/deadletter/",
+        "  login: demo / demo",
+    ]
+    return lines
