@@ -42,6 +42,8 @@ services:
 	@scripts/ensure-services.sh
 
 test: venv services
+	@# The browser tests drive Debian's chromium through Playwright (never `playwright install`).
+	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 demo: venv services

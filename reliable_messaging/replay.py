@@ -172,17 +172,25 @@ def replay(
 
 
 def discard(queryset: QuerySet[DeadLetter], *, discarded_by: str) -> int:
-    """Mark dead letters resolved-by-hand ("discarded"): kept for the record, not replayed."""
+    """Mark dead letters "discarded": kept for the record, not replayed. Only letters still
+    ``dead`` are taken; one replayed and awaiting its outcome, or resolved, is left alone."""
+    using = router.db_for_write(DeadLetter)
     now = timezone.now()
     count = 0
-    for dead_letter in queryset.exclude(status=DeadLetterStatus.DISCARDED).iterator():
-        dead_letter.status = DeadLetterStatus.DISCARDED
-        dead_letter.history = [
-            *dead_letter.history,
-            {"event": "discarded", "at": now.isoformat(), "by": discarded_by},
-        ]
-        dead_letter.save(update_fields=["status", "history", "updated_at"])
-        count += 1
+    with transaction.atomic(using=using):
+        letters = (
+            DeadLetter.objects.using(using)
+            .select_for_update()
+            .filter(pk__in=queryset.values("pk"), status=DeadLetterStatus.DEAD)
+        )
+        for dead_letter in letters:
+            dead_letter.status = DeadLetterStatus.DISCARDED
+            dead_letter.history = [
+                *dead_letter.history,
+                {"event": "discarded", "at": now.isoformat(), "by": discarded_by},
+            ]
+            dead_letter.save(using=using, update_fields=["status", "history", "updated_at"])
+            count += 1
     return count
 
 

@@ -1,0 +1,407 @@
+"""The dead-letter console's own admin pages, and the operations they share with the actions.
+
+- ``failure_groups_view``: dead letters grouped by fingerprint and consumer, with counts, first
+  and last seen, an example, and links to list, replay or discard a whole group.
+- ``bulk_operation_view``: replay or discard everything the changelist's filter matches; GET
+  shows how many on a confirmation page, POST does it in bounded batches.
+- ``object_operation_view``: the replay and discard buttons of one dead letter's page.
+- ``replay_and_report``, ``discard_and_report``: call the services of ``replay.py`` batch by
+  batch, write each dead letter's admin log entry in the batch's transaction, and tell the user
+  what happened with ``message_user``.
+
+Each view checks its permission itself: ``admin_view`` only ensures a logged-in staff user and
+CSRF protection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+from django.contrib import messages
+from django.contrib.admin.models import CHANGE, LogEntry
+from django.contrib.admin.options import IncorrectLookupParameters
+from django.core.exceptions import PermissionDenied
+from django.core.paginator import Paginator
+from django.db import router, transaction
+from django.db.models import Count, Exists, Max, Min, OuterRef, Q, QuerySet
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed
+from django.shortcuts import redirect
+from django.template.response import TemplateResponse
+from django.utils.http import urlencode
+from django.utils.translation import gettext, ngettext
+
+from .models import DeadLetter, DeadLetterStatus, ProcessedMessage
+from .replay import (
+    REPLAYABLE_STATUSES,
+    UNREPLAYABLE_REASONS,
+    ReplayResult,
+    discard,
+    replay_batch,
+)
+
+if TYPE_CHECKING:
+    from .admin import DeadLetterAdmin
+
+Operation = Literal["replay", "discard"]
+# Refusals spelled out in the warning message; the rest are counted.
+REFUSALS_SHOWN = 5
+# Query parameters of the changelist that are not filters.
+_NOT_FILTERS = {"o", "p", "e", "_facets", "all"}
+_OPERATORS = {"exact": "=", "gte": "≥", "gt": ">", "lte": "≤", "lt": "<", "isnull": "is null:"}
+
+
+def operator(request: HttpRequest) -> str:
+    """Who did it, as the replay headers and the dead letter's history record it."""
+    return f"{request.user.get_username()} (admin)"
+
+
+def already_processed(queryset: QuerySet[DeadLetter]) -> QuerySet[DeadLetter]:
+    """Those whose consumer has an inbox row for their message_id (a replay is then refused)."""
+    return queryset.filter(
+        Exists(
+            ProcessedMessage.objects.filter(
+                consumer=OuterRef("consumer"), message_id=OuterRef("message_id")
+            )
+        )
+    )
+
+
+def log_changes(request: HttpRequest, ids: Sequence[int], message: str) -> None:
+    """One admin log entry (who, when, what) per dead letter, so its history page shows it."""
+    if not ids:
+        return
+    user: Any = request.user  # admin views only run for logged-in staff
+    LogEntry.objects.log_actions(
+        user_id=user.pk,
+        queryset=DeadLetter.objects.filter(pk__in=ids).only(
+            "pk", "message_id", "consumer", "reason"
+        ),
+        action_flag=CHANGE,
+        change_message=message,
+    )
+
+
+def _how_many(verb: str, how: str, total: int) -> str:
+    return ngettext(
+        "%(verb)s (%(how)s).",
+        "%(verb)s (%(how)s; %(count)d dead letters in this operation).",
+        total,
+    ) % {"verb": verb, "how": how, "count": total}
+
+
+def replay_and_report(
+    model_admin: DeadLetterAdmin,
+    request: HttpRequest,
+    ids: Sequence[int],
+    *,
+    force: bool,
+    how: str,
+) -> ReplayResult:
+    """Replay ``ids`` through the outbox, ``batch_size`` per transaction, log and report it."""
+    result = ReplayResult()
+    who = operator(request)
+    verb = gettext("Replayed, forced") if force else gettext("Replayed")
+    message = _how_many(verb, how, len(ids))
+    using = router.db_for_write(DeadLetter)
+    for start in range(0, len(ids), model_admin.batch_size):
+        with transaction.atomic(using=using):
+            batch = replay_batch(
+                ids[start : start + model_admin.batch_size], replayed_by=who, force=force
+            )
+            log_changes(request, batch.replayed, message)
+        result.merge(batch)
+    _report_replay(model_admin, request, result, force=force)
+    return result
+
+
+def _report_replay(
+    model_admin: DeadLetterAdmin, request: HttpRequest, result: ReplayResult, *, force: bool
+) -> None:
+    replayed, refused = len(result.replayed), len(result.refused)
+    if replayed:
+        model_admin.message_user(
+            request,
+            ngettext(
+                "%(count)d dead letter was replayed: the relay sends it to the queue of the "
+                "consumer that failed it, and only there.",
+                "%(count)d dead letters were replayed: the relay sends them to the queues of "
+                "the consumers that failed them, and only there.",
+                replayed,
+            )
+            % {"count": replayed},
+            messages.SUCCESS,
+        )
+    if refused:
+        shown = sorted(result.refused)[:REFUSALS_SHOWN]
+        message_ids = dict(DeadLetter.objects.filter(pk__in=shown).values_list("pk", "message_id"))
+        details = "; ".join(
+            f"#{pk} ({message_ids.get(pk) or gettext('no id')}): {result.refused[pk]}"
+            for pk in shown
+        )
+        if refused > len(shown):
+            more = refused - len(shown)
+            details += " " + ngettext("and %(count)d more", "and %(count)d more", more) % {
+                "count": more
+            }
+        model_admin.message_user(
+            request,
+            ngettext(
+                "%(count)d dead letter was not replayed: %(details)s",
+                "%(count)d dead letters were not replayed: %(details)s",
+                refused,
+            )
+            % {"count": refused, "details": details},
+            messages.WARNING,
+        )
+        processed = already_processed(
+            DeadLetter.objects.filter(pk__in=list(result.refused))
+        ).count()
+        if processed and not force:
+            model_admin.message_user(
+                request,
+                ngettext(
+                    "%(count)d of them was already processed by its consumer. To run the "
+                    "handler again anyway, use “force”: the action “Replay the selected dead "
+                    "letters, even if already processed”, or the checkbox on the confirmation "
+                    "page.",
+                    "%(count)d of them were already processed by their consumers. To run the "
+                    "handlers again anyway, use “force”: the action “Replay the selected dead "
+                    "letters, even if already processed”, or the checkbox on the confirmation "
+                    "page.",
+                    processed,
+                )
+                % {"count": processed},
+                messages.INFO,
+            )
+    if not replayed and not refused:
+        model_admin.message_user(request, gettext("No dead letter to replay."), messages.WARNING)
+
+
+def discard_and_report(
+    model_admin: DeadLetterAdmin, request: HttpRequest, ids: Sequence[int], *, how: str
+) -> int:
+    """Discard those of ``ids`` still dead, ``batch_size`` per transaction; log and report."""
+    who = operator(request)
+    message = _how_many(gettext("Discarded"), how, len(ids))
+    using = router.db_for_write(DeadLetter)
+    discarded = 0
+    for start in range(0, len(ids), model_admin.batch_size):
+        with transaction.atomic(using=using):
+            # Locked, so a dead letter a replay just took is not discarded under its feet.
+            dead = list(
+                DeadLetter.objects.using(using)
+                .select_for_update()
+                .filter(pk__in=ids[start : start + model_admin.batch_size])
+                .filter(status=DeadLetterStatus.DEAD)
+                .values_list("pk", flat=True)
+            )
+            discarded += discard(DeadLetter.objects.filter(pk__in=dead), discarded_by=who)
+            log_changes(request, dead, message)
+    if discarded:
+        model_admin.message_user(
+            request,
+            ngettext(
+                "%(count)d dead letter was discarded: it stays here, marked discarded, and "
+                "can still be replayed.",
+                "%(count)d dead letters were discarded: they stay here, marked discarded, and "
+                "can still be replayed.",
+                discarded,
+            )
+            % {"count": discarded},
+            messages.SUCCESS,
+        )
+    skipped = len(ids) - discarded
+    if skipped:
+        model_admin.message_user(
+            request,
+            ngettext(
+                "%(count)d dead letter was not discarded: only those with status “dead” are "
+                "(the others are resolved, awaiting a replay's outcome, or already discarded).",
+                "%(count)d dead letters were not discarded: only those with status “dead” are "
+                "(the others are resolved, awaiting a replay's outcome, or already discarded).",
+                skipped,
+            )
+            % {"count": skipped},
+            messages.WARNING,
+        )
+    return discarded
+
+
+# --------------------------------------------------------------------------- views
+
+
+def describe_filter(request: HttpRequest) -> list[str]:
+    """The changelist's filter in words, e.g. ``["consumer = billing", "search “x”"]``."""
+    parts = []
+    for key, values in request.GET.lists():
+        if key in _NOT_FILTERS:
+            continue
+        for value in values:
+            if key == "q":
+                parts.append(gettext("search “%(term)s”") % {"term": value})
+                continue
+            field, _, lookup = key.partition("__")
+            label = gettext("failure group") if field == "fingerprint" else field
+            parts.append(f"{label} {_OPERATORS.get(lookup or 'exact', lookup)} {value}")
+    return parts
+
+
+def bulk_operation_view(
+    model_admin: DeadLetterAdmin, request: HttpRequest, operation: Operation
+) -> HttpResponse:
+    """Replay or discard every dead letter the changelist's filter and search match."""
+    if not model_admin.has_replay_permission(request):
+        raise PermissionDenied
+    if request.method not in ("GET", "POST"):
+        return HttpResponseNotAllowed(["GET", "POST"])
+    query = request.GET.urlencode()
+    changelist_url = model_admin.console_url("changelist", query=query)
+    try:
+        # The very queryset the changelist shows for this query string: filters, search, dates.
+        matching = model_admin.get_changelist_instance(request).get_queryset(request)
+    except IncorrectLookupParameters:
+        return redirect(model_admin.console_url("changelist", query="e=1"))
+
+    # Without a status filter only dead ones are taken: "replay everything from billing" should
+    # not wake up what someone discarded on purpose. Filter by status to include those.
+    status_chosen = any(key.startswith("status") for key in request.GET)
+    if operation == "replay" and status_chosen:
+        statuses: tuple[str, ...] = tuple(REPLAYABLE_STATUSES)
+    else:
+        statuses = (DeadLetterStatus.DEAD,)
+    unreplayable = list(UNREPLAYABLE_REASONS) if operation == "replay" else []
+    targets = matching.filter(status__in=statuses).exclude(reason__in=unreplayable)
+
+    if request.method == "POST":
+        ids = list(targets.order_by("pk").values_list("pk", flat=True))
+        filter_text = ", ".join(describe_filter(request)) or gettext("no filter")
+        how = gettext("all matching the filter: %(filter)s") % {"filter": filter_text}
+        if operation == "replay":
+            replay_and_report(
+                model_admin, request, ids, force=bool(request.POST.get("force")), how=how
+            )
+        else:
+            discard_and_report(model_admin, request, ids, how=how)
+        return redirect(changelist_url)
+
+    counts = matching.aggregate(
+        matching=Count("pk"),
+        selected=Count("pk", filter=Q(status__in=statuses)),
+        unreplayable=Count("pk", filter=Q(status__in=statuses, reason__in=unreplayable)),
+    )
+    target_count = counts["selected"] - counts["unreplayable"]
+    processed = 0
+    if operation == "replay":
+        processed = already_processed(targets).count()
+    if operation == "replay":
+        title = ngettext(
+            "Replay %(count)d dead letter?", "Replay %(count)d dead letters?", target_count
+        )
+    else:
+        title = ngettext(
+            "Discard %(count)d dead letter?", "Discard %(count)d dead letters?", target_count
+        )
+    context = {
+        **model_admin.admin_site.each_context(request),
+        "opts": model_admin.opts,
+        "title": title % {"count": target_count},
+        "operation": operation,
+        "filter_parts": describe_filter(request),
+        "matching_count": counts["matching"],
+        "target_count": target_count,
+        "left_alone_count": counts["matching"] - counts["selected"],
+        "unreplayable_count": counts["unreplayable"],
+        "processed_count": processed,
+        "status_chosen": status_chosen,
+        "batch_size": model_admin.batch_size,
+        "changelist_url": changelist_url,
+    }
+    request.current_app = model_admin.admin_site.name
+    return TemplateResponse(
+        request, "admin/reliable_messaging/deadletter/confirm_operation.html", context
+    )
+
+
+def object_operation_view(
+    model_admin: DeadLetterAdmin, request: HttpRequest, object_id: str, operation: Operation
+) -> HttpResponse:
+    """The replay and discard buttons of one dead letter's page (POST only)."""
+    if not model_admin.has_replay_permission(request):
+        raise PermissionDenied
+    if request.method != "POST":
+        return HttpResponseNotAllowed(["POST"])
+    obj = model_admin.get_object(request, object_id)
+    if obj is None:
+        raise Http404(gettext("No dead letter with id %(id)s.") % {"id": object_id})
+    how = gettext("from its page")
+    if operation == "replay":
+        replay_and_report(
+            model_admin, request, [obj.pk], force=bool(request.POST.get("force")), how=how
+        )
+    else:
+        discard_and_report(model_admin, request, [obj.pk], how=how)
+    return redirect(model_admin.console_url("change", obj.pk))
+
+
+def failure_groups_view(model_admin: DeadLetterAdmin, request: HttpRequest) -> HttpResponse:
+    """Dead letters that fail the same way (fingerprint) in the same consumer, biggest first."""
+    if not model_admin.has_view_permission(request):
+        raise PermissionDenied
+    show_all = request.GET.get("all") == "1"
+    groups = (
+        DeadLetter.objects.values("fingerprint", "consumer")
+        .annotate(
+            total=Count("pk"),
+            dead=Count("pk", filter=Q(status=DeadLetterStatus.DEAD)),
+            first_seen=Min("first_failed_at"),
+            last_seen=Max("last_failed_at"),
+            example_id=Max("pk"),
+        )
+        .order_by("-dead", "-last_seen", "fingerprint", "consumer")
+    )
+    if not show_all:
+        groups = groups.filter(dead__gt=0)
+    page = Paginator(groups, 100).get_page(request.GET.get("p"))
+    examples = DeadLetter.objects.only(
+        "pk", "message_id", "reason", "exception_type", "exception_message"
+    ).in_bulk([group["example_id"] for group in page])
+    can_replay = model_admin.has_replay_permission(request)
+    rows = []
+    for group in page:
+        example = examples[group["example_id"]]
+        selection = {"fingerprint": group["fingerprint"], "consumer": group["consumer"]}
+        dead_selection = urlencode({**selection, "status__exact": DeadLetterStatus.DEAD})
+        message = example.exception_message.splitlines()[0] if example.exception_message else ""
+        rows.append(
+            {
+                **group,
+                "example": example,
+                "exception_type": example.exception_type,
+                "exception_name": example.exception_type.rsplit(".", 1)[-1],
+                "reason": example.get_reason_display(),
+                "message": message if len(message) <= 100 else message[:99] + "…",
+                "example_url": model_admin.console_url("change", example.pk),
+                "list_url": model_admin.console_url("changelist", query=urlencode(selection)),
+                "replay_url": model_admin.console_url("replay_matching", query=dead_selection)
+                if can_replay and group["dead"]
+                else "",
+                "discard_url": model_admin.console_url("discard_matching", query=dead_selection)
+                if can_replay and group["dead"]
+                else "",
+            }
+        )
+    context = {
+        **model_admin.admin_site.each_context(request),
+        "opts": model_admin.opts,
+        "title": gettext("Failure groups"),
+        "rows": rows,
+        "page": page,
+        "show_all": show_all,
+        "changelist_url": model_admin.console_url("changelist"),
+        "has_replay_permission": can_replay,
+    }
+    request.current_app = model_admin.admin_site.name
+    return TemplateResponse(
+        request, "admin/reliable_messaging/deadletter/failure_groups.html", context
+    )

@@ -1,0 +1,132 @@
+"""The dead letter's page: read-only, everything escaped, payload/headers/body/traceback shown,
+attempt and replay history, and the replay/discard buttons for those allowed to use them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from django.test import Client
+
+from reliable_messaging.models import DeadLetter, ProcessedMessage
+
+from .conftest import change_url, discard_url, replay_url
+
+pytestmark = pytest.mark.django_db
+
+MakeDeadLetter = Callable[..., DeadLetter]
+
+
+def test_user_data_renders_as_text_never_as_markup(
+    admin: Client, make_dead_letter: MakeDeadLetter
+) -> None:
+    letter = make_dead_letter(
+        message_id="<script>alert('id')</script>",
+        payload={"note": "<script>alert('payload')</script>", "amount": "9.99"},
+        headers={"x-evil": "<script>alert('header')</script>"},
+        exception_message="<script>alert('message')</script>",
+        traceback="Traceback (most recent call last):\n<script>alert('traceback')</script>\n",
+        history=[{"event": "dead_lettered", "at": "2026-01-01T00:00:00+00:00", "reason": "<b>"}],
+    )
+
+    response = admin.get(change_url(letter))
+
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert "<script>alert" not in html
+    for where in ("payload", "header", "message", "traceback", "id"):
+        assert f"&lt;script&gt;alert(&#x27;{where}&#x27;)&lt;/script&gt;" in html, where
+    assert "<b>" not in html.split('id="content-main"')[1]
+    # Pretty-printed JSON.
+    assert "&quot;amount&quot;: &quot;9.99&quot;,\n  &quot;note&quot;" in html
+
+
+def test_a_body_that_is_not_json_or_utf8_is_shown_raw_and_escaped(
+    admin: Client, make_dead_letter: MakeDeadLetter
+) -> None:
+    letter = make_dead_letter(
+        reason="invalid_utf8",
+        payload=None,
+        body=b"\xff\xfe<script>alert('raw')</script>\x00",
+        exception_type="",
+        exception_message="body is not UTF-8",
+        traceback="",
+    )
+
+    html = admin.get(change_url(letter)).content.decode()
+
+    assert "<script>alert" not in html
+    assert "Raw body (not JSON)" in html
+    assert "\\xff\\xfe&lt;script&gt;alert(&#x27;raw&#x27;)&lt;/script&gt;\\x00" in html
+    assert "32 bytes" in html
+
+
+def test_the_page_is_read_only_and_shows_the_whole_story(
+    admin: Client, make_dead_letter: MakeDeadLetter
+) -> None:
+    letter = make_dead_letter(
+        message_id="m-story",
+        attempts=3,
+        replay_count=1,
+        reason="retries_exhausted",
+        exception_type="builtins.TimeoutError",
+        exception_message="payment gateway timed out",
+        history=[
+            {
+                "event": "dead_lettered",
+                "at": "2026-11-20T10:00:00+00:00",
+                "reason": "retries_exhausted",
+                "attempts": 3,
+                "exception_type": "builtins.TimeoutError",
+            },
+            {"event": "replayed", "at": "2026-11-20T11:00:00+00:00", "by": "bob (admin)"},
+            {
+                "event": "dead_lettered",
+                "at": "2026-11-20T11:00:05+00:00",
+                "reason": "retries_exhausted",
+                "attempts": 3,
+            },
+        ],
+    )
+    make_dead_letter(fingerprint=letter.fingerprint)
+
+    html = admin.get(change_url(letter)).content.decode()
+
+    assert 'name="_save"' not in html and 'name="_continue"' not in html
+    assert "<textarea" not in html and 'type="text"' not in html
+    assert "2026-11-20 10:00:00" in html and "2026-11-20 11:00:05" in html
+    assert "bob (admin)" in html
+    assert "attempts: 3" in html
+    assert "payment gateway timed out" in html
+    assert "File &quot;/srv/app/tests/testapp/consumers.py&quot;, line 44, in alpha" in html
+    assert "2 dead letters fail this way" in html
+    assert f"?fingerprint={letter.fingerprint}" in html
+    assert replay_url(letter) in html and discard_url(letter) in html
+    assert 'name="force"' not in html  # not processed yet: nothing to force
+
+
+def test_the_page_says_when_the_consumer_already_processed_the_message(
+    admin: Client, make_dead_letter: MakeDeadLetter
+) -> None:
+    letter = make_dead_letter(message_id="m-done")
+    ProcessedMessage.objects.create(consumer="tests.alpha", message_id="m-done")
+
+    html = admin.get(change_url(letter)).content.decode()
+
+    assert "yes, at" in html
+    assert 'name="force"' in html
+
+
+def test_no_replay_button_for_what_cannot_be_replayed(
+    admin: Client, make_dead_letter: MakeDeadLetter
+) -> None:
+    resolved = make_dead_letter(status="resolved")
+    no_json = make_dead_letter(reason="invalid_json", payload=None, body=b"{oops")
+
+    resolved_html = admin.get(change_url(resolved)).content.decode()
+    no_json_html = admin.get(change_url(no_json)).content.decode()
+
+    assert replay_url(resolved) not in resolved_html
+    assert discard_url(resolved) not in resolved_html
+    assert replay_url(no_json) not in no_json_html
+    assert discard_url(no_json) in no_json_html

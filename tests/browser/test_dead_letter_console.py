@@ -1,0 +1,251 @@
+"""The dead letter console in a real headless browser (Debian's chromium driven by Playwright):
+log in, filter, replay, read the success message, and see the consumer process the message.
+
+Also renders the README's screenshot of the dead letter list; ``RM_UPDATE_SCREENSHOTS=1``
+writes it to docs/images/dead-letters.png (otherwise only to the test's temporary directory, so
+a test run never changes the working tree).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+from django.db import connections
+from django.utils import timezone
+from playwright.sync_api import Browser, Page, sync_playwright
+
+from reliable_messaging.conf import messaging_settings
+from reliable_messaging.models import DeadLetter, ProcessedMessage
+from reliable_messaging.testing import find_consumer, run_outbox
+from tests.testapp.models import Effect
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+    "--disable-sync",
+]
+SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "images" / "dead-letters.png"
+PASSWORD = "correct horse battery staple"
+TIMEOUT_MS = 15_000
+
+
+@pytest.fixture
+def browser(monkeypatch: pytest.MonkeyPatch) -> Iterator[Browser]:
+    if not CHROMIUM.exists():
+        pytest.fail(f"{CHROMIUM} is missing: `make test` installs it (apt-get install chromium)")
+    # Playwright's sync API keeps an event loop running in this thread; the test's own ORM
+    # calls are still plain synchronous code, which Django would otherwise refuse to run.
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS
+        )
+        try:
+            yield browser
+        finally:
+            browser.close()
+            # With a loop running, Django keeps this thread's connections apart from the ones
+            # it uses without: close them now, or the test database cannot be dropped at exit.
+            connections.close_all()
+
+
+@pytest.fixture
+def page(transactional_db: None, live_server: Any, settings: Any, browser: Browser) -> Page:
+    """A page logged in to the admin as a superuser, on the dead letter list."""
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast
+    User.objects.create_superuser("alice", "alice@example.com", PASSWORD)
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    page.set_default_timeout(TIMEOUT_MS)
+    page.goto(f"{live_server.url}/admin/login/?next=/admin/reliable_messaging/deadletter/")
+    page.fill("#id_username", "alice")
+    page.fill("#id_password", PASSWORD)
+    page.click("input[type=submit]")
+    page.wait_for_url("**/admin/reliable_messaging/deadletter/")
+    return page
+
+
+def dead_letter(
+    consumer: str,
+    queue: str,
+    payload: Any,
+    *,
+    message_id: str | None = None,
+    minutes_ago: float = 5,
+    **fields: Any,
+) -> DeadLetter:
+    at = timezone.now() - dt.timedelta(minutes=minutes_ago)
+    body = fields.pop("body", None)
+    values: dict[str, Any] = {
+        "message_id": str(uuid.uuid4()) if message_id is None else message_id,
+        "consumer": consumer,
+        "queue": queue,
+        "exchange": messaging_settings.exchange,
+        "routing_key": "order.placed",
+        "payload": payload,
+        "body": body if body is not None else json.dumps(payload).encode(),
+        "content_type": "application/json",
+        "reason": "permanent",
+        "exception_type": "reliable_messaging.exceptions.PermanentError",
+        "attempts": 1,
+        "first_failed_at": at,
+        "last_failed_at": at,
+        "fingerprint": uuid.uuid5(
+            uuid.NAMESPACE_DNS, consumer + fields.get("exception_type", "")
+        ).hex[:16],
+        "history": [{"event": "dead_lettered", "at": at.isoformat()}],
+    }
+    values.update(fields)
+    return DeadLetter.objects.create(**values)
+
+
+def test_filter_replay_and_see_the_consumer_process_it(page: Page) -> None:
+    alpha, beta = find_consumer("tests.alpha"), find_consumer("tests.beta")
+    dead_letter(
+        alpha.name,
+        alpha.queue,
+        {"order_id": 7},
+        message_id="replay-me",
+        exception_message="alpha refuses this message for good",
+    )
+    dead_letter(
+        beta.name,
+        beta.queue,
+        {"order_id": 8},
+        message_id="beta-stays",
+        reason="retries_exhausted",
+        exception_type="builtins.KeyError",
+        exception_message="'sku'",
+        attempts=3,
+    )
+    page.reload()
+    assert page.locator("#result_list tbody tr").count() == 2
+
+    page.locator("#changelist-filter").get_by_role("link", name="tests.alpha", exact=True).click()
+    page.wait_for_url("**/deadletter/?consumer=tests.alpha")
+    rows = page.locator("#result_list tbody tr")
+    assert rows.count() == 1
+    rows.filter(has_text="replay-me").locator("input.action-select").check()
+    page.select_option("select[name=action]", "replay_selected")
+    page.get_by_role("button", name="Go").click()
+
+    success = page.locator(".messagelist .success")
+    success.wait_for()
+    assert success.inner_text().startswith("1 dead letter was replayed")
+
+    outcomes = run_outbox()  # what the relay and the consumer would do
+
+    assert [(name, message_id) for name, message_id, _ in outcomes] == [
+        ("tests.alpha", "replay-me")
+    ]
+    assert ProcessedMessage.objects.filter(consumer="tests.alpha", message_id="replay-me").exists()
+    assert not Effect.objects.filter(consumer="beta").exists()
+    assert DeadLetter.objects.get(message_id="replay-me").status == "resolved"
+    assert DeadLetter.objects.get(message_id="beta-stays").status == "dead"
+    page.reload()
+    status = page.locator("#result_list tbody tr .field-status_display")
+    assert status.inner_text().split() == ["resolved", "replayed", "once"]
+
+
+def test_screenshot_of_the_dead_letter_list(page: Page, tmp_path: Path) -> None:
+    # The demo shop's consumers (demo_project/shop/consumers.py), and one more.
+    billing = ("billing.charge-order", "shop.billing", "order.placed")
+    shipping = ("shipping.ship-order", "shop.shipping", "order.placed")
+    receipts = ("receipts.send-receipt", "shop.receipts", "payment.captured")
+    inventory = ("inventory.reserve-stock", "shop.inventory", "order.placed")
+
+    def failure(
+        where: tuple[str, str, str], payload: Any, minutes_ago: float, **fields: Any
+    ) -> None:
+        consumer, queue, routing_key = where
+        dead_letter(
+            consumer, queue, payload, routing_key=routing_key, minutes_ago=minutes_ago, **fields
+        )
+
+    retried = {"reason": "retries_exhausted", "attempts": 5}
+    failure(billing, {"order_id": 1042, "amount": "59.90"}, 2, exception_message="card declined")
+    failure(
+        shipping,
+        {"order_id": 1040},
+        7,
+        exception_type="builtins.KeyError",
+        exception_message="'postcode'",
+        **retried,
+    )
+    failure(
+        shipping,
+        {"order_id": 1037},
+        19,
+        exception_type="builtins.KeyError",
+        exception_message="'postcode'",
+        **retried,
+    )
+    failure(
+        billing,
+        {"order_id": 1031, "amount": "12.00"},
+        34,
+        exception_type="builtins.ConnectionError",
+        exception_message="payment gateway timed out",
+        **retried,
+    )
+    failure(
+        receipts,
+        {"order_id": 1029},
+        52,
+        exception_type="smtplib.SMTPServerDisconnected",
+        exception_message="Connection unexpectedly closed",
+        status="replayed",
+        replay_count=1,
+        **retried,
+    )
+    failure(
+        inventory,
+        None,
+        75,
+        body=b'{"order_id": 1024 "sku": "TSHIRT-BLU-M"}',
+        reason="invalid_json",
+        exception_type="",
+        exception_message="body is not JSON: Expecting ',' delimiter: line 1 column 19",
+    )
+    failure(
+        billing,
+        {"order_id": 1019, "amount": "240.00"},
+        140,
+        exception_message="order 1019 does not exist",
+        status="resolved",
+        replay_count=1,
+    )
+    failure(
+        inventory,
+        {"order_id": 1011, "sku": "MUG-OLD"},
+        300,
+        exception_message="SKU MUG-OLD is discontinued",
+        status="discarded",
+    )
+    # The navigation sidebar collapsed, as the admin remembers it per browser: more room.
+    page.evaluate("localStorage.setItem('django.admin.navSidebarIsOpen', 'false')")
+    page.reload()
+    assert page.locator("#result_list tbody tr").count() == 8
+
+    target = tmp_path / "dead-letters.png"
+    page.screenshot(path=str(target))
+
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if os.environ.get("RM_UPDATE_SCREENSHOTS") == "1":
+        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(target, SCREENSHOT)
