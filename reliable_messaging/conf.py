@@ -45,19 +45,19 @@ DEFAULTS: dict[str, Any] = {
 
 
 def redact_url(url: str) -> str:
-    """Return ``url`` with any password replaced by ``***``, safe for logs and reprs."""
+    """Return ``url`` with any password replaced by ``***``, safe for logs and reprs. Never
+    raises: a URL that cannot be split is shown as a placeholder."""
     try:
         parts = urlsplit(url)
     except ValueError:
         return "<unparsable URL>"
-    if parts.password is None:
+    userinfo, at, hostport = parts.netloc.rpartition("@")
+    if not at or ":" not in userinfo:
         return url
-    netloc = parts.hostname or ""
-    if parts.username:
-        netloc = f"{parts.username}:***@{netloc}"
-    if parts.port:
-        netloc = f"{netloc}:{parts.port}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    username = userinfo.split(":", 1)[0]
+    return urlunsplit(
+        (parts.scheme, f"{username}:***@{hostport}", parts.path, parts.query, parts.fragment)
+    )
 
 
 class MessagingSettings:

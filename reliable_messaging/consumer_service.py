@@ -25,7 +25,7 @@ from pika.spec import Basic, BasicProperties
 
 from .backoff import Backoff
 from .conf import MessagingSettings, messaging_settings, redact_url
-from .envelope import CONTENT_TYPE, Delivery
+from .envelope import CONTENT_TYPE, Delivery, normalize_headers
 from .exceptions import DatabaseUnavailable, TopologyMismatchError
 from .inbox import DeliveryProcessor
 from .outcomes import Acknowledge, Outcome, Release, ScheduleRetry
@@ -249,7 +249,7 @@ class ConsumerService:
             message_id=properties.message_id,
             content_type=properties.content_type,
             timestamp=properties.timestamp,
-            headers=dict(properties.headers or {}),
+            headers=normalize_headers(properties.headers),
         )
         with link.lock:
             link.in_flight += 1

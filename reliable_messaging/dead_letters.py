@@ -10,7 +10,7 @@ from typing import Any
 from django.db import DataError, IntegrityError, router, transaction
 from django.utils import timezone
 
-from .envelope import FIRST_FAILED_AT_HEADER, Delivery, jsonable
+from .envelope import FIRST_FAILED_AT_HEADER, Delivery, jsonable, safe_text
 from .fingerprints import exception_fingerprint, reason_fingerprint
 from .models import DeadLetter, DeadLetterStatus
 
@@ -18,6 +18,7 @@ logger = logging.getLogger(__name__)
 
 
 def _clip(value: str, length: int = 255) -> str:
+    value = safe_text(value)
     return value if len(value) <= length else value[: length - 1] + "…"
 
 
@@ -66,8 +67,8 @@ def record_dead_letter(
         "content_type": _clip(delivery.content_type or ""),
         "reason": reason,
         "exception_type": _clip(exception_type),
-        "exception_message": exception_message,
-        "traceback": traceback_text,
+        "exception_message": safe_text(exception_message),
+        "traceback": safe_text(traceback_text),
         "attempts": attempts,
         "last_failed_at": now,
         "status": DeadLetterStatus.DEAD,
@@ -85,15 +86,19 @@ def record_dead_letter(
     try:
         return _upsert(using, consumer, message_id, fields, event, delivery, now)
     except DataError:
-        # A payload the database's JSON type refuses (PostgreSQL jsonb rejects \u0000): keep the
-        # raw body, which always survives byte for byte, and drop the decoded copy.
+        # A payload the database's JSON type refuses: keep the raw body, which always survives
+        # byte for byte, and drop the decoded copy; then, if need be, the headers' too.
         logger.warning(
             "dead letter payload of message_id=%s refused by the database; "
             "storing the raw body only",
             message_id,
         )
         fields["payload"] = None
-        return _upsert(using, consumer, message_id, fields, event, delivery, now)
+        try:
+            return _upsert(using, consumer, message_id, fields, event, delivery, now)
+        except DataError:
+            fields["headers"] = {"unstorable_headers": safe_text(repr(dict(delivery.headers)))}
+            return _upsert(using, consumer, message_id, fields, event, delivery, now)
 
 
 def _upsert(

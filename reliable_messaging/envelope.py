@@ -77,7 +77,10 @@ def encode_payload(payload: Any) -> bytes:
         raise TypeError(f"payload cannot be encoded as JSON: {exc}") from exc
     except TypeError as exc:
         raise TypeError(f"payload cannot be encoded as JSON: {exc}") from exc
-    return text.encode("utf-8")
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate such as "\ud800"
+        raise TypeError(f"payload cannot be encoded as UTF-8 JSON: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -133,17 +136,30 @@ class DecodeError:
 MAX_MESSAGE_ID_LENGTH = 255
 
 
+def safe_text(value: Any) -> str:
+    """Text PostgreSQL can store: bytes decoded with escapes, NUL and lone surrogates escaped."""
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", errors="backslashreplace")
+    text = str(value).replace("\x00", "\\x00")
+    return text.encode("utf-8", errors="backslashreplace").decode("utf-8")
+
+
+def normalize_headers(headers: Mapping[Any, Any] | None) -> dict[str, Any]:
+    """Header names as text: pika hands a name that is not UTF-8 over as bytes."""
+    if not headers:
+        return {}
+    return {(k if isinstance(k, str) else safe_text(k)): v for k, v in headers.items()}
+
+
 def jsonable(value: Any) -> Any:
-    """AMQP header values (bytes, Decimal, datetime, nested tables) as JSON-safe values."""
+    """AMQP header values (bytes, Decimal, datetime, nested tables) as JSON-safe values that
+    PostgreSQL's jsonb accepts (no NUL, no lone surrogate)."""
     if isinstance(value, Mapping):
-        return {str(k): jsonable(v) for k, v in value.items()}
+        return {safe_text(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [jsonable(v) for v in value]
-    if isinstance(value, bytes):
-        return value.decode("utf-8", errors="backslashreplace")
-    if isinstance(value, str):
-        # PostgreSQL's jsonb cannot hold NUL characters.
-        return value.replace("\x00", "\\u0000")
+    if isinstance(value, bytes | str):
+        return safe_text(value)
     if isinstance(value, bool | int | float) or value is None:
         return value
     if isinstance(value, decimal.Decimal):
@@ -197,9 +213,17 @@ def user_headers(headers: Mapping[str, Any]) -> dict[str, Any]:
     """Headers without ours and without the broker's dead-letter bookkeeping."""
     return {
         k: v
-        for k, v in headers.items()
+        for k, v in normalize_headers(headers).items()
         if not k.startswith(HEADER_PREFIX) and k not in BROKER_HEADERS
     }
+
+
+def _has_lone_surrogate(payload: Any) -> bool:
+    try:
+        json.dumps(payload, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def decode_delivery(
@@ -224,6 +248,8 @@ def decode_delivery(
             "the message has no message_id property, so duplicates cannot be "
             "recognised; publish with a message_id (or set DERIVE_MESSAGE_ID)",
         )
+    if "\x00" in message_id:
+        return error(DecodeReason.INVALID_HEADERS, "message_id contains a NUL character")
     if len(message_id) > MAX_MESSAGE_ID_LENGTH:
         return error(
             DecodeReason.INVALID_HEADERS,
@@ -246,6 +272,12 @@ def decode_delivery(
         payload = json.loads(text)
     except json.JSONDecodeError as exc:
         return error(DecodeReason.INVALID_JSON, f"the body is not valid JSON: {exc}")
+    if "\\u" in text and _has_lone_surrogate(payload):
+        return error(
+            DecodeReason.INVALID_JSON,
+            "the body escapes a lone UTF-16 surrogate (such as \\ud800), which is "
+            "not a character: no database or UTF-8 text can hold it",
+        )
     try:
         attempt = parse_attempt(delivery.headers)
     except ValueError as exc:

@@ -44,6 +44,13 @@ def _check_header_value(name: str, value: Any) -> None:
     )
 
 
+def _check_short_string(what: str, value: str) -> None:
+    # AMQP short strings (routing keys, exchange names, message ids, header names) hold 255
+    # bytes of UTF-8, not 255 characters.
+    if len(value.encode("utf-8", errors="surrogatepass")) > 255:
+        raise ValueError(f"{what} {value[:40]!r}... is longer than AMQP's 255 bytes")
+
+
 def _json_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
     if not headers:
         return {}
@@ -52,6 +59,7 @@ def _json_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
     for name, value in headers.items():
         if not isinstance(name, str):
             raise TypeError(f"header names must be strings, got {name!r}")
+        _check_short_string("header name", name)
         _check_header_value(name, value)
     return dict(headers)
 
@@ -79,6 +87,10 @@ def publish(
     message_id = str(uuid.uuid4()) if message_id is None else str(message_id)
     if not message_id or len(message_id) > MAX_MESSAGE_ID_LENGTH:
         raise ValueError(f"message_id must be 1 to {MAX_MESSAGE_ID_LENGTH} characters long")
+    _check_short_string("message_id", message_id)
+    _check_short_string("routing_key", routing_key)
+    if exchange is not None:
+        _check_short_string("exchange", exchange)
     row = OutboxMessage(
         message_id=message_id,
         exchange=messaging_settings.exchange if exchange is None else exchange,

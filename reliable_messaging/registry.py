@@ -138,6 +138,14 @@ def consumer(
     so a redelivered or duplicated message_id does not take effect twice.
     """
     delays = _validate(queue, bindings, max_attempts, retry_delays)
+    if ordered:
+        # Refused rather than silently ignored: handling in key order across processes
+        # (partitioned single-active-consumer queues) is not built yet.
+        raise ConsumerConfigurationError(
+            f"ordered=True on {queue!r} is not supported yet: messages would be handled in "
+            f"parallel, out of order. publish(ordering_key=...) already keeps per-key order "
+            f"from the outbox to the broker."
+        )
 
     def decorator(func: Handler) -> Handler:
         spec = ConsumerSpec(

@@ -195,6 +195,11 @@ class _ExchangeProbe:
         self._known[exchange] = time.monotonic() + self.TTL
         return True
 
+    def forget(self, exchange: str | None) -> None:
+        """The broker said ``exchange`` is gone: check it again before the next publish."""
+        if exchange is not None and exchange != "":
+            self._known.pop(exchange, None)
+
     def close(self) -> None:
         connection, self._connection, self._channel = self._connection, None, None
         if connection is not None and connection.is_open:
@@ -404,7 +409,8 @@ class OutboxRelay:
             for row in batch.all_rows():
                 if missing is not None and row.exchange == missing:
                     batch.errors[row.pk] = f"exchange {missing!r} does not exist"
-            self._finish_batch(only_errors=True)
+            self._probe.forget(missing)
+            self._finish_batch()
         else:
             self._abort_batch(f"channel closed: {reason}")
         connection = self._connection
@@ -572,9 +578,11 @@ class OutboxRelay:
         poll = self.settings.relay_poll_interval
         if self.listen and self._listener is not None:
             poll = max(poll, 5.0)  # NOTIFY wakes us; polling only catches backoffs and misses
+        # The next row waiting out a backoff. Rows already due but not claimable (behind an
+        # unsent earlier row of their key) must not count, or the relay would spin on them.
         due = (
             OutboxMessage.objects.using(self.using)
-            .filter(status=OutboxStatus.PENDING)
+            .filter(status=OutboxStatus.PENDING, next_attempt_at__gt=timezone.now())
             .order_by("next_attempt_at")
             .values_list("next_attempt_at", flat=True)
             .first()
@@ -623,6 +631,7 @@ class OutboxRelay:
                 )
             except (
                 pika.exceptions.UnsupportedAMQPFieldException,
+                pika.exceptions.ShortStringTooLong,
                 struct.error,
                 TypeError,
                 ValueError,
@@ -659,7 +668,7 @@ class OutboxRelay:
         if connection is not None and connection.is_open:
             connection.close(reply_text="confirm timeout")
 
-    def _finish_batch(self, *, only_errors: bool = False) -> None:
+    def _finish_batch(self) -> None:
         """Record the batch's outcome and commit, releasing the row locks."""
         batch, self._batch = self._batch, None
         if batch is None:
@@ -667,7 +676,9 @@ class OutboxRelay:
         if batch.timer is not None and self._connection is not None:
             self._connection.ioloop.remove_timeout(batch.timer)
         now = timezone.now()
-        sent = [] if only_errors else [pk for pk in batch.confirmed if pk not in batch.errors]
+        # Rows neither confirmed nor charged (in flight when a channel died) stay pending as
+        # they are and go again: the broker may have them, which consumers absorb.
+        sent = [pk for pk in batch.confirmed if pk not in batch.errors]
         try:
             if sent:
                 OutboxMessage.objects.using(self.using).filter(pk__in=sent).update(

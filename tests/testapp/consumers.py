@@ -4,7 +4,8 @@ Each handler records an :class:`Effect` and then behaves as the payload asks, pe
 ``{"fail": {"alpha": 2}}`` fails the first two attempts of alpha, ``{"permanent": {"alpha": 1}}``
 raises PermanentError, ``{"sleep": {"alpha": 1.5}}`` sleeps, ``{"require": "field"}`` reads a
 field that may be missing (KeyError), ``{"crash_after_commit": {"alpha": 1}}`` kills the process
-with SIGKILL after the commit and before the ack (first delivery only). The effect rolls back whenever the handler raises.
+with SIGKILL after the commit and before the ack (first delivery only). The effect rolls back
+whenever the handler raises.
 """
 
 from __future__ import annotations
@@ -24,8 +25,12 @@ NAMESPACE = os.environ["RM_TEST_NAMESPACE"]
 
 def behave(label: str, message: Message) -> None:
     payload = message.payload if isinstance(message.payload, dict) else {}
-    Effect.objects.create(consumer=label, message_id=message.message_id,
-                          attempt=message.attempt, payload=message.payload)
+    Effect.objects.create(
+        consumer=label,
+        message_id=message.message_id,
+        attempt=message.attempt,
+        payload=message.payload,
+    )
     if payload.get("crash_after_commit", {}).get(label) and not message.redelivered:
         # Dies right after the commit, before the ack can be sent: a real crash in the window
         # the inbox exists for.

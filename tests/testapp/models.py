@@ -12,3 +12,6 @@ class Effect(models.Model):
 
     class Meta:
         indexes = [models.Index(fields=["message_id"], name="testapp_effect_msg_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.consumer} {self.message_id} attempt {self.attempt}"

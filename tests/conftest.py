@@ -1,0 +1,141 @@
+"""Fixtures of the suite. Real PostgreSQL and RabbitMQ; isolation by a namespace per test.
+
+- ``ns``: a unique namespace; every broker object whose name contains it is deleted afterwards.
+- ``rm_settings``: ``RELIABLE_MESSAGING`` overridden so the exchange (and so the delay queues)
+  carry the test's namespace, for services run in this process.
+- ``service``: runs :class:`ConsumerService` in a background thread; stopped in teardown.
+- ``consume``: starts real ``manage.py consume`` subprocesses; killed in teardown, and their
+  logs are attached to the report of a failed test.
+- ``publisher``: a raw pika publisher (publisher confirms).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.conf import settings
+from django.test import override_settings
+
+from tests import support
+from tests.support import ConsumeProcess, Publisher
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Also declared in setup.cfg; repeated so the suite runs under --strict-markers either way.
+    config.addinivalue_line("markers", "slow: spawns real processes (manage.py consume)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Iterator[Any]:
+    outcome: Any = yield
+    report = outcome.get_result()
+    if report.failed:
+        for proc in getattr(item, "_rm_processes", []):
+            try:
+                text = proc.log()
+            except OSError as exc:
+                text = f"(log unreadable: {exc})"
+            report.sections.append(
+                (f"consume pid={proc.pid} args={proc.args} rc={proc.returncode} log", text)
+            )
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    # Objects the session namespace's registered consumers (tests.alpha/beta) may have declared.
+    namespace = os.environ.get("RM_TEST_NAMESPACE", "")
+    if len(namespace) >= 8:
+        # Best effort: the broker may be down at the end of a failed run.
+        with contextlib.suppress(Exception):
+            support.delete_broker_objects(namespace)
+
+
+@pytest.fixture
+def ns() -> Iterator[str]:
+    namespace = support.new_namespace()
+    yield namespace
+    support.delete_broker_objects(namespace)
+
+
+@pytest.fixture
+def rm_settings(ns: str) -> Iterator[dict[str, Any]]:
+    """The test's RELIABLE_MESSAGING: the suite's settings with an exchange of its own."""
+    values = {**settings.RELIABLE_MESSAGING, "EXCHANGE": f"rmtest.{ns}"}
+    with override_settings(RELIABLE_MESSAGING=values):
+        yield values
+
+
+@pytest.fixture
+def publisher() -> Iterator[Publisher]:
+    pub = Publisher()
+    yield pub
+    pub.close()
+
+
+@pytest.fixture
+def service(rm_settings: dict[str, Any], transactional_db: None) -> Iterator[Callable[..., Any]]:
+    """``service(specs, **kwargs)`` starts a ConsumerService in a thread and waits until it
+    consumes; every service started is stopped (and joined) in teardown."""
+    from reliable_messaging.consumer_service import ConsumerService
+
+    running: list[tuple[Any, threading.Thread]] = []
+
+    def start(specs: list[Any], *, wait: bool = True, **kwargs: Any) -> Any:
+        svc = ConsumerService(specs, **kwargs)
+        thread = threading.Thread(target=svc.run, name="rm-test-service", daemon=True)
+        thread.start()
+        running.append((svc, thread))
+        if wait:
+            assert svc.connected.wait(30), "the consumer service did not connect within 30s"
+        return svc
+
+    yield start
+    for svc, _ in running:
+        svc.request_stop()
+    for svc, thread in running:
+        thread.join(60)
+        assert not thread.is_alive(), "the consumer service did not stop within 60s"
+
+
+def database_url() -> str:
+    """URL of the test database (the one pytest-django created), for subprocesses."""
+    from django.db import connection
+
+    conf = connection.settings_dict
+    user = conf.get("USER") or "postgres"
+    password = f":{conf['PASSWORD']}" if conf.get("PASSWORD") else ""
+    host = conf.get("HOST") or "127.0.0.1"
+    port = conf.get("PORT") or 5432
+    return f"postgres://{user}{password}@{host}:{port}/{conf['NAME']}"
+
+
+@pytest.fixture
+def consume(
+    request: pytest.FixtureRequest, ns: str, transactional_db: None, tmp_path: Path
+) -> Iterator[Callable[..., ConsumeProcess]]:
+    """``consume(*args)`` starts ``manage.py consume ARGS`` for the test's namespace and its
+    database; every process is SIGKILLed (if still running) in teardown."""
+    processes: list[ConsumeProcess] = []
+    request.node._rm_processes = processes
+    env = {
+        **os.environ,
+        "RM_TEST_NAMESPACE": ns,
+        "DATABASE_URL": database_url(),
+        "PYTHONUNBUFFERED": "1",
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+    }
+
+    def start(*args: str) -> ConsumeProcess:
+        log = tmp_path / f"consume-{len(processes) + 1}.log"
+        proc = ConsumeProcess(list(args), env, log)
+        processes.append(proc)
+        return proc
+
+    yield start
+    for proc in processes:
+        proc.close()

@@ -1,0 +1,311 @@
+"""``manage.py consume`` as real subprocesses: races, crashes, signals, a database outage.
+
+Each process runs with the test's namespace (its own exchange and queues: ``<ns>.alpha`` and
+``<ns>.beta`` of tests/testapp/consumers.py) against the test database. The processes are
+SIGKILLed in teardown if still running, and their logs are attached to a failed test's report.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import signal
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.db import connection, connections
+
+from reliable_messaging.models import DeadLetter
+from tests import support
+from tests.support import ConsumeProcess, Publisher, queue_counts, wait_until
+from tests.testapp.models import Effect
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
+
+
+def alpha_queue(ns: str) -> str:
+    return f"{ns}.alpha"
+
+
+def exchange(ns: str) -> str:
+    return f"rmtest.{ns}"
+
+
+def effect_count(message_id: str, label: str = "alpha") -> int:
+    return Effect.objects.filter(consumer=label, message_id=message_id).count()
+
+
+def in_transaction_backends() -> int:
+    """Other sessions on the test database that are inside a transaction right now (a handler
+    running: its inbox row and effect are written but not committed)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND pid <> pg_backend_pid() AND state IN ('idle in transaction', 'active') "
+            "AND xact_start IS NOT NULL"
+        )
+        return int(cursor.fetchone()[0])
+
+
+def wait_handler_running(proc: ConsumeProcess, timeout: float = 30) -> None:
+    def running() -> bool:
+        if proc.returncode is not None:
+            raise AssertionError(f"consume exited with {proc.returncode}:\n{proc.log()}")
+        return in_transaction_backends() > 0
+
+    wait_until(running, timeout=timeout, interval=0.05, message="a handler in its transaction")
+
+
+def log_lines(proc: ConsumeProcess, pattern: str) -> list[str]:
+    return [line for line in proc.log().splitlines() if re.search(pattern, line)]
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def test_idle_timeout_exits_zero(consume) -> None:
+    proc = consume("--idle-timeout", "1")
+    assert proc.wait(60) == 0
+    assert "no delivery for 1.0s" in proc.log()
+
+
+def test_unknown_queue_is_a_command_error(consume, ns: str) -> None:
+    proc = consume("--queue", "no.such.queue")
+    assert proc.wait(60) == 1
+    log = proc.log()
+    assert "CommandError: Unknown queue(s): no.such.queue" in log
+    assert f"{ns}.alpha" in log and f"{ns}.beta" in log  # lists what is registered
+
+
+def test_no_registered_consumer_is_a_command_error() -> None:
+    from reliable_messaging.registry import registry
+
+    with registry.isolated(), pytest.raises(CommandError, match="No consumers are registered"):
+        call_command("consume", stdout=io.StringIO())
+
+
+@pytest.mark.parametrize(
+    ("options", "text"),
+    [
+        ({"queues": ["no.such.queue"]}, "Unknown queue(s): no.such.queue"),
+        ({"concurrency": 0}, "--concurrency must be at least 1"),
+        ({"idle_timeout": 0}, "--idle-timeout must be a positive number"),
+    ],
+)
+def test_bad_options_are_command_errors(options: dict, text: str) -> None:
+    with pytest.raises(CommandError, match=re.escape(text)):
+        call_command("consume", stdout=io.StringIO(), **options)
+
+
+# --------------------------------------------------------------------------- races and crashes
+
+
+def test_concurrent_duplicates_in_two_processes_take_effect_once(
+    consume, ns: str, publisher: Publisher
+) -> None:
+    first = consume().wait_consuming()
+    second = consume().wait_consuming()
+    # Both copies are in flight at once: the second one's inbox insert waits on the first
+    # one's uncommitted row, then finds it committed.
+    for _ in range(2):
+        publisher.publish(
+            exchange(ns), "order.placed", {"sleep": {"alpha": 1}}, message_id="race-1"
+        )
+    queues = (f"{ns}.alpha", f"{ns}.beta")
+    wait_until(
+        lambda: support.drained(*queues), timeout=60, interval=0.3, message="both queues drained"
+    )
+    assert effect_count("race-1", "alpha") == 1
+    assert effect_count("race-1", "beta") == 1
+
+    processed = {
+        p.pid: log_lines(p, r"processed message_id=race-1 consumer=tests\.alpha")
+        for p in (first, second)
+    }
+    duplicate = {
+        p.pid: log_lines(p, r"duplicate message_id=race-1 consumer=tests\.alpha")
+        for p in (first, second)
+    }
+    assert sum(map(len, processed.values())) == 1, processed
+    assert sum(map(len, duplicate.values())) == 1, duplicate
+    # RabbitMQ gave one copy to each process: the race really happened across processes.
+    assert [pid for pid, lines in processed.items() if lines] != [
+        pid for pid, lines in duplicate.items() if lines
+    ]
+    assert first.returncode is None and second.returncode is None
+
+
+def test_kill_9_mid_handler_then_restart_takes_effect_once(
+    consume, ns: str, publisher: Publisher
+) -> None:
+    proc = consume("--queue", alpha_queue(ns)).wait_consuming()
+    publisher.publish(exchange(ns), "order.placed", {"sleep": {"alpha": 2}}, message_id="kill-1")
+    wait_handler_running(proc)
+    proc.send(signal.SIGKILL)
+    assert proc.wait(30) == -signal.SIGKILL
+    # The uncommitted effect and inbox row died with the connection; the message went back.
+    wait_until(lambda: in_transaction_backends() == 0, timeout=30)
+    assert effect_count("kill-1") == 0
+    wait_until(
+        lambda: queue_counts(alpha_queue(ns)) == (1, 0),
+        timeout=30,
+        message="the message back in the queue, ready",
+    )
+
+    again = consume("--queue", alpha_queue(ns)).wait_consuming()
+    wait_until(lambda: support.drained(alpha_queue(ns)), timeout=60, interval=0.3)
+    assert effect_count("kill-1") == 1
+    assert len(log_lines(again, r"processed message_id=kill-1 consumer=tests\.alpha")) == 1
+
+
+def test_kill_9_after_commit_before_ack_redelivery_is_a_duplicate(
+    consume, ns: str, publisher: Publisher
+) -> None:
+    proc = consume("--queue", alpha_queue(ns)).wait_consuming()
+    publisher.publish(
+        exchange(ns), "order.placed", {"crash_after_commit": {"alpha": 1}}, message_id="crash-1"
+    )
+    assert proc.wait(60) == -signal.SIGKILL  # died right after its commit
+    assert effect_count("crash-1") == 1
+    # Never acked: the broker has it again.
+    wait_until(
+        lambda: queue_counts(alpha_queue(ns)) == (1, 0),
+        timeout=30,
+        message="the unacked message back in the queue",
+    )
+
+    again = consume("--queue", alpha_queue(ns)).wait_consuming()
+    wait_until(lambda: support.drained(alpha_queue(ns)), timeout=60, interval=0.3)
+    assert effect_count("crash-1") == 1
+    assert len(log_lines(again, r"duplicate message_id=crash-1 consumer=tests\.alpha")) == 1
+    assert not log_lines(again, r"processed message_id=crash-1")
+    assert again.returncode is None
+
+
+# --------------------------------------------------------------------------- signals
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_graceful_stop_finishes_the_handler_in_flight(
+    consume, ns: str, publisher: Publisher, sig: signal.Signals
+) -> None:
+    proc = consume("--queue", alpha_queue(ns)).wait_consuming()
+    publisher.publish(
+        exchange(ns), "order.placed", {"sleep": {"alpha": 1.5}}, message_id="graceful-1"
+    )
+    wait_handler_running(proc)
+    proc.send(sig)
+    assert proc.wait(60) == 0
+    log = proc.log()
+    assert f"received {sig.name}" in log
+    assert "stopped gracefully" in log
+    assert effect_count("graceful-1") == 1
+    assert len(log_lines(proc, r"processed message_id=graceful-1 consumer=tests\.alpha")) == 1
+    # Acked before exiting: nothing left to redeliver.
+    assert queue_counts(alpha_queue(ns)) == (0, 0)
+
+
+def test_second_sigterm_exits_at_once(consume, ns: str, publisher: Publisher) -> None:
+    proc = consume("--queue", alpha_queue(ns)).wait_consuming()
+    publisher.publish(
+        exchange(ns), "order.placed", {"sleep": {"alpha": 60}}, message_id="impatient-1"
+    )
+    wait_handler_running(proc)
+    proc.send(signal.SIGTERM)
+    proc.wait_for_log("received SIGTERM")
+    assert proc.returncode is None  # still waiting for its handler
+    proc.send(signal.SIGTERM)
+    assert proc.wait(20) == 128 + signal.SIGTERM
+    # Nothing committed, nothing acked: the message is back for the next consumer.
+    wait_until(lambda: in_transaction_backends() == 0, timeout=30)
+    assert effect_count("impatient-1") == 0
+    wait_until(lambda: queue_counts(alpha_queue(ns)) == (1, 0), timeout=30)
+
+
+# --------------------------------------------------------------------------- database outage
+
+
+def test_database_outage_holds_the_message_then_processes_it_once(
+    consume, ns: str, publisher: Publisher
+) -> None:
+    proc = consume("--queue", alpha_queue(ns)).wait_consuming()
+    connections.close_all()
+    support.pg_ctl("stop")
+    try:
+        assert not support.pg_isready()
+        publisher.publish(exchange(ns), "order.placed", {"order": 1}, message_id="outage-1")
+        proc.wait_for_log("holding it unacked", timeout=30)
+        # Held, not acked, not dead-lettered, and the process is still up.
+        wait_until(
+            lambda: queue_counts(alpha_queue(ns)) == (0, 1),
+            timeout=20,
+            message="the message unacked",
+        )
+        assert proc.returncode is None
+    finally:
+        support.ensure_postgresql_up()
+    wait_until(
+        lambda: support.drained(alpha_queue(ns)),
+        timeout=60,
+        interval=0.3,
+        message="the held message processed and acked after the database came back",
+    )
+    assert effect_count("outage-1") == 1
+    assert len(log_lines(proc, r"processed message_id=outage-1 consumer=tests\.alpha")) == 1
+    assert proc.returncode is None
+
+
+def test_sigterm_during_a_database_outage_gives_the_message_back(
+    consume, ns: str, publisher: Publisher
+) -> None:
+    proc = consume("--queue", alpha_queue(ns)).wait_consuming()
+    connections.close_all()
+    support.pg_ctl("stop")
+    try:
+        publisher.publish(exchange(ns), "order.placed", {"order": 2}, message_id="outage-2")
+        proc.wait_for_log("holding it unacked", timeout=30)
+        proc.send(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        # Released (nack + requeue), not lost and not dead-lettered.
+        wait_until(lambda: queue_counts(alpha_queue(ns)) == (1, 0), timeout=20)
+    finally:
+        support.ensure_postgresql_up()
+    again = consume("--queue", alpha_queue(ns)).wait_consuming()
+    wait_until(lambda: support.drained(alpha_queue(ns)), timeout=60, interval=0.3)
+    assert effect_count("outage-2") == 1
+    assert len(log_lines(again, r"processed message_id=outage-2 consumer=tests\.alpha")) == 1
+
+
+def test_database_lost_while_a_handler_runs_then_processed_once(
+    consume, ns: str, publisher: Publisher
+) -> None:
+    proc = consume("--queue", alpha_queue(ns)).wait_consuming()
+    publisher.publish(exchange(ns), "order.placed", {"sleep": {"alpha": 2}}, message_id="outage-3")
+    wait_handler_running(proc)
+    connections.close_all()
+    support.pg_ctl("stop")  # kills the handler's transaction under it
+    try:
+        # The commit fails. With the database still down the delivery is held unacked; had
+        # it come back already (another process may restart it), the failure would be an
+        # ordinary retry. Either way nothing is acked before the effect commits.
+        wait_until(
+            lambda: (
+                "holding it unacked" in proc.log()
+                or re.search(r"message_id=outage-3 .*outcome=retry", proc.log())
+            ),
+            timeout=30,
+            message="the failed commit handled",
+        )
+        assert proc.returncode is None
+    finally:
+        support.ensure_postgresql_up()
+    wait_until(
+        lambda: support.drained(alpha_queue(ns)),
+        timeout=60,
+        interval=0.3,
+        message="processed after the database came back",
+    )
+    assert effect_count("outage-3") == 1
+    assert len(log_lines(proc, r"processed message_id=outage-3 consumer=tests\.alpha")) == 1
+    assert not DeadLetter.objects.exists()
+    assert proc.returncode is None

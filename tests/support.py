@@ -1,0 +1,423 @@
+"""Helpers shared by the suite: bounded waiting, the broker seen from outside, subprocesses.
+
+Everything here talks to the real services on this machine. Every wait is bounded; every helper
+that shells out has a timeout. Fixtures built on these live in ``tests/conftest.py``.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pika
+import pika.exceptions
+
+ROOT = Path(__file__).resolve().parent.parent
+MANAGE = ROOT / "manage.py"
+
+
+class WaitTimeout(AssertionError):
+    """A bounded wait ran out; the message says what was awaited and the last value seen."""
+
+
+def wait_until(
+    predicate: Callable[[], Any],
+    timeout: float = 10.0,
+    interval: float = 0.05,
+    message: str | None = None,
+) -> Any:
+    """Poll ``predicate`` until it returns a truthy value (returned) or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            what = message or getattr(predicate, "__name__", repr(predicate))
+            raise WaitTimeout(
+                f"timed out after {timeout}s waiting for {what}; last value: {value!r}"
+            )
+        time.sleep(interval)
+
+
+def new_namespace() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+# --------------------------------------------------------------------------- RabbitMQ
+
+
+def broker_url(vhost: str = "/") -> str:
+    from django.conf import settings
+
+    base = str(settings.RELIABLE_MESSAGING["BROKER_URL"])
+    parts = urllib.parse.urlsplit(base)
+    return urllib.parse.urlunsplit(
+        (parts.scheme, parts.netloc, "/" + urllib.parse.quote(vhost, safe=""), parts.query, "")
+    )
+
+
+def broker_connection(vhost: str = "/", name: str = "rm-tests") -> pika.BlockingConnection:
+    params = pika.URLParameters(broker_url(vhost))
+    params.client_properties = {"connection_name": name}
+    params.connection_attempts = 3
+    params.retry_delay = 1
+    return pika.BlockingConnection(params)
+
+
+def rabbitmqctl(*args: str, timeout: float = 60, attempts: int = 5) -> str:
+    """Run ``rabbitmqctl -q ARGS``; retried briefly because the node may be restarted by
+    another engineer's service script. Raises on a persistent failure."""
+    last: subprocess.CompletedProcess[str] | None = None
+    for attempt in range(attempts):
+        last = subprocess.run(
+            ["rabbitmqctl", "-q", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if last.returncode == 0:
+            return last.stdout
+        time.sleep(min(2.0, 0.5 * (attempt + 1)))
+    assert last is not None
+    raise RuntimeError(
+        f"rabbitmqctl {' '.join(args)} failed ({last.returncode}): "
+        f"{last.stderr.strip() or last.stdout.strip()}"
+    )
+
+
+def queue_counts(queue: str, vhost: str = "/") -> tuple[int, int] | None:
+    """(ready, unacknowledged) of ``queue`` as the broker counts them now, or None if absent.
+
+    Uses rabbitmqctl (exact, not the management plugin's sampled statistics)."""
+    return all_queue_counts(vhost).get(queue)
+
+
+def all_queue_counts(vhost: str = "/") -> dict[str, tuple[int, int]]:
+    """{queue: (ready, unacknowledged)} for every queue of ``vhost``, in one rabbitmqctl call."""
+    out = rabbitmqctl(
+        "list_queues",
+        "-p",
+        vhost,
+        "name",
+        "messages_ready",
+        "messages_unacknowledged",
+        "--no-table-headers",
+    )
+    counts: dict[str, tuple[int, int]] = {}
+    for line in out.splitlines():
+        fields = line.split("\t")
+        if len(fields) == 3:
+            counts[fields[0]] = (int(fields[1]), int(fields[2]))
+    return counts
+
+
+def drained(*queues: str, vhost: str = "/") -> bool:
+    """True when every one of ``queues`` exists and holds no message, ready or unacked."""
+    counts = all_queue_counts(vhost)
+    return all(counts.get(q) == (0, 0) for q in queues)
+
+
+def ready_count(queue: str, vhost: str = "/") -> int:
+    """Messages ready in ``queue`` (a passive declare; quick, but blind to unacked ones)."""
+    connection = broker_connection(vhost)
+    try:
+        method = connection.channel().queue_declare(queue, passive=True)
+        return int(method.method.message_count)
+    finally:
+        connection.close()
+
+
+def queue_exists(queue: str, vhost: str = "/") -> bool:
+    connection = broker_connection(vhost)
+    try:
+        connection.channel().queue_declare(queue, passive=True)
+        return True
+    except pika.exceptions.ChannelClosedByBroker:
+        return False
+    finally:
+        if connection.is_open:
+            connection.close()
+
+
+def all_queue_arguments(vhost: str = "/") -> dict[str, dict[str, Any]]:
+    """{queue: the x-arguments it was declared with} for ``vhost`` (one rabbitmqctl call)."""
+    out = rabbitmqctl("list_queues", "-p", vhost, "name", "arguments", "--formatter", "json")
+    result: dict[str, dict[str, Any]] = {}
+    for row in json.loads(out or "[]"):
+        args = row.get("arguments")
+        if isinstance(args, list):  # [[key, type, value], ...] (or [key, value])
+            result[row["name"]] = {item[0]: item[-1] for item in args}
+        else:
+            result[row["name"]] = dict(args or {})
+    return result
+
+
+def queue_arguments(queue: str, vhost: str = "/") -> dict[str, Any] | None:
+    """The x-arguments ``queue`` was declared with, or None when it does not exist."""
+    return all_queue_arguments(vhost).get(queue)
+
+
+def _management_list(kind: str, vhost: str) -> list[str] | None:
+    """Names of queues/exchanges via the management API, or None when it is not available."""
+    from django.conf import settings
+
+    parts = urllib.parse.urlsplit(str(settings.RELIABLE_MESSAGING["BROKER_URL"]))
+    user = urllib.parse.unquote(parts.username or "guest")
+    password = urllib.parse.unquote(parts.password or "guest")
+    url = (
+        f"http://{parts.hostname or '127.0.0.1'}:15672/api/{kind}/"
+        f"{urllib.parse.quote(vhost, safe='')}?columns=name"
+    )
+    request = urllib.request.Request(url)
+    token = base64.b64encode(f"{user}:{password}".encode()).decode()
+    request.add_header("Authorization", f"Basic {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=3) as response:
+            return [row["name"] for row in json.load(response)]
+    except Exception:  # noqa: BLE001 - the plugin is optional: fall back to rabbitmqctl
+        return None
+
+
+def list_broker_names(kind: str, vhost: str = "/") -> list[str]:
+    names = _management_list(kind, vhost)
+    if names is not None:
+        return names
+    out = rabbitmqctl(f"list_{kind}", "-p", vhost, "name", "--no-table-headers")
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def delete_broker_objects(fragment: str, vhost: str = "/") -> list[str]:
+    """Delete every queue and exchange of ``vhost`` whose name contains ``fragment``."""
+    assert len(fragment) >= 8, "refusing to delete by a short name fragment"
+    deleted: list[str] = []
+    queues = [n for n in list_broker_names("queues", vhost) if fragment in n]
+    exchanges = [n for n in list_broker_names("exchanges", vhost) if fragment in n]
+    if not queues and not exchanges:
+        return deleted
+    connection = broker_connection(vhost, name="rm-tests cleanup")
+    try:
+        for kind, names in (("queue", queues), ("exchange", exchanges)):
+            for name in names:
+                channel = connection.channel()
+                try:
+                    if kind == "queue":
+                        channel.queue_delete(name)
+                    else:
+                        channel.exchange_delete(name)
+                    deleted.append(name)
+                except pika.exceptions.ChannelClosedByBroker:
+                    pass  # already gone
+                finally:
+                    if channel.is_open:
+                        channel.close()
+    finally:
+        if connection.is_open:
+            connection.close()
+    return deleted
+
+
+class Publisher:
+    """A raw pika publisher with publisher confirms: bytes go on the wire exactly as given."""
+
+    def __init__(self, vhost: str = "/") -> None:
+        self.vhost = vhost
+        self._connection: pika.BlockingConnection | None = None
+        self._channel: Any = None
+
+    def _open(self) -> Any:
+        if self._connection is None or not self._connection.is_open or not self._channel.is_open:
+            self.close()
+            self._connection = broker_connection(self.vhost, name="rm-tests publisher")
+            self._channel = self._connection.channel()
+            self._channel.confirm_delivery()
+        return self._channel
+
+    def publish(
+        self,
+        exchange: str,
+        routing_key: str,
+        payload: Any = None,
+        *,
+        body: bytes | None = None,
+        message_id: str | bytes | None = "auto",
+        content_type: str | None = "application/json",
+        headers: Mapping[Any, Any] | None = None,
+        mandatory: bool = True,
+    ) -> str | None:
+        """Publish one persistent message; ``message_id="auto"`` gives a fresh UUID, None none."""
+        if message_id == "auto":
+            message_id = str(uuid.uuid4())
+        if body is None:
+            body = json.dumps(payload).encode()
+        properties = pika.BasicProperties(
+            message_id=message_id,  # type: ignore[arg-type]  # raw bytes on purpose
+            content_type=content_type,
+            delivery_mode=2,
+            timestamp=int(time.time()),
+            headers=dict(headers) if headers else None,
+        )
+        self._open().basic_publish(exchange, routing_key, body, properties, mandatory=mandatory)
+        return message_id if isinstance(message_id, str) else None
+
+    def close(self) -> None:
+        if self._connection is not None and self._connection.is_open:
+            with contextlib.suppress(Exception):  # already broken: nothing to close
+                self._connection.close()
+        self._connection = None
+        self._channel = None
+
+
+# --------------------------------------------------------------------------- PostgreSQL
+
+
+def pg_version() -> str:
+    versions = sorted(
+        os.listdir("/etc/postgresql"), key=lambda v: [int(p) for p in v.split(".") if p.isdigit()]
+    )
+    return versions[-1]
+
+
+def pg_isready() -> bool:
+    return (
+        subprocess.run(
+            ["pg_isready", "-q", "-t", "2", "-h", "127.0.0.1", "-p", "5432"],
+            check=False,
+            timeout=10,
+        ).returncode
+        == 0
+    )
+
+
+def pg_query_ok() -> bool:
+    result = subprocess.run(
+        [
+            "psql",
+            "-w",
+            "-X",
+            "-A",
+            "-t",
+            "-q",
+            "-h",
+            "127.0.0.1",
+            "-U",
+            "postgres",
+            "-c",
+            "select 1",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=10,
+    )
+    return result.stdout.strip() == "1"
+
+
+def pg_ctl(action: str) -> None:
+    args = ["pg_ctlcluster", "--skip-systemctl-redirect", pg_version(), "main", action]
+    if action == "stop":
+        args += ["-m", "fast"]
+    result = subprocess.run(args, capture_output=True, text=True, check=False, timeout=120)
+    if result.returncode != 0 and not (action == "start" and pg_isready()):
+        raise RuntimeError(f"{' '.join(args)} failed: {result.stderr.strip()}")
+
+
+def ensure_postgresql_up(timeout: float = 90) -> None:
+    if not pg_isready():
+        pg_ctl("start")
+    wait_until(
+        lambda: pg_isready() and pg_query_ok(),
+        timeout=timeout,
+        interval=0.5,
+        message="PostgreSQL to accept queries",
+    )
+
+
+# --------------------------------------------------------------------------- subprocesses
+
+
+class ConsumeProcess:
+    """A real ``manage.py consume`` subprocess whose stderr/stdout go to a log file."""
+
+    def __init__(self, args: list[str], env: Mapping[str, str], log_path: Path) -> None:
+        self.args = args
+        self.log_path = log_path
+        self._log_file = open(log_path, "wb")  # noqa: SIM115 - closed in close()
+        command = [sys.executable, str(MANAGE), "consume", "--settings", "tests.settings", *args]
+        self.popen = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=dict(env),
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for_log(self, text: str, timeout: float = 30.0) -> None:
+        def seen() -> bool:
+            if text in self.log():
+                return True
+            if self.popen.poll() is not None:
+                raise AssertionError(
+                    f"consume exited with {self.popen.returncode} before "
+                    f"logging {text!r}:\n{self.log()}"
+                )
+            return False
+
+        wait_until(seen, timeout=timeout, interval=0.1, message=f"{text!r} in the consume log")
+
+    def wait_consuming(self, timeout: float = 45.0) -> ConsumeProcess:
+        self.wait_for_log("consuming ", timeout=timeout)
+        return self
+
+    def send(self, sig: int) -> None:
+        if self.popen.poll() is None:
+            os.kill(self.popen.pid, sig)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise WaitTimeout(
+                f"consume pid {self.pid} still running after {timeout}s:\n{self.log()}"
+            ) from None
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            os.kill(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(timeout=30)
+
+    def close(self) -> None:
+        try:
+            self.kill()
+        finally:
+            self._log_file.close()
+
+
+def count_where(rows: Iterable[Any], **fields: Any) -> int:
+    return sum(all(getattr(r, k) == v for k, v in fields.items()) for r in rows)

@@ -1,0 +1,194 @@
+"""System checks: each misconfiguration is reported with its id and a hint, through Django's own
+``run_checks()`` (so the checks are registered) and through the check functions directly."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.conf import settings
+from django.core.checks import Error, Warning, run_checks
+from django.test import override_settings
+
+from reliable_messaging import Message
+from reliable_messaging.checks import check_consumers, check_settings
+from reliable_messaging.registry import ConsumerSpec, registry
+
+
+def handler(message: Message) -> None:
+    pass
+
+
+def ids(messages: list[Any]) -> list[str]:
+    return sorted(m.id for m in messages if (m.id or "").startswith("reliable_messaging."))
+
+
+@pytest.fixture
+def rm() -> Iterator[Any]:
+    """``rm(**overrides)`` -> the check messages for the suite's settings plus overrides."""
+
+    def run(**overrides: Any) -> list[Any]:
+        with override_settings(RELIABLE_MESSAGING={**settings.RELIABLE_MESSAGING, **overrides}):
+            return check_settings()
+
+    yield run
+
+
+def only(messages: list[Any], id_: str) -> Any:
+    assert ids(messages) == [id_], [str(m) for m in messages]
+    (message,) = messages
+    assert message.hint  # every check says how to fix it
+    return message
+
+
+def test_the_suite_settings_pass() -> None:
+    assert ids(run_checks()) == []
+    assert check_settings() == []
+
+
+def test_no_setting_at_all_passes() -> None:
+    with override_settings(RELIABLE_MESSAGING=None):
+        assert check_settings() == []
+
+
+def test_setting_not_a_dict() -> None:
+    with override_settings(RELIABLE_MESSAGING=["BROKER_URL"]):
+        assert ids(check_settings()) == ["reliable_messaging.E000"]
+
+
+@pytest.mark.parametrize("url", ["http://localhost:5672/", "localhost", 5672, None])
+def test_broker_url_not_amqp(rm: Any, url: Any) -> None:
+    message = only(rm(BROKER_URL=url), "reliable_messaging.E001")
+    assert isinstance(message, Error)
+    assert "BROKER_URL" in message.msg
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "amqp://guest:s3cret@localhost:5672/%2F?heartbeat=abc",
+        "amqp://guest:s3cret@localhost:5672/%2F?frobnicate=1",
+        "amqp://[::1",
+    ],
+)
+def test_broker_url_unparsable_is_reported_through_run_checks(url: str) -> None:
+    values = {**settings.RELIABLE_MESSAGING, "BROKER_URL": url}
+    with override_settings(RELIABLE_MESSAGING=values):
+        messages = run_checks()
+    assert ids(messages) == ["reliable_messaging.E001"]
+    (message,) = [m for m in messages if m.id == "reliable_messaging.E001"]
+    assert "cannot be parsed" in message.msg
+    assert "s3cret" not in message.msg
+
+
+@pytest.mark.parametrize(
+    "url", ["amqp://app:s3cret@localhost:notaport/%2F", "amqp://app:s3cret@localhost:99999/%2F"]
+)
+def test_broker_url_with_a_bad_port(rm: Any, url: str) -> None:
+    message = only(rm(BROKER_URL=url), "reliable_messaging.E001")
+    assert "s3cret" not in message.msg
+
+
+def test_broker_url_password_is_not_shown(rm: Any) -> None:
+    message = only(rm(BROKER_URL="http://app:s3cret@mq/"), "reliable_messaging.E001")
+    assert "s3cret" not in message.msg and "***" in message.msg
+
+
+@pytest.mark.parametrize(
+    "delays", [[0, 1], [-1, 5], [5, 1], [1, 3, 2], [], "1,5", ["1"], [True], None]
+)
+def test_retry_delays_must_be_increasing_positive_numbers(rm: Any, delays: Any) -> None:
+    message = only(rm(RETRY_DELAYS=delays), "reliable_messaging.E004")
+    assert "RETRY_DELAYS" in message.msg
+
+
+@pytest.mark.parametrize("attempts", [0, -3, "3", 2.5, True, None])
+def test_max_attempts_below_one(rm: Any, attempts: Any) -> None:
+    message = only(rm(MAX_ATTEMPTS=attempts), "reliable_messaging.E005")
+    assert "MAX_ATTEMPTS" in message.msg
+
+
+def test_cache_alias_naming_no_cache(rm: Any) -> None:
+    message = only(rm(CACHE_ALIAS="redis"), "reliable_messaging.E007")
+    assert "'redis'" in message.msg and "CACHES" in message.msg
+    assert rm(CACHE_ALIAS="default") == []
+    assert rm(CACHE_ALIAS=None) == []
+
+
+def test_unknown_key_is_a_warning_with_a_suggestion(rm: Any) -> None:
+    message = only(rm(RETRY_DELAY=[1, 2]), "reliable_messaging.W001")
+    assert isinstance(message, Warning)
+    assert "'RETRY_DELAY'" in message.msg
+    assert "RETRY_DELAYS" in (message.hint or "")
+
+
+def test_unknown_key_without_a_close_match_lists_the_known_keys(rm: Any) -> None:
+    message = only(rm(ZZZ=1), "reliable_messaging.W001")
+    assert "BROKER_URL" in (message.hint or "")
+
+
+def test_dedup_retention_shorter_than_the_retry_horizon(rm: Any) -> None:
+    # 0.2 + 0.4 seconds of delays between 3 attempts: the inbox must remember at least that.
+    message = only(rm(DEDUP_RETENTION=timedelta(milliseconds=500)), "reliable_messaging.W002")
+    assert "DEDUP_RETENTION" in message.msg
+    assert rm(DEDUP_RETENTION=timedelta(milliseconds=600)) == []
+
+
+def test_retry_horizon_counts_the_consumers_own_policy(rm: Any) -> None:
+    spec = ConsumerSpec(
+        name="slow.retry",
+        queue="slow.retry.q",
+        handler=handler,
+        bindings=("x",),
+        max_attempts=4,
+        retry_delays=(60.0, 3600.0),
+    )
+    with registry.isolated():
+        registry.register(spec)
+        # 60 + 3600 + 3600 seconds: one day is enough, one hour is not.
+        assert rm(DEDUP_RETENTION=timedelta(days=1)) == []
+        only(rm(DEDUP_RETENTION=timedelta(hours=1)), "reliable_messaging.W002")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "id_"),
+    [
+        ("EXCHANGE", "", "reliable_messaging.E002"),
+        ("EXCHANGE", 5, "reliable_messaging.E002"),
+        ("PREFETCH", 0, "reliable_messaging.E003"),
+        ("PREFETCH", 70000, "reliable_messaging.E003"),
+        ("DEDUP_RETENTION", 14, "reliable_messaging.E006"),
+        ("OUTBOX_RETENTION", timedelta(0), "reliable_messaging.E006"),
+        ("QUEUE_TYPE", "stream", "reliable_messaging.E008"),
+        ("MAX_BODY_BYTES", 0, "reliable_messaging.E009"),
+        ("SHUTDOWN_TIMEOUT", 0, "reliable_messaging.E010"),
+        ("RECONNECT_MAX_DELAY", "5", "reliable_messaging.E010"),
+        ("HEARTBEAT", -1, "reliable_messaging.E011"),
+    ],
+)
+def test_other_bad_values(rm: Any, key: str, value: Any, id_: str) -> None:
+    message = only(rm(**{key: value}), id_)
+    assert key in message.msg
+
+
+def test_several_problems_are_all_reported(rm: Any) -> None:
+    messages = rm(MAX_ATTEMPTS=0, RETRY_DELAYS=[3, 1], CACHE_ALIAS="nope", TYPO=1)
+    assert ids(messages) == [
+        "reliable_messaging.E004",
+        "reliable_messaging.E005",
+        "reliable_messaging.E007",
+        "reliable_messaging.W001",
+    ]
+
+
+def test_consumer_without_bindings_is_a_warning() -> None:
+    spec = ConsumerSpec(name="lonely", queue="lonely.q", handler=handler)
+    with registry.isolated():
+        registry.register(spec)
+        messages = check_consumers()
+        assert ids(messages) == ["reliable_messaging.W003"]
+        assert "'lonely'" in messages[0].msg
+        assert "reliable_messaging.W003" in ids(run_checks())
+    assert check_consumers() == []
