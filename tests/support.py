@@ -17,7 +17,7 @@ import time
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +34,9 @@ class WaitTimeout(AssertionError):
 
 def wait_until(
     predicate: Callable[[], Any],
-    timeout: float = 10.0,
+    timeout: float = 30.0,
     interval: float = 0.05,
-    message: str | None = None,
+    message: str | Callable[[], str] | None = None,
 ) -> Any:
     """Poll ``predicate`` until it returns a truthy value (returned) or ``timeout`` passes."""
     deadline = time.monotonic() + timeout
@@ -45,7 +45,8 @@ def wait_until(
         if value:
             return value
         if time.monotonic() >= deadline:
-            what = message or getattr(predicate, "__name__", repr(predicate))
+            text = message() if callable(message) else message
+            what = text or getattr(predicate, "__name__", repr(predicate))
             raise WaitTimeout(
                 f"timed out after {timeout}s waiting for {what}; last value: {value!r}"
             )
@@ -349,16 +350,23 @@ def ensure_postgresql_up(timeout: float = 90) -> None:
 # --------------------------------------------------------------------------- subprocesses
 
 
-class ConsumeProcess:
-    """A real ``manage.py consume`` subprocess whose stderr/stdout go to a log file."""
+class ManageProcess:
+    """A real ``manage.py <command>`` subprocess whose stdout and stderr go to a log file."""
 
-    def __init__(self, args: list[str], env: Mapping[str, str], log_path: Path) -> None:
-        self.args = args
+    command = ""
+
+    def __init__(
+        self,
+        args: Sequence[str],
+        env: Mapping[str, str],
+        log_path: Path,
+        settings: str = "tests.settings",
+    ) -> None:
+        self.args = list(args)
         self.log_path = log_path
         self._log_file = open(log_path, "wb")  # noqa: SIM115 - closed in close()
-        command = [sys.executable, str(MANAGE), "consume", "--settings", "tests.settings", *args]
         self.popen = subprocess.Popen(
-            command,
+            [sys.executable, str(MANAGE), self.command, "--settings", settings, *self.args],
             cwd=ROOT,
             env=dict(env),
             stdout=self._log_file,
@@ -376,7 +384,10 @@ class ConsumeProcess:
         return self.popen.poll()
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError as exc:
+            return f"(log unreadable: {exc})"
 
     def wait_for_log(self, text: str, timeout: float = 30.0) -> None:
         def seen() -> bool:
@@ -384,27 +395,26 @@ class ConsumeProcess:
                 return True
             if self.popen.poll() is not None:
                 raise AssertionError(
-                    f"consume exited with {self.popen.returncode} before "
+                    f"{self.command} exited with {self.popen.returncode} before "
                     f"logging {text!r}:\n{self.log()}"
                 )
             return False
 
-        wait_until(seen, timeout=timeout, interval=0.1, message=f"{text!r} in the consume log")
-
-    def wait_consuming(self, timeout: float = 45.0) -> ConsumeProcess:
-        self.wait_for_log("consuming ", timeout=timeout)
-        return self
+        wait_until(
+            seen, timeout=timeout, interval=0.05, message=f"{text!r} in the {self.command} log"
+        )
 
     def send(self, sig: int) -> None:
         if self.popen.poll() is None:
             os.kill(self.popen.pid, sig)
 
-    def wait(self, timeout: float) -> int:
+    def wait(self, timeout: float = 120.0) -> int:
         try:
             return self.popen.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             raise WaitTimeout(
-                f"consume pid {self.pid} still running after {timeout}s:\n{self.log()}"
+                f"{self.command} pid {self.pid} {self.args} still running after {timeout}s:\n"
+                f"{self.log()}"
             ) from None
 
     def kill(self) -> None:
@@ -417,6 +427,16 @@ class ConsumeProcess:
             self.kill()
         finally:
             self._log_file.close()
+
+
+class ConsumeProcess(ManageProcess):
+    """A real ``manage.py consume`` subprocess."""
+
+    command = "consume"
+
+    def wait_consuming(self, timeout: float = 45.0) -> ConsumeProcess:
+        self.wait_for_log("consuming ", timeout=timeout)
+        return self
 
 
 def count_where(rows: Iterable[Any], **fields: Any) -> int:

@@ -16,15 +16,13 @@ import base64
 import contextlib
 import json
 import os
-import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,34 +34,11 @@ from django.conf import settings
 from django.db import connection, connections
 from django.test import override_settings
 
+from tests.support import ManageProcess, WaitTimeout
+
 ROOT = Path(__file__).resolve().parents[2]
 MANAGE = ROOT / "manage.py"
 RELAY_SETTINGS = "tests.outbox.relay_settings"
-
-
-class WaitTimeout(AssertionError):
-    pass
-
-
-def wait_until(
-    predicate: Callable[[], Any],
-    timeout: float = 30.0,
-    interval: float = 0.05,
-    message: str | Callable[[], str] = "",
-) -> Any:
-    """Poll ``predicate`` until it returns something truthy (returned) or ``timeout`` passes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            text = message() if callable(message) else message
-            raise WaitTimeout(
-                f"timed out after {timeout}s waiting for {text or predicate!r}; "
-                f"last value {value!r}"
-            )
-        time.sleep(interval)
 
 
 def new_namespace() -> str:
@@ -246,77 +221,17 @@ def database_url() -> str:
     return f"postgres://{user}{password}@{host}:{port}/{conf['NAME']}"
 
 
-class RelayProcess:
-    """A real ``manage.py relay`` subprocess; stdout and stderr go to a log file."""
+class RelayProcess(ManageProcess):
+    """A real ``manage.py relay`` subprocess (with the per-test settings overrides)."""
+
+    command = "relay"
 
     def __init__(self, args: Sequence[str], env: dict[str, str], log_path: Path) -> None:
-        self.args = list(args)
-        self.log_path = log_path
-        self._log_file = open(log_path, "wb")  # noqa: SIM115 - closed in close()
-        self.popen = subprocess.Popen(
-            [sys.executable, str(MANAGE), "relay", "--settings", RELAY_SETTINGS, *self.args],
-            cwd=ROOT,
-            env=env,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self.popen.poll()
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError as exc:
-            return f"(log unreadable: {exc})"
-
-    def wait(self, timeout: float = 120.0) -> int:
-        try:
-            return self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise WaitTimeout(
-                f"relay pid {self.pid} {self.args} still running after {timeout}s; log:\n"
-                f"{self.log()}"
-            ) from None
-
-    def wait_for_log(self, text: str, timeout: float = 60.0) -> None:
-        def seen() -> bool:
-            if text in self.log():
-                return True
-            if self.popen.poll() is not None:
-                raise AssertionError(
-                    f"relay exited with {self.popen.returncode} before logging {text!r}:\n"
-                    f"{self.log()}"
-                )
-            return False
-
-        wait_until(seen, timeout=timeout, interval=0.05, message=f"{text!r} in the relay log")
+        super().__init__(args, env, log_path, settings=RELAY_SETTINGS)
 
     def wait_connected(self, timeout: float = 60.0) -> RelayProcess:
         self.wait_for_log("relay: publishing the outbox", timeout=timeout)
         return self
-
-    def send(self, sig: int) -> None:
-        if self.popen.poll() is None:
-            os.kill(self.popen.pid, sig)
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            os.kill(self.popen.pid, signal.SIGKILL)
-            self.popen.wait(timeout=30)
-
-    def close(self) -> None:
-        try:
-            self.kill()
-        finally:
-            self._log_file.close()
 
 
 # --------------------------------------------------------------------------- in-process relays

@@ -15,9 +15,10 @@ from reliable_messaging.models import DeadLetter, OutboxMessage, OutboxStatus, P
 from reliable_messaging.outcomes import Acknowledge, ScheduleRetry
 from reliable_messaging.registry import ConsumerSpec
 from reliable_messaging.testing import deliver
+from tests.support import wait_until
 from tests.testapp.models import Effect
 
-from .conftest import OutboxEnv, wait_until
+from .conftest import OutboxEnv
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -13,8 +13,9 @@ from django.db import connections, transaction
 
 from reliable_messaging import publish
 from reliable_messaging.models import OutboxMessage, OutboxStatus
+from tests.support import wait_until
 
-from .conftest import OutboxEnv, ensure_broker_running, rabbitmqctl, wait_until
+from .conftest import OutboxEnv, ensure_broker_running, rabbitmqctl
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 

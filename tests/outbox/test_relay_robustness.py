@@ -18,8 +18,9 @@ from django.utils import timezone
 from reliable_messaging import publish
 from reliable_messaging.models import OutboxMessage, OutboxStatus
 from reliable_messaging.relay import OutboxRelay
+from tests.support import wait_until
 
-from .conftest import OutboxEnv, wait_until
+from .conftest import OutboxEnv
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
