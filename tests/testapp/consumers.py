@@ -4,8 +4,9 @@ Each handler records an :class:`Effect` and then behaves as the payload asks, pe
 ``{"fail": {"alpha": 2}}`` fails the first two attempts of alpha, ``{"permanent": {"alpha": 1}}``
 raises PermanentError, ``{"sleep": {"alpha": 1.5}}`` sleeps, ``{"require": "field"}`` reads a
 field that may be missing (KeyError), ``{"crash_after_commit": {"alpha": 1}}`` kills the process
-with SIGKILL after the commit and before the ack (first delivery only). The effect rolls back
-whenever the handler raises.
+with SIGKILL after the commit and before the ack (first delivery only),
+``{"broken_while_env": {"alpha": "VAR"}}`` fails permanently while the process has VAR set.
+The effect rolls back whenever the handler raises.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ def behave(label: str, message: Message) -> None:
     sleep = payload.get("sleep", {}).get(label)
     if sleep:
         time.sleep(float(sleep))
+    broken_by = payload.get("broken_while_env", {}).get(label)
+    if broken_by and os.environ.get(broken_by):
+        # A bug in this deploy (the environment variable is set): fixed by restarting without.
+        raise PermanentError(f"{label} is broken in this deploy ({broken_by} is set)")
     if payload.get("permanent", {}).get(label):
         raise PermanentError(f"{label} refuses this message for good")
     failures = payload.get("fail", {}).get(label, 0)
