@@ -475,15 +475,19 @@ class DeadLetterAdmin(admin.ModelAdmin):
 
     # ------------------------------------------------------------------ actions
 
+    def _confirm_bulk(self, request: HttpRequest, view: str) -> HttpResponse | None:
+        """ "Select all N" in the list is bulk work: send it to the page that shows how many
+        match the current filter and asks for confirmation."""
+        if request.POST.get("select_across") != "1":
+            return None
+        return HttpResponseRedirect(self.console_url(view, query=_filter_query(request)))
+
     @admin.action(description=_("Replay the selected dead letters"), permissions=["replay"])
     def replay_selected(
         self, request: HttpRequest, queryset: QuerySet[DeadLetter]
     ) -> HttpResponse | None:
-        if request.POST.get("select_across") == "1":
-            # "Select all N": bulk work, confirmed on the page that shows how many.
-            return HttpResponseRedirect(
-                self.console_url("replay_matching", query=_filter_query(request))
-            )
+        if bulk := self._confirm_bulk(request, "replay_matching"):
+            return bulk
         admin_views.replay_and_report(
             self, request, self._ids(queryset), force=False, how=gettext("selected in the list")
         )
@@ -496,10 +500,8 @@ class DeadLetterAdmin(admin.ModelAdmin):
     def force_replay_selected(
         self, request: HttpRequest, queryset: QuerySet[DeadLetter]
     ) -> HttpResponse | None:
-        if request.POST.get("select_across") == "1":
-            return HttpResponseRedirect(
-                self.console_url("replay_matching", query=_filter_query(request))
-            )
+        if bulk := self._confirm_bulk(request, "replay_matching"):
+            return bulk
         if request.POST.get("post") == "yes":
             admin_views.replay_and_report(
                 self, request, self._ids(queryset), force=True, how=gettext("selected in the list")
@@ -514,10 +516,8 @@ class DeadLetterAdmin(admin.ModelAdmin):
     def discard_selected(
         self, request: HttpRequest, queryset: QuerySet[DeadLetter]
     ) -> HttpResponse | None:
-        if request.POST.get("select_across") == "1":
-            return HttpResponseRedirect(
-                self.console_url("discard_matching", query=_filter_query(request))
-            )
+        if bulk := self._confirm_bulk(request, "discard_matching"):
+            return bulk
         admin_views.discard_and_report(
             self, request, self._ids(queryset), how=gettext("selected in the list")
         )

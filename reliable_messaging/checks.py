@@ -11,6 +11,7 @@ from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
 from .conf import DEFAULTS, messaging_settings, redact_url
+from .retry import delay_for
 
 SETTING = "RELIABLE_MESSAGING"
 
@@ -220,9 +221,10 @@ def _check_retention_horizon() -> list[CheckMessage]:
 
 
 def _horizon(delays: Sequence[float], max_attempts: int) -> float:
+    """Seconds from the first attempt to the last: the waits after attempts 1 .. max - 1."""
     if not delays:
         return 0.0
-    return float(sum(delays[min(i, len(delays) - 1)] for i in range(max(0, max_attempts - 1))))
+    return sum(delay_for(attempt, delays) for attempt in range(1, max_attempts))
 
 
 @register(Tags.compatibility)
