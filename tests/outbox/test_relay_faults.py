@@ -13,6 +13,7 @@ from django.db import connections, transaction
 
 from reliable_messaging import publish
 from reliable_messaging.models import OutboxMessage, OutboxStatus
+from tests import support
 from tests.support import wait_until
 
 from .conftest import OutboxEnv, ensure_broker_running, rabbitmqctl
@@ -154,6 +155,36 @@ def test_relay_reconnects_by_itself_after_a_broker_restart(ob: OutboxEnv) -> Non
     delivered = ob.broker.drain(queue, expected=len(ids))
     assert {m.message_id for m in delivered} == ids
 
+    relay.send(signal.SIGTERM)
+    assert relay.wait(timeout=20) == 0, relay.log()
+
+
+def test_relay_rides_out_a_database_outage(ob: OutboxEnv) -> None:
+    """PostgreSQL stopped under a running relay: no crash, nothing lost; once the database is
+    back the relay resumes by itself (new LISTEN connection included) and sends what is due."""
+    queue = ob.queue()
+    relay = ob.relay_process().wait_connected()
+    before = publish("db.before", {"n": 1})
+    wait_until(lambda: sent_rows() == 1, timeout=30, message="the first row sent")
+    connections.close_all()  # the test's own connection would break anyway
+    support.pg_ctl("stop")
+    try:
+        assert not support.pg_isready()
+        time.sleep(3)  # several ticks and LISTEN retries against a dead database
+        assert relay.returncode is None, f"the relay died with the database:\n{relay.log()}"
+    finally:
+        support.ensure_postgresql_up()
+    assert "database unavailable" in relay.log() or "LISTEN connection lost" in relay.log()
+    after = publish("db.after", {"n": 2})
+    wait_until(
+        lambda: sent_rows() == 2,
+        timeout=60,
+        interval=0.2,
+        message=lambda: f"the row published after the outage sent; log:\n{relay.log()}",
+    )
+    assert relay.returncode is None
+    delivered = ob.broker.drain(queue, expected=2)
+    assert Counter(m.message_id for m in delivered) == {before: 1, after: 1}
     relay.send(signal.SIGTERM)
     assert relay.wait(timeout=20) == 0, relay.log()
 
