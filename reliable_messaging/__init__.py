@@ -3,6 +3,7 @@
 Public API::
 
     from reliable_messaging import consumer, publish, Message, PermanentError
+    from reliable_messaging import idempotent_task  # needs Celery
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from .registry import consumer
 
 if TYPE_CHECKING:
     from .outbox import publish
+    from .tasks import idempotent_task
 
-__all__ = ["Message", "PermanentError", "consumer", "publish"]
+__all__ = ["Message", "PermanentError", "consumer", "idempotent_task", "publish"]
 __version__ = "0.1.0"
 
 
@@ -27,4 +29,9 @@ def __getattr__(name: str) -> Any:
         from .outbox import publish
 
         return publish
+    if name == "idempotent_task":
+        # Celery is optional (the "celery" extra): only this name needs it.
+        from .tasks import idempotent_task
+
+        return idempotent_task
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

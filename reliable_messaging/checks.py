@@ -138,6 +138,18 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                 "Add a django-redis cache under that alias in CACHES, or set CACHE_ALIAS to None.",
             )
         )
+    elif alias is not None and not _is_django_redis(getattr(settings, "CACHES", {})[alias]):
+        cache_config: dict[str, Any] = getattr(settings, "CACHES", {})[alias]
+        backend = cache_config.get("BACKEND")
+        errors.append(
+            _error(
+                13,
+                f"{SETTING}['CACHE_ALIAS'] is {alias!r}, whose BACKEND "
+                f"{backend!r} is not django-redis: the duplicate "
+                f"fast path talks to Redis through django-redis's client.",
+                "Use 'django_redis.cache.RedisCache' for that cache, or set CACHE_ALIAS to None.",
+            )
+        )
     queue_type = value("QUEUE_TYPE")
     if queue_type not in ("classic", "quorum"):
         errors.append(
@@ -161,6 +173,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         "RECONNECT_MAX_DELAY",
         "RELAY_POLL_INTERVAL",
         "RELAY_CONFIRM_TIMEOUT",
+        "DEDUP_LEASE_SECONDS",
     ):
         if not _is_number(value(key)) or value(key) <= 0:
             errors.append(
@@ -170,7 +183,13 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                     "e.g. 30",
                 )
             )
-    for key in ("RELAY_BATCH_SIZE", "OUTBOX_MAX_ATTEMPTS"):
+    for key in (
+        "RELAY_BATCH_SIZE",
+        "OUTBOX_MAX_ATTEMPTS",
+        "CONSUMER_BATCH_SIZE",
+        "ORDERED_PARTITIONS",
+        "QUORUM_DELIVERY_LIMIT",
+    ):
         number = value(key)
         if not isinstance(number, int) or isinstance(number, bool) or number < 1:
             errors.append(
@@ -192,6 +211,19 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     if not errors:
         errors += _check_retention_horizon()
     return errors
+
+
+def _is_django_redis(cache: Any) -> bool:
+    backend = cache.get("BACKEND", "") if isinstance(cache, dict) else ""
+    if backend == "django_redis.cache.RedisCache":
+        return True
+    try:
+        from django.utils.module_loading import import_string
+        from django_redis.cache import RedisCache
+
+        return issubclass(import_string(backend), RedisCache)
+    except Exception:  # noqa: BLE001 - not importable: not django-redis either
+        return False
 
 
 def _check_retention_horizon() -> list[CheckMessage]:

@@ -17,7 +17,7 @@ from django.conf import settings as django_settings
 DEFAULTS: dict[str, Any] = {
     "BROKER_URL": "amqp://guest:guest@localhost:5672/%2F",
     "EXCHANGE": "reliable_messaging",
-    "PREFETCH": 20,
+    "PREFETCH": 100,
     "RETRY_DELAYS": (1, 5, 30, 120, 600),
     "MAX_ATTEMPTS": 6,
     "DEDUP_RETENTION": timedelta(days=14),
@@ -41,6 +41,17 @@ DEFAULTS: dict[str, Any] = {
     "RELAY_POLL_INTERVAL": 1.0,
     "RELAY_CONFIRM_TIMEOUT": 30.0,
     "OUTBOX_MAX_ATTEMPTS": 10,
+    # The consumer commits up to this many deliveries in one transaction (a savepoint each);
+    # their acks go out after that commit. 1 gives one transaction per delivery.
+    "CONSUMER_BATCH_SIZE": 50,
+    # Partition queues of an ordered consumer (keys are spread over them by consistent hashing).
+    # Changing it remaps keys: drain the partitions first (see the README).
+    "ORDERED_PARTITIONS": 4,
+    # Quorum queues only: the broker dead-drops a message redelivered this many times, a guard
+    # against poison loops that never reach a handler (crashes before the ack).
+    "QUORUM_DELIVERY_LIMIT": 50,
+    # The Redis fast path (CACHE_ALIAS): how long a consumer holds its processing lease.
+    "DEDUP_LEASE_SECONDS": 60.0,
 }
 
 
@@ -145,6 +156,22 @@ class MessagingSettings:
     @property
     def outbox_max_attempts(self) -> int:
         return int(self.get("OUTBOX_MAX_ATTEMPTS"))
+
+    @property
+    def consumer_batch_size(self) -> int:
+        return int(self.get("CONSUMER_BATCH_SIZE"))
+
+    @property
+    def ordered_partitions(self) -> int:
+        return int(self.get("ORDERED_PARTITIONS"))
+
+    @property
+    def quorum_delivery_limit(self) -> int:
+        return int(self.get("QUORUM_DELIVERY_LIMIT"))
+
+    @property
+    def dedup_lease_seconds(self) -> float:
+        return float(self.get("DEDUP_LEASE_SECONDS"))
 
     def __repr__(self) -> str:
         return f"<MessagingSettings broker={redact_url(self.broker_url)} exchange={self.exchange}>"

@@ -1,17 +1,26 @@
 """The long-running consumer: one pika connection, N worker threads, reconnects by itself.
 
 Threading: pika objects live on the connection's thread (the one calling :meth:`run`). Deliveries
-are copied into plain :class:`Delivery` values and queued for the worker threads, which do all
-database work; each worker hands its outcome back with ``add_callback_threadsafe`` so acks,
+are copied into plain :class:`Delivery` values and handed to the worker threads, which do all
+database work; each worker hands its outcomes back with ``add_callback_threadsafe`` so acks,
 nacks and retry publishes happen on the connection's thread again.
+
+Throughput: a worker takes every delivery waiting for it (up to ``CONSUMER_BATCH_SIZE``) and
+decides them in one transaction, a savepoint each (see :mod:`.inbox`); their acks go out after
+the commit. Under load that is one commit for many messages; when idle, a batch of one.
+
+Ordering: the partition queues of an ordered consumer are each tied to one worker, which takes
+their deliveries in arrival order, and each has its own channel (so its own prefetch window): a
+partition held by a message retrying in place stops only that partition, never the others.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
 import logging
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -23,14 +32,16 @@ from django.db import close_old_connections, connections
 from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
 from pika.spec import Basic, BasicProperties
 
+from . import metrics
 from .backoff import Backoff
 from .conf import MessagingSettings, messaging_settings, redact_url
 from .envelope import CONTENT_TYPE, Delivery, normalize_headers
 from .exceptions import DatabaseUnavailable, TopologyMismatchError
-from .inbox import DeliveryProcessor
-from .outcomes import Acknowledge, Outcome, Release, ScheduleRetry
+from .fastpath import duplicate_cache
+from .inbox import DeliveryProcessor, Job, process_batch, with_attempt
+from .outcomes import Acknowledge, Outcome, Release, RetryInPlace, ScheduleRetry
 from .registry import ConsumerSpec
-from .topology import connection_parameters, declare_topology, delay_exchange_name
+from .topology import connection_parameters, consumer_queues, declare_topology, delay_exchange_name
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +55,8 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     ConnectionError,
     OSError,
 )
+# Seconds between two progress lines of a running consumer.
+PROGRESS_EVERY = 30.0
 
 
 @dataclass
@@ -53,22 +66,78 @@ class _Link:
     those messages, and the inbox recognises any that did commit)."""
 
     connection: BlockingConnection
-    consume_channel: BlockingChannel
     publish_channel: BlockingChannel
+    channels: list[BlockingChannel] = field(default_factory=list)
     in_flight: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def open(self) -> bool:
-        return self.connection.is_open and self.consume_channel.is_open
+        return self.connection.is_open and all(c.is_open for c in self.channels)
 
 
 @dataclass(frozen=True)
 class _WorkItem:
     link: _Link
+    channel: BlockingChannel
     spec: ConsumerSpec
     delivery: Delivery
     properties: BasicProperties
+    received: float = field(default_factory=time.monotonic)
+
+    def again(self, retry: RetryInPlace) -> _WorkItem:
+        return _WorkItem(
+            self.link, self.channel, self.spec, with_attempt(self.delivery, retry), self.properties
+        )
+
+
+@dataclass
+class _Held:
+    """A partition waiting for its first delivery's in-place retry: nothing of it runs before."""
+
+    ready_at: float
+    items: list[_WorkItem]
+
+
+class _Board:
+    """Where the connection's thread leaves deliveries for the workers: one lane per worker
+    (the ordered partitions tied to it, in arrival order) and one lane any worker may take."""
+
+    def __init__(self, workers: int) -> None:
+        self._cond = threading.Condition()
+        self._own: list[collections.deque[_WorkItem]] = [
+            collections.deque() for _ in range(workers)
+        ]
+        self._shared: collections.deque[_WorkItem] = collections.deque()
+        self.closed = False
+
+    def put(self, item: _WorkItem, worker: int | None) -> None:
+        with self._cond:
+            (self._shared if worker is None else self._own[worker]).append(item)
+            self._cond.notify_all()
+
+    def take(self, worker: int, limit: int, timeout: float) -> list[_WorkItem]:
+        """Up to ``limit`` items: the worker's own first, then shared ones. Waits at most
+        ``timeout`` seconds for the first."""
+        with self._cond:
+            own = self._own[worker]
+            if not own and not self._shared and not self.closed and timeout > 0:
+                self._cond.wait(timeout)
+            items: list[_WorkItem] = []
+            while own and len(items) < limit:
+                items.append(own.popleft())
+            while self._shared and len(items) < limit:
+                items.append(self._shared.popleft())
+            return items
+
+    def empty(self) -> bool:
+        with self._cond:
+            return not self._shared and not any(self._own)
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
 
 
 class ConsumerService:
@@ -82,6 +151,7 @@ class ConsumerService:
         idle_timeout: float | None = None,
         settings: MessagingSettings = messaging_settings,
         on_outcome: Callable[[ConsumerSpec, Delivery, Outcome], None] | None = None,
+        health: metrics.HealthState | None = None,
     ) -> None:
         self.specs = list(specs)
         if not self.specs:
@@ -90,14 +160,30 @@ class ConsumerService:
         self.idle_timeout = idle_timeout
         self.settings = settings
         self.on_outcome = on_outcome
+        self.health = health
         self.exit_code = 0
         self.connected = threading.Event()
         self._stop = threading.Event()
-        self._work: queue.Queue[_WorkItem | None] = queue.Queue()
-        self._processors = {spec.name: DeliveryProcessor(spec, settings) for spec in self.specs}
+        self._board = _Board(self.concurrency)
+        cache = duplicate_cache(settings)
+        self._processors = {
+            spec.name: DeliveryProcessor(spec, settings, cache) for spec in self.specs
+        }
+        metrics.consumers_started(self._processors)
+        self._cache = cache
+        # Each ordered partition queue is tied to one worker, round robin.
+        workers = itertools.cycle(range(self.concurrency))
+        self._lane_of = {
+            queue: next(workers)
+            for spec in self.specs
+            if spec.ordered
+            for queue in consumer_queues(spec, settings)
+        }
         self._workers: list[threading.Thread] = []
         self._last_delivery = time.monotonic()
         self._reconnect = Backoff(0.5, settings.reconnect_max_delay)
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._counts_lock = threading.Lock()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -105,6 +191,8 @@ class ConsumerService:
         """Stop taking deliveries, let handlers in flight finish, then return from :meth:`run`.
         Safe to call from a signal handler or another thread."""
         self._stop.set()
+        if self.health is not None:
+            self.health.stopping()
 
     @property
     def stopping(self) -> bool:
@@ -121,7 +209,7 @@ class ConsumerService:
                     self.exit_code = 2
                     break
                 except CONNECTION_ERRORS as exc:
-                    self.connected.clear()
+                    self._set_connected(False)
                     if self._stop.is_set():
                         break
                     wait = self._reconnect.next()
@@ -134,21 +222,28 @@ class ConsumerService:
                     )
                     self._stop.wait(wait)
         finally:
-            self.connected.clear()
+            self._set_connected(False)
             self._stop_workers()
         return self.exit_code
+
+    def _set_connected(self, connected: bool) -> None:
+        if connected:
+            self.connected.set()
+        else:
+            self.connected.clear()
+        if self.health is not None:
+            self.health.set_broker(connected)
 
     def _start_workers(self) -> None:
         for index in range(self.concurrency):
             thread = threading.Thread(
-                target=self._worker_loop, name=f"rm-worker-{index}", daemon=True
+                target=self._worker_loop, args=(index,), name=f"rm-worker-{index}", daemon=True
             )
             thread.start()
             self._workers.append(thread)
 
     def _stop_workers(self) -> None:
-        for _ in self._workers:
-            self._work.put(None)
+        self._board.close()
         deadline = time.monotonic() + 5
         for thread in self._workers:
             thread.join(max(0.0, deadline - time.monotonic()))
@@ -159,58 +254,83 @@ class ConsumerService:
         params = connection_parameters(self.settings, name=f"consume pid={os.getpid()}")
         connection = pika.BlockingConnection(params)
         try:
-            consume_channel = connection.channel()
-            consume_channel.basic_qos(prefetch_count=max(self.settings.prefetch, self.concurrency))
-            declare_topology(consume_channel, self.specs, self.settings)
+            prefetch = max(self.settings.prefetch, self.concurrency)
+            shared_channel = connection.channel()
+            shared_channel.basic_qos(prefetch_count=prefetch)
+            declare_topology(shared_channel, self.specs, self.settings)
             publish_channel = connection.channel()
             # Retry copies must reach their delay queue before the original is acked.
             publish_channel.confirm_delivery()
-            link = _Link(connection, consume_channel, publish_channel)
-            tags = [
-                consume_channel.basic_consume(
-                    spec.queue, functools.partial(self._on_message, link, spec), auto_ack=False
-                )
-                for spec in self.specs
-            ]
+            link = _Link(connection, publish_channel, [shared_channel])
+            tags: list[tuple[BlockingChannel, str]] = []
+            queues: list[str] = []
+            for spec in self.specs:
+                for queue in consumer_queues(spec, self.settings):
+                    channel = shared_channel
+                    if spec.ordered:
+                        # Its own prefetch window: a held partition fills only its own.
+                        channel = connection.channel()
+                        channel.basic_qos(prefetch_count=self.settings.prefetch)
+                        link.channels.append(channel)
+                    on_message = functools.partial(self._on_message, link, spec, queue)
+                    tags.append((channel, channel.basic_consume(queue, on_message)))
+                    queues.append(queue)
             logger.info(
-                "consuming %s from %s (concurrency %d, prefetch %d)",
-                ", ".join(s.queue for s in self.specs),
+                "consuming %s from %s (concurrency %d, prefetch %d, batches of up to %d%s)",
+                ", ".join(queues),
                 redact_url(self.settings.broker_url),
                 self.concurrency,
-                max(self.settings.prefetch, self.concurrency),
+                prefetch,
+                self.settings.consumer_batch_size,
+                f", duplicate fast path in cache {self._cache.alias!r}" if self._cache else "",
             )
             self._reconnect.reset()
-            self.connected.set()
+            self._set_connected(True)
             self._last_delivery = time.monotonic()
+            next_progress = time.monotonic() + PROGRESS_EVERY
             while not self._stop.is_set():
                 connection.process_data_events(time_limit=0.2)
+                if self.health is not None:
+                    self.health.heartbeat()
+                if time.monotonic() >= next_progress:
+                    self._log_progress()
+                    next_progress = time.monotonic() + PROGRESS_EVERY
                 if self._idle_expired(link):
                     logger.info("no delivery for %ss: stopping (--idle-timeout)", self.idle_timeout)
                     self._stop.set()
             self._shutdown(link, tags)
         finally:
-            self.connected.clear()
+            self._set_connected(False)
             if connection.is_open:
                 try:
                     connection.close()
                 except Exception:
                     logger.debug("error while closing the broker connection", exc_info=True)
 
+    def _log_progress(self) -> None:
+        with self._counts_lock:
+            counts = dict(self._counts)
+        if counts:
+            logger.info(
+                "progress: %s",
+                ", ".join(f"{label}={count}" for label, count in sorted(counts.items())),
+            )
+
     def _idle_expired(self, link: _Link) -> bool:
         if self.idle_timeout is None:
             return False
         with link.lock:
             busy = link.in_flight > 0
-        if busy or not self._work.empty():
+        if busy or not self._board.empty():
             self._last_delivery = time.monotonic()
             return False
         return time.monotonic() - self._last_delivery >= self.idle_timeout
 
-    def _shutdown(self, link: _Link, tags: list[str]) -> None:
+    def _shutdown(self, link: _Link, tags: list[tuple[BlockingChannel, str]]) -> None:
         """Graceful stop: cancel the consumers (pika nacks deliveries not yet dispatched), let the
         handlers in flight finish and settle their acks, within ``SHUTDOWN_TIMEOUT``."""
-        for tag in tags:
-            link.consume_channel.basic_cancel(tag)
+        for channel, tag in tags:
+            channel.basic_cancel(tag)
         deadline = time.monotonic() + self.settings.shutdown_timeout
         while time.monotonic() < deadline:
             with link.lock:
@@ -234,6 +354,7 @@ class ConsumerService:
         self,
         link: _Link,
         spec: ConsumerSpec,
+        queue: str,
         channel: BlockingChannel,
         method: Basic.Deliver,
         properties: BasicProperties,
@@ -241,7 +362,7 @@ class ConsumerService:
     ) -> None:
         delivery = Delivery(
             body=body,
-            queue=spec.queue,
+            queue=queue,
             exchange=method.exchange or "",
             routing_key=method.routing_key or "",
             delivery_tag=method.delivery_tag or 0,
@@ -251,17 +372,24 @@ class ConsumerService:
             timestamp=properties.timestamp,
             headers=normalize_headers(properties.headers),
         )
+        metrics.consumer_received(spec.name, delivery.redelivered)
         with link.lock:
             link.in_flight += 1
         self._last_delivery = time.monotonic()
-        self._work.put(_WorkItem(link, spec, delivery, properties))
+        self._board.put(
+            _WorkItem(link, channel, spec, delivery, properties), self._lane_of.get(queue)
+        )
+
+    def _settle_all(self, settled: list[tuple[_WorkItem, Outcome]]) -> None:
+        for item, outcome in settled:
+            self._settle(item, outcome)
 
     def _settle(self, item: _WorkItem, outcome: Outcome) -> None:
         """Carry out ``outcome`` on the broker; runs on the connection's thread."""
         link, tag = item.link, item.delivery.delivery_tag
         with link.lock:
             link.in_flight -= 1
-        if not link.open:
+        if not (link.connection.is_open and item.channel.is_open):
             logger.warning(
                 "message_id=%s: connection closed before its %s could be settled; "
                 "the broker will redeliver it",
@@ -270,11 +398,11 @@ class ConsumerService:
             )
             return
         if isinstance(outcome, Acknowledge):
-            link.consume_channel.basic_ack(tag)
+            item.channel.basic_ack(tag)
         elif isinstance(outcome, ScheduleRetry):
             self._publish_retry(item, outcome)
         else:
-            link.consume_channel.basic_nack(tag, requeue=True)
+            item.channel.basic_nack(tag, requeue=True)
         if self.on_outcome is not None:
             self.on_outcome(item.spec, item.delivery, outcome)
 
@@ -291,7 +419,7 @@ class ConsumerService:
         try:
             link.publish_channel.basic_publish(
                 exchange=delay_exchange_name(retry.delay, self.settings),
-                routing_key=item.spec.queue,
+                routing_key=delivery.queue,
                 body=delivery.body,
                 properties=properties,
                 mandatory=True,
@@ -303,56 +431,112 @@ class ConsumerService:
                 delivery.message_id,
                 exc,
             )
-            link.consume_channel.basic_nack(delivery.delivery_tag, requeue=True)
+            item.channel.basic_nack(delivery.delivery_tag, requeue=True)
             return
-        link.consume_channel.basic_ack(delivery.delivery_tag)
+        item.channel.basic_ack(delivery.delivery_tag)
 
     # -- worker threads --------------------------------------------------------------------------
 
-    def _worker_loop(self) -> None:
+    def _worker_loop(self, index: int) -> None:
+        held: dict[str, _Held] = {}
+        limit = max(1, self.settings.consumer_batch_size)
         try:
             while True:
-                item = self._work.get()
-                if item is None:
+                now = time.monotonic()
+                batch: list[_WorkItem] = []
+                for queue in [q for q, h in held.items() if h.ready_at <= now]:
+                    batch.extend(held.pop(queue).items)
+                if self._board.closed or self._stop.is_set():
+                    self._release_held(held, "stopping while a retry in place waited")
+                if self._board.closed and self._board.empty() and not batch:
                     return
-                outcome = self._process(item)
-                self._hand_back(item, outcome)
+                wait = 0.0 if batch else 0.5
+                if held and not batch:
+                    wait = min(wait, max(0.0, min(h.ready_at for h in held.values()) - now))
+                for item in self._board.take(index, limit - len(batch), wait):
+                    waiting = held.get(item.delivery.queue)
+                    if waiting is not None:
+                        waiting.items.append(item)  # behind its partition's retry, in order
+                    else:
+                        batch.append(item)
+                if batch:
+                    self._run_batch(batch, held)
         finally:
             connections.close_all()
 
-    def _process(self, item: _WorkItem) -> Outcome:
+    def _release_held(self, held: dict[str, _Held], why: str) -> None:
+        items = [item for waiting in held.values() for item in waiting.items]
+        held.clear()
+        if items:
+            self._hand_back([(item, Release(why)) for item in items])
+
+    def _run_batch(self, batch: list[_WorkItem], held: dict[str, _Held]) -> None:
+        outcomes = self._decide(batch)
+        settled: list[tuple[_WorkItem, Outcome]] = []
+        for item, outcome in zip(batch, outcomes, strict=True):
+            if isinstance(outcome, RetryInPlace):
+                held[item.delivery.queue] = _Held(
+                    time.monotonic() + outcome.delay, [item.again(outcome)]
+                )
+            elif outcome is None:
+                held[item.delivery.queue].items.append(item)
+            else:
+                settled.append((item, outcome))
+        if settled:
+            self._hand_back(settled)
+
+    def _decide(self, batch: list[_WorkItem]) -> list[Outcome | None]:
+        """The batch's outcomes; holds it while the database is unreachable, retrying with
+        backoff, and gives it back to the broker when stopping or disconnected meanwhile."""
         if self._stop.is_set():
-            return Release("stopping: not started")
-        if not item.link.open:
-            return Release("connection lost before the handler started")
-        processor = self._processors[item.spec.name]
+            return [Release("stopping: not started")] * len(batch)
+        gone = [not item.link.open for item in batch]
+        if not any(gone):
+            return self._decide_live(batch)
+        live = [item for item, lost in zip(batch, gone, strict=True) if not lost]
+        decided = iter(self._decide_live(live) if live else [])
+        return [
+            Release("connection lost before the handler started") if lost else next(decided)
+            for lost in gone
+        ]
+
+    def _decide_live(self, batch: list[_WorkItem]) -> list[Outcome | None]:
+        jobs = [Job(self._processors[item.spec.name], item.delivery) for item in batch]
         wait = Backoff(0.5, self.settings.reconnect_max_delay)
         warned = False
         while True:
             # Drop connections that broke or outlived CONN_MAX_AGE, as Django does per request.
             close_old_connections()
             try:
-                return processor.process(item.delivery)
+                outcomes = process_batch(jobs, cache=self._cache)
+                if self.health is not None:
+                    self.health.set_database(True)
+                return outcomes
             except DatabaseUnavailable as exc:
                 delay = wait.next()
+                if self.health is not None:
+                    self.health.set_database(False, str(exc.__cause__ or exc))
                 log = logger.warning if not warned else logger.debug
                 log(
-                    "message_id=%s consumer=%s: %s; holding it unacked and retrying in %.1fs",
-                    item.delivery.message_id,
-                    item.spec.name,
+                    "database unavailable (%s); message_id=%s%s: holding %s unacked and "
+                    "retrying in %.1fs",
                     exc.__cause__ or exc,
+                    batch[0].delivery.message_id,
+                    f" and {len(batch) - 1} more" if len(batch) > 1 else "",
+                    "it" if len(batch) == 1 else "them",
                     delay,
                 )
                 warned = True
             except Exception:
                 # A bug on our side (never the handler's: its exceptions are outcomes). Hold the
-                # delivery and try again rather than lose it or spin on it.
+                # deliveries and try again rather than lose them or spin on them.
                 delay = wait.next()
                 logger.exception(
-                    "message_id=%s consumer=%s: unexpected error while processing; "
-                    "holding it unacked and retrying in %.1fs",
-                    item.delivery.message_id,
-                    item.spec.name,
+                    "unexpected error while processing %d deliveries (message_id=%s%s); "
+                    "holding them unacked and retrying in %.1fs",
+                    len(batch),
+                    batch[0].delivery.message_id,
+                    ", ..." if len(batch) > 1 else "",
                     delay,
                 )
             finally:
@@ -360,20 +544,40 @@ class ConsumerService:
             for conn in connections.all(initialized_only=True):
                 conn.close()
             if self._stop.wait(delay):
-                return Release("stopping while the database is unavailable")
-            if not item.link.open:
-                return Release("connection lost while the database was unavailable")
+                return [Release("stopping while the database is unavailable")] * len(batch)
+            if not all(item.link.open for item in batch):
+                return [Release("connection lost while the database was unavailable")] * len(batch)
 
-    def _hand_back(self, item: _WorkItem, outcome: Outcome) -> None:
-        try:
-            item.link.connection.add_callback_threadsafe(
-                functools.partial(self._settle, item, outcome)
-            )
-        except Exception:  # noqa: BLE001 - the connection is gone: the broker redelivers
-            with item.link.lock:
-                item.link.in_flight -= 1
-            logger.warning(
-                "message_id=%s: connection closed before its outcome could be "
-                "settled; the broker will redeliver it",
-                item.delivery.message_id,
-            )
+    def _hand_back(self, settled: list[tuple[_WorkItem, Outcome]]) -> None:
+        with self._counts_lock:
+            for _, outcome in settled:
+                self._counts[_label(outcome)] += 1
+        for item, outcome in settled:
+            if isinstance(outcome, Release):
+                metrics.consumer_outcome(item.spec.name, "released")
+        # One callback per link: after a reconnect a batch may span the old and the new one.
+        by_link: dict[int, list[tuple[_WorkItem, Outcome]]] = {}
+        for pair in settled:
+            by_link.setdefault(id(pair[0].link), []).append(pair)
+        for pairs in by_link.values():
+            link = pairs[0][0].link
+            try:
+                link.connection.add_callback_threadsafe(functools.partial(self._settle_all, pairs))
+            except Exception:  # noqa: BLE001 - the connection is gone: the broker redelivers
+                with link.lock:
+                    link.in_flight -= len(pairs)
+                logger.warning(
+                    "connection closed before the outcomes of %d deliveries (message_id=%s%s) "
+                    "could be settled; the broker will redeliver them",
+                    len(pairs),
+                    pairs[0][0].delivery.message_id,
+                    ", ..." if len(pairs) > 1 else "",
+                )
+
+
+def _label(outcome: Outcome) -> str:
+    if isinstance(outcome, Acknowledge):
+        return outcome.result
+    if isinstance(outcome, ScheduleRetry):
+        return "deferred" if outcome.deferred else "retried"
+    return "released"

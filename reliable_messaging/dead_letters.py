@@ -10,7 +10,13 @@ from typing import Any
 from django.db import DataError, IntegrityError, router, transaction
 from django.utils import timezone
 
-from .envelope import FIRST_FAILED_AT_HEADER, Delivery, jsonable, safe_text
+from .envelope import (
+    FIRST_FAILED_AT_HEADER,
+    ORDERING_KEY_HEADER,
+    Delivery,
+    jsonable,
+    safe_text,
+)
 from .fingerprints import exception_fingerprint, reason_fingerprint
 from .models import DeadLetter, DeadLetterStatus
 
@@ -57,8 +63,10 @@ def record_dead_letter(
         exception_type = f"{type(exception).__module__}.{type(exception).__qualname__}"
         exception_message = exception_message or str(exception)
         fingerprint = exception_fingerprint(exception)
+    ordering_key = delivery.headers.get(ORDERING_KEY_HEADER)
     fields: dict[str, Any] = {
         "queue": _clip(delivery.queue),
+        "ordering_key": _clip(ordering_key) if isinstance(ordering_key, str) else None,
         "exchange": _clip(exchange if exchange is not None else delivery.exchange),
         "routing_key": _clip(routing_key if routing_key is not None else delivery.routing_key),
         "headers": jsonable(dict(delivery.headers)),

@@ -1,15 +1,22 @@
-"""The idempotent consumer: one delivery, one transaction, one inbox row.
+"""The idempotent consumer: each delivery's handler commits with its inbox row, or not at all.
 
-``DeliveryProcessor.process`` runs on a worker thread with its own database connection and
-never touches pika; it returns an :mod:`outcome <.outcomes>` that the connection's thread
-carries out (ack, publish a retry copy then ack, or give the delivery back).
+:func:`process_batch` runs on a worker thread with its own database connection and never touches
+pika; it returns one :mod:`outcome <.outcomes>` per delivery, which the connection's thread
+carries out (ack, publish a retry copy then ack, or give the delivery back) after the commit.
+
+Several deliveries share one transaction: each runs in its own savepoint (inbox insert first,
+then the handler), so a failing handler rolls back its own effects and inbox row only, and the
+batch commits once. Nothing is acked before that commit, so a crash anywhere leaves every
+delivery of the batch with the broker, and the inbox rows that did commit absorb the redelivery.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
 from django.db import (
@@ -21,7 +28,9 @@ from django.db import (
     router,
     transaction,
 )
+from django.utils import timezone
 
+from . import metrics
 from .conf import MessagingSettings, messaging_settings
 from .dead_letters import record_dead_letter
 from .envelope import (
@@ -38,24 +47,15 @@ from .envelope import (
     decode_delivery,
 )
 from .exceptions import DatabaseUnavailable
-from .models import ProcessedMessage
-from .outcomes import Acknowledge, Outcome, ScheduleRetry
+from .fastpath import DuplicateCache
+from .models import DeadLetter, DeadLetterReason, DeadLetterStatus, ProcessedMessage
+from .outcomes import Acknowledge, Outcome, RetryInPlace, ScheduleRetry
 from .registry import ConsumerSpec
 from .replay import mark_resolved
 from .retry import GiveUp, decide
+from .routing import topic_matches
 
 logger = logging.getLogger(__name__)
-
-
-def database_reachable(alias: str) -> bool:
-    """Open a fresh connection to ``alias``; False when the server cannot be reached."""
-    connection = connections[alias]
-    try:
-        connection.close()
-        connection.ensure_connection()
-    except DatabaseError:
-        return False
-    return True
 
 
 def retry_headers(
@@ -72,13 +72,46 @@ def retry_headers(
     return headers
 
 
+# Dead-letter statuses that hold back the later messages of an ordered consumer's key.
+BLOCKING_STATUSES = (DeadLetterStatus.DEAD, DeadLetterStatus.REPLAYED)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One delivery for one consumer, as a worker hands it to :func:`process_batch`."""
+
+    processor: DeliveryProcessor
+    delivery: Delivery
+
+
+@dataclasses.dataclass(frozen=True)
+class _Decided:
+    """An outcome plus what to count and remember once (if) the transaction commits."""
+
+    outcome: Outcome
+    label: str
+    duration: float | None = None
+    processed: bool = False  # the inbox holds the message now: the fast path may remember it
+    # Logged once the transaction committed (a line saying "processed" must be true).
+    after_commit: bool = False
+
+
 class DeliveryProcessor:
     """Runs ``spec``'s handler for deliveries, exactly once per (consumer, message_id)."""
 
-    def __init__(self, spec: ConsumerSpec, settings: MessagingSettings = messaging_settings):
+    def __init__(
+        self,
+        spec: ConsumerSpec,
+        settings: MessagingSettings = messaging_settings,
+        cache: DuplicateCache | None = None,
+    ):
         self.spec = spec
         self.settings = settings
+        self.cache = cache
         self.using = router.db_for_write(ProcessedMessage)
+        # Batches left to run guarded (a savepoint per handler) after a handler failed on the
+        # optimistic path; see process_batch.
+        self.guarded_batches = 0
 
     @property
     def max_attempts(self) -> int:
@@ -91,20 +124,85 @@ class DeliveryProcessor:
         return self.settings.retry_delays
 
     def process(self, delivery: Delivery) -> Outcome:
-        """Handle one delivery. Raises :class:`DatabaseUnavailable` when the database cannot be
-        reached: the caller must hold the delivery unacked and call again later."""
-        decoded = decode_delivery(
+        """Handle one delivery in its own transaction. Raises :class:`DatabaseUnavailable` when
+        the database cannot be reached: the caller must hold the delivery and call again."""
+        outcome = process_batch([Job(self, delivery)], cache=self.cache)[0]
+        assert outcome is not None  # a lone delivery is never held behind another
+        return outcome
+
+    def decode(self, delivery: Delivery) -> Message | DecodeError:
+        return decode_delivery(
             delivery,
             max_body_bytes=self.settings.max_body_bytes,
             derive_message_id=self.settings.derive_message_id,
         )
+
+    # -- inside the batch's transaction -----------------------------------------------------------
+
+    def run(self, delivery: Delivery, decoded: Message | DecodeError) -> _Decided:
+        """Decide one delivery inside the caller's transaction; its writes are in savepoints."""
         if isinstance(decoded, DecodeError):
             return self._reject_undecodable(delivery, decoded)
+        if not self._expects(decoded.routing_key):
+            return self._reject(
+                delivery,
+                decoded,
+                DeadLetterReason.UNEXPECTED_ROUTING_KEY,
+                f"routing key {decoded.routing_key!r} matches none of the consumer's bindings "
+                f"{list(self.spec.bindings)!r}: the message reached the queue some other way "
+                f"(published straight to the queue, or a stale binding)",
+            )
+        blocker = self._blocking_dead_letter(delivery, decoded)
+        if blocker is not None:
+            return self._reject(
+                delivery,
+                decoded,
+                DeadLetterReason.PARKED,
+                f"ordering key {decoded.ordering_key!r} is parked behind dead letter "
+                f"#{blocker.pk} (message_id={blocker.message_id}); replay or discard that one "
+                f"first, then replay this one (replaying the key's dead letters oldest first "
+                f"keeps their order)",
+                label="parked",
+            )
         return self._handle(delivery, decoded)
 
-    def _reject_undecodable(self, delivery: Delivery, error: DecodeError) -> Outcome:
+    def _expects(self, routing_key: str) -> bool:
+        if not self.spec.bindings:
+            return True  # bound outside the app: nothing to compare with
+        return any(topic_matches(binding, routing_key) for binding in self.spec.bindings)
+
+    def _blocking_dead_letter(self, delivery: Delivery, message: Message) -> DeadLetter | None:
+        """For an ordered consumer: the earliest unresolved dead letter of the message's key.
+
+        A later message of a key whose earlier message is a dead letter must not overtake it,
+        so it is parked as a dead letter too. A replayed message is held back only by dead
+        letters older than its own, so replaying a key's dead letters oldest first releases it.
+        """
+        if not self.spec.ordered or message.ordering_key is None:
+            return None
+        blocking = (
+            DeadLetter.objects.using(self.using)
+            .filter(
+                consumer=self.spec.name,
+                ordering_key=message.ordering_key,
+                status__in=BLOCKING_STATUSES,
+            )
+            .exclude(message_id=message.message_id)
+        )
+        if REPLAY_HEADER in delivery.headers:
+            own = (
+                DeadLetter.objects.using(self.using)
+                .filter(consumer=self.spec.name, message_id=message.message_id)
+                .values_list("pk", flat=True)
+                .first()
+            )
+            if own is not None:
+                blocking = blocking.filter(pk__lt=own)
+        return blocking.order_by("pk").first()
+
+    def _reject_undecodable(self, delivery: Delivery, error: DecodeError) -> _Decided:
         logger.error(
-            "dead-lettering message_id=%s consumer=%s: %s (%s)",
+            "dead-lettering message_id=%s consumer=%s outcome=dead_lettered reason=%s: %s",
             error.message_id or "-",
             self.spec.name,
             error.reason,
@@ -117,9 +215,38 @@ class DeliveryProcessor:
             attempts=1,
             exception_message=error.detail,
         )
-        return Acknowledge("dead_lettered", error.reason)
+        return _Decided(Acknowledge("dead_lettered", error.reason), "dead_lettered")
 
-    def _handle(self, delivery: Delivery, message: Message) -> Outcome:
+    def _reject(
+        self,
+        delivery: Delivery,
+        message: Message,
+        reason: str,
+        detail: str,
+        label: str = "dead_lettered",
+    ) -> _Decided:
+        logger.error(
+            "dead-lettering message_id=%s consumer=%s attempt=%d outcome=%s reason=%s: %s",
+            message.message_id,
+            self.spec.name,
+            message.attempt,
+            label,
+            reason,
+            detail,
+        )
+        self._write_dead_letter(
+            delivery=delivery,
+            message_id=message.message_id,
+            reason=reason,
+            attempts=message.attempt,
+            payload=message.payload,
+            exchange=message.exchange,
+            routing_key=message.routing_key,
+            exception_message=detail,
+        )
+        return _Decided(Acknowledge("dead_lettered", reason), label)
+
+    def _handle(self, delivery: Delivery, message: Message) -> _Decided:
         started = time.perf_counter()
         inserted = False
         try:
@@ -136,36 +263,37 @@ class DeliveryProcessor:
                     mark_resolved(self.spec.name, message.message_id, self.using)
         except IntegrityError as exc:
             if not inserted:
-                logger.info(
-                    "duplicate message_id=%s consumer=%s attempt=%d: already processed, "
-                    "acked without running the handler",
-                    message.message_id,
-                    self.spec.name,
-                    message.attempt,
+                return _Decided(
+                    Acknowledge("duplicate"), "duplicate", processed=True, after_commit=True
                 )
-                return Acknowledge("duplicate")
-            return self._on_failure(delivery, message, exc, started)
+            return self.on_failure(delivery, message, exc, started)
         except (OperationalError, InterfaceError) as exc:
-            if not inserted or not database_reachable(self.using):
+            if not inserted or not self.connection_usable():
                 raise DatabaseUnavailable(
                     f"database error on message_id={message.message_id}: {exc}"
                 ) from exc
-            return self._on_failure(delivery, message, exc, started)
+            return self.on_failure(delivery, message, exc, started)
         except Exception as exc:  # noqa: BLE001 - any handler error is an outcome to decide on
-            return self._on_failure(delivery, message, exc, started)
-        logger.info(
-            "processed message_id=%s consumer=%s attempt=%d outcome=processed duration_ms=%.1f",
-            message.message_id,
-            self.spec.name,
-            message.attempt,
-            (time.perf_counter() - started) * 1000,
+            return self.on_failure(delivery, message, exc, started)
+        duration = time.perf_counter() - started
+        return _Decided(
+            Acknowledge("processed"), "processed", duration, processed=True, after_commit=True
         )
-        return Acknowledge("processed")
 
-    def _on_failure(
+    def connection_usable(self) -> bool:
+        """After a handler's savepoint rolled back on a database error: can the batch's
+        transaction go on? (A lost connection cannot; a handler's bad query can.)"""
+        try:
+            with connections[self.using].cursor() as cursor:
+                cursor.execute("SELECT 1")
+        except Exception:  # noqa: BLE001 - any failure here means the transaction is gone
+            return False
+        return True
+
+    def on_failure(
         self, delivery: Delivery, message: Message, exc: Exception, started: float
-    ) -> Outcome:
-        duration_ms = (time.perf_counter() - started) * 1000
+    ) -> _Decided:
+        duration = time.perf_counter() - started
         decision = decide(
             exc, attempt=message.attempt, max_attempts=self.max_attempts, delays=self.retry_delays
         )
@@ -177,7 +305,7 @@ class DeliveryProcessor:
                 self.spec.name,
                 message.attempt,
                 decision.reason,
-                duration_ms,
+                duration * 1000,
                 type(exc).__name__,
                 exc,
             )
@@ -192,25 +320,78 @@ class DeliveryProcessor:
                 exception=exc,
                 traceback_text="".join(traceback.format_exception(exc)),
             )
-            return Acknowledge("dead_lettered", decision.reason)
+            return _Decided(
+                Acknowledge("dead_lettered", decision.reason), "dead_lettered", duration
+            )
         logger.warning(
             "retrying message_id=%s consumer=%s attempt=%d outcome=retry next_attempt=%d "
-            "in %.3gs duration_ms=%.1f: %s: %s",
+            "in %.3gs%s duration_ms=%.1f: %s: %s",
             message.message_id,
             self.spec.name,
             message.attempt,
             decision.next_attempt,
             decision.delay,
-            duration_ms,
+            " in place (ordered)" if self.spec.ordered else "",
+            duration * 1000,
             type(exc).__name__,
             exc,
         )
-        return ScheduleRetry(
-            delay=decision.delay,
-            next_attempt=decision.next_attempt,
-            headers=retry_headers(delivery, message, exc, decision.next_attempt),
-            error=f"{type(exc).__name__}: {exc}",
+        headers = retry_headers(delivery, message, exc, decision.next_attempt)
+        error = f"{type(exc).__name__}: {exc}"
+        if self.spec.ordered:
+            # Through a delay queue a later message of the key would overtake it: the delivery
+            # stays unacked, holding its partition, and runs again after the delay.
+            return _Decided(
+                RetryInPlace(decision.delay, decision.next_attempt, headers, error),
+                "retried",
+                duration,
+            )
+        return _Decided(
+            ScheduleRetry(decision.delay, decision.next_attempt, headers, error),
+            "retried",
+            duration,
         )
+
+    def defer(self, delivery: Delivery, message: Message) -> _Decided:
+        """Another consumer holds this message's lease: have the copy come back shortly."""
+        logger.info(
+            "message_id=%s consumer=%s attempt=%d outcome=deferred: another consumer is "
+            "processing it right now; it comes back in %.3gs",
+            message.message_id,
+            self.spec.name,
+            message.attempt,
+            self.retry_delays[0],
+        )
+        headers = {k: v for k, v in delivery.headers.items() if k not in BROKER_HEADERS}
+        headers[ATTEMPT_HEADER] = message.attempt
+        headers[ORIGINAL_EXCHANGE_HEADER] = message.exchange
+        headers[ORIGINAL_ROUTING_KEY_HEADER] = message.routing_key
+        return _Decided(
+            ScheduleRetry(
+                self.retry_delays[0], message.attempt, headers, "lease held", deferred=True
+            ),
+            "deferred",
+        )
+
+    def plain(self, delivery: Delivery, decoded: Message | DecodeError) -> bool:
+        """Whether the optimistic path may take this delivery: a well-formed message of an
+        unordered consumer, expected here, not a replay (those resolve a dead letter)."""
+        return (
+            isinstance(decoded, Message)
+            and not self.spec.ordered
+            and REPLAY_HEADER not in delivery.headers
+            and self._expects(decoded.routing_key)
+        )
+
+    def commit_refused(self, delivery: Delivery, exc: DatabaseError) -> Outcome:
+        """The delivery's own transaction could not commit (a deferred constraint its handler
+        broke): a failure of the handler like any other, decided outside that transaction."""
+        decoded = self.decode(delivery)
+        if isinstance(decoded, DecodeError):  # cannot happen: those commit nothing of their own
+            raise DatabaseUnavailable(f"the commit failed: {exc}") from exc
+        done = self.on_failure(delivery, decoded, exc, time.perf_counter())
+        metrics.consumer_outcome(self.spec.name, done.label, done.duration)
+        return done.outcome
 
     def _write_dead_letter(self, **kwargs: Any) -> None:
         try:
@@ -220,3 +401,333 @@ class DeliveryProcessor:
             raise DatabaseUnavailable(
                 f"cannot record the dead letter of message_id={kwargs.get('message_id')}: {exc}"
             ) from exc
+
+
+def with_attempt(delivery: Delivery, retry: RetryInPlace) -> Delivery:
+    """The same delivery, as its next in-place attempt will see it."""
+    return dataclasses.replace(delivery, headers=dict(retry.headers))
+
+
+# Databases whose SQL has INSERT ... ON CONFLICT DO NOTHING RETURNING (the batched inbox claim);
+# on others every delivery takes the one-by-one path.
+CLAIM_VENDORS = frozenset({"postgresql", "sqlite"})
+# After a handler failed on the optimistic path, its consumer's next batches run guarded.
+GUARDED_BATCHES_AFTER_FAILURE = 20
+
+
+class _Fallback(Exception):
+    """A handler failed on the optimistic path: roll the batch back, redo it guarded."""
+
+    def __init__(self, processor: DeliveryProcessor, index: int, error: Exception) -> None:
+        super().__init__(processor.spec.name)
+        self.processor = processor
+        self.index = index
+        self.error = error
+
+
+def process_batch(
+    jobs: Sequence[Job], *, cache: DuplicateCache | None = None
+) -> list[Outcome | None]:
+    """Decide ``jobs`` in one transaction; the outcomes are only valid once this returns.
+
+    The result lists one outcome per job, in order. ``None`` marks a job that was not run
+    because an earlier delivery of its queue must first be retried in place (ordered
+    consumers): the caller runs it again after that one.
+
+    The batch's inbox rows go in first, with one ``INSERT ... ON CONFLICT DO NOTHING RETURNING``
+    (the rows not returned are duplicates; a concurrent twin makes it wait until it commits, as
+    a single insert would). Then the handlers run, in one of two ways with the same guarantees:
+
+    - optimistic, for the common case of handlers that succeed: no savepoints. If a handler
+      raises, the whole transaction rolls back and the batch is decided again, guarded; its
+      consumer's next batches stay guarded for a while.
+    - guarded: a savepoint per handler, so a failure rolls back its own effects (and its inbox
+      row is removed) while the rest of the batch commits.
+
+    Either way a handler may be invoked again after a rollback it did not cause; only its
+    database effects are exactly-once (as after any crash or retry).
+
+    Raises :class:`DatabaseUnavailable` when the database cannot be reached or the commit
+    fails for want of a connection: nothing of the batch took effect or was decided.
+    """
+    if not jobs:
+        return []
+    if len({job.processor.using for job in jobs}) > 1:
+        # A router sending consumers to different databases: one transaction per database.
+        return [outcome for job in jobs for outcome in process_batch([job], cache=cache)]
+    decoded = [job.processor.decode(job.delivery) for job in jobs]
+    settled: list[_Decided | None] = [None] * len(jobs)
+    leased = _fast_path(jobs, decoded, settled, cache)
+    optimistic = all(job.processor.guarded_batches == 0 for job in jobs)
+    for processor in {job.processor for job in jobs}:
+        processor.guarded_batches = max(0, processor.guarded_batches - 1)
+    try:
+        try:
+            decided = _decide(jobs, decoded, settled, guarded=not optimistic)
+        except _Fallback as fallback:
+            fallback.processor.guarded_batches = GUARDED_BATCHES_AFTER_FAILURE
+            # The handler that failed is not run again: its failure is decided as it was.
+            failed = {fallback.index: fallback.error}
+            decided = _decide(jobs, decoded, settled, guarded=True, failed=failed)
+    except _CommitRefused as refused:
+        if cache is not None:
+            cache.remember((), leased)
+        if len(jobs) == 1:
+            return [jobs[0].processor.commit_refused(jobs[0].delivery, refused.error)]
+        logger.warning(
+            "a batch of %d deliveries failed to commit (%s: %s); deciding them one by one",
+            len(jobs),
+            type(refused.error).__name__,
+            refused.error,
+        )
+        return _one_by_one(jobs, cache)
+    except DatabaseUnavailable:
+        if cache is not None:
+            cache.remember((), leased)
+        raise
+    if cache is not None:
+        cache.remember(
+            [
+                (job.processor.spec.name, message.message_id)
+                for job, message, done in zip(jobs, decoded, decided, strict=True)
+                if done is not None and done.processed and isinstance(message, Message)
+            ],
+            leased,
+        )
+    outcomes: list[Outcome | None] = []
+    for job, message, done in zip(jobs, decoded, decided, strict=True):
+        if done is None:
+            outcomes.append(None)
+            continue
+        metrics.consumer_outcome(job.processor.spec.name, done.label, done.duration)
+        if done.after_commit and isinstance(message, Message):
+            _log_committed(job.processor.spec.name, message, done)
+        outcomes.append(done.outcome)
+    return outcomes
+
+
+def _log_committed(consumer: str, message: Message, done: _Decided) -> None:
+    if done.label == "duplicate":
+        logger.info(
+            "duplicate message_id=%s consumer=%s attempt=%d outcome=duplicate: already "
+            "processed, acked without running the handler",
+            message.message_id,
+            consumer,
+            message.attempt,
+        )
+    else:
+        logger.info(
+            "processed message_id=%s consumer=%s attempt=%d outcome=processed duration_ms=%.1f",
+            message.message_id,
+            consumer,
+            message.attempt,
+            (done.duration or 0.0) * 1000,
+        )
+
+
+class _CommitRefused(Exception):
+    def __init__(self, error: DatabaseError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _decide(
+    jobs: Sequence[Job],
+    decoded: Sequence[Message | DecodeError],
+    settled: Sequence[_Decided | None],
+    *,
+    guarded: bool,
+    failed: dict[int, Exception] | None = None,
+) -> list[_Decided | None]:
+    """One transaction over the jobs the fast path did not settle. ``failed`` holds the
+    handler errors already seen (on the optimistic path) of jobs not to run again."""
+    decided = list(settled)
+    pending = [index for index, done in enumerate(decided) if done is None]
+    if not pending:
+        return decided
+    using = jobs[0].processor.using
+    held_queues: set[str] = set()
+    try:
+        with transaction.atomic(using=using):
+            plain = []
+            if connections[using].vendor in CLAIM_VENDORS:
+                plain = [
+                    i for i in pending if jobs[i].processor.plain(jobs[i].delivery, decoded[i])
+                ]
+            if plain:
+                _run_claimed(jobs, decoded, decided, plain, using, guarded, failed or {})
+            # The rest (bad input, ordered consumers, replays) one by one, each in savepoints.
+            for index in pending:
+                job = jobs[index]
+                if decided[index] is not None or job.delivery.queue in held_queues:
+                    continue
+                done = job.processor.run(job.delivery, decoded[index])
+                decided[index] = done
+                if isinstance(done.outcome, RetryInPlace):
+                    held_queues.add(job.delivery.queue)
+    except (_Fallback, DatabaseUnavailable):
+        raise
+    except (OperationalError, InterfaceError) as exc:
+        # Raised by the commit (or a statement outside any handler): the connection is gone.
+        raise DatabaseUnavailable(f"database error while committing a batch: {exc}") from exc
+    except DatabaseError as exc:
+        # A deferred constraint (or the like) refused the commit: no savepoint can help.
+        raise _CommitRefused(exc) from exc
+    return decided
+
+
+def _run_claimed(
+    jobs: Sequence[Job],
+    decoded: Sequence[Message | DecodeError],
+    decided: list[_Decided | None],
+    indexes: list[int],
+    using: str,
+    guarded: bool,
+    failed: dict[int, Exception],
+) -> None:
+    """Claim the inbox rows of ``indexes`` in one statement, then run the handlers of the
+    claimed ones: optimistic (a handler error raises :class:`_Fallback`) or guarded (a
+    savepoint each; a failure removes its inbox row and is decided at once)."""
+    for index, error in failed.items():
+        message = decoded[index]
+        assert isinstance(message, Message)
+        decided[index] = jobs[index].processor.on_failure(
+            jobs[index].delivery, message, error, time.perf_counter()
+        )
+    indexes = [index for index in indexes if index not in failed]
+    if not indexes:
+        return
+    messages: list[Message] = []
+    keys: list[tuple[str, str]] = []
+    for index in indexes:
+        message = decoded[index]
+        assert isinstance(message, Message)
+        messages.append(message)
+        keys.append((jobs[index].processor.spec.name, message.message_id))
+    claimed = _claim_inbox_rows(using, keys)
+    seen: set[tuple[str, str]] = set()
+    for index, key, message in zip(indexes, keys, messages, strict=True):
+        processor = jobs[index].processor
+        if key not in claimed or key in seen:
+            decided[index] = _Decided(
+                Acknowledge("duplicate"), "duplicate", processed=True, after_commit=True
+            )
+            continue
+        seen.add(key)
+        started = time.perf_counter()
+        if guarded:
+            failure = _run_guarded(processor, jobs[index].delivery, message, started)
+            if failure is not None:
+                decided[index] = failure
+                continue
+        else:
+            try:
+                processor.spec.handler(message)
+            except Exception as exc:  # the batch is redone guarded, this failure decided there
+                raise _Fallback(processor, index, exc) from exc
+        duration = time.perf_counter() - started
+        decided[index] = _Decided(
+            Acknowledge("processed"), "processed", duration, processed=True, after_commit=True
+        )
+
+
+def _run_guarded(
+    processor: DeliveryProcessor, delivery: Delivery, message: Message, started: float
+) -> _Decided | None:
+    """Run the handler in a savepoint; None when it succeeded, else its failure's outcome."""
+    try:
+        with transaction.atomic(using=processor.using):
+            processor.spec.handler(message)
+    except Exception as exc:  # any handler error is an outcome to decide on
+        if isinstance(exc, OperationalError | InterfaceError) and not (
+            processor.connection_usable()
+        ):
+            raise DatabaseUnavailable(
+                f"database error on message_id={message.message_id}: {exc}"
+            ) from exc
+        # Its effects rolled back with the savepoint; the claimed inbox row goes too.
+        ProcessedMessage.objects.using(processor.using).filter(
+            consumer=processor.spec.name, message_id=message.message_id
+        ).delete()
+        return processor.on_failure(delivery, message, exc, started)
+    return None
+
+
+def _claim_inbox_rows(using: str, keys: list[tuple[str, str]]) -> set[tuple[str, str]]:
+    """Insert the inbox rows of ``keys``; returns those this statement inserted."""
+    table = connections[using].ops.quote_name(ProcessedMessage._meta.db_table)
+    now = timezone.now()
+    params: list[Any] = []
+    for consumer, message_id in dict.fromkeys(keys):
+        params += [consumer, message_id, now]
+    rows = ", ".join(["(%s, %s, %s)"] * (len(params) // 3))
+    with connections[using].cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {table} (consumer, message_id, processed_at) VALUES {rows} "  # noqa: S608
+            f"ON CONFLICT (consumer, message_id) DO NOTHING RETURNING consumer, message_id",
+            params,
+        )
+        return {(consumer, message_id) for consumer, message_id in cursor.fetchall()}
+
+
+def _one_by_one(jobs: Sequence[Job], cache: DuplicateCache | None) -> list[Outcome | None]:
+    outcomes: list[Outcome | None] = []
+    held_queues: set[str] = set()
+    for job in jobs:
+        if job.delivery.queue in held_queues:
+            outcomes.append(None)
+            continue
+        outcome = process_batch([job], cache=cache)[0]
+        outcomes.append(outcome)
+        if isinstance(outcome, RetryInPlace):
+            held_queues.add(job.delivery.queue)
+    return outcomes
+
+
+def _fast_path(
+    jobs: Sequence[Job],
+    decoded: Sequence[Message | DecodeError],
+    decided: list[_Decided | None],
+    cache: DuplicateCache | None,
+) -> list[tuple[str, str]]:
+    """Settle what Redis already knows: duplicates, and messages another consumer is on.
+    Returns the leases taken. Replays always go to the database (a forced replay has just
+    removed its inbox row, which the cache may still remember)."""
+    if cache is None:
+        return []
+    candidates = [
+        (index, job.processor.spec.name, message)
+        for index, (job, message) in enumerate(zip(jobs, decoded, strict=True))
+        if isinstance(message, Message) and REPLAY_HEADER not in job.delivery.headers
+    ]
+    known = cache.processed([(name, message.message_id) for _, name, message in candidates])
+    to_lease: list[tuple[int, tuple[str, str], Message]] = []
+    for index, name, message in candidates:
+        key = (name, message.message_id)
+        if key in known:
+            metrics.dedup_cache(name, "hit")
+            logger.info(
+                "duplicate message_id=%s consumer=%s attempt=%d outcome=duplicate: already "
+                "processed (fast path), acked without running the handler",
+                message.message_id,
+                name,
+                message.attempt,
+            )
+            decided[index] = _Decided(Acknowledge("duplicate"), "duplicate")
+            continue
+        metrics.dedup_cache(name, "miss")
+        if not jobs[index].processor.spec.ordered:
+            # Ordered partitions have one consumer at a time already (single active consumer).
+            to_lease.append((index, key, message))
+    leases = cache.lease(list(dict.fromkeys(key for _, key, _ in to_lease)))
+    if leases is None:
+        return []
+    leased: list[tuple[str, str]] = []
+    for index, key, message in to_lease:
+        if leases[key]:
+            leases[key] = False  # the same message twice in one batch: the inbox decides
+            leased.append(key)
+        elif key not in leased:
+            metrics.dedup_cache(key[0], "lease_busy")
+            decided[index] = jobs[index].processor.defer(jobs[index].delivery, message)
+    return leased

@@ -46,6 +46,9 @@ class DeadLetterReason(models.TextChoices):
     UNSUPPORTED_CONTENT_TYPE = "unsupported_content_type", _("unsupported content type")
     INVALID_HEADERS = "invalid_headers", _("invalid headers")
     NO_HANDLER = "no_handler", _("no handler for the queue")
+    UNEXPECTED_ROUTING_KEY = "unexpected_routing_key", _("routing key matches no binding")
+    # Ordered consumers: a later message of a key whose earlier message is a dead letter.
+    PARKED = "parked", _("parked behind an earlier dead letter of its key")
 
 
 class DeadLetterStatus(models.TextChoices):
@@ -72,6 +75,8 @@ class DeadLetter(models.Model):
     queue = models.CharField(max_length=255)
     exchange = models.CharField(max_length=255, blank=True)
     routing_key = models.CharField(max_length=255, blank=True)
+    # Ordered consumers hold back later messages of a key while it has an unresolved dead letter.
+    ordering_key = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001
     headers = models.JSONField(default=dict, blank=True)
     payload = models.JSONField(null=True, blank=True)
     body = models.BinaryField()
@@ -112,6 +117,11 @@ class DeadLetter(models.Model):
             models.Index(fields=["consumer", "status"], name="rm_deadletter_consumer_idx"),
             models.Index(fields=["message_id"], name="rm_deadletter_message_id_idx"),
             models.Index(fields=["fingerprint", "status"], name="rm_deadletter_fprint_idx"),
+            models.Index(
+                fields=["consumer", "ordering_key", "id"],
+                condition=Q(status__in=["dead", "replayed"]) & Q(ordering_key__isnull=False),
+                name="rm_deadletter_key_idx",
+            ),
         ]
 
     def __str__(self) -> str:

@@ -25,6 +25,20 @@ class ScheduleRetry:
     next_attempt: int
     headers: Mapping[str, Any] = field(default_factory=dict)
     error: str = ""
+    # True when nothing failed: another consumer holds the message's processing lease, so this
+    # copy comes back later (same attempt) instead of running in parallel with it.
+    deferred: bool = False
+
+
+@dataclass(frozen=True)
+class RetryInPlace:
+    """Ordered consumers only: keep the delivery unacked, wait ``delay`` seconds and run it
+    again as ``next_attempt`` (with ``headers``), so no later message of its key overtakes it."""
+
+    delay: float
+    next_attempt: int
+    headers: Mapping[str, Any] = field(default_factory=dict)
+    error: str = ""
 
 
 @dataclass(frozen=True)
@@ -34,4 +48,4 @@ class Release:
     why: str
 
 
-Outcome = Acknowledge | ScheduleRetry | Release
+Outcome = Acknowledge | ScheduleRetry | RetryInPlace | Release

@@ -20,7 +20,8 @@ class ConsumerSpec:
 
     ``name`` is the deduplication scope: the inbox remembers (name, message_id).
     ``exchange`` None means ``RELIABLE_MESSAGING["EXCHANGE"]``; ``max_attempts`` and
-    ``retry_delays`` None mean the settings' values.
+    ``retry_delays`` None mean the settings' values. ``ordered`` consumers read ``queue``'s
+    partition queues (see :mod:`.topology`) and handle each ordering key in publish order.
     """
 
     name: str
@@ -136,16 +137,13 @@ def consumer(
 
     The handler runs inside ``transaction.atomic()`` together with the insert of its inbox row,
     so a redelivered or duplicated message_id does not take effect twice.
+
+    ``ordered=True`` handles messages of one ``publish(ordering_key=...)`` key one at a time in
+    publish order, also with several consume processes; different keys run in parallel. A
+    failing message is retried in place (its partition waits), and once it is a dead letter the
+    later messages of its key are parked behind it until it is replayed or discarded.
     """
     delays = _validate(queue, bindings, max_attempts, retry_delays)
-    if ordered:
-        # Refused rather than silently ignored: handling in key order across processes
-        # (partitioned single-active-consumer queues) is not built yet.
-        raise ConsumerConfigurationError(
-            f"ordered=True on {queue!r} is not supported yet: messages would be handled in "
-            f"parallel, out of order. publish(ordering_key=...) already keeps per-key order "
-            f"from the outbox to the broker."
-        )
 
     def decorator(func: Handler) -> Handler:
         spec = ConsumerSpec(

@@ -19,6 +19,18 @@ On PostgreSQL the relay also LISTENs on a channel that a trigger NOTIFYs on ever
 insert, with the listening socket watched by the same I/O loop, so a new row leaves within
 milliseconds; polling every ``RELAY_POLL_INTERVAL`` remains as the fallback (the only mode on
 other databases).
+
+Flow control: when the broker runs low on memory or disk it stops reading from publishing
+connections and says so with ``connection.blocked``. The relay then claims nothing more (rows
+stay pending in the database, not piled up in memory) and stops the confirm timer of the batch
+in flight: its confirms are late because of the block, not lost, and charging its rows a failed
+attempt for that would mark them failed after a long enough alarm. On ``connection.unblocked``
+the relay goes on by itself. A block longer than the connection's ``blocked_connection_timeout``
+ends the connection; the batch rolls back and goes again after the reconnect.
+
+Each relay counts what it does in :mod:`.metrics` and reports to a
+:class:`~reliable_messaging.metrics.HealthState` (broker, database, a heartbeat from the I/O
+loop) that ``--metrics-port`` serves as ``/healthz``.
 """
 
 from __future__ import annotations
@@ -41,9 +53,11 @@ from django.db.models import Count, Exists, OuterRef, Q
 from django.utils import timezone
 from pika.spec import Basic, BasicProperties
 
+from . import metrics
 from .backoff import Backoff
 from .conf import MessagingSettings, messaging_settings, redact_url
 from .envelope import CONTENT_TYPE, ORDERING_KEY_HEADER, PUBLISHED_AT_HEADER
+from .metrics import HealthState
 from .models import OutboxMessage, OutboxStatus
 from .topology import connection_parameters
 
@@ -153,6 +167,7 @@ class _Batch:
     lowest_unsettled: int = 0
     full: bool = False
     timer: Any = None
+    published_at: float = 0.0  # monotonic time the rows went out, for the confirm latency
 
     def all_rows(self) -> list[ClaimedRow]:
         return [*self.rows.values(), *self.unpublished]
@@ -273,6 +288,7 @@ class OutboxRelay:
         listen: bool = True,
         settings: MessagingSettings = messaging_settings,
         on_batch: Callable[[RelayReport], None] | None = None,
+        health: HealthState | None = None,
     ) -> None:
         self.settings = settings
         self.batch_size = batch_size or settings.relay_batch_size
@@ -281,9 +297,11 @@ class OutboxRelay:
         self.using = router.db_for_write(OutboxMessage)
         self.listen = listen and connections[self.using].vendor == "postgresql"
         self.on_batch = on_batch
+        self.health = health if health is not None else HealthState()
         self.report = RelayReport()
         self._stop_requested = False
         self._finished = False
+        self._blocked = False  # the broker sent connection.blocked on the current connection
         self._connection: pika.SelectConnection | None = None
         self._channel: pika.channel.Channel | None = None
         self._next_tag = 1
@@ -330,6 +348,7 @@ class OutboxRelay:
                 )
                 self._sleep(wait)
         finally:
+            self.health.stopping()
             self._close_listener()
             self._probe.close()
         self._count_left()
@@ -350,6 +369,7 @@ class OutboxRelay:
     def _sleep(self, seconds: float) -> None:
         end = time.monotonic() + seconds
         while not self._stop_requested and time.monotonic() < end:
+            self.health.heartbeat()  # waiting to reconnect is alive, not stuck
             time.sleep(min(0.2, end - time.monotonic()))
 
     def _count_left(self) -> None:
@@ -358,6 +378,8 @@ class OutboxRelay:
             (self.report.left_pending, self.report.left_retrying, self.report.left_failed) = counts
 
     def on_connection_open(self, connection: pika.SelectConnection) -> None:
+        connection.add_on_connection_blocked_callback(self.on_connection_blocked)
+        connection.add_on_connection_unblocked_callback(self.on_connection_unblocked)
         connection.channel(on_open_callback=self.on_channel_open)
 
     def on_connection_open_error(
@@ -366,12 +388,15 @@ class OutboxRelay:
         logger.warning(
             "relay: cannot connect to %s: %s", redact_url(self.settings.broker_url), error
         )
+        self.health.set_broker(False)
         connection.ioloop.stop()
 
     def on_connection_closed(
         self, connection: pika.SelectConnection, reason: BaseException
     ) -> None:
         self._channel = None
+        self.health.set_broker(False)
+        self._set_blocked(False)
         self._abort_batch(f"connection closed: {reason}")
         self._cancel_timers(connection)
         if not (self._finished or self._stop_requested):
@@ -395,6 +420,7 @@ class OutboxRelay:
             ", LISTEN/NOTIFY wake-ups" if self.listen else ", polling",
         )
         self._reconnect.reset()
+        self.health.set_broker(True)
         self._watch()
         self._schedule_tick(0)
 
@@ -410,9 +436,10 @@ class OutboxRelay:
             # bound for it; the rest of the batch stays pending, untouched.
             match = _MISSING_EXCHANGE.search(reason.reply_text)
             missing = match.group(1) if match else None
-            for row in batch.all_rows():
-                if missing is not None and row.exchange == missing:
-                    batch.errors[row.pk] = f"exchange {missing!r} does not exist"
+            refused = [row for row in batch.all_rows() if row.exchange == missing]
+            for row in refused:
+                batch.errors[row.pk] = f"exchange {missing!r} does not exist"
+            metrics.relay_failed("refused", len(refused))
             self._probe.forget(missing)
             self._finish_batch()
         else:
@@ -441,6 +468,39 @@ class OutboxRelay:
             f"{method.exchange!r}, routing key {method.routing_key!r}): no queue is bound for it"
         )
         self.report.returned += 1
+        metrics.relay_failed("returned")
+
+    def on_connection_blocked(self, connection: pika.SelectConnection, frame: Any) -> None:
+        """The broker stopped reading from this connection (a memory or disk alarm)."""
+        if self._blocked:
+            return
+        self._set_blocked(True)
+        logger.warning(
+            "relay: the broker blocked the connection (%s); claiming no rows until it is "
+            "unblocked, the batch in flight waits for its confirms",
+            getattr(frame.method, "reason", "") or "no reason given",
+        )
+        batch = self._batch
+        if batch is not None and batch.timer is not None:
+            # Its confirms are held up by the block, not lost: no timeout while it lasts.
+            connection.ioloop.remove_timeout(batch.timer)
+            batch.timer = None
+
+    def on_connection_unblocked(self, connection: pika.SelectConnection, frame: Any) -> None:
+        if not self._blocked:
+            return
+        self._set_blocked(False)
+        logger.info("relay: the broker unblocked the connection; resuming")
+        batch = self._batch
+        if batch is None:
+            self._schedule_tick(0)
+        elif batch.timer is None:
+            self._start_confirm_timer(batch)
+
+    def _set_blocked(self, blocked: bool) -> None:
+        if blocked != self._blocked:
+            self._blocked = blocked
+            metrics.relay_blocked(blocked)
 
     def on_delivery_confirmation(self, frame: Any) -> None:
         batch = self._batch
@@ -449,6 +509,7 @@ class OutboxRelay:
         method = frame.method
         acked = isinstance(method, Basic.Ack)
         tag = method.delivery_tag
+        latency = time.monotonic() - batch.published_at
         if method.multiple:
             # Tags of a batch are consecutive: settle from the lowest unsettled one up to tag.
             tags = range(batch.lowest_unsettled, tag + 1)
@@ -462,9 +523,11 @@ class OutboxRelay:
             batch.settled.add(settled)
             if acked:
                 batch.confirmed.add(row.pk)
+                metrics.relay_confirm_latency(latency)
             else:
                 batch.errors.setdefault(row.pk, "nacked by the broker")
                 self.report.nacked += 1
+                metrics.relay_failed("nacked")
         if len(batch.settled) >= len(batch.rows):
             self._finish_batch()
 
@@ -479,13 +542,21 @@ class OutboxRelay:
         self._tick_timer = connection.ioloop.call_later(delay, self._tick)
 
     def _watch(self) -> None:
-        """Every 0.2 s: honour a stop request or the deadline, and look after LISTEN."""
+        """Every 0.2 s: beat the heart, honour a stop request or the deadline, and look after
+        LISTEN."""
         connection = self._connection
         if connection is None or not connection.is_open:
             return
-        if (self._stop_requested or self._past_deadline()) and self._batch is None:
-            self._close(connection)
-            return
+        self.health.heartbeat()
+        if self._stop_requested:
+            self.health.stopping()
+        if self._stop_requested or self._past_deadline():
+            if self._blocked:
+                self._leave_blocked(connection)
+                return
+            if self._batch is None:
+                self._close(connection)
+                return
         if self.listen and self._listener is None and time.monotonic() >= self._listener_retry_at:
             self._open_listener(connection)
         self._watch_timer = connection.ioloop.call_later(0.2, self._watch)
@@ -503,6 +574,18 @@ class OutboxRelay:
             connection.close()
         else:
             connection.ioloop.stop()
+
+    def _leave_blocked(self, connection: pika.SelectConnection) -> None:
+        """Stop while the broker blocks us, without waiting for the alarm to clear, which may
+        take long. A batch in flight cannot be confirmed until then: it rolls back (its rows go
+        again later; any the broker did take become duplicates that consumers absorb). The
+        closing handshake cannot complete either (the broker reads nothing, so no Close-Ok
+        would come), so the loop just ends and the socket goes with the connection."""
+        self._abort_batch("stopping while the broker blocks the connection")
+        self._set_blocked(False)
+        self._finished = True
+        self._cancel_timers(connection)
+        connection.ioloop.stop()
 
     # -- LISTEN/NOTIFY -------------------------------------------------------------------------
 
@@ -558,10 +641,13 @@ class OutboxRelay:
             return
         if self._stop_requested or self._past_deadline():
             return  # _watch closes the connection
+        if self._blocked:
+            return  # on_connection_unblocked schedules the next tick
         try:
             claimed = self.publish_batch(channel)
             if claimed:
                 self._db_backoff.reset()
+                self.health.set_database(True)
                 return  # the batch's completion schedules the next tick
             if self.once:
                 # Nothing is due now: rows waiting out a backoff after a failure are left for
@@ -571,8 +657,10 @@ class OutboxRelay:
                 return
             wait = self._idle_wait()
             self._db_backoff.reset()
+            self.health.set_database(True)
         except DatabaseError as exc:
             connections[self.using].close()  # a fresh connection on the next try
+            self.health.set_database(False, str(exc))
             wait = self._db_backoff.next()
             logger.warning(
                 "relay: database unavailable (%s); rows stay pending, retrying in %.1fs", exc, wait
@@ -615,11 +703,13 @@ class OutboxRelay:
         if not rows:
             atomic.__exit__(None, None, None)
             return 0
+        metrics.relay_claimed(len(rows))
         batch = _Batch(
             atomic=atomic,
             rows={},
             full=len(rows) >= self.batch_size,
             lowest_unsettled=self._next_tag,
+            published_at=time.monotonic(),
         )
         self._batch = batch
         for row in rows:
@@ -648,26 +738,34 @@ class OutboxRelay:
                 continue
             batch.rows[self._next_tag] = row
             self._next_tag += 1
+        if batch.unpublished:
+            metrics.relay_failed("refused", len(batch.unpublished))
         if not batch.rows:
             self._finish_batch()
             return len(rows)
+        self._start_confirm_timer(batch)
+        return len(rows)
+
+    def _start_confirm_timer(self, batch: _Batch) -> None:
         assert self._connection is not None
         batch.timer = self._connection.ioloop.call_later(
             self.settings.relay_confirm_timeout, self._on_confirm_timeout
         )
-        return len(rows)
 
     def _on_confirm_timeout(self) -> None:
         batch = self._batch
         if batch is None:
             return
         batch.timer = None
+        timed_out = 0
         for row in batch.rows.values():
             if row.pk not in batch.confirmed and row.pk not in batch.errors:
                 batch.errors[row.pk] = (
                     f"no confirm from the broker within {self.settings.relay_confirm_timeout}s"
                 )
-                self.report.timed_out += 1
+                timed_out += 1
+        self.report.timed_out += timed_out
+        metrics.relay_failed("timeout", timed_out)
         self._finish_batch()
         # A channel that stopped confirming is not to be trusted: start afresh.
         connection = self._connection
@@ -707,11 +805,13 @@ class OutboxRelay:
                 exc,
                 len(batch.all_rows()),
             )
+            self.health.set_database(False, str(exc))
             self._schedule_tick(self._db_backoff.next())
             return
         batch.atomic.__exit__(None, None, None)
         self.report.sent += len(sent)
         self.report.batches += 1
+        metrics.relay_published(len(sent))
         for pk in sent:
             logger.debug("relay: sent outbox row %s", pk)
         if self.on_batch is not None:
@@ -791,3 +891,54 @@ def run_lanes(relays: list[OutboxRelay]) -> RelayReport:
     if counts is not None:
         total.left_pending, total.left_retrying, total.left_failed = counts
     return total
+
+
+class RelayProgress:
+    """Logs one INFO line every ``interval`` seconds while relays run: rows sent so far, the
+    rate since the last line, and rows pending in the outbox. Quiet while there is nothing to
+    say (nothing sent, nothing pending), so an idle relay does not fill the log.
+
+    Runs on a thread of its own with its own database connection (closed when it stops); the
+    relays' counters are only read, never written, from here.
+    """
+
+    def __init__(self, relays: list[OutboxRelay], interval: float) -> None:
+        self.relays = relays
+        self.interval = interval
+        self.using = relays[0].using
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rm-relay-progress", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        last_sent, last_time = 0, time.monotonic()
+        try:
+            while not self._stop.wait(self.interval):
+                sent, now = sum(r.report.sent for r in self.relays), time.monotonic()
+                pending = self._pending()
+                if sent != last_sent or pending != 0:
+                    logger.info(
+                        "relay: %d sent so far, %.1f/s over the last %.0fs, %s pending",
+                        sent,
+                        (sent - last_sent) / max(now - last_time, 1e-9),
+                        now - last_time,
+                        "an unknown number of rows (database unavailable)"
+                        if pending is None
+                        else pending,
+                    )
+                last_sent, last_time = sent, now
+        finally:
+            connections.close_all()  # this thread's connections
+
+    def _pending(self) -> int | None:
+        try:
+            return OutboxMessage.objects.using(self.using).pending().count()
+        except DatabaseError:
+            connections[self.using].close()
+            return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from django.db import models, router, transaction
@@ -18,11 +19,24 @@ class PurgeResult:
     outbox: int
 
 
-def _purge(queryset: models.QuerySet, batch_size: int, dry_run: bool) -> int:
+# Called after each deleted batch with the table ("inbox" or "outbox"), the rows deleted from
+# it so far, and how many were due when its purge started.
+OnBatch = Callable[[str, int, int], None]
+
+
+def _purge(
+    table: str,
+    queryset: models.QuerySet,
+    batch_size: int,
+    dry_run: bool,
+    on_batch: OnBatch | None,
+) -> int:
     if dry_run:
         return queryset.count()
     model = queryset.model
     using = router.db_for_write(model)
+    # Counted only for a progress display: one more scan, cheap next to deleting the rows.
+    total = queryset.using(using).count() if on_batch else 0
     deleted = 0
     while True:
         # One short transaction per batch: never a huge delete holding locks for minutes.
@@ -33,6 +47,8 @@ def _purge(queryset: models.QuerySet, batch_size: int, dry_run: bool) -> int:
             if not ids:
                 return deleted
             deleted += model._default_manager.using(using).filter(pk__in=ids).delete()[0]
+        if on_batch:
+            on_batch(table, deleted, total)
 
 
 def purge_messages(
@@ -41,14 +57,17 @@ def purge_messages(
     batch_size: int = 5000,
     dry_run: bool = False,
     settings: MessagingSettings = messaging_settings,
+    on_batch: OnBatch | None = None,
 ) -> PurgeResult:
     """Delete inbox rows older than ``DEDUP_RETENTION`` and sent outbox rows older than
-    ``OUTBOX_RETENTION``. Pending and failed outbox rows are never touched."""
+    ``OUTBOX_RETENTION``. Pending and failed outbox rows are never touched. ``on_batch`` is
+    told of each deleted batch (see :data:`OnBatch`)."""
     now = now or timezone.now()
     inbox = ProcessedMessage.objects.filter(processed_at__lt=now - settings.dedup_retention)
     outbox = OutboxMessage.objects.filter(
         status=OutboxStatus.SENT, sent_at__lt=now - settings.outbox_retention
     )
     return PurgeResult(
-        inbox=_purge(inbox, batch_size, dry_run), outbox=_purge(outbox, batch_size, dry_run)
+        inbox=_purge("inbox", inbox, batch_size, dry_run, on_batch),
+        outbox=_purge("outbox", outbox, batch_size, dry_run, on_batch),
     )

@@ -45,13 +45,15 @@ from .envelope import (
 )
 from .inbox import DeliveryProcessor
 from .models import OutboxMessage, OutboxStatus
-from .outcomes import Acknowledge, Outcome, Release, ScheduleRetry
+from .outcomes import Acknowledge, Outcome, Release, RetryInPlace, ScheduleRetry
 from .registry import ConsumerRegistry, ConsumerSpec, registry
 from .routing import topic_matches
+from .topology import consumer_queues
 
 __all__ = [
     "Acknowledge",
     "Release",
+    "RetryInPlace",
     "ScheduleRetry",
     "deliver",
     "find_consumer",
@@ -86,14 +88,16 @@ def deliver(
     """Deliver one message to ``consumer`` as the consume command would, and return the outcome:
     ``Acknowledge("processed" | "duplicate" | "dead_lettered")``, ``ScheduleRetry`` (what the
     broker would redeliver later: call ``deliver`` again with ``attempt=outcome.next_attempt``),
-    or ``Release``. ``body`` sends raw bytes instead of encoding ``payload``."""
+    ``RetryInPlace`` (the same for an ordered consumer, which retries without letting later
+    messages of the key pass), or ``Release``. ``body`` sends raw bytes instead of encoding
+    ``payload``."""
     spec = consumer if isinstance(consumer, ConsumerSpec) else find_consumer(consumer)
     all_headers = dict(headers or {})
     if attempt != 1:
         all_headers[ATTEMPT_HEADER] = attempt
     delivery = Delivery(
         body=encode_payload(payload) if body is None else body,
-        queue=spec.queue,
+        queue=consumer_queues(spec)[0],
         exchange=spec.exchange or messaging_settings.exchange,
         routing_key=routing_key if routing_key is not None else (spec.bindings or ("",))[0],
         redelivered=redelivered,
@@ -127,7 +131,7 @@ def published(routing_key: str | None = None, *, using: str = "default") -> list
 
 def _routes_to(row: OutboxMessage, spec: ConsumerSpec) -> bool:
     if row.exchange == "":  # the default exchange: straight to the queue of that name
-        return row.routing_key == spec.queue
+        return row.routing_key in consumer_queues(spec)
     exchange = spec.exchange or messaging_settings.exchange
     return row.exchange == exchange and any(
         topic_matches(binding, row.routing_key) for binding in spec.bindings
@@ -166,7 +170,7 @@ def run_outbox(
                         attempt=attempt,
                     )
                     results.append((spec.name, row.message_id, outcome))
-                    if not isinstance(outcome, ScheduleRetry):
+                    if not isinstance(outcome, ScheduleRetry | RetryInPlace):
                         break
                     attempt = outcome.next_attempt
             row.status = OutboxStatus.SENT

@@ -6,6 +6,14 @@ published to the delay exchange with the failed consumer's queue name as routing
 TTL expires the broker dead-letters it to the default exchange under that same routing key, so
 it lands in that one queue only, never with the routing key's other subscribers. One queue per
 delay value keeps every message in a queue with a uniform TTL, so none waits behind a longer one.
+
+Ordered consumers (``@consumer(..., ordered=True)``) get no queue of their own name. Their
+bindings lead from the topic exchange to a consistent-hash exchange ``<queue>.partitions``, which
+hashes the ``x-rm-ordering-key`` header onto ``ORDERED_PARTITIONS`` queues ``<queue>.p0`` ...
+Each partition queue has ``x-single-active-consumer``: however many consume processes run, one
+of them receives a partition at a time, in order, and the others stand by to take over. So one
+key is always handled by one process, one message after the other, while keys in different
+partitions run in parallel. Messages without an ordering key all hash alike (one partition).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel
 
 from .conf import MessagingSettings, messaging_settings
+from .envelope import ORDERING_KEY_HEADER
 from .exceptions import TopologyMismatchError
 from .registry import ConsumerSpec
 from .retry import delay_name
@@ -26,6 +35,8 @@ from .retry import delay_name
 logger = logging.getLogger(__name__)
 
 PRECONDITION_FAILED = 406
+COMMAND_INVALID = 503
+HASH_EXCHANGE_PLUGIN = "rabbitmq_consistent_hash_exchange"
 
 
 def delay_exchange_name(delay: float, settings: MessagingSettings = messaging_settings) -> str:
@@ -36,10 +47,31 @@ def consumer_exchange(spec: ConsumerSpec, settings: MessagingSettings = messagin
     return spec.exchange or settings.exchange
 
 
-def queue_arguments(settings: MessagingSettings = messaging_settings) -> dict[str, Any]:
+def partition_exchange(spec: ConsumerSpec) -> str:
+    return f"{spec.queue}.partitions"
+
+
+def consumer_queues(
+    spec: ConsumerSpec, settings: MessagingSettings = messaging_settings
+) -> list[str]:
+    """The queues ``spec`` consumes: its own, or an ordered consumer's partitions."""
+    if not spec.ordered:
+        return [spec.queue]
+    return [f"{spec.queue}.p{index}" for index in range(settings.ordered_partitions)]
+
+
+def queue_arguments(
+    settings: MessagingSettings = messaging_settings, *, ordered: bool = False
+) -> dict[str, Any]:
+    arguments: dict[str, Any] = {}
     if settings.queue_type == "quorum":
-        return {"x-queue-type": "quorum"}
-    return {}
+        # The broker's own guard against poison loops that never reach a handler's outcome
+        # (a process crashing on the message before it can ack): past the limit it drops it.
+        arguments["x-queue-type"] = "quorum"
+        arguments["x-delivery-limit"] = settings.quorum_delivery_limit
+    if ordered:
+        arguments["x-single-active-consumer"] = True
+    return arguments
 
 
 def all_delays(
@@ -51,14 +83,35 @@ def all_delays(
     return sorted(delays)
 
 
-def _mismatch(kind: str, name: str, exc: pika.exceptions.ChannelClosedByBroker) -> Exception:
+def _mismatch(
+    kind: str, name: str, exc: pika.exceptions.ChannelClosedByBroker, wanted: dict[str, Any]
+) -> Exception:
     if exc.reply_code != PRECONDITION_FAILED:
         return exc
+    queue_type = "quorum" if wanted.get("x-queue-type") == "quorum" else "classic"
+    hint = ""
+    if "x-queue-type" in str(exc.reply_text):
+        hint = (
+            f" A queue's type cannot change in place: to move to {queue_type} queues, run the "
+            f"consumers with the old QUEUE_TYPE until the queue is empty (stop the relay "
+            f"first, or bind a new queue and let the old one drain), then delete the queue and "
+            f"start with QUEUE_TYPE={queue_type!r}."
+        )
     return TopologyMismatchError(
-        f"The broker already has {kind} {name!r} declared with other arguments: "
-        f"{exc.reply_text}. Either make the settings match the existing {kind}, or migrate: "
-        f"stop its consumers, drain it, delete it (rabbitmqctl delete_queue / delete_exchange "
-        f"{name}) and start again so it is declared afresh."
+        f"The broker already has {kind} {name!r} declared with other arguments than these "
+        f"settings ask for ({wanted or 'no arguments'}): {exc.reply_text}.{hint} Either make "
+        f"the settings match the existing {kind}, or migrate: stop its consumers, drain it, "
+        f"delete it (rabbitmqctl delete_queue / delete_exchange {name}) and start again so it "
+        f"is declared afresh."
+    )
+
+
+def _missing_plugin(exc: pika.exceptions.ConnectionClosedByBroker) -> Exception:
+    if exc.reply_code != COMMAND_INVALID or "exchange type" not in str(exc.reply_text):
+        return exc
+    return TopologyMismatchError(
+        f"Ordered consumers need RabbitMQ's consistent-hash exchange ({exc.reply_text}). "
+        f"Enable it on every node: rabbitmq-plugins enable {HASH_EXCHANGE_PLUGIN}"
     )
 
 
@@ -74,13 +127,16 @@ def declare_topology(
         try:
             channel.exchange_declare(exchange, exchange_type="topic", durable=True)
         except pika.exceptions.ChannelClosedByBroker as exc:
-            raise _mismatch("exchange", exchange, exc) from exc
-    arguments = queue_arguments(settings)
+            raise _mismatch("exchange", exchange, exc, {"type": "topic"}) from exc
     for spec in specs:
+        if spec.ordered:
+            _declare_partitions(channel, spec, settings)
+            continue
+        arguments = queue_arguments(settings)
         try:
             channel.queue_declare(spec.queue, durable=True, arguments=arguments)
         except pika.exceptions.ChannelClosedByBroker as exc:
-            raise _mismatch("queue", spec.queue, exc) from exc
+            raise _mismatch("queue", spec.queue, exc, arguments) from exc
         for binding in spec.bindings:
             channel.queue_bind(spec.queue, consumer_exchange(spec, settings), routing_key=binding)
     for delay in all_delays(specs, settings):
@@ -96,13 +152,38 @@ def declare_topology(
                 },
             )
         except pika.exceptions.ChannelClosedByBroker as exc:
-            raise _mismatch("delay queue", name, exc) from exc
+            raise _mismatch("delay queue", name, exc, {"x-message-ttl": delay}) from exc
         channel.queue_bind(name, name)
     logger.info(
         "declared topology: %d queue(s), %d delay queue(s)",
-        len(specs),
+        sum(len(consumer_queues(spec, settings)) for spec in specs),
         len(all_delays(specs, settings)),
     )
+
+
+def _declare_partitions(
+    channel: BlockingChannel, spec: ConsumerSpec, settings: MessagingSettings
+) -> None:
+    exchange = partition_exchange(spec)
+    hashing = {"hash-header": ORDERING_KEY_HEADER}
+    try:
+        channel.exchange_declare(
+            exchange, exchange_type="x-consistent-hash", durable=True, arguments=hashing
+        )
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        raise _mismatch("exchange", exchange, exc, hashing) from exc
+    except pika.exceptions.ConnectionClosedByBroker as exc:
+        raise _missing_plugin(exc) from exc
+    for binding in spec.bindings:
+        channel.exchange_bind(exchange, consumer_exchange(spec, settings), routing_key=binding)
+    arguments = queue_arguments(settings, ordered=True)
+    for queue in consumer_queues(spec, settings):
+        try:
+            channel.queue_declare(queue, durable=True, arguments=arguments)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            raise _mismatch("queue", queue, exc, arguments) from exc
+        # Equal weights: the binding key of a consistent-hash exchange is the queue's weight.
+        channel.queue_bind(queue, exchange, routing_key="1")
 
 
 def connection_parameters(

@@ -7,6 +7,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from reliable_messaging.conf import messaging_settings
+from reliable_messaging.management.progress import Progress
 from reliable_messaging.retention import purge_messages
 
 
@@ -25,7 +26,20 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         if options["batch_size"] < 1:
             raise CommandError("--batch-size must be at least 1")
-        result = purge_messages(batch_size=options["batch_size"], dry_run=options["dry_run"])
+        shown: dict[str, Progress] = {}
+
+        def on_batch(table: str, deleted: int, total: int) -> None:
+            if table not in shown:
+                for previous in shown.values():
+                    previous.finish()
+                shown[table] = Progress(self.stdout, f"{table}: deleted", total)
+            shown[table].update(deleted)
+
+        result = purge_messages(
+            batch_size=options["batch_size"], dry_run=options["dry_run"], on_batch=on_batch
+        )
+        for progress in shown.values():
+            progress.finish()
         verb = "would delete" if options["dry_run"] else "deleted"
         self.stdout.write(
             f"{verb} {result.inbox} inbox row(s) older than {messaging_settings.dedup_retention} "

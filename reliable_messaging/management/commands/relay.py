@@ -9,7 +9,9 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from reliable_messaging.relay import OutboxRelay, run_lanes
+from reliable_messaging.metrics import HealthCheck, HealthGroup, HealthState
+from reliable_messaging.ops_http import OpsServer, start_ops_server
+from reliable_messaging.relay import OutboxRelay, RelayProgress, run_lanes
 
 logger = logging.getLogger("reliable_messaging.relay")
 
@@ -43,14 +45,40 @@ class Command(BaseCommand):
             "and broker connection: one claims and publishes while another waits for its "
             "confirms. More throughput on a backlog, at some latency cost (default 1)",
         )
+        parser.add_argument(
+            "--metrics-port",
+            type=int,
+            default=None,
+            metavar="PORT",
+            help="serve Prometheus metrics on /metrics and the relay's health on /healthz "
+            "(200, or 503 with the reasons) on this port; 0 picks a free one (logged)",
+        )
+        parser.add_argument(
+            "--metrics-host",
+            default="0.0.0.0",  # noqa: S104 - scraped and probed from other hosts or pods
+            metavar="HOST",
+            help="address --metrics-port listens on (default 0.0.0.0)",
+        )
+        parser.add_argument(
+            "--progress-interval",
+            type=float,
+            default=10.0,
+            metavar="SECONDS",
+            help="log a line with rows sent, the rate and rows pending this often while "
+            "there is something to report; 0 turns it off (default 10)",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         if options["batch_size"] is not None and options["batch_size"] < 1:
             raise CommandError("--batch-size must be at least 1")
         if options["lanes"] < 1:
             raise CommandError("--lanes must be at least 1")
+        if options["progress_interval"] < 0:
+            raise CommandError("--progress-interval must not be negative")
         relays = [
-            OutboxRelay(batch_size=options["batch_size"], once=options["once"])
+            OutboxRelay(
+                batch_size=options["batch_size"], once=options["once"], health=HealthState()
+            )
             for _ in range(options["lanes"])
         ]
 
@@ -64,7 +92,18 @@ class Command(BaseCommand):
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
-        report = run_lanes(relays)
+        ops = self._start_ops_server(relays, options["metrics_port"], options["metrics_host"])
+        progress = None
+        if options["progress_interval"] > 0:
+            progress = RelayProgress(relays, options["progress_interval"])
+            progress.start()
+        try:
+            report = run_lanes(relays)
+        finally:
+            if progress is not None:
+                progress.stop()
+            if ops is not None:
+                ops.close()
         self.stdout.write(f"relay: {report.summary()}")
         if options["once"] and (report.left_failed or report.left_retrying):
             raise CommandError(
@@ -74,3 +113,17 @@ class Command(BaseCommand):
                 f"action.",
                 returncode=1,
             )
+
+    @staticmethod
+    def _start_ops_server(
+        relays: list[OutboxRelay], port: int | None, host: str
+    ) -> OpsServer | None:
+        if port is None:
+            return None
+        health: HealthCheck = relays[0].health
+        if len(relays) > 1:
+            health = HealthGroup({f"lane {n}": r.health for n, r in enumerate(relays, 1)})
+        try:
+            return start_ops_server(port, health, host=host)
+        except OSError as exc:
+            raise CommandError(f"cannot serve metrics on {host}:{port}: {exc}") from exc

@@ -11,6 +11,7 @@ from django.db.models import Q
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime, parse_duration
 
+from reliable_messaging.management.progress import Progress
 from reliable_messaging.models import DeadLetter, DeadLetterReason, DeadLetterStatus
 from reliable_messaging.replay import replay_batch
 
@@ -115,17 +116,19 @@ class Command(BaseCommand):
             return
         replayed, refused = 0, 0
         who = f"{getpass.getuser()} (replay_dead_letters)"
+        progress = Progress(self.stdout, "replaying", len(ids))
         for start in range(0, len(ids), options["batch_size"]):
             result = replay_batch(
                 ids[start : start + options["batch_size"]], replayed_by=who, force=options["force"]
             )
             replayed += len(result.replayed)
             refused += len(result.refused)
+            if result.refused:
+                progress.interrupt()
             for pk, why in result.refused.items():
                 self.stderr.write(f"not replayed #{pk}: {why}")
-            self.stdout.write(
-                f"progress: {start + len(result.replayed) + len(result.refused)}/{len(ids)}"
-            )
+            progress.update(replayed + refused)
+        progress.finish(replayed + refused)
         self.stdout.write(
             self.style.SUCCESS(
                 f"replayed {replayed} dead letter(s), refused {refused}; the relay sends them to "

@@ -1,0 +1,248 @@
+"""``manage.py messaging_status``: the queues, the outbox, the dead letters and the inbox on one
+screen, judged against thresholds; the exit code makes it a health probe too.
+
+Exit codes: 0 all well; 1 a threshold is crossed (each one is named); 2 the broker or the
+database cannot be reached (it says which and why; the broker password is never shown).
+
+``--json`` prints one document instead (``version`` 1; keys are only ever added)::
+
+    {
+      "version": 1,
+      "checked_at": "2026-11-22T10:00:00+00:00",
+      "exit_code": 1,
+      "broker": {
+        "url": "amqp://app:***@rabbitmq:5672/%2F",
+        "reachable": true,               # an AMQP connection could be opened
+        "management_api": true,          # false: unacked and the rates below are null
+        "error": null,                   # why the broker could not be reached
+        "note": null,                    # why the management API was not used
+        "queues": [                      # ready and consumers: exact (AMQP passive declares);
+          {"name": "billing", "kind": "consumer", "consumer": "billing.charge-order",
+           "exists": true, "ready": 12, "unacked": 4, "consumers": 2,
+           "deliver_rate": 10.2, "redeliver_rate": 0.0, "redelivery_ratio": 0.0}
+        ]                                # unacked and rates: the management API's samples;
+      },                                 # kind "delay": retry delay queues (consumer null)
+      "database": {
+        "alias": "default", "reachable": true, "error": null,
+        "outbox": {"pending": 3, "failed": 0, "lag_seconds": 0.4},
+        "dead_letters": {"total": 2, "by_consumer_and_reason": [
+          {"consumer": "billing.charge-order", "reason": "permanent", "count": 2}]},
+        "inbox": {"rows": 120345}
+      },
+      "thresholds": {"max_outbox_lag": 60.0, "max_outbox_failed": 0, "max_dead_letters": 0,
+                     "max_ready": 1000, "max_redelivery_rate": 0.2, "min_consumers": 0},
+      "problems": [{"threshold": "max_dead_letters",
+                    "message": "2 dead letter(s) await review (limit 0)"}]
+    }
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.utils import timezone
+
+from reliable_messaging.status import (
+    DEFAULT_TIMEOUT,
+    MessagingStatus,
+    QueueStatus,
+    Thresholds,
+    collect_status,
+)
+
+DEFAULTS = Thresholds()
+
+
+def _count(value: int | None) -> str:
+    return "-" if value is None else f"{value:,}"
+
+
+def _ratio(queue: QueueStatus) -> str:
+    ratio = queue.redelivery_ratio
+    return "-" if ratio is None else f"{ratio:.0%}"
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _table(rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
+    """Left-align the first two columns, right-align the rest."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        indent
+        + "  ".join(
+            cell.ljust(widths[i]) if i < 2 else cell.rjust(widths[i]) for i, cell in enumerate(row)
+        ).rstrip()
+        for row in rows
+    ]
+
+
+class Command(BaseCommand):
+    help = (
+        "Show queue depths, unacked deliveries, consumers and redelivery rates, the outbox's "
+        "pending/failed rows and lag, dead letters and the inbox size. Exits 1 when a "
+        "threshold is crossed, 2 when the broker or the database cannot be reached."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--json", action="store_true", help="print a JSON document (see the module docs)"
+        )
+        parser.add_argument(
+            "--max-outbox-lag",
+            type=float,
+            default=DEFAULTS.max_outbox_lag,
+            metavar="SECONDS",
+            help="age of the oldest pending outbox row (default %(default)g)",
+        )
+        parser.add_argument(
+            "--max-outbox-failed",
+            type=int,
+            default=DEFAULTS.max_outbox_failed,
+            metavar="N",
+            help="outbox rows marked failed (default %(default)d)",
+        )
+        parser.add_argument(
+            "--max-dead-letters",
+            type=int,
+            default=DEFAULTS.max_dead_letters,
+            metavar="N",
+            help="dead letters awaiting review, status dead (default %(default)d)",
+        )
+        parser.add_argument(
+            "--max-ready",
+            type=int,
+            default=DEFAULTS.max_ready,
+            metavar="N",
+            help="ready messages in any consumer queue (default %(default)d)",
+        )
+        parser.add_argument(
+            "--max-redelivery-rate",
+            type=float,
+            default=DEFAULTS.max_redelivery_rate,
+            metavar="FRACTION",
+            help="share of a queue's recent deliveries that are redeliveries, 0..1; needs the "
+            "management API (default %(default)g)",
+        )
+        parser.add_argument(
+            "--min-consumers",
+            type=int,
+            default=DEFAULTS.min_consumers,
+            metavar="N",
+            help="consumers each consumer queue must have attached (default %(default)d: "
+            "not checked)",
+        )
+        parser.add_argument(
+            "--management-url",
+            metavar="URL",
+            help="the RabbitMQ management API, e.g. http://rabbitmq:15672 (default: the "
+            "broker's host on port 15672, or https on 15671 for amqps://); '' to use AMQP only",
+        )
+        parser.add_argument(
+            "--timeout",
+            type=float,
+            default=DEFAULT_TIMEOUT,
+            metavar="SECONDS",
+            help="per broker request (default %(default)g)",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        if options["timeout"] <= 0:
+            raise CommandError("--timeout must be positive")
+        thresholds = Thresholds(
+            max_outbox_lag=options["max_outbox_lag"],
+            max_outbox_failed=options["max_outbox_failed"],
+            max_dead_letters=options["max_dead_letters"],
+            max_ready=options["max_ready"],
+            max_redelivery_rate=options["max_redelivery_rate"],
+            min_consumers=options["min_consumers"],
+        )
+        status = collect_status(
+            thresholds, management_url=options["management_url"], timeout=options["timeout"]
+        )
+        if options["json"]:
+            self.stdout.write(json.dumps(status.as_dict(), indent=2))
+        else:
+            for line in self.render(status):
+                self.stdout.write(line)
+        if status.exit_code == 2:
+            down = [
+                name
+                for name, part in (("broker", status.broker), ("database", status.database))
+                if not part.reachable
+            ]
+            raise CommandError(f"the {' and the '.join(down)} cannot be reached", returncode=2)
+        if status.exit_code == 1:
+            names = ", ".join(
+                dict.fromkeys("--" + p.threshold.replace("_", "-") for p in status.problems)
+            )
+            raise CommandError(f"threshold(s) crossed: {names}", returncode=1)
+
+    def render(self, status: MessagingStatus) -> list[str]:
+        moment = status.checked_at
+        if timezone.is_aware(moment):
+            moment = timezone.localtime(moment)
+        checked = moment.strftime("%Y-%m-%d %H:%M:%S %Z").rstrip()
+        lines = [f"Messaging status at {checked}", ""]
+        lines += self.render_broker(status)
+        lines.append("")
+        lines += self.render_database(status)
+        lines.append("")
+        if status.problems:
+            lines += [self.style.ERROR(f"PROBLEM: {p.message}") for p in status.problems]
+        elif not status.unreachable:
+            lines.append(self.style.SUCCESS("OK: no threshold crossed"))
+        return lines
+
+    def render_broker(self, status: MessagingStatus) -> list[str]:
+        broker = status.broker
+        if not broker.reachable:
+            return [f"Broker {broker.url}", self.style.ERROR(f"  UNREACHABLE: {broker.error}")]
+        lines = [f"Broker {broker.url}"]
+        if not broker.management_api:
+            lines.append(f"  unacked/rates need the management plugin: {broker.note}")
+        present = [q for q in broker.queues if q.exists]
+        if present:
+            header = ["queue", "consumer", "ready", "unacked", "consumers", "redelivered"]
+            rows = [
+                [
+                    q.name,
+                    q.consumer or "(retry delay)",
+                    _count(q.ready),
+                    _count(q.unacked),
+                    _count(q.consumers),
+                    _ratio(q),
+                ]
+                for q in present
+            ]
+            lines += _table([header, *rows])
+        missing = [q.name for q in broker.queues if not q.exists]
+        if missing:
+            lines.append(
+                f"  not declared yet (manage.py consume declares them): {', '.join(missing)}"
+            )
+        if not broker.queues:
+            lines.append("  no consumers are registered, so there are no queues to show")
+        return lines
+
+    def render_database(self, status: MessagingStatus) -> list[str]:
+        db = status.database
+        if not db.reachable:
+            return [f"Database {db.alias!r}", self.style.ERROR(f"  UNREACHABLE: {db.error}")]
+        oldest = "" if db.outbox_lag is None else f" (oldest {_age(db.outbox_lag)} old)"
+        lines = [
+            f"Outbox: {db.outbox_pending:,} pending{oldest}, {db.outbox_failed:,} failed",
+            f"Dead letters awaiting review: {db.dead_letters_total:,}",
+        ]
+        if db.dead_letters:
+            lines += _table([[d.consumer, d.reason, f"{d.count:,}"] for d in db.dead_letters])
+        lines.append(f"Inbox: {db.inbox_rows:,} processed message(s) remembered")
+        return lines

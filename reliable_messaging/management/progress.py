@@ -1,0 +1,89 @@
+"""Progress of a long-running management command, for the person watching it.
+
+On a terminal, one line rewritten in place (``"\\r  replaying 1,500/12,000 (12%)"``), at most a
+few times a second. Anywhere else (a log file, a pipe, ``call_command`` in a test) a carriage
+return would garble the output, so a plain line is written every ``interval`` seconds instead,
+and none at all for a job that ends sooner: its final summary says everything.
+
+Small enough that it does not justify a dependency (``rich``, ``tqdm``) for a reusable app.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from django.core.management.base import OutputWrapper
+
+TTY_REFRESH = 0.1
+LOG_INTERVAL = 5.0
+
+
+class Progress:
+    """``update(done)`` after each batch, ``finish(done)`` at the end; ``interrupt()`` before
+    writing anything else to the terminal, so that text does not land on the progress line."""
+
+    def __init__(
+        self,
+        out: OutputWrapper,
+        label: str,
+        total: int,
+        *,
+        interval: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.out = out
+        self.label = label
+        self.total = total
+        isatty = getattr(out, "isatty", None)
+        self.tty = bool(isatty and isatty())
+        self.interval = (
+            interval if interval is not None else TTY_REFRESH if self.tty else LOG_INTERVAL
+        )
+        self._clock = clock
+        self._last = clock()
+        self._shown = 0  # width of the line on screen, 0 when none is
+        self._on_screen: int | None = None  # the count it shows
+        self._done = 0
+        self._finished = False
+
+    def text(self, done: int) -> str:
+        total = max(self.total, done)  # rows that aged into the job while it ran
+        percent = f" ({done / total:.0%})" if total else ""
+        return f"  {self.label} {done:,}/{total:,}{percent}"
+
+    def update(self, done: int) -> None:
+        self._done = done
+        now = self._clock()
+        if now - self._last < self.interval:
+            return
+        self._last = now
+        self._show(done)
+
+    def finish(self, done: int | None = None) -> None:
+        """Show the final count on a terminal and end the line; elsewhere the caller's
+        summary follows instead. Calling it again does nothing."""
+        if self._finished:
+            return
+        self._finished = True
+        final = self._done if done is None else done
+        if self.tty and final and final != self._on_screen:
+            self._show(final)
+        self.interrupt()
+
+    def interrupt(self) -> None:
+        if self._shown:
+            self.out.write("")  # ends the progress line; the next update draws a new one
+            self._shown = 0
+            self._on_screen = None
+
+    def _show(self, done: int) -> None:
+        text = self.text(done)
+        if not self.tty:
+            self.out.write(text)
+            return
+        # Pad over a longer previous text; the cursor stays on the line for the next redraw.
+        self.out.write("\r" + text.ljust(self._shown), ending="")
+        self.out.flush()
+        self._shown = len(text)
+        self._on_screen = done

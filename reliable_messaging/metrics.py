@@ -1,0 +1,409 @@
+"""Prometheus metrics and process health.
+
+Three kinds of figures, exported from three places:
+
+- **Process counters** (``prometheus_client``'s default ``REGISTRY``), counted by the process
+  that does the work and served on ``--metrics-port`` by :mod:`.ops_http`. The names are stable:
+
+  ====================================================  ===========================================
+  ``reliable_messaging_consumer_received_total``        deliveries received {consumer}
+  ``reliable_messaging_consumer_redelivered_total``     of which flagged redelivered {consumer}
+  ``reliable_messaging_consumer_messages_total``        handled deliveries {consumer, outcome}:
+                                                        processed, duplicate, retried,
+                                                        dead_lettered, released, parked,
+                                                        deferred (another consumer holds the
+                                                        Redis lease)
+  ``reliable_messaging_handler_duration_seconds``       histogram of handler run time {consumer}
+  ``reliable_messaging_dedup_cache_total``              Redis fast-path lookups {consumer, result}:
+                                                        hit, miss, error, lease_busy
+  ``reliable_messaging_relay_claimed_total``            outbox rows claimed by the relay
+  ``reliable_messaging_relay_published_total``          rows confirmed by the broker, marked sent
+  ``reliable_messaging_relay_failed_total``             failed sends {kind}: returned (unroutable),
+                                                        nacked, timeout (no confirm), refused
+                                                        (missing exchange, unencodable headers)
+  ``reliable_messaging_relay_confirm_latency_seconds``  histogram, publish to broker confirm
+  ``reliable_messaging_relay_blocked``                  relay connections the broker blocks now
+                                                        (0 or 1 per relay lane)
+  ``reliable_messaging_relay_blocks_total``             times the broker blocked a relay connection
+  ====================================================  ===========================================
+
+- **Health** of one process, ``reliable_messaging_healthy`` (1 or 0, :class:`HealthCollector`),
+  served next to the process counters by :mod:`.ops_http`, which also answers ``/healthz``.
+
+- **Database gauges**, read from the database at each scrape by :class:`DatabaseCollector`.
+  They describe the whole system, not one process, so exactly one place exports them: the
+  ``metrics/`` view of ``reliable_messaging.urls`` in the web process (aggregate them with
+  ``max``, never ``sum``, when several web instances are scraped):
+
+  =========================================================  ======================================
+  ``reliable_messaging_database_up``                         1 if the last scrape read the database
+  ``reliable_messaging_outbox_pending_messages``             outbox rows not sent yet
+  ``reliable_messaging_outbox_oldest_pending_age_seconds``   age of the oldest of them (0 if none)
+  ``reliable_messaging_outbox_failed_messages``              rows given up on (``failed``)
+  ``reliable_messaging_dead_letters``                        dead letters {status, consumer, reason}
+  ``reliable_messaging_inbox_messages``                      inbox rows (an estimate on PostgreSQL)
+  =========================================================  ======================================
+
+The helper functions below are what the consumer and the relay call; they check their label
+values, because a typo'd label would silently start a new time series nobody alerts on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Protocol
+
+from django.db import DatabaseError, connections, router
+from django.db.models import Count, Model
+from django.utils import timezone
+from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+
+logger = logging.getLogger(__name__)
+
+CONSUMER_OUTCOMES = frozenset(
+    {"processed", "duplicate", "retried", "dead_lettered", "released", "parked", "deferred"}
+)
+DEDUP_RESULTS = frozenset({"hit", "miss", "error", "lease_busy"})
+RELAY_FAILURE_KINDS = ("returned", "nacked", "timeout", "refused")
+
+_RECEIVED = Counter(
+    "reliable_messaging_consumer_received",
+    "Deliveries received by a consumer.",
+    ["consumer"],
+)
+_REDELIVERED = Counter(
+    "reliable_messaging_consumer_redelivered",
+    "Deliveries received with the broker's redelivered flag set.",
+    ["consumer"],
+)
+_MESSAGES = Counter(
+    "reliable_messaging_consumer_messages",
+    "Deliveries handled by a consumer, by outcome.",
+    ["consumer", "outcome"],
+)
+_HANDLER_DURATION = Histogram(
+    "reliable_messaging_handler_duration_seconds",
+    "Time a consumer's handler ran (its transaction included).",
+    ["consumer"],
+)
+_DEDUP_CACHE = Counter(
+    "reliable_messaging_dedup_cache",
+    "Lookups in the Redis duplicate fast path, by result.",
+    ["consumer", "result"],
+)
+_RELAY_CLAIMED = Counter(
+    "reliable_messaging_relay_claimed",
+    "Outbox rows claimed by the relay for publishing.",
+)
+_RELAY_PUBLISHED = Counter(
+    "reliable_messaging_relay_published",
+    "Outbox rows confirmed by the broker and marked sent.",
+)
+_RELAY_FAILED = Counter(
+    "reliable_messaging_relay_failed",
+    "Outbox rows whose send failed, by kind (returned, nacked, timeout, refused).",
+    ["kind"],
+)
+_RELAY_CONFIRM_LATENCY = Histogram(
+    "reliable_messaging_relay_confirm_latency_seconds",
+    "Time from publishing an outbox row to the broker's confirm of it.",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+)
+_RELAY_BLOCKED = Gauge(
+    "reliable_messaging_relay_blocked",
+    "Relay connections the broker is blocking now (resource alarm); 0 or 1 per relay lane.",
+)
+_RELAY_BLOCKS = Counter(
+    "reliable_messaging_relay_blocks",
+    "Times the broker blocked a relay connection.",
+)
+
+# Series that exist from the start, so rate() and the dashboard see zeros, not gaps.
+for _kind in RELAY_FAILURE_KINDS:
+    _RELAY_FAILED.labels(_kind)
+
+
+def _check(value: str, allowed: Iterable[str], what: str) -> None:
+    if value not in allowed:
+        raise ValueError(f"unknown {what} {value!r}; expected one of {sorted(allowed)}")
+
+
+# -- the consumer --------------------------------------------------------------------------------
+
+
+def consumers_started(consumers: Iterable[str]) -> None:
+    """Create every consumer series at zero when a consumer process starts, so ``increase()``
+    and ``rate()`` see the first dead letter or redelivery instead of a series appearing."""
+    for consumer in consumers:
+        _RECEIVED.labels(consumer)
+        _REDELIVERED.labels(consumer)
+        for outcome in CONSUMER_OUTCOMES:
+            _MESSAGES.labels(consumer, outcome)
+
+
+def consumer_received(consumer: str, redelivered: bool = False) -> None:
+    """A delivery reached ``consumer``; ``redelivered`` is the broker's flag."""
+    _RECEIVED.labels(consumer).inc()
+    if redelivered:
+        _REDELIVERED.labels(consumer).inc()
+
+
+def consumer_outcome(consumer: str, outcome: str, duration: float | None = None) -> None:
+    """``consumer`` finished a delivery with ``outcome``; ``duration`` is the handler's run
+    time in seconds, when a handler ran."""
+    _check(outcome, CONSUMER_OUTCOMES, "consumer outcome")
+    _MESSAGES.labels(consumer, outcome).inc()
+    if duration is not None:
+        _HANDLER_DURATION.labels(consumer).observe(duration)
+
+
+def dedup_cache(consumer: str, result: str) -> None:
+    """One lookup in the duplicate fast path: hit, miss, error or lease_busy."""
+    _check(result, DEDUP_RESULTS, "dedup cache result")
+    _DEDUP_CACHE.labels(consumer, result).inc()
+
+
+# -- the relay -----------------------------------------------------------------------------------
+
+
+def relay_claimed(count: int) -> None:
+    _RELAY_CLAIMED.inc(count)
+
+
+def relay_published(count: int = 1) -> None:
+    """``count`` rows were confirmed by the broker and their sent mark committed."""
+    _RELAY_PUBLISHED.inc(count)
+
+
+def relay_confirm_latency(seconds: float) -> None:
+    _RELAY_CONFIRM_LATENCY.observe(seconds)
+
+
+def relay_failed(kind: str, count: int = 1) -> None:
+    """``count`` rows were not sent: returned, nacked, timeout or refused."""
+    _check(kind, RELAY_FAILURE_KINDS, "relay failure kind")
+    _RELAY_FAILED.labels(kind).inc(count)
+
+
+def relay_blocked(blocked: bool) -> None:
+    """A relay connection was blocked (True) or is no longer blocked (False). Each True must
+    be followed by exactly one False (unblocked, or the connection closed)."""
+    if blocked:
+        _RELAY_BLOCKED.inc()
+        _RELAY_BLOCKS.inc()
+    else:
+        _RELAY_BLOCKED.dec()
+
+
+# -- health --------------------------------------------------------------------------------------
+
+
+class HealthCheck(Protocol):
+    def check(self) -> tuple[bool, list[str]]: ...
+
+
+class HealthState:
+    """What a long-running process knows about its own health; thread-safe.
+
+    The process reports broker and database state as it sees them and calls :meth:`heartbeat`
+    from its main loop at least every second. :meth:`check` is what ``/healthz`` answers: not
+    healthy while the broker is disconnected, the database failing, the process stopping, or
+    when no heartbeat came for ``stall_after`` seconds (a loop stuck in a call that never
+    returns looks alive from outside; only a missing heartbeat tells).
+    """
+
+    def __init__(
+        self, stall_after: float = 30.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.stall_after = stall_after
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._broker_connected = False
+        self._database_ok = True
+        self._database_detail: str | None = None
+        self._last_heartbeat = clock()
+        self._stopping = False
+
+    def set_broker(self, connected: bool) -> None:
+        with self._lock:
+            self._broker_connected = connected
+
+    def set_database(self, ok: bool, detail: str | None = None) -> None:
+        with self._lock:
+            self._database_ok = ok
+            self._database_detail = None if ok else detail
+
+    def heartbeat(self) -> None:
+        with self._lock:
+            self._last_heartbeat = self._clock()
+
+    def stopping(self) -> None:
+        with self._lock:
+            self._stopping = True
+
+    def check(self) -> tuple[bool, list[str]]:
+        """(healthy, the reasons it is not, in words)."""
+        with self._lock:
+            reasons: list[str] = []
+            if self._stopping:
+                reasons.append("stopping")
+            if not self._broker_connected:
+                reasons.append("broker not connected")
+            if not self._database_ok:
+                detail = f": {self._database_detail}" if self._database_detail else ""
+                reasons.append(f"database failing{detail}")
+            silent = self._clock() - self._last_heartbeat
+            if silent > self.stall_after:
+                reasons.append(f"no heartbeat for {silent:.0f}s: the main loop looks stuck")
+        return not reasons, reasons
+
+
+class HealthGroup:
+    """Several :class:`HealthState` seen as one, healthy when all are (one per relay lane)."""
+
+    def __init__(self, members: Mapping[str, HealthCheck]) -> None:
+        self.members = dict(members)
+
+    def check(self) -> tuple[bool, list[str]]:
+        reasons: list[str] = []
+        for name, member in self.members.items():
+            ok, why = member.check()
+            if not ok:
+                reasons.extend(f"{name}: {reason}" for reason in why)
+        return not reasons, reasons
+
+
+class HealthCollector:
+    """Exports ``reliable_messaging_healthy`` (1 or 0) for one process's health."""
+
+    def __init__(self, health: HealthCheck) -> None:
+        self.health = health
+
+    def collect(self) -> Iterator[Metric]:
+        ok, _ = self.health.check()
+        yield GaugeMetricFamily(
+            "reliable_messaging_healthy",
+            "1 when this process's health check passes (as /healthz), else 0.",
+            value=1 if ok else 0,
+        )
+
+
+# -- the database --------------------------------------------------------------------------------
+
+
+def outbox_lag(using: str) -> float:
+    """Seconds the oldest pending outbox row has waited; 0 when none is pending.
+
+    "Oldest" is the lowest id, found on the relay's partial index of pending rows: ids grow
+    with time, and ordering by ``created_at`` would sort the whole backlog at every call.
+    """
+    from .models import OutboxMessage
+
+    oldest = (
+        OutboxMessage.objects.using(using)
+        .pending()
+        .order_by("id")
+        .values_list("created_at", flat=True)
+        .first()
+    )
+    return 0.0 if oldest is None else max(0.0, (timezone.now() - oldest).total_seconds())
+
+
+class DatabaseCollector:
+    """Reads the outbox, the dead letters and the inbox at each scrape.
+
+    Every query is cheap on a large table: pending rows are counted on the partial index the
+    relay claims with, the oldest pending row is found on it too (:func:`outbox_lag`), and the
+    inbox, the largest table by far, is estimated from PostgreSQL's statistics
+    (``pg_class.reltuples``, kept by autovacuum) instead of counted. A database error never
+    fails the scrape: it exports ``reliable_messaging_database_up 0`` and logs a warning.
+
+    Queries run on the calling thread's Django connection. In a request Django closes it
+    afterwards; elsewhere the caller owns the connection's lifetime.
+    """
+
+    def __init__(self, using: str | None = None) -> None:
+        self.using = using
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            families = list(self._read())
+        except DatabaseError as exc:
+            logger.warning("metrics: cannot read the database (%s); database_up is 0", exc)
+            yield self._up(0)
+            return
+        yield from families
+        yield self._up(1)
+
+    @staticmethod
+    def _up(value: int) -> Metric:
+        return GaugeMetricFamily(
+            "reliable_messaging_database_up",
+            "1 when the last scrape could read the messaging tables, else 0.",
+            value=value,
+        )
+
+    def _alias(self, model: type[Model]) -> str:
+        return self.using or router.db_for_read(model)
+
+    def _read(self) -> Iterator[Metric]:
+        from .models import DeadLetter, OutboxMessage, ProcessedMessage
+
+        alias = self._alias(OutboxMessage)
+        outbox = OutboxMessage.objects.using(alias)
+        yield GaugeMetricFamily(
+            "reliable_messaging_outbox_pending_messages",
+            "Outbox rows not sent yet (due, or waiting out a backoff after a failed send).",
+            value=outbox.pending().count(),
+        )
+        yield GaugeMetricFamily(
+            "reliable_messaging_outbox_oldest_pending_age_seconds",
+            "Age of the oldest pending outbox row; 0 when none is pending.",
+            value=outbox_lag(alias),
+        )
+        yield GaugeMetricFamily(
+            "reliable_messaging_outbox_failed_messages",
+            "Outbox rows marked failed after OUTBOX_MAX_ATTEMPTS; they wait for the admin.",
+            value=outbox.failed().count(),
+        )
+
+        dead = GaugeMetricFamily(
+            "reliable_messaging_dead_letters",
+            "Dead letters by status, consumer and reason.",
+            labels=["status", "consumer", "reason"],
+        )
+        groups = (
+            DeadLetter.objects.using(self._alias(DeadLetter))
+            .order_by()
+            .values_list("status", "consumer", "reason")
+            .annotate(rows=Count("id"))
+        )
+        for status, consumer, reason, rows in groups:
+            dead.add_metric([status, consumer, reason], rows)
+        yield dead
+
+        yield GaugeMetricFamily(
+            "reliable_messaging_inbox_messages",
+            "Inbox rows (processed messages kept for deduplication); estimated on PostgreSQL.",
+            value=self._inbox_rows(ProcessedMessage),
+        )
+
+    def _inbox_rows(self, model: type[Model]) -> float:
+        alias = self._alias(model)
+        connection = connections[alias]
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT reltuples FROM pg_class WHERE oid = %s::regclass",
+                    [model._meta.db_table],
+                )
+                row = cursor.fetchone()
+            # -1 (or no row) until the table is first vacuumed or analyzed: count it then.
+            if row is not None and row[0] >= 0:
+                return float(row[0])
+        return float(model._default_manager.using(alias).count())

@@ -1,0 +1,543 @@
+"""How the messaging is doing right now: the queues, the outbox, the dead letters, the inbox.
+
+Collection only: these functions read the broker and the database and return frozen
+dataclasses; ``manage.py messaging_status`` renders them and :mod:`.health` reuses the probes.
+
+The broker is always read over AMQP, as the application talks to it: a passive declare per
+queue gives its exact ready count and consumers, and a connection that cannot be opened is what
+"unreachable" means. The RabbitMQ management HTTP API, when it answers, adds what AMQP cannot
+tell: unacked deliveries and message rates. It is an optional plugin, and the application's
+user may lack the ``monitoring`` tag it needs, so doing without it is normal, not an error.
+
+No broker password ever leaves this module: URLs are shown through :func:`.conf.redact_url`,
+and what the client libraries say in their errors is scrubbed of it too.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import http.client
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
+
+import pika
+import pika.exceptions
+from django.db import DatabaseError, connections, router
+from django.db.models import Count
+from django.utils import timezone
+
+from .conf import MessagingSettings, messaging_settings, redact_url
+from .metrics import outbox_lag
+from .models import DeadLetter, OutboxMessage, ProcessedMessage
+from .registry import ConsumerSpec, registry
+from .topology import all_delays, connection_parameters, delay_exchange_name
+
+NOT_FOUND = 404
+UNAUTHORIZED = 401
+DEFAULT_TIMEOUT = 3.0
+# The management plugin listens here unless configured otherwise (TLS: 15671).
+MANAGEMENT_PORT = 15672
+MANAGEMENT_TLS_PORT = 15671
+# Version of the ``--json`` document; raised only when a key changes meaning or goes away.
+STATUS_FORMAT_VERSION = 1
+
+QueueKind = Literal["consumer", "delay"]
+
+
+@dataclass(frozen=True)
+class QueueStatus:
+    """One queue as the broker sees it. ``None`` means "not known": unacked deliveries and
+    rates come from the management API only, and a queue that does not exist (nobody ran
+    ``consume`` yet) has no figures at all."""
+
+    name: str
+    kind: QueueKind
+    consumer: str | None  # the handler's name (dedup scope) for a consumer queue
+    exists: bool
+    ready: int | None = None
+    unacked: int | None = None
+    consumers: int | None = None
+    deliver_rate: float | None = None  # deliveries per second, redeliveries included
+    redeliver_rate: float | None = None
+
+    @property
+    def redelivery_ratio(self) -> float | None:
+        """The share of recent deliveries that were redeliveries (0..1), when there were any.
+
+        A high share means deliveries keep coming back: consumers die or drop their connection
+        with messages unacked, or hold deliveries back while the database is down."""
+        if self.deliver_rate is None or self.redeliver_rate is None or self.deliver_rate <= 0:
+            return None
+        return min(1.0, self.redeliver_rate / self.deliver_rate)
+
+
+@dataclass(frozen=True)
+class BrokerStatus:
+    url: str  # redacted
+    reachable: bool
+    management_api: bool = False  # whether unacked counts and rates could be read
+    queues: tuple[QueueStatus, ...] = ()
+    error: str = ""  # why the broker could not be reached
+    note: str = ""  # why the management API was not used, when it was not
+
+
+@dataclass(frozen=True)
+class DeadLetterCount:
+    consumer: str
+    reason: str
+    count: int
+
+
+@dataclass(frozen=True)
+class DatabaseStatus:
+    alias: str
+    reachable: bool
+    error: str = ""
+    outbox_pending: int = 0
+    outbox_failed: int = 0
+    # Seconds since the oldest pending outbox row was written; None when nothing is pending.
+    outbox_lag: float | None = None
+    dead_letters: tuple[DeadLetterCount, ...] = ()  # status "dead", awaiting a person
+    inbox_rows: int = 0
+
+    @property
+    def dead_letters_total(self) -> int:
+        return sum(d.count for d in self.dead_letters)
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Limits beyond which the status is a problem. The defaults flag what needs a person:
+    a relay that stopped sending, a failed outbox row, a dead letter awaiting review, a backlog
+    building up, deliveries that keep coming back. ``min_consumers`` is off (0) by default,
+    because only the deployment knows how many consume processes should be attached."""
+
+    max_outbox_lag: float = 60.0
+    max_outbox_failed: int = 0
+    max_dead_letters: int = 0
+    max_ready: int = 1000
+    max_redelivery_rate: float = 0.2
+    min_consumers: int = 0
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A crossed threshold: ``threshold`` is the :class:`Thresholds` field, ``message`` says
+    what was found, for a person."""
+
+    threshold: str
+    message: str
+
+
+@dataclass(frozen=True)
+class MessagingStatus:
+    checked_at: dt.datetime
+    broker: BrokerStatus
+    database: DatabaseStatus
+    thresholds: Thresholds
+    problems: tuple[Problem, ...] = field(default=())
+
+    @property
+    def unreachable(self) -> bool:
+        return not (self.broker.reachable and self.database.reachable)
+
+    @property
+    def exit_code(self) -> int:
+        """0 all well, 1 a threshold is crossed, 2 the broker or the database is unreachable."""
+        if self.unreachable:
+            return 2
+        return 1 if self.problems else 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """The ``messaging_status --json`` document (see the command's docstring)."""
+        db = self.database
+        return {
+            "version": STATUS_FORMAT_VERSION,
+            "checked_at": self.checked_at.isoformat(),
+            "exit_code": self.exit_code,
+            "broker": {
+                "url": self.broker.url,
+                "reachable": self.broker.reachable,
+                "management_api": self.broker.management_api,
+                "error": self.broker.error or None,
+                "note": self.broker.note or None,
+                "queues": [
+                    {**asdict(q), "redelivery_ratio": q.redelivery_ratio}
+                    for q in self.broker.queues
+                ],
+            },
+            "database": {
+                "alias": db.alias,
+                "reachable": db.reachable,
+                "error": db.error or None,
+                "outbox": {
+                    "pending": db.outbox_pending,
+                    "failed": db.outbox_failed,
+                    "lag_seconds": db.outbox_lag,
+                },
+                "dead_letters": {
+                    "total": db.dead_letters_total,
+                    "by_consumer_and_reason": [asdict(d) for d in db.dead_letters],
+                },
+                "inbox": {"rows": db.inbox_rows},
+            },
+            "thresholds": asdict(self.thresholds),
+            "problems": [asdict(p) for p in self.problems],
+        }
+
+
+# --------------------------------------------------------------------------- the broker
+
+
+def monitored_queues(
+    specs: Iterable[ConsumerSpec], settings: MessagingSettings = messaging_settings
+) -> list[tuple[str, QueueKind, str | None]]:
+    """(queue, kind, consumer name) of every queue ``consume`` declares for ``specs``: each
+    handler's queue, then the retry delay queues."""
+    specs = list(specs)
+    queues: list[tuple[str, QueueKind, str | None]] = [
+        (spec.queue, "consumer", spec.name) for spec in specs
+    ]
+    queues += [
+        (delay_exchange_name(d, settings), "delay", None) for d in all_delays(specs, settings)
+    ]
+    return queues
+
+
+def default_management_url(broker_url: str) -> str:
+    """The management API's base URL on the broker's host: http on 15672, or https on 15671
+    for an ``amqps://`` broker. Carries no credentials."""
+    params = pika.URLParameters(broker_url)
+    tls = params.ssl_options is not None
+    scheme, port = ("https", MANAGEMENT_TLS_PORT) if tls else ("http", MANAGEMENT_PORT)
+    host = f"[{params.host}]" if ":" in params.host else params.host
+    return f"{scheme}://{host}:{port}"
+
+
+def scrub(text: str, secret: str) -> str:
+    """``text`` with every occurrence of ``secret`` (and its URL-quoted form) masked."""
+    if not secret:
+        return text
+    for form in {secret, urllib.parse.quote(secret, safe="")}:
+        text = text.replace(form, "***")
+    return text
+
+
+def describe_error(exc: BaseException) -> str:
+    """A one-line account of a connection error. pika's connection errors carry their cause
+    in ``args``, as exceptions whose ``str()`` may be empty: those are shown by their repr."""
+    if isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, BaseException):
+        return describe_error(exc.reason)
+    if isinstance(exc, OSError):
+        detail = str(exc)  # "[Errno 111] Connection refused"
+    else:
+        detail = "; ".join(str(arg) or repr(arg) for arg in exc.args) or str(exc)
+    detail = " ".join(detail.split())  # database drivers' messages span several lines
+    return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
+
+
+def _management_get(base_url: str, path: str, params: pika.URLParameters, timeout: float) -> Any:
+    if urllib.parse.urlsplit(base_url).scheme not in ("http", "https"):
+        raise ValueError(f"the management URL must be http(s)://, not {base_url!r}")
+    credentials = params.credentials
+    username = getattr(credentials, "username", "")
+    password = getattr(credentials, "password", "")
+    token = base64.b64encode(f"{username}:{password}".encode()).decode()
+    request = urllib.request.Request(  # noqa: S310 - the scheme is checked above
+        f"{base_url.rstrip('/')}{path}", headers={"Authorization": f"Basic {token}"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 - as above
+        return json.load(response)
+
+
+_MANAGEMENT_COLUMNS = ",".join(
+    (
+        "messages_unacknowledged",
+        "message_stats.deliver_get_details.rate",
+        "message_stats.redeliver_details.rate",
+    )
+)
+
+
+def _rate(stats: Any, key: str) -> float:
+    # A queue nothing was delivered from yet has no message_stats (or not this key): rate 0.
+    details = stats.get(key) if isinstance(stats, dict) else None
+    return float(details.get("rate", 0.0)) if isinstance(details, dict) else 0.0
+
+
+def with_management_figures(
+    queues: Iterable[QueueStatus],
+    params: pika.URLParameters,
+    base_url: str,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> tuple[QueueStatus, ...]:
+    """``queues`` with unacked counts and rates from the management API. Raises
+    ``urllib.error.URLError`` (an ``OSError``), ``http.client.HTTPException`` or ``ValueError``
+    when the API cannot be used. Its figures are samples, refreshed every few seconds."""
+    vhost = urllib.parse.quote(params.virtual_host, safe="")
+    found = []
+    for queue in queues:
+        if not queue.exists:
+            found.append(queue)
+            continue
+        quoted = urllib.parse.quote(queue.name, safe="")
+        path = f"/api/queues/{vhost}/{quoted}?columns={_MANAGEMENT_COLUMNS}"
+        try:
+            data = _management_get(base_url, path, params, timeout)
+        except urllib.error.HTTPError as exc:
+            if exc.code != NOT_FOUND:
+                raise
+            found.append(queue)  # deleted since the passive declare: nothing more to add
+            continue
+        if not isinstance(data, dict):
+            # A queue declared moments ago has no sampled figures yet, and the plugin answers
+            # an empty list for the columns asked: nothing was delivered from it yet.
+            data = {}
+        stats = data.get("message_stats")
+        found.append(
+            replace(
+                queue,
+                unacked=int(data.get("messages_unacknowledged") or 0),
+                deliver_rate=_rate(stats, "deliver_get_details"),
+                redeliver_rate=_rate(stats, "redeliver_details"),
+            )
+        )
+    return tuple(found)
+
+
+def _amqp_parameters(settings: MessagingSettings, timeout: float) -> pika.URLParameters:
+    params = connection_parameters(settings, name="messaging_status")
+    # Bounds both the TCP connect and the whole AMQP handshake.
+    params.socket_timeout = timeout
+    params.stack_timeout = timeout
+    return params
+
+
+def queues_from_amqp(
+    queues: Iterable[tuple[str, QueueKind, str | None]],
+    settings: MessagingSettings = messaging_settings,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> tuple[QueueStatus, ...]:
+    """Read exact ready counts and consumers with passive declares. Raises
+    ``pika.exceptions.AMQPConnectionError`` when the broker cannot be reached."""
+    connection = pika.BlockingConnection(_amqp_parameters(settings, timeout))
+    found = []
+    try:
+        channel = connection.channel()
+        for name, kind, consumer in queues:
+            try:
+                method = channel.queue_declare(name, passive=True).method
+            except pika.exceptions.ChannelClosedByBroker as exc:
+                if exc.reply_code != NOT_FOUND:
+                    raise
+                # The broker closes the channel on a failed passive declare.
+                channel = connection.channel()
+                found.append(QueueStatus(name, kind, consumer, exists=False))
+                continue
+            found.append(
+                QueueStatus(
+                    name,
+                    kind,
+                    consumer,
+                    exists=True,
+                    ready=int(method.message_count or 0),
+                    consumers=int(method.consumer_count or 0),
+                )
+            )
+    finally:
+        if connection.is_open:
+            connection.close()
+    return tuple(found)
+
+
+def broker_status(
+    specs: Iterable[ConsumerSpec] | None = None,
+    *,
+    settings: MessagingSettings = messaging_settings,
+    management_url: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> BrokerStatus:
+    """The queues of ``specs`` (default: every registered consumer) and their delay queues.
+    ``management_url`` overrides the management API's address; "" skips the API."""
+    url = settings.broker_url
+    shown = redact_url(url)
+    try:
+        params = pika.URLParameters(url)
+    except Exception as exc:  # noqa: BLE001 - pika raises several types for a bad URL
+        return BrokerStatus(shown, reachable=False, error=f"the URL cannot be parsed: {exc}")
+    password = str(getattr(params.credentials, "password", "") or "")
+    queues = monitored_queues(registry.all() if specs is None else specs, settings)
+    try:
+        found = queues_from_amqp(queues, settings, timeout)
+    except (pika.exceptions.AMQPError, OSError) as exc:
+        error = f"cannot connect to {shown}: {scrub(describe_error(exc), password)}"
+        return BrokerStatus(shown, reachable=False, error=error)
+    if management_url is None:
+        management_url = default_management_url(url)
+    if not management_url:
+        note = "the management API was skipped (no URL given)"
+    else:
+        try:
+            found = with_management_figures(found, params, management_url, timeout)
+        except urllib.error.HTTPError as exc:
+            note = f"the management API at {management_url} answered HTTP {exc.code}"
+            if exc.code == UNAUTHORIZED:
+                note += " (its user needs the monitoring tag: rabbitmqctl set_user_tags)"
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            # URLError and timeouts are OSErrors; a port that does not speak HTTP raises an
+            # HTTPException; a body that is not JSON a ValueError.
+            detail = scrub(describe_error(exc), password)
+            note = f"the management API at {management_url} is unreachable ({detail})"
+        else:
+            return BrokerStatus(shown, reachable=True, management_api=True, queues=found)
+    return BrokerStatus(shown, reachable=True, queues=found, note=note)
+
+
+def broker_connection_error(
+    settings: MessagingSettings = messaging_settings, timeout: float = DEFAULT_TIMEOUT
+) -> str:
+    """Open and close one AMQP connection; "" when that worked, else why not. The text names
+    neither the host nor the user, and never the password: health endpoints may be public."""
+    try:
+        params = _amqp_parameters(settings, timeout)
+    except Exception as exc:  # noqa: BLE001 - pika raises several types for a bad URL
+        return f"the broker URL cannot be parsed ({type(exc).__name__})"
+    password = str(getattr(params.credentials, "password", "") or "")
+    try:
+        connection = pika.BlockingConnection(params)
+    except (pika.exceptions.AMQPError, OSError) as exc:
+        return scrub(describe_error(exc), password)
+    if connection.is_open:
+        connection.close()
+    return ""
+
+
+# --------------------------------------------------------------------------- the database
+
+
+def database_status(using: str | None = None) -> DatabaseStatus:
+    """Outbox, dead-letter and inbox figures; ``reachable=False`` with the error when the
+    database cannot be queried. The inbox is counted exactly (the metrics estimate it), so on
+    a very large inbox this takes a moment."""
+    using = using or router.db_for_read(OutboxMessage)
+    try:
+        outbox = OutboxMessage.objects.using(using)
+        dead = (
+            DeadLetter.objects.using(using)
+            .dead()
+            .values("consumer", "reason")
+            .annotate(count=Count("id"))
+            .order_by("consumer", "reason")
+        )
+        pending = outbox.pending().count()
+        return DatabaseStatus(
+            alias=using,
+            reachable=True,
+            outbox_pending=pending,
+            outbox_failed=outbox.failed().count(),
+            outbox_lag=outbox_lag(using) if pending else None,
+            dead_letters=tuple(
+                DeadLetterCount(row["consumer"], row["reason"], row["count"]) for row in dead
+            ),
+            inbox_rows=ProcessedMessage.objects.using(using).count(),
+        )
+    except DatabaseError as exc:
+        # Closed so the next attempt (a health probe in a long-lived process) starts afresh;
+        # left alone inside a caller's transaction, which is the caller's to end.
+        if not connections[using].in_atomic_block:
+            connections[using].close()
+        return DatabaseStatus(alias=using, reachable=False, error=describe_error(exc))
+
+
+# --------------------------------------------------------------------------- the verdict
+
+
+def find_problems(
+    broker: BrokerStatus, database: DatabaseStatus, thresholds: Thresholds
+) -> list[Problem]:
+    """Every threshold the figures cross. What could not be read is not judged here: an
+    unreachable broker or database is reported as such (exit code 2)."""
+    found: list[Problem] = []
+    if database.reachable:
+        lag = database.outbox_lag
+        if lag is not None and lag > thresholds.max_outbox_lag:
+            found.append(
+                Problem(
+                    "max_outbox_lag",
+                    f"the oldest pending outbox row is {lag:,.0f} s old (limit "
+                    f"{thresholds.max_outbox_lag:g} s): is a relay running, and can it publish?",
+                )
+            )
+        if database.outbox_failed > thresholds.max_outbox_failed:
+            found.append(
+                Problem(
+                    "max_outbox_failed",
+                    f"{database.outbox_failed:,} outbox row(s) failed and will not be sent "
+                    f"until retried in the admin (limit {thresholds.max_outbox_failed:,})",
+                )
+            )
+        if database.dead_letters_total > thresholds.max_dead_letters:
+            found.append(
+                Problem(
+                    "max_dead_letters",
+                    f"{database.dead_letters_total:,} dead letter(s) await review (limit "
+                    f"{thresholds.max_dead_letters:,})",
+                )
+            )
+    for queue in broker.queues if broker.reachable else ():
+        if queue.kind != "consumer" or not queue.exists:
+            continue
+        if queue.ready is not None and queue.ready > thresholds.max_ready:
+            found.append(
+                Problem(
+                    "max_ready",
+                    f"queue {queue.name} has {queue.ready:,} ready message(s) (limit "
+                    f"{thresholds.max_ready:,})",
+                )
+            )
+        if queue.consumers is not None and queue.consumers < thresholds.min_consumers:
+            found.append(
+                Problem(
+                    "min_consumers",
+                    f"queue {queue.name} has {queue.consumers} consumer(s) attached (at least "
+                    f"{thresholds.min_consumers} expected): is consume running?",
+                )
+            )
+        ratio = queue.redelivery_ratio
+        if ratio is not None and ratio > thresholds.max_redelivery_rate:
+            found.append(
+                Problem(
+                    "max_redelivery_rate",
+                    f"queue {queue.name}: {ratio:.0%} of recent deliveries are redeliveries "
+                    f"(limit {thresholds.max_redelivery_rate:.0%})",
+                )
+            )
+    return found
+
+
+def collect_status(
+    thresholds: Thresholds | None = None,
+    *,
+    specs: Iterable[ConsumerSpec] | None = None,
+    settings: MessagingSettings = messaging_settings,
+    management_url: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    using: str | None = None,
+) -> MessagingStatus:
+    """Read the broker and the database and judge the figures against ``thresholds``."""
+    thresholds = thresholds or Thresholds()
+    broker = broker_status(specs, settings=settings, management_url=management_url, timeout=timeout)
+    database = database_status(using)
+    return MessagingStatus(
+        checked_at=timezone.now(),
+        broker=broker,
+        database=database,
+        thresholds=thresholds,
+        problems=tuple(find_problems(broker, database, thresholds)),
+    )

@@ -1,0 +1,12 @@
+"""``include("reliable_messaging.urls")``: ``metrics/`` and ``healthz/`` (see :mod:`.views`)."""
+
+from django.urls import path
+
+from . import views
+
+app_name = "reliable_messaging"
+
+urlpatterns = [
+    path("metrics/", views.metrics, name="metrics"),
+    path("healthz/", views.healthz, name="healthz"),
+]

@@ -1,0 +1,109 @@
+"""Views for the web process: the database gauges and a health check of the whole system.
+
+Mount them with ``path("messaging/", include("reliable_messaging.urls"))``:
+
+- ``metrics/``: the gauges :class:`~reliable_messaging.metrics.DatabaseCollector` reads at each
+  scrape (outbox backlog and lag, failed rows, dead letters, inbox size). The consume and relay
+  processes export their own counters on ``--metrics-port``; the database gauges come from here
+  only, so they are not scraped once per process.
+- ``healthz/``: 200 when the database answers, the broker accepts a connection (within
+  ``BROKER_TIMEOUT``) and the oldest pending outbox row is younger than ``max_outbox_lag``
+  seconds; 503 with the reasons otherwise. It judges the messaging system, not this web
+  process: use it for monitoring or a readiness gate, not as a liveness probe that restarts
+  web servers because a relay is down. Tune the lag with a URL keyword argument, e.g.
+  ``path("healthz/", views.healthz, {"max_outbox_lag": 60})``.
+
+Neither view asks for a login. They show consumer names and counts, never payloads; restrict
+them at the proxy or wrap them in your own access check if that matters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django.db import DatabaseError, connections, router, transaction
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.views.decorators.cache import never_cache
+from django.views.decorators.http import require_GET
+from prometheus_client import CollectorRegistry
+from prometheus_client.django import PrometheusDjangoView
+
+from .metrics import DatabaseCollector, outbox_lag
+from .models import OutboxMessage
+from .status import broker_connection_error
+
+MAX_OUTBOX_LAG = 300.0
+"""Seconds the oldest pending outbox row may wait before ``healthz/`` reports it."""
+
+BROKER_TIMEOUT = 2.0
+"""Seconds ``healthz/`` waits for the broker to accept a connection."""
+
+DATABASE_REGISTRY = CollectorRegistry(auto_describe=False)
+DATABASE_REGISTRY.register(DatabaseCollector())
+
+
+class DatabaseMetricsView(PrometheusDjangoView):
+    registry = DATABASE_REGISTRY
+
+
+# Outside ATOMIC_REQUESTS: a failing query must not poison a transaction around the view.
+metrics = transaction.non_atomic_requests(never_cache(DatabaseMetricsView.as_view()))
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    ok: bool
+    detail: str
+
+
+# The details name no host, user or password, nor a database error's text: a health endpoint
+# may be reachable by anyone. The logs of the processes have the particulars.
+
+
+def check_database(using: str) -> CheckResult:
+    try:
+        with connections[using].cursor() as cursor:
+            cursor.execute("SELECT 1")
+    except DatabaseError as exc:
+        return CheckResult(False, f"the database cannot be queried ({type(exc).__name__})")
+    return CheckResult(True, "the database answers")
+
+
+def check_broker(timeout: float = BROKER_TIMEOUT) -> CheckResult:
+    """Open (and close) an AMQP connection: the broker is up and accepts our login."""
+    error = broker_connection_error(timeout=timeout)
+    if error:
+        return CheckResult(False, f"the broker cannot be reached: {error}")
+    return CheckResult(True, "the broker accepts connections")
+
+
+def check_outbox_lag(using: str, max_lag: float) -> CheckResult:
+    try:
+        lag = outbox_lag(using)
+    except DatabaseError as exc:
+        return CheckResult(False, f"the outbox cannot be read ({type(exc).__name__})")
+    if lag > max_lag:
+        return CheckResult(
+            False,
+            f"the oldest pending outbox row waits for {lag:.0f}s (limit {max_lag:.0f}s): "
+            f"is a relay running and connected?",
+        )
+    return CheckResult(True, f"oldest pending outbox row waits {lag:.1f}s")
+
+
+@transaction.non_atomic_requests
+@never_cache
+@require_GET
+def healthz(request: HttpRequest, max_outbox_lag: float = MAX_OUTBOX_LAG) -> HttpResponse:
+    using = router.db_for_write(OutboxMessage)
+    checks = {"database": check_database(using), "broker": check_broker()}
+    if checks["database"].ok:
+        checks["outbox_lag"] = check_outbox_lag(using, max_outbox_lag)
+    reasons = [result.detail for result in checks.values() if not result.ok]
+    body: dict[str, object] = {
+        "status": "unhealthy" if reasons else "ok",
+        "checks": {name: {"ok": r.ok, "detail": r.detail} for name, r in checks.items()},
+    }
+    if reasons:
+        body["reasons"] = reasons
+    return JsonResponse(body, status=503 if reasons else 200)
