@@ -114,6 +114,22 @@ def database_url() -> str:
     return f"postgres://{user}{password}@{host}:{port}/{conf['NAME']}"
 
 
+def subprocess_env(ns: str, *, unset: tuple[str, ...] = (), **extra: str) -> dict[str, str]:
+    """Environment of a ``manage.py`` subprocess for namespace ``ns`` and the test database;
+    ``unset`` names variables of this process it must not inherit."""
+    env = {
+        **os.environ,
+        "RM_TEST_NAMESPACE": ns,
+        "DATABASE_URL": database_url(),
+        "PYTHONUNBUFFERED": "1",
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+    }
+    for name in unset:
+        env.pop(name, None)
+    env.update(extra)
+    return env
+
+
 @pytest.fixture
 def consume(
     request: pytest.FixtureRequest, ns: str, transactional_db: None, tmp_path: Path

@@ -62,6 +62,13 @@ DATABASES = {
 }
 CACHES = {
     "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+    # The duplicate fast path's cache; keys carry the namespace so runs never share them.
+    "messaging": {
+        "BACKEND": "django_redis.cache.RedisCache",
+        "LOCATION": os.environ.get("RM_REDIS_URL", "redis://127.0.0.1:6379/0"),
+        "KEY_PREFIX": f"rmtest.{NAMESPACE}",
+        "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 1, "SOCKET_TIMEOUT": 1},
+    },
 }
 
 RELIABLE_MESSAGING = {
@@ -73,6 +80,9 @@ RELIABLE_MESSAGING = {
     "SHUTDOWN_TIMEOUT": 15.0,
     "RECONNECT_MAX_DELAY": 2.0,
     "MAX_BODY_BYTES": 64 * 1024,
+    # RM_TEST_CACHE_ALIAS=messaging turns the Redis fast path on (subprocesses of a test).
+    "CACHE_ALIAS": os.environ.get("RM_TEST_CACHE_ALIAS") or None,
+    "QUEUE_TYPE": os.environ.get("RM_TEST_QUEUE_TYPE", "classic"),
 }
 
 LOGGING = {

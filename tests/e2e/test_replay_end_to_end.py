@@ -9,7 +9,6 @@ the dead letter.
 from __future__ import annotations
 
 import io
-import os
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import pytest
 from django.core.management import call_command
 
 from reliable_messaging.models import DeadLetter, DeadLetterStatus, ProcessedMessage
-from tests.conftest import database_url
+from tests.conftest import subprocess_env
 from tests.support import MANAGE, ROOT, ConsumeProcess, Publisher, wait_until
 from tests.testapp.models import Effect
 
@@ -29,16 +28,7 @@ BROKEN = "RM_TEST_ALPHA_BROKEN"
 
 
 def env_for(ns: str, **extra: str) -> dict[str, str]:
-    env = {
-        **os.environ,
-        "RM_TEST_NAMESPACE": ns,
-        "DATABASE_URL": database_url(),
-        "PYTHONUNBUFFERED": "1",
-        "DJANGO_SETTINGS_MODULE": "tests.settings",
-    }
-    env.pop(BROKEN, None)  # only the processes that ask for it are broken
-    env.update(extra)
-    return env
+    return subprocess_env(ns, unset=(BROKEN,), **extra)  # only the processes that ask are broken
 
 
 def effects(label: str, message_id: str) -> int:

@@ -354,7 +354,10 @@ def test_quorum_queues(
         thread.start()
         try:
             assert svc.connected.wait(30)
-            assert support.queue_arguments(alpha.queue) == {"x-queue-type": "quorum"}
+            assert support.queue_arguments(alpha.queue) == {
+                "x-queue-type": "quorum",
+                "x-delivery-limit": 50,
+            }
             publisher.publish(
                 exchange_of(ns), "order.placed", {"fail": {"alpha": 1}}, message_id="quorum-1"
             )
@@ -364,21 +367,6 @@ def test_quorum_queues(
             thread.join(30)
     assert rec.results(alpha.name) == ["retry", "processed"]
     assert effects("alpha") == [("quorum-1", 2)]
-
-
-def test_ordered_consumers_are_refused_until_ordering_is_built() -> None:
-    # Handling in key order across processes is not built yet; accepting the flag and running
-    # the handler in parallel would silently break the promise, so registration refuses it.
-    from reliable_messaging.exceptions import ConsumerConfigurationError
-    from reliable_messaging.registry import ConsumerRegistry, consumer
-
-    with pytest.raises(ConsumerConfigurationError, match=r"ordered=True .* not supported yet"):
-        consumer("q.ordered", bindings=["order.*"], ordered=True, registry=ConsumerRegistry())(
-            lambda message: None
-        )
-
-
-# --------------------------------------------------------------------------- bad input
 
 
 def test_each_bad_input_is_dead_lettered_and_the_consumer_keeps_going(

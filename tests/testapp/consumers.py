@@ -60,3 +60,9 @@ def alpha(message: Message) -> None:
 @consumer(f"{NAMESPACE}.beta", bindings=["order.*"], name="tests.beta")
 def beta(message: Message) -> None:
     behave("beta", message)
+
+
+@consumer(f"{NAMESPACE}.gamma", bindings=["seq.*"], name="tests.gamma", ordered=True)
+def gamma(message: Message) -> None:
+    """Ordered: the payload's ``key`` is also the ordering key, ``seq`` its place in the key."""
+    behave("gamma", message)

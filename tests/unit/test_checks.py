@@ -113,8 +113,14 @@ def test_max_attempts_below_one(rm: Any, attempts: Any) -> None:
 def test_cache_alias_naming_no_cache(rm: Any) -> None:
     message = only(rm(CACHE_ALIAS="redis"), "reliable_messaging.E007")
     assert "'redis'" in message.msg and "CACHES" in message.msg
-    assert rm(CACHE_ALIAS="default") == []
+    assert rm(CACHE_ALIAS="messaging") == []  # the suite's django-redis cache
     assert rm(CACHE_ALIAS=None) == []
+
+
+def test_cache_alias_must_be_a_django_redis_cache(rm: Any) -> None:
+    # The suite's "default" cache is locmem: the fast path could not talk to Redis through it.
+    message = only(rm(CACHE_ALIAS="default"), "reliable_messaging.E013")
+    assert "LocMemCache" in message.msg and "django_redis.cache.RedisCache" in message.hint
 
 
 def test_unknown_key_is_a_warning_with_a_suggestion(rm: Any) -> None:

@@ -16,7 +16,7 @@ def test_defaults_when_the_setting_is_empty() -> None:
         s = MessagingSettings()
         assert s.broker_url == "amqp://guest:guest@localhost:5672/%2F"
         assert s.exchange == "reliable_messaging"
-        assert s.prefetch == 20
+        assert s.prefetch == 100
         assert s.retry_delays == (1.0, 5.0, 30.0, 120.0, 600.0)
         assert s.max_attempts == 6
         assert s.dedup_retention == timedelta(days=14)
@@ -73,7 +73,7 @@ def test_override_settings_takes_effect_without_reimport() -> None:
         assert messaging_settings.retry_delays == (2.0, 4.0)
         assert messaging_settings.max_attempts == 7
         assert messaging_settings.cache_alias == "default"
-        assert messaging_settings.prefetch == 20  # keys not given keep their default
+        assert messaging_settings.prefetch == 100  # keys not given keep their default
     assert messaging_settings.exchange == before
 
 

@@ -1,0 +1,31 @@
+"""The Celery app a test's worker runs (``celery -A tests.celery_tasks.celery_app worker``).
+
+RabbitMQ is the broker. Everything a test varies comes from the environment the test gives the
+worker: the queue (``RM_CELERY_QUEUE``, one per test), the database (``DATABASE_URL``) and the
+broker (``RM_BROKER_URL``). The test process sends tasks through this app too, without making
+it Celery's current app, so the eager tests elsewhere are not affected.
+"""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+
+QUEUE = os.environ.get("RM_CELERY_QUEUE", "rmtest.celery")
+
+app = Celery("rmtests", include=["tests.celery_tasks.tasks"], set_as_current=False)
+app.conf.update(
+    # kombu reads the vhost from the path like pika does ("%2F" is "/").
+    broker_url=os.environ.get("RM_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/%2F"),
+    broker_connection_retry_on_startup=True,
+    task_default_queue=QUEUE,
+    task_default_exchange=QUEUE,
+    task_default_routing_key=QUEUE,
+    # No pidbox queues or event exchanges left behind on the shared broker.
+    worker_enable_remote_control=False,
+    worker_send_task_events=False,
+    worker_prefetch_multiplier=1,
+)

@@ -1,0 +1,165 @@
+"""Several deliveries, one transaction: every guarantee of the one-by-one inbox still holds.
+
+:func:`process_batch` is driven directly with a known batch (what a worker hands it under
+load), then the whole consumer runs with real RabbitMQ: the metrics after a known scenario, and
+a kill -9 in the middle of a batch.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY
+
+from reliable_messaging.envelope import ATTEMPT_HEADER, Delivery, encode_payload
+from reliable_messaging.inbox import DeliveryProcessor, Job, process_batch
+from reliable_messaging.models import DeadLetter, DeadLetterReason, ProcessedMessage
+from reliable_messaging.outcomes import Acknowledge, ScheduleRetry
+from reliable_messaging.registry import ConsumerSpec
+from reliable_messaging.testing import find_consumer
+from tests.support import Publisher, wait_until
+from tests.testapp.consumers import behave
+from tests.testapp.models import Effect
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def job(
+    message_id: str,
+    payload: Any = None,
+    body: bytes | None = None,
+    headers: dict[str, Any] | None = None,
+) -> Job:
+    spec = find_consumer("tests.alpha")
+    delivery = Delivery(
+        body=encode_payload(payload if payload is not None else {}) if body is None else body,
+        queue=spec.queue,
+        exchange="rmtest",
+        routing_key="order.placed",
+        message_id=message_id,
+        content_type="application/json",
+        headers=headers or {},
+    )
+    return Job(DeliveryProcessor(spec), delivery)
+
+
+def effects_of(message_id: str) -> int:
+    return Effect.objects.filter(consumer="alpha", message_id=message_id).count()
+
+
+def test_a_failing_handler_rolls_back_only_itself_and_the_batch_commits_once() -> None:
+    jobs = [
+        job("ok-1"),
+        job("transient", {"fail": {"alpha": 1}}),
+        job("permanent", {"permanent": {"alpha": 1}}),
+        job("ok-1"),  # the same message twice in one batch: the second is the duplicate
+        job("missing-field", {"require": "email", "fields": {}}, headers={ATTEMPT_HEADER: 3}),
+        job("not-json", body=b"{nope"),
+        job("ok-2"),
+    ]
+    outcomes = process_batch(jobs)
+    assert outcomes[0] == Acknowledge("processed")
+    assert isinstance(outcomes[1], ScheduleRetry) and outcomes[1].next_attempt == 2
+    assert outcomes[2] == Acknowledge("dead_lettered", "permanent")
+    assert outcomes[3] == Acknowledge("duplicate")
+    assert outcomes[4] == Acknowledge("dead_lettered", "retries_exhausted")
+    assert outcomes[5] == Acknowledge("dead_lettered", "invalid_json")
+    assert outcomes[6] == Acknowledge("processed")
+
+    assert effects_of("ok-1") == effects_of("ok-2") == 1
+    for failed in ("transient", "permanent", "missing-field", "not-json"):
+        assert effects_of(failed) == 0  # rolled back with its own savepoint only
+    assert set(ProcessedMessage.objects.values_list("message_id", flat=True)) == {"ok-1", "ok-2"}
+    reasons = dict(DeadLetter.objects.values_list("message_id", "reason"))
+    assert reasons == {
+        "permanent": DeadLetterReason.PERMANENT,
+        "missing-field": DeadLetterReason.RETRIES_EXHAUSTED,
+        "not-json": DeadLetterReason.INVALID_JSON,
+    }
+    assert "KeyError" in DeadLetter.objects.get(message_id="missing-field").exception_type
+
+
+def test_an_unexpected_routing_key_is_a_dead_letter_with_its_reason() -> None:
+    spec = find_consumer("tests.alpha")
+    stray = Delivery(
+        body=b"{}",
+        queue=spec.queue,
+        exchange="",
+        routing_key=spec.queue,  # published straight to the queue through the default exchange
+        message_id="stray-1",
+        content_type="application/json",
+    )
+    outcome = DeliveryProcessor(spec).process(stray)
+    assert outcome == Acknowledge("dead_lettered", "unexpected_routing_key")
+    letter = DeadLetter.objects.get(message_id="stray-1")
+    assert "matches none of the consumer's bindings" in letter.exception_message
+    assert effects_of("stray-1") == 0
+
+
+def sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def test_metrics_after_twenty_messages_and_one_duplicate(
+    ns: str, service: Any, publisher: Publisher
+) -> None:
+    consumer = f"{ns}.alpha"
+    spec = ConsumerSpec(
+        name=consumer,
+        queue=consumer,
+        handler=lambda message: behave("alpha", message),
+        bindings=("order.*",),
+    )
+    service([spec], concurrency=2)
+    ids = [f"m-{n}" for n in range(20)]
+    for message_id in ids:
+        publisher.publish(f"rmtest.{ns}", "order.placed", {"n": 1}, message_id=message_id)
+    publisher.publish(f"rmtest.{ns}", "order.placed", {"n": 1}, message_id=ids[0])
+    total = "reliable_messaging_consumer_messages_total"
+    wait_until(
+        lambda: (
+            sample(total, consumer=consumer, outcome="processed")
+            + sample(total, consumer=consumer, outcome="duplicate")
+            == 21
+        ),
+        timeout=30,
+        message="21 outcomes counted",
+    )
+    assert sample(total, consumer=consumer, outcome="processed") == 20
+    assert sample(total, consumer=consumer, outcome="duplicate") == 1
+    assert sample("reliable_messaging_consumer_received_total", consumer=consumer) == 21
+    assert sample("reliable_messaging_handler_duration_seconds_count", consumer=consumer) == 20
+    assert Effect.objects.filter(consumer="alpha").count() == 20
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_kill_9_in_the_middle_of_a_batch_loses_nothing_and_doubles_nothing(
+    ns: str, consume: Any, publisher: Publisher, tmp_path: Path
+) -> None:
+    proc = consume("--queue", f"{ns}.alpha").wait_consuming()
+    ids = [f"b-{uuid.uuid4()}" for _ in range(40)]
+    for n, message_id in enumerate(ids):
+        # One slow handler in the middle: the process dies while it runs, after the batch's
+        # earlier handlers ran but before the commit.
+        payload: dict[str, Any] = {"sleep": {"alpha": 5}} if n == 20 else {"n": n}
+        publisher.publish(f"rmtest.{ns}", "order.placed", payload, message_id=message_id)
+    # Messages 0..19 take milliseconds; then message 20's handler sleeps for 5 s, holding its
+    # batch open: kill the process inside that window.
+    wait_until(lambda: Effect.objects.filter(consumer="alpha").exists(), timeout=30)
+    time.sleep(1.0)
+    proc.kill()
+    before = Effect.objects.filter(consumer="alpha").count()
+    assert before < 40
+    consume("--queue", f"{ns}.alpha").wait_consuming()
+    wait_until(
+        lambda: Effect.objects.filter(consumer="alpha").count() >= 40,
+        timeout=60,
+        message="all 40 effects after the restart",
+    )
+    for message_id in ids:
+        assert effects_of(message_id) == 1

@@ -1,0 +1,62 @@
+"""Declaring over what the broker already has: a clear error that says what differs and how to
+migrate, never a bare PRECONDITION_FAILED."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.test import override_settings
+
+from reliable_messaging.conf import messaging_settings
+from reliable_messaging.exceptions import TopologyMismatchError
+from reliable_messaging.registry import ConsumerSpec
+from reliable_messaging.topology import declare_topology
+from tests.support import broker_connection
+
+
+def spec(ns: str, **kwargs: Any) -> ConsumerSpec:
+    return ConsumerSpec(
+        name=f"{ns}.alpha",
+        queue=f"{ns}.alpha",
+        handler=lambda message: None,
+        bindings=("order.*",),
+        **kwargs,
+    )
+
+
+def test_classic_queue_declared_as_quorum_says_what_differs_and_how_to_migrate(
+    ns: str, rm_settings: dict[str, Any]
+) -> None:
+    connection = broker_connection()
+    try:
+        declare_topology(connection.channel(), [spec(ns)], messaging_settings)
+        quorum = {**rm_settings, "QUEUE_TYPE": "quorum"}
+        with (
+            override_settings(RELIABLE_MESSAGING=quorum),
+            pytest.raises(TopologyMismatchError) as caught,
+        ):
+            declare_topology(connection.channel(), [spec(ns)], messaging_settings)
+    finally:
+        if connection.is_open:
+            connection.close()
+    text = str(caught.value)
+    assert f"queue '{ns}.alpha'" in text
+    assert "x-queue-type" in text  # the broker's own words on what differs
+    assert "'x-delivery-limit': 50" in text  # what these settings asked for
+    assert "cannot change in place" in text and "QUEUE_TYPE='quorum'" in text
+
+
+def test_ordered_consumer_declares_hashed_single_active_partitions(
+    ns: str, rm_settings: dict[str, Any]
+) -> None:
+    from tests.support import queue_arguments
+
+    connection = broker_connection()
+    try:
+        declare_topology(connection.channel(), [spec(ns, ordered=True)], messaging_settings)
+    finally:
+        connection.close()
+    for index in range(4):
+        assert queue_arguments(f"{ns}.alpha.p{index}") == {"x-single-active-consumer": True}
+    assert queue_arguments(f"{ns}.alpha") is None  # no queue of the plain name

@@ -1,0 +1,372 @@
+"""``manage.py messaging_status`` against a real queue, a real outbox and real dead letters.
+
+Each test registers one consumer of its own (queue and delay queues carry the test's namespace)
+in an isolated registry, so the command looks at exactly the queues the test controls.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import json
+import logging
+import os
+import re
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from django.conf import settings
+from django.core.management import CommandError, call_command
+from django.test import override_settings
+from django.utils import timezone
+
+from reliable_messaging.models import DeadLetter, OutboxMessage, OutboxStatus, ProcessedMessage
+from reliable_messaging.registry import ConsumerSpec, registry
+from reliable_messaging.status import (
+    BrokerStatus,
+    DatabaseStatus,
+    QueueStatus,
+    Thresholds,
+    find_problems,
+)
+from reliable_messaging.topology import declare_topology, delay_exchange_name
+from tests.conftest import database_url
+from tests.support import MANAGE, ROOT, Publisher, broker_connection, rabbitmqctl, wait_until
+
+pytestmark = pytest.mark.django_db
+
+CONSUMER = "tests.status.billing"
+
+
+@dataclass
+class Ran:
+    code: int
+    out: str
+    err: str
+
+    @property
+    def json(self) -> Any:
+        return json.loads(self.out)
+
+    def queue(self, name: str) -> dict[str, Any]:
+        return next(q for q in self.json["broker"]["queues"] if q["name"] == name)
+
+
+def status(*args: str) -> Ran:
+    """Run the command in-process; ``code`` is what ``manage.py`` would exit with."""
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        call_command("messaging_status", *args, stdout=out, stderr=err)
+    except CommandError as exc:
+        err.write(f"CommandError: {exc}\n")
+        return Ran(exc.returncode, out.getvalue(), err.getvalue())
+    return Ran(0, out.getvalue(), err.getvalue())
+
+
+def closed_port() -> int:
+    """A local port nothing listens on (it was free a moment ago)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def queue(ns: str, rm_settings: dict[str, Any]) -> Iterator[str]:
+    """The test's consumer, registered alone, with its queue and delay queues declared."""
+    spec = ConsumerSpec(
+        name=CONSUMER, queue=f"rmtest.{ns}.billing", handler=lambda m: None, bindings=("x.#",)
+    )
+    with registry.isolated():
+        registry.register(spec)
+        connection = broker_connection()
+        try:
+            declare_topology(connection.channel(), [spec])
+        finally:
+            connection.close()
+        yield spec.queue
+
+
+@pytest.fixture
+def backlog(queue: str) -> str:
+    """Three messages ready in the queue, one outbox row pending for two minutes, one failed
+    outbox row, one dead letter awaiting review and two inbox rows."""
+    publisher = Publisher()
+    try:
+        for n in range(3):
+            publisher.publish("", queue, {"n": n})
+    finally:
+        publisher.close()
+    pending = OutboxMessage.objects.create(message_id="m-pending", routing_key="x.y", body="{}")
+    OutboxMessage.objects.filter(pk=pending.pk).update(
+        created_at=timezone.now() - dt.timedelta(minutes=2)
+    )
+    OutboxMessage.objects.create(
+        message_id="m-failed", routing_key="x.y", body="{}", status=OutboxStatus.FAILED
+    )
+    OutboxMessage.objects.create(
+        message_id="m-sent", routing_key="x.y", body="{}", status=OutboxStatus.SENT
+    )
+    DeadLetter.objects.create(
+        message_id="m-dead", consumer=CONSUMER, queue=queue, reason="permanent", body=b"{}"
+    )
+    DeadLetter.objects.create(
+        message_id="m-resolved",
+        consumer=CONSUMER,
+        queue=queue,
+        reason="permanent",
+        body=b"{}",
+        status="resolved",
+    )
+    ProcessedMessage.objects.create(consumer=CONSUMER, message_id="m-1")
+    ProcessedMessage.objects.create(consumer=CONSUMER, message_id="m-2")
+    return queue
+
+
+RELAXED = ("--max-outbox-lag", "3600", "--max-dead-letters", "1", "--max-outbox-failed", "1")
+
+
+def test_json_has_the_numbers(backlog: str, rm_settings: dict[str, Any]) -> None:
+    ran = status("--json", *RELAXED)
+    assert ran.code == 0, ran.err
+    document = ran.json
+    assert document["version"] == 1 and document["exit_code"] == 0
+    assert document["problems"] == []
+
+    broker = document["broker"]
+    assert broker["reachable"] is True and broker["management_api"] is True
+    assert broker["error"] is None
+    assert broker["url"] == "amqp://guest:***@127.0.0.1:5672/%2F"
+    billing = ran.queue(backlog)
+    assert billing["kind"] == "consumer" and billing["consumer"] == CONSUMER
+    assert billing["exists"] is True
+    assert (billing["ready"], billing["unacked"], billing["consumers"]) == (3, 0, 0)
+    assert billing["redelivery_ratio"] is None  # nothing delivered yet
+    delays = [q for q in broker["queues"] if q["kind"] == "delay"]
+    assert [q["name"] for q in delays] == [
+        delay_exchange_name(d) for d in (0.2, 0.4, 0.8)
+    ]  # the test settings' RETRY_DELAYS
+    assert all(q["consumer"] is None and q["ready"] == 0 for q in delays)
+
+    database = document["database"]
+    assert database["reachable"] is True and database["alias"] == "default"
+    assert database["outbox"]["pending"] == 1 and database["outbox"]["failed"] == 1
+    assert 120 <= database["outbox"]["lag_seconds"] < 600
+    assert database["dead_letters"] == {
+        "total": 1,
+        "by_consumer_and_reason": [{"consumer": CONSUMER, "reason": "permanent", "count": 1}],
+    }
+    assert database["inbox"] == {"rows": 2}
+    assert document["thresholds"]["max_outbox_lag"] == 3600
+
+
+def test_unacked_deliveries_come_from_the_management_api(backlog: str) -> None:
+    connection = broker_connection()
+    try:
+        channel = connection.channel()
+        method, _, _ = channel.basic_get(backlog, auto_ack=False)  # held, not acked
+        assert method is not None
+        # ready is exact at once (a passive declare); unacked is the plugin's sample, which
+        # it refreshes every few seconds.
+        ran = wait_until(
+            lambda: (r := status("--json", *RELAXED)).queue(backlog)["unacked"] == 1 and r,
+            timeout=30,
+            interval=0.5,
+            message="the management API to report the unacked delivery",
+        )
+        assert ran.queue(backlog)["ready"] == 2
+    finally:
+        connection.close()
+
+
+def test_without_the_management_api_ready_and_consumers_still_show(backlog: str) -> None:
+    url = f"http://127.0.0.1:{closed_port()}"
+    ran = status("--json", *RELAXED, "--management-url", url)
+    assert ran.code == 0, ran.err
+    broker = ran.json["broker"]
+    assert broker["reachable"] is True and broker["management_api"] is False
+    assert url in broker["note"] and "Connection refused" in broker["note"]
+    billing = ran.queue(backlog)
+    assert (billing["ready"], billing["unacked"], billing["consumers"]) == (3, None, 0)
+
+    text = status(*RELAXED, "--management-url", url)
+    assert "unacked/rates need the management plugin" in text.out
+    assert "OK: no threshold crossed" in text.out
+
+
+def test_human_output(backlog: str) -> None:
+    ran = status(*RELAXED)
+    assert ran.code == 0, ran.err
+    lines = ran.out.splitlines()
+    row = next(line for line in lines if line.strip().startswith(backlog))
+    assert row.split() == [backlog, CONSUMER, "3", "0", "0", "-"]
+    assert "Outbox: 1 pending (oldest 2 min old), 1 failed" in ran.out
+    assert "Dead letters awaiting review: 1" in ran.out
+    assert "Inbox: 2 processed message(s) remembered" in ran.out
+
+
+def test_a_missing_queue_is_shown_as_not_declared(ns: str, rm_settings: dict[str, Any]) -> None:
+    spec = ConsumerSpec(name=CONSUMER, queue=f"rmtest.{ns}.never", handler=lambda m: None)
+    with registry.isolated():
+        registry.register(spec)
+        ran = status("--json")
+        text = status()
+    assert ran.code == 0, ran.err
+    assert ran.queue(spec.queue) == {
+        "name": spec.queue,
+        "kind": "consumer",
+        "consumer": CONSUMER,
+        "exists": False,
+        "ready": None,
+        "unacked": None,
+        "consumers": None,
+        "deliver_rate": None,
+        "redeliver_rate": None,
+        "redelivery_ratio": None,
+    }
+    assert f"not declared yet (manage.py consume declares them): {spec.queue}" in text.out
+
+
+def test_crossed_thresholds_exit_1_and_say_which(backlog: str) -> None:
+    ran = status("--json")  # the defaults: lag 60 s, no failed row, no dead letter
+    assert ran.code == 1
+    problems = {p["threshold"]: p["message"] for p in ran.json["problems"]}
+    assert set(problems) == {"max_outbox_lag", "max_outbox_failed", "max_dead_letters"}
+    assert re.search(
+        r"oldest pending outbox row is 12\d s old \(limit 60 s\)", problems["max_outbox_lag"]
+    )
+    assert "1 dead letter(s) await review (limit 0)" in problems["max_dead_letters"]
+    assert ran.json["exit_code"] == 1
+    assert "--max-outbox-lag, --max-outbox-failed, --max-dead-letters" in ran.err
+
+    ran = status(*RELAXED, "--max-ready", "2", "--min-consumers", "1")
+    assert ran.code == 1
+    assert f"PROBLEM: queue {backlog} has 3 ready message(s) (limit 2)" in ran.out
+    assert f"PROBLEM: queue {backlog} has 0 consumer(s) attached" in ran.out
+    assert "threshold(s) crossed: --max-ready, --min-consumers" in ran.err
+    assert status(*RELAXED, "--max-ready", "3").code == 0  # at the limit is not over it
+
+
+def test_redelivery_ratio_threshold() -> None:
+    def queue(deliver: float | None, redeliver: float | None) -> QueueStatus:
+        return QueueStatus(
+            "q", "consumer", "c", True, 0, 0, 1, deliver_rate=deliver, redeliver_rate=redeliver
+        )
+
+    def problems(*queues: QueueStatus) -> list[str]:
+        broker = BrokerStatus("amqp://", reachable=True, management_api=True, queues=queues)
+        database = DatabaseStatus("default", reachable=True)
+        return [p.threshold for p in find_problems(broker, database, Thresholds())]
+
+    assert queue(10.0, 5.0).redelivery_ratio == 0.5
+    assert problems(queue(10.0, 5.0)) == ["max_redelivery_rate"]
+    assert problems(queue(10.0, 2.0)) == []  # 20% is the limit, not over it
+    assert problems(queue(0.0, 0.0), queue(None, None)) == []  # no deliveries: no ratio
+
+
+def test_the_broker_password_never_appears(
+    ns: str, queue: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    user, password = f"rmtest-{ns}", f"pw{uuid.uuid4().hex}"
+    rabbitmqctl("add_user", user, password)
+    try:
+        rabbitmqctl("set_user_tags", user, "monitoring")
+        rabbitmqctl("set_permissions", "-p", "/", user, ".*", ".*", ".*")
+        caplog.set_level(logging.DEBUG)
+        outputs = []
+        for port in (5672, closed_port()):
+            url = f"amqp://{user}:{password}@127.0.0.1:{port}/%2F"
+            with override_settings(
+                RELIABLE_MESSAGING={**settings.RELIABLE_MESSAGING, "BROKER_URL": url}
+            ):
+                for args in ((), ("--json",), ("--management-url", f"http://127.0.0.1:{port}")):
+                    ran = status(*args)
+                    outputs.append((port, args, ran))
+        seen = "".join(r.out + r.err for _, _, r in outputs) + caplog.text
+        assert password not in seen
+        reachable = [r for port, _, r in outputs if port == 5672]
+        assert all(r.code == 0 for r in reachable), [r.err for r in reachable]
+        assert f"amqp://{user}:***@127.0.0.1:5672/%2F" in reachable[0].out
+        assert reachable[1].json["broker"]["management_api"] is True  # the user can read it
+        assert all(r.code == 2 for port, _, r in outputs if port != 5672)
+    finally:
+        rabbitmqctl("delete_user", user)
+
+
+def test_an_unreachable_broker_exits_2_with_a_clear_message(queue: str) -> None:
+    port = closed_port()
+    url = f"amqp://guest:guest@127.0.0.1:{port}/%2F"
+    with override_settings(RELIABLE_MESSAGING={**settings.RELIABLE_MESSAGING, "BROKER_URL": url}):
+        ran = status()
+        document = status("--json").json
+    assert ran.code == 2
+    assert (
+        f"UNREACHABLE: cannot connect to amqp://guest:***@127.0.0.1:{port}/%2F: "
+        f"AMQPConnectionError" in ran.out
+    )
+    assert "Connection refused" in ran.out
+    assert "CommandError: the broker cannot be reached" in ran.err
+    assert "Traceback" not in ran.out + ran.err
+    # The database is still reported: a person sees everything that can be seen.
+    assert "Inbox: 0 processed message(s) remembered" in ran.out
+    assert document["exit_code"] == 2 and document["broker"]["reachable"] is False
+    assert document["broker"]["queues"] == [] and document["database"]["reachable"] is True
+
+
+def manage_status(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(MANAGE), "messaging_status", "--settings", "tests.settings", *args],
+        cwd=ROOT,
+        env={**os.environ, "DATABASE_URL": database_url(), **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.mark.slow
+def test_as_a_probe_manage_py_exits_2_without_a_traceback() -> None:
+    port = closed_port()
+    broker_down = manage_status({"RM_BROKER_URL": f"amqp://guest:s3cr3t@127.0.0.1:{port}/%2F"})
+    assert broker_down.returncode == 2, broker_down.stdout + broker_down.stderr
+    assert "the broker cannot be reached" in broker_down.stderr
+    assert "Traceback" not in broker_down.stdout + broker_down.stderr
+    assert "s3cr3t" not in broker_down.stdout + broker_down.stderr
+
+    database_down = manage_status(
+        {"DATABASE_URL": f"postgres://postgres@127.0.0.1:{closed_port()}/nowhere"}, "--json"
+    )
+    assert database_down.returncode == 2, database_down.stdout + database_down.stderr
+    assert "the database cannot be reached" in database_down.stderr
+    assert "Traceback" not in database_down.stdout + database_down.stderr
+    document = json.loads(database_down.stdout)
+    assert document["database"]["reachable"] is False
+    assert "OperationalError" in document["database"]["error"]
+    assert document["broker"]["reachable"] is True
+
+
+def test_a_queue_name_with_a_slash_and_a_vhost_are_quoted(
+    ns: str, rm_settings: dict[str, Any]
+) -> None:
+    # The management API path takes the vhost and the queue name URL-quoted.
+    spec = ConsumerSpec(name=CONSUMER, queue=f"rmtest.{ns}/odd name", handler=lambda m: None)
+    connection = broker_connection()
+    publisher = Publisher()
+    try:
+        connection.channel().queue_declare(spec.queue, durable=False)
+        publisher.publish("", spec.queue, {})
+        with registry.isolated():
+            registry.register(spec)
+            ran = status("--json")
+    finally:
+        publisher.close()
+        connection.close()
+    assert ran.json["broker"]["management_api"] is True
+    odd = ran.queue(spec.queue)
+    assert odd["exists"] is True and odd["ready"] == 1 and odd["unacked"] == 0
