@@ -66,3 +66,75 @@ def describe_machine() -> str:
 
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+# --------------------------------------------------------------------------- soak helpers
+
+
+def database_url_for(name: str) -> str:
+    return f"postgres://postgres@127.0.0.1:5432/{name}"
+
+
+def recreate_database(name: str) -> str:
+    """Drop database ``name`` if it exists and create it empty; returns its URL."""
+    for sql in (f"DROP DATABASE IF EXISTS {name} WITH (FORCE)", f"CREATE DATABASE {name}"):
+        subprocess.run(
+            ["psql", "-h", "127.0.0.1", "-U", "postgres", "-qc", sql],
+            capture_output=True,
+            check=True,
+        )
+    return database_url_for(name)
+
+
+def drop_database(name: str) -> None:
+    subprocess.run(
+        [
+            "psql",
+            "-h",
+            "127.0.0.1",
+            "-U",
+            "postgres",
+            "-qc",
+            f"DROP DATABASE IF EXISTS {name} WITH (FORCE)",
+        ],
+        capture_output=True,
+        check=False,
+    )
+
+
+def setup_django_on(database_url: str, namespace: str) -> None:
+    """Like :func:`setup_django`, on ``database_url`` (already created) with the suite's
+    settings (tests.settings, so tests.testapp's consumers) and ``namespace``; migrates."""
+    os.environ["RM_TEST_NAMESPACE"] = namespace
+    os.environ["DATABASE_URL"] = database_url
+    os.environ["DJANGO_SETTINGS_MODULE"] = "tests.settings"
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    import django
+    from django.core.management import call_command
+
+    django.setup()
+    call_command("migrate", verbosity=0)
+
+
+def vm_rss_kib(pid: int) -> int | None:
+    """Resident memory of process ``pid`` in KiB (VmRSS of /proc/<pid>/status), or None."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def rabbitmqctl(*args: str, timeout: float = 150) -> str:
+    result = subprocess.run(
+        ["rabbitmqctl", "-q", *args], capture_output=True, text=True, timeout=timeout
+    )
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"rabbitmqctl {' '.join(args)} failed: {result.stderr.strip() or result.stdout}"
+        )
+    return result.stdout

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pika
-from _common import ROOT, describe_machine, percentile, setup_django, subprocess_env
+from _common import ROOT, describe_machine, percentile, setup_django, subprocess_env, vm_rss_kib
 
 
 def declare_sink(exchange: str, queue: str) -> None:
@@ -200,11 +200,57 @@ def latency(
     return latencies
 
 
+def relay_memory(namespace: str, exchange: str, queue: str, total: int) -> tuple[int, int]:
+    """A real `manage.py relay` process sending ``total`` rows published while it runs: its
+    VmRSS (KiB) once 10,000 were sent and at the end."""
+    from django.db import transaction
+
+    from reliable_messaging import publish
+    from reliable_messaging.models import OutboxMessage, OutboxStatus
+
+    OutboxMessage.objects.all().delete()
+    vacuum_outbox()
+    relay = subprocess.Popen(
+        [sys.executable, str(ROOT / "manage.py"), "relay", "--progress-interval", "0"],
+        env=subprocess_env(namespace),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    sink = pika.BlockingConnection(pika.URLParameters("amqp://guest:guest@127.0.0.1/%2F"))
+    channel = sink.channel()
+    rss_10k = 0
+
+    def sent() -> int:
+        return OutboxMessage.objects.filter(status=OutboxStatus.SENT).count()
+
+    try:
+        for start in range(0, total, 2000):
+            with transaction.atomic():
+                for i in range(start, min(total, start + 2000)):
+                    publish("bench.memory", {"order_id": i, "amount": "19.99"}, exchange=exchange)
+            channel.queue_purge(queue)  # keep the broker's memory out of the picture
+            if not rss_10k and sent() >= 10_000:
+                rss_10k = vm_rss_kib(relay.pid) or 0
+        deadline = time.monotonic() + 600
+        while sent() < total and time.monotonic() < deadline:
+            if not rss_10k and sent() >= 10_000:
+                rss_10k = vm_rss_kib(relay.pid) or 0
+            time.sleep(0.5)
+        rss_end = vm_rss_kib(relay.pid) or 0
+    finally:
+        relay.terminate()
+        relay.wait(timeout=60)
+        channel.queue_purge(queue)
+        sink.close()
+    return rss_10k, rss_end
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=int, default=20000)
     parser.add_argument("--rate", type=int, default=500)
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--memory-rows", type=int, default=100_000)
     args = parser.parse_args()
 
     namespace = setup_django()
@@ -221,6 +267,7 @@ def main() -> None:
         lat = latency(namespace, exchange, queue, args.rate, args.seconds, lanes=1)
         declare_sink(exchange, queue)
         lat2 = latency(namespace, exchange, queue, args.rate, args.seconds, lanes=2)
+        rss_10k, rss_end = relay_memory(namespace, exchange, queue, args.memory_rows)
     finally:
         drop_sink(exchange, queue)
     one_rate, two_rate, raw_rate = args.rows / one_s, args.rows / two_s, args.rows / raw_s
@@ -238,6 +285,10 @@ def main() -> None:
         "latency_p99_ms": round(percentile(lat, 99), 1),
         "latency_2_lanes_p50_ms": round(percentile(lat2, 50), 1),
         "latency_2_lanes_p99_ms": round(percentile(lat2, 99), 1),
+        "memory_rows": args.memory_rows,
+        "relay_rss_kib_after_10k": rss_10k,
+        "relay_rss_kib_at_end": rss_end,
+        "relay_rss_growth": round(rss_end / rss_10k - 1, 3) if rss_10k else None,
     }
     print(f"machine: {result['machine']}")
     print(f"relay, 1 lane:  {args.rows} rows in {one_s:.2f}s = {one_rate:,.0f} msg/s (default)")
@@ -256,6 +307,12 @@ def main() -> None:
         f"2 lanes p50 {result['latency_2_lanes_p50_ms']} ms, "
         f"p99 {result['latency_2_lanes_p99_ms']} ms"
     )
+    if rss_10k:
+        print(
+            f"relay RSS over {args.memory_rows:,} rows (manage.py relay): "
+            f"{rss_10k / 1024:.1f} MiB after 10,000 sent, {rss_end / 1024:.1f} MiB at the end "
+            f"({rss_end / rss_10k - 1:+.1%}; target within 10%)"
+        )
     print(json.dumps(result))
 
 
