@@ -61,10 +61,10 @@ else:
             "ENGINE": "django.db.backends.sqlite3",
             "NAME": str(BASE_DIR / "db.sqlite3"),
             "OPTIONS": {
-                # Three processes share the file (run_demo, consume, relay). WAL lets readers
-                # run beside the one writer; IMMEDIATE takes the write lock at BEGIN, so a
-                # transaction waits (up to the timeout) instead of failing with "database is
-                # locked" when it upgrades from reading to writing.
+                # Several processes share the file (run_demo, consume, relay, the Celery
+                # worker's). WAL lets readers run beside the one writer; IMMEDIATE takes the
+                # write lock at BEGIN, so a transaction waits (up to the timeout) instead of
+                # failing with "database is locked" when it upgrades from reading to writing.
                 "timeout": 20,
                 "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
                 "transaction_mode": "IMMEDIATE",
@@ -85,6 +85,26 @@ RELIABLE_MESSAGING = {
     "RELAY_POLL_INTERVAL": 0.2,
 }
 
+# Celery, for the second part of the demo: the same RabbitMQ as broker, on its own queue. Beat
+# runs relay_outbox in place of `manage.py relay`. Publisher confirms, so a task sent is a task
+# the broker has.
+CELERY_BROKER_URL = RELIABLE_MESSAGING["BROKER_URL"]
+CELERY_BROKER_TRANSPORT_OPTIONS = {"confirm_publish": True}
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_TASK_DEFAULT_QUEUE = "demo.celery"
+CELERY_TASK_DEFAULT_EXCHANGE = "demo.celery"
+CELERY_TASK_DEFAULT_ROUTING_KEY = "demo.celery"
+# No pidbox queues or event exchanges: the demo has no monitoring tools to answer.
+CELERY_WORKER_ENABLE_REMOTE_CONTROL = False
+CELERY_WORKER_SEND_TASK_EVENTS = False
+CELERY_BEAT_SCHEDULE = {
+    "relay-outbox": {
+        "task": "reliable_messaging.relay_outbox",
+        "schedule": 2.0,
+        "kwargs": {"max_seconds": 10.0},
+    }
+}
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
@@ -93,5 +113,9 @@ LOGGING = {
         "plain": {"format": "%(asctime)s pid=%(process)d %(levelname)s %(name)s: %(message)s"},
     },
     "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "plain"}},
-    "loggers": {"reliable_messaging": {"handlers": ["stderr"], "level": "INFO"}},
+    # Not propagated: the Celery worker puts a handler on the root logger, which would print
+    # every line a second time.
+    "loggers": {
+        "reliable_messaging": {"handlers": ["stderr"], "level": "INFO", "propagate": False}
+    },
 }

@@ -1,4 +1,4 @@
-"""Admin pages of the shop, to look at an order's payments, shipments and receipts."""
+"""Admin pages of the shop, to look at an order's payments, shipments, receipts and emails."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from django.contrib import admin
 from django.db.models import Count, QuerySet
 from django.http import HttpRequest
 
-from .models import Order, Payment, Receipt, Shipment
+from .models import Order, Payment, Receipt, ReceiptEmail, Shipment, TimelineEvent
 
 
 class PaymentInline(admin.TabularInline):
@@ -44,3 +44,14 @@ class ShipmentAdmin(admin.ModelAdmin):
 @admin.register(Receipt)
 class ReceiptAdmin(admin.ModelAdmin):
     list_display = ("id", "order", "created_at")
+
+
+@admin.register(ReceiptEmail)
+class ReceiptEmailAdmin(admin.ModelAdmin):
+    list_display = ("id", "order", "created_at")
+
+
+@admin.register(TimelineEvent)
+class TimelineEventAdmin(admin.ModelAdmin):
+    list_display = ("id", "order", "event")
+    list_filter = ("event",)

@@ -1,5 +1,8 @@
 """The demo's own use of RabbitMQ: a clean slate of queues, a poison message, queue depths.
 
+The handlers' queues and their delay queues are the app's topology; the Celery queue is
+declared by the Celery worker, so it may not exist yet when the demo starts.
+
 The demo talks to the broker directly only for what the app deliberately does not offer: purging
 queues and publishing a malformed message. Everything else goes through ``publish()``.
 """
@@ -7,8 +10,10 @@ queues and publishing a malformed message. Everything else goes through ``publis
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import pika
+import pika.exceptions
 from pika.spec import BasicProperties
 
 from reliable_messaging.conf import messaging_settings
@@ -17,17 +22,21 @@ from reliable_messaging.registry import ConsumerSpec
 from reliable_messaging.topology import (
     all_delays,
     connection_parameters,
+    consumer_queues,
     declare_topology,
     delay_exchange_name,
 )
+
+NOT_FOUND = 404
 
 
 class DemoBroker:
     """One blocking connection of the demo process, kept apart from the workers' connections."""
 
-    def __init__(self, specs: Iterable[ConsumerSpec]) -> None:
+    def __init__(self, specs: Iterable[ConsumerSpec], celery_queue: str) -> None:
         self.specs = list(specs)
-        self.consumer_queues = [spec.queue for spec in self.specs]
+        self.celery_queue = celery_queue
+        self.consumer_queues = [q for spec in self.specs for q in consumer_queues(spec)]
         self.delay_queues = [delay_exchange_name(d) for d in all_delays(self.specs)]
         self._connection = pika.BlockingConnection(connection_parameters(name="run_demo"))
         self._channel = self._connection.channel()
@@ -48,12 +57,32 @@ class DemoBroker:
             queue: self._channel.queue_declare(queue, passive=True).method.consumer_count or 0
             for queue in self.consumer_queues
         }
+        celery = self._celery_queue_method()
+        if celery is not None:
+            counts[self.celery_queue] = celery.consumer_count or 0
         return {queue: count for queue, count in counts.items() if count}
 
     def purge(self) -> None:
-        """Drop messages an interrupted run left behind, so they cannot skew this run's counts."""
+        """Drop messages an interrupted run left behind, so they cannot skew this run's counts
+        (tasks included: an email task for an order the reset deleted would fail)."""
         for queue in self.queues:
             self._channel.queue_purge(queue)
+        if self._celery_queue_method() is not None:
+            self._channel.queue_purge(self.celery_queue)
+
+    def _celery_queue_method(self) -> Any:
+        """The Celery queue's passive declare-ok, or None when no worker declared it yet. On
+        a channel of its own: the broker closes the channel of a failed passive declare."""
+        channel = self._connection.channel()
+        try:
+            return channel.queue_declare(self.celery_queue, passive=True).method
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code != NOT_FOUND:
+                raise
+            return None
+        finally:
+            if channel.is_open:
+                channel.close()
 
     def publish_raw(self, routing_key: str, body: bytes, *, message_id: str) -> None:
         """Publish ``body`` as is, bypassing the outbox (which only accepts valid JSON)."""

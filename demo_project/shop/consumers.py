@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from reliable_messaging import Message, PermanentError, consumer, publish
 
-from .models import Card, Order, Payment, Receipt, Shipment
+from .models import Card, Order, Payment, Receipt, Shipment, TimelineEvent
 
 # Consumer names are the inbox's deduplication scope; the demo's report looks them up too.
 BILLING = "billing.charge-order"
 SHIPPING = "shipping.ship-order"
 RECEIPTS = "receipts.send-receipt"
+TIMELINE = "timeline.record-event"
 
 
 def order_of(message: Message) -> Order:
@@ -53,3 +54,13 @@ def ship_order(message: Message) -> None:
 def send_receipt(message: Message) -> None:
     """Send the receipt of a captured payment."""
     Receipt.objects.create(order=order_of(message))
+
+
+@consumer(
+    "shop.timeline", bindings=["order.placed", "payment.captured"], name=TIMELINE, ordered=True
+)
+def record_event(message: Message) -> None:
+    """The order's timeline, in publish order: both events carry the order as ordering key, so
+    they reach the same partition and are handled one after the other, never the other way
+    round, however many consume processes run."""
+    TimelineEvent.objects.create(order=order_of(message), event=message.routing_key)

@@ -1,7 +1,8 @@
-"""Orders and what the handlers do with them: payments, shipments, receipts.
+"""Orders and what the handlers do with them: payments, shipments, receipts; and the receipt
+emails a Celery task sends.
 
-No unique constraint ties a payment, shipment or receipt to its order, on purpose: the inbox
-alone must keep them single, and a doubled charge would show up as a second row.
+No unique constraint ties a payment, shipment, receipt or email to its order, on purpose: the
+inbox alone must keep them single, and a doubled charge would show up as a second row.
 
 The managers and ``order_id`` are declared explicitly because the repository's mypy runs the
 django-stubs plugin with ``tests.settings``, where this app is not installed, so the plugin
@@ -70,3 +71,30 @@ class Receipt(models.Model):
 
     def __str__(self) -> str:
         return f"receipt for order {self.order_id}"
+
+
+class TimelineEvent(models.Model):
+    """One event of an order's timeline, written by the ordered ``timeline`` consumer: its rows
+    of one order must come in publish order (placed, then paid)."""
+
+    order = models.ForeignKey(Order, on_delete=models.CASCADE, related_name="timeline")
+    order_id: int
+    event = models.CharField(max_length=50)
+
+    objects: ClassVar[models.Manager[TimelineEvent]] = models.Manager()
+
+    def __str__(self) -> str:
+        return f"{self.event} of order {self.order_id}"
+
+
+class ReceiptEmail(models.Model):
+    """A receipt emailed to the customer by the ``shop.email_receipt`` Celery task."""
+
+    order = models.ForeignKey(Order, on_delete=models.CASCADE, related_name="receipt_emails")
+    order_id: int
+    created_at = models.DateTimeField(default=timezone.now)
+
+    objects: ClassVar[models.Manager[ReceiptEmail]] = models.Manager()
+
+    def __str__(self) -> str:
+        return f"receipt email for order {self.order_id}"

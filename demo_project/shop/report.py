@@ -1,8 +1,9 @@
 """What a demo run left in the database, whether the guarantees held, and the printed summary.
 
-Every figure is read back from the database (orders, payments, inbox, outbox, dead letters).
-The only inputs are what cannot be found there afterwards: the message ids publish() returned
-inside the rolled-back transactions (rolled back, so nowhere) and the poison message's id.
+Every figure of the shop is read back from the database (orders, payments, emails, inbox,
+outbox, dead letters). The only inputs are what cannot be found there afterwards: the message ids
+publish() returned inside the rolled-back transactions (rolled back, so nowhere), the poison
+message's id, and what the processes did (their exit codes, what their logs count).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from reliable_messaging.models import (
 from reliable_messaging.registry import registry
 
 from .consumers import BILLING
-from .models import Card, Order, Payment
+from .models import Card, Order, Payment, TimelineEvent
 
 ORDER_PLACED = "order.placed"
+PAYMENT_CAPTURED = "payment.captured"
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class OrderEffects(NamedTuple):
     payments: int
     shipments: int
     receipts: int
+    emails: int  # receipt emails sent by the Celery task
 
     @property
     def payable(self) -> bool:
@@ -71,6 +74,9 @@ class RunState:
     order_placed_consumers: tuple[str, ...]
     poison_message_id: str
     queue_depths: Mapping[str, int] = field(default_factory=dict)
+    # Each order's timeline events, in the order the ordered consumer committed them.
+    timelines: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
+    order_ids: tuple[int, ...] = ()
 
     @property
     def by_card(self) -> Counter[str]:
@@ -102,6 +108,25 @@ class RunState:
             and letter.reason == DeadLetterReason.INVALID_JSON
         )
 
+    def expected_timeline(self, order: OrderEffects) -> tuple[str, ...]:
+        return (ORDER_PLACED, PAYMENT_CAPTURED) if order.payable else (ORDER_PLACED,)
+
+    @property
+    def timelines_in_order(self) -> int:
+        """Orders whose timeline is exactly their events in publish order."""
+        return sum(
+            1
+            for order_id, order in zip(self.order_ids, self.orders, strict=True)
+            if self.timelines.get(order_id, ()) == self.expected_timeline(order)
+        )
+
+    @property
+    def timelines_complete(self) -> bool:
+        return all(
+            len(self.timelines.get(order_id, ())) >= len(self.expected_timeline(order))
+            for order_id, order in zip(self.order_ids, self.orders, strict=True)
+        )
+
     @property
     def expected_dead_letters(self) -> int:
         """One per declined card (billing), one per consumer the poison message reached."""
@@ -118,6 +143,7 @@ class RunState:
             >= self.by_card[Card.DECLINED]
             and sum(1 for d in self.dead_letters if self.is_poison(d))
             >= len(self.order_placed_consumers)
+            and self.timelines_complete
             and self.outbox_pending == 0
             and not any(self.queue_depths.values())
         )
@@ -141,6 +167,7 @@ def read_state(injected: Injected, queue_depths: Mapping[str, int] | None = None
         paid=Count("payments", distinct=True),
         shipped=Count("shipments", distinct=True),
         receipted=Count("receipts", distinct=True),
+        emailed=Count("receipt_emails", distinct=True),
     ).order_by("pk")
     duplicated = tuple(
         OutboxMessage.objects.filter(routing_key=ORDER_PLACED)
@@ -152,7 +179,8 @@ def read_state(injected: Injected, queue_depths: Mapping[str, int] | None = None
     rolled_back = list(injected.rolled_back_message_ids)
     return RunState(
         orders=tuple(
-            OrderEffects(*row) for row in orders.values_list("card", "paid", "shipped", "receipted")
+            OrderEffects(*row)
+            for row in orders.values_list("card", "paid", "shipped", "receipted", "emailed")
         ),
         retry_attempts=tuple(
             Payment.objects.filter(attempt__gt=1).values_list("attempt", flat=True)
@@ -181,17 +209,39 @@ def read_state(injected: Injected, queue_depths: Mapping[str, int] | None = None
         order_placed_consumers=tuple(s.name for s in registry.all() if ORDER_PLACED in s.bindings),
         poison_message_id=injected.poison_message_id,
         queue_depths=dict(queue_depths or {}),
+        timelines=_timelines(),
+        order_ids=tuple(orders.values_list("pk", flat=True)),
     )
+
+
+def _timelines() -> dict[int, tuple[str, ...]]:
+    events: dict[int, list[str]] = {}
+    for order_id, event in TimelineEvent.objects.order_by("pk").values_list("order_id", "event"):
+        events.setdefault(order_id, []).append(event)
+    return {order_id: tuple(seq) for order_id, seq in events.items()}
+
+
+@dataclass(frozen=True)
+class CeleryFacts:
+    """What the Celery part did: what the scenario asked, and what the worker's log counts."""
+
+    orders_placed: int  # orders placed while beat's relay_outbox was the only relay
+    relay_runs: int  # relay_outbox runs the worker logged as succeeded
+    relay_sent: int  # messages those runs sent
+    email_calls: int  # email_receipt.delay() calls
+    orders_emailed: int  # the distinct orders they asked an email for
+    emails_skipped: int  # calls the worker logged as duplicates, their body skipped
 
 
 @dataclass(frozen=True)
 class RunFacts:
-    """How the run went outside the database: duration, worker exits, the consume log."""
+    """How the run went outside the database: duration, worker exits, the consume logs."""
 
     seconds: float
     exit_codes: Mapping[str, int]
-    duplicates_skipped: int  # "duplicate message_id=..." lines in the consume log
+    duplicates_skipped: int  # "duplicate message_id=..." lines in the consume logs
     unfinished: str = ""  # why the run stopped before the expected final state, if it did
+    celery: CeleryFacts | None = None  # None when the run stopped before the Celery part
 
 
 def problems(state: RunState, injected: Injected, facts: RunFacts) -> list[str]:
@@ -223,6 +273,13 @@ def problems(state: RunState, injected: Injected, facts: RunFacts) -> list[str]:
                 f"duplicated message_id={message_id} was taken {rows} time(s) by its "
                 f"{len(state.order_placed_consumers)} consumers"
             )
+    for order_id, order in zip(state.order_ids, state.orders, strict=True):
+        timeline = state.timelines.get(order_id, ())
+        if timeline != state.expected_timeline(order):
+            found.append(
+                f"order {order_id}'s timeline is {list(timeline)}, expected "
+                f"{list(state.expected_timeline(order))}"
+            )
     declined = [d for d in state.dead_letters if state.is_declined_card(d)]
     if len(declined) != state.by_card[Card.DECLINED]:
         found.append(
@@ -245,12 +302,33 @@ def problems(state: RunState, injected: Injected, facts: RunFacts) -> list[str]:
             f"the outbox still has {state.outbox_pending} pending and "
             f"{state.outbox_failed} failed row(s)"
         )
+    if facts.celery is not None:
+        found += celery_problems(state, facts.celery)
     left = {queue: n for queue, n in state.queue_depths.items() if n}
     if left:
         found.append(f"messages left in the queues after the workers stopped: {left}")
     for name, code in facts.exit_codes.items():
         if code:
             found.append(f"manage.py {name} exited with code {code}")
+    return found
+
+
+def celery_problems(state: RunState, celery: CeleryFacts) -> list[str]:
+    found: list[str] = []
+    if not celery.relay_runs:
+        found.append("Celery beat never ran relay_outbox")
+    doubled = sum(1 for o in state.orders if o.emails > 1)
+    if doubled:
+        found.append(f"{doubled} order(s) got more than one receipt email")
+    emailed = sum(1 for o in state.orders if o.emails)
+    if emailed != celery.orders_emailed:
+        found.append(f"{emailed} of the {celery.orders_emailed} orders asked got their email")
+    took_effect = sum(o.emails for o in state.orders)
+    if took_effect + celery.emails_skipped != celery.email_calls:
+        found.append(
+            f"{celery.email_calls} email task calls, but {took_effect} took effect and "
+            f"{celery.emails_skipped} were skipped as duplicates"
+        )
     return found
 
 
@@ -281,7 +359,7 @@ def _dead_letters_text(state: RunState) -> str:
 
 
 def _row(label: str, value: object, detail: str = "") -> str:
-    return f"  {label:<30}{value!s:>6}   {detail}".rstrip()
+    return f"  {label:<33}{value!s:>6}   {detail}".rstrip()
 
 
 def summary_lines(state: RunState, injected: Injected, facts: RunFacts) -> list[str]:
@@ -294,14 +372,15 @@ def summary_lines(state: RunState, injected: Injected, facts: RunFacts) -> list[
         state.inbox_rows_of_duplicates.get(m, 0) == len(state.order_placed_consumers)
         for m in state.duplicated_ids
     )
-    codes = " / ".join(str(facts.exit_codes.get(name, "-")) for name in ("relay", "consume"))
+    codes = ", ".join(f"{name} {code}" for name, code in facts.exit_codes.items())
     lines = [
         f"reliable_messaging demo — summary ({connection.display_name}, {facts.seconds:.1f} s)",
         _row(
             "orders placed (committed)",
             len(state.orders),
             f"{by_card[Card.OK]} card ok, {by_card[Card.FLAKY]} flaky, "
-            f"{by_card[Card.DECLINED]} declined",
+            f"{by_card[Card.DECLINED]} declined"
+            + (f"; {facts.celery.orders_placed} while Celery beat relayed" if facts.celery else ""),
         ),
         _row(
             "orders rolled back",
@@ -326,13 +405,36 @@ def summary_lines(state: RunState, injected: Injected, facts: RunFacts) -> list[
             f"(doubled: {doubled['shipments'] + doubled['receipts']})",
         ),
         _row(
+            "order timelines (ordered consumer)",
+            state.timelines_in_order,
+            f"of {len(state.orders)} in publish order, placed before paid, once each: "
+            f"{yes[state.timelines_in_order == len(state.orders)]}",
+        ),
+        _row(
             "retries (transient failures)",
             len(state.retry_attempts),
             _attempts_text(state.retry_attempts),
         ),
         _row("dead letters", len(state.dead_letters), f"({_dead_letters_text(state)})"),
-        _row("relay / consume exit codes", codes),
     ]
+    if facts.celery is not None:
+        celery = facts.celery
+        one_each = all(o.emails <= 1 for o in state.orders)
+        lines += [
+            _row(
+                "relay_outbox runs by Celery beat",
+                celery.relay_runs,
+                f"(sent {celery.relay_sent} messages: those of the {celery.orders_placed} "
+                f"orders placed meanwhile)",
+            ),
+            _row(
+                "idempotent task calls",
+                celery.email_calls,
+                f"took effect: {sum(o.emails for o in state.orders)} (duplicates skipped: "
+                f"{celery.emails_skipped}; one receipt email per order: {yes[one_each]})",
+            ),
+        ]
+    lines.append(f"  {'worker exit codes':<42}{codes}")
     found = problems(state, injected, facts)
     lines += [f"PROBLEM: {text}" for text in found] or [
         "OK: nothing charged, shipped or receipted twice; nothing sent for rolled-back "

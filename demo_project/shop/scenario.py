@@ -7,12 +7,17 @@
    that is not JSON.
 4. Run ``manage.py relay`` and ``manage.py consume`` until the expected final state holds,
    then stop them with SIGTERM.
-5. Read everything back from the database and print the summary.
+5. The Celery part: a Celery worker with embedded beat replaces ``manage.py relay`` (beat runs
+   ``reliable_messaging.relay_outbox`` every few seconds) while a few more orders are placed,
+   and customers ask for their receipt by email, some twice; the idempotent task sends one
+   email per order. Then the worker and ``consume`` are stopped with SIGTERM.
+6. Read everything back from the database and print the summary.
 """
 
 from __future__ import annotations
 
 import random
+import re
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -24,13 +29,24 @@ from django.contrib.auth.models import User
 from django.core.management import call_command
 from django.db import connection, transaction
 
+from demo_project.celery import app as celery_app
 from reliable_messaging import publish
 from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
 from reliable_messaging.registry import registry
 
 from .broker import DemoBroker
-from .models import Card, Order, Payment, Receipt, Shipment
-from .report import ORDER_PLACED, Injected, RunFacts, problems, read_state, summary_lines
+from .models import Card, Order, Payment, Receipt, ReceiptEmail, Shipment, TimelineEvent
+from .report import (
+    ORDER_PLACED,
+    CeleryFacts,
+    Injected,
+    RunFacts,
+    RunState,
+    problems,
+    read_state,
+    summary_lines,
+)
+from .tasks import EMAIL_RECEIPT, email_receipt
 from .workers import Worker, stop_all
 
 LOG_DIR = Path(__file__).resolve().parents[1] / "logs"
@@ -42,6 +58,14 @@ SETTLE_SECONDS = 1.0
 # consume finishes its handlers in flight on SIGTERM, for up to SHUTDOWN_TIMEOUT (30 s).
 STOP_TIMEOUT = 40.0
 ROLLED_BACK = "rolled back"
+# The Celery worker's log: beat's relay_outbox runs (with what they sent) and the email calls
+# the idempotent task skipped. A skip is logged once per call, with the call's task id.
+RELAY_RUN = re.compile(
+    r"Task reliable_messaging\.relay_outbox\[[^\]]+\] succeeded in \S+: \{'sent': (\d+)"
+)
+EMAIL_SKIPPED = re.compile(
+    rf"duplicate message_id=\S+ task={re.escape(EMAIL_RECEIPT)} task_id=(\S+):"
+)
 
 Say = Callable[[str], None]
 
@@ -60,6 +84,10 @@ class DemoPlan:
     rolled_back: int = 4
     duplicated: int = 6
     seed: int = 7  # the same orders, in the same order, on every run
+    # The Celery part: orders placed while only beat's relay_outbox relays, and how many
+    # customers ask for their receipt email a second time.
+    celery_orders: int = 4
+    emails_asked_twice: int = 5
 
 
 @dataclass(frozen=True)
@@ -76,14 +104,15 @@ def reset_database() -> None:
     """Migrate, then delete the previous run's rows so every run starts from the same state."""
     call_command("migrate", verbosity=0)
     with transaction.atomic():
-        for model in (Receipt, Shipment, Payment, Order):
+        for model in (TimelineEvent, ReceiptEmail, Receipt, Shipment, Payment, Order):
             model.objects.all().delete()
         for rm_model in (ProcessedMessage, OutboxMessage, DeadLetter):
             rm_model.objects.all().delete()
 
 
-def place_orders(plan: DemoPlan) -> tuple[list[PlacedOrder], list[str]]:
-    """Place the plan's orders; returns the committed ones and the message ids of the others."""
+def place_orders(plan: DemoPlan, first: int = 1) -> tuple[list[PlacedOrder], list[str]]:
+    """Place the plan's orders, customers numbered from ``first``; returns the committed ones
+    and the message ids of the others."""
     rng = random.Random(plan.seed)
     kinds: list[str] = [
         *[Card.OK] * plan.ok,
@@ -94,7 +123,7 @@ def place_orders(plan: DemoPlan) -> tuple[list[PlacedOrder], list[str]]:
     rng.shuffle(kinds)
     placed: list[PlacedOrder] = []
     rolled_back: list[str] = []
-    for number, kind in enumerate(kinds, start=1):
+    for number, kind in enumerate(kinds, start=first):
         amount = Decimal(rng.randrange(500, 20000)).scaleb(-2)
         try:
             with transaction.atomic():
@@ -138,27 +167,33 @@ def inject_duplicates(placed: Sequence[PlacedOrder], count: int) -> list[PlacedO
     return chosen
 
 
-def start_workers() -> list[Worker]:
+def consume_worker(name: str) -> Worker:
     # SQLite has a single writer: more handler threads would only queue for its lock.
     concurrency = 1 if connection.vendor == "sqlite" else 4
-    return [
-        Worker("relay", ["relay"], LOG_DIR),
-        Worker("consume", ["consume", "--concurrency", str(concurrency)], LOG_DIR),
-    ]
+    return Worker.manage(name, ["consume", "--concurrency", str(concurrency)], LOG_DIR)
+
+
+def start_workers() -> list[Worker]:
+    return [Worker.manage("relay", ["relay"], LOG_DIR), consume_worker("consume")]
 
 
 def wait_until_complete(
-    broker: DemoBroker, injected: Injected, workers: Sequence[Worker], timeout: float, say: Say
+    broker: DemoBroker,
+    injected: Injected,
+    workers: Sequence[Worker],
+    timeout: float,
+    say: Say,
+    done: Callable[[RunState], bool] = lambda state: state.complete,
 ) -> str:
-    """Poll until the expected final state has held for SETTLE_SECONDS; returns "" then, or
-    why it did not get there."""
+    """Poll until ``done`` (by default: the expected final state) has held for
+    SETTLE_SECONDS; returns "" then, or why it did not get there."""
     deadline = time.monotonic() + timeout
     settled_since: float | None = None
     last_said, last_progress = 0.0, ""
     while True:
         state = read_state(injected, broker.depths())
         now = time.monotonic()
-        if not state.complete:
+        if not done(state):
             settled_since = None
         elif settled_since is None:
             settled_since = now
@@ -184,12 +219,88 @@ def ensure_admin_user() -> None:
     user.save()
 
 
-def count_skipped_duplicates(log: Path) -> int:
-    """How many deliveries the inbox recognised as already processed, per consume's log."""
+def count_skipped_duplicates(*logs: Path) -> int:
+    """How many deliveries the inbox recognised as already processed, per consume's logs."""
+    count = 0
+    for log in logs:
+        try:
+            count += log.read_text(errors="replace").count("duplicate message_id=")
+        except OSError:
+            continue  # that consume never started
+    return count
+
+
+def wait_for_log(worker: Worker, text: str, timeout: float) -> str:
+    """Wait until ``text`` appears in the worker's log; "" then, or why it did not."""
+    deadline = time.monotonic() + timeout
+    while text not in worker.log():
+        if not worker.running:
+            return f"{worker.name} exited before it was ready"
+        if time.monotonic() >= deadline:
+            return f"{worker.name} was not ready within {timeout:g} s"
+        time.sleep(0.1)
+    return ""
+
+
+def run_celery_part(
+    broker: DemoBroker,
+    injected: Injected,
+    placed: Sequence[PlacedOrder],
+    plan: DemoPlan,
+    timeout: float,
+    say: Say,
+) -> tuple[CeleryFacts, dict[str, int], str]:
+    """Beat's relay_outbox as the only relay for a few more orders, and the receipt emails.
+
+    Returns what the worker's log counts, the exit codes, and why the part did not finish (""
+    when it did)."""
+    # Prefork, Celery's default pool; two processes so a relay run and emails overlap.
+    celery = Worker.celery("celery", LOG_DIR, concurrency=2)
+    workers = [celery, consume_worker("consume-2")]
+    asked: list[int] = []  # orders whose receipt email was asked for
+    calls: list[int] = []  # one per email_receipt.delay()
     try:
-        return log.read_text(errors="replace").count("duplicate message_id=")
-    except OSError:
-        return 0
+        # The tasks are sent only once the worker consumes, so that none waits behind a
+        # worker that is still starting (the emails are the point of this part).
+        unfinished = wait_for_log(celery, " ready.", timeout=60)
+        if not unfinished:
+            extra, _ = place_orders(
+                DemoPlan(ok=plan.celery_orders, flaky=0, declined=0, rolled_back=0, seed=plan.seed),
+                first=len(placed) + 100,
+            )
+            asked = [p.order.pk for p in placed if p.order.card != Card.DECLINED]
+            calls = asked + asked[: plan.emails_asked_twice]  # some customers ask twice
+            for order_id in calls:
+                email_receipt.delay(order_id)
+            say(
+                f"Celery worker with beat running relay_outbox (log {celery.log_path}): placed "
+                f"{len(extra)} more orders, asked {len(asked)} receipt emails, "
+                f"{plan.emails_asked_twice} of them twice"
+            )
+
+            def emails_done(state: RunState) -> bool:
+                skipped = len(set(EMAIL_SKIPPED.findall(celery.log())))
+                return (
+                    state.complete
+                    and sum(o.emails for o in state.orders) == len(asked)
+                    and skipped == len(calls) - len(asked)
+                )
+
+            unfinished = wait_until_complete(
+                broker, injected, workers, timeout, say, done=emails_done
+            )
+    finally:
+        exit_codes = stop_all(workers, STOP_TIMEOUT)
+    log = celery.log()
+    facts = CeleryFacts(
+        orders_placed=plan.celery_orders,
+        relay_runs=len(RELAY_RUN.findall(log)),
+        relay_sent=sum(int(sent) for sent in RELAY_RUN.findall(log)),
+        email_calls=len(calls),
+        orders_emailed=len(asked),
+        emails_skipped=len(set(EMAIL_SKIPPED.findall(log))),
+    )
+    return facts, exit_codes, unfinished
 
 
 def run_demo(say: Say, *, timeout: float = 120.0, plan: DemoPlan | None = None) -> bool:
@@ -198,7 +309,7 @@ def run_demo(say: Say, *, timeout: float = 120.0, plan: DemoPlan | None = None) 
     started = time.monotonic()
     say("Preparing: migrate, clear the previous run, purge the demo's queues")
     reset_database()
-    broker = DemoBroker(registry.all())
+    broker = DemoBroker(registry.all(), celery_queue=celery_app.conf.task_default_queue)
     try:
         broker.declare()
         attached = broker.attached_consumers()
@@ -206,7 +317,7 @@ def run_demo(say: Say, *, timeout: float = 120.0, plan: DemoPlan | None = None) 
             raise DemoError(
                 f"Other processes consume the demo's queues ({attached}); their deliveries "
                 f"would be missing from the counts. Stop them first "
-                f"(look for them with: pgrep -af 'manage.py consume')."
+                f"(look for them with: pgrep -af 'manage.py consume|celery --app demo_project')."
             )
         broker.purge()
 
@@ -226,6 +337,12 @@ def run_demo(say: Say, *, timeout: float = 120.0, plan: DemoPlan | None = None) 
             unfinished = wait_until_complete(broker, injected, workers, timeout, say)
         finally:
             exit_codes = stop_all(workers, STOP_TIMEOUT)
+        celery_facts = None
+        if not unfinished:
+            celery_facts, celery_codes, unfinished = run_celery_part(
+                broker, injected, placed, plan, timeout, say
+            )
+            exit_codes.update(celery_codes)
         # Read after the workers are gone: anything they left unacked is back in its queue.
         state = read_state(injected, broker.depths())
     finally:
@@ -235,16 +352,20 @@ def run_demo(say: Say, *, timeout: float = 120.0, plan: DemoPlan | None = None) 
     facts = RunFacts(
         seconds=time.monotonic() - started,
         exit_codes=exit_codes,
-        duplicates_skipped=count_skipped_duplicates(LOG_DIR / "consume.log"),
+        duplicates_skipped=count_skipped_duplicates(
+            LOG_DIR / "consume.log", LOG_DIR / "consume-2.log"
+        ),
         unfinished=unfinished,
+        celery=celery_facts,
     )
     say("")
     for line in summary_lines(state, injected, facts):
         say(line)
     if not problems(state, injected, facts):
         return True
-    for worker in workers:
-        say(f"--- last lines of {worker.log_path}")
-        for line in worker.tail():
+    for name in exit_codes:
+        log = LOG_DIR / f"{name}.log"
+        say(f"--- last lines of {log}")
+        for line in log.read_text(errors="replace").splitlines()[-15:]:
             say(f"    {line}")
     return False
