@@ -44,6 +44,17 @@ Three kinds of figures, exported from three places:
   ``reliable_messaging_inbox_messages``                      inbox rows (an estimate on PostgreSQL)
   =========================================================  ======================================
 
+- **Queue gauges**, read from the broker at scrape time by :class:`BrokerCollector` with AMQP
+  passive declares (no plugin needed), for the queues of every registered consumer (an ordered
+  consumer's partitions) and the retry delay queues. Also served by the ``metrics/`` view:
+
+  ===========================================  ====================================================
+  ``reliable_messaging_broker_up``             1 if the last read reached the broker
+  ``reliable_messaging_queue_exists``          1 if declared, 0 if not {queue, consumer, kind}
+  ``reliable_messaging_queue_messages_ready``  messages waiting in it {queue, consumer, kind}
+  ``reliable_messaging_queue_consumers``       consumers attached to it {queue, consumer, kind}
+  ===========================================  ====================================================
+
 The helper functions below are what the consumer and the relay call; they check their label
 values, because a typo'd label would silently start a new time series nobody alerts on.
 """
@@ -54,7 +65,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from django.db import DatabaseError, connections, router
 from django.db.models import Count, Model
@@ -62,6 +73,9 @@ from django.utils import timezone
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
+
+if TYPE_CHECKING:
+    from .registry import ConsumerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -407,3 +421,101 @@ class DatabaseCollector:
             if row is not None and row[0] >= 0:
                 return float(row[0])
         return float(model._default_manager.using(alias).count())
+
+
+# -- the broker ----------------------------------------------------------------------------------
+
+
+class BrokerCollector:
+    """Reads the depth and the consumer count of every consumer and delay queue at scrape time.
+
+    One AMQP connection per read, with one passive declare per queue (exact figures, no
+    management plugin needed). A read is kept for ``max_age`` seconds, so several scrapers or a
+    dashboard refresh storm open at most one connection per ``max_age``. A broker that cannot be
+    reached never fails the scrape: it exports ``reliable_messaging_broker_up 0`` and logs one
+    warning until it answers again. ``specs`` defaults to every registered consumer, read at
+    each scrape.
+    """
+
+    def __init__(
+        self,
+        specs: Iterable[ConsumerSpec] | None = None,
+        *,
+        timeout: float = 2.0,
+        max_age: float = 5.0,
+    ) -> None:
+        self.specs = None if specs is None else list(specs)
+        self.timeout = timeout
+        self.max_age = max_age
+        self._lock = threading.Lock()
+        self._read_at: float | None = None
+        self._families: list[Metric] = []
+        self._reachable = True
+
+    def forget(self) -> None:
+        """Drop the kept read: the next scrape asks the broker."""
+        with self._lock:
+            self._read_at = None
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            now = time.monotonic()
+            if self._read_at is None or now - self._read_at >= self.max_age:
+                self._families = self._read()
+                self._read_at = time.monotonic()
+            families = list(self._families)
+        yield from families
+
+    def _read(self) -> list[Metric]:
+        import pika.exceptions
+
+        from .registry import registry
+        from .status import describe_error, monitored_queues, queues_from_amqp
+
+        specs = registry.all() if self.specs is None else self.specs
+        try:
+            queues = queues_from_amqp(monitored_queues(specs), timeout=self.timeout)
+        except (pika.exceptions.AMQPError, OSError) as exc:
+            if self._reachable:
+                # describe_error names the error, never the URL or its password.
+                logger.warning(
+                    "metrics: cannot read the queues from the broker (%s); broker_up is 0",
+                    describe_error(exc),
+                )
+            self._reachable = False
+            return [self._up(0)]
+        if not self._reachable:
+            logger.info("metrics: the broker answers again; queue gauges are back")
+        self._reachable = True
+        labels = ["queue", "consumer", "kind"]
+        exists = GaugeMetricFamily(
+            "reliable_messaging_queue_exists",
+            "1 when the queue is declared on the broker; 0 when no consume process declared it "
+            "yet (messages routed to it are returned to the relay as unroutable).",
+            labels=labels,
+        )
+        ready = GaugeMetricFamily(
+            "reliable_messaging_queue_messages_ready",
+            "Messages waiting in the queue for a consumer (unacked deliveries not included).",
+            labels=labels,
+        )
+        consumers = GaugeMetricFamily(
+            "reliable_messaging_queue_consumers",
+            "Consumers attached to the queue (standbys of a single-active-consumer queue too).",
+            labels=labels,
+        )
+        for queue in queues:
+            values = [queue.name, queue.consumer or "", queue.kind]
+            exists.add_metric(values, 1 if queue.exists else 0)
+            if queue.exists:
+                ready.add_metric(values, queue.ready or 0)
+                consumers.add_metric(values, queue.consumers or 0)
+        return [exists, ready, consumers, self._up(1)]
+
+    @staticmethod
+    def _up(value: int) -> Metric:
+        return GaugeMetricFamily(
+            "reliable_messaging_broker_up",
+            "1 when the last read of the queue gauges reached the broker, else 0.",
+            value=value,
+        )

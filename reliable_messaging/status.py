@@ -36,7 +36,7 @@ from .conf import MessagingSettings, messaging_settings, redact_url
 from .metrics import outbox_lag
 from .models import DeadLetter, OutboxMessage, ProcessedMessage
 from .registry import ConsumerSpec, registry
-from .topology import all_delays, connection_parameters, delay_exchange_name
+from .topology import all_delays, connection_parameters, consumer_queues, delay_exchange_name
 
 NOT_FOUND = 404
 UNAUTHORIZED = 401
@@ -199,10 +199,12 @@ def monitored_queues(
     specs: Iterable[ConsumerSpec], settings: MessagingSettings = messaging_settings
 ) -> list[tuple[str, QueueKind, str | None]]:
     """(queue, kind, consumer name) of every queue ``consume`` declares for ``specs``: each
-    handler's queue, then the retry delay queues."""
+    handler's queue (an ordered consumer's partition queues), then the retry delay queues."""
     specs = list(specs)
     queues: list[tuple[str, QueueKind, str | None]] = [
-        (spec.queue, "consumer", spec.name) for spec in specs
+        (queue, "consumer", spec.name)
+        for spec in specs
+        for queue in consumer_queues(spec, settings)
     ]
     queues += [
         (delay_exchange_name(d, settings), "delay", None) for d in all_delays(specs, settings)

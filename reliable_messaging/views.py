@@ -3,9 +3,11 @@
 Mount them with ``path("messaging/", include("reliable_messaging.urls"))``:
 
 - ``metrics/``: the gauges :class:`~reliable_messaging.metrics.DatabaseCollector` reads at each
-  scrape (outbox backlog and lag, failed rows, dead letters, inbox size). The consume and relay
-  processes export their own counters on ``--metrics-port``; the database gauges come from here
-  only, so they are not scraped once per process.
+  scrape (outbox backlog and lag, failed rows, dead letters, inbox size) and the queue gauges
+  :class:`~reliable_messaging.metrics.BrokerCollector` reads from the broker (messages ready and
+  consumers attached, per queue of every registered consumer; kept 5 s between reads). The
+  consume and relay processes export their own counters on ``--metrics-port``; these system
+  gauges come from here only, so they are not scraped once per process.
 - ``healthz/``: 200 when the database answers, the broker accepts a connection (within
   ``BROKER_TIMEOUT``) and the oldest pending outbox row is younger than ``max_outbox_lag``
   seconds; 503 with the reasons otherwise. It judges the messaging system, not this web
@@ -28,7 +30,7 @@ from django.views.decorators.http import require_GET
 from prometheus_client import CollectorRegistry
 from prometheus_client.django import PrometheusDjangoView
 
-from .metrics import DatabaseCollector, outbox_lag
+from .metrics import BrokerCollector, DatabaseCollector, outbox_lag
 from .models import OutboxMessage
 from .status import broker_connection_error
 
@@ -38,16 +40,18 @@ MAX_OUTBOX_LAG = 300.0
 BROKER_TIMEOUT = 2.0
 """Seconds ``healthz/`` waits for the broker to accept a connection."""
 
-DATABASE_REGISTRY = CollectorRegistry(auto_describe=False)
-DATABASE_REGISTRY.register(DatabaseCollector())
+BROKER_COLLECTOR = BrokerCollector()
+SYSTEM_REGISTRY = CollectorRegistry(auto_describe=False)
+SYSTEM_REGISTRY.register(DatabaseCollector())
+SYSTEM_REGISTRY.register(BROKER_COLLECTOR)
 
 
-class DatabaseMetricsView(PrometheusDjangoView):
-    registry = DATABASE_REGISTRY
+class SystemMetricsView(PrometheusDjangoView):
+    registry = SYSTEM_REGISTRY
 
 
 # Outside ATOMIC_REQUESTS: a failing query must not poison a transaction around the view.
-metrics = transaction.non_atomic_requests(never_cache(DatabaseMetricsView.as_view()))
+metrics = transaction.non_atomic_requests(never_cache(SystemMetricsView.as_view()))
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,16 @@ import yaml
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from reliable_messaging import metrics
-from reliable_messaging.metrics import DatabaseCollector, HealthCollector, HealthState
+from reliable_messaging.metrics import (
+    BrokerCollector,
+    DatabaseCollector,
+    HealthCollector,
+    HealthState,
+)
 from reliable_messaging.models import DeadLetter, DeadLetterReason
+from reliable_messaging.registry import ConsumerSpec
+from reliable_messaging.topology import declare_topology
+from tests.support import broker_connection
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 ALERTS = DOCS / "prometheus" / "alerts.yml"
@@ -24,7 +32,7 @@ DURATION = re.compile(r"^\d+[smhd]$")
 
 
 @pytest.fixture
-def exported(db: None) -> set[str]:
+def exported(db: None, ns: str, rm_settings: dict[str, Any]) -> set[str]:
     """Every sample name the app exports, after each helper has run once (with a dead letter
     in the database, so the labelled database gauge has a sample too)."""
     metrics.consumer_received("tests.ops.names", redelivered=True)
@@ -41,11 +49,19 @@ def exported(db: None) -> set[str]:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DatabaseCollector())
     registry.register(HealthCollector(HealthState()))
+    spec = ConsumerSpec(name="tests.ops.names", queue=f"rmtest.{ns}.names", handler=print)
+    connection = broker_connection()
+    try:
+        declare_topology(connection.channel(), [spec])
+    finally:
+        connection.close()
+    registry.register(BrokerCollector([spec]))
     DeadLetter.objects.create(
         consumer="tests.ops.names", queue="q", body=b"", reason=DeadLetterReason.PERMANENT
     )
     names = {s.name for r in (REGISTRY, registry) for f in r.collect() for s in f.samples}
     assert "reliable_messaging_database_up" in names  # the database was read
+    assert "reliable_messaging_queue_messages_ready" in names  # and the broker
     return names
 
 
@@ -89,6 +105,10 @@ def test_alert_rules_cover_the_operational_risks() -> None:
     assert 'up{job="reliable-messaging-consume"} == 0' in text  # consumer down
     assert "reliable_messaging_healthy == 0" in text  # a process failing its health check
     assert "reliable_messaging_relay_blocked" in text  # relay blocked for long
+    # Messages waiting while nothing consumes them (a consumer down though its pod looks fine).
+    not_consumed = expressions["ReliableMessagingQueueNotConsumed"]
+    assert "reliable_messaging_queue_messages_ready" in not_consumed
+    assert "reliable_messaging_queue_consumers" in not_consumed and "== 0" in not_consumed
 
 
 def test_alert_rules_name_only_exported_metrics(exported: set[str]) -> None:
@@ -141,6 +161,8 @@ def test_dashboard_shows_what_operators_need() -> None:
         "Dead letters waiting, by consumer and reason": "reliable_messaging_dead_letters",
         "Relay confirm latency p50 / p99": "reliable_messaging_relay_confirm_latency_seconds",
         "Relay blocked by the broker": "reliable_messaging_relay_blocked",
+        "Messages ready, by queue": "reliable_messaging_queue_messages_ready",
+        "Consumers attached, by queue": "reliable_messaging_queue_consumers",
     }
     for title, metric in expectations.items():
         assert metric in titles[title], title

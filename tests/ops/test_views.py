@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import datetime as dt
+import logging
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from django.conf import settings
@@ -11,12 +14,28 @@ from django.test import Client, override_settings
 from django.urls import reverse
 from django.utils import timezone
 
-from reliable_messaging import publish
+from reliable_messaging import publish, views
+from reliable_messaging.conf import messaging_settings
 from reliable_messaging.models import OutboxMessage
+from reliable_messaging.registry import ConsumerSpec, registry
+from reliable_messaging.topology import declare_topology, delay_exchange_name
+from tests.support import Publisher, broker_connection
 
 from .conftest import parse_samples
 
 pytestmark = pytest.mark.django_db
+
+
+def is_broker_gauge(name: str) -> bool:
+    return name == "reliable_messaging_broker_up" or name.startswith("reliable_messaging_queue_")
+
+
+@pytest.fixture(autouse=True)
+def fresh_broker_read() -> Iterator[None]:
+    """Each test sees the broker as it is now, not the view's read kept from another test."""
+    views.BROKER_COLLECTOR.forget()
+    yield
+    views.BROKER_COLLECTOR.forget()
 
 
 def test_urls_are_mounted_where_the_project_includes_them() -> None:
@@ -93,7 +112,10 @@ def test_views_answer_when_the_messaging_tables_cannot_be_read(client: Client) -
         raise RollBack
     assert metrics_response.status_code == 200
     samples = parse_samples(metrics_response.content.decode())
-    assert samples == {("reliable_messaging_database_up", frozenset()): 0}
+    database = {key: value for key, value in samples.items() if not is_broker_gauge(key[0])}
+    assert database == {("reliable_messaging_database_up", frozenset()): 0}
+    # The queue gauges do not depend on the database.
+    assert samples[("reliable_messaging_broker_up", frozenset())] == 1
 
     with pytest.raises(RollBack), transaction.atomic():
         with connection.cursor() as cursor:
@@ -106,3 +128,106 @@ def test_views_answer_when_the_messaging_tables_cannot_be_read(client: Client) -
 
 def test_healthz_only_answers_get(client: Client) -> None:
     assert client.post(reverse("reliable_messaging:healthz")).status_code == 405
+
+
+def test_metrics_view_exports_queue_depths_and_consumers(
+    client: Client, ns: str, rm_settings: dict[str, Any]
+) -> None:
+    """Ready messages and attached consumers per queue, read from the broker: what an alert
+    on "messages waiting and nobody consuming" needs. Ordered consumers show their partitions."""
+    plain = ConsumerSpec(name="tests.ops.plain", queue=f"rmtest.{ns}.plain", handler=lambda m: None)
+    ordered = ConsumerSpec(
+        name="tests.ops.ordered",
+        queue=f"rmtest.{ns}.ordered",
+        handler=lambda m: None,
+        bindings=("o.*",),
+        ordered=True,
+    )
+    never = ConsumerSpec(name="tests.ops.never", queue=f"rmtest.{ns}.never", handler=lambda m: None)
+    connection = broker_connection()
+    try:
+        channel = connection.channel()
+        declare_topology(channel, [plain, ordered])
+        publisher = Publisher()
+        try:
+            for n in range(3):
+                publisher.publish("", plain.queue, {"n": n})
+        finally:
+            publisher.close()
+        channel.basic_consume(ordered.queue + ".p1", lambda *args: None)  # one consumer attached
+        with registry.isolated():
+            for spec in (plain, ordered, never):
+                registry.register(spec)
+            response = client.get(reverse("reliable_messaging:metrics"))
+    finally:
+        connection.close()
+    assert response.status_code == 200
+    samples = parse_samples(response.content.decode())
+
+    def gauge(name: str, queue: str, consumer: str, kind: str = "consumer") -> float | None:
+        labels = frozenset({"queue": queue, "consumer": consumer, "kind": kind}.items())
+        return samples.get((f"reliable_messaging_queue_{name}", labels))
+
+    assert samples[("reliable_messaging_broker_up", frozenset())] == 1
+    assert gauge("exists", plain.queue, plain.name) == 1
+    assert gauge("messages_ready", plain.queue, plain.name) == 3
+    assert gauge("consumers", plain.queue, plain.name) == 0
+    # An ordered consumer has no queue of its own name: its partitions are what is watched.
+    assert gauge("exists", ordered.queue, ordered.name) is None
+    partitions = [f"{ordered.queue}.p{i}" for i in range(messaging_settings.ordered_partitions)]
+    assert [gauge("exists", q, ordered.name) for q in partitions] == [1] * len(partitions)
+    assert [gauge("consumers", q, ordered.name) for q in partitions] == [0, 1] + [0] * (
+        len(partitions) - 2
+    )
+    # Never declared (no consume process ran): it exists 0, and has no depth to report.
+    assert gauge("exists", never.queue, never.name) == 0
+    assert gauge("messages_ready", never.queue, never.name) is None
+    delay = delay_exchange_name(0.2)
+    assert gauge("exists", delay, "", kind="delay") == 1
+    assert gauge("messages_ready", delay, "", kind="delay") == 0
+    # The database gauges are still there, next to the queue gauges.
+    assert samples[("reliable_messaging_database_up", frozenset())] == 1
+
+
+def test_queue_gauges_with_the_broker_unreachable(
+    client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    values = {**settings.RELIABLE_MESSAGING, "BROKER_URL": "amqp://guest:s3cret@127.0.0.1:1/%2F"}
+    with override_settings(RELIABLE_MESSAGING=values), caplog.at_level(logging.WARNING):
+        first = client.get(reverse("reliable_messaging:metrics"))
+        views.BROKER_COLLECTOR.forget()
+        second = client.get(reverse("reliable_messaging:metrics"))
+    for response in (first, second):
+        assert response.status_code == 200
+        samples = parse_samples(response.content.decode())
+        assert samples[("reliable_messaging_broker_up", frozenset())] == 0
+        assert not any(name.startswith("reliable_messaging_queue_") for name, _ in samples)
+        assert samples[("reliable_messaging_database_up", frozenset())] == 1
+    warnings = [r for r in caplog.records if "cannot read the queues" in r.getMessage()]
+    assert len(warnings) == 1, "one warning while the broker stays unreachable"
+    assert "s3cret" not in caplog.text and "s3cret" not in second.content.decode()
+
+
+def test_queue_gauges_are_read_at_most_once_per_max_age(client: Client, ns: str) -> None:
+    """A burst of scrapes opens one broker connection, not one each."""
+    spec = ConsumerSpec(name="tests.ops.burst", queue=f"rmtest.{ns}.burst", handler=lambda m: None)
+    connection = broker_connection()
+    try:
+        declare_topology(connection.channel(), [spec])
+        with registry.isolated():
+            registry.register(spec)
+            before = client.get(reverse("reliable_messaging:metrics"))
+            publisher = Publisher()
+            try:
+                publisher.publish("", spec.queue, {"n": 1})
+            finally:
+                publisher.close()
+            kept = client.get(reverse("reliable_messaging:metrics"))
+            views.BROKER_COLLECTOR.forget()
+            fresh = client.get(reverse("reliable_messaging:metrics"))
+    finally:
+        connection.close()
+    labels = frozenset({"queue": spec.queue, "consumer": spec.name, "kind": "consumer"}.items())
+    key = ("reliable_messaging_queue_messages_ready", labels)
+    ready = [parse_samples(r.content.decode())[key] for r in (before, kept, fresh)]
+    assert ready == [0, 0, 1]

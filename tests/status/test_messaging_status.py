@@ -35,7 +35,7 @@ from reliable_messaging.status import (
     Thresholds,
     find_problems,
 )
-from reliable_messaging.topology import declare_topology, delay_exchange_name
+from reliable_messaging.topology import consumer_queues, declare_topology, delay_exchange_name
 from tests.conftest import database_url
 from tests.support import MANAGE, ROOT, Publisher, broker_connection, rabbitmqctl, wait_until
 
@@ -230,6 +230,40 @@ def test_a_missing_queue_is_shown_as_not_declared(ns: str, rm_settings: dict[str
         "redelivery_ratio": None,
     }
     assert f"not declared yet (manage.py consume declares them): {spec.queue}" in text.out
+
+
+def test_an_ordered_consumer_is_shown_by_its_partitions(
+    ns: str, rm_settings: dict[str, Any]
+) -> None:
+    """An ordered consumer has no queue of its own name: its partition queues are what holds
+    its messages, so they are what the status shows (and judges against the thresholds)."""
+    spec = ConsumerSpec(
+        name=CONSUMER,
+        queue=f"rmtest.{ns}.ledger",
+        handler=lambda m: None,
+        bindings=("x.#",),
+        ordered=True,
+    )
+    partitions = consumer_queues(spec)
+    assert len(partitions) > 1
+    with registry.isolated():
+        registry.register(spec)
+        connection = broker_connection()
+        try:
+            declare_topology(connection.channel(), [spec])
+        finally:
+            connection.close()
+        publisher = Publisher()
+        try:
+            publisher.publish("", partitions[1], {"n": 1})
+        finally:
+            publisher.close()
+        ran = status("--json")
+    assert ran.code == 0, ran.err
+    consumer_queues_shown = [q for q in ran.json["broker"]["queues"] if q["kind"] == "consumer"]
+    assert [q["name"] for q in consumer_queues_shown] == partitions
+    assert all(q["exists"] and q["consumer"] == CONSUMER for q in consumer_queues_shown)
+    assert [q["ready"] for q in consumer_queues_shown] == [0, 1] + [0] * (len(partitions) - 2)
 
 
 def test_crossed_thresholds_exit_1_and_say_which(backlog: str) -> None:
