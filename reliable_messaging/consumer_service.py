@@ -39,6 +39,7 @@ from .envelope import CONTENT_TYPE, Delivery, normalize_headers
 from .exceptions import DatabaseUnavailable, TopologyMismatchError
 from .fastpath import duplicate_cache
 from .inbox import DeliveryProcessor, Job, process_batch, with_attempt
+from .leftovers import retire_leftovers
 from .outcomes import Acknowledge, Outcome, Release, RetryInPlace, ScheduleRetry
 from .registry import ConsumerSpec
 from .topology import connection_parameters, consumer_queues, declare_topology, delay_exchange_name
@@ -258,6 +259,7 @@ class ConsumerService:
             shared_channel = connection.channel()
             shared_channel.basic_qos(prefetch_count=prefetch)
             declare_topology(shared_channel, self.specs, self.settings)
+            retire_leftovers(connection, self.specs, self.settings)
             publish_channel = connection.channel()
             # Retry copies must reach their delay queue before the original is acked.
             publish_channel.confirm_delivery()
