@@ -89,6 +89,91 @@ def raw_baseline(queue: str, count: int, prefetch: int) -> float:
     return elapsed
 
 
+def raw_baseline_parallel(queue: str, count: int, prefetch: int, workers: int) -> float:
+    """:func:`raw_baseline` on ``workers`` threads at once, each with its own broker and
+    database connection (psycopg and pika release the GIL while they wait). Seconds."""
+    import psycopg
+
+    done = 0
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        nonlocal done
+        try:
+            db = psycopg.connect(DATABASE_URL)
+            connection = pika.BlockingConnection(pika.URLParameters(BROKER))
+            channel = connection.channel()
+            channel.basic_qos(prefetch_count=prefetch)
+            for method, properties, body in channel.consume(queue, inactivity_timeout=0.5):
+                with lock:
+                    if done >= count:
+                        break
+                if method is None:
+                    continue
+                payload = json.loads(body)
+                with db.transaction(), db.cursor() as cursor:
+                    cursor.execute(
+                        "INSERT INTO testapp_effect"
+                        " (consumer, message_id, attempt, payload, created_at)"
+                        " VALUES (%s, %s, %s, %s, now())",
+                        ("baseline", properties.message_id, 1, json.dumps(payload)),
+                    )
+                channel.basic_ack(method.delivery_tag)
+                with lock:
+                    done += 1
+            channel.cancel()  # unacked prefetched messages go back to the queue
+            connection.close()
+            db.close()
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(workers)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - started
+    if errors:
+        raise errors[0]
+    return elapsed
+
+
+def processes_run(namespace: str, queue: str, count: int, processes: int) -> float:
+    """``processes`` real `manage.py consume` processes (concurrency 1, WARNING logs) over
+    ``count`` messages already in the queue. Timed from the first effect to the last, so the
+    start-up of Django is not counted. Seconds."""
+    from tests.testapp.models import Effect
+
+    env = subprocess_env(namespace, RM_LOG_LEVEL="WARNING")
+    base = Effect.objects.filter(consumer="alpha").count()
+    command = [sys.executable, str(ROOT / "manage.py"), "consume", "--queue", queue]
+    procs = [
+        subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(processes)
+    ]
+    try:
+        deadline = time.monotonic() + 600
+        started = None
+        while time.monotonic() < deadline:
+            done = Effect.objects.filter(consumer="alpha").count() - base
+            if started is None and done > 0:
+                started = time.perf_counter()
+            if done >= count:
+                break
+            time.sleep(0.05)
+        else:
+            raise RuntimeError(f"{processes} processes: only {done}/{count} after 600 s")
+        assert started is not None
+        return time.perf_counter() - started
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(60)
+
+
 def run_service(queue_spec: object, count: int, label: str, concurrency: int) -> float:
     """Run ConsumerService until ``count`` new outcomes were settled; seconds."""
     from reliable_messaging.consumer_service import ConsumerService
@@ -209,6 +294,12 @@ def main() -> None:
         fill(exchange, ids, {"n": 1})
         dup_db_s = run_service(spec, n, "duplicates, database", args.concurrency)
 
+        # Scaling out: two baseline workers against two consume processes.
+        fill(exchange, [f"raw2-{uuid.uuid4()}" for _ in range(n)], {"n": 1})
+        raw2_s = raw_baseline_parallel(spec.queue, n, prefetch, 2)
+        fill(exchange, [f"proc2-{uuid.uuid4()}" for _ in range(n)], {"n": 1})
+        proc2_s = processes_run(namespace, spec.queue, n, 2)
+
     cached = {**settings, "CACHE_ALIAS": "messaging"}
     with override_settings(RELIABLE_MESSAGING=cached):
         warm = [f"warm-{uuid.uuid4()}" for _ in range(n)]
@@ -237,6 +328,10 @@ def main() -> None:
         "ratio": round(app_rate / raw_rate, 2),
         "app_concurrency_1_msgs_per_s": round((n // 2) / single_s),
         "app_with_fast_path_msgs_per_s": round(n / cached_s),
+        "raw_two_workers_msgs_per_s": round(n / raw2_s),
+        "app_two_processes_msgs_per_s": round(n / proc2_s),
+        "two_processes_ratio_to_raw": round((n / proc2_s) / raw_rate, 2),
+        "two_processes_ratio_to_raw_two_workers": round(raw2_s / proc2_s, 2),
         "duplicates_per_s_database": round(n / dup_db_s),
         "duplicates_per_s_fast_path": round(n / dup_cache_s),
         "doubled_effects": doubled,
@@ -257,6 +352,13 @@ def main() -> None:
     )
     print(f"  concurrency 1: {result['app_concurrency_1_msgs_per_s']:,} msg/s")
     print(f"  with the Redis fast path on: {result['app_with_fast_path_msgs_per_s']:,} msg/s")
+    print(
+        f"two manage.py consume processes (concurrency 1 each): "
+        f"{result['app_two_processes_msgs_per_s']:,} msg/s; ratio to the raw baseline = "
+        f"{result['two_processes_ratio_to_raw']}; two raw baseline workers: "
+        f"{result['raw_two_workers_msgs_per_s']:,} msg/s (ratio "
+        f"{result['two_processes_ratio_to_raw_two_workers']})"
+    )
     print(
         f"duplicates: {result['duplicates_per_s_database']:,}/s through the database, "
         f"{result['duplicates_per_s_fast_path']:,}/s with the Redis fast path"

@@ -71,6 +71,12 @@ class _Link:
     channels: list[BlockingChannel] = field(default_factory=list)
     in_flight: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Delivery tags received and not yet acked or nacked, per channel number, oldest first.
+    # Only the connection's thread touches it (it receives and settles).
+    unsettled: dict[int, dict[int, None]] = field(default_factory=dict)
+
+    def forget(self, channel: BlockingChannel, tag: int) -> None:
+        self.unsettled.get(channel.channel_number, {}).pop(tag, None)
 
     @property
     def open(self) -> bool:
@@ -375,6 +381,7 @@ class ConsumerService:
             headers=normalize_headers(properties.headers),
         )
         metrics.consumer_received(spec.name, delivery.redelivered)
+        link.unsettled.setdefault(channel.channel_number, {})[delivery.delivery_tag] = None
         with link.lock:
             link.in_flight += 1
         self._last_delivery = time.monotonic()
@@ -383,30 +390,45 @@ class ConsumerService:
         )
 
     def _settle_all(self, settled: list[tuple[_WorkItem, Outcome]]) -> None:
-        for item, outcome in settled:
-            self._settle(item, outcome)
+        """Carry out the outcomes of a batch on the broker; runs on the connection's thread.
 
-    def _settle(self, item: _WorkItem, outcome: Outcome) -> None:
-        """Carry out ``outcome`` on the broker; runs on the connection's thread."""
-        link, tag = item.link, item.delivery.delivery_tag
+        Acks are coalesced: the acked deliveries that are the oldest unsettled ones of their
+        channel go out as one ``basic.ack(multiple=True)``, the others one by one. Nacks and
+        retries are settled first, so a multiple ack never covers a delivery meant otherwise.
+        """
+        acks: dict[int, tuple[_Link, BlockingChannel, set[int]]] = {}
+        done: list[tuple[_WorkItem, Outcome]] = []
+        for item, outcome in settled:
+            if not self._settleable(item, outcome):
+                continue
+            done.append((item, outcome))
+            if isinstance(outcome, Acknowledge):
+                _, _, tags = acks.setdefault(id(item.channel), (item.link, item.channel, set()))
+                tags.add(item.delivery.delivery_tag)
+            elif isinstance(outcome, ScheduleRetry):
+                self._publish_retry(item, outcome)
+            else:
+                item.channel.basic_nack(item.delivery.delivery_tag, requeue=True)
+                item.link.forget(item.channel, item.delivery.delivery_tag)
+        for link, channel, tags in acks.values():
+            _ack_coalesced(link, channel, tags)
+        if self.on_outcome is not None:
+            for item, outcome in done:
+                self.on_outcome(item.spec, item.delivery, outcome)
+
+    def _settleable(self, item: _WorkItem, outcome: Outcome) -> bool:
+        link = item.link
         with link.lock:
             link.in_flight -= 1
-        if not (link.connection.is_open and item.channel.is_open):
-            logger.warning(
-                "message_id=%s: connection closed before its %s could be settled; "
-                "the broker will redeliver it",
-                item.delivery.message_id,
-                type(outcome).__name__,
-            )
-            return
-        if isinstance(outcome, Acknowledge):
-            item.channel.basic_ack(tag)
-        elif isinstance(outcome, ScheduleRetry):
-            self._publish_retry(item, outcome)
-        else:
-            item.channel.basic_nack(tag, requeue=True)
-        if self.on_outcome is not None:
-            self.on_outcome(item.spec, item.delivery, outcome)
+        if link.connection.is_open and item.channel.is_open:
+            return True
+        logger.warning(
+            "message_id=%s: connection closed before its %s could be settled; "
+            "the broker will redeliver it",
+            item.delivery.message_id,
+            type(outcome).__name__,
+        )
+        return False
 
     def _publish_retry(self, item: _WorkItem, retry: ScheduleRetry) -> None:
         link, delivery = item.link, item.delivery
@@ -434,8 +456,10 @@ class ConsumerService:
                 exc,
             )
             item.channel.basic_nack(delivery.delivery_tag, requeue=True)
+            link.forget(item.channel, delivery.delivery_tag)
             return
         item.channel.basic_ack(delivery.delivery_tag)
+        link.forget(item.channel, delivery.delivery_tag)
 
     # -- worker threads --------------------------------------------------------------------------
 
@@ -575,6 +599,25 @@ class ConsumerService:
                     pairs[0][0].delivery.message_id,
                     ", ..." if len(pairs) > 1 else "",
                 )
+
+
+def _ack_coalesced(link: _Link, channel: BlockingChannel, tags: set[int]) -> None:
+    """Ack ``tags`` on ``channel``: the run of them that starts at the channel's oldest
+    unsettled delivery with one multiple ack, the rest one by one."""
+    unsettled = link.unsettled.get(channel.channel_number, {})
+    run: list[int] = []
+    for tag in unsettled:  # oldest first: tags grow on a channel
+        if tag not in tags:
+            break
+        run.append(tag)
+    if run:
+        channel.basic_ack(run[-1], multiple=True)
+        for tag in run:
+            del unsettled[tag]
+            tags.discard(tag)
+    for tag in sorted(tags):
+        channel.basic_ack(tag)
+        unsettled.pop(tag, None)
 
 
 def _label(outcome: Outcome) -> str:

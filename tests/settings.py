@@ -92,6 +92,12 @@ LOGGING = {
         "plain": {"format": "%(asctime)s %(process)d %(levelname)s %(name)s %(message)s"}
     },
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
-    "loggers": {"reliable_messaging": {"handlers": ["console"], "level": "INFO"}},
+    # RM_LOG_LEVEL: the benchmarks run consume processes with WARNING (no line per message).
+    "loggers": {
+        "reliable_messaging": {
+            "handlers": ["console"],
+            "level": os.environ.get("RM_LOG_LEVEL", "INFO"),
+        }
+    },
 }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
