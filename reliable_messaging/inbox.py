@@ -51,7 +51,7 @@ from .fastpath import DuplicateCache
 from .models import DeadLetter, DeadLetterReason, DeadLetterStatus, ProcessedMessage
 from .outcomes import Acknowledge, Outcome, RetryInPlace, ScheduleRetry
 from .registry import ConsumerSpec
-from .replay import mark_resolved
+from .replay import mark_resolved, resolve_processed_copies
 from .retry import GiveUp, decide
 from .routing import topic_matches
 
@@ -261,6 +261,9 @@ class DeliveryProcessor:
                 self.spec.handler(message)
                 if REPLAY_HEADER in delivery.headers:
                     mark_resolved(self.spec.name, message.message_id, self.using)
+                elif not self.spec.ordered:
+                    # An ordered consumer's dead letter keeps its key parked until replayed.
+                    resolve_processed_copies(self.spec.name, [message.message_id], self.using)
         except IntegrityError as exc:
             if not inserted:
                 return _Decided(
@@ -606,6 +609,7 @@ def _run_claimed(
         keys.append((jobs[index].processor.spec.name, message.message_id))
     claimed = _claim_inbox_rows(using, keys)
     seen: set[tuple[str, str]] = set()
+    processed: dict[str, list[str]] = {}
     for index, key, message in zip(indexes, keys, messages, strict=True):
         processor = jobs[index].processor
         if key not in claimed or key in seen:
@@ -629,6 +633,11 @@ def _run_claimed(
         decided[index] = _Decided(
             Acknowledge("processed"), "processed", duration, processed=True, after_commit=True
         )
+        processed.setdefault(key[0], []).append(key[1])
+    # In the same transaction: a dead letter of a message another copy just processed is
+    # resolved (one indexed query per consumer and batch; rows touched only when there are any).
+    for consumer, message_ids in processed.items():
+        resolve_processed_copies(consumer, message_ids, using)
 
 
 def _run_guarded(

@@ -11,7 +11,7 @@ if it fails again, the same dead letter row is updated (history kept).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -205,3 +205,34 @@ def mark_resolved(consumer: str, message_id: str, using: str) -> None:
         dead_letter.status = DeadLetterStatus.RESOLVED
         dead_letter.history = [*dead_letter.history, {"event": "resolved", "at": now.isoformat()}]
         dead_letter.save(using=using, update_fields=["status", "history", "updated_at"])
+
+
+def resolve_processed_copies(consumer: str, message_ids: Sequence[str], using: str) -> int:
+    """Resolve the dead letters of ``consumer`` whose message a later copy just processed.
+
+    Called inside the transaction that processed ``message_ids`` (not replays: those resolve
+    their own). A dead letter is stored when a copy fails for good, but another copy of the same
+    message (published twice, or sent again by a relay after a lost confirm) can still succeed,
+    and then nothing is left to review or replay. One indexed query per call; rows are locked
+    and updated only when there is something to resolve, which is rare.
+    """
+    if not message_ids:
+        return 0
+    open_letters = DeadLetter.objects.using(using).filter(
+        consumer=consumer,
+        message_id__in=list(message_ids),
+        status__in=(DeadLetterStatus.DEAD, DeadLetterStatus.REPLAYED),
+    )
+    if not open_letters.exists():
+        return 0
+    now = timezone.now()
+    count = 0
+    for dead_letter in open_letters.select_for_update():
+        dead_letter.status = DeadLetterStatus.RESOLVED
+        dead_letter.history = [
+            *dead_letter.history,
+            {"event": "resolved", "at": now.isoformat(), "by": "a later copy was processed"},
+        ]
+        dead_letter.save(using=using, update_fields=["status", "history", "updated_at"])
+        count += 1
+    return count

@@ -83,6 +83,43 @@ def test_a_failing_handler_rolls_back_only_itself_and_the_batch_commits_once() -
     assert "KeyError" in DeadLetter.objects.get(message_id="missing-field").exception_type
 
 
+def test_a_later_copy_processed_resolves_the_dead_letter_of_its_message() -> None:
+    """A copy failed for good (a dead letter), another copy of the same message succeeds
+    later: the dead letter is resolved in that transaction, and nothing is left to review."""
+    first = process_batch([job("twice", {"permanent": {"alpha": 1}}), job("other-dead")])
+    assert first[0] == Acknowledge("dead_lettered", "permanent")
+    DeadLetter.objects.create(
+        consumer="tests.beta", message_id="twice", queue="q", reason="permanent", body=b"{}"
+    )
+    DeadLetter.objects.create(
+        consumer="tests.alpha", message_id="lonely", queue="q", reason="permanent", body=b"{}"
+    )
+
+    # Optimistic batch path, then the guarded one (a failing neighbour forces it).
+    assert process_batch([job("twice"), job("fresh")]) == [Acknowledge("processed")] * 2
+    letter = DeadLetter.objects.get(consumer="tests.alpha", message_id="twice")
+    assert letter.status == "resolved"
+    assert letter.history[-1]["by"] == "a later copy was processed"
+    # Only that consumer's dead letter of that message.
+    assert DeadLetter.objects.get(consumer="tests.beta", message_id="twice").status == "dead"
+    assert DeadLetter.objects.get(message_id="lonely").status == "dead"
+
+    DeadLetter.objects.filter(message_id="lonely").update(status="replayed")
+    outcomes = process_batch([job("boom", {"permanent": {"alpha": 1}}), job("lonely")])
+    assert outcomes == [Acknowledge("dead_lettered", "permanent"), Acknowledge("processed")]
+    assert DeadLetter.objects.get(message_id="lonely").status == "resolved"
+    assert DeadLetter.objects.get(message_id="boom").status == "dead"
+
+
+def test_a_copy_that_fails_again_leaves_the_dead_letter_open() -> None:
+    DeadLetter.objects.create(
+        consumer="tests.alpha", message_id="again", queue="q", reason="permanent", body=b"{}"
+    )
+    outcomes = process_batch([job("again", {"permanent": {"alpha": 1}}), job("fine")])
+    assert outcomes == [Acknowledge("dead_lettered", "permanent"), Acknowledge("processed")]
+    assert DeadLetter.objects.get(message_id="again").status == "dead"
+
+
 def test_an_unexpected_routing_key_is_a_dead_letter_with_its_reason() -> None:
     spec = find_consumer("tests.alpha")
     stray = Delivery(
