@@ -205,6 +205,9 @@ class DeadLetterAdmin(admin.ModelAdmin):
     )
     # Dead letters replayed, or discarded, per transaction (each with its admin log rows).
     batch_size = 500
+    # Seconds of bulk work ("all matching the filter") one request may do. Past it the request
+    # answers a page that continues where it stopped, so no proxy timeout cuts an operation.
+    bulk_request_seconds = 20.0
 
     # ------------------------------------------------------------------ permissions
 

@@ -3,7 +3,9 @@
 - ``failure_groups_view``: dead letters grouped by fingerprint and consumer, with counts, first
   and last seen, an example, and links to list, replay or discard a whole group.
 - ``bulk_operation_view``: replay or discard everything the changelist's filter matches; GET
-  shows how many on a confirmation page, POST does it in bounded batches.
+  shows how many on a confirmation page, POST does it in bounded batches, for at most
+  ``bulk_request_seconds`` per request: a longer operation answers a progress page that posts
+  itself again to go on after the last dead letter done, until nothing is left.
 - ``object_operation_view``: the replay and discard buttons of one dead letter's page.
 - ``replay_and_report``, ``discard_and_report``: call the services of ``replay.py`` batch by
   batch, write each dead letter's admin log entry in the batch's transaction, and tell the user
@@ -15,6 +17,7 @@ CSRF protection.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -97,13 +100,17 @@ def replay_and_report(
     *,
     force: bool,
     how: str,
-) -> ReplayResult:
-    """Replay ``ids`` through the outbox, ``batch_size`` per transaction, log and report it."""
+    deadline: float | None = None,
+) -> tuple[ReplayResult, int]:
+    """Replay ``ids`` through the outbox, ``batch_size`` per transaction, log and report it.
+    Stops after the batch that passes ``deadline`` (``time.monotonic()``); returns what was
+    done and how many of ``ids`` were handled."""
     result = ReplayResult()
     who = operator(request)
     verb = gettext("Replayed, forced") if force else gettext("Replayed")
     message = _how_many(verb, how, len(ids))
     using = router.db_for_write(DeadLetter)
+    handled = 0
     for start in range(0, len(ids), model_admin.batch_size):
         with transaction.atomic(using=using):
             batch = replay_batch(
@@ -111,8 +118,11 @@ def replay_and_report(
             )
             log_changes(request, batch.replayed, message)
         result.merge(batch)
+        handled = min(len(ids), start + model_admin.batch_size)
+        if deadline is not None and time.monotonic() >= deadline:
+            break
     _report_replay(model_admin, request, result, force=force)
-    return result
+    return result, handled
 
 
 def _report_replay(
@@ -179,13 +189,20 @@ def _report_replay(
 
 
 def discard_and_report(
-    model_admin: DeadLetterAdmin, request: HttpRequest, ids: Sequence[int], *, how: str
-) -> int:
-    """Discard those of ``ids`` still dead, ``batch_size`` per transaction; log and report."""
+    model_admin: DeadLetterAdmin,
+    request: HttpRequest,
+    ids: Sequence[int],
+    *,
+    how: str,
+    deadline: float | None = None,
+) -> tuple[int, int]:
+    """Discard those of ``ids`` still dead, ``batch_size`` per transaction; log and report.
+    Stops after the batch that passes ``deadline``; returns (discarded, ids handled)."""
     who = operator(request)
     message = _how_many(gettext("Discarded"), how, len(ids))
     using = router.db_for_write(DeadLetter)
     discarded = 0
+    handled = 0
     for start in range(0, len(ids), model_admin.batch_size):
         with transaction.atomic(using=using):
             # Locked, so a dead letter a replay just took is not discarded under its feet.
@@ -198,6 +215,9 @@ def discard_and_report(
             )
             discarded += discard(DeadLetter.objects.filter(pk__in=dead), discarded_by=who)
             log_changes(request, dead, message)
+        handled = min(len(ids), start + model_admin.batch_size)
+        if deadline is not None and time.monotonic() >= deadline:
+            break
     if discarded:
         model_admin.message_user(
             request,
@@ -211,7 +231,7 @@ def discard_and_report(
             % {"count": discarded},
             messages.SUCCESS,
         )
-    skipped = len(ids) - discarded
+    skipped = handled - discarded
     if skipped:
         model_admin.message_user(
             request,
@@ -225,7 +245,13 @@ def discard_and_report(
             % {"count": skipped},
             messages.WARNING,
         )
-    return discarded
+    return discarded, handled
+
+
+def _counter(request: HttpRequest, name: str) -> int:
+    """A non-negative integer posted back by the progress page; 0 when absent or malformed."""
+    value = request.POST.get(name, "")
+    return int(value) if value.isdigit() and len(value) < 19 else 0
 
 
 # --------------------------------------------------------------------------- views
@@ -274,15 +300,31 @@ def bulk_operation_view(
     targets = matching.filter(status__in=statuses).exclude(reason__in=unreplayable)
 
     if request.method == "POST":
-        ids = list(targets.order_by("pk").values_list("pk", flat=True))
+        # A continuation (posted by the progress page) goes on after the last one done, so
+        # nothing is done twice even when the filter still matches what was done already.
+        after, done_before = _counter(request, "after"), _counter(request, "done")
+        ids = list(targets.filter(pk__gt=after).order_by("pk").values_list("pk", flat=True))
         filter_text = ", ".join(describe_filter(request)) or gettext("no filter")
         how = gettext("all matching the filter: %(filter)s") % {"filter": filter_text}
+        force = bool(request.POST.get("force"))
+        deadline = time.monotonic() + model_admin.bulk_request_seconds
         if operation == "replay":
-            replay_and_report(
-                model_admin, request, ids, force=bool(request.POST.get("force")), how=how
+            _, handled = replay_and_report(
+                model_admin, request, ids, force=force, how=how, deadline=deadline
             )
         else:
-            discard_and_report(model_admin, request, ids, how=how)
+            _, handled = discard_and_report(model_admin, request, ids, how=how, deadline=deadline)
+        if handled < len(ids):
+            return _progress_page(
+                model_admin,
+                request,
+                operation,
+                done=done_before + handled,
+                left=len(ids) - handled,
+                after=ids[handled - 1],
+                force=force,
+                changelist_url=changelist_url,
+            )
         return redirect(changelist_url)
 
     counts = matching.aggregate(
@@ -320,6 +362,40 @@ def bulk_operation_view(
     request.current_app = model_admin.admin_site.name
     return TemplateResponse(
         request, "admin/reliable_messaging/deadletter/confirm_operation.html", context
+    )
+
+
+def _progress_page(
+    model_admin: DeadLetterAdmin,
+    request: HttpRequest,
+    operation: Operation,
+    *,
+    done: int,
+    left: int,
+    after: int,
+    force: bool,
+    changelist_url: str,
+) -> TemplateResponse:
+    """Part of a bulk operation is done: say how far it got, and post again to go on."""
+    if operation == "replay":
+        title = gettext("Replaying: %(done)d done, %(left)d to go") % {"done": done, "left": left}
+    else:
+        title = gettext("Discarding: %(done)d done, %(left)d to go") % {"done": done, "left": left}
+    context = {
+        **model_admin.admin_site.each_context(request),
+        "opts": model_admin.opts,
+        "title": title,
+        "operation": operation,
+        "done": done,
+        "left": left,
+        "after": after,
+        "force": force,
+        "action_url": request.get_full_path(),
+        "changelist_url": changelist_url,
+    }
+    request.current_app = model_admin.admin_site.name
+    return TemplateResponse(
+        request, "admin/reliable_messaging/deadletter/bulk_progress.html", context
     )
 
 

@@ -3,6 +3,7 @@ work by filter and by failure group with a confirmation page, the admin log, and
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +13,7 @@ from django.test import Client
 from django.urls import reverse
 
 from reliable_messaging import admin_views
+from reliable_messaging.admin import DeadLetterAdmin
 from reliable_messaging.envelope import (
     DEAD_LETTER_ID_HEADER,
     ORIGINAL_EXCHANGE_HEADER,
@@ -247,6 +249,65 @@ def test_replay_everything_matching_the_filter_in_bounded_batches(
     beta.refresh_from_db()
     resolved.refresh_from_db()
     assert (beta.status, resolved.status) == ("dead", "resolved")
+
+
+def continuation(response: Any) -> dict[str, str]:
+    """The hidden fields of the progress page's form, which posts itself to go on."""
+    html = response.content.decode()
+    assert 'id="rm-continue"' in html and ".submit()" in html
+    return dict(re.findall(r'<input type="hidden" name="(after|done|force)" value="(\d+)">', html))
+
+
+def test_a_long_bulk_replay_goes_on_over_several_requests(
+    admin: Client, make_dead_letter: MakeDeadLetter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past ``bulk_request_seconds`` a request stops after its batch and answers a page that
+    posts again from where it stopped: no proxy timeout cuts a large replay, and nothing is
+    replayed twice, even when the filter still matches what was done."""
+    monkeypatch.setattr(DeadLetterAdmin, "batch_size", 2)
+    monkeypatch.setattr(DeadLetterAdmin, "bulk_request_seconds", 0.0)  # one batch per request
+    letters = [make_dead_letter(message_id=f"long-{i}", status="discarded") for i in range(5)]
+    processed = letters[1]
+    ProcessedMessage.objects.create(consumer=processed.consumer, message_id=processed.message_id)
+    # Filtering by status includes every replayable one, so the done ones still match.
+    url = f"{REPLAY_MATCHING}?consumer=tests.alpha&status__in=discarded,replayed"
+
+    first = admin.post(url, {"force": "1"})
+    assert first.status_code == 200
+    assert "Replaying: 2 done, 3 to go" in first.content.decode()
+    fields = continuation(first)
+    assert fields == {"after": str(letters[1].pk), "done": "2", "force": "1"}
+
+    second = admin.post(url, fields)
+    assert "Replaying: 4 done, 1 to go" in second.content.decode()
+    third = admin.post(url, continuation(second), follow=True)
+    assert third.redirect_chain[-1][0].startswith(CHANGELIST)
+
+    assert OutboxMessage.objects.count() == 5, "each replayed once"
+    assert DeadLetter.objects.filter(status="replayed", replay_count=1).count() == 5
+    # The force chosen on the confirmation page held for every request.
+    assert not ProcessedMessage.objects.filter(message_id=processed.message_id).exists()
+    replayed = [m for m in messages_of(third) if "were replayed" in m or "was replayed" in m]
+    assert [int(m.split()[0]) for m in replayed] == [2, 2, 1]
+
+
+def test_a_long_bulk_discard_goes_on_and_a_forged_position_is_harmless(
+    admin: Client, make_dead_letter: MakeDeadLetter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(DeadLetterAdmin, "batch_size", 3)
+    monkeypatch.setattr(DeadLetterAdmin, "bulk_request_seconds", 0.0)
+    for _ in range(4):
+        make_dead_letter(reason="retries_exhausted")
+    url = f"{DISCARD_MATCHING}?reason__exact=retries_exhausted"
+
+    first = admin.post(url)
+    assert "Discarding: 3 done, 1 to go" in first.content.decode()
+    assert DeadLetter.objects.filter(status="discarded").count() == 3
+    # Garbage in the posted fields is read as "from the start": only dead ones are taken.
+    done = admin.post(url, {"after": "-1; DROP TABLE x", "done": "abc"}, follow=True)
+    assert done.redirect_chain[-1][0].startswith(CHANGELIST)
+    assert DeadLetter.objects.filter(status="discarded").count() == 4
+    assert not any("not discarded" in m for m in messages_of(done))
 
 
 def test_replay_matching_respects_search_and_offers_force(

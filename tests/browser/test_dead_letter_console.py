@@ -162,6 +162,30 @@ def test_filter_replay_and_see_the_consumer_process_it(page: Page) -> None:
     assert status.inner_text().split() == ["resolved", "replayed", "once"]
 
 
+def test_a_long_bulk_replay_continues_by_itself_in_the_browser(
+    page: Page, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The progress page of a bulk replay posts itself until everything is done; the
+    messages of every request are shown together on the list at the end."""
+    from reliable_messaging.admin import DeadLetterAdmin
+
+    monkeypatch.setattr(DeadLetterAdmin, "batch_size", 2)
+    monkeypatch.setattr(DeadLetterAdmin, "bulk_request_seconds", 0.0)  # one batch per request
+    alpha = find_consumer("tests.alpha")
+    for n in range(5):
+        dead_letter(alpha.name, alpha.queue, {"n": n}, message_id=f"bulk-{n}")
+    # Where "select all N" in the list leads: the confirmation page for the current filter.
+    page.goto(page.url.split("?")[0] + "replay-matching/?consumer=tests.alpha")
+    page.get_by_role("button", name="Yes, replay 5 dead letters").click()
+
+    page.wait_for_url("**/admin/reliable_messaging/deadletter/*")
+    success = page.locator(".messagelist .success")
+    success.first.wait_for()
+    counts = [int(text.split()[0]) for text in success.all_inner_texts()]
+    assert counts == [2, 2, 1]
+    assert DeadLetter.objects.filter(status="replayed", replay_count=1).count() == 5
+
+
 def test_screenshot_of_the_dead_letter_list(page: Page, tmp_path: Path) -> None:
     # The demo shop's consumers (demo_project/shop/consumers.py), and one more.
     billing = ("billing.charge-order", "shop.billing", "order.placed")
