@@ -50,7 +50,9 @@ Three kinds of figures, exported from three places:
 
   ===========================================  ====================================================
   ``reliable_messaging_broker_up``             1 if the last read reached the broker
-  ``reliable_messaging_queue_exists``          1 if declared, 0 if not {queue, consumer, kind}
+  ``reliable_messaging_queue_exists``          1 if declared, 0 if not {queue, consumer, kind};
+                                               kind is consumer, delay or leftover (a queue an
+                                               earlier shape of the consumer left behind)
   ``reliable_messaging_queue_messages_ready``  messages waiting in it {queue, consumer, kind}
   ``reliable_messaging_queue_consumers``       consumers attached to it {queue, consumer, kind}
   ===========================================  ====================================================
@@ -474,7 +476,10 @@ class BrokerCollector:
 
         specs = registry.all() if self.specs is None else self.specs
         try:
-            queues = queues_from_amqp(monitored_queues(specs), timeout=self.timeout)
+            specs = list(specs)
+            queues = queues_from_amqp(
+                monitored_queues(specs), timeout=self.timeout, leftovers_of=specs
+            )
         except (pika.exceptions.AMQPError, OSError) as exc:
             if self._reachable:
                 # describe_error names the error, never the URL or its password.

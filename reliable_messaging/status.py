@@ -33,6 +33,7 @@ from django.db.models import Count
 from django.utils import timezone
 
 from .conf import MessagingSettings, messaging_settings, redact_url
+from .leftovers import find_leftovers
 from .metrics import outbox_lag
 from .models import DeadLetter, OutboxMessage, ProcessedMessage
 from .registry import ConsumerSpec, registry
@@ -47,7 +48,8 @@ MANAGEMENT_TLS_PORT = 15671
 # Version of the ``--json`` document; raised only when a key changes meaning or goes away.
 STATUS_FORMAT_VERSION = 1
 
-QueueKind = Literal["consumer", "delay"]
+# "leftover": a queue an earlier shape of a consumer left (see reliable_messaging.leftovers).
+QueueKind = Literal["consumer", "delay", "leftover"]
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,7 @@ class Thresholds:
     max_ready: int = 1000
     max_redelivery_rate: float = 0.2
     min_consumers: int = 0
+    max_leftover_messages: int = 0
 
 
 @dataclass(frozen=True)
@@ -325,8 +328,11 @@ def queues_from_amqp(
     queues: Iterable[tuple[str, QueueKind, str | None]],
     settings: MessagingSettings = messaging_settings,
     timeout: float = DEFAULT_TIMEOUT,
+    *,
+    leftovers_of: Iterable[ConsumerSpec] = (),
 ) -> tuple[QueueStatus, ...]:
-    """Read exact ready counts and consumers with passive declares. Raises
+    """Read exact ready counts and consumers with passive declares, then the queues that
+    earlier shapes of ``leftovers_of`` left behind (kind ``leftover``). Raises
     ``pika.exceptions.AMQPConnectionError`` when the broker cannot be reached."""
     connection = pika.BlockingConnection(_amqp_parameters(settings, timeout))
     found = []
@@ -352,6 +358,17 @@ def queues_from_amqp(
                     consumers=int(method.consumer_count or 0),
                 )
             )
+        found += [
+            QueueStatus(
+                leftover.queue,
+                "leftover",
+                leftover.spec.name,
+                exists=True,
+                ready=leftover.messages,
+                consumers=leftover.consumers,
+            )
+            for leftover in find_leftovers(connection, leftovers_of, settings)
+        ]
     finally:
         if connection.is_open:
             connection.close()
@@ -374,9 +391,10 @@ def broker_status(
     except Exception as exc:  # noqa: BLE001 - pika raises several types for a bad URL
         return BrokerStatus(shown, reachable=False, error=f"the URL cannot be parsed: {exc}")
     password = str(getattr(params.credentials, "password", "") or "")
-    queues = monitored_queues(registry.all() if specs is None else specs, settings)
+    specs = list(registry.all() if specs is None else specs)
+    queues = monitored_queues(specs, settings)
     try:
-        found = queues_from_amqp(queues, settings, timeout)
+        found = queues_from_amqp(queues, settings, timeout, leftovers_of=specs)
     except (pika.exceptions.AMQPError, OSError) as exc:
         error = f"cannot connect to {shown}: {scrub(describe_error(exc), password)}"
         return BrokerStatus(shown, reachable=False, error=error)
@@ -493,6 +511,16 @@ def find_problems(
                 )
             )
     for queue in broker.queues if broker.reachable else ():
+        if queue.kind == "leftover" and (queue.ready or 0) > thresholds.max_leftover_messages:
+            found.append(
+                Problem(
+                    "max_leftover_messages",
+                    f"queue {queue.name} was left by an earlier shape of consumer "
+                    f"{queue.consumer} and holds {queue.ready:,} message(s) nobody handles "
+                    f"(limit {thresholds.max_leftover_messages:,}): the next `manage.py "
+                    f"consume` start moves them and deletes it",
+                )
+            )
         if queue.kind != "consumer" or not queue.exists:
             continue
         if queue.ready is not None and queue.ready > thresholds.max_ready:

@@ -109,6 +109,7 @@ def test_alert_rules_cover_the_operational_risks() -> None:
     not_consumed = expressions["ReliableMessagingQueueNotConsumed"]
     assert "reliable_messaging_queue_messages_ready" in not_consumed
     assert "reliable_messaging_queue_consumers" in not_consumed and "== 0" in not_consumed
+    assert 'kind="leftover"' in expressions["ReliableMessagingLeftoverQueueHoldsMessages"]
 
 
 def test_alert_rules_name_only_exported_metrics(exported: set[str]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
 from collections.abc import Iterator
@@ -187,6 +188,33 @@ def test_metrics_view_exports_queue_depths_and_consumers(
     assert gauge("messages_ready", delay, "", kind="delay") == 0
     # The database gauges are still there, next to the queue gauges.
     assert samples[("reliable_messaging_database_up", frozenset())] == 1
+    # No queue of an earlier shape of these consumers exists.
+    assert not any(("kind", "leftover") in labels for _, labels in samples)
+
+
+def test_a_leftover_queue_is_exported_with_its_kind(
+    client: Client, ns: str, rm_settings: dict[str, Any]
+) -> None:
+    plain = ConsumerSpec(name="tests.ops.moved", queue=f"rmtest.{ns}.moved", handler=print)
+    ordered = dataclasses.replace(plain, ordered=True)
+    connection = broker_connection()
+    try:
+        declare_topology(connection.channel(), [plain])
+        declare_topology(connection.channel(), [ordered])
+        publisher = Publisher()
+        try:
+            publisher.publish("", plain.queue, {"n": 1})
+        finally:
+            publisher.close()
+        with registry.isolated():
+            registry.register(ordered)
+            response = client.get(reverse("reliable_messaging:metrics"))
+    finally:
+        connection.close()
+    samples = parse_samples(response.content.decode())
+    labels = frozenset({"queue": plain.queue, "consumer": plain.name, "kind": "leftover"}.items())
+    assert samples[("reliable_messaging_queue_messages_ready", labels)] == 1
+    assert samples[("reliable_messaging_queue_exists", labels)] == 1
 
 
 def test_queue_gauges_with_the_broker_unreachable(

@@ -6,6 +6,7 @@ in an isolated registry, so the command looks at exactly the queues the test con
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import io
 import json
@@ -264,6 +265,43 @@ def test_an_ordered_consumer_is_shown_by_its_partitions(
     assert [q["name"] for q in consumer_queues_shown] == partitions
     assert all(q["exists"] and q["consumer"] == CONSUMER for q in consumer_queues_shown)
     assert [q["ready"] for q in consumer_queues_shown] == [0, 1] + [0] * (len(partitions) - 2)
+
+
+def test_a_queue_left_by_an_earlier_shape_is_shown_and_judged(
+    ns: str, rm_settings: dict[str, Any]
+) -> None:
+    """A consumer made ordered leaves its old queue bound: messages reaching it are handled by
+    nobody until ``consume`` retires it, so the status shows it and counts it a problem."""
+    plain = ConsumerSpec(
+        name=CONSUMER, queue=f"rmtest.{ns}.ledger", handler=lambda m: None, bindings=("x.#",)
+    )
+    ordered = dataclasses.replace(plain, ordered=True)
+    connection = broker_connection()
+    try:
+        declare_topology(connection.channel(), [plain])
+        declare_topology(connection.channel(), [ordered])
+    finally:
+        connection.close()
+    publisher = Publisher()
+    try:
+        publisher.publish(rm_settings["EXCHANGE"], "x.y", {"n": 1})  # a copy in both shapes
+    finally:
+        publisher.close()
+    with registry.isolated():
+        registry.register(ordered)
+        ran = status("--json")
+        relaxed = status("--json", "--max-leftover-messages", "1")
+        text = status()
+    assert ran.code == 1, ran.err
+    leftover = ran.queue(plain.queue)
+    assert (leftover["kind"], leftover["consumer"], leftover["ready"]) == ("leftover", CONSUMER, 1)
+    [problem] = ran.json["problems"]
+    assert problem["threshold"] == "max_leftover_messages"
+    assert f"queue {plain.queue} was left by an earlier shape" in problem["message"]
+    assert "--max-leftover-messages" in ran.err
+    assert relaxed.code == 0, relaxed.err
+    row = next(line for line in text.out.splitlines() if line.split()[:1] == [plain.queue])
+    assert f"{CONSUMER} (leftover)" in row
 
 
 def test_crossed_thresholds_exit_1_and_say_which(backlog: str) -> None:

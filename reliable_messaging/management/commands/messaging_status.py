@@ -21,7 +21,9 @@ database cannot be reached (it says which and why; the broker password is never 
            "exists": true, "ready": 12, "unacked": 4, "consumers": 2,
            "deliver_rate": 10.2, "redeliver_rate": 0.0, "redelivery_ratio": 0.0}
         ]                                # unacked and rates: the management API's samples;
-      },                                 # kind "delay": retry delay queues (consumer null)
+      },                                 # kind "delay": retry delay queues (consumer null);
+                                         # kind "leftover": left by an earlier shape of the
+                                         # consumer, retired by its next consume start
       "database": {
         "alias": "default", "reachable": true, "error": null,
         "outbox": {"pending": 3, "failed": 0, "lag_seconds": 0.4},
@@ -30,7 +32,8 @@ database cannot be reached (it says which and why; the broker password is never 
         "inbox": {"rows": 120345}
       },
       "thresholds": {"max_outbox_lag": 60.0, "max_outbox_failed": 0, "max_dead_letters": 0,
-                     "max_ready": 1000, "max_redelivery_rate": 0.2, "min_consumers": 0},
+                     "max_ready": 1000, "max_redelivery_rate": 0.2, "min_consumers": 0,
+                     "max_leftover_messages": 0},
       "problems": [{"threshold": "max_dead_letters",
                     "message": "2 dead letter(s) await review (limit 0)"}]
     }
@@ -54,6 +57,12 @@ from reliable_messaging.status import (
 )
 
 DEFAULTS = Thresholds()
+
+
+def _consumer_column(queue: QueueStatus) -> str:
+    if queue.kind == "leftover":
+        return f"{queue.consumer} (leftover)"
+    return queue.consumer or "(retry delay)"
 
 
 def _count(value: int | None) -> str:
@@ -141,6 +150,15 @@ class Command(BaseCommand):
             "not checked)",
         )
         parser.add_argument(
+            "--max-leftover-messages",
+            type=int,
+            default=DEFAULTS.max_leftover_messages,
+            metavar="N",
+            help="messages in a queue left by an earlier shape of a consumer (ordered turned "
+            "on or off, fewer partitions), which nobody handles until consume retires it "
+            "(default %(default)d)",
+        )
+        parser.add_argument(
             "--management-url",
             metavar="URL",
             help="the RabbitMQ management API, e.g. http://rabbitmq:15672 (default: the "
@@ -164,6 +182,7 @@ class Command(BaseCommand):
             max_ready=options["max_ready"],
             max_redelivery_rate=options["max_redelivery_rate"],
             min_consumers=options["min_consumers"],
+            max_leftover_messages=options["max_leftover_messages"],
         )
         status = collect_status(
             thresholds, management_url=options["management_url"], timeout=options["timeout"]
@@ -215,7 +234,7 @@ class Command(BaseCommand):
             rows = [
                 [
                     q.name,
-                    q.consumer or "(retry delay)",
+                    _consumer_column(q),
                     _count(q.ready),
                     _count(q.unacked),
                     _count(q.consumers),
