@@ -25,7 +25,6 @@ import argparse
 import os
 import random
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -45,6 +44,9 @@ from _common import (
     setup_django_on,
     vm_rss_kib,
 )
+
+sys.path.insert(0, str(ROOT))
+from tests.support import ManageProcess, WaitTimeout
 
 DATABASE = "rm_soak"
 ROUTING_KEY = "order.placed"
@@ -79,56 +81,26 @@ def plan(
 # --------------------------------------------------------------------------- processes
 
 
-class Process:
-    """A ``manage.py`` subprocess logging to a file."""
+class Process(ManageProcess):
+    """A ``manage.py`` subprocess of the soak, logging to a file (the suite's helper)."""
 
     def __init__(self, command: str, args: list[str], env: dict[str, str], log: Path) -> None:
         self.command = command
-        self.log_path = log
-        self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        self.popen = subprocess.Popen(
-            [sys.executable, str(ROOT / "manage.py"), command, *args],
-            cwd=ROOT,
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def count(self, fragment: str) -> int:
-        total = 0
-        with open(self.log_path, errors="replace") as log:
-            for line in log:
-                total += fragment in line
-        return total
-
-    def wait_for(self, fragment: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while fragment not in self.text():
-            if self.popen.poll() is not None:
-                raise SystemExit(f"{self.command} exited early:\n{self.text()[-3000:]}")
-            if time.monotonic() > deadline:
-                raise SystemExit(f"{self.command}: no {fragment!r} within {timeout}s")
-            time.sleep(0.1)
+        super().__init__(args, env, log)
 
     def stop(self) -> int | None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(60)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(30)
-        self._log.close()
-        return self.popen.returncode
+        """SIGTERM, a minute to finish gracefully, then SIGKILL; the exit code."""
+        self.send(signal.SIGTERM)
+        try:
+            return self.wait(60)
+        except WaitTimeout:
+            return None
+        finally:
+            self.close()
+
+    def count(self, fragment: str) -> int:
+        """Lines of the log that contain ``fragment``."""
+        return sum(fragment in line for line in self.log().splitlines())
 
 
 # --------------------------------------------------------------------------- traffic
@@ -409,10 +381,10 @@ def main() -> int:
             processes.append(proc)
             consumers.append(proc)
         for proc in consumers:
-            proc.wait_for("consuming ", 60)
+            proc.wait_for_log("consuming ", 60)
         relay = Process("relay", [], env, logs / "relay.log")
         processes.append(relay)
-        relay.wait_for("relay: publishing the outbox", 60)
+        relay.wait_for_log("relay: publishing the outbox", 60)
         rss_start = [vm_rss_kib(p.pid) for p in consumers]
 
         publisher = Publisher(planned, exchange, args.rate, args.per_transaction)

@@ -23,8 +23,9 @@ order across a change of shape is not kept.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import pika
 import pika.exceptions
@@ -56,29 +57,31 @@ class Leftover:
     consumers: int
 
 
-def _exists(connection: BlockingConnection, queue: str) -> tuple[int, int] | None:
-    """(ready messages, consumers) of ``queue``, or None when it does not exist."""
+def _probe(connection: BlockingConnection, declare: Callable[[BlockingChannel], Any]) -> Any:
+    """Run a passive declare on a channel of its own; None when the object does not exist
+    (the broker closes a channel on a failed passive declare, so it is not shared)."""
     channel = connection.channel()
     try:
-        method = channel.queue_declare(queue, passive=True).method
+        found = declare(channel)
     except pika.exceptions.ChannelClosedByBroker as exc:
         if exc.reply_code != NOT_FOUND:
             raise
-        return None  # the broker closed the channel
+        return None
     channel.close()
-    return int(method.message_count or 0), int(method.consumer_count or 0)
+    return found
+
+
+def _exists(connection: BlockingConnection, queue: str) -> tuple[int, int] | None:
+    """(ready messages, consumers) of ``queue``, or None when it does not exist."""
+    ok = _probe(connection, lambda channel: channel.queue_declare(queue, passive=True))
+    if ok is None:
+        return None
+    return int(ok.method.message_count or 0), int(ok.method.consumer_count or 0)
 
 
 def _exchange_exists(connection: BlockingConnection, exchange: str) -> bool:
-    channel = connection.channel()
-    try:
-        channel.exchange_declare(exchange, passive=True)
-    except pika.exceptions.ChannelClosedByBroker as exc:
-        if exc.reply_code != NOT_FOUND:
-            raise
-        return False
-    channel.close()
-    return True
+    ok = _probe(connection, lambda channel: channel.exchange_declare(exchange, passive=True))
+    return ok is not None
 
 
 def _partitions_from(connection: BlockingConnection, spec: ConsumerSpec, first: int) -> list[str]:

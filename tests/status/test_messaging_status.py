@@ -77,6 +77,15 @@ def closed_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def declare(spec: ConsumerSpec) -> None:
+    """What ``consume`` declares for ``spec`` on start (queues or partitions, delay queues)."""
+    connection = broker_connection()
+    try:
+        declare_topology(connection.channel(), [spec])
+    finally:
+        connection.close()
+
+
 @pytest.fixture
 def queue(ns: str, rm_settings: dict[str, Any]) -> Iterator[str]:
     """The test's consumer, registered alone, with its queue and delay queues declared."""
@@ -85,11 +94,7 @@ def queue(ns: str, rm_settings: dict[str, Any]) -> Iterator[str]:
     )
     with registry.isolated():
         registry.register(spec)
-        connection = broker_connection()
-        try:
-            declare_topology(connection.channel(), [spec])
-        finally:
-            connection.close()
+        declare(spec)
         yield spec.queue
 
 
@@ -249,11 +254,7 @@ def test_an_ordered_consumer_is_shown_by_its_partitions(
     assert len(partitions) > 1
     with registry.isolated():
         registry.register(spec)
-        connection = broker_connection()
-        try:
-            declare_topology(connection.channel(), [spec])
-        finally:
-            connection.close()
+        declare(spec)
         publisher = Publisher()
         try:
             publisher.publish("", partitions[1], {"n": 1})
@@ -276,12 +277,8 @@ def test_a_queue_left_by_an_earlier_shape_is_shown_and_judged(
         name=CONSUMER, queue=f"rmtest.{ns}.ledger", handler=lambda m: None, bindings=("x.#",)
     )
     ordered = dataclasses.replace(plain, ordered=True)
-    connection = broker_connection()
-    try:
-        declare_topology(connection.channel(), [plain])
-        declare_topology(connection.channel(), [ordered])
-    finally:
-        connection.close()
+    declare(plain)
+    declare(ordered)
     publisher = Publisher()
     try:
         publisher.publish(rm_settings["EXCHANGE"], "x.y", {"n": 1})  # a copy in both shapes
