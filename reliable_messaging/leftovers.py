@@ -33,8 +33,8 @@ from pika.adapters.blocking_connection import BlockingChannel, BlockingConnectio
 
 from .conf import MessagingSettings, messaging_settings
 from .envelope import ORIGINAL_EXCHANGE_HEADER, ORIGINAL_ROUTING_KEY_HEADER
-from .registry import ConsumerSpec
-from .topology import consumer_exchange, partition_exchange
+from .registry import ConsumerSpec, registry
+from .topology import consumer_exchange, consumer_queues, partition_exchange
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,14 @@ def find_leftovers(
     specs: Iterable[ConsumerSpec],
     settings: MessagingSettings = messaging_settings,
 ) -> list[Leftover]:
-    """The leftover queues of ``specs`` on the broker (passive declares only: changes nothing)."""
+    """The leftover queues of ``specs`` on the broker (passive declares only: changes nothing).
+
+    A queue that a registered consumer reads now is never a leftover, whatever its name: a
+    plain consumer may well own ``orders.p0`` next to another one's ``orders``."""
+    specs = list(specs)
+    live = {
+        queue for spec in [*registry.all(), *specs] for queue in consumer_queues(spec, settings)
+    }
     found: list[Leftover] = []
     for spec in specs:
         names: list[tuple[str, tuple[tuple[str, str], ...]]] = []
@@ -114,6 +121,8 @@ def find_leftovers(
             # From before ordered=False: fed by the partition exchange, deleted first.
             names += [(name, ()) for name in _partitions_from(connection, spec, 0)]
         for name, feeds in names:
+            if name in live:
+                continue
             figures = _exists(connection, name)
             if figures is not None:
                 found.append(Leftover(spec, name, feeds, *figures))
@@ -146,8 +155,11 @@ def _retire_all(
     connection: BlockingConnection, specs: list[ConsumerSpec], settings: MessagingSettings
 ) -> list[Leftover]:
     # An ordered consumer turned plain: stop the old partitions' feed before looking at them.
+    live = {partition_exchange(spec) for spec in registry.all() if spec.ordered}
     for spec in specs:
-        if not spec.ordered and _exchange_exists(connection, partition_exchange(spec)):
+        if spec.ordered or partition_exchange(spec) in live:
+            continue
+        if _exchange_exists(connection, partition_exchange(spec)):
             channel = connection.channel()
             channel.exchange_delete(partition_exchange(spec))
             channel.close()

@@ -25,7 +25,7 @@ from reliable_messaging.envelope import (
     normalize_headers,
 )
 from reliable_messaging.leftovers import find_leftovers, retire_leftovers
-from reliable_messaging.registry import ConsumerSpec
+from reliable_messaging.registry import ConsumerSpec, registry
 from reliable_messaging.routing import topic_matches
 from reliable_messaging.topology import consumer_queues, declare_topology, partition_exchange
 from tests.support import Publisher, broker_connection
@@ -264,6 +264,28 @@ def test_no_leftovers_costs_nothing_and_changes_nothing(
     assert depth(connection, plain.queue) == 1
     assert sum(depth(connection, q) or 0 for q in consumer_queues(ordered)) == 1
     assert exchange_exists(connection, partition_exchange(ordered))
+
+
+def test_a_queue_another_consumer_reads_now_is_never_a_leftover(
+    connection: pika.BlockingConnection, ns: str, rm_settings: dict[str, Any]
+) -> None:
+    """``orders.p0`` looks like a partition of ``orders``, but here it is the queue of another
+    registered consumer: its messages stay where they are."""
+    orders = spec_for(ns, ordered=False)
+    neighbour = ConsumerSpec(
+        name="tests.leftovers.neighbour",
+        queue=f"{orders.queue}.p0",
+        handler=lambda m: None,
+        bindings=("acct.*",),
+    )
+    declare_topology(connection.channel(), [orders, neighbour])
+    publish_keys(rm_settings["EXCHANGE"], ["a", "b"])
+    with registry.isolated():
+        registry.register(orders)
+        registry.register(neighbour)
+        assert retire_leftovers(connection, [orders]) == []
+    assert depth(connection, neighbour.queue) == 2
+    assert depth(connection, orders.queue) == 2
 
 
 def test_consume_retires_leftovers_when_it_connects(
