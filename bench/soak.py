@@ -46,7 +46,7 @@ from _common import (
 )
 
 sys.path.insert(0, str(ROOT))
-from tests.support import ManageProcess, WaitTimeout
+from tests.support import ManageProcess, WaitTimeout, all_queue_counts
 
 DATABASE = "rm_soak"
 ROUTING_KEY = "order.placed"
@@ -172,24 +172,6 @@ class Publisher:
 # --------------------------------------------------------------------------- the broker
 
 
-def queue_counts(vhost: str) -> dict[str, tuple[int, int]]:
-    out = rabbitmqctl(
-        "list_queues",
-        "-p",
-        vhost,
-        "name",
-        "messages_ready",
-        "messages_unacknowledged",
-        "--no-table-headers",
-    )
-    counts = {}
-    for line in out.splitlines():
-        fields = line.split("\t")
-        if len(fields) == 3:
-            counts[fields[0]] = (int(fields[1]), int(fields[2]))
-    return counts
-
-
 def restart_broker(down_seconds: float, publisher: Publisher) -> float:
     """stop_app, stay down ``down_seconds`` (publishing goes on into the outbox), start_app;
     returns how long the broker was unavailable."""
@@ -228,7 +210,7 @@ def settle(exchange: str, vhost: str, total: int, timeout: float, consumers: lis
     while time.monotonic() < deadline:
         unsent, handled = handled_counts(exchange)
         if unsent == 0 and all(n >= total for n in handled.values()):
-            counts = queue_counts(vhost)
+            counts = all_queue_counts(vhost)
             if counts and all(c == (0, 0) for c in counts.values()):
                 return True
         if time.monotonic() - last_print >= 10:

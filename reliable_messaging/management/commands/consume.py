@@ -11,8 +11,8 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from reliable_messaging.consumer_service import ConsumerService
+from reliable_messaging.management.metrics_options import add_metrics_arguments, serve_metrics
 from reliable_messaging.metrics import HealthState
-from reliable_messaging.ops_http import start_ops_server
 from reliable_messaging.registry import registry
 
 logger = logging.getLogger("reliable_messaging.consume")
@@ -46,20 +46,7 @@ class Command(BaseCommand):
             metavar="S",
             help="exit 0 after S seconds without a delivery",
         )
-        parser.add_argument(
-            "--metrics-port",
-            type=int,
-            default=None,
-            metavar="PORT",
-            help="serve Prometheus metrics on /metrics and the consumer's health on /healthz "
-            "(200, or 503 with the reasons: broker or database lost, loop stuck) on this port",
-        )
-        parser.add_argument(
-            "--metrics-host",
-            default="0.0.0.0",  # noqa: S104 - scraped and probed from other hosts or pods
-            metavar="HOST",
-            help="address --metrics-port listens on (default 0.0.0.0)",
-        )
+        add_metrics_arguments(parser, "broker or database lost, loop stuck")
 
     def handle(self, *args: Any, **options: Any) -> None:
         specs = registry.all()
@@ -90,18 +77,7 @@ class Command(BaseCommand):
             idle_timeout=options["idle_timeout"],
             health=health,
         )
-        ops = None
-        if options["metrics_port"] is not None:
-            try:
-                ops = start_ops_server(
-                    options["metrics_port"], health, host=options["metrics_host"]
-                )
-            except OSError as exc:
-                raise CommandError(
-                    f"cannot serve metrics on {options['metrics_host']}:{options['metrics_port']}: "
-                    f"{exc}"
-                ) from exc
-            logger.info("serving /metrics and /healthz on port %d", ops.port)
+        ops = serve_metrics(options, health)
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
             if service.stopping:

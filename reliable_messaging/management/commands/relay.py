@@ -9,8 +9,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from reliable_messaging.management.metrics_options import add_metrics_arguments, serve_metrics
 from reliable_messaging.metrics import HealthCheck, HealthGroup, HealthState
-from reliable_messaging.ops_http import OpsServer, start_ops_server
 from reliable_messaging.relay import OutboxRelay, RelayProgress, run_lanes
 
 logger = logging.getLogger("reliable_messaging.relay")
@@ -45,20 +45,7 @@ class Command(BaseCommand):
             "and broker connection: one claims and publishes while another waits for its "
             "confirms. More throughput on a backlog, at some latency cost (default 1)",
         )
-        parser.add_argument(
-            "--metrics-port",
-            type=int,
-            default=None,
-            metavar="PORT",
-            help="serve Prometheus metrics on /metrics and the relay's health on /healthz "
-            "(200, or 503 with the reasons) on this port; 0 picks a free one (logged)",
-        )
-        parser.add_argument(
-            "--metrics-host",
-            default="0.0.0.0",  # noqa: S104 - scraped and probed from other hosts or pods
-            metavar="HOST",
-            help="address --metrics-port listens on (default 0.0.0.0)",
-        )
+        add_metrics_arguments(parser, "broker or database lost, loop stuck")
         parser.add_argument(
             "--progress-interval",
             type=float,
@@ -92,7 +79,10 @@ class Command(BaseCommand):
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
-        ops = self._start_ops_server(relays, options["metrics_port"], options["metrics_host"])
+        health: HealthCheck = relays[0].health
+        if len(relays) > 1:
+            health = HealthGroup({f"lane {n}": r.health for n, r in enumerate(relays, 1)})
+        ops = serve_metrics(options, health)
         progress = None
         if options["progress_interval"] > 0:
             progress = RelayProgress(relays, options["progress_interval"])
@@ -113,17 +103,3 @@ class Command(BaseCommand):
                 f"action.",
                 returncode=1,
             )
-
-    @staticmethod
-    def _start_ops_server(
-        relays: list[OutboxRelay], port: int | None, host: str
-    ) -> OpsServer | None:
-        if port is None:
-            return None
-        health: HealthCheck = relays[0].health
-        if len(relays) > 1:
-            health = HealthGroup({f"lane {n}": r.health for n, r in enumerate(relays, 1)})
-        try:
-            return start_ops_server(port, health, host=host)
-        except OSError as exc:
-            raise CommandError(f"cannot serve metrics on {host}:{port}: {exc}") from exc
