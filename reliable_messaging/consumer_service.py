@@ -35,7 +35,7 @@ from pika.spec import Basic, BasicProperties
 from . import metrics
 from .backoff import Backoff
 from .conf import MessagingSettings, messaging_settings, redact_url
-from .envelope import CONTENT_TYPE, Delivery, normalize_headers
+from .envelope import CONTENT_TYPE, Delivery, delivery_from_frame, wire_headers
 from .exceptions import DatabaseUnavailable, TopologyMismatchError
 from .fastpath import duplicate_cache
 from .inbox import DeliveryProcessor, Job, process_batch, with_attempt
@@ -368,18 +368,7 @@ class ConsumerService:
         properties: BasicProperties,
         body: bytes,
     ) -> None:
-        delivery = Delivery(
-            body=body,
-            queue=queue,
-            exchange=method.exchange or "",
-            routing_key=method.routing_key or "",
-            delivery_tag=method.delivery_tag or 0,
-            redelivered=bool(method.redelivered),
-            message_id=properties.message_id,
-            content_type=properties.content_type,
-            timestamp=properties.timestamp,
-            headers=normalize_headers(properties.headers),
-        )
+        delivery = delivery_from_frame(queue, method, properties, body)
         metrics.consumer_received(spec.name, delivery.redelivered)
         link.unsettled.setdefault(channel.channel_number, {})[delivery.delivery_tag] = None
         with link.lock:
@@ -438,7 +427,7 @@ class ConsumerService:
             delivery_mode=pika.DeliveryMode.Persistent,
             message_id=original.message_id,
             timestamp=original.timestamp,
-            headers=dict(retry.headers),
+            headers=wire_headers(retry.headers),
         )
         try:
             link.publish_channel.basic_publish(

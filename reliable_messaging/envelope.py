@@ -151,6 +151,30 @@ def normalize_headers(headers: Mapping[Any, Any] | None) -> dict[str, Any]:
     return {(k if isinstance(k, str) else safe_text(k)): v for k, v in headers.items()}
 
 
+def delivery_from_frame(queue: str, method: Any, properties: Any, body: bytes) -> Delivery:
+    """A :class:`Delivery` from what pika handed the consumer (``Basic.Deliver``,
+    ``BasicProperties``, body), as plain values. Never raises: whatever a foreign producer
+    sent, the delivery can be decided (and if need be dead-lettered) rather than crash the
+    connection's thread."""
+    return Delivery(
+        body=body,
+        queue=queue,
+        exchange=method.exchange or "",
+        routing_key=method.routing_key or "",
+        delivery_tag=method.delivery_tag or 0,
+        redelivered=bool(method.redelivered),
+        message_id=properties.message_id,
+        content_type=properties.content_type,
+        timestamp=properties.timestamp,
+        headers=normalize_headers(properties.headers),
+    )
+
+
+def wire_headers(headers: Mapping[str, Any]) -> dict[str, Any]:
+    """``headers`` as a copy the broker accepts when we publish it again (a retry copy)."""
+    return dict(headers)
+
+
 def jsonable(value: Any) -> Any:
     """AMQP header values (bytes, Decimal, datetime, nested tables) as JSON-safe values that
     PostgreSQL's jsonb accepts (no NUL, no lone surrogate)."""

@@ -130,6 +130,10 @@ class DeliveryProcessor:
         assert outcome is not None  # a lone delivery is never held behind another
         return outcome
 
+    def call_handler(self, message: Message) -> None:
+        """Run the handler (inside the caller's transaction)."""
+        self.spec.handler(message)
+
     def decode(self, delivery: Delivery) -> Message | DecodeError:
         return decode_delivery(
             delivery,
@@ -258,7 +262,7 @@ class DeliveryProcessor:
                     consumer=self.spec.name, message_id=message.message_id
                 )
                 inserted = True
-                self.spec.handler(message)
+                self.call_handler(message)
                 if REPLAY_HEADER in delivery.headers:
                     mark_resolved(self.spec.name, message.message_id, self.using)
                 elif not self.spec.ordered:
@@ -626,7 +630,7 @@ def _run_claimed(
                 continue
         else:
             try:
-                processor.spec.handler(message)
+                processor.call_handler(message)
             except Exception as exc:  # the batch is redone guarded, this failure decided there
                 raise _Fallback(processor, index, exc) from exc
         duration = time.perf_counter() - started
@@ -646,7 +650,7 @@ def _run_guarded(
     """Run the handler in a savepoint; None when it succeeded, else its failure's outcome."""
     try:
         with transaction.atomic(using=processor.using):
-            processor.spec.handler(message)
+            processor.call_handler(message)
     except Exception as exc:  # any handler error is an outcome to decide on
         if isinstance(exc, OperationalError | InterfaceError) and not (
             processor.connection_usable()
