@@ -94,6 +94,11 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TASK_DEFAULT_QUEUE = "demo.celery"
 CELERY_TASK_DEFAULT_EXCHANGE = "demo.celery"
 CELERY_TASK_DEFAULT_ROUTING_KEY = "demo.celery"
+# @idempotent_task needs both: a task is acked only once it ran, and a pool child killed under
+# it (the OOM killer) gives the task back instead of acking it as failed; the crash guard then
+# dead-letters a task that kills its child CRASH_LIMIT times.
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
 # No pidbox queues or event exchanges: the demo has no monitoring tools to answer.
 CELERY_WORKER_ENABLE_REMOTE_CONTROL = False
 CELERY_WORKER_SEND_TASK_EVENTS = False

@@ -174,6 +174,8 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         "RELAY_POLL_INTERVAL",
         "RELAY_CONFIRM_TIMEOUT",
         "DEDUP_LEASE_SECONDS",
+        "HANDLER_TIMEOUT",
+        "BROKER_CONSUMER_TIMEOUT",
     ):
         if not _is_number(value(key)) or value(key) <= 0:
             errors.append(
@@ -189,6 +191,8 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         "CONSUMER_BATCH_SIZE",
         "ORDERED_PARTITIONS",
         "QUORUM_DELIVERY_LIMIT",
+        "CRASH_LIMIT",
+        "CONSUMER_ERROR_LIMIT",
     ):
         number = value(key)
         if not isinstance(number, int) or isinstance(number, bool) or number < 1:
@@ -208,9 +212,64 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                 "0 disables heartbeats; 60 is usual.",
             )
         )
+    grace = value("HANDLER_TIMEOUT_GRACE")
+    if not _is_number(grace) or grace < 0:
+        errors.append(
+            _error(
+                10,
+                f"{SETTING}['HANDLER_TIMEOUT_GRACE'] must be a number of seconds >= 0, "
+                f"got {grace!r}.",
+                "e.g. 10",
+            )
+        )
     if not errors:
         errors += _check_retention_horizon()
+        errors += _check_consumer_timeout()
     return errors
+
+
+def _check_consumer_timeout() -> list[CheckMessage]:
+    """What may hold a delivery unacked must stay below the broker's consumer_timeout, or the
+    broker closes the channel under the consumer (and redelivers the whole prefetch window)."""
+    from .registry import registry
+
+    limit = messaging_settings.broker_consumer_timeout
+    found: list[CheckMessage] = []
+    timeouts = [("HANDLER_TIMEOUT", messaging_settings.handler_timeout)]
+    timeouts += [(f"the timeout of {s.name!r}", s.timeout) for s in registry if s.timeout]
+    for what, seconds in timeouts:
+        if seconds + messaging_settings.handler_timeout_grace >= limit:
+            found.append(
+                _warning(
+                    14,
+                    f"{what} ({seconds:g}s, plus HANDLER_TIMEOUT_GRACE) reaches the broker's "
+                    f"consumer_timeout ({limit:g}s, BROKER_CONSUMER_TIMEOUT): the broker would "
+                    f"close the channel before the handler is stopped.",
+                    "Lower the handler timeout, or raise consumer_timeout in rabbitmq.conf and "
+                    "set BROKER_CONSUMER_TIMEOUT to match.",
+                )
+            )
+    for spec in registry:
+        if not spec.ordered:
+            continue
+        # An ordered consumer retries in place: the delivery stays unacked for every delay.
+        horizon = _horizon(
+            spec.retry_delays or messaging_settings.retry_delays,
+            spec.max_attempts or messaging_settings.max_attempts,
+        )
+        if horizon >= messaging_settings.max_hold_seconds:
+            found.append(
+                _warning(
+                    15,
+                    f"Ordered consumer {spec.name!r} retries in place for up to {horizon:g}s, "
+                    f"which reaches half of the broker's consumer_timeout ({limit:g}s): its "
+                    f"delivery would be given back before its retries are through, and start "
+                    f"over at attempt 1.",
+                    "Shorten its retry_delays / max_attempts, or raise consumer_timeout in "
+                    "rabbitmq.conf and BROKER_CONSUMER_TIMEOUT with it.",
+                )
+            )
+    return found
 
 
 def _is_django_redis(cache: Any) -> bool:
@@ -276,3 +335,29 @@ def check_consumers(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage
                 )
             )
     return errors
+
+
+@register(Tags.compatibility)
+def check_idempotent_tasks(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """``@idempotent_task`` tasks whose Celery options lose the key of a killed pool child."""
+    import sys
+
+    # Celery is optional: without the tasks module imported no @idempotent_task exists, and
+    # the check does not import Celery for nothing.
+    if f"{__package__}.tasks" not in sys.modules:
+        return []
+    from .tasks import unsafe_idempotent_tasks
+
+    return [
+        _warning(
+            20,
+            f"@idempotent_task {unsafe.task!r} (Celery app {unsafe.app!r}) can lose its key "
+            f"when a pool child is killed (OOM killer, SIGKILL): {'; '.join(unsafe.problems)}.",
+            "Set task_acks_late=True and task_reject_on_worker_lost=True in the Celery app's "
+            "config (CELERY_TASK_ACKS_LATE / CELERY_TASK_REJECT_ON_WORKER_LOST under the "
+            "CELERY settings namespace), or acks_late=True, reject_on_worker_lost=True on the "
+            "task, and leave retry_on_worker_lost off. A task that kills its child CRASH_LIMIT "
+            "times then becomes a dead letter instead of coming back forever.",
+        )
+        for unsafe in unsafe_idempotent_tasks()
+    ]

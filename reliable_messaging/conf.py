@@ -52,6 +52,22 @@ DEFAULTS: dict[str, Any] = {
     "QUORUM_DELIVERY_LIMIT": 50,
     # The Redis fast path (CACHE_ALIAS): how long a consumer holds its processing lease.
     "DEDUP_LEASE_SECONDS": 60.0,
+    # Seconds a handler may run; past it the delivery's transaction rolls back and it counts as
+    # a failed attempt (a dead letter with reason "timeout" once attempts run out). A handler
+    # that cannot be interrupted (blocked in C) for HANDLER_TIMEOUT_GRACE seconds more makes the
+    # process exit, and the crash guard charges the delivery when it comes back.
+    "HANDLER_TIMEOUT": 600.0,
+    "HANDLER_TIMEOUT_GRACE": 10.0,
+    # Deaths of a process (killed, or exited past a handler's time limit) during one delivery
+    # before that delivery becomes a dead letter instead of being tried again.
+    "CRASH_LIMIT": 3,
+    # The broker's consumer_timeout (RabbitMQ's default is 30 minutes): a delivery held unacked
+    # longer makes the broker close the channel. The consumer gives back what it has held for
+    # half of it, and the checks compare HANDLER_TIMEOUT and ordered retry horizons with it.
+    "BROKER_CONSUMER_TIMEOUT": 1800.0,
+    # Failures of our own code (not the handler's) on one delivery before it is isolated and
+    # dead-lettered with reason "consumer_error".
+    "CONSUMER_ERROR_LIMIT": 3,
 }
 
 
@@ -172,6 +188,32 @@ class MessagingSettings:
     @property
     def dedup_lease_seconds(self) -> float:
         return float(self.get("DEDUP_LEASE_SECONDS"))
+
+    @property
+    def handler_timeout(self) -> float:
+        return float(self.get("HANDLER_TIMEOUT"))
+
+    @property
+    def handler_timeout_grace(self) -> float:
+        return float(self.get("HANDLER_TIMEOUT_GRACE"))
+
+    @property
+    def crash_limit(self) -> int:
+        return int(self.get("CRASH_LIMIT"))
+
+    @property
+    def broker_consumer_timeout(self) -> float:
+        return float(self.get("BROKER_CONSUMER_TIMEOUT"))
+
+    @property
+    def max_hold_seconds(self) -> float:
+        """How long a delivery may be held unacked before it is given back: half the broker's
+        consumer_timeout, so the broker never closes the channel under us."""
+        return self.broker_consumer_timeout / 2
+
+    @property
+    def consumer_error_limit(self) -> int:
+        return int(self.get("CONSUMER_ERROR_LIMIT"))
 
     def __repr__(self) -> str:
         return f"<MessagingSettings broker={redact_url(self.broker_url)} exchange={self.exchange}>"

@@ -12,6 +12,28 @@ the commit. Under load that is one commit for many messages; when idle, a batch 
 Ordering: the partition queues of an ordered consumer are each tied to one worker, which takes
 their deliveries in arrival order, and each has its own channel (so its own prefetch window): a
 partition held by a message retrying in place stops only that partition, never the others.
+
+Every delivery reaches an outcome in bounded time, whatever the broker or the message does:
+
+- A channel the broker closes (``consumer_timeout``, any 406) or a consumer it cancels (queue
+  deleted, a classic queue's node lost) is noticed within one loop turn: the connection is
+  dropped and made again (re-declaring the topology), and ``/healthz`` says "broker not
+  connected" meanwhile. Deliveries are never held unacked longer than half of the broker's
+  ``consumer_timeout`` (``BROKER_CONSUMER_TIMEOUT``): past that they are given back.
+- A delivery that comes back ``redelivered`` is a suspect: it runs alone in the process, under
+  the crash guard (:mod:`.crash_guard`), so a message that kills its process is dead-lettered
+  after ``CRASH_LIMIT`` deaths and its innocent neighbours are never charged. After a
+  (re)connect every channel starts with a prefetch of 1 and opens up to ``PREFETCH`` at the
+  first fresh delivery: while the queue's head is a suspect, only it is exposed to a death (a
+  quorum queue counts every death against each message the dead process held).
+- A handler past its time limit is interrupted (:mod:`.time_limit`).
+- Our own code failing on a delivery (never the handler: its exceptions are outcomes) splits the
+  batch to find the delivery, which after ``CONSUMER_ERROR_LIMIT`` failures is dead-lettered
+  with reason ``consumer_error``.
+- A retry copy the broker refuses (unroutable, nacked) is published again with backoff while the
+  original stays unacked, never requeued at once (each requeue counts toward a quorum queue's
+  delivery limit); quorum queues dead-letter what reaches that limit to ``<queue>.dead``, which
+  this consumer reads and stores as ``delivery_limit`` dead letters (:mod:`.last_resort`).
 """
 
 from __future__ import annotations
@@ -23,6 +45,7 @@ import logging
 import os
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -35,14 +58,24 @@ from pika.spec import Basic, BasicProperties
 from . import metrics
 from .backoff import Backoff
 from .conf import MessagingSettings, messaging_settings, redact_url
-from .envelope import CONTENT_TYPE, Delivery, delivery_from_frame, wire_headers
+from .crash_guard import TIMEOUT, CrashGuard, SuspectGate
+from .envelope import CONTENT_TYPE, DecodeError, Delivery, delivery_from_frame, wire_headers
 from .exceptions import DatabaseUnavailable, TopologyMismatchError
 from .fastpath import duplicate_cache
 from .inbox import DeliveryProcessor, Job, process_batch, with_attempt
+from .last_resort import dead_letter_delivery, ingest_delivery_limit
 from .leftovers import retire_leftovers
+from .models import DeadLetterReason
 from .outcomes import Acknowledge, Outcome, Release, RetryInPlace, ScheduleRetry
 from .registry import ConsumerSpec
-from .topology import connection_parameters, consumer_queues, declare_topology, delay_exchange_name
+from .time_limit import time_limits
+from .topology import (
+    connection_parameters,
+    consumer_queues,
+    dead_letter_queue,
+    declare_topology,
+    delay_exchange_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +91,15 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 )
 # Seconds between two progress lines of a running consumer.
 PROGRESS_EVERY = 30.0
+# Backoff of a retry copy the broker refused, while its original stays unacked.
+REFUSED_RETRY_FIRST_DELAY = 1.0
+
+
+class ChannelLost(Exception):
+    """The broker closed one of our consuming channels or cancelled one of our consumers."""
+
+
+RECONNECT_ON: tuple[type[BaseException], ...] = (*CONNECTION_ERRORS, ChannelLost)
 
 
 @dataclass
@@ -74,6 +116,13 @@ class _Link:
     # Delivery tags received and not yet acked or nacked, per channel number, oldest first.
     # Only the connection's thread touches it (it receives and settles).
     unsettled: dict[int, dict[int, None]] = field(default_factory=dict)
+    # What the broker did to a channel (closed it, cancelled a consumer), noticed by the loop.
+    lost: str | None = None
+    # Channels still at the cautious prefetch of 1, and those to open up to PREFETCH.
+    cautious: set[int] = field(default_factory=set)
+    open_up: set[int] = field(default_factory=set)
+    # Ordered channels being closed by a graceful stop: what they hold goes back in order.
+    closing: set[int] = field(default_factory=set)
 
     def forget(self, channel: BlockingChannel, tag: int) -> None:
         self.unsettled.get(channel.channel_number, {}).pop(tag, None)
@@ -91,11 +140,23 @@ class _WorkItem:
     delivery: Delivery
     properties: BasicProperties
     received: float = field(default_factory=time.monotonic)
+    # From the consumer's dead-letter queue (quorum x-delivery-limit), not a delivery to handle.
+    from_dead_letter_queue: bool = False
 
     def again(self, retry: RetryInPlace) -> _WorkItem:
         return _WorkItem(
-            self.link, self.channel, self.spec, with_attempt(self.delivery, retry), self.properties
+            self.link,
+            self.channel,
+            self.spec,
+            with_attempt(self.delivery, retry),
+            self.properties,
+            self.received,
         )
+
+    @property
+    def suspect(self) -> bool:
+        """Came back after its consumer went away: handled alone, under the crash guard."""
+        return self.delivery.redelivered and not self.from_dead_letter_queue
 
 
 @dataclass
@@ -191,6 +252,8 @@ class ConsumerService:
         self._reconnect = Backoff(0.5, settings.reconnect_max_delay)
         self._counts: collections.Counter[str] = collections.Counter()
         self._counts_lock = threading.Lock()
+        self._crash_guard = CrashGuard(settings.crash_limit)
+        self._gate = SuspectGate()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -206,6 +269,7 @@ class ConsumerService:
         return self._stop.is_set()
 
     def run(self) -> int:
+        self._start_time_limits()
         self._start_workers()
         try:
             while not self._stop.is_set():
@@ -215,7 +279,7 @@ class ConsumerService:
                     logger.error("%s", exc)
                     self.exit_code = 2
                     break
-                except CONNECTION_ERRORS as exc:
+                except RECONNECT_ON as exc:
                     self._set_connected(False)
                     if self._stop.is_set():
                         break
@@ -231,7 +295,25 @@ class ConsumerService:
         finally:
             self._set_connected(False)
             self._stop_workers()
+            time_limits.stop()
         return self.exit_code
+
+    def _start_time_limits(self) -> None:
+        def timed_out(consumer: str, message_id: str, seconds: float) -> None:
+            metrics.handler_timeout(consumer)
+
+        def hopeless(consumer: str, message_id: str) -> None:
+            # The watchdog's own database connection: count the death before the exit.
+            try:
+                self._crash_guard.record_death(consumer, message_id, TIMEOUT)
+            finally:
+                connections.close_all()
+
+        time_limits.on_timeout = timed_out
+        time_limits.on_hopeless = hopeless
+        time_limits.start(self.settings.handler_timeout_grace)
+        if self.health is not None:
+            self.health.add_problem_source(time_limits.overdue)
 
     def _set_connected(self, connected: bool) -> None:
         if connected:
@@ -263,13 +345,13 @@ class ConsumerService:
         try:
             prefetch = max(self.settings.prefetch, self.concurrency)
             shared_channel = connection.channel()
-            shared_channel.basic_qos(prefetch_count=prefetch)
             declare_topology(shared_channel, self.specs, self.settings)
             retire_leftovers(connection, self.specs, self.settings)
             publish_channel = connection.channel()
             # Retry copies must reach their delay queue before the original is acked.
             publish_channel.confirm_delivery()
             link = _Link(connection, publish_channel, [shared_channel])
+            self._consume_cautiously(link, shared_channel)
             tags: list[tuple[BlockingChannel, str]] = []
             queues: list[str] = []
             for spec in self.specs:
@@ -278,10 +360,15 @@ class ConsumerService:
                     if spec.ordered:
                         # Its own prefetch window: a held partition fills only its own.
                         channel = connection.channel()
-                        channel.basic_qos(prefetch_count=self.settings.prefetch)
                         link.channels.append(channel)
+                        self._consume_cautiously(link, channel)
                     on_message = functools.partial(self._on_message, link, spec, queue)
                     tags.append((channel, channel.basic_consume(queue, on_message)))
+                    queues.append(queue)
+                if self.settings.queue_type == "quorum":
+                    queue = dead_letter_queue(spec)
+                    on_message = functools.partial(self._on_message, link, spec, queue)
+                    tags.append((shared_channel, shared_channel.basic_consume(queue, on_message)))
                     queues.append(queue)
             logger.info(
                 "consuming %s from %s (concurrency %d, prefetch %d, batches of up to %d%s)",
@@ -298,6 +385,8 @@ class ConsumerService:
             next_progress = time.monotonic() + PROGRESS_EVERY
             while not self._stop.is_set():
                 connection.process_data_events(time_limit=0.2)
+                self._check_channels(link)
+                self._open_up(link, prefetch)
                 if self.health is not None:
                     self.health.heartbeat()
                 if time.monotonic() >= next_progress:
@@ -314,6 +403,48 @@ class ConsumerService:
                     connection.close()
                 except Exception:
                     logger.debug("error while closing the broker connection", exc_info=True)
+
+    def _consume_cautiously(self, link: _Link, channel: BlockingChannel) -> None:
+        """Start ``channel`` at a prefetch of 1 and watch what the broker does to it.
+
+        After a (re)connect the head of a queue may be the message that killed the last
+        process: it is redelivered first, and with a wide prefetch every message behind it would
+        be held (and, on a quorum queue, counted against its delivery limit) each time it kills
+        again. The channel opens up to ``PREFETCH`` at the first fresh delivery.
+        """
+        channel.basic_qos(prefetch_count=1)
+        link.cautious.add(channel.channel_number)
+        number = channel.channel_number
+
+        def on_cancel(frame: object) -> None:
+            link.lost = f"the broker cancelled a consumer on channel {number} (queue deleted?)"
+
+        channel.add_on_cancel_callback(on_cancel)
+
+    def _open_up(self, link: _Link, prefetch: int) -> None:
+        if not link.open_up:
+            return
+        for channel in link.channels:
+            number = channel.channel_number
+            if number in link.open_up and channel.is_open:
+                # The shared channel serves every plain queue; a partition has its own window.
+                size = prefetch if channel is link.channels[0] else self.settings.prefetch
+                channel.basic_qos(prefetch_count=size)
+                link.cautious.discard(number)
+        link.open_up.clear()
+
+    def _check_channels(self, link: _Link) -> None:
+        """Raise :class:`ChannelLost` when the broker closed a channel or cancelled a
+        consumer: pika's blocking adapter records a channel closed by the broker but raises
+        nothing until the channel is used, so without this look the process would go on
+        reporting healthy while no delivery ever arrives again."""
+        if link.lost is None:
+            for channel in (*link.channels, link.publish_channel):
+                if not channel.is_open:
+                    link.lost = f"the broker closed channel {channel.channel_number}"
+                    break
+        if link.lost is not None and not self._stop.is_set():
+            raise ChannelLost(link.lost)
 
     def _log_progress(self) -> None:
         with self._counts_lock:
@@ -335,16 +466,31 @@ class ConsumerService:
         return time.monotonic() - self._last_delivery >= self.idle_timeout
 
     def _shutdown(self, link: _Link, tags: list[tuple[BlockingChannel, str]]) -> None:
-        """Graceful stop: cancel the consumers (pika nacks deliveries not yet dispatched), let the
-        handlers in flight finish and settle their acks, within ``SHUTDOWN_TIMEOUT``."""
+        """Graceful stop: let the handlers in flight finish and settle their acks, within
+        ``SHUTDOWN_TIMEOUT``; give back the rest.
+
+        Plain queues: cancel the consumers (pika gives back deliveries not yet dispatched).
+        Ordered partitions: no cancel, which would make the broker activate a standby consumer
+        at once while this process still holds later messages of its keys (they would reach the
+        standby after messages published later: order broken). Instead the deliveries not
+        started are dropped here unsettled, the batch in flight finishes, and then the channel
+        is closed, so the broker requeues what is left in place *before* it activates the next
+        consumer of the partition.
+        """
+        ordered = {channel.channel_number for channel in link.channels[1:]}
+        link.closing.update(ordered)
         for channel, tag in tags:
-            channel.basic_cancel(tag)
+            if channel.channel_number not in ordered:
+                channel.basic_cancel(tag)
         deadline = time.monotonic() + self.settings.shutdown_timeout
         while time.monotonic() < deadline:
             with link.lock:
                 if link.in_flight == 0:
                     break
             link.connection.process_data_events(time_limit=0.1)
+        for channel in link.channels[1:]:
+            if channel.is_open:
+                channel.close()
         with link.lock:
             left = link.in_flight
         if left:
@@ -369,14 +515,24 @@ class ConsumerService:
         body: bytes,
     ) -> None:
         delivery = delivery_from_frame(queue, method, properties, body)
-        metrics.consumer_received(spec.name, delivery.redelivered)
-        link.unsettled.setdefault(channel.channel_number, {})[delivery.delivery_tag] = None
+        number = channel.channel_number
+        link.unsettled.setdefault(number, {})[delivery.delivery_tag] = None
+        if number in link.closing:
+            return  # a graceful stop closes this ordered channel: the broker requeues it
+        if not delivery.redelivered and number in link.cautious:
+            link.open_up.add(number)
+        from_dead_letter_queue = self.settings.queue_type == "quorum" and queue == (
+            dead_letter_queue(spec)
+        )
+        if not from_dead_letter_queue:
+            metrics.consumer_received(spec.name, delivery.redelivered)
         with link.lock:
             link.in_flight += 1
         self._last_delivery = time.monotonic()
-        self._board.put(
-            _WorkItem(link, channel, spec, delivery, properties), self._lane_of.get(queue)
+        item = _WorkItem(
+            link, channel, spec, delivery, properties, from_dead_letter_queue=from_dead_letter_queue
         )
+        self._board.put(item, self._lane_of.get(queue))
 
     def _settle_all(self, settled: list[tuple[_WorkItem, Outcome]]) -> None:
         """Carry out the outcomes of a batch on the broker; runs on the connection's thread.
@@ -396,6 +552,9 @@ class ConsumerService:
                 tags.add(item.delivery.delivery_tag)
             elif isinstance(outcome, ScheduleRetry):
                 self._publish_retry(item, outcome)
+            elif item.channel.channel_number in item.link.closing:
+                # Closing the channel gives it back in place, behind nothing (ordered stop).
+                pass
             else:
                 item.channel.basic_nack(item.delivery.delivery_tag, requeue=True)
                 item.link.forget(item.channel, item.delivery.delivery_tag)
@@ -419,8 +578,10 @@ class ConsumerService:
         )
         return False
 
-    def _publish_retry(self, item: _WorkItem, retry: ScheduleRetry) -> None:
+    def _publish_retry(self, item: _WorkItem, retry: ScheduleRetry, refusals: int = 0) -> None:
         link, delivery = item.link, item.delivery
+        if not (link.connection.is_open and item.channel.is_open):
+            return  # the broker redelivers the original
         original = item.properties
         properties = BasicProperties(
             content_type=original.content_type or CONTENT_TYPE,
@@ -438,17 +599,46 @@ class ConsumerService:
                 mandatory=True,
             )
         except (pika.exceptions.UnroutableError, pika.exceptions.NackError) as exc:
-            logger.error(
-                "message_id=%s: the broker refused the retry copy (%s); the original "
-                "is requeued and will be tried again now",
-                delivery.message_id,
-                exc,
-            )
-            item.channel.basic_nack(delivery.delivery_tag, requeue=True)
-            link.forget(item.channel, delivery.delivery_tag)
+            self._retry_refused(item, retry, refusals + 1, exc)
             return
         item.channel.basic_ack(delivery.delivery_tag)
         link.forget(item.channel, delivery.delivery_tag)
+
+    def _retry_refused(
+        self, item: _WorkItem, retry: ScheduleRetry, refusals: int, exc: Exception
+    ) -> None:
+        """The broker refused the retry copy (its delay queue is missing, or on a node that is
+        down). Requeueing the original at once would spin on it, and on a quorum queue every
+        requeue counts toward the delivery limit: keep it unacked and publish the copy again
+        with backoff, up to the hold bound; only then give it back, once."""
+        delivery = item.delivery
+        delay = min(
+            REFUSED_RETRY_FIRST_DELAY * 2 ** (refusals - 1), self.settings.reconnect_max_delay
+        )
+        held = time.monotonic() - item.received
+        if held + delay > self.settings.max_hold_seconds:
+            logger.error(
+                "message_id=%s: the broker refused its retry copy %d times over %.0fs (%s); "
+                "giving the original back to the queue",
+                delivery.message_id,
+                refusals,
+                held,
+                exc,
+            )
+            item.channel.basic_nack(delivery.delivery_tag, requeue=True)
+            item.link.forget(item.channel, delivery.delivery_tag)
+            return
+        logger.error(
+            "message_id=%s: the broker refused the retry copy (%s); the original stays unacked "
+            "and the copy is published again in %.1fs (refusal %d)",
+            delivery.message_id,
+            exc,
+            delay,
+            refusals,
+        )
+        item.link.connection.call_later(
+            delay, functools.partial(self._publish_retry, item, retry, refusals)
+        )
 
     # -- worker threads --------------------------------------------------------------------------
 
@@ -486,6 +676,28 @@ class ConsumerService:
             self._hand_back([(item, Release(why)) for item in items])
 
     def _run_batch(self, batch: list[_WorkItem], held: dict[str, _Held]) -> None:
+        """Decide ``batch`` in segments, in arrival order: the fresh deliveries together, each
+        suspect (redelivered) alone. The happy path is one segment."""
+        segment: list[_WorkItem] = []
+        for item in batch:
+            if item.suspect or item.from_dead_letter_queue:
+                self._run_segment(segment, held)
+                self._run_segment([item], held)
+                segment = []
+            else:
+                segment.append(item)
+        self._run_segment(segment, held)
+
+    def _run_segment(self, segment: list[_WorkItem], held: dict[str, _Held]) -> None:
+        batch: list[_WorkItem] = []
+        for item in segment:
+            waiting = held.get(item.delivery.queue)
+            if waiting is not None:
+                waiting.items.append(item)  # behind its partition's retry, in order
+            else:
+                batch.append(item)
+        if not batch:
+            return
         outcomes = self._decide(batch)
         settled: list[tuple[_WorkItem, Outcome]] = []
         for item, outcome in zip(batch, outcomes, strict=True):
@@ -515,15 +727,68 @@ class ConsumerService:
             for lost in gone
         ]
 
-    def _decide_live(self, batch: list[_WorkItem]) -> list[Outcome | None]:
+    def _attempt(self, batch: list[_WorkItem]) -> list[Outcome | None]:
+        """One try at deciding ``batch``: a suspect alone, under the crash guard and with the
+        process to itself; anything else as one batch, beside other ordinary batches."""
+        if len(batch) == 1 and batch[0].from_dead_letter_queue:
+            item = batch[0]
+            queues = consumer_queues(item.spec, self.settings)
+            return [ingest_delivery_limit(self._processors[item.spec.name], item.delivery, queues)]
+        if len(batch) == 1 and batch[0].suspect:
+            with self._gate.exclusive():
+                return [self._attempt_suspect(batch[0])]
         jobs = [Job(self._processors[item.spec.name], item.delivery) for item in batch]
+        with self._gate.shared():
+            return process_batch(jobs, cache=self._cache)
+
+    def _attempt_suspect(self, item: _WorkItem) -> Outcome | None:
+        processor = self._processors[item.spec.name]
+        decoded = processor.decode(item.delivery)
+        if isinstance(decoded, DecodeError) and not decoded.message_id:
+            # Nothing to count deaths against; it is dead-lettered without running anything.
+            return process_batch([Job(processor, item.delivery)], cache=self._cache)[0]
+        key = (item.spec.name, decoded.message_id)
+        suspicion = self._crash_guard.begin(*key)
+        if suspicion.exceeds(self._crash_guard.limit):
+            reason = (
+                DeadLetterReason.TIMEOUT
+                if suspicion.cause == TIMEOUT
+                else DeadLetterReason.WORKER_CRASHED
+            )
+            outcome: Outcome | None = dead_letter_delivery(
+                processor,
+                item.delivery,
+                reason=reason,
+                attempts=suspicion.deaths,
+                detail=f"{suspicion.describe()} (CRASH_LIMIT={self._crash_guard.limit})",
+            )
+        else:
+            if suspicion.deaths > 1:
+                logger.warning(
+                    "message_id=%s consumer=%s: %s; handling it alone (CRASH_LIMIT=%d)",
+                    decoded.message_id,
+                    item.spec.name,
+                    suspicion.describe(),
+                    self._crash_guard.limit,
+                )
+            outcome = process_batch([Job(processor, item.delivery)], cache=self._cache)[0]
+        if isinstance(outcome, Release) or outcome is None:
+            self._crash_guard.interrupted([key])
+        elif isinstance(outcome, RetryInPlace):
+            self._crash_guard.interrupted([key])  # it runs again in place, still watched
+        else:
+            self._crash_guard.finish([key])
+        return outcome
+
+    def _decide_live(self, batch: list[_WorkItem]) -> list[Outcome | None]:
         wait = Backoff(0.5, self.settings.reconnect_max_delay)
         warned = False
+        errors = 0
         while True:
             # Drop connections that broke or outlived CONN_MAX_AGE, as Django does per request.
             close_old_connections()
             try:
-                outcomes = process_batch(jobs, cache=self._cache)
+                outcomes = self._attempt(batch)
                 if self.health is not None:
                     self.health.set_database(True)
                 return outcomes
@@ -542,16 +807,26 @@ class ConsumerService:
                     delay,
                 )
                 warned = True
-            except Exception:
-                # A bug on our side (never the handler's: its exceptions are outcomes). Hold the
-                # deliveries and try again rather than lose them or spin on them.
+            except Exception as exc:
+                # A bug on our side (never the handler's: its exceptions are outcomes).
+                errors += 1
+                if len(batch) > 1:
+                    logger.exception(
+                        "unexpected error while processing %d deliveries (message_id=%s, ...); "
+                        "deciding them one by one to find the one it comes from",
+                        len(batch),
+                        batch[0].delivery.message_id,
+                    )
+                    return self._decide_one_by_one(batch)
+                if errors >= self.settings.consumer_error_limit:
+                    return [self._consumer_error(batch[0], exc, errors)]
                 delay = wait.next()
                 logger.exception(
-                    "unexpected error while processing %d deliveries (message_id=%s%s); "
-                    "holding them unacked and retrying in %.1fs",
-                    len(batch),
+                    "unexpected error while processing message_id=%s (failure %d of %d before "
+                    "it is dead-lettered); holding it unacked and retrying in %.1fs",
                     batch[0].delivery.message_id,
-                    ", ..." if len(batch) > 1 else "",
+                    errors,
+                    self.settings.consumer_error_limit,
                     delay,
                 )
             finally:
@@ -562,6 +837,51 @@ class ConsumerService:
                 return [Release("stopping while the database is unavailable")] * len(batch)
             if not all(item.link.open for item in batch):
                 return [Release("connection lost while the database was unavailable")] * len(batch)
+            if time.monotonic() - batch[0].received > self.settings.max_hold_seconds:
+                # Held past half the broker's consumer_timeout, the broker would close the
+                # channel under us (and redeliver anyway): give it back first.
+                logger.warning(
+                    "message_id=%s%s held unacked for over %.0fs (half of "
+                    "BROKER_CONSUMER_TIMEOUT): giving back to the broker",
+                    batch[0].delivery.message_id,
+                    f" and {len(batch) - 1} more" if len(batch) > 1 else "",
+                    self.settings.max_hold_seconds,
+                )
+                return [Release("held too long without an outcome")] * len(batch)
+
+    def _decide_one_by_one(self, batch: list[_WorkItem]) -> list[Outcome | None]:
+        outcomes: list[Outcome | None] = []
+        held_queues: set[str] = set()
+        for item in batch:
+            if item.delivery.queue in held_queues:
+                outcomes.append(None)  # behind an in-place retry of its partition
+                continue
+            outcome = self._decide_live([item])[0]
+            outcomes.append(outcome)
+            if isinstance(outcome, RetryInPlace):
+                held_queues.add(item.delivery.queue)
+        return outcomes
+
+    def _consumer_error(self, item: _WorkItem, exc: Exception, errors: int) -> Outcome:
+        processor = self._processors[item.spec.name]
+        try:
+            return dead_letter_delivery(
+                processor,
+                item.delivery,
+                reason=DeadLetterReason.CONSUMER_ERROR,
+                attempts=errors,
+                detail=(
+                    f"the consumer itself (not the handler) failed on it {errors} times: "
+                    f"{type(exc).__name__}: {exc}"
+                ),
+                traceback_text="".join(traceback.format_exception(exc)),
+            )
+        except Exception:  # even the dead letter cannot be written: give it back
+            logger.exception(
+                "message_id=%s: cannot record it as a dead letter either; giving it back",
+                item.delivery.message_id,
+            )
+            return Release("the consumer fails on it and cannot dead-letter it")
 
     def _hand_back(self, settled: list[tuple[_WorkItem, Outcome]]) -> None:
         with self._counts_lock:

@@ -34,3 +34,10 @@ class DatabaseUnavailable(ReliableMessagingError):
     """The database cannot be reached; the delivery is held (not acked) until it can."""
 
     default_message = "the database is unreachable"
+
+
+class HandlerTimeout(ReliableMessagingError):
+    """A handler ran past its time limit (``HANDLER_TIMEOUT`` or ``@consumer(timeout=...)``):
+    its transaction rolled back and the delivery counts as a failed attempt."""
+
+    default_message = "the handler ran past its time limit"

@@ -14,6 +14,8 @@ Three kinds of figures, exported from three places:
                                                         deferred (another consumer holds the
                                                         Redis lease)
   ``reliable_messaging_handler_duration_seconds``       histogram of handler run time {consumer}
+  ``reliable_messaging_handler_timeouts_total``         handler calls interrupted at their time
+                                                        limit {consumer}
   ``reliable_messaging_dedup_cache_total``              Redis fast-path lookups {consumer, result}:
                                                         hit, miss, error, lease_busy
   ``reliable_messaging_relay_claimed_total``            outbox rows claimed by the relay
@@ -107,6 +109,11 @@ _HANDLER_DURATION = Histogram(
     "Time a consumer's handler ran (its transaction included).",
     ["consumer"],
 )
+_HANDLER_TIMEOUTS = Counter(
+    "reliable_messaging_handler_timeouts",
+    "Handler calls interrupted at their time limit (HANDLER_TIMEOUT or the consumer's timeout).",
+    ["consumer"],
+)
 _DEDUP_CACHE = Counter(
     "reliable_messaging_dedup_cache",
     "Lookups in the Redis duplicate fast path, by result.",
@@ -178,6 +185,10 @@ def consumer_outcome(consumer: str, outcome: str, duration: float | None = None)
         _HANDLER_DURATION.labels(consumer).observe(duration)
 
 
+def handler_timeout(consumer: str) -> None:
+    _HANDLER_TIMEOUTS.labels(consumer).inc()
+
+
 def dedup_cache(consumer: str, result: str) -> None:
     """One lookup in the duplicate fast path: hit, miss, error or lease_busy."""
     _check(result, DEDUP_RESULTS, "dedup cache result")
@@ -244,6 +255,13 @@ class HealthState:
         self._database_detail: str | None = None
         self._last_heartbeat = clock()
         self._stopping = False
+        # More reasons to be unhealthy, asked at each check (handlers past their time limit).
+        self._problems: list[Callable[[], list[str]]] = []
+
+    def add_problem_source(self, source: Callable[[], list[str]]) -> None:
+        """``source()`` returns reasons the process is unhealthy now (empty when it is not)."""
+        with self._lock:
+            self._problems.append(source)
 
     def set_broker(self, connected: bool) -> None:
         with self._lock:
@@ -276,6 +294,9 @@ class HealthState:
             silent = self._clock() - self._last_heartbeat
             if silent > self.stall_after:
                 reasons.append(f"no heartbeat for {silent:.0f}s: the main loop looks stuck")
+            sources = list(self._problems)
+        for source in sources:
+            reasons.extend(source())
         return not reasons, reasons
 
 

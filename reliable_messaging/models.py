@@ -49,6 +49,14 @@ class DeadLetterReason(models.TextChoices):
     UNEXPECTED_ROUTING_KEY = "unexpected_routing_key", _("routing key matches no binding")
     # Ordered consumers: a later message of a key whose earlier message is a dead letter.
     PARKED = "parked", _("parked behind an earlier dead letter of its key")
+    # The process died (killed, or exited past the handler's time limit) CRASH_LIMIT times
+    # while handling it.
+    WORKER_CRASHED = "worker_crashed", _("the worker process died while handling it")
+    TIMEOUT = "timeout", _("the handler ran past its time limit")
+    # Our own code (not the handler) failed on it again and again.
+    CONSUMER_ERROR = "consumer_error", _("the consumer failed on it")
+    # A quorum queue's x-delivery-limit was reached: the broker dead-lettered it to us.
+    DELIVERY_LIMIT = "delivery_limit", _("the broker's delivery limit was reached")
 
 
 class DeadLetterStatus(models.TextChoices):
@@ -126,6 +134,38 @@ class DeadLetter(models.Model):
 
     def __str__(self) -> str:
         return f"{self.message_id or '(no id)'} in {self.consumer}: {self.reason}"
+
+
+class SuspectDelivery(models.Model):
+    """A delivery that came back redelivered and is being handled with care (the crash guard).
+
+    Written and committed *before* the handler runs, outside its transaction, so it survives a
+    ``SIGKILL`` of the process mid-handler; deleted once the delivery reached an outcome. A row
+    still ``running`` when the message comes back means the process died on it.
+    """
+
+    consumer = models.CharField(max_length=255)
+    message_id = models.CharField(max_length=255)
+    deaths = models.PositiveIntegerField(default=0)
+    running = models.BooleanField(default=False)
+    # "crashed" or "timeout": how the last death happened.
+    last_cause = models.CharField(max_length=20, blank=True)
+    # host:pid of the process that handled it last (the one that died, when it did).
+    last_process = models.CharField(max_length=255, blank=True)
+    first_seen_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        verbose_name = _("suspect delivery")
+        constraints = [
+            models.UniqueConstraint(
+                fields=["consumer", "message_id"], name="rm_suspect_consumer_message_uniq"
+            ),
+        ]
+        indexes = [models.Index(fields=["updated_at"], name="rm_suspect_updated_at_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.message_id} by {self.consumer}: {self.deaths} death(s)"
 
 
 class OutboxStatus(models.TextChoices):

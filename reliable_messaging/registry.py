@@ -32,6 +32,8 @@ class ConsumerSpec:
     ordered: bool = False
     max_attempts: int | None = None
     retry_delays: tuple[float, ...] | None = None
+    # Seconds the handler may run; None means HANDLER_TIMEOUT (see time_limit.py).
+    timeout: float | None = None
 
 
 class ConsumerRegistry:
@@ -131,6 +133,7 @@ def consumer(
     ordered: bool = False,
     max_attempts: int | None = None,
     retry_delays: Sequence[float] | None = None,
+    timeout: float | None = None,
     registry: ConsumerRegistry = registry,
 ) -> Callable[[Handler], Handler]:
     """Register ``func`` as the handler of ``queue``, bound to ``bindings`` on the exchange.
@@ -142,8 +145,17 @@ def consumer(
     publish order, also with several consume processes; different keys run in parallel. A
     failing message is retried in place (its partition waits), and once it is a dead letter the
     later messages of its key are parked behind it until it is replayed or discarded.
+
+    ``timeout`` (seconds) overrides ``HANDLER_TIMEOUT`` for this handler: past it the handler
+    is interrupted, its transaction rolls back and the delivery counts as a failed attempt.
     """
     delays = _validate(queue, bindings, max_attempts, retry_delays)
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0
+    ):
+        raise ConsumerConfigurationError(
+            f"consumer {queue!r}: timeout must be a positive number of seconds, got {timeout!r}"
+        )
 
     def decorator(func: Handler) -> Handler:
         spec = ConsumerSpec(
@@ -155,6 +167,7 @@ def consumer(
             ordered=ordered,
             max_attempts=max_attempts,
             retry_delays=delays,
+            timeout=None if timeout is None else float(timeout),
         )
         registry.register(spec)
         return func

@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .exceptions import PermanentError
+from .exceptions import HandlerTimeout, PermanentError
 
 
 class FailureReason:
     PERMANENT = "permanent"
     RETRIES_EXHAUSTED = "retries_exhausted"
+    TIMEOUT = "timeout"  # the last attempt ran past the handler's time limit
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ def decide(
     if isinstance(exc, PermanentError):
         return GiveUp(FailureReason.PERMANENT)
     if attempt >= max_attempts or not delays:
+        if isinstance(exc, HandlerTimeout):
+            return GiveUp(FailureReason.TIMEOUT)
         return GiveUp(FailureReason.RETRIES_EXHAUSTED)
     return RetryLater(delay=delay_for(attempt, delays), next_attempt=attempt + 1)
 

@@ -60,15 +60,28 @@ def consumer_queues(
     return [f"{spec.queue}.p{index}" for index in range(settings.ordered_partitions)]
 
 
+def dead_letter_queue(spec: ConsumerSpec) -> str:
+    """Quorum queues only: where the broker dead-letters a message of ``spec``'s queues that
+    reached ``x-delivery-limit``; the consumer ingests it as a ``delivery_limit`` dead letter."""
+    return f"{spec.queue}.dead"
+
+
 def queue_arguments(
-    settings: MessagingSettings = messaging_settings, *, ordered: bool = False
+    settings: MessagingSettings = messaging_settings,
+    *,
+    ordered: bool = False,
+    dead_letter_to: str | None = None,
 ) -> dict[str, Any]:
     arguments: dict[str, Any] = {}
     if settings.queue_type == "quorum":
         # The broker's own guard against poison loops that never reach a handler's outcome
-        # (a process crashing on the message before it can ack): past the limit it drops it.
+        # (a process crashing on the message before it can ack). Past the limit it would drop
+        # the message; with a dead-letter target it moves it there instead, never silently.
         arguments["x-queue-type"] = "quorum"
         arguments["x-delivery-limit"] = settings.quorum_delivery_limit
+        if dead_letter_to is not None:
+            arguments["x-dead-letter-exchange"] = ""
+            arguments["x-dead-letter-routing-key"] = dead_letter_to
     if ordered:
         arguments["x-single-active-consumer"] = True
     return arguments
@@ -129,10 +142,13 @@ def declare_topology(
         except pika.exceptions.ChannelClosedByBroker as exc:
             raise _mismatch("exchange", exchange, exc, {"type": "topic"}) from exc
     for spec in specs:
+        dead_letter_to = _declare_dead_letter_queue(channel, spec, settings)
         if spec.ordered:
-            _declare_partitions(channel, spec, settings)
+            _declare_partitions(channel, spec, settings, dead_letter_to)
             continue
-        arguments = queue_arguments(settings)
+        arguments = _arguments_the_broker_takes(
+            channel, spec.queue, queue_arguments(settings, dead_letter_to=dead_letter_to)
+        )
         try:
             channel.queue_declare(spec.queue, durable=True, arguments=arguments)
         except pika.exceptions.ChannelClosedByBroker as exc:
@@ -161,8 +177,61 @@ def declare_topology(
     )
 
 
-def _declare_partitions(
+def _declare_dead_letter_queue(
     channel: BlockingChannel, spec: ConsumerSpec, settings: MessagingSettings
+) -> str | None:
+    if settings.queue_type != "quorum":
+        return None
+    name = dead_letter_queue(spec)
+    arguments = {"x-queue-type": "quorum"}
+    try:
+        channel.queue_declare(name, durable=True, arguments=arguments)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        raise _mismatch("dead-letter queue", name, exc, arguments) from exc
+    return name
+
+
+def _arguments_the_broker_takes(
+    channel: BlockingChannel, queue: str, arguments: dict[str, Any]
+) -> dict[str, Any]:
+    """``arguments``, or without the dead-letter target when ``queue`` already exists without
+    one (declared by an older version): a queue's arguments cannot change in place, and
+    refusing to start would be worse than running without the target. Tried on a channel of
+    its own, since the broker closes the channel that declares a queue differently."""
+    if "x-dead-letter-routing-key" not in arguments:
+        return arguments
+    probe = channel.connection.channel()
+    try:
+        probe.queue_declare(queue, durable=True, arguments=arguments)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        if exc.reply_code != PRECONDITION_FAILED or "x-dead-letter" not in str(exc.reply_text):
+            return arguments  # another mismatch: the real declaration reports it
+        logger.warning(
+            "queue %s exists without a dead-letter target: a message that reaches its "
+            "x-delivery-limit would be dropped by the broker. Give it one with a policy "
+            "(rabbitmqctl set_policy --apply-to queues <name> '^%s$' "
+            '\'{"dead-letter-exchange":"","dead-letter-routing-key":"%s"}\'), or drain '
+            "and delete it so that it is declared afresh",
+            queue,
+            queue,
+            arguments["x-dead-letter-routing-key"],
+        )
+        return {
+            k: v
+            for k, v in arguments.items()
+            if k not in ("x-dead-letter-exchange", "x-dead-letter-routing-key")
+        }
+    else:
+        if probe.is_open:
+            probe.close()
+    return arguments
+
+
+def _declare_partitions(
+    channel: BlockingChannel,
+    spec: ConsumerSpec,
+    settings: MessagingSettings,
+    dead_letter_to: str | None = None,
 ) -> None:
     exchange = partition_exchange(spec)
     hashing = {"hash-header": ORDERING_KEY_HEADER}
@@ -176,8 +245,10 @@ def _declare_partitions(
         raise _missing_plugin(exc) from exc
     for binding in spec.bindings:
         channel.exchange_bind(exchange, consumer_exchange(spec, settings), routing_key=binding)
-    arguments = queue_arguments(settings, ordered=True)
     for queue in consumer_queues(spec, settings):
+        arguments = _arguments_the_broker_takes(
+            channel, queue, queue_arguments(settings, ordered=True, dead_letter_to=dead_letter_to)
+        )
         try:
             channel.queue_declare(queue, durable=True, arguments=arguments)
         except pika.exceptions.ChannelClosedByBroker as exc:

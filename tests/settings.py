@@ -60,6 +60,9 @@ DATABASES = {
         os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/reliable_messaging")
     )
 }
+if os.environ.get("RM_TEST_DB_NAME"):
+    # Two suites running at once on one machine each need a test database of their own.
+    DATABASES["default"]["TEST"] = {"NAME": os.environ["RM_TEST_DB_NAME"]}
 CACHES = {
     "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
     # The duplicate fast path's cache; keys carry the namespace so runs never share them.
@@ -83,6 +86,13 @@ RELIABLE_MESSAGING = {
     # RM_TEST_CACHE_ALIAS=messaging turns the Redis fast path on (subprocesses of a test).
     "CACHE_ALIAS": os.environ.get("RM_TEST_CACHE_ALIAS") or None,
     "QUEUE_TYPE": os.environ.get("RM_TEST_QUEUE_TYPE", "classic"),
+    # Fault tests of one subprocess tune these through its environment.
+    "QUORUM_DELIVERY_LIMIT": int(os.environ.get("RM_TEST_QUORUM_DELIVERY_LIMIT", "50")),
+    "PREFETCH": int(os.environ.get("RM_TEST_PREFETCH", "100")),
+    "CRASH_LIMIT": int(os.environ.get("RM_TEST_CRASH_LIMIT", "3")),
+    "HANDLER_TIMEOUT": float(os.environ.get("RM_TEST_HANDLER_TIMEOUT", "600")),
+    "HANDLER_TIMEOUT_GRACE": float(os.environ.get("RM_TEST_HANDLER_TIMEOUT_GRACE", "10")),
+    "BROKER_CONSUMER_TIMEOUT": float(os.environ.get("RM_TEST_BROKER_CONSUMER_TIMEOUT", "1800")),
 }
 
 LOGGING = {

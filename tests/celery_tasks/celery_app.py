@@ -28,4 +28,9 @@ app.conf.update(
     worker_enable_remote_control=False,
     worker_send_task_events=False,
     worker_prefetch_multiplier=1,
+    # What @idempotent_task needs (the system check warns without it): a message is acked
+    # once its task is done, and the task of a pool child that was killed goes back to the
+    # queue instead of being acked as failed.
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
 )

@@ -1,12 +1,14 @@
 """Idempotent Celery tasks the suite runs eagerly and through a real worker.
 
 Each records an :class:`~tests.testapp.models.Effect` (consumer = the task's label,
-message_id = what it is about) before doing what its arguments ask: fail, or sleep. The effect
-rolls back whenever the body raises.
+message_id = what it is about) before doing what its arguments ask: fail, sleep, or kill its own
+pool child. The effect rolls back whenever the body raises or its process dies.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from typing import Any
 
@@ -59,3 +61,16 @@ def charge(self: Task[Any, Any], order_id: int) -> int:
 @idempotent_task(key=lambda text: text)
 def long_key(text: str) -> int:
     return record("long_key", text[:100])
+
+
+@shared_task(name="tests.celery_tasks.kill_child", bind=True)
+@idempotent_task(key=lambda about, **options: f"kill:{about}")
+def kill_child(self: Task[Any, Any], about: str, only_first_delivery: bool = False) -> int:
+    """Records its effect, then SIGKILLs its own pool child, as the OOM killer would: every
+    time, or only on the first delivery of its message (then it succeeds on the redelivery)."""
+    if self.request.is_eager or self.request.called_directly:
+        raise RuntimeError("kill_child only runs in a worker's pool child, never in the tests")
+    effect = record("kill_child", about)
+    if not (only_first_delivery and self.request.delivery_info.get("redelivered")):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return effect

@@ -7,10 +7,7 @@ asserted is what a user cares about: the effect rows and the inbox rows in the d
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import threading
 import uuid
 from collections.abc import Iterator
@@ -25,11 +22,11 @@ from prometheus_client import REGISTRY
 from reliable_messaging import idempotent_task as exported
 from reliable_messaging.models import ProcessedMessage
 from reliable_messaging.tasks import HASHED_KEY_PREFIX, idempotent_task, inbox_key
-from tests.conftest import database_url
-from tests.support import ROOT, wait_until
+from tests.support import wait_until
 from tests.testapp.models import Effect
 
 from .tasks import charge, email_receipt, long_key, restock
+from .worker import CeleryWorker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -175,73 +172,6 @@ def test_misuse_is_refused_with_a_clear_error() -> None:
 
 
 # --------------------------------------------------------------------------- a real worker
-
-
-class CeleryWorker:
-    """``celery -A tests.celery_tasks.celery_app worker`` on one queue of the test's own,
-    against the test database; its output goes to a log file."""
-
-    def __init__(self, queue: str, log_path: Path) -> None:
-        self.queue = queue
-        self.log_path = log_path
-        env = {
-            **os.environ,
-            "DJANGO_SETTINGS_MODULE": "tests.settings",
-            "DATABASE_URL": database_url(),
-            "RM_CELERY_QUEUE": queue,
-            "PYTHONUNBUFFERED": "1",
-        }
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.popen = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "tests.celery_tasks.celery_app",
-                "worker",
-                # Celery's default pool, one child process: it stops faster than solo.
-                "--pool",
-                "prefork",
-                "--concurrency",
-                "1",
-                "--loglevel",
-                "INFO",
-                "--without-gossip",
-                "--without-mingle",
-                "--without-heartbeat",
-                "--queues",
-                queue,
-                "--hostname",
-                f"{queue}@%h",
-            ],
-            cwd=ROOT,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        def ready() -> bool:
-            assert self.popen.poll() is None, f"the worker exited early:\n{self.log()}"
-            return " ready." in self.log()
-
-        wait_until(ready, timeout=timeout, interval=0.1, message="the Celery worker to start")
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()  # warm shutdown: finishes the task in hand
-            try:
-                self.popen.wait(30)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(30)
-        self._log.close()
 
 
 @pytest.fixture

@@ -354,10 +354,15 @@ def test_quorum_queues(
         thread.start()
         try:
             assert svc.connected.wait(30)
+            # Past the delivery limit the broker moves a message to <queue>.dead (ingested as
+            # a delivery_limit dead letter), never drops it.
             assert support.queue_arguments(alpha.queue) == {
                 "x-queue-type": "quorum",
                 "x-delivery-limit": 50,
+                "x-dead-letter-exchange": "",
+                "x-dead-letter-routing-key": f"{alpha.queue}.dead",
             }
+            assert support.queue_arguments(f"{alpha.queue}.dead") == {"x-queue-type": "quorum"}
             publisher.publish(
                 exchange_of(ns), "order.placed", {"fail": {"alpha": 1}}, message_id="quorum-1"
             )

@@ -6,7 +6,10 @@ raises PermanentError, ``{"sleep": {"alpha": 1.5}}`` sleeps, ``{"require": "fiel
 field that may be missing (KeyError), ``{"crash_after_commit": {"alpha": 1}}`` kills the process
 with SIGKILL after the commit and before the ack (first delivery only),
 ``{"broken_while_env": {"alpha": "VAR"}}`` fails permanently while the process has VAR set.
-The effect rolls back whenever the handler raises.
+Poison pills (issue 18): ``{"kill": {"alpha": true}}`` kills the process with SIGKILL on every
+delivery, ``{"kill_once": {"alpha": true}}`` only on the first (not redelivered) one, and
+``{"spin": {"alpha": 30}}`` busy-loops in pure Python for that many seconds (``sleep`` blocks in
+C instead). The effect rolls back whenever the handler raises or its process dies.
 """
 
 from __future__ import annotations
@@ -36,9 +39,22 @@ def behave(label: str, message: Message) -> None:
         # Dies right after the commit, before the ack can be sent: a real crash in the window
         # the inbox exists for.
         transaction.on_commit(lambda: os.kill(os.getpid(), signal.SIGKILL))
+    if payload.get("kill", {}).get(label):
+        # A poison pill: takes its whole process down, inside the handler's transaction, on
+        # every delivery; nothing our code could catch.
+        os.kill(os.getpid(), signal.SIGKILL)
+    if payload.get("kill_once", {}).get(label) and not message.redelivered:
+        # Dies on the first delivery only; the redelivery succeeds.
+        os.kill(os.getpid(), signal.SIGKILL)
     sleep = payload.get("sleep", {}).get(label)
     if sleep:
         time.sleep(float(sleep))
+    spin = payload.get("spin", {}).get(label)
+    if spin:
+        # Busy in Python bytecode, so an exception raised asynchronously in this thread lands.
+        deadline = time.monotonic() + float(spin)
+        while time.monotonic() < deadline:
+            pass
     broken_by = payload.get("broken_while_env", {}).get(label)
     if broken_by and os.environ.get(broken_by):
         # A bug in this deploy (the environment variable is set): fixed by restarting without.

@@ -1,0 +1,146 @@
+"""Dead letters for deliveries whose handler never decided anything.
+
+A handler's own failures are decided by :mod:`.inbox` (retry, then a dead letter). This module
+covers the outcomes that no handler exception ever reaches:
+
+- the process died on the delivery ``CRASH_LIMIT`` times (:mod:`.crash_guard`): reason
+  ``worker_crashed``, or ``timeout`` when it was our own exit past a handler's time limit;
+- our own code (decoding, bookkeeping, not the handler) failed on it again and again: reason
+  ``consumer_error`` with the traceback;
+- a quorum queue's ``x-delivery-limit`` was reached and the broker dead-lettered the message to
+  the consumer's ``<queue>.dead`` queue: reason ``delivery_limit``.
+
+Each writes the dead letter with the raw body, the headers and what is known of why, in one
+transaction, and returns the outcome to carry out (ack). When the inbox already holds the
+message, some copy of it was processed: nothing is dead-lettered and the delivery is a duplicate.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from django.db import transaction
+
+from . import metrics
+from .dead_letters import record_dead_letter
+from .envelope import DecodeError, Delivery, Message
+from .models import DeadLetterReason, ProcessedMessage
+from .outcomes import Acknowledge
+from .registry import ConsumerSpec
+
+logger = logging.getLogger(__name__)
+
+
+class Processor(Protocol):
+    spec: ConsumerSpec
+    using: str
+
+    def decode(self, delivery: Delivery) -> Message | DecodeError: ...
+
+
+def dead_letter_delivery(
+    processor: Processor,
+    delivery: Delivery,
+    *,
+    reason: str,
+    attempts: int,
+    detail: str,
+    traceback_text: str = "",
+) -> Acknowledge:
+    """Record ``delivery`` as a dead letter of ``processor``'s consumer for ``reason``, unless
+    the inbox shows it processed already (then it is a duplicate)."""
+    decoded = processor.decode(delivery)
+    message = decoded if isinstance(decoded, Message) else None
+    message_id = decoded.message_id
+    consumer = processor.spec.name
+    with transaction.atomic(using=processor.using):
+        if (
+            message_id
+            and ProcessedMessage.objects.using(processor.using)
+            .filter(consumer=consumer, message_id=message_id)
+            .exists()
+        ):
+            metrics.consumer_outcome(consumer, "duplicate")
+            logger.info(
+                "duplicate message_id=%s consumer=%s outcome=duplicate: already processed, "
+                "acked without running the handler",
+                message_id,
+                consumer,
+            )
+            return Acknowledge("duplicate")
+        record_dead_letter(
+            consumer=consumer,
+            delivery=delivery,
+            message_id=message_id,
+            reason=reason,
+            attempts=max(1, attempts),
+            payload=message.payload if message is not None else None,
+            exchange=message.exchange if message is not None else None,
+            routing_key=message.routing_key if message is not None else None,
+            exception_message=detail,
+            traceback_text=traceback_text,
+        )
+    metrics.consumer_outcome(consumer, "dead_lettered")
+    logger.error(
+        "dead-lettering message_id=%s consumer=%s outcome=dead_lettered reason=%s: %s",
+        message_id or "-",
+        consumer,
+        reason,
+        detail,
+    )
+    return Acknowledge("dead_lettered", reason)
+
+
+def _first_death(headers: Mapping[str, Any]) -> Mapping[str, Any]:
+    deaths = headers.get("x-death")
+    if isinstance(deaths, list) and deaths and isinstance(deaths[0], Mapping):
+        return deaths[0]
+    return {}
+
+
+def original_delivery(delivery: Delivery, queues: list[str]) -> Delivery:
+    """The delivery as it was in the consumer's queue, from what the broker's dead-lettering
+    recorded in ``x-death`` (queue, exchange, routing key), so a replay goes back to it."""
+    death = _first_death(delivery.headers)
+    queue = death.get("queue")
+    routing_keys = death.get("routing-keys")
+    routing_key = routing_keys[0] if isinstance(routing_keys, list) and routing_keys else None
+    exchange = death.get("exchange")
+    return Delivery(
+        body=delivery.body,
+        queue=queue if isinstance(queue, str) and queue in queues else queues[0],
+        exchange=exchange if isinstance(exchange, str) else delivery.exchange,
+        routing_key=routing_key if isinstance(routing_key, str) else delivery.routing_key,
+        delivery_tag=delivery.delivery_tag,
+        redelivered=delivery.redelivered,
+        message_id=delivery.message_id,
+        content_type=delivery.content_type,
+        timestamp=delivery.timestamp,
+        headers=delivery.headers,
+    )
+
+
+def ingest_delivery_limit(
+    processor: Processor, delivery: Delivery, queues: list[str]
+) -> Acknowledge:
+    """A message the broker dead-lettered from one of ``queues`` at its delivery limit."""
+    death = _first_death(delivery.headers)
+    count = 0
+    for raw in (delivery.headers.get("x-delivery-count"), death.get("count")):
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            count = raw
+            break
+    why = death.get("reason")
+    return dead_letter_delivery(
+        processor,
+        original_delivery(delivery, queues),
+        reason=DeadLetterReason.DELIVERY_LIMIT,
+        attempts=count or 1,
+        detail=(
+            f"the broker gave up on it after {count or 'too many'} deliveries without an "
+            f"outcome (quorum queue x-delivery-limit; dead-lettering reason {why!r}) and "
+            f"dead-lettered it to {delivery.queue}"
+        ),
+    )
