@@ -35,6 +35,7 @@ from .models import (
     OutboxMessage,
     OutboxStatus,
     ProcessedMessage,
+    SuspectDelivery,
 )
 from .registry import registry
 from .replay import REPLAYABLE_STATUSES, UNREPLAYABLE_REASONS
@@ -73,6 +74,32 @@ class ProcessedMessageAdmin(admin.ModelAdmin):
     )
     date_hierarchy = "processed_at"
     ordering = ("-processed_at",)
+    show_full_result_count = False
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(SuspectDelivery)
+class SuspectDeliveryAdmin(admin.ModelAdmin):
+    """Deliveries the crash guard is watching: came back after their process went away. A row
+    with deaths close to CRASH_LIMIT names a message that may be killing its consumers."""
+
+    list_display = (
+        "message_id",
+        "consumer",
+        "deaths",
+        "running",
+        "last_cause",
+        "last_process",
+        "updated_at",
+    )
+    list_filter = (RegisteredConsumerFilter, "last_cause", "running")
+    search_fields = ("=message_id", "=consumer")
+    ordering = ("-updated_at",)
     show_full_result_count = False
 
     def has_add_permission(self, request: HttpRequest) -> bool:

@@ -11,6 +11,9 @@ class ReliableMessagingConfig(AppConfig):
 
     def ready(self) -> None:
         from . import checks  # noqa: F401  (registers the system checks)
+        from .amqp_codec import install as install_amqp_codec
+
+        install_amqp_codec()  # before any broker connection: see amqp_codec's docstring
 
         # Like admin.py: every installed app's consumers.py registers its handlers on import.
         autodiscover_modules("consumers")

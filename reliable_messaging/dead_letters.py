@@ -12,9 +12,12 @@ from django.utils import timezone
 
 from .envelope import (
     FIRST_FAILED_AT_HEADER,
+    MAX_STORED_NESTING,
     ORDERING_KEY_HEADER,
     Delivery,
+    bounded_repr,
     jsonable,
+    nesting_depth,
     safe_text,
 )
 from .fingerprints import exception_fingerprint, reason_fingerprint
@@ -64,12 +67,23 @@ def record_dead_letter(
         exception_message = exception_message or str(exception)
         fingerprint = exception_fingerprint(exception)
     ordering_key = delivery.headers.get(ORDERING_KEY_HEADER)
+    message_id = _clip(message_id)
+    if payload is not None and nesting_depth(payload) > MAX_STORED_NESTING:
+        # Storing it would run json's recursive encoder past Python's recursion limit (and
+        # nobody reads a payload that deep in the admin): the raw body keeps all of it.
+        logger.warning(
+            "dead letter payload of message_id=%s nests deeper than %d levels; "
+            "storing the raw body only",
+            message_id,
+            MAX_STORED_NESTING,
+        )
+        payload = None
     fields: dict[str, Any] = {
         "queue": _clip(delivery.queue),
         "ordering_key": _clip(ordering_key) if isinstance(ordering_key, str) else None,
         "exchange": _clip(exchange if exchange is not None else delivery.exchange),
         "routing_key": _clip(routing_key if routing_key is not None else delivery.routing_key),
-        "headers": jsonable(dict(delivery.headers)),
+        "headers": jsonable(dict(delivery.headers), max_depth=MAX_STORED_NESTING),
         "payload": jsonable(payload),
         "body": bytes(delivery.body),
         "content_type": _clip(delivery.content_type or ""),
@@ -89,7 +103,6 @@ def record_dead_letter(
         "attempts": attempts,
         "exception_type": exception_type,
     }
-    message_id = _clip(message_id)
     using = router.db_for_write(DeadLetter)
     try:
         return _upsert(using, consumer, message_id, fields, event, delivery, now)
@@ -105,7 +118,7 @@ def record_dead_letter(
         try:
             return _upsert(using, consumer, message_id, fields, event, delivery, now)
         except DataError:
-            fields["headers"] = {"unstorable_headers": safe_text(repr(dict(delivery.headers)))}
+            fields["headers"] = {"unstorable_headers": safe_text(bounded_repr(delivery.headers))}
             return _upsert(using, consumer, message_id, fields, event, delivery, now)
 
 

@@ -11,8 +11,10 @@ import datetime as dt
 import decimal
 import hashlib
 import json
+import math
+import reprlib
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -31,6 +33,9 @@ PUBLISHED_AT_HEADER = "x-rm-published-at"
 REPLAY_HEADER = "x-rm-replay"  # how many times the message was replayed
 REPLAYED_BY_HEADER = "x-rm-replayed-by"
 DEAD_LETTER_ID_HEADER = "x-rm-dead-letter-id"
+# Set by amqp_codec when part of a delivery's properties could not be decoded: the text says
+# what failed. Such a delivery is dead-lettered (invalid_headers) with its raw body.
+UNDECODABLE_HEADER = "x-rm-undecodable"
 # Headers RabbitMQ adds on dead-lettering; they grow with every retry, so copies drop them.
 BROKER_HEADERS = frozenset(
     {
@@ -100,7 +105,11 @@ class Message:
 
 @dataclass(frozen=True)
 class Delivery:
-    """What a consumer received, as plain values (safe to hand to another thread)."""
+    """What a consumer received, as plain values (safe to hand to another thread).
+
+    ``defects`` lists what :func:`delivery_from_frame` could not take over faithfully (a routing
+    key or message_id that is not UTF-8, ...): such a delivery is refused by
+    :func:`decode_delivery`, never matched or handled under a name it was not sent with."""
 
     body: bytes
     queue: str
@@ -112,6 +121,7 @@ class Delivery:
     content_type: str | None = None
     timestamp: int | None = None
     headers: Mapping[str, Any] = field(default_factory=dict)
+    defects: tuple[str, ...] = ()
 
 
 class DecodeReason:
@@ -134,6 +144,13 @@ class DecodeError:
 
 
 MAX_MESSAGE_ID_LENGTH = 255
+# AMQP short strings (header names, routing keys, message ids) hold at most 255 bytes.
+MAX_SHORT_STRING_BYTES = 255
+# Nesting kept when headers or payloads are stored (a dead letter) or published again (a retry
+# copy). Encoders recurse once per level (json, pika's table encoder) on top of a worker's deep
+# stack; real headers and payloads nest a few levels, never hundreds.
+MAX_STORED_NESTING = 200
+MAX_WIRE_NESTING = 64
 
 
 def safe_text(value: Any) -> str:
@@ -144,53 +161,259 @@ def safe_text(value: Any) -> str:
     return text.encode("utf-8", errors="backslashreplace").decode("utf-8")
 
 
+def escaped_text(raw: bytes) -> str:
+    r"""``raw`` (bytes that are not UTF-8) as text, one to one: the UTF-8 parts as they are with
+    each backslash doubled, every other byte as ``\xNN``, NUL as ``\x00``. Unlike
+    :func:`safe_text`, two different byte strings never give the same text (``b"\xff"`` and
+    ``b"\\xff"`` differ), so the result can serve as a key."""
+    text = raw.replace(b"\\", b"\\\\").decode("utf-8", errors="backslashreplace")
+    return text.replace("\x00", "\\x00")
+
+
+def fit_utf8(text: str, limit: int = MAX_SHORT_STRING_BYTES) -> str:
+    """``text`` if it fits in ``limit`` UTF-8 bytes; otherwise its beginning plus a hash of the
+    whole, within ``limit``: the same text always gives the same result, and two long texts that
+    only differ at the end stay apart."""
+    encoded = text.encode("utf-8", errors="surrogatepass")
+    if len(encoded) <= limit:
+        return text
+    suffix = "~" + hashlib.sha256(encoded).hexdigest()[:16]
+    head = encoded[: limit - len(suffix)].decode("utf-8", errors="ignore")  # whole characters
+    return head + suffix
+
+
+def _frame_text(value: Any, what: str, defects: list[str]) -> str:
+    """A short string off a frame as text; pika leaves one that is not UTF-8 as bytes."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            text = escaped_text(value)
+            defects.append(f"{what} is not UTF-8 (received as {text!r}, escaped)")
+            return text
+    defects.append(f"{what} is a {type(value).__name__}, not text")
+    return safe_text(value)
+
+
+def _header_name(name: Any) -> str:
+    if isinstance(name, str):
+        return name
+    if isinstance(name, bytes):
+        try:
+            return name.decode("utf-8")
+        except UnicodeDecodeError:
+            return escaped_text(name)
+    return safe_text(name)
+
+
 def normalize_headers(headers: Mapping[Any, Any] | None) -> dict[str, Any]:
-    """Header names as text: pika hands a name that is not UTF-8 over as bytes."""
+    """Header names as text: pika hands a name that is not UTF-8 over as bytes (escaped here)."""
     if not headers:
         return {}
-    return {(k if isinstance(k, str) else safe_text(k)): v for k, v in headers.items()}
+    return {_header_name(k): v for k, v in headers.items()}
 
 
 def delivery_from_frame(queue: str, method: Any, properties: Any, body: bytes) -> Delivery:
     """A :class:`Delivery` from what pika handed the consumer (``Basic.Deliver``,
     ``BasicProperties``, body), as plain values. Never raises: whatever a foreign producer
     sent, the delivery can be decided (and if need be dead-lettered) rather than crash the
-    connection's thread."""
-    return Delivery(
-        body=body,
-        queue=queue,
-        exchange=method.exchange or "",
-        routing_key=method.routing_key or "",
-        delivery_tag=method.delivery_tag or 0,
-        redelivered=bool(method.redelivered),
-        message_id=properties.message_id,
-        content_type=properties.content_type,
-        timestamp=properties.timestamp,
-        headers=normalize_headers(properties.headers),
-    )
+    connection's thread. A field that is not what AMQP says (a routing key that is not UTF-8)
+    becomes escaped text and a defect, so the delivery is refused rather than matched."""
+    defects: list[str] = []
+    try:
+        message_id = properties.message_id
+        content_type = properties.content_type
+        return Delivery(
+            body=bytes(body),
+            queue=queue,
+            exchange=_frame_text(method.exchange or "", "exchange", defects),
+            routing_key=_frame_text(method.routing_key or "", "routing key", defects),
+            delivery_tag=method.delivery_tag or 0,
+            redelivered=bool(method.redelivered),
+            message_id=None
+            if message_id is None
+            else _frame_text(message_id, "message_id", defects),
+            content_type=(
+                None if content_type is None else _frame_text(content_type, "content type", defects)
+            ),
+            timestamp=_signed_timestamp(properties.timestamp),
+            headers=normalize_headers(properties.headers),
+            defects=tuple(defects),
+        )
+    except Exception as exc:  # noqa: BLE001 - a delivery that cannot be read is refused, not fatal
+        return Delivery(
+            body=body if isinstance(body, bytes) else b"",
+            queue=queue,
+            exchange="",
+            routing_key="",
+            delivery_tag=_delivery_tag(method),
+            defects=(*defects, f"the delivery could not be read: {type(exc).__name__}: {exc}"),
+        )
 
 
-def wire_headers(headers: Mapping[str, Any]) -> dict[str, Any]:
-    """``headers`` as a copy the broker accepts when we publish it again (a retry copy)."""
-    return dict(headers)
+def _delivery_tag(method: Any) -> int:
+    try:
+        return int(method.delivery_tag or 0)
+    except Exception:  # noqa: BLE001 - without a tag the delivery cannot be acked anyway
+        return 0
 
 
-def jsonable(value: Any) -> Any:
-    """AMQP header values (bytes, Decimal, datetime, nested tables) as JSON-safe values that
-    PostgreSQL's jsonb accepts (no NUL, no lone surrogate)."""
+def _signed_timestamp(raw: Any) -> int | None:
+    """The timestamp property as a signed number: Java clients write a date before 1970 as a
+    negative 64-bit value, which pika reads unsigned."""
+    if not isinstance(raw, int) or isinstance(raw, bool):
+        return None
+    return raw - 2**64 if raw >= 2**63 else raw
+
+
+def wire_headers(headers: Mapping[Any, Any]) -> dict[str, Any]:
+    """``headers`` as a copy the broker accepts when we publish it again (a retry copy).
+
+    Names fit AMQP's 255-byte short string (a longer one, such as the escaped form of a long
+    name that was not UTF-8, is cut and ends in a hash of the whole, so two stay apart); values
+    are of types pika can write, with :mod:`.amqp_codec` installed (it writes floats as AMQP
+    doubles and dates before 1970 as negative timestamps): integers beyond 64 bits, decimals
+    AMQP's decimal cannot hold, text with lone surrogates, dates and times, tuples and any other
+    object become text or lists; tables nested deeper than ``MAX_WIRE_NESTING`` become text."""
+    return {_wire_name(k): _wire_value(v, 1) for k, v in headers.items()}
+
+
+def _wire_name(name: Any) -> str:
+    return fit_utf8(safe_text(_header_name(name)))
+
+
+# Compared, never tested with ``in range(...)``: pika decodes 64-bit integers as an int
+# subclass (pika.compat.long), for which range membership scans every number.
+_INT64_MIN, _INT64_END = -(2**63), 2**63
+_INT32_MIN, _INT32_END = -(2**31), 2**31
+
+
+def _wire_decimal(value: decimal.Decimal) -> decimal.Decimal | str:
+    # AMQP's decimal: an unsigned octet of decimal places and a signed 32-bit integer. The size
+    # is checked before any integer is made: 1E+999999999 must not become a billion digits.
+    if not value.is_finite() or not -256 < value.adjusted() < 10:
+        return str(value)
+    try:
+        normalized = value.normalize()  # as pika does before writing it
+        places = max(0, -int(normalized.as_tuple().exponent))
+        fits = places <= 255 and _INT32_MIN <= int(normalized.scaleb(places)) < _INT32_END
+    except decimal.DecimalException:
+        fits = False
+    return value if fits else str(value)
+
+
+def _wire_value(value: Any, depth: int) -> Any:
+    if value is None or isinstance(value, bool | float | bytes):
+        return value
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: pika could not write it
+            return value.encode("utf-8", errors="backslashreplace").decode("utf-8")
+        return value
+    if isinstance(value, int):
+        return value if _INT64_MIN <= value < _INT64_END else str(value)
+    if isinstance(value, decimal.Decimal):
+        return _wire_decimal(value)
+    if isinstance(value, dt.datetime):
+        return value
+    if isinstance(value, dt.date | dt.time):
+        return value.isoformat()
+    if isinstance(value, Mapping | list | tuple) and depth > MAX_WIRE_NESTING:
+        return f"(nested deeper than {MAX_WIRE_NESTING} levels: left out)"
     if isinstance(value, Mapping):
-        return {safe_text(k): jsonable(v) for k, v in value.items()}
+        return {_wire_name(k): _wire_value(v, depth + 1) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [jsonable(v) for v in value]
+        return [_wire_value(v, depth + 1) for v in value]
+    return safe_text(bounded_repr(value))
+
+
+_repr = reprlib.Repr()
+_repr.maxlevel = 4
+_repr.maxstring = _repr.maxother = 200
+
+
+def bounded_repr(value: Any) -> str:
+    """A bounded repr: never recursing deeper than a few levels, whatever ``value`` holds."""
+    return _repr.repr(value)
+
+
+def _jsonable_scalar(value: Any) -> Any:
     if isinstance(value, bytes | str):
         return safe_text(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # jsonb has no NaN or Infinity
     if isinstance(value, bool | int | float) or value is None:
         return value
     if isinstance(value, decimal.Decimal):
         return str(value)
     if isinstance(value, dt.datetime | dt.date):
         return value.isoformat()
-    return repr(value)
+    return bounded_repr(value)
+
+
+def jsonable(value: Any, max_depth: int | None = None) -> Any:
+    """AMQP header values (bytes, Decimal, datetime, nested tables) as JSON-safe values that
+    PostgreSQL's jsonb accepts (no NUL, no lone surrogate, no NaN).
+
+    Iterative, so any nesting converts; with ``max_depth``, a table or list nested deeper
+    becomes a note saying so (what is stored must also survive json's recursive encoder)."""
+    result: list[Any] = [None]
+    on_path: set[int] = set()  # containers being converted: a cycle is noted, not followed
+    # (value, where the result goes, its key there, depth) or a container's id to leave
+    stack: list[tuple[Any, Any, Any, int] | int] = [(value, result, 0, 1)]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, int):
+            on_path.discard(item)
+            continue
+        current, target, slot, depth = item
+        if not isinstance(current, Mapping | list | tuple):
+            target[slot] = _jsonable_scalar(current)
+            continue
+        if max_depth is not None and depth > max_depth:
+            target[slot] = f"(nested deeper than {max_depth} levels: see the raw body)"
+            continue
+        if id(current) in on_path:
+            target[slot] = "(a reference to itself)"
+            continue
+        on_path.add(id(current))
+        stack.append(id(current))
+        children: list[tuple[Any, Any, Any, int]] = []
+        converted: dict[str, Any] | list[Any]
+        if isinstance(current, Mapping):
+            converted = {}
+            for key, child in current.items():
+                name = safe_text(key)
+                converted[name] = None
+                children.append((child, converted, name, depth + 1))
+        else:
+            converted = [None] * len(current)
+            children = [(child, converted, i, depth + 1) for i, child in enumerate(current)]
+        target[slot] = converted
+        stack.extend(reversed(children))
+    return result[0]
+
+
+def nesting_depth(value: Any) -> int:
+    """How deep lists and mappings nest in ``value`` (0 for a scalar); iterative."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        current, depth = stack.pop()
+        if isinstance(current, Mapping):
+            stack.extend((child, depth + 1) for child in current.values())
+        elif isinstance(current, list | tuple):
+            stack.extend((child, depth + 1) for child in current)
+        else:
+            deepest = max(deepest, depth)
+            continue
+        deepest = max(deepest, depth + 1)
+        if deepest > 100_000:  # a structure holding itself: deep enough to say so
+            break
+    return deepest
 
 
 def derived_message_id(body: bytes) -> str:
@@ -201,8 +424,33 @@ def _text(value: Any) -> str | None:
     if value is None:
         return None
     if isinstance(value, bytes):
-        return value.decode("utf-8", errors="replace")
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            return escaped_text(value)
     return str(value)
+
+
+def _message_id(value: Any) -> tuple[str, str | None]:
+    """The message_id as the inbox's key, and why it cannot be one (or None).
+
+    An id that is not UTF-8 is refused rather than decoded with replacement characters: two
+    different ids must never share an inbox key (the second would be acked as a duplicate of
+    the first and never handled). Its dead letter is keyed by its escaped form, which is one to
+    one, so two refused ids do not share a dead letter either."""
+    if value is None:
+        return "", None
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError:
+            return fit_utf8(escaped_text(value)), "message_id is not UTF-8"
+    text = str(value)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return fit_utf8(safe_text(text)), "message_id holds a lone surrogate, which is not text"
+    return text, None
 
 
 def parse_attempt(headers: Mapping[str, Any]) -> int:
@@ -243,18 +491,47 @@ def user_headers(headers: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _has_lone_surrogate(payload: Any) -> bool:
-    try:
-        json.dumps(payload, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return True
+    """Whether any text in ``payload`` (keys too) holds a lone surrogate; iterative, so a
+    payload nested as deep as json.loads allowed is walked without recursion."""
+    stack = [payload]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, str):
+            try:
+                current.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(current, dict):
+            stack.extend(current.keys())
+            stack.extend(current.values())
+        elif isinstance(current, list):
+            stack.extend(current)
     return False
+
+
+def _parse_json(text: str, error: Callable[[str, str], DecodeError]) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        return error(DecodeReason.INVALID_JSON, f"the body is not valid JSON: {exc}")
+    except RecursionError:
+        return error(
+            DecodeReason.INVALID_JSON,
+            "the body is JSON nested too deeply to decode (arrays or objects thousands of "
+            "levels deep)",
+        )
+    except ValueError as exc:  # an integer literal beyond Python's 4300-digit limit
+        return error(
+            DecodeReason.INVALID_JSON,
+            f"the body is JSON with a number too long to decode: {str(exc)[:200]}",
+        )
 
 
 def decode_delivery(
     delivery: Delivery, *, max_body_bytes: int, derive_message_id: bool = False
 ) -> Message | DecodeError:
     """Turn a delivery into a :class:`Message`, or say precisely why it cannot be one."""
-    message_id = _text(delivery.message_id) or ""
+    message_id, message_id_defect = _message_id(delivery.message_id)
     if not message_id and derive_message_id:
         message_id = derived_message_id(delivery.body)
 
@@ -265,6 +542,22 @@ def decode_delivery(
         return error(
             DecodeReason.BODY_TOO_LARGE,
             f"body is {len(delivery.body)} bytes, the limit (MAX_BODY_BYTES) is {max_body_bytes}",
+        )
+    defects = list(delivery.defects)
+    if message_id_defect:
+        defects.append(message_id_defect)
+    undecodable = delivery.headers.get(UNDECODABLE_HEADER)
+    if undecodable is not None:
+        defects.insert(
+            0,
+            f"the message's properties could not be decoded ({safe_text(undecodable)}); "
+            "the headers hold what could be read",
+        )
+    if defects:
+        return DecodeError(
+            reason=DecodeReason.INVALID_HEADERS,
+            detail="; ".join(defects),
+            message_id=fit_utf8(message_id),  # an escaped id may be longer than the column
         )
     if not message_id:
         return error(
@@ -292,10 +585,9 @@ def decode_delivery(
         text = delivery.body.decode("utf-8")
     except UnicodeDecodeError as exc:
         return error(DecodeReason.INVALID_UTF8, f"the body is not valid UTF-8: {exc}")
-    try:
-        payload = json.loads(text)
-    except json.JSONDecodeError as exc:
-        return error(DecodeReason.INVALID_JSON, f"the body is not valid JSON: {exc}")
+    payload = _parse_json(text, error)
+    if isinstance(payload, DecodeError):
+        return payload
     if "\\u" in text and _has_lone_surrogate(payload):
         return error(
             DecodeReason.INVALID_JSON,

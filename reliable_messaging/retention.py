@@ -10,13 +10,15 @@ from django.db import models, router, transaction
 from django.utils import timezone
 
 from .conf import MessagingSettings, messaging_settings
-from .models import OutboxMessage, OutboxStatus, ProcessedMessage
+from .models import OutboxMessage, OutboxStatus, ProcessedMessage, SuspectDelivery
 
 
 @dataclass(frozen=True)
 class PurgeResult:
     inbox: int
     outbox: int
+    # Crash-guard rows of deliveries that never came back (dead-lettered elsewhere, purged).
+    suspects: int = 0
 
 
 # Called after each deleted batch with the table ("inbox" or "outbox"), the rows deleted from
@@ -60,14 +62,17 @@ def purge_messages(
     on_batch: OnBatch | None = None,
 ) -> PurgeResult:
     """Delete inbox rows older than ``DEDUP_RETENTION`` and sent outbox rows older than
-    ``OUTBOX_RETENTION``. Pending and failed outbox rows are never touched. ``on_batch`` is
-    told of each deleted batch (see :data:`OnBatch`)."""
+    ``OUTBOX_RETENTION``, and crash-guard rows untouched for ``DEDUP_RETENTION``. Pending and
+    failed outbox rows are never touched. ``on_batch`` is told of each deleted batch (see
+    :data:`OnBatch`)."""
     now = now or timezone.now()
     inbox = ProcessedMessage.objects.filter(processed_at__lt=now - settings.dedup_retention)
     outbox = OutboxMessage.objects.filter(
         status=OutboxStatus.SENT, sent_at__lt=now - settings.outbox_retention
     )
+    suspects = SuspectDelivery.objects.filter(updated_at__lt=now - settings.dedup_retention)
     return PurgeResult(
         inbox=_purge("inbox", inbox, batch_size, dry_run, on_batch),
         outbox=_purge("outbox", outbox, batch_size, dry_run, on_batch),
+        suspects=_purge("suspects", suspects, batch_size, dry_run, on_batch),
     )

@@ -10,6 +10,8 @@ import json
 import uuid
 from typing import Any
 
+import pika.data
+import pika.spec
 import pytest
 
 from reliable_messaging.envelope import (
@@ -23,11 +25,15 @@ from reliable_messaging.envelope import (
     Delivery,
     Message,
     decode_delivery,
+    delivery_from_frame,
     derived_message_id,
     encode_payload,
     jsonable,
+    normalize_headers,
     user_headers,
+    wire_headers,
 )
+from reliable_messaging.routing import topic_matches
 
 LIMIT = 1024
 
@@ -317,3 +323,236 @@ def test_jsonable_makes_header_values_storable() -> None:
         "other": repr(dt.time(1, 2)),
     }
     json.dumps(jsonable(value), allow_nan=False)
+
+
+def test_jsonable_stores_non_finite_floats_as_text() -> None:
+    # Doubles from foreign producers can be NaN or infinite; PostgreSQL's jsonb has neither.
+    value = jsonable({"nan": float("nan"), "inf": float("inf"), "ratio": 3.75})
+    assert value == {"nan": "nan", "inf": "inf", "ratio": 3.75}
+    json.dumps(value, allow_nan=False)
+
+
+# --------------------------------------------------------------------------- frames from pika
+
+
+def deliver_frame(routing_key: str | bytes = "order.placed", exchange: str | bytes = "shop") -> Any:
+    """A Basic.Deliver as pika decodes it off the wire (short strings that are not UTF-8 come
+    out as bytes)."""
+    sent = pika.spec.Basic.Deliver(
+        consumer_tag="ctag",
+        delivery_tag=7,
+        redelivered=False,
+        exchange=exchange,  # type: ignore[arg-type]  # raw bytes on purpose
+        routing_key=routing_key,  # type: ignore[arg-type]
+    )
+    return pika.spec.Basic.Deliver().decode(b"".join(sent.encode()))
+
+
+def properties_frame(**kwargs: Any) -> Any:
+    """BasicProperties as pika decodes them off the wire."""
+    values: dict[str, Any] = {"message_id": "m-1", "content_type": "application/json"}
+    values.update(kwargs)
+    sent = pika.spec.BasicProperties(**values)
+    return pika.spec.BasicProperties().decode(b"".join(sent.encode()))
+
+
+def test_a_routing_key_that_is_not_utf8_is_escaped_text_and_refused() -> None:
+    method = deliver_frame(routing_key=b"order.\xff")
+    assert method.routing_key == b"order.\xff"  # what pika hands over
+    d = delivery_from_frame("billing.charge", method, properties_frame(), b'{"order_id": 7}')
+    assert isinstance(d.routing_key, str)
+    assert d.routing_key == "order.\\xff"
+    # Refused, not matched: even though its escaped form would match "order.*".
+    err = assert_error(decode(d), DecodeReason.INVALID_HEADERS)
+    assert "routing key is not UTF-8" in err.detail
+    assert err.message_id == "m-1"
+
+
+def test_topic_matching_never_raises_on_a_key_that_is_not_text() -> None:
+    assert topic_matches("order.*", "order.placed")
+    assert not topic_matches("order.*", b"order.\xff")  # type: ignore[arg-type]
+    assert not topic_matches("#", b"\xff")  # type: ignore[arg-type]
+
+
+def test_delivery_from_frame_turns_every_field_into_text() -> None:
+    method = deliver_frame(routing_key="order.placed", exchange=b"sh\xffop")
+    properties = properties_frame(
+        message_id="m-9", content_type="application/json", headers={"tenant": "acme"}
+    )
+    properties.headers[b"\xfename"] = 1  # a header name pika could not decode as UTF-8
+    d = delivery_from_frame("billing.charge", method, properties, b"{}")
+    assert (d.exchange, d.routing_key, d.message_id, d.content_type) == (
+        "sh\\xffop",
+        "order.placed",
+        "m-9",
+        "application/json",
+    )
+    assert all(isinstance(k, str) for k in d.headers)
+    assert d.headers["\\xfename"] == 1
+    assert d.delivery_tag == 7
+    assert "exchange is not UTF-8" in assert_error(decode(d), DecodeReason.INVALID_HEADERS).detail
+
+
+def test_delivery_from_frame_never_raises_on_garbage() -> None:
+    class Broken:
+        def __getattr__(self, name: str) -> Any:
+            raise RuntimeError(f"no {name}")
+
+    d = delivery_from_frame("q", Broken(), Broken(), b"{}")
+    err = assert_error(decode(d), DecodeReason.INVALID_HEADERS)
+    assert "could not be read" in err.detail
+
+
+def test_a_timestamp_property_before_1970_is_signed() -> None:
+    # Java writes 1960-01-01 as a negative 64-bit number; pika reads it unsigned.
+    properties = properties_frame(timestamp=2**64 - 315_619_200)
+    d = delivery_from_frame("q", deliver_frame(), properties, b"{}")
+    assert d.timestamp == -315_619_200
+    message = decode(d)
+    assert isinstance(message, Message)
+    assert message.published_at == dt.datetime(1960, 1, 1, tzinfo=dt.UTC)
+
+
+# --------------------------------------------------------------------------- JSON limits
+
+
+def test_json_nested_too_deeply_to_decode_is_invalid_json() -> None:
+    body = b"[" * 50_000 + b"]" * 50_000
+    err = assert_error(decode(delivery(body), max_body_bytes=len(body)), DecodeReason.INVALID_JSON)
+    assert "nested too deeply" in err.detail
+
+
+def test_an_integer_beyond_pythons_digit_limit_is_invalid_json() -> None:
+    body = b'{"n": ' + b"9" * 5000 + b"}"
+    err = assert_error(decode(delivery(body), max_body_bytes=len(body)), DecodeReason.INVALID_JSON)
+    assert "4300" in err.detail
+
+
+def deep_list(depth: int, leaf: Any = 1) -> Any:
+    value = leaf
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def test_a_payload_nested_600_deep_decodes_and_converts() -> None:
+    # json.loads accepts it; everything after it on the dead-letter path must too.
+    body = json.dumps(deep_list(600, "\\u00e9")).encode()  # "\\u" makes the surrogate check run
+    message = decode(delivery(body), max_body_bytes=len(body))
+    assert isinstance(message, Message)
+    assert jsonable(message.payload) == message.payload
+    shallow = jsonable(message.payload, max_depth=3)
+    assert shallow == [[["(nested deeper than 3 levels: see the raw body)"]]]
+
+
+def test_jsonable_notes_a_structure_that_holds_itself() -> None:
+    loop: list[Any] = [1]
+    loop.append(loop)
+    assert jsonable(loop) == [1, "(a reference to itself)"]
+
+
+# --------------------------------------------------------------------------- message ids
+
+
+def test_two_binary_message_ids_never_share_an_inbox_key() -> None:
+    first = decode(delivery(message_id=b"\xff\x01"))
+    second = decode(delivery(message_id=b"\xfe\x01"))
+    for result in (first, second):
+        err = assert_error(result, DecodeReason.INVALID_HEADERS)
+        assert "message_id is not UTF-8" in err.detail
+    assert isinstance(first, DecodeError) and isinstance(second, DecodeError)
+    # Their dead letters are keyed apart too.
+    assert first.message_id != second.message_id
+
+
+def test_a_binary_message_id_off_the_wire_is_refused() -> None:
+    properties = properties_frame(message_id=b"\xff\x01")
+    d = delivery_from_frame("q", deliver_frame(), properties, b"{}")
+    assert isinstance(d.message_id, str)
+    err = assert_error(decode(d), DecodeReason.INVALID_HEADERS)
+    assert "message_id is not UTF-8" in err.detail
+    assert err.message_id == d.message_id
+
+
+def test_a_long_binary_message_id_keeps_a_distinct_key_within_the_column() -> None:
+    first = decode(delivery(message_id=b"\xff" * 254 + b"\x01"))
+    second = decode(delivery(message_id=b"\xff" * 254 + b"\x02"))
+    assert isinstance(first, DecodeError) and isinstance(second, DecodeError)
+    assert first.message_id != second.message_id
+    assert len(first.message_id.encode()) <= 255 and len(second.message_id.encode()) <= 255
+
+
+def test_utf8_bytes_message_id_is_still_accepted() -> None:
+    message = decode(delivery(message_id="é-1".encode()))
+    assert isinstance(message, Message) and message.message_id == "é-1"
+
+
+# --------------------------------------------------------------------------- wire_headers
+
+
+def encodes(headers: dict[str, Any]) -> dict[Any, Any]:
+    """What the broker would receive: ``headers`` through pika's encoder and decoder."""
+    pieces: list[bytes] = []
+    pika.data.encode_table(pieces, headers)
+    decoded, _ = pika.data.decode_table(b"".join(pieces), 0)
+    return decoded
+
+
+def test_a_long_header_name_that_was_not_utf8_fits_a_short_string() -> None:
+    raw = {b"\xff" * 200 + b"a": 1, b"\xff" * 200 + b"b": 2, "tenant": "acme"}
+    headers = normalize_headers(raw)
+    assert all(len(k.encode()) > 255 for k in headers if k != "tenant")
+    wired = wire_headers(headers)
+    assert len(wired) == 3  # the two long names stay apart
+    assert all(len(k.encode()) <= 255 for k in wired)
+    assert wired["tenant"] == "acme"
+    assert sorted(v for k, v in encodes(wired).items() if k != "tenant") == [1, 2]
+    assert wire_headers(headers) == wired  # stable
+
+
+def test_wire_headers_keeps_what_pika_can_write_and_converts_the_rest() -> None:
+    when = dt.datetime(2024, 1, 2, 3, 4, 5, tzinfo=dt.UTC)
+    headers = {
+        "ratio": 3.75,
+        "at": when,
+        "born": dt.datetime(1960, 1, 1, tzinfo=dt.UTC),
+        "price": decimal.Decimal("9.99"),
+        "huge": 2**70,
+        "precise": decimal.Decimal("1.000000000001"),
+        "nan": decimal.Decimal("NaN"),
+        "day": dt.date(2024, 1, 2),
+        "pair": (1, "a"),
+        "text": "lone \ud800",
+        "nested": {"deeper": [{"x": 0.5}]},
+    }
+    received = encodes(wire_headers(headers))
+    assert received["ratio"] == 3.75 and isinstance(received["ratio"], float)
+    assert received["at"] == when
+    assert received["born"] == dt.datetime(1960, 1, 1, tzinfo=dt.UTC)
+    assert received["price"] == decimal.Decimal("9.99")
+    assert received["huge"] == str(2**70)
+    assert received["precise"] == "1.000000000001"
+    assert received["nan"] == "NaN"
+    assert received["day"] == "2024-01-02"
+    assert received["pair"] == [1, "a"]
+    assert received["text"] == "lone \\ud800"
+    assert received["nested"] == {"deeper": [{"x": 0.5}]}
+
+
+def test_wire_headers_cuts_tables_nested_deeper_than_pika_can_write() -> None:
+    deep: dict[str, Any] = {"leaf": 1}
+    for _ in range(2000):
+        deep = {"k": deep}
+    received = encodes(wire_headers({"deep": deep}))
+    level, depth = received["deep"], 1
+    while isinstance(level, dict):
+        level, depth = level["k"], depth + 1
+    assert depth == 65 and "nested deeper than 64 levels" in level
+
+
+@pytest.mark.timeout(10)
+def test_wire_headers_of_headers_pika_decoded_is_a_retry_of_a_retry() -> None:
+    # pika decodes 64-bit integers as its own int subclass; a second retry copy carries them.
+    received = encodes({"x-rm-first-failed-at": 1_700_000_000_123, "sizes": [2**40, -(2**62)]})
+    assert type(received["x-rm-first-failed-at"]) is not int  # pika.compat.long
+    assert encodes(wire_headers(received)) == received

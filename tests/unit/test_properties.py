@@ -7,6 +7,8 @@ import decimal
 import json
 from typing import Any
 
+import pika.data
+import pika.spec
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -24,8 +26,11 @@ from reliable_messaging.envelope import (
     Delivery,
     Message,
     decode_delivery,
+    delivery_from_frame,
     encode_payload,
     jsonable,
+    normalize_headers,
+    wire_headers,
 )
 
 PROPERTY = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -243,3 +248,117 @@ def test_encode_payload_of_a_decoded_lone_surrogate() -> None:
     assert message.reason == "invalid_json"
     with pytest.raises(TypeError):
         encode_payload({"name": "\ud800"})
+
+
+# --------------------------------------------------------------------------- retry copies
+
+# Everything a delivery's headers can hold once decoded (pika with amqp_codec), plus what our
+# own retry headers add (exception texts with lone surrogates) and what a caller may pass.
+any_text = st.text(alphabet=st.characters(blacklist_categories=()), max_size=300)
+nasty_names = st.one_of(any_text, st.binary(min_size=1, max_size=255))
+nasty_scalars = st.one_of(
+    amqp_scalars,
+    any_text,
+    st.integers(),  # beyond 64 bits too
+    st.decimals(),  # NaN, infinities, any precision
+    st.datetimes(min_value=dt.datetime(1, 1, 2), timezones=st.sampled_from([None, dt.UTC])),
+    st.dates(),
+    st.times(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sets(st.integers(), max_size=3),
+)
+nasty_values = st.recursive(
+    nasty_scalars,
+    lambda children: (
+        st.lists(children, max_size=3)
+        | st.tuples(children, children)
+        | st.dictionaries(nasty_names, children, max_size=3)
+    ),
+    max_leaves=10,
+)
+
+
+def pika_round_trip(headers: dict[str, Any]) -> dict[Any, Any]:
+    """``headers`` as the broker receives them in a publish, and as a consumer decodes them."""
+    properties = pika.spec.BasicProperties(headers=headers)
+    encoded = b"".join(properties.encode())
+    decoded: dict[Any, Any] = dict(pika.spec.BasicProperties().decode(encoded).headers or {})
+    return decoded
+
+
+@PROPERTY
+@given(headers=st.dictionaries(nasty_names, nasty_values, max_size=5))
+@example(headers={b"\xff" * 255: 1, "x" * 300: 2.5, "ok": dt.datetime(1960, 1, 1)})
+@example(headers={"deep": {"a": [{"b": {"c": [[[[1]]]]}}]}, "e": "\ud800"})
+@example(headers={"big": decimal.Decimal("1E+999999999"), "s": decimal.Decimal("sNaN"), "i": 2**64})
+def test_pika_can_encode_whatever_wire_headers_returns(headers: dict[Any, Any]) -> None:
+    from reliable_messaging import amqp_codec
+
+    amqp_codec.install()
+    wired = wire_headers(normalize_headers(headers))
+    received = pika_round_trip(wired)  # raises if pika (or the broker's 255 bytes) refuses
+    assert all(len(name.encode()) <= 255 for name in wired)
+    assert set(received) == set(wired)
+    for name, value in wired.items():
+        if isinstance(value, float) and value == value:  # not NaN
+            assert received[name] == value  # doubles arrive exactly
+    assert wire_headers(normalize_headers(headers)) == wired  # the same copy every time
+    # A retry of the retry copy: what pika decoded (its own int subclass included) goes again.
+    assert pika_round_trip(wire_headers(normalize_headers(received))).keys() == received.keys()
+
+
+@PROPERTY
+@given(names=st.lists(st.text(min_size=1, max_size=400), min_size=2, max_size=5, unique=True))
+def test_distinct_header_names_stay_distinct_on_the_wire(names: list[str]) -> None:
+    assert len(wire_headers(dict.fromkeys(names, 1))) == len(names)
+
+
+# --------------------------------------------------------------------------- frames
+
+
+short_strings = st.one_of(st.text(max_size=40), st.binary(max_size=60))
+
+
+@PROPERTY
+@given(
+    exchange=short_strings,
+    routing_key=short_strings,
+    message_id=st.none() | short_strings,
+    content_type=st.none() | short_strings,
+    names=st.lists(st.binary(min_size=1, max_size=40), max_size=3),
+    timestamp=st.none() | st.integers(min_value=0, max_value=2**64 - 1),
+)
+def test_delivery_from_frame_never_raises_and_gives_text(
+    exchange: Any,
+    routing_key: Any,
+    message_id: Any,
+    content_type: Any,
+    names: list[bytes],
+    timestamp: int | None,
+) -> None:
+    method = pika.spec.Basic.Deliver(
+        consumer_tag="c", delivery_tag=1, exchange=exchange, routing_key=routing_key
+    )
+    properties = pika.spec.BasicProperties(
+        message_id=message_id,
+        content_type=content_type,
+        timestamp=timestamp,
+        headers=dict.fromkeys(names, 1),  # type: ignore[arg-type]  # bytes names on purpose
+    )
+    delivery = delivery_from_frame("q", method, properties, b"{}")
+    assert isinstance(delivery.exchange, str) and isinstance(delivery.routing_key, str)
+    assert delivery.message_id is None or isinstance(delivery.message_id, str)
+    assert delivery.content_type is None or isinstance(delivery.content_type, str)
+    assert all(isinstance(name, str) for name in delivery.headers)
+    result = decode_delivery(delivery, max_body_bytes=100)
+    assert isinstance(result, Message | DecodeError)
+    not_utf8 = []
+    for value in (exchange, routing_key, message_id):
+        if isinstance(value, bytes):
+            try:
+                value.decode("utf-8")
+            except UnicodeDecodeError:
+                not_utf8.append(value)
+    if not_utf8:  # refused, never matched or handled under an escaped name
+        assert isinstance(result, DecodeError)
+        assert result.reason == DecodeReason.INVALID_HEADERS

@@ -45,4 +45,5 @@ class Command(BaseCommand):
             f"{verb} {result.inbox} inbox row(s) older than {messaging_settings.dedup_retention} "
             f"and {result.outbox} sent outbox row(s) older than "
             f"{messaging_settings.outbox_retention}"
+            + (f" and {result.suspects} crash-guard row(s)" if result.suspects else "")
         )
