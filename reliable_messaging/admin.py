@@ -38,7 +38,7 @@ from .models import (
     SuspectDelivery,
 )
 from .registry import registry
-from .replay import REPLAYABLE_STATUSES, UNREPLAYABLE_REASONS
+from .replay import REPLAYABLE_STATUSES, UNREPLAYABLE_REASONS, stale_replays
 
 
 class RegisteredConsumerFilter(admin.SimpleListFilter):
@@ -376,10 +376,13 @@ class DeadLetterAdmin(admin.ModelAdmin):
         context: dict[str, Any] = {"has_replay_permission": self.has_replay_permission(request)}
         obj = self.get_object(request, object_id)
         if obj is not None:
+            # A replay whose outcome never came (STALE_REPLAY_AFTER) can be replayed or
+            # discarded again, so a lost replay never parks an ordered key for good.
+            stale = DeadLetter.objects.filter(stale_replays(), pk=obj.pk).exists()
             context.update(
-                can_replay=obj.status in REPLAYABLE_STATUSES
+                can_replay=(obj.status in REPLAYABLE_STATUSES or stale)
                 and obj.reason not in UNREPLAYABLE_REASONS,
-                can_discard=obj.status == DeadLetterStatus.DEAD,
+                can_discard=obj.status == DeadLetterStatus.DEAD or stale,
                 processed_row=self._processed_row(obj),
                 replay_url=self.console_url("replay", obj.pk),
                 discard_url=self.console_url("discard", obj.pk),

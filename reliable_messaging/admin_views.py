@@ -36,11 +36,13 @@ from django.utils.translation import gettext, ngettext
 
 from .models import DeadLetter, DeadLetterStatus, ProcessedMessage
 from .replay import (
-    REPLAYABLE_STATUSES,
     UNREPLAYABLE_REASONS,
     ReplayResult,
     discard,
+    discardable,
     replay_batch,
+    replayable,
+    stale_replays,
 )
 
 if TYPE_CHECKING:
@@ -210,7 +212,7 @@ def discard_and_report(
                 DeadLetter.objects.using(using)
                 .select_for_update()
                 .filter(pk__in=ids[start : start + model_admin.batch_size])
-                .filter(status=DeadLetterStatus.DEAD)
+                .filter(discardable())
                 .values_list("pk", flat=True)
             )
             discarded += discard(DeadLetter.objects.filter(pk__in=dead), discarded_by=who)
@@ -292,12 +294,13 @@ def bulk_operation_view(
     # Without a status filter only dead ones are taken: "replay everything from billing" should
     # not wake up what someone discarded on purpose. Filter by status to include those.
     status_chosen = any(key.startswith("status") for key in request.GET)
+    # A replay presumed lost (still "replayed" after STALE_REPLAY_AFTER) is taken like a dead one.
     if operation == "replay" and status_chosen:
-        statuses: tuple[str, ...] = tuple(REPLAYABLE_STATUSES)
+        wanted = replayable()
     else:
-        statuses = (DeadLetterStatus.DEAD,)
+        wanted = Q(status=DeadLetterStatus.DEAD) | stale_replays()
     unreplayable = list(UNREPLAYABLE_REASONS) if operation == "replay" else []
-    targets = matching.filter(status__in=statuses).exclude(reason__in=unreplayable)
+    targets = matching.filter(wanted).exclude(reason__in=unreplayable)
 
     if request.method == "POST":
         # A continuation (posted by the progress page) goes on after the last one done, so
@@ -329,8 +332,8 @@ def bulk_operation_view(
 
     counts = matching.aggregate(
         matching=Count("pk"),
-        selected=Count("pk", filter=Q(status__in=statuses)),
-        unreplayable=Count("pk", filter=Q(status__in=statuses, reason__in=unreplayable)),
+        selected=Count("pk", filter=wanted),
+        unreplayable=Count("pk", filter=wanted & Q(reason__in=unreplayable)),
     )
     target_count = counts["selected"] - counts["unreplayable"]
     processed = 0

@@ -15,9 +15,15 @@ PostgreSQL stays the source of truth. Redis being down, slow or flushed changes 
 speed: any cache error logs one warning, and the cache is left alone for a few seconds before it
 is tried again (so a dead Redis costs one failed call per pause, not one per message).
 
+A lease holds this process's token, and is given back only while it still holds that token: a
+handler that ran past the lease's TTL finds its lease expired and maybe taken by another
+consumer, whose lease it must leave alone (compare-and-delete, in a Lua script, since Redis has
+no such command).
+
 The keys are read and written through django-redis's raw client, a batch per round trip
-(MGET, a pipeline of ``SET NX PX``), with the cache's KEY_PREFIX. Values are plain bytes, never
-passed through the cache's serializer: nothing read from Redis is ever unpickled.
+(MGET, a pipeline of ``SET NX PX``, one script that writes the done keys and gives back the
+leases), with the cache's KEY_PREFIX. Values are plain bytes, never passed through the cache's
+serializer: nothing read from Redis is ever unpickled.
 """
 
 from __future__ import annotations
@@ -38,6 +44,25 @@ logger = logging.getLogger(__name__)
 PAUSE_AFTER_ERROR = 5.0
 # Seconds between two warnings about the cache being unavailable.
 WARN_EVERY = 60.0
+
+# After a commit, in one round trip: the done keys are written, and each lease is deleted only if
+# it still holds this process's token. GET then DEL inside a script is atomic (no other command
+# runs in between), which two separate commands would not be.
+# KEYS: the done keys, then the leases. ARGV: how many done keys, their TTL in seconds, the token.
+_REMEMBER_SCRIPT = """
+local done = tonumber(ARGV[1])
+for i = 1, done do
+    redis.call('SET', KEYS[i], '1', 'EX', ARGV[2])
+end
+local released = 0
+for i = done + 1, #KEYS do
+    if redis.call('GET', KEYS[i]) == ARGV[3] then
+        redis.call('DEL', KEYS[i])
+        released = released + 1
+    end
+end
+return released
+"""
 
 
 def _digest(consumer: str, message_id: str) -> str:
@@ -108,19 +133,19 @@ class DuplicateCache:
     def remember(
         self, processed: Iterable[tuple[str, str]], leased: Iterable[tuple[str, str]]
     ) -> None:
-        """After the commit: mark ``processed`` done and give back the ``leased`` leases."""
+        """After the commit: mark ``processed`` done and give back the ``leased`` leases, those
+        this process still holds (one that expired meanwhile may be another consumer's now)."""
         done = [self.done_key(c, m) for c, m in processed]
         leases = [self.lease_key(c, m) for c, m in leased]
         if not (done or leases) or not self._available():
             return
         ttl = max(1, int(self.settings.dedup_retention.total_seconds()))
         try:
-            pipe = self._client().pipeline(transaction=False)
-            for key in done:
-                pipe.set(key, b"1", ex=ttl)
-            if leases:
-                pipe.delete(*leases)
-            pipe.execute()
+            client = self._client()
+            # EVALSHA, loading the script on the first call to a server that lacks it.
+            client.register_script(_REMEMBER_SCRIPT)(
+                keys=[*done, *leases], args=[len(done), ttl, self._token], client=client
+            )
         except Exception as exc:  # noqa: BLE001
             # The leases expire on their own and the inbox still knows what was processed.
             self._failed("record processed ids", exc)

@@ -54,6 +54,7 @@ from .registry import ConsumerSpec
 from .replay import mark_resolved, resolve_processed_copies
 from .retry import GiveUp, decide
 from .routing import topic_matches
+from .time_limit import time_limits
 
 logger = logging.getLogger(__name__)
 
@@ -130,9 +131,15 @@ class DeliveryProcessor:
         assert outcome is not None  # a lone delivery is never held behind another
         return outcome
 
+    @property
+    def timeout(self) -> float:
+        return self.spec.timeout or self.settings.handler_timeout
+
     def call_handler(self, message: Message) -> None:
-        """Run the handler (inside the caller's transaction)."""
-        self.spec.handler(message)
+        """Run the handler (inside the caller's transaction) under its time limit: past it, it
+        raises :class:`~.exceptions.HandlerTimeout` (see :mod:`.time_limit`)."""
+        with time_limits.limit(self.timeout, self.spec.name, message.message_id):
+            self.spec.handler(message)
 
     def decode(self, delivery: Delivery) -> Message | DecodeError:
         return decode_delivery(
@@ -270,6 +277,16 @@ class DeliveryProcessor:
                     resolve_processed_copies(self.spec.name, [message.message_id], self.using)
         except IntegrityError as exc:
             if not inserted:
+                if REPLAY_HEADER in delivery.headers:
+                    # Another copy of the message (published twice, sent again by a relay) was
+                    # processed after the replay was queued: the dead letter is done with. Left
+                    # "replayed", an ordered consumer's would park its key for good.
+                    resolve_processed_copies(
+                        self.spec.name,
+                        [message.message_id],
+                        self.using,
+                        by="its replay found it processed by another copy",
+                    )
                 return _Decided(
                     Acknowledge("duplicate"), "duplicate", processed=True, after_commit=True
                 )
@@ -359,24 +376,32 @@ class DeliveryProcessor:
             duration,
         )
 
+    @property
+    def defer_delay(self) -> float:
+        """Seconds a copy put aside for a busy lease waits: the consumer's first retry delay,
+        else the settings' first one. The copy goes through the delay queue of that value, so
+        it must be one :func:`.topology.all_delays` declares: the settings' delays always are
+        (and the system checks require RETRY_DELAYS to be non-empty), so a consumer with
+        ``retry_delays=()`` (no retries) still has one."""
+        return (self.spec.retry_delays or self.settings.retry_delays)[0]
+
     def defer(self, delivery: Delivery, message: Message) -> _Decided:
         """Another consumer holds this message's lease: have the copy come back shortly."""
+        delay = self.defer_delay
         logger.info(
             "message_id=%s consumer=%s attempt=%d outcome=deferred: another consumer is "
             "processing it right now; it comes back in %.3gs",
             message.message_id,
             self.spec.name,
             message.attempt,
-            self.retry_delays[0],
+            delay,
         )
         headers = {k: v for k, v in delivery.headers.items() if k not in BROKER_HEADERS}
         headers[ATTEMPT_HEADER] = message.attempt
         headers[ORIGINAL_EXCHANGE_HEADER] = message.exchange
         headers[ORIGINAL_ROUTING_KEY_HEADER] = message.routing_key
         return _Decided(
-            ScheduleRetry(
-                self.retry_delays[0], message.attempt, headers, "lease held", deferred=True
-            ),
+            ScheduleRetry(delay, message.attempt, headers, "lease held", deferred=True),
             "deferred",
         )
 
@@ -632,6 +657,12 @@ def _run_claimed(
             try:
                 processor.call_handler(message)
             except Exception as exc:  # the batch is redone guarded, this failure decided there
+                if isinstance(exc, OperationalError | InterfaceError) and _connection_lost(using):
+                    # Not the handler's failure: deciding it (after a reconnect) would spend an
+                    # attempt on the database's outage. Nothing is decided, as when guarded.
+                    raise DatabaseUnavailable(
+                        f"database error on message_id={message.message_id}: {exc}"
+                    ) from exc
                 raise _Fallback(processor, index, exc) from exc
         duration = time.perf_counter() - started
         decided[index] = _Decided(
@@ -666,12 +697,36 @@ def _run_guarded(
     return None
 
 
+def _connection_lost(using: str) -> bool:
+    """After a handler's database error on the optimistic path: is the connection gone?
+
+    Without a savepoint to roll back to, a failed statement leaves the transaction aborted, so a
+    probe query fails whether or not the connection lives: what tells them apart is that a live
+    server answers (``current transaction is aborted``, an InternalError) while a lost
+    connection raises OperationalError or InterfaceError without one.
+    """
+    try:
+        with connections[using].cursor() as cursor:
+            cursor.execute("SELECT 1")
+    except (OperationalError, InterfaceError):
+        return True
+    except Exception:  # noqa: BLE001 - the server answered: the connection (and transaction) live
+        return False
+    return False
+
+
 def _claim_inbox_rows(using: str, keys: list[tuple[str, str]]) -> set[tuple[str, str]]:
-    """Insert the inbox rows of ``keys``; returns those this statement inserted."""
+    """Insert the inbox rows of ``keys``; returns those this statement inserted.
+
+    The rows go in sorted by key, not in batch order. A row another transaction inserted and
+    has not committed makes the insert wait for that transaction; two batches sharing keys in
+    different orders would each hold a row the other waits for (a deadlock, one batch killed).
+    In one order for everyone, the second batch only waits for the first.
+    """
     table = connections[using].ops.quote_name(ProcessedMessage._meta.db_table)
     now = timezone.now()
     params: list[Any] = []
-    for consumer, message_id in dict.fromkeys(keys):
+    for consumer, message_id in sorted(set(keys)):
         params += [consumer, message_id, now]
     rows = ", ".join(["(%s, %s, %s)"] * (len(params) // 3))
     with connections[using].cursor() as cursor:

@@ -4,24 +4,32 @@ A replay writes an outbox row addressed to the default exchange with the failed 
 as routing key, so only that queue receives it, never the routing key's other subscribers. It
 keeps the message_id (the inbox keeps protecting against doubles), starts again at attempt 1, and
 carries the original exchange and routing key plus who replayed it in our headers. The consumer
-marks the dead letter resolved in the same transaction as the handler's effects when it succeeds;
-if it fails again, the same dead letter row is updated (history kept).
+marks the dead letter resolved in the same transaction as the handler's effects when it succeeds
+(or, when another copy of the message was processed first, in the transaction that finds the
+replayed copy a duplicate); if it fails again, the same dead letter row is updated (history kept).
+
+A dead letter stays "replayed" until that outcome. One whose replayed copy never comes (an
+outbox row the relay gave up on, a queue purged) would stay so for good, and for an ordered
+consumer keep its key parked: after :data:`STALE_REPLAY_AFTER` it may be replayed again or
+discarded.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from django.db import router, transaction
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from .envelope import (
     ATTEMPT_HEADER,
     BROKER_HEADERS,
+    CELERY_TASK_HEADER,
     DEAD_LETTER_ID_HEADER,
     FIRST_FAILED_AT_HEADER,
     LAST_ERROR_HEADER,
@@ -31,6 +39,7 @@ from .envelope import (
     PUBLISHED_AT_HEADER,
     REPLAY_HEADER,
     REPLAYED_BY_HEADER,
+    wire_headers,
 )
 from .models import (
     DeadLetter,
@@ -50,6 +59,12 @@ UNREPLAYABLE_REASONS = {
     DeadLetterReason.EMPTY_BODY: "its body is empty, so it would be refused again",
 }
 REPLAYABLE_STATUSES = (DeadLetterStatus.DEAD, DeadLetterStatus.DISCARDED)
+# How long a replay may await its outcome before it is presumed lost. The relay publishes a
+# replay within seconds and the consumer decides it within its retry horizon (the broker's
+# consumer_timeout bounds an ordered one's retries in place); past this, the dead letter may be
+# replayed again (harmless if the first copy turns up after all: the inbox takes it once) or
+# discarded (a copy that turns up after all is still processed, and resolves it).
+STALE_REPLAY_AFTER = dt.timedelta(hours=1)
 # Headers describing the previous life of the message, which a replay starts afresh.
 _RESET_HEADERS = {
     ATTEMPT_HEADER,
@@ -72,12 +87,44 @@ class ReplayResult:
         self.refused.update(other.refused)
 
 
-def _refusal(dead_letter: DeadLetter, already_processed: bool, force: bool) -> str | None:
-    if dead_letter.status not in REPLAYABLE_STATUSES:
+def stale_replays(now: dt.datetime | None = None) -> Q:
+    """The dead letters replayed more than :data:`STALE_REPLAY_AFTER` ago and still awaiting
+    the outcome (``updated_at`` is when the replay was queued: nothing else saves a row in that
+    status)."""
+    since = (now or timezone.now()) - STALE_REPLAY_AFTER
+    return Q(status=DeadLetterStatus.REPLAYED, updated_at__lte=since)
+
+
+def replayable(now: dt.datetime | None = None) -> Q:
+    """The dead letters a replay takes (by status; :data:`UNREPLAYABLE_REASONS` aside)."""
+    return Q(status__in=REPLAYABLE_STATUSES) | stale_replays(now)
+
+
+def discardable(now: dt.datetime | None = None) -> Q:
+    """The dead letters a discard takes: the dead ones, and replays presumed lost."""
+    return Q(status=DeadLetterStatus.DEAD) | stale_replays(now)
+
+
+def _refusal(
+    dead_letter: DeadLetter, already_processed: bool, force: bool, now: dt.datetime
+) -> str | None:
+    if dead_letter.status == DeadLetterStatus.REPLAYED:
+        if dead_letter.updated_at > now - STALE_REPLAY_AFTER:
+            return (
+                f"it was replayed at {dead_letter.updated_at:%Y-%m-%d %H:%M:%S} UTC and is "
+                f"awaiting that outcome; if none comes, it can be replayed again or discarded "
+                f"{_duration(STALE_REPLAY_AFTER)} after the replay"
+            )
+    elif dead_letter.status not in REPLAYABLE_STATUSES:
         return f"its status is {dead_letter.status}, not dead or discarded"
     unreplayable = UNREPLAYABLE_REASONS.get(DeadLetterReason(dead_letter.reason))
     if unreplayable:
         return unreplayable
+    if CELERY_TASK_HEADER in (dead_letter.headers or {}):
+        return (
+            "it is a Celery task whose worker died on it, not a message a replay could "
+            "publish; discard it and call the task again"
+        )
     if already_processed and not force:
         return (
             f"consumer {dead_letter.consumer} already processed message "
@@ -87,6 +134,11 @@ def _refusal(dead_letter: DeadLetter, already_processed: bool, force: bool) -> s
     return None
 
 
+def _duration(delta: dt.timedelta) -> str:
+    minutes = round(delta.total_seconds() / 60)
+    return f"{minutes // 60} h" if minutes and minutes % 60 == 0 else f"{minutes} min"
+
+
 def _replay_headers(dead_letter: DeadLetter, replayed_by: str) -> dict[str, Any]:
     headers = {k: v for k, v in (dead_letter.headers or {}).items() if k not in _RESET_HEADERS}
     headers[ORIGINAL_EXCHANGE_HEADER] = dead_letter.exchange
@@ -94,6 +146,8 @@ def _replay_headers(dead_letter: DeadLetter, replayed_by: str) -> dict[str, Any]
     headers[REPLAY_HEADER] = dead_letter.replay_count + 1
     headers[REPLAYED_BY_HEADER] = replayed_by
     headers[DEAD_LETTER_ID_HEADER] = dead_letter.pk
+    # Stored names may be longer than AMQP's short string (an escaped name that was not UTF-8).
+    headers = wire_headers(headers)
     return headers
 
 
@@ -116,7 +170,7 @@ def replay_batch(ids: Iterable[int], *, replayed_by: str, force: bool = False) -
         )
         for dead_letter in letters:
             already = (dead_letter.consumer, dead_letter.message_id) in processed
-            refusal = _refusal(dead_letter, already, force)
+            refusal = _refusal(dead_letter, already, force, now)
             if refusal:
                 result.refused[dead_letter.pk] = refusal
                 continue
@@ -173,7 +227,9 @@ def replay(
 
 def discard(queryset: QuerySet[DeadLetter], *, discarded_by: str) -> int:
     """Mark dead letters "discarded": kept for the record, not replayed. Only letters still
-    ``dead`` are taken; one replayed and awaiting its outcome, or resolved, is left alone."""
+    ``dead`` are taken, and replayed ones whose outcome has not come for
+    :data:`STALE_REPLAY_AFTER` (see :func:`discardable`); one replayed more recently, or
+    resolved, is left alone."""
     using = router.db_for_write(DeadLetter)
     now = timezone.now()
     count = 0
@@ -181,7 +237,7 @@ def discard(queryset: QuerySet[DeadLetter], *, discarded_by: str) -> int:
         letters = (
             DeadLetter.objects.using(using)
             .select_for_update()
-            .filter(pk__in=queryset.values("pk"), status=DeadLetterStatus.DEAD)
+            .filter(discardable(now), pk__in=queryset.values("pk"))
         )
         for dead_letter in letters:
             dead_letter.status = DeadLetterStatus.DISCARDED
@@ -207,14 +263,22 @@ def mark_resolved(consumer: str, message_id: str, using: str) -> None:
         dead_letter.save(using=using, update_fields=["status", "history", "updated_at"])
 
 
-def resolve_processed_copies(consumer: str, message_ids: Sequence[str], using: str) -> int:
+def resolve_processed_copies(
+    consumer: str,
+    message_ids: Sequence[str],
+    using: str,
+    *,
+    by: str = "a later copy was processed",
+) -> int:
     """Resolve the dead letters of ``consumer`` whose message a later copy just processed.
 
-    Called inside the transaction that processed ``message_ids`` (not replays: those resolve
-    their own). A dead letter is stored when a copy fails for good, but another copy of the same
+    Called inside the transaction that processed ``message_ids`` (a replay that succeeds
+    resolves its own with :func:`mark_resolved`), or that found a replayed copy to be a
+    duplicate. A dead letter is stored when a copy fails for good, but another copy of the same
     message (published twice, or sent again by a relay after a lost confirm) can still succeed,
     and then nothing is left to review or replay. One indexed query per call; rows are locked
-    and updated only when there is something to resolve, which is rare.
+    and updated only when there is something to resolve, which is rare. ``by`` goes into the
+    history entry.
     """
     if not message_ids:
         return 0
@@ -231,7 +295,7 @@ def resolve_processed_copies(consumer: str, message_ids: Sequence[str], using: s
         dead_letter.status = DeadLetterStatus.RESOLVED
         dead_letter.history = [
             *dead_letter.history,
-            {"event": "resolved", "at": now.isoformat(), "by": "a later copy was processed"},
+            {"event": "resolved", "at": now.isoformat(), "by": by},
         ]
         dead_letter.save(using=using, update_fields=["status", "history", "updated_at"])
         count += 1

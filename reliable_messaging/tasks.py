@@ -61,7 +61,7 @@ from . import metrics
 from .conf import messaging_settings
 from .crash_guard import CrashGuard, Suspicion
 from .dead_letters import record_dead_letter
-from .envelope import CONTENT_TYPE, Delivery, jsonable
+from .envelope import CELERY_TASK_HEADER, CONTENT_TYPE, Delivery, jsonable
 from .models import DeadLetterReason, ProcessedMessage
 from .relay import OutboxRelay
 
@@ -76,7 +76,6 @@ KEY_MAX_LENGTH = 255
 HASHED_KEY_PREFIX = "sha256:"
 
 # Headers of a task's dead letter: they say it was a Celery task, not an AMQP delivery of ours.
-CELERY_TASK_HEADER = "celery-task"
 CELERY_TASK_ID_HEADER = "celery-task-id"
 
 # The wrappers @idempotent_task returned, so the system check can find their Celery tasks.
