@@ -222,10 +222,31 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                 "e.g. 10",
             )
         )
-    if not errors:
+    # The cross-setting warnings need valid values; a mere warning (an unknown key) does not
+    # hide them.
+    if not any(message.is_serious() for message in errors):
         errors += _check_retention_horizon()
         errors += _check_consumer_timeout()
+        errors += _check_crash_limit()
     return errors
+
+
+def _check_crash_limit() -> list[CheckMessage]:
+    """On quorum queues each death of a consumer counts toward the delivery limit of every
+    message it held: the crash guard must dead-letter a killer before the broker does."""
+    settings = messaging_settings
+    if settings.queue_type != "quorum" or settings.crash_limit < settings.quorum_delivery_limit:
+        return []
+    return [
+        _warning(
+            16,
+            f"{SETTING}['CRASH_LIMIT'] ({settings.crash_limit}) is not below "
+            f"QUORUM_DELIVERY_LIMIT ({settings.quorum_delivery_limit}): a message that kills its "
+            f"consumer reaches the broker's delivery limit first, and so may the messages an "
+            f"ordered partition held with it.",
+            "Keep CRASH_LIMIT well below QUORUM_DELIVERY_LIMIT (defaults: 3 and 50).",
+        )
+    ]
 
 
 def _check_consumer_timeout() -> list[CheckMessage]:
@@ -361,3 +382,150 @@ def check_idempotent_tasks(app_configs: Any = None, **kwargs: Any) -> list[Check
         )
         for unsafe in unsafe_idempotent_tasks()
     ]
+
+
+def _app_aliases() -> dict[str, str]:
+    """The alias the database routers give for writing each of the app's models."""
+    from django.db import router
+
+    from .models import DeadLetter, OutboxMessage, ProcessedMessage
+
+    return {
+        model.__name__: router.db_for_write(model)
+        for model in (ProcessedMessage, OutboxMessage, DeadLetter)
+    }
+
+
+def _engine(alias: str) -> str:
+    # Read from settings, not ``connections``: a check must not open a connection, and the
+    # engine's module path says the vendor (custom backends usually keep it in their path).
+    databases: dict[str, Any] = getattr(settings, "DATABASES", {})
+    return str(databases.get(alias, {}).get("ENGINE", ""))
+
+
+@register(Tags.compatibility)
+def check_database_routing(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """The inbox row, a handler's effects, what it publishes and its dead letters commit in one
+    transaction only when they share one database."""
+    aliases = _app_aliases()
+    found: list[CheckMessage] = []
+    if len(set(aliases.values())) > 1:
+        where = ", ".join(f"{model} to {alias!r}" for model, alias in aliases.items())
+        found.append(
+            _warning(
+                30,
+                f"The database routers send {where}: the inbox, the outbox and the dead "
+                f"letters no longer commit in one transaction, so a rolled-back batch can leave "
+                f"outbox rows or dead letters behind on one database while the inbox row, which "
+                f"stops a redelivery from running the handler again, is gone from the other.",
+                "Route ProcessedMessage, OutboxMessage and DeadLetter to the same alias: the one "
+                "your handlers write to.",
+            )
+        )
+    inbox = aliases["ProcessedMessage"]
+    if inbox != "default" and len(getattr(settings, "DATABASES", {})) > 1:
+        found.append(
+            _warning(
+                31,
+                f"The database routers send the inbox (ProcessedMessage) to {inbox!r} while "
+                f"DATABASES has several aliases: a handler's transaction is the inbox's, on "
+                f"{inbox!r}. What a handler writes on another alias commits apart from it, so a "
+                f"batch that is rolled back and redone (a failed handler, a lost connection) "
+                f"applies those effects again.",
+                f"The inbox must live in the database the handlers write to: route "
+                f"reliable_messaging's models to it, or make sure every handler writes only to "
+                f"{inbox!r} (effects elsewhere must be idempotent on their own). Silence this "
+                f"warning with SILENCED_SYSTEM_CHECKS once that holds.",
+            )
+        )
+    return found
+
+
+_ABOVE_READ_COMMITTED = {"REPEATABLE_READ", "SERIALIZABLE"}
+
+
+def _isolation_name(engine: str, value: Any) -> str:
+    """The isolation level an ``OPTIONS['isolation_level']`` asks for, as an upper-case name."""
+    if isinstance(value, str):  # MySQL's form: "repeatable read"
+        return value.strip().upper().replace(" ", "_").replace("-", "_")
+    if "postgresql" in engine or "postgis" in engine:
+        try:
+            from django.db.backends.postgresql.psycopg_any import IsolationLevel
+
+            # The enum of whichever psycopg Django uses, so psycopg 2's numbering works too.
+            return str(IsolationLevel(value).name)
+        except (ImportError, ValueError):
+            pass
+    return str(getattr(value, "name", value)).upper()
+
+
+@register(Tags.compatibility)
+def check_isolation_level(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """The inbox claim and ``publish(idempotency_key=...)`` rely on READ COMMITTED's handling of
+    a concurrent insert of the same key: wait for it, then see it."""
+    databases: dict[str, Any] = getattr(settings, "DATABASES", {})
+    found: list[CheckMessage] = []
+    for alias in sorted(set(_app_aliases().values())):
+        options = databases.get(alias, {}).get("OPTIONS") or {}
+        if "isolation_level" not in options:
+            continue
+        level = _isolation_name(_engine(alias), options["isolation_level"])
+        if level in _ABOVE_READ_COMMITTED:
+            found.append(
+                _warning(
+                    32,
+                    f"DATABASES[{alias!r}]['OPTIONS']['isolation_level'] is {level}: when two "
+                    f"copies of a message are handled at once, the second one's inbox insert "
+                    f"fails with a serialization failure (not a quiet 'duplicate'), which the "
+                    f"consumer reports as the database being unavailable and retries; and "
+                    f"publish(idempotency_key=...) racing another publish of the same key raises "
+                    f"IntegrityError into the caller's transaction.",
+                    "Use READ COMMITTED (PostgreSQL's default) on the alias the app's models use; "
+                    "take stricter isolation in your own code with a separate alias or an "
+                    "explicit SET TRANSACTION where you need it.",
+                )
+            )
+    return found
+
+
+# RETURNING (the inbox claim, the relay's batch claim) came in SQLite 3.35; Django 5.2 runs on
+# 3.31, so the version Python links against must be checked here.
+SQLITE_RETURNING = (3, 35, 0)
+
+
+@register(Tags.compatibility)
+def check_sqlite(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """SQLite is a development mode: it needs RETURNING, and IMMEDIATE transactions so that
+    several processes wait for the write lock instead of failing with ``database is locked``."""
+    import sqlite3
+
+    databases: dict[str, Any] = getattr(settings, "DATABASES", {})
+    found: list[CheckMessage] = []
+    for alias in sorted(set(_app_aliases().values())):
+        if "sqlite3" not in _engine(alias):
+            continue
+        if sqlite3.sqlite_version_info < SQLITE_RETURNING:
+            found.append(
+                _error(
+                    30,
+                    f"DATABASES[{alias!r}] is SQLite {sqlite3.sqlite_version}, older than 3.35: "
+                    f"the inbox and the relay need INSERT/UPDATE ... RETURNING.",
+                    "Use a Python linked against SQLite 3.35 or newer (e.g. a current Python "
+                    "build or the pysqlite3-binary package), or PostgreSQL.",
+                )
+            )
+        options = databases[alias].get("OPTIONS") or {}
+        if str(options.get("transaction_mode", "")).upper() != "IMMEDIATE":
+            found.append(
+                _warning(
+                    33,
+                    f"DATABASES[{alias!r}] is SQLite without OPTIONS['transaction_mode'] = "
+                    f"'IMMEDIATE': when consume, relay and web processes share the file, a "
+                    f"transaction that reads and then writes fails with 'database is locked' "
+                    f"instead of waiting, and its deliveries come back as duplicates and retries.",
+                    "Set DATABASES[alias]['OPTIONS'] = {'transaction_mode': 'IMMEDIATE', "
+                    "'timeout': 20}. SQLite is for development: it ignores SKIP LOCKED, so "
+                    "overlapping relays may send a row twice (consumers deduplicate it).",
+                )
+            )
+    return found

@@ -45,27 +45,25 @@ import logging
 import os
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import pika
 import pika.exceptions
-from django.db import close_old_connections, connections
+from django.db import InterfaceError, OperationalError, close_old_connections, connections
 from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
 from pika.spec import Basic, BasicProperties
 
 from . import metrics
 from .backoff import Backoff
 from .conf import MessagingSettings, messaging_settings, redact_url
-from .crash_guard import TIMEOUT, CrashGuard, SuspectGate
-from .envelope import CONTENT_TYPE, DecodeError, Delivery, delivery_from_frame, wire_headers
+from .crash_guard import TIMEOUT, CrashGuard, SuspectGate, decide_suspect
+from .envelope import CONTENT_TYPE, Delivery, delivery_from_frame, wire_headers
 from .exceptions import DatabaseUnavailable, TopologyMismatchError
 from .fastpath import duplicate_cache
 from .inbox import DeliveryProcessor, Job, process_batch, with_attempt
-from .last_resort import dead_letter_delivery, ingest_delivery_limit
+from .last_resort import consumer_error, ingest_delivery_limit
 from .leftovers import retire_leftovers
-from .models import DeadLetterReason
 from .outcomes import Acknowledge, Outcome, Release, RetryInPlace, ScheduleRetry
 from .registry import ConsumerSpec
 from .time_limit import time_limits
@@ -118,9 +116,14 @@ class _Link:
     unsettled: dict[int, dict[int, None]] = field(default_factory=dict)
     # What the broker did to a channel (closed it, cancelled a consumer), noticed by the loop.
     lost: str | None = None
-    # Channels still at the cautious prefetch of 1, and those to open up to PREFETCH.
-    cautious: set[int] = field(default_factory=set)
-    open_up: set[int] = field(default_factory=set)
+    # The consumers: (channel, consumer tag, queue, callback), updated when re-subscribed.
+    consumers: list[tuple[BlockingChannel, str, str, Callable[..., None]]] = field(
+        default_factory=list
+    )
+    # The shared channel starts at a prefetch of 1 (see _open_up) and is opened up
+    # to PREFETCH at the first fresh delivery.
+    cautious: bool = True
+    open_up: bool = False
     # Ordered channels being closed by a graceful stop: what they hold goes back in order.
     closing: set[int] = field(default_factory=set)
 
@@ -351,24 +354,25 @@ class ConsumerService:
             # Retry copies must reach their delay queue before the original is acked.
             publish_channel.confirm_delivery()
             link = _Link(connection, publish_channel, [shared_channel])
-            self._consume_cautiously(link, shared_channel)
-            tags: list[tuple[BlockingChannel, str]] = []
+            shared_channel.basic_qos(prefetch_count=1)
+            self._watch(link, shared_channel)
             queues: list[str] = []
             for spec in self.specs:
                 for queue in consumer_queues(spec, self.settings):
                     channel = shared_channel
                     if spec.ordered:
-                        # Its own prefetch window: a held partition fills only its own.
+                        # Its own prefetch window: a held partition fills only its own. No
+                        # cautious start here: re-subscribing to open it up would hand the
+                        # partition (single active consumer) to a standby mid-stream.
                         channel = connection.channel()
+                        channel.basic_qos(prefetch_count=self.settings.prefetch)
                         link.channels.append(channel)
-                        self._consume_cautiously(link, channel)
-                    on_message = functools.partial(self._on_message, link, spec, queue)
-                    tags.append((channel, channel.basic_consume(queue, on_message)))
+                        self._watch(link, channel)
+                    self._subscribe(link, channel, spec, queue)
                     queues.append(queue)
                 if self.settings.queue_type == "quorum":
                     queue = dead_letter_queue(spec)
-                    on_message = functools.partial(self._on_message, link, spec, queue)
-                    tags.append((shared_channel, shared_channel.basic_consume(queue, on_message)))
+                    self._subscribe(link, shared_channel, spec, queue)
                     queues.append(queue)
             logger.info(
                 "consuming %s from %s (concurrency %d, prefetch %d, batches of up to %d%s)",
@@ -386,7 +390,8 @@ class ConsumerService:
             while not self._stop.is_set():
                 connection.process_data_events(time_limit=0.2)
                 self._check_channels(link)
-                self._open_up(link, prefetch)
+                if link.open_up:
+                    self._open_up(link, prefetch)
                 if self.health is not None:
                     self.health.heartbeat()
                 if time.monotonic() >= next_progress:
@@ -395,7 +400,7 @@ class ConsumerService:
                 if self._idle_expired(link):
                     logger.info("no delivery for %ss: stopping (--idle-timeout)", self.idle_timeout)
                     self._stop.set()
-            self._shutdown(link, tags)
+            self._shutdown(link)
         finally:
             self._set_connected(False)
             if connection.is_open:
@@ -404,16 +409,16 @@ class ConsumerService:
                 except Exception:
                     logger.debug("error while closing the broker connection", exc_info=True)
 
-    def _consume_cautiously(self, link: _Link, channel: BlockingChannel) -> None:
-        """Start ``channel`` at a prefetch of 1 and watch what the broker does to it.
+    def _subscribe(
+        self, link: _Link, channel: BlockingChannel, spec: ConsumerSpec, queue: str
+    ) -> None:
+        on_message = functools.partial(self._on_message, link, spec, queue)
+        tag = channel.basic_consume(queue, on_message)
+        link.consumers.append((channel, tag, queue, on_message))
 
-        After a (re)connect the head of a queue may be the message that killed the last
-        process: it is redelivered first, and with a wide prefetch every message behind it would
-        be held (and, on a quorum queue, counted against its delivery limit) each time it kills
-        again. The channel opens up to ``PREFETCH`` at the first fresh delivery.
-        """
-        channel.basic_qos(prefetch_count=1)
-        link.cautious.add(channel.channel_number)
+    def _watch(self, link: _Link, channel: BlockingChannel) -> None:
+        """Note a broker ``basic.cancel`` of a consumer on ``channel`` (its queue deleted, its
+        node lost): the main loop then reconnects and declares the queue again."""
         number = channel.channel_number
 
         def on_cancel(frame: object) -> None:
@@ -422,16 +427,29 @@ class ConsumerService:
         channel.add_on_cancel_callback(on_cancel)
 
     def _open_up(self, link: _Link, prefetch: int) -> None:
-        if not link.open_up:
+        """The first fresh delivery arrived on the shared channel: give its consumers the full
+        ``PREFETCH``.
+
+        The shared channel starts every connection at a prefetch of 1: after a crash the head of
+        a queue may be the message that killed the last process, redelivered first, and with a
+        wide window every message behind it would be held (and, on a quorum queue, counted
+        against its delivery limit) each time it kills again. RabbitMQ applies a consumer's
+        prefetch when the consumer subscribes, so opening up means subscribing again; what was
+        already delivered stays ours to settle on the channel.
+        """
+        link.open_up = False
+        link.cautious = False
+        shared = link.channels[0]
+        if not shared.is_open:
             return
-        for channel in link.channels:
-            number = channel.channel_number
-            if number in link.open_up and channel.is_open:
-                # The shared channel serves every plain queue; a partition has its own window.
-                size = prefetch if channel is link.channels[0] else self.settings.prefetch
-                channel.basic_qos(prefetch_count=size)
-                link.cautious.discard(number)
-        link.open_up.clear()
+        shared.basic_qos(prefetch_count=prefetch)
+        kept = []
+        for channel, tag, queue, on_message in link.consumers:
+            if channel is shared:
+                channel.basic_cancel(tag)
+                tag = channel.basic_consume(queue, on_message)
+            kept.append((channel, tag, queue, on_message))
+        link.consumers = kept
 
     def _check_channels(self, link: _Link) -> None:
         """Raise :class:`ChannelLost` when the broker closed a channel or cancelled a
@@ -465,7 +483,7 @@ class ConsumerService:
             return False
         return time.monotonic() - self._last_delivery >= self.idle_timeout
 
-    def _shutdown(self, link: _Link, tags: list[tuple[BlockingChannel, str]]) -> None:
+    def _shutdown(self, link: _Link) -> None:
         """Graceful stop: let the handlers in flight finish and settle their acks, within
         ``SHUTDOWN_TIMEOUT``; give back the rest.
 
@@ -479,7 +497,7 @@ class ConsumerService:
         """
         ordered = {channel.channel_number for channel in link.channels[1:]}
         link.closing.update(ordered)
-        for channel, tag in tags:
+        for channel, tag, _, _ in link.consumers:
             if channel.channel_number not in ordered:
                 channel.basic_cancel(tag)
         deadline = time.monotonic() + self.settings.shutdown_timeout
@@ -519,8 +537,8 @@ class ConsumerService:
         link.unsettled.setdefault(number, {})[delivery.delivery_tag] = None
         if number in link.closing:
             return  # a graceful stop closes this ordered channel: the broker requeues it
-        if not delivery.redelivered and number in link.cautious:
-            link.open_up.add(number)
+        if link.cautious and not delivery.redelivered and channel is link.channels[0]:
+            link.open_up = True
         from_dead_letter_queue = self.settings.queue_type == "quorum" and queue == (
             dead_letter_queue(spec)
         )
@@ -736,49 +754,23 @@ class ConsumerService:
             return [ingest_delivery_limit(self._processors[item.spec.name], item.delivery, queues)]
         if len(batch) == 1 and batch[0].suspect:
             with self._gate.exclusive():
-                return [self._attempt_suspect(batch[0])]
+                try:
+                    return [self._attempt_suspect(batch[0])]
+                except (OperationalError, InterfaceError) as exc:
+                    # The crash guard's own statements: the database is down, hold it.
+                    raise DatabaseUnavailable(f"crash guard: {exc}") from exc
         jobs = [Job(self._processors[item.spec.name], item.delivery) for item in batch]
         with self._gate.shared():
             return process_batch(jobs, cache=self._cache)
 
     def _attempt_suspect(self, item: _WorkItem) -> Outcome | None:
         processor = self._processors[item.spec.name]
-        decoded = processor.decode(item.delivery)
-        if isinstance(decoded, DecodeError) and not decoded.message_id:
-            # Nothing to count deaths against; it is dead-lettered without running anything.
-            return process_batch([Job(processor, item.delivery)], cache=self._cache)[0]
-        key = (item.spec.name, decoded.message_id)
-        suspicion = self._crash_guard.begin(*key)
-        if suspicion.exceeds(self._crash_guard.limit):
-            reason = (
-                DeadLetterReason.TIMEOUT
-                if suspicion.cause == TIMEOUT
-                else DeadLetterReason.WORKER_CRASHED
-            )
-            outcome: Outcome | None = dead_letter_delivery(
-                processor,
-                item.delivery,
-                reason=reason,
-                attempts=suspicion.deaths,
-                detail=f"{suspicion.describe()} (CRASH_LIMIT={self._crash_guard.limit})",
-            )
-        else:
-            if suspicion.deaths > 1:
-                logger.warning(
-                    "message_id=%s consumer=%s: %s; handling it alone (CRASH_LIMIT=%d)",
-                    decoded.message_id,
-                    item.spec.name,
-                    suspicion.describe(),
-                    self._crash_guard.limit,
-                )
-            outcome = process_batch([Job(processor, item.delivery)], cache=self._cache)[0]
-        if isinstance(outcome, Release) or outcome is None:
-            self._crash_guard.interrupted([key])
-        elif isinstance(outcome, RetryInPlace):
-            self._crash_guard.interrupted([key])  # it runs again in place, still watched
-        else:
-            self._crash_guard.finish([key])
-        return outcome
+        return decide_suspect(
+            self._crash_guard,
+            processor,
+            item.delivery,
+            lambda: process_batch([Job(processor, item.delivery)], cache=self._cache)[0],
+        )
 
     def _decide_live(self, batch: list[_WorkItem]) -> list[Outcome | None]:
         wait = Backoff(0.5, self.settings.reconnect_max_delay)
@@ -819,7 +811,10 @@ class ConsumerService:
                     )
                     return self._decide_one_by_one(batch)
                 if errors >= self.settings.consumer_error_limit:
-                    return [self._consumer_error(batch[0], exc, errors)]
+                    item = batch[0]
+                    return [
+                        consumer_error(self._processors[item.spec.name], item.delivery, exc, errors)
+                    ]
                 delay = wait.next()
                 logger.exception(
                     "unexpected error while processing message_id=%s (failure %d of %d before "
@@ -861,27 +856,6 @@ class ConsumerService:
             if isinstance(outcome, RetryInPlace):
                 held_queues.add(item.delivery.queue)
         return outcomes
-
-    def _consumer_error(self, item: _WorkItem, exc: Exception, errors: int) -> Outcome:
-        processor = self._processors[item.spec.name]
-        try:
-            return dead_letter_delivery(
-                processor,
-                item.delivery,
-                reason=DeadLetterReason.CONSUMER_ERROR,
-                attempts=errors,
-                detail=(
-                    f"the consumer itself (not the handler) failed on it {errors} times: "
-                    f"{type(exc).__name__}: {exc}"
-                ),
-                traceback_text="".join(traceback.format_exception(exc)),
-            )
-        except Exception:  # even the dead letter cannot be written: give it back
-            logger.exception(
-                "message_id=%s: cannot record it as a dead letter either; giving it back",
-                item.delivery.message_id,
-            )
-            return Release("the consumer fails on it and cannot dead-letter it")
 
     def _hand_back(self, settled: list[tuple[_WorkItem, Outcome]]) -> None:
         with self._counts_lock:

@@ -30,13 +30,16 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from django.db import router, transaction
 from django.utils import timezone
 
-from .models import SuspectDelivery
+from .envelope import DecodeError, Delivery
+from .last_resort import Processor, dead_letter_delivery
+from .models import DeadLetterReason, SuspectDelivery
+from .outcomes import Outcome, Release, RetryInPlace
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +162,56 @@ class CrashGuard:
             row.last_process = process_label()
             row.updated_at = now
             row.save(using=self.using)
+
+
+def decide_suspect(
+    guard: CrashGuard,
+    processor: Processor,
+    delivery: Delivery,
+    run: Callable[[], Outcome | None],
+) -> Outcome | None:
+    """Decide a redelivered ``delivery``: a dead letter once it has cost ``guard.limit``
+    processes, else ``run()`` (its handler) watched by the guard. The caller makes sure
+    nothing else runs in the process meanwhile (:class:`SuspectGate`)."""
+    decoded = processor.decode(delivery)
+    if isinstance(decoded, DecodeError) and not decoded.message_id:
+        return run()  # nothing to count deaths against; it is dead-lettered without a handler
+    key = (processor.spec.name, decoded.message_id)
+    suspicion = guard.begin(*key)
+    outcome: Outcome | None
+    if suspicion.exceeds(guard.limit):
+        outcome = dead_letter_delivery(
+            processor,
+            delivery,
+            reason=(
+                DeadLetterReason.TIMEOUT
+                if suspicion.cause == TIMEOUT
+                else DeadLetterReason.WORKER_CRASHED
+            ),
+            attempts=suspicion.deaths,
+            detail=f"{suspicion.describe()} (CRASH_LIMIT={guard.limit})",
+        )
+    else:
+        if suspicion.deaths > 1:
+            logger.warning(
+                "message_id=%s consumer=%s: %s; handling it alone (CRASH_LIMIT=%d)",
+                decoded.message_id,
+                processor.spec.name,
+                suspicion.describe(),
+                guard.limit,
+            )
+        try:
+            outcome = run()
+        except BaseException:
+            # Nothing was decided (the database went away, or our own bug): this process lives
+            # on, so no death is to be counted when it is tried again.
+            guard.interrupted([key])
+            raise
+    if outcome is None or isinstance(outcome, Release | RetryInPlace):
+        guard.interrupted([key])  # given back, or run again in place: still watched
+    else:
+        guard.finish([key])
+    return outcome
 
 
 class SuspectGate:

@@ -18,6 +18,7 @@ message, some copy of it was processed: nothing is dead-lettered and the deliver
 from __future__ import annotations
 
 import logging
+import traceback
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -25,9 +26,9 @@ from django.db import transaction
 
 from . import metrics
 from .dead_letters import record_dead_letter
-from .envelope import DecodeError, Delivery, Message
+from .envelope import DecodeError, Delivery, Message, safe_text
 from .models import DeadLetterReason, ProcessedMessage
-from .outcomes import Acknowledge
+from .outcomes import Acknowledge, Release
 from .registry import ConsumerSpec
 
 logger = logging.getLogger(__name__)
@@ -51,9 +52,12 @@ def dead_letter_delivery(
 ) -> Acknowledge:
     """Record ``delivery`` as a dead letter of ``processor``'s consumer for ``reason``, unless
     the inbox shows it processed already (then it is a duplicate)."""
-    decoded = processor.decode(delivery)
+    try:
+        decoded: Message | DecodeError | None = processor.decode(delivery)
+    except Exception:  # noqa: BLE001 - decoding may be the very thing that failed
+        decoded = None
     message = decoded if isinstance(decoded, Message) else None
-    message_id = decoded.message_id
+    message_id = decoded.message_id if decoded is not None else safe_text(delivery.message_id or "")
     consumer = processor.spec.name
     with transaction.atomic(using=processor.using):
         if (
@@ -91,6 +95,31 @@ def dead_letter_delivery(
         detail,
     )
     return Acknowledge("dead_lettered", reason)
+
+
+def consumer_error(
+    processor: Processor, delivery: Delivery, exc: Exception, errors: int
+) -> Acknowledge | Release:
+    """Our own code (not the handler) failed on ``delivery`` ``errors`` times: dead-letter it
+    with the traceback; give it back when even that cannot be written."""
+    try:
+        return dead_letter_delivery(
+            processor,
+            delivery,
+            reason=DeadLetterReason.CONSUMER_ERROR,
+            attempts=errors,
+            detail=(
+                f"the consumer itself (not the handler) failed on it {errors} times: "
+                f"{type(exc).__name__}: {exc}"
+            ),
+            traceback_text="".join(traceback.format_exception(exc)),
+        )
+    except Exception:
+        logger.exception(
+            "message_id=%s: cannot record it as a dead letter either; giving it back",
+            delivery.message_id,
+        )
+        return Release("the consumer fails on it and cannot dead-letter it")
 
 
 def _first_death(headers: Mapping[str, Any]) -> Mapping[str, Any]:

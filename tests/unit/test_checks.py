@@ -198,3 +198,150 @@ def test_consumer_without_bindings_is_a_warning() -> None:
         assert "'lonely'" in messages[0].msg
         assert "reliable_messaging.W003" in ids(run_checks())
     assert check_consumers() == []
+
+
+# --------------------------------------------------------------------------- time limits
+
+
+def consumer_timeout_settings(**overrides: Any) -> dict[str, Any]:
+    """Settings where only the consumer-timeout checks can speak: short handlers, no grace."""
+    return {"HANDLER_TIMEOUT": 10.0, "HANDLER_TIMEOUT_GRACE": 0.0, **overrides}
+
+
+@pytest.mark.parametrize(
+    ("handler_timeout", "grace", "broker_timeout"),
+    [(30.0, 10.0, 40.0), (30.0, 10.0, 35.0), (600.0, 10.0, 600.0), (1800.0, 0.0, 1800.0)],
+)
+def test_handler_timeout_reaching_the_broker_consumer_timeout(
+    rm: Any, handler_timeout: float, grace: float, broker_timeout: float
+) -> None:
+    message = only(
+        rm(
+            HANDLER_TIMEOUT=handler_timeout,
+            HANDLER_TIMEOUT_GRACE=grace,
+            BROKER_CONSUMER_TIMEOUT=broker_timeout,
+        ),
+        "reliable_messaging.W014",
+    )
+    assert isinstance(message, Warning)
+    assert "HANDLER_TIMEOUT" in message.msg and "BROKER_CONSUMER_TIMEOUT" in message.msg
+    assert "consumer_timeout" in (message.hint or "")
+
+
+def test_handler_timeout_below_the_broker_consumer_timeout_is_silent(rm: Any) -> None:
+    assert rm(HANDLER_TIMEOUT=29.5, HANDLER_TIMEOUT_GRACE=10.0, BROKER_CONSUMER_TIMEOUT=40.0) == []
+    # The grace counts: without it the same handler timeout fits.
+    assert rm(HANDLER_TIMEOUT=35.0, HANDLER_TIMEOUT_GRACE=0.0, BROKER_CONSUMER_TIMEOUT=40.0) == []
+    only(
+        rm(HANDLER_TIMEOUT=35.0, HANDLER_TIMEOUT_GRACE=5.0, BROKER_CONSUMER_TIMEOUT=40.0),
+        "reliable_messaging.W014",
+    )
+
+
+def test_a_consumers_own_timeout_reaching_the_broker_consumer_timeout(rm: Any) -> None:
+    spec = ConsumerSpec(
+        name="slow.handler", queue="slow.handler.q", handler=handler, bindings=("x",), timeout=95
+    )
+    with registry.isolated():
+        registry.register(spec)
+        # HANDLER_TIMEOUT is 10s: only the consumer's own 95s (+ grace) can reach 100s.
+        assert rm(**consumer_timeout_settings(BROKER_CONSUMER_TIMEOUT=100.0)) == []
+        late = consumer_timeout_settings(BROKER_CONSUMER_TIMEOUT=100.0, HANDLER_TIMEOUT_GRACE=5.0)
+        message = only(rm(**late), "reliable_messaging.W014")
+        assert "'slow.handler'" in message.msg and "95s" in message.msg
+        assert ids(run_checks()) == []  # the suite settings: 95s + 10s < 1800s
+    assert rm(**late) == []  # without the consumer
+
+
+def ordered_spec(name: str = "ordered.slow", **kwargs: Any) -> ConsumerSpec:
+    return ConsumerSpec(
+        name=name, queue=f"{name}.q", handler=handler, bindings=("x",), ordered=True, **kwargs
+    )
+
+
+def test_ordered_retry_horizon_reaching_half_the_broker_consumer_timeout(rm: Any) -> None:
+    # Waits after attempts 1, 2 and 3: 10 + 20 + 20 (the last delay repeats) = 50s.
+    spec = ordered_spec(retry_delays=(10.0, 20.0), max_attempts=4)
+    with registry.isolated():
+        registry.register(spec)
+        message = only(
+            rm(**consumer_timeout_settings(BROKER_CONSUMER_TIMEOUT=100.0)),
+            "reliable_messaging.W015",
+        )
+        assert isinstance(message, Warning)
+        assert "'ordered.slow'" in message.msg and "50s" in message.msg
+        assert rm(**consumer_timeout_settings(BROKER_CONSUMER_TIMEOUT=100.5)) == []
+        # One attempt fewer: 10 + 20 = 30s fits in 50s.
+        registry.unregister(spec.name)
+        registry.register(ordered_spec(retry_delays=(10.0, 20.0), max_attempts=3))
+        assert rm(**consumer_timeout_settings(BROKER_CONSUMER_TIMEOUT=100.0)) == []
+
+
+def test_ordered_retry_horizon_uses_the_settings_policy_by_default(rm: Any) -> None:
+    with registry.isolated():
+        registry.register(ordered_spec())
+        # RETRY_DELAYS [10, 20] and MAX_ATTEMPTS 4 in the settings: the same 50s.
+        values = consumer_timeout_settings(RETRY_DELAYS=[10, 20], MAX_ATTEMPTS=4)
+        only(rm(**values, BROKER_CONSUMER_TIMEOUT=100.0), "reliable_messaging.W015")
+        assert rm(**values, BROKER_CONSUMER_TIMEOUT=101.0) == []
+
+
+def test_a_plain_consumer_retrying_through_the_broker_has_no_horizon_warning(rm: Any) -> None:
+    spec = ConsumerSpec(
+        name="plain.slow",
+        queue="plain.slow.q",
+        handler=handler,
+        bindings=("x",),
+        retry_delays=(10.0, 20.0),
+        max_attempts=4,
+    )
+    with registry.isolated():
+        registry.register(spec)
+        assert rm(**consumer_timeout_settings(BROKER_CONSUMER_TIMEOUT=100.0)) == []
+
+
+def test_time_limit_checks_are_silent_with_the_defaults() -> None:
+    # The defaults: HANDLER_TIMEOUT 600 + grace 10 < 1800, and an ordered consumer of the default
+    # policy retries for 1 + 5 + 30 + 120 + 600 = 756s < 900s.
+    only_broker = {"BROKER_URL": settings.RELIABLE_MESSAGING["BROKER_URL"]}
+    with registry.isolated(), override_settings(RELIABLE_MESSAGING=only_broker):
+        registry.register(ordered_spec())
+        registry.register(
+            ConsumerSpec(
+                name="timed", queue="timed.q", handler=handler, bindings=("x",), timeout=60
+            )
+        )
+        assert check_settings() == []
+        assert ids(run_checks()) == []
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "id_"),
+    [
+        ("HANDLER_TIMEOUT", 0, "reliable_messaging.E010"),
+        ("HANDLER_TIMEOUT", -5.0, "reliable_messaging.E010"),
+        ("HANDLER_TIMEOUT", "600", "reliable_messaging.E010"),
+        ("BROKER_CONSUMER_TIMEOUT", 0, "reliable_messaging.E010"),
+        ("HANDLER_TIMEOUT_GRACE", -1, "reliable_messaging.E010"),
+        ("HANDLER_TIMEOUT_GRACE", None, "reliable_messaging.E010"),
+        ("CRASH_LIMIT", 0, "reliable_messaging.E012"),
+        ("CRASH_LIMIT", 2.0, "reliable_messaging.E012"),
+        ("CONSUMER_ERROR_LIMIT", 0, "reliable_messaging.E012"),
+    ],
+)
+def test_bad_time_limit_and_crash_values(rm: Any, key: str, value: Any, id_: str) -> None:
+    message = only(rm(**{key: value}), id_)
+    assert isinstance(message, Error)
+    assert key in message.msg
+
+
+def test_zero_grace_is_allowed(rm: Any) -> None:
+    assert rm(HANDLER_TIMEOUT_GRACE=0) == []
+
+
+def test_crash_limit_reaching_the_quorum_delivery_limit_warns() -> None:
+    base = {**settings.RELIABLE_MESSAGING, "QUEUE_TYPE": "quorum", "QUORUM_DELIVERY_LIMIT": 3}
+    with override_settings(RELIABLE_MESSAGING={**base, "CRASH_LIMIT": 3}):
+        assert "reliable_messaging.W016" in {m.id for m in check_settings()}
+    with override_settings(RELIABLE_MESSAGING={**base, "CRASH_LIMIT": 2}):
+        assert "reliable_messaging.W016" not in {m.id for m in check_settings()}
