@@ -47,6 +47,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pika
 import pika.exceptions
@@ -507,8 +508,7 @@ class ConsumerService:
                     break
             link.connection.process_data_events(time_limit=0.1)
         for channel in link.channels[1:]:
-            if channel.is_open:
-                channel.close()
+            _close_keeping_consumers(link.connection, channel)
         with link.lock:
             left = link.in_flight
         if left:
@@ -882,6 +882,24 @@ class ConsumerService:
                     pairs[0][0].delivery.message_id,
                     ", ..." if len(pairs) > 1 else "",
                 )
+
+
+def _close_keeping_consumers(connection: BlockingConnection, channel: BlockingChannel) -> None:
+    """Close ``channel`` without cancelling its consumers first.
+
+    pika's ``BlockingChannel.close`` cancels every consumer before it closes the channel. On a
+    single-active-consumer queue the cancel makes the broker activate the standby at once, and
+    hand it the ready messages behind the ones this channel still holds, which come back only
+    when the channel closes: order broken. Closing the channel itself makes the broker requeue
+    what it held in place *before* it activates the next consumer (one step in the queue).
+    """
+    if not channel.is_open:
+        return
+    impl: Any = getattr(channel, "_impl")  # noqa: B009 - pika private, see above
+    impl.close(reply_code=200, reply_text="graceful stop")
+    deadline = time.monotonic() + 10
+    while not channel.is_closed and time.monotonic() < deadline:
+        connection.process_data_events(time_limit=0.1)
 
 
 def _ack_coalesced(link: _Link, channel: BlockingChannel, tags: set[int]) -> None:
