@@ -4,6 +4,10 @@
 transaction: the message exists exactly when the business change it announces exists. The relay
 (:mod:`.relay`) sends committed rows later. Called with no transaction open (autocommit), the
 row commits at once, like any other ORM write.
+
+The row's times are the database's clock, not this host's: the relay compares them with the
+database's clock, and a publisher whose clock runs ahead would otherwise hold its own messages
+back by the skew.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, router, transaction
+from django.db.models.functions import Now
 
 from .conf import messaging_settings
 from .envelope import MAX_MESSAGE_ID_LENGTH, encode_payload
@@ -73,17 +78,31 @@ def publish(
     headers: Mapping[str, Any] | None = None,
     ordering_key: str | None = None,
     idempotency_key: str | None = None,
-    using: str = "default",
+    using: str | None = None,
 ) -> str:
     """Write a message to the outbox in the current transaction of ``using``; return its id.
 
-    The relay sends it once the transaction commits; a rollback discards it. A payload JSON
-    cannot encode raises ``TypeError`` here. With an ``idempotency_key`` already in the outbox
-    this is a no-op that returns the first message's id.
+    ``using`` defaults to the alias the database routers give for writing ``OutboxMessage``
+    (``"default"`` without routers), which is where the relay reads: publish inside a
+    transaction on that alias. The relay sends the message once the transaction commits; a
+    rollback discards it. A payload JSON cannot encode raises ``TypeError`` here; a body larger
+    than ``MAX_BODY_BYTES`` raises ``ValueError``. With an ``idempotency_key`` already in the
+    outbox this is a no-op that returns the first message's id.
     """
     if not isinstance(routing_key, str) or not routing_key:
         raise ValueError("routing_key must be a non-empty string")
-    body = encode_payload(payload).decode("utf-8")
+    if using is None:
+        using = router.db_for_write(OutboxMessage)
+    encoded = encode_payload(payload)
+    # Consumers of this app dead-letter larger bodies unread (body_too_large): refuse them here,
+    # where the caller can still do something about it, rather than after the commit.
+    limit = messaging_settings.max_body_bytes
+    if len(encoded) > limit:
+        raise ValueError(
+            f"the payload encodes to {len(encoded)} bytes, over RELIABLE_MESSAGING"
+            f"['MAX_BODY_BYTES'] ({limit}): consumers would dead-letter it unread"
+        )
+    body = encoded.decode("utf-8")
     message_id = str(uuid.uuid4()) if message_id is None else str(message_id)
     if not message_id or len(message_id) > MAX_MESSAGE_ID_LENGTH:
         raise ValueError(f"message_id must be 1 to {MAX_MESSAGE_ID_LENGTH} characters long")
@@ -99,6 +118,8 @@ def publish(
         headers=_json_headers(headers),
         ordering_key=ordering_key,
         idempotency_key=idempotency_key,
+        next_attempt_at=Now(),
+        created_at=Now(),
     )
     if idempotency_key is None:
         row.save(using=using, force_insert=True)

@@ -8,7 +8,9 @@ Add it to the beat schedule::
     }
 
 Each run drains the outbox for at most ``max_seconds`` and returns a summary. Runs may overlap:
-rows are claimed with ``SELECT ... FOR UPDATE SKIP LOCKED``, so no row is sent twice by two runs.
+on PostgreSQL rows are claimed with ``SELECT ... FOR UPDATE SKIP LOCKED``, so no row is sent twice
+by two runs; SQLite ignores ``SKIP LOCKED``, so overlapping runs there may send a row twice (the
+consumers' inbox drops the copy).
 
 ``@idempotent_task`` goes *below* Celery's own decorator, so every Celery option (``bind``,
 ``acks_late``, ``autoretry_for``, ``queue``...) works as usual::

@@ -32,6 +32,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from django.db import router
 from django.utils import timezone
 
 from .conf import messaging_settings
@@ -109,9 +110,10 @@ def deliver(
     return DeliveryProcessor(spec).process(delivery)
 
 
-def published(routing_key: str | None = None, *, using: str = "default") -> list[Message]:
+def published(routing_key: str | None = None, *, using: str | None = None) -> list[Message]:
     """Messages ``publish()`` wrote and no relay has sent yet, oldest first, as handlers would
     see them; optionally only those with ``routing_key``."""
+    using = using or router.db_for_write(OutboxMessage)
     rows = OutboxMessage.objects.using(using).filter(status=OutboxStatus.PENDING).order_by("id")
     if routing_key is not None:
         rows = rows.filter(routing_key=routing_key)
@@ -139,12 +141,13 @@ def _routes_to(row: OutboxMessage, spec: ConsumerSpec) -> bool:
 
 
 def run_outbox(
-    *, consumers: ConsumerRegistry = registry, using: str = "default", max_rounds: int = 100
+    *, consumers: ConsumerRegistry = registry, using: str | None = None, max_rounds: int = 100
 ) -> list[tuple[str, str, Outcome]]:
     """Deliver pending outbox rows to every consumer bound to their exchange and routing key,
     mark them sent, and repeat for what the handlers publish. Retries are delivered again at
     once with the next attempt number (no delays). Returns ``(consumer, message_id, outcome)``
     in delivery order."""
+    using = using or router.db_for_write(OutboxMessage)
     results: list[tuple[str, str, Outcome]] = []
     for _ in range(max_rounds):
         rows = list(
