@@ -16,7 +16,7 @@ from typing import Any
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.db.models import QuerySet, TextField
-from django.db.models.functions import Cast
+from django.db.models.functions import Cast, Now
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
@@ -666,7 +666,7 @@ class OutboxMessageAdmin(admin.ModelAdmin):
     @admin.action(description="Retry the selected failed rows", permissions=["change"])
     def retry_failed(self, request: HttpRequest, queryset: QuerySet) -> None:
         count = queryset.filter(status=OutboxStatus.FAILED).update(
-            status=OutboxStatus.PENDING, attempts=0, next_attempt_at=timezone.now()
+            status=OutboxStatus.PENDING, attempts=0, next_attempt_at=Now()
         )
         self.message_user(
             request,

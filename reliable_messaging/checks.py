@@ -33,7 +33,8 @@ def _check_broker_url(value: Any) -> list[CheckMessage]:
 
     hint = "Use amqp://USER:PASSWORD@HOST:5672/VHOST (the default vhost is %2F)."
     if not isinstance(value, str) or not value.startswith(("amqp://", "amqps://")):
-        shown = redact_url(value) if isinstance(value, str) else repr(value)
+        # Not repr() of another type: bytes or a dict may hold the password just the same.
+        shown = redact_url(value) if isinstance(value, str) else f"a {type(value).__name__}"
         return [
             _error(1, f"{SETTING}['BROKER_URL'] is not an amqp:// or amqps:// URL: {shown}", hint)
         ]
@@ -42,11 +43,25 @@ def _check_broker_url(value: Any) -> list[CheckMessage]:
         if not params.host:
             raise ValueError("no host")
     except Exception as exc:  # noqa: BLE001 - pika raises several types for bad URLs
+        # Only the type: pika's messages quote pieces of the URL ("Port could not be cast to
+        # integer value as 'pa'" for a password holding a "/").
         return [
             _error(
                 1,
                 f"{SETTING}['BROKER_URL'] cannot be parsed ({type(exc).__name__}): "
                 f"{redact_url(value)}",
+                hint,
+            )
+        ]
+    host_and_path = value.split("://", 1)[1]
+    if host_and_path.startswith("/") and "@" in host_and_path:
+        # "amqp:///user:pw@mq": pika falls back to localhost and takes "user:pw@mq" for the
+        # vhost, which the broker then quotes in its refusal, in every log line.
+        return [
+            _error(
+                1,
+                f"{SETTING}['BROKER_URL'] has no host, and its credentials would be taken for "
+                f"the vhost: {redact_url(value)}",
                 hint,
             )
         ]
@@ -210,6 +225,20 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                 11,
                 f"{SETTING}['HEARTBEAT'] must be an integer >= 0, got {heartbeat!r}.",
                 "0 disables heartbeats; 60 is usual.",
+            )
+        )
+    require_route = value("REQUIRE_ROUTE")
+    if isinstance(require_route, str) or not (
+        isinstance(require_route, list | tuple)
+        and all(isinstance(p, str) and p and "" not in p.split(".") for p in require_route)
+    ):
+        errors.append(
+            _error(
+                45,
+                f"{SETTING}['REQUIRE_ROUTE'] must be a list of topic patterns (words separated "
+                f"by '.', '*' for one word, '#' for any), got {require_route!r}.",
+                'e.g. ["billing.command.#", "*.charge"]; [] (the default) treats every '
+                "unroutable row as an event nobody subscribes to yet.",
             )
         )
     grace = value("HANDLER_TIMEOUT_GRACE")

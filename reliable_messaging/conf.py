@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from django.conf import settings as django_settings
 
@@ -41,6 +40,10 @@ DEFAULTS: dict[str, Any] = {
     "RELAY_POLL_INTERVAL": 1.0,
     "RELAY_CONFIRM_TIMEOUT": 30.0,
     "OUTBOX_MAX_ATTEMPTS": 10,
+    # Topic patterns of routing keys that are commands: such a row must reach a queue, and when
+    # the broker returns it unroutable it is retried, then failed. Every other row is an event:
+    # returned unroutable (nobody subscribes yet) it is marked "unrouted" and not retried.
+    "REQUIRE_ROUTE": (),
     # The consumer commits up to this many deliveries in one transaction (a savepoint each);
     # their acks go out after that commit. 1 gives one transaction per delivery.
     "CONSUMER_BATCH_SIZE": 50,
@@ -72,19 +75,24 @@ DEFAULTS: dict[str, Any] = {
 
 
 def redact_url(url: str) -> str:
-    """Return ``url`` with any password replaced by ``***``, safe for logs and reprs. Never
-    raises: a URL that cannot be split is shown as a placeholder."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparsable URL>"
-    userinfo, at, hostport = parts.netloc.rpartition("@")
-    if not at or ":" not in userinfo:
-        return url
-    username = userinfo.split(":", 1)[0]
-    return urlunsplit(
-        (parts.scheme, f"{username}:***@{hostport}", parts.path, parts.query, parts.fragment)
-    )
+    """Return ``url`` with any password replaced by ``***``, safe for logs, reprs and checks.
+
+    Works on the text, not on a parse: the URLs worth redacting are often the malformed ones
+    (``amqps//app:pw@mq`` without its colon, a password holding ``/``, ``?``, ``#`` or ``@``, an
+    unclosed IPv6 bracket), which ``urlsplit`` either rejects or splits so that the password
+    lands in the host or path. Everything from the first ``:`` after ``scheme://`` (or after
+    the start, when there is no scheme) to the last ``@`` is hidden. When the last ``@`` was in
+    the query instead, more is hidden than needed, never less. Never raises."""
+    first_at = url.find("@")
+    if first_at < 0:
+        return url  # nothing can separate credentials from the host
+    scheme_end = url.find("://", 0, first_at)
+    start = scheme_end + 3 if scheme_end >= 0 else 0
+    last_at = url.rfind("@")
+    colon = url.find(":", start, last_at)
+    if colon < 0:
+        return url  # a user name without a password
+    return f"{url[: colon + 1]}***{url[last_at:]}"
 
 
 class MessagingSettings:
@@ -172,6 +180,10 @@ class MessagingSettings:
     @property
     def outbox_max_attempts(self) -> int:
         return int(self.get("OUTBOX_MAX_ATTEMPTS"))
+
+    @property
+    def require_route(self) -> tuple[str, ...]:
+        return tuple(self.get("REQUIRE_ROUTE"))
 
     @property
     def consumer_batch_size(self) -> int:

@@ -172,6 +172,9 @@ class OutboxStatus(models.TextChoices):
     PENDING = "pending", _("pending")
     SENT = "sent", _("sent")
     FAILED = "failed", _("failed")
+    # An event the broker returned because no queue was bound for it: nobody subscribes to it
+    # yet, which is normal in publish-subscribe. Terminal, like sent (see REQUIRE_ROUTE).
+    UNROUTED = "unrouted", _("unrouted")
 
 
 class OutboxMessageQuerySet(models.QuerySet):

@@ -10,13 +10,21 @@ callbacks (each query is short). A batch goes like this:
 2. ``publish``: every row goes out at once (``mandatory=True``, persistent); the locks are held.
 3. ``settle``: confirms arrive, ``multiple=True`` settling every tag up to the one named. When
    all are in (or ``RELAY_CONFIRM_TIMEOUT`` passes) the confirmed rows are marked sent, the
-   others get their error, an attempt and a backoff, and the transaction commits.
+   others get their error, an attempt and a backoff, and the transaction commits. An event the
+   broker returned as unroutable (no queue bound: nobody subscribes yet) is marked ``unrouted``
+   instead, for good; only routing keys matching ``REQUIRE_ROUTE`` (commands) are retried.
+   When the broker refuses a publish by closing the channel (403, 406, ...), the row it names
+   is charged and the batch commits what was confirmed; the unconfirmed rest go again.
+
+Every time the relay compares or computes ``next_attempt_at`` it uses the database's clock, the
+one ``publish()`` writes it with, so hosts with skewed clocks agree on when a row is due.
 
 A crash anywhere before that commit rolls the transaction back: the rows are pending again and a
 relay sends them again (consumers absorb the duplicate by message_id). Nothing committed is lost.
 
 On PostgreSQL the relay also LISTENs on a channel that a trigger NOTIFYs on every committed
-insert, with the listening socket watched by the same I/O loop, so a new row leaves within
+insert, with the listening socket watched by the same I/O loop (a new LISTEN connection for
+each broker connection, since each has its own loop), so a new row leaves within
 milliseconds; polling every ``RELAY_POLL_INTERVAL`` remains as the fallback (the only mode on
 other databases).
 
@@ -49,8 +57,8 @@ import pika
 import pika.channel
 import pika.exceptions
 from django.db import DatabaseError, connections, router, transaction
-from django.db.models import Count, Exists, OuterRef, Q
-from django.utils import timezone
+from django.db.models import Count, DurationField, Exists, F, OuterRef, Q, Value
+from django.db.models.functions import Now
 from pika.spec import Basic, BasicProperties
 
 from . import metrics
@@ -59,6 +67,7 @@ from .conf import MessagingSettings, messaging_settings, redact_url
 from .envelope import CONTENT_TYPE, ORDERING_KEY_HEADER, PUBLISHED_AT_HEADER
 from .metrics import HealthState
 from .models import OutboxMessage, OutboxStatus
+from .routing import topic_matches
 from .topology import connection_parameters
 
 logger = logging.getLogger(__name__)
@@ -67,6 +76,10 @@ NOTIFY_CHANNEL = "reliable_messaging_outbox"
 OUTBOX_ID_HEADER = "x-rm-outbox-id"
 NOT_FOUND = 404
 _MISSING_EXCHANGE = re.compile(r"no exchange '([^']*)'")
+# The exchange a 403 names ("access to exchange 'x' in vhost '/' refused", "cannot publish to
+# internal exchange 'x'") and the size a 406 names ("message size 123 is larger than ...").
+_NAMED_EXCHANGE = re.compile(r"exchange '([^']*)'")
+_MESSAGE_SIZE = re.compile(r"message size (\d+)")
 
 
 def resend_backoff(attempts: int) -> dt.timedelta:
@@ -83,7 +96,9 @@ def claimable(using: str) -> Any:
     )
     return (
         OutboxMessage.objects.using(using)
-        .filter(status=OutboxStatus.PENDING, next_attempt_at__lte=timezone.now())
+        # The database's clock, not this process's: next_attempt_at is written with it too, so
+        # a relay whose clock is off neither sends rows early nor sits on due ones.
+        .filter(status=OutboxStatus.PENDING, next_attempt_at__lte=Now())
         .filter(Q(ordering_key__isnull=True) | ~Exists(earlier_unsent))
         .order_by("id")
     )
@@ -139,6 +154,7 @@ class RelayReport:
     sent: int = 0
     nacked: int = 0
     returned: int = 0
+    unrouted: int = 0  # events no queue was bound for, marked unrouted (also in ``returned``)
     timed_out: int = 0
     batches: int = 0
     left_failed: int = 0
@@ -147,7 +163,8 @@ class RelayReport:
 
     def summary(self) -> str:
         return (
-            f"sent {self.sent}, nacked {self.nacked}, unroutable {self.returned}, "
+            f"sent {self.sent}, nacked {self.nacked}, unroutable {self.returned} "
+            f"({self.unrouted} event(s) with no subscriber marked unrouted), "
             f"confirm timeouts {self.timed_out} in {self.batches} batch(es); outbox now has "
             f"{self.left_pending} pending ({self.left_retrying} after failed sends) and "
             f"{self.left_failed} failed row(s)"
@@ -163,6 +180,7 @@ class _Batch:
     unpublished: list[ClaimedRow] = field(default_factory=list)  # refused before publishing
     errors: dict[int, str] = field(default_factory=dict)  # row id -> why it was not sent
     confirmed: set[int] = field(default_factory=set)  # row ids acked by the broker
+    unrouted: set[int] = field(default_factory=set)  # row ids of events returned unroutable
     settled: set[int] = field(default_factory=set)  # delivery tags acked or nacked
     lowest_unsettled: int = 0
     full: bool = False
@@ -225,21 +243,33 @@ class _ExchangeProbe:
                 logger.debug("closing the exchange probe failed", exc_info=True)
 
 
+# Connection parameters Django's PostgreSQL backend adds that are Python objects of the driver,
+# not libpq settings: the LISTEN connection has no use for them.
+_DRIVER_ONLY_PARAMS = frozenset({"cursor_factory", "context", "prepare_threshold"})
+
+
+def listen_conninfo(using: str) -> str:
+    """A libpq connection string for the LISTEN connection, built from the parameters Django's
+    own connection to ``using`` uses, so ``OPTIONS`` (``service``, ``sslmode``, ``options``,
+    ``application_name``, ...) apply to it as to every other connection of the project."""
+    import psycopg
+
+    params = {
+        key: str(value)
+        for key, value in connections[using].get_connection_params().items()
+        if key not in _DRIVER_ONLY_PARAMS and value is not None
+    }
+    params.setdefault("connect_timeout", "5")
+    return psycopg.conninfo.make_conninfo(**params)
+
+
 class _Listener:
     """A dedicated autocommit psycopg connection LISTENing for committed outbox inserts."""
 
     def __init__(self, using: str) -> None:
         import psycopg
 
-        cfg = connections[using].settings_dict
-        conninfo = psycopg.conninfo.make_conninfo(
-            dbname=cfg["NAME"],
-            user=cfg.get("USER") or None,
-            password=cfg.get("PASSWORD") or None,
-            host=cfg.get("HOST") or None,
-            port=str(cfg["PORT"]) if cfg.get("PORT") else None,
-        )
-        self.connection = psycopg.connect(conninfo, autocommit=True, connect_timeout=5)
+        self.connection = psycopg.connect(listen_conninfo(using), autocommit=True)
         self.connection.execute(f"LISTEN {NOTIFY_CHANNEL}")
 
     def fileno(self) -> int:
@@ -324,6 +354,12 @@ class OutboxRelay:
     def run(self) -> RelayReport:
         try:
             while not (self._finished or self._stop_requested or self._past_deadline()):
+                # Each connection runs its own I/O loop, and the LISTEN socket is watched by
+                # the loop it was added to: drop it with the old loop, and _watch opens a
+                # fresh one on the new loop. (Kept, it would sit on a loop that no longer
+                # runs: no wake-ups, and notifications piling up unread.)
+                self._close_listener()
+                self._listener_retry_at = 0.0
                 self._connection = pika.SelectConnection(
                     connection_parameters(self.settings, name="relay"),
                     on_open_callback=self.on_connection_open,
@@ -439,8 +475,25 @@ class OutboxRelay:
             refused = [row for row in batch.all_rows() if row.exchange == missing]
             for row in refused:
                 batch.errors[row.pk] = f"exchange {missing!r} does not exist"
+            if not refused:  # a 404 about something else: charge the row it came at
+                for row in self._refused_rows(batch, reason):
+                    batch.errors[row.pk] = f"the broker closed the channel: {reason}"[:2000]
+                    refused.append(row)
             metrics.relay_failed("refused", len(refused))
             self._probe.forget(missing)
+            self._finish_batch()
+        elif batch is not None and isinstance(reason, pika.exceptions.ChannelClosedByBroker):
+            # The broker refused a publish (403: no write permission, an internal exchange;
+            # 406: a body over max_message_size, ...) and closed the channel at it. Rolling
+            # back would claim the same rows at once and hit the same wall forever: rows
+            # before it re-sent many times a second, rows after it never. So charge the row
+            # it was about, with backoff, and keep what was confirmed: the rows after it go
+            # out in the next batch, and OUTBOX_MAX_ATTEMPTS retires the culprit.
+            refused = self._refused_rows(batch, reason)
+            error = f"the broker closed the channel: {reason.reply_code} {reason.reply_text}"
+            for row in refused:
+                batch.errors[row.pk] = error[:2000]
+            metrics.relay_failed("refused", len(refused))
             self._finish_batch()
         else:
             self._abort_batch(f"channel closed: {reason}")
@@ -450,6 +503,34 @@ class OutboxRelay:
             self._cancel_timers(connection)
             connection.channel(on_open_callback=self.on_channel_open)
 
+    @staticmethod
+    def _refused_rows(
+        batch: _Batch, reason: pika.exceptions.ChannelClosedByBroker
+    ) -> list[ClaimedRow]:
+        """The unconfirmed rows a channel close was caused by: those bound for the exchange
+        the broker named, or with the body size it named; failing that, the first one
+        published (the broker closes at the offending publish, so the culprit is the first
+        row it did not confirm or the rows after it were never looked at)."""
+        unconfirmed = [
+            batch.rows[tag]
+            for tag in sorted(batch.rows)
+            if batch.rows[tag].pk not in batch.confirmed and batch.rows[tag].pk not in batch.errors
+        ]
+        text = str(reason.reply_text)
+        named = _NAMED_EXCHANGE.search(text)
+        if named is not None:
+            matching = [row for row in unconfirmed if row.exchange == named.group(1)]
+            if matching:
+                return matching
+        size = _MESSAGE_SIZE.search(text)
+        if size is not None:
+            matching = [
+                row for row in unconfirmed if len(row.body.encode("utf-8")) == int(size.group(1))
+            ]
+            if matching:
+                return matching[:1]
+        return unconfirmed[:1]
+
     def on_return(
         self,
         channel: pika.channel.Channel,
@@ -458,17 +539,26 @@ class OutboxRelay:
         body: bytes,
     ) -> None:
         """An unroutable message (mandatory): the broker still acks it afterwards, so record
-        why here and let the confirm settle it as not sent."""
+        why here and let the confirm settle it.
+
+        A command (routing key matching ``REQUIRE_ROUTE``) that reaches no queue is an error:
+        it is retried with backoff, then failed. Any other row is an event, and an event nobody
+        subscribes to yet is normal in publish-subscribe: it is marked unrouted, not retried."""
         batch = self._batch
         row_id = (properties.headers or {}).get(OUTBOX_ID_HEADER)
         if batch is None or not isinstance(row_id, int):
             return
-        batch.errors[row_id] = (
-            f"unroutable: {method.reply_code} {method.reply_text} (exchange "
-            f"{method.exchange!r}, routing key {method.routing_key!r}): no queue is bound for it"
-        )
         self.report.returned += 1
         metrics.relay_failed("returned")
+        routing_key = method.routing_key or ""
+        if not any(topic_matches(p, routing_key) for p in self.settings.require_route):
+            batch.unrouted.add(row_id)  # its ack follows; _finish_batch keeps it from "sent"
+            return
+        batch.errors[row_id] = (
+            f"unroutable: {method.reply_code} {method.reply_text} (exchange "
+            f"{method.exchange!r}, routing key {method.routing_key!r}): no queue is bound for "
+            f"it, and REQUIRE_ROUTE says it must reach one"
+        )
 
     def on_connection_blocked(self, connection: pika.SelectConnection, frame: Any) -> None:
         """The broker stopped reading from this connection (a memory or disk alarm)."""
@@ -592,6 +682,16 @@ class OutboxRelay:
     def _open_listener(self, connection: pika.SelectConnection) -> None:
         try:
             self._listener = _Listener(self.using)
+        except ImportError as exc:
+            # Not going to change while this process runs: say it once and poll from now on.
+            self.listen = False
+            logger.warning(
+                "relay: cannot LISTEN for new outbox rows (%s): psycopg 3 is needed for it; "
+                "install reliable_messaging[postgres]. Polling every %ss meanwhile",
+                exc,
+                self.settings.relay_poll_interval,
+            )
+            return
         except Exception as exc:  # noqa: BLE001 - any failure: poll and try again later
             self._listener_retry_at = time.monotonic() + 5
             logger.warning(
@@ -673,15 +773,17 @@ class OutboxRelay:
             poll = max(poll, 5.0)  # NOTIFY wakes us; polling only catches backoffs and misses
         # The next row waiting out a backoff. Rows already due but not claimable (behind an
         # unsent earlier row of their key) must not count, or the relay would spin on them.
-        due = (
+        # How far off it is, by the database's clock (the one the claim compares with).
+        due_in = (
             OutboxMessage.objects.using(self.using)
-            .filter(status=OutboxStatus.PENDING, next_attempt_at__gt=timezone.now())
+            .filter(status=OutboxStatus.PENDING, next_attempt_at__gt=Now())
             .order_by("next_attempt_at")
-            .values_list("next_attempt_at", flat=True)
+            .annotate(due_in=F("next_attempt_at") - Now())
+            .values_list("due_in", flat=True)
             .first()
         )
-        if due is not None:
-            poll = min(poll, max(0.0, (due - timezone.now()).total_seconds()))
+        if due_in is not None:
+            poll = min(poll, max(0.0, due_in.total_seconds()))
         return poll
 
     def publish_batch(self, channel: pika.channel.Channel) -> int:
@@ -779,19 +881,30 @@ class OutboxRelay:
             return
         if batch.timer is not None and self._connection is not None:
             self._connection.ioloop.remove_timeout(batch.timer)
-        now = timezone.now()
         # Rows neither confirmed nor charged (in flight when a channel died) stay pending as
         # they are and go again: the broker may have them, which consumers absorb.
-        sent = [pk for pk in batch.confirmed if pk not in batch.errors]
+        sent = [pk for pk in batch.confirmed if pk not in batch.errors and pk not in batch.unrouted]
+        unrouted = [
+            row
+            for row in batch.rows.values()
+            if row.pk in batch.unrouted and row.pk in batch.confirmed and row.pk not in batch.errors
+        ]
         try:
+            outbox = OutboxMessage.objects.using(self.using)
             if sent:
-                OutboxMessage.objects.using(self.using).filter(pk__in=sent).update(
-                    status=OutboxStatus.SENT, sent_at=now, last_error=""
+                outbox.filter(pk__in=sent).update(
+                    status=OutboxStatus.SENT, sent_at=Now(), last_error=""
+                )
+            if unrouted:
+                outbox.filter(pk__in=[row.pk for row in unrouted]).update(
+                    status=OutboxStatus.UNROUTED,
+                    sent_at=Now(),
+                    last_error="no queue was bound for its routing key when it was sent",
                 )
             for row in batch.all_rows():
                 error = batch.errors.get(row.pk)
                 if error is not None:
-                    self._record_failure(row, error, now)
+                    self._record_failure(row, error)
         except Exception as exc:  # noqa: BLE001 - whatever failed, the transaction must end
             # The rows were published but cannot be marked: they stay pending and go again
             # later, which consumers absorb by message_id.
@@ -810,7 +923,18 @@ class OutboxRelay:
             return
         batch.atomic.__exit__(None, None, None)
         self.report.sent += len(sent)
+        self.report.unrouted += len(unrouted)
         self.report.batches += 1
+        if unrouted:
+            # One line per batch, not per row: a busy service may publish many events nobody
+            # subscribes to yet, and that is normal.
+            logger.info(
+                "relay: %d event(s) reached no queue (nothing subscribes to their routing key "
+                "yet), marked unrouted and not retried: %s",
+                len(unrouted),
+                ", ".join(f"message_id={r.message_id} ({r.routing_key})" for r in unrouted[:10])
+                + (", ..." if len(unrouted) > 10 else ""),
+            )
         metrics.relay_published(len(sent))
         for pk in sent:
             logger.debug("relay: sent outbox row %s", pk)
@@ -818,7 +942,7 @@ class OutboxRelay:
             self.on_batch(self.report)
         self._schedule_tick(0)
 
-    def _record_failure(self, row: ClaimedRow, error: str, now: dt.datetime) -> None:
+    def _record_failure(self, row: ClaimedRow, error: str) -> None:
         attempts = row.attempts + 1
         failed = attempts >= self.settings.outbox_max_attempts
         if failed:
@@ -835,7 +959,8 @@ class OutboxRelay:
         OutboxMessage.objects.using(self.using).filter(pk=row.pk).update(
             attempts=attempts,
             last_error=error[:2000],
-            next_attempt_at=now + resend_backoff(attempts),
+            # From the database's clock, which the claim compares it with.
+            next_attempt_at=Now() + Value(resend_backoff(attempts), output_field=DurationField()),
             status=OutboxStatus.FAILED if failed else OutboxStatus.PENDING,
         )
 
@@ -885,6 +1010,7 @@ def run_lanes(relays: list[OutboxRelay]) -> RelayReport:
         total.sent += report.sent
         total.nacked += report.nacked
         total.returned += report.returned
+        total.unrouted += report.unrouted
         total.timed_out += report.timed_out
         total.batches += report.batches
     counts = outbox_backlog(relays[0].using)

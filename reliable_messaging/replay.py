@@ -120,6 +120,9 @@ def _refusal(
     unreplayable = UNREPLAYABLE_REASONS.get(DeadLetterReason(dead_letter.reason))
     if unreplayable:
         return unreplayable
+    unsendable = _unsendable_body(bytes(dead_letter.body))
+    if unsendable:
+        return unsendable
     if CELERY_TASK_HEADER in (dead_letter.headers or {}):
         return (
             "it is a Celery task whose worker died on it, not a message a replay could "
@@ -130,6 +133,28 @@ def _refusal(
             f"consumer {dead_letter.consumer} already processed message "
             f"{dead_letter.message_id}; replaying it would not run the handler (force it to "
             f"forget that and run it again)"
+        )
+    return None
+
+
+def _unsendable_body(body: bytes) -> str | None:
+    """Why ``body`` cannot travel through the outbox, whose ``body`` is a text column.
+
+    Reasons that are not about the body's encoding (``unsupported_content_type``,
+    ``body_too_large``, ``invalid_headers``) may still hold binary bodies; decoding one would
+    raise in the middle of the batch and roll back every other replay with it. PostgreSQL text
+    also cannot hold NUL, which is valid UTF-8."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        return (
+            "its body is not UTF-8 text, so it cannot be sent again through the outbox (which "
+            "stores text); publish a corrected copy yourself, or discard it"
+        )
+    if "\x00" in text:
+        return (
+            "its body contains a NUL character, so it cannot be sent again through the outbox "
+            "(which stores text); publish a corrected copy yourself, or discard it"
         )
     return None
 

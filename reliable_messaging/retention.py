@@ -68,7 +68,9 @@ def purge_messages(
     now = now or timezone.now()
     inbox = ProcessedMessage.objects.filter(processed_at__lt=now - settings.dedup_retention)
     outbox = OutboxMessage.objects.filter(
-        status=OutboxStatus.SENT, sent_at__lt=now - settings.outbox_retention
+        # Unrouted rows (events nobody subscribed to) are finished like sent ones.
+        status__in=[OutboxStatus.SENT, OutboxStatus.UNROUTED],
+        sent_at__lt=now - settings.outbox_retention,
     )
     suspects = SuspectDelivery.objects.filter(updated_at__lt=now - settings.dedup_retention)
     return PurgeResult(

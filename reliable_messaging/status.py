@@ -35,7 +35,7 @@ from django.utils import timezone
 from .conf import MessagingSettings, messaging_settings, redact_url
 from .leftovers import find_leftovers
 from .metrics import outbox_lag
-from .models import DeadLetter, OutboxMessage, ProcessedMessage
+from .models import DeadLetter, OutboxMessage, OutboxStatus, ProcessedMessage
 from .registry import ConsumerSpec, registry
 from .topology import all_delays, connection_parameters, consumer_queues, delay_exchange_name
 
@@ -103,6 +103,8 @@ class DatabaseStatus:
     error: str = ""
     outbox_pending: int = 0
     outbox_failed: int = 0
+    # Events the broker had no queue for (nobody subscribed yet): shown, never a problem.
+    outbox_unrouted: int = 0
     # Seconds since the oldest pending outbox row was written; None when nothing is pending.
     outbox_lag: float | None = None
     dead_letters: tuple[DeadLetterCount, ...] = ()  # status "dead", awaiting a person
@@ -182,6 +184,7 @@ class MessagingStatus:
                 "outbox": {
                     "pending": db.outbox_pending,
                     "failed": db.outbox_failed,
+                    "unrouted": db.outbox_unrouted,
                     "lag_seconds": db.outbox_lag,
                 },
                 "dead_letters": {
@@ -225,13 +228,25 @@ def default_management_url(broker_url: str) -> str:
     return f"{scheme}://{host}:{port}"
 
 
-def scrub(text: str, secret: str) -> str:
-    """``text`` with every occurrence of ``secret`` (and its URL-quoted form) masked."""
-    if not secret:
-        return text
-    for form in {secret, urllib.parse.quote(secret, safe="")}:
-        text = text.replace(form, "***")
+def scrub(text: str, *secrets: str) -> str:
+    """``text`` with every occurrence of each secret (and its URL-quoted form) masked."""
+    for secret in secrets:
+        if not secret:
+            continue
+        for form in {secret, urllib.parse.quote(secret, safe="")}:
+            text = text.replace(form, "***")
     return text
+
+
+def _redacted_part(url: str) -> str:
+    """What :func:`.conf.redact_url` hides of ``url``. Not always the password pika reads: in
+    a malformed URL (``amqp:///user:pw@mq``) pika may take it for the vhost, which the broker
+    then quotes in its refusal."""
+    shown = redact_url(url)
+    if shown == url:
+        return ""
+    head, _, tail = shown.partition("***")
+    return url[len(head) : len(url) - len(tail)]
 
 
 def describe_error(exc: BaseException) -> str:
@@ -389,31 +404,41 @@ def broker_status(
     try:
         params = pika.URLParameters(url)
     except Exception as exc:  # noqa: BLE001 - pika raises several types for a bad URL
-        return BrokerStatus(shown, reachable=False, error=f"the URL cannot be parsed: {exc}")
+        # The type only: pika's messages quote pieces of the URL, a password's among them.
+        error = f"the URL cannot be parsed ({type(exc).__name__})"
+        return BrokerStatus(shown, reachable=False, error=error)
     password = str(getattr(params.credentials, "password", "") or "")
     specs = list(registry.all() if specs is None else specs)
     queues = monitored_queues(specs, settings)
     try:
         found = queues_from_amqp(queues, settings, timeout, leftovers_of=specs)
     except (pika.exceptions.AMQPError, OSError) as exc:
-        error = f"cannot connect to {shown}: {scrub(describe_error(exc), password)}"
+        detail = scrub(describe_error(exc), password, _redacted_part(url))
+        error = f"cannot connect to {shown}: {detail}"
         return BrokerStatus(shown, reachable=False, error=error)
     if management_url is None:
         management_url = default_management_url(url)
     if not management_url:
         note = "the management API was skipped (no URL given)"
     else:
+        # A --management-url given by hand may carry credentials of its own.
+        api = redact_url(management_url)
         try:
             found = with_management_figures(found, params, management_url, timeout)
         except urllib.error.HTTPError as exc:
-            note = f"the management API at {management_url} answered HTTP {exc.code}"
+            note = f"the management API at {api} answered HTTP {exc.code}"
             if exc.code == UNAUTHORIZED:
                 note += " (its user needs the monitoring tag: rabbitmqctl set_user_tags)"
         except (OSError, ValueError, http.client.HTTPException) as exc:
             # URLError and timeouts are OSErrors; a port that does not speak HTTP raises an
             # HTTPException; a body that is not JSON a ValueError.
-            detail = scrub(describe_error(exc), password)
-            note = f"the management API at {management_url} is unreachable ({detail})"
+            detail = scrub(
+                describe_error(exc),
+                password,
+                _redacted_part(url),
+                _redacted_part(management_url),
+            )
+            note = f"the management API at {api} is unreachable ({detail})"
         else:
             return BrokerStatus(shown, reachable=True, management_api=True, queues=found)
     return BrokerStatus(shown, reachable=True, queues=found, note=note)
@@ -432,7 +457,7 @@ def broker_connection_error(
     try:
         connection = pika.BlockingConnection(params)
     except (pika.exceptions.AMQPError, OSError) as exc:
-        return scrub(describe_error(exc), password)
+        return scrub(describe_error(exc), password, _redacted_part(settings.broker_url))
     if connection.is_open:
         connection.close()
     return ""
@@ -461,6 +486,7 @@ def database_status(using: str | None = None) -> DatabaseStatus:
             reachable=True,
             outbox_pending=pending,
             outbox_failed=outbox.failed().count(),
+            outbox_unrouted=outbox.filter(status=OutboxStatus.UNROUTED).count(),
             outbox_lag=outbox_lag(using) if pending else None,
             dead_letters=tuple(
                 DeadLetterCount(row["consumer"], row["reason"], row["count"]) for row in dead

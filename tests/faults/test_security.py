@@ -1,16 +1,19 @@
-"""Security checks not covered elsewhere: no pickle, no credentials in the processes' logs, and
-the replay command refusing to act on everything unless told so.
+"""Security checks not covered elsewhere: no pickle, no credentials in the processes' logs nor
+anywhere a malformed broker URL is shown (redact_url, the system check, the settings' repr,
+messaging_status, consume and relay refusing to start), and the replay command refusing to act
+on everything unless told so.
 
 Covered elsewhere (not repeated here): admin permissions and CSRF in
 tests/admin/test_dead_letter_actions.py, escaping in tests/admin/test_dead_letter_detail.py,
-redacted URLs in reprs, checks and an in-process consumer in tests/unit/test_conf.py,
-tests/unit/test_checks.py and tests/integration/test_consumer_service.py.
+redacted well-formed URLs in reprs, checks and an in-process consumer in
+tests/unit/test_conf.py, tests/unit/test_checks.py and tests/integration/test_consumer_service.py.
 """
 
 from __future__ import annotations
 
 import ast
 import io
+import logging
 import os
 import pickle
 import signal
@@ -21,11 +24,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from django.conf import settings
 from django.core.management import CommandError, call_command
+from django.test import override_settings
 
+from reliable_messaging.checks import check_settings
+from reliable_messaging.conf import messaging_settings, redact_url
 from reliable_messaging.models import DeadLetter, DeadLetterStatus, OutboxMessage
+from reliable_messaging.registry import ConsumerSpec, registry
 from tests.conftest import database_url
-from tests.support import MANAGE, ROOT, ConsumeProcess, wait_until
+from tests.support import (
+    MANAGE,
+    ROOT,
+    ConsumeProcess,
+    WaitTimeout,
+    broker_connection,
+    wait_until,
+)
 
 from .harness import RelayProcess
 
@@ -152,15 +167,19 @@ def _process_env(ns: str, broker_url: str) -> dict[str, str]:
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    "where",
+    ("where", "after_password"),
     [
-        pytest.param("127.0.0.1:1", id="broker-unreachable"),
-        pytest.param("127.0.0.1:5672", id="password-refused"),
+        pytest.param("127.0.0.1:1", "", id="broker-unreachable"),
+        pytest.param("127.0.0.1:5672", "", id="password-refused"),
+        # An "@" left unquoted in the password: pika still reads it (the last "@" ends it).
+        pytest.param("127.0.0.1:1", "@x", id="unquoted-at-in-password"),
     ],
 )
-def test_the_broker_password_never_reaches_the_logs(ns: str, tmp_path: Path, where: str) -> None:
+def test_the_broker_password_never_reaches_the_logs(
+    ns: str, tmp_path: Path, where: str, after_password: str
+) -> None:
     quoted = urllib.parse.quote(PASSWORD, safe="")
-    url = f"amqp://guest:{quoted}@{where}/%2F"
+    url = f"amqp://guest:{quoted}{after_password}@{where}/%2F"
     env = _process_env(ns, url)
     consume = ConsumeProcess([], env, tmp_path / "consume.log")
     relay = RelayProcess([], env, tmp_path / "relay.log")
@@ -184,6 +203,162 @@ def test_the_broker_password_never_reaches_the_logs(ns: str, tmp_path: Path, whe
         log = proc.log()  # stdout and stderr, every logger, tracebacks included
         assert PASSWORD not in log and quoted not in log, log
         assert "guest:***@" in log, log  # the URL was logged, redacted
+
+
+# A secret whose URL-quoted form differs ("!" becomes "%21"), in URLs that urllib and pika
+# misread: the password lands in the host, the port or the vhost, or the URL is refused whole.
+SECRET = "Hush!9f3K"
+MALFORMED_URLS = {
+    "missing-colon": f"amqps//app:{SECRET}@mq.example.com/%2F",
+    "no-scheme": f"app:{SECRET}@127.0.0.1:1/%2F",
+    "slash-in-password": f"amqp://app:{SECRET}/x@127.0.0.1:1/%2F",
+    "at-in-password": f"amqp://app:{SECRET}@x@127.0.0.1:1/%2F",
+    "hash-in-password": f"amqp://app:{SECRET}#x@127.0.0.1:1/%2F",
+    "question-mark-in-password": f"amqp://app:{SECRET}?x@127.0.0.1:1/%2F",
+    "several-at": f"amqp://a@b:{SECRET}@c@127.0.0.1:1/%2F",
+    "third-slash": f"amqp:///app:{SECRET}@127.0.0.1:1/%2F",
+    "bad-port": f"amqp://app:{SECRET}@127.0.0.1:notaport/%2F",
+    "unclosed-ipv6": f"amqp://app:{SECRET}@[::1/%2F",
+    "ipv6": f"amqp://app:{SECRET}@[::1]:1/%2F",
+    "percent-encoded": f"amqp://app:{urllib.parse.quote(SECRET, safe='')}@127.0.0.1:1/%2F",
+}
+malformed = pytest.mark.parametrize("url", list(MALFORMED_URLS.values()), ids=list(MALFORMED_URLS))
+
+
+def assert_no_secret(text: str) -> None:
+    assert SECRET not in text and urllib.parse.quote(SECRET, safe="") not in text, text
+
+
+def _with_broker_url(url: Any) -> Any:
+    return override_settings(RELIABLE_MESSAGING={**settings.RELIABLE_MESSAGING, "BROKER_URL": url})
+
+
+@malformed
+def test_redact_url_hides_the_password_of_malformed_urls(url: str) -> None:
+    shown = redact_url(url)
+    assert_no_secret(shown)
+    assert "***" in shown
+
+
+@malformed
+@pytest.mark.parametrize("as_bytes", [False, True], ids=["str", "bytes"])
+def test_the_broker_url_check_never_shows_the_password(url: str, as_bytes: bool) -> None:
+    with _with_broker_url(url.encode() if as_bytes else url):
+        messages = check_settings()
+    assert_no_secret(" ".join(f"{m.msg} {m.hint}" for m in messages))
+
+
+def test_the_check_refuses_credentials_taken_for_the_vhost() -> None:
+    """pika reads "amqp:///user:pw@mq" as localhost with the vhost "user:pw@mq", which the
+    broker quotes back in its refusal: refused before any process logs it."""
+    with _with_broker_url(MALFORMED_URLS["third-slash"]):
+        messages = [m for m in check_settings() if m.id == "reliable_messaging.E001"]
+    assert len(messages) == 1 and "has no host" in messages[0].msg, messages
+
+
+@malformed
+def test_the_settings_repr_never_shows_the_password(url: str) -> None:
+    with _with_broker_url(url):
+        assert_no_secret(repr(messaging_settings))
+
+
+@malformed
+@pytest.mark.django_db
+def test_messaging_status_never_shows_the_password(
+    url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    with _with_broker_url(url), caplog.at_level(logging.DEBUG):
+        try:
+            call_command(
+                "messaging_status",
+                "--management-url",
+                "",
+                "--timeout",
+                "3",
+                stdout=out,
+                stderr=err,
+            )
+            outcome = "exited 0"
+        except (SystemExit, CommandError) as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+    # Our loggers only: pika's debug lines name the vhost, which in "amqp:///user:pw@mq" holds
+    # the password; the system check refuses that URL before a process logs anything.
+    ours = [r.getMessage() for r in caplog.records if r.name.startswith("reliable_messaging")]
+    assert_no_secret("\n".join([out.getvalue(), err.getvalue(), outcome, *ours]))
+    assert "cannot" in out.getvalue() + outcome  # the broker part did fail, and said so
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "management_url",
+    [f"http://mon:{SECRET}@127.0.0.1:1", f"ftp://mon:{SECRET}@127.0.0.1:1"],
+    ids=["unreachable", "not-http"],
+)
+def test_messaging_status_never_shows_the_password_of_a_management_url(
+    ns: str, management_url: str
+) -> None:
+    """A --management-url typed by hand may carry credentials; the API is only asked about
+    queues that exist, so one is declared."""
+    spec = ConsumerSpec(
+        name="tests.security.mgmt", queue=f"rmtest.{ns}.mgmt", handler=lambda m: None
+    )
+    connection = broker_connection()
+    try:
+        connection.channel().queue_declare(spec.queue, durable=False)
+    finally:
+        connection.close()
+    out = io.StringIO()
+    with registry.isolated():
+        registry.register(spec)
+        try:
+            call_command(
+                "messaging_status",
+                "--management-url",
+                management_url,
+                "--timeout",
+                "3",
+                stdout=out,
+            )
+            outcome = "exited 0"
+        except (SystemExit, CommandError) as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+    assert_no_secret(out.getvalue() + outcome)
+    assert "the management API at" in out.getvalue() and "mon:***@" in out.getvalue()
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "url",
+    [MALFORMED_URLS["slash-in-password"], MALFORMED_URLS["third-slash"]],
+    ids=["slash-in-password", "third-slash"],
+)
+def test_processes_refuse_a_malformed_url_without_showing_the_password(
+    ns: str, tmp_path: Path, url: str
+) -> None:
+    """The system checks stop consume and relay before they connect; what they print about
+    the URL is redacted."""
+    env = _process_env(ns, url)
+    consume = ConsumeProcess([], env, tmp_path / "consume.log")
+    relay = RelayProcess([], env, tmp_path / "relay.log")
+    codes: list[int | None] = []
+    try:
+        for proc in (consume, relay):
+            try:
+                codes.append(proc.wait(30))
+            except WaitTimeout:
+                codes.append(None)  # it went on (with the password in the vhost): stop it
+                proc.send(signal.SIGTERM)
+                proc.wait(30)
+    finally:
+        consume.close()
+        relay.close()
+    for proc in (consume, relay):
+        assert_no_secret(proc.log())
+        assert "BROKER_URL" in proc.log() and "***" in proc.log(), proc.log()
+    assert all(code not in (0, None) for code in codes), codes
 
 
 # --------------------------------------------------------------------------- replay command

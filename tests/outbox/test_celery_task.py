@@ -21,6 +21,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def test_task_sends_pending_rows_and_returns_the_counts(ob: OutboxEnv) -> None:
+    ob.set(REQUIRE_ROUTE=["nowhere.#"])  # a command: unroutable, it is retried (not unrouted)
     queue = ob.queue(bindings=["ok.#"])
     with transaction.atomic():
         ids = {publish("ok.x", {"n": n}) for n in range(20)}

@@ -114,6 +114,7 @@ def test_once_with_nothing_pending_exits_zero(ob: OutboxEnv) -> None:
 
 
 def test_unroutable_row_is_recorded_and_left_pending_while_others_are_sent(ob: OutboxEnv) -> None:
+    ob.set(REQUIRE_ROUTE=["nowhere.#"])  # a command: unroutable, it is retried (not unrouted)
     queue = ob.queue(bindings=["ok.#"])
     with transaction.atomic():
         ok1 = publish("ok.one", {"n": 1})
@@ -185,7 +186,7 @@ def test_missing_exchange_is_recorded_without_killing_the_batch(ob: OutboxEnv) -
 
 
 def test_row_is_marked_failed_after_outbox_max_attempts(ob: OutboxEnv) -> None:
-    ob.set(OUTBOX_MAX_ATTEMPTS=3)
+    ob.set(OUTBOX_MAX_ATTEMPTS=3, REQUIRE_ROUTE=["later.#"])  # commands: retried, then failed
     queue = ob.queue(bindings=["ok.#"])
     lost = publish("later.x", {"n": 1})
 
@@ -225,7 +226,7 @@ def test_row_is_marked_failed_after_outbox_max_attempts(ob: OutboxEnv) -> None:
 def test_admin_retry_action_makes_failed_rows_pending_and_the_relay_sends_them(
     ob: OutboxEnv, admin_client
 ) -> None:  # type: ignore[no-untyped-def]
-    ob.set(OUTBOX_MAX_ATTEMPTS=1)
+    ob.set(OUTBOX_MAX_ATTEMPTS=1, REQUIRE_ROUTE=["later.#"])  # commands: failed, not unrouted
     queue = ob.queue(bindings=["ok.#"])
     with transaction.atomic():
         failing = [publish("later.a", {"n": 1}), publish("later.b", {"n": 2})]
@@ -326,7 +327,7 @@ def test_per_key_order_with_two_relays_in_parallel(ob: OutboxEnv) -> None:
 
 
 def test_keyless_rows_and_other_keys_are_not_held_back_by_a_failing_key(ob: OutboxEnv) -> None:
-    ob.set(OUTBOX_MAX_ATTEMPTS=1)
+    ob.set(OUTBOX_MAX_ATTEMPTS=1, REQUIRE_ROUTE=["stuck.#"])  # commands: failed, not unrouted
     queue = ob.queue(bindings=["ok.#"])
     with transaction.atomic():
         a_head = publish("stuck.a1", {"n": "a1"}, ordering_key="A")  # unroutable: fails

@@ -73,7 +73,8 @@ def test_a_row_amqp_cannot_carry_does_not_block_the_others(
 def test_a_relay_does_not_spin_while_a_keyed_row_waits_behind_a_failed_head(
     ob: OutboxEnv,
 ) -> None:
-    ob.set(OUTBOX_MAX_ATTEMPTS=1, RELAY_POLL_INTERVAL=1.0)
+    # stuck.* is a command: unroutable, it fails (an event would be unrouted, not block its key)
+    ob.set(OUTBOX_MAX_ATTEMPTS=1, RELAY_POLL_INTERVAL=1.0, REQUIRE_ROUTE=["stuck.#"])
     ob.queue(bindings=["ok.#"])
     with transaction.atomic():
         head = publish("stuck.a", {"n": 1}, ordering_key="A")  # unroutable: fails at once

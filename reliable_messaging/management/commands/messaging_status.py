@@ -26,7 +26,8 @@ database cannot be reached (it says which and why; the broker password is never 
                                          # consumer, retired by its next consume start
       "database": {
         "alias": "default", "reachable": true, "error": null,
-        "outbox": {"pending": 3, "failed": 0, "lag_seconds": 0.4},
+        "outbox": {"pending": 3, "failed": 0, "unrouted": 5,  # unrouted: events nobody
+                   "lag_seconds": 0.4},                 # subscribed to; never a problem
         "dead_letters": {"total": 2, "by_consumer_and_reason": [
           {"consumer": "billing.charge-order", "reason": "permanent", "count": 2}]},
         "inbox": {"rows": 120345}
@@ -258,7 +259,8 @@ class Command(BaseCommand):
             return [f"Database {db.alias!r}", self.style.ERROR(f"  UNREACHABLE: {db.error}")]
         oldest = "" if db.outbox_lag is None else f" (oldest {_age(db.outbox_lag)} old)"
         lines = [
-            f"Outbox: {db.outbox_pending:,} pending{oldest}, {db.outbox_failed:,} failed",
+            f"Outbox: {db.outbox_pending:,} pending{oldest}, {db.outbox_failed:,} failed, "
+            f"{db.outbox_unrouted:,} unrouted (events no queue was bound for)",
             f"Dead letters awaiting review: {db.dead_letters_total:,}",
         ]
         if db.dead_letters:
