@@ -33,7 +33,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from django.db import router, transaction
+from django.db import IntegrityError, router, transaction
 from django.utils import timezone
 
 from .envelope import DecodeError, Delivery
@@ -83,39 +83,17 @@ class CrashGuard:
     def begin(self, consumer: str, message_id: str) -> Suspicion:
         """Mark (consumer, message_id) running and commit that, before the handler runs.
         Returns the deaths counted so far, this delivery's own redelivery included."""
-        me = process_label()
-        now = timezone.now()
         with transaction.atomic(using=self.using):
-            row = (
-                SuspectDelivery.objects.using(self.using)
-                .select_for_update()
-                .filter(consumer=consumer, message_id=message_id)
-                .first()
-            )
-            if row is None:
-                # Redelivered and never watched: the process that had it went away (the first
-                # death, or a lost connection; either way one interruption).
-                SuspectDelivery.objects.using(self.using).create(
-                    consumer=consumer,
-                    message_id=message_id,
-                    deaths=1,
-                    running=True,
-                    last_cause=CRASHED,
-                    last_process=me,
-                    first_seen_at=now,
-                    updated_at=now,
-                )
-                return Suspicion(1, CRASHED, "")
+            row, new = self._locked_row(consumer, message_id)
             died_in = row.last_process
-            if row.running:
-                # Marked running by a process that never finished it: that process died.
+            if new or row.running:
+                # Redelivered and never watched (the process that had it went away: the first
+                # death, or a lost connection), or marked running by a process that never
+                # finished it: one more death.
                 row.deaths += 1
                 row.last_cause = CRASHED
             suspicion = Suspicion(row.deaths, row.last_cause or CRASHED, died_in)
-            row.running = True
-            row.last_process = me
-            row.updated_at = now
-            row.save(using=self.using)
+            self._save(row, running=True)
             return suspicion
 
     def finish(self, keys: Iterable[tuple[str, str]]) -> None:
@@ -136,32 +114,30 @@ class CrashGuard:
     def record_death(self, consumer: str, message_id: str, cause: str) -> None:
         """Called by a process about to exit on purpose because of this delivery (a handler it
         cannot stop): count the death now, with its cause, so the next process knows why."""
-        now = timezone.now()
         with transaction.atomic(using=self.using):
-            row = (
-                SuspectDelivery.objects.using(self.using)
-                .select_for_update()
-                .filter(consumer=consumer, message_id=message_id)
-                .first()
-            )
-            if row is None:
-                SuspectDelivery.objects.using(self.using).create(
-                    consumer=consumer,
-                    message_id=message_id,
-                    deaths=1,
-                    running=False,
-                    last_cause=cause,
-                    last_process=process_label(),
-                    first_seen_at=now,
-                    updated_at=now,
-                )
-                return
+            row, _ = self._locked_row(consumer, message_id)
             row.deaths += 1
-            row.running = False
             row.last_cause = cause
-            row.last_process = process_label()
-            row.updated_at = now
-            row.save(using=self.using)
+            self._save(row, running=False)
+
+    def _locked_row(self, consumer: str, message_id: str) -> tuple[SuspectDelivery, bool]:
+        """The row of (consumer, message_id), locked, and whether it was just made. Inside the
+        caller's transaction; a twin delivery creating it at the same time waits on the lock."""
+        rows = SuspectDelivery.objects.using(self.using)
+        row = rows.select_for_update().filter(consumer=consumer, message_id=message_id).first()
+        if row is not None:
+            return row, False
+        try:
+            with transaction.atomic(using=self.using):
+                return rows.create(consumer=consumer, message_id=message_id), True
+        except IntegrityError:
+            return rows.select_for_update().get(consumer=consumer, message_id=message_id), False
+
+    def _save(self, row: SuspectDelivery, *, running: bool) -> None:
+        row.running = running
+        row.last_process = process_label()
+        row.updated_at = timezone.now()
+        row.save(using=self.using)
 
 
 def decide_suspect(

@@ -40,6 +40,7 @@ def exported(db: None, ns: str, rm_settings: dict[str, Any]) -> set[str]:
         metrics.consumer_outcome("tests.ops.names", outcome, duration=0.01)
     for result in metrics.DEDUP_RESULTS:
         metrics.dedup_cache("tests.ops.names", result)
+    metrics.handler_timeout("tests.ops.names")
     metrics.relay_claimed(1)
     metrics.relay_published(1)
     metrics.relay_confirm_latency(0.01)
