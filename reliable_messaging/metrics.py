@@ -72,8 +72,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from django.db import DatabaseError, connections, router
-from django.db.models import Count, Model
-from django.utils import timezone
+from django.db.models import Count, DurationField, ExpressionWrapper, F, Model
+from django.db.models.functions import Now
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
@@ -341,14 +341,17 @@ def outbox_lag(using: str) -> float:
     """
     from .models import OutboxMessage
 
-    oldest = (
+    # The age by the database's clock, which also stamped the row: a web process whose clock
+    # runs ahead or behind must not report a lag that is not there.
+    age = (
         OutboxMessage.objects.using(using)
         .pending()
         .order_by("id")
-        .values_list("created_at", flat=True)
+        .annotate(age=ExpressionWrapper(Now() - F("created_at"), output_field=DurationField()))
+        .values_list("age", flat=True)
         .first()
     )
-    return 0.0 if oldest is None else max(0.0, (timezone.now() - oldest).total_seconds())
+    return 0.0 if age is None else max(0.0, age.total_seconds())
 
 
 class DatabaseCollector:
@@ -501,12 +504,17 @@ class BrokerCollector:
             queues = queues_from_amqp(
                 monitored_queues(specs), timeout=self.timeout, leftovers_of=specs
             )
-        except (pika.exceptions.AMQPError, OSError) as exc:
+        except (pika.exceptions.AMQPError, OSError, ValueError) as exc:
             if self._reachable:
-                # describe_error names the error, never the URL or its password.
+                # describe_error names the error, never the URL or its password; pika's
+                # ValueError for a URL it cannot use may quote pieces of it: its type only.
+                what = (
+                    f"{type(exc).__name__}: the broker URL cannot be used (see manage.py check)"
+                    if isinstance(exc, ValueError)
+                    else describe_error(exc)
+                )
                 logger.warning(
-                    "metrics: cannot read the queues from the broker (%s); broker_up is 0",
-                    describe_error(exc),
+                    "metrics: cannot read the queues from the broker (%s); broker_up is 0", what
                 )
             self._reachable = False
             return [self._up(0)]

@@ -191,6 +191,19 @@ def outbox_row(status: str, age: dt.timedelta, **values: object) -> OutboxMessag
     )
 
 
+@pytest.mark.django_db
+def test_outbox_lag_goes_by_the_database_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """publish() stamps rows with the database's clock: a web process whose own clock runs an
+    hour ahead must not report an hour of lag."""
+    outbox_row(OutboxStatus.PENDING, dt.timedelta(minutes=1))
+    ahead = timezone.now() + dt.timedelta(hours=1)
+    monkeypatch.setattr(timezone, "now", lambda: ahead)
+    age = database_registry().get_sample_value(
+        "reliable_messaging_outbox_oldest_pending_age_seconds"
+    )
+    assert age is not None and 60 <= age < 600
+
+
 def dead_letter(consumer: str, reason: str, status: str, message_id: str) -> None:
     DeadLetter.objects.create(
         consumer=consumer,

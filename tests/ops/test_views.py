@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from reliable_messaging import publish, views
 from reliable_messaging.conf import messaging_settings
+from reliable_messaging.metrics import BrokerCollector
 from reliable_messaging.models import OutboxMessage
 from reliable_messaging.registry import ConsumerSpec, registry
 from reliable_messaging.topology import declare_topology, delay_exchange_name
@@ -234,6 +235,19 @@ def test_queue_gauges_with_the_broker_unreachable(
     warnings = [r for r in caplog.records if "cannot read the queues" in r.getMessage()]
     assert len(warnings) == 1, "one warning while the broker stays unreachable"
     assert "s3cret" not in caplog.text and "s3cret" not in second.content.decode()
+
+
+def test_queue_gauges_with_a_broker_url_pika_cannot_use(caplog: pytest.LogCaptureFixture) -> None:
+    """pika refuses such a URL with a ValueError that quotes pieces of it: the read still
+    answers (broker_up 0) and the log does not show the password."""
+    spec = ConsumerSpec(name="tests.ops.badurl", queue="tests.ops.badurl", handler=print)
+    collector = BrokerCollector([spec])
+    values = {**settings.RELIABLE_MESSAGING, "BROKER_URL": "amqp://app:s3cret@127.0.0.1:9x/%2F"}
+    with override_settings(RELIABLE_MESSAGING=values), caplog.at_level(logging.WARNING):
+        samples = {s.name: s.value for family in collector.collect() for s in family.samples}
+    assert samples == {"reliable_messaging_broker_up": 0}
+    assert "cannot read the queues" in caplog.text
+    assert "s3cret" not in caplog.text
 
 
 def test_queue_gauges_are_read_at_most_once_per_max_age(client: Client, ns: str) -> None:
