@@ -17,6 +17,7 @@ message, some copy of it was processed: nothing is dead-lettered and the deliver
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import traceback
 from collections.abc import Mapping
@@ -137,17 +138,12 @@ def original_delivery(delivery: Delivery, queues: list[str]) -> Delivery:
     routing_keys = death.get("routing-keys")
     routing_key = routing_keys[0] if isinstance(routing_keys, list) and routing_keys else None
     exchange = death.get("exchange")
-    return Delivery(
-        body=delivery.body,
+    # Everything else (body, headers, the frame's defects) stays as it arrived.
+    return dataclasses.replace(
+        delivery,
         queue=queue if isinstance(queue, str) and queue in queues else queues[0],
         exchange=exchange if isinstance(exchange, str) else delivery.exchange,
         routing_key=routing_key if isinstance(routing_key, str) else delivery.routing_key,
-        delivery_tag=delivery.delivery_tag,
-        redelivered=delivery.redelivered,
-        message_id=delivery.message_id,
-        content_type=delivery.content_type,
-        timestamp=delivery.timestamp,
-        headers=delivery.headers,
     )
 
 
