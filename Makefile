@@ -44,6 +44,8 @@ services:
 test: venv services
 	@# The browser tests drive Debian's chromium through Playwright (never `playwright install`).
 	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+	@# The cluster tests cut a consumer off in a network namespace with nftables rules.
+	@command -v nft >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables)
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 demo: venv services

@@ -10,7 +10,7 @@ from typing import Any
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
-from .conf import DEFAULTS, messaging_settings, redact_url
+from .conf import DEFAULTS, messaging_settings, redact_url, split_broker_urls
 from .retry import delay_for
 
 SETTING = "RELIABLE_MESSAGING"
@@ -26,6 +26,25 @@ def _warning(id_: int, msg: str, hint: str) -> Warning:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_broker_urls(value: Any) -> list[CheckMessage]:
+    """One URL, several joined by ``;``, or a list of URLs (the nodes of a cluster)."""
+    if isinstance(value, list | tuple):
+        urls: list[Any] = [url.strip() if isinstance(url, str) else url for url in value]
+    elif isinstance(value, str):
+        urls = split_broker_urls(value)
+    else:
+        urls = [value]
+    if not urls:
+        return [
+            _error(
+                1,
+                f"{SETTING}['BROKER_URL'] holds no URL.",
+                "Give one amqp:// URL, several joined by ';', or a list of them.",
+            )
+        ]
+    return [error for url in urls for error in _check_broker_url(url)]
 
 
 def _check_broker_url(value: Any) -> list[CheckMessage]:
@@ -105,7 +124,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                 _warning(1, f"{SETTING} has an unknown key {key!r}; it is ignored.", hint)
             )
     value = messaging_settings.get
-    errors += _check_broker_url(value("BROKER_URL"))
+    errors += _check_broker_urls(value("BROKER_URL"))
     exchange = value("EXCHANGE")
     if not isinstance(exchange, str) or not exchange.strip():
         errors.append(
@@ -191,6 +210,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         "DEDUP_LEASE_SECONDS",
         "HANDLER_TIMEOUT",
         "BROKER_CONSUMER_TIMEOUT",
+        "INBOX_LOCK_TIMEOUT",
     ):
         if not _is_number(value(key)) or value(key) <= 0:
             errors.append(

@@ -71,6 +71,11 @@ DEFAULTS: dict[str, Any] = {
     # Failures of our own code (not the handler's) on one delivery before it is isolated and
     # dead-lettered with reason "consumer_error".
     "CONSUMER_ERROR_LIMIT": 3,
+    # Seconds a consumer waits for the inbox row of a message another consumer is handling in a
+    # transaction not yet committed (a twin delivery, or a consumer cut off from the network
+    # mid-batch whose transaction the database has not yet ended). Past it, the delivery is
+    # deferred through a delay queue instead of stalling the consumer.
+    "INBOX_LOCK_TIMEOUT": 2.0,
 }
 
 
@@ -95,6 +100,13 @@ def redact_url(url: str) -> str:
     return f"{url[: colon + 1]}***{url[last_at:]}"
 
 
+def split_broker_urls(value: Any) -> list[str]:
+    """``BROKER_URL`` as a list of URLs; an empty list for a value that holds none."""
+    if isinstance(value, list | tuple):
+        return [str(url).strip() for url in value if str(url).strip()]
+    return [url.strip() for url in str(value).split(";") if url.strip()]
+
+
 class MessagingSettings:
     """Typed, lazily-read view of ``settings.RELIABLE_MESSAGING`` with the contract's defaults."""
 
@@ -107,8 +119,20 @@ class MessagingSettings:
         return self.raw.get(key, DEFAULTS[key])
 
     @property
+    def broker_urls(self) -> list[str]:
+        """The broker's URLs: ``BROKER_URL`` is one URL, several joined by ``;`` (as kombu
+        writes them), or a list of URLs (the nodes of a cluster)."""
+        return split_broker_urls(self.get("BROKER_URL"))
+
+    @property
     def broker_url(self) -> str:
-        return str(self.get("BROKER_URL"))
+        """The URLs as one ``;``-separated string (``;`` never occurs inside an AMQP URL)."""
+        return ";".join(self.broker_urls)
+
+    @property
+    def broker_shown(self) -> str:
+        """The URLs for a log line or a page: each with its password hidden."""
+        return ", ".join(redact_url(url) for url in self.broker_urls)
 
     @property
     def exchange(self) -> str:
@@ -227,8 +251,12 @@ class MessagingSettings:
     def consumer_error_limit(self) -> int:
         return int(self.get("CONSUMER_ERROR_LIMIT"))
 
+    @property
+    def inbox_lock_timeout(self) -> float:
+        return float(self.get("INBOX_LOCK_TIMEOUT"))
+
     def __repr__(self) -> str:
-        return f"<MessagingSettings broker={redact_url(self.broker_url)} exchange={self.exchange}>"
+        return f"<MessagingSettings broker={self.broker_shown} exchange={self.exchange}>"
 
 
 messaging_settings = MessagingSettings()

@@ -57,7 +57,7 @@ from pika.spec import Basic, BasicProperties
 
 from . import metrics
 from .backoff import Backoff
-from .conf import MessagingSettings, messaging_settings, redact_url
+from .conf import MessagingSettings, messaging_settings
 from .crash_guard import TIMEOUT, CrashGuard, SuspectGate, decide_suspect
 from .envelope import CONTENT_TYPE, Delivery, delivery_from_frame, wire_headers
 from .exceptions import DatabaseUnavailable, TopologyMismatchError
@@ -67,9 +67,10 @@ from .last_resort import consumer_error, ingest_delivery_limit
 from .leftovers import retire_leftovers
 from .outcomes import Acknowledge, Outcome, Release, RetryInPlace, ScheduleRetry
 from .registry import ConsumerSpec
+from .retry_publisher import RetryCopy, RetryPublisher
 from .time_limit import time_limits
 from .topology import (
-    connection_parameters,
+    connect,
     consumer_queues,
     dead_letter_queue,
     declare_topology,
@@ -90,8 +91,8 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 )
 # Seconds between two progress lines of a running consumer.
 PROGRESS_EVERY = 30.0
-# Backoff of a retry copy the broker refused, while its original stays unacked.
-REFUSED_RETRY_FIRST_DELAY = 1.0
+# Seconds between two tries at the queues the broker could not declare (their node down).
+TOPOLOGY_RETRY = 5.0
 
 
 class ChannelLost(Exception):
@@ -108,7 +109,6 @@ class _Link:
     those messages, and the inbox recognises any that did commit)."""
 
     connection: BlockingConnection
-    publish_channel: BlockingChannel
     channels: list[BlockingChannel] = field(default_factory=list)
     in_flight: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -127,6 +127,10 @@ class _Link:
     open_up: bool = False
     # Ordered channels being closed by a graceful stop: what they hold goes back in order.
     closing: set[int] = field(default_factory=set)
+    # Queues the broker could not declare at connect (their node down): tried again now and
+    # then, and consumed once they can be.
+    unavailable: dict[str, str] = field(default_factory=dict)
+    retry_topology_at: float = 0.0
 
     def forget(self, channel: BlockingChannel, tag: int) -> None:
         self.unsettled.get(channel.channel_number, {}).pop(tag, None)
@@ -258,6 +262,10 @@ class ConsumerService:
         self._counts_lock = threading.Lock()
         self._crash_guard = CrashGuard(settings.crash_limit)
         self._gate = SuspectGate()
+        # Retry copies go out on a connection of their own (see .retry_publisher).
+        self._publisher = RetryPublisher(settings, health=health, on_missing=self._topology_lost)
+        # Set from the publisher's thread when a delay exchange turned out missing.
+        self._redeclare = threading.Event()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -275,6 +283,7 @@ class ConsumerService:
     def run(self) -> int:
         self._start_time_limits()
         self._start_workers()
+        self._publisher.start()
         try:
             while not self._stop.is_set():
                 try:
@@ -290,7 +299,7 @@ class ConsumerService:
                     wait = self._reconnect.next()
                     logger.warning(
                         "broker connection to %s lost or refused (%s: %s); reconnecting in %.1fs",
-                        redact_url(self.settings.broker_url),
+                        self.settings.broker_shown,
                         type(exc).__name__,
                         exc,
                         wait,
@@ -299,6 +308,7 @@ class ConsumerService:
         finally:
             self._set_connected(False)
             self._stop_workers()
+            self._publisher.stop()
             time_limits.stop()
         return self.exit_code
 
@@ -344,41 +354,21 @@ class ConsumerService:
     # -- the connection's thread ---------------------------------------------------------------
 
     def _run_connection(self) -> None:
-        params = connection_parameters(self.settings, name=f"consume pid={os.getpid()}")
-        connection = pika.BlockingConnection(params)
+        connection = connect(self.settings, name=f"consume pid={os.getpid()}")
         try:
             prefetch = max(self.settings.prefetch, self.concurrency)
-            shared_channel = connection.channel()
-            declare_topology(shared_channel, self.specs, self.settings)
+            declared = declare_topology(connection.channel(), self.specs, self.settings)
             retire_leftovers(connection, self.specs, self.settings)
-            publish_channel = connection.channel()
-            # Retry copies must reach their delay queue before the original is acked.
-            publish_channel.confirm_delivery()
-            link = _Link(connection, publish_channel, [shared_channel])
+            shared_channel = declared.channel
+            link = _Link(connection, [shared_channel], unavailable=declared.unavailable)
             shared_channel.basic_qos(prefetch_count=1)
             self._watch(link, shared_channel)
-            queues: list[str] = []
-            for spec in self.specs:
-                for queue in consumer_queues(spec, self.settings):
-                    channel = shared_channel
-                    if spec.ordered:
-                        # Its own prefetch window: a held partition fills only its own. No
-                        # cautious start here: re-subscribing to open it up would hand the
-                        # partition (single active consumer) to a standby mid-stream.
-                        channel = connection.channel()
-                        channel.basic_qos(prefetch_count=self.settings.prefetch)
-                        link.channels.append(channel)
-                        self._watch(link, channel)
-                    self._subscribe(link, channel, spec, queue)
-                    queues.append(queue)
-                if self.settings.queue_type == "quorum":
-                    queue = dead_letter_queue(spec)
-                    self._subscribe(link, shared_channel, spec, queue)
-                    queues.append(queue)
+            queues = self._subscribe_all(link, self.specs)
+            self._note_unavailable(link)
             logger.info(
                 "consuming %s from %s (concurrency %d, prefetch %d, batches of up to %d%s)",
                 ", ".join(queues),
-                redact_url(self.settings.broker_url),
+                self.settings.broker_shown,
                 self.concurrency,
                 prefetch,
                 self.settings.consumer_batch_size,
@@ -391,6 +381,10 @@ class ConsumerService:
             while not self._stop.is_set():
                 connection.process_data_events(time_limit=0.2)
                 self._check_channels(link)
+                if self._redeclare.is_set() or (
+                    link.unavailable and time.monotonic() >= link.retry_topology_at
+                ):
+                    self._declare_again(link)
                 if link.open_up:
                     self._open_up(link, prefetch)
                 if self.health is not None:
@@ -409,6 +403,62 @@ class ConsumerService:
                     connection.close()
                 except Exception:
                     logger.debug("error while closing the broker connection", exc_info=True)
+
+    def _subscribe_all(self, link: _Link, specs: Iterable[ConsumerSpec]) -> list[str]:
+        """Subscribe to the queues of ``specs`` that are available; returns their names."""
+        shared_channel = link.channels[0]
+        queues: list[str] = []
+        for spec in specs:
+            wanted = list(consumer_queues(spec, self.settings))
+            if self.settings.queue_type == "quorum":
+                wanted.append(dead_letter_queue(spec))
+            for queue in wanted:
+                if queue in link.unavailable or any(q == queue for _, _, q, _ in link.consumers):
+                    continue
+                channel = shared_channel
+                if spec.ordered and queue != dead_letter_queue(spec):
+                    # Its own prefetch window: a held partition fills only its own. No
+                    # cautious start here: re-subscribing to open it up would hand the
+                    # partition (single active consumer) to a standby mid-stream.
+                    channel = link.connection.channel()
+                    channel.basic_qos(prefetch_count=self.settings.prefetch)
+                    link.channels.append(channel)
+                    self._watch(link, channel)
+                self._subscribe(link, channel, spec, queue)
+                queues.append(queue)
+        return queues
+
+    def _topology_lost(self, exchange: str) -> None:
+        logger.warning("exchange %s is missing: declaring the topology again", exchange)
+        self._redeclare.set()
+
+    def _declare_again(self, link: _Link) -> None:
+        """Try again the queues that could not be declared (their node down), or put back a
+        delay exchange found missing, declaring the whole topology again (idempotent) on a
+        channel of its own, since a refusal closes it; consume the queues that now can be.
+        Every ``TOPOLOGY_RETRY`` seconds while any is missing."""
+        self._redeclare.clear()
+        before = set(link.unavailable)
+        declared = declare_topology(link.connection.channel(), self.specs, self.settings)
+        if declared.channel.is_open:
+            declared.channel.close()
+        link.unavailable = declared.unavailable
+        back = before - set(link.unavailable)
+        if back:
+            logger.warning("available again: %s", ", ".join(sorted(back)))
+            self._subscribe_all(link, self.specs)
+        self._note_unavailable(link)
+
+    def _note_unavailable(self, link: _Link) -> None:
+        link.retry_topology_at = time.monotonic() + TOPOLOGY_RETRY
+        metrics.consumer_queues_unavailable(len(link.unavailable))
+        if self.health is not None:
+            self.health.note(
+                "queues_unavailable",
+                "not available now (consuming the rest): " + ", ".join(sorted(link.unavailable))
+                if link.unavailable
+                else None,
+            )
 
     def _subscribe(
         self, link: _Link, channel: BlockingChannel, spec: ConsumerSpec, queue: str
@@ -458,7 +508,7 @@ class ConsumerService:
         nothing until the channel is used, so without this look the process would go on
         reporting healthy while no delivery ever arrives again."""
         if link.lost is None:
-            for channel in (*link.channels, link.publish_channel):
+            for channel in link.channels:
                 if not channel.is_open:
                     link.lost = f"the broker closed channel {channel.channel_number}"
                     break
@@ -504,7 +554,8 @@ class ConsumerService:
         deadline = time.monotonic() + self.settings.shutdown_timeout
         while time.monotonic() < deadline:
             with link.lock:
-                if link.in_flight == 0:
+                # Retry copies still being placed count too: their originals' acks are due.
+                if link.in_flight == 0 and self._publisher.pending() == 0:
                     break
             link.connection.process_data_events(time_limit=0.1)
         for channel in link.channels[1:]:
@@ -596,7 +647,9 @@ class ConsumerService:
         )
         return False
 
-    def _publish_retry(self, item: _WorkItem, retry: ScheduleRetry, refusals: int = 0) -> None:
+    def _publish_retry(self, item: _WorkItem, retry: ScheduleRetry) -> None:
+        """Hand the retry copy to the publisher (its own connection and thread); the original
+        is acked here, on the connection's thread, once the broker has confirmed the copy."""
         link, delivery = item.link, item.delivery
         if not (link.connection.is_open and item.channel.is_open):
             return  # the broker redelivers the original
@@ -608,54 +661,35 @@ class ConsumerService:
             timestamp=original.timestamp,
             headers=wire_headers(retry.headers),
         )
-        try:
-            link.publish_channel.basic_publish(
+
+        def on_link(settle: Callable[[], None]) -> None:
+            try:
+                link.connection.add_callback_threadsafe(settle)
+            except Exception:  # noqa: BLE001 - the connection is gone: the broker redelivers
+                logger.debug("connection closed before a retry copy could be settled")
+
+        def ack() -> None:
+            if link.connection.is_open and item.channel.is_open:
+                item.channel.basic_ack(delivery.delivery_tag)
+                link.forget(item.channel, delivery.delivery_tag)
+
+        def give_back() -> None:
+            if link.connection.is_open and item.channel.is_open:
+                item.channel.basic_nack(delivery.delivery_tag, requeue=True)
+                link.forget(item.channel, delivery.delivery_tag)
+
+        self._publisher.submit(
+            RetryCopy(
                 exchange=delay_exchange_name(retry.delay, self.settings),
                 routing_key=delivery.queue,
                 body=delivery.body,
                 properties=properties,
-                mandatory=True,
+                message_id=str(delivery.message_id),
+                received=item.received,
+                placed=lambda: on_link(ack),
+                give_back=lambda: on_link(give_back),
+                wanted=lambda: link.connection.is_open and item.channel.is_open,
             )
-        except (pika.exceptions.UnroutableError, pika.exceptions.NackError) as exc:
-            self._retry_refused(item, retry, refusals + 1, exc)
-            return
-        item.channel.basic_ack(delivery.delivery_tag)
-        link.forget(item.channel, delivery.delivery_tag)
-
-    def _retry_refused(
-        self, item: _WorkItem, retry: ScheduleRetry, refusals: int, exc: Exception
-    ) -> None:
-        """The broker refused the retry copy (its delay queue is missing, or on a node that is
-        down). Requeueing the original at once would spin on it, and on a quorum queue every
-        requeue counts toward the delivery limit: keep it unacked and publish the copy again
-        with backoff, up to the hold bound; only then give it back, once."""
-        delivery = item.delivery
-        delay = min(
-            REFUSED_RETRY_FIRST_DELAY * 2 ** (refusals - 1), self.settings.reconnect_max_delay
-        )
-        held = time.monotonic() - item.received
-        if held + delay > self.settings.max_hold_seconds:
-            logger.error(
-                "message_id=%s: the broker refused its retry copy %d times over %.0fs (%s); "
-                "giving the original back to the queue",
-                delivery.message_id,
-                refusals,
-                held,
-                exc,
-            )
-            item.channel.basic_nack(delivery.delivery_tag, requeue=True)
-            item.link.forget(item.channel, delivery.delivery_tag)
-            return
-        logger.error(
-            "message_id=%s: the broker refused the retry copy (%s); the original stays unacked "
-            "and the copy is published again in %.1fs (refusal %d)",
-            delivery.message_id,
-            exc,
-            delay,
-            refusals,
-        )
-        item.link.connection.call_later(
-            delay, functools.partial(self._publish_retry, item, retry, refusals)
         )
 
     # -- worker threads --------------------------------------------------------------------------

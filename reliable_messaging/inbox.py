@@ -12,11 +12,12 @@ delivery of the batch with the broker, and the inbox rows that did commit absorb
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from django.db import (
@@ -57,6 +58,44 @@ from .routing import topic_matches
 from .time_limit import time_limits
 
 logger = logging.getLogger(__name__)
+
+# PostgreSQL's SQLSTATE for a lock wait cut short by lock_timeout.
+LOCK_NOT_AVAILABLE = "55P03"
+# After a batch's claim timed out, each of its rows is tried alone for this long: the batch
+# already waited INBOX_LOCK_TIMEOUT, so a row still locked now is the busy one.
+ROW_LOCK_PROBE = 0.1
+
+
+class InboxRowBusy(Exception):
+    """Another transaction holds this message's inbox row and did not end in time."""
+
+
+@contextlib.contextmanager
+def bounded_lock_wait(using: str, seconds: float) -> Iterator[None]:
+    """Within the current transaction, let lock waits last ``seconds`` at most (PostgreSQL's
+    ``lock_timeout``), then restore what it was, so a handler's own statements never see it.
+    Used around the inbox insert: a twin's transaction that never ends (its consumer cut off
+    from the network mid-batch) must turn a wait into a deferral, not stall this consumer.
+    Raises :class:`InboxRowBusy` when the wait is cut short; the caller's savepoint must
+    then be rolled back (the restore is skipped, and the rollback undoes the setting)."""
+    connection = connections[using]
+    if connection.vendor != "postgresql" or seconds <= 0:
+        yield
+        return
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT current_setting('lock_timeout'), set_config('lock_timeout', %s, true)",
+            [f"{max(1, round(seconds * 1000))}ms"],
+        )
+        previous = cursor.fetchone()[0]
+    try:
+        yield
+    except OperationalError as exc:
+        if getattr(exc.__cause__, "sqlstate", None) == LOCK_NOT_AVAILABLE:
+            raise InboxRowBusy(str(exc)) from exc
+        raise
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT set_config('lock_timeout', %s, true)", [previous])
 
 
 def retry_headers(
@@ -265,9 +304,10 @@ class DeliveryProcessor:
                 # The insert comes first: on a duplicate it fails before the handler runs, and
                 # with a concurrent twin it waits on the unique index until that one commits or
                 # rolls back; so the unique constraint alone decides who takes effect.
-                ProcessedMessage.objects.using(self.using).create(
-                    consumer=self.spec.name, message_id=message.message_id
-                )
+                with bounded_lock_wait(self.using, self.settings.inbox_lock_timeout):
+                    ProcessedMessage.objects.using(self.using).create(
+                        consumer=self.spec.name, message_id=message.message_id
+                    )
                 inserted = True
                 self.call_handler(message)
                 if REPLAY_HEADER in delivery.headers:
@@ -275,6 +315,8 @@ class DeliveryProcessor:
                 elif not self.spec.ordered:
                     # An ordered consumer's dead letter keeps its key parked until replayed.
                     resolve_processed_copies(self.spec.name, [message.message_id], self.using)
+        except InboxRowBusy:
+            return self.busy(delivery, message)
         except IntegrityError as exc:
             if not inserted:
                 if REPLAY_HEADER in delivery.headers:
@@ -385,24 +427,45 @@ class DeliveryProcessor:
         ``retry_delays=()`` (no retries) still has one."""
         return (self.spec.retry_delays or self.settings.retry_delays)[0]
 
-    def defer(self, delivery: Delivery, message: Message) -> _Decided:
-        """Another consumer holds this message's lease: have the copy come back shortly."""
+    def defer(
+        self,
+        delivery: Delivery,
+        message: Message,
+        why: str = "another consumer is processing it right now",
+        error: str = "lease held",
+    ) -> _Decided:
+        """Another consumer holds this message (its Redis lease, or its inbox row in a
+        transaction not yet ended): have the copy come back shortly, at the same attempt.
+        An ordered consumer's delivery waits in place instead, holding its partition."""
         delay = self.defer_delay
         logger.info(
-            "message_id=%s consumer=%s attempt=%d outcome=deferred: another consumer is "
-            "processing it right now; it comes back in %.3gs",
+            "message_id=%s consumer=%s attempt=%d outcome=deferred: %s; it comes back in %.3gs",
             message.message_id,
             self.spec.name,
             message.attempt,
+            why,
             delay,
         )
         headers = {k: v for k, v in delivery.headers.items() if k not in BROKER_HEADERS}
         headers[ATTEMPT_HEADER] = message.attempt
         headers[ORIGINAL_EXCHANGE_HEADER] = message.exchange
         headers[ORIGINAL_ROUTING_KEY_HEADER] = message.routing_key
+        if self.spec.ordered:
+            return _Decided(RetryInPlace(delay, message.attempt, headers, error), "deferred")
         return _Decided(
-            ScheduleRetry(delay, message.attempt, headers, "lease held", deferred=True),
-            "deferred",
+            ScheduleRetry(delay, message.attempt, headers, error, deferred=True), "deferred"
+        )
+
+    def busy(self, delivery: Delivery, message: Message) -> _Decided:
+        """The inbox row is locked by a transaction that did not end within
+        ``INBOX_LOCK_TIMEOUT`` (a twin still running, or a consumer cut off mid-batch)."""
+        return self.defer(
+            delivery,
+            message,
+            why=f"its inbox row is held by another transaction for over "
+            f"{self.settings.inbox_lock_timeout:g}s (a twin delivery running, or a consumer "
+            f"cut off mid-batch)",
+            error="inbox row locked",
         )
 
     def plain(self, delivery: Delivery, decoded: Message | DecodeError) -> bool:
@@ -636,11 +699,14 @@ def _run_claimed(
         assert isinstance(message, Message)
         messages.append(message)
         keys.append((jobs[index].processor.spec.name, message.message_id))
-    claimed = _claim_inbox_rows(using, keys)
+    claimed, busy = _claim_inbox_rows(using, keys, jobs[indexes[0]].processor.settings)
     seen: set[tuple[str, str]] = set()
     processed: dict[str, list[str]] = {}
     for index, key, message in zip(indexes, keys, messages, strict=True):
         processor = jobs[index].processor
+        if key in busy:
+            decided[index] = processor.busy(jobs[index].delivery, message)
+            continue
         if key not in claimed or key in seen:
             decided[index] = _Decided(
                 Acknowledge("duplicate"), "duplicate", processed=True, after_commit=True
@@ -715,18 +781,46 @@ def _connection_lost(using: str) -> bool:
     return False
 
 
-def _claim_inbox_rows(using: str, keys: list[tuple[str, str]]) -> set[tuple[str, str]]:
-    """Insert the inbox rows of ``keys``; returns those this statement inserted.
+def _claim_inbox_rows(
+    using: str, keys: list[tuple[str, str]], settings: MessagingSettings
+) -> tuple[set[tuple[str, str]], set[tuple[str, str]]]:
+    """Insert the inbox rows of ``keys``; returns those this statement inserted, and those
+    another transaction holds (busy: not decided here, deferred).
 
     The rows go in sorted by key, not in batch order. A row another transaction inserted and
     has not committed makes the insert wait for that transaction; two batches sharing keys in
     different orders would each hold a row the other waits for (a deadlock, one batch killed).
     In one order for everyone, the second batch only waits for the first.
+
+    The wait is bounded by ``INBOX_LOCK_TIMEOUT`` (PostgreSQL): past it the claim is rolled
+    back to its savepoint and each row tried alone for a moment, so only the rows still held
+    are put aside and the rest of the batch goes on.
     """
+    ordered = sorted(set(keys))
+    try:
+        with (
+            transaction.atomic(using=using),
+            bounded_lock_wait(using, settings.inbox_lock_timeout),
+        ):
+            return _insert_inbox_rows(using, ordered), set()
+    except InboxRowBusy:
+        pass
+    claimed: set[tuple[str, str]] = set()
+    busy: set[tuple[str, str]] = set()
+    for key in ordered:
+        try:
+            with transaction.atomic(using=using), bounded_lock_wait(using, ROW_LOCK_PROBE):
+                claimed |= _insert_inbox_rows(using, [key])
+        except InboxRowBusy:
+            busy.add(key)
+    return claimed, busy
+
+
+def _insert_inbox_rows(using: str, keys: list[tuple[str, str]]) -> set[tuple[str, str]]:
     table = connections[using].ops.quote_name(ProcessedMessage._meta.db_table)
     now = timezone.now()
     params: list[Any] = []
-    for consumer, message_id in sorted(set(keys)):
+    for consumer, message_id in keys:
         params += [consumer, message_id, now]
     rows = ", ".join(["(%s, %s, %s)"] * (len(params) // 3))
     with connections[using].cursor() as cursor:

@@ -16,6 +16,11 @@ Three kinds of figures, exported from three places:
   ``reliable_messaging_handler_duration_seconds``       histogram of handler run time {consumer}
   ``reliable_messaging_handler_timeouts_total``         handler calls interrupted at their time
                                                         limit {consumer}
+  ``reliable_messaging_consumer_blocked``               1 while the broker blocks the consumer's
+                                                        publishing connection (retry copies
+                                                        wait; acks go on)
+  ``reliable_messaging_consumer_queues_unavailable``    queues the consumer cannot consume now
+                                                        (their node down); it consumes the rest
   ``reliable_messaging_dedup_cache_total``              Redis fast-path lookups {consumer, result}:
                                                         hit, miss, error, lease_busy
   ``reliable_messaging_relay_claimed_total``            outbox rows claimed by the relay
@@ -137,6 +142,16 @@ _RELAY_CONFIRM_LATENCY = Histogram(
     "Time from publishing an outbox row to the broker's confirm of it.",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
 )
+_CONSUMER_BLOCKED = Gauge(
+    "reliable_messaging_consumer_blocked",
+    "1 while the broker blocks the consumer's publishing connection (resource alarm): retry "
+    "copies wait, acks go on.",
+)
+_CONSUMER_UNAVAILABLE = Gauge(
+    "reliable_messaging_consumer_queues_unavailable",
+    "Queues the consumer cannot declare or consume now (their node down, say); it consumes "
+    "the others and tries these again.",
+)
 _RELAY_BLOCKED = Gauge(
     "reliable_messaging_relay_blocked",
     "Relay connections the broker is blocking now (resource alarm); 0 or 1 per relay lane.",
@@ -193,6 +208,14 @@ def dedup_cache(consumer: str, result: str) -> None:
     """One lookup in the duplicate fast path: hit, miss, error or lease_busy."""
     _check(result, DEDUP_RESULTS, "dedup cache result")
     _DEDUP_CACHE.labels(consumer, result).inc()
+
+
+def consumer_blocked(blocked: bool) -> None:
+    _CONSUMER_BLOCKED.set(1 if blocked else 0)
+
+
+def consumer_queues_unavailable(count: int) -> None:
+    _CONSUMER_UNAVAILABLE.set(count)
 
 
 # -- the relay -----------------------------------------------------------------------------------
@@ -257,6 +280,9 @@ class HealthState:
         self._stopping = False
         # More reasons to be unhealthy, asked at each check (handlers past their time limit).
         self._problems: list[Callable[[], list[str]]] = []
+        # What an operator should know while the process stays healthy (publishing blocked by
+        # an alarm, a queue on a node that is down), by key.
+        self._notes: dict[str, str] = {}
 
     def add_problem_source(self, source: Callable[[], list[str]]) -> None:
         """``source()`` returns reasons the process is unhealthy now (empty when it is not)."""
@@ -266,6 +292,19 @@ class HealthState:
     def set_broker(self, connected: bool) -> None:
         with self._lock:
             self._broker_connected = connected
+
+    def note(self, key: str, text: str | None) -> None:
+        """Set (or with None, clear) a note ``/healthz`` shows without failing: the process
+        works, and restarting it would not help."""
+        with self._lock:
+            if text is None:
+                self._notes.pop(key, None)
+            else:
+                self._notes[key] = text
+
+    def notes(self) -> list[str]:
+        with self._lock:
+            return list(self._notes.values())
 
     def set_database(self, ok: bool, detail: str | None = None) -> None:
         with self._lock:

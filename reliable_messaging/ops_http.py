@@ -7,7 +7,9 @@ its health without the process running a web framework:
 - ``GET /metrics``: the registry's metrics plus ``reliable_messaging_healthy``, in the format
   the scraper asks for (Prometheus text or OpenMetrics, gzip when accepted).
 - ``GET /healthz``: ``200 {"status": "ok"}``, or ``503 {"status": "unhealthy", "reasons":
-  [...]}`` with the reasons in words.
+  [...]}`` with the reasons in words; either may carry ``"notes": [...]``, what an operator
+  should know while the process works (publishing blocked by a resource alarm, a queue whose
+  node is down).
 - anything else: 404.
 
 Request lines are logged at DEBUG only: a scraper every 15 s must not fill the INFO log.
@@ -55,6 +57,9 @@ class _OpsHandler(MetricsHandler):
             body: dict[str, Any] = {"status": "ok" if ok else "unhealthy"}
             if not ok:
                 body["reasons"] = reasons
+            notes = getattr(self.health, "notes", None)
+            if notes is not None and notes():
+                body["notes"] = notes()
             self._send_json(200 if ok else 503, body)
         else:
             self._send_json(404, {"error": "not found; try /metrics or /healthz"})

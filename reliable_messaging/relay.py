@@ -63,12 +63,12 @@ from pika.spec import Basic, BasicProperties
 
 from . import metrics
 from .backoff import Backoff
-from .conf import MessagingSettings, messaging_settings, redact_url
+from .conf import MessagingSettings, messaging_settings
 from .envelope import CONTENT_TYPE, ORDERING_KEY_HEADER, PUBLISHED_AT_HEADER
 from .metrics import HealthState
 from .models import OutboxMessage, OutboxStatus
 from .routing import topic_matches
-from .topology import connection_parameters
+from .topology import connect, connection_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -212,9 +212,7 @@ class _ExchangeProbe:
             return True
         try:
             if self._connection is None or not self._connection.is_open:
-                self._connection = pika.BlockingConnection(
-                    connection_parameters(self.settings, name="relay exchange probe")
-                )
+                self._connection = connect(self.settings, name="relay exchange probe")
             if self._channel is None or not self._channel.is_open:
                 self._channel = self._connection.channel()
             self._channel.exchange_declare(exchange, passive=True)
@@ -342,6 +340,8 @@ class OutboxRelay:
         self._listener_retry_at = 0.0
         self._probe = _ExchangeProbe(settings)
         self._reconnect = Backoff(0.5, settings.reconnect_max_delay)
+        # Broker URLs not yet tried in this round of connects (see _next_broker).
+        self._brokers: list[pika.URLParameters] = []
         self._db_backoff = Backoff(0.5, settings.reconnect_max_delay)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -361,7 +361,7 @@ class OutboxRelay:
                 self._close_listener()
                 self._listener_retry_at = 0.0
                 self._connection = pika.SelectConnection(
-                    connection_parameters(self.settings, name="relay"),
+                    self._next_broker(),
                     on_open_callback=self.on_connection_open,
                     on_open_error_callback=self.on_connection_open_error,
                     on_close_callback=self.on_connection_closed,
@@ -376,10 +376,11 @@ class OutboxRelay:
                     self._close_quietly()
                 if self._finished or self._stop_requested or self._past_deadline():
                     break
-                wait = self._reconnect.next()
+                # Another node of the list is tried at once; the backoff is for a whole round.
+                wait = 0.1 if self._brokers else self._reconnect.next()
                 logger.warning(
                     "relay: broker %s unavailable; reconnecting in %.1fs",
-                    redact_url(self.settings.broker_url),
+                    self.settings.broker_shown,
                     wait,
                 )
                 self._sleep(wait)
@@ -389,6 +390,13 @@ class OutboxRelay:
             self._probe.close()
         self._count_left()
         return self.report
+
+    def _next_broker(self) -> pika.URLParameters:
+        """The broker URL to try next: each connect takes the next one of a shuffled list, so
+        a node that is down costs one attempt and the next connect goes elsewhere."""
+        if not self._brokers:
+            self._brokers = connection_parameters(self.settings, name="relay")
+        return self._brokers.pop()
 
     def _close_quietly(self) -> None:
         connection, self._connection, self._channel = self._connection, None, None
@@ -421,9 +429,7 @@ class OutboxRelay:
     def on_connection_open_error(
         self, connection: pika.SelectConnection, error: BaseException | str
     ) -> None:
-        logger.warning(
-            "relay: cannot connect to %s: %s", redact_url(self.settings.broker_url), error
-        )
+        logger.warning("relay: cannot connect to %s: %s", self.settings.broker_shown, error)
         self.health.set_broker(False)
         connection.ioloop.stop()
 
@@ -451,7 +457,7 @@ class OutboxRelay:
     def on_confirm_mode(self, frame: Any) -> None:
         logger.info(
             "relay: publishing the outbox to %s with confirms (batch size %d%s)",
-            redact_url(self.settings.broker_url),
+            self.settings.broker_shown,
             self.batch_size,
             ", LISTEN/NOTIFY wake-ups" if self.listen else ", polling",
         )

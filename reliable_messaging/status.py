@@ -37,7 +37,14 @@ from .leftovers import find_leftovers
 from .metrics import outbox_lag
 from .models import DeadLetter, OutboxMessage, OutboxStatus, ProcessedMessage
 from .registry import ConsumerSpec, registry
-from .topology import all_delays, connection_parameters, consumer_queues, delay_exchange_name
+from .topology import (
+    all_delays,
+    connect,
+    connect_to_any,
+    connection_parameters,
+    consumer_queues,
+    delay_exchange_name,
+)
 
 NOT_FOUND = 404
 UNAUTHORIZED = 401
@@ -218,10 +225,11 @@ def monitored_queues(
     return queues
 
 
-def default_management_url(broker_url: str) -> str:
-    """The management API's base URL on the broker's host: http on 15672, or https on 15671
-    for an ``amqps://`` broker. Carries no credentials."""
-    params = pika.URLParameters(broker_url)
+def default_management_url(broker: str | pika.URLParameters) -> str:
+    """The management API's base URL on the broker's host (``broker``: a URL, or the
+    parameters of the node a connection reached): http on 15672, or https on 15671 for an
+    ``amqps://`` broker. Carries no credentials."""
+    params = pika.URLParameters(broker) if isinstance(broker, str) else broker
     tls = params.ssl_options is not None
     scheme, port = ("https", MANAGEMENT_TLS_PORT) if tls else ("http", MANAGEMENT_PORT)
     host = f"[{params.host}]" if ":" in params.host else params.host
@@ -331,14 +339,6 @@ def with_management_figures(
     return tuple(found)
 
 
-def _amqp_parameters(settings: MessagingSettings, timeout: float) -> pika.URLParameters:
-    params = connection_parameters(settings, name="messaging_status")
-    # Bounds both the TCP connect and the whole AMQP handshake.
-    params.socket_timeout = timeout
-    params.stack_timeout = timeout
-    return params
-
-
 def queues_from_amqp(
     queues: Iterable[tuple[str, QueueKind, str | None]],
     settings: MessagingSettings = messaging_settings,
@@ -348,46 +348,62 @@ def queues_from_amqp(
 ) -> tuple[QueueStatus, ...]:
     """Read exact ready counts and consumers with passive declares, then the queues that
     earlier shapes of ``leftovers_of`` left behind (kind ``leftover``). Raises
-    ``pika.exceptions.AMQPConnectionError`` when the broker cannot be reached."""
-    connection = pika.BlockingConnection(_amqp_parameters(settings, timeout))
-    found = []
+    ``pika.exceptions.AMQPConnectionError`` when no broker URL can be reached."""
+    connection = connect(settings, "messaging_status", timeout=timeout)
     try:
-        channel = connection.channel()
-        for name, kind, consumer in queues:
-            try:
-                method = channel.queue_declare(name, passive=True).method
-            except pika.exceptions.ChannelClosedByBroker as exc:
-                if exc.reply_code != NOT_FOUND:
-                    raise
-                # The broker closes the channel on a failed passive declare.
-                channel = connection.channel()
-                found.append(QueueStatus(name, kind, consumer, exists=False))
-                continue
-            found.append(
-                QueueStatus(
-                    name,
-                    kind,
-                    consumer,
-                    exists=True,
-                    ready=int(method.message_count or 0),
-                    consumers=int(method.consumer_count or 0),
-                )
-            )
-        found += [
-            QueueStatus(
-                leftover.queue,
-                "leftover",
-                leftover.spec.name,
-                exists=True,
-                ready=leftover.messages,
-                consumers=leftover.consumers,
-            )
-            for leftover in find_leftovers(connection, leftovers_of, settings)
-        ]
+        return _queues_on(connection, queues, settings, leftovers_of)
     finally:
         if connection.is_open:
             connection.close()
+
+
+def _queues_on(
+    connection: pika.BlockingConnection,
+    queues: Iterable[tuple[str, QueueKind, str | None]],
+    settings: MessagingSettings,
+    leftovers_of: Iterable[ConsumerSpec],
+) -> tuple[QueueStatus, ...]:
+    found = []
+    channel = connection.channel()
+    for name, kind, consumer in queues:
+        try:
+            method = channel.queue_declare(name, passive=True).method
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code != NOT_FOUND:
+                raise
+            # The broker closes the channel on a failed passive declare. (A classic queue
+            # whose node is down answers 404 too: it cannot be read now.)
+            channel = connection.channel()
+            found.append(QueueStatus(name, kind, consumer, exists=False))
+            continue
+        found.append(
+            QueueStatus(
+                name,
+                kind,
+                consumer,
+                exists=True,
+                ready=int(method.message_count or 0),
+                consumers=int(method.consumer_count or 0),
+            )
+        )
+    found += [
+        QueueStatus(
+            leftover.queue,
+            "leftover",
+            leftover.spec.name,
+            exists=True,
+            ready=leftover.messages,
+            consumers=leftover.consumers,
+        )
+        for leftover in find_leftovers(connection, leftovers_of, settings)
+    ]
     return tuple(found)
+
+
+def _secrets(settings: MessagingSettings, candidates: Iterable[pika.URLParameters]) -> list[str]:
+    """Every password of the broker URLs, as pika reads it and as redact_url hides it."""
+    found = [str(getattr(params.credentials, "password", "") or "") for params in candidates]
+    return found + [_redacted_part(url) for url in settings.broker_urls]
 
 
 def broker_status(
@@ -399,25 +415,30 @@ def broker_status(
 ) -> BrokerStatus:
     """The queues of ``specs`` (default: every registered consumer) and their delay queues.
     ``management_url`` overrides the management API's address; "" skips the API."""
-    url = settings.broker_url
-    shown = redact_url(url)
+    shown = settings.broker_shown
     try:
-        params = pika.URLParameters(url)
+        candidates = connection_parameters(settings, name="messaging_status")
     except Exception as exc:  # noqa: BLE001 - pika raises several types for a bad URL
         # The type only: pika's messages quote pieces of the URL, a password's among them.
         error = f"the URL cannot be parsed ({type(exc).__name__})"
         return BrokerStatus(shown, reachable=False, error=error)
-    password = str(getattr(params.credentials, "password", "") or "")
+    secrets = _secrets(settings, candidates)
     specs = list(registry.all() if specs is None else specs)
     queues = monitored_queues(specs, settings)
     try:
-        found = queues_from_amqp(queues, settings, timeout, leftovers_of=specs)
+        connection, params = connect_to_any(candidates, timeout=timeout)
+        try:
+            found = _queues_on(connection, queues, settings, specs)
+        finally:
+            if connection.is_open:
+                connection.close()
     except (pika.exceptions.AMQPError, OSError) as exc:
-        detail = scrub(describe_error(exc), password, _redacted_part(url))
+        detail = scrub(describe_error(exc), *secrets)
         error = f"cannot connect to {shown}: {detail}"
         return BrokerStatus(shown, reachable=False, error=error)
     if management_url is None:
-        management_url = default_management_url(url)
+        # The management API of the node that answered.
+        management_url = default_management_url(params)
     if not management_url:
         note = "the management API was skipped (no URL given)"
     else:
@@ -432,12 +453,7 @@ def broker_status(
         except (OSError, ValueError, http.client.HTTPException) as exc:
             # URLError and timeouts are OSErrors; a port that does not speak HTTP raises an
             # HTTPException; a body that is not JSON a ValueError.
-            detail = scrub(
-                describe_error(exc),
-                password,
-                _redacted_part(url),
-                _redacted_part(management_url),
-            )
+            detail = scrub(describe_error(exc), *secrets, _redacted_part(management_url))
             note = f"the management API at {api} is unreachable ({detail})"
         else:
             return BrokerStatus(shown, reachable=True, management_api=True, queues=found)
@@ -450,14 +466,13 @@ def broker_connection_error(
     """Open and close one AMQP connection; "" when that worked, else why not. The text names
     neither the host nor the user, and never the password: health endpoints may be public."""
     try:
-        params = _amqp_parameters(settings, timeout)
+        candidates = connection_parameters(settings, name="messaging_status")
     except Exception as exc:  # noqa: BLE001 - pika raises several types for a bad URL
         return f"the broker URL cannot be parsed ({type(exc).__name__})"
-    password = str(getattr(params.credentials, "password", "") or "")
     try:
-        connection = pika.BlockingConnection(params)
+        connection, _ = connect_to_any(candidates, timeout=timeout)
     except (pika.exceptions.AMQPError, OSError) as exc:
-        return scrub(describe_error(exc), password, _redacted_part(settings.broker_url))
+        return scrub(describe_error(exc), *_secrets(settings, candidates))
     if connection.is_open:
         connection.close()
     return ""

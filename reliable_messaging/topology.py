@@ -19,7 +19,9 @@ partitions run in parallel. Messages without an ordering key all hash alike (one
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import pika
@@ -128,66 +130,180 @@ def _missing_plugin(exc: pika.exceptions.ConnectionClosedByBroker) -> Exception:
     )
 
 
+@dataclass
+class Declared:
+    """What :func:`declare_topology` did: ``channel`` is open (the one given, or a new one where
+    the broker closed that one), ``unavailable`` names each queue the broker could not declare
+    or bind now, with why (a classic queue whose node is down answers 404)."""
+
+    channel: BlockingChannel
+    unavailable: dict[str, str] = field(default_factory=dict)
+
+
+class _Declarer:
+    """Declares on one channel, opening a new one when the broker closes it over a queue it
+    cannot serve now: that queue is noted unavailable and the rest is declared."""
+
+    def __init__(self, channel: BlockingChannel) -> None:
+        self.channel = channel
+        self.unavailable: dict[str, str] = {}
+
+    def queue(
+        self,
+        kind: str,
+        name: str,
+        wanted: dict[str, Any],
+        declare: Callable[[BlockingChannel], object],
+    ) -> bool:
+        """Run ``declare`` for queue ``name``; False when the queue is unavailable now."""
+        try:
+            declare(self.channel)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code == PRECONDITION_FAILED:
+                raise _mismatch(kind, name, exc, wanted) from exc
+            self.channel = self.channel.connection.channel()
+            self.unavailable[name] = f"{exc.reply_code} {exc.reply_text}"
+            logger.warning(
+                "%s %s cannot be declared now (%s %s); the other queues are consumed and it "
+                "is tried again",
+                kind,
+                name,
+                exc.reply_code,
+                exc.reply_text,
+            )
+            return False
+        return True
+
+
 def declare_topology(
     channel: BlockingChannel,
     specs: Iterable[ConsumerSpec],
     settings: MessagingSettings = messaging_settings,
-) -> None:
+) -> Declared:
     """Declare (idempotently) everything the given consumers need. A declaration that conflicts
-    with what the broker has raises :class:`TopologyMismatchError` saying what differs."""
+    with what the broker has raises :class:`TopologyMismatchError` saying what differs; a
+    queue the broker cannot serve now (its node down) is left out and named in the result, so
+    the consumer can consume the rest and try it again."""
     specs = list(specs)
     for exchange in sorted({consumer_exchange(s, settings) for s in specs} | {settings.exchange}):
         try:
             channel.exchange_declare(exchange, exchange_type="topic", durable=True)
         except pika.exceptions.ChannelClosedByBroker as exc:
             raise _mismatch("exchange", exchange, exc, {"type": "topic"}) from exc
+    declarer = _Declarer(channel)
     for spec in specs:
-        dead_letter_to = _declare_dead_letter_queue(channel, spec, settings)
+        dead_letter_to = _declare_dead_letter_queue(declarer, spec, settings)
         if spec.ordered:
-            _declare_partitions(channel, spec, settings, dead_letter_to)
+            _declare_partitions(declarer, spec, settings, dead_letter_to)
             continue
         arguments = _arguments_the_broker_takes(
-            channel, spec.queue, queue_arguments(settings, dead_letter_to=dead_letter_to)
+            declarer.channel, spec.queue, queue_arguments(settings, dead_letter_to=dead_letter_to)
         )
-        try:
+
+        def declare(
+            channel: BlockingChannel,
+            spec: ConsumerSpec = spec,
+            arguments: dict[str, Any] = arguments,
+        ) -> None:
             channel.queue_declare(spec.queue, durable=True, arguments=arguments)
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            raise _mismatch("queue", spec.queue, exc, arguments) from exc
-        for binding in spec.bindings:
-            channel.queue_bind(spec.queue, consumer_exchange(spec, settings), routing_key=binding)
+            for binding in spec.bindings:
+                channel.queue_bind(spec.queue, consumer_exchange(spec, settings), binding)
+
+        declarer.queue("queue", spec.queue, arguments, declare)
     for delay in all_delays(specs, settings):
-        name = delay_exchange_name(delay, settings)
-        try:
-            channel.exchange_declare(name, exchange_type="fanout", durable=True)
-            channel.queue_declare(
-                name,
-                durable=True,
-                arguments={
-                    "x-message-ttl": round(delay * 1000),
-                    "x-dead-letter-exchange": "",
-                },
-            )
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            raise _mismatch("delay queue", name, exc, {"x-message-ttl": delay}) from exc
-        channel.queue_bind(name, name)
+        _declare_delay_queue(declarer, delay, settings)
     logger.info(
-        "declared topology: %d queue(s), %d delay queue(s)",
+        "declared topology: %d queue(s), %d delay queue(s)%s",
         sum(len(consumer_queues(spec, settings)) for spec in specs),
         len(all_delays(specs, settings)),
+        f"; not available now: {', '.join(sorted(declarer.unavailable))}"
+        if declarer.unavailable
+        else "",
     )
+    return Declared(declarer.channel, declarer.unavailable)
+
+
+def delay_queue_arguments(
+    delay: float, settings: MessagingSettings = messaging_settings
+) -> dict[str, Any]:
+    """A delay queue: messages expire after ``delay`` into the default exchange, under the
+    routing key they were published with (the failed consumer's queue).
+
+    With ``QUEUE_TYPE = "quorum"`` the delay queues are quorum queues too, so a retry waiting
+    in one survives the loss of any one node, and their dead-lettering is at-least-once: the
+    broker keeps an expired message until the consumer's queue has confirmed it (RabbitMQ
+    3.10+, which needs ``x-overflow: reject-publish`` for it), never dropping it on the way.
+    """
+    arguments: dict[str, Any] = {
+        "x-message-ttl": round(delay * 1000),
+        "x-dead-letter-exchange": "",
+    }
+    if settings.queue_type == "quorum":
+        arguments["x-queue-type"] = "quorum"
+        arguments["x-dead-letter-strategy"] = "at-least-once"
+        arguments["x-overflow"] = "reject-publish"
+    return arguments
+
+
+def _declare_delay_queue(declarer: _Declarer, delay: float, settings: MessagingSettings) -> None:
+    name = delay_exchange_name(delay, settings)
+    arguments = delay_queue_arguments(delay, settings)
+    try:
+        declarer.channel.exchange_declare(name, exchange_type="fanout", durable=True)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        raise _mismatch("delay exchange", name, exc, {"type": "fanout"}) from exc
+    probe = declarer.channel.connection.channel()
+    try:
+        probe.queue_declare(name, durable=True, arguments=arguments)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        if exc.reply_code != PRECONDITION_FAILED or "x-queue-type" not in str(exc.reply_text):
+            declarer.queue(
+                "delay queue",
+                name,
+                arguments,
+                lambda channel: channel.queue_declare(name, durable=True, arguments=arguments),
+            )
+        else:
+            # Declared by an older version (or under the other QUEUE_TYPE). Its messages wait
+            # a few seconds at most: keep using it rather than refuse to start, and say how to
+            # move it to the wanted type.
+            logger.warning(
+                "delay queue %s exists as another queue type than QUEUE_TYPE=%r asks for; it "
+                "is used as it is. To replace it: unbind it from exchange %s (rabbitmqctl / "
+                "management UI), wait %ss for it to empty, delete it, and restart a consumer, "
+                "which declares it afresh",
+                name,
+                settings.queue_type,
+                name,
+                delay,
+            )
+            declarer.queue(
+                "delay queue",
+                name,
+                arguments,
+                lambda channel: channel.queue_declare(name, passive=True),
+            )
+    else:
+        if probe.is_open:
+            probe.close()
+    declarer.queue("delay queue", name, arguments, lambda channel: channel.queue_bind(name, name))
 
 
 def _declare_dead_letter_queue(
-    channel: BlockingChannel, spec: ConsumerSpec, settings: MessagingSettings
+    declarer: _Declarer, spec: ConsumerSpec, settings: MessagingSettings
 ) -> str | None:
     if settings.queue_type != "quorum":
         return None
     name = dead_letter_queue(spec)
     arguments = {"x-queue-type": "quorum"}
-    try:
-        channel.queue_declare(name, durable=True, arguments=arguments)
-    except pika.exceptions.ChannelClosedByBroker as exc:
-        raise _mismatch("dead-letter queue", name, exc, arguments) from exc
+    declarer.queue(
+        "dead-letter queue",
+        name,
+        arguments,
+        lambda channel: channel.queue_declare(name, durable=True, arguments=arguments),
+    )
+    # Named as the target even when unavailable now: a queue's arguments are fixed at its
+    # first declaration, and the broker routes to the target once it exists.
     return name
 
 
@@ -228,13 +344,14 @@ def _arguments_the_broker_takes(
 
 
 def _declare_partitions(
-    channel: BlockingChannel,
+    declarer: _Declarer,
     spec: ConsumerSpec,
     settings: MessagingSettings,
     dead_letter_to: str | None = None,
 ) -> None:
     exchange = partition_exchange(spec)
     hashing = {"hash-header": ORDERING_KEY_HEADER}
+    channel = declarer.channel
     try:
         channel.exchange_declare(
             exchange, exchange_type="x-consistent-hash", durable=True, arguments=hashing
@@ -247,22 +364,67 @@ def _declare_partitions(
         channel.exchange_bind(exchange, consumer_exchange(spec, settings), routing_key=binding)
     for queue in consumer_queues(spec, settings):
         arguments = _arguments_the_broker_takes(
-            channel, queue, queue_arguments(settings, ordered=True, dead_letter_to=dead_letter_to)
+            declarer.channel,
+            queue,
+            queue_arguments(settings, ordered=True, dead_letter_to=dead_letter_to),
         )
-        try:
+
+        def declare(
+            channel: BlockingChannel, queue: str = queue, arguments: dict[str, Any] = arguments
+        ) -> None:
             channel.queue_declare(queue, durable=True, arguments=arguments)
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            raise _mismatch("queue", queue, exc, arguments) from exc
-        # Equal weights: the binding key of a consistent-hash exchange is the queue's weight.
-        channel.queue_bind(queue, exchange, routing_key="1")
+            # Equal weights: the binding key of a consistent-hash exchange is the queue's weight.
+            channel.queue_bind(queue, exchange, routing_key="1")
+
+        declarer.queue("queue", queue, arguments, declare)
 
 
 def connection_parameters(
     settings: MessagingSettings = messaging_settings, name: str = "reliable_messaging"
-) -> pika.URLParameters:
-    params = pika.URLParameters(settings.broker_url)
-    params.heartbeat = settings.heartbeat
-    params.blocked_connection_timeout = 300
-    params.connection_attempts = 1
-    params.client_properties = {"connection_name": name}
-    return params
+) -> list[pika.URLParameters]:
+    """One set of connection parameters per broker URL, in a new random order each call, so
+    that the processes of a deployment spread over a cluster's nodes and each connect tries
+    the nodes in a different order. Raises ValueError (or another pika error) for a URL pika
+    cannot parse; the system checks report those first."""
+    found = []
+    for url in settings.broker_urls:
+        params = pika.URLParameters(url)
+        params.heartbeat = settings.heartbeat
+        params.blocked_connection_timeout = 300
+        params.connection_attempts = 1
+        params.client_properties = {"connection_name": name}
+        found.append(params)
+    if not found:
+        raise ValueError("BROKER_URL holds no URL")
+    random.shuffle(found)
+    return found
+
+
+def connect(
+    settings: MessagingSettings = messaging_settings,
+    name: str = "reliable_messaging",
+    *,
+    timeout: float | None = None,
+) -> pika.BlockingConnection:
+    """A blocking connection to the first broker URL that answers, tried in a random order.
+    ``timeout`` bounds the TCP connect and the AMQP handshake of each. Raises the last
+    error when none answers."""
+    return connect_to_any(connection_parameters(settings, name), timeout=timeout)[0]
+
+
+def connect_to_any(
+    candidates: list[pika.URLParameters], *, timeout: float | None = None
+) -> tuple[pika.BlockingConnection, pika.URLParameters]:
+    """The connection and the parameters it was opened with (so a caller knows the node)."""
+    error: BaseException | None = None
+    for params in candidates:
+        if timeout is not None:
+            params.socket_timeout = timeout
+            params.stack_timeout = timeout
+        try:
+            return pika.BlockingConnection(params), params
+        except (pika.exceptions.AMQPConnectionError, OSError) as exc:
+            error = exc
+            logger.debug("broker %s:%s refused: %r", params.host, params.port, exc)
+    assert error is not None
+    raise error

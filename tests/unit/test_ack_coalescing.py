@@ -21,7 +21,7 @@ class RecordingChannel:
 
 
 def link_with(unsettled: list[int]) -> _Link:
-    link = _Link(connection=cast(Any, None), publish_channel=cast(Any, None))
+    link = _Link(connection=cast(Any, None))
     link.unsettled[RecordingChannel.channel_number] = dict.fromkeys(unsettled)
     return link
 
