@@ -266,6 +266,10 @@ class ConsumerService:
         self._publisher = RetryPublisher(settings, health=health, on_missing=self._topology_lost)
         # Set from the publisher's thread when a delay exchange turned out missing.
         self._redeclare = threading.Event()
+        # Every queue of this process unavailable (their nodes down): connected, yet idle.
+        self._consuming_nothing = False
+        if health is not None:
+            health.add_problem_source(self._idle_for_want_of_queues)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -428,6 +432,11 @@ class ConsumerService:
                 queues.append(queue)
         return queues
 
+    def _idle_for_want_of_queues(self) -> list[str]:
+        if self._consuming_nothing and self.connected.is_set():
+            return ["no queue of this process can be consumed now (their nodes down?)"]
+        return []
+
     def _topology_lost(self, exchange: str) -> None:
         logger.warning("exchange %s is missing: declaring the topology again", exchange)
         self._redeclare.set()
@@ -452,6 +461,7 @@ class ConsumerService:
     def _note_unavailable(self, link: _Link) -> None:
         link.retry_topology_at = time.monotonic() + TOPOLOGY_RETRY
         metrics.consumer_queues_unavailable(len(link.unavailable))
+        self._consuming_nothing = not link.consumers
         if self.health is not None:
             self.health.note(
                 "queues_unavailable",

@@ -36,6 +36,7 @@ from .retry import delay_name
 
 logger = logging.getLogger(__name__)
 
+NOT_FOUND = 404
 PRECONDITION_FAILED = 406
 COMMAND_INVALID = 503
 HASH_EXCHANGE_PLUGIN = "rabbitmq_consistent_hash_exchange"
@@ -142,7 +143,8 @@ class Declared:
 
 class _Declarer:
     """Declares on one channel, opening a new one when the broker closes it over a queue it
-    cannot serve now: that queue is noted unavailable and the rest is declared."""
+    cannot serve now (404: a classic queue whose home node is down): that queue is noted
+    unavailable and the rest is declared. Any other refusal is the connection's failure."""
 
     def __init__(self, channel: BlockingChannel) -> None:
         self.channel = channel
@@ -161,6 +163,8 @@ class _Declarer:
         except pika.exceptions.ChannelClosedByBroker as exc:
             if exc.reply_code == PRECONDITION_FAILED:
                 raise _mismatch(kind, name, exc, wanted) from exc
+            if exc.reply_code != NOT_FOUND:
+                raise  # refused (403), locked (405)...: the broker's answer for every queue
             self.channel = self.channel.connection.channel()
             self.unavailable[name] = f"{exc.reply_code} {exc.reply_text}"
             logger.warning(
@@ -256,7 +260,7 @@ def _declare_delay_queue(declarer: _Declarer, delay: float, settings: MessagingS
     try:
         probe.queue_declare(name, durable=True, arguments=arguments)
     except pika.exceptions.ChannelClosedByBroker as exc:
-        if exc.reply_code != PRECONDITION_FAILED or "x-queue-type" not in str(exc.reply_text):
+        if exc.reply_code != PRECONDITION_FAILED:
             declarer.queue(
                 "delay queue",
                 name,
@@ -264,16 +268,18 @@ def _declare_delay_queue(declarer: _Declarer, delay: float, settings: MessagingS
                 lambda channel: channel.queue_declare(name, durable=True, arguments=arguments),
             )
         else:
-            # Declared by an older version (or under the other QUEUE_TYPE). Its messages wait
-            # a few seconds at most: keep using it rather than refuse to start, and say how to
-            # move it to the wanted type.
+            # Declared by an older version (or under the other QUEUE_TYPE); its name fixes its
+            # TTL, so only the type and its dead-lettering can differ. Its messages wait a few
+            # seconds at most: keep using it rather than refuse to start, and say how to move
+            # it to the wanted type.
             logger.warning(
-                "delay queue %s exists as another queue type than QUEUE_TYPE=%r asks for; it "
-                "is used as it is. To replace it: unbind it from exchange %s (rabbitmqctl / "
-                "management UI), wait %ss for it to empty, delete it, and restart a consumer, "
+                "delay queue %s exists with other arguments than QUEUE_TYPE=%r asks for (%s); "
+                "it is used as it is. To replace it: unbind it from exchange %s (management UI or "
+                "rabbitmqadmin), wait %ss for it to empty, delete it, and restart a consumer, "
                 "which declares it afresh",
                 name,
                 settings.queue_type,
+                exc.reply_text,
                 name,
                 delay,
             )

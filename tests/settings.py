@@ -13,6 +13,13 @@ from datetime import timedelta
 
 import dj_database_url
 
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER and os.environ.get("RM_TEST_NAMESPACE_WORKER") != _WORKER:
+    # A pytest-xdist worker: its own namespace, not the one the controller made (the workers
+    # inherit it, and would share the session consumers' queues). Its subprocesses inherit
+    # the marker, and keep the namespace they are given.
+    os.environ["RM_TEST_NAMESPACE"] = f"t{uuid.uuid4().hex[:10]}"
+    os.environ["RM_TEST_NAMESPACE_WORKER"] = _WORKER
 NAMESPACE = os.environ.setdefault("RM_TEST_NAMESPACE", f"t{uuid.uuid4().hex[:10]}")
 
 SECRET_KEY = "tests-only-not-secret"

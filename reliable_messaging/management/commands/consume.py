@@ -11,6 +11,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from reliable_messaging.consumer_service import ConsumerService
+from reliable_messaging.keepalive import keep_database_alive
 from reliable_messaging.management.metrics_options import add_metrics_arguments, serve_metrics
 from reliable_messaging.metrics import HealthState
 from reliable_messaging.registry import registry
@@ -70,6 +71,7 @@ class Command(BaseCommand):
         if options["idle_timeout"] is not None and options["idle_timeout"] <= 0:
             raise CommandError("--idle-timeout must be a positive number of seconds")
 
+        keep_database_alive()
         health = HealthState()
         service = ConsumerService(
             specs,

@@ -9,6 +9,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from reliable_messaging.keepalive import keep_database_alive
 from reliable_messaging.management.metrics_options import add_metrics_arguments, serve_metrics
 from reliable_messaging.metrics import HealthCheck, HealthGroup, HealthState
 from reliable_messaging.relay import OutboxRelay, RelayProgress, run_lanes
@@ -62,6 +63,7 @@ class Command(BaseCommand):
             raise CommandError("--lanes must be at least 1")
         if options["progress_interval"] < 0:
             raise CommandError("--progress-interval must not be negative")
+        keep_database_alive()
         relays = [
             OutboxRelay(
                 batch_size=options["batch_size"], once=options["once"], health=HealthState()

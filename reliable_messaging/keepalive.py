@@ -1,0 +1,48 @@
+"""TCP keepalives for the database connections of the long-running processes.
+
+A consumer cut off from the network mid-batch leaves its transaction open on the server, and a
+process whose database host vanished waits on its socket: without keepalives, until TCP gives
+up (about 15 minutes on Linux). ``consume`` and ``relay`` call :func:`keep_database_alive`
+before they open a connection, so each PostgreSQL connection they open probes an idle peer and
+gives up on a dead one in about a minute. Values the project sets in ``OPTIONS`` win.
+
+This bounds what the process waits for; what the *server* keeps open for a client that
+vanished is bounded by its own settings (``idle_in_transaction_session_timeout``,
+``tcp_keepalives_idle``/``_interval``/``_count``): see "Running on a cluster" in the README.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import connections
+
+# libpq connection parameters: probe after 30 s idle, every 10 s, give up after 3 unanswered
+# (about a minute in all); tcp_user_timeout bounds data sent and never acknowledged (ms).
+KEEPALIVE_OPTIONS: dict[str, Any] = {
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 60_000,
+}
+
+
+def keep_database_alive() -> list[str]:
+    """Add :data:`KEEPALIVE_OPTIONS` to every PostgreSQL database's ``OPTIONS`` (a value
+    already there is kept) and close this thread's connection to it, so the next one has them.
+    Returns the aliases changed."""
+    changed = []
+    for alias in connections:
+        settings_dict = connections.settings[alias]
+        if "postgresql" not in str(settings_dict.get("ENGINE", "")):
+            continue
+        options = settings_dict.setdefault("OPTIONS", {})
+        if options.get("pool"):
+            continue  # a pool's connections take their own kwargs: the project sets them there
+        for key, value in KEEPALIVE_OPTIONS.items():
+            options.setdefault(key, value)
+        # A connection the system checks opened has not got them: the next one will.
+        connections[alias].close()
+        changed.append(alias)
+    return changed
