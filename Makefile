@@ -12,6 +12,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+TEST_WORKERS ?= 3
 
 .PHONY: help venv .venv services test demo lint format bench clean
 
@@ -46,7 +47,15 @@ test: venv services
 	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 	@# The cluster tests cut a consumer off in a network namespace with nftables rules.
 	@command -v nft >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables)
-	$(BIN)/pytest $(PYTEST_ARGS)
+	@# Two parts: the tests that share nothing run in $(TEST_WORKERS) parallel workers; those
+	@# that stop or alarm a shared service (marked serial in tests/conftest.py) run alone after.
+	@# Both always run; exit code 5 ("no tests selected", e.g. with -k) is not a failure.
+	@rc=0; \
+	$(BIN)/pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) || rc=$$?; \
+	[[ $$rc == 5 ]] && rc=0; \
+	rc2=0; $(BIN)/pytest -m serial $(PYTEST_ARGS) || rc2=$$?; \
+	[[ $$rc2 == 5 ]] && rc2=0; \
+	exit $$(( rc ? rc : rc2 ))
 
 demo: venv services
 	$(BIN)/python manage.py run_demo

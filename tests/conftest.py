@@ -31,6 +31,26 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: spawns real processes (manage.py consume)")
 
 
+# Tests that stop, restart or alarm a service every test shares (the broker on 5672, PostgreSQL,
+# Redis), or start a cluster of their own: `make test` runs them alone, after the rest has run
+# in parallel workers (pytest-xdist), so no other test sees their faults.
+SERIAL = (
+    "tests/faults/",
+    "tests/cluster/",
+    "tests/ops/test_consume_ops.py",
+    "tests/ops/test_relay_broker_faults.py",
+    "tests/outbox/test_relay_faults.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = Path(str(config.rootpath))
+    for item in items:
+        where = Path(str(item.path)).relative_to(root).as_posix()
+        if where.startswith(SERIAL):
+            item.add_marker(pytest.mark.serial)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Iterator[Any]:
     outcome: Any = yield
