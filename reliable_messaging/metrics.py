@@ -353,6 +353,14 @@ class HealthGroup:
                 reasons.extend(f"{name}: {reason}" for reason in why)
         return not reasons, reasons
 
+    def notes(self) -> list[str]:
+        found: list[str] = []
+        for name, member in self.members.items():
+            notes = getattr(member, "notes", None)
+            if notes is not None:
+                found.extend(f"{name}: {note}" for note in notes())
+        return found
+
 
 class HealthCollector:
     """Exports ``reliable_messaging_healthy`` (1 or 0) for one process's health."""

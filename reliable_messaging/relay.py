@@ -597,6 +597,13 @@ class OutboxRelay:
         if blocked != self._blocked:
             self._blocked = blocked
             metrics.relay_blocked(blocked)
+            # A note, not a failure: the relay is fine, and restarting it would not help.
+            self.health.note(
+                "publish_blocked",
+                "the broker blocks publishing (a resource alarm): outbox rows wait"
+                if blocked
+                else None,
+            )
 
     def on_delivery_confirmation(self, frame: Any) -> None:
         batch = self._batch

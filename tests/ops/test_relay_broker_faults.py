@@ -8,8 +8,10 @@ import contextlib
 import json
 import signal
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from django.db import transaction
@@ -97,6 +99,11 @@ def test_relay_healthz_fails_while_the_broker_is_stopped(ob: OutboxEnv) -> None:
     assert relay.wait(timeout=20) == 0, relay.log()
 
 
+def healthz(port: int) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as response:
+        return dict(json.load(response))
+
+
 def test_blocked_relay_claims_nothing_and_resumes_by_itself(ob: OutboxEnv) -> None:
     # A short confirm timeout: had the relay charged the blocked batch for its late
     # confirms, its rows would show failed attempts within the block.
@@ -125,8 +132,11 @@ def test_blocked_relay_claims_nothing_and_resumes_by_itself(ob: OutboxEnv) -> No
         assert OutboxMessage.objects.filter(status=OutboxStatus.PENDING).count() >= 25 - claimed
         assert not OutboxMessage.objects.filter(attempts__gt=0).exists()
         assert "no confirm from the broker" not in relay.log()
-        # Blocked is not broken: the process stays healthy and running.
+        # Blocked is not broken: the process stays healthy and running, and says why it waits.
         assert scraped(metrics_url, "reliable_messaging_healthy") == 1
+        health = healthz(port)
+        assert health["status"] == "ok"
+        assert any("blocks publishing" in note for note in health["notes"]), health
         assert relay.returncode is None, relay.log()
 
     relay.wait_for_log("the broker unblocked the connection; resuming", timeout=30)
@@ -140,6 +150,7 @@ def test_blocked_relay_claims_nothing_and_resumes_by_itself(ob: OutboxEnv) -> No
     assert delivered == dict.fromkeys(ids, 1)  # each row exactly once
     assert scraped(metrics_url, "reliable_messaging_relay_blocked") == 0
     assert scraped(metrics_url, "reliable_messaging_relay_blocks_total") == 1
+    assert "notes" not in healthz(port)
     log = relay.log()
     assert log.count("WARNING reliable_messaging.relay relay: the broker blocked") == 1, log
     assert log.count("INFO reliable_messaging.relay relay: the broker unblocked") == 1, log
