@@ -448,7 +448,9 @@ class ConsumerService:
         Every ``TOPOLOGY_RETRY`` seconds while any is missing."""
         self._redeclare.clear()
         before = set(link.unavailable)
-        declared = declare_topology(link.connection.channel(), self.specs, self.settings)
+        declared = declare_topology(
+            link.connection.channel(), self.specs, self.settings, known_unavailable=before
+        )
         if declared.channel.is_open:
             declared.channel.close()
         link.unavailable = declared.unavailable

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,9 +146,11 @@ class _Declarer:
     cannot serve now (404: a classic queue whose home node is down): that queue is noted
     unavailable and the rest is declared. Any other refusal is the connection's failure."""
 
-    def __init__(self, channel: BlockingChannel) -> None:
+    def __init__(self, channel: BlockingChannel, known: Collection[str] = ()) -> None:
         self.channel = channel
         self.unavailable: dict[str, str] = {}
+        # Already reported unavailable: tried again quietly.
+        self.known = frozenset(known)
 
     def queue(
         self,
@@ -167,7 +169,8 @@ class _Declarer:
                 raise  # refused (403), locked (405)...: the broker's answer for every queue
             self.channel = self.channel.connection.channel()
             self.unavailable[name] = f"{exc.reply_code} {exc.reply_text}"
-            logger.warning(
+            log = logger.debug if name in self.known else logger.warning
+            log(
                 "%s %s cannot be declared now (%s %s); the other queues are consumed and it "
                 "is tried again",
                 kind,
@@ -183,6 +186,8 @@ def declare_topology(
     channel: BlockingChannel,
     specs: Iterable[ConsumerSpec],
     settings: MessagingSettings = messaging_settings,
+    *,
+    known_unavailable: Collection[str] = (),
 ) -> Declared:
     """Declare (idempotently) everything the given consumers need. A declaration that conflicts
     with what the broker has raises :class:`TopologyMismatchError` saying what differs; a
@@ -194,7 +199,7 @@ def declare_topology(
             channel.exchange_declare(exchange, exchange_type="topic", durable=True)
         except pika.exceptions.ChannelClosedByBroker as exc:
             raise _mismatch("exchange", exchange, exc, {"type": "topic"}) from exc
-    declarer = _Declarer(channel)
+    declarer = _Declarer(channel, known_unavailable)
     for spec in specs:
         dead_letter_to = _declare_dead_letter_queue(declarer, spec, settings)
         if spec.ordered:
@@ -216,7 +221,8 @@ def declare_topology(
         declarer.queue("queue", spec.queue, arguments, declare)
     for delay in all_delays(specs, settings):
         _declare_delay_queue(declarer, delay, settings)
-    logger.info(
+    log = logger.debug if declarer.unavailable and declarer.known else logger.info
+    log(
         "declared topology: %d queue(s), %d delay queue(s)%s",
         sum(len(consumer_queues(spec, settings)) for spec in specs),
         len(all_delays(specs, settings)),
@@ -292,7 +298,10 @@ def _declare_delay_queue(declarer: _Declarer, delay: float, settings: MessagingS
     else:
         if probe.is_open:
             probe.close()
-    declarer.queue("delay queue", name, arguments, lambda channel: channel.queue_bind(name, name))
+    if name not in declarer.unavailable:
+        declarer.queue(
+            "delay queue", name, arguments, lambda channel: channel.queue_bind(name, name)
+        )
 
 
 def _declare_dead_letter_queue(
