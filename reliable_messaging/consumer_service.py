@@ -391,6 +391,7 @@ class ConsumerService:
                     self._declare_again(link)
                 if link.open_up:
                     self._open_up(link, prefetch)
+                self._publisher.refresh()
                 if self.health is not None:
                     self.health.heartbeat()
                 if time.monotonic() >= next_progress:

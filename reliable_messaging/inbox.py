@@ -15,9 +15,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from django.db import (
@@ -64,6 +65,39 @@ LOCK_NOT_AVAILABLE = "55P03"
 # After a batch's claim timed out, each of its rows is tried alone for this long: the batch
 # already waited INBOX_LOCK_TIMEOUT, so a row still locked now is the busy one.
 ROW_LOCK_PROBE = 0.1
+
+
+# Keys found held by another transaction, with when that was (monotonic): for a while their
+# next copies wait only ROW_LOCK_PROBE, not INBOX_LOCK_TIMEOUT. A consumer cut off mid-batch
+# holds its rows until the server ends its transaction; the copies the broker redelivered
+# come back deferred again and again meanwhile, and each full wait would stall this consumer.
+_BUSY_KEYS: dict[tuple[str, str], float] = {}
+BUSY_MEMORY = 60.0
+_BUSY_LOCK = threading.Lock()
+
+
+def _remember_busy(keys: Iterable[tuple[str, str]]) -> None:
+    now = time.monotonic()
+    with _BUSY_LOCK:
+        for key in keys:
+            _BUSY_KEYS[key] = now
+        if len(_BUSY_KEYS) > 10_000:
+            for key, at in list(_BUSY_KEYS.items()):
+                if now - at > BUSY_MEMORY:
+                    del _BUSY_KEYS[key]
+
+
+def lock_wait_for(keys: Iterable[tuple[str, str]], redelivered: bool, settings: Any) -> float:
+    """How long an inbox claim of ``keys`` may wait on rows another transaction holds: the
+    full ``INBOX_LOCK_TIMEOUT``, or only ROW_LOCK_PROBE for a redelivery (its last holder may
+    be the consumer that went away with its transaction open) or a key found held lately."""
+    if redelivered:
+        return min(ROW_LOCK_PROBE, settings.inbox_lock_timeout)
+    now = time.monotonic()
+    with _BUSY_LOCK:
+        if any(now - _BUSY_KEYS.get(key, -BUSY_MEMORY) < BUSY_MEMORY for key in keys):
+            return min(ROW_LOCK_PROBE, settings.inbox_lock_timeout)
+    return float(settings.inbox_lock_timeout)
 
 
 class InboxRowBusy(Exception):
@@ -304,7 +338,10 @@ class DeliveryProcessor:
                 # The insert comes first: on a duplicate it fails before the handler runs, and
                 # with a concurrent twin it waits on the unique index until that one commits or
                 # rolls back; so the unique constraint alone decides who takes effect.
-                with bounded_lock_wait(self.using, self.settings.inbox_lock_timeout):
+                wait = lock_wait_for(
+                    [(self.spec.name, message.message_id)], delivery.redelivered, self.settings
+                )
+                with bounded_lock_wait(self.using, wait):
                     ProcessedMessage.objects.using(self.using).create(
                         consumer=self.spec.name, message_id=message.message_id
                     )
@@ -316,6 +353,7 @@ class DeliveryProcessor:
                     # An ordered consumer's dead letter keeps its key parked until replayed.
                     resolve_processed_copies(self.spec.name, [message.message_id], self.using)
         except InboxRowBusy:
+            _remember_busy([(self.spec.name, message.message_id)])
             return self.busy(delivery, message)
         except IntegrityError as exc:
             if not inserted:
@@ -699,7 +737,13 @@ def _run_claimed(
         assert isinstance(message, Message)
         messages.append(message)
         keys.append((jobs[index].processor.spec.name, message.message_id))
-    claimed, busy = _claim_inbox_rows(using, keys, jobs[indexes[0]].processor.settings)
+    wait = lock_wait_for(
+        keys,
+        any(jobs[index].delivery.redelivered for index in indexes),
+        jobs[indexes[0]].processor.settings,
+    )
+    claimed, busy = _claim_inbox_rows(using, keys, wait)
+    _remember_busy(busy)
     seen: set[tuple[str, str]] = set()
     processed: dict[str, list[str]] = {}
     for index, key, message in zip(indexes, keys, messages, strict=True):
@@ -782,7 +826,7 @@ def _connection_lost(using: str) -> bool:
 
 
 def _claim_inbox_rows(
-    using: str, keys: list[tuple[str, str]], settings: MessagingSettings
+    using: str, keys: list[tuple[str, str]], lock_wait: float
 ) -> tuple[set[tuple[str, str]], set[tuple[str, str]]]:
     """Insert the inbox rows of ``keys``; returns those this statement inserted, and those
     another transaction holds (busy: not decided here, deferred).
@@ -792,7 +836,7 @@ def _claim_inbox_rows(
     different orders would each hold a row the other waits for (a deadlock, one batch killed).
     In one order for everyone, the second batch only waits for the first.
 
-    The wait is bounded by ``INBOX_LOCK_TIMEOUT`` (PostgreSQL): past it the claim is rolled
+    The wait is bounded by ``lock_wait`` (see :func:`lock_wait_for`): past it the claim is rolled
     back to its savepoint and each row tried alone for a moment, so only the rows still held
     are put aside and the rest of the batch goes on.
     """
@@ -800,7 +844,7 @@ def _claim_inbox_rows(
     try:
         with (
             transaction.atomic(using=using),
-            bounded_lock_wait(using, settings.inbox_lock_timeout),
+            bounded_lock_wait(using, lock_wait),
         ):
             return _insert_inbox_rows(using, ordered), set()
     except InboxRowBusy:

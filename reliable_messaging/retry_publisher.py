@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 NOT_FOUND = 404
 # Backoff of a copy the broker refused, while its original stays unacked.
 REFUSED_FIRST_DELAY = 1.0
+# A publish waiting this long for its confirm is shown as blocked (see refresh).
+STALL_AFTER = 5.0
 # The longest the thread sleeps in the broker's I/O loop between two looks at its jobs.
 TICK = 0.2
 
@@ -114,6 +116,11 @@ class RetryPublisher:
         self._channel: BlockingChannel | None = None
         self._reconnect = Backoff(0.5, settings.reconnect_max_delay)
         self._blocked = False
+        self._reason = ""
+        # When the publish under way began (monotonic), else None; and what is shown now.
+        self._publishing_since: float | None = None
+        self._shown: str | None = None
+        self._show_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="rm-retry-publisher", daemon=True)
 
     # -- any thread ------------------------------------------------------------------------------
@@ -175,6 +182,7 @@ class RetryPublisher:
                 try:
                     self._publish(job)
                 finally:
+                    self._publishing_since = None
                     with self._lock:
                         self._busy -= 1
         finally:
@@ -209,6 +217,7 @@ class RetryPublisher:
             return  # the original's connection is gone: the broker redelivers it
         try:
             channel = self._open_channel()
+            self._publishing_since = time.monotonic()
             channel.basic_publish(
                 exchange=copy.exchange,
                 routing_key=copy.routing_key,
@@ -217,6 +226,7 @@ class RetryPublisher:
                 mandatory=True,
             )
         except (pika.exceptions.UnroutableError, pika.exceptions.NackError) as exc:
+            self._publishing_since = None
             self._refused(job, exc)
             return
         except pika.exceptions.ChannelClosedByBroker as exc:
@@ -288,27 +298,43 @@ class RetryPublisher:
 
     def _on_blocked(self, connection: object, frame: object) -> None:
         reason = getattr(getattr(frame, "method", None), "reason", "") or "a resource alarm"
-        logger.warning(
-            "the broker blocks publishing (%s): retry copies wait, every other delivery is "
-            "handled and acked as usual",
-            reason,
-        )
         self._set_blocked(True, str(reason))
 
     def _on_unblocked(self, connection: object, frame: object) -> None:
-        logger.warning("the broker unblocked publishing: retry copies go out again")
         self._set_blocked(False)
 
     def _set_blocked(self, blocked: bool, reason: str = "") -> None:
-        if blocked == self._blocked:
-            return
         self._blocked = blocked
-        metrics.consumer_blocked(blocked)
-        if self.health is not None:
-            self.health.note(
-                "publish_blocked",
-                f"the broker blocks publishing ({reason}): retry copies wait" if blocked else None,
+        self._reason = reason
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Show a block in the metrics and ``/healthz``. pika's blocking adapter tells of a
+        block only once the publish that met it returns, so a publish waiting longer than
+        STALL_AFTER for its confirm counts as blocked too. Called from the consumer's loop."""
+        since = self._publishing_since
+        waited = time.monotonic() - since if since is not None else 0.0
+        text = None
+        if self._blocked:
+            text = f"the broker blocks publishing ({self._reason}): retry copies wait"
+        elif waited > STALL_AFTER:
+            text = (
+                f"a retry copy has waited {waited:.0f}s for the broker's confirm (a resource "
+                f"alarm blocking publishers?): retry copies wait"
             )
+        with self._show_lock:
+            if (text is None) == (self._shown is None):
+                if text is not None and self.health is not None:
+                    self.health.note("publish_blocked", text)
+                return
+            self._shown = text
+        if text is not None:
+            logger.warning("%s; every other delivery is handled and acked as usual", text)
+        else:
+            logger.warning("publishing works again: retry copies go out")
+        metrics.consumer_blocked(text is not None)
+        if self.health is not None:
+            self.health.note("publish_blocked", text)
 
     def _disconnect(self) -> None:
         connection, self._connection, self._channel = self._connection, None, None
