@@ -70,6 +70,7 @@ from .registry import ConsumerSpec
 from .retry_publisher import RetryCopy, RetryPublisher
 from .time_limit import time_limits
 from .topology import (
+    CONNECTION_ERRORS,
     connect,
     consumer_queues,
     dead_letter_queue,
@@ -79,16 +80,6 @@ from .topology import (
 
 logger = logging.getLogger(__name__)
 
-# Errors after which the connection is gone and a new one must be made.
-CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
-    pika.exceptions.AMQPConnectionError,
-    pika.exceptions.AMQPChannelError,
-    pika.exceptions.StreamLostError,
-    pika.exceptions.ConnectionWrongStateError,
-    pika.exceptions.ChannelWrongStateError,
-    ConnectionError,
-    OSError,
-)
 # Seconds between two progress lines of a running consumer.
 PROGRESS_EVERY = 30.0
 # Seconds between two tries at the queues the broker could not declare (their node down).

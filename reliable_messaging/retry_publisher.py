@@ -39,7 +39,7 @@ from pika.spec import BasicProperties
 from . import metrics
 from .backoff import Backoff
 from .conf import MessagingSettings, messaging_settings
-from .topology import connect
+from .topology import CONNECTION_ERRORS, connect
 
 logger = logging.getLogger(__name__)
 
@@ -50,16 +50,6 @@ REFUSED_FIRST_DELAY = 1.0
 STALL_AFTER = 5.0
 # The longest the thread sleeps in the broker's I/O loop between two looks at its jobs.
 TICK = 0.2
-
-_CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
-    pika.exceptions.AMQPConnectionError,
-    pika.exceptions.AMQPChannelError,
-    pika.exceptions.StreamLostError,
-    pika.exceptions.ConnectionWrongStateError,
-    pika.exceptions.ChannelWrongStateError,
-    ConnectionError,
-    OSError,
-)
 
 
 @dataclass
@@ -206,7 +196,7 @@ class RetryPublisher:
             try:
                 connection.process_data_events(time_limit=wait)
                 return
-            except _CONNECTION_ERRORS as exc:
+            except CONNECTION_ERRORS as exc:
                 logger.warning("retry publisher: broker connection lost (%s)", exc)
                 self._disconnect()
         self._wake.wait(wait)
@@ -235,7 +225,7 @@ class RetryPublisher:
                 self.on_missing(copy.exchange)
             self._again(job, exc, self._reconnect.next())
             return
-        except _CONNECTION_ERRORS as exc:
+        except CONNECTION_ERRORS as exc:
             self._disconnect()
             self._again(job, exc, self._reconnect.next())
             return

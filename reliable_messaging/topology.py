@@ -38,6 +38,16 @@ logger = logging.getLogger(__name__)
 
 NOT_FOUND = 404
 PRECONDITION_FAILED = 406
+# Errors after which a connection (or its channel) is gone and a new one must be made.
+CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    pika.exceptions.AMQPConnectionError,
+    pika.exceptions.AMQPChannelError,
+    pika.exceptions.StreamLostError,
+    pika.exceptions.ConnectionWrongStateError,
+    pika.exceptions.ChannelWrongStateError,
+    ConnectionError,
+    OSError,
+)
 COMMAND_INVALID = 503
 HASH_EXCHANGE_PLUGIN = "rabbitmq_consistent_hash_exchange"
 

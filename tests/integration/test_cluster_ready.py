@@ -141,6 +141,19 @@ def test_a_classic_delay_queue_of_an_older_version_is_kept_and_the_log_says_how_
 # --------------------------------------------------------------------------- inbox lock wait
 
 
+def _hold_inbox_row(consumer: str, message_id: str) -> psycopg.Connection[Any]:
+    """A connection of its own holding the inbox row of (consumer, message_id) in a
+    transaction it neither commits nor rolls back until the test says so."""
+    params = connection.get_connection_params()
+    blocker = psycopg.connect(**{k: v for k, v in params.items() if k != "cursor_factory"})
+    blocker.execute(
+        "INSERT INTO reliable_messaging_processedmessage (consumer, message_id, processed_at) "
+        "VALUES (%s, %s, now())",
+        [consumer, message_id],
+    )
+    return blocker
+
+
 def test_an_inbox_row_held_by_a_transaction_that_does_not_end_defers_instead_of_stalling(
     ns: str,
     rm_settings: dict[str, Any],
@@ -151,14 +164,8 @@ def test_an_inbox_row_held_by_a_transaction_that_does_not_end_defers_instead_of_
 ) -> None:
     alpha = make_spec("alpha")
     # Another consumer cut off mid-batch: its inbox row inserted, its transaction left open.
-    params = connection.get_connection_params()
-    blocker = psycopg.connect(**{k: v for k, v in params.items() if k != "cursor_factory"})
+    blocker = _hold_inbox_row(alpha.name, "held-1")
     try:
-        blocker.execute(
-            "INSERT INTO reliable_messaging_processedmessage (consumer, message_id, processed_at) "
-            "VALUES (%s, %s, now())",
-            [alpha.name, "held-1"],
-        )
         with override_settings(RELIABLE_MESSAGING={**rm_settings, "INBOX_LOCK_TIMEOUT": 0.5}):
             service([alpha], on_outcome=rec)
             publisher.publish(exchange_of(ns), "order.placed", {}, message_id="held-1")
@@ -194,14 +201,8 @@ def test_a_twin_that_commits_within_the_bound_is_a_duplicate_not_a_deferral(
     publisher: Publisher,
 ) -> None:
     alpha = make_spec("alpha")
-    params = connection.get_connection_params()
-    blocker = psycopg.connect(**{k: v for k, v in params.items() if k != "cursor_factory"})
+    blocker = _hold_inbox_row(alpha.name, "twin-1")
     try:
-        blocker.execute(
-            "INSERT INTO reliable_messaging_processedmessage (consumer, message_id, processed_at) "
-            "VALUES (%s, %s, now())",
-            [alpha.name, "twin-1"],
-        )
         service([alpha], on_outcome=rec)
         publisher.publish(exchange_of(ns), "order.placed", {}, message_id="twin-1")
         threading.Timer(0.3, blocker.commit).start()
