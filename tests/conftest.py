@@ -40,14 +40,15 @@ SERIAL = (
     "tests/ops/test_consume_ops.py",
     "tests/ops/test_relay_broker_faults.py",
     "tests/outbox/test_relay_faults.py",
+    # These stop PostgreSQL.
+    "tests/e2e/test_consume_command.py::test_database_",
+    "tests/e2e/test_consume_command.py::test_sigterm_during_a_database_outage",
 )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    root = Path(str(config.rootpath))
     for item in items:
-        where = Path(str(item.path)).relative_to(root).as_posix()
-        if where.startswith(SERIAL):
+        if item.nodeid.startswith(SERIAL):
             item.add_marker(pytest.mark.serial)
 
 
