@@ -47,6 +47,8 @@ test: venv services
 	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 	@# The cluster tests cut a consumer off in a network namespace with nftables rules.
 	@command -v nft >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables)
+	@# A cluster test reaches the nodes through HAProxy, the load-balancer way.
+	@command -v haproxy >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy)
 	@# Two parts: the tests that share nothing run in $(TEST_WORKERS) parallel workers; those
 	@# that stop or alarm a shared service (marked serial in tests/conftest.py) run alone after.
 	@# Both always run; exit code 5 ("no tests selected", e.g. with -k) is not a failure.

@@ -99,11 +99,12 @@ def run_fault(
     fault: Callable[[], str | None],
     payload: Callable[[int], dict[str, Any]] | None = None,
     warmup: int = 90,
+    pipeline: Callable[[ClusterRig], tuple[list[ConsumeProcess], RelayProcess]] = start_pipeline,
 ) -> tuple[list[ConsumeProcess], RelayProcess, Idle]:
     """The common shape: pipeline up, traffic flowing, ``fault()`` (which returns a note for
     the report), a little more traffic, the verdict, the longest idle in the fault window."""
     began = time.monotonic()
-    consumers, relay = start_pipeline(rig)
+    consumers, relay = pipeline(rig)
     traffic = rig.start_open_traffic(
         RATE, payload=payload or with_slow_handlers(every=5, seconds=0.1)
     )
