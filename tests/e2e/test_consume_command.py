@@ -128,10 +128,18 @@ def test_concurrent_duplicates_in_two_processes_take_effect_once(
     }
     assert sum(map(len, processed.values())) == 1, processed
     assert sum(map(len, duplicate.values())) == 1, duplicate
-    # RabbitMQ gave one copy to each process: the race really happened across processes.
-    assert [pid for pid, lines in processed.items() if lines] != [
-        pid for pid, lines in duplicate.items() if lines
-    ]
+    # RabbitMQ gave one copy to each process: the race really happened across processes. The
+    # other process answered its copy as a duplicate, or, when the first one's transaction
+    # outlasted INBOX_LOCK_TIMEOUT on a loaded machine, deferred it (the deferred copy is then
+    # the duplicate, in whichever process it reaches).
+    answered = {
+        p.pid: log_lines(
+            p, r"message_id=race-1 consumer=tests\.alpha attempt=\d+ outcome=(duplicate|deferred)"
+        )
+        for p in (first, second)
+    }
+    processed_by = {pid for pid, lines in processed.items() if lines}
+    assert any(lines for pid, lines in answered.items() if pid not in processed_by), answered
     assert first.returncode is None and second.returncode is None
 
 
