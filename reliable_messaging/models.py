@@ -205,7 +205,11 @@ class OutboxMessage(models.Model):
     )
     attempts = models.PositiveIntegerField(default=0)
     last_error = models.TextField(blank=True)
-    next_attempt_at = models.DateTimeField(default=timezone.now)
+    # When the relay may take the row next (the database's clock). While the relay has it in
+    # flight it holds a lease: the time past which another relay may send it again. NULL parks a
+    # pending row behind an earlier unsent message of its key; the relay clears that when the
+    # earlier one is sent.
+    next_attempt_at = models.DateTimeField(default=timezone.now, null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     sent_at = models.DateTimeField(null=True, blank=True)
 
@@ -214,10 +218,12 @@ class OutboxMessage(models.Model):
     class Meta:
         verbose_name = _("outbox message")
         indexes = [
-            # The relay's claim walks pending rows in id order; without this partial index each
-            # claim would step over every row already sent.
+            # The relay's claim reads the due pending rows and nothing else: rows sent, backing
+            # off, in flight or parked (NULL) are outside the range it walks.
             models.Index(
-                fields=["id"], condition=Q(status="pending"), name="rm_outbox_pending_idx"
+                fields=["next_attempt_at", "id"],
+                condition=Q(status="pending"),
+                name="rm_outbox_due_idx",
             ),
             # "Is an earlier message of this key still unsent?" for per-key order.
             models.Index(

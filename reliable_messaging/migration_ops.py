@@ -1,0 +1,86 @@
+"""Migration operations that leave a live system writing while they run.
+
+``AddIndexOnline`` and ``RemoveIndexOnline`` build and drop an index CONCURRENTLY on
+PostgreSQL (a plain CREATE INDEX blocks every insert into the table until the build ends, a
+minute or more on a large outbox or inbox) and as usual elsewhere. A migration using them sets
+``atomic = False``, as PostgreSQL requires.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import NotSupportedError
+from django.db.migrations.operations import AddIndex, RemoveIndex
+
+
+def _online(schema_editor: Any, operation: object) -> bool:
+    if schema_editor.connection.vendor != "postgresql":
+        return False
+    if schema_editor.connection.in_atomic_block:
+        raise NotSupportedError(
+            f"{type(operation).__name__} cannot run inside a transaction: "
+            "set atomic = False on the migration"
+        )
+    return True
+
+
+class AddIndexOnline(AddIndex):
+    """``AddIndex``, built CONCURRENTLY on PostgreSQL."""
+
+    atomic = False
+
+    def database_forwards(
+        self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
+    ) -> None:
+        if not _online(schema_editor, self):
+            super().database_forwards(app_label, schema_editor, from_state, to_state)
+            return
+        model = to_state.apps.get_model(app_label, self.model_name)
+        if self.allow_migrate_model(schema_editor.connection.alias, model):
+            # An earlier build that was interrupted leaves an INVALID index of this name.
+            schema_editor.execute(
+                f"DROP INDEX CONCURRENTLY IF EXISTS {schema_editor.quote_name(self.index.name)}"
+            )
+            schema_editor.add_index(model, self.index, concurrently=True)
+
+    def database_backwards(
+        self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
+    ) -> None:
+        if not _online(schema_editor, self):
+            super().database_backwards(app_label, schema_editor, from_state, to_state)
+            return
+        model = from_state.apps.get_model(app_label, self.model_name)
+        if self.allow_migrate_model(schema_editor.connection.alias, model):
+            schema_editor.remove_index(model, self.index, concurrently=True)
+
+
+class RemoveIndexOnline(RemoveIndex):
+    """``RemoveIndex``, dropped CONCURRENTLY on PostgreSQL."""
+
+    atomic = False
+
+    def database_forwards(
+        self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
+    ) -> None:
+        if not _online(schema_editor, self):
+            super().database_forwards(app_label, schema_editor, from_state, to_state)
+            return
+        model = from_state.apps.get_model(app_label, self.model_name)
+        if self.allow_migrate_model(schema_editor.connection.alias, model):
+            index = from_state.models[app_label, self.model_name_lower].get_index_by_name(self.name)
+            schema_editor.remove_index(model, index, concurrently=True)
+
+    def database_backwards(
+        self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
+    ) -> None:
+        if not _online(schema_editor, self):
+            super().database_backwards(app_label, schema_editor, from_state, to_state)
+            return
+        model = to_state.apps.get_model(app_label, self.model_name)
+        if self.allow_migrate_model(schema_editor.connection.alias, model):
+            index = to_state.models[app_label, self.model_name_lower].get_index_by_name(self.name)
+            schema_editor.execute(
+                f"DROP INDEX CONCURRENTLY IF EXISTS {schema_editor.quote_name(index.name)}"
+            )
+            schema_editor.add_index(model, index, concurrently=True)
