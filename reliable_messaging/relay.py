@@ -1,26 +1,36 @@
 """The outbox relay: sends committed outbox rows with pipelined publisher confirms.
 
 One thread runs pika's asynchronous ``SelectConnection`` I/O loop; database work happens in its
-callbacks (each query is short). A batch goes like this:
+callbacks (each query is short, and no transaction stays open across a wait). A batch goes
+like this:
 
-1. ``claim``: in a transaction, ``SELECT ... FOR UPDATE SKIP LOCKED`` the oldest due rows, at
-   most one per ordering key (a keyed row is eligible only when no earlier row of its key is
-   still unsent), so relays running side by side never take the same row and never send a
-   key's later message before its earlier one is confirmed.
-2. ``publish``: every row goes out at once (``mandatory=True``, persistent); the locks are held.
+1. ``claim``: in a short transaction, ``SELECT ... FOR UPDATE SKIP LOCKED`` the due rows
+   through the index of due pending rows (rows sent, backing off, in flight or parked are
+   outside the range it reads, so its cost does not grow with them), and take a *lease* on
+   them: ``next_attempt_at`` moves ``RELAY_CONFIRM_TIMEOUT`` + 5 s ahead, so relays running
+   side by side never take the same row, and a relay that dies mid-batch leaves its rows to
+   be sent again when the lease runs out. A keyed row goes only when no earlier row of its key
+   is unsent; one that is behind such a row is *parked* (``next_attempt_at`` NULL) and so is
+   never read again until the row before it is sent, which releases the next one in the same
+   transaction that marks it sent. (A sweep every 30 s releases any a race left parked.)
+2. ``publish``: every row goes out at once (``mandatory=True``, persistent). While its
+   confirms come back the next batch is claimed and published (up to ``MAX_IN_FLIGHT``).
 3. ``settle``: confirms arrive, ``multiple=True`` settling every tag up to the one named. When
-   all are in (or ``RELAY_CONFIRM_TIMEOUT`` passes) the confirmed rows are marked sent, the
-   others get their error, an attempt and a backoff, and the transaction commits. An event the
-   broker returned as unroutable (no queue bound: nobody subscribes yet) is marked ``unrouted``
-   instead, for good; only routing keys matching ``REQUIRE_ROUTE`` (commands) are retried.
-   When the broker refuses a publish by closing the channel (403, 406, ...), the row it names
-   is charged and the batch commits what was confirmed; the unconfirmed rest go again.
+   all of a batch are in (or ``RELAY_CONFIRM_TIMEOUT`` passes) the confirmed rows are marked
+   sent, the others get their error, an attempt and a backoff, in one short transaction. An
+   event the broker returned as unroutable (no queue bound: nobody subscribes yet) is marked
+   ``unrouted`` instead, for good; only routing keys matching ``REQUIRE_ROUTE`` (commands) are
+   retried. When the broker refuses a publish by closing the channel (403, 406, ...), the row
+   it names is charged and what was confirmed is marked sent; the unconfirmed rest are due
+   again at once.
 
 Every time the relay compares or computes ``next_attempt_at`` it uses the database's clock, the
 one ``publish()`` writes it with, so hosts with skewed clocks agree on when a row is due.
 
-A crash anywhere before that commit rolls the transaction back: the rows are pending again and a
-relay sends them again (consumers absorb the duplicate by message_id). Nothing committed is lost.
+A relay that dies with a batch in flight leaves its rows pending under their lease: they go
+again when it runs out (consumers absorb the duplicate by message_id). Nothing committed is
+lost. A lease still held when a broker block or a database outage delays the confirms or their
+recording is renewed while the relay lives.
 
 On PostgreSQL the relay also LISTENs on a channel that a trigger NOTIFYs on every committed
 insert, with the listening socket watched by the same I/O loop (a new LISTEN connection for
@@ -57,7 +67,18 @@ import pika
 import pika.channel
 import pika.exceptions
 from django.db import DatabaseError, connections, router, transaction
-from django.db.models import Count, DurationField, Exists, F, OuterRef, Q, Value
+from django.db.models import (
+    BigIntegerField,
+    Count,
+    DurationField,
+    Exists,
+    F,
+    Min,
+    OuterRef,
+    Q,
+    Value,
+)
+from django.db.models.expressions import RawSQL
 from django.db.models.functions import Now
 from pika.spec import Basic, BasicProperties
 
@@ -87,20 +108,95 @@ def resend_backoff(attempts: int) -> dt.timedelta:
     return dt.timedelta(seconds=min(2 ** max(attempts - 1, 0), 300))
 
 
-def claimable(using: str) -> Any:
-    """Due pending rows, oldest first, each either keyless or the oldest unsent of its key."""
-    earlier_unsent = OutboxMessage.objects.using(using).filter(
+# Batches published and awaiting confirms at once: the next is claimed and sent while the
+# previous one's confirms come back.
+MAX_IN_FLIGHT = 3
+# Seconds a claim's lease lasts past RELAY_CONFIRM_TIMEOUT.
+LEASE_MARGIN = 5.0
+# Parked rows are released by the relay that sends the row before them; this sweep catches
+# any that a race between relays (or a row settled by other means) left parked.
+SWEEP_INTERVAL = 30.0
+
+
+def earlier_unsent() -> Any:
+    """Rows of the outer row's key before it that are still unsent (pending or failed)."""
+    return OutboxMessage.objects.filter(
         ordering_key=OuterRef("ordering_key"),
         status__in=[OutboxStatus.PENDING, OutboxStatus.FAILED],
         id__lt=OuterRef("id"),
     )
+
+
+def _earlier_unsent_sql() -> str:
+    """SQL for the id of an unsent row before the outer outbox row in its key, or NULL.
+
+    Compared as a row, ``(ordering_key, id) < (...)``, so that only the key index can answer
+    it, reading one entry: with ``id < ...`` apart, the planner takes the LIMIT 1 as a cue to
+    walk the primary key from the start instead, and reads every earlier row of the table."""
+    table = f'"{OutboxMessage._meta.db_table}"'
+    return (
+        f"CASE WHEN {table}.ordering_key IS NULL THEN NULL ELSE ("  # noqa: S608
+        f"SELECT u.id FROM {table} u WHERE u.status IN ('pending', 'failed')"
+        f" AND u.ordering_key = {table}.ordering_key"
+        f" AND (u.ordering_key, u.id) < ({table}.ordering_key, {table}.id)"
+        " ORDER BY u.ordering_key, u.id LIMIT 1) END"
+    )
+
+
+def claimable(using: str) -> Any:
+    """Due pending rows, earliest due first, each with ``behind``: the id of an earlier unsent
+    row of its key (it must wait, parked) or None. Read through the index of due pending rows,
+    with one probe of the key index per keyed row."""
     return (
         OutboxMessage.objects.using(using)
         # The database's clock, not this process's: next_attempt_at is written with it too, so
         # a relay whose clock is off neither sends rows early nor sits on due ones.
         .filter(status=OutboxStatus.PENDING, next_attempt_at__lte=Now())
-        .filter(Q(ordering_key__isnull=True) | ~Exists(earlier_unsent))
-        .order_by("id")
+        # No input of anyone in this SQL: only the table name and constants.
+        .annotate(behind=RawSQL(_earlier_unsent_sql(), (), output_field=BigIntegerField()))  # noqa: S611
+        .order_by("next_attempt_at", "id")
+    )
+
+
+def release_next_of_keys(using: str, keys: set[str]) -> int:
+    """Make the first unsent row of each key due, if it is parked: the row before it was just
+    sent. On PostgreSQL one statement finds each key's first row through the key index."""
+    if not keys:
+        return 0
+    connection = connections[using]
+    if connection.vendor == "postgresql":
+        table = connection.ops.quote_name(OutboxMessage._meta.db_table)
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {table} SET next_attempt_at = now() WHERE id IN ("  # noqa: S608
+                f"SELECT (SELECT o.id FROM {table} o WHERE o.ordering_key = k.key"
+                " AND o.status IN ('pending', 'failed') ORDER BY o.id LIMIT 1)"
+                " FROM unnest(%s::text[]) AS k(key))"
+                " AND status = 'pending' AND next_attempt_at IS NULL",
+                [sorted(keys)],
+            )
+            return int(cursor.rowcount)
+    first_unsent = (
+        OutboxMessage.objects.using(using)
+        .filter(ordering_key__in=keys, status__in=[OutboxStatus.PENDING, OutboxStatus.FAILED])
+        .values("ordering_key")
+        .annotate(first=Min("id"))
+        .values("first")
+    )
+    return (
+        OutboxMessage.objects.using(using)
+        .filter(pk__in=first_unsent, status=OutboxStatus.PENDING, next_attempt_at__isnull=True)
+        .update(next_attempt_at=Now())
+    )
+
+
+def release_parked(using: str) -> int:
+    """Make due every parked row that no earlier unsent row of its key holds back any more."""
+    return (
+        OutboxMessage.objects.using(using)
+        .filter(status=OutboxStatus.PENDING, next_attempt_at__isnull=True)
+        .filter(~Exists(earlier_unsent()))
+        .update(next_attempt_at=Now())
     )
 
 
@@ -130,6 +226,7 @@ CLAIMED_FIELDS = (
     "attempts",
     "created_at",
 )
+_BEHIND = len(CLAIMED_FIELDS)  # the position of ``behind`` in a claimed tuple
 
 
 def message_properties(row: ClaimedRow) -> BasicProperties:
@@ -173,22 +270,34 @@ class RelayReport:
 
 @dataclass
 class _Batch:
-    """Rows published and awaiting confirms, with their claim transaction still open."""
+    """Rows published and awaiting confirms, under the lease their claim took."""
 
-    atomic: Any
     rows: dict[int, ClaimedRow]  # published, by delivery tag
+    claimed: list[ClaimedRow] = field(default_factory=list)  # every row the claim leased
     unpublished: list[ClaimedRow] = field(default_factory=list)  # refused before publishing
     errors: dict[int, str] = field(default_factory=dict)  # row id -> why it was not sent
     confirmed: set[int] = field(default_factory=set)  # row ids acked by the broker
     unrouted: set[int] = field(default_factory=set)  # row ids of events returned unroutable
     settled: set[int] = field(default_factory=set)  # delivery tags acked or nacked
     lowest_unsettled: int = 0
-    full: bool = False
+    pks: set[int] = field(default_factory=set)  # ids of the claimed rows
     timer: Any = None
     published_at: float = 0.0  # monotonic time the rows went out, for the confirm latency
+    leased_at: float = 0.0  # monotonic time the lease was taken or last renewed
 
     def all_rows(self) -> list[ClaimedRow]:
-        return [*self.rows.values(), *self.unpublished]
+        return self.claimed
+
+    def holds(self, pk: int) -> bool:
+        return pk in self.pks
+
+    def unconfirmed(self) -> list[ClaimedRow]:
+        """Published rows not confirmed nor charged yet, in the order they went out."""
+        return [
+            self.rows[tag]
+            for tag in sorted(self.rows)
+            if self.rows[tag].pk not in self.confirmed and self.rows[tag].pk not in self.errors
+        ]
 
 
 class _ExchangeProbe:
@@ -333,7 +442,11 @@ class OutboxRelay:
         self._connection: pika.SelectConnection | None = None
         self._channel: pika.channel.Channel | None = None
         self._next_tag = 1
-        self._batch: _Batch | None = None
+        self._batches: list[_Batch] = []  # in flight, oldest first
+        # Rows stay leased this long after a claim: the confirm timeout and a margin to record
+        # the outcome. A batch that takes longer (a broker block) has its lease renewed.
+        self.lease = dt.timedelta(seconds=settings.relay_confirm_timeout + LEASE_MARGIN)
+        self._next_sweep = 0.0  # monotonic time of the next release_parked sweep
         self._tick_timer: Any = None
         self._watch_timer: Any = None
         self._listener: _Listener | None = None
@@ -372,7 +485,7 @@ class OutboxRelay:
                     # A callback failed in a way nothing above handled (a channel closing under
                     # a publish, say). Never die for it: roll back, reconnect, go on.
                     logger.exception("relay: unexpected error; reconnecting")
-                    self._abort_batch("unexpected error")
+                    self._abort_batches("unexpected error")
                     self._close_quietly()
                 if self._finished or self._stop_requested or self._past_deadline():
                     break
@@ -439,7 +552,7 @@ class OutboxRelay:
         self._channel = None
         self.health.set_broker(False)
         self._set_blocked(False)
-        self._abort_batch(f"connection closed: {reason}")
+        self._abort_batches(f"connection closed: {reason}")
         self._cancel_timers(connection)
         if not (self._finished or self._stop_requested):
             logger.warning("relay: broker connection closed: %s", reason)
@@ -468,70 +581,70 @@ class OutboxRelay:
 
     def on_channel_closed(self, channel: pika.channel.Channel, reason: BaseException) -> None:
         self._channel = None
-        batch = self._batch
+        batches = self._batches
         if (
-            batch is not None
+            batches
             and isinstance(reason, pika.exceptions.ChannelClosedByBroker)
             and reason.reply_code == NOT_FOUND
         ):
             # Publishing to an exchange that does not exist closes the channel. Charge the rows
-            # bound for it; the rest of the batch stays pending, untouched.
+            # bound for it; the rest of the batches are due again, untouched.
             match = _MISSING_EXCHANGE.search(reason.reply_text)
             missing = match.group(1) if match else None
-            refused = [row for row in batch.all_rows() if row.exchange == missing]
-            for row in refused:
-                batch.errors[row.pk] = f"exchange {missing!r} does not exist"
+            refused = 0
+            for batch in batches:
+                for row in batch.unconfirmed():
+                    if row.exchange == missing:
+                        batch.errors[row.pk] = f"exchange {missing!r} does not exist"
+                        refused += 1
             if not refused:  # a 404 about something else: charge the row it came at
-                for row in self._refused_rows(batch, reason):
+                for batch, row in self._refused_rows(reason):
                     batch.errors[row.pk] = f"the broker closed the channel: {reason}"[:2000]
-                    refused.append(row)
-            metrics.relay_failed("refused", len(refused))
+                    refused += 1
+            metrics.relay_failed("refused", refused)
             self._probe.forget(missing)
-            self._finish_batch()
-        elif batch is not None and isinstance(reason, pika.exceptions.ChannelClosedByBroker):
+            self._finish_all()
+        elif batches and isinstance(reason, pika.exceptions.ChannelClosedByBroker):
             # The broker refused a publish (403: no write permission, an internal exchange;
-            # 406: a body over max_message_size, ...) and closed the channel at it. Rolling
-            # back would claim the same rows at once and hit the same wall forever: rows
-            # before it re-sent many times a second, rows after it never. So charge the row
-            # it was about, with backoff, and keep what was confirmed: the rows after it go
-            # out in the next batch, and OUTBOX_MAX_ATTEMPTS retires the culprit.
-            refused = self._refused_rows(batch, reason)
+            # 406: a body over max_message_size, ...) and closed the channel at it. Sending
+            # the same rows again at once would hit the same wall forever: rows before it
+            # re-sent many times a second, rows after it never. So charge the row it was
+            # about, with backoff, and keep what was confirmed: the rows after it go out in
+            # the next batch, and OUTBOX_MAX_ATTEMPTS retires the culprit.
+            refused_rows = self._refused_rows(reason)
             error = f"the broker closed the channel: {reason.reply_code} {reason.reply_text}"
-            for row in refused:
+            for batch, row in refused_rows:
                 batch.errors[row.pk] = error[:2000]
-            metrics.relay_failed("refused", len(refused))
-            self._finish_batch()
+            metrics.relay_failed("refused", len(refused_rows))
+            self._finish_all()
         else:
-            self._abort_batch(f"channel closed: {reason}")
+            self._abort_batches(f"channel closed: {reason}")
         connection = self._connection
         if connection is not None and connection.is_open and not self._finished:
             logger.warning("relay: channel closed (%s); opening a new one", reason)
             self._cancel_timers(connection)
             connection.channel(on_open_callback=self.on_channel_open)
 
-    @staticmethod
     def _refused_rows(
-        batch: _Batch, reason: pika.exceptions.ChannelClosedByBroker
-    ) -> list[ClaimedRow]:
+        self, reason: pika.exceptions.ChannelClosedByBroker
+    ) -> list[tuple[_Batch, ClaimedRow]]:
         """The unconfirmed rows a channel close was caused by: those bound for the exchange
         the broker named, or with the body size it named; failing that, the first one
         published (the broker closes at the offending publish, so the culprit is the first
         row it did not confirm or the rows after it were never looked at)."""
-        unconfirmed = [
-            batch.rows[tag]
-            for tag in sorted(batch.rows)
-            if batch.rows[tag].pk not in batch.confirmed and batch.rows[tag].pk not in batch.errors
-        ]
+        unconfirmed = [(batch, row) for batch in self._batches for row in batch.unconfirmed()]
         text = str(reason.reply_text)
         named = _NAMED_EXCHANGE.search(text)
         if named is not None:
-            matching = [row for row in unconfirmed if row.exchange == named.group(1)]
+            matching = [(b, row) for b, row in unconfirmed if row.exchange == named.group(1)]
             if matching:
                 return matching
         size = _MESSAGE_SIZE.search(text)
         if size is not None:
             matching = [
-                row for row in unconfirmed if len(row.body.encode("utf-8")) == int(size.group(1))
+                (b, row)
+                for b, row in unconfirmed
+                if len(row.body.encode("utf-8")) == int(size.group(1))
             ]
             if matching:
                 return matching[:1]
@@ -550,9 +663,11 @@ class OutboxRelay:
         A command (routing key matching ``REQUIRE_ROUTE``) that reaches no queue is an error:
         it is retried with backoff, then failed. Any other row is an event, and an event nobody
         subscribes to yet is normal in publish-subscribe: it is marked unrouted, not retried."""
-        batch = self._batch
         row_id = (properties.headers or {}).get(OUTBOX_ID_HEADER)
-        if batch is None or not isinstance(row_id, int):
+        if not isinstance(row_id, int):
+            return
+        batch = next((b for b in self._batches if b.holds(row_id)), None)
+        if batch is None:
             return
         self.report.returned += 1
         metrics.relay_failed("returned")
@@ -573,25 +688,24 @@ class OutboxRelay:
         self._set_blocked(True)
         logger.warning(
             "relay: the broker blocked the connection (%s); claiming no rows until it is "
-            "unblocked, the batch in flight waits for its confirms",
+            "unblocked, the batches in flight wait for their confirms",
             getattr(frame.method, "reason", "") or "no reason given",
         )
-        batch = self._batch
-        if batch is not None and batch.timer is not None:
-            # Its confirms are held up by the block, not lost: no timeout while it lasts.
-            connection.ioloop.remove_timeout(batch.timer)
-            batch.timer = None
+        for batch in self._batches:
+            if batch.timer is not None:
+                # Its confirms are held up by the block, not lost: no timeout while it lasts.
+                connection.ioloop.remove_timeout(batch.timer)
+                batch.timer = None
 
     def on_connection_unblocked(self, connection: pika.SelectConnection, frame: Any) -> None:
         if not self._blocked:
             return
         self._set_blocked(False)
         logger.info("relay: the broker unblocked the connection; resuming")
-        batch = self._batch
-        if batch is None:
-            self._schedule_tick(0)
-        elif batch.timer is None:
-            self._start_confirm_timer(batch)
+        for batch in self._batches:
+            if batch.timer is None:
+                self._start_confirm_timer(batch)
+        self._schedule_tick(0)
 
     def _set_blocked(self, blocked: bool) -> None:
         if blocked != self._blocked:
@@ -606,33 +720,34 @@ class OutboxRelay:
             )
 
     def on_delivery_confirmation(self, frame: Any) -> None:
-        batch = self._batch
-        if batch is None:
-            return
         method = frame.method
         acked = isinstance(method, Basic.Ack)
         tag = method.delivery_tag
-        latency = time.monotonic() - batch.published_at
-        if method.multiple:
-            # Tags of a batch are consecutive: settle from the lowest unsettled one up to tag.
-            tags = range(batch.lowest_unsettled, tag + 1)
-            batch.lowest_unsettled = max(batch.lowest_unsettled, tag + 1)
-        else:
-            tags = range(tag, tag + 1)
-        for settled in tags:
-            row = batch.rows.get(settled)
-            if row is None or settled in batch.settled:
+        now = time.monotonic()
+        for batch in list(self._batches):
+            if not batch.rows or (not method.multiple and tag not in batch.rows):
                 continue
-            batch.settled.add(settled)
-            if acked:
-                batch.confirmed.add(row.pk)
-                metrics.relay_confirm_latency(latency)
+            if method.multiple:
+                # Tags are consecutive across batches: settle from the batch's lowest
+                # unsettled one up to tag.
+                tags = range(batch.lowest_unsettled, min(tag, max(batch.rows)) + 1)
+                batch.lowest_unsettled = max(batch.lowest_unsettled, tags.stop)
             else:
-                batch.errors.setdefault(row.pk, "nacked by the broker")
-                self.report.nacked += 1
-                metrics.relay_failed("nacked")
-        if len(batch.settled) >= len(batch.rows):
-            self._finish_batch()
+                tags = range(tag, tag + 1)
+            for settled in tags:
+                row = batch.rows.get(settled)
+                if row is None or settled in batch.settled:
+                    continue
+                batch.settled.add(settled)
+                if acked:
+                    batch.confirmed.add(row.pk)
+                    metrics.relay_confirm_latency(now - batch.published_at)
+                else:
+                    batch.errors.setdefault(row.pk, "nacked by the broker")
+                    self.report.nacked += 1
+                    metrics.relay_failed("nacked")
+            if len(batch.settled) >= len(batch.rows):
+                self._finish_batch(batch)
 
     # -- timers -----------------------------------------------------------------------------
 
@@ -657,9 +772,10 @@ class OutboxRelay:
             if self._blocked:
                 self._leave_blocked(connection)
                 return
-            if self._batch is None:
+            if not self._batches:
                 self._close(connection)
                 return
+        self._renew_leases()
         if self.listen and self._listener is None and time.monotonic() >= self._listener_retry_at:
             self._open_listener(connection)
         self._watch_timer = connection.ioloop.call_later(0.2, self._watch)
@@ -684,7 +800,7 @@ class OutboxRelay:
         again later; any the broker did take become duplicates that consumers absorb). The
         closing handshake cannot complete either (the broker reads nothing, so no Close-Ok
         would come), so the loop just ends and the socket goes with the connection."""
-        self._abort_batch("stopping while the broker blocks the connection")
+        self._abort_batches("stopping while the broker blocks the connection")
         self._set_blocked(False)
         self._finished = True
         self._cancel_timers(connection)
@@ -728,10 +844,9 @@ class OutboxRelay:
             self._close_listener()
             self._listener_retry_at = time.monotonic() + 1
             return
-        if self._batch is None:
+        if len(self._batches) < MAX_IN_FLIGHT:
             self._schedule_tick(0)
-        else:
-            self._batch.full = True  # look again right after the batch in flight
+        # else: the next batch to finish schedules a claim
 
     def _close_listener(self) -> None:
         listener, self._listener = self._listener, None
@@ -750,18 +865,27 @@ class OutboxRelay:
     def _tick(self) -> None:
         self._tick_timer = None
         connection, channel = self._connection, self._channel
-        if connection is None or channel is None or not channel.is_open or self._batch:
+        if connection is None or channel is None or not channel.is_open:
             return
+        if len(self._batches) >= MAX_IN_FLIGHT:
+            return  # the next batch to finish schedules a claim
         if self._stop_requested or self._past_deadline():
             return  # _watch closes the connection
         if self._blocked:
             return  # on_connection_unblocked schedules the next tick
         try:
+            if time.monotonic() >= self._next_sweep:
+                self._sweep()
             claimed = self.publish_batch(channel)
+            self._db_backoff.reset()
+            self.health.set_database(True)
             if claimed:
-                self._db_backoff.reset()
-                self.health.set_database(True)
-                return  # the batch's completion schedules the next tick
+                # More may be due at once: claim the next batch while this one's confirms
+                # come back (a finishing batch schedules a claim too).
+                self._schedule_tick(0)
+                return
+            if self._batches:
+                return  # the batch in flight schedules a claim when it finishes
             if self.once:
                 # Nothing is due now: rows waiting out a backoff after a failure are left for
                 # a later run (and reported), not waited for.
@@ -769,8 +893,6 @@ class OutboxRelay:
                 self._close(connection)
                 return
             wait = self._idle_wait()
-            self._db_backoff.reset()
-            self.health.set_database(True)
         except DatabaseError as exc:
             connections[self.using].close()  # a fresh connection on the next try
             self.health.set_database(False, str(exc))
@@ -780,13 +902,23 @@ class OutboxRelay:
             )
         self._schedule_tick(wait)
 
+    def _sweep(self) -> None:
+        """Release parked rows nothing holds back any more (see :func:`release_parked`)."""
+        self._next_sweep = time.monotonic() + SWEEP_INTERVAL
+        released = release_parked(self.using)
+        if released:
+            logger.info(
+                "relay: %d parked row(s) released: the row before them is no longer unsent",
+                released,
+            )
+
     def _idle_wait(self) -> float:
         poll = self.settings.relay_poll_interval
         if self.listen and self._listener is not None:
             poll = max(poll, 5.0)  # NOTIFY wakes us; polling only catches backoffs and misses
-        # The next row waiting out a backoff. Rows already due but not claimable (behind an
-        # unsent earlier row of their key) must not count, or the relay would spin on them.
-        # How far off it is, by the database's clock (the one the claim compares with).
+        # The next row waiting out a backoff (or a lease), by the database's clock (the one the
+        # claim compares with). Parked rows (NULL) are not due at any time: they are released
+        # when the row before them is sent.
         due_in = (
             OutboxMessage.objects.using(self.using)
             .filter(status=OutboxStatus.PENDING, next_attempt_at__gt=Now())
@@ -797,36 +929,45 @@ class OutboxRelay:
         )
         if due_in is not None:
             poll = min(poll, max(0.0, due_in.total_seconds()))
-        return poll
+        return min(poll, max(0.0, self._next_sweep - time.monotonic()))
+
+    def _claim(self) -> tuple[list[ClaimedRow], int]:
+        """Lease up to a batch of due rows in one short transaction: (the rows to send, how
+        many rows were parked behind an earlier unsent row of their key)."""
+        outbox = OutboxMessage.objects.using(self.using)
+        with transaction.atomic(using=self.using):
+            found = list(
+                claimable(self.using)
+                .select_for_update(skip_locked=True)
+                .values_list(*CLAIMED_FIELDS, "behind")[: self.batch_size]
+            )
+            rows = [ClaimedRow(*values[:_BEHIND]) for values in found if values[_BEHIND] is None]
+            behind = [values[0] for values in found if values[_BEHIND] is not None]
+            if behind:
+                outbox.filter(pk__in=behind).update(next_attempt_at=None)
+            if rows:
+                outbox.filter(pk__in=[row.pk for row in rows]).update(
+                    next_attempt_at=Now() + Value(self.lease, output_field=DurationField())
+                )
+        return rows, len(behind)
 
     def publish_batch(self, channel: pika.channel.Channel) -> int:
-        """Claim due rows and publish them all; returns how many. Confirms settle them later."""
-        # The relay keeps one connection for as long as it works (a reconnect per tick would
-        # add tens of milliseconds to every message); _tick drops it after a database error.
-        atomic = transaction.atomic(using=self.using)
-        atomic.__enter__()
-        try:
-            rows = [
-                ClaimedRow(*values)
-                for values in claimable(self.using)
-                .select_for_update(skip_locked=True)
-                .values_list(*CLAIMED_FIELDS)[: self.batch_size]
-            ]
-        except BaseException as exc:
-            atomic.__exit__(type(exc), exc, exc.__traceback__)
-            raise
+        """Claim due rows and publish them all; returns how many were claimed or parked.
+        Confirms settle them later."""
+        rows, parked = self._claim()
         if not rows:
-            atomic.__exit__(None, None, None)
-            return 0
+            return parked
         metrics.relay_claimed(len(rows))
+        now = time.monotonic()
         batch = _Batch(
-            atomic=atomic,
             rows={},
-            full=len(rows) >= self.batch_size,
+            claimed=rows,
+            pks={row.pk for row in rows},
             lowest_unsettled=self._next_tag,
-            published_at=time.monotonic(),
+            published_at=now,
+            leased_at=now,
         )
-        self._batch = batch
+        self._batches.append(batch)
         for row in rows:
             if not self._probe.exists(row.exchange):
                 batch.unpublished.append(row)
@@ -856,20 +997,19 @@ class OutboxRelay:
         if batch.unpublished:
             metrics.relay_failed("refused", len(batch.unpublished))
         if not batch.rows:
-            self._finish_batch()
-            return len(rows)
+            self._finish_batch(batch)
+            return len(rows) + parked
         self._start_confirm_timer(batch)
-        return len(rows)
+        return len(rows) + parked
 
     def _start_confirm_timer(self, batch: _Batch) -> None:
         assert self._connection is not None
         batch.timer = self._connection.ioloop.call_later(
-            self.settings.relay_confirm_timeout, self._on_confirm_timeout
+            self.settings.relay_confirm_timeout, lambda: self._on_confirm_timeout(batch)
         )
 
-    def _on_confirm_timeout(self) -> None:
-        batch = self._batch
-        if batch is None:
+    def _on_confirm_timeout(self, batch: _Batch) -> None:
+        if batch not in self._batches:
             return
         batch.timer = None
         timed_out = 0
@@ -881,63 +1021,109 @@ class OutboxRelay:
                 timed_out += 1
         self.report.timed_out += timed_out
         metrics.relay_failed("timeout", timed_out)
-        self._finish_batch()
-        # A channel that stopped confirming is not to be trusted: start afresh.
+        self._finish_batch(batch)
+        # A channel that stopped confirming is not to be trusted: start afresh (the batches
+        # still in flight are settled as far as they got, the rest due again).
         connection = self._connection
         if connection is not None and connection.is_open:
             connection.close(reply_text="confirm timeout")
 
-    def _finish_batch(self) -> None:
-        """Record the batch's outcome and commit, releasing the row locks."""
-        batch, self._batch = self._batch, None
-        if batch is None:
+    def _renew_leases(self) -> None:
+        """Extend the lease of batches in flight for half a lease: a broker block or a slow
+        database may hold their confirms or their recording up past it."""
+        now = time.monotonic()
+        half = self.lease.total_seconds() / 2
+        stale = [batch for batch in self._batches if now - batch.leased_at >= half]
+        if not stale:
             return
+        try:
+            OutboxMessage.objects.using(self.using).filter(
+                pk__in=[row.pk for batch in stale for row in batch.claimed],
+                status=OutboxStatus.PENDING,
+            ).update(next_attempt_at=Now() + Value(self.lease, output_field=DurationField()))
+        except DatabaseError as exc:
+            logger.warning("relay: cannot renew the lease of the rows in flight (%s)", exc)
+            return
+        for batch in stale:
+            batch.leased_at = now
+
+    def _finish_all(self) -> None:
+        for batch in list(self._batches):
+            self._finish_batch(batch)
+
+    def _finish_batch(self, batch: _Batch) -> None:
+        """Record the batch's outcome in one short transaction."""
+        if batch not in self._batches:
+            return
+        self._batches.remove(batch)
         if batch.timer is not None and self._connection is not None:
             self._connection.ioloop.remove_timeout(batch.timer)
-        # Rows neither confirmed nor charged (in flight when a channel died) stay pending as
-        # they are and go again: the broker may have them, which consumers absorb.
+            batch.timer = None
+        if self._settle(batch):
+            self.report.batches += 1
+            if self.on_batch is not None:
+                self.on_batch(self.report)
+            self._schedule_tick(0)
+        else:
+            self._schedule_tick(self._db_backoff.next())
+
+    def _settle(self, batch: _Batch) -> bool:
+        """Mark the confirmed rows sent (or unrouted), charge the failed ones, and make the
+        rest due again at once (in flight when a channel died: the broker may have them, which
+        consumers absorb). Releases the next row of each key sent. False when the database
+        could not record it: the rows stay leased and go again when the lease runs out."""
         sent = [pk for pk in batch.confirmed if pk not in batch.errors and pk not in batch.unrouted]
         unrouted = [
             row
             for row in batch.rows.values()
             if row.pk in batch.unrouted and row.pk in batch.confirmed and row.pk not in batch.errors
         ]
+        done = set(sent) | {row.pk for row in unrouted}
+        again = [
+            row.pk for row in batch.claimed if row.pk not in done and row.pk not in batch.errors
+        ]
+        keys = {
+            row.ordering_key
+            for row in batch.claimed
+            if row.pk in done and row.ordering_key is not None
+        }
         try:
-            outbox = OutboxMessage.objects.using(self.using)
-            if sent:
-                outbox.filter(pk__in=sent).update(
-                    status=OutboxStatus.SENT, sent_at=Now(), last_error=""
-                )
-            if unrouted:
-                outbox.filter(pk__in=[row.pk for row in unrouted]).update(
-                    status=OutboxStatus.UNROUTED,
-                    sent_at=Now(),
-                    last_error="no queue was bound for its routing key when it was sent",
-                )
-            for row in batch.all_rows():
-                error = batch.errors.get(row.pk)
-                if error is not None:
-                    self._record_failure(row, error)
-        except Exception as exc:  # noqa: BLE001 - whatever failed, the transaction must end
-            # The rows were published but cannot be marked: they stay pending and go again
-            # later, which consumers absorb by message_id.
-            try:
-                batch.atomic.__exit__(type(exc), exc, exc.__traceback__)
-            except DatabaseError:
-                logger.debug("rollback after a failed batch update failed too", exc_info=True)
+            with transaction.atomic(using=self.using):
+                outbox = OutboxMessage.objects.using(self.using)
+                if sent:
+                    outbox.filter(pk__in=sent).update(
+                        status=OutboxStatus.SENT, sent_at=Now(), last_error=""
+                    )
+                if unrouted:
+                    outbox.filter(pk__in=[row.pk for row in unrouted]).update(
+                        status=OutboxStatus.UNROUTED,
+                        sent_at=Now(),
+                        last_error="no queue was bound for its routing key when it was sent",
+                    )
+                for row in batch.claimed:
+                    error = batch.errors.get(row.pk)
+                    if error is not None:
+                        self._record_failure(row, error)
+                if again:
+                    outbox.filter(pk__in=again, status=OutboxStatus.PENDING).update(
+                        next_attempt_at=Now()
+                    )
+                release_next_of_keys(self.using, keys)
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the relay goes on
+            # The rows were published but cannot be marked: they stay pending under their
+            # lease and go again when it runs out, which consumers absorb by message_id.
             logger.warning(
                 "relay: cannot record a batch's confirms (%s); its %d row(s) stay "
                 "pending and will be sent again",
                 exc,
-                len(batch.all_rows()),
+                len(batch.claimed),
             )
             self.health.set_database(False, str(exc))
-            self._schedule_tick(self._db_backoff.next())
-            return
-        batch.atomic.__exit__(None, None, None)
+            if isinstance(exc, DatabaseError):
+                connections[self.using].close()
+            return False
         self.report.sent += len(sent)
         self.report.unrouted += len(unrouted)
-        self.report.batches += 1
         if unrouted:
             # One line per batch, not per row: a busy service may publish many events nobody
             # subscribes to yet, and that is normal.
@@ -949,11 +1135,10 @@ class OutboxRelay:
                 + (", ..." if len(unrouted) > 10 else ""),
             )
         metrics.relay_published(len(sent))
-        for pk in sent:
-            logger.debug("relay: sent outbox row %s", pk)
-        if self.on_batch is not None:
-            self.on_batch(self.report)
-        self._schedule_tick(0)
+        if logger.isEnabledFor(logging.DEBUG):
+            for pk in sent:
+                logger.debug("relay: sent outbox row %s", pk)
+        return True
 
     def _record_failure(self, row: ClaimedRow, error: str) -> None:
         attempts = row.attempts + 1
@@ -977,22 +1162,22 @@ class OutboxRelay:
             status=OutboxStatus.FAILED if failed else OutboxStatus.PENDING,
         )
 
-    def _abort_batch(self, why: str) -> None:
-        """The connection or channel died mid-batch: roll back, the rows stay pending."""
-        batch, self._batch = self._batch, None
-        if batch is None:
+    def _abort_batches(self, why: str) -> None:
+        """The connection or channel died with batches in flight: what was confirmed is marked
+        sent, the rest is due again (the broker may have it: consumers absorb duplicates)."""
+        if not self._batches:
             return
-        if batch.timer is not None and self._connection is not None:
-            try:
-                self._connection.ioloop.remove_timeout(batch.timer)
-            except Exception:
-                logger.debug("removing the confirm timer failed", exc_info=True)
-        try:
-            batch.atomic.__exit__(RuntimeError, RuntimeError(why), None)
-        except DatabaseError:
-            logger.debug("rollback of an aborted batch failed", exc_info=True)
+        rows = sum(len(batch.claimed) for batch in self._batches)
+        for batch in list(self._batches):
+            self._batches.remove(batch)
+            if batch.timer is not None and self._connection is not None:
+                try:
+                    self._connection.ioloop.remove_timeout(batch.timer)
+                except Exception:
+                    logger.debug("removing the confirm timer failed", exc_info=True)
+            self._settle(batch)
         logger.warning(
-            "relay: batch of %d row(s) aborted (%s); they stay pending", len(batch.rows), why
+            "relay: %d row(s) in flight when %s; the unconfirmed ones are due again", rows, why
         )
 
 

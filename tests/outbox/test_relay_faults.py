@@ -10,9 +10,11 @@ from collections import Counter
 
 import pytest
 from django.db import connections, transaction
+from django.db.models.functions import Now
 
 from reliable_messaging import publish
 from reliable_messaging.models import OutboxMessage, OutboxStatus
+from reliable_messaging.relay import LEASE_MARGIN, MAX_IN_FLIGHT
 from tests import support
 from tests.support import wait_until
 
@@ -37,6 +39,9 @@ def publish_many(count: int, per_transaction: int = 1000) -> set[str]:
 
 
 def test_kill_9_mid_batch_loses_nothing(ob: OutboxEnv) -> None:
+    # The rows a killed relay had in flight go again when their lease (the confirm timeout
+    # and a margin) runs out: a short one keeps the test short.
+    ob.set(RELAY_CONFIRM_TIMEOUT=2)
     queue = ob.queue()
     total = 3000
     ids = publish_many(total)
@@ -52,7 +57,21 @@ def test_kill_9_mid_batch_loses_nothing(ob: OutboxEnv) -> None:
     assert relay.returncode == -signal.SIGKILL
     sent_at_kill = sent_rows()
     assert sent_at_kill < total, "the relay finished before it could be killed mid-run"
+    leased = OutboxMessage.objects.filter(
+        status=OutboxStatus.PENDING, next_attempt_at__gt=Now()
+    ).count()
+    assert leased <= 20 * MAX_IN_FLIGHT, leased  # at most the batches that were in flight
 
+    # A relay started now sends everything else at once and those rows when the lease ends.
+    wait_until(
+        lambda: (
+            not OutboxMessage.objects.filter(
+                status=OutboxStatus.PENDING, next_attempt_at__gt=Now()
+            ).exists()
+        ),
+        timeout=2 + LEASE_MARGIN + 5,
+        message="the killed relay's lease ran out",
+    )
     code, log = ob.run_relay_once(120, "--batch-size", "200")
     assert code == 0, log
     assert OutboxMessage.objects.exclude(status=OutboxStatus.SENT).count() == 0

@@ -1,0 +1,181 @@
+"""The relay's claim at scale: it reads only due rows, parks the rows behind an unsent earlier
+row of their key (and releases them in order), leases what it takes in a transaction that
+commits at once, and keeps per-key order with several batches in flight."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections import defaultdict
+from typing import Any
+
+import pytest
+from django.db import connection, transaction
+from django.db.models.functions import Now
+from django.utils import timezone
+
+from reliable_messaging import publish
+from reliable_messaging.models import OutboxMessage, OutboxStatus
+from reliable_messaging.relay import (
+    LEASE_MARGIN,
+    OutboxRelay,
+    claimable,
+    release_parked,
+)
+
+from .conftest import OutboxEnv
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def db_now() -> dt.datetime:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT CURRENT_TIMESTAMP")
+        (now,) = cursor.fetchone()
+    return now  # type: ignore[no-any-return]
+
+
+def bulk_rows(count: int, **fields: Any) -> None:
+    now = timezone.now()
+    OutboxMessage.objects.bulk_create(
+        OutboxMessage(
+            message_id=f"bulk-{fields.get('ordering_key')}-{i}-{now.timestamp()}",
+            exchange="",
+            routing_key="nowhere",
+            body="{}",
+            **fields,
+        )
+        for i in range(count)
+    )
+
+
+def rows_read(plan: Any) -> int:
+    """Rows the scans of a JSON EXPLAIN ANALYZE plan returned, over all loops (the outbox is
+    the only table in the claim)."""
+    total = 0
+    if "Scan" in plan.get("Node Type", ""):
+        total += int(plan.get("Actual Rows", 0)) * int(plan.get("Actual Loops", 1))
+        total += int(plan.get("Rows Removed by Filter", 0)) * int(plan.get("Actual Loops", 1))
+    for child in plan.get("Plans", []):
+        total += rows_read(child)
+    return total
+
+
+@pytest.mark.skipif("config.getoption('--sqlite', default=False)")
+def test_the_claim_reads_the_due_rows_not_those_it_cannot_take(ob: OutboxEnv) -> None:
+    """The bench's worst states in small: many rows not due, many parked behind a failed row;
+    the claim's cost must not grow with them (it once walked every one of them)."""
+    later = timezone.now() + dt.timedelta(hours=1)
+    bulk_rows(3000, next_attempt_at=later, attempts=1)  # backing off
+    OutboxMessage.objects.create(
+        message_id="head", routing_key="x", body="{}", ordering_key="K", status="failed"
+    )
+    bulk_rows(3000, ordering_key="K", next_attempt_at=None)  # parked behind the failed head
+    bulk_rows(4)
+    for key in ("k1", "k2", "k3"):  # keyed rows at the head of their key
+        bulk_rows(1, ordering_key=key)
+    due = 7
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE reliable_messaging_outboxmessage")
+    query = claimable("default").select_for_update(skip_locked=True)[:500]
+    with transaction.atomic():
+        sql, params = query.query.sql_with_params()
+        with connection.cursor() as cursor:
+            cursor.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}", params)
+            (plan,) = cursor.fetchone()
+    plan = plan if isinstance(plan, list) else json.loads(plan)
+    text = json.dumps(plan)
+    assert "rm_outbox_due_idx" in text, text
+    read = rows_read(plan[0]["Plan"])
+    assert read <= due + 10, f"the claim read {read} rows to find {due}: {text[:2000]}"
+
+
+def test_rows_behind_a_failed_row_are_parked_once_then_released_in_order(ob: OutboxEnv) -> None:
+    ob.set(OUTBOX_MAX_ATTEMPTS=1, REQUIRE_ROUTE=["stuck.#"])
+    queue = ob.queue(bindings=["ok.#"])
+    with transaction.atomic():
+        head = publish("stuck.a0", {"n": 0}, ordering_key="A")  # unroutable command: fails
+        later = [publish(f"ok.a{i}", {"n": i}, ordering_key="A") for i in range(1, 6)]
+        free = publish("ok.free", {"n": "free"})
+
+    OutboxRelay(once=True).run()
+    assert OutboxMessage.objects.get(message_id=head).status == OutboxStatus.FAILED
+    assert [m.message_id for m in ob.broker.drain(queue, expected=1)] == [free]
+    parked = OutboxMessage.objects.filter(message_id__in=later)
+    assert all(r.status == OutboxStatus.PENDING and r.attempts == 0 for r in parked)
+    assert all(r.next_attempt_at is None for r in parked), "the rows behind it are not parked"
+    # Parked rows are out of the claim's reach: later claims never read them again.
+    assert not claimable("default").filter(message_id__in=later).exists()
+    assert OutboxRelay(once=True).run().sent == 0
+
+    # The operator fixes the cause and retries the head (the admin's action): the head goes,
+    # and each row is released by the one before it, in order.
+    ob.broker.bind(queue, ob.exchange, "stuck.#")
+    OutboxMessage.objects.filter(message_id=head).update(
+        status=OutboxStatus.PENDING, attempts=0, next_attempt_at=Now()
+    )
+    report = OutboxRelay(once=True).run()
+    assert report.sent == 6
+    assert [m.message_id for m in ob.broker.drain(queue, expected=6)] == [head, *later]
+
+
+def test_a_parked_row_nothing_holds_back_is_released_by_the_sweep(ob: OutboxEnv) -> None:
+    """A race between two relays can park a row just as the row before it is sent: the sweep
+    (at start and every 30 s) releases it."""
+    queue = ob.queue()
+    with transaction.atomic():
+        first = publish("order.1", {"n": 1}, ordering_key="K")
+        second = publish("order.2", {"n": 2}, ordering_key="K")
+    OutboxMessage.objects.filter(message_id=first).update(status=OutboxStatus.SENT, sent_at=Now())
+    OutboxMessage.objects.filter(message_id=second).update(next_attempt_at=None)
+
+    assert release_parked("default") == 1
+    OutboxMessage.objects.filter(message_id=second).update(next_attempt_at=None)
+    assert OutboxRelay(once=True).run().sent == 1  # the relay sweeps when it starts
+    assert [m.message_id for m in ob.broker.drain(queue, expected=1)] == [second]
+
+
+def test_a_claim_commits_at_once_and_leases_its_rows(ob: OutboxEnv) -> None:
+    """No transaction stays open while confirms are awaited (it would hold row locks and
+    vacuum back); the lease keeps other relays off the rows meanwhile."""
+    ob.set(RELAY_CONFIRM_TIMEOUT=10)
+    with transaction.atomic():
+        ids = [publish("order.placed", {"n": i}) for i in range(5)]
+    relay = OutboxRelay(once=True)
+    rows, parked = relay._claim()
+    assert (sorted(r.message_id for r in rows), parked) == (sorted(ids), 0)
+    assert not connection.in_atomic_block
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT state FROM pg_stat_activity WHERE pid = pg_backend_pid()")
+        assert cursor.fetchone() == ("active",)  # this very query; no transaction left open
+    now = db_now()
+    for row in OutboxMessage.objects.filter(message_id__in=ids):
+        assert row.next_attempt_at is not None
+        lease = (row.next_attempt_at - now).total_seconds()
+        assert 10 < lease <= 10 + LEASE_MARGIN + 1, lease
+    assert OutboxRelay(once=True)._claim() == ([], 0), "another relay took leased rows"
+
+    # A batch held up (a broker block) has its lease renewed before it runs out.
+    OutboxMessage.objects.filter(message_id__in=ids).update(next_attempt_at=Now())
+    relay._batches = [type("B", (), {"leased_at": 0.0, "claimed": rows})()]  # type: ignore[list-item]
+    relay._renew_leases()
+    assert not OutboxMessage.objects.filter(message_id__in=ids, next_attempt_at__lte=Now()).exists()
+
+
+def test_several_batches_in_flight_keep_each_keys_order(ob: OutboxEnv) -> None:
+    queue = ob.queue()
+    published: dict[str, list[str]] = defaultdict(list)
+    with transaction.atomic():
+        for seq in range(15):
+            for key in ("a", "b", "c", "d", "e", "f"):
+                published[key].append(
+                    publish("order.placed", {"key": key, "seq": seq}, ordering_key=key)
+                )
+            publish("order.placed", {"key": None, "seq": seq})
+    batches: list[int] = []
+    report = OutboxRelay(once=True, batch_size=4, on_batch=lambda r: batches.append(r.sent)).run()
+    assert report.sent == 15 * 7
+    delivered = ob.broker.drain(queue, expected=15 * 7)
+    for key, ids in published.items():
+        assert [m.message_id for m in delivered if m.payload["key"] == key] == ids, key
+    assert not OutboxMessage.objects.exclude(status=OutboxStatus.SENT).exists()
