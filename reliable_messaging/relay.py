@@ -1,36 +1,41 @@
 """The outbox relay: sends committed outbox rows with pipelined publisher confirms.
 
-One thread runs pika's asynchronous ``SelectConnection`` I/O loop; database work happens in its
-callbacks (each query is short, and no transaction stays open across a wait). A batch goes
-like this:
+One thread runs pika's asynchronous ``SelectConnection`` I/O loop; the database work runs on
+``MAX_IN_FLIGHT`` worker threads, each with its own connection, so that publishing and waiting
+on PostgreSQL overlap. A batch goes like this:
 
-1. ``claim``: in a short transaction, ``SELECT ... FOR UPDATE SKIP LOCKED`` the due rows
-   through the index of due pending rows (rows sent, backing off, in flight or parked are
-   outside the range it reads, so its cost does not grow with them), and take a *lease* on
-   them: ``next_attempt_at`` moves ``RELAY_CONFIRM_TIMEOUT`` + 5 s ahead, so relays running
-   side by side never take the same row, and a relay that dies mid-batch leaves its rows to
-   be sent again when the lease runs out. A keyed row goes only when no earlier row of its key
-   is unsent; one that is behind such a row is *parked* (``next_attempt_at`` NULL) and so is
-   never read again until the row before it is sent, which releases the next one in the same
-   transaction that marks it sent. (A sweep every 30 s releases any a race left parked.)
-2. ``publish``: every row goes out at once (``mandatory=True``, persistent). While its
-   confirms come back the next batch is claimed and published (up to ``MAX_IN_FLIGHT``).
-3. ``settle``: confirms arrive, ``multiple=True`` settling every tag up to the one named. When
-   all of a batch are in (or ``RELAY_CONFIRM_TIMEOUT`` passes) the confirmed rows are marked
-   sent, the others get their error, an attempt and a backoff, in one short transaction. An
-   event the broker returned as unroutable (no queue bound: nobody subscribes yet) is marked
-   ``unrouted`` instead, for good; only routing keys matching ``REQUIRE_ROUTE`` (commands) are
-   retried. When the broker refuses a publish by closing the channel (403, 406, ...), the row
-   it names is charged and what was confirmed is marked sent; the unconfirmed rest are due
-   again at once.
+1. ``claim`` (a worker): in a transaction, ``SELECT ... FOR UPDATE SKIP LOCKED`` the due rows
+   through the index of due pending rows (rows sent, backing off, leased or parked are outside
+   the range it reads, so its cost does not grow with them). Relays running side by side never
+   take the same row. A keyed row goes only when no earlier row of its key is unsent; one
+   behind such a row is *parked* (``next_attempt_at`` NULL, in a transaction of its own that
+   locks the row holding it back) and is never read again until that row is sent, which
+   releases the next one in the transaction that marks it sent. (A sweep every 30 s releases
+   any left parked by other means, an operator's edit say.)
+2. ``publish`` (the I/O loop): every row goes out at once (``mandatory=True``, persistent).
+   While its confirms come back the next batch is claimed and published, up to
+   ``MAX_IN_FLIGHT`` batches.
+3. ``settle`` (the batch's worker): confirms arrive, ``multiple=True`` settling every tag up
+   to the one named. When all of a batch are in (or ``RELAY_CONFIRM_TIMEOUT`` passes) the
+   confirmed rows are marked sent, the others get their error, an attempt and a backoff, and
+   the claim's transaction commits. An event the broker returned as unroutable (no queue
+   bound: nobody subscribes yet) is marked ``unrouted`` instead, for good; only routing keys
+   matching ``REQUIRE_ROUTE`` (commands) are retried. When the broker refuses a publish by
+   closing the channel (403, 406, ...), the row it names is charged and what was confirmed is
+   marked sent; the unconfirmed rest are due again at once.
+
+A claim's transaction stays open while its confirms arrive (milliseconds) but never longer
+than ``HOLD_LIMIT`` (2 s): a batch still unconfirmed then (a slow or blocked broker) trades its
+row locks for a *lease*, ``next_attempt_at`` set ``RELAY_CONFIRM_TIMEOUT`` + 5 s ahead and
+renewed while the batch is in flight, and the transaction commits. So no snapshot and no lock
+is held long on the busiest table, which would hold back vacuum.
 
 Every time the relay compares or computes ``next_attempt_at`` it uses the database's clock, the
 one ``publish()`` writes it with, so hosts with skewed clocks agree on when a row is due.
 
-A relay that dies with a batch in flight leaves its rows pending under their lease: they go
-again when it runs out (consumers absorb the duplicate by message_id). Nothing committed is
-lost. A lease still held when a broker block or a database outage delays the confirms or their
-recording is renewed while the relay lives.
+A crash before a batch is recorded rolls its transaction back: the rows are due again at once
+(or, if leased, when the lease runs out) and a relay sends them again (consumers absorb the
+duplicate by message_id). Nothing committed is lost.
 
 On PostgreSQL the relay also LISTENs on a channel that a trigger NOTIFYs on every committed
 insert, with the listening socket watched by the same I/O loop (a new LISTEN connection for
@@ -54,7 +59,9 @@ loop) that ``--metrics-port`` serves as ``/healthz``.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
+import queue
 import re
 import struct
 import threading
@@ -113,6 +120,9 @@ def resend_backoff(attempts: int) -> dt.timedelta:
 MAX_IN_FLIGHT = 3
 # Seconds a claim's lease lasts past RELAY_CONFIRM_TIMEOUT.
 LEASE_MARGIN = 5.0
+# Seconds a batch's claim transaction may stay open while its confirms are awaited; past it
+# the rows are leased instead and the transaction commits (see _renew_leases).
+HOLD_LIMIT = 2.0
 # Parked rows are released by the relay that sends the row before them; this sweep catches
 # any that a race between relays (or a row settled by other means) left parked.
 SWEEP_INTERVAL = 30.0
@@ -273,7 +283,11 @@ class _Batch:
     """Rows published and awaiting confirms, under the lease their claim took."""
 
     rows: dict[int, ClaimedRow]  # published, by delivery tag
-    claimed: list[ClaimedRow] = field(default_factory=list)  # every row the claim leased
+    claimed: list[ClaimedRow] = field(default_factory=list)  # every row the claim took
+    worker: Any = None  # the _DatabaseWorker whose connection holds its transaction
+    # The claim's transaction, holding the row locks, until HOLD_LIMIT: then the rows are
+    # leased instead and it commits (touched on the worker's thread only).
+    atomic: Any = None
     unpublished: list[ClaimedRow] = field(default_factory=list)  # refused before publishing
     errors: dict[int, str] = field(default_factory=dict)  # row id -> why it was not sent
     confirmed: set[int] = field(default_factory=set)  # row ids acked by the broker
@@ -283,7 +297,7 @@ class _Batch:
     pks: set[int] = field(default_factory=set)  # ids of the claimed rows
     timer: Any = None
     published_at: float = 0.0  # monotonic time the rows went out, for the confirm latency
-    leased_at: float = 0.0  # monotonic time the lease was taken or last renewed
+    leased_at: float = 0.0  # monotonic time the lease was taken or renewed; 0: not leased
 
     def all_rows(self) -> list[ClaimedRow]:
         return self.claimed
@@ -413,6 +427,66 @@ def outbox_backlog(using: str) -> tuple[int, int, int] | None:
     return counts["pending"], counts["retrying"], counts["failed"]
 
 
+@dataclass
+class _Claim:
+    """What a claim found: rows to send under the transaction that locks them (or None when
+    there are none), rows it parked, seconds until the next row is due, or an error."""
+
+    rows: list[ClaimedRow]
+    atomic: Any = None
+    parked: int = 0
+    wait: float = 0.0
+    error: DatabaseError | None = None
+
+
+class _DatabaseWorker:
+    """Runs the relay's database work, one job at a time, on a thread of its own with its own
+    connection, so the I/O loop publishes and takes confirms while a claim or the recording
+    of a batch waits on PostgreSQL: on two cores the two overlap instead of taking turns.
+
+    A batch's rows stay locked by its claim's transaction on its worker's connection until
+    the batch is recorded, so each batch in flight has a worker of its own."""
+
+    def __init__(self, name: str) -> None:
+        # Set and read on the I/O loop only: the batch whose transaction this worker's
+        # connection holds, and whether a claim was given to it.
+        self.batch: _Batch | None = None
+        self.claiming = False
+        # A claim's answer, handed from this worker's thread to the I/O loop.
+        self.claimed: _Claim | None = None
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def drain(self) -> None:
+        """Wait until every job submitted so far has run."""
+        self._jobs.join()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                job = self._jobs.get()
+                try:
+                    if job is None:
+                        return
+                    job()
+                except Exception:
+                    # Jobs handle their own database errors; anything else is a bug to see,
+                    # never a reason for the relay to stop recording batches.
+                    logger.exception("relay: unexpected error in database work")
+                finally:
+                    self._jobs.task_done()
+        finally:
+            connections.close_all()  # this thread's connections
+
+
 class OutboxRelay:
     """Publishes the outbox until stopped; with ``once`` until nothing is pending."""
 
@@ -447,6 +521,9 @@ class OutboxRelay:
         # the outcome. A batch that takes longer (a broker block) has its lease renewed.
         self.lease = dt.timedelta(seconds=settings.relay_confirm_timeout + LEASE_MARGIN)
         self._next_sweep = 0.0  # monotonic time of the next release_parked sweep
+        # One per batch that may be in flight; they run every query of the batches.
+        self._workers: list[_DatabaseWorker] = []
+        self._look_again = False  # a claim was asked for while one was under way
         self._tick_timer: Any = None
         self._watch_timer: Any = None
         self._listener: _Listener | None = None
@@ -465,6 +542,8 @@ class OutboxRelay:
         self._stop_requested = True
 
     def run(self) -> RelayReport:
+        name = threading.current_thread().name
+        self._workers = [_DatabaseWorker(f"{name}-db{i}") for i in range(MAX_IN_FLIGHT)]
         try:
             while not (self._finished or self._stop_requested or self._past_deadline()):
                 # Each connection runs its own I/O loop, and the LISTEN socket is watched by
@@ -487,6 +566,7 @@ class OutboxRelay:
                     logger.exception("relay: unexpected error; reconnecting")
                     self._abort_batches("unexpected error")
                     self._close_quietly()
+                self._after_loop()
                 if self._finished or self._stop_requested or self._past_deadline():
                     break
                 # Another node of the list is tried at once; the backoff is for a whole round.
@@ -501,8 +581,42 @@ class OutboxRelay:
             self.health.stopping()
             self._close_listener()
             self._probe.close()
+            self._after_loop()
+            for worker in self._workers:
+                worker.close()
         self._count_left()
         return self.report
+
+    def _after_loop(self) -> None:
+        """A connection's loop ended: let the database workers finish what they were given
+        (the outcomes of the batches in flight), and roll back a claim never published."""
+        self._abort_batches("the connection's loop ended")
+        for worker in self._workers:
+            worker.drain()
+            claimed, worker.claimed = worker.claimed, None
+            worker.claiming = False
+            worker.batch = None
+            if claimed is not None and claimed.atomic is not None:
+                worker.submit(functools.partial(self._roll_back, claimed.atomic))
+                worker.drain()
+
+    @staticmethod
+    def _roll_back(atomic: Any) -> None:
+        """Database worker: end a claim's transaction without a trace: its rows are due."""
+        try:
+            atomic.__exit__(RuntimeError, RuntimeError("not published"), None)
+        except DatabaseError:
+            logger.debug("rolling back an unpublished claim failed", exc_info=True)
+
+    def _post(self, callback: Callable[[], None]) -> None:
+        """From the database worker: run ``callback`` on the I/O loop. Lost when the loop has
+        ended, which :meth:`_after_loop` accounts for."""
+        connection = self._connection
+        if connection is not None:
+            try:
+                connection.ioloop.add_callback_threadsafe(callback)
+            except Exception:
+                logger.debug("the I/O loop is gone; dropping a callback", exc_info=True)
 
     def _next_broker(self) -> pika.URLParameters:
         """The broker URL to try next: each connect takes the next one of a shuffled list, so
@@ -772,7 +886,7 @@ class OutboxRelay:
             if self._blocked:
                 self._leave_blocked(connection)
                 return
-            if not self._batches:
+            if not (self._batches or self._db_busy()):
                 self._close(connection)
                 return
         self._renew_leases()
@@ -862,45 +976,103 @@ class OutboxRelay:
 
     # -- batches -----------------------------------------------------------------------------
 
+    def _db_busy(self) -> bool:
+        """A claim is under way or a batch is in flight or being recorded: each ends in a
+        callback on the I/O loop that schedules the next claim."""
+        return any(w.claiming or w.batch is not None for w in self._workers)
+
+    def _free_worker(self) -> _DatabaseWorker | None:
+        # A worker still finishing a job (recording a batch) takes the claim after it.
+        for worker in self._workers:
+            if not (worker.claiming or worker.batch is not None):
+                return worker
+        return None
+
     def _tick(self) -> None:
+        """I/O loop: give the next claim to a free database worker, unless a claim is under
+        way or every worker holds a batch in flight."""
         self._tick_timer = None
         connection, channel = self._connection, self._channel
         if connection is None or channel is None or not channel.is_open:
             return
-        if len(self._batches) >= MAX_IN_FLIGHT:
-            return  # the next batch to finish schedules a claim
+        if any(worker.claiming for worker in self._workers):
+            # Its answer schedules the next claim; it may have looked before what this tick
+            # is for (a batch recorded, a row released, a NOTIFY), so it looks again.
+            self._look_again = True
+            return
+        worker = self._free_worker()
+        if worker is None:
+            return  # the next batch to be recorded schedules a claim
         if self._stop_requested or self._past_deadline():
             return  # _watch closes the connection
         if self._blocked:
             return  # on_connection_unblocked schedules the next tick
+        sweep = time.monotonic() >= self._next_sweep
+        if sweep:
+            self._next_sweep = time.monotonic() + SWEEP_INTERVAL
+        worker.claiming = True
+        self._look_again = False
+        worker.submit(functools.partial(self._claim_job, worker, sweep))
+
+    def _claim_job(self, worker: _DatabaseWorker, sweep: bool) -> None:
+        """Database worker: claim a batch and hand it to the I/O loop."""
         try:
-            if time.monotonic() >= self._next_sweep:
+            if sweep:
                 self._sweep()
-            claimed = self.publish_batch(channel)
-            self._db_backoff.reset()
-            self.health.set_database(True)
-            if claimed:
-                # More may be due at once: claim the next batch while this one's confirms
-                # come back (a finishing batch schedules a claim too).
-                self._schedule_tick(0)
-                return
-            if self._batches:
-                return  # the batch in flight schedules a claim when it finishes
-            if self.once:
-                # Nothing is due now: rows waiting out a backoff after a failure are left for
-                # a later run (and reported), not waited for.
-                logger.info("relay: nothing left to send")
-                self._close(connection)
-                return
-            wait = self._idle_wait()
+            claim = self._claim()
+            if claim.atomic is None and not claim.parked:
+                claim.wait = self._idle_wait()
         except DatabaseError as exc:
             connections[self.using].close()  # a fresh connection on the next try
-            self.health.set_database(False, str(exc))
+            claim = _Claim(rows=[], error=exc)
+        except Exception as exc:  # a bug must not leave the relay waiting for this claim
+            logger.exception("relay: unexpected error while claiming rows")
+            claim = _Claim(rows=[], error=DatabaseError(f"unexpected error: {exc!r}"))
+        worker.claimed = claim
+        self._post(functools.partial(self._on_claimed, worker))
+
+    def _on_claimed(self, worker: _DatabaseWorker) -> None:
+        """I/O loop: publish what the claim found, and decide when to claim again."""
+        claim, worker.claimed = worker.claimed, None
+        worker.claiming = False
+        connection, channel = self._connection, self._channel
+        if claim is None:
+            return
+        if connection is None or not connection.is_open:
+            if claim.atomic is not None:
+                worker.submit(functools.partial(self._roll_back, claim.atomic))
+            return
+        if claim.error is not None:
+            self.health.set_database(False, str(claim.error))
             wait = self._db_backoff.next()
             logger.warning(
-                "relay: database unavailable (%s); rows stay pending, retrying in %.1fs", exc, wait
+                "relay: database unavailable (%s); rows stay pending, retrying in %.1fs",
+                claim.error,
+                wait,
             )
-        self._schedule_tick(wait)
+            self._schedule_tick(wait)
+            return
+        self._db_backoff.reset()
+        self.health.set_database(True)
+        if claim.atomic is not None:
+            if channel is None or not channel.is_open:
+                worker.submit(functools.partial(self._roll_back, claim.atomic))
+                return  # the new channel's confirm mode schedules a claim
+            self._publish(channel, worker, claim)
+        if claim.rows or claim.parked or self._look_again:
+            # More may be due at once: claim the next batch while this one's confirms come
+            # back (a batch being recorded schedules a claim too).
+            self._schedule_tick(0)
+            return
+        if self._batches or self._db_busy():
+            return  # a batch in flight schedules a claim when it is recorded
+        if self.once:
+            # Nothing is due now: rows waiting out a backoff after a failure are left for a
+            # later run (and reported), not waited for.
+            logger.info("relay: nothing left to send")
+            self._close(connection)
+            return
+        self._schedule_tick(claim.wait)
 
     def _sweep(self) -> None:
         """Release parked rows nothing holds back any more (see :func:`release_parked`)."""
@@ -913,6 +1085,7 @@ class OutboxRelay:
             )
 
     def _idle_wait(self) -> float:
+        """Database worker: how long the relay may sleep before the next claim."""
         poll = self.settings.relay_poll_interval
         if self.listen and self._listener is not None:
             poll = max(poll, 5.0)  # NOTIFY wakes us; polling only catches backoffs and misses
@@ -931,43 +1104,75 @@ class OutboxRelay:
             poll = min(poll, max(0.0, due_in.total_seconds()))
         return min(poll, max(0.0, self._next_sweep - time.monotonic()))
 
-    def _claim(self) -> tuple[list[ClaimedRow], int]:
-        """Lease up to a batch of due rows in one short transaction: (the rows to send, how
-        many rows were parked behind an earlier unsent row of their key)."""
-        outbox = OutboxMessage.objects.using(self.using)
-        with transaction.atomic(using=self.using):
-            found = list(
-                claimable(self.using)
-                .select_for_update(skip_locked=True)
-                .values_list(*CLAIMED_FIELDS, "behind")[: self.batch_size]
-            )
-            rows = [ClaimedRow(*values[:_BEHIND]) for values in found if values[_BEHIND] is None]
-            behind = [values[0] for values in found if values[_BEHIND] is not None]
-            if behind:
-                outbox.filter(pk__in=behind).update(next_attempt_at=None)
-            if rows:
-                outbox.filter(pk__in=[row.pk for row in rows]).update(
-                    next_attempt_at=Now() + Value(self.lease, output_field=DurationField())
-                )
-        return rows, len(behind)
+    def _select(self) -> list[tuple[Any, ...]]:
+        return list(
+            claimable(self.using)
+            .select_for_update(skip_locked=True)
+            .values_list(*CLAIMED_FIELDS, "behind")[: self.batch_size]
+        )
 
-    def publish_batch(self, channel: pika.channel.Channel) -> int:
-        """Claim due rows and publish them all; returns how many were claimed or parked.
-        Confirms settle them later."""
-        rows, parked = self._claim()
+    def _claim(self) -> _Claim:
+        """Database worker: lock up to a batch of due rows in a transaction left open for the
+        batch (committed when it is recorded). Rows behind an earlier unsent row of their key
+        are parked first, in a transaction of their own, so the batch's transaction never
+        holds a lock a relay recording its batch would wait for."""
+        outbox = OutboxMessage.objects.using(self.using)
+        atomic = transaction.atomic(using=self.using)
+        atomic.__enter__()
+        parked: list[int] = []
+        try:
+            found = self._select()
+            behind = {values[0]: values[_BEHIND] for values in found if values[_BEHIND] is not None}
+            if behind:
+                # A row is parked only while its key's first unsent row (the one holding it
+                # back) is locked here: whoever sends that row locks it first, so it cannot be
+                # sent, and its release of the next row run, before this park is committed.
+                # Rows behind a row in flight elsewhere are skipped for now.
+                locked = {values[0] for values in found}
+                locked |= set(
+                    outbox.filter(
+                        # Still unsent now (this statement's snapshot is newer than the
+                        # claim's): one sent since is not holding anything back any more.
+                        pk__in=set(behind.values()) - locked,
+                        status__in=[OutboxStatus.PENDING, OutboxStatus.FAILED],
+                    )
+                    .select_for_update(skip_locked=True)
+                    .values_list("pk", flat=True)
+                )
+                parked = [pk for pk, blocker in behind.items() if blocker in locked]
+                if parked:
+                    outbox.filter(pk__in=parked).update(next_attempt_at=None)
+                atomic.__exit__(None, None, None)
+                atomic = transaction.atomic(using=self.using)
+                atomic.__enter__()
+                found = self._select()
+            rows = [ClaimedRow(*values[:_BEHIND]) for values in found if values[_BEHIND] is None]
+        except BaseException as exc:
+            atomic.__exit__(type(exc), exc, exc.__traceback__)
+            raise
         if not rows:
-            return parked
+            atomic.__exit__(None, None, None)
+            return _Claim(rows=[], parked=len(parked))
+        return _Claim(rows=rows, atomic=atomic, parked=len(parked))
+
+    def _publish(
+        self, channel: pika.channel.Channel, worker: _DatabaseWorker, claim: _Claim
+    ) -> None:
+        """I/O loop: publish a claimed batch; its confirms settle it later."""
+        rows = claim.rows
         metrics.relay_claimed(len(rows))
         now = time.monotonic()
         batch = _Batch(
             rows={},
             claimed=rows,
             pks={row.pk for row in rows},
+            worker=worker,
+            atomic=claim.atomic,
             lowest_unsettled=self._next_tag,
             published_at=now,
-            leased_at=now,
         )
         self._batches.append(batch)
+        worker.batch = batch
         for row in rows:
             if not self._probe.exists(row.exchange):
                 batch.unpublished.append(row)
@@ -998,9 +1203,8 @@ class OutboxRelay:
             metrics.relay_failed("refused", len(batch.unpublished))
         if not batch.rows:
             self._finish_batch(batch)
-            return len(rows) + parked
+            return
         self._start_confirm_timer(batch)
-        return len(rows) + parked
 
     def _start_confirm_timer(self, batch: _Batch) -> None:
         assert self._connection is not None
@@ -1029,23 +1233,44 @@ class OutboxRelay:
             connection.close(reply_text="confirm timeout")
 
     def _renew_leases(self) -> None:
-        """Extend the lease of batches in flight for half a lease: a broker block or a slow
-        database may hold their confirms or their recording up past it."""
+        """I/O loop: a batch whose confirms take longer than HOLD_LIMIT (a slow or blocked
+        broker) trades its open transaction for a lease, so that no snapshot and no row lock
+        is held long (they would hold back vacuum on the outbox); a lease is renewed at half
+        its length for as long as the batch is in flight."""
         now = time.monotonic()
         half = self.lease.total_seconds() / 2
-        stale = [batch for batch in self._batches if now - batch.leased_at >= half]
-        if not stale:
-            return
+        for batch in self._batches:
+            if batch.leased_at == 0.0:
+                due = now - batch.published_at >= HOLD_LIMIT  # still holds its transaction
+            else:
+                due = now - batch.leased_at >= half
+            if due:
+                batch.leased_at = now
+                batch.worker.submit(functools.partial(self._lease, batch))
+
+    def _lease(self, batch: _Batch) -> None:
+        """Database worker: lease the batch's rows (commit its transaction if still open)."""
         try:
-            OutboxMessage.objects.using(self.using).filter(
-                pk__in=[row.pk for batch in stale for row in batch.claimed],
-                status=OutboxStatus.PENDING,
-            ).update(next_attempt_at=Now() + Value(self.lease, output_field=DurationField()))
+            if batch.atomic is None:
+                atomic = transaction.atomic(using=self.using)
+                atomic.__enter__()
+            else:
+                atomic, batch.atomic = batch.atomic, None
+            try:
+                OutboxMessage.objects.using(self.using).filter(
+                    pk__in=[row.pk for row in batch.claimed], status=OutboxStatus.PENDING
+                ).update(next_attempt_at=Now() + Value(self.lease, output_field=DurationField()))
+            except BaseException as exc:
+                atomic.__exit__(type(exc), exc, exc.__traceback__)
+                raise
+            atomic.__exit__(None, None, None)
         except DatabaseError as exc:
-            logger.warning("relay: cannot renew the lease of the rows in flight (%s)", exc)
-            return
-        for batch in stale:
-            batch.leased_at = now
+            connections[self.using].close()
+            logger.warning(
+                "relay: cannot lease the rows of a batch in flight (%s); another relay may send "
+                "them again, which consumers absorb",
+                exc,
+            )
 
     def _finish_all(self) -> None:
         for batch in list(self._batches):
@@ -1059,10 +1284,22 @@ class OutboxRelay:
         if batch.timer is not None and self._connection is not None:
             self._connection.ioloop.remove_timeout(batch.timer)
             batch.timer = None
-        if self._settle(batch):
+        batch.worker.submit(functools.partial(self._settle_job, batch))
+
+    def _settle_job(self, batch: _Batch, then_claim: bool = True) -> None:
+        """Database worker: record a finished batch, then let the I/O loop claim again."""
+        recorded = self._settle(batch)
+        if recorded:
             self.report.batches += 1
             if self.on_batch is not None:
                 self.on_batch(self.report)
+        if then_claim:
+            self._post(functools.partial(self._after_settle, batch, recorded))
+
+    def _after_settle(self, batch: _Batch, recorded: bool) -> None:
+        if batch.worker.batch is batch:
+            batch.worker.batch = None
+        if recorded:
             self._schedule_tick(0)
         else:
             self._schedule_tick(self._db_backoff.next())
@@ -1070,8 +1307,9 @@ class OutboxRelay:
     def _settle(self, batch: _Batch) -> bool:
         """Mark the confirmed rows sent (or unrouted), charge the failed ones, and make the
         rest due again at once (in flight when a channel died: the broker may have them, which
-        consumers absorb). Releases the next row of each key sent. False when the database
-        could not record it: the rows stay leased and go again when the lease runs out."""
+        consumers absorb). Releases the next row of each key sent. Commits the claim's
+        transaction, or a new one when the rows were leased. False when the database could not
+        record it: the rows stay pending and go again, at once or when their lease runs out."""
         sent = [pk for pk in batch.confirmed if pk not in batch.errors and pk not in batch.unrouted]
         unrouted = [
             row
@@ -1087,8 +1325,13 @@ class OutboxRelay:
             for row in batch.claimed
             if row.pk in done and row.ordering_key is not None
         }
+        atomic, batch.atomic = batch.atomic, None
+        leased = atomic is None
         try:
-            with transaction.atomic(using=self.using):
+            if atomic is None:
+                atomic = transaction.atomic(using=self.using)
+                atomic.__enter__()
+            try:
                 outbox = OutboxMessage.objects.using(self.using)
                 if sent:
                     outbox.filter(pk__in=sent).update(
@@ -1104,14 +1347,19 @@ class OutboxRelay:
                     error = batch.errors.get(row.pk)
                     if error is not None:
                         self._record_failure(row, error)
-                if again:
+                if again and leased:
                     outbox.filter(pk__in=again, status=OutboxStatus.PENDING).update(
                         next_attempt_at=Now()
                     )
                 release_next_of_keys(self.using, keys)
+            except BaseException as exc:
+                atomic.__exit__(type(exc), exc, exc.__traceback__)
+                raise
+            atomic.__exit__(None, None, None)
         except Exception as exc:  # noqa: BLE001 - whatever failed, the relay goes on
-            # The rows were published but cannot be marked: they stay pending under their
-            # lease and go again when it runs out, which consumers absorb by message_id.
+            # The rows were published but cannot be marked: they stay pending and go again
+            # (rolled back: at once; leased: when the lease runs out), which consumers absorb
+            # by message_id.
             logger.warning(
                 "relay: cannot record a batch's confirms (%s); its %d row(s) stay "
                 "pending and will be sent again",
@@ -1175,7 +1423,7 @@ class OutboxRelay:
                     self._connection.ioloop.remove_timeout(batch.timer)
                 except Exception:
                     logger.debug("removing the confirm timer failed", exc_info=True)
-            self._settle(batch)
+            batch.worker.submit(functools.partial(self._settle_job, batch, then_claim=False))
         logger.warning(
             "relay: %d row(s) in flight when %s; the unconfirmed ones are due again", rows, why
         )

@@ -132,7 +132,7 @@ def test_unroutable_row_is_recorded_and_left_pending_while_others_are_sent(ob: O
     assert bad.attempts == 1
     assert bad.last_error.startswith("unroutable: 312 NO_ROUTE"), bad.last_error
     assert "nowhere.two" in bad.last_error
-    assert bad.next_attempt_at > before  # backed off, not retried in a hot loop
+    assert bad.next_attempt_at is not None and bad.next_attempt_at > before  # backed off
     assert bad.sent_at is None
     for good in (ok1, ok2, ok3):
         assert row(good).status == OutboxStatus.SENT
@@ -198,7 +198,7 @@ def test_row_is_marked_failed_after_outbox_max_attempts(ob: OutboxEnv) -> None:
         assert bad.last_error.startswith("unroutable:")
         if attempt < 3:
             assert bad.status == OutboxStatus.PENDING
-            assert bad.next_attempt_at > started  # backed off
+            assert bad.next_attempt_at is not None and bad.next_attempt_at > started  # backoff
             # While not due, a relay leaves it alone.
             OutboxMessage.objects.filter(message_id=lost).update(
                 next_attempt_at=timezone.now() + dt.timedelta(hours=1)
@@ -254,7 +254,7 @@ def test_admin_retry_action_makes_failed_rows_pending_and_the_relay_sends_them(
     for message_id in failing:
         r = row(message_id)
         assert (r.status, r.attempts) == (OutboxStatus.PENDING, 0)
-        assert r.next_attempt_at <= timezone.now()
+        assert r.next_attempt_at is not None and r.next_attempt_at <= timezone.now()
     assert row(pending_id).status == OutboxStatus.SENT  # a sent row is left alone
     assert row(late_pending).status == OutboxStatus.PENDING
 

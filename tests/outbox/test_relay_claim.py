@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import threading
 from collections import defaultdict
 from typing import Any
 
@@ -19,6 +20,7 @@ from reliable_messaging.models import OutboxMessage, OutboxStatus
 from reliable_messaging.relay import (
     LEASE_MARGIN,
     OutboxRelay,
+    _Batch,
     claimable,
     release_parked,
 )
@@ -135,16 +137,26 @@ def test_a_parked_row_nothing_holds_back_is_released_by_the_sweep(ob: OutboxEnv)
     assert [m.message_id for m in ob.broker.drain(queue, expected=1)] == [second]
 
 
-def test_a_claim_commits_at_once_and_leases_its_rows(ob: OutboxEnv) -> None:
-    """No transaction stays open while confirms are awaited (it would hold row locks and
-    vacuum back); the lease keeps other relays off the rows meanwhile."""
+def test_a_claim_holds_its_rows_then_trades_its_transaction_for_a_lease(ob: OutboxEnv) -> None:
+    """A batch's rows stay locked by its claim's transaction while confirms come back; past
+    HOLD_LIMIT (a slow broker) the rows are leased and the transaction commits, so no old
+    snapshot or lock is held on the outbox (it would hold back vacuum)."""
     ob.set(RELAY_CONFIRM_TIMEOUT=10)
     with transaction.atomic():
         ids = [publish("order.placed", {"n": i}) for i in range(5)]
     relay = OutboxRelay(once=True)
-    rows, parked = relay._claim()
-    assert (sorted(r.message_id for r in rows), parked) == (sorted(ids), 0)
-    assert not connection.in_atomic_block
+    claim = relay._claim()
+    assert sorted(r.message_id for r in claim.rows) == sorted(ids)
+    assert connection.in_atomic_block  # the rows are locked by it
+    other: list[Any] = []
+    thread = threading.Thread(target=lambda: other.append(OutboxRelay(once=True)._claim()))
+    thread.start()
+    thread.join(10)
+    assert other[0].rows == [], "another relay took rows a batch in flight holds"
+
+    batch = _Batch(rows={}, claimed=claim.rows, atomic=claim.atomic)
+    relay._lease(batch)
+    assert not connection.in_atomic_block and batch.atomic is None
     with connection.cursor() as cursor:
         cursor.execute("SELECT state FROM pg_stat_activity WHERE pid = pg_backend_pid()")
         assert cursor.fetchone() == ("active",)  # this very query; no transaction left open
@@ -153,13 +165,19 @@ def test_a_claim_commits_at_once_and_leases_its_rows(ob: OutboxEnv) -> None:
         assert row.next_attempt_at is not None
         lease = (row.next_attempt_at - now).total_seconds()
         assert 10 < lease <= 10 + LEASE_MARGIN + 1, lease
-    assert OutboxRelay(once=True)._claim() == ([], 0), "another relay took leased rows"
+    other_claim = OutboxRelay(once=True)._claim()
+    assert other_claim.rows == [] and other_claim.atomic is None, "leased rows were taken"
 
-    # A batch held up (a broker block) has its lease renewed before it runs out.
-    OutboxMessage.objects.filter(message_id__in=ids).update(next_attempt_at=Now())
-    relay._batches = [type("B", (), {"leased_at": 0.0, "claimed": rows})()]  # type: ignore[list-item]
-    relay._renew_leases()
-    assert not OutboxMessage.objects.filter(message_id__in=ids, next_attempt_at__lte=Now()).exists()
+    # Recording the batch later marks the confirmed rows sent and makes the rest due again.
+    batch.confirmed = {claim.rows[0].pk}
+    batch.rows = {tag: row for tag, row in enumerate(claim.rows, start=1)}
+    assert relay._settle(batch)
+    statuses = dict(OutboxMessage.objects.values_list("pk", "status"))
+    assert statuses[claim.rows[0].pk] == OutboxStatus.SENT
+    again = [row.pk for row in claim.rows[1:]]
+    assert OutboxMessage.objects.filter(
+        pk__in=again, status=OutboxStatus.PENDING, next_attempt_at__lte=Now()
+    ).count() == len(again)
 
 
 def test_several_batches_in_flight_keep_each_keys_order(ob: OutboxEnv) -> None:

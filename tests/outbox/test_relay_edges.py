@@ -242,7 +242,9 @@ def test_the_relay_goes_by_the_database_clock(
     assert row(due).status == OutboxStatus.SENT
     assert (row(later).status, row(later).attempts) == (OutboxStatus.PENDING, 0)
     # The failed row's backoff (1 s) counts from the database's clock too.
-    retry_in = (row(refused).next_attempt_at - db_now()).total_seconds()
+    refused_at = row(refused).next_attempt_at
+    assert refused_at is not None
+    retry_in = (refused_at - db_now()).total_seconds()
     assert row(refused).attempts == 1 and 0 < retry_in <= 5, retry_in
     assert [m.message_id for m in ob.broker.drain(queue, expected=1)] == [due]
 

@@ -82,14 +82,14 @@ def test_a_relay_does_not_spin_while_a_keyed_row_waits_behind_a_failed_head(
 
     relay = ob.relay_thread()
     claims: list[int] = []
-    original = relay.relay.publish_batch
+    original = relay.relay._claim
 
-    def counting(channel: Any) -> int:
-        claimed = original(channel)
-        claims.append(claimed)
+    def counting() -> Any:
+        claimed = original()
+        claims.append(len(claimed.rows))
         return claimed
 
-    relay.relay.publish_batch = counting  # type: ignore[method-assign]
+    relay.relay._claim = counting  # type: ignore[method-assign]
     wait_until(
         lambda: OutboxMessage.objects.get(message_id=head).status == OutboxStatus.FAILED,
         timeout=30,
