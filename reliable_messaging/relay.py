@@ -76,13 +76,10 @@ import pika.exceptions
 from django.db import DatabaseError, connections, router, transaction
 from django.db.models import (
     BigIntegerField,
-    Count,
     DurationField,
-    Exists,
     F,
     Min,
     OuterRef,
-    Q,
     Value,
 )
 from django.db.models.expressions import RawSQL
@@ -200,14 +197,26 @@ def release_next_of_keys(using: str, keys: set[str]) -> int:
     )
 
 
-def release_parked(using: str) -> int:
-    """Make due every parked row that no earlier unsent row of its key holds back any more."""
-    return (
-        OutboxMessage.objects.using(using)
-        .filter(status=OutboxStatus.PENDING, next_attempt_at__isnull=True)
-        .filter(~Exists(earlier_unsent()))
-        .update(next_attempt_at=Now())
+def release_parked(using: str, after: int = 0, limit: int = 2000) -> tuple[int, int | None]:
+    """Make due the parked rows (up to ``limit`` of them with an id over ``after``) that no
+    earlier unsent row of their key holds back any more. Returns how many it released and the
+    id to go on after, or None when it reached the last parked row."""
+    outbox = OutboxMessage.objects.using(using)
+    found = list(
+        outbox.filter(status=OutboxStatus.PENDING, next_attempt_at__isnull=True, id__gt=after)
+        .annotate(behind=RawSQL(_earlier_unsent_sql(), (), output_field=BigIntegerField()))  # noqa: S611
+        .order_by("next_attempt_at", "id")  # the due index: its NULLs, in id order
+        .values_list("id", "behind")[:limit]
     )
+    free = [pk for pk, behind in found if behind is None]
+    released = (
+        outbox.filter(
+            pk__in=free, status=OutboxStatus.PENDING, next_attempt_at__isnull=True
+        ).update(next_attempt_at=Now())
+        if free
+        else 0
+    )
+    return released, (found[-1][0] if len(found) >= limit else None)
 
 
 @dataclass(frozen=True)
@@ -414,17 +423,22 @@ class _Listener:
 
 
 def outbox_backlog(using: str) -> tuple[int, int, int] | None:
-    """(pending, pending after failed sends, failed) rows; None when the database is down."""
+    """(pending, pending after failed sends, failed) rows; None when the database is down.
+
+    Three counts, each read through an index of the rows it counts (one aggregate with
+    filters would read every row of the table, sent ones included: seconds at 30 M rows)."""
+    outbox = OutboxMessage.objects.using(using)
     try:
-        counts = OutboxMessage.objects.using(using).aggregate(
-            pending=Count("id", filter=Q(status=OutboxStatus.PENDING)),
-            retrying=Count("id", filter=Q(status=OutboxStatus.PENDING, attempts__gt=0)),
-            failed=Count("id", filter=Q(status=OutboxStatus.FAILED)),
+        pending = outbox.filter(status=OutboxStatus.PENDING)
+        counts = (
+            pending.count(),
+            pending.filter(attempts__gt=0).count(),
+            outbox.filter(status=OutboxStatus.FAILED).count(),
         )
     except DatabaseError:
         logger.warning("relay: cannot count the outbox rows left (database unavailable)")
         return None
-    return counts["pending"], counts["retrying"], counts["failed"]
+    return counts
 
 
 @dataclass
@@ -521,6 +535,7 @@ class OutboxRelay:
         # the outcome. A batch that takes longer (a broker block) has its lease renewed.
         self.lease = dt.timedelta(seconds=settings.relay_confirm_timeout + LEASE_MARGIN)
         self._next_sweep = 0.0  # monotonic time of the next release_parked sweep
+        self._sweep_after: int | None = None  # where the sweep's pass goes on
         # One per batch that may be in flight; they run every query of the batches.
         self._workers: list[_DatabaseWorker] = []
         self._look_again = False  # a claim was asked for while one was under way
@@ -1009,7 +1024,7 @@ class OutboxRelay:
             return  # on_connection_unblocked schedules the next tick
         sweep = time.monotonic() >= self._next_sweep
         if sweep:
-            self._next_sweep = time.monotonic() + SWEEP_INTERVAL
+            self._next_sweep = float("inf")  # the sweep sets when the next one is due
         worker.claiming = True
         self._look_again = False
         worker.submit(functools.partial(self._claim_job, worker, sweep))
@@ -1075,9 +1090,11 @@ class OutboxRelay:
         self._schedule_tick(claim.wait)
 
     def _sweep(self) -> None:
-        """Release parked rows nothing holds back any more (see :func:`release_parked`)."""
-        self._next_sweep = time.monotonic() + SWEEP_INTERVAL
-        released = release_parked(self.using)
+        """Release parked rows nothing holds back any more (see :func:`release_parked`): a
+        slice of them per claim, so that many parked rows never hold a claim up; the next
+        slice a second later, and a new pass SWEEP_INTERVAL after the last one ended."""
+        released, self._sweep_after = release_parked(self.using, after=self._sweep_after or 0)
+        self._next_sweep = time.monotonic() + (1.0 if self._sweep_after else SWEEP_INTERVAL)
         if released:
             logger.info(
                 "relay: %d parked row(s) released: the row before them is no longer unsent",

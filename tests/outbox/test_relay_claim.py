@@ -131,10 +131,30 @@ def test_a_parked_row_nothing_holds_back_is_released_by_the_sweep(ob: OutboxEnv)
     OutboxMessage.objects.filter(message_id=first).update(status=OutboxStatus.SENT, sent_at=Now())
     OutboxMessage.objects.filter(message_id=second).update(next_attempt_at=None)
 
-    assert release_parked("default") == 1
+    assert release_parked("default") == (1, None)
     OutboxMessage.objects.filter(message_id=second).update(next_attempt_at=None)
     assert OutboxRelay(once=True).run().sent == 1  # the relay sweeps when it starts
     assert [m.message_id for m in ob.broker.drain(queue, expected=1)] == [second]
+
+
+def test_the_sweep_goes_over_many_parked_rows_a_slice_at_a_time(ob: OutboxEnv) -> None:
+    """Each sweep reads a bounded slice (so 200,000 parked rows never hold a claim up for a
+    second) and goes on where the last one stopped; rows still held back stay parked."""
+    OutboxMessage.objects.create(
+        message_id="head", routing_key="x", body="{}", ordering_key="held", status="failed"
+    )
+    bulk_rows(3, ordering_key="held", next_attempt_at=None)  # rightly parked
+    for key in ("k1", "k2", "k3", "k4", "k5"):
+        bulk_rows(1, ordering_key=key, next_attempt_at=None)  # nothing holds them back
+    released, after, slices = 0, 0, 0
+    while after is not None:
+        got, after = release_parked("default", after=after, limit=3)
+        released += got
+        slices += 1
+    assert (released, slices) == (5, 3)
+    assert (
+        OutboxMessage.objects.filter(ordering_key="held", next_attempt_at__isnull=True).count() == 3
+    )
 
 
 def test_a_claim_holds_its_rows_then_trades_its_transaction_for_a_lease(ob: OutboxEnv) -> None:
