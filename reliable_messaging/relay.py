@@ -539,6 +539,7 @@ class OutboxRelay:
         # One per batch that may be in flight; they run every query of the batches.
         self._workers: list[_DatabaseWorker] = []
         self._look_again = False  # a claim was asked for while one was under way
+        self._tick_at = 0.0  # monotonic time the pending tick timer fires
         self._tick_timer: Any = None
         self._watch_timer: Any = None
         self._listener: _Listener | None = None
@@ -881,11 +882,18 @@ class OutboxRelay:
     # -- timers -----------------------------------------------------------------------------
 
     def _schedule_tick(self, delay: float) -> None:
+        """Claim again in ``delay`` seconds, unless a claim is already due sooner: a later
+        wait must never push back a claim something asked for (a batch recorded, a row
+        released, a NOTIFY)."""
         connection = self._connection
         if connection is None or not connection.is_open:
             return
+        at = time.monotonic() + delay
         if self._tick_timer is not None:
+            if self._tick_at <= at:
+                return
             connection.ioloop.remove_timeout(self._tick_timer)
+        self._tick_at = at
         self._tick_timer = connection.ioloop.call_later(delay, self._tick)
 
     def _watch(self) -> None:
@@ -1070,9 +1078,12 @@ class OutboxRelay:
         self._db_backoff.reset()
         self.health.set_database(True)
         if claim.atomic is not None:
-            if channel is None or not channel.is_open:
+            if channel is None or not channel.is_open or self._blocked:
+                # The channel went, or the broker blocked the connection while the claim was
+                # under way: the rows are due again at once. The new channel's confirm mode,
+                # or the unblock, schedules a claim.
                 worker.submit(functools.partial(self._roll_back, claim.atomic))
-                return  # the new channel's confirm mode schedules a claim
+                return
             self._publish(channel, worker, claim)
         if claim.rows or claim.parked or self._look_again:
             # More may be due at once: claim the next batch while this one's confirms come
@@ -1081,6 +1092,8 @@ class OutboxRelay:
             return
         if self._batches or self._db_busy():
             return  # a batch in flight schedules a claim when it is recorded
+        if self._tick_timer is not None and self._tick_at <= time.monotonic():
+            return  # a claim is due already (asked for after this one looked)
         if self.once:
             # Nothing is due now: rows waiting out a backoff after a failure are left for a
             # later run (and reported), not waited for.

@@ -14,10 +14,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from django.db import transaction
+from django.db import connection, transaction
 
 from reliable_messaging import publish
 from reliable_messaging.models import OutboxMessage, OutboxStatus
+from reliable_messaging.relay import HOLD_LIMIT, MAX_IN_FLIGHT
 from tests.outbox.conftest import OutboxEnv, ensure_broker_running
 from tests.support import rabbitmqctl, wait_until
 
@@ -30,6 +31,18 @@ def sent_ids() -> set[str]:
     return set(
         OutboxMessage.objects.filter(status=OutboxStatus.SENT).values_list("message_id", flat=True)
     )
+
+
+def open_transactions_older_than(seconds: float) -> list[tuple[str, str]]:
+    """Sessions of the test database with a transaction open for over ``seconds``."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT state, left(query, 200) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            " AND xact_start < now() - make_interval(secs => %s)",
+            [seconds],
+        )
+        return list(cursor.fetchall())
 
 
 def broker_status() -> dict[str, object]:
@@ -119,7 +132,9 @@ def test_blocked_relay_claims_nothing_and_resumes_by_itself(ob: OutboxEnv) -> No
         # The broker blocks a connection when it publishes during the alarm.
         relay.wait_for_log("the broker blocked the connection", timeout=30)
         claimed = scraped(metrics_url, "reliable_messaging_relay_claimed_total")
-        assert claimed is not None and 1 <= claimed <= 5  # the one batch in flight
+        # The batches in flight when the block came (the next is claimed while the last
+        # one's confirms come back).
+        assert claimed is not None and 1 <= claimed <= 5 * MAX_IN_FLIGHT
         with transaction.atomic():
             ids |= {publish("ops.blocked", {"n": n}) for n in range(20, 25)}
         time.sleep(4)  # two confirm timeouts, and the NOTIFY of the new rows
@@ -132,6 +147,9 @@ def test_blocked_relay_claims_nothing_and_resumes_by_itself(ob: OutboxEnv) -> No
         assert OutboxMessage.objects.filter(status=OutboxStatus.PENDING).count() >= 25 - claimed
         assert not OutboxMessage.objects.filter(attempts__gt=0).exists()
         assert "no confirm from the broker" not in relay.log()
+        # The blocked batches traded their transactions for leases after HOLD_LIMIT: no
+        # snapshot or row lock is held on the outbox for the length of the block.
+        assert open_transactions_older_than(HOLD_LIMIT + 1.0) == [], relay.log()
         # Blocked is not broken: the process stays healthy and running, and says why it waits.
         assert scraped(metrics_url, "reliable_messaging_healthy") == 1
         health = healthz(port)

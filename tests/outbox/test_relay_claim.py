@@ -146,7 +146,8 @@ def test_the_sweep_goes_over_many_parked_rows_a_slice_at_a_time(ob: OutboxEnv) -
     bulk_rows(3, ordering_key="held", next_attempt_at=None)  # rightly parked
     for key in ("k1", "k2", "k3", "k4", "k5"):
         bulk_rows(1, ordering_key=key, next_attempt_at=None)  # nothing holds them back
-    released, after, slices = 0, 0, 0
+    released, slices = 0, 0
+    after: int | None = 0
     while after is not None:
         got, after = release_parked("default", after=after, limit=3)
         released += got
