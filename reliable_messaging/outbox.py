@@ -12,7 +12,6 @@ back by the skew.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,6 +21,7 @@ from django.db.models.functions import Now
 from .conf import messaging_settings
 from .envelope import MAX_MESSAGE_ID_LENGTH, encode_payload
 from .models import OutboxMessage
+from .uuid7 import new_message_id
 
 
 def _check_header_value(name: str, value: Any) -> None:
@@ -103,7 +103,7 @@ def publish(
             f"['MAX_BODY_BYTES'] ({limit}): consumers would dead-letter it unread"
         )
     body = encoded.decode("utf-8")
-    message_id = str(uuid.uuid4()) if message_id is None else str(message_id)
+    message_id = new_message_id() if message_id is None else str(message_id)
     if not message_id or len(message_id) > MAX_MESSAGE_ID_LENGTH:
         raise ValueError(f"message_id must be 1 to {MAX_MESSAGE_ID_LENGTH} characters long")
     _check_short_string("message_id", message_id)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -50,6 +49,7 @@ from .outcomes import Acknowledge, Outcome, Release, RetryInPlace, ScheduleRetry
 from .registry import ConsumerRegistry, ConsumerSpec, registry
 from .routing import topic_matches
 from .topology import consumer_queues
+from .uuid7 import new_message_id
 
 __all__ = [
     "Acknowledge",
@@ -102,7 +102,7 @@ def deliver(
         exchange=spec.exchange or messaging_settings.exchange,
         routing_key=routing_key if routing_key is not None else (spec.bindings or ("",))[0],
         redelivered=redelivered,
-        message_id=str(uuid.uuid4()) if message_id is None else message_id,
+        message_id=new_message_id() if message_id is None else message_id,
         content_type=content_type,
         timestamp=int(time.time()),
         headers=all_headers,

@@ -106,8 +106,11 @@ def test_using_default_alias(ob: OutboxEnv) -> None:
 def test_returns_a_new_uuid_by_default_and_keeps_a_given_id(ob: OutboxEnv) -> None:
     generated = publish("order.placed", {"n": 1})
     assert isinstance(generated, str)
-    assert uuid.UUID(generated).version == 4
-    assert publish("order.placed", {"n": 2}) != generated
+    # Time-ordered (UUIDv7): consumers' inbox rows of these ids go in at the index's right edge.
+    assert uuid.UUID(generated).version == 7
+    assert str(uuid.UUID(generated)) == generated  # canonical 36-character text
+    second = publish("order.placed", {"n": 2})
+    assert second > generated
 
     assert publish("order.placed", {"n": 3}, message_id="order-42-placed") == "order-42-placed"
     given_uuid = uuid.uuid4()
