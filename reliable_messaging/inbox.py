@@ -58,6 +58,12 @@ from .retry import GiveUp, decide
 from .routing import topic_matches
 from .time_limit import time_limits
 
+CLIENT_CURSOR: type | None
+try:
+    from psycopg import ClientCursor as CLIENT_CURSOR
+except ImportError:  # psycopg2, or no PostgreSQL at all
+    CLIENT_CURSOR = None
+
 logger = logging.getLogger(__name__)
 
 # PostgreSQL's SQLSTATE for a lock wait cut short by lock_timeout.
@@ -778,9 +784,11 @@ def _run_claimed(
         decided[index] = _Decided(
             Acknowledge("processed"), "processed", duration, processed=True, after_commit=True
         )
-        processed.setdefault(key[0], []).append(key[1])
+        if claimed[key]:
+            processed.setdefault(key[0], []).append(key[1])
     # In the same transaction: a dead letter of a message another copy just processed is
-    # resolved (one indexed query per consumer and batch; rows touched only when there are any).
+    # resolved. The claim told which keys have one (on PostgreSQL; elsewhere every key may):
+    # usually none, and then no query at all.
     for consumer, message_ids in processed.items():
         resolve_processed_copies(consumer, message_ids, using)
 
@@ -827,9 +835,10 @@ def _connection_lost(using: str) -> bool:
 
 def _claim_inbox_rows(
     using: str, keys: list[tuple[str, str]], lock_wait: float
-) -> tuple[set[tuple[str, str]], set[tuple[str, str]]]:
-    """Insert the inbox rows of ``keys``; returns those this statement inserted, and those
-    another transaction holds (busy: not decided here, deferred).
+) -> tuple[dict[tuple[str, str], bool], set[tuple[str, str]]]:
+    """Insert the inbox rows of ``keys``; returns those this statement inserted (each with
+    whether the consumer may hold an open dead letter of it: see :func:`_insert_inbox_rows`),
+    and those another transaction holds (busy: not decided here, deferred).
 
     The rows go in sorted by key, not in batch order. A row another transaction inserted and
     has not committed makes the insert wait for that transaction; two batches sharing keys in
@@ -842,6 +851,8 @@ def _claim_inbox_rows(
     """
     ordered = sorted(set(keys))
     try:
+        if _one_round_trip(using):
+            return _claim_in_one_round_trip(using, ordered, lock_wait), set()
         with (
             transaction.atomic(using=using),
             bounded_lock_wait(using, lock_wait),
@@ -849,31 +860,111 @@ def _claim_inbox_rows(
             return _insert_inbox_rows(using, ordered), set()
     except InboxRowBusy:
         pass
-    claimed: set[tuple[str, str]] = set()
+    claimed: dict[tuple[str, str], bool] = {}
     busy: set[tuple[str, str]] = set()
     for key in ordered:
         try:
             with transaction.atomic(using=using), bounded_lock_wait(using, ROW_LOCK_PROBE):
-                claimed |= _insert_inbox_rows(using, [key])
+                claimed.update(_insert_inbox_rows(using, [key]))
         except InboxRowBusy:
             busy.add(key)
     return claimed, busy
 
 
-def _insert_inbox_rows(using: str, keys: list[tuple[str, str]]) -> set[tuple[str, str]]:
-    table = connections[using].ops.quote_name(ProcessedMessage._meta.db_table)
+# The batch claim's own savepoint, and the setting of the transaction that keeps the
+# lock_timeout it replaces so that the same round trip can restore it.
+CLAIM_SAVEPOINT = "rm_inbox_claim"
+SAVED_LOCK_TIMEOUT = "reliable_messaging.saved_lock_timeout"
+
+
+def _one_round_trip(using: str) -> bool:
+    """Whether the claim may go as one script of several statements: PostgreSQL through
+    psycopg 3 with client-side binding (Django's default). Server-side binding (the
+    ``server_side_binding`` option) and psycopg2 take a statement per round trip."""
+    connection = connections[using]
+    if connection.vendor != "postgresql" or CLIENT_CURSOR is None:
+        return False
+    with connection.cursor() as cursor:
+        return isinstance(cursor.cursor, CLIENT_CURSOR)
+
+
+def _claim_in_one_round_trip(
+    using: str, keys: list[tuple[str, str]], lock_wait: float
+) -> dict[tuple[str, str], bool]:
+    """The batch claim as :func:`bounded_lock_wait` around :func:`_insert_inbox_rows` in a
+    savepoint does it, in one round trip instead of five (savepoint, set the lock_timeout,
+    insert, restore it, release): on a loaded machine each round trip costs as much as the
+    statement. Raises :class:`InboxRowBusy` when the wait was cut short, after rolling back to
+    the savepoint (which restores the lock_timeout too)."""
+    connection = connections[using]
+    insert, params = _insert_inbox_rows_sql(using, keys)
+    bounded = lock_wait > 0
+    script = [f"SAVEPOINT {CLAIM_SAVEPOINT}"]
+    if bounded:
+        script.append(
+            f"SELECT set_config('{SAVED_LOCK_TIMEOUT}', current_setting('lock_timeout'), true), "
+            "set_config('lock_timeout', %s, true)"
+        )
+        params = [f"{max(1, round(lock_wait * 1000))}ms", *params]
+    script.append(insert)
+    if bounded:
+        script.append(
+            f"SELECT set_config('lock_timeout', current_setting('{SAVED_LOCK_TIMEOUT}'), true)"
+        )
+    script.append(f"RELEASE SAVEPOINT {CLAIM_SAVEPOINT}")
+    with connection.cursor() as cursor:
+        try:
+            cursor.execute("; ".join(script), params)
+        except OperationalError as exc:
+            if getattr(exc.__cause__, "sqlstate", None) != LOCK_NOT_AVAILABLE:
+                raise
+            cursor.execute(
+                f"ROLLBACK TO SAVEPOINT {CLAIM_SAVEPOINT}; RELEASE SAVEPOINT {CLAIM_SAVEPOINT}"
+            )
+            raise InboxRowBusy(str(exc)) from exc
+        raw = cursor.cursor
+        while raw.description is None or raw.description[0].name != "consumer":
+            if not raw.nextset():  # pragma: no cover - the script always has the claim
+                raise RuntimeError("the inbox claim returned no rows")
+        return {(consumer, message_id): bool(open_) for consumer, message_id, open_ in raw}
+
+
+def _insert_inbox_rows_sql(using: str, keys: list[tuple[str, str]]) -> tuple[str, list[Any]]:
+    """The claim's statement and parameters; see :func:`_insert_inbox_rows`."""
+    connection = connections[using]
+    table = connection.ops.quote_name(ProcessedMessage._meta.db_table)
     now = timezone.now()
     params: list[Any] = []
     for consumer, message_id in keys:
         params += [consumer, message_id, now]
     rows = ", ".join(["(%s, %s, %s)"] * (len(params) // 3))
+    insert = (
+        f"INSERT INTO {table} (consumer, message_id, processed_at) VALUES {rows} "  # noqa: S608
+        f"ON CONFLICT (consumer, message_id) DO NOTHING RETURNING consumer, message_id"
+    )
+    if connection.vendor != "postgresql":
+        # SQLite has no INSERT in a WITH: every claimed row may have an open dead letter.
+        return f"{insert}, 1", params
+    letters = connection.ops.quote_name(DeadLetter._meta.db_table)
+    sql = (
+        f"WITH claimed AS ({insert}) SELECT consumer, message_id, EXISTS ("  # noqa: S608
+        f"SELECT 1 FROM {letters} AS d WHERE d.consumer = claimed.consumer "
+        f"AND d.message_id = claimed.message_id AND d.status IN (%s, %s)) FROM claimed"
+    )
+    return sql, [*params, *BLOCKING_STATUSES]
+
+
+def _insert_inbox_rows(using: str, keys: list[tuple[str, str]]) -> dict[tuple[str, str], bool]:
+    """Insert the inbox rows of ``keys`` that are not there yet (``ON CONFLICT DO NOTHING``);
+    returns those inserted, each with whether its consumer holds a dead letter of it that a
+    processed copy must resolve (:func:`.replay.resolve_processed_copies`, after the handler).
+    Looked up in the same statement on PostgreSQL, which saves the batch a round trip; a dead
+    letter of the key can only appear meanwhile from a copy that could not take the inbox row
+    (a malformed one, or one parked), as it can between any lookup and the commit."""
+    sql, params = _insert_inbox_rows_sql(using, keys)
     with connections[using].cursor() as cursor:
-        cursor.execute(
-            f"INSERT INTO {table} (consumer, message_id, processed_at) VALUES {rows} "  # noqa: S608
-            f"ON CONFLICT (consumer, message_id) DO NOTHING RETURNING consumer, message_id",
-            params,
-        )
-        return {(consumer, message_id) for consumer, message_id in cursor.fetchall()}
+        cursor.execute(sql, params)
+        return {(consumer, message_id): bool(open_) for consumer, message_id, open_ in cursor}
 
 
 def _one_by_one(jobs: Sequence[Job], cache: DuplicateCache | None) -> list[Outcome | None]:

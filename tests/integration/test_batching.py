@@ -12,11 +12,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
+from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
 from prometheus_client import REGISTRY
 
 from reliable_messaging.envelope import ATTEMPT_HEADER, Delivery, encode_payload
-from reliable_messaging.inbox import DeliveryProcessor, Job, process_batch
+from reliable_messaging.inbox import DeliveryProcessor, Job, _claim_inbox_rows, process_batch
 from reliable_messaging.models import DeadLetter, DeadLetterReason, ProcessedMessage
 from reliable_messaging.outcomes import Acknowledge, ScheduleRetry
 from reliable_messaging.registry import ConsumerSpec
@@ -200,3 +203,73 @@ def test_kill_9_in_the_middle_of_a_batch_loses_nothing_and_doubles_nothing(
     )
     for message_id in ids:
         assert effects_of(message_id) == 1
+
+
+def inbox_statements(queries: list[dict[str, str]]) -> list[str]:
+    return [
+        q["sql"]
+        for q in queries
+        if "reliable_messaging_" in q["sql"]
+        or "lock_timeout" in q["sql"]
+        or "SAVEPOINT" in q["sql"]
+    ]
+
+
+def test_a_batch_costs_one_round_trip_for_its_inbox_rows_and_dead_letter_lookup() -> None:
+    """The claim (savepoint, bounded lock wait, insert, the dead-letter lookup, restore) is one
+    round trip; without a dead letter to resolve, the batch sends nothing else of its own."""
+    DeadLetter.objects.create(
+        consumer="tests.alpha", message_id="rt-3", queue="q", reason="permanent", body=b"{}"
+    )
+    jobs = [job(f"rt-{n}") for n in range(5)]
+    with CaptureQueriesContext(connection) as captured:
+        assert process_batch(jobs) == [Acknowledge("processed")] * 5
+    ours = inbox_statements(captured.captured_queries)
+    # The claim, then resolving rt-3's dead letter (looked up, locked, saved): nothing for
+    # the four others.
+    assert ours[0].startswith("SAVEPOINT rm_inbox_claim; SELECT set_config")
+    assert "INSERT INTO" in ours[0] and "RELEASE SAVEPOINT rm_inbox_claim" in ours[0]
+    assert all("processedmessage" not in sql and "lock_timeout" not in sql for sql in ours[1:])
+    assert DeadLetter.objects.get(message_id="rt-3").status == "resolved"
+    assert sorted(ProcessedMessage.objects.values_list("message_id", flat=True)) == [
+        f"rt-{n}" for n in range(5)
+    ]
+    assert all(effects_of(f"rt-{n}") == 1 for n in range(5))
+
+    fresh = [job(f"rt-fresh-{n}") for n in range(5)]
+    with CaptureQueriesContext(connection) as captured:
+        assert process_batch(fresh) == [Acknowledge("processed")] * 5
+    assert len(inbox_statements(captured.captured_queries)) == 1
+
+
+def test_a_claim_cut_short_by_a_held_row_defers_only_that_row_and_restores_lock_timeout() -> None:
+    """Another transaction holds one key's inbox row: the one-round-trip claim times out, rolls
+    back to its savepoint, and the rows are tried one by one: the held one is busy, the rest
+    claimed, and the transaction goes on with its own lock_timeout."""
+    settings_dict = connection.settings_dict
+    other = psycopg.connect(
+        dbname=settings_dict["NAME"],
+        user=settings_dict.get("USER") or "postgres",
+        host=settings_dict.get("HOST") or "127.0.0.1",
+        port=settings_dict.get("PORT") or 5432,
+    )
+    try:
+        other.execute(
+            "INSERT INTO reliable_messaging_processedmessage (consumer, message_id, processed_at)"
+            " VALUES ('tests.alpha', 'held', now())"
+        )  # not committed: the row is held
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("SET LOCAL lock_timeout = '7s'")
+            keys = [("tests.alpha", "held"), ("tests.alpha", "free"), ("tests.alpha", "zzz")]
+            claimed, busy = _claim_inbox_rows("default", keys, 0.2)
+            assert busy == {("tests.alpha", "held")}
+            assert claimed == {("tests.alpha", "free"): False, ("tests.alpha", "zzz"): False}
+            cursor.execute("SHOW lock_timeout")
+            assert cursor.fetchone()[0] == "7s"
+        assert set(ProcessedMessage.objects.values_list("message_id", flat=True)) == {
+            "free",
+            "zzz",
+        }
+    finally:
+        other.rollback()
+        other.close()

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import io
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from django.core.management import call_command
 from django.db import connection
 
 from reliable_messaging.models import DeadLetter, ProcessedMessage
+from tests.support import MANAGE
 
 
 @pytest.mark.django_db
@@ -39,7 +45,111 @@ def test_migrate_to_zero_and_back() -> None:
     assert {"reliable_messaging_processedmessage", "reliable_messaging_deadletter"} <= rm_tables()
     # The constraints are back too.
     ProcessedMessage.objects.create(consumer="c", message_id="m")
-    with pytest.raises(Exception, match="rm_inbox_consumer_message_uniq"):
+    with pytest.raises(Exception, match="rm_inbox_message_consumer_uniq"):
         ProcessedMessage.objects.create(consumer="c", message_id="m")
     DeadLetter.objects.create(consumer="c", message_id="", queue="q", body=b"", reason="x")
     DeadLetter.objects.create(consumer="c", message_id="", queue="q", body=b"", reason="x")
+
+
+def inbox_indexes() -> dict[str, tuple[list[str], bool]]:
+    with connection.cursor() as cursor:
+        found = connection.introspection.get_constraints(
+            cursor, "reliable_messaging_processedmessage"
+        )
+    return {
+        name: (info["columns"], bool(info["unique"]))
+        for name, info in found.items()
+        if (info["index"] or info["unique"]) and not info["primary_key"]
+    }
+
+
+def plan(sql: str, params: list[str]) -> str:
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")
+        cursor.execute(f"EXPLAIN {sql}", params)
+        return "\n".join(row[0] for row in cursor.fetchall())
+
+
+@pytest.mark.django_db
+def test_inbox_keeps_three_indexes_that_answer_every_lookup() -> None:
+    """After 0008: no index on message_id alone; the unique one leads with message_id and
+    serves those lookups, the one on consumer serves lookups by consumer."""
+    assert inbox_indexes() == {
+        "rm_inbox_message_consumer_uniq": (["message_id", "consumer"], True),
+        "rm_inbox_consumer_idx": (["consumer"], False),
+        "rm_inbox_processed_at_idx": (["processed_at"], False),
+    }
+    table = "reliable_messaging_processedmessage"
+    by_message = plan(f"SELECT * FROM {table} WHERE message_id = %s", ["m"])
+    assert "rm_inbox_message_consumer_uniq" in by_message, by_message
+    # The admin's search: each word is either the message_id or the consumer.
+    either = plan(
+        f"SELECT * FROM {table} WHERE message_id = %s OR consumer = %s",
+        ["x", "x"],
+    )
+    assert "rm_inbox_message_consumer_uniq" in either and "rm_inbox_consumer_idx" in either, either
+
+
+def test_0008_migrates_forwards_and_back_on_sqlite(tmp_path: Path) -> None:
+    """The online operations fall back to the usual ones on SQLite."""
+    database = tmp_path / "inbox.sqlite3"
+    env = {
+        **os.environ,
+        "DATABASE_URL": f"sqlite:///{database}",
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+    }
+    env.pop("RM_TEST_DB_NAME", None)
+
+    def migrate(*target: str) -> None:
+        subprocess.run(
+            [sys.executable, str(MANAGE), "migrate", *target, "--verbosity", "0"],
+            env=env,
+            check=True,
+            timeout=120,
+            capture_output=True,
+        )
+
+    def indexes() -> set[str]:
+        """The table's index names, and its unique constraint as written in its SQL."""
+        with sqlite3.connect(database) as db:
+            rows = db.execute(
+                "SELECT name, sql FROM sqlite_master WHERE tbl_name = ?",
+                ["reliable_messaging_processedmessage"],
+            ).fetchall()
+        names = {name for name, _ in rows if not name.startswith("sqlite_autoindex")}
+        unique = {
+            unique
+            for _, sql in rows
+            for unique in ('UNIQUE ("message_id", "consumer")', 'UNIQUE ("consumer", "message_id")')
+            if sql and unique in sql
+        }
+        return names | unique
+
+    migrate()
+    after = indexes()
+    assert after == {
+        "reliable_messaging_processedmessage",
+        "rm_inbox_consumer_idx",
+        "rm_inbox_processed_at_idx",
+        'UNIQUE ("message_id", "consumer")',
+    }
+    migrate("reliable_messaging", "0007")
+    before = indexes()
+    assert before == {
+        "reliable_messaging_processedmessage",
+        "rm_inbox_message_id_idx",
+        "rm_inbox_processed_at_idx",
+        'UNIQUE ("consumer", "message_id")',
+    }
+    migrate()
+    assert indexes() == after
+    with sqlite3.connect(database) as db:
+        db.execute(
+            "INSERT INTO reliable_messaging_processedmessage (consumer, message_id, processed_at)"
+            " VALUES ('c', 'm', '2024-01-01')"
+        )
+        with pytest.raises(sqlite3.IntegrityError):
+            db.execute(
+                "INSERT INTO reliable_messaging_processedmessage"
+                " (consumer, message_id, processed_at) VALUES ('c', 'm', '2024-01-02')"
+            )
