@@ -4,6 +4,18 @@ messages.
 
     .venv/bin/python bench/consume.py [--messages 20000] [--memory-messages 100000]
 
+With ``--inbox-rows``, it measures instead how the consumer holds up as its inbox grows
+(issue 14): for each kind of id in ``--ids`` and each size, the consumer's inbox is filled to
+that many rows with ``INSERT ... SELECT`` from ``generate_series`` (time-ordered UUIDv7 ids, as
+``publish()`` makes, or random UUIDv4 ids, as some foreign producers send), ``VACUUM ANALYZE``d
+as autovacuum would after a bulk load, then the raw baseline and the app consume ``--messages``
+fresh messages of that kind: msg/s, the ratio to the raw baseline of the same step, and WAL
+bytes per message (``pg_current_wal_lsn()`` before and after; the WAL is the whole server's, so
+another benchmark running at the same time inflates it). Then the memory run.
+
+    RM_BENCH_DB=rm_bench_consume .venv/bin/python bench/consume.py \
+        --inbox-rows 0,5000000,30000000 --ids uuid7,uuid4
+
 The handler (tests.testapp's alpha) writes one row. The baseline consumes the same messages
 from the same queue with raw pika (prefetch as PREFETCH) and, per message, inserts that same row
 with psycopg and commits, then acks: the cheapest honest at-least-once consumer, without the
@@ -16,12 +28,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pika
@@ -246,6 +260,245 @@ def memory_run(namespace: str, exchange: str, queue: str, total: int) -> tuple[i
     return rss_10k or 0, rss_end or 0, total / elapsed
 
 
+# A time-ordered id in SQL, like reliable_messaging.uuid7 mints: 48 bits of milliseconds
+# (:base_ms + the series number, so older than any id minted during the run), version 7,
+# the variant, pseudo-random bits from md5.
+UUID7_SQL = (
+    "substr(lpad(to_hex(%(base_ms)s + g), 12, '0'), 1, 8) || '-' "
+    "|| substr(lpad(to_hex(%(base_ms)s + g), 12, '0'), 9, 4) || '-7' "
+    "|| substr(md5(g::text), 1, 3) || '-' || substr('89ab', g %% 4 + 1, 1) "
+    "|| substr(md5(g::text), 4, 3) || '-' || substr(md5(g::text), 7, 12)"
+)
+ID_SQL = {"uuid7": UUID7_SQL, "uuid4": "gen_random_uuid()::text"}
+FILL_CHUNK = 1_000_000
+
+
+def new_ids(kind: str, count: int) -> list[str]:
+    from reliable_messaging.uuid7 import new_message_id
+
+    if kind == "uuid7":
+        return [new_message_id() for _ in range(count)]
+    return [str(uuid.uuid4()) for _ in range(count)]
+
+
+def fill_inbox(consumer: str, kind: str, have: int, upto: int, base_ms: int) -> None:
+    """Grow ``consumer``'s inbox from ``have`` to ``upto`` filler rows (series numbers
+    have+1..upto), chunk by chunk, then VACUUM ANALYZE it as autovacuum would after a bulk
+    load."""
+    from django.db import connection
+
+    table = "reliable_messaging_processedmessage"
+    with connection.cursor() as cursor:
+        started = time.perf_counter()
+        for first in range(have + 1, upto + 1, FILL_CHUNK):
+            last = min(upto, first + FILL_CHUNK - 1)
+            cursor.execute(
+                f"INSERT INTO {table} (consumer, message_id, processed_at) "
+                f"SELECT %(consumer)s, {ID_SQL[kind]}, to_timestamp((%(base_ms)s + g) / 1000.0) "
+                "FROM generate_series(%(first)s, %(last)s) AS g",
+                {"consumer": consumer, "base_ms": base_ms, "first": first, "last": last},
+            )
+            print(
+                f"  inbox of {consumer}: {last:,} {kind} rows "
+                f"({time.perf_counter() - started:.0f}s)",
+                flush=True,
+            )
+        vacuum_started = time.perf_counter()
+        cursor.execute(f"VACUUM ANALYZE {table}")
+        vacuumed = time.perf_counter() - vacuum_started
+        # The load and the vacuum leave gigabytes of dirty pages: written out during the
+        # measurement they would slow whichever side runs then. A live system has written
+        # its old rows long ago.
+        cursor.execute("CHECKPOINT")
+        cursor.execute("SELECT pg_total_relation_size(%s)", [table])
+        size = cursor.fetchone()[0]
+    print(
+        f"  VACUUM ANALYZE {table} done in {vacuumed:.1f}s (as autovacuum would after the "
+        f"bulk load), then CHECKPOINT; table + indexes {size / 2**20:,.0f} MiB",
+        flush=True,
+    )
+
+
+class StatementProfile:
+    """With ``--profile``: wall time per kind of SQL statement the app sends (its first words),
+    from every connection Django opens in this process, including the consumer's threads."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.totals: dict[str, list[float]] = {}
+
+    def install(self) -> None:
+        from django.db.backends.signals import connection_created
+
+        connection_created.connect(self.on_connection_created, weak=False)
+
+    def on_connection_created(self, sender: object, connection: Any, **kwargs: object) -> None:
+        connection.execute_wrappers.append(self)
+
+    def __call__(self, execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return execute(sql, params, many, context)
+        finally:
+            elapsed = time.perf_counter() - started
+            kind = " ".join(sql.split()[:6])[:70]
+            with self.lock:
+                entry = self.totals.setdefault(kind, [0, 0.0])
+                entry[0] += 1
+                entry[1] += elapsed
+
+    def report(self, messages: int) -> None:
+        with self.lock:
+            totals, self.totals = self.totals, {}
+        for kind, (count, seconds) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:12]:
+            print(f"    {seconds * 1e6 / messages:8.1f} us/msg {count:7d}x  {kind}", flush=True)
+
+
+PROFILE: StatementProfile | None = None
+
+
+def inbox_insert_wal(consumer: str, kind: str, batches: int = 20, size: int = 50) -> float:
+    """WAL bytes per inbox row of the batch claim's insert alone, as EXPLAIN (ANALYZE, WAL)
+    counts them for this backend: immune to what other databases of the server write."""
+    from django.db import connection, transaction
+
+    table = "reliable_messaging_processedmessage"
+    total = 0
+    with connection.cursor() as cursor:
+        for _ in range(batches):
+            ids = new_ids(kind, size)
+            rows = ", ".join(["(%s, %s, now())"] * size)
+            params = [value for message_id in ids for value in (consumer, message_id)]
+            with transaction.atomic():
+                cursor.execute(
+                    f"EXPLAIN (ANALYZE, WAL, FORMAT JSON) INSERT INTO {table} "
+                    f"(consumer, message_id, processed_at) VALUES {rows} "
+                    "ON CONFLICT (consumer, message_id) DO NOTHING",
+                    params,
+                )
+                plan = cursor.fetchone()[0]
+            plan = json.loads(plan) if isinstance(plan, str) else plan
+            total += int(plan[0]["Plan"].get("WAL Bytes", 0))
+    return total / (batches * size)
+
+
+def wal_lsn() -> int:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint")
+        return int(cursor.fetchone()[0])
+
+
+def inbox_scale(
+    spec: Any,
+    exchange: str,
+    sizes: list[int],
+    kinds: list[str],
+    n: int,
+    concurrency: int,
+    rounds: int = 1,
+) -> list[dict[str, Any]]:
+    """Consume ``n`` messages with the consumer's inbox at each of ``sizes`` rows, per id
+    kind, ``rounds`` times (each with the raw baseline just before); the medians go in the
+    summary, since a shared machine's noise is larger than the effect looked for."""
+    from django.db import connection
+
+    rows: list[dict[str, Any]] = []
+    base_ms = time.time_ns() // 1_000_000 - max(sizes) - 3_600_000
+    for kind in kinds:
+        with connection.cursor() as cursor:
+            cursor.execute("TRUNCATE reliable_messaging_processedmessage, testapp_effect")
+        have = 0
+        for size in sorted(sizes):
+            print(f"{kind} ids, inbox at {size:,} rows:", flush=True)
+            fill_inbox(spec.name, kind, have, size, base_ms)
+            have = size
+            measured = [
+                measure_step(spec, exchange, kind, size, n, concurrency) for _ in range(rounds)
+            ]
+            row = dict(measured[0])
+            for key, value in measured[0].items():
+                if isinstance(value, int | float) and key != "inbox_rows":
+                    row[key] = statistics.median(m[key] for m in measured)
+            row["rounds"] = [{k: m[k] for k in ("app_msgs_per_s", "ratio")} for m in measured]
+            rows.append(row)
+    label = "median of " + str(rounds) + " rounds, " if rounds > 1 else ""
+    print(
+        f"| ids | inbox rows | app msg/s ({label}each) | ratio to raw | app WAL/msg "
+        "| raw WAL/msg | inbox insert WAL/row |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        each = ", ".join(f"{r['app_msgs_per_s']:,}" for r in row["rounds"])
+        print(
+            f"| {row['ids']} | {row['inbox_rows']:,} | {row['app_msgs_per_s']:,.0f} ({each}) | "
+            f"{row['ratio']:.2f}x | {row['app_wal_bytes_per_msg'] / 1024:.2f} KiB | "
+            f"{row['raw_wal_bytes_per_msg'] / 1024:.2f} KiB | "
+            f"{row['inbox_insert_wal_bytes_per_row'] / 1024:.2f} KiB |"
+        )
+    for kind in kinds:
+        mine = [row for row in rows if row["ids"] == kind]
+        if len(mine) > 1:
+            first, last = mine[0], mine[-1]
+            print(
+                f"{kind}: at {last['inbox_rows']:,} rows the app keeps "
+                f"{last['app_msgs_per_s'] / first['app_msgs_per_s']:.0%} of its throughput at "
+                f"{first['inbox_rows']:,} rows, {last['ratio'] / first['ratio']:.0%} of its "
+                f"ratio to the raw baseline (target >= 90% for uuid7)"
+            )
+    return rows
+
+
+def measure_step(
+    spec: Any, exchange: str, kind: str, size: int, n: int, concurrency: int
+) -> dict[str, Any]:
+    """The raw baseline, then the app, over ``n`` fresh messages of ``kind`` each."""
+    from reliable_messaging.conf import messaging_settings
+
+    fill(exchange, new_ids(kind, n), {"n": 1})
+    wal = wal_lsn()
+    raw_s = raw_baseline(spec.queue, n, messaging_settings.prefetch)
+    raw_wal = (wal_lsn() - wal) / n
+    fill(exchange, new_ids(kind, n), {"n": 1})
+    wal = wal_lsn()
+    if PROFILE is not None:
+        PROFILE.report(1)  # forget the statements of the set-up
+    app_s = run_service(spec, n, f"{kind} at {size}", concurrency)
+    app_wal = (wal_lsn() - wal) / n
+    if PROFILE is not None:
+        print("  SQL time per message (both worker threads, summed):")
+        PROFILE.report(n)
+    insert_wal = inbox_insert_wal(spec.name, kind)
+    row: dict[str, Any] = {
+        "ids": kind,
+        "inbox_rows": size,
+        "app_msgs_per_s": round(n / app_s),
+        "raw_msgs_per_s": round(n / raw_s),
+        "ratio": round(raw_s / app_s, 2),
+        "app_wal_bytes_per_msg": round(app_wal),
+        "raw_wal_bytes_per_msg": round(raw_wal),
+        "inbox_insert_wal_bytes_per_row": round(insert_wal),
+    }
+    print(
+        f"  app {row['app_msgs_per_s']:,} msg/s ({row['ratio']}x raw "
+        f"{row['raw_msgs_per_s']:,} msg/s); WAL per message: app "
+        f"{app_wal / 1024:.2f} KiB, raw {raw_wal / 1024:.2f} KiB (the server's, all "
+        f"databases); the inbox insert alone {insert_wal / 1024:.2f} KiB per row",
+        flush=True,
+    )
+    return row
+
+
+def print_memory(total: int, rss_10k: int, rss_end: int, rate: float) -> None:
+    growth = rss_end / rss_10k - 1 if rss_10k else float("nan")
+    print(
+        f"consumer RSS (manage.py consume, concurrency 2): {rss_10k / 1024:.1f} MiB after "
+        f"10,000 messages vs {rss_end / 1024:.1f} MiB after {total:,} ({growth:+.1%}; target "
+        f"within 10%); {rate:,.0f} msg/s"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--messages", type=int, default=20000)
@@ -256,7 +509,33 @@ def main() -> None:
         action="store_true",
         help="only measure what the handler time limit costs the happy path (on vs off)",
     )
+    parser.add_argument(
+        "--inbox-rows",
+        help="comma-separated inbox sizes (e.g. 0,5000000,30000000): measure the consumer "
+        "against an inbox of each size instead of the default runs (then the memory run, "
+        "unless --memory-messages 0)",
+    )
+    parser.add_argument(
+        "--ids",
+        default="uuid7,uuid4",
+        help="with --inbox-rows: kinds of message id, uuid7 (time-ordered) and/or uuid4",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with --inbox-rows: measurements per step (the summary shows their medians)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="with --inbox-rows: print the app's SQL time per message by kind of statement",
+    )
     args = parser.parse_args()
+    if args.profile:
+        global PROFILE
+        PROFILE = StatementProfile()
+        PROFILE.install()
 
     namespace = setup_django()
     import logging
@@ -282,6 +561,26 @@ def main() -> None:
         connection = pika.BlockingConnection(pika.URLParameters(BROKER))
         declare_topology(connection.channel(), [spec], messaging_settings)
         connection.close()
+        if args.inbox_rows is not None:
+            print(f"machine: {describe_machine()}")
+            sizes = [int(size) for size in args.inbox_rows.split(",")]
+            kinds = [kind.strip() for kind in args.ids.split(",")]
+            if unknown := set(kinds) - set(ID_SQL):
+                parser.error(f"unknown --ids {sorted(unknown)}; use uuid7 and/or uuid4")
+            rows = inbox_scale(
+                spec, exchange, sizes, kinds, n, args.concurrency, rounds=args.rounds
+            )
+            result_scale: dict[str, object] = {"messages": n, "inbox_scale": rows}
+            if args.memory_messages:
+                rss_10k, rss_end, mem_rate = memory_run(
+                    namespace, exchange, spec.queue, args.memory_messages
+                )
+                print_memory(args.memory_messages, rss_10k, rss_end, mem_rate)
+                result_scale.update(
+                    consumer_rss_kib_after_10k=rss_10k, consumer_rss_kib_at_end=rss_end
+                )
+            print(json.dumps(result_scale))
+            return
         Effect.objects.all().delete()
         prefetch = messaging_settings.prefetch
 
@@ -391,11 +690,7 @@ def main() -> None:
         f"{result['duplicates_per_s_fast_path']:,}/s with the Redis fast path"
     )
     print(f"doubled effects: {doubled}")
-    print(
-        f"consumer RSS over {args.memory_messages:,} messages (manage.py consume, concurrency 2):"
-        f" {rss_10k / 1024:.1f} MiB after 10,000, {rss_end / 1024:.1f} MiB at the end "
-        f"({result['consumer_rss_growth']:+.1%}; target within 10%); {mem_rate:,.0f} msg/s"
-    )
+    print_memory(args.memory_messages, rss_10k, rss_end, mem_rate)
     print(json.dumps(result))
 
 
