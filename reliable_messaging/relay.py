@@ -1041,7 +1041,11 @@ class OutboxRelay:
         """Database worker: claim a batch and hand it to the I/O loop."""
         try:
             if sweep:
-                self._sweep()
+                try:
+                    self._sweep()
+                finally:
+                    if self._next_sweep == float("inf"):  # it failed: try again in a while
+                        self._next_sweep = time.monotonic() + SWEEP_INTERVAL
             claim = self._claim()
             if claim.atomic is None and not claim.parked:
                 claim.wait = self._idle_wait()
