@@ -25,6 +25,18 @@ def _online(schema_editor: Any, operation: object) -> bool:
     return True
 
 
+def _create(schema_editor: Any, model: Any, index: Any) -> None:
+    # An earlier build that was interrupted leaves an INVALID index of this name.
+    schema_editor.execute(
+        f"DROP INDEX CONCURRENTLY IF EXISTS {schema_editor.quote_name(index.name)}"
+    )
+    schema_editor.add_index(model, index, concurrently=True)
+
+
+def _drop(schema_editor: Any, model: Any, index: Any) -> None:
+    schema_editor.remove_index(model, index, concurrently=True)
+
+
 class AddIndexOnline(AddIndex):
     """``AddIndex``, built CONCURRENTLY on PostgreSQL."""
 
@@ -38,11 +50,7 @@ class AddIndexOnline(AddIndex):
             return
         model = to_state.apps.get_model(app_label, self.model_name)
         if self.allow_migrate_model(schema_editor.connection.alias, model):
-            # An earlier build that was interrupted leaves an INVALID index of this name.
-            schema_editor.execute(
-                f"DROP INDEX CONCURRENTLY IF EXISTS {schema_editor.quote_name(self.index.name)}"
-            )
-            schema_editor.add_index(model, self.index, concurrently=True)
+            _create(schema_editor, model, self.index)
 
     def database_backwards(
         self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
@@ -52,7 +60,7 @@ class AddIndexOnline(AddIndex):
             return
         model = from_state.apps.get_model(app_label, self.model_name)
         if self.allow_migrate_model(schema_editor.connection.alias, model):
-            schema_editor.remove_index(model, self.index, concurrently=True)
+            _drop(schema_editor, model, self.index)
 
 
 class RemoveIndexOnline(RemoveIndex):
@@ -68,8 +76,8 @@ class RemoveIndexOnline(RemoveIndex):
             return
         model = from_state.apps.get_model(app_label, self.model_name)
         if self.allow_migrate_model(schema_editor.connection.alias, model):
-            index = from_state.models[app_label, self.model_name_lower].get_index_by_name(self.name)
-            schema_editor.remove_index(model, index, concurrently=True)
+            state = from_state.models[app_label, self.model_name_lower]
+            _drop(schema_editor, model, state.get_index_by_name(self.name))
 
     def database_backwards(
         self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
@@ -79,8 +87,5 @@ class RemoveIndexOnline(RemoveIndex):
             return
         model = to_state.apps.get_model(app_label, self.model_name)
         if self.allow_migrate_model(schema_editor.connection.alias, model):
-            index = to_state.models[app_label, self.model_name_lower].get_index_by_name(self.name)
-            schema_editor.execute(
-                f"DROP INDEX CONCURRENTLY IF EXISTS {schema_editor.quote_name(index.name)}"
-            )
-            schema_editor.add_index(model, index, concurrently=True)
+            state = to_state.models[app_label, self.model_name_lower]
+            _create(schema_editor, model, state.get_index_by_name(self.name))

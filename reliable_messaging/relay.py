@@ -79,7 +79,6 @@ from django.db.models import (
     DurationField,
     F,
     Min,
-    OuterRef,
     Value,
 )
 from django.db.models.expressions import RawSQL
@@ -121,17 +120,8 @@ LEASE_MARGIN = 5.0
 # the rows are leased instead and the transaction commits (see _renew_leases).
 HOLD_LIMIT = 2.0
 # Parked rows are released by the relay that sends the row before them; this sweep catches
-# any that a race between relays (or a row settled by other means) left parked.
+# any left parked by other means (a row deleted by hand, say).
 SWEEP_INTERVAL = 30.0
-
-
-def earlier_unsent() -> Any:
-    """Rows of the outer row's key before it that are still unsent (pending or failed)."""
-    return OutboxMessage.objects.filter(
-        ordering_key=OuterRef("ordering_key"),
-        status__in=[OutboxStatus.PENDING, OutboxStatus.FAILED],
-        id__lt=OuterRef("id"),
-    )
 
 
 def _earlier_unsent_sql() -> str:
@@ -307,9 +297,6 @@ class _Batch:
     timer: Any = None
     published_at: float = 0.0  # monotonic time the rows went out, for the confirm latency
     leased_at: float = 0.0  # monotonic time the lease was taken or renewed; 0: not leased
-
-    def all_rows(self) -> list[ClaimedRow]:
-        return self.claimed
 
     def holds(self, pk: int) -> bool:
         return pk in self.pks
