@@ -281,12 +281,38 @@ def new_ids(kind: str, count: int) -> list[str]:
     return [str(uuid.uuid4()) for _ in range(count)]
 
 
-def fill_inbox(consumer: str, kind: str, have: int, upto: int, base_ms: int) -> None:
-    """Grow ``consumer``'s inbox from ``have`` to ``upto`` filler rows (series numbers
-    have+1..upto), chunk by chunk, then VACUUM ANALYZE it as autovacuum would after a bulk
-    load."""
+def prepare_inbox() -> None:
+    """An empty inbox with a day partition for every day of DEDUP_RETENTION (as a system that
+    has run that long has), and without the pre-partitioning table a bench database migrated
+    from an older version keeps."""
+    import datetime as dt
+
     from django.db import connection
 
+    from reliable_messaging import partitions
+    from reliable_messaging.conf import messaging_settings
+
+    with connection.cursor() as cursor:
+        cursor.execute(f"TRUNCATE {partitions.INBOX_TABLE}, testapp_effect")
+        cursor.execute(f'DROP TABLE IF EXISTS "{partitions.LEGACY}"')
+    now = dt.datetime.now(dt.UTC)
+    days = messaging_settings.dedup_retention.days + 1
+    for back in range(days, -1, -1):
+        partitions.ensure_partitions("default", now=now - dt.timedelta(days=back))
+
+
+def fill_inbox(consumer: str, kind: str, have: int, upto: int, base_ms: int, span: int) -> None:
+    """Grow ``consumer``'s inbox from ``have`` to ``upto`` filler rows (series numbers
+    have+1..upto), chunk by chunk, then VACUUM ANALYZE it as autovacuum would after a bulk
+    load. Row g is stamped as processed g/span of DEDUP_RETENTION after its start, so a full
+    inbox of ``span`` rows fills every day's partition of that window."""
+    from django.db import connection
+
+    from reliable_messaging.conf import messaging_settings
+
+    window = messaging_settings.dedup_retention.total_seconds()
+    start_s = time.time() - window - 3600
+    step_s = window / max(span, 1)
     table = "reliable_messaging_processedmessage"
     with connection.cursor() as cursor:
         started = time.perf_counter()
@@ -294,9 +320,17 @@ def fill_inbox(consumer: str, kind: str, have: int, upto: int, base_ms: int) -> 
             last = min(upto, first + FILL_CHUNK - 1)
             cursor.execute(
                 f"INSERT INTO {table} (consumer, message_id, processed_at) "
-                f"SELECT %(consumer)s, {ID_SQL[kind]}, to_timestamp((%(base_ms)s + g) / 1000.0) "
+                f"SELECT %(consumer)s, {ID_SQL[kind]}, "
+                "to_timestamp(%(start_s)s + g * %(step_s)s) "
                 "FROM generate_series(%(first)s, %(last)s) AS g",
-                {"consumer": consumer, "base_ms": base_ms, "first": first, "last": last},
+                {
+                    "consumer": consumer,
+                    "base_ms": base_ms,
+                    "start_s": start_s,
+                    "step_s": step_s,
+                    "first": first,
+                    "last": last,
+                },
             )
             print(
                 f"  inbox of {consumer}: {last:,} {kind} rows "
@@ -310,7 +344,11 @@ def fill_inbox(consumer: str, kind: str, have: int, upto: int, base_ms: int) -> 
         # measurement they would slow whichever side runs then. A live system has written
         # its old rows long ago.
         cursor.execute("CHECKPOINT")
-        cursor.execute("SELECT pg_total_relation_size(%s)", [table])
+        cursor.execute(
+            "SELECT sum(pg_total_relation_size(inhrelid)) FROM pg_inherits "
+            "WHERE inhparent = %s::regclass",
+            [table],
+        )
         size = cursor.fetchone()[0]
     print(
         f"  VACUUM ANALYZE {table} done in {vacuumed:.1f}s (as autovacuum would after the "
@@ -373,7 +411,7 @@ def inbox_insert_wal(consumer: str, kind: str, batches: int = 20, size: int = 50
                 cursor.execute(
                     f"EXPLAIN (ANALYZE, WAL, FORMAT JSON) INSERT INTO {table} "
                     f"(consumer, message_id, processed_at) VALUES {rows} "
-                    "ON CONFLICT (consumer, message_id) DO NOTHING",
+                    "ON CONFLICT DO NOTHING",
                     params,
                 )
                 plan = cursor.fetchone()[0]
@@ -402,17 +440,14 @@ def inbox_scale(
     """Consume ``n`` messages with the consumer's inbox at each of ``sizes`` rows, per id
     kind, ``rounds`` times (each with the raw baseline just before); the medians go in the
     summary, since a shared machine's noise is larger than the effect looked for."""
-    from django.db import connection
-
     rows: list[dict[str, Any]] = []
     base_ms = time.time_ns() // 1_000_000 - max(sizes) - 3_600_000
     for kind in kinds:
-        with connection.cursor() as cursor:
-            cursor.execute("TRUNCATE reliable_messaging_processedmessage, testapp_effect")
+        prepare_inbox()
         have = 0
         for size in sorted(sizes):
             print(f"{kind} ids, inbox at {size:,} rows:", flush=True)
-            fill_inbox(spec.name, kind, have, size, base_ms)
+            fill_inbox(spec.name, kind, have, size, base_ms, max(sizes))
             have = size
             measured = [
                 measure_step(spec, exchange, kind, size, n, concurrency) for _ in range(rounds)

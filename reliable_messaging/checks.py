@@ -518,7 +518,22 @@ def check_isolation_level(app_configs: Any = None, **kwargs: Any) -> list[CheckM
         options = databases.get(alias, {}).get("OPTIONS") or {}
         if "isolation_level" not in options:
             continue
-        level = _isolation_name(_engine(alias), options["isolation_level"])
+        engine = _engine(alias)
+        level = _isolation_name(engine, options["isolation_level"])
+        if level == "REPEATABLE_READ" and ("postgresql" in engine or "postgis" in engine):
+            found.append(
+                _error(
+                    34,
+                    f"DATABASES[{alias!r}]['OPTIONS']['isolation_level'] is REPEATABLE READ: the "
+                    f"inbox is partitioned by day on PostgreSQL, and a copy of a message claimed "
+                    f"while another copy, in the previous day's partition, has not committed "
+                    f"yet waits for it but then reads a snapshot taken before it committed: "
+                    f"both copies would take effect.",
+                    "Use READ COMMITTED (PostgreSQL's default) on the alias the app's models use, "
+                    "or SERIALIZABLE, which detects the conflict.",
+                )
+            )
+            continue
         if level in _ABOVE_READ_COMMITTED:
             found.append(
                 _warning(

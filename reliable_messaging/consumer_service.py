@@ -51,7 +51,7 @@ from typing import Any
 
 import pika
 import pika.exceptions
-from django.db import InterfaceError, OperationalError, close_old_connections, connections
+from django.db import InterfaceError, OperationalError, close_old_connections, connections, router
 from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
 from pika.spec import Basic, BasicProperties
 
@@ -65,7 +65,9 @@ from .fastpath import duplicate_cache
 from .inbox import DeliveryProcessor, Job, process_batch, with_attempt
 from .last_resort import consumer_error, ingest_delivery_limit
 from .leftovers import retire_leftovers
+from .models import ProcessedMessage
 from .outcomes import Acknowledge, Outcome, Release, RetryInPlace, ScheduleRetry
+from .partitions import PartitionUpkeep
 from .registry import ConsumerSpec
 from .retry_publisher import RetryCopy, RetryPublisher
 from .time_limit import time_limits
@@ -277,6 +279,8 @@ class ConsumerService:
 
     def run(self) -> int:
         self._start_time_limits()
+        upkeep = PartitionUpkeep(router.db_for_write(ProcessedMessage))
+        upkeep.start()
         self._start_workers()
         self._publisher.start()
         try:
@@ -305,6 +309,7 @@ class ConsumerService:
             self._stop_workers()
             self._publisher.stop()
             time_limits.stop()
+            upkeep.stop()
         return self.exit_code
 
     def _start_time_limits(self) -> None:

@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 import traceback
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -52,6 +53,7 @@ from .exceptions import DatabaseUnavailable
 from .fastpath import DuplicateCache
 from .models import DeadLetter, DeadLetterReason, DeadLetterStatus, ProcessedMessage
 from .outcomes import Acknowledge, Outcome, RetryInPlace, ScheduleRetry
+from .partitions import CLAIM_LOCK_CLASS
 from .registry import ConsumerSpec
 from .replay import mark_resolved, resolve_processed_copies
 from .retry import GiveUp, decide
@@ -104,6 +106,10 @@ def lock_wait_for(keys: Iterable[tuple[str, str]], redelivered: bool, settings: 
         if any(now - _BUSY_KEYS.get(key, -BUSY_MEMORY) < BUSY_MEMORY for key in keys):
             return min(ROW_LOCK_PROBE, settings.inbox_lock_timeout)
     return float(settings.inbox_lock_timeout)
+
+
+class _AlreadyProcessed(Exception):
+    """The message's inbox row is there already: a duplicate."""
 
 
 class InboxRowBusy(Exception):
@@ -348,9 +354,8 @@ class DeliveryProcessor:
                     [(self.spec.name, message.message_id)], delivery.redelivered, self.settings
                 )
                 with bounded_lock_wait(self.using, wait):
-                    ProcessedMessage.objects.using(self.using).create(
-                        consumer=self.spec.name, message_id=message.message_id
-                    )
+                    if not insert_inbox_row(self.using, self.spec.name, message.message_id):
+                        raise _AlreadyProcessed
                 inserted = True
                 self.call_handler(message)
                 if REPLAY_HEADER in delivery.headers:
@@ -361,7 +366,7 @@ class DeliveryProcessor:
         except InboxRowBusy:
             _remember_busy([(self.spec.name, message.message_id)])
             return self.busy(delivery, message)
-        except IntegrityError as exc:
+        except (_AlreadyProcessed, IntegrityError) as exc:
             if not inserted:
                 if REPLAY_HEADER in delivery.headers:
                     # Another copy of the message (published twice, sent again by a relay) was
@@ -897,7 +902,9 @@ def _claim_in_one_round_trip(
     statement. Raises :class:`InboxRowBusy` when the wait was cut short, after rolling back to
     the savepoint (which restores the lock_timeout too)."""
     connection = connections[using]
+    lock, lock_params = _key_locks_sql(keys)
     insert, params = _insert_inbox_rows_sql(using, keys)
+    params = [*lock_params, *params]
     bounded = lock_wait > 0
     script = [f"SAVEPOINT {CLAIM_SAVEPOINT}"]
     if bounded:
@@ -906,7 +913,7 @@ def _claim_in_one_round_trip(
             "set_config('lock_timeout', %s, true)"
         )
         params = [f"{max(1, round(lock_wait * 1000))}ms", *params]
-    script.append(insert)
+    script += [lock, insert]
     if bounded:
         script.append(
             f"SELECT set_config('lock_timeout', current_setting('{SAVED_LOCK_TIMEOUT}'), true)"
@@ -938,13 +945,26 @@ def _insert_inbox_rows_sql(using: str, keys: list[tuple[str, str]]) -> tuple[str
     for consumer, message_id in keys:
         params += [consumer, message_id, now]
     rows = ", ".join(["(%s, %s, %s)"] * (len(params) // 3))
-    insert = (
-        f"INSERT INTO {table} (consumer, message_id, processed_at) VALUES {rows} "  # noqa: S608
-        f"ON CONFLICT (consumer, message_id) DO NOTHING RETURNING consumer, message_id"
-    )
     if connection.vendor != "postgresql":
+        insert = (
+            f"INSERT INTO {table} (consumer, message_id, processed_at) "  # noqa: S608
+            f"VALUES {rows} ON CONFLICT (consumer, message_id) DO NOTHING "
+            "RETURNING consumer, message_id"
+        )
         # SQLite has no INSERT in a WITH: every claimed row may have an open dead letter.
         return f"{insert}, 1", params
+    # The inbox is partitioned by day (partitions.py): a unique index spans one partition, so
+    # the key is looked for in every partition first. Run after _key_locks_sql's statement, in
+    # a snapshot of its own, this sees any copy committed while the lock was awaited; a copy
+    # in the same partition and not yet committed makes ON CONFLICT wait, as before.
+    insert = (
+        f"INSERT INTO {table} (consumer, message_id, processed_at) "  # noqa: S608
+        f"SELECT v.consumer, v.message_id, v.processed_at FROM (VALUES {rows}) "
+        "AS v (consumer, message_id, processed_at) WHERE NOT EXISTS ("
+        f"SELECT 1 FROM {table} AS p "
+        "WHERE p.message_id = v.message_id AND p.consumer = v.consumer) "
+        "ON CONFLICT DO NOTHING RETURNING consumer, message_id"
+    )
     letters = connection.ops.quote_name(DeadLetter._meta.db_table)
     sql = (
         f"WITH claimed AS ({insert}) SELECT consumer, message_id, EXISTS ("  # noqa: S608
@@ -963,8 +983,43 @@ def _insert_inbox_rows(using: str, keys: list[tuple[str, str]]) -> dict[tuple[st
     (a malformed one, or one parked), as it can between any lookup and the commit."""
     sql, params = _insert_inbox_rows_sql(using, keys)
     with connections[using].cursor() as cursor:
+        if connections[using].vendor == "postgresql":
+            cursor.execute(*_key_locks_sql(keys))
         cursor.execute(sql, params)
         return {(consumer, message_id): bool(open_) for consumer, message_id, open_ in cursor}
+
+
+def _key_hash(consumer: str, message_id: str) -> int:
+    """A stable 32-bit signed hash of the pair (two pairs sharing one only wait for each
+    other a moment longer)."""
+    value = zlib.crc32(f"{consumer}\x1f{message_id}".encode("utf-8", "surrogatepass"))
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _key_locks_sql(keys: Sequence[tuple[str, str]]) -> tuple[str, list[Any]]:
+    """The statement that takes, in one order for everyone (so two batches sharing keys never
+    deadlock), a transaction-scoped advisory lock per (consumer, message_id) of ``keys``. Two
+    copies of a message handled at once wait for each other here whichever day's partition
+    they would go to; the wait is bounded by the transaction's lock_timeout like a row's."""
+    hashes = sorted({_key_hash(consumer, message_id) for consumer, message_id in keys})
+    return (
+        "SELECT count(pg_advisory_xact_lock(%s, k)) FROM unnest(%s::int[]) AS k",
+        [CLAIM_LOCK_CLASS, hashes],
+    )
+
+
+def insert_inbox_row(using: str, consumer: str, message_id: str) -> bool:
+    """Insert the inbox row of one message, in the caller's transaction: ``True`` if it went
+    in, ``False`` if the key is already there (a duplicate). A copy of it in a transaction not
+    yet committed makes this wait for that one's outcome."""
+    if connections[using].vendor in CLAIM_VENDORS:
+        return (consumer, message_id) in _insert_inbox_rows(using, [(consumer, message_id)])
+    try:
+        with transaction.atomic(using=using):
+            ProcessedMessage.objects.using(using).create(consumer=consumer, message_id=message_id)
+    except IntegrityError:
+        return False
+    return True
 
 
 def _one_by_one(jobs: Sequence[Job], cache: DuplicateCache | None) -> list[Outcome | None]:

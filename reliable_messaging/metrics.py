@@ -83,6 +83,8 @@ from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from . import partitions
+
 if TYPE_CHECKING:
     from .registry import ConsumerSpec
 
@@ -484,15 +486,19 @@ class DatabaseCollector:
         alias = self._alias(model)
         connection = connections[alias]
         if connection.vendor == "postgresql":
-            with connection.cursor() as cursor:
-                cursor.execute(
-                    "SELECT reltuples FROM pg_class WHERE oid = %s::regclass",
-                    [model._meta.db_table],
-                )
-                row = cursor.fetchone()
-            # -1 (or no row) until the table is first vacuumed or analyzed: count it then.
-            if row is not None and row[0] >= 0:
-                return float(row[0])
+            if partitions.is_partitioned(alias):
+                estimate = partitions.estimated_rows(alias)
+            else:
+                with connection.cursor() as cursor:
+                    cursor.execute(
+                        "SELECT reltuples FROM pg_class WHERE oid = %s::regclass",
+                        [model._meta.db_table],
+                    )
+                    row = cursor.fetchone()
+                estimate = float(row[0]) if row is not None and row[0] >= 0 else None
+            # None until the table is first vacuumed or analyzed: count it then.
+            if estimate is not None:
+                return estimate
         return float(model._default_manager.using(alias).count())
 
 

@@ -1,4 +1,9 @@
-"""Deleting old inbox rows and sent outbox rows, in bounded batches."""
+"""Retention: old inbox rows and sent outbox rows go, without long transactions.
+
+On PostgreSQL the inbox is partitioned by day (see ``partitions.py``): its expired days are
+dropped whole, whatever their rows, and only the rows of the pre-partitioning table and of the
+default partition are deleted one batch at a time. Everywhere else, and for the outbox, rows
+are deleted in batches of short transactions."""
 
 from __future__ import annotations
 
@@ -6,19 +11,23 @@ import datetime as dt
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from django.db import models, router, transaction
+from django.db import connections, models, router, transaction
 from django.utils import timezone
 
+from . import partitions
 from .conf import MessagingSettings, messaging_settings
 from .models import OutboxMessage, OutboxStatus, ProcessedMessage, SuspectDelivery
 
 
 @dataclass(frozen=True)
 class PurgeResult:
+    # Inbox rows deleted, plus PostgreSQL's estimate of those in the partitions dropped.
     inbox: int
     outbox: int
     # Crash-guard rows of deliveries that never came back (dead-lettered elsewhere, purged).
     suspects: int = 0
+    # The inbox's day partitions dropped whole (PostgreSQL).
+    inbox_partitions: tuple[str, ...] = ()
 
 
 # Called after each deleted batch with the table ("inbox" or "outbox"), the rows deleted from
@@ -66,7 +75,26 @@ def purge_messages(
     failed outbox rows are never touched. ``on_batch`` is told of each deleted batch (see
     :data:`OnBatch`)."""
     now = now or timezone.now()
-    inbox = ProcessedMessage.objects.filter(processed_at__lt=now - settings.dedup_retention)
+    inbox_before = now - settings.dedup_retention
+    using = router.db_for_write(ProcessedMessage)
+    if partitions.is_partitioned(using):
+        dropped: list[partitions.Dropped] = []
+        if not dry_run:
+            partitions.ensure_partitions(using, now=now)
+            dropped = partitions.drop_expired(using, inbox_before)
+        expired = [
+            p for p in partitions.partitions(using) if p.end is not None and p.end <= inbox_before
+        ]
+        inbox_rows = sum(d.rows for d in dropped) + (
+            partitions.estimated_rows_of(using, [p.name for p in expired]) if dry_run else 0
+        )
+        for name in partitions.row_partitions(using):
+            inbox_rows += _purge_partition(using, name, inbox_before, batch_size, dry_run, on_batch)
+        inbox_partitions = tuple(d.name for d in dropped)
+    else:
+        inbox = ProcessedMessage.objects.filter(processed_at__lt=inbox_before)
+        inbox_rows = _purge("inbox", inbox, batch_size, dry_run, on_batch)
+        inbox_partitions = ()
     outbox = OutboxMessage.objects.filter(
         # Unrouted rows (events nobody subscribed to) are finished like sent ones.
         status__in=[OutboxStatus.SENT, OutboxStatus.UNROUTED],
@@ -74,7 +102,44 @@ def purge_messages(
     )
     suspects = SuspectDelivery.objects.filter(updated_at__lt=now - settings.dedup_retention)
     return PurgeResult(
-        inbox=_purge("inbox", inbox, batch_size, dry_run, on_batch),
+        inbox=inbox_rows,
         outbox=_purge("outbox", outbox, batch_size, dry_run, on_batch),
         suspects=_purge("suspects", suspects, batch_size, dry_run, on_batch),
+        inbox_partitions=inbox_partitions,
     )
+
+
+def _purge_partition(
+    using: str,
+    table: str,
+    before: dt.datetime,
+    batch_size: int,
+    dry_run: bool,
+    on_batch: OnBatch | None,
+) -> int:
+    """Delete, in batches, the rows of one inbox partition (the legacy table or the default
+    one) processed before ``before``."""
+    quoted = connections[using].ops.quote_name(table)
+    with connections[using].cursor() as cursor:
+        if dry_run or on_batch:
+            cursor.execute(
+                f"SELECT count(*) FROM {quoted} WHERE processed_at < %s",  # noqa: S608
+                [before],
+            )
+            total = int(cursor.fetchone()[0])
+            if dry_run:
+                return total
+    deleted = 0
+    while True:
+        with transaction.atomic(using=using), connections[using].cursor() as cursor:
+            cursor.execute(
+                f"DELETE FROM {quoted} WHERE id IN (SELECT id FROM {quoted} "  # noqa: S608
+                "WHERE processed_at < %s ORDER BY processed_at LIMIT %s)",
+                [before, batch_size],
+            )
+            batch = cursor.rowcount
+        deleted += batch
+        if batch and on_batch:
+            on_batch("inbox", deleted, total)
+        if batch < batch_size:
+            return deleted

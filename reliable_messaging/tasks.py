@@ -57,13 +57,14 @@ from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar, overload
 
 from celery import Celery, Task, current_task, shared_task
-from django.db import DatabaseError, IntegrityError, router, transaction
+from django.db import DatabaseError, router, transaction
 
 from . import metrics
 from .conf import messaging_settings
 from .crash_guard import CrashGuard, Suspicion
 from .dead_letters import record_dead_letter
 from .envelope import CELERY_TASK_HEADER, CONTENT_TYPE, Delivery, jsonable
+from .inbox import insert_inbox_row
 from .models import DeadLetterReason, ProcessedMessage
 from .relay import OutboxRelay
 
@@ -316,15 +317,11 @@ def _run_in_inbox(
     """Run ``body`` in one transaction with the insert of its inbox row; ``None`` without
     running it when the key already took effect."""
     started = time.perf_counter()
-    inserted = False
-    try:
-        with transaction.atomic(using=alias):
-            ProcessedMessage.objects.using(alias).create(consumer=name, message_id=message_id)
-            inserted = True
+    with transaction.atomic(using=alias):
+        fresh = insert_inbox_row(alias, name, message_id)
+        if fresh:
             result = body(*args, **kwargs)
-    except IntegrityError:
-        if inserted:
-            raise  # the body's own IntegrityError: a failure like any other
+    if not fresh:
         logger.info(
             "duplicate message_id=%s task=%s task_id=%s: this key already took "
             "effect, the body was skipped",
