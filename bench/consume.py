@@ -27,6 +27,7 @@ so both sides consume a full queue.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import statistics
 import subprocess
@@ -285,8 +286,6 @@ def prepare_inbox() -> None:
     """An empty inbox with a day partition for every day of DEDUP_RETENTION (as a system that
     has run that long has), and without the pre-partitioning table a bench database migrated
     from an older version keeps."""
-    import datetime as dt
-
     from django.db import connection
 
     from reliable_messaging import partitions
@@ -588,7 +587,13 @@ def main() -> None:
     # One line per message at INFO would time the terminal: log warnings only, in this process.
     logging.getLogger("reliable_messaging").setLevel(logging.WARNING)
     connections["default"].settings_dict["CONN_MAX_AGE"] = 60
-    settings = {**django_settings.RELIABLE_MESSAGING, "CACHE_ALIAS": None}
+    # The default retention (the test settings shorten it), so the inbox has its 14 days of
+    # partitions, as in production.
+    settings = {
+        **django_settings.RELIABLE_MESSAGING,
+        "CACHE_ALIAS": None,
+        "DEDUP_RETENTION": dt.timedelta(days=14),
+    }
     spec = find_consumer("tests.alpha")
     exchange = messaging_settings.exchange
     n = args.messages
