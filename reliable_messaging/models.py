@@ -11,14 +11,18 @@ from django.utils.translation import gettext_lazy as _
 class ProcessedMessage(models.Model):
     """One row per (consumer, message_id) whose handler committed: the inbox.
 
-    The unique constraint is what makes effects happen at most once: the row is inserted in the
-    handler's own transaction, so two deliveries of one message can never both commit.
+    The row is what makes effects happen at most once: it is inserted in the handler's own
+    transaction, so two deliveries of one message can never both commit. On SQLite the unique
+    constraint alone decides; on PostgreSQL the table is partitioned by day (``partitions.py``),
+    each partition has the constraint's index, and the inbox claim (``inbox.py``) looks across
+    all of them under a per-key advisory lock. The ORM sees one table either way.
 
     Every index costs each insert, and an inbox grows to billions of rows: the unique index
     leads with message_id, so it also answers lookups by message_id alone (replays, the admin's
     search); the one on consumer (a few distinct values, deduplicated by PostgreSQL, filled in
     heap order) answers lookups by consumer at a fraction of a second index on message_id's
-    size and insert cost; processed_at is for the retention purge and the admin's order.
+    size and insert cost; processed_at is for the admin's order (and the purge of rows kept
+    outside the day partitions).
     """
 
     consumer = models.CharField(max_length=255)

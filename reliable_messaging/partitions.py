@@ -334,7 +334,7 @@ class PartitionUpkeep:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=2)
 
     def _run(self) -> None:
         try:
