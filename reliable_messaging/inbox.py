@@ -53,7 +53,7 @@ from .exceptions import DatabaseUnavailable
 from .fastpath import DuplicateCache
 from .models import DeadLetter, DeadLetterReason, DeadLetterStatus, ProcessedMessage
 from .outcomes import Acknowledge, Outcome, RetryInPlace, ScheduleRetry
-from .partitions import CLAIM_LOCK_CLASS
+from .partitions import CLAIM_LOCK_CLASS, LOCK_NOT_AVAILABLE
 from .registry import ConsumerSpec
 from .replay import mark_resolved, resolve_processed_copies
 from .retry import GiveUp, decide
@@ -68,8 +68,6 @@ except ImportError:  # psycopg2, or no PostgreSQL at all
 
 logger = logging.getLogger(__name__)
 
-# PostgreSQL's SQLSTATE for a lock wait cut short by lock_timeout.
-LOCK_NOT_AVAILABLE = "55P03"
 # After a batch's claim timed out, each of its rows is tried alone for this long: the batch
 # already waited INBOX_LOCK_TIMEOUT, so a row still locked now is the busy one.
 ROW_LOCK_PROBE = 0.1

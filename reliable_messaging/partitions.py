@@ -99,7 +99,7 @@ _BOUND = re.compile(r"FROM \((?P<start>[^)]*)\) TO \((?P<end>[^)]*)\)")
 
 def _bound_value(text: str) -> dt.datetime | None:
     text = text.strip()
-    if text.upper() == "MINVALUE" or text.upper() == "MAXVALUE":
+    if text.upper() in ("MINVALUE", "MAXVALUE"):
         return None
     return dt.datetime.fromisoformat(text.strip("'"))
 
@@ -107,7 +107,7 @@ def _bound_value(text: str) -> dt.datetime | None:
 def partitions(using: str) -> list[Partition]:
     """The inbox's partitions, oldest first (the default last)."""
     with connections[using].cursor() as cursor:
-        # The bounds are printed in the session's time zone: read them in UTC.
+        # The bounds are printed in the session's time zone, with its offset: read as such.
         cursor.execute(
             "SELECT c.relname, pg_get_expr(c.relpartbound, c.oid) FROM pg_inherits i "
             "JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = to_regclass(%s)",
@@ -152,14 +152,14 @@ def create_partition_sql(
     return statements
 
 
-def _attach(cursor: object, name: str, start: dt.datetime | None, end: dt.datetime) -> None:
+def _attach(cursor: Any, name: str, start: dt.datetime | None, end: dt.datetime) -> None:
     lower = "MINVALUE" if start is None else f"'{start.isoformat()}'"
-    cursor.execute(  # type: ignore[attr-defined]
+    cursor.execute(
         f'ALTER TABLE "{INBOX_TABLE}" ATTACH PARTITION "{name}" '
         f"FOR VALUES FROM ({lower}) TO ('{end.isoformat()}')"
     )
     # Once attached, the partition bound does what the CHECK did.
-    cursor.execute(f'ALTER TABLE "{name}" DROP CONSTRAINT "{name}_range"')  # type: ignore[attr-defined]
+    cursor.execute(f'ALTER TABLE "{name}" DROP CONSTRAINT "{name}_range"')
 
 
 def _ddl(using: str, what: str, work: Callable[[Any], bool]) -> bool | None:
@@ -197,11 +197,14 @@ def ensure_partitions(
     if not is_partitioned(using):
         return []
     today = (now or dt.datetime.now(dt.UTC)).astimezone(dt.UTC).date()
+    known = partitions(using)
     created: list[str] = []
     for offset in range(-1, ahead + 1):
         day = today + dt.timedelta(days=offset)
         start, end = day_start(day), day_start(day + dt.timedelta(days=1))
         name = day_name(day)
+        if any(p.overlaps(start, end) for p in known):
+            continue  # the usual case: no transaction, no lock
 
         def create(
             cursor: Any,
@@ -210,7 +213,7 @@ def ensure_partitions(
             end: dt.datetime = end,
             name: str = name,
         ) -> bool:
-            existing = partitions(using)
+            existing = partitions(using)  # again, under the lock: another process may have
             if any(p.overlaps(start, end) for p in existing):
                 return False
             for statement in create_partition_sql(name, start, end):

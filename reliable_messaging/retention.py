@@ -78,16 +78,18 @@ def purge_messages(
     inbox_before = now - settings.dedup_retention
     using = router.db_for_write(ProcessedMessage)
     if partitions.is_partitioned(using):
-        dropped: list[partitions.Dropped] = []
-        if not dry_run:
+        if dry_run:
+            dropped: list[partitions.Dropped] = []
+            expired = [
+                p.name
+                for p in partitions.partitions(using)
+                if not p.default and p.end is not None and p.end <= inbox_before
+            ]
+            inbox_rows = partitions.estimated_rows_of(using, expired)
+        else:
             partitions.ensure_partitions(using, now=now)
             dropped = partitions.drop_expired(using, inbox_before)
-        expired = [
-            p for p in partitions.partitions(using) if p.end is not None and p.end <= inbox_before
-        ]
-        inbox_rows = sum(d.rows for d in dropped) + (
-            partitions.estimated_rows_of(using, [p.name for p in expired]) if dry_run else 0
-        )
+            inbox_rows = sum(d.rows for d in dropped)
         for name in partitions.row_partitions(using):
             inbox_rows += _purge_partition(using, name, inbox_before, batch_size, dry_run, on_batch)
         inbox_partitions = tuple(d.name for d in dropped)
