@@ -15,12 +15,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from django.db import IntegrityError, router, transaction
+from django.db import IntegrityError, connections, router, transaction
 from django.db.models.functions import Now
 
 from .conf import messaging_settings
 from .envelope import MAX_MESSAGE_ID_LENGTH, encode_payload
 from .models import OutboxMessage
+from .partitions import IDEMPOTENCY_LOCK_CLASS
 from .uuid7 import new_message_id
 
 
@@ -124,6 +125,40 @@ def publish(
     if idempotency_key is None:
         row.save(using=using, force_insert=True)
         return message_id
+    if connections[using].vendor == "postgresql":
+        return _publish_once_pg(row, idempotency_key, using)
+    return _publish_once(row, idempotency_key, using)
+
+
+def _earlier(idempotency_key: str, using: str) -> str | None:
+    return (
+        OutboxMessage.objects.using(using)
+        .filter(idempotency_key=idempotency_key)
+        .values_list("message_id", flat=True)
+        .first()
+    )
+
+
+def _publish_once_pg(row: OutboxMessage, idempotency_key: str, using: str) -> str:
+    """On PostgreSQL a unique index spans one partition of the outbox, and a message sent
+    leaves the unsent partition (partitions.py): an earlier message of the key is looked for in
+    every partition, under an advisory lock on the key held to the end of the transaction. A
+    second publish of the key waits there until the first commits (or rolls back), then, in
+    READ COMMITTED, its lookup sees the first's row."""
+    with transaction.atomic(using=using), connections[using].cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
+            [IDEMPOTENCY_LOCK_CLASS, idempotency_key],
+        )
+        existing = _earlier(idempotency_key, using)
+        if existing is not None:
+            return existing
+        row.save(using=using, force_insert=True)
+    return str(row.message_id)
+
+
+def _publish_once(row: OutboxMessage, idempotency_key: str, using: str) -> str:
+    message_id = str(row.message_id)
     for _ in range(3):
         try:
             # A savepoint, so a duplicate key leaves the caller's transaction usable. Under
@@ -131,12 +166,7 @@ def publish(
             with transaction.atomic(using=using):
                 row.save(using=using, force_insert=True)
         except IntegrityError:
-            existing = (
-                OutboxMessage.objects.using(using)
-                .filter(idempotency_key=idempotency_key)
-                .values_list("message_id", flat=True)
-                .first()
-            )
+            existing = _earlier(idempotency_key, using)
             if existing is not None:
                 return existing
             row.pk = None  # the other insert rolled back meanwhile: ours may go now

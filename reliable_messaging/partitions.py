@@ -1,4 +1,4 @@
-"""The inbox on PostgreSQL: one partition per UTC day, dropped whole once it has expired.
+"""The inbox and the outbox on PostgreSQL: one partition per UTC day, dropped whole once expired.
 
 An inbox that remembers every message for ``DEDUP_RETENTION`` at a thousand messages a second
 holds over a billion rows, and deleting a day of them row by row costs as much as inserting
@@ -21,7 +21,22 @@ only spans one partition, so the inbox claim takes an advisory lock per (consume
 and then looks for the key in the whole table before inserting (see ``inbox.py``). A row is
 kept between ``DEDUP_RETENTION`` and ``DEDUP_RETENTION`` plus a day.
 
-Elsewhere (SQLite) the table stays one table and the purge deletes rows in batches.
+The outbox (see :data:`OUTBOX`) is partitioned the same way for its sent rows, by ``sent_at``;
+its unsent rows, the only ones the relay reads, live in a small partition of their own:
+
+- ``<outbox>``: partitioned by ``status``. ``<outbox>_unsent`` holds the pending and failed
+  rows; ``<outbox>_sent`` the sent and unrouted ones, partitioned by UTC day of ``sent_at``
+  like the inbox (``<outbox>_pYYYYMMDD``, a default partition ``<outbox>_default``). Marking a
+  row sent moves it from one to the other (PostgreSQL does that as a delete and an insert,
+  which costs what the update of an indexed column did before).
+- On a system that had outbox rows before (migration 0010), ``<outbox>`` is partitioned by
+  ``id`` first: the old table, rows of every status, is ``<outbox>_legacy`` (the ids up to the
+  cut-over) and the layout above is ``<outbox>_current`` (the ids after). The relay sends the
+  legacy table's pending rows where they are; its sent rows expire in batches, as before.
+- ``publish(idempotency_key=...)`` finds an earlier message of its key in any partition, under
+  an advisory lock on the key (``outbox.py``): unique indexes span one partition only.
+
+Elsewhere (SQLite) the tables stay plain tables and the purge deletes rows in batches.
 """
 
 from __future__ import annotations
@@ -35,7 +50,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import DatabaseError, OperationalError, connections, transaction
+from django.db import (
+    DatabaseError,
+    NotSupportedError,
+    OperationalError,
+    connections,
+    migrations,
+    transaction,
+)
 
 logger = logging.getLogger("reliable_messaging.partitions")
 
@@ -43,6 +65,17 @@ logger = logging.getLogger("reliable_messaging.partitions")
 INBOX_TABLE = "reliable_messaging_processedmessage"
 LEGACY = f"{INBOX_TABLE}_legacy"
 DEFAULT = f"{INBOX_TABLE}_default"
+# The outbox (OutboxMessage's db_table) and its partitions (see the module's docstring).
+OUTBOX_TABLE = "reliable_messaging_outboxmessage"
+OUTBOX_LEGACY = f"{OUTBOX_TABLE}_legacy"
+OUTBOX_CURRENT = f"{OUTBOX_TABLE}_current"
+OUTBOX_UNSENT = f"{OUTBOX_TABLE}_unsent"
+OUTBOX_SENT = f"{OUTBOX_TABLE}_sent"
+OUTBOX_DEFAULT = f"{OUTBOX_TABLE}_default"
+# The statuses of each side; every relay query names one of them, so that PostgreSQL reads
+# only that side's partition.
+UNSENT_STATUSES = ("pending", "failed")
+SENT_STATUSES = ("sent", "unrouted")
 # Days created ahead of the current one, so a consumer never needs a partition nobody made.
 AHEAD_DAYS = 3
 # How long partition upkeep waits for a table lock, and how often it tries, before it gives
@@ -57,6 +90,82 @@ ADVISORY_CLASS = 0x726D  # "rm"
 UPKEEP_LOCK = 1
 # The class of the inbox claim's per-key advisory locks (the key is a hash of the pair).
 CLAIM_LOCK_CLASS = 0x726D0001
+# The class of publish()'s advisory lock per idempotency key (a hash of the key).
+IDEMPOTENCY_LOCK_CLASS = 0x726D0002
+# PostgreSQL's SQLSTATE for a serialization failure; in READ COMMITTED it is raised when a row
+# to be locked or updated was moved to another partition (sent) by a transaction that
+# committed meanwhile: the statement is simply run again.
+SERIALIZATION_FAILURE = "40001"
+
+
+def row_moved(exc: BaseException) -> bool:
+    """Whether ``exc`` is PostgreSQL's serialization failure, which in READ COMMITTED means that
+    a row to be locked or updated was moved to another partition (an outbox row marked sent)
+    by a transaction that committed meanwhile: the statement is to be run again, and will then
+    not find that row among the unsent ones."""
+    return isinstance(exc, OperationalError) and (
+        getattr(exc.__cause__, "sqlstate", None) == SERIALIZATION_FAILURE
+    )
+
+
+def _inbox_leaf_sql(name: str) -> list[str]:
+    return [
+        f'CREATE TABLE "{name}" (LIKE "{INBOX_TABLE}" INCLUDING DEFAULTS)',
+        f'ALTER TABLE "{name}" ADD CONSTRAINT "{name}_pkey" PRIMARY KEY (id)',
+        f'ALTER TABLE "{name}" ADD CONSTRAINT "{name}_uniq" UNIQUE (message_id, consumer)',
+        f'CREATE INDEX "{name}_consumer" ON "{name}" (consumer)',
+        f'CREATE INDEX "{name}_processed_at" ON "{name}" (processed_at)',
+    ]
+
+
+def outbox_leaf_sql(name: str) -> list[str]:
+    """A standalone table shaped like the outbox with what each of its partitions has of its
+    own: the primary key and the unique idempotency key (a partitioned table can hold neither
+    across partitions). Its other indexes are the outbox's partitioned indexes, which
+    PostgreSQL creates on a table as it is attached."""
+    return [
+        f'CREATE TABLE "{name}" (LIKE "{OUTBOX_TABLE}" INCLUDING DEFAULTS INCLUDING CONSTRAINTS)',
+        f'ALTER TABLE "{name}" ADD CONSTRAINT "{name}_pkey" PRIMARY KEY (id)',
+        f'ALTER TABLE "{name}" ADD CONSTRAINT "{name}_idem" UNIQUE (idempotency_key)',
+    ]
+
+
+@dataclass(frozen=True)
+class DayPartitioned:
+    """A table partitioned by UTC day of a timestamp column."""
+
+    label: str
+    # The table partitioned by range of ``column`` (for the outbox, its sent side).
+    table: str
+    column: str
+    default: str
+    # The name of a day's partition is this and the day, YYYYMMDD.
+    prefix: str
+    # Creates a standalone table shaped like a partition (its range CHECK added apart).
+    leaf_sql: Callable[[str], list[str]]
+    # What a partition's rows satisfy beyond the range (the bound of ``table`` itself, when it
+    # is a partition): stated in the CHECK too, so that attaching needs no scan.
+    also: str = ""
+    # Tables outside ``table`` whose expired rows are deleted in batches, when they exist.
+    legacy: tuple[str, ...] = ()
+
+    def day_name(self, day: dt.date) -> str:
+        return f"{self.prefix}{day:%Y%m%d}"
+
+
+INBOX = DayPartitioned(
+    "inbox", INBOX_TABLE, "processed_at", DEFAULT, f"{INBOX_TABLE}_p", _inbox_leaf_sql
+)
+OUTBOX = DayPartitioned(
+    "outbox",
+    OUTBOX_SENT,
+    "sent_at",
+    OUTBOX_DEFAULT,
+    f"{OUTBOX_TABLE}_p",
+    outbox_leaf_sql,
+    also="status IN ('sent', 'unrouted') AND sent_at IS NOT NULL",
+    legacy=(OUTBOX_LEGACY,),
+)
 
 
 @dataclass(frozen=True)
@@ -73,22 +182,22 @@ class Partition:
         return (self.start is None or self.start < end) and (self.end is None or start < self.end)
 
 
-def day_name(day: dt.date) -> str:
-    return f"{INBOX_TABLE}_p{day:%Y%m%d}"
+def day_name(day: dt.date, spec: DayPartitioned = INBOX) -> str:
+    return spec.day_name(day)
 
 
 def day_start(day: dt.date) -> dt.datetime:
     return dt.datetime(day.year, day.month, day.day, tzinfo=dt.UTC)
 
 
-def is_partitioned(using: str) -> bool:
+def is_partitioned(using: str, spec: DayPartitioned = INBOX) -> bool:
     connection = connections[using]
     if connection.vendor != "postgresql":
         return False
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT EXISTS (SELECT 1 FROM pg_partitioned_table WHERE partrelid = to_regclass(%s))",
-            [INBOX_TABLE],
+            [spec.table],
         )
         row = cursor.fetchone()
     return bool(row and row[0])
@@ -104,14 +213,15 @@ def _bound_value(text: str) -> dt.datetime | None:
     return dt.datetime.fromisoformat(text.strip("'"))
 
 
-def partitions(using: str) -> list[Partition]:
-    """The inbox's partitions, oldest first (the default last)."""
+def partitions(using: str, spec: DayPartitioned = INBOX) -> list[Partition]:
+    """The day partitions of ``spec`` (the inbox's, by default), oldest first (the default
+    last)."""
     with connections[using].cursor() as cursor:
         # The bounds are printed in the session's time zone, with its offset: read as such.
         cursor.execute(
             "SELECT c.relname, pg_get_expr(c.relpartbound, c.oid) FROM pg_inherits i "
             "JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = to_regclass(%s)",
-            [INBOX_TABLE],
+            [spec.table],
         )
         rows = cursor.fetchall()
     found: list[Partition] = []
@@ -122,7 +232,7 @@ def partitions(using: str) -> list[Partition]:
         match = _BOUND.search(bound)
         if match is None:  # pragma: no cover - every partition of ours is a range
             logger.warning(
-                "inbox partition %s has a bound this code does not read: %s", name, bound
+                "%s partition %s has a bound this code does not read: %s", spec.label, name, bound
             )
             continue
         found.append(Partition(name, _bound_value(match["start"]), _bound_value(match["end"])))
@@ -132,30 +242,36 @@ def partitions(using: str) -> list[Partition]:
 
 
 def create_partition_sql(
-    name: str, start: dt.datetime | None, end: dt.datetime | None
+    name: str,
+    start: dt.datetime | None,
+    end: dt.datetime | None,
+    spec: DayPartitioned = INBOX,
 ) -> list[str]:
-    """The statements that make ``name`` a standalone table shaped like the inbox, with its
-    indexes and, for a range, a CHECK matching it (so attaching it needs no scan)."""
-    statements = [
-        f'CREATE TABLE "{name}" (LIKE "{INBOX_TABLE}" INCLUDING DEFAULTS)',
-        f'ALTER TABLE "{name}" ADD CONSTRAINT "{name}_pkey" PRIMARY KEY (id)',
-        f'ALTER TABLE "{name}" ADD CONSTRAINT "{name}_uniq" UNIQUE (message_id, consumer)',
-        f'CREATE INDEX "{name}_consumer" ON "{name}" (consumer)',
-        f'CREATE INDEX "{name}_processed_at" ON "{name}" (processed_at)',
-    ]
+    """The statements that make ``name`` a standalone table shaped like a partition of
+    ``spec``, with its indexes and, for a range, a CHECK matching it (so attaching it needs no
+    scan)."""
+    statements = spec.leaf_sql(name)
     if end is not None:
-        lower = "" if start is None else f"processed_at >= '{start.isoformat()}' AND "
+        column = spec.column
+        lower = "" if start is None else f"{column} >= '{start.isoformat()}' AND "
+        also = f" AND {spec.also}" if spec.also else ""
         statements.append(
             f'ALTER TABLE "{name}" ADD CONSTRAINT "{name}_range" '
-            f"CHECK ({lower}processed_at < '{end.isoformat()}')"
+            f"CHECK ({lower}{column} < '{end.isoformat()}'{also})"
         )
     return statements
 
 
-def _attach(cursor: Any, name: str, start: dt.datetime | None, end: dt.datetime) -> None:
+def _attach(
+    cursor: Any,
+    name: str,
+    start: dt.datetime | None,
+    end: dt.datetime,
+    spec: DayPartitioned = INBOX,
+) -> None:
     lower = "MINVALUE" if start is None else f"'{start.isoformat()}'"
     cursor.execute(
-        f'ALTER TABLE "{INBOX_TABLE}" ATTACH PARTITION "{name}" '
+        f'ALTER TABLE "{spec.table}" ATTACH PARTITION "{name}" '
         f"FOR VALUES FROM ({lower}) TO ('{end.isoformat()}')"
     )
     # Once attached, the partition bound does what the CHECK did.
@@ -188,21 +304,25 @@ def _ddl(using: str, what: str, work: Callable[[Any], bool]) -> bool | None:
 
 
 def ensure_partitions(
-    using: str, *, now: dt.datetime | None = None, ahead: int = AHEAD_DAYS
+    using: str,
+    *,
+    now: dt.datetime | None = None,
+    ahead: int = AHEAD_DAYS,
+    spec: DayPartitioned = INBOX,
 ) -> list[str]:
-    """Create the day partitions from yesterday to ``ahead`` days from now that no partition
-    covers yet, moving into each the rows the default partition holds for its day; returns the
-    names created. Does nothing where the inbox is not partitioned. Stops at the first day it
-    cannot create (see :func:`_ddl`)."""
-    if not is_partitioned(using):
+    """Create the day partitions of ``spec`` (the inbox, by default) from yesterday to
+    ``ahead`` days from now that no partition covers yet, moving into each the rows the default
+    partition holds for its day; returns the names created. Does nothing where the table is
+    not partitioned. Stops at the first day it cannot create (see :func:`_ddl`)."""
+    if not is_partitioned(using, spec):
         return []
     today = (now or dt.datetime.now(dt.UTC)).astimezone(dt.UTC).date()
-    known = partitions(using)
+    known = partitions(using, spec)
     created: list[str] = []
     for offset in range(-1, ahead + 1):
         day = today + dt.timedelta(days=offset)
         start, end = day_start(day), day_start(day + dt.timedelta(days=1))
-        name = day_name(day)
+        name = spec.day_name(day)
         if any(p.overlaps(start, end) for p in known):
             continue  # the usual case: no transaction, no lock
 
@@ -213,10 +333,10 @@ def ensure_partitions(
             end: dt.datetime = end,
             name: str = name,
         ) -> bool:
-            existing = partitions(using)  # again, under the lock: another process may have
-            if any(p.overlaps(start, end) for p in existing):
+            existing = partitions(using, spec)  # again, under the lock: another process may
+            if any(p.overlaps(start, end) for p in existing):  # have made it
                 return False
-            for statement in create_partition_sql(name, start, end):
+            for statement in create_partition_sql(name, start, end, spec):
                 cursor.execute(statement)
             default = next((p for p in existing if p.default), None)
             if default is not None:
@@ -225,27 +345,28 @@ def ensure_partitions(
                 cursor.execute(f'LOCK TABLE "{default.name}" IN ACCESS EXCLUSIVE MODE')
                 cursor.execute(
                     f'WITH moved AS (DELETE FROM "{default.name}" '  # noqa: S608
-                    "WHERE processed_at >= %s AND processed_at < %s RETURNING *) "
+                    f"WHERE {spec.column} >= %s AND {spec.column} < %s RETURNING *) "
                     f'INSERT INTO "{name}" SELECT * FROM moved',
                     [start, end],
                 )
                 if cursor.rowcount:
                     logger.warning(
-                        "moved %d inbox rows of %s from the default partition into %s",
+                        "moved %d %s rows of %s from the default partition into %s",
                         cursor.rowcount,
+                        spec.label,
                         day,
                         name,
                     )
-            _attach(cursor, name, start, end)
+            _attach(cursor, name, start, end, spec)
             return True
 
-        done = _ddl(using, f"create the inbox partition of {day}", create)
+        done = _ddl(using, f"create the {spec.label} partition of {day}", create)
         if done is None:
             break
         if done:
             created.append(name)
     if created:
-        logger.info("created inbox partitions %s", ", ".join(created))
+        logger.info("created %s partitions %s", spec.label, ", ".join(created))
     return created
 
 
@@ -256,15 +377,15 @@ class Dropped:
     rows: int
 
 
-def drop_expired(using: str, before: dt.datetime) -> list[Dropped]:
-    """Drop every partition whose whole range lies before ``before``, oldest first; returns
-    what was dropped. Dropping a partition locks the whole inbox for a moment (inserts wait for
-    it), so the lock is awaited briefly: when it cannot be had (a long transaction holds the
-    inbox), the rest waits for the next run."""
-    if not is_partitioned(using):
+def drop_expired(using: str, before: dt.datetime, spec: DayPartitioned = INBOX) -> list[Dropped]:
+    """Drop every partition of ``spec`` whose whole range lies before ``before``, oldest
+    first; returns what was dropped. Dropping a partition locks the whole table for a moment
+    (inserts wait for it), so the lock is awaited briefly: when it cannot be had (a long
+    transaction holds the table), the rest waits for the next run."""
+    if not is_partitioned(using, spec):
         return []
     dropped: list[Dropped] = []
-    for partition in partitions(using):
+    for partition in partitions(using, spec):
         if partition.default or partition.end is None or partition.end > before:
             continue
 
@@ -274,41 +395,75 @@ def drop_expired(using: str, before: dt.datetime) -> list[Dropped]:
             dropped.append(Dropped(name, rows))
             return True
 
-        if _ddl(using, f"drop the expired inbox partition {partition.name}", drop) is None:
+        what = f"drop the expired {spec.label} partition {partition.name}"
+        if _ddl(using, what, drop) is None:
             break
-        logger.info("dropped the expired inbox partition %s", partition.name)
+        logger.info("dropped the expired %s partition %s", spec.label, partition.name)
     return dropped
 
 
-def row_partitions(using: str) -> list[str]:
+def drop_if_empty(using: str, name: str) -> bool:
+    """Drop the partition ``name`` if it holds no row (a legacy table whose last rows were
+    sent and expired); True if it did."""
+
+    def drop(cursor: Any) -> bool:
+        cursor.execute(f'SELECT NOT EXISTS (SELECT 1 FROM "{name}")')  # noqa: S608
+        if not cursor.fetchone()[0]:
+            return False
+        cursor.execute(f'DROP TABLE "{name}"')
+        return True
+
+    done = bool(_ddl(using, f"drop the empty partition {name}", drop))
+    if done:
+        logger.info("dropped the empty partition %s", name)
+    return done
+
+
+def row_partitions(using: str, spec: DayPartitioned = INBOX) -> list[str]:
     """The partitions whose expired rows are deleted one by one rather than dropped whole: the
     legacy table and the default partition."""
-    return [p.name for p in partitions(using) if p.default or p.start is None]
+    found = [p.name for p in partitions(using, spec) if p.default or p.start is None]
+    if spec.legacy:
+        with connections[using].cursor() as cursor:
+            cursor.execute(
+                "SELECT t FROM unnest(%s::text[]) AS t WHERE to_regclass(t) IS NOT NULL",
+                [list(spec.legacy)],
+            )
+            found += [row[0] for row in cursor.fetchall()]
+    return found
 
 
 def estimated_rows_of(using: str, tables: list[str]) -> int:
-    """PostgreSQL's estimate of the rows of ``tables`` (partitions), without reading them."""
+    """PostgreSQL's estimate of the rows of ``tables`` (partitions), without reading them; a
+    partition never analyzed yet (autovacuum analyzes one as it fills) has no estimate and is
+    counted."""
     if not tables:
         return 0
     with connections[using].cursor() as cursor:
         cursor.execute(
-            "SELECT coalesce(sum(greatest(reltuples, 0)), 0)::bigint FROM pg_class "
-            "WHERE oid = ANY(%s::regclass[])",
-            [tables],
+            "SELECT relname, reltuples FROM pg_class WHERE oid = ANY(%s::regclass[])", [tables]
         )
-        row = cursor.fetchone()
-    return int(row[0]) if row else 0
+        found = cursor.fetchall()
+        total = 0
+        for name, reltuples in found:
+            if reltuples >= 0:
+                total += int(reltuples)
+                continue
+            cursor.execute(f'SELECT count(*) FROM "{name}"')  # noqa: S608
+            total += int(cursor.fetchone()[0])
+    return total
 
 
-def estimated_rows(using: str) -> float | None:
-    """PostgreSQL's estimate of the inbox's rows (the sum over its partitions; one never
-    analyzed yet, such as today's before autovacuum reached it, counts as empty); None while
-    no partition was ever analyzed."""
+def estimated_rows(using: str, table: str = INBOX_TABLE) -> float | None:
+    """PostgreSQL's estimate of the rows of a partitioned table (the sum over its partitions,
+    however deep; one never analyzed yet, such as today's before autovacuum reached it, counts
+    as empty); None while no partition was ever analyzed."""
     with connections[using].cursor() as cursor:
         cursor.execute(
-            "SELECT max(c.reltuples), sum(greatest(c.reltuples, 0)) FROM pg_inherits i "
-            "JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = to_regclass(%s)",
-            [INBOX_TABLE],
+            "SELECT max(c.reltuples), sum(greatest(c.reltuples, 0)) "
+            "FROM pg_partition_tree(to_regclass(%s)) t JOIN pg_class c ON c.oid = t.relid "
+            "WHERE t.isleaf",
+            [table],
         )
         row = cursor.fetchone()
     if row is None or row[0] is None or row[0] < 0:
@@ -316,21 +471,27 @@ def estimated_rows(using: str) -> float | None:
     return float(row[1])
 
 
-# How often a long-running consumer makes sure the coming days have their partitions.
+# How often a long-running consumer or relay makes sure the coming days have their partitions.
 UPKEEP_INTERVAL = 3600.0
 # ... and how soon it tries again after a failure (the database down at start, say).
 UPKEEP_RETRY = 60.0
 
 
 class PartitionUpkeep:
-    """A thread that runs :func:`ensure_partitions` at once, then every ``interval`` seconds,
-    with a database connection of its own; errors are logged, never raised."""
+    """A thread that runs :func:`ensure_partitions` for ``spec`` (the inbox, by default) at
+    once, then every ``interval`` seconds, with a database connection of its own; errors are
+    logged, never raised."""
 
-    def __init__(self, using: str, interval: float = UPKEEP_INTERVAL) -> None:
+    def __init__(
+        self, using: str, interval: float = UPKEEP_INTERVAL, spec: DayPartitioned = INBOX
+    ) -> None:
         self.using = using
         self.interval = interval
+        self.spec = spec
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="inbox-partitions", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"{spec.label}-partitions", daemon=True
+        )
 
     def start(self) -> None:
         self._thread.start()
@@ -344,11 +505,12 @@ class PartitionUpkeep:
             while True:
                 wait = self.interval
                 try:
-                    ensure_partitions(self.using)
+                    ensure_partitions(self.using, spec=self.spec)
                 except Exception as exc:  # noqa: BLE001 - the database may be down: retried
                     wait = min(wait, UPKEEP_RETRY)
                     logger.warning(
-                        "inbox partition upkeep failed, trying again in %.0fs: %s: %s",
+                        "%s partition upkeep failed, trying again in %.0fs: %s: %s",
+                        self.spec.label,
                         wait,
                         type(exc).__name__,
                         exc,
@@ -359,3 +521,36 @@ class PartitionUpkeep:
                     return
         finally:
             connections.close_all()
+
+
+# -- the migrations that partition a table (0009, 0010) ---------------------------------------
+
+
+def sequence_value(cursor: Any, sequence: str) -> int:
+    """The last value ``sequence`` gave out (0 when none)."""
+    cursor.execute(f"SELECT last_value, is_called FROM {sequence}")  # noqa: S608
+    last_value, is_called = cursor.fetchone()
+    return int(last_value) if is_called else int(last_value) - 1
+
+
+class PartitioningOperation(migrations.operations.base.Operation):
+    """A migration operation that turns a model's table into a partitioned one on PostgreSQL
+    (and does nothing elsewhere); the model, for the ORM, does not change."""
+
+    model_name = ""
+    reversible = True
+    atomic = False
+    reduces_to_sql = False
+
+    def state_forwards(self, app_label: str, state: Any) -> None:
+        """The model does not change: partitioning is invisible to the ORM."""
+
+    def _applies(self, app_label: str, schema_editor: Any, state: Any) -> bool:
+        model = state.apps.get_model(app_label, self.model_name)
+        if not self.allow_migrate_model(schema_editor.connection.alias, model):
+            return False
+        if schema_editor.connection.vendor != "postgresql":
+            return False
+        if schema_editor.connection.in_atomic_block:
+            raise NotSupportedError(f"{type(self).__name__} cannot run inside a transaction")
+        return True

@@ -91,6 +91,7 @@ from .conf import MessagingSettings, messaging_settings
 from .envelope import CONTENT_TYPE, ORDERING_KEY_HEADER, PUBLISHED_AT_HEADER
 from .metrics import HealthState
 from .models import OutboxMessage, OutboxStatus
+from .partitions import row_moved
 from .routing import topic_matches
 from .topology import connect, connection_parameters
 
@@ -119,6 +120,12 @@ LEASE_MARGIN = 5.0
 # Seconds a batch's claim transaction may stay open while its confirms are awaited; past it
 # the rows are leased instead and the transaction commits (see _renew_leases).
 HOLD_LIMIT = 2.0
+# The statuses of a row not sent yet. Each statement that reads or changes such rows names them:
+# on PostgreSQL that confines it to the outbox's unsent partition (partitions.py).
+UNSENT = (OutboxStatus.PENDING, OutboxStatus.FAILED)
+# How often a claim or a record is tried again at once when a row it reached was moved to the
+# sent partition meanwhile (a serialization failure, in READ COMMITTED only that).
+MOVED_TRIES = 3
 # Parked rows are released by the relay that sends the row before them; this sweep catches
 # any left parked by other means (a row deleted by hand, say).
 SWEEP_INTERVAL = 30.0
@@ -1033,7 +1040,16 @@ class OutboxRelay:
                 finally:
                     if self._next_sweep == float("inf"):  # it failed: try again in a while
                         self._next_sweep = time.monotonic() + SWEEP_INTERVAL
-            claim = self._claim()
+            for attempt in range(1, MOVED_TRIES + 1):
+                try:
+                    claim = self._claim()
+                    break
+                except DatabaseError as exc:
+                    # Another relay sent a row this claim's snapshot still saw as due: the
+                    # claim rolled back, and its next snapshot will not see the row.
+                    if not row_moved(exc) or attempt == MOVED_TRIES:
+                        raise
+                    logger.debug("relay: a row was sent by another relay meanwhile; claiming again")
             if claim.atomic is None and not claim.parked:
                 claim.wait = self._idle_wait()
         except DatabaseError as exc:
@@ -1162,7 +1178,9 @@ class OutboxRelay:
                 )
                 parked = [pk for pk, blocker in behind.items() if blocker in locked]
                 if parked:
-                    outbox.filter(pk__in=parked).update(next_attempt_at=None)
+                    outbox.filter(pk__in=parked, status=OutboxStatus.PENDING).update(
+                        next_attempt_at=None
+                    )
                 atomic.__exit__(None, None, None)
                 atomic = transaction.atomic(using=self.using)
                 atomic.__enter__()
@@ -1348,49 +1366,29 @@ class OutboxRelay:
         }
         atomic, batch.atomic = batch.atomic, None
         leased = atomic is None
-        try:
-            if atomic is None:
-                atomic = transaction.atomic(using=self.using)
-                atomic.__enter__()
+        for attempt in range(1, MOVED_TRIES + 1):
             try:
-                outbox = OutboxMessage.objects.using(self.using)
-                if sent:
-                    outbox.filter(pk__in=sent).update(
-                        status=OutboxStatus.SENT, sent_at=Now(), last_error=""
-                    )
-                if unrouted:
-                    outbox.filter(pk__in=[row.pk for row in unrouted]).update(
-                        status=OutboxStatus.UNROUTED,
-                        sent_at=Now(),
-                        last_error="no queue was bound for its routing key when it was sent",
-                    )
-                for row in batch.claimed:
-                    error = batch.errors.get(row.pk)
-                    if error is not None:
-                        self._record_failure(row, error)
-                if again and leased:
-                    outbox.filter(pk__in=again, status=OutboxStatus.PENDING).update(
-                        next_attempt_at=Now()
-                    )
-                release_next_of_keys(self.using, keys)
-            except BaseException as exc:
-                atomic.__exit__(type(exc), exc, exc.__traceback__)
-                raise
-            atomic.__exit__(None, None, None)
-        except Exception as exc:  # noqa: BLE001 - whatever failed, the relay goes on
-            # The rows were published but cannot be marked: they stay pending and go again
-            # (rolled back: at once; leased: when the lease runs out), which consumers absorb
-            # by message_id.
-            logger.warning(
-                "relay: cannot record a batch's confirms (%s); its %d row(s) stay "
-                "pending and will be sent again",
-                exc,
-                len(batch.claimed),
-            )
-            self.health.set_database(False, str(exc))
-            if isinstance(exc, DatabaseError):
-                connections[self.using].close()
-            return False
+                self._record(batch, atomic, leased, sent, unrouted, again, keys)
+                break
+            except Exception as exc:  # noqa: BLE001 - whatever failed, the relay goes on
+                if row_moved(exc) and attempt < MOVED_TRIES:
+                    # A leased row that another relay sent meanwhile: rolled back, recorded
+                    # again in a transaction of its own (the rows are not locked any more).
+                    atomic, leased = None, True
+                    continue
+                # The rows were published but cannot be marked: they stay pending and go
+                # again (rolled back: at once; leased: when the lease runs out), which
+                # consumers absorb by message_id.
+                logger.warning(
+                    "relay: cannot record a batch's confirms (%s); its %d row(s) stay "
+                    "pending and will be sent again",
+                    exc,
+                    len(batch.claimed),
+                )
+                self.health.set_database(False, str(exc))
+                if isinstance(exc, DatabaseError):
+                    connections[self.using].close()
+                return False
         self.report.sent += len(sent)
         self.report.unrouted += len(unrouted)
         if unrouted:
@@ -1409,6 +1407,49 @@ class OutboxRelay:
                 logger.debug("relay: sent outbox row %s", pk)
         return True
 
+    def _record(
+        self,
+        batch: _Batch,
+        atomic: Any,
+        leased: bool,
+        sent: list[int],
+        unrouted: list[ClaimedRow],
+        again: list[int],
+        keys: set[str],
+    ) -> None:
+        """Write a batch's outcome in the claim's transaction ``atomic`` (None: a new one)."""
+        if atomic is None:
+            atomic = transaction.atomic(using=self.using)
+            atomic.__enter__()
+        try:
+            # Every statement names the unsent statuses, so that PostgreSQL looks for the rows
+            # in the unsent partition only (partitions.py); marking a row sent moves it to the
+            # sent side.
+            outbox = OutboxMessage.objects.using(self.using).filter(status__in=UNSENT)
+            if sent:
+                outbox.filter(pk__in=sent).update(
+                    status=OutboxStatus.SENT, sent_at=Now(), last_error=""
+                )
+            if unrouted:
+                outbox.filter(pk__in=[row.pk for row in unrouted]).update(
+                    status=OutboxStatus.UNROUTED,
+                    sent_at=Now(),
+                    last_error="no queue was bound for its routing key when it was sent",
+                )
+            for row in batch.claimed:
+                error = batch.errors.get(row.pk)
+                if error is not None:
+                    self._record_failure(row, error)
+            if again and leased:
+                outbox.filter(pk__in=again).filter(status=OutboxStatus.PENDING).update(
+                    next_attempt_at=Now()
+                )
+            release_next_of_keys(self.using, keys)
+        except BaseException as exc:
+            atomic.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        atomic.__exit__(None, None, None)
+
     def _record_failure(self, row: ClaimedRow, error: str) -> None:
         attempts = row.attempts + 1
         failed = attempts >= self.settings.outbox_max_attempts
@@ -1423,7 +1464,8 @@ class OutboxRelay:
             logger.warning(
                 "relay: message_id=%s not sent (attempt %d): %s", row.message_id, attempts, error
             )
-        OutboxMessage.objects.using(self.using).filter(pk=row.pk).update(
+        # Still unsent: a row another relay sent meanwhile (its lease ran out) stays sent.
+        OutboxMessage.objects.using(self.using).filter(pk=row.pk, status__in=UNSENT).update(
             attempts=attempts,
             last_error=error[:2000],
             # From the database's clock, which the claim compares it with.

@@ -1,9 +1,9 @@
 """Retention: old inbox rows and sent outbox rows go, without long transactions.
 
-On PostgreSQL the inbox is partitioned by day (see ``partitions.py``): its expired days are
-dropped whole, whatever their rows, and only the rows of the pre-partitioning table and of the
-default partition are deleted one batch at a time. Everywhere else, and for the outbox, rows
-are deleted in batches of short transactions."""
+On PostgreSQL the inbox and the outbox's sent rows are partitioned by day (see
+``partitions.py``): their expired days are dropped whole, whatever their rows, and only the rows
+of the pre-partitioning tables and of the default partitions are deleted one batch at a time.
+Everywhere else rows are deleted in batches of short transactions."""
 
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ class PurgeResult:
     outbox: int
     # Crash-guard rows of deliveries that never came back (dead-lettered elsewhere, purged).
     suspects: int = 0
-    # The inbox's day partitions dropped whole (PostgreSQL).
+    # The day partitions dropped whole (PostgreSQL).
     inbox_partitions: tuple[str, ...] = ()
+    outbox_partitions: tuple[str, ...] = ()
 
 
 # Called after each deleted batch with the table ("inbox" or "outbox"), the rows deleted from
@@ -75,57 +76,104 @@ def purge_messages(
     failed outbox rows are never touched. ``on_batch`` is told of each deleted batch (see
     :data:`OnBatch`)."""
     now = now or timezone.now()
-    inbox_before = now - settings.dedup_retention
     using = router.db_for_write(ProcessedMessage)
-    if partitions.is_partitioned(using):
-        if dry_run:
-            dropped: list[partitions.Dropped] = []
-            expired = [
-                p.name
-                for p in partitions.partitions(using)
-                if not p.default and p.end is not None and p.end <= inbox_before
-            ]
-            inbox_rows = partitions.estimated_rows_of(using, expired)
-        else:
-            partitions.ensure_partitions(using, now=now)
-            dropped = partitions.drop_expired(using, inbox_before)
-            inbox_rows = sum(d.rows for d in dropped)
-        for name in partitions.row_partitions(using):
-            inbox_rows += _purge_partition(using, name, inbox_before, batch_size, dry_run, on_batch)
-        inbox_partitions = tuple(d.name for d in dropped)
+    inbox_before = now - settings.dedup_retention
+    if partitions.is_partitioned(using, partitions.INBOX):
+        inbox_rows, inbox_partitions = _purge_days(
+            using, partitions.INBOX, inbox_before, "", now, batch_size, dry_run, on_batch
+        )
     else:
         inbox = ProcessedMessage.objects.filter(processed_at__lt=inbox_before)
         inbox_rows = _purge("inbox", inbox, batch_size, dry_run, on_batch)
         inbox_partitions = ()
-    outbox = OutboxMessage.objects.filter(
-        # Unrouted rows (events nobody subscribed to) are finished like sent ones.
-        status__in=[OutboxStatus.SENT, OutboxStatus.UNROUTED],
-        sent_at__lt=now - settings.outbox_retention,
-    )
+    outbox_before = now - settings.outbox_retention
+    outbox_using = router.db_for_write(OutboxMessage)
+    if partitions.is_partitioned(outbox_using, partitions.OUTBOX):
+        # Unrouted rows (events nobody subscribed to) are finished like sent ones; in the
+        # legacy table, which holds rows of every status, only those go.
+        finished = "status IN ('sent', 'unrouted') AND "
+        outbox_rows, outbox_partitions = _purge_days(
+            outbox_using,
+            partitions.OUTBOX,
+            outbox_before,
+            finished,
+            now,
+            batch_size,
+            dry_run,
+            on_batch,
+        )
+    else:
+        outbox = OutboxMessage.objects.filter(
+            status__in=[OutboxStatus.SENT, OutboxStatus.UNROUTED],
+            sent_at__lt=outbox_before,
+        )
+        outbox_rows = _purge("outbox", outbox, batch_size, dry_run, on_batch)
+        outbox_partitions = ()
     suspects = SuspectDelivery.objects.filter(updated_at__lt=now - settings.dedup_retention)
     return PurgeResult(
         inbox=inbox_rows,
-        outbox=_purge("outbox", outbox, batch_size, dry_run, on_batch),
+        outbox=outbox_rows,
         suspects=_purge("suspects", suspects, batch_size, dry_run, on_batch),
         inbox_partitions=inbox_partitions,
+        outbox_partitions=outbox_partitions,
     )
+
+
+def _purge_days(
+    using: str,
+    spec: partitions.DayPartitioned,
+    before: dt.datetime,
+    where: str,
+    now: dt.datetime,
+    batch_size: int,
+    dry_run: bool,
+    on_batch: OnBatch | None,
+) -> tuple[int, tuple[str, ...]]:
+    """Drop the expired day partitions of ``spec`` (for a dry run, estimate their rows), then
+    delete in batches the expired rows of its legacy and default partitions (those matching
+    ``where``, an SQL condition followed by AND, or empty). Returns the rows and the names of
+    the partitions dropped."""
+    if dry_run:
+        dropped: list[partitions.Dropped] = []
+        expired = [
+            p.name
+            for p in partitions.partitions(using, spec)
+            if not p.default and p.end is not None and p.end <= before
+        ]
+        rows = partitions.estimated_rows_of(using, expired)
+    else:
+        partitions.ensure_partitions(using, now=now, spec=spec)
+        dropped = partitions.drop_expired(using, before, spec)
+        rows = sum(d.rows for d in dropped)
+    names = [d.name for d in dropped]
+    for name in partitions.row_partitions(using, spec):
+        rows += _purge_partition(
+            using, spec.label, name, spec.column, where, before, batch_size, dry_run, on_batch
+        )
+        if name in spec.legacy and not dry_run and partitions.drop_if_empty(using, name):
+            names.append(name)
+    return rows, tuple(names)
 
 
 def _purge_partition(
     using: str,
+    label: str,
     table: str,
+    column: str,
+    where: str,
     before: dt.datetime,
     batch_size: int,
     dry_run: bool,
     on_batch: OnBatch | None,
 ) -> int:
-    """Delete, in batches, the rows of one inbox partition (the legacy table or the default
-    one) processed before ``before``."""
+    """Delete, in batches, the rows of one partition (a legacy table or a default partition)
+    whose ``column`` is before ``before`` and that match ``where`` (a condition followed by
+    AND, or empty)."""
     quoted = connections[using].ops.quote_name(table)
     with connections[using].cursor() as cursor:
         if dry_run or on_batch:
             cursor.execute(
-                f"SELECT count(*) FROM {quoted} WHERE processed_at < %s",  # noqa: S608
+                f"SELECT count(*) FROM {quoted} WHERE {where}{column} < %s",  # noqa: S608
                 [before],
             )
             total = int(cursor.fetchone()[0])
@@ -136,12 +184,12 @@ def _purge_partition(
         with transaction.atomic(using=using), connections[using].cursor() as cursor:
             cursor.execute(
                 f"DELETE FROM {quoted} WHERE id IN (SELECT id FROM {quoted} "  # noqa: S608
-                "WHERE processed_at < %s ORDER BY processed_at LIMIT %s)",
+                f"WHERE {where}{column} < %s ORDER BY {column} LIMIT %s)",
                 [before, batch_size],
             )
             batch = cursor.rowcount
         deleted += batch
         if batch and on_batch:
-            on_batch("inbox", deleted, total)
+            on_batch(label, deleted, total)
         if batch < batch_size:
             return deleted

@@ -8,10 +8,13 @@ from types import FrameType
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import router
 
 from reliable_messaging.keepalive import keep_database_alive
 from reliable_messaging.management.metrics_options import add_metrics_arguments, serve_metrics
 from reliable_messaging.metrics import HealthCheck, HealthGroup, HealthState
+from reliable_messaging.models import OutboxMessage
+from reliable_messaging.partitions import OUTBOX, PartitionUpkeep
 from reliable_messaging.relay import OutboxRelay, RelayProgress, run_lanes
 
 logger = logging.getLogger("reliable_messaging.relay")
@@ -89,9 +92,13 @@ class Command(BaseCommand):
         if options["progress_interval"] > 0:
             progress = RelayProgress(relays, options["progress_interval"])
             progress.start()
+        # On PostgreSQL the sent rows go into a partition per day, made ahead of time.
+        upkeep = PartitionUpkeep(router.db_for_write(OutboxMessage), spec=OUTBOX)
+        upkeep.start()
         try:
             report = run_lanes(relays)
         finally:
+            upkeep.stop()
             if progress is not None:
                 progress.stop()
             if ops is not None:

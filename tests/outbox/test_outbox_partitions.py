@@ -1,0 +1,386 @@
+"""The outbox partitioned on PostgreSQL: unsent rows in a partition of their own (the only one
+the relay reads), sent rows by day, dropped whole once expired; an idempotency key found in
+every partition; a row moved to the sent side under a concurrent claim; a populated outbox
+converted in place by the migration, and back."""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import threading
+from collections.abc import Iterator
+from typing import Any
+from unittest import mock
+
+import pytest
+from django.core.management import call_command
+from django.db import DatabaseError, connection, connections, transaction
+from django.db.backends.utils import CursorWrapper
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from reliable_messaging import partitions, publish
+from reliable_messaging.models import OutboxMessage, OutboxStatus
+from reliable_messaging.partitions import (
+    OUTBOX,
+    OUTBOX_CURRENT,
+    OUTBOX_DEFAULT,
+    OUTBOX_LEGACY,
+    OUTBOX_TABLE,
+    OUTBOX_UNSENT,
+)
+from reliable_messaging.relay import OutboxRelay, RelayReport
+from reliable_messaging.retention import purge_messages
+
+from .conftest import OutboxEnv
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.skipif("config.getoption('--sqlite', default=False)"),
+]
+
+DAY = dt.timedelta(days=1)
+
+
+def today() -> dt.date:
+    return timezone.now().astimezone(dt.UTC).date()
+
+
+def relay_once() -> RelayReport:
+    return OutboxRelay(once=True).run()
+
+
+def where(message_id: str) -> str:
+    """The partition holding the row."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT tableoid::regclass::text FROM {OUTBOX_TABLE} WHERE message_id = %s",
+            [message_id],
+        )
+        (found,) = cursor.fetchall()
+    return str(found[0])
+
+
+def sent_row(message_id: str, sent_at: dt.datetime, status: str = "sent") -> None:
+    OutboxMessage.objects.create(
+        message_id=message_id,
+        routing_key="x",
+        body="{}",
+        status=status,
+        sent_at=sent_at,
+        next_attempt_at=None,
+    )
+
+
+def test_unsent_rows_stay_in_their_partition_and_sent_ones_move_to_their_day(
+    ob: OutboxEnv,
+) -> None:
+    ob.set(OUTBOX_MAX_ATTEMPTS=1, REQUIRE_ROUTE=["command.#"])
+    queue = ob.queue(bindings=["event.delivered"])
+    with transaction.atomic():
+        delivered = publish("event.delivered", {"n": 1})
+        unrouted = publish("event.nobody", {"n": 2})
+        failed = publish("command.nobody", {"n": 3})
+    assert {where(m) for m in (delivered, unrouted, failed)} == {OUTBOX_UNSENT}
+    relay_once()
+    assert ob.broker.drain(queue, expected=1)[0].message_id == delivered
+    day = partitions.day_name(today(), OUTBOX)
+    assert where(delivered) == day
+    assert where(unrouted) == day
+    assert OutboxMessage.objects.get(message_id=failed).status == OutboxStatus.FAILED
+    assert where(failed) == OUTBOX_UNSENT
+
+
+def test_the_relay_reads_and_writes_the_unsent_partition_only(ob: OutboxEnv) -> None:
+    """With days of sent rows beside them, the relay's statements are planned on the unsent
+    partition alone: their cost does not grow with the history."""
+    partitions.ensure_partitions("default", now=timezone.now() - 5 * DAY, spec=OUTBOX)
+    for days_ago in range(6):
+        sent_row(f"old-{days_ago}", timezone.now() - days_ago * DAY)
+    ob.queue()
+    with transaction.atomic():
+        keyed = [publish("a.b", {"n": n}, ordering_key="K") for n in range(3)]
+    seen: list[tuple[str, Any]] = []
+    real = CursorWrapper._execute  # type: ignore[attr-defined]
+
+    def record(self: CursorWrapper, sql: str, params: Any, *args: Any) -> Any:
+        seen.append((sql, params))  # from every thread: the relay's workers have their own
+        return real(self, sql, params, *args)
+
+    with mock.patch.object(CursorWrapper, "_execute", record):
+        relay_once()
+    statements = [
+        (sql, params)
+        for sql, params in seen
+        if "outboxmessage" in sql and sql.split()[0] in ("SELECT", "UPDATE")
+    ]
+    assert any(sql.startswith("UPDATE") for sql, _ in statements)
+    for sql, params in statements:
+        with connection.cursor() as cursor:
+            cursor.execute(f"EXPLAIN {sql}", params)
+            plan = "\n".join(row[0] for row in cursor.fetchall())
+        assert "_p20" not in plan and OUTBOX_DEFAULT not in plan, (sql, plan)
+    assert {where(m) for m in keyed} == {partitions.day_name(today(), OUTBOX)}
+
+
+def test_an_idempotency_key_is_found_after_its_message_was_sent(ob: OutboxEnv) -> None:
+    """A unique index spans one partition: without the lookup in every partition, the key of
+    a message already sent (moved out of the unsent partition) would be published again."""
+    queue = ob.queue()
+    with transaction.atomic():
+        first = publish("a.b", {"n": 1}, idempotency_key="order-7")
+    relay_once()
+    assert where(first) == partitions.day_name(today(), OUTBOX)
+    with transaction.atomic():
+        again = publish("a.b", {"n": 1}, idempotency_key="order-7")
+    assert again == first
+    assert OutboxMessage.objects.filter(idempotency_key="order-7").count() == 1
+    assert relay_once().sent == 0
+    assert [m.message_id for m in ob.broker.drain(queue, expected=1)] == [first]
+
+
+def test_two_publishes_of_one_key_at_once_write_one_row(ob: OutboxEnv) -> None:
+    """The second waits for the first's transaction, then finds its row."""
+    holding = threading.Event()
+    release = threading.Event()
+    results: dict[str, str] = {}
+
+    def first() -> None:
+        try:
+            with transaction.atomic():
+                results["first"] = publish("a.b", {"n": 1}, idempotency_key="k-race")
+                holding.set()
+                release.wait(10)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        assert holding.wait(10)
+        second: dict[str, str] = {}
+
+        def publish_second() -> None:
+            try:
+                with transaction.atomic():
+                    second["id"] = publish("a.b", {"n": 2}, idempotency_key="k-race")
+            finally:
+                connection.close()
+
+        waiter = threading.Thread(target=publish_second)
+        waiter.start()
+        waiter.join(1.0)
+        assert waiter.is_alive(), "the second publish did not wait for the first"
+        release.set()
+        waiter.join(10)
+    finally:
+        release.set()
+        thread.join(10)
+    assert second["id"] == results["first"]
+    assert OutboxMessage.objects.filter(idempotency_key="k-race").count() == 1
+
+
+def moved_error() -> DatabaseError:
+    """PostgreSQL's own error for a row locked after a concurrent transaction moved it to
+    another partition: a claim whose snapshot still sees the row pending reaches it (slowed
+    here by pg_sleep) after the row was marked sent and committed."""
+    OutboxMessage.objects.create(message_id="race", routing_key="x", body="{}")
+    caught: list[DatabaseError] = []
+    started = threading.Event()
+
+    def claim() -> None:
+        try:
+            with transaction.atomic():
+                started.set()
+                with connection.cursor() as cursor:
+                    cursor.execute(
+                        f"SELECT id FROM {OUTBOX_TABLE} WHERE status = 'pending' "
+                        "AND pg_sleep(0.5) IS NOT NULL FOR UPDATE SKIP LOCKED"
+                    )
+        except DatabaseError as exc:
+            caught.append(exc)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=claim)
+    thread.start()
+    assert started.wait(5)
+    with transaction.atomic():
+        OutboxMessage.objects.filter(message_id="race", status="pending").update(
+            status="sent", sent_at=timezone.now()
+        )
+    thread.join(10)
+    OutboxMessage.objects.filter(message_id="race").delete()
+    assert len(caught) == 1, "the race did not happen"
+    return caught[0]
+
+
+def test_a_claim_that_meets_a_row_moved_meanwhile_claims_again(ob: OutboxEnv) -> None:
+    error = moved_error()
+    assert partitions.row_moved(error)
+    assert "moved to another partition" in str(error)
+    queue = ob.queue()
+    with transaction.atomic():
+        ids = [publish("a.b", {"n": n}) for n in range(5)]
+    real = OutboxRelay._select
+    calls = {"n": 0}
+
+    def select(self: OutboxRelay) -> list[tuple[Any, ...]]:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise error
+        return real(self)
+
+    relay = OutboxRelay(once=True)
+    with mock.patch.object(OutboxRelay, "_select", select):
+        report = relay.run()
+    assert report.sent == 5
+    assert not [r for r in relay.health.check()[1] if "database" in r]
+    assert sorted(m.message_id for m in ob.broker.drain(queue, expected=5)) == sorted(ids)
+
+
+def test_purge_drops_expired_days_of_sent_rows_whole_and_keeps_every_unsent_row(
+    ob: OutboxEnv,
+) -> None:
+    ob.set(OUTBOX_RETENTION=DAY)
+    partitions.ensure_partitions("default", now=timezone.now() - 10 * DAY, spec=OUTBOX)
+    partitions.ensure_partitions("default", now=timezone.now() - 5 * DAY, spec=OUTBOX)
+    for days_ago in (9, 8, 3):
+        for n in range(4):
+            sent_row(f"d{days_ago}-{n}", timezone.now() - days_ago * DAY)
+    sent_row("unrouted-9", timezone.now() - 9 * DAY, status="unrouted")
+    sent_row("stray", timezone.now() - 40 * DAY)  # no partition of its day: the default
+    sent_row("recent", timezone.now())
+    old_failed = OutboxMessage.objects.create(
+        message_id="old-failed", routing_key="x", body="{}", status="failed"
+    )
+    OutboxMessage.objects.filter(pk=old_failed.pk).update(created_at=timezone.now() - 30 * DAY)
+    OutboxMessage.objects.create(message_id="pending", routing_key="x", body="{}")
+    assert where("stray") == OUTBOX_DEFAULT
+    old = [partitions.day_name(today() - n * DAY, OUTBOX) for n in range(11, 1, -1)]
+    with CaptureQueriesContext(connection) as queries:
+        result = purge_messages()
+    deletes = [q["sql"] for q in queries.captured_queries if q["sql"].startswith("DELETE")]
+    assert all(OUTBOX_DEFAULT in sql for sql in deletes if "outboxmessage" in sql), deletes
+    remaining = [p.name for p in partitions.partitions("default", OUTBOX)]
+    assert not set(old) & set(remaining), remaining
+    assert partitions.day_name(today() - DAY, OUTBOX) in remaining
+    assert set(result.outbox_partitions) == set(old)
+    assert result.outbox == 14  # 13 in the dropped days (never analyzed: counted), 1 stray
+    assert set(OutboxMessage.objects.values_list("message_id", flat=True)) == {
+        "recent",
+        "old-failed",
+        "pending",
+    }
+
+
+def test_the_relay_makes_the_coming_days_partitions(ob: OutboxEnv) -> None:
+    name = partitions.day_name(today() + partitions.AHEAD_DAYS * DAY, OUTBOX)
+    with connection.cursor() as cursor:
+        cursor.execute(f'DROP TABLE "{name}"')
+    code, log = ob.run_relay_once()
+    assert code == 0, log
+    assert name in [p.name for p in partitions.partitions("default", OUTBOX)]
+
+
+def by_partition() -> dict[str, set[str]]:
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT tableoid::regclass::text, message_id FROM {OUTBOX_TABLE}")
+        found: dict[str, set[str]] = {}
+        for table, message_id in cursor.fetchall():
+            found.setdefault(table, set()).add(message_id)
+    return found
+
+
+def test_the_migration_converts_a_populated_outbox_in_place_and_back(ob: OutboxEnv) -> None:
+    queue = ob.queue()
+    out = io.StringIO()
+    call_command("migrate", "reliable_messaging", "0009", stdout=out)
+    assert not partitions.is_partitioned("default", OUTBOX)
+    long_ago = timezone.now() - 30 * DAY
+    with transaction.atomic():
+        pending = publish("a.b", {"n": 1}, ordering_key="K")
+        behind = publish("a.b", {"n": 2}, ordering_key="K")
+        keyed = publish("a.b", {"n": 3}, idempotency_key="legacy-key")
+    sent_row("old-sent", long_ago)
+    sent_row("old-unrouted", long_ago, status="unrouted")
+    OutboxMessage.objects.create(
+        message_id="old-failed", routing_key="x", body="{}", status="failed"
+    )
+    last_old_id = OutboxMessage.objects.order_by("-id").values_list("id", flat=True)[0]
+
+    call_command("migrate", "reliable_messaging", stdout=out)
+    assert partitions.is_partitioned("default", OUTBOX)
+    legacy_rows = {pending, behind, keyed, "old-sent", "old-unrouted", "old-failed"}
+    assert by_partition() == {OUTBOX_LEGACY: legacy_rows}
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+            "WHERE i.indrelid = %s::regclass AND NOT i.indisvalid",
+            [OUTBOX_TABLE],
+        )
+        assert cursor.fetchone()[0] == 0  # the partitioned indexes took the old ones
+    # New rows go to the new layout, ids going on past the cut-over; a key in the old table
+    # is still found.
+    with transaction.atomic():
+        new = publish("a.b", {"n": 4}, ordering_key="K")
+        assert publish("a.b", {"n": 3}, idempotency_key="legacy-key") == keyed
+    assert where(new) == OUTBOX_UNSENT
+    assert OutboxMessage.objects.get(message_id=new).id > last_old_id
+    # The relay sends the old table's pending rows where they are, in key order with the new.
+    relay_once()
+    received = [m.message_id for m in ob.broker.drain(queue, expected=4)]
+    assert received.index(pending) < received.index(behind) < received.index(new)
+    assert where(pending) == OUTBOX_LEGACY
+    assert where(new) == partitions.day_name(today(), OUTBOX)
+    # Its expired sent rows are deleted in batches; its failed row is kept, and so is it.
+    ob.set(OUTBOX_RETENTION=DAY)
+    assert purge_messages().outbox == 2
+    assert OUTBOX_LEGACY in by_partition()
+    # Once nothing is left in it, it is dropped.
+    OutboxMessage.objects.filter(message_id="old-failed").delete()
+    result = purge_messages(now=timezone.now() + 3 * DAY)
+    assert OUTBOX_LEGACY in result.outbox_partitions
+    assert OUTBOX_LEGACY not in by_partition()
+
+    # And back: one plain table with every row, its unique key and its sequence.
+    with transaction.atomic():
+        last = publish("a.b", {"n": 5}, idempotency_key="k-back")
+    call_command("migrate", "reliable_messaging", "0009", stdout=out)
+    assert not partitions.is_partitioned("default", OUTBOX)
+    assert OutboxMessage.objects.filter(message_id=last).exists()
+    with pytest.raises(Exception, match="idempotency_key"), transaction.atomic():
+        sent_row("dup", timezone.now())
+        OutboxMessage.objects.filter(message_id="dup").update(idempotency_key="k-back")
+    with transaction.atomic():
+        after = publish("a.b", {"n": 6})
+    assert (
+        OutboxMessage.objects.get(message_id=after).id
+        > OutboxMessage.objects.get(message_id=last).id
+    )
+    call_command("migrate", "reliable_messaging", stdout=out)
+    assert set(by_partition()) == {OUTBOX_LEGACY}
+
+
+@pytest.fixture(autouse=True)
+def coming_days_ready() -> None:
+    """The partitions a new installation has (a purge run by an earlier test with a clock far
+    ahead may have dropped them)."""
+    partitions.ensure_partitions("default", spec=OUTBOX)
+
+
+@pytest.fixture(autouse=True)
+def fresh_layout_after_a_migration(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Leave the layout of a new installation (no legacy table) for the tests after this."""
+    yield
+    if "migration" not in request.node.name:
+        return
+    for alias in connections:
+        connections[alias].close()
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT to_regclass(%s) IS NOT NULL", [OUTBOX_CURRENT])
+        converted = cursor.fetchone()[0]
+    if converted:
+        OutboxMessage.objects.all().delete()
+        call_command("migrate", "reliable_messaging", "0009", stdout=io.StringIO())
+        call_command("migrate", "reliable_messaging", stdout=io.StringIO())
