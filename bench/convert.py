@@ -1,6 +1,6 @@
-"""What migration 0009 costs on a populated inbox: converting it into the day-partitioned table.
+"""What migrations 0009 and 0010 cost on a populated inbox or outbox: converting it in place.
 
-    .venv/bin/python bench/convert.py [--rows 30000000]
+    .venv/bin/python bench/convert.py [--rows 30000000] [--table inbox|outbox]
 
 (database ``RM_BENCH_DB``, by default ``rm_bench_convert``.) The inbox is migrated back to 0008
 (one plain table) and filled with ``--rows`` rows of UUIDv7 ids stamped over the last 14 days
@@ -11,6 +11,10 @@ migration is timed. Printed: the whole migration, the scan that validates the CH
 (inserts go on meanwhile), the transaction that holds the exclusive lock on the table, and the
 longest wait of one insert (the writer's own baseline, measured just before, is printed next to
 it). Nothing is asserted.
+
+With ``--table outbox`` the same is done for the outbox and migration 0010: the outbox (at 0009,
+one plain table) is filled with sent rows of the last 14 days and one pending row in a thousand,
+and the writer publishes with ``publish()``, one transaction per message.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from _common import describe_machine, setup_django
 from consume import UUID7_SQL
 
 TABLE = "reliable_messaging_processedmessage"
+OUTBOX = "reliable_messaging_outboxmessage"
 CHUNK = 2_000_000
 
 
@@ -49,10 +54,12 @@ class Timings:
             self.statements.append((started, time.perf_counter(), " ".join(sql.split())[:90]))
 
 
-def writer(stop: threading.Event, waits: list[float]) -> None:
-    """Insert inbox rows, one transaction each, as a consumer does; record each one's time."""
+def writer(stop: threading.Event, waits: list[float], outbox: bool = False) -> None:
+    """Insert inbox rows, one transaction each, as a consumer does (or with ``outbox``,
+    publish one message per transaction); record each one's time."""
     from django.db import connection, transaction
 
+    from reliable_messaging import publish
     from reliable_messaging.inbox import insert_inbox_row
     from reliable_messaging.uuid7 import new_message_id
 
@@ -60,16 +67,19 @@ def writer(stop: threading.Event, waits: list[float]) -> None:
         while not stop.is_set():
             started = time.perf_counter()
             with transaction.atomic():
-                insert_inbox_row("default", "bench.writer", new_message_id())
+                if outbox:
+                    publish("bench.writer", {"n": 1}, exchange="")
+                else:
+                    insert_inbox_row("default", "bench.writer", new_message_id())
             waits.append(time.perf_counter() - started)
     finally:
         connection.close()
 
 
-def timed_writes(seconds: float) -> list[float]:
+def timed_writes(seconds: float, outbox: bool = False) -> list[float]:
     stop = threading.Event()
     waits: list[float] = []
-    thread = threading.Thread(target=writer, args=(stop, waits))
+    thread = threading.Thread(target=writer, args=(stop, waits, outbox))
     thread.start()
     time.sleep(seconds)
     stop.set()
@@ -80,12 +90,16 @@ def timed_writes(seconds: float) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=int, default=30_000_000)
+    parser.add_argument("--table", choices=("inbox", "outbox"), default="inbox")
     args = parser.parse_args()
     setup_django()
     from django.core.management import call_command
     from django.db import connection
 
     print(f"machine: {describe_machine()}", flush=True)
+    if args.table == "outbox":
+        convert_outbox(args.rows)
+        return
     call_command("migrate", "reliable_messaging", "0008", verbosity=0)
     with connection.cursor() as cursor:
         cursor.execute(f"TRUNCATE {TABLE}")
@@ -150,6 +164,74 @@ def main() -> None:
             [TABLE],
         )
         print("partitions:", ", ".join(row[0] for row in cursor.fetchall()))
+
+
+def convert_outbox(rows: int) -> None:
+    from django.core.management import call_command
+    from django.db import connection
+
+    call_command("migrate", "reliable_messaging", "0009", verbosity=0)
+    with connection.cursor() as cursor:
+        cursor.execute(f"TRUNCATE {OUTBOX}")
+        started = time.perf_counter()
+        for first in range(1, rows + 1, CHUNK):
+            last = min(rows, first + CHUNK - 1)
+            cursor.execute(
+                f"INSERT INTO {OUTBOX} (message_id, exchange, routing_key, body, headers, "
+                "status, attempts, last_error, next_attempt_at, created_at, sent_at) "
+                "SELECT gen_random_uuid()::text, '', 'bench.order', '{\"n\":1}', '{}', "
+                "CASE WHEN g %% 1000 = 0 THEN 'pending' ELSE 'sent' END, 0, '', c, c, "
+                "CASE WHEN g %% 1000 = 0 THEN NULL ELSE c END "
+                "FROM (SELECT g, now() - (%(rows)s - g) * %(step)s * interval '1 millisecond' "
+                "AS c FROM generate_series(%(first)s, %(last)s) AS g) AS s",
+                {
+                    "rows": rows,
+                    "step": 14 * 86_400_000 // max(rows, 1),
+                    "first": first,
+                    "last": last,
+                },
+            )
+            print(f"  {last:,} rows ({time.perf_counter() - started:.0f}s)", flush=True)
+        cursor.execute(f"VACUUM ANALYZE {OUTBOX}")
+        cursor.execute("CHECKPOINT")
+        cursor.execute(f"SELECT pg_total_relation_size('{OUTBOX}')")
+        size = cursor.fetchone()[0]
+    print(
+        f"plain outbox (0009) of {rows:,} rows, {size / 2**20:,.0f} MiB with its indexes; "
+        "VACUUM ANALYZE (as autovacuum would) and CHECKPOINT done",
+        flush=True,
+    )
+    baseline = timed_writes(5.0, outbox=True)
+    timings = Timings()
+    stop = threading.Event()
+    waits: list[float] = []
+    thread = threading.Thread(target=writer, args=(stop, waits, True))
+    thread.start()
+    time.sleep(1.0)
+    with connection.execute_wrapper(timings):
+        started = time.perf_counter()
+        call_command("migrate", "reliable_messaging", "0010", verbosity=0, stdout=io.StringIO())
+        total = time.perf_counter() - started
+    time.sleep(1.0)
+    stop.set()
+    thread.join(30)
+    validate = next(end - begin for begin, end, sql in timings.statements if "VALIDATE" in sql)
+    lock_start = next(begin for begin, _, sql in timings.statements if sql.startswith("LOCK TABLE"))
+    switch_end = max(end for _, end, sql in timings.statements if sql.startswith("CREATE TRIGGER"))
+    print(
+        f"migrate 0010 on {rows:,} rows: {total:.1f}s in all; the CHECK's validating scan "
+        f"{validate:.1f}s (publishing goes on); the exclusive lock held "
+        f"{1000 * (switch_end - lock_start):.0f} ms (until the last statement of its "
+        "transaction; commit not included)"
+    )
+    print(
+        f"publish(), one transaction each: before the migration median "
+        f"{1000 * sorted(baseline)[len(baseline) // 2]:.2f} ms, longest {1000 * max(baseline):.1f} "
+        f"ms ({len(baseline):,} in 5 s); during it median "
+        f"{1000 * sorted(waits)[len(waits) // 2]:.2f} ms, longest {1000 * max(waits):.1f} ms "
+        f"({len(waits):,} in {total + 2:.0f} s)"
+    )
+    call_command("migrate", "reliable_messaging", verbosity=0)
 
 
 if __name__ == "__main__":

@@ -65,7 +65,8 @@ from .crash_guard import CrashGuard, Suspicion
 from .dead_letters import record_dead_letter
 from .envelope import CELERY_TASK_HEADER, CONTENT_TYPE, Delivery, jsonable
 from .inbox import insert_inbox_row
-from .models import DeadLetterReason, ProcessedMessage
+from .models import DeadLetterReason, OutboxMessage, ProcessedMessage
+from .partitions import OUTBOX, ensure_partitions
 from .relay import OutboxRelay
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,9 @@ _idempotent_bodies: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
 @shared_task(name="reliable_messaging.relay_outbox", ignore_result=False)
 def relay_outbox(max_seconds: float = 50.0, batch_size: int | None = None) -> dict[str, Any]:
     """Publish pending outbox rows until none is left or ``max_seconds`` have passed."""
+    # The sent rows' day partitions (PostgreSQL), made ahead as `manage.py relay` makes them: a
+    # catalog read when they exist.
+    ensure_partitions(router.db_for_write(OutboxMessage), spec=OUTBOX)
     report = OutboxRelay(
         once=True, max_seconds=max_seconds, batch_size=batch_size, listen=False
     ).run()
