@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import connections
 from django.utils import timezone
 
 from reliable_messaging.status import (
@@ -265,5 +266,8 @@ class Command(BaseCommand):
         ]
         if db.dead_letters:
             lines += _table([[d.consumer, d.reason, f"{d.count:,}"] for d in db.dead_letters])
-        lines.append(f"Inbox: {db.inbox_rows:,} processed message(s) remembered")
+        lines.append(
+            f"Inbox: {db.inbox_rows:,} processed message(s) remembered"
+            + (" (estimated)" if connections[db.alias].vendor == "postgresql" else "")
+        )
         return lines
