@@ -483,10 +483,14 @@ class DatabaseCollector:
         )
 
 
+# Up to this many rows by PostgreSQL's estimate, the inbox is counted instead.
+COUNT_INBOX_UP_TO = 10_000
+
+
 def inbox_rows(alias: str) -> float:
     """The inbox's rows: on PostgreSQL estimated from its statistics (``reltuples``, kept by
-    autovacuum and ANALYZE; summed over the partitions), counted only while it has none; counted
-    elsewhere. Counting a billion rows would take minutes."""
+    autovacuum and ANALYZE; summed over the partitions) when that passes ``COUNT_INBOX_UP_TO``,
+    else counted; counted elsewhere. Counting a billion rows would take minutes."""
     from .models import ProcessedMessage
 
     connection = connections[alias]
@@ -501,8 +505,9 @@ def inbox_rows(alias: str) -> float:
                 )
                 row = cursor.fetchone()
             estimate = float(row[0]) if row is not None and row[0] >= 0 else None
-        # None until the table is first vacuumed or analyzed: count it then.
-        if estimate is not None:
+        # None until the table is first vacuumed or analyzed: count it then, and a small
+        # inbox, whose count is cheap and whose statistics may lag far behind it.
+        if estimate is not None and estimate > COUNT_INBOX_UP_TO:
             return estimate
     return float(ProcessedMessage._default_manager.using(alias).count())
 

@@ -34,13 +34,27 @@ def pytest_configure(config: pytest.Config) -> None:
 # Tests that stop, restart or alarm a service every test shares (the broker on 5672, PostgreSQL,
 # Redis), or start a cluster of their own: `make test` runs them alone, after the rest has run
 # in parallel workers (pytest-xdist), so no other test sees their faults.
+#
+# Listed by what they do, not by directory: tests/faults/test_bad_input_corpus.py,
+# test_foreign_producers.py, test_poison_pills.py and test_security.py work in a namespace or a
+# vhost of their own with processes of their own and break nothing shared, so they run in the
+# parallel part, as do the tests of test_broker_closes.py, test_consume_ops.py and
+# test_relay_faults.py not named here.
 SERIAL = (
-    "tests/faults/",
     "tests/cluster/",
-    "tests/ops/test_consume_ops.py",
+    # Stops the broker, closes every connection of a vhost, raises a memory alarm, stops
+    # PostgreSQL and Redis.
+    "tests/faults/test_pipeline_under_faults.py",
+    # Have the broker close channels (rabbitmqctl eval in the node); the second also takes the
+    # read permission away. The other tests of the file act on their own vhost's queues only.
+    "tests/faults/test_broker_closes.py::test_a_channel_the_broker_closes_mid_handler_",
+    "tests/faults/test_broker_closes.py::test_healthz_is_unhealthy_while_the_broker_keeps_",
+    "tests/ops/test_consume_ops.py::test_consumer_healthz_fails_while_the_broker_is_stopped",
+    # Stop the broker or raise its memory alarm.
     "tests/ops/test_relay_broker_faults.py",
-    "tests/outbox/test_relay_faults.py",
+    "tests/outbox/test_relay_faults.py::test_relay_reconnects_by_itself_after_a_broker_restart",
     # These stop PostgreSQL.
+    "tests/outbox/test_relay_faults.py::test_relay_rides_out_a_database_outage",
     "tests/e2e/test_consume_command.py::test_database_",
     "tests/e2e/test_consume_command.py::test_sigterm_during_a_database_outage",
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable
+from unittest import mock
 
 import pytest
 from django.test import Client
@@ -261,3 +262,36 @@ def test_real_failures_are_grouped_by_their_fingerprint(admin: Client) -> None:
     key_errors = next(r for r in rows if r["exception_name"] == "KeyError")
     listed = admin.get(key_errors["list_url"])
     assert shown(listed) == ["k-1", "k-2"]
+
+
+@pytest.mark.skipif("config.getoption('--sqlite', default=False)")
+def test_the_inbox_list_shows_the_planners_estimate_of_a_large_inbox(admin: Client) -> None:
+    """Counting a billion inbox rows (or one consumer's share) takes minutes: past
+    EXACT_UP_TO rows the list shows PostgreSQL's estimate (here 300 rows analyzed, then 100
+    deleted unseen by the statistics), and a small result is counted."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from reliable_messaging.admin import EstimatedCountPaginator
+
+    ProcessedMessage.objects.bulk_create(
+        ProcessedMessage(consumer="tests.alpha", message_id=f"e-{n}") for n in range(300)
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(f"ANALYZE {ProcessedMessage._meta.db_table}")
+    ProcessedMessage.objects.filter(message_id__in=[f"e-{n}" for n in range(100)]).delete()
+    url = reverse("admin:reliable_messaging_processedmessage_changelist")
+    with (
+        mock.patch.object(EstimatedCountPaginator, "EXACT_UP_TO", 50),
+        CaptureQueriesContext(connection) as queries,
+    ):
+        listed = admin.get(url)
+        one = admin.get(url, {"q": "e-150"})
+    # The planner's figure (its statistics scaled to the table's current size), not the 200 rows.
+    assert 250 <= listed.context["cl"].result_count <= 350
+    inbox = ProcessedMessage._meta.db_table
+    counts = [
+        q["sql"] for q in queries.captured_queries if "COUNT(" in q["sql"] and inbox in q["sql"]
+    ]
+    assert len(counts) == 1, counts  # the search's, estimated at one row: counted
+    assert one.context["cl"].result_count == 1

@@ -500,9 +500,16 @@ class RabbitCluster:
                 print(f"rabbit_cluster: {node} was down; starting it again")
                 self.start(node)
             self._down.discard(node.name)
-        for node in self.nodes:
+        # Every node is asked (one rabbitmqctl each, side by side: they are independent).
+        alarmed: list[Node] = []
+
+        def check_alarm(node: Node) -> None:
             if self.memory_alarm_on(node):
-                self.ctl(node, "set_vm_memory_high_watermark", "0.4", timeout=30)
+                alarmed.append(node)
+
+        self._parallel(check_alarm, self.nodes)
+        for node in alarmed:
+            self.ctl(node, "set_vm_memory_high_watermark", "0.4", timeout=30)
         expected = {n.name for n in self.nodes}
         wait_until(
             lambda: self.running_members() == expected,
@@ -646,13 +653,20 @@ class RabbitCluster:
 
     def quorum_leader(self, vhost: str, queue: str) -> Node:
         """The node that leads quorum queue ``queue`` now."""
-        for row in self.queues(vhost):
-            if row["name"] == queue:
-                leader = row.get("leader")
-                if not leader:
-                    raise RuntimeError(f"{queue} has no leader now: {row}")
-                return self._node(str(leader))
-        raise KeyError(f"no queue {queue!r} in vhost {vhost!r}")
+        return self.quorum_leaders(vhost, [queue])[queue]
+
+    def quorum_leaders(self, vhost: str, queues: Sequence[str]) -> dict[str, Node]:
+        """{queue: the node that leads it now} for quorum queues ``queues`` (one listing)."""
+        rows = {row["name"]: row for row in self.queues(vhost)}
+        leaders: dict[str, Node] = {}
+        for queue in queues:
+            if queue not in rows:
+                raise KeyError(f"no queue {queue!r} in vhost {vhost!r}")
+            leader = rows[queue].get("leader")
+            if not leader:
+                raise RuntimeError(f"{queue} has no leader now: {rows[queue]}")
+            leaders[queue] = self._node(str(leader))
+        return leaders
 
     def connections(self, vhost: str | None = None) -> list[dict[str, Any]]:
         """Client connections (connection_name, node, port, peer), of ``vhost`` if given."""
@@ -685,19 +699,34 @@ class RabbitCluster:
         """The node the ``manage.py consume`` of ``pid`` consumes through: its connection is
         named ``consume pid=<pid>`` (a connection named with more after that, such as a
         publishing connection of its own, counts only when there is no plain one)."""
-        name = f"consume pid={pid}"
+        return self.nodes_of_processes([pid], vhost, timeout)[pid]
 
-        def find() -> Node | None:
-            rows = [r for r in self.connections(vhost) if r["connection_name"].startswith(name)]
-            rows.sort(key=lambda r: r["connection_name"] != name)
-            for row in rows:
+    def nodes_of_processes(
+        self, pids: Sequence[int], vhost: str | None = None, timeout: float = 30
+    ) -> dict[int, Node]:
+        """:meth:`node_of_process` for several processes, from one connection listing per
+        look (waiting until each of them has a connection)."""
+
+        def node_of(rows: list[dict[str, Any]], pid: int) -> Node | None:
+            name = f"consume pid={pid}"
+            found = [r for r in rows if r["connection_name"].startswith(name)]
+            found.sort(key=lambda r: r["connection_name"] != name)
+            for row in found:
                 if row["node"]:
                     return self._node(row["node"])
             return None
 
-        node = wait_until(find, timeout=timeout, interval=0.5, message=f"a connection '{name}'")
-        assert isinstance(node, Node)
-        return node
+        def find() -> dict[int, Node] | None:
+            rows = self.connections(vhost)
+            placed = {pid: node_of(rows, pid) for pid in pids}
+            if any(node is None for node in placed.values()):
+                return None
+            return {pid: node for pid, node in placed.items() if node is not None}
+
+        names = ", ".join(f"'consume pid={pid}'" for pid in pids)
+        nodes = wait_until(find, timeout=timeout, interval=0.5, message=f"a connection {names}")
+        assert isinstance(nodes, dict)
+        return nodes
 
 
 @contextlib.contextmanager

@@ -94,7 +94,7 @@ class ClusterRig(FaultRig):
         proc = RelayProcess(list(args), env, self.tmp_path / f"{name}.log")
         self.app_names[proc.pid] = name
         self.processes.append(proc)
-        return proc.wait_connected(60)
+        return self._await_started(proc)
 
     def consumer_in(self, host: ConsumerHost, first: int, *args: str) -> ConsumeProcess:
         """``manage.py consume ARGS`` inside ``host``'s namespace: the cluster at the host's veth
@@ -108,7 +108,7 @@ class ClusterRig(FaultRig):
         proc = NetnsConsumeProcess(host, list(args), env, self.tmp_path / f"{name}.log")
         self.app_names[proc.pid] = name
         self.processes.append(proc)
-        return proc.wait_consuming(60)
+        return self._await_started(proc)
 
     # -- traffic and the verdict ---------------------------------------------------------------
 

@@ -82,7 +82,8 @@ def test_consumer_behind_a_load_balancer_whose_node_is_killed(
     victims: list[ConsumeProcess] = []
 
     def through_the_balancer(rig: ClusterRig) -> tuple[list[ConsumeProcess], RelayProcess]:
-        consumers = [rig.consumer(RM_BROKER_URL=url), rig.consumer(RM_BROKER_URL=url)]
+        with rig.starting_together():
+            consumers = [rig.consumer(RM_BROKER_URL=url), rig.consumer(RM_BROKER_URL=url)]
         name = rig._app_name("relay")
         relay = RelayProcess([], rig.env(name, RM_BROKER_URL=url), rig.tmp_path / f"{name}.log")
         rig.app_names[relay.pid] = name

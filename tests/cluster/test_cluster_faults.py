@@ -55,16 +55,20 @@ AFTER = 3.0  # seconds of traffic after the fault is over
 def start_pipeline(rig: ClusterRig) -> tuple[list[ConsumeProcess], RelayProcess]:
     """Two consumers (URL lists starting at nodes 1 and 2) and a relay (node 3); the package
     tries the URLs in a shuffled order, so that is where they may land, not where they will."""
-    consumers = [rig.consumer_on(0), rig.consumer_on(1)]
-    relay = rig.relay_on(2)
+    with rig.starting_together():
+        consumers = [rig.consumer_on(0), rig.consumer_on(1)]
+        relay = rig.relay_on(2)
     return consumers, relay
 
 
 def where(rig: ClusterRig, consumers: list[ConsumeProcess]) -> str:
     cluster = rig.cluster
-    parts = [f"consumer {c.pid} on {cluster.node_of_process(c.pid, rig.vhost)}" for c in consumers]
+    # One connection listing and one queue listing (each a rabbitmqctl call) for all of them.
+    nodes = cluster.nodes_of_processes([c.pid for c in consumers], rig.vhost)
+    leaders = cluster.quorum_leaders(rig.vhost, list(rig.queues.values()))
+    parts = [f"consumer {c.pid} on {nodes[c.pid]}" for c in consumers]
     for label, queue in rig.queues.items():
-        parts.append(f"{label} leader {cluster.quorum_leader(rig.vhost, queue)}")
+        parts.append(f"{label} leader {leaders[queue]}")
     return ", ".join(parts)
 
 
@@ -157,9 +161,11 @@ def test_node_of_a_consumer_killed_then_started(cluster_rig: ClusterRig) -> None
     def fault() -> str:
         # Preferably a consumer on a node that leads no consumer queue (scenario 1 is the
         # leader's node): here only the connection is lost, the queues keep their leaders.
-        leaders = {rig.cluster.quorum_leader(rig.vhost, q).name for q in rig.queues.values()}
+        queues = list(rig.queues.values())
+        leaders = {node.name for node in rig.cluster.quorum_leaders(rig.vhost, queues).values()}
         consumers = [p for p in rig.processes if isinstance(p, ConsumeProcess)]
-        placed = [(p, rig.cluster.node_of_process(p.pid, rig.vhost)) for p in consumers]
+        nodes = rig.cluster.nodes_of_processes([p.pid for p in consumers], rig.vhost)
+        placed = [(p, nodes[p.pid]) for p in consumers]
         placed.sort(key=lambda pair: pair[1].name in leaders)
         consumer, node = placed[0]
         victims.append(consumer)
@@ -219,11 +225,12 @@ def test_memory_alarm_on_one_node_blocks_publishers_consumers_keep_acking(
     *and acking* what is already in their queues meanwhile; afterwards everything flows."""
     rig = cluster_rig
     began = time.monotonic()
-    consumers = [
-        rig.consumer_on(0, "--metrics-port", "0"),
-        rig.consumer_on(1, "--metrics-port", "0"),
-    ]
-    relay = rig.relay_on(2, "--metrics-port", "0")
+    with rig.starting_together():
+        consumers = [
+            rig.consumer_on(0, "--metrics-port", "0"),
+            rig.consumer_on(1, "--metrics-port", "0"),
+        ]
+        relay = rig.relay_on(2, "--metrics-port", "0")
     ports = {proc.pid: rig.ops_port(proc) for proc in (*consumers, relay)}
     # The first messages are slower to handle than they come: a backlog for the alarm.
     traffic = rig.start_open_traffic(RATE, payload=slow_first(BACKLOG, 0.1))
@@ -303,9 +310,10 @@ def test_consumer_cut_off_by_a_partition_the_other_keeps_going(cluster_rig: Clus
     rig = cluster_rig
     began = time.monotonic()
     with consumer_host() as host:
-        healthy = rig.consumer_on(0)
-        cut = rig.consumer_in(host, 1)
-        relay = rig.relay_on(2)
+        with rig.starting_together():
+            healthy = rig.consumer_on(0)
+            cut = rig.consumer_in(host, 1)
+            relay = rig.relay_on(2)
         # Some handlers slow enough that the cut-off one is caught inside a transaction, not
         # so many that one consumer cannot keep up with the traffic alone.
         traffic = rig.start_open_traffic(RATE, payload=with_slow_handlers(every=10, seconds=0.2))

@@ -39,7 +39,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from django.db import DatabaseError, connection, connections, transaction
 
@@ -55,6 +55,7 @@ ROUTING_KEY = "order.placed"
 # relay's ``SELECT ... FOR UPDATE SKIP LOCKED`` of the outbox rows it is about to publish.
 RELAY_BATCH_SQL = 'SELECT "reliable_messaging_outboxmessage"."id" AS "pk"%'
 HANDLER_SQL = '%"testapp_effect"%'
+P = TypeVar("P", bound=ManageProcess)
 
 
 # --------------------------------------------------------------------------- payloads
@@ -246,6 +247,8 @@ class FaultRig:
     _names: Counter[str] = field(default_factory=Counter)
     app_names: dict[int, str] = field(default_factory=dict)  # pid -> PostgreSQL application_name
     traffic: Traffic | None = None
+    # Inside ``starting_together()``: the processes started, not waited for yet.
+    _unawaited: list[ManageProcess] | None = None
 
     def __post_init__(self) -> None:
         self.vhost = self.ns
@@ -281,14 +284,40 @@ class FaultRig:
         proc = ConsumeProcess(list(args), self.env(name, **env), self.tmp_path / f"{name}.log")
         self.app_names[proc.pid] = name
         self.processes.append(proc)
-        return proc.wait_consuming(60)
+        return self._await_started(proc)
 
     def relay(self, *args: str) -> RelayProcess:
         name = self._app_name("relay")
         proc = RelayProcess(list(args), self.env(name), self.tmp_path / f"{name}.log")
         self.app_names[proc.pid] = name
         self.processes.append(proc)
-        return proc.wait_connected(60)
+        return self._await_started(proc)
+
+    def _await_started(self, proc: P) -> P:
+        """Wait until ``proc`` consumes (or, a relay, publishes), unless inside
+        :meth:`starting_together`, which waits for it on the way out."""
+        if self._unawaited is not None:
+            self._unawaited.append(proc)
+        elif isinstance(proc, ConsumeProcess):
+            proc.wait_consuming(60)
+        elif isinstance(proc, RelayProcess):
+            proc.wait_connected(60)
+        return proc
+
+    @contextlib.contextmanager
+    def starting_together(self) -> Iterator[None]:
+        """The processes started in the body start side by side, as a supervisor starts a
+        deployment's; on the way out each one is waited for as :meth:`consumer` and
+        :meth:`relay` would have waited for it alone (consuming, publishing the outbox)."""
+        assert self._unawaited is None, "starting_together() does not nest"
+        self._unawaited = []
+        try:
+            yield
+            started, self._unawaited = self._unawaited, None
+            for proc in started:
+                self._await_started(proc)
+        finally:
+            self._unawaited = None
 
     def kill_9(self, proc: ManageProcess) -> None:
         proc.send(signal.SIGKILL)

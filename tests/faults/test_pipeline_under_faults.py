@@ -57,8 +57,9 @@ def wait_for_more_effects(count: int, timeout: float = 60.0) -> None:
 
 
 def test_consumers_killed_mid_handler_again_and_again(rig: FaultRig) -> None:
-    consumers = [rig.consumer("--concurrency", "2"), rig.consumer("--concurrency", "2")]
-    relay = rig.relay()
+    with rig.starting_together():
+        consumers = [rig.consumer("--concurrency", "2"), rig.consumer("--concurrency", "2")]
+        relay = rig.relay()
     traffic = rig.start_traffic(360, rate=30, payload=with_slow_handlers(every=5, seconds=0.15))
     for round_, threshold in enumerate((40, 110, 180, 250)):
         traffic.wait_published(threshold)
@@ -74,8 +75,9 @@ def test_consumers_killed_mid_handler_again_and_again(rig: FaultRig) -> None:
 
 
 def test_relay_killed_mid_batch_again_and_again(rig: FaultRig) -> None:
-    consumers = [rig.consumer(), rig.consumer()]
-    relay = rig.relay("--batch-size", "10")
+    with rig.starting_together():
+        consumers = [rig.consumer(), rig.consumer()]
+        relay = rig.relay("--batch-size", "10")
     traffic = rig.start_traffic(400, rate=40)
     for threshold in (50, 150, 250):
         traffic.wait_published(threshold)
@@ -92,8 +94,9 @@ def test_relay_killed_mid_batch_again_and_again(rig: FaultRig) -> None:
 
 
 def test_broker_restarted_twice_everyone_reconnects_by_themselves(rig: FaultRig) -> None:
-    consumers = [rig.consumer(), rig.consumer()]
-    relay = rig.relay()
+    with rig.starting_together():
+        consumers = [rig.consumer(), rig.consumer()]
+        relay = rig.relay()
     traffic = rig.start_traffic(450, rate=30, payload=with_slow_handlers(every=5, seconds=0.1))
     for threshold in (60, 240):
         traffic.wait_published(threshold)
@@ -111,8 +114,9 @@ def test_broker_restarted_twice_everyone_reconnects_by_themselves(rig: FaultRig)
 
 
 def test_broker_closes_every_connection_while_acks_are_in_flight(rig: FaultRig) -> None:
-    consumers = [rig.consumer(), rig.consumer()]
-    relay = rig.relay()
+    with rig.starting_together():
+        consumers = [rig.consumer(), rig.consumer()]
+        relay = rig.relay()
     traffic = rig.start_traffic(360, rate=30, payload=with_slow_handlers(every=3, seconds=0.2))
     for round_, threshold in enumerate((50, 130, 210)):
         # Everyone is back on the broker since the last close (or there would be nothing to
@@ -132,8 +136,9 @@ def test_broker_closes_every_connection_while_acks_are_in_flight(rig: FaultRig) 
 
 
 def test_publishers_blocked_by_a_memory_alarm_then_released(rig: FaultRig) -> None:
-    consumers = [rig.consumer(), rig.consumer()]
-    relay = rig.relay()
+    with rig.starting_together():
+        consumers = [rig.consumer(), rig.consumer()]
+        relay = rig.relay()
     traffic = rig.start_traffic(300, rate=30)
     traffic.wait_published(60)
     with memory_alarm():
@@ -158,8 +163,9 @@ def connection_states(vhost: str) -> list[str]:
 
 
 def test_postgresql_restarted_mid_run(rig: FaultRig) -> None:
-    consumers = [rig.consumer(), rig.consumer()]
-    relay = rig.relay()
+    with rig.starting_together():
+        consumers = [rig.consumer(), rig.consumer()]
+        relay = rig.relay()
     traffic = rig.start_traffic(300, rate=30, payload=with_slow_handlers(every=5, seconds=0.1))
     traffic.wait_published(90)
     with postgresql_stopped():
@@ -177,10 +183,11 @@ def test_redis_stopped_and_started_mid_run(rig: FaultRig) -> None:
     # RM_TEST_CACHE_ALIAS turns the Redis duplicate fast path on; the duplicates on the wire
     # are what it is for. The outcome must not depend on Redis at all. Redis comes back empty
     # (nothing is saved), so this is also the "flushed mid-run" case.
-    consumers = [rig.consumer(RM_TEST_CACHE_ALIAS="messaging") for _ in range(2)]
+    with rig.starting_together():
+        consumers = [rig.consumer(RM_TEST_CACHE_ALIAS="messaging") for _ in range(2)]
+        relay = rig.relay()
     fast_path = all("duplicate fast path in cache" in c.log() for c in consumers)
     assert fast_path, consumers[0].log()
-    relay = rig.relay()
     traffic = rig.start_traffic(360, rate=30, duplicate_every=5)
     traffic.wait_published(80)
     with redis_stopped():

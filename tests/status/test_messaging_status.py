@@ -444,11 +444,15 @@ def test_a_queue_name_with_a_slash_and_a_vhost_are_quoted(
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.skipif("config.getoption('--sqlite', default=False)")
 def test_the_inbox_is_estimated_on_postgresql_not_counted() -> None:
-    """Counting a billion inbox rows takes minutes: once PostgreSQL has statistics, the status
-    reads them (here 300 rows analyzed, then 100 deleted unseen by the statistics)."""
+    """Counting a billion inbox rows takes minutes: past COUNT_INBOX_UP_TO rows by PostgreSQL's
+    statistics, the status reads them (here 300 rows analyzed, then 100 deleted unseen by the
+    statistics)."""
+    from unittest import mock
+
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
+    from reliable_messaging import metrics
     from reliable_messaging.status import database_status
 
     ProcessedMessage.objects.bulk_create(
@@ -457,7 +461,10 @@ def test_the_inbox_is_estimated_on_postgresql_not_counted() -> None:
     with connection.cursor() as cursor:
         cursor.execute(f"ANALYZE {ProcessedMessage._meta.db_table}")
     ProcessedMessage.objects.filter(message_id__in=[f"m{n}" for n in range(100)]).delete()
-    with CaptureQueriesContext(connection) as queries:
+    with (
+        mock.patch.object(metrics, "COUNT_INBOX_UP_TO", 50),
+        CaptureQueriesContext(connection) as queries,
+    ):
         figures = database_status()
     assert figures.inbox_rows == 300
     inbox = ProcessedMessage._meta.db_table
