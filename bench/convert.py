@@ -30,6 +30,7 @@ import argparse
 import io
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from _common import describe_machine, setup_django
@@ -87,6 +88,49 @@ def timed_writes(seconds: float, outbox: bool = False) -> list[float]:
     return waits
 
 
+def measure_migration(
+    target: str, rows: int, *, outbox: bool, ends_switch: Callable[[str], bool]
+) -> None:
+    """Time ``migrate reliable_messaging <target>`` statement by statement while a writer
+    thread writes as the app does (``outbox``: publishes), with the writer's own baseline just
+    before; print the whole, the validating scan, the exclusive lock (from LOCK TABLE to the
+    last statement ``ends_switch`` names) and the writes' waits."""
+    from django.core.management import call_command
+    from django.db import connection
+
+    baseline = timed_writes(5.0, outbox)
+    timings = Timings()
+    stop = threading.Event()
+    waits: list[float] = []
+    thread = threading.Thread(target=writer, args=(stop, waits, outbox))
+    thread.start()
+    time.sleep(1.0)
+    with connection.execute_wrapper(timings):
+        started = time.perf_counter()
+        call_command("migrate", "reliable_messaging", target, verbosity=0, stdout=io.StringIO())
+        total = time.perf_counter() - started
+    time.sleep(1.0)
+    stop.set()
+    thread.join(30)
+    validate = next(end - begin for begin, end, sql in timings.statements if "VALIDATE" in sql)
+    lock_start = next(begin for begin, _, sql in timings.statements if sql.startswith("LOCK TABLE"))
+    switch_end = max(end for _, end, sql in timings.statements if ends_switch(sql))
+    print(
+        f"migrate {target} on {rows:,} rows: {total:.1f}s in all; the CHECK's validating scan "
+        f"{validate:.1f}s ({'publishing goes' if outbox else 'inserts go'} on); the exclusive lock "
+        f"held {1000 * (switch_end - lock_start):.0f} ms (until the last statement of its "
+        "transaction; commit not included)"
+    )
+    writes = "publish()" if outbox else "one-row inbox inserts"
+    print(
+        f"{writes}, one transaction each: before the migration median "
+        f"{1000 * sorted(baseline)[len(baseline) // 2]:.2f} ms, longest {1000 * max(baseline):.1f} "
+        f"ms ({len(baseline):,} in 5 s); during it median "
+        f"{1000 * sorted(waits)[len(waits) // 2]:.2f} ms, longest {1000 * max(waits):.1f} ms "
+        f"({len(waits):,} in {total + 2:.0f} s)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=int, default=30_000_000)
@@ -125,37 +169,8 @@ def main() -> None:
         "VACUUM ANALYZE (as autovacuum would) and CHECKPOINT done",
         flush=True,
     )
-    baseline = timed_writes(5.0)
-
-    timings = Timings()
-    stop = threading.Event()
-    waits: list[float] = []
-    thread = threading.Thread(target=writer, args=(stop, waits))
-    thread.start()
-    time.sleep(1.0)
-    with connection.execute_wrapper(timings):
-        started = time.perf_counter()
-        call_command("migrate", "reliable_messaging", "0009", verbosity=0, stdout=io.StringIO())
-        total = time.perf_counter() - started
-    time.sleep(1.0)
-    stop.set()
-    thread.join(30)
-
-    validate = next(end - begin for begin, end, sql in timings.statements if "VALIDATE" in sql)
-    lock_start = next(begin for begin, _, sql in timings.statements if sql.startswith("LOCK TABLE"))
-    attach_end = next(end for _, end, sql in timings.statements if sql.endswith(" DEFAULT"))
-    held_ms = 1000 * (attach_end - lock_start)
-    print(
-        f"migrate 0009 on {args.rows:,} rows: {total:.1f}s in all; the CHECK's validating scan "
-        f"{validate:.1f}s (inserts go on); the exclusive lock held {held_ms:.0f} ms (until "
-        "the last statement of its transaction; commit not included)"
-    )
-    print(
-        f"one-row inbox inserts, one transaction each: before the migration median "
-        f"{1000 * sorted(baseline)[len(baseline) // 2]:.2f} ms, longest {1000 * max(baseline):.1f} "
-        f"ms ({len(baseline):,} in 5 s); during it median "
-        f"{1000 * sorted(waits)[len(waits) // 2]:.2f} ms, longest {1000 * max(waits):.1f} ms "
-        f"({len(waits):,} in {total + 2:.0f} s)"
+    measure_migration(
+        "0009", args.rows, outbox=False, ends_switch=lambda sql: sql.endswith(" DEFAULT")
     )
     with connection.cursor() as cursor:
         cursor.execute(
@@ -201,35 +216,8 @@ def convert_outbox(rows: int) -> None:
         "VACUUM ANALYZE (as autovacuum would) and CHECKPOINT done",
         flush=True,
     )
-    baseline = timed_writes(5.0, outbox=True)
-    timings = Timings()
-    stop = threading.Event()
-    waits: list[float] = []
-    thread = threading.Thread(target=writer, args=(stop, waits, True))
-    thread.start()
-    time.sleep(1.0)
-    with connection.execute_wrapper(timings):
-        started = time.perf_counter()
-        call_command("migrate", "reliable_messaging", "0010", verbosity=0, stdout=io.StringIO())
-        total = time.perf_counter() - started
-    time.sleep(1.0)
-    stop.set()
-    thread.join(30)
-    validate = next(end - begin for begin, end, sql in timings.statements if "VALIDATE" in sql)
-    lock_start = next(begin for begin, _, sql in timings.statements if sql.startswith("LOCK TABLE"))
-    switch_end = max(end for _, end, sql in timings.statements if sql.startswith("CREATE TRIGGER"))
-    print(
-        f"migrate 0010 on {rows:,} rows: {total:.1f}s in all; the CHECK's validating scan "
-        f"{validate:.1f}s (publishing goes on); the exclusive lock held "
-        f"{1000 * (switch_end - lock_start):.0f} ms (until the last statement of its "
-        "transaction; commit not included)"
-    )
-    print(
-        f"publish(), one transaction each: before the migration median "
-        f"{1000 * sorted(baseline)[len(baseline) // 2]:.2f} ms, longest {1000 * max(baseline):.1f} "
-        f"ms ({len(baseline):,} in 5 s); during it median "
-        f"{1000 * sorted(waits)[len(waits) // 2]:.2f} ms, longest {1000 * max(waits):.1f} ms "
-        f"({len(waits):,} in {total + 2:.0f} s)"
+    measure_migration(
+        "0010", rows, outbox=True, ends_switch=lambda sql: sql.startswith("CREATE TRIGGER")
     )
     call_command("migrate", "reliable_messaging", verbosity=0)
 

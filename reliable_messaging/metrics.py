@@ -479,7 +479,7 @@ class DatabaseCollector:
         yield GaugeMetricFamily(
             "reliable_messaging_inbox_messages",
             "Inbox rows (processed messages kept for deduplication); estimated on PostgreSQL.",
-            value=inbox_rows(self._alias(ProcessedMessage)),
+            value=inbox_rows(self._alias(ProcessedMessage))[0],
         )
 
 
@@ -487,29 +487,20 @@ class DatabaseCollector:
 COUNT_INBOX_UP_TO = 10_000
 
 
-def inbox_rows(alias: str) -> float:
-    """The inbox's rows: on PostgreSQL estimated from its statistics (``reltuples``, kept by
-    autovacuum and ANALYZE; summed over the partitions) when that passes ``COUNT_INBOX_UP_TO``,
-    else counted; counted elsewhere. Counting a billion rows would take minutes."""
+def inbox_rows(alias: str) -> tuple[float, bool]:
+    """The inbox's rows, and whether that is an estimate: on PostgreSQL its statistics
+    (``reltuples``, kept by autovacuum and ANALYZE; summed over the partitions) when they say
+    more than ``COUNT_INBOX_UP_TO``, else a count; a count elsewhere. Counting a billion rows
+    would take minutes."""
     from .models import ProcessedMessage
 
-    connection = connections[alias]
-    if connection.vendor == "postgresql":
-        if partitions.is_partitioned(alias):
-            estimate = partitions.estimated_rows(alias)
-        else:
-            with connection.cursor() as cursor:
-                cursor.execute(
-                    "SELECT reltuples FROM pg_class WHERE oid = %s::regclass",
-                    [ProcessedMessage._meta.db_table],
-                )
-                row = cursor.fetchone()
-            estimate = float(row[0]) if row is not None and row[0] >= 0 else None
-        # None until the table is first vacuumed or analyzed: count it then, and a small
+    if connections[alias].vendor == "postgresql":
+        # None until the table is first vacuumed or analyzed: counted then, as is a small
         # inbox, whose count is cheap and whose statistics may lag far behind it.
+        estimate = partitions.estimated_rows(alias, ProcessedMessage._meta.db_table)
         if estimate is not None and estimate > COUNT_INBOX_UP_TO:
-            return estimate
-    return float(ProcessedMessage._default_manager.using(alias).count())
+            return estimate, True
+    return float(ProcessedMessage._default_manager.using(alias).count()), False
 
 
 # -- the broker ----------------------------------------------------------------------------------

@@ -72,10 +72,12 @@ OUTBOX_CURRENT = f"{OUTBOX_TABLE}_current"
 OUTBOX_UNSENT = f"{OUTBOX_TABLE}_unsent"
 OUTBOX_SENT = f"{OUTBOX_TABLE}_sent"
 OUTBOX_DEFAULT = f"{OUTBOX_TABLE}_default"
-# The statuses of each side; every relay query names one of them, so that PostgreSQL reads
-# only that side's partition.
+# The statuses of each side of the outbox (the values of its list partitions); every relay
+# query names the unsent ones, so that PostgreSQL reads only that partition.
 UNSENT_STATUSES = ("pending", "failed")
 SENT_STATUSES = ("sent", "unrouted")
+UNSENT_SQL = ", ".join(f"'{status}'" for status in UNSENT_STATUSES)
+SENT_SQL = ", ".join(f"'{status}'" for status in SENT_STATUSES)
 # Days created ahead of the current one, so a consumer never needs a partition nobody made.
 AHEAD_DAYS = 3
 # How long partition upkeep waits for a table lock, and how often it tries, before it gives
@@ -146,6 +148,9 @@ class DayPartitioned:
     # What a partition's rows satisfy beyond the range (the bound of ``table`` itself, when it
     # is a partition): stated in the CHECK too, so that attaching needs no scan.
     also: str = ""
+    # What a row of a legacy table must also satisfy to be purged once expired (the legacy
+    # outbox holds rows of every status, and only sent ones expire).
+    finished: str = ""
     # Tables outside ``table`` whose expired rows are deleted in batches, when they exist.
     legacy: tuple[str, ...] = ()
 
@@ -163,7 +168,8 @@ OUTBOX = DayPartitioned(
     OUTBOX_DEFAULT,
     f"{OUTBOX_TABLE}_p",
     outbox_leaf_sql,
-    also="status IN ('sent', 'unrouted') AND sent_at IS NOT NULL",
+    also=f"status IN ({SENT_SQL}) AND sent_at IS NOT NULL",
+    finished=f"status IN ({SENT_SQL})",
     legacy=(OUTBOX_LEGACY,),
 )
 
@@ -455,15 +461,16 @@ def estimated_rows_of(using: str, tables: list[str]) -> int:
 
 
 def estimated_rows(using: str, table: str = INBOX_TABLE) -> float | None:
-    """PostgreSQL's estimate of the rows of a partitioned table (the sum over its partitions,
-    however deep; one never analyzed yet, such as today's before autovacuum reached it, counts
-    as empty); None while no partition was ever analyzed."""
+    """PostgreSQL's estimate of the rows of a table (of a partitioned one, the sum over its
+    partitions, however deep; one never analyzed yet, such as today's before autovacuum reached
+    it, counts as empty); None while none was ever analyzed."""
     with connections[using].cursor() as cursor:
+        # A plain table is its own leaf (pg_partition_tree lists nothing for it).
         cursor.execute(
-            "SELECT max(c.reltuples), sum(greatest(c.reltuples, 0)) "
-            "FROM pg_partition_tree(to_regclass(%s)) t JOIN pg_class c ON c.oid = t.relid "
-            "WHERE t.isleaf",
-            [table],
+            "SELECT max(c.reltuples), sum(greatest(c.reltuples, 0)) FROM pg_class c "
+            "WHERE c.relkind = 'r' AND (c.oid = to_regclass(%s) OR c.oid IN ("
+            "SELECT relid FROM pg_partition_tree(to_regclass(%s)) WHERE isleaf))",
+            [table, table],
         )
         row = cursor.fetchone()
     if row is None or row[0] is None or row[0] < 0:

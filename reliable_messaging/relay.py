@@ -91,7 +91,7 @@ from .conf import MessagingSettings, messaging_settings
 from .envelope import CONTENT_TYPE, ORDERING_KEY_HEADER, PUBLISHED_AT_HEADER
 from .metrics import HealthState
 from .models import OutboxMessage, OutboxStatus
-from .partitions import row_moved
+from .partitions import UNSENT_STATUSES, row_moved
 from .routing import topic_matches
 from .topology import connect, connection_parameters
 
@@ -122,7 +122,7 @@ LEASE_MARGIN = 5.0
 HOLD_LIMIT = 2.0
 # The statuses of a row not sent yet. Each statement that reads or changes such rows names them:
 # on PostgreSQL that confines it to the outbox's unsent partition (partitions.py).
-UNSENT = (OutboxStatus.PENDING, OutboxStatus.FAILED)
+UNSENT = UNSENT_STATUSES
 # How often a claim or a record is tried again at once when a row it reached was moved to the
 # sent partition meanwhile (a serialization failure, in READ COMMITTED only that).
 MOVED_TRIES = 3

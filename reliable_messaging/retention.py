@@ -80,7 +80,7 @@ def purge_messages(
     inbox_before = now - settings.dedup_retention
     if partitions.is_partitioned(using, partitions.INBOX):
         inbox_rows, inbox_partitions = _purge_days(
-            using, partitions.INBOX, inbox_before, "", now, batch_size, dry_run, on_batch
+            using, partitions.INBOX, inbox_before, now, batch_size, dry_run, on_batch
         )
     else:
         inbox = ProcessedMessage.objects.filter(processed_at__lt=inbox_before)
@@ -89,18 +89,9 @@ def purge_messages(
     outbox_before = now - settings.outbox_retention
     outbox_using = router.db_for_write(OutboxMessage)
     if partitions.is_partitioned(outbox_using, partitions.OUTBOX):
-        # Unrouted rows (events nobody subscribed to) are finished like sent ones; in the
-        # legacy table, which holds rows of every status, only those go.
-        finished = "status IN ('sent', 'unrouted') AND "
+        # Unrouted rows (events nobody subscribed to) are finished like sent ones.
         outbox_rows, outbox_partitions = _purge_days(
-            outbox_using,
-            partitions.OUTBOX,
-            outbox_before,
-            finished,
-            now,
-            batch_size,
-            dry_run,
-            on_batch,
+            outbox_using, partitions.OUTBOX, outbox_before, now, batch_size, dry_run, on_batch
         )
     else:
         outbox = OutboxMessage.objects.filter(
@@ -123,16 +114,15 @@ def _purge_days(
     using: str,
     spec: partitions.DayPartitioned,
     before: dt.datetime,
-    where: str,
     now: dt.datetime,
     batch_size: int,
     dry_run: bool,
     on_batch: OnBatch | None,
 ) -> tuple[int, tuple[str, ...]]:
     """Drop the expired day partitions of ``spec`` (for a dry run, estimate their rows), then
-    delete in batches the expired rows of its legacy and default partitions (those matching
-    ``where``, an SQL condition followed by AND, or empty). Returns the rows and the names of
-    the partitions dropped."""
+    delete in batches the expired rows of its legacy and default partitions (those that are
+    ``spec.finished``). Returns the rows and the names of the partitions dropped."""
+    where = f"{spec.finished} AND " if spec.finished else ""
     if dry_run:
         dropped: list[partitions.Dropped] = []
         expired = [

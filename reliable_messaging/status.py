@@ -115,8 +115,9 @@ class DatabaseStatus:
     # Seconds since the oldest pending outbox row was written; None when nothing is pending.
     outbox_lag: float | None = None
     dead_letters: tuple[DeadLetterCount, ...] = ()  # status "dead", awaiting a person
-    # Estimated on PostgreSQL (see metrics.inbox_rows), counted elsewhere.
     inbox_rows: int = 0
+    # Whether inbox_rows is PostgreSQL's estimate of a large inbox (see metrics.inbox_rows).
+    inbox_estimated: bool = False
 
     @property
     def dead_letters_total(self) -> int:
@@ -497,6 +498,7 @@ def database_status(using: str | None = None) -> DatabaseStatus:
             .order_by("consumer", "reason")
         )
         pending = outbox.pending().count()
+        inbox = inbox_rows(using)
         return DatabaseStatus(
             alias=using,
             reachable=True,
@@ -507,7 +509,8 @@ def database_status(using: str | None = None) -> DatabaseStatus:
             dead_letters=tuple(
                 DeadLetterCount(row["consumer"], row["reason"], row["count"]) for row in dead
             ),
-            inbox_rows=round(inbox_rows(using)),
+            inbox_rows=round(inbox[0]),
+            inbox_estimated=inbox[1],
         )
     except DatabaseError as exc:
         # Closed so the next attempt (a health probe in a long-lived process) starts afresh;

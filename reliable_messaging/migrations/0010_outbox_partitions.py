@@ -37,6 +37,8 @@ from reliable_messaging.partitions import (
     OUTBOX_SENT,
     OUTBOX_TABLE,
     OUTBOX_UNSENT,
+    SENT_SQL,
+    UNSENT_SQL,
 )
 
 LEGACY_RANGE = "rm_outbox_legacy_range"
@@ -74,7 +76,7 @@ def _status_level(cursor: Any, table: str) -> None:
         cursor.execute(statement)
     cursor.execute(
         f'ALTER TABLE "{table}" ATTACH PARTITION "{OUTBOX_UNSENT}" '
-        "FOR VALUES IN ('pending', 'failed')"
+        f"FOR VALUES IN ({UNSENT_SQL})"
     )
     cursor.execute(
         f'CREATE TABLE "{OUTBOX_SENT}" (LIKE "{OUTBOX_TABLE}" INCLUDING DEFAULTS '
@@ -82,7 +84,7 @@ def _status_level(cursor: Any, table: str) -> None:
     )
     cursor.execute(
         f'ALTER TABLE "{table}" ATTACH PARTITION "{OUTBOX_SENT}" '
-        "FOR VALUES IN ('sent', 'unrouted')"
+        f"FOR VALUES IN ({SENT_SQL})"
     )
     for statement in partitions.outbox_leaf_sql(OUTBOX_DEFAULT):
         cursor.execute(statement)

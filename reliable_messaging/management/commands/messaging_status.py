@@ -47,7 +47,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db import connections
 from django.utils import timezone
 
 from reliable_messaging.status import (
@@ -268,6 +267,6 @@ class Command(BaseCommand):
             lines += _table([[d.consumer, d.reason, f"{d.count:,}"] for d in db.dead_letters])
         lines.append(
             f"Inbox: {db.inbox_rows:,} processed message(s) remembered"
-            + (" (estimated)" if connections[db.alias].vendor == "postgresql" else "")
+            + (" (estimated)" if db.inbox_estimated else "")
         )
         return lines
