@@ -66,7 +66,7 @@ import re
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +94,7 @@ from .models import OutboxMessage, OutboxStatus
 from .partitions import UNSENT_STATUSES, row_moved
 from .routing import topic_matches
 from .topology import connect, connection_parameters
+from .write_coalescing import coalesce_writes
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +161,16 @@ def claimable(using: str) -> Any:
         .annotate(behind=RawSQL(_earlier_unsent_sql(), (), output_field=BigIntegerField()))  # noqa: S611
         .order_by("next_attempt_at", "id")
     )
+
+
+def any_id_of(using: str, pks: Iterable[int]) -> Any:
+    """The right-hand side of ``pk__in`` for a batch of ids. On PostgreSQL one array parameter
+    (``id IN (SELECT unnest(...))``): Django and psycopg compile it in the same time whatever
+    its length, and PostgreSQL parses one value. A placeholder per id, as a plain list gets,
+    made compiling a batch's statements an eighth of the relay's Python time."""
+    if connections[using].vendor == "postgresql":
+        return RawSQL("SELECT unnest(%s::bigint[])", (list(pks),))
+    return list(pks)
 
 
 def release_next_of_keys(using: str, keys: set[str]) -> int:
@@ -1238,6 +1249,8 @@ class OutboxRelay:
                 continue
             batch.rows[self._next_tag] = row
             self._next_tag += 1
+        # One write for the batch's frames instead of three a message (see write_coalescing).
+        coalesce_writes(self._connection)
         if batch.unpublished:
             metrics.relay_failed("refused", len(batch.unpublished))
         if not batch.rows:
@@ -1297,7 +1310,8 @@ class OutboxRelay:
                 atomic, batch.atomic = batch.atomic, None
             try:
                 OutboxMessage.objects.using(self.using).filter(
-                    pk__in=[row.pk for row in batch.claimed], status=OutboxStatus.PENDING
+                    pk__in=any_id_of(self.using, (row.pk for row in batch.claimed)),
+                    status=OutboxStatus.PENDING,
                 ).update(next_attempt_at=Now() + Value(self.lease, output_field=DurationField()))
             except BaseException as exc:
                 atomic.__exit__(type(exc), exc, exc.__traceback__)
@@ -1427,11 +1441,11 @@ class OutboxRelay:
             # sent side.
             outbox = OutboxMessage.objects.using(self.using).filter(status__in=UNSENT)
             if sent:
-                outbox.filter(pk__in=sent).update(
+                outbox.filter(pk__in=any_id_of(self.using, sent)).update(
                     status=OutboxStatus.SENT, sent_at=Now(), last_error=""
                 )
             if unrouted:
-                outbox.filter(pk__in=[row.pk for row in unrouted]).update(
+                outbox.filter(pk__in=any_id_of(self.using, (row.pk for row in unrouted))).update(
                     status=OutboxStatus.UNROUTED,
                     sent_at=Now(),
                     last_error="no queue was bound for its routing key when it was sent",
@@ -1441,9 +1455,9 @@ class OutboxRelay:
                 if error is not None:
                     self._record_failure(row, error)
             if again and leased:
-                outbox.filter(pk__in=again).filter(status=OutboxStatus.PENDING).update(
-                    next_attempt_at=Now()
-                )
+                outbox.filter(
+                    pk__in=any_id_of(self.using, again), status=OutboxStatus.PENDING
+                ).update(next_attempt_at=Now())
             release_next_of_keys(self.using, keys)
         except BaseException as exc:
             atomic.__exit__(type(exc), exc, exc.__traceback__)
