@@ -16,7 +16,9 @@ another benchmark running at the same time inflates it). Then the memory run.
     RM_BENCH_DB=rm_bench_consume .venv/bin/python bench/consume.py \
         --inbox-rows 0,5000000,30000000 --ids uuid7,uuid4
 
-The handler (tests.testapp's alpha) writes one row. The baseline consumes the same messages
+The handler (tests.testapp's alpha) writes one row, through the ORM; with ``--handler sql`` (with
+``--inbox-rows``) it runs the baseline's own INSERT instead, so that only the consumer's
+machinery differs from the baseline. The baseline consumes the same messages
 from the same queue with raw pika (prefetch as PREFETCH) and, per message, inserts that same row
 with psycopg and commits, then acks: the cheapest honest at-least-once consumer, without the
 inbox. The app's consumer runs in this process (ConsumerService, the engine of `manage.py
@@ -27,6 +29,7 @@ so both sides consume a full queue.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import statistics
@@ -73,6 +76,23 @@ def fill(exchange: str, ids: list[str], payload: dict[str, object]) -> None:
     connection.close()
 
 
+EFFECT_INSERT = (
+    "INSERT INTO testapp_effect (consumer, message_id, attempt, payload, created_at)"
+    " VALUES (%s, %s, %s, %s, now())"
+)
+
+
+def insert_effect_sql(message: Any) -> None:
+    """The handler of ``--handler sql``: the baseline's insert, run by the app's consumer."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            EFFECT_INSERT,
+            ("tests.alpha", message.message_id, message.attempt, json.dumps(message.payload)),
+        )
+
+
 def raw_baseline(queue: str, count: int, prefetch: int) -> float:
     """pika + one psycopg transaction (INSERT + COMMIT) per message, then ack. Seconds."""
     import psycopg
@@ -89,9 +109,7 @@ def raw_baseline(queue: str, count: int, prefetch: int) -> float:
         payload = json.loads(body)
         with db.transaction(), db.cursor() as cursor:
             cursor.execute(
-                "INSERT INTO testapp_effect (consumer, message_id, attempt, payload, created_at)"
-                " VALUES (%s, %s, %s, %s, now())",
-                ("baseline", properties.message_id, 1, json.dumps(payload)),
+                EFFECT_INSERT, ("baseline", properties.message_id, 1, json.dumps(payload))
             )
         channel.basic_ack(method.delivery_tag)
         done += 1  # noqa: SIM113 - counts acked messages, not loop turns
@@ -129,10 +147,7 @@ def raw_baseline_parallel(queue: str, count: int, prefetch: int, workers: int) -
                 payload = json.loads(body)
                 with db.transaction(), db.cursor() as cursor:
                     cursor.execute(
-                        "INSERT INTO testapp_effect"
-                        " (consumer, message_id, attempt, payload, created_at)"
-                        " VALUES (%s, %s, %s, %s, now())",
-                        ("baseline", properties.message_id, 1, json.dumps(payload)),
+                        EFFECT_INSERT, ("baseline", properties.message_id, 1, json.dumps(payload))
                     )
                 channel.basic_ack(method.delivery_tag)
                 with lock:
@@ -561,6 +576,14 @@ def main() -> None:
         help="with --inbox-rows: measurements per step (the summary shows their medians)",
     )
     parser.add_argument(
+        "--handler",
+        choices=("orm", "sql"),
+        default="orm",
+        help="with --inbox-rows: the handler's insert through the ORM (Effect.objects.create, "
+        "as a Django handler writes) or as the baseline's own SQL statement, which leaves the "
+        "consumer's machinery as the only difference from the baseline",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="with --inbox-rows: print the app's SQL time per message by kind of statement",
@@ -595,6 +618,12 @@ def main() -> None:
         "DEDUP_RETENTION": dt.timedelta(days=14),
     }
     spec = find_consumer("tests.alpha")
+    if args.handler == "sql":
+        if args.inbox_rows is None:
+            # The default runs also time subprocesses (manage.py consume), which run the
+            # registered handler whatever this process says.
+            parser.error("--handler sql goes with --inbox-rows")
+        spec = dataclasses.replace(spec, handler=insert_effect_sql)
     exchange = messaging_settings.exchange
     n = args.messages
     with override_settings(RELIABLE_MESSAGING=settings):
