@@ -12,19 +12,22 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+MATRIX ?= 1
 TEST_WORKERS ?= 3
 
-.PHONY: help venv .venv services test demo lint format bench clean
+.PHONY: help venv .venv services test matrix demo lint format bench dist clean
 
 help:
 	@echo "Targets:"
 	@echo "  venv      create .venv and install requirements + the package (editable)"
 	@echo "  services  make sure PostgreSQL, Redis and RabbitMQ are running"
-	@echo "  test      run the test suite (PYTEST_ARGS=... to pass options)"
+	@echo "  test      run the test suite (PYTEST_ARGS=... to pass options), then the matrix's ends"
+	@echo "  matrix    the version-sensitive slice on every (Python, Django) pair, and lowest versions"
 	@echo "  demo      run the end-to-end demo (manage.py run_demo)"
 	@echo "  lint      ruff format --check, ruff check, mypy"
 	@echo "  format    ruff format + ruff check --fix"
 	@echo "  bench     run every bench/*.py script"
+	@echo "  dist      build the sdist and the wheel into dist/"
 	@echo "  clean     remove .venv and caches"
 
 # The stamp is refreshed whenever the dependency/packaging files change, so that
@@ -52,12 +55,20 @@ test: venv services
 	@# Two parts: the tests that share nothing run in $(TEST_WORKERS) parallel workers; those
 	@# that stop or alarm a shared service (marked serial in tests/conftest.py) run alone after.
 	@# Both always run; exit code 5 ("no tests selected", e.g. with -k) is not a failure.
+	@# Then the version matrix's two ends (noxfile.py): the newest Python and Django, and the
+	@# lowest versions setup.cfg admits, each on the version-sensitive slice of the suite.
+	@# MATRIX=0 skips them (for a quick local run); `make matrix` runs every pair.
 	@rc=0; \
 	$(BIN)/pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) || rc=$$?; \
 	[[ $$rc == 5 ]] && rc=0; \
 	rc2=0; $(BIN)/pytest -m serial $(PYTEST_ARGS) || rc2=$$?; \
 	[[ $$rc2 == 5 ]] && rc2=0; \
-	exit $$(( rc ? rc : rc2 ))
+	rc3=0; [[ "$(MATRIX)" == 0 ]] || $(BIN)/nox -s ci || rc3=$$?; \
+	exit $$(( rc ? rc : (rc2 ? rc2 : rc3) ))
+
+# Every (Python, Django) pair supported, and the lowest versions (noxfile.py).
+matrix: venv services
+	$(BIN)/nox
 
 demo: venv services
 	$(BIN)/python manage.py run_demo
@@ -81,6 +92,12 @@ bench: venv services
 		$(BIN)/python "$$f"; \
 	done
 
+# The sdist and the wheel (pip install dist/reliable_messaging-*.whl), built as a package
+# index would build them; `python -m build` fails on any error in the package's metadata.
+dist: venv
+	rm -rf dist build
+	$(BIN)/python -m build --outdir dist .
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build dist *.egg-info .coverage htmlcov
+	rm -rf $(VENV) .nox .pytest_cache .mypy_cache .ruff_cache .hypothesis build dist *.egg-info .coverage htmlcov
 	find . -path ./.git -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +

@@ -41,3 +41,15 @@ class HandlerTimeout(ReliableMessagingError):
     its transaction rolled back and the delivery counts as a failed attempt."""
 
     default_message = "the handler ran past its time limit"
+
+
+class MissingExtra(ImportError):
+    """An optional feature was imported without the extra that installs what it needs."""
+
+    def __init__(self, feature: str, extra: str, missing: str) -> None:
+        super().__init__(
+            f"{feature} needs {missing}, which is not installed: "
+            f'pip install "reliable-messaging[{extra}]"',
+            name=missing,
+        )
+        self.extra = extra

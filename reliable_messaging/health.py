@@ -38,8 +38,16 @@ import dataclasses
 import datetime as dt
 
 from django.db import DatabaseError, connections, router
-from health_check.base import HealthCheck
-from health_check.exceptions import ServiceUnavailable
+
+try:
+    from health_check.base import HealthCheck
+    from health_check.exceptions import ServiceUnavailable
+except ImportError as exc:  # the "health" extra is not installed
+    from .exceptions import MissingExtra
+
+    raise MissingExtra(
+        "reliable_messaging.health.MessagingHealthCheck", "health", "django-health-check"
+    ) from exc
 
 from .metrics import outbox_lag
 from .models import OutboxMessage

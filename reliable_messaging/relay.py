@@ -958,7 +958,7 @@ class OutboxRelay:
             self.listen = False
             logger.warning(
                 "relay: cannot LISTEN for new outbox rows (%s): psycopg 3 is needed for it; "
-                "install reliable_messaging[postgres]. Polling every %ss meanwhile",
+                'pip install "reliable-messaging[postgres]". Polling every %ss meanwhile',
                 exc,
                 self.settings.relay_poll_interval,
             )

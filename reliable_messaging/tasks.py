@@ -56,7 +56,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar, overload
 
-from celery import Celery, Task, current_task, shared_task
+try:
+    from celery import Celery, Task, current_task, shared_task
+except ImportError as exc:  # the "celery" extra is not installed
+    from .exceptions import MissingExtra
+
+    raise MissingExtra("reliable_messaging.idempotent_task", "celery", "celery") from exc
 from django.db import DatabaseError, router, transaction
 
 from . import metrics

@@ -273,3 +273,33 @@ def test_screenshot_of_the_dead_letter_list(page: Page, tmp_path: Path) -> None:
     if os.environ.get("RM_UPDATE_SCREENSHOTS") == "1":
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(target, SCREENSHOT)
+
+
+def test_the_detail_pages_replay_and_discard_sit_between_the_title_and_the_form(
+    page: Page, tmp_path: Path
+) -> None:
+    """Where a person looks for them on every supported Django: below the page's title row
+    (Django 6.1 puts the title and the object tools in one flex row), above the fields."""
+    alpha = find_consumer("tests.alpha")
+    letter = dead_letter(alpha.name, alpha.queue, {"order_id": 9}, message_id="detail-me")
+    page.goto(page.url.split("?")[0] + f"{letter.pk}/change/")
+    replay = page.get_by_role("button", name="Replay")
+    discard = page.get_by_role("button", name="Discard (keep for the record)")
+    title = page.locator("#content h1").first
+    fields = page.locator("#content-main fieldset").first
+    page.screenshot(path=str(tmp_path / "dead-letter-detail.png"), full_page=True)
+
+    title_box, fields_box = title.bounding_box(), fields.bounding_box()
+    assert title_box is not None and fields_box is not None
+    for button in (replay, discard):
+        box = button.bounding_box()
+        assert box is not None
+        assert box["y"] >= title_box["y"] + title_box["height"], (box, title_box)
+        assert box["y"] + box["height"] <= fields_box["y"], (box, fields_box)
+    replay_box, discard_box = replay.bounding_box(), discard.bounding_box()
+    assert replay_box is not None and discard_box is not None
+    assert abs(replay_box["y"] - discard_box["y"]) < replay_box["height"]  # one row
+
+    replay.click()
+    page.get_by_text("was replayed").first.wait_for()
+    assert DeadLetter.objects.get(pk=letter.pk).status == "replayed"

@@ -105,13 +105,24 @@ def test_concurrent_duplicates_in_two_processes_take_effect_once(
 ) -> None:
     first = consume().wait_consuming()
     second = consume().wait_consuming()
+    queues = (f"{ns}.alpha", f"{ns}.beta")
+    # Both processes past their cautious start first: a process's first fresh delivery
+    # subscribes its consumers again at full prefetch, which moves it in the broker's
+    # round-robin, so the race's two copies could both reach one process mid-way. A warm-up
+    # message at a time until each process has processed one.
+    for n in range(30):
+        if all(log_lines(p, r"processed message_id=warm-") for p in (first, second)):
+            break
+        publisher.publish(exchange(ns), "order.placed", {}, message_id=f"warm-{n}")
+        wait_until(lambda: support.drained(*queues), timeout=30, interval=0.2)
+    else:
+        pytest.fail("30 warm-up messages did not reach both processes")
     # Both copies are in flight at once: the second one's inbox insert waits on the first
     # one's uncommitted row, then finds it committed.
     for _ in range(2):
         publisher.publish(
             exchange(ns), "order.placed", {"sleep": {"alpha": 1}}, message_id="race-1"
         )
-    queues = (f"{ns}.alpha", f"{ns}.beta")
     wait_until(
         lambda: support.drained(*queues), timeout=60, interval=0.3, message="both queues drained"
     )

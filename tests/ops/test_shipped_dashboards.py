@@ -12,6 +12,7 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY, CollectorRegistry
 
+import reliable_messaging
 from reliable_messaging import metrics
 from reliable_messaging.metrics import (
     BrokerCollector,
@@ -24,9 +25,10 @@ from reliable_messaging.registry import ConsumerSpec
 from reliable_messaging.topology import declare_topology
 from tests.support import broker_connection
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
-ALERTS = DOCS / "prometheus" / "alerts.yml"
-DASHBOARD = DOCS / "grafana" / "reliable-messaging.json"
+# Shipped in the package (reliable_messaging/monitoring/), so users of the wheel have them too.
+MONITORING = Path(reliable_messaging.__file__).resolve().parent / "monitoring"
+ALERTS = MONITORING / "alerts.yml"
+DASHBOARD = MONITORING / "grafana-dashboard.json"
 METRIC_NAME = re.compile(r"\breliable_messaging_[a-z0-9_]+\b")
 DURATION = re.compile(r"^\d+[smhd]$")
 

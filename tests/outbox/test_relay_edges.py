@@ -210,7 +210,7 @@ def test_missing_psycopg_is_said_once_and_names_the_extra(
         OutboxRelay(max_seconds=11.0).run()  # the old code said it again every 5 s
     said = [r.getMessage() for r in caplog.records if "LISTEN" in r.getMessage()]
     assert len(said) == 1, said
-    assert "reliable_messaging[postgres]" in said[0]
+    assert 'pip install "reliable-messaging[postgres]"' in said[0]
     assert row(message_id).status == OutboxStatus.SENT  # polling still sends
     assert ob.broker.count(queue) == 1
 

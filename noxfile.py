@@ -1,0 +1,148 @@
+"""The version matrix: the suite's version-sensitive slice on each supported (Python, Django)
+pair, and once on the lowest versions ``setup.cfg`` admits, against the real services.
+
+    .venv/bin/nox -l                                   # the sessions
+    .venv/bin/nox -s "matrix(python='3.13', django='6.1')"   # one pair
+    .venv/bin/nox -s matrix lowest                     # everything (about 15 minutes here)
+    .venv/bin/nox -s ci                                # what `make test` adds: newest + lowest
+
+``make test`` runs the whole suite on the default pair (requirements.txt); these sessions run
+what depends on the versions: unit tests, the admin (in a browser too), publish and the relay,
+the consumer end to end, replay, the Celery integration, status and health, and the
+migrations. Each session
+has a virtualenv of its own under ``.nox/``; the services are the ones ``make services`` starts.
+The Python versions come from this machine's pyenv (``~/.pyenv/versions``) when they are not on
+PATH.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.error_on_missing_interpreters = True
+nox.options.sessions = ["matrix", "lowest"]
+
+ROOT = Path(__file__).resolve().parent
+
+# Supported upstream today: Django 5.2 LTS (Python 3.10-3.14), 6.0 and 6.1 (Python 3.12+).
+DJANGO_PYTHONS = {"5.2": ("3.11", "3.12", "3.13"), "6.0": ("3.12", "3.13"), "6.1": ("3.12", "3.13")}
+PYTHONS = ("3.11", "3.12", "3.13")
+NEWEST = ("3.13", "6.1")
+
+# The lowest version of every runtime requirement and extra that setup.cfg admits.
+LOWEST = (
+    "Django==5.2",
+    "pika==1.3.0",
+    "prometheus-client==0.24.1",
+    "psycopg[binary]==3.1.8",
+    "celery==5.3.0",
+    "django-redis==5.4.0",
+    "django-health-check==4.8.0",
+)
+
+# The version-sensitive slice (see the docstring).
+SLICE = (
+    "tests/unit",
+    "tests/admin",
+    "tests/browser",
+    "tests/outbox/test_publish.py",
+    "tests/outbox/test_relay.py",
+    "tests/integration/test_deliver.py",
+    "tests/integration/test_write_coalescing.py",
+    "tests/integration/test_migrations.py",
+    "tests/e2e/test_consume_command.py",
+    "tests/e2e/test_replay_end_to_end.py",
+    "tests/celery_tasks/test_idempotent_task.py",
+    "tests/status",
+    "tests/ops/test_views.py",
+)
+
+# What the slice needs beside the package's own requirements: requirements.txt less the pins
+# a session sets itself and the tools it does not run (linters, type stubs, packaging).
+NOT_IN_SESSIONS = re.compile(
+    r"^(django|pika|prometheus-client|psycopg|celery|django-redis|django-health-check|"
+    r"ruff|mypy|django-stubs|types-.*|build|nox)\b",
+    re.IGNORECASE,
+)
+
+
+# Printed by every session, so that its log says what it ran on.
+VERSIONS = (
+    "import sys; from importlib.metadata import version; print('Python', sys.version.split()[0], "
+    "*(f'{name} {version(name)}' for name in ('Django', 'pika', 'prometheus-client', 'psycopg', "
+    "'celery', 'django-redis', 'django-health-check')))"
+)
+
+
+def _pyenv_on_path() -> None:
+    versions = Path.home() / ".pyenv" / "versions"
+    if not versions.is_dir():
+        return
+    wanted = [str(p / "bin") for v in PYTHONS for p in sorted(versions.glob(f"{v}.*"))]
+    os.environ["PATH"] = os.pathsep.join([*wanted, os.environ.get("PATH", "")])
+
+
+_pyenv_on_path()
+
+
+def _test_requirements() -> list[str]:
+    lines = (ROOT / "requirements.txt").read_text().splitlines()
+    return [
+        line.strip()
+        for line in lines
+        if line.strip() and not line.startswith("#") and not NOT_IN_SESSIONS.match(line.strip())
+    ]
+
+
+def _run_slice(session: nox.Session) -> None:
+    session.run("python", "-m", "pip", "check")
+    session.run("python", "-c", VERSIONS)
+    session.run("python", "-m", "django", "check", "--settings", "tests.settings")
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-n",
+        "2",
+        "-m",
+        "not serial",
+        *SLICE,
+        *session.posargs,
+        env={"RM_MATRIX_SESSION": session.name},
+    )
+
+
+@nox.session
+@nox.parametrize(
+    "python,django",
+    [(python, django) for django, pythons in DJANGO_PYTHONS.items() for python in pythons],
+)
+def matrix(session: nox.Session, django: str) -> None:
+    """The slice on one (Python, Django) pair, with the newest release of that Django."""
+    session.install(*_test_requirements(), f"Django~={django}.0")
+    # The package itself with the newest versions its requirements admit (its extras too).
+    session.install("-e", ".[postgres,celery,redis,health]")
+    _run_slice(session)
+
+
+@nox.session(python=PYTHONS[0])
+def lowest(session: nox.Session) -> None:
+    """The slice on the oldest Python with the lowest version of every requirement."""
+    session.install(*_test_requirements(), *LOWEST)
+    session.install("--no-deps", "-e", ".")
+    _run_slice(session)
+
+
+@nox.session(python=False)
+def ci(session: nox.Session) -> None:
+    """The newest pair and the lowest versions: the matrix's two ends, run by `make test`."""
+    session.notify(f"matrix(python='{NEWEST[0]}', django='{NEWEST[1]}')")
+    session.notify("lowest")
