@@ -126,18 +126,41 @@ class DatabaseStatus:
 
 @dataclass(frozen=True)
 class Thresholds:
-    """Limits beyond which the status is a problem. The defaults flag what needs a person:
-    a relay that stopped sending, a failed outbox row, a dead letter awaiting review, a backlog
-    building up, deliveries that keep coming back. ``min_consumers`` is off (0) by default,
-    because only the deployment knows how many consume processes should be attached."""
+    """Limits beyond which the status is a problem; None leaves a figure unjudged (it is still
+    reported).
 
-    max_outbox_lag: float = 60.0
-    max_outbox_failed: int = 0
-    max_dead_letters: int = 0
-    max_ready: int = 1000
-    max_redelivery_rate: float = 0.2
+    The defaults suit a probe that restarts or pages: only a relay that stopped sending (the
+    oldest pending outbox row older than five minutes) fails it, besides a broker or database
+    that cannot be reached. A dead letter, a failed outbox row, a backlog or redeliveries need a
+    person, not a restart: :meth:`strict` (``messaging_status --strict``) judges them too.
+    ``min_consumers`` is off (0) in both, because only the deployment knows how many consume
+    processes should be attached."""
+
+    max_outbox_lag: float | None = 300.0
+    max_outbox_failed: int | None = None
+    max_dead_letters: int | None = None
+    max_ready: int | None = None
+    max_redelivery_rate: float | None = None
     min_consumers: int = 0
-    max_leftover_messages: int = 0
+    max_leftover_messages: int | None = None
+
+    @classmethod
+    def strict(cls) -> Thresholds:
+        """Everything that needs a person: a relay a minute behind, any failed outbox row, any
+        dead letter awaiting review, 1,000 messages ready in a queue, a fifth of the deliveries
+        coming back, any message in a queue an earlier shape of a consumer left."""
+        return cls(
+            max_outbox_lag=60.0,
+            max_outbox_failed=0,
+            max_dead_letters=0,
+            max_ready=1000,
+            max_redelivery_rate=0.2,
+            max_leftover_messages=0,
+        )
+
+
+def _over(value: float | None, limit: float | None) -> bool:
+    return value is not None and limit is not None and value > limit
 
 
 @dataclass(frozen=True)
@@ -531,49 +554,50 @@ def find_problems(
     found: list[Problem] = []
     if database.reachable:
         lag = database.outbox_lag
-        if lag is not None and lag > thresholds.max_outbox_lag:
+        if _over(lag, thresholds.max_outbox_lag):
             found.append(
                 Problem(
                     "max_outbox_lag",
                     f"the oldest pending outbox row is {lag:,.0f} s old (limit "
-                    f"{thresholds.max_outbox_lag:g} s): is a relay running, and can it publish?",
+                    f"{thresholds.max_outbox_lag or 0:g} s): is a relay running, and can it "
+                    "publish?",
                 )
             )
-        if database.outbox_failed > thresholds.max_outbox_failed:
+        if _over(database.outbox_failed, thresholds.max_outbox_failed):
             found.append(
                 Problem(
                     "max_outbox_failed",
                     f"{database.outbox_failed:,} outbox row(s) failed and will not be sent "
-                    f"until retried in the admin (limit {thresholds.max_outbox_failed:,})",
+                    f"until retried in the admin (limit {thresholds.max_outbox_failed or 0:,})",
                 )
             )
-        if database.dead_letters_total > thresholds.max_dead_letters:
+        if _over(database.dead_letters_total, thresholds.max_dead_letters):
             found.append(
                 Problem(
                     "max_dead_letters",
                     f"{database.dead_letters_total:,} dead letter(s) await review (limit "
-                    f"{thresholds.max_dead_letters:,})",
+                    f"{thresholds.max_dead_letters or 0:,})",
                 )
             )
     for queue in broker.queues if broker.reachable else ():
-        if queue.kind == "leftover" and (queue.ready or 0) > thresholds.max_leftover_messages:
+        if queue.kind == "leftover" and _over(queue.ready or 0, thresholds.max_leftover_messages):
             found.append(
                 Problem(
                     "max_leftover_messages",
                     f"queue {queue.name} was left by an earlier shape of consumer "
                     f"{queue.consumer} and holds {queue.ready:,} message(s) nobody handles "
-                    f"(limit {thresholds.max_leftover_messages:,}): the next `manage.py "
+                    f"(limit {thresholds.max_leftover_messages or 0:,}): the next `manage.py "
                     f"consume` start moves them and deletes it",
                 )
             )
         if queue.kind != "consumer" or not queue.exists:
             continue
-        if queue.ready is not None and queue.ready > thresholds.max_ready:
+        if _over(queue.ready, thresholds.max_ready):
             found.append(
                 Problem(
                     "max_ready",
                     f"queue {queue.name} has {queue.ready:,} ready message(s) (limit "
-                    f"{thresholds.max_ready:,})",
+                    f"{thresholds.max_ready or 0:,})",
                 )
             )
         if queue.consumers is not None and queue.consumers < thresholds.min_consumers:
@@ -585,12 +609,12 @@ def find_problems(
                 )
             )
         ratio = queue.redelivery_ratio
-        if ratio is not None and ratio > thresholds.max_redelivery_rate:
+        if _over(ratio, thresholds.max_redelivery_rate):
             found.append(
                 Problem(
                     "max_redelivery_rate",
                     f"queue {queue.name}: {ratio:.0%} of recent deliveries are redeliveries "
-                    f"(limit {thresholds.max_redelivery_rate:.0%})",
+                    f"(limit {thresholds.max_redelivery_rate or 0:.0%})",
                 )
             )
     return found

@@ -4,6 +4,11 @@ screen, judged against thresholds; the exit code makes it a health probe too.
 Exit codes: 0 all well; 1 a threshold is crossed (each one is named); 2 the broker or the
 database cannot be reached (it says which and why; the broker password is never shown).
 
+By default it judges what a probe that restarts or pages needs: the services reachable and the
+outbox moving (its oldest pending row under five minutes old). ``--strict`` judges what needs a
+person too: any dead letter awaiting review, any failed outbox row, a backlog, redeliveries, a
+leftover queue. Any ``--max-*`` given sets that threshold in either mode.
+
 ``--json`` prints one document instead (``version`` 1; keys are only ever added)::
 
     {
@@ -34,7 +39,7 @@ database cannot be reached (it says which and why; the broker password is never 
       },
       "thresholds": {"max_outbox_lag": 60.0, "max_outbox_failed": 0, "max_dead_letters": 0,
                      "max_ready": 1000, "max_redelivery_rate": 0.2, "min_consumers": 0,
-                     "max_leftover_messages": 0},
+                     "max_leftover_messages": 0},    # --strict; null: not judged
       "problems": [{"threshold": "max_dead_letters",
                     "message": "2 dead letter(s) await review (limit 0)"}]
     }
@@ -42,6 +47,7 @@ database cannot be reached (it says which and why; the broker password is never 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -57,7 +63,16 @@ from reliable_messaging.status import (
     collect_status,
 )
 
-DEFAULTS = Thresholds()
+PROBE, STRICT = Thresholds(), Thresholds.strict()
+
+
+def _limits(name: str) -> str:
+    """What a threshold's help says of its defaults, without and with --strict."""
+
+    def shown(value: float | None) -> str:
+        return "not judged" if value is None else f"{value:g}"
+
+    return f"default: {shown(getattr(PROBE, name))}; with --strict: {shown(getattr(STRICT, name))}"
 
 
 def _consumer_column(queue: QueueStatus) -> str:
@@ -109,43 +124,43 @@ class Command(BaseCommand):
         parser.add_argument(
             "--max-outbox-lag",
             type=float,
-            default=DEFAULTS.max_outbox_lag,
+            default=None,
             metavar="SECONDS",
-            help="age of the oldest pending outbox row (default %(default)g)",
+            help=f"age of the oldest pending outbox row ({_limits('max_outbox_lag')})",
         )
         parser.add_argument(
             "--max-outbox-failed",
             type=int,
-            default=DEFAULTS.max_outbox_failed,
+            default=None,
             metavar="N",
-            help="outbox rows marked failed (default %(default)d)",
+            help=f"outbox rows marked failed ({_limits('max_outbox_failed')})",
         )
         parser.add_argument(
             "--max-dead-letters",
             type=int,
-            default=DEFAULTS.max_dead_letters,
+            default=None,
             metavar="N",
-            help="dead letters awaiting review, status dead (default %(default)d)",
+            help=f"dead letters awaiting review, status dead ({_limits('max_dead_letters')})",
         )
         parser.add_argument(
             "--max-ready",
             type=int,
-            default=DEFAULTS.max_ready,
+            default=None,
             metavar="N",
-            help="ready messages in any consumer queue (default %(default)d)",
+            help=f"ready messages in any consumer queue ({_limits('max_ready')})",
         )
         parser.add_argument(
             "--max-redelivery-rate",
             type=float,
-            default=DEFAULTS.max_redelivery_rate,
+            default=None,
             metavar="FRACTION",
             help="share of a queue's recent deliveries that are redeliveries, 0..1; needs the "
-            "management API (default %(default)g)",
+            f"management API ({_limits('max_redelivery_rate')})",
         )
         parser.add_argument(
             "--min-consumers",
             type=int,
-            default=DEFAULTS.min_consumers,
+            default=PROBE.min_consumers,
             metavar="N",
             help="consumers each consumer queue must have attached (default %(default)d: "
             "not checked)",
@@ -153,11 +168,18 @@ class Command(BaseCommand):
         parser.add_argument(
             "--max-leftover-messages",
             type=int,
-            default=DEFAULTS.max_leftover_messages,
+            default=None,
             metavar="N",
             help="messages in a queue left by an earlier shape of a consumer (ordered turned "
             "on or off, fewer partitions), which nobody handles until consume retires it "
-            "(default %(default)d)",
+            f"({_limits('max_leftover_messages')})",
+        )
+        parser.add_argument(
+            "--strict",
+            action="store_true",
+            help="judge what needs a person too (dead letters, failed outbox rows, backlogs, "
+            "redeliveries, leftover queues), not only what a restart probe needs; a --max-* "
+            "given beside it still wins",
         )
         parser.add_argument(
             "--management-url",
@@ -176,15 +198,13 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         if options["timeout"] <= 0:
             raise CommandError("--timeout must be positive")
-        thresholds = Thresholds(
-            max_outbox_lag=options["max_outbox_lag"],
-            max_outbox_failed=options["max_outbox_failed"],
-            max_dead_letters=options["max_dead_letters"],
-            max_ready=options["max_ready"],
-            max_redelivery_rate=options["max_redelivery_rate"],
-            min_consumers=options["min_consumers"],
-            max_leftover_messages=options["max_leftover_messages"],
-        )
+        # The mode's limits, then whatever was given on the command line.
+        given = {
+            field.name: options[field.name]
+            for field in dataclasses.fields(Thresholds)
+            if options[field.name] is not None
+        }
+        thresholds = dataclasses.replace(STRICT if options["strict"] else PROBE, **given)
         status = collect_status(
             thresholds, management_url=options["management_url"], timeout=options["timeout"]
         )
