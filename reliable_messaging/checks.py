@@ -238,6 +238,26 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                     f"The default is {DEFAULTS[key]}.",
                 )
             )
+    token = value("OPS_VIEWS_TOKEN")
+    if token is not None and not (isinstance(token, str) and len(token) >= 16):
+        errors.append(
+            _error(
+                46,
+                f"{SETTING}['OPS_VIEWS_TOKEN'] must be a string of at least 16 characters or "
+                "None (it is a password for the metrics/ and healthz/ views).",
+                'e.g. os.environ["MESSAGING_OPS_TOKEN"], made with '
+                "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`",
+            )
+        )
+    if not isinstance(value("OPS_VIEWS_PUBLIC"), bool):
+        errors.append(
+            _error(
+                47,
+                f"{SETTING}['OPS_VIEWS_PUBLIC'] must be True or False, got "
+                f"{value('OPS_VIEWS_PUBLIC')!r}.",
+                "False (the default) keeps metrics/ and healthz/ to staff and the token.",
+            )
+        )
     heartbeat = value("HEARTBEAT")
     if not isinstance(heartbeat, int) or isinstance(heartbeat, bool) or heartbeat < 0:
         errors.append(

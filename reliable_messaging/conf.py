@@ -76,6 +76,11 @@ DEFAULTS: dict[str, Any] = {
     # mid-batch whose transaction the database has not yet ended). Past it, the delivery is
     # deferred through a delay queue instead of stalling the consumer.
     "INBOX_LOCK_TIMEOUT": 2.0,
+    # Who may read the web process's metrics/ and healthz/ views: staff users of the admin
+    # always; a request with "Authorization: Bearer <OPS_VIEWS_TOKEN>" when a token is set (a
+    # Prometheus scraper, a probe); everyone only when OPS_VIEWS_PUBLIC is True.
+    "OPS_VIEWS_TOKEN": None,
+    "OPS_VIEWS_PUBLIC": False,
 }
 
 
@@ -254,6 +259,15 @@ class MessagingSettings:
     @property
     def inbox_lock_timeout(self) -> float:
         return float(self.get("INBOX_LOCK_TIMEOUT"))
+
+    @property
+    def ops_views_token(self) -> str | None:
+        token = self.get("OPS_VIEWS_TOKEN")
+        return str(token) if token else None
+
+    @property
+    def ops_views_public(self) -> bool:
+        return bool(self.get("OPS_VIEWS_PUBLIC"))
 
     def __repr__(self) -> str:
         return f"<MessagingSettings broker={self.broker_shown} exchange={self.exchange}>"

@@ -15,21 +15,40 @@ Mount them with ``path("messaging/", include("reliable_messaging.urls"))``:
   web servers because a relay is down. Tune the lag with a URL keyword argument, e.g.
   ``path("healthz/", views.healthz, {"max_outbox_lag": 60})``.
 
-Neither view asks for a login. They show consumer names and counts, never payloads; restrict
-them at the proxy or wrap them in your own access check if that matters.
+Who may read them (:func:`ops_access`): staff users logged in to the admin; a request with
+``Authorization: Bearer <token>`` when ``RELIABLE_MESSAGING["OPS_VIEWS_TOKEN"]`` is set (what a
+Prometheus scrape config's ``authorization`` or a Kubernetes probe's ``httpHeaders`` send); and
+everyone only with ``OPS_VIEWS_PUBLIC = True`` (for views kept behind a proxy that already
+restricts them). Anyone else gets 403. They show consumer names and counts, never payloads.
+
+``healthz/`` opens a broker connection at most once per ``BROKER_CHECK_MAX_AGE`` seconds, however
+often it is asked: a probe every second costs the broker one connection every five.
 """
 
 from __future__ import annotations
 
+import functools
+import hmac
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from django.db import DatabaseError, connections, router, transaction
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http import (
+    HttpRequest,
+    HttpResponse,
+    HttpResponseBase,
+    HttpResponseForbidden,
+    JsonResponse,
+)
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 from prometheus_client import CollectorRegistry
 from prometheus_client.django import PrometheusDjangoView
 
+from .conf import messaging_settings
 from .metrics import BrokerCollector, DatabaseCollector, outbox_lag
 from .models import OutboxMessage
 from .status import broker_connection_error
@@ -39,6 +58,42 @@ MAX_OUTBOX_LAG = 300.0
 
 BROKER_TIMEOUT = 2.0
 """Seconds ``healthz/`` waits for the broker to accept a connection."""
+
+BROKER_CHECK_MAX_AGE = 5.0
+"""Seconds a broker check of ``healthz/`` is reused before the broker is asked again."""
+
+
+def ops_access(view: Callable[..., HttpResponseBase]) -> Callable[..., HttpResponseBase]:
+    """Let through staff users, the bearer of ``OPS_VIEWS_TOKEN`` and, with
+    ``OPS_VIEWS_PUBLIC``, everyone; 403 for anyone else."""
+
+    @functools.wraps(view)
+    def guarded(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
+        if _may_read(request):
+            return view(request, *args, **kwargs)
+        return HttpResponseForbidden(
+            "Log in to the admin as staff, or send Authorization: Bearer <OPS_VIEWS_TOKEN> "
+            "(see RELIABLE_MESSAGING['OPS_VIEWS_TOKEN']).",
+            content_type="text/plain",
+        )
+
+    return guarded
+
+
+def _may_read(request: HttpRequest) -> bool:
+    if messaging_settings.ops_views_public:
+        return True
+    user = getattr(request, "user", None)  # None without the auth middleware
+    if user is not None and user.is_active and user.is_staff:
+        return True
+    token = messaging_settings.ops_views_token
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    return bool(
+        token
+        and scheme.lower() == "bearer"
+        and hmac.compare_digest(given.strip().encode(), token.encode())
+    )
+
 
 BROKER_COLLECTOR = BrokerCollector()
 SYSTEM_REGISTRY = CollectorRegistry(auto_describe=False)
@@ -51,7 +106,7 @@ class SystemMetricsView(PrometheusDjangoView):
 
 
 # Outside ATOMIC_REQUESTS: a failing query must not poison a transaction around the view.
-metrics = transaction.non_atomic_requests(never_cache(SystemMetricsView.as_view()))
+metrics = transaction.non_atomic_requests(never_cache(ops_access(SystemMetricsView.as_view())))
 
 
 @dataclass(frozen=True)
@@ -81,6 +136,31 @@ def check_broker(timeout: float = BROKER_TIMEOUT) -> CheckResult:
     return CheckResult(True, "the broker accepts connections")
 
 
+class _RecentBrokerCheck:
+    """The last :func:`check_broker` result of this process, reused for ``max_age`` seconds;
+    one request at a time asks the broker, the others wait for its answer."""
+
+    def __init__(self, max_age: float) -> None:
+        self.max_age = max_age
+        self._lock = threading.Lock()
+        self._result: CheckResult | None = None
+        self._at = 0.0
+
+    def get(self) -> CheckResult:
+        with self._lock:
+            if self._result is None or time.monotonic() - self._at >= self.max_age:
+                self._result = check_broker()
+                self._at = time.monotonic()
+            return self._result
+
+    def forget(self) -> None:
+        with self._lock:
+            self._result = None
+
+
+RECENT_BROKER_CHECK = _RecentBrokerCheck(BROKER_CHECK_MAX_AGE)
+
+
 def check_outbox_lag(using: str, max_lag: float) -> CheckResult:
     try:
         lag = outbox_lag(using)
@@ -98,9 +178,10 @@ def check_outbox_lag(using: str, max_lag: float) -> CheckResult:
 @transaction.non_atomic_requests
 @never_cache
 @require_GET
+@ops_access
 def healthz(request: HttpRequest, max_outbox_lag: float = MAX_OUTBOX_LAG) -> HttpResponse:
     using = router.db_for_write(OutboxMessage)
-    checks = {"database": check_database(using), "broker": check_broker()}
+    checks = {"database": check_database(using), "broker": RECENT_BROKER_CHECK.get()}
     if checks["database"].ok:
         checks["outbox_lag"] = check_outbox_lag(using, max_outbox_lag)
     reasons = [result.detail for result in checks.values() if not result.ok]

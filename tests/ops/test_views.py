@@ -32,12 +32,90 @@ def is_broker_gauge(name: str) -> bool:
     return name == "reliable_messaging_broker_up" or name.startswith("reliable_messaging_queue_")
 
 
+TOKEN = "ops-token-" + "x" * 24
+
+
 @pytest.fixture(autouse=True)
 def fresh_broker_read() -> Iterator[None]:
     """Each test sees the broker as it is now, not the view's read kept from another test."""
     views.BROKER_COLLECTOR.forget()
+    views.RECENT_BROKER_CHECK.forget()
     yield
     views.BROKER_COLLECTOR.forget()
+    views.RECENT_BROKER_CHECK.forget()
+
+
+@pytest.fixture(autouse=True)
+def ops_token(settings: Any) -> None:
+    """The views are closed to anonymous requests: the suite's settings get a token, which
+    the ``client`` below sends, as a Prometheus scraper would."""
+    settings.RELIABLE_MESSAGING = {**settings.RELIABLE_MESSAGING, "OPS_VIEWS_TOKEN": TOKEN}
+
+
+@pytest.fixture
+def client() -> Client:
+    return Client(headers={"authorization": f"Bearer {TOKEN}"})
+
+
+# --------------------------------------------------------------------------- who may read
+
+
+@pytest.mark.parametrize("name", ["metrics", "healthz"])
+def test_anonymous_requests_and_wrong_tokens_are_refused(name: str) -> None:
+    url = reverse(f"reliable_messaging:{name}")
+    for headers in (
+        {},
+        {"authorization": "Bearer not-the-token"},
+        {"authorization": f"Basic {TOKEN}"},
+        {"authorization": f"Bearer {TOKEN[:-1]}"},
+    ):
+        response = Client(headers=headers).get(url)
+        assert response.status_code == 403, headers
+        assert b"OPS_VIEWS_TOKEN" in response.content
+        assert b"reliable_messaging_" not in response.content and b"checks" not in response.content
+
+
+@pytest.mark.parametrize("name", ["metrics", "healthz"])
+def test_the_token_staff_and_the_public_opt_out_are_let_through(
+    name: str, settings: Any, django_user_model: Any
+) -> None:
+    url = reverse(f"reliable_messaging:{name}")
+    assert Client(headers={"authorization": f"bearer {TOKEN}"}).get(url).status_code == 200
+
+    staff, member = Client(), Client()
+    staff.force_login(django_user_model.objects.create_user("ops", is_staff=True))
+    member.force_login(django_user_model.objects.create_user("shopper"))
+    assert staff.get(url).status_code == 200
+    assert member.get(url).status_code == 403  # logged in is not enough
+
+    settings.RELIABLE_MESSAGING = {
+        **settings.RELIABLE_MESSAGING,
+        "OPS_VIEWS_TOKEN": None,
+        "OPS_VIEWS_PUBLIC": True,
+    }
+    assert Client().get(url).status_code == 200
+
+
+def test_healthz_asks_the_broker_once_per_max_age(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[float] = []
+    real = views.broker_connection_error
+
+    def counted(**kwargs: Any) -> str:
+        calls.append(kwargs.get("timeout", 0.0))
+        return real(**kwargs)
+
+    monkeypatch.setattr(views, "broker_connection_error", counted)
+    url = reverse("reliable_messaging:healthz")
+    answers = [client.get(url) for _ in range(5)]
+    assert [a.status_code for a in answers] == [200] * 5
+    assert all(a.json()["checks"]["broker"]["ok"] for a in answers)
+    assert len(calls) == 1  # five probes, one broker connection
+
+    monkeypatch.setattr(views.RECENT_BROKER_CHECK, "max_age", 0.0)  # its time is up
+    assert client.get(url).status_code == 200
+    assert len(calls) == 2
 
 
 def test_urls_are_mounted_where_the_project_includes_them() -> None:

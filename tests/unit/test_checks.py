@@ -172,6 +172,9 @@ def test_retry_horizon_counts_the_consumers_own_policy(rm: Any) -> None:
         ("SHUTDOWN_TIMEOUT", 0, "reliable_messaging.E010"),
         ("RECONNECT_MAX_DELAY", "5", "reliable_messaging.E010"),
         ("HEARTBEAT", -1, "reliable_messaging.E011"),
+        ("OPS_VIEWS_TOKEN", "short", "reliable_messaging.E046"),
+        ("OPS_VIEWS_TOKEN", 12345678901234567890, "reliable_messaging.E046"),
+        ("OPS_VIEWS_PUBLIC", "yes", "reliable_messaging.E047"),
     ],
 )
 def test_other_bad_values(rm: Any, key: str, value: Any, id_: str) -> None:
