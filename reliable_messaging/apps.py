@@ -14,6 +14,9 @@ class ReliableMessagingConfig(AppConfig):
         from .amqp_codec import install as install_amqp_codec
 
         install_amqp_codec()  # before any broker connection: see amqp_codec's docstring
+        from .pika_logs import install as install_pika_logs
+
+        install_pika_logs()  # our probes' expected 404s stay out of the user's log
 
         # Like admin.py: every installed app's consumers.py registers its handlers on import.
         autodiscover_modules("consumers")

@@ -33,6 +33,7 @@ from pika.adapters.blocking_connection import BlockingChannel, BlockingConnectio
 
 from .conf import MessagingSettings, messaging_settings
 from .envelope import ORIGINAL_EXCHANGE_HEADER, ORIGINAL_ROUTING_KEY_HEADER
+from .pika_logs import expecting_not_found
 from .registry import ConsumerSpec, registry
 from .topology import consumer_exchange, consumer_queues, partition_exchange
 
@@ -62,7 +63,8 @@ def _probe(connection: BlockingConnection, declare: Callable[[BlockingChannel], 
     (the broker closes a channel on a failed passive declare, so it is not shared)."""
     channel = connection.channel()
     try:
-        found = declare(channel)
+        with expecting_not_found():
+            found = declare(channel)
     except pika.exceptions.ChannelClosedByBroker as exc:
         if exc.reply_code != NOT_FOUND:
             raise

@@ -92,6 +92,7 @@ from .envelope import CONTENT_TYPE, ORDERING_KEY_HEADER, PUBLISHED_AT_HEADER
 from .metrics import HealthState
 from .models import OutboxMessage, OutboxStatus
 from .partitions import UNSENT_STATUSES, row_moved
+from .pika_logs import expecting_not_found
 from .routing import topic_matches
 from .topology import connect, connection_parameters
 from .write_coalescing import coalesce_writes
@@ -352,7 +353,8 @@ class _ExchangeProbe:
                 self._connection = connect(self.settings, name="relay exchange probe")
             if self._channel is None or not self._channel.is_open:
                 self._channel = self._connection.channel()
-            self._channel.exchange_declare(exchange, passive=True)
+            with expecting_not_found():
+                self._channel.exchange_declare(exchange, passive=True)
         except pika.exceptions.ChannelClosedByBroker as exc:
             if exc.reply_code == NOT_FOUND:
                 return False

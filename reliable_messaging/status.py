@@ -36,6 +36,7 @@ from .conf import MessagingSettings, messaging_settings, redact_url
 from .leftovers import find_leftovers
 from .metrics import inbox_rows, outbox_lag
 from .models import DeadLetter, OutboxMessage, OutboxStatus
+from .pika_logs import expecting_not_found
 from .registry import ConsumerSpec, registry
 from .topology import (
     all_delays,
@@ -392,7 +393,8 @@ def _queues_on(
     channel = connection.channel()
     for name, kind, consumer in queues:
         try:
-            method = channel.queue_declare(name, passive=True).method
+            with expecting_not_found():
+                method = channel.queue_declare(name, passive=True).method
         except pika.exceptions.ChannelClosedByBroker as exc:
             if exc.reply_code != NOT_FOUND:
                 raise

@@ -119,4 +119,8 @@ LOGGING = {
         }
     },
 }
+# RM_ROOT_LOG_LEVEL: a root logger with a handler too, as many projects configure it (then
+# pika's own lines show as well).
+if os.environ.get("RM_ROOT_LOG_LEVEL"):
+    LOGGING["root"] = {"handlers": ["console"], "level": os.environ["RM_ROOT_LOG_LEVEL"]}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"

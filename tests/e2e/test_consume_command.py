@@ -100,6 +100,24 @@ def test_bad_options_are_command_errors(options: dict, text: str) -> None:
 # --------------------------------------------------------------------------- races and crashes
 
 
+@pytest.fixture
+def root_logging_at_info(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The processes started after this log everything at INFO through the root logger."""
+    monkeypatch.setenv("RM_ROOT_LOG_LEVEL", "INFO")
+
+
+def test_a_normal_start_says_it_consumes_and_logs_no_not_found(
+    root_logging_at_info: None, consume
+) -> None:
+    """Starting looks for queues an earlier shape of a consumer may have left (passive
+    declares, answered 404 when there are none): nothing alarming about that in the log, even
+    with the root logger at INFO (where pika's own lines show)."""
+    proc = consume().wait_consuming()
+    log = proc.log()
+    assert "consuming " in log
+    assert "NOT_FOUND" not in log and "404" not in log, log
+
+
 def test_concurrent_duplicates_in_two_processes_take_effect_once(
     consume, ns: str, publisher: Publisher
 ) -> None:

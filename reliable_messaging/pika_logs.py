@@ -1,0 +1,59 @@
+"""Keeps the 404s our own probes expect out of the user's log.
+
+"Does this queue (or exchange) exist?" has one answer in AMQP: a passive declare, which the
+broker answers with ``404 NOT_FOUND`` *and the close of the channel* when it does not. pika then
+logs ``Received remote Channel.Close (404): 'NOT_FOUND - no queue ...'`` at WARNING (and
+"Closing channel" at INFO), which reaches stderr even under Django's default ``LOGGING``. Our
+probes ask that question on every normal ``consume`` start (the leftover queues of an earlier
+shape of a consumer), from ``messaging_status`` and from the relay's exchange check, where a
+404 is the expected "no".
+
+:func:`expecting_not_found` marks the calling thread while it probes; the filter that
+:func:`install` puts on pika's channel logger drops that thread's 404 records meanwhile and
+nothing else: a 404 outside a probe (a user's own pika code, a queue deleted under a consumer)
+is logged by pika as before, and our own code says what a 404 it did not expect means.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+NOT_FOUND = 404
+PIKA_CHANNEL_LOGGER = "pika.channel"
+
+_probing = threading.local()
+
+
+@contextmanager
+def expecting_not_found() -> Iterator[None]:
+    """While this runs, this thread's passive declares may be answered 404 quietly."""
+    depth = getattr(_probing, "depth", 0)
+    _probing.depth = depth + 1
+    try:
+        yield
+    finally:
+        _probing.depth = depth
+
+
+class ExpectedNotFound(logging.Filter):
+    """Drops pika's channel-close records of a 404 on a thread inside
+    :func:`expecting_not_found`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not getattr(_probing, "depth", 0):
+            return True
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (args and args[0] == NOT_FOUND)
+
+
+_FILTER = ExpectedNotFound()
+
+
+def install() -> None:
+    """Put the filter on pika's channel logger (idempotent)."""
+    logger = logging.getLogger(PIKA_CHANNEL_LOGGER)
+    if _FILTER not in logger.filters:
+        logger.addFilter(_FILTER)
