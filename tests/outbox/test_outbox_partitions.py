@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime as dt
 import io
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 from unittest import mock
@@ -195,7 +196,7 @@ def moved_error() -> DatabaseError:
                 with connection.cursor() as cursor:
                     cursor.execute(
                         f"SELECT id FROM {OUTBOX_TABLE} WHERE status = 'pending' "
-                        "AND pg_sleep(0.5) IS NOT NULL FOR UPDATE SKIP LOCKED"
+                        "AND pg_sleep(1.0) IS NOT NULL FOR UPDATE SKIP LOCKED"
                     )
         except DatabaseError as exc:
             caught.append(exc)
@@ -205,6 +206,20 @@ def moved_error() -> DatabaseError:
     thread = threading.Thread(target=claim)
     thread.start()
     assert started.wait(5)
+    # The claim's statement must have its snapshot (be running, asleep on the row) before the
+    # row is sent; on a loaded machine the thread may not even have sent it yet.
+    deadline = time.monotonic() + 10
+    while True:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE state = 'active' "
+                "AND pid <> pg_backend_pid() AND query LIKE %s",
+                ["%pg_sleep(1.0) IS NOT NULL FOR UPDATE%"],
+            )
+            if cursor.fetchone()[0]:
+                break
+        assert time.monotonic() < deadline, "the claim never started"
+        time.sleep(0.01)
     with transaction.atomic():
         OutboxMessage.objects.filter(message_id="race", status="pending").update(
             status="sent", sent_at=timezone.now()
