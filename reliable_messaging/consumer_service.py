@@ -58,6 +58,7 @@ from pika.spec import Basic, BasicProperties
 from . import metrics
 from .backoff import Backoff
 from .conf import MessagingSettings, messaging_settings
+from .console import announce
 from .crash_guard import TIMEOUT, CrashGuard, SuspectGate, decide_suspect
 from .envelope import CONTENT_TYPE, Delivery, delivery_from_frame, wire_headers
 from .exceptions import DatabaseUnavailable, TopologyMismatchError
@@ -221,8 +222,11 @@ class ConsumerService:
         settings: MessagingSettings = messaging_settings,
         on_outcome: Callable[[ConsumerSpec, Delivery, Outcome], None] | None = None,
         health: metrics.HealthState | None = None,
+        progress_interval: float = PROGRESS_EVERY,
     ) -> None:
         self.specs = list(specs)
+        # Seconds between progress lines (outcomes so far); 0: none.
+        self.progress_interval = progress_interval if progress_interval > 0 else float("inf")
         if not self.specs:
             raise ValueError("no consumers to run")
         self.concurrency = max(1, concurrency)
@@ -365,7 +369,8 @@ class ConsumerService:
             self._watch(link, shared_channel)
             queues = self._subscribe_all(link, self.specs)
             self._note_unavailable(link)
-            logger.info(
+            announce(
+                logger,
                 "consuming %s from %s (concurrency %d, prefetch %d, batches of up to %d%s)",
                 ", ".join(queues),
                 self.settings.broker_shown,
@@ -377,7 +382,7 @@ class ConsumerService:
             self._reconnect.reset()
             self._set_connected(True)
             self._last_delivery = time.monotonic()
-            next_progress = time.monotonic() + PROGRESS_EVERY
+            next_progress = time.monotonic() + self.progress_interval
             while not self._stop.is_set():
                 connection.process_data_events(time_limit=0.2)
                 self._check_channels(link)
@@ -392,9 +397,11 @@ class ConsumerService:
                     self.health.heartbeat()
                 if time.monotonic() >= next_progress:
                     self._log_progress()
-                    next_progress = time.monotonic() + PROGRESS_EVERY
+                    next_progress = time.monotonic() + self.progress_interval
                 if self._idle_expired(link):
-                    logger.info("no delivery for %ss: stopping (--idle-timeout)", self.idle_timeout)
+                    announce(
+                        logger, "no delivery for %ss: stopping (--idle-timeout)", self.idle_timeout
+                    )
                     self._stop.set()
             self._shutdown(link)
         finally:
@@ -528,7 +535,8 @@ class ConsumerService:
         with self._counts_lock:
             counts = dict(self._counts)
         if counts:
-            logger.info(
+            announce(
+                logger,
                 "progress: %s",
                 ", ".join(f"{label}={count}" for label, count in sorted(counts.items())),
             )
@@ -580,7 +588,7 @@ class ConsumerService:
             )
             self.exit_code = 1
         else:
-            logger.info("stopped gracefully: every handler in flight finished and was acked")
+            announce(logger, "stopped gracefully: every handler in flight finished and was acked")
 
     def _on_message(
         self,

@@ -88,6 +88,7 @@ from pika.spec import Basic, BasicProperties
 from . import metrics
 from .backoff import Backoff
 from .conf import MessagingSettings, messaging_settings
+from .console import announce
 from .envelope import CONTENT_TYPE, ORDERING_KEY_HEADER, PUBLISHED_AT_HEADER
 from .metrics import HealthState
 from .models import OutboxMessage, OutboxStatus
@@ -1574,7 +1575,8 @@ class RelayProgress:
                 sent, now = sum(r.report.sent for r in self.relays), time.monotonic()
                 pending = self._pending()
                 if sent != last_sent or pending != 0:
-                    logger.info(
+                    announce(
+                        logger,
                         "relay: %d sent so far, %.1f/s over the last %.0fs, %s pending",
                         sent,
                         (sent - last_sent) / max(now - last_time, 1e-9),

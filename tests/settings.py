@@ -119,6 +119,9 @@ LOGGING = {
         }
     },
 }
+# RM_DEFAULT_LOGGING: no LOGGING at all, as in a project fresh from startproject.
+if os.environ.get("RM_DEFAULT_LOGGING"):
+    del LOGGING
 # RM_ROOT_LOG_LEVEL: a root logger with a handler too, as many projects configure it (then
 # pika's own lines show as well).
 if os.environ.get("RM_ROOT_LOG_LEVEL"):

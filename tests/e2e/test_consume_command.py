@@ -116,6 +116,33 @@ def test_a_normal_start_says_it_consumes_and_logs_no_not_found(
     log = proc.log()
     assert "consuming " in log
     assert "NOT_FOUND" not in log and "404" not in log, log
+    # Nor a line for every connection and channel pika opens (kept to its warnings unless the
+    # project sets pika's level itself).
+    assert " INFO pika" not in log, log
+
+
+@pytest.fixture
+def default_logging(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The processes started after this run with Django's default LOGGING (a project fresh
+    from startproject): no handler for this app's loggers."""
+    monkeypatch.setenv("RM_DEFAULT_LOGGING", "1")
+
+
+def test_with_the_default_logging_consume_says_it_started_progresses_and_stopped(
+    default_logging: None, consume, ns: str, publisher: Publisher
+) -> None:
+    proc = consume("--progress-interval", "0.5").wait_consuming()  # "consuming <queues> from"
+    publisher.publish(exchange(ns), "order.placed", {}, message_id="say-1")
+    proc.wait_for_log("progress: ", timeout=30)
+    proc.send(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    log = proc.log()
+    assert f"consuming {ns}.alpha" in log and "from amqp://" in log
+    assert "processed=" in log.split("progress: ", 1)[1]
+    assert "received SIGTERM: finishing the handlers in flight" in log
+    assert "stopped gracefully" in log
+    assert "processed message_id=" not in log  # per-message lines stay with LOGGING's choice
+    assert log.count("stopped gracefully") == 1
 
 
 def test_concurrent_duplicates_in_two_processes_take_effect_once(

@@ -319,3 +319,25 @@ def test_a_valid_require_route_passes_the_checks() -> None:
     with override_settings(RELIABLE_MESSAGING={"REQUIRE_ROUTE": ["billing.command.#", "*.x"]}):
         ids = [m.id for m in check_settings()]
     assert "reliable_messaging.E045" not in ids
+
+
+# --------------------------------------------------------------------------- default LOGGING
+
+
+def test_with_the_default_logging_the_relay_says_it_started_and_what_it_did(
+    ob: OutboxEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A project fresh from startproject configures no handler for this app's loggers: the
+    relay still says what it sends to, and its summary, once each."""
+    monkeypatch.setenv("RM_DEFAULT_LOGGING", "1")
+    queue = ob.queue()
+    with transaction.atomic():
+        for n in range(3):
+            publish("say.hello", {"n": n})
+    code, log = ob.run_relay_once(120)
+    assert code == 0, log
+    assert log.count("relay: sending the outbox of database 'default' to amqp://") == 1, log
+    assert ", until nothing is due" in log
+    assert "relay: sent 3," in log
+    assert "guest:guest" not in log  # the broker's password is never shown
+    assert ob.broker.count(queue) == 3

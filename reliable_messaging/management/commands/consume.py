@@ -10,7 +10,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from reliable_messaging.consumer_service import ConsumerService
+from reliable_messaging import console
+from reliable_messaging.consumer_service import PROGRESS_EVERY, ConsumerService
 from reliable_messaging.keepalive import keep_database_alive
 from reliable_messaging.management.metrics_options import add_metrics_arguments, serve_metrics
 from reliable_messaging.metrics import HealthState
@@ -47,6 +48,14 @@ class Command(BaseCommand):
             metavar="S",
             help="exit 0 after S seconds without a delivery",
         )
+        parser.add_argument(
+            "--progress-interval",
+            type=float,
+            default=PROGRESS_EVERY,
+            metavar="S",
+            help="a line with the outcomes so far every S seconds while there are any "
+            "(default %(default)g; 0: none)",
+        )
         add_metrics_arguments(parser, "broker or database lost, loop stuck")
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -70,6 +79,11 @@ class Command(BaseCommand):
             raise CommandError("--concurrency must be at least 1")
         if options["idle_timeout"] is not None and options["idle_timeout"] <= 0:
             raise CommandError("--idle-timeout must be a positive number of seconds")
+        if options["progress_interval"] < 0:
+            raise CommandError("--progress-interval must not be negative")
+        # Its start, what it consumes, its progress and its stop show whatever LOGGING says.
+        console.attach(self.stdout.write)
+        console.quiet_pika_info()
 
         keep_database_alive()
         health = HealthState()
@@ -78,6 +92,7 @@ class Command(BaseCommand):
             concurrency=options["concurrency"],
             idle_timeout=options["idle_timeout"],
             health=health,
+            progress_interval=options["progress_interval"],
         )
         ops = serve_metrics(options, health)
 
@@ -86,7 +101,8 @@ class Command(BaseCommand):
                 # Second signal: leave now. Uncommitted work rolls back when the database
                 # connection drops and unacked deliveries go back to their queues.
                 os._exit(128 + signum)
-            logger.info(
+            console.announce(
+                logger,
                 "received %s: finishing the handlers in flight, then exiting "
                 "(send it again to exit at once)",
                 signal.Signals(signum).name,
@@ -100,5 +116,6 @@ class Command(BaseCommand):
         finally:
             if ops is not None:
                 ops.close()
+            console.detach()
         if code:
             raise CommandError(f"consume stopped with exit code {code}", returncode=code)

@@ -10,6 +10,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import router
 
+from reliable_messaging import console
 from reliable_messaging.keepalive import keep_database_alive
 from reliable_messaging.management.metrics_options import add_metrics_arguments, serve_metrics
 from reliable_messaging.metrics import HealthCheck, HealthGroup, HealthState
@@ -67,6 +68,9 @@ class Command(BaseCommand):
         if options["progress_interval"] < 0:
             raise CommandError("--progress-interval must not be negative")
         keep_database_alive()
+        # Its start, its progress and its stop show whatever LOGGING says.
+        console.attach(self.stdout.write)
+        console.quiet_pika_info()
         relays = [
             OutboxRelay(
                 batch_size=options["batch_size"], once=options["once"], health=HealthState()
@@ -75,7 +79,8 @@ class Command(BaseCommand):
         ]
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
-            logger.info(
+            console.announce(
+                logger,
                 "received %s: finishing the batches in flight, then exiting",
                 signal.Signals(signum).name,
             )
@@ -95,6 +100,15 @@ class Command(BaseCommand):
         # On PostgreSQL the sent rows go into a partition per day, made ahead of time.
         upkeep = PartitionUpkeep(router.db_for_write(OutboxMessage), spec=OUTBOX)
         upkeep.start()
+        console.announce(
+            logger,
+            "relay: sending the outbox of database %r to %s (%d lane(s), batches of up to %d%s)",
+            relays[0].using,
+            relays[0].settings.broker_shown,
+            len(relays),
+            relays[0].batch_size,
+            ", until nothing is due" if options["once"] else "",
+        )
         try:
             report = run_lanes(relays)
         finally:
@@ -103,6 +117,7 @@ class Command(BaseCommand):
                 progress.stop()
             if ops is not None:
                 ops.close()
+            console.detach()
         self.stdout.write(f"relay: {report.summary()}")
         if options["once"] and (report.left_failed or report.left_retrying):
             raise CommandError(
