@@ -110,8 +110,10 @@ def _run_slice(session: nox.Session) -> None:
         "pytest",
         "-p",
         "no:cacheprovider",
+        # Three workers on two cores, as make test's parallel part: much of the slice waits on
+        # real processes and the broker.
         "-n",
-        "2",
+        "3",
         "-m",
         "not serial",
         *SLICE,
