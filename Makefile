@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 MATRIX ?= 1
 TEST_WORKERS ?= 3
 
-.PHONY: help venv .venv services test matrix demo lint format bench dist clean
+.PHONY: help venv .venv services test matrix demo docs lint format bench dist clean
 
 help:
 	@echo "Targets:"
@@ -28,6 +28,7 @@ help:
 	@echo "  format    ruff format + ruff check --fix"
 	@echo "  bench     run every bench/*.py script"
 	@echo "  dist      build the sdist and the wheel into dist/"
+	@echo "  docs      build the documentation site into site/ (warnings are errors)"
 	@echo "  clean     remove .venv and caches"
 
 # The stamp is refreshed whenever the dependency/packaging files change, so that
@@ -92,6 +93,10 @@ bench: venv services
 		$(BIN)/python "$$f"; \
 	done
 
+# The documentation site (mkdocs.yml, pages in docs/), warnings as errors.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 # The sdist and the wheel (pip install dist/reliable_messaging-*.whl), built as a package
 # index would build them; `python -m build` fails on any error in the package's metadata.
 dist: venv
@@ -99,5 +104,5 @@ dist: venv
 	$(BIN)/python -m build --outdir dist .
 
 clean:
-	rm -rf $(VENV) .nox .pytest_cache .mypy_cache .ruff_cache .hypothesis build dist *.egg-info .coverage htmlcov
+	rm -rf $(VENV) .nox site .pytest_cache .mypy_cache .ruff_cache .hypothesis build dist *.egg-info .coverage htmlcov
 	find . -path ./.git -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +

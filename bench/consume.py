@@ -22,7 +22,7 @@ machinery differs from the baseline. The baseline consumes the same messages
 from the same queue with raw pika (prefetch as PREFETCH) and, per message, inserts that same row
 with psycopg and commits, then acks: the cheapest honest at-least-once consumer, without the
 inbox. The app's consumer runs in this process (ConsumerService, the engine of `manage.py
-consume`) with CONN_MAX_AGE=60, as the README recommends. Messages are published beforehand,
+consume`) with CONN_MAX_AGE=60, as the docs recommend. Messages are published beforehand,
 so both sides consume a full queue.
 """
 

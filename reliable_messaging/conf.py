@@ -48,7 +48,7 @@ DEFAULTS: dict[str, Any] = {
     # their acks go out after that commit. 1 gives one transaction per delivery.
     "CONSUMER_BATCH_SIZE": 50,
     # Partition queues of an ordered consumer (keys are spread over them by consistent hashing).
-    # Changing it remaps keys: drain the partitions first (see the README).
+    # Changing it remaps keys: drain the partitions first (see docs/concepts.md).
     "ORDERED_PARTITIONS": 4,
     # Quorum queues only: the broker dead-drops a message redelivered this many times, a guard
     # against poison loops that never reach a handler (crashes before the ack).

@@ -8,7 +8,7 @@ gives up on a dead one in about a minute. Values the project sets in ``OPTIONS``
 
 This bounds what the process waits for; what the *server* keeps open for a client that
 vanished is bounded by its own settings (``idle_in_transaction_session_timeout``,
-``tcp_keepalives_idle``/``_interval``/``_count``): see "Running on a cluster" in the README.
+``tcp_keepalives_idle``/``_interval``/``_count``): see docs/cluster.md.
 """
 
 from __future__ import annotations

@@ -38,15 +38,30 @@ def expecting_not_found() -> Iterator[None]:
         _probing.depth = depth
 
 
+# The two lines pika writes when a channel is closed, with the reply code as first argument.
+_CLOSE_MESSAGES = ("Received remote Channel.Close", "Closing channel")
+
+
 class ExpectedNotFound(logging.Filter):
     """Drops pika's channel-close records of a 404 on a thread inside
-    :func:`expecting_not_found`."""
+    :func:`expecting_not_found`.
+
+    It runs inside pika's frame handling, on every record of that logger (DEBUG ones carry
+    frames and methods as arguments, whose ``==`` raises for an int), so it only ever looks at
+    an int argument of the two close messages, and never raises."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not getattr(_probing, "depth", 0):
             return True
-        args = record.args if isinstance(record.args, tuple) else ()
-        return not (args and args[0] == NOT_FOUND)
+        message, args = record.msg, record.args
+        return not (
+            isinstance(message, str)
+            and message.startswith(_CLOSE_MESSAGES)
+            and isinstance(args, tuple)
+            and bool(args)
+            and type(args[0]) is int
+            and args[0] == NOT_FOUND
+        )
 
 
 _FILTER = ExpectedNotFound()

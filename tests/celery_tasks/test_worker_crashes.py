@@ -1,7 +1,7 @@
 """``@idempotent_task`` when a pool child dies mid-task, as under the OOM killer.
 
 A real prefork ``celery worker`` runs the suite's app (``acks_late`` and ``reject_on_worker_lost``,
-as the README asks), and a task ``SIGKILL``s its own child. What is asserted is what an operator
+as the docs ask), and a task ``SIGKILL``s its own child. What is asserted is what an operator
 sees: effect and inbox rows, the dead letter the admin lists, the queue left empty. The system
 check that asks for those two options is run through Django's ``run_checks()``.
 """
@@ -191,7 +191,7 @@ def test_the_check_warns_about_tasks_a_killed_child_would_lose() -> None:
         idempotent(app, "early_by_itself", acks_late=False)
         assert sorted(reported(ns)) == [f"{ns}.early_by_itself"]
 
-    # The suite's own app is configured as the README says: its tasks are not reported. Nor
+    # The suite's own app is configured as the docs say: its tasks are not reported. Nor
     # are they in the fallback app Celery makes up when no app is current, whose defaults
     # would call them unsafe: no worker runs it.
     from .celery_app import app as suite_app

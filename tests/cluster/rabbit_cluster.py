@@ -338,7 +338,7 @@ class RabbitCluster:
             # The at-least-once dead-letter worker of a quorum queue sends an expired message
             # on and waits for the target's confirm; a confirm lost with a leader that died is
             # waited for dead_letter_worker_publisher_confirm_timeout (180 s by default) before
-            # the message is sent again. 5 s, as the README recommends for a cluster.
+            # the message is sent again. 5 s, as the docs recommend for a cluster.
             (node.base / "advanced.config").write_text(
                 "[{rabbit, [{quorum_tick_interval, 500}, {collect_statistics_interval, 500},"
                 " {dead_letter_worker_publisher_confirm_timeout, 5000}]}].\n"

@@ -120,6 +120,6 @@ def test_a_classic_queue_whose_node_is_down_is_left_out_and_taken_back(
             thread.join(30)
     # Beta's queue did not exist before the consumer declared it; the message published while
     # alpha's node was down could not reach alpha's queue (a classic queue's limit, named in the
-    # README). Every effect exactly once.
+    # docs). Every effect exactly once.
     effects = sorted(Effect.objects.values_list("consumer", "message_id"))
     assert effects == [("alpha", "before-stop"), ("beta", "while-down")]

@@ -39,6 +39,35 @@ def test_a_probe_for_a_missing_queue_or_exchange_logs_nothing(
     assert pika_404_records(caplog) == []
 
 
+def test_a_probe_under_debug_logging_answers_and_keeps_the_connection_usable(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """At DEBUG pika logs its frames and methods (objects whose ``==`` raises for an int):
+    the filter must let them pass, untouched, while a probe runs."""
+    missing = f"rmtest.missing.{uuid.uuid4().hex[:12]}"
+    existing = f"rmtest.present.{uuid.uuid4().hex[:12]}"
+    connection = broker_connection()
+    try:
+        with caplog.at_level(logging.DEBUG, logger="pika"):
+            connection.channel().queue_declare(existing)
+            assert _exists(connection, existing) == (0, 0)
+            assert _exists(connection, missing) is None
+            channel = connection.channel()
+            with expecting_not_found():
+                assert channel.queue_declare(existing, passive=True).method.queue == existing
+            channel.queue_delete(existing)
+    finally:
+        connection.close()  # hung for ever when the filter raised inside pika
+    assert any("Entering blocking state" in r.getMessage() for r in caplog.records)
+    # pika's DEBUG lines about the close stay for whoever asked for DEBUG; the INFO and
+    # WARNING ones of the expected 404 do not appear.
+    assert not [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith("pika") and r.levelno >= logging.INFO and "404" in r.getMessage()
+    ]
+
+
 def test_a_404_outside_a_probe_is_still_logged(caplog: pytest.LogCaptureFixture) -> None:
     missing = f"rmtest.missing.{uuid.uuid4().hex[:12]}"
     connection = broker_connection()

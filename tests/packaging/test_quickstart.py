@@ -1,10 +1,11 @@
-"""The README's quickstart, followed literally by a new user on the newest supported versions.
+"""The getting-started page (docs/getting-started.md), followed literally by a new user on the
+newest supported versions.
 
 The wheel is built as ``make dist`` builds it and installed with its ``postgres`` extra and
 Django 6.1 into a fresh virtualenv of Python 3.13 (from this machine's pyenv). A project made by
 ``django-admin startproject`` gets an ``orders`` app with the user's own models (an ``Order``
-and a ``Payment``: the README assumes them), then every code block of the README's quickstart
-section that names its file in a first-line comment, as it is written: the settings and URL
+and a ``Payment``: the page assumes them), then every code block of that page that names its
+file in a first-line comment, as it is written: the settings and URL
 blocks appended to the project's files, the others as the files they name. Only what differs on
 this machine is set after them: the database (PostgreSQL, a database of the test's own) and the
 broker's vhost (one of the test's own). Then ``migrate``, ``consume``, ``relay``, and an order
@@ -31,11 +32,11 @@ from tests import support
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-README = ROOT / "README.md"
+GETTING_STARTED = ROOT / "docs" / "getting-started.md"
 DJANGO = "Django~=6.1.0"
 PYTHON = "3.13"
 
-# The user's existing app: what the README's handler and view take for granted.
+# The user's existing app: what the page's handler and view take for granted.
 USER_MODELS = """
 from django.db import models
 
@@ -54,11 +55,9 @@ APPENDED = {"settings.py": "mysite/settings.py", "urls.py": "mysite/urls.py"}
 
 
 def quickstart_blocks() -> dict[str, str]:
-    """{file named in the block's first line: the block} for the README's quickstart."""
-    text = README.read_text()
-    section = text.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    """{file named in the block's first line: the block} of the getting-started page."""
     blocks: dict[str, str] = {}
-    for code in re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL):
+    for code in re.findall(r"```python\n(.*?)```", GETTING_STARTED.read_text(), flags=re.DOTALL):
         first = code.splitlines()[0]
         if match := re.fullmatch(r"# (\S+\.py)", first.strip()):
             blocks[match.group(1)] = code
@@ -109,7 +108,7 @@ def vhost() -> Iterator[str]:
         support.rabbitmqctl("delete_vhost", name)
 
 
-def test_the_readme_quickstart_works_on_django_61_and_python_313(
+def test_getting_started_works_on_django_61_and_python_313(
     tmp_path: Path, database: str, vhost: str
 ) -> None:
     blocks = quickstart_blocks()
@@ -161,7 +160,7 @@ def test_the_readme_quickstart_works_on_django_61_and_python_313(
     processes: list[subprocess.Popen[str]] = []
     logs = {name: tmp_path / f"{name}.log" for name in ("consume", "relay")}
     try:
-        for name in ("consume", "relay"):  # in the README's order
+        for name in ("consume", "relay"):  # in the order the page gives
             processes.append(
                 subprocess.Popen(
                     [python, "manage.py", name],
