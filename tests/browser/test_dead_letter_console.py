@@ -2,8 +2,8 @@
 log in, filter, replay, read the success message, and see the consumer process the message.
 
 Also renders the screenshot of the dead letter list in the README and the docs;
-``RM_UPDATE_SCREENSHOTS=1`` writes it to docs/images/dead-letters.png (otherwise only to the test's temporary directory, so
-a test run never changes the working tree).
+``RM_UPDATE_SCREENSHOTS=1`` writes it to docs/images/dead-letters.png (otherwise only to the
+test's temporary directory, so a test run never changes the working tree).
 """
 
 from __future__ import annotations
