@@ -12,24 +12,22 @@ too: once, either way.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 
+# No lock around it: a command's signal handler announces too, and a lock the interrupted main
+# thread held would never be released. Rebinding a module global is atomic.
 _write: Callable[[str], None] | None = None
-_lock = threading.Lock()
 
 
 def attach(write: Callable[[str], None]) -> None:
     """Send announcements to ``write`` (a command's ``self.stdout.write``) from now on."""
     global _write
-    with _lock:
-        _write = write
+    _write = write
 
 
 def detach() -> None:
     global _write
-    with _lock:
-        _write = None
+    _write = None
 
 
 def shown_by_logging(logger: logging.Logger, level: int = logging.INFO) -> bool:
@@ -52,8 +50,7 @@ def announce(logger: logging.Logger, message: str, *args: object) -> None:
     """Log ``message % args`` at INFO on ``logger``; also write it to the attached command
     output when logging would not show it."""
     logger.info(message, *args)
-    with _lock:
-        write = _write
+    write = _write
     if write is not None and not shown_by_logging(logger):
         write(message % args if args else message)
 

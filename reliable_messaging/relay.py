@@ -1252,7 +1252,7 @@ class OutboxRelay:
                 continue
             batch.rows[self._next_tag] = row
             self._next_tag += 1
-        # One write for the batch's frames instead of three a message (see write_coalescing).
+        # A few writes for the batch's frames instead of three a message (see write_coalescing).
         coalesce_writes(self._connection)
         if batch.unpublished:
             metrics.relay_failed("refused", len(batch.unpublished))

@@ -81,8 +81,6 @@ class Command(BaseCommand):
             raise CommandError("--idle-timeout must be a positive number of seconds")
         if options["progress_interval"] < 0:
             raise CommandError("--progress-interval must not be negative")
-        # Its start, what it consumes, its progress and its stop show whatever LOGGING says.
-        console.attach(self.stdout.write)
         console.quiet_pika_info()
 
         keep_database_alive()
@@ -111,6 +109,8 @@ class Command(BaseCommand):
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+        # Its start, what it consumes, its progress and its stop show whatever LOGGING says.
+        console.attach(self.stdout.write)
         try:
             code = service.run()
         finally:

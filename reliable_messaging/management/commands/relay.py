@@ -68,8 +68,6 @@ class Command(BaseCommand):
         if options["progress_interval"] < 0:
             raise CommandError("--progress-interval must not be negative")
         keep_database_alive()
-        # Its start, its progress and its stop show whatever LOGGING says.
-        console.attach(self.stdout.write)
         console.quiet_pika_info()
         relays = [
             OutboxRelay(
@@ -100,6 +98,8 @@ class Command(BaseCommand):
         # On PostgreSQL the sent rows go into a partition per day, made ahead of time.
         upkeep = PartitionUpkeep(router.db_for_write(OutboxMessage), spec=OUTBOX)
         upkeep.start()
+        # Its start, its progress and its stop show whatever LOGGING says.
+        console.attach(self.stdout.write)
         console.announce(
             logger,
             "relay: sending the outbox of database %r to %s (%d lane(s), batches of up to %d%s)",
