@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
-from .conf import DEFAULTS, messaging_settings, redact_url, split_broker_urls
+from .conf import (
+    DEFAULTS,
+    SETTINGS,
+    CheckedInChecks,
+    Setting,
+    messaging_settings,
+    redact_url,
+    split_broker_urls,
+)
 from .retry import delay_for
 
 SETTING = "RELIABLE_MESSAGING"
@@ -24,11 +32,7 @@ def _warning(id_: int, msg: str, hint: str) -> Warning:
     return Warning(msg, hint=hint, id=f"reliable_messaging.W{id_:03d}")
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _check_broker_urls(value: Any) -> list[CheckMessage]:
+def check_broker_urls(value: Any) -> list[CheckMessage]:
     """One URL, several joined by ``;``, or a list of URLs (the nodes of a cluster)."""
     if isinstance(value, list | tuple):
         urls: list[Any] = [url.strip() if isinstance(url, str) else url for url in value]
@@ -87,19 +91,73 @@ def _check_broker_url(value: Any) -> list[CheckMessage]:
     return []
 
 
-def _check_delays(name: str, value: Any, id_: int) -> list[CheckMessage]:
-    hint = "Give increasing positive seconds, e.g. [1, 5, 30, 120, 600]."
-    if isinstance(value, str | bytes) or not isinstance(value, Sequence) or not value:
-        return [_error(id_, f"{name} must be a non-empty list of seconds, got {value!r}.", hint)]
-    if not all(_is_number(d) and d > 0 for d in value):
-        return [_error(id_, f"{name} must hold only positive numbers, got {list(value)!r}.", hint)]
-    if list(value) != sorted(value):
-        return [_error(id_, f"{name} must be in increasing order, got {list(value)!r}.", hint)]
+def check_cache_alias(alias: Any) -> list[CheckMessage]:
+    """The duplicate fast path talks to Redis through django-redis's client: ``CACHE_ALIAS``
+    must name a cache of ``CACHES`` that is one."""
+    caches: dict[str, Any] = getattr(settings, "CACHES", {})
+    if alias is None:
+        return []
+    if not isinstance(alias, str) or alias not in caches:
+        return [
+            _error(
+                7,
+                f"{SETTING}['CACHE_ALIAS'] is {alias!r}, which names no cache in CACHES.",
+                "Add a django-redis cache under that alias in CACHES, or set CACHE_ALIAS to None.",
+            )
+        ]
+    if not _is_django_redis(caches[alias]):
+        backend = caches[alias].get("BACKEND") if isinstance(caches[alias], dict) else None
+        return [
+            _error(
+                13,
+                f"{SETTING}['CACHE_ALIAS'] is {alias!r}, whose BACKEND "
+                f"{backend!r} is not django-redis: the duplicate "
+                f"fast path talks to Redis through django-redis's client.",
+                "Use 'django_redis.cache.RedisCache' for that cache, or set CACHE_ALIAS to None.",
+            )
+        ]
     return []
+
+
+# The settings whose rule is a function of this module (conf.CheckedInChecks names them).
+CHECKED_HERE: dict[str, Callable[[Any], list[CheckMessage]]] = {
+    "check_broker_urls": check_broker_urls,
+    "check_cache_alias": check_cache_alias,
+}
+
+
+def _check_setting(setting: Setting[Any], value: Any) -> list[CheckMessage]:
+    """The declared rule of one setting, applied to its value (as given, or the default)."""
+    rule = setting.rule
+    if rule is None:
+        return []
+    if isinstance(rule, CheckedInChecks):
+        return CHECKED_HERE[rule.function](value)
+    problem = rule.problem(value)
+    if problem is None:
+        return []
+    hint = rule.hint if rule.hint is not None else f"The default is {setting.default}."
+    return [_error(rule.id, f"{SETTING}[{setting.key!r}] {problem}", hint)]
+
+
+def _unknown_keys(raw: Mapping[str, Any]) -> list[CheckMessage]:
+    found: list[CheckMessage] = []
+    for key in raw:
+        if key not in DEFAULTS:
+            close = difflib.get_close_matches(key, DEFAULTS, n=1)
+            hint = (
+                f"Did you mean {close[0]!r}?"
+                if close
+                else (f"Known keys: {', '.join(sorted(DEFAULTS))}.")
+            )
+            found.append(_warning(1, f"{SETTING} has an unknown key {key!r}; it is ignored.", hint))
+    return found
 
 
 @register(Tags.compatibility)
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Unknown keys, then each declared setting against its rule, then the checks across
+    settings (and the registered consumers)."""
     raw = getattr(settings, SETTING, None)
     if raw is None:
         return []
@@ -111,192 +169,14 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                 "Write RELIABLE_MESSAGING = {'BROKER_URL': ..., ...} in your settings.",
             )
         ]
-    errors: list[CheckMessage] = []
-    for key in raw:
-        if key not in DEFAULTS:
-            close = difflib.get_close_matches(key, DEFAULTS, n=1)
-            hint = (
-                f"Did you mean {close[0]!r}?"
-                if close
-                else (f"Known keys: {', '.join(sorted(DEFAULTS))}.")
-            )
-            errors.append(
-                _warning(1, f"{SETTING} has an unknown key {key!r}; it is ignored.", hint)
-            )
-    value = messaging_settings.get
-    errors += _check_broker_urls(value("BROKER_URL"))
-    exchange = value("EXCHANGE")
-    if not isinstance(exchange, str) or not exchange.strip():
-        errors.append(
-            _error(
-                2,
-                f"{SETTING}['EXCHANGE'] must be a non-empty string.",
-                "Name the topic exchange publish() uses, e.g. 'events'.",
-            )
-        )
-    prefetch = value("PREFETCH")
-    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or not 1 <= prefetch <= 65535:
-        errors.append(
-            _error(
-                3,
-                f"{SETTING}['PREFETCH'] must be an integer from 1 to 65535, got {prefetch!r}.",
-                "A value near 2-4x --concurrency is usual.",
-            )
-        )
-    errors += _check_delays(f"{SETTING}['RETRY_DELAYS']", value("RETRY_DELAYS"), 4)
-    attempts = value("MAX_ATTEMPTS")
-    if not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 1:
-        errors.append(
-            _error(
-                5,
-                f"{SETTING}['MAX_ATTEMPTS'] must be an integer >= 1, got {attempts!r}.",
-                "1 means no retry; the default is 6.",
-            )
-        )
-    for key in ("DEDUP_RETENTION", "OUTBOX_RETENTION"):
-        retention = value(key)
-        if not isinstance(retention, timedelta) or retention <= timedelta(0):
-            errors.append(
-                _error(
-                    6,
-                    f"{SETTING}[{key!r}] must be a positive timedelta, got {retention!r}.",
-                    "e.g. timedelta(days=14)",
-                )
-            )
-    alias = value("CACHE_ALIAS")
-    if alias is not None and alias not in getattr(settings, "CACHES", {}):
-        errors.append(
-            _error(
-                7,
-                f"{SETTING}['CACHE_ALIAS'] is {alias!r}, which names no cache in CACHES.",
-                "Add a django-redis cache under that alias in CACHES, or set CACHE_ALIAS to None.",
-            )
-        )
-    elif alias is not None and not _is_django_redis(getattr(settings, "CACHES", {})[alias]):
-        cache_config: dict[str, Any] = getattr(settings, "CACHES", {})[alias]
-        backend = cache_config.get("BACKEND")
-        errors.append(
-            _error(
-                13,
-                f"{SETTING}['CACHE_ALIAS'] is {alias!r}, whose BACKEND "
-                f"{backend!r} is not django-redis: the duplicate "
-                f"fast path talks to Redis through django-redis's client.",
-                "Use 'django_redis.cache.RedisCache' for that cache, or set CACHE_ALIAS to None.",
-            )
-        )
-    queue_type = value("QUEUE_TYPE")
-    if queue_type not in ("classic", "quorum"):
-        errors.append(
-            _error(
-                8,
-                f"{SETTING}['QUEUE_TYPE'] must be 'classic' or 'quorum', got {queue_type!r}.",
-                "Use 'quorum' for replicated queues.",
-            )
-        )
-    body_limit = value("MAX_BODY_BYTES")
-    if not isinstance(body_limit, int) or isinstance(body_limit, bool) or body_limit < 1:
-        errors.append(
-            _error(
-                9,
-                f"{SETTING}['MAX_BODY_BYTES'] must be a positive integer, got {body_limit!r}.",
-                "The default is 1048576 (1 MiB).",
-            )
-        )
-    for key in (
-        "SHUTDOWN_TIMEOUT",
-        "RECONNECT_MAX_DELAY",
-        "RELAY_POLL_INTERVAL",
-        "RELAY_CONFIRM_TIMEOUT",
-        "DEDUP_LEASE_SECONDS",
-        "HANDLER_TIMEOUT",
-        "BROKER_CONSUMER_TIMEOUT",
-        "INBOX_LOCK_TIMEOUT",
-    ):
-        if not _is_number(value(key)) or value(key) <= 0:
-            errors.append(
-                _error(
-                    10,
-                    f"{SETTING}[{key!r}] must be a positive number of seconds, got {value(key)!r}.",
-                    "e.g. 30",
-                )
-            )
-    for key in (
-        "RELAY_BATCH_SIZE",
-        "OUTBOX_MAX_ATTEMPTS",
-        "CONSUMER_BATCH_SIZE",
-        "ORDERED_PARTITIONS",
-        "QUORUM_DELIVERY_LIMIT",
-        "CRASH_LIMIT",
-        "CONSUMER_ERROR_LIMIT",
-    ):
-        number = value(key)
-        if not isinstance(number, int) or isinstance(number, bool) or number < 1:
-            errors.append(
-                _error(
-                    12,
-                    f"{SETTING}[{key!r}] must be an integer >= 1, got {number!r}.",
-                    f"The default is {DEFAULTS[key]}.",
-                )
-            )
-    token = value("OPS_VIEWS_TOKEN")
-    if token is not None and not (isinstance(token, str) and len(token) >= 16):
-        errors.append(
-            _error(
-                46,
-                f"{SETTING}['OPS_VIEWS_TOKEN'] must be a string of at least 16 characters or "
-                "None (it is a password for the metrics/ and healthz/ views).",
-                'e.g. os.environ["MESSAGING_OPS_TOKEN"], made with '
-                "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`",
-            )
-        )
-    if not isinstance(value("OPS_VIEWS_PUBLIC"), bool):
-        errors.append(
-            _error(
-                47,
-                f"{SETTING}['OPS_VIEWS_PUBLIC'] must be True or False, got "
-                f"{value('OPS_VIEWS_PUBLIC')!r}.",
-                "False (the default) keeps metrics/ and healthz/ to staff and the token.",
-            )
-        )
-    heartbeat = value("HEARTBEAT")
-    if not isinstance(heartbeat, int) or isinstance(heartbeat, bool) or heartbeat < 0:
-        errors.append(
-            _error(
-                11,
-                f"{SETTING}['HEARTBEAT'] must be an integer >= 0, got {heartbeat!r}.",
-                "0 disables heartbeats; 60 is usual.",
-            )
-        )
-    require_route = value("REQUIRE_ROUTE")
-    if isinstance(require_route, str) or not (
-        isinstance(require_route, list | tuple)
-        and all(isinstance(p, str) and p and "" not in p.split(".") for p in require_route)
-    ):
-        errors.append(
-            _error(
-                45,
-                f"{SETTING}['REQUIRE_ROUTE'] must be a list of topic patterns (words separated "
-                f"by '.', '*' for one word, '#' for any), got {require_route!r}.",
-                'e.g. ["billing.command.#", "*.charge"]; [] (the default) treats every '
-                "unroutable row as an event nobody subscribes to yet.",
-            )
-        )
-    grace = value("HANDLER_TIMEOUT_GRACE")
-    if not _is_number(grace) or grace < 0:
-        errors.append(
-            _error(
-                10,
-                f"{SETTING}['HANDLER_TIMEOUT_GRACE'] must be a number of seconds >= 0, "
-                f"got {grace!r}.",
-                "e.g. 10",
-            )
-        )
+    errors = _unknown_keys(raw)
+    for setting in SETTINGS:
+        errors += _check_setting(setting, messaging_settings.get(setting.key))
     # The cross-setting warnings need valid values; a mere warning (an unknown key) does not
     # hide them.
     if not any(message.is_serious() for message in errors):
-        errors += _check_retention_horizon()
-        errors += _check_consumer_timeout()
-        errors += _check_crash_limit()
+        for check in CROSS_SETTING_CHECKS:
+            errors += check()
     return errors
 
 
@@ -406,6 +286,14 @@ def _horizon(delays: Sequence[float], max_attempts: int) -> float:
     if not delays:
         return 0.0
     return sum(delay_for(attempt, delays) for attempt in range(1, max_attempts))
+
+
+# The checks that judge settings together, run once every setting is valid on its own.
+CROSS_SETTING_CHECKS: tuple[Callable[[], list[CheckMessage]], ...] = (
+    _check_retention_horizon,
+    _check_consumer_timeout,
+    _check_crash_limit,
+)
 
 
 @register(Tags.compatibility)

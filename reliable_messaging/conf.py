@@ -1,87 +1,28 @@
 """One typed settings object over ``settings.RELIABLE_MESSAGING``, read lazily.
 
+Each setting is declared once, in :class:`MessagingSettings`, as a :class:`Setting`: its key,
+default, conversion, the paragraph the settings reference shows, and the :class:`Rule` a valid
+value follows. Everything else derives from those declarations: the typed attributes
+(``messaging_settings.prefetch``), :data:`DEFAULTS`, the system checks of :mod:`.checks` and the
+table in ``docs/reference/settings.md`` (``scripts/settings_reference.py`` writes it, a test
+compares it), so a new setting is one declaration, not four edits that can disagree.
+
 Every attribute is read from Django settings at access time, so ``override_settings`` in tests
-and settings changed after import both take effect. Validation lives in :mod:`.checks`; here
-values are only converted, never judged.
+and settings changed after import both take effect. Reading only converts; judging a value is
+the rules' job, and they speak only through the system checks (a process never fails on an
+attribute read because a check would have complained).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Generic, TypeVar, cast, overload
 
 from django.conf import settings as django_settings
 
-DEFAULTS: dict[str, Any] = {
-    "BROKER_URL": "amqp://guest:guest@localhost:5672/%2F",
-    "EXCHANGE": "reliable_messaging",
-    "PREFETCH": 100,
-    "RETRY_DELAYS": (1, 5, 30, 120, 600),
-    "MAX_ATTEMPTS": 6,
-    "DEDUP_RETENTION": timedelta(days=14),
-    "OUTBOX_RETENTION": timedelta(days=7),
-    "CACHE_ALIAS": None,
-    "QUEUE_TYPE": "classic",
-    # A delivery whose body is larger than this is dead-lettered without being decoded.
-    "MAX_BODY_BYTES": 1024 * 1024,
-    # When True, a message without a message_id gets "sha256:<hex of body>" as its id instead of
-    # being dead-lettered. Only safe when identical bodies always mean the same event.
-    "DERIVE_MESSAGE_ID": False,
-    # Seconds a graceful stop waits for handlers in flight before giving up on them.
-    "SHUTDOWN_TIMEOUT": 30.0,
-    # Cap of the exponential backoff between broker reconnects and database probes.
-    "RECONNECT_MAX_DELAY": 30.0,
-    "HEARTBEAT": 60,
-    # The relay: rows claimed per batch, the polling period when no NOTIFY wakes it (the only
-    # mode on SQLite), how long to wait for the broker's confirms, and how many failed sends
-    # (nack, unroutable, timeout) make a row "failed" for a person to look at.
-    "RELAY_BATCH_SIZE": 500,
-    "RELAY_POLL_INTERVAL": 1.0,
-    "RELAY_CONFIRM_TIMEOUT": 30.0,
-    "OUTBOX_MAX_ATTEMPTS": 10,
-    # Topic patterns of routing keys that are commands: such a row must reach a queue, and when
-    # the broker returns it unroutable it is retried, then failed. Every other row is an event:
-    # returned unroutable (nobody subscribes yet) it is marked "unrouted" and not retried.
-    "REQUIRE_ROUTE": (),
-    # The consumer commits up to this many deliveries in one transaction (a savepoint each);
-    # their acks go out after that commit. 1 gives one transaction per delivery.
-    "CONSUMER_BATCH_SIZE": 50,
-    # Partition queues of an ordered consumer (keys are spread over them by consistent hashing).
-    # Changing it remaps keys: drain the partitions first (see docs/concepts.md).
-    "ORDERED_PARTITIONS": 4,
-    # Quorum queues only: the broker dead-drops a message redelivered this many times, a guard
-    # against poison loops that never reach a handler (crashes before the ack).
-    "QUORUM_DELIVERY_LIMIT": 50,
-    # The Redis fast path (CACHE_ALIAS): how long a consumer holds its processing lease.
-    "DEDUP_LEASE_SECONDS": 60.0,
-    # Seconds a handler may run; past it the delivery's transaction rolls back and it counts as
-    # a failed attempt (a dead letter with reason "timeout" once attempts run out). A handler
-    # that cannot be interrupted (blocked in C) for HANDLER_TIMEOUT_GRACE seconds more makes the
-    # process exit, and the crash guard charges the delivery when it comes back.
-    "HANDLER_TIMEOUT": 600.0,
-    "HANDLER_TIMEOUT_GRACE": 10.0,
-    # Deaths of a process (killed, or exited past a handler's time limit) during one delivery
-    # before that delivery becomes a dead letter instead of being tried again.
-    "CRASH_LIMIT": 3,
-    # The broker's consumer_timeout (RabbitMQ's default is 30 minutes): a delivery held unacked
-    # longer makes the broker close the channel. The consumer gives back what it has held for
-    # half of it, and the checks compare HANDLER_TIMEOUT and ordered retry horizons with it.
-    "BROKER_CONSUMER_TIMEOUT": 1800.0,
-    # Failures of our own code (not the handler's) on one delivery before it is isolated and
-    # dead-lettered with reason "consumer_error".
-    "CONSUMER_ERROR_LIMIT": 3,
-    # Seconds a consumer waits for the inbox row of a message another consumer is handling in a
-    # transaction not yet committed (a twin delivery, or a consumer cut off from the network
-    # mid-batch whose transaction the database has not yet ended). Past it, the delivery is
-    # deferred through a delay queue instead of stalling the consumer.
-    "INBOX_LOCK_TIMEOUT": 2.0,
-    # Who may read the web process's metrics/ and healthz/ views: staff users of the admin
-    # always; a request with "Authorization: Bearer <OPS_VIEWS_TOKEN>" when a token is set (a
-    # Prometheus scraper, a probe); everyone only when OPS_VIEWS_PUBLIC is True.
-    "OPS_VIEWS_TOKEN": None,
-    "OPS_VIEWS_PUBLIC": False,
-}
+T = TypeVar("T")
 
 
 def redact_url(url: str) -> str:
@@ -112,8 +53,478 @@ def split_broker_urls(value: Any) -> list[str]:
     return [url.strip() for url in str(value).split(";") if url.strip()]
 
 
+# --------------------------------------------------------------------------- rules
+#
+# A rule judges one value on its own and says what is wrong in words that follow
+# "RELIABLE_MESSAGING['KEY'] ": the check ids, messages and hints are the ones users (and their
+# SILENCED_SYSTEM_CHECKS) already know, so each rule carries them rather than deriving new ones.
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a valid value of a setting is, and the system check (``E<id>``) that reports one
+    that is not. ``problem`` returns the complaint, or None for a valid value; it never raises.
+    ``hint`` None means "The default is <default>."."""
+
+    id: int
+    problem: Callable[[Any], str | None]
+    hint: str | None = None
+
+
+@dataclass(frozen=True)
+class CheckedInChecks:
+    """A setting judged by the function of :mod:`.checks` named ``function``: its check needs
+    more than the value (pika's URL parser, the ``CACHES`` setting) or reports several ids."""
+
+    function: str
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def integer(
+    check_id: int,
+    minimum: int,
+    maximum: int | None = None,
+    *,
+    hint: str | None = None,
+    what: str = "",
+) -> Rule:
+    """An int (not a bool, not a float) from ``minimum`` (to ``maximum``)."""
+    if not what:
+        what = (
+            f"an integer from {minimum} to {maximum}"
+            if maximum is not None
+            else f"an integer >= {minimum}"
+        )
+
+    def problem(value: Any) -> str | None:
+        fits = _is_int(value) and minimum <= value and (maximum is None or value <= maximum)
+        return None if fits else f"must be {what}, got {value!r}."
+
+    return Rule(check_id, problem, hint)
+
+
+def seconds(check_id: int, *, hint: str, zero_allowed: bool = False) -> Rule:
+    """A number of seconds (int or float), positive or, with ``zero_allowed``, >= 0."""
+    what = "a number of seconds >= 0" if zero_allowed else "a positive number of seconds"
+
+    def problem(value: Any) -> str | None:
+        fits = _is_number(value) and (value >= 0 if zero_allowed else value > 0)
+        return None if fits else f"must be {what}, got {value!r}."
+
+    return Rule(check_id, problem, hint)
+
+
+def duration(check_id: int, *, hint: str) -> Rule:
+    """A positive ``timedelta``."""
+
+    def problem(value: Any) -> str | None:
+        fits = isinstance(value, timedelta) and value > timedelta(0)
+        return None if fits else f"must be a positive timedelta, got {value!r}."
+
+    return Rule(check_id, problem, hint)
+
+
+def one_of(check_id: int, choices: Sequence[object], *, hint: str) -> Rule:
+    """One of ``choices``."""
+    shown = [repr(choice) for choice in choices]
+    what = " or ".join([", ".join(shown[:-1]), shown[-1]]) if len(shown) > 1 else shown[0]
+
+    def problem(value: Any) -> str | None:
+        return None if value in choices else f"must be {what}, got {value!r}."
+
+    return Rule(check_id, problem, hint)
+
+
+def boolean(check_id: int, *, hint: str) -> Rule:
+    """True or False, not merely truthy: ``"no"`` would read as True."""
+
+    def problem(value: Any) -> str | None:
+        return None if isinstance(value, bool) else f"must be True or False, got {value!r}."
+
+    return Rule(check_id, problem, hint)
+
+
+def non_empty_string(check_id: int, *, hint: str) -> Rule:
+    def problem(value: Any) -> str | None:
+        fits = isinstance(value, str) and bool(value.strip())
+        return None if fits else "must be a non-empty string."
+
+    return Rule(check_id, problem, hint)
+
+
+def increasing_seconds(check_id: int, *, hint: str) -> Rule:
+    """A non-empty sequence (not a string) of positive numbers in increasing order."""
+
+    def problem(value: Any) -> str | None:
+        if isinstance(value, str | bytes) or not isinstance(value, Sequence) or not value:
+            return f"must be a non-empty list of seconds, got {value!r}."
+        if not all(_is_number(d) and d > 0 for d in value):
+            return f"must hold only positive numbers, got {list(value)!r}."
+        if list(value) != sorted(value):
+            return f"must be in increasing order, got {list(value)!r}."
+        return None
+
+    return Rule(check_id, problem, hint)
+
+
+def _topic_patterns_problem(value: Any) -> str | None:
+    # Every word non-empty: "a..b" or a trailing "." never matches what the broker matches.
+    fits = not isinstance(value, str) and (
+        isinstance(value, list | tuple)
+        and all(isinstance(p, str) and p and "" not in p.split(".") for p in value)
+    )
+    if fits:
+        return None
+    return (
+        "must be a list of topic patterns (words separated by '.', '*' for one word, '#' for "
+        f"any), got {value!r}."
+    )
+
+
+def _token_problem(value: Any) -> str | None:
+    # Not the value in the message: it is a password.
+    if value is None or (isinstance(value, str) and len(value) >= 16):
+        return None
+    return (
+        "must be a string of at least 16 characters or None (it is a password for the "
+        "metrics/ and healthz/ views)."
+    )
+
+
+# --------------------------------------------------------------------------- conversions
+
+
+def _optional_str(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def _token(value: Any) -> str | None:
+    return str(value) if value else None
+
+
+def _float_tuple(value: Any) -> tuple[float, ...]:
+    return tuple(float(item) for item in value)
+
+
+def _str_tuple(value: Any) -> tuple[str, ...]:
+    return tuple(value)
+
+
+def _timedelta(value: Any) -> timedelta:
+    return cast(timedelta, value)
+
+
+# --------------------------------------------------------------------------- declarations
+
+
+@dataclass(frozen=True)
+class Setting(Generic[T]):
+    """One key of ``RELIABLE_MESSAGING``, declared once.
+
+    As an attribute of :class:`MessagingSettings` it reads the key at access time and returns
+    ``convert(value)`` (the default when the key is absent), typed ``T``. ``doc`` is the
+    paragraph of the settings reference (Markdown); ``rule`` what :func:`.checks.check_settings`
+    holds the value to (None: anything converts, as for ``DERIVE_MESSAGE_ID``)."""
+
+    key: str
+    default: Any
+    convert: Callable[[Any], T]
+    doc: str
+    rule: Rule | CheckedInChecks | None = None
+
+    @overload
+    def __get__(self, instance: None, owner: type[Any]) -> Setting[T]: ...
+
+    @overload
+    def __get__(self, instance: MessagingSettings, owner: type[Any]) -> T: ...
+
+    def __get__(self, instance: MessagingSettings | None, owner: type[Any]) -> Setting[T] | T:
+        if instance is None:
+            return self
+        return self.convert(instance.get(self.key))
+
+    def __set__(self, instance: MessagingSettings, value: Any) -> None:
+        # A data descriptor, as the properties were: assigning to the object cannot silently
+        # shadow what the Django settings say.
+        raise AttributeError(f"{self.key} is read from settings.RELIABLE_MESSAGING")
+
+
 class MessagingSettings:
-    """Typed, lazily-read view of ``settings.RELIABLE_MESSAGING`` with the contract's defaults."""
+    """Typed, lazily-read view of ``settings.RELIABLE_MESSAGING`` with the contract's defaults.
+
+    The :class:`Setting` attributes below are the declarations, in the settings reference's
+    order."""
+
+    broker_urls = Setting(
+        "BROKER_URL",
+        "amqp://guest:guest@localhost:5672/%2F",
+        split_broker_urls,
+        "one URL, several joined by `;`, or a list of URLs (the nodes of a cluster), tried in a "
+        "new random order on every connect; never logged with a password",
+        CheckedInChecks("check_broker_urls"),
+    )
+    exchange = Setting(
+        "EXCHANGE",
+        "reliable_messaging",
+        str,
+        "the topic exchange `publish()` uses and consumers bind to; also the prefix of the "
+        "delay queues",
+        non_empty_string(2, hint="Name the topic exchange publish() uses, e.g. 'events'."),
+    )
+    prefetch = Setting(
+        "PREFETCH",
+        100,
+        int,
+        "unacked deliveries per consumer process (at least `--concurrency`); also the window "
+        "of each ordered partition",
+        integer(3, 1, 65535, hint="A value near 2-4x --concurrency is usual."),
+    )
+    retry_delays = Setting(
+        "RETRY_DELAYS",
+        (1, 5, 30, 120, 600),
+        _float_tuple,
+        "seconds before attempt 2, 3, …; the last repeats",
+        increasing_seconds(4, hint="Give increasing positive seconds, e.g. [1, 5, 30, 120, 600]."),
+    )
+    max_attempts = Setting(
+        "MAX_ATTEMPTS",
+        6,
+        int,
+        "attempts before a message becomes a dead letter (per handler: `max_attempts=`)",
+        integer(5, 1, hint="1 means no retry; the default is 6."),
+    )
+    dedup_retention = Setting(
+        "DEDUP_RETENTION",
+        timedelta(days=14),
+        _timedelta,
+        "how long the inbox remembers a processed message_id",
+        duration(6, hint="e.g. timedelta(days=14)"),
+    )
+    outbox_retention = Setting(
+        "OUTBOX_RETENTION",
+        timedelta(days=7),
+        _timedelta,
+        "how long sent outbox rows are kept",
+        duration(6, hint="e.g. timedelta(days=14)"),
+    )
+    cache_alias = Setting(
+        "CACHE_ALIAS",
+        None,
+        _optional_str,
+        "a django-redis cache for the duplicate fast path (see [The Redis fast path]"
+        "(../concepts.md)); give it short socket timeouts",
+        CheckedInChecks("check_cache_alias"),
+    )
+    queue_type = Setting(
+        "QUEUE_TYPE",
+        "classic",
+        str,
+        "`classic` or `quorum` for consumer queues and the retry delay queues (quorum queues get "
+        "`x-delivery-limit`; quorum delay queues dead-letter at least once)",
+        one_of(8, ("classic", "quorum"), hint="Use 'quorum' for replicated queues."),
+    )
+    # Each batch commits its deliveries in one transaction (a savepoint each); their acks go out
+    # after that commit.
+    consumer_batch_size = Setting(
+        "CONSUMER_BATCH_SIZE",
+        50,
+        int,
+        "deliveries a handler thread commits in one transaction; `1` gives one transaction per "
+        "delivery",
+        integer(12, 1),
+    )
+    # Keys are spread over the partitions by consistent hashing.
+    ordered_partitions = Setting(
+        "ORDERED_PARTITIONS",
+        4,
+        int,
+        "partition queues of each ordered consumer; changing it remaps keys (order holds again "
+        "once the backlog is handled); `consume` moves the messages of removed partitions",
+        integer(12, 1),
+    )
+    # A guard against poison loops that never reach a handler (crashes before the ack).
+    quorum_delivery_limit = Setting(
+        "QUORUM_DELIVERY_LIMIT",
+        50,
+        int,
+        "quorum queues: past this many deliveries the broker moves a message to `<queue>.dead`, "
+        "which `consume` stores as a `delivery_limit` dead letter",
+        integer(12, 1),
+    )
+    # The crash guard charges the delivery of a process that exits past the grace when it
+    # comes back.
+    handler_timeout = Setting(
+        "HANDLER_TIMEOUT",
+        600.0,
+        float,
+        "seconds a handler may run (per handler: `timeout=`); past it the handler is "
+        "interrupted, its transaction rolls back, and the attempt counts as failed (a dead "
+        "letter `timeout` once attempts run out)",
+        seconds(10, hint="e.g. 30"),
+    )
+    handler_timeout_grace = Setting(
+        "HANDLER_TIMEOUT_GRACE",
+        10.0,
+        float,
+        "seconds past the time limit after which a handler that cannot be interrupted (blocked "
+        "in C) makes `consume` exit with code 3",
+        seconds(10, hint="e.g. 10", zero_allowed=True),
+    )
+    crash_limit = Setting(
+        "CRASH_LIMIT",
+        3,
+        int,
+        "deaths of a consume process during one delivery before it becomes a dead letter "
+        "(`worker_crashed`, or `timeout` after exits past the time limit); also for "
+        "`@idempotent_task`",
+        integer(12, 1),
+    )
+    # RabbitMQ's default consumer_timeout is 30 minutes: a delivery held unacked longer makes
+    # the broker close the channel.
+    broker_consumer_timeout = Setting(
+        "BROKER_CONSUMER_TIMEOUT",
+        1800.0,
+        float,
+        "the broker's `consumer_timeout` in seconds; nothing is held unacked longer than half "
+        "of it, and the checks compare time limits and ordered retry horizons with it",
+        seconds(10, hint="e.g. 30"),
+    )
+    consumer_error_limit = Setting(
+        "CONSUMER_ERROR_LIMIT",
+        3,
+        int,
+        "failures of our own code (not the handler) on one delivery before it is dead-lettered "
+        "as `consumer_error`",
+        integer(12, 1),
+    )
+    # The transaction holding the row may be a consumer cut off from the network mid-batch,
+    # which the database has not ended yet.
+    inbox_lock_timeout = Setting(
+        "INBOX_LOCK_TIMEOUT",
+        2.0,
+        float,
+        "seconds a consumer waits for an inbox row another transaction holds (a twin still "
+        "running, a consumer cut off mid-batch); past it the delivery is deferred through a "
+        "delay queue instead of stalling the consumer",
+        seconds(10, hint="e.g. 30"),
+    )
+    ops_views_token = Setting(
+        "OPS_VIEWS_TOKEN",
+        None,
+        _token,
+        "a secret (16 characters or more) that lets a request with `Authorization: Bearer "
+        "<token>` read the web process's `messaging/metrics/` and `messaging/healthz/` (a "
+        "Prometheus scrape config's `authorization`, a probe's headers); staff users logged in "
+        "to the admin may read them always",
+        Rule(
+            46,
+            _token_problem,
+            'e.g. os.environ["MESSAGING_OPS_TOKEN"], made with '
+            "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`",
+        ),
+    )
+    ops_views_public = Setting(
+        "OPS_VIEWS_PUBLIC",
+        False,
+        bool,
+        "`True` lets anyone read those two views (when a proxy in front already restricts "
+        "them); otherwise anyone else gets 403",
+        boolean(47, hint="False (the default) keeps metrics/ and healthz/ to staff and the token."),
+    )
+    dedup_lease_seconds = Setting(
+        "DEDUP_LEASE_SECONDS",
+        60.0,
+        float,
+        "fast path: how long a consumer holds a message's processing lease",
+        seconds(10, hint="e.g. 30"),
+    )
+    max_body_bytes = Setting(
+        "MAX_BODY_BYTES",
+        1024 * 1024,
+        int,
+        "larger deliveries are dead-lettered (`body_too_large`) without being decoded",
+        integer(9, 1, hint="The default is 1048576 (1 MiB).", what="a positive integer"),
+    )
+    # Only safe when identical bodies always mean the same event. Not checked: any value reads
+    # as true or false, as it always has.
+    derive_message_id = Setting(
+        "DERIVE_MESSAGE_ID",
+        False,
+        bool,
+        "give a message without message_id the id `sha256:<body hash>` instead of "
+        "dead-lettering it; only when equal bodies always mean the same event",
+    )
+    shutdown_timeout = Setting(
+        "SHUTDOWN_TIMEOUT",
+        30.0,
+        float,
+        "seconds a graceful stop waits for handlers in flight",
+        seconds(10, hint="e.g. 30"),
+    )
+    reconnect_max_delay = Setting(
+        "RECONNECT_MAX_DELAY",
+        30.0,
+        float,
+        "cap of the backoff between broker reconnects and database probes",
+        seconds(10, hint="e.g. 30"),
+    )
+    heartbeat = Setting(
+        "HEARTBEAT",
+        60,
+        int,
+        "AMQP heartbeat, seconds",
+        integer(11, 0, hint="0 disables heartbeats; 60 is usual."),
+    )
+    relay_batch_size = Setting(
+        "RELAY_BATCH_SIZE",
+        500,
+        int,
+        "outbox rows claimed and published per batch",
+        integer(12, 1),
+    )
+    relay_poll_interval = Setting(
+        "RELAY_POLL_INTERVAL",
+        1.0,
+        float,
+        "polling period of the relay when no NOTIFY wakes it (the only mode off PostgreSQL)",
+        seconds(10, hint="e.g. 30"),
+    )
+    relay_confirm_timeout = Setting(
+        "RELAY_CONFIRM_TIMEOUT",
+        30.0,
+        float,
+        "seconds to wait for a batch's confirms before trying the rows again",
+        seconds(10, hint="e.g. 30"),
+    )
+    outbox_max_attempts = Setting(
+        "OUTBOX_MAX_ATTEMPTS",
+        10,
+        int,
+        "failed sends (nack, unroutable command, missing exchange, refused by the broker) "
+        "before a row is marked `failed`",
+        integer(12, 1),
+    )
+    require_route = Setting(
+        "REQUIRE_ROUTE",
+        (),
+        _str_tuple,
+        'topic patterns (`"billing.command.#"`) of routing keys that are commands and must '
+        "reach a queue: unroutable, they are retried, then `failed`. Any other row is an event: "
+        "unroutable (nobody subscribes yet) it is marked `unrouted` and not retried",
+        Rule(
+            45,
+            _topic_patterns_problem,
+            'e.g. ["billing.command.#", "*.charge"]; [] (the default) treats every '
+            "unroutable row as an event nobody subscribes to yet.",
+        ),
+    )
 
     @property
     def raw(self) -> Mapping[str, Any]:
@@ -121,13 +532,8 @@ class MessagingSettings:
         return value if isinstance(value, Mapping) else {}
 
     def get(self, key: str) -> Any:
+        """The value of ``key`` as given (not converted), or its declared default."""
         return self.raw.get(key, DEFAULTS[key])
-
-    @property
-    def broker_urls(self) -> list[str]:
-        """The broker's URLs: ``BROKER_URL`` is one URL, several joined by ``;`` (as kombu
-        writes them), or a list of URLs (the nodes of a cluster)."""
-        return split_broker_urls(self.get("BROKER_URL"))
 
     @property
     def broker_url(self) -> str:
@@ -140,137 +546,49 @@ class MessagingSettings:
         return ", ".join(redact_url(url) for url in self.broker_urls)
 
     @property
-    def exchange(self) -> str:
-        return str(self.get("EXCHANGE"))
-
-    @property
-    def prefetch(self) -> int:
-        return int(self.get("PREFETCH"))
-
-    @property
-    def retry_delays(self) -> tuple[float, ...]:
-        return tuple(float(d) for d in self.get("RETRY_DELAYS"))
-
-    @property
-    def max_attempts(self) -> int:
-        return int(self.get("MAX_ATTEMPTS"))
-
-    @property
-    def dedup_retention(self) -> timedelta:
-        value: timedelta = self.get("DEDUP_RETENTION")
-        return value
-
-    @property
-    def outbox_retention(self) -> timedelta:
-        value: timedelta = self.get("OUTBOX_RETENTION")
-        return value
-
-    @property
-    def cache_alias(self) -> str | None:
-        value = self.get("CACHE_ALIAS")
-        return None if value is None else str(value)
-
-    @property
-    def queue_type(self) -> str:
-        return str(self.get("QUEUE_TYPE"))
-
-    @property
-    def max_body_bytes(self) -> int:
-        return int(self.get("MAX_BODY_BYTES"))
-
-    @property
-    def derive_message_id(self) -> bool:
-        return bool(self.get("DERIVE_MESSAGE_ID"))
-
-    @property
-    def shutdown_timeout(self) -> float:
-        return float(self.get("SHUTDOWN_TIMEOUT"))
-
-    @property
-    def reconnect_max_delay(self) -> float:
-        return float(self.get("RECONNECT_MAX_DELAY"))
-
-    @property
-    def heartbeat(self) -> int:
-        return int(self.get("HEARTBEAT"))
-
-    @property
-    def relay_batch_size(self) -> int:
-        return int(self.get("RELAY_BATCH_SIZE"))
-
-    @property
-    def relay_poll_interval(self) -> float:
-        return float(self.get("RELAY_POLL_INTERVAL"))
-
-    @property
-    def relay_confirm_timeout(self) -> float:
-        return float(self.get("RELAY_CONFIRM_TIMEOUT"))
-
-    @property
-    def outbox_max_attempts(self) -> int:
-        return int(self.get("OUTBOX_MAX_ATTEMPTS"))
-
-    @property
-    def require_route(self) -> tuple[str, ...]:
-        return tuple(self.get("REQUIRE_ROUTE"))
-
-    @property
-    def consumer_batch_size(self) -> int:
-        return int(self.get("CONSUMER_BATCH_SIZE"))
-
-    @property
-    def ordered_partitions(self) -> int:
-        return int(self.get("ORDERED_PARTITIONS"))
-
-    @property
-    def quorum_delivery_limit(self) -> int:
-        return int(self.get("QUORUM_DELIVERY_LIMIT"))
-
-    @property
-    def dedup_lease_seconds(self) -> float:
-        return float(self.get("DEDUP_LEASE_SECONDS"))
-
-    @property
-    def handler_timeout(self) -> float:
-        return float(self.get("HANDLER_TIMEOUT"))
-
-    @property
-    def handler_timeout_grace(self) -> float:
-        return float(self.get("HANDLER_TIMEOUT_GRACE"))
-
-    @property
-    def crash_limit(self) -> int:
-        return int(self.get("CRASH_LIMIT"))
-
-    @property
-    def broker_consumer_timeout(self) -> float:
-        return float(self.get("BROKER_CONSUMER_TIMEOUT"))
-
-    @property
     def max_hold_seconds(self) -> float:
         """How long a delivery may be held unacked before it is given back: half the broker's
         consumer_timeout, so the broker never closes the channel under us."""
         return self.broker_consumer_timeout / 2
 
-    @property
-    def consumer_error_limit(self) -> int:
-        return int(self.get("CONSUMER_ERROR_LIMIT"))
-
-    @property
-    def inbox_lock_timeout(self) -> float:
-        return float(self.get("INBOX_LOCK_TIMEOUT"))
-
-    @property
-    def ops_views_token(self) -> str | None:
-        token = self.get("OPS_VIEWS_TOKEN")
-        return str(token) if token else None
-
-    @property
-    def ops_views_public(self) -> bool:
-        return bool(self.get("OPS_VIEWS_PUBLIC"))
-
     def __repr__(self) -> str:
         return f"<MessagingSettings broker={self.broker_shown} exchange={self.exchange}>"
 
 
+def _declared() -> Iterator[Setting[Any]]:
+    for value in vars(MessagingSettings).values():
+        if isinstance(value, Setting):
+            yield value
+
+
+SETTINGS: tuple[Setting[Any], ...] = tuple(_declared())
+"""Every declared setting, in the settings reference's order."""
+
+DEFAULTS: dict[str, Any] = {setting.key: setting.default for setting in SETTINGS}
+"""Each key's default, derived from the declarations."""
+
 messaging_settings = MessagingSettings()
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def _shown_default(value: Any) -> str:
+    if isinstance(value, timedelta):
+        if not value.seconds and not value.microseconds:
+            return f"timedelta(days={value.days})"
+        return f"timedelta(seconds={value.total_seconds():g})"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, tuple):
+        return repr(list(value))
+    return str(value)
+
+
+def reference_table() -> str:
+    """The settings reference's Markdown table, one row per declaration."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    for setting in SETTINGS:
+        doc = setting.doc.replace("|", "\\|")
+        rows.append(f"| `{setting.key}` | `{_shown_default(setting.default)}` | {doc} |")
+    return "\n".join(rows) + "\n"
