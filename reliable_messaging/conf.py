@@ -589,6 +589,9 @@ def reference_table() -> str:
     """The settings reference's Markdown table, one row per declaration."""
     rows = ["| key | default | meaning |", "|---|---|---|"]
     for setting in SETTINGS:
-        doc = setting.doc.replace("|", "\\|")
-        rows.append(f"| `{setting.key}` | `{_shown_default(setting.default)}` | {doc} |")
+        # A "|" would end the cell; escaped, it shows (also inside a code span).
+        default, doc = (
+            text.replace("|", "\\|") for text in (_shown_default(setting.default), setting.doc)
+        )
+        rows.append(f"| `{setting.key}` | `{default}` | {doc} |")
     return "\n".join(rows) + "\n"

@@ -8,7 +8,20 @@ from datetime import timedelta
 import pytest
 from django.test import override_settings
 
-from reliable_messaging.conf import DEFAULTS, MessagingSettings, messaging_settings, redact_url
+from reliable_messaging.conf import (
+    DEFAULTS,
+    SETTINGS,
+    MessagingSettings,
+    Rule,
+    boolean,
+    duration,
+    increasing_seconds,
+    integer,
+    messaging_settings,
+    one_of,
+    redact_url,
+    seconds,
+)
 
 
 def test_defaults_when_the_setting_is_empty() -> None:
@@ -110,3 +123,59 @@ def test_redact_url_of_a_bad_port_does_not_raise(url: str) -> None:
 
 def test_redact_url_keeps_an_ipv6_host_valid() -> None:
     assert redact_url("amqp://app:s3cret@[::1]:5672/%2F") == "amqp://app:***@[::1]:5672/%2F"
+
+
+# --------------------------------------------------------------------------- declarations
+
+
+def test_a_setting_is_read_at_access_time_through_its_declaration() -> None:
+    s = MessagingSettings()
+    with override_settings(RELIABLE_MESSAGING={"HANDLER_TIMEOUT": 5}):
+        assert s.handler_timeout == 5.0 and isinstance(s.handler_timeout, float)
+    with override_settings(RELIABLE_MESSAGING={"HANDLER_TIMEOUT": 7}):
+        assert s.handler_timeout == 7.0
+    with override_settings(RELIABLE_MESSAGING={}):
+        assert s.handler_timeout == DEFAULTS["HANDLER_TIMEOUT"]
+        assert s.require_route == () and s.ops_views_token is None
+
+
+@pytest.mark.parametrize(
+    ("rule", "value", "problem"),
+    [
+        (integer(1, 1), 0, "must be an integer >= 1, got 0."),
+        (integer(1, 1), True, "must be an integer >= 1, got True."),
+        (integer(1, 1, 9), 10, "must be an integer from 1 to 9, got 10."),
+        (integer(1, 1, what="a positive integer"), "2", "must be a positive integer, got '2'."),
+        (seconds(1, hint=""), 0, "must be a positive number of seconds, got 0."),
+        (seconds(1, hint="", zero_allowed=True), -1, "must be a number of seconds >= 0, got -1."),
+        (duration(1, hint=""), 3, "must be a positive timedelta, got 3."),
+        (one_of(1, ("a", "b", "c"), hint=""), "d", "must be 'a', 'b' or 'c', got 'd'."),
+        (boolean(1, hint=""), "no", "must be True or False, got 'no'."),
+        (increasing_seconds(1, hint=""), [2, 1], "must be in increasing order, got [2, 1]."),
+    ],
+)
+def test_rules_say_what_is_wrong(rule: Rule, value: object, problem: str) -> None:
+    assert rule.problem(value) == problem
+
+
+@pytest.mark.parametrize(
+    ("rule", "value"),
+    [
+        (integer(1, 0), 0),
+        (seconds(1, hint="", zero_allowed=True), 0),
+        (seconds(1, hint=""), 0.5),
+        (duration(1, hint=""), timedelta(seconds=1)),
+        (one_of(1, ("a", "b"), hint=""), "b"),
+        (boolean(1, hint=""), False),
+        (increasing_seconds(1, hint=""), (1, 1.5)),
+    ],
+)
+def test_rules_accept_valid_values(rule: Rule, value: object) -> None:
+    assert rule.problem(value) is None
+
+
+@pytest.mark.parametrize("value", [[1], {"a": 1}, object(), b"x", float("nan")])
+def test_rules_never_raise(value: object) -> None:
+    for setting in SETTINGS:
+        if isinstance(setting.rule, Rule):
+            setting.rule.problem(value)  # a complaint or None, never an exception
