@@ -1,4 +1,10 @@
-"""Django system checks for ``RELIABLE_MESSAGING`` and the registered consumers."""
+"""Django system checks for ``RELIABLE_MESSAGING`` and the registered consumers.
+
+The per-setting checks are not written here: each setting's declaration in :mod:`.conf` carries
+its rule (check id, message, hint), and :func:`check_settings` applies them. What stays here is
+what a single value cannot tell: the broker URLs (pika's parser), the cache alias (``CACHES``),
+the checks across settings and consumers (:data:`CROSS_SETTING_CHECKS`), and the database
+checks."""
 
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from .conf import (
     DEFAULTS,
     SETTINGS,
-    CheckedInChecks,
+    CheckedBy,
     Setting,
     messaging_settings,
     redact_url,
@@ -119,7 +125,8 @@ def check_cache_alias(alias: Any) -> list[CheckMessage]:
     return []
 
 
-# The settings whose rule is a function of this module (conf.CheckedInChecks names them).
+# The functions that a declaration's conf.CheckedBy names, by name: conf cannot import this
+# module (it imports conf).
 CHECKED_HERE: dict[str, Callable[[Any], list[CheckMessage]]] = {
     "check_broker_urls": check_broker_urls,
     "check_cache_alias": check_cache_alias,
@@ -131,7 +138,7 @@ def _check_setting(setting: Setting[Any], value: Any) -> list[CheckMessage]:
     rule = setting.rule
     if rule is None:
         return []
-    if isinstance(rule, CheckedInChecks):
+    if isinstance(rule, CheckedBy):
         return CHECKED_HERE[rule.function](value)
     problem = rule.problem(value)
     if problem is None:
@@ -193,7 +200,8 @@ def _check_crash_limit() -> list[CheckMessage]:
             f"QUORUM_DELIVERY_LIMIT ({settings.quorum_delivery_limit}): a message that kills its "
             f"consumer reaches the broker's delivery limit first, and so may the messages an "
             f"ordered partition held with it.",
-            "Keep CRASH_LIMIT well below QUORUM_DELIVERY_LIMIT (defaults: 3 and 50).",
+            f"Keep CRASH_LIMIT well below QUORUM_DELIVERY_LIMIT (defaults: "
+            f"{DEFAULTS['CRASH_LIMIT']} and {DEFAULTS['QUORUM_DELIVERY_LIMIT']}).",
         )
     ]
 

@@ -72,7 +72,7 @@ class Rule:
 
 
 @dataclass(frozen=True)
-class CheckedInChecks:
+class CheckedBy:
     """A setting judged by the function of :mod:`.checks` named ``function``: its check needs
     more than the value (pika's URL parser, the ``CACHES`` setting) or reports several ids."""
 
@@ -237,7 +237,7 @@ class Setting(Generic[T]):
     default: Any
     convert: Callable[[Any], T]
     doc: str
-    rule: Rule | CheckedInChecks | None = None
+    rule: Rule | CheckedBy | None = None
 
     @overload
     def __get__(self, instance: None, owner: type[Any]) -> Setting[T]: ...
@@ -268,7 +268,7 @@ class MessagingSettings:
         split_broker_urls,
         "one URL, several joined by `;`, or a list of URLs (the nodes of a cluster), tried in a "
         "new random order on every connect; never logged with a password",
-        CheckedInChecks("check_broker_urls"),
+        CheckedBy("check_broker_urls"),
     )
     exchange = Setting(
         "EXCHANGE",
@@ -320,7 +320,7 @@ class MessagingSettings:
         _optional_str,
         "a django-redis cache for the duplicate fast path (see [The Redis fast path]"
         "(../concepts.md)); give it short socket timeouts",
-        CheckedInChecks("check_cache_alias"),
+        CheckedBy("check_cache_alias"),
     )
     queue_type = Setting(
         "QUEUE_TYPE",

@@ -348,3 +348,134 @@ def test_crash_limit_reaching_the_quorum_delivery_limit_warns() -> None:
         assert "reliable_messaging.W016" in {m.id for m in check_settings()}
     with override_settings(RELIABLE_MESSAGING={**base, "CRASH_LIMIT": 2}):
         assert "reliable_messaging.W016" not in {m.id for m in check_settings()}
+
+
+# --------------------------------------------------------------------------- exact wording
+# The per-setting checks derive from the declarations in conf.py; these pin one message and hint
+# of each kind of rule word for word, as users (and their log searches) know them.
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "id_", "msg", "hint"),
+    [
+        (
+            "EXCHANGE",
+            "",
+            "E002",
+            "RELIABLE_MESSAGING['EXCHANGE'] must be a non-empty string.",
+            "Name the topic exchange publish() uses, e.g. 'events'.",
+        ),
+        (
+            "PREFETCH",
+            0,
+            "E003",
+            "RELIABLE_MESSAGING['PREFETCH'] must be an integer from 1 to 65535, got 0.",
+            "A value near 2-4x --concurrency is usual.",
+        ),
+        (
+            "RETRY_DELAYS",
+            [],
+            "E004",
+            "RELIABLE_MESSAGING['RETRY_DELAYS'] must be a non-empty list of seconds, got [].",
+            "Give increasing positive seconds, e.g. [1, 5, 30, 120, 600].",
+        ),
+        (
+            "MAX_ATTEMPTS",
+            0,
+            "E005",
+            "RELIABLE_MESSAGING['MAX_ATTEMPTS'] must be an integer >= 1, got 0.",
+            "1 means no retry; the default is 6.",
+        ),
+        (
+            "DEDUP_RETENTION",
+            14,
+            "E006",
+            "RELIABLE_MESSAGING['DEDUP_RETENTION'] must be a positive timedelta, got 14.",
+            "e.g. timedelta(days=14)",
+        ),
+        (
+            "QUEUE_TYPE",
+            "stream",
+            "E008",
+            "RELIABLE_MESSAGING['QUEUE_TYPE'] must be 'classic' or 'quorum', got 'stream'.",
+            "Use 'quorum' for replicated queues.",
+        ),
+        (
+            "MAX_BODY_BYTES",
+            0,
+            "E009",
+            "RELIABLE_MESSAGING['MAX_BODY_BYTES'] must be a positive integer, got 0.",
+            "The default is 1048576 (1 MiB).",
+        ),
+        (
+            "SHUTDOWN_TIMEOUT",
+            0,
+            "E010",
+            "RELIABLE_MESSAGING['SHUTDOWN_TIMEOUT'] must be a positive number of seconds, got 0.",
+            "e.g. 30",
+        ),
+        (
+            "HANDLER_TIMEOUT_GRACE",
+            -1,
+            "E010",
+            "RELIABLE_MESSAGING['HANDLER_TIMEOUT_GRACE'] must be a number of seconds >= 0, got -1.",
+            "e.g. 10",
+        ),
+        (
+            "HEARTBEAT",
+            -1,
+            "E011",
+            "RELIABLE_MESSAGING['HEARTBEAT'] must be an integer >= 0, got -1.",
+            "0 disables heartbeats; 60 is usual.",
+        ),
+        (
+            "QUORUM_DELIVERY_LIMIT",
+            0,
+            "E012",
+            "RELIABLE_MESSAGING['QUORUM_DELIVERY_LIMIT'] must be an integer >= 1, got 0.",
+            "The default is 50.",
+        ),
+        (
+            "REQUIRE_ROUTE",
+            "a.b",
+            "E045",
+            "RELIABLE_MESSAGING['REQUIRE_ROUTE'] must be a list of topic patterns (words "
+            "separated by '.', '*' for one word, '#' for any), got 'a.b'.",
+            'e.g. ["billing.command.#", "*.charge"]; [] (the default) treats every unroutable '
+            "row as an event nobody subscribes to yet.",
+        ),
+        (
+            "OPS_VIEWS_TOKEN",
+            "short",
+            "E046",
+            "RELIABLE_MESSAGING['OPS_VIEWS_TOKEN'] must be a string of at least 16 characters or "
+            "None (it is a password for the metrics/ and healthz/ views).",
+            'e.g. os.environ["MESSAGING_OPS_TOKEN"], made with '
+            "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`",
+        ),
+        (
+            "OPS_VIEWS_PUBLIC",
+            "yes",
+            "E047",
+            "RELIABLE_MESSAGING['OPS_VIEWS_PUBLIC'] must be True or False, got 'yes'.",
+            "False (the default) keeps metrics/ and healthz/ to staff and the token.",
+        ),
+    ],
+)
+def test_the_wording_of_each_kind_of_rule(
+    rm: Any, key: str, value: Any, id_: str, msg: str, hint: str
+) -> None:
+    message = only(rm(**{key: value}), f"reliable_messaging.{id_}")
+    assert (message.msg, message.hint) == (msg, hint)
+
+
+def test_an_unhashable_cache_alias_is_reported_not_raised(rm: Any) -> None:
+    message = only(rm(CACHE_ALIAS=["x"]), "reliable_messaging.E007")
+    assert "['x']" in message.msg
+
+
+def test_crash_limit_hint_quotes_the_declared_defaults() -> None:
+    base = {**settings.RELIABLE_MESSAGING, "QUEUE_TYPE": "quorum", "CRASH_LIMIT": 60}
+    with override_settings(RELIABLE_MESSAGING=base):
+        (message,) = check_settings()
+    assert message.hint == "Keep CRASH_LIMIT well below QUORUM_DELIVERY_LIMIT (defaults: 3 and 50)."

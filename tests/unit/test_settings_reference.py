@@ -16,7 +16,7 @@ from reliable_messaging import checks
 from reliable_messaging.conf import (
     DEFAULTS,
     SETTINGS,
-    CheckedInChecks,
+    CheckedBy,
     MessagingSettings,
     Rule,
     Setting,
@@ -74,7 +74,7 @@ def test_every_default_passes_its_own_rule(setting: Setting[Any]) -> None:
     rule = setting.rule
     if isinstance(rule, Rule):
         assert rule.problem(setting.default) is None
-    elif isinstance(rule, CheckedInChecks):
+    elif isinstance(rule, CheckedBy):
         # The broker's default names localhost; only its shape is judged here.
         assert checks.CHECKED_HERE[rule.function](setting.default) == []
     assert setting.doc.strip() and "\n" not in setting.doc
@@ -92,7 +92,7 @@ def _attribute(setting: Setting[Any]) -> str:
 
 
 def test_functions_named_by_declarations_exist_in_the_checks() -> None:
-    named = {s.rule.function for s in SETTINGS if isinstance(s.rule, CheckedInChecks)}
+    named = {s.rule.function for s in SETTINGS if isinstance(s.rule, CheckedBy)}
     assert named == set(checks.CHECKED_HERE)
 
 
