@@ -175,7 +175,7 @@ def increasing_seconds(check_id: int, *, hint: str) -> Rule:
 
 
 def _topic_patterns_problem(value: Any) -> str | None:
-    # Every word non-empty: "a..b" or a trailing "." never matches what the broker matches.
+    # A list (not one string) of non-empty patterns with no empty word between the dots.
     fits = not isinstance(value, str) and (
         isinstance(value, list | tuple)
         and all(isinstance(p, str) and p and "" not in p.split(".") for p in value)
