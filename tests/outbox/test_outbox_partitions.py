@@ -31,6 +31,7 @@ from reliable_messaging.partitions import (
     OUTBOX_UNSENT,
 )
 from reliable_messaging.relay import OutboxRelay, RelayReport
+from reliable_messaging.relay_claims import OutboxClaims
 from reliable_messaging.retention import purge_messages
 
 from .conftest import OutboxEnv
@@ -237,17 +238,17 @@ def test_a_claim_that_meets_a_row_moved_meanwhile_claims_again(ob: OutboxEnv) ->
     queue = ob.queue()
     with transaction.atomic():
         ids = [publish("a.b", {"n": n}) for n in range(5)]
-    real = OutboxRelay._select
+    real = OutboxClaims._select
     calls = {"n": 0}
 
-    def select(self: OutboxRelay) -> list[tuple[Any, ...]]:
+    def select(self: OutboxClaims) -> list[tuple[Any, ...]]:
         calls["n"] += 1
         if calls["n"] == 1:
             raise error
         return real(self)
 
     relay = OutboxRelay(once=True)
-    with mock.patch.object(OutboxRelay, "_select", select):
+    with mock.patch.object(OutboxClaims, "_select", select):
         report = relay.run()
     assert report.sent == 5
     assert not [r for r in relay.health.check()[1] if "database" in r]

@@ -18,13 +18,9 @@ from django.utils import timezone
 
 from reliable_messaging import publish
 from reliable_messaging.models import OutboxMessage, OutboxStatus
-from reliable_messaging.relay import (
-    LEASE_MARGIN,
-    OutboxRelay,
-    _Batch,
-    claimable,
-    release_parked,
-)
+from reliable_messaging.relay import LEASE_MARGIN, OutboxRelay
+from reliable_messaging.relay_batches import Batch
+from reliable_messaging.relay_claims import claimable, release_parked
 
 from .conftest import OutboxEnv
 
@@ -173,18 +169,17 @@ def test_a_claim_holds_its_rows_then_trades_its_transaction_for_a_lease(ob: Outb
     with transaction.atomic():
         ids = [publish("order.placed", {"n": i}) for i in range(5)]
     relay = OutboxRelay(once=True)
-    claim = relay._claim()
+    claim = relay.claims.claim()
     assert sorted(r.message_id for r in claim.rows) == sorted(ids)
     assert connection.in_atomic_block  # the rows are locked by it
     other: list[Any] = []
-    thread = threading.Thread(target=lambda: other.append(OutboxRelay(once=True)._claim()))
+    thread = threading.Thread(target=lambda: other.append(OutboxRelay(once=True).claims.claim()))
     thread.start()
     thread.join(10)
     assert other[0].rows == [], "another relay took rows a batch in flight holds"
 
-    batch = _Batch(rows={}, claimed=claim.rows, atomic=claim.atomic)
-    relay._lease(batch)
-    assert not connection.in_atomic_block and batch.atomic is None
+    relay.claims.lease(claim.rows, claim.transaction)
+    assert not connection.in_atomic_block
     with connection.cursor() as cursor:
         cursor.execute("SELECT state FROM pg_stat_activity WHERE pid = pg_backend_pid()")
         assert cursor.fetchone() == ("active",)  # this very query; no transaction left open
@@ -193,13 +188,13 @@ def test_a_claim_holds_its_rows_then_trades_its_transaction_for_a_lease(ob: Outb
         assert row.next_attempt_at is not None
         lease = (row.next_attempt_at - now).total_seconds()
         assert 10 < lease <= 10 + LEASE_MARGIN + 1, lease
-    other_claim = OutboxRelay(once=True)._claim()
-    assert other_claim.rows == [] and other_claim.atomic is None, "leased rows were taken"
+    other_claim = OutboxRelay(once=True).claims.claim()
+    assert other_claim.rows == [] and other_claim.transaction is None, "leased rows were taken"
 
     # Recording the batch later marks the confirmed rows sent and makes the rest due again.
+    batch = Batch(rows=dict(enumerate(claim.rows, start=1)), claimed=claim.rows)
     batch.confirmed = {claim.rows[0].pk}
-    batch.rows = {tag: row for tag, row in enumerate(claim.rows, start=1)}
-    assert relay._settle(batch)
+    assert relay.claims.record(batch.outcome(), None) is None
     statuses = dict(OutboxMessage.objects.values_list("pk", "status"))
     assert statuses[claim.rows[0].pk] == OutboxStatus.SENT
     again = [row.pk for row in claim.rows[1:]]

@@ -25,7 +25,8 @@ from django.utils import timezone
 from reliable_messaging import publish
 from reliable_messaging.checks import check_settings
 from reliable_messaging.models import OutboxMessage, OutboxStatus
-from reliable_messaging.relay import OutboxRelay, RelayReport, _Listener
+from reliable_messaging.outbox_listener import OutboxListener
+from reliable_messaging.relay import OutboxRelay, RelayReport
 from reliable_messaging.retention import purge_messages
 from reliable_messaging.status import Thresholds, database_status, find_problems
 from tests.support import wait_until
@@ -183,7 +184,7 @@ def test_the_listen_connection_uses_the_database_options(
 ) -> None:
     name = f"rm-listen-{ob.ns}"
     monkeypatch.setitem(connection.settings_dict["OPTIONS"], "application_name", name)
-    listener = _Listener("default")
+    listener = OutboxListener("default")
     try:
         with connection.cursor() as cursor:
             cursor.execute(

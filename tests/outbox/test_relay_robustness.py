@@ -82,14 +82,14 @@ def test_a_relay_does_not_spin_while_a_keyed_row_waits_behind_a_failed_head(
 
     relay = ob.relay_thread()
     claims: list[int] = []
-    original = relay.relay._claim
+    original = relay.relay.claims.claim
 
     def counting() -> Any:
         claimed = original()
         claims.append(len(claimed.rows))
         return claimed
 
-    relay.relay._claim = counting  # type: ignore[method-assign]
+    relay.relay.claims.claim = counting  # type: ignore[method-assign]
     wait_until(
         lambda: OutboxMessage.objects.get(message_id=head).status == OutboxStatus.FAILED,
         timeout=30,
