@@ -30,7 +30,8 @@ from prometheus_client.exposition import MetricsHandler
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from .metrics import HealthCheck, HealthCollector
+from .liveness import HealthCheck
+from .metrics import HealthCollector
 
 logger = logging.getLogger(__name__)
 
