@@ -49,9 +49,8 @@ except ImportError as exc:  # the "health" extra is not installed
         "reliable_messaging.health.MessagingHealthCheck", "health", "django-health-check"
     ) from exc
 
-from .metrics import outbox_lag
+from .collectors import broker_connection_error, outbox_lag
 from .models import OutboxMessage
-from .status import broker_connection_error
 
 
 @dataclasses.dataclass

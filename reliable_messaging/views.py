@@ -2,12 +2,13 @@
 
 Mount them with ``path("messaging/", include("reliable_messaging.urls"))``:
 
-- ``metrics/``: the gauges :class:`~reliable_messaging.metrics.DatabaseCollector` reads at each
-  scrape (outbox backlog and lag, failed rows, dead letters, inbox size) and the queue gauges
-  :class:`~reliable_messaging.metrics.BrokerCollector` reads from the broker (messages ready and
-  consumers attached, per queue of every registered consumer; kept 5 s between reads). The
-  consume and relay processes export their own counters on ``--metrics-port``; these system
-  gauges come from here only, so they are not scraped once per process.
+- ``metrics/``: the gauges :class:`~reliable_messaging.collectors.DatabaseCollector` reads at
+  each scrape (outbox backlog and lag, failed rows, dead letters, inbox size) and the queue
+  gauges :class:`~reliable_messaging.collectors.BrokerCollector` reads from the broker
+  (messages ready and consumers attached, per queue of every registered consumer; kept 5 s
+  between reads). The consume and relay processes export their own counters on
+  ``--metrics-port``; these system gauges come from here only, so they are not scraped once
+  per process.
 - ``healthz/``: 200 when the database answers, the broker accepts a connection (within
   ``BROKER_TIMEOUT``) and the oldest pending outbox row is younger than ``max_outbox_lag``
   seconds; 503 with the reasons otherwise. It judges the messaging system, not this web
@@ -48,10 +49,9 @@ from django.views.decorators.http import require_GET
 from prometheus_client import CollectorRegistry
 from prometheus_client.django import PrometheusDjangoView
 
+from .collectors import BrokerCollector, DatabaseCollector, broker_connection_error, outbox_lag
 from .conf import messaging_settings
-from .metrics import BrokerCollector, DatabaseCollector, outbox_lag
 from .models import OutboxMessage
-from .status import broker_connection_error
 
 MAX_OUTBOX_LAG = 300.0
 """Seconds the oldest pending outbox row may wait before ``healthz/`` reports it."""
