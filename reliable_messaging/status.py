@@ -1,8 +1,15 @@
-"""How the messaging is doing right now, judged against thresholds.
+"""How the messaging is doing right now, and the one place that judges it.
 
 :mod:`.collectors` reads the broker and the database and returns frozen dataclasses; this module
-judges them against :class:`Thresholds` (:func:`collect_status`), and ``manage.py
-messaging_status`` renders the result.
+judges them against :class:`Thresholds` (:func:`collect_status`, which ``manage.py
+messaging_status`` renders) and answers every health endpoint:
+
+- ``messaging/healthz/`` of the web process (:mod:`.views`) and the django-health-check check
+  (:mod:`.health`) judge the whole system with :func:`system_health` and
+  :func:`outbox_lag_problem`, against the outbox-lag limits declared once below;
+- ``/healthz`` of a consume or relay process (:mod:`.ops_http`) renders
+  :func:`process_health`, the verdict of what the process recorded in its
+  :class:`.liveness.HealthState`.
 
 The readers and their dataclasses (``broker_status``, ``database_status``, ``QueueStatus``, ...)
 used to live here and are still importable from here.
@@ -11,9 +18,9 @@ used to live here and are still importable from here.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.utils import timezone
 
@@ -41,16 +48,23 @@ from .collectors import (
 from .conf import MessagingSettings, messaging_settings
 from .registry import ConsumerSpec
 
+if TYPE_CHECKING:
+    from .liveness import HealthCheck
+
 __all__ = [
     "DEFAULT_TIMEOUT",
     "MANAGEMENT_PORT",
     "MANAGEMENT_TLS_PORT",
     "NOT_FOUND",
+    "OUTBOX_LAG_LIMIT",
+    "OUTBOX_LAG_STRICT_LIMIT",
     "STATUS_FORMAT_VERSION",
     "UNAUTHORIZED",
     "BrokerStatus",
+    "CheckResult",
     "DatabaseStatus",
     "DeadLetterCount",
+    "HealthReport",
     "MessagingStatus",
     "Problem",
     "QueueKind",
@@ -64,13 +78,27 @@ __all__ = [
     "describe_error",
     "find_problems",
     "monitored_queues",
+    "outbox_lag_problem",
+    "process_health",
     "queues_from_amqp",
     "scrub",
+    "system_health",
     "with_management_figures",
 ]
 
 # Version of the ``--json`` document; raised only when a key changes meaning or goes away.
 STATUS_FORMAT_VERSION = 1
+
+OUTBOX_LAG_LIMIT = 300.0
+"""Seconds the oldest pending outbox row may wait before a probe fails: past it the outbox has
+stopped moving (no relay runs, or the broker refuses what it sends). The documented limit of
+``messaging_status`` without ``--strict`` and of ``messaging/healthz/``; the shipped alert
+rule uses it too."""
+
+OUTBOX_LAG_STRICT_LIMIT = 60.0
+"""Seconds past which a relay is behind enough to need a person, not a restart: the limit of
+``messaging_status --strict`` and the default of
+:class:`~reliable_messaging.health.MessagingHealthCheck`."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +113,7 @@ class Thresholds:
     ``min_consumers`` is off (0) in both, because only the deployment knows how many consume
     processes should be attached."""
 
-    max_outbox_lag: float | None = 300.0
+    max_outbox_lag: float | None = OUTBOX_LAG_LIMIT
     max_outbox_failed: int | None = None
     max_dead_letters: int | None = None
     max_ready: int | None = None
@@ -99,7 +127,7 @@ class Thresholds:
         dead letter awaiting review, 1,000 messages ready in a queue, a fifth of the deliveries
         coming back, any message in a queue an earlier shape of a consumer left."""
         return cls(
-            max_outbox_lag=60.0,
+            max_outbox_lag=OUTBOX_LAG_STRICT_LIMIT,
             max_outbox_failed=0,
             max_dead_letters=0,
             max_ready=1000,
@@ -182,6 +210,18 @@ class MessagingStatus:
 # --------------------------------------------------------------------------- the verdict
 
 
+def outbox_lag_problem(lag: float | None, limit: float | None) -> Problem | None:
+    """The problem when the oldest pending outbox row (``lag`` seconds old; None when nothing
+    is pending) is older than ``limit`` (None: not judged); None when it is not."""
+    if lag is None or not _over(lag, limit):
+        return None
+    return Problem(
+        "max_outbox_lag",
+        f"the oldest pending outbox row is {lag:,.0f} s old (limit {limit or 0:g} s): is a "
+        "relay running, and can it publish?",
+    )
+
+
 def find_problems(
     broker: BrokerStatus, database: DatabaseStatus, thresholds: Thresholds
 ) -> list[Problem]:
@@ -189,16 +229,9 @@ def find_problems(
     unreachable broker or database is reported as such (exit code 2)."""
     found: list[Problem] = []
     if database.reachable:
-        lag = database.outbox_lag
-        if _over(lag, thresholds.max_outbox_lag):
-            found.append(
-                Problem(
-                    "max_outbox_lag",
-                    f"the oldest pending outbox row is {lag:,.0f} s old (limit "
-                    f"{thresholds.max_outbox_lag or 0:g} s): is a relay running, and can it "
-                    "publish?",
-                )
-            )
+        lagging = outbox_lag_problem(database.outbox_lag, thresholds.max_outbox_lag)
+        if lagging is not None:
+            found.append(lagging)
         if _over(database.outbox_failed, thresholds.max_outbox_failed):
             found.append(
                 Problem(
@@ -275,4 +308,83 @@ def collect_status(
         database=database,
         thresholds=thresholds,
         problems=tuple(find_problems(broker, database, thresholds)),
+    )
+
+
+# --------------------------------------------------------------------------- health endpoints
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One check of a health endpoint: whether it passed, and what was found, in words."""
+
+    ok: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    """What a ``/healthz`` answers: 200 when nothing is wrong, else 503 with the reasons.
+
+    ``checks`` (by name) are shown when the endpoint judged several things (the web process's
+    ``messaging/healthz/``); ``notes`` are what an operator should know while the answer is
+    still 200 (a consume or relay process blocked by a resource alarm, say)."""
+
+    reasons: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    checks: tuple[tuple[str, CheckResult], ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.reasons
+
+    @property
+    def http_status(self) -> int:
+        return 200 if self.ok else 503
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON body: ``status`` ("ok" or "unhealthy"), ``checks`` when there are any,
+        ``reasons`` when unhealthy, ``notes`` when there are any."""
+        body: dict[str, Any] = {"status": "ok" if self.ok else "unhealthy"}
+        if self.checks:
+            body["checks"] = {
+                name: {"ok": result.ok, "detail": result.detail} for name, result in self.checks
+            }
+        if self.reasons:
+            body["reasons"] = list(self.reasons)
+        if self.notes:
+            body["notes"] = list(self.notes)
+        return body
+
+
+def outbox_lag_check(lag: float, limit: float) -> CheckResult:
+    """The outbox-lag check of ``messaging/healthz/``: failed when the oldest pending outbox
+    row has waited more than ``limit`` seconds (``lag`` is 0 when nothing is pending)."""
+    if _over(lag, limit):
+        return CheckResult(
+            False,
+            f"the oldest pending outbox row waits for {lag:.0f}s (limit {limit:.0f}s): "
+            f"is a relay running and connected?",
+        )
+    return CheckResult(True, f"oldest pending outbox row waits {lag:.1f}s")
+
+
+def system_health(checks: Mapping[str, CheckResult]) -> HealthReport:
+    """The verdict on the whole system from the checks an endpoint ran: unhealthy when any
+    failed, with their details as the reasons."""
+    return HealthReport(
+        reasons=tuple(result.detail for result in checks.values() if not result.ok),
+        checks=tuple(checks.items()),
+    )
+
+
+def process_health(health: HealthCheck) -> HealthReport:
+    """The verdict on one consume or relay process, from what it recorded (its
+    :class:`.liveness.HealthState`, or a group of them): the reasons it gives for being
+    unhealthy, and its notes."""
+    ok, reasons = health.check()
+    notes = getattr(health, "notes", None)
+    return HealthReport(
+        reasons=() if ok else tuple(reasons) or ("unhealthy",),
+        notes=tuple(notes()) if notes is not None else (),
     )
