@@ -13,12 +13,9 @@ from django.utils import timezone
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from reliable_messaging import metrics
-from reliable_messaging.metrics import (
-    DatabaseCollector,
-    HealthCollector,
-    HealthGroup,
-    HealthState,
-)
+from reliable_messaging.collectors import DatabaseCollector
+from reliable_messaging.liveness import HealthGroup, HealthState
+from reliable_messaging.metrics import HealthCollector
 from reliable_messaging.models import (
     DeadLetter,
     DeadLetterReason,

@@ -14,12 +14,9 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 import reliable_messaging
 from reliable_messaging import metrics
-from reliable_messaging.metrics import (
-    BrokerCollector,
-    DatabaseCollector,
-    HealthCollector,
-    HealthState,
-)
+from reliable_messaging.collectors import BrokerCollector, DatabaseCollector
+from reliable_messaging.liveness import HealthState
+from reliable_messaging.metrics import HealthCollector
 from reliable_messaging.models import DeadLetter, DeadLetterReason
 from reliable_messaging.registry import ConsumerSpec
 from reliable_messaging.status import OUTBOX_LAG_LIMIT
