@@ -49,9 +49,9 @@ except ImportError as exc:  # the "health" extra is not installed
         "reliable_messaging.health.MessagingHealthCheck", "health", "django-health-check"
     ) from exc
 
-from .metrics import outbox_lag
+from .collectors import broker_connection_error, outbox_lag
 from .models import OutboxMessage
-from .status import broker_connection_error
+from .status import OUTBOX_LAG_STRICT_LIMIT, outbox_lag_problem
 
 
 @dataclasses.dataclass
@@ -59,7 +59,8 @@ class MessagingHealthCheck(HealthCheck):
     """The broker is reachable and the oldest pending outbox row is younger than
     ``max_outbox_lag``. ``using`` is the outbox's database alias (default: the router's)."""
 
-    max_outbox_lag: dt.timedelta = dt.timedelta(seconds=60)
+    # A relay a minute behind (the limit of messaging_status --strict), declared in .status.
+    max_outbox_lag: dt.timedelta = dt.timedelta(seconds=OUTBOX_LAG_STRICT_LIMIT)
     using: str | None = None
     # Not in the repr, which the health report shows; the broker URL never is.
     timeout: dt.timedelta = dataclasses.field(default=dt.timedelta(seconds=5), repr=False)
@@ -78,9 +79,7 @@ class MessagingHealthCheck(HealthCheck):
                 lag = outbox_lag(using)
         except DatabaseError as exc:
             raise ServiceUnavailable(f"the outbox cannot be read ({type(exc).__name__})") from exc
-        limit = self.max_outbox_lag.total_seconds()
-        if lag > limit:
-            raise ServiceUnavailable(
-                f"the oldest pending outbox row is {lag:.0f} s old (limit {limit:g} s): "
-                f"is a relay running, and can it publish?"
-            )
+        # Judged by .status, as messaging_status judges it.
+        problem = outbox_lag_problem(lag, self.max_outbox_lag.total_seconds())
+        if problem is not None:
+            raise ServiceUnavailable(problem.message)

@@ -35,34 +35,15 @@ Three kinds of figures, exported from three places:
   ====================================================  ===========================================
 
 - **Health** of one process, ``reliable_messaging_healthy`` (1 or 0, :class:`HealthCollector`),
-  served next to the process counters by :mod:`.ops_http`, which also answers ``/healthz``.
+  served next to the process counters by :mod:`.ops_http`, which also answers ``/healthz``
+  from what the process recorded in its :class:`.liveness.HealthState`.
 
-- **Database gauges**, read from the database at each scrape by :class:`DatabaseCollector`.
-  They describe the whole system, not one process, so exactly one place exports them: the
-  ``metrics/`` view of ``reliable_messaging.urls`` in the web process (aggregate them with
-  ``max``, never ``sum``, when several web instances are scraped):
-
-  =========================================================  ======================================
-  ``reliable_messaging_database_up``                         1 if the last scrape read the database
-  ``reliable_messaging_outbox_pending_messages``             outbox rows not sent yet
-  ``reliable_messaging_outbox_oldest_pending_age_seconds``   age of the oldest of them (0 if none)
-  ``reliable_messaging_outbox_failed_messages``              rows given up on (``failed``)
-  ``reliable_messaging_dead_letters``                        dead letters {status, consumer, reason}
-  ``reliable_messaging_inbox_messages``                      inbox rows (an estimate on PostgreSQL)
-  =========================================================  ======================================
-
-- **Queue gauges**, read from the broker at scrape time by :class:`BrokerCollector` with AMQP
-  passive declares (no plugin needed), for the queues of every registered consumer (an ordered
-  consumer's partitions) and the retry delay queues. Also served by the ``metrics/`` view:
-
-  ===========================================  ====================================================
-  ``reliable_messaging_broker_up``             1 if the last read reached the broker
-  ``reliable_messaging_queue_exists``          1 if declared, 0 if not {queue, consumer, kind};
-                                               kind is consumer, delay or leftover (a queue an
-                                               earlier shape of the consumer left behind)
-  ``reliable_messaging_queue_messages_ready``  messages waiting in it {queue, consumer, kind}
-  ``reliable_messaging_queue_consumers``       consumers attached to it {queue, consumer, kind}
-  ===========================================  ====================================================
+- **System gauges** (outbox, dead letters, inbox, queue depths) describe the whole system, not
+  one process: :mod:`.collectors` reads them at scrape time for the web process's ``metrics/``
+  view. This module holds no reader, so the consume and relay processes import it without the
+  ORM queries or the status report; the names that moved from here (``DatabaseCollector``,
+  ``BrokerCollector``, ``outbox_lag``, ``inbox_rows``, the health classes) stay importable from
+  it.
 
 The helper functions below are what the consumer and the relay call; they check their label
 values, because a typo'd label would silently start a new time series nobody alerts on.
@@ -70,25 +51,67 @@ values, because a typo'd label would silently start a new time series nobody ale
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
-from django.db import DatabaseError, connections, router
-from django.db.models import Count, DurationField, ExpressionWrapper, F, Model
-from django.db.models.functions import Now
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from . import partitions
+# Re-exported: the process's health used to live here, and the relay and consume commands
+# (and users' code) import it from here. liveness is standard library only.
+from .liveness import HealthCheck, HealthGroup, HealthState
 
 if TYPE_CHECKING:
-    from .registry import ConsumerSpec
+    from .collectors import (
+        COUNT_INBOX_UP_TO,
+        BrokerCollector,
+        DatabaseCollector,
+        inbox_rows,
+        outbox_lag,
+    )
 
-logger = logging.getLogger(__name__)
+__all__ = [
+    "CONSUMER_OUTCOMES",
+    "COUNT_INBOX_UP_TO",
+    "DEDUP_RESULTS",
+    "RELAY_FAILURE_KINDS",
+    "BrokerCollector",
+    "DatabaseCollector",
+    "HealthCheck",
+    "HealthCollector",
+    "HealthGroup",
+    "HealthState",
+    "consumer_blocked",
+    "consumer_outcome",
+    "consumer_queues_unavailable",
+    "consumer_received",
+    "consumers_started",
+    "dedup_cache",
+    "handler_timeout",
+    "inbox_rows",
+    "outbox_lag",
+    "relay_blocked",
+    "relay_claimed",
+    "relay_confirm_latency",
+    "relay_failed",
+    "relay_published",
+]
+
+# Names that moved to .collectors, which reads the database and the broker: imported on first
+# use only, so importing this module (every consume and relay process does) pulls in no reader.
+_MOVED_TO_COLLECTORS = frozenset(
+    {"BrokerCollector", "COUNT_INBOX_UP_TO", "DatabaseCollector", "inbox_rows", "outbox_lag"}
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_COLLECTORS:
+        from . import collectors
+
+        return getattr(collectors, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 CONSUMER_OUTCOMES = frozenset(
     {"processed", "duplicate", "retried", "dead_lettered", "released", "parked", "deferred"}
@@ -252,116 +275,7 @@ def relay_blocked(blocked: bool) -> None:
         _RELAY_BLOCKED.dec()
 
 
-# -- health --------------------------------------------------------------------------------------
-
-
-class HealthCheck(Protocol):
-    def check(self) -> tuple[bool, list[str]]: ...
-
-
-class HealthState:
-    """What a long-running process knows about its own health; thread-safe.
-
-    The process reports broker and database state as it sees them and calls :meth:`heartbeat`
-    from its main loop at least every second. :meth:`check` is what ``/healthz`` answers: not
-    healthy while the broker is disconnected, the database failing, the process stopping, or
-    when no heartbeat came for ``stall_after`` seconds (a loop stuck in a call that never
-    returns looks alive from outside; only a missing heartbeat tells).
-    """
-
-    def __init__(
-        self, stall_after: float = 30.0, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.stall_after = stall_after
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._broker_connected = False
-        self._database_ok = True
-        self._database_detail: str | None = None
-        self._last_heartbeat = clock()
-        self._stopping = False
-        # More reasons to be unhealthy, asked at each check (handlers past their time limit).
-        self._problems: list[Callable[[], list[str]]] = []
-        # What an operator should know while the process stays healthy (publishing blocked by
-        # an alarm, a queue on a node that is down), by key.
-        self._notes: dict[str, str] = {}
-
-    def add_problem_source(self, source: Callable[[], list[str]]) -> None:
-        """``source()`` returns reasons the process is unhealthy now (empty when it is not)."""
-        with self._lock:
-            self._problems.append(source)
-
-    def set_broker(self, connected: bool) -> None:
-        with self._lock:
-            self._broker_connected = connected
-
-    def note(self, key: str, text: str | None) -> None:
-        """Set (or with None, clear) a note ``/healthz`` shows without failing: the process
-        works, and restarting it would not help."""
-        with self._lock:
-            if text is None:
-                self._notes.pop(key, None)
-            else:
-                self._notes[key] = text
-
-    def notes(self) -> list[str]:
-        with self._lock:
-            return list(self._notes.values())
-
-    def set_database(self, ok: bool, detail: str | None = None) -> None:
-        with self._lock:
-            self._database_ok = ok
-            self._database_detail = None if ok else detail
-
-    def heartbeat(self) -> None:
-        with self._lock:
-            self._last_heartbeat = self._clock()
-
-    def stopping(self) -> None:
-        with self._lock:
-            self._stopping = True
-
-    def check(self) -> tuple[bool, list[str]]:
-        """(healthy, the reasons it is not, in words)."""
-        with self._lock:
-            reasons: list[str] = []
-            if self._stopping:
-                reasons.append("stopping")
-            if not self._broker_connected:
-                reasons.append("broker not connected")
-            if not self._database_ok:
-                detail = f": {self._database_detail}" if self._database_detail else ""
-                reasons.append(f"database failing{detail}")
-            silent = self._clock() - self._last_heartbeat
-            if silent > self.stall_after:
-                reasons.append(f"no heartbeat for {silent:.0f}s: the main loop looks stuck")
-            sources = list(self._problems)
-        for source in sources:
-            reasons.extend(source())
-        return not reasons, reasons
-
-
-class HealthGroup:
-    """Several :class:`HealthState` seen as one, healthy when all are (one per relay lane)."""
-
-    def __init__(self, members: Mapping[str, HealthCheck]) -> None:
-        self.members = dict(members)
-
-    def check(self) -> tuple[bool, list[str]]:
-        reasons: list[str] = []
-        for name, member in self.members.items():
-            ok, why = member.check()
-            if not ok:
-                reasons.extend(f"{name}: {reason}" for reason in why)
-        return not reasons, reasons
-
-    def notes(self) -> list[str]:
-        found: list[str] = []
-        for name, member in self.members.items():
-            notes = getattr(member, "notes", None)
-            if notes is not None:
-                found.extend(f"{name}: {note}" for note in notes())
-        return found
+# -- the health gauge -----------------------------------------------------------------------------
 
 
 class HealthCollector:
@@ -376,234 +290,4 @@ class HealthCollector:
             "reliable_messaging_healthy",
             "1 when this process's health check passes (as /healthz), else 0.",
             value=1 if ok else 0,
-        )
-
-
-# -- the database --------------------------------------------------------------------------------
-
-
-def outbox_lag(using: str) -> float:
-    """Seconds the oldest pending outbox row has waited; 0 when none is pending.
-
-    "Oldest" is the lowest id, found on the relay's partial index of pending rows: ids grow
-    with time, and ordering by ``created_at`` would sort the whole backlog at every call.
-    """
-    from .models import OutboxMessage
-
-    # The age by the database's clock, which also stamped the row: a web process whose clock
-    # runs ahead or behind must not report a lag that is not there.
-    age = (
-        OutboxMessage.objects.using(using)
-        .pending()
-        .order_by("id")
-        .annotate(age=ExpressionWrapper(Now() - F("created_at"), output_field=DurationField()))
-        .values_list("age", flat=True)
-        .first()
-    )
-    return 0.0 if age is None else max(0.0, age.total_seconds())
-
-
-class DatabaseCollector:
-    """Reads the outbox, the dead letters and the inbox at each scrape.
-
-    Every query is cheap on a large table: pending rows are counted on the partial index the
-    relay claims with, the oldest pending row is found on it too (:func:`outbox_lag`), and the
-    inbox, the largest table by far, is estimated from PostgreSQL's statistics
-    (``pg_class.reltuples``, kept by autovacuum) instead of counted. A database error never
-    fails the scrape: it exports ``reliable_messaging_database_up 0`` and logs a warning.
-
-    Queries run on the calling thread's Django connection. In a request Django closes it
-    afterwards; elsewhere the caller owns the connection's lifetime.
-    """
-
-    def __init__(self, using: str | None = None) -> None:
-        self.using = using
-
-    def collect(self) -> Iterator[Metric]:
-        try:
-            families = list(self._read())
-        except DatabaseError as exc:
-            logger.warning("metrics: cannot read the database (%s); database_up is 0", exc)
-            yield self._up(0)
-            return
-        yield from families
-        yield self._up(1)
-
-    @staticmethod
-    def _up(value: int) -> Metric:
-        return GaugeMetricFamily(
-            "reliable_messaging_database_up",
-            "1 when the last scrape could read the messaging tables, else 0.",
-            value=value,
-        )
-
-    def _alias(self, model: type[Model]) -> str:
-        return self.using or router.db_for_read(model)
-
-    def _read(self) -> Iterator[Metric]:
-        from .models import DeadLetter, OutboxMessage, ProcessedMessage
-
-        alias = self._alias(OutboxMessage)
-        outbox = OutboxMessage.objects.using(alias)
-        yield GaugeMetricFamily(
-            "reliable_messaging_outbox_pending_messages",
-            "Outbox rows not sent yet (due, or waiting out a backoff after a failed send).",
-            value=outbox.pending().count(),
-        )
-        yield GaugeMetricFamily(
-            "reliable_messaging_outbox_oldest_pending_age_seconds",
-            "Age of the oldest pending outbox row; 0 when none is pending.",
-            value=outbox_lag(alias),
-        )
-        yield GaugeMetricFamily(
-            "reliable_messaging_outbox_failed_messages",
-            "Outbox rows marked failed after OUTBOX_MAX_ATTEMPTS; they wait for the admin.",
-            value=outbox.failed().count(),
-        )
-
-        dead = GaugeMetricFamily(
-            "reliable_messaging_dead_letters",
-            "Dead letters by status, consumer and reason.",
-            labels=["status", "consumer", "reason"],
-        )
-        groups = (
-            DeadLetter.objects.using(self._alias(DeadLetter))
-            .order_by()
-            .values_list("status", "consumer", "reason")
-            .annotate(rows=Count("id"))
-        )
-        for status, consumer, reason, rows in groups:
-            dead.add_metric([status, consumer, reason], rows)
-        yield dead
-
-        yield GaugeMetricFamily(
-            "reliable_messaging_inbox_messages",
-            "Inbox rows (processed messages kept for deduplication); estimated on PostgreSQL.",
-            value=inbox_rows(self._alias(ProcessedMessage))[0],
-        )
-
-
-# Up to this many rows by PostgreSQL's estimate, the inbox is counted instead.
-COUNT_INBOX_UP_TO = 10_000
-
-
-def inbox_rows(alias: str) -> tuple[float, bool]:
-    """The inbox's rows, and whether that is an estimate: on PostgreSQL its statistics
-    (``reltuples``, kept by autovacuum and ANALYZE; summed over the partitions) when they say
-    more than ``COUNT_INBOX_UP_TO``, else a count; a count elsewhere. Counting a billion rows
-    would take minutes."""
-    from .models import ProcessedMessage
-
-    if connections[alias].vendor == "postgresql":
-        # None until the table is first vacuumed or analyzed: counted then, as is a small
-        # inbox, whose count is cheap and whose statistics may lag far behind it.
-        estimate = partitions.estimated_rows(alias, ProcessedMessage._meta.db_table)
-        if estimate is not None and estimate > COUNT_INBOX_UP_TO:
-            return estimate, True
-    return float(ProcessedMessage._default_manager.using(alias).count()), False
-
-
-# -- the broker ----------------------------------------------------------------------------------
-
-
-class BrokerCollector:
-    """Reads the depth and the consumer count of every consumer and delay queue at scrape time.
-
-    One AMQP connection per read, with one passive declare per queue (exact figures, no
-    management plugin needed). A read is kept for ``max_age`` seconds, so several scrapers or a
-    dashboard refresh storm open at most one connection per ``max_age``. A broker that cannot be
-    reached never fails the scrape: it exports ``reliable_messaging_broker_up 0`` and logs one
-    warning until it answers again. ``specs`` defaults to every registered consumer, read at
-    each scrape.
-    """
-
-    def __init__(
-        self,
-        specs: Iterable[ConsumerSpec] | None = None,
-        *,
-        timeout: float = 2.0,
-        max_age: float = 5.0,
-    ) -> None:
-        self.specs = None if specs is None else list(specs)
-        self.timeout = timeout
-        self.max_age = max_age
-        self._lock = threading.Lock()
-        self._read_at: float | None = None
-        self._families: list[Metric] = []
-        self._reachable = True
-
-    def forget(self) -> None:
-        """Drop the kept read: the next scrape asks the broker."""
-        with self._lock:
-            self._read_at = None
-
-    def collect(self) -> Iterator[Metric]:
-        with self._lock:
-            now = time.monotonic()
-            if self._read_at is None or now - self._read_at >= self.max_age:
-                self._families = self._read()
-                self._read_at = time.monotonic()
-            families = list(self._families)
-        yield from families
-
-    def _read(self) -> list[Metric]:
-        import pika.exceptions
-
-        from .registry import registry
-        from .status import describe_error, monitored_queues, queues_from_amqp
-
-        specs = registry.all() if self.specs is None else self.specs
-        try:
-            specs = list(specs)
-            queues = queues_from_amqp(
-                monitored_queues(specs), timeout=self.timeout, leftovers_of=specs
-            )
-        except (pika.exceptions.AMQPError, OSError, ValueError) as exc:
-            if self._reachable:
-                # describe_error names the error, never the URL or its password; pika's
-                # ValueError for a URL it cannot use may quote pieces of it: its type only.
-                what = (
-                    f"{type(exc).__name__}: the broker URL cannot be used (see manage.py check)"
-                    if isinstance(exc, ValueError)
-                    else describe_error(exc)
-                )
-                logger.warning(
-                    "metrics: cannot read the queues from the broker (%s); broker_up is 0", what
-                )
-            self._reachable = False
-            return [self._up(0)]
-        if not self._reachable:
-            logger.info("metrics: the broker answers again; queue gauges are back")
-        self._reachable = True
-        labels = ["queue", "consumer", "kind"]
-        exists = GaugeMetricFamily(
-            "reliable_messaging_queue_exists",
-            "1 when the queue is declared on the broker; 0 when no consume process declared it "
-            "yet (messages routed to it are returned to the relay as unroutable).",
-            labels=labels,
-        )
-        ready = GaugeMetricFamily(
-            "reliable_messaging_queue_messages_ready",
-            "Messages waiting in the queue for a consumer (unacked deliveries not included).",
-            labels=labels,
-        )
-        consumers = GaugeMetricFamily(
-            "reliable_messaging_queue_consumers",
-            "Consumers attached to the queue (standbys of a single-active-consumer queue too).",
-            labels=labels,
-        )
-        for queue in queues:
-            values = [queue.name, queue.consumer or "", queue.kind]
-            exists.add_metric(values, 1 if queue.exists else 0)
-            if queue.exists:
-                ready.add_metric(values, queue.ready or 0)
-                consumers.add_metric(values, queue.consumers or 0)
-        return [exists, ready, consumers, self._up(1)]
-
-    @staticmethod
-    def _up(value: int) -> Metric:
-        return GaugeMetricFamily(
-            "reliable_messaging_broker_up",
-            "1 when the last read of the queue gauges reached the broker, else 0.",
-            value=value,
         )

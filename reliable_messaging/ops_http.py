@@ -30,7 +30,9 @@ from prometheus_client.exposition import MetricsHandler
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from .metrics import HealthCheck, HealthCollector
+from .liveness import HealthCheck
+from .metrics import HealthCollector
+from .status import process_health
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +55,8 @@ class _OpsHandler(MetricsHandler):
         if path == "/metrics":
             super().do_GET()
         elif path == "/healthz":
-            ok, reasons = self.health.check()
-            body: dict[str, Any] = {"status": "ok" if ok else "unhealthy"}
-            if not ok:
-                body["reasons"] = reasons
-            notes = getattr(self.health, "notes", None)
-            if notes is not None and notes():
-                body["notes"] = notes()
-            self._send_json(200 if ok else 503, body)
+            report = process_health(self.health)
+            self._send_json(report.http_status, report.as_dict())
         else:
             self._send_json(404, {"error": "not found; try /metrics or /healthz"})
 

@@ -1,128 +1,104 @@
-"""How the messaging is doing right now: the queues, the outbox, the dead letters, the inbox.
+"""How the messaging is doing right now, and the one place that judges it.
 
-Collection only: these functions read the broker and the database and return frozen
-dataclasses; ``manage.py messaging_status`` renders them and :mod:`.health` reuses the probes.
+:mod:`.collectors` reads the broker and the database and returns frozen dataclasses; this module
+judges them against :class:`Thresholds` (:func:`collect_status`, which ``manage.py
+messaging_status`` renders) and answers every health endpoint:
 
-The broker is always read over AMQP, as the application talks to it: a passive declare per
-queue gives its exact ready count and consumers, and a connection that cannot be opened is what
-"unreachable" means. The RabbitMQ management HTTP API, when it answers, adds what AMQP cannot
-tell: unacked deliveries and message rates. It is an optional plugin, and the application's
-user may lack the ``monitoring`` tag it needs, so doing without it is normal, not an error.
+- ``messaging/healthz/`` of the web process (:mod:`.views`) and the django-health-check check
+  (:mod:`.health`) judge the whole system with :func:`system_health` and
+  :func:`outbox_lag_problem`, against the outbox-lag limits declared once below;
+- ``/healthz`` of a consume or relay process (:mod:`.ops_http`) renders
+  :func:`process_health`, the verdict of what the process recorded in its
+  :class:`.liveness.HealthState`.
 
-No broker password ever leaves this module: URLs are shown through :func:`.conf.redact_url`,
-and what the client libraries say in their errors is scrubbed of it too.
+The readers and their dataclasses (``broker_status``, ``database_status``, ``QueueStatus``, ...)
+used to live here and are still importable from here.
 """
 
 from __future__ import annotations
 
-import base64
 import datetime as dt
-import http.client
-import json
-import urllib.error
-import urllib.parse
-import urllib.request
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Literal
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import pika
-import pika.exceptions
-from django.db import DatabaseError, connections, router
-from django.db.models import Count
 from django.utils import timezone
 
-from .conf import MessagingSettings, messaging_settings, redact_url
-from .leftovers import find_leftovers
-from .metrics import inbox_rows, outbox_lag
-from .models import DeadLetter, OutboxMessage, OutboxStatus
-from .pika_logs import expecting_not_found
-from .registry import ConsumerSpec, registry
-from .topology import (
-    all_delays,
-    connect,
-    connect_to_any,
-    connection_parameters,
-    consumer_queues,
-    delay_exchange_name,
+from .collectors import (
+    DEFAULT_TIMEOUT,
+    MANAGEMENT_PORT,
+    MANAGEMENT_TLS_PORT,
+    NOT_FOUND,
+    UNAUTHORIZED,
+    BrokerStatus,
+    DatabaseStatus,
+    DeadLetterCount,
+    QueueKind,
+    QueueStatus,
+    broker_connection_error,
+    broker_status,
+    database_status,
+    default_management_url,
+    describe_error,
+    monitored_queues,
+    queues_from_amqp,
+    scrub,
+    with_management_figures,
 )
+from .conf import MessagingSettings, messaging_settings
+from .registry import ConsumerSpec
 
-NOT_FOUND = 404
-UNAUTHORIZED = 401
-DEFAULT_TIMEOUT = 3.0
-# The management plugin listens here unless configured otherwise (TLS: 15671).
-MANAGEMENT_PORT = 15672
-MANAGEMENT_TLS_PORT = 15671
+if TYPE_CHECKING:
+    from .liveness import HealthCheck
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "MANAGEMENT_PORT",
+    "MANAGEMENT_TLS_PORT",
+    "NOT_FOUND",
+    "OUTBOX_LAG_LIMIT",
+    "OUTBOX_LAG_STRICT_LIMIT",
+    "STATUS_FORMAT_VERSION",
+    "UNAUTHORIZED",
+    "BrokerStatus",
+    "CheckResult",
+    "DatabaseStatus",
+    "DeadLetterCount",
+    "HealthReport",
+    "MessagingStatus",
+    "Problem",
+    "QueueKind",
+    "QueueStatus",
+    "Thresholds",
+    "broker_connection_error",
+    "broker_status",
+    "collect_status",
+    "database_status",
+    "default_management_url",
+    "describe_error",
+    "find_problems",
+    "monitored_queues",
+    "outbox_lag_problem",
+    "process_health",
+    "queues_from_amqp",
+    "scrub",
+    "system_health",
+    "with_management_figures",
+]
+
 # Version of the ``--json`` document; raised only when a key changes meaning or goes away.
 STATUS_FORMAT_VERSION = 1
 
-# "leftover": a queue an earlier shape of a consumer left (see reliable_messaging.leftovers).
-QueueKind = Literal["consumer", "delay", "leftover"]
+OUTBOX_LAG_LIMIT = 300.0
+"""Seconds the oldest pending outbox row may wait before a probe fails: past it the outbox has
+stopped moving (no relay runs, or the broker refuses what it sends). The documented limit of
+``messaging_status`` without ``--strict`` and of ``messaging/healthz/``; the shipped alert
+rule uses it too."""
 
-
-@dataclass(frozen=True)
-class QueueStatus:
-    """One queue as the broker sees it. ``None`` means "not known": unacked deliveries and
-    rates come from the management API only, and a queue that does not exist (nobody ran
-    ``consume`` yet) has no figures at all."""
-
-    name: str
-    kind: QueueKind
-    consumer: str | None  # the handler's name (dedup scope) for a consumer queue
-    exists: bool
-    ready: int | None = None
-    unacked: int | None = None
-    consumers: int | None = None
-    deliver_rate: float | None = None  # deliveries per second, redeliveries included
-    redeliver_rate: float | None = None
-
-    @property
-    def redelivery_ratio(self) -> float | None:
-        """The share of recent deliveries that were redeliveries (0..1), when there were any.
-
-        A high share means deliveries keep coming back: consumers die or drop their connection
-        with messages unacked, or hold deliveries back while the database is down."""
-        if self.deliver_rate is None or self.redeliver_rate is None or self.deliver_rate <= 0:
-            return None
-        return min(1.0, self.redeliver_rate / self.deliver_rate)
-
-
-@dataclass(frozen=True)
-class BrokerStatus:
-    url: str  # redacted
-    reachable: bool
-    management_api: bool = False  # whether unacked counts and rates could be read
-    queues: tuple[QueueStatus, ...] = ()
-    error: str = ""  # why the broker could not be reached
-    note: str = ""  # why the management API was not used, when it was not
-
-
-@dataclass(frozen=True)
-class DeadLetterCount:
-    consumer: str
-    reason: str
-    count: int
-
-
-@dataclass(frozen=True)
-class DatabaseStatus:
-    alias: str
-    reachable: bool
-    error: str = ""
-    outbox_pending: int = 0
-    outbox_failed: int = 0
-    # Events the broker had no queue for (nobody subscribed yet): shown, never a problem.
-    outbox_unrouted: int = 0
-    # Seconds since the oldest pending outbox row was written; None when nothing is pending.
-    outbox_lag: float | None = None
-    dead_letters: tuple[DeadLetterCount, ...] = ()  # status "dead", awaiting a person
-    inbox_rows: int = 0
-    # Whether inbox_rows is PostgreSQL's estimate of a large inbox (see metrics.inbox_rows).
-    inbox_estimated: bool = False
-
-    @property
-    def dead_letters_total(self) -> int:
-        return sum(d.count for d in self.dead_letters)
+OUTBOX_LAG_STRICT_LIMIT = 60.0
+"""Seconds past which a relay is behind enough to need a person, not a restart: the limit of
+``messaging_status --strict`` and the default of
+:class:`~reliable_messaging.health.MessagingHealthCheck`."""
 
 
 @dataclass(frozen=True)
@@ -137,7 +113,7 @@ class Thresholds:
     ``min_consumers`` is off (0) in both, because only the deployment knows how many consume
     processes should be attached."""
 
-    max_outbox_lag: float | None = 300.0
+    max_outbox_lag: float | None = OUTBOX_LAG_LIMIT
     max_outbox_failed: int | None = None
     max_dead_letters: int | None = None
     max_ready: int | None = None
@@ -151,7 +127,7 @@ class Thresholds:
         dead letter awaiting review, 1,000 messages ready in a queue, a fifth of the deliveries
         coming back, any message in a queue an earlier shape of a consumer left."""
         return cls(
-            max_outbox_lag=60.0,
+            max_outbox_lag=OUTBOX_LAG_STRICT_LIMIT,
             max_outbox_failed=0,
             max_dead_letters=0,
             max_ready=1000,
@@ -231,321 +207,19 @@ class MessagingStatus:
         }
 
 
-# --------------------------------------------------------------------------- the broker
-
-
-def monitored_queues(
-    specs: Iterable[ConsumerSpec], settings: MessagingSettings = messaging_settings
-) -> list[tuple[str, QueueKind, str | None]]:
-    """(queue, kind, consumer name) of every queue ``consume`` declares for ``specs``: each
-    handler's queue (an ordered consumer's partition queues), then the retry delay queues."""
-    specs = list(specs)
-    queues: list[tuple[str, QueueKind, str | None]] = [
-        (queue, "consumer", spec.name)
-        for spec in specs
-        for queue in consumer_queues(spec, settings)
-    ]
-    queues += [
-        (delay_exchange_name(d, settings), "delay", None) for d in all_delays(specs, settings)
-    ]
-    return queues
-
-
-def default_management_url(broker: str | pika.URLParameters) -> str:
-    """The management API's base URL on the broker's host (``broker``: a URL, or the
-    parameters of the node a connection reached): http on 15672, or https on 15671 for an
-    ``amqps://`` broker. Carries no credentials."""
-    params = pika.URLParameters(broker) if isinstance(broker, str) else broker
-    tls = params.ssl_options is not None
-    scheme, port = ("https", MANAGEMENT_TLS_PORT) if tls else ("http", MANAGEMENT_PORT)
-    host = f"[{params.host}]" if ":" in params.host else params.host
-    return f"{scheme}://{host}:{port}"
-
-
-def scrub(text: str, *secrets: str) -> str:
-    """``text`` with every occurrence of each secret (and its URL-quoted form) masked."""
-    for secret in secrets:
-        if not secret:
-            continue
-        for form in {secret, urllib.parse.quote(secret, safe="")}:
-            text = text.replace(form, "***")
-    return text
-
-
-def _redacted_part(url: str) -> str:
-    """What :func:`.conf.redact_url` hides of ``url``. Not always the password pika reads: in
-    a malformed URL (``amqp:///user:pw@mq``) pika may take it for the vhost, which the broker
-    then quotes in its refusal."""
-    shown = redact_url(url)
-    if shown == url:
-        return ""
-    head, _, tail = shown.partition("***")
-    return url[len(head) : len(url) - len(tail)]
-
-
-def describe_error(exc: BaseException) -> str:
-    """A one-line account of a connection error. pika's connection errors carry their cause
-    in ``args``, as exceptions whose ``str()`` may be empty: those are shown by their repr."""
-    if isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, BaseException):
-        return describe_error(exc.reason)
-    if isinstance(exc, OSError):
-        detail = str(exc)  # "[Errno 111] Connection refused"
-    else:
-        detail = "; ".join(str(arg) or repr(arg) for arg in exc.args) or str(exc)
-    detail = " ".join(detail.split())  # database drivers' messages span several lines
-    return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
-
-
-def _management_get(base_url: str, path: str, params: pika.URLParameters, timeout: float) -> Any:
-    if urllib.parse.urlsplit(base_url).scheme not in ("http", "https"):
-        raise ValueError(f"the management URL must be http(s)://, not {base_url!r}")
-    credentials = params.credentials
-    username = getattr(credentials, "username", "")
-    password = getattr(credentials, "password", "")
-    token = base64.b64encode(f"{username}:{password}".encode()).decode()
-    request = urllib.request.Request(  # noqa: S310 - the scheme is checked above
-        f"{base_url.rstrip('/')}{path}", headers={"Authorization": f"Basic {token}"}
-    )
-    with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 - as above
-        return json.load(response)
-
-
-_MANAGEMENT_COLUMNS = ",".join(
-    (
-        "messages_unacknowledged",
-        "message_stats.deliver_get_details.rate",
-        "message_stats.redeliver_details.rate",
-    )
-)
-
-
-def _rate(stats: Any, key: str) -> float:
-    # A queue nothing was delivered from yet has no message_stats (or not this key): rate 0.
-    details = stats.get(key) if isinstance(stats, dict) else None
-    return float(details.get("rate", 0.0)) if isinstance(details, dict) else 0.0
-
-
-def with_management_figures(
-    queues: Iterable[QueueStatus],
-    params: pika.URLParameters,
-    base_url: str,
-    timeout: float = DEFAULT_TIMEOUT,
-) -> tuple[QueueStatus, ...]:
-    """``queues`` with unacked counts and rates from the management API. Raises
-    ``urllib.error.URLError`` (an ``OSError``), ``http.client.HTTPException`` or ``ValueError``
-    when the API cannot be used. Its figures are samples, refreshed every few seconds."""
-    vhost = urllib.parse.quote(params.virtual_host, safe="")
-    found = []
-    for queue in queues:
-        if not queue.exists:
-            found.append(queue)
-            continue
-        quoted = urllib.parse.quote(queue.name, safe="")
-        path = f"/api/queues/{vhost}/{quoted}?columns={_MANAGEMENT_COLUMNS}"
-        try:
-            data = _management_get(base_url, path, params, timeout)
-        except urllib.error.HTTPError as exc:
-            if exc.code != NOT_FOUND:
-                raise
-            found.append(queue)  # deleted since the passive declare: nothing more to add
-            continue
-        if not isinstance(data, dict):
-            # A queue declared moments ago has no sampled figures yet, and the plugin answers
-            # an empty list for the columns asked: nothing was delivered from it yet.
-            data = {}
-        stats = data.get("message_stats")
-        found.append(
-            replace(
-                queue,
-                unacked=int(data.get("messages_unacknowledged") or 0),
-                deliver_rate=_rate(stats, "deliver_get_details"),
-                redeliver_rate=_rate(stats, "redeliver_details"),
-            )
-        )
-    return tuple(found)
-
-
-def queues_from_amqp(
-    queues: Iterable[tuple[str, QueueKind, str | None]],
-    settings: MessagingSettings = messaging_settings,
-    timeout: float = DEFAULT_TIMEOUT,
-    *,
-    leftovers_of: Iterable[ConsumerSpec] = (),
-) -> tuple[QueueStatus, ...]:
-    """Read exact ready counts and consumers with passive declares, then the queues that
-    earlier shapes of ``leftovers_of`` left behind (kind ``leftover``). Raises
-    ``pika.exceptions.AMQPConnectionError`` when no broker URL can be reached."""
-    connection = connect(settings, "messaging_status", timeout=timeout)
-    try:
-        return _queues_on(connection, queues, settings, leftovers_of)
-    finally:
-        if connection.is_open:
-            connection.close()
-
-
-def _queues_on(
-    connection: pika.BlockingConnection,
-    queues: Iterable[tuple[str, QueueKind, str | None]],
-    settings: MessagingSettings,
-    leftovers_of: Iterable[ConsumerSpec],
-) -> tuple[QueueStatus, ...]:
-    found = []
-    channel = connection.channel()
-    for name, kind, consumer in queues:
-        try:
-            with expecting_not_found():
-                method = channel.queue_declare(name, passive=True).method
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            if exc.reply_code != NOT_FOUND:
-                raise
-            # The broker closes the channel on a failed passive declare. (A classic queue
-            # whose node is down answers 404 too: it cannot be read now.)
-            channel = connection.channel()
-            found.append(QueueStatus(name, kind, consumer, exists=False))
-            continue
-        found.append(
-            QueueStatus(
-                name,
-                kind,
-                consumer,
-                exists=True,
-                ready=int(method.message_count or 0),
-                consumers=int(method.consumer_count or 0),
-            )
-        )
-    found += [
-        QueueStatus(
-            leftover.queue,
-            "leftover",
-            leftover.spec.name,
-            exists=True,
-            ready=leftover.messages,
-            consumers=leftover.consumers,
-        )
-        for leftover in find_leftovers(connection, leftovers_of, settings)
-    ]
-    return tuple(found)
-
-
-def _secrets(settings: MessagingSettings, candidates: Iterable[pika.URLParameters]) -> list[str]:
-    """Every password of the broker URLs, as pika reads it and as redact_url hides it."""
-    found = [str(getattr(params.credentials, "password", "") or "") for params in candidates]
-    return found + [_redacted_part(url) for url in settings.broker_urls]
-
-
-def broker_status(
-    specs: Iterable[ConsumerSpec] | None = None,
-    *,
-    settings: MessagingSettings = messaging_settings,
-    management_url: str | None = None,
-    timeout: float = DEFAULT_TIMEOUT,
-) -> BrokerStatus:
-    """The queues of ``specs`` (default: every registered consumer) and their delay queues.
-    ``management_url`` overrides the management API's address; "" skips the API."""
-    shown = settings.broker_shown
-    try:
-        candidates = connection_parameters(settings, name="messaging_status")
-    except Exception as exc:  # noqa: BLE001 - pika raises several types for a bad URL
-        # The type only: pika's messages quote pieces of the URL, a password's among them.
-        error = f"the URL cannot be parsed ({type(exc).__name__})"
-        return BrokerStatus(shown, reachable=False, error=error)
-    secrets = _secrets(settings, candidates)
-    specs = list(registry.all() if specs is None else specs)
-    queues = monitored_queues(specs, settings)
-    try:
-        connection, params = connect_to_any(candidates, timeout=timeout)
-        try:
-            found = _queues_on(connection, queues, settings, specs)
-        finally:
-            if connection.is_open:
-                connection.close()
-    except (pika.exceptions.AMQPError, OSError) as exc:
-        detail = scrub(describe_error(exc), *secrets)
-        error = f"cannot connect to {shown}: {detail}"
-        return BrokerStatus(shown, reachable=False, error=error)
-    if management_url is None:
-        # The management API of the node that answered.
-        management_url = default_management_url(params)
-    if not management_url:
-        note = "the management API was skipped (no URL given)"
-    else:
-        # A --management-url given by hand may carry credentials of its own.
-        api = redact_url(management_url)
-        try:
-            found = with_management_figures(found, params, management_url, timeout)
-        except urllib.error.HTTPError as exc:
-            note = f"the management API at {api} answered HTTP {exc.code}"
-            if exc.code == UNAUTHORIZED:
-                note += " (its user needs the monitoring tag: rabbitmqctl set_user_tags)"
-        except (OSError, ValueError, http.client.HTTPException) as exc:
-            # URLError and timeouts are OSErrors; a port that does not speak HTTP raises an
-            # HTTPException; a body that is not JSON a ValueError.
-            detail = scrub(describe_error(exc), *secrets, _redacted_part(management_url))
-            note = f"the management API at {api} is unreachable ({detail})"
-        else:
-            return BrokerStatus(shown, reachable=True, management_api=True, queues=found)
-    return BrokerStatus(shown, reachable=True, queues=found, note=note)
-
-
-def broker_connection_error(
-    settings: MessagingSettings = messaging_settings, timeout: float = DEFAULT_TIMEOUT
-) -> str:
-    """Open and close one AMQP connection; "" when that worked, else why not. The text names
-    neither the host nor the user, and never the password: health endpoints may be public."""
-    try:
-        candidates = connection_parameters(settings, name="messaging_status")
-    except Exception as exc:  # noqa: BLE001 - pika raises several types for a bad URL
-        return f"the broker URL cannot be parsed ({type(exc).__name__})"
-    try:
-        connection, _ = connect_to_any(candidates, timeout=timeout)
-    except (pika.exceptions.AMQPError, OSError) as exc:
-        return scrub(describe_error(exc), *_secrets(settings, candidates))
-    if connection.is_open:
-        connection.close()
-    return ""
-
-
-# --------------------------------------------------------------------------- the database
-
-
-def database_status(using: str | None = None) -> DatabaseStatus:
-    """Outbox, dead-letter and inbox figures; ``reachable=False`` with the error when the
-    database cannot be queried. On PostgreSQL the inbox's rows are estimated, as the metrics
-    do: counting a billion rows would take minutes."""
-    using = using or router.db_for_read(OutboxMessage)
-    try:
-        outbox = OutboxMessage.objects.using(using)
-        dead = (
-            DeadLetter.objects.using(using)
-            .dead()
-            .values("consumer", "reason")
-            .annotate(count=Count("id"))
-            .order_by("consumer", "reason")
-        )
-        pending = outbox.pending().count()
-        inbox = inbox_rows(using)
-        return DatabaseStatus(
-            alias=using,
-            reachable=True,
-            outbox_pending=pending,
-            outbox_failed=outbox.failed().count(),
-            outbox_unrouted=outbox.filter(status=OutboxStatus.UNROUTED).count(),
-            outbox_lag=outbox_lag(using) if pending else None,
-            dead_letters=tuple(
-                DeadLetterCount(row["consumer"], row["reason"], row["count"]) for row in dead
-            ),
-            inbox_rows=round(inbox[0]),
-            inbox_estimated=inbox[1],
-        )
-    except DatabaseError as exc:
-        # Closed so the next attempt (a health probe in a long-lived process) starts afresh;
-        # left alone inside a caller's transaction, which is the caller's to end.
-        if not connections[using].in_atomic_block:
-            connections[using].close()
-        return DatabaseStatus(alias=using, reachable=False, error=describe_error(exc))
-
-
 # --------------------------------------------------------------------------- the verdict
+
+
+def outbox_lag_problem(lag: float | None, limit: float | None) -> Problem | None:
+    """The problem when the oldest pending outbox row (``lag`` seconds old; None when nothing
+    is pending) is older than ``limit`` (None: not judged); None when it is not."""
+    if lag is None or not _over(lag, limit):
+        return None
+    return Problem(
+        "max_outbox_lag",
+        f"the oldest pending outbox row is {lag:,.0f} s old (limit {limit or 0:g} s): is a "
+        "relay running, and can it publish?",
+    )
 
 
 def find_problems(
@@ -555,16 +229,9 @@ def find_problems(
     unreachable broker or database is reported as such (exit code 2)."""
     found: list[Problem] = []
     if database.reachable:
-        lag = database.outbox_lag
-        if _over(lag, thresholds.max_outbox_lag):
-            found.append(
-                Problem(
-                    "max_outbox_lag",
-                    f"the oldest pending outbox row is {lag:,.0f} s old (limit "
-                    f"{thresholds.max_outbox_lag or 0:g} s): is a relay running, and can it "
-                    "publish?",
-                )
-            )
+        lagging = outbox_lag_problem(database.outbox_lag, thresholds.max_outbox_lag)
+        if lagging is not None:
+            found.append(lagging)
         if _over(database.outbox_failed, thresholds.max_outbox_failed):
             found.append(
                 Problem(
@@ -641,4 +308,83 @@ def collect_status(
         database=database,
         thresholds=thresholds,
         problems=tuple(find_problems(broker, database, thresholds)),
+    )
+
+
+# --------------------------------------------------------------------------- health endpoints
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One check of a health endpoint: whether it passed, and what was found, in words."""
+
+    ok: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    """What a ``/healthz`` answers: 200 when nothing is wrong, else 503 with the reasons.
+
+    ``checks`` (by name) are shown when the endpoint judged several things (the web process's
+    ``messaging/healthz/``); ``notes`` are what an operator should know while the answer is
+    still 200 (a consume or relay process blocked by a resource alarm, say)."""
+
+    reasons: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    checks: tuple[tuple[str, CheckResult], ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.reasons
+
+    @property
+    def http_status(self) -> int:
+        return 200 if self.ok else 503
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON body: ``status`` ("ok" or "unhealthy"), ``checks`` when there are any,
+        ``reasons`` when unhealthy, ``notes`` when there are any."""
+        body: dict[str, Any] = {"status": "ok" if self.ok else "unhealthy"}
+        if self.checks:
+            body["checks"] = {
+                name: {"ok": result.ok, "detail": result.detail} for name, result in self.checks
+            }
+        if self.reasons:
+            body["reasons"] = list(self.reasons)
+        if self.notes:
+            body["notes"] = list(self.notes)
+        return body
+
+
+def outbox_lag_check(lag: float, limit: float) -> CheckResult:
+    """The outbox-lag check of ``messaging/healthz/``: failed when the oldest pending outbox
+    row has waited more than ``limit`` seconds (``lag`` is 0 when nothing is pending)."""
+    if _over(lag, limit):
+        return CheckResult(
+            False,
+            f"the oldest pending outbox row waits for {lag:.0f}s (limit {limit:.0f}s): "
+            f"is a relay running and connected?",
+        )
+    return CheckResult(True, f"oldest pending outbox row waits {lag:.1f}s")
+
+
+def system_health(checks: Mapping[str, CheckResult]) -> HealthReport:
+    """The verdict on the whole system from the checks an endpoint ran: unhealthy when any
+    failed, with their details as the reasons."""
+    return HealthReport(
+        reasons=tuple(result.detail for result in checks.values() if not result.ok),
+        checks=tuple(checks.items()),
+    )
+
+
+def process_health(health: HealthCheck) -> HealthReport:
+    """The verdict on one consume or relay process, from what it recorded (its
+    :class:`.liveness.HealthState`, or a group of them): the reasons it gives for being
+    unhealthy, and its notes."""
+    ok, reasons = health.check()
+    notes = getattr(health, "notes", None)
+    return HealthReport(
+        reasons=() if ok else tuple(reasons) or ("unhealthy",),
+        notes=tuple(notes()) if notes is not None else (),
     )

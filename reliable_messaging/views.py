@@ -2,15 +2,18 @@
 
 Mount them with ``path("messaging/", include("reliable_messaging.urls"))``:
 
-- ``metrics/``: the gauges :class:`~reliable_messaging.metrics.DatabaseCollector` reads at each
-  scrape (outbox backlog and lag, failed rows, dead letters, inbox size) and the queue gauges
-  :class:`~reliable_messaging.metrics.BrokerCollector` reads from the broker (messages ready and
-  consumers attached, per queue of every registered consumer; kept 5 s between reads). The
-  consume and relay processes export their own counters on ``--metrics-port``; these system
-  gauges come from here only, so they are not scraped once per process.
+- ``metrics/``: the gauges :class:`~reliable_messaging.collectors.DatabaseCollector` reads at
+  each scrape (outbox backlog and lag, failed rows, dead letters, inbox size) and the queue
+  gauges :class:`~reliable_messaging.collectors.BrokerCollector` reads from the broker
+  (messages ready and consumers attached, per queue of every registered consumer; kept 5 s
+  between reads). The consume and relay processes export their own counters on
+  ``--metrics-port``; these system gauges come from here only, so they are not scraped once
+  per process.
 - ``healthz/``: 200 when the database answers, the broker accepts a connection (within
   ``BROKER_TIMEOUT``) and the oldest pending outbox row is younger than ``max_outbox_lag``
-  seconds; 503 with the reasons otherwise. It judges the messaging system, not this web
+  seconds (default :data:`~reliable_messaging.status.OUTBOX_LAG_LIMIT`, 300); 503 with the
+  reasons otherwise. The checks are run here; the verdict and the body are
+  :mod:`.status`'s, as for every health endpoint. It judges the messaging system, not this web
   process: use it for monitoring or a readiness gate, not as a liveness probe that restarts
   web servers because a relay is down. Tune the lag with a URL keyword argument, e.g.
   ``path("healthz/", views.healthz, {"max_outbox_lag": 60})``.
@@ -32,7 +35,6 @@ import hmac
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from django.db import DatabaseError, connections, router, transaction
@@ -48,13 +50,14 @@ from django.views.decorators.http import require_GET
 from prometheus_client import CollectorRegistry
 from prometheus_client.django import PrometheusDjangoView
 
+from .collectors import BrokerCollector, DatabaseCollector, broker_connection_error, outbox_lag
 from .conf import messaging_settings
-from .metrics import BrokerCollector, DatabaseCollector, outbox_lag
 from .models import OutboxMessage
-from .status import broker_connection_error
+from .status import OUTBOX_LAG_LIMIT, CheckResult, outbox_lag_check, system_health
 
-MAX_OUTBOX_LAG = 300.0
-"""Seconds the oldest pending outbox row may wait before ``healthz/`` reports it."""
+MAX_OUTBOX_LAG = OUTBOX_LAG_LIMIT
+"""Seconds the oldest pending outbox row may wait before ``healthz/`` reports it (declared
+once, in :mod:`.status`)."""
 
 BROKER_TIMEOUT = 2.0
 """Seconds ``healthz/`` waits for the broker to accept a connection."""
@@ -109,12 +112,6 @@ class SystemMetricsView(PrometheusDjangoView):
 metrics = transaction.non_atomic_requests(never_cache(ops_access(SystemMetricsView.as_view())))
 
 
-@dataclass(frozen=True)
-class CheckResult:
-    ok: bool
-    detail: str
-
-
 # The details name no host, user or password, nor a database error's text: a health endpoint
 # may be reachable by anyone. The logs of the processes have the particulars.
 
@@ -166,13 +163,7 @@ def check_outbox_lag(using: str, max_lag: float) -> CheckResult:
         lag = outbox_lag(using)
     except DatabaseError as exc:
         return CheckResult(False, f"the outbox cannot be read ({type(exc).__name__})")
-    if lag > max_lag:
-        return CheckResult(
-            False,
-            f"the oldest pending outbox row waits for {lag:.0f}s (limit {max_lag:.0f}s): "
-            f"is a relay running and connected?",
-        )
-    return CheckResult(True, f"oldest pending outbox row waits {lag:.1f}s")
+    return outbox_lag_check(lag, max_lag)
 
 
 @transaction.non_atomic_requests
@@ -184,11 +175,5 @@ def healthz(request: HttpRequest, max_outbox_lag: float = MAX_OUTBOX_LAG) -> Htt
     checks = {"database": check_database(using), "broker": RECENT_BROKER_CHECK.get()}
     if checks["database"].ok:
         checks["outbox_lag"] = check_outbox_lag(using, max_outbox_lag)
-    reasons = [result.detail for result in checks.values() if not result.ok]
-    body: dict[str, object] = {
-        "status": "unhealthy" if reasons else "ok",
-        "checks": {name: {"ok": r.ok, "detail": r.detail} for name, r in checks.items()},
-    }
-    if reasons:
-        body["reasons"] = reasons
-    return JsonResponse(body, status=503 if reasons else 200)
+    report = system_health(checks)
+    return JsonResponse(report.as_dict(), status=report.http_status)

@@ -6,7 +6,7 @@ from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
 
-from reliable_messaging.metrics import HealthCheck
+from reliable_messaging.liveness import HealthCheck
 from reliable_messaging.ops_http import OpsServer, start_ops_server
 
 

@@ -4,6 +4,8 @@ reads them (the default registry, or a registry holding the collector)."""
 from __future__ import annotations
 
 import datetime as dt
+import subprocess
+import sys
 
 import pytest
 from django.db import connection, transaction
@@ -11,12 +13,9 @@ from django.utils import timezone
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from reliable_messaging import metrics
-from reliable_messaging.metrics import (
-    DatabaseCollector,
-    HealthCollector,
-    HealthGroup,
-    HealthState,
-)
+from reliable_messaging.collectors import DatabaseCollector
+from reliable_messaging.liveness import HealthGroup, HealthState
+from reliable_messaging.metrics import HealthCollector
 from reliable_messaging.models import (
     DeadLetter,
     DeadLetterReason,
@@ -25,6 +24,7 @@ from reliable_messaging.models import (
     OutboxStatus,
     ProcessedMessage,
 )
+from tests.support import ROOT
 
 from .conftest import sample
 
@@ -278,3 +278,37 @@ def test_a_database_error_during_a_scrape_exports_database_up_zero(
     assert "metrics: cannot read the database" in caplog.text
     # And the next scrape is whole again.
     assert registry.get_sample_value("reliable_messaging_database_up") == 1
+
+
+# -- what importing the counters costs -----------------------------------------------------------
+
+
+def test_the_counters_and_liveness_import_no_reader_and_no_status() -> None:
+    """A consume or relay process imports metrics and liveness; neither may pull in the ORM
+    readers, the status report, pika or Django's ORM (nor need Django set up). The names that
+    moved to collectors still resolve from metrics, on first use."""
+    script = (
+        "import sys\n"
+        "import reliable_messaging.liveness, reliable_messaging.metrics\n"
+        "heavy = ['reliable_messaging.collectors', 'reliable_messaging.status', "
+        "'reliable_messaging.models', 'pika', 'django.db.models']\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+    from reliable_messaging import collectors
+
+    for name in ("DatabaseCollector", "BrokerCollector", "outbox_lag", "inbox_rows"):
+        assert getattr(metrics, name) is getattr(collectors, name)
+    assert metrics.HealthState is HealthState
+    with pytest.raises(AttributeError):
+        metrics.no_such_name  # the access is the test

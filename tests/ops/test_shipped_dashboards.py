@@ -14,14 +14,12 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 import reliable_messaging
 from reliable_messaging import metrics
-from reliable_messaging.metrics import (
-    BrokerCollector,
-    DatabaseCollector,
-    HealthCollector,
-    HealthState,
-)
+from reliable_messaging.collectors import BrokerCollector, DatabaseCollector
+from reliable_messaging.liveness import HealthState
+from reliable_messaging.metrics import HealthCollector
 from reliable_messaging.models import DeadLetter, DeadLetterReason
 from reliable_messaging.registry import ConsumerSpec
+from reliable_messaging.status import OUTBOX_LAG_LIMIT
 from reliable_messaging.topology import declare_topology
 from tests.support import broker_connection
 
@@ -113,6 +111,15 @@ def test_alert_rules_cover_the_operational_risks() -> None:
     assert "reliable_messaging_queue_messages_ready" in not_consumed
     assert "reliable_messaging_queue_consumers" in not_consumed and "== 0" in not_consumed
     assert 'kind="leftover"' in expressions["ReliableMessagingLeftoverQueueHoldsMessages"]
+
+
+def test_the_outbox_lag_alert_uses_the_limit_the_probes_judge() -> None:
+    """The alert fires past the lag ``messaging_status`` and ``messaging/healthz/`` fail at
+    (declared once, in reliable_messaging.status): an operator sees one number."""
+    expr = {rule["alert"]: rule["expr"] for rule in alert_rules()}["ReliableMessagingOutboxLag"]
+    assert expr == (
+        f"max(reliable_messaging_outbox_oldest_pending_age_seconds) > {OUTBOX_LAG_LIMIT:g}"
+    )
 
 
 def test_alert_rules_name_only_exported_metrics(exported: set[str]) -> None:

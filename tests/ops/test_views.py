@@ -16,8 +16,8 @@ from django.urls import reverse
 from django.utils import timezone
 
 from reliable_messaging import publish, views
+from reliable_messaging.collectors import BrokerCollector
 from reliable_messaging.conf import messaging_settings
-from reliable_messaging.metrics import BrokerCollector
 from reliable_messaging.models import OutboxMessage
 from reliable_messaging.registry import ConsumerSpec, registry
 from reliable_messaging.topology import declare_topology, delay_exchange_name

@@ -478,7 +478,7 @@ def test_the_inbox_is_estimated_on_postgresql_not_counted() -> None:
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
-    from reliable_messaging import metrics
+    from reliable_messaging import collectors
     from reliable_messaging.status import database_status
 
     ProcessedMessage.objects.bulk_create(
@@ -488,7 +488,7 @@ def test_the_inbox_is_estimated_on_postgresql_not_counted() -> None:
         cursor.execute(f"ANALYZE {ProcessedMessage._meta.db_table}")
     ProcessedMessage.objects.filter(message_id__in=[f"m{n}" for n in range(100)]).delete()
     with (
-        mock.patch.object(metrics, "COUNT_INBOX_UP_TO", 50),
+        mock.patch.object(collectors, "COUNT_INBOX_UP_TO", 50),
         CaptureQueriesContext(connection) as queries,
     ):
         figures = database_status()

@@ -1,0 +1,132 @@
+"""What a long-running process reports about itself on ``/healthz``.
+
+A ``consume`` or ``relay`` process records here what it sees as it works (the broker connected
+or not, the database failing, a heartbeat from its main loop, notes such as publishing blocked
+by a resource alarm), and ``/healthz`` (:mod:`.ops_http`) and the ``reliable_messaging_healthy``
+gauge (:class:`.metrics.HealthCollector`) ask :meth:`HealthState.check`.
+
+Standard library only (and, like :mod:`.metrics`, neither Django nor pika): the consumer and
+the relay import it without pulling in the ORM readers or the status report
+(:mod:`.collectors`, :mod:`.status`), which read the whole system rather than one process. The
+rules for one process's liveness (stopping, the broker, the database, a stalled main loop) stay
+next to the state they read, because the processes that hold the state must not import the
+status report; :mod:`.status` renders the answer (:func:`.status.process_health`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+
+class HealthCheck(Protocol):
+    """Anything ``/healthz`` can ask: (healthy, the reasons it is not, in words)."""
+
+    def check(self) -> tuple[bool, list[str]]: ...
+
+
+class HealthState:
+    """What a long-running process knows about its own health; thread-safe.
+
+    The process reports broker and database state as it sees them and calls :meth:`heartbeat`
+    from its main loop at least every second. :meth:`check` is what ``/healthz`` answers: not
+    healthy while the broker is disconnected, the database failing, the process stopping, or
+    when no heartbeat came for ``stall_after`` seconds (a loop stuck in a call that never
+    returns looks alive from outside; only a missing heartbeat tells).
+    """
+
+    def __init__(
+        self, stall_after: float = 30.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.stall_after = stall_after
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._broker_connected = False
+        self._database_ok = True
+        self._database_detail: str | None = None
+        self._last_heartbeat = clock()
+        self._stopping = False
+        # More reasons to be unhealthy, asked at each check (handlers past their time limit).
+        self._problems: list[Callable[[], list[str]]] = []
+        # What an operator should know while the process stays healthy (publishing blocked by
+        # an alarm, a queue on a node that is down), by key.
+        self._notes: dict[str, str] = {}
+
+    def add_problem_source(self, source: Callable[[], list[str]]) -> None:
+        """``source()`` returns reasons the process is unhealthy now (empty when it is not)."""
+        with self._lock:
+            self._problems.append(source)
+
+    def set_broker(self, connected: bool) -> None:
+        with self._lock:
+            self._broker_connected = connected
+
+    def note(self, key: str, text: str | None) -> None:
+        """Set (or with None, clear) a note ``/healthz`` shows without failing: the process
+        works, and restarting it would not help."""
+        with self._lock:
+            if text is None:
+                self._notes.pop(key, None)
+            else:
+                self._notes[key] = text
+
+    def notes(self) -> list[str]:
+        with self._lock:
+            return list(self._notes.values())
+
+    def set_database(self, ok: bool, detail: str | None = None) -> None:
+        with self._lock:
+            self._database_ok = ok
+            self._database_detail = None if ok else detail
+
+    def heartbeat(self) -> None:
+        with self._lock:
+            self._last_heartbeat = self._clock()
+
+    def stopping(self) -> None:
+        with self._lock:
+            self._stopping = True
+
+    def check(self) -> tuple[bool, list[str]]:
+        """(healthy, the reasons it is not, in words)."""
+        with self._lock:
+            reasons: list[str] = []
+            if self._stopping:
+                reasons.append("stopping")
+            if not self._broker_connected:
+                reasons.append("broker not connected")
+            if not self._database_ok:
+                detail = f": {self._database_detail}" if self._database_detail else ""
+                reasons.append(f"database failing{detail}")
+            silent = self._clock() - self._last_heartbeat
+            if silent > self.stall_after:
+                reasons.append(f"no heartbeat for {silent:.0f}s: the main loop looks stuck")
+            sources = list(self._problems)
+        for source in sources:
+            reasons.extend(source())
+        return not reasons, reasons
+
+
+class HealthGroup:
+    """Several :class:`HealthState` seen as one, healthy when all are (one per relay lane)."""
+
+    def __init__(self, members: Mapping[str, HealthCheck]) -> None:
+        self.members = dict(members)
+
+    def check(self) -> tuple[bool, list[str]]:
+        reasons: list[str] = []
+        for name, member in self.members.items():
+            ok, why = member.check()
+            if not ok:
+                reasons.extend(f"{name}: {reason}" for reason in why)
+        return not reasons, reasons
+
+    def notes(self) -> list[str]:
+        found: list[str] = []
+        for name, member in self.members.items():
+            notes = getattr(member, "notes", None)
+            if notes is not None:
+                found.extend(f"{name}: {note}" for note in notes())
+        return found
