@@ -9,6 +9,9 @@ so a lost one costs at most a poll interval.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
 
 from django.db import connections
 
@@ -66,3 +69,83 @@ class OutboxListener:
             self.connection.close()
         except Exception:
             logger.debug("error closing the LISTEN connection", exc_info=True)
+
+
+class Loop(Protocol):
+    """The I/O loop a listener's socket is watched by (a :class:`ConfirmingPublisher`)."""
+
+    def watch_readable(self, fd: int, callback: Callable[[], None]) -> None: ...
+
+    def unwatch(self, fd: int) -> None: ...
+
+
+class WakeUps:
+    """The relay's LISTEN connection on its I/O loop: opened (and opened again after a failure)
+    by :meth:`look_after`, it calls ``wake`` after each batch of notifications. While it is
+    down the relay polls; with psycopg 3 missing it says so once and polls for good."""
+
+    def __init__(self, using: str, enabled: bool, poll_interval: float) -> None:
+        self.using = using
+        self.enabled = enabled
+        self.poll_interval = poll_interval
+        self._listener: OutboxListener | None = None
+        self._loop: Loop | None = None
+        self._retry_at = 0.0
+
+    @property
+    def listening(self) -> bool:
+        return self._listener is not None
+
+    def look_after(self, loop: Loop, wake: Callable[[], None]) -> None:
+        """Open the LISTEN connection on ``loop`` if it is not open and its retry is due."""
+        if not self.enabled or self._listener is not None or time.monotonic() < self._retry_at:
+            return
+        try:
+            listener = OutboxListener(self.using)
+        except ImportError as exc:
+            # Not going to change while this process runs: say it once and poll from now on.
+            self.enabled = False
+            logger.warning(
+                "relay: cannot LISTEN for new outbox rows (%s): psycopg 3 is needed for it; "
+                'pip install "reliable-messaging[postgres]". Polling every %ss meanwhile',
+                exc,
+                self.poll_interval,
+            )
+            return
+        except Exception as exc:  # noqa: BLE001 - any failure: poll and try again later
+            self._retry_at = time.monotonic() + 5
+            logger.warning(
+                "relay: cannot LISTEN for new outbox rows (%s); polling every %ss",
+                exc,
+                self.poll_interval,
+            )
+            return
+        self._listener, self._loop = listener, loop
+        loop.watch_readable(listener.fileno(), lambda: self._on_readable(wake))
+
+    def _on_readable(self, wake: Callable[[], None]) -> None:
+        listener = self._listener
+        if listener is None:
+            return
+        try:
+            listener.drain()
+        except Exception as exc:  # noqa: BLE001 - the database went away: poll meanwhile
+            logger.warning("relay: LISTEN connection lost (%s); polling until it is back", exc)
+            self.close()
+            self._retry_at = time.monotonic() + 1
+            return
+        wake()
+
+    def close(self, retry_at_once: bool = False) -> None:
+        """Close the LISTEN connection. Each broker connection has its own I/O loop, and the
+        socket is watched by the loop it was added to: the relay closes it with the old loop
+        (``retry_at_once``) and the new loop opens a fresh one. (Kept, it would sit on a loop
+        that no longer runs: no wake-ups, and notifications piling up unread.)"""
+        listener, loop, self._listener, self._loop = self._listener, self._loop, None, None
+        if retry_at_once:
+            self._retry_at = 0.0
+        if listener is None:
+            return
+        if loop is not None:
+            loop.unwatch(listener.fileno())
+        listener.close()

@@ -55,10 +55,12 @@ Each relay counts what it does in :mod:`.metrics` and reports to a
 :class:`~reliable_messaging.metrics.HealthState` (broker, database, a heartbeat from the I/O
 loop) that ``--metrics-port`` serves as ``/healthz``.
 
-Where the parts live: this module is the transport (pika's callbacks, timers, flow control);
-:mod:`.relay_claims` runs every query (claim, lease, record) on the threads of
-:mod:`.relay_workers`; :mod:`.relay_batches` keeps a batch's confirms; :mod:`.outbox_listener`
-LISTENs; :mod:`.exchange_probe` checks exchanges; :mod:`.relay_lanes` runs several relays.
+Where the parts live: this module decides (what to claim when, what a confirm means, when to
+stop); :mod:`.confirming_publisher` is the transport (pika's ``SelectConnection``, its callbacks
+and timers); :mod:`.relay_claims` runs every query (claim, lease, record) on the threads of
+:mod:`.relay_workers`; :mod:`.relay_batches` keeps a batch's confirms and says which rows a
+refusal is about; :mod:`.outbox_listener` LISTENs; :mod:`.exchange_probe` checks exchanges;
+:mod:`.relay_lanes` runs several relays.
 """
 
 from __future__ import annotations
@@ -66,39 +68,30 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import logging
-import struct
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-import pika
-import pika.channel
-import pika.exceptions
 from django.db import DatabaseError, connections, router
-from pika.spec import Basic, BasicProperties
 
 from . import metrics
-from .amqp_replies import NOT_FOUND
 from .backoff import Backoff
 from .conf import MessagingSettings, messaging_settings
+from .confirming_publisher import (
+    ChannelClosed,
+    ConfirmingPublisher,
+    Returned,
+    Unencodable,
+)
 from .exchange_probe import ExchangeProbe
 from .metrics import HealthState
 from .models import OutboxMessage
-from .outbox_listener import OutboxListener
-from .relay_batches import (
-    OUTBOX_ID_HEADER,
-    Batch,
-    message_properties,
-    missing_exchange,
-    refused_rows,
-)
+from .outbox_listener import WakeUps
+from .relay_batches import OUTBOX_ID_HEADER, Batch, charge_refusal, message_headers
 from .relay_claims import Claim, ClaimTransaction, OutboxClaims
 from .relay_workers import DatabaseWorker
 from .routing import topic_matches
-from .topology import connection_parameters
-from .write_coalescing import coalesce_writes
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +142,10 @@ class RelayReport:
 
 
 class OutboxRelay:
-    """Publishes the outbox until stopped; with ``once`` until nothing is pending."""
+    """Publishes the outbox until stopped; with ``once`` until nothing is pending.
+
+    The events of its :class:`ConfirmingPublisher` (``on_ready``, ``on_confirm``, ...) and its
+    timers run on the I/O loop; the ``*_job`` methods run on a database worker."""
 
     def __init__(
         self,
@@ -167,26 +163,25 @@ class OutboxRelay:
         self.once = once
         self.deadline = None if max_seconds is None else time.monotonic() + max_seconds
         self.using = router.db_for_write(OutboxMessage)
-        self.listen = listen and connections[self.using].vendor == "postgresql"
         self.on_batch = on_batch
         self.health = health if health is not None else HealthState()
         self.report = RelayReport()
         self._stop_requested = False
         self._finished = False
         self._blocked = False  # the broker sent connection.blocked on the current connection
-        self._connection: pika.SelectConnection | None = None
-        self._channel: pika.channel.Channel | None = None
-        self._next_tag = 1
+        self.publisher = ConfirmingPublisher(settings, self, name="relay")
         self._batches: list[Batch] = []  # in flight, oldest first
         # Rows stay leased this long after a claim: the confirm timeout and a margin to record
         # the outcome. A batch that takes longer (a broker block) has its lease renewed.
         self.lease_seconds = settings.relay_confirm_timeout + LEASE_MARGIN
         # The database side: claims, leases and records, run on the database workers.
         self.claims = OutboxClaims(
+            self.using, settings, self.batch_size, lease=dt.timedelta(seconds=self.lease_seconds)
+        )
+        self.wake_ups = WakeUps(
             self.using,
-            settings,
-            self.batch_size,
-            lease=dt.timedelta(seconds=self.lease_seconds),
+            enabled=listen and connections[self.using].vendor == "postgresql",
+            poll_interval=settings.relay_poll_interval,
         )
         self._next_sweep = 0.0  # monotonic time of the next release_parked sweep
         self._sweep_after: int | None = None  # where the sweep's pass goes on
@@ -194,15 +189,16 @@ class OutboxRelay:
         self._workers: list[DatabaseWorker] = []
         self._look_again = False  # a claim was asked for while one was under way
         self._tick_at = 0.0  # monotonic time the pending tick timer fires
-        self._tick_timer: Any = None
-        self._watch_timer: Any = None
-        self._listener: OutboxListener | None = None
-        self._listener_retry_at = 0.0
+        self._tick_timer: object = None
+        self._watch_timer: object = None
         self._probe = ExchangeProbe(settings)
         self._reconnect = Backoff(0.5, settings.reconnect_max_delay)
-        # Broker URLs not yet tried in this round of connects (see _next_broker).
-        self._brokers: list[pika.URLParameters] = []
         self._db_backoff = Backoff(0.5, settings.reconnect_max_delay)
+
+    @property
+    def listen(self) -> bool:
+        """Whether the relay wakes on NOTIFY (PostgreSQL, psycopg 3) rather than only polls."""
+        return self.wake_ups.enabled
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -215,32 +211,14 @@ class OutboxRelay:
         name = threading.current_thread().name
         self._workers = [DatabaseWorker(f"{name}-db{i}") for i in range(MAX_IN_FLIGHT)]
         try:
-            while not (self._finished or self._stop_requested or self._past_deadline()):
-                # Each connection runs its own I/O loop, and the LISTEN socket is watched by
-                # the loop it was added to: drop it with the old loop, and _watch opens a
-                # fresh one on the new loop. (Kept, it would sit on a loop that no longer
-                # runs: no wake-ups, and notifications piling up unread.)
-                self._close_listener()
-                self._listener_retry_at = 0.0
-                self._connection = pika.SelectConnection(
-                    self._next_broker(),
-                    on_open_callback=self.on_connection_open,
-                    on_open_error_callback=self.on_connection_open_error,
-                    on_close_callback=self.on_connection_closed,
-                )
-                try:
-                    self._connection.ioloop.start()
-                except Exception:
-                    # A callback failed in a way nothing above handled (a channel closing under
-                    # a publish, say). Never die for it: roll back, reconnect, go on.
-                    logger.exception("relay: unexpected error; reconnecting")
-                    self._abort_batches("unexpected error")
-                    self._close_quietly()
+            while not self._done():
+                self.wake_ups.close(retry_at_once=True)  # a new loop gets a LISTEN of its own
+                self.publisher.run()
                 self._after_loop()
-                if self._finished or self._stop_requested or self._past_deadline():
+                if self._done():
                     break
                 # Another node of the list is tried at once; the backoff is for a whole round.
-                wait = 0.1 if self._brokers else self._reconnect.next()
+                wait = 0.1 if self.publisher.more_brokers else self._reconnect.next()
                 logger.warning(
                     "relay: broker %s unavailable; reconnecting in %.1fs",
                     self.settings.broker_shown,
@@ -249,13 +227,18 @@ class OutboxRelay:
                 self._sleep(wait)
         finally:
             self.health.stopping()
-            self._close_listener()
+            self.wake_ups.close()
             self._probe.close()
             self._after_loop()
             for worker in self._workers:
                 worker.close()
-        self._count_left()
+        counts = self.claims.backlog()
+        if counts is not None:
+            (self.report.left_pending, self.report.left_retrying, self.report.left_failed) = counts
         return self.report
+
+    def _done(self) -> bool:
+        return self._finished or self._stop_requested or self._past_deadline()
 
     def _after_loop(self) -> None:
         """A connection's loop ended: let the database workers finish what they were given
@@ -267,42 +250,16 @@ class OutboxRelay:
             worker.claiming = False
             worker.batch = None
             if claimed is not None and claimed.transaction is not None:
-                worker.submit(functools.partial(self._roll_back, claimed.transaction))
+                worker.submit(functools.partial(self._roll_back_job, claimed.transaction))
                 worker.drain()
 
     @staticmethod
-    def _roll_back(held: ClaimTransaction) -> None:
+    def _roll_back_job(held: ClaimTransaction) -> None:
         """Database worker: end a claim's transaction without a trace: its rows are due."""
         try:
             held.rollback(RuntimeError("not published"))
         except DatabaseError:
             logger.debug("rolling back an unpublished claim failed", exc_info=True)
-
-    def _post(self, callback: Callable[[], None]) -> None:
-        """From the database worker: run ``callback`` on the I/O loop. Lost when the loop has
-        ended, which :meth:`_after_loop` accounts for."""
-        connection = self._connection
-        if connection is not None:
-            try:
-                connection.ioloop.add_callback_threadsafe(callback)
-            except Exception:
-                logger.debug("the I/O loop is gone; dropping a callback", exc_info=True)
-
-    def _next_broker(self) -> pika.URLParameters:
-        """The broker URL to try next: each connect takes the next one of a shuffled list, so
-        a node that is down costs one attempt and the next connect goes elsewhere."""
-        if not self._brokers:
-            self._brokers = connection_parameters(self.settings, name="relay")
-        return self._brokers.pop()
-
-    def _close_quietly(self) -> None:
-        connection, self._connection, self._channel = self._connection, None, None
-        if connection is not None and connection.is_open:
-            try:
-                connection.close()
-                connection.ioloop.start()  # runs until on_connection_closed stops it
-            except Exception:
-                logger.debug("closing a broken relay connection failed", exc_info=True)
 
     def _past_deadline(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
@@ -313,45 +270,9 @@ class OutboxRelay:
             self.health.heartbeat()  # waiting to reconnect is alive, not stuck
             time.sleep(min(0.2, end - time.monotonic()))
 
-    def _count_left(self) -> None:
-        counts = self.claims.backlog()
-        if counts is not None:
-            (self.report.left_pending, self.report.left_retrying, self.report.left_failed) = counts
+    # -- what the broker says (PublisherEvents) ----------------------------------------------
 
-    def on_connection_open(self, connection: pika.SelectConnection) -> None:
-        connection.add_on_connection_blocked_callback(self.on_connection_blocked)
-        connection.add_on_connection_unblocked_callback(self.on_connection_unblocked)
-        connection.channel(on_open_callback=self.on_channel_open)
-
-    def on_connection_open_error(
-        self, connection: pika.SelectConnection, error: BaseException | str
-    ) -> None:
-        logger.warning("relay: cannot connect to %s: %s", self.settings.broker_shown, error)
-        self.health.set_broker(False)
-        connection.ioloop.stop()
-
-    def on_connection_closed(
-        self, connection: pika.SelectConnection, reason: BaseException
-    ) -> None:
-        self._channel = None
-        self.health.set_broker(False)
-        self._set_blocked(False)
-        self._abort_batches(f"connection closed: {reason}")
-        self._cancel_timers(connection)
-        if not (self._finished or self._stop_requested):
-            logger.warning("relay: broker connection closed: %s", reason)
-        connection.ioloop.stop()
-
-    def on_channel_open(self, channel: pika.channel.Channel) -> None:
-        self._channel = channel
-        self._next_tag = 1
-        channel.add_on_close_callback(self.on_channel_closed)
-        channel.add_on_return_callback(self.on_return)
-        channel.confirm_delivery(
-            ack_nack_callback=self.on_delivery_confirmation, callback=self.on_confirm_mode
-        )
-
-    def on_confirm_mode(self, frame: Any) -> None:
+    def on_ready(self) -> None:
         logger.info(
             "relay: publishing the outbox to %s with confirms (batch size %d%s)",
             self.settings.broker_shown,
@@ -363,65 +284,41 @@ class OutboxRelay:
         self._watch()
         self._schedule_tick(0)
 
-    def on_channel_closed(self, channel: pika.channel.Channel, reason: BaseException) -> None:
-        self._channel = None
-        batches = self._batches
-        if (
-            batches
-            and isinstance(reason, pika.exceptions.ChannelClosedByBroker)
-            and reason.reply_code == NOT_FOUND
-        ):
-            # Publishing to an exchange that does not exist closes the channel. Charge the rows
-            # bound for it; the rest of the batches are due again, untouched.
-            missing = missing_exchange(str(reason.reply_text))
-            refused = 0
-            for batch in batches:
-                for row in batch.unconfirmed():
-                    if row.exchange == missing:
-                        batch.errors[row.pk] = f"exchange {missing!r} does not exist"
-                        refused += 1
-            if not refused:  # a 404 about something else: charge the row it came at
-                for batch, row in refused_rows(batches, str(reason.reply_text)):
-                    batch.errors[row.pk] = f"the broker closed the channel: {reason}"[:2000]
-                    refused += 1
-            metrics.relay_failed("refused", refused)
-            self._probe.forget(missing)
-            self._finish_all()
-        elif batches and isinstance(reason, pika.exceptions.ChannelClosedByBroker):
-            # The broker refused a publish (403: no write permission, an internal exchange;
-            # 406: a body over max_message_size, ...) and closed the channel at it. Sending
-            # the same rows again at once would hit the same wall forever: rows before it
-            # re-sent many times a second, rows after it never. So charge the row it was
-            # about, with backoff, and keep what was confirmed: the rows after it go out in
-            # the next batch, and OUTBOX_MAX_ATTEMPTS retires the culprit.
-            culprits = refused_rows(batches, str(reason.reply_text))
-            error = f"the broker closed the channel: {reason.reply_code} {reason.reply_text}"
-            for batch, row in culprits:
-                batch.errors[row.pk] = error[:2000]
-            metrics.relay_failed("refused", len(culprits))
-            self._finish_all()
-        else:
-            self._abort_batches(f"channel closed: {reason}")
-        connection = self._connection
-        if connection is not None and connection.is_open and not self._finished:
-            logger.warning("relay: channel closed (%s); opening a new one", reason)
-            self._cancel_timers(connection)
-            connection.channel(on_open_callback=self.on_channel_open)
+    def on_connect_failed(self, error: str) -> None:
+        self.health.set_broker(False)
 
-    def on_return(
-        self,
-        channel: pika.channel.Channel,
-        method: Basic.Return,
-        properties: BasicProperties,
-        body: bytes,
-    ) -> None:
+    def on_connection_closed(self, reason: str) -> None:
+        self.health.set_broker(False)
+        self._set_blocked(False)
+        self._abort_batches(f"connection closed: {reason}")
+        self._cancel_timers()
+        if not (self._finished or self._stop_requested):
+            logger.warning("relay: broker connection closed: %s", reason)
+
+    def on_channel_closed(self, closed: ChannelClosed) -> None:
+        if self._batches and closed.by_broker:
+            charged, missing = charge_refusal(
+                self._batches, closed.reply_code, closed.reply_text, closed.description
+            )
+            metrics.relay_failed("refused", charged)
+            self._probe.forget(missing)
+            for batch in list(self._batches):
+                self._finish_batch(batch)
+        else:
+            self._abort_batches(f"channel closed: {closed}")
+        if self.publisher.is_open and not self._finished:
+            logger.warning("relay: channel closed (%s); opening a new one", closed)
+            self._cancel_timers()
+            self.publisher.reopen_channel()
+
+    def on_returned(self, returned: Returned) -> None:
         """An unroutable message (mandatory): the broker still acks it afterwards, so record
         why here and let the confirm settle it.
 
         A command (routing key matching ``REQUIRE_ROUTE``) that reaches no queue is an error:
         it is retried with backoff, then failed. Any other row is an event, and an event nobody
         subscribes to yet is normal in publish-subscribe: it is marked unrouted, not retried."""
-        row_id = (properties.headers or {}).get(OUTBOX_ID_HEADER)
+        row_id = returned.headers.get(OUTBOX_ID_HEADER)
         if not isinstance(row_id, int):
             return
         batch = next((b for b in self._batches if b.holds(row_id)), None)
@@ -429,17 +326,16 @@ class OutboxRelay:
             return
         self.report.returned += 1
         metrics.relay_failed("returned")
-        routing_key = method.routing_key or ""
-        if not any(topic_matches(p, routing_key) for p in self.settings.require_route):
-            batch.unrouted.add(row_id)  # its ack follows; _finish_batch keeps it from "sent"
+        if not any(topic_matches(p, returned.routing_key) for p in self.settings.require_route):
+            batch.unrouted.add(row_id)  # its ack follows; the outcome keeps it from "sent"
             return
         batch.errors[row_id] = (
-            f"unroutable: {method.reply_code} {method.reply_text} (exchange "
-            f"{method.exchange!r}, routing key {method.routing_key!r}): no queue is bound for "
-            f"it, and REQUIRE_ROUTE says it must reach one"
+            f"unroutable: {returned.reply_code} {returned.reply_text} (exchange "
+            f"{returned.exchange!r}, routing key {returned.routing_key!r}): no queue is bound "
+            f"for it, and REQUIRE_ROUTE says it must reach one"
         )
 
-    def on_connection_blocked(self, connection: pika.SelectConnection, frame: Any) -> None:
+    def on_blocked(self, reason: str) -> None:
         """The broker stopped reading from this connection (a memory or disk alarm)."""
         if self._blocked:
             return
@@ -447,15 +343,14 @@ class OutboxRelay:
         logger.warning(
             "relay: the broker blocked the connection (%s); claiming no rows until it is "
             "unblocked, the batches in flight wait for their confirms",
-            getattr(frame.method, "reason", "") or "no reason given",
+            reason,
         )
         for batch in self._batches:
-            if batch.timer is not None:
-                # Its confirms are held up by the block, not lost: no timeout while it lasts.
-                connection.ioloop.remove_timeout(batch.timer)
-                batch.timer = None
+            # Its confirms are held up by the block, not lost: no timeout while it lasts.
+            self.publisher.cancel(batch.timer)
+            batch.timer = None
 
-    def on_connection_unblocked(self, connection: pika.SelectConnection, frame: Any) -> None:
+    def on_unblocked(self) -> None:
         if not self._blocked:
             return
         self._set_blocked(False)
@@ -477,13 +372,10 @@ class OutboxRelay:
                 else None,
             )
 
-    def on_delivery_confirmation(self, frame: Any) -> None:
-        method = frame.method
-        acked = isinstance(method, Basic.Ack)
-        tag = method.delivery_tag
+    def on_confirm(self, tag: int, multiple: bool, acked: bool) -> None:
         now = time.monotonic()
         for batch in list(self._batches):
-            confirmed, nacked = batch.settle(tag, method.multiple, acked)
+            confirmed, nacked = batch.settle(tag, multiple, acked)
             for _ in range(confirmed):
                 metrics.relay_confirm_latency(now - batch.published_at)
             if nacked:
@@ -498,117 +390,56 @@ class OutboxRelay:
         """Claim again in ``delay`` seconds, unless a claim is already due sooner: a later
         wait must never push back a claim something asked for (a batch recorded, a row
         released, a NOTIFY)."""
-        connection = self._connection
-        if connection is None or not connection.is_open:
+        if not self.publisher.is_open:
             return
         at = time.monotonic() + delay
         if self._tick_timer is not None:
             if self._tick_at <= at:
                 return
-            connection.ioloop.remove_timeout(self._tick_timer)
+            self.publisher.cancel(self._tick_timer)
         self._tick_at = at
-        self._tick_timer = connection.ioloop.call_later(delay, self._tick)
+        self._tick_timer = self.publisher.call_later(delay, self._tick)
 
     def _watch(self) -> None:
         """Every 0.2 s: beat the heart, honour a stop request or the deadline, and look after
         LISTEN."""
-        connection = self._connection
-        if connection is None or not connection.is_open:
+        if not self.publisher.is_open:
             return
         self.health.heartbeat()
         if self._stop_requested:
             self.health.stopping()
         if self._stop_requested or self._past_deadline():
             if self._blocked:
-                self._leave_blocked(connection)
+                self._leave_blocked()
                 return
             if not (self._batches or self._db_busy()):
-                self._close(connection)
+                self._finished = True
+                self._cancel_timers()
+                self.publisher.close()
                 return
         self._renew_leases()
-        if self.listen and self._listener is None and time.monotonic() >= self._listener_retry_at:
-            self._open_listener(connection)
-        self._watch_timer = connection.ioloop.call_later(0.2, self._watch)
+        self.wake_ups.look_after(self.publisher, self._on_notify)
+        self._watch_timer = self.publisher.call_later(0.2, self._watch)
 
-    def _cancel_timers(self, connection: pika.SelectConnection) -> None:
+    def _cancel_timers(self) -> None:
         for timer in (self._tick_timer, self._watch_timer):
-            if timer is not None:
-                connection.ioloop.remove_timeout(timer)
+            self.publisher.cancel(timer)
         self._tick_timer = self._watch_timer = None
 
-    def _close(self, connection: pika.SelectConnection) -> None:
-        self._finished = True
-        self._cancel_timers(connection)
-        if connection.is_open:
-            connection.close()
-        else:
-            connection.ioloop.stop()
-
-    def _leave_blocked(self, connection: pika.SelectConnection) -> None:
+    def _leave_blocked(self) -> None:
         """Stop while the broker blocks us, without waiting for the alarm to clear, which may
         take long. A batch in flight cannot be confirmed until then: it rolls back (its rows go
-        again later; any the broker did take become duplicates that consumers absorb). The
-        closing handshake cannot complete either (the broker reads nothing, so no Close-Ok
-        would come), so the loop just ends and the socket goes with the connection."""
+        again later; any the broker did take become duplicates that consumers absorb)."""
         self._abort_batches("stopping while the broker blocks the connection")
         self._set_blocked(False)
         self._finished = True
-        self._cancel_timers(connection)
-        connection.ioloop.stop()
+        self._cancel_timers()
+        self.publisher.abandon()
 
-    # -- LISTEN/NOTIFY -------------------------------------------------------------------------
-
-    def _open_listener(self, connection: pika.SelectConnection) -> None:
-        try:
-            self._listener = OutboxListener(self.using)
-        except ImportError as exc:
-            # Not going to change while this process runs: say it once and poll from now on.
-            self.listen = False
-            logger.warning(
-                "relay: cannot LISTEN for new outbox rows (%s): psycopg 3 is needed for it; "
-                'pip install "reliable-messaging[postgres]". Polling every %ss meanwhile',
-                exc,
-                self.settings.relay_poll_interval,
-            )
-            return
-        except Exception as exc:  # noqa: BLE001 - any failure: poll and try again later
-            self._listener_retry_at = time.monotonic() + 5
-            logger.warning(
-                "relay: cannot LISTEN for new outbox rows (%s); polling every %ss",
-                exc,
-                self.settings.relay_poll_interval,
-            )
-            return
-        connection.ioloop.add_handler(
-            self._listener.fileno(), self._on_notify, connection.ioloop.READ
-        )
-
-    def _on_notify(self, fd: int, events: int) -> None:
-        listener = self._listener
-        if listener is None:
-            return
-        try:
-            listener.drain()
-        except Exception as exc:  # noqa: BLE001 - the database went away: poll meanwhile
-            logger.warning("relay: LISTEN connection lost (%s); polling until it is back", exc)
-            self._close_listener()
-            self._listener_retry_at = time.monotonic() + 1
-            return
+    def _on_notify(self) -> None:
         if len(self._batches) < MAX_IN_FLIGHT:
             self._schedule_tick(0)
         # else: the next batch to finish schedules a claim
-
-    def _close_listener(self) -> None:
-        listener, self._listener = self._listener, None
-        if listener is None:
-            return
-        connection = self._connection
-        if connection is not None:
-            try:
-                connection.ioloop.remove_handler(listener.fileno())
-            except Exception:
-                logger.debug("removing the LISTEN handler failed", exc_info=True)
-        listener.close()
 
     # -- batches -----------------------------------------------------------------------------
 
@@ -625,8 +456,7 @@ class OutboxRelay:
         """I/O loop: give the next claim to a free database worker, unless a claim is under
         way or every worker holds a batch in flight."""
         self._tick_timer = None
-        connection, channel = self._connection, self._channel
-        if connection is None or channel is None or not channel.is_open:
+        if not self.publisher.ready:
             return
         if any(worker.claiming for worker in self._workers):
             # Its answer schedules the next claim; it may have looked before what this tick
@@ -666,18 +496,17 @@ class OutboxRelay:
             logger.exception("relay: unexpected error while claiming rows")
             claim = Claim(rows=[], error=DatabaseError(f"unexpected error: {exc!r}"))
         worker.claimed = claim
-        self._post(functools.partial(self._on_claimed, worker))
+        self.publisher.post(functools.partial(self._on_claimed, worker))
 
     def _on_claimed(self, worker: DatabaseWorker) -> None:
         """I/O loop: publish what the claim found, and decide when to claim again."""
         claim, worker.claimed = worker.claimed, None
         worker.claiming = False
-        connection, channel = self._connection, self._channel
         if claim is None:
             return
-        if connection is None or not connection.is_open:
+        if not self.publisher.is_open:
             if claim.transaction is not None:
-                worker.submit(functools.partial(self._roll_back, claim.transaction))
+                worker.submit(functools.partial(self._roll_back_job, claim.transaction))
             return
         if claim.error is not None:
             self.health.set_database(False, str(claim.error))
@@ -692,13 +521,13 @@ class OutboxRelay:
         self._db_backoff.reset()
         self.health.set_database(True)
         if claim.transaction is not None:
-            if channel is None or not channel.is_open or self._blocked:
+            if not self.publisher.ready or self._blocked:
                 # The channel went, or the broker blocked the connection while the claim was
                 # under way: the rows are due again at once. The new channel's confirm mode,
                 # or the unblock, schedules a claim.
-                worker.submit(functools.partial(self._roll_back, claim.transaction))
+                worker.submit(functools.partial(self._roll_back_job, claim.transaction))
                 return
-            self._publish(channel, worker, claim)
+            self._publish(worker, claim)
         if claim.rows or claim.parked or self._look_again:
             # More may be due at once: claim the next batch while this one's confirms come
             # back (a batch being recorded schedules a claim too).
@@ -712,7 +541,9 @@ class OutboxRelay:
             # Nothing is due now: rows waiting out a backoff after a failure are left for a
             # later run (and reported), not waited for.
             logger.info("relay: nothing left to send")
-            self._close(connection)
+            self._finished = True
+            self._cancel_timers()
+            self.publisher.close()
             return
         self._schedule_tick(claim.wait)
 
@@ -731,26 +562,25 @@ class OutboxRelay:
     def _idle_wait(self) -> float:
         """Database worker: how long the relay may sleep before the next claim."""
         poll = self.settings.relay_poll_interval
-        if self.listen and self._listener is not None:
+        if self.wake_ups.listening:
             poll = max(poll, 5.0)  # NOTIFY wakes us; polling only catches backoffs and misses
         due_in = self.claims.next_due_in()  # a row waiting out a backoff or a lease
         if due_in is not None:
             poll = min(poll, due_in)
         return min(poll, max(0.0, self._next_sweep - time.monotonic()))
 
-    def _publish(self, channel: pika.channel.Channel, worker: DatabaseWorker, claim: Claim) -> None:
+    def _publish(self, worker: DatabaseWorker, claim: Claim) -> None:
         """I/O loop: publish a claimed batch; its confirms settle it later."""
         rows = claim.rows
         metrics.relay_claimed(len(rows))
-        now = time.monotonic()
         batch = Batch(
             rows={},
             claimed=rows,
             pks={row.pk for row in rows},
             worker=worker,
             transaction=claim.transaction,
-            lowest_unsettled=self._next_tag,
-            published_at=now,
+            lowest_unsettled=self.publisher.next_tag,
+            published_at=time.monotonic(),
         )
         self._batches.append(batch)
         worker.batch = batch
@@ -760,28 +590,20 @@ class OutboxRelay:
                 batch.errors[row.pk] = f"exchange {row.exchange!r} does not exist"
                 continue
             try:
-                channel.basic_publish(
-                    exchange=row.exchange,
-                    routing_key=row.routing_key,
-                    body=row.body.encode("utf-8"),
-                    properties=message_properties(row),
-                    mandatory=True,
+                tag = self.publisher.publish(
+                    row.exchange,
+                    row.routing_key,
+                    row.body.encode("utf-8"),
+                    message_id=row.message_id,
+                    timestamp=int(row.created_at.timestamp()),
+                    headers=message_headers(row),
                 )
-            except (
-                pika.exceptions.UnsupportedAMQPFieldException,
-                pika.exceptions.ShortStringTooLong,
-                struct.error,
-                TypeError,
-                ValueError,
-            ) as exc:
-                # Encoding fails before anything is written, so no delivery tag is used.
+            except Unencodable as exc:
                 batch.unpublished.append(row)
-                batch.errors[row.pk] = f"cannot encode the message: {exc!r}"[:2000]
+                batch.errors[row.pk] = str(exc)[:2000]
                 continue
-            batch.rows[self._next_tag] = row
-            self._next_tag += 1
-        # A few writes for the batch's frames instead of three a message (see write_coalescing).
-        coalesce_writes(self._connection)
+            batch.rows[tag] = row
+        self.publisher.flush()
         if batch.unpublished:
             metrics.relay_failed("refused", len(batch.unpublished))
         if not batch.rows:
@@ -790,8 +612,7 @@ class OutboxRelay:
         self._start_confirm_timer(batch)
 
     def _start_confirm_timer(self, batch: Batch) -> None:
-        assert self._connection is not None
-        batch.timer = self._connection.ioloop.call_later(
+        batch.timer = self.publisher.call_later(
             self.settings.relay_confirm_timeout, lambda: self._on_confirm_timeout(batch)
         )
 
@@ -805,9 +626,7 @@ class OutboxRelay:
         self._finish_batch(batch)
         # A channel that stopped confirming is not to be trusted: start afresh (the batches
         # still in flight are settled as far as they got, the rest due again).
-        connection = self._connection
-        if connection is not None and connection.is_open:
-            connection.close(reply_text="confirm timeout")
+        self.publisher.close_now("confirm timeout")
 
     def _renew_leases(self) -> None:
         """I/O loop: a batch whose confirms take longer than HOLD_LIMIT (a slow or blocked
@@ -823,26 +642,21 @@ class OutboxRelay:
                 due = now - batch.leased_at >= half
             if due:
                 batch.leased_at = now
-                batch.worker.submit(functools.partial(self._lease, batch))
+                batch.worker.submit(functools.partial(self._lease_job, batch))
 
-    def _lease(self, batch: Batch) -> None:
+    def _lease_job(self, batch: Batch) -> None:
         """Database worker: lease the batch's rows, committing its claim's transaction if it is
         still open."""
         held, batch.transaction = batch.transaction, None
         self.claims.lease(batch.claimed, held)
-
-    def _finish_all(self) -> None:
-        for batch in list(self._batches):
-            self._finish_batch(batch)
 
     def _finish_batch(self, batch: Batch) -> None:
         """Record the batch's outcome in one short transaction."""
         if batch not in self._batches:
             return
         self._batches.remove(batch)
-        if batch.timer is not None and self._connection is not None:
-            self._connection.ioloop.remove_timeout(batch.timer)
-            batch.timer = None
+        self.publisher.cancel(batch.timer)
+        batch.timer = None
         batch.worker.submit(functools.partial(self._settle_job, batch))
 
     def _settle_job(self, batch: Batch, then_claim: bool = True) -> None:
@@ -853,7 +667,7 @@ class OutboxRelay:
             if self.on_batch is not None:
                 self.on_batch(self.report)
         if then_claim:
-            self._post(functools.partial(self._after_settle, batch, recorded))
+            self.publisher.post(functools.partial(self._after_settle, batch, recorded))
 
     def _after_settle(self, batch: Batch, recorded: bool) -> None:
         if batch.worker.batch is batch:
@@ -908,11 +722,10 @@ class OutboxRelay:
         rows = sum(len(batch.claimed) for batch in self._batches)
         for batch in list(self._batches):
             self._batches.remove(batch)
-            if batch.timer is not None and self._connection is not None:
-                try:
-                    self._connection.ioloop.remove_timeout(batch.timer)
-                except Exception:
-                    logger.debug("removing the confirm timer failed", exc_info=True)
+            try:
+                self.publisher.cancel(batch.timer)
+            except Exception:
+                logger.debug("removing the confirm timer failed", exc_info=True)
             batch.worker.submit(functools.partial(self._settle_job, batch, then_claim=False))
         logger.warning(
             "relay: %d row(s) in flight when %s; the unconfirmed ones are due again", rows, why

@@ -1,5 +1,5 @@
 """The batches a relay has published and awaits confirms for: the bookkeeping of one batch,
-the AMQP properties of a row, and which rows a broker's refusal is about.
+the headers of a row, and which rows a broker's refusal is about.
 
 Nothing here touches the network or the database: the relay's I/O loop feeds a batch the
 confirms, returns and channel closes it receives, and hands :meth:`Batch.outcome` to the
@@ -12,10 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import pika
-from pika.spec import BasicProperties
-
-from .envelope import CONTENT_TYPE, ORDERING_KEY_HEADER, PUBLISHED_AT_HEADER
+from .amqp_replies import NOT_FOUND
+from .envelope import ORDERING_KEY_HEADER, PUBLISHED_AT_HEADER
 from .relay_claims import BatchOutcome, ClaimedRow, ClaimTransaction
 
 # The header carrying a row's id, so that a returned message finds its row.
@@ -28,19 +26,15 @@ _NAMED_EXCHANGE = re.compile(r"exchange '([^']*)'")
 _MESSAGE_SIZE = re.compile(r"message size (\d+)")
 
 
-def message_properties(row: ClaimedRow) -> BasicProperties:
+def message_headers(row: ClaimedRow) -> dict[str, Any]:
+    """The headers a row goes out with: its own, when it was published, its row id (so that a
+    returned message finds its row) and its ordering key."""
     headers: dict[str, Any] = dict(row.headers or {})
     headers[PUBLISHED_AT_HEADER] = int(row.created_at.timestamp() * 1000)
     headers[OUTBOX_ID_HEADER] = row.pk
     if row.ordering_key is not None:
         headers[ORDERING_KEY_HEADER] = row.ordering_key
-    return BasicProperties(
-        content_type=CONTENT_TYPE,
-        delivery_mode=pika.DeliveryMode.Persistent,
-        message_id=row.message_id,
-        timestamp=int(row.created_at.timestamp()),
-        headers=headers,
-    )
+    return headers
 
 
 @dataclass
@@ -166,3 +160,35 @@ def refused_rows(batches: list[Batch], reply_text: str) -> list[tuple[Batch, Cla
         if matching:
             return matching[:1]
     return unconfirmed[:1]
+
+
+def charge_refusal(
+    batches: list[Batch], reply_code: int, reply_text: str, description: str
+) -> tuple[int, str | None]:
+    """The broker closed the channel at a publish of ours: charge the rows it was about.
+    Returns how many it charged and the exchange the broker said is missing, if any.
+
+    A 404 names an exchange that does not exist: the rows bound for it are charged, the rest
+    are due again, untouched. Any other refusal (403: no write permission, an internal
+    exchange; 406: a body over max_message_size, ...) is charged to the row it was about:
+    sending the same rows again at once would hit the same wall forever (rows before it re-sent
+    many times a second, rows after it never); with backoff, and what was confirmed kept, the
+    rows after it go out in the next batch, and OUTBOX_MAX_ATTEMPTS retires the culprit."""
+    if reply_code == NOT_FOUND:
+        missing = missing_exchange(reply_text)
+        charged = 0
+        for batch in batches:
+            for row in batch.unconfirmed():
+                if row.exchange == missing:
+                    batch.errors[row.pk] = f"exchange {missing!r} does not exist"
+                    charged += 1
+        if not charged:  # a 404 about something else: charge the row it came at
+            for batch, row in refused_rows(batches, reply_text):
+                batch.errors[row.pk] = f"the broker closed the channel: {description}"[:2000]
+                charged += 1
+        return charged, missing
+    culprits = refused_rows(batches, reply_text)
+    error = f"the broker closed the channel: {reply_code} {reply_text}"
+    for batch, row in culprits:
+        batch.errors[row.pk] = error[:2000]
+    return len(culprits), None
