@@ -58,9 +58,9 @@ loop) that ``--metrics-port`` serves as ``/healthz``.
 Where the parts live: this module decides (what to claim when, what a confirm means, when to
 stop); :mod:`.confirming_publisher` is the transport (pika's ``SelectConnection``, its callbacks
 and timers); :mod:`.relay_claims` runs every query (claim, lease, record) on the threads of
-:mod:`.relay_workers`; :mod:`.relay_batches` keeps a batch's confirms and says which rows a
-refusal is about; :mod:`.outbox_listener` LISTENs; :mod:`.exchange_probe` checks exchanges;
-:mod:`.relay_lanes` runs several relays.
+:mod:`.relay_workers`; :mod:`.relay_inflight` publishes the batches and takes their confirms,
+with :mod:`.relay_batches` keeping each batch's books; :mod:`.outbox_listener` LISTENs;
+:mod:`.exchange_probe` checks exchanges; :mod:`.relay_lanes` runs several relays.
 """
 
 from __future__ import annotations
@@ -78,20 +78,13 @@ from django.db import DatabaseError, connections, router
 from . import metrics
 from .backoff import Backoff
 from .conf import MessagingSettings, messaging_settings
-from .confirming_publisher import (
-    ChannelClosed,
-    ConfirmingPublisher,
-    Returned,
-    Unencodable,
-)
-from .exchange_probe import ExchangeProbe
+from .confirming_publisher import ChannelClosed, ConfirmingPublisher, Returned
 from .metrics import HealthState
 from .models import OutboxMessage
 from .outbox_listener import WakeUps
-from .relay_batches import OUTBOX_ID_HEADER, Batch, charge_refusal, message_headers
 from .relay_claims import Claim, ClaimTransaction, OutboxClaims
+from .relay_inflight import InFlight
 from .relay_workers import DatabaseWorker
-from .routing import topic_matches
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +93,6 @@ logger = logging.getLogger(__name__)
 MAX_IN_FLIGHT = 3
 # Seconds a claim's lease lasts past RELAY_CONFIRM_TIMEOUT.
 LEASE_MARGIN = 5.0
-# Seconds a batch's claim transaction may stay open while its confirms are awaited; past it
-# the rows are leased instead and the transaction commits (see _renew_leases).
-HOLD_LIMIT = 2.0
 # Parked rows are released by the relay that sends the row before them; this sweep catches
 # any left parked by other means (a row deleted by hand, say).
 SWEEP_INTERVAL = 30.0
@@ -170,13 +160,22 @@ class OutboxRelay:
         self._finished = False
         self._blocked = False  # the broker sent connection.blocked on the current connection
         self.publisher = ConfirmingPublisher(settings, self, name="relay")
-        self._batches: list[Batch] = []  # in flight, oldest first
         # Rows stay leased this long after a claim: the confirm timeout and a margin to record
         # the outcome. A batch that takes longer (a broker block) has its lease renewed.
         self.lease_seconds = settings.relay_confirm_timeout + LEASE_MARGIN
         # The database side: claims, leases and records, run on the database workers.
         self.claims = OutboxClaims(
             self.using, settings, self.batch_size, lease=dt.timedelta(seconds=self.lease_seconds)
+        )
+        self.in_flight = InFlight(
+            publisher=self.publisher,
+            claims=self.claims,
+            settings=settings,
+            report=self.report,
+            health=self.health,
+            lease_seconds=self.lease_seconds,
+            on_batch=on_batch,
+            on_recorded=self._on_recorded,
         )
         self.wake_ups = WakeUps(
             self.using,
@@ -191,7 +190,6 @@ class OutboxRelay:
         self._tick_at = 0.0  # monotonic time the pending tick timer fires
         self._tick_timer: object = None
         self._watch_timer: object = None
-        self._probe = ExchangeProbe(settings)
         self._reconnect = Backoff(0.5, settings.reconnect_max_delay)
         self._db_backoff = Backoff(0.5, settings.reconnect_max_delay)
 
@@ -228,7 +226,7 @@ class OutboxRelay:
         finally:
             self.health.stopping()
             self.wake_ups.close()
-            self._probe.close()
+            self.in_flight.probe.close()
             self._after_loop()
             for worker in self._workers:
                 worker.close()
@@ -243,7 +241,7 @@ class OutboxRelay:
     def _after_loop(self) -> None:
         """A connection's loop ended: let the database workers finish what they were given
         (the outcomes of the batches in flight), and roll back a claim never published."""
-        self._abort_batches("the connection's loop ended")
+        self.in_flight.abort("the connection's loop ended")
         for worker in self._workers:
             worker.drain()
             claimed, worker.claimed = worker.claimed, None
@@ -290,50 +288,21 @@ class OutboxRelay:
     def on_connection_closed(self, reason: str) -> None:
         self.health.set_broker(False)
         self._set_blocked(False)
-        self._abort_batches(f"connection closed: {reason}")
+        self.in_flight.abort(f"connection closed: {reason}")
         self._cancel_timers()
         if not (self._finished or self._stop_requested):
             logger.warning("relay: broker connection closed: %s", reason)
 
     def on_channel_closed(self, closed: ChannelClosed) -> None:
-        if self._batches and closed.by_broker:
-            charged, missing = charge_refusal(
-                self._batches, closed.reply_code, closed.reply_text, closed.description
-            )
-            metrics.relay_failed("refused", charged)
-            self._probe.forget(missing)
-            for batch in list(self._batches):
-                self._finish_batch(batch)
-        else:
-            self._abort_batches(f"channel closed: {closed}")
+        if not self.in_flight.on_refused(closed):
+            self.in_flight.abort(f"channel closed: {closed}")
         if self.publisher.is_open and not self._finished:
             logger.warning("relay: channel closed (%s); opening a new one", closed)
             self._cancel_timers()
             self.publisher.reopen_channel()
 
     def on_returned(self, returned: Returned) -> None:
-        """An unroutable message (mandatory): the broker still acks it afterwards, so record
-        why here and let the confirm settle it.
-
-        A command (routing key matching ``REQUIRE_ROUTE``) that reaches no queue is an error:
-        it is retried with backoff, then failed. Any other row is an event, and an event nobody
-        subscribes to yet is normal in publish-subscribe: it is marked unrouted, not retried."""
-        row_id = returned.headers.get(OUTBOX_ID_HEADER)
-        if not isinstance(row_id, int):
-            return
-        batch = next((b for b in self._batches if b.holds(row_id)), None)
-        if batch is None:
-            return
-        self.report.returned += 1
-        metrics.relay_failed("returned")
-        if not any(topic_matches(p, returned.routing_key) for p in self.settings.require_route):
-            batch.unrouted.add(row_id)  # its ack follows; the outcome keeps it from "sent"
-            return
-        batch.errors[row_id] = (
-            f"unroutable: {returned.reply_code} {returned.reply_text} (exchange "
-            f"{returned.exchange!r}, routing key {returned.routing_key!r}): no queue is bound "
-            f"for it, and REQUIRE_ROUTE says it must reach one"
-        )
+        self.in_flight.on_returned(returned)
 
     def on_blocked(self, reason: str) -> None:
         """The broker stopped reading from this connection (a memory or disk alarm)."""
@@ -345,19 +314,14 @@ class OutboxRelay:
             "unblocked, the batches in flight wait for their confirms",
             reason,
         )
-        for batch in self._batches:
-            # Its confirms are held up by the block, not lost: no timeout while it lasts.
-            self.publisher.cancel(batch.timer)
-            batch.timer = None
+        self.in_flight.pause_timers()
 
     def on_unblocked(self) -> None:
         if not self._blocked:
             return
         self._set_blocked(False)
         logger.info("relay: the broker unblocked the connection; resuming")
-        for batch in self._batches:
-            if batch.timer is None:
-                self._start_confirm_timer(batch)
+        self.in_flight.resume_timers()
         self._schedule_tick(0)
 
     def _set_blocked(self, blocked: bool) -> None:
@@ -373,16 +337,7 @@ class OutboxRelay:
             )
 
     def on_confirm(self, tag: int, multiple: bool, acked: bool) -> None:
-        now = time.monotonic()
-        for batch in list(self._batches):
-            confirmed, nacked = batch.settle(tag, multiple, acked)
-            for _ in range(confirmed):
-                metrics.relay_confirm_latency(now - batch.published_at)
-            if nacked:
-                self.report.nacked += nacked
-                metrics.relay_failed("nacked", nacked)
-            if batch.rows and batch.complete:
-                self._finish_batch(batch)
+        self.in_flight.on_confirm(tag, multiple, acked)
 
     # -- timers -----------------------------------------------------------------------------
 
@@ -412,12 +367,12 @@ class OutboxRelay:
             if self._blocked:
                 self._leave_blocked()
                 return
-            if not (self._batches or self._db_busy()):
+            if not (self.in_flight or self._db_busy()):
                 self._finished = True
                 self._cancel_timers()
                 self.publisher.close()
                 return
-        self._renew_leases()
+        self.in_flight.renew_leases()
         self.wake_ups.look_after(self.publisher, self._on_notify)
         self._watch_timer = self.publisher.call_later(0.2, self._watch)
 
@@ -430,14 +385,18 @@ class OutboxRelay:
         """Stop while the broker blocks us, without waiting for the alarm to clear, which may
         take long. A batch in flight cannot be confirmed until then: it rolls back (its rows go
         again later; any the broker did take become duplicates that consumers absorb)."""
-        self._abort_batches("stopping while the broker blocks the connection")
+        self.in_flight.abort("stopping while the broker blocks the connection")
         self._set_blocked(False)
         self._finished = True
         self._cancel_timers()
         self.publisher.abandon()
 
+    def _on_recorded(self, recorded: bool) -> None:
+        """I/O loop: a batch was recorded: claim again (after a backoff if it could not be)."""
+        self._schedule_tick(0 if recorded else self._db_backoff.next())
+
     def _on_notify(self) -> None:
-        if len(self._batches) < MAX_IN_FLIGHT:
+        if len(self.in_flight) < MAX_IN_FLIGHT:
             self._schedule_tick(0)
         # else: the next batch to finish schedules a claim
 
@@ -527,13 +486,13 @@ class OutboxRelay:
                 # or the unblock, schedules a claim.
                 worker.submit(functools.partial(self._roll_back_job, claim.transaction))
                 return
-            self._publish(worker, claim)
+            self.in_flight.publish(worker, claim)
         if claim.rows or claim.parked or self._look_again:
             # More may be due at once: claim the next batch while this one's confirms come
             # back (a batch being recorded schedules a claim too).
             self._schedule_tick(0)
             return
-        if self._batches or self._db_busy():
+        if self.in_flight or self._db_busy():
             return  # a batch in flight schedules a claim when it is recorded
         if self._tick_timer is not None and self._tick_at <= time.monotonic():
             return  # a claim is due already (asked for after this one looked)
@@ -568,165 +527,3 @@ class OutboxRelay:
         if due_in is not None:
             poll = min(poll, due_in)
         return min(poll, max(0.0, self._next_sweep - time.monotonic()))
-
-    def _publish(self, worker: DatabaseWorker, claim: Claim) -> None:
-        """I/O loop: publish a claimed batch; its confirms settle it later."""
-        rows = claim.rows
-        metrics.relay_claimed(len(rows))
-        batch = Batch(
-            rows={},
-            claimed=rows,
-            pks={row.pk for row in rows},
-            worker=worker,
-            transaction=claim.transaction,
-            lowest_unsettled=self.publisher.next_tag,
-            published_at=time.monotonic(),
-        )
-        self._batches.append(batch)
-        worker.batch = batch
-        for row in rows:
-            if not self._probe.exists(row.exchange):
-                batch.unpublished.append(row)
-                batch.errors[row.pk] = f"exchange {row.exchange!r} does not exist"
-                continue
-            try:
-                tag = self.publisher.publish(
-                    row.exchange,
-                    row.routing_key,
-                    row.body.encode("utf-8"),
-                    message_id=row.message_id,
-                    timestamp=int(row.created_at.timestamp()),
-                    headers=message_headers(row),
-                )
-            except Unencodable as exc:
-                batch.unpublished.append(row)
-                batch.errors[row.pk] = str(exc)[:2000]
-                continue
-            batch.rows[tag] = row
-        self.publisher.flush()
-        if batch.unpublished:
-            metrics.relay_failed("refused", len(batch.unpublished))
-        if not batch.rows:
-            self._finish_batch(batch)
-            return
-        self._start_confirm_timer(batch)
-
-    def _start_confirm_timer(self, batch: Batch) -> None:
-        batch.timer = self.publisher.call_later(
-            self.settings.relay_confirm_timeout, lambda: self._on_confirm_timeout(batch)
-        )
-
-    def _on_confirm_timeout(self, batch: Batch) -> None:
-        if batch not in self._batches:
-            return
-        batch.timer = None
-        timed_out = batch.time_out(self.settings.relay_confirm_timeout)
-        self.report.timed_out += timed_out
-        metrics.relay_failed("timeout", timed_out)
-        self._finish_batch(batch)
-        # A channel that stopped confirming is not to be trusted: start afresh (the batches
-        # still in flight are settled as far as they got, the rest due again).
-        self.publisher.close_now("confirm timeout")
-
-    def _renew_leases(self) -> None:
-        """I/O loop: a batch whose confirms take longer than HOLD_LIMIT (a slow or blocked
-        broker) trades its open transaction for a lease, so that no snapshot and no row lock
-        is held long (they would hold back vacuum on the outbox); a lease is renewed at half
-        its length for as long as the batch is in flight."""
-        now = time.monotonic()
-        half = self.lease_seconds / 2
-        for batch in self._batches:
-            if batch.leased_at == 0.0:
-                due = now - batch.published_at >= HOLD_LIMIT  # still holds its transaction
-            else:
-                due = now - batch.leased_at >= half
-            if due:
-                batch.leased_at = now
-                batch.worker.submit(functools.partial(self._lease_job, batch))
-
-    def _lease_job(self, batch: Batch) -> None:
-        """Database worker: lease the batch's rows, committing its claim's transaction if it is
-        still open."""
-        held, batch.transaction = batch.transaction, None
-        self.claims.lease(batch.claimed, held)
-
-    def _finish_batch(self, batch: Batch) -> None:
-        """Record the batch's outcome in one short transaction."""
-        if batch not in self._batches:
-            return
-        self._batches.remove(batch)
-        self.publisher.cancel(batch.timer)
-        batch.timer = None
-        batch.worker.submit(functools.partial(self._settle_job, batch))
-
-    def _settle_job(self, batch: Batch, then_claim: bool = True) -> None:
-        """Database worker: record a finished batch, then let the I/O loop claim again."""
-        recorded = self._settle(batch)
-        if recorded:
-            self.report.batches += 1
-            if self.on_batch is not None:
-                self.on_batch(self.report)
-        if then_claim:
-            self.publisher.post(functools.partial(self._after_settle, batch, recorded))
-
-    def _after_settle(self, batch: Batch, recorded: bool) -> None:
-        if batch.worker.batch is batch:
-            batch.worker.batch = None
-        if recorded:
-            self._schedule_tick(0)
-        else:
-            self._schedule_tick(self._db_backoff.next())
-
-    def _settle(self, batch: Batch) -> bool:
-        """Database worker: record the batch's outcome (see :meth:`OutboxClaims.record`) and
-        count it. False when the database could not record it: the rows stay pending and go
-        again, at once or when their lease runs out."""
-        outcome = batch.outcome()
-        held, batch.transaction = batch.transaction, None
-        error = self.claims.record(outcome, held)
-        if error is not None:
-            # The rows were published but cannot be marked: they go again, which consumers
-            # absorb by message_id.
-            logger.warning(
-                "relay: cannot record a batch's confirms (%s); its %d row(s) stay "
-                "pending and will be sent again",
-                error,
-                len(batch.claimed),
-            )
-            self.health.set_database(False, str(error))
-            return False
-        sent, unrouted = outcome.sent, outcome.unrouted
-        self.report.sent += len(sent)
-        self.report.unrouted += len(unrouted)
-        if unrouted:
-            # One line per batch, not per row: a busy service may publish many events nobody
-            # subscribes to yet, and that is normal.
-            logger.info(
-                "relay: %d event(s) reached no queue (nothing subscribes to their routing key "
-                "yet), marked unrouted and not retried: %s",
-                len(unrouted),
-                ", ".join(f"message_id={r.message_id} ({r.routing_key})" for r in unrouted[:10])
-                + (", ..." if len(unrouted) > 10 else ""),
-            )
-        metrics.relay_published(len(sent))
-        if logger.isEnabledFor(logging.DEBUG):
-            for pk in sent:
-                logger.debug("relay: sent outbox row %s", pk)
-        return True
-
-    def _abort_batches(self, why: str) -> None:
-        """The connection or channel died with batches in flight: what was confirmed is marked
-        sent, the rest is due again (the broker may have it: consumers absorb duplicates)."""
-        if not self._batches:
-            return
-        rows = sum(len(batch.claimed) for batch in self._batches)
-        for batch in list(self._batches):
-            self._batches.remove(batch)
-            try:
-                self.publisher.cancel(batch.timer)
-            except Exception:
-                logger.debug("removing the confirm timer failed", exc_info=True)
-            batch.worker.submit(functools.partial(self._settle_job, batch, then_claim=False))
-        logger.warning(
-            "relay: %d row(s) in flight when %s; the unconfirmed ones are due again", rows, why
-        )
