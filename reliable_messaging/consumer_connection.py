@@ -183,7 +183,8 @@ class ConnectionThread:
                         logger, "no delivery for %ss: stopping (--idle-timeout)", self.idle_timeout
                     )
                     self._stop.set()
-            self._shutdown(link)
+            if not stop_gracefully(link, self.publisher, self.settings):
+                self.exit_code = 1
         finally:
             self.set_connected(False)
             if connection.is_open:
@@ -315,45 +316,6 @@ class ConnectionThread:
             return False
         return time.monotonic() - self._last_delivery >= self.idle_timeout
 
-    def _shutdown(self, link: Link) -> None:
-        """Graceful stop: let the handlers in flight finish and settle their acks, within
-        ``SHUTDOWN_TIMEOUT``; give back the rest.
-
-        Plain queues: cancel the consumers (pika gives back deliveries not yet dispatched).
-        Ordered partitions: no cancel, which would make the broker activate a standby consumer
-        at once while this process still holds later messages of its keys (they would reach the
-        standby after messages published later: order broken). Instead the deliveries not
-        started are dropped here unsettled, the batch in flight finishes, and then the channel
-        is closed, so the broker requeues what is left in place *before* it activates the next
-        consumer of the partition.
-        """
-        ordered = {channel.channel_number for channel in link.channels[1:]}
-        link.closing.update(ordered)
-        for channel, tag, _, _ in link.consumers:
-            if channel.channel_number not in ordered:
-                channel.basic_cancel(tag)
-        deadline = time.monotonic() + self.settings.shutdown_timeout
-        while time.monotonic() < deadline:
-            with link.lock:
-                # Retry copies still being placed count too: their originals' acks are due.
-                if link.in_flight == 0 and self.publisher.pending() == 0:
-                    break
-            link.connection.process_data_events(time_limit=0.1)
-        for channel in link.channels[1:]:
-            link.connection.close_keeping_consumers(channel)
-        with link.lock:
-            left = link.in_flight
-        if left:
-            logger.error(
-                "%d handler(s) still running after SHUTDOWN_TIMEOUT=%ss; their messages "
-                "are not acked and will be redelivered",
-                left,
-                self.settings.shutdown_timeout,
-            )
-            self.exit_code = 1
-        else:
-            announce(logger, "stopped gracefully: every handler in flight finished and was acked")
-
     def _on_message(
         self,
         link: Link,
@@ -383,3 +345,43 @@ class ConnectionThread:
             link, channel, spec, delivery, properties, from_dead_letter_queue=from_dead_letter_queue
         )
         self.board.put(item, self.lane_of.get(queue))
+
+
+def stop_gracefully(link: Link, publisher: RetryPublishing, settings: MessagingSettings) -> bool:
+    """Graceful stop: let the handlers in flight finish and settle their acks, within
+    ``SHUTDOWN_TIMEOUT``; give back the rest. False when handlers were still running.
+
+    Plain queues: cancel the consumers (pika gives back deliveries not yet dispatched).
+    Ordered partitions: no cancel, which would make the broker activate a standby consumer
+    at once while this process still holds later messages of its keys (they would reach the
+    standby after messages published later: order broken). Instead the deliveries not
+    started are dropped here unsettled, the batch in flight finishes, and then the channel
+    is closed, so the broker requeues what is left in place *before* it activates the next
+    consumer of the partition.
+    """
+    ordered = {channel.channel_number for channel in link.channels[1:]}
+    link.closing.update(ordered)
+    for channel, tag, _, _ in link.consumers:
+        if channel.channel_number not in ordered:
+            channel.basic_cancel(tag)
+    deadline = time.monotonic() + settings.shutdown_timeout
+    while time.monotonic() < deadline:
+        with link.lock:
+            # Retry copies still being placed count too: their originals' acks are due.
+            if link.in_flight == 0 and publisher.pending() == 0:
+                break
+        link.connection.process_data_events(time_limit=0.1)
+    for channel in link.channels[1:]:
+        link.connection.close_keeping_consumers(channel)
+    with link.lock:
+        left = link.in_flight
+    if left:
+        logger.error(
+            "%d handler(s) still running after SHUTDOWN_TIMEOUT=%ss; their messages "
+            "are not acked and will be redelivered",
+            left,
+            settings.shutdown_timeout,
+        )
+        return False
+    announce(logger, "stopped gracefully: every handler in flight finished and was acked")
+    return True

@@ -65,6 +65,7 @@ from .inbox import DeliveryProcessor
 from .models import ProcessedMessage
 from .outcomes import Outcome
 from .partitions import PartitionUpkeep
+from .pika_transport import PikaTransport
 from .registry import ConsumerSpec
 from .time_limit import time_limits
 from .topology import consumer_queues
@@ -73,12 +74,6 @@ __all__ = ["PROGRESS_EVERY", "ChannelLost", "ConsumerService"]
 
 # Seconds between two progress lines of a running consumer.
 PROGRESS_EVERY = 30.0
-
-
-def _default_transport() -> BrokerTransport:
-    from .pika_transport import PikaTransport
-
-    return PikaTransport()
 
 
 class ConsumerService:
@@ -108,7 +103,7 @@ class ConsumerService:
         self.on_outcome = on_outcome
         self.health = health
         self._stop = threading.Event()
-        self._transport = transport if transport is not None else _default_transport()
+        self._transport = transport if transport is not None else PikaTransport()
         cache = duplicate_cache(settings)
         processors = {spec.name: DeliveryProcessor(spec, settings, cache) for spec in self.specs}
         metrics.consumers_started(processors)
