@@ -102,6 +102,8 @@ class ConsumerService:
         self.settings = settings
         self.on_outcome = on_outcome
         self.health = health
+        # Seconds between progress lines (outcomes so far); 0: none.
+        self.progress_interval = progress_interval if progress_interval > 0 else float("inf")
         self._stop = threading.Event()
         self._transport = transport if transport is not None else PikaTransport()
         cache = duplicate_cache(settings)
@@ -136,8 +138,7 @@ class ConsumerService:
             stop=self._stop,
             concurrency=self.concurrency,
             idle_timeout=idle_timeout,
-            # Seconds between progress lines (outcomes so far); 0: none.
-            progress_interval=progress_interval if progress_interval > 0 else float("inf"),
+            progress_interval=self.progress_interval,
             cache=cache,
             health=health,
         )

@@ -291,3 +291,26 @@ def test_a_channel_the_broker_closes_mid_batch_loses_nothing_and_doubles_nothing
     acked = [m for a in broker.events("ack") if a.at > close.at for m in a.message_ids]
     assert sorted(acked) == ids
     assert broker.events("nack") == []
+
+
+def test_a_failed_delivery_is_acked_only_once_its_retry_copy_is_placed(
+    broker: StubTransport, run_service: Callable[..., ConsumerService], outcomes: Outcomes
+) -> None:
+    def handler(message: Message) -> None:
+        record(message)
+        if message.attempt == 1:
+            raise RuntimeError("transient")
+
+    consumer = spec(handler)
+    run_service([consumer])
+    publish(broker, consumer.queue, body(), message_id="r-1")
+    wait_until(lambda: outcomes.processed() == ["r-1"], timeout=10, message="r-1 processed")
+    wait_until(lambda: broker.unacked() == 0, timeout=10, message="everything acked")
+
+    # The copy carries the next attempt; the original's ack follows the copy, never precedes it.
+    (copy,) = broker.retry_copies
+    assert copy.routing_key == consumer.queue and copy.message_id == "r-1"
+    kinds = [e.kind for e in broker.events() if "r-1" in e.message_ids]
+    assert kinds == ["retry_copy", "ack", "ack"]  # the copy, the original's ack, the copy's ack
+    assert effects() == [("r-1", 2)]  # the first attempt's effect rolled back
+    assert broker.events("nack") == [] and broker.events("channel_closed") == []
