@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 from django.test import override_settings
 
-import reliable_messaging.consumer_service as consumer_service
-from reliable_messaging.consumer_service import ConsumerService
+import reliable_messaging.consumer_workers as consumer_workers
+from reliable_messaging.consumer_workers import WorkerPool
 from reliable_messaging.envelope import DecodeError, Delivery, Message
 from reliable_messaging.exceptions import DatabaseUnavailable
 from reliable_messaging.inbox import DeliveryProcessor
@@ -78,13 +78,13 @@ def test_our_own_error_on_one_delivery_dead_letters_it_and_spares_its_batch(
 
     # The batches the service split to find the delivery it fails on.
     split: list[list[str]] = []
-    real_split = ConsumerService._decide_one_by_one
+    real_split = WorkerPool._decide_one_by_one
 
-    def decide_one_by_one(self: ConsumerService, batch: list[Any]) -> Any:
+    def decide_one_by_one(self: WorkerPool, batch: list[Any]) -> Any:
         split.append([item.delivery.message_id for item in batch])
         return real_split(self, batch)
 
-    monkeypatch.setattr(ConsumerService, "_decide_one_by_one", decide_one_by_one)
+    monkeypatch.setattr(WorkerPool, "_decide_one_by_one", decide_one_by_one)
 
     alpha = make_spec("alpha")
     service([alpha], on_outcome=rec, concurrency=1)
@@ -142,7 +142,7 @@ def test_batch_held_for_an_unavailable_database_is_given_back_past_the_hold_boun
 ) -> None:
     # Hold for at most 1s (half of BROKER_CONSUMER_TIMEOUT); database probes every <= 0.5s.
     tune(BROKER_CONSUMER_TIMEOUT=2.0, RECONNECT_MAX_DELAY=0.5)
-    real_process_batch = consumer_service.process_batch
+    real_process_batch = consumer_workers.process_batch
     down_until: list[float] = []
     refused: list[list[str]] = []
     lock = threading.Lock()
@@ -158,7 +158,7 @@ def test_batch_held_for_an_unavailable_database_is_given_back_past_the_hold_boun
             raise DatabaseUnavailable("database down (test)")
         return real_process_batch(jobs, **kwargs)
 
-    monkeypatch.setattr(consumer_service, "process_batch", process_batch)
+    monkeypatch.setattr(consumer_workers, "process_batch", process_batch)
 
     alpha = make_spec("alpha")
     service([alpha], on_outcome=rec, concurrency=1)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from pika.adapters.blocking_connection import BlockingChannel
-
-from reliable_messaging.consumer_service import _ack_coalesced, _Link
+from reliable_messaging.consumer_board import Link
+from reliable_messaging.consumer_settling import ack_coalesced
+from reliable_messaging.consumer_transport import BrokerChannel
 
 
 class RecordingChannel:
@@ -20,15 +20,15 @@ class RecordingChannel:
         self.calls.append((delivery_tag, multiple))
 
 
-def link_with(unsettled: list[int]) -> _Link:
-    link = _Link(connection=cast(Any, None))
+def link_with(unsettled: list[int]) -> Link:
+    link = Link(connection=cast(Any, None))
     link.unsettled[RecordingChannel.channel_number] = dict.fromkeys(unsettled)
     return link
 
 
-def ack(link: _Link, tags: set[int]) -> list[tuple[int, bool]]:
+def ack(link: Link, tags: set[int]) -> list[tuple[int, bool]]:
     channel = RecordingChannel()
-    _ack_coalesced(link, cast(BlockingChannel, channel), set(tags))
+    ack_coalesced(link, cast(BrokerChannel, channel), set(tags))
     return channel.calls
 
 
@@ -57,5 +57,5 @@ def test_a_batch_behind_an_older_one_is_acked_one_by_one() -> None:
 def test_a_nacked_delivery_forgotten_first_lets_the_run_pass_it() -> None:
     link = link_with([1, 2, 3])
     channel = RecordingChannel()
-    link.forget(cast(BlockingChannel, channel), 2)  # settled otherwise (nack, retry copy)
+    link.forget(cast(BrokerChannel, channel), 2)  # settled otherwise (nack, retry copy)
     assert ack(link, {1, 3}) == [(3, True)]
