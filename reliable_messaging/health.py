@@ -49,7 +49,8 @@ except ImportError as exc:  # the "health" extra is not installed
         "reliable_messaging.health.MessagingHealthCheck", "health", "django-health-check"
     ) from exc
 
-from .collectors import broker_connection_error, outbox_lag
+from .broker_queues import broker_connection_error
+from .collectors import outbox_lag
 from .models import OutboxMessage
 from .status import OUTBOX_LAG_STRICT_LIMIT, outbox_lag_problem
 

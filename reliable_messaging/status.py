@@ -24,20 +24,17 @@ from typing import TYPE_CHECKING, Any
 
 from django.utils import timezone
 
-from .collectors import (
+from .amqp_replies import NOT_FOUND
+from .broker_queues import (
     DEFAULT_TIMEOUT,
     MANAGEMENT_PORT,
     MANAGEMENT_TLS_PORT,
-    NOT_FOUND,
     UNAUTHORIZED,
     BrokerStatus,
-    DatabaseStatus,
-    DeadLetterCount,
     QueueKind,
     QueueStatus,
     broker_connection_error,
     broker_status,
-    database_status,
     default_management_url,
     describe_error,
     monitored_queues,
@@ -45,6 +42,7 @@ from .collectors import (
     scrub,
     with_management_figures,
 )
+from .collectors import DatabaseStatus, DeadLetterCount, database_status
 from .conf import MessagingSettings, messaging_settings
 from .registry import ConsumerSpec
 

@@ -50,7 +50,8 @@ from django.views.decorators.http import require_GET
 from prometheus_client import CollectorRegistry
 from prometheus_client.django import PrometheusDjangoView
 
-from .collectors import BrokerCollector, DatabaseCollector, broker_connection_error, outbox_lag
+from .broker_queues import broker_connection_error
+from .collectors import BrokerCollector, DatabaseCollector, outbox_lag
 from .conf import messaging_settings
 from .models import OutboxMessage
 from .status import OUTBOX_LAG_LIMIT, CheckResult, outbox_lag_check, system_health

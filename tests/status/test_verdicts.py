@@ -98,7 +98,8 @@ def test_a_process_report_carries_its_reasons_and_notes() -> None:
 
 
 def test_status_still_exports_the_readers_that_moved_to_collectors() -> None:
-    from reliable_messaging import collectors
+    from reliable_messaging import broker_queues, collectors
 
-    for name in ("broker_status", "database_status", "QueueStatus", "describe_error", "scrub"):
-        assert getattr(status, name) is getattr(collectors, name)
+    assert status.database_status is collectors.database_status
+    for name in ("broker_status", "QueueStatus", "describe_error", "scrub"):
+        assert getattr(status, name) is getattr(broker_queues, name)
