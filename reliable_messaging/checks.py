@@ -58,7 +58,7 @@ def check_broker_urls(value: Any) -> list[CheckMessage]:
 
 
 def _check_broker_url(value: Any) -> list[CheckMessage]:
-    import pika
+    from .topology import broker_host
 
     hint = "Use amqp://USER:PASSWORD@HOST:5672/VHOST (the default vhost is %2F)."
     if not isinstance(value, str) or not value.startswith(("amqp://", "amqps://")):
@@ -68,8 +68,7 @@ def _check_broker_url(value: Any) -> list[CheckMessage]:
             _error(1, f"{SETTING}['BROKER_URL'] is not an amqp:// or amqps:// URL: {shown}", hint)
         ]
     try:
-        params = pika.URLParameters(value)
-        if not params.host:
+        if not broker_host(value):
             raise ValueError("no host")
     except Exception as exc:  # noqa: BLE001 - pika raises several types for bad URLs
         # Only the type: pika's messages quote pieces of the URL ("Port could not be cast to

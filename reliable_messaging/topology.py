@@ -404,6 +404,12 @@ def _declare_partitions(
         declarer.queue("queue", queue, arguments, declare)
 
 
+def broker_host(url: str) -> str:
+    """The host a broker URL names, as pika reads it ("" for none). Raises what pika raises for
+    a URL it cannot parse (several types, whose messages may quote pieces of the URL)."""
+    return str(pika.URLParameters(url).host or "")
+
+
 def connection_parameters(
     settings: MessagingSettings = messaging_settings, name: str = "reliable_messaging"
 ) -> list[pika.URLParameters]:
