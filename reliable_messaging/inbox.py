@@ -34,6 +34,7 @@ from django.db import (
 from django.utils import timezone
 
 from . import metrics
+from .choices import OPEN_DEAD_LETTER_STATUSES
 from .conf import MessagingSettings, messaging_settings
 from .dead_letters import record_dead_letter
 from .envelope import (
@@ -51,7 +52,7 @@ from .envelope import (
 )
 from .exceptions import DatabaseUnavailable
 from .fastpath import DuplicateCache
-from .models import DeadLetter, DeadLetterReason, DeadLetterStatus, ProcessedMessage
+from .models import DeadLetter, DeadLetterReason, ProcessedMessage
 from .outcomes import Acknowledge, Outcome, RetryInPlace, ScheduleRetry
 from .partitions import CLAIM_LOCK_CLASS, LOCK_NOT_AVAILABLE
 from .registry import ConsumerSpec
@@ -157,7 +158,7 @@ def retry_headers(
 
 
 # Dead-letter statuses that hold back the later messages of an ordered consumer's key.
-BLOCKING_STATUSES = (DeadLetterStatus.DEAD, DeadLetterStatus.REPLAYED)
+BLOCKING_STATUSES = OPEN_DEAD_LETTER_STATUSES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,21 +275,15 @@ class DeliveryProcessor:
         """
         if not self.spec.ordered or message.ordering_key is None:
             return None
+        letters = DeadLetter.objects.using(self.using)
         blocking = (
-            DeadLetter.objects.using(self.using)
-            .filter(
-                consumer=self.spec.name,
-                ordering_key=message.ordering_key,
-                status__in=BLOCKING_STATUSES,
-            )
+            letters.open()
+            .filter(consumer=self.spec.name, ordering_key=message.ordering_key)
             .exclude(message_id=message.message_id)
         )
         if REPLAY_HEADER in delivery.headers:
             own = (
-                DeadLetter.objects.using(self.using)
-                .filter(consumer=self.spec.name, message_id=message.message_id)
-                .values_list("pk", flat=True)
-                .first()
+                letters.of(self.spec.name, message.message_id).values_list("pk", flat=True).first()
             )
             if own is not None:
                 blocking = blocking.filter(pk__lt=own)
@@ -811,9 +806,9 @@ def _run_guarded(
                 f"database error on message_id={message.message_id}: {exc}"
             ) from exc
         # Its effects rolled back with the savepoint; the claimed inbox row goes too.
-        ProcessedMessage.objects.using(processor.using).filter(
-            consumer=processor.spec.name, message_id=message.message_id
-        ).delete()
+        ProcessedMessage.objects.using(processor.using).forget(
+            processor.spec.name, message.message_id
+        )
         return processor.on_failure(delivery, message, exc, started)
     return None
 

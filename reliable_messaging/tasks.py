@@ -394,8 +394,7 @@ def _dead_letter_if_crash_looping(
     suspicion = guard.begin(scope, message_id)
     if not suspicion.exceeds(guard.limit):
         return False
-    inbox = ProcessedMessage.objects.using(guard.using)
-    if inbox.filter(consumer=scope, message_id=message_id).exists():
+    if ProcessedMessage.objects.using(guard.using).has(scope, message_id):
         return False
     _record_crashed_task(task, scope, message_id, suspicion, args, kwargs)
     _forget(guard, scope, message_id)
