@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from django.contrib import messages
 from django.contrib.admin.models import CHANGE, LogEntry
@@ -46,7 +46,44 @@ from .replay import (
 )
 
 if TYPE_CHECKING:
-    from .admin import DeadLetterAdmin
+    from django.contrib.admin import AdminSite
+    from django.contrib.admin.views.main import ChangeList
+    from django.db.models.options import Options
+    from django.utils.functional import _StrOrPromise
+
+
+class DeadLetterConsole(Protocol):
+    """What these views need of the dead letters' ModelAdmin (``admin.DeadLetterAdmin``,
+    which passes itself to each view): they never import it, so the console's two modules
+    depend one way only, admin.py on this one."""
+
+    admin_site: AdminSite
+    opts: Options[DeadLetter]
+    # Dead letters per transaction; seconds a bulk request works before it answers progress.
+    batch_size: int
+    bulk_request_seconds: float
+
+    def console_url(self, name: str, *args: Any, query: str = "") -> str: ...
+
+    def has_replay_permission(self, request: HttpRequest) -> bool: ...
+
+    def has_view_permission(self, request: HttpRequest, obj: DeadLetter | None = ...) -> bool: ...
+
+    def get_changelist_instance(self, request: HttpRequest) -> ChangeList: ...
+
+    def get_object(
+        self, request: HttpRequest, object_id: str, from_field: str | None = ...
+    ) -> DeadLetter | None: ...
+
+    def message_user(
+        self,
+        request: HttpRequest,
+        message: _StrOrPromise,
+        level: int | str = ...,
+        extra_tags: str = ...,
+        fail_silently: bool = ...,
+    ) -> None: ...
+
 
 Operation = Literal["replay", "discard"]
 # Refusals spelled out in the warning message; the rest are counted.
@@ -96,7 +133,7 @@ def _how_many(verb: str, how: str, total: int) -> str:
 
 
 def replay_and_report(
-    model_admin: DeadLetterAdmin,
+    model_admin: DeadLetterConsole,
     request: HttpRequest,
     ids: Sequence[int],
     *,
@@ -128,7 +165,7 @@ def replay_and_report(
 
 
 def _report_replay(
-    model_admin: DeadLetterAdmin, request: HttpRequest, result: ReplayResult, *, force: bool
+    model_admin: DeadLetterConsole, request: HttpRequest, result: ReplayResult, *, force: bool
 ) -> None:
     replayed, refused = len(result.replayed), len(result.refused)
     if replayed:
@@ -191,7 +228,7 @@ def _report_replay(
 
 
 def discard_and_report(
-    model_admin: DeadLetterAdmin,
+    model_admin: DeadLetterConsole,
     request: HttpRequest,
     ids: Sequence[int],
     *,
@@ -276,7 +313,7 @@ def describe_filter(request: HttpRequest) -> list[str]:
 
 
 def bulk_operation_view(
-    model_admin: DeadLetterAdmin, request: HttpRequest, operation: Operation
+    model_admin: DeadLetterConsole, request: HttpRequest, operation: Operation
 ) -> HttpResponse:
     """Replay or discard every dead letter the changelist's filter and search match."""
     if not model_admin.has_replay_permission(request):
@@ -369,7 +406,7 @@ def bulk_operation_view(
 
 
 def _progress_page(
-    model_admin: DeadLetterAdmin,
+    model_admin: DeadLetterConsole,
     request: HttpRequest,
     operation: Operation,
     *,
@@ -403,7 +440,7 @@ def _progress_page(
 
 
 def object_operation_view(
-    model_admin: DeadLetterAdmin, request: HttpRequest, object_id: str, operation: Operation
+    model_admin: DeadLetterConsole, request: HttpRequest, object_id: str, operation: Operation
 ) -> HttpResponse:
     """The replay and discard buttons of one dead letter's page (POST only)."""
     if not model_admin.has_replay_permission(request):
@@ -423,7 +460,7 @@ def object_operation_view(
     return redirect(model_admin.console_url("change", obj.pk))
 
 
-def failure_groups_view(model_admin: DeadLetterAdmin, request: HttpRequest) -> HttpResponse:
+def failure_groups_view(model_admin: DeadLetterConsole, request: HttpRequest) -> HttpResponse:
     """Dead letters that fail the same way (fingerprint) in the same consumer, biggest first."""
     if not model_admin.has_view_permission(request):
         raise PermissionDenied
