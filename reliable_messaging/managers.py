@@ -24,7 +24,7 @@ from django.db.models.functions import Now
 from .choices import OPEN_DEAD_LETTER_STATUSES, DeadLetterStatus, OutboxStatus
 
 if TYPE_CHECKING:
-    from .models import DeadLetter
+    from .models import DeadLetter, SuspectDelivery
 
 # Told after each deleted batch: the rows deleted so far, and how many were due at the start.
 BatchProgress = Callable[[int, int], None]
@@ -83,6 +83,34 @@ ProcessedMessageManager = models.Manager.from_queryset(ProcessedMessageQuerySet)
 
 
 class SuspectDeliveryQuerySet(BatchDeletingQuerySet):
+    """The crash guard's rows (``crash_guard.py`` decides what a death is; these read and
+    write them)."""
+
+    def of(self, consumer: str, message_id: str) -> SuspectDeliveryQuerySet:
+        return self.filter(consumer=consumer, message_id=message_id)
+
+    def locked_or_created(self, consumer: str, message_id: str) -> tuple[SuspectDelivery, bool]:
+        """The row of (consumer, message_id), locked, and whether it was just made. Inside the
+        caller's transaction; a twin delivery creating it at the same time waits on the lock."""
+        using = self.db
+        rows = self.using(using)
+        row = rows.select_for_update().of(consumer, message_id).first()
+        if row is not None:
+            return row, False
+        try:
+            with transaction.atomic(using=using):
+                return rows.create(consumer=consumer, message_id=message_id), True
+        except IntegrityError:
+            return rows.select_for_update().get(consumer=consumer, message_id=message_id), False
+
+    def forget(self, consumer: str, message_id: str) -> None:
+        """The delivery reached an outcome: its row goes."""
+        self.of(consumer, message_id).delete()
+
+    def mark_interrupted(self, consumer: str, message_id: str, *, at: dt.datetime) -> None:
+        """The delivery was given back without an outcome by a process that lives on."""
+        self.of(consumer, message_id).update(running=False, updated_at=at)
+
     def expired(self, before: dt.datetime) -> SuspectDeliveryQuerySet:
         """Crash-guard rows untouched since ``before``: deliveries that never came back."""
         return self.filter(updated_at__lt=before)
