@@ -27,14 +27,14 @@ from django.contrib.admin.options import IncorrectLookupParameters
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.db import router, transaction
-from django.db.models import Count, Exists, Max, Min, OuterRef, Q, QuerySet
+from django.db.models import Count, Q, QuerySet
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed
 from django.shortcuts import redirect
 from django.template.response import TemplateResponse
 from django.utils.http import urlencode
 from django.utils.translation import gettext, ngettext
 
-from .models import DeadLetter, DeadLetterStatus, ProcessedMessage
+from .models import DeadLetter, DeadLetterQuerySet, DeadLetterStatus
 from .replay import (
     UNREPLAYABLE_REASONS,
     ReplayResult,
@@ -100,13 +100,9 @@ def operator(request: HttpRequest) -> str:
 
 def already_processed(queryset: QuerySet[DeadLetter]) -> QuerySet[DeadLetter]:
     """Those whose consumer has an inbox row for their message_id (a replay is then refused)."""
-    return queryset.filter(
-        Exists(
-            ProcessedMessage.objects.filter(
-                consumer=OuterRef("consumer"), message_id=OuterRef("message_id")
-            )
-        )
-    )
+    if isinstance(queryset, DeadLetterQuerySet):  # the admin's querysets always are
+        return queryset.already_processed()
+    return DeadLetter.objects.filter(pk__in=queryset.values("pk")).already_processed()
 
 
 def log_changes(request: HttpRequest, ids: Sequence[int], message: str) -> None:
@@ -465,19 +461,7 @@ def failure_groups_view(model_admin: DeadLetterConsole, request: HttpRequest) ->
     if not model_admin.has_view_permission(request):
         raise PermissionDenied
     show_all = request.GET.get("all") == "1"
-    groups = (
-        DeadLetter.objects.values("fingerprint", "consumer")
-        .annotate(
-            total=Count("pk"),
-            dead=Count("pk", filter=Q(status=DeadLetterStatus.DEAD)),
-            first_seen=Min("first_failed_at"),
-            last_seen=Max("last_failed_at"),
-            example_id=Max("pk"),
-        )
-        .order_by("-dead", "-last_seen", "fingerprint", "consumer")
-    )
-    if not show_all:
-        groups = groups.filter(dead__gt=0)
+    groups = DeadLetter.objects.failure_groups(with_open=not show_all)
     page = Paginator(groups, 100).get_page(request.GET.get("p"))
     examples = DeadLetter.objects.only(
         "pk", "message_id", "reason", "exception_type", "exception_message"

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from django.db import IntegrityError, models, router, transaction
+from django.db.models import Count, Exists, Max, Min, OuterRef, Q
 from django.db.models.functions import Now
 
 from .choices import OPEN_DEAD_LETTER_STATUSES, DeadLetterStatus, OutboxStatus
@@ -140,6 +141,36 @@ class DeadLetterQuerySet(models.QuerySet):
     def of(self, consumer: str, message_id: str) -> DeadLetterQuerySet:
         """The dead letter of one (consumer, message_id): at most one."""
         return self.filter(consumer=consumer, message_id=message_id)
+
+    def already_processed(self) -> DeadLetterQuerySet:
+        """Those whose consumer has an inbox row for their message_id (a replay of one is
+        refused unless forced)."""
+        # The inbox model by name: models.py imports this module, so it cannot import models.
+        inbox = self.model._meta.apps.get_model(self.model._meta.app_label, "ProcessedMessage")
+        return self.filter(
+            Exists(
+                inbox._default_manager.filter(
+                    consumer=OuterRef("consumer"), message_id=OuterRef("message_id")
+                )
+            )
+        )
+
+    def failure_groups(self, *, with_open: bool = True) -> models.QuerySet[Any, dict[str, Any]]:
+        """One row per (fingerprint, consumer): how many in all and still dead, first and last
+        seen, an example's id; those with dead letters first, then the latest. ``with_open``:
+        only groups with a dead letter left."""
+        groups = (
+            self.values("fingerprint", "consumer")
+            .annotate(
+                total=Count("pk"),
+                dead=Count("pk", filter=Q(status=DeadLetterStatus.DEAD)),
+                first_seen=Min("first_failed_at"),
+                last_seen=Max("last_failed_at"),
+                example_id=Max("pk"),
+            )
+            .order_by("-dead", "-last_seen", "fingerprint", "consumer")
+        )
+        return groups.filter(dead__gt=0) if with_open else groups
 
     # -- moves ------------------------------------------------------------------------------
 
