@@ -49,7 +49,10 @@ from .envelope import (
     Message,
     decode_delivery,
 )
-from .exactly_once import (  # noqa: F401 - defined here before; kept importable from here
+
+# ROW_LOCK_PROBE, bounded_lock_wait, insert_inbox_row and _claim_inbox_rows were defined here:
+# kept importable from here for code written against them.
+from .exactly_once import (  # noqa: F401
     CLAIM_VENDORS,
     ROW_LOCK_PROBE,
     InboxRowBusy,
@@ -60,6 +63,7 @@ from .exactly_once import (  # noqa: F401 - defined here before; kept importable
     lock_wait_for,
     remember_busy,
 )
+from .exactly_once import claim_inbox_rows as _claim_inbox_rows  # noqa: F401 - its old name
 from .exceptions import DatabaseUnavailable
 from .fastpath import DuplicateCache
 from .models import DeadLetter, DeadLetterReason, ProcessedMessage
