@@ -18,7 +18,7 @@ from django.contrib.admin import helpers
 from django.core.paginator import Paginator
 from django.db import connections
 from django.db.models import QuerySet, TextField
-from django.db.models.functions import Cast, Now
+from django.db.models.functions import Cast
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
@@ -36,7 +36,7 @@ from .models import (
     DeadLetter,
     DeadLetterStatus,
     OutboxMessage,
-    OutboxStatus,
+    OutboxMessageQuerySet,
     ProcessedMessage,
     SuspectDelivery,
 )
@@ -433,9 +433,7 @@ class DeadLetterAdmin(admin.ModelAdmin):
     def _processed_row(obj: DeadLetter) -> ProcessedMessage | None:
         if not obj.message_id:
             return None
-        return ProcessedMessage.objects.filter(
-            consumer=obj.consumer, message_id=obj.message_id
-        ).first()
+        return ProcessedMessage.objects.of(obj.consumer, obj.message_id).first()
 
     @admin.display(description=_("processed by the consumer"))
     def processed(self, obj: DeadLetter) -> str:
@@ -673,12 +671,7 @@ class OutboxMessageAdmin(admin.ModelAdmin):
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
     ) -> Any:
-        oldest = (
-            OutboxMessage.objects.pending()
-            .order_by("created_at")
-            .values_list("created_at", flat=True)
-            .first()
-        )
+        oldest = OutboxMessage.objects.oldest_pending_at()
         if oldest is not None:
             self.message_user(
                 request,
@@ -692,10 +685,8 @@ class OutboxMessageAdmin(admin.ModelAdmin):
         return obj.last_error if len(obj.last_error) <= 80 else obj.last_error[:79] + "…"
 
     @admin.action(description="Retry the selected failed rows", permissions=["change"])
-    def retry_failed(self, request: HttpRequest, queryset: QuerySet) -> None:
-        count = queryset.filter(status=OutboxStatus.FAILED).update(
-            status=OutboxStatus.PENDING, attempts=0, next_attempt_at=Now()
-        )
+    def retry_failed(self, request: HttpRequest, queryset: OutboxMessageQuerySet) -> None:
+        count = queryset.retry_failed()
         self.message_user(
             request,
             ngettext("%d failed row is pending again.", "%d failed rows are pending again.", count)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from django.contrib import messages
 from django.contrib.admin.models import CHANGE, LogEntry
@@ -27,14 +27,14 @@ from django.contrib.admin.options import IncorrectLookupParameters
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.db import router, transaction
-from django.db.models import Count, Exists, Max, Min, OuterRef, Q, QuerySet
+from django.db.models import Count, Q, QuerySet
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed
 from django.shortcuts import redirect
 from django.template.response import TemplateResponse
 from django.utils.http import urlencode
 from django.utils.translation import gettext, ngettext
 
-from .models import DeadLetter, DeadLetterStatus, ProcessedMessage
+from .models import DeadLetter, DeadLetterQuerySet, DeadLetterStatus
 from .replay import (
     UNREPLAYABLE_REASONS,
     ReplayResult,
@@ -46,7 +46,44 @@ from .replay import (
 )
 
 if TYPE_CHECKING:
-    from .admin import DeadLetterAdmin
+    from django.contrib.admin import AdminSite
+    from django.contrib.admin.views.main import ChangeList
+    from django.db.models.options import Options
+    from django.utils.functional import _StrOrPromise
+
+
+class DeadLetterConsole(Protocol):
+    """What these views need of the dead letters' ModelAdmin (``admin.DeadLetterAdmin``,
+    which passes itself to each view): they never import it, so the console's two modules
+    depend one way only, admin.py on this one."""
+
+    admin_site: AdminSite
+    opts: Options[DeadLetter]
+    # Dead letters per transaction; seconds a bulk request works before it answers progress.
+    batch_size: int
+    bulk_request_seconds: float
+
+    def console_url(self, name: str, *args: Any, query: str = "") -> str: ...
+
+    def has_replay_permission(self, request: HttpRequest) -> bool: ...
+
+    def has_view_permission(self, request: HttpRequest, obj: DeadLetter | None = ...) -> bool: ...
+
+    def get_changelist_instance(self, request: HttpRequest) -> ChangeList: ...
+
+    def get_object(
+        self, request: HttpRequest, object_id: str, from_field: str | None = ...
+    ) -> DeadLetter | None: ...
+
+    def message_user(
+        self,
+        request: HttpRequest,
+        message: _StrOrPromise,
+        level: int | str = ...,
+        extra_tags: str = ...,
+        fail_silently: bool = ...,
+    ) -> None: ...
+
 
 Operation = Literal["replay", "discard"]
 # Refusals spelled out in the warning message; the rest are counted.
@@ -63,13 +100,9 @@ def operator(request: HttpRequest) -> str:
 
 def already_processed(queryset: QuerySet[DeadLetter]) -> QuerySet[DeadLetter]:
     """Those whose consumer has an inbox row for their message_id (a replay is then refused)."""
-    return queryset.filter(
-        Exists(
-            ProcessedMessage.objects.filter(
-                consumer=OuterRef("consumer"), message_id=OuterRef("message_id")
-            )
-        )
-    )
+    if isinstance(queryset, DeadLetterQuerySet):  # the admin's querysets always are
+        return queryset.already_processed()
+    return DeadLetter.objects.filter(pk__in=queryset.values("pk")).already_processed()
 
 
 def log_changes(request: HttpRequest, ids: Sequence[int], message: str) -> None:
@@ -96,7 +129,7 @@ def _how_many(verb: str, how: str, total: int) -> str:
 
 
 def replay_and_report(
-    model_admin: DeadLetterAdmin,
+    model_admin: DeadLetterConsole,
     request: HttpRequest,
     ids: Sequence[int],
     *,
@@ -128,7 +161,7 @@ def replay_and_report(
 
 
 def _report_replay(
-    model_admin: DeadLetterAdmin, request: HttpRequest, result: ReplayResult, *, force: bool
+    model_admin: DeadLetterConsole, request: HttpRequest, result: ReplayResult, *, force: bool
 ) -> None:
     replayed, refused = len(result.replayed), len(result.refused)
     if replayed:
@@ -191,7 +224,7 @@ def _report_replay(
 
 
 def discard_and_report(
-    model_admin: DeadLetterAdmin,
+    model_admin: DeadLetterConsole,
     request: HttpRequest,
     ids: Sequence[int],
     *,
@@ -276,7 +309,7 @@ def describe_filter(request: HttpRequest) -> list[str]:
 
 
 def bulk_operation_view(
-    model_admin: DeadLetterAdmin, request: HttpRequest, operation: Operation
+    model_admin: DeadLetterConsole, request: HttpRequest, operation: Operation
 ) -> HttpResponse:
     """Replay or discard every dead letter the changelist's filter and search match."""
     if not model_admin.has_replay_permission(request):
@@ -369,7 +402,7 @@ def bulk_operation_view(
 
 
 def _progress_page(
-    model_admin: DeadLetterAdmin,
+    model_admin: DeadLetterConsole,
     request: HttpRequest,
     operation: Operation,
     *,
@@ -403,7 +436,7 @@ def _progress_page(
 
 
 def object_operation_view(
-    model_admin: DeadLetterAdmin, request: HttpRequest, object_id: str, operation: Operation
+    model_admin: DeadLetterConsole, request: HttpRequest, object_id: str, operation: Operation
 ) -> HttpResponse:
     """The replay and discard buttons of one dead letter's page (POST only)."""
     if not model_admin.has_replay_permission(request):
@@ -423,24 +456,12 @@ def object_operation_view(
     return redirect(model_admin.console_url("change", obj.pk))
 
 
-def failure_groups_view(model_admin: DeadLetterAdmin, request: HttpRequest) -> HttpResponse:
+def failure_groups_view(model_admin: DeadLetterConsole, request: HttpRequest) -> HttpResponse:
     """Dead letters that fail the same way (fingerprint) in the same consumer, biggest first."""
     if not model_admin.has_view_permission(request):
         raise PermissionDenied
     show_all = request.GET.get("all") == "1"
-    groups = (
-        DeadLetter.objects.values("fingerprint", "consumer")
-        .annotate(
-            total=Count("pk"),
-            dead=Count("pk", filter=Q(status=DeadLetterStatus.DEAD)),
-            first_seen=Min("first_failed_at"),
-            last_seen=Max("last_failed_at"),
-            example_id=Max("pk"),
-        )
-        .order_by("-dead", "-last_seen", "fingerprint", "consumer")
-    )
-    if not show_all:
-        groups = groups.filter(dead__gt=0)
+    groups = DeadLetter.objects.failure_groups(with_open=not show_all)
     page = Paginator(groups, 100).get_page(request.GET.get("p"))
     examples = DeadLetter.objects.only(
         "pk", "message_id", "reason", "exception_type", "exception_message"

@@ -33,7 +33,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from django.db import IntegrityError, router, transaction
+from django.db import router, transaction
 from django.utils import timezone
 
 from .envelope import DecodeError, Delivery
@@ -99,17 +99,15 @@ class CrashGuard:
     def finish(self, keys: Iterable[tuple[str, str]]) -> None:
         """The deliveries reached an outcome (committed): forget them."""
         for consumer, message_id in keys:
-            SuspectDelivery.objects.using(self.using).filter(
-                consumer=consumer, message_id=message_id
-            ).delete()
+            SuspectDelivery.objects.using(self.using).forget(consumer, message_id)
 
     def interrupted(self, keys: Iterable[tuple[str, str]]) -> None:
         """The deliveries were given back without an outcome, and the process lives on (a
         graceful stop, a lost connection): no death to count."""
         for consumer, message_id in keys:
-            SuspectDelivery.objects.using(self.using).filter(
-                consumer=consumer, message_id=message_id
-            ).update(running=False, updated_at=timezone.now())
+            SuspectDelivery.objects.using(self.using).mark_interrupted(
+                consumer, message_id, at=timezone.now()
+            )
 
     def record_death(self, consumer: str, message_id: str, cause: str) -> None:
         """Called by a process about to exit on purpose because of this delivery (a handler it
@@ -121,17 +119,7 @@ class CrashGuard:
             self._save(row, running=False)
 
     def _locked_row(self, consumer: str, message_id: str) -> tuple[SuspectDelivery, bool]:
-        """The row of (consumer, message_id), locked, and whether it was just made. Inside the
-        caller's transaction; a twin delivery creating it at the same time waits on the lock."""
-        rows = SuspectDelivery.objects.using(self.using)
-        row = rows.select_for_update().filter(consumer=consumer, message_id=message_id).first()
-        if row is not None:
-            return row, False
-        try:
-            with transaction.atomic(using=self.using):
-                return rows.create(consumer=consumer, message_id=message_id), True
-        except IntegrityError:
-            return rows.select_for_update().get(consumer=consumer, message_id=message_id), False
+        return SuspectDelivery.objects.using(self.using).locked_or_created(consumer, message_id)
 
     def _save(self, row: SuspectDelivery, *, running: bool) -> None:
         row.running = running

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from django.db import DataError, IntegrityError, router, transaction
+from django.db import DataError, router
 from django.utils import timezone
 
 from .envelope import (
@@ -131,31 +131,10 @@ def _upsert(
     delivery: Delivery,
     now: dt.datetime,
 ) -> DeadLetter:
-    for _ in range(2):  # a concurrent first insert of the same key turns into an update
-        with transaction.atomic(using=using):
-            existing = None
-            if message_id:
-                existing = (
-                    DeadLetter.objects.using(using)
-                    .select_for_update()
-                    .filter(consumer=consumer, message_id=message_id)
-                    .first()
-                )
-            if existing is not None:
-                for name, value in fields.items():
-                    setattr(existing, name, value)
-                existing.history = [*existing.history, event]
-                existing.save(using=using)
-                return existing
-            try:
-                with transaction.atomic(using=using):
-                    return DeadLetter.objects.using(using).create(
-                        consumer=consumer,
-                        message_id=message_id,
-                        first_failed_at=_first_failed_at(delivery.headers, now),
-                        history=[event],
-                        **fields,
-                    )
-            except IntegrityError:
-                continue
-    raise IntegrityError(f"could not record the dead letter of message_id={message_id}")
+    return DeadLetter.objects.using(using).record_failure(
+        consumer,
+        message_id,
+        fields=fields,
+        event=event,
+        first_failed_at=_first_failed_at(delivery.headers, now),
+    )

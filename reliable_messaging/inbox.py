@@ -8,18 +8,19 @@ Several deliveries share one transaction: each runs in its own savepoint (inbox 
 then the handler), so a failing handler rolls back its own effects and inbox row only, and the
 batch commits once. Nothing is acked before that commit, so a crash anywhere leaves every
 delivery of the batch with the broker, and the inbox rows that did commit absorb the redelivery.
+
+The inbox rows themselves (claimed one by one or a batch at a time, with bounded lock waits) are
+written by :mod:`.exactly_once`, which the Celery integration shares; this module decides what
+each delivery's outcome is.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import threading
 import time
 import traceback
-import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from django.db import (
@@ -31,7 +32,6 @@ from django.db import (
     router,
     transaction,
 )
-from django.utils import timezone
 
 from . import metrics
 from .conf import MessagingSettings, messaging_settings
@@ -49,97 +49,36 @@ from .envelope import (
     Message,
     decode_delivery,
 )
+
+# ROW_LOCK_PROBE, bounded_lock_wait, insert_inbox_row and _claim_inbox_rows were defined here:
+# kept importable from here for code written against them.
+from .exactly_once import (  # noqa: F401
+    CLAIM_VENDORS,
+    ROW_LOCK_PROBE,
+    InboxRowBusy,
+    bounded_lock_wait,
+    claim_inbox_rows,
+    claimed_atomic,
+    insert_inbox_row,
+    lock_wait_for,
+    remember_busy,
+)
+from .exactly_once import claim_inbox_rows as _claim_inbox_rows  # noqa: F401 - its old name
 from .exceptions import DatabaseUnavailable
 from .fastpath import DuplicateCache
-from .models import DeadLetter, DeadLetterReason, DeadLetterStatus, ProcessedMessage
+from .models import DeadLetter, DeadLetterReason, ProcessedMessage
 from .outcomes import Acknowledge, Outcome, RetryInPlace, ScheduleRetry
-from .partitions import CLAIM_LOCK_CLASS, LOCK_NOT_AVAILABLE
 from .registry import ConsumerSpec
 from .replay import mark_resolved, resolve_processed_copies
 from .retry import GiveUp, decide
 from .routing import topic_matches
 from .time_limit import time_limits
 
-CLIENT_CURSOR: type | None
-try:
-    from psycopg import ClientCursor as CLIENT_CURSOR
-except ImportError:  # psycopg2, or no PostgreSQL at all
-    CLIENT_CURSOR = None
-
 logger = logging.getLogger(__name__)
-
-# After a batch's claim timed out, each of its rows is tried alone for this long: the batch
-# already waited INBOX_LOCK_TIMEOUT, so a row still locked now is the busy one.
-ROW_LOCK_PROBE = 0.1
-
-
-# Keys found held by another transaction, with when that was (monotonic): for a while their
-# next copies wait only ROW_LOCK_PROBE, not INBOX_LOCK_TIMEOUT. A consumer cut off mid-batch
-# holds its rows until the server ends its transaction; the copies the broker redelivered
-# come back deferred again and again meanwhile, and each full wait would stall this consumer.
-_BUSY_KEYS: dict[tuple[str, str], float] = {}
-BUSY_MEMORY = 60.0
-_BUSY_LOCK = threading.Lock()
-
-
-def _remember_busy(keys: Iterable[tuple[str, str]]) -> None:
-    now = time.monotonic()
-    with _BUSY_LOCK:
-        for key in keys:
-            _BUSY_KEYS[key] = now
-        if len(_BUSY_KEYS) > 10_000:
-            for key, at in list(_BUSY_KEYS.items()):
-                if now - at > BUSY_MEMORY:
-                    del _BUSY_KEYS[key]
-
-
-def lock_wait_for(keys: Iterable[tuple[str, str]], redelivered: bool, settings: Any) -> float:
-    """How long an inbox claim of ``keys`` may wait on rows another transaction holds: the
-    full ``INBOX_LOCK_TIMEOUT``, or only ROW_LOCK_PROBE for a redelivery (its last holder may
-    be the consumer that went away with its transaction open) or a key found held lately."""
-    if redelivered:
-        return min(ROW_LOCK_PROBE, settings.inbox_lock_timeout)
-    now = time.monotonic()
-    with _BUSY_LOCK:
-        if any(now - _BUSY_KEYS.get(key, -BUSY_MEMORY) < BUSY_MEMORY for key in keys):
-            return min(ROW_LOCK_PROBE, settings.inbox_lock_timeout)
-    return float(settings.inbox_lock_timeout)
 
 
 class _AlreadyProcessed(Exception):
     """The message's inbox row is there already: a duplicate."""
-
-
-class InboxRowBusy(Exception):
-    """Another transaction holds this message's inbox row and did not end in time."""
-
-
-@contextlib.contextmanager
-def bounded_lock_wait(using: str, seconds: float) -> Iterator[None]:
-    """Within the current transaction, let lock waits last ``seconds`` at most (PostgreSQL's
-    ``lock_timeout``), then restore what it was, so a handler's own statements never see it.
-    Used around the inbox insert: a twin's transaction that never ends (its consumer cut off
-    from the network mid-batch) must turn a wait into a deferral, not stall this consumer.
-    Raises :class:`InboxRowBusy` when the wait is cut short; the caller's savepoint must
-    then be rolled back (the restore is skipped, and the rollback undoes the setting)."""
-    connection = connections[using]
-    if connection.vendor != "postgresql" or seconds <= 0:
-        yield
-        return
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT current_setting('lock_timeout'), set_config('lock_timeout', %s, true)",
-            [f"{max(1, round(seconds * 1000))}ms"],
-        )
-        previous = cursor.fetchone()[0]
-    try:
-        yield
-    except OperationalError as exc:
-        if getattr(exc.__cause__, "sqlstate", None) == LOCK_NOT_AVAILABLE:
-            raise InboxRowBusy(str(exc)) from exc
-        raise
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT set_config('lock_timeout', %s, true)", [previous])
 
 
 def retry_headers(
@@ -156,10 +95,6 @@ def retry_headers(
     return headers
 
 
-# Dead-letter statuses that hold back the later messages of an ordered consumer's key.
-BLOCKING_STATUSES = (DeadLetterStatus.DEAD, DeadLetterStatus.REPLAYED)
-
-
 @dataclasses.dataclass(frozen=True)
 class Job:
     """One delivery for one consumer, as a worker hands it to :func:`process_batch`."""
@@ -169,8 +104,9 @@ class Job:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Decided:
-    """An outcome plus what to count and remember once (if) the transaction commits."""
+class _DeliveryOutcome:
+    """A delivery's outcome (what the connection's thread does with it) plus what to count,
+    log and remember once (if) the batch's transaction commits."""
 
     outcome: Outcome
     label: str
@@ -178,6 +114,9 @@ class _Decided:
     processed: bool = False  # the inbox holds the message now: the fast path may remember it
     # Logged once the transaction committed (a line saying "processed" must be true).
     after_commit: bool = False
+
+
+_Decided = _DeliveryOutcome  # its former name, kept for code written against it
 
 
 class DeliveryProcessor:
@@ -233,7 +172,7 @@ class DeliveryProcessor:
 
     # -- inside the batch's transaction -----------------------------------------------------------
 
-    def run(self, delivery: Delivery, decoded: Message | DecodeError) -> _Decided:
+    def run(self, delivery: Delivery, decoded: Message | DecodeError) -> _DeliveryOutcome:
         """Decide one delivery inside the caller's transaction; its writes are in savepoints."""
         if isinstance(decoded, DecodeError):
             return self._reject_undecodable(delivery, decoded)
@@ -274,27 +213,21 @@ class DeliveryProcessor:
         """
         if not self.spec.ordered or message.ordering_key is None:
             return None
+        letters = DeadLetter.objects.using(self.using)
         blocking = (
-            DeadLetter.objects.using(self.using)
-            .filter(
-                consumer=self.spec.name,
-                ordering_key=message.ordering_key,
-                status__in=BLOCKING_STATUSES,
-            )
+            letters.open()
+            .filter(consumer=self.spec.name, ordering_key=message.ordering_key)
             .exclude(message_id=message.message_id)
         )
         if REPLAY_HEADER in delivery.headers:
             own = (
-                DeadLetter.objects.using(self.using)
-                .filter(consumer=self.spec.name, message_id=message.message_id)
-                .values_list("pk", flat=True)
-                .first()
+                letters.of(self.spec.name, message.message_id).values_list("pk", flat=True).first()
             )
             if own is not None:
                 blocking = blocking.filter(pk__lt=own)
         return blocking.order_by("pk").first()
 
-    def _reject_undecodable(self, delivery: Delivery, error: DecodeError) -> _Decided:
+    def _reject_undecodable(self, delivery: Delivery, error: DecodeError) -> _DeliveryOutcome:
         logger.error(
             "dead-lettering message_id=%s consumer=%s outcome=dead_lettered reason=%s: %s",
             error.message_id or "-",
@@ -309,7 +242,7 @@ class DeliveryProcessor:
             attempts=1,
             exception_message=error.detail,
         )
-        return _Decided(Acknowledge("dead_lettered", error.reason), "dead_lettered")
+        return _DeliveryOutcome(Acknowledge("dead_lettered", error.reason), "dead_lettered")
 
     def _reject(
         self,
@@ -318,7 +251,7 @@ class DeliveryProcessor:
         reason: str,
         detail: str,
         label: str = "dead_lettered",
-    ) -> _Decided:
+    ) -> _DeliveryOutcome:
         logger.error(
             "dead-lettering message_id=%s consumer=%s attempt=%d outcome=%s reason=%s: %s",
             message.message_id,
@@ -338,23 +271,23 @@ class DeliveryProcessor:
             routing_key=message.routing_key,
             exception_message=detail,
         )
-        return _Decided(Acknowledge("dead_lettered", reason), label)
+        return _DeliveryOutcome(Acknowledge("dead_lettered", reason), label)
 
-    def _handle(self, delivery: Delivery, message: Message) -> _Decided:
+    def _handle(self, delivery: Delivery, message: Message) -> _DeliveryOutcome:
         started = time.perf_counter()
-        inserted = False
+        fresh = False
         try:
-            with transaction.atomic(using=self.using):
-                # The insert comes first: on a duplicate it fails before the handler runs, and
-                # with a concurrent twin it waits on the unique index until that one commits or
-                # rolls back; so the unique constraint alone decides who takes effect.
-                wait = lock_wait_for(
-                    [(self.spec.name, message.message_id)], delivery.redelivered, self.settings
-                )
-                with bounded_lock_wait(self.using, wait):
-                    if not insert_inbox_row(self.using, self.spec.name, message.message_id):
-                        raise _AlreadyProcessed
-                inserted = True
+            # The insert comes first: on a duplicate it fails before the handler runs, and with
+            # a concurrent twin it waits on the unique index until that one commits or rolls
+            # back; so the unique constraint alone decides who takes effect.
+            wait = lock_wait_for(
+                [(self.spec.name, message.message_id)], delivery.redelivered, self.settings
+            )
+            with claimed_atomic(
+                self.using, self.spec.name, message.message_id, lock_wait=wait
+            ) as fresh:
+                if not fresh:
+                    raise _AlreadyProcessed
                 self.call_handler(message)
                 if REPLAY_HEADER in delivery.headers:
                     mark_resolved(self.spec.name, message.message_id, self.using)
@@ -362,10 +295,10 @@ class DeliveryProcessor:
                     # An ordered consumer's dead letter keeps its key parked until replayed.
                     resolve_processed_copies(self.spec.name, [message.message_id], self.using)
         except InboxRowBusy:
-            _remember_busy([(self.spec.name, message.message_id)])
+            remember_busy([(self.spec.name, message.message_id)])
             return self.busy(delivery, message)
         except (_AlreadyProcessed, IntegrityError) as exc:
-            if not inserted:
+            if not fresh:
                 if REPLAY_HEADER in delivery.headers:
                     # Another copy of the message (published twice, sent again by a relay) was
                     # processed after the replay was queued: the dead letter is done with. Left
@@ -376,12 +309,12 @@ class DeliveryProcessor:
                         self.using,
                         by="its replay found it processed by another copy",
                     )
-                return _Decided(
+                return _DeliveryOutcome(
                     Acknowledge("duplicate"), "duplicate", processed=True, after_commit=True
                 )
             return self.on_failure(delivery, message, exc, started)
         except (OperationalError, InterfaceError) as exc:
-            if not inserted or not self.connection_usable():
+            if not fresh or not self.connection_usable():
                 raise DatabaseUnavailable(
                     f"database error on message_id={message.message_id}: {exc}"
                 ) from exc
@@ -389,7 +322,7 @@ class DeliveryProcessor:
         except Exception as exc:  # noqa: BLE001 - any handler error is an outcome to decide on
             return self.on_failure(delivery, message, exc, started)
         duration = time.perf_counter() - started
-        return _Decided(
+        return _DeliveryOutcome(
             Acknowledge("processed"), "processed", duration, processed=True, after_commit=True
         )
 
@@ -405,7 +338,7 @@ class DeliveryProcessor:
 
     def on_failure(
         self, delivery: Delivery, message: Message, exc: Exception, started: float
-    ) -> _Decided:
+    ) -> _DeliveryOutcome:
         duration = time.perf_counter() - started
         decision = decide(
             exc, attempt=message.attempt, max_attempts=self.max_attempts, delays=self.retry_delays
@@ -433,7 +366,7 @@ class DeliveryProcessor:
                 exception=exc,
                 traceback_text="".join(traceback.format_exception(exc)),
             )
-            return _Decided(
+            return _DeliveryOutcome(
                 Acknowledge("dead_lettered", decision.reason), "dead_lettered", duration
             )
         logger.warning(
@@ -454,12 +387,12 @@ class DeliveryProcessor:
         if self.spec.ordered:
             # Through a delay queue a later message of the key would overtake it: the delivery
             # stays unacked, holding its partition, and runs again after the delay.
-            return _Decided(
+            return _DeliveryOutcome(
                 RetryInPlace(decision.delay, decision.next_attempt, headers, error),
                 "retried",
                 duration,
             )
-        return _Decided(
+        return _DeliveryOutcome(
             ScheduleRetry(decision.delay, decision.next_attempt, headers, error),
             "retried",
             duration,
@@ -480,7 +413,7 @@ class DeliveryProcessor:
         message: Message,
         why: str = "another consumer is processing it right now",
         error: str = "lease held",
-    ) -> _Decided:
+    ) -> _DeliveryOutcome:
         """Another consumer holds this message (its Redis lease, or its inbox row in a
         transaction not yet ended): have the copy come back shortly, at the same attempt.
         An ordered consumer's delivery waits in place instead, holding its partition."""
@@ -498,12 +431,14 @@ class DeliveryProcessor:
         headers[ORIGINAL_EXCHANGE_HEADER] = message.exchange
         headers[ORIGINAL_ROUTING_KEY_HEADER] = message.routing_key
         if self.spec.ordered:
-            return _Decided(RetryInPlace(delay, message.attempt, headers, error), "deferred")
-        return _Decided(
+            return _DeliveryOutcome(
+                RetryInPlace(delay, message.attempt, headers, error), "deferred"
+            )
+        return _DeliveryOutcome(
             ScheduleRetry(delay, message.attempt, headers, error, deferred=True), "deferred"
         )
 
-    def busy(self, delivery: Delivery, message: Message) -> _Decided:
+    def busy(self, delivery: Delivery, message: Message) -> _DeliveryOutcome:
         """The inbox row is locked by a transaction that did not end within
         ``INBOX_LOCK_TIMEOUT`` (a twin still running, or a consumer cut off mid-batch)."""
         return self.defer(
@@ -515,15 +450,18 @@ class DeliveryProcessor:
             error="inbox row locked",
         )
 
-    def plain(self, delivery: Delivery, decoded: Message | DecodeError) -> bool:
-        """Whether the optimistic path may take this delivery: a well-formed message of an
-        unordered consumer, expected here, not a replay (those resolve a dead letter)."""
+    def fits_batch_claim(self, delivery: Delivery, decoded: Message | DecodeError) -> bool:
+        """Whether the batch claim (and the optimistic path) may take this delivery: a
+        well-formed message of an unordered consumer, expected here, not a replay (those
+        resolve a dead letter). The others are decided one by one, each in its savepoints."""
         return (
             isinstance(decoded, Message)
             and not self.spec.ordered
             and REPLAY_HEADER not in delivery.headers
             and self._expects(decoded.routing_key)
         )
+
+    plain = fits_batch_claim  # its former name, kept for code written against it
 
     def commit_refused(self, delivery: Delivery, exc: DatabaseError) -> Outcome:
         """The delivery's own transaction could not commit (a deferred constraint its handler
@@ -550,9 +488,6 @@ def with_attempt(delivery: Delivery, retry: RetryInPlace) -> Delivery:
     return dataclasses.replace(delivery, headers=dict(retry.headers))
 
 
-# Databases whose SQL has INSERT ... ON CONFLICT DO NOTHING RETURNING (the batched inbox claim);
-# on others every delivery takes the one-by-one path.
-CLAIM_VENDORS = frozenset({"postgresql", "sqlite"})
 # After a handler failed on the optimistic path, its consumer's next batches run guarded.
 GUARDED_BATCHES_AFTER_FAILURE = 20
 
@@ -598,7 +533,7 @@ def process_batch(
         # A router sending consumers to different databases: one transaction per database.
         return [outcome for job in jobs for outcome in process_batch([job], cache=cache)]
     decoded = [job.processor.decode(job.delivery) for job in jobs]
-    settled: list[_Decided | None] = [None] * len(jobs)
+    settled: list[_DeliveryOutcome | None] = [None] * len(jobs)
     leased = _fast_path(jobs, decoded, settled, cache)
     optimistic = all(job.processor.guarded_batches == 0 for job in jobs)
     for processor in {job.processor for job in jobs}:
@@ -648,7 +583,7 @@ def process_batch(
     return outcomes
 
 
-def _log_committed(consumer: str, message: Message, done: _Decided) -> None:
+def _log_committed(consumer: str, message: Message, done: _DeliveryOutcome) -> None:
     if done.label == "duplicate":
         logger.info(
             "duplicate message_id=%s consumer=%s attempt=%d outcome=duplicate: already "
@@ -676,11 +611,11 @@ class _CommitRefused(Exception):
 def _decide(
     jobs: Sequence[Job],
     decoded: Sequence[Message | DecodeError],
-    settled: Sequence[_Decided | None],
+    settled: Sequence[_DeliveryOutcome | None],
     *,
     guarded: bool,
     failed: dict[int, Exception] | None = None,
-) -> list[_Decided | None]:
+) -> list[_DeliveryOutcome | None]:
     """One transaction over the jobs the fast path did not settle. ``failed`` holds the
     handler errors already seen (on the optimistic path) of jobs not to run again."""
     decided = list(settled)
@@ -691,13 +626,15 @@ def _decide(
     held_queues: set[str] = set()
     try:
         with transaction.atomic(using=using):
-            plain = []
+            claimable = []
             if connections[using].vendor in CLAIM_VENDORS:
-                plain = [
-                    i for i in pending if jobs[i].processor.plain(jobs[i].delivery, decoded[i])
+                claimable = [
+                    i
+                    for i in pending
+                    if jobs[i].processor.fits_batch_claim(jobs[i].delivery, decoded[i])
                 ]
-            if plain:
-                _run_claimed(jobs, decoded, decided, plain, using, guarded, failed or {})
+            if claimable:
+                _run_claimed(jobs, decoded, decided, claimable, using, guarded, failed or {})
             # The rest (bad input, ordered consumers, replays) one by one, each in savepoints.
             for index in pending:
                 job = jobs[index]
@@ -721,7 +658,7 @@ def _decide(
 def _run_claimed(
     jobs: Sequence[Job],
     decoded: Sequence[Message | DecodeError],
-    decided: list[_Decided | None],
+    decided: list[_DeliveryOutcome | None],
     indexes: list[int],
     using: str,
     guarded: bool,
@@ -751,8 +688,8 @@ def _run_claimed(
         any(jobs[index].delivery.redelivered for index in indexes),
         jobs[indexes[0]].processor.settings,
     )
-    claimed, busy = _claim_inbox_rows(using, keys, wait)
-    _remember_busy(busy)
+    claimed, busy = claim_inbox_rows(using, keys, wait)
+    remember_busy(busy)
     seen: set[tuple[str, str]] = set()
     processed: dict[str, list[str]] = {}
     for index, key, message in zip(indexes, keys, messages, strict=True):
@@ -761,7 +698,7 @@ def _run_claimed(
             decided[index] = processor.busy(jobs[index].delivery, message)
             continue
         if key not in claimed or key in seen:
-            decided[index] = _Decided(
+            decided[index] = _DeliveryOutcome(
                 Acknowledge("duplicate"), "duplicate", processed=True, after_commit=True
             )
             continue
@@ -784,7 +721,7 @@ def _run_claimed(
                     ) from exc
                 raise _Fallback(processor, index, exc) from exc
         duration = time.perf_counter() - started
-        decided[index] = _Decided(
+        decided[index] = _DeliveryOutcome(
             Acknowledge("processed"), "processed", duration, processed=True, after_commit=True
         )
         if claimed[key]:
@@ -798,7 +735,7 @@ def _run_claimed(
 
 def _run_guarded(
     processor: DeliveryProcessor, delivery: Delivery, message: Message, started: float
-) -> _Decided | None:
+) -> _DeliveryOutcome | None:
     """Run the handler in a savepoint; None when it succeeded, else its failure's outcome."""
     try:
         with transaction.atomic(using=processor.using):
@@ -811,9 +748,9 @@ def _run_guarded(
                 f"database error on message_id={message.message_id}: {exc}"
             ) from exc
         # Its effects rolled back with the savepoint; the claimed inbox row goes too.
-        ProcessedMessage.objects.using(processor.using).filter(
-            consumer=processor.spec.name, message_id=message.message_id
-        ).delete()
+        ProcessedMessage.objects.using(processor.using).forget(
+            processor.spec.name, message.message_id
+        )
         return processor.on_failure(delivery, message, exc, started)
     return None
 
@@ -836,190 +773,6 @@ def _connection_lost(using: str) -> bool:
     return False
 
 
-def _claim_inbox_rows(
-    using: str, keys: list[tuple[str, str]], lock_wait: float
-) -> tuple[dict[tuple[str, str], bool], set[tuple[str, str]]]:
-    """Insert the inbox rows of ``keys``; returns those this statement inserted (each with
-    whether the consumer may hold an open dead letter of it: see :func:`_insert_inbox_rows`),
-    and those another transaction holds (busy: not decided here, deferred).
-
-    The rows go in sorted by key, not in batch order. A row another transaction inserted and
-    has not committed makes the insert wait for that transaction; two batches sharing keys in
-    different orders would each hold a row the other waits for (a deadlock, one batch killed).
-    In one order for everyone, the second batch only waits for the first.
-
-    The wait is bounded by ``lock_wait`` (see :func:`lock_wait_for`): past it the claim is rolled
-    back to its savepoint and each row tried alone for a moment, so only the rows still held
-    are put aside and the rest of the batch goes on.
-    """
-    ordered = sorted(set(keys))
-    try:
-        if _one_round_trip(using):
-            return _claim_in_one_round_trip(using, ordered, lock_wait), set()
-        with (
-            transaction.atomic(using=using),
-            bounded_lock_wait(using, lock_wait),
-        ):
-            return _insert_inbox_rows(using, ordered), set()
-    except InboxRowBusy:
-        pass
-    claimed: dict[tuple[str, str], bool] = {}
-    busy: set[tuple[str, str]] = set()
-    for key in ordered:
-        try:
-            with transaction.atomic(using=using), bounded_lock_wait(using, ROW_LOCK_PROBE):
-                claimed.update(_insert_inbox_rows(using, [key]))
-        except InboxRowBusy:
-            busy.add(key)
-    return claimed, busy
-
-
-# The batch claim's own savepoint, and the setting of the transaction that keeps the
-# lock_timeout it replaces so that the same round trip can restore it.
-CLAIM_SAVEPOINT = "rm_inbox_claim"
-SAVED_LOCK_TIMEOUT = "reliable_messaging.saved_lock_timeout"
-
-
-def _one_round_trip(using: str) -> bool:
-    """Whether the claim may go as one script of several statements: PostgreSQL through
-    psycopg 3 with client-side binding (Django's default). Server-side binding (the
-    ``server_side_binding`` option) and psycopg2 take a statement per round trip."""
-    connection = connections[using]
-    if connection.vendor != "postgresql" or CLIENT_CURSOR is None:
-        return False
-    with connection.cursor() as cursor:
-        return isinstance(cursor.cursor, CLIENT_CURSOR)
-
-
-def _claim_in_one_round_trip(
-    using: str, keys: list[tuple[str, str]], lock_wait: float
-) -> dict[tuple[str, str], bool]:
-    """The batch claim as :func:`bounded_lock_wait` around :func:`_insert_inbox_rows` in a
-    savepoint does it, in one round trip instead of five (savepoint, set the lock_timeout,
-    insert, restore it, release): on a loaded machine each round trip costs as much as the
-    statement. Raises :class:`InboxRowBusy` when the wait was cut short, after rolling back to
-    the savepoint (which restores the lock_timeout too)."""
-    connection = connections[using]
-    lock, lock_params = _key_locks_sql(keys)
-    insert, params = _insert_inbox_rows_sql(using, keys)
-    params = [*lock_params, *params]
-    bounded = lock_wait > 0
-    script = [f"SAVEPOINT {CLAIM_SAVEPOINT}"]
-    if bounded:
-        script.append(
-            f"SELECT set_config('{SAVED_LOCK_TIMEOUT}', current_setting('lock_timeout'), true), "
-            "set_config('lock_timeout', %s, true)"
-        )
-        params = [f"{max(1, round(lock_wait * 1000))}ms", *params]
-    script += [lock, insert]
-    if bounded:
-        script.append(
-            f"SELECT set_config('lock_timeout', current_setting('{SAVED_LOCK_TIMEOUT}'), true)"
-        )
-    script.append(f"RELEASE SAVEPOINT {CLAIM_SAVEPOINT}")
-    with connection.cursor() as cursor:
-        try:
-            cursor.execute("; ".join(script), params)
-        except OperationalError as exc:
-            if getattr(exc.__cause__, "sqlstate", None) != LOCK_NOT_AVAILABLE:
-                raise
-            cursor.execute(
-                f"ROLLBACK TO SAVEPOINT {CLAIM_SAVEPOINT}; RELEASE SAVEPOINT {CLAIM_SAVEPOINT}"
-            )
-            raise InboxRowBusy(str(exc)) from exc
-        raw = cursor.cursor
-        while raw.description is None or raw.description[0].name != "consumer":
-            if not raw.nextset():  # pragma: no cover - the script always has the claim
-                raise RuntimeError("the inbox claim returned no rows")
-        return {(consumer, message_id): bool(open_) for consumer, message_id, open_ in raw}
-
-
-def _insert_inbox_rows_sql(using: str, keys: list[tuple[str, str]]) -> tuple[str, list[Any]]:
-    """The claim's statement and parameters; see :func:`_insert_inbox_rows`."""
-    connection = connections[using]
-    table = connection.ops.quote_name(ProcessedMessage._meta.db_table)
-    now = timezone.now()
-    params: list[Any] = []
-    for consumer, message_id in keys:
-        params += [consumer, message_id, now]
-    rows = ", ".join(["(%s, %s, %s)"] * (len(params) // 3))
-    if connection.vendor != "postgresql":
-        insert = (
-            f"INSERT INTO {table} (consumer, message_id, processed_at) "  # noqa: S608
-            f"VALUES {rows} ON CONFLICT (consumer, message_id) DO NOTHING "
-            "RETURNING consumer, message_id"
-        )
-        # SQLite has no INSERT in a WITH: every claimed row may have an open dead letter.
-        return f"{insert}, 1", params
-    # The inbox is partitioned by day (partitions.py): a unique index spans one partition, so
-    # the key is looked for in every partition first. Run after _key_locks_sql's statement, in
-    # a snapshot of its own, this sees any copy committed while the lock was awaited; a copy
-    # in the same partition and not yet committed makes ON CONFLICT wait, as before.
-    insert = (
-        f"INSERT INTO {table} (consumer, message_id, processed_at) "  # noqa: S608
-        f"SELECT v.consumer, v.message_id, v.processed_at FROM (VALUES {rows}) "
-        "AS v (consumer, message_id, processed_at) WHERE NOT EXISTS ("
-        f"SELECT 1 FROM {table} AS p "
-        "WHERE p.message_id = v.message_id AND p.consumer = v.consumer) "
-        "ON CONFLICT DO NOTHING RETURNING consumer, message_id"
-    )
-    letters = connection.ops.quote_name(DeadLetter._meta.db_table)
-    sql = (
-        f"WITH claimed AS ({insert}) SELECT consumer, message_id, EXISTS ("  # noqa: S608
-        f"SELECT 1 FROM {letters} AS d WHERE d.consumer = claimed.consumer "
-        f"AND d.message_id = claimed.message_id AND d.status IN (%s, %s)) FROM claimed"
-    )
-    return sql, [*params, *BLOCKING_STATUSES]
-
-
-def _insert_inbox_rows(using: str, keys: list[tuple[str, str]]) -> dict[tuple[str, str], bool]:
-    """Insert the inbox rows of ``keys`` that are not there yet (``ON CONFLICT DO NOTHING``);
-    returns those inserted, each with whether its consumer holds a dead letter of it that a
-    processed copy must resolve (:func:`.replay.resolve_processed_copies`, after the handler).
-    Looked up in the same statement on PostgreSQL, which saves the batch a round trip; a dead
-    letter of the key can only appear meanwhile from a copy that could not take the inbox row
-    (a malformed one, or one parked), as it can between any lookup and the commit."""
-    sql, params = _insert_inbox_rows_sql(using, keys)
-    with connections[using].cursor() as cursor:
-        if connections[using].vendor == "postgresql":
-            cursor.execute(*_key_locks_sql(keys))
-        cursor.execute(sql, params)
-        return {(consumer, message_id): bool(open_) for consumer, message_id, open_ in cursor}
-
-
-def _key_hash(consumer: str, message_id: str) -> int:
-    """A stable 32-bit signed hash of the pair (two pairs sharing one only wait for each
-    other a moment longer)."""
-    value = zlib.crc32(f"{consumer}\x1f{message_id}".encode("utf-8", "surrogatepass"))
-    return value - (1 << 32) if value >= 1 << 31 else value
-
-
-def _key_locks_sql(keys: Sequence[tuple[str, str]]) -> tuple[str, list[Any]]:
-    """The statement that takes, in one order for everyone (so two batches sharing keys never
-    deadlock), a transaction-scoped advisory lock per (consumer, message_id) of ``keys``. Two
-    copies of a message handled at once wait for each other here whichever day's partition
-    they would go to; the wait is bounded by the transaction's lock_timeout like a row's."""
-    hashes = sorted({_key_hash(consumer, message_id) for consumer, message_id in keys})
-    return (
-        "SELECT count(pg_advisory_xact_lock(%s, k)) FROM unnest(%s::int[]) AS k",
-        [CLAIM_LOCK_CLASS, hashes],
-    )
-
-
-def insert_inbox_row(using: str, consumer: str, message_id: str) -> bool:
-    """Insert the inbox row of one message, in the caller's transaction: ``True`` if it went
-    in, ``False`` if the key is already there (a duplicate). A copy of it in a transaction not
-    yet committed makes this wait for that one's outcome."""
-    if connections[using].vendor in CLAIM_VENDORS:
-        return (consumer, message_id) in _insert_inbox_rows(using, [(consumer, message_id)])
-    try:
-        with transaction.atomic(using=using):
-            ProcessedMessage.objects.using(using).create(consumer=consumer, message_id=message_id)
-    except IntegrityError:
-        return False
-    return True
-
-
 def _one_by_one(jobs: Sequence[Job], cache: DuplicateCache | None) -> list[Outcome | None]:
     outcomes: list[Outcome | None] = []
     held_queues: set[str] = set()
@@ -1037,7 +790,7 @@ def _one_by_one(jobs: Sequence[Job], cache: DuplicateCache | None) -> list[Outco
 def _fast_path(
     jobs: Sequence[Job],
     decoded: Sequence[Message | DecodeError],
-    decided: list[_Decided | None],
+    decided: list[_DeliveryOutcome | None],
     cache: DuplicateCache | None,
 ) -> list[tuple[str, str]]:
     """Settle what Redis already knows: duplicates, and messages another consumer is on.
@@ -1063,7 +816,7 @@ def _fast_path(
                 name,
                 message.attempt,
             )
-            decided[index] = _Decided(Acknowledge("duplicate"), "duplicate")
+            decided[index] = _DeliveryOutcome(Acknowledge("duplicate"), "duplicate")
             continue
         metrics.dedup_cache(name, "miss")
         if not jobs[index].processor.spec.ordered:

@@ -61,12 +61,7 @@ def dead_letter_delivery(
     message_id = decoded.message_id if decoded is not None else safe_text(delivery.message_id or "")
     consumer = processor.spec.name
     with transaction.atomic(using=processor.using):
-        if (
-            message_id
-            and ProcessedMessage.objects.using(processor.using)
-            .filter(consumer=consumer, message_id=message_id)
-            .exists()
-        ):
+        if message_id and ProcessedMessage.objects.using(processor.using).has(consumer, message_id):
             metrics.consumer_outcome(consumer, "duplicate")
             logger.info(
                 "duplicate message_id=%s consumer=%s outcome=duplicate: already processed, "

@@ -1,4 +1,8 @@
-"""The inbox (``ProcessedMessage``) and the dead letters (``DeadLetter``)."""
+"""The inbox (``ProcessedMessage``), the dead letters (``DeadLetter``), the crash guard's
+``SuspectDelivery`` and the outbox (``OutboxMessage``).
+
+Fields, constraints and indexes only: the queries and state changes live on the managers
+(``managers.py``), the status and reason vocabularies in ``choices.py``."""
 
 from __future__ import annotations
 
@@ -6,6 +10,29 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
+
+from .choices import DeadLetterReason, DeadLetterStatus, OutboxStatus
+from .managers import (
+    DeadLetterManager,
+    DeadLetterQuerySet,
+    OutboxMessageManager,
+    OutboxMessageQuerySet,
+    ProcessedMessageManager,
+    SuspectDeliveryManager,
+)
+
+# Re-exported: they were defined here, and code imports them from here.
+__all__ = [
+    "DeadLetter",
+    "DeadLetterQuerySet",
+    "DeadLetterReason",
+    "DeadLetterStatus",
+    "OutboxMessage",
+    "OutboxMessageQuerySet",
+    "OutboxStatus",
+    "ProcessedMessage",
+    "SuspectDelivery",
+]
 
 
 class ProcessedMessage(models.Model):
@@ -29,6 +56,8 @@ class ProcessedMessage(models.Model):
     message_id = models.CharField(max_length=255)
     processed_at = models.DateTimeField(default=timezone.now)
 
+    objects = ProcessedMessageManager()
+
     class Meta:
         verbose_name = _("processed message")
         constraints = [
@@ -43,42 +72,6 @@ class ProcessedMessage(models.Model):
 
     def __str__(self) -> str:
         return f"{self.message_id} by {self.consumer}"
-
-
-class DeadLetterReason(models.TextChoices):
-    PERMANENT = "permanent", _("permanent error")
-    RETRIES_EXHAUSTED = "retries_exhausted", _("retries exhausted")
-    INVALID_JSON = "invalid_json", _("invalid JSON")
-    INVALID_UTF8 = "invalid_utf8", _("invalid UTF-8")
-    EMPTY_BODY = "empty_body", _("empty body")
-    MISSING_MESSAGE_ID = "missing_message_id", _("missing message_id")
-    BODY_TOO_LARGE = "body_too_large", _("body too large")
-    UNSUPPORTED_CONTENT_TYPE = "unsupported_content_type", _("unsupported content type")
-    INVALID_HEADERS = "invalid_headers", _("invalid headers")
-    NO_HANDLER = "no_handler", _("no handler for the queue")
-    UNEXPECTED_ROUTING_KEY = "unexpected_routing_key", _("routing key matches no binding")
-    # Ordered consumers: a later message of a key whose earlier message is a dead letter.
-    PARKED = "parked", _("parked behind an earlier dead letter of its key")
-    # The process died (killed, or exited past the handler's time limit) CRASH_LIMIT times
-    # while handling it.
-    WORKER_CRASHED = "worker_crashed", _("the worker process died while handling it")
-    TIMEOUT = "timeout", _("the handler ran past its time limit")
-    # Our own code (not the handler) failed on it again and again.
-    CONSUMER_ERROR = "consumer_error", _("the consumer failed on it")
-    # A quorum queue's x-delivery-limit was reached: the broker dead-lettered it to us.
-    DELIVERY_LIMIT = "delivery_limit", _("the broker's delivery limit was reached")
-
-
-class DeadLetterStatus(models.TextChoices):
-    DEAD = "dead", _("dead")
-    REPLAYED = "replayed", _("replayed, awaiting outcome")
-    RESOLVED = "resolved", _("resolved")
-    DISCARDED = "discarded", _("discarded")
-
-
-class DeadLetterQuerySet(models.QuerySet):
-    def dead(self) -> DeadLetterQuerySet:
-        return self.filter(status=DeadLetterStatus.DEAD)
 
 
 class DeadLetter(models.Model):
@@ -117,7 +110,7 @@ class DeadLetter(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
-    objects = DeadLetterQuerySet.as_manager()
+    objects = DeadLetterManager()
 
     class Meta:
         verbose_name = _("dead letter")
@@ -165,6 +158,8 @@ class SuspectDelivery(models.Model):
     first_seen_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(default=timezone.now)
 
+    objects = SuspectDeliveryManager()
+
     class Meta:
         verbose_name = _("suspect delivery")
         constraints = [
@@ -176,23 +171,6 @@ class SuspectDelivery(models.Model):
 
     def __str__(self) -> str:
         return f"{self.message_id} by {self.consumer}: {self.deaths} death(s)"
-
-
-class OutboxStatus(models.TextChoices):
-    PENDING = "pending", _("pending")
-    SENT = "sent", _("sent")
-    FAILED = "failed", _("failed")
-    # An event the broker returned because no queue was bound for it: nobody subscribes to it
-    # yet, which is normal in publish-subscribe. Terminal, like sent (see REQUIRE_ROUTE).
-    UNROUTED = "unrouted", _("unrouted")
-
-
-class OutboxMessageQuerySet(models.QuerySet):
-    def pending(self) -> OutboxMessageQuerySet:
-        return self.filter(status=OutboxStatus.PENDING)
-
-    def failed(self) -> OutboxMessageQuerySet:
-        return self.filter(status=OutboxStatus.FAILED)
 
 
 class OutboxMessage(models.Model):
@@ -223,7 +201,7 @@ class OutboxMessage(models.Model):
     created_at = models.DateTimeField(default=timezone.now)
     sent_at = models.DateTimeField(null=True, blank=True)
 
-    objects = OutboxMessageQuerySet.as_manager()
+    objects = OutboxMessageManager()
 
     class Meta:
         verbose_name = _("outbox message")

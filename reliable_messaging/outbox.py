@@ -131,12 +131,7 @@ def publish(
 
 
 def _earlier(idempotency_key: str, using: str) -> str | None:
-    return (
-        OutboxMessage.objects.using(using)
-        .filter(idempotency_key=idempotency_key)
-        .values_list("message_id", flat=True)
-        .first()
-    )
+    return OutboxMessage.objects.using(using).message_id_of(idempotency_key)
 
 
 def _publish_once_pg(row: OutboxMessage, idempotency_key: str, using: str) -> str:

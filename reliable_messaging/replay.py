@@ -188,10 +188,8 @@ def replay_batch(ids: Iterable[int], *, replayed_by: str, force: bool = False) -
             .filter(pk__in=list(ids))
             .order_by("pk")
         )
-        processed = set(
-            ProcessedMessage.objects.using(using)
-            .filter(message_id__in=[d.message_id for d in letters if d.message_id])
-            .values_list("consumer", "message_id")
+        processed = ProcessedMessage.objects.using(using).processed_keys(
+            d.message_id for d in letters if d.message_id
         )
         for dead_letter in letters:
             already = (dead_letter.consumer, dead_letter.message_id) in processed
@@ -201,9 +199,9 @@ def replay_batch(ids: Iterable[int], *, replayed_by: str, force: bool = False) -
                 continue
             if already:
                 # Forced: forget the inbox row, or the consumer would ack it as a duplicate.
-                ProcessedMessage.objects.using(using).filter(
-                    consumer=dead_letter.consumer, message_id=dead_letter.message_id
-                ).delete()
+                ProcessedMessage.objects.using(using).forget(
+                    dead_letter.consumer, dead_letter.message_id
+                )
             OutboxMessage.objects.using(using).create(
                 message_id=dead_letter.message_id,
                 exchange="",  # the default exchange: straight to the failed consumer's queue
@@ -212,20 +210,7 @@ def replay_batch(ids: Iterable[int], *, replayed_by: str, force: bool = False) -
                 headers=_replay_headers(dead_letter, replayed_by),
                 ordering_key=(dead_letter.headers or {}).get(ORDERING_KEY_HEADER),
             )
-            dead_letter.status = DeadLetterStatus.REPLAYED
-            dead_letter.replay_count += 1
-            dead_letter.history = [
-                *dead_letter.history,
-                {
-                    "event": "replayed",
-                    "at": now.isoformat(),
-                    "by": replayed_by,
-                    "forced": already,
-                },
-            ]
-            dead_letter.save(
-                using=using, update_fields=["status", "replay_count", "history", "updated_at"]
-            )
+            DeadLetter.objects.mark_replayed(dead_letter, by=replayed_by, forced=already, at=now)
             result.replayed.append(dead_letter.pk)
             logger.info(
                 "replay of message_id=%s to consumer=%s (queue %s) queued by %s",
@@ -257,35 +242,17 @@ def discard(queryset: QuerySet[DeadLetter], *, discarded_by: str) -> int:
     resolved, is left alone."""
     using = router.db_for_write(DeadLetter)
     now = timezone.now()
-    count = 0
     with transaction.atomic(using=using):
-        letters = (
+        return (
             DeadLetter.objects.using(using)
-            .select_for_update()
             .filter(discardable(now), pk__in=queryset.values("pk"))
+            .discard(by=discarded_by, at=now)
         )
-        for dead_letter in letters:
-            dead_letter.status = DeadLetterStatus.DISCARDED
-            dead_letter.history = [
-                *dead_letter.history,
-                {"event": "discarded", "at": now.isoformat(), "by": discarded_by},
-            ]
-            dead_letter.save(using=using, update_fields=["status", "history", "updated_at"])
-            count += 1
-    return count
 
 
 def mark_resolved(consumer: str, message_id: str, using: str) -> None:
     """Called inside the handler's transaction when a replayed message succeeded."""
-    now = timezone.now()
-    for dead_letter in (
-        DeadLetter.objects.using(using)
-        .select_for_update()
-        .filter(consumer=consumer, message_id=message_id)
-    ):
-        dead_letter.status = DeadLetterStatus.RESOLVED
-        dead_letter.history = [*dead_letter.history, {"event": "resolved", "at": now.isoformat()}]
-        dead_letter.save(using=using, update_fields=["status", "history", "updated_at"])
+    DeadLetter.objects.using(using).of(consumer, message_id).resolve(at=timezone.now())
 
 
 def resolve_processed_copies(
@@ -307,21 +274,11 @@ def resolve_processed_copies(
     """
     if not message_ids:
         return 0
-    open_letters = DeadLetter.objects.using(using).filter(
-        consumer=consumer,
-        message_id__in=list(message_ids),
-        status__in=(DeadLetterStatus.DEAD, DeadLetterStatus.REPLAYED),
+    open_letters = (
+        DeadLetter.objects.using(using)
+        .open()
+        .filter(consumer=consumer, message_id__in=list(message_ids))
     )
     if not open_letters.exists():
         return 0
-    now = timezone.now()
-    count = 0
-    for dead_letter in open_letters.select_for_update():
-        dead_letter.status = DeadLetterStatus.RESOLVED
-        dead_letter.history = [
-            *dead_letter.history,
-            {"event": "resolved", "at": now.isoformat(), "by": by},
-        ]
-        dead_letter.save(using=using, update_fields=["status", "history", "updated_at"])
-        count += 1
-    return count
+    return open_letters.resolve(at=timezone.now(), by=by)

@@ -11,12 +11,13 @@ import datetime as dt
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from django.db import connections, models, router, transaction
+from django.db import connections, router, transaction
 from django.utils import timezone
 
 from . import partitions
 from .conf import MessagingSettings, messaging_settings
-from .models import OutboxMessage, OutboxStatus, ProcessedMessage, SuspectDelivery
+from .managers import BatchDeletingQuerySet
+from .models import OutboxMessage, ProcessedMessage, SuspectDelivery
 
 
 @dataclass(frozen=True)
@@ -38,29 +39,19 @@ OnBatch = Callable[[str, int, int], None]
 
 def _purge(
     table: str,
-    queryset: models.QuerySet,
+    queryset: BatchDeletingQuerySet,
     batch_size: int,
     dry_run: bool,
     on_batch: OnBatch | None,
 ) -> int:
     if dry_run:
         return queryset.count()
-    model = queryset.model
-    using = router.db_for_write(model)
-    # Counted only for a progress display: one more scan, cheap next to deleting the rows.
-    total = queryset.using(using).count() if on_batch else 0
-    deleted = 0
-    while True:
-        # One short transaction per batch: never a huge delete holding locks for minutes.
-        with transaction.atomic(using=using):
-            ids = list(
-                queryset.using(using).order_by("pk").values_list("pk", flat=True)[:batch_size]
-            )
-            if not ids:
-                return deleted
-            deleted += model._default_manager.using(using).filter(pk__in=ids).delete()[0]
+
+    def progress(deleted: int, total: int) -> None:
         if on_batch:
             on_batch(table, deleted, total)
+
+    return queryset.delete_in_batches(batch_size, progress if on_batch else None)
 
 
 def purge_messages(
@@ -83,7 +74,7 @@ def purge_messages(
             using, partitions.INBOX, inbox_before, now, batch_size, dry_run, on_batch
         )
     else:
-        inbox = ProcessedMessage.objects.filter(processed_at__lt=inbox_before)
+        inbox = ProcessedMessage.objects.expired(inbox_before)
         inbox_rows = _purge("inbox", inbox, batch_size, dry_run, on_batch)
         inbox_partitions = ()
     outbox_before = now - settings.outbox_retention
@@ -94,13 +85,10 @@ def purge_messages(
             outbox_using, partitions.OUTBOX, outbox_before, now, batch_size, dry_run, on_batch
         )
     else:
-        outbox = OutboxMessage.objects.filter(
-            status__in=[OutboxStatus.SENT, OutboxStatus.UNROUTED],
-            sent_at__lt=outbox_before,
-        )
+        outbox = OutboxMessage.objects.finished_before(outbox_before)
         outbox_rows = _purge("outbox", outbox, batch_size, dry_run, on_batch)
         outbox_partitions = ()
-    suspects = SuspectDelivery.objects.filter(updated_at__lt=now - settings.dedup_retention)
+    suspects = SuspectDelivery.objects.expired(now - settings.dedup_retention)
     return PurgeResult(
         inbox=inbox_rows,
         outbox=outbox_rows,

@@ -69,7 +69,7 @@ from .conf import messaging_settings
 from .crash_guard import CrashGuard, Suspicion
 from .dead_letters import record_dead_letter
 from .envelope import CELERY_TASK_HEADER, CONTENT_TYPE, Delivery, jsonable
-from .inbox import insert_inbox_row
+from .exactly_once import claimed_atomic
 from .models import DeadLetterReason, OutboxMessage, ProcessedMessage
 from .partitions import OUTBOX, ensure_partitions
 from .relay import OutboxRelay
@@ -326,8 +326,7 @@ def _run_in_inbox(
     """Run ``body`` in one transaction with the insert of its inbox row; ``None`` without
     running it when the key already took effect."""
     started = time.perf_counter()
-    with transaction.atomic(using=alias):
-        fresh = insert_inbox_row(alias, name, message_id)
+    with claimed_atomic(alias, name, message_id) as fresh:
         if fresh:
             result = body(*args, **kwargs)
     if not fresh:
@@ -394,8 +393,7 @@ def _dead_letter_if_crash_looping(
     suspicion = guard.begin(scope, message_id)
     if not suspicion.exceeds(guard.limit):
         return False
-    inbox = ProcessedMessage.objects.using(guard.using)
-    if inbox.filter(consumer=scope, message_id=message_id).exists():
+    if ProcessedMessage.objects.using(guard.using).has(scope, message_id):
         return False
     _record_crashed_task(task, scope, message_id, suspicion, args, kwargs)
     _forget(guard, scope, message_id)

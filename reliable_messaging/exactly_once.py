@@ -1,0 +1,328 @@
+"""Exactly once: a handler's effects commit together with its inbox row, or not at all.
+
+The one step every way of running a handler shares (a consumer's delivery on its own, a batch
+of deliveries, a Celery task): insert the inbox row of (consumer, message_id), then run, in one
+transaction. The insert comes first, so a duplicate is known before anything runs, and a
+concurrent twin makes it wait on the row until that one commits or rolls back: the unique
+constraint alone decides who takes effect. This module is the only code that writes inbox rows
+on that path:
+
+- :func:`claimed_atomic`: one message, the row and the work in one ``transaction.atomic``;
+- :func:`claim_inbox_rows`: a batch's rows in one statement (one round trip on PostgreSQL),
+  inside the batch's transaction, each handler then running in the caller's savepoints;
+- :func:`insert_inbox_row`: one row in the caller's transaction;
+- :func:`bounded_lock_wait` and :func:`lock_wait_for`: how long a claim may wait on a row
+  another transaction holds before the delivery is put aside instead.
+
+On PostgreSQL the inbox is partitioned by day (``partitions.py``) and a unique index spans one
+partition, so every claim first takes a transaction-scoped advisory lock per key and looks for
+the key across all partitions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from django.db import IntegrityError, OperationalError, connections, transaction
+from django.utils import timezone
+
+from .choices import OPEN_DEAD_LETTER_STATUSES
+from .models import DeadLetter, ProcessedMessage
+from .partitions import CLAIM_LOCK_CLASS, LOCK_NOT_AVAILABLE
+
+CLIENT_CURSOR: type | None
+try:
+    from psycopg import ClientCursor as CLIENT_CURSOR
+except ImportError:  # psycopg2, or no PostgreSQL at all
+    CLIENT_CURSOR = None
+
+
+# After a batch's claim timed out, each of its rows is tried alone for this long: the batch
+# already waited INBOX_LOCK_TIMEOUT, so a row still locked now is the busy one.
+ROW_LOCK_PROBE = 0.1
+
+
+# Keys found held by another transaction, with when that was (monotonic): for a while their
+# next copies wait only ROW_LOCK_PROBE, not INBOX_LOCK_TIMEOUT. A consumer cut off mid-batch
+# holds its rows until the server ends its transaction; the copies the broker redelivered
+# come back deferred again and again meanwhile, and each full wait would stall this consumer.
+_BUSY_KEYS: dict[tuple[str, str], float] = {}
+BUSY_MEMORY = 60.0
+_BUSY_LOCK = threading.Lock()
+
+
+def remember_busy(keys: Iterable[tuple[str, str]]) -> None:
+    now = time.monotonic()
+    with _BUSY_LOCK:
+        for key in keys:
+            _BUSY_KEYS[key] = now
+        if len(_BUSY_KEYS) > 10_000:
+            for key, at in list(_BUSY_KEYS.items()):
+                if now - at > BUSY_MEMORY:
+                    del _BUSY_KEYS[key]
+
+
+def lock_wait_for(keys: Iterable[tuple[str, str]], redelivered: bool, settings: Any) -> float:
+    """How long an inbox claim of ``keys`` may wait on rows another transaction holds: the
+    full ``INBOX_LOCK_TIMEOUT``, or only ROW_LOCK_PROBE for a redelivery (its last holder may
+    be the consumer that went away with its transaction open) or a key found held lately."""
+    if redelivered:
+        return min(ROW_LOCK_PROBE, settings.inbox_lock_timeout)
+    now = time.monotonic()
+    with _BUSY_LOCK:
+        if any(now - _BUSY_KEYS.get(key, -BUSY_MEMORY) < BUSY_MEMORY for key in keys):
+            return min(ROW_LOCK_PROBE, settings.inbox_lock_timeout)
+    return float(settings.inbox_lock_timeout)
+
+
+class InboxRowBusy(Exception):
+    """Another transaction holds this message's inbox row and did not end in time."""
+
+
+@contextlib.contextmanager
+def bounded_lock_wait(using: str, seconds: float) -> Iterator[None]:
+    """Within the current transaction, let lock waits last ``seconds`` at most (PostgreSQL's
+    ``lock_timeout``), then restore what it was, so a handler's own statements never see it.
+    Used around the inbox insert: a twin's transaction that never ends (its consumer cut off
+    from the network mid-batch) must turn a wait into a deferral, not stall this consumer.
+    Raises :class:`InboxRowBusy` when the wait is cut short; the caller's savepoint must
+    then be rolled back (the restore is skipped, and the rollback undoes the setting)."""
+    connection = connections[using]
+    if connection.vendor != "postgresql" or seconds <= 0:
+        yield
+        return
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT current_setting('lock_timeout'), set_config('lock_timeout', %s, true)",
+            [f"{max(1, round(seconds * 1000))}ms"],
+        )
+        previous = cursor.fetchone()[0]
+    try:
+        yield
+    except OperationalError as exc:
+        if getattr(exc.__cause__, "sqlstate", None) == LOCK_NOT_AVAILABLE:
+            raise InboxRowBusy(str(exc)) from exc
+        raise
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT set_config('lock_timeout', %s, true)", [previous])
+
+
+@contextlib.contextmanager
+def claimed_atomic(
+    using: str, consumer: str, message_id: str, *, lock_wait: float = 0.0
+) -> Iterator[bool]:
+    """Open ``transaction.atomic(using)`` and insert the inbox row of (consumer, message_id) in
+    it; yields whether the row went in (``False``: the message took effect already, a
+    duplicate). Whatever the ``with`` block does then commits with the row, or rolls back with
+    it when the block raises::
+
+        with claimed_atomic(using, consumer, message_id) as fresh:
+            if fresh:
+                handler(message)
+
+    ``lock_wait`` bounds how long the insert may wait on a copy of the row another transaction
+    holds (see :func:`bounded_lock_wait`; 0 waits as long as the database does): past it,
+    :class:`InboxRowBusy` is raised and nothing is left of the transaction. An error raised
+    while entering (the insert's) is raised before the block runs."""
+    with transaction.atomic(using=using):
+        with bounded_lock_wait(using, lock_wait):
+            if not insert_inbox_row(using, consumer, message_id):
+                # A duplicate's block runs before the bounded wait is restored: a caller that
+                # ends the transaction there (by raising) spares the round trip restoring it.
+                yield False
+                return
+        yield True
+
+
+# Databases whose SQL has INSERT ... ON CONFLICT DO NOTHING RETURNING (the batched inbox claim);
+# on others every delivery takes the one-by-one path.
+CLAIM_VENDORS = frozenset({"postgresql", "sqlite"})
+
+
+def claim_inbox_rows(
+    using: str, keys: list[tuple[str, str]], lock_wait: float
+) -> tuple[dict[tuple[str, str], bool], set[tuple[str, str]]]:
+    """Insert the inbox rows of ``keys``; returns those this statement inserted (each with
+    whether the consumer may hold an open dead letter of it: see :func:`_insert_inbox_rows`),
+    and those another transaction holds (busy: not decided here, deferred).
+
+    The rows go in sorted by key, not in batch order. A row another transaction inserted and
+    has not committed makes the insert wait for that transaction; two batches sharing keys in
+    different orders would each hold a row the other waits for (a deadlock, one batch killed).
+    In one order for everyone, the second batch only waits for the first.
+
+    The wait is bounded by ``lock_wait`` (see :func:`lock_wait_for`): past it the claim is rolled
+    back to its savepoint and each row tried alone for a moment, so only the rows still held
+    are put aside and the rest of the batch goes on.
+    """
+    ordered = sorted(set(keys))
+    try:
+        if _one_round_trip(using):
+            return _claim_in_one_round_trip(using, ordered, lock_wait), set()
+        with (
+            transaction.atomic(using=using),
+            bounded_lock_wait(using, lock_wait),
+        ):
+            return _insert_inbox_rows(using, ordered), set()
+    except InboxRowBusy:
+        pass
+    claimed: dict[tuple[str, str], bool] = {}
+    busy: set[tuple[str, str]] = set()
+    for key in ordered:
+        try:
+            with transaction.atomic(using=using), bounded_lock_wait(using, ROW_LOCK_PROBE):
+                claimed.update(_insert_inbox_rows(using, [key]))
+        except InboxRowBusy:
+            busy.add(key)
+    return claimed, busy
+
+
+# The batch claim's own savepoint, and the setting of the transaction that keeps the
+# lock_timeout it replaces so that the same round trip can restore it.
+CLAIM_SAVEPOINT = "rm_inbox_claim"
+SAVED_LOCK_TIMEOUT = "reliable_messaging.saved_lock_timeout"
+
+
+def _one_round_trip(using: str) -> bool:
+    """Whether the claim may go as one script of several statements: PostgreSQL through
+    psycopg 3 with client-side binding (Django's default). Server-side binding (the
+    ``server_side_binding`` option) and psycopg2 take a statement per round trip."""
+    connection = connections[using]
+    if connection.vendor != "postgresql" or CLIENT_CURSOR is None:
+        return False
+    with connection.cursor() as cursor:
+        return isinstance(cursor.cursor, CLIENT_CURSOR)
+
+
+def _claim_in_one_round_trip(
+    using: str, keys: list[tuple[str, str]], lock_wait: float
+) -> dict[tuple[str, str], bool]:
+    """The batch claim as :func:`bounded_lock_wait` around :func:`_insert_inbox_rows` in a
+    savepoint does it, in one round trip instead of five (savepoint, set the lock_timeout,
+    insert, restore it, release): on a loaded machine each round trip costs as much as the
+    statement. Raises :class:`InboxRowBusy` when the wait was cut short, after rolling back to
+    the savepoint (which restores the lock_timeout too)."""
+    connection = connections[using]
+    lock, lock_params = _key_locks_sql(keys)
+    insert, params = _insert_inbox_rows_sql(using, keys)
+    params = [*lock_params, *params]
+    bounded = lock_wait > 0
+    script = [f"SAVEPOINT {CLAIM_SAVEPOINT}"]
+    if bounded:
+        script.append(
+            f"SELECT set_config('{SAVED_LOCK_TIMEOUT}', current_setting('lock_timeout'), true), "
+            "set_config('lock_timeout', %s, true)"
+        )
+        params = [f"{max(1, round(lock_wait * 1000))}ms", *params]
+    script += [lock, insert]
+    if bounded:
+        script.append(
+            f"SELECT set_config('lock_timeout', current_setting('{SAVED_LOCK_TIMEOUT}'), true)"
+        )
+    script.append(f"RELEASE SAVEPOINT {CLAIM_SAVEPOINT}")
+    with connection.cursor() as cursor:
+        try:
+            cursor.execute("; ".join(script), params)
+        except OperationalError as exc:
+            if getattr(exc.__cause__, "sqlstate", None) != LOCK_NOT_AVAILABLE:
+                raise
+            cursor.execute(
+                f"ROLLBACK TO SAVEPOINT {CLAIM_SAVEPOINT}; RELEASE SAVEPOINT {CLAIM_SAVEPOINT}"
+            )
+            raise InboxRowBusy(str(exc)) from exc
+        raw = cursor.cursor
+        while raw.description is None or raw.description[0].name != "consumer":
+            if not raw.nextset():  # pragma: no cover - the script always has the claim
+                raise RuntimeError("the inbox claim returned no rows")
+        return {(consumer, message_id): bool(open_) for consumer, message_id, open_ in raw}
+
+
+def _insert_inbox_rows_sql(using: str, keys: list[tuple[str, str]]) -> tuple[str, list[Any]]:
+    """The claim's statement and parameters; see :func:`_insert_inbox_rows`."""
+    connection = connections[using]
+    table = connection.ops.quote_name(ProcessedMessage._meta.db_table)
+    now = timezone.now()
+    params: list[Any] = []
+    for consumer, message_id in keys:
+        params += [consumer, message_id, now]
+    rows = ", ".join(["(%s, %s, %s)"] * (len(params) // 3))
+    if connection.vendor != "postgresql":
+        insert = (
+            f"INSERT INTO {table} (consumer, message_id, processed_at) "  # noqa: S608
+            f"VALUES {rows} ON CONFLICT (consumer, message_id) DO NOTHING "
+            "RETURNING consumer, message_id"
+        )
+        # SQLite has no INSERT in a WITH: every claimed row may have an open dead letter.
+        return f"{insert}, 1", params
+    # The inbox is partitioned by day (partitions.py): a unique index spans one partition, so
+    # the key is looked for in every partition first. Run after _key_locks_sql's statement, in
+    # a snapshot of its own, this sees any copy committed while the lock was awaited; a copy
+    # in the same partition and not yet committed makes ON CONFLICT wait, as before.
+    insert = (
+        f"INSERT INTO {table} (consumer, message_id, processed_at) "  # noqa: S608
+        f"SELECT v.consumer, v.message_id, v.processed_at FROM (VALUES {rows}) "
+        "AS v (consumer, message_id, processed_at) WHERE NOT EXISTS ("
+        f"SELECT 1 FROM {table} AS p "
+        "WHERE p.message_id = v.message_id AND p.consumer = v.consumer) "
+        "ON CONFLICT DO NOTHING RETURNING consumer, message_id"
+    )
+    letters = connection.ops.quote_name(DeadLetter._meta.db_table)
+    sql = (
+        f"WITH claimed AS ({insert}) SELECT consumer, message_id, EXISTS ("  # noqa: S608
+        f"SELECT 1 FROM {letters} AS d WHERE d.consumer = claimed.consumer "
+        f"AND d.message_id = claimed.message_id AND d.status IN (%s, %s)) FROM claimed"
+    )
+    return sql, [*params, *OPEN_DEAD_LETTER_STATUSES]
+
+
+def _insert_inbox_rows(using: str, keys: list[tuple[str, str]]) -> dict[tuple[str, str], bool]:
+    """Insert the inbox rows of ``keys`` that are not there yet (``ON CONFLICT DO NOTHING``);
+    returns those inserted, each with whether its consumer holds a dead letter of it that a
+    processed copy must resolve (:func:`.replay.resolve_processed_copies`, after the handler).
+    Looked up in the same statement on PostgreSQL, which saves the batch a round trip; a dead
+    letter of the key can only appear meanwhile from a copy that could not take the inbox row
+    (a malformed one, or one parked), as it can between any lookup and the commit."""
+    sql, params = _insert_inbox_rows_sql(using, keys)
+    with connections[using].cursor() as cursor:
+        if connections[using].vendor == "postgresql":
+            cursor.execute(*_key_locks_sql(keys))
+        cursor.execute(sql, params)
+        return {(consumer, message_id): bool(open_) for consumer, message_id, open_ in cursor}
+
+
+def _key_hash(consumer: str, message_id: str) -> int:
+    """A stable 32-bit signed hash of the pair (two pairs sharing one only wait for each
+    other a moment longer)."""
+    value = zlib.crc32(f"{consumer}\x1f{message_id}".encode("utf-8", "surrogatepass"))
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _key_locks_sql(keys: Sequence[tuple[str, str]]) -> tuple[str, list[Any]]:
+    """The statement that takes, in one order for everyone (so two batches sharing keys never
+    deadlock), a transaction-scoped advisory lock per (consumer, message_id) of ``keys``. Two
+    copies of a message handled at once wait for each other here whichever day's partition
+    they would go to; the wait is bounded by the transaction's lock_timeout like a row's."""
+    hashes = sorted({_key_hash(consumer, message_id) for consumer, message_id in keys})
+    return (
+        "SELECT count(pg_advisory_xact_lock(%s, k)) FROM unnest(%s::int[]) AS k",
+        [CLAIM_LOCK_CLASS, hashes],
+    )
+
+
+def insert_inbox_row(using: str, consumer: str, message_id: str) -> bool:
+    """Insert the inbox row of one message, in the caller's transaction: ``True`` if it went
+    in, ``False`` if the key is already there (a duplicate). A copy of it in a transaction not
+    yet committed makes this wait for that one's outcome."""
+    if connections[using].vendor in CLAIM_VENDORS:
+        return (consumer, message_id) in _insert_inbox_rows(using, [(consumer, message_id)])
+    try:
+        with transaction.atomic(using=using):
+            ProcessedMessage.objects.using(using).create(consumer=consumer, message_id=message_id)
+    except IntegrityError:
+        return False
+    return True

@@ -1,0 +1,309 @@
+"""Every query and state change of the app's tables, on the models' managers.
+
+A dead letter moves between four statuses (``choices.DeadLetterStatus``), and each move appends
+an entry to its ``history``: written by hand at each call site, the five places that made a
+move could (and did) drift apart in the fields they saved and the entries they wrote. Here each
+move is one named method, the only code that sets ``status``. The same goes for the inbox row
+that makes a handler's effects happen once, and for the outbox rows an operator sends again.
+
+Methods that change rows do not open transactions of their own, save the batched deletes: the
+caller's transaction is what the change belongs to (a dead letter resolved with the handler's
+effects, a replay's outbox row with the dead letter's new status). Those that lock rows
+(``select_for_update``) must run inside one.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from django.db import IntegrityError, models, router, transaction
+from django.db.models import Count, Exists, Max, Min, OuterRef, Q
+from django.db.models.functions import Now
+
+from .choices import OPEN_DEAD_LETTER_STATUSES, DeadLetterStatus, OutboxStatus
+
+if TYPE_CHECKING:
+    from .models import DeadLetter, SuspectDelivery
+
+# Told after each deleted batch: the rows deleted so far, and how many were due at the start.
+BatchProgress = Callable[[int, int], None]
+
+
+class BatchDeletingQuerySet(models.QuerySet):
+    """A queryset whose rows can be deleted a batch per short transaction."""
+
+    def delete_in_batches(self, batch_size: int, progress: BatchProgress | None = None) -> int:
+        """Delete the rows of this queryset ``batch_size`` at a time, each batch in its own
+        transaction: never one huge delete holding locks for minutes. Returns how many went."""
+        using = getattr(self, "_db", None) or router.db_for_write(self.model)
+        rows = self.using(using)
+        # Counted only for a progress display: one more scan, cheap next to deleting the rows.
+        total = rows.count() if progress else 0
+        deleted = 0
+        while True:
+            with transaction.atomic(using=using):
+                ids = list(rows.order_by("pk").values_list("pk", flat=True)[:batch_size])
+                if not ids:
+                    return deleted
+                deleted += self.model._default_manager.using(using).filter(pk__in=ids).delete()[0]
+            if progress:
+                progress(deleted, total)
+
+
+# -- the inbox ---------------------------------------------------------------------------------
+
+
+class ProcessedMessageQuerySet(BatchDeletingQuerySet):
+    def of(self, consumer: str, message_id: str) -> ProcessedMessageQuerySet:
+        """The inbox row of one (consumer, message_id): at most one."""
+        return self.filter(consumer=consumer, message_id=message_id)
+
+    def has(self, consumer: str, message_id: str) -> bool:
+        """Whether ``consumer`` processed ``message_id`` (its effects committed)."""
+        return self.of(consumer, message_id).exists()
+
+    def forget(self, consumer: str, message_id: str) -> int:
+        """Remove the inbox row of one message, so a copy of it runs the handler again (a
+        forced replay; a guarded handler's failure, whose claimed row must not commit)."""
+        return self.of(consumer, message_id).delete()[0]
+
+    def processed_keys(self, message_ids: Iterable[str]) -> set[tuple[str, str]]:
+        """The (consumer, message_id) pairs in the inbox among ``message_ids``, any consumer."""
+        return set(
+            self.filter(message_id__in=list(message_ids)).values_list("consumer", "message_id")
+        )
+
+    def expired(self, before: dt.datetime) -> ProcessedMessageQuerySet:
+        """The rows processed before ``before``: past the deduplication horizon."""
+        return self.filter(processed_at__lt=before)
+
+
+ProcessedMessageManager = models.Manager.from_queryset(ProcessedMessageQuerySet)
+
+
+class SuspectDeliveryQuerySet(BatchDeletingQuerySet):
+    """The crash guard's rows (``crash_guard.py`` decides what a death is; these read and
+    write them)."""
+
+    def of(self, consumer: str, message_id: str) -> SuspectDeliveryQuerySet:
+        return self.filter(consumer=consumer, message_id=message_id)
+
+    def locked_or_created(self, consumer: str, message_id: str) -> tuple[SuspectDelivery, bool]:
+        """The row of (consumer, message_id), locked, and whether it was just made. Inside the
+        caller's transaction; a twin delivery creating it at the same time waits on the lock."""
+        using = self.db
+        rows = self.using(using)
+        row = rows.select_for_update().of(consumer, message_id).first()
+        if row is not None:
+            return row, False
+        try:
+            with transaction.atomic(using=using):
+                return rows.create(consumer=consumer, message_id=message_id), True
+        except IntegrityError:
+            return rows.select_for_update().get(consumer=consumer, message_id=message_id), False
+
+    def forget(self, consumer: str, message_id: str) -> None:
+        """The delivery reached an outcome: its row goes."""
+        self.of(consumer, message_id).delete()
+
+    def mark_interrupted(self, consumer: str, message_id: str, *, at: dt.datetime) -> None:
+        """The delivery was given back without an outcome by a process that lives on."""
+        self.of(consumer, message_id).update(running=False, updated_at=at)
+
+    def expired(self, before: dt.datetime) -> SuspectDeliveryQuerySet:
+        """Crash-guard rows untouched since ``before``: deliveries that never came back."""
+        return self.filter(updated_at__lt=before)
+
+
+SuspectDeliveryManager = models.Manager.from_queryset(SuspectDeliveryQuerySet)
+
+
+# -- dead letters ------------------------------------------------------------------------------
+
+
+class DeadLetterQuerySet(models.QuerySet):
+    """The dead letters, and the only code that moves one from a status to another.
+
+    Each move (``mark_*``) saves the status, the fields that go with it and one ``history``
+    entry (with ``at`` and, when someone did it, ``by``), on the database the dead letter came
+    from. The manager has them all (``DeadLetter.objects.mark_replayed(...)``).
+    """
+
+    def dead(self) -> DeadLetterQuerySet:
+        return self.filter(status=DeadLetterStatus.DEAD)
+
+    def open(self) -> DeadLetterQuerySet:
+        """Those awaiting an outcome: dead, or replayed and not yet decided."""
+        return self.filter(status__in=OPEN_DEAD_LETTER_STATUSES)
+
+    def of(self, consumer: str, message_id: str) -> DeadLetterQuerySet:
+        """The dead letter of one (consumer, message_id): at most one."""
+        return self.filter(consumer=consumer, message_id=message_id)
+
+    def already_processed(self) -> DeadLetterQuerySet:
+        """Those whose consumer has an inbox row for their message_id (a replay of one is
+        refused unless forced)."""
+        # The inbox model by name: models.py imports this module, so it cannot import models.
+        inbox = self.model._meta.apps.get_model(self.model._meta.app_label, "ProcessedMessage")
+        return self.filter(
+            Exists(
+                inbox._default_manager.filter(
+                    consumer=OuterRef("consumer"), message_id=OuterRef("message_id")
+                )
+            )
+        )
+
+    def failure_groups(self, *, with_open: bool = True) -> models.QuerySet[Any, dict[str, Any]]:
+        """One row per (fingerprint, consumer): how many in all and still dead, first and last
+        seen, an example's id; those with dead letters first, then the latest. ``with_open``:
+        only groups with a dead letter left."""
+        groups = (
+            self.values("fingerprint", "consumer")
+            .annotate(
+                total=Count("pk"),
+                dead=Count("pk", filter=Q(status=DeadLetterStatus.DEAD)),
+                first_seen=Min("first_failed_at"),
+                last_seen=Max("last_failed_at"),
+                example_id=Max("pk"),
+            )
+            .order_by("-dead", "-last_seen", "fingerprint", "consumer")
+        )
+        return groups.filter(dead__gt=0) if with_open else groups
+
+    # -- moves ------------------------------------------------------------------------------
+
+    def mark_replayed(
+        self, dead_letter: DeadLetter, *, by: str, forced: bool, at: dt.datetime
+    ) -> None:
+        """A copy of it is in the outbox, addressed to its consumer's queue only: it awaits
+        that copy's outcome. ``forced``: its inbox row was removed for the copy to run."""
+        dead_letter.status = DeadLetterStatus.REPLAYED
+        dead_letter.replay_count += 1
+        _save_move(
+            dead_letter,
+            {"event": "replayed", "at": at.isoformat(), "by": by, "forced": forced},
+            ["status", "replay_count", "history", "updated_at"],
+        )
+
+    def mark_discarded(self, dead_letter: DeadLetter, *, by: str, at: dt.datetime) -> None:
+        """Kept for the record, not to be replayed (it still can be)."""
+        dead_letter.status = DeadLetterStatus.DISCARDED
+        _save_move(
+            dead_letter,
+            {"event": "discarded", "at": at.isoformat(), "by": by},
+            ["status", "history", "updated_at"],
+        )
+
+    def mark_resolved(
+        self, dead_letter: DeadLetter, *, at: dt.datetime, by: str | None = None
+    ) -> None:
+        """Done with: its replay, or another copy of its message, was processed."""
+        dead_letter.status = DeadLetterStatus.RESOLVED
+        event: dict[str, Any] = {"event": "resolved", "at": at.isoformat()}
+        if by is not None:
+            event["by"] = by
+        _save_move(dead_letter, event, ["status", "history", "updated_at"])
+
+    def discard(self, *, by: str, at: dt.datetime) -> int:
+        """Lock these dead letters and mark each discarded; returns how many. Inside a
+        transaction."""
+        count = 0
+        for dead_letter in self.select_for_update():
+            self.mark_discarded(dead_letter, by=by, at=at)
+            count += 1
+        return count
+
+    def resolve(self, *, at: dt.datetime, by: str | None = None) -> int:
+        """Lock these dead letters and mark each resolved; returns how many. Inside a
+        transaction."""
+        count = 0
+        for dead_letter in self.select_for_update():
+            self.mark_resolved(dead_letter, at=at, by=by)
+            count += 1
+        return count
+
+    def record_failure(
+        self,
+        consumer: str,
+        message_id: str,
+        *,
+        fields: dict[str, Any],
+        event: dict[str, Any],
+        first_failed_at: dt.datetime,
+    ) -> DeadLetter:
+        """Store a failure of ``message_id`` for ``consumer`` (``fields`` set the status back
+        to dead): a new row, or the one it already has updated, ``event`` added to its
+        history. A message without an id always gets a row of its own. Each attempt is a
+        transaction of its own (a savepoint inside the caller's)."""
+        using = self.db
+        rows = self.using(using)
+        for _ in range(2):  # a concurrent first insert of the same key turns into an update
+            with transaction.atomic(using=using):
+                existing = None
+                if message_id:
+                    existing = rows.select_for_update().of(consumer, message_id).first()
+                if existing is not None:
+                    for name, value in fields.items():
+                        setattr(existing, name, value)
+                    existing.history = [*existing.history, event]
+                    existing.save(using=using)
+                    return existing
+                try:
+                    with transaction.atomic(using=using):
+                        return rows.create(
+                            consumer=consumer,
+                            message_id=message_id,
+                            first_failed_at=first_failed_at,
+                            history=[event],
+                            **fields,
+                        )
+                except IntegrityError:
+                    continue
+        raise IntegrityError(f"could not record the dead letter of message_id={message_id}")
+
+
+def _save_move(dead_letter: DeadLetter, event: dict[str, Any], update_fields: list[str]) -> None:
+    dead_letter.history = [*dead_letter.history, event]
+    dead_letter.save(using=dead_letter._state.db, update_fields=update_fields)
+
+
+DeadLetterManager = models.Manager.from_queryset(DeadLetterQuerySet)
+
+
+# -- the outbox --------------------------------------------------------------------------------
+
+
+class OutboxMessageQuerySet(BatchDeletingQuerySet):
+    def pending(self) -> OutboxMessageQuerySet:
+        return self.filter(status=OutboxStatus.PENDING)
+
+    def failed(self) -> OutboxMessageQuerySet:
+        return self.filter(status=OutboxStatus.FAILED)
+
+    def finished_before(self, before: dt.datetime) -> OutboxMessageQuerySet:
+        """Rows done with (sent, or unrouted: events nobody subscribed to) before ``before``."""
+        return self.filter(
+            status__in=[OutboxStatus.SENT, OutboxStatus.UNROUTED], sent_at__lt=before
+        )
+
+    def oldest_pending_at(self) -> dt.datetime | None:
+        """When the oldest pending row was written, or None when none waits."""
+        return self.pending().order_by("created_at").values_list("created_at", flat=True).first()
+
+    def message_id_of(self, idempotency_key: str) -> str | None:
+        """The message_id published earlier with ``idempotency_key``, if any."""
+        return (
+            self.filter(idempotency_key=idempotency_key)
+            .values_list("message_id", flat=True)
+            .first()
+        )
+
+    def retry_failed(self) -> int:
+        """Make the failed rows among these pending again, due now, their attempts counted
+        afresh (an operator's decision once the cause is fixed); returns how many."""
+        return self.failed().update(status=OutboxStatus.PENDING, attempts=0, next_attempt_at=Now())
+
+
+OutboxMessageManager = models.Manager.from_queryset(OutboxMessageQuerySet)
