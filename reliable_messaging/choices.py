@@ -11,29 +11,41 @@ from __future__ import annotations
 from django.db import models
 from django.utils.translation import gettext_lazy as _
 
+from .outcomes import FailureReason
+
 
 class DeadLetterReason(models.TextChoices):
-    PERMANENT = "permanent", _("permanent error")
-    RETRIES_EXHAUSTED = "retries_exhausted", _("retries exhausted")
-    INVALID_JSON = "invalid_json", _("invalid JSON")
-    INVALID_UTF8 = "invalid_utf8", _("invalid UTF-8")
-    EMPTY_BODY = "empty_body", _("empty body")
-    MISSING_MESSAGE_ID = "missing_message_id", _("missing message_id")
-    BODY_TOO_LARGE = "body_too_large", _("body too large")
-    UNSUPPORTED_CONTENT_TYPE = "unsupported_content_type", _("unsupported content type")
-    INVALID_HEADERS = "invalid_headers", _("invalid headers")
-    NO_HANDLER = "no_handler", _("no handler for the queue")
-    UNEXPECTED_ROUTING_KEY = "unexpected_routing_key", _("routing key matches no binding")
-    # Ordered consumers: a later message of a key whose earlier message is a dead letter.
-    PARKED = "parked", _("parked behind an earlier dead letter of its key")
-    # The process died (killed, or exited past the handler's time limit) CRASH_LIMIT times
-    # while handling it.
-    WORKER_CRASHED = "worker_crashed", _("the worker process died while handling it")
-    TIMEOUT = "timeout", _("the handler ran past its time limit")
-    # Our own code (not the handler) failed on it again and again.
-    CONSUMER_ERROR = "consumer_error", _("the consumer failed on it")
-    # A quorum queue's x-delivery-limit was reached: the broker dead-lettered it to us.
-    DELIVERY_LIMIT = "delivery_limit", _("the broker's delivery limit was reached")
+    """The failure reasons of :class:`~reliable_messaging.outcomes.FailureReason`, with the
+    labels the admin shows."""
+
+    PERMANENT = FailureReason.PERMANENT.value, _("permanent error")
+    RETRIES_EXHAUSTED = FailureReason.RETRIES_EXHAUSTED.value, _("retries exhausted")
+    INVALID_JSON = FailureReason.INVALID_JSON.value, _("invalid JSON")
+    INVALID_UTF8 = FailureReason.INVALID_UTF8.value, _("invalid UTF-8")
+    EMPTY_BODY = FailureReason.EMPTY_BODY.value, _("empty body")
+    MISSING_MESSAGE_ID = FailureReason.MISSING_MESSAGE_ID.value, _("missing message_id")
+    BODY_TOO_LARGE = FailureReason.BODY_TOO_LARGE.value, _("body too large")
+    UNSUPPORTED_CONTENT_TYPE = (
+        FailureReason.UNSUPPORTED_CONTENT_TYPE.value,
+        _("unsupported content type"),
+    )
+    INVALID_HEADERS = FailureReason.INVALID_HEADERS.value, _("invalid headers")
+    NO_HANDLER = FailureReason.NO_HANDLER.value, _("no handler for the queue")
+    UNEXPECTED_ROUTING_KEY = (
+        FailureReason.UNEXPECTED_ROUTING_KEY.value,
+        _("routing key matches no binding"),
+    )
+    PARKED = FailureReason.PARKED.value, _("parked behind an earlier dead letter of its key")
+    WORKER_CRASHED = (
+        FailureReason.WORKER_CRASHED.value,
+        _("the worker process died while handling it"),
+    )
+    TIMEOUT = FailureReason.TIMEOUT.value, _("the handler ran past its time limit")
+    CONSUMER_ERROR = FailureReason.CONSUMER_ERROR.value, _("the consumer failed on it")
+    DELIVERY_LIMIT = (
+        FailureReason.DELIVERY_LIMIT.value,
+        _("the broker's delivery limit was reached"),
+    )
 
 
 class DeadLetterStatus(models.TextChoices):

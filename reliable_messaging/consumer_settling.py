@@ -22,7 +22,7 @@ from .conf import MessagingSettings
 from .consumer_board import DeliveryWork, Link
 from .consumer_transport import BrokerChannel, BrokerTransport, RetryPublishing
 from .envelope import Delivery
-from .outcomes import Acknowledge, Outcome, Release, ScheduleRetry
+from .outcomes import Acknowledge, Outcome, OutcomeLabel, Release, ScheduleRetry, label_of
 from .registry import ConsumerSpec
 from .retry_publisher import RetryCopy
 from .topology import delay_exchange_name
@@ -58,10 +58,10 @@ class OutcomeSettler:
         """Have ``settled`` carried out on the connection's thread of each delivery's link."""
         with self._counts_lock:
             for _, outcome in settled:
-                self._counts[_label(outcome)] += 1
+                self._counts[label_of(outcome)] += 1
         for item, outcome in settled:
             if isinstance(outcome, Release):
-                metrics.consumer_outcome(item.spec.name, "released")
+                metrics.consumer_outcome(item.spec.name, OutcomeLabel.RELEASED)
         # One callback per link: after a reconnect a batch may span the old and the new one.
         by_link: dict[int, list[tuple[DeliveryWork, Outcome]]] = {}
         for pair in settled:
@@ -183,11 +183,3 @@ def ack_coalesced(link: Link, channel: BrokerChannel, tags: set[int]) -> None:
     for tag in sorted(tags):
         channel.basic_ack(tag)
         unsettled.pop(tag, None)
-
-
-def _label(outcome: Outcome) -> str:
-    if isinstance(outcome, Acknowledge):
-        return outcome.result
-    if isinstance(outcome, ScheduleRetry):
-        return "deferred" if outcome.deferred else "retried"
-    return "released"

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from .outcomes import FailureReason
+
 CONTENT_TYPE = "application/json"
 
 # Our own headers. They travel with retried and replayed copies; user headers are left alone.
@@ -126,14 +128,8 @@ class Delivery:
     defects: tuple[str, ...] = ()
 
 
-class DecodeReason:
-    INVALID_JSON = "invalid_json"
-    INVALID_UTF8 = "invalid_utf8"
-    EMPTY_BODY = "empty_body"
-    MISSING_MESSAGE_ID = "missing_message_id"
-    BODY_TOO_LARGE = "body_too_large"
-    UNSUPPORTED_CONTENT_TYPE = "unsupported_content_type"
-    INVALID_HEADERS = "invalid_headers"
+# Why a delivery cannot be decoded: the decoding members of the one list of failure reasons.
+DecodeReason = FailureReason
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ from .exactly_once import claim_inbox_rows as _claim_inbox_rows  # noqa: F401 - 
 from .exceptions import DatabaseUnavailable
 from .fastpath import DuplicateCache
 from .models import DeadLetter, DeadLetterReason, ProcessedMessage
-from .outcomes import Acknowledge, Outcome, RetryInPlace, ScheduleRetry
+from .outcomes import Acknowledge, Outcome, OutcomeLabel, RetryInPlace, ScheduleRetry
 from .registry import ConsumerSpec
 from .replay import mark_resolved, resolve_processed_copies
 from .retry import GiveUp, decide
@@ -109,7 +109,7 @@ class _DeliveryOutcome:
     log and remember once (if) the batch's transaction commits."""
 
     outcome: Outcome
-    label: str
+    label: OutcomeLabel
     duration: float | None = None
     processed: bool = False  # the inbox holds the message now: the fast path may remember it
     # Logged once the transaction committed (a line saying "processed" must be true).
@@ -195,7 +195,7 @@ class DeliveryProcessor:
                 f"#{blocker.pk} (message_id={blocker.message_id}); replay or discard that one "
                 f"first, then replay this one (replaying the key's dead letters oldest first "
                 f"keeps their order)",
-                label="parked",
+                label=OutcomeLabel.PARKED,
             )
         return self._handle(delivery, decoded)
 
@@ -242,7 +242,9 @@ class DeliveryProcessor:
             attempts=1,
             exception_message=error.detail,
         )
-        return _DeliveryOutcome(Acknowledge("dead_lettered", error.reason), "dead_lettered")
+        return _DeliveryOutcome(
+            Acknowledge(OutcomeLabel.DEAD_LETTERED, error.reason), OutcomeLabel.DEAD_LETTERED
+        )
 
     def _reject(
         self,
@@ -250,7 +252,7 @@ class DeliveryProcessor:
         message: Message,
         reason: str,
         detail: str,
-        label: str = "dead_lettered",
+        label: OutcomeLabel = OutcomeLabel.DEAD_LETTERED,
     ) -> _DeliveryOutcome:
         logger.error(
             "dead-lettering message_id=%s consumer=%s attempt=%d outcome=%s reason=%s: %s",
@@ -271,7 +273,7 @@ class DeliveryProcessor:
             routing_key=message.routing_key,
             exception_message=detail,
         )
-        return _DeliveryOutcome(Acknowledge("dead_lettered", reason), label)
+        return _DeliveryOutcome(Acknowledge(OutcomeLabel.DEAD_LETTERED, reason), label)
 
     def _handle(self, delivery: Delivery, message: Message) -> _DeliveryOutcome:
         started = time.perf_counter()
@@ -310,7 +312,10 @@ class DeliveryProcessor:
                         by="its replay found it processed by another copy",
                     )
                 return _DeliveryOutcome(
-                    Acknowledge("duplicate"), "duplicate", processed=True, after_commit=True
+                    Acknowledge(OutcomeLabel.DUPLICATE),
+                    OutcomeLabel.DUPLICATE,
+                    processed=True,
+                    after_commit=True,
                 )
             return self.on_failure(delivery, message, exc, started)
         except (OperationalError, InterfaceError) as exc:
@@ -323,7 +328,11 @@ class DeliveryProcessor:
             return self.on_failure(delivery, message, exc, started)
         duration = time.perf_counter() - started
         return _DeliveryOutcome(
-            Acknowledge("processed"), "processed", duration, processed=True, after_commit=True
+            Acknowledge(OutcomeLabel.PROCESSED),
+            OutcomeLabel.PROCESSED,
+            duration,
+            processed=True,
+            after_commit=True,
         )
 
     def connection_usable(self) -> bool:
@@ -367,7 +376,9 @@ class DeliveryProcessor:
                 traceback_text="".join(traceback.format_exception(exc)),
             )
             return _DeliveryOutcome(
-                Acknowledge("dead_lettered", decision.reason), "dead_lettered", duration
+                Acknowledge(OutcomeLabel.DEAD_LETTERED, decision.reason),
+                OutcomeLabel.DEAD_LETTERED,
+                duration,
             )
         logger.warning(
             "retrying message_id=%s consumer=%s attempt=%d outcome=retry next_attempt=%d "
@@ -389,12 +400,12 @@ class DeliveryProcessor:
             # stays unacked, holding its partition, and runs again after the delay.
             return _DeliveryOutcome(
                 RetryInPlace(decision.delay, decision.next_attempt, headers, error),
-                "retried",
+                OutcomeLabel.RETRIED,
                 duration,
             )
         return _DeliveryOutcome(
             ScheduleRetry(decision.delay, decision.next_attempt, headers, error),
-            "retried",
+            OutcomeLabel.RETRIED,
             duration,
         )
 
@@ -432,10 +443,11 @@ class DeliveryProcessor:
         headers[ORIGINAL_ROUTING_KEY_HEADER] = message.routing_key
         if self.spec.ordered:
             return _DeliveryOutcome(
-                RetryInPlace(delay, message.attempt, headers, error), "deferred"
+                RetryInPlace(delay, message.attempt, headers, error), OutcomeLabel.DEFERRED
             )
         return _DeliveryOutcome(
-            ScheduleRetry(delay, message.attempt, headers, error, deferred=True), "deferred"
+            ScheduleRetry(delay, message.attempt, headers, error, deferred=True),
+            OutcomeLabel.DEFERRED,
         )
 
     def busy(self, delivery: Delivery, message: Message) -> _DeliveryOutcome:
@@ -584,7 +596,7 @@ def process_batch(
 
 
 def _log_committed(consumer: str, message: Message, done: _DeliveryOutcome) -> None:
-    if done.label == "duplicate":
+    if done.label == OutcomeLabel.DUPLICATE:
         logger.info(
             "duplicate message_id=%s consumer=%s attempt=%d outcome=duplicate: already "
             "processed, acked without running the handler",
@@ -699,7 +711,10 @@ def _run_claimed(
             continue
         if key not in claimed or key in seen:
             decided[index] = _DeliveryOutcome(
-                Acknowledge("duplicate"), "duplicate", processed=True, after_commit=True
+                Acknowledge(OutcomeLabel.DUPLICATE),
+                OutcomeLabel.DUPLICATE,
+                processed=True,
+                after_commit=True,
             )
             continue
         seen.add(key)
@@ -722,7 +737,11 @@ def _run_claimed(
                 raise _Fallback(processor, index, exc) from exc
         duration = time.perf_counter() - started
         decided[index] = _DeliveryOutcome(
-            Acknowledge("processed"), "processed", duration, processed=True, after_commit=True
+            Acknowledge(OutcomeLabel.PROCESSED),
+            OutcomeLabel.PROCESSED,
+            duration,
+            processed=True,
+            after_commit=True,
         )
         if claimed[key]:
             processed.setdefault(key[0], []).append(key[1])
@@ -816,7 +835,9 @@ def _fast_path(
                 name,
                 message.attempt,
             )
-            decided[index] = _DeliveryOutcome(Acknowledge("duplicate"), "duplicate")
+            decided[index] = _DeliveryOutcome(
+                Acknowledge(OutcomeLabel.DUPLICATE), OutcomeLabel.DUPLICATE
+            )
             continue
         metrics.dedup_cache(name, "miss")
         if not jobs[index].processor.spec.ordered:

@@ -29,7 +29,7 @@ from . import metrics
 from .dead_letters import record_dead_letter
 from .envelope import DecodeError, Delivery, Message, safe_text
 from .models import DeadLetterReason, ProcessedMessage
-from .outcomes import Acknowledge, Release
+from .outcomes import Acknowledge, OutcomeLabel, Release
 from .registry import ConsumerSpec
 
 logger = logging.getLogger(__name__)
@@ -62,14 +62,14 @@ def dead_letter_delivery(
     consumer = processor.spec.name
     with transaction.atomic(using=processor.using):
         if message_id and ProcessedMessage.objects.using(processor.using).has(consumer, message_id):
-            metrics.consumer_outcome(consumer, "duplicate")
+            metrics.consumer_outcome(consumer, OutcomeLabel.DUPLICATE)
             logger.info(
                 "duplicate message_id=%s consumer=%s outcome=duplicate: already processed, "
                 "acked without running the handler",
                 message_id,
                 consumer,
             )
-            return Acknowledge("duplicate")
+            return Acknowledge(OutcomeLabel.DUPLICATE)
         record_dead_letter(
             consumer=consumer,
             delivery=delivery,
@@ -82,7 +82,7 @@ def dead_letter_delivery(
             exception_message=detail,
             traceback_text=traceback_text,
         )
-    metrics.consumer_outcome(consumer, "dead_lettered")
+    metrics.consumer_outcome(consumer, OutcomeLabel.DEAD_LETTERED)
     logger.error(
         "dead-lettering message_id=%s consumer=%s outcome=dead_lettered reason=%s: %s",
         message_id or "-",
@@ -90,7 +90,7 @@ def dead_letter_delivery(
         reason,
         detail,
     )
-    return Acknowledge("dead_lettered", reason)
+    return Acknowledge(OutcomeLabel.DEAD_LETTERED, reason)
 
 
 def consumer_error(

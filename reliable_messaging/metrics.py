@@ -61,6 +61,7 @@ from prometheus_client.metrics_core import Metric
 # Re-exported: the process's health used to live here, and the relay and consume commands
 # (and users' code) import it from here. liveness is standard library only.
 from .liveness import HealthCheck, HealthGroup, HealthState
+from .outcomes import OutcomeLabel
 
 if TYPE_CHECKING:
     from .collectors import (
@@ -113,9 +114,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-CONSUMER_OUTCOMES = frozenset(
-    {"processed", "duplicate", "retried", "dead_lettered", "released", "parked", "deferred"}
-)
+CONSUMER_OUTCOMES = frozenset(OutcomeLabel)
 DEDUP_RESULTS = frozenset({"hit", "miss", "error", "lease_busy"})
 RELAY_FAILURE_KINDS = ("returned", "nacked", "timeout", "refused")
 

@@ -6,12 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .exceptions import HandlerTimeout, PermanentError
+from .outcomes import FailureReason
 
-
-class FailureReason:
-    PERMANENT = "permanent"
-    RETRIES_EXHAUSTED = "retries_exhausted"
-    TIMEOUT = "timeout"  # the last attempt ran past the handler's time limit
+__all__ = ["FailureReason", "GiveUp", "RetryLater", "decide", "delay_for", "delay_name"]
 
 
 @dataclass(frozen=True)

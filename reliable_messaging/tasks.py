@@ -71,6 +71,7 @@ from .dead_letters import record_dead_letter
 from .envelope import CELERY_TASK_HEADER, CONTENT_TYPE, Delivery, jsonable
 from .exactly_once import claimed_atomic
 from .models import DeadLetterReason, OutboxMessage, ProcessedMessage
+from .outcomes import OutcomeLabel
 from .partitions import OUTBOX, ensure_partitions
 from .relay import OutboxRelay
 
@@ -337,13 +338,13 @@ def _run_in_inbox(
             name,
             task.request.id if task is not None else "-",
         )
-        metrics.consumer_outcome(name, "duplicate")
+        metrics.consumer_outcome(name, OutcomeLabel.DUPLICATE)
         return None
     duration = time.perf_counter() - started
     # Counted once committed: called inside a caller's transaction (eagerly, say), the
     # effect only happens if that one commits. Outside any, this runs at once.
     transaction.on_commit(
-        lambda: metrics.consumer_outcome(name, "processed", duration), using=alias
+        lambda: metrics.consumer_outcome(name, OutcomeLabel.PROCESSED, duration), using=alias
     )
     logger.info(
         "processed message_id=%s task=%s outcome=processed duration_ms=%.1f",
@@ -447,4 +448,4 @@ def _record_crashed_task(
         suspicion.deaths,
         suspicion.describe(),
     )
-    metrics.consumer_outcome(scope, "dead_lettered")
+    metrics.consumer_outcome(scope, OutcomeLabel.DEAD_LETTERED)
