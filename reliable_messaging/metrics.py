@@ -41,9 +41,8 @@ Three kinds of figures, exported from three places:
 - **System gauges** (outbox, dead letters, inbox, queue depths) describe the whole system, not
   one process: :mod:`.collectors` reads them at scrape time for the web process's ``metrics/``
   view. This module holds no reader, so the consume and relay processes import it without the
-  ORM queries or the status report; the names that moved from here (``DatabaseCollector``,
-  ``BrokerCollector``, ``outbox_lag``, ``inbox_rows``, the health classes) stay importable from
-  it.
+  ORM queries or the status report. The health classes that moved to :mod:`.liveness` stay
+  importable from here.
 
 The helper functions below are what the consumer and the relay call; they check their label
 values, because a typo'd label would silently start a new time series nobody alerts on.
@@ -52,7 +51,6 @@ values, because a typo'd label would silently start a new time series nobody ale
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -63,22 +61,10 @@ from prometheus_client.metrics_core import Metric
 from .liveness import HealthCheck, HealthGroup, HealthState
 from .outcomes import OutcomeLabel
 
-if TYPE_CHECKING:
-    from .collectors import (
-        COUNT_INBOX_UP_TO,
-        BrokerCollector,
-        DatabaseCollector,
-        inbox_rows,
-        outbox_lag,
-    )
-
 __all__ = [
     "CONSUMER_OUTCOMES",
-    "COUNT_INBOX_UP_TO",
     "DEDUP_RESULTS",
     "RELAY_FAILURE_KINDS",
-    "BrokerCollector",
-    "DatabaseCollector",
     "HealthCheck",
     "HealthCollector",
     "HealthGroup",
@@ -90,29 +76,12 @@ __all__ = [
     "consumers_started",
     "dedup_cache",
     "handler_timeout",
-    "inbox_rows",
-    "outbox_lag",
     "relay_blocked",
     "relay_claimed",
     "relay_confirm_latency",
     "relay_failed",
     "relay_published",
 ]
-
-# Names that moved to .collectors, which reads the database and the broker: imported on first
-# use only, so importing this module (every consume and relay process does) pulls in no reader.
-_MOVED_TO_COLLECTORS = frozenset(
-    {"BrokerCollector", "COUNT_INBOX_UP_TO", "DatabaseCollector", "inbox_rows", "outbox_lag"}
-)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED_TO_COLLECTORS:
-        from . import collectors
-
-        return getattr(collectors, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 CONSUMER_OUTCOMES = frozenset(OutcomeLabel)
 DEDUP_RESULTS = frozenset({"hit", "miss", "error", "lease_busy"})
