@@ -206,7 +206,7 @@ def processes_run(namespace: str, queue: str, count: int, processes: int) -> flo
 
 def run_service(queue_spec: object, count: int, label: str, concurrency: int) -> float:
     """Run ConsumerService until ``count`` new outcomes were settled; seconds."""
-    from reliable_messaging.consumer_service import ConsumerService
+    from reliable_messaging.consuming.service import ConsumerService
 
     settled = 0
     finished = threading.Event()
@@ -276,7 +276,7 @@ def memory_run(namespace: str, exchange: str, queue: str, total: int) -> tuple[i
     return rss_10k or 0, rss_end or 0, total / elapsed
 
 
-# A time-ordered id in SQL, like reliable_messaging.uuid7 mints: 48 bits of milliseconds
+# A time-ordered id in SQL, like reliable_messaging.core.uuid7 mints: 48 bits of milliseconds
 # (:base_ms + the series number, so older than any id minted during the run), version 7,
 # the variant, pseudo-random bits from md5.
 UUID7_SQL = (
@@ -290,7 +290,7 @@ FILL_CHUNK = 1_000_000
 
 
 def new_ids(kind: str, count: int) -> list[str]:
-    from reliable_messaging.uuid7 import new_message_id
+    from reliable_messaging.core.uuid7 import new_message_id
 
     if kind == "uuid7":
         return [new_message_id() for _ in range(count)]
@@ -602,9 +602,9 @@ def main() -> None:
     from django.db.models import Count
     from django.test import override_settings
 
+    from reliable_messaging.broker.topology import declare_topology
     from reliable_messaging.conf import messaging_settings
     from reliable_messaging.testing import find_consumer
-    from reliable_messaging.topology import declare_topology
     from tests.testapp.models import Effect
 
     # One line per message at INFO would time the terminal: log warnings only, in this process.

@@ -61,8 +61,8 @@ def writer(stop: threading.Event, waits: list[float], outbox: bool = False) -> N
     from django.db import connection, transaction
 
     from reliable_messaging import publish
-    from reliable_messaging.inbox import insert_inbox_row
-    from reliable_messaging.uuid7 import new_message_id
+    from reliable_messaging.consuming.processing import insert_inbox_row
+    from reliable_messaging.core.uuid7 import new_message_id
 
     try:
         while not stop.is_set():

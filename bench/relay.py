@@ -107,8 +107,8 @@ def relay_throughput(
 
     from reliable_messaging import publish
     from reliable_messaging.models import OutboxMessage
-    from reliable_messaging.relay import OutboxRelay
-    from reliable_messaging.relay_lanes import run_lanes
+    from reliable_messaging.publishing.lanes import run_lanes
+    from reliable_messaging.publishing.relay import OutboxRelay
 
     OutboxMessage.objects.all().delete()
     with transaction.atomic():

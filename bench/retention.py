@@ -408,9 +408,9 @@ def main() -> None:
     from django.db import connections
     from django.test import override_settings
 
+    from reliable_messaging.broker.topology import declare_topology
     from reliable_messaging.conf import messaging_settings
     from reliable_messaging.testing import find_consumer
-    from reliable_messaging.topology import declare_topology
 
     # One line per message at INFO would time the terminal: log warnings only, in this process.
     logger = logging.getLogger("reliable_messaging")

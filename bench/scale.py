@@ -374,7 +374,7 @@ def relay_child() -> None:
     django.setup()
     from django.db.backends.signals import connection_created
 
-    from reliable_messaging.relay import OutboxRelay
+    from reliable_messaging.publishing.relay import OutboxRelay
 
     outbox = table()
     claims: list[dict[str, float]] = []

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .envelope import Message
+from .core.envelope import Message
 from .exceptions import PermanentError
 from .registry import consumer
 
 if TYPE_CHECKING:
-    from .outbox import publish
-    from .tasks import idempotent_task
+    from .contrib.celery import idempotent_task
+    from .publishing.publish import publish
 
 __all__ = ["Message", "PermanentError", "consumer", "idempotent_task", "publish"]
 __version__ = "0.1.0"
@@ -26,12 +26,12 @@ def __getattr__(name: str) -> Any:
     # publish() touches models; importing it lazily keeps `import reliable_messaging` safe before
     # Django's app registry is ready (settings files, consumers.py modules).
     if name == "publish":
-        from .outbox import publish
+        from .publishing.publish import publish
 
         return publish
     if name == "idempotent_task":
         # Celery is optional (the "celery" extra): only this name needs it.
-        from .tasks import idempotent_task
+        from .contrib.celery import idempotent_task
 
         return idempotent_task
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

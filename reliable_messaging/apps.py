@@ -11,10 +11,10 @@ class ReliableMessagingConfig(AppConfig):
 
     def ready(self) -> None:
         from . import checks  # noqa: F401  (registers the system checks)
-        from .amqp_codec import install as install_amqp_codec
+        from .broker.codec import install as install_amqp_codec
 
         install_amqp_codec()  # before any broker connection: see amqp_codec's docstring
-        from .pika_logs import install as install_pika_logs
+        from .broker.pika_logs import install as install_pika_logs
 
         install_pika_logs()  # our probes' expected 404s stay out of the user's log
 

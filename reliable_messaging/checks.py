@@ -25,7 +25,7 @@ from .conf import (
     redact_url,
     split_broker_urls,
 )
-from .retry import delay_for
+from .core.retry import delay_for
 
 SETTING = "RELIABLE_MESSAGING"
 
@@ -58,7 +58,7 @@ def check_broker_urls(value: Any) -> list[CheckMessage]:
 
 
 def _check_broker_url(value: Any) -> list[CheckMessage]:
-    from .topology import broker_host
+    from .broker.topology import broker_host
 
     hint = "Use amqp://USER:PASSWORD@HOST:5672/VHOST (the default vhost is %2F)."
     if not isinstance(value, str) or not value.startswith(("amqp://", "amqps://")):
@@ -329,9 +329,9 @@ def check_idempotent_tasks(app_configs: Any = None, **kwargs: Any) -> list[Check
 
     # Celery is optional: without the tasks module imported no @idempotent_task exists, and
     # the check does not import Celery for nothing.
-    if f"{__package__}.tasks" not in sys.modules:
+    if f"{__package__}.contrib.celery" not in sys.modules:
         return []
-    from .tasks import unsafe_idempotent_tasks
+    from .contrib.celery import unsafe_idempotent_tasks
 
     return [
         _warning(

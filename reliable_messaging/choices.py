@@ -11,11 +11,11 @@ from __future__ import annotations
 from django.db import models
 from django.utils.translation import gettext_lazy as _
 
-from .outcomes import FailureReason
+from .core.outcomes import FailureReason
 
 
 class DeadLetterReason(models.TextChoices):
-    """The failure reasons of :class:`~reliable_messaging.outcomes.FailureReason`, with the
+    """The failure reasons of :class:`~reliable_messaging.core.outcomes.FailureReason`, with the
     labels the admin shows."""
 
     PERMANENT = FailureReason.PERMANENT.value, _("permanent error")

@@ -1,86 +1,33 @@
-"""A django-health-check (4.x) check: RabbitMQ answers, and the outbox is not falling behind.
+"""Moved to :mod:`reliable_messaging.contrib.health_check`.
 
-Only this module needs django-health-check (``pip install "reliable-messaging[health]"``);
-``import reliable_messaging`` does not. Add the check to your health endpoint's list, by
-dotted path, alone or with options::
-
-    # urls.py
-    from datetime import timedelta
-
-    from django.urls import path
-    from health_check.views import HealthCheckView
-
-    urlpatterns = [
-        path(
-            "health/",
-            HealthCheckView.as_view(
-                checks=[
-                    "health_check.checks.Database",
-                    (
-                        "reliable_messaging.health.MessagingHealthCheck",
-                        {"max_outbox_lag": timedelta(minutes=2)},
-                    ),
-                ]
-            ),
-        ),
-    ]
-
-It fails (HTTP 500 from the view) when an AMQP connection to ``BROKER_URL`` cannot be opened
-within ``timeout``, when the outbox cannot be read, or when the oldest pending outbox row is
-older than ``max_outbox_lag``: committed messages are not reaching the broker, so no relay is
-running, or the broker refuses what it sends. The check does not count dead letters or queue
-depths: those need a person, not a restart; ``manage.py messaging_status`` reports them.
+This import path keeps working for a while. Importing it warns once per process
+(``DeprecationWarning``, pointing at the importing line); every name is looked up in the new module
+when it is first used, so nothing optional is imported before a name is asked for.
 """
 
+# move_modules: shim (written by move_modules.py; delete once the old path is dropped)
 from __future__ import annotations
 
-import dataclasses
-import datetime as dt
+import importlib
+import sys
+import warnings
+from typing import Any
 
-from django.db import DatabaseError, connections, router
-
-try:
-    from health_check.base import HealthCheck
-    from health_check.exceptions import ServiceUnavailable
-except ImportError as exc:  # the "health" extra is not installed
-    from .exceptions import MissingExtra
-
-    raise MissingExtra(
-        "reliable_messaging.health.MessagingHealthCheck", "health", "django-health-check"
-    ) from exc
-
-from .broker_queues import broker_connection_error
-from .collectors import outbox_lag
-from .models import OutboxMessage
-from .status import OUTBOX_LAG_STRICT_LIMIT, outbox_lag_problem
+_NEW = "reliable_messaging.contrib.health_check"
 
 
-@dataclasses.dataclass
-class MessagingHealthCheck(HealthCheck):
-    """The broker is reachable and the oldest pending outbox row is younger than
-    ``max_outbox_lag``. ``using`` is the outbox's database alias (default: the router's)."""
+warnings.warn(
+    f"reliable_messaging.health moved to {_NEW}; import from there",
+    DeprecationWarning,
+    stacklevel=2,  # the warnings module skips importlib's frames: this is the importer
+)
 
-    # A relay a minute behind (the limit of messaging_status --strict), declared in .status.
-    max_outbox_lag: dt.timedelta = dt.timedelta(seconds=OUTBOX_LAG_STRICT_LIMIT)
-    using: str | None = None
-    # Not in the repr, which the health report shows; the broker URL never is.
-    timeout: dt.timedelta = dataclasses.field(default=dt.timedelta(seconds=5), repr=False)
 
-    def run(self) -> None:
-        # The connect and the query each get half the budget, so a slow broker still leaves
-        # time to say so before the view's own deadline.
-        error = broker_connection_error(timeout=self.timeout.total_seconds() / 2)
-        if error:
-            raise ServiceUnavailable(f"RabbitMQ cannot be reached: {error}")
-        using = self.using or router.db_for_read(OutboxMessage)
-        try:
-            # Checks run on the view's executor threads: open and close the connection here,
-            # or each thread would keep one open for good.
-            with connections[using].temporary_connection():
-                lag = outbox_lag(using)
-        except DatabaseError as exc:
-            raise ServiceUnavailable(f"the outbox cannot be read ({type(exc).__name__})") from exc
-        # Judged by .status, as messaging_status judges it.
-        problem = outbox_lag_problem(lag, self.max_outbox_lag.total_seconds())
-        if problem is not None:
-            raise ServiceUnavailable(problem.message)
+def __getattr__(name: str) -> Any:
+    value = getattr(importlib.import_module(_NEW), name)
+    globals()[name] = value  # the next lookup does not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(dir(sys.modules.get(_NEW) or importlib.import_module(_NEW))))

@@ -56,10 +56,11 @@ from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from .core.outcomes import OutcomeLabel
+
 # Re-exported: the process's health used to live here, and the relay and consume commands
 # (and users' code) import it from here. liveness is standard library only.
 from .liveness import HealthCheck, HealthGroup, HealthState
-from .outcomes import OutcomeLabel
 
 __all__ = [
     "CONSUMER_OUTCOMES",

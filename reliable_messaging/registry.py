@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from .envelope import Message
+from .core.envelope import Message
 from .exceptions import ConsumerConfigurationError
 
 Handler = Callable[[Message], Any]

@@ -34,8 +34,10 @@ from typing import Any
 from django.db import router
 from django.utils import timezone
 
+from .broker.topology import consumer_queues
 from .conf import messaging_settings
-from .envelope import (
+from .consuming.processing import DeliveryProcessor
+from .core.envelope import (
     ATTEMPT_HEADER,
     CONTENT_TYPE,
     ORDERING_KEY_HEADER,
@@ -43,13 +45,11 @@ from .envelope import (
     Message,
     encode_payload,
 )
-from .inbox import DeliveryProcessor
+from .core.outcomes import Acknowledge, Outcome, Release, RetryInPlace, ScheduleRetry
+from .core.routing import topic_matches
+from .core.uuid7 import new_message_id
 from .models import OutboxMessage, OutboxStatus
-from .outcomes import Acknowledge, Outcome, Release, RetryInPlace, ScheduleRetry
 from .registry import ConsumerRegistry, ConsumerSpec, registry
-from .routing import topic_matches
-from .topology import consumer_queues
-from .uuid7 import new_message_id
 
 __all__ = [
     "Acknowledge",

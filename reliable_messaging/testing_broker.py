@@ -26,12 +26,12 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .broker.retry_publisher import RetryCopy
+from .broker.topology import consumer_queues
+from .broker.transport import BrokerChannel, OnMessage
 from .conf import MessagingSettings
-from .consumer_transport import BrokerChannel, OnMessage
-from .envelope import CONTENT_TYPE, wire_headers
+from .core.envelope import CONTENT_TYPE, wire_headers
 from .registry import ConsumerSpec
-from .retry_publisher import RetryCopy
-from .topology import consumer_queues
 
 __all__ = [
     "BrokerEvent",

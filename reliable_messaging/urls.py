@@ -2,7 +2,7 @@
 
 from django.urls import path
 
-from . import views
+from .ops import views
 
 app_name = "reliable_messaging"
 

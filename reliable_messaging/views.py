@@ -1,180 +1,33 @@
-"""Views for the web process: the database gauges and a health check of the whole system.
+"""Moved to :mod:`reliable_messaging.ops.views`.
 
-Mount them with ``path("messaging/", include("reliable_messaging.urls"))``:
-
-- ``metrics/``: the gauges :class:`~reliable_messaging.collectors.DatabaseCollector` reads at
-  each scrape (outbox backlog and lag, failed rows, dead letters, inbox size) and the queue
-  gauges :class:`~reliable_messaging.collectors.BrokerCollector` reads from the broker
-  (messages ready and consumers attached, per queue of every registered consumer; kept 5 s
-  between reads). The consume and relay processes export their own counters on
-  ``--metrics-port``; these system gauges come from here only, so they are not scraped once
-  per process.
-- ``healthz/``: 200 when the database answers, the broker accepts a connection (within
-  ``BROKER_TIMEOUT``) and the oldest pending outbox row is younger than ``max_outbox_lag``
-  seconds (default :data:`~reliable_messaging.status.OUTBOX_LAG_LIMIT`, 300); 503 with the
-  reasons otherwise. The checks are run here; the verdict and the body are
-  :mod:`.status`'s, as for every health endpoint. It judges the messaging system, not this web
-  process: use it for monitoring or a readiness gate, not as a liveness probe that restarts
-  web servers because a relay is down. Tune the lag with a URL keyword argument, e.g.
-  ``path("healthz/", views.healthz, {"max_outbox_lag": 60})``.
-
-Who may read them (:func:`ops_access`): staff users logged in to the admin; a request with
-``Authorization: Bearer <token>`` when ``RELIABLE_MESSAGING["OPS_VIEWS_TOKEN"]`` is set (what a
-Prometheus scrape config's ``authorization`` or a Kubernetes probe's ``httpHeaders`` send); and
-everyone only with ``OPS_VIEWS_PUBLIC = True`` (for views kept behind a proxy that already
-restricts them). Anyone else gets 403. They show consumer names and counts, never payloads.
-
-``healthz/`` opens a broker connection at most once per ``BROKER_CHECK_MAX_AGE`` seconds, however
-often it is asked: a probe every second costs the broker one connection every five.
+This import path keeps working for a while. Importing it warns once per process
+(``DeprecationWarning``, pointing at the importing line); every name is looked up in the new module
+when it is first used, so nothing optional is imported before a name is asked for.
 """
 
+# move_modules: shim (written by move_modules.py; delete once the old path is dropped)
 from __future__ import annotations
 
-import functools
-import hmac
-import threading
-import time
-from collections.abc import Callable
+import importlib
+import sys
+import warnings
 from typing import Any
 
-from django.db import DatabaseError, connections, router, transaction
-from django.http import (
-    HttpRequest,
-    HttpResponse,
-    HttpResponseBase,
-    HttpResponseForbidden,
-    JsonResponse,
+_NEW = "reliable_messaging.ops.views"
+
+
+warnings.warn(
+    f"reliable_messaging.views moved to {_NEW}; import from there",
+    DeprecationWarning,
+    stacklevel=2,  # the warnings module skips importlib's frames: this is the importer
 )
-from django.views.decorators.cache import never_cache
-from django.views.decorators.http import require_GET
-from prometheus_client import CollectorRegistry
-from prometheus_client.django import PrometheusDjangoView
-
-from .broker_queues import broker_connection_error
-from .collectors import BrokerCollector, DatabaseCollector, outbox_lag
-from .conf import messaging_settings
-from .models import OutboxMessage
-from .status import OUTBOX_LAG_LIMIT, CheckResult, outbox_lag_check, system_health
-
-MAX_OUTBOX_LAG = OUTBOX_LAG_LIMIT
-"""Seconds the oldest pending outbox row may wait before ``healthz/`` reports it (declared
-once, in :mod:`.status`)."""
-
-BROKER_TIMEOUT = 2.0
-"""Seconds ``healthz/`` waits for the broker to accept a connection."""
-
-BROKER_CHECK_MAX_AGE = 5.0
-"""Seconds a broker check of ``healthz/`` is reused before the broker is asked again."""
 
 
-def ops_access(view: Callable[..., HttpResponseBase]) -> Callable[..., HttpResponseBase]:
-    """Let through staff users, the bearer of ``OPS_VIEWS_TOKEN`` and, with
-    ``OPS_VIEWS_PUBLIC``, everyone; 403 for anyone else."""
-
-    @functools.wraps(view)
-    def guarded(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
-        if _may_read(request):
-            return view(request, *args, **kwargs)
-        return HttpResponseForbidden(
-            "Log in to the admin as staff, or send Authorization: Bearer <OPS_VIEWS_TOKEN> "
-            "(see RELIABLE_MESSAGING['OPS_VIEWS_TOKEN']).",
-            content_type="text/plain",
-        )
-
-    return guarded
+def __getattr__(name: str) -> Any:
+    value = getattr(importlib.import_module(_NEW), name)
+    globals()[name] = value  # the next lookup does not come here
+    return value
 
 
-def _may_read(request: HttpRequest) -> bool:
-    if messaging_settings.ops_views_public:
-        return True
-    user = getattr(request, "user", None)  # None without the auth middleware
-    if user is not None and user.is_active and user.is_staff:
-        return True
-    token = messaging_settings.ops_views_token
-    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    return bool(
-        token
-        and scheme.lower() == "bearer"
-        and hmac.compare_digest(given.strip().encode(), token.encode())
-    )
-
-
-BROKER_COLLECTOR = BrokerCollector()
-SYSTEM_REGISTRY = CollectorRegistry(auto_describe=False)
-SYSTEM_REGISTRY.register(DatabaseCollector())
-SYSTEM_REGISTRY.register(BROKER_COLLECTOR)
-
-
-class SystemMetricsView(PrometheusDjangoView):
-    registry = SYSTEM_REGISTRY
-
-
-# Outside ATOMIC_REQUESTS: a failing query must not poison a transaction around the view.
-metrics = transaction.non_atomic_requests(never_cache(ops_access(SystemMetricsView.as_view())))
-
-
-# The details name no host, user or password, nor a database error's text: a health endpoint
-# may be reachable by anyone. The logs of the processes have the particulars.
-
-
-def check_database(using: str) -> CheckResult:
-    try:
-        with connections[using].cursor() as cursor:
-            cursor.execute("SELECT 1")
-    except DatabaseError as exc:
-        return CheckResult(False, f"the database cannot be queried ({type(exc).__name__})")
-    return CheckResult(True, "the database answers")
-
-
-def check_broker(timeout: float = BROKER_TIMEOUT) -> CheckResult:
-    """Open (and close) an AMQP connection: the broker is up and accepts our login."""
-    error = broker_connection_error(timeout=timeout)
-    if error:
-        return CheckResult(False, f"the broker cannot be reached: {error}")
-    return CheckResult(True, "the broker accepts connections")
-
-
-class _RecentBrokerCheck:
-    """The last :func:`check_broker` result of this process, reused for ``max_age`` seconds;
-    one request at a time asks the broker, the others wait for its answer."""
-
-    def __init__(self, max_age: float) -> None:
-        self.max_age = max_age
-        self._lock = threading.Lock()
-        self._result: CheckResult | None = None
-        self._at = 0.0
-
-    def get(self) -> CheckResult:
-        with self._lock:
-            if self._result is None or time.monotonic() - self._at >= self.max_age:
-                self._result = check_broker()
-                self._at = time.monotonic()
-            return self._result
-
-    def forget(self) -> None:
-        with self._lock:
-            self._result = None
-
-
-RECENT_BROKER_CHECK = _RecentBrokerCheck(BROKER_CHECK_MAX_AGE)
-
-
-def check_outbox_lag(using: str, max_lag: float) -> CheckResult:
-    try:
-        lag = outbox_lag(using)
-    except DatabaseError as exc:
-        return CheckResult(False, f"the outbox cannot be read ({type(exc).__name__})")
-    return outbox_lag_check(lag, max_lag)
-
-
-@transaction.non_atomic_requests
-@never_cache
-@require_GET
-@ops_access
-def healthz(request: HttpRequest, max_outbox_lag: float = MAX_OUTBOX_LAG) -> HttpResponse:
-    using = router.db_for_write(OutboxMessage)
-    checks = {"database": check_database(using), "broker": RECENT_BROKER_CHECK.get()}
-    if checks["database"].ok:
-        checks["outbox_lag"] = check_outbox_lag(using, max_outbox_lag)
-    report = system_health(checks)
-    return JsonResponse(report.as_dict(), status=report.http_status)
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(dir(sys.modules.get(_NEW) or importlib.import_module(_NEW))))

@@ -116,7 +116,7 @@ def publisher() -> Iterator[Publisher]:
 def service(rm_settings: dict[str, Any], transactional_db: None) -> Iterator[Callable[..., Any]]:
     """``service(specs, **kwargs)`` starts a ConsumerService in a thread and waits until it
     consumes; every service started is stopped (and joined) in teardown."""
-    from reliable_messaging.consumer_service import ConsumerService
+    from reliable_messaging.consuming.service import ConsumerService
 
     running: list[tuple[Any, threading.Thread]] = []
 

@@ -16,16 +16,16 @@ import pika
 import pika.exceptions
 from pika.spec import BasicProperties
 
-from reliable_messaging.conf import messaging_settings
-from reliable_messaging.envelope import CONTENT_TYPE
-from reliable_messaging.registry import ConsumerSpec
-from reliable_messaging.topology import (
+from reliable_messaging.broker.topology import (
     all_delays,
     connection_parameters,
     consumer_queues,
     declare_topology,
     delay_exchange_name,
 )
+from reliable_messaging.conf import messaging_settings
+from reliable_messaging.core.envelope import CONTENT_TYPE
+from reliable_messaging.registry import ConsumerSpec
 
 NOT_FOUND = 404
 

@@ -7,7 +7,7 @@ from typing import Any
 from django.core.management.base import CommandError, CommandParser
 
 from reliable_messaging.liveness import HealthCheck
-from reliable_messaging.ops_http import OpsServer, start_ops_server
+from reliable_messaging.ops.http import OpsServer, start_ops_server
 
 
 def add_metrics_arguments(parser: CommandParser, health: str) -> None:

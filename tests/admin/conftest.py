@@ -27,7 +27,7 @@ REPLAY_MATCHING = reverse("admin:reliable_messaging_deadletter_replay_matching")
 DISCARD_MATCHING = reverse("admin:reliable_messaging_deadletter_discard_matching")
 
 TRACEBACK = """Traceback (most recent call last):
-  File "/srv/app/reliable_messaging/inbox.py", line 120, in process
+  File "/srv/app/reliable_messaging/consuming/processing.py", line 120, in process
     self.spec.handler(message)
   File "/srv/app/tests/testapp/consumers.py", line 44, in alpha
     behave("alpha", message)

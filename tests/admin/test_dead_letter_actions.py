@@ -12,9 +12,9 @@ from django.contrib.admin.models import CHANGE, DELETION, LogEntry
 from django.test import Client
 from django.urls import reverse
 
-from reliable_messaging import admin_views
-from reliable_messaging.admin import DeadLetterAdmin
-from reliable_messaging.envelope import (
+from reliable_messaging.admin import console as admin_views
+from reliable_messaging.admin.dead_letters import DeadLetterAdmin
+from reliable_messaging.core.envelope import (
     DEAD_LETTER_ID_HEADER,
     ORIGINAL_EXCHANGE_HEADER,
     ORIGINAL_ROUTING_KEY_HEADER,

@@ -11,8 +11,8 @@ from django.contrib.admin.models import LogEntry
 from django.test import Client
 
 from reliable_messaging.conf import messaging_settings
+from reliable_messaging.core.outcomes import Acknowledge
 from reliable_messaging.models import DeadLetter, ProcessedMessage
-from reliable_messaging.outcomes import Acknowledge
 from reliable_messaging.testing import deliver, run_outbox
 from tests.testapp.models import Effect
 

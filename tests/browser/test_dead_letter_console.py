@@ -168,7 +168,7 @@ def test_a_long_bulk_replay_continues_by_itself_in_the_browser(
 ) -> None:
     """The progress page of a bulk replay posts itself until everything is done; the
     messages of every request are shown together on the list at the end."""
-    from reliable_messaging.admin import DeadLetterAdmin
+    from reliable_messaging.admin.dead_letters import DeadLetterAdmin
 
     monkeypatch.setattr(DeadLetterAdmin, "batch_size", 2)
     monkeypatch.setattr(DeadLetterAdmin, "bulk_request_seconds", 0.0)  # one batch per request

@@ -20,8 +20,8 @@ from django.db import connections
 from prometheus_client import REGISTRY
 
 from reliable_messaging import idempotent_task as exported
+from reliable_messaging.contrib.celery import HASHED_KEY_PREFIX, idempotent_task, inbox_key
 from reliable_messaging.models import ProcessedMessage
-from reliable_messaging.tasks import HASHED_KEY_PREFIX, idempotent_task, inbox_key
 from tests.support import wait_until
 from tests.testapp.models import Effect
 

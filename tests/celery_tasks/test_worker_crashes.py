@@ -17,8 +17,8 @@ from celery import Celery, current_app
 from celery.app import default_app
 from django.core.checks import run_checks
 
+from reliable_messaging.contrib.celery import idempotent_task
 from reliable_messaging.models import DeadLetter, ProcessedMessage, SuspectDelivery
-from reliable_messaging.tasks import idempotent_task
 from tests.support import drained, new_namespace, wait_until
 from tests.testapp.models import Effect
 

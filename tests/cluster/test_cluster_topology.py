@@ -15,10 +15,10 @@ from django.conf import settings
 from django.test import override_settings
 
 from reliable_messaging import Message
-from reliable_messaging.consumer_service import ConsumerService
+from reliable_messaging.broker.topology import declare_topology
+from reliable_messaging.consuming.service import ConsumerService
 from reliable_messaging.metrics import HealthState
 from reliable_messaging.registry import ConsumerSpec
-from reliable_messaging.topology import declare_topology
 from tests.support import wait_until
 from tests.testapp.models import Effect
 

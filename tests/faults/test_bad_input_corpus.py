@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from reliable_messaging.envelope import ATTEMPT_HEADER
+from reliable_messaging.core.envelope import ATTEMPT_HEADER
 from tests import support
 from tests.support import ConsumeProcess, Publisher, WaitTimeout, wait_until
 

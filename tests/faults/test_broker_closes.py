@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from reliable_messaging.envelope import ORDERING_KEY_HEADER
+from reliable_messaging.core.envelope import ORDERING_KEY_HEADER
 from reliable_messaging.models import DeadLetter
 from tests import support
 from tests.ops.conftest import free_port, http_json, scraped

@@ -466,8 +466,8 @@ def test_the_consumer_stays_up_and_handles_everything_behind_them_once(run: Run)
 
 
 def test_record_dead_letter_of_a_payload_nested_600_deep() -> None:
-    from reliable_messaging.dead_letters import record_dead_letter
-    from reliable_messaging.envelope import Delivery
+    from reliable_messaging.core.envelope import Delivery
+    from reliable_messaging.dead_letters.record import record_dead_letter
     from reliable_messaging.models import DeadLetter
 
     body = deep_json(600)
@@ -500,8 +500,8 @@ def test_record_dead_letter_of_a_payload_nested_600_deep() -> None:
 
 
 def test_dead_letters_of_two_refused_message_ids_stay_apart() -> None:
-    from reliable_messaging.dead_letters import record_dead_letter
-    from reliable_messaging.envelope import DecodeError, Delivery, decode_delivery
+    from reliable_messaging.core.envelope import DecodeError, Delivery, decode_delivery
+    from reliable_messaging.dead_letters.record import record_dead_letter
     from reliable_messaging.models import DeadLetter
 
     for binary_id in (b"\xff\x01", b"\xfe\x01"):

@@ -123,7 +123,7 @@ def test_the_duplicate_fast_path_never_unpickles_what_redis_holds() -> None:
     """The fast path's cache is a django-redis cache, whose default serializer is pickle: the
     fast path must read and write its keys as plain bytes, never through that serializer, or
     whoever can write to Redis could run code in every consumer."""
-    fastpath = pytest.importorskip("reliable_messaging.fastpath")
+    fastpath = pytest.importorskip("reliable_messaging.consuming.fastpath")
     from django_redis import get_redis_connection
 
     duplicates = fastpath.DuplicateCache("messaging")

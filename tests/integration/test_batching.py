@@ -18,10 +18,15 @@ from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 from prometheus_client import REGISTRY
 
-from reliable_messaging.envelope import ATTEMPT_HEADER, Delivery, encode_payload
-from reliable_messaging.inbox import DeliveryProcessor, Job, _claim_inbox_rows, process_batch
+from reliable_messaging.consuming.processing import (
+    DeliveryProcessor,
+    Job,
+    _claim_inbox_rows,
+    process_batch,
+)
+from reliable_messaging.core.envelope import ATTEMPT_HEADER, Delivery, encode_payload
+from reliable_messaging.core.outcomes import Acknowledge, ScheduleRetry
 from reliable_messaging.models import DeadLetter, DeadLetterReason, ProcessedMessage
-from reliable_messaging.outcomes import Acknowledge, ScheduleRetry
 from reliable_messaging.registry import ConsumerSpec
 from reliable_messaging.testing import find_consumer
 from tests.support import Publisher, wait_until

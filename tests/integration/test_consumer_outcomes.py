@@ -22,13 +22,13 @@ from typing import Any
 import pytest
 from django.test import override_settings
 
-import reliable_messaging.consumer_workers as consumer_workers
-from reliable_messaging.consumer_workers import WorkerPool
-from reliable_messaging.envelope import DecodeError, Delivery, Message
+import reliable_messaging.consuming.workers as consumer_workers
+from reliable_messaging.consuming.processing import DeliveryProcessor
+from reliable_messaging.consuming.workers import WorkerPool
+from reliable_messaging.core.envelope import DecodeError, Delivery, Message
+from reliable_messaging.core.outcomes import Acknowledge, Release
 from reliable_messaging.exceptions import DatabaseUnavailable
-from reliable_messaging.inbox import DeliveryProcessor
 from reliable_messaging.models import DeadLetter, DeadLetterReason
-from reliable_messaging.outcomes import Acknowledge, Release
 from tests.integration import test_consumer_service as base
 from tests.integration.test_consumer_service import Recorder, drained, effects, exchange_of
 from tests.support import Publisher, wait_until

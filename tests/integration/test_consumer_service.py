@@ -16,13 +16,13 @@ import pytest
 from django.test import override_settings
 
 from reliable_messaging import Message
-from reliable_messaging.consumer_service import ConsumerService
-from reliable_messaging.envelope import ATTEMPT_HEADER
+from reliable_messaging.broker.topology import declare_topology
+from reliable_messaging.consuming.service import ConsumerService
+from reliable_messaging.core.envelope import ATTEMPT_HEADER
+from reliable_messaging.core.outcomes import Acknowledge, Outcome, Release, ScheduleRetry
 from reliable_messaging.models import DeadLetter, ProcessedMessage
-from reliable_messaging.outcomes import Acknowledge, Outcome, Release, ScheduleRetry
 from reliable_messaging.registry import ConsumerSpec
 from reliable_messaging.testing import deliver
-from reliable_messaging.topology import declare_topology
 from tests import support
 from tests.support import Publisher, queue_counts, wait_until
 from tests.testapp.consumers import behave

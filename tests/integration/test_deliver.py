@@ -13,15 +13,15 @@ from django.test import override_settings
 from django.utils import timezone
 
 from reliable_messaging import Message
-from reliable_messaging.envelope import (
+from reliable_messaging.core.envelope import (
     ATTEMPT_HEADER,
     FIRST_FAILED_AT_HEADER,
     LAST_ERROR_HEADER,
     ORIGINAL_EXCHANGE_HEADER,
     ORIGINAL_ROUTING_KEY_HEADER,
 )
+from reliable_messaging.core.outcomes import Acknowledge, ScheduleRetry
 from reliable_messaging.models import DeadLetter, ProcessedMessage
-from reliable_messaging.outcomes import Acknowledge, ScheduleRetry
 from reliable_messaging.registry import ConsumerSpec
 from reliable_messaging.testing import deliver, find_consumer
 from tests.testapp.models import Effect

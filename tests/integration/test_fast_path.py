@@ -20,11 +20,11 @@ from django_redis import get_redis_connection
 from prometheus_client import REGISTRY
 
 from reliable_messaging.conf import messaging_settings
-from reliable_messaging.envelope import REPLAY_HEADER, Delivery, encode_payload
-from reliable_messaging.fastpath import DuplicateCache
-from reliable_messaging.inbox import DeliveryProcessor
+from reliable_messaging.consuming.fastpath import DuplicateCache
+from reliable_messaging.consuming.processing import DeliveryProcessor
+from reliable_messaging.core.envelope import REPLAY_HEADER, Delivery, encode_payload
+from reliable_messaging.core.outcomes import Acknowledge, Outcome, ScheduleRetry
 from reliable_messaging.models import ProcessedMessage
-from reliable_messaging.outcomes import Acknowledge, Outcome, ScheduleRetry
 from reliable_messaging.testing import find_consumer
 from tests.testapp.models import Effect
 
@@ -123,7 +123,7 @@ def test_redis_down_warns_once_and_the_database_decides(
     with override_settings(CACHES={**settings.CACHES, "down": dead}):
         cache = DuplicateCache("down", messaging_settings)
         errors = counter_for("-", "error")
-        with caplog.at_level(logging.WARNING, logger="reliable_messaging.fastpath"):
+        with caplog.at_level(logging.WARNING, logger="reliable_messaging.consuming.fastpath"):
             ids = [f"fp-{uuid.uuid4()}" for _ in range(3)]
             for message_id in ids:
                 assert process(cache, message_id) == Acknowledge("processed")

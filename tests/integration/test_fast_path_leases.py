@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 from django_redis import get_redis_connection
 
+from reliable_messaging.broker.topology import all_delays
 from reliable_messaging.conf import messaging_settings
-from reliable_messaging.envelope import Delivery, Message, encode_payload
-from reliable_messaging.fastpath import DuplicateCache
-from reliable_messaging.inbox import DeliveryProcessor, Job, process_batch
-from reliable_messaging.outcomes import Acknowledge, ScheduleRetry
+from reliable_messaging.consuming.fastpath import DuplicateCache
+from reliable_messaging.consuming.processing import DeliveryProcessor, Job, process_batch
+from reliable_messaging.core.envelope import Delivery, Message, encode_payload
+from reliable_messaging.core.outcomes import Acknowledge, ScheduleRetry
 from reliable_messaging.registry import ConsumerSpec
-from reliable_messaging.topology import all_delays
 from tests.support import wait_until
 from tests.testapp.models import Effect
 

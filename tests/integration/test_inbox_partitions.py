@@ -18,14 +18,19 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from reliable_messaging import partitions
-from reliable_messaging.envelope import Delivery, Message, encode_payload
-from reliable_messaging.inbox import DeliveryProcessor, Job, insert_inbox_row, process_batch
+from reliable_messaging.broker.topology import consumer_queues
+from reliable_messaging.consuming.processing import (
+    DeliveryProcessor,
+    Job,
+    insert_inbox_row,
+    process_batch,
+)
+from reliable_messaging.core.envelope import Delivery, Message, encode_payload
+from reliable_messaging.core.outcomes import Acknowledge
 from reliable_messaging.models import ProcessedMessage
-from reliable_messaging.outcomes import Acknowledge
 from reliable_messaging.partitions import DEFAULT, INBOX_TABLE, LEGACY
 from reliable_messaging.registry import ConsumerSpec
 from reliable_messaging.retention import purge_messages
-from reliable_messaging.topology import consumer_queues
 from tests.support import wait_until
 from tests.testapp.models import Effect
 

@@ -17,14 +17,17 @@ import pytest
 from django.db import connection, connections
 from django.utils import timezone
 
-from reliable_messaging.envelope import (
+from reliable_messaging.broker.topology import consumer_queues
+from reliable_messaging.consuming.processing import DeliveryProcessor, Job, process_batch
+from reliable_messaging.core.envelope import (
     ORDERING_KEY_HEADER,
     Delivery,
     Message,
     encode_payload,
 )
+from reliable_messaging.core.outcomes import Acknowledge, Outcome, ScheduleRetry
+from reliable_messaging.dead_letters.replay import STALE_REPLAY_AFTER, discard, replay
 from reliable_messaging.exceptions import DatabaseUnavailable, PermanentError
-from reliable_messaging.inbox import DeliveryProcessor, Job, process_batch
 from reliable_messaging.models import (
     DeadLetter,
     DeadLetterReason,
@@ -32,10 +35,7 @@ from reliable_messaging.models import (
     OutboxMessage,
     ProcessedMessage,
 )
-from reliable_messaging.outcomes import Acknowledge, Outcome, ScheduleRetry
 from reliable_messaging.registry import ConsumerSpec
-from reliable_messaging.replay import STALE_REPLAY_AFTER, discard, replay
-from reliable_messaging.topology import consumer_queues
 from tests.support import wait_until
 from tests.testapp.models import Effect
 

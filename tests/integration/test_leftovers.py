@@ -14,8 +14,10 @@ import pika
 import pytest
 from django.test import override_settings
 
+from reliable_messaging.broker.leftovers import find_leftovers, retire_leftovers
+from reliable_messaging.broker.topology import consumer_queues, declare_topology, partition_exchange
 from reliable_messaging.conf import messaging_settings
-from reliable_messaging.envelope import (
+from reliable_messaging.core.envelope import (
     ORDERING_KEY_HEADER,
     ORIGINAL_EXCHANGE_HEADER,
     ORIGINAL_ROUTING_KEY_HEADER,
@@ -24,10 +26,8 @@ from reliable_messaging.envelope import (
     decode_delivery,
     normalize_headers,
 )
-from reliable_messaging.leftovers import find_leftovers, retire_leftovers
+from reliable_messaging.core.routing import topic_matches
 from reliable_messaging.registry import ConsumerSpec, registry
-from reliable_messaging.routing import topic_matches
-from reliable_messaging.topology import consumer_queues, declare_topology, partition_exchange
 from tests.support import Publisher, broker_connection
 
 
@@ -139,7 +139,7 @@ def test_turning_ordered_on_moves_the_old_queue_into_the_partitions(
     declare_topology(connection.channel(), [ordered])
     # Before retirement the old queue gets a copy of every new message: the hazard.
     assert [leftover.queue for leftover in find_leftovers(connection, [ordered])] == [plain.queue]
-    with caplog.at_level(logging.WARNING, logger="reliable_messaging.leftovers"):
+    with caplog.at_level(logging.WARNING, logger="reliable_messaging.broker.leftovers"):
         retired = retire_leftovers(connection, [ordered])
     assert [(r.queue, r.messages) for r in retired] == [(plain.queue, len(keys))]
     assert depth(connection, plain.queue) is None, "the old queue is deleted"
@@ -236,7 +236,7 @@ def test_a_leftover_still_consumed_elsewhere_is_emptied_but_kept(
 
         ordered = dataclasses.replace(plain, ordered=True)
         declare_topology(connection.channel(), [ordered])
-        with caplog.at_level(logging.WARNING, logger="reliable_messaging.leftovers"):
+        with caplog.at_level(logging.WARNING, logger="reliable_messaging.broker.leftovers"):
             retire_leftovers(connection, [ordered])
         assert depth(connection, plain.queue) == 0
         assert "still has 1 consumer(s)" in caplog.text
@@ -295,7 +295,7 @@ def test_consume_retires_leftovers_when_it_connects(
     transactional_db: None,
 ) -> None:
     """The consumer service calls the retirement itself, before consuming."""
-    from reliable_messaging.consumer_service import ConsumerService
+    from reliable_messaging.consuming.service import ConsumerService
 
     plain = spec_for(ns, ordered=False)
     declare_topology(connection.channel(), [plain])

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from django.test import override_settings
 
-from reliable_messaging.envelope import ORDERING_KEY_HEADER
+from reliable_messaging.core.envelope import ORDERING_KEY_HEADER
 from reliable_messaging.models import DeadLetter, DeadLetterReason
 from tests.integration.test_consumer_service import (  # noqa: F401 - fixtures
     Recorder,

@@ -11,8 +11,8 @@ import uuid
 import pika.exceptions
 import pytest
 
-from reliable_messaging.leftovers import _exchange_exists, _exists
-from reliable_messaging.pika_logs import expecting_not_found
+from reliable_messaging.broker.leftovers import _exchange_exists, _exists
+from reliable_messaging.broker.pika_logs import expecting_not_found
 from tests.support import broker_connection
 
 

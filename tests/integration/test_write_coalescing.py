@@ -10,7 +10,7 @@ from typing import Any
 import pika
 import pika.channel
 
-from reliable_messaging.write_coalescing import CHUNK_BYTES, coalesce_writes
+from reliable_messaging.broker.write_coalescing import CHUNK_BYTES, coalesce_writes
 from tests.support import broker_connection, broker_url
 
 

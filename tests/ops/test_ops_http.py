@@ -11,7 +11,7 @@ import pytest
 
 from reliable_messaging import metrics
 from reliable_messaging.liveness import HealthState
-from reliable_messaging.ops_http import OpsServer, start_ops_server
+from reliable_messaging.ops.http import OpsServer, start_ops_server
 
 from .conftest import http_get, http_json, parse_samples
 

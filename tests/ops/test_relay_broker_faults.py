@@ -18,8 +18,8 @@ from django.db import connection, transaction
 
 from reliable_messaging import publish
 from reliable_messaging.models import OutboxMessage, OutboxStatus
-from reliable_messaging.relay import MAX_IN_FLIGHT
-from reliable_messaging.relay_inflight import HOLD_LIMIT
+from reliable_messaging.publishing.in_flight import HOLD_LIMIT
+from reliable_messaging.publishing.relay import MAX_IN_FLIGHT
 from tests.outbox.conftest import OutboxEnv, ensure_broker_running
 from tests.support import rabbitmqctl, wait_until
 

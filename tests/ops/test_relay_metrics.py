@@ -10,10 +10,10 @@ from django.db import transaction
 from prometheus_client import CollectorRegistry
 
 from reliable_messaging import publish
-from reliable_messaging.collectors import DatabaseCollector
 from reliable_messaging.liveness import HealthState
 from reliable_messaging.models import OutboxMessage, OutboxStatus
-from reliable_messaging.relay import OutboxRelay
+from reliable_messaging.ops.collectors import DatabaseCollector
+from reliable_messaging.publishing.relay import OutboxRelay
 from tests.outbox.conftest import OutboxEnv
 from tests.support import wait_until
 

@@ -14,13 +14,13 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 import reliable_messaging
 from reliable_messaging import metrics
-from reliable_messaging.collectors import BrokerCollector, DatabaseCollector
+from reliable_messaging.broker.topology import declare_topology
 from reliable_messaging.liveness import HealthState
 from reliable_messaging.metrics import HealthCollector
 from reliable_messaging.models import DeadLetter, DeadLetterReason
+from reliable_messaging.ops.collectors import BrokerCollector, DatabaseCollector
+from reliable_messaging.ops.status import OUTBOX_LAG_LIMIT
 from reliable_messaging.registry import ConsumerSpec
-from reliable_messaging.status import OUTBOX_LAG_LIMIT
-from reliable_messaging.topology import declare_topology
 from tests.support import broker_connection
 
 # Shipped in the package (reliable_messaging/monitoring/), so users of the wheel have them too.
@@ -115,7 +115,7 @@ def test_alert_rules_cover_the_operational_risks() -> None:
 
 def test_the_outbox_lag_alert_uses_the_limit_the_probes_judge() -> None:
     """The alert fires past the lag ``messaging_status`` and ``messaging/healthz/`` fail at
-    (declared once, in reliable_messaging.status): an operator sees one number."""
+    (declared once, in reliable_messaging.ops.status): an operator sees one number."""
     expr = {rule["alert"]: rule["expr"] for rule in alert_rules()}["ReliableMessagingOutboxLag"]
     assert expr == (
         f"max(reliable_messaging_outbox_oldest_pending_age_seconds) > {OUTBOX_LAG_LIMIT:g}"

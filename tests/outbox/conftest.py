@@ -243,7 +243,7 @@ class RelayThread:
     (``error``)."""
 
     def __init__(self, **kwargs: Any) -> None:
-        from reliable_messaging.relay import OutboxRelay
+        from reliable_messaging.publishing.relay import OutboxRelay
 
         self.relay = OutboxRelay(**kwargs)
         self.done = threading.Event()

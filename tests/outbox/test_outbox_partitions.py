@@ -30,8 +30,8 @@ from reliable_messaging.partitions import (
     OUTBOX_TABLE,
     OUTBOX_UNSENT,
 )
-from reliable_messaging.relay import OutboxRelay, RelayReport
-from reliable_messaging.relay_claims import OutboxClaims
+from reliable_messaging.publishing.claims import OutboxClaims
+from reliable_messaging.publishing.relay import OutboxRelay, RelayReport
 from reliable_messaging.retention import purge_messages
 
 from .conftest import OutboxEnv

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from reliable_messaging import publish
 from reliable_messaging.models import OutboxMessage, OutboxStatus
-from reliable_messaging.relay import OutboxRelay
+from reliable_messaging.publishing.relay import OutboxRelay
 from tests.testapp.models import Effect
 
 from .conftest import OutboxEnv

@@ -13,7 +13,7 @@ from django.db import connection, connections, transaction
 from django.utils import timezone
 
 from reliable_messaging import publish
-from reliable_messaging.envelope import encode_payload
+from reliable_messaging.core.envelope import encode_payload
 from reliable_messaging.models import OutboxMessage
 
 from .test_publish import committed_rows

@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from reliable_messaging import publish
 from reliable_messaging.models import OutboxMessage, OutboxStatus
-from reliable_messaging.relay import OutboxRelay, RelayReport
+from reliable_messaging.publishing.relay import OutboxRelay, RelayReport
 
 from .conftest import OutboxEnv, Received
 

@@ -18,9 +18,9 @@ from django.utils import timezone
 
 from reliable_messaging import publish
 from reliable_messaging.models import OutboxMessage, OutboxStatus
-from reliable_messaging.relay import LEASE_MARGIN, OutboxRelay
-from reliable_messaging.relay_batches import Batch
-from reliable_messaging.relay_claims import claimable, release_parked
+from reliable_messaging.publishing.batches import Batch
+from reliable_messaging.publishing.claims import claimable, release_parked
+from reliable_messaging.publishing.relay import LEASE_MARGIN, OutboxRelay
 
 from .conftest import OutboxEnv
 

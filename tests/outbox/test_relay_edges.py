@@ -25,10 +25,10 @@ from django.utils import timezone
 from reliable_messaging import publish
 from reliable_messaging.checks import check_settings
 from reliable_messaging.models import OutboxMessage, OutboxStatus
-from reliable_messaging.outbox_listener import OutboxListener
-from reliable_messaging.relay import OutboxRelay, RelayReport
+from reliable_messaging.ops.status import Thresholds, database_status, find_problems
+from reliable_messaging.publishing.listener import OutboxListener
+from reliable_messaging.publishing.relay import OutboxRelay, RelayReport
 from reliable_messaging.retention import purge_messages
-from reliable_messaging.status import Thresholds, database_status, find_problems
 from tests.support import wait_until
 
 from .conftest import OutboxEnv, RelayProcess
@@ -289,7 +289,7 @@ def test_an_event_nobody_subscribes_to_is_unrouted_not_retried(ob: OutboxEnv) ->
 
 
 def _no_broker():  # type: ignore[no-untyped-def]
-    from reliable_messaging.status import BrokerStatus
+    from reliable_messaging.ops.status import BrokerStatus
 
     return BrokerStatus(url="", reachable=False)
 

@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from reliable_messaging import publish
 from reliable_messaging.models import OutboxMessage, OutboxStatus
-from reliable_messaging.relay import OutboxRelay
+from reliable_messaging.publishing.relay import OutboxRelay
 from tests.support import wait_until
 
 from .conftest import OutboxEnv

@@ -1,4 +1,5 @@
-"""``reliable_messaging.health.MessagingHealthCheck`` as django-health-check runs it: through
+"""``reliable_messaging.contrib.health_check.MessagingHealthCheck`` as django-health-check runs
+it: through
 ``HealthCheckView`` (registered by dotted path, as its docstring says) and ``get_result``,
 whose executor thread reads the database the test committed to."""
 
@@ -22,13 +23,13 @@ from django.utils import timezone
 from health_check.exceptions import ServiceUnavailable
 from health_check.views import HealthCheckView
 
-from reliable_messaging.health import MessagingHealthCheck
+from reliable_messaging.contrib.health_check import MessagingHealthCheck
 from reliable_messaging.models import OutboxMessage
 from tests.support import ROOT
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-CHECK = "reliable_messaging.health.MessagingHealthCheck"
+CHECK = "reliable_messaging.contrib.health_check.MessagingHealthCheck"
 
 
 def run_view(*checks: Any) -> tuple[int, dict[str, str]]:
@@ -96,10 +97,10 @@ def test_importing_reliable_messaging_needs_neither_health_check_nor_celery() ->
         "sys.modules['celery'] = None\n"
         "import django\n"
         "django.setup()\n"
-        "import reliable_messaging, reliable_messaging.status\n"
+        "import reliable_messaging, reliable_messaging.ops.status\n"
         "from reliable_messaging import Message, PermanentError, consumer, publish\n"
         "try:\n"
-        "    import reliable_messaging.health\n"
+        "    import reliable_messaging.contrib.health_check\n"
         "except ImportError:\n"
         "    print('health needs django-health-check')\n"
     )

@@ -27,16 +27,20 @@ from django.core.management import CommandError, call_command
 from django.test import override_settings
 from django.utils import timezone
 
+from reliable_messaging.broker.topology import (
+    consumer_queues,
+    declare_topology,
+    delay_exchange_name,
+)
 from reliable_messaging.models import DeadLetter, OutboxMessage, OutboxStatus, ProcessedMessage
-from reliable_messaging.registry import ConsumerSpec, registry
-from reliable_messaging.status import (
+from reliable_messaging.ops.status import (
     BrokerStatus,
     DatabaseStatus,
     QueueStatus,
     Thresholds,
     find_problems,
 )
-from reliable_messaging.topology import consumer_queues, declare_topology, delay_exchange_name
+from reliable_messaging.registry import ConsumerSpec, registry
 from tests.conftest import database_url
 from tests.support import MANAGE, ROOT, Publisher, broker_connection, rabbitmqctl, wait_until
 
@@ -478,8 +482,8 @@ def test_the_inbox_is_estimated_on_postgresql_not_counted() -> None:
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
-    from reliable_messaging import collectors
-    from reliable_messaging.status import database_status
+    from reliable_messaging.ops import collectors
+    from reliable_messaging.ops.status import database_status
 
     ProcessedMessage.objects.bulk_create(
         ProcessedMessage(consumer="c", message_id=f"m{n}") for n in range(300)

@@ -1,4 +1,4 @@
-"""The one place health is judged (``reliable_messaging.status``): the outbox-lag limits are
+"""The one place health is judged (``reliable_messaging.ops.status``): the outbox-lag limits are
 declared once and every endpoint uses them, and the answers of ``/healthz`` are built there.
 
 Pure logic: no broker, no database."""
@@ -9,9 +9,9 @@ import datetime as dt
 
 import pytest
 
-from reliable_messaging import status, views
 from reliable_messaging.liveness import HealthGroup, HealthState
-from reliable_messaging.status import (
+from reliable_messaging.ops import status, views
+from reliable_messaging.ops.status import (
     OUTBOX_LAG_LIMIT,
     OUTBOX_LAG_STRICT_LIMIT,
     CheckResult,
@@ -36,7 +36,7 @@ def test_the_outbox_lag_limits_are_the_documented_ones_and_shared() -> None:
 
 def test_the_health_check_default_is_the_strict_limit() -> None:
     pytest.importorskip("health_check")
-    from reliable_messaging.health import MessagingHealthCheck
+    from reliable_messaging.contrib.health_check import MessagingHealthCheck
 
     assert MessagingHealthCheck().max_outbox_lag == dt.timedelta(seconds=OUTBOX_LAG_STRICT_LIMIT)
 
@@ -98,7 +98,8 @@ def test_a_process_report_carries_its_reasons_and_notes() -> None:
 
 
 def test_status_still_exports_the_readers_that_moved_to_collectors() -> None:
-    from reliable_messaging import broker_queues, collectors
+    from reliable_messaging.broker import queues as broker_queues
+    from reliable_messaging.ops import collectors
 
     assert status.database_status is collectors.database_status
     for name in ("broker_status", "QueueStatus", "describe_error", "scrub"):

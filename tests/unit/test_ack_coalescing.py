@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from reliable_messaging.consumer_board import Link
-from reliable_messaging.consumer_settling import ack_coalesced
-from reliable_messaging.consumer_transport import BrokerChannel
+from reliable_messaging.broker.transport import BrokerChannel
+from reliable_messaging.consuming.board import Link
+from reliable_messaging.consuming.settling import ack_coalesced
 
 
 class RecordingChannel:

@@ -16,8 +16,8 @@ import pika.frame
 import pika.spec
 import pytest
 
-from reliable_messaging import amqp_codec
-from reliable_messaging.envelope import (
+from reliable_messaging.broker import codec as amqp_codec
+from reliable_messaging.core.envelope import (
     UNDECODABLE_HEADER,
     DecodeError,
     DecodeReason,

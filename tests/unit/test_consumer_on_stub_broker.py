@@ -20,9 +20,9 @@ from django.db import transaction
 from django.test import override_settings
 
 from reliable_messaging import Message
-from reliable_messaging.consumer_service import ConsumerService
-from reliable_messaging.envelope import ORDERING_KEY_HEADER, Delivery
-from reliable_messaging.outcomes import Acknowledge, Outcome
+from reliable_messaging.consuming.service import ConsumerService
+from reliable_messaging.core.envelope import ORDERING_KEY_HEADER, Delivery
+from reliable_messaging.core.outcomes import Acknowledge, Outcome
 from reliable_messaging.registry import ConsumerSpec
 from reliable_messaging.testing_broker import StubTransport
 from tests.support import wait_until

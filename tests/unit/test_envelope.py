@@ -14,7 +14,7 @@ import pika.data
 import pika.spec
 import pytest
 
-from reliable_messaging.envelope import (
+from reliable_messaging.core.envelope import (
     ATTEMPT_HEADER,
     ORDERING_KEY_HEADER,
     ORIGINAL_EXCHANGE_HEADER,
@@ -33,7 +33,7 @@ from reliable_messaging.envelope import (
     user_headers,
     wire_headers,
 )
-from reliable_messaging.routing import topic_matches
+from reliable_messaging.core.routing import topic_matches
 
 LIMIT = 1024
 

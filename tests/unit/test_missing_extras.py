@@ -51,10 +51,10 @@ def import_without(hidden: list[str], statement: str) -> str:
     ("hidden", "statement", "extra", "missing"),
     [
         (["celery"], "from reliable_messaging import idempotent_task", "celery", "celery"),
-        (["celery"], "import reliable_messaging.tasks", "celery", "celery"),
+        (["celery"], "import reliable_messaging.contrib.celery", "celery", "celery"),
         (
             ["health_check", "health_check.base"],
-            "from reliable_messaging.health import MessagingHealthCheck",
+            "from reliable_messaging.contrib.health_check import MessagingHealthCheck",
             "health",
             "django-health-check",
         ),
@@ -72,6 +72,8 @@ def test_the_error_names_the_extra_to_install(
 def test_with_the_extra_installed_the_same_imports_work() -> None:
     assert import_without([], "from reliable_messaging import idempotent_task") == "imported"
     assert (
-        import_without([], "from reliable_messaging.health import MessagingHealthCheck")
+        import_without(
+            [], "from reliable_messaging.contrib.health_check import MessagingHealthCheck"
+        )
         == "imported"
     )

@@ -1,12 +1,12 @@
-"""Outcome labels and failure reasons are named once (``reliable_messaging.outcomes``); the
+"""Outcome labels and failure reasons are named once (``reliable_messaging.core.outcomes``); the
 metrics, the dead-letter model's choices and the decoding of deliveries use those names."""
 
 from __future__ import annotations
 
 from reliable_messaging import metrics
 from reliable_messaging.choices import DeadLetterReason
-from reliable_messaging.envelope import DecodeReason
-from reliable_messaging.outcomes import (
+from reliable_messaging.core.envelope import DecodeReason
+from reliable_messaging.core.outcomes import (
     Acknowledge,
     FailureReason,
     OutcomeLabel,
@@ -14,7 +14,7 @@ from reliable_messaging.outcomes import (
     ScheduleRetry,
     label_of,
 )
-from reliable_messaging.retry import GiveUp, decide
+from reliable_messaging.core.retry import GiveUp, decide
 
 
 def test_the_metrics_count_exactly_the_outcome_labels() -> None:

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from reliable_messaging.envelope import (
+from reliable_messaging.core.envelope import (
     ATTEMPT_HEADER,
     BROKER_HEADERS,
     HEADER_PREFIX,
@@ -292,7 +292,7 @@ def pika_round_trip(headers: dict[str, Any]) -> dict[Any, Any]:
 @example(headers={"deep": {"a": [{"b": {"c": [[[[1]]]]}}]}, "e": "\ud800"})
 @example(headers={"big": decimal.Decimal("1E+999999999"), "s": decimal.Decimal("sNaN"), "i": 2**64})
 def test_pika_can_encode_whatever_wire_headers_returns(headers: dict[Any, Any]) -> None:
-    from reliable_messaging import amqp_codec
+    from reliable_messaging.broker import codec as amqp_codec
 
     amqp_codec.install()
     wired = wire_headers(normalize_headers(headers))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from reliable_messaging import PermanentError
-from reliable_messaging.backoff import Backoff
-from reliable_messaging.retry import (
+from reliable_messaging.core.backoff import Backoff
+from reliable_messaging.core.retry import (
     FailureReason,
     GiveUp,
     RetryLater,

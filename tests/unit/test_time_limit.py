@@ -1,4 +1,5 @@
-"""Handler time limits (``reliable_messaging.time_limit.TimeLimits``), on an instance of its own.
+"""Handler time limits (``reliable_messaging.consuming.time_limit.TimeLimits``), on an instance
+of its own.
 
 The watchdog interrupts a handler spinning in Python at its deadline, whatever the handler
 catches; other exceptions pass through untouched. The grace before the watchdog gives up on a
@@ -15,8 +16,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from reliable_messaging.consuming.time_limit import TimeLimits
 from reliable_messaging.exceptions import HandlerTimeout
-from reliable_messaging.time_limit import TimeLimits
 from tests.support import wait_until
 
 # The longest a test handler runs on its own when nothing interrupts it.

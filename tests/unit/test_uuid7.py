@@ -10,8 +10,8 @@ import uuid
 
 import pytest
 
-from reliable_messaging import uuid7 as uuid7_module
-from reliable_messaging.uuid7 import new_message_id, uuid7
+from reliable_messaging.core import uuid7 as uuid7_module
+from reliable_messaging.core.uuid7 import new_message_id, uuid7
 
 CANONICAL = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-7[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
 

@@ -11,7 +11,7 @@ import collections
 from types import SimpleNamespace
 from typing import Any
 
-from reliable_messaging.write_coalescing import CHUNK_BYTES, coalesce_writes
+from reliable_messaging.broker.write_coalescing import CHUNK_BYTES, coalesce_writes
 
 
 def connection_with(*buffers: Any) -> SimpleNamespace:

@@ -11,7 +11,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from reliable_messaging import console
-from reliable_messaging.consumer_service import PROGRESS_EVERY, ConsumerService
+from reliable_messaging.consuming.service import PROGRESS_EVERY, ConsumerService
 from reliable_messaging.keepalive import keep_database_alive
 from reliable_messaging.management.metrics_options import add_metrics_arguments, serve_metrics
 from reliable_messaging.metrics import HealthState

@@ -55,8 +55,8 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
-from reliable_messaging.broker_queues import DEFAULT_TIMEOUT, QueueStatus
-from reliable_messaging.status import MessagingStatus, Thresholds, collect_status
+from reliable_messaging.broker.queues import DEFAULT_TIMEOUT, QueueStatus
+from reliable_messaging.ops.status import MessagingStatus, Thresholds, collect_status
 
 PROBE, STRICT = Thresholds(), Thresholds.strict()
 

@@ -16,8 +16,8 @@ from reliable_messaging.management.metrics_options import add_metrics_arguments,
 from reliable_messaging.metrics import HealthCheck, HealthGroup, HealthState
 from reliable_messaging.models import OutboxMessage
 from reliable_messaging.partitions import OUTBOX, PartitionUpkeep
-from reliable_messaging.relay import OutboxRelay
-from reliable_messaging.relay_lanes import RelayProgress, run_lanes
+from reliable_messaging.publishing.lanes import RelayProgress, run_lanes
+from reliable_messaging.publishing.relay import OutboxRelay
 
 logger = logging.getLogger("reliable_messaging.relay")
 

@@ -11,9 +11,9 @@ from django.db.models import Q
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime, parse_duration
 
+from reliable_messaging.dead_letters.replay import replay_batch
 from reliable_messaging.management.progress import Progress
 from reliable_messaging.models import DeadLetter, DeadLetterReason, DeadLetterStatus
-from reliable_messaging.replay import replay_batch
 
 
 def _moment(value: str) -> dt.datetime:

@@ -1,0 +1,507 @@
+"""The dead-letter console's own admin pages, and the operations they share with the actions.
+
+- ``failure_groups_view``: dead letters grouped by fingerprint and consumer, with counts, first
+  and last seen, an example, and links to list, replay or discard a whole group.
+- ``bulk_operation_view``: replay or discard everything the changelist's filter matches; GET
+  shows how many on a confirmation page, POST does it in bounded batches, for at most
+  ``bulk_request_seconds`` per request: a longer operation answers a progress page that posts
+  itself again to go on after the last dead letter done, until nothing is left.
+- ``object_operation_view``: the replay and discard buttons of one dead letter's page.
+- ``replay_and_report``, ``discard_and_report``: call the services of ``replay.py`` batch by
+  batch, write each dead letter's admin log entry in the batch's transaction, and tell the user
+  what happened with ``message_user``.
+
+Each view checks its permission itself: ``admin_view`` only ensures a logged-in staff user and
+CSRF protection.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from django.contrib import messages
+from django.contrib.admin.models import CHANGE, LogEntry
+from django.contrib.admin.options import IncorrectLookupParameters
+from django.core.exceptions import PermissionDenied
+from django.core.paginator import Paginator
+from django.db import router, transaction
+from django.db.models import Count, Q, QuerySet
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed
+from django.shortcuts import redirect
+from django.template.response import TemplateResponse
+from django.utils.http import urlencode
+from django.utils.translation import gettext, ngettext
+
+from ..dead_letters.replay import (
+    UNREPLAYABLE_REASONS,
+    ReplayResult,
+    discard,
+    discardable,
+    replay_batch,
+    replayable,
+    stale_replays,
+)
+from ..models import DeadLetter, DeadLetterQuerySet, DeadLetterStatus
+
+if TYPE_CHECKING:
+    from django.contrib.admin import AdminSite
+    from django.contrib.admin.views.main import ChangeList
+    from django.db.models.options import Options
+    from django.utils.functional import _StrOrPromise
+
+
+class DeadLetterConsole(Protocol):
+    """What these views need of the dead letters' ModelAdmin (``admin.DeadLetterAdmin``,
+    which passes itself to each view): they never import it, so the console's two modules
+    depend one way only, admin.py on this one."""
+
+    admin_site: AdminSite
+    opts: Options[DeadLetter]
+    # Dead letters per transaction; seconds a bulk request works before it answers progress.
+    batch_size: int
+    bulk_request_seconds: float
+
+    def console_url(self, name: str, *args: Any, query: str = "") -> str: ...
+
+    def has_replay_permission(self, request: HttpRequest) -> bool: ...
+
+    def has_view_permission(self, request: HttpRequest, obj: DeadLetter | None = ...) -> bool: ...
+
+    def get_changelist_instance(self, request: HttpRequest) -> ChangeList: ...
+
+    def get_object(
+        self, request: HttpRequest, object_id: str, from_field: str | None = ...
+    ) -> DeadLetter | None: ...
+
+    def message_user(
+        self,
+        request: HttpRequest,
+        message: _StrOrPromise,
+        level: int | str = ...,
+        extra_tags: str = ...,
+        fail_silently: bool = ...,
+    ) -> None: ...
+
+
+Operation = Literal["replay", "discard"]
+# Refusals spelled out in the warning message; the rest are counted.
+REFUSALS_SHOWN = 5
+# Query parameters of the changelist that are not filters.
+_NOT_FILTERS = {"o", "p", "e", "_facets", "all"}
+_OPERATORS = {"exact": "=", "gte": "≥", "gt": ">", "lte": "≤", "lt": "<", "isnull": "is null:"}
+
+
+def operator(request: HttpRequest) -> str:
+    """Who did it, as the replay headers and the dead letter's history record it."""
+    return f"{request.user.get_username()} (admin)"
+
+
+def already_processed(queryset: QuerySet[DeadLetter]) -> QuerySet[DeadLetter]:
+    """Those whose consumer has an inbox row for their message_id (a replay is then refused)."""
+    if isinstance(queryset, DeadLetterQuerySet):  # the admin's querysets always are
+        return queryset.already_processed()
+    return DeadLetter.objects.filter(pk__in=queryset.values("pk")).already_processed()
+
+
+def log_changes(request: HttpRequest, ids: Sequence[int], message: str) -> None:
+    """One admin log entry (who, when, what) per dead letter, so its history page shows it."""
+    if not ids:
+        return
+    user: Any = request.user  # admin views only run for logged-in staff
+    LogEntry.objects.log_actions(
+        user_id=user.pk,
+        queryset=DeadLetter.objects.filter(pk__in=ids).only(
+            "pk", "message_id", "consumer", "reason"
+        ),
+        action_flag=CHANGE,
+        change_message=message,
+    )
+
+
+def _how_many(verb: str, how: str, total: int) -> str:
+    return ngettext(
+        "%(verb)s (%(how)s).",
+        "%(verb)s (%(how)s; %(count)d dead letters in this operation).",
+        total,
+    ) % {"verb": verb, "how": how, "count": total}
+
+
+def replay_and_report(
+    model_admin: DeadLetterConsole,
+    request: HttpRequest,
+    ids: Sequence[int],
+    *,
+    force: bool,
+    how: str,
+    deadline: float | None = None,
+) -> tuple[ReplayResult, int]:
+    """Replay ``ids`` through the outbox, ``batch_size`` per transaction, log and report it.
+    Stops after the batch that passes ``deadline`` (``time.monotonic()``); returns what was
+    done and how many of ``ids`` were handled."""
+    result = ReplayResult()
+    who = operator(request)
+    verb = gettext("Replayed, forced") if force else gettext("Replayed")
+    message = _how_many(verb, how, len(ids))
+    using = router.db_for_write(DeadLetter)
+    handled = 0
+    for start in range(0, len(ids), model_admin.batch_size):
+        with transaction.atomic(using=using):
+            batch = replay_batch(
+                ids[start : start + model_admin.batch_size], replayed_by=who, force=force
+            )
+            log_changes(request, batch.replayed, message)
+        result.merge(batch)
+        handled = min(len(ids), start + model_admin.batch_size)
+        if deadline is not None and time.monotonic() >= deadline:
+            break
+    _report_replay(model_admin, request, result, force=force)
+    return result, handled
+
+
+def _report_replay(
+    model_admin: DeadLetterConsole, request: HttpRequest, result: ReplayResult, *, force: bool
+) -> None:
+    replayed, refused = len(result.replayed), len(result.refused)
+    if replayed:
+        model_admin.message_user(
+            request,
+            ngettext(
+                "%(count)d dead letter was replayed: the relay sends it to the queue of the "
+                "consumer that failed it, and only there.",
+                "%(count)d dead letters were replayed: the relay sends them to the queues of "
+                "the consumers that failed them, and only there.",
+                replayed,
+            )
+            % {"count": replayed},
+            messages.SUCCESS,
+        )
+    if refused:
+        shown = sorted(result.refused)[:REFUSALS_SHOWN]
+        message_ids = dict(DeadLetter.objects.filter(pk__in=shown).values_list("pk", "message_id"))
+        details = "; ".join(
+            f"#{pk} ({message_ids.get(pk) or gettext('no id')}): {result.refused[pk]}"
+            for pk in shown
+        )
+        if refused > len(shown):
+            more = refused - len(shown)
+            details += " " + ngettext("and %(count)d more", "and %(count)d more", more) % {
+                "count": more
+            }
+        model_admin.message_user(
+            request,
+            ngettext(
+                "%(count)d dead letter was not replayed: %(details)s",
+                "%(count)d dead letters were not replayed: %(details)s",
+                refused,
+            )
+            % {"count": refused, "details": details},
+            messages.WARNING,
+        )
+        processed = already_processed(
+            DeadLetter.objects.filter(pk__in=list(result.refused))
+        ).count()
+        if processed and not force:
+            model_admin.message_user(
+                request,
+                ngettext(
+                    "%(count)d of them was already processed by its consumer. To run the "
+                    "handler again anyway, use “force”: the action “Replay the selected dead "
+                    "letters, even if already processed”, or the checkbox on the confirmation "
+                    "page.",
+                    "%(count)d of them were already processed by their consumers. To run the "
+                    "handlers again anyway, use “force”: the action “Replay the selected dead "
+                    "letters, even if already processed”, or the checkbox on the confirmation "
+                    "page.",
+                    processed,
+                )
+                % {"count": processed},
+                messages.INFO,
+            )
+    if not replayed and not refused:
+        model_admin.message_user(request, gettext("No dead letter to replay."), messages.WARNING)
+
+
+def discard_and_report(
+    model_admin: DeadLetterConsole,
+    request: HttpRequest,
+    ids: Sequence[int],
+    *,
+    how: str,
+    deadline: float | None = None,
+) -> tuple[int, int]:
+    """Discard those of ``ids`` still dead, ``batch_size`` per transaction; log and report.
+    Stops after the batch that passes ``deadline``; returns (discarded, ids handled)."""
+    who = operator(request)
+    message = _how_many(gettext("Discarded"), how, len(ids))
+    using = router.db_for_write(DeadLetter)
+    discarded = 0
+    handled = 0
+    for start in range(0, len(ids), model_admin.batch_size):
+        with transaction.atomic(using=using):
+            # Locked, so a dead letter a replay just took is not discarded under its feet.
+            dead = list(
+                DeadLetter.objects.using(using)
+                .select_for_update()
+                .filter(pk__in=ids[start : start + model_admin.batch_size])
+                .filter(discardable())
+                .values_list("pk", flat=True)
+            )
+            discarded += discard(DeadLetter.objects.filter(pk__in=dead), discarded_by=who)
+            log_changes(request, dead, message)
+        handled = min(len(ids), start + model_admin.batch_size)
+        if deadline is not None and time.monotonic() >= deadline:
+            break
+    if discarded:
+        model_admin.message_user(
+            request,
+            ngettext(
+                "%(count)d dead letter was discarded: it stays here, marked discarded, and "
+                "can still be replayed.",
+                "%(count)d dead letters were discarded: they stay here, marked discarded, and "
+                "can still be replayed.",
+                discarded,
+            )
+            % {"count": discarded},
+            messages.SUCCESS,
+        )
+    skipped = handled - discarded
+    if skipped:
+        model_admin.message_user(
+            request,
+            ngettext(
+                "%(count)d dead letter was not discarded: only those with status “dead” are "
+                "(the others are resolved, awaiting a replay's outcome, or already discarded).",
+                "%(count)d dead letters were not discarded: only those with status “dead” are "
+                "(the others are resolved, awaiting a replay's outcome, or already discarded).",
+                skipped,
+            )
+            % {"count": skipped},
+            messages.WARNING,
+        )
+    return discarded, handled
+
+
+def _counter(request: HttpRequest, name: str) -> int:
+    """A non-negative integer posted back by the progress page; 0 when absent or malformed."""
+    value = request.POST.get(name, "")
+    return int(value) if value.isdigit() and len(value) < 19 else 0
+
+
+# --------------------------------------------------------------------------- views
+
+
+def describe_filter(request: HttpRequest) -> list[str]:
+    """The changelist's filter in words, e.g. ``["consumer = billing", "search “x”"]``."""
+    parts = []
+    for key, values in request.GET.lists():
+        if key in _NOT_FILTERS:
+            continue
+        for value in values:
+            if key == "q":
+                parts.append(gettext("search “%(term)s”") % {"term": value})
+                continue
+            field, _, lookup = key.partition("__")
+            label = gettext("failure group") if field == "fingerprint" else field
+            parts.append(f"{label} {_OPERATORS.get(lookup or 'exact', lookup)} {value}")
+    return parts
+
+
+def bulk_operation_view(
+    model_admin: DeadLetterConsole, request: HttpRequest, operation: Operation
+) -> HttpResponse:
+    """Replay or discard every dead letter the changelist's filter and search match."""
+    if not model_admin.has_replay_permission(request):
+        raise PermissionDenied
+    if request.method not in ("GET", "POST"):
+        return HttpResponseNotAllowed(["GET", "POST"])
+    query = request.GET.urlencode()
+    changelist_url = model_admin.console_url("changelist", query=query)
+    try:
+        # The very queryset the changelist shows for this query string: filters, search, dates.
+        matching = model_admin.get_changelist_instance(request).get_queryset(request)
+    except IncorrectLookupParameters:
+        return redirect(model_admin.console_url("changelist", query="e=1"))
+
+    # Without a status filter only dead ones are taken: "replay everything from billing" should
+    # not wake up what someone discarded on purpose. Filter by status to include those.
+    status_chosen = any(key.startswith("status") for key in request.GET)
+    # A replay presumed lost (still "replayed" after STALE_REPLAY_AFTER) is taken like a dead one.
+    if operation == "replay" and status_chosen:
+        wanted = replayable()
+    else:
+        wanted = Q(status=DeadLetterStatus.DEAD) | stale_replays()
+    unreplayable = list(UNREPLAYABLE_REASONS) if operation == "replay" else []
+    targets = matching.filter(wanted).exclude(reason__in=unreplayable)
+
+    if request.method == "POST":
+        # A continuation (posted by the progress page) goes on after the last one done, so
+        # nothing is done twice even when the filter still matches what was done already.
+        after, done_before = _counter(request, "after"), _counter(request, "done")
+        ids = list(targets.filter(pk__gt=after).order_by("pk").values_list("pk", flat=True))
+        filter_text = ", ".join(describe_filter(request)) or gettext("no filter")
+        how = gettext("all matching the filter: %(filter)s") % {"filter": filter_text}
+        force = bool(request.POST.get("force"))
+        deadline = time.monotonic() + model_admin.bulk_request_seconds
+        if operation == "replay":
+            _, handled = replay_and_report(
+                model_admin, request, ids, force=force, how=how, deadline=deadline
+            )
+        else:
+            _, handled = discard_and_report(model_admin, request, ids, how=how, deadline=deadline)
+        if handled < len(ids):
+            return _progress_page(
+                model_admin,
+                request,
+                operation,
+                done=done_before + handled,
+                left=len(ids) - handled,
+                after=ids[handled - 1],
+                force=force,
+                changelist_url=changelist_url,
+            )
+        return redirect(changelist_url)
+
+    counts = matching.aggregate(
+        matching=Count("pk"),
+        selected=Count("pk", filter=wanted),
+        unreplayable=Count("pk", filter=wanted & Q(reason__in=unreplayable)),
+    )
+    target_count = counts["selected"] - counts["unreplayable"]
+    processed = 0
+    if operation == "replay":
+        processed = already_processed(targets).count()
+    if operation == "replay":
+        title = ngettext(
+            "Replay %(count)d dead letter?", "Replay %(count)d dead letters?", target_count
+        )
+    else:
+        title = ngettext(
+            "Discard %(count)d dead letter?", "Discard %(count)d dead letters?", target_count
+        )
+    context = {
+        **model_admin.admin_site.each_context(request),
+        "opts": model_admin.opts,
+        "title": title % {"count": target_count},
+        "operation": operation,
+        "filter_parts": describe_filter(request),
+        "matching_count": counts["matching"],
+        "target_count": target_count,
+        "left_alone_count": counts["matching"] - counts["selected"],
+        "unreplayable_count": counts["unreplayable"],
+        "processed_count": processed,
+        "status_chosen": status_chosen,
+        "batch_size": model_admin.batch_size,
+        "changelist_url": changelist_url,
+    }
+    request.current_app = model_admin.admin_site.name
+    return TemplateResponse(
+        request, "admin/reliable_messaging/deadletter/confirm_operation.html", context
+    )
+
+
+def _progress_page(
+    model_admin: DeadLetterConsole,
+    request: HttpRequest,
+    operation: Operation,
+    *,
+    done: int,
+    left: int,
+    after: int,
+    force: bool,
+    changelist_url: str,
+) -> TemplateResponse:
+    """Part of a bulk operation is done: say how far it got, and post again to go on."""
+    if operation == "replay":
+        title = gettext("Replaying: %(done)d done, %(left)d to go") % {"done": done, "left": left}
+    else:
+        title = gettext("Discarding: %(done)d done, %(left)d to go") % {"done": done, "left": left}
+    context = {
+        **model_admin.admin_site.each_context(request),
+        "opts": model_admin.opts,
+        "title": title,
+        "operation": operation,
+        "done": done,
+        "left": left,
+        "after": after,
+        "force": force,
+        "action_url": request.get_full_path(),
+        "changelist_url": changelist_url,
+    }
+    request.current_app = model_admin.admin_site.name
+    return TemplateResponse(
+        request, "admin/reliable_messaging/deadletter/bulk_progress.html", context
+    )
+
+
+def object_operation_view(
+    model_admin: DeadLetterConsole, request: HttpRequest, object_id: str, operation: Operation
+) -> HttpResponse:
+    """The replay and discard buttons of one dead letter's page (POST only)."""
+    if not model_admin.has_replay_permission(request):
+        raise PermissionDenied
+    if request.method != "POST":
+        return HttpResponseNotAllowed(["POST"])
+    obj = model_admin.get_object(request, object_id)
+    if obj is None:
+        raise Http404(gettext("No dead letter with id %(id)s.") % {"id": object_id})
+    how = gettext("from its page")
+    if operation == "replay":
+        replay_and_report(
+            model_admin, request, [obj.pk], force=bool(request.POST.get("force")), how=how
+        )
+    else:
+        discard_and_report(model_admin, request, [obj.pk], how=how)
+    return redirect(model_admin.console_url("change", obj.pk))
+
+
+def failure_groups_view(model_admin: DeadLetterConsole, request: HttpRequest) -> HttpResponse:
+    """Dead letters that fail the same way (fingerprint) in the same consumer, biggest first."""
+    if not model_admin.has_view_permission(request):
+        raise PermissionDenied
+    show_all = request.GET.get("all") == "1"
+    groups = DeadLetter.objects.failure_groups(with_open=not show_all)
+    page = Paginator(groups, 100).get_page(request.GET.get("p"))
+    examples = DeadLetter.objects.only(
+        "pk", "message_id", "reason", "exception_type", "exception_message"
+    ).in_bulk([group["example_id"] for group in page])
+    can_replay = model_admin.has_replay_permission(request)
+    rows = []
+    for group in page:
+        example = examples[group["example_id"]]
+        selection = {"fingerprint": group["fingerprint"], "consumer": group["consumer"]}
+        dead_selection = urlencode({**selection, "status__exact": DeadLetterStatus.DEAD})
+        message = example.exception_message.splitlines()[0] if example.exception_message else ""
+        rows.append(
+            {
+                **group,
+                "example": example,
+                "exception_type": example.exception_type,
+                "exception_name": example.exception_type.rsplit(".", 1)[-1],
+                "reason": example.get_reason_display(),
+                "message": message if len(message) <= 100 else message[:99] + "…",
+                "example_url": model_admin.console_url("change", example.pk),
+                "list_url": model_admin.console_url("changelist", query=urlencode(selection)),
+                "replay_url": model_admin.console_url("replay_matching", query=dead_selection)
+                if can_replay and group["dead"]
+                else "",
+                "discard_url": model_admin.console_url("discard_matching", query=dead_selection)
+                if can_replay and group["dead"]
+                else "",
+            }
+        )
+    context = {
+        **model_admin.admin_site.each_context(request),
+        "opts": model_admin.opts,
+        "title": gettext("Failure groups"),
+        "rows": rows,
+        "page": page,
+        "show_all": show_all,
+        "changelist_url": model_admin.console_url("changelist"),
+        "has_replay_permission": can_replay,
+    }
+    request.current_app = model_admin.admin_site.name
+    return TemplateResponse(
+        request, "admin/reliable_messaging/deadletter/failure_groups.html", context
+    )

@@ -1,0 +1,701 @@
+"""Admin pages for the inbox, the outbox and the dead letters.
+
+The dead-letter pages are a console over the services of ``replay.py``: they choose dead letters
+(a selection, everything matching the changelist's filter, a failure group), ask for confirmation
+before bulk work, and report what the service did. The pages of their own (failure groups, the
+confirmation page, the replay/discard buttons of a dead letter) live in ``admin_views.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import partial
+from typing import Any
+
+from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.core.paginator import Paginator
+from django.db import connections
+from django.db.models import QuerySet, TextField
+from django.db.models.functions import Cast
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path, reverse
+from django.utils import formats, timezone
+from django.utils.dateparse import parse_datetime
+from django.utils.functional import cached_property
+from django.utils.html import format_html, format_html_join
+from django.utils.http import urlencode
+from django.utils.timesince import timesince
+from django.utils.translation import gettext, ngettext
+from django.utils.translation import gettext_lazy as _
+
+from ..dead_letters.replay import REPLAYABLE_STATUSES, UNREPLAYABLE_REASONS, stale_replays
+from ..models import (
+    DeadLetter,
+    DeadLetterStatus,
+    OutboxMessage,
+    OutboxMessageQuerySet,
+    ProcessedMessage,
+    SuspectDelivery,
+)
+from ..registry import registry
+from . import console as admin_views
+
+
+class RegisteredConsumerFilter(admin.SimpleListFilter):
+    """Consumers from the registry: a DISTINCT over the whole inbox would scan it every time."""
+
+    title = _("consumer")
+    parameter_name = "consumer"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        names = [spec.name for spec in registry]
+        value = self.value()
+        if value is not None and value not in names:
+            names.append(value)  # a consumer since removed, reached through a link
+        return [(name, name) for name in sorted(names)]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        return queryset if value is None else queryset.filter(consumer=value)
+
+
+class EstimatedCountPaginator(Paginator):
+    """Counts only what is small: on PostgreSQL a list whose planner's estimate passes
+    ``EXACT_UP_TO`` rows shows that estimate instead of counting (the inbox holds a billion
+    rows; counting them, or a consumer's share, takes minutes), as large Django sites do."""
+
+    EXACT_UP_TO = 10_000
+
+    @cached_property
+    def count(self) -> int:
+        queryset = self.object_list
+        if isinstance(queryset, QuerySet):
+            connection = connections[queryset.db]
+            if connection.vendor == "postgresql":
+                sql, params = queryset.order_by().query.sql_with_params()
+                with connection.cursor() as cursor:
+                    cursor.execute(f"EXPLAIN (FORMAT JSON) {sql}", params)
+                    plan = cursor.fetchone()[0]
+                plan = json.loads(plan) if isinstance(plan, str) else plan
+                estimate = int(plan[0]["Plan"]["Plan Rows"])
+                if estimate > self.EXACT_UP_TO:
+                    return estimate
+        return int(super().count)
+
+
+@admin.register(ProcessedMessage)
+class ProcessedMessageAdmin(admin.ModelAdmin):
+    """Answers "was message X processed by consumer Y, and when?"."""
+
+    list_display = ("message_id", "consumer", "processed_at")
+    list_filter = (RegisteredConsumerFilter,)
+    # "ID CONSUMER": each word must equal the message_id or the consumer, so the two together
+    # find the one row that answers the question; exact matches use the table's indexes.
+    search_fields = ("=message_id", "=consumer")
+    search_help_text = _(
+        "An exact message_id, optionally followed by an exact consumer name "
+        "(e.g. “0b6f…-9c1e billing.charge-order”)."
+    )
+    date_hierarchy = "processed_at"
+    ordering = ("-processed_at",)
+    show_full_result_count = False
+    paginator = EstimatedCountPaginator
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(SuspectDelivery)
+class SuspectDeliveryAdmin(admin.ModelAdmin):
+    """Deliveries the crash guard is watching: came back after their process went away. A row
+    with deaths close to CRASH_LIMIT names a message that may be killing its consumers."""
+
+    list_display = (
+        "message_id",
+        "consumer",
+        "deaths",
+        "running",
+        "last_cause",
+        "last_process",
+        "updated_at",
+    )
+    list_filter = (RegisteredConsumerFilter, "last_cause", "running")
+    search_fields = ("=message_id", "=consumer")
+    ordering = ("-updated_at",)
+    show_full_result_count = False
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+class FailureGroupFilter(admin.SimpleListFilter):
+    """Dead letters of one fingerprint; reached from the failure groups page.
+
+    It only ever offers the group already chosen: listing every fingerprint would be noise.
+    It must offer that one, though: Django drops the filter of a list filter without choices.
+    """
+
+    title = _("failure group")
+    parameter_name = "fingerprint"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        value = self.value()
+        if value is None:
+            return []
+        example = (
+            DeadLetter.objects.filter(fingerprint=value)
+            .values("exception_type", "reason")
+            .order_by("-pk")
+            .first()
+        )
+        if example is None:
+            label = value or gettext("(no fingerprint)")
+        else:
+            kind = example["exception_type"] or example["reason"]
+            label = f"{kind.rsplit('.', 1)[-1]} · {value[:8] or '-'}"
+        return [(value, label)]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        return queryset if value is None else queryset.filter(fingerprint=value)
+
+
+def _moment(value: Any, format: str = "Y-m-d H:i:s") -> str:
+    """A datetime (or its ISO text, as in ``history``) in local time, sortable at a glance."""
+    if isinstance(value, str):
+        value = parse_datetime(value) or value
+    if not hasattr(value, "tzinfo"):
+        return str(value)
+    if timezone.is_aware(value):
+        value = timezone.localtime(value)
+    return formats.date_format(value, format)
+
+
+# Invisible in a page, or (NUL) not even allowed in one: shown as \xNN like undecodable bytes.
+_CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+def _filter_query(request: HttpRequest) -> str:
+    """The changelist's query string without its page number and error flag: the filter,
+    search and ordering that the bulk pages rebuild the changelist's queryset from."""
+    params = request.GET.copy()
+    for key in ("p", "e"):
+        params.pop(key, None)
+    return params.urlencode()
+
+
+def _pre(text: str) -> str:
+    return format_html('<pre class="rm-pre">{}</pre>', text)
+
+
+@admin.register(DeadLetter)
+class DeadLetterAdmin(admin.ModelAdmin):
+    """Review, replay, discard and delete dead letters; see their failure groups."""
+
+    # Pairs share a cell (consumer over its queue, exception type over its message) so that
+    # the list fits a laptop's screen next to the filters.
+    list_display = (
+        "when",
+        "consumer_and_queue",
+        "routing_key",
+        "message_id_display",
+        "reason",
+        "exception_and_message",
+        "attempts",
+        "status_display",
+    )
+    list_display_links = ("when", "message_id_display")
+    list_filter = (
+        "status",
+        "consumer",
+        "queue",
+        "reason",
+        "exception_type",
+        ("last_failed_at", admin.DateFieldListFilter),
+        FailureGroupFilter,
+    )
+    # payload_text is an alias made in get_search_results: the payload cast to text.
+    search_fields = ("=message_id", "exception_message", "payload_text")
+    search_help_text = _(
+        "An exact message_id, or words of the exception message or of the payload's JSON."
+    )
+    date_hierarchy = "last_failed_at"
+    ordering = ("-last_failed_at", "-id")
+    list_per_page = 50
+    show_full_result_count = False
+    actions = ("replay_selected", "force_replay_selected", "discard_selected")
+    readonly_fields = (
+        "message_id",
+        "consumer",
+        "queue",
+        "exchange",
+        "routing_key",
+        "content_type",
+        "status",
+        "replay_count",
+        "processed",
+        "reason",
+        "exception_type",
+        "exception_message_block",
+        "attempts",
+        "first_failed_at",
+        "last_failed_at",
+        "failure_group",
+        "traceback_block",
+        "pretty_payload",
+        "raw_body",
+        "pretty_headers",
+        "history_table",
+        "created_at",
+        "updated_at",
+    )
+    # Dead letters replayed, or discarded, per transaction (each with its admin log rows).
+    batch_size = 500
+    # Seconds of bulk work ("all matching the filter") one request may do. Past it the request
+    # answers a page that continues where it stopped, so no proxy timeout cuts an operation.
+    bulk_request_seconds = 20.0
+
+    # ------------------------------------------------------------------ permissions
+
+    def has_replay_permission(self, request: HttpRequest) -> bool:
+        """``reliable_messaging.replay_deadletter``: replay and discard."""
+        user: Any = request.user
+        return bool(user.has_perm(f"{self.opts.app_label}.replay_{self.opts.model_name}"))
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # The record of a failure is never edited by hand: the page is read-only, and changes
+        # go through the replay and discard services.
+        return False
+
+    # ------------------------------------------------------------------ list
+
+    @admin.display(description=_("when"), ordering="last_failed_at")
+    def when(self, obj: DeadLetter) -> str:
+        return _moment(obj.last_failed_at, "Y-m-d H:i")
+
+    @admin.display(description=_("message ID"), ordering="message_id")
+    def message_id_display(self, obj: DeadLetter) -> str:
+        if not obj.message_id:
+            return gettext("(no id)")
+        if len(obj.message_id) <= 14:
+            return obj.message_id
+        # A UUID would wrap over five lines; the full id is in the tooltip and on the page.
+        return format_html('<span title="{}">{}…</span>', obj.message_id, obj.message_id[:8])
+
+    @admin.display(description=_("consumer and queue"), ordering="consumer")
+    def consumer_and_queue(self, obj: DeadLetter) -> str:
+        return format_html('{}<br><small class="rm-sub">{}</small>', obj.consumer, obj.queue)
+
+    @admin.display(description=_("exception and message"), ordering="exception_type")
+    def exception_and_message(self, obj: DeadLetter) -> str:
+        text = obj.exception_message.splitlines()[0] if obj.exception_message else ""
+        text = text if len(text) <= 70 else text[:69] + "…"
+        if not obj.exception_type:
+            return format_html('<small class="rm-message">{}</small>', text)
+        return format_html(
+            '<span title="{}">{}</span><br><small class="rm-message">{}</small>',
+            obj.exception_type,
+            obj.exception_type.rsplit(".", 1)[-1],
+            text,
+        )
+
+    @admin.display(description=_("status"), ordering="status")
+    def status_display(self, obj: DeadLetter) -> str:
+        if obj.status == DeadLetterStatus.REPLAYED:
+            badge_text, note = gettext("replayed"), gettext("awaiting outcome")
+        else:
+            badge_text = obj.get_status_display()
+            note = (
+                ngettext("replayed once", "replayed %(count)d times", obj.replay_count)
+                % {"count": obj.replay_count}
+                if obj.replay_count
+                else ""
+            )
+        badge = format_html(
+            '<span class="rm-status rm-status-{}" title="{}">{}</span>',
+            obj.status,
+            obj.get_status_display(),
+            badge_text,
+        )
+        if not note:
+            return badge
+        return format_html('{}<br><small class="rm-sub">{}</small>', badge, note)
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
+    ) -> tuple[QuerySet[Any], bool]:
+        if search_term:
+            # alias(), not annotate(): the cast is needed in the WHERE clause only.
+            queryset = queryset.alias(payload_text=Cast("payload", output_field=TextField()))
+        return super().get_search_results(request, queryset, search_term)
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        query = _filter_query(request)
+        context = {
+            "has_replay_permission": self.has_replay_permission(request),
+            "failure_groups_url": self.console_url("groups"),
+            "replay_matching_url": self.console_url("replay_matching", query=query),
+            "discard_matching_url": self.console_url("discard_matching", query=query),
+            **(extra_context or {}),
+        }
+        return super().changelist_view(request, context)
+
+    # ------------------------------------------------------------------ detail
+
+    def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
+        body_field = "pretty_payload" if obj is None or self._json(obj) is not None else "raw_body"
+        return (
+            (
+                None,
+                {
+                    "fields": (
+                        "message_id",
+                        "consumer",
+                        "queue",
+                        "exchange",
+                        "routing_key",
+                        "content_type",
+                        "status",
+                        "replay_count",
+                        "processed",
+                    )
+                },
+            ),
+            (
+                _("Failure"),
+                {
+                    "fields": (
+                        "reason",
+                        "exception_type",
+                        "exception_message_block",
+                        "attempts",
+                        "first_failed_at",
+                        "last_failed_at",
+                        "failure_group",
+                    )
+                },
+            ),
+            (_("Traceback"), {"fields": ("traceback_block",)}),
+            (_("Message"), {"fields": (body_field, "pretty_headers")}),
+            (_("History"), {"fields": ("history_table", "created_at", "updated_at")}),
+        )
+
+    def change_view(
+        self,
+        request: HttpRequest,
+        object_id: str,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        context: dict[str, Any] = {"has_replay_permission": self.has_replay_permission(request)}
+        obj = self.get_object(request, object_id)
+        if obj is not None:
+            # A replay whose outcome never came (STALE_REPLAY_AFTER) can be replayed or
+            # discarded again, so a lost replay never parks an ordered key for good.
+            stale = DeadLetter.objects.filter(stale_replays(), pk=obj.pk).exists()
+            context.update(
+                can_replay=(obj.status in REPLAYABLE_STATUSES or stale)
+                and obj.reason not in UNREPLAYABLE_REASONS,
+                can_discard=obj.status == DeadLetterStatus.DEAD or stale,
+                processed_row=self._processed_row(obj),
+                replay_url=self.console_url("replay", obj.pk),
+                discard_url=self.console_url("discard", obj.pk),
+            )
+        return super().change_view(
+            request, object_id, form_url, {**context, **(extra_context or {})}
+        )
+
+    @staticmethod
+    def _json(obj: DeadLetter) -> Any:
+        """The payload, or None when the body is not JSON (then the raw body is shown)."""
+        if obj.payload is not None:
+            return obj.payload
+        try:
+            return json.loads(bytes(obj.body).decode("utf-8"))
+        except ValueError:  # UnicodeDecodeError is a ValueError too
+            return None
+
+    @staticmethod
+    def _processed_row(obj: DeadLetter) -> ProcessedMessage | None:
+        if not obj.message_id:
+            return None
+        return ProcessedMessage.objects.of(obj.consumer, obj.message_id).first()
+
+    @admin.display(description=_("processed by the consumer"))
+    def processed(self, obj: DeadLetter) -> str:
+        row = self._processed_row(obj)
+        if row is None:
+            return gettext("no")
+        inbox = reverse(f"{self.admin_site.name}:reliable_messaging_processedmessage_changelist")
+        return format_html(
+            '{} <a href="{}?{}">{}</a> ({})',
+            gettext("yes, at"),
+            inbox,
+            urlencode({"q": f"{obj.message_id} {obj.consumer}"}),
+            _moment(row.processed_at),
+            gettext("a replay runs the handler again only if forced"),
+        )
+
+    @admin.display(description=_("exception message"))
+    def exception_message_block(self, obj: DeadLetter) -> str:
+        return _pre(obj.exception_message) if obj.exception_message else "-"
+
+    @admin.display(description=_("traceback"))
+    def traceback_block(self, obj: DeadLetter) -> str:
+        return _pre(obj.traceback) if obj.traceback else "-"
+
+    @admin.display(description=_("payload"))
+    def pretty_payload(self, obj: DeadLetter) -> str:
+        return _pre(json.dumps(self._json(obj), indent=2, ensure_ascii=False, sort_keys=True))
+
+    @admin.display(description=_("raw body (not JSON)"))
+    def raw_body(self, obj: DeadLetter) -> str:
+        body = bytes(obj.body)
+        size = ngettext("%(count)d byte", "%(count)d bytes", len(body)) % {"count": len(body)}
+        return format_html(
+            '<p>{}; {}</p><pre class="rm-pre">{}</pre>',
+            size,
+            gettext("bytes that are not UTF-8, and control characters, are shown as \\xNN"),
+            _CONTROL_CHARACTERS.sub(
+                lambda match: f"\\x{ord(match.group()):02x}",
+                body.decode("utf-8", errors="backslashreplace"),
+            ),
+        )
+
+    @admin.display(description=_("headers"))
+    def pretty_headers(self, obj: DeadLetter) -> str:
+        return _pre(json.dumps(obj.headers, indent=2, ensure_ascii=False, sort_keys=True))
+
+    @admin.display(description=_("failure group"))
+    def failure_group(self, obj: DeadLetter) -> str:
+        if not obj.fingerprint:
+            return "-"
+        count = DeadLetter.objects.filter(fingerprint=obj.fingerprint).count()
+        return format_html(
+            '<a href="{}">{}</a> <code>{}</code>',
+            self.console_url("changelist", query=urlencode({"fingerprint": obj.fingerprint})),
+            ngettext(
+                "%(count)d dead letter fails this way",
+                "%(count)d dead letters fail this way",
+                count,
+            )
+            % {"count": count},
+            obj.fingerprint,
+        )
+
+    @admin.display(description=_("attempts and replays"))
+    def history_table(self, obj: DeadLetter) -> str:
+        events = obj.history if isinstance(obj.history, list) else [obj.history]
+        if not events:
+            return "-"
+
+        def row(event: Any) -> tuple[str, str, str, str]:
+            if not isinstance(event, dict):
+                return ("", "", "", str(event))
+            details = ", ".join(
+                f"{key}: {value}"
+                for key, value in event.items()
+                if key not in ("event", "at", "by") and value not in ("", None, False)
+            )
+            return (
+                _moment(event.get("at", "")),
+                str(event.get("event", "")),
+                str(event.get("by", "")),
+                details,
+            )
+
+        return format_html(
+            '<table class="rm-history"><thead><tr><th>{}</th><th>{}</th><th>{}</th><th>{}</th>'
+            "</tr></thead><tbody>{}</tbody></table>",
+            gettext("when"),
+            gettext("event"),
+            gettext("by"),
+            gettext("details"),
+            format_html_join(
+                "",
+                "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                (row(event) for event in events),
+            ),
+        )
+
+    # ------------------------------------------------------------------ actions
+
+    def _confirm_bulk(self, request: HttpRequest, view: str) -> HttpResponse | None:
+        """ "Select all N" in the list is bulk work: send it to the page that shows how many
+        match the current filter and asks for confirmation."""
+        if request.POST.get("select_across") != "1":
+            return None
+        return HttpResponseRedirect(self.console_url(view, query=_filter_query(request)))
+
+    @admin.action(description=_("Replay the selected dead letters"), permissions=["replay"])
+    def replay_selected(
+        self, request: HttpRequest, queryset: QuerySet[DeadLetter]
+    ) -> HttpResponse | None:
+        if bulk := self._confirm_bulk(request, "replay_matching"):
+            return bulk
+        admin_views.replay_and_report(
+            self, request, self._ids(queryset), force=False, how=gettext("selected in the list")
+        )
+        return None
+
+    @admin.action(
+        description=_("Replay the selected dead letters, even if already processed…"),
+        permissions=["replay"],
+    )
+    def force_replay_selected(
+        self, request: HttpRequest, queryset: QuerySet[DeadLetter]
+    ) -> HttpResponse | None:
+        if bulk := self._confirm_bulk(request, "replay_matching"):
+            return bulk
+        if request.POST.get("post") == "yes":
+            admin_views.replay_and_report(
+                self, request, self._ids(queryset), force=True, how=gettext("selected in the list")
+            )
+            return None
+        return self.render_force_confirmation(request, queryset)
+
+    @admin.action(
+        description=_("Discard the selected dead letters (kept for the record)"),
+        permissions=["replay"],
+    )
+    def discard_selected(
+        self, request: HttpRequest, queryset: QuerySet[DeadLetter]
+    ) -> HttpResponse | None:
+        if bulk := self._confirm_bulk(request, "discard_matching"):
+            return bulk
+        admin_views.discard_and_report(
+            self, request, self._ids(queryset), how=gettext("selected in the list")
+        )
+        return None
+
+    def render_force_confirmation(
+        self, request: HttpRequest, queryset: QuerySet[DeadLetter]
+    ) -> TemplateResponse:
+        """The confirmation page of a forced replay of a selection (it runs handlers again)."""
+        letters = list(queryset.order_by("pk").only("pk", "message_id", "consumer", "reason"))
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": gettext("Replay the selected dead letters, even if already processed?"),
+            "operation": "replay",
+            "forced_selection": letters,
+            "selection_processed": admin_views.already_processed(queryset).count(),
+            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+            "changelist_url": self.console_url("changelist", query=_filter_query(request)),
+        }
+        request.current_app = self.admin_site.name
+        return TemplateResponse(
+            request, "admin/reliable_messaging/deadletter/confirm_operation.html", context
+        )
+
+    @staticmethod
+    def _ids(queryset: QuerySet[DeadLetter]) -> list[int]:
+        return list(queryset.order_by("pk").values_list("pk", flat=True))
+
+    # ------------------------------------------------------------------ URLs
+
+    def get_urls(self) -> list[URLPattern]:
+        view = self.admin_site.admin_view  # login, staff and CSRF protection
+        prefix = f"{self.opts.app_label}_{self.opts.model_name}"
+        groups = partial(admin_views.failure_groups_view, self)
+        bulk = partial(admin_views.bulk_operation_view, self)
+        one = partial(admin_views.object_operation_view, self)
+        custom = [
+            path("groups/", view(groups), name=f"{prefix}_groups"),
+            path(
+                "replay-matching/",
+                view(partial(bulk, operation="replay")),
+                name=f"{prefix}_replay_matching",
+            ),
+            path(
+                "discard-matching/",
+                view(partial(bulk, operation="discard")),
+                name=f"{prefix}_discard_matching",
+            ),
+            path(
+                "<path:object_id>/replay/",
+                view(partial(one, operation="replay")),
+                name=f"{prefix}_replay",
+            ),
+            path(
+                "<path:object_id>/discard/",
+                view(partial(one, operation="discard")),
+                name=f"{prefix}_discard",
+            ),
+        ]
+        return custom + super().get_urls()
+
+    def console_url(self, name: str, *args: Any, query: str = "") -> str:
+        """The URL of one of this admin's pages ("changelist", "change", "groups"...)."""
+        url = reverse(
+            f"{self.admin_site.name}:{self.opts.app_label}_{self.opts.model_name}_{name}",
+            args=args,
+        )
+        return f"{url}?{query}" if query else url
+
+
+@admin.register(OutboxMessage)
+class OutboxMessageAdmin(admin.ModelAdmin):
+    list_display = (
+        "created_at",
+        "message_id",
+        "exchange",
+        "routing_key",
+        "ordering_key",
+        "status",
+        "attempts",
+        "short_error",
+        "sent_at",
+    )
+    list_filter = ("status", "exchange", "routing_key")
+    search_fields = ("=message_id", "=idempotency_key", "=ordering_key", "last_error")
+    date_hierarchy = "created_at"
+    ordering = ("-id",)
+    actions = ["retry_failed"]
+    readonly_fields = [f.name for f in OutboxMessage._meta.fields]
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> Any:
+        oldest = OutboxMessage.objects.oldest_pending_at()
+        if oldest is not None:
+            self.message_user(
+                request,
+                f"Oldest pending row waits for {timesince(oldest, timezone.now())}.",
+                messages.INFO,
+            )
+        return super().changelist_view(request, extra_context)
+
+    @admin.display(description="last error")
+    def short_error(self, obj: OutboxMessage) -> str:
+        return obj.last_error if len(obj.last_error) <= 80 else obj.last_error[:79] + "…"
+
+    @admin.action(description="Retry the selected failed rows", permissions=["change"])
+    def retry_failed(self, request: HttpRequest, queryset: OutboxMessageQuerySet) -> None:
+        count = queryset.retry_failed()
+        self.message_user(
+            request,
+            ngettext("%d failed row is pending again.", "%d failed rows are pending again.", count)
+            % count,
+            messages.SUCCESS,
+        )
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False

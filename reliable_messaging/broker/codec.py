@@ -1,0 +1,217 @@
+"""Where pika's AMQP field-table codec is corrected: the one module that patches it.
+
+pika (1.4.x) gets three things wrong with values other clients send as a matter of course, and
+the first two cost far more than the one message:
+
+- A timestamp (``T``) it cannot turn into a ``datetime`` raises while the frame is decoded: a
+  JavaScript producer's milliseconds (``{"!": "timestamp", value: Date.now()}``) or a Java
+  client's date before 1970 (a negative 64-bit value, which pika reads unsigned). The exception
+  escapes the connection's I/O loop, the connection drops, the broker redelivers the message
+  first, and every queue of the process stalls behind it for ever.
+- Anything else in a content header it cannot decode (a table nested deeper than Python's
+  recursion limit, a field type it does not know) does the same.
+- Doubles (``d``) and floats (``f``) in a table are decoded as integers: 3.75 arrives as 3
+  (pika issue 599, open). Node's amqplib and py-amqp (kombu, Celery) send every fractional
+  header value as a double. And pika cannot encode a float at all, so a retry copy of such a
+  message could not be published.
+
+:func:`install` fixes these in pika's own module (process-wide, idempotent):
+
+- ``d`` and ``f`` decode to the exact ``float``; a ``float`` encodes as ``d``.
+- ``T`` is read as the signed 64-bit number of seconds AMQP means (so a Java date before 1970
+  is that date), and encoded the same way. A value no ``datetime`` can hold as seconds (past the
+  year 9999) is taken as milliseconds when that gives a date: the JavaScript slip, and no
+  timestamp in seconds could have that value. Anything beyond both stays the raw (signed)
+  integer rather than failing. A millisecond value before 1978 reads as a (far future) date in
+  seconds: the two cannot be told apart.
+- ``BasicProperties.decode`` is guarded: when pika's decoding fails, the properties are read
+  again field by field, a header table that cannot be read is skipped by its length (its
+  entries read until then are kept), and header :data:`~.envelope.UNDECODABLE_HEADER` says what
+  failed. :func:`~.envelope.decode_delivery` turns that into a dead letter (``invalid_headers``)
+  with the raw body: the bad message costs itself, not the connection.
+
+It is installed from :meth:`ReliableMessagingConfig.ready() <.apps.ReliableMessagingConfig>`,
+so before any connection of a process that set Django up (``manage.py consume``, ``relay``, the
+tests) is opened, rather than at import of the consumer: a process that imports pika and this
+app in another order is covered all the same. The patch only changes what pika got wrong or
+refused, so other pika users in the same process see nothing else change. When a pika release
+fixes issue 599, tests/unit/test_amqp_codec.py says so, and the ``d``/``f`` part can go.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import struct
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pika.data
+import pika.spec
+
+from ..core.envelope import UNDECODABLE_HEADER, safe_text
+
+# pika's own functions, kept so ours can hand every other case back to them (and so the tests
+# can check whether pika still gets doubles wrong).
+PIKA_DECODE_VALUE: Callable[[bytes, int], tuple[Any, int]] = pika.data.decode_value
+PIKA_ENCODE_VALUE: Callable[[list[bytes], Any], int] = pika.data.encode_value
+PIKA_DECODE_PROPERTIES: Callable[..., Any] = pika.spec.BasicProperties.decode
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_install_lock = threading.Lock()
+
+
+def timestamp_value(raw: int) -> dt.datetime | int:
+    """What an AMQP timestamp's 64 bits mean (see the module's docstring): a UTC ``datetime``
+    from seconds, else from milliseconds, else the signed integer itself."""
+    signed = raw - 2**64 if raw >= 2**63 else raw
+    for unit in ("seconds", "milliseconds"):
+        try:
+            return _EPOCH + dt.timedelta(**{unit: signed})
+        except OverflowError:
+            continue
+    return signed
+
+
+def decode_field_value(encoded: bytes, offset: int) -> tuple[Any, int]:
+    """pika's ``decode_value`` with doubles, floats and timestamps read as AMQP means them."""
+    kind = encoded[offset : offset + 1]
+    if kind == b"d":
+        return struct.unpack_from(">d", encoded, offset + 1)[0], offset + 9
+    if kind == b"f":
+        return struct.unpack_from(">f", encoded, offset + 1)[0], offset + 5
+    if kind == b"T":
+        return timestamp_value(struct.unpack_from(">Q", encoded, offset + 1)[0]), offset + 9
+    return PIKA_DECODE_VALUE(encoded, offset)
+
+
+def encode_field_value(pieces: list[bytes], value: Any) -> int:
+    """pika's ``encode_value`` that also writes floats (as doubles) and any ``datetime`` (as the
+    signed seconds AMQP means, so dates before 1970 too)."""
+    if isinstance(value, float):
+        pieces.append(struct.pack(">cd", b"d", value))
+        return 9
+    if isinstance(value, dt.datetime):
+        moment = value if value.tzinfo is not None else value.replace(tzinfo=dt.UTC)
+        seconds = (moment - _EPOCH) // dt.timedelta(seconds=1)
+        pieces.append(struct.pack(">cq", b"T", seconds))
+        return 9
+    return PIKA_ENCODE_VALUE(pieces, value)
+
+
+# BasicProperties in wire order: the attribute and how it is written.
+_PROPERTY_LAYOUT = (
+    ("content_type", "shortstr"),
+    ("content_encoding", "shortstr"),
+    ("headers", "table"),
+    ("delivery_mode", "octet"),
+    ("priority", "octet"),
+    ("correlation_id", "shortstr"),
+    ("reply_to", "shortstr"),
+    ("expiration", "shortstr"),
+    ("message_id", "shortstr"),
+    ("timestamp", "longlong"),
+    ("type", "shortstr"),
+    ("user_id", "shortstr"),
+    ("app_id", "shortstr"),
+    ("cluster_id", "shortstr"),
+)
+
+
+def _describe(exc: BaseException) -> str:
+    return safe_text(f"{type(exc).__name__}: {exc}")[:300]
+
+
+def _decode_headers_tolerantly(encoded: bytes, offset: int) -> tuple[dict[Any, Any], int]:
+    """The header table from ``offset``: entries are read until one fails; the table's length
+    prefix then says where the next property starts, so the rest of the frame still reads."""
+    size = struct.unpack_from(">I", encoded, offset)[0]
+    start = offset + 4
+    end = start + size
+    headers: dict[Any, Any] = {}
+    position = start
+    key: Any = None
+    try:
+        while position < end:
+            key, position = pika.data.decode_short_string(encoded, position)
+            value, position = pika.data.decode_value(encoded, position)
+            headers[key] = value
+            key = None
+    except Exception as exc:  # noqa: BLE001 - RecursionError, unknown field types, truncation
+        where = "" if key is None else f" (header {safe_text(key)!r})"
+        headers[UNDECODABLE_HEADER] = f"the headers could not be decoded{where}: {_describe(exc)}"
+    if end > len(encoded):
+        raise struct.error(f"the header table claims {size} bytes; the frame is shorter")
+    return headers, end
+
+
+def decode_properties_tolerantly(
+    properties: pika.spec.BasicProperties, encoded: bytes, offset: int, failure: BaseException
+) -> pika.spec.BasicProperties:
+    """Fill ``properties`` with what can be read of ``encoded`` after pika's decoding failed
+    with ``failure``; the headers then carry :data:`~.envelope.UNDECODABLE_HEADER`."""
+    for name, _ in _PROPERTY_LAYOUT:
+        setattr(properties, name, None)
+    problem = f"the properties could not be decoded: {_describe(failure)}"
+    try:
+        flags = 0
+        word_index = 0
+        while True:  # flag words chain while their lowest bit is set
+            word = struct.unpack_from(">H", encoded, offset)[0]
+            offset += 2
+            flags |= word << (16 * word_index)
+            word_index += 1
+            if not word & 1:
+                break
+        for name, kind in _PROPERTY_LAYOUT:
+            if not flags & getattr(pika.spec.BasicProperties, f"FLAG_{name.upper()}"):
+                continue
+            value: Any
+            if kind == "shortstr":
+                value, offset = pika.data.decode_short_string(encoded, offset)
+            elif kind == "table":
+                value, offset = _decode_headers_tolerantly(encoded, offset)
+                problem = value.pop(UNDECODABLE_HEADER, problem)
+            elif kind == "octet":
+                value = struct.unpack_from("B", encoded, offset)[0]
+                offset += 1
+            else:
+                value = struct.unpack_from(">Q", encoded, offset)[0]
+                offset += 8
+            setattr(properties, name, value)
+    except Exception as exc:  # noqa: BLE001 - a truncated frame: keep what was read
+        problem = f"{problem}; reading stopped at byte {offset}: {_describe(exc)}"
+    properties.headers = {**(properties.headers or {}), UNDECODABLE_HEADER: problem}
+    return properties
+
+
+def decode_properties_guarded(
+    properties: pika.spec.BasicProperties, encoded: bytes, offset: int = 0
+) -> pika.spec.BasicProperties:
+    """``BasicProperties.decode`` that never raises: pika's own decoding, and when that fails,
+    :func:`decode_properties_tolerantly`."""
+    try:
+        return PIKA_DECODE_PROPERTIES(properties, encoded, offset)
+    except Exception as exc:  # noqa: BLE001 - any failure here would drop the connection
+        return decode_properties_tolerantly(properties, encoded, offset, exc)
+
+
+def installed() -> bool:
+    return (
+        pika.data.decode_value is decode_field_value
+        and pika.data.encode_value is encode_field_value
+        and pika.spec.BasicProperties.decode is decode_properties_guarded
+    )
+
+
+def install() -> None:
+    """Patch pika's table codec and properties decoding (see the module's docstring); calling
+    it again does nothing. pika's table functions look ``decode_value``/``encode_value`` up in
+    their module on every call (nested tables and arrays too), so replacing them there is
+    enough."""
+    with _install_lock:
+        if installed():
+            return
+        pika.data.decode_value = decode_field_value
+        pika.data.encode_value = encode_field_value
+        pika.spec.BasicProperties.decode = decode_properties_guarded  # type: ignore[method-assign,assignment]

@@ -1,0 +1,288 @@
+"""Broker objects a consumer left behind when its shape changed, and their retirement.
+
+Three changes leave a queue that nobody consumes but that still receives messages, so messages
+would pile up in it unseen:
+
+- ``ordered=True`` added to a consumer: its old queue ``<queue>`` stays bound to the topic
+  exchange and receives a copy of every message, next to the new partitions;
+- ``ORDERED_PARTITIONS`` lowered: the partitions beyond it stay bound to ``<queue>.partitions``
+  and keep receiving their share of the keys;
+- ``ordered=True`` removed: ``<queue>.partitions`` stays bound to the topic exchange and keeps
+  filling the old partitions.
+
+``consume`` retires them when it connects, before it consumes: it cuts the leftover off from
+new messages, moves the messages already in it to where the consumer reads now (keeping their
+properties, headers and attempt number), and deletes it once it is empty. A message is acked in
+the leftover only after the broker confirmed its copy, so a crash mid-move leaves it in place
+or doubled, never lost, and the inbox absorbs a double. A leftover that another process still
+consumes (an older version of the app during a rolling deploy) is moved from but not deleted;
+the next ``consume`` start retires it. Messages moved out of order are handled in any order:
+order across a change of shape is not kept.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import pika
+import pika.exceptions
+from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
+
+from ..conf import MessagingSettings, messaging_settings
+from ..core.envelope import ORIGINAL_EXCHANGE_HEADER, ORIGINAL_ROUTING_KEY_HEADER
+from ..registry import ConsumerSpec, registry
+from .pika_logs import expecting_not_found
+from .topology import consumer_exchange, consumer_queues, partition_exchange
+
+logger = logging.getLogger(__name__)
+
+NOT_FOUND = 404
+PRECONDITION_FAILED = 406
+MAX_PARTITIONS_PROBED = 256
+"""Partition queues are numbered from 0 without gaps; probing stops at the first missing one."""
+DELETE_ROUNDS = 5
+"""Times a leftover is drained again when messages arrived between the drain and the delete."""
+
+
+@dataclass(frozen=True)
+class Leftover:
+    spec: ConsumerSpec
+    queue: str
+    # The bindings that feed it, cut before it is drained: (source exchange, routing key).
+    # Bindings nobody knows any more (an old queue's former bindings) go with its delete.
+    feeds: tuple[tuple[str, str], ...]
+    messages: int
+    consumers: int
+
+
+def _probe(connection: BlockingConnection, declare: Callable[[BlockingChannel], Any]) -> Any:
+    """Run a passive declare on a channel of its own; None when the object does not exist
+    (the broker closes a channel on a failed passive declare, so it is not shared)."""
+    channel = connection.channel()
+    try:
+        with expecting_not_found():
+            found = declare(channel)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        if exc.reply_code != NOT_FOUND:
+            raise
+        return None
+    channel.close()
+    return found
+
+
+def _exists(connection: BlockingConnection, queue: str) -> tuple[int, int] | None:
+    """(ready messages, consumers) of ``queue``, or None when it does not exist."""
+    ok = _probe(connection, lambda channel: channel.queue_declare(queue, passive=True))
+    if ok is None:
+        return None
+    return int(ok.method.message_count or 0), int(ok.method.consumer_count or 0)
+
+
+def _exchange_exists(connection: BlockingConnection, exchange: str) -> bool:
+    ok = _probe(connection, lambda channel: channel.exchange_declare(exchange, passive=True))
+    return ok is not None
+
+
+def _partitions_from(connection: BlockingConnection, spec: ConsumerSpec, first: int) -> list[str]:
+    found: list[str] = []
+    for index in range(first, MAX_PARTITIONS_PROBED):
+        name = f"{spec.queue}.p{index}"
+        if _exists(connection, name) is None:
+            break
+        found.append(name)
+    return found
+
+
+def find_leftovers(
+    connection: BlockingConnection,
+    specs: Iterable[ConsumerSpec],
+    settings: MessagingSettings = messaging_settings,
+) -> list[Leftover]:
+    """The leftover queues of ``specs`` on the broker (passive declares only: changes nothing).
+
+    A queue that a registered consumer reads now is never a leftover, whatever its name: a
+    plain consumer may well own ``orders.p0`` next to another one's ``orders``."""
+    specs = list(specs)
+    live = {
+        queue for spec in [*registry.all(), *specs] for queue in consumer_queues(spec, settings)
+    }
+    found: list[Leftover] = []
+    for spec in specs:
+        names: list[tuple[str, tuple[tuple[str, str], ...]]] = []
+        if spec.ordered:
+            # From before ordered=True: most likely fed by the bindings the consumer has now.
+            exchange = consumer_exchange(spec, settings)
+            names.append((spec.queue, tuple((exchange, b) for b in spec.bindings)))
+            # From a larger ORDERED_PARTITIONS: fed by the partition exchange, weight "1".
+            extra = _partitions_from(connection, spec, settings.ordered_partitions)
+            names += [(name, ((partition_exchange(spec), "1"),)) for name in extra]
+        else:
+            # From before ordered=False: fed by the partition exchange, deleted first.
+            names += [(name, ()) for name in _partitions_from(connection, spec, 0)]
+        for name, feeds in names:
+            if name in live:
+                continue
+            figures = _exists(connection, name)
+            if figures is not None:
+                found.append(Leftover(spec, name, feeds, *figures))
+    return found
+
+
+def retire_leftovers(
+    connection: BlockingConnection,
+    specs: Iterable[ConsumerSpec],
+    settings: MessagingSettings = messaging_settings,
+) -> list[Leftover]:
+    """Find the leftovers of ``specs`` and retire them (see the module docstring). Returns what
+    was found. Call it after :func:`~reliable_messaging.broker.topology.declare_topology`."""
+    specs = list(specs)
+    try:
+        return _retire_all(connection, specs, settings)
+    except pika.exceptions.AMQPChannelError as exc:
+        # Refused by the broker (permissions, an exclusive queue of that name, a message it will
+        # not route): what is left stays in place, and consuming goes on. Connection errors
+        # propagate, for the caller's reconnect.
+        logger.error(
+            "could not look for or retire leftover queues (%s: %s); they are left in place",
+            type(exc).__name__,
+            exc,
+        )
+        return []
+
+
+def _retire_all(
+    connection: BlockingConnection, specs: list[ConsumerSpec], settings: MessagingSettings
+) -> list[Leftover]:
+    # An ordered consumer turned plain: stop the old partitions' feed before looking at them.
+    live = {partition_exchange(spec) for spec in registry.all() if spec.ordered}
+    for spec in specs:
+        if spec.ordered or partition_exchange(spec) in live:
+            continue
+        if _exchange_exists(connection, partition_exchange(spec)):
+            channel = connection.channel()
+            channel.exchange_delete(partition_exchange(spec))
+            channel.close()
+            logger.warning(
+                "consumer=%s is no longer ordered: deleted its partition exchange %r, which "
+                "kept copying messages into its old partition queues",
+                spec.name,
+                partition_exchange(spec),
+            )
+    leftovers = find_leftovers(connection, specs, settings)
+    for leftover in leftovers:
+        try:
+            _retire(connection, leftover, settings)
+        except pika.exceptions.AMQPChannelError as exc:
+            logger.error(
+                "consumer=%s: could not retire leftover queue %r (%s: %s); it is left in place",
+                leftover.spec.name,
+                leftover.queue,
+                type(exc).__name__,
+                exc,
+            )
+    return leftovers
+
+
+def _retire(
+    connection: BlockingConnection, leftover: Leftover, settings: MessagingSettings
+) -> None:
+    spec, queue = leftover.spec, leftover.queue
+    logger.warning(
+        "consumer=%s: queue %r is left from an earlier shape of this consumer (%s) and holds "
+        "%d message(s); moving them to where it consumes now and deleting it",
+        spec.name,
+        queue,
+        "before ordered=True"
+        if spec.ordered and queue == spec.queue
+        else "a larger ORDERED_PARTITIONS"
+        if spec.ordered
+        else "before ordered=False",
+        leftover.messages,
+    )
+    channel = connection.channel()
+    for exchange, routing_key in leftover.feeds:
+        channel.queue_unbind(queue, exchange, routing_key=routing_key)
+    channel.confirm_delivery()
+    moved = 0
+    for _ in range(DELETE_ROUNDS):
+        moved += _move_all(channel, queue, spec, settings)
+        try:
+            channel.queue_delete(queue, if_unused=True, if_empty=True)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code == NOT_FOUND:
+                break  # another consume process retired it at the same moment
+            if exc.reply_code != PRECONDITION_FAILED:
+                raise
+            channel = connection.channel()
+            channel.confirm_delivery()
+            figures = _exists(connection, queue)
+            if figures is not None and figures[1] > 0:
+                logger.warning(
+                    "consumer=%s: leftover queue %r still has %d consumer(s) (an older version "
+                    "of the app still running?); moved %d message(s) out of it and left it in "
+                    "place: the next consume start retires it",
+                    spec.name,
+                    queue,
+                    figures[1],
+                    moved,
+                )
+                break
+            continue  # messages arrived between the drain and the delete: drain again
+        logger.warning(
+            "consumer=%s: moved %d message(s) out of leftover queue %r and deleted it",
+            spec.name,
+            moved,
+            queue,
+        )
+        break
+    else:
+        logger.warning(
+            "consumer=%s: leftover queue %r keeps receiving messages (bound by a binding this "
+            "consumer no longer has?); moved %d message(s) out of it and left it in place: "
+            "remove its bindings (management UI) and the next consume start retires it",
+            spec.name,
+            queue,
+            moved,
+        )
+    if channel.is_open:
+        channel.close()
+
+
+def _move_all(
+    channel: BlockingChannel, queue: str, spec: ConsumerSpec, settings: MessagingSettings
+) -> int:
+    moved = 0
+    while True:
+        method, got_properties, got_body = channel.basic_get(queue, auto_ack=False)
+        if method is None or method.delivery_tag is None:
+            return moved
+        tag: int = method.delivery_tag
+        properties = got_properties or pika.BasicProperties()
+        body = got_body or b""
+        original_key = method.routing_key or ""
+        headers = dict(properties.headers or {})
+        if spec.ordered:
+            # The partition exchange hashes the ordering-key header; the routing key stays.
+            exchange, routing_key = partition_exchange(spec), original_key
+        else:
+            # Straight to the consumer's queue, with the original routing key and exchange
+            # kept in headers, as retries do, so the binding check still sees them.
+            headers.setdefault(ORIGINAL_ROUTING_KEY_HEADER, original_key)
+            headers.setdefault(
+                ORIGINAL_EXCHANGE_HEADER, method.exchange or consumer_exchange(spec, settings)
+            )
+            exchange, routing_key = "", spec.queue
+        properties.headers = headers
+        try:
+            channel.basic_publish(exchange, routing_key, body, properties, mandatory=True)
+        except (pika.exceptions.UnroutableError, pika.exceptions.NackError) as exc:
+            channel.basic_nack(tag, requeue=True)
+            raise pika.exceptions.AMQPChannelError(
+                f"the copy of message_id={properties.message_id} was not accepted "
+                f"({type(exc).__name__})"
+            ) from exc
+        channel.basic_ack(tag)
+        moved += 1

@@ -1,0 +1,339 @@
+"""A publisher with confirms on pika's asynchronous ``SelectConnection``: transport only.
+
+It opens a connection (the next broker of a shuffled list each time, so a node that is down
+costs one attempt), a channel in confirm mode, and publishes persistent, ``mandatory`` messages,
+each with the delivery tag the broker's confirm will name. What the broker says comes back as
+calls on an object with the :class:`PublisherEvents` methods (confirms, returns, a channel or a
+connection closed, flow control); timers and watched sockets run on the same I/O loop. Nothing
+here knows about the outbox: the relay (:mod:`.relay`) decides what to publish and what a
+confirm means.
+
+Every method is called on the I/O loop's thread, except :meth:`ConfirmingPublisher.post`, the
+way other threads hand work to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import pika
+import pika.channel
+import pika.exceptions
+from pika.spec import Basic, BasicProperties
+
+from ..conf import MessagingSettings
+from ..core.envelope import CONTENT_TYPE
+from .topology import connection_parameters
+from .write_coalescing import coalesce_writes
+
+# Logged under the relay's name, the one users' logging configuration knows.
+logger = logging.getLogger("reliable_messaging.relay")
+
+
+class Unencodable(Exception):
+    """pika cannot encode the message (a header value of no AMQP type, a too long short
+    string, ...): nothing was written and no delivery tag was used."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(f"cannot encode the message: {error!r}")
+        self.error = error
+
+
+@dataclass(frozen=True)
+class Returned:
+    """A ``mandatory`` message the broker could route to no queue (``basic.return``)."""
+
+    headers: dict[str, Any]
+    exchange: str
+    routing_key: str
+    reply_code: int
+    reply_text: str
+
+
+@dataclass(frozen=True)
+class ChannelClosed:
+    """Why the channel closed; ``by_broker`` with the broker's reply code and text."""
+
+    by_broker: bool
+    reply_code: int
+    reply_text: str
+    description: str
+
+    def __str__(self) -> str:
+        return self.description
+
+
+class PublisherEvents(Protocol):
+    """What a :class:`ConfirmingPublisher` tells its owner, on the I/O loop's thread."""
+
+    def on_ready(self) -> None:
+        """A channel in confirm mode is open: publishing may start (tags start at 1)."""
+
+    def on_confirm(self, tag: int, multiple: bool, acked: bool) -> None:
+        """``basic.ack`` or ``basic.nack`` for ``tag`` (with ``multiple``: every tag up to it)."""
+
+    def on_returned(self, returned: Returned) -> None:
+        """An unroutable message; its confirm follows."""
+
+    def on_channel_closed(self, closed: ChannelClosed) -> None:
+        """The channel closed while the connection may still be open."""
+
+    def on_connect_failed(self, error: str) -> None:
+        """No connection could be opened: the loop is ending."""
+
+    def on_connection_closed(self, reason: str) -> None:
+        """The connection closed: the loop is ending."""
+
+    def on_blocked(self, reason: str) -> None:
+        """The broker stopped reading from the connection (a memory or disk alarm)."""
+
+    def on_unblocked(self) -> None:
+        """The broker reads from the connection again."""
+
+
+class ConfirmingPublisher:
+    """One connection at a time: :meth:`run` opens one and returns when its I/O loop ends."""
+
+    def __init__(self, settings: MessagingSettings, events: PublisherEvents, name: str) -> None:
+        self.settings = settings
+        self.events = events
+        self.name = name
+        self._connection: pika.SelectConnection | None = None
+        self._channel: pika.channel.Channel | None = None
+        self._next_tag = 1
+        # Broker URLs not yet tried in this round of connects (see _next_broker).
+        self._brokers: list[pika.URLParameters] = []
+
+    # -- the connection's life ---------------------------------------------------------------
+
+    def run(self) -> None:
+        """Connect and run the I/O loop until the connection ends or :meth:`close` is called."""
+        self._connection = pika.SelectConnection(
+            self._next_broker(),
+            on_open_callback=self._on_connection_open,
+            on_open_error_callback=self._on_connection_open_error,
+            on_close_callback=self._on_connection_closed,
+        )
+        try:
+            self._connection.ioloop.start()
+        except Exception:
+            # A callback failed in a way nothing above handled (a channel closing under a
+            # publish, say). Never die for it: the owner settles what it can, and reconnects.
+            logger.exception("relay: unexpected error; reconnecting")
+            self.events.on_connection_closed("unexpected error")
+            self._close_quietly()
+
+    @property
+    def more_brokers(self) -> bool:
+        """Another node of the list is left to try in this round of connects."""
+        return bool(self._brokers)
+
+    @property
+    def is_open(self) -> bool:
+        return self._connection is not None and self._connection.is_open
+
+    @property
+    def next_tag(self) -> int:
+        """The delivery tag the next publish gets (tags start at 1 on each channel)."""
+        return self._next_tag
+
+    @property
+    def ready(self) -> bool:
+        """The channel is open: publishing goes out."""
+        return self._channel is not None and self._channel.is_open
+
+    def close(self) -> None:
+        """Close the connection gracefully; the loop ends when the broker answers."""
+        connection = self._connection
+        if connection is None:
+            return
+        if connection.is_open:
+            connection.close()
+        else:
+            connection.ioloop.stop()
+
+    def close_now(self, reply_text: str) -> None:
+        """Close a connection that is not to be trusted any more (it stopped confirming)."""
+        if self._connection is not None and self._connection.is_open:
+            self._connection.close(reply_text=reply_text)
+
+    def abandon(self) -> None:
+        """End the loop without the closing handshake: while the broker blocks the connection
+        it reads nothing, so no Close-Ok would come. The socket goes with the connection."""
+        if self._connection is not None:
+            self._connection.ioloop.stop()
+
+    def reopen_channel(self) -> None:
+        if self._connection is not None and self._connection.is_open:
+            self._connection.channel(on_open_callback=self._on_channel_open)
+
+    def _next_broker(self) -> pika.URLParameters:
+        """The broker URL to try next: each connect takes the next one of a shuffled list, so
+        a node that is down costs one attempt and the next connect goes elsewhere."""
+        if not self._brokers:
+            self._brokers = connection_parameters(self.settings, name=self.name)
+        return self._brokers.pop()
+
+    def _close_quietly(self) -> None:
+        connection, self._connection, self._channel = self._connection, None, None
+        if connection is not None and connection.is_open:
+            try:
+                connection.close()
+                connection.ioloop.start()  # runs until _on_connection_closed stops it
+            except Exception:
+                logger.debug("closing a broken relay connection failed", exc_info=True)
+
+    # -- publishing --------------------------------------------------------------------------
+
+    def publish(
+        self,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        *,
+        message_id: str,
+        timestamp: int,
+        headers: dict[str, Any],
+    ) -> int:
+        """Publish a persistent, mandatory message; returns its delivery tag. Raises
+        :class:`Unencodable` when pika cannot encode it (nothing is written then)."""
+        assert self._channel is not None
+        properties = BasicProperties(
+            content_type=CONTENT_TYPE,
+            delivery_mode=pika.DeliveryMode.Persistent,
+            message_id=message_id,
+            timestamp=timestamp,
+            headers=headers,
+        )
+        try:
+            self._channel.basic_publish(
+                exchange=exchange,
+                routing_key=routing_key,
+                body=body,
+                properties=properties,
+                mandatory=True,
+            )
+        except (
+            pika.exceptions.UnsupportedAMQPFieldException,
+            pika.exceptions.ShortStringTooLong,
+            struct.error,
+            TypeError,
+            ValueError,
+        ) as exc:
+            raise Unencodable(exc) from exc
+        tag = self._next_tag
+        self._next_tag += 1
+        return tag
+
+    def flush(self) -> None:
+        """A few writes for what was published since the last flush, instead of three a
+        message (see write_coalescing)."""
+        coalesce_writes(self._connection)
+
+    # -- the I/O loop ------------------------------------------------------------------------
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Any:
+        assert self._connection is not None
+        return self._connection.ioloop.call_later(delay, callback)
+
+    def cancel(self, timer: Any) -> None:
+        if timer is not None and self._connection is not None:
+            self._connection.ioloop.remove_timeout(timer)
+
+    def post(self, callback: Callable[[], None]) -> None:
+        """From another thread: run ``callback`` on the I/O loop. Lost when the loop has
+        ended (the owner accounts for that when :meth:`run` returns)."""
+        connection = self._connection
+        if connection is not None:
+            try:
+                connection.ioloop.add_callback_threadsafe(callback)
+            except Exception:
+                logger.debug("the I/O loop is gone; dropping a callback", exc_info=True)
+
+    def watch_readable(self, fd: int, callback: Callable[[], None]) -> None:
+        assert self._connection is not None
+        ioloop = self._connection.ioloop
+        ioloop.add_handler(fd, lambda _fd, _events: callback(), ioloop.READ)
+
+    def unwatch(self, fd: int) -> None:
+        if self._connection is not None:
+            try:
+                self._connection.ioloop.remove_handler(fd)
+            except Exception:
+                logger.debug("removing a socket from the I/O loop failed", exc_info=True)
+
+    # -- pika's callbacks --------------------------------------------------------------------
+
+    def _on_connection_open(self, connection: pika.SelectConnection) -> None:
+        connection.add_on_connection_blocked_callback(self._on_connection_blocked)
+        connection.add_on_connection_unblocked_callback(self._on_connection_unblocked)
+        connection.channel(on_open_callback=self._on_channel_open)
+
+    def _on_connection_open_error(
+        self, connection: pika.SelectConnection, error: BaseException | str
+    ) -> None:
+        logger.warning("relay: cannot connect to %s: %s", self.settings.broker_shown, error)
+        self.events.on_connect_failed(str(error))
+        connection.ioloop.stop()
+
+    def _on_connection_closed(
+        self, connection: pika.SelectConnection, reason: BaseException
+    ) -> None:
+        self._channel = None
+        self.events.on_connection_closed(str(reason))
+        connection.ioloop.stop()
+
+    def _on_channel_open(self, channel: pika.channel.Channel) -> None:
+        self._channel = channel
+        self._next_tag = 1
+        channel.add_on_close_callback(self._on_channel_closed)
+        channel.add_on_return_callback(self._on_return)
+        channel.confirm_delivery(
+            ack_nack_callback=self._on_delivery_confirmation,
+            callback=lambda _frame: self.events.on_ready(),
+        )
+
+    def _on_channel_closed(self, channel: pika.channel.Channel, reason: BaseException) -> None:
+        self._channel = None
+        by_broker = isinstance(reason, pika.exceptions.ChannelClosedByBroker)
+        self.events.on_channel_closed(
+            ChannelClosed(
+                by_broker=by_broker,
+                reply_code=int(getattr(reason, "reply_code", 0) or 0),
+                reply_text=str(getattr(reason, "reply_text", "") or ""),
+                description=str(reason),
+            )
+        )
+
+    def _on_return(
+        self,
+        channel: pika.channel.Channel,
+        method: Basic.Return,
+        properties: BasicProperties,
+        body: bytes,
+    ) -> None:
+        self.events.on_returned(
+            Returned(
+                headers=dict(properties.headers or {}),
+                exchange=method.exchange or "",
+                routing_key=method.routing_key or "",
+                reply_code=int(method.reply_code or 0),
+                reply_text=method.reply_text or "",
+            )
+        )
+
+    def _on_connection_blocked(self, connection: pika.SelectConnection, frame: Any) -> None:
+        self.events.on_blocked(getattr(frame.method, "reason", "") or "no reason given")
+
+    def _on_connection_unblocked(self, connection: pika.SelectConnection, frame: Any) -> None:
+        self.events.on_unblocked()
+
+    def _on_delivery_confirmation(self, frame: Any) -> None:
+        method = frame.method
+        self.events.on_confirm(
+            method.delivery_tag, bool(method.multiple), isinstance(method, Basic.Ack)
+        )

@@ -1,0 +1,368 @@
+"""What the broker says about the app's queues, read over AMQP and, when it answers, the
+RabbitMQ management HTTP API.
+
+The broker is always read over AMQP, as the application talks to it: a passive declare per
+queue gives its exact ready count and consumers, and a connection that cannot be opened is what
+"unreachable" means. The management API adds what AMQP cannot tell: unacked deliveries and
+message rates. It is an optional plugin, and the application's user may lack the ``monitoring``
+tag it needs, so doing without it is normal, not an error.
+
+No broker password ever leaves this module: URLs are shown through :func:`.conf.redact_url`,
+and what the client libraries say in their errors is scrubbed of it too. The readings are
+judged by :mod:`.status` and exported by :mod:`.collectors`.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import logging
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import pika
+import pika.exceptions
+
+from ..conf import MessagingSettings, messaging_settings, redact_url
+from ..registry import ConsumerSpec, registry
+from .leftovers import find_leftovers
+from .pika_logs import expecting_not_found
+from .replies import NOT_FOUND
+from .topology import (
+    all_delays,
+    connect,
+    connect_to_any,
+    connection_parameters,
+    consumer_queues,
+    delay_exchange_name,
+)
+
+logger = logging.getLogger(__name__)
+
+# What reading the broker may raise: the client's errors, the network's, and ValueError for a URL
+# pika cannot use.
+READ_ERRORS = (pika.exceptions.AMQPError, OSError, ValueError)
+
+UNAUTHORIZED = 401
+DEFAULT_TIMEOUT = 3.0
+# The management plugin listens here unless configured otherwise (TLS: 15671).
+MANAGEMENT_PORT = 15672
+MANAGEMENT_TLS_PORT = 15671
+
+# The readings: what the readers below return, judged by .status and rendered by the command.
+
+# "leftover": a queue an earlier shape of a consumer left (see reliable_messaging.broker.leftovers).
+QueueKind = Literal["consumer", "delay", "leftover"]
+
+
+@dataclass(frozen=True)
+class QueueStatus:
+    """One queue as the broker sees it. ``None`` means "not known": unacked deliveries and
+    rates come from the management API only, and a queue that does not exist (nobody ran
+    ``consume`` yet) has no figures at all."""
+
+    name: str
+    kind: QueueKind
+    consumer: str | None  # the handler's name (dedup scope) for a consumer queue
+    exists: bool
+    ready: int | None = None
+    unacked: int | None = None
+    consumers: int | None = None
+    deliver_rate: float | None = None  # deliveries per second, redeliveries included
+    redeliver_rate: float | None = None
+
+    @property
+    def redelivery_ratio(self) -> float | None:
+        """The share of recent deliveries that were redeliveries (0..1), when there were any.
+
+        A high share means deliveries keep coming back: consumers die or drop their connection
+        with messages unacked, or hold deliveries back while the database is down."""
+        if self.deliver_rate is None or self.redeliver_rate is None or self.deliver_rate <= 0:
+            return None
+        return min(1.0, self.redeliver_rate / self.deliver_rate)
+
+
+@dataclass(frozen=True)
+class BrokerStatus:
+    url: str  # redacted
+    reachable: bool
+    management_api: bool = False  # whether unacked counts and rates could be read
+    queues: tuple[QueueStatus, ...] = ()
+    error: str = ""  # why the broker could not be reached
+    note: str = ""  # why the management API was not used, when it was not
+
+
+def monitored_queues(
+    specs: Iterable[ConsumerSpec], settings: MessagingSettings = messaging_settings
+) -> list[tuple[str, QueueKind, str | None]]:
+    """(queue, kind, consumer name) of every queue ``consume`` declares for ``specs``: each
+    handler's queue (an ordered consumer's partition queues), then the retry delay queues."""
+    specs = list(specs)
+    queues: list[tuple[str, QueueKind, str | None]] = [
+        (queue, "consumer", spec.name)
+        for spec in specs
+        for queue in consumer_queues(spec, settings)
+    ]
+    queues += [
+        (delay_exchange_name(d, settings), "delay", None) for d in all_delays(specs, settings)
+    ]
+    return queues
+
+
+def default_management_url(broker: str | pika.URLParameters) -> str:
+    """The management API's base URL on the broker's host (``broker``: a URL, or the
+    parameters of the node a connection reached): http on 15672, or https on 15671 for an
+    ``amqps://`` broker. Carries no credentials."""
+    params = pika.URLParameters(broker) if isinstance(broker, str) else broker
+    tls = params.ssl_options is not None
+    scheme, port = ("https", MANAGEMENT_TLS_PORT) if tls else ("http", MANAGEMENT_PORT)
+    host = f"[{params.host}]" if ":" in params.host else params.host
+    return f"{scheme}://{host}:{port}"
+
+
+def scrub(text: str, *secrets: str) -> str:
+    """``text`` with every occurrence of each secret (and its URL-quoted form) masked."""
+    for secret in secrets:
+        if not secret:
+            continue
+        for form in {secret, urllib.parse.quote(secret, safe="")}:
+            text = text.replace(form, "***")
+    return text
+
+
+def _redacted_part(url: str) -> str:
+    """What :func:`.conf.redact_url` hides of ``url``. Not always the password pika reads: in
+    a malformed URL (``amqp:///user:pw@mq``) pika may take it for the vhost, which the broker
+    then quotes in its refusal."""
+    shown = redact_url(url)
+    if shown == url:
+        return ""
+    head, _, tail = shown.partition("***")
+    return url[len(head) : len(url) - len(tail)]
+
+
+def describe_error(exc: BaseException) -> str:
+    """A one-line account of a connection error. pika's connection errors carry their cause
+    in ``args``, as exceptions whose ``str()`` may be empty: those are shown by their repr."""
+    if isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, BaseException):
+        return describe_error(exc.reason)
+    if isinstance(exc, OSError):
+        detail = str(exc)  # "[Errno 111] Connection refused"
+    else:
+        detail = "; ".join(str(arg) or repr(arg) for arg in exc.args) or str(exc)
+    detail = " ".join(detail.split())  # database drivers' messages span several lines
+    return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
+
+
+def _management_get(base_url: str, path: str, params: pika.URLParameters, timeout: float) -> Any:
+    if urllib.parse.urlsplit(base_url).scheme not in ("http", "https"):
+        raise ValueError(f"the management URL must be http(s)://, not {base_url!r}")
+    credentials = params.credentials
+    username = getattr(credentials, "username", "")
+    password = getattr(credentials, "password", "")
+    token = base64.b64encode(f"{username}:{password}".encode()).decode()
+    request = urllib.request.Request(  # noqa: S310 - the scheme is checked above
+        f"{base_url.rstrip('/')}{path}", headers={"Authorization": f"Basic {token}"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 - as above
+        return json.load(response)
+
+
+_MANAGEMENT_COLUMNS = ",".join(
+    (
+        "messages_unacknowledged",
+        "message_stats.deliver_get_details.rate",
+        "message_stats.redeliver_details.rate",
+    )
+)
+
+
+def _rate(stats: Any, key: str) -> float:
+    # A queue nothing was delivered from yet has no message_stats (or not this key): rate 0.
+    details = stats.get(key) if isinstance(stats, dict) else None
+    return float(details.get("rate", 0.0)) if isinstance(details, dict) else 0.0
+
+
+def with_management_figures(
+    queues: Iterable[QueueStatus],
+    params: pika.URLParameters,
+    base_url: str,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> tuple[QueueStatus, ...]:
+    """``queues`` with unacked counts and rates from the management API. Raises
+    ``urllib.error.URLError`` (an ``OSError``), ``http.client.HTTPException`` or ``ValueError``
+    when the API cannot be used. Its figures are samples, refreshed every few seconds."""
+    vhost = urllib.parse.quote(params.virtual_host, safe="")
+    found = []
+    for queue in queues:
+        if not queue.exists:
+            found.append(queue)
+            continue
+        quoted = urllib.parse.quote(queue.name, safe="")
+        path = f"/api/queues/{vhost}/{quoted}?columns={_MANAGEMENT_COLUMNS}"
+        try:
+            data = _management_get(base_url, path, params, timeout)
+        except urllib.error.HTTPError as exc:
+            if exc.code != NOT_FOUND:
+                raise
+            found.append(queue)  # deleted since the passive declare: nothing more to add
+            continue
+        if not isinstance(data, dict):
+            # A queue declared moments ago has no sampled figures yet, and the plugin answers
+            # an empty list for the columns asked: nothing was delivered from it yet.
+            data = {}
+        stats = data.get("message_stats")
+        found.append(
+            replace(
+                queue,
+                unacked=int(data.get("messages_unacknowledged") or 0),
+                deliver_rate=_rate(stats, "deliver_get_details"),
+                redeliver_rate=_rate(stats, "redeliver_details"),
+            )
+        )
+    return tuple(found)
+
+
+def queues_from_amqp(
+    queues: Iterable[tuple[str, QueueKind, str | None]],
+    settings: MessagingSettings = messaging_settings,
+    timeout: float = DEFAULT_TIMEOUT,
+    *,
+    leftovers_of: Iterable[ConsumerSpec] = (),
+) -> tuple[QueueStatus, ...]:
+    """Read exact ready counts and consumers with passive declares, then the queues that
+    earlier shapes of ``leftovers_of`` left behind (kind ``leftover``). Raises
+    ``pika.exceptions.AMQPConnectionError`` when no broker URL can be reached."""
+    connection = connect(settings, "messaging_status", timeout=timeout)
+    try:
+        return _queues_on(connection, queues, settings, leftovers_of)
+    finally:
+        if connection.is_open:
+            connection.close()
+
+
+def _queues_on(
+    connection: pika.BlockingConnection,
+    queues: Iterable[tuple[str, QueueKind, str | None]],
+    settings: MessagingSettings,
+    leftovers_of: Iterable[ConsumerSpec],
+) -> tuple[QueueStatus, ...]:
+    found = []
+    channel = connection.channel()
+    for name, kind, consumer in queues:
+        try:
+            with expecting_not_found():
+                method = channel.queue_declare(name, passive=True).method
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code != NOT_FOUND:
+                raise
+            # The broker closes the channel on a failed passive declare. (A classic queue
+            # whose node is down answers 404 too: it cannot be read now.)
+            channel = connection.channel()
+            found.append(QueueStatus(name, kind, consumer, exists=False))
+            continue
+        found.append(
+            QueueStatus(
+                name,
+                kind,
+                consumer,
+                exists=True,
+                ready=int(method.message_count or 0),
+                consumers=int(method.consumer_count or 0),
+            )
+        )
+    found += [
+        QueueStatus(
+            leftover.queue,
+            "leftover",
+            leftover.spec.name,
+            exists=True,
+            ready=leftover.messages,
+            consumers=leftover.consumers,
+        )
+        for leftover in find_leftovers(connection, leftovers_of, settings)
+    ]
+    return tuple(found)
+
+
+def _secrets(settings: MessagingSettings, candidates: Iterable[pika.URLParameters]) -> list[str]:
+    """Every password of the broker URLs, as pika reads it and as redact_url hides it."""
+    found = [str(getattr(params.credentials, "password", "") or "") for params in candidates]
+    return found + [_redacted_part(url) for url in settings.broker_urls]
+
+
+def broker_status(
+    specs: Iterable[ConsumerSpec] | None = None,
+    *,
+    settings: MessagingSettings = messaging_settings,
+    management_url: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> BrokerStatus:
+    """The queues of ``specs`` (default: every registered consumer) and their delay queues.
+    ``management_url`` overrides the management API's address; "" skips the API."""
+    shown = settings.broker_shown
+    try:
+        candidates = connection_parameters(settings, name="messaging_status")
+    except Exception as exc:  # noqa: BLE001 - pika raises several types for a bad URL
+        # The type only: pika's messages quote pieces of the URL, a password's among them.
+        error = f"the URL cannot be parsed ({type(exc).__name__})"
+        return BrokerStatus(shown, reachable=False, error=error)
+    secrets = _secrets(settings, candidates)
+    specs = list(registry.all() if specs is None else specs)
+    queues = monitored_queues(specs, settings)
+    try:
+        connection, params = connect_to_any(candidates, timeout=timeout)
+        try:
+            found = _queues_on(connection, queues, settings, specs)
+        finally:
+            if connection.is_open:
+                connection.close()
+    except (pika.exceptions.AMQPError, OSError) as exc:
+        detail = scrub(describe_error(exc), *secrets)
+        error = f"cannot connect to {shown}: {detail}"
+        return BrokerStatus(shown, reachable=False, error=error)
+    if management_url is None:
+        # The management API of the node that answered.
+        management_url = default_management_url(params)
+    if not management_url:
+        note = "the management API was skipped (no URL given)"
+    else:
+        # A --management-url given by hand may carry credentials of its own.
+        api = redact_url(management_url)
+        try:
+            found = with_management_figures(found, params, management_url, timeout)
+        except urllib.error.HTTPError as exc:
+            note = f"the management API at {api} answered HTTP {exc.code}"
+            if exc.code == UNAUTHORIZED:
+                note += " (its user needs the monitoring tag: rabbitmqctl set_user_tags)"
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            # URLError and timeouts are OSErrors; a port that does not speak HTTP raises an
+            # HTTPException; a body that is not JSON a ValueError.
+            detail = scrub(describe_error(exc), *secrets, _redacted_part(management_url))
+            note = f"the management API at {api} is unreachable ({detail})"
+        else:
+            return BrokerStatus(shown, reachable=True, management_api=True, queues=found)
+    return BrokerStatus(shown, reachable=True, queues=found, note=note)
+
+
+def broker_connection_error(
+    settings: MessagingSettings = messaging_settings, timeout: float = DEFAULT_TIMEOUT
+) -> str:
+    """Open and close one AMQP connection; "" when that worked, else why not. The text names
+    neither the host nor the user, and never the password: health endpoints may be public."""
+    try:
+        candidates = connection_parameters(settings, name="messaging_status")
+    except Exception as exc:  # noqa: BLE001 - pika raises several types for a bad URL
+        return f"the broker URL cannot be parsed ({type(exc).__name__})"
+    try:
+        connection, _ = connect_to_any(candidates, timeout=timeout)
+    except (pika.exceptions.AMQPError, OSError) as exc:
+        return scrub(describe_error(exc), *_secrets(settings, candidates))
+    if connection.is_open:
+        connection.close()
+    return ""

@@ -1,0 +1,336 @@
+"""The consumer's publishing side: retry copies go out on a broker connection of their own,
+from a thread of their own.
+
+A retry copy is published (with confirms and ``mandatory``) before its original is acked. Were
+it published on the connection that consumes, a resource alarm anywhere in a cluster would
+stall that connection: RabbitMQ blocks every connection that publishes while a memory or disk
+alarm lasts, and a blocked connection's acks wait with its publishes. RabbitMQ's own advice is
+to publish and consume on separate connections; this module is that separation. While the
+broker blocks the publishing connection, only the deliveries waiting for a retry copy wait
+(unacked); every other delivery is handled and acked as usual. The block is logged, counted in
+``reliable_messaging_consumer_blocked`` and named in ``/healthz`` (as a note: the process is
+working, restarting it would not help).
+
+A copy the broker refuses (unroutable: its delay queue missing, or on a node that is down; or
+nacked) is published again with backoff while its original stays unacked: requeueing the
+original at once would spin on it, and on a quorum queue every requeue counts toward the
+delivery limit. Past the hold bound (half of ``BROKER_CONSUMER_TIMEOUT``) the original is given
+back to its queue, once. A connection lost mid-publish is made again (to another node of
+``BROKER_URL`` when there are several) and the copy published again: the inbox makes a copy
+that went out twice harmless.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pika
+import pika.exceptions
+from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
+from pika.spec import BasicProperties
+
+from .. import metrics
+from ..conf import MessagingSettings, messaging_settings
+from ..core.backoff import Backoff
+from .topology import CONNECTION_ERRORS, connect
+
+logger = logging.getLogger(__name__)
+
+NOT_FOUND = 404
+# Backoff of a copy the broker refused, while its original stays unacked.
+REFUSED_FIRST_DELAY = 1.0
+# A publish waiting this long for its confirm is shown as blocked (see refresh).
+STALL_AFTER = 5.0
+# The longest the thread sleeps in the broker's I/O loop between two looks at its jobs.
+TICK = 0.2
+
+
+@dataclass
+class RetryCopy:
+    """One copy to publish, and what to do once it is placed (or cannot be)."""
+
+    exchange: str
+    routing_key: str
+    body: bytes
+    properties: BasicProperties
+    message_id: str
+    # When the original arrived (monotonic): the hold bound counts from it.
+    received: float
+    # Called on the publisher's thread: the broker confirmed the copy (ack the original).
+    placed: Callable[[], None]
+    # Called on the publisher's thread: no copy could be placed in time (requeue the original).
+    give_back: Callable[[], None]
+    # Whether the copy is still wanted: False once the original's connection is gone (the
+    # broker redelivers it then, and a copy would only add a twin).
+    wanted: Callable[[], bool] = lambda: True
+
+
+@dataclass(order=True)
+class _Job:
+    ready_at: float
+    seq: int
+    copy: RetryCopy = field(compare=False)
+    refusals: int = field(compare=False, default=0)
+
+
+class RetryPublisher:
+    """Publishes :class:`RetryCopy` values from a daemon thread over a connection of its own,
+    opened at the first copy and kept (heartbeats served) until :meth:`stop`."""
+
+    def __init__(
+        self,
+        settings: MessagingSettings = messaging_settings,
+        *,
+        health: metrics.HealthState | None = None,
+        on_missing: Callable[[str], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.health = health
+        # Told the name of a delay exchange the broker says does not exist (deleted by hand,
+        # or lost with a node), so the consumer declares its topology again.
+        self.on_missing = on_missing
+        self._lock = threading.Lock()
+        self._jobs: list[_Job] = []
+        self._seq = itertools.count()
+        self._busy = 0  # jobs taken from the heap and not yet finished
+        self._stopping = threading.Event()
+        self._wake = threading.Event()
+        self._connection: BlockingConnection | None = None
+        self._channel: BlockingChannel | None = None
+        self._reconnect = Backoff(0.5, settings.reconnect_max_delay)
+        self._blocked = False
+        self._reason = ""
+        # When the publish under way began (monotonic), else None; and what is shown now.
+        self._publishing_since: float | None = None
+        self._shown: str | None = None
+        self._show_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="rm-retry-publisher", daemon=True)
+
+    # -- any thread ------------------------------------------------------------------------------
+
+    def start(self) -> RetryPublisher:
+        self._thread.start()
+        return self
+
+    def submit(self, copy: RetryCopy) -> None:
+        self._add(_Job(time.monotonic(), next(self._seq), copy))
+
+    def pending(self) -> int:
+        """Copies submitted and not yet placed, given back or dropped."""
+        with self._lock:
+            return len(self._jobs) + self._busy
+
+    @property
+    def blocked(self) -> bool:
+        return self._blocked
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop; copies not yet placed are dropped (their originals stay unacked, and the
+        broker redelivers them when the consuming connection closes)."""
+        self._stopping.set()
+        self._poke()
+        self._thread.join(timeout)
+        left = self.pending()
+        if left:
+            logger.warning(
+                "stopping with %d retry cop%s not placed; the broker redelivers their originals",
+                left,
+                "y" if left == 1 else "ies",
+            )
+
+    def _add(self, job: _Job) -> None:
+        with self._lock:
+            heapq.heappush(self._jobs, job)
+        self._poke()
+
+    def _poke(self) -> None:
+        self._wake.set()
+        connection = self._connection
+        if connection is not None:
+            try:
+                # Wakes the publisher's thread out of process_data_events at once.
+                connection.add_callback_threadsafe(lambda: None)
+            except Exception:  # closed meanwhile: the thread wakes by its tick
+                logger.debug("could not wake the retry publisher", exc_info=True)
+
+    # -- the publisher's thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                job = self._take_ready()
+                if job is None:
+                    self._idle()
+                    continue
+                try:
+                    self._publish(job)
+                finally:
+                    self._publishing_since = None
+                    with self._lock:
+                        self._busy -= 1
+        finally:
+            self._disconnect()
+
+    def _take_ready(self) -> _Job | None:
+        with self._lock:
+            if self._jobs and self._jobs[0].ready_at <= time.monotonic():
+                self._busy += 1
+                return heapq.heappop(self._jobs)
+            return None
+
+    def _idle(self) -> None:
+        with self._lock:
+            wait = TICK
+            if self._jobs:
+                wait = max(0.0, min(wait, self._jobs[0].ready_at - time.monotonic()))
+        self._wake.clear()
+        connection = self._connection
+        if connection is not None and connection.is_open:
+            try:
+                connection.process_data_events(time_limit=wait)
+                return
+            except CONNECTION_ERRORS as exc:
+                logger.warning("retry publisher: broker connection lost (%s)", exc)
+                self._disconnect()
+        self._wake.wait(wait)
+
+    def _publish(self, job: _Job) -> None:
+        copy = job.copy
+        if not copy.wanted():
+            return  # the original's connection is gone: the broker redelivers it
+        try:
+            channel = self._open_channel()
+            self._publishing_since = time.monotonic()
+            channel.basic_publish(
+                exchange=copy.exchange,
+                routing_key=copy.routing_key,
+                body=copy.body,
+                properties=copy.properties,
+                mandatory=True,
+            )
+        except (pika.exceptions.UnroutableError, pika.exceptions.NackError) as exc:
+            self._publishing_since = None
+            self._refused(job, exc)
+            return
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            self._channel = None
+            if exc.reply_code == NOT_FOUND and self.on_missing is not None:
+                self.on_missing(copy.exchange)
+            self._again(job, exc, self._reconnect.next())
+            return
+        except CONNECTION_ERRORS as exc:
+            self._disconnect()
+            self._again(job, exc, self._reconnect.next())
+            return
+        except Exception as exc:  # never die: the originals would wait forever
+            logger.exception("retry publisher: unexpected error publishing a retry copy")
+            self._disconnect()
+            self._again(job, exc, self._reconnect.next())
+            return
+        self._reconnect.reset()
+        copy.placed()
+
+    def _refused(self, job: _Job, exc: Exception) -> None:
+        refusals = job.refusals + 1
+        delay = min(REFUSED_FIRST_DELAY * 2 ** (refusals - 1), self.settings.reconnect_max_delay)
+        logger.error(
+            "message_id=%s: the broker refused the retry copy (%s); the original stays unacked "
+            "and the copy is published again in %.1fs (refusal %d)",
+            job.copy.message_id,
+            type(exc).__name__,
+            delay,
+            refusals,
+        )
+        self._again(job, exc, delay, refusals)
+
+    def _again(self, job: _Job, exc: BaseException, delay: float, refusals: int = 0) -> None:
+        copy = job.copy
+        held = time.monotonic() - copy.received
+        if self._stopping.is_set():
+            return
+        if held + delay > self.settings.max_hold_seconds:
+            logger.error(
+                "message_id=%s: no retry copy could be placed in %.0fs (%s); giving the "
+                "original back to its queue",
+                copy.message_id,
+                held,
+                exc,
+            )
+            copy.give_back()
+            return
+        with self._lock:
+            heapq.heappush(
+                self._jobs,
+                _Job(time.monotonic() + delay, next(self._seq), copy, refusals or job.refusals),
+            )
+
+    def _open_channel(self) -> BlockingChannel:
+        if self._channel is not None and self._channel.is_open:
+            return self._channel
+        if self._connection is None or not self._connection.is_open:
+            self._disconnect()
+            self._connection = connect(
+                self.settings, name=f"consume pid={os.getpid()} retry copies"
+            )
+            self._connection.add_on_connection_blocked_callback(self._on_blocked)
+            self._connection.add_on_connection_unblocked_callback(self._on_unblocked)
+        self._channel = self._connection.channel()
+        # A copy must be in its delay queue before the original is acked.
+        self._channel.confirm_delivery()
+        return self._channel
+
+    def _on_blocked(self, connection: object, frame: object) -> None:
+        reason = getattr(getattr(frame, "method", None), "reason", "") or "a resource alarm"
+        self._set_blocked(True, str(reason))
+
+    def _on_unblocked(self, connection: object, frame: object) -> None:
+        self._set_blocked(False)
+
+    def _set_blocked(self, blocked: bool, reason: str = "") -> None:
+        self._blocked = blocked
+        self._reason = reason
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Show a block in the metrics and ``/healthz``. pika's blocking adapter tells of a
+        block only once the publish that met it returns, so a publish waiting longer than
+        STALL_AFTER for its confirm counts as blocked too. Called from the consumer's loop."""
+        since = self._publishing_since
+        waited = time.monotonic() - since if since is not None else 0.0
+        text = None
+        if self._blocked:
+            text = f"the broker blocks publishing ({self._reason}): retry copies wait"
+        elif waited > STALL_AFTER:
+            text = (
+                f"a retry copy has waited {waited:.0f}s for the broker's confirm (a resource "
+                f"alarm blocking publishers?): retry copies wait"
+            )
+        with self._show_lock:
+            if (text is None) == (self._shown is None):
+                if text is not None and self.health is not None:
+                    self.health.note("publish_blocked", text)
+                return
+            self._shown = text
+        if text is not None:
+            logger.warning("%s; every other delivery is handled and acked as usual", text)
+        else:
+            logger.warning("publishing works again: retry copies go out")
+        metrics.consumer_blocked(text is not None)
+        if self.health is not None:
+            self.health.note("publish_blocked", text)
+
+    def _disconnect(self) -> None:
+        connection, self._connection, self._channel = self._connection, None, None
+        self._set_blocked(False)
+        if connection is not None and connection.is_open:
+            try:
+                connection.close()
+            except Exception:  # closing a broken connection: nothing to keep
+                logger.debug("closing the retry publisher's connection failed", exc_info=True)

@@ -1,0 +1,461 @@
+"""Names and declaration of the broker objects: exchanges, consumer queues, delay queues.
+
+Retries are delayed without any plugin: each delay value has a fanout exchange and a queue with
+that message TTL whose dead-letter exchange is the default exchange (""). A retry copy is
+published to the delay exchange with the failed consumer's queue name as routing key; when its
+TTL expires the broker dead-letters it to the default exchange under that same routing key, so
+it lands in that one queue only, never with the routing key's other subscribers. One queue per
+delay value keeps every message in a queue with a uniform TTL, so none waits behind a longer one.
+
+Ordered consumers (``@consumer(..., ordered=True)``) get no queue of their own name. Their
+bindings lead from the topic exchange to a consistent-hash exchange ``<queue>.partitions``, which
+hashes the ``x-rm-ordering-key`` header onto ``ORDERED_PARTITIONS`` queues ``<queue>.p0`` ...
+Each partition queue has ``x-single-active-consumer``: however many consume processes run, one
+of them receives a partition at a time, in order, and the others stand by to take over. So one
+key is always handled by one process, one message after the other, while keys in different
+partitions run in parallel. Messages without an ordering key all hash alike (one partition).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pika
+import pika.exceptions
+from pika.adapters.blocking_connection import BlockingChannel
+
+from ..conf import MessagingSettings, messaging_settings
+from ..core.envelope import ORDERING_KEY_HEADER
+from ..core.retry import delay_name
+from ..exceptions import TopologyMismatchError
+from ..registry import ConsumerSpec
+
+logger = logging.getLogger(__name__)
+
+NOT_FOUND = 404
+PRECONDITION_FAILED = 406
+# Errors after which a connection (or its channel) is gone and a new one must be made.
+CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    pika.exceptions.AMQPConnectionError,
+    pika.exceptions.AMQPChannelError,
+    pika.exceptions.StreamLostError,
+    pika.exceptions.ConnectionWrongStateError,
+    pika.exceptions.ChannelWrongStateError,
+    ConnectionError,
+    OSError,
+)
+COMMAND_INVALID = 503
+HASH_EXCHANGE_PLUGIN = "rabbitmq_consistent_hash_exchange"
+
+
+def delay_exchange_name(delay: float, settings: MessagingSettings = messaging_settings) -> str:
+    return f"{settings.exchange}.delay.{delay_name(delay)}"
+
+
+def consumer_exchange(spec: ConsumerSpec, settings: MessagingSettings = messaging_settings) -> str:
+    return spec.exchange or settings.exchange
+
+
+def partition_exchange(spec: ConsumerSpec) -> str:
+    return f"{spec.queue}.partitions"
+
+
+def consumer_queues(
+    spec: ConsumerSpec, settings: MessagingSettings = messaging_settings
+) -> list[str]:
+    """The queues ``spec`` consumes: its own, or an ordered consumer's partitions."""
+    if not spec.ordered:
+        return [spec.queue]
+    return [f"{spec.queue}.p{index}" for index in range(settings.ordered_partitions)]
+
+
+def dead_letter_queue(spec: ConsumerSpec) -> str:
+    """Quorum queues only: where the broker dead-letters a message of ``spec``'s queues that
+    reached ``x-delivery-limit``; the consumer ingests it as a ``delivery_limit`` dead letter."""
+    return f"{spec.queue}.dead"
+
+
+def queue_arguments(
+    settings: MessagingSettings = messaging_settings,
+    *,
+    ordered: bool = False,
+    dead_letter_to: str | None = None,
+) -> dict[str, Any]:
+    arguments: dict[str, Any] = {}
+    if settings.queue_type == "quorum":
+        # The broker's own guard against poison loops that never reach a handler's outcome
+        # (a process crashing on the message before it can ack). Past the limit it would drop
+        # the message; with a dead-letter target it moves it there instead, never silently.
+        arguments["x-queue-type"] = "quorum"
+        arguments["x-delivery-limit"] = settings.quorum_delivery_limit
+        if dead_letter_to is not None:
+            arguments["x-dead-letter-exchange"] = ""
+            arguments["x-dead-letter-routing-key"] = dead_letter_to
+    if ordered:
+        arguments["x-single-active-consumer"] = True
+    return arguments
+
+
+def all_delays(
+    specs: Iterable[ConsumerSpec], settings: MessagingSettings = messaging_settings
+) -> list[float]:
+    delays = set(settings.retry_delays)
+    for spec in specs:
+        delays.update(spec.retry_delays or ())
+    return sorted(delays)
+
+
+def _mismatch(
+    kind: str, name: str, exc: pika.exceptions.ChannelClosedByBroker, wanted: dict[str, Any]
+) -> Exception:
+    if exc.reply_code != PRECONDITION_FAILED:
+        return exc
+    queue_type = "quorum" if wanted.get("x-queue-type") == "quorum" else "classic"
+    hint = ""
+    if "x-queue-type" in str(exc.reply_text):
+        hint = (
+            f" A queue's type cannot change in place: to move to {queue_type} queues, run the "
+            f"consumers with the old QUEUE_TYPE until the queue is empty (stop the relay "
+            f"first, or bind a new queue and let the old one drain), then delete the queue and "
+            f"start with QUEUE_TYPE={queue_type!r}."
+        )
+    return TopologyMismatchError(
+        f"The broker already has {kind} {name!r} declared with other arguments than these "
+        f"settings ask for ({wanted or 'no arguments'}): {exc.reply_text}.{hint} Either make "
+        f"the settings match the existing {kind}, or migrate: stop its consumers, drain it, "
+        f"delete it (rabbitmqctl delete_queue / delete_exchange {name}) and start again so it "
+        f"is declared afresh."
+    )
+
+
+def _missing_plugin(exc: pika.exceptions.ConnectionClosedByBroker) -> Exception:
+    if exc.reply_code != COMMAND_INVALID or "exchange type" not in str(exc.reply_text):
+        return exc
+    return TopologyMismatchError(
+        f"Ordered consumers need RabbitMQ's consistent-hash exchange ({exc.reply_text}). "
+        f"Enable it on every node: rabbitmq-plugins enable {HASH_EXCHANGE_PLUGIN}"
+    )
+
+
+@dataclass
+class Declared:
+    """What :func:`declare_topology` did: ``channel`` is open (the one given, or a new one where
+    the broker closed that one), ``unavailable`` names each queue the broker could not declare
+    or bind now, with why (a classic queue whose node is down answers 404)."""
+
+    channel: BlockingChannel
+    unavailable: dict[str, str] = field(default_factory=dict)
+
+
+class _Declarer:
+    """Declares on one channel, opening a new one when the broker closes it over a queue it
+    cannot serve now (404: a classic queue whose home node is down): that queue is noted
+    unavailable and the rest is declared. Any other refusal is the connection's failure."""
+
+    def __init__(self, channel: BlockingChannel, known: Collection[str] = ()) -> None:
+        self.channel = channel
+        self.unavailable: dict[str, str] = {}
+        # Already reported unavailable: tried again quietly.
+        self.known = frozenset(known)
+
+    def queue(
+        self,
+        kind: str,
+        name: str,
+        wanted: dict[str, Any],
+        declare: Callable[[BlockingChannel], object],
+    ) -> bool:
+        """Run ``declare`` for queue ``name``; False when the queue is unavailable now."""
+        try:
+            declare(self.channel)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code == PRECONDITION_FAILED:
+                raise _mismatch(kind, name, exc, wanted) from exc
+            if exc.reply_code != NOT_FOUND:
+                raise  # refused (403), locked (405)...: the broker's answer for every queue
+            self.channel = self.channel.connection.channel()
+            self.unavailable[name] = f"{exc.reply_code} {exc.reply_text}"
+            log = logger.debug if name in self.known else logger.warning
+            log(
+                "%s %s cannot be declared now (%s %s); the other queues are consumed and it "
+                "is tried again",
+                kind,
+                name,
+                exc.reply_code,
+                exc.reply_text,
+            )
+            return False
+        return True
+
+
+def declare_topology(
+    channel: BlockingChannel,
+    specs: Iterable[ConsumerSpec],
+    settings: MessagingSettings = messaging_settings,
+    *,
+    known_unavailable: Collection[str] = (),
+) -> Declared:
+    """Declare (idempotently) everything the given consumers need. A declaration that conflicts
+    with what the broker has raises :class:`TopologyMismatchError` saying what differs; a
+    queue the broker cannot serve now (its node down) is left out and named in the result, so
+    the consumer can consume the rest and try it again."""
+    specs = list(specs)
+    for exchange in sorted({consumer_exchange(s, settings) for s in specs} | {settings.exchange}):
+        try:
+            channel.exchange_declare(exchange, exchange_type="topic", durable=True)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            raise _mismatch("exchange", exchange, exc, {"type": "topic"}) from exc
+    declarer = _Declarer(channel, known_unavailable)
+    for spec in specs:
+        dead_letter_to = _declare_dead_letter_queue(declarer, spec, settings)
+        if spec.ordered:
+            _declare_partitions(declarer, spec, settings, dead_letter_to)
+            continue
+        arguments = _arguments_the_broker_takes(
+            declarer.channel, spec.queue, queue_arguments(settings, dead_letter_to=dead_letter_to)
+        )
+
+        def declare(
+            channel: BlockingChannel,
+            spec: ConsumerSpec = spec,
+            arguments: dict[str, Any] = arguments,
+        ) -> None:
+            channel.queue_declare(spec.queue, durable=True, arguments=arguments)
+            for binding in spec.bindings:
+                channel.queue_bind(spec.queue, consumer_exchange(spec, settings), binding)
+
+        declarer.queue("queue", spec.queue, arguments, declare)
+    for delay in all_delays(specs, settings):
+        _declare_delay_queue(declarer, delay, settings)
+    log = logger.debug if declarer.unavailable and declarer.known else logger.info
+    log(
+        "declared topology: %d queue(s), %d delay queue(s)%s",
+        sum(len(consumer_queues(spec, settings)) for spec in specs),
+        len(all_delays(specs, settings)),
+        f"; not available now: {', '.join(sorted(declarer.unavailable))}"
+        if declarer.unavailable
+        else "",
+    )
+    return Declared(declarer.channel, declarer.unavailable)
+
+
+def delay_queue_arguments(
+    delay: float, settings: MessagingSettings = messaging_settings
+) -> dict[str, Any]:
+    """A delay queue: messages expire after ``delay`` into the default exchange, under the
+    routing key they were published with (the failed consumer's queue).
+
+    With ``QUEUE_TYPE = "quorum"`` the delay queues are quorum queues too, so a retry waiting
+    in one survives the loss of any one node, and their dead-lettering is at-least-once: the
+    broker keeps an expired message until the consumer's queue has confirmed it (RabbitMQ
+    3.10+, which needs ``x-overflow: reject-publish`` for it), never dropping it on the way.
+    """
+    arguments: dict[str, Any] = {
+        "x-message-ttl": round(delay * 1000),
+        "x-dead-letter-exchange": "",
+    }
+    if settings.queue_type == "quorum":
+        arguments["x-queue-type"] = "quorum"
+        arguments["x-dead-letter-strategy"] = "at-least-once"
+        arguments["x-overflow"] = "reject-publish"
+    return arguments
+
+
+def _declare_delay_queue(declarer: _Declarer, delay: float, settings: MessagingSettings) -> None:
+    name = delay_exchange_name(delay, settings)
+    arguments = delay_queue_arguments(delay, settings)
+    try:
+        declarer.channel.exchange_declare(name, exchange_type="fanout", durable=True)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        raise _mismatch("delay exchange", name, exc, {"type": "fanout"}) from exc
+    probe = declarer.channel.connection.channel()
+    try:
+        probe.queue_declare(name, durable=True, arguments=arguments)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        if exc.reply_code != PRECONDITION_FAILED:
+            declarer.queue(
+                "delay queue",
+                name,
+                arguments,
+                lambda channel: channel.queue_declare(name, durable=True, arguments=arguments),
+            )
+        else:
+            # Declared by an older version (or under the other QUEUE_TYPE); its name fixes its
+            # TTL, so only the type and its dead-lettering can differ. Its messages wait a few
+            # seconds at most: keep using it rather than refuse to start, and say how to move
+            # it to the wanted type.
+            logger.warning(
+                "delay queue %s exists with other arguments than QUEUE_TYPE=%r asks for (%s); "
+                "it is used as it is. To replace it: unbind it from exchange %s (management UI or "
+                "rabbitmqadmin), wait %ss for it to empty, delete it, and restart a consumer, "
+                "which declares it afresh",
+                name,
+                settings.queue_type,
+                exc.reply_text,
+                name,
+                delay,
+            )
+            declarer.queue(
+                "delay queue",
+                name,
+                arguments,
+                lambda channel: channel.queue_declare(name, passive=True),
+            )
+    else:
+        if probe.is_open:
+            probe.close()
+    if name not in declarer.unavailable:
+        declarer.queue(
+            "delay queue", name, arguments, lambda channel: channel.queue_bind(name, name)
+        )
+
+
+def _declare_dead_letter_queue(
+    declarer: _Declarer, spec: ConsumerSpec, settings: MessagingSettings
+) -> str | None:
+    if settings.queue_type != "quorum":
+        return None
+    name = dead_letter_queue(spec)
+    arguments = {"x-queue-type": "quorum"}
+    declarer.queue(
+        "dead-letter queue",
+        name,
+        arguments,
+        lambda channel: channel.queue_declare(name, durable=True, arguments=arguments),
+    )
+    # Named as the target even when unavailable now: a queue's arguments are fixed at its
+    # first declaration, and the broker routes to the target once it exists.
+    return name
+
+
+def _arguments_the_broker_takes(
+    channel: BlockingChannel, queue: str, arguments: dict[str, Any]
+) -> dict[str, Any]:
+    """``arguments``, or without the dead-letter target when ``queue`` already exists without
+    one (declared by an older version): a queue's arguments cannot change in place, and
+    refusing to start would be worse than running without the target. Tried on a channel of
+    its own, since the broker closes the channel that declares a queue differently."""
+    if "x-dead-letter-routing-key" not in arguments:
+        return arguments
+    probe = channel.connection.channel()
+    try:
+        probe.queue_declare(queue, durable=True, arguments=arguments)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        if exc.reply_code != PRECONDITION_FAILED or "x-dead-letter" not in str(exc.reply_text):
+            return arguments  # another mismatch: the real declaration reports it
+        logger.warning(
+            "queue %s exists without a dead-letter target: a message that reaches its "
+            "x-delivery-limit would be dropped by the broker. Give it one with a policy "
+            "(rabbitmqctl set_policy --apply-to queues <name> '^%s$' "
+            '\'{"dead-letter-exchange":"","dead-letter-routing-key":"%s"}\'), or drain '
+            "and delete it so that it is declared afresh",
+            queue,
+            queue,
+            arguments["x-dead-letter-routing-key"],
+        )
+        return {
+            k: v
+            for k, v in arguments.items()
+            if k not in ("x-dead-letter-exchange", "x-dead-letter-routing-key")
+        }
+    else:
+        if probe.is_open:
+            probe.close()
+    return arguments
+
+
+def _declare_partitions(
+    declarer: _Declarer,
+    spec: ConsumerSpec,
+    settings: MessagingSettings,
+    dead_letter_to: str | None = None,
+) -> None:
+    exchange = partition_exchange(spec)
+    hashing = {"hash-header": ORDERING_KEY_HEADER}
+    channel = declarer.channel
+    try:
+        channel.exchange_declare(
+            exchange, exchange_type="x-consistent-hash", durable=True, arguments=hashing
+        )
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        raise _mismatch("exchange", exchange, exc, hashing) from exc
+    except pika.exceptions.ConnectionClosedByBroker as exc:
+        raise _missing_plugin(exc) from exc
+    for binding in spec.bindings:
+        channel.exchange_bind(exchange, consumer_exchange(spec, settings), routing_key=binding)
+    for queue in consumer_queues(spec, settings):
+        arguments = _arguments_the_broker_takes(
+            declarer.channel,
+            queue,
+            queue_arguments(settings, ordered=True, dead_letter_to=dead_letter_to),
+        )
+
+        def declare(
+            channel: BlockingChannel, queue: str = queue, arguments: dict[str, Any] = arguments
+        ) -> None:
+            channel.queue_declare(queue, durable=True, arguments=arguments)
+            # Equal weights: the binding key of a consistent-hash exchange is the queue's weight.
+            channel.queue_bind(queue, exchange, routing_key="1")
+
+        declarer.queue("queue", queue, arguments, declare)
+
+
+def broker_host(url: str) -> str:
+    """The host a broker URL names, as pika reads it ("" for none). Raises what pika raises for
+    a URL it cannot parse (several types, whose messages may quote pieces of the URL)."""
+    return str(pika.URLParameters(url).host or "")
+
+
+def connection_parameters(
+    settings: MessagingSettings = messaging_settings, name: str = "reliable_messaging"
+) -> list[pika.URLParameters]:
+    """One set of connection parameters per broker URL, in a new random order each call, so
+    that the processes of a deployment spread over a cluster's nodes and each connect tries
+    the nodes in a different order. Raises ValueError (or another pika error) for a URL pika
+    cannot parse; the system checks report those first."""
+    found = []
+    for url in settings.broker_urls:
+        params = pika.URLParameters(url)
+        params.heartbeat = settings.heartbeat
+        params.blocked_connection_timeout = 300
+        params.connection_attempts = 1
+        params.client_properties = {"connection_name": name}
+        found.append(params)
+    if not found:
+        raise ValueError("BROKER_URL holds no URL")
+    random.shuffle(found)
+    return found
+
+
+def connect(
+    settings: MessagingSettings = messaging_settings,
+    name: str = "reliable_messaging",
+    *,
+    timeout: float | None = None,
+) -> pika.BlockingConnection:
+    """A blocking connection to the first broker URL that answers, tried in a random order.
+    ``timeout`` bounds the TCP connect and the AMQP handshake of each. Raises the last
+    error when none answers."""
+    return connect_to_any(connection_parameters(settings, name), timeout=timeout)[0]
+
+
+def connect_to_any(
+    candidates: list[pika.URLParameters], *, timeout: float | None = None
+) -> tuple[pika.BlockingConnection, pika.URLParameters]:
+    """The connection and the parameters it was opened with (so a caller knows the node)."""
+    error: BaseException | None = None
+    for params in candidates:
+        if timeout is not None:
+            params.socket_timeout = timeout
+            params.stack_timeout = timeout
+        try:
+            return pika.BlockingConnection(params), params
+        except (pika.exceptions.AMQPConnectionError, OSError) as exc:
+            error = exc
+            logger.debug("broker %s:%s refused: %r", params.host, params.port, exc)
+    assert error is not None
+    raise error

@@ -1,0 +1,119 @@
+"""The consumer's seam around the broker: what its connection thread asks of a connection.
+
+:class:`~reliable_messaging.consuming.connection.ConnectionThread` talks to the broker only
+through these protocols, so the same consumer runs over pika (:mod:`.pika_transport`, the
+default) or over the in-memory twin of :mod:`.testing_broker`, on which batching, ack
+coalescing and held partitions are tested without RabbitMQ. The shapes follow pika's
+``BlockingConnection``/``BlockingChannel`` (a delivery callback receives the channel, a frame
+with ``delivery_tag``/``redelivered``/``exchange``/``routing_key``, properties and the body),
+plus the few steps that are more than one AMQP method: declaring the topology, retiring
+leftover queues, closing a channel without cancelling its consumers, and the publisher of
+retry copies (a connection and a thread of its own, see :mod:`.retry_publisher`).
+
+Threading is pika's: every method runs on the connection's thread except
+:meth:`BrokerConnection.add_callback_threadsafe`, which is how the workers hand outcomes back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from .. import metrics
+    from ..conf import MessagingSettings
+    from ..registry import ConsumerSpec
+    from .retry_publisher import RetryCopy
+
+# (channel, method frame, properties, body), as pika calls a consumer.
+OnMessage = Callable[[Any, Any, Any, bytes], None]
+
+
+class BrokerChannel(Protocol):
+    """One channel of a :class:`BrokerConnection`."""
+
+    @property
+    def channel_number(self) -> int: ...
+
+    @property
+    def is_open(self) -> bool: ...
+
+    def basic_qos(self, prefetch_count: int) -> None: ...
+
+    def basic_consume(self, queue: str, on_message_callback: OnMessage) -> str: ...
+
+    def basic_cancel(self, consumer_tag: str) -> object: ...
+
+    def basic_ack(self, delivery_tag: int = 0, multiple: bool = False) -> None: ...
+
+    def basic_nack(
+        self, delivery_tag: int = 0, multiple: bool = False, requeue: bool = True
+    ) -> None: ...
+
+    def add_on_cancel_callback(self, callback: Callable[[Any], None]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class BrokerConnection(Protocol):
+    """One consuming connection."""
+
+    @property
+    def is_open(self) -> bool: ...
+
+    def channel(self) -> BrokerChannel: ...
+
+    def process_data_events(self, time_limit: float) -> None:
+        """Serve the connection (deliveries, callbacks, heartbeats) for up to ``time_limit``s."""
+
+    def add_callback_threadsafe(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the connection's thread; raises once the connection is gone."""
+
+    def close(self) -> None: ...
+
+    def declare_topology(
+        self, specs: Sequence[ConsumerSpec], known_unavailable: Collection[str] = ()
+    ) -> tuple[BrokerChannel, dict[str, str]]:
+        """Declare what ``specs`` need; an open channel and the queues that cannot be
+        declared now (their node down), with why."""
+
+    def retire_leftovers(self, specs: Sequence[ConsumerSpec]) -> None:
+        """Retire the queues ``specs`` left behind (see :mod:`.leftovers`)."""
+
+    def close_keeping_consumers(self, channel: BrokerChannel) -> None:
+        """Close ``channel`` without cancelling its consumers first, so the broker requeues
+        what it held in place before it activates a standby consumer (ordered stop)."""
+
+
+class RetryPublishing(Protocol):
+    """Publishes retry copies with confirms, from a thread and connection of its own."""
+
+    def start(self) -> object: ...
+
+    def submit(self, copy: RetryCopy) -> None: ...
+
+    def pending(self) -> int: ...
+
+    def refresh(self) -> None: ...
+
+    def stop(self, timeout: float = 5.0) -> None: ...
+
+
+class BrokerTransport(Protocol):
+    """Opens consuming connections and retry publishers."""
+
+    # What a lost or refused connection raises: the service reconnects on these.
+    connection_errors: tuple[type[BaseException], ...]
+
+    def connect(self, settings: MessagingSettings, name: str) -> BrokerConnection: ...
+
+    def retry_publisher(
+        self,
+        settings: MessagingSettings,
+        *,
+        health: metrics.HealthState | None,
+        on_missing: Callable[[str], None],
+    ) -> RetryPublishing: ...
+
+    def retry_properties(self, original: Any, headers: Mapping[str, Any]) -> Any:
+        """The properties of a retry copy of a delivery that came with ``original``."""

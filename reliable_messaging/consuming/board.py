@@ -1,0 +1,140 @@
+"""What passes between the consumer's connection thread and its worker threads.
+
+The connection thread turns each delivery into a :class:`DeliveryWork` and leaves it on the
+:class:`WorkBoard`; a worker takes a batch of them, decides them, and hands the outcomes back
+to the connection thread, which acks, nacks or publishes a retry copy on the :class:`Link` the
+delivery came on. Deliveries are tied to that link: after a reconnect, outcomes of the old link
+are dropped (the broker redelivers those messages, and the inbox recognises any that did
+commit).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..broker.transport import BrokerChannel, BrokerConnection
+from ..core.envelope import Delivery
+from ..core.outcomes import RetryInPlace
+from ..registry import ConsumerSpec
+from .processing import with_attempt
+
+
+@dataclass
+class Link:
+    """One broker connection and what was received on it."""
+
+    connection: BrokerConnection
+    channels: list[BrokerChannel] = field(default_factory=list)
+    # Deliveries handed to the workers and not yet settled (any thread, under ``lock``).
+    in_flight: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    # Delivery tags received and not yet acked or nacked, per channel number, oldest first.
+    # Only the connection's thread touches it (it receives and settles).
+    unsettled: dict[int, dict[int, None]] = field(default_factory=dict)
+    # What the broker did to a channel (closed it, cancelled a consumer), noticed by the loop.
+    lost: str | None = None
+    # The consumers: (channel, consumer tag, queue, callback), updated when re-subscribed.
+    consumers: list[tuple[BrokerChannel, str, str, Callable[..., None]]] = field(
+        default_factory=list
+    )
+    # The shared channel starts at a prefetch of 1 and is opened up to PREFETCH at the first
+    # fresh delivery (see ConnectionThread.open_up).
+    cautious: bool = True
+    open_up: bool = False
+    # Ordered channels being closed by a graceful stop: what they hold goes back in order.
+    closing: set[int] = field(default_factory=set)
+    # Queues the broker could not declare at connect (their node down): tried again now and
+    # then, and consumed once they can be.
+    unavailable: dict[str, str] = field(default_factory=dict)
+    retry_topology_at: float = 0.0
+
+    def forget(self, channel: BrokerChannel, tag: int) -> None:
+        self.unsettled.get(channel.channel_number, {}).pop(tag, None)
+
+    @property
+    def open(self) -> bool:
+        return self.connection.is_open and all(c.is_open for c in self.channels)
+
+
+@dataclass(frozen=True)
+class DeliveryWork:
+    """One delivery waiting for (or under) a worker, with where to settle it."""
+
+    link: Link
+    channel: BrokerChannel
+    spec: ConsumerSpec
+    delivery: Delivery
+    properties: Any
+    received: float = field(default_factory=time.monotonic)
+    # From the consumer's dead-letter queue (quorum x-delivery-limit), not a delivery to handle.
+    from_dead_letter_queue: bool = False
+
+    def again(self, retry: RetryInPlace) -> DeliveryWork:
+        """The same delivery, for its in-place retry."""
+        return DeliveryWork(
+            self.link,
+            self.channel,
+            self.spec,
+            with_attempt(self.delivery, retry),
+            self.properties,
+            self.received,
+        )
+
+    @property
+    def suspect(self) -> bool:
+        """Came back after its consumer went away: handled alone, under the crash guard."""
+        return self.delivery.redelivered and not self.from_dead_letter_queue
+
+
+@dataclass
+class HeldPartition:
+    """A partition waiting for its first delivery's in-place retry: nothing of it runs before."""
+
+    ready_at: float
+    items: list[DeliveryWork]
+
+
+class WorkBoard:
+    """Where the connection's thread leaves deliveries for the workers: one lane per worker
+    (the ordered partitions tied to it, in arrival order) and one lane any worker may take."""
+
+    def __init__(self, workers: int) -> None:
+        self._cond = threading.Condition()
+        self._own: list[collections.deque[DeliveryWork]] = [
+            collections.deque() for _ in range(workers)
+        ]
+        self._shared: collections.deque[DeliveryWork] = collections.deque()
+        self.closed = False
+
+    def put(self, item: DeliveryWork, worker: int | None) -> None:
+        with self._cond:
+            (self._shared if worker is None else self._own[worker]).append(item)
+            self._cond.notify_all()
+
+    def take(self, worker: int, limit: int, timeout: float) -> list[DeliveryWork]:
+        """Up to ``limit`` items: the worker's own first, then shared ones. Waits at most
+        ``timeout`` seconds for the first."""
+        with self._cond:
+            own = self._own[worker]
+            if not own and not self._shared and not self.closed and timeout > 0:
+                self._cond.wait(timeout)
+            items: list[DeliveryWork] = []
+            while own and len(items) < limit:
+                items.append(own.popleft())
+            while self._shared and len(items) < limit:
+                items.append(self._shared.popleft())
+            return items
+
+    def empty(self) -> bool:
+        with self._cond:
+            return not self._shared and not any(self._own)
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()

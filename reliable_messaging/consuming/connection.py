@@ -1,0 +1,387 @@
+"""The consumer's connection thread: owns the broker connection, its channels and consumers.
+
+Everything broker-side happens on the thread that calls :meth:`ConnectionThread.run` (the one
+calling :meth:`ConsumerService.run <reliable_messaging.consuming.service.ConsumerService.run>`):
+connect (and reconnect, with capped backoff), declare the topology, subscribe, receive
+deliveries onto the :class:`~.consumer_board.WorkBoard`, settle the outcomes the workers hand
+back (:mod:`.consumer_settling`), watch the channels, and stop gracefully. It talks to the
+broker only through a :class:`~.consumer_transport.BrokerTransport`.
+
+A channel the broker closes (``consumer_timeout``, any 406) or a consumer it cancels (queue
+deleted, a classic queue's node lost) is noticed within one loop turn: the connection is dropped
+and made again (re-declaring the topology), and ``/healthz`` says "broker not connected"
+meanwhile. After a (re)connect the shared channel starts with a prefetch of 1 and opens up to
+``PREFETCH`` at the first fresh delivery (see :meth:`ConnectionThread._open_up`). The partition
+queues of an ordered consumer each have their own channel, so their own prefetch window.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .. import metrics
+from ..broker.topology import consumer_queues, dead_letter_queue
+from ..broker.transport import BrokerChannel, BrokerTransport, RetryPublishing
+from ..conf import MessagingSettings
+from ..console import announce
+from ..core.backoff import Backoff
+from ..core.envelope import delivery_from_frame
+from ..exceptions import TopologyMismatchError
+from ..registry import ConsumerSpec
+from .board import DeliveryWork, Link, WorkBoard
+from .fastpath import DuplicateCache
+from .settling import OutcomeSettler
+
+logger = logging.getLogger(__name__)
+
+# Seconds between two tries at the queues the broker could not declare (their node down).
+TOPOLOGY_RETRY = 5.0
+
+
+class ChannelLost(Exception):
+    """The broker closed one of our consuming channels or cancelled one of our consumers."""
+
+
+class ConnectionThread:
+    """Consumes ``specs`` over connections from ``transport`` until ``stop`` is set."""
+
+    def __init__(
+        self,
+        specs: list[ConsumerSpec],
+        *,
+        transport: BrokerTransport,
+        board: WorkBoard,
+        lane_of: Mapping[str, int],
+        settler: OutcomeSettler,
+        publisher: RetryPublishing,
+        settings: MessagingSettings,
+        stop: threading.Event,
+        concurrency: int,
+        idle_timeout: float | None,
+        progress_interval: float,
+        cache: DuplicateCache | None,
+        health: metrics.HealthState | None,
+    ) -> None:
+        self.specs = specs
+        self.transport = transport
+        self.board = board
+        self.lane_of = lane_of
+        self.settler = settler
+        self.publisher = publisher
+        self.settings = settings
+        self.concurrency = concurrency
+        self.idle_timeout = idle_timeout
+        self.progress_interval = progress_interval
+        self.cache = cache
+        self.health = health
+        self.exit_code = 0
+        self.connected = threading.Event()
+        self._stop = stop
+        self._last_delivery = time.monotonic()
+        self._reconnect = Backoff(0.5, settings.reconnect_max_delay)
+        # Set from the publisher's thread when a delay exchange turned out missing.
+        self._redeclare = threading.Event()
+        # Every queue of this process unavailable (their nodes down): connected, yet idle.
+        self._consuming_nothing = False
+
+    def run(self) -> int:
+        """Connect, consume, and connect again when the connection or a channel is lost, until
+        stopped; the exit code (2: the broker's topology conflicts with ours)."""
+        reconnect_on: tuple[type[BaseException], ...] = (
+            *self.transport.connection_errors,
+            ChannelLost,
+        )
+        while not self._stop.is_set():
+            try:
+                self._run_connection()
+            except TopologyMismatchError as exc:
+                logger.error("%s", exc)
+                self.exit_code = 2
+                break
+            except reconnect_on as exc:
+                self.set_connected(False)
+                if self._stop.is_set():
+                    break
+                wait = self._reconnect.next()
+                logger.warning(
+                    "broker connection to %s lost or refused (%s: %s); reconnecting in %.1fs",
+                    self.settings.broker_shown,
+                    type(exc).__name__,
+                    exc,
+                    wait,
+                )
+                self._stop.wait(wait)
+        return self.exit_code
+
+    def set_connected(self, connected: bool) -> None:
+        if connected:
+            self.connected.set()
+        else:
+            self.connected.clear()
+        if self.health is not None:
+            self.health.set_broker(connected)
+
+    def idle_for_want_of_queues(self) -> list[str]:
+        """A ``/healthz`` problem source: connected, yet no queue can be consumed."""
+        if self._consuming_nothing and self.connected.is_set():
+            return ["no queue of this process can be consumed now (their nodes down?)"]
+        return []
+
+    def topology_lost(self, exchange: str) -> None:
+        """Told by the retry publisher (its thread) that a delay exchange is missing."""
+        logger.warning("exchange %s is missing: declaring the topology again", exchange)
+        self._redeclare.set()
+
+    def _run_connection(self) -> None:
+        connection = self.transport.connect(self.settings, f"consume pid={os.getpid()}")
+        try:
+            prefetch = max(self.settings.prefetch, self.concurrency)
+            shared_channel, unavailable = connection.declare_topology(self.specs)
+            connection.retire_leftovers(self.specs)
+            link = Link(connection, [shared_channel], unavailable=unavailable)
+            shared_channel.basic_qos(prefetch_count=1)
+            self._watch(link, shared_channel)
+            queues = self._subscribe_all(link, self.specs)
+            self._note_unavailable(link)
+            announce(
+                logger,
+                "consuming %s from %s (concurrency %d, prefetch %d, batches of up to %d%s)",
+                ", ".join(queues),
+                self.settings.broker_shown,
+                self.concurrency,
+                prefetch,
+                self.settings.consumer_batch_size,
+                f", duplicate fast path in cache {self.cache.alias!r}" if self.cache else "",
+            )
+            self._reconnect.reset()
+            self.set_connected(True)
+            self._last_delivery = time.monotonic()
+            next_progress = time.monotonic() + self.progress_interval
+            while not self._stop.is_set():
+                connection.process_data_events(time_limit=0.2)
+                self._check_channels(link)
+                if self._redeclare.is_set() or (
+                    link.unavailable and time.monotonic() >= link.retry_topology_at
+                ):
+                    self._declare_again(link)
+                if link.open_up:
+                    self._open_up(link, prefetch)
+                self.publisher.refresh()
+                if self.health is not None:
+                    self.health.heartbeat()
+                if time.monotonic() >= next_progress:
+                    self._log_progress()
+                    next_progress = time.monotonic() + self.progress_interval
+                if self._idle_expired(link):
+                    announce(
+                        logger, "no delivery for %ss: stopping (--idle-timeout)", self.idle_timeout
+                    )
+                    self._stop.set()
+            if not stop_gracefully(link, self.publisher, self.settings):
+                self.exit_code = 1
+        finally:
+            self.set_connected(False)
+            if connection.is_open:
+                try:
+                    connection.close()
+                except Exception:
+                    logger.debug("error while closing the broker connection", exc_info=True)
+
+    def _subscribe_all(self, link: Link, specs: Iterable[ConsumerSpec]) -> list[str]:
+        """Subscribe to the queues of ``specs`` that are available; returns their names."""
+        shared_channel = link.channels[0]
+        queues: list[str] = []
+        for spec in specs:
+            wanted = list(consumer_queues(spec, self.settings))
+            if self.settings.queue_type == "quorum":
+                wanted.append(dead_letter_queue(spec))
+            for queue in wanted:
+                if queue in link.unavailable or any(q == queue for _, _, q, _ in link.consumers):
+                    continue
+                channel = shared_channel
+                if spec.ordered and queue != dead_letter_queue(spec):
+                    # Its own prefetch window: a held partition fills only its own. No
+                    # cautious start here: re-subscribing to open it up would hand the
+                    # partition (single active consumer) to a standby mid-stream.
+                    channel = link.connection.channel()
+                    channel.basic_qos(prefetch_count=self.settings.prefetch)
+                    link.channels.append(channel)
+                    self._watch(link, channel)
+                on_message = functools.partial(self._on_message, link, spec, queue)
+                tag = channel.basic_consume(queue, on_message)
+                link.consumers.append((channel, tag, queue, on_message))
+                queues.append(queue)
+        return queues
+
+    def _declare_again(self, link: Link) -> None:
+        """Try again the queues that could not be declared (their node down), or put back a
+        delay exchange found missing, declaring the whole topology again (idempotent) on a
+        channel of its own, since a refusal closes it; consume the queues that now can be.
+        Every ``TOPOLOGY_RETRY`` seconds while any is missing."""
+        self._redeclare.clear()
+        before = set(link.unavailable)
+        channel, link.unavailable = link.connection.declare_topology(
+            self.specs, known_unavailable=before
+        )
+        if channel.is_open:
+            channel.close()
+        back = before - set(link.unavailable)
+        if back:
+            logger.warning("available again: %s", ", ".join(sorted(back)))
+            self._subscribe_all(link, self.specs)
+        self._note_unavailable(link)
+
+    def _note_unavailable(self, link: Link) -> None:
+        link.retry_topology_at = time.monotonic() + TOPOLOGY_RETRY
+        metrics.consumer_queues_unavailable(len(link.unavailable))
+        self._consuming_nothing = not link.consumers
+        if self.health is not None:
+            self.health.note(
+                "queues_unavailable",
+                "not available now (consuming the rest): " + ", ".join(sorted(link.unavailable))
+                if link.unavailable
+                else None,
+            )
+
+    def _watch(self, link: Link, channel: BrokerChannel) -> None:
+        """Note a broker ``basic.cancel`` of a consumer on ``channel`` (its queue deleted, its
+        node lost): the main loop then reconnects and declares the queue again."""
+        number = channel.channel_number
+
+        def on_cancel(frame: object) -> None:
+            link.lost = f"the broker cancelled a consumer on channel {number} (queue deleted?)"
+
+        channel.add_on_cancel_callback(on_cancel)
+
+    def _open_up(self, link: Link, prefetch: int) -> None:
+        """The first fresh delivery arrived on the shared channel: give its consumers the full
+        ``PREFETCH``.
+
+        The shared channel starts every connection at a prefetch of 1: after a crash the head of
+        a queue may be the message that killed the last process, redelivered first, and with a
+        wide window every message behind it would be held (and, on a quorum queue, counted
+        against its delivery limit) each time it kills again. RabbitMQ applies a consumer's
+        prefetch when the consumer subscribes, so opening up means subscribing again; what was
+        already delivered stays ours to settle on the channel.
+        """
+        link.open_up = False
+        link.cautious = False
+        shared = link.channels[0]
+        if not shared.is_open:
+            return
+        shared.basic_qos(prefetch_count=prefetch)
+        kept = []
+        for channel, tag, queue, on_message in link.consumers:
+            if channel is shared:
+                channel.basic_cancel(tag)
+                tag = channel.basic_consume(queue, on_message)
+            kept.append((channel, tag, queue, on_message))
+        link.consumers = kept
+
+    def _check_channels(self, link: Link) -> None:
+        """Raise :class:`ChannelLost` when the broker closed a channel or cancelled a
+        consumer: pika's blocking adapter records a channel closed by the broker but raises
+        nothing until the channel is used, so without this look the process would go on
+        reporting healthy while no delivery ever arrives again."""
+        if link.lost is None:
+            for channel in link.channels:
+                if not channel.is_open:
+                    link.lost = f"the broker closed channel {channel.channel_number}"
+                    break
+        if link.lost is not None and not self._stop.is_set():
+            raise ChannelLost(link.lost)
+
+    def _log_progress(self) -> None:
+        counts = self.settler.counts()
+        if counts:
+            announce(
+                logger,
+                "progress: %s",
+                ", ".join(f"{label}={count}" for label, count in sorted(counts.items())),
+            )
+
+    def _idle_expired(self, link: Link) -> bool:
+        if self.idle_timeout is None:
+            return False
+        with link.lock:
+            busy = link.in_flight > 0
+        if busy or not self.board.empty():
+            self._last_delivery = time.monotonic()
+            return False
+        return time.monotonic() - self._last_delivery >= self.idle_timeout
+
+    def _on_message(
+        self,
+        link: Link,
+        spec: ConsumerSpec,
+        queue: str,
+        channel: BrokerChannel,
+        method: Any,
+        properties: Any,
+        body: bytes,
+    ) -> None:
+        delivery = delivery_from_frame(queue, method, properties, body)
+        number = channel.channel_number
+        link.unsettled.setdefault(number, {})[delivery.delivery_tag] = None
+        if number in link.closing:
+            return  # a graceful stop closes this ordered channel: the broker requeues it
+        if link.cautious and not delivery.redelivered and channel is link.channels[0]:
+            link.open_up = True
+        from_dead_letter_queue = self.settings.queue_type == "quorum" and queue == (
+            dead_letter_queue(spec)
+        )
+        if not from_dead_letter_queue:
+            metrics.consumer_received(spec.name, delivery.redelivered)
+        with link.lock:
+            link.in_flight += 1
+        self._last_delivery = time.monotonic()
+        item = DeliveryWork(
+            link, channel, spec, delivery, properties, from_dead_letter_queue=from_dead_letter_queue
+        )
+        self.board.put(item, self.lane_of.get(queue))
+
+
+def stop_gracefully(link: Link, publisher: RetryPublishing, settings: MessagingSettings) -> bool:
+    """Graceful stop: let the handlers in flight finish and settle their acks, within
+    ``SHUTDOWN_TIMEOUT``; give back the rest. False when handlers were still running.
+
+    Plain queues: cancel the consumers (pika gives back deliveries not yet dispatched).
+    Ordered partitions: no cancel, which would make the broker activate a standby consumer
+    at once while this process still holds later messages of its keys (they would reach the
+    standby after messages published later: order broken). Instead the deliveries not
+    started are dropped here unsettled, the batch in flight finishes, and then the channel
+    is closed, so the broker requeues what is left in place *before* it activates the next
+    consumer of the partition.
+    """
+    ordered = {channel.channel_number for channel in link.channels[1:]}
+    link.closing.update(ordered)
+    for channel, tag, _, _ in link.consumers:
+        if channel.channel_number not in ordered:
+            channel.basic_cancel(tag)
+    deadline = time.monotonic() + settings.shutdown_timeout
+    while time.monotonic() < deadline:
+        with link.lock:
+            # Retry copies still being placed count too: their originals' acks are due.
+            if link.in_flight == 0 and publisher.pending() == 0:
+                break
+        link.connection.process_data_events(time_limit=0.1)
+    for channel in link.channels[1:]:
+        link.connection.close_keeping_consumers(channel)
+    with link.lock:
+        left = link.in_flight
+    if left:
+        logger.error(
+            "%d handler(s) still running after SHUTDOWN_TIMEOUT=%ss; their messages "
+            "are not acked and will be redelivered",
+            left,
+            settings.shutdown_timeout,
+        )
+        return False
+    announce(logger, "stopped gracefully: every handler in flight finished and was acked")
+    return True

@@ -1,0 +1,219 @@
+"""The crash guard: a message that kills its process is dead-lettered, not retried forever.
+
+A handler that takes its whole process down (the OOM killer, a segfault in a C extension, a
+``SIGKILL``, or our own exit past an uninterruptible time limit) never raises anything our code
+could catch: the transaction rolls back with the process, nothing is acked, and the broker hands
+the message to the next process, which dies the same way. Under a supervisor that restarts the
+consumer, that is an endless loop that also starves every message behind it.
+
+The broker tells us when care is needed: every delivery that comes back after its consumer
+went away carries the ``redelivered`` flag. Only those pay for the guard (the happy path never
+does): before such a delivery's handler runs, :meth:`CrashGuard.begin` commits a
+:class:`~.models.SuspectDelivery` row marked ``running``, outside the handler's transaction, so
+it survives the process. When the delivery reaches an outcome, the row is deleted. A row still
+``running`` when the message comes back again means the process died on it: one more death. The
+first death leaves no row (the guard was not watching a fresh delivery), so a redelivered message
+with no row counts as one death already; the redelivered flag is the evidence. Past
+``CRASH_LIMIT`` deaths the delivery becomes a dead letter (reason ``worker_crashed``, or
+``timeout`` when the process exited because the handler would not stop) and is acked.
+
+The consumer runs a suspect alone in its process (see :mod:`.consumer_service`), so an innocent
+message is never running when another message kills the process, and never charged for it.
+
+The same guard protects ``@idempotent_task`` (scope and key instead of consumer and message id).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from django.db import router, transaction
+from django.utils import timezone
+
+from ..core.envelope import DecodeError, Delivery
+from ..core.outcomes import Outcome, Release, RetryInPlace
+from ..models import DeadLetterReason, SuspectDelivery
+from .last_resort import Processor, dead_letter_delivery
+
+logger = logging.getLogger(__name__)
+
+CRASHED = "crashed"
+TIMEOUT = "timeout"
+
+
+def process_label() -> str:
+    """``host:pid`` of this process, as the guard records who handled a suspect last."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class Suspicion:
+    """What the guard knows of a redelivered message before its handler runs again."""
+
+    deaths: int
+    cause: str  # how the last death happened: CRASHED or TIMEOUT
+    last_process: str  # the process that died on it last ("" when not known)
+
+    def exceeds(self, limit: int) -> bool:
+        return self.deaths >= limit
+
+    def describe(self) -> str:
+        how = (
+            "ran past its time limit and could not be interrupted"
+            if self.cause == TIMEOUT
+            else "died (killed, out of memory or crashed)"
+        )
+        last = f"; last: {self.last_process}" if self.last_process else ""
+        return f"the process handling it {how} {self.deaths} time(s){last}"
+
+
+class CrashGuard:
+    """Counts the deaths of processes during one delivery, in the database."""
+
+    def __init__(self, limit: int, using: str | None = None) -> None:
+        self.limit = max(1, limit)
+        self.using = using or router.db_for_write(SuspectDelivery)
+
+    def begin(self, consumer: str, message_id: str) -> Suspicion:
+        """Mark (consumer, message_id) running and commit that, before the handler runs.
+        Returns the deaths counted so far, this delivery's own redelivery included."""
+        with transaction.atomic(using=self.using):
+            row, new = self._locked_row(consumer, message_id)
+            died_in = row.last_process
+            if new or row.running:
+                # Redelivered and never watched (the process that had it went away: the first
+                # death, or a lost connection), or marked running by a process that never
+                # finished it: one more death.
+                row.deaths += 1
+                row.last_cause = CRASHED
+            suspicion = Suspicion(row.deaths, row.last_cause or CRASHED, died_in)
+            self._save(row, running=True)
+            return suspicion
+
+    def finish(self, keys: Iterable[tuple[str, str]]) -> None:
+        """The deliveries reached an outcome (committed): forget them."""
+        for consumer, message_id in keys:
+            SuspectDelivery.objects.using(self.using).forget(consumer, message_id)
+
+    def interrupted(self, keys: Iterable[tuple[str, str]]) -> None:
+        """The deliveries were given back without an outcome, and the process lives on (a
+        graceful stop, a lost connection): no death to count."""
+        for consumer, message_id in keys:
+            SuspectDelivery.objects.using(self.using).mark_interrupted(
+                consumer, message_id, at=timezone.now()
+            )
+
+    def record_death(self, consumer: str, message_id: str, cause: str) -> None:
+        """Called by a process about to exit on purpose because of this delivery (a handler it
+        cannot stop): count the death now, with its cause, so the next process knows why."""
+        with transaction.atomic(using=self.using):
+            row, _ = self._locked_row(consumer, message_id)
+            row.deaths += 1
+            row.last_cause = cause
+            self._save(row, running=False)
+
+    def _locked_row(self, consumer: str, message_id: str) -> tuple[SuspectDelivery, bool]:
+        return SuspectDelivery.objects.using(self.using).locked_or_created(consumer, message_id)
+
+    def _save(self, row: SuspectDelivery, *, running: bool) -> None:
+        row.running = running
+        row.last_process = process_label()
+        row.updated_at = timezone.now()
+        row.save(using=self.using)
+
+
+def decide_suspect(
+    guard: CrashGuard,
+    processor: Processor,
+    delivery: Delivery,
+    run: Callable[[], Outcome | None],
+) -> Outcome | None:
+    """Decide a redelivered ``delivery``: a dead letter once it has cost ``guard.limit``
+    processes, else ``run()`` (its handler) watched by the guard. The caller makes sure
+    nothing else runs in the process meanwhile (:class:`SuspectGate`)."""
+    decoded = processor.decode(delivery)
+    if isinstance(decoded, DecodeError) and not decoded.message_id:
+        return run()  # nothing to count deaths against; it is dead-lettered without a handler
+    key = (processor.spec.name, decoded.message_id)
+    suspicion = guard.begin(*key)
+    outcome: Outcome | None
+    if suspicion.exceeds(guard.limit):
+        outcome = dead_letter_delivery(
+            processor,
+            delivery,
+            reason=(
+                DeadLetterReason.TIMEOUT
+                if suspicion.cause == TIMEOUT
+                else DeadLetterReason.WORKER_CRASHED
+            ),
+            attempts=suspicion.deaths,
+            detail=f"{suspicion.describe()} (CRASH_LIMIT={guard.limit})",
+        )
+    else:
+        if suspicion.deaths > 1:
+            logger.warning(
+                "message_id=%s consumer=%s: %s; handling it alone (CRASH_LIMIT=%d)",
+                decoded.message_id,
+                processor.spec.name,
+                suspicion.describe(),
+                guard.limit,
+            )
+        try:
+            outcome = run()
+        except BaseException:
+            # Nothing was decided (the database went away, or our own bug): this process lives
+            # on, so no death is to be counted when it is tried again.
+            guard.interrupted([key])
+            raise
+    if outcome is None or isinstance(outcome, Release | RetryInPlace):
+        guard.interrupted([key])  # given back, or run again in place: still watched
+    else:
+        guard.finish([key])
+    return outcome
+
+
+class SuspectGate:
+    """Lets a suspect (a redelivered delivery) run alone in its process: ordinary batches
+    share the gate, a suspect takes it exclusively, so when a message kills the process, no
+    other handler was running to be blamed with it. Ordinary batches never wait on each other.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+        self._waiting_exclusive = 0
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive or self._waiting_exclusive:
+                self._cond.wait()
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting_exclusive += 1
+            while self._exclusive or self._shared:
+                self._cond.wait()
+            self._waiting_exclusive -= 1
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()

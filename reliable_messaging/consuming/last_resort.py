@@ -1,0 +1,166 @@
+"""Dead letters for deliveries whose handler never decided anything.
+
+A handler's own failures are decided by :mod:`.inbox` (retry, then a dead letter). This module
+covers the outcomes that no handler exception ever reaches:
+
+- the process died on the delivery ``CRASH_LIMIT`` times (:mod:`.crash_guard`): reason
+  ``worker_crashed``, or ``timeout`` when it was our own exit past a handler's time limit;
+- our own code (decoding, bookkeeping, not the handler) failed on it again and again: reason
+  ``consumer_error`` with the traceback;
+- a quorum queue's ``x-delivery-limit`` was reached and the broker dead-lettered the message to
+  the consumer's ``<queue>.dead`` queue: reason ``delivery_limit``.
+
+Each writes the dead letter with the raw body, the headers and what is known of why, in one
+transaction, and returns the outcome to carry out (ack). When the inbox already holds the
+message, some copy of it was processed: nothing is dead-lettered and the delivery is a duplicate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import traceback
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from django.db import transaction
+
+from .. import metrics
+from ..core.envelope import DecodeError, Delivery, Message, safe_text
+from ..core.outcomes import Acknowledge, OutcomeLabel, Release
+from ..dead_letters.record import record_dead_letter
+from ..models import DeadLetterReason, ProcessedMessage
+from ..registry import ConsumerSpec
+
+logger = logging.getLogger(__name__)
+
+
+class Processor(Protocol):
+    spec: ConsumerSpec
+    using: str
+
+    def decode(self, delivery: Delivery) -> Message | DecodeError: ...
+
+
+def dead_letter_delivery(
+    processor: Processor,
+    delivery: Delivery,
+    *,
+    reason: str,
+    attempts: int,
+    detail: str,
+    traceback_text: str = "",
+) -> Acknowledge:
+    """Record ``delivery`` as a dead letter of ``processor``'s consumer for ``reason``, unless
+    the inbox shows it processed already (then it is a duplicate)."""
+    try:
+        decoded: Message | DecodeError | None = processor.decode(delivery)
+    except Exception:  # noqa: BLE001 - decoding may be the very thing that failed
+        decoded = None
+    message = decoded if isinstance(decoded, Message) else None
+    message_id = decoded.message_id if decoded is not None else safe_text(delivery.message_id or "")
+    consumer = processor.spec.name
+    with transaction.atomic(using=processor.using):
+        if message_id and ProcessedMessage.objects.using(processor.using).has(consumer, message_id):
+            metrics.consumer_outcome(consumer, OutcomeLabel.DUPLICATE)
+            logger.info(
+                "duplicate message_id=%s consumer=%s outcome=duplicate: already processed, "
+                "acked without running the handler",
+                message_id,
+                consumer,
+            )
+            return Acknowledge(OutcomeLabel.DUPLICATE)
+        record_dead_letter(
+            consumer=consumer,
+            delivery=delivery,
+            message_id=message_id,
+            reason=reason,
+            attempts=max(1, attempts),
+            payload=message.payload if message is not None else None,
+            exchange=message.exchange if message is not None else None,
+            routing_key=message.routing_key if message is not None else None,
+            exception_message=detail,
+            traceback_text=traceback_text,
+        )
+    metrics.consumer_outcome(consumer, OutcomeLabel.DEAD_LETTERED)
+    logger.error(
+        "dead-lettering message_id=%s consumer=%s outcome=dead_lettered reason=%s: %s",
+        message_id or "-",
+        consumer,
+        reason,
+        detail,
+    )
+    return Acknowledge(OutcomeLabel.DEAD_LETTERED, reason)
+
+
+def consumer_error(
+    processor: Processor, delivery: Delivery, exc: Exception, errors: int
+) -> Acknowledge | Release:
+    """Our own code (not the handler) failed on ``delivery`` ``errors`` times: dead-letter it
+    with the traceback; give it back when even that cannot be written."""
+    try:
+        return dead_letter_delivery(
+            processor,
+            delivery,
+            reason=DeadLetterReason.CONSUMER_ERROR,
+            attempts=errors,
+            detail=(
+                f"the consumer itself (not the handler) failed on it {errors} times: "
+                f"{type(exc).__name__}: {exc}"
+            ),
+            traceback_text="".join(traceback.format_exception(exc)),
+        )
+    except Exception:
+        logger.exception(
+            "message_id=%s: cannot record it as a dead letter either; giving it back",
+            delivery.message_id,
+        )
+        return Release("the consumer fails on it and cannot dead-letter it")
+
+
+def _first_death(headers: Mapping[str, Any]) -> Mapping[str, Any]:
+    deaths = headers.get("x-death")
+    if isinstance(deaths, list) and deaths and isinstance(deaths[0], Mapping):
+        return deaths[0]
+    return {}
+
+
+def original_delivery(delivery: Delivery, queues: list[str]) -> Delivery:
+    """The delivery as it was in the consumer's queue, from what the broker's dead-lettering
+    recorded in ``x-death`` (queue, exchange, routing key), so a replay goes back to it."""
+    death = _first_death(delivery.headers)
+    queue = death.get("queue")
+    routing_keys = death.get("routing-keys")
+    routing_key = routing_keys[0] if isinstance(routing_keys, list) and routing_keys else None
+    exchange = death.get("exchange")
+    # Everything else (body, headers, the frame's defects) stays as it arrived.
+    return dataclasses.replace(
+        delivery,
+        queue=queue if isinstance(queue, str) and queue in queues else queues[0],
+        exchange=exchange if isinstance(exchange, str) else delivery.exchange,
+        routing_key=routing_key if isinstance(routing_key, str) else delivery.routing_key,
+    )
+
+
+def ingest_delivery_limit(
+    processor: Processor, delivery: Delivery, queues: list[str]
+) -> Acknowledge:
+    """A message the broker dead-lettered from one of ``queues`` at its delivery limit."""
+    death = _first_death(delivery.headers)
+    count = 0
+    for raw in (delivery.headers.get("x-delivery-count"), death.get("count")):
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            count = raw
+            break
+    why = death.get("reason")
+    return dead_letter_delivery(
+        processor,
+        original_delivery(delivery, queues),
+        reason=DeadLetterReason.DELIVERY_LIMIT,
+        attempts=count or 1,
+        detail=(
+            f"the broker gave up on it after {count or 'too many'} deliveries without an "
+            f"outcome (quorum queue x-delivery-limit; dead-lettering reason {why!r}) and "
+            f"dead-lettered it to {delivery.queue}"
+        ),
+    )

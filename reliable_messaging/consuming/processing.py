@@ -1,0 +1,857 @@
+"""The idempotent consumer: each delivery's handler commits with its inbox row, or not at all.
+
+:func:`process_batch` runs on a worker thread with its own database connection and never touches
+pika; it returns one :mod:`outcome <.outcomes>` per delivery, which the connection's thread
+carries out (ack, publish a retry copy then ack, or give the delivery back) after the commit.
+
+Several deliveries share one transaction: each runs in its own savepoint (inbox insert first,
+then the handler), so a failing handler rolls back its own effects and inbox row only, and the
+batch commits once. Nothing is acked before that commit, so a crash anywhere leaves every
+delivery of the batch with the broker, and the inbox rows that did commit absorb the redelivery.
+
+The inbox rows themselves (claimed one by one or a batch at a time, with bounded lock waits) are
+written by :mod:`.exactly_once`, which the Celery integration shares; this module decides what
+each delivery's outcome is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+from django.db import (
+    DatabaseError,
+    IntegrityError,
+    InterfaceError,
+    OperationalError,
+    connections,
+    router,
+    transaction,
+)
+
+from .. import metrics
+from ..conf import MessagingSettings, messaging_settings
+from ..core.envelope import (
+    ATTEMPT_HEADER,
+    BROKER_HEADERS,
+    FIRST_FAILED_AT_HEADER,
+    LAST_ERROR_HEADER,
+    ORIGINAL_EXCHANGE_HEADER,
+    ORIGINAL_ROUTING_KEY_HEADER,
+    REPLAY_HEADER,
+    DecodeError,
+    Delivery,
+    Message,
+    decode_delivery,
+)
+from ..core.outcomes import Acknowledge, Outcome, OutcomeLabel, RetryInPlace, ScheduleRetry
+from ..core.retry import GiveUp, decide
+from ..core.routing import topic_matches
+from ..dead_letters.record import record_dead_letter
+from ..dead_letters.replay import mark_resolved, resolve_processed_copies
+
+# ROW_LOCK_PROBE, bounded_lock_wait, insert_inbox_row and _claim_inbox_rows were defined here:
+# kept importable from here for code written against them.
+from ..exactly_once import (  # noqa: F401
+    CLAIM_VENDORS,
+    ROW_LOCK_PROBE,
+    InboxRowBusy,
+    bounded_lock_wait,
+    claim_inbox_rows,
+    claimed_atomic,
+    insert_inbox_row,
+    lock_wait_for,
+    remember_busy,
+)
+from ..exactly_once import claim_inbox_rows as _claim_inbox_rows  # noqa: F401 - its old name
+from ..exceptions import DatabaseUnavailable
+from ..models import DeadLetter, DeadLetterReason, ProcessedMessage
+from ..registry import ConsumerSpec
+from .fastpath import DuplicateCache
+from .time_limit import time_limits
+
+logger = logging.getLogger(__name__)
+
+
+class _AlreadyProcessed(Exception):
+    """The message's inbox row is there already: a duplicate."""
+
+
+def retry_headers(
+    delivery: Delivery, message: Message, exc: BaseException, next_attempt: int
+) -> dict[str, Any]:
+    """Headers of the retried copy: the original's, minus the broker's dead-letter bookkeeping,
+    plus the next attempt number and where the message was first published."""
+    headers = {k: v for k, v in delivery.headers.items() if k not in BROKER_HEADERS}
+    headers[ATTEMPT_HEADER] = next_attempt
+    headers[ORIGINAL_EXCHANGE_HEADER] = message.exchange
+    headers[ORIGINAL_ROUTING_KEY_HEADER] = message.routing_key
+    headers.setdefault(FIRST_FAILED_AT_HEADER, int(time.time() * 1000))
+    headers[LAST_ERROR_HEADER] = f"{type(exc).__name__}: {exc}"[:500]
+    return headers
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One delivery for one consumer, as a worker hands it to :func:`process_batch`."""
+
+    processor: DeliveryProcessor
+    delivery: Delivery
+
+
+@dataclasses.dataclass(frozen=True)
+class _DeliveryOutcome:
+    """A delivery's outcome (what the connection's thread does with it) plus what to count,
+    log and remember once (if) the batch's transaction commits."""
+
+    outcome: Outcome
+    label: OutcomeLabel
+    duration: float | None = None
+    processed: bool = False  # the inbox holds the message now: the fast path may remember it
+    # Logged once the transaction committed (a line saying "processed" must be true).
+    after_commit: bool = False
+
+
+_Decided = _DeliveryOutcome  # its former name, kept for code written against it
+
+
+class DeliveryProcessor:
+    """Runs ``spec``'s handler for deliveries, exactly once per (consumer, message_id)."""
+
+    def __init__(
+        self,
+        spec: ConsumerSpec,
+        settings: MessagingSettings = messaging_settings,
+        cache: DuplicateCache | None = None,
+    ):
+        self.spec = spec
+        self.settings = settings
+        self.cache = cache
+        self.using = router.db_for_write(ProcessedMessage)
+        # Batches left to run guarded (a savepoint per handler) after a handler failed on the
+        # optimistic path; see process_batch.
+        self.guarded_batches = 0
+
+    @property
+    def max_attempts(self) -> int:
+        return self.spec.max_attempts or self.settings.max_attempts
+
+    @property
+    def retry_delays(self) -> tuple[float, ...]:
+        if self.spec.retry_delays is not None:
+            return self.spec.retry_delays
+        return self.settings.retry_delays
+
+    def process(self, delivery: Delivery) -> Outcome:
+        """Handle one delivery in its own transaction. Raises :class:`DatabaseUnavailable` when
+        the database cannot be reached: the caller must hold the delivery and call again."""
+        outcome = process_batch([Job(self, delivery)], cache=self.cache)[0]
+        assert outcome is not None  # a lone delivery is never held behind another
+        return outcome
+
+    @property
+    def timeout(self) -> float:
+        return self.spec.timeout or self.settings.handler_timeout
+
+    def call_handler(self, message: Message) -> None:
+        """Run the handler (inside the caller's transaction) under its time limit: past it, it
+        raises :class:`~.exceptions.HandlerTimeout` (see :mod:`.time_limit`)."""
+        with time_limits.limit(self.timeout, self.spec.name, message.message_id):
+            self.spec.handler(message)
+
+    def decode(self, delivery: Delivery) -> Message | DecodeError:
+        return decode_delivery(
+            delivery,
+            max_body_bytes=self.settings.max_body_bytes,
+            derive_message_id=self.settings.derive_message_id,
+        )
+
+    # -- inside the batch's transaction -----------------------------------------------------------
+
+    def run(self, delivery: Delivery, decoded: Message | DecodeError) -> _DeliveryOutcome:
+        """Decide one delivery inside the caller's transaction; its writes are in savepoints."""
+        if isinstance(decoded, DecodeError):
+            return self._reject_undecodable(delivery, decoded)
+        if not self._expects(decoded.routing_key):
+            return self._reject(
+                delivery,
+                decoded,
+                DeadLetterReason.UNEXPECTED_ROUTING_KEY,
+                f"routing key {decoded.routing_key!r} matches none of the consumer's bindings "
+                f"{list(self.spec.bindings)!r}: the message reached the queue some other way "
+                f"(published straight to the queue, or a stale binding)",
+            )
+        blocker = self._blocking_dead_letter(delivery, decoded)
+        if blocker is not None:
+            return self._reject(
+                delivery,
+                decoded,
+                DeadLetterReason.PARKED,
+                f"ordering key {decoded.ordering_key!r} is parked behind dead letter "
+                f"#{blocker.pk} (message_id={blocker.message_id}); replay or discard that one "
+                f"first, then replay this one (replaying the key's dead letters oldest first "
+                f"keeps their order)",
+                label=OutcomeLabel.PARKED,
+            )
+        return self._handle(delivery, decoded)
+
+    def _expects(self, routing_key: str) -> bool:
+        if not self.spec.bindings:
+            return True  # bound outside the app: nothing to compare with
+        return any(topic_matches(binding, routing_key) for binding in self.spec.bindings)
+
+    def _blocking_dead_letter(self, delivery: Delivery, message: Message) -> DeadLetter | None:
+        """For an ordered consumer: the earliest unresolved dead letter of the message's key.
+
+        A later message of a key whose earlier message is a dead letter must not overtake it,
+        so it is parked as a dead letter too. A replayed message is held back only by dead
+        letters older than its own, so replaying a key's dead letters oldest first releases it.
+        """
+        if not self.spec.ordered or message.ordering_key is None:
+            return None
+        letters = DeadLetter.objects.using(self.using)
+        blocking = (
+            letters.open()
+            .filter(consumer=self.spec.name, ordering_key=message.ordering_key)
+            .exclude(message_id=message.message_id)
+        )
+        if REPLAY_HEADER in delivery.headers:
+            own = (
+                letters.of(self.spec.name, message.message_id).values_list("pk", flat=True).first()
+            )
+            if own is not None:
+                blocking = blocking.filter(pk__lt=own)
+        return blocking.order_by("pk").first()
+
+    def _reject_undecodable(self, delivery: Delivery, error: DecodeError) -> _DeliveryOutcome:
+        logger.error(
+            "dead-lettering message_id=%s consumer=%s outcome=dead_lettered reason=%s: %s",
+            error.message_id or "-",
+            self.spec.name,
+            error.reason,
+            error.detail,
+        )
+        self._write_dead_letter(
+            delivery=delivery,
+            message_id=error.message_id,
+            reason=error.reason,
+            attempts=1,
+            exception_message=error.detail,
+        )
+        return _DeliveryOutcome(
+            Acknowledge(OutcomeLabel.DEAD_LETTERED, error.reason), OutcomeLabel.DEAD_LETTERED
+        )
+
+    def _reject(
+        self,
+        delivery: Delivery,
+        message: Message,
+        reason: str,
+        detail: str,
+        label: OutcomeLabel = OutcomeLabel.DEAD_LETTERED,
+    ) -> _DeliveryOutcome:
+        logger.error(
+            "dead-lettering message_id=%s consumer=%s attempt=%d outcome=%s reason=%s: %s",
+            message.message_id,
+            self.spec.name,
+            message.attempt,
+            label,
+            reason,
+            detail,
+        )
+        self._write_dead_letter(
+            delivery=delivery,
+            message_id=message.message_id,
+            reason=reason,
+            attempts=message.attempt,
+            payload=message.payload,
+            exchange=message.exchange,
+            routing_key=message.routing_key,
+            exception_message=detail,
+        )
+        return _DeliveryOutcome(Acknowledge(OutcomeLabel.DEAD_LETTERED, reason), label)
+
+    def _handle(self, delivery: Delivery, message: Message) -> _DeliveryOutcome:
+        started = time.perf_counter()
+        fresh = False
+        try:
+            # The insert comes first: on a duplicate it fails before the handler runs, and with
+            # a concurrent twin it waits on the unique index until that one commits or rolls
+            # back; so the unique constraint alone decides who takes effect.
+            wait = lock_wait_for(
+                [(self.spec.name, message.message_id)], delivery.redelivered, self.settings
+            )
+            with claimed_atomic(
+                self.using, self.spec.name, message.message_id, lock_wait=wait
+            ) as fresh:
+                if not fresh:
+                    raise _AlreadyProcessed
+                self.call_handler(message)
+                if REPLAY_HEADER in delivery.headers:
+                    mark_resolved(self.spec.name, message.message_id, self.using)
+                elif not self.spec.ordered:
+                    # An ordered consumer's dead letter keeps its key parked until replayed.
+                    resolve_processed_copies(self.spec.name, [message.message_id], self.using)
+        except InboxRowBusy:
+            remember_busy([(self.spec.name, message.message_id)])
+            return self.busy(delivery, message)
+        except (_AlreadyProcessed, IntegrityError) as exc:
+            if not fresh:
+                if REPLAY_HEADER in delivery.headers:
+                    # Another copy of the message (published twice, sent again by a relay) was
+                    # processed after the replay was queued: the dead letter is done with. Left
+                    # "replayed", an ordered consumer's would park its key for good.
+                    resolve_processed_copies(
+                        self.spec.name,
+                        [message.message_id],
+                        self.using,
+                        by="its replay found it processed by another copy",
+                    )
+                return _DeliveryOutcome(
+                    Acknowledge(OutcomeLabel.DUPLICATE),
+                    OutcomeLabel.DUPLICATE,
+                    processed=True,
+                    after_commit=True,
+                )
+            return self.on_failure(delivery, message, exc, started)
+        except (OperationalError, InterfaceError) as exc:
+            if not fresh or not self.connection_usable():
+                raise DatabaseUnavailable(
+                    f"database error on message_id={message.message_id}: {exc}"
+                ) from exc
+            return self.on_failure(delivery, message, exc, started)
+        except Exception as exc:  # noqa: BLE001 - any handler error is an outcome to decide on
+            return self.on_failure(delivery, message, exc, started)
+        duration = time.perf_counter() - started
+        return _DeliveryOutcome(
+            Acknowledge(OutcomeLabel.PROCESSED),
+            OutcomeLabel.PROCESSED,
+            duration,
+            processed=True,
+            after_commit=True,
+        )
+
+    def connection_usable(self) -> bool:
+        """After a handler's savepoint rolled back on a database error: can the batch's
+        transaction go on? (A lost connection cannot; a handler's bad query can.)"""
+        try:
+            with connections[self.using].cursor() as cursor:
+                cursor.execute("SELECT 1")
+        except Exception:  # noqa: BLE001 - any failure here means the transaction is gone
+            return False
+        return True
+
+    def on_failure(
+        self, delivery: Delivery, message: Message, exc: Exception, started: float
+    ) -> _DeliveryOutcome:
+        duration = time.perf_counter() - started
+        decision = decide(
+            exc, attempt=message.attempt, max_attempts=self.max_attempts, delays=self.retry_delays
+        )
+        if isinstance(decision, GiveUp):
+            logger.error(
+                "dead-lettering message_id=%s consumer=%s attempt=%d outcome=dead_lettered "
+                "reason=%s duration_ms=%.1f: %s: %s",
+                message.message_id,
+                self.spec.name,
+                message.attempt,
+                decision.reason,
+                duration * 1000,
+                type(exc).__name__,
+                exc,
+            )
+            self._write_dead_letter(
+                delivery=delivery,
+                message_id=message.message_id,
+                reason=decision.reason,
+                attempts=message.attempt,
+                payload=message.payload,
+                exchange=message.exchange,
+                routing_key=message.routing_key,
+                exception=exc,
+                traceback_text="".join(traceback.format_exception(exc)),
+            )
+            return _DeliveryOutcome(
+                Acknowledge(OutcomeLabel.DEAD_LETTERED, decision.reason),
+                OutcomeLabel.DEAD_LETTERED,
+                duration,
+            )
+        logger.warning(
+            "retrying message_id=%s consumer=%s attempt=%d outcome=retry next_attempt=%d "
+            "in %.3gs%s duration_ms=%.1f: %s: %s",
+            message.message_id,
+            self.spec.name,
+            message.attempt,
+            decision.next_attempt,
+            decision.delay,
+            " in place (ordered)" if self.spec.ordered else "",
+            duration * 1000,
+            type(exc).__name__,
+            exc,
+        )
+        headers = retry_headers(delivery, message, exc, decision.next_attempt)
+        error = f"{type(exc).__name__}: {exc}"
+        if self.spec.ordered:
+            # Through a delay queue a later message of the key would overtake it: the delivery
+            # stays unacked, holding its partition, and runs again after the delay.
+            return _DeliveryOutcome(
+                RetryInPlace(decision.delay, decision.next_attempt, headers, error),
+                OutcomeLabel.RETRIED,
+                duration,
+            )
+        return _DeliveryOutcome(
+            ScheduleRetry(decision.delay, decision.next_attempt, headers, error),
+            OutcomeLabel.RETRIED,
+            duration,
+        )
+
+    @property
+    def defer_delay(self) -> float:
+        """Seconds a copy put aside for a busy lease waits: the consumer's first retry delay,
+        else the settings' first one. The copy goes through the delay queue of that value, so
+        it must be one :func:`.topology.all_delays` declares: the settings' delays always are
+        (and the system checks require RETRY_DELAYS to be non-empty), so a consumer with
+        ``retry_delays=()`` (no retries) still has one."""
+        return (self.spec.retry_delays or self.settings.retry_delays)[0]
+
+    def defer(
+        self,
+        delivery: Delivery,
+        message: Message,
+        why: str = "another consumer is processing it right now",
+        error: str = "lease held",
+    ) -> _DeliveryOutcome:
+        """Another consumer holds this message (its Redis lease, or its inbox row in a
+        transaction not yet ended): have the copy come back shortly, at the same attempt.
+        An ordered consumer's delivery waits in place instead, holding its partition."""
+        delay = self.defer_delay
+        logger.info(
+            "message_id=%s consumer=%s attempt=%d outcome=deferred: %s; it comes back in %.3gs",
+            message.message_id,
+            self.spec.name,
+            message.attempt,
+            why,
+            delay,
+        )
+        headers = {k: v for k, v in delivery.headers.items() if k not in BROKER_HEADERS}
+        headers[ATTEMPT_HEADER] = message.attempt
+        headers[ORIGINAL_EXCHANGE_HEADER] = message.exchange
+        headers[ORIGINAL_ROUTING_KEY_HEADER] = message.routing_key
+        if self.spec.ordered:
+            return _DeliveryOutcome(
+                RetryInPlace(delay, message.attempt, headers, error), OutcomeLabel.DEFERRED
+            )
+        return _DeliveryOutcome(
+            ScheduleRetry(delay, message.attempt, headers, error, deferred=True),
+            OutcomeLabel.DEFERRED,
+        )
+
+    def busy(self, delivery: Delivery, message: Message) -> _DeliveryOutcome:
+        """The inbox row is locked by a transaction that did not end within
+        ``INBOX_LOCK_TIMEOUT`` (a twin still running, or a consumer cut off mid-batch)."""
+        return self.defer(
+            delivery,
+            message,
+            why=f"its inbox row is held by another transaction for over "
+            f"{self.settings.inbox_lock_timeout:g}s (a twin delivery running, or a consumer "
+            f"cut off mid-batch)",
+            error="inbox row locked",
+        )
+
+    def fits_batch_claim(self, delivery: Delivery, decoded: Message | DecodeError) -> bool:
+        """Whether the batch claim (and the optimistic path) may take this delivery: a
+        well-formed message of an unordered consumer, expected here, not a replay (those
+        resolve a dead letter). The others are decided one by one, each in its savepoints."""
+        return (
+            isinstance(decoded, Message)
+            and not self.spec.ordered
+            and REPLAY_HEADER not in delivery.headers
+            and self._expects(decoded.routing_key)
+        )
+
+    plain = fits_batch_claim  # its former name, kept for code written against it
+
+    def commit_refused(self, delivery: Delivery, exc: DatabaseError) -> Outcome:
+        """The delivery's own transaction could not commit (a deferred constraint its handler
+        broke): a failure of the handler like any other, decided outside that transaction."""
+        decoded = self.decode(delivery)
+        if isinstance(decoded, DecodeError):  # cannot happen: those commit nothing of their own
+            raise DatabaseUnavailable(f"the commit failed: {exc}") from exc
+        done = self.on_failure(delivery, decoded, exc, time.perf_counter())
+        metrics.consumer_outcome(self.spec.name, done.label, done.duration)
+        return done.outcome
+
+    def _write_dead_letter(self, **kwargs: Any) -> None:
+        try:
+            record_dead_letter(consumer=self.spec.name, **kwargs)
+        except (OperationalError, InterfaceError) as exc:
+            # Without the row the message must stay with the broker: nothing is lost.
+            raise DatabaseUnavailable(
+                f"cannot record the dead letter of message_id={kwargs.get('message_id')}: {exc}"
+            ) from exc
+
+
+def with_attempt(delivery: Delivery, retry: RetryInPlace) -> Delivery:
+    """The same delivery, as its next in-place attempt will see it."""
+    return dataclasses.replace(delivery, headers=dict(retry.headers))
+
+
+# After a handler failed on the optimistic path, its consumer's next batches run guarded.
+GUARDED_BATCHES_AFTER_FAILURE = 20
+
+
+class _Fallback(Exception):
+    """A handler failed on the optimistic path: roll the batch back, redo it guarded."""
+
+    def __init__(self, processor: DeliveryProcessor, index: int, error: Exception) -> None:
+        super().__init__(processor.spec.name)
+        self.processor = processor
+        self.index = index
+        self.error = error
+
+
+def process_batch(
+    jobs: Sequence[Job], *, cache: DuplicateCache | None = None
+) -> list[Outcome | None]:
+    """Decide ``jobs`` in one transaction; the outcomes are only valid once this returns.
+
+    The result lists one outcome per job, in order. ``None`` marks a job that was not run
+    because an earlier delivery of its queue must first be retried in place (ordered
+    consumers): the caller runs it again after that one.
+
+    The batch's inbox rows go in first, with one ``INSERT ... ON CONFLICT DO NOTHING RETURNING``
+    (the rows not returned are duplicates; a concurrent twin makes it wait until it commits, as
+    a single insert would). Then the handlers run, in one of two ways with the same guarantees:
+
+    - optimistic, for the common case of handlers that succeed: no savepoints. If a handler
+      raises, the whole transaction rolls back and the batch is decided again, guarded; its
+      consumer's next batches stay guarded for a while.
+    - guarded: a savepoint per handler, so a failure rolls back its own effects (and its inbox
+      row is removed) while the rest of the batch commits.
+
+    Either way a handler may be invoked again after a rollback it did not cause; only its
+    database effects are exactly-once (as after any crash or retry).
+
+    Raises :class:`DatabaseUnavailable` when the database cannot be reached or the commit
+    fails for want of a connection: nothing of the batch took effect or was decided.
+    """
+    if not jobs:
+        return []
+    if len({job.processor.using for job in jobs}) > 1:
+        # A router sending consumers to different databases: one transaction per database.
+        return [outcome for job in jobs for outcome in process_batch([job], cache=cache)]
+    decoded = [job.processor.decode(job.delivery) for job in jobs]
+    settled: list[_DeliveryOutcome | None] = [None] * len(jobs)
+    leased = _fast_path(jobs, decoded, settled, cache)
+    optimistic = all(job.processor.guarded_batches == 0 for job in jobs)
+    for processor in {job.processor for job in jobs}:
+        processor.guarded_batches = max(0, processor.guarded_batches - 1)
+    try:
+        try:
+            decided = _decide(jobs, decoded, settled, guarded=not optimistic)
+        except _Fallback as fallback:
+            fallback.processor.guarded_batches = GUARDED_BATCHES_AFTER_FAILURE
+            # The handler that failed is not run again: its failure is decided as it was.
+            failed = {fallback.index: fallback.error}
+            decided = _decide(jobs, decoded, settled, guarded=True, failed=failed)
+    except _CommitRefused as refused:
+        if cache is not None:
+            cache.remember((), leased)
+        if len(jobs) == 1:
+            return [jobs[0].processor.commit_refused(jobs[0].delivery, refused.error)]
+        logger.warning(
+            "a batch of %d deliveries failed to commit (%s: %s); deciding them one by one",
+            len(jobs),
+            type(refused.error).__name__,
+            refused.error,
+        )
+        return _one_by_one(jobs, cache)
+    except DatabaseUnavailable:
+        if cache is not None:
+            cache.remember((), leased)
+        raise
+    if cache is not None:
+        cache.remember(
+            [
+                (job.processor.spec.name, message.message_id)
+                for job, message, done in zip(jobs, decoded, decided, strict=True)
+                if done is not None and done.processed and isinstance(message, Message)
+            ],
+            leased,
+        )
+    outcomes: list[Outcome | None] = []
+    for job, message, done in zip(jobs, decoded, decided, strict=True):
+        if done is None:
+            outcomes.append(None)
+            continue
+        metrics.consumer_outcome(job.processor.spec.name, done.label, done.duration)
+        if done.after_commit and isinstance(message, Message):
+            _log_committed(job.processor.spec.name, message, done)
+        outcomes.append(done.outcome)
+    return outcomes
+
+
+def _log_committed(consumer: str, message: Message, done: _DeliveryOutcome) -> None:
+    if done.label == OutcomeLabel.DUPLICATE:
+        logger.info(
+            "duplicate message_id=%s consumer=%s attempt=%d outcome=duplicate: already "
+            "processed, acked without running the handler",
+            message.message_id,
+            consumer,
+            message.attempt,
+        )
+    else:
+        logger.info(
+            "processed message_id=%s consumer=%s attempt=%d outcome=processed duration_ms=%.1f",
+            message.message_id,
+            consumer,
+            message.attempt,
+            (done.duration or 0.0) * 1000,
+        )
+
+
+class _CommitRefused(Exception):
+    def __init__(self, error: DatabaseError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _decide(
+    jobs: Sequence[Job],
+    decoded: Sequence[Message | DecodeError],
+    settled: Sequence[_DeliveryOutcome | None],
+    *,
+    guarded: bool,
+    failed: dict[int, Exception] | None = None,
+) -> list[_DeliveryOutcome | None]:
+    """One transaction over the jobs the fast path did not settle. ``failed`` holds the
+    handler errors already seen (on the optimistic path) of jobs not to run again."""
+    decided = list(settled)
+    pending = [index for index, done in enumerate(decided) if done is None]
+    if not pending:
+        return decided
+    using = jobs[0].processor.using
+    held_queues: set[str] = set()
+    try:
+        with transaction.atomic(using=using):
+            claimable = []
+            if connections[using].vendor in CLAIM_VENDORS:
+                claimable = [
+                    i
+                    for i in pending
+                    if jobs[i].processor.fits_batch_claim(jobs[i].delivery, decoded[i])
+                ]
+            if claimable:
+                _run_claimed(jobs, decoded, decided, claimable, using, guarded, failed or {})
+            # The rest (bad input, ordered consumers, replays) one by one, each in savepoints.
+            for index in pending:
+                job = jobs[index]
+                if decided[index] is not None or job.delivery.queue in held_queues:
+                    continue
+                done = job.processor.run(job.delivery, decoded[index])
+                decided[index] = done
+                if isinstance(done.outcome, RetryInPlace):
+                    held_queues.add(job.delivery.queue)
+    except (_Fallback, DatabaseUnavailable):
+        raise
+    except (OperationalError, InterfaceError) as exc:
+        # Raised by the commit (or a statement outside any handler): the connection is gone.
+        raise DatabaseUnavailable(f"database error while committing a batch: {exc}") from exc
+    except DatabaseError as exc:
+        # A deferred constraint (or the like) refused the commit: no savepoint can help.
+        raise _CommitRefused(exc) from exc
+    return decided
+
+
+def _run_claimed(
+    jobs: Sequence[Job],
+    decoded: Sequence[Message | DecodeError],
+    decided: list[_DeliveryOutcome | None],
+    indexes: list[int],
+    using: str,
+    guarded: bool,
+    failed: dict[int, Exception],
+) -> None:
+    """Claim the inbox rows of ``indexes`` in one statement, then run the handlers of the
+    claimed ones: optimistic (a handler error raises :class:`_Fallback`) or guarded (a
+    savepoint each; a failure removes its inbox row and is decided at once)."""
+    for index, error in failed.items():
+        message = decoded[index]
+        assert isinstance(message, Message)
+        decided[index] = jobs[index].processor.on_failure(
+            jobs[index].delivery, message, error, time.perf_counter()
+        )
+    indexes = [index for index in indexes if index not in failed]
+    if not indexes:
+        return
+    messages: list[Message] = []
+    keys: list[tuple[str, str]] = []
+    for index in indexes:
+        message = decoded[index]
+        assert isinstance(message, Message)
+        messages.append(message)
+        keys.append((jobs[index].processor.spec.name, message.message_id))
+    wait = lock_wait_for(
+        keys,
+        any(jobs[index].delivery.redelivered for index in indexes),
+        jobs[indexes[0]].processor.settings,
+    )
+    claimed, busy = claim_inbox_rows(using, keys, wait)
+    remember_busy(busy)
+    seen: set[tuple[str, str]] = set()
+    processed: dict[str, list[str]] = {}
+    for index, key, message in zip(indexes, keys, messages, strict=True):
+        processor = jobs[index].processor
+        if key in busy:
+            decided[index] = processor.busy(jobs[index].delivery, message)
+            continue
+        if key not in claimed or key in seen:
+            decided[index] = _DeliveryOutcome(
+                Acknowledge(OutcomeLabel.DUPLICATE),
+                OutcomeLabel.DUPLICATE,
+                processed=True,
+                after_commit=True,
+            )
+            continue
+        seen.add(key)
+        started = time.perf_counter()
+        if guarded:
+            failure = _run_guarded(processor, jobs[index].delivery, message, started)
+            if failure is not None:
+                decided[index] = failure
+                continue
+        else:
+            try:
+                processor.call_handler(message)
+            except Exception as exc:  # the batch is redone guarded, this failure decided there
+                if isinstance(exc, OperationalError | InterfaceError) and _connection_lost(using):
+                    # Not the handler's failure: deciding it (after a reconnect) would spend an
+                    # attempt on the database's outage. Nothing is decided, as when guarded.
+                    raise DatabaseUnavailable(
+                        f"database error on message_id={message.message_id}: {exc}"
+                    ) from exc
+                raise _Fallback(processor, index, exc) from exc
+        duration = time.perf_counter() - started
+        decided[index] = _DeliveryOutcome(
+            Acknowledge(OutcomeLabel.PROCESSED),
+            OutcomeLabel.PROCESSED,
+            duration,
+            processed=True,
+            after_commit=True,
+        )
+        if claimed[key]:
+            processed.setdefault(key[0], []).append(key[1])
+    # In the same transaction: a dead letter of a message another copy just processed is
+    # resolved. The claim told which keys have one (on PostgreSQL; elsewhere every key may):
+    # usually none, and then no query at all.
+    for consumer, message_ids in processed.items():
+        resolve_processed_copies(consumer, message_ids, using)
+
+
+def _run_guarded(
+    processor: DeliveryProcessor, delivery: Delivery, message: Message, started: float
+) -> _DeliveryOutcome | None:
+    """Run the handler in a savepoint; None when it succeeded, else its failure's outcome."""
+    try:
+        with transaction.atomic(using=processor.using):
+            processor.call_handler(message)
+    except Exception as exc:  # any handler error is an outcome to decide on
+        if isinstance(exc, OperationalError | InterfaceError) and not (
+            processor.connection_usable()
+        ):
+            raise DatabaseUnavailable(
+                f"database error on message_id={message.message_id}: {exc}"
+            ) from exc
+        # Its effects rolled back with the savepoint; the claimed inbox row goes too.
+        ProcessedMessage.objects.using(processor.using).forget(
+            processor.spec.name, message.message_id
+        )
+        return processor.on_failure(delivery, message, exc, started)
+    return None
+
+
+def _connection_lost(using: str) -> bool:
+    """After a handler's database error on the optimistic path: is the connection gone?
+
+    Without a savepoint to roll back to, a failed statement leaves the transaction aborted, so a
+    probe query fails whether or not the connection lives: what tells them apart is that a live
+    server answers (``current transaction is aborted``, an InternalError) while a lost
+    connection raises OperationalError or InterfaceError without one.
+    """
+    try:
+        with connections[using].cursor() as cursor:
+            cursor.execute("SELECT 1")
+    except (OperationalError, InterfaceError):
+        return True
+    except Exception:  # noqa: BLE001 - the server answered: the connection (and transaction) live
+        return False
+    return False
+
+
+def _one_by_one(jobs: Sequence[Job], cache: DuplicateCache | None) -> list[Outcome | None]:
+    outcomes: list[Outcome | None] = []
+    held_queues: set[str] = set()
+    for job in jobs:
+        if job.delivery.queue in held_queues:
+            outcomes.append(None)
+            continue
+        outcome = process_batch([job], cache=cache)[0]
+        outcomes.append(outcome)
+        if isinstance(outcome, RetryInPlace):
+            held_queues.add(job.delivery.queue)
+    return outcomes
+
+
+def _fast_path(
+    jobs: Sequence[Job],
+    decoded: Sequence[Message | DecodeError],
+    decided: list[_DeliveryOutcome | None],
+    cache: DuplicateCache | None,
+) -> list[tuple[str, str]]:
+    """Settle what Redis already knows: duplicates, and messages another consumer is on.
+    Returns the leases taken. Replays always go to the database (a forced replay has just
+    removed its inbox row, which the cache may still remember)."""
+    if cache is None:
+        return []
+    candidates = [
+        (index, job.processor.spec.name, message)
+        for index, (job, message) in enumerate(zip(jobs, decoded, strict=True))
+        if isinstance(message, Message) and REPLAY_HEADER not in job.delivery.headers
+    ]
+    known = cache.processed([(name, message.message_id) for _, name, message in candidates])
+    to_lease: list[tuple[int, tuple[str, str], Message]] = []
+    for index, name, message in candidates:
+        key = (name, message.message_id)
+        if key in known:
+            metrics.dedup_cache(name, "hit")
+            logger.info(
+                "duplicate message_id=%s consumer=%s attempt=%d outcome=duplicate: already "
+                "processed (fast path), acked without running the handler",
+                message.message_id,
+                name,
+                message.attempt,
+            )
+            decided[index] = _DeliveryOutcome(
+                Acknowledge(OutcomeLabel.DUPLICATE), OutcomeLabel.DUPLICATE
+            )
+            continue
+        metrics.dedup_cache(name, "miss")
+        if not jobs[index].processor.spec.ordered:
+            # Ordered partitions have one consumer at a time already (single active consumer).
+            to_lease.append((index, key, message))
+    leases = cache.lease(list(dict.fromkeys(key for _, key, _ in to_lease)))
+    if leases is None:
+        return []
+    leased: list[tuple[str, str]] = []
+    for index, key, message in to_lease:
+        if leases[key]:
+            leases[key] = False  # the same message twice in one batch: the inbox decides
+            leased.append(key)
+        elif key not in leased:
+            metrics.dedup_cache(key[0], "lease_busy")
+            decided[index] = jobs[index].processor.defer(jobs[index].delivery, message)
+    return leased

@@ -1,0 +1,211 @@
+"""The long-running consumer: one broker connection, N worker threads, reconnects by itself.
+
+:class:`ConsumerService` orchestrates three parts cut along the thread seam:
+
+- :mod:`.consumer_connection`: the connection's thread (the one calling :meth:`run`) owns the
+  broker connection, its channels and consumers, through a transport
+  (:mod:`.consumer_transport`; pika by default, :mod:`.testing_broker` in memory), and settles
+  outcomes there (:mod:`.consumer_settling`: acks, nacks, retry copies);
+- :mod:`.consumer_board`: deliveries copied into plain :class:`Delivery` values wait there for
+  the workers;
+- :mod:`.consumer_workers`: the worker threads do all database work and hand their outcomes
+  back with ``add_callback_threadsafe``, so acks, nacks and retry publishes happen on the
+  connection's thread again.
+
+Throughput: a worker takes every delivery waiting for it (up to ``CONSUMER_BATCH_SIZE``) and
+decides them in one transaction, a savepoint each (see :mod:`.inbox`); their acks go out after
+the commit. Under load that is one commit for many messages; when idle, a batch of one.
+
+Ordering: the partition queues of an ordered consumer are each tied to one worker, which takes
+their deliveries in arrival order, and each has its own channel (so its own prefetch window): a
+partition held by a message retrying in place stops only that partition, never the others.
+
+Every delivery reaches an outcome in bounded time, whatever the broker or the message does:
+
+- A channel the broker closes (``consumer_timeout``, any 406) or a consumer it cancels (queue
+  deleted, a classic queue's node lost) is noticed within one loop turn: the connection is
+  dropped and made again (re-declaring the topology), and ``/healthz`` says "broker not
+  connected" meanwhile. Deliveries are never held unacked longer than half of the broker's
+  ``consumer_timeout`` (``BROKER_CONSUMER_TIMEOUT``): past that they are given back.
+- A delivery that comes back ``redelivered`` is a suspect: it runs alone in the process, under
+  the crash guard (:mod:`.crash_guard`), so a message that kills its process is dead-lettered
+  after ``CRASH_LIMIT`` deaths and its innocent neighbours are never charged. After a
+  (re)connect every channel starts with a prefetch of 1 and opens up to ``PREFETCH`` at the
+  first fresh delivery: while the queue's head is a suspect, only it is exposed to a death (a
+  quorum queue counts every death against each message the dead process held).
+- A handler past its time limit is interrupted (:mod:`.time_limit`).
+- Our own code failing on a delivery (never the handler: its exceptions are outcomes) splits the
+  batch to find the delivery, which after ``CONSUMER_ERROR_LIMIT`` failures is dead-lettered
+  with reason ``consumer_error``.
+- A retry copy the broker refuses (unroutable, nacked) is published again with backoff while the
+  original stays unacked, never requeued at once (each requeue counts toward a quorum queue's
+  delivery limit); quorum queues dead-letter what reaches that limit to ``<queue>.dead``, which
+  this consumer reads and stores as ``delivery_limit`` dead letters (:mod:`.last_resort`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Iterable
+
+from django.db import connections, router
+
+from .. import metrics
+from ..broker.pika_transport import PikaTransport
+from ..broker.topology import consumer_queues
+from ..broker.transport import BrokerTransport
+from ..conf import MessagingSettings, messaging_settings
+from ..core.envelope import Delivery
+from ..core.outcomes import Outcome
+from ..models import ProcessedMessage
+from ..partitions import PartitionUpkeep
+from ..registry import ConsumerSpec
+from .board import WorkBoard
+from .connection import ChannelLost, ConnectionThread
+from .crash_guard import TIMEOUT, CrashGuard
+from .fastpath import duplicate_cache
+from .processing import DeliveryProcessor
+from .settling import OutcomeSettler
+from .time_limit import time_limits
+from .workers import WorkerPool
+
+__all__ = ["PROGRESS_EVERY", "ChannelLost", "ConsumerService"]
+
+# Seconds between two progress lines of a running consumer.
+PROGRESS_EVERY = 30.0
+
+
+class ConsumerService:
+    """Consumes the queues of ``specs`` until :meth:`request_stop` (or the idle timeout).
+
+    ``transport`` is how the connection's thread reaches the broker: pika unless given (the
+    in-memory :class:`~reliable_messaging.testing_broker.StubTransport` in fast tests)."""
+
+    def __init__(
+        self,
+        specs: Iterable[ConsumerSpec],
+        *,
+        concurrency: int = 1,
+        idle_timeout: float | None = None,
+        settings: MessagingSettings = messaging_settings,
+        on_outcome: Callable[[ConsumerSpec, Delivery, Outcome], None] | None = None,
+        health: metrics.HealthState | None = None,
+        progress_interval: float = PROGRESS_EVERY,
+        transport: BrokerTransport | None = None,
+    ) -> None:
+        self.specs = list(specs)
+        if not self.specs:
+            raise ValueError("no consumers to run")
+        self.concurrency = max(1, concurrency)
+        self.idle_timeout = idle_timeout
+        self.settings = settings
+        self.on_outcome = on_outcome
+        self.health = health
+        # Seconds between progress lines (outcomes so far); 0: none.
+        self.progress_interval = progress_interval if progress_interval > 0 else float("inf")
+        self._stop = threading.Event()
+        self._transport = transport if transport is not None else PikaTransport()
+        cache = duplicate_cache(settings)
+        processors = {spec.name: DeliveryProcessor(spec, settings, cache) for spec in self.specs}
+        metrics.consumers_started(processors)
+        self._crash_guard = CrashGuard(settings.crash_limit)
+        board = WorkBoard(self.concurrency)
+        # Each ordered partition queue is tied to one worker, round robin.
+        workers = itertools.cycle(range(self.concurrency))
+        lane_of = {
+            queue: next(workers)
+            for spec in self.specs
+            if spec.ordered
+            for queue in consumer_queues(spec, settings)
+        }
+        # Retry copies go out on a connection of their own (see .retry_publisher); a delay
+        # exchange it finds missing makes the connection's thread declare the topology again.
+        self._publisher = self._transport.retry_publisher(
+            settings,
+            health=health,
+            on_missing=lambda exchange: self._connection.topology_lost(exchange),
+        )
+        settler = OutcomeSettler(self._transport, self._publisher, settings, on_outcome)
+        self._connection = ConnectionThread(
+            self.specs,
+            transport=self._transport,
+            board=board,
+            lane_of=lane_of,
+            settler=settler,
+            publisher=self._publisher,
+            settings=settings,
+            stop=self._stop,
+            concurrency=self.concurrency,
+            idle_timeout=idle_timeout,
+            progress_interval=self.progress_interval,
+            cache=cache,
+            health=health,
+        )
+        self._workers = WorkerPool(
+            board,
+            processors,
+            concurrency=self.concurrency,
+            settings=settings,
+            cache=cache,
+            crash_guard=self._crash_guard,
+            stop=self._stop,
+            hand_back=settler.hand_back,
+            health=health,
+        )
+        if health is not None:
+            health.add_problem_source(self._connection.idle_for_want_of_queues)
+
+    @property
+    def connected(self) -> threading.Event:
+        """Set while connected to the broker and consuming."""
+        return self._connection.connected
+
+    @property
+    def exit_code(self) -> int:
+        """0, or 1 when handlers were still running at the stop, 2 for a topology conflict."""
+        return self._connection.exit_code
+
+    def request_stop(self) -> None:
+        """Stop taking deliveries, let handlers in flight finish, then return from :meth:`run`.
+        Safe to call from a signal handler or another thread."""
+        self._stop.set()
+        if self.health is not None:
+            self.health.stopping()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def run(self) -> int:
+        """Consume on the calling thread (the connection's thread) until stopped; the exit code."""
+        self._start_time_limits()
+        upkeep = PartitionUpkeep(router.db_for_write(ProcessedMessage))
+        upkeep.start()
+        self._workers.start()
+        self._publisher.start()
+        try:
+            return self._connection.run()
+        finally:
+            self._connection.set_connected(False)
+            self._workers.stop()
+            self._publisher.stop()
+            time_limits.stop()
+            upkeep.stop()
+
+    def _start_time_limits(self) -> None:
+        def timed_out(consumer: str, message_id: str, seconds: float) -> None:
+            metrics.handler_timeout(consumer)
+
+        def hopeless(consumer: str, message_id: str) -> None:
+            # The watchdog's own database connection: count the death before the exit.
+            try:
+                self._crash_guard.record_death(consumer, message_id, TIMEOUT)
+            finally:
+                connections.close_all()
+
+        time_limits.on_timeout = timed_out
+        time_limits.on_hopeless = hopeless
+        time_limits.start(self.settings.handler_timeout_grace)
+        if self.health is not None:
+            self.health.add_problem_source(time_limits.overdue)

@@ -1,0 +1,286 @@
+"""The consumer's worker threads: batches from the :class:`~.consumer_board.WorkBoard` through
+the inbox, outcomes handed back to the connection thread.
+
+A worker takes every delivery waiting for it (up to ``CONSUMER_BATCH_SIZE``) and decides them in
+one transaction, a savepoint each (see :mod:`.inbox`); their acks go out after the commit. Under
+load that is one commit for many messages; when idle, a batch of one. A delivery that came back
+``redelivered`` runs alone, under the crash guard (:mod:`.crash_guard`), with the process to
+itself.
+
+An ordered partition whose delivery retries in place is held by its worker (a
+:class:`~.consumer_board.HeldPartition`): its later deliveries wait behind it, in order, while
+every other partition flows.
+
+While the database is unreachable a batch is held unacked and tried again with backoff, and
+given back to the broker when stopping, when its connection is lost, or past half of the
+broker's ``consumer_timeout``. Our own code failing on a delivery (never the handler: its
+exceptions are outcomes) splits the batch to find the delivery, which after
+``CONSUMER_ERROR_LIMIT`` failures is dead-lettered with reason ``consumer_error``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+from django.db import InterfaceError, OperationalError, close_old_connections, connections
+
+from .. import metrics
+from ..broker.topology import consumer_queues
+from ..conf import MessagingSettings
+from ..core.backoff import Backoff
+from ..core.outcomes import Outcome, Release, RetryInPlace
+from ..exceptions import DatabaseUnavailable
+from .board import DeliveryWork, HeldPartition, WorkBoard
+from .crash_guard import CrashGuard, SuspectGate, decide_suspect
+from .fastpath import DuplicateCache
+from .last_resort import consumer_error, ingest_delivery_limit
+from .processing import DeliveryProcessor, Job, process_batch
+
+logger = logging.getLogger(__name__)
+
+# Outcomes a worker hands back: carried out on the connection's thread.
+HandBack = Callable[[list[tuple[DeliveryWork, Outcome]]], None]
+
+
+class WorkerPool:
+    """``concurrency`` daemon threads taking batches from ``board`` until it is closed."""
+
+    def __init__(
+        self,
+        board: WorkBoard,
+        processors: Mapping[str, DeliveryProcessor],
+        *,
+        concurrency: int,
+        settings: MessagingSettings,
+        cache: DuplicateCache | None,
+        crash_guard: CrashGuard,
+        stop: threading.Event,
+        hand_back: HandBack,
+        health: metrics.HealthState | None = None,
+    ) -> None:
+        self.board = board
+        self.processors = processors
+        self.concurrency = concurrency
+        self.settings = settings
+        self.cache = cache
+        self.crash_guard = crash_guard
+        self.health = health
+        self._stop = stop
+        self._hand_back = hand_back
+        self._gate = SuspectGate()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        for index in range(self.concurrency):
+            thread = threading.Thread(
+                target=self._worker_loop, args=(index,), name=f"rm-worker-{index}", daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Close the board and wait (up to ``timeout``s) for the batches in hand to finish."""
+        self.board.close()
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _worker_loop(self, index: int) -> None:
+        held: dict[str, HeldPartition] = {}
+        limit = max(1, self.settings.consumer_batch_size)
+        try:
+            while True:
+                now = time.monotonic()
+                batch: list[DeliveryWork] = []
+                for queue in [q for q, h in held.items() if h.ready_at <= now]:
+                    batch.extend(held.pop(queue).items)
+                if self.board.closed or self._stop.is_set():
+                    self._release_held(held, "stopping while a retry in place waited")
+                if self.board.closed and self.board.empty() and not batch:
+                    return
+                wait = 0.0 if batch else 0.5
+                if held and not batch:
+                    wait = min(wait, max(0.0, min(h.ready_at for h in held.values()) - now))
+                for item in self.board.take(index, limit - len(batch), wait):
+                    waiting = held.get(item.delivery.queue)
+                    if waiting is not None:
+                        waiting.items.append(item)  # behind its partition's retry, in order
+                    else:
+                        batch.append(item)
+                if batch:
+                    self._run_batch(batch, held)
+        finally:
+            connections.close_all()
+
+    def _release_held(self, held: dict[str, HeldPartition], why: str) -> None:
+        items = [item for waiting in held.values() for item in waiting.items]
+        held.clear()
+        if items:
+            self._hand_back([(item, Release(why)) for item in items])
+
+    def _run_batch(self, batch: list[DeliveryWork], held: dict[str, HeldPartition]) -> None:
+        """Decide ``batch`` in segments, in arrival order: the fresh deliveries together, each
+        suspect (redelivered) alone. The happy path is one segment."""
+        segment: list[DeliveryWork] = []
+        for item in batch:
+            if item.suspect or item.from_dead_letter_queue:
+                self._run_segment(segment, held)
+                self._run_segment([item], held)
+                segment = []
+            else:
+                segment.append(item)
+        self._run_segment(segment, held)
+
+    def _run_segment(self, segment: list[DeliveryWork], held: dict[str, HeldPartition]) -> None:
+        batch: list[DeliveryWork] = []
+        for item in segment:
+            waiting = held.get(item.delivery.queue)
+            if waiting is not None:
+                waiting.items.append(item)  # behind its partition's retry, in order
+            else:
+                batch.append(item)
+        if not batch:
+            return
+        outcomes = self._decide(batch)
+        settled: list[tuple[DeliveryWork, Outcome]] = []
+        for item, outcome in zip(batch, outcomes, strict=True):
+            if isinstance(outcome, RetryInPlace):
+                held[item.delivery.queue] = HeldPartition(
+                    time.monotonic() + outcome.delay, [item.again(outcome)]
+                )
+            elif outcome is None:
+                held[item.delivery.queue].items.append(item)
+            else:
+                settled.append((item, outcome))
+        if settled:
+            self._hand_back(settled)
+
+    def _decide(self, batch: list[DeliveryWork]) -> list[Outcome | None]:
+        """The batch's outcomes; holds it while the database is unreachable, retrying with
+        backoff, and gives it back to the broker when stopping or disconnected meanwhile."""
+        if self._stop.is_set():
+            return [Release("stopping: not started")] * len(batch)
+        gone = [not item.link.open for item in batch]
+        if not any(gone):
+            return self._decide_live(batch)
+        live = [item for item, lost in zip(batch, gone, strict=True) if not lost]
+        decided = iter(self._decide_live(live) if live else [])
+        return [
+            Release("connection lost before the handler started") if lost else next(decided)
+            for lost in gone
+        ]
+
+    def _attempt(self, batch: list[DeliveryWork]) -> list[Outcome | None]:
+        """One try at deciding ``batch``: a suspect alone, under the crash guard and with the
+        process to itself; anything else as one batch, beside other ordinary batches."""
+        if len(batch) == 1 and batch[0].from_dead_letter_queue:
+            item = batch[0]
+            queues = consumer_queues(item.spec, self.settings)
+            return [ingest_delivery_limit(self.processors[item.spec.name], item.delivery, queues)]
+        if len(batch) == 1 and batch[0].suspect:
+            with self._gate.exclusive():
+                try:
+                    return [self._attempt_suspect(batch[0])]
+                except (OperationalError, InterfaceError) as exc:
+                    # The crash guard's own statements: the database is down, hold it.
+                    raise DatabaseUnavailable(f"crash guard: {exc}") from exc
+        jobs = [Job(self.processors[item.spec.name], item.delivery) for item in batch]
+        with self._gate.shared():
+            return process_batch(jobs, cache=self.cache)
+
+    def _attempt_suspect(self, item: DeliveryWork) -> Outcome | None:
+        processor = self.processors[item.spec.name]
+        return decide_suspect(
+            self.crash_guard,
+            processor,
+            item.delivery,
+            lambda: process_batch([Job(processor, item.delivery)], cache=self.cache)[0],
+        )
+
+    def _decide_live(self, batch: list[DeliveryWork]) -> list[Outcome | None]:
+        wait = Backoff(0.5, self.settings.reconnect_max_delay)
+        warned = False
+        errors = 0
+        while True:
+            # Drop connections that broke or outlived CONN_MAX_AGE, as Django does per request.
+            close_old_connections()
+            try:
+                outcomes = self._attempt(batch)
+                if self.health is not None:
+                    self.health.set_database(True)
+                return outcomes
+            except DatabaseUnavailable as exc:
+                delay = wait.next()
+                if self.health is not None:
+                    self.health.set_database(False, str(exc.__cause__ or exc))
+                log = logger.warning if not warned else logger.debug
+                log(
+                    "database unavailable (%s); message_id=%s%s: holding %s unacked and "
+                    "retrying in %.1fs",
+                    exc.__cause__ or exc,
+                    batch[0].delivery.message_id,
+                    f" and {len(batch) - 1} more" if len(batch) > 1 else "",
+                    "it" if len(batch) == 1 else "them",
+                    delay,
+                )
+                warned = True
+            except Exception as exc:
+                # A bug on our side (never the handler's: its exceptions are outcomes).
+                errors += 1
+                if len(batch) > 1:
+                    logger.exception(
+                        "unexpected error while processing %d deliveries (message_id=%s, ...); "
+                        "deciding them one by one to find the one it comes from",
+                        len(batch),
+                        batch[0].delivery.message_id,
+                    )
+                    return self._decide_one_by_one(batch)
+                if errors >= self.settings.consumer_error_limit:
+                    item = batch[0]
+                    return [
+                        consumer_error(self.processors[item.spec.name], item.delivery, exc, errors)
+                    ]
+                delay = wait.next()
+                logger.exception(
+                    "unexpected error while processing message_id=%s (failure %d of %d before "
+                    "it is dead-lettered); holding it unacked and retrying in %.1fs",
+                    batch[0].delivery.message_id,
+                    errors,
+                    self.settings.consumer_error_limit,
+                    delay,
+                )
+            finally:
+                close_old_connections()
+            for conn in connections.all(initialized_only=True):
+                conn.close()
+            if self._stop.wait(delay):
+                return [Release("stopping while the database is unavailable")] * len(batch)
+            if not all(item.link.open for item in batch):
+                return [Release("connection lost while the database was unavailable")] * len(batch)
+            if time.monotonic() - batch[0].received > self.settings.max_hold_seconds:
+                # Held past half the broker's consumer_timeout, the broker would close the
+                # channel under us (and redeliver anyway): give it back first.
+                logger.warning(
+                    "message_id=%s%s held unacked for over %.0fs (half of "
+                    "BROKER_CONSUMER_TIMEOUT): giving back to the broker",
+                    batch[0].delivery.message_id,
+                    f" and {len(batch) - 1} more" if len(batch) > 1 else "",
+                    self.settings.max_hold_seconds,
+                )
+                return [Release("held too long without an outcome")] * len(batch)
+
+    def _decide_one_by_one(self, batch: list[DeliveryWork]) -> list[Outcome | None]:
+        outcomes: list[Outcome | None] = []
+        held_queues: set[str] = set()
+        for item in batch:
+            if item.delivery.queue in held_queues:
+                outcomes.append(None)  # behind an in-place retry of its partition
+                continue
+            outcome = self._decide_live([item])[0]
+            outcomes.append(outcome)
+            if isinstance(outcome, RetryInPlace):
+                held_queues.add(item.delivery.queue)
+        return outcomes

@@ -1,0 +1,1 @@
+"""Integrations with optional extras: Celery (idempotent tasks), django-health-check."""

@@ -1,0 +1,451 @@
+"""Celery: the ``relay_outbox`` task, and ``@idempotent_task`` for tasks that must take effect once.
+
+``relay_outbox`` is for teams that schedule work with Celery beat instead of running processes.
+Add it to the beat schedule::
+
+    CELERY_BEAT_SCHEDULE = {
+        "relay-outbox": {"task": "reliable_messaging.relay_outbox", "schedule": 5.0},
+    }
+
+Each run drains the outbox for at most ``max_seconds`` and returns a summary. Runs may overlap:
+on PostgreSQL rows are claimed with ``SELECT ... FOR UPDATE SKIP LOCKED``, so no row is sent twice
+by two runs; SQLite ignores ``SKIP LOCKED``, so overlapping runs there may send a row twice (the
+consumers' inbox drops the copy).
+
+``@idempotent_task`` goes *below* Celery's own decorator, so every Celery option (``bind``,
+``acks_late``, ``autoretry_for``, ``queue``...) works as usual::
+
+    from celery import shared_task
+    from reliable_messaging import idempotent_task
+
+    @shared_task(acks_late=True, reject_on_worker_lost=True)  # both needed: see below
+    @idempotent_task(key=lambda order_id: f"receipt:{order_id}")
+    def email_receipt(order_id: int) -> int:
+        receipt = Receipt.objects.create(order_id=order_id)
+        ...
+        return receipt.pk
+
+The body runs inside ``transaction.atomic()`` together with the insert of an inbox row
+(``ProcessedMessage``), exactly like a consumer's handler: ``consumer`` is the scope (the
+task's name unless ``scope=`` is given) and ``message_id`` the idempotency key. The insert comes
+first, so a key that already took effect fails on the unique index before the body runs, and
+a concurrent twin waits on that index until the first commits or rolls back. A body that raises
+rolls back its effects and the inbox row together, so a retry runs it again.
+
+A pool child killed mid-task (the OOM killer, ``SIGKILL``, a segfault) rolls back its
+transaction with it. What happens to the task message is Celery's choice: with ``acks_late``
+alone, Celery acks it as failed (``WorkerLostError``) and the key never takes effect. So
+``@idempotent_task`` needs ``acks_late`` *and* ``reject_on_worker_lost`` (per task, or
+``task_acks_late`` / ``task_reject_on_worker_lost`` in the app's config; a system check warns
+otherwise): the message goes back to the queue and runs again. A task that kills its child
+every time would then come back forever and hold a worker slot, so redelivered task messages
+go through the crash guard (:mod:`.crash_guard`), like redelivered AMQP deliveries: past
+``CRASH_LIMIT`` deaths the task becomes a dead letter (reason ``worker_crashed``) instead of
+running, and Celery acks it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ParamSpec, TypeVar, overload
+
+try:
+    from celery import Celery, Task, current_task, shared_task
+except ImportError as exc:  # the "celery" extra is not installed
+    from ..exceptions import MissingExtra
+
+    raise MissingExtra("reliable_messaging.idempotent_task", "celery", "celery") from exc
+from django.db import DatabaseError, router, transaction
+
+from .. import metrics
+from ..conf import messaging_settings
+from ..consuming.crash_guard import CrashGuard, Suspicion
+from ..core.envelope import CELERY_TASK_HEADER, CONTENT_TYPE, Delivery, jsonable
+from ..core.outcomes import OutcomeLabel
+from ..dead_letters.record import record_dead_letter
+from ..exactly_once import claimed_atomic
+from ..models import DeadLetterReason, OutboxMessage, ProcessedMessage
+from ..partitions import OUTBOX, ensure_partitions
+from ..publishing.relay import OutboxRelay
+
+logger = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+# Longer keys, or keys the database cannot store as text (NUL, lone surrogates), are kept as
+# HASHED_KEY_PREFIX + the SHA-256 of their UTF-8 bytes, which fits the column.
+KEY_MAX_LENGTH = 255
+HASHED_KEY_PREFIX = "sha256:"
+
+# Headers of a task's dead letter: they say it was a Celery task, not an AMQP delivery of ours.
+CELERY_TASK_ID_HEADER = "celery-task-id"
+
+# The wrappers @idempotent_task returned, so the system check can find their Celery tasks.
+# Weak: a task defined and dropped at run time (a test's) does not stay here.
+_idempotent_bodies: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+
+
+@shared_task(name="reliable_messaging.relay_outbox", ignore_result=False)
+def relay_outbox(max_seconds: float = 50.0, batch_size: int | None = None) -> dict[str, Any]:
+    """Publish pending outbox rows until none is left or ``max_seconds`` have passed."""
+    # The sent rows' day partitions (PostgreSQL), made ahead as `manage.py relay` makes them: a
+    # catalog read when they exist.
+    ensure_partitions(router.db_for_write(OutboxMessage), spec=OUTBOX)
+    report = OutboxRelay(
+        once=True, max_seconds=max_seconds, batch_size=batch_size, listen=False
+    ).run()
+    return {
+        "sent": report.sent,
+        "nacked": report.nacked,
+        "unroutable": report.returned,
+        "pending": report.left_pending,
+        "failed": report.left_failed,
+    }
+
+
+def inbox_key(key: object) -> str:
+    """The inbox ``message_id`` for an idempotency key: ``str(key)`` itself when it fits the
+    column and the database can store it, else ``"sha256:<hex>"`` of its UTF-8 bytes."""
+    if key is None or key == "":
+        raise ValueError("the idempotency key is empty: the key function returned nothing")
+    text = str(key)
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError:
+        data = text.encode("utf-8", "surrogatepass")
+    else:
+        if len(text) <= KEY_MAX_LENGTH and "\x00" not in text:
+            return text
+    return HASHED_KEY_PREFIX + hashlib.sha256(data).hexdigest()
+
+
+def _running_task(wrapper: Callable[..., Any]) -> Task | None:
+    """The Celery task whose body is ``wrapper``, when that is the task running now.
+
+    Celery pushes a task on its stack both when a worker (or ``apply()``) runs it and when it
+    is called directly. Its ``run`` leads to our wrapper through ``__wrapped__`` layers when
+    something wraps it (another decorator, Celery's own ``autoretry_for``)."""
+    task = current_task._get_current_object() if current_task else None
+    if task is None:
+        return None
+    return task if any(body is wrapper for body in _bodies(task)) else None
+
+
+def _bodies(task: Task) -> Iterator[Any]:
+    """``task.run`` and the functions it wraps, outermost first."""
+    body = getattr(task, "run", None)
+    while body is not None:
+        body = getattr(body, "__func__", body)  # a bound method when the task has bind=True
+        yield body
+        body = getattr(body, "__wrapped__", None)
+
+
+@dataclass(frozen=True)
+class UnsafeTask:
+    """An ``@idempotent_task`` whose Celery options let a killed pool child lose its key."""
+
+    app: str
+    task: str
+    problems: tuple[str, ...]
+
+
+def unsafe_idempotent_tasks(apps: Sequence[Celery] | None = None) -> list[UnsafeTask]:
+    """The ``@idempotent_task`` tasks of ``apps`` (by default every Celery app of this process
+    but Celery's unconfigured fallback) that a ``SIGKILL``-ed pool child would lose."""
+    unsafe = []
+    for app in _configured_apps() if apps is None else apps:
+        if not app.finalized and not app.autofinalize:
+            continue  # its tasks do not exist yet, and asking for them would raise
+        for task in list(app.tasks.values()):
+            if not any(body in _idempotent_bodies for body in _bodies(task)):
+                continue
+            problems = _unsafe_options(app, task)
+            if problems:
+                unsafe.append(UnsafeTask(app.main or "?", task.name, problems))
+    return unsafe
+
+
+def _configured_apps() -> list[Celery]:
+    # Celery keeps every app it created in a weak set; shared_task itself walks it to add its
+    # task to each one. The fallback app it makes up when none was configured is left out: no
+    # worker runs it, and its defaults would make every task look unsafe.
+    from celery import _state
+
+    active = getattr(_state, "_get_active_apps", None)  # private: absent, check nothing
+    fallback = getattr(_state, "default_app", None)
+    return [
+        app
+        for app in (list(active()) if active is not None else [])
+        if not (app is fallback and not app.set_as_current)
+    ]
+
+
+def _unsafe_options(app: Celery, task: Task) -> tuple[str, ...]:
+    def option(name: str) -> bool:
+        value = getattr(task, name, None)  # the task's own, or the app's, copied when bound
+        return bool(app.conf.get(f"task_{name}") if value is None else value)
+
+    problems = []
+    if not option("acks_late"):
+        problems.append("acks_late is off, so the message is acked before the body runs")
+    elif not option("reject_on_worker_lost"):
+        problems.append(
+            "reject_on_worker_lost is off, so the task of a killed child is acked as failed"
+        )
+    if option("retry_on_worker_lost"):
+        # Its copy is a new message, not a redelivery: the crash guard never sees it, and once
+        # max_retries copies have died Celery acks the task as failed, with no dead letter.
+        problems.append(
+            "retry_on_worker_lost is on, so once max_retries copies have died the task is "
+            "acked as failed, with no dead letter"
+        )
+    return tuple(problems)
+
+
+@overload
+def idempotent_task(func: Callable[P, R], /) -> Callable[P, R | None]: ...
+
+
+@overload
+def idempotent_task(
+    *,
+    key: Callable[..., object] | None = None,
+    scope: str | None = None,
+    using: str | None = None,
+) -> Callable[[Callable[P, R]], Callable[P, R | None]]: ...
+
+
+def idempotent_task(
+    func: Callable[P, R] | None = None,
+    /,
+    *,
+    key: Callable[..., object] | None = None,
+    scope: str | None = None,
+    using: str | None = None,
+) -> Any:
+    """Make a Celery task take effect once per idempotency key. Put it below ``@shared_task``
+    or ``@app.task``.
+
+    ``key`` receives the task's arguments (without ``self`` for ``bind=True`` tasks) and
+    returns the key, e.g. ``key=lambda order_id: f"receipt:{order_id}"``; without it the key is
+    the Celery task id, which protects against redelivery of one task message (use
+    ``acks_late=True``) but not against two ``delay()`` calls. Keys over 255 characters are
+    stored hashed (see :func:`inbox_key`). ``scope`` is the deduplication scope, by default the
+    task's name: keep it when renaming the task, or every key takes effect once more.
+    ``using`` is the database alias of the inbox and the body's transaction.
+
+    Returns the body's result; a skipped duplicate returns ``None`` (and is logged and
+    counted as outcome ``duplicate``), so a caller that must tell them apart should have the
+    body return something. Keys are remembered for ``DEDUP_RETENTION`` (``purge_messages``).
+
+    Run it with ``acks_late=True`` and ``reject_on_worker_lost=True`` (on the task, or
+    ``task_acks_late`` / ``task_reject_on_worker_lost`` for the app; the system check
+    ``reliable_messaging.W020`` says when a task lacks them). A pool child killed mid-task
+    (OOM killer, ``SIGKILL``) takes the body's transaction with it; without
+    ``reject_on_worker_lost`` Celery then acks the message as failed and the key never takes
+    effect; with it, the message goes back to the queue and runs again. A redelivered message
+    is watched by the crash guard: once children have died on it ``CRASH_LIMIT`` times it is
+    not run again but stored as a dead letter (reason ``worker_crashed``, ``attempts`` = the
+    deaths), logged, counted as outcome ``dead_lettered`` and returns ``None``, and Celery acks
+    it. Such a dead letter is for reading and discarding in the admin: it is not a message a
+    replay could publish, so once the cause is fixed, call the task again.
+    """
+    if scope is not None and not 0 < len(scope) <= KEY_MAX_LENGTH:
+        raise ValueError(f"scope must be 1 to {KEY_MAX_LENGTH} characters, got {scope!r}")
+
+    def decorate(body: Callable[P, R]) -> Callable[P, R | None]:
+        if isinstance(body, Task):
+            raise TypeError(
+                f"@idempotent_task was applied to the Celery task {body.name!r}; put it below "
+                f"@shared_task / @app.task, directly on the function"
+            )
+
+        @functools.wraps(body)
+        def run_once(*args: P.args, **kwargs: P.kwargs) -> R | None:
+            task = _running_task(run_once)
+            name = scope or (
+                task.name if task is not None else body.__module__ + "." + body.__qualname__
+            )
+            bound_self = task is not None and bool(args) and args[0] is task
+            if key is not None:
+                raw_key = key(*(args[1:] if bound_self else args), **kwargs)
+            else:
+                raw_key = task.request.id if task is not None else None
+                if not raw_key:
+                    raise RuntimeError(
+                        f"{name} has no Celery task id to deduplicate on: it was called "
+                        f"directly, not through delay(), apply_async() or apply(). Give "
+                        f"@idempotent_task a key=... to call it like this."
+                    )
+            message_id = inbox_key(raw_key)
+            alias = using or router.db_for_write(ProcessedMessage)
+            guard = None
+            if task is not None and _redelivered(task):
+                # The message came back unacked: a pool child may have died on it. Only such
+                # messages pay for the guard; its mark commits before the body's transaction
+                # opens, so it outlives a SIGKILL.
+                guard = CrashGuard(messaging_settings.crash_limit, using=alias)
+                task_args = args[1:] if bound_self else args
+                if _dead_letter_if_crash_looping(guard, task, name, message_id, task_args, kwargs):
+                    return None  # Celery acks it, and the queue moves on
+            try:
+                result = _run_in_inbox(body, args, kwargs, task, name, message_id, alias)
+            except BaseException as exc:
+                # An exception is an outcome: Celery fails or retries the task. SystemExit and
+                # MemoryError end the child (Celery lets them through): the mark stays
+                # "running", so the redelivery counts the death as if it were a SIGKILL.
+                if guard is not None and _is_outcome(exc):
+                    _forget(guard, name, message_id)
+                raise
+            if guard is not None:
+                _forget(guard, name, message_id)
+            return result
+
+        _idempotent_bodies.add(run_once)
+        return run_once
+
+    return decorate if func is None else decorate(func)
+
+
+def _run_in_inbox(
+    body: Callable[..., R],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    task: Task | None,
+    name: str,
+    message_id: str,
+    alias: str,
+) -> R | None:
+    """Run ``body`` in one transaction with the insert of its inbox row; ``None`` without
+    running it when the key already took effect."""
+    started = time.perf_counter()
+    with claimed_atomic(alias, name, message_id) as fresh:
+        if fresh:
+            result = body(*args, **kwargs)
+    if not fresh:
+        logger.info(
+            "duplicate message_id=%s task=%s task_id=%s: this key already took "
+            "effect, the body was skipped",
+            message_id,
+            name,
+            task.request.id if task is not None else "-",
+        )
+        metrics.consumer_outcome(name, OutcomeLabel.DUPLICATE)
+        return None
+    duration = time.perf_counter() - started
+    # Counted once committed: called inside a caller's transaction (eagerly, say), the
+    # effect only happens if that one commits. Outside any, this runs at once.
+    transaction.on_commit(
+        lambda: metrics.consumer_outcome(name, OutcomeLabel.PROCESSED, duration), using=alias
+    )
+    logger.info(
+        "processed message_id=%s task=%s outcome=processed duration_ms=%.1f",
+        message_id,
+        name,
+        duration * 1000,
+    )
+    return result
+
+
+def _redelivered(task: Task) -> bool:
+    """Whether the broker handed this task message out before (eager runs never are)."""
+    delivery_info = getattr(task.request, "delivery_info", None) or {}
+    return bool(delivery_info.get("redelivered"))
+
+
+def _is_outcome(exc: BaseException) -> bool:
+    return isinstance(exc, Exception) and not isinstance(exc, MemoryError)
+
+
+def _forget(guard: CrashGuard, scope: str, message_id: str) -> None:
+    """The task reached an outcome: drop the guard's mark. Failing to must not turn an effect
+    that committed into a failed task; a mark left behind is never read again (the message
+    is acked)."""
+    try:
+        guard.finish([(scope, message_id)])
+    except DatabaseError:
+        logger.warning(
+            "crash guard mark of message_id=%s task=%s could not be removed",
+            message_id,
+            scope,
+            exc_info=True,
+        )
+
+
+def _dead_letter_if_crash_looping(
+    guard: CrashGuard,
+    task: Task,
+    scope: str,
+    message_id: str,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+) -> bool:
+    """Count the deaths on this redelivered task; past the limit, store it as a dead letter
+    instead of running it again (``True``). A key already in the inbox took effect: it goes on
+    to be skipped as a duplicate, however often the children died around it."""
+    suspicion = guard.begin(scope, message_id)
+    if not suspicion.exceeds(guard.limit):
+        return False
+    if ProcessedMessage.objects.using(guard.using).has(scope, message_id):
+        return False
+    _record_crashed_task(task, scope, message_id, suspicion, args, kwargs)
+    _forget(guard, scope, message_id)
+    return True
+
+
+def _record_crashed_task(
+    task: Task,
+    scope: str,
+    message_id: str,
+    suspicion: Suspicion,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+) -> None:
+    """Store the task that killed its child too often as a dead letter, to be read (and
+    discarded) in the admin. It is not a message a replay through the outbox can recreate: run
+    the task again with ``delay()`` once the cause is fixed."""
+    delivery_info = getattr(task.request, "delivery_info", None) or {}
+    payload = jsonable({"args": list(args), "kwargs": kwargs})
+    delivery = Delivery(
+        body=json.dumps(payload, ensure_ascii=False).encode("utf-8"),
+        # Celery does not say which queue a message came from; its routing key names the
+        # queue in the usual set-up (one direct exchange and routing key per queue).
+        queue=delivery_info.get("routing_key") or "celery",
+        exchange="",
+        routing_key=task.name,
+        redelivered=True,
+        message_id=message_id,
+        content_type=CONTENT_TYPE,
+        headers={
+            CELERY_TASK_HEADER: task.name,
+            CELERY_TASK_ID_HEADER: task.request.id,
+            "celery-exchange": delivery_info.get("exchange") or "",
+            "celery-routing-key": delivery_info.get("routing_key") or "",
+        },
+    )
+    record_dead_letter(
+        consumer=scope,
+        delivery=delivery,
+        message_id=message_id,
+        reason=DeadLetterReason.WORKER_CRASHED,
+        attempts=suspicion.deaths,
+        payload=payload,
+        exception_message=suspicion.describe(),
+    )
+    logger.error(
+        "dead_lettered message_id=%s task=%s task_id=%s reason=worker_crashed deaths=%d: %s",
+        message_id,
+        scope,
+        task.request.id,
+        suspicion.deaths,
+        suspicion.describe(),
+    )
+    metrics.consumer_outcome(scope, OutcomeLabel.DEAD_LETTERED)

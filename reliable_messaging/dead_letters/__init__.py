@@ -1,0 +1,1 @@
+"""Dead letters: recording them, and replaying them to the consumer that failed."""

@@ -1,0 +1,284 @@
+"""Replaying dead letters: back through the outbox, to the consumer that failed, only.
+
+A replay writes an outbox row addressed to the default exchange with the failed consumer's queue
+as routing key, so only that queue receives it, never the routing key's other subscribers. It
+keeps the message_id (the inbox keeps protecting against doubles), starts again at attempt 1, and
+carries the original exchange and routing key plus who replayed it in our headers. The consumer
+marks the dead letter resolved in the same transaction as the handler's effects when it succeeds
+(or, when another copy of the message was processed first, in the transaction that finds the
+replayed copy a duplicate); if it fails again, the same dead letter row is updated (history kept).
+
+A dead letter stays "replayed" until that outcome. One whose replayed copy never comes (an
+outbox row the relay gave up on, a queue purged) would stay so for good, and for an ordered
+consumer keep its key parked: after :data:`STALE_REPLAY_AFTER` it may be replayed again or
+discarded.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db import router, transaction
+from django.db.models import Q, QuerySet
+from django.utils import timezone
+
+from ..core.envelope import (
+    ATTEMPT_HEADER,
+    BROKER_HEADERS,
+    CELERY_TASK_HEADER,
+    DEAD_LETTER_ID_HEADER,
+    FIRST_FAILED_AT_HEADER,
+    LAST_ERROR_HEADER,
+    ORDERING_KEY_HEADER,
+    ORIGINAL_EXCHANGE_HEADER,
+    ORIGINAL_ROUTING_KEY_HEADER,
+    PUBLISHED_AT_HEADER,
+    REPLAY_HEADER,
+    REPLAYED_BY_HEADER,
+    wire_headers,
+)
+from ..models import (
+    DeadLetter,
+    DeadLetterReason,
+    DeadLetterStatus,
+    OutboxMessage,
+    ProcessedMessage,
+)
+
+logger = logging.getLogger(__name__)
+
+# Reasons a replay would certainly fail for again: the body or the id itself is the problem.
+UNREPLAYABLE_REASONS = {
+    DeadLetterReason.MISSING_MESSAGE_ID: "it has no message_id, so it would be refused again",
+    DeadLetterReason.INVALID_JSON: "its body is not JSON, so it would be refused again",
+    DeadLetterReason.INVALID_UTF8: "its body is not UTF-8, so it would be refused again",
+    DeadLetterReason.EMPTY_BODY: "its body is empty, so it would be refused again",
+}
+REPLAYABLE_STATUSES = (DeadLetterStatus.DEAD, DeadLetterStatus.DISCARDED)
+# How long a replay may await its outcome before it is presumed lost. The relay publishes a
+# replay within seconds and the consumer decides it within its retry horizon (the broker's
+# consumer_timeout bounds an ordered one's retries in place); past this, the dead letter may be
+# replayed again (harmless if the first copy turns up after all: the inbox takes it once) or
+# discarded (a copy that turns up after all is still processed, and resolves it).
+STALE_REPLAY_AFTER = dt.timedelta(hours=1)
+# Headers describing the previous life of the message, which a replay starts afresh.
+_RESET_HEADERS = {
+    ATTEMPT_HEADER,
+    FIRST_FAILED_AT_HEADER,
+    LAST_ERROR_HEADER,
+    PUBLISHED_AT_HEADER,
+    "x-rm-outbox-id",
+} | BROKER_HEADERS
+
+
+@dataclass
+class ReplayResult:
+    """What a replay did; ``refused`` maps dead letter ids to why they were not replayed."""
+
+    replayed: list[int] = field(default_factory=list)
+    refused: dict[int, str] = field(default_factory=dict)
+
+    def merge(self, other: ReplayResult) -> None:
+        self.replayed.extend(other.replayed)
+        self.refused.update(other.refused)
+
+
+def stale_replays(now: dt.datetime | None = None) -> Q:
+    """The dead letters replayed more than :data:`STALE_REPLAY_AFTER` ago and still awaiting
+    the outcome (``updated_at`` is when the replay was queued: nothing else saves a row in that
+    status)."""
+    since = (now or timezone.now()) - STALE_REPLAY_AFTER
+    return Q(status=DeadLetterStatus.REPLAYED, updated_at__lte=since)
+
+
+def replayable(now: dt.datetime | None = None) -> Q:
+    """The dead letters a replay takes (by status; :data:`UNREPLAYABLE_REASONS` aside)."""
+    return Q(status__in=REPLAYABLE_STATUSES) | stale_replays(now)
+
+
+def discardable(now: dt.datetime | None = None) -> Q:
+    """The dead letters a discard takes: the dead ones, and replays presumed lost."""
+    return Q(status=DeadLetterStatus.DEAD) | stale_replays(now)
+
+
+def _refusal(
+    dead_letter: DeadLetter, already_processed: bool, force: bool, now: dt.datetime
+) -> str | None:
+    if dead_letter.status == DeadLetterStatus.REPLAYED:
+        if dead_letter.updated_at > now - STALE_REPLAY_AFTER:
+            return (
+                f"it was replayed at {dead_letter.updated_at:%Y-%m-%d %H:%M:%S} UTC and is "
+                f"awaiting that outcome; if none comes, it can be replayed again or discarded "
+                f"{_duration(STALE_REPLAY_AFTER)} after the replay"
+            )
+    elif dead_letter.status not in REPLAYABLE_STATUSES:
+        return f"its status is {dead_letter.status}, not dead or discarded"
+    unreplayable = UNREPLAYABLE_REASONS.get(DeadLetterReason(dead_letter.reason))
+    if unreplayable:
+        return unreplayable
+    unsendable = _unsendable_body(bytes(dead_letter.body))
+    if unsendable:
+        return unsendable
+    if CELERY_TASK_HEADER in (dead_letter.headers or {}):
+        return (
+            "it is a Celery task whose worker died on it, not a message a replay could "
+            "publish; discard it and call the task again"
+        )
+    if already_processed and not force:
+        return (
+            f"consumer {dead_letter.consumer} already processed message "
+            f"{dead_letter.message_id}; replaying it would not run the handler (force it to "
+            f"forget that and run it again)"
+        )
+    return None
+
+
+def _unsendable_body(body: bytes) -> str | None:
+    """Why ``body`` cannot travel through the outbox, whose ``body`` is a text column.
+
+    Reasons that are not about the body's encoding (``unsupported_content_type``,
+    ``body_too_large``, ``invalid_headers``) may still hold binary bodies; decoding one would
+    raise in the middle of the batch and roll back every other replay with it. PostgreSQL text
+    also cannot hold NUL, which is valid UTF-8."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        return (
+            "its body is not UTF-8 text, so it cannot be sent again through the outbox (which "
+            "stores text); publish a corrected copy yourself, or discard it"
+        )
+    if "\x00" in text:
+        return (
+            "its body contains a NUL character, so it cannot be sent again through the outbox "
+            "(which stores text); publish a corrected copy yourself, or discard it"
+        )
+    return None
+
+
+def _duration(delta: dt.timedelta) -> str:
+    minutes = round(delta.total_seconds() / 60)
+    return f"{minutes // 60} h" if minutes and minutes % 60 == 0 else f"{minutes} min"
+
+
+def _replay_headers(dead_letter: DeadLetter, replayed_by: str) -> dict[str, Any]:
+    headers = {k: v for k, v in (dead_letter.headers or {}).items() if k not in _RESET_HEADERS}
+    headers[ORIGINAL_EXCHANGE_HEADER] = dead_letter.exchange
+    headers[ORIGINAL_ROUTING_KEY_HEADER] = dead_letter.routing_key
+    headers[REPLAY_HEADER] = dead_letter.replay_count + 1
+    headers[REPLAYED_BY_HEADER] = replayed_by
+    headers[DEAD_LETTER_ID_HEADER] = dead_letter.pk
+    # Stored names may be longer than AMQP's short string (an escaped name that was not UTF-8).
+    headers = wire_headers(headers)
+    return headers
+
+
+def replay_batch(ids: Iterable[int], *, replayed_by: str, force: bool = False) -> ReplayResult:
+    """Replay the given dead letters in one transaction (call it with bounded batches)."""
+    result = ReplayResult()
+    using = router.db_for_write(DeadLetter)
+    now = timezone.now()
+    with transaction.atomic(using=using):
+        letters = list(
+            DeadLetter.objects.using(using)
+            .select_for_update()
+            .filter(pk__in=list(ids))
+            .order_by("pk")
+        )
+        processed = ProcessedMessage.objects.using(using).processed_keys(
+            d.message_id for d in letters if d.message_id
+        )
+        for dead_letter in letters:
+            already = (dead_letter.consumer, dead_letter.message_id) in processed
+            refusal = _refusal(dead_letter, already, force, now)
+            if refusal:
+                result.refused[dead_letter.pk] = refusal
+                continue
+            if already:
+                # Forced: forget the inbox row, or the consumer would ack it as a duplicate.
+                ProcessedMessage.objects.using(using).forget(
+                    dead_letter.consumer, dead_letter.message_id
+                )
+            OutboxMessage.objects.using(using).create(
+                message_id=dead_letter.message_id,
+                exchange="",  # the default exchange: straight to the failed consumer's queue
+                routing_key=dead_letter.queue,
+                body=bytes(dead_letter.body).decode("utf-8"),
+                headers=_replay_headers(dead_letter, replayed_by),
+                ordering_key=(dead_letter.headers or {}).get(ORDERING_KEY_HEADER),
+            )
+            DeadLetter.objects.mark_replayed(dead_letter, by=replayed_by, forced=already, at=now)
+            result.replayed.append(dead_letter.pk)
+            logger.info(
+                "replay of message_id=%s to consumer=%s (queue %s) queued by %s",
+                dead_letter.message_id,
+                dead_letter.consumer,
+                dead_letter.queue,
+                replayed_by,
+            )
+    return result
+
+
+def replay(
+    queryset: QuerySet[DeadLetter], *, replayed_by: str, force: bool = False, batch_size: int = 500
+) -> ReplayResult:
+    """Replay every dead letter of ``queryset``, ``batch_size`` per transaction."""
+    result = ReplayResult()
+    ids = list(queryset.order_by("pk").values_list("pk", flat=True))
+    for start in range(0, len(ids), batch_size):
+        result.merge(
+            replay_batch(ids[start : start + batch_size], replayed_by=replayed_by, force=force)
+        )
+    return result
+
+
+def discard(queryset: QuerySet[DeadLetter], *, discarded_by: str) -> int:
+    """Mark dead letters "discarded": kept for the record, not replayed. Only letters still
+    ``dead`` are taken, and replayed ones whose outcome has not come for
+    :data:`STALE_REPLAY_AFTER` (see :func:`discardable`); one replayed more recently, or
+    resolved, is left alone."""
+    using = router.db_for_write(DeadLetter)
+    now = timezone.now()
+    with transaction.atomic(using=using):
+        return (
+            DeadLetter.objects.using(using)
+            .filter(discardable(now), pk__in=queryset.values("pk"))
+            .discard(by=discarded_by, at=now)
+        )
+
+
+def mark_resolved(consumer: str, message_id: str, using: str) -> None:
+    """Called inside the handler's transaction when a replayed message succeeded."""
+    DeadLetter.objects.using(using).of(consumer, message_id).resolve(at=timezone.now())
+
+
+def resolve_processed_copies(
+    consumer: str,
+    message_ids: Sequence[str],
+    using: str,
+    *,
+    by: str = "a later copy was processed",
+) -> int:
+    """Resolve the dead letters of ``consumer`` whose message a later copy just processed.
+
+    Called inside the transaction that processed ``message_ids`` (a replay that succeeds
+    resolves its own with :func:`mark_resolved`), or that found a replayed copy to be a
+    duplicate. A dead letter is stored when a copy fails for good, but another copy of the same
+    message (published twice, or sent again by a relay after a lost confirm) can still succeed,
+    and then nothing is left to review or replay. One indexed query per call; rows are locked
+    and updated only when there is something to resolve, which is rare. ``by`` goes into the
+    history entry.
+    """
+    if not message_ids:
+        return 0
+    open_letters = (
+        DeadLetter.objects.using(using)
+        .open()
+        .filter(consumer=consumer, message_id__in=list(message_ids))
+    )
+    if not open_letters.exists():
+        return 0
+    return open_letters.resolve(at=timezone.now(), by=by)

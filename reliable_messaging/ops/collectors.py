@@ -1,0 +1,348 @@
+"""The readers of the whole system: the messaging tables and the broker's queues.
+
+Two callers read the same figures: ``manage.py messaging_status`` (through :mod:`.status`,
+which judges them) and a Prometheus scrape of the web process's ``metrics/`` view
+(:mod:`.views`), through the two collectors at the end of this module. The consume and relay
+processes never need this module: their counters are in :mod:`.metrics`, their own health in
+:mod:`.liveness`.
+
+**Database gauges**, read from the database at each scrape by :class:`DatabaseCollector`.
+They describe the whole system, not one process, so exactly one place exports them: the
+``metrics/`` view of ``reliable_messaging.urls`` in the web process (aggregate them with
+``max``, never ``sum``, when several web instances are scraped):
+
+=========================================================  ======================================
+``reliable_messaging_database_up``                         1 if the last scrape read the database
+``reliable_messaging_outbox_pending_messages``             outbox rows not sent yet
+``reliable_messaging_outbox_oldest_pending_age_seconds``   age of the oldest of them (0 if none)
+``reliable_messaging_outbox_failed_messages``              rows given up on (``failed``)
+``reliable_messaging_dead_letters``                        dead letters {status, consumer, reason}
+``reliable_messaging_inbox_messages``                      inbox rows (an estimate on PostgreSQL)
+=========================================================  ======================================
+
+**Queue gauges**, read from the broker at scrape time by :class:`BrokerCollector` with AMQP
+passive declares (no plugin needed), for the queues of every registered consumer (an ordered
+consumer's partitions) and the retry delay queues. Also served by the ``metrics/`` view:
+
+===========================================  ====================================================
+``reliable_messaging_broker_up``             1 if the last read reached the broker
+``reliable_messaging_queue_exists``          1 if declared, 0 if not {queue, consumer, kind};
+                                             kind is consumer, delay or leftover (a queue an
+                                             earlier shape of the consumer left behind)
+``reliable_messaging_queue_messages_ready``  messages waiting in it {queue, consumer, kind}
+``reliable_messaging_queue_consumers``       consumers attached to it {queue, consumer, kind}
+===========================================  ====================================================
+
+The broker's readers live in :mod:`.broker_queues` (the tier that alone speaks AMQP); the
+readings are re-exported here for the callers that know them by this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from django.db import DatabaseError, connections, router
+from django.db.models import Count, DurationField, ExpressionWrapper, F, Model
+from django.db.models.functions import Now
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+
+from .. import partitions
+from ..broker.queues import (
+    READ_ERRORS,
+    describe_error,
+    monitored_queues,
+    queues_from_amqp,
+)
+from ..models import DeadLetter, OutboxMessage, OutboxStatus, ProcessedMessage
+from ..registry import ConsumerSpec, registry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DeadLetterCount:
+    consumer: str
+    reason: str
+    count: int
+
+
+@dataclass(frozen=True)
+class DatabaseStatus:
+    alias: str
+    reachable: bool
+    error: str = ""
+    outbox_pending: int = 0
+    outbox_failed: int = 0
+    # Events the broker had no queue for (nobody subscribed yet): shown, never a problem.
+    outbox_unrouted: int = 0
+    # Seconds since the oldest pending outbox row was written; None when nothing is pending.
+    outbox_lag: float | None = None
+    dead_letters: tuple[DeadLetterCount, ...] = ()  # status "dead", awaiting a person
+    inbox_rows: int = 0
+    # Whether inbox_rows is PostgreSQL's estimate of a large inbox (see inbox_rows).
+    inbox_estimated: bool = False
+
+    @property
+    def dead_letters_total(self) -> int:
+        return sum(d.count for d in self.dead_letters)
+
+
+# --------------------------------------------------------------------------- the database
+
+
+def outbox_lag(using: str) -> float:
+    """Seconds the oldest pending outbox row has waited; 0 when none is pending.
+
+    "Oldest" is the lowest id, found on the relay's partial index of pending rows: ids grow
+    with time, and ordering by ``created_at`` would sort the whole backlog at every call.
+    """
+    # The age by the database's clock, which also stamped the row: a web process whose clock
+    # runs ahead or behind must not report a lag that is not there.
+    age = (
+        OutboxMessage.objects.using(using)
+        .pending()
+        .order_by("id")
+        .annotate(age=ExpressionWrapper(Now() - F("created_at"), output_field=DurationField()))
+        .values_list("age", flat=True)
+        .first()
+    )
+    return 0.0 if age is None else max(0.0, age.total_seconds())
+
+
+# Up to this many rows by PostgreSQL's estimate, the inbox is counted instead.
+COUNT_INBOX_UP_TO = 10_000
+
+
+def inbox_rows(alias: str) -> tuple[float, bool]:
+    """The inbox's rows, and whether that is an estimate: on PostgreSQL its statistics
+    (``reltuples``, kept by autovacuum and ANALYZE; summed over the partitions) when they say
+    more than ``COUNT_INBOX_UP_TO``, else a count; a count elsewhere. Counting a billion rows
+    would take minutes."""
+    if connections[alias].vendor == "postgresql":
+        # None until the table is first vacuumed or analyzed: counted then, as is a small
+        # inbox, whose count is cheap and whose statistics may lag far behind it.
+        estimate = partitions.estimated_rows(alias, ProcessedMessage._meta.db_table)
+        if estimate is not None and estimate > COUNT_INBOX_UP_TO:
+            return estimate, True
+    return float(ProcessedMessage._default_manager.using(alias).count()), False
+
+
+def database_status(using: str | None = None) -> DatabaseStatus:
+    """Outbox, dead-letter and inbox figures; ``reachable=False`` with the error when the
+    database cannot be queried. On PostgreSQL the inbox's rows are estimated, as the scrape
+    does (:func:`inbox_rows`): counting a billion rows would take minutes."""
+    using = using or router.db_for_read(OutboxMessage)
+    try:
+        outbox = OutboxMessage.objects.using(using)
+        dead = (
+            DeadLetter.objects.using(using)
+            .dead()
+            .values("consumer", "reason")
+            .annotate(count=Count("id"))
+            .order_by("consumer", "reason")
+        )
+        pending = outbox.pending().count()
+        inbox = inbox_rows(using)
+        return DatabaseStatus(
+            alias=using,
+            reachable=True,
+            outbox_pending=pending,
+            outbox_failed=outbox.failed().count(),
+            outbox_unrouted=outbox.filter(status=OutboxStatus.UNROUTED).count(),
+            outbox_lag=outbox_lag(using) if pending else None,
+            dead_letters=tuple(
+                DeadLetterCount(row["consumer"], row["reason"], row["count"]) for row in dead
+            ),
+            inbox_rows=round(inbox[0]),
+            inbox_estimated=inbox[1],
+        )
+    except DatabaseError as exc:
+        # Closed so the next attempt (a health probe in a long-lived process) starts afresh;
+        # left alone inside a caller's transaction, which is the caller's to end.
+        if not connections[using].in_atomic_block:
+            connections[using].close()
+        return DatabaseStatus(alias=using, reachable=False, error=describe_error(exc))
+
+
+# --------------------------------------------------------------------------- the scrape
+
+
+class DatabaseCollector:
+    """Reads the outbox, the dead letters and the inbox at each scrape.
+
+    Every query is cheap on a large table: pending rows are counted on the partial index the
+    relay claims with, the oldest pending row is found on it too (:func:`outbox_lag`), and the
+    inbox, the largest table by far, is estimated from PostgreSQL's statistics
+    (``pg_class.reltuples``, kept by autovacuum) instead of counted. A database error never
+    fails the scrape: it exports ``reliable_messaging_database_up 0`` and logs a warning.
+
+    Queries run on the calling thread's Django connection. In a request Django closes it
+    afterwards; elsewhere the caller owns the connection's lifetime.
+    """
+
+    def __init__(self, using: str | None = None) -> None:
+        self.using = using
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            families = list(self._read())
+        except DatabaseError as exc:
+            logger.warning("metrics: cannot read the database (%s); database_up is 0", exc)
+            yield self._up(0)
+            return
+        yield from families
+        yield self._up(1)
+
+    @staticmethod
+    def _up(value: int) -> Metric:
+        return GaugeMetricFamily(
+            "reliable_messaging_database_up",
+            "1 when the last scrape could read the messaging tables, else 0.",
+            value=value,
+        )
+
+    def _alias(self, model: type[Model]) -> str:
+        return self.using or router.db_for_read(model)
+
+    def _read(self) -> Iterator[Metric]:
+        alias = self._alias(OutboxMessage)
+        outbox = OutboxMessage.objects.using(alias)
+        yield GaugeMetricFamily(
+            "reliable_messaging_outbox_pending_messages",
+            "Outbox rows not sent yet (due, or waiting out a backoff after a failed send).",
+            value=outbox.pending().count(),
+        )
+        yield GaugeMetricFamily(
+            "reliable_messaging_outbox_oldest_pending_age_seconds",
+            "Age of the oldest pending outbox row; 0 when none is pending.",
+            value=outbox_lag(alias),
+        )
+        yield GaugeMetricFamily(
+            "reliable_messaging_outbox_failed_messages",
+            "Outbox rows marked failed after OUTBOX_MAX_ATTEMPTS; they wait for the admin.",
+            value=outbox.failed().count(),
+        )
+
+        dead = GaugeMetricFamily(
+            "reliable_messaging_dead_letters",
+            "Dead letters by status, consumer and reason.",
+            labels=["status", "consumer", "reason"],
+        )
+        groups = (
+            DeadLetter.objects.using(self._alias(DeadLetter))
+            .order_by()
+            .values_list("status", "consumer", "reason")
+            .annotate(rows=Count("id"))
+        )
+        for status, consumer, reason, rows in groups:
+            dead.add_metric([status, consumer, reason], rows)
+        yield dead
+
+        yield GaugeMetricFamily(
+            "reliable_messaging_inbox_messages",
+            "Inbox rows (processed messages kept for deduplication); estimated on PostgreSQL.",
+            value=inbox_rows(self._alias(ProcessedMessage))[0],
+        )
+
+
+class BrokerCollector:
+    """Reads the depth and the consumer count of every consumer and delay queue at scrape time.
+
+    One AMQP connection per read, with one passive declare per queue (exact figures, no
+    management plugin needed). A read is kept for ``max_age`` seconds, so several scrapers or a
+    dashboard refresh storm open at most one connection per ``max_age``. A broker that cannot be
+    reached never fails the scrape: it exports ``reliable_messaging_broker_up 0`` and logs one
+    warning until it answers again. ``specs`` defaults to every registered consumer, read at
+    each scrape.
+    """
+
+    def __init__(
+        self,
+        specs: Iterable[ConsumerSpec] | None = None,
+        *,
+        timeout: float = 2.0,
+        max_age: float = 5.0,
+    ) -> None:
+        self.specs = None if specs is None else list(specs)
+        self.timeout = timeout
+        self.max_age = max_age
+        self._lock = threading.Lock()
+        self._read_at: float | None = None
+        self._families: list[Metric] = []
+        self._reachable = True
+
+    def forget(self) -> None:
+        """Drop the kept read: the next scrape asks the broker."""
+        with self._lock:
+            self._read_at = None
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            now = time.monotonic()
+            if self._read_at is None or now - self._read_at >= self.max_age:
+                self._families = self._read()
+                self._read_at = time.monotonic()
+            families = list(self._families)
+        yield from families
+
+    def _read(self) -> list[Metric]:
+        specs = registry.all() if self.specs is None else self.specs
+        try:
+            specs = list(specs)
+            queues = queues_from_amqp(
+                monitored_queues(specs), timeout=self.timeout, leftovers_of=specs
+            )
+        except READ_ERRORS as exc:
+            if self._reachable:
+                # describe_error names the error, never the URL or its password; pika's
+                # ValueError for a URL it cannot use may quote pieces of it: its type only.
+                what = (
+                    f"{type(exc).__name__}: the broker URL cannot be used (see manage.py check)"
+                    if isinstance(exc, ValueError)
+                    else describe_error(exc)
+                )
+                logger.warning(
+                    "metrics: cannot read the queues from the broker (%s); broker_up is 0", what
+                )
+            self._reachable = False
+            return [self._up(0)]
+        if not self._reachable:
+            logger.info("metrics: the broker answers again; queue gauges are back")
+        self._reachable = True
+        labels = ["queue", "consumer", "kind"]
+        exists = GaugeMetricFamily(
+            "reliable_messaging_queue_exists",
+            "1 when the queue is declared on the broker; 0 when no consume process declared it "
+            "yet (messages routed to it are returned to the relay as unroutable).",
+            labels=labels,
+        )
+        ready = GaugeMetricFamily(
+            "reliable_messaging_queue_messages_ready",
+            "Messages waiting in the queue for a consumer (unacked deliveries not included).",
+            labels=labels,
+        )
+        consumers = GaugeMetricFamily(
+            "reliable_messaging_queue_consumers",
+            "Consumers attached to the queue (standbys of a single-active-consumer queue too).",
+            labels=labels,
+        )
+        for queue in queues:
+            values = [queue.name, queue.consumer or "", queue.kind]
+            exists.add_metric(values, 1 if queue.exists else 0)
+            if queue.exists:
+                ready.add_metric(values, queue.ready or 0)
+                consumers.add_metric(values, queue.consumers or 0)
+        return [exists, ready, consumers, self._up(1)]
+
+    @staticmethod
+    def _up(value: int) -> Metric:
+        return GaugeMetricFamily(
+            "reliable_messaging_broker_up",
+            "1 when the last read of the queue gauges reached the broker, else 0.",
+            value=value,
+        )

@@ -1,0 +1,117 @@
+"""A small HTTP server for the long-running processes: ``/metrics`` and ``/healthz``.
+
+``manage.py relay --metrics-port PORT`` (and the consumer) start one next to their work, on a
+daemon thread, so Prometheus can scrape the process's counters and an orchestrator can probe
+its health without the process running a web framework:
+
+- ``GET /metrics``: the registry's metrics plus ``reliable_messaging_healthy``, in the format
+  the scraper asks for (Prometheus text or OpenMetrics, gzip when accepted).
+- ``GET /healthz``: ``200 {"status": "ok"}``, or ``503 {"status": "unhealthy", "reasons":
+  [...]}`` with the reasons in words; either may carry ``"notes": [...]``, what an operator
+  should know while the process works (publishing blocked by a resource alarm, a queue whose
+  node is down).
+- anything else: 404.
+
+Request lines are logged at DEBUG only: a scraper every 15 s must not fill the INFO log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Iterable
+from http.server import ThreadingHTTPServer
+from typing import Any
+from urllib.parse import urlsplit
+
+from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.exposition import MetricsHandler
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from ..liveness import HealthCheck
+from ..metrics import HealthCollector
+from .status import process_health
+
+logger = logging.getLogger(__name__)
+
+
+class _Forward:
+    """Collects another registry's metrics, so one server's registry can add its health."""
+
+    def __init__(self, registry: Collector) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterable[Metric]:
+        return self.registry.collect()
+
+
+class _OpsHandler(MetricsHandler):
+    health: HealthCheck
+
+    def do_GET(self) -> None:
+        path = urlsplit(self.path).path
+        if path == "/metrics":
+            super().do_GET()
+        elif path == "/healthz":
+            report = process_health(self.health)
+            self._send_json(report.http_status, report.as_dict())
+        else:
+            self._send_json(404, {"error": "not found; try /metrics or /healthz"})
+
+    def _send_json(self, status: int, body: dict[str, Any]) -> None:
+        payload = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("ops http %s: " + format, self.address_string(), *args)
+
+
+class OpsServer:
+    """A running ops server; :meth:`close` stops it and frees the port."""
+
+    def __init__(self, server: ThreadingHTTPServer, thread: threading.Thread) -> None:
+        self._server = server
+        self._thread = thread
+
+    @property
+    def host(self) -> str:
+        return str(self._server.server_address[0])
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5)
+
+
+def start_ops_server(
+    port: int,
+    health: HealthCheck,
+    host: str = "0.0.0.0",  # noqa: S104 - scraped and probed from other hosts or pods
+    registry: Collector = REGISTRY,
+) -> OpsServer:
+    """Serve ``/metrics`` (``registry`` and the health gauge) and ``/healthz`` (``health``) on
+    ``host:port`` from a daemon thread; port 0 picks a free port (see ``.port``)."""
+    served = CollectorRegistry(auto_describe=False)
+    served.register(_Forward(registry))
+    served.register(HealthCollector(health))
+    handler = type("OpsHandler", (_OpsHandler,), {"registry": served, "health": health})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.5}, name="rm-ops-http", daemon=True
+    )
+    thread.start()
+    ops = OpsServer(server, thread)
+    logger.info("serving /metrics and /healthz on http://%s:%d", ops.host, ops.port)
+    return ops

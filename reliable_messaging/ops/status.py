@@ -1,0 +1,388 @@
+"""How the messaging is doing right now, and the one place that judges it.
+
+:mod:`.collectors` reads the broker and the database and returns frozen dataclasses; this module
+judges them against :class:`Thresholds` (:func:`collect_status`, which ``manage.py
+messaging_status`` renders) and answers every health endpoint:
+
+- ``messaging/healthz/`` of the web process (:mod:`.views`) and the django-health-check check
+  (:mod:`.health`) judge the whole system with :func:`system_health` and
+  :func:`outbox_lag_problem`, against the outbox-lag limits declared once below;
+- ``/healthz`` of a consume or relay process (:mod:`.ops_http`) renders
+  :func:`process_health`, the verdict of what the process recorded in its
+  :class:`.liveness.HealthState`.
+
+The readers and their dataclasses (``broker_status``, ``database_status``, ``QueueStatus``, ...)
+used to live here and are still importable from here.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from django.utils import timezone
+
+from ..broker.queues import (
+    DEFAULT_TIMEOUT,
+    MANAGEMENT_PORT,
+    MANAGEMENT_TLS_PORT,
+    UNAUTHORIZED,
+    BrokerStatus,
+    QueueKind,
+    QueueStatus,
+    broker_connection_error,
+    broker_status,
+    default_management_url,
+    describe_error,
+    monitored_queues,
+    queues_from_amqp,
+    scrub,
+    with_management_figures,
+)
+from ..broker.replies import NOT_FOUND
+from ..conf import MessagingSettings, messaging_settings
+from ..registry import ConsumerSpec
+from .collectors import DatabaseStatus, DeadLetterCount, database_status
+
+if TYPE_CHECKING:
+    from ..liveness import HealthCheck
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "MANAGEMENT_PORT",
+    "MANAGEMENT_TLS_PORT",
+    "NOT_FOUND",
+    "OUTBOX_LAG_LIMIT",
+    "OUTBOX_LAG_STRICT_LIMIT",
+    "STATUS_FORMAT_VERSION",
+    "UNAUTHORIZED",
+    "BrokerStatus",
+    "CheckResult",
+    "DatabaseStatus",
+    "DeadLetterCount",
+    "HealthReport",
+    "MessagingStatus",
+    "Problem",
+    "QueueKind",
+    "QueueStatus",
+    "Thresholds",
+    "broker_connection_error",
+    "broker_status",
+    "collect_status",
+    "database_status",
+    "default_management_url",
+    "describe_error",
+    "find_problems",
+    "monitored_queues",
+    "outbox_lag_problem",
+    "process_health",
+    "queues_from_amqp",
+    "scrub",
+    "system_health",
+    "with_management_figures",
+]
+
+# Version of the ``--json`` document; raised only when a key changes meaning or goes away.
+STATUS_FORMAT_VERSION = 1
+
+OUTBOX_LAG_LIMIT = 300.0
+"""Seconds the oldest pending outbox row may wait before a probe fails: past it the outbox has
+stopped moving (no relay runs, or the broker refuses what it sends). The documented limit of
+``messaging_status`` without ``--strict`` and of ``messaging/healthz/``; the shipped alert
+rule uses it too."""
+
+OUTBOX_LAG_STRICT_LIMIT = 60.0
+"""Seconds past which a relay is behind enough to need a person, not a restart: the limit of
+``messaging_status --strict`` and the default of
+:class:`~reliable_messaging.contrib.health_check.MessagingHealthCheck`."""
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Limits beyond which the status is a problem; None leaves a figure unjudged (it is still
+    reported).
+
+    The defaults suit a probe that restarts or pages: only a relay that stopped sending (the
+    oldest pending outbox row older than five minutes) fails it, besides a broker or database
+    that cannot be reached. A dead letter, a failed outbox row, a backlog or redeliveries need a
+    person, not a restart: :meth:`strict` (``messaging_status --strict``) judges them too.
+    ``min_consumers`` is off (0) in both, because only the deployment knows how many consume
+    processes should be attached."""
+
+    max_outbox_lag: float | None = OUTBOX_LAG_LIMIT
+    max_outbox_failed: int | None = None
+    max_dead_letters: int | None = None
+    max_ready: int | None = None
+    max_redelivery_rate: float | None = None
+    min_consumers: int = 0
+    max_leftover_messages: int | None = None
+
+    @classmethod
+    def strict(cls) -> Thresholds:
+        """Everything that needs a person: a relay a minute behind, any failed outbox row, any
+        dead letter awaiting review, 1,000 messages ready in a queue, a fifth of the deliveries
+        coming back, any message in a queue an earlier shape of a consumer left."""
+        return cls(
+            max_outbox_lag=OUTBOX_LAG_STRICT_LIMIT,
+            max_outbox_failed=0,
+            max_dead_letters=0,
+            max_ready=1000,
+            max_redelivery_rate=0.2,
+            max_leftover_messages=0,
+        )
+
+
+def _over(value: float | None, limit: float | None) -> bool:
+    return value is not None and limit is not None and value > limit
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A crossed threshold: ``threshold`` is the :class:`Thresholds` field, ``message`` says
+    what was found, for a person."""
+
+    threshold: str
+    message: str
+
+
+@dataclass(frozen=True)
+class MessagingStatus:
+    checked_at: dt.datetime
+    broker: BrokerStatus
+    database: DatabaseStatus
+    thresholds: Thresholds
+    problems: tuple[Problem, ...] = field(default=())
+
+    @property
+    def unreachable(self) -> bool:
+        return not (self.broker.reachable and self.database.reachable)
+
+    @property
+    def exit_code(self) -> int:
+        """0 all well, 1 a threshold is crossed, 2 the broker or the database is unreachable."""
+        if self.unreachable:
+            return 2
+        return 1 if self.problems else 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """The ``messaging_status --json`` document (see the command's docstring)."""
+        db = self.database
+        return {
+            "version": STATUS_FORMAT_VERSION,
+            "checked_at": self.checked_at.isoformat(),
+            "exit_code": self.exit_code,
+            "broker": {
+                "url": self.broker.url,
+                "reachable": self.broker.reachable,
+                "management_api": self.broker.management_api,
+                "error": self.broker.error or None,
+                "note": self.broker.note or None,
+                "queues": [
+                    {**asdict(q), "redelivery_ratio": q.redelivery_ratio}
+                    for q in self.broker.queues
+                ],
+            },
+            "database": {
+                "alias": db.alias,
+                "reachable": db.reachable,
+                "error": db.error or None,
+                "outbox": {
+                    "pending": db.outbox_pending,
+                    "failed": db.outbox_failed,
+                    "unrouted": db.outbox_unrouted,
+                    "lag_seconds": db.outbox_lag,
+                },
+                "dead_letters": {
+                    "total": db.dead_letters_total,
+                    "by_consumer_and_reason": [asdict(d) for d in db.dead_letters],
+                },
+                "inbox": {"rows": db.inbox_rows},
+            },
+            "thresholds": asdict(self.thresholds),
+            "problems": [asdict(p) for p in self.problems],
+        }
+
+
+# --------------------------------------------------------------------------- the verdict
+
+
+def outbox_lag_problem(lag: float | None, limit: float | None) -> Problem | None:
+    """The problem when the oldest pending outbox row (``lag`` seconds old; None when nothing
+    is pending) is older than ``limit`` (None: not judged); None when it is not."""
+    if lag is None or not _over(lag, limit):
+        return None
+    return Problem(
+        "max_outbox_lag",
+        f"the oldest pending outbox row is {lag:,.0f} s old (limit {limit or 0:g} s): is a "
+        "relay running, and can it publish?",
+    )
+
+
+def find_problems(
+    broker: BrokerStatus, database: DatabaseStatus, thresholds: Thresholds
+) -> list[Problem]:
+    """Every threshold the figures cross. What could not be read is not judged here: an
+    unreachable broker or database is reported as such (exit code 2)."""
+    found: list[Problem] = []
+    if database.reachable:
+        lagging = outbox_lag_problem(database.outbox_lag, thresholds.max_outbox_lag)
+        if lagging is not None:
+            found.append(lagging)
+        if _over(database.outbox_failed, thresholds.max_outbox_failed):
+            found.append(
+                Problem(
+                    "max_outbox_failed",
+                    f"{database.outbox_failed:,} outbox row(s) failed and will not be sent "
+                    f"until retried in the admin (limit {thresholds.max_outbox_failed or 0:,})",
+                )
+            )
+        if _over(database.dead_letters_total, thresholds.max_dead_letters):
+            found.append(
+                Problem(
+                    "max_dead_letters",
+                    f"{database.dead_letters_total:,} dead letter(s) await review (limit "
+                    f"{thresholds.max_dead_letters or 0:,})",
+                )
+            )
+    for queue in broker.queues if broker.reachable else ():
+        if queue.kind == "leftover" and _over(queue.ready or 0, thresholds.max_leftover_messages):
+            found.append(
+                Problem(
+                    "max_leftover_messages",
+                    f"queue {queue.name} was left by an earlier shape of consumer "
+                    f"{queue.consumer} and holds {queue.ready:,} message(s) nobody handles "
+                    f"(limit {thresholds.max_leftover_messages or 0:,}): the next `manage.py "
+                    f"consume` start moves them and deletes it",
+                )
+            )
+        if queue.kind != "consumer" or not queue.exists:
+            continue
+        if _over(queue.ready, thresholds.max_ready):
+            found.append(
+                Problem(
+                    "max_ready",
+                    f"queue {queue.name} has {queue.ready:,} ready message(s) (limit "
+                    f"{thresholds.max_ready or 0:,})",
+                )
+            )
+        if queue.consumers is not None and queue.consumers < thresholds.min_consumers:
+            found.append(
+                Problem(
+                    "min_consumers",
+                    f"queue {queue.name} has {queue.consumers} consumer(s) attached (at least "
+                    f"{thresholds.min_consumers} expected): is consume running?",
+                )
+            )
+        ratio = queue.redelivery_ratio
+        if _over(ratio, thresholds.max_redelivery_rate):
+            found.append(
+                Problem(
+                    "max_redelivery_rate",
+                    f"queue {queue.name}: {ratio:.0%} of recent deliveries are redeliveries "
+                    f"(limit {thresholds.max_redelivery_rate or 0:.0%})",
+                )
+            )
+    return found
+
+
+def collect_status(
+    thresholds: Thresholds | None = None,
+    *,
+    specs: Iterable[ConsumerSpec] | None = None,
+    settings: MessagingSettings = messaging_settings,
+    management_url: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    using: str | None = None,
+) -> MessagingStatus:
+    """Read the broker and the database and judge the figures against ``thresholds``."""
+    thresholds = thresholds or Thresholds()
+    broker = broker_status(specs, settings=settings, management_url=management_url, timeout=timeout)
+    database = database_status(using)
+    return MessagingStatus(
+        checked_at=timezone.now(),
+        broker=broker,
+        database=database,
+        thresholds=thresholds,
+        problems=tuple(find_problems(broker, database, thresholds)),
+    )
+
+
+# --------------------------------------------------------------------------- health endpoints
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One check of a health endpoint: whether it passed, and what was found, in words."""
+
+    ok: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    """What a ``/healthz`` answers: 200 when nothing is wrong, else 503 with the reasons.
+
+    ``checks`` (by name) are shown when the endpoint judged several things (the web process's
+    ``messaging/healthz/``); ``notes`` are what an operator should know while the answer is
+    still 200 (a consume or relay process blocked by a resource alarm, say)."""
+
+    reasons: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    checks: tuple[tuple[str, CheckResult], ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.reasons
+
+    @property
+    def http_status(self) -> int:
+        return 200 if self.ok else 503
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON body: ``status`` ("ok" or "unhealthy"), ``checks`` when there are any,
+        ``reasons`` when unhealthy, ``notes`` when there are any."""
+        body: dict[str, Any] = {"status": "ok" if self.ok else "unhealthy"}
+        if self.checks:
+            body["checks"] = {
+                name: {"ok": result.ok, "detail": result.detail} for name, result in self.checks
+            }
+        if self.reasons:
+            body["reasons"] = list(self.reasons)
+        if self.notes:
+            body["notes"] = list(self.notes)
+        return body
+
+
+def outbox_lag_check(lag: float, limit: float) -> CheckResult:
+    """The outbox-lag check of ``messaging/healthz/``: failed when the oldest pending outbox
+    row has waited more than ``limit`` seconds (``lag`` is 0 when nothing is pending)."""
+    if _over(lag, limit):
+        return CheckResult(
+            False,
+            f"the oldest pending outbox row waits for {lag:.0f}s (limit {limit:.0f}s): "
+            f"is a relay running and connected?",
+        )
+    return CheckResult(True, f"oldest pending outbox row waits {lag:.1f}s")
+
+
+def system_health(checks: Mapping[str, CheckResult]) -> HealthReport:
+    """The verdict on the whole system from the checks an endpoint ran: unhealthy when any
+    failed, with their details as the reasons."""
+    return HealthReport(
+        reasons=tuple(result.detail for result in checks.values() if not result.ok),
+        checks=tuple(checks.items()),
+    )
+
+
+def process_health(health: HealthCheck) -> HealthReport:
+    """The verdict on one consume or relay process, from what it recorded (its
+    :class:`.liveness.HealthState`, or a group of them): the reasons it gives for being
+    unhealthy, and its notes."""
+    ok, reasons = health.check()
+    notes = getattr(health, "notes", None)
+    return HealthReport(
+        reasons=() if ok else tuple(reasons) or ("unhealthy",),
+        notes=tuple(notes()) if notes is not None else (),
+    )

@@ -1,0 +1,194 @@
+"""The batches a relay has published and awaits confirms for: the bookkeeping of one batch,
+the headers of a row, and which rows a broker's refusal is about.
+
+Nothing here touches the network or the database: the relay's I/O loop feeds a batch the
+confirms, returns and channel closes it receives, and hands :meth:`Batch.outcome` to the
+database side (:mod:`.relay_claims`) to be written down.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..broker.replies import NOT_FOUND
+from ..core.envelope import ORDERING_KEY_HEADER, PUBLISHED_AT_HEADER
+from .claims import BatchOutcome, ClaimedRow, ClaimTransaction
+
+# The header carrying a row's id, so that a returned message finds its row.
+OUTBOX_ID_HEADER = "x-rm-outbox-id"
+
+_MISSING_EXCHANGE = re.compile(r"no exchange '([^']*)'")
+# The exchange a 403 names ("access to exchange 'x' in vhost '/' refused", "cannot publish to
+# internal exchange 'x'") and the size a 406 names ("message size 123 is larger than ...").
+_NAMED_EXCHANGE = re.compile(r"exchange '([^']*)'")
+_MESSAGE_SIZE = re.compile(r"message size (\d+)")
+
+
+def message_headers(row: ClaimedRow) -> dict[str, Any]:
+    """The headers a row goes out with: its own, when it was published, its row id (so that a
+    returned message finds its row) and its ordering key."""
+    headers: dict[str, Any] = dict(row.headers or {})
+    headers[PUBLISHED_AT_HEADER] = int(row.created_at.timestamp() * 1000)
+    headers[OUTBOX_ID_HEADER] = row.pk
+    if row.ordering_key is not None:
+        headers[ORDERING_KEY_HEADER] = row.ordering_key
+    return headers
+
+
+@dataclass
+class Batch:
+    """Rows published and awaiting confirms, under the transaction or the lease their claim
+    took."""
+
+    rows: dict[int, ClaimedRow]  # published, by delivery tag
+    claimed: list[ClaimedRow] = field(default_factory=list)  # every row the claim took
+    worker: Any = None  # the DatabaseWorker whose connection holds its transaction
+    # The claim's transaction, holding the row locks, until HOLD_LIMIT: then the rows are
+    # leased instead and it commits (touched on the worker's thread only).
+    transaction: ClaimTransaction | None = None
+    unpublished: list[ClaimedRow] = field(default_factory=list)  # refused before publishing
+    errors: dict[int, str] = field(default_factory=dict)  # row id -> why it was not sent
+    confirmed: set[int] = field(default_factory=set)  # row ids acked by the broker
+    unrouted: set[int] = field(default_factory=set)  # row ids of events returned unroutable
+    settled: set[int] = field(default_factory=set)  # delivery tags acked or nacked
+    lowest_unsettled: int = 0
+    pks: set[int] = field(default_factory=set)  # ids of the claimed rows
+    timer: Any = None
+    published_at: float = 0.0  # monotonic time the rows went out, for the confirm latency
+    leased_at: float = 0.0  # monotonic time the lease was taken or renewed; 0: not leased
+
+    def holds(self, pk: int) -> bool:
+        return pk in self.pks
+
+    def unconfirmed(self) -> list[ClaimedRow]:
+        """Published rows not confirmed nor charged yet, in the order they went out."""
+        return [
+            self.rows[tag]
+            for tag in sorted(self.rows)
+            if self.rows[tag].pk not in self.confirmed and self.rows[tag].pk not in self.errors
+        ]
+
+    def settle(self, tag: int, multiple: bool, acked: bool) -> tuple[int, int]:
+        """Take a confirm (``basic.ack`` or ``basic.nack``) for ``tag``, or with ``multiple``
+        for every tag up to it. Returns how many of this batch's rows it confirmed and how
+        many it nacked."""
+        if not self.rows or (not multiple and tag not in self.rows):
+            return 0, 0
+        if multiple:
+            # Tags are consecutive across batches: settle from the batch's lowest unsettled
+            # one up to tag.
+            tags = range(self.lowest_unsettled, min(tag, max(self.rows)) + 1)
+            self.lowest_unsettled = max(self.lowest_unsettled, tags.stop)
+        else:
+            tags = range(tag, tag + 1)
+        confirmed = nacked = 0
+        for settled in tags:
+            row = self.rows.get(settled)
+            if row is None or settled in self.settled:
+                continue
+            self.settled.add(settled)
+            if acked:
+                self.confirmed.add(row.pk)
+                confirmed += 1
+            else:
+                self.errors.setdefault(row.pk, "nacked by the broker")
+                nacked += 1
+        return confirmed, nacked
+
+    @property
+    def complete(self) -> bool:
+        """Every published row has its confirm."""
+        return len(self.settled) >= len(self.rows)
+
+    def time_out(self, seconds: float) -> int:
+        """Charge every published row still without a confirm; returns how many."""
+        timed_out = 0
+        for row in self.rows.values():
+            if row.pk not in self.confirmed and row.pk not in self.errors:
+                self.errors[row.pk] = f"no confirm from the broker within {seconds}s"
+                timed_out += 1
+        return timed_out
+
+    def outcome(self) -> BatchOutcome:
+        """What to record: confirmed rows are sent (or unrouted, for events the broker returned
+        unroutable), rows with an error are charged, and the rest (in flight when a channel
+        died: the broker may have them, which consumers absorb) are due again."""
+        sent = [pk for pk in self.confirmed if pk not in self.errors and pk not in self.unrouted]
+        unrouted = [
+            row
+            for row in self.rows.values()
+            if row.pk in self.unrouted and row.pk in self.confirmed and row.pk not in self.errors
+        ]
+        done = set(sent) | {row.pk for row in unrouted}
+        return BatchOutcome(
+            claimed=self.claimed,
+            sent=sent,
+            unrouted=unrouted,
+            failures=dict(self.errors),
+            again=[
+                row.pk for row in self.claimed if row.pk not in done and row.pk not in self.errors
+            ],
+        )
+
+
+def missing_exchange(reply_text: str) -> str | None:
+    """The exchange a ``404 NOT_FOUND`` channel close names ("no exchange 'x' in vhost ...")."""
+    match = _MISSING_EXCHANGE.search(reply_text)
+    return match.group(1) if match else None
+
+
+def refused_rows(batches: list[Batch], reply_text: str) -> list[tuple[Batch, ClaimedRow]]:
+    """The unconfirmed rows a channel close was caused by: those bound for the exchange the
+    broker named, or with the body size it named; failing that, the first one published (the
+    broker closes at the offending publish, so the culprit is the first row it did not confirm
+    or the rows after it were never looked at)."""
+    unconfirmed = [(batch, row) for batch in batches for row in batch.unconfirmed()]
+    named = _NAMED_EXCHANGE.search(reply_text)
+    if named is not None:
+        matching = [(b, row) for b, row in unconfirmed if row.exchange == named.group(1)]
+        if matching:
+            return matching
+    size = _MESSAGE_SIZE.search(reply_text)
+    if size is not None:
+        matching = [
+            (b, row)
+            for b, row in unconfirmed
+            if len(row.body.encode("utf-8")) == int(size.group(1))
+        ]
+        if matching:
+            return matching[:1]
+    return unconfirmed[:1]
+
+
+def charge_refusal(
+    batches: list[Batch], reply_code: int, reply_text: str, description: str
+) -> tuple[int, str | None]:
+    """The broker closed the channel at a publish of ours: charge the rows it was about.
+    Returns how many it charged and the exchange the broker said is missing, if any.
+
+    A 404 names an exchange that does not exist: the rows bound for it are charged, the rest
+    are due again, untouched. Any other refusal (403: no write permission, an internal
+    exchange; 406: a body over max_message_size, ...) is charged to the row it was about:
+    sending the same rows again at once would hit the same wall forever (rows before it re-sent
+    many times a second, rows after it never); with backoff, and what was confirmed kept, the
+    rows after it go out in the next batch, and OUTBOX_MAX_ATTEMPTS retires the culprit."""
+    if reply_code == NOT_FOUND:
+        missing = missing_exchange(reply_text)
+        charged = 0
+        for batch in batches:
+            for row in batch.unconfirmed():
+                if row.exchange == missing:
+                    batch.errors[row.pk] = f"exchange {missing!r} does not exist"
+                    charged += 1
+        if not charged:  # a 404 about something else: charge the row it came at
+            for batch, row in refused_rows(batches, reply_text):
+                batch.errors[row.pk] = f"the broker closed the channel: {description}"[:2000]
+                charged += 1
+        return charged, missing
+    culprits = refused_rows(batches, reply_text)
+    error = f"the broker closed the channel: {reply_code} {reply_text}"
+    for batch, row in culprits:
+        batch.errors[row.pk] = error[:2000]
+    return len(culprits), None

@@ -1,0 +1,461 @@
+"""The relay's database side: claim due outbox rows, hold or lease them, record what happened.
+
+Everything here runs on a relay's database worker threads (:mod:`.relay_workers`), never on the
+I/O loop, and knows nothing of the broker: the relay hands it a :class:`BatchOutcome` (which
+rows were confirmed, which failed and why) and it writes that down.
+
+A claim's transaction outlives the method that begins it: the claimed rows stay locked while
+their confirms come back, and the batch's record, a lease or a rollback ends it, in another
+call on the same worker thread. That transaction has a name, :class:`ClaimTransaction`, so that
+its beginning and its end can be read where they are.
+
+Every statement that reads or changes unsent rows names the unsent statuses: on PostgreSQL that
+confines it to the outbox's unsent partition (partitions.py). Every comparison with or
+computation of ``next_attempt_at`` uses the database's clock, the one ``publish()`` writes it
+with, so hosts with skewed clocks agree on when a row is due.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from django.db import DatabaseError, connections, transaction
+from django.db.models import BigIntegerField, DurationField, F, Min, Value
+from django.db.models.expressions import RawSQL
+from django.db.models.functions import Now
+
+from ..conf import MessagingSettings
+from ..models import OutboxMessage, OutboxStatus
+from ..partitions import UNSENT_STATUSES, row_moved
+
+# Logged under the relay's name, the one users' logging configuration knows.
+logger = logging.getLogger("reliable_messaging.relay")
+
+T = TypeVar("T")
+
+# The statuses of a row not sent yet (see the module docstring).
+UNSENT = UNSENT_STATUSES
+# How often a claim or a record is tried again at once when a row it reached was moved to the
+# sent partition meanwhile (a serialization failure, in READ COMMITTED only that).
+MOVED_TRIES = 3
+
+
+def resend_backoff(attempts: int) -> dt.timedelta:
+    """Wait before the next try of a row that failed ``attempts`` times: 1 s doubling to 5 min."""
+    return dt.timedelta(seconds=min(2 ** max(attempts - 1, 0), 300))
+
+
+def _earlier_unsent_sql() -> str:
+    """SQL for the id of an unsent row before the outer outbox row in its key, or NULL.
+
+    Compared as a row, ``(ordering_key, id) < (...)``, so that only the key index can answer
+    it, reading one entry: with ``id < ...`` apart, the planner takes the LIMIT 1 as a cue to
+    walk the primary key from the start instead, and reads every earlier row of the table."""
+    table = f'"{OutboxMessage._meta.db_table}"'
+    return (
+        f"CASE WHEN {table}.ordering_key IS NULL THEN NULL ELSE ("  # noqa: S608
+        f"SELECT u.id FROM {table} u WHERE u.status IN ('pending', 'failed')"
+        f" AND u.ordering_key = {table}.ordering_key"
+        f" AND (u.ordering_key, u.id) < ({table}.ordering_key, {table}.id)"
+        " ORDER BY u.ordering_key, u.id LIMIT 1) END"
+    )
+
+
+def claimable(using: str) -> Any:
+    """Due pending rows, earliest due first, each with ``behind``: the id of an earlier unsent
+    row of its key (it must wait, parked) or None. Read through the index of due pending rows,
+    with one probe of the key index per keyed row."""
+    return (
+        OutboxMessage.objects.using(using)
+        # The database's clock, not this process's: next_attempt_at is written with it too, so
+        # a relay whose clock is off neither sends rows early nor sits on due ones.
+        .filter(status=OutboxStatus.PENDING, next_attempt_at__lte=Now())
+        # No input of anyone in this SQL: only the table name and constants.
+        .annotate(behind=RawSQL(_earlier_unsent_sql(), (), output_field=BigIntegerField()))  # noqa: S611
+        .order_by("next_attempt_at", "id")
+    )
+
+
+def any_id_of(using: str, pks: Iterable[int]) -> Any:
+    """The right-hand side of ``pk__in`` for a batch of ids. On PostgreSQL one array parameter
+    (``id IN (SELECT unnest(...))``): Django and psycopg compile it in the same time whatever
+    its length, and PostgreSQL parses one value. A placeholder per id, as a plain list gets,
+    made compiling a batch's statements an eighth of the relay's Python time."""
+    if connections[using].vendor == "postgresql":
+        return RawSQL("SELECT unnest(%s::bigint[])", (list(pks),))
+    return list(pks)
+
+
+def release_next_of_keys(using: str, keys: set[str]) -> int:
+    """Make the first unsent row of each key due, if it is parked: the row before it was just
+    sent. On PostgreSQL one statement finds each key's first row through the key index."""
+    if not keys:
+        return 0
+    connection = connections[using]
+    if connection.vendor == "postgresql":
+        table = connection.ops.quote_name(OutboxMessage._meta.db_table)
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {table} SET next_attempt_at = now() WHERE id IN ("  # noqa: S608
+                f"SELECT (SELECT o.id FROM {table} o WHERE o.ordering_key = k.key"
+                " AND o.status IN ('pending', 'failed') ORDER BY o.id LIMIT 1)"
+                " FROM unnest(%s::text[]) AS k(key))"
+                " AND status = 'pending' AND next_attempt_at IS NULL",
+                [sorted(keys)],
+            )
+            return int(cursor.rowcount)
+    first_unsent = (
+        OutboxMessage.objects.using(using)
+        .filter(ordering_key__in=keys, status__in=[OutboxStatus.PENDING, OutboxStatus.FAILED])
+        .values("ordering_key")
+        .annotate(first=Min("id"))
+        .values("first")
+    )
+    return (
+        OutboxMessage.objects.using(using)
+        .filter(pk__in=first_unsent, status=OutboxStatus.PENDING, next_attempt_at__isnull=True)
+        .update(next_attempt_at=Now())
+    )
+
+
+def release_parked(using: str, after: int = 0, limit: int = 2000) -> tuple[int, int | None]:
+    """Make due the parked rows (up to ``limit`` of them with an id over ``after``) that no
+    earlier unsent row of their key holds back any more. Returns how many it released and the
+    id to go on after, or None when it reached the last parked row."""
+    outbox = OutboxMessage.objects.using(using)
+    found = list(
+        outbox.filter(status=OutboxStatus.PENDING, next_attempt_at__isnull=True, id__gt=after)
+        .annotate(behind=RawSQL(_earlier_unsent_sql(), (), output_field=BigIntegerField()))  # noqa: S611
+        .order_by("next_attempt_at", "id")  # the due index: its NULLs, in id order
+        .values_list("id", "behind")[:limit]
+    )
+    free = [pk for pk, behind in found if behind is None]
+    released = (
+        outbox.filter(
+            pk__in=free, status=OutboxStatus.PENDING, next_attempt_at__isnull=True
+        ).update(next_attempt_at=Now())
+        if free
+        else 0
+    )
+    return released, (found[-1][0] if len(found) >= limit else None)
+
+
+def outbox_backlog(using: str) -> tuple[int, int, int] | None:
+    """(pending, pending after failed sends, failed) rows; None when the database is down.
+
+    Three counts, each read through an index of the rows it counts (one aggregate with
+    filters would read every row of the table, sent ones included: seconds at 30 M rows)."""
+    outbox = OutboxMessage.objects.using(using)
+    try:
+        pending = outbox.filter(status=OutboxStatus.PENDING)
+        counts = (
+            pending.count(),
+            pending.filter(attempts__gt=0).count(),
+            outbox.filter(status=OutboxStatus.FAILED).count(),
+        )
+    except DatabaseError:
+        logger.warning("relay: cannot count the outbox rows left (database unavailable)")
+        return None
+    return counts
+
+
+@dataclass(frozen=True)
+class ClaimedRow:
+    """The columns of a claimed outbox row the relay needs (no model instance: cheaper)."""
+
+    pk: int
+    message_id: str
+    exchange: str
+    routing_key: str
+    body: str
+    headers: dict[str, Any]
+    ordering_key: str | None
+    attempts: int
+    created_at: dt.datetime
+
+
+CLAIMED_FIELDS = (
+    "pk",
+    "message_id",
+    "exchange",
+    "routing_key",
+    "body",
+    "headers",
+    "ordering_key",
+    "attempts",
+    "created_at",
+)
+_BEHIND = len(CLAIMED_FIELDS)  # the position of ``behind`` in a claimed tuple
+
+
+class ClaimTransaction:
+    """The transaction of a claim, begun by :meth:`OutboxClaims.claim` and ended later by the
+    batch's record, a lease or a rollback, on the same database worker thread.
+
+    It holds the claimed rows' locks while their confirms come back (milliseconds); the relay
+    never lets it stay open past ``HOLD_LIMIT`` (it leases the rows then). A wrapper over
+    Django's ``atomic`` entered and exited by hand, since its two ends are in two calls."""
+
+    def __init__(self, using: str) -> None:
+        self._atomic = transaction.atomic(using=using)
+        self._atomic.__enter__()
+
+    def commit(self) -> None:
+        self._atomic.__exit__(None, None, None)
+
+    def rollback(self, error: BaseException | None = None) -> None:
+        error = error if error is not None else RuntimeError("rolled back")
+        self._atomic.__exit__(type(error), error, error.__traceback__)
+
+    def run(self, work: Callable[[], T]) -> T:
+        """Do ``work`` in this transaction and commit; roll back and raise if it fails."""
+        try:
+            result = work()
+        except BaseException as exc:
+            self.rollback(exc)
+            raise
+        self.commit()
+        return result
+
+
+@dataclass
+class Claim:
+    """What a claim found: rows to send under the transaction that locks them (None when there
+    are none), rows it parked, seconds until the next row is due, or an error."""
+
+    rows: list[ClaimedRow]
+    transaction: ClaimTransaction | None = None
+    parked: int = 0
+    wait: float = 0.0
+    error: DatabaseError | None = None
+
+
+@dataclass
+class BatchOutcome:
+    """What became of a claimed batch, for :meth:`OutboxClaims.record`."""
+
+    claimed: list[ClaimedRow]
+    sent: list[int] = field(default_factory=list)  # ids confirmed by the broker
+    unrouted: list[ClaimedRow] = field(default_factory=list)  # events confirmed, but unroutable
+    failures: dict[int, str] = field(default_factory=dict)  # id -> why it was not sent
+    again: list[int] = field(default_factory=list)  # neither: due again at once
+
+    @property
+    def released_keys(self) -> set[str]:
+        """The ordering keys whose next row may go now: a row of theirs left the unsent side."""
+        done = set(self.sent) | {row.pk for row in self.unrouted}
+        return {
+            row.ordering_key
+            for row in self.claimed
+            if row.pk in done and row.ordering_key is not None
+        }
+
+
+class OutboxClaims:
+    """The queries of one relay lane, on the database alias ``using``."""
+
+    def __init__(
+        self, using: str, settings: MessagingSettings, batch_size: int, lease: dt.timedelta
+    ) -> None:
+        self.using = using
+        self.settings = settings
+        self.batch_size = batch_size
+        self.lease_for = lease  # how long claimed rows stay leased past a claim's transaction
+
+    # -- claiming ---------------------------------------------------------------------------
+
+    def claim(self) -> Claim:
+        """Lock up to a batch of due rows in a transaction left open for the batch. Tried again
+        at once when another relay sent a row this claim's snapshot still saw as due."""
+        for attempt in range(1, MOVED_TRIES + 1):
+            try:
+                return self._claim()
+            except DatabaseError as exc:
+                # The claim rolled back, and its next snapshot will not see the row.
+                if not row_moved(exc) or attempt == MOVED_TRIES:
+                    raise
+                logger.debug("relay: a row was sent by another relay meanwhile; claiming again")
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _select(self) -> list[tuple[Any, ...]]:
+        return list(
+            claimable(self.using)
+            .select_for_update(skip_locked=True)
+            .values_list(*CLAIMED_FIELDS, "behind")[: self.batch_size]
+        )
+
+    def _claim(self) -> Claim:
+        """Rows behind an earlier unsent row of their key are parked first, in a transaction of
+        their own, so the batch's transaction never holds a lock a relay recording its batch
+        would wait for."""
+        outbox = OutboxMessage.objects.using(self.using)
+        held = ClaimTransaction(self.using)
+        parked: list[int] = []
+        try:
+            found = self._select()
+            behind = {values[0]: values[_BEHIND] for values in found if values[_BEHIND] is not None}
+            if behind:
+                # A row is parked only while its key's first unsent row (the one holding it
+                # back) is locked here: whoever sends that row locks it first, so it cannot be
+                # sent, and its release of the next row run, before this park is committed.
+                # Rows behind a row in flight elsewhere are skipped for now.
+                locked = {values[0] for values in found}
+                locked |= set(
+                    outbox.filter(
+                        # Still unsent now (this statement's snapshot is newer than the
+                        # claim's): one sent since is not holding anything back any more.
+                        pk__in=set(behind.values()) - locked,
+                        status__in=[OutboxStatus.PENDING, OutboxStatus.FAILED],
+                    )
+                    .select_for_update(skip_locked=True)
+                    .values_list("pk", flat=True)
+                )
+                parked = [pk for pk, blocker in behind.items() if blocker in locked]
+                if parked:
+                    outbox.filter(pk__in=parked, status=OutboxStatus.PENDING).update(
+                        next_attempt_at=None
+                    )
+                held.commit()
+                held = ClaimTransaction(self.using)
+                found = self._select()
+            rows = [ClaimedRow(*values[:_BEHIND]) for values in found if values[_BEHIND] is None]
+        except BaseException as exc:
+            held.rollback(exc)
+            raise
+        if not rows:
+            held.commit()
+            return Claim(rows=[], parked=len(parked))
+        return Claim(rows=rows, transaction=held, parked=len(parked))
+
+    def next_due_in(self) -> float | None:
+        """Seconds until the next row waiting out a backoff (or a lease) is due, by the
+        database's clock (the one the claim compares with); None when none waits. Parked rows
+        (NULL) are not due at any time: they are released when the row before them is sent."""
+        due_in = (
+            OutboxMessage.objects.using(self.using)
+            .filter(status=OutboxStatus.PENDING, next_attempt_at__gt=Now())
+            .order_by("next_attempt_at")
+            .annotate(due_in=F("next_attempt_at") - Now())
+            .values_list("due_in", flat=True)
+            .first()
+        )
+        return None if due_in is None else max(0.0, due_in.total_seconds())
+
+    def release_parked(self, after: int) -> tuple[int, int | None]:
+        return release_parked(self.using, after=after)
+
+    def backlog(self) -> tuple[int, int, int] | None:
+        return outbox_backlog(self.using)
+
+    def forget_connection(self) -> None:
+        """After a database error: the next query opens a fresh connection."""
+        connections[self.using].close()
+
+    # -- leasing ----------------------------------------------------------------------------
+
+    def lease(self, rows: list[ClaimedRow], held: ClaimTransaction | None) -> None:
+        """Lease ``rows`` (``next_attempt_at`` ``lease_for`` ahead) and commit ``held``, the claim's
+        transaction if it is still open, or a new one. A failure is logged: another relay may
+        then send the rows again, which consumers absorb."""
+        try:
+            (held or ClaimTransaction(self.using)).run(
+                lambda: (
+                    OutboxMessage.objects.using(self.using)
+                    .filter(
+                        pk__in=any_id_of(self.using, (row.pk for row in rows)),
+                        status=OutboxStatus.PENDING,
+                    )
+                    .update(
+                        next_attempt_at=Now() + Value(self.lease_for, output_field=DurationField())
+                    )
+                )
+            )
+        except DatabaseError as exc:
+            self.forget_connection()
+            logger.warning(
+                "relay: cannot lease the rows of a batch in flight (%s); another relay may send "
+                "them again, which consumers absorb",
+                exc,
+            )
+
+    # -- recording --------------------------------------------------------------------------
+
+    def record(self, outcome: BatchOutcome, held: ClaimTransaction | None) -> Exception | None:
+        """Mark the confirmed rows sent (or unrouted), charge the failed ones, make the rest due
+        again, and release the next row of each key sent, committing ``held`` (the claim's
+        transaction) or, when the rows were leased, a new one. Returns the error when the
+        database could not record it: the rows stay pending and go again, at once (rolled back)
+        or when their lease runs out, which consumers absorb by message_id."""
+        leased = held is None
+        for attempt in range(1, MOVED_TRIES + 1):
+            try:
+                (held or ClaimTransaction(self.using)).run(
+                    functools.partial(self._write_outcome, outcome, leased)
+                )
+                return None
+            except Exception as exc:  # noqa: BLE001 - whatever failed, the relay goes on
+                if row_moved(exc) and attempt < MOVED_TRIES:
+                    # A leased row that another relay sent meanwhile: rolled back, recorded
+                    # again in a transaction of its own (the rows are not locked any more).
+                    held, leased = None, True
+                    continue
+                if isinstance(exc, DatabaseError):
+                    self.forget_connection()
+                return exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _write_outcome(self, outcome: BatchOutcome, leased: bool) -> None:
+        # Marking a row sent moves it to the sent side of the partitioned outbox.
+        outbox = OutboxMessage.objects.using(self.using).filter(status__in=UNSENT)
+        if outcome.sent:
+            outbox.filter(pk__in=any_id_of(self.using, outcome.sent)).update(
+                status=OutboxStatus.SENT, sent_at=Now(), last_error=""
+            )
+        if outcome.unrouted:
+            outbox.filter(
+                pk__in=any_id_of(self.using, (row.pk for row in outcome.unrouted))
+            ).update(
+                status=OutboxStatus.UNROUTED,
+                sent_at=Now(),
+                last_error="no queue was bound for its routing key when it was sent",
+            )
+        for row in outcome.claimed:
+            error = outcome.failures.get(row.pk)
+            if error is not None:
+                self._charge(row, error)
+        if outcome.again and leased:
+            # Rolled back, the claim's rows are due at once by themselves; leased, they are due
+            # when the lease runs out unless made due here.
+            outbox.filter(
+                pk__in=any_id_of(self.using, outcome.again), status=OutboxStatus.PENDING
+            ).update(next_attempt_at=Now())
+        release_next_of_keys(self.using, outcome.released_keys)
+
+    def _charge(self, row: ClaimedRow, error: str) -> None:
+        """A failed send: one more attempt, a backoff, and ``failed`` past OUTBOX_MAX_ATTEMPTS."""
+        attempts = row.attempts + 1
+        failed = attempts >= self.settings.outbox_max_attempts
+        if failed:
+            logger.error(
+                "relay: message_id=%s failed %d times, marked failed: %s",
+                row.message_id,
+                attempts,
+                error,
+            )
+        else:
+            logger.warning(
+                "relay: message_id=%s not sent (attempt %d): %s", row.message_id, attempts, error
+            )
+        # Still unsent: a row another relay sent meanwhile (its lease ran out) stays sent.
+        OutboxMessage.objects.using(self.using).filter(pk=row.pk, status__in=UNSENT).update(
+            attempts=attempts,
+            last_error=error[:2000],
+            # From the database's clock, which the claim compares it with.
+            next_attempt_at=Now() + Value(resend_backoff(attempts), output_field=DurationField()),
+            status=OutboxStatus.FAILED if failed else OutboxStatus.PENDING,
+        )

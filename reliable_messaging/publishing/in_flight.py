@@ -1,0 +1,286 @@
+"""The batches a relay has published and awaits confirms for.
+
+:class:`InFlight` publishes a claimed batch through the relay's :class:`ConfirmingPublisher`,
+takes the broker's confirms, returns and refusals for it, times it out, trades its claim's
+transaction for a lease when its confirms are slow, and has each finished batch recorded on the
+database worker that holds its transaction. Everything here runs on the I/O loop, except the
+``*_job`` methods, which run on a database worker.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .. import metrics
+from ..broker.probes import ExchangeProbe
+from ..broker.publisher import ChannelClosed, ConfirmingPublisher, Returned, Unencodable
+from ..conf import MessagingSettings
+from ..core.routing import topic_matches
+from ..liveness import HealthState
+from .batches import OUTBOX_ID_HEADER, Batch, charge_refusal, message_headers
+from .claims import Claim, OutboxClaims
+from .database_worker import DatabaseWorker
+
+# Logged under the relay's name, the one users' logging configuration knows.
+logger = logging.getLogger("reliable_messaging.relay")
+
+# Seconds a batch's claim transaction may stay open while its confirms are awaited; past it
+# the rows are leased instead and the transaction commits (see InFlight.renew_leases).
+HOLD_LIMIT = 2.0
+
+
+class InFlight:
+    """The relay's batches in flight, oldest first."""
+
+    def __init__(
+        self,
+        *,
+        publisher: ConfirmingPublisher,
+        claims: OutboxClaims,
+        settings: MessagingSettings,
+        report: Any,
+        health: HealthState,
+        lease_seconds: float,
+        on_batch: Callable[[Any], None] | None,
+        on_recorded: Callable[[bool], None],
+    ) -> None:
+        self.publisher = publisher
+        self.claims = claims
+        self.settings = settings
+        self.report = report  # the relay's RelayReport
+        self.health = health
+        self.lease_seconds = lease_seconds
+        self.on_batch = on_batch
+        # On the I/O loop after a batch was recorded (True) or could not be (False).
+        self.on_recorded = on_recorded
+        self.probe = ExchangeProbe(settings)
+        self._batches: list[Batch] = []
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def on_confirm(self, tag: int, multiple: bool, acked: bool) -> None:
+        now = time.monotonic()
+        for batch in list(self._batches):
+            confirmed, nacked = batch.settle(tag, multiple, acked)
+            for _ in range(confirmed):
+                metrics.relay_confirm_latency(now - batch.published_at)
+            if nacked:
+                self.report.nacked += nacked
+                metrics.relay_failed("nacked", nacked)
+            if batch.rows and batch.complete:
+                self._finish_batch(batch)
+
+    def on_returned(self, returned: Returned) -> None:
+        """An unroutable message (mandatory): the broker still acks it afterwards, so record
+        why here and let the confirm settle it.
+
+        A command (routing key matching ``REQUIRE_ROUTE``) that reaches no queue is an error:
+        it is retried with backoff, then failed. Any other row is an event, and an event nobody
+        subscribes to yet is normal in publish-subscribe: it is marked unrouted, not retried."""
+        row_id = returned.headers.get(OUTBOX_ID_HEADER)
+        if not isinstance(row_id, int):
+            return
+        batch = next((b for b in self._batches if b.holds(row_id)), None)
+        if batch is None:
+            return
+        self.report.returned += 1
+        metrics.relay_failed("returned")
+        if not any(topic_matches(p, returned.routing_key) for p in self.settings.require_route):
+            batch.unrouted.add(row_id)  # its ack follows; the outcome keeps it from "sent"
+            return
+        batch.errors[row_id] = (
+            f"unroutable: {returned.reply_code} {returned.reply_text} (exchange "
+            f"{returned.exchange!r}, routing key {returned.routing_key!r}): no queue is bound "
+            f"for it, and REQUIRE_ROUTE says it must reach one"
+        )
+
+    def on_refused(self, closed: ChannelClosed) -> bool:
+        """The channel closed; True when it was the broker refusing a publish of a batch in
+        flight: the rows it was about are charged and every batch is recorded as far as it
+        got. False when there was nothing to charge (the caller aborts the batches)."""
+        if not (self._batches and closed.by_broker):
+            return False
+        charged, missing = charge_refusal(
+            self._batches, closed.reply_code, closed.reply_text, closed.description
+        )
+        metrics.relay_failed("refused", charged)
+        self.probe.forget(missing)
+        for batch in list(self._batches):
+            self._finish_batch(batch)
+        return True
+
+    def pause_timers(self) -> None:
+        """The broker blocks the connection: the confirms are held up by the block, not lost,
+        so no batch times out while it lasts."""
+        for batch in self._batches:
+            self.publisher.cancel(batch.timer)
+            batch.timer = None
+
+    def resume_timers(self) -> None:
+        for batch in self._batches:
+            if batch.timer is None:
+                self._start_confirm_timer(batch)
+
+    def publish(self, worker: DatabaseWorker, claim: Claim) -> None:
+        """I/O loop: publish a claimed batch; its confirms settle it later."""
+        rows = claim.rows
+        metrics.relay_claimed(len(rows))
+        batch = Batch(
+            rows={},
+            claimed=rows,
+            pks={row.pk for row in rows},
+            worker=worker,
+            transaction=claim.transaction,
+            lowest_unsettled=self.publisher.next_tag,
+            published_at=time.monotonic(),
+        )
+        self._batches.append(batch)
+        worker.batch = batch
+        for row in rows:
+            if not self.probe.exists(row.exchange):
+                batch.unpublished.append(row)
+                batch.errors[row.pk] = f"exchange {row.exchange!r} does not exist"
+                continue
+            try:
+                tag = self.publisher.publish(
+                    row.exchange,
+                    row.routing_key,
+                    row.body.encode("utf-8"),
+                    message_id=row.message_id,
+                    timestamp=int(row.created_at.timestamp()),
+                    headers=message_headers(row),
+                )
+            except Unencodable as exc:
+                batch.unpublished.append(row)
+                batch.errors[row.pk] = str(exc)[:2000]
+                continue
+            batch.rows[tag] = row
+        self.publisher.flush()
+        if batch.unpublished:
+            metrics.relay_failed("refused", len(batch.unpublished))
+        if not batch.rows:
+            self._finish_batch(batch)
+            return
+        self._start_confirm_timer(batch)
+
+    def _start_confirm_timer(self, batch: Batch) -> None:
+        batch.timer = self.publisher.call_later(
+            self.settings.relay_confirm_timeout, lambda: self._on_confirm_timeout(batch)
+        )
+
+    def _on_confirm_timeout(self, batch: Batch) -> None:
+        if batch not in self._batches:
+            return
+        batch.timer = None
+        timed_out = batch.time_out(self.settings.relay_confirm_timeout)
+        self.report.timed_out += timed_out
+        metrics.relay_failed("timeout", timed_out)
+        self._finish_batch(batch)
+        # A channel that stopped confirming is not to be trusted: start afresh (the batches
+        # still in flight are settled as far as they got, the rest due again).
+        self.publisher.close_now("confirm timeout")
+
+    def renew_leases(self) -> None:
+        """I/O loop: a batch whose confirms take longer than HOLD_LIMIT (a slow or blocked
+        broker) trades its open transaction for a lease, so that no snapshot and no row lock
+        is held long (they would hold back vacuum on the outbox); a lease is renewed at half
+        its length for as long as the batch is in flight."""
+        now = time.monotonic()
+        half = self.lease_seconds / 2
+        for batch in self._batches:
+            if batch.leased_at == 0.0:
+                due = now - batch.published_at >= HOLD_LIMIT  # still holds its transaction
+            else:
+                due = now - batch.leased_at >= half
+            if due:
+                batch.leased_at = now
+                batch.worker.submit(functools.partial(self._lease_job, batch))
+
+    def _lease_job(self, batch: Batch) -> None:
+        """Database worker: lease the batch's rows, committing its claim's transaction if it is
+        still open."""
+        held, batch.transaction = batch.transaction, None
+        self.claims.lease(batch.claimed, held)
+
+    def _finish_batch(self, batch: Batch) -> None:
+        """Record the batch's outcome in one short transaction."""
+        if batch not in self._batches:
+            return
+        self._batches.remove(batch)
+        self.publisher.cancel(batch.timer)
+        batch.timer = None
+        batch.worker.submit(functools.partial(self._settle_job, batch))
+
+    def _settle_job(self, batch: Batch, then_claim: bool = True) -> None:
+        """Database worker: record a finished batch, then let the I/O loop claim again."""
+        recorded = self._settle(batch)
+        if recorded:
+            self.report.batches += 1
+            if self.on_batch is not None:
+                self.on_batch(self.report)
+        if then_claim:
+            self.publisher.post(functools.partial(self._after_settle, batch, recorded))
+
+    def _after_settle(self, batch: Batch, recorded: bool) -> None:
+        if batch.worker.batch is batch:
+            batch.worker.batch = None
+        self.on_recorded(recorded)
+
+    def _settle(self, batch: Batch) -> bool:
+        """Database worker: record the batch's outcome (see :meth:`OutboxClaims.record`) and
+        count it. False when the database could not record it: the rows stay pending and go
+        again, at once or when their lease runs out."""
+        outcome = batch.outcome()
+        held, batch.transaction = batch.transaction, None
+        error = self.claims.record(outcome, held)
+        if error is not None:
+            # The rows were published but cannot be marked: they go again, which consumers
+            # absorb by message_id.
+            logger.warning(
+                "relay: cannot record a batch's confirms (%s); its %d row(s) stay "
+                "pending and will be sent again",
+                error,
+                len(batch.claimed),
+            )
+            self.health.set_database(False, str(error))
+            return False
+        sent, unrouted = outcome.sent, outcome.unrouted
+        self.report.sent += len(sent)
+        self.report.unrouted += len(unrouted)
+        if unrouted:
+            # One line per batch, not per row: a busy service may publish many events nobody
+            # subscribes to yet, and that is normal.
+            logger.info(
+                "relay: %d event(s) reached no queue (nothing subscribes to their routing key "
+                "yet), marked unrouted and not retried: %s",
+                len(unrouted),
+                ", ".join(f"message_id={r.message_id} ({r.routing_key})" for r in unrouted[:10])
+                + (", ..." if len(unrouted) > 10 else ""),
+            )
+        metrics.relay_published(len(sent))
+        if logger.isEnabledFor(logging.DEBUG):
+            for pk in sent:
+                logger.debug("relay: sent outbox row %s", pk)
+        return True
+
+    def abort(self, why: str) -> None:
+        """The connection or channel died with batches in flight: what was confirmed is marked
+        sent, the rest is due again (the broker may have it: consumers absorb duplicates)."""
+        if not self._batches:
+            return
+        rows = sum(len(batch.claimed) for batch in self._batches)
+        for batch in list(self._batches):
+            self._batches.remove(batch)
+            try:
+                self.publisher.cancel(batch.timer)
+            except Exception:
+                logger.debug("removing the confirm timer failed", exc_info=True)
+            batch.worker.submit(functools.partial(self._settle_job, batch, then_claim=False))
+        logger.warning(
+            "relay: %d row(s) in flight when %s; the unconfirmed ones are due again", rows, why
+        )

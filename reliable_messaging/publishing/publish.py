@@ -1,0 +1,170 @@
+"""``publish()``: the transactional outbox's write side.
+
+``publish`` only inserts a row, on the caller's database connection and so inside the caller's
+transaction: the message exists exactly when the business change it announces exists. The relay
+(:mod:`.relay`) sends committed rows later. Called with no transaction open (autocommit), the
+row commits at once, like any other ORM write.
+
+The row's times are the database's clock, not this host's: the relay compares them with the
+database's clock, and a publisher whose clock runs ahead would otherwise hold its own messages
+back by the skew.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from django.db import IntegrityError, connections, router, transaction
+from django.db.models.functions import Now
+
+from ..conf import messaging_settings
+from ..core.envelope import MAX_MESSAGE_ID_LENGTH, encode_payload
+from ..core.uuid7 import new_message_id
+from ..models import OutboxMessage
+from ..partitions import IDEMPOTENCY_LOCK_CLASS
+
+
+def _check_header_value(name: str, value: Any) -> None:
+    # AMQP tables (as pika encodes them) hold strings, integers, booleans, None, and lists and
+    # tables of those; a float or another object would only fail later, in the relay.
+    if value is None or isinstance(value, str | bool):
+        return
+    if isinstance(value, int):
+        if not -(2**63) <= value < 2**63:
+            raise TypeError(f"header {name!r} is out of the 64-bit integer range")
+        return
+    if isinstance(value, list | tuple):
+        for item in value:
+            _check_header_value(name, item)
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"header {name!r} has a non-string key {key!r}")
+            _check_header_value(f"{name}.{key}", item)
+        return
+    raise TypeError(
+        f"header {name!r} has a value of type {type(value).__name__}; AMQP headers hold "
+        f"str, int, bool, None, and lists or dicts of these (send a float as a string)"
+    )
+
+
+def _check_short_string(what: str, value: str) -> None:
+    # AMQP short strings (routing keys, exchange names, message ids, header names) hold 255
+    # bytes of UTF-8, not 255 characters.
+    if len(value.encode("utf-8", errors="surrogatepass")) > 255:
+        raise ValueError(f"{what} {value[:40]!r}... is longer than AMQP's 255 bytes")
+
+
+def _json_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
+    if not headers:
+        return {}
+    if not isinstance(headers, Mapping):
+        raise TypeError("headers must be a mapping with string keys")
+    for name, value in headers.items():
+        if not isinstance(name, str):
+            raise TypeError(f"header names must be strings, got {name!r}")
+        _check_short_string("header name", name)
+        _check_header_value(name, value)
+    return dict(headers)
+
+
+def publish(
+    routing_key: str,
+    payload: Any,
+    *,
+    exchange: str | None = None,
+    message_id: str | None = None,
+    headers: Mapping[str, Any] | None = None,
+    ordering_key: str | None = None,
+    idempotency_key: str | None = None,
+    using: str | None = None,
+) -> str:
+    """Write a message to the outbox in the current transaction of ``using``; return its id.
+
+    ``using`` defaults to the alias the database routers give for writing ``OutboxMessage``
+    (``"default"`` without routers), which is where the relay reads: publish inside a
+    transaction on that alias. The relay sends the message once the transaction commits; a
+    rollback discards it. A payload JSON cannot encode raises ``TypeError`` here; a body larger
+    than ``MAX_BODY_BYTES`` raises ``ValueError``. With an ``idempotency_key`` already in the
+    outbox this is a no-op that returns the first message's id.
+    """
+    if not isinstance(routing_key, str) or not routing_key:
+        raise ValueError("routing_key must be a non-empty string")
+    if using is None:
+        using = router.db_for_write(OutboxMessage)
+    encoded = encode_payload(payload)
+    # Consumers of this app dead-letter larger bodies unread (body_too_large): refuse them here,
+    # where the caller can still do something about it, rather than after the commit.
+    limit = messaging_settings.max_body_bytes
+    if len(encoded) > limit:
+        raise ValueError(
+            f"the payload encodes to {len(encoded)} bytes, over RELIABLE_MESSAGING"
+            f"['MAX_BODY_BYTES'] ({limit}): consumers would dead-letter it unread"
+        )
+    body = encoded.decode("utf-8")
+    message_id = new_message_id() if message_id is None else str(message_id)
+    if not message_id or len(message_id) > MAX_MESSAGE_ID_LENGTH:
+        raise ValueError(f"message_id must be 1 to {MAX_MESSAGE_ID_LENGTH} characters long")
+    _check_short_string("message_id", message_id)
+    _check_short_string("routing_key", routing_key)
+    if exchange is not None:
+        _check_short_string("exchange", exchange)
+    row = OutboxMessage(
+        message_id=message_id,
+        exchange=messaging_settings.exchange if exchange is None else exchange,
+        routing_key=routing_key,
+        body=body,
+        headers=_json_headers(headers),
+        ordering_key=ordering_key,
+        idempotency_key=idempotency_key,
+        next_attempt_at=Now(),
+        created_at=Now(),
+    )
+    if idempotency_key is None:
+        row.save(using=using, force_insert=True)
+        return message_id
+    if connections[using].vendor == "postgresql":
+        return _publish_once_pg(row, idempotency_key, using)
+    return _publish_once(row, idempotency_key, using)
+
+
+def _earlier(idempotency_key: str, using: str) -> str | None:
+    return OutboxMessage.objects.using(using).message_id_of(idempotency_key)
+
+
+def _publish_once_pg(row: OutboxMessage, idempotency_key: str, using: str) -> str:
+    """On PostgreSQL a unique index spans one partition of the outbox, and a message sent
+    leaves the unsent partition (partitions.py): an earlier message of the key is looked for in
+    every partition, under an advisory lock on the key held to the end of the transaction. A
+    second publish of the key waits there until the first commits (or rolls back), then, in
+    READ COMMITTED, its lookup sees the first's row."""
+    with transaction.atomic(using=using), connections[using].cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
+            [IDEMPOTENCY_LOCK_CLASS, idempotency_key],
+        )
+        existing = _earlier(idempotency_key, using)
+        if existing is not None:
+            return existing
+        row.save(using=using, force_insert=True)
+    return str(row.message_id)
+
+
+def _publish_once(row: OutboxMessage, idempotency_key: str, using: str) -> str:
+    message_id = str(row.message_id)
+    for _ in range(3):
+        try:
+            # A savepoint, so a duplicate key leaves the caller's transaction usable. Under
+            # concurrency the second insert waits on the unique index until the first commits.
+            with transaction.atomic(using=using):
+                row.save(using=using, force_insert=True)
+        except IntegrityError:
+            existing = _earlier(idempotency_key, using)
+            if existing is not None:
+                return existing
+            row.pk = None  # the other insert rolled back meanwhile: ours may go now
+            continue
+        return message_id
+    raise IntegrityError(f"could not publish with idempotency_key={idempotency_key!r}")

@@ -1,0 +1,529 @@
+"""The outbox relay: sends committed outbox rows with pipelined publisher confirms.
+
+One thread runs pika's asynchronous ``SelectConnection`` I/O loop; the database work runs on
+``MAX_IN_FLIGHT`` worker threads, each with its own connection, so that publishing and waiting
+on PostgreSQL overlap. A batch goes like this:
+
+1. ``claim`` (a worker): in a transaction, ``SELECT ... FOR UPDATE SKIP LOCKED`` the due rows
+   through the index of due pending rows (rows sent, backing off, leased or parked are outside
+   the range it reads, so its cost does not grow with them). Relays running side by side never
+   take the same row. A keyed row goes only when no earlier row of its key is unsent; one
+   behind such a row is *parked* (``next_attempt_at`` NULL, in a transaction of its own that
+   locks the row holding it back) and is never read again until that row is sent, which
+   releases the next one in the transaction that marks it sent. (A sweep every 30 s releases
+   any left parked by other means, an operator's edit say.)
+2. ``publish`` (the I/O loop): every row goes out at once (``mandatory=True``, persistent).
+   While its confirms come back the next batch is claimed and published, up to
+   ``MAX_IN_FLIGHT`` batches.
+3. ``settle`` (the batch's worker): confirms arrive, ``multiple=True`` settling every tag up
+   to the one named. When all of a batch are in (or ``RELAY_CONFIRM_TIMEOUT`` passes) the
+   confirmed rows are marked sent, the others get their error, an attempt and a backoff, and
+   the claim's transaction commits. An event the broker returned as unroutable (no queue
+   bound: nobody subscribes yet) is marked ``unrouted`` instead, for good; only routing keys
+   matching ``REQUIRE_ROUTE`` (commands) are retried. When the broker refuses a publish by
+   closing the channel (403, 406, ...), the row it names is charged and what was confirmed is
+   marked sent; the unconfirmed rest are due again at once.
+
+A claim's transaction stays open while its confirms arrive (milliseconds) but never longer
+than ``HOLD_LIMIT`` (2 s): a batch still unconfirmed then (a slow or blocked broker) trades its
+row locks for a *lease*, ``next_attempt_at`` set ``RELAY_CONFIRM_TIMEOUT`` + 5 s ahead and
+renewed while the batch is in flight, and the transaction commits. So no snapshot and no lock
+is held long on the busiest table, which would hold back vacuum.
+
+Every time the relay compares or computes ``next_attempt_at`` it uses the database's clock, the
+one ``publish()`` writes it with, so hosts with skewed clocks agree on when a row is due.
+
+A crash before a batch is recorded rolls its transaction back: the rows are due again at once
+(or, if leased, when the lease runs out) and a relay sends them again (consumers absorb the
+duplicate by message_id). Nothing committed is lost.
+
+On PostgreSQL the relay also LISTENs on a channel that a trigger NOTIFYs on every committed
+insert, with the listening socket watched by the same I/O loop (a new LISTEN connection for
+each broker connection, since each has its own loop), so a new row leaves within
+milliseconds; polling every ``RELAY_POLL_INTERVAL`` remains as the fallback (the only mode on
+other databases).
+
+Flow control: when the broker runs low on memory or disk it stops reading from publishing
+connections and says so with ``connection.blocked``. The relay then claims nothing more (rows
+stay pending in the database, not piled up in memory) and stops the confirm timer of the batch
+in flight: its confirms are late because of the block, not lost, and charging its rows a failed
+attempt for that would mark them failed after a long enough alarm. On ``connection.unblocked``
+the relay goes on by itself. A block longer than the connection's ``blocked_connection_timeout``
+ends the connection; the batch rolls back and goes again after the reconnect.
+
+Each relay counts what it does in :mod:`.metrics` and reports to a
+:class:`~reliable_messaging.metrics.HealthState` (broker, database, a heartbeat from the I/O
+loop) that ``--metrics-port`` serves as ``/healthz``.
+
+Where the parts live: this module decides (what to claim when, what a confirm means, when to
+stop); :mod:`.confirming_publisher` is the transport (pika's ``SelectConnection``, its callbacks
+and timers); :mod:`.relay_claims` runs every query (claim, lease, record) on the threads of
+:mod:`.relay_workers`; :mod:`.relay_inflight` publishes the batches and takes their confirms,
+with :mod:`.relay_batches` keeping each batch's books; :mod:`.outbox_listener` LISTENs;
+:mod:`.exchange_probe` checks exchanges; :mod:`.relay_lanes` runs several relays.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from django.db import DatabaseError, connections, router
+
+from .. import metrics
+from ..broker.publisher import ChannelClosed, ConfirmingPublisher, Returned
+from ..conf import MessagingSettings, messaging_settings
+from ..core.backoff import Backoff
+from ..metrics import HealthState
+from ..models import OutboxMessage
+from .claims import Claim, ClaimTransaction, OutboxClaims
+from .database_worker import DatabaseWorker
+from .in_flight import InFlight
+from .listener import WakeUps
+
+logger = logging.getLogger("reliable_messaging.relay")
+
+# Batches published and awaiting confirms at once: the next is claimed and sent while the
+# previous one's confirms come back.
+MAX_IN_FLIGHT = 3
+# Seconds a claim's lease lasts past RELAY_CONFIRM_TIMEOUT.
+LEASE_MARGIN = 5.0
+# Parked rows are released by the relay that sends the row before them; this sweep catches
+# any left parked by other means (a row deleted by hand, say).
+SWEEP_INTERVAL = 30.0
+
+
+@dataclass
+class RelayReport:
+    """What a relay did; ``left_failed`` counts failed rows in the outbox when it stopped."""
+
+    sent: int = 0
+    nacked: int = 0
+    returned: int = 0
+    unrouted: int = 0  # events no queue was bound for, marked unrouted (also in ``returned``)
+    timed_out: int = 0
+    batches: int = 0
+    left_failed: int = 0
+    left_pending: int = 0
+    left_retrying: int = 0  # pending rows that already failed at least once
+
+    def add(self, other: RelayReport) -> None:
+        """Add what ``other`` did (not what it left: that is read once for all lanes)."""
+        self.sent += other.sent
+        self.nacked += other.nacked
+        self.returned += other.returned
+        self.unrouted += other.unrouted
+        self.timed_out += other.timed_out
+        self.batches += other.batches
+
+    def summary(self) -> str:
+        return (
+            f"sent {self.sent}, nacked {self.nacked}, unroutable {self.returned} "
+            f"({self.unrouted} event(s) with no subscriber marked unrouted), "
+            f"confirm timeouts {self.timed_out} in {self.batches} batch(es); outbox now has "
+            f"{self.left_pending} pending ({self.left_retrying} after failed sends) and "
+            f"{self.left_failed} failed row(s)"
+        )
+
+
+class OutboxRelay:
+    """Publishes the outbox until stopped; with ``once`` until nothing is pending.
+
+    The events of its :class:`ConfirmingPublisher` (``on_ready``, ``on_confirm``, ...) and its
+    timers run on the I/O loop; the ``*_job`` methods run on a database worker."""
+
+    def __init__(
+        self,
+        *,
+        batch_size: int | None = None,
+        once: bool = False,
+        max_seconds: float | None = None,
+        listen: bool = True,
+        settings: MessagingSettings = messaging_settings,
+        on_batch: Callable[[RelayReport], None] | None = None,
+        health: HealthState | None = None,
+    ) -> None:
+        self.settings = settings
+        self.batch_size = batch_size or settings.relay_batch_size
+        self.once = once
+        self.deadline = None if max_seconds is None else time.monotonic() + max_seconds
+        self.using = router.db_for_write(OutboxMessage)
+        self.on_batch = on_batch
+        self.health = health if health is not None else HealthState()
+        self.report = RelayReport()
+        self._stop_requested = False
+        self._finished = False
+        self._blocked = False  # the broker sent connection.blocked on the current connection
+        self.publisher = ConfirmingPublisher(settings, self, name="relay")
+        # Rows stay leased this long after a claim: the confirm timeout and a margin to record
+        # the outcome. A batch that takes longer (a broker block) has its lease renewed.
+        self.lease_seconds = settings.relay_confirm_timeout + LEASE_MARGIN
+        # The database side: claims, leases and records, run on the database workers.
+        self.claims = OutboxClaims(
+            self.using, settings, self.batch_size, lease=dt.timedelta(seconds=self.lease_seconds)
+        )
+        self.in_flight = InFlight(
+            publisher=self.publisher,
+            claims=self.claims,
+            settings=settings,
+            report=self.report,
+            health=self.health,
+            lease_seconds=self.lease_seconds,
+            on_batch=on_batch,
+            on_recorded=self._on_recorded,
+        )
+        self.wake_ups = WakeUps(
+            self.using,
+            enabled=listen and connections[self.using].vendor == "postgresql",
+            poll_interval=settings.relay_poll_interval,
+        )
+        self._next_sweep = 0.0  # monotonic time of the next release_parked sweep
+        self._sweep_after: int | None = None  # where the sweep's pass goes on
+        # One per batch that may be in flight; they run every query of the batches.
+        self._workers: list[DatabaseWorker] = []
+        self._look_again = False  # a claim was asked for while one was under way
+        self._tick_at = 0.0  # monotonic time the pending tick timer fires
+        self._tick_timer: object = None
+        self._watch_timer: object = None
+        self._reconnect = Backoff(0.5, settings.reconnect_max_delay)
+        self._db_backoff = Backoff(0.5, settings.reconnect_max_delay)
+
+    @property
+    def listen(self) -> bool:
+        """Whether the relay wakes on NOTIFY (PostgreSQL, psycopg 3) rather than only polls."""
+        return self.wake_ups.enabled
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Finish the batch in flight, then return from :meth:`run`. Only sets a flag, so it
+        is safe from a signal handler; the I/O loop notices within 0.2 s."""
+        self._stop_requested = True
+
+    def run(self) -> RelayReport:
+        name = threading.current_thread().name
+        self._workers = [DatabaseWorker(f"{name}-db{i}") for i in range(MAX_IN_FLIGHT)]
+        try:
+            while not self._done():
+                self.wake_ups.close(retry_at_once=True)  # a new loop gets a LISTEN of its own
+                self.publisher.run()
+                self._after_loop()
+                if self._done():
+                    break
+                # Another node of the list is tried at once; the backoff is for a whole round.
+                wait = 0.1 if self.publisher.more_brokers else self._reconnect.next()
+                logger.warning(
+                    "relay: broker %s unavailable; reconnecting in %.1fs",
+                    self.settings.broker_shown,
+                    wait,
+                )
+                self._sleep(wait)
+        finally:
+            self.health.stopping()
+            self.wake_ups.close()
+            self.in_flight.probe.close()
+            self._after_loop()
+            for worker in self._workers:
+                worker.close()
+        counts = self.claims.backlog()
+        if counts is not None:
+            (self.report.left_pending, self.report.left_retrying, self.report.left_failed) = counts
+        return self.report
+
+    def _done(self) -> bool:
+        return self._finished or self._stop_requested or self._past_deadline()
+
+    def _after_loop(self) -> None:
+        """A connection's loop ended: let the database workers finish what they were given
+        (the outcomes of the batches in flight), and roll back a claim never published."""
+        self.in_flight.abort("the connection's loop ended")
+        for worker in self._workers:
+            worker.drain()
+            claimed, worker.claimed = worker.claimed, None
+            worker.claiming = False
+            worker.batch = None
+            if claimed is not None and claimed.transaction is not None:
+                worker.submit(functools.partial(self._roll_back_job, claimed.transaction))
+                worker.drain()
+
+    @staticmethod
+    def _roll_back_job(held: ClaimTransaction) -> None:
+        """Database worker: end a claim's transaction without a trace: its rows are due."""
+        try:
+            held.rollback(RuntimeError("not published"))
+        except DatabaseError:
+            logger.debug("rolling back an unpublished claim failed", exc_info=True)
+
+    def _past_deadline(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def _sleep(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while not self._stop_requested and time.monotonic() < end:
+            self.health.heartbeat()  # waiting to reconnect is alive, not stuck
+            time.sleep(min(0.2, end - time.monotonic()))
+
+    # -- what the broker says (PublisherEvents) ----------------------------------------------
+
+    def on_ready(self) -> None:
+        logger.info(
+            "relay: publishing the outbox to %s with confirms (batch size %d%s)",
+            self.settings.broker_shown,
+            self.batch_size,
+            ", LISTEN/NOTIFY wake-ups" if self.listen else ", polling",
+        )
+        self._reconnect.reset()
+        self.health.set_broker(True)
+        self._watch()
+        self._schedule_tick(0)
+
+    def on_connect_failed(self, error: str) -> None:
+        self.health.set_broker(False)
+
+    def on_connection_closed(self, reason: str) -> None:
+        self.health.set_broker(False)
+        self._set_blocked(False)
+        self.in_flight.abort(f"connection closed: {reason}")
+        self._cancel_timers()
+        if not (self._finished or self._stop_requested):
+            logger.warning("relay: broker connection closed: %s", reason)
+
+    def on_channel_closed(self, closed: ChannelClosed) -> None:
+        if not self.in_flight.on_refused(closed):
+            self.in_flight.abort(f"channel closed: {closed}")
+        if self.publisher.is_open and not self._finished:
+            logger.warning("relay: channel closed (%s); opening a new one", closed)
+            self._cancel_timers()
+            self.publisher.reopen_channel()
+
+    def on_returned(self, returned: Returned) -> None:
+        self.in_flight.on_returned(returned)
+
+    def on_blocked(self, reason: str) -> None:
+        """The broker stopped reading from this connection (a memory or disk alarm)."""
+        if self._blocked:
+            return
+        self._set_blocked(True)
+        logger.warning(
+            "relay: the broker blocked the connection (%s); claiming no rows until it is "
+            "unblocked, the batches in flight wait for their confirms",
+            reason,
+        )
+        self.in_flight.pause_timers()
+
+    def on_unblocked(self) -> None:
+        if not self._blocked:
+            return
+        self._set_blocked(False)
+        logger.info("relay: the broker unblocked the connection; resuming")
+        self.in_flight.resume_timers()
+        self._schedule_tick(0)
+
+    def _set_blocked(self, blocked: bool) -> None:
+        if blocked != self._blocked:
+            self._blocked = blocked
+            metrics.relay_blocked(blocked)
+            # A note, not a failure: the relay is fine, and restarting it would not help.
+            self.health.note(
+                "publish_blocked",
+                "the broker blocks publishing (a resource alarm): outbox rows wait"
+                if blocked
+                else None,
+            )
+
+    def on_confirm(self, tag: int, multiple: bool, acked: bool) -> None:
+        self.in_flight.on_confirm(tag, multiple, acked)
+
+    # -- timers -----------------------------------------------------------------------------
+
+    def _schedule_tick(self, delay: float) -> None:
+        """Claim again in ``delay`` seconds, unless a claim is already due sooner: a later
+        wait must never push back a claim something asked for (a batch recorded, a row
+        released, a NOTIFY)."""
+        if not self.publisher.is_open:
+            return
+        at = time.monotonic() + delay
+        if self._tick_timer is not None:
+            if self._tick_at <= at:
+                return
+            self.publisher.cancel(self._tick_timer)
+        self._tick_at = at
+        self._tick_timer = self.publisher.call_later(delay, self._tick)
+
+    def _watch(self) -> None:
+        """Every 0.2 s: beat the heart, honour a stop request or the deadline, and look after
+        LISTEN."""
+        if not self.publisher.is_open:
+            return
+        self.health.heartbeat()
+        if self._stop_requested:
+            self.health.stopping()
+        if self._stop_requested or self._past_deadline():
+            if self._blocked:
+                self._leave_blocked()
+                return
+            if not (self.in_flight or self._db_busy()):
+                self._finished = True
+                self._cancel_timers()
+                self.publisher.close()
+                return
+        self.in_flight.renew_leases()
+        self.wake_ups.look_after(self.publisher, self._on_notify)
+        self._watch_timer = self.publisher.call_later(0.2, self._watch)
+
+    def _cancel_timers(self) -> None:
+        for timer in (self._tick_timer, self._watch_timer):
+            self.publisher.cancel(timer)
+        self._tick_timer = self._watch_timer = None
+
+    def _leave_blocked(self) -> None:
+        """Stop while the broker blocks us, without waiting for the alarm to clear, which may
+        take long. A batch in flight cannot be confirmed until then: it rolls back (its rows go
+        again later; any the broker did take become duplicates that consumers absorb)."""
+        self.in_flight.abort("stopping while the broker blocks the connection")
+        self._set_blocked(False)
+        self._finished = True
+        self._cancel_timers()
+        self.publisher.abandon()
+
+    def _on_recorded(self, recorded: bool) -> None:
+        """I/O loop: a batch was recorded: claim again (after a backoff if it could not be)."""
+        self._schedule_tick(0 if recorded else self._db_backoff.next())
+
+    def _on_notify(self) -> None:
+        if len(self.in_flight) < MAX_IN_FLIGHT:
+            self._schedule_tick(0)
+        # else: the next batch to finish schedules a claim
+
+    # -- batches -----------------------------------------------------------------------------
+
+    def _db_busy(self) -> bool:
+        """A claim is under way or a batch is in flight or being recorded: each ends in a
+        callback on the I/O loop that schedules the next claim."""
+        return not all(worker.free for worker in self._workers)
+
+    def _free_worker(self) -> DatabaseWorker | None:
+        # A worker still finishing a job (recording a batch) takes the claim after it.
+        return next((worker for worker in self._workers if worker.free), None)
+
+    def _tick(self) -> None:
+        """I/O loop: give the next claim to a free database worker, unless a claim is under
+        way or every worker holds a batch in flight."""
+        self._tick_timer = None
+        if not self.publisher.ready:
+            return
+        if any(worker.claiming for worker in self._workers):
+            # Its answer schedules the next claim; it may have looked before what this tick
+            # is for (a batch recorded, a row released, a NOTIFY), so it looks again.
+            self._look_again = True
+            return
+        worker = self._free_worker()
+        if worker is None:
+            return  # the next batch to be recorded schedules a claim
+        if self._stop_requested or self._past_deadline():
+            return  # _watch closes the connection
+        if self._blocked:
+            return  # on_connection_unblocked schedules the next tick
+        sweep = time.monotonic() >= self._next_sweep
+        if sweep:
+            self._next_sweep = float("inf")  # the sweep sets when the next one is due
+        worker.claiming = True
+        self._look_again = False
+        worker.submit(functools.partial(self._claim_job, worker, sweep))
+
+    def _claim_job(self, worker: DatabaseWorker, sweep: bool) -> None:
+        """Database worker: claim a batch and hand it to the I/O loop."""
+        try:
+            if sweep:
+                try:
+                    self._sweep()
+                finally:
+                    if self._next_sweep == float("inf"):  # it failed: try again in a while
+                        self._next_sweep = time.monotonic() + SWEEP_INTERVAL
+            claim = self.claims.claim()
+            if claim.transaction is None and not claim.parked:
+                claim.wait = self._idle_wait()
+        except DatabaseError as exc:
+            self.claims.forget_connection()  # a fresh connection on the next try
+            claim = Claim(rows=[], error=exc)
+        except Exception as exc:  # a bug must not leave the relay waiting for this claim
+            logger.exception("relay: unexpected error while claiming rows")
+            claim = Claim(rows=[], error=DatabaseError(f"unexpected error: {exc!r}"))
+        worker.claimed = claim
+        self.publisher.post(functools.partial(self._on_claimed, worker))
+
+    def _on_claimed(self, worker: DatabaseWorker) -> None:
+        """I/O loop: publish what the claim found, and decide when to claim again."""
+        claim, worker.claimed = worker.claimed, None
+        worker.claiming = False
+        if claim is None:
+            return
+        if not self.publisher.is_open:
+            if claim.transaction is not None:
+                worker.submit(functools.partial(self._roll_back_job, claim.transaction))
+            return
+        if claim.error is not None:
+            self.health.set_database(False, str(claim.error))
+            wait = self._db_backoff.next()
+            logger.warning(
+                "relay: database unavailable (%s); rows stay pending, retrying in %.1fs",
+                claim.error,
+                wait,
+            )
+            self._schedule_tick(wait)
+            return
+        self._db_backoff.reset()
+        self.health.set_database(True)
+        if claim.transaction is not None:
+            if not self.publisher.ready or self._blocked:
+                # The channel went, or the broker blocked the connection while the claim was
+                # under way: the rows are due again at once. The new channel's confirm mode,
+                # or the unblock, schedules a claim.
+                worker.submit(functools.partial(self._roll_back_job, claim.transaction))
+                return
+            self.in_flight.publish(worker, claim)
+        if claim.rows or claim.parked or self._look_again:
+            # More may be due at once: claim the next batch while this one's confirms come
+            # back (a batch being recorded schedules a claim too).
+            self._schedule_tick(0)
+            return
+        if self.in_flight or self._db_busy():
+            return  # a batch in flight schedules a claim when it is recorded
+        if self._tick_timer is not None and self._tick_at <= time.monotonic():
+            return  # a claim is due already (asked for after this one looked)
+        if self.once:
+            # Nothing is due now: rows waiting out a backoff after a failure are left for a
+            # later run (and reported), not waited for.
+            logger.info("relay: nothing left to send")
+            self._finished = True
+            self._cancel_timers()
+            self.publisher.close()
+            return
+        self._schedule_tick(claim.wait)
+
+    def _sweep(self) -> None:
+        """Release parked rows nothing holds back any more (see :func:`release_parked`): a
+        slice of them per claim, so that many parked rows never hold a claim up; the next
+        slice a second later, and a new pass SWEEP_INTERVAL after the last one ended."""
+        released, self._sweep_after = self.claims.release_parked(after=self._sweep_after or 0)
+        self._next_sweep = time.monotonic() + (1.0 if self._sweep_after else SWEEP_INTERVAL)
+        if released:
+            logger.info(
+                "relay: %d parked row(s) released: the row before them is no longer unsent",
+                released,
+            )
+
+    def _idle_wait(self) -> float:
+        """Database worker: how long the relay may sleep before the next claim."""
+        poll = self.settings.relay_poll_interval
+        if self.wake_ups.listening:
+            poll = max(poll, 5.0)  # NOTIFY wakes us; polling only catches backoffs and misses
+        due_in = self.claims.next_due_in()  # a row waiting out a backoff or a lease
+        if due_in is not None:
+            poll = min(poll, due_in)
+        return min(poll, max(0.0, self._next_sweep - time.monotonic()))
