@@ -3,7 +3,8 @@
 Three kinds of figures, exported from three places:
 
 - **Process counters** (``prometheus_client``'s default ``REGISTRY``), counted by the process
-  that does the work and served on ``--metrics-port`` by :mod:`.ops_http`. The names are stable:
+  that does the work and served on ``--metrics-port`` by :mod:`reliable_messaging.ops.http`. The
+  names are stable:
 
   ====================================================  ===========================================
   ``reliable_messaging_consumer_received_total``        deliveries received {consumer}
@@ -35,14 +36,14 @@ Three kinds of figures, exported from three places:
   ====================================================  ===========================================
 
 - **Health** of one process, ``reliable_messaging_healthy`` (1 or 0, :class:`HealthCollector`),
-  served next to the process counters by :mod:`.ops_http`, which also answers ``/healthz``
-  from what the process recorded in its :class:`.liveness.HealthState`.
+  served next to the process counters by :mod:`reliable_messaging.ops.http`, which also
+  answers ``/healthz`` from what the process recorded in its :class:`.liveness.HealthState`.
 
 - **System gauges** (outbox, dead letters, inbox, queue depths) describe the whole system, not
-  one process: :mod:`.collectors` reads them at scrape time for the web process's ``metrics/``
-  view. This module holds no reader, so the consume and relay processes import it without the
-  ORM queries or the status report. The health classes that moved to :mod:`.liveness` stay
-  importable from here.
+  one process: :mod:`reliable_messaging.ops.collectors` reads them at scrape time for the web
+  process's ``metrics/`` view. This module holds no reader, so the consume and relay processes
+  import it without the ORM queries or the status report. The health classes that moved to
+  :mod:`.liveness` stay importable from here.
 
 The helper functions below are what the consumer and the relay call; they check their label
 values, because a typo'd label would silently start a new time series nobody alerts on.

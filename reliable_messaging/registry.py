@@ -21,7 +21,8 @@ class ConsumerSpec:
     ``name`` is the deduplication scope: the inbox remembers (name, message_id).
     ``exchange`` None means ``RELIABLE_MESSAGING["EXCHANGE"]``; ``max_attempts`` and
     ``retry_delays`` None mean the settings' values. ``ordered`` consumers read ``queue``'s
-    partition queues (see :mod:`.topology`) and handle each ordering key in publish order.
+    partition queues (see :mod:`reliable_messaging.broker.topology`) and handle each ordering key in
+    publish order.
     """
 
     name: str

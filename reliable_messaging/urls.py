@@ -1,4 +1,5 @@
-"""``include("reliable_messaging.urls")``: ``metrics/`` and ``healthz/`` (see :mod:`.views`)."""
+"""``include("reliable_messaging.urls")``: ``metrics/`` and ``healthz/`` (see
+:mod:`reliable_messaging.ops.views`)."""
 
 from django.urls import path
 

@@ -26,9 +26,10 @@ the first two cost far more than the one message:
   seconds: the two cannot be told apart.
 - ``BasicProperties.decode`` is guarded: when pika's decoding fails, the properties are read
   again field by field, a header table that cannot be read is skipped by its length (its
-  entries read until then are kept), and header :data:`~.envelope.UNDECODABLE_HEADER` says what
-  failed. :func:`~.envelope.decode_delivery` turns that into a dead letter (``invalid_headers``)
-  with the raw body: the bad message costs itself, not the connection.
+  entries read until then are kept), and header
+  :data:`~reliable_messaging.core.envelope.UNDECODABLE_HEADER` says what failed.
+  :func:`~reliable_messaging.core.envelope.decode_delivery` turns that into a dead letter
+  (``invalid_headers``) with the raw body: the bad message costs itself, not the connection.
 
 It is installed from :meth:`ReliableMessagingConfig.ready() <.apps.ReliableMessagingConfig>`,
 so before any connection of a process that set Django up (``manage.py consume``, ``relay``, the
@@ -149,7 +150,8 @@ def decode_properties_tolerantly(
     properties: pika.spec.BasicProperties, encoded: bytes, offset: int, failure: BaseException
 ) -> pika.spec.BasicProperties:
     """Fill ``properties`` with what can be read of ``encoded`` after pika's decoding failed
-    with ``failure``; the headers then carry :data:`~.envelope.UNDECODABLE_HEADER`."""
+    with ``failure``; the headers then carry
+    :data:`~reliable_messaging.core.envelope.UNDECODABLE_HEADER`."""
     for name, _ in _PROPERTY_LAYOUT:
         setattr(properties, name, None)
     problem = f"the properties could not be decoded: {_describe(failure)}"

@@ -5,8 +5,8 @@ costs one attempt), a channel in confirm mode, and publishes persistent, ``manda
 each with the delivery tag the broker's confirm will name. What the broker says comes back as
 calls on an object with the :class:`PublisherEvents` methods (confirms, returns, a channel or a
 connection closed, flow control); timers and watched sockets run on the same I/O loop. Nothing
-here knows about the outbox: the relay (:mod:`.relay`) decides what to publish and what a
-confirm means.
+here knows about the outbox: the relay (:mod:`reliable_messaging.publishing.relay`) decides what to
+publish and what a confirm means.
 
 Every method is called on the I/O loop's thread, except :meth:`ConfirmingPublisher.post`, the
 way other threads hand work to it.

@@ -7,9 +7,10 @@ queue gives its exact ready count and consumers, and a connection that cannot be
 message rates. It is an optional plugin, and the application's user may lack the ``monitoring``
 tag it needs, so doing without it is normal, not an error.
 
-No broker password ever leaves this module: URLs are shown through :func:`.conf.redact_url`,
-and what the client libraries say in their errors is scrubbed of it too. The readings are
-judged by :mod:`.status` and exported by :mod:`.collectors`.
+No broker password ever leaves this module: URLs are shown through
+:func:`reliable_messaging.conf.redact_url`, and what the client libraries say in their errors is
+scrubbed of it too. The readings are judged by :mod:`reliable_messaging.ops.status` and exported by
+:mod:`reliable_messaging.ops.collectors`.
 """
 
 from __future__ import annotations
@@ -136,9 +137,9 @@ def scrub(text: str, *secrets: str) -> str:
 
 
 def _redacted_part(url: str) -> str:
-    """What :func:`.conf.redact_url` hides of ``url``. Not always the password pika reads: in
-    a malformed URL (``amqp:///user:pw@mq``) pika may take it for the vhost, which the broker
-    then quotes in its refusal."""
+    """What :func:`reliable_messaging.conf.redact_url` hides of ``url``. Not always the password
+    pika reads: in a malformed URL (``amqp:///user:pw@mq``) pika may take it for the vhost,
+    which the broker then quotes in its refusal."""
     shown = redact_url(url)
     if shown == url:
         return ""

@@ -2,8 +2,8 @@
 
 :class:`~reliable_messaging.consuming.connection.ConnectionThread` talks to the broker only
 through these protocols, so the same consumer runs over pika (:mod:`.pika_transport`, the
-default) or over the in-memory twin of :mod:`.testing_broker`, on which batching, ack
-coalescing and held partitions are tested without RabbitMQ. The shapes follow pika's
+default) or over the in-memory twin of :mod:`reliable_messaging.testing_broker`, on which batching,
+ack coalescing and held partitions are tested without RabbitMQ. The shapes follow pika's
 ``BlockingConnection``/``BlockingChannel`` (a delivery callback receives the channel, a frame
 with ``delivery_tag``/``redelivered``/``exchange``/``routing_key``, properties and the body),
 plus the few steps that are more than one AMQP method: declaring the topology, retiring

@@ -3,9 +3,9 @@
 Everything broker-side happens on the thread that calls :meth:`ConnectionThread.run` (the one
 calling :meth:`ConsumerService.run <reliable_messaging.consuming.service.ConsumerService.run>`):
 connect (and reconnect, with capped backoff), declare the topology, subscribe, receive
-deliveries onto the :class:`~.consumer_board.WorkBoard`, settle the outcomes the workers hand
-back (:mod:`.consumer_settling`), watch the channels, and stop gracefully. It talks to the
-broker only through a :class:`~.consumer_transport.BrokerTransport`.
+deliveries onto the :class:`~.board.WorkBoard`, settle the outcomes the workers hand
+back (:mod:`.settling`), watch the channels, and stop gracefully. It talks to the
+broker only through a :class:`~reliable_messaging.broker.transport.BrokerTransport`.
 
 A channel the broker closes (``consumer_timeout``, any 406) or a consumer it cancels (queue
 deleted, a classic queue's node lost) is noticed within one loop turn: the connection is dropped

@@ -1,6 +1,6 @@
 """Dead letters for deliveries whose handler never decided anything.
 
-A handler's own failures are decided by :mod:`.inbox` (retry, then a dead letter). This module
+A handler's own failures are decided by :mod:`.processing` (retry, then a dead letter). This module
 covers the outcomes that no handler exception ever reaches:
 
 - the process died on the delivery ``CRASH_LIMIT`` times (:mod:`.crash_guard`): reason

@@ -10,8 +10,8 @@ batch commits once. Nothing is acked before that commit, so a crash anywhere lea
 delivery of the batch with the broker, and the inbox rows that did commit absorb the redelivery.
 
 The inbox rows themselves (claimed one by one or a batch at a time, with bounded lock waits) are
-written by :mod:`.exactly_once`, which the Celery integration shares; this module decides what
-each delivery's outcome is.
+written by :mod:`reliable_messaging.exactly_once`, which the Celery integration shares; this module
+decides what each delivery's outcome is.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ class DeliveryProcessor:
 
     def call_handler(self, message: Message) -> None:
         """Run the handler (inside the caller's transaction) under its time limit: past it, it
-        raises :class:`~.exceptions.HandlerTimeout` (see :mod:`.time_limit`)."""
+        raises :class:`~reliable_messaging.exceptions.HandlerTimeout` (see :mod:`.time_limit`)."""
         with time_limits.limit(self.timeout, self.spec.name, message.message_id):
             self.spec.handler(message)
 
@@ -413,9 +413,9 @@ class DeliveryProcessor:
     def defer_delay(self) -> float:
         """Seconds a copy put aside for a busy lease waits: the consumer's first retry delay,
         else the settings' first one. The copy goes through the delay queue of that value, so
-        it must be one :func:`.topology.all_delays` declares: the settings' delays always are
-        (and the system checks require RETRY_DELAYS to be non-empty), so a consumer with
-        ``retry_delays=()`` (no retries) still has one."""
+        it must be one :func:`reliable_messaging.broker.topology.all_delays` declares: the settings'
+        delays always are (and the system checks require RETRY_DELAYS to be non-empty), so a
+        consumer with ``retry_delays=()`` (no retries) still has one."""
         return (self.spec.retry_delays or self.settings.retry_delays)[0]
 
     def defer(

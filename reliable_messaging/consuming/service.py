@@ -2,18 +2,19 @@
 
 :class:`ConsumerService` orchestrates three parts cut along the thread seam:
 
-- :mod:`.consumer_connection`: the connection's thread (the one calling :meth:`run`) owns the
+- :mod:`.connection`: the connection's thread (the one calling :meth:`run`) owns the
   broker connection, its channels and consumers, through a transport
-  (:mod:`.consumer_transport`; pika by default, :mod:`.testing_broker` in memory), and settles
-  outcomes there (:mod:`.consumer_settling`: acks, nacks, retry copies);
-- :mod:`.consumer_board`: deliveries copied into plain :class:`Delivery` values wait there for
+  (:mod:`reliable_messaging.broker.transport`; pika by default,
+  :mod:`reliable_messaging.testing_broker` in memory), and settles outcomes there (:mod:`.settling`:
+  acks, nacks, retry copies);
+- :mod:`.board`: deliveries copied into plain :class:`Delivery` values wait there for
   the workers;
-- :mod:`.consumer_workers`: the worker threads do all database work and hand their outcomes
+- :mod:`.workers`: the worker threads do all database work and hand their outcomes
   back with ``add_callback_threadsafe``, so acks, nacks and retry publishes happen on the
   connection's thread again.
 
 Throughput: a worker takes every delivery waiting for it (up to ``CONSUMER_BATCH_SIZE``) and
-decides them in one transaction, a savepoint each (see :mod:`.inbox`); their acks go out after
+decides them in one transaction, a savepoint each (see :mod:`.processing`); their acks go out after
 the commit. Under load that is one commit for many messages; when idle, a batch of one.
 
 Ordering: the partition queues of an ordered consumer are each tied to one worker, which takes

@@ -5,10 +5,10 @@ progress a few times a second. Past a call's deadline it raises :class:`_Interru
 handler's thread (``PyThreadState_SetAsyncExc``, as dramatiq's time limit does): a handler
 running Python code stops at its next bytecode, the exception unwinds through the handler's
 ``transaction.atomic()`` (so its effects and its inbox row roll back), and the caller sees a
-:class:`~.exceptions.HandlerTimeout`, a failed attempt like any other: retried with backoff,
-then a dead letter with reason ``timeout``. ``_Interrupt`` derives from ``BaseException`` so
-that a handler's own ``except Exception`` cannot swallow it; should a handler catch it anyway,
-the call still ends as a timeout.
+:class:`~reliable_messaging.exceptions.HandlerTimeout`, a failed attempt like any other: retried
+with backoff, then a dead letter with reason ``timeout``. ``_Interrupt`` derives from
+``BaseException`` so that a handler's own ``except Exception`` cannot swallow it; should a handler
+catch it anyway, the call still ends as a timeout.
 
 Python cannot interrupt a thread blocked in C (a socket read with no timeout, ``time.sleep``).
 When a call is still running ``HANDLER_TIMEOUT_GRACE`` seconds after its deadline, the process

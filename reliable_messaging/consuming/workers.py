@@ -1,14 +1,14 @@
-"""The consumer's worker threads: batches from the :class:`~.consumer_board.WorkBoard` through
+"""The consumer's worker threads: batches from the :class:`~.board.WorkBoard` through
 the inbox, outcomes handed back to the connection thread.
 
 A worker takes every delivery waiting for it (up to ``CONSUMER_BATCH_SIZE``) and decides them in
-one transaction, a savepoint each (see :mod:`.inbox`); their acks go out after the commit. Under
-load that is one commit for many messages; when idle, a batch of one. A delivery that came back
-``redelivered`` runs alone, under the crash guard (:mod:`.crash_guard`), with the process to
+one transaction, a savepoint each (see :mod:`.processing`); their acks go out after the commit.
+Under load that is one commit for many messages; when idle, a batch of one. A delivery that came
+back ``redelivered`` runs alone, under the crash guard (:mod:`.crash_guard`), with the process to
 itself.
 
 An ordered partition whose delivery retries in place is held by its worker (a
-:class:`~.consumer_board.HeldPartition`): its later deliveries wait behind it, in order, while
+:class:`~.board.HeldPartition`): its later deliveries wait behind it, in order, while
 every other partition flows.
 
 While the database is unreachable a batch is held unacked and tried again with backoff, and

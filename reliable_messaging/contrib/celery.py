@@ -39,9 +39,9 @@ alone, Celery acks it as failed (``WorkerLostError``) and the key never takes ef
 ``task_acks_late`` / ``task_reject_on_worker_lost`` in the app's config; a system check warns
 otherwise): the message goes back to the queue and runs again. A task that kills its child
 every time would then come back forever and hold a worker slot, so redelivered task messages
-go through the crash guard (:mod:`.crash_guard`), like redelivered AMQP deliveries: past
-``CRASH_LIMIT`` deaths the task becomes a dead letter (reason ``worker_crashed``) instead of
-running, and Celery acks it.
+go through the crash guard (:mod:`reliable_messaging.consuming.crash_guard`), like redelivered AMQP
+deliveries: past ``CRASH_LIMIT`` deaths the task becomes a dead letter (reason ``worker_crashed``)
+instead of running, and Celery acks it.
 """
 
 from __future__ import annotations

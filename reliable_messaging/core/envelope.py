@@ -271,10 +271,11 @@ def wire_headers(headers: Mapping[Any, Any]) -> dict[str, Any]:
 
     Names fit AMQP's 255-byte short string (a longer one, such as the escaped form of a long
     name that was not UTF-8, is cut and ends in a hash of the whole, so two stay apart); values
-    are of types pika can write, with :mod:`.amqp_codec` installed (it writes floats as AMQP
-    doubles and dates before 1970 as negative timestamps): integers beyond 64 bits, decimals
-    AMQP's decimal cannot hold, text with lone surrogates, dates and times, tuples and any other
-    object become text or lists; tables nested deeper than ``MAX_WIRE_NESTING`` become text."""
+    are of types pika can write, with :mod:`reliable_messaging.broker.codec` installed (it writes
+    floats as AMQP doubles and dates before 1970 as negative timestamps): integers beyond 64 bits,
+    decimals AMQP's decimal cannot hold, text with lone surrogates, dates and times, tuples and any
+    other object become text or lists; tables nested deeper than ``MAX_WIRE_NESTING`` become
+    text."""
     return {_wire_name(k): _wire_value(v, 1) for k, v in headers.items()}
 
 

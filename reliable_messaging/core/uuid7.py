@@ -1,10 +1,10 @@
 """Time-ordered message ids: UUID version 7 (RFC 9562, section 5.7).
 
-The app mints message ids (:func:`~.outbox.publish`) that every consumer then inserts into its
-inbox's unique index. Random (version 4) ids land on random pages of that index: once it is
-larger than the buffer cache, each insert reads a page from disk and dirties it, and the first
-change of a page after a checkpoint writes all of it to the WAL. Ids that grow with time land
-at the index's right edge, on a few hot pages, whatever its size.
+The app mints message ids (:func:`~reliable_messaging.publishing.publish.publish`) that every
+consumer then inserts into its inbox's unique index. Random (version 4) ids land on random pages of
+that index: once it is larger than the buffer cache, each insert reads a page from disk and dirties
+it, and the first change of a page after a checkpoint writes all of it to the WAL. Ids that grow
+with time land at the index's right edge, on a few hot pages, whatever its size.
 
 Layout: 48 bits of Unix time in milliseconds, the version (7), 12 + 62 bits (74 in all) below
 the variant bits. Those 74 bits are random for the first id of a millisecond; the next ids of

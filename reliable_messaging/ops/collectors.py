@@ -3,8 +3,9 @@
 Two callers read the same figures: ``manage.py messaging_status`` (through :mod:`.status`,
 which judges them) and a Prometheus scrape of the web process's ``metrics/`` view
 (:mod:`.views`), through the two collectors at the end of this module. The consume and relay
-processes never need this module: their counters are in :mod:`.metrics`, their own health in
-:mod:`.liveness`.
+processes never need this module: their counters are in :mod:`reliable_messaging.metrics`, their own
+health in
+:mod:`reliable_messaging.liveness`.
 
 **Database gauges**, read from the database at each scrape by :class:`DatabaseCollector`.
 They describe the whole system, not one process, so exactly one place exports them: the
@@ -33,8 +34,8 @@ consumer's partitions) and the retry delay queues. Also served by the ``metrics/
 ``reliable_messaging_queue_consumers``       consumers attached to it {queue, consumer, kind}
 ===========================================  ====================================================
 
-The broker's readers live in :mod:`.broker_queues` (the tier that alone speaks AMQP); the
-readings are re-exported here for the callers that know them by this module.
+The broker's readers live in :mod:`reliable_messaging.broker.queues`, in the tier that alone
+speaks AMQP.
 """
 
 from __future__ import annotations

@@ -5,11 +5,12 @@ judges them against :class:`Thresholds` (:func:`collect_status`, which ``manage.
 messaging_status`` renders) and answers every health endpoint:
 
 - ``messaging/healthz/`` of the web process (:mod:`.views`) and the django-health-check check
-  (:mod:`.health`) judge the whole system with :func:`system_health` and
+  (:mod:`reliable_messaging.contrib.health_check`) judge the whole system with :func:`system_health`
+  and
   :func:`outbox_lag_problem`, against the outbox-lag limits declared once below;
-- ``/healthz`` of a consume or relay process (:mod:`.ops_http`) renders
+- ``/healthz`` of a consume or relay process (:mod:`.http`) renders
   :func:`process_health`, the verdict of what the process recorded in its
-  :class:`.liveness.HealthState`.
+  :class:`reliable_messaging.liveness.HealthState`.
 
 The readers and their dataclasses (``broker_status``, ``database_status``, ``QueueStatus``, ...)
 used to live here and are still importable from here.
@@ -378,8 +379,8 @@ def system_health(checks: Mapping[str, CheckResult]) -> HealthReport:
 
 def process_health(health: HealthCheck) -> HealthReport:
     """The verdict on one consume or relay process, from what it recorded (its
-    :class:`.liveness.HealthState`, or a group of them): the reasons it gives for being
-    unhealthy, and its notes."""
+    :class:`reliable_messaging.liveness.HealthState`, or a group of them): the reasons it gives
+    for being unhealthy, and its notes."""
     ok, reasons = health.check()
     notes = getattr(health, "notes", None)
     return HealthReport(

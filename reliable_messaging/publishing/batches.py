@@ -3,7 +3,7 @@ the headers of a row, and which rows a broker's refusal is about.
 
 Nothing here touches the network or the database: the relay's I/O loop feeds a batch the
 confirms, returns and channel closes it receives, and hands :meth:`Batch.outcome` to the
-database side (:mod:`.relay_claims`) to be written down.
+database side (:mod:`.claims`) to be written down.
 """
 
 from __future__ import annotations

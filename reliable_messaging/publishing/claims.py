@@ -1,6 +1,6 @@
 """The relay's database side: claim due outbox rows, hold or lease them, record what happened.
 
-Everything here runs on a relay's database worker threads (:mod:`.relay_workers`), never on the
+Everything here runs on a relay's database worker threads (:mod:`.database_worker`), never on the
 I/O loop, and knows nothing of the broker: the relay hands it a :class:`BatchOutcome` (which
 rows were confirmed, which failed and why) and it writes that down.
 

@@ -1,7 +1,7 @@
 """Several relays side by side in one process (``relay --lanes``), and their progress lines.
 
 Rows are shared out between lanes (and between relay processes) by ``SKIP LOCKED``, and each
-key's order by the claim rule (:mod:`.relay_claims`): the lanes need no coordination.
+key's order by the claim rule (:mod:`.claims`): the lanes need no coordination.
 """
 
 from __future__ import annotations

@@ -51,16 +51,16 @@ attempt for that would mark them failed after a long enough alarm. On ``connecti
 the relay goes on by itself. A block longer than the connection's ``blocked_connection_timeout``
 ends the connection; the batch rolls back and goes again after the reconnect.
 
-Each relay counts what it does in :mod:`.metrics` and reports to a
+Each relay counts what it does in :mod:`reliable_messaging.metrics` and reports to a
 :class:`~reliable_messaging.metrics.HealthState` (broker, database, a heartbeat from the I/O
 loop) that ``--metrics-port`` serves as ``/healthz``.
 
 Where the parts live: this module decides (what to claim when, what a confirm means, when to
-stop); :mod:`.confirming_publisher` is the transport (pika's ``SelectConnection``, its callbacks
-and timers); :mod:`.relay_claims` runs every query (claim, lease, record) on the threads of
-:mod:`.relay_workers`; :mod:`.relay_inflight` publishes the batches and takes their confirms,
-with :mod:`.relay_batches` keeping each batch's books; :mod:`.outbox_listener` LISTENs;
-:mod:`.exchange_probe` checks exchanges; :mod:`.relay_lanes` runs several relays.
+stop); :mod:`reliable_messaging.broker.publisher` is the transport (pika's ``SelectConnection``, its
+callbacks and timers); :mod:`.claims` runs every query (claim, lease, record) on the threads of
+:mod:`.database_worker`; :mod:`.in_flight` publishes the batches and takes their confirms,
+with :mod:`.batches` keeping each batch's books; :mod:`.listener` LISTENs;
+:mod:`reliable_messaging.broker.probes` checks exchanges; :mod:`.lanes` runs several relays.
 """
 
 from __future__ import annotations
