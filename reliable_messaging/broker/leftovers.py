@@ -23,9 +23,8 @@ order across a change of shape is not kept.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import pika
 import pika.exceptions
@@ -34,13 +33,12 @@ from pika.adapters.blocking_connection import BlockingChannel, BlockingConnectio
 from ..conf import MessagingSettings, messaging_settings
 from ..core.envelope import ORIGINAL_EXCHANGE_HEADER, ORIGINAL_ROUTING_KEY_HEADER
 from ..registry import ConsumerSpec, registry
-from .pika_logs import expecting_not_found
+from .probes import PassiveProbe
+from .replies import NOT_FOUND, PRECONDITION_FAILED
 from .topology import consumer_exchange, consumer_queues, partition_exchange
 
 logger = logging.getLogger(__name__)
 
-NOT_FOUND = 404
-PRECONDITION_FAILED = 406
 MAX_PARTITIONS_PROBED = 256
 """Partition queues are numbered from 0 without gaps; probing stops at the first missing one."""
 DELETE_ROUNDS = 5
@@ -58,32 +56,21 @@ class Leftover:
     consumers: int
 
 
-def _probe(connection: BlockingConnection, declare: Callable[[BlockingChannel], Any]) -> Any:
-    """Run a passive declare on a channel of its own; None when the object does not exist
-    (the broker closes a channel on a failed passive declare, so it is not shared)."""
-    channel = connection.channel()
-    try:
-        with expecting_not_found():
-            found = declare(channel)
-    except pika.exceptions.ChannelClosedByBroker as exc:
-        if exc.reply_code != NOT_FOUND:
-            raise
-        return None
-    channel.close()
-    return found
-
-
 def _exists(connection: BlockingConnection, queue: str) -> tuple[int, int] | None:
     """(ready messages, consumers) of ``queue``, or None when it does not exist."""
-    ok = _probe(connection, lambda channel: channel.queue_declare(queue, passive=True))
-    if ok is None:
-        return None
-    return int(ok.method.message_count or 0), int(ok.method.consumer_count or 0)
+    probe = PassiveProbe(connection)
+    try:
+        return probe.queue(queue)
+    finally:
+        probe.close()
 
 
 def _exchange_exists(connection: BlockingConnection, exchange: str) -> bool:
-    ok = _probe(connection, lambda channel: channel.exchange_declare(exchange, passive=True))
-    return ok is not None
+    probe = PassiveProbe(connection)
+    try:
+        return probe.exchange(exchange)
+    finally:
+        probe.close()
 
 
 def _partitions_from(connection: BlockingConnection, spec: ConsumerSpec, first: int) -> list[str]:

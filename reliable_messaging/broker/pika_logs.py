@@ -21,7 +21,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-NOT_FOUND = 404
+from .replies import NOT_FOUND
+
 PIKA_CHANNEL_LOGGER = "pika.channel"
 
 _probing = threading.local()

@@ -1,18 +1,26 @@
-"""Does an exchange exist? Asked before outbox rows are published to it.
+"""Does a queue or an exchange exist? Passive declares, the one way the app asks.
 
-Publishing to a missing exchange makes the broker close the channel, which would throw away the
-confirms of every other row in flight (and send them twice). A passive declare on a separate,
-blocking connection costs one round trip per exchange per minute instead.
+The broker answers "no" to a passive declare with ``404 NOT_FOUND`` and the close of the
+channel, so :class:`PassiveProbe` opens a channel again after each "no" and keeps it otherwise;
+any other refusal (403, ...) is raised. The 404 it expects stays out of the log
+(:func:`.pika_logs.expecting_not_found`).
+
+:class:`ExchangeProbe` is the relay's: publishing to a missing exchange makes the broker close
+the channel, which would throw away the confirms of every other row in flight (and send them
+twice). A passive declare on a separate, blocking connection costs one round trip per exchange
+per minute instead.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pika
 import pika.exceptions
+from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
 
 from ..conf import MessagingSettings
 from .pika_logs import expecting_not_found
@@ -21,6 +29,41 @@ from .topology import connect
 
 # Logged under the relay's name, the one users' logging configuration knows.
 logger = logging.getLogger("reliable_messaging.relay")
+
+
+class PassiveProbe:
+    """Passive declares on ``connection``, on one channel reopened after each "no"."""
+
+    def __init__(self, connection: BlockingConnection) -> None:
+        self.connection = connection
+        self._channel: BlockingChannel | None = None
+
+    def queue(self, name: str) -> tuple[int, int] | None:
+        """(ready messages, consumers) of queue ``name``, or None when it does not exist."""
+        ok = self._ask(lambda channel: channel.queue_declare(name, passive=True))
+        if ok is None:
+            return None
+        return int(ok.method.message_count or 0), int(ok.method.consumer_count or 0)
+
+    def exchange(self, name: str) -> bool:
+        return self._ask(lambda channel: channel.exchange_declare(name, passive=True)) is not None
+
+    def close(self) -> None:
+        channel, self._channel = self._channel, None
+        if channel is not None and channel.is_open:
+            channel.close()
+
+    def _ask(self, declare: Callable[[BlockingChannel], Any]) -> Any:
+        if self._channel is None or not self._channel.is_open:
+            self._channel = self.connection.channel()
+        try:
+            with expecting_not_found():
+                return declare(self._channel)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            self._channel = None  # the broker closed it
+            if exc.reply_code != NOT_FOUND:
+                raise
+            return None
 
 
 class ExchangeProbe:
@@ -32,8 +75,8 @@ class ExchangeProbe:
     def __init__(self, settings: MessagingSettings) -> None:
         self.settings = settings
         self._known: dict[str, float] = {"": float("inf")}  # the default exchange always exists
-        self._connection: pika.BlockingConnection | None = None
-        self._channel: Any = None
+        self._connection: BlockingConnection | None = None
+        self._probe: PassiveProbe | None = None
 
     def exists(self, exchange: str) -> bool:
         if self._known.get(exchange, 0.0) > time.monotonic():
@@ -41,13 +84,11 @@ class ExchangeProbe:
         try:
             if self._connection is None or not self._connection.is_open:
                 self._connection = connect(self.settings, name="relay exchange probe")
-            if self._channel is None or not self._channel.is_open:
-                self._channel = self._connection.channel()
-            with expecting_not_found():
-                self._channel.exchange_declare(exchange, passive=True)
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            if exc.reply_code == NOT_FOUND:
+                self._probe = PassiveProbe(self._connection)
+            assert self._probe is not None
+            if not self._probe.exchange(exchange):
                 return False
+        except pika.exceptions.ChannelClosedByBroker:
             raise
         except pika.exceptions.AMQPError:
             # The probe cannot tell; let the publish try (a 404 there is handled too).
@@ -62,7 +103,7 @@ class ExchangeProbe:
             self._known.pop(exchange, None)
 
     def close(self) -> None:
-        connection, self._connection, self._channel = self._connection, None, None
+        connection, self._connection, self._probe = self._connection, None, None
         if connection is not None and connection.is_open:
             try:
                 connection.close()

@@ -32,7 +32,7 @@ import pika.exceptions
 from ..conf import MessagingSettings, messaging_settings, redact_url
 from ..registry import ConsumerSpec, registry
 from .leftovers import find_leftovers
-from .pika_logs import expecting_not_found
+from .probes import PassiveProbe
 from .replies import NOT_FOUND
 from .topology import (
     all_delays,
@@ -254,28 +254,16 @@ def _queues_on(
     leftovers_of: Iterable[ConsumerSpec],
 ) -> tuple[QueueStatus, ...]:
     found = []
-    channel = connection.channel()
+    probe = PassiveProbe(connection)
     for name, kind, consumer in queues:
-        try:
-            with expecting_not_found():
-                method = channel.queue_declare(name, passive=True).method
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            if exc.reply_code != NOT_FOUND:
-                raise
-            # The broker closes the channel on a failed passive declare. (A classic queue
-            # whose node is down answers 404 too: it cannot be read now.)
-            channel = connection.channel()
+        figures = probe.queue(name)
+        if figures is None:
+            # (A classic queue whose node is down answers 404 too: it cannot be read now.)
             found.append(QueueStatus(name, kind, consumer, exists=False))
             continue
+        ready, consumers = figures
         found.append(
-            QueueStatus(
-                name,
-                kind,
-                consumer,
-                exists=True,
-                ready=int(method.message_count or 0),
-                consumers=int(method.consumer_count or 0),
-            )
+            QueueStatus(name, kind, consumer, exists=True, ready=ready, consumers=consumers)
         )
     found += [
         QueueStatus(

@@ -39,11 +39,11 @@ from pika.spec import BasicProperties
 from .. import metrics
 from ..conf import MessagingSettings, messaging_settings
 from ..core.backoff import Backoff
+from .replies import NOT_FOUND
 from .topology import CONNECTION_ERRORS, connect
 
 logger = logging.getLogger(__name__)
 
-NOT_FOUND = 404
 # Backoff of a copy the broker refused, while its original stays unacked.
 REFUSED_FIRST_DELAY = 1.0
 # A publish waiting this long for its confirm is shown as blocked (see refresh).

@@ -33,11 +33,10 @@ from ..core.envelope import ORDERING_KEY_HEADER
 from ..core.retry import delay_name
 from ..exceptions import TopologyMismatchError
 from ..registry import ConsumerSpec
+from .replies import COMMAND_INVALID, NOT_FOUND, PRECONDITION_FAILED
 
 logger = logging.getLogger(__name__)
 
-NOT_FOUND = 404
-PRECONDITION_FAILED = 406
 # Errors after which a connection (or its channel) is gone and a new one must be made.
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     pika.exceptions.AMQPConnectionError,
@@ -48,7 +47,6 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     ConnectionError,
     OSError,
 )
-COMMAND_INVALID = 503
 HASH_EXCHANGE_PLUGIN = "rabbitmq_consistent_hash_exchange"
 
 

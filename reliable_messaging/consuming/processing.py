@@ -1,8 +1,9 @@
 """The idempotent consumer: each delivery's handler commits with its inbox row, or not at all.
 
 :func:`process_batch` runs on a worker thread with its own database connection and never touches
-pika; it returns one :mod:`outcome <.outcomes>` per delivery, which the connection's thread
-carries out (ack, publish a retry copy then ack, or give the delivery back) after the commit.
+pika; it returns one :mod:`outcome <reliable_messaging.core.outcomes>` per delivery, which the
+connection's thread carries out (ack, publish a retry copy then ack, or give the delivery back)
+after the commit. What a delivery that failed becomes is decided in :mod:`.failures`.
 
 Several deliveries share one transaction: each runs in its own savepoint (inbox insert first,
 then the handler), so a failing handler rolls back its own effects and inbox row only, and the
@@ -19,9 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-import traceback
 from collections.abc import Sequence
-from typing import Any
 
 from django.db import (
     DatabaseError,
@@ -36,41 +35,27 @@ from django.db import (
 from .. import metrics
 from ..conf import MessagingSettings, messaging_settings
 from ..core.envelope import (
-    ATTEMPT_HEADER,
-    BROKER_HEADERS,
-    FIRST_FAILED_AT_HEADER,
-    LAST_ERROR_HEADER,
-    ORIGINAL_EXCHANGE_HEADER,
-    ORIGINAL_ROUTING_KEY_HEADER,
     REPLAY_HEADER,
     DecodeError,
     Delivery,
     Message,
     decode_delivery,
 )
-from ..core.outcomes import Acknowledge, Outcome, OutcomeLabel, RetryInPlace, ScheduleRetry
-from ..core.retry import GiveUp, decide
+from ..core.outcomes import Acknowledge, Outcome, OutcomeLabel, RetryInPlace
 from ..core.routing import topic_matches
-from ..dead_letters.record import record_dead_letter
 from ..dead_letters.replay import mark_resolved, resolve_processed_copies
-
-# ROW_LOCK_PROBE, bounded_lock_wait, insert_inbox_row and _claim_inbox_rows were defined here:
-# kept importable from here for code written against them.
-from ..exactly_once import (  # noqa: F401
+from ..exactly_once import (
     CLAIM_VENDORS,
-    ROW_LOCK_PROBE,
     InboxRowBusy,
-    bounded_lock_wait,
     claim_inbox_rows,
     claimed_atomic,
-    insert_inbox_row,
     lock_wait_for,
     remember_busy,
 )
-from ..exactly_once import claim_inbox_rows as _claim_inbox_rows  # noqa: F401 - its old name
 from ..exceptions import DatabaseUnavailable
 from ..models import DeadLetter, DeadLetterReason, ProcessedMessage
 from ..registry import ConsumerSpec
+from .failures import DeliveryFailures, DeliveryOutcome
 from .fastpath import DuplicateCache
 from .time_limit import time_limits
 
@@ -81,42 +66,12 @@ class _AlreadyProcessed(Exception):
     """The message's inbox row is there already: a duplicate."""
 
 
-def retry_headers(
-    delivery: Delivery, message: Message, exc: BaseException, next_attempt: int
-) -> dict[str, Any]:
-    """Headers of the retried copy: the original's, minus the broker's dead-letter bookkeeping,
-    plus the next attempt number and where the message was first published."""
-    headers = {k: v for k, v in delivery.headers.items() if k not in BROKER_HEADERS}
-    headers[ATTEMPT_HEADER] = next_attempt
-    headers[ORIGINAL_EXCHANGE_HEADER] = message.exchange
-    headers[ORIGINAL_ROUTING_KEY_HEADER] = message.routing_key
-    headers.setdefault(FIRST_FAILED_AT_HEADER, int(time.time() * 1000))
-    headers[LAST_ERROR_HEADER] = f"{type(exc).__name__}: {exc}"[:500]
-    return headers
-
-
 @dataclasses.dataclass(frozen=True)
 class Job:
     """One delivery for one consumer, as a worker hands it to :func:`process_batch`."""
 
     processor: DeliveryProcessor
     delivery: Delivery
-
-
-@dataclasses.dataclass(frozen=True)
-class _DeliveryOutcome:
-    """A delivery's outcome (what the connection's thread does with it) plus what to count,
-    log and remember once (if) the batch's transaction commits."""
-
-    outcome: Outcome
-    label: OutcomeLabel
-    duration: float | None = None
-    processed: bool = False  # the inbox holds the message now: the fast path may remember it
-    # Logged once the transaction committed (a line saying "processed" must be true).
-    after_commit: bool = False
-
-
-_Decided = _DeliveryOutcome  # its former name, kept for code written against it
 
 
 class DeliveryProcessor:
@@ -135,16 +90,12 @@ class DeliveryProcessor:
         # Batches left to run guarded (a savepoint per handler) after a handler failed on the
         # optimistic path; see process_batch.
         self.guarded_batches = 0
+        # What a delivery that did not take effect becomes (a dead letter, a retry, a deferral).
+        self.failures = DeliveryFailures(spec, settings)
 
     @property
     def max_attempts(self) -> int:
-        return self.spec.max_attempts or self.settings.max_attempts
-
-    @property
-    def retry_delays(self) -> tuple[float, ...]:
-        if self.spec.retry_delays is not None:
-            return self.spec.retry_delays
-        return self.settings.retry_delays
+        return self.failures.max_attempts
 
     def process(self, delivery: Delivery) -> Outcome:
         """Handle one delivery in its own transaction. Raises :class:`DatabaseUnavailable` when
@@ -172,12 +123,12 @@ class DeliveryProcessor:
 
     # -- inside the batch's transaction -----------------------------------------------------------
 
-    def run(self, delivery: Delivery, decoded: Message | DecodeError) -> _DeliveryOutcome:
+    def run(self, delivery: Delivery, decoded: Message | DecodeError) -> DeliveryOutcome:
         """Decide one delivery inside the caller's transaction; its writes are in savepoints."""
         if isinstance(decoded, DecodeError):
-            return self._reject_undecodable(delivery, decoded)
+            return self.failures.reject_undecodable(delivery, decoded)
         if not self._expects(decoded.routing_key):
-            return self._reject(
+            return self.failures.reject(
                 delivery,
                 decoded,
                 DeadLetterReason.UNEXPECTED_ROUTING_KEY,
@@ -187,7 +138,7 @@ class DeliveryProcessor:
             )
         blocker = self._blocking_dead_letter(delivery, decoded)
         if blocker is not None:
-            return self._reject(
+            return self.failures.reject(
                 delivery,
                 decoded,
                 DeadLetterReason.PARKED,
@@ -227,55 +178,7 @@ class DeliveryProcessor:
                 blocking = blocking.filter(pk__lt=own)
         return blocking.order_by("pk").first()
 
-    def _reject_undecodable(self, delivery: Delivery, error: DecodeError) -> _DeliveryOutcome:
-        logger.error(
-            "dead-lettering message_id=%s consumer=%s outcome=dead_lettered reason=%s: %s",
-            error.message_id or "-",
-            self.spec.name,
-            error.reason,
-            error.detail,
-        )
-        self._write_dead_letter(
-            delivery=delivery,
-            message_id=error.message_id,
-            reason=error.reason,
-            attempts=1,
-            exception_message=error.detail,
-        )
-        return _DeliveryOutcome(
-            Acknowledge(OutcomeLabel.DEAD_LETTERED, error.reason), OutcomeLabel.DEAD_LETTERED
-        )
-
-    def _reject(
-        self,
-        delivery: Delivery,
-        message: Message,
-        reason: str,
-        detail: str,
-        label: OutcomeLabel = OutcomeLabel.DEAD_LETTERED,
-    ) -> _DeliveryOutcome:
-        logger.error(
-            "dead-lettering message_id=%s consumer=%s attempt=%d outcome=%s reason=%s: %s",
-            message.message_id,
-            self.spec.name,
-            message.attempt,
-            label,
-            reason,
-            detail,
-        )
-        self._write_dead_letter(
-            delivery=delivery,
-            message_id=message.message_id,
-            reason=reason,
-            attempts=message.attempt,
-            payload=message.payload,
-            exchange=message.exchange,
-            routing_key=message.routing_key,
-            exception_message=detail,
-        )
-        return _DeliveryOutcome(Acknowledge(OutcomeLabel.DEAD_LETTERED, reason), label)
-
-    def _handle(self, delivery: Delivery, message: Message) -> _DeliveryOutcome:
+    def _handle(self, delivery: Delivery, message: Message) -> DeliveryOutcome:
         started = time.perf_counter()
         fresh = False
         try:
@@ -298,7 +201,7 @@ class DeliveryProcessor:
                     resolve_processed_copies(self.spec.name, [message.message_id], self.using)
         except InboxRowBusy:
             remember_busy([(self.spec.name, message.message_id)])
-            return self.busy(delivery, message)
+            return self.failures.busy(delivery, message)
         except (_AlreadyProcessed, IntegrityError) as exc:
             if not fresh:
                 if REPLAY_HEADER in delivery.headers:
@@ -311,23 +214,23 @@ class DeliveryProcessor:
                         self.using,
                         by="its replay found it processed by another copy",
                     )
-                return _DeliveryOutcome(
+                return DeliveryOutcome(
                     Acknowledge(OutcomeLabel.DUPLICATE),
                     OutcomeLabel.DUPLICATE,
                     processed=True,
                     after_commit=True,
                 )
-            return self.on_failure(delivery, message, exc, started)
+            return self.failures.on_failure(delivery, message, exc, started)
         except (OperationalError, InterfaceError) as exc:
             if not fresh or not self.connection_usable():
                 raise DatabaseUnavailable(
                     f"database error on message_id={message.message_id}: {exc}"
                 ) from exc
-            return self.on_failure(delivery, message, exc, started)
+            return self.failures.on_failure(delivery, message, exc, started)
         except Exception as exc:  # noqa: BLE001 - any handler error is an outcome to decide on
-            return self.on_failure(delivery, message, exc, started)
+            return self.failures.on_failure(delivery, message, exc, started)
         duration = time.perf_counter() - started
-        return _DeliveryOutcome(
+        return DeliveryOutcome(
             Acknowledge(OutcomeLabel.PROCESSED),
             OutcomeLabel.PROCESSED,
             duration,
@@ -345,123 +248,6 @@ class DeliveryProcessor:
             return False
         return True
 
-    def on_failure(
-        self, delivery: Delivery, message: Message, exc: Exception, started: float
-    ) -> _DeliveryOutcome:
-        duration = time.perf_counter() - started
-        decision = decide(
-            exc, attempt=message.attempt, max_attempts=self.max_attempts, delays=self.retry_delays
-        )
-        if isinstance(decision, GiveUp):
-            logger.error(
-                "dead-lettering message_id=%s consumer=%s attempt=%d outcome=dead_lettered "
-                "reason=%s duration_ms=%.1f: %s: %s",
-                message.message_id,
-                self.spec.name,
-                message.attempt,
-                decision.reason,
-                duration * 1000,
-                type(exc).__name__,
-                exc,
-            )
-            self._write_dead_letter(
-                delivery=delivery,
-                message_id=message.message_id,
-                reason=decision.reason,
-                attempts=message.attempt,
-                payload=message.payload,
-                exchange=message.exchange,
-                routing_key=message.routing_key,
-                exception=exc,
-                traceback_text="".join(traceback.format_exception(exc)),
-            )
-            return _DeliveryOutcome(
-                Acknowledge(OutcomeLabel.DEAD_LETTERED, decision.reason),
-                OutcomeLabel.DEAD_LETTERED,
-                duration,
-            )
-        logger.warning(
-            "retrying message_id=%s consumer=%s attempt=%d outcome=retry next_attempt=%d "
-            "in %.3gs%s duration_ms=%.1f: %s: %s",
-            message.message_id,
-            self.spec.name,
-            message.attempt,
-            decision.next_attempt,
-            decision.delay,
-            " in place (ordered)" if self.spec.ordered else "",
-            duration * 1000,
-            type(exc).__name__,
-            exc,
-        )
-        headers = retry_headers(delivery, message, exc, decision.next_attempt)
-        error = f"{type(exc).__name__}: {exc}"
-        if self.spec.ordered:
-            # Through a delay queue a later message of the key would overtake it: the delivery
-            # stays unacked, holding its partition, and runs again after the delay.
-            return _DeliveryOutcome(
-                RetryInPlace(decision.delay, decision.next_attempt, headers, error),
-                OutcomeLabel.RETRIED,
-                duration,
-            )
-        return _DeliveryOutcome(
-            ScheduleRetry(decision.delay, decision.next_attempt, headers, error),
-            OutcomeLabel.RETRIED,
-            duration,
-        )
-
-    @property
-    def defer_delay(self) -> float:
-        """Seconds a copy put aside for a busy lease waits: the consumer's first retry delay,
-        else the settings' first one. The copy goes through the delay queue of that value, so
-        it must be one :func:`reliable_messaging.broker.topology.all_delays` declares: the settings'
-        delays always are (and the system checks require RETRY_DELAYS to be non-empty), so a
-        consumer with ``retry_delays=()`` (no retries) still has one."""
-        return (self.spec.retry_delays or self.settings.retry_delays)[0]
-
-    def defer(
-        self,
-        delivery: Delivery,
-        message: Message,
-        why: str = "another consumer is processing it right now",
-        error: str = "lease held",
-    ) -> _DeliveryOutcome:
-        """Another consumer holds this message (its Redis lease, or its inbox row in a
-        transaction not yet ended): have the copy come back shortly, at the same attempt.
-        An ordered consumer's delivery waits in place instead, holding its partition."""
-        delay = self.defer_delay
-        logger.info(
-            "message_id=%s consumer=%s attempt=%d outcome=deferred: %s; it comes back in %.3gs",
-            message.message_id,
-            self.spec.name,
-            message.attempt,
-            why,
-            delay,
-        )
-        headers = {k: v for k, v in delivery.headers.items() if k not in BROKER_HEADERS}
-        headers[ATTEMPT_HEADER] = message.attempt
-        headers[ORIGINAL_EXCHANGE_HEADER] = message.exchange
-        headers[ORIGINAL_ROUTING_KEY_HEADER] = message.routing_key
-        if self.spec.ordered:
-            return _DeliveryOutcome(
-                RetryInPlace(delay, message.attempt, headers, error), OutcomeLabel.DEFERRED
-            )
-        return _DeliveryOutcome(
-            ScheduleRetry(delay, message.attempt, headers, error, deferred=True),
-            OutcomeLabel.DEFERRED,
-        )
-
-    def busy(self, delivery: Delivery, message: Message) -> _DeliveryOutcome:
-        """The inbox row is locked by a transaction that did not end within
-        ``INBOX_LOCK_TIMEOUT`` (a twin still running, or a consumer cut off mid-batch)."""
-        return self.defer(
-            delivery,
-            message,
-            why=f"its inbox row is held by another transaction for over "
-            f"{self.settings.inbox_lock_timeout:g}s (a twin delivery running, or a consumer "
-            f"cut off mid-batch)",
-            error="inbox row locked",
-        )
-
     def fits_batch_claim(self, delivery: Delivery, decoded: Message | DecodeError) -> bool:
         """Whether the batch claim (and the optimistic path) may take this delivery: a
         well-formed message of an unordered consumer, expected here, not a replay (those
@@ -473,26 +259,15 @@ class DeliveryProcessor:
             and self._expects(decoded.routing_key)
         )
 
-    plain = fits_batch_claim  # its former name, kept for code written against it
-
     def commit_refused(self, delivery: Delivery, exc: DatabaseError) -> Outcome:
         """The delivery's own transaction could not commit (a deferred constraint its handler
         broke): a failure of the handler like any other, decided outside that transaction."""
         decoded = self.decode(delivery)
         if isinstance(decoded, DecodeError):  # cannot happen: those commit nothing of their own
             raise DatabaseUnavailable(f"the commit failed: {exc}") from exc
-        done = self.on_failure(delivery, decoded, exc, time.perf_counter())
+        done = self.failures.on_failure(delivery, decoded, exc, time.perf_counter())
         metrics.consumer_outcome(self.spec.name, done.label, done.duration)
         return done.outcome
-
-    def _write_dead_letter(self, **kwargs: Any) -> None:
-        try:
-            record_dead_letter(consumer=self.spec.name, **kwargs)
-        except (OperationalError, InterfaceError) as exc:
-            # Without the row the message must stay with the broker: nothing is lost.
-            raise DatabaseUnavailable(
-                f"cannot record the dead letter of message_id={kwargs.get('message_id')}: {exc}"
-            ) from exc
 
 
 def with_attempt(delivery: Delivery, retry: RetryInPlace) -> Delivery:
@@ -545,7 +320,7 @@ def process_batch(
         # A router sending consumers to different databases: one transaction per database.
         return [outcome for job in jobs for outcome in process_batch([job], cache=cache)]
     decoded = [job.processor.decode(job.delivery) for job in jobs]
-    settled: list[_DeliveryOutcome | None] = [None] * len(jobs)
+    settled: list[DeliveryOutcome | None] = [None] * len(jobs)
     leased = _fast_path(jobs, decoded, settled, cache)
     optimistic = all(job.processor.guarded_batches == 0 for job in jobs)
     for processor in {job.processor for job in jobs}:
@@ -595,7 +370,7 @@ def process_batch(
     return outcomes
 
 
-def _log_committed(consumer: str, message: Message, done: _DeliveryOutcome) -> None:
+def _log_committed(consumer: str, message: Message, done: DeliveryOutcome) -> None:
     if done.label == OutcomeLabel.DUPLICATE:
         logger.info(
             "duplicate message_id=%s consumer=%s attempt=%d outcome=duplicate: already "
@@ -623,11 +398,11 @@ class _CommitRefused(Exception):
 def _decide(
     jobs: Sequence[Job],
     decoded: Sequence[Message | DecodeError],
-    settled: Sequence[_DeliveryOutcome | None],
+    settled: Sequence[DeliveryOutcome | None],
     *,
     guarded: bool,
     failed: dict[int, Exception] | None = None,
-) -> list[_DeliveryOutcome | None]:
+) -> list[DeliveryOutcome | None]:
     """One transaction over the jobs the fast path did not settle. ``failed`` holds the
     handler errors already seen (on the optimistic path) of jobs not to run again."""
     decided = list(settled)
@@ -670,7 +445,7 @@ def _decide(
 def _run_claimed(
     jobs: Sequence[Job],
     decoded: Sequence[Message | DecodeError],
-    decided: list[_DeliveryOutcome | None],
+    decided: list[DeliveryOutcome | None],
     indexes: list[int],
     using: str,
     guarded: bool,
@@ -682,7 +457,7 @@ def _run_claimed(
     for index, error in failed.items():
         message = decoded[index]
         assert isinstance(message, Message)
-        decided[index] = jobs[index].processor.on_failure(
+        decided[index] = jobs[index].processor.failures.on_failure(
             jobs[index].delivery, message, error, time.perf_counter()
         )
     indexes = [index for index in indexes if index not in failed]
@@ -707,10 +482,10 @@ def _run_claimed(
     for index, key, message in zip(indexes, keys, messages, strict=True):
         processor = jobs[index].processor
         if key in busy:
-            decided[index] = processor.busy(jobs[index].delivery, message)
+            decided[index] = processor.failures.busy(jobs[index].delivery, message)
             continue
         if key not in claimed or key in seen:
-            decided[index] = _DeliveryOutcome(
+            decided[index] = DeliveryOutcome(
                 Acknowledge(OutcomeLabel.DUPLICATE),
                 OutcomeLabel.DUPLICATE,
                 processed=True,
@@ -736,7 +511,7 @@ def _run_claimed(
                     ) from exc
                 raise _Fallback(processor, index, exc) from exc
         duration = time.perf_counter() - started
-        decided[index] = _DeliveryOutcome(
+        decided[index] = DeliveryOutcome(
             Acknowledge(OutcomeLabel.PROCESSED),
             OutcomeLabel.PROCESSED,
             duration,
@@ -754,7 +529,7 @@ def _run_claimed(
 
 def _run_guarded(
     processor: DeliveryProcessor, delivery: Delivery, message: Message, started: float
-) -> _DeliveryOutcome | None:
+) -> DeliveryOutcome | None:
     """Run the handler in a savepoint; None when it succeeded, else its failure's outcome."""
     try:
         with transaction.atomic(using=processor.using):
@@ -770,7 +545,7 @@ def _run_guarded(
         ProcessedMessage.objects.using(processor.using).forget(
             processor.spec.name, message.message_id
         )
-        return processor.on_failure(delivery, message, exc, started)
+        return processor.failures.on_failure(delivery, message, exc, started)
     return None
 
 
@@ -809,7 +584,7 @@ def _one_by_one(jobs: Sequence[Job], cache: DuplicateCache | None) -> list[Outco
 def _fast_path(
     jobs: Sequence[Job],
     decoded: Sequence[Message | DecodeError],
-    decided: list[_DeliveryOutcome | None],
+    decided: list[DeliveryOutcome | None],
     cache: DuplicateCache | None,
 ) -> list[tuple[str, str]]:
     """Settle what Redis already knows: duplicates, and messages another consumer is on.
@@ -835,7 +610,7 @@ def _fast_path(
                 name,
                 message.attempt,
             )
-            decided[index] = _DeliveryOutcome(
+            decided[index] = DeliveryOutcome(
                 Acknowledge(OutcomeLabel.DUPLICATE), OutcomeLabel.DUPLICATE
             )
             continue
@@ -853,5 +628,5 @@ def _fast_path(
             leased.append(key)
         elif key not in leased:
             metrics.dedup_cache(key[0], "lease_busy")
-            decided[index] = jobs[index].processor.defer(jobs[index].delivery, message)
+            decided[index] = jobs[index].processor.failures.defer(jobs[index].delivery, message)
     return leased

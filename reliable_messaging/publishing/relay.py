@@ -55,25 +55,25 @@ Each relay counts what it does in :mod:`reliable_messaging.metrics` and reports 
 :class:`~reliable_messaging.metrics.HealthState` (broker, database, a heartbeat from the I/O
 loop) that ``--metrics-port`` serves as ``/healthz``.
 
-Where the parts live: this module decides (what to claim when, what a confirm means, when to
-stop); :mod:`reliable_messaging.broker.publisher` is the transport (pika's ``SelectConnection``, its
-callbacks and timers); :mod:`.claims` runs every query (claim, lease, record) on the threads of
-:mod:`.database_worker`; :mod:`.in_flight` publishes the batches and takes their confirms,
-with :mod:`.batches` keeping each batch's books; :mod:`.listener` LISTENs;
-:mod:`reliable_messaging.broker.probes` checks exchanges; :mod:`.lanes` runs several relays.
+Where the parts live: this module runs the relay's life (connect, reconnect, stop) and routes
+what the broker says; :mod:`.scheduling` decides when to claim; :mod:`.claims` runs every
+query (claim, lease, record) on the threads of :mod:`.database_worker`; :mod:`.in_flight`
+publishes the batches and takes their confirms, with :mod:`.batches` keeping each batch's
+books; :mod:`.listener` LISTENs; :mod:`.lanes` runs several relays. Of the broker's side,
+:mod:`reliable_messaging.broker.publisher` is the transport (pika's ``SelectConnection``) and
+:mod:`reliable_messaging.broker.probes` checks exchanges.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import functools
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from django.db import DatabaseError, connections, router
+from django.db import connections, router
 
 from .. import metrics
 from ..broker.publisher import ChannelClosed, ConfirmingPublisher, Returned
@@ -81,21 +81,15 @@ from ..conf import MessagingSettings, messaging_settings
 from ..core.backoff import Backoff
 from ..metrics import HealthState
 from ..models import OutboxMessage
-from .claims import Claim, ClaimTransaction, OutboxClaims
-from .database_worker import DatabaseWorker
+from .claims import OutboxClaims
 from .in_flight import InFlight
 from .listener import WakeUps
+from .scheduling import MAX_IN_FLIGHT, ClaimScheduler
 
 logger = logging.getLogger("reliable_messaging.relay")
 
-# Batches published and awaiting confirms at once: the next is claimed and sent while the
-# previous one's confirms come back.
-MAX_IN_FLIGHT = 3
 # Seconds a claim's lease lasts past RELAY_CONFIRM_TIMEOUT.
 LEASE_MARGIN = 5.0
-# Parked rows are released by the relay that sends the row before them; this sweep catches
-# any left parked by other means (a row deleted by hand, say).
-SWEEP_INTERVAL = 30.0
 
 
 @dataclass
@@ -175,23 +169,26 @@ class OutboxRelay:
             health=self.health,
             lease_seconds=self.lease_seconds,
             on_batch=on_batch,
-            on_recorded=self._on_recorded,
+            on_recorded=lambda recorded: self.scheduler.on_recorded(recorded),
         )
         self.wake_ups = WakeUps(
             self.using,
             enabled=listen and connections[self.using].vendor == "postgresql",
             poll_interval=settings.relay_poll_interval,
         )
-        self._next_sweep = 0.0  # monotonic time of the next release_parked sweep
-        self._sweep_after: int | None = None  # where the sweep's pass goes on
-        # One per batch that may be in flight; they run every query of the batches.
-        self._workers: list[DatabaseWorker] = []
-        self._look_again = False  # a claim was asked for while one was under way
-        self._tick_at = 0.0  # monotonic time the pending tick timer fires
-        self._tick_timer: object = None
+        self.scheduler = ClaimScheduler(
+            publisher=self.publisher,
+            claims=self.claims,
+            in_flight=self.in_flight,
+            wake_ups=self.wake_ups,
+            health=self.health,
+            settings=settings,
+            stopping=lambda: self._stop_requested or self._past_deadline(),
+            blocked=lambda: self._blocked,
+            on_nothing_due=self._on_nothing_due,
+        )
         self._watch_timer: object = None
         self._reconnect = Backoff(0.5, settings.reconnect_max_delay)
-        self._db_backoff = Backoff(0.5, settings.reconnect_max_delay)
 
     @property
     def listen(self) -> bool:
@@ -206,8 +203,7 @@ class OutboxRelay:
         self._stop_requested = True
 
     def run(self) -> RelayReport:
-        name = threading.current_thread().name
-        self._workers = [DatabaseWorker(f"{name}-db{i}") for i in range(MAX_IN_FLIGHT)]
+        self.scheduler.start(threading.current_thread().name)
         try:
             while not self._done():
                 self.wake_ups.close(retry_at_once=True)  # a new loop gets a LISTEN of its own
@@ -228,8 +224,7 @@ class OutboxRelay:
             self.wake_ups.close()
             self.in_flight.probe.close()
             self._after_loop()
-            for worker in self._workers:
-                worker.close()
+            self.scheduler.close()
         counts = self.claims.backlog()
         if counts is not None:
             (self.report.left_pending, self.report.left_retrying, self.report.left_failed) = counts
@@ -239,25 +234,10 @@ class OutboxRelay:
         return self._finished or self._stop_requested or self._past_deadline()
 
     def _after_loop(self) -> None:
-        """A connection's loop ended: let the database workers finish what they were given
-        (the outcomes of the batches in flight), and roll back a claim never published."""
+        """A connection's loop ended: what was in flight is recorded as far as it got, and a
+        claim never published rolls back."""
         self.in_flight.abort("the connection's loop ended")
-        for worker in self._workers:
-            worker.drain()
-            claimed, worker.claimed = worker.claimed, None
-            worker.claiming = False
-            worker.batch = None
-            if claimed is not None and claimed.transaction is not None:
-                worker.submit(functools.partial(self._roll_back_job, claimed.transaction))
-                worker.drain()
-
-    @staticmethod
-    def _roll_back_job(held: ClaimTransaction) -> None:
-        """Database worker: end a claim's transaction without a trace: its rows are due."""
-        try:
-            held.rollback(RuntimeError("not published"))
-        except DatabaseError:
-            logger.debug("rolling back an unpublished claim failed", exc_info=True)
+        self.scheduler.after_loop()
 
     def _past_deadline(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
@@ -280,7 +260,7 @@ class OutboxRelay:
         self._reconnect.reset()
         self.health.set_broker(True)
         self._watch()
-        self._schedule_tick(0)
+        self.scheduler.schedule(0)
 
     def on_connect_failed(self, error: str) -> None:
         self.health.set_broker(False)
@@ -322,7 +302,7 @@ class OutboxRelay:
         self._set_blocked(False)
         logger.info("relay: the broker unblocked the connection; resuming")
         self.in_flight.resume_timers()
-        self._schedule_tick(0)
+        self.scheduler.schedule(0)
 
     def _set_blocked(self, blocked: bool) -> None:
         if blocked != self._blocked:
@@ -341,20 +321,6 @@ class OutboxRelay:
 
     # -- timers -----------------------------------------------------------------------------
 
-    def _schedule_tick(self, delay: float) -> None:
-        """Claim again in ``delay`` seconds, unless a claim is already due sooner: a later
-        wait must never push back a claim something asked for (a batch recorded, a row
-        released, a NOTIFY)."""
-        if not self.publisher.is_open:
-            return
-        at = time.monotonic() + delay
-        if self._tick_timer is not None:
-            if self._tick_at <= at:
-                return
-            self.publisher.cancel(self._tick_timer)
-        self._tick_at = at
-        self._tick_timer = self.publisher.call_later(delay, self._tick)
-
     def _watch(self) -> None:
         """Every 0.2 s: beat the heart, honour a stop request or the deadline, and look after
         LISTEN."""
@@ -367,7 +333,7 @@ class OutboxRelay:
             if self._blocked:
                 self._leave_blocked()
                 return
-            if not (self.in_flight or self._db_busy()):
+            if not (self.in_flight or self.scheduler.busy()):
                 self._finished = True
                 self._cancel_timers()
                 self.publisher.close()
@@ -377,9 +343,9 @@ class OutboxRelay:
         self._watch_timer = self.publisher.call_later(0.2, self._watch)
 
     def _cancel_timers(self) -> None:
-        for timer in (self._tick_timer, self._watch_timer):
-            self.publisher.cancel(timer)
-        self._tick_timer = self._watch_timer = None
+        self.scheduler.cancel()
+        self.publisher.cancel(self._watch_timer)
+        self._watch_timer = None
 
     def _leave_blocked(self) -> None:
         """Stop while the broker blocks us, without waiting for the alarm to clear, which may
@@ -391,139 +357,18 @@ class OutboxRelay:
         self._cancel_timers()
         self.publisher.abandon()
 
-    def _on_recorded(self, recorded: bool) -> None:
-        """I/O loop: a batch was recorded: claim again (after a backoff if it could not be)."""
-        self._schedule_tick(0 if recorded else self._db_backoff.next())
+    def _on_nothing_due(self) -> bool:
+        """Nothing is due now. With ``once`` the relay stops: rows waiting out a backoff after
+        a failure are left for a later run (and reported), not waited for."""
+        if not self.once:
+            return False
+        logger.info("relay: nothing left to send")
+        self._finished = True
+        self._cancel_timers()
+        self.publisher.close()
+        return True
 
     def _on_notify(self) -> None:
         if len(self.in_flight) < MAX_IN_FLIGHT:
-            self._schedule_tick(0)
+            self.scheduler.schedule(0)
         # else: the next batch to finish schedules a claim
-
-    # -- batches -----------------------------------------------------------------------------
-
-    def _db_busy(self) -> bool:
-        """A claim is under way or a batch is in flight or being recorded: each ends in a
-        callback on the I/O loop that schedules the next claim."""
-        return not all(worker.free for worker in self._workers)
-
-    def _free_worker(self) -> DatabaseWorker | None:
-        # A worker still finishing a job (recording a batch) takes the claim after it.
-        return next((worker for worker in self._workers if worker.free), None)
-
-    def _tick(self) -> None:
-        """I/O loop: give the next claim to a free database worker, unless a claim is under
-        way or every worker holds a batch in flight."""
-        self._tick_timer = None
-        if not self.publisher.ready:
-            return
-        if any(worker.claiming for worker in self._workers):
-            # Its answer schedules the next claim; it may have looked before what this tick
-            # is for (a batch recorded, a row released, a NOTIFY), so it looks again.
-            self._look_again = True
-            return
-        worker = self._free_worker()
-        if worker is None:
-            return  # the next batch to be recorded schedules a claim
-        if self._stop_requested or self._past_deadline():
-            return  # _watch closes the connection
-        if self._blocked:
-            return  # on_connection_unblocked schedules the next tick
-        sweep = time.monotonic() >= self._next_sweep
-        if sweep:
-            self._next_sweep = float("inf")  # the sweep sets when the next one is due
-        worker.claiming = True
-        self._look_again = False
-        worker.submit(functools.partial(self._claim_job, worker, sweep))
-
-    def _claim_job(self, worker: DatabaseWorker, sweep: bool) -> None:
-        """Database worker: claim a batch and hand it to the I/O loop."""
-        try:
-            if sweep:
-                try:
-                    self._sweep()
-                finally:
-                    if self._next_sweep == float("inf"):  # it failed: try again in a while
-                        self._next_sweep = time.monotonic() + SWEEP_INTERVAL
-            claim = self.claims.claim()
-            if claim.transaction is None and not claim.parked:
-                claim.wait = self._idle_wait()
-        except DatabaseError as exc:
-            self.claims.forget_connection()  # a fresh connection on the next try
-            claim = Claim(rows=[], error=exc)
-        except Exception as exc:  # a bug must not leave the relay waiting for this claim
-            logger.exception("relay: unexpected error while claiming rows")
-            claim = Claim(rows=[], error=DatabaseError(f"unexpected error: {exc!r}"))
-        worker.claimed = claim
-        self.publisher.post(functools.partial(self._on_claimed, worker))
-
-    def _on_claimed(self, worker: DatabaseWorker) -> None:
-        """I/O loop: publish what the claim found, and decide when to claim again."""
-        claim, worker.claimed = worker.claimed, None
-        worker.claiming = False
-        if claim is None:
-            return
-        if not self.publisher.is_open:
-            if claim.transaction is not None:
-                worker.submit(functools.partial(self._roll_back_job, claim.transaction))
-            return
-        if claim.error is not None:
-            self.health.set_database(False, str(claim.error))
-            wait = self._db_backoff.next()
-            logger.warning(
-                "relay: database unavailable (%s); rows stay pending, retrying in %.1fs",
-                claim.error,
-                wait,
-            )
-            self._schedule_tick(wait)
-            return
-        self._db_backoff.reset()
-        self.health.set_database(True)
-        if claim.transaction is not None:
-            if not self.publisher.ready or self._blocked:
-                # The channel went, or the broker blocked the connection while the claim was
-                # under way: the rows are due again at once. The new channel's confirm mode,
-                # or the unblock, schedules a claim.
-                worker.submit(functools.partial(self._roll_back_job, claim.transaction))
-                return
-            self.in_flight.publish(worker, claim)
-        if claim.rows or claim.parked or self._look_again:
-            # More may be due at once: claim the next batch while this one's confirms come
-            # back (a batch being recorded schedules a claim too).
-            self._schedule_tick(0)
-            return
-        if self.in_flight or self._db_busy():
-            return  # a batch in flight schedules a claim when it is recorded
-        if self._tick_timer is not None and self._tick_at <= time.monotonic():
-            return  # a claim is due already (asked for after this one looked)
-        if self.once:
-            # Nothing is due now: rows waiting out a backoff after a failure are left for a
-            # later run (and reported), not waited for.
-            logger.info("relay: nothing left to send")
-            self._finished = True
-            self._cancel_timers()
-            self.publisher.close()
-            return
-        self._schedule_tick(claim.wait)
-
-    def _sweep(self) -> None:
-        """Release parked rows nothing holds back any more (see :func:`release_parked`): a
-        slice of them per claim, so that many parked rows never hold a claim up; the next
-        slice a second later, and a new pass SWEEP_INTERVAL after the last one ended."""
-        released, self._sweep_after = self.claims.release_parked(after=self._sweep_after or 0)
-        self._next_sweep = time.monotonic() + (1.0 if self._sweep_after else SWEEP_INTERVAL)
-        if released:
-            logger.info(
-                "relay: %d parked row(s) released: the row before them is no longer unsent",
-                released,
-            )
-
-    def _idle_wait(self) -> float:
-        """Database worker: how long the relay may sleep before the next claim."""
-        poll = self.settings.relay_poll_interval
-        if self.wake_ups.listening:
-            poll = max(poll, 5.0)  # NOTIFY wakes us; polling only catches backoffs and misses
-        due_in = self.claims.next_due_in()  # a row waiting out a backoff or a lease
-        if due_in is not None:
-            poll = min(poll, due_in)
-        return min(poll, max(0.0, self._next_sweep - time.monotonic()))

@@ -18,14 +18,10 @@ from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 from prometheus_client import REGISTRY
 
-from reliable_messaging.consuming.processing import (
-    DeliveryProcessor,
-    Job,
-    _claim_inbox_rows,
-    process_batch,
-)
+from reliable_messaging.consuming.processing import DeliveryProcessor, Job, process_batch
 from reliable_messaging.core.envelope import ATTEMPT_HEADER, Delivery, encode_payload
 from reliable_messaging.core.outcomes import Acknowledge, ScheduleRetry
+from reliable_messaging.exactly_once import claim_inbox_rows
 from reliable_messaging.models import DeadLetter, DeadLetterReason, ProcessedMessage
 from reliable_messaging.registry import ConsumerSpec
 from reliable_messaging.testing import find_consumer
@@ -266,7 +262,7 @@ def test_a_claim_cut_short_by_a_held_row_defers_only_that_row_and_restores_lock_
         with transaction.atomic(), connection.cursor() as cursor:
             cursor.execute("SET LOCAL lock_timeout = '7s'")
             keys = [("tests.alpha", "held"), ("tests.alpha", "free"), ("tests.alpha", "zzz")]
-            claimed, busy = _claim_inbox_rows("default", keys, 0.2)
+            claimed, busy = claim_inbox_rows("default", keys, 0.2)
             assert busy == {("tests.alpha", "held")}
             assert claimed == {("tests.alpha", "free"): False, ("tests.alpha", "zzz"): False}
             cursor.execute("SHOW lock_timeout")

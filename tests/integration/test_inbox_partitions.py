@@ -19,14 +19,10 @@ from django.utils import timezone
 
 from reliable_messaging import partitions
 from reliable_messaging.broker.topology import consumer_queues
-from reliable_messaging.consuming.processing import (
-    DeliveryProcessor,
-    Job,
-    insert_inbox_row,
-    process_batch,
-)
+from reliable_messaging.consuming.processing import DeliveryProcessor, Job, process_batch
 from reliable_messaging.core.envelope import Delivery, Message, encode_payload
 from reliable_messaging.core.outcomes import Acknowledge
+from reliable_messaging.exactly_once import insert_inbox_row
 from reliable_messaging.models import ProcessedMessage
 from reliable_messaging.partitions import DEFAULT, INBOX_TABLE, LEGACY
 from reliable_messaging.registry import ConsumerSpec

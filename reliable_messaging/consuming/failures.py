@@ -1,0 +1,255 @@
+"""What a delivery that did not take effect becomes: a dead letter (with its reason), a retry
+(through a delay queue, or in place for an ordered consumer), or a deferral while another
+consumer holds it. Decided inside the batch's transaction, in the delivery's savepoint, by
+:mod:`.processing`; the retry decision itself is :func:`reliable_messaging.core.retry.decide`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import traceback
+from typing import Any
+
+from django.db import InterfaceError, OperationalError
+
+from ..conf import MessagingSettings
+from ..core.envelope import (
+    ATTEMPT_HEADER,
+    BROKER_HEADERS,
+    FIRST_FAILED_AT_HEADER,
+    LAST_ERROR_HEADER,
+    ORIGINAL_EXCHANGE_HEADER,
+    ORIGINAL_ROUTING_KEY_HEADER,
+    DecodeError,
+    Delivery,
+    Message,
+)
+from ..core.outcomes import Acknowledge, Outcome, OutcomeLabel, RetryInPlace, ScheduleRetry
+from ..core.retry import GiveUp, decide
+from ..dead_letters.record import record_dead_letter
+from ..exceptions import DatabaseUnavailable
+from ..registry import ConsumerSpec
+
+# The consumer's log: these lines are about the deliveries it processes.
+logger = logging.getLogger("reliable_messaging.consuming.processing")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeliveryOutcome:
+    """A delivery's outcome (what the connection's thread does with it) plus what to count,
+    log and remember once (if) the batch's transaction commits."""
+
+    outcome: Outcome
+    label: OutcomeLabel
+    duration: float | None = None
+    processed: bool = False  # the inbox holds the message now: the fast path may remember it
+    # Logged once the transaction committed (a line saying "processed" must be true).
+    after_commit: bool = False
+
+
+def retry_headers(
+    delivery: Delivery, message: Message, exc: BaseException, next_attempt: int
+) -> dict[str, Any]:
+    """Headers of the retried copy: the original's, minus the broker's dead-letter bookkeeping,
+    plus the next attempt number and where the message was first published."""
+    headers = {k: v for k, v in delivery.headers.items() if k not in BROKER_HEADERS}
+    headers[ATTEMPT_HEADER] = next_attempt
+    headers[ORIGINAL_EXCHANGE_HEADER] = message.exchange
+    headers[ORIGINAL_ROUTING_KEY_HEADER] = message.routing_key
+    headers.setdefault(FIRST_FAILED_AT_HEADER, int(time.time() * 1000))
+    headers[LAST_ERROR_HEADER] = f"{type(exc).__name__}: {exc}"[:500]
+    return headers
+
+
+class DeliveryFailures:
+    """The failure outcomes of one consumer's deliveries."""
+
+    def __init__(self, spec: ConsumerSpec, settings: MessagingSettings) -> None:
+        self.spec = spec
+        self.settings = settings
+
+    @property
+    def max_attempts(self) -> int:
+        return self.spec.max_attempts or self.settings.max_attempts
+
+    @property
+    def retry_delays(self) -> tuple[float, ...]:
+        if self.spec.retry_delays is not None:
+            return self.spec.retry_delays
+        return self.settings.retry_delays
+
+    def reject_undecodable(self, delivery: Delivery, error: DecodeError) -> DeliveryOutcome:
+        logger.error(
+            "dead-lettering message_id=%s consumer=%s outcome=dead_lettered reason=%s: %s",
+            error.message_id or "-",
+            self.spec.name,
+            error.reason,
+            error.detail,
+        )
+        self._write_dead_letter(
+            delivery=delivery,
+            message_id=error.message_id,
+            reason=error.reason,
+            attempts=1,
+            exception_message=error.detail,
+        )
+        return DeliveryOutcome(
+            Acknowledge(OutcomeLabel.DEAD_LETTERED, error.reason), OutcomeLabel.DEAD_LETTERED
+        )
+
+    def reject(
+        self,
+        delivery: Delivery,
+        message: Message,
+        reason: str,
+        detail: str,
+        label: OutcomeLabel = OutcomeLabel.DEAD_LETTERED,
+    ) -> DeliveryOutcome:
+        logger.error(
+            "dead-lettering message_id=%s consumer=%s attempt=%d outcome=%s reason=%s: %s",
+            message.message_id,
+            self.spec.name,
+            message.attempt,
+            label,
+            reason,
+            detail,
+        )
+        self._write_dead_letter(
+            delivery=delivery,
+            message_id=message.message_id,
+            reason=reason,
+            attempts=message.attempt,
+            payload=message.payload,
+            exchange=message.exchange,
+            routing_key=message.routing_key,
+            exception_message=detail,
+        )
+        return DeliveryOutcome(Acknowledge(OutcomeLabel.DEAD_LETTERED, reason), label)
+
+    def on_failure(
+        self, delivery: Delivery, message: Message, exc: Exception, started: float
+    ) -> DeliveryOutcome:
+        duration = time.perf_counter() - started
+        decision = decide(
+            exc, attempt=message.attempt, max_attempts=self.max_attempts, delays=self.retry_delays
+        )
+        if isinstance(decision, GiveUp):
+            logger.error(
+                "dead-lettering message_id=%s consumer=%s attempt=%d outcome=dead_lettered "
+                "reason=%s duration_ms=%.1f: %s: %s",
+                message.message_id,
+                self.spec.name,
+                message.attempt,
+                decision.reason,
+                duration * 1000,
+                type(exc).__name__,
+                exc,
+            )
+            self._write_dead_letter(
+                delivery=delivery,
+                message_id=message.message_id,
+                reason=decision.reason,
+                attempts=message.attempt,
+                payload=message.payload,
+                exchange=message.exchange,
+                routing_key=message.routing_key,
+                exception=exc,
+                traceback_text="".join(traceback.format_exception(exc)),
+            )
+            return DeliveryOutcome(
+                Acknowledge(OutcomeLabel.DEAD_LETTERED, decision.reason),
+                OutcomeLabel.DEAD_LETTERED,
+                duration,
+            )
+        logger.warning(
+            "retrying message_id=%s consumer=%s attempt=%d outcome=retry next_attempt=%d "
+            "in %.3gs%s duration_ms=%.1f: %s: %s",
+            message.message_id,
+            self.spec.name,
+            message.attempt,
+            decision.next_attempt,
+            decision.delay,
+            " in place (ordered)" if self.spec.ordered else "",
+            duration * 1000,
+            type(exc).__name__,
+            exc,
+        )
+        headers = retry_headers(delivery, message, exc, decision.next_attempt)
+        error = f"{type(exc).__name__}: {exc}"
+        if self.spec.ordered:
+            # Through a delay queue a later message of the key would overtake it: the delivery
+            # stays unacked, holding its partition, and runs again after the delay.
+            return DeliveryOutcome(
+                RetryInPlace(decision.delay, decision.next_attempt, headers, error),
+                OutcomeLabel.RETRIED,
+                duration,
+            )
+        return DeliveryOutcome(
+            ScheduleRetry(decision.delay, decision.next_attempt, headers, error),
+            OutcomeLabel.RETRIED,
+            duration,
+        )
+
+    @property
+    def defer_delay(self) -> float:
+        """Seconds a copy put aside for a busy lease waits: the consumer's first retry delay,
+        else the settings' first one. The copy goes through the delay queue of that value, so
+        it must be one :func:`reliable_messaging.broker.topology.all_delays` declares: the settings'
+        delays always are (and the system checks require RETRY_DELAYS to be non-empty), so a
+        consumer with ``retry_delays=()`` (no retries) still has one."""
+        return (self.spec.retry_delays or self.settings.retry_delays)[0]
+
+    def defer(
+        self,
+        delivery: Delivery,
+        message: Message,
+        why: str = "another consumer is processing it right now",
+        error: str = "lease held",
+    ) -> DeliveryOutcome:
+        """Another consumer holds this message (its Redis lease, or its inbox row in a
+        transaction not yet ended): have the copy come back shortly, at the same attempt.
+        An ordered consumer's delivery waits in place instead, holding its partition."""
+        delay = self.defer_delay
+        logger.info(
+            "message_id=%s consumer=%s attempt=%d outcome=deferred: %s; it comes back in %.3gs",
+            message.message_id,
+            self.spec.name,
+            message.attempt,
+            why,
+            delay,
+        )
+        headers = {k: v for k, v in delivery.headers.items() if k not in BROKER_HEADERS}
+        headers[ATTEMPT_HEADER] = message.attempt
+        headers[ORIGINAL_EXCHANGE_HEADER] = message.exchange
+        headers[ORIGINAL_ROUTING_KEY_HEADER] = message.routing_key
+        if self.spec.ordered:
+            return DeliveryOutcome(
+                RetryInPlace(delay, message.attempt, headers, error), OutcomeLabel.DEFERRED
+            )
+        return DeliveryOutcome(
+            ScheduleRetry(delay, message.attempt, headers, error, deferred=True),
+            OutcomeLabel.DEFERRED,
+        )
+
+    def busy(self, delivery: Delivery, message: Message) -> DeliveryOutcome:
+        """The inbox row is locked by a transaction that did not end within
+        ``INBOX_LOCK_TIMEOUT`` (a twin still running, or a consumer cut off mid-batch)."""
+        return self.defer(
+            delivery,
+            message,
+            why=f"its inbox row is held by another transaction for over "
+            f"{self.settings.inbox_lock_timeout:g}s (a twin delivery running, or a consumer "
+            f"cut off mid-batch)",
+            error="inbox row locked",
+        )
+
+    def _write_dead_letter(self, **kwargs: Any) -> None:
+        try:
+            record_dead_letter(consumer=self.spec.name, **kwargs)
+        except (OperationalError, InterfaceError) as exc:
+            # Without the row the message must stay with the broker: nothing is lost.
+            raise DatabaseUnavailable(
+                f"cannot record the dead letter of message_id={kwargs.get('message_id')}: {exc}"
+            ) from exc

@@ -1,0 +1,243 @@
+"""When the relay claims: a claim at a time, on a free database worker, as soon as something may
+be due, and never a later wait pushing back one something asked for.
+
+Something asks for a claim when a channel is ready, a batch was recorded, a NOTIFY arrived or
+the broker unblocked the connection; otherwise the relay sleeps until the next row waiting out a
+backoff is due, or the poll interval (longer while LISTEN wakes it), or the next sweep of parked
+rows. A claim's answer, handed back to the I/O loop, publishes what it found and asks for the
+next one at once while rows keep coming. Everything here runs on the I/O loop, except the
+``*_job`` methods, which run on a database worker.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+
+from django.db import DatabaseError
+
+from ..broker.publisher import ConfirmingPublisher
+from ..conf import MessagingSettings
+from ..core.backoff import Backoff
+from ..liveness import HealthState
+from .claims import Claim, ClaimTransaction, OutboxClaims
+from .database_worker import DatabaseWorker
+from .in_flight import InFlight
+from .listener import WakeUps
+
+# Logged under the relay's name, the one users' logging configuration knows.
+logger = logging.getLogger("reliable_messaging.relay")
+
+# Batches published and awaiting confirms at once: the next is claimed and sent while the
+# previous one's confirms come back. Each has a database worker of its own.
+MAX_IN_FLIGHT = 3
+# Parked rows are released by the relay that sends the row before them; this sweep catches
+# any left parked by other means (a row deleted by hand, say).
+SWEEP_INTERVAL = 30.0
+
+
+class ClaimScheduler:
+    """Gives claims to the relay's database workers and publishes what they find."""
+
+    def __init__(
+        self,
+        *,
+        publisher: ConfirmingPublisher,
+        claims: OutboxClaims,
+        in_flight: InFlight,
+        wake_ups: WakeUps,
+        health: HealthState,
+        settings: MessagingSettings,
+        stopping: Callable[[], bool],
+        blocked: Callable[[], bool],
+        on_nothing_due: Callable[[], bool],
+    ) -> None:
+        self.publisher = publisher
+        self.claims = claims
+        self.in_flight = in_flight
+        self.wake_ups = wake_ups
+        self.health = health
+        self.settings = settings
+        self.stopping = stopping  # a stop was asked for, or the deadline passed
+        self.blocked = blocked  # the broker blocks the connection
+        # Nothing is due now: True when the relay stops for it (``--once``).
+        self.on_nothing_due = on_nothing_due
+        # One per batch that may be in flight; they run every query of the batches.
+        self.workers: list[DatabaseWorker] = []
+        self._look_again = False  # a claim was asked for while one was under way
+        self._tick_at = 0.0  # monotonic time the pending tick timer fires
+        self._tick_timer: object = None
+        self._next_sweep = 0.0  # monotonic time of the next release_parked sweep
+        self._sweep_after: int | None = None  # where the sweep's pass goes on
+        self._db_backoff = Backoff(0.5, settings.reconnect_max_delay)
+
+    def start(self, name: str) -> None:
+        self.workers = [DatabaseWorker(f"{name}-db{i}") for i in range(MAX_IN_FLIGHT)]
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.close()
+
+    def busy(self) -> bool:
+        """A claim is under way or a batch is in flight or being recorded: each ends in a
+        callback on the I/O loop that schedules the next claim."""
+        return not all(worker.free for worker in self.workers)
+
+    def cancel(self) -> None:
+        self.publisher.cancel(self._tick_timer)
+        self._tick_timer = None
+
+    def schedule(self, delay: float) -> None:
+        """Claim again in ``delay`` seconds, unless a claim is already due sooner: a later
+        wait must never push back a claim something asked for (a batch recorded, a row
+        released, a NOTIFY)."""
+        if not self.publisher.is_open:
+            return
+        at = time.monotonic() + delay
+        if self._tick_timer is not None:
+            if self._tick_at <= at:
+                return
+            self.publisher.cancel(self._tick_timer)
+        self._tick_at = at
+        self._tick_timer = self.publisher.call_later(delay, self._tick)
+
+    def after_loop(self) -> None:
+        """A connection's loop ended: let the database workers finish what they were given
+        (the outcomes of the batches in flight), and roll back a claim never published."""
+        for worker in self.workers:
+            worker.drain()
+            claimed, worker.claimed = worker.claimed, None
+            worker.claiming = False
+            worker.batch = None
+            if claimed is not None and claimed.transaction is not None:
+                worker.submit(functools.partial(self._roll_back_job, claimed.transaction))
+                worker.drain()
+
+    @staticmethod
+    def _roll_back_job(held: ClaimTransaction) -> None:
+        """Database worker: end a claim's transaction without a trace: its rows are due."""
+        try:
+            held.rollback(RuntimeError("not published"))
+        except DatabaseError:
+            logger.debug("rolling back an unpublished claim failed", exc_info=True)
+
+    def on_recorded(self, recorded: bool) -> None:
+        """I/O loop: a batch was recorded: claim again (after a backoff if it could not be)."""
+        self.schedule(0 if recorded else self._db_backoff.next())
+
+    def _free_worker(self) -> DatabaseWorker | None:
+        # A worker still finishing a job (recording a batch) takes the claim after it.
+        return next((worker for worker in self.workers if worker.free), None)
+
+    def _tick(self) -> None:
+        """I/O loop: give the next claim to a free database worker, unless a claim is under
+        way or every worker holds a batch in flight."""
+        self._tick_timer = None
+        if not self.publisher.ready:
+            return
+        if any(worker.claiming for worker in self.workers):
+            # Its answer schedules the next claim; it may have looked before what this tick
+            # is for (a batch recorded, a row released, a NOTIFY), so it looks again.
+            self._look_again = True
+            return
+        worker = self._free_worker()
+        if worker is None:
+            return  # the next batch to be recorded schedules a claim
+        if self.stopping():
+            return  # the relay's watch closes the connection
+        if self.blocked():
+            return  # the unblock schedules the next tick
+        sweep = time.monotonic() >= self._next_sweep
+        if sweep:
+            self._next_sweep = float("inf")  # the sweep sets when the next one is due
+        worker.claiming = True
+        self._look_again = False
+        worker.submit(functools.partial(self._claim_job, worker, sweep))
+
+    def _claim_job(self, worker: DatabaseWorker, sweep: bool) -> None:
+        """Database worker: claim a batch and hand it to the I/O loop."""
+        try:
+            if sweep:
+                try:
+                    self._sweep()
+                finally:
+                    if self._next_sweep == float("inf"):  # it failed: try again in a while
+                        self._next_sweep = time.monotonic() + SWEEP_INTERVAL
+            claim = self.claims.claim()
+            if claim.transaction is None and not claim.parked:
+                claim.wait = self._idle_wait()
+        except DatabaseError as exc:
+            self.claims.forget_connection()  # a fresh connection on the next try
+            claim = Claim(rows=[], error=exc)
+        except Exception as exc:  # a bug must not leave the relay waiting for this claim
+            logger.exception("relay: unexpected error while claiming rows")
+            claim = Claim(rows=[], error=DatabaseError(f"unexpected error: {exc!r}"))
+        worker.claimed = claim
+        self.publisher.post(functools.partial(self._on_claimed, worker))
+
+    def _on_claimed(self, worker: DatabaseWorker) -> None:
+        """I/O loop: publish what the claim found, and decide when to claim again."""
+        claim, worker.claimed = worker.claimed, None
+        worker.claiming = False
+        if claim is None:
+            return
+        if not self.publisher.is_open:
+            if claim.transaction is not None:
+                worker.submit(functools.partial(self._roll_back_job, claim.transaction))
+            return
+        if claim.error is not None:
+            self.health.set_database(False, str(claim.error))
+            wait = self._db_backoff.next()
+            logger.warning(
+                "relay: database unavailable (%s); rows stay pending, retrying in %.1fs",
+                claim.error,
+                wait,
+            )
+            self.schedule(wait)
+            return
+        self._db_backoff.reset()
+        self.health.set_database(True)
+        if claim.transaction is not None:
+            if not self.publisher.ready or self.blocked():
+                # The channel went, or the broker blocked the connection while the claim was
+                # under way: the rows are due again at once. The new channel's confirm mode,
+                # or the unblock, schedules a claim.
+                worker.submit(functools.partial(self._roll_back_job, claim.transaction))
+                return
+            self.in_flight.publish(worker, claim)
+        if claim.rows or claim.parked or self._look_again:
+            # More may be due at once: claim the next batch while this one's confirms come
+            # back (a batch being recorded schedules a claim too).
+            self.schedule(0)
+            return
+        if self.in_flight or self.busy():
+            return  # a batch in flight schedules a claim when it is recorded
+        if self._tick_timer is not None and self._tick_at <= time.monotonic():
+            return  # a claim is due already (asked for after this one looked)
+        if self.on_nothing_due():
+            return
+        self.schedule(claim.wait)
+
+    def _sweep(self) -> None:
+        """Release parked rows nothing holds back any more (see :func:`release_parked`): a
+        slice of them per claim, so that many parked rows never hold a claim up; the next
+        slice a second later, and a new pass SWEEP_INTERVAL after the last one ended."""
+        released, self._sweep_after = self.claims.release_parked(after=self._sweep_after or 0)
+        self._next_sweep = time.monotonic() + (1.0 if self._sweep_after else SWEEP_INTERVAL)
+        if released:
+            logger.info(
+                "relay: %d parked row(s) released: the row before them is no longer unsent",
+                released,
+            )
+
+    def _idle_wait(self) -> float:
+        """Database worker: how long the relay may sleep before the next claim."""
+        poll = self.settings.relay_poll_interval
+        if self.wake_ups.listening:
+            poll = max(poll, 5.0)  # NOTIFY wakes us; polling only catches backoffs and misses
+        due_in = self.claims.next_due_in()  # a row waiting out a backoff or a lease
+        if due_in is not None:
+            poll = min(poll, due_in)
+        return min(poll, max(0.0, self._next_sweep - time.monotonic()))
