@@ -49,18 +49,21 @@ LOWEST = (
 # The version-sensitive slice (see the docstring).
 SLICE = (
     "tests/unit",
-    "tests/admin",
+    "tests/integration/admin",
     "tests/browser",
-    "tests/outbox/test_publish.py",
-    "tests/outbox/test_relay.py",
-    "tests/integration/test_deliver.py",
-    "tests/integration/test_write_coalescing.py",
+    "tests/integration/publishing/test_publish.py",
+    "tests/integration/publishing/test_relay.py",
+    "tests/integration/consuming/test_deliver.py",
+    "tests/integration/broker/test_write_coalescing.py",
     "tests/integration/test_migrations.py",
     "tests/e2e/test_consume_command.py",
     "tests/e2e/test_replay_end_to_end.py",
-    "tests/celery_tasks/test_idempotent_task.py",
-    "tests/status",
-    "tests/ops/test_views.py",
+    "tests/integration/celery_tasks/test_idempotent_task.py",
+    "tests/integration/ops/test_command_progress.py",
+    "tests/integration/ops/test_health.py",
+    "tests/integration/ops/test_messaging_status.py",
+    "tests/integration/ops/test_verdicts.py",
+    "tests/integration/ops/test_views.py",
 )
 
 # What the slice needs beside the package's own requirements: requirements.txt less the pins

@@ -6,7 +6,6 @@ framework imports this path by name during discovery (celery) and expects what t
 (tasks) to be registered; that import does not warn, since the user typed nothing.
 """
 
-# move_modules: shim (written by move_modules.py; delete once the old path is dropped)
 from __future__ import annotations
 
 import importlib

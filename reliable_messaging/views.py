@@ -5,7 +5,6 @@ This import path keeps working for a while. Importing it warns once per process
 when it is first used, so nothing optional is imported before a name is asked for.
 """
 
-# move_modules: shim (written by move_modules.py; delete once the old path is dropped)
 from __future__ import annotations
 
 import importlib

@@ -49,12 +49,12 @@ SERIAL = (
     # read permission away. The other tests of the file act on their own vhost's queues only.
     "tests/faults/test_broker_closes.py::test_a_channel_the_broker_closes_mid_handler_",
     "tests/faults/test_broker_closes.py::test_healthz_is_unhealthy_while_the_broker_keeps_",
-    "tests/ops/test_consume_ops.py::test_consumer_healthz_fails_while_the_broker_is_stopped",
+    "tests/integration/ops/test_consume_ops.py::test_consumer_healthz_fails_while_the_broker_is_stopped",
     # Stop the broker or raise its memory alarm.
-    "tests/ops/test_relay_broker_faults.py",
-    "tests/outbox/test_relay_faults.py::test_relay_reconnects_by_itself_after_a_broker_restart",
+    "tests/integration/ops/test_relay_broker_faults.py",
+    "tests/integration/publishing/test_relay_faults.py::test_relay_reconnects_by_itself_after_a_broker_restart",
     # These stop PostgreSQL.
-    "tests/outbox/test_relay_faults.py::test_relay_rides_out_a_database_outage",
+    "tests/integration/publishing/test_relay_faults.py::test_relay_rides_out_a_database_outage",
     "tests/e2e/test_consume_command.py::test_database_",
     "tests/e2e/test_consume_command.py::test_sigterm_during_a_database_outage",
 )

@@ -36,7 +36,7 @@ so before any connection of a process that set Django up (``manage.py consume``,
 tests) is opened, rather than at import of the consumer: a process that imports pika and this
 app in another order is covered all the same. The patch only changes what pika got wrong or
 refused, so other pika users in the same process see nothing else change. When a pika release
-fixes issue 599, tests/unit/test_amqp_codec.py says so, and the ``d``/``f`` part can go.
+fixes issue 599, tests/unit/broker/test_amqp_codec.py says so, and the ``d``/``f`` part can go.
 """
 
 from __future__ import annotations

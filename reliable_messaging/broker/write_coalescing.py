@@ -10,7 +10,7 @@ few calls.
 This reads two attributes pika does not promise (``connection._transport`` and its
 ``_tx_buffers`` deque, the same in pika 1.3 and 1.4). Where either is missing or not what it
 was, :func:`coalesce_writes` does nothing and pika writes as it always did: a pika upgrade can
-lose the speed, never a byte. ``tests/unit/test_write_coalescing.py`` pins that it engages on
+lose the speed, never a byte. ``tests/unit/broker/test_write_coalescing.py`` pins that it engages on
 the pika this project installs.
 
 Call it only on the connection's own I/O thread, as pika's writes are made.

@@ -8,8 +8,9 @@ process is still running.
 
 The corpus runs once (a module fixture); each test below checks one item of it, so an item the
 product does not handle yet fails (or is marked xfail) alone. Single kinds are also covered by
-tests/integration/test_consumer_service.py (an in-process service) and tests/unit/test_envelope.py
-(the decoding); this is the same corpus end to end, all at once, through the real command.
+tests/integration/consuming/test_consumer_service.py (an in-process service) and
+tests/unit/core/test_envelope.py (the decoding); this is the same corpus end to end, all at once,
+through the real command.
 """
 
 from __future__ import annotations

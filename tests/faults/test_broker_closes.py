@@ -32,7 +32,7 @@ import pytest
 from reliable_messaging.core.envelope import ORDERING_KEY_HEADER
 from reliable_messaging.models import DeadLetter
 from tests import support
-from tests.ops.conftest import free_port, http_json, scraped
+from tests.integration.ops.conftest import free_port, http_json, scraped
 from tests.support import ConsumeProcess, Publisher, wait_until
 from tests.testapp.models import Effect
 

@@ -4,9 +4,10 @@ messaging_status, consume and relay refusing to start), and the replay command r
 on everything unless told so.
 
 Covered elsewhere (not repeated here): admin permissions and CSRF in
-tests/admin/test_dead_letter_actions.py, escaping in tests/admin/test_dead_letter_detail.py,
-redacted well-formed URLs in reprs, checks and an in-process consumer in
-tests/unit/test_conf.py, tests/unit/test_checks.py and tests/integration/test_consumer_service.py.
+tests/integration/admin/test_dead_letter_actions.py, escaping in
+tests/integration/admin/test_dead_letter_detail.py, redacted well-formed URLs in reprs, checks and
+an in-process consumer in tests/unit/test_conf.py, tests/unit/test_checks.py and
+tests/integration/consuming/test_consumer_service.py.
 """
 
 from __future__ import annotations

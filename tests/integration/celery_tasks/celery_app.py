@@ -1,4 +1,5 @@
-"""The Celery app a test's worker runs (``celery -A tests.celery_tasks.celery_app worker``).
+"""The Celery app a test's worker runs (``celery -A tests.integration.celery_tasks.celery_app
+worker``).
 
 RabbitMQ is the broker. Everything a test varies comes from the environment the test gives the
 worker: the queue (``RM_CELERY_QUEUE``, one per test), the database (``DATABASE_URL``) and the
@@ -16,7 +17,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
 
 QUEUE = os.environ.get("RM_CELERY_QUEUE", "rmtest.celery")
 
-app = Celery("rmtests", include=["tests.celery_tasks.tasks"], set_as_current=False)
+app = Celery("rmtests", include=["tests.integration.celery_tasks.tasks"], set_as_current=False)
 app.conf.update(
     # kombu reads the vhost from the path like pika does ("%2F" is "/").
     broker_url=os.environ.get("RM_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/%2F"),

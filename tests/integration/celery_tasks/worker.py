@@ -1,7 +1,7 @@
 """A real ``celery worker`` subprocess for the tests that need one, and its fixture's helper.
 
-The worker runs ``tests.celery_tasks.celery_app`` with Celery's default prefork pool on one queue
-of the test's own, against the test database; its output goes to a log file that a failing
+The worker runs ``tests.integration.celery_tasks.celery_app`` with Celery's default prefork pool on
+one queue of the test's own, against the test database; its output goes to a log file that a failing
 assertion quotes.
 """
 
@@ -18,7 +18,8 @@ from tests.support import ROOT, wait_until
 
 
 class CeleryWorker:
-    """``celery -A tests.celery_tasks.celery_app worker --pool prefork`` on ``queue``."""
+    """``celery -A tests.integration.celery_tasks.celery_app worker --pool prefork`` on
+    ``queue``."""
 
     def __init__(
         self,
@@ -45,7 +46,7 @@ class CeleryWorker:
                 "-m",
                 "celery",
                 "-A",
-                "tests.celery_tasks.celery_app",
+                "tests.integration.celery_tasks.celery_app",
                 "worker",
                 # Celery's default pool: each task runs in a child process the test can kill.
                 "--pool",

@@ -36,9 +36,9 @@ from django.test import override_settings
 
 from tests.support import ManageProcess, WaitTimeout
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MANAGE = ROOT / "manage.py"
-RELAY_SETTINGS = "tests.outbox.relay_settings"
+RELAY_SETTINGS = "tests.integration.publishing.relay_settings"
 
 
 def new_namespace() -> str:

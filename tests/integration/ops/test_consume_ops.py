@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.outbox.conftest import ensure_broker_running
+from tests.integration.publishing.conftest import ensure_broker_running
 from tests.support import Publisher, rabbitmqctl, wait_until
 
 from .conftest import free_port, http_json, scraped

@@ -29,8 +29,13 @@ from reliable_messaging.core.envelope import DecodeError, Delivery, Message
 from reliable_messaging.core.outcomes import Acknowledge, Release
 from reliable_messaging.exceptions import DatabaseUnavailable
 from reliable_messaging.models import DeadLetter, DeadLetterReason
-from tests.integration import test_consumer_service as base
-from tests.integration.test_consumer_service import Recorder, drained, effects, exchange_of
+from tests.integration.consuming import test_consumer_service as base
+from tests.integration.consuming.test_consumer_service import (
+    Recorder,
+    drained,
+    effects,
+    exchange_of,
+)
 from tests.support import Publisher, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -24,7 +24,7 @@ from reliable_messaging.keepalive import KEEPALIVE_OPTIONS, keep_database_alive
 from reliable_messaging.models import ProcessedMessage
 from reliable_messaging.ops.status import broker_connection_error, broker_status
 from tests import support
-from tests.integration.test_consumer_service import (  # noqa: F401 - fixtures
+from tests.integration.consuming.test_consumer_service import (  # noqa: F401 - fixtures
     Recorder,
     effects,
     exchange_of,

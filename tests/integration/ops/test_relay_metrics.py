@@ -14,7 +14,7 @@ from reliable_messaging.liveness import HealthState
 from reliable_messaging.models import OutboxMessage, OutboxStatus
 from reliable_messaging.ops.collectors import DatabaseCollector
 from reliable_messaging.publishing.relay import OutboxRelay
-from tests.outbox.conftest import OutboxEnv
+from tests.integration.publishing.conftest import OutboxEnv
 from tests.support import wait_until
 
 from .conftest import free_port, http_json, sample, scraped

@@ -20,7 +20,7 @@ from reliable_messaging import publish
 from reliable_messaging.models import OutboxMessage, OutboxStatus
 from reliable_messaging.publishing.in_flight import HOLD_LIMIT
 from reliable_messaging.publishing.relay import MAX_IN_FLIGHT
-from tests.outbox.conftest import OutboxEnv, ensure_broker_running
+from tests.integration.publishing.conftest import OutboxEnv, ensure_broker_running
 from tests.support import rabbitmqctl, wait_until
 
 from .conftest import free_port, http_json, scraped

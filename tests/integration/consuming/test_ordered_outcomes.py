@@ -16,7 +16,7 @@ from django.test import override_settings
 
 from reliable_messaging.core.envelope import ORDERING_KEY_HEADER
 from reliable_messaging.models import DeadLetter, DeadLetterReason
-from tests.integration.test_consumer_service import (  # noqa: F401 - fixtures
+from tests.integration.consuming.test_consumer_service import (  # noqa: F401 - fixtures
     Recorder,
     effects,
     exchange_of,

@@ -2,7 +2,7 @@
 
 Pure logic against a stand-in transport (a deque of buffers, as pika keeps it). That it engages
 on pika's real transport, and that the broker gets every message intact, is
-tests/integration/test_write_coalescing.py.
+tests/integration/broker/test_write_coalescing.py.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 # The outbox suite's fixtures (and its hook attaching relay logs to failed reports).
-from tests.outbox.conftest import broker, ob, pytest_runtest_makereport  # noqa: F401
+from tests.integration.publishing.conftest import broker, ob, pytest_runtest_makereport  # noqa: F401
 
 
 def sample(name: str, **labels: str) -> float:

@@ -1,0 +1,1 @@
+"""The dead-letter admin through Django's test client."""

@@ -1,0 +1,1 @@
+"""The broker tier against the real broker."""

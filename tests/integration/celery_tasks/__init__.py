@@ -1,0 +1,1 @@
+"""The Celery integration with real workers."""

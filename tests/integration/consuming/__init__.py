@@ -1,0 +1,1 @@
+"""Consuming against the real database and broker."""

@@ -1,0 +1,1 @@
+"""Status, health, metrics and the ops views against the real services."""

@@ -1,0 +1,1 @@
+"""publish() and the relay against the real database and broker."""
