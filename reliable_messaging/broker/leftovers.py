@@ -23,8 +23,9 @@ order across a change of shape is not kept.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import pika
 import pika.exceptions
@@ -38,6 +39,8 @@ from .replies import NOT_FOUND, PRECONDITION_FAILED
 from .topology import consumer_exchange, consumer_queues, partition_exchange
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 MAX_PARTITIONS_PROBED = 256
 """Partition queues are numbered from 0 without gaps; probing stops at the first missing one."""
@@ -56,21 +59,22 @@ class Leftover:
     consumers: int
 
 
-def _exists(connection: BlockingConnection, queue: str) -> tuple[int, int] | None:
-    """(ready messages, consumers) of ``queue``, or None when it does not exist."""
+def _asked_once(connection: BlockingConnection, ask: Callable[[PassiveProbe], T]) -> T:
+    """One passive declare on a channel of its own, closed after."""
     probe = PassiveProbe(connection)
     try:
-        return probe.queue(queue)
+        return ask(probe)
     finally:
         probe.close()
+
+
+def _exists(connection: BlockingConnection, queue: str) -> tuple[int, int] | None:
+    """(ready messages, consumers) of ``queue``, or None when it does not exist."""
+    return _asked_once(connection, lambda probe: probe.queue(queue))
 
 
 def _exchange_exists(connection: BlockingConnection, exchange: str) -> bool:
-    probe = PassiveProbe(connection)
-    try:
-        return probe.exchange(exchange)
-    finally:
-        probe.close()
+    return _asked_once(connection, lambda probe: probe.exchange(exchange))
 
 
 def _partitions_from(connection: BlockingConnection, spec: ConsumerSpec, first: int) -> list[str]:
