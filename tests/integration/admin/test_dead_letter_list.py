@@ -272,7 +272,7 @@ def test_the_inbox_list_shows_the_planners_estimate_of_a_large_inbox(admin: Clie
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
-    from reliable_messaging.admin.dead_letters import EstimatedCountPaginator
+    from reliable_messaging.admin.inbox import EstimatedCountPaginator
 
     ProcessedMessage.objects.bulk_create(
         ProcessedMessage(consumer="tests.alpha", message_id=f"e-{n}") for n in range(300)
