@@ -114,7 +114,7 @@ def published(routing_key: str | None = None, *, using: str | None = None) -> li
     """Messages ``publish()`` wrote and no relay has sent yet, oldest first, as handlers would
     see them; optionally only those with ``routing_key``."""
     using = using or router.db_for_write(OutboxMessage)
-    rows = OutboxMessage.objects.using(using).filter(status=OutboxStatus.PENDING).order_by("id")
+    rows = OutboxMessage.objects.using(using).pending().order_by("id")
     if routing_key is not None:
         rows = rows.filter(routing_key=routing_key)
     return [
@@ -150,9 +150,7 @@ def run_outbox(
     using = using or router.db_for_write(OutboxMessage)
     results: list[tuple[str, str, Outcome]] = []
     for _ in range(max_rounds):
-        rows = list(
-            OutboxMessage.objects.using(using).filter(status=OutboxStatus.PENDING).order_by("id")
-        )
+        rows = list(OutboxMessage.objects.using(using).pending().order_by("id"))
         if not rows:
             return results
         for row in rows:

@@ -89,7 +89,7 @@ class ExchangeProbe:
             if not self._probe.exchange(exchange):
                 return False
         except pika.exceptions.ChannelClosedByBroker:
-            raise
+            raise  # a refusal other than 404 (403, ...): not the probe's "cannot tell" below
         except pika.exceptions.AMQPError:
             # The probe cannot tell; let the publish try (a 404 there is handled too).
             self.close()

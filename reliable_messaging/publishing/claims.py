@@ -152,11 +152,11 @@ def outbox_backlog(using: str) -> tuple[int, int, int] | None:
     filters would read every row of the table, sent ones included: seconds at 30 M rows)."""
     outbox = OutboxMessage.objects.using(using)
     try:
-        pending = outbox.filter(status=OutboxStatus.PENDING)
+        pending = outbox.pending()
         counts = (
             pending.count(),
             pending.filter(attempts__gt=0).count(),
-            outbox.filter(status=OutboxStatus.FAILED).count(),
+            outbox.failed().count(),
         )
     except DatabaseError:
         logger.warning("relay: cannot count the outbox rows left (database unavailable)")
