@@ -18,7 +18,7 @@ import datetime as dt
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from django.db import IntegrityError, models, router, transaction
+from django.db import IntegrityError, connections, models, router, transaction
 from django.db.models import Count, Exists, Max, Min, OuterRef, Q
 from django.db.models.functions import Now
 
@@ -123,7 +123,7 @@ SuspectDeliveryManager = models.Manager.from_queryset(SuspectDeliveryQuerySet)
 # -- dead letters ------------------------------------------------------------------------------
 
 
-class DeadLetterQuerySet(models.QuerySet):
+class DeadLetterQuerySet(BatchDeletingQuerySet):
     """The dead letters, and the only code that moves one from a status to another.
 
     Each move (``mark_*``) saves the status, the fields that go with it and one ``history``
@@ -156,21 +156,36 @@ class DeadLetterQuerySet(models.QuerySet):
         )
 
     def failure_groups(self, *, with_open: bool = True) -> models.QuerySet[Any, dict[str, Any]]:
-        """One row per (fingerprint, consumer): how many in all and still dead, first and last
-        seen, an example's id; those with dead letters first, then the latest. ``with_open``:
-        only groups with a dead letter left."""
+        """One row per (fingerprint, consumer, reason) of these dead letters, counted by a
+        ``GROUP BY`` over them: how many in all and per status, first and last seen, an
+        example's id; those with dead letters first, then the latest. ``with_open``: only
+        groups with a dead letter left. A whole table's groups are read from
+        ``DeadLetterGroup.objects.listing()``, which does not read every row on PostgreSQL."""
         groups = (
-            self.values("fingerprint", "consumer")
+            self.values("fingerprint", "consumer", "reason")
             .annotate(
                 total=Count("pk"),
                 dead=Count("pk", filter=Q(status=DeadLetterStatus.DEAD)),
+                replayed=Count("pk", filter=Q(status=DeadLetterStatus.REPLAYED)),
+                resolved=Count("pk", filter=Q(status=DeadLetterStatus.RESOLVED)),
+                discarded=Count("pk", filter=Q(status=DeadLetterStatus.DISCARDED)),
                 first_seen=Min("first_failed_at"),
                 last_seen=Max("last_failed_at"),
                 example_id=Max("pk"),
+                exception_type=Max("exception_type"),
+                queue=Max("queue"),
             )
-            .order_by("-dead", "-last_seen", "fingerprint", "consumer")
+            .order_by("-dead", "-last_seen", "fingerprint", "consumer", "reason")
         )
         return groups.filter(dead__gt=0) if with_open else groups
+
+    def closed_before(self, before: dt.datetime) -> DeadLetterQuerySet:
+        """Resolved and discarded dead letters untouched since ``before`` (purge_messages's);
+        on the partial index ``rm_deadletter_closed_idx``."""
+        return self.filter(
+            status__in=[DeadLetterStatus.RESOLVED, DeadLetterStatus.DISCARDED],
+            updated_at__lt=before,
+        )
 
     # -- moves ------------------------------------------------------------------------------
 
@@ -270,6 +285,117 @@ def _save_move(dead_letter: DeadLetter, event: dict[str, Any], update_fields: li
 
 
 DeadLetterManager = models.Manager.from_queryset(DeadLetterQuerySet)
+
+
+# -- the failure groups ------------------------------------------------------------------------
+
+# The fields of a group that the pages read, in the order of ``listing()``'s dicts.
+GROUP_FIELDS = (
+    "consumer",
+    "fingerprint",
+    "reason",
+    "queue",
+    "exception_type",
+    "example_id",
+    "first_seen",
+    "last_seen",
+    "dead",
+    "replayed",
+    "resolved",
+    "discarded",
+    "total",
+)
+# The per-status counters of a group, named as the statuses.
+STATUS_COUNTERS = tuple(status.value for status in DeadLetterStatus)
+
+
+class DeadLetterGroupQuerySet(models.QuerySet):
+    """The failure groups and the figures derived from them, without reading every dead letter.
+
+    On PostgreSQL the groups table is kept by triggers (see ``DeadLetterGroup``); elsewhere it
+    is empty, and each method answers from the dead letters themselves (``GROUP BY`` or
+    ``DISTINCT``), which is fine on the small databases that run there.
+    """
+
+    def kept(self) -> bool:
+        """Whether the table is kept up to date on this database (PostgreSQL's triggers)."""
+        return connections[self.db].vendor == "postgresql"
+
+    def _dead_letters(self) -> DeadLetterQuerySet:
+        model = self.model._meta.apps.get_model(self.model._meta.app_label, "DeadLetter")
+        queryset: DeadLetterQuerySet = model._default_manager.using(self.db).all()
+        return queryset
+
+    def listing(self, *, with_open: bool = True) -> models.QuerySet[Any, dict[str, Any]]:
+        """One dict per group (:data:`GROUP_FIELDS`), those with dead letters first, then the
+        latest; ``with_open``: only groups with a dead letter left."""
+        if not self.kept():
+            return self._dead_letters().failure_groups(with_open=with_open)
+        groups = (
+            self.filter(total__gt=0)
+            .values(*GROUP_FIELDS)
+            .order_by("-dead", "-last_seen", "fingerprint", "consumer", "reason")
+        )
+        return groups.filter(dead__gt=0) if with_open else groups
+
+    def of_fingerprint(self, fingerprint: str) -> dict[str, Any]:
+        """How many dead letters (``total``) have ``fingerprint``, whatever their consumer,
+        and the exception type and reason of its latest group (None when there is none)."""
+        if not self.kept():
+            letters = self._dead_letters().filter(fingerprint=fingerprint)
+            latest = letters.order_by("-pk").values("exception_type", "reason").first()
+            return {"total": letters.count(), **(latest or {"exception_type": None, "reason": None})}
+        rows = list(
+            self.filter(fingerprint=fingerprint, total__gt=0)
+            .order_by("-last_seen")
+            .values("exception_type", "reason", "total")
+        )
+        return {
+            "total": sum(row["total"] for row in rows),
+            "exception_type": rows[0]["exception_type"] if rows else None,
+            "reason": rows[0]["reason"] if rows else None,
+        }
+
+    def values_of(self, field: str) -> list[str]:
+        """The distinct values of a dead letter's ``consumer``, ``queue``, ``reason`` or
+        ``exception_type``, sorted: read from the groups (tens of rows, not millions)."""
+        source: models.QuerySet[Any] = self.filter(total__gt=0) if self.kept() else (
+            self._dead_letters()
+        )
+        return sorted(
+            value
+            for value in source.order_by().values_list(field, flat=True).distinct()
+            if value
+        )
+
+    def counts(self) -> list[tuple[str, str, str, int]]:
+        """(status, consumer, reason, dead letters) for every status that has some, sorted."""
+        if not self.kept():
+            rows = (
+                self._dead_letters()
+                .order_by()
+                .values_list("status", "consumer", "reason")
+                .annotate(rows=Count("pk"))
+            )
+            return sorted((status, c, r, n) for status, c, r, n in rows)
+        totals: dict[tuple[str, str, str], int] = {}
+        for row in self.filter(total__gt=0).values("consumer", "reason", *STATUS_COUNTERS):
+            for status in STATUS_COUNTERS:
+                if row[status]:
+                    key = (status, row["consumer"], row["reason"])
+                    totals[key] = totals.get(key, 0) + row[status]
+        return sorted((*key, count) for key, count in totals.items())
+
+    def dead_counts(self) -> list[tuple[str, str, int]]:
+        """(consumer, reason, dead letters still dead) where there are some, sorted."""
+        return [
+            (consumer, reason, count)
+            for status, consumer, reason, count in self.counts()
+            if status == DeadLetterStatus.DEAD
+        ]
+
+
+DeadLetterGroupManager = models.Manager.from_queryset(DeadLetterGroupQuerySet)
 
 
 # -- the outbox --------------------------------------------------------------------------------
