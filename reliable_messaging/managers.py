@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from django.db import IntegrityError, connections, models, router, transaction
-from django.db.models import Count, Exists, Max, Min, OuterRef, Q
+from django.db.models import Count, Exists, Max, Min, OuterRef, Q, Sum
 from django.db.models.functions import Now
 
 from .choices import OPEN_DEAD_LETTER_STATUSES, DeadLetterStatus, OutboxStatus
@@ -122,6 +122,25 @@ SuspectDeliveryManager = models.Manager.from_queryset(SuspectDeliveryQuerySet)
 
 # -- dead letters ------------------------------------------------------------------------------
 
+# The keys of a failure group's dict (``failure_groups()``, ``DeadLetterGroup.objects.listing()``).
+GROUP_FIELDS = (
+    "consumer",
+    "fingerprint",
+    "reason",
+    "queue",
+    "exception_type",
+    "example_id",
+    "first_seen",
+    "last_seen",
+    "dead",
+    "replayed",
+    "resolved",
+    "discarded",
+    "total",
+)
+# The per-status counters of a group, named as the statuses.
+STATUS_COUNTERS = tuple(status.value for status in DeadLetterStatus)
+
 
 class DeadLetterQuerySet(BatchDeletingQuerySet):
     """The dead letters, and the only code that moves one from a status to another.
@@ -156,26 +175,24 @@ class DeadLetterQuerySet(BatchDeletingQuerySet):
         )
 
     def failure_groups(self, *, with_open: bool = True) -> models.QuerySet[Any, dict[str, Any]]:
-        """One row per (fingerprint, consumer, reason) of these dead letters, counted by a
-        ``GROUP BY`` over them: how many in all and per status, first and last seen, an
-        example's id; those with dead letters first, then the latest. ``with_open``: only
-        groups with a dead letter left. A whole table's groups are read from
-        ``DeadLetterGroup.objects.listing()``, which does not read every row on PostgreSQL."""
+        """One row per (fingerprint, consumer) of these dead letters, counted by a ``GROUP BY``
+        over them (:data:`GROUP_FIELDS`); those with dead letters first, then the latest.
+        ``with_open``: only groups with a dead letter left. A whole table's groups are read
+        from ``DeadLetterGroup.objects.listing()``, which does not read every dead letter on
+        PostgreSQL."""
         groups = (
-            self.values("fingerprint", "consumer", "reason")
+            self.values("fingerprint", "consumer")
             .annotate(
                 total=Count("pk"),
-                dead=Count("pk", filter=Q(status=DeadLetterStatus.DEAD)),
-                replayed=Count("pk", filter=Q(status=DeadLetterStatus.REPLAYED)),
-                resolved=Count("pk", filter=Q(status=DeadLetterStatus.RESOLVED)),
-                discarded=Count("pk", filter=Q(status=DeadLetterStatus.DISCARDED)),
+                **{status: Count("pk", filter=Q(status=status)) for status in STATUS_COUNTERS},
                 first_seen=Min("first_failed_at"),
                 last_seen=Max("last_failed_at"),
                 example_id=Max("pk"),
+                reason=Max("reason"),
                 exception_type=Max("exception_type"),
                 queue=Max("queue"),
             )
-            .order_by("-dead", "-last_seen", "fingerprint", "consumer", "reason")
+            .order_by("-dead", "-last_seen", "fingerprint", "consumer")
         )
         return groups.filter(dead__gt=0) if with_open else groups
 
@@ -289,25 +306,6 @@ DeadLetterManager = models.Manager.from_queryset(DeadLetterQuerySet)
 
 # -- the failure groups ------------------------------------------------------------------------
 
-# The fields of a group that the pages read, in the order of ``listing()``'s dicts.
-GROUP_FIELDS = (
-    "consumer",
-    "fingerprint",
-    "reason",
-    "queue",
-    "exception_type",
-    "example_id",
-    "first_seen",
-    "last_seen",
-    "dead",
-    "replayed",
-    "resolved",
-    "discarded",
-    "total",
-)
-# The per-status counters of a group, named as the statuses.
-STATUS_COUNTERS = tuple(status.value for status in DeadLetterStatus)
-
 
 class DeadLetterGroupQuerySet(models.QuerySet):
     """The failure groups and the figures derived from them, without reading every dead letter.
@@ -327,14 +325,25 @@ class DeadLetterGroupQuerySet(models.QuerySet):
         return queryset
 
     def listing(self, *, with_open: bool = True) -> models.QuerySet[Any, dict[str, Any]]:
-        """One dict per group (:data:`GROUP_FIELDS`), those with dead letters first, then the
-        latest; ``with_open``: only groups with a dead letter left."""
+        """One dict per (fingerprint, consumer) (:data:`GROUP_FIELDS`; the rows of its
+        reasons added up), those with dead letters first, then the latest; ``with_open``: only
+        groups with a dead letter left."""
         if not self.kept():
             return self._dead_letters().failure_groups(with_open=with_open)
         groups = (
             self.filter(total__gt=0)
-            .values(*GROUP_FIELDS)
-            .order_by("-dead", "-last_seen", "fingerprint", "consumer", "reason")
+            .values("fingerprint", "consumer")
+            .annotate(
+                total=Sum("total"),
+                **{status: Sum(status) for status in STATUS_COUNTERS},
+                first_seen=Min("first_seen"),
+                last_seen=Max("last_seen"),
+                example_id=Max("example_id"),
+                reason=Max("reason"),
+                exception_type=Max("exception_type"),
+                queue=Max("queue"),
+            )
+            .order_by("-dead", "-last_seen", "fingerprint", "consumer")
         )
         return groups.filter(dead__gt=0) if with_open else groups
 
@@ -344,7 +353,10 @@ class DeadLetterGroupQuerySet(models.QuerySet):
         if not self.kept():
             letters = self._dead_letters().filter(fingerprint=fingerprint)
             latest = letters.order_by("-pk").values("exception_type", "reason").first()
-            return {"total": letters.count(), **(latest or {"exception_type": None, "reason": None})}
+            return {
+                "total": letters.count(),
+                **(latest or {"exception_type": None, "reason": None}),
+            }
         rows = list(
             self.filter(fingerprint=fingerprint, total__gt=0)
             .order_by("-last_seen")
@@ -359,13 +371,11 @@ class DeadLetterGroupQuerySet(models.QuerySet):
     def values_of(self, field: str) -> list[str]:
         """The distinct values of a dead letter's ``consumer``, ``queue``, ``reason`` or
         ``exception_type``, sorted: read from the groups (tens of rows, not millions)."""
-        source: models.QuerySet[Any] = self.filter(total__gt=0) if self.kept() else (
-            self._dead_letters()
+        source: models.QuerySet[Any] = (
+            self.filter(total__gt=0) if self.kept() else (self._dead_letters())
         )
         return sorted(
-            value
-            for value in source.order_by().values_list(field, flat=True).distinct()
-            if value
+            value for value in source.order_by().values_list(field, flat=True).distinct() if value
         )
 
     def counts(self) -> list[tuple[str, str, str, int]]:
@@ -385,6 +395,23 @@ class DeadLetterGroupQuerySet(models.QuerySet):
                     key = (status, row["consumer"], row["reason"])
                     totals[key] = totals.get(key, 0) + row[status]
         return sorted((*key, count) for key, count in totals.items())
+
+    def forget_empty(self) -> int:
+        """Delete the groups left without a dead letter (after a purge); returns how many.
+        Groups a trigger is updating right now are skipped (``SKIP LOCKED``), so this never
+        waits for, nor deadlocks with, a writer of dead letters."""
+        if not self.kept():
+            return 0
+        using = self.db
+        with transaction.atomic(using=using):
+            empty = list(
+                self.using(using)
+                .select_for_update(skip_locked=True)
+                .filter(total=0)
+                .order_by("consumer", "fingerprint", "reason")
+                .values_list("pk", flat=True)
+            )
+            return self.using(using).filter(pk__in=empty, total=0).delete()[0] if empty else 0
 
     def dead_counts(self) -> list[tuple[str, str, int]]:
         """(consumer, reason, dead letters still dead) where there are some, sorted."""
