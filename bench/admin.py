@@ -33,7 +33,7 @@ from typing import Any
 
 os.environ.setdefault("RM_BENCH_DB", "rm_bench_admin")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
+from _common import (
     BENCH_DB,
     describe_machine,
     drop_database,
@@ -196,14 +196,16 @@ def _message_id(i: int) -> str:
         return str(cursor.fetchone()[0])
 
 
+WIDTHS = (14, 10, 10, 11)  # of the columns after the first
+
+
 def show(rows: list[Row], baseline: float, count: int) -> None:
     print()
     print(f"Dead-letter admin, {count:,} dead letters; {describe_machine()}")
     print(f"baseline (one dead letter by primary key, same run): {baseline * 1000:.2f} ms")
     header = ("what the operator does", "before, 1 M", "now", "x baseline", "goal")
-    print(
-        f"| {header[0]:<42} | {header[1]:>14} | {header[2]:>10} | {header[3]:>10} | {header[4]:>11} |"
-    )
+    first, *others = header
+    print(f"| {first:<42} | " + " | ".join(f"{t:>{w}}" for t, w in zip(others, WIDTHS)) + " |")
     print(f"|{'-' * 44}|{'-' * 15}:|{'-' * 11}:|{'-' * 11}:|{'-' * 13}|")
     for row in rows:
         if row.seconds is None:
