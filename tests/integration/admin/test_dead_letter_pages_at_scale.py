@@ -29,6 +29,9 @@ QUOTED = f'"{TABLE}"'  # not the groups table, whose name starts with the same l
 ROWS = 20_000
 CONSUMERS = 40  # a consumer's share is small, as one of many after an outage
 
+# PostgreSQL's planner, its statistics and its trigram indexes are what is tested.
+pytestmark = pytest.mark.skipif("config.getoption('--sqlite', default=False)")
+
 
 @pytest.fixture
 def many_dead_letters(db: None) -> None:
