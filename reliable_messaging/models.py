@@ -165,10 +165,16 @@ class DeadLetterGroup(models.Model):
     admin's delete action, ``purge_messages``, a ``DELETE`` typed in psql): each one would have
     to remember the group, and one that forgot would skew the counts for good. Statement-level
     rather than per row so that a bulk ``UPDATE`` of 25,000 dead letters costs one upsert per
-    group, not 25,000. The trade: writes of dead letters of the same group serialize on its
-    row until they commit, which at the rates dead letters are written (each one the end of a
-    failed delivery) is a short wait. The triggers neither notify nor lock anything but the
-    group rows they touch, in a fixed order (no deadlock between two statements).
+    group, not 25,000. The triggers neither notify nor lock anything but the group rows they
+    touch, in key order within a statement.
+
+    The trade: a group's row stays locked until the transaction that changed one of its dead
+    letters commits, so writers of the same group take turns (a consumer resolving replayed
+    messages of one group in many short transactions, say), and two transactions that change
+    dead letters of two groups in opposite orders, statement after statement, can deadlock
+    (PostgreSQL aborts one after ``deadlock_timeout``; the code paths here change one group per
+    statement or one statement per batch). Were that to bite, the next step is an append-only
+    table of deltas that the triggers insert into without locking and that a reader folds in.
 
     Elsewhere (SQLite, for development) the table stays empty and the manager answers the same
     questions with a ``GROUP BY`` over the dead letters, which is cheap on a small table.

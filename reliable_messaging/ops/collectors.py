@@ -124,13 +124,20 @@ def inbox_rows(alias: str) -> tuple[float, bool]:
     (``reltuples``, kept by autovacuum and ANALYZE; summed over the partitions) when they say
     more than ``COUNT_INBOX_UP_TO``, else a count; a count elsewhere. Counting a billion rows
     would take minutes."""
+    rows = ProcessedMessage._default_manager.using(alias)
     if connections[alias].vendor == "postgresql":
         # None until the table is first vacuumed or analyzed: counted then, as is a small
-        # inbox, whose count is cheap and whose statistics may lag far behind it.
+        # inbox, whose count is cheap and whose statistics may lag far behind it. The count
+        # stops past COUNT_INBOX_UP_TO rows all the same: statistics that lag behind a table
+        # grown since (autovacuum off, or not there yet) must not turn a scrape into a scan.
         estimate = partitions.estimated_rows(alias, ProcessedMessage._meta.db_table)
         if estimate is not None and estimate > COUNT_INBOX_UP_TO:
             return estimate, True
-    return float(ProcessedMessage._default_manager.using(alias).count()), False
+        counted = rows[: COUNT_INBOX_UP_TO + 1].count()
+        if counted > COUNT_INBOX_UP_TO:
+            return max(float(counted), estimate or 0.0), True
+        return float(counted), False
+    return float(rows.count()), False
 
 
 def database_status(using: str | None = None) -> DatabaseStatus:
