@@ -172,9 +172,11 @@ class DeadLetterGroup(models.Model):
     letters commits, so writers of the same group take turns (a consumer resolving replayed
     messages of one group in many short transactions, say), and two transactions that change
     dead letters of two groups in opposite orders, statement after statement, can deadlock
-    (PostgreSQL aborts one after ``deadlock_timeout``; the code paths here change one group per
-    statement or one statement per batch). Were that to bite, the next step is an append-only
-    table of deltas that the triggers insert into without locking and that a reader folds in.
+    (PostgreSQL aborts one after ``deadlock_timeout``): a consumer writes one dead letter per
+    statement, but a replay batch that saves its dead letters one by one, run twice at once over
+    the same groups, could. A bulk ``UPDATE`` per batch avoids it. Were either to bite, the next
+    step is an append-only table of deltas that the triggers insert into without locking and
+    that a reader folds in.
 
     Elsewhere (SQLite, for development) the table stays empty and the manager answers the same
     questions with a ``GROUP BY`` over the dead letters, which is cheap on a small table.
