@@ -1,4 +1,5 @@
-"""The inbox (``ProcessedMessage``), the dead letters (``DeadLetter``), the crash guard's
+"""The inbox (``ProcessedMessage``), the dead letters (``DeadLetter``) and their failure groups
+(``DeadLetterGroup``), the crash guard's
 ``SuspectDelivery`` and the outbox (``OutboxMessage``).
 
 Fields, constraints and indexes only: the queries and state changes live on the managers
