@@ -16,8 +16,10 @@ then ``--repeat`` times; the table shows the median. The baseline measured in th
 bare primary-key lookup of one dead letter through the ORM: each page's ratio to it says how
 many such lookups the page costs, whatever the machine.
 
-The replay of a whole failure group is measured by ``bench/admin_replay.py``
-(``time_group_replay``) when that file is present; the row says "not measured" otherwise.
+The replay of a whole failure group is measured by ``bench/admin_replay.py`` when that file is
+present: ``time_group_replay(rows=N)`` runs on the loaded database (Django set up, the
+superuser ``bench`` there) and returns (dead letters replayed per second end to end, the longest
+request in seconds); the row says "not measured" otherwise.
 """
 
 from __future__ import annotations

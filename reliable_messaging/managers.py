@@ -372,7 +372,7 @@ class DeadLetterGroupQuerySet(models.QuerySet):
         """The distinct values of a dead letter's ``consumer``, ``queue``, ``reason`` or
         ``exception_type``, sorted: read from the groups (tens of rows, not millions)."""
         source: models.QuerySet[Any] = (
-            self.filter(total__gt=0) if self.kept() else (self._dead_letters())
+            self.filter(total__gt=0) if self.kept() else self._dead_letters()
         )
         return sorted(
             value for value in source.order_by().values_list(field, flat=True).distinct() if value
