@@ -131,6 +131,19 @@ def duration(check_id: int, *, hint: str) -> Rule:
     return Rule(check_id, problem, hint)
 
 
+def optional_duration(check_id: int, *, hint: str) -> Rule:
+    """None, or a positive ``timedelta``."""
+    positive = duration(check_id, hint=hint)
+
+    def problem(value: Any) -> str | None:
+        if value is None:
+            return None
+        found = positive.problem(value)
+        return None if found is None else found.replace("must be", "must be None or", 1)
+
+    return Rule(check_id, problem, hint)
+
+
 def one_of(check_id: int, choices: Sequence[object], *, hint: str) -> Rule:
     """One of ``choices``."""
     shown = [repr(choice) for choice in choices]
@@ -219,6 +232,10 @@ def _str_tuple(value: Any) -> tuple[str, ...]:
 
 def _timedelta(value: Any) -> timedelta:
     return cast(timedelta, value)
+
+
+def _optional_timedelta(value: Any) -> timedelta | None:
+    return None if value is None else cast(timedelta, value)
 
 
 # --------------------------------------------------------------------------- declarations
@@ -313,6 +330,14 @@ class MessagingSettings:
         _timedelta,
         "how long sent outbox rows are kept",
         duration(6, hint="e.g. timedelta(days=14)"),
+    )
+    dead_letter_retention = Setting(
+        "DEAD_LETTER_RETENTION",
+        timedelta(days=30),
+        _optional_timedelta,
+        "how long `purge_messages` keeps resolved and discarded dead letters after their last "
+        "change; `None` keeps them for good (dead and replayed ones are never purged)",
+        optional_duration(6, hint="e.g. timedelta(days=90), or None to keep them"),
     )
     cache_alias = Setting(
         "CACHE_ALIAS",

@@ -18,8 +18,8 @@ import datetime as dt
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from django.db import IntegrityError, models, router, transaction
-from django.db.models import Count, Exists, Max, Min, OuterRef, Q
+from django.db import IntegrityError, connections, models, router, transaction
+from django.db.models import Count, Exists, Max, Min, OuterRef, Q, Sum
 from django.db.models.functions import Now
 
 from .choices import OPEN_DEAD_LETTER_STATUSES, DeadLetterStatus, OutboxStatus
@@ -122,8 +122,27 @@ SuspectDeliveryManager = models.Manager.from_queryset(SuspectDeliveryQuerySet)
 
 # -- dead letters ------------------------------------------------------------------------------
 
+# The keys of a failure group's dict (``failure_groups()``, ``DeadLetterGroup.objects.listing()``).
+GROUP_FIELDS = (
+    "consumer",
+    "fingerprint",
+    "reason",
+    "queue",
+    "exception_type",
+    "example_id",
+    "first_seen",
+    "last_seen",
+    "dead",
+    "replayed",
+    "resolved",
+    "discarded",
+    "total",
+)
+# The per-status counters of a group, named as the statuses.
+STATUS_COUNTERS = tuple(status.value for status in DeadLetterStatus)
 
-class DeadLetterQuerySet(models.QuerySet):
+
+class DeadLetterQuerySet(BatchDeletingQuerySet):
     """The dead letters, and the only code that moves one from a status to another.
 
     Each move (``mark_*``) saves the status, the fields that go with it and one ``history``
@@ -156,21 +175,34 @@ class DeadLetterQuerySet(models.QuerySet):
         )
 
     def failure_groups(self, *, with_open: bool = True) -> models.QuerySet[Any, dict[str, Any]]:
-        """One row per (fingerprint, consumer): how many in all and still dead, first and last
-        seen, an example's id; those with dead letters first, then the latest. ``with_open``:
-        only groups with a dead letter left."""
+        """One row per (fingerprint, consumer) of these dead letters, counted by a ``GROUP BY``
+        over them (:data:`GROUP_FIELDS`); those with dead letters first, then the latest.
+        ``with_open``: only groups with a dead letter left. A whole table's groups are read
+        from ``DeadLetterGroup.objects.listing()``, which does not read every dead letter on
+        PostgreSQL."""
         groups = (
             self.values("fingerprint", "consumer")
             .annotate(
                 total=Count("pk"),
-                dead=Count("pk", filter=Q(status=DeadLetterStatus.DEAD)),
+                **{status: Count("pk", filter=Q(status=status)) for status in STATUS_COUNTERS},
                 first_seen=Min("first_failed_at"),
                 last_seen=Max("last_failed_at"),
                 example_id=Max("pk"),
+                reason=Max("reason"),
+                exception_type=Max("exception_type"),
+                queue=Max("queue"),
             )
             .order_by("-dead", "-last_seen", "fingerprint", "consumer")
         )
         return groups.filter(dead__gt=0) if with_open else groups
+
+    def closed_before(self, before: dt.datetime) -> DeadLetterQuerySet:
+        """Resolved and discarded dead letters untouched since ``before`` (purge_messages's);
+        on the partial index ``rm_deadletter_closed_idx``."""
+        return self.filter(
+            status__in=[DeadLetterStatus.RESOLVED, DeadLetterStatus.DISCARDED],
+            updated_at__lt=before,
+        )
 
     # -- moves ------------------------------------------------------------------------------
 
@@ -270,6 +302,127 @@ def _save_move(dead_letter: DeadLetter, event: dict[str, Any], update_fields: li
 
 
 DeadLetterManager = models.Manager.from_queryset(DeadLetterQuerySet)
+
+
+# -- the failure groups ------------------------------------------------------------------------
+
+
+class DeadLetterGroupQuerySet(models.QuerySet):
+    """The failure groups and the figures derived from them, without reading every dead letter.
+
+    On PostgreSQL the groups table is kept by triggers (see ``DeadLetterGroup``); elsewhere it
+    is empty, and each method answers from the dead letters themselves (``GROUP BY`` or
+    ``DISTINCT``), which is fine on the small databases that run there.
+    """
+
+    def kept(self) -> bool:
+        """Whether the table is kept up to date on this database (PostgreSQL's triggers)."""
+        return connections[self.db].vendor == "postgresql"
+
+    def _dead_letters(self) -> DeadLetterQuerySet:
+        model = self.model._meta.apps.get_model(self.model._meta.app_label, "DeadLetter")
+        queryset: DeadLetterQuerySet = model._default_manager.using(self.db).all()
+        return queryset
+
+    def listing(self, *, with_open: bool = True) -> models.QuerySet[Any, dict[str, Any]]:
+        """One dict per (fingerprint, consumer) (:data:`GROUP_FIELDS`; the rows of its
+        reasons added up), those with dead letters first, then the latest; ``with_open``: only
+        groups with a dead letter left."""
+        if not self.kept():
+            return self._dead_letters().failure_groups(with_open=with_open)
+        groups = (
+            self.filter(total__gt=0)
+            .values("fingerprint", "consumer")
+            .annotate(
+                total=Sum("total"),
+                **{status: Sum(status) for status in STATUS_COUNTERS},
+                first_seen=Min("first_seen"),
+                last_seen=Max("last_seen"),
+                example_id=Max("example_id"),
+                reason=Max("reason"),
+                exception_type=Max("exception_type"),
+                queue=Max("queue"),
+            )
+            .order_by("-dead", "-last_seen", "fingerprint", "consumer")
+        )
+        return groups.filter(dead__gt=0) if with_open else groups
+
+    def of_fingerprint(self, fingerprint: str) -> dict[str, Any]:
+        """How many dead letters (``total``) have ``fingerprint``, whatever their consumer,
+        and the exception type and reason of its latest group (None when there is none)."""
+        if not self.kept():
+            letters = self._dead_letters().filter(fingerprint=fingerprint)
+            latest = letters.order_by("-pk").values("exception_type", "reason").first()
+            return {
+                "total": letters.count(),
+                **(latest or {"exception_type": None, "reason": None}),
+            }
+        rows = list(
+            self.filter(fingerprint=fingerprint, total__gt=0)
+            .order_by("-last_seen")
+            .values("exception_type", "reason", "total")
+        )
+        return {
+            "total": sum(row["total"] for row in rows),
+            "exception_type": rows[0]["exception_type"] if rows else None,
+            "reason": rows[0]["reason"] if rows else None,
+        }
+
+    def values_of(self, field: str) -> list[str]:
+        """The distinct values of a dead letter's ``consumer``, ``queue``, ``reason`` or
+        ``exception_type``, sorted: read from the groups (tens of rows, not millions)."""
+        source: models.QuerySet[Any] = (
+            self.filter(total__gt=0) if self.kept() else self._dead_letters()
+        )
+        return sorted(
+            value for value in source.order_by().values_list(field, flat=True).distinct() if value
+        )
+
+    def counts(self) -> list[tuple[str, str, str, int]]:
+        """(status, consumer, reason, dead letters) for every status that has some, sorted."""
+        if not self.kept():
+            rows = (
+                self._dead_letters()
+                .order_by()
+                .values_list("status", "consumer", "reason")
+                .annotate(rows=Count("pk"))
+            )
+            return sorted((status, c, r, n) for status, c, r, n in rows)
+        totals: dict[tuple[str, str, str], int] = {}
+        for row in self.filter(total__gt=0).values("consumer", "reason", *STATUS_COUNTERS):
+            for status in STATUS_COUNTERS:
+                if row[status]:
+                    key = (status, row["consumer"], row["reason"])
+                    totals[key] = totals.get(key, 0) + row[status]
+        return sorted((*key, count) for key, count in totals.items())
+
+    def forget_empty(self) -> int:
+        """Delete the groups left without a dead letter (after a purge); returns how many.
+        Groups a trigger is updating right now are skipped (``SKIP LOCKED``), so this never
+        waits for, nor deadlocks with, a writer of dead letters."""
+        if not self.kept():
+            return 0
+        using = self.db
+        with transaction.atomic(using=using):
+            empty = list(
+                self.using(using)
+                .select_for_update(skip_locked=True)
+                .filter(total=0)
+                .order_by("consumer", "fingerprint", "reason")
+                .values_list("pk", flat=True)
+            )
+            return self.using(using).filter(pk__in=empty, total=0).delete()[0] if empty else 0
+
+    def dead_counts(self) -> list[tuple[str, str, int]]:
+        """(consumer, reason, dead letters still dead) where there are some, sorted."""
+        return [
+            (consumer, reason, count)
+            for status, consumer, reason, count in self.counts()
+            if status == DeadLetterStatus.DEAD
+        ]
+
+
+DeadLetterGroupManager = models.Manager.from_queryset(DeadLetterGroupQuerySet)
 
 
 # -- the outbox --------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The inbox (``ProcessedMessage``), the dead letters (``DeadLetter``), the crash guard's
+"""The inbox (``ProcessedMessage``), the dead letters (``DeadLetter``) and their failure groups
+(``DeadLetterGroup``), the crash guard's
 ``SuspectDelivery`` and the outbox (``OutboxMessage``).
 
 Fields, constraints and indexes only: the queries and state changes live on the managers
@@ -13,6 +14,7 @@ from django.utils.translation import gettext_lazy as _
 
 from .choices import DeadLetterReason, DeadLetterStatus, OutboxStatus
 from .managers import (
+    DeadLetterGroupManager,
     DeadLetterManager,
     DeadLetterQuerySet,
     OutboxMessageManager,
@@ -24,6 +26,7 @@ from .managers import (
 # Re-exported: they were defined here, and code imports them from here.
 __all__ = [
     "DeadLetter",
+    "DeadLetterGroup",
     "DeadLetterQuerySet",
     "DeadLetterReason",
     "DeadLetterStatus",
@@ -128,6 +131,17 @@ class DeadLetter(models.Model):
             models.Index(fields=["consumer", "status"], name="rm_deadletter_consumer_idx"),
             models.Index(fields=["message_id"], name="rm_deadletter_message_id_idx"),
             models.Index(fields=["fingerprint", "status"], name="rm_deadletter_fprint_idx"),
+            # The list's order, unfiltered and filtered by consumer (no sort of the table).
+            models.Index(fields=["-last_failed_at", "-id"], name="rm_deadletter_latest_idx"),
+            models.Index(
+                fields=["consumer", "-last_failed_at", "-id"], name="rm_deadletter_cons_latest_idx"
+            ),
+            # What purge_messages looks for: resolved and discarded, untouched for a while.
+            models.Index(
+                fields=["updated_at"],
+                condition=Q(status__in=["resolved", "discarded"]),
+                name="rm_deadletter_closed_idx",
+            ),
             models.Index(
                 fields=["consumer", "ordering_key", "id"],
                 condition=Q(status__in=["dead", "replayed"]) & Q(ordering_key__isnull=False),
@@ -137,6 +151,69 @@ class DeadLetter(models.Model):
 
     def __str__(self) -> str:
         return f"{self.message_id or '(no id)'} in {self.consumer}: {self.reason}"
+
+
+class DeadLetterGroup(models.Model):
+    """The dead letters of one consumer that fail the same way (fingerprint and reason), with
+    their counts per status: what the failure groups page, the filters' choices, the metrics
+    and ``messaging_status`` read instead of a ``GROUP BY`` over every dead letter.
+
+    On PostgreSQL the table is kept by three statement-level triggers on the dead letters
+    (``migrations/0011_dead_letter_groups.py``), which read the statement's transition tables,
+    add up their rows per group and apply the deltas with one ``INSERT ... ON CONFLICT DO
+    UPDATE`` in key order. Triggers rather than code in the managers because dead letters change
+    through many paths (``record_failure``, the status moves, the bulk replay's ``UPDATE``, the
+    admin's delete action, ``purge_messages``, a ``DELETE`` typed in psql): each one would have
+    to remember the group, and one that forgot would skew the counts for good. Statement-level
+    rather than per row so that a bulk ``UPDATE`` of 25,000 dead letters costs one upsert per
+    group, not 25,000. The triggers neither notify nor lock anything but the group rows they
+    touch, in key order within a statement.
+
+    The trade: a group's row stays locked until the transaction that changed one of its dead
+    letters commits, so writers of the same group take turns (a consumer resolving replayed
+    messages of one group in many short transactions, say), and two transactions that change
+    dead letters of two groups in opposite orders, statement after statement, can deadlock
+    (PostgreSQL aborts one after ``deadlock_timeout``): a consumer writes one dead letter per
+    statement, but a replay batch that saves its dead letters one by one, run twice at once over
+    the same groups, could. A bulk ``UPDATE`` per batch avoids it. Were either to bite, the next
+    step is an append-only table of deltas that the triggers insert into without locking and
+    that a reader folds in.
+
+    Elsewhere (SQLite, for development) the table stays empty and the manager answers the same
+    questions with a ``GROUP BY`` over the dead letters, which is cheap on a small table.
+    """
+
+    consumer = models.CharField(max_length=255)
+    fingerprint = models.CharField(max_length=64, blank=True)
+    reason = models.CharField(max_length=40, choices=DeadLetterReason.choices)
+    # Of the latest dead letter counted in: the same for the whole group but for a renamed queue.
+    queue = models.CharField(max_length=255, blank=True)
+    exception_type = models.CharField(max_length=255, blank=True)
+    # The newest dead letter counted in (it may since have been deleted).
+    example_id = models.BigIntegerField(null=True, blank=True)
+    first_seen = models.DateTimeField(null=True, blank=True)
+    last_seen = models.DateTimeField(null=True, blank=True)
+    dead = models.IntegerField(default=0)
+    replayed = models.IntegerField(default=0)
+    resolved = models.IntegerField(default=0)
+    discarded = models.IntegerField(default=0)
+    total = models.IntegerField(default=0)
+
+    objects = DeadLetterGroupManager()
+
+    class Meta:
+        verbose_name = _("dead-letter group")
+        constraints = [
+            models.UniqueConstraint(
+                fields=["consumer", "fingerprint", "reason"], name="rm_dlgroup_key_uniq"
+            ),
+        ]
+        indexes = [
+            models.Index(fields=["fingerprint"], name="rm_dlgroup_fprint_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.consumer} · {self.fingerprint[:8] or '-'}: {self.dead} dead"
 
 
 class SuspectDelivery(models.Model):

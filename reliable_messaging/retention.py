@@ -3,7 +3,9 @@
 On PostgreSQL the inbox and the outbox's sent rows are partitioned by day (see
 ``partitions.py``): their expired days are dropped whole, whatever their rows, and only the rows
 of the pre-partitioning tables and of the default partitions are deleted one batch at a time.
-Everywhere else rows are deleted in batches of short transactions."""
+Everywhere else rows are deleted in batches of short transactions. Resolved and discarded dead
+letters older than ``DEAD_LETTER_RETENTION`` go in batches too (their failure groups' counts
+follow, by the triggers of ``DeadLetterGroup``); dead and replayed ones are never purged."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from django.utils import timezone
 from . import partitions
 from .conf import MessagingSettings, messaging_settings
 from .managers import BatchDeletingQuerySet
-from .models import OutboxMessage, ProcessedMessage, SuspectDelivery
+from .models import DeadLetter, DeadLetterGroup, OutboxMessage, ProcessedMessage, SuspectDelivery
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,8 @@ class PurgeResult:
     # The day partitions dropped whole (PostgreSQL).
     inbox_partitions: tuple[str, ...] = ()
     outbox_partitions: tuple[str, ...] = ()
+    # Resolved and discarded dead letters past DEAD_LETTER_RETENTION.
+    dead_letters: int = 0
 
 
 # Called after each deleted batch with the table ("inbox" or "outbox"), the rows deleted from
@@ -62,8 +66,9 @@ def purge_messages(
     settings: MessagingSettings = messaging_settings,
     on_batch: OnBatch | None = None,
 ) -> PurgeResult:
-    """Delete inbox rows older than ``DEDUP_RETENTION`` and sent outbox rows older than
-    ``OUTBOX_RETENTION``, and crash-guard rows untouched for ``DEDUP_RETENTION``. Pending and
+    """Delete inbox rows older than ``DEDUP_RETENTION``, sent outbox rows older than
+    ``OUTBOX_RETENTION``, crash-guard rows untouched for ``DEDUP_RETENTION``, and resolved
+    and discarded dead letters untouched for ``DEAD_LETTER_RETENTION`` (unless None). Pending and
     failed outbox rows are never touched. ``on_batch`` is told of each deleted batch (see
     :data:`OnBatch`)."""
     now = now or timezone.now()
@@ -89,12 +94,19 @@ def purge_messages(
         outbox_rows = _purge("outbox", outbox, batch_size, dry_run, on_batch)
         outbox_partitions = ()
     suspects = SuspectDelivery.objects.expired(now - settings.dedup_retention)
+    dead_letters = 0
+    if settings.dead_letter_retention is not None:
+        closed = DeadLetter.objects.closed_before(now - settings.dead_letter_retention)
+        dead_letters = _purge("dead letters", closed, batch_size, dry_run, on_batch)
+        if not dry_run:
+            DeadLetterGroup.objects.forget_empty()
     return PurgeResult(
         inbox=inbox_rows,
         outbox=outbox_rows,
         suspects=_purge("suspects", suspects, batch_size, dry_run, on_batch),
         inbox_partitions=inbox_partitions,
         outbox_partitions=outbox_partitions,
+        dead_letters=dead_letters,
     )
 
 

@@ -43,7 +43,7 @@ from ..dead_letters.replay import (
     replayable,
     stale_replays,
 )
-from ..models import DeadLetter, DeadLetterQuerySet, DeadLetterStatus
+from ..models import DeadLetter, DeadLetterGroup, DeadLetterQuerySet, DeadLetterStatus
 
 if TYPE_CHECKING:
     from django.contrib.admin import AdminSite
@@ -461,27 +461,29 @@ def failure_groups_view(model_admin: DeadLetterConsole, request: HttpRequest) ->
     if not model_admin.has_view_permission(request):
         raise PermissionDenied
     show_all = request.GET.get("all") == "1"
-    groups = DeadLetter.objects.failure_groups(with_open=not show_all)
+    groups = DeadLetterGroup.objects.listing(with_open=not show_all)
     page = Paginator(groups, 100).get_page(request.GET.get("p"))
     examples = DeadLetter.objects.only(
         "pk", "message_id", "reason", "exception_type", "exception_message"
-    ).in_bulk([group["example_id"] for group in page])
+    ).in_bulk([group["example_id"] for group in page if group["example_id"] is not None])
     can_replay = model_admin.has_replay_permission(request)
     rows = []
     for group in page:
-        example = examples[group["example_id"]]
+        # The newest dead letter counted in; gone if it was deleted since.
+        example = examples.get(group["example_id"])
         selection = {"fingerprint": group["fingerprint"], "consumer": group["consumer"]}
         dead_selection = urlencode({**selection, "status__exact": DeadLetterStatus.DEAD})
-        message = example.exception_message.splitlines()[0] if example.exception_message else ""
+        message = next(iter(example.exception_message.splitlines()), "") if example else ""
+        exception_type = group["exception_type"] or ""
         rows.append(
             {
                 **group,
                 "example": example,
-                "exception_type": example.exception_type,
-                "exception_name": example.exception_type.rsplit(".", 1)[-1],
-                "reason": example.get_reason_display(),
+                "exception_type": exception_type,
+                "exception_name": exception_type.rsplit(".", 1)[-1],
+                "reason": DeadLetterGroup(reason=group["reason"]).get_reason_display(),
                 "message": message if len(message) <= 100 else message[:99] + "…",
-                "example_url": model_admin.console_url("change", example.pk),
+                "example_url": model_admin.console_url("change", example.pk) if example else "",
                 "list_url": model_admin.console_url("changelist", query=urlencode(selection)),
                 "replay_url": model_admin.console_url("replay_matching", query=dead_selection)
                 if can_replay and group["dead"]

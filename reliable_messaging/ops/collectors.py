@@ -47,7 +47,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from django.db import DatabaseError, connections, router
-from django.db.models import Count, DurationField, ExpressionWrapper, F, Model
+from django.db.models import DurationField, ExpressionWrapper, F, Model
 from django.db.models.functions import Now
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
@@ -59,7 +59,7 @@ from ..broker.queues import (
     monitored_queues,
     queues_from_amqp,
 )
-from ..models import DeadLetter, OutboxMessage, OutboxStatus, ProcessedMessage
+from ..models import DeadLetter, DeadLetterGroup, OutboxMessage, OutboxStatus, ProcessedMessage
 from ..registry import ConsumerSpec, registry
 
 logger = logging.getLogger(__name__)
@@ -124,13 +124,20 @@ def inbox_rows(alias: str) -> tuple[float, bool]:
     (``reltuples``, kept by autovacuum and ANALYZE; summed over the partitions) when they say
     more than ``COUNT_INBOX_UP_TO``, else a count; a count elsewhere. Counting a billion rows
     would take minutes."""
+    rows = ProcessedMessage._default_manager.using(alias)
     if connections[alias].vendor == "postgresql":
         # None until the table is first vacuumed or analyzed: counted then, as is a small
-        # inbox, whose count is cheap and whose statistics may lag far behind it.
+        # inbox, whose count is cheap and whose statistics may lag far behind it. The count
+        # stops past COUNT_INBOX_UP_TO rows all the same: statistics that lag behind a table
+        # grown since (autovacuum off, or not there yet) must not turn a scrape into a scan.
         estimate = partitions.estimated_rows(alias, ProcessedMessage._meta.db_table)
         if estimate is not None and estimate > COUNT_INBOX_UP_TO:
             return estimate, True
-    return float(ProcessedMessage._default_manager.using(alias).count()), False
+        counted = rows[: COUNT_INBOX_UP_TO + 1].count()
+        if counted > COUNT_INBOX_UP_TO:
+            return max(float(counted), estimate or 0.0), True
+        return float(counted), False
+    return float(rows.count()), False
 
 
 def database_status(using: str | None = None) -> DatabaseStatus:
@@ -140,13 +147,8 @@ def database_status(using: str | None = None) -> DatabaseStatus:
     using = using or router.db_for_read(OutboxMessage)
     try:
         outbox = OutboxMessage.objects.using(using)
-        dead = (
-            DeadLetter.objects.using(using)
-            .dead()
-            .values("consumer", "reason")
-            .annotate(count=Count("id"))
-            .order_by("consumer", "reason")
-        )
+        # From the failure groups (tens of rows), not a count of a million dead letters.
+        dead = DeadLetterGroup.objects.using(using).dead_counts()
         pending = outbox.pending().count()
         inbox = inbox_rows(using)
         return DatabaseStatus(
@@ -157,7 +159,7 @@ def database_status(using: str | None = None) -> DatabaseStatus:
             outbox_unrouted=outbox.filter(status=OutboxStatus.UNROUTED).count(),
             outbox_lag=outbox_lag(using) if pending else None,
             dead_letters=tuple(
-                DeadLetterCount(row["consumer"], row["reason"], row["count"]) for row in dead
+                DeadLetterCount(consumer, reason, count) for consumer, reason, count in dead
             ),
             inbox_rows=round(inbox[0]),
             inbox_estimated=inbox[1],
@@ -177,8 +179,10 @@ class DatabaseCollector:
     """Reads the outbox, the dead letters and the inbox at each scrape.
 
     Every query is cheap on a large table: pending rows are counted on the partial index the
-    relay claims with, the oldest pending row is found on it too (:func:`outbox_lag`), and the
-    inbox, the largest table by far, is estimated from PostgreSQL's statistics
+    relay claims with, the oldest pending row is found on it too (:func:`outbox_lag`), the dead
+    letters are read from their failure groups (``DeadLetterGroup``: one row per consumer,
+    fingerprint and reason, kept by triggers), and the inbox, the largest table by far, is
+    estimated from PostgreSQL's statistics
     (``pg_class.reltuples``, kept by autovacuum) instead of counted. A database error never
     fails the scrape: it exports ``reliable_messaging_database_up 0`` and logs a warning.
 
@@ -234,12 +238,7 @@ class DatabaseCollector:
             "Dead letters by status, consumer and reason.",
             labels=["status", "consumer", "reason"],
         )
-        groups = (
-            DeadLetter.objects.using(self._alias(DeadLetter))
-            .order_by()
-            .values_list("status", "consumer", "reason")
-            .annotate(rows=Count("id"))
-        )
+        groups = DeadLetterGroup.objects.using(self._alias(DeadLetter)).counts()
         for status, consumer, reason, rows in groups:
             dead.add_metric([status, consumer, reason], rows)
         yield dead

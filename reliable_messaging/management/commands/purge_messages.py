@@ -1,4 +1,5 @@
-"""``manage.py purge_messages``: apply DEDUP_RETENTION and OUTBOX_RETENTION."""
+"""``manage.py purge_messages``: apply DEDUP_RETENTION, OUTBOX_RETENTION and
+DEAD_LETTER_RETENTION."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from reliable_messaging.retention import purge_messages
 
 class Command(BaseCommand):
     help = (
-        "Delete inbox rows older than DEDUP_RETENTION and sent outbox rows older than "
-        "OUTBOX_RETENTION, in batches."
+        "Delete inbox rows older than DEDUP_RETENTION, sent outbox rows older than "
+        "OUTBOX_RETENTION and resolved or discarded dead letters older than "
+        "DEAD_LETTER_RETENTION, in batches."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -47,3 +49,9 @@ class Command(BaseCommand):
             f"{messaging_settings.outbox_retention}"
             + (f" and {result.suspects} crash-guard row(s)" if result.suspects else "")
         )
+        retention = messaging_settings.dead_letter_retention
+        if retention is not None:
+            self.stdout.write(
+                f"{verb} {result.dead_letters} resolved or discarded dead letter(s) older than "
+                f"{retention}"
+            )

@@ -1,0 +1,245 @@
+"""The dead-letter admin after an incident (issue 19): each page an operator opens, timed with a
+million dead letters, beside the figures measured before the pages were reworked.
+
+    .venv/bin/python bench/admin.py [--rows 1000000] [--repeat 5] [--keep-db]
+
+The dead letters are written with ``INSERT ... SELECT ... FROM generate_series`` into the
+migrated table (indexes and the failure groups' triggers in place, as in production), shaped
+as a downstream outage leaves them: 5 consumers, 40 failure groups (8 exception types in each
+consumer), 1 KB tracebacks, a JSON payload naming a customer, random message ids, the failures
+spread over 20 minutes. Then ``VACUUM ANALYZE`` (this machine's PostgreSQL runs without
+autovacuum). The database is ``$RM_BENCH_DB`` (default ``rm_bench_admin``), created afresh and
+dropped at the end unless ``--keep-db``.
+
+Each page is fetched through Django's test client as a logged-in superuser: once to warm up,
+then ``--repeat`` times; the table shows the median. The baseline measured in the same run is a
+bare primary-key lookup of one dead letter through the ORM: each page's ratio to it says how
+many such lookups the page costs, whatever the machine.
+
+The replay of a whole failure group is measured by ``bench/admin_replay.py`` when that file is
+present: ``time_group_replay(rows=N)`` runs on the loaded database (Django set up, the
+superuser ``bench`` there) and returns (dead letters replayed per second end to end, the longest
+request in seconds); the row says "not measured" otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RM_BENCH_DB", "rm_bench_admin")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (
+    BENCH_DB,
+    describe_machine,
+    drop_database,
+    median,
+    recreate_database,
+    setup_django,
+)
+
+CONSUMERS = 5
+EXCEPTION_TYPES = 8  # per consumer: 5 x 8 = 40 failure groups
+CUSTOMERS = 50_000
+LOAD_CHUNK = 200_000  # rows per INSERT statement (one transaction each)
+TRACEBACK_SQL = "repeat('  File \"/srv/app/billing/charge.py\", line 42, in charge\\n', 19)"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table: what the operator does, the issue's figures, what was measured."""
+
+    what: str
+    today: str  # before this work, at 1 M rows (the issue's table)
+    goal: str
+    seconds: float | None = None
+    note: str = ""
+
+
+def execute(sql: str, params: list[Any] | None = None) -> None:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+
+
+def load(rows: int) -> None:
+    """``rows`` dead letters, ``LOAD_CHUNK`` per statement."""
+    from reliable_messaging.models import DeadLetter
+
+    table = DeadLetter._meta.db_table
+    started = time.monotonic()
+    for first in range(1, rows + 1, LOAD_CHUNK):
+        last = min(rows, first + LOAD_CHUNK - 1)
+        execute(
+            f"""
+            INSERT INTO {table} (
+                message_id, consumer, queue, exchange, routing_key, ordering_key, headers,
+                payload, body, content_type, reason, exception_type, exception_message,
+                traceback, attempts, first_failed_at, last_failed_at, status, replay_count,
+                fingerprint, history, created_at, updated_at)
+            SELECT md5('m' || i)::uuid::text,
+                   'bench.consumer-' || (i %% {CONSUMERS}),
+                   'bench.queue-' || (i %% {CONSUMERS}),
+                   'bench', 'order.placed', NULL, '{{}}'::jsonb,
+                   jsonb_build_object('order_id', i, 'customer', 'cust-' || (i %% {CUSTOMERS}),
+                                      'amount', '9.99'),
+                   convert_to(jsonb_build_object('order_id', i)::text, 'UTF8'),
+                   'application/json', 'retries_exhausted',
+                   'billing.errors.Downstream' || (i / {CONSUMERS} %% {EXCEPTION_TYPES}),
+                   'payment gateway answered 503 for order ' || i,
+                   'Traceback (most recent call last):\\n' || {TRACEBACK_SQL},
+                   6, at - interval '2 minutes', at, 'dead', 0,
+                   left(md5('fp' || (i / {CONSUMERS} %% {EXCEPTION_TYPES})), 16),
+                   '[]'::jsonb, at, at
+            FROM (SELECT i, now() - interval '20 minutes' + i * (interval '20 minutes' / %s)
+                  AS at FROM generate_series(%s, %s) AS i) AS g
+            """,
+            [rows, first, last],
+        )
+        print(f"  {last:,} dead letters ({time.monotonic() - started:.0f} s)", flush=True)
+    execute(f"VACUUM ANALYZE {table}")
+
+
+def timed(call: Callable[[], Any], repeat: int) -> float:
+    call()  # warm: the first request pays for imports and caches
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - started)
+    return median(times)
+
+
+def page(client: Any, url: str, **query: str) -> Callable[[], Any]:
+    def fetch() -> Any:
+        response = client.get(url, query)
+        if response.status_code != 200:
+            raise RuntimeError(f"{url} {query}: HTTP {response.status_code}")
+        return response
+
+    return fetch
+
+
+def group_replay_row(rows: int) -> Row:
+    """The replay of one failure group from the admin, when ``bench/admin_replay.py`` is here."""
+    what, today, goal = "replay one failure group (25,000)", "446 /s, 20.7 s", ">= 5,000 /s"
+    try:
+        from admin_replay import time_group_replay  # type: ignore[import-not-found]
+    except ImportError:
+        return Row(what, today, goal, note="not measured (bench/admin_replay.py is not here)")
+    per_second, longest_request = time_group_replay(rows=rows)
+    return Row(
+        what,
+        today,
+        goal,
+        note=f"{per_second:,.0f} /s, longest request {longest_request:.1f} s",
+    )
+
+
+def measure(rows: int, repeat: int) -> tuple[list[Row], float]:
+    from django.contrib.auth.models import User
+    from django.test import Client
+    from django.urls import reverse
+
+    from reliable_messaging.models import DeadLetter
+
+    user = User.objects.create_superuser("bench", "bench@example.com", None)
+    client = Client()
+    client.force_login(user)
+    changelist = reverse("admin:reliable_messaging_deadletter_changelist")
+    groups = reverse("admin:reliable_messaging_deadletter_groups")
+    middle = DeadLetter.objects.only("pk", "message_id").get(message_id=_message_id(rows // 2))
+    detail = reverse("admin:reliable_messaging_deadletter_change", args=[middle.pk])
+
+    baseline = timed(lambda: DeadLetter.objects.filter(pk=middle.pk).first(), repeat * 4)
+    pages = [
+        Row(
+            "open the dead-letter list",
+            "2.5 s",
+            "<= 0.3 s",
+            timed(page(client, changelist), repeat),
+        ),
+        Row(
+            "filter by consumer",
+            "2.7 s",
+            "<= 0.3 s",
+            timed(page(client, changelist, consumer="bench.consumer-3"), repeat),
+        ),
+        Row(
+            "search an exact message_id",
+            "6.0 s",
+            "<= 0.05 s",
+            timed(page(client, changelist, q=middle.message_id), repeat),
+        ),
+        Row(
+            "search words of the exception or payload",
+            "5.1 s",
+            "<= 1 s",
+            timed(page(client, changelist, q="cust-4242"), repeat),
+        ),
+        Row("failure groups page", "1.3 s", "<= 0.3 s", timed(page(client, groups), repeat)),
+        Row("detail page", "0.05 s", "stays", timed(page(client, detail), repeat)),
+    ]
+    return [*pages, group_replay_row(rows)], baseline
+
+
+def _message_id(i: int) -> str:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT md5('m' || %s)::uuid::text", [i])
+        return str(cursor.fetchone()[0])
+
+
+WIDTHS = (14, 10, 10, 11)  # of the columns after the first
+
+
+def show(rows: list[Row], baseline: float, count: int) -> None:
+    print()
+    print(f"Dead-letter admin, {count:,} dead letters; {describe_machine()}")
+    print(f"baseline (one dead letter by primary key, same run): {baseline * 1000:.2f} ms")
+    header = ("what the operator does", "before, 1 M", "now", "x baseline", "goal")
+    first, *others = header
+    print(f"| {first:<42} | " + " | ".join(f"{t:>{w}}" for t, w in zip(others, WIDTHS)) + " |")
+    print(f"|{'-' * 44}|{'-' * 15}:|{'-' * 11}:|{'-' * 11}:|{'-' * 13}|")
+    for row in rows:
+        if row.seconds is None:
+            now, ratio = row.note, ""
+        else:
+            now, ratio = f"{row.seconds:.3f} s", f"{row.seconds / baseline:,.0f}"
+        print(f"| {row.what:<42} | {row.today:>14} | {now:>10} | {ratio:>10} | {row.goal:>11} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--keep-db", action="store_true")
+    args = parser.parse_args()
+
+    recreate_database(BENCH_DB)
+    try:
+        setup_django()
+        print(f"loading {args.rows:,} dead letters into {BENCH_DB}", flush=True)
+        load(args.rows)
+        rows, baseline = measure(args.rows, args.repeat)
+        show(rows, baseline, args.rows)
+    finally:
+        if not args.keep_db:
+            from django.db import connections
+
+            connections.close_all()
+            drop_database(BENCH_DB)
+
+
+if __name__ == "__main__":
+    main()

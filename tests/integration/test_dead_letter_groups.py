@@ -1,0 +1,286 @@
+"""The failure groups' table follows every way dead letters change, and the purge of old ones.
+
+After each change the table (kept by PostgreSQL triggers) must equal a ``GROUP BY`` over the
+dead letters themselves: new failures and repeated ones, the status moves, bulk updates, a
+fingerprint that changes, deletes, the purge and the migration's backfill.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.conf import settings
+from django.core.management import call_command
+from django.db.models import Count, Q
+from django.test import override_settings
+from django.utils import timezone
+
+from reliable_messaging.dead_letters.replay import discard, replay_batch
+from reliable_messaging.models import DeadLetter, DeadLetterGroup, DeadLetterStatus
+from tests.support import MANAGE
+
+# The table is kept by PostgreSQL's triggers (the SQLite test below runs in a subprocess).
+on_postgresql = pytest.mark.skipif("config.getoption('--sqlite', default=False)")
+pytestmark = pytest.mark.django_db
+
+Key = tuple[str, str, str]
+
+
+def fail(
+    message_id: str,
+    *,
+    consumer: str = "tests.alpha",
+    fingerprint: str = "f1",
+    reason: str = "retries_exhausted",
+    at: dt.datetime | None = None,
+) -> DeadLetter:
+    """A failure recorded as the consumer records it (a new row, or its row updated)."""
+    at = at or timezone.now()
+    return DeadLetter.objects.record_failure(
+        consumer,
+        message_id,
+        fields={
+            "queue": f"q.{consumer}",
+            "body": b"{}",
+            "payload": {},
+            "reason": reason,
+            "exception_type": f"app.Error{fingerprint}",
+            "last_failed_at": at,
+            "status": DeadLetterStatus.DEAD,
+            "fingerprint": fingerprint,
+        },
+        event={"event": "dead_lettered", "at": at.isoformat()},
+        first_failed_at=at,
+    )
+
+
+def counted() -> dict[Key, tuple[int, ...]]:
+    """Per group, (dead, replayed, resolved, discarded, total) by a GROUP BY over every row."""
+    statuses = [status.value for status in DeadLetterStatus]
+    rows = DeadLetter.objects.values("consumer", "fingerprint", "reason").annotate(
+        total=Count("pk"), **{s: Count("pk", filter=Q(status=s)) for s in statuses}
+    )
+    return {
+        (r["consumer"], r["fingerprint"], r["reason"]): (*(r[s] for s in statuses), r["total"])
+        for r in rows
+    }
+
+
+def kept() -> dict[Key, tuple[int, ...]]:
+    """The same, as the groups table has it (groups left empty are not shown anywhere)."""
+    return {
+        (g.consumer, g.fingerprint, g.reason): (
+            g.dead,
+            g.replayed,
+            g.resolved,
+            g.discarded,
+            g.total,
+        )
+        for g in DeadLetterGroup.objects.filter(total__gt=0)
+    }
+
+
+def assert_kept() -> dict[Key, tuple[int, ...]]:
+    expected = counted()
+    assert kept() == expected
+    return expected
+
+
+@on_postgresql
+def test_new_and_repeated_failures() -> None:
+    early = timezone.now() - dt.timedelta(hours=2)
+    first = fail("m-1", at=early)
+    fail("m-2")
+    fail("m-3", consumer="tests.beta")
+    assert assert_kept() == {
+        ("tests.alpha", "f1", "retries_exhausted"): (2, 0, 0, 0, 2),
+        ("tests.beta", "f1", "retries_exhausted"): (1, 0, 0, 0, 1),
+    }
+
+    again = fail("m-1")  # the same message fails again: its row, not a new one
+    assert again.pk == first.pk
+    group = DeadLetterGroup.objects.get(consumer="tests.alpha", fingerprint="f1")
+    assert group.total == 2
+    assert group.first_seen == early
+    assert group.last_seen == again.last_failed_at
+    assert group.example_id == DeadLetter.objects.get(message_id="m-2").pk
+    assert group.exception_type == "app.Errorf1" and group.queue == "q.tests.alpha"
+
+    fail("m-1", fingerprint="f2")  # ... now another way: it moves to that group
+    assert assert_kept() == {
+        ("tests.alpha", "f1", "retries_exhausted"): (1, 0, 0, 0, 1),
+        ("tests.alpha", "f2", "retries_exhausted"): (1, 0, 0, 0, 1),
+        ("tests.beta", "f1", "retries_exhausted"): (1, 0, 0, 0, 1),
+    }
+
+
+@on_postgresql
+def test_replay_resolve_and_discard() -> None:
+    letters = [fail(f"m-{n}") for n in range(5)]
+
+    replay_batch([letters[0].pk, letters[1].pk], replayed_by="tests")
+    assert assert_kept()[("tests.alpha", "f1", "retries_exhausted")] == (3, 2, 0, 0, 5)
+
+    DeadLetter.objects.filter(pk=letters[0].pk).resolve(at=timezone.now())
+    discard(DeadLetter.objects.filter(pk__in=[letters[2].pk, letters[3].pk]), discarded_by="t")
+    assert assert_kept()[("tests.alpha", "f1", "retries_exhausted")] == (1, 1, 1, 2, 5)
+
+    fail("m-3")  # a discarded one that comes back dead
+    assert assert_kept()[("tests.alpha", "f1", "retries_exhausted")] == (2, 1, 1, 1, 5)
+
+
+@on_postgresql
+def test_bulk_updates_and_deletes() -> None:
+    for n in range(30):
+        fail(f"m-{n}", consumer=f"tests.c{n % 3}", fingerprint=f"f{n % 2}")
+
+    # One statement over many rows and groups: the triggers add up each group's share.
+    DeadLetter.objects.filter(consumer="tests.c0").update(status=DeadLetterStatus.REPLAYED)
+    assert_kept()
+    DeadLetter.objects.filter(fingerprint="f1").update(fingerprint="f9", reason="permanent")
+    assert_kept()
+    DeadLetter.objects.filter(consumer="tests.c1").delete()
+    expected = assert_kept()
+    assert sum(total for *_, total in expected.values()) == 20
+
+    DeadLetter.objects.all().delete()
+    assert kept() == {}
+    assert DeadLetterGroup.objects.listing(with_open=False).count() == 0
+
+
+@on_postgresql
+def test_the_listing_adds_up_the_reasons_of_a_fingerprint() -> None:
+    fail("m-1", reason="retries_exhausted")
+    fail("m-2", reason="permanent")
+    DeadLetter.objects.filter(message_id="m-2").resolve(at=timezone.now())
+
+    (group,) = DeadLetterGroup.objects.listing(with_open=False)
+
+    assert (group["consumer"], group["fingerprint"]) == ("tests.alpha", "f1")
+    assert (group["dead"], group["resolved"], group["total"]) == (1, 1, 2)
+    assert DeadLetterGroup.objects.of_fingerprint("f1")["total"] == 2
+    assert DeadLetterGroup.objects.dead_counts() == [("tests.alpha", "retries_exhausted", 1)]
+
+
+# -- the purge ---------------------------------------------------------------------------------
+
+
+def aged(message_id: str, status: str, days: float) -> DeadLetter:
+    letter = fail(message_id)
+    DeadLetter.objects.filter(pk=letter.pk).update(
+        status=status, updated_at=timezone.now() - dt.timedelta(days=days)
+    )
+    return letter
+
+
+def purge(*args: str, retention: Any = dt.timedelta(days=30)) -> str:
+    values = {**settings.RELIABLE_MESSAGING, "DEAD_LETTER_RETENTION": retention}
+    out = io.StringIO()
+    with override_settings(RELIABLE_MESSAGING=values):
+        call_command("purge_messages", *args, "--batch-size", "2", stdout=out)
+    return out.getvalue()
+
+
+@pytest.fixture
+def old_and_new() -> None:
+    aged("old-resolved", DeadLetterStatus.RESOLVED, 40)
+    aged("old-discarded", DeadLetterStatus.DISCARDED, 31)
+    aged("old-resolved-2", DeadLetterStatus.RESOLVED, 90)
+    aged("old-dead", DeadLetterStatus.DEAD, 400)  # waits for a person, however old
+    aged("old-replayed", DeadLetterStatus.REPLAYED, 400)
+    aged("new-resolved", DeadLetterStatus.RESOLVED, 2)
+    fail("other", consumer="tests.beta", fingerprint="f7")
+    DeadLetter.objects.filter(message_id="other").update(
+        status=DeadLetterStatus.DISCARDED, updated_at=timezone.now() - dt.timedelta(days=60)
+    )
+
+
+def left() -> set[str]:
+    return set(DeadLetter.objects.values_list("message_id", flat=True))
+
+
+@on_postgresql
+def test_purge_removes_old_resolved_and_discarded_dead_letters(old_and_new: None) -> None:
+    dry = purge("--dry-run")
+    assert "would delete 4 resolved or discarded dead letter(s)" in dry
+    assert len(left()) == 7
+
+    output = purge()
+
+    assert "deleted 4 resolved or discarded dead letter(s) older than 30 days" in output
+    assert left() == {"old-dead", "old-replayed", "new-resolved"}
+    assert_kept()
+    # The group left without a dead letter is gone from the table, not only hidden.
+    assert not DeadLetterGroup.objects.filter(consumer="tests.beta").exists()
+
+
+def test_purge_keeps_every_dead_letter_when_the_retention_is_none(old_and_new: None) -> None:
+    output = purge(retention=None)
+
+    assert "dead letter" not in output
+    assert len(left()) == 7
+
+
+# -- the migration's backfill, and SQLite --------------------------------------------------------
+
+
+@on_postgresql
+@pytest.mark.django_db(transaction=True)
+def test_the_migration_fills_the_table_from_the_dead_letters() -> None:
+    for n in range(12):
+        fail(f"m-{n}", consumer=f"tests.c{n % 2}", fingerprint=f"f{n % 3}")
+    DeadLetter.objects.filter(consumer="tests.c0").update(status=DeadLetterStatus.DISCARDED)
+    expected = counted()
+
+    call_command("migrate", "reliable_messaging", "0010", verbosity=0)
+    try:
+        fail("written-meanwhile")  # no trigger then: counted by the backfill
+        expected = counted()
+    finally:
+        call_command("migrate", "reliable_messaging", verbosity=0)
+
+    assert kept() == expected
+    fail("written-after")
+    assert_kept()
+
+
+def test_groups_come_from_the_dead_letters_on_sqlite(tmp_path: Path) -> None:
+    database = tmp_path / "groups.sqlite3"
+    env = {
+        **os.environ,
+        "DATABASE_URL": f"sqlite:///{database}",
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+    }
+    env.pop("RM_TEST_DB_NAME", None)
+    script = (
+        "from reliable_messaging.models import DeadLetter, DeadLetterGroup\n"
+        "for n in range(3):\n"
+        "    DeadLetter.objects.create(consumer='c', message_id=f'm{n}', queue='q', body=b'',\n"
+        "        reason='permanent', fingerprint='f', exception_type='app.Error',\n"
+        "        status='dead' if n else 'resolved')\n"
+        "groups = DeadLetterGroup.objects\n"
+        "(row,) = groups.listing()\n"
+        "assert (row['dead'], row['total']) == (2, 3), row\n"
+        "assert groups.dead_counts() == [('c', 'permanent', 2)], groups.dead_counts()\n"
+        "assert groups.values_of('exception_type') == ['app.Error']\n"
+        "assert groups.of_fingerprint('f')['total'] == 3\n"
+        "assert not groups.exists()\n"
+        "print('ok')\n"
+    )
+    for command in (["migrate", "--verbosity", "0"], ["shell", "-c", script]):
+        result = subprocess.run(
+            [sys.executable, str(MANAGE), *command],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("ok")
