@@ -18,8 +18,8 @@ import datetime as dt
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from django.db import IntegrityError, models, router, transaction
-from django.db.models import Count, Exists, Max, Min, OuterRef, Q
+from django.db import IntegrityError, connections, models, router, transaction
+from django.db.models import Count, Exists, F, Max, Min, OuterRef, Q, Value
 from django.db.models.functions import Now
 
 from .choices import OPEN_DEAD_LETTER_STATUSES, DeadLetterStatus, OutboxStatus
@@ -68,6 +68,17 @@ class ProcessedMessageQuerySet(BatchDeletingQuerySet):
         """Remove the inbox row of one message, so a copy of it runs the handler again (a
         forced replay; a guarded handler's failure, whose claimed row must not commit)."""
         return self.of(consumer, message_id).delete()[0]
+
+    def forget_many(self, keys: Iterable[tuple[str, str]]) -> int:
+        """Remove the inbox rows of several (consumer, message_id) pairs: one delete per
+        consumer (a forced bulk replay)."""
+        by_consumer: dict[str, list[str]] = {}
+        for consumer, message_id in keys:
+            by_consumer.setdefault(consumer, []).append(message_id)
+        return sum(
+            self.filter(consumer=consumer, message_id__in=ids).delete()[0]
+            for consumer, ids in by_consumer.items()
+        )
 
     def processed_keys(self, message_ids: Iterable[str]) -> set[tuple[str, str]]:
         """The (consumer, message_id) pairs in the inbox among ``message_ids``, any consumer."""
@@ -206,14 +217,27 @@ class DeadLetterQuerySet(models.QuerySet):
             event["by"] = by
         _save_move(dead_letter, event, ["status", "history", "updated_at"])
 
-    def discard(self, *, by: str, at: dt.datetime) -> int:
-        """Lock these dead letters and mark each discarded; returns how many. Inside a
-        transaction."""
-        count = 0
-        for dead_letter in self.select_for_update():
-            self.mark_discarded(dead_letter, by=by, at=at)
-            count += 1
-        return count
+    def mark_replayed_in_bulk(
+        self, pks: Iterable[int], *, by: str, forced: bool, at: dt.datetime, **details: Any
+    ) -> int:
+        """:meth:`mark_replayed` for many dead letters at once, already locked by the caller:
+        one UPDATE (``details``, such as the operation's id, go into each history entry)."""
+        event = {"event": "replayed", "at": at.isoformat(), "by": by, "forced": forced, **details}
+        return _move_in_bulk(
+            self.filter(pk__in=list(pks)),
+            event,
+            status=DeadLetterStatus.REPLAYED,
+            replay_count=F("replay_count") + 1,
+            updated_at=at,
+        )
+
+    def discard(self, *, by: str, at: dt.datetime, **details: Any) -> int:
+        """Mark these dead letters discarded; returns how many. One UPDATE, which locks the
+        rows it changes (a concurrent replay's lock is waited for, and the rows it took no
+        longer match the caller's filter when the UPDATE re-reads them). Inside a
+        transaction. ``details`` go into each history entry."""
+        event = {"event": "discarded", "at": at.isoformat(), "by": by, **details}
+        return _move_in_bulk(self, event, status=DeadLetterStatus.DISCARDED, updated_at=at)
 
     def resolve(self, *, at: dt.datetime, by: str | None = None) -> int:
         """Lock these dead letters and mark each resolved; returns how many. Inside a
@@ -262,6 +286,32 @@ class DeadLetterQuerySet(models.QuerySet):
                 except IntegrityError:
                     continue
         raise IntegrityError(f"could not record the dead letter of message_id={message_id}")
+
+
+class _JSONAppend(models.Func):
+    """``history || '[event]'``: PostgreSQL appends to a jsonb array in the UPDATE itself."""
+
+    template = "%(expressions)s"
+    arg_joiner = " || "
+    output_field = models.JSONField()
+
+
+def _move_in_bulk(rows: models.QuerySet[Any], event: dict[str, Any], **fields: Any) -> int:
+    """Set ``fields`` and append ``event`` to the history of ``rows``: one UPDATE on
+    PostgreSQL; elsewhere the fields in one UPDATE and the history row by row."""
+    using = rows.db
+    if connections[using].vendor == "postgresql":
+        return rows.update(
+            history=_JSONAppend(F("history"), Value([event], output_field=models.JSONField())),
+            **fields,
+        )
+    pks = list(rows.values_list("pk", flat=True))
+    model = rows.model._default_manager.using(using)
+    model.filter(pk__in=pks).update(**fields)
+    for dead_letter in model.filter(pk__in=pks).only("pk", "history"):
+        dead_letter.history = [*dead_letter.history, event]
+        dead_letter.save(using=using, update_fields=["history"])
+    return len(pks)
 
 
 def _save_move(dead_letter: DeadLetter, event: dict[str, Any], update_fields: list[str]) -> None:

@@ -81,10 +81,14 @@ class ReplayResult:
 
     replayed: list[int] = field(default_factory=list)
     refused: dict[int, str] = field(default_factory=dict)
+    # Those of ``refused`` left alone for their status: already replayed (awaiting that
+    # outcome), resolved. What a second operation over the same selection meets.
+    skipped: set[int] = field(default_factory=set)
 
     def merge(self, other: ReplayResult) -> None:
         self.replayed.extend(other.replayed)
         self.refused.update(other.refused)
+        self.skipped.update(other.skipped)
 
 
 def stale_replays(now: dt.datetime | None = None) -> Q:
@@ -176,12 +180,23 @@ def _replay_headers(dead_letter: DeadLetter, replayed_by: str) -> dict[str, Any]
     return headers
 
 
-def replay_batch(ids: Iterable[int], *, replayed_by: str, force: bool = False) -> ReplayResult:
-    """Replay the given dead letters in one transaction (call it with bounded batches)."""
+def replay_batch(
+    ids: Iterable[int], *, replayed_by: str, force: bool = False, operation: int | None = None
+) -> ReplayResult:
+    """Replay the given dead letters in one transaction (call it with bounded batches).
+
+    Set-based: one locking SELECT, one inbox lookup, one delete per consumer of the inbox rows
+    a forced replay forgets, one INSERT of the outbox rows and one UPDATE of the dead letters
+    (their history appended in the database). Each dead letter is judged on its own by the
+    same rules (:func:`_refusal`). ``operation``: the bulk operation doing it, recorded in each
+    history entry beside who."""
     result = ReplayResult()
     using = router.db_for_write(DeadLetter)
     now = timezone.now()
+    details = {} if operation is None else {"operation": operation}
     with transaction.atomic(using=using):
+        # Locked in pk order, so two replays of overlapping selections never deadlock; the
+        # second one waits, then finds these "replayed" and refuses them.
         letters = list(
             DeadLetter.objects.using(using)
             .select_for_update()
@@ -191,34 +206,56 @@ def replay_batch(ids: Iterable[int], *, replayed_by: str, force: bool = False) -
         processed = ProcessedMessage.objects.using(using).processed_keys(
             d.message_id for d in letters if d.message_id
         )
+        copies: list[OutboxMessage] = []
+        forgotten: list[tuple[str, str]] = []
+        plain: list[int] = []
+        forced_pks: list[int] = []
         for dead_letter in letters:
-            already = (dead_letter.consumer, dead_letter.message_id) in processed
+            key = (dead_letter.consumer, dead_letter.message_id)
+            already = key in processed
             refusal = _refusal(dead_letter, already, force, now)
             if refusal:
                 result.refused[dead_letter.pk] = refusal
+                if dead_letter.status not in REPLAYABLE_STATUSES:
+                    result.skipped.add(dead_letter.pk)
                 continue
             if already:
                 # Forced: forget the inbox row, or the consumer would ack it as a duplicate.
-                ProcessedMessage.objects.using(using).forget(
-                    dead_letter.consumer, dead_letter.message_id
+                forgotten.append(key)
+                forced_pks.append(dead_letter.pk)
+            else:
+                plain.append(dead_letter.pk)
+            copies.append(
+                OutboxMessage(
+                    message_id=dead_letter.message_id,
+                    exchange="",  # the default exchange: straight to the failed consumer's queue
+                    routing_key=dead_letter.queue,
+                    body=bytes(dead_letter.body).decode("utf-8"),
+                    headers=_replay_headers(dead_letter, replayed_by),
+                    ordering_key=(dead_letter.headers or {}).get(ORDERING_KEY_HEADER),
+                    created_at=now,
+                    next_attempt_at=now,
                 )
-            OutboxMessage.objects.using(using).create(
-                message_id=dead_letter.message_id,
-                exchange="",  # the default exchange: straight to the failed consumer's queue
-                routing_key=dead_letter.queue,
-                body=bytes(dead_letter.body).decode("utf-8"),
-                headers=_replay_headers(dead_letter, replayed_by),
-                ordering_key=(dead_letter.headers or {}).get(ORDERING_KEY_HEADER),
             )
-            DeadLetter.objects.mark_replayed(dead_letter, by=replayed_by, forced=already, at=now)
             result.replayed.append(dead_letter.pk)
-            logger.info(
-                "replay of message_id=%s to consumer=%s (queue %s) queued by %s",
-                dead_letter.message_id,
-                dead_letter.consumer,
-                dead_letter.queue,
-                replayed_by,
-            )
+        if forgotten:
+            ProcessedMessage.objects.using(using).forget_many(forgotten)
+        # In pk order: the outbox ids keep the dead letters' order, and so each ordering key's.
+        OutboxMessage.objects.using(using).bulk_create(copies)
+        rows = DeadLetter.objects.using(using)
+        for forced, pks in ((False, plain), (True, forced_pks)):
+            if pks:
+                rows.mark_replayed_in_bulk(pks, by=replayed_by, forced=forced, at=now, **details)
+    for dead_letter in letters:
+        if dead_letter.pk in result.refused:
+            continue
+        logger.info(
+            "replay of message_id=%s to consumer=%s (queue %s) queued by %s",
+            dead_letter.message_id,
+            dead_letter.consumer,
+            dead_letter.queue,
+            replayed_by,
+        )
     return result
 
 
@@ -235,18 +272,21 @@ def replay(
     return result
 
 
-def discard(queryset: QuerySet[DeadLetter], *, discarded_by: str) -> int:
+def discard(
+    queryset: QuerySet[DeadLetter], *, discarded_by: str, operation: int | None = None
+) -> int:
     """Mark dead letters "discarded": kept for the record, not replayed. Only letters still
     ``dead`` are taken, and replayed ones whose outcome has not come for
     :data:`STALE_REPLAY_AFTER` (see :func:`discardable`); one replayed more recently, or
     resolved, is left alone."""
     using = router.db_for_write(DeadLetter)
     now = timezone.now()
+    details = {} if operation is None else {"operation": operation}
     with transaction.atomic(using=using):
         return (
             DeadLetter.objects.using(using)
             .filter(discardable(now), pk__in=queryset.values("pk"))
-            .discard(by=discarded_by, at=now)
+            .discard(by=discarded_by, at=now, **details)
         )
 
 
