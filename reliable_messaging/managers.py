@@ -22,7 +22,13 @@ from django.db import IntegrityError, connections, models, router, transaction
 from django.db.models import Count, Exists, F, Max, Min, OuterRef, Q, Value
 from django.db.models.functions import Now
 
-from .choices import OPEN_DEAD_LETTER_STATUSES, DeadLetterStatus, OutboxStatus
+from .choices import (
+    OPEN_DEAD_LETTER_STATUSES,
+    UNFINISHED_OPERATION_STATES,
+    DeadLetterStatus,
+    OperationState,
+    OutboxStatus,
+)
 
 if TYPE_CHECKING:
     from .models import DeadLetter, SuspectDelivery
@@ -357,3 +363,116 @@ class OutboxMessageQuerySet(BatchDeletingQuerySet):
 
 
 OutboxMessageManager = models.Manager.from_queryset(OutboxMessageQuerySet)
+
+
+# -- bulk operations on dead letters -----------------------------------------------------------
+
+
+class DeadLetterOperationQuerySet(models.QuerySet):
+    """The bulk replays and discards, and every change of their state.
+
+    ``claim_next`` locks an operation row for the caller's transaction with SKIP LOCKED: two
+    relays never run a batch of the same operation at once, and a cancel waits at most for
+    the batch under way. ``advance`` moves the cursor and the counters in that same
+    transaction, with the batch's replays: they commit together or not at all.
+    """
+
+    def unfinished(self) -> DeadLetterOperationQuerySet:
+        return self.filter(state__in=UNFINISHED_OPERATION_STATES)
+
+    def record(
+        self,
+        *,
+        kind: str,
+        selection: dict[str, Any],
+        requested_by: str,
+        force: bool = False,
+        matched: int = 0,
+        max_pk: int = 0,
+    ) -> Any:
+        """A new pending operation over ``selection``, up to dead letter ``max_pk``."""
+        return self.create(
+            kind=kind,
+            selection=selection,
+            requested_by=requested_by,
+            force=force,
+            matched=matched,
+            max_pk=max_pk,
+        )
+
+    def same_as(self, kind: str, selection: dict[str, Any], force: bool) -> Any:
+        """An unfinished operation of the same kind over the same selection, if any."""
+        return (
+            self.unfinished()
+            .filter(kind=kind, force=force, selection=selection)
+            .order_by("pk")
+            .first()
+        )
+
+    def claim_next(self) -> Any:
+        """The oldest unfinished operation no one else is running, locked until the caller's
+        transaction ends; None when there is none. Inside a transaction."""
+        return self.unfinished().select_for_update(skip_locked=True).order_by("pk").first()
+
+    def advance(
+        self,
+        operation: Any,
+        *,
+        cursor: int,
+        at: dt.datetime,
+        replayed: int = 0,
+        discarded: int = 0,
+        refused: int = 0,
+        skipped: int = 0,
+    ) -> None:
+        """A batch of ``operation`` (locked by :meth:`claim_next`) is done up to ``cursor``.
+        In the batch's own transaction."""
+        operation.cursor = cursor
+        operation.replayed += replayed
+        operation.discarded += discarded
+        operation.refused += refused
+        operation.skipped += skipped
+        operation.done += replayed + discarded + refused + skipped
+        operation.state = OperationState.RUNNING
+        operation.started_at = operation.started_at or at
+        operation.heartbeat_at = at
+        operation.save(
+            update_fields=[
+                "cursor",
+                "replayed",
+                "discarded",
+                "refused",
+                "skipped",
+                "done",
+                "state",
+                "started_at",
+                "heartbeat_at",
+            ]
+        )
+
+    def finish(self, operation: Any, *, at: dt.datetime) -> None:
+        """Nothing is left of ``operation`` (locked by :meth:`claim_next`)."""
+        operation.state = OperationState.DONE
+        operation.started_at = operation.started_at or at
+        operation.finished_at = operation.heartbeat_at = at
+        operation.save(update_fields=["state", "started_at", "finished_at", "heartbeat_at"])
+
+    def fail(self, pk: int, *, error: str, at: dt.datetime) -> int:
+        """``pk`` failed for good (a batch that raises every time): stopped, with why."""
+        return (
+            self.unfinished()
+            .filter(pk=pk)
+            .update(state=OperationState.FAILED, error=error, finished_at=at, heartbeat_at=at)
+        )
+
+    def cancel(self, pk: int, *, by: str, at: dt.datetime) -> bool:
+        """Stop ``pk`` after the batch under way (whose transaction this UPDATE waits for);
+        what it did stays done, the rest is left as it is. False when it had finished."""
+        return bool(
+            self.unfinished()
+            .filter(pk=pk)
+            .update(state=OperationState.CANCELLED, cancelled_by=by, finished_at=at)
+        )
+
+
+DeadLetterOperationManager = models.Manager.from_queryset(DeadLetterOperationQuerySet)

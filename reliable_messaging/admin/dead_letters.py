@@ -34,6 +34,7 @@ from ..models import (
     ProcessedMessage,
 )
 from . import console as admin_views
+from . import operations as admin_operations
 
 
 class FailureGroupFilter(admin.SimpleListFilter):
@@ -157,11 +158,9 @@ class DeadLetterAdmin(admin.ModelAdmin):
         "created_at",
         "updated_at",
     )
-    # Dead letters replayed, or discarded, per transaction (each with its admin log rows).
+    # Dead letters of a selection replayed, or discarded, per transaction (each with its admin
+    # log rows). "All matching" and failure groups are operations the relay carries out.
     batch_size = 500
-    # Seconds of bulk work ("all matching the filter") one request may do. Past it the request
-    # answers a page that continues where it stopped, so no proxy timeout cuts an operation.
-    bulk_request_seconds = 20.0
 
     # ------------------------------------------------------------------ permissions
 
@@ -536,7 +535,7 @@ class DeadLetterAdmin(admin.ModelAdmin):
                 name=f"{prefix}_discard",
             ),
         ]
-        return custom + super().get_urls()
+        return custom + admin_operations.urls(self, prefix) + super().get_urls()
 
     def console_url(self, name: str, *args: Any, query: str = "") -> str:
         """The URL of one of this admin's pages ("changelist", "change", "groups"...)."""

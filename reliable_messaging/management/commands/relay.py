@@ -4,22 +4,33 @@ from __future__ import annotations
 
 import logging
 import signal
+from functools import partial
 from types import FrameType
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db import router
+from django.db import connections, router
 
 from reliable_messaging import console
+from reliable_messaging.dead_letters.operations import OperationRunner, run_pending_operations
 from reliable_messaging.keepalive import keep_database_alive
 from reliable_messaging.management.metrics_options import add_metrics_arguments, serve_metrics
 from reliable_messaging.metrics import HealthCheck, HealthGroup, HealthState
 from reliable_messaging.models import OutboxMessage
 from reliable_messaging.partitions import OUTBOX, PartitionUpkeep
 from reliable_messaging.publishing.lanes import RelayProgress, run_lanes
+from reliable_messaging.publishing.listener import NOTIFY_CHANNEL
 from reliable_messaging.publishing.relay import OutboxRelay
 
 logger = logging.getLogger("reliable_messaging.relay")
+
+
+def _wake_relays(using: str) -> None:
+    """Tell the listening relays that outbox rows were committed (the replays of a batch), so
+    they claim them now rather than at their next poll."""
+    if connections[using].vendor == "postgresql":
+        with connections[using].cursor() as cursor:
+            cursor.execute("SELECT pg_notify(%s, '')", [NOTIFY_CHANNEL])
 
 
 class Command(BaseCommand):
@@ -51,6 +62,15 @@ class Command(BaseCommand):
             "and broker connection: one claims and publishes while another waits for its "
             "confirms. More throughput on a backlog, at some latency cost (default 1)",
         )
+        parser.add_argument(
+            "--operation-batch-size",
+            type=int,
+            default=1000,
+            metavar="N",
+            help="dead letters replayed or discarded per transaction when carrying out the "
+            "bulk operations recorded in the admin; 0 leaves them to another relay (default "
+            "1000)",
+        )
         add_metrics_arguments(parser, "broker or database lost, loop stuck")
         parser.add_argument(
             "--progress-interval",
@@ -68,6 +88,8 @@ class Command(BaseCommand):
             raise CommandError("--lanes must be at least 1")
         if options["progress_interval"] < 0:
             raise CommandError("--progress-interval must not be negative")
+        if options["operation_batch_size"] < 0:
+            raise CommandError("--operation-batch-size must not be negative")
         keep_database_alive()
         console.quiet_pika_info()
         relays = [
@@ -99,6 +121,18 @@ class Command(BaseCommand):
         # On PostgreSQL the sent rows go into a partition per day, made ahead of time.
         upkeep = PartitionUpkeep(router.db_for_write(OutboxMessage), spec=OUTBOX)
         upkeep.start()
+        # The admin's bulk replays and discards: carried out beside the lanes, in a thread of
+        # their own (a batch never waits on a broker), the relay woken after each batch.
+        operations = None
+        if options["operation_batch_size"]:
+            wake = partial(_wake_relays, relays[0].using)
+            if options["once"]:
+                run_pending_operations(options["operation_batch_size"], on_batch=wake)
+            else:
+                operations = OperationRunner(
+                    batch_size=options["operation_batch_size"], on_batch=wake
+                )
+                operations.start()
         # Its start, its progress and its stop show whatever LOGGING says.
         console.attach(self.stdout.write)
         console.announce(
@@ -113,6 +147,8 @@ class Command(BaseCommand):
         try:
             report = run_lanes(relays)
         finally:
+            if operations is not None:
+                operations.stop()
             upkeep.stop()
             if progress is not None:
                 progress.stop()
