@@ -324,7 +324,7 @@ def bulk_operation_view(
     wanted_rows = matching_rows.filter(wanted(operation, chosen))
     matching_count = capped_count(matching_rows)
     unreplayable_count = capped_count(wanted_rows.filter(reason__in=unreplayable(operation)))
-    processed = capped_count(targets_rows.already_processed()) if operation == "replay" else 0
+    processed = capped_count(already_processed(targets_rows)) if operation == "replay" else 0
     if operation == "replay":
         title = ngettext(
             "Replay %(count)s dead letter?", "Replay %(count)s dead letters?", target_count
