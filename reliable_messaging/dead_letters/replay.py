@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db import router, transaction
+from django.db import connections, router, transaction
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
@@ -201,6 +201,7 @@ def replay_batch(
             DeadLetter.objects.using(using)
             .select_for_update()
             .filter(pk__in=list(ids))
+            .only(*_REPLAY_FIELDS)
             .order_by("pk")
         )
         processed = ProcessedMessage.objects.using(using).processed_keys(
@@ -241,22 +242,94 @@ def replay_batch(
         if forgotten:
             ProcessedMessage.objects.using(using).forget_many(forgotten)
         # In pk order: the outbox ids keep the dead letters' order, and so each ordering key's.
-        OutboxMessage.objects.using(using).bulk_create(copies)
+        _insert(using, copies)
         rows = DeadLetter.objects.using(using)
         for forced, pks in ((False, plain), (True, forced_pks)):
             if pks:
                 rows.mark_replayed_in_bulk(pks, by=replayed_by, forced=forced, at=now, **details)
-    for dead_letter in letters:
-        if dead_letter.pk in result.refused:
-            continue
+    if result.replayed:
+        # One line a batch (a bulk replay writes thousands a second); each message's own line
+        # at DEBUG.
         logger.info(
-            "replay of message_id=%s to consumer=%s (queue %s) queued by %s",
-            dead_letter.message_id,
-            dead_letter.consumer,
-            dead_letter.queue,
+            "replay of %d dead letter(s) queued by %s (message_id=%s ... %s)",
+            len(result.replayed),
             replayed_by,
+            copies[0].message_id,
+            copies[-1].message_id,
         )
+        if logger.isEnabledFor(logging.DEBUG):
+            for copy in copies:
+                logger.debug(
+                    "replay of message_id=%s to queue %s queued by %s",
+                    copy.message_id,
+                    copy.routing_key,
+                    replayed_by,
+                )
     return result
+
+
+# What a replay reads of a dead letter: not its payload, traceback or history, which can be
+# large and which PostgreSQL's UPDATE appends to without them.
+_REPLAY_FIELDS = (
+    "message_id",
+    "consumer",
+    "queue",
+    "exchange",
+    "routing_key",
+    "headers",
+    "body",
+    "reason",
+    "status",
+    "replay_count",
+    "updated_at",
+)
+_OUTBOX_COLUMNS = (
+    "message_id",
+    "exchange",
+    "routing_key",
+    "body",
+    "headers",
+    "ordering_key",
+    "status",
+    "attempts",
+    "last_error",
+    "next_attempt_at",
+    "created_at",
+)
+
+
+def _insert(using: str, copies: list[OutboxMessage]) -> None:
+    """Write the outbox rows of a batch: with COPY on PostgreSQL (several times the speed of
+    a multi-row INSERT for the same rows, and the outbox's INSERT triggers fire alike),
+    ``bulk_create`` elsewhere."""
+    if not copies:
+        return
+    connection = connections[using]
+    if connection.vendor != "postgresql":
+        OutboxMessage.objects.using(using).bulk_create(copies)
+        return
+    from psycopg.types.json import Jsonb
+
+    table = connection.ops.quote_name(OutboxMessage._meta.db_table)
+    columns = ", ".join(connection.ops.quote_name(c) for c in _OUTBOX_COLUMNS)
+    copy_sql = f"COPY {table} ({columns}) FROM STDIN"  # noqa: S608 - names, quoted
+    with connection.cursor() as cursor, cursor.cursor.copy(copy_sql) as copy:
+        for row in copies:
+            copy.write_row(
+                (
+                    row.message_id,
+                    row.exchange,
+                    row.routing_key,
+                    row.body,
+                    Jsonb(row.headers),
+                    row.ordering_key,
+                    row.status,
+                    row.attempts,
+                    row.last_error,
+                    row.next_attempt_at,
+                    row.created_at,
+                )
+            )
 
 
 def replay(
