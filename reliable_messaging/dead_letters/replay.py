@@ -312,7 +312,7 @@ def _insert(using: str, copies: list[OutboxMessage]) -> None:
 
     table = connection.ops.quote_name(OutboxMessage._meta.db_table)
     columns = ", ".join(connection.ops.quote_name(c) for c in _OUTBOX_COLUMNS)
-    copy_sql = f"COPY {table} ({columns}) FROM STDIN"  # noqa: S608 - names, quoted
+    copy_sql = f"COPY {table} ({columns}) FROM STDIN"
     with connection.cursor() as cursor, cursor.cursor.copy(copy_sql) as copy:
         for row in copies:
             copy.write_row(
