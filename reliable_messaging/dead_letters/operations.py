@@ -117,8 +117,9 @@ def run_pending_operations(
 class OperationRunner:
     """A thread that carries out the recorded operations: batch after batch while there are
     some, otherwise a look every ``interval`` seconds (one query on a partial index of the
-    unfinished operations, so an operator's replay starts within a quarter of a second). Errors are logged; a batch that fails
-    :data:`FAILURES_BEFORE_GIVING_UP` times in a row stops its operation, with the error."""
+    unfinished operations, so an operator's replay starts within a quarter of a second).
+    Errors are logged; a batch that fails :data:`FAILURES_BEFORE_GIVING_UP` times in a row
+    stops its operation, with the error."""
 
     def __init__(
         self,
