@@ -121,8 +121,15 @@ def figures(operation: DeadLetterOperation) -> dict[str, Any]:
     if operation.started_at and operation.heartbeat_at and operation.done:
         seconds = (operation.heartbeat_at - operation.started_at).total_seconds()
         rate = round(operation.done / seconds) if seconds > 0 else None
-    total = max(operation.matched, operation.done)
     finished = operation.state not in UNFINISHED_OPERATION_STATES
+    if operation.matched > COUNT_CAP:
+        # Counted up to the cap only: how far the cursor got in the ids is the estimate.
+        total: int | None = None
+        share = operation.cursor / operation.max_pk if operation.max_pk else 0
+    else:
+        total = max(operation.matched, operation.done)
+        share = operation.done / total if total else 0
+    percent = 100 if operation.state == "done" else min(99, int(100 * share))
     return {
         "id": operation.pk,
         "kind": operation.kind,
@@ -130,9 +137,10 @@ def figures(operation: DeadLetterOperation) -> dict[str, Any]:
         "finished": finished,
         "done": operation.done,
         "total": total,
-        "percent": 100
-        if finished and operation.state == "done"
-        else (min(99, 100 * operation.done // total) if total else 0),
+        "total_text": str(total)
+        if total is not None
+        else gettext("more than %(cap)d") % {"cap": COUNT_CAP},
+        "percent": percent,
         "replayed": operation.replayed,
         "discarded": operation.discarded,
         "refused": operation.refused,

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import pytest
 from django.db import connections
 
+from reliable_messaging.admin.operations import COUNT_CAP, figures
 from reliable_messaging.core.envelope import CELERY_TASK_HEADER, REPLAYED_BY_HEADER
 from reliable_messaging.dead_letters.operations import run_pending_operations
 from reliable_messaging.dead_letters.selection import selection_from_query
@@ -152,3 +153,23 @@ def test_a_replay_started_twice_replays_each_dead_letter_once() -> None:
         pk: count for pk, count in by_operation.items() if count
     }
     assert all(len(h) == 1 for h in histories), "one replay entry each"
+
+
+@pytest.mark.django_db
+def test_the_progress_of_an_operation_past_the_count_cap_is_told_by_its_cursor() -> None:
+    operation = DeadLetterOperation.objects.record(
+        kind="discard",
+        selection=selection_from_query({}),
+        requested_by="carol (admin)",
+        matched=COUNT_CAP + 1,
+        max_pk=400_000,
+    )
+    operation.cursor, operation.done, operation.state = 100_000, 90_000, "running"
+
+    shown = figures(operation)
+
+    assert (shown["total"], shown["total_text"], shown["percent"]) == (
+        None,
+        f"more than {COUNT_CAP}",
+        25,
+    )
