@@ -128,7 +128,7 @@ class Command(BaseCommand):
             return
         who = f"{getpass.getuser()} (replay_dead_letters)"
         if options["via_relay"]:
-            self.record_operation(ids, who, options["force"])
+            self.record_operation(ids, who, options["force"], self.lookups(options))
             return
         replayed, refused = 0, 0
         progress = Progress(self.stdout, "replaying", len(ids))
@@ -151,15 +151,38 @@ class Command(BaseCommand):
             )
         )
 
-    def record_operation(self, ids: list[int], who: str, force: bool) -> None:
-        """The chosen dead letters, frozen as ids, as one operation for the relay."""
+    def lookups(self, options: dict[str, Any]) -> dict[str, str] | None:
+        """The filters as an operation's lookups; None when they cannot be (``--exception``
+        matches a dotted or a bare name, ``--limit`` a number of rows): then the ids are."""
+        if options["exception"] or options["limit"] is not None:
+            return None
+        lookups = {"status__in": ",".join(options["status"] or [DeadLetterStatus.DEAD])}
+        for option, field in (
+            ("consumer", "consumer"),
+            ("queue", "queue"),
+            ("reason", "reason"),
+            ("fingerprint", "fingerprint"),
+            ("ids", "pk"),
+        ):
+            if options[option]:
+                lookups[f"{field}__in"] = ",".join(map(str, options[option]))
+        for option, lookup in (("since", "last_failed_at__gte"), ("until", "last_failed_at__lt")):
+            if options[option]:
+                lookups[lookup] = options[option].isoformat()
+        return lookups
+
+    def record_operation(
+        self, ids: list[int], who: str, force: bool, lookups: dict[str, str] | None
+    ) -> None:
+        """The chosen dead letters as one operation for the relay: by their filters, or
+        frozen as ids, up to the last one chosen now."""
         if not ids:
             self.stdout.write("no dead letter matches; nothing recorded")
             return
         operation = DeadLetterOperation.objects.record(
             kind=OperationKind.REPLAY,
             selection={
-                "lookups": {"pk__in": ",".join(map(str, ids))},
+                "lookups": lookups or {"pk__in": ",".join(map(str, ids))},
                 "status_chosen": True,
                 "description": f"{len(ids)} dead letter(s) chosen by replay_dead_letters",
             },

@@ -4,11 +4,13 @@ the same time by two runners, replay each dead letter once."""
 
 from __future__ import annotations
 
+import io
 import threading
 from collections import Counter
 from collections.abc import Callable
 
 import pytest
+from django.core.management import call_command
 from django.db import connections
 
 from reliable_messaging.admin.operations import COUNT_CAP, figures
@@ -173,3 +175,26 @@ def test_the_progress_of_an_operation_past_the_count_cap_is_told_by_its_cursor()
         f"more than {COUNT_CAP}",
         25,
     )
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("extra", [[], ["--limit", "5"]])
+def test_replay_dead_letters_via_relay_records_an_operation(
+    make_dead_letter: MakeDeadLetter, extra: list[str]
+) -> None:
+    letters = [make_dead_letter() for _ in range(3)]
+    other = make_dead_letter(consumer="tests.beta", queue="elsewhere")
+    out = io.StringIO()
+
+    call_command(
+        "replay_dead_letters", "--consumer", "tests.alpha", "--via-relay", *extra, stdout=out
+    )
+
+    assert "recorded replay operation" in out.getvalue()
+    assert not OutboxMessage.objects.exists()
+    run_pending_operations()
+    assert sorted(OutboxMessage.objects.values_list("message_id", flat=True)) == sorted(
+        letter.message_id for letter in letters
+    )
+    other.refresh_from_db()
+    assert other.status == "dead"
