@@ -11,10 +11,10 @@ views through Django's test client, logged in as a superuser:
   the broker), not merely written.
 
 Baseline, measured in the same run: the same relay sending as many plain outbox rows (written
-with one INSERT), so the ratio says what the replay costs on top of the relay's own speed; a
-replay cannot go faster than that. Beside it, the figures of the request-loop replay this
-replaced (issue 19: 446 letters/s at 1 M rows, one request of 20.7 s), which that code no
-longer exists to be measured again.
+with one INSERT, with the headers a replay carries), so the ratio says what the replay costs on
+top of the relay's own speed; a replay cannot go faster than that. Beside it, the figures of
+the request-loop replay this replaced (issue 19: 446 letters/s at 1 M rows, one request of
+20.7 s), whose code no longer exists to be measured again.
 
 Run alone: ``python bench/admin_replay.py [--group-size N] [--others N]`` (a database of its
 own, ``rm_bench_replay``, created afresh). ``bench/admin.py`` imports :func:`time_group_replay`.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -78,8 +79,15 @@ def plain_rows(count: int, queue: str) -> None:
             INSERT INTO reliable_messaging_outboxmessage
                 (message_id, exchange, routing_key, body, headers, status, attempts,
                  last_error, next_attempt_at, created_at)
-            SELECT 'plain-' || i, '', %s, '{"i": ' || i || '}', '{}'::jsonb, 'pending', 0,
-                   '', now(), now()
+            SELECT 'plain-' || i, '', %s, '{"i": ' || i || '}',
+                   jsonb_build_object(
+                       'x-rm-original-exchange', 'bench',
+                       'x-rm-original-routing-key', 'order.placed',
+                       'x-rm-replay', 1,
+                       'x-rm-replayed-by', 'bench (admin)',
+                       'x-rm-dead-letter-id', i
+                   ),
+                   'pending', 0, '', now(), now()
             FROM generate_series(1, %s) AS i
             """,
             [queue, count],
@@ -111,6 +119,7 @@ def time_group_replay(
     *,
     others: int = 75_000,
     operation_batch_size: int = 1000,
+    separate_runner: bool = False,
     fill_database: bool = True,
     timeout: float = 600.0,
 ) -> dict[str, Any]:
@@ -151,11 +160,23 @@ def time_group_replay(
         f"{conf.get('PORT') or 5432}/{conf['NAME']}"
     )
     log = Path(tempfile.mkstemp(prefix="rm-bench-relay-", suffix=".log")[1])
+    env = subprocess_env(os.environ.get("RM_TEST_NAMESPACE", "bench"), DATABASE_URL=database_url)
     relay = Relay(
-        ["--operation-batch-size", str(operation_batch_size), "--progress-interval", "0"],
-        subprocess_env(os.environ.get("RM_TEST_NAMESPACE", "bench"), DATABASE_URL=database_url),
+        [
+            "--operation-batch-size",
+            "0" if separate_runner else str(operation_batch_size),
+            "--progress-interval",
+            "0",
+        ],
+        env,
         log,
     )
+    runner = None
+    if separate_runner:
+        # The operations in a process of their own, beside a relay that leaves them alone.
+        runner = subprocess.Popen(
+            [sys.executable, __file__, "--runner-child", str(operation_batch_size)], env=env
+        )
     try:
         relay.wait_for_log("relay: publishing the outbox", timeout=60)
         # Baseline: the same relay sending as many plain rows.
@@ -204,6 +225,9 @@ def time_group_replay(
         relay.send(signal.SIGTERM)
         relay.wait(30)
         relay.close()
+        if runner is not None:
+            runner.terminate()
+            runner.wait(30)
         channel_.queue_delete(queue)
         channel.close()
 
@@ -238,16 +262,39 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def runner_child(batch_size: int) -> None:
+    """The operations runner alone in this process, until terminated."""
+    import django
+
+    django.setup()
+    from reliable_messaging.dead_letters.operations import OperationRunner
+
+    OperationRunner(batch_size=batch_size).start()
+    signal.sigwait({signal.SIGTERM})
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--runner-child"]:
+        runner_child(int(sys.argv[2]))
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--group-size", type=int, default=25_000)
     parser.add_argument("--others", type=int, default=75_000)
     parser.add_argument("--operation-batch-size", type=int, default=1000)
+    parser.add_argument(
+        "--separate-runner",
+        action="store_true",
+        help="carry the operation out in a process started by the bench, the relay leaving "
+        "operations alone (by default the relay's own operations process does it)",
+    )
     args = parser.parse_args()
     setup_django_on(recreate_database(BENCH_DB), f"bench{uuid.uuid4().hex[:8]}")
     print(describe_machine())
     result = time_group_replay(
-        args.group_size, others=args.others, operation_batch_size=args.operation_batch_size
+        args.group_size,
+        others=args.others,
+        operation_batch_size=args.operation_batch_size,
+        separate_runner=args.separate_runner,
     )
     print(report(result))
 

@@ -1,10 +1,10 @@
 """Carrying out the bulk replays and discards operators record in the admin.
 
 Every deployment runs the relay, and a replay is only done once the relay has sent its outbox
-rows: so the relay process carries the operations out too (``manage.py relay`` starts an
-:class:`OperationRunner` thread beside its lanes, with a database connection of its own). The
-thread asks nothing of the relay's loop; after each batch it calls ``on_batch`` (the relay
-command wakes its lanes with it) so the new outbox rows are claimed at once.
+rows: so the relay carries the operations out too. ``manage.py relay`` starts an
+:class:`OperationRunner` beside its lanes, in a child process of its own
+(``operation_process.py``), and the runner wakes the relays after each batch so the new
+outbox rows are claimed at once.
 
 One batch is one transaction (:func:`run_batch`): the operation row is claimed with SKIP LOCKED
 (another runner takes another operation, or waits for the next batch), the next

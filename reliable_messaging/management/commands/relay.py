@@ -12,7 +12,8 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connections, router
 
 from reliable_messaging import console
-from reliable_messaging.dead_letters.operations import OperationRunner, run_pending_operations
+from reliable_messaging.dead_letters.operation_process import OperationProcess
+from reliable_messaging.dead_letters.operations import run_pending_operations
 from reliable_messaging.keepalive import keep_database_alive
 from reliable_messaging.management.metrics_options import add_metrics_arguments, serve_metrics
 from reliable_messaging.metrics import HealthCheck, HealthGroup, HealthState
@@ -121,16 +122,18 @@ class Command(BaseCommand):
         # On PostgreSQL the sent rows go into a partition per day, made ahead of time.
         upkeep = PartitionUpkeep(router.db_for_write(OutboxMessage), spec=OUTBOX)
         upkeep.start()
-        # The admin's bulk replays and discards: carried out beside the lanes, in a thread of
-        # their own (a batch never waits on a broker), the relay woken after each batch.
+        # The admin's bulk replays and discards: carried out beside the lanes, in a process of
+        # their own (see dead_letters/operations.py), the relays woken after each batch.
         operations = None
         if options["operation_batch_size"]:
-            wake = partial(_wake_relays, relays[0].using)
             if options["once"]:
-                run_pending_operations(options["operation_batch_size"], on_batch=wake)
+                run_pending_operations(
+                    options["operation_batch_size"],
+                    on_batch=partial(_wake_relays, relays[0].using),
+                )
             else:
-                operations = OperationRunner(
-                    batch_size=options["operation_batch_size"], on_batch=wake
+                operations = OperationProcess(
+                    batch_size=options["operation_batch_size"], notify_channel=NOTIFY_CHANNEL
                 )
                 operations.start()
         # Its start, its progress and its stop show whatever LOGGING says.
