@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import logging
 import signal
-from functools import partial
 from types import FrameType
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db import connections, router
+from django.db import router
 
 from reliable_messaging import console
 from reliable_messaging.dead_letters.operation_process import OperationProcess
@@ -20,18 +19,9 @@ from reliable_messaging.metrics import HealthCheck, HealthGroup, HealthState
 from reliable_messaging.models import OutboxMessage
 from reliable_messaging.partitions import OUTBOX, PartitionUpkeep
 from reliable_messaging.publishing.lanes import RelayProgress, run_lanes
-from reliable_messaging.publishing.listener import NOTIFY_CHANNEL
 from reliable_messaging.publishing.relay import OutboxRelay
 
 logger = logging.getLogger("reliable_messaging.relay")
-
-
-def _wake_relays(using: str) -> None:
-    """Tell the listening relays that outbox rows were committed (the replays of a batch), so
-    they claim them now rather than at their next poll."""
-    if connections[using].vendor == "postgresql":
-        with connections[using].cursor() as cursor:
-            cursor.execute("SELECT pg_notify(%s, '')", [NOTIFY_CHANNEL])
 
 
 class Command(BaseCommand):
@@ -122,19 +112,16 @@ class Command(BaseCommand):
         # On PostgreSQL the sent rows go into a partition per day, made ahead of time.
         upkeep = PartitionUpkeep(router.db_for_write(OutboxMessage), spec=OUTBOX)
         upkeep.start()
-        # The admin's bulk replays and discards: carried out beside the lanes, in a process of
-        # their own (see dead_letters/operations.py), the relays woken after each batch.
+        # The admin's bulk replays and discards, carried out beside the lanes in a process of
+        # their own (dead_letters/operation_process.py). The outbox's insert trigger wakes the
+        # lanes for the rows of each batch: a NOTIFY of our own as well made the lanes claim
+        # twice as often and halved the replay's rate (bench/admin_replay.py).
         operations = None
         if options["operation_batch_size"]:
-            if options["once"]:
-                run_pending_operations(
-                    options["operation_batch_size"],
-                    on_batch=partial(_wake_relays, relays[0].using),
-                )
+            if options["once"]:  # before the lanes start: they find the replays due
+                run_pending_operations(options["operation_batch_size"])
             else:
-                operations = OperationProcess(
-                    batch_size=options["operation_batch_size"], notify_channel=NOTIFY_CHANNEL
-                )
+                operations = OperationProcess(batch_size=options["operation_batch_size"])
                 operations.start()
         # Its start, its progress and its stop show whatever LOGGING says.
         console.attach(self.stdout.write)
