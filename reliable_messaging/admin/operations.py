@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 from django.contrib import admin, messages
+from django.contrib.admin.models import ADDITION, CHANGE, LogEntry
 from django.core.exceptions import PermissionDenied
 from django.db.models import Max, QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, JsonResponse
@@ -103,6 +104,7 @@ def record_operation(
         matched=matched,
         max_pk=max_pk,
     )
+    _log(request, operation, ADDITION, gettext("Recorded."))
     model_admin.message_user(
         request,
         gettext(
@@ -113,6 +115,17 @@ def record_operation(
         messages.SUCCESS,
     )
     return redirect(model_admin.console_url("operation", operation.pk))
+
+
+def _log(request: HttpRequest, operation: DeadLetterOperation, flag: int, message: str) -> None:
+    """One admin log entry for the operation (its dead letters' history names it too)."""
+    user: Any = request.user
+    LogEntry.objects.log_actions(
+        user_id=user.pk,
+        queryset=DeadLetterOperation.objects.filter(pk=operation.pk),
+        action_flag=flag,
+        change_message=message,
+    )
 
 
 def figures(operation: DeadLetterOperation) -> dict[str, Any]:
@@ -198,6 +211,7 @@ def cancel_view(model_admin: OperationConsole, request: HttpRequest, pk: int) ->
     operation = _operation(pk)
     who = f"{request.user.get_username()} (admin)"
     if DeadLetterOperation.objects.cancel(operation.pk, by=who, at=timezone.now()):
+        _log(request, operation, CHANGE, gettext("Cancelled."))
         model_admin.message_user(
             request,
             gettext(

@@ -259,6 +259,10 @@ def test_replay_everything_matching_the_filter_is_an_operation_the_relay_carries
     assert letter.history[-1]["by"] == "alice (admin)"
     assert letter.history[-1]["operation"] == operation.pk
     assert not LogEntry.objects.filter(action_flag=CHANGE).exists()
+    # One log entry for the operation itself: who recorded it.
+    assert list(LogEntry.objects.values_list("user__username", "object_id")) == [
+        ("alice", str(operation.pk))
+    ]
     operation.refresh_from_db()
     assert (operation.state, operation.done, operation.replayed) == ("done", 1200, 1200)
     page = admin.get(operation_url(operation)).content.decode()
