@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -15,6 +16,7 @@ from django.db import connections
 
 from reliable_messaging.admin.operations import COUNT_CAP, figures
 from reliable_messaging.core.envelope import CELERY_TASK_HEADER, REPLAYED_BY_HEADER
+from reliable_messaging.dead_letters import operations
 from reliable_messaging.dead_letters.operations import run_pending_operations
 from reliable_messaging.dead_letters.selection import selection_from_query
 from reliable_messaging.models import (
@@ -198,3 +200,37 @@ def test_replay_dead_letters_via_relay_records_an_operation(
     )
     other.refresh_from_db()
     assert other.status == "dead"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_batch_that_keeps_failing_stops_its_operation_with_the_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    DeadLetter.objects.create(
+        message_id="stuck",
+        consumer="tests.alpha",
+        queue=ALPHA_QUEUE,
+        body=b"{}",
+        reason="permanent",
+    )
+    operation = record({})
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the outbox is full")
+
+    monkeypatch.setattr(operations, "replay_batch", broken)
+    runner = operations.OperationRunner(batch_size=10, interval=0.01)
+    runner.start()
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            operation.refresh_from_db()
+            if operation.state == "failed":
+                break
+            time.sleep(0.05)
+    finally:
+        runner.stop()
+
+    assert (operation.state, operation.error) == ("failed", "RuntimeError: the outbox is full")
+    assert DeadLetter.objects.get().status == "dead"
+    assert not OutboxMessage.objects.exists()
