@@ -68,3 +68,19 @@ class OutboxStatus(models.TextChoices):
 # or a replay not yet decided. They hold back an ordered consumer's key, and a later copy of
 # the message that is processed resolves them.
 OPEN_DEAD_LETTER_STATUSES = (DeadLetterStatus.DEAD, DeadLetterStatus.REPLAYED)
+
+
+class OperationKind(models.TextChoices):
+    REPLAY = "replay", _("replay")
+    DISCARD = "discard", _("discard")
+
+
+class OperationState(models.TextChoices):
+    PENDING = "pending", _("pending")
+    RUNNING = "running", _("running")
+    DONE = "done", _("done")
+    CANCELLED = "cancelled", _("cancelled")
+    FAILED = "failed", _("failed")
+
+
+UNFINISHED_OPERATION_STATES = (OperationState.PENDING, OperationState.RUNNING)

@@ -19,10 +19,16 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from django.db import IntegrityError, connections, models, router, transaction
-from django.db.models import Count, Exists, Max, Min, OuterRef, Q, Sum
+from django.db.models import Count, Exists, F, Max, Min, OuterRef, Q, Sum, Value
 from django.db.models.functions import Now
 
-from .choices import OPEN_DEAD_LETTER_STATUSES, DeadLetterStatus, OutboxStatus
+from .choices import (
+    OPEN_DEAD_LETTER_STATUSES,
+    UNFINISHED_OPERATION_STATES,
+    DeadLetterStatus,
+    OperationState,
+    OutboxStatus,
+)
 
 if TYPE_CHECKING:
     from .models import DeadLetter, SuspectDelivery
@@ -68,6 +74,17 @@ class ProcessedMessageQuerySet(BatchDeletingQuerySet):
         """Remove the inbox row of one message, so a copy of it runs the handler again (a
         forced replay; a guarded handler's failure, whose claimed row must not commit)."""
         return self.of(consumer, message_id).delete()[0]
+
+    def forget_many(self, keys: Iterable[tuple[str, str]]) -> int:
+        """Remove the inbox rows of several (consumer, message_id) pairs: one delete per
+        consumer (a forced bulk replay)."""
+        by_consumer: dict[str, list[str]] = {}
+        for consumer, message_id in keys:
+            by_consumer.setdefault(consumer, []).append(message_id)
+        return sum(
+            self.filter(consumer=consumer, message_id__in=ids).delete()[0]
+            for consumer, ids in by_consumer.items()
+        )
 
     def processed_keys(self, message_ids: Iterable[str]) -> set[tuple[str, str]]:
         """The (consumer, message_id) pairs in the inbox among ``message_ids``, any consumer."""
@@ -238,14 +255,27 @@ class DeadLetterQuerySet(BatchDeletingQuerySet):
             event["by"] = by
         _save_move(dead_letter, event, ["status", "history", "updated_at"])
 
-    def discard(self, *, by: str, at: dt.datetime) -> int:
-        """Lock these dead letters and mark each discarded; returns how many. Inside a
-        transaction."""
-        count = 0
-        for dead_letter in self.select_for_update():
-            self.mark_discarded(dead_letter, by=by, at=at)
-            count += 1
-        return count
+    def mark_replayed_in_bulk(
+        self, pks: Iterable[int], *, by: str, forced: bool, at: dt.datetime, **details: Any
+    ) -> int:
+        """:meth:`mark_replayed` for many dead letters at once, already locked by the caller:
+        one UPDATE (``details``, such as the operation's id, go into each history entry)."""
+        event = {"event": "replayed", "at": at.isoformat(), "by": by, "forced": forced, **details}
+        return _move_in_bulk(
+            self.filter(pk__in=list(pks)),
+            event,
+            status=DeadLetterStatus.REPLAYED,
+            replay_count=F("replay_count") + 1,
+            updated_at=at,
+        )
+
+    def discard(self, *, by: str, at: dt.datetime, **details: Any) -> int:
+        """Mark these dead letters discarded; returns how many. One UPDATE, which locks the
+        rows it changes (a concurrent replay's lock is waited for, and the rows it took no
+        longer match the caller's filter when the UPDATE re-reads them). Inside a
+        transaction. ``details`` go into each history entry."""
+        event = {"event": "discarded", "at": at.isoformat(), "by": by, **details}
+        return _move_in_bulk(self, event, status=DeadLetterStatus.DISCARDED, updated_at=at)
 
     def resolve(self, *, at: dt.datetime, by: str | None = None) -> int:
         """Lock these dead letters and mark each resolved; returns how many. Inside a
@@ -294,6 +324,32 @@ class DeadLetterQuerySet(BatchDeletingQuerySet):
                 except IntegrityError:
                     continue
         raise IntegrityError(f"could not record the dead letter of message_id={message_id}")
+
+
+class _JSONAppend(models.Func):
+    """``history || '[event]'``: PostgreSQL appends to a jsonb array in the UPDATE itself."""
+
+    template = "%(expressions)s"
+    arg_joiner = " || "
+    output_field = models.JSONField()
+
+
+def _move_in_bulk(rows: models.QuerySet[Any], event: dict[str, Any], **fields: Any) -> int:
+    """Set ``fields`` and append ``event`` to the history of ``rows``: one UPDATE on
+    PostgreSQL; elsewhere the fields in one UPDATE and the history row by row."""
+    using = rows.db
+    if connections[using].vendor == "postgresql":
+        return rows.update(
+            history=_JSONAppend(F("history"), Value([event], output_field=models.JSONField())),
+            **fields,
+        )
+    pks = list(rows.values_list("pk", flat=True))
+    model = rows.model._default_manager.using(using)
+    model.filter(pk__in=pks).update(**fields)
+    for dead_letter in model.filter(pk__in=pks).only("pk", "history"):
+        dead_letter.history = [*dead_letter.history, event]
+        dead_letter.save(using=using, update_fields=["history"])
+    return len(pks)
 
 
 def _save_move(dead_letter: DeadLetter, event: dict[str, Any], update_fields: list[str]) -> None:
@@ -460,3 +516,116 @@ class OutboxMessageQuerySet(BatchDeletingQuerySet):
 
 
 OutboxMessageManager = models.Manager.from_queryset(OutboxMessageQuerySet)
+
+
+# -- bulk operations on dead letters -----------------------------------------------------------
+
+
+class DeadLetterOperationQuerySet(models.QuerySet):
+    """The bulk replays and discards, and every change of their state.
+
+    ``claim_next`` locks an operation row for the caller's transaction with SKIP LOCKED: two
+    relays never run a batch of the same operation at once, and a cancel waits at most for
+    the batch under way. ``advance`` moves the cursor and the counters in that same
+    transaction, with the batch's replays: they commit together or not at all.
+    """
+
+    def unfinished(self) -> DeadLetterOperationQuerySet:
+        return self.filter(state__in=UNFINISHED_OPERATION_STATES)
+
+    def record(
+        self,
+        *,
+        kind: str,
+        selection: dict[str, Any],
+        requested_by: str,
+        force: bool = False,
+        matched: int = 0,
+        max_pk: int = 0,
+    ) -> Any:
+        """A new pending operation over ``selection``, up to dead letter ``max_pk``."""
+        return self.create(
+            kind=kind,
+            selection=selection,
+            requested_by=requested_by,
+            force=force,
+            matched=matched,
+            max_pk=max_pk,
+        )
+
+    def same_as(self, kind: str, selection: dict[str, Any], force: bool) -> Any:
+        """An unfinished operation of the same kind over the same selection, if any."""
+        return (
+            self.unfinished()
+            .filter(kind=kind, force=force, selection=selection)
+            .order_by("pk")
+            .first()
+        )
+
+    def claim_next(self) -> Any:
+        """The oldest unfinished operation no one else is running, locked until the caller's
+        transaction ends; None when there is none. Inside a transaction."""
+        return self.unfinished().select_for_update(skip_locked=True).order_by("pk").first()
+
+    def advance(
+        self,
+        operation: Any,
+        *,
+        cursor: int,
+        at: dt.datetime,
+        replayed: int = 0,
+        discarded: int = 0,
+        refused: int = 0,
+        skipped: int = 0,
+    ) -> None:
+        """A batch of ``operation`` (locked by :meth:`claim_next`) is done up to ``cursor``.
+        In the batch's own transaction."""
+        operation.cursor = cursor
+        operation.replayed += replayed
+        operation.discarded += discarded
+        operation.refused += refused
+        operation.skipped += skipped
+        operation.done += replayed + discarded + refused + skipped
+        operation.state = OperationState.RUNNING
+        operation.started_at = operation.started_at or at
+        operation.heartbeat_at = at
+        operation.save(
+            update_fields=[
+                "cursor",
+                "replayed",
+                "discarded",
+                "refused",
+                "skipped",
+                "done",
+                "state",
+                "started_at",
+                "heartbeat_at",
+            ]
+        )
+
+    def finish(self, operation: Any, *, at: dt.datetime) -> None:
+        """Nothing is left of ``operation`` (locked by :meth:`claim_next`)."""
+        operation.state = OperationState.DONE
+        operation.started_at = operation.started_at or at
+        operation.finished_at = operation.heartbeat_at = at
+        operation.save(update_fields=["state", "started_at", "finished_at", "heartbeat_at"])
+
+    def fail(self, pk: int, *, error: str, at: dt.datetime) -> int:
+        """``pk`` failed for good (a batch that raises every time): stopped, with why."""
+        return (
+            self.unfinished()
+            .filter(pk=pk)
+            .update(state=OperationState.FAILED, error=error, finished_at=at, heartbeat_at=at)
+        )
+
+    def cancel(self, pk: int, *, by: str, at: dt.datetime) -> bool:
+        """Stop ``pk`` after the batch under way (whose transaction this UPDATE waits for);
+        what it did stays done, the rest is left as it is. False when it had finished."""
+        return bool(
+            self.unfinished()
+            .filter(pk=pk)
+            .update(state=OperationState.CANCELLED, cancelled_by=by, finished_at=at)
+        )
+
+
+DeadLetterOperationManager = models.Manager.from_queryset(DeadLetterOperationQuerySet)

@@ -12,10 +12,17 @@ from django.db.models import Q
 from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
-from .choices import DeadLetterReason, DeadLetterStatus, OutboxStatus
+from .choices import (
+    DeadLetterReason,
+    DeadLetterStatus,
+    OperationKind,
+    OperationState,
+    OutboxStatus,
+)
 from .managers import (
     DeadLetterGroupManager,
     DeadLetterManager,
+    DeadLetterOperationManager,
     DeadLetterQuerySet,
     OutboxMessageManager,
     OutboxMessageQuerySet,
@@ -27,6 +34,7 @@ from .managers import (
 __all__ = [
     "DeadLetter",
     "DeadLetterGroup",
+    "DeadLetterOperation",
     "DeadLetterQuerySet",
     "DeadLetterReason",
     "DeadLetterStatus",
@@ -302,3 +310,56 @@ class OutboxMessage(models.Model):
 
     def __str__(self) -> str:
         return f"{self.message_id} → {self.routing_key} ({self.status})"
+
+
+class DeadLetterOperation(models.Model):
+    """A bulk replay or discard an operator started: what it takes, who, and how far it got.
+
+    The admin records it and returns at once; the relay process carries it out a batch per
+    transaction (``dead_letters/operations.py``). The dead letters it takes are those its
+    ``selection`` matches (``dead_letters/selection.py``) with a pk up to ``max_pk``, fixed
+    when it was recorded, walked in ascending pk order: ``cursor`` is the last pk done, moved
+    in the same transaction as the batch's replays, so a process killed mid-batch leaves the
+    batch undone and the cursor before it. State changes live on the manager.
+    """
+
+    kind = models.CharField(max_length=10, choices=OperationKind.choices)
+    force = models.BooleanField(default=False)
+    # {"lookups": {field lookup: value}, "search": "...", "status_chosen": bool,
+    #  "description": "the filter in words"}
+    selection = models.JSONField(default=dict)
+    # How many matched when it was recorded (capped: an estimate for the progress display).
+    matched = models.PositiveIntegerField(default=0)
+    max_pk = models.BigIntegerField(default=0)
+    cursor = models.BigIntegerField(default=0)
+    state = models.CharField(
+        max_length=10, choices=OperationState.choices, default=OperationState.PENDING
+    )
+    done = models.PositiveIntegerField(default=0)
+    replayed = models.PositiveIntegerField(default=0)
+    discarded = models.PositiveIntegerField(default=0)
+    refused = models.PositiveIntegerField(default=0)
+    skipped = models.PositiveIntegerField(default=0)
+    requested_by = models.CharField(max_length=255)
+    cancelled_by = models.CharField(max_length=255, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True)
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    error = models.TextField(blank=True)
+
+    objects = DeadLetterOperationManager()
+
+    class Meta:
+        verbose_name = _("dead letter operation")
+        ordering = ["-id"]
+        indexes = [
+            models.Index(
+                fields=["id"],
+                condition=Q(state__in=["pending", "running"]),
+                name="rm_dlop_unfinished_idx",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} #{self.pk} ({self.state})"

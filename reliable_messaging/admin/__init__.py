@@ -4,4 +4,4 @@ from __future__ import annotations
 
 # Imported here because a framework discovers this package by name (Django's admin
 # autodiscovery imports <app>.admin): importing the package must register everything.
-from . import dead_letters, inbox, outbox  # noqa: F401
+from . import dead_letters, inbox, operations, outbox  # noqa: F401

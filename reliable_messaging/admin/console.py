@@ -3,9 +3,8 @@
 - ``failure_groups_view``: dead letters grouped by fingerprint and consumer, with counts, first
   and last seen, an example, and links to list, replay or discard a whole group.
 - ``bulk_operation_view``: replay or discard everything the changelist's filter matches; GET
-  shows how many on a confirmation page, POST does it in bounded batches, for at most
-  ``bulk_request_seconds`` per request: a longer operation answers a progress page that posts
-  itself again to go on after the last dead letter done, until nothing is left.
+  shows how many (capped counts) on a confirmation page, POST records a ``DeadLetterOperation``
+  that the relay carries out (``operations.py``: its progress page, cancel, the list).
 - ``object_operation_view``: the replay and discard buttons of one dead letter's page.
 - ``replay_and_report``, ``discard_and_report``: call the services of ``replay.py`` batch by
   batch, write each dead letter's admin log entry in the batch's transaction, and tell the user
@@ -17,33 +16,33 @@ CSRF protection.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from django.contrib import messages
 from django.contrib.admin.models import CHANGE, LogEntry
 from django.contrib.admin.options import IncorrectLookupParameters
-from django.core.exceptions import PermissionDenied
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.core.paginator import Paginator
 from django.db import router, transaction
-from django.db.models import Count, Q, QuerySet
+from django.db.models import QuerySet
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed
 from django.shortcuts import redirect
 from django.template.response import TemplateResponse
 from django.utils.http import urlencode
 from django.utils.translation import gettext, ngettext
 
-from ..dead_letters.replay import (
-    UNREPLAYABLE_REASONS,
-    ReplayResult,
-    discard,
-    discardable,
-    replay_batch,
-    replayable,
-    stale_replays,
+from ..dead_letters.replay import ReplayResult, discard, discardable, replay_batch
+from ..dead_letters.selection import (
+    SelectionError,
+    matching,
+    selection_from_query,
+    targets,
+    unreplayable,
+    wanted,
 )
 from ..models import DeadLetter, DeadLetterGroup, DeadLetterQuerySet, DeadLetterStatus
+from .operations import COUNT_CAP, capped_count, record_operation
 
 if TYPE_CHECKING:
     from django.contrib.admin import AdminSite
@@ -59,9 +58,8 @@ class DeadLetterConsole(Protocol):
 
     admin_site: AdminSite
     opts: Options[DeadLetter]
-    # Dead letters per transaction; seconds a bulk request works before it answers progress.
+    # Dead letters per transaction of a synchronous replay or discard (a selection).
     batch_size: int
-    bulk_request_seconds: float
 
     def console_url(self, name: str, *args: Any, query: str = "") -> str: ...
 
@@ -135,17 +133,14 @@ def replay_and_report(
     *,
     force: bool,
     how: str,
-    deadline: float | None = None,
-) -> tuple[ReplayResult, int]:
-    """Replay ``ids`` through the outbox, ``batch_size`` per transaction, log and report it.
-    Stops after the batch that passes ``deadline`` (``time.monotonic()``); returns what was
-    done and how many of ``ids`` were handled."""
+) -> ReplayResult:
+    """Replay ``ids`` (a selection of the list, one dead letter's button) through the outbox,
+    ``batch_size`` per transaction, log and report it; returns what was done."""
     result = ReplayResult()
     who = operator(request)
     verb = gettext("Replayed, forced") if force else gettext("Replayed")
     message = _how_many(verb, how, len(ids))
     using = router.db_for_write(DeadLetter)
-    handled = 0
     for start in range(0, len(ids), model_admin.batch_size):
         with transaction.atomic(using=using):
             batch = replay_batch(
@@ -153,11 +148,8 @@ def replay_and_report(
             )
             log_changes(request, batch.replayed, message)
         result.merge(batch)
-        handled = min(len(ids), start + model_admin.batch_size)
-        if deadline is not None and time.monotonic() >= deadline:
-            break
     _report_replay(model_admin, request, result, force=force)
-    return result, handled
+    return result
 
 
 def _report_replay(
@@ -229,15 +221,13 @@ def discard_and_report(
     ids: Sequence[int],
     *,
     how: str,
-    deadline: float | None = None,
-) -> tuple[int, int]:
+) -> int:
     """Discard those of ``ids`` still dead, ``batch_size`` per transaction; log and report.
-    Stops after the batch that passes ``deadline``; returns (discarded, ids handled)."""
+    Returns how many were discarded."""
     who = operator(request)
     message = _how_many(gettext("Discarded"), how, len(ids))
     using = router.db_for_write(DeadLetter)
     discarded = 0
-    handled = 0
     for start in range(0, len(ids), model_admin.batch_size):
         with transaction.atomic(using=using):
             # Locked, so a dead letter a replay just took is not discarded under its feet.
@@ -250,9 +240,6 @@ def discard_and_report(
             )
             discarded += discard(DeadLetter.objects.filter(pk__in=dead), discarded_by=who)
             log_changes(request, dead, message)
-        handled = min(len(ids), start + model_admin.batch_size)
-        if deadline is not None and time.monotonic() >= deadline:
-            break
     if discarded:
         model_admin.message_user(
             request,
@@ -266,7 +253,7 @@ def discard_and_report(
             % {"count": discarded},
             messages.SUCCESS,
         )
-    skipped = handled - discarded
+    skipped = len(ids) - discarded
     if skipped:
         model_admin.message_user(
             request,
@@ -280,13 +267,7 @@ def discard_and_report(
             % {"count": skipped},
             messages.WARNING,
         )
-    return discarded, handled
-
-
-def _counter(request: HttpRequest, name: str) -> int:
-    """A non-negative integer posted back by the progress page; 0 when absent or malformed."""
-    value = request.POST.get(name, "")
-    return int(value) if value.isdigit() and len(value) < 19 else 0
+    return discarded
 
 
 # --------------------------------------------------------------------------- views
@@ -311,87 +292,61 @@ def describe_filter(request: HttpRequest) -> list[str]:
 def bulk_operation_view(
     model_admin: DeadLetterConsole, request: HttpRequest, operation: Operation
 ) -> HttpResponse:
-    """Replay or discard every dead letter the changelist's filter and search match."""
+    """Replay or discard every dead letter the changelist's filter and search match: GET asks
+    for confirmation with the counts, POST records an operation the relay carries out."""
     if not model_admin.has_replay_permission(request):
         raise PermissionDenied
     if request.method not in ("GET", "POST"):
         return HttpResponseNotAllowed(["GET", "POST"])
     query = request.GET.urlencode()
     changelist_url = model_admin.console_url("changelist", query=query)
+    filter_text = ", ".join(describe_filter(request))
     try:
-        # The very queryset the changelist shows for this query string: filters, search, dates.
-        matching = model_admin.get_changelist_instance(request).get_queryset(request)
-    except IncorrectLookupParameters:
+        # What the changelist would refuse (an unknown field, a malformed date) is refused here.
+        model_admin.get_changelist_instance(request)
+        chosen = selection_from_query(request.GET, filter_text)
+        matching_rows = matching(chosen)
+        targets_rows = targets(operation, chosen)
+        target_count = capped_count(targets_rows)
+    except (IncorrectLookupParameters, SelectionError, ValidationError, ValueError):
         return redirect(model_admin.console_url("changelist", query="e=1"))
 
-    # Without a status filter only dead ones are taken: "replay everything from billing" should
-    # not wake up what someone discarded on purpose. Filter by status to include those.
-    status_chosen = any(key.startswith("status") for key in request.GET)
-    # A replay presumed lost (still "replayed" after STALE_REPLAY_AFTER) is taken like a dead one.
-    if operation == "replay" and status_chosen:
-        wanted = replayable()
-    else:
-        wanted = Q(status=DeadLetterStatus.DEAD) | stale_replays()
-    unreplayable = list(UNREPLAYABLE_REASONS) if operation == "replay" else []
-    targets = matching.filter(wanted).exclude(reason__in=unreplayable)
-
     if request.method == "POST":
-        # A continuation (posted by the progress page) goes on after the last one done, so
-        # nothing is done twice even when the filter still matches what was done already.
-        after, done_before = _counter(request, "after"), _counter(request, "done")
-        ids = list(targets.filter(pk__gt=after).order_by("pk").values_list("pk", flat=True))
-        filter_text = ", ".join(describe_filter(request)) or gettext("no filter")
-        how = gettext("all matching the filter: %(filter)s") % {"filter": filter_text}
-        force = bool(request.POST.get("force"))
-        deadline = time.monotonic() + model_admin.bulk_request_seconds
-        if operation == "replay":
-            _, handled = replay_and_report(
-                model_admin, request, ids, force=force, how=how, deadline=deadline
-            )
-        else:
-            _, handled = discard_and_report(model_admin, request, ids, how=how, deadline=deadline)
-        if handled < len(ids):
-            return _progress_page(
-                model_admin,
-                request,
-                operation,
-                done=done_before + handled,
-                left=len(ids) - handled,
-                after=ids[handled - 1],
-                force=force,
-                changelist_url=changelist_url,
-            )
-        return redirect(changelist_url)
+        return record_operation(
+            model_admin,
+            request,
+            kind=operation,
+            selection=chosen,
+            force=operation == "replay" and bool(request.POST.get("force")),
+            matched=target_count,
+        )
 
-    counts = matching.aggregate(
-        matching=Count("pk"),
-        selected=Count("pk", filter=wanted),
-        unreplayable=Count("pk", filter=wanted & Q(reason__in=unreplayable)),
-    )
-    target_count = counts["selected"] - counts["unreplayable"]
-    processed = 0
-    if operation == "replay":
-        processed = already_processed(targets).count()
+    wanted_rows = matching_rows.filter(wanted(operation, chosen))
+    matching_count = capped_count(matching_rows)
+    unreplayable_count = capped_count(wanted_rows.filter(reason__in=unreplayable(operation)))
+    processed = capped_count(already_processed(targets_rows)) if operation == "replay" else 0
     if operation == "replay":
         title = ngettext(
-            "Replay %(count)d dead letter?", "Replay %(count)d dead letters?", target_count
+            "Replay %(count)s dead letter?", "Replay %(count)s dead letters?", target_count
         )
     else:
         title = ngettext(
-            "Discard %(count)d dead letter?", "Discard %(count)d dead letters?", target_count
+            "Discard %(count)s dead letter?", "Discard %(count)s dead letters?", target_count
         )
     context = {
         **model_admin.admin_site.each_context(request),
         "opts": model_admin.opts,
-        "title": title % {"count": target_count},
+        "title": title % {"count": _at_most(target_count)},
         "operation": operation,
         "filter_parts": describe_filter(request),
-        "matching_count": counts["matching"],
+        "matching_count": matching_count,
         "target_count": target_count,
-        "left_alone_count": counts["matching"] - counts["selected"],
-        "unreplayable_count": counts["unreplayable"],
+        "left_alone_count": max(0, matching_count - capped_count(wanted_rows)),
+        "unreplayable_count": unreplayable_count,
         "processed_count": processed,
-        "status_chosen": status_chosen,
+        "count_cap": COUNT_CAP,
+        "capped": matching_count > COUNT_CAP,
+        "status_chosen": chosen["status_chosen"],
         "batch_size": model_admin.batch_size,
         "changelist_url": changelist_url,
     }
@@ -401,38 +356,8 @@ def bulk_operation_view(
     )
 
 
-def _progress_page(
-    model_admin: DeadLetterConsole,
-    request: HttpRequest,
-    operation: Operation,
-    *,
-    done: int,
-    left: int,
-    after: int,
-    force: bool,
-    changelist_url: str,
-) -> TemplateResponse:
-    """Part of a bulk operation is done: say how far it got, and post again to go on."""
-    if operation == "replay":
-        title = gettext("Replaying: %(done)d done, %(left)d to go") % {"done": done, "left": left}
-    else:
-        title = gettext("Discarding: %(done)d done, %(left)d to go") % {"done": done, "left": left}
-    context = {
-        **model_admin.admin_site.each_context(request),
-        "opts": model_admin.opts,
-        "title": title,
-        "operation": operation,
-        "done": done,
-        "left": left,
-        "after": after,
-        "force": force,
-        "action_url": request.get_full_path(),
-        "changelist_url": changelist_url,
-    }
-    request.current_app = model_admin.admin_site.name
-    return TemplateResponse(
-        request, "admin/reliable_messaging/deadletter/bulk_progress.html", context
-    )
+def _at_most(count: int) -> str:
+    return gettext("more than %(cap)d") % {"cap": COUNT_CAP} if count > COUNT_CAP else str(count)
 
 
 def object_operation_view(

@@ -26,9 +26,11 @@ from django.utils.http import urlencode
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
+from ..dead_letters import selection
 from ..dead_letters.replay import REPLAYABLE_STATUSES, UNREPLAYABLE_REASONS, stale_replays
 from ..models import DeadLetter, DeadLetterGroup, DeadLetterStatus, ProcessedMessage
 from . import console as admin_views
+from . import operations as admin_operations
 from . import scaling
 
 
@@ -122,11 +124,9 @@ class DeadLetterAdmin(admin.ModelAdmin):
         "created_at",
         "updated_at",
     )
-    # Dead letters replayed, or discarded, per transaction (each with its admin log rows).
+    # Dead letters of a selection replayed, or discarded, per transaction (each with its admin
+    # log rows). "All matching" and failure groups are operations the relay carries out.
     batch_size = 500
-    # Seconds of bulk work ("all matching the filter") one request may do. Past it the request
-    # answers a page that continues where it stopped, so no proxy timeout cuts an operation.
-    bulk_request_seconds = 20.0
 
     # ------------------------------------------------------------------ permissions
 
@@ -200,7 +200,7 @@ class DeadLetterAdmin(admin.ModelAdmin):
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
     ) -> tuple[QuerySet[Any], bool]:
-        return scaling.search_dead_letters(queryset, search_term), False
+        return selection.search(queryset, search_term), False
 
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
@@ -498,7 +498,7 @@ class DeadLetterAdmin(admin.ModelAdmin):
                 name=f"{prefix}_discard",
             ),
         ]
-        return custom + super().get_urls()
+        return custom + admin_operations.urls(self, prefix) + super().get_urls()
 
     def console_url(self, name: str, *args: Any, query: str = "") -> str:
         """The URL of one of this admin's pages ("changelist", "change", "groups"...)."""

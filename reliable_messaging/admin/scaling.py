@@ -9,7 +9,8 @@ table, ``date_hierarchy`` a ``DISTINCT date_trunc`` and a ``MIN``/``MAX``, the p
   registry, and the date filter offers fixed ranges;
 - the paginator shows PostgreSQL's estimate of a large result, and counts a small one only up
   to ``COUNT_UP_TO`` + 1 rows ("more than 10,000");
-- the search looks a single word up as an exact message_id first (the B-tree on message_id),
+- the search (``dead_letters.selection.search``, which the bulk operations resolve again batch
+  after batch) looks a single word up as an exact message_id first (the B-tree on message_id),
   and matches words in the exception message and the payload's text with trigram GIN indexes
   on PostgreSQL (``migrations/0011_dead_letter_groups.py``), ``icontains`` elsewhere.
 """
@@ -22,15 +23,13 @@ from typing import Any
 from django.contrib import admin
 from django.core.paginator import Paginator
 from django.db import connections
-from django.db.models import Q, QuerySet, TextField
-from django.db.models.functions import Cast
+from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils.functional import cached_property
-from django.utils.text import smart_split, unescape_string_literal
 from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
-from ..models import DeadLetter, DeadLetterGroup
+from ..models import DeadLetterGroup
 from ..registry import registry
 
 # A filtered list counts its rows up to this many and says "more than" past it.
@@ -145,32 +144,3 @@ class BoundedCountPaginator(Paginator):
             plan = cursor.fetchone()[0]
         plan = json.loads(plan) if isinstance(plan, str) else plan
         return int(plan[0]["Plan"]["Plan Rows"])
-
-
-def search_dead_letters(queryset: QuerySet[DeadLetter], term: str) -> QuerySet[DeadLetter]:
-    """The dead letters of ``queryset`` that ``term`` finds.
-
-    ``=ID`` is an exact message_id. A single word that is the message_id of some of them finds
-    those (one probe of the message_id index); otherwise every word (quotes group words) must
-    be in the exception message or in the payload's JSON text, case-insensitively: trigram
-    GIN indexes answer that on PostgreSQL for words of three characters or more.
-    """
-    term = term.strip()
-    if not term:
-        return queryset
-    if term.startswith("="):
-        return queryset.filter(message_id=term[1:].strip())
-    if not any(character.isspace() for character in term):
-        exact = queryset.filter(message_id=term)
-        if exact.exists():
-            return exact
-    # alias(), not annotate(): the cast is needed in the WHERE clause only. Django writes
-    # UPPER(("payload")::text) for it, the expression the trigram index is built on.
-    queryset = queryset.alias(payload_text=Cast("payload", output_field=TextField()))
-    for word in smart_split(term):
-        if word[0] in "\"'" and word[0] == word[-1]:
-            word = unescape_string_literal(word)
-        queryset = queryset.filter(
-            Q(exception_message__icontains=word) | Q(payload_text__icontains=word)
-        )
-    return queryset

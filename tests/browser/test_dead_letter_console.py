@@ -21,10 +21,11 @@ import pytest
 from django.contrib.auth.models import User
 from django.db import connections
 from django.utils import timezone
-from playwright.sync_api import Browser, Page, sync_playwright
+from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from reliable_messaging.conf import messaging_settings
-from reliable_messaging.models import DeadLetter, ProcessedMessage
+from reliable_messaging.dead_letters.operations import run_batch
+from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
 from reliable_messaging.testing import find_consumer, run_outbox
 from tests.testapp.models import Effect
 
@@ -163,28 +164,46 @@ def test_filter_replay_and_see_the_consumer_process_it(page: Page) -> None:
     assert status.inner_text().split() == ["resolved", "replayed", "once"]
 
 
-def test_a_long_bulk_replay_continues_by_itself_in_the_browser(
-    page: Page, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The progress page of a bulk replay posts itself until everything is done; the
-    messages of every request are shown together on the list at the end."""
-    from reliable_messaging.admin.dead_letters import DeadLetterAdmin
-
-    monkeypatch.setattr(DeadLetterAdmin, "batch_size", 2)
-    monkeypatch.setattr(DeadLetterAdmin, "bulk_request_seconds", 0.0)  # one batch per request
+def test_a_group_replay_shows_its_progress_and_can_be_cancelled(page: Page) -> None:
+    """A group replay is recorded, not done, by the request: its page follows the runner's
+    batches (here stepped by the test, as a slow relay would go), and Cancel stops it between
+    two batches, the dead letters not reached yet left dead."""
     alpha = find_consumer("tests.alpha")
-    for n in range(5):
-        dead_letter(alpha.name, alpha.queue, {"n": n}, message_id=f"bulk-{n}")
-    # Where "select all N" in the list leads: the confirmation page for the current filter.
-    page.goto(page.url.split("?")[0] + "replay-matching/?consumer=tests.alpha")
-    page.get_by_role("button", name="Yes, replay 5 dead letters").click()
+    template = dead_letter(alpha.name, alpha.queue, {"n": -1}, message_id="group-template")
+    DeadLetter.objects.bulk_create(
+        DeadLetter(
+            message_id=f"group-{n}",
+            consumer=alpha.name,
+            queue=alpha.queue,
+            exchange=template.exchange,
+            routing_key="order.placed",
+            payload={"n": n},
+            body=json.dumps({"n": n}).encode(),
+            reason="permanent",
+            fingerprint=template.fingerprint,
+        )
+        for n in range(2999)
+    )
+    page.goto(page.url.split("?")[0] + "groups/")
+    page.locator("a.rm-replay-group").first.click()
+    page.get_by_role("button", name="Yes, replay 3000 dead letters").click()
 
-    page.wait_for_url("**/admin/reliable_messaging/deadletter/*")
-    success = page.locator(".messagelist .success")
-    success.first.wait_for()
-    counts = [int(text.split()[0]) for text in success.all_inner_texts()]
-    assert counts == [2, 2, 1]
-    assert DeadLetter.objects.filter(status="replayed", replay_count=1).count() == 5
+    page.wait_for_url("**/deadletter/operations/*/")
+    expect(page.locator("#rm-operation-state")).to_have_attribute("data-state", "pending")
+    assert run_batch(batch_size=500) is not None
+    assert run_batch(batch_size=500) is not None
+    # The page refreshes itself while the operation runs.
+    expect(page.locator("#rm-operation-done")).to_have_text("1000", timeout=TIMEOUT_MS)
+    expect(page.locator("#rm-operation-state")).to_have_attribute("data-state", "running")
+
+    page.get_by_role("button", name="Cancel the operation").click()
+
+    expect(page.locator("#rm-operation-state")).to_have_attribute("data-state", "cancelled")
+    expect(page.locator(".messagelist .success")).to_contain_text("is cancelled")
+    assert run_batch(batch_size=500) is None, "nothing left to run"
+    assert DeadLetter.objects.filter(status="replayed").count() == 1000
+    assert DeadLetter.objects.filter(status="dead").count() == 2000
+    assert OutboxMessage.objects.count() == 1000
 
 
 def test_screenshot_of_the_dead_letter_list(page: Page, tmp_path: Path) -> None:

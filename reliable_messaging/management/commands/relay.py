@@ -11,6 +11,8 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import router
 
 from reliable_messaging import console
+from reliable_messaging.dead_letters.operation_process import OperationProcess
+from reliable_messaging.dead_letters.operations import run_pending_operations
 from reliable_messaging.keepalive import keep_database_alive
 from reliable_messaging.management.metrics_options import add_metrics_arguments, serve_metrics
 from reliable_messaging.metrics import HealthCheck, HealthGroup, HealthState
@@ -51,6 +53,15 @@ class Command(BaseCommand):
             "and broker connection: one claims and publishes while another waits for its "
             "confirms. More throughput on a backlog, at some latency cost (default 1)",
         )
+        parser.add_argument(
+            "--operation-batch-size",
+            type=int,
+            default=1000,
+            metavar="N",
+            help="dead letters replayed or discarded per transaction when carrying out the "
+            "bulk operations recorded in the admin; 0 leaves them to another relay (default "
+            "1000)",
+        )
         add_metrics_arguments(parser, "broker or database lost, loop stuck")
         parser.add_argument(
             "--progress-interval",
@@ -68,6 +79,8 @@ class Command(BaseCommand):
             raise CommandError("--lanes must be at least 1")
         if options["progress_interval"] < 0:
             raise CommandError("--progress-interval must not be negative")
+        if options["operation_batch_size"] < 0:
+            raise CommandError("--operation-batch-size must not be negative")
         keep_database_alive()
         console.quiet_pika_info()
         relays = [
@@ -99,6 +112,17 @@ class Command(BaseCommand):
         # On PostgreSQL the sent rows go into a partition per day, made ahead of time.
         upkeep = PartitionUpkeep(router.db_for_write(OutboxMessage), spec=OUTBOX)
         upkeep.start()
+        # The admin's bulk replays and discards, carried out beside the lanes in a process of
+        # their own (dead_letters/operation_process.py). The outbox's insert trigger wakes the
+        # lanes for the rows of each batch: a NOTIFY of our own as well made the lanes claim
+        # twice as often and halved the replay's rate (bench/admin_replay.py).
+        operations = None
+        if options["operation_batch_size"]:
+            if options["once"]:  # before the lanes start: they find the replays due
+                run_pending_operations(options["operation_batch_size"])
+            else:
+                operations = OperationProcess(batch_size=options["operation_batch_size"])
+                operations.start()
         # Its start, its progress and its stop show whatever LOGGING says.
         console.attach(self.stdout.write)
         console.announce(
@@ -113,6 +137,8 @@ class Command(BaseCommand):
         try:
             report = run_lanes(relays)
         finally:
+            if operations is not None:
+                operations.stop()
             upkeep.stop()
             if progress is not None:
                 progress.stop()

@@ -11,9 +11,15 @@ from django.db.models import Q
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime, parse_duration
 
+from reliable_messaging.choices import OperationKind
 from reliable_messaging.dead_letters.replay import replay_batch
 from reliable_messaging.management.progress import Progress
-from reliable_messaging.models import DeadLetter, DeadLetterReason, DeadLetterStatus
+from reliable_messaging.models import (
+    DeadLetter,
+    DeadLetterOperation,
+    DeadLetterReason,
+    DeadLetterStatus,
+)
 
 
 def _moment(value: str) -> dt.datetime:
@@ -82,6 +88,12 @@ class Command(BaseCommand):
         parser.add_argument(
             "--dry-run", action="store_true", help="show what would be replayed, change nothing"
         )
+        parser.add_argument(
+            "--via-relay",
+            action="store_true",
+            help="record the replay as an operation that the relay carries out (shown, with "
+            "its progress and a cancel button, in the admin) instead of doing it here",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         filters = (
@@ -114,8 +126,11 @@ class Command(BaseCommand):
                 )
             self.stdout.write(f"dry run: {len(ids)} dead letter(s) match; nothing replayed")
             return
-        replayed, refused = 0, 0
         who = f"{getpass.getuser()} (replay_dead_letters)"
+        if options["via_relay"]:
+            self.record_operation(ids, who, options["force"], self.lookups(options))
+            return
+        replayed, refused = 0, 0
         progress = Progress(self.stdout, "replaying", len(ids))
         for start in range(0, len(ids), options["batch_size"]):
             result = replay_batch(
@@ -133,6 +148,53 @@ class Command(BaseCommand):
             self.style.SUCCESS(
                 f"replayed {replayed} dead letter(s), refused {refused}; the relay sends them to "
                 f"their consumers' queues"
+            )
+        )
+
+    def lookups(self, options: dict[str, Any]) -> dict[str, str] | None:
+        """The filters as an operation's lookups; None when they cannot be (``--exception``
+        matches a dotted or a bare name, ``--limit`` a number of rows): then the ids are."""
+        if options["exception"] or options["limit"] is not None:
+            return None
+        lookups = {"status__in": ",".join(options["status"] or [DeadLetterStatus.DEAD])}
+        for option, field in (
+            ("consumer", "consumer"),
+            ("queue", "queue"),
+            ("reason", "reason"),
+            ("fingerprint", "fingerprint"),
+            ("ids", "pk"),
+        ):
+            if options[option]:
+                lookups[f"{field}__in"] = ",".join(map(str, options[option]))
+        for option, lookup in (("since", "last_failed_at__gte"), ("until", "last_failed_at__lt")):
+            if options[option]:
+                lookups[lookup] = options[option].isoformat()
+        return lookups
+
+    def record_operation(
+        self, ids: list[int], who: str, force: bool, lookups: dict[str, str] | None
+    ) -> None:
+        """The chosen dead letters as one operation for the relay: by their filters, or
+        frozen as ids, up to the last one chosen now."""
+        if not ids:
+            self.stdout.write("no dead letter matches; nothing recorded")
+            return
+        operation = DeadLetterOperation.objects.record(
+            kind=OperationKind.REPLAY,
+            selection={
+                "lookups": lookups or {"pk__in": ",".join(map(str, ids))},
+                "status_chosen": True,
+                "description": f"{len(ids)} dead letter(s) chosen by replay_dead_letters",
+            },
+            requested_by=who,
+            force=force,
+            matched=len(ids),
+            max_pk=ids[-1],
+        )
+        self.stdout.write(
+            self.style.SUCCESS(
+                f"recorded replay operation #{operation.pk} of {len(ids)} dead letter(s); the "
+                f"relay carries it out (see its progress in the admin)"
             )
         )
 

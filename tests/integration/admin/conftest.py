@@ -47,6 +47,14 @@ def discard_url(letter: DeadLetter) -> str:
     return reverse("admin:reliable_messaging_deadletter_discard", args=[letter.pk])
 
 
+def operation_url(operation: Any) -> str:
+    return reverse("admin:reliable_messaging_deadletter_operation", args=[operation.pk])
+
+
+def cancel_url(operation: Any) -> str:
+    return reverse("admin:reliable_messaging_deadletter_operation_cancel", args=[operation.pk])
+
+
 def messages_of(response: Any) -> list[str]:
     return [str(m) for m in response.context["messages"]]
 

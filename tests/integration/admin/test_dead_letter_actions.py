@@ -3,7 +3,6 @@ work by filter and by failure group with a confirmation page, the admin log, and
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -12,8 +11,6 @@ from django.contrib.admin.models import CHANGE, DELETION, LogEntry
 from django.test import Client
 from django.urls import reverse
 
-from reliable_messaging.admin import console as admin_views
-from reliable_messaging.admin.dead_letters import DeadLetterAdmin
 from reliable_messaging.core.envelope import (
     DEAD_LETTER_ID_HEADER,
     ORIGINAL_EXCHANGE_HEADER,
@@ -21,7 +18,14 @@ from reliable_messaging.core.envelope import (
     REPLAY_HEADER,
     REPLAYED_BY_HEADER,
 )
-from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
+from reliable_messaging.dead_letters import operations
+from reliable_messaging.dead_letters.operations import run_batch, run_pending_operations
+from reliable_messaging.models import (
+    DeadLetter,
+    DeadLetterOperation,
+    OutboxMessage,
+    ProcessedMessage,
+)
 
 from .conftest import (
     ALPHA_QUEUE,
@@ -30,9 +34,11 @@ from .conftest import (
     DISCARD_MATCHING,
     GROUPS,
     REPLAY_MATCHING,
+    cancel_url,
     change_url,
     discard_url,
     messages_of,
+    operation_url,
     replay_url,
     run_action,
 )
@@ -192,7 +198,7 @@ def test_replay_and_discard_buttons_of_the_page(
 # --------------------------------------------------------------------------- bulk
 
 
-def test_replay_everything_matching_the_filter_in_bounded_batches(
+def test_replay_everything_matching_the_filter_is_an_operation_the_relay_carries_out(
     admin: Client, make_dead_letter: MakeDeadLetter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     template = make_dead_letter(message_id="template")
@@ -215,13 +221,13 @@ def test_replay_everything_matching_the_filter_in_bounded_batches(
     beta = make_dead_letter(message_id="beta-1", consumer="tests.beta", queue=BETA_QUEUE)
     resolved = make_dead_letter(message_id="alpha-resolved", status="resolved")
     sizes: list[int] = []
-    real_replay_batch = admin_views.replay_batch
+    real_replay_batch = operations.replay_batch
 
     def counting_replay_batch(ids: Any, **kwargs: Any) -> Any:
         sizes.append(len(ids))
         return real_replay_batch(ids, **kwargs)
 
-    monkeypatch.setattr(admin_views, "replay_batch", counting_replay_batch)
+    monkeypatch.setattr(operations, "replay_batch", counting_replay_batch)
     url = f"{REPLAY_MATCHING}?consumer=tests.alpha"
 
     confirmation = admin.get(url)
@@ -234,80 +240,93 @@ def test_replay_everything_matching_the_filter_in_bounded_batches(
     assert "consumer = tests.alpha" in html
     assert not OutboxMessage.objects.exists()
 
-    done = admin.post(url, follow=True)
+    recorded = admin.post(url, follow=True)
 
-    assert done.redirect_chain[-1][0] == f"{CHANGELIST}?consumer=tests.alpha"
-    assert messages_of(done)[0].startswith("1200 dead letters were replayed")
+    operation = DeadLetterOperation.objects.get()
+    assert recorded.redirect_chain[-1][0] == operation_url(operation)
+    assert f"Operation #{operation.pk} is recorded" in messages_of(recorded)[0]
+    assert (operation.kind, operation.state, operation.matched) == ("replay", "pending", 1200)
+    assert operation.requested_by == "alice (admin)"
+    assert not OutboxMessage.objects.exists(), "the request only records it"
+
+    assert run_pending_operations(batch_size=500) == 4  # three batches, then "nothing left"
+
     assert sizes == [500, 500, 200]
     assert OutboxMessage.objects.filter(exchange="", routing_key=ALPHA_QUEUE).count() == 1200
     assert DeadLetter.objects.filter(status="replayed", replay_count=1).count() == 1200
-    assert LogEntry.objects.filter(action_flag=CHANGE).count() == 1200
-    assert LogEntry.objects.first().change_message == (  # type: ignore[union-attr]
-        "Replayed (all matching the filter: consumer = tests.alpha; "
-        "1200 dead letters in this operation)."
-    )
+    # The audit is each dead letter's history, naming who and the operation; no log row each.
+    letter = DeadLetter.objects.get(message_id="bulk-7")
+    assert letter.history[-1]["by"] == "alice (admin)"
+    assert letter.history[-1]["operation"] == operation.pk
+    assert not LogEntry.objects.filter(action_flag=CHANGE).exists()
+    # One log entry for the operation itself: who recorded it.
+    assert list(LogEntry.objects.values_list("user__username", "object_id")) == [
+        ("alice", str(operation.pk))
+    ]
+    operation.refresh_from_db()
+    assert (operation.state, operation.done, operation.replayed) == ("done", 1200, 1200)
+    page = admin.get(operation_url(operation)).content.decode()
+    assert 'data-state="done"' in page and "1200" in page
     beta.refresh_from_db()
     resolved.refresh_from_db()
     assert (beta.status, resolved.status) == ("dead", "resolved")
 
 
-def continuation(response: Any) -> dict[str, str]:
-    """The hidden fields of the progress page's form, which posts itself to go on."""
-    html = response.content.decode()
-    assert 'id="rm-continue"' in html and ".submit()" in html
-    return dict(re.findall(r'<input type="hidden" name="(after|done|force)" value="(\d+)">', html))
-
-
-def test_a_long_bulk_replay_goes_on_over_several_requests(
-    admin: Client, make_dead_letter: MakeDeadLetter, monkeypatch: pytest.MonkeyPatch
+def test_a_forced_operation_replays_each_once_while_the_done_ones_still_match(
+    admin: Client, make_dead_letter: MakeDeadLetter
 ) -> None:
-    """Past ``bulk_request_seconds`` a request stops after its batch and answers a page that
-    posts again from where it stopped: no proxy timeout cuts a large replay, and nothing is
-    replayed twice, even when the filter still matches what was done."""
-    monkeypatch.setattr(DeadLetterAdmin, "batch_size", 2)
-    monkeypatch.setattr(DeadLetterAdmin, "bulk_request_seconds", 0.0)  # one batch per request
     letters = [make_dead_letter(message_id=f"long-{i}", status="discarded") for i in range(5)]
     processed = letters[1]
     ProcessedMessage.objects.create(consumer=processed.consumer, message_id=processed.message_id)
     # Filtering by status includes every replayable one, so the done ones still match.
     url = f"{REPLAY_MATCHING}?consumer=tests.alpha&status__in=discarded,replayed"
 
-    first = admin.post(url, {"force": "1"})
-    assert first.status_code == 200
-    assert "Replaying: 2 done, 3 to go" in first.content.decode()
-    fields = continuation(first)
-    assert fields == {"after": str(letters[1].pk), "done": "2", "force": "1"}
-
-    second = admin.post(url, fields)
-    assert "Replaying: 4 done, 1 to go" in second.content.decode()
-    third = admin.post(url, continuation(second), follow=True)
-    assert third.redirect_chain[-1][0].startswith(CHANGELIST)
+    admin.post(url, {"force": "1"})
+    run_pending_operations(batch_size=2)
 
     assert OutboxMessage.objects.count() == 5, "each replayed once"
     assert DeadLetter.objects.filter(status="replayed", replay_count=1).count() == 5
-    # The force chosen on the confirmation page held for every request.
     assert not ProcessedMessage.objects.filter(message_id=processed.message_id).exists()
-    replayed = [m for m in messages_of(third) if "were replayed" in m or "was replayed" in m]
-    assert [int(m.split()[0]) for m in replayed] == [2, 2, 1]
+    operation = DeadLetterOperation.objects.get()
+    assert (operation.force, operation.replayed, operation.refused) == (True, 5, 0)
 
 
-def test_a_long_bulk_discard_goes_on_and_a_forged_position_is_harmless(
-    admin: Client, make_dead_letter: MakeDeadLetter, monkeypatch: pytest.MonkeyPatch
+def test_the_same_operation_is_not_started_twice_while_it_runs(
+    admin: Client, make_dead_letter: MakeDeadLetter
 ) -> None:
-    monkeypatch.setattr(DeadLetterAdmin, "batch_size", 3)
-    monkeypatch.setattr(DeadLetterAdmin, "bulk_request_seconds", 0.0)
-    for _ in range(4):
-        make_dead_letter(reason="retries_exhausted")
-    url = f"{DISCARD_MATCHING}?reason__exact=retries_exhausted"
+    make_dead_letter()
+    url = f"{DISCARD_MATCHING}?reason__exact=permanent"
 
-    first = admin.post(url)
-    assert "Discarding: 3 done, 1 to go" in first.content.decode()
-    assert DeadLetter.objects.filter(status="discarded").count() == 3
-    # Garbage in the posted fields is read as "from the start": only dead ones are taken.
-    done = admin.post(url, {"after": "-1; DROP TABLE x", "done": "abc"}, follow=True)
-    assert done.redirect_chain[-1][0].startswith(CHANGELIST)
-    assert DeadLetter.objects.filter(status="discarded").count() == 4
-    assert not any("not discarded" in m for m in messages_of(done))
+    admin.post(url)
+    again = admin.post(url, follow=True)
+
+    operation = DeadLetterOperation.objects.get()
+    assert again.redirect_chain[-1][0] == operation_url(operation)
+    assert "already under way" in messages_of(again)[-1]
+
+
+def test_cancel_stops_an_operation_between_batches(
+    admin: Client, make_dead_letter: MakeDeadLetter
+) -> None:
+    for _ in range(5):
+        make_dead_letter(reason="retries_exhausted")
+    admin.post(f"{DISCARD_MATCHING}?reason__exact=retries_exhausted")
+    operation = DeadLetterOperation.objects.get()
+    assert run_batch(batch_size=2) is not None
+
+    assert admin.get(cancel_url(operation)).status_code == 405
+    cancelled = admin.post(cancel_url(operation), follow=True)
+
+    assert "is cancelled" in messages_of(cancelled)[-1]
+    assert run_pending_operations(batch_size=2) == 0
+    operation.refresh_from_db()
+    assert (operation.state, operation.discarded, operation.cancelled_by) == (
+        "cancelled",
+        2,
+        "alice (admin)",
+    )
+    assert DeadLetter.objects.filter(status="dead").count() == 3, "the rest left as it was"
+    assert "Cancel the operation" not in admin.get(operation_url(operation)).content.decode()
 
 
 def test_replay_matching_respects_search_and_offers_force(
@@ -325,9 +344,11 @@ def test_replay_matching_respects_search_and_offers_force(
     assert 'name="force"' in html
 
     admin.post(url)
+    run_pending_operations()
     assert sorted(OutboxMessage.objects.values_list("message_id", flat=True)) == ["m-a"]
 
     admin.post(f"{REPLAY_MATCHING}?q=red&status__exact=dead", {"force": "1"})
+    run_pending_operations()
     assert sorted(OutboxMessage.objects.values_list("message_id", flat=True)) == ["m-a", "m-b"]
 
 
@@ -366,6 +387,7 @@ def test_replay_and_discard_a_failure_group(
     confirmation = admin.get(rows["9999999999999999"]["replay_url"])
     assert "Yes, replay 2 dead letters" in confirmation.content.decode()
     admin.post(rows["9999999999999999"]["replay_url"])
+    run_pending_operations()
 
     assert sorted(OutboxMessage.objects.values_list("message_id", flat=True)) == sorted(
         d.message_id for d in group
@@ -373,6 +395,7 @@ def test_replay_and_discard_a_failure_group(
     discard = admin.get(rows["8888888888888888"]["discard_url"])
     assert "Yes, discard 1 dead letter" in discard.content.decode()
     admin.post(rows["8888888888888888"]["discard_url"])
+    run_pending_operations()
     other.refresh_from_db()
     assert other.status == "discarded"
 
@@ -417,10 +440,11 @@ def test_discard_everything_matching_the_filter(
     url = f"{DISCARD_MATCHING}?reason__exact=retries_exhausted"
 
     assert "Yes, discard 3 dead letters" in admin.get(url).content.decode()
-    done = admin.post(url, follow=True)
+    admin.post(url)
+    run_pending_operations()
 
-    assert messages_of(done)[0].startswith("3 dead letters were discarded")
     assert DeadLetter.objects.filter(status="discarded").count() == 3
+    assert DeadLetterOperation.objects.get().discarded == 3
     keep.refresh_from_db()
     assert keep.status == "dead"
 

@@ -1,0 +1,284 @@
+"""The admin's bulk replays and discards: recorded by a request, carried out by the relay.
+
+- :func:`record_operation`: the POST of the confirmation page ("replay all matching", a
+  failure group) records a ``DeadLetterOperation`` and redirects to its progress page; the
+  request does nothing else, so it is as quick with a million dead letters as with ten.
+- :func:`progress_view`: where it got (refreshing itself while it runs), with a Cancel button;
+  :func:`status_view` gives the same figures as JSON; :func:`cancel_view` stops it between two
+  batches.
+- :class:`DeadLetterOperationAdmin`: the list of operations, read-only.
+
+The audit is each dead letter's history entry, which names the operator and the operation.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from django.contrib import admin, messages
+from django.contrib.admin.models import ADDITION, CHANGE, LogEntry
+from django.core.exceptions import PermissionDenied
+from django.db.models import Max, QuerySet
+from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, JsonResponse
+from django.shortcuts import get_object_or_404, redirect
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path, reverse
+from django.utils import timezone
+from django.utils.html import format_html
+from django.utils.translation import gettext
+from django.utils.translation import gettext_lazy as _
+
+from ..choices import UNFINISHED_OPERATION_STATES
+from ..models import DeadLetter, DeadLetterOperation
+
+if TYPE_CHECKING:
+    from django.contrib.admin import AdminSite
+    from django.db.models.options import Options
+    from django.utils.functional import _StrOrPromise
+
+
+class OperationConsole(Protocol):
+    """What these views need of the dead letters' ModelAdmin (which passes itself), as
+    ``console.DeadLetterConsole`` does: they never import it."""
+
+    admin_site: AdminSite
+    opts: Options[DeadLetter]
+
+    def console_url(self, name: str, *args: Any, query: str = "") -> str: ...
+
+    def has_replay_permission(self, request: HttpRequest) -> bool: ...
+
+    def has_view_permission(self, request: HttpRequest, obj: DeadLetter | None = ...) -> bool: ...
+
+    def message_user(
+        self,
+        request: HttpRequest,
+        message: _StrOrPromise,
+        level: int | str = ...,
+        extra_tags: str = ...,
+        fail_silently: bool = ...,
+    ) -> None: ...
+
+
+# Counts on the confirmation page stop here: past it, "more than" is all an operator needs,
+# and counting a million rows exactly would take seconds.
+COUNT_CAP = 100_000
+
+
+def capped_count(rows: QuerySet[Any], cap: int = COUNT_CAP) -> int:
+    """How many rows, counting at most ``cap + 1`` (``SELECT count(*) FROM (... LIMIT n)``)."""
+    return rows.order_by().values("pk")[: cap + 1].count()
+
+
+def record_operation(
+    model_admin: OperationConsole,
+    request: HttpRequest,
+    *,
+    kind: str,
+    selection: dict[str, Any],
+    force: bool,
+    matched: int,
+) -> HttpResponse:
+    """Record the operation and redirect to its progress page; the same one already under
+    way (same kind, selection and force) is shown instead of starting it twice."""
+    who = f"{request.user.get_username()} (admin)"
+    running = DeadLetterOperation.objects.same_as(kind, selection, force)
+    if running is not None:
+        model_admin.message_user(
+            request,
+            gettext(
+                "The same operation (#%(pk)d, started by %(who)s) is already under way: "
+                "here is its progress."
+            )
+            % {"pk": running.pk, "who": running.requested_by},
+            messages.WARNING,
+        )
+        return redirect(model_admin.console_url("operation", running.pk))
+    # Dead letters stored after this moment are not swept in: the operation stops at this pk.
+    max_pk = DeadLetter.objects.aggregate(top=Max("pk"))["top"] or 0
+    operation = DeadLetterOperation.objects.record(
+        kind=kind,
+        selection=selection,
+        requested_by=who,
+        force=force,
+        matched=matched,
+        max_pk=max_pk,
+    )
+    _log(request, operation, ADDITION, gettext("Recorded."))
+    model_admin.message_user(
+        request,
+        gettext(
+            "Operation #%(pk)d is recorded: the relay carries it out in batches. You may leave "
+            "this page; it goes on without it."
+        )
+        % {"pk": operation.pk},
+        messages.SUCCESS,
+    )
+    return redirect(model_admin.console_url("operation", operation.pk))
+
+
+def _log(request: HttpRequest, operation: DeadLetterOperation, flag: int, message: str) -> None:
+    """One admin log entry for the operation (its dead letters' history names it too)."""
+    user: Any = request.user
+    LogEntry.objects.log_actions(
+        user_id=user.pk,
+        queryset=DeadLetterOperation.objects.filter(pk=operation.pk),
+        action_flag=flag,
+        change_message=message,
+    )
+
+
+def figures(operation: DeadLetterOperation) -> dict[str, Any]:
+    """What the progress page and its JSON show."""
+    rate = None
+    if operation.started_at and operation.heartbeat_at and operation.done:
+        seconds = (operation.heartbeat_at - operation.started_at).total_seconds()
+        rate = round(operation.done / seconds) if seconds > 0 else None
+    finished = operation.state not in UNFINISHED_OPERATION_STATES
+    if operation.matched > COUNT_CAP:
+        # Counted up to the cap only: how far the cursor got in the ids is the estimate.
+        total: int | None = None
+        share = operation.cursor / operation.max_pk if operation.max_pk else 0
+    else:
+        total = max(operation.matched, operation.done)
+        share = operation.done / total if total else 0
+    percent = 100 if operation.state == "done" else min(99, int(100 * share))
+    return {
+        "id": operation.pk,
+        "kind": operation.kind,
+        "state": operation.state,
+        "finished": finished,
+        "done": operation.done,
+        "total": total,
+        "total_text": str(total)
+        if total is not None
+        else gettext("more than %(cap)d") % {"cap": COUNT_CAP},
+        "percent": percent,
+        "replayed": operation.replayed,
+        "discarded": operation.discarded,
+        "refused": operation.refused,
+        "skipped": operation.skipped,
+        "rate": rate,
+        "error": operation.error,
+    }
+
+
+def _operation(pk: int) -> DeadLetterOperation:
+    return get_object_or_404(DeadLetterOperation, pk=pk)
+
+
+def progress_view(model_admin: OperationConsole, request: HttpRequest, pk: int) -> HttpResponse:
+    if not model_admin.has_view_permission(request):
+        raise PermissionDenied
+    operation = _operation(pk)
+    values = figures(operation)
+    context = {
+        **model_admin.admin_site.each_context(request),
+        "opts": model_admin.opts,
+        "title": gettext("%(kind)s #%(pk)d: %(state)s")
+        % {
+            "kind": operation.get_kind_display().capitalize(),
+            "pk": operation.pk,
+            "state": operation.get_state_display(),
+        },
+        "operation": operation,
+        "figures": values,
+        "can_cancel": not values["finished"] and model_admin.has_replay_permission(request),
+        "cancel_url": model_admin.console_url("operation_cancel", operation.pk),
+        "changelist_url": model_admin.console_url("changelist"),
+        "operations_url": reverse(
+            f"{model_admin.admin_site.name}:reliable_messaging_deadletteroperation_changelist"
+        ),
+    }
+    request.current_app = model_admin.admin_site.name
+    return TemplateResponse(
+        request, "admin/reliable_messaging/deadletter/operation_progress.html", context
+    )
+
+
+def status_view(model_admin: OperationConsole, request: HttpRequest, pk: int) -> HttpResponse:
+    if not model_admin.has_view_permission(request):
+        raise PermissionDenied
+    return JsonResponse(figures(_operation(pk)))
+
+
+def cancel_view(model_admin: OperationConsole, request: HttpRequest, pk: int) -> HttpResponse:
+    """Cancel (POST): the batch under way finishes, no other starts; the rest stays as is."""
+    if not model_admin.has_replay_permission(request):
+        raise PermissionDenied
+    if request.method != "POST":
+        return HttpResponseNotAllowed(["POST"])
+    operation = _operation(pk)
+    who = f"{request.user.get_username()} (admin)"
+    if DeadLetterOperation.objects.cancel(operation.pk, by=who, at=timezone.now()):
+        _log(request, operation, CHANGE, gettext("Cancelled."))
+        model_admin.message_user(
+            request,
+            gettext(
+                "Operation #%(pk)d is cancelled: what it did stays done, the rest is left as it is."
+            )
+            % {"pk": operation.pk},
+            messages.SUCCESS,
+        )
+    else:
+        model_admin.message_user(
+            request, gettext("The operation had already finished."), messages.WARNING
+        )
+    return redirect(model_admin.console_url("operation", operation.pk))
+
+
+def urls(model_admin: OperationConsole, prefix: str) -> list[URLPattern]:
+    """The operation pages, under the dead letters' admin URLs."""
+    view = model_admin.admin_site.admin_view
+
+    def bound(function: Any) -> Any:
+        return view(lambda request, pk: function(model_admin, request, pk))
+
+    return [
+        path("operations/<int:pk>/", bound(progress_view), name=f"{prefix}_operation"),
+        path("operations/<int:pk>/status/", bound(status_view), name=f"{prefix}_operation_status"),
+        path("operations/<int:pk>/cancel/", bound(cancel_view), name=f"{prefix}_operation_cancel"),
+    ]
+
+
+@admin.register(DeadLetterOperation)
+class DeadLetterOperationAdmin(admin.ModelAdmin):
+    """The bulk operations, newest first; each links to its progress page."""
+
+    list_display = (
+        "progress_link",
+        "kind",
+        "state",
+        "description",
+        "done",
+        "replayed",
+        "discarded",
+        "refused",
+        "skipped",
+        "requested_by",
+        "created_at",
+        "finished_at",
+    )
+    list_filter = ("state", "kind")
+    list_per_page = 50
+    show_full_result_count = False
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    @admin.display(description=_("operation"), ordering="pk")
+    def progress_link(self, obj: DeadLetterOperation) -> str:
+        url = reverse(
+            f"{self.admin_site.name}:reliable_messaging_deadletter_operation", args=[obj.pk]
+        )
+        return format_html('<a href="{}">#{}</a>', url, obj.pk)
+
+    @admin.display(description=_("selection"))
+    def description(self, obj: DeadLetterOperation) -> str:
+        return str((obj.selection or {}).get("description", ""))

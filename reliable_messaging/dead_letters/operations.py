@@ -1,0 +1,187 @@
+"""Carrying out the bulk replays and discards operators record in the admin.
+
+Every deployment runs the relay, and a replay is only done once the relay has sent its outbox
+rows: so the relay carries the operations out too. ``manage.py relay`` starts an
+:class:`OperationRunner` beside its lanes, in a child process of its own
+(``operation_process.py``); the outbox's insert trigger wakes the relays for the rows of each
+batch, so they are claimed at once.
+
+One batch is one transaction (:func:`run_batch`): the operation row is claimed with SKIP LOCKED
+(another runner takes another operation, or waits for the next batch), the next
+``batch_size`` dead letters after the cursor are replayed or discarded (locked, judged one by
+one by the replay's rules), and the cursor and counters move, all committed together. A
+process killed mid-batch rolls the whole batch back; the next runner starts from the cursor
+committed last. So each dead letter is done at most once per operation, and, because a
+replayed one is refused by the next replay until its outcome is known, at most once across
+two operations over the same selection.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from django.db import connections, router, transaction
+from django.utils import timezone
+
+from ..choices import OperationKind
+from ..models import DeadLetter, DeadLetterOperation
+from .replay import discard, replay_batch
+from .selection import targets
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BATCH_SIZE = 1000
+# A batch that raises this many times in a row stops its operation (state "failed").
+FAILURES_BEFORE_GIVING_UP = 5
+
+
+def run_batch(batch_size: int = DEFAULT_BATCH_SIZE) -> DeadLetterOperation | None:
+    """Run the next batch of the oldest operation nobody else is running, in one transaction;
+    returns that operation (after the batch), or None when there was none to run."""
+    using = router.db_for_write(DeadLetterOperation)
+    with transaction.atomic(using=using):
+        operation = DeadLetterOperation.objects.using(using).claim_next()
+        if operation is None:
+            return None
+        now = timezone.now()
+        ids = list(
+            targets(operation.kind, operation.selection, now)
+            .using(using)
+            .filter(pk__gt=operation.cursor, pk__lte=operation.max_pk)
+            .order_by("pk")
+            .values_list("pk", flat=True)[:batch_size]
+        )
+        if not ids:
+            DeadLetterOperation.objects.using(using).finish(operation, at=now)
+            logger.info("dead letter operation %s done: %s", operation.pk, _counts(operation))
+            return operation
+        if operation.kind == OperationKind.REPLAY:
+            result = replay_batch(
+                ids,
+                replayed_by=operation.requested_by,
+                force=operation.force,
+                operation=operation.pk,
+            )
+            DeadLetterOperation.objects.using(using).advance(
+                operation,
+                cursor=ids[-1],
+                at=now,
+                replayed=len(result.replayed),
+                refused=len(result.refused) - len(result.skipped),
+                skipped=len(result.skipped),
+            )
+        else:
+            discarded = discard(
+                DeadLetter.objects.using(using).filter(pk__in=ids),
+                discarded_by=operation.requested_by,
+                operation=operation.pk,
+            )
+            DeadLetterOperation.objects.using(using).advance(
+                operation,
+                cursor=ids[-1],
+                at=now,
+                discarded=discarded,
+                skipped=len(ids) - discarded,
+            )
+    return operation
+
+
+def _counts(operation: DeadLetterOperation) -> str:
+    return (
+        f"{operation.replayed} replayed, {operation.discarded} discarded, "
+        f"{operation.refused} refused, {operation.skipped} skipped"
+    )
+
+
+def run_pending_operations(
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    time_budget: float | None = None,
+    on_batch: Callable[[], None] | None = None,
+) -> int:
+    """Run batches until no operation is left (or ``time_budget`` seconds have passed);
+    returns how many batches ran. ``on_batch`` is called after each committed batch."""
+    deadline = None if time_budget is None else time.monotonic() + time_budget
+    batches = 0
+    while deadline is None or time.monotonic() < deadline:
+        if run_batch(batch_size) is None:
+            break
+        batches += 1
+        if on_batch is not None:
+            on_batch()
+    return batches
+
+
+class OperationRunner:
+    """A thread that carries out the recorded operations: batch after batch while there are
+    some, otherwise a look every ``interval`` seconds (one query on a partial index of the
+    unfinished operations, so an operator's replay starts within a quarter of a second).
+    Errors are logged; a batch that fails :data:`FAILURES_BEFORE_GIVING_UP` times in a row
+    stops its operation, with the error."""
+
+    def __init__(
+        self,
+        *,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        interval: float = 0.25,
+        on_batch: Callable[[], None] | None = None,
+    ) -> None:
+        self.batch_size = batch_size
+        self.interval = interval
+        self.on_batch = on_batch
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name="dead-letter-operations", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop after the batch under way (its transaction commits or rolls back whole)."""
+        self._stop.set()
+        self._thread.join(timeout=timeout)
+
+    def _run(self) -> None:
+        failures: dict[int, int] = {}
+        try:
+            while not self._stop.is_set():
+                try:
+                    operation = run_batch(self.batch_size)
+                except Exception as exc:  # noqa: BLE001 - the database may be down: retried
+                    self._failed(failures, exc)
+                    connections.close_all()
+                    self._stop.wait(self.interval)
+                    continue
+                if operation is None:
+                    connections.close_all()
+                    self._stop.wait(self.interval)
+                    continue
+                failures.pop(operation.pk, None)
+                if self.on_batch is not None:
+                    self.on_batch()
+        finally:
+            connections.close_all()
+
+    def _failed(self, failures: dict[int, int], exc: Exception) -> None:
+        using = router.db_for_write(DeadLetterOperation)
+        error = f"{type(exc).__name__}: {exc}"
+        try:
+            pk = (
+                DeadLetterOperation.objects.using(using)
+                .unfinished()
+                .order_by("pk")
+                .values_list("pk", flat=True)
+                .first()
+            )
+        except Exception:  # noqa: BLE001 - the database is down: nothing to count against
+            pk = None
+        logger.warning("a dead letter operation batch failed, trying again: %s", error)
+        if pk is None:
+            return
+        failures[pk] = failures.get(pk, 0) + 1
+        if failures[pk] >= FAILURES_BEFORE_GIVING_UP:
+            DeadLetterOperation.objects.using(using).fail(pk, error=error, at=timezone.now())
+            logger.error("dead letter operation %s stopped: %s", pk, error)
