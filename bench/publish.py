@@ -266,7 +266,7 @@ def latencies(exchange: str, queue: str, rate: int, seconds: float) -> list[floa
                 continue
             quiet = 0
             started_us = (properties.headers or {}).get("x-bench-started-at")
-            if started_us is not None:
+            if isinstance(started_us, int):
                 found.append(time.time_ns() / 1e6 - started_us / 1000)
             if len(found) >= total:
                 break
@@ -406,7 +406,7 @@ def main() -> None:
     namespace = setup_django()
     from django.conf import settings
 
-    exchange = settings.RELIABLE_MESSAGING["EXCHANGE"]
+    exchange = str(settings.RELIABLE_MESSAGING["EXCHANGE"])
     queue = f"{exchange}.latency"
     print(f"publish() benchmark on {describe_machine()}")
     declare_sink(exchange, queue)

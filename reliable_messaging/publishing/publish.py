@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from django.db import IntegrityError, connections, router, transaction
+from django.db.models import Field
 from django.db.models.functions import Now
 
 from ..choices import OutboxStatus
@@ -159,7 +160,7 @@ def _insert_sql() -> str:
         "next_attempt_at": "STATEMENT_TIMESTAMP()",
         "created_at": "STATEMENT_TIMESTAMP()",
     }
-    columns = [meta.get_field(name).column for name in [*given, *fixed]]
+    columns = [cast("Field[Any, Any]", meta.get_field(name)).column for name in [*given, *fixed]]
     placeholders = ["%s"] * len(given) + list(fixed.values())
     placeholders[given.index("headers")] = "%s::jsonb"
     quoted = ", ".join(f'"{column}"' for column in columns)
