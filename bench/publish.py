@@ -8,9 +8,9 @@
    - the business insert alone;
    - with the outbox row, no wake-up at all (the floor publishing can reach);
    - with the outbox row and the after-commit wake-up as shipped: eight more connections (one
-     per web process, whose sender sends one ``NOTIFY`` at a time) send ``NOTIFY`` in their
-     own transactions, back to back with a 1 ms pause, the whole time: more wake-ups than
-     coalescing would send;
+     per web process, whose sender sends one ``NOTIFY`` at a time and then waits
+     ``SPACING``) send ``NOTIFY`` in their own transactions the whole time, each followed by
+     that pause: as many wake-ups as eight processes that always have a new commit send;
    - the old way, as a reference in the same run: the outbox row under migration 0002's
      NOTIFY trigger (recreated for the run, dropped after).
 2. Commit-to-broker latency: a real ``manage.py relay`` process, rows published in autocommit
@@ -187,11 +187,13 @@ def old_trigger() -> Iterator[None]:
 
 def database_bound(exchange: str, seconds: float) -> dict[int, dict[str, float]]:
     from reliable_messaging.publishing.listener import NOTIFY_CHANNEL
+    from reliable_messaging.publishing.wake_after_commit import SPACING
 
     business, outbox = captured_statements(exchange)
     alone = f"BEGIN;\n{business};\nCOMMIT;\n"
     with_row = f"BEGIN;\n{business};\n{outbox};\nCOMMIT;\n"
-    wakers = f"NOTIFY {NOTIFY_CHANNEL};\n\\sleep 1 ms\n"
+    spacing_ms = round(SPACING * 1000)
+    wakers = f"NOTIFY {NOTIFY_CHANNEL};\n\\sleep {spacing_ms} ms\n"
     results: dict[int, dict[str, float]] = {}
     with listening():
         for clients in (64, 32):

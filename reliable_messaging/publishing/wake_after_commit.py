@@ -10,8 +10,9 @@ alias (many ``publish()`` calls in a transaction share it). The callback only ma
 as due and sets an event: it never touches the network and never raises, so the caller's
 commit path holds no instance-wide lock and waits for nothing. One daemon thread per process
 (:class:`WakeUpSender`) sends ``NOTIFY`` in a transaction of its own, on a connection of its
-own; wake-ups requested while it sends are folded into its next ``NOTIFY``, so a busy process
-sends at most one at a time whatever its number of threads.
+own; wake-ups requested while it sends, and for a few milliseconds after, are folded into its
+next ``NOTIFY``, so a busy process sends one at a time, a few hundred a second at most,
+whatever its number of threads and commits.
 
 A lost wake-up (the thread's database connection down, the process exiting right after a
 commit) costs at most the relay's poll interval: a notification only tells the relay to claim,
@@ -41,6 +42,11 @@ RETRY_PAUSE = 5.0
 # not keep it from noticing that the connection is dead either.
 CONNECT_TIMEOUT = 2
 STATEMENT_TIMEOUT_MS = 2000
+# After each NOTIFY the sender waits this long before the next: the first commit of a burst
+# wakes the relay at once, the others of the next few ms share one wake-up. A process then
+# sends at most a couple of hundred NOTIFYs a second (each is a transaction with a commit record
+# to flush) however fast it commits, and a relay could not claim faster than that anyway.
+SPACING = 0.005
 # A process that stopped publishing gives its connection back after this long.
 IDLE_CLOSE = 30.0
 
@@ -106,6 +112,8 @@ class WakeUpSender:
                     due, self._due = self._due, set()
                 for using in due:
                     self._notify(using)
+            if due:
+                time.sleep(SPACING)
 
     def _notify(self, using: str) -> None:
         if time.monotonic() < self._retry_at.get(using, 0.0):
