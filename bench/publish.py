@@ -12,7 +12,8 @@ Each throughput figure is the median of ``ROUNDS`` rounds run in turn.
    - with the outbox row and the after-commit wake-up as shipped: eight more connections (one
      per web process, whose sender sends one ``NOTIFY`` at a time and then waits
      ``SPACING``) send ``NOTIFY`` in their own transactions the whole time, each followed by
-     that pause: as many wake-ups as eight processes that always have a new commit send;
+     that pause, with asynchronous commit as the sender's connection has it: as many wake-ups
+     as eight processes that always have a new commit send;
    - the old way, as a reference in the same run: the outbox row under migration 0002's
      NOTIFY trigger (recreated for the run, dropped after).
 2. Commit-to-broker latency: a real ``manage.py relay`` process, rows published in autocommit
@@ -107,6 +108,8 @@ def pgbench(script: str, clients: int, seconds: float, extra: str | None = None)
                     str(side_path),
                     BENCH_DB,
                 ],
+                # as the sender's connection sets it
+                env={**os.environ, "PGOPTIONS": "-c synchronous_commit=off"},
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )

@@ -147,6 +147,10 @@ class WakeUpSender:
         )
         # Set here rather than in the conninfo's ``options``, which the project's own may fill.
         connection.execute(f"SET statement_timeout = {STATEMENT_TIMEOUT_MS}")
+        # A NOTIFY gives its transaction an id, hence a commit record: with synchronous commit
+        # that transaction would hold the notification lock, and the sender wait, until the
+        # record is flushed. A wake-up lost to a crash costs a poll; it is not worth a flush.
+        connection.execute("SET synchronous_commit = off")
         return connection
 
     def flush(self, timeout: float = 5.0) -> bool:
