@@ -90,6 +90,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             support.delete_broker_objects(namespace)
 
 
+@pytest.fixture(autouse=True)
+def _wake_up_connections_closed() -> Iterator[None]:
+    """publish() wakes the relay from a connection of the process's own: it is given back after
+    each test, so that nothing holds the test database open when it is dropped."""
+    yield
+    from reliable_messaging.publishing.wake_after_commit import sender
+
+    sender.flush(timeout=5)
+    sender.close()
+
+
 @pytest.fixture
 def ns() -> Iterator[str]:
     namespace = support.new_namespace()

@@ -42,6 +42,7 @@ from ..dead_letters.selection import (
     wanted,
 )
 from ..models import DeadLetter, DeadLetterGroup, DeadLetterQuerySet, DeadLetterStatus
+from ..publishing.wake_after_commit import wake_relay_after_commit
 from .operations import COUNT_CAP, capped_count, record_operation
 
 if TYPE_CHECKING:
@@ -147,6 +148,8 @@ def replay_and_report(
                 ids[start : start + model_admin.batch_size], replayed_by=who, force=force
             )
             log_changes(request, batch.replayed, message)
+            if batch.replayed:  # the relay claims the replays' outbox rows once committed
+                wake_relay_after_commit(using)
         result.merge(batch)
     _report_replay(model_admin, request, result, force=force)
     return result

@@ -4,8 +4,8 @@ A process, not a thread of the relay: a batch is mostly Python work (judging eac
 building its headers) that would hold the GIL while the relay's I/O thread waits for it, and
 the relay's pipelined confirms are sensitive to that latency (``bench/admin_replay.py``: a
 replay at a third of the relay's speed with a thread, at about its speed with a process). It
-asks nothing of the relay's loop: the outbox's insert trigger wakes the relays for each batch's
-rows (``notify_channel`` makes it NOTIFY a channel itself after each batch). It dies
+asks nothing of the relay's loop: after each batch's commit it NOTIFYs ``notify_channel``, the
+channel the relays LISTEN on, so they claim the batch's rows at once. It dies
 with the relay (on Linux by ``PR_SET_PDEATHSIG``, elsewhere at its next look), so a killed
 relay takes the batch under way with it: rolled back whole.
 

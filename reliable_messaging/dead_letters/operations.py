@@ -3,8 +3,8 @@
 Every deployment runs the relay, and a replay is only done once the relay has sent its outbox
 rows: so the relay carries the operations out too. ``manage.py relay`` starts an
 :class:`OperationRunner` beside its lanes, in a child process of its own
-(``operation_process.py``); the outbox's insert trigger wakes the relays for the rows of each
-batch, so they are claimed at once.
+(``operation_process.py``), which NOTIFYs the relays after each batch's commit, so its rows are
+claimed at once.
 
 One batch is one transaction (:func:`run_batch`): the operation row is claimed with SKIP LOCKED
 (another runner takes another operation, or waits for the next batch), the next

@@ -304,8 +304,8 @@ _OUTBOX_COLUMNS = (
 
 def _insert(using: str, copies: list[tuple[Any, ...]]) -> None:
     """Write the outbox rows of a batch (values of :data:`_OUTBOX_COLUMNS`): with COPY on
-    PostgreSQL (several times the speed of a multi-row INSERT for the same rows, and the
-    outbox's INSERT triggers fire alike), ``bulk_create`` elsewhere."""
+    PostgreSQL (several times the speed of a multi-row INSERT for the same rows),
+    ``bulk_create`` elsewhere. The caller wakes the relay after the commit."""
     if not copies:
         return
     connection = connections[using]

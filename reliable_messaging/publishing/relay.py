@@ -37,11 +37,11 @@ A crash before a batch is recorded rolls its transaction back: the rows are due 
 (or, if leased, when the lease runs out) and a relay sends them again (consumers absorb the
 duplicate by message_id). Nothing committed is lost.
 
-On PostgreSQL the relay also LISTENs on a channel that a trigger NOTIFYs on every committed
-insert, with the listening socket watched by the same I/O loop (a new LISTEN connection for
-each broker connection, since each has its own loop), so a new row leaves within
-milliseconds; polling every ``RELAY_POLL_INTERVAL`` remains as the fallback (the only mode on
-other databases).
+On PostgreSQL the relay also LISTENs on a channel that ``publish()`` NOTIFYs after each
+commit (:mod:`.wake_after_commit`), with the listening socket watched by the same I/O loop (a
+new LISTEN connection for each broker connection, since each has its own loop), so a new row
+leaves within milliseconds; polling every ``RELAY_POLL_INTERVAL`` remains as the fallback (the
+only mode on other databases).
 
 Flow control: when the broker runs low on memory or disk it stops reading from publishing
 connections and says so with ``connection.blocked``. The relay then claims nothing more (rows

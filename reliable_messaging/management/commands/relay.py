@@ -19,6 +19,7 @@ from reliable_messaging.metrics import HealthCheck, HealthGroup, HealthState
 from reliable_messaging.models import OutboxMessage
 from reliable_messaging.partitions import OUTBOX, PartitionUpkeep
 from reliable_messaging.publishing.lanes import RelayProgress, run_lanes
+from reliable_messaging.publishing.listener import NOTIFY_CHANNEL
 from reliable_messaging.publishing.relay import OutboxRelay
 
 logger = logging.getLogger("reliable_messaging.relay")
@@ -113,15 +114,16 @@ class Command(BaseCommand):
         upkeep = PartitionUpkeep(router.db_for_write(OutboxMessage), spec=OUTBOX)
         upkeep.start()
         # The admin's bulk replays and discards, carried out beside the lanes in a process of
-        # their own (dead_letters/operation_process.py). The outbox's insert trigger wakes the
-        # lanes for the rows of each batch: a NOTIFY of our own as well made the lanes claim
-        # twice as often and halved the replay's rate (bench/admin_replay.py).
+        # their own (dead_letters/operation_process.py). It wakes the lanes after each batch's
+        # commit with a NOTIFY on the channel they LISTEN on, as publish() does after a commit.
         operations = None
         if options["operation_batch_size"]:
             if options["once"]:  # before the lanes start: they find the replays due
                 run_pending_operations(options["operation_batch_size"])
             else:
-                operations = OperationProcess(batch_size=options["operation_batch_size"])
+                operations = OperationProcess(
+                    batch_size=options["operation_batch_size"], notify_channel=NOTIFY_CHANNEL
+                )
                 operations.start()
         # Its start, its progress and its stop show whatever LOGGING says.
         console.attach(self.stdout.write)

@@ -7,6 +7,7 @@ import getpass
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import router
 from django.db.models import Q
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime, parse_duration
@@ -20,6 +21,7 @@ from reliable_messaging.models import (
     DeadLetterReason,
     DeadLetterStatus,
 )
+from reliable_messaging.publishing.wake_after_commit import wake_relay_after_commit
 
 
 def _moment(value: str) -> dt.datetime:
@@ -136,6 +138,8 @@ class Command(BaseCommand):
             result = replay_batch(
                 ids[start : start + options["batch_size"]], replayed_by=who, force=options["force"]
             )
+            if result.replayed:  # committed: the relay may claim their outbox rows now
+                wake_relay_after_commit(router.db_for_write(DeadLetter))
             replayed += len(result.replayed)
             refused += len(result.refused)
             if result.refused:

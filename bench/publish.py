@@ -1,0 +1,520 @@
+"""publish() benchmark: what publishing costs a business transaction, and how fast the relay hears.
+
+    .venv/bin/python bench/publish.py [--seconds 5] [--django-seconds 5] [--latency-seconds 10]
+
+Each throughput figure is the median of ``ROUNDS`` rounds run in turn.
+
+1. Database-bound: the statements of one small business transaction (a row of
+   ``tests.testapp.Effect``, then ``publish()``), captured from Django and replayed by pgbench,
+   a LISTENing session present, at 64 and 32 connections:
+   - the business insert alone;
+   - with the outbox row, no wake-up at all (the floor publishing can reach);
+   - with the outbox row and the after-commit wake-up as shipped: eight more connections (one
+     per web process, whose sender sends one ``NOTIFY`` at a time and then waits
+     ``SPACING``) send ``NOTIFY`` in their own transactions the whole time, each followed by
+     that pause, with asynchronous commit as the sender's connection has it: as many wake-ups
+     as eight processes that always have a new commit send;
+   - the old way, as a reference in the same run: the outbox row under migration 0002's
+     NOTIFY trigger (recreated for the run, dropped after).
+2. Commit-to-broker latency: a real ``manage.py relay`` process, rows published in autocommit
+   at a steady rate, a consumer measuring arrival minus the time taken just before
+   ``publish()``; with the relay idle, then under the 64-connection publishing load.
+3. The idle relay: its CPU and the transactions it makes a second (``pg_stat_database``).
+4. Through Django: 8 processes x 8 threads running the business transaction with and without
+   ``publish()``.
+
+Everything runs on its own database (``RM_BENCH_DB``, ``rm_bench_publish`` by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import os
+import re
+import select
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+os.environ.setdefault("RM_BENCH_DB", "rm_bench_publish")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pika
+from _common import (
+    BENCH_DB,
+    DATABASE_URL,
+    ROOT,
+    describe_machine,
+    median,
+    percentile,
+    setup_django,
+    subprocess_env,
+)
+
+AMQP = "amqp://guest:guest@127.0.0.1/%2F"
+WAKERS = 8
+ROUNDS = 3
+PGBENCH = ["pgbench", "-h", "127.0.0.1", "-U", "postgres", "-n"]
+
+
+# --------------------------------------------------------------------------- pgbench
+
+
+def captured_statements(exchange: str) -> tuple[str, str]:
+    """The business insert and the outbox insert of one publishing transaction, as Django
+    sent them (parameters inlined)."""
+    from django.db import connection, transaction
+    from django.test.utils import CaptureQueriesContext
+
+    from reliable_messaging import publish
+    from tests.testapp.models import Effect
+
+    with CaptureQueriesContext(connection) as queries, transaction.atomic():
+        Effect.objects.create(
+            consumer="shop", message_id="order-1", attempt=1, payload={"order_id": 1}
+        )
+        publish("bench.load", {"order_id": 1, "amount": "9.99"}, exchange=exchange)
+    statements = [query["sql"] for query in queries.captured_queries]
+    business = next(s for s in statements if "testapp_effect" in s)
+    outbox = next(s for s in statements if "reliable_messaging_outboxmessage" in s)
+    return business, outbox
+
+
+def pgbench(script: str, clients: int, seconds: float, extra: str | None = None) -> float:
+    """Commits a second of ``script`` at ``clients`` connections; ``extra`` runs beside it on
+    ``WAKERS`` connections for the same time."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "txn.sql"
+        path.write_text(script)
+        side = None
+        if extra is not None:
+            side_path = Path(tmp) / "side.sql"
+            side_path.write_text(extra)
+            side = subprocess.Popen(
+                [
+                    *PGBENCH,
+                    "-c",
+                    str(WAKERS),
+                    "-j",
+                    "1",
+                    "-T",
+                    str(int(seconds) + 1),
+                    "-f",
+                    str(side_path),
+                    BENCH_DB,
+                ],
+                # as the sender's connection sets it
+                env={**os.environ, "PGOPTIONS": "-c synchronous_commit=off"},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        result = subprocess.run(
+            [
+                *PGBENCH,
+                "-c",
+                str(clients),
+                "-j",
+                "2",
+                "-T",
+                str(int(seconds)),
+                "-f",
+                str(path),
+                BENCH_DB,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        if side is not None:
+            side.wait(timeout=60)
+    match = re.search(r"tps = ([\d.]+) \(without initial connection time\)", result.stdout)
+    if match is None:
+        raise RuntimeError(f"pgbench said:\n{result.stdout}\n{result.stderr}")
+    return float(match.group(1))
+
+
+@contextlib.contextmanager
+def listening() -> Iterator[None]:
+    """A LISTENing session, drained as notifications come, as a relay would."""
+    import psycopg
+
+    from reliable_messaging.publishing.listener import NOTIFY_CHANNEL
+
+    connection = psycopg.connect(DATABASE_URL, autocommit=True)
+    connection.execute(f"LISTEN {NOTIFY_CHANNEL}")
+    stop = threading.Event()
+
+    def drain() -> None:
+        while not stop.is_set():
+            ready, _, _ = select.select([connection.fileno()], [], [], 0.2)
+            if ready:
+                connection.pgconn.consume_input()
+                while connection.pgconn.notifies() is not None:
+                    pass
+
+    thread = threading.Thread(target=drain, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        connection.close()
+
+
+def empty_tables() -> None:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("TRUNCATE testapp_effect, reliable_messaging_outboxmessage")
+        cursor.execute("VACUUM ANALYZE testapp_effect")
+        cursor.execute("VACUUM ANALYZE reliable_messaging_outboxmessage")
+
+
+@contextlib.contextmanager
+def old_trigger() -> Iterator[None]:
+    from django.db import connection
+
+    migration = importlib.import_module(
+        "reliable_messaging.migrations.0013_outbox_wake_after_commit"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(migration.CREATE_TRIGGER)
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(migration.DROP_TRIGGER)
+
+
+def database_bound(exchange: str, seconds: float) -> dict[int, dict[str, float]]:
+    from reliable_messaging.publishing.listener import NOTIFY_CHANNEL
+    from reliable_messaging.publishing.wake_after_commit import SPACING
+
+    business, outbox = captured_statements(exchange)
+    alone = f"BEGIN;\n{business};\nCOMMIT;\n"
+    with_row = f"BEGIN;\n{business};\n{outbox};\nCOMMIT;\n"
+    spacing_ms = round(SPACING * 1000)
+    wakers = f"NOTIFY {NOTIFY_CHANNEL};\n\\sleep {spacing_ms} ms\n"
+    results: dict[int, dict[str, float]] = {}
+    with listening():
+        for clients in (64, 32):
+            # The four in turn, ``rounds`` times, each figure the median of its rounds: on a
+            # machine shared with other work, a figure taken once moves by a third.
+            rounds: dict[str, list[float]] = {}
+            for _ in range(ROUNDS):
+                empty_tables()
+                rounds.setdefault("business", []).append(pgbench(alone, clients, seconds))
+                empty_tables()
+                rounds.setdefault("outbox", []).append(pgbench(with_row, clients, seconds))
+                empty_tables()
+                rounds.setdefault("shipped", []).append(
+                    pgbench(with_row, clients, seconds, extra=wakers)
+                )
+                empty_tables()
+                with old_trigger():
+                    rounds.setdefault("trigger", []).append(pgbench(with_row, clients, seconds))
+            empty_tables()
+            results[clients] = {key: median(values) for key, values in rounds.items()}
+    return results
+
+
+# --------------------------------------------------------------------------- latency
+
+
+def declare_sink(exchange: str, queue: str) -> None:
+    connection = pika.BlockingConnection(pika.URLParameters(AMQP))
+    channel = connection.channel()
+    channel.exchange_declare(exchange, "topic", durable=True)
+    channel.queue_declare(queue, durable=True)
+    channel.queue_bind(queue, exchange, "bench.latency")
+    channel.queue_purge(queue)
+    connection.close()
+
+
+def drop_sink(exchange: str, queue: str) -> None:
+    connection = pika.BlockingConnection(pika.URLParameters(AMQP))
+    channel = connection.channel()
+    channel.queue_delete(queue)
+    channel.exchange_delete(exchange)
+    connection.close()
+
+
+def start_relay(namespace: str) -> subprocess.Popen[str]:
+    relay = subprocess.Popen(
+        [sys.executable, str(ROOT / "manage.py"), "relay"],
+        env=subprocess_env(namespace),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    time.sleep(3)  # it connects, LISTENs and finds nothing to send
+    return relay
+
+
+def latencies(exchange: str, queue: str, rate: int, seconds: float) -> list[float]:
+    """Publish in autocommit at ``rate``/s; milliseconds from just before each publish() to its
+    arrival on ``queue``."""
+    from reliable_messaging import publish
+
+    found: list[float] = []
+    total = int(rate * seconds)
+    done = threading.Event()
+
+    def consume() -> None:
+        connection = pika.BlockingConnection(pika.URLParameters(AMQP))
+        channel = connection.channel()
+        quiet = 0
+        for _method, properties, _body in channel.consume(
+            queue, auto_ack=True, inactivity_timeout=1
+        ):
+            if properties is None:
+                quiet = quiet + 1 if done.is_set() else 0
+                if quiet >= 10:  # the relay may still be working through a backlog
+                    break
+                continue
+            quiet = 0
+            started_us = (properties.headers or {}).get("x-bench-started-at")
+            if isinstance(started_us, int):
+                found.append(time.time_ns() / 1e6 - started_us / 1000)
+            if len(found) >= total:
+                break
+        connection.close()
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    next_at = time.perf_counter()
+    for i in range(total):
+        publish(
+            "bench.latency",
+            {"i": i},
+            exchange=exchange,
+            headers={"x-bench-started-at": time.time_ns() // 1000},
+        )
+        next_at += 1 / rate
+        pause = next_at - time.perf_counter()
+        if pause > 0:
+            time.sleep(pause)
+    done.set()
+    consumer.join(timeout=60)
+    return found
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def transactions() -> int:
+    import psycopg
+
+    with psycopg.connect(DATABASE_URL, autocommit=True) as connection:
+        connection.execute("SELECT pg_stat_clear_snapshot()")
+        row = connection.execute(
+            "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = %s",
+            [BENCH_DB],
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def idle_relay(relay: subprocess.Popen[str], seconds: float) -> tuple[float, float]:
+    """The idle relay's share of a core (%) and the bench database's transactions a second
+    meanwhile (the relay's, and the two of this measurement)."""
+    time.sleep(11)  # past PostgreSQL's delay in reporting an idle session's figures
+    cpu, commits, start = cpu_seconds(relay.pid), transactions(), time.monotonic()
+    time.sleep(seconds)
+    time.sleep(11)
+    commits_end = transactions()
+    elapsed = time.monotonic() - start
+    cpu_share = (cpu_seconds(relay.pid) - cpu) / elapsed * 100
+    return cpu_share, max(0, commits_end - commits - 1) / elapsed
+
+
+# --------------------------------------------------------------------------- Django
+
+
+def django_worker(publishing: bool, threads: int, start_at: float, seconds: float) -> None:
+    """One process of the Django run: prints how many transactions its threads committed."""
+    import django
+
+    django.setup()
+    from django.db import connection, transaction
+
+    from reliable_messaging import publish
+    from tests.testapp.models import Effect
+
+    counts = [0] * threads
+
+    def run(index: int) -> None:
+        time.sleep(max(0.0, start_at - time.time()))
+        end = start_at + seconds
+        n = 0
+        while time.time() < end:
+            with transaction.atomic():
+                Effect.objects.create(
+                    consumer="shop", message_id=f"o-{index}-{n}", attempt=1, payload={"n": n}
+                )
+                if publishing:
+                    publish("bench.django", {"order_id": n, "amount": "9.99"})
+            n += 1
+        counts[index] = n
+        connection.close()
+
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    print(sum(counts))
+
+
+def django_rate(namespace: str, publishing: bool, seconds: float) -> float:
+    start_at = time.time() + 4
+    processes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--worker",
+                "publish" if publishing else "plain",
+                "--start-at",
+                str(start_at),
+                "--django-seconds",
+                str(seconds),
+            ],
+            env=subprocess_env(namespace),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(8)
+    ]
+    total = 0
+    for process in processes:
+        out, _ = process.communicate(timeout=seconds + 120)
+        total += int(out.strip().splitlines()[-1])
+    return total / seconds
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seconds", type=float, default=5)
+    parser.add_argument("--django-seconds", type=float, default=5)
+    parser.add_argument("--rate", type=int, default=100)
+    parser.add_argument("--latency-seconds", type=float, default=10)
+    parser.add_argument("--worker", choices=["publish", "plain"])
+    parser.add_argument("--start-at", type=float, default=0)
+    args = parser.parse_args()
+    if args.worker:
+        sys.path.insert(0, str(ROOT))
+        os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+        django_worker(args.worker == "publish", 8, args.start_at, args.django_seconds)
+        return
+
+    namespace = setup_django()
+    from django.conf import settings
+
+    exchange = str(settings.RELIABLE_MESSAGING["EXCHANGE"])
+    queue = f"{exchange}.latency"
+    print(f"publish() benchmark on {describe_machine()}")
+    declare_sink(exchange, queue)
+    try:
+        db = database_bound(exchange, args.seconds)
+        empty_tables()
+        relay = start_relay(namespace)
+        try:
+            cpu, per_second = idle_relay(relay, 10)
+            idle = latencies(exchange, queue, args.rate, args.latency_seconds)
+            business, outbox = captured_statements(exchange)
+            loads = {
+                "business": f"BEGIN;\n{business};\nCOMMIT;\n",
+                "publishing": f"BEGIN;\n{business};\n{outbox};\nCOMMIT;\n",
+            }
+            loaded: dict[str, list[float]] = {}
+            tps: dict[str, float] = {}
+            for name, script in loads.items():
+                load = threading.Thread(
+                    target=lambda n=name, s=script: tps.update(
+                        {n: pgbench(s, 64, args.latency_seconds + 4)}
+                    ),
+                    daemon=True,
+                )
+                load.start()
+                time.sleep(2)
+                loaded[name] = latencies(exchange, queue, args.rate, args.latency_seconds)
+                load.join(timeout=args.latency_seconds + 60)
+        finally:
+            relay.terminate()
+            relay.wait(timeout=30)
+        plains, publishings = [], []
+        for _ in range(ROUNDS):
+            empty_tables()
+            plains.append(django_rate(namespace, False, args.django_seconds))
+            empty_tables()
+            publishings.append(django_rate(namespace, True, args.django_seconds))
+        empty_tables()
+        plain, publishing = median(plains), median(publishings)
+    finally:
+        drop_sink(exchange, queue)
+
+    print()
+    print("| the same transaction, pgbench | 64 connections | ratio | 32 connections | ratio |")
+    print("|---|---|---|---|---|")
+    rows = [
+        ("business insert alone", "business", "business"),
+        ("+ the outbox row, no wake-up", "outbox", "business"),
+        ("+ the outbox row, after-commit wake-up (shipped)", "shipped", "outbox"),
+        ("+ the outbox row, NOTIFY trigger (before)", "trigger", "outbox"),
+    ]
+    for label, key, base in rows:
+        cells = []
+        for clients in (64, 32):
+            value = db[clients][key]
+            cells.append(f"{value:,.0f}/s")
+            cells.append(f"{value / db[clients][base]:.2f}x {base}")
+        print(f"| {label} | " + " | ".join(cells) + " |")
+    print(f"(each figure the median of {ROUNDS} rounds of {args.seconds:.0f} s, in turn)")
+    for clients in (64, 32):
+        row = db[clients]
+        shipped = row["shipped"]
+        print(
+            f"{clients} connections: shipped / business alone {shipped / row['business']:.2f}"
+            f" (goal >= 0.7), shipped / outbox row alone {row['shipped'] / row['outbox']:.2f}"
+            f" (goal >= 0.9); the trigger: {row['trigger'] / row['business']:.2f} and "
+            f"{row['trigger'] / row['outbox']:.2f}"
+        )
+    print()
+    print(
+        f"commit->broker latency, idle relay, {args.rate}/s, {len(idle)} messages: "
+        f"p50 {percentile(idle, 50):.1f} ms, p99 {percentile(idle, 99):.1f} ms "
+        f"(goal p50 <= 10, p99 <= 50)"
+    )
+    for name, found in loaded.items():
+        what = "(an outbox row each, which the relay sends too) " if name == "publishing" else ""
+        print(
+            f"commit->broker latency under 64 connections of the {name} transaction {what}"
+            f"({tps.get(name, float('nan')):,.0f} commits/s), {len(found)} of "
+            f"{int(args.rate * args.latency_seconds)} messages: "
+            f"p50 {percentile(found, 50):.1f} ms, p99 {percentile(found, 99):.1f} ms "
+            "(goal p99 <= 250)"
+        )
+    print(
+        f"idle relay: {cpu:.2f}% of a core, {per_second:.2f} transactions/s on its database "
+        f"(goal < 2%)"
+    )
+    print(
+        f"through Django, 8 processes x 8 threads: without publish() {plain:,.0f}/s, with "
+        f"{publishing:,.0f}/s, ratio {publishing / plain:.2f} (goal >= 0.65); rounds: "
+        f"{', '.join(f'{b:,.0f}/{a:,.0f}' for a, b in zip(plains, publishings, strict=True))}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""Wake the relay after a publishing transaction commits, from outside that transaction.
+
+Why not a trigger: PostgreSQL delivers notifications in commit order by holding one lock for
+the whole instance (on "database 0") from a notifying transaction's pre-commit until its commit
+record is flushed. A ``NOTIFY`` inside every publishing transaction (migration 0002's trigger)
+made all of them commit one after the other, on every database of the server.
+
+So ``publish()`` registers one ``transaction.on_commit`` callback per transaction and database
+alias (many ``publish()`` calls in a transaction share it). The callback only marks the alias
+as due and sets an event: it never touches the network and never raises, so the caller's
+commit path holds no instance-wide lock and waits for nothing. One daemon thread per process
+(:class:`WakeUpSender`) sends ``NOTIFY`` in a transaction of its own, on a connection of its
+own; wake-ups requested while it sends, and for a few milliseconds after, are folded into its
+next ``NOTIFY``, so a busy process sends one at a time, a few hundred a second at most,
+whatever its number of threads and commits.
+
+A lost wake-up (the thread's database connection down, the process exiting right after a
+commit) costs at most the relay's poll interval: a notification only tells the relay to claim,
+it carries nothing the claim relies on. SQLite, or PostgreSQL without psycopg 3, has no
+wake-up at all: the relay polls, as it always did there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from django.db import connections
+
+from .listener import NOTIFY_CHANNEL, listen_conninfo
+
+logger = logging.getLogger("reliable_messaging.publish")
+
+# After a failure to connect or to send, an alias is left alone this long (its wake-ups are
+# dropped meanwhile; the relay's poll covers them), so a database that is down costs one
+# failed attempt per pause, not one per commit.
+RETRY_PAUSE = 5.0
+# Bounds on the sender's own connection: it never blocks a caller, but a hung database should
+# not keep it from noticing that the connection is dead either.
+CONNECT_TIMEOUT = 2
+STATEMENT_TIMEOUT_MS = 2000
+# After each NOTIFY the sender waits this long before the next: the first commit of a burst
+# wakes the relay at once, the others of the next few ms share one wake-up. A process then
+# sends at most a couple of hundred NOTIFYs a second (each is a transaction with a commit record
+# to flush) however fast it commits, and a relay could not claim faster than that anyway.
+SPACING = 0.005
+# A process that stopped publishing gives its connection back after this long.
+IDLE_CLOSE = 30.0
+
+
+class WakeUpSender:
+    """The process's sender of after-commit wake-ups: :meth:`request` is what the on-commit
+    callbacks call (cheap, thread-safe, never raises); a daemon thread does the sending."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()  # the connections: the thread's, or close()'s
+        self._due: set[str] = set()
+        self._event = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+        self._conninfo: dict[str, str] = {}
+        self._connections: dict[str, Any] = {}
+        self._retry_at: dict[str, float] = {}
+        # Counters for tests and the benchmark: wake-ups asked for, NOTIFYs sent, failures.
+        self.requested = 0
+        self.sent = 0
+        self.failed = 0
+
+    def request(self, using: str) -> None:
+        """Ask for one ``NOTIFY`` on ``using`` soon. Called after the commit it announces."""
+        try:
+            conninfo = self._conninfo.get(using)
+            if conninfo is None:
+                # Read here, on a thread that has the alias's settings at hand; kept, since a
+                # process's database parameters do not change.
+                conninfo = self._conninfo[using] = listen_conninfo(using)
+            with self._lock:
+                self.requested += 1
+                self._due.add(using)
+                self._ensure_thread()
+            self._event.set()
+        except Exception:  # a wake-up is never worth failing a caller for
+            logger.debug("publish: could not ask for a wake-up of the relay", exc_info=True)
+
+    def _ensure_thread(self) -> None:
+        # After a fork (a preloading web server) the parent's thread and connections are not
+        # this process's: start afresh.
+        pid = os.getpid()
+        if self._thread is not None and self._pid == pid and self._thread.is_alive():
+            return
+        if self._pid != pid:
+            self._connections = {}
+            self._retry_at = {}
+        self._pid = pid
+        self._thread = threading.Thread(
+            target=self._run, name="reliable-messaging-wake-ups", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            if not self._event.wait(IDLE_CLOSE):
+                self.close()
+                continue
+            with self._send_lock:
+                with self._lock:
+                    self._event.clear()
+                    due, self._due = self._due, set()
+                for using in due:
+                    self._notify(using)
+            if due:
+                time.sleep(SPACING)
+
+    def _notify(self, using: str) -> None:
+        if time.monotonic() < self._retry_at.get(using, 0.0):
+            return
+        try:
+            connection = self._connections.get(using)
+            if connection is None or connection.closed:
+                connection = self._connections[using] = self._connect(using)
+            connection.execute(f"NOTIFY {NOTIFY_CHANNEL}")
+        except Exception as exc:  # noqa: BLE001 - any failure: the relay's poll covers it
+            self.failed += 1
+            self._retry_at[using] = time.monotonic() + RETRY_PAUSE
+            broken = self._connections.pop(using, None)
+            if broken is not None:
+                _close(broken)
+            logger.warning(
+                "publish: could not wake the relay on %r (%s); it finds the new rows on its "
+                "next poll. Trying again in %ss",
+                using,
+                exc,
+                RETRY_PAUSE,
+            )
+            return
+        self.sent += 1
+
+    def _connect(self, using: str) -> Any:
+        import psycopg
+
+        connection = psycopg.connect(
+            self._conninfo[using], autocommit=True, connect_timeout=CONNECT_TIMEOUT
+        )
+        # Set here rather than in the conninfo's ``options``, which the project's own may fill.
+        connection.execute(f"SET statement_timeout = {STATEMENT_TIMEOUT_MS}")
+        # A NOTIFY gives its transaction an id, hence a commit record: with synchronous commit
+        # that transaction would hold the notification lock, and the sender wait, until the
+        # record is flushed. A wake-up lost to a crash costs a poll; it is not worth a flush.
+        connection.execute("SET synchronous_commit = off")
+        return connection
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until every wake-up asked for so far was sent or dropped (for tests and the
+        benchmark); True when that happened within ``timeout``."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            with self._lock:
+                idle = not self._due and not self._event.is_set()
+            if idle:
+                with self._send_lock:  # the thread is past the last batch it took
+                    pass
+                with self._lock:
+                    if not self._due and not self._event.is_set():
+                        return True
+            time.sleep(0.01)
+        return False
+
+    def close(self) -> None:
+        """Close the sender's connections (the thread stays, idle, and reconnects if asked)."""
+        with self._send_lock:
+            connections_, self._connections = self._connections, {}
+        for connection in connections_.values():
+            _close(connection)
+
+
+def _close(connection: Any) -> None:
+    try:
+        connection.close()
+    except Exception:  # closing a broken connection may fail too
+        logger.debug("error closing the wake-up connection", exc_info=True)
+
+
+sender = WakeUpSender()
+
+# One callback object per alias, so that a transaction's list of on-commit callbacks can be
+# searched for it: the first publish() of a transaction registers it, the others find it.
+_callbacks: dict[str, Any] = {}
+_can_notify: dict[str, bool] = {}
+
+
+def _callback(using: str) -> Any:
+    callback = _callbacks.get(using)
+    if callback is None:
+
+        def callback() -> None:
+            sender.request(using)
+
+        _callbacks[using] = callback
+    return callback
+
+
+def _supported(using: str) -> bool:
+    supported = _can_notify.get(using)
+    if supported is None:
+        supported = connections[using].vendor == "postgresql"
+        if supported:
+            try:
+                import psycopg  # noqa: F401
+            except ImportError:
+                supported = False
+        _can_notify[using] = supported
+    return supported
+
+
+def wake_relay_after_commit(using: str) -> None:
+    """Have the relay woken once the current transaction on ``using`` commits (at once in
+    autocommit). Coalesced: a transaction registers one callback however often it publishes."""
+    if not _supported(using):
+        return
+    connection = connections[using]
+    if connection.in_atomic_block:
+        callback = _callback(using)
+        for entry in connection.run_on_commit:
+            if entry[1] is callback:
+                return
+        connection.on_commit(callback)
+    else:
+        sender.request(using)

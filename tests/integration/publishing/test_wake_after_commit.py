@@ -1,0 +1,246 @@
+"""publish() wakes the relay after the commit, from a connection of its own.
+
+A NOTIFY run by the caller's transaction makes its commit take PostgreSQL's instance-wide
+notification lock; a notification names the backend that sent it, so "no notification comes
+from the caller's backend" is the same as "nothing in the caller's commit path took that lock".
+The old trigger is put back in one test to show that this check notices it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import select
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from django.conf import settings
+from django.core.management import call_command
+from django.db import connection, transaction
+
+from reliable_messaging import publish
+from reliable_messaging.models import OutboxMessage, OutboxStatus
+from reliable_messaging.publishing.listener import NOTIFY_CHANNEL, listen_conninfo
+from reliable_messaging.publishing.wake_after_commit import sender
+from tests.support import wait_until
+
+from .conftest import OutboxEnv
+
+pytestmark = [pytest.mark.django_db(transaction=True)]
+ON_POSTGRES = "postgresql" in settings.DATABASES["default"]["ENGINE"]
+on_postgres = pytest.mark.skipif(not ON_POSTGRES, reason="PostgreSQL's NOTIFY")
+on_sqlite = pytest.mark.skipif(ON_POSTGRES, reason="what happens elsewhere than PostgreSQL")
+
+MIGRATION = importlib.import_module("reliable_messaging.migrations.0013_outbox_wake_after_commit")
+
+
+class Listener:
+    """A LISTENing session of the test's own: the notifications that reached it, with the
+    backend each came from."""
+
+    def __init__(self) -> None:
+        self.connection = psycopg.connect(listen_conninfo("default"), autocommit=True)
+        self.connection.execute(f"LISTEN {NOTIFY_CHANNEL}")
+
+    def received(self, wait: float) -> list[int]:
+        """The sender pids of what arrives within ``wait`` seconds (all of it, not the first)."""
+        pids: list[int] = []
+        end = time.monotonic() + wait
+        while (left := end - time.monotonic()) > 0:
+            ready, _, _ = select.select([self.connection.fileno()], [], [], left)
+            if ready:
+                self.connection.pgconn.consume_input()
+                while (notify := self.connection.pgconn.notifies()) is not None:
+                    pids.append(notify.be_pid)
+        return pids
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+@pytest.fixture
+def listener() -> Iterator[Listener]:
+    listening = Listener()
+    try:
+        yield listening
+    finally:
+        listening.close()
+
+
+def backend_pid() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        return int(cursor.fetchone()[0])
+
+
+def statements_of(block: Any) -> list[str]:
+    """The SQL the caller's connection executed while ``block()`` ran."""
+    seen: list[str] = []
+
+    def record(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        seen.append(sql)
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(record):
+        block()
+    return seen
+
+
+def publish_in_a_transaction(count: int = 1) -> list[str]:
+    with transaction.atomic():
+        return [publish("wake.x", {"n": n}) for n in range(count)]
+
+
+@on_postgres
+def test_the_callers_transaction_sends_no_notify(ob: OutboxEnv, listener: Listener) -> None:
+    caller = backend_pid()
+    statements = statements_of(publish_in_a_transaction)
+    assert not [s for s in statements if "notify" in s.lower()], statements
+    pids = listener.received(wait=2.0)
+    assert pids, "the relay was not woken"
+    assert caller not in pids, "the caller's own transaction sent a NOTIFY"
+
+
+@on_postgres
+def test_the_old_trigger_fails_that_check(ob: OutboxEnv, listener: Listener) -> None:
+    # The check above would have caught the trigger of migration 0002.
+    caller = backend_pid()
+    with connection.cursor() as cursor:
+        cursor.execute(MIGRATION.CREATE_TRIGGER)
+    try:
+        publish_in_a_transaction()
+        assert caller in listener.received(wait=2.0)
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(MIGRATION.DROP_TRIGGER)
+
+
+@on_postgres
+def test_many_publishes_in_one_transaction_send_one_wake_up(
+    ob: OutboxEnv, listener: Listener
+) -> None:
+    assert sender.flush()
+    listener.received(wait=0.2)  # anything earlier tests left behind
+    requested = sender.requested
+    publish_in_a_transaction(count=50)
+    assert sender.flush()
+    assert sender.requested == requested + 1
+    assert len(listener.received(wait=1.0)) == 1
+
+
+@on_postgres
+def test_a_savepoint_rolled_back_keeps_the_outer_wake_up(ob: OutboxEnv, listener: Listener) -> None:
+    with transaction.atomic():
+        try:
+            with transaction.atomic():
+                publish("wake.lost", {})  # registers the callback inside the savepoint
+                raise RuntimeError("roll the savepoint back")
+        except RuntimeError:
+            pass
+        kept = publish("wake.kept", {})  # registers it again, outside
+    assert len(listener.received(wait=2.0)) == 1
+    assert list(OutboxMessage.objects.values_list("message_id", flat=True)) == [kept]
+
+
+@on_postgres
+def test_a_rollback_sends_no_wake_up(ob: OutboxEnv, listener: Listener) -> None:
+    requested = sender.requested
+    with pytest.raises(RuntimeError), transaction.atomic():
+        publish("wake.x", {"n": 1})
+        raise RuntimeError("roll back")
+    assert sender.flush()
+    assert sender.requested == requested
+    assert listener.received(wait=1.0) == []
+
+
+@on_postgres
+def test_publish_in_autocommit_wakes_the_relay(ob: OutboxEnv, listener: Listener) -> None:
+    caller = backend_pid()
+    publish("wake.auto", {"n": 1})
+    pids = listener.received(wait=2.0)
+    assert pids
+    assert caller not in pids
+
+
+@on_postgres
+@pytest.mark.slow
+def test_the_real_relay_is_woken_after_the_commit(ob: OutboxEnv) -> None:
+    # Polling every 30 s: only the wake-up sent after the commit explains a delivery within 5 s.
+    ob.set(RELAY_POLL_INTERVAL=30.0)
+    queue = ob.queue()
+    relay = ob.relay_process().wait_connected()
+    warmup = publish("wake.warmup", {"n": 0})
+    wait_until(lambda: ob.broker.count(queue) == 1, timeout=30, message="the warm-up row")
+    time.sleep(1.0)  # settled into its 30 s idle wait
+    ids = publish_in_a_transaction(count=20)
+    wait_until(
+        lambda: ob.broker.count(queue) == 21,
+        timeout=5,
+        interval=0.02,
+        message=lambda: f"the rows delivered after a wake-up; log:\n{relay.log()}",
+    )
+    assert [m.message_id for m in ob.broker.drain(queue, expected=21)] == [warmup, *ids]
+
+
+@on_postgres
+@pytest.mark.slow
+def test_a_failed_wake_up_does_not_reach_the_caller_and_the_poll_delivers(
+    ob: OutboxEnv,
+) -> None:
+    ob.set(RELAY_POLL_INTERVAL=1.0)
+    queue = ob.queue()
+    assert sender.flush()
+    sender.close()
+    # Nothing listens on port 1: the sender cannot connect.
+    sender._conninfo["default"] = "host=127.0.0.1 port=1 dbname=nowhere connect_timeout=2"
+    failed = sender.failed
+    try:
+        ids = publish_in_a_transaction(count=3)  # does not raise
+        assert sender.flush(timeout=10)
+        assert sender.failed == failed + 1
+        relay = ob.relay_thread()
+        wait_until(
+            lambda: ob.broker.count(queue) == 3,
+            timeout=30,
+            message="the rows delivered by the relay's poll",
+        )
+        ob.stop_relay(relay)
+    finally:
+        sender._conninfo.pop("default", None)
+        sender._retry_at.clear()
+    assert OutboxMessage.objects.filter(status=OutboxStatus.SENT).count() == 3
+    assert sorted(m.message_id for m in ob.broker.drain(queue, expected=3)) == sorted(ids)
+
+
+def _has_trigger() -> bool:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = "
+            "'reliable_messaging_outbox_notify')"
+        )
+        return bool(cursor.fetchone()[0])
+
+
+@on_postgres
+def test_the_migration_drops_the_trigger_and_puts_it_back() -> None:
+    previous = MIGRATION.Migration.dependencies[0][1]
+    assert not _has_trigger()
+    try:
+        call_command("migrate", "reliable_messaging", previous, verbosity=0)
+        assert _has_trigger()
+    finally:
+        call_command("migrate", "reliable_messaging", verbosity=0)
+    assert not _has_trigger()
+
+
+@on_sqlite
+def test_sqlite_has_no_wake_up_machinery() -> None:
+    requested = sender.requested
+    with transaction.atomic():
+        publish("wake.sqlite", {"n": 1})
+        assert connection.run_on_commit == []
+    publish("wake.sqlite", {"n": 2})  # autocommit
+    assert sender.requested == requested
+    assert OutboxMessage.objects.count() == 2
