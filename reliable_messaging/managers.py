@@ -433,7 +433,7 @@ class DeadLetterGroupQuerySet(models.QuerySet):
         until that transaction ends; the admin's pages run in one)."""
         using = self.db
         if not connections[using].in_atomic_block and using == router.db_for_write(self.model):
-            self.fold()
+            self.using(using).fold()
         model = self.model._meta.apps.get_model(self.model._meta.app_label, "LiveDeadLetterGroup")
         return model._default_manager.using(using).all()
 
@@ -447,9 +447,9 @@ class DeadLetterGroupQuerySet(models.QuerySet):
         letters either: they only insert deltas, and the deltas of a transaction not yet
         committed are folded by a later fold. Inside the caller's transaction, if any (the
         lock is then held until that one ends)."""
-        if not self.kept():
+        using = self._db or router.db_for_write(self.model)
+        if connections[using].vendor != "postgresql":
             return 0
-        using = self.db
         model = self.model._meta.apps.get_model(self.model._meta.app_label, "DeadLetterGroupDelta")
         sql = FOLD.format(deltas=model._meta.db_table, groups=self.model._meta.db_table)
         folded = rounds = 0
@@ -546,9 +546,9 @@ class DeadLetterGroupQuerySet(models.QuerySet):
         """Fold the deltas, then delete the groups left without a dead letter (after a purge);
         returns how many. Under the fold's lock: while another fold runs, nothing is deleted
         this time. Never waits for a writer of dead letters."""
-        if not self.kept():
+        using = self._db or router.db_for_write(self.model)
+        if connections[using].vendor != "postgresql":
             return 0
-        using = self.db
         self.using(using).fold(batches=None)
         with transaction.atomic(using=using), connections[using].cursor() as cursor:
             cursor.execute(

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from django.db.models import Count, Q
 from django.test import override_settings
 from django.utils import timezone
 
+from reliable_messaging.dead_letters.operations import OperationRunner
 from reliable_messaging.dead_letters.replay import discard, replay_batch
 from reliable_messaging.managers import FOLD
 from reliable_messaging.models import (
@@ -293,6 +295,7 @@ def test_purge_keeps_every_dead_letter_when_the_retention_is_none(old_and_new: N
 
     assert "dead letter" not in output
     assert len(left()) == 7
+    assert not DeadLetterGroupDelta.objects.exists()  # folded all the same
 
 
 # -- the migration's backfill, and SQLite --------------------------------------------------------
@@ -523,3 +526,22 @@ def test_readers_fold_when_outside_a_transaction() -> None:
     assert DeadLetterGroup.objects.of_fingerprint("f1")["total"] == 1
     assert not DeadLetterGroupDelta.objects.exists()
     assert folded() == counted()
+
+
+@on_postgresql
+@pytest.mark.django_db(transaction=True)
+def test_the_relays_operation_runner_folds_every_few_seconds() -> None:
+    fail("m-1")
+    fail("m-2", fingerprint="f2")
+    runner = OperationRunner(interval=0.01, fold_interval=0.05)
+    runner.start()
+    try:
+        deadline = time.monotonic() + 30
+        while DeadLetterGroupDelta.objects.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        fail("m-3")
+        while DeadLetterGroupDelta.objects.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        runner.stop()
+    assert figures(DeadLetterGroup.objects.all()) == counted()
