@@ -447,7 +447,7 @@ class DeadLetterGroupQuerySet(models.QuerySet):
         letters either: they only insert deltas, and the deltas of a transaction not yet
         committed are folded by a later fold. Inside the caller's transaction, if any (the
         lock is then held until that one ends)."""
-        using = self._db or router.db_for_write(self.model)
+        using = getattr(self, "_db", None) or router.db_for_write(self.model)
         if connections[using].vendor != "postgresql":
             return 0
         model = self.model._meta.apps.get_model(self.model._meta.app_label, "DeadLetterGroupDelta")
@@ -546,7 +546,7 @@ class DeadLetterGroupQuerySet(models.QuerySet):
         """Fold the deltas, then delete the groups left without a dead letter (after a purge);
         returns how many. Under the fold's lock: while another fold runs, nothing is deleted
         this time. Never waits for a writer of dead letters."""
-        using = self._db or router.db_for_write(self.model)
+        using = getattr(self, "_db", None) or router.db_for_write(self.model)
         if connections[using].vendor != "postgresql":
             return 0
         self.using(using).fold(batches=None)
