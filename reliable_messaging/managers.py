@@ -364,7 +364,7 @@ DeadLetterManager = models.Manager.from_queryset(DeadLetterQuerySet)
 # -- the failure groups ------------------------------------------------------------------------
 
 
-# A fold moves at most this many deltas per transaction: a few milliseconds of work.
+# A fold moves at most this many deltas per transaction: about 20 ms of work.
 FOLD_BATCH_SIZE = 5000
 
 # The deltas' oldest ``%s`` rows, added up per group into the groups in key order (the same

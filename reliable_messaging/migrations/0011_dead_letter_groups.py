@@ -1,12 +1,15 @@
 """The dead letters' failure groups get a table of their own, and the admin's list its indexes.
 
 - ``DeadLetterGroup``: one row per (consumer, fingerprint, reason) with counts per status. On
-  PostgreSQL three statement-level triggers on the dead letters keep it (see the model's
-  docstring); the table is filled from the existing dead letters in the same transaction that
-  creates the triggers. ``CREATE TRIGGER`` takes a lock that lets reads go on but makes writes
+  PostgreSQL three statement-level triggers on the dead letters append each statement's
+  changes per group to ``DeadLetterGroupDelta``, a fold moves them into the groups, and the
+  view ``LiveDeadLetterGroup`` adds up both for the readers (see the model's docstring); the
+  table is filled from the existing dead letters in the same transaction that creates the
+  triggers. ``CREATE TRIGGER`` takes a lock that lets reads go on but makes writes
   of dead letters wait until that transaction commits, so no dead letter is counted twice or
   missed; the wait is the time of one ``GROUP BY`` over the dead letters (seconds for a
-  million). Elsewhere (SQLite) the table stays empty and the pages count the dead letters.
+  million). Elsewhere (SQLite) the tables stay empty, there is no view, and the pages count
+  the dead letters.
 - B-tree indexes for the list's order (unfiltered, and by consumer) and for the purge of
   resolved and discarded dead letters, built CONCURRENTLY on PostgreSQL (the migration is not
   atomic).
@@ -14,8 +17,8 @@
   message and the payload's text, as the admin's search matches them
   (``UPPER(...) LIKE UPPER('%words%')``), also built CONCURRENTLY.
 
-Reversible: backwards drops the triggers, their function, the trigram indexes and the table
-(the extension stays: other code may use it).
+Reversible: backwards drops the view, the triggers, their function, the trigram indexes and
+the tables (the extension stays: other code may use it).
 """
 
 from __future__ import annotations
