@@ -460,6 +460,7 @@ def test_concurrent_folds_neither_lose_nor_double_count_a_delta() -> None:
     lock, so two of them do fold side by side (``SKIP LOCKED``)."""
     done = threading.Event()
     errors: list[BaseException] = []
+    moved: list[int] = []  # by the folders while the writers write
 
     def write(part: int) -> Callable[[], None]:
         def run() -> None:
@@ -475,7 +476,7 @@ def test_concurrent_folds_neither_lose_nor_double_count_a_delta() -> None:
 
     def fold() -> None:
         while not done.is_set():
-            DeadLetterGroup.objects.fold(batch_size=4)
+            moved.append(DeadLetterGroup.objects.fold(batch_size=4))
 
     def fold_without_the_lock() -> None:
         sql = FOLD.format(
@@ -484,6 +485,7 @@ def test_concurrent_folds_neither_lose_nor_double_count_a_delta() -> None:
         while not done.is_set():
             with transaction.atomic(), connection.cursor() as cursor:
                 cursor.execute(sql, [3])
+                moved.append(cursor.fetchone()[0])
 
     folders = [in_thread(fold, errors) for _ in range(2)]
     folders += [in_thread(fold_without_the_lock, errors) for _ in range(2)]
@@ -498,6 +500,7 @@ def test_concurrent_folds_neither_lose_nor_double_count_a_delta() -> None:
             folder.join(30)
     assert not errors
     assert DeadLetter.objects.count() > 100
+    assert sum(moved) > 0
     assert_kept()
 
 
