@@ -204,7 +204,9 @@ class DeadLetterGroup(_GroupCounts):
     lock that another writer waits for: transactions that write dead letters of one group (a
     consumer dead-lettering or resolving replayed messages in many short transactions, inside
     its handlers' own) never take turns, and two that touch two groups in opposite orders never
-    deadlock.
+    deadlock. A statement that changes nothing a group shows (an ``UPDATE`` of the history
+    alone) appends nothing; a repeated failure of a dead letter appends a delta without counts,
+    as it moves the group's ``last_seen``, by which the failure groups page sorts.
 
     ``DeadLetterGroup.objects.fold()`` moves the oldest deltas into this table in one short
     transaction: it deletes them, adds them up per group and upserts the sums in key order.
