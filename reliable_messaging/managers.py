@@ -29,6 +29,7 @@ from .choices import (
     OperationState,
     OutboxStatus,
 )
+from .partitions import ADVISORY_CLASS, GROUP_FOLD_LOCK
 
 if TYPE_CHECKING:
     from .models import DeadLetter, SuspectDelivery
@@ -363,12 +364,57 @@ DeadLetterManager = models.Manager.from_queryset(DeadLetterQuerySet)
 # -- the failure groups ------------------------------------------------------------------------
 
 
+# A fold moves at most this many deltas per transaction: about 20 ms of work.
+FOLD_BATCH_SIZE = 5000
+
+# The deltas' oldest ``%s`` rows, added up per group into the groups in key order (the same
+# rules the view ``LiveDeadLetterGroup`` adds them up by), deleted in the same statement.
+# ``SKIP LOCKED``: rows a concurrent fold holds are left to it.
+FOLD = """
+WITH moved AS (
+    DELETE FROM {deltas}
+    WHERE id IN (SELECT id FROM {deltas} ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED)
+    RETURNING *
+), folded AS (
+    INSERT INTO {groups} AS g (
+        consumer, fingerprint, reason, queue, exception_type, example_id, first_seen,
+        last_seen, dead, replayed, resolved, discarded, total
+    )
+    SELECT consumer, fingerprint, reason,
+           coalesce((array_agg(queue ORDER BY id DESC) FILTER (WHERE queue <> ''))[1], ''),
+           coalesce((array_agg(exception_type ORDER BY id DESC)
+                     FILTER (WHERE exception_type <> ''))[1], ''),
+           max(example_id), min(first_seen), max(last_seen),
+           sum(dead), sum(replayed), sum(resolved), sum(discarded), sum(total)
+    FROM moved
+    GROUP BY consumer, fingerprint, reason
+    ORDER BY consumer, fingerprint, reason
+    ON CONFLICT (consumer, fingerprint, reason) DO UPDATE SET
+        queue = coalesce(nullif(excluded.queue, ''), g.queue),
+        exception_type = coalesce(nullif(excluded.exception_type, ''), g.exception_type),
+        example_id = greatest(g.example_id, excluded.example_id),
+        first_seen = least(g.first_seen, excluded.first_seen),
+        last_seen = greatest(g.last_seen, excluded.last_seen),
+        dead = g.dead + excluded.dead,
+        replayed = g.replayed + excluded.replayed,
+        resolved = g.resolved + excluded.resolved,
+        discarded = g.discarded + excluded.discarded,
+        total = g.total + excluded.total
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM folded)
+"""
+
+
 class DeadLetterGroupQuerySet(models.QuerySet):
     """The failure groups and the figures derived from them, without reading every dead letter.
 
-    On PostgreSQL the groups table is kept by triggers (see ``DeadLetterGroup``); elsewhere it
-    is empty, and each method answers from the dead letters themselves (``GROUP BY`` or
-    ``DISTINCT``), which is fine on the small databases that run there.
+    On PostgreSQL the triggers on the dead letters append deltas, :meth:`fold` moves them into
+    the groups, and the readers read both added up (the view ``LiveDeadLetterGroup``); see
+    ``DeadLetterGroup``. Elsewhere the tables are empty, and each reader answers from the dead
+    letters themselves (``GROUP BY`` or ``DISTINCT``), which is fine on the small databases
+    that run there. The readers read every group of the database: filters on this queryset do
+    not narrow them.
     """
 
     def kept(self) -> bool:
@@ -380,6 +426,48 @@ class DeadLetterGroupQuerySet(models.QuerySet):
         queryset: DeadLetterQuerySet = model._default_manager.using(self.db).all()
         return queryset
 
+    def _live(self) -> models.QuerySet[Any]:
+        """The groups as of now (their rows plus the deltas not folded yet), after folding one
+        batch when that is safe: on the database the groups are written to, outside a
+        transaction (a fold inside one would hold its lock, and keep every other fold off,
+        until that transaction ends; the admin's pages run in one)."""
+        using = self.db
+        if not connections[using].in_atomic_block and using == router.db_for_write(self.model):
+            self.using(using).fold()
+        model = self.model._meta.apps.get_model(self.model._meta.app_label, "LiveDeadLetterGroup")
+        return model._default_manager.using(using).all()
+
+    def fold(self, *, batch_size: int = FOLD_BATCH_SIZE, batches: int | None = 1) -> int:
+        """Move the oldest deltas the triggers appended into the groups, ``batch_size`` per
+        transaction, for at most ``batches`` transactions (None: until none is left); returns
+        how many deltas were folded.
+
+        One fold runs at a time: when another holds the fold's advisory lock this returns at
+        once (with what it folded so far) rather than wait. A fold waits for no writer of dead
+        letters either: they only insert deltas, and the deltas of a transaction not yet
+        committed are folded by a later fold. Inside the caller's transaction, if any (the
+        lock is then held until that one ends)."""
+        using = getattr(self, "_db", None) or router.db_for_write(self.model)
+        if connections[using].vendor != "postgresql":
+            return 0
+        model = self.model._meta.apps.get_model(self.model._meta.app_label, "DeadLetterGroupDelta")
+        sql = FOLD.format(deltas=model._meta.db_table, groups=self.model._meta.db_table)
+        folded = rounds = 0
+        while batches is None or rounds < batches:
+            with transaction.atomic(using=using), connections[using].cursor() as cursor:
+                cursor.execute(
+                    "SELECT pg_try_advisory_xact_lock(%s, %s)", [ADVISORY_CLASS, GROUP_FOLD_LOCK]
+                )
+                if not cursor.fetchone()[0]:
+                    return folded
+                cursor.execute(sql, [batch_size])
+                moved = cursor.fetchone()[0]
+            folded += moved
+            rounds += 1
+            if moved < batch_size:
+                break
+        return folded
+
     def listing(self, *, with_open: bool = True) -> models.QuerySet[Any, dict[str, Any]]:
         """One dict per (fingerprint, consumer) (:data:`GROUP_FIELDS`; the rows of its
         reasons added up), those with dead letters first, then the latest; ``with_open``: only
@@ -387,7 +475,8 @@ class DeadLetterGroupQuerySet(models.QuerySet):
         if not self.kept():
             return self._dead_letters().failure_groups(with_open=with_open)
         groups = (
-            self.filter(total__gt=0)
+            self._live()
+            .filter(total__gt=0)
             .values("fingerprint", "consumer")
             .annotate(
                 total=Sum("total"),
@@ -414,7 +503,8 @@ class DeadLetterGroupQuerySet(models.QuerySet):
                 **(latest or {"exception_type": None, "reason": None}),
             }
         rows = list(
-            self.filter(fingerprint=fingerprint, total__gt=0)
+            self._live()
+            .filter(fingerprint=fingerprint, total__gt=0)
             .order_by("-last_seen")
             .values("exception_type", "reason", "total")
         )
@@ -428,7 +518,7 @@ class DeadLetterGroupQuerySet(models.QuerySet):
         """The distinct values of a dead letter's ``consumer``, ``queue``, ``reason`` or
         ``exception_type``, sorted: read from the groups (tens of rows, not millions)."""
         source: models.QuerySet[Any] = (
-            self.filter(total__gt=0) if self.kept() else self._dead_letters()
+            self._live().filter(total__gt=0) if self.kept() else self._dead_letters()
         )
         return sorted(
             value for value in source.order_by().values_list(field, flat=True).distinct() if value
@@ -445,7 +535,7 @@ class DeadLetterGroupQuerySet(models.QuerySet):
             )
             return sorted((status, c, r, n) for status, c, r, n in rows)
         totals: dict[tuple[str, str, str], int] = {}
-        for row in self.filter(total__gt=0).values("consumer", "reason", *STATUS_COUNTERS):
+        for row in self._live().filter(total__gt=0).values("consumer", "reason", *STATUS_COUNTERS):
             for status in STATUS_COUNTERS:
                 if row[status]:
                     key = (status, row["consumer"], row["reason"])
@@ -453,21 +543,22 @@ class DeadLetterGroupQuerySet(models.QuerySet):
         return sorted((*key, count) for key, count in totals.items())
 
     def forget_empty(self) -> int:
-        """Delete the groups left without a dead letter (after a purge); returns how many.
-        Groups a trigger is updating right now are skipped (``SKIP LOCKED``), so this never
-        waits for, nor deadlocks with, a writer of dead letters."""
-        if not self.kept():
+        """Fold the deltas, then delete the groups left without a dead letter (after a purge);
+        returns how many. Under the fold's lock: while another fold runs, nothing is deleted
+        this time. Never waits for a writer of dead letters."""
+        using = getattr(self, "_db", None) or router.db_for_write(self.model)
+        if connections[using].vendor != "postgresql":
             return 0
-        using = self.db
-        with transaction.atomic(using=using):
-            empty = list(
-                self.using(using)
-                .select_for_update(skip_locked=True)
-                .filter(total=0)
-                .order_by("consumer", "fingerprint", "reason")
-                .values_list("pk", flat=True)
+        self.using(using).fold(batches=None)
+        with transaction.atomic(using=using), connections[using].cursor() as cursor:
+            cursor.execute(
+                "SELECT pg_try_advisory_xact_lock(%s, %s)", [ADVISORY_CLASS, GROUP_FOLD_LOCK]
             )
-            return self.using(using).filter(pk__in=empty, total=0).delete()[0] if empty else 0
+            if not cursor.fetchone()[0]:
+                return 0
+            # Every count, not only the total: a group is empty only when all are zero.
+            empty = self.using(using).filter(total=0, **dict.fromkeys(STATUS_COUNTERS, 0))
+            return empty.delete()[0]
 
     def dead_counts(self) -> list[tuple[str, str, int]]:
         """(consumer, reason, dead letters still dead) where there are some, sorted."""

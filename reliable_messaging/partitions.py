@@ -90,6 +90,8 @@ LOCK_NOT_AVAILABLE = "55P03"
 # The advisory lock (two-int form: this class, then the purpose) that serializes upkeep.
 ADVISORY_CLASS = 0x726D  # "rm"
 UPKEEP_LOCK = 1
+# ... and the one that lets one fold of the failure groups' deltas run at a time (managers.py).
+GROUP_FOLD_LOCK = 2
 # The class of the inbox claim's per-key advisory locks (the key is a hash of the pair).
 CLAIM_LOCK_CLASS = 0x726D0001
 # The class of publish()'s advisory lock per idempotency key (a hash of the key).

@@ -5,7 +5,8 @@ On PostgreSQL the inbox and the outbox's sent rows are partitioned by day (see
 of the pre-partitioning tables and of the default partitions are deleted one batch at a time.
 Everywhere else rows are deleted in batches of short transactions. Resolved and discarded dead
 letters older than ``DEAD_LETTER_RETENTION`` go in batches too (their failure groups' counts
-follow, by the triggers of ``DeadLetterGroup``); dead and replayed ones are never purged."""
+follow, by the triggers of ``DeadLetterGroup``); dead and replayed ones are never purged. Then
+the failure groups' deltas are folded and the groups left empty forgotten."""
 
 from __future__ import annotations
 
@@ -98,8 +99,9 @@ def purge_messages(
     if settings.dead_letter_retention is not None:
         closed = DeadLetter.objects.closed_before(now - settings.dead_letter_retention)
         dead_letters = _purge("dead letters", closed, batch_size, dry_run, on_batch)
-        if not dry_run:
-            DeadLetterGroup.objects.forget_empty()
+    if not dry_run:
+        # Folds the deltas (the purge's deletes among them) before it looks for empty groups.
+        DeadLetterGroup.objects.forget_empty()
     return PurgeResult(
         inbox=inbox_rows,
         outbox=outbox_rows,

@@ -27,7 +27,7 @@ from django.db import connections, router, transaction
 from django.utils import timezone
 
 from ..choices import OperationKind
-from ..models import DeadLetter, DeadLetterOperation
+from ..models import DeadLetter, DeadLetterGroup, DeadLetterOperation
 from .replay import discard, replay_batch
 from .selection import targets
 
@@ -36,6 +36,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_BATCH_SIZE = 1000
 # A batch that raises this many times in a row stops its operation (state "failed").
 FAILURES_BEFORE_GIVING_UP = 5
+# How often the runner folds the failure groups' deltas into their rows (seconds), and at most
+# how many fold transactions it runs then (``DeadLetterGroup.objects.fold()``): readers add up
+# what is left, so a fold only has to keep the deltas few, and must not hold up the operations.
+FOLD_INTERVAL = 5.0
+FOLD_BATCHES = 20
 
 
 def run_batch(batch_size: int = DEFAULT_BATCH_SIZE) -> DeadLetterOperation | None:
@@ -114,12 +119,21 @@ def run_pending_operations(
     return batches
 
 
+def fold_group_deltas(batches: int | None = FOLD_BATCHES) -> int:
+    """Fold the failure groups' deltas into their rows (see ``DeadLetterGroup``); returns how
+    many were folded (0 at once while another fold runs)."""
+    return DeadLetterGroup.objects.using(router.db_for_write(DeadLetterGroup)).fold(batches=batches)
+
+
 class OperationRunner:
     """A thread that carries out the recorded operations: batch after batch while there are
     some, otherwise a look every ``interval`` seconds (one query on a partial index of the
     unfinished operations, so an operator's replay starts within a quarter of a second).
     Errors are logged; a batch that fails :data:`FAILURES_BEFORE_GIVING_UP` times in a row
-    stops its operation, with the error."""
+    stops its operation, with the error.
+
+    Every ``fold_interval`` seconds (None: never) it also folds the failure groups' deltas:
+    every deployment runs the relay, so the deltas stay few without another process."""
 
     def __init__(
         self,
@@ -127,10 +141,12 @@ class OperationRunner:
         batch_size: int = DEFAULT_BATCH_SIZE,
         interval: float = 0.25,
         on_batch: Callable[[], None] | None = None,
+        fold_interval: float | None = FOLD_INTERVAL,
     ) -> None:
         self.batch_size = batch_size
         self.interval = interval
         self.on_batch = on_batch
+        self.fold_interval = fold_interval
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name="dead-letter-operations", daemon=True
@@ -146,8 +162,12 @@ class OperationRunner:
 
     def _run(self) -> None:
         failures: dict[int, int] = {}
+        next_fold = time.monotonic()
         try:
             while not self._stop.is_set():
+                if self.fold_interval is not None and time.monotonic() >= next_fold:
+                    next_fold = time.monotonic() + self.fold_interval
+                    self._fold()
                 try:
                     operation = run_batch(self.batch_size)
                 except Exception as exc:  # noqa: BLE001 - the database may be down: retried
@@ -164,6 +184,17 @@ class OperationRunner:
                     self.on_batch()
         finally:
             connections.close_all()
+
+    def _fold(self) -> None:
+        try:
+            folded = fold_group_deltas()
+        except Exception as exc:  # noqa: BLE001 - the database may be down: folded next time
+            logger.warning(
+                "folding the failure groups' deltas failed: %s: %s", type(exc).__name__, exc
+            )
+            return
+        if folded:
+            logger.debug("folded %d failure group delta(s)", folded)
 
     def _failed(self, failures: dict[int, int], exc: Exception) -> None:
         using = router.db_for_write(DeadLetterOperation)

@@ -181,8 +181,8 @@ class DatabaseCollector:
     Every query is cheap on a large table: pending rows are counted on the partial index the
     relay claims with, the oldest pending row is found on it too (:func:`outbox_lag`), the dead
     letters are read from their failure groups (``DeadLetterGroup``: one row per consumer,
-    fingerprint and reason, kept by triggers), and the inbox, the largest table by far, is
-    estimated from PostgreSQL's statistics
+    fingerprint and reason, kept by triggers, plus the deltas not folded in yet), and the
+    inbox, the largest table by far, is estimated from PostgreSQL's statistics
     (``pg_class.reltuples``, kept by autovacuum) instead of counted. A database error never
     fails the scrape: it exports ``reliable_messaging_database_up 0`` and logs a warning.
 

@@ -19,7 +19,7 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
-from reliable_messaging.models import DeadLetter, DeadLetterGroup
+from reliable_messaging.models import DeadLetter, LiveDeadLetterGroup
 from reliable_messaging.ops.collectors import DatabaseCollector, database_status
 
 from .conftest import CHANGELIST, GROUPS
@@ -175,4 +175,4 @@ def test_the_scrape_and_messaging_status_count_no_dead_letter(many_dead_letters:
     samples = families["reliable_messaging_dead_letters"].samples
     assert sum(s.value for s in samples if s.labels["status"] == "resolved") == ROWS // 10
     assert not [q["sql"] for q in captured.captured_queries if QUOTED in q["sql"]]
-    assert DeadLetterGroup.objects.count() == CONSUMERS
+    assert LiveDeadLetterGroup.objects.count() == CONSUMERS
