@@ -73,6 +73,8 @@ def fill(group_size: int, others: int, queue: str) -> None:
 def plain_rows(count: int, queue: str) -> None:
     from django.db import connection
 
+    from reliable_messaging.publishing.listener import NOTIFY_CHANNEL
+
     with connection.cursor() as cursor:
         cursor.execute(
             """
@@ -92,6 +94,8 @@ def plain_rows(count: int, queue: str) -> None:
             """,
             [queue, count],
         )
+        # Committed (autocommit): wake the relay as publish() and the operations' batches do.
+        cursor.execute(f"NOTIFY {NOTIFY_CHANNEL}")
 
 
 def wait_sent(prefix: str, count: int, timeout: float) -> float:
