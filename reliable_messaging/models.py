@@ -141,6 +141,8 @@ class DeadLetter(models.Model):
             models.Index(fields=["consumer", "status"], name="rm_deadletter_consumer_idx"),
             models.Index(fields=["message_id"], name="rm_deadletter_message_id_idx"),
             models.Index(fields=["fingerprint", "status"], name="rm_deadletter_fprint_idx"),
+            # A bulk operation over a failure group walks it by id from its cursor.
+            models.Index(fields=["fingerprint", "id"], name="rm_deadletter_fprint_pk_idx"),
             # The list's order, unfiltered and filtered by consumer (no sort of the table).
             models.Index(fields=["-last_failed_at", "-id"], name="rm_deadletter_latest_idx"),
             models.Index(

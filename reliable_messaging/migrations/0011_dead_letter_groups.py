@@ -10,7 +10,8 @@
   missed; the wait is the time of one ``GROUP BY`` over the dead letters (seconds for a
   million). Elsewhere (SQLite) the tables stay empty, there is no view, and the pages count
   the dead letters.
-- B-tree indexes for the list's order (unfiltered, and by consumer) and for the purge of
+- B-tree indexes for the list's order (unfiltered, and by consumer), for a bulk operation's walk
+  through a failure group by id (``dead_letters/operations.py``) and for the purge of
   resolved and discarded dead letters, built CONCURRENTLY on PostgreSQL (the migration is not
   atomic).
 - On PostgreSQL only: the ``pg_trgm`` extension and trigram GIN indexes on the exception
@@ -298,6 +299,10 @@ class Migration(migrations.Migration):
             index=models.Index(
                 fields=["consumer", "-last_failed_at", "-id"], name="rm_deadletter_cons_latest_idx"
             ),
+        ),
+        AddIndexOnline(
+            model_name="deadletter",
+            index=models.Index(fields=["fingerprint", "id"], name="rm_deadletter_fprint_pk_idx"),
         ),
         AddIndexOnline(
             model_name="deadletter",
