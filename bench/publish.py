@@ -52,6 +52,7 @@ from _common import (
     describe_machine,
     median,
     percentile,
+    recreate_database,
     setup_django,
     subprocess_env,
 )
@@ -424,6 +425,8 @@ def main() -> None:
         django_worker(args.worker == "publish", 8, args.start_at, args.django_seconds)
         return
 
+    # Fresh: a database left by an earlier version of the schema would not migrate.
+    recreate_database(BENCH_DB)
     namespace = setup_django()
     from django.conf import settings
 

@@ -128,7 +128,8 @@ def fold_group_deltas(batches: int | None = FOLD_BATCHES) -> int:
 class OperationRunner:
     """A thread that carries out the recorded operations: batch after batch while there are
     some, otherwise a look every ``interval`` seconds (one query on a partial index of the
-    unfinished operations, so an operator's replay starts within a quarter of a second).
+    unfinished operations, on a connection kept open while idle, so an operator's replay starts
+    within a second and an idle relay costs one short transaction a second).
     Errors are logged; a batch that fails :data:`FAILURES_BEFORE_GIVING_UP` times in a row
     stops its operation, with the error.
 
@@ -139,7 +140,7 @@ class OperationRunner:
         self,
         *,
         batch_size: int = DEFAULT_BATCH_SIZE,
-        interval: float = 0.25,
+        interval: float = 1.0,
         on_batch: Callable[[], None] | None = None,
         fold_interval: float | None = FOLD_INTERVAL,
     ) -> None:
@@ -176,7 +177,9 @@ class OperationRunner:
                     self._stop.wait(self.interval)
                     continue
                 if operation is None:
-                    connections.close_all()
+                    # Kept for the next look, unless broken (then the next look reconnects).
+                    for connection in connections.all(initialized_only=True):
+                        connection.close_if_unusable_or_obsolete()
                     self._stop.wait(self.interval)
                     continue
                 failures.pop(operation.pk, None)
