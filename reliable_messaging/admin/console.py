@@ -43,45 +43,25 @@ from ..dead_letters.selection import (
 )
 from ..models import DeadLetter, DeadLetterGroup, DeadLetterQuerySet, DeadLetterStatus
 from ..publishing.wake_after_commit import wake_relay_after_commit
-from .operations import COUNT_CAP, capped_count, record_operation
+from .operations import COUNT_CAP, OperationConsole, capped_count, record_operation
 
 if TYPE_CHECKING:
-    from django.contrib.admin import AdminSite
     from django.contrib.admin.views.main import ChangeList
-    from django.db.models.options import Options
-    from django.utils.functional import _StrOrPromise
 
 
-class DeadLetterConsole(Protocol):
+class DeadLetterConsole(OperationConsole, Protocol):
     """What these views need of the dead letters' ModelAdmin (``admin.DeadLetterAdmin``,
-    which passes itself to each view): they never import it, so the console's two modules
-    depend one way only, admin.py on this one."""
+    which passes itself to each view): what the operations' pages need, and more. They never
+    import it, so the console's modules depend one way only, admin.py on these."""
 
-    admin_site: AdminSite
-    opts: Options[DeadLetter]
     # Dead letters per transaction of a synchronous replay or discard (a selection).
     batch_size: int
-
-    def console_url(self, name: str, *args: Any, query: str = "") -> str: ...
-
-    def has_replay_permission(self, request: HttpRequest) -> bool: ...
-
-    def has_view_permission(self, request: HttpRequest, obj: DeadLetter | None = ...) -> bool: ...
 
     def get_changelist_instance(self, request: HttpRequest) -> ChangeList: ...
 
     def get_object(
         self, request: HttpRequest, object_id: str, from_field: str | None = ...
     ) -> DeadLetter | None: ...
-
-    def message_user(
-        self,
-        request: HttpRequest,
-        message: _StrOrPromise,
-        level: int | str = ...,
-        extra_tags: str = ...,
-        fail_silently: bool = ...,
-    ) -> None: ...
 
 
 Operation = Literal["replay", "discard"]
