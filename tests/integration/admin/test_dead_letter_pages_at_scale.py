@@ -2,9 +2,10 @@
 
 Twenty thousand dead letters are written with ``generate_series`` and analyzed. Each page is
 fetched with its SQL captured, and every captured query on the dead letters must be one an
-index can answer (its ``EXPLAIN`` with sequential scans priced out shows none of them), besides carrying none of the shapes that read everything: ``SELECT DISTINCT``,
-``MIN``/``MAX`` (``date_hierarchy``) or a ``COUNT`` not bounded by a ``LIMIT``. The timings
-themselves are ``bench/admin.py``'s.
+index can answer (its ``EXPLAIN`` with sequential scans priced out shows none of them),
+besides carrying none of the shapes that read everything: ``SELECT DISTINCT``, ``MIN``/``MAX``
+(``date_hierarchy``) or a ``COUNT`` not bounded by a ``LIMIT``. The timings themselves are
+``bench/admin.py``'s.
 """
 
 from __future__ import annotations
