@@ -289,12 +289,23 @@ def test_memory_alarm_on_one_node_blocks_publishers_consumers_keep_acking(
     assert drained >= handled_during // 2, (
         f"{handled_during} messages handled during the alarm but only {drained} acked"
     )
-    # Each consumer said so while it lasted (a note: /healthz stays 200), as did the relay.
-    for proc in (*consumers, relay):
-        assert any(
+
+    # The relay said so while it lasted (a note: /healthz stays 200), and so did the consumers
+    # that tried to publish a retry copy meanwhile. RabbitMQ blocks a connection when it
+    # publishes during an alarm, so a consumer whose deliveries all succeeded has nothing to
+    # say (which consumer gets the failing messages is up to the broker); at least one did.
+    def named_the_block(pid: int) -> bool:
+        return any(
             body.startswith("200") and ("blocks publishing" in body or "waited" in body)
-            for body in seen[proc.pid]
-        ), f"/healthz of {proc.pid} never named the block: {sorted(seen[proc.pid])}"
+            for body in seen[pid]
+        )
+
+    assert named_the_block(relay.pid), f"/healthz of the relay: {sorted(seen[relay.pid])}"
+    assert any(named_the_block(proc.pid) for proc in consumers), (
+        f"no consumer's /healthz named the block: {[sorted(seen[p.pid]) for p in consumers]}"
+    )
+    for proc in consumers:
+        assert all(body.startswith("200") for body in seen[proc.pid]), sorted(seen[proc.pid])
 
 
 # --------------------------------------------------------------------------- partition
