@@ -34,6 +34,7 @@ from django.utils.translation import gettext, ngettext
 
 from ..dead_letters.replay import ReplayResult, discard, discardable, replay_batch
 from ..dead_letters.selection import (
+    NOT_FILTERS,
     SelectionError,
     matching,
     selection_from_query,
@@ -43,7 +44,7 @@ from ..dead_letters.selection import (
 )
 from ..models import DeadLetter, DeadLetterGroup, DeadLetterQuerySet, DeadLetterStatus
 from ..publishing.wake_after_commit import wake_relay_after_commit
-from .operations import COUNT_CAP, OperationConsole, capped_count, record_operation
+from .operations import COUNT_CAP, OperationConsole, capped_count, operator, record_operation
 
 if TYPE_CHECKING:
     from django.contrib.admin.views.main import ChangeList
@@ -67,14 +68,7 @@ class DeadLetterConsole(OperationConsole, Protocol):
 Operation = Literal["replay", "discard"]
 # Refusals spelled out in the warning message; the rest are counted.
 REFUSALS_SHOWN = 5
-# Query parameters of the changelist that are not filters.
-_NOT_FILTERS = {"o", "p", "e", "_facets", "all"}
 _OPERATORS = {"exact": "=", "gte": "≥", "gt": ">", "lte": "≤", "lt": "<", "isnull": "is null:"}
-
-
-def operator(request: HttpRequest) -> str:
-    """Who did it, as the replay headers and the dead letter's history record it."""
-    return f"{request.user.get_username()} (admin)"
 
 
 def already_processed(queryset: QuerySet[DeadLetter]) -> QuerySet[DeadLetter]:
@@ -260,7 +254,7 @@ def describe_filter(request: HttpRequest) -> list[str]:
     """The changelist's filter in words, e.g. ``["consumer = billing", "search “x”"]``."""
     parts = []
     for key, values in request.GET.lists():
-        if key in _NOT_FILTERS:
+        if key in NOT_FILTERS and key != "q":
             continue
         for value in values:
             if key == "q":
@@ -283,7 +277,8 @@ def bulk_operation_view(
         return HttpResponseNotAllowed(["GET", "POST"])
     query = request.GET.urlencode()
     changelist_url = model_admin.console_url("changelist", query=query)
-    filter_text = ", ".join(describe_filter(request))
+    filter_parts = describe_filter(request)
+    filter_text = ", ".join(filter_parts)
     try:
         # What the changelist would refuse (an unknown field, a malformed date) is refused here.
         model_admin.get_changelist_instance(request)
@@ -321,7 +316,7 @@ def bulk_operation_view(
         "opts": model_admin.opts,
         "title": title % {"count": _at_most(target_count)},
         "operation": operation,
-        "filter_parts": describe_filter(request),
+        "filter_parts": filter_parts,
         "matching_count": matching_count,
         "target_count": target_count,
         "left_alone_count": max(0, matching_count - capped_count(wanted_rows)),

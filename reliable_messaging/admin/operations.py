@@ -70,6 +70,12 @@ def capped_count(rows: QuerySet[Any], cap: int = COUNT_CAP) -> int:
     return rows.order_by().values("pk")[: cap + 1].count()
 
 
+def operator(request: HttpRequest) -> str:
+    """Who did it, as the replay headers, the dead letters' history and the operation record
+    it."""
+    return f"{request.user.get_username()} (admin)"
+
+
 def record_operation(
     model_admin: OperationConsole,
     request: HttpRequest,
@@ -81,7 +87,7 @@ def record_operation(
 ) -> HttpResponse:
     """Record the operation and redirect to its progress page; the same one already under
     way (same kind, selection and force) is shown instead of starting it twice."""
-    who = f"{request.user.get_username()} (admin)"
+    who = operator(request)
     running = DeadLetterOperation.objects.same_as(kind, selection, force)
     if running is not None:
         model_admin.message_user(
