@@ -9,16 +9,18 @@ Each throughput figure is the median of ``ROUNDS`` rounds run in turn.
    a LISTENing session present, at 64 and 32 connections:
    - the business insert alone;
    - with the outbox row, no wake-up at all (the floor publishing can reach);
-   - with the outbox row and the after-commit wake-up as shipped: eight more connections (one
-     per web process, whose sender sends one ``NOTIFY`` at a time and then waits
-     ``SPACING``) send ``NOTIFY`` in their own transactions the whole time, each followed by
-     that pause, with asynchronous commit as the sender's connection has it: as many wake-ups
-     as eight processes that always have a new commit send;
+   - with the outbox row and the after-commit wake-up as shipped: beside pgbench, eight of
+     the real wake-up senders (``WakeUpSender``, one per web process) are asked for a wake-up
+     every millisecond the whole time, as by eight processes that always have a new commit to
+     announce; they send their ``NOTIFY``s on eight connections of their own, at the pace they
+     choose (the figure printed is how many they sent a second);
    - the old way, as a reference in the same run: the outbox row under migration 0002's
      NOTIFY trigger (recreated for the run, dropped after).
 2. Commit-to-broker latency: a real ``manage.py relay`` process, rows published in autocommit
    at a steady rate, a consumer measuring arrival minus the time taken just before
-   ``publish()``; with the relay idle, then under the 64-connection publishing load.
+   ``publish()``; with the relay idle, then under the 64-connection loads. A publishing load
+   has its eight wake-up senders beside it, as in 1: its rows are announced as real
+   publishers' are, not left for the relay's poll to find.
 3. The idle relay: its CPU and the transactions it makes a second (``pg_stat_database``).
 4. Through Django: 8 processes x 8 threads running the business transaction with and without
    ``publish()``.
@@ -86,36 +88,66 @@ def captured_statements(exchange: str) -> tuple[str, str]:
     return business, outbox
 
 
+# NOTIFYs a second the wake-up senders sent beside each pgbench run that had them.
+NOTIFY_RATES: dict[str, list[float]] = {}
+# WAL bytes a transaction wrote, per run with a ``wal`` label.
+WAL_BYTES: dict[str, list[float]] = {}
+# The narrowest row a second statement could insert: the ceiling of any outbox row's ratio.
+NARROW_TABLE = "bench_narrow"
+
+
+def wal_lsn() -> str:
+    import psycopg
+
+    with psycopg.connect(DATABASE_URL, autocommit=True) as connection:
+        row = connection.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+    return str(row[0]) if row else "0/0"
+
+
+def wal_since(start: str) -> int:
+    import psycopg
+
+    with psycopg.connect(DATABASE_URL, autocommit=True) as connection:
+        row = connection.execute(
+            "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s::pg_lsn)", [start]
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
 def pgbench(
-    script: str, clients: int, seconds: float, extra: str | None = None, rate: int | None = None
+    script: str,
+    clients: int,
+    seconds: float,
+    wake_ups: str | None = None,
+    rate: int | None = None,
+    wal: str | None = None,
 ) -> float:
     """Commits a second of ``script`` at ``clients`` connections (at most ``rate`` a second
-    when given); ``extra`` runs beside it on ``WAKERS`` connections for the same time."""
+    when given). With ``wake_ups`` (a label), ``WAKERS`` real wake-up senders are asked for a
+    wake-up every millisecond meanwhile; the NOTIFYs they sent a second go to
+    ``NOTIFY_RATES[wake_ups]``. With ``wal`` (a label), the WAL bytes written per committed
+    transaction go to ``WAL_BYTES[wal]`` (this run's, with only the LISTENing session beside
+    it, which writes none)."""
+    started_at = wal_lsn() if wal is not None else ""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "txn.sql"
         path.write_text(script)
         side = None
-        if extra is not None:
-            side_path = Path(tmp) / "side.sql"
-            side_path.write_text(extra)
+        if wake_ups is not None:
             side = subprocess.Popen(
                 [
-                    *PGBENCH,
-                    "-c",
+                    sys.executable,
+                    __file__,
+                    "--wakers",
                     str(WAKERS),
-                    "-j",
-                    "1",
-                    "-T",
+                    "--django-seconds",
                     str(int(seconds) + 1),
-                    "-f",
-                    str(side_path),
-                    BENCH_DB,
                 ],
-                # as the sender's connection sets it
-                env={**os.environ, "PGOPTIONS": "-c synchronous_commit=off"},
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
+                env=subprocess_env(os.environ["RM_TEST_NAMESPACE"]),
+                stdout=subprocess.PIPE,
+                text=True,
             )
+            time.sleep(1)  # Django set up, the senders connected
         result = subprocess.run(
             [
                 *PGBENCH,
@@ -134,11 +166,15 @@ def pgbench(
             text=True,
             check=True,
         )
-        if side is not None:
-            side.wait(timeout=60)
+        if side is not None and wake_ups is not None:
+            out, _ = side.communicate(timeout=60)
+            NOTIFY_RATES.setdefault(wake_ups, []).append(float(out.strip().splitlines()[-1]))
     match = re.search(r"tps = ([\d.]+) \(without initial connection time\)", result.stdout)
-    if match is None:
+    processed = re.search(r"number of transactions actually processed: (\d+)", result.stdout)
+    if match is None or processed is None:
         raise RuntimeError(f"pgbench said:\n{result.stdout}\n{result.stderr}")
+    if wal is not None:
+        WAL_BYTES.setdefault(wal, []).append(wal_since(started_at) / int(processed.group(1)))
     return float(match.group(1))
 
 
@@ -175,7 +211,11 @@ def empty_tables() -> None:
     from django.db import connection
 
     with connection.cursor() as cursor:
-        cursor.execute("TRUNCATE testapp_effect, reliable_messaging_outboxmessage")
+        cursor.execute(
+            f"CREATE TABLE IF NOT EXISTS {NARROW_TABLE} (id bigserial PRIMARY KEY, note text)"
+        )
+        cursor.execute(f"TRUNCATE testapp_effect, reliable_messaging_outboxmessage, {NARROW_TABLE}")
+        cursor.execute("CHECKPOINT")  # so every run starts with the same full-page writes
         cursor.execute("VACUUM ANALYZE testapp_effect")
         cursor.execute("VACUUM ANALYZE reliable_messaging_outboxmessage")
 
@@ -197,28 +237,35 @@ def old_trigger() -> Iterator[None]:
 
 
 def database_bound(exchange: str, seconds: float) -> dict[int, dict[str, float]]:
-    from reliable_messaging.publishing.listener import NOTIFY_CHANNEL
-    from reliable_messaging.publishing.wake_after_commit import SPACING
-
     business, outbox = captured_statements(exchange)
     alone = f"BEGIN;\n{business};\nCOMMIT;\n"
     with_row = f"BEGIN;\n{business};\n{outbox};\nCOMMIT;\n"
-    spacing_ms = round(SPACING * 1000)
-    wakers = f"NOTIFY {NOTIFY_CHANNEL};\n\\sleep {spacing_ms} ms\n"
+    # The ceiling of any second statement: a round trip that does nothing, and the narrowest
+    # row there is.
+    with_select = f"BEGIN;\n{business};\nSELECT 1;\nCOMMIT;\n"
+    with_narrow = f"BEGIN;\n{business};\nINSERT INTO {NARROW_TABLE} (note) VALUES ('x');\nCOMMIT;\n"
     results: dict[int, dict[str, float]] = {}
     with listening():
         for clients in (64, 32):
-            # The four in turn, ``rounds`` times, each figure the median of its rounds: on a
+            # All in turn, ``rounds`` times, each figure the median of its rounds: on a
             # machine shared with other work, a figure taken once moves by a third.
             rounds: dict[str, list[float]] = {}
             for _ in range(ROUNDS):
                 empty_tables()
-                rounds.setdefault("business", []).append(pgbench(alone, clients, seconds))
+                rounds.setdefault("business", []).append(
+                    pgbench(alone, clients, seconds, wal=f"business, {clients}")
+                )
                 empty_tables()
-                rounds.setdefault("outbox", []).append(pgbench(with_row, clients, seconds))
+                rounds.setdefault("select", []).append(pgbench(with_select, clients, seconds))
+                empty_tables()
+                rounds.setdefault("narrow", []).append(pgbench(with_narrow, clients, seconds))
+                empty_tables()
+                rounds.setdefault("outbox", []).append(
+                    pgbench(with_row, clients, seconds, wal=f"outbox, {clients}")
+                )
                 empty_tables()
                 rounds.setdefault("shipped", []).append(
-                    pgbench(with_row, clients, seconds, extra=wakers)
+                    pgbench(with_row, clients, seconds, wake_ups=f"shipped, {clients}")
                 )
                 empty_tables()
                 with old_trigger():
@@ -259,6 +306,38 @@ def start_relay(namespace: str) -> subprocess.Popen[str]:
     )
     time.sleep(3)  # it connects, LISTENs and finds nothing to send
     return relay
+
+
+def marking_sent(namespace: str, exchange: str, outbox: str, rows: int = 20_000) -> float:
+    """WAL bytes per row that ``relay --once`` writes sending ``rows`` rows of ``outbox`` (the
+    publishing transaction's INSERT) to a bound queue: what marking a row sent costs."""
+    load_queue = f"{exchange}.load"
+    connection = pika.BlockingConnection(pika.URLParameters(AMQP))
+    channel = connection.channel()
+    channel.queue_declare(load_queue, durable=True)
+    channel.queue_bind(load_queue, exchange, "bench.load")
+    try:
+        empty_tables()
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "row.sql"
+            path.write_text(f"{outbox};\n")
+            subprocess.run(
+                [*PGBENCH, "-c", "8", "-j", "2", "-t", str(rows // 8), "-f", str(path), BENCH_DB],
+                capture_output=True,
+                check=True,
+            )
+        started_at = wal_lsn()
+        subprocess.run(
+            [sys.executable, str(ROOT / "manage.py"), "relay", "--once"],
+            env=subprocess_env(namespace),
+            capture_output=True,
+            check=True,
+            timeout=600,
+        )
+        return wal_since(started_at) / rows
+    finally:
+        channel.queue_delete(load_queue)
+        connection.close()
 
 
 def latencies(exchange: str, queue: str, rate: int, seconds: float) -> list[float]:
@@ -377,6 +456,31 @@ def django_worker(publishing: bool, threads: int, start_at: float, seconds: floa
     print(sum(counts))
 
 
+def wakers_worker(count: int, seconds: float) -> None:
+    """``count`` real wake-up senders, each asked for a wake-up every millisecond for
+    ``seconds``: prints the NOTIFYs they sent a second."""
+    import django
+
+    django.setup()
+    from reliable_messaging.publishing.wake_after_commit import WakeUpSender
+
+    senders = [WakeUpSender() for _ in range(count)]
+    for each in senders:  # connect before the measured time
+        each.request("default")
+    for each in senders:
+        each.flush()
+    sent = sum(each.sent for each in senders)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for each in senders:
+            each.request("default")
+        time.sleep(0.001)
+    for each in senders:
+        each.flush()
+        each.close()
+    print((sum(each.sent for each in senders) - sent) / seconds)
+
+
 def django_rate(namespace: str, publishing: bool, seconds: float) -> float:
     start_at = time.time() + 4
     processes = [
@@ -417,12 +521,16 @@ def main() -> None:
     )
     parser.add_argument("--latency-seconds", type=float, default=10)
     parser.add_argument("--worker", choices=["publish", "plain"])
+    parser.add_argument("--wakers", type=int, default=0)
     parser.add_argument("--start-at", type=float, default=0)
     args = parser.parse_args()
-    if args.worker:
+    if args.worker or args.wakers:
         sys.path.insert(0, str(ROOT))
         os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
-        django_worker(args.worker == "publish", 8, args.start_at, args.django_seconds)
+        if args.wakers:
+            wakers_worker(args.wakers, args.django_seconds)
+        else:
+            django_worker(args.worker == "publish", 8, args.start_at, args.django_seconds)
         return
 
     # Fresh: a database left by an earlier version of the schema would not migrate.
@@ -436,16 +544,17 @@ def main() -> None:
     declare_sink(exchange, queue)
     try:
         db = database_bound(exchange, args.seconds)
+        business, outbox = captured_statements(exchange)
+        sent_wal = marking_sent(namespace, exchange, outbox)
         empty_tables()
         relay = start_relay(namespace)
         try:
             cpu, per_second = idle_relay(relay, 10)
             idle = latencies(exchange, queue, args.rate, args.latency_seconds)
-            business, outbox = captured_statements(exchange)
             publishing_script = f"BEGIN;\n{business};\n{outbox};\nCOMMIT;\n"
             # (script, rate limit): as fast as it goes, and publishing at a pace one relay on
-            # this machine keeps up with beside the load (the old trigger's ceiling, about 1,800
-            # commits/s, is above it).
+            # this machine keeps up with beside the load. The publishing loads have their
+            # wake-up senders beside them.
             loads: dict[str, tuple[str, int | None]] = {
                 "business": (f"BEGIN;\n{business};\nCOMMIT;\n", None),
                 "publishing": (publishing_script, None),
@@ -457,12 +566,20 @@ def main() -> None:
                 empty_tables()
                 load = threading.Thread(
                     target=lambda n=name, s=script, r=limit: tps.update(
-                        {n: pgbench(s, 64, args.latency_seconds + 4, rate=r)}
+                        {
+                            n: pgbench(
+                                s,
+                                64,
+                                args.latency_seconds + 4,
+                                wake_ups=n if "publishing" in n else None,
+                                rate=r,
+                            )
+                        }
                     ),
                     daemon=True,
                 )
                 load.start()
-                time.sleep(2)
+                time.sleep(3)  # its wake-up senders started, then pgbench
                 loaded[name] = latencies(exchange, queue, args.rate, args.latency_seconds)
                 load.join(timeout=args.latency_seconds + 60)
         finally:
@@ -484,6 +601,8 @@ def main() -> None:
     print("|---|---|---|---|---|")
     rows = [
         ("business insert alone", "business", "business"),
+        ("+ SELECT 1 (any second statement's round trip)", "select", "business"),
+        ("+ the narrowest row (a bigserial and a text)", "narrow", "business"),
         ("+ the outbox row, no wake-up", "outbox", "business"),
         ("+ the outbox row, after-commit wake-up (shipped)", "shipped", "outbox"),
         ("+ the outbox row, NOTIFY trigger (before)", "trigger", "outbox"),
@@ -496,6 +615,19 @@ def main() -> None:
             cells.append(f"{value / db[clients][base]:.2f}x {base}")
         print(f"| {label} | " + " | ".join(cells) + " |")
     print(f"(each figure the median of {ROUNDS} rounds of {args.seconds:.0f} s, in turn)")
+    for what in ("business", "outbox"):
+        per = WAL_BYTES.get(f"{what}, 64", []) + WAL_BYTES.get(f"{what}, 32", [])
+        print(
+            f"WAL per transaction, {what}: {median(per):,.0f} bytes "
+            f"(median of {len(per)} runs, {min(per):,.0f} to {max(per):,.0f})"
+        )
+    print(f"WAL per row the relay marks sent (relay --once, 20,000 rows): {sent_wal:,.0f} bytes")
+    for clients in (64, 32):
+        rates = NOTIFY_RATES.get(f"shipped, {clients}", [])
+        print(
+            f"shipped, {clients} connections: the {WAKERS} wake-up senders sent "
+            f"{', '.join(f'{r:,.0f}' for r in rates)} NOTIFYs/s"
+        )
     for clients in (64, 32):
         row = db[clients]
         shipped = row["shipped"]
@@ -503,7 +635,9 @@ def main() -> None:
             f"{clients} connections: shipped / business alone {shipped / row['business']:.2f}"
             f" (goal >= 0.7), shipped / outbox row alone {row['shipped'] / row['outbox']:.2f}"
             f" (goal >= 0.9); the trigger: {row['trigger'] / row['business']:.2f} and "
-            f"{row['trigger'] / row['outbox']:.2f}"
+            f"{row['trigger'] / row['outbox']:.2f}; the ceiling of any second statement: "
+            f"{row['select'] / row['business']:.2f} (SELECT 1), "
+            f"{row['narrow'] / row['business']:.2f} (the narrowest row)"
         )
     print()
     print(
@@ -512,7 +646,13 @@ def main() -> None:
         f"(goal p50 <= 10, p99 <= 50)"
     )
     for name, found in loaded.items():
-        what = "(an outbox row each, which the relay sends too) " if "publishing" in name else ""
+        what = ""
+        if "publishing" in name:
+            sent = NOTIFY_RATES.get(name, [float("nan")])[-1]
+            what = (
+                f"(an outbox row each, which the relay sends too; {WAKERS} wake-up senders "
+                f"beside it sent {sent:,.0f} NOTIFYs/s) "
+            )
         print(
             f"commit->broker latency under 64 connections of the {name} transaction {what}"
             f"({tps.get(name, float('nan')):,.0f} commits/s), {len(found)} of "

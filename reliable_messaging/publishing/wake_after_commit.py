@@ -11,8 +11,8 @@ as due and sets an event: it never touches the network and never raises, so the 
 commit path holds no instance-wide lock and waits for nothing. One daemon thread per process
 (:class:`WakeUpSender`) sends ``NOTIFY`` in a transaction of its own, on a connection of its
 own; wake-ups requested while it sends, and for a few milliseconds after, are folded into its
-next ``NOTIFY``, so a busy process sends one at a time, a few hundred a second at most,
-whatever its number of threads and commits.
+next ``NOTIFY``, so a process sends one at a time, at most ``1 / MAX_SPACING`` a second while
+it keeps committing, whatever its number of threads and commits.
 
 A lost wake-up (the thread's database connection down, the process exiting right after a
 commit) costs at most the relay's poll interval: a notification only tells the relay to claim,
@@ -42,11 +42,16 @@ RETRY_PAUSE = 5.0
 # not keep it from noticing that the connection is dead either.
 CONNECT_TIMEOUT = 2
 STATEMENT_TIMEOUT_MS = 2000
-# After each NOTIFY the sender waits this long before the next: the first commit of a burst
-# wakes the relay at once, the others of the next few ms share one wake-up. A process then
-# sends at most a couple of hundred NOTIFYs a second (each is a transaction with a commit record
-# to flush) however fast it commits, and a relay could not claim faster than that anyway.
+# After each NOTIFY the sender waits before the next: the first commit after a quiet spell wakes
+# the relay at once, the others of the pause share the next wake-up. The pause starts at
+# SPACING and doubles, up to MAX_SPACING, for as long as every pause ends with commits waiting
+# (a process that keeps committing); a pause that ends with none resets it. So a process that
+# commits now and then wakes the relay within milliseconds, and a busy one sends at most 1 /
+# MAX_SPACING NOTIFYs a second, each a transaction of its own on the database its callers are
+# using, while its other commits are picked up by a relay that, under such a load, is already
+# claiming batch after batch.
 SPACING = 0.005
+MAX_SPACING = 0.02
 # A process that stopped publishing gives its connection back after this long.
 IDLE_CLOSE = 30.0
 
@@ -65,6 +70,8 @@ class WakeUpSender:
         self._conninfo: dict[str, str] = {}
         self._connections: dict[str, Any] = {}
         self._retry_at: dict[str, float] = {}
+        # The pause after the next NOTIFY (see SPACING).
+        self.pause = SPACING
         # Counters for tests and the benchmark: wake-ups asked for, NOTIFYs sent, failures.
         self.requested = 0
         self.sent = 0
@@ -113,7 +120,9 @@ class WakeUpSender:
                 for using in due:
                     self._notify(using)
             if due:
-                time.sleep(SPACING)
+                time.sleep(self.pause)
+                busy = self._event.is_set()  # commits came in during the pause
+                self.pause = min(MAX_SPACING, self.pause * 2) if busy else SPACING
 
     def _notify(self, using: str) -> None:
         if time.monotonic() < self._retry_at.get(using, 0.0):

@@ -23,7 +23,12 @@ from django.db import connection, transaction
 from reliable_messaging import publish
 from reliable_messaging.models import OutboxMessage, OutboxStatus
 from reliable_messaging.publishing.listener import NOTIFY_CHANNEL, listen_conninfo
-from reliable_messaging.publishing.wake_after_commit import sender
+from reliable_messaging.publishing.wake_after_commit import (
+    MAX_SPACING,
+    SPACING,
+    WakeUpSender,
+    sender,
+)
 from tests.support import wait_until
 
 from .conftest import OutboxEnv
@@ -182,6 +187,34 @@ def test_the_real_relay_is_woken_after_the_commit(ob: OutboxEnv) -> None:
         message=lambda: f"the rows delivered after a wake-up; log:\n{relay.log()}",
     )
     assert [m.message_id for m in ob.broker.drain(queue, expected=21)] == [warmup, *ids]
+
+
+@on_postgres
+def test_a_process_that_keeps_committing_spreads_its_wake_ups_and_a_quiet_one_is_woken_at_once(
+    listener: Listener,
+) -> None:
+    """A commit every millisecond for a second: at most about 1 / MAX_SPACING NOTIFYs reach
+    the relay, not one per SPACING; after a quiet spell the pause is back to SPACING, so the
+    next commit's wake-up goes out at once."""
+    own = WakeUpSender()
+    try:
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            own.request("default")
+            time.sleep(0.001)
+        assert own.flush()
+        busy = len(listener.received(wait=0.3))
+        assert own.sent == busy
+        # The pause doubles from SPACING to MAX_SPACING in the first few NOTIFYs, then stays.
+        assert busy <= 1.0 / MAX_SPACING + 5, (busy, own.sent)
+        assert own.pause == SPACING  # the last pause ended with nothing waiting
+        time.sleep(0.1)
+        own.request("default")
+        assert len(listener.received(wait=0.5)) == 1
+        assert own.flush()
+        assert own.pause == SPACING
+    finally:
+        own.close()
 
 
 @on_postgres
