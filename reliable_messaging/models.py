@@ -323,7 +323,8 @@ class OutboxMessage(models.Model):
     headers = models.JSONField(default=dict, blank=True)
     # NULL, not "", means "no key": "" is a legitimate key, and the order index skips NULLs.
     ordering_key = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001
-    idempotency_key = models.CharField(max_length=255, null=True, blank=True, unique=True)
+    # NULL means "no key"; unique where given (see Meta.constraints).
+    idempotency_key = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001
     status = models.CharField(
         max_length=10, choices=OutboxStatus.choices, default=OutboxStatus.PENDING
     )
@@ -357,6 +358,17 @@ class OutboxMessage(models.Model):
             ),
             models.Index(fields=["status", "sent_at"], name="rm_outbox_status_sent_idx"),
             models.Index(fields=["message_id"], name="rm_outbox_message_id_idx"),
+        ]
+        constraints = [
+            # Partial: most rows have no key, and a unique index would hold an entry for each
+            # NULL, written by every publish and every row marked sent. On PostgreSQL each
+            # partition has its own (``<leaf>_idem``, partitions.py; migration 0014), and
+            # publish() looks a key up in all of them under an advisory lock.
+            models.UniqueConstraint(
+                fields=["idempotency_key"],
+                condition=Q(idempotency_key__isnull=False),
+                name="rm_outbox_idem_uniq",
+            ),
         ]
 
     def __str__(self) -> str:

@@ -34,7 +34,10 @@ its unsent rows, the only ones the relay reads, live in a small partition of the
   cut-over) and the layout above is ``<outbox>_current`` (the ids after). The relay sends the
   legacy table's pending rows where they are; its sent rows expire in batches, as before.
 - ``publish(idempotency_key=...)`` finds an earlier message of its key in any partition, under
-  an advisory lock on the key (``outbox.py``): unique indexes span one partition only.
+  an advisory lock on the key (``publishing/publish.py``): unique indexes span one partition
+  only. Each partition's unique index of keys (``<leaf>_idem``) is partial, keys that are not
+  NULL only (migration 0014; day partitions made before it keep a full unique constraint until
+  they expire).
 
 Elsewhere (SQLite) the tables stay plain tables and the purge deletes rows in batches.
 """
@@ -124,13 +127,20 @@ def _inbox_leaf_sql(name: str) -> list[str]:
 
 def outbox_leaf_sql(name: str) -> list[str]:
     """A standalone table shaped like the outbox with what each of its partitions has of its
-    own: the primary key and the unique idempotency key (a partitioned table can hold neither
-    across partitions). Its other indexes are the outbox's partitioned indexes, which
-    PostgreSQL creates on a table as it is attached."""
+    own: the primary key and the unique index of idempotency keys (a partitioned table can hold
+    neither across partitions). Its other indexes are the outbox's partitioned indexes, which
+    PostgreSQL creates on a table as it is attached.
+
+    The idempotency index is partial: almost every row has no key, and a B-tree stores an
+    entry for each NULL, which every publish and every row marked sent would pay for. It still
+    answers ``idempotency_key = %s`` (the planner proves the key is not NULL from the
+    equality); ``publish()``'s advisory lock and lookup are what keep a key unique across
+    partitions, this index a second line of defence within one."""
     return [
         f'CREATE TABLE "{name}" (LIKE "{OUTBOX_TABLE}" INCLUDING DEFAULTS INCLUDING CONSTRAINTS)',
         f'ALTER TABLE "{name}" ADD CONSTRAINT "{name}_pkey" PRIMARY KEY (id)',
-        f'ALTER TABLE "{name}" ADD CONSTRAINT "{name}_idem" UNIQUE (idempotency_key)',
+        f'CREATE UNIQUE INDEX "{name}_idem" ON "{name}" (idempotency_key) '
+        "WHERE idempotency_key IS NOT NULL",
     ]
 
 

@@ -51,24 +51,29 @@ def test_migrate_to_zero_and_back() -> None:
     DeadLetter.objects.create(consumer="c", message_id="", queue="q", body=b"", reason="x")
 
 
-def test_0008_migrates_forwards_and_back_on_sqlite(tmp_path: Path) -> None:
-    """The online operations fall back to the usual ones on SQLite."""
-    database = tmp_path / "inbox.sqlite3"
+def migrate_sqlite(database: Path, *target: str) -> None:
+    """``manage.py migrate TARGET`` on the SQLite file ``database``, in a process of its own."""
     env = {
         **os.environ,
         "DATABASE_URL": f"sqlite:///{database}",
         "DJANGO_SETTINGS_MODULE": "tests.settings",
     }
     env.pop("RM_TEST_DB_NAME", None)
+    subprocess.run(
+        [sys.executable, str(MANAGE), "migrate", *target, "--verbosity", "0"],
+        env=env,
+        check=True,
+        timeout=120,
+        capture_output=True,
+    )
+
+
+def test_0008_migrates_forwards_and_back_on_sqlite(tmp_path: Path) -> None:
+    """The online operations fall back to the usual ones on SQLite."""
+    database = tmp_path / "inbox.sqlite3"
 
     def migrate(*target: str) -> None:
-        subprocess.run(
-            [sys.executable, str(MANAGE), "migrate", *target, "--verbosity", "0"],
-            env=env,
-            check=True,
-            timeout=120,
-            capture_output=True,
-        )
+        migrate_sqlite(database, *target)
 
     def indexes() -> set[str]:
         """The table's index names, and its unique constraint as written in its SQL."""
@@ -114,3 +119,42 @@ def test_0008_migrates_forwards_and_back_on_sqlite(tmp_path: Path) -> None:
                 "INSERT INTO reliable_messaging_processedmessage"
                 " (consumer, message_id, processed_at) VALUES ('c', 'm', '2024-01-02')"
             )
+
+
+def test_0014_makes_the_idempotency_key_partially_unique_on_sqlite(tmp_path: Path) -> None:
+    """Elsewhere than PostgreSQL, 0014 is Django's own AlterField and AddConstraint: the column
+    loses UNIQUE, a unique index of the keys that are not NULL takes its place; and back."""
+    database = tmp_path / "outbox.sqlite3"
+    table = "reliable_messaging_outboxmessage"
+
+    def schema() -> dict[str, str]:
+        with sqlite3.connect(database) as db:
+            rows = db.execute(
+                "SELECT name, sql FROM sqlite_master WHERE tbl_name = ? AND sql IS NOT NULL",
+                [table],
+            ).fetchall()
+        return {name: sql for name, sql in rows}
+
+    partial = (
+        'CREATE UNIQUE INDEX "rm_outbox_idem_uniq" ON "reliable_messaging_outboxmessage" '
+        '("idempotency_key") WHERE "idempotency_key" IS NOT NULL'
+    )
+    migrate_sqlite(database)
+    assert schema()["rm_outbox_idem_uniq"] == partial
+    assert '"idempotency_key" varchar(255) NULL' in schema()[table]
+    assert '"idempotency_key" varchar(255) NULL UNIQUE' not in schema()[table]
+    migrate_sqlite(database, "reliable_messaging", "0013")
+    assert "rm_outbox_idem_uniq" not in schema()
+    assert '"idempotency_key" varchar(255) NULL UNIQUE' in schema()[table]
+    migrate_sqlite(database)
+    assert schema()["rm_outbox_idem_uniq"] == partial
+
+    insert = (
+        f"INSERT INTO {table} (message_id, exchange, routing_key, body, headers, status, "
+        "attempts, last_error, created_at, idempotency_key) "
+        "VALUES (?, '', 'a.b', '{}', '{}', 'pending', 0, '', '2024-01-01', ?)"
+    )
+    with sqlite3.connect(database) as db:
+        db.executemany(insert, [("a", None), ("b", None), ("c", "k")])
+        with pytest.raises(sqlite3.IntegrityError):
+            db.execute(insert, ["d", "k"])

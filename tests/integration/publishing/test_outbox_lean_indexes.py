@@ -1,0 +1,228 @@
+"""The outbox's indexes on the idempotency key (migration 0014): no ``varchar_pattern_ops``
+index, and on each partition a unique index of the keys that are not NULL, so that a row
+without a key (almost every row) writes no entry there; the migration on a new installation's
+layout and on a legacy one, both ways."""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+from collections.abc import Iterator
+
+import pytest
+from django.core.management import call_command
+from django.db import IntegrityError, connection, connections, transaction
+from django.utils import timezone
+
+from reliable_messaging import partitions, publish
+from reliable_messaging.models import OutboxMessage
+from reliable_messaging.partitions import (
+    OUTBOX,
+    OUTBOX_CURRENT,
+    OUTBOX_DEFAULT,
+    OUTBOX_LEGACY,
+    OUTBOX_TABLE,
+    OUTBOX_UNSENT,
+)
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.skipif("config.getoption('--sqlite', default=False)"),
+]
+
+PARTIAL = "(idempotency_key) WHERE (idempotency_key IS NOT NULL)"
+# The name Django gave the varchar_pattern_ops index of the unique field (migration 0002).
+LIKE_INDEX = "reliable_messaging_outboxmessage_idempotency_key_e3557cfe_like"
+
+
+def key_indexes(table: str) -> dict[str, str]:
+    """name: definition (from ``USING`` on) of each index of ``table`` on idempotency_key."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT indexname, indexdef FROM pg_indexes WHERE tablename = %s "
+            "AND indexdef LIKE '%%idempotency_key%%'",
+            [table],
+        )
+        return {
+            name: ("UNIQUE " if " UNIQUE " in d else "") + d.split(" USING ")[1]
+            for name, d in cursor
+        }
+
+
+def leaves() -> list[str]:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT relid::regclass::text FROM pg_partition_tree(%s::regclass) WHERE isleaf",
+            [OUTBOX_TABLE],
+        )
+        return sorted(row[0] for row in cursor)
+
+
+def pattern_indexes() -> list[str]:
+    """Every varchar_pattern_ops index of the outbox or any of its partitions."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT indexname FROM pg_indexes WHERE indexdef LIKE '%%varchar_pattern_ops%%' "
+            "AND tablename IN (SELECT relid::regclass::text "
+            "FROM pg_partition_tree(%s::regclass))",
+            [OUTBOX_TABLE],
+        )
+        return sorted(row[0] for row in cursor)
+
+
+def key_constraint(table: str) -> str | None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT conname FROM pg_constraint WHERE conrelid = %s::regclass AND contype = 'u'",
+            [table],
+        )
+        row = cursor.fetchone()
+    return None if row is None else str(row[0])
+
+
+def index_bytes(name: str) -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_relation_size(%s::regclass)", [name])
+        return int(cursor.fetchone()[0])
+
+
+def insert_into(table: str, message_id: str, key: str | None) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f'INSERT INTO "{table}" (message_id, exchange, routing_key, body, headers, status, '
+            "attempts, last_error, created_at, idempotency_key) "
+            "VALUES (%s, '', 'a.b', '{}', '{}', 'pending', 0, '', now(), %s)",
+            [message_id, key],
+        )
+
+
+def migrate(*target: str) -> None:
+    call_command("migrate", "reliable_messaging", *target, stdout=io.StringIO())
+
+
+@pytest.fixture
+def far_day() -> Iterator[str]:
+    """A day partition created now, by ``partitions.outbox_leaf_sql``, a year ahead (dropped
+    afterwards with its neighbours, which were created with it)."""
+    now = timezone.now() + dt.timedelta(days=365)
+    created = partitions.ensure_partitions("default", now=now, spec=OUTBOX)
+    day = partitions.day_name(now.astimezone(dt.UTC).date(), OUTBOX)
+    assert day in created
+    yield day
+    with connection.cursor() as cursor:
+        for name in created:
+            cursor.execute(f'DROP TABLE IF EXISTS "{name}"')
+
+
+def test_no_pattern_index_and_a_partial_unique_key_index_on_each_new_partition(
+    far_day: str,
+) -> None:
+    assert pattern_indexes() == []
+    for table in (OUTBOX_UNSENT, OUTBOX_DEFAULT, far_day):
+        assert key_indexes(table) == {f"{table}_idem": f"UNIQUE btree {PARTIAL}"}, table
+
+
+def test_the_unsent_partition_refuses_a_key_twice_and_stores_nothing_without_one() -> None:
+    index = f"{OUTBOX_UNSENT}_idem"
+    with connection.cursor() as cursor:
+        cursor.execute(f'TRUNCATE "{OUTBOX_TABLE}"')  # every index back to its empty size
+    empty = index_bytes(index)
+    with transaction.atomic():
+        for n in range(1000):
+            publish("a.b", {"n": n})
+        for n in range(100):
+            insert_into(OUTBOX_UNSENT, f"raw-{n}", None)
+    assert index_bytes(index) == empty, "rows without a key wrote entries to the key index"
+
+    insert_into(OUTBOX_UNSENT, "first", "k-1")
+    with pytest.raises(IntegrityError) as refused, transaction.atomic():
+        insert_into(OUTBOX_UNSENT, "second", "k-1")
+    assert refused.value.__cause__.diag.constraint_name == index  # type: ignore[union-attr]
+    assert set(
+        OutboxMessage.objects.filter(idempotency_key="k-1").values_list("message_id", flat=True)
+    ) == {"first"}
+
+
+def test_the_migration_goes_back_to_0013_and_forward_again() -> None:
+    days = [p.name for p in partitions.partitions("default", OUTBOX) if not p.default]
+    migrate("0013")
+    # What 0013 left: the pattern index on every partition, a full unique constraint on each.
+    assert LIKE_INDEX in pattern_indexes()
+    assert all(pattern_index_of(table) for table in leaves())
+    assert_valid_indexes()
+    for table in leaves():
+        assert key_constraint(table) == f"{table}_idem", table
+        assert key_indexes(table)[f"{table}_idem"] == "UNIQUE btree (idempotency_key)", table
+
+    migrate()
+    assert pattern_indexes() == []
+    assert_valid_indexes()
+    for table in (OUTBOX_UNSENT, OUTBOX_DEFAULT):
+        assert key_constraint(table) is None
+        assert key_indexes(table) == {f"{table}_idem": f"UNIQUE btree {PARTIAL}"}, table
+    # The days that exist keep their full constraint until they expire.
+    for table in days:
+        assert key_constraint(table) == f"{table}_idem", table
+    with transaction.atomic():
+        first = publish("a.b", {}, idempotency_key="after-the-round-trip")
+        assert publish("a.b", {}, idempotency_key="after-the-round-trip") == first
+
+
+def pattern_index_of(table: str) -> bool:
+    return any("varchar_pattern_ops" in d for d in key_indexes(table).values())
+
+
+def assert_valid_indexes() -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT indexrelid::regclass::text FROM pg_index WHERE NOT indisvalid "
+            "AND indrelid IN (SELECT relid FROM pg_partition_tree(%s::regclass))",
+            [OUTBOX_TABLE],
+        )
+        assert cursor.fetchall() == []
+
+
+@pytest.fixture
+def legacy_layout() -> Iterator[None]:
+    """The layout of a system that had outbox rows before migration 0010 (a legacy table under
+    the outbox, the new layout beside it as ``_current``), at migration 0013; afterwards the
+    layout of a new installation again, for the tests after this one."""
+    migrate("0009")
+    with transaction.atomic():
+        publish("a.b", {"n": 1}, idempotency_key="legacy-key")
+        publish("a.b", {"n": 2})
+    migrate("0013")
+    yield
+    for alias in connections:
+        connections[alias].close()
+    OutboxMessage.objects.all().delete()
+    migrate("0009")
+    migrate()
+
+
+def test_the_migration_on_a_legacy_layout_both_ways(legacy_layout: None) -> None:
+    legacy_constraint = f"{OUTBOX_TABLE}_idempotency_key_key"  # 0002's, kept by 0010
+    assert key_constraint(OUTBOX_LEGACY) == legacy_constraint
+    assert pattern_index_of(OUTBOX_LEGACY) and pattern_index_of(OUTBOX_CURRENT)
+
+    migrate()
+    assert pattern_indexes() == []
+    assert_valid_indexes()
+    assert key_constraint(OUTBOX_LEGACY) is None
+    assert key_indexes(OUTBOX_LEGACY) == {legacy_constraint: f"UNIQUE btree {PARTIAL}"}
+    assert key_indexes(OUTBOX_UNSENT) == {f"{OUTBOX_UNSENT}_idem": f"UNIQUE btree {PARTIAL}"}
+    with pytest.raises(IntegrityError), transaction.atomic():
+        insert_into(OUTBOX_LEGACY, "again", "legacy-key")
+    with transaction.atomic():
+        found = publish("a.b", {"n": 3}, idempotency_key="legacy-key")
+    assert found == OutboxMessage.objects.get(idempotency_key="legacy-key").message_id
+
+    migrate("0013")
+    assert_valid_indexes()
+    assert LIKE_INDEX in pattern_indexes()
+    assert all(pattern_index_of(table) for table in leaves())
+    assert key_constraint(OUTBOX_LEGACY) == legacy_constraint
+    assert key_constraint(OUTBOX_UNSENT) == f"{OUTBOX_UNSENT}_idem"
+    migrate()
+    assert pattern_indexes() == []
+    assert key_indexes(OUTBOX_LEGACY) == {legacy_constraint: f"UNIQUE btree {PARTIAL}"}
