@@ -11,7 +11,7 @@ Each throughput figure is the median of ``ROUNDS`` rounds run in turn.
    - with the outbox row, no wake-up at all (the floor publishing can reach);
    - with the outbox row and the after-commit wake-up as shipped: beside pgbench, eight of
      the real wake-up senders (``WakeUpSender``, one per web process) are asked for a wake-up
-     every millisecond the whole time, as by eight processes that always have a new commit to
+     every ``ASK_EVERY`` the whole time, as by eight processes that always have a new commit to
      announce; they send their ``NOTIFY``s on eight connections of their own, at the pace they
      choose (the figure printed is how many they sent a second);
    - the old way, as a reference in the same run: the outbox row under migration 0002's
@@ -90,6 +90,8 @@ def captured_statements(exchange: str) -> tuple[str, str]:
 
 # NOTIFYs a second the wake-up senders sent beside each pgbench run that had them.
 NOTIFY_RATES: dict[str, list[float]] = {}
+# The share of a core (%) the process of those senders used.
+SENDERS_CPU: dict[str, list[float]] = {}
 # WAL bytes a transaction wrote, per run with a ``wal`` label.
 WAL_BYTES: dict[str, list[float]] = {}
 # The narrowest row a second statement could insert: the ceiling of any outbox row's ratio.
@@ -168,7 +170,9 @@ def pgbench(
         )
         if side is not None and wake_ups is not None:
             out, _ = side.communicate(timeout=60)
-            NOTIFY_RATES.setdefault(wake_ups, []).append(float(out.strip().splitlines()[-1]))
+            notifies, cpu = out.strip().splitlines()[-1].split()
+            NOTIFY_RATES.setdefault(wake_ups, []).append(float(notifies))
+            SENDERS_CPU.setdefault(wake_ups, []).append(float(cpu))
     match = re.search(r"tps = ([\d.]+) \(without initial connection time\)", result.stdout)
     processed = re.search(r"number of transactions actually processed: (\d+)", result.stdout)
     if match is None or processed is None:
@@ -456,9 +460,17 @@ def django_worker(publishing: bool, threads: int, start_at: float, seconds: floa
     print(sum(counts))
 
 
+# How often each of the benchmark's wake-up senders is asked for a wake-up: as often as its
+# shortest pause, so that every pause ends with a commit waiting (a process that always has a
+# new commit), and no more often, since asking costs Python time a real process spends once
+# per commit, not in a loop.
+ASK_EVERY = 0.005
+
+
 def wakers_worker(count: int, seconds: float) -> None:
-    """``count`` real wake-up senders, each asked for a wake-up every millisecond for
-    ``seconds``: prints the NOTIFYs they sent a second."""
+    """``count`` real wake-up senders, each asked for a wake-up every ``ASK_EVERY`` for
+    ``seconds``: prints the NOTIFYs they sent a second and the share of a core the process
+    used meanwhile."""
     import django
 
     django.setup()
@@ -470,15 +482,17 @@ def wakers_worker(count: int, seconds: float) -> None:
     for each in senders:
         each.flush()
     sent = sum(each.sent for each in senders)
+    cpu = time.process_time()
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         for each in senders:
             each.request("default")
-        time.sleep(0.001)
+        time.sleep(ASK_EVERY)
+    cpu = time.process_time() - cpu
     for each in senders:
         each.flush()
         each.close()
-    print((sum(each.sent for each in senders) - sent) / seconds)
+    print(f"{(sum(each.sent for each in senders) - sent) / seconds} {cpu / seconds * 100}")
 
 
 def django_rate(namespace: str, publishing: bool, seconds: float) -> float:
@@ -624,9 +638,11 @@ def main() -> None:
     print(f"WAL per row the relay marks sent (relay --once, 20,000 rows): {sent_wal:,.0f} bytes")
     for clients in (64, 32):
         rates = NOTIFY_RATES.get(f"shipped, {clients}", [])
+        cpus = SENDERS_CPU.get(f"shipped, {clients}", [])
         print(
             f"shipped, {clients} connections: the {WAKERS} wake-up senders sent "
-            f"{', '.join(f'{r:,.0f}' for r in rates)} NOTIFYs/s"
+            f"{', '.join(f'{r:,.0f}' for r in rates)} NOTIFYs/s, their process using "
+            f"{', '.join(f'{c:.1f}' for c in cpus)} % of a core"
         )
     for clients in (64, 32):
         row = db[clients]
