@@ -138,3 +138,29 @@ def rabbitmqctl(*args: str, timeout: float = 150) -> str:
             f"rabbitmqctl {' '.join(args)} failed: {result.stderr.strip() or result.stdout}"
         )
     return result.stdout
+
+
+def declare_sink(exchange: str, queue: str, binding: str = "bench.#") -> None:
+    """The bench's topic ``exchange`` and a durable ``queue`` bound to it by ``binding``,
+    emptied."""
+    import pika
+
+    connection = pika.BlockingConnection(pika.URLParameters(BROKER_URL))
+    channel = connection.channel()
+    channel.exchange_declare(exchange, "topic", durable=True)
+    channel.queue_declare(queue, durable=True)
+    channel.queue_bind(queue, exchange, binding)
+    channel.queue_purge(queue)
+    connection.close()
+
+
+def drop_sink(exchange: str | None, queue: str) -> None:
+    """Delete ``queue``, and ``exchange`` unless None."""
+    import pika
+
+    connection = pika.BlockingConnection(pika.URLParameters(BROKER_URL))
+    channel = connection.channel()
+    channel.queue_delete(queue)
+    if exchange is not None:
+        channel.exchange_delete(exchange)
+    connection.close()

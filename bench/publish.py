@@ -49,9 +49,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pika
 from _common import (
     BENCH_DB,
+    BROKER_URL,
     DATABASE_URL,
     ROOT,
+    declare_sink,
     describe_machine,
+    drop_sink,
     median,
     percentile,
     recreate_database,
@@ -59,7 +62,6 @@ from _common import (
     subprocess_env,
 )
 
-AMQP = "amqp://guest:guest@127.0.0.1/%2F"
 WAKERS = 8
 ROUNDS = 3
 PGBENCH = ["pgbench", "-h", "127.0.0.1", "-U", "postgres", "-n"]
@@ -142,14 +144,15 @@ def pgbench(
                     __file__,
                     "--wakers",
                     str(WAKERS),
-                    "--django-seconds",
+                    "--seconds",
                     str(int(seconds) + 1),
                 ],
                 env=subprocess_env(os.environ["RM_TEST_NAMESPACE"]),
                 stdout=subprocess.PIPE,
                 text=True,
             )
-            time.sleep(1)  # Django set up, the senders connected
+            assert side.stdout is not None
+            side.stdout.readline()  # "ready": Django set up, the senders connected
         result = subprocess.run(
             [
                 *PGBENCH,
@@ -215,9 +218,6 @@ def empty_tables() -> None:
     from django.db import connection
 
     with connection.cursor() as cursor:
-        cursor.execute(
-            f"CREATE TABLE IF NOT EXISTS {NARROW_TABLE} (id bigserial PRIMARY KEY, note text)"
-        )
         cursor.execute(f"TRUNCATE testapp_effect, reliable_messaging_outboxmessage, {NARROW_TABLE}")
         cursor.execute("CHECKPOINT")  # so every run starts with the same full-page writes
         cursor.execute("VACUUM ANALYZE testapp_effect")
@@ -282,24 +282,6 @@ def database_bound(exchange: str, seconds: float) -> dict[int, dict[str, float]]
 # --------------------------------------------------------------------------- latency
 
 
-def declare_sink(exchange: str, queue: str) -> None:
-    connection = pika.BlockingConnection(pika.URLParameters(AMQP))
-    channel = connection.channel()
-    channel.exchange_declare(exchange, "topic", durable=True)
-    channel.queue_declare(queue, durable=True)
-    channel.queue_bind(queue, exchange, "bench.latency")
-    channel.queue_purge(queue)
-    connection.close()
-
-
-def drop_sink(exchange: str, queue: str) -> None:
-    connection = pika.BlockingConnection(pika.URLParameters(AMQP))
-    channel = connection.channel()
-    channel.queue_delete(queue)
-    channel.exchange_delete(exchange)
-    connection.close()
-
-
 def start_relay(namespace: str) -> subprocess.Popen[str]:
     relay = subprocess.Popen(
         [sys.executable, str(ROOT / "manage.py"), "relay"],
@@ -316,10 +298,7 @@ def marking_sent(namespace: str, exchange: str, outbox: str, rows: int = 20_000)
     """WAL bytes per row that ``relay --once`` writes sending ``rows`` rows of ``outbox`` (the
     publishing transaction's INSERT) to a bound queue: what marking a row sent costs."""
     load_queue = f"{exchange}.load"
-    connection = pika.BlockingConnection(pika.URLParameters(AMQP))
-    channel = connection.channel()
-    channel.queue_declare(load_queue, durable=True)
-    channel.queue_bind(load_queue, exchange, "bench.load")
+    declare_sink(exchange, load_queue, "bench.load")
     try:
         empty_tables()
         with tempfile.TemporaryDirectory() as tmp:
@@ -340,8 +319,7 @@ def marking_sent(namespace: str, exchange: str, outbox: str, rows: int = 20_000)
         )
         return wal_since(started_at) / rows
     finally:
-        channel.queue_delete(load_queue)
-        connection.close()
+        drop_sink(None, load_queue)
 
 
 def latencies(exchange: str, queue: str, rate: int, seconds: float) -> list[float]:
@@ -354,7 +332,7 @@ def latencies(exchange: str, queue: str, rate: int, seconds: float) -> list[floa
     done = threading.Event()
 
     def consume() -> None:
-        connection = pika.BlockingConnection(pika.URLParameters(AMQP))
+        connection = pika.BlockingConnection(pika.URLParameters(BROKER_URL))
         channel = connection.channel()
         quiet = 0
         for _method, properties, _body in channel.consume(
@@ -481,6 +459,7 @@ def wakers_worker(count: int, seconds: float) -> None:
         each.request("default")
     for each in senders:
         each.flush()
+    print("ready", flush=True)
     sent = sum(each.sent for each in senders)
     cpu = time.process_time()
     end = time.monotonic() + seconds
@@ -542,7 +521,7 @@ def main() -> None:
         sys.path.insert(0, str(ROOT))
         os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
         if args.wakers:
-            wakers_worker(args.wakers, args.django_seconds)
+            wakers_worker(args.wakers, args.seconds)
         else:
             django_worker(args.worker == "publish", 8, args.start_at, args.django_seconds)
         return
@@ -555,7 +534,11 @@ def main() -> None:
     exchange = str(settings.RELIABLE_MESSAGING["EXCHANGE"])
     queue = f"{exchange}.latency"
     print(f"publish() benchmark on {describe_machine()}")
-    declare_sink(exchange, queue)
+    declare_sink(exchange, queue, "bench.latency")
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(f"CREATE TABLE {NARROW_TABLE} (id bigserial PRIMARY KEY, note text)")
     try:
         db = database_bound(exchange, args.seconds)
         business, outbox = captured_statements(exchange)

@@ -19,25 +19,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pika
-from _common import ROOT, describe_machine, percentile, setup_django, subprocess_env, vm_rss_kib
-
-
-def declare_sink(exchange: str, queue: str) -> None:
-    connection = pika.BlockingConnection(pika.URLParameters("amqp://guest:guest@127.0.0.1/%2F"))
-    channel = connection.channel()
-    channel.exchange_declare(exchange, "topic", durable=True)
-    channel.queue_declare(queue, durable=True)
-    channel.queue_bind(queue, exchange, "bench.#")
-    channel.queue_purge(queue)
-    connection.close()
-
-
-def drop_sink(exchange: str, queue: str) -> None:
-    connection = pika.BlockingConnection(pika.URLParameters("amqp://guest:guest@127.0.0.1/%2F"))
-    channel = connection.channel()
-    channel.queue_delete(queue)
-    channel.exchange_delete(exchange)
-    connection.close()
+from _common import (
+    ROOT,
+    declare_sink,
+    describe_machine,
+    drop_sink,
+    percentile,
+    setup_django,
+    subprocess_env,
+    vm_rss_kib,
+)
 
 
 def raw_pika_publish(exchange: str, rows: list[tuple[str, bytes]]) -> float:

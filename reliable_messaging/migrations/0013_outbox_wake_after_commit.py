@@ -14,35 +14,14 @@ wake-up, so their rows wait up to a poll interval; nothing is lost. Reversing re
 trigger and its function exactly as 0002 did. Elsewhere than PostgreSQL nothing happens.
 """
 
+import importlib
+
 from django.db import migrations
 
-NOTIFY_CHANNEL = "reliable_messaging_outbox"
-
-CREATE_TRIGGER = f"""
-CREATE OR REPLACE FUNCTION reliable_messaging_outbox_notify() RETURNS trigger AS $$
-BEGIN
-    PERFORM pg_notify('{NOTIFY_CHANNEL}', '');
-    RETURN NULL;
-END;
-$$ LANGUAGE plpgsql;
-CREATE TRIGGER reliable_messaging_outbox_notify
-    AFTER INSERT ON reliable_messaging_outboxmessage
-    FOR EACH STATEMENT EXECUTE FUNCTION reliable_messaging_outbox_notify();
-"""
-DROP_TRIGGER = """
-DROP TRIGGER IF EXISTS reliable_messaging_outbox_notify ON reliable_messaging_outboxmessage;
-DROP FUNCTION IF EXISTS reliable_messaging_outbox_notify();
-"""
-
-
-def drop_notify_trigger(apps, schema_editor):
-    if schema_editor.connection.vendor == "postgresql":
-        schema_editor.execute(DROP_TRIGGER)
-
-
-def create_notify_trigger(apps, schema_editor):
-    if schema_editor.connection.vendor == "postgresql":
-        schema_editor.execute(CREATE_TRIGGER)
+# Reversing puts back exactly what 0002 made: its SQL and its functions, run the other way.
+_0002 = importlib.import_module("reliable_messaging.migrations.0002_outbox")
+CREATE_TRIGGER = _0002.CREATE_TRIGGER
+DROP_TRIGGER = _0002.DROP_TRIGGER
 
 
 class Migration(migrations.Migration):
@@ -50,4 +29,4 @@ class Migration(migrations.Migration):
         ("reliable_messaging", "0012_dead_letter_operations"),
     ]
 
-    operations = [migrations.RunPython(drop_notify_trigger, create_notify_trigger)]
+    operations = [migrations.RunPython(_0002.drop_notify_trigger, _0002.create_notify_trigger)]

@@ -123,8 +123,15 @@ def publish(
     headers = _json_headers(headers)
     if connections[using].vendor == "postgresql":
         headers_json = json.dumps(headers) if headers else "{}"
-        values = [message_id, exchange, routing_key, body, headers_json, ordering_key]
-        values.append(idempotency_key)
+        values = [
+            message_id,
+            exchange,
+            routing_key,
+            body,
+            headers_json,
+            ordering_key,
+            idempotency_key,
+        ]
         if idempotency_key is None:
             _insert_pg(using, values)
         else:
@@ -153,8 +160,15 @@ def _insert_sql() -> str:
     """One INSERT of a new pending row, its times the database's clock (``Now()`` is
     ``STATEMENT_TIMESTAMP()`` on PostgreSQL)."""
     meta = OutboxMessage._meta
-    given = ["message_id", "exchange", "routing_key", "body", "headers", "ordering_key"]
-    given.append("idempotency_key")
+    given = [
+        "message_id",
+        "exchange",
+        "routing_key",
+        "body",
+        "headers",
+        "ordering_key",
+        "idempotency_key",
+    ]
     fixed = {
         "status": f"'{OutboxStatus.PENDING.value}'",
         "attempts": "0",
