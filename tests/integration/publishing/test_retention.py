@@ -65,7 +65,16 @@ def mixed_rows() -> None:
     outbox_row("pending-old", OutboxStatus.PENDING, age=60 * DAY)
     outbox_row("failed-old", OutboxStatus.FAILED, age=60 * DAY)
     inbox_row("inbox-old", age=2 * DAY)
-    inbox_row("inbox-recent", age=dt.timedelta(hours=1))
+    inbox_row("inbox-recent", age=recent_inbox_age())
+
+
+def recent_inbox_age() -> dt.timedelta:
+    """An hour, or less when today (UTC) began less than an hour ago: the inbox is purged a
+    whole day at a time, and "recent" must mean "in today's partition" at any time of day
+    (at 00:40 a row an hour old is in yesterday's, which a 30-minute retention drops whole)."""
+    now = timezone.now()
+    since_midnight = now - now.replace(hour=0, minute=0, second=0, microsecond=0)
+    return min(dt.timedelta(hours=1), since_midnight / 2)
 
 
 def test_purge_deletes_old_sent_outbox_and_old_inbox_rows_only(mixed_rows: None) -> None:
@@ -116,8 +125,8 @@ def test_purge_follows_the_retention_settings(mixed_rows: None) -> None:
     }
     with override_settings(RELIABLE_MESSAGING=values):
         output = purge()
-    # The inbox goes a whole day at a time: the row processed an hour ago is in today's
-    # partition, kept until the day has expired (up to a day past DEDUP_RETENTION).
+    # The inbox goes a whole day at a time: the recent row is in today's partition, kept until
+    # the day has expired (up to a day past DEDUP_RETENTION), even when older than 30 minutes.
     assert "deleted 1 inbox row(s) older than 0:30:00" in output
     assert "and 2 sent outbox row(s) older than 5 days" in output
     assert remaining() == ({"pending-old", "failed-old"}, {"inbox-recent"})
