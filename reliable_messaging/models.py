@@ -356,6 +356,12 @@ class OutboxMessage(models.Model):
                 condition=Q(status__in=["pending", "failed"]) & Q(ordering_key__isnull=False),
                 name="rm_outbox_key_order_idx",
             ),
+            # On PostgreSQL these two are indexes of the sent side only (migration 0015,
+            # partitions.py): every publish inserts into the unsent partition, where they would
+            # cost it two entries and serve nothing (the relay claims through the due index,
+            # which counts the pending rows too); what they serve reads the sent side (the
+            # purge, the unrouted count, a sent row by message_id). The unsent partition has a
+            # partial index of its failed rows instead, which a publish writes nothing into.
             models.Index(fields=["status", "sent_at"], name="rm_outbox_status_sent_idx"),
             models.Index(fields=["message_id"], name="rm_outbox_message_id_idx"),
         ]

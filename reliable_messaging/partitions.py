@@ -38,6 +38,15 @@ its unsent rows, the only ones the relay reads, live in a small partition of the
   only. Each partition's unique index of keys (``<leaf>_idem``) is partial, keys that are not
   NULL only (migration 0014; day partitions made before it keep a full unique constraint until
   they expire).
+- Indexes: the outbox's partitioned indexes (the relay's due index, the index of unsent rows by
+  ordering key) have a copy on every partition. The (status, sent_at) and message_id indexes
+  (``rm_outbox_status_sent_idx``, ``rm_outbox_message_id_idx``) are partitioned indexes of
+  ``<outbox>_sent`` only, since migration 0015: every publish inserts into the unsent
+  partition, and what they serve reads the sent side (the purge's expired rows, the unrouted
+  count, a sent row found by its message_id). A day partition gets them as it is attached; the
+  legacy table keeps copies of its own. The unsent partition has instead a partial index of
+  its failed rows, ``<outbox>_unsent_failed``, which a publish (a pending row) writes nothing
+  into: a publish without keys writes into its primary key and its due index only.
 
 Elsewhere (SQLite) the tables stay plain tables and the purge deletes rows in batches.
 """
@@ -128,8 +137,9 @@ def _inbox_leaf_sql(name: str) -> list[str]:
 def outbox_leaf_sql(name: str) -> list[str]:
     """A standalone table shaped like the outbox with what each of its partitions has of its
     own: the primary key and the unique index of idempotency keys (a partitioned table can hold
-    neither across partitions). Its other indexes are the outbox's partitioned indexes, which
-    PostgreSQL creates on a table as it is attached.
+    neither across partitions). Its other indexes are the partitioned indexes of the tables it
+    is attached under (the outbox's and, for a day, the sent side's), which PostgreSQL creates
+    on a table as it is attached.
 
     The idempotency index is partial: almost every row has no key, and a B-tree stores an
     entry for each NULL, which every publish and every row marked sent would pay for. It still

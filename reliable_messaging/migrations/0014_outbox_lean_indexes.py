@@ -41,22 +41,22 @@ again after an interruption.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
 from typing import Any
 
-from django.db import OperationalError, migrations, models, transaction
+from django.db import OperationalError, migrations, models
 
-from reliable_messaging.migration_ops import ElsewhereThanPostgreSQL
+from reliable_messaging.migration_ops import (
+    ElsewhereThanPostgreSQL,
+    briefly,
+    build_concurrently,
+    one,
+    outbox_tree,
+)
 from reliable_messaging.partitions import (
-    ADVISORY_CLASS,
-    DDL_LOCK_TIMEOUT,
-    LOCK_NOT_AVAILABLE,
     OUTBOX_DEFAULT,
     OUTBOX_LEGACY,
     OUTBOX_TABLE,
     OUTBOX_UNSENT,
-    UPKEEP_LOCK,
 )
 
 COLUMN = "idempotency_key"
@@ -64,43 +64,11 @@ COLUMN = "idempotency_key"
 LIKE_INDEX = "reliable_messaging_outboxmessage_idempotency_key_e3557cfe_like"
 # The partitions whose full unique constraint is swapped (see the docstring).
 SWAPPED = (OUTBOX_UNSENT, OUTBOX_DEFAULT, OUTBOX_LEGACY)
-# A lock wait cut short is tried again this many times, a second apart, before the migration
-# gives up (it can be run again: every step looks at what is there first).
-ATTEMPTS = 30
-RETRY_AFTER = 1.0
-DEADLOCK = "40P01"
-
-
-def _briefly(connection: Any, statements: Sequence[str]) -> None:
-    """Run ``statements`` in one transaction whose lock waits last ``DDL_LOCK_TIMEOUT``, so that
-    the inserts queued behind a waiting DDL statement wait no longer; serialized with partition
-    upkeep (which creates and attaches partitions), and tried again while a lock is what
-    stops it."""
-    for attempt in range(1, ATTEMPTS + 1):
-        try:
-            with transaction.atomic(using=connection.alias), connection.cursor() as cursor:
-                cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", [ADVISORY_CLASS, UPKEEP_LOCK])
-                cursor.execute(f"SET LOCAL lock_timeout = '{DDL_LOCK_TIMEOUT}'")
-                for statement in statements:
-                    cursor.execute(statement)
-            return
-        except OperationalError as exc:
-            busy = getattr(exc.__cause__, "sqlstate", None) in (LOCK_NOT_AVAILABLE, DEADLOCK)
-            if not busy or attempt == ATTEMPTS:
-                raise
-            time.sleep(RETRY_AFTER)
-
-
-def _one(connection: Any, sql: str, params: Sequence[Any]) -> Any:
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
-        row = cursor.fetchone()
-    return None if row is None else row[0]
 
 
 def _key_constraint(connection: Any, table: str) -> str | None:
     """The unique constraint of ``table`` on the idempotency key alone, if any."""
-    return _one(
+    return one(
         connection,
         "SELECT k.conname FROM pg_constraint k "
         "JOIN pg_attribute a ON a.attrelid = k.conrelid AND a.attnum = k.conkey[1] "
@@ -113,7 +81,7 @@ def _key_constraint(connection: Any, table: str) -> str | None:
 def _partial_key_index(connection: Any, table: str) -> str | None:
     """The partial unique index of ``table`` on the idempotency keys that are not NULL (no
     constraint can own one), if any."""
-    return _one(
+    return one(
         connection,
         "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
         "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0] "
@@ -125,7 +93,7 @@ def _partial_key_index(connection: Any, table: str) -> str | None:
 
 def _like_index(connection: Any, table: str) -> str | None:
     """The ``varchar_pattern_ops`` index of ``table`` on the idempotency key, if any."""
-    return _one(
+    return one(
         connection,
         "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
         "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0] "
@@ -136,25 +104,18 @@ def _like_index(connection: Any, table: str) -> str | None:
     )
 
 
-def _build_concurrently(connection: Any, name: str, create: str) -> None:
-    with connection.cursor() as cursor:
-        # An earlier build that was interrupted leaves an INVALID index of this name.
-        cursor.execute(f'DROP INDEX CONCURRENTLY IF EXISTS "{name}"')
-        cursor.execute(create)
-
-
 def _partial_instead_of_constraint(connection: Any, table: str) -> None:
     constraint = _key_constraint(connection, table)
     if constraint is None:
         return  # not there, or done already
     new = f"{table}_idem_partial"
-    _build_concurrently(
+    build_concurrently(
         connection,
         new,
         f'CREATE UNIQUE INDEX CONCURRENTLY "{new}" ON "{table}" ({COLUMN}) '
         f"WHERE {COLUMN} IS NOT NULL",
     )
-    _briefly(
+    briefly(
         connection,
         [
             f'ALTER TABLE "{table}" DROP CONSTRAINT "{constraint}"',
@@ -168,29 +129,17 @@ def _constraint_instead_of_partial(connection: Any, table: str) -> None:
     if partial is None or _key_constraint(connection, table) is not None:
         return
     new = f"{table}_idem_full"
-    _build_concurrently(
+    build_concurrently(
         connection, new, f'CREATE UNIQUE INDEX CONCURRENTLY "{new}" ON "{table}" ({COLUMN})'
     )
     # The constraint takes the index, and renames it to its own name.
-    _briefly(
+    briefly(
         connection,
         [
             f'DROP INDEX "{partial}"',
             f'ALTER TABLE "{table}" ADD CONSTRAINT "{partial}" UNIQUE USING INDEX "{new}"',
         ],
     )
-
-
-def _tree(connection: Any) -> list[tuple[str, str | None, bool, int]]:
-    """(table, its parent, whether it is a leaf, its depth) of the outbox and every partition."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT c.relname, p.relname, t.isleaf, t.level "
-            "FROM pg_partition_tree(to_regclass(%s)) t JOIN pg_class c ON c.oid = t.relid "
-            "LEFT JOIN pg_class p ON p.oid = t.parentrelid ORDER BY t.level, c.relname",
-            [OUTBOX_TABLE],
-        )
-        return [(name, parent, bool(leaf), int(level)) for name, parent, leaf, level in cursor]
 
 
 def _rebuild_like_index(connection: Any) -> None:
@@ -200,37 +149,37 @@ def _rebuild_like_index(connection: Any) -> None:
     attached meanwhile gets its index from its parent's; one that did not (attached before its
     parent had the index) is found by the next round."""
     for _ in range(3):
-        for table, _parent, leaf, level in _tree(connection):
+        for table, _parent, leaf, level in outbox_tree(connection):
             if _like_index(connection, table) is not None:
                 continue
             name = LIKE_INDEX if level == 0 else f"{table}_idem_like"
             if leaf:
-                _build_concurrently(
+                build_concurrently(
                     connection,
                     name,
                     f'CREATE INDEX CONCURRENTLY "{name}" ON "{table}" '
                     f"({COLUMN} varchar_pattern_ops)",
                 )
             else:
-                _briefly(
+                briefly(
                     connection,
                     [f'CREATE INDEX "{name}" ON ONLY "{table}" ({COLUMN} varchar_pattern_ops)'],
                 )
-        for table, parent, _leaf, _level in sorted(_tree(connection), key=lambda t: -t[3]):
+        for table, parent, _leaf, _level in sorted(outbox_tree(connection), key=lambda t: -t[3]):
             if parent is None:
                 continue
             child = _like_index(connection, table)
             if child is None:
                 continue  # a partition attached since: the next round
-            attached = _one(
+            attached = one(
                 connection,
                 "SELECT EXISTS (SELECT 1 FROM pg_inherits WHERE inhrelid = %s::regclass)",
                 [child],
             )
             if not attached:
                 parent_index = _like_index(connection, parent)
-                _briefly(connection, [f'ALTER INDEX "{parent_index}" ATTACH PARTITION "{child}"'])
-        valid = _one(
+                briefly(connection, [f'ALTER INDEX "{parent_index}" ATTACH PARTITION "{child}"'])
+        valid = one(
             connection,
             "SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass(%s)",
             [LIKE_INDEX],
@@ -246,7 +195,7 @@ def lean_indexes(apps: Any, schema_editor: Any) -> None:
         return
     like = _like_index(connection, OUTBOX_TABLE)
     if like is not None:
-        _briefly(connection, [f'DROP INDEX "{like}"'])
+        briefly(connection, [f'DROP INDEX "{like}"'])
     for table in SWAPPED:
         _partial_instead_of_constraint(connection, table)
 
@@ -255,7 +204,7 @@ def full_indexes(apps: Any, schema_editor: Any) -> None:
     connection = schema_editor.connection
     if connection.vendor != "postgresql":
         return
-    for table, _parent, leaf, _level in _tree(connection):
+    for table, _parent, leaf, _level in outbox_tree(connection):
         if leaf:
             _constraint_instead_of_partial(connection, table)
     _rebuild_like_index(connection)

@@ -5,14 +5,10 @@ layout and on a legacy one, both ways."""
 
 from __future__ import annotations
 
-import datetime as dt
-import io
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import pytest
-from django.core.management import call_command
-from django.db import IntegrityError, connection, connections, transaction
-from django.utils import timezone
+from django.db import IntegrityError, connection, transaction
 
 from reliable_messaging import partitions, publish
 from reliable_messaging.models import OutboxMessage
@@ -23,6 +19,12 @@ from reliable_messaging.partitions import (
     OUTBOX_LEGACY,
     OUTBOX_TABLE,
     OUTBOX_UNSENT,
+)
+from tests.integration.publishing.outbox_schema import (
+    assert_valid_indexes,
+    index_bytes,
+    leaves,
+    migrate,
 )
 
 pytestmark = [
@@ -49,15 +51,6 @@ def key_indexes(table: str) -> dict[str, str]:
         }
 
 
-def leaves() -> list[str]:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT relid::regclass::text FROM pg_partition_tree(%s::regclass) WHERE isleaf",
-            [OUTBOX_TABLE],
-        )
-        return sorted(row[0] for row in cursor)
-
-
 def pattern_indexes() -> list[str]:
     """Every varchar_pattern_ops index of the outbox or any of its partitions."""
     with connection.cursor() as cursor:
@@ -80,12 +73,6 @@ def key_constraint(table: str) -> str | None:
     return None if row is None else str(row[0])
 
 
-def index_bytes(name: str) -> int:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_relation_size(%s::regclass)", [name])
-        return int(cursor.fetchone()[0])
-
-
 def insert_into(table: str, message_id: str, key: str | None) -> None:
     with connection.cursor() as cursor:
         cursor.execute(
@@ -94,24 +81,6 @@ def insert_into(table: str, message_id: str, key: str | None) -> None:
             "VALUES (%s, '', 'a.b', '{}', '{}', 'pending', 0, '', now(), %s)",
             [message_id, key],
         )
-
-
-def migrate(*target: str) -> None:
-    call_command("migrate", "reliable_messaging", *target, stdout=io.StringIO())
-
-
-@pytest.fixture
-def far_day() -> Iterator[str]:
-    """A day partition created now, by ``partitions.outbox_leaf_sql``, a year ahead (dropped
-    afterwards with its neighbours, which were created with it)."""
-    now = timezone.now() + dt.timedelta(days=365)
-    created = partitions.ensure_partitions("default", now=now, spec=OUTBOX)
-    day = partitions.day_name(now.astimezone(dt.UTC).date(), OUTBOX)
-    assert day in created
-    yield day
-    with connection.cursor() as cursor:
-        for name in created:
-            cursor.execute(f'DROP TABLE IF EXISTS "{name}"')
 
 
 def test_no_pattern_index_and_a_partial_unique_key_index_on_each_new_partition(
@@ -172,35 +141,10 @@ def pattern_index_of(table: str) -> bool:
     return any("varchar_pattern_ops" in d for d in key_indexes(table).values())
 
 
-def assert_valid_indexes() -> None:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT indexrelid::regclass::text FROM pg_index WHERE NOT indisvalid "
-            "AND indrelid IN (SELECT relid FROM pg_partition_tree(%s::regclass))",
-            [OUTBOX_TABLE],
-        )
-        assert cursor.fetchall() == []
-
-
-@pytest.fixture
-def legacy_layout() -> Iterator[None]:
-    """The layout of a system that had outbox rows before migration 0010 (a legacy table under
-    the outbox, the new layout beside it as ``_current``), at migration 0013; afterwards the
-    layout of a new installation again, for the tests after this one."""
-    migrate("0009")
-    with transaction.atomic():
-        publish("a.b", {"n": 1}, idempotency_key="legacy-key")
-        publish("a.b", {"n": 2})
-    migrate("0013")
-    yield
-    for alias in connections:
-        connections[alias].close()
-    OutboxMessage.objects.all().delete()
-    migrate("0009")
-    migrate()
-
-
-def test_the_migration_on_a_legacy_layout_both_ways(legacy_layout: None) -> None:
+def test_the_migration_on_a_legacy_layout_both_ways(
+    legacy_layout: Callable[[str], None],
+) -> None:
+    legacy_layout("0013")
     legacy_constraint = f"{OUTBOX_TABLE}_idempotency_key_key"  # 0002's, kept by 0010
     assert key_constraint(OUTBOX_LEGACY) == legacy_constraint
     assert pattern_index_of(OUTBOX_LEGACY) and pattern_index_of(OUTBOX_CURRENT)
