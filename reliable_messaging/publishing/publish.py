@@ -123,19 +123,14 @@ def publish(
     headers = _json_headers(headers)
     if connections[using].vendor == "postgresql":
         headers_json = json.dumps(headers) if headers else "{}"
-        values = [
-            message_id,
-            exchange,
-            routing_key,
-            body,
-            headers_json,
-            ordering_key,
-            idempotency_key,
-        ]
+        values = [message_id, exchange, routing_key, body, headers_json]
+        if ordering_key is not None:
+            values.append(ordering_key)
         if idempotency_key is None:
-            _insert_pg(using, values)
+            _insert_pg(using, values, ordering_key is not None, False)
         else:
-            message_id = _publish_once_pg(values, idempotency_key, using)
+            values.append(idempotency_key)
+            message_id = _publish_once_pg(values, idempotency_key, using, ordering_key is not None)
     else:
         row = OutboxMessage(
             message_id=message_id,
@@ -156,19 +151,17 @@ def publish(
     return message_id
 
 
-def _insert_sql() -> str:
+def _insert_sql(ordering_key: bool, idempotency_key: bool) -> str:
     """One INSERT of a new pending row, its times the database's clock (``Now()`` is
-    ``STATEMENT_TIMESTAMP()`` on PostgreSQL)."""
+    ``STATEMENT_TIMESTAMP()`` on PostgreSQL). A key the call has none of is left out rather than
+    written as NULL (the column's value then): PostgreSQL parses, checks and plans every column
+    an INSERT names, and most publishes have neither key."""
     meta = OutboxMessage._meta
-    given = [
-        "message_id",
-        "exchange",
-        "routing_key",
-        "body",
-        "headers",
-        "ordering_key",
-        "idempotency_key",
-    ]
+    given = ["message_id", "exchange", "routing_key", "body", "headers"]
+    if ordering_key:
+        given.append("ordering_key")
+    if idempotency_key:
+        given.append("idempotency_key")
     fixed = {
         "status": f"'{OutboxStatus.PENDING.value}'",
         "attempts": "0",
@@ -183,25 +176,31 @@ def _insert_sql() -> str:
     return f'INSERT INTO "{meta.db_table}" ({quoted}) VALUES ({", ".join(placeholders)})'  # noqa: S608
 
 
-# Built once: on PostgreSQL publish() writes its row with this statement rather than through
-# Model.save(), whose SQL compiler cost as much Python time per call as the rest of publish()
-# (cProfile). So no pre_save/post_save signal is sent for outbox rows there (the changelog
-# says so); this app never connected one.
-_INSERT_PG = _insert_sql()
+# Built once, one per combination of keys given: on PostgreSQL publish() writes its row with
+# these statements rather than through Model.save(), whose SQL compiler cost as much Python
+# time per call as the rest of publish() (cProfile). So no pre_save/post_save signal is sent for
+# outbox rows there (the changelog says so); this app never connected one.
+_INSERT_PG = {
+    (ordering, once): _insert_sql(ordering, once)
+    for ordering in (False, True)
+    for once in (False, True)
+}
 
 
-def _insert_pg(using: str, values: list[Any]) -> None:
-    """``values``: message_id, exchange, routing_key, body, headers (JSON text), ordering_key,
-    idempotency_key."""
+def _insert_pg(using: str, values: list[Any], ordering_key: bool, idempotency_key: bool) -> None:
+    """``values``: message_id, exchange, routing_key, body, headers (JSON text), then the
+    ordering key and the idempotency key where the flags say they are given."""
     with connections[using].cursor() as cursor:
-        cursor.execute(_INSERT_PG, values)
+        cursor.execute(_INSERT_PG[ordering_key, idempotency_key], values)
 
 
 def _earlier(idempotency_key: str, using: str) -> str | None:
     return OutboxMessage.objects.using(using).message_id_of(idempotency_key)
 
 
-def _publish_once_pg(values: list[Any], idempotency_key: str, using: str) -> str:
+def _publish_once_pg(
+    values: list[Any], idempotency_key: str, using: str, ordering_key: bool
+) -> str:
     """On PostgreSQL a unique index spans one partition of the outbox, and a message sent
     leaves the unsent partition (partitions.py): an earlier message of the key is looked for in
     every partition, under an advisory lock on the key held to the end of the transaction. A
@@ -215,7 +214,7 @@ def _publish_once_pg(values: list[Any], idempotency_key: str, using: str) -> str
         existing = _earlier(idempotency_key, using)
         if existing is not None:
             return existing
-        _insert_pg(using, values)
+        _insert_pg(using, values, ordering_key, True)
     return str(values[0])
 
 

@@ -13,6 +13,7 @@ from decimal import Decimal
 import psycopg
 import pytest
 from django.db import IntegrityError, connection, connections, transaction
+from django.test.utils import CaptureQueriesContext
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
@@ -160,6 +161,35 @@ def test_row_records_destination_headers_and_ordering_key(ob: OutboxEnv) -> None
     other_row = OutboxMessage.objects.get(message_id=other)
     assert other_row.exchange == f"rmtest.{ob.ns}.audit"
     assert other_row.ordering_key is None and other_row.idempotency_key is None
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("ordering_key", "idempotency_key"),
+    [(None, None), ("order-8", None), (None, "charge-8"), ("order-8", "charge-8")],
+)
+def test_each_combination_of_keys_is_stored_and_a_key_not_given_is_not_written(
+    ob: OutboxEnv, ordering_key: str | None, idempotency_key: str | None
+) -> None:
+    # A key the call does not give is left out of the INSERT (PostgreSQL parses, checks and
+    # plans every column a statement names; most publishes have neither key), and reads NULL.
+    with CaptureQueriesContext(connection) as queries, transaction.atomic():
+        message_id = publish(
+            "order.paid",
+            {"n": 8},
+            ordering_key=ordering_key,
+            idempotency_key=idempotency_key,
+            headers={"tenant": "acme"},
+        )
+    inserts = [q["sql"] for q in queries.captured_queries if q["sql"].startswith("INSERT")]
+    assert len(inserts) == 1
+    assert ('"ordering_key"' in inserts[0]) is (ordering_key is not None)
+    assert ('"idempotency_key"' in inserts[0]) is (idempotency_key is not None)
+    row = OutboxMessage.objects.get(message_id=message_id)
+    assert (row.ordering_key, row.idempotency_key) == (ordering_key, idempotency_key)
+    assert (row.routing_key, row.body, row.headers) == ("order.paid", '{"n":8}', {"tenant": "acme"})
+    assert (row.status, row.attempts, row.last_error) == (OutboxStatus.PENDING, 0, "")
+    assert row.next_attempt_at is not None and row.created_at == row.next_attempt_at
 
 
 @pytest.mark.django_db
