@@ -26,6 +26,7 @@ from reliable_messaging import publish
 from reliable_messaging.checks import check_settings
 from reliable_messaging.models import OutboxMessage, OutboxStatus
 from reliable_messaging.ops.status import Thresholds, database_status, find_problems
+from reliable_messaging.publishing import wake_after_commit
 from reliable_messaging.publishing.listener import OutboxListener
 from reliable_messaging.publishing.relay import OutboxRelay, RelayReport
 from reliable_messaging.retention import purge_messages
@@ -206,6 +207,9 @@ def test_missing_psycopg_is_said_once_and_names_the_extra(
     ob.set(RELAY_POLL_INTERVAL=0.2)
     queue = ob.queue()
     monkeypatch.setitem(sys.modules, "psycopg", None)  # "import psycopg" raises ImportError
+    # publish() remembers per process whether it can wake the relay: what it finds out here,
+    # without psycopg, must not outlive the test (later tests of this worker expect wake-ups).
+    monkeypatch.setattr(wake_after_commit, "_can_notify", {})
     message_id = publish("poll.x", {"n": 1})
     with caplog.at_level(logging.WARNING, logger="reliable_messaging.relay"):
         OutboxRelay(max_seconds=11.0).run()  # the old code said it again every 5 s
