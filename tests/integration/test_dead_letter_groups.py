@@ -39,10 +39,9 @@ from reliable_messaging.models import (
     DeadLetterStatus,
     LiveDeadLetterGroup,
 )
-from tests.support import MANAGE
+from tests.support import MANAGE, postgresql_only
 
 # The table is kept by PostgreSQL's triggers (the SQLite test below runs in a subprocess).
-on_postgresql = pytest.mark.skipif("config.getoption('--sqlite', default=False)")
 pytestmark = pytest.mark.django_db
 
 Key = tuple[str, str, str]
@@ -137,7 +136,7 @@ def live(consumer: str, fingerprint: str) -> LiveDeadLetterGroup:
     return LiveDeadLetterGroup.objects.get(consumer=consumer, fingerprint=fingerprint)
 
 
-@on_postgresql
+@postgresql_only
 def test_new_and_repeated_failures(folding: bool) -> None:
     early = timezone.now() - dt.timedelta(hours=2)
     first = fail("m-1", at=early)
@@ -175,7 +174,7 @@ def test_new_and_repeated_failures(folding: bool) -> None:
     }
 
 
-@on_postgresql
+@postgresql_only
 def test_replay_resolve_and_discard(folding: bool) -> None:
     letters = [fail(f"m-{n}") for n in range(5)]
 
@@ -190,7 +189,7 @@ def test_replay_resolve_and_discard(folding: bool) -> None:
     assert assert_kept(fold=folding)[("tests.alpha", "f1", "retries_exhausted")] == (2, 1, 1, 1, 5)
 
 
-@on_postgresql
+@postgresql_only
 def test_bulk_updates_and_deletes(folding: bool) -> None:
     for n in range(30):
         fail(f"m-{n}", consumer=f"tests.c{n % 3}", fingerprint=f"f{n % 2}")
@@ -209,7 +208,7 @@ def test_bulk_updates_and_deletes(folding: bool) -> None:
     assert DeadLetterGroup.objects.listing(with_open=False).count() == 0
 
 
-@on_postgresql
+@postgresql_only
 def test_a_statement_that_changes_nothing_a_group_shows_adds_no_delta() -> None:
     letter = fail("m-1")
     DeadLetterGroup.objects.fold()
@@ -224,7 +223,7 @@ def test_a_statement_that_changes_nothing_a_group_shows_adds_no_delta() -> None:
     assert_kept()
 
 
-@on_postgresql
+@postgresql_only
 def test_the_listing_adds_up_the_reasons_of_a_fingerprint() -> None:
     fail("m-1", reason="retries_exhausted")
     fail("m-2", reason="permanent")
@@ -275,7 +274,7 @@ def left() -> set[str]:
     return set(DeadLetter.objects.values_list("message_id", flat=True))
 
 
-@on_postgresql
+@postgresql_only
 def test_purge_removes_old_resolved_and_discarded_dead_letters(old_and_new: None) -> None:
     dry = purge("--dry-run")
     assert "would delete 4 resolved or discarded dead letter(s)" in dry
@@ -301,7 +300,7 @@ def test_purge_keeps_every_dead_letter_when_the_retention_is_none(old_and_new: N
 # -- the migration's backfill, and SQLite --------------------------------------------------------
 
 
-@on_postgresql
+@postgresql_only
 @pytest.mark.django_db(transaction=True)
 def test_the_migration_fills_the_table_from_the_dead_letters() -> None:
     for n in range(12):
@@ -386,7 +385,7 @@ def lock_timeout(value: str) -> None:
         cursor.execute(f"SET LOCAL lock_timeout = '{value}'")
 
 
-@on_postgresql
+@postgresql_only
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("held", ["a new failure", "a status move"])
 def test_writers_of_one_group_do_not_wait_for_each_other(held: str) -> None:
@@ -424,7 +423,7 @@ def test_writers_of_one_group_do_not_wait_for_each_other(held: str) -> None:
     assert_kept()
 
 
-@on_postgresql
+@postgresql_only
 @pytest.mark.django_db(transaction=True)
 def test_a_fold_waits_for_no_other_fold() -> None:
     for n in range(6):
@@ -453,7 +452,7 @@ def test_a_fold_waits_for_no_other_fold() -> None:
     assert_kept()
 
 
-@on_postgresql
+@postgresql_only
 @pytest.mark.django_db(transaction=True)
 def test_concurrent_folds_neither_lose_nor_double_count_a_delta() -> None:
     """Writers and folders at once; half of the folders run the fold's statement without its
@@ -504,7 +503,7 @@ def test_concurrent_folds_neither_lose_nor_double_count_a_delta() -> None:
     assert_kept()
 
 
-@on_postgresql
+@postgresql_only
 def test_a_fold_is_bounded() -> None:
     for n in range(7):
         fail(f"m-{n}")  # one statement each: seven deltas
@@ -517,7 +516,7 @@ def test_a_fold_is_bounded() -> None:
     assert_kept()
 
 
-@on_postgresql
+@postgresql_only
 @pytest.mark.django_db(transaction=True)
 def test_readers_fold_when_outside_a_transaction() -> None:
     fail("m-1")
@@ -531,7 +530,7 @@ def test_readers_fold_when_outside_a_transaction() -> None:
     assert folded() == counted()
 
 
-@on_postgresql
+@postgresql_only
 @pytest.mark.django_db(transaction=True)
 def test_the_relays_operation_runner_folds_every_few_seconds() -> None:
     fail("m-1")

@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from reliable_messaging.models import DeadLetter, ProcessedMessage
 from reliable_messaging.testing import deliver
+from tests.support import postgresql_only
 
 from .conftest import BETA_QUEUE, CHANGELIST, GROUPS, shown
 
@@ -267,7 +268,7 @@ def test_real_failures_are_grouped_by_their_fingerprint(admin: Client) -> None:
     assert shown(listed) == ["k-1", "k-2"]
 
 
-@pytest.mark.skipif("config.getoption('--sqlite', default=False)")
+@postgresql_only
 def test_the_inbox_list_shows_the_planners_estimate_of_a_large_inbox(admin: Client) -> None:
     """Counting a billion inbox rows (or one consumer's share) takes minutes: past
     EXACT_UP_TO rows the list shows PostgreSQL's estimate (here 300 rows analyzed, then 100

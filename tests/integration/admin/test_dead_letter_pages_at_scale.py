@@ -21,6 +21,7 @@ from django.urls import reverse
 
 from reliable_messaging.models import DeadLetter, LiveDeadLetterGroup
 from reliable_messaging.ops.collectors import DatabaseCollector, database_status
+from tests.support import postgresql_only
 
 from .conftest import CHANGELIST, GROUPS
 
@@ -30,7 +31,7 @@ ROWS = 20_000
 CONSUMERS = 40  # a consumer's share is small, as one of many after an outage
 
 # PostgreSQL's planner, its statistics and its trigram indexes are what is tested.
-pytestmark = pytest.mark.skipif("config.getoption('--sqlite', default=False)")
+pytestmark = postgresql_only
 
 
 @pytest.fixture

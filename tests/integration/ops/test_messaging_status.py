@@ -42,7 +42,15 @@ from reliable_messaging.ops.status import (
 )
 from reliable_messaging.registry import ConsumerSpec, registry
 from tests.conftest import database_url
-from tests.support import MANAGE, ROOT, Publisher, broker_connection, rabbitmqctl, wait_until
+from tests.support import (
+    MANAGE,
+    ROOT,
+    Publisher,
+    broker_connection,
+    postgresql_only,
+    rabbitmqctl,
+    wait_until,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -472,7 +480,7 @@ def test_a_queue_name_with_a_slash_and_a_vhost_are_quoted(
 
 
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.skipif("config.getoption('--sqlite', default=False)")
+@postgresql_only
 def test_the_inbox_is_estimated_on_postgresql_not_counted() -> None:
     """Counting a billion inbox rows takes minutes: past COUNT_INBOX_UP_TO rows by PostgreSQL's
     statistics, the status reads them (here 300 rows analyzed, then 100 deleted unseen by the

@@ -8,10 +8,11 @@ from django.test.utils import CaptureQueriesContext
 
 from reliable_messaging.models import ProcessedMessage
 from reliable_messaging.ops import collectors
+from tests.support import postgresql_only
 
 pytestmark = [
     pytest.mark.django_db,
-    pytest.mark.skipif("config.getoption('--sqlite', default=False)"),
+    postgresql_only,
 ]
 
 

@@ -26,10 +26,11 @@ from tests.integration.publishing.outbox_schema import (
     leaves,
     migrate,
 )
+from tests.support import postgresql_only
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif("config.getoption('--sqlite', default=False)"),
+    postgresql_only,
 ]
 
 PARTIAL = "(idempotency_key) WHERE (idempotency_key IS NOT NULL)"

@@ -33,12 +33,13 @@ from reliable_messaging.partitions import (
 from reliable_messaging.publishing.claims import OutboxClaims
 from reliable_messaging.publishing.relay import OutboxRelay, RelayReport
 from reliable_messaging.retention import purge_messages
+from tests.support import postgresql_only
 
 from .conftest import OutboxEnv
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif("config.getoption('--sqlite', default=False)"),
+    postgresql_only,
 ]
 
 DAY = dt.timedelta(days=1)

@@ -33,10 +33,11 @@ from tests.integration.publishing.outbox_schema import (
     index_bytes,
     migrate,
 )
+from tests.support import postgresql_only
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif("config.getoption('--sqlite', default=False)"),
+    postgresql_only,
 ]
 
 STATUS_SENT = "rm_outbox_status_sent_idx"

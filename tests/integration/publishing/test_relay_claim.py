@@ -21,6 +21,7 @@ from reliable_messaging.models import OutboxMessage, OutboxStatus
 from reliable_messaging.publishing.batches import Batch
 from reliable_messaging.publishing.claims import claimable, release_parked
 from reliable_messaging.publishing.relay import LEASE_MARGIN, OutboxRelay
+from tests.support import postgresql_only
 
 from .conftest import OutboxEnv
 
@@ -60,7 +61,7 @@ def rows_read(plan: Any) -> int:
     return total
 
 
-@pytest.mark.skipif("config.getoption('--sqlite', default=False)")
+@postgresql_only
 def test_the_claim_reads_the_due_rows_not_those_it_cannot_take(ob: OutboxEnv) -> None:
     """The bench's worst states in small: many rows not due, many parked behind a failed row;
     the claim's cost must not grow with them (it once walked every one of them)."""
