@@ -23,16 +23,9 @@ from typing import Any
 
 import pika
 import pika.exceptions
-import pytest
-from django.conf import settings
 
 ROOT = Path(__file__).resolve().parent.parent
 MANAGE = ROOT / "manage.py"
-
-# For tests of what exists on PostgreSQL only (partitions, catalogs, plans): skipped when the
-# suite runs against another database (DATABASE_URL=sqlite://...).
-ON_POSTGRESQL = "postgresql" in settings.DATABASES["default"]["ENGINE"]
-postgresql_only = pytest.mark.skipif(not ON_POSTGRESQL, reason="PostgreSQL only")
 
 
 class WaitTimeout(AssertionError):

@@ -39,7 +39,8 @@ from reliable_messaging.models import (
     DeadLetterStatus,
     LiveDeadLetterGroup,
 )
-from tests.support import MANAGE, postgresql_only
+from tests.markers import postgresql_only
+from tests.support import MANAGE
 
 # The table is kept by PostgreSQL's triggers (the SQLite test below runs in a subprocess).
 pytestmark = pytest.mark.django_db

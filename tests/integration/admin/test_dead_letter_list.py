@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from reliable_messaging.models import DeadLetter, ProcessedMessage
 from reliable_messaging.testing import deliver
-from tests.support import postgresql_only
+from tests.markers import postgresql_only
 
 from .conftest import BETA_QUEUE, CHANGELIST, GROUPS, shown
 

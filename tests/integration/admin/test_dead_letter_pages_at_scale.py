@@ -21,7 +21,7 @@ from django.urls import reverse
 
 from reliable_messaging.models import DeadLetter, LiveDeadLetterGroup
 from reliable_messaging.ops.collectors import DatabaseCollector, database_status
-from tests.support import postgresql_only
+from tests.markers import postgresql_only
 
 from .conftest import CHANGELIST, GROUPS
 

@@ -42,12 +42,12 @@ from reliable_messaging.ops.status import (
 )
 from reliable_messaging.registry import ConsumerSpec, registry
 from tests.conftest import database_url
+from tests.markers import postgresql_only
 from tests.support import (
     MANAGE,
     ROOT,
     Publisher,
     broker_connection,
-    postgresql_only,
     rabbitmqctl,
     wait_until,
 )

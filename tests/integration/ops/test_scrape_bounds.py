@@ -8,7 +8,7 @@ from django.test.utils import CaptureQueriesContext
 
 from reliable_messaging.models import ProcessedMessage
 from reliable_messaging.ops import collectors
-from tests.support import postgresql_only
+from tests.markers import postgresql_only
 
 pytestmark = [
     pytest.mark.django_db,

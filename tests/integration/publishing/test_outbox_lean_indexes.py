@@ -26,7 +26,7 @@ from tests.integration.publishing.outbox_schema import (
     leaves,
     migrate,
 )
-from tests.support import postgresql_only
+from tests.markers import postgresql_only
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),

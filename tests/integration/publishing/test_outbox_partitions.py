@@ -33,7 +33,7 @@ from reliable_messaging.partitions import (
 from reliable_messaging.publishing.claims import OutboxClaims
 from reliable_messaging.publishing.relay import OutboxRelay, RelayReport
 from reliable_messaging.retention import purge_messages
-from tests.support import postgresql_only
+from tests.markers import postgresql_only
 
 from .conftest import OutboxEnv
 

@@ -33,7 +33,7 @@ from tests.integration.publishing.outbox_schema import (
     index_bytes,
     migrate,
 )
-from tests.support import postgresql_only
+from tests.markers import postgresql_only
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),

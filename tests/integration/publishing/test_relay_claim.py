@@ -21,7 +21,7 @@ from reliable_messaging.models import OutboxMessage, OutboxStatus
 from reliable_messaging.publishing.batches import Batch
 from reliable_messaging.publishing.claims import claimable, release_parked
 from reliable_messaging.publishing.relay import LEASE_MARGIN, OutboxRelay
-from tests.support import postgresql_only
+from tests.markers import postgresql_only
 
 from .conftest import OutboxEnv
 

@@ -16,7 +16,6 @@ from typing import Any
 
 import psycopg
 import pytest
-from django.conf import settings
 from django.core.management import call_command
 from django.db import connection, transaction
 
@@ -29,14 +28,13 @@ from reliable_messaging.publishing.wake_after_commit import (
     WakeUpSender,
     sender,
 )
+from tests.markers import ON_POSTGRESQL, postgresql_only
 from tests.support import wait_until
 
 from .conftest import OutboxEnv
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
-ON_POSTGRES = "postgresql" in settings.DATABASES["default"]["ENGINE"]
-on_postgres = pytest.mark.skipif(not ON_POSTGRES, reason="PostgreSQL's NOTIFY")
-on_sqlite = pytest.mark.skipif(ON_POSTGRES, reason="what happens elsewhere than PostgreSQL")
+on_sqlite = pytest.mark.skipif(ON_POSTGRESQL, reason="what happens elsewhere than PostgreSQL")
 
 MIGRATION = importlib.import_module("reliable_messaging.migrations.0013_outbox_wake_after_commit")
 
@@ -98,7 +96,7 @@ def publish_in_a_transaction(count: int = 1) -> list[str]:
         return [publish("wake.x", {"n": n}) for n in range(count)]
 
 
-@on_postgres
+@postgresql_only
 def test_the_callers_transaction_sends_no_notify(ob: OutboxEnv, listener: Listener) -> None:
     caller = backend_pid()
     statements = statements_of(publish_in_a_transaction)
@@ -108,7 +106,7 @@ def test_the_callers_transaction_sends_no_notify(ob: OutboxEnv, listener: Listen
     assert caller not in pids, "the caller's own transaction sent a NOTIFY"
 
 
-@on_postgres
+@postgresql_only
 def test_the_old_trigger_fails_that_check(ob: OutboxEnv, listener: Listener) -> None:
     # The check above would have caught the trigger of migration 0002.
     caller = backend_pid()
@@ -122,7 +120,7 @@ def test_the_old_trigger_fails_that_check(ob: OutboxEnv, listener: Listener) -> 
             cursor.execute(MIGRATION.DROP_TRIGGER)
 
 
-@on_postgres
+@postgresql_only
 def test_many_publishes_in_one_transaction_send_one_wake_up(
     ob: OutboxEnv, listener: Listener
 ) -> None:
@@ -135,7 +133,7 @@ def test_many_publishes_in_one_transaction_send_one_wake_up(
     assert len(listener.received(wait=1.0)) == 1
 
 
-@on_postgres
+@postgresql_only
 def test_a_savepoint_rolled_back_keeps_the_outer_wake_up(ob: OutboxEnv, listener: Listener) -> None:
     with transaction.atomic():
         try:
@@ -149,7 +147,7 @@ def test_a_savepoint_rolled_back_keeps_the_outer_wake_up(ob: OutboxEnv, listener
     assert list(OutboxMessage.objects.values_list("message_id", flat=True)) == [kept]
 
 
-@on_postgres
+@postgresql_only
 def test_a_rollback_sends_no_wake_up(ob: OutboxEnv, listener: Listener) -> None:
     requested = sender.requested
     with pytest.raises(RuntimeError), transaction.atomic():
@@ -160,7 +158,7 @@ def test_a_rollback_sends_no_wake_up(ob: OutboxEnv, listener: Listener) -> None:
     assert listener.received(wait=1.0) == []
 
 
-@on_postgres
+@postgresql_only
 def test_publish_in_autocommit_wakes_the_relay(ob: OutboxEnv, listener: Listener) -> None:
     caller = backend_pid()
     publish("wake.auto", {"n": 1})
@@ -169,7 +167,7 @@ def test_publish_in_autocommit_wakes_the_relay(ob: OutboxEnv, listener: Listener
     assert caller not in pids
 
 
-@on_postgres
+@postgresql_only
 @pytest.mark.slow
 def test_the_real_relay_is_woken_after_the_commit(ob: OutboxEnv) -> None:
     # Polling every 30 s: only the wake-up sent after the commit explains a delivery within 5 s.
@@ -189,7 +187,7 @@ def test_the_real_relay_is_woken_after_the_commit(ob: OutboxEnv) -> None:
     assert [m.message_id for m in ob.broker.drain(queue, expected=21)] == [warmup, *ids]
 
 
-@on_postgres
+@postgresql_only
 def test_a_process_that_keeps_committing_spreads_its_wake_ups_and_a_quiet_one_is_woken_at_once(
     listener: Listener,
 ) -> None:
@@ -219,7 +217,7 @@ def test_a_process_that_keeps_committing_spreads_its_wake_ups_and_a_quiet_one_is
         own.close()
 
 
-@on_postgres
+@postgresql_only
 @pytest.mark.slow
 def test_a_failed_wake_up_does_not_reach_the_caller_and_the_poll_delivers(
     ob: OutboxEnv,
@@ -258,7 +256,7 @@ def _has_trigger() -> bool:
         return bool(cursor.fetchone()[0])
 
 
-@on_postgres
+@postgresql_only
 def test_the_migration_drops_the_trigger_and_puts_it_back() -> None:
     previous = MIGRATION.Migration.dependencies[0][1]
     assert not _has_trigger()
