@@ -123,14 +123,19 @@ def publish(
     headers = _json_headers(headers)
     if connections[using].vendor == "postgresql":
         headers_json = json.dumps(headers) if headers else "{}"
-        values = [message_id, exchange, routing_key, body, headers_json]
-        if ordering_key is not None:
-            values.append(ordering_key)
+        values = [
+            message_id,
+            exchange,
+            routing_key,
+            body,
+            headers_json,
+            ordering_key,
+            idempotency_key,
+        ]
         if idempotency_key is None:
-            _insert_pg(using, values, ordering_key is not None, False)
+            _insert_pg(using, values)
         else:
-            values.append(idempotency_key)
-            message_id = _publish_once_pg(values, idempotency_key, using, ordering_key is not None)
+            message_id = _publish_once_pg(values, idempotency_key, using)
     else:
         row = OutboxMessage(
             message_id=message_id,
@@ -187,20 +192,21 @@ _INSERT_PG = {
 }
 
 
-def _insert_pg(using: str, values: list[Any], ordering_key: bool, idempotency_key: bool) -> None:
-    """``values``: message_id, exchange, routing_key, body, headers (JSON text), then the
-    ordering key and the idempotency key where the flags say they are given."""
+def _insert_pg(using: str, values: list[Any]) -> None:
+    """``values``: message_id, exchange, routing_key, body, headers (JSON text), ordering_key,
+    idempotency_key (the keys None when not given, and then left out)."""
+    *row, ordering_key, idempotency_key = values
+    statement = _INSERT_PG[ordering_key is not None, idempotency_key is not None]
+    given = [key for key in (ordering_key, idempotency_key) if key is not None]
     with connections[using].cursor() as cursor:
-        cursor.execute(_INSERT_PG[ordering_key, idempotency_key], values)
+        cursor.execute(statement, [*row, *given])
 
 
 def _earlier(idempotency_key: str, using: str) -> str | None:
     return OutboxMessage.objects.using(using).message_id_of(idempotency_key)
 
 
-def _publish_once_pg(
-    values: list[Any], idempotency_key: str, using: str, ordering_key: bool
-) -> str:
+def _publish_once_pg(values: list[Any], idempotency_key: str, using: str) -> str:
     """On PostgreSQL a unique index spans one partition of the outbox, and a message sent
     leaves the unsent partition (partitions.py): an earlier message of the key is looked for in
     every partition, under an advisory lock on the key held to the end of the transaction. A
@@ -214,7 +220,7 @@ def _publish_once_pg(
         existing = _earlier(idempotency_key, using)
         if existing is not None:
             return existing
-        _insert_pg(using, values, ordering_key, True)
+        _insert_pg(using, values)
     return str(values[0])
 
 
