@@ -48,10 +48,11 @@ STATEMENT_TIMEOUT_MS = 2000
 # (a process that keeps committing); a pause that ends with none resets it. So a process that
 # commits now and then wakes the relay within milliseconds, and a busy one sends at most 1 /
 # MAX_SPACING NOTIFYs a second, each a transaction of its own on the database its callers are
-# using, while its other commits are picked up by a relay that, under such a load, is already
-# claiming batch after batch.
+# using. Its other commits are found without one: a relay that sent rows keeps claiming, and
+# after its last rows keeps looking for over a second (scheduling.TRAIL_FIRST), longer than
+# MAX_SPACING, so a commit held back by a pause waits for the relay's next look, not for it.
 SPACING = 0.005
-MAX_SPACING = 0.02
+MAX_SPACING = 0.1
 # A process that stopped publishing gives its connection back after this long.
 IDLE_CLOSE = 30.0
 
