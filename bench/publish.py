@@ -16,6 +16,10 @@ Each throughput figure is the median of ``ROUNDS`` rounds run in turn.
      choose (the figure printed is how many they sent a second);
    - the old way, as a reference in the same run: the outbox row under migration 0002's
      NOTIFY trigger (recreated for the run, dropped after).
+   References beside them: the business transaction plus ``SELECT 1`` (any second statement's
+   round trip), plus the narrowest row there is, and plus an intake row: the envelope as one
+   text, what publish() could write instead of the outbox row for the relay to unpack later
+   (measured, not built: docs/benchmarks.md says why).
 2. Commit-to-broker latency: a real ``manage.py relay`` process, rows published in autocommit
    at a steady rate, a consumer measuring arrival minus the time taken just before
    ``publish()``; with the relay idle, then under the 64-connection loads. A publishing load
@@ -63,6 +67,10 @@ from _common import (
 )
 
 WAKERS = 8
+# The paced publishing load of part 2 commits this share of what the same connections commit
+# flat out on this machine (part 1), a pace one relay keeps up with beside them: a fixed rate
+# was beyond the relay on a slower day, and its latency then measured a backlog.
+PACED_SHARE = 0.3
 ROUNDS = 3
 PGBENCH = ["pgbench", "-h", "127.0.0.1", "-U", "postgres", "-n"]
 
@@ -98,6 +106,28 @@ SENDERS_CPU: dict[str, list[float]] = {}
 WAL_BYTES: dict[str, list[float]] = {}
 # The narrowest row a second statement could insert: the ceiling of any outbox row's ratio.
 NARROW_TABLE = "bench_narrow"
+# What publish() could write instead of the outbox row, measured and not built: an intake row
+# (an identity, the envelope as one text, the time by default), which the relay would unpack
+# into the outbox later.
+INTAKE_TABLE = "bench_intake"
+
+
+def intake_envelope(outbox: str) -> str:
+    """The values of the captured outbox ``INSERT`` as one JSON text, as an intake row would
+    hold them."""
+    import json
+
+    values = re.findall(r"'((?:[^']|'')*)'", outbox.split(" VALUES ", 1)[1])
+    message_id, exchange, routing_key, body, headers = (v.replace("''", "'") for v in values[:5])
+    return json.dumps(
+        {
+            "message_id": message_id,
+            "exchange": exchange,
+            "routing_key": routing_key,
+            "body": body,
+            "headers": json.loads(headers),
+        }
+    )
 
 
 def wal_lsn() -> str:
@@ -218,7 +248,10 @@ def empty_tables() -> None:
     from django.db import connection
 
     with connection.cursor() as cursor:
-        cursor.execute(f"TRUNCATE testapp_effect, reliable_messaging_outboxmessage, {NARROW_TABLE}")
+        cursor.execute(
+            "TRUNCATE testapp_effect, reliable_messaging_outboxmessage,"
+            f" {NARROW_TABLE}, {INTAKE_TABLE}"
+        )
         cursor.execute("CHECKPOINT")  # so every run starts with the same full-page writes
         cursor.execute("VACUUM ANALYZE testapp_effect")
         cursor.execute("VACUUM ANALYZE reliable_messaging_outboxmessage")
@@ -248,6 +281,11 @@ def database_bound(exchange: str, seconds: float) -> dict[int, dict[str, float]]
     # row there is.
     with_select = f"BEGIN;\n{business};\nSELECT 1;\nCOMMIT;\n"
     with_narrow = f"BEGIN;\n{business};\nINSERT INTO {NARROW_TABLE} (note) VALUES ('x');\nCOMMIT;\n"
+    envelope = intake_envelope(outbox).replace("'", "''")
+    with_intake = (
+        f"BEGIN;\n{business};\nINSERT INTO {INTAKE_TABLE} (envelope) VALUES ('{envelope}');\n"
+        "COMMIT;\n"
+    )
     results: dict[int, dict[str, float]] = {}
     with listening():
         for clients in (64, 32):
@@ -263,6 +301,8 @@ def database_bound(exchange: str, seconds: float) -> dict[int, dict[str, float]]
                 rounds.setdefault("select", []).append(pgbench(with_select, clients, seconds))
                 empty_tables()
                 rounds.setdefault("narrow", []).append(pgbench(with_narrow, clients, seconds))
+                empty_tables()
+                rounds.setdefault("intake", []).append(pgbench(with_intake, clients, seconds))
                 empty_tables()
                 rounds.setdefault("outbox", []).append(
                     pgbench(with_row, clients, seconds, wal=f"outbox, {clients}")
@@ -510,7 +550,11 @@ def main() -> None:
     parser.add_argument("--django-seconds", type=float, default=5)
     parser.add_argument("--rate", type=int, default=100)
     parser.add_argument(
-        "--paced-rate", type=int, default=1500, help="commits/s of the paced publishing load"
+        "--paced-rate",
+        type=int,
+        default=0,
+        help="commits/s of the paced publishing load (default: PACED_SHARE of the rate the"
+        " shipped publishing transaction reached at 64 connections in part 1)",
     )
     parser.add_argument("--latency-seconds", type=float, default=10)
     parser.add_argument("--worker", choices=["publish", "plain"])
@@ -539,6 +583,11 @@ def main() -> None:
 
     with connection.cursor() as cursor:
         cursor.execute(f"CREATE TABLE {NARROW_TABLE} (id bigserial PRIMARY KEY, note text)")
+        cursor.execute(
+            f"CREATE TABLE {INTAKE_TABLE} (id bigint GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY,"
+            " envelope text NOT NULL, created_at timestamptz NOT NULL"
+            " DEFAULT statement_timestamp())"
+        )
     try:
         db = database_bound(exchange, args.seconds)
         business, outbox = captured_statements(exchange)
@@ -549,13 +598,14 @@ def main() -> None:
             cpu, per_second = idle_relay(relay, 10)
             idle = latencies(exchange, queue, args.rate, args.latency_seconds)
             publishing_script = f"BEGIN;\n{business};\n{outbox};\nCOMMIT;\n"
+            paced = args.paced_rate or int(round(db[64]["shipped"] * PACED_SHARE, -1))
             # (script, rate limit): as fast as it goes, and publishing at a pace one relay on
             # this machine keeps up with beside the load. The publishing loads have their
             # wake-up senders beside them.
             loads: dict[str, tuple[str, int | None]] = {
                 "business": (f"BEGIN;\n{business};\nCOMMIT;\n", None),
                 "publishing": (publishing_script, None),
-                f"publishing at {args.paced_rate:,}/s": (publishing_script, args.paced_rate),
+                f"publishing at {paced:,}/s": (publishing_script, paced),
             }
             loaded: dict[str, list[float]] = {}
             tps: dict[str, float] = {}
@@ -600,6 +650,7 @@ def main() -> None:
         ("business insert alone", "business", "business"),
         ("+ SELECT 1 (any second statement's round trip)", "select", "business"),
         ("+ the narrowest row (a bigserial and a text)", "narrow", "business"),
+        ("+ an intake row (an identity, the envelope, a time; not built)", "intake", "business"),
         ("+ the outbox row, no wake-up", "outbox", "business"),
         ("+ the outbox row, after-commit wake-up (shipped)", "shipped", "outbox"),
         ("+ the outbox row, NOTIFY trigger (before)", "trigger", "outbox"),
@@ -636,7 +687,8 @@ def main() -> None:
             f" (goal >= 0.9); the trigger: {row['trigger'] / row['business']:.2f} and "
             f"{row['trigger'] / row['outbox']:.2f}; the ceiling of any second statement: "
             f"{row['select'] / row['business']:.2f} (SELECT 1), "
-            f"{row['narrow'] / row['business']:.2f} (the narrowest row)"
+            f"{row['narrow'] / row['business']:.2f} (the narrowest row); an intake row "
+            f"{row['intake'] / row['business']:.2f}"
         )
     print()
     print(
