@@ -414,14 +414,10 @@ def days_ahead(using: str, at: dt.datetime, spec: DayPartitioned = INBOX) -> flo
 
 
 def expired(using: str, before: dt.datetime, spec: DayPartitioned = INBOX) -> list[str]:
-    """The day partitions of ``spec`` whose whole range lies before ``before``, oldest first."""
+    """The partitions of ``spec`` whose whole range lies before ``before``, oldest first."""
     if not is_partitioned(using, spec):
         return []
-    return [
-        p.name
-        for p in partitions(using, spec)
-        if p.start is not None and p.end is not None and p.end <= before
-    ]
+    return [p.name for p in partitions(using, spec) if p.end is not None and p.end <= before]
 
 
 # Per (database alias, table): the instant before which claims know their rows have a partition.
@@ -581,7 +577,7 @@ def drop_expired(using: str, before: dt.datetime, spec: DayPartitioned = INBOX) 
         if _drop_detached(using, name):
             logger.info("dropped the detached %s partition %s", spec.label, name)
     for partition in partitions(using, spec):
-        if partition.start is None or partition.end is None or partition.end > before:
+        if partition.end is None or partition.end > before:
             continue
         rows = estimated_rows_of(using, [partition.name])
         if not _detach_concurrently(using, spec.table, partition.name, partition.detaching):

@@ -130,7 +130,7 @@ def _purge_days(
         expired = [
             p.name
             for p in partitions.partitions(using, spec)
-            if p.start is not None and p.end is not None and p.end <= before
+            if p.end is not None and p.end <= before
         ]
         rows = partitions.estimated_rows_of(using, expired)
     else:
