@@ -527,13 +527,53 @@ def _detach_concurrently(using: str, parent: str, name: str, finalize: bool) -> 
                 ),
             )
         )
+    statement = f'ALTER TABLE "{parent}" DETACH PARTITION "{name}" {how}'
+    # Outside a transaction there is no SET LOCAL lock_timeout (and a session-level SET would
+    # stay on a pooled connection): a probe under one first, so that a table another DDL holds
+    # is left for the next run at once; then a watchdog bounds the detach itself.
+    if not _ddl(using, f"lock {parent} to detach {name}", lambda cursor: _probe(cursor, parent)):
+        return False
+    watchdog = threading.Timer(DETACH_TIMEOUT, _cancel, args=(using, statement))
+    watchdog.daemon = True
+    watchdog.start()
     try:
         with connection.cursor() as cursor:
-            cursor.execute(f'ALTER TABLE "{parent}" DETACH PARTITION "{name}" {how}')
+            cursor.execute(statement)
     except DatabaseError as exc:
         logger.warning("could not detach %s (will try again later): %s", name, exc)
         return False
+    finally:
+        watchdog.cancel()
     return True
+
+
+# How long a concurrent detach may wait (for the transactions already reading the table, or a
+# lock another DDL holds) before it is cancelled; the partition is then left half detached,
+# and the next run finishes the detach (FINALIZE).
+DETACH_TIMEOUT = 300.0
+
+
+def _probe(cursor: Any, parent: str) -> bool:
+    cursor.execute(f'LOCK TABLE "{parent}" IN SHARE UPDATE EXCLUSIVE MODE')
+    return True
+
+
+def _cancel(using: str, statement: str) -> None:
+    """Cancel ``statement`` where it still runs (found by its text, not by a backend pid: behind
+    a pooler the pid of this process's session is not that of the statement's)."""
+    try:
+        with connections[using].cursor() as cursor:
+            cursor.execute(
+                "SELECT count(pg_cancel_backend(pid)) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND state = 'active' AND query = %s",
+                [statement],
+            )
+            if cursor.fetchone()[0]:
+                logger.warning("cancelled after %.0fs: %s", DETACH_TIMEOUT, statement)
+    except DatabaseError as exc:
+        logger.warning("could not cancel %s: %s", statement, exc)
+    finally:
+        connections.close_all()
 
 
 def _drop_detached(using: str, name: str) -> bool:
