@@ -626,6 +626,8 @@ def drop_expired(using: str, before: dt.datetime, spec: DayPartitioned = INBOX) 
             break
         dropped.append(Dropped(partition.name, rows))
         logger.info("dropped the expired %s partition %s", spec.label, partition.name)
+    if dropped:
+        forget_coverage()  # what ensure_covered read may include what is gone
     return dropped
 
 

@@ -136,6 +136,9 @@ def _purge_days(
     else:
         partitions.ensure_partitions(using, now=now, spec=spec)
         dropped = partitions.drop_expired(using, before, spec)
+        if now > timezone.now():
+            # A clock ahead (a test's, a what-if) may have dropped the days being written now.
+            partitions.ensure_partitions(using, spec=spec)
         rows = sum(d.rows for d in dropped)
     names = [d.name for d in dropped]
     for name in partitions.row_partitions(using, spec):
