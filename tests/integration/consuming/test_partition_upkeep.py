@@ -109,7 +109,7 @@ def test_an_upkeep_that_keeps_failing_is_seen_days_before_the_partitions_run_out
             assert f"only {left:.1f} day(s) of inbox partitions are made ahead" in caplog.text
         # After about a day of failures, with days of partitions still made: an ERROR, and
         # messaging_status --strict fails on it.
-        assert left >= partitions.AHEAD_DAYS - 2
+        assert left is not None and left >= partitions.AHEAD_DAYS - 2
         assert any(
             r.levelno == logging.ERROR and "inbox partitions" in r.getMessage()
             for r in caplog.records
