@@ -39,6 +39,7 @@ from ..core.database_errors import (
     DatabaseTrouble,
     classify,
     conflict_delay,
+    describe,
 )
 from ..core.envelope import (
     REPLAY_HEADER,
@@ -335,7 +336,7 @@ def process_batch(
                 logger.info(
                     "database conflict (%s) on message_id=%s%s: running again in a new "
                     "transaction in %.2fs (%d of %d), not charged",
-                    exc.__cause__ or exc,
+                    describe(exc),
                     jobs[0].delivery.message_id,
                     f" and {len(jobs) - 1} more" if len(jobs) > 1 else "",
                     delay,

@@ -31,7 +31,7 @@ from .. import metrics
 from ..broker.topology import consumer_queues
 from ..conf import MessagingSettings
 from ..core.backoff import Backoff
-from ..core.database_errors import CONFLICT_RETRIES, OutageLog, conflict_delay
+from ..core.database_errors import CONFLICT_RETRIES, OutageLog, conflict_delay, describe
 from ..core.outcomes import Outcome, Release, RetryInPlace
 from ..exceptions import DatabaseConflict, DatabaseUnavailable
 from .board import DeliveryWork, HeldPartition, WorkBoard
@@ -237,7 +237,7 @@ class WorkerPool:
                 delay = conflict_delay(conflicts - 1)
                 logger.info(
                     "database conflict (%s) on message_id=%s: running again in %.2fs",
-                    exc.__cause__ or exc,
+                    describe(exc),
                     batch[0].delivery.message_id,
                     delay,
                 )

@@ -74,6 +74,7 @@ from ..core.database_errors import (
     OutageLog,
     classify,
     conflict_delay,
+    describe,
 )
 from ..core.envelope import CELERY_TASK_HEADER, CONTENT_TYPE, Delivery, jsonable
 from ..core.outcomes import OutcomeLabel
@@ -370,7 +371,7 @@ def _run_retrying_conflicts(
             logger.info(
                 "database conflict (%s) on message_id=%s task=%s: running again in a new "
                 "transaction in %.2fs (%d of %d), not charged",
-                exc.__cause__ or exc,
+                describe(exc),
                 message_id,
                 name,
                 delay,

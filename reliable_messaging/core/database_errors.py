@@ -40,9 +40,12 @@ class DatabaseTrouble(enum.Enum):
     CONFLICT = "conflict"
 
 
-# Runs of a delivery after a conflict, beyond the first, before it is charged.
-CONFLICT_RETRIES = 4
+# Runs of a delivery after a conflict, beyond the first, before it is charged: about 5 s of
+# pauses in all (0.05 s doubling to 1 s, jittered), long enough for the other side of a
+# deadlock to finish, short enough that a handler that always conflicts is charged soon.
+CONFLICT_RETRIES = 8
 CONFLICT_BASE_DELAY = 0.05
+CONFLICT_MAX_DELAY = 1.0
 
 UNAVAILABLE_CLASSES = ("08", "53")
 UNAVAILABLE_STATES = frozenset({"25006", "57P01", "57P02", "57P03", "57P04", "57P05", "3D000"})
@@ -90,10 +93,17 @@ def classify(exc: BaseException) -> DatabaseTrouble | None:
     return None
 
 
+def describe(exc: BaseException) -> str:
+    """One line for a log: the innermost error's class (the driver's) and its first line."""
+    innermost = _chain(exc)[-1]
+    text = str(innermost).strip()
+    return f"{type(innermost).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def conflict_delay(retry: int) -> float:
     """Seconds before run ``retry`` (0-based) after a conflict: small, doubling, jittered so
     that the two sides of a deadlock do not meet again in step."""
-    return CONFLICT_BASE_DELAY * (2**retry) * random.uniform(0.5, 1.5)
+    return min(CONFLICT_MAX_DELAY, CONFLICT_BASE_DELAY * 2**retry) * random.uniform(0.5, 1.5)
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
@@ -138,21 +148,19 @@ class OutageLog:
             fresh = [m for m in message_ids if m not in self._ids]
             self._ids.update(fresh)
             self._held += len(fresh)
-        cause = error.__cause__ or error
         if first:
             self._log.warning(
-                "database unavailable (%s: %s); message_id=%s%s: holding deliveries unacked "
+                "database unavailable (%s); message_id=%s%s: holding deliveries unacked "
                 "and retrying with backoff, nothing is charged to the handlers; said once until "
                 "it is back",
-                type(cause).__name__,
-                str(cause).strip().splitlines()[0] if str(cause).strip() else "",
+                describe(error),
                 message_ids[0] if message_ids else "-",
                 f" and {len(message_ids) - 1} more" if len(message_ids) > 1 else "",
             )
         else:
             self._log.debug(
                 "database still unavailable (%s); message_id=%s: holding it, retrying in %.1fs",
-                cause,
+                describe(error),
                 message_ids[0] if message_ids else "-",
                 retry_in,
             )

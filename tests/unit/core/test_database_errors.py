@@ -13,6 +13,8 @@ from django.db import utils as django_db
 
 from reliable_messaging.core.database_errors import (
     CONFLICT_BASE_DELAY,
+    CONFLICT_MAX_DELAY,
+    CONFLICT_RETRIES,
     DatabaseTrouble,
     OutageLog,
     classify,
@@ -121,11 +123,16 @@ def test_an_error_merely_raised_while_handling_another_is_not_looked_through() -
 
 
 def test_conflict_delays_are_small_growing_and_jittered() -> None:
-    for retry in range(4):
+    for retry in range(CONFLICT_RETRIES):
         delays = {conflict_delay(retry) for _ in range(20)}
-        low, high = CONFLICT_BASE_DELAY * 2**retry * 0.5, CONFLICT_BASE_DELAY * 2**retry * 1.5
-        assert all(low <= d <= high for d in delays)
+        middle = min(CONFLICT_MAX_DELAY, CONFLICT_BASE_DELAY * 2**retry)
+        assert all(middle * 0.5 <= d <= middle * 1.5 for d in delays)
         assert len(delays) > 1
+    # The whole bound: a few seconds, not a hold.
+    assert (
+        sum(min(CONFLICT_MAX_DELAY, CONFLICT_BASE_DELAY * 2**r) for r in range(CONFLICT_RETRIES))
+        < 6
+    )
 
 
 def test_an_outage_is_said_once_then_its_end_with_the_count(
