@@ -8,12 +8,18 @@ real deadlocks: ``tests/e2e/test_database_failover.py``.
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 from collections.abc import Iterator
 
 import pytest
 from django.db import connection
 
+from reliable_messaging.conf import messaging_settings
+from reliable_messaging.consuming.board import DeliveryWork, WorkBoard
+from reliable_messaging.consuming.crash_guard import CrashGuard
 from reliable_messaging.consuming.processing import process_batch
+from reliable_messaging.consuming.workers import WorkerPool
 from reliable_messaging.core.database_errors import CONFLICT_RETRIES
 from reliable_messaging.core.outcomes import Acknowledge, ScheduleRetry
 from reliable_messaging.exceptions import DatabaseUnavailable
@@ -86,3 +92,38 @@ def test_a_delivery_that_always_conflicts_is_charged_after_the_bound() -> None:
     assert runs("always") == CONFLICT_RETRIES + 1
     assert effects_of("always") == 0
     assert not ProcessedMessage.objects.exists()
+
+
+@pytest.mark.parametrize("path", ["dead_letter_queue", "crash_guard"])
+def test_our_own_bookkeeping_on_a_read_only_database_holds_the_delivery(
+    read_only_session: None, path: str
+) -> None:
+    """The ``.dead`` queue's ingestion and the crash guard's mark write before any handler
+    runs: on a read-only database they hold the delivery (the worker's DatabaseUnavailable
+    path), never count as our own bug nor give the message back at once."""
+    processor = job("bookkeeping").processor
+    delivery = dataclasses.replace(job("bookkeeping").delivery, redelivered=True)
+    pool = WorkerPool(
+        WorkBoard(1),
+        {processor.spec.name: processor},
+        concurrency=1,
+        settings=messaging_settings,
+        cache=None,
+        crash_guard=CrashGuard(3),
+        stop=threading.Event(),
+        hand_back=lambda settled: None,
+    )
+    item = DeliveryWork(
+        None,  # type: ignore[arg-type]  # neither link nor channel is used to decide
+        None,  # type: ignore[arg-type]
+        processor.spec,
+        delivery,
+        None,
+        from_dead_letter_queue=path == "dead_letter_queue",
+    )
+    with pytest.raises(DatabaseUnavailable):
+        pool._attempt([item])
+    with connection.cursor() as cursor:
+        cursor.execute("RESET default_transaction_read_only")
+    assert not DeadLetter.objects.exists()
+    assert not Effect.objects.exists()
