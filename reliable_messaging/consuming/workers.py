@@ -225,7 +225,7 @@ class WorkerPool:
             except DatabaseUnavailable as exc:
                 delay = wait.next()
                 if self.health is not None:
-                    self.health.set_database(False, str(exc.__cause__ or exc))
+                    self.health.set_database(False, describe(exc))
                 self._outage.held([item.delivery.message_id or "-" for item in batch], exc, delay)
             except DatabaseConflict as exc:
                 # Our own bookkeeping met a deadlock or serialization failure (a handler's are
