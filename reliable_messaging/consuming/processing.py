@@ -3,7 +3,9 @@
 :func:`process_batch` runs on a worker thread with its own database connection and never touches
 pika; it returns one :mod:`outcome <reliable_messaging.core.outcomes>` per delivery, which the
 connection's thread carries out (ack, publish a retry copy then ack, or give the delivery back)
-after the commit. What a delivery that failed becomes is decided in :mod:`.failures`.
+after the commit. What a delivery that failed becomes is decided in :mod:`.failures`; which
+database errors are not its handler's failure (held, or run again in place) in
+:mod:`reliable_messaging.core.database_errors`.
 
 Several deliveries share one transaction: each runs in its own savepoint (inbox insert first,
 then the handler), so a failing handler rolls back its own effects and inbox row only, and the
