@@ -12,9 +12,10 @@ import time
 import traceback
 from typing import Any
 
-from django.db import InterfaceError, OperationalError
+from django.db import DatabaseError, InterfaceError, OperationalError
 
 from ..conf import MessagingSettings
+from ..core.database_errors import DatabaseTrouble, classify
 from ..core.envelope import (
     ATTEMPT_HEADER,
     BROKER_HEADERS,
@@ -29,7 +30,7 @@ from ..core.envelope import (
 from ..core.outcomes import Acknowledge, Outcome, OutcomeLabel, RetryInPlace, ScheduleRetry
 from ..core.retry import GiveUp, decide
 from ..dead_letters.record import record_dead_letter
-from ..exceptions import DatabaseUnavailable
+from ..exceptions import DatabaseConflict, DatabaseUnavailable
 from ..registry import ConsumerSpec
 
 # The consumer's log: these lines are about the deliveries it processes.
@@ -248,8 +249,18 @@ class DeliveryFailures:
     def _write_dead_letter(self, **kwargs: Any) -> None:
         try:
             record_dead_letter(consumer=self.spec.name, **kwargs)
-        except (OperationalError, InterfaceError) as exc:
-            # Without the row the message must stay with the broker: nothing is lost.
-            raise DatabaseUnavailable(
-                f"cannot record the dead letter of message_id={kwargs.get('message_id')}: {exc}"
-            ) from exc
+        except DatabaseError as exc:
+            # Without the row the message must stay with the broker: nothing is lost. A
+            # read-only or lost database holds it; a conflict runs its transaction again.
+            trouble = classify(exc)
+            if trouble is DatabaseTrouble.CONFLICT:
+                raise DatabaseConflict(
+                    f"recording the dead letter of message_id={kwargs.get('message_id')}: {exc}"
+                ) from exc
+            if trouble is DatabaseTrouble.UNAVAILABLE or isinstance(
+                exc, OperationalError | InterfaceError
+            ):
+                raise DatabaseUnavailable(
+                    f"cannot record the dead letter of message_id={kwargs.get('message_id')}: {exc}"
+                ) from exc
+            raise

@@ -25,19 +25,20 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from django.db import InterfaceError, OperationalError, close_old_connections, connections
+from django.db import DatabaseError, close_old_connections, connections
 
 from .. import metrics
 from ..broker.topology import consumer_queues
 from ..conf import MessagingSettings
 from ..core.backoff import Backoff
+from ..core.database_errors import CONFLICT_RETRIES, OutageLog, conflict_delay, describe
 from ..core.outcomes import Outcome, Release, RetryInPlace
-from ..exceptions import DatabaseUnavailable
+from ..exceptions import DatabaseConflict, DatabaseUnavailable
 from .board import DeliveryWork, HeldPartition, WorkBoard
 from .crash_guard import CrashGuard, SuspectGate, decide_suspect
 from .fastpath import DuplicateCache
 from .last_resort import consumer_error, ingest_delivery_limit
-from .processing import DeliveryProcessor, Job, process_batch
+from .processing import DeliveryProcessor, Job, process_batch, raise_database_trouble
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,8 @@ class WorkerPool:
         self._hand_back = hand_back
         self._gate = SuspectGate()
         self._threads: list[threading.Thread] = []
+        # One WARNING when the database goes, one line when it is back, for all the threads.
+        self._outage = OutageLog(logger)
 
     def start(self) -> None:
         for index in range(self.concurrency):
@@ -174,19 +177,25 @@ class WorkerPool:
         ]
 
     def _attempt(self, batch: list[DeliveryWork]) -> list[Outcome | None]:
-        """One try at deciding ``batch``: a suspect alone, under the crash guard and with the
-        process to itself; anything else as one batch, beside other ordinary batches."""
+        """One try at deciding ``batch``; the database's own trouble in our bookkeeping (the
+        crash guard, the ``.dead`` queue's ingestion) raises DatabaseUnavailable or
+        DatabaseConflict, never an error charged to anyone."""
+        try:
+            return self._attempt_once(batch)
+        except DatabaseError as exc:
+            raise_database_trouble(exc, batch[0].delivery.message_id or "-")
+            raise
+
+    def _attempt_once(self, batch: list[DeliveryWork]) -> list[Outcome | None]:
+        """A suspect alone, under the crash guard and with the process to itself; anything
+        else as one batch, beside other ordinary batches."""
         if len(batch) == 1 and batch[0].from_dead_letter_queue:
             item = batch[0]
             queues = consumer_queues(item.spec, self.settings)
             return [ingest_delivery_limit(self.processors[item.spec.name], item.delivery, queues)]
         if len(batch) == 1 and batch[0].suspect:
             with self._gate.exclusive():
-                try:
-                    return [self._attempt_suspect(batch[0])]
-                except (OperationalError, InterfaceError) as exc:
-                    # The crash guard's own statements: the database is down, hold it.
-                    raise DatabaseUnavailable(f"crash guard: {exc}") from exc
+                return [self._attempt_suspect(batch[0])]
         jobs = [Job(self.processors[item.spec.name], item.delivery) for item in batch]
         with self._gate.shared():
             return process_batch(jobs, cache=self.cache)
@@ -202,8 +211,8 @@ class WorkerPool:
 
     def _decide_live(self, batch: list[DeliveryWork]) -> list[Outcome | None]:
         wait = Backoff(0.5, self.settings.reconnect_max_delay)
-        warned = False
         errors = 0
+        conflicts = 0
         while True:
             # Drop connections that broke or outlived CONN_MAX_AGE, as Django does per request.
             close_old_connections()
@@ -211,22 +220,27 @@ class WorkerPool:
                 outcomes = self._attempt(batch)
                 if self.health is not None:
                     self.health.set_database(True)
+                self._outage.recovered()
                 return outcomes
             except DatabaseUnavailable as exc:
                 delay = wait.next()
                 if self.health is not None:
-                    self.health.set_database(False, str(exc.__cause__ or exc))
-                log = logger.warning if not warned else logger.debug
-                log(
-                    "database unavailable (%s); message_id=%s%s: holding %s unacked and "
-                    "retrying in %.1fs",
-                    exc.__cause__ or exc,
+                    self.health.set_database(False, describe(exc))
+                self._outage.held([item.delivery.message_id or "-" for item in batch], exc, delay)
+            except DatabaseConflict as exc:
+                # Our own bookkeeping met a deadlock or serialization failure (a handler's are
+                # run again by process_batch): run again shortly, then count it as our error.
+                conflicts += 1
+                if conflicts > CONFLICT_RETRIES:
+                    item = batch[0]
+                    return [consumer_error(self.processors[item.spec.name], item.delivery, exc, 1)]
+                delay = conflict_delay(conflicts - 1)
+                logger.info(
+                    "database conflict (%s) on message_id=%s: running again in %.2fs",
+                    describe(exc),
                     batch[0].delivery.message_id,
-                    f" and {len(batch) - 1} more" if len(batch) > 1 else "",
-                    "it" if len(batch) == 1 else "them",
                     delay,
                 )
-                warned = True
             except Exception as exc:
                 # A bug on our side (never the handler's: its exceptions are outcomes).
                 errors += 1
