@@ -215,7 +215,9 @@ def test_an_interrupt_landing_before_the_handler_starts_is_a_timeout(
     # starts: a stalled thread. The body must not run, and the call must not stay registered.
     limits = firing(1, "exit")
     ran = []
-    with pytest.raises(HandlerTimeout, match="before-start"):
-        with limits.limit(3600, "tl.consumer", "before-start"):
-            ran.append(True)
+    with (
+        pytest.raises(HandlerTimeout, match="before-start"),
+        limits.limit(3600, "tl.consumer", "before-start"),
+    ):
+        ran.append(True)
     assert ran == []
