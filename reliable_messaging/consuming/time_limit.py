@@ -128,7 +128,7 @@ class _Limited:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> bool:
+    ) -> None:
         call = self._call
         call.leaving = True
         while True:
@@ -158,7 +158,6 @@ class _Limited:
                 call.consumer,
                 call.seconds,
             )
-        return False
 
     def _deregister(self) -> None:
         """Remove the call (the watchdog no longer sees it) and withdraw a pending interrupt.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -150,7 +151,7 @@ class FiringLock:
                 self._fire()
         return self.real.__enter__()
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self.real.__exit__(*exc)
         if threading.get_ident() == self.thread and self.when == "exit":
             self._fire()
