@@ -21,7 +21,9 @@ Anything that escapes a worker's loop all the same (a ``BaseException`` a handle
 ``SystemExit``, a handler's time-limit interrupt landing outside its ``with`` block, a
 ``MemoryError``, our own bug) never leaves a silent smaller pool: every delivery the thread held
 goes back to the broker unacked (a :class:`Release`, no attempt charged), the death is logged at
-ERROR once and noted on ``/healthz``, and a new thread takes the same lane. After
+ERROR once and noted on ``/healthz``, and a new thread takes the same lane. The delivery comes
+back redelivered and runs alone: if it kills its thread again, the crash guard counts that as a
+death of the delivery and dead-letters it (``worker_crashed``) after ``CRASH_LIMIT``. After
 ``WORKER_DEATH_LIMIT`` deaths the process stops instead, with exit code
 ``EXIT_WORKERS_DYING``: something keeps killing its threads, and a fresh process (started by
 the supervisor) is the cleaner retry.
@@ -43,7 +45,7 @@ from ..core.backoff import Backoff
 from ..core.outcomes import Outcome, Release, RetryInPlace
 from ..exceptions import DatabaseUnavailable
 from .board import DeliveryWork, HeldPartition, WorkBoard
-from .crash_guard import CrashGuard, SuspectGate, decide_suspect
+from .crash_guard import CRASHED, CrashGuard, SuspectGate, decide_suspect
 from .fastpath import DuplicateCache
 from .last_resort import consumer_error, ingest_delivery_limit
 from .processing import DeliveryProcessor, Job, process_batch
@@ -166,6 +168,20 @@ class WorkerPool:
         finally:
             connections.close_all()
 
+    def _count_death(self, item: DeliveryWork) -> None:
+        """A suspect runs alone, with the process to itself (see :mod:`.crash_guard`): it is
+        what killed the thread. Count the death so that the crash guard dead-letters it after
+        ``CRASH_LIMIT``, here or in the next process, instead of a loop of deaths."""
+        try:
+            message_id = self.processors[item.spec.name].decode(item.delivery).message_id
+            if message_id:
+                self.crash_guard.record_death(item.spec.name, message_id, CRASHED)
+        except Exception:  # given back all the same; counted on its redelivery
+            logger.exception(
+                "could not count the death of a worker against message_id=%s",
+                item.delivery.message_id,
+            )
+
     def _hand_back(self, settled: list[tuple[DeliveryWork, Outcome]]) -> None:
         for item, _ in settled:
             self._local.in_hand.pop(_key(item), None)
@@ -196,6 +212,8 @@ class WorkerPool:
             f"{EXIT_WORKERS_DYING} so that its supervisor starts a fresh one",
             exc_info=exc,
         )
+        if len(items) == 1 and items[0].suspect:
+            self._count_death(items[0])
         if items:
             self._hand_back([(item, Release(f"worker thread died: {exc!r}")) for item in items])
         if not replace:

@@ -772,6 +772,14 @@ def test_worker_threads_that_keep_dying_stop_the_process_with_an_exit_code(
     assert rec.results(spec.name) == ["release"] * WORKER_DEATH_LIMIT
     assert effects("keeps-dying") == []
     wait_until(lambda: support.ready_count(spec.queue) == 1, timeout=10, message="requeued")
+    # The next process: the crash guard counted the deaths of the redelivered (suspect) runs,
+    # so the message is a dead letter now, not a loop of dying processes.
+    again = ConsumerService([spec], idle_timeout=1.0)
+    assert again.run() == 0
+    (dead,) = DeadLetter.objects.filter(consumer=spec.name)
+    assert dead.message_id == "poison-1" and dead.reason == "worker_crashed"
+    assert calls == ["poison-1"] * WORKER_DEATH_LIMIT
+    assert drained(spec.queue)
 
 
 def test_no_specs_is_an_error() -> None:
