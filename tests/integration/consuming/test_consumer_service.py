@@ -730,17 +730,20 @@ def test_a_dead_worker_thread_gives_its_batch_back_and_is_replaced(
     spec, calls = dying_spec(ns, "dies", deaths=1)
     health = HealthState()
     svc = service([spec], on_outcome=rec, health=health)
-    publisher.publish(exchange_of(ns), "order.placed", {"order": 1}, message_id="dies-1")
-    # Given back to the broker when its worker died, redelivered, then handled once.
+    ids = [f"dies-{i}" for i in range(3)]
+    for message_id in ids:
+        publisher.publish(exchange_of(ns), "order.placed", {"order": 1}, message_id=message_id)
+    # What the dead worker held was given back to the broker, redelivered, then handled once.
     wait_until(
-        lambda: "processed" in rec.results(spec.name),
+        lambda: rec.results(spec.name).count("processed") == len(ids),
         timeout=30,
-        message="the delivery the dead worker held, processed after its redelivery",
+        message="every delivery processed, those the dead worker held after their redelivery",
     )
-    assert rec.results(spec.name) == ["release", "processed"]
-    assert calls == ["dies-1", "dies-1"]
-    assert effects("dies") == [("dies-1", 1)]
-    wait_until(lambda: drained(spec.queue), timeout=10, message="the message acked")
+    results = rec.results(spec.name)
+    assert results.count("release") >= 1 and set(results) == {"release", "processed"}
+    assert sorted(m for m, _ in effects("dies")) == ids
+    assert calls[0] == "dies-0" and sorted(set(calls)) == ids
+    wait_until(lambda: drained(spec.queue), timeout=10, message="every message acked")
     # The pool is whole again and /healthz says what happened without failing.
     assert all(thread.is_alive() for thread in svc._workers._threads)
     healthy, reasons = health.check()

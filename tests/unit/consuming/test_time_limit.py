@@ -222,3 +222,13 @@ def test_an_interrupt_landing_before_the_handler_starts_is_a_timeout(
     ):
         ran.append(True)
     assert ran == []
+
+
+def test_discard_forgets_a_call_whose_block_was_left_without_its_exit() -> None:
+    # What the worker pool does for a thread an exception left before limit()'s __exit__ ran.
+    tl = TimeLimits()
+    tl.limit(0.01, "tl.consumer", "left-1").__enter__()
+    time.sleep(0.05)
+    assert tl.overdue()
+    tl.discard(threading.get_ident())
+    assert tl.overdue() == []
