@@ -139,8 +139,9 @@ class _Limited:
             except _Interrupt:
                 continue
         # Nothing can be raised in this thread by the watchdog from here on.
-        if exc is not None and isinstance(exc, _Interrupt):
+        if isinstance(exc, _Interrupt):
             call.landed_in_handler = True
+            exc = None  # the timeout says it all
         if call.landed_in_handler:
             # Interrupted in the handler's code, whatever the handler then did with it (it may
             # have caught it and returned, or raised something else).
@@ -177,7 +178,9 @@ class _Limited:
             f"the handler ran past its time limit of {call.seconds:g}s "
             f"(message_id={call.message_id}, consumer={call.consumer})"
         )
+        # As ``raise error from cause``.
         error.__cause__ = cause
+        error.__suppress_context__ = True
         return error
 
 

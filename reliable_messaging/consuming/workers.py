@@ -97,6 +97,7 @@ class WorkerPool:
         # The deliveries each worker thread took from the board and has not handed back yet.
         self._local = threading.local()
         self.deaths = 0
+        self._deaths_lock = threading.Lock()
         # Why the pool gave up (its threads kept dying); the process then stops.
         self.failed: str | None = None
         if health is not None:
@@ -194,8 +195,10 @@ class WorkerPool:
         time_limits.discard(threading.get_ident())
         items = list(self._local.in_hand.values())
         self._local.in_hand.clear()
-        self.deaths += 1
-        replace = self.deaths < WORKER_DEATH_LIMIT
+        with self._deaths_lock:
+            self.deaths += 1
+            deaths = self.deaths
+        replace = deaths < WORKER_DEATH_LIMIT
         ids = ", ".join(item.delivery.message_id or "?" for item in items[:10])
         logger.error(
             "worker thread rm-worker-%d died: %s: %s; giving its %d deliveries back to the "
@@ -206,9 +209,9 @@ class WorkerPool:
             len(items),
             ids or "-",
             ", ..." if len(items) > 10 else "",
-            f"replacing it (death {self.deaths} of {WORKER_DEATH_LIMIT} allowed)"
+            f"replacing it (death {deaths} of {WORKER_DEATH_LIMIT} allowed)"
             if replace
-            else f"{self.deaths} worker deaths: stopping the process with exit code "
+            else f"{deaths} worker deaths: stopping the process with exit code "
             f"{EXIT_WORKERS_DYING} so that its supervisor starts a fresh one",
             exc_info=exc,
         )
@@ -218,14 +221,14 @@ class WorkerPool:
             self._hand_back([(item, Release(f"worker thread died: {exc!r}")) for item in items])
         if not replace:
             self.failed = (
-                f"{self.deaths} worker threads died (last: {type(exc).__name__}: {exc}); stopping"
+                f"{deaths} worker threads died (last: {type(exc).__name__}: {exc}); stopping"
             )
             self._stop.set()
             return
         if self.health is not None:
             self.health.note(
                 "worker-deaths",
-                f"{self.deaths} worker thread(s) died and were replaced (last: "
+                f"{deaths} worker thread(s) died and were replaced (last: "
                 f"{type(exc).__name__}: {exc}); their deliveries went back to the broker",
             )
         if not self.board.closed:
