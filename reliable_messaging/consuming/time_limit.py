@@ -61,7 +61,7 @@ class _Interrupt(BaseException):
         # Runs in the interrupted thread when the exception takes effect (CPython instantiates
         # an asynchronous exception when it is caught or unwinds a ``with``): records whether
         # it landed in the handler's code or in the bookkeeping after the handler returned.
-        super().__init__(*args)
+        super().__init__(*(args or ("interrupted by the watchdog at the handler's time limit",)))
         call: _Call | None = getattr(_running, "call", None)
         if call is not None and not call.leaving:
             call.landed_in_handler = True

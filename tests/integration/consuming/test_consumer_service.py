@@ -7,7 +7,9 @@ each delivery (and so the attempts of which the effects rolled back).
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +20,7 @@ from django.test import override_settings
 from reliable_messaging import Message
 from reliable_messaging.broker.topology import declare_topology
 from reliable_messaging.consuming.service import ConsumerService
+from reliable_messaging.consuming.time_limit import time_limits
 from reliable_messaging.consuming.workers import EXIT_WORKERS_DYING, WORKER_DEATH_LIMIT
 from reliable_messaging.core.envelope import ATTEMPT_HEADER
 from reliable_messaging.core.outcomes import Acknowledge, Outcome, Release, ScheduleRetry
@@ -749,6 +752,45 @@ def test_a_dead_worker_thread_gives_its_batch_back_and_is_replaced(
     healthy, reasons = health.check()
     assert healthy, reasons
     assert any("worker thread(s) died and were replaced" in note for note in health.notes())
+
+
+def test_an_interrupt_escaping_the_time_limit_gives_the_batch_back(
+    ns: str, service: Any, rec: Recorder, publisher: Publisher
+) -> None:
+    # The one point no Python code can guard: the watchdog's interrupt delivered as the time
+    # limit's __exit__ starts, after the handler returned. Forced here: the handler's last act
+    # makes the watchdog fire (its real check, past every deadline) when the next __exit__ of
+    # this thread is called, which is the time limit's.
+    calls: list[str] = []
+
+    def fire_as_the_limit_exits(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_name == "__exit__":
+            sys.setprofile(None)
+            time_limits.check(time.monotonic() + 3600)
+
+    def handler(message: Message) -> None:
+        calls.append(message.message_id)
+        Effect.objects.create(consumer="late", message_id=message.message_id, attempt=1)
+        if len(calls) == 1:
+            sys.setprofile(fire_as_the_limit_exits)
+
+    spec = ConsumerSpec(
+        name=f"{ns}.late", queue=f"{ns}.late", handler=handler, bindings=("order.*",)
+    )
+    health = HealthState()
+    svc = service([spec], on_outcome=rec, health=health)
+    publisher.publish(exchange_of(ns), "order.placed", {"order": 1}, message_id="late-1")
+    wait_until(
+        lambda: "processed" in rec.results(spec.name),
+        timeout=30,
+        message="the delivery processed after its redelivery",
+    )
+    assert rec.results(spec.name) == ["release", "processed"]
+    assert calls == ["late-1", "late-1"]
+    assert effects("late") == [("late-1", 1)]  # the first run's effect rolled back
+    assert time_limits.overdue() == []  # the escaped call is not left registered
+    assert all(thread.is_alive() for thread in svc._workers._threads)
+    assert health.check()[0]
 
 
 def test_worker_threads_that_keep_dying_stop_the_process_with_an_exit_code(
