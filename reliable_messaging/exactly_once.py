@@ -157,23 +157,68 @@ def claim_inbox_rows(
     In one order for everyone, the second batch only waits for the first.
 
     The wait is bounded by ``lock_wait`` (see :func:`lock_wait_for`): past it the claim is rolled
-    back to its savepoint and each row tried alone for a moment, so only the rows still held
-    are put aside and the rest of the batch goes on.
+    back to its savepoint, the rows another transaction holds are found without waiting and put
+    aside, and the rest of the batch goes on. A claim allowed no more than ``ROW_LOCK_PROBE``
+    (a redelivery, a key found held lately) looks for those rows first instead of waiting: a
+    consumer cut off mid-batch holds its rows until the server ends its transaction, and their
+    copies keep coming back meanwhile; each must cost the consumer a round trip, not a wait.
     """
     ordered = sorted(set(keys))
+    if lock_wait <= ROW_LOCK_PROBE and connections[using].vendor == "postgresql":
+        return _claim_around_held(using, ordered)
     try:
-        if _one_round_trip(using):
-            return _claim_in_one_round_trip(using, ordered, lock_wait), set()
-        with (
-            transaction.atomic(using=using),
-            bounded_lock_wait(using, lock_wait),
-        ):
-            return _insert_inbox_rows(using, ordered), set()
+        return _claim(using, ordered, lock_wait), set()
     except InboxRowBusy:
         pass
+    if connections[using].vendor == "postgresql":
+        return _claim_around_held(using, ordered)
+    return _claim_one_by_one(using, ordered)
+
+
+def _claim(
+    using: str, keys: list[tuple[str, str]], lock_wait: float
+) -> dict[tuple[str, str], bool]:
+    """The batch claim of sorted ``keys`` in a savepoint, its lock waits bounded by
+    ``lock_wait``; raises :class:`InboxRowBusy` past it, the savepoint rolled back."""
+    if _one_round_trip(using):
+        return _claim_in_one_round_trip(using, keys, lock_wait)
+    with transaction.atomic(using=using), bounded_lock_wait(using, lock_wait):
+        return _insert_inbox_rows(using, keys)
+
+
+def _claim_around_held(
+    using: str, keys: list[tuple[str, str]]
+) -> tuple[dict[tuple[str, str], bool], set[tuple[str, str]]]:
+    """On PostgreSQL: the keys whose claim lock another transaction holds are busy (found with
+    ``pg_try_advisory_xact_lock``, which never waits); the others are claimed at once. Every
+    claimant takes that lock before it inserts, so a key found free can only be held by a
+    transaction that took it since, which the claim then waits for up to ``ROW_LOCK_PROBE``."""
+    hashes = sorted({_key_hash(consumer, message_id) for consumer, message_id in keys})
+    with connections[using].cursor() as cursor:
+        cursor.execute(
+            "SELECT k FROM unnest(%s::int[]) AS k WHERE NOT pg_try_advisory_xact_lock(%s, k)",
+            [hashes, CLAIM_LOCK_CLASS],
+        )
+        held = {row[0] for row in cursor.fetchall()}
+    busy = {key for key in keys if _key_hash(*key) in held}
+    free = [key for key in keys if key not in busy]
+    if not free:
+        return {}, busy
+    try:
+        return _claim(using, free, ROW_LOCK_PROBE), busy
+    except InboxRowBusy:
+        claimed, more = _claim_one_by_one(using, free)
+        return claimed, busy | more
+
+
+def _claim_one_by_one(
+    using: str, keys: list[tuple[str, str]]
+) -> tuple[dict[tuple[str, str], bool], set[tuple[str, str]]]:
+    """Each of ``keys`` claimed alone, waiting ``ROW_LOCK_PROBE`` at most: the held ones are
+    busy, the rest claimed."""
     claimed: dict[tuple[str, str], bool] = {}
     busy: set[tuple[str, str]] = set()
-    for key in ordered:
+    for key in keys:
         try:
             with transaction.atomic(using=using), bounded_lock_wait(using, ROW_LOCK_PROBE):
                 claimed.update(_insert_inbox_rows(using, [key]))

@@ -36,6 +36,13 @@ class DatabaseUnavailable(ReliableMessagingError):
     default_message = "the database is unreachable"
 
 
+class DatabaseConflict(ReliableMessagingError):
+    """The database asked for the transaction to be run again (a deadlock, a serialization
+    failure): the delivery runs again in place, a bounded number of times, uncharged."""
+
+    default_message = "the database asked for the transaction to be retried"
+
+
 class HandlerTimeout(ReliableMessagingError):
     """A handler ran past its time limit (``HANDLER_TIMEOUT`` or ``@consumer(timeout=...)``):
     its transaction rolled back and the delivery counts as a failed attempt."""

@@ -104,6 +104,8 @@ RELIABLE_MESSAGING = {
     "HEARTBEAT": int(os.environ.get("RM_TEST_HEARTBEAT", "60")),
     "INBOX_LOCK_TIMEOUT": float(os.environ.get("RM_TEST_INBOX_LOCK_TIMEOUT", "2")),
 }
+if os.environ.get("RM_TEST_CONSUMER_BATCH_SIZE"):
+    RELIABLE_MESSAGING["CONSUMER_BATCH_SIZE"] = int(os.environ["RM_TEST_CONSUMER_BATCH_SIZE"])
 
 LOGGING = {
     "version": 1,

@@ -17,7 +17,7 @@ import time
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -345,6 +345,83 @@ def ensure_postgresql_up(timeout: float = 90) -> None:
         interval=0.5,
         message="PostgreSQL to accept queries",
     )
+
+
+def maintenance_sql(*statements: Any) -> None:
+    """Run ``statements`` (strings or ``psycopg.sql`` objects) as ``postgres`` on the
+    ``postgres`` database, in autocommit: for what a test does to its own database from outside."""
+    import psycopg
+
+    with psycopg.connect(
+        "host=127.0.0.1 port=5432 user=postgres dbname=postgres",
+        autocommit=True,
+        connect_timeout=10,
+    ) as conn:
+        for statement in statements:
+            conn.execute(statement)
+
+
+def terminate_sessions(database: str) -> None:
+    from psycopg import sql
+
+    maintenance_sql(
+        sql.SQL(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = {} AND pid <> pg_backend_pid()"
+        ).format(sql.Literal(database))
+    )
+
+
+@contextlib.contextmanager
+def read_only_failover(database: str) -> Iterator[None]:
+    """A managed failover as the app sees it, on ``database`` only (never the server: others
+    share it): new transactions are read-only (SQLSTATE 25006 on the first write) and every
+    session is terminated; on leaving, writable again and every session terminated again
+    (each client reconnects, as after a promotion). This process's own Django connections
+    are cut too: close them before using them again."""
+    from psycopg import sql
+
+    name = sql.Identifier(database)
+    maintenance_sql(
+        sql.SQL("ALTER DATABASE {} SET default_transaction_read_only = on").format(name)
+    )
+    try:
+        terminate_sessions(database)
+        yield
+    finally:
+        maintenance_sql(
+            sql.SQL("ALTER DATABASE {} RESET default_transaction_read_only").format(name)
+        )
+        terminate_sessions(database)
+
+
+@contextlib.contextmanager
+def database_setting(database: str, setting: str, value: str) -> Iterator[None]:
+    """``ALTER DATABASE database SET setting = value`` for the sessions opened meanwhile."""
+    from psycopg import sql
+
+    name, key = sql.Identifier(database), sql.Identifier(setting)
+    maintenance_sql(sql.SQL("ALTER DATABASE {} SET {} = {}").format(name, key, sql.Literal(value)))
+    try:
+        yield
+    finally:
+        maintenance_sql(sql.SQL("ALTER DATABASE {} RESET {}").format(name, key))
+
+
+def deadlocks(database: str) -> int:
+    """Deadlocks PostgreSQL detected in ``database`` so far (its statistics, a little late)."""
+    import psycopg
+
+    with psycopg.connect(
+        "host=127.0.0.1 port=5432 user=postgres dbname=postgres",
+        autocommit=True,
+        connect_timeout=10,
+    ) as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        row = conn.execute(
+            "SELECT deadlocks FROM pg_stat_database WHERE datname = %s", [database]
+        ).fetchone()
+    return int(row[0]) if row else 0
 
 
 # --------------------------------------------------------------------------- subprocesses

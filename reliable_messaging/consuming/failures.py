@@ -12,12 +12,14 @@ import time
 import traceback
 from typing import Any
 
-from django.db import InterfaceError, OperationalError
+from django.db import DatabaseError, InterfaceError, OperationalError
 
 from ..conf import MessagingSettings
+from ..core.database_errors import DatabaseTrouble, classify
 from ..core.envelope import (
     ATTEMPT_HEADER,
     BROKER_HEADERS,
+    DEFERRALS_HEADER,
     FIRST_FAILED_AT_HEADER,
     LAST_ERROR_HEADER,
     ORIGINAL_EXCHANGE_HEADER,
@@ -29,7 +31,7 @@ from ..core.envelope import (
 from ..core.outcomes import Acknowledge, Outcome, OutcomeLabel, RetryInPlace, ScheduleRetry
 from ..core.retry import GiveUp, decide
 from ..dead_letters.record import record_dead_letter
-from ..exceptions import DatabaseUnavailable
+from ..exceptions import DatabaseConflict, DatabaseUnavailable
 from ..registry import ConsumerSpec
 
 # The consumer's log: these lines are about the deliveries it processes.
@@ -54,7 +56,11 @@ def retry_headers(
 ) -> dict[str, Any]:
     """Headers of the retried copy: the original's, minus the broker's dead-letter bookkeeping,
     plus the next attempt number and where the message was first published."""
-    headers = {k: v for k, v in delivery.headers.items() if k not in BROKER_HEADERS}
+    headers = {
+        k: v
+        for k, v in delivery.headers.items()
+        if k not in BROKER_HEADERS and k != DEFERRALS_HEADER
+    }
     headers[ATTEMPT_HEADER] = next_attempt
     headers[ORIGINAL_EXCHANGE_HEADER] = message.exchange
     headers[ORIGINAL_ROUTING_KEY_HEADER] = message.routing_key
@@ -192,14 +198,18 @@ class DeliveryFailures:
             duration,
         )
 
-    @property
-    def defer_delay(self) -> float:
-        """Seconds a copy put aside for a busy lease waits: the consumer's first retry delay,
-        else the settings' first one. The copy goes through the delay queue of that value, so
-        it must be one :func:`reliable_messaging.broker.topology.all_delays` declares: the settings'
-        delays always are (and the system checks require RETRY_DELAYS to be non-empty), so a
-        consumer with ``retry_delays=()`` (no retries) still has one."""
-        return (self.spec.retry_delays or self.settings.retry_delays)[0]
+    def defer_delay(self, deferrals: int = 0) -> float:
+        """Seconds a copy put aside for a busy lease or inbox row waits: the consumer's retry
+        delays (else the settings'), one step further for each time the copy was already put
+        aside, the last one after that. A holder that keeps the message for long (a consumer
+        cut off mid-batch, until the server ends its transaction) then costs a few deferrals,
+        not one every first delay. The copy goes through the delay queue of that value, so it
+        must be one :func:`reliable_messaging.broker.topology.all_delays` declares: the
+        consumer's and the settings' delays always are (and the system checks require
+        RETRY_DELAYS to be non-empty), so a consumer with ``retry_delays=()`` (no retries) still
+        has one."""
+        delays = self.spec.retry_delays or self.settings.retry_delays
+        return delays[min(max(0, deferrals), len(delays) - 1)]
 
     def defer(
         self,
@@ -211,7 +221,8 @@ class DeliveryFailures:
         """Another consumer holds this message (its Redis lease, or its inbox row in a
         transaction not yet ended): have the copy come back shortly, at the same attempt.
         An ordered consumer's delivery waits in place instead, holding its partition."""
-        delay = self.defer_delay
+        deferrals = _deferrals(delivery.headers)
+        delay = self.defer_delay(deferrals)
         logger.info(
             "message_id=%s consumer=%s attempt=%d outcome=deferred: %s; it comes back in %.3gs",
             message.message_id,
@@ -222,6 +233,7 @@ class DeliveryFailures:
         )
         headers = {k: v for k, v in delivery.headers.items() if k not in BROKER_HEADERS}
         headers[ATTEMPT_HEADER] = message.attempt
+        headers[DEFERRALS_HEADER] = deferrals + 1
         headers[ORIGINAL_EXCHANGE_HEADER] = message.exchange
         headers[ORIGINAL_ROUTING_KEY_HEADER] = message.routing_key
         if self.spec.ordered:
@@ -248,8 +260,25 @@ class DeliveryFailures:
     def _write_dead_letter(self, **kwargs: Any) -> None:
         try:
             record_dead_letter(consumer=self.spec.name, **kwargs)
-        except (OperationalError, InterfaceError) as exc:
-            # Without the row the message must stay with the broker: nothing is lost.
-            raise DatabaseUnavailable(
-                f"cannot record the dead letter of message_id={kwargs.get('message_id')}: {exc}"
-            ) from exc
+        except DatabaseError as exc:
+            # Without the row the message must stay with the broker: nothing is lost. A
+            # read-only or lost database holds it; a conflict runs its transaction again.
+            trouble = classify(exc)
+            if trouble is DatabaseTrouble.CONFLICT:
+                raise DatabaseConflict(
+                    f"recording the dead letter of message_id={kwargs.get('message_id')}: {exc}"
+                ) from exc
+            if trouble is DatabaseTrouble.UNAVAILABLE or isinstance(
+                exc, OperationalError | InterfaceError
+            ):
+                raise DatabaseUnavailable(
+                    f"cannot record the dead letter of message_id={kwargs.get('message_id')}: {exc}"
+                ) from exc
+            raise
+
+
+def _deferrals(headers: Any) -> int:
+    """How many times this copy was put aside already (0 for a header missing or not a count:
+    a producer's value only ever picks one of the declared delays)."""
+    value = headers.get(DEFERRALS_HEADER, 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

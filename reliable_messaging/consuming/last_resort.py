@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from django.db import transaction
 
 from .. import metrics
+from ..core.database_errors import classify
 from ..core.envelope import DecodeError, Delivery, Message, safe_text
 from ..core.outcomes import Acknowledge, OutcomeLabel, Release
 from ..dead_letters.record import record_dead_letter
@@ -110,10 +111,12 @@ def consumer_error(
             ),
             traceback_text="".join(traceback.format_exception(exc)),
         )
-    except Exception:
-        logger.exception(
+    except Exception as error:
+        logger.error(
             "message_id=%s: cannot record it as a dead letter either; giving it back",
             delivery.message_id,
+            # The database's own trouble (see core.database_errors) needs no traceback.
+            exc_info=classify(error) is None,
         )
         return Release("the consumer fails on it and cannot dead-letter it")
 

@@ -3,7 +3,9 @@
 :func:`process_batch` runs on a worker thread with its own database connection and never touches
 pika; it returns one :mod:`outcome <reliable_messaging.core.outcomes>` per delivery, which the
 connection's thread carries out (ack, publish a retry copy then ack, or give the delivery back)
-after the commit. What a delivery that failed becomes is decided in :mod:`.failures`.
+after the commit. What a delivery that failed becomes is decided in :mod:`.failures`; which
+database errors are not its handler's failure (held, or run again in place) in
+:mod:`reliable_messaging.core.database_errors`.
 
 Several deliveries share one transaction: each runs in its own savepoint (inbox insert first,
 then the handler), so a failing handler rolls back its own effects and inbox row only, and the
@@ -20,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from django.db import (
     DatabaseError,
@@ -34,6 +36,13 @@ from django.db import (
 
 from .. import metrics
 from ..conf import MessagingSettings, messaging_settings
+from ..core.database_errors import (
+    CONFLICT_RETRIES,
+    DatabaseTrouble,
+    classify,
+    conflict_delay,
+    describe,
+)
 from ..core.envelope import (
     REPLAY_HEADER,
     DecodeError,
@@ -52,7 +61,7 @@ from ..exactly_once import (
     lock_wait_for,
     remember_busy,
 )
-from ..exceptions import DatabaseUnavailable
+from ..exceptions import DatabaseConflict, DatabaseUnavailable
 from ..models import DeadLetter, DeadLetterReason, ProcessedMessage
 from ..registry import ConsumerSpec
 from .failures import DeliveryFailures, DeliveryOutcome
@@ -221,13 +230,10 @@ class DeliveryProcessor:
                     after_commit=True,
                 )
             return self.failures.on_failure(delivery, message, exc, started)
-        except (OperationalError, InterfaceError) as exc:
-            if not fresh or not self.connection_usable():
-                raise DatabaseUnavailable(
-                    f"database error on message_id={message.message_id}: {exc}"
-                ) from exc
-            return self.failures.on_failure(delivery, message, exc, started)
         except Exception as exc:  # noqa: BLE001 - any handler error is an outcome to decide on
+            raise_database_trouble(
+                exc, message.message_id, lost=lambda: not fresh or not self.connection_usable()
+            )
             return self.failures.on_failure(delivery, message, exc, started)
         duration = time.perf_counter() - started
         return DeliveryOutcome(
@@ -259,15 +265,35 @@ class DeliveryProcessor:
             and self._expects(decoded.routing_key)
         )
 
-    def commit_refused(self, delivery: Delivery, exc: DatabaseError) -> Outcome:
+    def charge(self, delivery: Delivery, exc: Exception) -> Outcome:
         """The delivery's own transaction could not commit (a deferred constraint its handler
-        broke): a failure of the handler like any other, decided outside that transaction."""
+        broke), or kept meeting conflicts past their bound: a failure of the handler like any
+        other, decided outside that transaction."""
         decoded = self.decode(delivery)
         if isinstance(decoded, DecodeError):  # cannot happen: those commit nothing of their own
             raise DatabaseUnavailable(f"the commit failed: {exc}") from exc
         done = self.failures.on_failure(delivery, decoded, exc, time.perf_counter())
         metrics.consumer_outcome(self.spec.name, done.label, done.duration)
         return done.outcome
+
+
+def raise_database_trouble(
+    exc: BaseException, message_id: str, lost: Callable[[], bool] | None = None
+) -> None:
+    """Raise :class:`DatabaseUnavailable` or :class:`DatabaseConflict` (from ``exc``) when
+    ``exc`` is the database's doing, not the handler's (see
+    :mod:`reliable_messaging.core.database_errors`); return otherwise. ``lost`` tells, for an
+    ``OperationalError``/``InterfaceError`` the rules leave open (a statement timeout, say),
+    whether the connection went with it."""
+    if isinstance(exc, DatabaseUnavailable | DatabaseConflict):
+        raise exc
+    trouble = classify(exc)
+    if trouble is DatabaseTrouble.CONFLICT:
+        raise DatabaseConflict(f"{exc} (message_id={message_id})") from exc
+    if trouble is DatabaseTrouble.UNAVAILABLE or (
+        isinstance(exc, OperationalError | InterfaceError) and lost is not None and lost()
+    ):
+        raise DatabaseUnavailable(f"database error on message_id={message_id}: {exc}") from exc
 
 
 def with_attempt(delivery: Delivery, retry: RetryInPlace) -> Delivery:
@@ -293,6 +319,50 @@ def process_batch(
     jobs: Sequence[Job], *, cache: DuplicateCache | None = None
 ) -> list[Outcome | None]:
     """Decide ``jobs`` in one transaction; the outcomes are only valid once this returns.
+
+    A conflict the database reports (a deadlock, a serialization failure) rolls the transaction
+    back and runs the batch again, up to ``CONFLICT_RETRIES`` times after the first, a short
+    jittered pause apart; no attempt is charged for it. Past that bound a batch of several is
+    decided one delivery per transaction (each with its own bound), and a lone delivery is
+    charged the conflict as its handler's failure.
+
+    See :func:`_process_batch_once` for the rest.
+    """
+    for retry in range(CONFLICT_RETRIES + 1):
+        try:
+            return _process_batch_once(jobs, cache=cache)
+        except DatabaseConflict as exc:
+            conflict = exc
+            if retry < CONFLICT_RETRIES:
+                delay = conflict_delay(retry)
+                logger.info(
+                    "database conflict (%s) on message_id=%s%s: running again in a new "
+                    "transaction in %.2fs (%d of %d), not charged",
+                    describe(exc),
+                    jobs[0].delivery.message_id,
+                    f" and {len(jobs) - 1} more" if len(jobs) > 1 else "",
+                    delay,
+                    retry + 1,
+                    CONFLICT_RETRIES,
+                )
+                time.sleep(delay)
+    if len(jobs) > 1:
+        return _one_by_one(jobs, cache)
+    cause = conflict.__cause__
+    charged = cause if isinstance(cause, Exception) else conflict
+    logger.warning(
+        "message_id=%s met database conflicts %d times in a row: charged as a failure of its "
+        "handler",
+        jobs[0].delivery.message_id,
+        CONFLICT_RETRIES + 1,
+    )
+    return [jobs[0].processor.charge(jobs[0].delivery, charged)]
+
+
+def _process_batch_once(
+    jobs: Sequence[Job], *, cache: DuplicateCache | None = None
+) -> list[Outcome | None]:
+    """One try at deciding ``jobs`` in one transaction.
 
     The result lists one outcome per job, in order. ``None`` marks a job that was not run
     because an earlier delivery of its queue must first be retried in place (ordered
@@ -337,7 +407,7 @@ def process_batch(
         if cache is not None:
             cache.remember((), leased)
         if len(jobs) == 1:
-            return [jobs[0].processor.commit_refused(jobs[0].delivery, refused.error)]
+            return [jobs[0].processor.charge(jobs[0].delivery, refused.error)]
         logger.warning(
             "a batch of %d deliveries failed to commit (%s: %s); deciding them one by one",
             len(jobs),
@@ -345,7 +415,7 @@ def process_batch(
             refused.error,
         )
         return _one_by_one(jobs, cache)
-    except DatabaseUnavailable:
+    except (DatabaseUnavailable, DatabaseConflict):
         if cache is not None:
             cache.remember((), leased)
         raise
@@ -431,12 +501,17 @@ def _decide(
                 decided[index] = done
                 if isinstance(done.outcome, RetryInPlace):
                     held_queues.add(job.delivery.queue)
-    except (_Fallback, DatabaseUnavailable):
+    except (_Fallback, DatabaseUnavailable, DatabaseConflict):
         raise
-    except (OperationalError, InterfaceError) as exc:
-        # Raised by the commit (or a statement outside any handler): the connection is gone.
-        raise DatabaseUnavailable(f"database error while committing a batch: {exc}") from exc
     except DatabaseError as exc:
+        # Raised by the commit or by our own statements (the inbox claim): never a handler's.
+        trouble = classify(exc)
+        if trouble is DatabaseTrouble.CONFLICT:
+            raise DatabaseConflict(f"the batch's transaction: {exc}") from exc
+        if trouble is DatabaseTrouble.UNAVAILABLE or isinstance(
+            exc, OperationalError | InterfaceError
+        ):
+            raise DatabaseUnavailable(f"database error while committing a batch: {exc}") from exc
         # A deferred constraint (or the like) refused the commit: no savepoint can help.
         raise _CommitRefused(exc) from exc
     return decided
@@ -503,12 +578,11 @@ def _run_claimed(
             try:
                 processor.call_handler(message)
             except Exception as exc:  # the batch is redone guarded, this failure decided there
-                if isinstance(exc, OperationalError | InterfaceError) and _connection_lost(using):
-                    # Not the handler's failure: deciding it (after a reconnect) would spend an
-                    # attempt on the database's outage. Nothing is decided, as when guarded.
-                    raise DatabaseUnavailable(
-                        f"database error on message_id={message.message_id}: {exc}"
-                    ) from exc
+                # Not the handler's failure when the database did it: deciding it would spend
+                # an attempt on the database's outage or conflict. Nothing is decided then.
+                raise_database_trouble(
+                    exc, message.message_id, lost=lambda: _connection_lost(using)
+                )
                 raise _Fallback(processor, index, exc) from exc
         duration = time.perf_counter() - started
         decided[index] = DeliveryOutcome(
@@ -534,13 +608,10 @@ def _run_guarded(
     try:
         with transaction.atomic(using=processor.using):
             processor.call_handler(message)
-    except Exception as exc:  # any handler error is an outcome to decide on
-        if isinstance(exc, OperationalError | InterfaceError) and not (
-            processor.connection_usable()
-        ):
-            raise DatabaseUnavailable(
-                f"database error on message_id={message.message_id}: {exc}"
-            ) from exc
+    except Exception as exc:  # noqa: BLE001 - any handler error is an outcome to decide on
+        raise_database_trouble(
+            exc, message.message_id, lost=lambda: not processor.connection_usable()
+        )
         # Its effects rolled back with the savepoint; the claimed inbox row goes too.
         ProcessedMessage.objects.using(processor.using).forget(
             processor.spec.name, message.message_id

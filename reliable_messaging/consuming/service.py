@@ -164,8 +164,9 @@ class ConsumerService:
 
     @property
     def exit_code(self) -> int:
-        """0, or 1 when handlers were still running at the stop, 2 for a topology conflict."""
-        return self._connection.exit_code
+        """0, or 1 when handlers were still running at the stop, 2 for a topology conflict, 4
+        when worker threads kept dying (see :mod:`.workers`)."""
+        return self._workers.exit_code or self._connection.exit_code
 
     def request_stop(self) -> None:
         """Stop taking deliveries, let handlers in flight finish, then return from :meth:`run`.
@@ -190,7 +191,8 @@ class ConsumerService:
         self._workers.start()
         self._publisher.start()
         try:
-            return self._connection.run()
+            code = self._connection.run()
+            return self._workers.exit_code or code
         finally:
             self._connection.set_connected(False)
             self._workers.stop()

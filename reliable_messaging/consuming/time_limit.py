@@ -10,6 +10,17 @@ with backoff, then a dead letter with reason ``timeout``. ``_Interrupt`` derives
 ``BaseException`` so that a handler's own ``except Exception`` cannot swallow it; should a handler
 catch it anyway, the call still ends as a timeout.
 
+The interrupt is asynchronous: it can land just after the handler returned, in this module's
+own bookkeeping. The watchdog fires only on a registered call, under a lock, once; leaving the
+``with`` block deregisters the call under that lock and withdraws an interrupt not yet
+delivered, and an interrupt landing in that bookkeeping is caught there. A handler that ended
+as the watchdog fired keeps its own outcome (its work is done, in the caller's transaction);
+only an interrupt that landed in the handler's code is a timeout. One point is beyond any
+Python code's reach: CPython may deliver the interrupt as ``__exit__`` itself starts, before
+its first line. Such an interrupt leaves the handler call as a raw ``_Interrupt``; the worker
+pool (:mod:`.workers`) catches whatever escapes a worker, gives its deliveries back to the
+broker and calls :meth:`TimeLimits.discard`.
+
 Python cannot interrupt a thread blocked in C (a socket read with no timeout, ``time.sleep``).
 When a call is still running ``HANDLER_TIMEOUT_GRACE`` seconds after its deadline, the process
 cannot recover that thread, and its open transaction would hold the delivery's inbox row. The
@@ -29,8 +40,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import TracebackType
 
 from ..exceptions import HandlerTimeout
 
@@ -45,6 +57,19 @@ TICK = 0.1
 class _Interrupt(BaseException):
     """Raised asynchronously in a handler's thread at its deadline."""
 
+    def __init__(self, *args: object) -> None:
+        # Runs in the interrupted thread when the exception takes effect (CPython instantiates
+        # an asynchronous exception when it is caught or unwinds a ``with``): records whether
+        # it landed in the handler's code or in the bookkeeping after the handler returned.
+        super().__init__(*(args or ("interrupted by the watchdog at the handler's time limit",)))
+        call: _Call | None = getattr(_running, "call", None)
+        if call is not None and not call.leaving:
+            call.landed_in_handler = True
+
+
+# The call in progress in each thread (for _Interrupt to find).
+_running = threading.local()
+
 
 @dataclass
 class _Call:
@@ -55,6 +80,10 @@ class _Call:
     started: float
     fired: bool = False
     hopeless_at: float = field(default=0.0)
+    # Set by the handler's thread once the body of the ``with`` block has ended.
+    leaving: bool = False
+    # Set when the interrupt took effect while the handler's code ran.
+    landed_in_handler: bool = False
 
     @property
     def deadline(self) -> float:
@@ -66,6 +95,93 @@ def _raise_in(thread: int, exc_type: type[BaseException] | None) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(
         ctypes.c_ulong(thread), ctypes.py_object(exc_type) if exc_type else ctypes.c_void_p(0)
     )
+
+
+class _Limited:
+    """The ``with`` block of :meth:`TimeLimits.limit`.
+
+    The watchdog fires only on a registered call, under the lock, once. So once the call is
+    deregistered (under the lock) nothing new can be raised in this thread, and a fired
+    interrupt still pending is withdrawn (``PyThreadState_SetAsyncExc(thread, NULL)``). Every
+    step of ``__enter__`` and ``__exit__`` that runs while the call is registered is guarded:
+    an interrupt that lands there is caught and decided, never let out raw.
+    """
+
+    def __init__(self, limits: TimeLimits, call: _Call) -> None:
+        self._limits = limits
+        self._call = call
+
+    def __enter__(self) -> None:
+        call = self._call
+        try:
+            _running.call = call
+            with self._limits._lock:
+                self._limits._calls[call.thread] = call
+        except _Interrupt:
+            # The deadline passed before the handler started (the thread was stalled for the
+            # whole limit): the call timed out without running.
+            self._deregister()
+            raise self._timeout(None) from None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        call = self._call
+        call.leaving = True
+        while True:
+            # Inline, not in _deregister: an interrupt landing as that call starts is caught.
+            try:
+                self._deregister()
+                break
+            except _Interrupt:
+                continue
+        # Nothing can be raised in this thread by the watchdog from here on.
+        if isinstance(exc, _Interrupt):
+            call.landed_in_handler = True
+            exc = None  # the timeout says it all
+        if call.landed_in_handler:
+            # Interrupted in the handler's code, whatever the handler then did with it (it may
+            # have caught it and returned, or raised something else).
+            raise self._timeout(exc)
+        if call.fired:
+            # The handler returned (or raised its own error) just as the watchdog fired: its
+            # work is done and is in the caller's transaction, and whatever it did outside the
+            # database too. Charging a timeout would roll that back and run the handler again
+            # for nothing, so its own outcome stands.
+            logger.warning(
+                "message_id=%s consumer=%s: the handler ended at its time limit of %gs, as "
+                "the watchdog fired; the interrupt was withdrawn and the handler's own outcome "
+                "stands",
+                call.message_id,
+                call.consumer,
+                call.seconds,
+            )
+
+    def _deregister(self) -> None:
+        """Remove the call (the watchdog no longer sees it) and withdraw a pending interrupt.
+        Idempotent: an interrupt landing here is caught by the caller, which runs it again; it
+        can land only once (the watchdog fires once per call)."""
+        call = self._call
+        with self._limits._lock:
+            if self._limits._calls.get(call.thread) is call:
+                del self._limits._calls[call.thread]
+        if call.fired:
+            _raise_in(call.thread, None)
+        _running.call = None
+
+    def _timeout(self, cause: BaseException | None) -> HandlerTimeout:
+        call = self._call
+        error = HandlerTimeout(
+            f"the handler ran past its time limit of {call.seconds:g}s "
+            f"(message_id={call.message_id}, consumer={call.consumer})"
+        )
+        # As ``raise error from cause``.
+        error.__cause__ = cause
+        error.__suppress_context__ = True
+        return error
 
 
 class TimeLimits:
@@ -81,35 +197,26 @@ class TimeLimits:
         self.on_timeout: Callable[[str, str, float], None] | None = None
         self.on_hopeless: Callable[[str, str], None] | None = None
 
-    @contextlib.contextmanager
-    def limit(self, seconds: float | None, consumer: str, message_id: str) -> Iterator[None]:
-        """Run the body under a time limit of ``seconds`` (None or <= 0: no limit)."""
+    def limit(
+        self, seconds: float | None, consumer: str, message_id: str
+    ) -> contextlib.AbstractContextManager[None]:
+        """Run the body under a time limit of ``seconds`` (None or <= 0: no limit).
+
+        Past the deadline an interrupt that lands in the body ends it with
+        :class:`~reliable_messaging.exceptions.HandlerTimeout`. A body that ended (returned or
+        raised) just as the watchdog fired keeps its own outcome: the interrupt is withdrawn."""
         if not seconds or seconds <= 0:
-            yield
-            return
+            return contextlib.nullcontext()
         call = _Call(threading.get_ident(), consumer, message_id, seconds, time.monotonic())
+        return _Limited(self, call)
+
+    def discard(self, thread: int) -> None:
+        """Forget the call of ``thread`` and withdraw its pending interrupt: for a thread whose
+        ``with`` block was left by an exception that never reached ``__exit__``."""
         with self._lock:
-            self._calls[call.thread] = call
-        error: BaseException | None = None
-        try:
-            yield
-        except _Interrupt:
-            pass
-        except BaseException as exc:  # noqa: BLE001 - re-raised below unless it timed out
-            error = exc
-        with self._lock:
-            self._calls.pop(call.thread, None)
-            fired = call.fired
-        if fired:
-            # The watchdog may have fired just as the handler returned: clear a pending
-            # interrupt so it cannot land in our own code after this point.
-            _raise_in(call.thread, None)
-            raise HandlerTimeout(
-                f"the handler ran past its time limit of {seconds:g}s "
-                f"(message_id={message_id}, consumer={consumer})"
-            ) from error
-        if error is not None:
-            raise error
+            call = self._calls.pop(thread, None)
+        if call is not None and call.fired:
+            _raise_in(thread, None)
 
     def overdue(self) -> list[str]:
         """The calls past their deadline now, in words (for ``/healthz``)."""

@@ -16,6 +16,17 @@ given back to the broker when stopping, when its connection is lost, or past hal
 broker's ``consumer_timeout``. Our own code failing on a delivery (never the handler: its
 exceptions are outcomes) splits the batch to find the delivery, which after
 ``CONSUMER_ERROR_LIMIT`` failures is dead-lettered with reason ``consumer_error``.
+
+Anything that escapes a worker's loop all the same (a ``BaseException`` a handler raises, such as
+``SystemExit``, a handler's time-limit interrupt landing outside its ``with`` block, a
+``MemoryError``, our own bug) never leaves a silent smaller pool: every delivery the thread held
+goes back to the broker unacked (a :class:`Release`, no attempt charged), the death is logged at
+ERROR once and noted on ``/healthz``, and a new thread takes the same lane. The delivery comes
+back redelivered and runs alone: if it kills its thread again, the crash guard counts that as a
+death of the delivery and dead-letters it (``worker_crashed``) after ``CRASH_LIMIT``. After
+``WORKER_DEATH_LIMIT`` deaths the process stops instead, with exit code
+``EXIT_WORKERS_DYING``: something keeps killing its threads, and a fresh process (started by
+the supervisor) is the cleaner retry.
 """
 
 from __future__ import annotations
@@ -25,24 +36,36 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from django.db import InterfaceError, OperationalError, close_old_connections, connections
+from django.db import DatabaseError, close_old_connections, connections
 
 from .. import metrics
 from ..broker.topology import consumer_queues
 from ..conf import MessagingSettings
 from ..core.backoff import Backoff
+from ..core.database_errors import CONFLICT_RETRIES, OutageLog, conflict_delay, describe
 from ..core.outcomes import Outcome, Release, RetryInPlace
-from ..exceptions import DatabaseUnavailable
+from ..exceptions import DatabaseConflict, DatabaseUnavailable
 from .board import DeliveryWork, HeldPartition, WorkBoard
-from .crash_guard import CrashGuard, SuspectGate, decide_suspect
+from .crash_guard import CRASHED, CrashGuard, SuspectGate, decide_suspect
 from .fastpath import DuplicateCache
 from .last_resort import consumer_error, ingest_delivery_limit
-from .processing import DeliveryProcessor, Job, process_batch
+from .processing import DeliveryProcessor, Job, process_batch, raise_database_trouble
+from .time_limit import time_limits
 
 logger = logging.getLogger(__name__)
 
+# Worker threads that may die (and be replaced) in one process before it stops instead.
+WORKER_DEATH_LIMIT = 3
+# Exit code of a consumer stopped because its worker threads kept dying.
+EXIT_WORKERS_DYING = 4
+
 # Outcomes a worker hands back: carried out on the connection's thread.
 HandBack = Callable[[list[tuple[DeliveryWork, Outcome]]], None]
+
+
+def _key(item: DeliveryWork) -> tuple[int, int, int]:
+    """What identifies a delivery on its link (an in-place retry's copy included)."""
+    return (id(item.link), item.channel.channel_number, item.delivery.delivery_tag)
 
 
 class WorkerPool:
@@ -69,17 +92,47 @@ class WorkerPool:
         self.crash_guard = crash_guard
         self.health = health
         self._stop = stop
-        self._hand_back = hand_back
+        self._deliver_outcomes = hand_back
         self._gate = SuspectGate()
         self._threads: list[threading.Thread] = []
+        # One WARNING when the database goes, one line when it is back, for all the threads.
+        self._outage = OutageLog(logger)
+        # The deliveries each worker thread took from the board and has not handed back yet.
+        self._local = threading.local()
+        self.deaths = 0
+        self._deaths_lock = threading.Lock()
+        # Why the pool gave up (its threads kept dying); the process then stops.
+        self.failed: str | None = None
+        if health is not None:
+            health.add_problem_source(self.problems)
 
     def start(self) -> None:
         for index in range(self.concurrency):
-            thread = threading.Thread(
-                target=self._worker_loop, args=(index,), name=f"rm-worker-{index}", daemon=True
-            )
-            thread.start()
-            self._threads.append(thread)
+            self._threads.append(self._start_worker(index))
+
+    def _start_worker(self, index: int) -> threading.Thread:
+        thread = threading.Thread(
+            target=self._worker_loop, args=(index,), name=f"rm-worker-{index}", daemon=True
+        )
+        thread.start()
+        return thread
+
+    @property
+    def exit_code(self) -> int:
+        """0, or ``EXIT_WORKERS_DYING`` once the pool gave up."""
+        return EXIT_WORKERS_DYING if self.failed else 0
+
+    def problems(self) -> list[str]:
+        """Why the pool is unhealthy now, in words (for ``/healthz``)."""
+        if self.failed:
+            return [self.failed]
+        if self.board.closed or self._stop.is_set():
+            return []
+        return [
+            f"worker thread {thread.name} is not running"
+            for thread in list(self._threads)
+            if not thread.is_alive()
+        ]
 
     def stop(self, timeout: float = 5.0) -> None:
         """Close the board and wait (up to ``timeout``s) for the batches in hand to finish."""
@@ -91,6 +144,7 @@ class WorkerPool:
     def _worker_loop(self, index: int) -> None:
         held: dict[str, HeldPartition] = {}
         limit = max(1, self.settings.consumer_batch_size)
+        self._local.in_hand = {}
         try:
             while True:
                 now = time.monotonic()
@@ -105,6 +159,7 @@ class WorkerPool:
                 if held and not batch:
                     wait = min(wait, max(0.0, min(h.ready_at for h in held.values()) - now))
                 for item in self.board.take(index, limit - len(batch), wait):
+                    self._local.in_hand[_key(item)] = item
                     waiting = held.get(item.delivery.queue)
                     if waiting is not None:
                         waiting.items.append(item)  # behind its partition's retry, in order
@@ -112,8 +167,75 @@ class WorkerPool:
                         batch.append(item)
                 if batch:
                     self._run_batch(batch, held)
+        except BaseException as exc:  # noqa: BLE001 - see _worker_died
+            self._worker_died(index, exc)
         finally:
             connections.close_all()
+
+    def _count_death(self, item: DeliveryWork) -> None:
+        """A suspect runs alone, with the process to itself (see :mod:`.crash_guard`): it is
+        what killed the thread. Count the death so that the crash guard dead-letters it after
+        ``CRASH_LIMIT``, here or in the next process, instead of a loop of deaths."""
+        try:
+            message_id = self.processors[item.spec.name].decode(item.delivery).message_id
+            if message_id:
+                self.crash_guard.record_death(item.spec.name, message_id, CRASHED)
+        except Exception:  # given back all the same; counted on its redelivery
+            logger.exception(
+                "could not count the death of a worker against message_id=%s",
+                item.delivery.message_id,
+            )
+
+    def _hand_back(self, settled: list[tuple[DeliveryWork, Outcome]]) -> None:
+        for item, _ in settled:
+            self._local.in_hand.pop(_key(item), None)
+        self._deliver_outcomes(settled)
+
+    def _worker_died(self, index: int, exc: BaseException) -> None:
+        """Give back what the dying worker held, then replace it (or give up, stopping the
+        process, after ``WORKER_DEATH_LIMIT`` deaths)."""
+        # Its handler's time limit, if the exception left the call registered.
+        time_limits.discard(threading.get_ident())
+        items = list(self._local.in_hand.values())
+        self._local.in_hand.clear()
+        with self._deaths_lock:
+            self.deaths += 1
+            deaths = self.deaths
+        replace = deaths < WORKER_DEATH_LIMIT
+        ids = ", ".join(item.delivery.message_id or "?" for item in items[:10])
+        logger.error(
+            "worker thread rm-worker-%d died: %s: %s; giving its %d deliveries back to the "
+            "broker unacked, no attempt charged (message_id=%s%s); %s",
+            index,
+            type(exc).__name__,
+            exc,
+            len(items),
+            ids or "-",
+            ", ..." if len(items) > 10 else "",
+            f"replacing it (death {deaths} of {WORKER_DEATH_LIMIT} allowed)"
+            if replace
+            else f"{deaths} worker deaths: stopping the process with exit code "
+            f"{EXIT_WORKERS_DYING} so that its supervisor starts a fresh one",
+            exc_info=exc,
+        )
+        if len(items) == 1 and items[0].suspect:
+            self._count_death(items[0])
+        if items:
+            self._hand_back([(item, Release(f"worker thread died: {exc!r}")) for item in items])
+        if not replace:
+            self.failed = (
+                f"{deaths} worker threads died (last: {type(exc).__name__}: {exc}); stopping"
+            )
+            self._stop.set()
+            return
+        if self.health is not None:
+            self.health.note(
+                "worker-deaths",
+                f"{deaths} worker thread(s) died and were replaced (last: "
+                f"{type(exc).__name__}: {exc}); their deliveries went back to the broker",
+            )
+        if not self.board.closed:
+            self._threads[index] = self._start_worker(index)
 
     def _release_held(self, held: dict[str, HeldPartition], why: str) -> None:
         items = [item for waiting in held.values() for item in waiting.items]
@@ -174,19 +296,25 @@ class WorkerPool:
         ]
 
     def _attempt(self, batch: list[DeliveryWork]) -> list[Outcome | None]:
-        """One try at deciding ``batch``: a suspect alone, under the crash guard and with the
-        process to itself; anything else as one batch, beside other ordinary batches."""
+        """One try at deciding ``batch``; the database's own trouble in our bookkeeping (the
+        crash guard, the ``.dead`` queue's ingestion) raises DatabaseUnavailable or
+        DatabaseConflict, never an error charged to anyone."""
+        try:
+            return self._attempt_once(batch)
+        except DatabaseError as exc:
+            raise_database_trouble(exc, batch[0].delivery.message_id or "-")
+            raise
+
+    def _attempt_once(self, batch: list[DeliveryWork]) -> list[Outcome | None]:
+        """A suspect alone, under the crash guard and with the process to itself; anything
+        else as one batch, beside other ordinary batches."""
         if len(batch) == 1 and batch[0].from_dead_letter_queue:
             item = batch[0]
             queues = consumer_queues(item.spec, self.settings)
             return [ingest_delivery_limit(self.processors[item.spec.name], item.delivery, queues)]
         if len(batch) == 1 and batch[0].suspect:
             with self._gate.exclusive():
-                try:
-                    return [self._attempt_suspect(batch[0])]
-                except (OperationalError, InterfaceError) as exc:
-                    # The crash guard's own statements: the database is down, hold it.
-                    raise DatabaseUnavailable(f"crash guard: {exc}") from exc
+                return [self._attempt_suspect(batch[0])]
         jobs = [Job(self.processors[item.spec.name], item.delivery) for item in batch]
         with self._gate.shared():
             return process_batch(jobs, cache=self.cache)
@@ -202,8 +330,8 @@ class WorkerPool:
 
     def _decide_live(self, batch: list[DeliveryWork]) -> list[Outcome | None]:
         wait = Backoff(0.5, self.settings.reconnect_max_delay)
-        warned = False
         errors = 0
+        conflicts = 0
         while True:
             # Drop connections that broke or outlived CONN_MAX_AGE, as Django does per request.
             close_old_connections()
@@ -211,22 +339,27 @@ class WorkerPool:
                 outcomes = self._attempt(batch)
                 if self.health is not None:
                     self.health.set_database(True)
+                self._outage.recovered()
                 return outcomes
             except DatabaseUnavailable as exc:
                 delay = wait.next()
                 if self.health is not None:
-                    self.health.set_database(False, str(exc.__cause__ or exc))
-                log = logger.warning if not warned else logger.debug
-                log(
-                    "database unavailable (%s); message_id=%s%s: holding %s unacked and "
-                    "retrying in %.1fs",
-                    exc.__cause__ or exc,
+                    self.health.set_database(False, describe(exc))
+                self._outage.held([item.delivery.message_id or "-" for item in batch], exc, delay)
+            except DatabaseConflict as exc:
+                # Our own bookkeeping met a deadlock or serialization failure (a handler's are
+                # run again by process_batch): run again shortly, then count it as our error.
+                conflicts += 1
+                if conflicts > CONFLICT_RETRIES:
+                    item = batch[0]
+                    return [consumer_error(self.processors[item.spec.name], item.delivery, exc, 1)]
+                delay = conflict_delay(conflicts - 1)
+                logger.info(
+                    "database conflict (%s) on message_id=%s: running again in %.2fs",
+                    describe(exc),
                     batch[0].delivery.message_id,
-                    f" and {len(batch) - 1} more" if len(batch) > 1 else "",
-                    "it" if len(batch) == 1 else "them",
                     delay,
                 )
-                warned = True
             except Exception as exc:
                 # A bug on our side (never the handler's: its exceptions are outcomes).
                 errors += 1

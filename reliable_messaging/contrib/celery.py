@@ -54,10 +54,11 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, ParamSpec, TypeVar, overload
+from typing import Any, NoReturn, ParamSpec, TypeVar, overload
 
 try:
     from celery import Celery, Task, current_task, shared_task
+    from celery.exceptions import Reject
 except ImportError as exc:  # the "celery" extra is not installed
     from ..exceptions import MissingExtra
 
@@ -67,15 +68,30 @@ from django.db import DatabaseError, router, transaction
 from .. import metrics
 from ..conf import messaging_settings
 from ..consuming.crash_guard import CrashGuard, Suspicion
+from ..core.database_errors import (
+    CONFLICT_RETRIES,
+    DatabaseTrouble,
+    OutageLog,
+    classify,
+    conflict_delay,
+    describe,
+)
 from ..core.envelope import CELERY_TASK_HEADER, CONTENT_TYPE, Delivery, jsonable
 from ..core.outcomes import OutcomeLabel
 from ..dead_letters.record import record_dead_letter
 from ..exactly_once import claimed_atomic
+from ..exceptions import DatabaseUnavailable
 from ..models import DeadLetterReason, OutboxMessage, ProcessedMessage
 from ..partitions import OUTBOX, ensure_partitions
 from ..publishing.relay import OutboxRelay
 
 logger = logging.getLogger(__name__)
+
+# One WARNING per outage for the whole worker process, not a traceback per task.
+_outage = OutageLog(logger)
+# Seconds a task waits before its message goes back to the queue while the database is
+# unavailable, so that a worker does not spin on it.
+UNAVAILABLE_PAUSE = 1.0
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -294,17 +310,31 @@ def idempotent_task(
                 # opens, so it outlives a SIGKILL.
                 guard = CrashGuard(messaging_settings.crash_limit, using=alias)
                 task_args = args[1:] if bound_self else args
-                if _dead_letter_if_crash_looping(guard, task, name, message_id, task_args, kwargs):
+                try:
+                    looping = _dead_letter_if_crash_looping(
+                        guard, task, name, message_id, task_args, kwargs
+                    )
+                except DatabaseError as exc:
+                    if classify(exc) is DatabaseTrouble.UNAVAILABLE:
+                        _hold(task, name, message_id, exc)
+                    raise
+                if looping:
                     return None  # Celery acks it, and the queue moves on
             try:
-                result = _run_in_inbox(body, args, kwargs, task, name, message_id, alias)
+                result = _run_retrying_conflicts(body, args, kwargs, task, name, message_id, alias)
             except BaseException as exc:
+                if isinstance(exc, DatabaseError) and classify(exc) is DatabaseTrouble.UNAVAILABLE:
+                    # Not the task's failure: nothing is charged, the message goes back.
+                    if guard is not None:
+                        _interrupted(guard, name, message_id)
+                    _hold(task, name, message_id, exc)
                 # An exception is an outcome: Celery fails or retries the task. SystemExit and
                 # MemoryError end the child (Celery lets them through): the mark stays
                 # "running", so the redelivery counts the death as if it were a SIGKILL.
                 if guard is not None and _is_outcome(exc):
                     _forget(guard, name, message_id)
                 raise
+            _outage.recovered()
             if guard is not None:
                 _forget(guard, name, message_id)
             return result
@@ -313,6 +343,66 @@ def idempotent_task(
         return run_once
 
     return decorate if func is None else decorate(func)
+
+
+def _run_retrying_conflicts(
+    body: Callable[..., R],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    task: Task | None,
+    name: str,
+    message_id: str,
+    alias: str,
+) -> R | None:
+    """:func:`_run_in_inbox`, run again in a new transaction (a bounded number of times, not
+    charged to the task) when the database reports a deadlock or a serialization failure.
+    Inside a caller's transaction there is no new transaction to run in: it raises at once."""
+    for retry in range(CONFLICT_RETRIES + 1):
+        try:
+            return _run_in_inbox(body, args, kwargs, task, name, message_id, alias)
+        except DatabaseError as exc:
+            if (
+                classify(exc) is not DatabaseTrouble.CONFLICT
+                or retry == CONFLICT_RETRIES
+                or transaction.get_connection(alias).in_atomic_block
+            ):
+                raise
+            delay = conflict_delay(retry)
+            logger.info(
+                "database conflict (%s) on message_id=%s task=%s: running again in a new "
+                "transaction in %.2fs (%d of %d), not charged",
+                describe(exc),
+                message_id,
+                name,
+                delay,
+                retry + 1,
+                CONFLICT_RETRIES,
+            )
+            time.sleep(delay)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _hold(task: Task | None, name: str, message_id: str, exc: DatabaseError) -> NoReturn:
+    """The database is unavailable: the task message goes back to its queue (a
+    ``Reject(requeue=True)``, which ``acks_late`` makes possible) after a short pause, counting
+    no retry; called outside a worker (eagerly, directly), :class:`DatabaseUnavailable` is
+    raised instead."""
+    _outage.held([message_id], exc, UNAVAILABLE_PAUSE)
+    if task is None or getattr(task.request, "is_eager", False):
+        raise DatabaseUnavailable(
+            f"database unavailable for message_id={message_id} task={name}: {exc}"
+        ) from exc
+    time.sleep(UNAVAILABLE_PAUSE)
+    raise Reject(f"database unavailable: {exc}", requeue=True) from exc
+
+
+def _interrupted(guard: CrashGuard, scope: str, message_id: str) -> None:
+    """The task was given back without an outcome, and the child lives on: no death to count
+    (when the database lets us say so)."""
+    try:
+        guard.interrupted([(scope, message_id)])
+    except DatabaseError:
+        logger.debug("crash guard mark of message_id=%s task=%s left running", message_id, scope)
 
 
 def _run_in_inbox(
@@ -371,12 +461,13 @@ def _forget(guard: CrashGuard, scope: str, message_id: str) -> None:
     is acked)."""
     try:
         guard.finish([(scope, message_id)])
-    except DatabaseError:
+    except DatabaseError as exc:
         logger.warning(
             "crash guard mark of message_id=%s task=%s could not be removed",
             message_id,
             scope,
-            exc_info=True,
+            # The database's own trouble is said once by the outage log: no traceback here.
+            exc_info=classify(exc) is None,
         )
 
 

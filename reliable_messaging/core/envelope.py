@@ -35,6 +35,8 @@ PUBLISHED_AT_HEADER = "x-rm-published-at"
 REPLAY_HEADER = "x-rm-replay"  # how many times the message was replayed
 REPLAYED_BY_HEADER = "x-rm-replayed-by"
 DEAD_LETTER_ID_HEADER = "x-rm-dead-letter-id"
+# How many times a copy was put aside because another consumer held the message.
+DEFERRALS_HEADER = "x-rm-deferrals"
 # On the dead letter of a Celery task whose pool child kept dying (tasks.py): not replayable.
 CELERY_TASK_HEADER = "celery-task"
 # Set by amqp_codec when part of a delivery's properties could not be decoded: the text says

@@ -10,6 +10,11 @@ Poison pills (issue 18): ``{"kill": {"alpha": true}}`` kills the process with SI
 delivery, ``{"kill_once": {"alpha": true}}`` only on the first (not redelivered) one, and
 ``{"spin": {"alpha": 30}}`` busy-loops in pure Python for that many seconds (``sleep`` blocks in
 C instead). The effect rolls back whenever the handler raises or its process dies.
+Database conflicts (issue 33): ``{"lock": {"alpha": ["hot-1", "hot-2"]}, "lock_pause": 0.05}``
+locks those hot rows (``Effect`` rows of consumer ``hot``, made by the test) in that order with
+``SELECT ... FOR UPDATE``, pausing after each, and counts itself in them (two handlers with the
+opposite orders deadlock); ``{"conflict": {"alpha": 2}}`` has the server raise a serialization
+failure (SQLSTATE 40001) on the first two runs of the message in this process (``-1``: always).
 """
 
 from __future__ import annotations
@@ -18,13 +23,35 @@ import os
 import signal
 import time
 
-from django.db import transaction
+from django.db import connection, transaction
+from django.db.models import F
 
 from reliable_messaging import Message, PermanentError, consumer
 
 from .models import Effect
 
 NAMESPACE = os.environ["RM_TEST_NAMESPACE"]
+
+# Runs of each (label, message_id) asked to meet a serialization failure, in this process.
+CONFLICT_RUNS: dict[tuple[str, str], int] = {}
+
+
+def lock_hot_rows(names: list[str], pause: float) -> None:
+    for name in names:
+        Effect.objects.select_for_update().get(consumer="hot", message_id=name)
+        Effect.objects.filter(consumer="hot", message_id=name).update(attempt=F("attempt") + 1)
+        time.sleep(pause)
+
+
+def serialization_failure(label: str, message_id: str, times: int) -> None:
+    key = (label, message_id)
+    CONFLICT_RUNS[key] = CONFLICT_RUNS.get(key, 0) + 1
+    if times < 0 or CONFLICT_RUNS[key] <= times:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "DO $$ BEGIN RAISE EXCEPTION 'could not serialize access (test)' "
+                "USING ERRCODE = '40001'; END $$"
+            )
 
 
 def behave(label: str, message: Message) -> None:
@@ -46,6 +73,12 @@ def behave(label: str, message: Message) -> None:
     if payload.get("kill_once", {}).get(label) and not message.redelivered:
         # Dies on the first delivery only; the redelivery succeeds.
         os.kill(os.getpid(), signal.SIGKILL)
+    hot = payload.get("lock", {}).get(label)
+    if hot:
+        lock_hot_rows(list(hot), float(payload.get("lock_pause", 0.0)))
+    conflicts = payload.get("conflict", {}).get(label)
+    if conflicts:
+        serialization_failure(label, message.message_id, int(conflicts))
     sleep = payload.get("sleep", {}).get(label)
     if sleep:
         time.sleep(float(sleep))

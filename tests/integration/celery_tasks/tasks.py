@@ -15,6 +15,7 @@ from typing import Any
 from celery import Task, shared_task
 
 from reliable_messaging import idempotent_task
+from tests.testapp.consumers import serialization_failure
 from tests.testapp.models import Effect
 
 
@@ -54,6 +55,15 @@ def charge(self: Task[Any, Any], order_id: int) -> int:
     effect = record("charge", str(order_id), attempt=self.request.retries + 1)
     if self.request.retries == 0:
         raise ConnectionError("payment gateway timed out")
+    return effect
+
+
+@shared_task(name="tests.celery_tasks.reserve_stock", acks_late=True)
+@idempotent_task(key=lambda order_id, conflicts=0: f"reserve:{order_id}")
+def reserve_stock(order_id: int, conflicts: int = 0) -> int:
+    """Meets a serialization failure (SQLSTATE 40001) on its first ``conflicts`` runs."""
+    effect = record("reserve", str(order_id))
+    serialization_failure("reserve", str(order_id), conflicts)
     return effect
 
 

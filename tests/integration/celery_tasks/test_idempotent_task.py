@@ -16,16 +16,18 @@ from typing import Any
 
 import pytest
 from celery import shared_task
-from django.db import connections
+from django.db import connection, connections
 from prometheus_client import REGISTRY
 
 from reliable_messaging import idempotent_task as exported
 from reliable_messaging.contrib.celery import HASHED_KEY_PREFIX, idempotent_task, inbox_key
+from reliable_messaging.exceptions import DatabaseUnavailable
 from reliable_messaging.models import ProcessedMessage
 from tests.support import wait_until
+from tests.testapp import consumers
 from tests.testapp.models import Effect
 
-from .tasks import charge, email_receipt, long_key, restock
+from .tasks import charge, email_receipt, long_key, reserve_stock, restock
 from .worker import CeleryWorker
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -210,3 +212,28 @@ def test_through_a_real_worker_each_key_takes_effect_once(worker: CeleryWorker) 
     assert inbox(RECEIPTS) == ["receipt:31"] and inbox(RESTOCK) == [redelivered_id]
     assert redelivered_id in skipped()
     assert "Traceback" not in worker.log()
+
+
+def test_a_serialization_failure_runs_the_body_again_in_a_new_transaction() -> None:
+    """The database asked for a retry: not the task's failure, no Celery retry spent."""
+    consumers.CONFLICT_RUNS.clear()
+    result = reserve_stock.apply(args=[31], kwargs={"conflicts": 2})
+    assert result.successful(), result.traceback
+    assert consumers.CONFLICT_RUNS[("reserve", "31")] == 3
+    assert list(Effect.objects.filter(consumer="reserve").values_list("message_id", flat=True)) == [
+        "31"
+    ]
+
+
+def test_a_read_only_database_is_not_the_task_failing() -> None:
+    """A failover (SQLSTATE 25006) raises DatabaseUnavailable eagerly (a worker gives the
+    message back instead), not the driver's InternalError as if the body had failed."""
+    with connection.cursor() as cursor:
+        cursor.execute("SET SESSION default_transaction_read_only = on")
+    try:
+        result = reserve_stock.apply(args=[32])
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("RESET default_transaction_read_only")
+    assert isinstance(result.result, DatabaseUnavailable), result.traceback
+    assert not Effect.objects.filter(consumer="reserve").exists()

@@ -7,7 +7,9 @@ each delivery (and so the attempts of which the effects rolled back).
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,8 +20,11 @@ from django.test import override_settings
 from reliable_messaging import Message
 from reliable_messaging.broker.topology import declare_topology
 from reliable_messaging.consuming.service import ConsumerService
+from reliable_messaging.consuming.time_limit import time_limits
+from reliable_messaging.consuming.workers import EXIT_WORKERS_DYING, WORKER_DEATH_LIMIT
 from reliable_messaging.core.envelope import ATTEMPT_HEADER
 from reliable_messaging.core.outcomes import Acknowledge, Outcome, Release, ScheduleRetry
+from reliable_messaging.liveness import HealthState
 from reliable_messaging.models import DeadLetter, ProcessedMessage
 from reliable_messaging.registry import ConsumerSpec
 from reliable_messaging.testing import deliver
@@ -699,6 +704,127 @@ def test_unreachable_broker_is_retried_until_stopped(
     assert not thread.is_alive()
     assert not svc.connected.is_set()
     assert all("s3cret" not in r.getMessage() for r in caplog.records)
+
+
+# --------------------------------------------------------------------------- a worker thread dies
+
+
+def dying_spec(ns: str, label: str, deaths: int) -> tuple[ConsumerSpec, list[str]]:
+    """A consumer whose handler raises SystemExit (a BaseException: it escapes every
+    ``except Exception`` on the worker's path, as a stray time-limit interrupt or a
+    MemoryError would) on its first ``deaths`` calls, then records an Effect; and its calls."""
+    calls: list[str] = []
+
+    def handler(message: Message) -> None:
+        calls.append(message.message_id)
+        if len(calls) <= deaths:
+            raise SystemExit(f"handler called sys.exit() on {message.message_id}")
+        Effect.objects.create(consumer=label, message_id=message.message_id, attempt=1)
+
+    spec = ConsumerSpec(
+        name=f"{ns}.{label}", queue=f"{ns}.{label}", handler=handler, bindings=("order.*",)
+    )
+    return spec, calls
+
+
+def test_a_dead_worker_thread_gives_its_batch_back_and_is_replaced(
+    ns: str, service: Any, rec: Recorder, publisher: Publisher
+) -> None:
+    spec, calls = dying_spec(ns, "dies", deaths=1)
+    health = HealthState()
+    svc = service([spec], on_outcome=rec, health=health)
+    ids = [f"dies-{i}" for i in range(3)]
+    for message_id in ids:
+        publisher.publish(exchange_of(ns), "order.placed", {"order": 1}, message_id=message_id)
+    # What the dead worker held was given back to the broker, redelivered, then handled once.
+    wait_until(
+        lambda: rec.results(spec.name).count("processed") == len(ids),
+        timeout=30,
+        message="every delivery processed, those the dead worker held after their redelivery",
+    )
+    results = rec.results(spec.name)
+    assert results.count("release") >= 1 and set(results) == {"release", "processed"}
+    assert sorted(m for m, _ in effects("dies")) == ids
+    assert calls[0] == "dies-0" and sorted(set(calls)) == ids
+    wait_until(lambda: drained(spec.queue), timeout=10, message="every message acked")
+    # The pool is whole again and /healthz says what happened without failing.
+    assert all(thread.is_alive() for thread in svc._workers._threads)
+    healthy, reasons = health.check()
+    assert healthy, reasons
+    assert any("worker thread(s) died and were replaced" in note for note in health.notes())
+
+
+def test_an_interrupt_escaping_the_time_limit_gives_the_batch_back(
+    ns: str, service: Any, rec: Recorder, publisher: Publisher
+) -> None:
+    # The one point no Python code can guard: the watchdog's interrupt delivered as the time
+    # limit's __exit__ starts, after the handler returned. Forced here: the handler's last act
+    # makes the watchdog fire (its real check, past every deadline) when the next __exit__ of
+    # this thread is called, which is the time limit's.
+    calls: list[str] = []
+
+    def fire_as_the_limit_exits(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_name == "__exit__":
+            sys.setprofile(None)
+            time_limits.check(time.monotonic() + 3600)
+
+    def handler(message: Message) -> None:
+        calls.append(message.message_id)
+        Effect.objects.create(consumer="late", message_id=message.message_id, attempt=1)
+        if len(calls) == 1:
+            sys.setprofile(fire_as_the_limit_exits)
+
+    spec = ConsumerSpec(
+        name=f"{ns}.late", queue=f"{ns}.late", handler=handler, bindings=("order.*",)
+    )
+    health = HealthState()
+    svc = service([spec], on_outcome=rec, health=health)
+    publisher.publish(exchange_of(ns), "order.placed", {"order": 1}, message_id="late-1")
+    wait_until(
+        lambda: "processed" in rec.results(spec.name),
+        timeout=30,
+        message="the delivery processed after its redelivery",
+    )
+    assert rec.results(spec.name) == ["release", "processed"]
+    assert calls == ["late-1", "late-1"]
+    assert effects("late") == [("late-1", 1)]  # the first run's effect rolled back
+    assert time_limits.overdue() == []  # the escaped call is not left registered
+    assert all(thread.is_alive() for thread in svc._workers._threads)
+    assert health.check()[0]
+
+
+def test_worker_threads_that_keep_dying_stop_the_process_with_an_exit_code(
+    ns: str, rm_settings: Any, transactional_db: None, rec: Recorder, publisher: Publisher
+) -> None:
+    spec, calls = dying_spec(ns, "keeps-dying", deaths=1000)
+    health = HealthState()
+    svc = ConsumerService([spec], on_outcome=rec, health=health)
+    thread = threading.Thread(target=svc.run, daemon=True)
+    thread.start()
+    try:
+        assert svc.connected.wait(30)
+        publisher.publish(exchange_of(ns), "order.placed", {"order": 1}, message_id="poison-1")
+        thread.join(60)
+        assert not thread.is_alive(), "the consumer did not stop after its workers kept dying"
+    finally:
+        svc.request_stop()
+        thread.join(30)
+    assert svc.exit_code == EXIT_WORKERS_DYING
+    assert calls == ["poison-1"] * WORKER_DEATH_LIMIT
+    healthy, reasons = health.check()
+    assert not healthy and any("worker threads died" in reason for reason in reasons), reasons
+    # Nothing was acked or decided: the message is back in its queue for the next process.
+    assert rec.results(spec.name) == ["release"] * WORKER_DEATH_LIMIT
+    assert effects("keeps-dying") == []
+    wait_until(lambda: support.ready_count(spec.queue) == 1, timeout=10, message="requeued")
+    # The next process: the crash guard counted the deaths of the redelivered (suspect) runs,
+    # so the message is a dead letter now, not a loop of dying processes.
+    again = ConsumerService([spec], idle_timeout=1.0)
+    assert again.run() == 0
+    (dead,) = DeadLetter.objects.filter(consumer=spec.name)
+    assert dead.message_id == "poison-1" and dead.reason == "worker_crashed"
+    assert calls == ["poison-1"] * WORKER_DEATH_LIMIT
+    assert drained(spec.queue)
 
 
 def test_no_specs_is_an_error() -> None:

@@ -8,6 +8,7 @@ put a leased message aside.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +20,7 @@ from reliable_messaging.broker.topology import all_delays
 from reliable_messaging.conf import messaging_settings
 from reliable_messaging.consuming.fastpath import DuplicateCache
 from reliable_messaging.consuming.processing import DeliveryProcessor, Job, process_batch
-from reliable_messaging.core.envelope import Delivery, Message, encode_payload
+from reliable_messaging.core.envelope import DEFERRALS_HEADER, Delivery, Message, encode_payload
 from reliable_messaging.core.outcomes import Acknowledge, ScheduleRetry
 from reliable_messaging.registry import ConsumerSpec
 from tests.support import wait_until
@@ -136,3 +137,30 @@ def test_a_batch_that_outlived_its_leases_gives_back_only_its_own(
     assert cache.processed([(spec.name, m) for m in ids]) == {(spec.name, m) for m in ids}
     other.remember([], [(spec.name, taken_over)])
     assert not redis.exists(cache.lease_key(spec.name, taken_over))
+
+
+def test_a_copy_put_aside_again_and_again_waits_longer_each_time(
+    with_cache: Callable[..., None],
+) -> None:
+    """Each deferral of the same copy takes the next of the consumer's delays (the last one
+    after that), so a message held elsewhere for long costs a few deferrals, not one every
+    first delay; a count a producer wrote that is not one counts as none."""
+    spec = spec_of("leases.again", record, retry_delays=(0.2, 0.4, 0.8))
+    message_id = f"ag-{uuid.uuid4()}"
+    other = DuplicateCache("messaging", messaging_settings)
+    assert other.lease([(spec.name, message_id)]) == {(spec.name, message_id): True}
+    processor = DeliveryProcessor(spec, cache=DuplicateCache("messaging", messaging_settings))
+
+    seen = []
+    for deferrals in (None, 1, 2, 7, "7", -3, True):
+        delivery = delivery_for(spec, message_id)
+        if deferrals is not None:
+            delivery = dataclasses.replace(delivery, headers={DEFERRALS_HEADER: deferrals})
+        outcome = processor.process(delivery)
+        assert isinstance(outcome, ScheduleRetry) and outcome.deferred
+        assert outcome.next_attempt == 1
+        seen.append((outcome.delay, outcome.headers[DEFERRALS_HEADER]))
+
+    assert seen == [(0.2, 1), (0.4, 2), (0.8, 3), (0.8, 8), (0.2, 1), (0.2, 1), (0.2, 1)]
+    assert not Effect.objects.filter(message_id=message_id).exists()
+    other.remember([], [(spec.name, message_id)])

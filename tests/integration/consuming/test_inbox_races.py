@@ -7,16 +7,19 @@ the race needs several transactions; each thread has its own database connection
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import threading
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import psycopg
 import pytest
 from django.db import connection, connections
 from django.utils import timezone
 
+from reliable_messaging import exactly_once
 from reliable_messaging.broker.topology import consumer_queues
 from reliable_messaging.consuming.processing import DeliveryProcessor, Job, process_batch
 from reliable_messaging.core.envelope import (
@@ -35,7 +38,9 @@ from reliable_messaging.models import (
     OutboxMessage,
     ProcessedMessage,
 )
+from reliable_messaging.partitions import CLAIM_LOCK_CLASS
 from reliable_messaging.registry import ConsumerSpec
+from tests.markers import postgresql_only
 from tests.support import wait_until
 from tests.testapp.models import Effect
 
@@ -335,3 +340,68 @@ def test_a_replayed_dead_letter_whose_outcome_never_came_can_be_replayed_or_disc
     assert stale_discard.status == DeadLetterStatus.DISCARDED
     # The new replay is on its way, next to the one presumed lost.
     assert OutboxMessage.objects.filter(message_id=stale_replay.message_id).count() == 2
+
+
+# --------------------------------------------------------------------------- rows held elsewhere
+
+
+@postgresql_only
+def test_a_redelivered_batch_puts_held_rows_aside_without_waiting_for_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A consumer cut off mid-batch holds its inbox rows until the server ends its transaction;
+    the copies the broker gives to another consumer meanwhile are found busy with a lock
+    attempt that never waits, and the rest of their batch is handled at once. (A probe that
+    waits, however briefly, for each held row stalls the other consumer: its copies keep coming
+    back while the holder lives.) A long probe makes any wait plain to see in pg_locks."""
+    monkeypatch.setattr(exactly_once, "ROW_LOCK_PROBE", 3.0)
+    spec = spec_of("races.held", record)
+    held_id, free_id = f"held-{uuid.uuid4()}", f"free-{uuid.uuid4()}"
+    holder = psycopg.connect(_dsn(), autocommit=False)
+    waits: list[int] = []
+    done = threading.Event()
+    try:
+        with holder.cursor() as cursor:  # the cut-off consumer's claim, never committed
+            cursor.execute(
+                "SELECT pg_advisory_xact_lock(%s, %s)",
+                [CLAIM_LOCK_CLASS, exactly_once._key_hash(spec.name, held_id)],
+            )
+
+        def watch() -> None:
+            with psycopg.connect(_dsn(), autocommit=True) as watcher:
+                while not done.is_set():
+                    row = watcher.execute(
+                        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+                        "AND NOT granted AND classid = %s",
+                        [CLAIM_LOCK_CLASS],
+                    ).fetchone()
+                    waits.append(row[0] if row else 0)
+                    done.wait(0.02)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        processor = DeliveryProcessor(spec)
+        jobs = [
+            Job(processor, dataclasses.replace(delivery_for(spec, m), redelivered=True))
+            for m in (held_id, free_id)
+        ]
+        outcomes = process_batch(jobs)
+        done.set()
+        watcher.join(10)
+    finally:
+        done.set()
+        holder.rollback()
+        holder.close()
+
+    assert isinstance(outcomes[0], ScheduleRetry) and outcomes[0].deferred
+    assert outcomes[0].next_attempt == 1  # put aside, not charged
+    assert outcomes[1] == Acknowledge("processed")
+    assert (effects_of(held_id), effects_of(free_id)) == (0, 1)
+    assert waits and max(waits) == 0, "the claim waited for the row another transaction holds"
+
+
+def _dsn() -> str:
+    params = connection.get_connection_params()
+    return psycopg.conninfo.make_conninfo(
+        **{k: v for k, v in params.items() if k in ("dbname", "user", "host", "port", "password")}
+    )

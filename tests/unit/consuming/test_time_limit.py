@@ -11,8 +11,10 @@ otherwise run for 10s well before those 10s.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -117,4 +119,116 @@ def test_overdue_lists_a_call_past_its_deadline() -> None:
         time.sleep(0.2)
         (late,) = tl.overdue()
         assert "tl.consumer" in late and "message_id=late-1" in late and "0.05s" in late
+    assert tl.overdue() == []
+
+
+# -- the watchdog firing inside limit()'s own bookkeeping -------------------------------------
+
+
+class FiringLock:
+    """Stands in for the lock of a TimeLimits so that its watchdog fires at a chosen moment of
+    ``limit()``'s own bookkeeping: the ``nth`` time the handler's thread takes the lock, as it
+    asks for it (``when="enter"``) or just after it let it go (``when="exit"``).
+
+    The watchdog's real check runs in another thread and this thread waits for it: the
+    interrupt is pending when the wait ends and lands at once, in the bookkeeping, whatever
+    the machine's load. That is the interleaving of a handler returning as its deadline
+    passes, forced."""
+
+    def __init__(self, limits: TimeLimits, nth: int, when: str) -> None:
+        self.limits = limits
+        self.real = limits._lock
+        self.nth = nth
+        self.when = when
+        self.thread = threading.get_ident()
+        self.uses = 0
+        self.fired = False
+
+    def __enter__(self) -> bool:
+        if threading.get_ident() == self.thread:
+            self.uses += 1
+            if self.when == "enter":
+                self._fire()
+        return self.real.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.real.__exit__(*exc)
+        if threading.get_ident() == self.thread and self.when == "exit":
+            self._fire()
+
+    def _fire(self) -> None:
+        if self.fired or self.uses != self.nth:
+            return
+        self.fired = True
+        # Past every deadline, so the call in progress is fired on.
+        watchdog = threading.Thread(target=self.limits.check, args=(time.monotonic() + 3600,))
+        watchdog.start()
+        watchdog.join()
+
+
+@pytest.fixture
+def firing() -> Iterator[Callable[[int, str], Watched]]:
+    """``firing(nth, when)``: a TimeLimits without its own watchdog thread (nothing fires but
+    the forced check) and a FiringLock in place of its lock."""
+    made: list[Watched] = []
+
+    def make(nth: int, when: str) -> Watched:
+        tl = Watched()
+        tl._lock = FiringLock(tl, nth, when)  # type: ignore[assignment]
+        made.append(tl)
+        return tl
+
+    yield make
+    for tl in made:
+        assert tl._lock.fired, "the forced watchdog never fired"  # type: ignore[attr-defined]
+        assert tl.overdue() == []  # the call is over, whatever happened
+    # Nothing pending lands later in this thread.
+    spin(0.3)
+
+
+def test_a_handler_returning_as_the_watchdog_fires_keeps_its_outcome(
+    firing: Callable[[int, str], Watched], caplog: pytest.LogCaptureFixture
+) -> None:
+    # The handler returned; limit() is taking its lock to deregister the call (its second use
+    # of the lock) when the watchdog fires: the interrupt lands in limit()'s bookkeeping.
+    limits = firing(2, "enter")
+    ran = []
+    with limits.limit(3600, "tl.consumer", "at-deadline"):
+        ran.append(True)
+    assert ran == [True]
+    assert limits.timeouts == [("tl.consumer", "at-deadline", 3600)]  # the watchdog did fire
+    assert "the interrupt was withdrawn" in caplog.text and "at-deadline" in caplog.text
+
+
+def test_a_handler_error_raised_as_the_watchdog_fires_passes_through(
+    firing: Callable[[int, str], Watched],
+) -> None:
+    limits = firing(2, "enter")
+    with pytest.raises(ValueError, match="its own error"), limits.limit(3600, "tl.c", "err-1"):
+        raise ValueError("its own error")
+    assert limits.timeouts == [("tl.c", "err-1", 3600)]
+
+
+def test_an_interrupt_landing_before_the_handler_starts_is_a_timeout(
+    firing: Callable[[int, str], Watched],
+) -> None:
+    # The call is registered (first use of the lock) and its deadline passes before the body
+    # starts: a stalled thread. The body must not run, and the call must not stay registered.
+    limits = firing(1, "exit")
+    ran = []
+    with (
+        pytest.raises(HandlerTimeout, match="before-start"),
+        limits.limit(3600, "tl.consumer", "before-start"),
+    ):
+        ran.append(True)
+    assert ran == []
+
+
+def test_discard_forgets_a_call_whose_block_was_left_without_its_exit() -> None:
+    # What the worker pool does for a thread an exception left before limit()'s __exit__ ran.
+    tl = TimeLimits()
+    tl.limit(0.01, "tl.consumer", "left-1").__enter__()
+    time.sleep(0.05)
+    assert tl.overdue()
+    tl.discard(threading.get_ident())
     assert tl.overdue() == []

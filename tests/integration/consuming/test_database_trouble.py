@@ -1,0 +1,129 @@
+"""What the database does to a delivery is never charged to its handler (issue 33).
+
+:func:`process_batch` driven directly against the test database: a read-only database (what a
+failover shows first) holds the batch, and a serialization failure runs the delivery again in
+a new transaction, bounded, before it is charged. The same with real processes, a failover and
+real deadlocks: ``tests/e2e/test_database_failover.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterator
+
+import pytest
+from django.db import connection
+
+from reliable_messaging.conf import messaging_settings
+from reliable_messaging.consuming.board import DeliveryWork, WorkBoard
+from reliable_messaging.consuming.crash_guard import CrashGuard
+from reliable_messaging.consuming.processing import process_batch
+from reliable_messaging.consuming.workers import WorkerPool
+from reliable_messaging.core.database_errors import CONFLICT_RETRIES
+from reliable_messaging.core.outcomes import Acknowledge, ScheduleRetry
+from reliable_messaging.exceptions import DatabaseUnavailable
+from reliable_messaging.models import DeadLetter, ProcessedMessage
+from tests.integration.consuming.test_batching import effects_of, job
+from tests.testapp import consumers
+from tests.testapp.models import Effect
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_conflict_counts() -> Iterator[None]:
+    consumers.CONFLICT_RUNS.clear()
+    yield
+    consumers.CONFLICT_RUNS.clear()
+
+
+@pytest.fixture
+def read_only_session() -> Iterator[None]:
+    """This session's transactions are read-only from now on, as after a failover."""
+    with connection.cursor() as cursor:
+        cursor.execute("SET SESSION default_transaction_read_only = on")
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("RESET default_transaction_read_only")
+
+
+def runs(message_id: str) -> int:
+    return consumers.CONFLICT_RUNS.get(("alpha", message_id), 0)
+
+
+@pytest.mark.parametrize("size", [1, 3])
+def test_a_read_only_database_holds_the_batch_and_charges_nothing(
+    read_only_session: None, size: int
+) -> None:
+    """The inbox claim meets SQLSTATE 25006 (an InternalError, not an OperationalError): the
+    database's doing, so nothing is decided, whether alone or in a batch."""
+    jobs = [job(f"ro-{size}-{n}") for n in range(size)]
+    with pytest.raises(DatabaseUnavailable):
+        process_batch(jobs)
+    with connection.cursor() as cursor:
+        cursor.execute("RESET default_transaction_read_only")
+    assert not DeadLetter.objects.exists()
+    assert process_batch(jobs) == [Acknowledge("processed")] * size
+
+
+def test_a_serialization_failure_runs_again_in_place_uncharged() -> None:
+    [outcome] = process_batch([job("conflict-twice", {"conflict": {"alpha": 2}})])
+    assert outcome == Acknowledge("processed")
+    assert runs("conflict-twice") == 3
+    assert list(Effect.objects.filter(consumer="alpha").values_list("attempt", flat=True)) == [1]
+
+
+def test_a_conflict_in_a_batch_runs_the_batch_again_and_each_takes_effect_once() -> None:
+    jobs = [job("calm-1"), job("conflict-once", {"conflict": {"alpha": 1}}), job("calm-2")]
+    assert process_batch(jobs) == [Acknowledge("processed")] * 3
+    assert effects_of("calm-1") == effects_of("conflict-once") == effects_of("calm-2") == 1
+    assert runs("conflict-once") == 2
+
+
+def test_a_delivery_that_always_conflicts_is_charged_after_the_bound() -> None:
+    """Not retried in place forever: past CONFLICT_RETRIES runs again it is the handler's
+    failure (a retry through the delay queue, attempt 2), and the rest of its batch commits."""
+    [outcome] = process_batch([job("always", {"conflict": {"alpha": -1}})])
+    assert isinstance(outcome, ScheduleRetry) and outcome.next_attempt == 2
+    assert "serialize" in outcome.error
+    assert runs("always") == CONFLICT_RETRIES + 1
+    assert effects_of("always") == 0
+    assert not ProcessedMessage.objects.exists()
+
+
+@pytest.mark.parametrize("path", ["dead_letter_queue", "crash_guard"])
+def test_our_own_bookkeeping_on_a_read_only_database_holds_the_delivery(
+    read_only_session: None, path: str
+) -> None:
+    """The ``.dead`` queue's ingestion and the crash guard's mark write before any handler
+    runs: on a read-only database they hold the delivery (the worker's DatabaseUnavailable
+    path), never count as our own bug nor give the message back at once."""
+    processor = job("bookkeeping").processor
+    delivery = dataclasses.replace(job("bookkeeping").delivery, redelivered=True)
+    pool = WorkerPool(
+        WorkBoard(1),
+        {processor.spec.name: processor},
+        concurrency=1,
+        settings=messaging_settings,
+        cache=None,
+        crash_guard=CrashGuard(3),
+        stop=threading.Event(),
+        hand_back=lambda settled: None,
+    )
+    item = DeliveryWork(
+        None,  # type: ignore[arg-type]  # neither link nor channel is used to decide
+        None,  # type: ignore[arg-type]
+        processor.spec,
+        delivery,
+        None,
+        from_dead_letter_queue=path == "dead_letter_queue",
+    )
+    with pytest.raises(DatabaseUnavailable):
+        pool._attempt([item])
+    with connection.cursor() as cursor:
+        cursor.execute("RESET default_transaction_read_only")
+    assert not DeadLetter.objects.exists()
+    assert not Effect.objects.exists()
