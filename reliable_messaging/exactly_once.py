@@ -33,7 +33,7 @@ from django.utils import timezone
 
 from .choices import OPEN_DEAD_LETTER_STATUSES
 from .models import DeadLetter, ProcessedMessage
-from .partitions import CLAIM_LOCK_CLASS, LOCK_NOT_AVAILABLE
+from .partitions import CLAIM_LOCK_CLASS, LOCK_NOT_AVAILABLE, ensure_covered
 
 CLIENT_CURSOR: type | None
 try:
@@ -304,6 +304,8 @@ def _insert_inbox_rows_sql(using: str, keys: list[tuple[str, str]]) -> tuple[str
         )
         # SQLite has no INSERT in a WITH: every claimed row may have an open dead letter.
         return f"{insert}, 1", params
+    # A day with no partition (every upkeep failing for days, a clock far ahead) is made first.
+    ensure_covered(using, now)
     # The inbox is partitioned by day (partitions.py): a unique index spans one partition, so
     # the key is looked for in every partition first. Run after _key_locks_sql's statement, in
     # a snapshot of its own, this sees any copy committed while the lock was awaited; a copy

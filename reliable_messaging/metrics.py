@@ -33,6 +33,10 @@ Three kinds of figures, exported from three places:
   ``reliable_messaging_relay_blocked``                  relay connections the broker blocks now
                                                         (0 or 1 per relay lane)
   ``reliable_messaging_relay_blocks_total``             times the broker blocked a relay connection
+  ``reliable_messaging_partition_days_ahead``           days of day partitions made ahead {table}:
+                                                        inbox or outbox (PostgreSQL), as the last
+                                                        upkeep run of the process found them
+  ``reliable_messaging_partition_upkeep_failures_total``  partition upkeep runs that failed {table}
   ====================================================  ===========================================
 
 - **Health** of one process, ``reliable_messaging_healthy`` (1 or 0, :class:`HealthCollector`),
@@ -78,6 +82,8 @@ __all__ = [
     "consumers_started",
     "dedup_cache",
     "handler_timeout",
+    "partition_days_ahead",
+    "partition_upkeep_failed",
     "relay_blocked",
     "relay_claimed",
     "relay_confirm_latency",
@@ -156,6 +162,17 @@ _RELAY_BLOCKS = Counter(
     "Times the broker blocked a relay connection.",
 )
 
+_PARTITION_DAYS_AHEAD = Gauge(
+    "reliable_messaging_partition_days_ahead",
+    "Days of day partitions made ahead of now, by the last partition upkeep run {table}.",
+    ["table"],
+)
+_PARTITION_UPKEEP_FAILURES = Counter(
+    "reliable_messaging_partition_upkeep_failures",
+    "Partition upkeep runs that failed (a day not made, an expired day not dropped) {table}.",
+    ["table"],
+)
+
 # Series that exist from the start, so rate() and the dashboard see zeros, not gaps.
 for _kind in RELAY_FAILURE_KINDS:
     _RELAY_FAILED.labels(_kind)
@@ -197,6 +214,18 @@ def consumer_outcome(consumer: str, outcome: str, duration: float | None = None)
 
 def handler_timeout(consumer: str) -> None:
     _HANDLER_TIMEOUTS.labels(consumer).inc()
+
+
+# -- partition upkeep (consumer and relay) -------------------------------------------------------
+
+
+def partition_days_ahead(table: str, days: float) -> None:
+    _PARTITION_DAYS_AHEAD.labels(table).set(days)
+    _PARTITION_UPKEEP_FAILURES.labels(table)
+
+
+def partition_upkeep_failed(table: str) -> None:
+    _PARTITION_UPKEEP_FAILURES.labels(table).inc()
 
 
 def dedup_cache(consumer: str, result: str) -> None:

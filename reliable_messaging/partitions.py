@@ -11,10 +11,16 @@ whose every row has expired: a catalog change, whatever the rows.
 - ``<table>_legacy``: on a system that had inbox rows before the table was partitioned, the old
   table itself, attached as the partition of everything before the cut-over day (migration
   0009). Its expired rows are deleted in batches, as before, until it is dropped whole.
-- ``<table>_default``: a safety net. A row for which no day's partition exists (a consumer
-  that ran for days while no process could create one, a clock far ahead) is kept there,
-  never refused. When its day's partition is created after all, the rows of that day move in;
-  the rest are deleted in batches once expired, like the legacy table's.
+There is no default partition, on purpose: attaching a day next to one locks the default
+partition ACCESS EXCLUSIVE (it must be proven free of the day's rows), every claim reads it,
+and ``DETACH ... CONCURRENTLY`` refuses a table that has one. Without it, attaching a day takes
+SHARE UPDATE EXCLUSIVE on the table and dropping an expired day is a concurrent detach (which
+waits for the transactions already reading the table, without queueing new ones) and a drop of
+a table nobody reads: no step of the upkeep takes a lock an inbox claim or a relay holds. The
+days are made ``AHEAD_DAYS`` ahead; a row for a day nobody made (every upkeep failing for
+longer than that, a clock far ahead) makes its day's partition on the spot
+(:func:`ensure_covered`), and an upkeep that keeps failing says so days before that (the log,
+``reliable_messaging_partition_days_ahead``, ``/healthz``, ``messaging_status``).
 
 Duplicates are detected across every partition, not only the current day's: a unique index
 only spans one partition, so the inbox claim takes an advisory lock per (consumer, message_id)
@@ -26,7 +32,7 @@ its unsent rows, the only ones the relay reads, live in a small partition of the
 
 - ``<outbox>``: partitioned by ``status``. ``<outbox>_unsent`` holds the pending and failed
   rows; ``<outbox>_sent`` the sent and unrouted ones, partitioned by UTC day of ``sent_at``
-  like the inbox (``<outbox>_pYYYYMMDD``, a default partition ``<outbox>_default``). Marking a
+  like the inbox (``<outbox>_pYYYYMMDD``, no default partition). Marking a
   row sent moves it from one to the other (PostgreSQL does that as a delete and an insert,
   which costs what the update of an indexed column did before).
 - On a system that had outbox rows before (migration 0010), ``<outbox>`` is partitioned by
@@ -71,29 +77,35 @@ from django.db import (
     transaction,
 )
 
+from . import metrics
+from .liveness import HealthState
+
 logger = logging.getLogger("reliable_messaging.partitions")
 
 # The inbox table (ProcessedMessage's db_table; fixed, so migrations can use it too).
 INBOX_TABLE = "reliable_messaging_processedmessage"
 LEGACY = f"{INBOX_TABLE}_legacy"
-DEFAULT = f"{INBOX_TABLE}_default"
 # The outbox (OutboxMessage's db_table) and its partitions (see the module's docstring).
 OUTBOX_TABLE = "reliable_messaging_outboxmessage"
 OUTBOX_LEGACY = f"{OUTBOX_TABLE}_legacy"
 OUTBOX_CURRENT = f"{OUTBOX_TABLE}_current"
 OUTBOX_UNSENT = f"{OUTBOX_TABLE}_unsent"
 OUTBOX_SENT = f"{OUTBOX_TABLE}_sent"
-OUTBOX_DEFAULT = f"{OUTBOX_TABLE}_default"
 # The statuses of each side of the outbox (the values of its list partitions); every relay
 # query names the unsent ones, so that PostgreSQL reads only that partition.
 UNSENT_STATUSES = ("pending", "failed")
 SENT_STATUSES = ("sent", "unrouted")
 UNSENT_SQL = ", ".join(f"'{status}'" for status in UNSENT_STATUSES)
 SENT_SQL = ", ".join(f"'{status}'" for status in SENT_STATUSES)
-# Days created ahead of the current one, so a consumer never needs a partition nobody made.
-AHEAD_DAYS = 3
+# Days created ahead of the current one, so a consumer never needs a partition nobody made,
+# and an upkeep that keeps failing is seen (see UPKEEP_WARN_DAYS) days before they run out.
+AHEAD_DAYS = 7
+# Fewer days than this made ahead means the upkeep has failed for about a day: the status
+# (``--strict``), the log and ``/healthz`` say so, AHEAD_DAYS - 1 days before the last runs out.
+UPKEEP_WARN_DAYS = AHEAD_DAYS - 1
 # How long partition upkeep waits for a table lock, and how often it tries, before it gives
-# up until next time: a waiting DDL statement queues every insert behind it.
+# up until next time. No upkeep statement takes a lock a claim holds (see above): what it can
+# wait for is another process's DDL.
 DDL_LOCK_TIMEOUT = "500ms"
 DDL_ATTEMPTS = 3
 DDL_RETRY_AFTER = 1.0
@@ -162,7 +174,6 @@ class DayPartitioned:
     # The table partitioned by range of ``column`` (for the outbox, its sent side).
     table: str
     column: str
-    default: str
     # The name of a day's partition is this and the day, YYYYMMDD.
     prefix: str
     # Creates a standalone table shaped like a partition (its range CHECK added apart).
@@ -180,14 +191,11 @@ class DayPartitioned:
         return f"{self.prefix}{day:%Y%m%d}"
 
 
-INBOX = DayPartitioned(
-    "inbox", INBOX_TABLE, "processed_at", DEFAULT, f"{INBOX_TABLE}_p", _inbox_leaf_sql
-)
+INBOX = DayPartitioned("inbox", INBOX_TABLE, "processed_at", f"{INBOX_TABLE}_p", _inbox_leaf_sql)
 OUTBOX = DayPartitioned(
     "outbox",
     OUTBOX_SENT,
     "sent_at",
-    OUTBOX_DEFAULT,
     f"{OUTBOX_TABLE}_p",
     outbox_leaf_sql,
     also=f"status IN ({SENT_SQL}) AND sent_at IS NOT NULL",
@@ -199,14 +207,13 @@ OUTBOX = DayPartitioned(
 @dataclass(frozen=True)
 class Partition:
     name: str
-    # Its range of processed_at, [start, end); None for an open end (MINVALUE, the default).
+    # Its range of processed_at, [start, end); None for an open end (MINVALUE).
     start: dt.datetime | None
     end: dt.datetime | None
-    default: bool = False
+    # Half detached by a DETACH ... CONCURRENTLY that did not finish (its process died).
+    detaching: bool = False
 
     def overlaps(self, start: dt.datetime, end: dt.datetime) -> bool:
-        if self.default:
-            return False
         return (self.start is None or self.start < end) and (self.end is None or start < self.end)
 
 
@@ -242,31 +249,29 @@ def _bound_value(text: str) -> dt.datetime | None:
 
 
 def partitions(using: str, spec: DayPartitioned = INBOX) -> list[Partition]:
-    """The day partitions of ``spec`` (the inbox's, by default), oldest first (the default
-    last)."""
+    """The partitions of ``spec`` (the inbox's, by default), oldest first."""
     with connections[using].cursor() as cursor:
         # The bounds are printed in the session's time zone, with its offset: read as such.
         cursor.execute(
-            "SELECT c.relname, pg_get_expr(c.relpartbound, c.oid) FROM pg_inherits i "
-            "JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = to_regclass(%s)",
+            "SELECT c.relname, pg_get_expr(c.relpartbound, c.oid), i.inhdetachpending "
+            "FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+            "WHERE i.inhparent = to_regclass(%s)",
             [spec.table],
         )
         rows = cursor.fetchall()
     found: list[Partition] = []
-    for name, bound in rows:
-        if bound.strip().upper() == "DEFAULT":
-            found.append(Partition(name, None, None, default=True))
-            continue
+    for name, bound, detaching in rows:
         match = _BOUND.search(bound)
         if match is None:  # pragma: no cover - every partition of ours is a range
             logger.warning(
                 "%s partition %s has a bound this code does not read: %s", spec.label, name, bound
             )
             continue
-        found.append(Partition(name, _bound_value(match["start"]), _bound_value(match["end"])))
+        start, end = _bound_value(match["start"]), _bound_value(match["end"])
+        found.append(Partition(name, start, end, detaching=detaching))
     oldest = dt.datetime.min.replace(tzinfo=dt.UTC)
     newest = dt.datetime.max.replace(tzinfo=dt.UTC)
-    return sorted(found, key=lambda p: (p.default, p.start or oldest, p.end or newest))
+    return sorted(found, key=lambda p: (p.start or oldest, p.end or newest))
 
 
 def create_partition_sql(
@@ -310,14 +315,15 @@ def _ddl(using: str, what: str, work: Callable[[Any], bool]) -> bool | None:
     """Run ``work(cursor)`` in a transaction whose lock waits last ``DDL_LOCK_TIMEOUT``, up to
     ``DDL_ATTEMPTS`` times while a lock is what stops it; returns what ``work`` returned, or
     None when it did not go through (logged: the next upkeep or purge tries again). Serialized
-    with every other upkeep by an advisory lock."""
+    with every other upkeep by an advisory lock, awaited under the same timeout."""
     for attempt in range(1, DDL_ATTEMPTS + 1):
         try:
             with transaction.atomic(using=using), connections[using].cursor() as cursor:
+                # SET LOCAL: the setting ends with the transaction, also on a pooled session.
+                cursor.execute(f"SET LOCAL lock_timeout = '{DDL_LOCK_TIMEOUT}'")
                 cursor.execute(
                     "SELECT pg_advisory_xact_lock(%s, %s)", [ADVISORY_CLASS, UPKEEP_LOCK]
                 )
-                cursor.execute(f"SET LOCAL lock_timeout = '{DDL_LOCK_TIMEOUT}'")
                 return work(cursor)
         except OperationalError as exc:
             busy = getattr(exc.__cause__, "sqlstate", None) == LOCK_NOT_AVAILABLE
@@ -339,9 +345,12 @@ def ensure_partitions(
     spec: DayPartitioned = INBOX,
 ) -> list[str]:
     """Create the day partitions of ``spec`` (the inbox, by default) from yesterday to
-    ``ahead`` days from now that no partition covers yet, moving into each the rows the default
-    partition holds for its day; returns the names created. Does nothing where the table is
-    not partitioned. Stops at the first day it cannot create (see :func:`_ddl`)."""
+    ``ahead`` days from now that no partition covers yet; returns the names created. Does
+    nothing where the table is not partitioned. Stops at the first day it cannot create (see
+    :func:`_ddl`).
+
+    Each day is a table made apart, with a CHECK of its range, then attached: SHARE UPDATE
+    EXCLUSIVE on the table, which no insert or read waits for."""
     if not is_partitioned(using, spec):
         return []
     today = (now or dt.datetime.now(dt.UTC)).astimezone(dt.UTC).date()
@@ -355,36 +364,13 @@ def ensure_partitions(
             continue  # the usual case: no transaction, no lock
 
         def create(
-            cursor: Any,
-            day: dt.date = day,
-            start: dt.datetime = start,
-            end: dt.datetime = end,
-            name: str = name,
+            cursor: Any, start: dt.datetime = start, end: dt.datetime = end, name: str = name
         ) -> bool:
-            existing = partitions(using, spec)  # again, under the lock: another process may
-            if any(p.overlaps(start, end) for p in existing):  # have made it
+            # Again, under the lock: another process may have made it.
+            if any(p.overlaps(start, end) for p in partitions(using, spec)):
                 return False
             for statement in create_partition_sql(name, start, end, spec):
                 cursor.execute(statement)
-            default = next((p for p in existing if p.default), None)
-            if default is not None:
-                # Attaching scans the default for rows of this day (none, normally); take
-                # them over first, with the default locked so that none arrive meanwhile.
-                cursor.execute(f'LOCK TABLE "{default.name}" IN ACCESS EXCLUSIVE MODE')
-                cursor.execute(
-                    f'WITH moved AS (DELETE FROM "{default.name}" '  # noqa: S608
-                    f"WHERE {spec.column} >= %s AND {spec.column} < %s RETURNING *) "
-                    f'INSERT INTO "{name}" SELECT * FROM moved',
-                    [start, end],
-                )
-                if cursor.rowcount:
-                    logger.warning(
-                        "moved %d %s rows of %s from the default partition into %s",
-                        cursor.rowcount,
-                        spec.label,
-                        day,
-                        name,
-                    )
             _attach(cursor, name, start, end, spec)
             return True
 
@@ -398,6 +384,120 @@ def ensure_partitions(
     return created
 
 
+def covered_until(using: str, at: dt.datetime, spec: DayPartitioned = INBOX) -> dt.datetime | None:
+    """The end of the partitions of ``spec`` that follow one another from the one holding
+    ``at``: rows stamped before it have a partition. ``at`` itself when none holds it; None
+    where the table is not partitioned."""
+    if not is_partitioned(using, spec):
+        return None
+    until = at
+    for partition in partitions(using, spec):
+        if partition.detaching:
+            continue
+        if (partition.start is None or partition.start <= until) and (
+            partition.end is None or partition.end > until
+        ):
+            if partition.end is None:
+                return dt.datetime.max.replace(tzinfo=dt.UTC)
+            until = partition.end
+    return until
+
+
+def days_ahead(using: str, at: dt.datetime, spec: DayPartitioned = INBOX) -> float | None:
+    """How many days from ``at`` rows of ``spec`` have their partitions made (0 when the
+    current day has none); None where the table is not partitioned. The upkeep keeps it
+    between ``AHEAD_DAYS`` and ``AHEAD_DAYS + 1``; each day it cannot work takes one away."""
+    until = covered_until(using, at, spec)
+    if until is None:
+        return None
+    return max(0.0, (until - at).total_seconds() / 86400)
+
+
+def expired(using: str, before: dt.datetime, spec: DayPartitioned = INBOX) -> list[str]:
+    """The partitions of ``spec`` whose whole range lies before ``before``, oldest first."""
+    if not is_partitioned(using, spec):
+        return []
+    return [p.name for p in partitions(using, spec) if p.end is not None and p.end <= before]
+
+
+# Per (database alias, table): the instant before which claims know their rows have a partition.
+_COVERED: dict[tuple[str, str], dt.datetime] = {}
+_COVERED_LOCK = threading.Lock()
+# How long a claim waits for the partition it makes on the spot.
+ON_THE_SPOT_TIMEOUT = 30.0
+
+
+def ensure_covered(using: str, at: dt.datetime, spec: DayPartitioned = INBOX) -> None:
+    """Make sure a row of ``spec`` stamped ``at`` has a partition to go to: a comparison with
+    what this process last read of the catalog, almost always. When no partition holds ``at``
+    (every upkeep failed for ``AHEAD_DAYS`` days, or a clock far ahead), its days are made
+    here, on a connection of their own (attaching waits for no claim, so the caller's open
+    transaction does not stand in the way); an error there is logged, and the caller's insert
+    fails as it would have."""
+    key = (using, spec.table)
+    if at < _COVERED.get(key, at):
+        return
+    if connections[using].vendor != "postgresql":
+        _COVERED[key] = dt.datetime.max.replace(tzinfo=dt.UTC)
+        return
+    with _COVERED_LOCK:
+        read, until = _read_coverage(using, at, spec)
+        if read and until is not None and until <= at:
+            logger.error(
+                "no %s partition holds %s: making it now (is the partition upkeep failing? "
+                "see the log of the consume and relay processes)",
+                spec.label,
+                at.isoformat(),
+            )
+            maker = threading.Thread(
+                target=_make_on_the_spot, args=(using, at, spec), name="partition-on-the-spot"
+            )
+            maker.start()
+            maker.join(ON_THE_SPOT_TIMEOUT)
+            read, until = _read_coverage(using, at, spec)
+        if not read:
+            return
+        if until is None:  # not partitioned
+            until = dt.datetime.max.replace(tzinfo=dt.UTC)
+        if until > at:
+            _COVERED[key] = until
+
+
+def forget_coverage() -> None:
+    """Forget what :func:`ensure_covered` read (a table re-partitioned, in tests)."""
+    _COVERED.clear()
+
+
+def _read_coverage(
+    using: str, at: dt.datetime, spec: DayPartitioned
+) -> tuple[bool, dt.datetime | None]:
+    """Whether the catalog could be read, and :func:`covered_until`, on a connection of its
+    own: the caller's may be in a transaction that must not fail on it."""
+    found: list[dt.datetime | None] = []
+
+    def read() -> None:
+        try:
+            found.append(covered_until(using, at, spec))
+        except DatabaseError as exc:
+            logger.warning("could not read the %s partitions: %s", spec.label, exc)
+        finally:
+            connections.close_all()
+
+    reader = threading.Thread(target=read, name="partition-coverage")
+    reader.start()
+    reader.join(ON_THE_SPOT_TIMEOUT)
+    return (True, found[0]) if found else (False, None)
+
+
+def _make_on_the_spot(using: str, at: dt.datetime, spec: DayPartitioned) -> None:
+    try:
+        ensure_partitions(using, now=at, spec=spec)
+    except DatabaseError as exc:
+        logger.error("could not make the %s partition of %s: %s", spec.label, at.date(), exc)
+    finally:
+        connections.close_all()
+
+
 @dataclass(frozen=True)
 class Dropped:
     name: str
@@ -405,43 +505,150 @@ class Dropped:
     rows: int
 
 
+def _detach_concurrently(using: str, parent: str, name: str, finalize: bool) -> bool:
+    """Detach ``name`` from ``parent`` with ``DETACH PARTITION ... CONCURRENTLY``: SHARE
+    UPDATE EXCLUSIVE on both, then a wait for the transactions that were already reading the
+    table (new ones no longer see the partition, and do not wait). It cannot run inside a
+    transaction; in one (a test's), a plain detach under :func:`_ddl` does it instead.
+    ``finalize`` completes a detach a process began and did not finish."""
+    connection = connections[using]
+    how = "FINALIZE" if finalize else "CONCURRENTLY"
+    if connection.in_atomic_block:
+        return bool(
+            _ddl(
+                using,
+                f"detach {name}",
+                lambda cursor: (
+                    cursor.execute(
+                        f'ALTER TABLE "{parent}" DETACH PARTITION "{name}"'
+                        + (" FINALIZE" if finalize else "")
+                    )
+                    or True
+                ),
+            )
+        )
+    statement = f'ALTER TABLE "{parent}" DETACH PARTITION "{name}" {how}'
+    # Outside a transaction there is no SET LOCAL lock_timeout (and a session-level SET would
+    # stay on a pooled connection): a probe under one first, so that a table another DDL holds
+    # is left for the next run at once; then a watchdog bounds the detach itself.
+    if not _ddl(using, f"lock {parent} to detach {name}", lambda cursor: _probe(cursor, parent)):
+        return False
+    watchdog = threading.Timer(DETACH_TIMEOUT, _cancel, args=(using, statement))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(statement)
+    except DatabaseError as exc:
+        logger.warning("could not detach %s (will try again later): %s", name, exc)
+        return False
+    finally:
+        watchdog.cancel()
+    return True
+
+
+# How long a concurrent detach may wait (for the transactions already reading the table, or a
+# lock another DDL holds) before it is cancelled; the partition is then left half detached,
+# and the next run finishes the detach (FINALIZE).
+DETACH_TIMEOUT = 300.0
+
+
+def _probe(cursor: Any, parent: str) -> bool:
+    cursor.execute(f'LOCK TABLE "{parent}" IN SHARE UPDATE EXCLUSIVE MODE')
+    return True
+
+
+def _cancel(using: str, statement: str) -> None:
+    """Cancel ``statement`` where it still runs (found by its text, not by a backend pid: behind
+    a pooler the pid of this process's session is not that of the statement's)."""
+    try:
+        with connections[using].cursor() as cursor:
+            cursor.execute(
+                "SELECT count(pg_cancel_backend(pid)) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND state = 'active' AND query = %s",
+                [statement],
+            )
+            if cursor.fetchone()[0]:
+                logger.warning("cancelled after %.0fs: %s", DETACH_TIMEOUT, statement)
+    except DatabaseError as exc:
+        logger.warning("could not cancel %s: %s", statement, exc)
+    finally:
+        connections.close_all()
+
+
+def _drop_detached(using: str, name: str) -> bool:
+    """Drop ``name``, a table no longer attached: a lock on it alone, which nobody holds."""
+
+    def drop(cursor: Any) -> bool:
+        cursor.execute(f'DROP TABLE IF EXISTS "{name}"')
+        return True
+
+    return bool(_ddl(using, f"drop the detached partition {name}", drop))
+
+
+def _leftovers(using: str, before: dt.datetime, spec: DayPartitioned) -> list[str]:
+    """Day tables of ``spec`` no longer attached (detached by a process that died before it
+    dropped them) whose day ended before ``before``."""
+    with connections[using].cursor() as cursor:
+        cursor.execute(
+            "SELECT relname FROM pg_class WHERE relkind = 'r' AND NOT relispartition "
+            "AND relnamespace = current_schema()::regnamespace AND relname ~ %s",
+            [f"^{re.escape(spec.prefix)}[0-9]{{8}}$"],
+        )
+        names = [row[0] for row in cursor.fetchall()]
+    found = []
+    for name in names:
+        day = dt.datetime.strptime(name[len(spec.prefix) :], "%Y%m%d").date()
+        if day_start(day + dt.timedelta(days=1)) <= before:
+            found.append(name)
+    return sorted(found)
+
+
 def drop_expired(using: str, before: dt.datetime, spec: DayPartitioned = INBOX) -> list[Dropped]:
     """Drop every partition of ``spec`` whose whole range lies before ``before``, oldest
-    first; returns what was dropped. Dropping a partition locks the whole table for a moment
-    (inserts wait for it), so the lock is awaited briefly: when it cannot be had (a long
-    transaction holds the table), the rest waits for the next run."""
+    first; returns what was dropped. Each is detached concurrently (see
+    :func:`_detach_concurrently`), then dropped: no step takes a lock that an insert or a
+    claim holds, so none of them waits; the detach itself waits for the transactions that
+    were reading the table when it began. What cannot be done waits for the next run."""
     if not is_partitioned(using, spec):
         return []
     dropped: list[Dropped] = []
+    for name in _leftovers(using, before, spec):
+        if _drop_detached(using, name):
+            logger.info("dropped the detached %s partition %s", spec.label, name)
     for partition in partitions(using, spec):
-        if partition.default or partition.end is None or partition.end > before:
+        if partition.end is None or partition.end > before:
             continue
-
-        def drop(cursor: Any, name: str = partition.name) -> bool:
-            rows = estimated_rows_of(using, [name])
-            cursor.execute(f'DROP TABLE "{name}"')
-            dropped.append(Dropped(name, rows))
-            return True
-
-        what = f"drop the expired {spec.label} partition {partition.name}"
-        if _ddl(using, what, drop) is None:
+        rows = estimated_rows_of(using, [partition.name])
+        if not _detach_concurrently(using, spec.table, partition.name, partition.detaching):
             break
+        if not _drop_detached(using, partition.name):
+            break
+        dropped.append(Dropped(partition.name, rows))
         logger.info("dropped the expired %s partition %s", spec.label, partition.name)
+    if dropped:
+        forget_coverage()  # what ensure_covered read may include what is gone
     return dropped
 
 
 def drop_if_empty(using: str, name: str) -> bool:
-    """Drop the partition ``name`` if it holds no row (a legacy table whose last rows were
-    sent and expired); True if it did."""
-
-    def drop(cursor: Any) -> bool:
+    """Detach and drop the partition ``name`` if it holds no row (a legacy table whose last
+    rows were sent and expired); True if it did."""
+    with connections[using].cursor() as cursor:
+        cursor.execute(
+            "SELECT i.inhparent::regclass::text, i.inhdetachpending FROM pg_inherits i "
+            "WHERE i.inhrelid = to_regclass(%s)",
+            [name],
+        )
+        row = cursor.fetchone()
+        if row is None:
+            return False
+        parent, detaching = row[0].strip('"'), row[1]
         cursor.execute(f'SELECT NOT EXISTS (SELECT 1 FROM "{name}")')  # noqa: S608
         if not cursor.fetchone()[0]:
             return False
-        cursor.execute(f'DROP TABLE "{name}"')
-        return True
-
-    done = bool(_ddl(using, f"drop the empty partition {name}", drop))
+    # No row can come in meanwhile: the legacy tables take only rows of before the cut-over.
+    done = _detach_concurrently(using, parent, name, detaching) and _drop_detached(using, name)
     if done:
         logger.info("dropped the empty partition %s", name)
     return done
@@ -449,8 +656,8 @@ def drop_if_empty(using: str, name: str) -> bool:
 
 def row_partitions(using: str, spec: DayPartitioned = INBOX) -> list[str]:
     """The partitions whose expired rows are deleted one by one rather than dropped whole: the
-    legacy table and the default partition."""
-    found = [p.name for p in partitions(using, spec) if p.default or p.start is None]
+    legacy tables."""
+    found = [p.name for p in partitions(using, spec) if p.start is None]
     if spec.legacy:
         with connections[using].cursor() as cursor:
             cursor.execute(
@@ -502,21 +709,42 @@ def estimated_rows(using: str, table: str = INBOX_TABLE) -> float | None:
 
 # How often a long-running consumer or relay makes sure the coming days have their partitions.
 UPKEEP_INTERVAL = 3600.0
-# ... and how soon it tries again after a failure (the database down at start, say).
+# ... and how soon it tries again after a failure (the database down, another process's DDL
+# holding the table): soon, so that one bad hour does not cost a day.
 UPKEEP_RETRY = 60.0
 
 
 class PartitionUpkeep:
-    """A thread that runs :func:`ensure_partitions` for ``spec`` (the inbox, by default) at
-    once, then every ``interval`` seconds, with a database connection of its own; errors are
-    logged, never raised."""
+    """A thread that keeps the day partitions of ``spec`` (the inbox, by default): at once,
+    then every ``interval`` seconds, it makes the coming ``AHEAD_DAYS`` days
+    (:func:`ensure_partitions`) and, given a ``retention``, drops the days that expired
+    (:func:`drop_expired`), on a database connection of its own. A run that leaves fewer than
+    ``AHEAD_DAYS`` days made or an expired day in place failed: it is tried again after
+    ``retry`` seconds, logged (an ERROR once fewer than ``UPKEEP_WARN_DAYS`` days are left),
+    counted (``reliable_messaging_partition_upkeep_failures_total``), and noted on the
+    process's ``/healthz`` through ``health``. ``clock`` gives "now" (tests move it)."""
 
     def __init__(
-        self, using: str, interval: float = UPKEEP_INTERVAL, spec: DayPartitioned = INBOX
+        self,
+        using: str,
+        interval: float = UPKEEP_INTERVAL,
+        spec: DayPartitioned = INBOX,
+        *,
+        retention: dt.timedelta | None = None,
+        health: HealthState | None = None,
+        retry: float = UPKEEP_RETRY,
+        clock: Callable[[], dt.datetime] | None = None,
     ) -> None:
         self.using = using
         self.interval = interval
         self.spec = spec
+        self.retention = retention
+        self.health = health
+        self.retry = retry
+        self.clock = clock or (lambda: dt.datetime.now(dt.UTC))
+        # Runs that failed in a row, and what the last one found.
+        self.failures = 0
+        self.problem: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"{spec.label}-partitions", daemon=True
@@ -527,26 +755,69 @@ class PartitionUpkeep:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2)
+        self._thread.join(timeout=5)
+
+    def run_once(self) -> bool:
+        """One run of the upkeep; whether it left the partitions as they should be."""
+        now = self.clock()
+        problem: str | None = None
+        try:
+            ensure_partitions(self.using, now=now, spec=self.spec)
+            if self.retention is not None:
+                drop_expired(self.using, now - self.retention, self.spec)
+            ahead = days_ahead(self.using, now, self.spec)
+            if ahead is None:  # not partitioned: nothing to keep
+                return True
+            left = (
+                expired(self.using, now - self.retention, self.spec)
+                if self.retention is not None
+                else []
+            )
+            if ahead < AHEAD_DAYS:
+                problem = f"only {ahead:.1f} day(s) of {self.spec.label} partitions are made ahead"
+            elif left:
+                problem = f"expired {self.spec.label} partition(s) not dropped: {', '.join(left)}"
+            metrics.partition_days_ahead(self.spec.label, ahead)
+        except Exception as exc:  # noqa: BLE001 - the database may be down: tried again soon
+            problem = f"{self.spec.label} partition upkeep failed: {type(exc).__name__}: {exc}"
+            ahead = None
+        finally:
+            connections.close_all()
+        self._record(problem, ahead)
+        return problem is None
+
+    def _record(self, problem: str | None, ahead: float | None) -> None:
+        key = f"{self.spec.label}-partitions"
+        if problem is None:
+            if self.failures:
+                logger.info("%s partition upkeep works again", self.spec.label)
+            self.failures, self.problem = 0, None
+            if self.health is not None:
+                self.health.note(key, None)
+            return
+        self.failures += 1
+        self.problem = problem
+        metrics.partition_upkeep_failed(self.spec.label)
+        urgent = ahead is not None and ahead < UPKEEP_WARN_DAYS
+        logger.log(
+            logging.ERROR if urgent else logging.WARNING,
+            "%s (%d run(s) in a row; trying again in %.0fs)%s",
+            problem,
+            self.failures,
+            self.retry,
+            ": rows of a day with no partition make it on the spot, but find why the upkeep "
+            "fails (docs/operations.md, partition upkeep)"
+            if urgent
+            else "",
+        )
+        if self.health is not None:
+            self.health.note(key, f"{problem} ({self.failures} upkeep run(s) failed in a row)")
 
     def _run(self) -> None:
         try:
             while True:
-                wait = self.interval
-                try:
-                    ensure_partitions(self.using, spec=self.spec)
-                except Exception as exc:  # noqa: BLE001 - the database may be down: retried
-                    wait = min(wait, UPKEEP_RETRY)
-                    logger.warning(
-                        "%s partition upkeep failed, trying again in %.0fs: %s: %s",
-                        self.spec.label,
-                        wait,
-                        type(exc).__name__,
-                        exc,
-                    )
-                finally:
-                    connections.close_all()
-                if self._stop.wait(wait):
+                ok = self.run_once()
+                if self._stop.wait(self.interval if ok else min(self.interval, self.retry)):
                     return
         finally:
             connections.close_all()

@@ -96,6 +96,7 @@ RELIABLE_MESSAGING = {
     # Fault tests of one subprocess tune these through its environment.
     "QUORUM_DELIVERY_LIMIT": int(os.environ.get("RM_TEST_QUORUM_DELIVERY_LIMIT", "50")),
     "PREFETCH": int(os.environ.get("RM_TEST_PREFETCH", "100")),
+    "CONSUMER_BATCH_SIZE": int(os.environ.get("RM_TEST_CONSUMER_BATCH_SIZE", "50")),
     "CRASH_LIMIT": int(os.environ.get("RM_TEST_CRASH_LIMIT", "3")),
     "HANDLER_TIMEOUT": float(os.environ.get("RM_TEST_HANDLER_TIMEOUT", "600")),
     "HANDLER_TIMEOUT_GRACE": float(os.environ.get("RM_TEST_HANDLER_TIMEOUT_GRACE", "10")),

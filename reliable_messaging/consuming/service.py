@@ -182,7 +182,11 @@ class ConsumerService:
     def run(self) -> int:
         """Consume on the calling thread (the connection's thread) until stopped; the exit code."""
         self._start_time_limits()
-        upkeep = PartitionUpkeep(router.db_for_write(ProcessedMessage))
+        upkeep = PartitionUpkeep(
+            router.db_for_write(ProcessedMessage),
+            retention=self.settings.dedup_retention,
+            health=self.health,
+        )
         upkeep.start()
         self._workers.start()
         self._publisher.start()

@@ -23,7 +23,7 @@ from typing import Any
 from django.db import migrations, transaction
 
 from reliable_messaging import partitions
-from reliable_messaging.partitions import DEFAULT, INBOX_TABLE, LEGACY
+from reliable_messaging.partitions import INBOX_TABLE, LEGACY
 
 LEGACY_RANGE = "rm_inbox_legacy_range"
 
@@ -90,9 +90,6 @@ class PartitionInbox(partitions.PartitioningOperation):
             cursor.execute(f'ALTER TABLE "{LEGACY}" DROP CONSTRAINT {LEGACY_RANGE}')
         else:
             cursor.execute(f'DROP TABLE "{LEGACY}"')
-        for statement in partitions.create_partition_sql(DEFAULT, None, None):
-            cursor.execute(statement)
-        cursor.execute(f'ALTER TABLE "{INBOX_TABLE}" ATTACH PARTITION "{DEFAULT}" DEFAULT')
 
     def database_backwards(
         self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any

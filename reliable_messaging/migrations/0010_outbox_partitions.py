@@ -32,7 +32,6 @@ from reliable_messaging import partitions
 from reliable_messaging.partitions import (
     OUTBOX,
     OUTBOX_CURRENT,
-    OUTBOX_DEFAULT,
     OUTBOX_LEGACY,
     OUTBOX_SENT,
     OUTBOX_TABLE,
@@ -71,7 +70,7 @@ def _triggers(cursor: Any, table: str) -> list[tuple[str, str]]:
 
 def _status_level(cursor: Any, table: str) -> None:
     """Make ``table`` (partitioned by status) hold the unsent partition and the sent one, the
-    latter partitioned by day of sent_at with a default partition."""
+    latter partitioned by day of sent_at (no default partition: see ``partitions.py``)."""
     for statement in partitions.outbox_leaf_sql(OUTBOX_UNSENT):
         cursor.execute(statement)
     cursor.execute(
@@ -86,9 +85,6 @@ def _status_level(cursor: Any, table: str) -> None:
         f'ALTER TABLE "{table}" ATTACH PARTITION "{OUTBOX_SENT}" '
         f"FOR VALUES IN ({SENT_SQL})"
     )
-    for statement in partitions.outbox_leaf_sql(OUTBOX_DEFAULT):
-        cursor.execute(statement)
-    cursor.execute(f'ALTER TABLE "{OUTBOX_SENT}" ATTACH PARTITION "{OUTBOX_DEFAULT}" DEFAULT')
 
 
 class PartitionOutbox(partitions.PartitioningOperation):

@@ -20,13 +20,12 @@ every partition under an advisory lock. There the migration
 2. replaces the full unique constraint on ``idempotency_key`` (which holds an entry for every
    NULL) with a partial unique index, keys that are not NULL only, of the same name, on the
    partitions that live as long as the outbox does: the unsent partition (every publish
-   writes there; it is small), the default partition of the sent side (usually empty) and,
-   where there is one, the legacy table (no row is added to it any more, but it lives until
+   writes there; it is small) and, where there is one, the legacy table (no row is added to it any more, but it lives until
    its last failed row is dealt with). Each new index is built CONCURRENTLY before the
    constraint goes (one scan of the table, writes going on; a short lock for the swap), so a
    key is never unguarded.
 
-The day partitions that exist (yesterday to three days ahead, and older ones still kept) keep
+The day partitions that exist (yesterday to the days made ahead, and older ones still kept) keep
 their full constraint, which answers lookups as well: they are dropped whole once expired, and
 swapping their index would lock writes to the day being filled. The days created from now on
 (``partitions.outbox_leaf_sql``) get the partial index, ``<leaf>_idem`` as before; until the
@@ -53,7 +52,6 @@ from reliable_messaging.migration_ops import (
     outbox_tree,
 )
 from reliable_messaging.partitions import (
-    OUTBOX_DEFAULT,
     OUTBOX_LEGACY,
     OUTBOX_TABLE,
     OUTBOX_UNSENT,
@@ -63,7 +61,7 @@ COLUMN = "idempotency_key"
 # The name Django gave the varchar_pattern_ops index (0002), given back by the reverse.
 LIKE_INDEX = "reliable_messaging_outboxmessage_idempotency_key_e3557cfe_like"
 # The partitions whose full unique constraint is swapped (see the docstring).
-SWAPPED = (OUTBOX_UNSENT, OUTBOX_DEFAULT, OUTBOX_LEGACY)
+SWAPPED = (OUTBOX_UNSENT, OUTBOX_LEGACY)
 
 
 def _key_constraint(connection: Any, table: str) -> str | None:

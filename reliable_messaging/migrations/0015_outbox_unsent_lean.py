@@ -18,8 +18,7 @@ An index of a partitioned table cannot be detached from its partitions', nor dro
 of them: the whole outbox's index goes at once, with its copy on every partition. So, for each
 of the two, on a live system:
 
-1. a new index is built CONCURRENTLY on every partition of the sent side (each day and the
-   default) and, where there is one, on the legacy table (0010: it still holds sent rows,
+1. a new index is built CONCURRENTLY on every partition of the sent side (each day) and, where there is one, on the legacy table (0010: it still holds sent rows,
    deleted in batches once expired, and may be searched; it keeps an index of its own), while
    publishes and the relay go on writing;
 2. in one short transaction, an index is created on the sent side alone (ON ONLY: no build) and

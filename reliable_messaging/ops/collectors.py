@@ -40,6 +40,7 @@ speaks AMQP.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import threading
 import time
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 from django.db import DatabaseError, connections, router
 from django.db.models import DurationField, ExpressionWrapper, F, Model
 from django.db.models.functions import Now
+from django.utils import timezone
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
@@ -59,6 +61,7 @@ from ..broker.queues import (
     monitored_queues,
     queues_from_amqp,
 )
+from ..conf import MessagingSettings, messaging_settings
 from ..models import DeadLetter, DeadLetterGroup, OutboxMessage, OutboxStatus, ProcessedMessage
 from ..registry import ConsumerSpec, registry
 
@@ -87,6 +90,10 @@ class DatabaseStatus:
     inbox_rows: int = 0
     # Whether inbox_rows is PostgreSQL's estimate of a large inbox (see inbox_rows).
     inbox_estimated: bool = False
+    # On PostgreSQL, per day-partitioned table ("inbox", "outbox"): the days its partitions
+    # are made ahead, and its partitions kept past their retention (see partition_upkeep).
+    partition_days_ahead: tuple[tuple[str, float], ...] = ()
+    overdue_partitions: tuple[str, ...] = ()
 
     @property
     def dead_letters_total(self) -> int:
@@ -140,6 +147,35 @@ def inbox_rows(alias: str) -> tuple[float, bool]:
     return float(rows.count()), False
 
 
+# How long an expired day partition may stay before it is overdue: the upkeep (hourly) drops
+# it on its next run, or a purge does.
+OVERDUE_AFTER = dt.timedelta(seconds=2 * partitions.UPKEEP_INTERVAL)
+
+
+def partition_upkeep(
+    using: str, settings: MessagingSettings = messaging_settings
+) -> tuple[tuple[tuple[str, float], ...], tuple[str, ...]]:
+    """What the partition upkeep left, read from the catalog whichever process runs it: per
+    day-partitioned table, the days made ahead of now; and the partitions whose day expired
+    (past ``DEDUP_RETENTION`` or ``OUTBOX_RETENTION``) more than ``OVERDUE_AFTER`` ago. Both
+    empty where nothing is partitioned (SQLite)."""
+    if connections[using].vendor != "postgresql":
+        return (), ()
+    now = timezone.now()
+    ahead: list[tuple[str, float]] = []
+    overdue: list[str] = []
+    for spec, retention in (
+        (partitions.INBOX, settings.dedup_retention),
+        (partitions.OUTBOX, settings.outbox_retention),
+    ):
+        days = partitions.days_ahead(using, now, spec)
+        if days is None:
+            continue
+        ahead.append((spec.label, round(days, 2)))
+        overdue += partitions.expired(using, now - retention - OVERDUE_AFTER, spec)
+    return tuple(ahead), tuple(overdue)
+
+
 def database_status(using: str | None = None) -> DatabaseStatus:
     """Outbox, dead-letter and inbox figures; ``reachable=False`` with the error when the
     database cannot be queried. On PostgreSQL the inbox's rows are estimated, as the scrape
@@ -151,6 +187,7 @@ def database_status(using: str | None = None) -> DatabaseStatus:
         dead = DeadLetterGroup.objects.using(using).dead_counts()
         pending = outbox.pending().count()
         inbox = inbox_rows(using)
+        days_ahead, overdue = partition_upkeep(using)
         return DatabaseStatus(
             alias=using,
             reachable=True,
@@ -163,6 +200,8 @@ def database_status(using: str | None = None) -> DatabaseStatus:
             ),
             inbox_rows=round(inbox[0]),
             inbox_estimated=inbox[1],
+            partition_days_ahead=days_ahead,
+            overdue_partitions=overdue,
         )
     except DatabaseError as exc:
         # Closed so the next attempt (a health probe in a long-lived process) starts afresh;
@@ -247,6 +286,22 @@ class DatabaseCollector:
             "reliable_messaging_inbox_messages",
             "Inbox rows (processed messages kept for deduplication); estimated on PostgreSQL.",
             value=inbox_rows(self._alias(ProcessedMessage))[0],
+        )
+
+        days_ahead, overdue = partition_upkeep(self._alias(ProcessedMessage))
+        ahead = GaugeMetricFamily(
+            "reliable_messaging_partition_days_ahead",
+            "Days of day partitions made ahead of now (PostgreSQL), by table; the upkeep keeps "
+            f"it above {partitions.AHEAD_DAYS}, each day it fails takes one away.",
+            labels=["table"],
+        )
+        for table, days in days_ahead:
+            ahead.add_metric([table], days)
+        yield ahead
+        yield GaugeMetricFamily(
+            "reliable_messaging_partitions_overdue",
+            "Day partitions kept past their retention and the upkeep's next run (PostgreSQL).",
+            value=len(overdue),
         )
 
 

@@ -44,6 +44,7 @@ from ..broker.queues import (
 )
 from ..broker.replies import NOT_FOUND
 from ..conf import MessagingSettings, messaging_settings
+from ..partitions import UPKEEP_WARN_DAYS
 from ..registry import ConsumerSpec
 from .collectors import DatabaseStatus, DeadLetterCount, database_status
 
@@ -119,12 +120,16 @@ class Thresholds:
     max_redelivery_rate: float | None = None
     min_consumers: int = 0
     max_leftover_messages: int | None = None
+    min_partition_days_ahead: float | None = None
+    max_overdue_partitions: int | None = None
 
     @classmethod
     def strict(cls) -> Thresholds:
         """Everything that needs a person: a relay a minute behind, any failed outbox row, any
         dead letter awaiting review, 1,000 messages ready in a queue, a fifth of the deliveries
-        coming back, any message in a queue an earlier shape of a consumer left."""
+        coming back, any message in a queue an earlier shape of a consumer left, a partition
+        upkeep that has failed for about a day (fewer than ``UPKEEP_WARN_DAYS`` days of
+        partitions made ahead, days before they run out) or left an expired day in place."""
         return cls(
             max_outbox_lag=OUTBOX_LAG_STRICT_LIMIT,
             max_outbox_failed=0,
@@ -132,6 +137,8 @@ class Thresholds:
             max_ready=1000,
             max_redelivery_rate=0.2,
             max_leftover_messages=0,
+            min_partition_days_ahead=UPKEEP_WARN_DAYS,
+            max_overdue_partitions=0,
         )
 
 
@@ -200,6 +207,10 @@ class MessagingStatus:
                     "by_consumer_and_reason": [asdict(d) for d in db.dead_letters],
                 },
                 "inbox": {"rows": db.inbox_rows},
+                "partitions": {
+                    "days_ahead": dict(db.partition_days_ahead),
+                    "overdue": list(db.overdue_partitions),
+                },
             },
             "thresholds": asdict(self.thresholds),
             "problems": [asdict(p) for p in self.problems],
@@ -237,6 +248,28 @@ def find_problems(
                     "max_outbox_failed",
                     f"{database.outbox_failed:,} outbox row(s) failed and will not be sent "
                     f"until retried in the admin (limit {thresholds.max_outbox_failed or 0:,})",
+                )
+            )
+        limit = thresholds.min_partition_days_ahead
+        for table, days in database.partition_days_ahead:
+            if limit is not None and days < limit:
+                found.append(
+                    Problem(
+                        "min_partition_days_ahead",
+                        f"only {days:.1f} day(s) of {table} partitions are made ahead (at "
+                        f"least {limit:g} expected): the partition upkeep of the "
+                        f"{'consume' if table == 'inbox' else 'relay'} processes is failing; "
+                        "their log says why (docs/operations.md, partition upkeep)",
+                    )
+                )
+        overdue = len(database.overdue_partitions)
+        if _over(overdue, thresholds.max_overdue_partitions):
+            found.append(
+                Problem(
+                    "max_overdue_partitions",
+                    f"{overdue} expired partition(s) not dropped "
+                    f"({', '.join(database.overdue_partitions)}): the partition upkeep is "
+                    "failing; the log of the consume and relay processes says why",
                 )
             )
         if _over(database.dead_letters_total, thresholds.max_dead_letters):

@@ -28,10 +28,11 @@ from django.db import DatabaseError, connections, transaction
 from django.db.models import BigIntegerField, DurationField, F, Min, Value
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Now
+from django.utils import timezone
 
 from ..conf import MessagingSettings
 from ..models import OutboxMessage, OutboxStatus
-from ..partitions import UNSENT_STATUSES, row_moved
+from ..partitions import OUTBOX, UNSENT_STATUSES, ensure_covered, row_moved
 
 # Logged under the relay's name, the one users' logging configuration knows.
 logger = logging.getLogger("reliable_messaging.relay")
@@ -412,6 +413,9 @@ class OutboxClaims:
     def _write_outcome(self, outcome: BatchOutcome, leased: bool) -> None:
         # Marking a row sent moves it to the sent side of the partitioned outbox.
         outbox = OutboxMessage.objects.using(self.using).filter(status__in=UNSENT)
+        if outcome.sent or outcome.unrouted:
+            # A day with no partition (every upkeep failing for days) is made here first.
+            ensure_covered(self.using, timezone.now(), OUTBOX)
         if outcome.sent:
             outbox.filter(pk__in=any_id_of(self.using, outcome.sent)).update(
                 status=OutboxStatus.SENT, sent_at=Now(), last_error=""

@@ -35,11 +35,14 @@ leftover queue. Any ``--max-*`` given sets that threshold in either mode.
                    "lag_seconds": 0.4},                 # subscribed to; never a problem
         "dead_letters": {"total": 2, "by_consumer_and_reason": [
           {"consumer": "billing.charge-order", "reason": "permanent", "count": 2}]},
-        "inbox": {"rows": 120345}
+        "inbox": {"rows": 120345},
+        "partitions": {"days_ahead": {"inbox": 7.6, "outbox": 7.6},  # PostgreSQL: made
+                       "overdue": []}               # ahead; expired days not dropped
       },
       "thresholds": {"max_outbox_lag": 60.0, "max_outbox_failed": 0, "max_dead_letters": 0,
                      "max_ready": 1000, "max_redelivery_rate": 0.2, "min_consumers": 0,
-                     "max_leftover_messages": 0},    # --strict; null: not judged
+                     "max_leftover_messages": 0, "min_partition_days_ahead": 6,
+                     "max_overdue_partitions": 0},   # --strict; null: not judged
       "problems": [{"threshold": "max_dead_letters",
                     "message": "2 dead letter(s) await review (limit 0)"}]
     }
@@ -170,6 +173,22 @@ class Command(BaseCommand):
             f"({_limits('max_leftover_messages')})",
         )
         parser.add_argument(
+            "--min-partition-days-ahead",
+            type=float,
+            default=None,
+            metavar="DAYS",
+            help="days of inbox and outbox day partitions made ahead, PostgreSQL "
+            f"({_limits('min_partition_days_ahead')})",
+        )
+        parser.add_argument(
+            "--max-overdue-partitions",
+            type=int,
+            default=None,
+            metavar="N",
+            help="expired day partitions the upkeep has not dropped, PostgreSQL "
+            f"({_limits('max_overdue_partitions')})",
+        )
+        parser.add_argument(
             "--strict",
             action="store_true",
             help="judge what needs a person too (dead letters, failed outbox rows, backlogs, "
@@ -284,4 +303,8 @@ class Command(BaseCommand):
             f"Inbox: {db.inbox_rows:,} processed message(s) remembered"
             + (" (estimated)" if db.inbox_estimated else "")
         )
+        if db.partition_days_ahead:
+            made = ", ".join(f"{table} {days:.1f}" for table, days in db.partition_days_ahead)
+            overdue = len(db.overdue_partitions)
+            lines.append(f"Day partitions made ahead (days): {made}; {overdue} expired not dropped")
         return lines

@@ -111,7 +111,12 @@ class Command(BaseCommand):
             progress = RelayProgress(relays, options["progress_interval"])
             progress.start()
         # On PostgreSQL the sent rows go into a partition per day, made ahead of time.
-        upkeep = PartitionUpkeep(router.db_for_write(OutboxMessage), spec=OUTBOX)
+        upkeep = PartitionUpkeep(
+            router.db_for_write(OutboxMessage),
+            spec=OUTBOX,
+            retention=relays[0].settings.outbox_retention,
+            health=relays[0].health,
+        )
         upkeep.start()
         # The admin's bulk replays and discards, carried out beside the lanes in a process of
         # their own (dead_letters/operation_process.py). It wakes the lanes after each batch's

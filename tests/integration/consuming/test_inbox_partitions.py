@@ -24,7 +24,7 @@ from reliable_messaging.core.envelope import Delivery, Message, encode_payload
 from reliable_messaging.core.outcomes import Acknowledge
 from reliable_messaging.exactly_once import insert_inbox_row
 from reliable_messaging.models import ProcessedMessage
-from reliable_messaging.partitions import DEFAULT, INBOX_TABLE, LEGACY
+from reliable_messaging.partitions import INBOX_TABLE, LEGACY
 from reliable_messaging.registry import ConsumerSpec
 from reliable_messaging.retention import purge_messages
 from tests.support import wait_until
@@ -63,7 +63,6 @@ def test_the_inbox_is_partitioned_by_day_with_the_coming_days_ready() -> None:
     found = names()
     for offset in range(-1, partitions.AHEAD_DAYS + 1):
         assert partitions.day_name(today() + offset * DAY) in found
-    assert found[-1] == DEFAULT
     put("c", "now", timezone.now())
     assert where("c", "now") == [partitions.day_name(today())]
     # Making sure again creates nothing.
@@ -198,14 +197,20 @@ def test_two_copies_at_once_either_side_of_midnight_take_effect_once(
     assert where(name, "m-night") == [partitions.day_name(before_midnight.date())]
 
 
-def test_a_row_with_no_partition_of_its_day_is_kept_then_moved_into_it() -> None:
+def test_a_claim_on_a_day_with_no_partition_makes_it_on_the_spot() -> None:
+    """No default partition: a claim stamped on a day nobody made (every upkeep failing for
+    longer than the days made ahead, or a clock far ahead) makes its day first."""
     later = timezone.now() + 30 * DAY
-    put("c", "from-the-future", later)
-    assert where("c", "from-the-future") == [DEFAULT]
-    with transaction.atomic():
-        assert insert_inbox_row("default", "c", "from-the-future") is False
-    created = partitions.ensure_partitions("default", now=later)
-    assert partitions.day_name(later.date()) in created
+    assert partitions.day_name(later.date()) not in names()
+    partitions.forget_coverage()
+    try:
+        with mock.patch("reliable_messaging.exactly_once.timezone.now", return_value=later):
+            with transaction.atomic():
+                assert insert_inbox_row("default", "c", "from-the-future") is True
+            with transaction.atomic():
+                assert insert_inbox_row("default", "c", "from-the-future") is False
+    finally:
+        partitions.forget_coverage()
     assert where("c", "from-the-future") == [partitions.day_name(later.date())]
 
 
@@ -257,7 +262,6 @@ def test_purge_drops_expired_days_whole_and_deletes_only_stray_rows(
     for days_ago in (9, 8, 3):
         for n in range(5):
             put("c", f"d{days_ago}-{n}", timezone.now() - days_ago * DAY)
-    put("c", "stray", timezone.now() - 40 * DAY)  # no partition: in the default one
     put("c", "recent", timezone.now())
     with connection.cursor() as cursor:
         cursor.execute(f"ANALYZE {INBOX_TABLE}")
@@ -267,48 +271,74 @@ def test_purge_drops_expired_days_whole_and_deletes_only_stray_rows(
         result = purge_messages()
     deletes = [q["sql"] for q in queries.captured_queries if q["sql"].startswith("DELETE")]
     others = ("outboxmessage", "suspect", "deadlettergroup")  # the last: empty failure groups
-    assert all(DEFAULT in sql or any(name in sql for name in others) for sql in deletes)
+    assert all(any(name in sql for name in others) for sql in deletes), deletes
     # Every day that ended more than a day ago is gone; yesterday's is kept.
     remaining = names()
     assert not set(old) & set(remaining), remaining
     assert partitions.day_name(today() - DAY) in remaining
     assert set(result.inbox_partitions) == set(old)
-    assert result.inbox == 16  # 15 estimated in the dropped days, 1 stray row deleted
+    assert result.inbox == 15  # estimated in the dropped days
     assert set(ProcessedMessage.objects.values_list("message_id", flat=True)) == {"recent"}
 
 
-def test_purge_waits_no_longer_than_its_lock_timeout_for_a_busy_inbox() -> None:
-    """A transaction holding the inbox (a handler running long) makes the drop give up after
-    DDL_LOCK_TIMEOUT and leave the day for the next run, instead of queueing every insert
-    behind it."""
+def test_purge_drops_a_day_a_long_transaction_reads_once_it_ends_and_claims_go_on() -> None:
+    """A transaction reading the inbox (a batch running long) does not stop the purge: the
+    expired day is detached concurrently, which waits for that transaction to end without
+    making the claims that start meanwhile wait, and then dropped."""
     partitions.ensure_partitions("default", now=timezone.now() - 10 * DAY)
+    expired_day = partitions.day_name(today() - 9 * DAY)
     holding = threading.Event()
     done = threading.Event()
+    purged: list[object] = []
 
     def hold() -> None:
         try:
             with transaction.atomic():
-                put("c", "busy", timezone.now())
+                assert insert_inbox_row("default", "c", "busy")  # reads every partition
                 holding.set()
-                done.wait(15)
+                done.wait(20)
         finally:
             connection.close()
 
-    thread = threading.Thread(target=hold)
-    thread.start()
+    def purge() -> None:
+        try:
+            purged.append(purge_messages())
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    purger = threading.Thread(target=purge)
     try:
         assert holding.wait(10)
-        started = time.monotonic()
-        result = purge_messages()
-        elapsed = time.monotonic() - started
+        purger.start()
+        # The detach is under way (it waits for the holder); claims go on meanwhile.
+        wait_until(_detaching, timeout=10)
+        for n in range(5):
+            with transaction.atomic():
+                assert insert_inbox_row("default", "c", f"meanwhile-{n}")
+        assert not done.is_set() and holder.is_alive() and purger.is_alive()
     finally:
         done.set()
-        thread.join(15)
-    assert result.inbox_partitions == ()
-    # A few short waits, then the drops are left for the next run.
-    assert elapsed < partitions.DDL_ATTEMPTS * (0.5 + partitions.DDL_RETRY_AFTER) + 3
-    assert partitions.day_name(today() - 9 * DAY) in names()
-    assert set(purge_messages().inbox_partitions) >= {partitions.day_name(today() - 9 * DAY)}
+        holder.join(20)
+        purger.join(30)
+    assert purged, "the purge did not finish after the long transaction ended"
+    assert expired_day in purged[0].inbox_partitions  # type: ignore[attr-defined]
+    assert expired_day not in names()
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT to_regclass(%s)", [expired_day])
+        assert cursor.fetchone()[0] is None
+
+
+def _detaching() -> bool:
+    """Whether a DETACH ... CONCURRENTLY waits for the transactions that read the table."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE query LIKE %s "
+            "AND wait_event_type = 'Lock')",
+            ["%DETACH PARTITION%CONCURRENTLY%"],
+        )
+        return bool(cursor.fetchone()[0])
 
 
 def rows_by_partition() -> dict[str, set[str]]:
@@ -356,7 +386,9 @@ def test_the_migration_converts_a_populated_inbox_in_place_and_back() -> None:
     assert LEGACY in names()
     assert LEGACY in purge_messages(now=after + 2 * DAY).inbox_partitions
 
-    # And back: one plain table with every row and the unique constraint.
+    # And back: one plain table with every row and the unique constraint. (The purge's clock
+    # was days ahead: it dropped the legacy table, today's partition, too.)
+    partitions.ensure_partitions("default")
     put("c", "new-3", timezone.now())
     call_command("migrate", "reliable_messaging", "0008", stdout=out)
     assert not partitions.is_partitioned("default")

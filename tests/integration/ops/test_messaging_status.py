@@ -128,7 +128,11 @@ def backlog(queue: str) -> str:
         message_id="m-failed", routing_key="x.y", body="{}", status=OutboxStatus.FAILED
     )
     OutboxMessage.objects.create(
-        message_id="m-sent", routing_key="x.y", body="{}", status=OutboxStatus.SENT
+        message_id="m-sent",
+        routing_key="x.y",
+        body="{}",
+        status=OutboxStatus.SENT,
+        sent_at=timezone.now(),
     )
     DeadLetter.objects.create(
         message_id="m-dead", consumer=CONSUMER, queue=queue, reason="permanent", body=b"{}"

@@ -15,7 +15,6 @@ from reliable_messaging.models import OutboxMessage
 from reliable_messaging.partitions import (
     OUTBOX,
     OUTBOX_CURRENT,
-    OUTBOX_DEFAULT,
     OUTBOX_LEGACY,
     OUTBOX_TABLE,
     OUTBOX_UNSENT,
@@ -88,7 +87,7 @@ def test_no_pattern_index_and_a_partial_unique_key_index_on_each_new_partition(
     far_day: str,
 ) -> None:
     assert pattern_indexes() == []
-    for table in (OUTBOX_UNSENT, OUTBOX_DEFAULT, far_day):
+    for table in (OUTBOX_UNSENT, far_day):
         assert key_indexes(table) == {f"{table}_idem": f"UNIQUE btree {PARTIAL}"}, table
 
 
@@ -114,7 +113,7 @@ def test_the_unsent_partition_refuses_a_key_twice_and_stores_nothing_without_one
 
 
 def test_the_migration_goes_back_to_0013_and_forward_again() -> None:
-    days = [p.name for p in partitions.partitions("default", OUTBOX) if not p.default]
+    days = [p.name for p in partitions.partitions("default", OUTBOX)]
     migrate("0013")
     # What 0013 left: the pattern index on every partition, a full unique constraint on each.
     assert LIKE_INDEX in pattern_indexes()
@@ -127,7 +126,7 @@ def test_the_migration_goes_back_to_0013_and_forward_again() -> None:
     migrate()
     assert pattern_indexes() == []
     assert_valid_indexes()
-    for table in (OUTBOX_UNSENT, OUTBOX_DEFAULT):
+    for table in (OUTBOX_UNSENT,):
         assert key_constraint(table) is None
         assert key_indexes(table) == {f"{table}_idem": f"UNIQUE btree {PARTIAL}"}, table
     # The days that exist keep their full constraint until they expire.

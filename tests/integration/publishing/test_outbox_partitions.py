@@ -25,7 +25,6 @@ from reliable_messaging.models import OutboxMessage, OutboxStatus
 from reliable_messaging.partitions import (
     OUTBOX,
     OUTBOX_CURRENT,
-    OUTBOX_DEFAULT,
     OUTBOX_LEGACY,
     OUTBOX_TABLE,
     OUTBOX_UNSENT,
@@ -122,7 +121,7 @@ def test_the_relay_reads_and_writes_the_unsent_partition_only(ob: OutboxEnv) -> 
         with connection.cursor() as cursor:
             cursor.execute(f"EXPLAIN {sql}", params)
             plan = "\n".join(row[0] for row in cursor.fetchall())
-        assert "_p20" not in plan and OUTBOX_DEFAULT not in plan, (sql, plan)
+        assert "_p20" not in plan, (sql, plan)
     assert {where(m) for m in keyed} == {partitions.day_name(today(), OUTBOX)}
 
 
@@ -277,24 +276,22 @@ def test_purge_drops_expired_days_of_sent_rows_whole_and_keeps_every_unsent_row(
         for n in range(4):
             sent_row(f"d{days_ago}-{n}", timezone.now() - days_ago * DAY)
     sent_row("unrouted-9", timezone.now() - 9 * DAY, status="unrouted")
-    sent_row("stray", timezone.now() - 40 * DAY)  # no partition of its day: the default
     sent_row("recent", timezone.now())
     old_failed = OutboxMessage.objects.create(
         message_id="old-failed", routing_key="x", body="{}", status="failed"
     )
     OutboxMessage.objects.filter(pk=old_failed.pk).update(created_at=timezone.now() - 30 * DAY)
     OutboxMessage.objects.create(message_id="pending", routing_key="x", body="{}")
-    assert where("stray") == OUTBOX_DEFAULT
     old = [partitions.day_name(today() - n * DAY, OUTBOX) for n in range(11, 1, -1)]
     with CaptureQueriesContext(connection) as queries:
         result = purge_messages()
     deletes = [q["sql"] for q in queries.captured_queries if q["sql"].startswith("DELETE")]
-    assert all(OUTBOX_DEFAULT in sql for sql in deletes if "outboxmessage" in sql), deletes
+    assert not [sql for sql in deletes if "outboxmessage" in sql], deletes
     remaining = [p.name for p in partitions.partitions("default", OUTBOX)]
     assert not set(old) & set(remaining), remaining
     assert partitions.day_name(today() - DAY, OUTBOX) in remaining
     assert set(result.outbox_partitions) == set(old)
-    assert result.outbox == 14  # 13 in the dropped days (never analyzed: counted), 1 stray
+    assert result.outbox == 13  # in the dropped days (never analyzed: counted)
     assert set(OutboxMessage.objects.values_list("message_id", flat=True)) == {
         "recent",
         "old-failed",
