@@ -9,14 +9,11 @@ at the end unless ``--keep-db``.)
 On PostgreSQL the outbox keeps its sent rows in one partition per UTC day of ``sent_at`` and
 ``purge_messages()`` drops the expired days whole, so what the purge costs should not depend
 on how many rows expired, and a relay running meanwhile should keep at least 90% of its
-throughput. This measures both, for two ways of getting rid of the same ``--expired-rows``
+throughput. This measures both, for ``--expired-rows``
 expired sent rows:
 
 - **drop**: the rows were sent on two expired days that have their day partitions (as on a
   system whose partitions were made ahead of time); the purge drops those partitions.
-- **delete**: the rows were sent on expired days that have no partition, so they sit in the
-  default partition and the purge deletes them in batches of 5,000: what every purge did
-  before the outbox was partitioned, kept here for comparison.
 
 Before each purge the expired rows are loaded with ``INSERT ... SELECT`` from
 ``generate_series``, then the outbox is ``VACUUM ANALYZE``d (as autovacuum would after a bulk
@@ -52,8 +49,7 @@ from typing import Any
 from _common import BENCH_DB, describe_machine, drop_database, recreate_database, setup_django
 from scale import BODY_SQL, COLUMNS, execute, publish_measured, run_relay_child, table
 
-# "delete" measured expired rows kept in a default partition and deleted in batches; the
-# tables have no default partition any more (partitions.py), so only "drop" is run.
+# The tables have no default partition: expired rows always sit in day partitions, dropped whole.
 METHODS: tuple[str, ...] = ("drop",)
 DAY = dt.timedelta(days=1)
 LOAD_CHUNK = 500_000

@@ -7,14 +7,11 @@
 
 On PostgreSQL the inbox is partitioned by UTC day and ``purge_messages()`` drops its expired
 days whole, so what the purge costs should not depend on how many rows expired, and a consumer
-running meanwhile should keep at least 90% of its throughput. This measures both, for two ways
-of getting rid of the same ``--expired-rows`` expired rows:
+running meanwhile should keep at least 90% of its throughput. This measures both, for the way
+of getting rid of ``--expired-rows`` expired rows that every purge now takes:
 
 - **drop**: the rows are stamped in two expired days that have their day partitions (as on a
   system whose partitions were made ahead of time); the purge drops those partitions.
-- **delete**: the rows are stamped in expired days that have no partition, so they sit in the
-  default partition and the purge deletes them in batches of 5,000: what every purge did
-  before the inbox was partitioned, kept here for comparison.
 
 The inbox is emptied first (and the pre-partitioning table a bench database migrated from an
 older version keeps is dropped), every day of the last ``DEDUP_RETENTION`` + 3 days gets its
@@ -58,8 +55,7 @@ import pika
 from _common import BENCH_DB, describe_machine, setup_django
 from consume import BROKER, FILL_CHUNK, UUID7_SQL, fill, new_ids, run_service
 
-# "delete" measured expired rows kept in a default partition and deleted in batches; the
-# tables have no default partition any more (partitions.py), so only "drop" is run.
+# The tables have no default partition: expired rows always sit in day partitions, dropped whole.
 METHODS: tuple[str, ...] = ("drop",)
 DAY = dt.timedelta(days=1)
 
