@@ -7,8 +7,8 @@
 
 On PostgreSQL the inbox is partitioned by UTC day and ``purge_messages()`` drops its expired
 days whole, so what the purge costs should not depend on how many rows expired, and a consumer
-running meanwhile should keep at least 90% of its throughput. This measures both, for the way
-of getting rid of ``--expired-rows`` expired rows that every purge now takes:
+running meanwhile should keep at least 90% of its throughput. This measures both, for
+``--expired-rows`` expired rows:
 
 - **drop**: the rows are stamped in two expired days that have their day partitions (as on a
   system whose partitions were made ahead of time); the purge drops those partitions.
