@@ -130,3 +130,29 @@ def running(pools: Mapping[str, str] | None = None) -> Iterator[PgBouncer]:
         yield bouncer
     finally:
         bouncer.stop()
+
+
+@contextlib.contextmanager
+def routed(host: str, port: int, name: str, alias: str = "default") -> Iterator[None]:
+    """Send this process's connections to ``alias`` (and the subprocesses' whose URL the tests
+    build from it) to ``host:port/name`` until the block ends: every connection of the alias
+    opened after this point, on any thread, goes there."""
+    from django.db import connections
+
+    from reliable_messaging.publishing.wake_after_commit import sender
+
+    settings_dict = connections[alias].settings_dict
+    saved = {key: settings_dict.get(key) for key in ("HOST", "PORT", "NAME")}
+
+    def reconnect() -> None:
+        connections[alias].close()
+        sender.flush(timeout=5)
+        sender.close()  # it reads the connection parameters afresh
+
+    reconnect()
+    settings_dict.update(HOST=host, PORT=port, NAME=name)
+    try:
+        yield
+    finally:
+        reconnect()
+        settings_dict.update(saved)

@@ -103,6 +103,10 @@ RELIABLE_MESSAGING = {
     "HEARTBEAT": int(os.environ.get("RM_TEST_HEARTBEAT", "60")),
     "INBOX_LOCK_TIMEOUT": float(os.environ.get("RM_TEST_INBOX_LOCK_TIMEOUT", "2")),
 }
+if os.environ.get("RM_TEST_PGBOUNCER"):
+    # The run through a transaction-pooling PgBouncer (tests/conftest.py points DATABASES at it
+    # once it runs): the relays LISTEN on a direct session, as docs/deploy.md tells users to.
+    RELIABLE_MESSAGING["RELAY_LISTEN_DSN"] = "host=127.0.0.1 port=5432"
 
 LOGGING = {
     "version": 1,

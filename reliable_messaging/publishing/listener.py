@@ -44,7 +44,8 @@ def listen_conninfo(using: str, dsn: str | None = None) -> str:
         if key not in _DRIVER_ONLY_PARAMS and value is not None
     }
     if dsn:
-        params.update(psycopg.conninfo.conninfo_to_dict(dsn))
+        given = psycopg.conninfo.conninfo_to_dict(dsn).items()
+        params.update({key: str(value) for key, value in given if value is not None})
     params.setdefault("connect_timeout", "5")
     return psycopg.conninfo.make_conninfo(**params)
 
@@ -76,6 +77,14 @@ class OutboxListener:
             payloads.append(notify.extra.decode(errors="replace"))
         return payloads
 
+    def unlisten(self) -> None:
+        """Best effort: through a transaction pooler the LISTEN stayed on a server connection
+        the pooler hands to others; this reaches that one when the pooler reuses it."""
+        try:
+            self.connection.execute(f"UNLISTEN {NOTIFY_CHANNEL}")
+        except Exception:
+            logger.debug("error sending UNLISTEN", exc_info=True)
+
     def close(self) -> None:
         try:
             self.connection.close()
@@ -105,8 +114,9 @@ class WakeUps:
     :attr:`listening` only once a probe reached it: a NOTIFY carrying a token of its own, sent
     by ``send_probe`` the way publishers send their wake-ups, when it opens and every
     :data:`PROBE_INTERVAL` after. A probe that does not arrive within :data:`PROBE_TIMEOUT`
-    is said once in the log and noted in ``health`` (``/healthz``), and the relay polls every
-    ``RELAY_POLL_INTERVAL`` until a probe arrives."""
+    is said once in the log and noted in ``health`` (``/healthz``); the deaf listener UNLISTENs
+    and closes, a fresh one is tried every :data:`PROBE_INTERVAL`, and meanwhile the relay polls
+    every ``RELAY_POLL_INTERVAL``."""
 
     def __init__(
         self,
@@ -178,6 +188,13 @@ class WakeUps:
         if self._probe is not None and now >= self._probe_deadline:
             self._probe = None
             self._on_probe_lost()
+            # A deaf listener is no use, and through a pooler its LISTEN sits on a connection
+            # others get: take it back, and try a fresh one (and its probe) later.
+            if self._listener is not None:
+                self._listener.unlisten()
+            self.close()
+            self._retry_at = now + PROBE_INTERVAL
+            return
         if self._probe is None and now >= self._next_probe:
             self._probe = uuid.uuid4().hex
             self._probe_deadline = now + PROBE_TIMEOUT

@@ -170,7 +170,7 @@ class WakeUpSender:
         # and behind a transaction-pooling PgBouncer (before 1.21) the next server connection
         # has no such statement (or another client's statement of that name).
         return psycopg.connect(
-            self._conninfo[using],
+            self._conninfo.get(using) or listen_conninfo(using),  # close() may have cleared it
             autocommit=True,
             connect_timeout=CONNECT_TIMEOUT,
             prepare_threshold=None,
@@ -193,9 +193,11 @@ class WakeUpSender:
         return False
 
     def close(self) -> None:
-        """Close the sender's connections (the thread stays, idle, and reconnects if asked)."""
+        """Close the sender's connections (the thread stays, idle, and reconnects if asked,
+        with the connection parameters read afresh)."""
         with self._send_lock:
             connections_, self._connections = self._connections, {}
+            self._conninfo = {}
         for connection in connections_.values():
             _close(connection)
 
