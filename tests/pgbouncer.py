@@ -93,7 +93,9 @@ class PgBouncer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"pgbouncer exited ({self.process.returncode}): {self.logs()}")
+                raise RuntimeError(
+                    f"pgbouncer exited ({self.process.returncode}): {self.logs()[-2000:]}"
+                )
             with (
                 contextlib.suppress(OSError),
                 socket.create_connection(("127.0.0.1", self.port), timeout=1),
@@ -107,7 +109,7 @@ class PgBouncer:
 
     def logs(self) -> str:
         try:
-            return self.log.read_text(errors="replace")[-4000:]
+            return self.log.read_text(errors="replace")
         except OSError:
             return ""
 
