@@ -69,6 +69,9 @@ class PgBouncer:
                     # The pooler as most deploy it: nothing reset between clients in
                     # transaction mode (server_reset_query applies to session mode only).
                     "ignore_startup_parameters = extra_float_digits,options",
+                    # Idle server connections handed out oldest first: a client's successive
+                    # transactions move between them, as on a busy pooler.
+                    "server_round_robin = 1",
                     "",
                 ]
             )

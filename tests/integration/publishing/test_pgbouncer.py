@@ -85,18 +85,19 @@ def test_wake_ups_keep_working_past_the_prepare_threshold(
     with psycopg.connect(f"{DIRECT} dbname={name}", autocommit=True) as listening:
         listening.execute(f"LISTEN {NOTIFY_CHANNEL}")
         failed = sender.failed
-        with (
-            routed("127.0.0.1", pgbouncer.port, name),
-            psycopg.connect(pgbouncer.url(name), autocommit=True) as blocker,
-        ):
+        with routed("127.0.0.1", pgbouncer.port, name):
+            # Three server connections in the pool: PgBouncer (server_round_robin) hands out the
+            # oldest idle one, so successive wake-ups go out on different ones.
+            clients = [psycopg.connect(pgbouncer.url(name)) for _ in range(3)]
+            for client in clients:
+                client.execute("SELECT 1")  # each holds a server connection until...
+            for client in clients:
+                client.commit()  # ...here
+                client.close()
             for n in range(10):
-                # The blocker takes the server connection the last wake-up went out on
-                # (PgBouncer reuses the most recent), so this one goes out on another.
-                with blocker.transaction():
-                    blocker.execute("SELECT 1")
-                    with transaction.atomic():
-                        publish("pool.wake", {"n": n})
-                    assert sender.flush()
+                with transaction.atomic():
+                    publish("pool.wake", {"n": n})
+                assert sender.flush()
         assert sender.failed == failed, "a wake-up failed (see the WARNING above)"
         received = 0
         end = time.monotonic() + 5

@@ -166,6 +166,7 @@ def test_a_rollback_sends_no_wake_up(ob: OutboxEnv, listener: Listener) -> None:
 
 
 @postgresql_only
+@direct_only
 def test_publish_in_autocommit_wakes_the_relay(ob: OutboxEnv, listener: Listener) -> None:
     caller = backend_pid()
     publish("wake.auto", {"n": 1})
@@ -195,6 +196,7 @@ def test_the_real_relay_is_woken_after_the_commit(ob: OutboxEnv) -> None:
 
 
 @postgresql_only
+@direct_only
 def test_a_process_that_keeps_committing_spreads_its_wake_ups_and_a_quiet_one_is_woken_at_once(
     listener: Listener,
 ) -> None:
