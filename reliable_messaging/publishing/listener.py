@@ -11,6 +11,7 @@ so a lost one costs at most a poll interval.
 from __future__ import annotations
 
 import logging
+import select
 import time
 import uuid
 from collections.abc import Callable
@@ -90,6 +91,36 @@ class OutboxListener:
             self.connection.close()
         except Exception:
             logger.debug("error closing the LISTEN connection", exc_info=True)
+
+
+def listen_hears_notify(using: str, dsn: str | None, timeout: float = 3.0) -> bool | None:
+    """Whether a LISTEN made as the relay makes it (``dsn``: ``RELAY_LISTEN_DSN``) hears a
+    NOTIFY sent as publishers send theirs, within ``timeout``; None when it cannot tell (not
+    PostgreSQL, no psycopg 3, no connection). On a channel of its own, so no relay wakes."""
+    if connections[using].vendor != "postgresql":
+        return None
+    try:
+        import psycopg
+
+        channel = f"{NOTIFY_CHANNEL}_probe_{uuid.uuid4().hex}"
+        with (
+            psycopg.connect(listen_conninfo(using, dsn), autocommit=True) as listening,
+            psycopg.connect(listen_conninfo(using), autocommit=True) as sending,
+        ):
+            listening.execute(f"LISTEN {channel}")
+            sending.execute(f"NOTIFY {channel}")
+            end = time.monotonic() + timeout
+            heard = False
+            while not heard and (left := end - time.monotonic()) > 0:
+                if select.select([listening.fileno()], [], [], left)[0]:
+                    listening.pgconn.consume_input()
+                    while listening.pgconn.notifies() is not None:
+                        heard = True
+            listening.execute(f"UNLISTEN {channel}")
+            return heard
+    except Exception:  # a status report says "cannot tell", it does not fail
+        logger.debug("the LISTEN probe could not run", exc_info=True)
+        return None
 
 
 class Loop(Protocol):

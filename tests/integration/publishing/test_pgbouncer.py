@@ -10,6 +10,8 @@ claims go through the pooler.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import select
@@ -20,6 +22,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from django.core.management import CommandError, call_command
 from django.db import connection, transaction
 
 from reliable_messaging import publish
@@ -49,6 +52,13 @@ def healthz(port: int) -> Any:
             return json.load(response)
     except urllib.error.HTTPError as exc:
         return json.load(exc)
+
+
+def messaging_status_json() -> Any:
+    out = io.StringIO()
+    with contextlib.suppress(CommandError):  # exit code 1 or 2: judged elsewhere
+        call_command("messaging_status", "--json", "--management-url", "", stdout=out)
+    return json.loads(out.getvalue())
 
 
 def test_nothing_of_ours_stays_on_a_pooled_server_connection(
@@ -123,6 +133,9 @@ def test_a_relay_whose_listen_goes_through_the_pooler_says_so_and_polls(
         assert "RELAY_LISTEN_DSN" in relay.log()
         notes = healthz(port).get("notes", [])
         assert any("RELAY_LISTEN_DSN" in note for note in notes), notes
+        listen = messaging_status_json()["listen"]
+        assert listen["hears_notify"] is False
+        assert "RELAY_LISTEN_DSN" in listen["note"]
         for n in range(4):
             time.sleep(2.0)  # past the relay's trail of claims after rows: in its idle wait
             published = time.monotonic()
@@ -157,6 +170,7 @@ def test_relay_listen_dsn_wakes_the_relay_through_a_direct_session(
         )
         assert [m.message_id for m in ob.broker.drain(queue, expected=1)] == [message_id]
         assert "hears nothing" not in relay.log()
+        assert messaging_status_json()["listen"] == {"hears_notify": True, "note": None}
         # The LISTEN session is not one of PgBouncer's server connections; the claims are.
         pooled_ports = {
             int(port)
