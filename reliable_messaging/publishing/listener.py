@@ -102,7 +102,7 @@ def listen_hears_notify(using: str, dsn: str | None, timeout: float = 3.0) -> bo
     try:
         import psycopg
 
-        channel = f"{NOTIFY_CHANNEL}_probe_{uuid.uuid4().hex}"
+        channel = f"{NOTIFY_CHANNEL}_probe_{uuid.uuid4().hex[:16]}"  # < 64 bytes
         with (
             psycopg.connect(listen_conninfo(using, dsn), autocommit=True) as listening,
             psycopg.connect(listen_conninfo(using), autocommit=True) as sending,
