@@ -104,6 +104,8 @@ def latencies(exchange: str, queue: str, rows: int) -> list[float]:
             headers={"x-bench-started-at": time.time_ns() // 1000},
         )
         arrived.wait(30)
+        if not consumer.is_alive():
+            raise RuntimeError("the bench's consumer stopped (the broker closed it?): run again")
     consumer.join(timeout=60)
     return found
 
