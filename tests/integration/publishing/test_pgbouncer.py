@@ -28,10 +28,13 @@ from django.db import connection, transaction
 from reliable_messaging import publish
 from reliable_messaging.publishing.listener import NOTIFY_CHANNEL
 from reliable_messaging.publishing.wake_after_commit import sender
+from reliable_messaging.registry import ConsumerSpec
 from tests.conftest import POOL_OF_ONE
 from tests.markers import direct_only, postgresql_only
 from tests.pgbouncer import PgBouncer, free_port, routed
 from tests.support import wait_until
+from tests.testapp.consumers import behave
+from tests.testapp.models import Effect
 
 from .conftest import OutboxEnv
 
@@ -62,19 +65,34 @@ def messaging_status_json() -> Any:
 
 
 def test_nothing_of_ours_stays_on_a_pooled_server_connection(
-    ob: OutboxEnv, pgbouncer: PgBouncer
+    ob: OutboxEnv, pgbouncer: PgBouncer, service: Any
 ) -> None:
-    queue = ob.queue()
+    # publish() with its wake-ups, the relay and a consumer that handles what it sends, all on
+    # a pool of one server connection.
+    consumer = f"{ob.exchange}.consumer"
+    spec = ConsumerSpec(
+        name=consumer,
+        queue=consumer,
+        handler=lambda message: behave("pool", message),
+        bindings=("pool.one",),
+        exchange=ob.exchange,
+    )
     ob.set(RELAY_LISTEN_DSN=direct_dsn())
     with routed("127.0.0.1", pgbouncer.port, POOL_OF_ONE):
+        service([spec])
         relay = ob.relay_process().wait_connected()
         ids = []
         for n in range(8):  # past psycopg's prepare threshold (5)
             with transaction.atomic():
-                ids.append(publish("pool.one", {"n": n}))
+                ids.append(publish("pool.one", {"n": n}, exchange=ob.exchange))
             assert sender.flush()
-        got = ob.broker.drain(queue, expected=8, timeout=60)
-        assert sorted(m.message_id for m in got) == sorted(ids)
+        wait_until(
+            lambda: Effect.objects.filter(consumer="pool").count() == 8,
+            timeout=60,
+            message=lambda: f"the 8 messages handled; relay log:\n{relay.log()}",
+        )
+        handled = Effect.objects.filter(consumer="pool").values_list("message_id", flat=True)
+        assert sorted(handled) == sorted(ids)
         # An unrelated client of the same pool of one: it gets the very server connection our
         # wake-ups, claims and records ran on.
         with psycopg.connect(pgbouncer.url(POOL_OF_ONE), autocommit=True) as other:
