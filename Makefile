@@ -14,6 +14,13 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 MATRIX ?= 1
 TEST_WORKERS ?= 3
+# Run once more through a transaction-pooling PgBouncer (tests/conftest.py, RM_TEST_PGBOUNCER):
+# a representative part of the e2e and publishing slices: consume's life and faults, a replay,
+# publish -> relay -> consume -> publish, the relay, the wake-ups (all of both slices would add
+# about 8 minutes).
+PGBOUNCER_TESTS ?= tests/e2e/test_consume_command.py tests/e2e/test_replay_end_to_end.py \
+	tests/integration/publishing/test_publish_in_handler.py \
+	tests/integration/publishing/test_relay.py tests/integration/publishing/test_wake_after_commit.py
 
 .PHONY: help venv .venv services test matrix demo docs lint format bench dist clean
 
@@ -53,9 +60,13 @@ test: venv services
 	@command -v nft >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables)
 	@# A cluster test reaches the nodes through HAProxy, the load-balancer way.
 	@command -v haproxy >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy)
+	@# The PgBouncer tests run their own pgbouncer (Debian installs it in /usr/sbin; its service is
+	@# not used).
+	@command -v pgbouncer >/dev/null || test -x /usr/sbin/pgbouncer || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer)
 	@# Two parts: the tests that share nothing run in $(TEST_WORKERS) parallel workers; those
 	@# that stop or alarm a shared service (marked serial in tests/conftest.py) run alone after.
 	@# Both always run; exit code 5 ("no tests selected", e.g. with -k) is not a failure.
+	@# Then PGBOUNCER_TESTS again, every connection through a PgBouncer in transaction mode.
 	@# Then the version matrix's two ends (noxfile.py): the newest Python and Django, and the
 	@# lowest versions setup.cfg admits, each on the version-sensitive slice of the suite.
 	@# MATRIX=0 skips them (for a quick local run); `make matrix` runs every pair.
@@ -64,8 +75,11 @@ test: venv services
 	[[ $$rc == 5 ]] && rc=0; \
 	rc2=0; $(BIN)/pytest -m serial $(PYTEST_ARGS) || rc2=$$?; \
 	[[ $$rc2 == 5 ]] && rc2=0; \
+	rc4=0; RM_TEST_PGBOUNCER=1 $(BIN)/pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) \
+		$(PGBOUNCER_TESTS) || rc4=$$?; \
+	[[ $$rc4 == 5 ]] && rc4=0; \
 	rc3=0; [[ "$(MATRIX)" == 0 ]] || $(BIN)/nox -s ci || rc3=$$?; \
-	exit $$(( rc ? rc : (rc2 ? rc2 : rc3) ))
+	exit $$(( rc ? rc : (rc2 ? rc2 : (rc4 ? rc4 : rc3)) ))
 
 # Every (Python, Django) pair supported, and the lowest versions (noxfile.py).
 matrix: venv services

@@ -124,11 +124,49 @@ def check_cache_alias(alias: Any) -> list[CheckMessage]:
     return []
 
 
+def check_relay_listen_dsn(value: Any) -> list[CheckMessage]:
+    """None, or a connection string libpq (through psycopg 3) can parse."""
+    if value is None:
+        return []
+    hint = (
+        "Give a URL (postgresql://USER@HOST:5432/DBNAME) or key=value pairs "
+        '("host=HOST port=5432") that reach PostgreSQL directly, not through a '
+        "transaction-pooling PgBouncer; None lets the LISTEN go where DATABASES says."
+    )
+    if not isinstance(value, str) or not value.strip():
+        return [_error(48, f"{SETTING}['RELAY_LISTEN_DSN'] must be a non-empty string.", hint)]
+    try:
+        from psycopg.conninfo import conninfo_to_dict
+    except ImportError:
+        return [
+            _error(
+                48,
+                f"{SETTING}['RELAY_LISTEN_DSN'] is set, but psycopg 3 (which the relay's LISTEN "
+                f"needs) is not installed.",
+                'pip install "reliable-messaging[postgres]", or remove the setting.',
+            )
+        ]
+    try:
+        conninfo_to_dict(value)
+    except Exception as exc:  # noqa: BLE001 - psycopg's ProgrammingError, or a type error
+        # Only the type: the parser's message quotes pieces of the string, a password perhaps.
+        return [
+            _error(
+                48,
+                f"{SETTING}['RELAY_LISTEN_DSN'] cannot be parsed as a libpq connection string "
+                f"({type(exc).__name__}).",
+                hint,
+            )
+        ]
+    return []
+
+
 # The functions that a declaration's conf.CheckedBy names, by name: conf cannot import this
 # module (it imports conf).
 CHECKED_HERE: dict[str, Callable[[Any], list[CheckMessage]]] = {
     "check_broker_urls": check_broker_urls,
     "check_cache_alias": check_cache_alias,
+    "check_relay_listen_dsn": check_relay_listen_dsn,
 }
 
 

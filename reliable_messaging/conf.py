@@ -521,6 +521,18 @@ class MessagingSettings:
         "polling period of the relay when no NOTIFY wakes it (the only mode off PostgreSQL)",
         seconds(10, hint="e.g. 30"),
     )
+    relay_listen_dsn = Setting(
+        "RELAY_LISTEN_DSN",
+        None,
+        _optional_str,
+        "a libpq connection string (`postgresql://db-primary:5432/shop` or "
+        '`"host=db-primary port=5432"`) for the relay\'s LISTEN only; the parameters it gives '
+        "replace those of `DATABASES`. Set it when the relay reaches PostgreSQL through a "
+        "transaction-pooling PgBouncer, where LISTEN hears nothing: a direct session wakes the "
+        "relay within milliseconds of a commit (None: LISTEN goes where `DATABASES` says, and "
+        "the relay polls every `RELAY_POLL_INTERVAL` when a probe finds it deaf)",
+        CheckedBy("check_relay_listen_dsn"),
+    )
     relay_confirm_timeout = Setting(
         "RELAY_CONFIRM_TIMEOUT",
         30.0,

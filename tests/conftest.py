@@ -23,7 +23,11 @@ from django.conf import settings
 from django.test import override_settings
 
 from tests import support
+from tests.pgbouncer import PgBouncer, routed
 from tests.support import ConsumeProcess, Publisher
+
+# The PgBouncer fixture's database whose pool holds ONE server connection to the test database.
+POOL_OF_ONE = "rm_pool_of_one"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -99,6 +103,37 @@ def _wake_up_connections_closed() -> Iterator[None]:
 
     sender.flush(timeout=5)
     sender.close()
+
+
+@pytest.fixture(scope="session")
+def pgbouncer(django_db_setup: None) -> Iterator[PgBouncer]:
+    """One transaction-pooling PgBouncer per session (per xdist worker), shared by every test
+    that asks for it; any database name goes through it to the local PostgreSQL, and
+    ``POOL_OF_ONE`` is the test database with a pool of one server connection. Stopped (its
+    server connections closed) before the test database is dropped."""
+    from django.db import connection
+
+    name = connection.settings_dict["NAME"]
+    bouncer = PgBouncer({POOL_OF_ONE: f"host=127.0.0.1 port=5432 dbname={name} pool_size=1"})
+    try:
+        yield bouncer
+    finally:
+        bouncer.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _through_pgbouncer(request: pytest.FixtureRequest) -> Iterator[None]:
+    """``RM_TEST_PGBOUNCER=1``: the whole session's database traffic (the tests', their
+    threads' and their ``manage.py`` subprocesses') goes through :func:`pgbouncer` in
+    transaction pooling mode; ``make test`` runs the e2e and publishing slices once more so."""
+    if not os.environ.get("RM_TEST_PGBOUNCER"):
+        yield
+        return
+    from django.db import connection
+
+    bouncer: PgBouncer = request.getfixturevalue("pgbouncer")
+    with routed("127.0.0.1", bouncer.port, connection.settings_dict["NAME"]):
+        yield
 
 
 @pytest.fixture

@@ -106,6 +106,10 @@ RELIABLE_MESSAGING = {
 }
 if os.environ.get("RM_TEST_CONSUMER_BATCH_SIZE"):
     RELIABLE_MESSAGING["CONSUMER_BATCH_SIZE"] = int(os.environ["RM_TEST_CONSUMER_BATCH_SIZE"])
+if os.environ.get("RM_TEST_PGBOUNCER"):
+    # The run through a transaction-pooling PgBouncer (tests/conftest.py points DATABASES at it
+    # once it runs): the relays LISTEN on a direct session, as docs/deploy.md tells users to.
+    RELIABLE_MESSAGING["RELAY_LISTEN_DSN"] = "host=127.0.0.1 port=5432"
 
 LOGGING = {
     "version": 1,

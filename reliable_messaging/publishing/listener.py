@@ -11,7 +11,9 @@ so a lost one costs at most a poll interval.
 from __future__ import annotations
 
 import logging
+import select
 import time
+import uuid
 from collections.abc import Callable
 from typing import Protocol
 
@@ -21,16 +23,20 @@ from django.db import connections
 logger = logging.getLogger("reliable_messaging.relay")
 
 NOTIFY_CHANNEL = "reliable_messaging_outbox"
+# A listener's probe must arrive this soon; one is sent when it opens and this often after.
+PROBE_TIMEOUT = 5.0
+PROBE_INTERVAL = 300.0
 
 # Connection parameters Django's PostgreSQL backend adds that are Python objects of the driver,
 # not libpq settings: the LISTEN connection has no use for them.
 _DRIVER_ONLY_PARAMS = frozenset({"cursor_factory", "context", "prepare_threshold"})
 
 
-def listen_conninfo(using: str) -> str:
-    """A libpq connection string for the LISTEN connection, built from the parameters Django's
-    own connection to ``using`` uses, so ``OPTIONS`` (``service``, ``sslmode``, ``options``,
-    ``application_name``, ...) apply to it as to every other connection of the project."""
+def listen_conninfo(using: str, dsn: str | None = None) -> str:
+    """A libpq connection string built from the parameters Django's own connection to ``using``
+    uses, so ``OPTIONS`` (``service``, ``sslmode``, ``options``, ``application_name``, ...) apply
+    to it as to every other connection of the project; the parameters ``dsn`` gives (a URL or
+    ``key=value`` pairs: ``RELAY_LISTEN_DSN``) replace theirs."""
     import psycopg
 
     params = {
@@ -38,6 +44,9 @@ def listen_conninfo(using: str) -> str:
         for key, value in connections[using].get_connection_params().items()
         if key not in _DRIVER_ONLY_PARAMS and value is not None
     }
+    if dsn:
+        given = psycopg.conninfo.conninfo_to_dict(dsn).items()
+        params.update({key: str(value) for key, value in given if value is not None})
     params.setdefault("connect_timeout", "5")
     return psycopg.conninfo.make_conninfo(**params)
 
@@ -47,30 +56,71 @@ class OutboxListener:
 
     Raises ImportError without psycopg 3, and the driver's error when it cannot connect."""
 
-    def __init__(self, using: str) -> None:
+    def __init__(self, using: str, dsn: str | None = None) -> None:
         import psycopg
 
-        self.connection = psycopg.connect(listen_conninfo(using), autocommit=True)
+        # Nothing prepared (see wake_after_commit): the connection may go through a pooler.
+        self.connection = psycopg.connect(
+            listen_conninfo(using, dsn), autocommit=True, prepare_threshold=None
+        )
         self.connection.execute(f"LISTEN {NOTIFY_CHANNEL}")
 
     def fileno(self) -> int:
         return self.connection.fileno()
 
-    def drain(self) -> int:
-        """Read what arrived; returns how many notifications there were. Raises when the
-        connection is broken."""
+    def drain(self) -> list[str]:
+        """Read what arrived; returns the payloads of the notifications (``""`` for a plain
+        wake-up). Raises when the connection is broken."""
         pgconn = self.connection.pgconn
         pgconn.consume_input()
-        count = 0
-        while pgconn.notifies() is not None:
-            count += 1
-        return count
+        payloads = []
+        while (notify := pgconn.notifies()) is not None:
+            payloads.append(notify.extra.decode(errors="replace"))
+        return payloads
+
+    def unlisten(self) -> None:
+        """Best effort: through a transaction pooler the LISTEN stayed on a server connection
+        the pooler hands to others; this reaches that one when the pooler reuses it."""
+        try:
+            self.connection.execute(f"UNLISTEN {NOTIFY_CHANNEL}")
+        except Exception:
+            logger.debug("error sending UNLISTEN", exc_info=True)
 
     def close(self) -> None:
         try:
             self.connection.close()
         except Exception:
             logger.debug("error closing the LISTEN connection", exc_info=True)
+
+
+def listen_hears_notify(using: str, dsn: str | None, timeout: float = 3.0) -> bool | None:
+    """Whether a LISTEN made as the relay makes it (``dsn``: ``RELAY_LISTEN_DSN``) hears a
+    NOTIFY sent as publishers send theirs, within ``timeout``; None when it cannot tell (not
+    PostgreSQL, no psycopg 3, no connection). On a channel of its own, so no relay wakes."""
+    if connections[using].vendor != "postgresql":
+        return None
+    try:
+        import psycopg
+
+        channel = f"{NOTIFY_CHANNEL}_probe_{uuid.uuid4().hex[:16]}"  # < 64 bytes
+        with (
+            psycopg.connect(listen_conninfo(using, dsn), autocommit=True) as listening,
+            psycopg.connect(listen_conninfo(using), autocommit=True) as sending,
+        ):
+            listening.execute(f"LISTEN {channel}")
+            sending.execute(f"NOTIFY {channel}")
+            end = time.monotonic() + timeout
+            heard = False
+            while not heard and (left := end - time.monotonic()) > 0:
+                if select.select([listening.fileno()], [], [], left)[0]:
+                    listening.pgconn.consume_input()
+                    while listening.pgconn.notifies() is not None:
+                        heard = True
+            listening.execute(f"UNLISTEN {channel}")
+            return heard
+    except Exception:  # a status report says "cannot tell", it does not fail
+        logger.debug("the LISTEN probe could not run", exc_info=True)
+        return None
 
 
 class Loop(Protocol):
@@ -81,29 +131,64 @@ class Loop(Protocol):
     def unwatch(self, fd: int) -> None: ...
 
 
+class Health(Protocol):
+    def note(self, key: str, text: str | None) -> None: ...
+
+
 class WakeUps:
     """The relay's LISTEN connection on its I/O loop: opened (and opened again after a failure)
     by :meth:`look_after`, it calls ``wake`` after each batch of notifications. While it is
-    down the relay polls; with psycopg 3 missing it says so once and polls for good."""
+    down the relay polls; with psycopg 3 missing it says so once and polls for good.
 
-    def __init__(self, using: str, enabled: bool, poll_interval: float) -> None:
+    LISTEN through a transaction-pooling PgBouncer succeeds but hears nothing: the LISTEN stays
+    on a server connection the pooler hands to other clients. So a listener counts as
+    :attr:`listening` only once a probe reached it: a NOTIFY carrying a token of its own, sent
+    by ``send_probe`` the way publishers send their wake-ups, when it opens and every
+    :data:`PROBE_INTERVAL` after. A probe that does not arrive within :data:`PROBE_TIMEOUT`
+    is said once in the log and noted in ``health`` (``/healthz``); the deaf listener UNLISTENs
+    and closes, a fresh one is tried every :data:`PROBE_INTERVAL`, and meanwhile the relay polls
+    every ``RELAY_POLL_INTERVAL``."""
+
+    def __init__(
+        self,
+        using: str,
+        enabled: bool,
+        poll_interval: float,
+        *,
+        dsn: str | None = None,
+        send_probe: Callable[[str, str], None] | None = None,
+        health: Health | None = None,
+    ) -> None:
         self.using = using
         self.enabled = enabled
         self.poll_interval = poll_interval
+        self.dsn = dsn
+        self.send_probe = send_probe
+        self.health = health
         self._listener: OutboxListener | None = None
         self._loop: Loop | None = None
         self._retry_at = 0.0
+        self._heard = False  # the last probe arrived
+        self._probe: str | None = None  # the token awaited
+        self._probe_deadline = 0.0
+        self._next_probe = 0.0
+        self._warned = False
 
     @property
     def listening(self) -> bool:
-        return self._listener is not None
+        """A LISTEN connection is open and heard its last probe: NOTIFY wakes the relay."""
+        return self._listener is not None and (self._heard or self.send_probe is None)
 
     def look_after(self, loop: Loop, wake: Callable[[], None]) -> None:
-        """Open the LISTEN connection on ``loop`` if it is not open and its retry is due."""
-        if not self.enabled or self._listener is not None or time.monotonic() < self._retry_at:
+        """Open the LISTEN connection on ``loop`` if it is not open and its retry is due;
+        send a probe when one is due, and judge the one awaited."""
+        if self._listener is not None:
+            self._look_after_probe()
+            return
+        if not self.enabled or time.monotonic() < self._retry_at:
             return
         try:
-            listener = OutboxListener(self.using)
+            listener = OutboxListener(self.using, self.dsn)
         except ImportError as exc:
             # Not going to change while this process runs: say it once and poll from now on.
             self.enabled = False
@@ -123,19 +208,79 @@ class WakeUps:
             )
             return
         self._listener, self._loop = listener, loop
+        self._heard, self._probe, self._next_probe = False, None, 0.0
         loop.watch_readable(listener.fileno(), lambda: self._on_readable(wake))
+        self._look_after_probe()
+
+    def _look_after_probe(self) -> None:
+        if self.send_probe is None:
+            return
+        now = time.monotonic()
+        if self._probe is not None and now >= self._probe_deadline:
+            self._probe = None
+            self._on_probe_lost()
+            # A deaf listener is no use, and through a pooler its LISTEN sits on a connection
+            # others get: take it back, and try a fresh one (and its probe) later.
+            if self._listener is not None:
+                self._listener.unlisten()
+            self.close()
+            self._retry_at = now + PROBE_INTERVAL
+            return
+        if self._probe is None and now >= self._next_probe:
+            self._probe = uuid.uuid4().hex
+            self._probe_deadline = now + PROBE_TIMEOUT
+            self._next_probe = now + PROBE_INTERVAL
+            self.send_probe(self.using, self._probe)
+
+    def _on_probe_lost(self) -> None:
+        self._heard = False
+        note = (
+            f"LISTEN on database {self.using!r} hears no NOTIFY (a transaction-pooling "
+            f"PgBouncer in between?): polling every {self.poll_interval}s; set "
+            f"RELAY_LISTEN_DSN to a direct connection"
+        )
+        if self.health is not None:
+            self.health.note("listen", note)
+        if self._warned:
+            logger.debug("relay: the LISTEN probe was not heard again")
+            return
+        self._warned = True
+        logger.warning(
+            "relay: LISTEN on database %r hears nothing: a NOTIFY sent the way publish() sends "
+            "its wake-ups did not arrive within %ss. A transaction-pooling PgBouncer between "
+            "the relay and PostgreSQL does this (the LISTEN stays on a server connection it "
+            "hands to others). The relay polls every %ss (RELAY_POLL_INTERVAL) instead of "
+            "waking at once. To fix it, give the relay's LISTEN a direct session to "
+            "PostgreSQL: RELIABLE_MESSAGING['RELAY_LISTEN_DSN'] (see the PgBouncer section of "
+            "docs/deploy.md)",
+            self.using,
+            PROBE_TIMEOUT,
+            self.poll_interval,
+        )
+
+    def _on_probe_heard(self) -> None:
+        self._probe = None
+        if self._heard:
+            return
+        self._heard = True
+        if self._warned:
+            logger.info("relay: LISTEN on database %r hears NOTIFY again", self.using)
+        if self.health is not None:
+            self.health.note("listen", None)
 
     def _on_readable(self, wake: Callable[[], None]) -> None:
         listener = self._listener
         if listener is None:
             return
         try:
-            listener.drain()
+            payloads = listener.drain()
         except Exception as exc:  # noqa: BLE001 - the database went away: poll meanwhile
             logger.warning("relay: LISTEN connection lost (%s); polling until it is back", exc)
             self.close()
             self._retry_at = time.monotonic() + 1
             return
+        if self._probe is not None and self._probe in payloads:
+            self._on_probe_heard()
         wake()
 
     def close(self, retry_at_once: bool = False) -> None:

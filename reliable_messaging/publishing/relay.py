@@ -41,7 +41,8 @@ On PostgreSQL the relay also LISTENs on a channel that ``publish()`` NOTIFYs aft
 commit (:mod:`.wake_after_commit`), with the listening socket watched by the same I/O loop (a
 new LISTEN connection for each broker connection, since each has its own loop), so a new row
 leaves within milliseconds; polling every ``RELAY_POLL_INTERVAL`` remains as the fallback (the
-only mode on other databases).
+only mode on other databases, and the mode while a probe finds that the LISTEN hears nothing,
+as through a transaction-pooling PgBouncer: ``RELAY_LISTEN_DSN`` gives it a direct session).
 
 Flow control: when the broker runs low on memory or disk it stops reading from publishing
 connections and says so with ``connection.blocked``. The relay then claims nothing more (rows
@@ -81,6 +82,7 @@ from ..conf import MessagingSettings, messaging_settings
 from ..core.backoff import Backoff
 from ..metrics import HealthState
 from ..models import OutboxMessage
+from . import wake_after_commit
 from .claims import OutboxClaims
 from .in_flight import InFlight
 from .listener import WakeUps
@@ -175,6 +177,9 @@ class OutboxRelay:
             self.using,
             enabled=listen and connections[self.using].vendor == "postgresql",
             poll_interval=settings.relay_poll_interval,
+            dsn=settings.relay_listen_dsn,
+            send_probe=wake_after_commit.sender.probe,
+            health=self.health,
         )
         self.scheduler = ClaimScheduler(
             publisher=self.publisher,

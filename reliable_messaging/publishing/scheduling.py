@@ -260,7 +260,8 @@ class ClaimScheduler:
         """Database worker: how long the relay may sleep before the next claim."""
         poll = self.settings.relay_poll_interval
         if self.wake_ups.listening:
-            poll = max(poll, 5.0)  # NOTIFY wakes us; polling only catches backoffs and misses
+            # NOTIFY wakes us (a probe proved it); polling only catches backoffs and misses.
+            poll = max(poll, 5.0)
         due_in = self.claims.next_due_in()  # a row waiting out a backoff or a lease
         if due_in is not None:
             poll = min(poll, due_in)

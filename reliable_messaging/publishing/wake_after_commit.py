@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from django.db import connections
@@ -38,8 +39,9 @@ logger = logging.getLogger("reliable_messaging.publish")
 # dropped meanwhile; the relay's poll covers them), so a database that is down costs one
 # failed attempt per pause, not one per commit.
 RETRY_PAUSE = 5.0
-# Bounds on the sender's own connection: it never blocks a caller, but a hung database should
-# not keep it from noticing that the connection is dead either.
+# Bounds on the sender's own connection and its transactions (see notify_sql): it never
+# blocks a caller, but a hung database should not keep it from noticing that the connection is
+# dead either.
 CONNECT_TIMEOUT = 2
 STATEMENT_TIMEOUT_MS = 2000
 # After each NOTIFY the sender waits before the next: the first commit after a quiet spell wakes
@@ -71,6 +73,8 @@ class WakeUpSender:
         self._conninfo: dict[str, str] = {}
         self._connections: dict[str, Any] = {}
         self._retry_at: dict[str, float] = {}
+        # Probe payloads to send, by alias (see :meth:`probe`).
+        self._probes: dict[str, list[str]] = {}
         # The pause after the next NOTIFY (see SPACING).
         self.pause = SPACING
         # Counters for tests and the benchmark: wake-ups asked for, NOTIFYs sent, failures.
@@ -93,6 +97,15 @@ class WakeUpSender:
             self._event.set()
         except Exception:  # a wake-up is never worth failing a caller for
             logger.debug("publish: could not ask for a wake-up of the relay", exc_info=True)
+
+    def probe(self, using: str, token: str) -> None:
+        """Ask for a ``NOTIFY`` carrying ``token`` on ``using``, sent the way every wake-up is
+        (a relay checks with it that its LISTEN hears what publishers send)."""
+        if not token.isalnum():
+            raise ValueError(f"a probe token is letters and digits, got {token!r}")
+        with self._lock:
+            self._probes.setdefault(using, []).append(token)
+        self.request(using)
 
     def _ensure_thread(self) -> None:
         # After a fork (a preloading web server) the parent's thread and connections are not
@@ -118,21 +131,22 @@ class WakeUpSender:
                 with self._lock:
                     self._event.clear()
                     due, self._due = self._due, set()
-                for using in due:
-                    self._notify(using)
+                    probes, self._probes = self._probes, {}
+                for using in due | set(probes):
+                    self._notify(using, probes.get(using, ()))
             if due:
                 time.sleep(self.pause)
                 busy = self._event.is_set()  # commits came in during the pause
                 self.pause = min(MAX_SPACING, self.pause * 2) if busy else SPACING
 
-    def _notify(self, using: str) -> None:
-        if time.monotonic() < self._retry_at.get(using, 0.0):
+    def _notify(self, using: str, probes: Sequence[str] = ()) -> None:
+        if time.monotonic() < self._retry_at.get(using, 0.0) and not probes:
             return
         try:
             connection = self._connections.get(using)
             if connection is None or connection.closed:
                 connection = self._connections[using] = self._connect(using)
-            connection.execute(f"NOTIFY {NOTIFY_CHANNEL}")
+            connection.execute(notify_sql(probes))
         except Exception as exc:  # noqa: BLE001 - any failure: the relay's poll covers it
             self.failed += 1
             self._retry_at[using] = time.monotonic() + RETRY_PAUSE
@@ -152,16 +166,15 @@ class WakeUpSender:
     def _connect(self, using: str) -> Any:
         import psycopg
 
-        connection = psycopg.connect(
-            self._conninfo[using], autocommit=True, connect_timeout=CONNECT_TIMEOUT
+        # prepare_threshold=None: psycopg would otherwise prepare the NOTIFY after five runs,
+        # and behind a transaction-pooling PgBouncer (before 1.21) the next server connection
+        # has no such statement (or another client's statement of that name).
+        return psycopg.connect(
+            self._conninfo.get(using) or listen_conninfo(using),  # close() may have cleared it
+            autocommit=True,
+            connect_timeout=CONNECT_TIMEOUT,
+            prepare_threshold=None,
         )
-        # Set here rather than in the conninfo's ``options``, which the project's own may fill.
-        connection.execute(f"SET statement_timeout = {STATEMENT_TIMEOUT_MS}")
-        # A NOTIFY gives its transaction an id, hence a commit record: with synchronous commit
-        # that transaction would hold the notification lock, and the sender wait, until the
-        # record is flushed. A wake-up lost to a crash costs a poll; it is not worth a flush.
-        connection.execute("SET synchronous_commit = off")
-        return connection
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every wake-up asked for so far was sent or dropped (for tests and the
@@ -180,11 +193,36 @@ class WakeUpSender:
         return False
 
     def close(self) -> None:
-        """Close the sender's connections (the thread stays, idle, and reconnects if asked)."""
+        """Close the sender's connections (the thread stays, idle, and reconnects if asked,
+        with the connection parameters read afresh)."""
         with self._send_lock:
             connections_, self._connections = self._connections, {}
+            self._conninfo = {}
         for connection in connections_.values():
             _close(connection)
+
+
+def notify_sql(probes: Sequence[str] = ()) -> str:
+    """The wake-up, with a NOTIFY per probe token: one transaction, one round trip.
+
+    Its settings are ``SET LOCAL``: behind a transaction-pooling PgBouncer the server connection
+    goes to another client once the transaction ends, and a session ``SET`` would go with it.
+    ``statement_timeout``: a hung database must not keep the sender from noticing that the
+    connection is dead. ``synchronous_commit = off``: a NOTIFY gives its transaction an id,
+    hence a commit record; with synchronous commit that transaction would hold the notification
+    lock, and the sender wait, until the record is flushed. A wake-up lost to a crash costs a
+    poll; it is not worth a flush."""
+    notifies = [f"NOTIFY {NOTIFY_CHANNEL}"]
+    notifies += [f"NOTIFY {NOTIFY_CHANNEL}, '{token}'" for token in probes]
+    return "; ".join(
+        [
+            "BEGIN",
+            f"SET LOCAL statement_timeout = {STATEMENT_TIMEOUT_MS}",
+            "SET LOCAL synchronous_commit = off",
+            *notifies,
+            "COMMIT",
+        ]
+    )
 
 
 def _close(connection: Any) -> None:

@@ -479,3 +479,15 @@ def test_crash_limit_hint_quotes_the_declared_defaults() -> None:
     with override_settings(RELIABLE_MESSAGING=base):
         (message,) = check_settings()
     assert message.hint == "Keep CRASH_LIMIT well below QUORUM_DELIVERY_LIMIT (defaults: 3 and 50)."
+
+
+@pytest.mark.parametrize("dsn", ["host=db port=5432", "postgresql://app@db:5432/shop", None])
+def test_relay_listen_dsn_accepts_a_url_or_key_value_pairs(rm: Any, dsn: Any) -> None:
+    assert rm(RELAY_LISTEN_DSN=dsn) == []
+
+
+@pytest.mark.parametrize("dsn", ["host=db password='s3cret", "nonsense", "", 5432])
+def test_relay_listen_dsn_malformed(rm: Any, dsn: Any) -> None:
+    message = only(rm(RELAY_LISTEN_DSN=dsn), "reliable_messaging.E048")
+    assert "RELAY_LISTEN_DSN" in message.msg
+    assert "s3cret" not in message.msg  # the parser's words may quote a password

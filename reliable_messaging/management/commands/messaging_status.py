@@ -44,8 +44,10 @@ leftover queue. Any ``--max-*`` given sets that threshold in either mode.
                      "max_leftover_messages": 0, "min_partition_days_ahead": 6,
                      "max_overdue_partitions": 0},   # --strict; null: not judged
       "problems": [{"threshold": "max_dead_letters",
-                    "message": "2 dead letter(s) await review (limit 0)"}]
-    }
+                    "message": "2 dead letter(s) await review (limit 0)"}],
+      "listen": {"hears_notify": true,   # the relays' LISTEN hears a NOTIFY sent as
+                 "note": null}           # publish() sends it; false behind a transaction
+    }                                    # pooler without RELAY_LISTEN_DSN (null: unknown)
 """
 
 from __future__ import annotations
@@ -56,10 +58,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import router
 from django.utils import timezone
 
 from reliable_messaging.broker.queues import DEFAULT_TIMEOUT, QueueStatus
+from reliable_messaging.conf import messaging_settings
+from reliable_messaging.models import OutboxMessage
 from reliable_messaging.ops.status import MessagingStatus, Thresholds, collect_status
+from reliable_messaging.publishing.listener import listen_hears_notify
 
 PROBE, STRICT = Thresholds(), Thresholds.strict()
 
@@ -222,11 +228,16 @@ class Command(BaseCommand):
         status = collect_status(
             thresholds, management_url=options["management_url"], timeout=options["timeout"]
         )
+        listen = self.listen_note()
         if options["json"]:
-            self.stdout.write(json.dumps(status.as_dict(), indent=2))
+            document = status.as_dict()
+            document["listen"] = listen
+            self.stdout.write(json.dumps(document, indent=2))
         else:
             for line in self.render(status):
                 self.stdout.write(line)
+            if listen["note"]:
+                self.stdout.write(self.style.WARNING(f"NOTE: {listen['note']}"))
         if status.exit_code == 2:
             down = [
                 name
@@ -239,6 +250,21 @@ class Command(BaseCommand):
                 dict.fromkeys("--" + p.threshold.replace("_", "-") for p in status.problems)
             )
             raise CommandError(f"threshold(s) crossed: {names}", returncode=1)
+
+    def listen_note(self) -> dict[str, Any]:
+        """Whether the relays' LISTEN hears publishers' NOTIFYs; a note when it does not (a
+        transaction-pooling PgBouncer in between): not a problem, the relays then poll."""
+        using = router.db_for_write(OutboxMessage)
+        heard = listen_hears_notify(using, messaging_settings.relay_listen_dsn)
+        note = None
+        if heard is False:
+            note = (
+                f"a LISTEN on database {using!r} hears no NOTIFY (a transaction-pooling "
+                f"PgBouncer in between?): the relays poll every RELAY_POLL_INTERVAL instead of "
+                f"waking at once; set RELIABLE_MESSAGING['RELAY_LISTEN_DSN'] to a direct "
+                f"connection (docs/deploy.md, PgBouncer)"
+            )
+        return {"hears_notify": heard, "note": note}
 
     def render(self, status: MessagingStatus) -> list[str]:
         moment = status.checked_at

@@ -30,6 +30,7 @@ from reliable_messaging.publishing import wake_after_commit
 from reliable_messaging.publishing.listener import OutboxListener
 from reliable_messaging.publishing.relay import OutboxRelay, RelayReport
 from reliable_messaging.retention import purge_messages
+from tests.markers import direct_only
 from tests.support import wait_until
 
 from .conftest import OutboxEnv, RelayProcess
@@ -180,6 +181,7 @@ def test_listen_still_wakes_the_relay_after_a_broker_reconnect(ob: OutboxEnv) ->
 # --------------------------------------------------------------------------- 3. OPTIONS
 
 
+@direct_only  # through a pooler the LISTEN is not a session of its own
 def test_the_listen_connection_uses_the_database_options(
     ob: OutboxEnv, monkeypatch: pytest.MonkeyPatch
 ) -> None:

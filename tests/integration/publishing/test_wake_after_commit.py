@@ -21,6 +21,7 @@ from django.core.management import call_command
 from django.db import connection, transaction
 
 from reliable_messaging import publish
+from reliable_messaging.conf import messaging_settings
 from reliable_messaging.models import OutboxMessage, OutboxStatus
 from reliable_messaging.publishing import wake_after_commit
 from reliable_messaging.publishing.listener import NOTIFY_CHANNEL, listen_conninfo
@@ -31,7 +32,7 @@ from reliable_messaging.publishing.wake_after_commit import (
     WakeUpSender,
     sender,
 )
-from tests.markers import ON_POSTGRESQL, postgresql_only
+from tests.markers import ON_POSTGRESQL, direct_only, postgresql_only
 from tests.support import wait_until
 
 from .conftest import OutboxEnv
@@ -47,7 +48,8 @@ class Listener:
     backend each came from."""
 
     def __init__(self) -> None:
-        self.connection = psycopg.connect(listen_conninfo("default"), autocommit=True)
+        dsn = messaging_settings.relay_listen_dsn  # where the relays LISTEN
+        self.connection = psycopg.connect(listen_conninfo("default", dsn), autocommit=True)
         self.connection.execute(f"LISTEN {NOTIFY_CHANNEL}")
 
     def received(self, wait: float) -> list[int]:
@@ -100,6 +102,7 @@ def publish_in_a_transaction(count: int = 1) -> list[str]:
 
 
 @postgresql_only
+@direct_only
 def test_the_callers_transaction_sends_no_notify(ob: OutboxEnv, listener: Listener) -> None:
     caller = backend_pid()
     statements = statements_of(publish_in_a_transaction)
@@ -110,6 +113,7 @@ def test_the_callers_transaction_sends_no_notify(ob: OutboxEnv, listener: Listen
 
 
 @postgresql_only
+@direct_only
 def test_the_old_trigger_fails_that_check(ob: OutboxEnv, listener: Listener) -> None:
     # The check above would have caught the trigger of migration 0002.
     caller = backend_pid()
@@ -162,6 +166,7 @@ def test_a_rollback_sends_no_wake_up(ob: OutboxEnv, listener: Listener) -> None:
 
 
 @postgresql_only
+@direct_only
 def test_publish_in_autocommit_wakes_the_relay(ob: OutboxEnv, listener: Listener) -> None:
     caller = backend_pid()
     publish("wake.auto", {"n": 1})
@@ -191,6 +196,7 @@ def test_the_real_relay_is_woken_after_the_commit(ob: OutboxEnv) -> None:
 
 
 @postgresql_only
+@direct_only
 def test_a_process_that_keeps_committing_spreads_its_wake_ups_and_a_quiet_one_is_woken_at_once(
     listener: Listener,
 ) -> None:
