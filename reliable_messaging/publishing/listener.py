@@ -146,8 +146,9 @@ class WakeUps:
     by ``send_probe`` the way publishers send their wake-ups, when it opens and every
     :data:`PROBE_INTERVAL` after. A probe that does not arrive within :data:`PROBE_TIMEOUT`
     is said once in the log and noted in ``health`` (``/healthz``); the deaf listener UNLISTENs
-    and closes, a fresh one is tried every :data:`PROBE_INTERVAL`, and meanwhile the relay polls
-    every ``RELAY_POLL_INTERVAL``."""
+    and closes, and the relay polls every ``RELAY_POLL_INTERVAL``: for the rest of the process
+    when no probe ever arrived (a pooler: every fresh LISTEN would be left on a server
+    connection others get), else until a fresh listener is tried, :data:`PROBE_INTERVAL` later."""
 
     def __init__(
         self,
@@ -173,6 +174,7 @@ class WakeUps:
         self._probe_deadline = 0.0
         self._next_probe = 0.0
         self._warned = False
+        self._ever_heard = False  # a probe reached a listener of this process
 
     @property
     def listening(self) -> bool:
@@ -220,10 +222,14 @@ class WakeUps:
             self._probe = None
             self._on_probe_lost()
             # A deaf listener is no use, and through a pooler its LISTEN sits on a connection
-            # others get: take it back, and try a fresh one (and its probe) later.
+            # others get: take it back (best effort). One that never heard a probe is behind
+            # a pooler, and each fresh LISTEN would leave another such connection: poll for the
+            # rest of the process. One that heard before missed one probe: try again later.
             if self._listener is not None:
                 self._listener.unlisten()
             self.close()
+            if not self._ever_heard:
+                self.enabled = False
             self._retry_at = now + PROBE_INTERVAL
             return
         if self._probe is None and now >= self._next_probe:
@@ -262,7 +268,7 @@ class WakeUps:
         self._probe = None
         if self._heard:
             return
-        self._heard = True
+        self._heard = self._ever_heard = True
         if self._warned:
             logger.info("relay: LISTEN on database %r hears NOTIFY again", self.using)
         if self.health is not None:
