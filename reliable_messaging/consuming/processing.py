@@ -42,6 +42,7 @@ from ..core.database_errors import (
     classify,
     conflict_delay,
     describe,
+    sqlstate,
 )
 from ..core.envelope import (
     REPLAY_HEADER,
@@ -73,6 +74,16 @@ logger = logging.getLogger(__name__)
 
 class _AlreadyProcessed(Exception):
     """The message's inbox row is there already: a duplicate."""
+
+
+class InboxClaimFailed(RuntimeError):
+    """Our inbox claim failed for a reason that is neither a duplicate nor the database's
+    known trouble: our own failure, never a handler's. The worker treats it as such (held,
+    tried again, then a dead letter ``consumer_error``); it is not a database error, so no
+    path that charges a handler for its database errors sees it."""
+
+
+UNIQUE_VIOLATION = "23505"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +223,14 @@ class DeliveryProcessor:
             remember_busy([(self.spec.name, message.message_id)])
             return self.failures.busy(delivery, message)
         except (_AlreadyProcessed, IntegrityError) as exc:
+            if not fresh and isinstance(exc, IntegrityError):
+                # The inbox insert itself failed, before the handler: a unique violation is the
+                # duplicate; anything else is ours or the database's, never a duplicate to ack.
+                raise_database_trouble(exc, message.message_id)
+                if sqlstate(exc) not in (None, UNIQUE_VIOLATION):
+                    raise InboxClaimFailed(
+                        f"the inbox claim of message_id={message.message_id} failed: {exc}"
+                    ) from exc
             if not fresh:
                 if REPLAY_HEADER in delivery.headers:
                     # Another copy of the message (published twice, sent again by a relay) was
@@ -230,10 +249,15 @@ class DeliveryProcessor:
                     after_commit=True,
                 )
             return self.failures.on_failure(delivery, message, exc, started)
-        except Exception as exc:  # noqa: BLE001 - any handler error is an outcome to decide on
+        except Exception as exc:  # any handler error is an outcome to decide on
             raise_database_trouble(
                 exc, message.message_id, lost=lambda: not fresh or not self.connection_usable()
             )
+            if not fresh:
+                # Raised before the handler ran (by our inbox claim): not its failure.
+                raise InboxClaimFailed(
+                    f"the inbox claim of message_id={message.message_id} failed: {exc}"
+                ) from exc
             return self.failures.on_failure(delivery, message, exc, started)
         duration = time.perf_counter() - started
         return DeliveryOutcome(
@@ -550,7 +574,15 @@ def _run_claimed(
         any(jobs[index].delivery.redelivered for index in indexes),
         jobs[indexes[0]].processor.settings,
     )
-    claimed, busy = claim_inbox_rows(using, keys, wait)
+    try:
+        claimed, busy = claim_inbox_rows(using, keys, wait)
+    except DatabaseError as exc:
+        # Our statement, before any handler ran: the database's trouble, or our own failure.
+        raise_database_trouble(exc, messages[0].message_id)
+        raise InboxClaimFailed(
+            f"the inbox claim of message_id={messages[0].message_id}"
+            f"{f' and {len(messages) - 1} more' if len(messages) > 1 else ''} failed: {exc}"
+        ) from exc
     remember_busy(busy)
     seen: set[tuple[str, str]] = set()
     processed: dict[str, list[str]] = {}

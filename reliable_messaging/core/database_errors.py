@@ -10,8 +10,9 @@ time, the inbox claim, the crash guard, dead letters, the ``.dead`` queue's inge
   (connection exception), ``25006`` (read-only transaction, what a managed failover shows before
   the sessions are cut), class ``53`` (insufficient resources), ``57P01``-``57P05`` (admin or
   crash shutdown, cannot connect now, idle session timeout), ``3D000`` (the database does not
-  exist: dropped or not yet restored), and a PostgreSQL driver's ``OperationalError`` or
-  ``InterfaceError`` carrying no SQLSTATE (the server never answered).
+  exist: dropped or not yet restored), ``23514`` "no partition of relation ... found for row"
+  (no day partition for our own inbox or outbox row), and a PostgreSQL driver's
+  ``OperationalError`` or ``InterfaceError`` carrying no SQLSTATE (the server never answered).
 - :attr:`DatabaseTrouble.CONFLICT`: the database asks for the transaction to be run again
   (``40001`` serialization failure, ``40P01`` deadlock; SQLite's "database is locked"). The
   delivery runs again in place in a new transaction, up to :data:`CONFLICT_RETRIES` times after
@@ -50,6 +51,11 @@ CONFLICT_MAX_DELAY = 1.0
 UNAVAILABLE_CLASSES = ("08", "53")
 UNAVAILABLE_STATES = frozenset({"25006", "57P01", "57P02", "57P03", "57P04", "57P05", "3D000"})
 CONFLICT_STATES = frozenset({"40001", "40P01"})
+# A row for a day no inbox or outbox partition holds (the partition upkeep failing for days,
+# and the partition made on the spot failing too): the database's state, not the handler's.
+# PostgreSQL reports it as a check violation; its text (English server messages) tells it apart.
+CHECK_VIOLATION = "23514"
+NO_PARTITION_TEXT = "no partition of relation"
 SQLITE_CONFLICT_TEXTS = ("database is locked", "database table is locked")
 _POSTGRESQL_DRIVERS = ("psycopg", "psycopg2")
 _NO_ANSWER_TYPES = ("OperationalError", "InterfaceError")
@@ -72,6 +78,8 @@ def classify(exc: BaseException) -> DatabaseTrouble | None:
         if code in CONFLICT_STATES:
             return DatabaseTrouble.CONFLICT
         if code in UNAVAILABLE_STATES or code[:2] in UNAVAILABLE_CLASSES:
+            return DatabaseTrouble.UNAVAILABLE
+        if code == CHECK_VIOLATION and NO_PARTITION_TEXT in str(exc):
             return DatabaseTrouble.UNAVAILABLE
         return None
     for error in _chain(exc):

@@ -14,17 +14,21 @@ from collections.abc import Iterator
 
 import pytest
 from django.db import connection
+from django.utils import timezone
 
+from reliable_messaging import exactly_once, partitions
 from reliable_messaging.conf import messaging_settings
 from reliable_messaging.consuming.board import DeliveryWork, WorkBoard
 from reliable_messaging.consuming.crash_guard import CrashGuard
 from reliable_messaging.consuming.processing import process_batch
 from reliable_messaging.consuming.workers import WorkerPool
 from reliable_messaging.core.database_errors import CONFLICT_RETRIES
+from reliable_messaging.core.envelope import REPLAY_HEADER
 from reliable_messaging.core.outcomes import Acknowledge, ScheduleRetry
 from reliable_messaging.exceptions import DatabaseUnavailable
 from reliable_messaging.models import DeadLetter, ProcessedMessage
 from tests.integration.consuming.test_batching import effects_of, job
+from tests.markers import postgresql_only
 from tests.testapp import consumers
 from tests.testapp.models import Effect
 
@@ -127,3 +131,42 @@ def test_our_own_bookkeeping_on_a_read_only_database_holds_the_delivery(
         cursor.execute("RESET default_transaction_read_only")
     assert not DeadLetter.objects.exists()
     assert not Effect.objects.exists()
+
+
+@pytest.fixture
+def no_partition_for_now(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No inbox partition holds this instant, and none can be made on the spot (the upkeep and
+    its fallback failing, say for want of the CREATE privilege): today's day is detached for
+    the test, then attached again."""
+    monkeypatch.setattr(exactly_once, "ensure_covered", lambda *args, **kwargs: None)
+    now = timezone.now()
+    [today] = [p for p in partitions.partitions("default") if p.overlaps(now, now)]
+    assert today.start is not None and today.end is not None
+    with connection.cursor() as cursor:
+        cursor.execute(f'ALTER TABLE "{partitions.INBOX_TABLE}" DETACH PARTITION "{today.name}"')
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f'ALTER TABLE "{partitions.INBOX_TABLE}" ATTACH PARTITION "{today.name}" '
+                "FOR VALUES FROM (%s) TO (%s)",
+                [today.start, today.end],
+            )
+
+
+@postgresql_only
+@pytest.mark.parametrize("path", ["batch", "one_by_one"])
+def test_an_inbox_row_with_no_partition_to_go_to_holds_the_delivery(
+    no_partition_for_now: None, path: str
+) -> None:
+    """The claim meets "no partition of relation ... found for row" (a check violation, an
+    IntegrityError): the database's state, so nothing is decided; neither a failure charged to
+    the handler (the batch path) nor a duplicate acked unhandled (the one-by-one path, where a
+    replay goes), which would lose the message."""
+    headers = {REPLAY_HEADER: 1} if path == "one_by_one" else None
+    jobs = [job(f"np-{path}", headers=headers)]
+    with pytest.raises(DatabaseUnavailable):
+        process_batch(jobs)
+    assert not DeadLetter.objects.exists()
+    assert effects_of(f"np-{path}") == 0

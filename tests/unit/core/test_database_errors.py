@@ -52,6 +52,22 @@ Psycopg2Error = type("OperationalError", (_Psycopg2Error,), {"__module__": "psyc
             UNAVAILABLE,
         ),
         (wrapped(django_db.OperationalError, psycopg.errors.AdminShutdown("bye")), UNAVAILABLE),
+        (
+            wrapped(
+                django_db.IntegrityError,
+                psycopg.errors.CheckViolation(
+                    'no partition of relation "reliable_messaging_processedmessage" found for row'
+                ),
+            ),
+            UNAVAILABLE,
+        ),
+        (
+            wrapped(
+                django_db.IntegrityError,
+                psycopg.errors.CheckViolation('new row violates check constraint "positive"'),
+            ),
+            None,
+        ),
         (wrapped(django_db.OperationalError, psycopg.errors.CrashShutdown("crash")), UNAVAILABLE),
         (
             wrapped(django_db.OperationalError, psycopg.errors.CannotConnectNow("start")),
