@@ -9,6 +9,7 @@ import pytest
 from django.db import transaction
 from django.utils import timezone
 
+from reliable_messaging import partitions
 from reliable_messaging.choices import DeadLetterReason, DeadLetterStatus, OutboxStatus
 from reliable_messaging.exactly_once import claimed_atomic
 from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
@@ -116,6 +117,7 @@ def test_inbox_queries() -> None:
 
 def test_delete_in_batches_reports_each_batch() -> None:
     old = timezone.now() - dt.timedelta(days=30)
+    partitions.ensure_partitions("default", now=old)  # the inbox has no default partition
     ProcessedMessage.objects.bulk_create(
         ProcessedMessage(consumer="c", message_id=f"m-{i}", processed_at=old) for i in range(5)
     )
@@ -136,6 +138,7 @@ def test_outbox_queries() -> None:
     OutboxMessage.objects.create(
         message_id="f", routing_key="k", body="{}", status=OutboxStatus.FAILED, attempts=7
     )
+    partitions.ensure_partitions("default", now=now - dt.timedelta(days=3), spec=partitions.OUTBOX)
     OutboxMessage.objects.create(
         message_id="s",
         routing_key="k",
