@@ -290,7 +290,7 @@ def test_database_outage_holds_the_message_then_processes_it_once(
     try:
         assert not support.pg_isready()
         publisher.publish(exchange(ns), "order.placed", {"order": 1}, message_id="outage-1")
-        proc.wait_for_log("holding it unacked", timeout=30)
+        proc.wait_for_log("holding deliveries unacked", timeout=30)
         # Held, not acked, not dead-lettered, and the process is still up.
         wait_until(
             lambda: queue_counts(alpha_queue(ns)) == (0, 1),
@@ -319,7 +319,7 @@ def test_sigterm_during_a_database_outage_gives_the_message_back(
     support.pg_ctl("stop")
     try:
         publisher.publish(exchange(ns), "order.placed", {"order": 2}, message_id="outage-2")
-        proc.wait_for_log("holding it unacked", timeout=30)
+        proc.wait_for_log("holding deliveries unacked", timeout=30)
         proc.send(signal.SIGTERM)
         assert proc.wait(60) == 0
         # Released (nack + requeue), not lost and not dead-lettered.
@@ -346,7 +346,7 @@ def test_database_lost_while_a_handler_runs_then_processed_once(
         # ordinary retry. Either way nothing is acked before the effect commits.
         wait_until(
             lambda: (
-                "holding it unacked" in proc.log()
+                "holding deliveries unacked" in proc.log()
                 or re.search(r"message_id=outage-3 .*outcome=retry", proc.log())
             ),
             timeout=30,
