@@ -471,22 +471,16 @@ def forget_coverage() -> None:
 def _read_coverage(
     using: str, at: dt.datetime, spec: DayPartitioned
 ) -> tuple[bool, dt.datetime | None]:
-    """Whether the catalog could be read, and :func:`covered_until`, on a connection of its
-    own: the caller's may be in a transaction that must not fail on it."""
-    found: list[dt.datetime | None] = []
-
-    def read() -> None:
-        try:
-            found.append(covered_until(using, at, spec))
-        except DatabaseError as exc:
-            logger.warning("could not read the %s partitions: %s", spec.label, exc)
-        finally:
-            connections.close_all()
-
-    reader = threading.Thread(target=read, name="partition-coverage")
-    reader.start()
-    reader.join(ON_THE_SPOT_TIMEOUT)
-    return (True, found[0]) if found else (False, None)
+    """Whether the catalog could be read, and :func:`covered_until`, on the caller's connection
+    in a savepoint of its own (a failure rolls back only that). Not on a connection of its own:
+    behind a pooler whose server connections the callers' open transactions hold, a second
+    connection would wait for one of them to end, and none would until it got one."""
+    try:
+        with transaction.atomic(using=using):
+            return True, covered_until(using, at, spec)
+    except DatabaseError as exc:
+        logger.warning("could not read the %s partitions: %s", spec.label, exc)
+        return False, None
 
 
 def _make_on_the_spot(using: str, at: dt.datetime, spec: DayPartitioned) -> None:
