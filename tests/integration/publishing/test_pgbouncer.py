@@ -82,15 +82,17 @@ def test_nothing_of_ours_stays_on_a_pooled_server_connection(
         service([spec])
         relay = ob.relay_process().wait_connected()
         ids = []
+        # Nothing of ours may need a second server connection while its transaction holds the
+        # only one: the relay or a claim would hold the pool until a timeout of ours (30 s)
+        # let go, batch after batch, and every other client (these publishes) would wait.
+        deadline = time.monotonic() + 25
         for n in range(8):  # past psycopg's prepare threshold (5)
             with transaction.atomic():
                 ids.append(publish("pool.one", {"n": n}, exchange=ob.exchange))
             assert sender.flush()
-        # Nothing of ours may need a second server connection while its transaction holds the
-        # only one: that waits until a timeout of ours (30 s) lets go, claim after claim.
         wait_until(
             lambda: Effect.objects.filter(consumer="pool").count() == 8,
-            timeout=25,
+            timeout=max(0.0, deadline - time.monotonic()),
             message=lambda: f"the 8 messages handled; relay log:\n{relay.log()}",
         )
         handled = Effect.objects.filter(consumer="pool").values_list("message_id", flat=True)
