@@ -217,7 +217,12 @@ def test_notify_wakes_an_idle_relay(ob: OutboxEnv) -> None:
 
     warmup = publish("notify.warmup", {"n": 0})
     wait_until(lambda: ob.broker.count(queue) == 1, timeout=30, message="the warm-up row")
-    assert OutboxMessage.objects.get(message_id=warmup).status == OutboxStatus.SENT
+    # The broker holds the row before the relay has recorded its confirm.
+    wait_until(
+        lambda: OutboxMessage.objects.get(message_id=warmup).status == OutboxStatus.SENT,
+        timeout=10,
+        message="the warm-up row marked sent",
+    )
     time.sleep(1.0)  # let the relay settle into its 30 s idle wait
 
     with transaction.atomic():
