@@ -136,6 +136,15 @@ def _through_pgbouncer(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
 
 
+@pytest.fixture(scope="session")
+def rabbitmq4() -> Any:
+    """The RabbitMQ 4.0 node (tests/rabbitmq4.py), started for the session if it is not up."""
+    from tests import rabbitmq4 as node
+
+    node.ensure_started()
+    return node
+
+
 @pytest.fixture
 def ns() -> Iterator[str]:
     namespace = support.new_namespace()

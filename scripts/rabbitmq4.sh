@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# A RabbitMQ 4.0 node beside the system's 3.10 one, for the tests that run on both brokers.
+#
+#   scripts/rabbitmq4.sh build   build the node's root once (Debian trixie's rabbitmq-server
+#                                with Erlang 27, in a debootstrap directory), kept outside the
+#                                checkout so every clone and CI run on this machine reuses it
+#   scripts/rabbitmq4.sh start   start the node (idempotent), enable its plugins, wait for it
+#   scripts/rabbitmq4.sh stop    stop it
+#   scripts/rabbitmq4.sh url     print its AMQP URL
+#   scripts/rabbitmq4.sh ctl ... rabbitmqctl against it
+#
+# The node has its own name, ports, epmd port, cookie and HOME; it never touches the node on
+# 5672. Erlang 27 needs trixie's libc, hence the chroot. Its rabbitmq user gets a uid that is
+# free on the host, so that files it writes are never mistaken for the host's.
+set -euo pipefail
+
+ROOT="${RM_RABBITMQ4_ROOT:-/var/cache/reliable-messaging/rabbitmq4-trixie}"
+NODE="${RM_RABBITMQ4_NODE:-rmq4@localhost}"
+AMQP_PORT="${RM_RABBITMQ4_PORT:-5782}"
+MGMT_PORT="${RM_RABBITMQ4_MANAGEMENT_PORT:-15782}"
+DIST_PORT="${RM_RABBITMQ4_DIST_PORT:-25782}"
+EPMD_PORT="${RM_RABBITMQ4_EPMD_PORT:-4382}"
+RABBIT_UID=2782
+STAMP="$ROOT/.reliable-messaging-built"
+BASE=/var/lib/rm-rabbitmq4   # inside the chroot: HOME, data, logs, config
+
+die() { echo "rabbitmq4: ERROR: $*" >&2; exit 1; }
+
+build() {
+    [[ -f "$STAMP" ]] && return 0
+    command -v debootstrap >/dev/null || (apt-get update -qq &&
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap)
+    exec 8>"${ROOT%/*}.build.lock" 2>/dev/null || { mkdir -p "${ROOT%/*}"; exec 8>"${ROOT%/*}.build.lock"; }
+    flock -w 900 8 || die "another build holds ${ROOT%/*}.build.lock"
+    [[ -f "$STAMP" ]] && return 0
+    echo "rabbitmq4: building $ROOT (debootstrap trixie + rabbitmq-server, about 3 minutes)"
+    umount_all
+    rm -rf "$ROOT"
+    mkdir -p "$ROOT"
+    debootstrap --variant=minbase trixie "$ROOT" http://deb.debian.org/debian >"$ROOT.debootstrap.log" 2>&1 ||
+        die "debootstrap failed; see $ROOT.debootstrap.log"
+    printf '#!/bin/sh\nexit 101\n' >"$ROOT/usr/sbin/policy-rc.d"
+    chmod +x "$ROOT/usr/sbin/policy-rc.d"
+    chroot "$ROOT" groupadd --system --gid "$RABBIT_UID" rabbitmq
+    chroot "$ROOT" useradd --system --uid "$RABBIT_UID" --gid "$RABBIT_UID" \
+        --home-dir /var/lib/rabbitmq --shell /usr/sbin/nologin rabbitmq
+    mount_all
+    chroot "$ROOT" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        rabbitmq-server >"$ROOT.install.log" 2>&1 || { umount_all; die "installing rabbitmq-server failed; see $ROOT.install.log"; }
+    umount_all
+    chroot "$ROOT" dpkg-query -W rabbitmq-server >"$STAMP"
+    echo "rabbitmq4: built $(cat "$STAMP")"
+}
+
+mount_all() {
+    mountpoint -q "$ROOT/proc" || mount -t proc proc "$ROOT/proc"
+    mountpoint -q "$ROOT/dev" || mount --bind /dev "$ROOT/dev"
+}
+
+umount_all() {
+    [[ -d "$ROOT" ]] || return 0
+    mountpoint -q "$ROOT/dev" && umount -l "$ROOT/dev" || true
+    mountpoint -q "$ROOT/proc" && umount -l "$ROOT/proc" || true
+}
+
+in_root() {
+    chroot "$ROOT" env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 \
+        HOME="$BASE" ERL_EPMD_PORT="$EPMD_PORT" RABBITMQ_NODENAME="$NODE" \
+        RABBITMQ_NODE_PORT="$AMQP_PORT" RABBITMQ_DIST_PORT="$DIST_PORT" \
+        RABBITMQ_CONFIG_FILE="$BASE/rabbitmq.conf" RABBITMQ_ENABLED_PLUGINS_FILE="$BASE/enabled_plugins" \
+        RABBITMQ_MNESIA_BASE="$BASE/mnesia" RABBITMQ_LOG_BASE="$BASE/log" \
+        RABBITMQ_PID_FILE="$BASE/rabbit.pid" "$@"
+}
+
+ctl() { in_root rabbitmqctl -n "$NODE" "$@"; }
+
+start() {
+    build
+    mount_all
+    cp /etc/hosts "$ROOT/etc/hosts"
+    mkdir -p "$ROOT$BASE/log" "$ROOT$BASE/mnesia"
+    if ! ctl -q status >/dev/null 2>&1; then
+        [[ -f "$ROOT$BASE/.erlang.cookie" ]] ||
+            head -c 24 /dev/urandom | base64 | tr -dc A-Za-z0-9 >"$ROOT$BASE/.erlang.cookie"
+        chmod 400 "$ROOT$BASE/.erlang.cookie"
+        cat >"$ROOT$BASE/rabbitmq.conf" <<CONF
+listeners.tcp.default = $AMQP_PORT
+management.tcp.port = $MGMT_PORT
+management.tcp.ip = 127.0.0.1
+loopback_users = none
+vm_memory_high_watermark.relative = 0.3
+disk_free_limit.absolute = 50000000
+CONF
+        echo "[rabbitmq_management,rabbitmq_consistent_hash_exchange]." >"$ROOT$BASE/enabled_plugins"
+        chown -R "$RABBIT_UID:$RABBIT_UID" "$ROOT$BASE"
+        # The node runs as the chroot's rabbitmq user (the server script switches to it).
+        in_root setsid rabbitmq-server -detached 9>&- 8>&- >/dev/null 2>&1 || true
+        echo "rabbitmq4: starting $NODE on 127.0.0.1:$AMQP_PORT"
+    fi
+    for _ in $(seq 1 90); do
+        if ctl -q await_startup --timeout 2 >/dev/null 2>&1; then
+            echo "rabbitmq4: up ($(cat "$STAMP"), amqp $AMQP_PORT, management $MGMT_PORT)"
+            return 0
+        fi
+        sleep 1
+    done
+    die "$NODE did not start within 90 s; see $ROOT$BASE/log"
+}
+
+stop() {
+    [[ -f "$STAMP" ]] || return 0
+    ctl -q stop >/dev/null 2>&1 || true
+}
+
+case "${1:-}" in
+build) build ;;
+start) start ;;
+stop) stop ;;
+url) echo "amqp://guest:guest@127.0.0.1:$AMQP_PORT/%2F" ;;
+ctl) shift; ctl "$@" ;;
+*) die "usage: $0 build|start|stop|url|ctl ..." ;;
+esac
