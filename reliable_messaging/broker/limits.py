@@ -1,0 +1,46 @@
+"""The broker's ``max_message_size``: what it refuses, learned by asking.
+
+RabbitMQ refuses a message whose body is larger than its ``max_message_size`` (128 MiB by
+default up to 3.13, 16 MiB from 4.0, and whatever the operator configured) by closing the
+channel with ``406 PRECONDITION_FAILED - message size N is larger than configured max size M``.
+Neither AMQP nor the management API tells the limit, so :func:`broker_refuses` publishes one body
+of the size in question to a routing key no queue binds (the broker drops it once it accepted
+it) on a channel of its own, and reads the limit from the refusal.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pika.exceptions
+from pika.adapters.blocking_connection import BlockingConnection
+
+from .replies import PRECONDITION_FAILED
+
+_REFUSAL = re.compile(r"message size (\d+) is larger than configured max size (\d+)")
+# The default exchange routes by queue name; no queue can be named so (the amq. prefix is
+# reserved for the broker), so the probe is accepted and dropped, never delivered.
+PROBE_ROUTING_KEY = "amq.reliable-messaging.size-probe"
+
+
+def size_limit_in(reply_text: object) -> int | None:
+    """The broker's ``max_message_size`` quoted in a 406 refusal, or None for another reply."""
+    found = _REFUSAL.search(str(reply_text))
+    return int(found.group(2)) if found else None
+
+
+def broker_refuses(connection: BlockingConnection, size: int) -> int | None:
+    """The broker's ``max_message_size`` if it refuses a body of ``size`` bytes; None when it
+    takes it. Costs one publish of ``size`` bytes and one round trip."""
+    channel = connection.channel()
+    try:
+        channel.confirm_delivery()
+        channel.basic_publish("", PROBE_ROUTING_KEY, b"\0" * size)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        if exc.reply_code == PRECONDITION_FAILED and (limit := size_limit_in(exc.reply_text)):
+            return limit
+        raise
+    finally:
+        if channel.is_open:
+            channel.close()
+    return None
