@@ -546,3 +546,34 @@ def check_sqlite(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
                 )
             )
     return found
+
+
+@register(Tags.compatibility, deploy=True)
+def check_broker_max_message_size(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """``check --deploy``: the broker takes a body of ``MAX_BODY_BYTES`` (RabbitMQ 4 refuses
+    more than 16 MiB by default), so that ``publish()`` never accepts what it would refuse."""
+    from .broker.limits import ask_broker
+
+    limit = messaging_settings.max_body_bytes
+    refused, unreachable = ask_broker(limit)
+    if unreachable is not None:
+        return [
+            _warning(
+                50,
+                f"The broker's max_message_size could not be compared with {SETTING}"
+                f"['MAX_BODY_BYTES'] ({limit}): the broker did not answer ({unreachable}).",
+                "Run the check where the broker is reachable, or run "
+                "`manage.py messaging_status --broker`.",
+            )
+        ]
+    if refused is None:
+        return []
+    return [
+        _error(
+            50,
+            f"{SETTING}['MAX_BODY_BYTES'] is {limit}, over the broker's max_message_size "
+            f"({refused}): publish() would accept payloads that the broker refuses.",
+            f"Set MAX_BODY_BYTES to at most {refused}, or raise max_message_size in "
+            f"rabbitmq.conf (it cannot exceed 536870912).",
+        )
+    ]

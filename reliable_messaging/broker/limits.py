@@ -15,18 +15,38 @@ import re
 import pika.exceptions
 from pika.adapters.blocking_connection import BlockingConnection
 
+from ..conf import MessagingSettings, messaging_settings
 from .replies import PRECONDITION_FAILED
+from .topology import connect
 
+# "message size 123 is larger than configured max size 45"
+MESSAGE_SIZE = re.compile(r"message size (\d+)")
 _REFUSAL = re.compile(r"message size (\d+) is larger than configured max size (\d+)")
 # The default exchange routes by queue name; no queue can be named so (the amq. prefix is
 # reserved for the broker), so the probe is accepted and dropped, never delivered.
 PROBE_ROUTING_KEY = "amq.reliable-messaging.size-probe"
 
 
+# The smallest max_message_size a broker of this process quoted (None: none refused yet).
+_learned: int | None = None
+
+
+def learned_max_message_size() -> int | None:
+    """The broker's ``max_message_size`` as this process learned it from a refusal, if any;
+    ``publish()`` refuses larger payloads with it."""
+    return _learned
+
+
 def size_limit_in(reply_text: object) -> int | None:
-    """The broker's ``max_message_size`` quoted in a 406 refusal, or None for another reply."""
+    """The broker's ``max_message_size`` quoted in a 406 refusal (and remembered for
+    :func:`learned_max_message_size`), or None for another reply."""
+    global _learned
     found = _REFUSAL.search(str(reply_text))
-    return int(found.group(2)) if found else None
+    if not found:
+        return None
+    limit = int(found.group(2))
+    _learned = limit if _learned is None else min(_learned, limit)
+    return limit
 
 
 def broker_refuses(connection: BlockingConnection, size: int) -> int | None:
@@ -44,3 +64,19 @@ def broker_refuses(connection: BlockingConnection, size: int) -> int | None:
         if channel.is_open:
             channel.close()
     return None
+
+
+def ask_broker(
+    size: int, settings: MessagingSettings = messaging_settings, *, timeout: float = 5.0
+) -> tuple[int | None, str | None]:
+    """:func:`broker_refuses` on a connection of its own: (the limit if the broker refuses
+    ``size``, else None; why the broker could not be asked, else None)."""
+    try:
+        connection = connect(settings, name="reliable_messaging size check", timeout=timeout)
+        try:
+            return broker_refuses(connection, size), None
+        finally:
+            if connection.is_open:
+                connection.close()
+    except (pika.exceptions.AMQPError, OSError) as exc:
+        return None, type(exc).__name__

@@ -77,18 +77,32 @@ def dead_letter_queue(spec: ConsumerSpec) -> str:
     return f"{spec.queue}.dead"
 
 
+def kept_queue(spec: ConsumerSpec) -> str:
+    """Quorum queues only: where the broker moves a message that reached the delivery limit of
+    :func:`dead_letter_queue` too. A classic queue, which has no delivery limit on any broker
+    version, so this is the end of the line: nothing is dropped; the consumer ingests it like
+    the ``.dead`` queue's."""
+    return f"{spec.queue}.dead.kept"
+
+
+def broker_dead_letter_queues(spec: ConsumerSpec) -> list[str]:
+    """The queues the broker dead-letters ``spec``'s messages into (quorum queues only)."""
+    return [dead_letter_queue(spec), kept_queue(spec)]
+
+
 def queue_arguments(
     settings: MessagingSettings = messaging_settings,
     *,
     ordered: bool = False,
     dead_letter_to: str | None = None,
 ) -> dict[str, Any]:
-    arguments: dict[str, Any] = {}
+    # The type always stated: a vhost can make quorum its default type (RabbitMQ 3.11+), and a
+    # queue declared without one would become a quorum queue with the broker's delivery limit.
+    arguments: dict[str, Any] = {"x-queue-type": settings.queue_type}
     if settings.queue_type == "quorum":
         # The broker's own guard against poison loops that never reach a handler's outcome
         # (a process crashing on the message before it can ack). Past the limit it would drop
         # the message; with a dead-letter target it moves it there instead, never silently.
-        arguments["x-queue-type"] = "quorum"
         arguments["x-delivery-limit"] = settings.quorum_delivery_limit
         if dead_letter_to is not None:
             arguments["x-dead-letter-exchange"] = ""
@@ -253,11 +267,11 @@ def delay_queue_arguments(
     3.10+, which needs ``x-overflow: reject-publish`` for it), never dropping it on the way.
     """
     arguments: dict[str, Any] = {
+        "x-queue-type": settings.queue_type,
         "x-message-ttl": round(delay * 1000),
         "x-dead-letter-exchange": "",
     }
     if settings.queue_type == "quorum":
-        arguments["x-queue-type"] = "quorum"
         arguments["x-dead-letter-strategy"] = "at-least-once"
         arguments["x-overflow"] = "reject-publish"
     return arguments
@@ -317,14 +331,29 @@ def _declare_dead_letter_queue(
 ) -> str | None:
     if settings.queue_type != "quorum":
         return None
-    name = dead_letter_queue(spec)
-    arguments = {"x-queue-type": "quorum"}
-    declarer.queue(
-        "dead-letter queue",
-        name,
-        arguments,
-        lambda channel: channel.queue_declare(name, durable=True, arguments=arguments),
-    )
+    name, kept = dead_letter_queue(spec), kept_queue(spec)
+    # The .dead queue has a delivery limit of its own, stated (RabbitMQ 4 gives every quorum
+    # queue one, 20 by default, and drops past it when there is no target): past it a message
+    # goes to the classic .dead.kept queue, which has none.
+    for queue, arguments in (
+        (kept, {"x-queue-type": "classic"}),
+        (
+            name,
+            {
+                "x-queue-type": "quorum",
+                "x-delivery-limit": settings.quorum_delivery_limit,
+                "x-dead-letter-exchange": "",
+                "x-dead-letter-routing-key": kept,
+            },
+        ),
+    ):
+
+        def declare(
+            channel: BlockingChannel, queue: str = queue, arguments: dict[str, Any] = arguments
+        ) -> None:
+            channel.queue_declare(queue, durable=True, arguments=arguments)
+
+        declarer.queue("dead-letter queue", queue, arguments, declare)
     # Named as the target even when unavailable now: a queue's arguments are fixed at its
     # first declaration, and the broker routes to the target once it exists.
     return name

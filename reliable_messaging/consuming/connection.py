@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .. import metrics
-from ..broker.topology import consumer_queues, dead_letter_queue
+from ..broker.topology import broker_dead_letter_queues, consumer_queues
 from ..broker.transport import BrokerChannel, BrokerTransport, RetryPublishing
 from ..conf import MessagingSettings
 from ..console import announce
@@ -199,13 +199,15 @@ class ConnectionThread:
         queues: list[str] = []
         for spec in specs:
             wanted = list(consumer_queues(spec, self.settings))
-            if self.settings.queue_type == "quorum":
-                wanted.append(dead_letter_queue(spec))
+            dead_letters = (
+                broker_dead_letter_queues(spec) if self.settings.queue_type == "quorum" else []
+            )
+            wanted += dead_letters
             for queue in wanted:
                 if queue in link.unavailable or any(q == queue for _, _, q, _ in link.consumers):
                     continue
                 channel = shared_channel
-                if spec.ordered and queue != dead_letter_queue(spec):
+                if spec.ordered and queue not in dead_letters:
                     # Its own prefetch window: a held partition fills only its own. No
                     # cautious start here: re-subscribing to open it up would hand the
                     # partition (single active consumer) to a standby mid-stream.
@@ -333,8 +335,8 @@ class ConnectionThread:
             return  # a graceful stop closes this ordered channel: the broker requeues it
         if link.cautious and not delivery.redelivered and channel is link.channels[0]:
             link.open_up = True
-        from_dead_letter_queue = self.settings.queue_type == "quorum" and queue == (
-            dead_letter_queue(spec)
+        from_dead_letter_queue = self.settings.queue_type == "quorum" and queue in (
+            broker_dead_letter_queues(spec)
         )
         if not from_dead_letter_queue:
             metrics.consumer_received(spec.name, delivery.redelivered)

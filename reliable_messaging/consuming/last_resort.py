@@ -121,17 +121,21 @@ def consumer_error(
         return Release("the consumer fails on it and cannot dead-letter it")
 
 
-def _first_death(headers: Mapping[str, Any]) -> Mapping[str, Any]:
+def _first_death(headers: Mapping[str, Any], queues: list[str]) -> Mapping[str, Any]:
+    """The ``x-death`` entry of the consumer's own queue (the newest first: a message that
+    passed the ``.dead`` queue's limit too has that queue's entry before it), else the newest."""
     deaths = headers.get("x-death")
-    if isinstance(deaths, list) and deaths and isinstance(deaths[0], Mapping):
-        return deaths[0]
-    return {}
+    if not isinstance(deaths, list):
+        return {}
+    entries = [death for death in deaths if isinstance(death, Mapping)]
+    ours = [death for death in entries if death.get("queue") in queues]
+    return (ours or entries or [{}])[0]
 
 
 def original_delivery(delivery: Delivery, queues: list[str]) -> Delivery:
     """The delivery as it was in the consumer's queue, from what the broker's dead-lettering
     recorded in ``x-death`` (queue, exchange, routing key), so a replay goes back to it."""
-    death = _first_death(delivery.headers)
+    death = _first_death(delivery.headers, queues)
     queue = death.get("queue")
     routing_keys = death.get("routing-keys")
     routing_key = routing_keys[0] if isinstance(routing_keys, list) and routing_keys else None
@@ -149,7 +153,7 @@ def ingest_delivery_limit(
     processor: Processor, delivery: Delivery, queues: list[str]
 ) -> Acknowledge:
     """A message the broker dead-lettered from one of ``queues`` at its delivery limit."""
-    death = _first_death(delivery.headers)
+    death = _first_death(delivery.headers, queues)
     count = 0
     for raw in (delivery.headers.get("x-delivery-count"), death.get("count")):
         if isinstance(raw, int) and not isinstance(raw, bool):

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..broker.limits import MESSAGE_SIZE, size_limit_in
 from ..broker.replies import NOT_FOUND
 from ..core.envelope import ORDERING_KEY_HEADER, PUBLISHED_AT_HEADER
 from .claims import BatchOutcome, ClaimedRow, ClaimTransaction
@@ -23,7 +24,6 @@ _MISSING_EXCHANGE = re.compile(r"no exchange '([^']*)'")
 # The exchange a 403 names ("access to exchange 'x' in vhost '/' refused", "cannot publish to
 # internal exchange 'x'") and the size a 406 names ("message size 123 is larger than ...").
 _NAMED_EXCHANGE = re.compile(r"exchange '([^']*)'")
-_MESSAGE_SIZE = re.compile(r"message size (\d+)")
 
 
 def message_headers(row: ClaimedRow) -> dict[str, Any]:
@@ -50,6 +50,7 @@ class Batch:
     transaction: ClaimTransaction | None = None
     unpublished: list[ClaimedRow] = field(default_factory=list)  # refused before publishing
     errors: dict[int, str] = field(default_factory=dict)  # row id -> why it was not sent
+    final: set[int] = field(default_factory=set)  # row ids of errors no retry can change
     confirmed: set[int] = field(default_factory=set)  # row ids acked by the broker
     unrouted: set[int] = field(default_factory=set)  # row ids of events returned unroutable
     settled: set[int] = field(default_factory=set)  # delivery tags acked or nacked
@@ -127,6 +128,7 @@ class Batch:
             sent=sent,
             unrouted=unrouted,
             failures=dict(self.errors),
+            final=self.final & set(self.errors),
             again=[
                 row.pk for row in self.claimed if row.pk not in done and row.pk not in self.errors
             ],
@@ -150,12 +152,10 @@ def refused_rows(batches: list[Batch], reply_text: str) -> list[tuple[Batch, Cla
         matching = [(b, row) for b, row in unconfirmed if row.exchange == named.group(1)]
         if matching:
             return matching
-    size = _MESSAGE_SIZE.search(reply_text)
+    size = MESSAGE_SIZE.search(reply_text)
     if size is not None:
         matching = [
-            (b, row)
-            for b, row in unconfirmed
-            if len(row.body.encode("utf-8")) == int(size.group(1))
+            (b, row) for b, row in unconfirmed if len(row.body.encode("utf-8")) == int(size[1])
         ]
         if matching:
             return matching[:1]
@@ -189,6 +189,18 @@ def charge_refusal(
         return charged, missing
     culprits = refused_rows(batches, reply_text)
     error = f"the broker closed the channel: {reply_code} {reply_text}"
+    limit = size_limit_in(reply_text)
     for batch, row in culprits:
-        batch.errors[row.pk] = error[:2000]
+        if limit is not None:
+            # The broker refuses this body every time: failed at once, not after every attempt.
+            size = len(row.body.encode("utf-8"))
+            batch.errors[row.pk] = (
+                f"the broker refuses a body of {size} bytes: its max_message_size is {limit} "
+                f"({reply_code} {reply_text}). Raise max_message_size on the broker, or keep "
+                f"RELIABLE_MESSAGING['MAX_BODY_BYTES'] at or below {limit} so that publish() "
+                f"refuses such a payload; this row will not be sent"
+            )
+            batch.final.add(row.pk)
+        else:
+            batch.errors[row.pk] = error[:2000]
     return len(culprits), None

@@ -244,6 +244,8 @@ class BatchOutcome:
     sent: list[int] = field(default_factory=list)  # ids confirmed by the broker
     unrouted: list[ClaimedRow] = field(default_factory=list)  # events confirmed, but unroutable
     failures: dict[int, str] = field(default_factory=dict)  # id -> why it was not sent
+    # Failures no number of tries can change (a body over the broker's max_message_size).
+    final: set[int] = field(default_factory=set)
     again: list[int] = field(default_factory=list)  # neither: due again at once
 
     @property
@@ -431,7 +433,7 @@ class OutboxClaims:
         for row in outcome.claimed:
             error = outcome.failures.get(row.pk)
             if error is not None:
-                self._charge(row, error)
+                self._charge(row, error, final=row.pk in outcome.final)
         if outcome.again and leased:
             # Rolled back, the claim's rows are due at once by themselves; leased, they are due
             # when the lease runs out unless made due here.
@@ -440,15 +442,16 @@ class OutboxClaims:
             ).update(next_attempt_at=Now())
         release_next_of_keys(self.using, outcome.released_keys)
 
-    def _charge(self, row: ClaimedRow, error: str) -> None:
-        """A failed send: one more attempt, a backoff, and ``failed`` past OUTBOX_MAX_ATTEMPTS."""
+    def _charge(self, row: ClaimedRow, error: str, *, final: bool = False) -> None:
+        """A failed send: one more attempt, a backoff, and ``failed`` past OUTBOX_MAX_ATTEMPTS
+        (at once when ``final``: the broker would refuse it every time)."""
         attempts = row.attempts + 1
-        failed = attempts >= self.settings.outbox_max_attempts
+        failed = final or attempts >= self.settings.outbox_max_attempts
         if failed:
             logger.error(
-                "relay: message_id=%s failed %d times, marked failed: %s",
+                "relay: message_id=%s %s, marked failed: %s",
                 row.message_id,
-                attempts,
+                "refused for good" if final else f"failed {attempts} times",
                 error,
             )
         else:

@@ -24,6 +24,7 @@ from django.db import IntegrityError, connections, router, transaction
 from django.db.models import Field
 from django.db.models.functions import Now
 
+from ..broker.limits import learned_max_message_size
 from ..choices import OutboxStatus
 from ..conf import messaging_settings
 from ..core.envelope import MAX_MESSAGE_ID_LENGTH, encode_payload
@@ -95,7 +96,8 @@ def publish(
     (``"default"`` without routers), which is where the relay reads: publish inside a
     transaction on that alias. The relay sends the message once the transaction commits; a
     rollback discards it. A payload JSON cannot encode raises ``TypeError`` here; a body larger
-    than ``MAX_BODY_BYTES`` raises ``ValueError``. With an ``idempotency_key`` already in the
+    than ``MAX_BODY_BYTES`` (or than the broker's ``max_message_size``, once this process has
+    learned it) raises ``ValueError``. With an ``idempotency_key`` already in the
     outbox this is a no-op that returns the first message's id.
     """
     if not isinstance(routing_key, str) or not routing_key:
@@ -110,6 +112,15 @@ def publish(
         raise ValueError(
             f"the payload encodes to {len(encoded)} bytes, over RELIABLE_MESSAGING"
             f"['MAX_BODY_BYTES'] ({limit}): consumers would dead-letter it unread"
+        )
+    # The broker's own limit, when this process has learned it (the relay and consume ask at
+    # start; the deploy check compares it with MAX_BODY_BYTES): it would refuse the message.
+    broker_limit = learned_max_message_size()
+    if broker_limit is not None and len(encoded) > broker_limit:
+        raise ValueError(
+            f"the payload encodes to {len(encoded)} bytes, over the broker's max_message_size "
+            f"({broker_limit}): the broker would refuse it. Lower RELIABLE_MESSAGING"
+            f"['MAX_BODY_BYTES'] to at most {broker_limit}, or raise max_message_size"
         )
     body = encoded.decode("utf-8")
     message_id = new_message_id() if message_id is None else str(message_id)

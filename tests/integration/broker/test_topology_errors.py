@@ -58,5 +58,8 @@ def test_ordered_consumer_declares_hashed_single_active_partitions(
     finally:
         connection.close()
     for index in range(4):
-        assert queue_arguments(f"{ns}.alpha.p{index}") == {"x-single-active-consumer": True}
+        assert queue_arguments(f"{ns}.alpha.p{index}") == {
+            "x-queue-type": "classic",
+            "x-single-active-consumer": True,
+        }
     assert queue_arguments(f"{ns}.alpha") is None  # no queue of the plain name

@@ -1,0 +1,97 @@
+"""The broker's ``max_message_size`` (16 MiB by default from RabbitMQ 4.0, 128 MiB before): a
+body it refuses fails at once with the limit in its error, the rows after it flow, ``publish()``
+refuses it once the process knows the limit, and ``check --deploy`` compares the setting with
+the broker's limit. On 3.10.8 the same body is delivered."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.db import transaction
+
+from reliable_messaging import publish
+from reliable_messaging.broker import limits
+from reliable_messaging.checks import check_broker_max_message_size
+from reliable_messaging.models import OutboxMessage, OutboxStatus
+from tests.support import wait_until
+
+from .conftest import Broker, OutboxEnv
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+MIB = 1024 * 1024
+SYSTEM_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+
+
+@pytest.fixture(params=["rabbitmq-3.10", "rabbitmq-4.0"])
+def broker(request: pytest.FixtureRequest) -> Broker:
+    if request.param == "rabbitmq-4.0":
+        return Broker(request.getfixturevalue("rabbitmq4").URL)
+    return Broker(SYSTEM_URL)
+
+
+@pytest.fixture(autouse=True)
+def _nothing_learned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts from a process that has not heard a broker's limit yet."""
+    monkeypatch.setattr(limits, "_learned", None)
+
+
+def test_a_body_over_the_brokers_limit_fails_at_once_and_the_rest_flows(
+    ob: OutboxEnv, broker: Broker
+) -> None:
+    ob.set(BROKER_URL=broker.url, MAX_BODY_BYTES=20 * MIB)
+    queue = ob.queue()
+    on_4 = broker.url != SYSTEM_URL
+    with transaction.atomic():
+        big = publish("limits.big", "x" * (17 * MIB))
+        after = publish("limits.after", {"n": 1})
+    ob.relay_thread()
+    wait_until(
+        lambda: OutboxMessage.objects.get(message_id=after).status == OutboxStatus.SENT,
+        timeout=60,
+        message="the row after the big one sent",
+    )
+    row = OutboxMessage.objects.get(message_id=big)
+    if not on_4:
+        wait_until(
+            lambda: OutboxMessage.objects.get(message_id=big).status == OutboxStatus.SENT,
+            timeout=60,
+            message="the 17 MiB row sent (3.10 takes up to 128 MiB)",
+        )
+        assert {m.message_id for m in broker.drain(queue, expected=2)} == {big, after}
+        return
+    wait_until(
+        lambda: OutboxMessage.objects.get(message_id=big).status == OutboxStatus.FAILED,
+        timeout=30,
+        message="the refused row failed at once, not after every attempt",
+    )
+    row = OutboxMessage.objects.get(message_id=big)
+    assert row.attempts == 1
+    assert "max_message_size is 16777216" in row.last_error
+    assert "MAX_BODY_BYTES" in row.last_error
+    assert [m.message_id for m in broker.drain(queue, expected=1)] == [after]
+    # The process heard the limit: publish() refuses such a payload from now on.
+    with pytest.raises(ValueError, match="max_message_size \\(16777216\\)"):
+        publish("limits.big", "x" * (17 * MIB))
+    publish("limits.small", "x" * MIB)
+
+
+def test_check_deploy_compares_max_body_bytes_with_the_brokers_limit(
+    ob: OutboxEnv, broker: Broker
+) -> None:
+    ob.set(BROKER_URL=broker.url, MAX_BODY_BYTES=20 * MIB)
+    found = check_broker_max_message_size()
+    if broker.url == SYSTEM_URL:
+        assert found == []
+    else:
+        assert [m.id for m in found] == ["reliable_messaging.E050"]
+        assert "16777216" in found[0].msg and "at most 16777216" in str(found[0].hint)
+    ob.set(MAX_BODY_BYTES=MIB)
+    assert check_broker_max_message_size() == []
+
+
+def test_check_deploy_warns_when_the_broker_cannot_be_asked(ob: OutboxEnv) -> None:
+    ob.set(BROKER_URL="amqp://guest:guest@127.0.0.1:1/%2F")
+    found: list[Any] = check_broker_max_message_size()
+    assert [m.id for m in found] == ["reliable_messaging.W050"]
