@@ -351,8 +351,9 @@ class MessagingSettings:
         "QUEUE_TYPE",
         "classic",
         str,
-        "`classic` or `quorum` for consumer queues and the retry delay queues (quorum queues get "
-        "`x-delivery-limit`; quorum delay queues dead-letter at least once)",
+        "`classic` or `quorum` for consumer queues and the retry delay queues, always declared "
+        "with this type whatever the vhost's default (quorum queues get `x-delivery-limit`; "
+        "quorum delay queues dead-letter at least once)",
         one_of(8, ("classic", "quorum"), hint="Use 'quorum' for replicated queues."),
     )
     # Each batch commits its deliveries in one transaction (a savepoint each); their acks go out
@@ -380,7 +381,8 @@ class MessagingSettings:
         50,
         int,
         "quorum queues: past this many deliveries the broker moves a message to `<queue>.dead`, "
-        "which `consume` stores as a `delivery_limit` dead letter",
+        "which `consume` stores as a `delivery_limit` dead letter (`<queue>.dead` has the same "
+        "limit and moves what passes it to the classic `<queue>.dead.kept`, also consumed)",
         integer(12, 1),
     )
     # The crash guard charges the delivery of a process that exits past the grace when it
