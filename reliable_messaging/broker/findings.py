@@ -144,39 +144,59 @@ def effective(facts: QueueFacts, key: str) -> Any:
     return min(low_a, low_p)
 
 
+def _origin(facts: QueueFacts, key: str) -> str | None:
+    """Whether the queue's ``argument`` or its ``policy`` gives the effective value of
+    ``key`` (None: neither sets it)."""
+    argument = facts.arguments.get(f"x-{key}")
+    policy = facts.effective_policy.get(key)
+    if argument is None or policy is None:
+        return (
+            None
+            if argument is None and policy is None
+            else "argument"
+            if policy is None
+            else "policy"
+        )
+    if key in ARGUMENT_WINS or effective(facts, key) == argument:
+        return "argument"
+    return "policy"
+
+
+def _policies(facts: QueueFacts) -> str:
+    names = [f"policy {facts.policy}"] if facts.policy else []
+    names += [f"operator policy {facts.operator_policy}"] if facts.operator_policy else []
+    return " or ".join(names) or "a policy"
+
+
 def _source(facts: QueueFacts, key: str) -> str:
-    """Who sets ``key`` on the queue, for a person."""
-    found = []
-    if facts.arguments.get(f"x-{key}") is not None:
-        found.append(f"its argument x-{key}")
-    if facts.effective_policy.get(key) is not None:
-        names = [f"policy {facts.policy}"] if facts.policy else []
-        names += [f"operator policy {facts.operator_policy}"] if facts.operator_policy else []
-        found.append(" or ".join(names) or "a policy")
-    return " and ".join(found) or "nothing"
+    """Who sets the effective value of ``key`` on the queue, for a person."""
+    origin = _origin(facts, key)
+    if origin == "argument":
+        return f"its argument x-{key}"
+    return _policies(facts) if origin == "policy" else "nothing"
 
 
 def _remove_key_fix(facts: QueueFacts, key: str, vhost: str) -> str:
     """How to take ``key`` off the queue: the policies that set it, or a new declaration."""
     v = shlex.quote(vhost)
-    steps = []
-    if facts.effective_policy.get(key) is not None:
-        if facts.policy:
-            steps.append(
-                f"remove {key!r} from policy {facts.policy} or make its pattern skip "
-                f"{facts.queue.name} (rabbitmqctl set_policy -p {v} {shlex.quote(facts.policy)} "
-                f"... / rabbitmqctl clear_policy -p {v} {shlex.quote(facts.policy)})"
-            )
-        if facts.operator_policy:
-            steps.append(
-                f"remove {key!r} from operator policy {facts.operator_policy} (rabbitmqctl "
-                f"set_operator_policy -p {v} {shlex.quote(facts.operator_policy)} ... / "
-                f"rabbitmqctl clear_operator_policy -p {v} {shlex.quote(facts.operator_policy)})"
-            )
-    if facts.arguments.get(f"x-{key}") is not None:
-        steps.append(
+    origin = _origin(facts, key)
+    if origin == "argument":
+        return (
             f"x-{key} was given when the queue was declared: drain it, delete it (rabbitmqctl "
             f"delete_queue -p {v} {shlex.quote(facts.queue.name)}) and let consume declare it"
+        )
+    steps = []
+    if origin == "policy" and facts.policy:
+        steps.append(
+            f"remove {key!r} from policy {facts.policy} or make its pattern skip "
+            f"{facts.queue.name} (rabbitmqctl set_policy -p {v} {shlex.quote(facts.policy)} "
+            f"... / rabbitmqctl clear_policy -p {v} {shlex.quote(facts.policy)})"
+        )
+    if origin == "policy" and facts.operator_policy:
+        steps.append(
+            f"remove {key!r} from operator policy {facts.operator_policy} (rabbitmqctl "
+            f"set_operator_policy -p {v} {shlex.quote(facts.operator_policy)} ... / "
+            f"rabbitmqctl clear_operator_policy -p {v} {shlex.quote(facts.operator_policy)})"
         )
     return "; ".join(steps)
 
@@ -185,7 +205,7 @@ def _ms(value: int) -> str:
     seconds = value / 1000
     if seconds < 120:
         return f"{seconds:g} s"
-    if seconds < 7200:
+    if seconds < 7200 and seconds % 3600:
         return f"{seconds / 60:g} min"
     return f"{seconds / 3600:g} h"
 
