@@ -423,12 +423,18 @@ def _type_findings(facts: QueueFacts, vhost: str, expected: Expectations) -> lis
                 f"{shlex.quote(name)}) and let consume declare it",
             )
         ]
-    what = (
-        "it is not replicated (a lost node takes its messages) and has no delivery limit"
-        if facts.type == "classic"
-        else "the broker counts its deliveries and, past the delivery limit, dead-letters or "
-        "drops a message (see the delivery-limit findings)"
-    )
+    if facts.type == "classic":
+        what = "it is not replicated: a lost node takes its messages with it"
+    elif facts.queue.kind == "delay":
+        what = (
+            "without x-dead-letter-strategy at-least-once it hands expired retry copies on at "
+            "most once, so a copy the consumer's queue does not take in is lost"
+        )
+    else:
+        what = (
+            "the broker counts its deliveries and, past the delivery limit, dead-letters or "
+            "drops a message (see the dead-letter-target findings)"
+        )
     return [
         Finding(
             "warning",

@@ -314,7 +314,7 @@ class Command(BaseCommand):
             lines.append("")
         if status.problems:
             lines += [self.style.ERROR(f"PROBLEM: {p.message}") for p in status.problems]
-        elif not status.unreachable:
+        elif not status.unreachable and status.exit_code == 0:
             lines.append(self.style.SUCCESS("OK: no threshold crossed"))
         return lines
 
