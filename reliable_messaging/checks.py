@@ -9,6 +9,7 @@ checks."""
 from __future__ import annotations
 
 import difflib
+import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -161,12 +162,36 @@ def check_relay_listen_dsn(value: Any) -> list[CheckMessage]:
     return []
 
 
+def check_management_url(value: Any) -> list[CheckMessage]:
+    """None, or an http:// or https:// URL with a host."""
+    if value is None:
+        return []
+    hint = (
+        "Give the management API's address, e.g. http://rabbitmq:15672 (with a user tagged "
+        "monitoring: http://monitor:PASSWORD@rabbitmq:15672), or None to use the broker's host."
+    )
+    shown = redact_url(value) if isinstance(value, str) else f"a {type(value).__name__}"
+    try:
+        parts = urllib.parse.urlsplit(value) if isinstance(value, str) else None
+        fits = parts is not None and parts.scheme in ("http", "https") and bool(parts.hostname)
+        if parts is not None:
+            parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError:
+        fits = False
+    if fits:
+        return []
+    return [
+        _error(49, f"{SETTING}['MANAGEMENT_URL'] is not an http:// or https:// URL: {shown}", hint)
+    ]
+
+
 # The functions that a declaration's conf.CheckedBy names, by name: conf cannot import this
 # module (it imports conf).
 CHECKED_HERE: dict[str, Callable[[Any], list[CheckMessage]]] = {
     "check_broker_urls": check_broker_urls,
     "check_cache_alias": check_cache_alias,
     "check_relay_listen_dsn": check_relay_listen_dsn,
+    "check_management_url": check_management_url,
 }
 
 

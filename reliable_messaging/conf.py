@@ -287,6 +287,17 @@ class MessagingSettings:
         "new random order on every connect; never logged with a password",
         CheckedBy("check_broker_urls"),
     )
+    management_url = Setting(
+        "MANAGEMENT_URL",
+        None,
+        _optional_str,
+        "the RabbitMQ management API (`http://rabbitmq:15672`), read by `messaging_status` and "
+        "the broker check (`messaging_status --broker`, `consume` start); may carry a user "
+        "tagged `monitoring` (`http://monitor:secret@rabbitmq:15672`), never logged with its "
+        "password (None: the broker's host on 15672, or https on 15671 for `amqps://`, with "
+        "the broker URL's credentials)",
+        CheckedBy("check_management_url"),
+    )
     exchange = Setting(
         "EXCHANGE",
         "reliable_messaging",

@@ -103,6 +103,8 @@ RELIABLE_MESSAGING = {
     "BROKER_CONSUMER_TIMEOUT": float(os.environ.get("RM_TEST_BROKER_CONSUMER_TIMEOUT", "1800")),
     "HEARTBEAT": int(os.environ.get("RM_TEST_HEARTBEAT", "60")),
     "INBOX_LOCK_TIMEOUT": float(os.environ.get("RM_TEST_INBOX_LOCK_TIMEOUT", "2")),
+    # None: the broker's host on 15672, as for users who do not set it.
+    "MANAGEMENT_URL": os.environ.get("RM_TEST_MANAGEMENT_URL") or None,
 }
 if os.environ.get("RM_TEST_CONSUMER_BATCH_SIZE"):
     RELIABLE_MESSAGING["CONSUMER_BATCH_SIZE"] = int(os.environ["RM_TEST_CONSUMER_BATCH_SIZE"])

@@ -160,18 +160,54 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
 
 
-def _management_get(base_url: str, path: str, params: pika.URLParameters, timeout: float) -> Any:
-    if urllib.parse.urlsplit(base_url).scheme not in ("http", "https"):
-        raise ValueError(f"the management URL must be http(s)://, not {base_url!r}")
-    credentials = params.credentials
-    username = getattr(credentials, "username", "")
-    password = getattr(credentials, "password", "")
+def management_url_for(
+    management_url: str | None, settings: MessagingSettings, params: pika.URLParameters
+) -> str:
+    """The management API to read: ``management_url`` when given ("" means none), else
+    ``MANAGEMENT_URL``, else :func:`default_management_url` of the node ``params`` reached."""
+    if management_url is None:
+        management_url = settings.management_url
+    return default_management_url(params) if management_url is None else management_url
+
+
+def management_get(base_url: str, path: str, params: pika.URLParameters, timeout: float) -> Any:
+    """GET ``path`` of the management API at ``base_url`` and decode its JSON. The user and
+    password are the URL's when it has any, else the broker connection's (``params``)."""
+    parts = urllib.parse.urlsplit(base_url)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"the management URL must be http(s)://, not {redact_url(base_url)!r}")
+    if parts.username is not None:
+        username = urllib.parse.unquote(parts.username)
+        password = urllib.parse.unquote(parts.password or "")
+        base_url = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    else:
+        username = getattr(params.credentials, "username", "")
+        password = getattr(params.credentials, "password", "")
     token = base64.b64encode(f"{username}:{password}".encode()).decode()
     request = urllib.request.Request(  # noqa: S310 - the scheme is checked above
         f"{base_url.rstrip('/')}{path}", headers={"Authorization": f"Basic {token}"}
     )
     with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 - as above
         return json.load(response)
+
+
+def management_failure(exc: BaseException, management_url: str, secrets: Iterable[str]) -> str:
+    """Why the management API at ``management_url`` could not be used, without a password:
+    ``exc`` is what :func:`management_get` raised."""
+    api = redact_url(management_url)
+    if isinstance(exc, urllib.error.HTTPError):
+        note = f"the management API at {api} answered HTTP {exc.code}"
+        if exc.code == UNAUTHORIZED:
+            note += " (its user needs the monitoring tag: rabbitmqctl set_user_tags)"
+        return note
+    detail = scrub(describe_error(exc), *secrets, _redacted_part(management_url))
+    return f"the management API at {api} is unreachable ({detail})"
+
+
+# What management_get raises when the API cannot be used: URLError and timeouts are OSErrors
+# (HTTPError too), a port that does not speak HTTP raises an HTTPException, a body that is not
+# JSON (or a URL that is not http) a ValueError.
+MANAGEMENT_ERRORS = (OSError, ValueError, http.client.HTTPException)
 
 
 _MANAGEMENT_COLUMNS = ",".join(
@@ -207,7 +243,7 @@ def with_management_figures(
         quoted = urllib.parse.quote(queue.name, safe="")
         path = f"/api/queues/{vhost}/{quoted}?columns={_MANAGEMENT_COLUMNS}"
         try:
-            data = _management_get(base_url, path, params, timeout)
+            data = management_get(base_url, path, params, timeout)
         except urllib.error.HTTPError as exc:
             if exc.code != NOT_FOUND:
                 raise
@@ -279,7 +315,7 @@ def _queues_on(
     return tuple(found)
 
 
-def _secrets(settings: MessagingSettings, candidates: Iterable[pika.URLParameters]) -> list[str]:
+def secrets_of(settings: MessagingSettings, candidates: Iterable[pika.URLParameters]) -> list[str]:
     """Every password of the broker URLs, as pika reads it and as redact_url hides it."""
     found = [str(getattr(params.credentials, "password", "") or "") for params in candidates]
     return found + [_redacted_part(url) for url in settings.broker_urls]
@@ -293,7 +329,8 @@ def broker_status(
     timeout: float = DEFAULT_TIMEOUT,
 ) -> BrokerStatus:
     """The queues of ``specs`` (default: every registered consumer) and their delay queues.
-    ``management_url`` overrides the management API's address; "" skips the API."""
+    ``management_url`` overrides the management API's address (default: ``MANAGEMENT_URL``,
+    else the broker's host); "" skips the API."""
     shown = settings.broker_shown
     try:
         candidates = connection_parameters(settings, name="messaging_status")
@@ -301,7 +338,7 @@ def broker_status(
         # The type only: pika's messages quote pieces of the URL, a password's among them.
         error = f"the URL cannot be parsed ({type(exc).__name__})"
         return BrokerStatus(shown, reachable=False, error=error)
-    secrets = _secrets(settings, candidates)
+    secrets = secrets_of(settings, candidates)
     specs = list(registry.all() if specs is None else specs)
     queues = monitored_queues(specs, settings)
     try:
@@ -315,25 +352,16 @@ def broker_status(
         detail = scrub(describe_error(exc), *secrets)
         error = f"cannot connect to {shown}: {detail}"
         return BrokerStatus(shown, reachable=False, error=error)
-    if management_url is None:
-        # The management API of the node that answered.
-        management_url = default_management_url(params)
+    # By default the management API of the node that answered; a URL given may carry
+    # credentials of its own.
+    management_url = management_url_for(management_url, settings, params)
     if not management_url:
         note = "the management API was skipped (no URL given)"
     else:
-        # A --management-url given by hand may carry credentials of its own.
-        api = redact_url(management_url)
         try:
             found = with_management_figures(found, params, management_url, timeout)
-        except urllib.error.HTTPError as exc:
-            note = f"the management API at {api} answered HTTP {exc.code}"
-            if exc.code == UNAUTHORIZED:
-                note += " (its user needs the monitoring tag: rabbitmqctl set_user_tags)"
-        except (OSError, ValueError, http.client.HTTPException) as exc:
-            # URLError and timeouts are OSErrors; a port that does not speak HTTP raises an
-            # HTTPException; a body that is not JSON a ValueError.
-            detail = scrub(describe_error(exc), *secrets, _redacted_part(management_url))
-            note = f"the management API at {api} is unreachable ({detail})"
+        except MANAGEMENT_ERRORS as exc:
+            note = management_failure(exc, management_url, secrets)
         else:
             return BrokerStatus(shown, reachable=True, management_api=True, queues=found)
     return BrokerStatus(shown, reachable=True, queues=found, note=note)
@@ -351,7 +379,7 @@ def broker_connection_error(
     try:
         connection, _ = connect_to_any(candidates, timeout=timeout)
     except (pika.exceptions.AMQPError, OSError) as exc:
-        return scrub(describe_error(exc), *_secrets(settings, candidates))
+        return scrub(describe_error(exc), *secrets_of(settings, candidates))
     if connection.is_open:
         connection.close()
     return ""

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from django.utils import timezone
 
+from ..broker.findings import summary
+from ..broker.inspection import BrokerCheck, check_broker
 from ..broker.queues import (
     DEFAULT_TIMEOUT,
     MANAGEMENT_PORT,
@@ -162,6 +164,8 @@ class MessagingStatus:
     database: DatabaseStatus
     thresholds: Thresholds
     problems: tuple[Problem, ...] = field(default=())
+    # The broker check's findings (messaging_status --broker); None when not asked for.
+    broker_check: BrokerCheck | None = None
 
     @property
     def unreachable(self) -> bool:
@@ -169,10 +173,12 @@ class MessagingStatus:
 
     @property
     def exit_code(self) -> int:
-        """0 all well, 1 a threshold is crossed, 2 the broker or the database is unreachable."""
+        """0 all well, 1 a threshold is crossed or the broker check found an error, 2 the
+        broker or the database is unreachable."""
         if self.unreachable:
             return 2
-        return 1 if self.problems else 0
+        check_failed = self.broker_check is not None and bool(self.broker_check.errors)
+        return 1 if self.problems or check_failed else 0
 
     def as_dict(self) -> dict[str, Any]:
         """The ``messaging_status --json`` document (see the command's docstring)."""
@@ -214,6 +220,18 @@ class MessagingStatus:
             },
             "thresholds": asdict(self.thresholds),
             "problems": [asdict(p) for p in self.problems],
+            **({} if self.broker_check is None else {"broker_check": self._check_dict()}),
+        }
+
+    def _check_dict(self) -> dict[str, Any]:
+        check = self.broker_check
+        assert check is not None
+        return {
+            "url": check.url,
+            "reachable": check.reachable,
+            "error": check.error or None,
+            "summary": summary(check.findings),
+            "findings": [asdict(f) for f in check.findings],
         }
 
 
@@ -329,17 +347,26 @@ def collect_status(
     management_url: str | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     using: str | None = None,
+    inspect_broker: bool = False,
 ) -> MessagingStatus:
-    """Read the broker and the database and judge the figures against ``thresholds``."""
+    """Read the broker and the database and judge the figures against ``thresholds``; with
+    ``inspect_broker``, check the broker's settings and policies too
+    (:mod:`reliable_messaging.broker.inspection`)."""
     thresholds = thresholds or Thresholds()
     broker = broker_status(specs, settings=settings, management_url=management_url, timeout=timeout)
     database = database_status(using)
+    check = None
+    if inspect_broker:
+        check = check_broker(
+            specs, settings=settings, management_url=management_url, timeout=timeout
+        )
     return MessagingStatus(
         checked_at=timezone.now(),
         broker=broker,
         database=database,
         thresholds=thresholds,
         problems=tuple(find_problems(broker, database, thresholds)),
+        broker_check=check,
     )
 
 

@@ -491,3 +491,21 @@ def test_relay_listen_dsn_malformed(rm: Any, dsn: Any) -> None:
     message = only(rm(RELAY_LISTEN_DSN=dsn), "reliable_messaging.E048")
     assert "RELAY_LISTEN_DSN" in message.msg
     assert "s3cret" not in message.msg  # the parser's words may quote a password
+
+
+@pytest.mark.parametrize(
+    "url",
+    [None, "http://rabbitmq:15672", "https://monitor:s3cret@rabbitmq:15671/", "http://[::1]:15672"],
+)
+def test_management_url_accepts_none_or_an_http_url(rm: Any, url: Any) -> None:
+    assert rm(MANAGEMENT_URL=url) == []
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["amqp://guest:s3cret@rabbitmq:5672/", "rabbitmq:15672", "http://", "http://h:port", 15672],
+)
+def test_management_url_malformed(rm: Any, url: Any) -> None:
+    message = only(rm(MANAGEMENT_URL=url), "reliable_messaging.E049")
+    assert "MANAGEMENT_URL" in message.msg
+    assert "s3cret" not in message.msg

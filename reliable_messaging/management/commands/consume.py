@@ -11,6 +11,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from reliable_messaging import console
+from reliable_messaging.broker.inspection import log_findings_in_background
 from reliable_messaging.consuming.service import PROGRESS_EVERY, ConsumerService
 from reliable_messaging.keepalive import keep_database_alive
 from reliable_messaging.management.metrics_options import add_metrics_arguments, serve_metrics
@@ -93,6 +94,9 @@ class Command(BaseCommand):
             progress_interval=options["progress_interval"],
         )
         ops = serve_metrics(options, health)
+        # What in the broker would drop or redeliver messages behind our back, logged once at
+        # WARNING; it runs beside the service and never holds it up.
+        log_findings_in_background(specs)
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
             if service.stopping:

@@ -46,21 +46,38 @@ leftover queue. Any ``--max-*`` given sets that threshold in either mode.
       "problems": [{"threshold": "max_dead_letters",
                     "message": "2 dead letter(s) await review (limit 0)"}],
       "listen": {"hears_notify": true,   # the relays' LISTEN hears a NOTIFY sent as
-                 "note": null}           # publish() sends it; false behind a transaction
-    }                                    # pooler without RELAY_LISTEN_DSN (null: unknown)
+                 "note": null},          # publish() sends it; false behind a transaction
+                                         # pooler without RELAY_LISTEN_DSN (null: unknown)
+      "broker_check": {                  # with --broker only (docs/operations.md)
+        "url": "amqp://rabbitmq:5672/%2F", "reachable": true, "error": null,
+        "summary": "1 error, 2 notes",
+        "findings": [{"severity": "error",   # error (exit 1), warning or info
+                      "code": "queue-overflow", "subject": "billing",
+                      "message": "queue billing holds at most 10,000 messages (policy cap), "
+                                 "overflow drop-head: past it the broker drops the oldest ...",
+                      "fix": "remove 'max-length' from policy cap or ..."}]
+      }
+    }
+
+``--broker`` also checks the broker itself: its ``max_message_size`` against ``MAX_BODY_BYTES``,
+the vhost's default queue type, deprecated features, and each queue's type, arguments and
+effective policies (anything that makes the broker drop or redeliver messages behind the app's
+back). An error finding exits 1.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import router
 from django.utils import timezone
 
+from reliable_messaging.broker.findings import summary
+from reliable_messaging.broker.inspection import BrokerCheck
 from reliable_messaging.broker.queues import DEFAULT_TIMEOUT, QueueStatus
 from reliable_messaging.conf import messaging_settings
 from reliable_messaging.models import OutboxMessage
@@ -202,10 +219,18 @@ class Command(BaseCommand):
             "given beside it still wins",
         )
         parser.add_argument(
+            "--broker",
+            action="store_true",
+            help="also check the broker: max_message_size against MAX_BODY_BYTES, the vhost's "
+            "default queue type, deprecated features, and the queues' types, arguments and "
+            "policies that would drop or redeliver messages (an error finding exits 1)",
+        )
+        parser.add_argument(
             "--management-url",
             metavar="URL",
-            help="the RabbitMQ management API, e.g. http://rabbitmq:15672 (default: the "
-            "broker's host on port 15672, or https on 15671 for amqps://); '' to use AMQP only",
+            help="the RabbitMQ management API, e.g. http://rabbitmq:15672 (default: "
+            "MANAGEMENT_URL, else the broker's host on port 15672, or https on 15671 for "
+            "amqps://); '' to use AMQP only",
         )
         parser.add_argument(
             "--timeout",
@@ -226,7 +251,10 @@ class Command(BaseCommand):
         }
         thresholds = dataclasses.replace(STRICT if options["strict"] else PROBE, **given)
         status = collect_status(
-            thresholds, management_url=options["management_url"], timeout=options["timeout"]
+            thresholds,
+            management_url=options["management_url"],
+            timeout=options["timeout"],
+            inspect_broker=options["broker"],
         )
         listen = self.listen_note()
         if options["json"]:
@@ -246,10 +274,15 @@ class Command(BaseCommand):
             ]
             raise CommandError(f"the {' and the '.join(down)} cannot be reached", returncode=2)
         if status.exit_code == 1:
-            names = ", ".join(
-                dict.fromkeys("--" + p.threshold.replace("_", "-") for p in status.problems)
-            )
-            raise CommandError(f"threshold(s) crossed: {names}", returncode=1)
+            reasons = []
+            if status.problems:
+                names = ", ".join(
+                    dict.fromkeys("--" + p.threshold.replace("_", "-") for p in status.problems)
+                )
+                reasons.append(f"threshold(s) crossed: {names}")
+            if status.broker_check is not None and status.broker_check.errors:
+                reasons.append(f"the broker check found {len(status.broker_check.errors)} error(s)")
+            raise CommandError("; ".join(reasons), returncode=1)
 
     def listen_note(self) -> dict[str, Any]:
         """Whether the relays' LISTEN hears publishers' NOTIFYs; a note when it does not (a
@@ -276,9 +309,12 @@ class Command(BaseCommand):
         lines.append("")
         lines += self.render_database(status)
         lines.append("")
+        if status.broker_check is not None:
+            lines += self.render_broker_check(status.broker_check)
+            lines.append("")
         if status.problems:
             lines += [self.style.ERROR(f"PROBLEM: {p.message}") for p in status.problems]
-        elif not status.unreachable:
+        elif not status.unreachable and status.exit_code == 0:
             lines.append(self.style.SUCCESS("OK: no threshold crossed"))
         return lines
 
@@ -311,6 +347,23 @@ class Command(BaseCommand):
             )
         if not broker.queues:
             lines.append("  no consumers are registered, so there are no queues to show")
+        return lines
+
+    def render_broker_check(self, check: BrokerCheck) -> list[str]:
+        if not check.reachable:
+            return [f"Broker check: {self.style.ERROR('UNREACHABLE')}: {check.error}"]
+        lines = [f"Broker check of {check.url}: {summary(check.findings)}"]
+        styles: dict[str, Callable[[str], str]] = {
+            "error": self.style.ERROR,
+            "warning": self.style.WARNING,
+            "info": str,
+        }
+        for finding in check.findings:
+            lines.append(
+                styles[finding.severity](f"  {finding.severity.upper()}: {finding.message}")
+            )
+            if finding.fix:
+                lines.append(f"    fix: {finding.fix}")
         return lines
 
     def render_database(self, status: MessagingStatus) -> list[str]:

@@ -11,6 +11,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import router
 
 from reliable_messaging import console
+from reliable_messaging.broker.inspection import log_body_limit_in_background
 from reliable_messaging.dead_letters.operation_process import OperationProcess
 from reliable_messaging.dead_letters.operations import run_pending_operations
 from reliable_messaging.keepalive import keep_database_alive
@@ -118,6 +119,9 @@ class Command(BaseCommand):
             health=relays[0].health,
         )
         upkeep.start()
+        # A broker whose max_message_size is under MAX_BODY_BYTES refuses some rows publish()
+        # accepted: said once, at ERROR, beside the lanes (the relay goes on either way).
+        log_body_limit_in_background(relays[0].settings)
         # The admin's bulk replays and discards, carried out beside the lanes in a process of
         # their own (dead_letters/operation_process.py). It wakes the lanes after each batch's
         # commit with a NOTIFY on the channel they LISTEN on, as publish() does after a commit.

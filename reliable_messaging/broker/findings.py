@@ -1,0 +1,742 @@
+"""What in the broker we are given can drop or redeliver our messages behind our back.
+
+A pure judgement: :func:`find_findings` takes the facts :mod:`.inspection` read (the server's
+version, its ``max_message_size`` as it applies to ``MAX_BODY_BYTES``, the vhost's default queue
+type, the deprecated features, and each of our queues' type, arguments and effective policy)
+and what the settings expect (:class:`Expectations`), and returns one :class:`Finding` per
+thing an operator should know, each with what happens to the messages and how to fix it.
+``docs/operations.md`` (Checking the broker) explains each finding.
+
+A queue's effective value of a key is worked out as RabbitMQ does: the queue's ``x-`` argument
+wins over a policy for the dead-letter target and ``overflow``; for the limits (``max-length``,
+``message-ttl``, ``expires``, ``delivery-limit``, ``consumer-timeout``) the lower of the
+argument and the policy applies. ``effective_policy_definition`` already merges the policy
+with the operator policy.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Severity = Literal["error", "warning", "info"]
+OurQueueKind = Literal["consumer", "dead", "delay"]
+SEVERITIES: tuple[Severity, ...] = ("error", "warning", "info")
+
+# RabbitMQ 4.0 gives a quorum queue without any delivery limit this one.
+DEFAULT_DELIVERY_LIMIT_4 = 20
+# The per-queue consumer timeout (argument or policy) exists from 3.12 on.
+PER_QUEUE_CONSUMER_TIMEOUT_SINCE = (3, 12)
+# Where an argument and a policy both set a key, the argument wins for these; the lower value
+# wins for the others.
+ARGUMENT_WINS = frozenset({"dead-letter-exchange", "dead-letter-routing-key", "overflow"})
+PERMITTED = "permitted_by_default"
+
+
+@dataclass(frozen=True)
+class OurQueue:
+    """A queue ``consume`` declares, and what the app expects of it: its handler's time limit
+    (consumer queues), the queue a quorum consumer queue dead-letters to (``<queue>.dead``,
+    named for classic ones too, which may turn quorum), the TTL of a delay queue in
+    milliseconds."""
+
+    name: str
+    kind: OurQueueKind
+    consumer: str | None = None
+    handler_timeout: float | None = None
+    dead_letter_to: str | None = None
+    message_ttl: int | None = None
+
+
+@dataclass(frozen=True)
+class QueueFacts:
+    """One of our queues as the management API shows it. ``sampled`` is False while the broker
+    has not yet published the queue's policy fields (a queue declared moments ago); the
+    broker's own ``delivery_limit`` figure is given by RabbitMQ 4.0 and later only."""
+
+    queue: OurQueue
+    exists: bool
+    sampled: bool = True
+    type: str = "classic"
+    arguments: Mapping[str, Any] = field(default_factory=dict)
+    policy: str | None = None
+    operator_policy: str | None = None
+    effective_policy: Mapping[str, Any] = field(default_factory=dict)
+    delivery_limit: int | None = None
+
+
+@dataclass(frozen=True)
+class DeprecatedFeature:
+    name: str
+    phase: str  # permitted_by_default, denied_by_default, disconnected, removed
+    used: bool = False
+
+
+@dataclass(frozen=True)
+class BrokerFacts:
+    """What was read of the broker. ``max_message_size`` is the broker's limit when it refused
+    a body of ``probed_body_bytes``, None when it took it (or it could not be probed:
+    ``probe_error``). ``management_error`` says why the API gave nothing ("" when it did);
+    ``deprecated_features`` is None when the broker has no such API (before 3.13)."""
+
+    url: str
+    vhost: str
+    server_version: str | None = None
+    probed_body_bytes: int = 0
+    max_message_size: int | None = None
+    probe_error: str = ""
+    management_url: str = ""
+    management_error: str = ""
+    management_version: str | None = None
+    vhost_default_queue_type: str | None = None
+    deprecated_features: tuple[DeprecatedFeature, ...] | None = None
+    queues: tuple[QueueFacts, ...] = ()
+
+
+@dataclass(frozen=True)
+class Expectations:
+    """The settings the broker is held to (see :func:`.inspection.expectations_from`)."""
+
+    queue_type: str = "classic"
+    quorum_delivery_limit: int = 50
+    crash_limit: int = 3
+    max_body_bytes: int = 1024 * 1024
+    broker_consumer_timeout: float = 1800.0
+    handler_timeout_grace: float = 10.0
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing found: ``message`` says what and what happens to the messages, ``fix`` how to
+    fix it (a command where there is one). ``code`` names the kind of finding (stable, for
+    scripts); ``subject`` the queue, vhost or broker it is about."""
+
+    severity: Severity
+    code: str
+    subject: str
+    message: str
+    fix: str = ""
+
+
+def version_tuple(version: str | None) -> tuple[int, ...]:
+    """``"4.0.5"`` as ``(4, 0, 5)``; () when unknown."""
+    return tuple(int(part) for part in re.findall(r"\d+", version or "")[:3])
+
+
+def _number(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def effective(facts: QueueFacts, key: str) -> Any:
+    """The value of policy key ``key`` that applies to the queue (None: not set)."""
+    argument = facts.arguments.get(f"x-{key}")
+    policy = facts.effective_policy.get(key)
+    if argument is None or policy is None:
+        return policy if argument is None else argument
+    if key in ARGUMENT_WINS:
+        return argument
+    low_a, low_p = _number(argument), _number(policy)
+    if low_a is None or low_p is None:
+        return argument
+    return min(low_a, low_p)
+
+
+def _origin(facts: QueueFacts, key: str) -> str | None:
+    """Whether the queue's ``argument`` or its ``policy`` gives the effective value of
+    ``key`` (None: neither sets it)."""
+    argument = facts.arguments.get(f"x-{key}")
+    policy = facts.effective_policy.get(key)
+    if argument is None or policy is None:
+        return (
+            None
+            if argument is None and policy is None
+            else "argument"
+            if policy is None
+            else "policy"
+        )
+    if key in ARGUMENT_WINS or effective(facts, key) == argument:
+        return "argument"
+    return "policy"
+
+
+def _policies(facts: QueueFacts) -> str:
+    names = [f"policy {facts.policy}"] if facts.policy else []
+    names += [f"operator policy {facts.operator_policy}"] if facts.operator_policy else []
+    return " or ".join(names) or "a policy"
+
+
+def _source(facts: QueueFacts, key: str) -> str:
+    """Who sets the effective value of ``key`` on the queue, for a person."""
+    origin = _origin(facts, key)
+    if origin == "argument":
+        return f"its argument x-{key}"
+    return _policies(facts) if origin == "policy" else "nothing"
+
+
+def _remove_key_fix(facts: QueueFacts, key: str, vhost: str) -> str:
+    """How to take ``key`` off the queue: the policies that set it, or a new declaration."""
+    v = shlex.quote(vhost)
+    origin = _origin(facts, key)
+    if origin == "argument":
+        return (
+            f"x-{key} was given when the queue was declared: drain it, delete it (rabbitmqctl "
+            f"delete_queue -p {v} {shlex.quote(facts.queue.name)}) and let consume declare it"
+        )
+    steps = []
+    if origin == "policy" and facts.policy:
+        steps.append(
+            f"remove {key!r} from policy {facts.policy} or make its pattern skip "
+            f"{facts.queue.name} (rabbitmqctl set_policy -p {v} {shlex.quote(facts.policy)} "
+            f"... / rabbitmqctl clear_policy -p {v} {shlex.quote(facts.policy)})"
+        )
+    if origin == "policy" and facts.operator_policy:
+        steps.append(
+            f"remove {key!r} from operator policy {facts.operator_policy} (rabbitmqctl "
+            f"set_operator_policy -p {v} {shlex.quote(facts.operator_policy)} ... / "
+            f"rabbitmqctl clear_operator_policy -p {v} {shlex.quote(facts.operator_policy)})"
+        )
+    return "; ".join(steps)
+
+
+def _ms(value: int) -> str:
+    seconds = value / 1000
+    if seconds < 120:
+        return f"{seconds:g} s"
+    if seconds < 7200 and seconds % 3600:
+        return f"{seconds / 60:g} min"
+    return f"{seconds / 3600:g} h"
+
+
+def _mib(size: int) -> str:
+    return f"{size:,} bytes ({size / 1024 / 1024:g} MiB)"
+
+
+def delivery_limit(facts: QueueFacts, version: tuple[int, ...]) -> int | None:
+    """A quorum queue's effective delivery limit; None when unlimited."""
+    if facts.delivery_limit is not None:  # the broker's own figure (4.0+)
+        return facts.delivery_limit if facts.delivery_limit >= 0 else None
+    argument = _number(facts.arguments.get("x-delivery-limit"))
+    policy = _number(facts.effective_policy.get("delivery-limit"))
+    given = [value for value in (argument, policy) if value is not None]
+    if not given:
+        return DEFAULT_DELIVERY_LIMIT_4 if version >= (4,) else None
+    if version >= (4,) and any(value < 0 for value in given):
+        # 4.0: a negative value means unlimited; against a limit, the limit wins.
+        limit = max(given)
+        return limit if limit >= 0 else None
+    return min(given)
+
+
+# --------------------------------------------------------------------------- the judgement
+
+
+def find_findings(facts: BrokerFacts, expected: Expectations) -> list[Finding]:
+    """Every finding, errors first."""
+    found = _broker_findings(facts, expected)
+    if not facts.management_error:
+        found += _vhost_findings(facts, expected)
+        found += _deprecation_findings(facts)
+        version = version_tuple(facts.server_version or facts.management_version)
+        present = [q for q in facts.queues if q.exists and q.sampled]
+        by_name = {q.queue.name: q for q in facts.queues}
+        for queue in present:
+            found += _queue_findings(queue, facts.vhost, version, expected, by_name)
+        found += _unread_queue_findings(facts.queues)
+    order = {severity: rank for rank, severity in enumerate(SEVERITIES)}
+    return sorted(found, key=lambda f: order[f.severity])
+
+
+def _broker_findings(facts: BrokerFacts, expected: Expectations) -> list[Finding]:
+    found = []
+    versions = f"RabbitMQ {facts.server_version or 'version unknown'} at {facts.url}"
+    if facts.management_version and facts.management_version != facts.server_version:
+        versions += (
+            f"; the management API at {facts.management_url} runs {facts.management_version}"
+        )
+    found.append(Finding("info", "server-version", facts.url, versions))
+    if facts.max_message_size is not None:
+        found.append(
+            Finding(
+                "error",
+                "max-message-size",
+                facts.url,
+                f"the broker refuses message bodies over {_mib(facts.max_message_size)} "
+                f"(max_message_size), but MAX_BODY_BYTES lets publish() accept up to "
+                f"{_mib(expected.max_body_bytes)}: the relay's publish of a larger outbox row "
+                "is refused (406) and the row fails after OUTBOX_MAX_ATTEMPTS",
+                f"lower RELIABLE_MESSAGING['MAX_BODY_BYTES'] to {facts.max_message_size} or less, "
+                f"or raise the broker's limit: max_message_size = {expected.max_body_bytes} in "
+                "rabbitmq.conf (at most 536870912), then restart the node",
+            )
+        )
+    elif facts.probe_error:
+        found.append(
+            Finding(
+                "info",
+                "max-message-size",
+                facts.url,
+                f"whether the broker takes a body of MAX_BODY_BYTES ({expected.max_body_bytes:,} "
+                f"bytes) could not be learned: {facts.probe_error}",
+            )
+        )
+    if facts.management_error:
+        found.append(
+            Finding(
+                "info",
+                "management-api",
+                facts.management_url or facts.url,
+                f"queue types, arguments and policies were not checked: {facts.management_error}",
+                "give RELIABLE_MESSAGING['MANAGEMENT_URL'] (or --management-url) the management "
+                "API's address, with the credentials of a user tagged monitoring "
+                "(rabbitmqctl set_user_tags USER monitoring)",
+            )
+        )
+    return found
+
+
+def _vhost_findings(facts: BrokerFacts, expected: Expectations) -> list[Finding]:
+    default = facts.vhost_default_queue_type
+    if expected.queue_type != "classic" or default in (None, "classic"):
+        return []
+    v = shlex.quote(facts.vhost)
+    return [
+        Finding(
+            "warning",
+            "vhost-default-queue-type",
+            facts.vhost,
+            f"vhost {facts.vhost!r} makes {default} queues by default, and QUEUE_TYPE is "
+            f"'classic', so consume declares its queues without x-queue-type: they become "
+            f"{default} queues without the delivery limit and dead-letter target the app gives "
+            "quorum queues",
+            f"make the vhost's default classic (rabbitmqctl update_vhost_metadata {v} "
+            f"--default-queue-type classic), or set QUEUE_TYPE = 'quorum' "
+            "(docs/quorum-migration.md)",
+        )
+    ]
+
+
+def _deprecation_findings(facts: BrokerFacts) -> list[Finding]:
+    features = facts.deprecated_features
+    if features is None:
+        return [
+            Finding(
+                "info",
+                "deprecated-features",
+                facts.url,
+                f"RabbitMQ {facts.server_version or '(version unknown)'} does not report "
+                "deprecated features (its management API has no /api/deprecated-features, "
+                "added in 3.13): not an error",
+            )
+        ]
+    found = [
+        Finding(
+            "warning",
+            "deprecated-feature-used",
+            feature.name,
+            f"something on this broker uses deprecated feature {feature.name} "
+            f"({feature.phase}): a later RabbitMQ refuses it (the app itself uses none)",
+            "see https://www.rabbitmq.com/docs/deprecated-features and `rabbitmq-diagnostics "
+            "list_deprecated_features --used`",
+        )
+        for feature in features
+        if feature.used
+    ]
+    denied = [f"{f.name} ({f.phase})" for f in features if f.phase != PERMITTED]
+    if denied:
+        found.append(
+            Finding(
+                "info",
+                "deprecated-features-denied",
+                facts.url,
+                f"the broker refuses these deprecated features: {', '.join(denied)}; the app "
+                "uses none of them",
+            )
+        )
+    return found
+
+
+def _unread_queue_findings(queues: Sequence[QueueFacts]) -> list[Finding]:
+    found = []
+    missing = [q.queue.name for q in queues if not q.exists]
+    if missing:
+        found.append(
+            Finding(
+                "info",
+                "queue-missing",
+                ", ".join(missing),
+                f"not declared yet, so not checked (manage.py consume declares them): "
+                f"{', '.join(missing)}",
+            )
+        )
+    unsampled = [q.queue.name for q in queues if q.exists and not q.sampled]
+    if unsampled:
+        found.append(
+            Finding(
+                "info",
+                "queue-not-sampled",
+                ", ".join(unsampled),
+                "the broker has not published the policies of these queues yet (it samples "
+                f"every few seconds after a declaration), so they were not checked: "
+                f"{', '.join(unsampled)}",
+                "run the check again in a few seconds",
+            )
+        )
+    return found
+
+
+def _queue_findings(
+    facts: QueueFacts,
+    vhost: str,
+    version: tuple[int, ...],
+    expected: Expectations,
+    by_name: Mapping[str, QueueFacts],
+) -> list[Finding]:
+    found = _type_findings(facts, vhost, expected)
+    found += _length_findings(facts, vhost)
+    found += _expiry_findings(facts, vhost)
+    if facts.queue.kind == "delay":
+        found += _delay_findings(facts, vhost)
+    else:
+        found += _ttl_findings(facts, vhost)
+        found += _consumer_timeout_findings(facts, vhost, version, expected)
+    if facts.queue.kind == "consumer" and facts.type == "quorum":
+        found += _delivery_limit_findings(facts, vhost, version, expected, by_name)
+    return found
+
+
+def _type_findings(facts: QueueFacts, vhost: str, expected: Expectations) -> list[Finding]:
+    if facts.type == expected.queue_type:
+        return []
+    name = facts.queue.name
+    if facts.type == "stream":
+        return [
+            Finding(
+                "error",
+                "queue-type",
+                name,
+                f"queue {name} is a stream: an ack does not remove a message from it, and "
+                "consume cannot read it as a queue",
+                f"drain and delete it (rabbitmqctl delete_queue -p {shlex.quote(vhost)} "
+                f"{shlex.quote(name)}) and let consume declare it",
+            )
+        ]
+    if facts.type == "classic":
+        what = "it is not replicated: a lost node takes its messages with it"
+    elif facts.queue.kind == "delay":
+        what = (
+            "without x-dead-letter-strategy at-least-once it hands expired retry copies on at "
+            "most once, so a copy the consumer's queue does not take in is lost"
+        )
+    else:
+        what = (
+            "the broker counts its deliveries and, past the delivery limit, dead-letters or "
+            "drops a message (see the dead-letter-target findings)"
+        )
+    return [
+        Finding(
+            "warning",
+            "queue-type",
+            name,
+            f"queue {name} is a {facts.type} queue, but QUEUE_TYPE is {expected.queue_type!r}: "
+            f"{what}",
+            f"set QUEUE_TYPE = {facts.type!r}, or move the queue to {expected.queue_type} as "
+            "docs/quorum-migration.md says (drain, delete, let consume declare it)",
+        )
+    ]
+
+
+def _dead_letters_to(facts: QueueFacts) -> str | None:
+    """Where the queue dead-letters, for a person; None when it drops instead."""
+    exchange = effective(facts, "dead-letter-exchange")
+    if exchange is None:
+        return None
+    key = effective(facts, "dead-letter-routing-key")
+    shown = f"exchange {exchange!r}" if exchange else "the default exchange"
+    return f"{shown} with routing key {key!r}" if key is not None else shown
+
+
+def _length_findings(facts: QueueFacts, vhost: str) -> list[Finding]:
+    limits = {
+        key: f"{value:,} {unit}"
+        for key, unit in (("max-length", "messages"), ("max-length-bytes", "bytes"))
+        if (value := effective(facts, key)) is not None
+    }
+    if not limits:
+        return []
+    name = facts.queue.name
+    overflow = effective(facts, "overflow") or "drop-head"
+    limit_text = " / ".join(limits.values())
+    keys = list(limits)
+    fix = "; ".join(_remove_key_fix(facts, key, vhost) for key in keys)
+    sources = " and ".join(_source(facts, key) for key in keys)
+    if overflow == "drop-head":
+        target = _dead_letters_to(facts)
+        if target is None:
+            return [
+                Finding(
+                    "error",
+                    "queue-overflow",
+                    name,
+                    f"queue {name} holds at most {limit_text} ({sources}), overflow drop-head: "
+                    "past it the broker drops the oldest messages, unhandled and unrecorded",
+                    fix,
+                )
+            ]
+        return [
+            Finding(
+                "warning",
+                "queue-overflow",
+                name,
+                f"queue {name} holds at most {limit_text} ({sources}), overflow drop-head: past "
+                f"it the broker dead-letters the oldest messages to {target}, unhandled",
+                fix,
+            )
+        ]
+    return [
+        Finding(
+            "warning",
+            "queue-overflow",
+            name,
+            f"queue {name} holds at most {limit_text} ({sources}), overflow {overflow}: past "
+            "it the broker refuses new messages (a nack): the relay retries the rows and marks "
+            "them failed after OUTBOX_MAX_ATTEMPTS, and retries of failed deliveries cannot be "
+            "scheduled",
+            fix,
+        )
+    ]
+
+
+def _expiry_findings(facts: QueueFacts, vhost: str) -> list[Finding]:
+    expires = effective(facts, "expires")
+    if expires is None:
+        return []
+    name = facts.queue.name
+    unused = (
+        "no consumer ever reads a delay queue, so it goes that long after consume last declared it"
+        if facts.queue.kind == "delay"
+        else "unused means no consumer attached: a consume outage that long"
+    )
+    return [
+        Finding(
+            "error",
+            "queue-expires",
+            name,
+            f"queue {name} expires after {_ms(expires)} unused ({_source(facts, 'expires')}): "
+            f"the broker then deletes it with every message in it ({unused})",
+            _remove_key_fix(facts, "expires", vhost),
+        )
+    ]
+
+
+def _ttl_findings(facts: QueueFacts, vhost: str) -> list[Finding]:
+    ttl = effective(facts, "message-ttl")
+    if ttl is None:
+        return []
+    name = facts.queue.name
+    target = _dead_letters_to(facts)
+    happens = (
+        "the broker drops them, unhandled and unrecorded"
+        if target is None
+        else f"the broker dead-letters them to {target}, unhandled"
+    )
+    return [
+        Finding(
+            "error" if target is None else "warning",
+            "queue-message-ttl",
+            name,
+            f"messages expire in queue {name} after {_ms(ttl)} "
+            f"({_source(facts, 'message-ttl')}): {happens}",
+            _remove_key_fix(facts, "message-ttl", vhost),
+        )
+    ]
+
+
+def _delay_findings(facts: QueueFacts, vhost: str) -> list[Finding]:
+    found = []
+    name = facts.queue.name
+    exchange = effective(facts, "dead-letter-exchange")
+    key = effective(facts, "dead-letter-routing-key")
+    if exchange != "" or key is not None:
+        where = _dead_letters_to(facts) or "nowhere (dropped)"
+        found.append(
+            Finding(
+                "error",
+                "delay-dead-letter",
+                name,
+                f"delay queue {name} sends expired retry copies to {where} instead of back to "
+                f"the failed consumer's queue (the default exchange under the key they were "
+                f"published with): retries are lost ({_source(facts, 'dead-letter-routing-key')})",
+                _remove_key_fix(facts, "dead-letter-routing-key", vhost)
+                or _remove_key_fix(facts, "dead-letter-exchange", vhost),
+            )
+        )
+    ttl = effective(facts, "message-ttl")
+    wanted = facts.queue.message_ttl
+    if wanted is not None and ttl != wanted:
+        shown = "never" if ttl is None else f"after {_ms(ttl)}"
+        found.append(
+            Finding(
+                "warning",
+                "delay-message-ttl",
+                name,
+                f"delay queue {name} returns retry copies {shown}, not after {_ms(wanted)} "
+                f"({_source(facts, 'message-ttl')})",
+                _remove_key_fix(facts, "message-ttl", vhost),
+            )
+        )
+    return found
+
+
+def _consumer_timeout_findings(
+    facts: QueueFacts, vhost: str, version: tuple[int, ...], expected: Expectations
+) -> list[Finding]:
+    if version and version < PER_QUEUE_CONSUMER_TIMEOUT_SINCE:
+        return []  # the broker ignores it: only its global consumer_timeout applies
+    timeout = effective(facts, "consumer-timeout")
+    if timeout is None:
+        return []
+    seconds = timeout / 1000
+    name = facts.queue.name
+    handler = facts.queue.handler_timeout
+    fix = (
+        f"{_remove_key_fix(facts, 'consumer-timeout', vhost)}; or set it to at least "
+        f"BROKER_CONSUMER_TIMEOUT ({expected.broker_consumer_timeout * 1000:.0f} ms)"
+    )
+    if handler is not None and seconds <= handler + expected.handler_timeout_grace:
+        return [
+            Finding(
+                "error",
+                "consumer-timeout",
+                name,
+                f"queue {name} has a consumer timeout of {_ms(timeout)} "
+                f"({_source(facts, 'consumer-timeout')}), within its handler's time limit "
+                f"({handler:g} s plus {expected.handler_timeout_grace:g} s grace): a slow "
+                "handler gets its channel closed by the broker, and every delivery of that "
+                "channel is redelivered",
+                fix,
+            )
+        ]
+    if seconds < expected.broker_consumer_timeout / 2:
+        return [
+            Finding(
+                "warning",
+                "consumer-timeout",
+                name,
+                f"queue {name} has a consumer timeout of {_ms(timeout)} "
+                f"({_source(facts, 'consumer-timeout')}), under half of BROKER_CONSUMER_TIMEOUT "
+                f"({expected.broker_consumer_timeout:g} s), which the app holds deliveries "
+                "unacked for at most: the broker may close the channel first and redeliver",
+                f"{fix}, or set BROKER_CONSUMER_TIMEOUT to {seconds:g}",
+            )
+        ]
+    return []
+
+
+def _delivery_limit_findings(
+    facts: QueueFacts,
+    vhost: str,
+    version: tuple[int, ...],
+    expected: Expectations,
+    by_name: Mapping[str, QueueFacts],
+) -> list[Finding]:
+    name = facts.queue.name
+    v = shlex.quote(vhost)
+    limit = delivery_limit(facts, version)
+    found = []
+    if limit is None:
+        if expected.queue_type == "quorum":
+            found.append(
+                Finding(
+                    "warning",
+                    "delivery-limit",
+                    name,
+                    f"quorum queue {name} has no delivery limit "
+                    f"({_source(facts, 'delivery-limit')}): a message whose delivery kills "
+                    "its consumer before the crash guard records it comes back forever",
+                    _remove_key_fix(facts, "delivery-limit", vhost),
+                )
+            )
+        return found
+    if expected.queue_type == "quorum" and limit < expected.quorum_delivery_limit:
+        found.append(
+            Finding(
+                "warning",
+                "delivery-limit",
+                name,
+                f"quorum queue {name} takes a message out after {limit} deliveries "
+                f"({_source(facts, 'delivery-limit')}), fewer than QUORUM_DELIVERY_LIMIT "
+                f"({expected.quorum_delivery_limit})"
+                + (
+                    f", and not more than CRASH_LIMIT ({expected.crash_limit}): the broker "
+                    "takes out a message that kills its consumer before the crash guard does"
+                    if limit <= expected.crash_limit
+                    else ""
+                ),
+                _remove_key_fix(facts, "delivery-limit", vhost),
+            )
+        )
+    exchange = effective(facts, "dead-letter-exchange")
+    key = effective(facts, "dead-letter-routing-key")
+    wanted = facts.queue.dead_letter_to
+    policy_fix = (
+        f"rabbitmqctl set_policy -p {v} --apply-to quorum_queues --priority 10 "
+        f"{shlex.quote(name + '-dead-letters')} {shlex.quote('^' + re.escape(name) + '$')} "
+        + shlex.quote('{"dead-letter-exchange":"","dead-letter-routing-key":"' + str(wanted) + '"}')
+        + " (one policy applies per queue: fold these keys into a policy that already matches "
+        "it), and QUEUE_TYPE = 'quorum' so that consume declares " + str(wanted)
+    )
+    if exchange is None:
+        found.append(
+            Finding(
+                "error",
+                "dead-letter-target",
+                name,
+                f"quorum queue {name} drops a message after {limit} deliveries: it has no "
+                "dead-letter target, so the message is neither handled nor recorded",
+                policy_fix,
+            )
+        )
+        return found
+    target = by_name.get(wanted or "")
+    if expected.queue_type == "quorum" and (exchange != "" or key != wanted):
+        found.append(
+            Finding(
+                "warning",
+                "dead-letter-target",
+                name,
+                f"quorum queue {name} dead-letters to {_dead_letters_to(facts)} "
+                f"({_source(facts, 'dead-letter-routing-key')}), not to {wanted}: consume "
+                "never records those messages as dead letters",
+                _remove_key_fix(facts, "dead-letter-routing-key", vhost)
+                or _remove_key_fix(facts, "dead-letter-exchange", vhost),
+            )
+        )
+    elif exchange == "" and target is not None and not target.exists:
+        found.append(
+            Finding(
+                "error",
+                "dead-letter-target",
+                name,
+                f"quorum queue {name} dead-letters to queue {wanted}, which does not exist: "
+                f"the broker drops a message after {limit} deliveries",
+                "start manage.py consume, which declares it",
+            )
+        )
+    return found
+
+
+def summary(findings: Iterable[Finding]) -> str:
+    """``2 errors, 1 warning, 3 notes``, or ``nothing found``."""
+    counts = {severity: 0 for severity in SEVERITIES}
+    for finding in findings:
+        counts[finding.severity] += 1
+    words = {"error": "error", "warning": "warning", "info": "note"}
+    parts = [
+        f"{count} {words[severity]}{'s' if count != 1 else ''}"
+        for severity, count in counts.items()
+        if count
+    ]
+    return ", ".join(parts) or "nothing found"

@@ -1,0 +1,351 @@
+"""Check the broker we are given: read what it does to our queues, and judge it.
+
+:func:`read_broker_facts` reads, over AMQP, the server's version and whether it takes a body of
+``MAX_BODY_BYTES`` (:func:`.limits.broker_refuses`), and from the management API the vhost's
+default queue type, the deprecated features and, for each queue ``consume`` declares, its type,
+arguments and effective policy. :func:`.findings.find_findings` judges those facts;
+:func:`check_broker` does both for ``messaging_status --broker``, and
+:func:`log_findings_in_background` and :func:`log_body_limit_in_background` for the start of
+``consume`` and ``relay``, which never wait for it.
+
+No password leaves this module: URLs are redacted and errors scrubbed as in :mod:`.queues`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import urllib.error
+import urllib.parse
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pika
+
+from ..conf import MessagingSettings, messaging_settings, redact_url
+from ..registry import ConsumerSpec, registry
+from .findings import (
+    BrokerFacts,
+    DeprecatedFeature,
+    Expectations,
+    Finding,
+    OurQueue,
+    QueueFacts,
+    find_findings,
+)
+from .limits import broker_refuses
+from .queues import (
+    DEFAULT_TIMEOUT,
+    MANAGEMENT_ERRORS,
+    READ_ERRORS,
+    describe_error,
+    management_failure,
+    management_get,
+    management_url_for,
+    scrub,
+    secrets_of,
+)
+from .replies import NOT_FOUND
+from .topology import (
+    all_delays,
+    connect_to_any,
+    connection_parameters,
+    consumer_queues,
+    dead_letter_queue,
+    delay_exchange_name,
+)
+
+logger = logging.getLogger(__name__)
+
+CONNECTION_NAME = "broker_check"
+_QUEUE_COLUMNS = ",".join(
+    (
+        "name",
+        "type",
+        "arguments",
+        "policy",
+        "operator_policy",
+        "effective_policy_definition",
+        "delivery_limit",
+    )
+)
+
+
+@dataclass(frozen=True)
+class BrokerCheck:
+    """The outcome of a check: its findings, or why the broker could not be reached."""
+
+    url: str  # redacted
+    reachable: bool
+    findings: tuple[Finding, ...] = ()
+    error: str = ""
+
+    @property
+    def errors(self) -> tuple[Finding, ...]:
+        return tuple(f for f in self.findings if f.severity == "error")
+
+
+def expectations_from(settings: MessagingSettings = messaging_settings) -> Expectations:
+    return Expectations(
+        queue_type=settings.queue_type,
+        quorum_delivery_limit=settings.quorum_delivery_limit,
+        crash_limit=settings.crash_limit,
+        max_body_bytes=settings.max_body_bytes,
+        broker_consumer_timeout=settings.broker_consumer_timeout,
+        handler_timeout_grace=settings.handler_timeout_grace,
+    )
+
+
+def our_queues(
+    specs: Iterable[ConsumerSpec], settings: MessagingSettings = messaging_settings
+) -> list[OurQueue]:
+    """Every queue ``consume`` declares for ``specs``, named as :mod:`.topology` names them:
+    each handler's queue (an ordered one's partitions), its ``<queue>.dead`` under quorum
+    queues, then the retry delay queues."""
+    specs = list(specs)
+    found = []
+    for spec in specs:
+        timeout = spec.timeout or settings.handler_timeout
+        dead = dead_letter_queue(spec)
+        found += [
+            OurQueue(queue, "consumer", spec.name, handler_timeout=timeout, dead_letter_to=dead)
+            for queue in consumer_queues(spec, settings)
+        ]
+        if settings.queue_type == "quorum":
+            found.append(OurQueue(dead, "dead", spec.name, handler_timeout=timeout))
+    found += [
+        OurQueue(delay_exchange_name(delay, settings), "delay", message_ttl=round(delay * 1000))
+        for delay in all_delays(specs, settings)
+    ]
+    return found
+
+
+def read_broker_facts(
+    specs: Iterable[ConsumerSpec],
+    *,
+    settings: MessagingSettings = messaging_settings,
+    management_url: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    probe_body: bool = True,
+) -> BrokerFacts:
+    """What the broker says about ``specs``' queues and ``MAX_BODY_BYTES``. Raises one of
+    :data:`.queues.READ_ERRORS` when no broker URL can be reached; the management API's
+    failure is recorded in the facts (``management_error``), not raised."""
+    candidates = connection_parameters(settings, name=CONNECTION_NAME)
+    secrets = secrets_of(settings, candidates)
+    connection, params = connect_to_any(candidates, timeout=timeout)
+    try:
+        # The Connection.Start the broker opened with; BlockingConnection does not expose it.
+        impl: Any = getattr(connection, "_impl")  # noqa: B009 - pika private
+        version = _text(impl.server_properties.get("version"))
+        max_message_size, probe_error = None, ""
+        if probe_body:
+            try:
+                max_message_size = broker_refuses(connection, settings.max_body_bytes)
+            except READ_ERRORS as exc:
+                probe_error = scrub(describe_error(exc), *secrets)
+    finally:
+        if connection.is_open:
+            connection.close()
+    facts = BrokerFacts(
+        url=redact_url(_url_of(params)),
+        vhost=params.virtual_host,
+        server_version=version,
+        probed_body_bytes=settings.max_body_bytes if probe_body else 0,
+        max_message_size=max_message_size,
+        probe_error=probe_error,
+    )
+    management_url = management_url_for(management_url, settings, params)
+    if not management_url:
+        return replace(facts, management_error="the management API was skipped (no URL given)")
+    facts = replace(facts, management_url=redact_url(management_url))
+    try:
+        return _with_management_facts(
+            facts, our_queues(specs, settings), params, management_url, timeout
+        )
+    except MANAGEMENT_ERRORS as exc:
+        return replace(facts, management_error=management_failure(exc, management_url, secrets))
+
+
+def _text(value: Any) -> str | None:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return None if value is None else str(value)
+
+
+def _url_of(params: pika.URLParameters) -> str:
+    """The node a connection reached, as a URL without the password."""
+    scheme = "amqps" if params.ssl_options is not None else "amqp"
+    vhost = urllib.parse.quote(params.virtual_host, safe="")
+    host = f"[{params.host}]" if ":" in params.host else params.host
+    return f"{scheme}://{host}:{params.port}/{vhost}"
+
+
+def _with_management_facts(
+    facts: BrokerFacts,
+    queues: Iterable[OurQueue],
+    params: pika.URLParameters,
+    base_url: str,
+    timeout: float,
+) -> BrokerFacts:
+    def get(path: str) -> Any:
+        return management_get(base_url, path, params, timeout)
+
+    vhost = urllib.parse.quote(params.virtual_host, safe="")
+    overview = get("/api/overview")
+    described = get(f"/api/vhosts/{vhost}")
+    default_type = described.get("default_queue_type") or (described.get("metadata") or {}).get(
+        "default_queue_type"
+    )
+    return replace(
+        facts,
+        management_version=_text(overview.get("rabbitmq_version")),
+        # 3.10 answers "undefined": no default set, classic.
+        vhost_default_queue_type=None if default_type in (None, "undefined") else default_type,
+        deprecated_features=_deprecated_features(get),
+        queues=tuple(_queue_facts(queue, vhost, get) for queue in queues),
+    )
+
+
+def _deprecated_features(get: Any) -> tuple[DeprecatedFeature, ...] | None:
+    try:
+        listed = get("/api/deprecated-features")
+        used = {feature.get("name") for feature in get("/api/deprecated-features/used")}
+    except urllib.error.HTTPError as exc:
+        if exc.code == NOT_FOUND:  # before 3.13
+            return None
+        raise
+    return tuple(
+        DeprecatedFeature(
+            str(feature.get("name")),
+            str(feature.get("deprecation_phase")),
+            used=feature.get("name") in used,
+        )
+        for feature in listed
+    )
+
+
+def _queue_facts(queue: OurQueue, vhost: str, get: Any) -> QueueFacts:
+    name = urllib.parse.quote(queue.name, safe="")
+    try:
+        data = get(f"/api/queues/{vhost}/{name}?columns={_QUEUE_COLUMNS}")
+    except urllib.error.HTTPError as exc:
+        if exc.code != NOT_FOUND:
+            raise
+        return QueueFacts(queue, exists=False)
+    if not isinstance(data, dict):
+        data = {}
+    # 4.0 gives its own figure of a quorum queue's limit ("unlimited" when there is none).
+    limit = data.get("delivery_limit")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)):
+        limit = -1
+    return QueueFacts(
+        queue,
+        exists=True,
+        # The policy fields come with the queue's first statistics, seconds after it is made.
+        sampled="effective_policy_definition" in data,
+        type=str(data.get("type") or "classic"),
+        arguments=data.get("arguments") or {},
+        policy=data.get("policy") or None,
+        operator_policy=data.get("operator_policy") or None,
+        effective_policy=data.get("effective_policy_definition") or {},
+        delivery_limit=limit,
+    )
+
+
+def check_broker(
+    specs: Iterable[ConsumerSpec] | None = None,
+    *,
+    settings: MessagingSettings = messaging_settings,
+    management_url: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> BrokerCheck:
+    """Read the broker and judge it for ``specs`` (default: every registered consumer)."""
+    specs = list(registry.all() if specs is None else specs)
+    shown = settings.broker_shown
+    try:
+        facts = read_broker_facts(
+            specs, settings=settings, management_url=management_url, timeout=timeout
+        )
+    except READ_ERRORS as exc:
+        try:
+            secrets = secrets_of(settings, connection_parameters(settings))
+        except Exception:  # noqa: BLE001 - pika raises several types for a bad URL
+            return BrokerCheck(shown, reachable=False, error="the URL cannot be parsed")
+        detail = scrub(describe_error(exc), *secrets)
+        return BrokerCheck(shown, reachable=False, error=f"cannot connect to {shown}: {detail}")
+    return BrokerCheck(
+        facts.url, reachable=True, findings=tuple(find_findings(facts, expectations_from(settings)))
+    )
+
+
+def log_findings_in_background(
+    specs: Iterable[ConsumerSpec],
+    settings: MessagingSettings = messaging_settings,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> threading.Thread:
+    """Check the broker in a daemon thread and log each warning and error found, once, at
+    WARNING; a broker or management API that cannot be read is one INFO line. Never raises,
+    never blocks the caller (``consume`` at its start)."""
+    specs = list(specs)
+
+    def run() -> None:
+        try:
+            check = check_broker(specs, settings=settings, timeout=timeout)
+        except Exception:  # a check must never take the consumer down
+            logger.info("the broker check failed", exc_info=True)
+            return
+        if not check.reachable:
+            logger.info("broker check skipped: %s", check.error)
+            return
+        for finding in check.findings:
+            if finding.severity != "info":
+                logger.warning(
+                    "broker check: %s: %s. Fix: %s",
+                    finding.severity.upper(),
+                    finding.message,
+                    finding.fix or "-",
+                )
+            elif finding.code == "management-api":
+                logger.info("broker check: %s", finding.message)
+
+    thread = threading.Thread(target=run, name="rm-broker-check", daemon=True)
+    thread.start()
+    return thread
+
+
+def log_body_limit_in_background(
+    settings: MessagingSettings = messaging_settings, timeout: float = DEFAULT_TIMEOUT
+) -> threading.Thread:
+    """In a daemon thread, ask the broker whether it takes a body of ``MAX_BODY_BYTES``, and
+    log an ERROR naming both sizes and the fix when it does not (``relay`` at its start). A
+    broker that cannot be reached is left to the relay to report."""
+
+    def run() -> None:
+        try:
+            candidates = connection_parameters(settings, name=CONNECTION_NAME)
+            connection, _ = connect_to_any(candidates, timeout=timeout)
+            try:
+                limit = broker_refuses(connection, settings.max_body_bytes)
+            finally:
+                if connection.is_open:
+                    connection.close()
+        except Exception:  # a check must never take the relay down
+            logger.debug("the broker's message size limit could not be learned", exc_info=True)
+            return
+        if limit is not None:
+            logger.error(
+                "the broker refuses message bodies over %d bytes (max_message_size), but "
+                "RELIABLE_MESSAGING['MAX_BODY_BYTES'] is %d: publish() accepts bodies the "
+                "relay cannot send. Lower MAX_BODY_BYTES to %d or less, or raise "
+                "max_message_size in rabbitmq.conf to at least %d",
+                limit,
+                settings.max_body_bytes,
+                limit,
+                settings.max_body_bytes,
+            )
+
+    thread = threading.Thread(target=run, name="rm-body-limit-check", daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,372 @@
+"""The broker check (:mod:`reliable_messaging.broker.inspection`) against both real brokers.
+
+On the system's 3.10 node, a policy on one uniquely named queue of the default vhost (removed
+afterwards); on the 4.0 node, a vhost of the test's own whose default queue type is quorum
+(deleted afterwards). The management API publishes a queue's policies only with its next
+statistics, seconds after a change: the tests wait for the findings, they do not sleep.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+import urllib.parse
+from collections.abc import Iterator
+from typing import Any
+
+import pika
+import pytest
+from django.conf import settings
+from django.core.management import CommandError, call_command
+from django.test import override_settings
+
+from reliable_messaging.broker.inspection import (
+    BrokerCheck,
+    check_broker,
+    log_body_limit_in_background,
+    log_findings_in_background,
+)
+from reliable_messaging.broker.topology import declare_topology, delay_exchange_name
+from reliable_messaging.conf import messaging_settings
+from reliable_messaging.registry import ConsumerSpec, registry
+from tests.support import ConsumeProcess, rabbitmqctl, wait_until
+
+MIB = 1024 * 1024
+SAMPLED = 45.0  # seconds: quorum queues publish their statistics every few seconds
+
+
+def spec_of(queue: str) -> ConsumerSpec:
+    return ConsumerSpec(name=queue, queue=queue, handler=lambda m: None, bindings=("x.#",))
+
+
+def declare(url: str, *specs: ConsumerSpec) -> None:
+    """What ``consume`` declares for ``specs`` at its start."""
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        declare_topology(connection.channel(), specs)
+    finally:
+        connection.close()
+
+
+def serious(check: BrokerCheck) -> set[tuple[str, str, str]]:
+    return {(f.severity, f.code, f.subject) for f in check.findings if f.severity != "info"}
+
+
+def check_until(specs: list[ConsumerSpec], *wanted: tuple[str, str, str]) -> BrokerCheck:
+    """The first check that finds all of ``wanted`` (severity, code, subject)."""
+    last: list[BrokerCheck] = []
+
+    def found() -> BrokerCheck | None:
+        check = check_broker(specs)
+        last[:] = [check]
+        return check if set(wanted) <= serious(check) else None
+
+    return wait_until(
+        found,
+        timeout=SAMPLED,
+        interval=0.5,
+        message=lambda: f"findings {wanted}; found {last[0].findings if last else None}",
+    )
+
+
+# --------------------------------------------------------------------------- RabbitMQ 3.10
+
+
+@pytest.fixture
+def on_3_10(ns: str) -> Iterator[dict[str, Any]]:
+    values = {**settings.RELIABLE_MESSAGING, "EXCHANGE": f"rmtest.{ns}", "MAX_BODY_BYTES": 20 * MIB}
+    with override_settings(RELIABLE_MESSAGING=values):
+        yield values
+
+
+def test_3_10_a_policy_that_drops_and_expires_one_consumer_queue(ns: str, on_3_10: Any) -> None:
+    spec = spec_of(f"rmtest.{ns}.orders")
+    declare(on_3_10["BROKER_URL"], spec)
+    policy = f"rmtest-{ns}"
+    definition = {"max-length": 10, "overflow": "drop-head", "expires": 3_600_000}
+    rabbitmqctl(
+        "set_policy", "-p", "/", "--apply-to", "queues", policy,
+        f"^{re.escape(spec.queue)}$", json.dumps(definition),
+    )  # fmt: skip
+    try:
+        check = check_until(
+            [spec],
+            ("error", "queue-overflow", spec.queue),
+            ("error", "queue-expires", spec.queue),
+        )
+    finally:
+        rabbitmqctl("clear_policy", "-p", "/", policy)
+    findings = {f.code: f for f in check.findings}
+    assert "drops the oldest messages" in findings["queue-overflow"].message
+    assert f"clear_policy -p / {policy}" in findings["queue-overflow"].fix
+    assert "expires after 1 h unused" in findings["queue-expires"].message
+    # 128 MiB by default: 20 MiB bodies pass.
+    assert "max-message-size" not in findings
+    assert "RabbitMQ 3.10" in findings["server-version"].message
+    assert "not an error" in findings["deprecated-features"].message
+    # The delay queues carry no policy: nothing about them.
+    assert {subject for _, _, subject in serious(check)} == {spec.queue}
+
+
+def test_3_10_nothing_to_report_on_queues_as_consume_declares_them(ns: str, on_3_10: Any) -> None:
+    spec = spec_of(f"rmtest.{ns}.clean")
+    declare(on_3_10["BROKER_URL"], spec)
+
+    def sampled() -> BrokerCheck | None:
+        check = check_broker([spec])
+        return None if any(f.code == "queue-not-sampled" for f in check.findings) else check
+
+    check = wait_until(sampled, timeout=SAMPLED, interval=0.5)
+    assert serious(check) == set()
+    assert not [f for f in check.findings if f.code == "queue-missing"]
+
+
+def test_3_10_without_the_management_api_one_note_and_no_error(ns: str, on_3_10: Any) -> None:
+    spec = spec_of(f"rmtest.{ns}.noapi")
+    with override_settings(
+        RELIABLE_MESSAGING={**on_3_10, "MANAGEMENT_URL": "http://monitor:s3cret@127.0.0.1:1"}
+    ):
+        check = check_broker([spec])
+    assert check.reachable
+    assert serious(check) == set()
+    (note,) = [f for f in check.findings if f.code == "management-api"]
+    assert "http://monitor:***@127.0.0.1:1 is unreachable" in note.message
+    assert "s3cret" not in repr(check)
+
+
+def test_management_url_credentials_are_the_ones_used(ns: str, on_3_10: Any) -> None:
+    """A MANAGEMENT_URL with a user of its own is read as that user: a wrong password is
+    refused (401), the right one is not, whatever the broker URL's credentials."""
+    spec = spec_of(f"rmtest.{ns}.creds")
+    wrong = {**on_3_10, "MANAGEMENT_URL": "http://guest:wrong@127.0.0.1:15672"}
+    with override_settings(RELIABLE_MESSAGING=wrong):
+        (note,) = [f for f in check_broker([spec]).findings if f.code == "management-api"]
+    assert "answered HTTP 401" in note.message
+    right = {**on_3_10, "MANAGEMENT_URL": "http://guest:guest@127.0.0.1:15672"}
+    with override_settings(RELIABLE_MESSAGING=right):
+        assert not [f for f in check_broker([spec]).findings if f.code == "management-api"]
+
+
+def test_an_unreachable_broker_is_said_not_raised(on_3_10: Any) -> None:
+    url = "amqp://guest:s3cret@127.0.0.1:1/%2F"
+    with override_settings(RELIABLE_MESSAGING={**on_3_10, "BROKER_URL": url}):
+        check = check_broker([])
+    assert not check.reachable
+    assert "cannot connect to amqp://guest:***@127.0.0.1:1/%2F" in check.error
+    assert "s3cret" not in check.error
+
+
+# --------------------------------------------------------------------------- RabbitMQ 4.0
+
+
+@pytest.fixture(scope="module")
+def quorum_vhost(rabbitmq4: Any) -> Iterator[str]:
+    """A vhost of the 4.0 node whose queues are quorum queues unless declared otherwise."""
+    from tests.support import new_namespace
+
+    vhost = f"rmtest-{new_namespace()}"
+    rabbitmq4.ctl("add_vhost", vhost, "--default-queue-type", "quorum")
+    try:
+        rabbitmq4.ctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
+        yield vhost
+    finally:
+        rabbitmq4.ctl("delete_vhost", vhost)
+
+
+@pytest.fixture
+def on_4_0(ns: str, rabbitmq4: Any, quorum_vhost: str) -> Iterator[dict[str, Any]]:
+    url = rabbitmq4.URL.rsplit("/", 1)[0] + "/" + urllib.parse.quote(quorum_vhost, safe="")
+    values = {
+        **settings.RELIABLE_MESSAGING,
+        "BROKER_URL": url,
+        "MANAGEMENT_URL": rabbitmq4.MANAGEMENT_URL,
+        "EXCHANGE": f"rmtest.{ns}",
+        "MAX_BODY_BYTES": 20 * MIB,
+    }
+    with override_settings(RELIABLE_MESSAGING=values):
+        yield values
+
+
+def test_4_0_classic_queues_a_quorum_vhost_default_turns_quorum(
+    ns: str, rabbitmq4: Any, quorum_vhost: str, on_4_0: Any
+) -> None:
+    spec = spec_of(f"rmtest.{ns}.orders")
+    declare(on_4_0["BROKER_URL"], spec)
+    delay = delay_exchange_name(messaging_settings.retry_delays[0])
+    policy = f"rmtest-{ns}-expires"
+    rabbitmq4.ctl(
+        "set_policy", "-p", quorum_vhost, "--apply-to", "queues", policy,
+        f"^{re.escape(delay)}$", json.dumps({"expires": 600_000}),
+    )  # fmt: skip
+    node = check_broker([]).url
+    assert node.startswith("amqp://127.0.0.1:5782/")  # the 4.0 node, not the system's
+    check = check_until(
+        [spec],
+        ("error", "max-message-size", node),
+        ("warning", "vhost-default-queue-type", quorum_vhost),
+        ("warning", "queue-type", spec.queue),
+        ("error", "dead-letter-target", spec.queue),
+        ("error", "queue-expires", delay),
+    )
+    findings = {(f.code, f.subject): f for f in check.findings}
+    size = findings["max-message-size", check.url]
+    assert "over 16,777,216 bytes (16 MiB)" in size.message
+    assert "up to 20,971,520 bytes (20 MiB)" in size.message
+    # 4.0 gives a quorum queue a delivery limit of 20, and the app gave it no target.
+    assert (
+        "drops a message after 20 deliveries" in findings["dead-letter-target", spec.queue].message
+    )
+    assert "no consumer ever reads a delay queue" in findings["queue-expires", delay].message
+    assert "RabbitMQ 4.0.5" in findings["server-version", check.url].message
+
+
+def test_4_0_a_policy_lowering_the_delivery_limit_and_the_consumer_timeout(
+    ns: str, rabbitmq4: Any, quorum_vhost: str, on_4_0: Any
+) -> None:
+    spec = spec_of(f"rmtest.{ns}.payments")
+    with override_settings(
+        RELIABLE_MESSAGING={**on_4_0, "QUEUE_TYPE": "quorum", "MAX_BODY_BYTES": 1 * MIB}
+    ):
+        declare(on_4_0["BROKER_URL"], spec)
+        policy = f"rmtest-{ns}-short"
+        rabbitmq4.ctl(
+            "set_policy", "-p", quorum_vhost, "--apply-to", "quorum_queues", policy,
+            f"^{re.escape(spec.queue)}$",
+            json.dumps({"delivery-limit": 2, "consumer-timeout": 60_000}),
+        )  # fmt: skip
+        check = check_until(
+            [spec],
+            ("warning", "delivery-limit", spec.queue),
+            ("error", "consumer-timeout", spec.queue),
+        )
+    findings = {(f.code, f.subject): f for f in check.findings}
+    limit = findings["delivery-limit", spec.queue]
+    assert f"after 2 deliveries (policy {policy})" in limit.message
+    assert "consumer timeout of 60 s" in findings["consumer-timeout", spec.queue].message
+    # Declared by the app as quorum, with its target: the vhost default and the target are fine.
+    codes = {code for code, _ in findings}
+    assert not codes & {"vhost-default-queue-type", "dead-letter-target", "max-message-size"}
+
+
+def test_messaging_status_broker_exits_1_on_an_error_finding(
+    ns: str, on_4_0: Any, transactional_db: None
+) -> None:
+    spec = spec_of(f"rmtest.{ns}.status")
+    out, err = io.StringIO(), io.StringIO()
+    with registry.isolated():
+        registry.register(spec)
+        with pytest.raises(CommandError) as raised:
+            call_command("messaging_status", "--broker", "--json", stdout=out, stderr=err)
+    assert raised.value.returncode == 1
+    assert "the broker check found 1 error(s)" in str(raised.value)
+    document = json.loads(out.getvalue())
+    check = document["broker_check"]
+    errors = [f for f in check["findings"] if f["severity"] == "error"]
+    assert [f["code"] for f in errors] == ["max-message-size"]
+    assert "max_message_size = 20971520 in rabbitmq.conf" in errors[0]["fix"]
+    assert document["exit_code"] == 1
+    assert document["problems"] == []
+
+
+def test_consume_start_logs_each_warning_and_error_once(
+    ns: str, on_4_0: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    spec = spec_of(f"rmtest.{ns}.startup")
+    with caplog.at_level(logging.INFO, logger="reliable_messaging.broker.inspection"):
+        log_findings_in_background([spec]).join(timeout=60)
+    lines = [r for r in caplog.records if r.name == "reliable_messaging.broker.inspection"]
+    assert {r.levelno for r in lines} == {logging.WARNING}
+    logged = sorted(r.getMessage() for r in lines)
+    expected = sorted(
+        f"broker check: {f.severity.upper()}: {f.message}. Fix: {f.fix}"
+        for f in check_broker([spec]).findings
+        if f.severity != "info"
+    )
+    assert logged == expected  # each once
+    assert logged[0].startswith("broker check: ERROR: the broker refuses message bodies over")
+
+
+def test_consume_start_with_the_management_api_unreachable_is_one_info_line(
+    ns: str, on_4_0: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    spec = spec_of(f"rmtest.{ns}.noapi")
+    values = {**on_4_0, "MANAGEMENT_URL": "http://127.0.0.1:1", "MAX_BODY_BYTES": MIB}
+    with (
+        override_settings(RELIABLE_MESSAGING=values),
+        caplog.at_level(logging.INFO, logger="reliable_messaging.broker.inspection"),
+    ):
+        log_findings_in_background([spec]).join(timeout=60)
+    lines = [r for r in caplog.records if r.name == "reliable_messaging.broker.inspection"]
+    (line,) = lines
+    assert line.levelno == logging.INFO
+    assert line.getMessage().startswith(
+        "broker check: queue types, arguments and policies were not checked: the management "
+        "API at http://127.0.0.1:1 is unreachable"
+    )
+
+
+def test_relay_start_logs_an_error_naming_both_sizes(
+    on_4_0: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="reliable_messaging.broker.inspection"):
+        log_body_limit_in_background().join(timeout=60)
+    (record,) = [r for r in caplog.records if r.name == "reliable_messaging.broker.inspection"]
+    assert record.levelno == logging.ERROR
+    assert "over 16777216 bytes (max_message_size)" in record.getMessage()
+    assert "MAX_BODY_BYTES'] is 20971520" in record.getMessage()
+
+
+def test_relay_start_says_nothing_when_the_broker_takes_max_body_bytes(
+    on_3_10: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.DEBUG, logger="reliable_messaging.broker.inspection"):
+        log_body_limit_in_background().join(timeout=60)
+    assert not [r for r in caplog.records if r.name == "reliable_messaging.broker.inspection"]
+
+
+# --------------------------------------------------------------------------- manage.py consume
+
+
+@pytest.fixture
+def management_unreachable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``manage.py consume`` subprocesses started after this read no management API."""
+    monkeypatch.setenv("RM_TEST_MANAGEMENT_URL", "http://127.0.0.1:1")
+
+
+@pytest.mark.slow
+def test_consume_logs_a_policy_that_expires_its_queue_and_consumes(
+    ns: str, rm_settings: dict[str, Any], consume: Any
+) -> None:
+    # The queue of the test app's consumer tests.alpha, declared as consume declares it, and a
+    # policy the broker has sampled on it before consume starts.
+    spec = spec_of(f"{ns}.alpha")
+    declare(rm_settings["BROKER_URL"], spec)
+    policy = f"rmtest-{ns}"
+    rabbitmqctl(
+        "set_policy", "-p", "/", "--apply-to", "queues", policy,
+        f"^{re.escape(spec.queue)}$", json.dumps({"expires": 86_400_000}),
+    )  # fmt: skip
+    try:
+        check_until([spec], ("error", "queue-expires", spec.queue))
+        process: ConsumeProcess = consume("--queue", spec.queue)
+        process.wait_for_log(
+            "WARNING reliable_messaging.broker.inspection broker check: ERROR: "
+            f"queue {spec.queue} expires after 24 h"
+        )
+        process.wait_consuming()
+    finally:
+        rabbitmqctl("clear_policy", "-p", "/", policy)
+    assert process.log().count(f"queue {spec.queue} expires after") == 1
+
+
+@pytest.mark.slow
+def test_consume_with_the_management_api_unreachable_says_so_once_and_consumes(
+    ns: str, management_unreachable: None, consume: Any
+) -> None:
+    process: ConsumeProcess = consume("--queue", f"{ns}.alpha")
+    process.wait_consuming()
+    process.wait_for_log("INFO reliable_messaging.broker.inspection broker check: queue types")
+    assert "http://127.0.0.1:1 is unreachable" in process.log()
+    assert process.returncode is None

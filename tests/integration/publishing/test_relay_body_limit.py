@@ -1,0 +1,30 @@
+"""``manage.py relay`` says at its start when the broker refuses bodies ``publish()`` accepts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from .conftest import OutboxEnv
+
+MIB = 1024 * 1024
+LOGGED = "ERROR reliable_messaging.broker.inspection the broker refuses message bodies over"
+
+
+@pytest.mark.slow
+def test_relay_logs_the_size_4_0_refuses_once_and_keeps_running(
+    ob: OutboxEnv, rabbitmq4: Any
+) -> None:
+    ob.set(BROKER_URL=rabbitmq4.URL, MAX_BODY_BYTES=20 * MIB)
+    relay = ob.relay_process()
+    relay.wait_for_log(LOGGED)
+    relay.wait_connected()
+    log = relay.log()
+    assert log.count(LOGGED) == 1
+    assert (
+        "over 16777216 bytes (max_message_size), but RELIABLE_MESSAGING['MAX_BODY_BYTES'] is "
+        "20971520" in log
+    )
+    assert "Lower MAX_BODY_BYTES to 16777216 or less" in log
+    assert relay.returncode is None
