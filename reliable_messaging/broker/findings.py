@@ -266,7 +266,7 @@ def _broker_findings(facts: BrokerFacts, expected: Expectations) -> list[Finding
                 f"the broker refuses message bodies over {_mib(facts.max_message_size)} "
                 f"(max_message_size), but MAX_BODY_BYTES lets publish() accept up to "
                 f"{_mib(expected.max_body_bytes)}: the relay's publish of a larger outbox row "
-                "is refused (406) and the row fails after OUTBOX_MAX_ATTEMPTS",
+                "is refused (406) and the row is marked failed at once",
                 f"lower RELIABLE_MESSAGING['MAX_BODY_BYTES'] to {facts.max_message_size} or less, "
                 f"or raise the broker's limit: max_message_size = {expected.max_body_bytes} in "
                 "rabbitmq.conf (at most 536870912), then restart the node",
@@ -299,21 +299,18 @@ def _broker_findings(facts: BrokerFacts, expected: Expectations) -> list[Finding
 
 def _vhost_findings(facts: BrokerFacts, expected: Expectations) -> list[Finding]:
     default = facts.vhost_default_queue_type
-    if expected.queue_type != "classic" or default in (None, "classic"):
+    if default in (None, expected.queue_type):
         return []
-    v = shlex.quote(facts.vhost)
     return [
         Finding(
-            "warning",
+            "info",
             "vhost-default-queue-type",
             facts.vhost,
-            f"vhost {facts.vhost!r} makes {default} queues by default, and QUEUE_TYPE is "
-            f"'classic', so consume declares its queues without x-queue-type: they become "
-            f"{default} queues without the delivery limit and dead-letter target the app gives "
-            "quorum queues",
-            f"make the vhost's default classic (rabbitmqctl update_vhost_metadata {v} "
-            f"--default-queue-type classic), or set QUEUE_TYPE = 'quorum' "
-            "(docs/quorum-migration.md)",
+            f"vhost {facts.vhost!r} makes {default} queues by default; consume states the type "
+            f"of every queue it declares (QUEUE_TYPE {expected.queue_type!r}), so its queues "
+            "are not affected. A queue declared by hand or by another tool without "
+            "x-queue-type is, and is reported by its own findings",
+            "",
         )
     ]
 
