@@ -276,6 +276,10 @@ class DeadLetterOperationAdmin(admin.ModelAdmin):
             return self.list_display
         return ("number", *self.list_display[1:])
 
+    def get_list_display_links(self, request: HttpRequest, list_display: Any) -> Any:
+        # The progress link is the row's link (Django's own would wrap it in another <a>).
+        return None if "progress_link" in list_display else ("number",)
+
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
