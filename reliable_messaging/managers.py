@@ -631,10 +631,11 @@ class DeadLetterOperationQuerySet(models.QuerySet):
         selection: dict[str, Any],
         requested_by: str,
         force: bool = False,
-        matched: int = 0,
-        max_pk: int = 0,
+        matched: int,
+        max_pk: int,
     ) -> Any:
-        """A new pending operation over ``selection``, up to dead letter ``max_pk``."""
+        """A new pending operation over ``selection``, up to dead letter ``max_pk``, that
+        does at most the ``matched`` dead letters its confirmation announced."""
         return self.create(
             kind=kind,
             selection=selection,

@@ -394,10 +394,11 @@ class DeadLetterOperation(models.Model):
 
     kind = models.CharField(max_length=10, choices=OperationKind.choices)
     force = models.BooleanField(default=False)
-    # {"lookups": {field lookup: value}, "search": "...", "status_chosen": bool,
-    #  "description": "the filter in words"}
+    # {"lookups": {field lookup: value}, "search": "...", "search_mode": "message_id" or
+    #  "words" (decided when confirmed), "status_chosen": bool, "description": "in words"}
     selection = models.JSONField(default=dict)
-    # How many matched when it was recorded (capped: an estimate for the progress display).
+    # How many its confirmation announced (counted up to COUNT_CAP, then an estimate for the
+    # progress display): the most it does when counted exactly.
     matched = models.PositiveIntegerField(default=0)
     max_pk = models.BigIntegerField(default=0)
     cursor = models.BigIntegerField(default=0)

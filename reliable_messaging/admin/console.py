@@ -17,7 +17,7 @@ CSRF protection.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 
 from django.contrib import messages
 from django.contrib.admin.models import CHANGE, LogEntry
@@ -25,8 +25,8 @@ from django.contrib.admin.options import IncorrectLookupParameters
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.core.paginator import Paginator
 from django.db import router, transaction
-from django.db.models import QuerySet
-from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed
+from django.db.models import Max, QuerySet
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed, QueryDict
 from django.shortcuts import redirect
 from django.template.response import TemplateResponse
 from django.utils.http import urlencode
@@ -34,6 +34,8 @@ from django.utils.translation import gettext, ngettext
 
 from ..dead_letters.replay import ReplayResult, discard, discardable, replay_batch
 from ..dead_letters.selection import (
+    BY_MESSAGE_ID,
+    BY_WORDS,
     NOT_FILTERS,
     SelectionError,
     matching,
@@ -250,15 +252,16 @@ def discard_and_report(
 # --------------------------------------------------------------------------- views
 
 
-def describe_filter(request: HttpRequest) -> list[str]:
-    """The changelist's filter in words, e.g. ``["consumer = billing", "search “x”"]``."""
+def describe_filter(request: HttpRequest, search_mode: str = "") -> list[str]:
+    """The changelist's filter in words, e.g. ``["consumer = billing", "search “x”"]``; with
+    ``search_mode``, how the search reads too."""
     parts = []
     for key, values in request.GET.lists():
         if key in NOT_FILTERS and key != "q":
             continue
         for value in values:
             if key == "q":
-                parts.append(gettext("search “%(term)s”") % {"term": value})
+                parts.append(_describe_search(value, search_mode))
                 continue
             field, _, lookup = key.partition("__")
             label = gettext("failure group") if field == "fingerprint" else field
@@ -266,30 +269,82 @@ def describe_filter(request: HttpRequest) -> list[str]:
     return parts
 
 
+def _describe_search(term: str, search_mode: str) -> str:
+    if search_mode == BY_MESSAGE_ID:
+        return gettext("message_id = %(id)s") % {"id": term.strip().removeprefix("=").strip()}
+    if search_mode == BY_WORDS:
+        return gettext("words “%(term)s” in the payload or the exception message") % {
+            "term": term.strip()
+        }
+    return gettext("search “%(term)s”") % {"term": term}
+
+
+class _Confirmed(NamedTuple):
+    """What a confirmation page showed, sent back by its form: how the search read, the
+    highest dead letter id it counted, and how many it announced."""
+
+    search_mode: str
+    max_pk: int
+    announced: int
+
+    @classmethod
+    def of(cls, form: QueryDict) -> _Confirmed | None:
+        """None for a POST without them (a script's): it is decided when it arrives."""
+        if "max_pk" not in form or "announced" not in form:
+            return None
+        return cls(
+            str(form.get("search_mode", "")),
+            int(str(form.get("max_pk"))),
+            int(str(form.get("announced"))),
+        )
+
+
 def bulk_operation_view(
     model_admin: DeadLetterConsole, request: HttpRequest, operation: Operation
 ) -> HttpResponse:
     """Replay or discard every dead letter the changelist's filter and search match: GET asks
-    for confirmation with the counts, POST records an operation the relay carries out."""
+    for confirmation with the counts, POST records an operation the relay carries out.
+
+    The POST takes what its page showed: the search read the same way, the dead letters up
+    to the highest id the page counted; when it would take another number than the page
+    announced, nothing is recorded and the page is shown again with the new figures."""
     if not model_admin.has_replay_permission(request):
         raise PermissionDenied
     if request.method not in ("GET", "POST"):
         return HttpResponseNotAllowed(["GET", "POST"])
     query = request.GET.urlencode()
     changelist_url = model_admin.console_url("changelist", query=query)
-    filter_parts = describe_filter(request)
-    filter_text = ", ".join(filter_parts)
     try:
         # What the changelist would refuse (an unknown field, a malformed date) is refused here.
         model_admin.get_changelist_instance(request)
-        chosen = selection_from_query(request.GET, filter_text)
-        matching_rows = matching(chosen)
-        targets_rows = targets(operation, chosen)
+        confirmed = _Confirmed.of(request.POST) if request.method == "POST" else None
+        chosen = selection_from_query(
+            request.GET, search_mode=confirmed.search_mode if confirmed else None
+        )
+        max_pk = confirmed.max_pk if confirmed else _highest_id()
+        matching_rows = matching(chosen).filter(pk__lte=max_pk)
+        targets_rows = targets(operation, chosen).filter(pk__lte=max_pk)
         target_count = capped_count(targets_rows)
-    except (IncorrectLookupParameters, SelectionError, ValidationError, ValueError):
+    except SelectionError as exc:
+        model_admin.message_user(request, str(exc), messages.ERROR)
+        return redirect(changelist_url)
+    except (IncorrectLookupParameters, ValidationError, ValueError):
         return redirect(model_admin.console_url("changelist", query="e=1"))
+    filter_parts = describe_filter(request, chosen["search_mode"])
+    chosen["description"] = ", ".join(filter_parts)
 
     if request.method == "POST":
+        if confirmed is not None and target_count != confirmed.announced:
+            model_admin.message_user(
+                request,
+                gettext(
+                    "The dead letters changed after this page counted them (%(then)s then, "
+                    "%(now)s now): nothing was started. Here are the figures as they are now."
+                )
+                % {"then": _at_most(confirmed.announced), "now": _at_most(target_count)},
+                messages.WARNING,
+            )
+            return redirect(request.get_full_path())
         return record_operation(
             model_admin,
             request,
@@ -297,6 +352,7 @@ def bulk_operation_view(
             selection=chosen,
             force=operation == "replay" and bool(request.POST.get("force")),
             matched=target_count,
+            max_pk=max_pk,
         )
 
     wanted_rows = matching_rows.filter(wanted(operation, chosen))
@@ -327,11 +383,17 @@ def bulk_operation_view(
         "status_chosen": chosen["status_chosen"],
         "batch_size": model_admin.batch_size,
         "changelist_url": changelist_url,
+        "confirmed": _Confirmed(chosen["search_mode"], max_pk, target_count),
     }
     request.current_app = model_admin.admin_site.name
     return TemplateResponse(
         request, "admin/reliable_messaging/deadletter/confirm_operation.html", context
     )
+
+
+def _highest_id() -> int:
+    """The highest dead letter id now: those stored later are not the page's."""
+    return DeadLetter.objects.aggregate(top=Max("pk"))["top"] or 0
 
 
 def _at_most(count: int) -> str:

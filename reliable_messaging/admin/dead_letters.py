@@ -131,9 +131,14 @@ class DeadLetterAdmin(admin.ModelAdmin):
     # ------------------------------------------------------------------ permissions
 
     def has_replay_permission(self, request: HttpRequest) -> bool:
-        """``reliable_messaging.replay_deadletter``: replay and discard."""
+        """``reliable_messaging.replay_deadletter`` and the view permission: replay, discard,
+        and the confirmation pages and operations that do it. The view permission too, as
+        Django asks of any action (its changelist): every path to a replay counts and shows
+        dead letters, so none is open to a user who may not see them."""
         user: Any = request.user
-        return bool(user.has_perm(f"{self.opts.app_label}.replay_{self.opts.model_name}"))
+        return self.has_view_permission(request) and bool(
+            user.has_perm(f"{self.opts.app_label}.replay_{self.opts.model_name}")
+        )
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

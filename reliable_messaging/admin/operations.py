@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from django.contrib import admin, messages
 from django.contrib.admin.models import ADDITION, CHANGE, LogEntry
 from django.core.exceptions import PermissionDenied
-from django.db.models import Max, QuerySet
+from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, JsonResponse
 from django.shortcuts import get_object_or_404, redirect
 from django.template.response import TemplateResponse
@@ -29,6 +29,7 @@ from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
 from ..choices import UNFINISHED_OPERATION_STATES
+from ..dead_letters.operations import COUNT_CAP
 from ..models import DeadLetter, DeadLetterOperation
 
 if TYPE_CHECKING:
@@ -60,13 +61,10 @@ class OperationConsole(Protocol):
     ) -> None: ...
 
 
-# Counts on the confirmation page stop here: past it, "more than" is all an operator needs,
-# and counting a million rows exactly would take seconds.
-COUNT_CAP = 100_000
-
-
 def capped_count(rows: QuerySet[Any], cap: int = COUNT_CAP) -> int:
-    """How many rows, counting at most ``cap + 1`` (``SELECT count(*) FROM (... LIMIT n)``)."""
+    """How many rows, counting at most ``cap + 1`` (``SELECT count(*) FROM (... LIMIT n)``):
+    past ``COUNT_CAP``, "more than" is all an operator needs, and counting a million rows
+    exactly would take seconds."""
     return rows.order_by().values("pk")[: cap + 1].count()
 
 
@@ -84,9 +82,12 @@ def record_operation(
     selection: dict[str, Any],
     force: bool,
     matched: int,
+    max_pk: int,
 ) -> HttpResponse:
-    """Record the operation and redirect to its progress page; the same one already under
-    way (same kind, selection and force) is shown instead of starting it twice."""
+    """Record the operation over the dead letters up to ``max_pk`` (those its confirmation
+    counted: failures stored later are not swept in), ``matched`` of them announced, and
+    redirect to its progress page; the same one already under way (same kind, selection and
+    force) is shown instead of starting it twice."""
     who = operator(request)
     running = DeadLetterOperation.objects.same_as(kind, selection, force)
     if running is not None:
@@ -100,8 +101,6 @@ def record_operation(
             messages.WARNING,
         )
         return redirect(model_admin.console_url("operation", running.pk))
-    # Dead letters stored after this moment are not swept in: the operation stops at this pk.
-    max_pk = DeadLetter.objects.aggregate(top=Max("pk"))["top"] or 0
     operation = DeadLetterOperation.objects.record(
         kind=kind,
         selection=selection,
@@ -249,7 +248,9 @@ def urls(model_admin: OperationConsole, prefix: str) -> list[URLPattern]:
 
 @admin.register(DeadLetterOperation)
 class DeadLetterOperationAdmin(admin.ModelAdmin):
-    """The bulk operations, newest first; each links to its progress page."""
+    """The bulk operations, newest first; each links to its progress page for users who may
+    view dead letters (the page is the dead letters' console: it needs that permission), and
+    is a plain number for the others."""
 
     list_display = (
         "progress_link",
@@ -269,6 +270,16 @@ class DeadLetterOperationAdmin(admin.ModelAdmin):
     list_per_page = 50
     show_full_result_count = False
 
+    def get_list_display(self, request: HttpRequest) -> Any:
+        dead_letters = self.admin_site.get_model_admin(DeadLetter)
+        if dead_letters.has_view_permission(request):
+            return self.list_display
+        return ("number", *self.list_display[1:])
+
+    def get_list_display_links(self, request: HttpRequest, list_display: Any) -> Any:
+        # The progress link is the row's link (Django's own would wrap it in another <a>).
+        return None if "progress_link" in list_display else ("number",)
+
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
@@ -284,6 +295,10 @@ class DeadLetterOperationAdmin(admin.ModelAdmin):
             f"{self.admin_site.name}:reliable_messaging_deadletter_operation", args=[obj.pk]
         )
         return format_html('<a href="{}">#{}</a>', url, obj.pk)
+
+    @admin.display(description=_("operation"), ordering="pk")
+    def number(self, obj: DeadLetterOperation) -> str:
+        return f"#{obj.pk}"
 
     @admin.display(description=_("selection"))
     def description(self, obj: DeadLetterOperation) -> str:

@@ -9,10 +9,11 @@ table, ``date_hierarchy`` a ``DISTINCT date_trunc`` and a ``MIN``/``MAX``, the p
   registry, and the date filter offers fixed ranges;
 - the paginator shows PostgreSQL's estimate of a large result, and counts a small one only up
   to ``COUNT_UP_TO`` + 1 rows ("more than 10,000");
-- the search (``dead_letters.selection.search``, which the bulk operations resolve again batch
-  after batch) looks a single word up as an exact message_id first (the B-tree on message_id),
-  and matches words in the exception message and the payload's text with trigram GIN indexes
-  on PostgreSQL (``migrations/0011_dead_letter_groups.py``), ``icontains`` elsewhere.
+- the search (``dead_letters.selection.search``, which a bulk operation applies batch after
+  batch, read as its confirmation read it) looks a single word up as an exact message_id
+  first (the B-tree on message_id), and matches words in the exception message and the
+  payload's text with trigram GIN indexes on PostgreSQL
+  (``migrations/0011_dead_letter_groups.py``), ``icontains`` elsewhere.
 """
 
 from __future__ import annotations

@@ -14,6 +14,11 @@ process killed mid-batch rolls the whole batch back; the next runner starts from
 committed last. So each dead letter is done at most once per operation, and, because a
 replayed one is refused by the next replay until its outcome is known, at most once across
 two operations over the same selection.
+
+An operation does no more than its confirmation announced (``matched``, when it was counted
+exactly: up to :data:`COUNT_CAP`): a batch takes at most what is left of that count, and when
+that is used up while dead letters still match (some failed again, or changed status, after
+the confirmation), the operation stops, "failed" with why, rather than take them.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from .selection import targets
 logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZE = 1000
+# Counts of a confirmation page stop here (a count past it is "more than", and bounds nothing).
+COUNT_CAP = 100_000
 # A batch that raises this many times in a row stops its operation (state "failed").
 FAILURES_BEFORE_GIVING_UP = 5
 # How often the runner folds the failure groups' deltas into their rows (seconds), and at most
@@ -52,14 +59,27 @@ def run_batch(batch_size: int = DEFAULT_BATCH_SIZE) -> DeadLetterOperation | Non
         if operation is None:
             return None
         now = timezone.now()
-        ids = list(
+        left = (
             targets(operation.kind, operation.selection, now)
             .using(using)
             .filter(pk__gt=operation.cursor, pk__lte=operation.max_pk)
             .order_by("pk")
-            .values_list("pk", flat=True)[:batch_size]
         )
+        announced_left = (
+            operation.matched - operation.done if operation.matched <= COUNT_CAP else batch_size
+        )
+        ids = list(left.values_list("pk", flat=True)[: max(0, min(batch_size, announced_left))])
         if not ids:
+            if announced_left <= 0 and left.exists():
+                error = (
+                    f"Stopped after the {operation.matched} dead letter(s) its confirmation "
+                    f"announced: more match its selection now (they failed again or changed "
+                    f"status since). They were left as they are; start another operation to "
+                    f"take them."
+                )
+                DeadLetterOperation.objects.using(using).fail(operation.pk, error=error, at=now)
+                logger.warning("dead letter operation %s: %s", operation.pk, error)
+                return operation
             DeadLetterOperation.objects.using(using).finish(operation, at=now)
             logger.info("dead letter operation %s done: %s", operation.pk, _counts(operation))
             return operation

@@ -1,9 +1,13 @@
 """Which dead letters a bulk operation takes: a selection frozen as JSON, resolved here.
 
 An operation is carried out by the relay process, long after the admin request that started
-it, so what it takes cannot be a queryset: it is the changelist's filter as data (field lookups
-and a search term), resolved again batch after batch by :func:`targets`. The same function
-gives the admin's confirmation page its counts, so what the page announces is what runs.
+it, so what it takes cannot be a queryset: it is the changelist's filter as data (field lookups,
+a search term and how that term reads), applied again batch after batch by :func:`targets`. The
+same function gives the admin's confirmation page its counts, so what the page announces is what
+runs. How the term reads is decided once, when the selection is made (:func:`how_search_reads`): a
+one-word term is an exact message_id only if some dead letter had it then, and a batch must not
+decide again, or a message_id that stops matching (its dead letter replayed) or starts matching
+(a producer's new failure) would change which dead letters the operation takes.
 """
 
 from __future__ import annotations
@@ -25,29 +29,55 @@ from .replay import UNREPLAYABLE_REASONS, replayable, stale_replays
 NOT_FILTERS = frozenset({"o", "p", "e", "q", "_facets", "all", "_changelist_filters"})
 
 
+# How a selection's search term reads (its "search_mode").
+BY_MESSAGE_ID = "message_id"
+BY_WORDS = "words"
+SEARCH_MODES = (BY_MESSAGE_ID, BY_WORDS)
+
+
 class SelectionError(ValueError):
-    """A filter that does not name a field of the dead letters."""
+    """A query that does not make a selection (an unknown field, a filter given twice)."""
 
     def __init__(self, message: str = "this filter does not name a dead letter's field") -> None:
         super().__init__(message)
 
 
-def selection_from_query(params: Mapping[str, Any], description: str = "") -> dict[str, Any]:
-    """The selection of a changelist query string (a ``QueryDict``, or a plain mapping)."""
+def selection_from_query(
+    params: Mapping[str, Any], description: str = "", *, search_mode: str | None = None
+) -> dict[str, Any]:
+    """The selection of a changelist query string (a ``QueryDict``, or a plain mapping).
+
+    ``search_mode`` is how its search term reads, as a confirmation page showed it; None
+    decides it now (:func:`how_search_reads`). A filter or search given more than once is refused:
+    the changelist reads some of them as "any of these" and others as "the last one", and an
+    operation must take what the list showed (``status__in=a,b`` says "any of" for all)."""
+    lists = params.lists() if hasattr(params, "lists") else ((k, [params[k]]) for k in params)
+    for key, values in lists:
+        if len(values) > 1 and (key == "q" or key not in NOT_FILTERS):
+            raise SelectionError(
+                f"{key} is given {len(values)} times ({', '.join(map(str, values))}): a bulk "
+                f"operation takes one value per filter; to take several, use one filter "
+                f"with a comma-separated list, e.g. {key.split('__', 1)[0]}__in=a,b"
+            )
     lookups: dict[str, str] = {}
     for key in params:
         if key in NOT_FILTERS:
             continue
-        value = params[key]  # a QueryDict gives the last value, as the changelist uses
         field_name = key.split("__", 1)[0]
         try:
             DeadLetter._meta.get_field(field_name)
         except FieldDoesNotExist as exc:
             raise SelectionError(f"unknown filter {key!r}") from exc
-        lookups[key] = str(value)
+        lookups[key] = str(params[key])
+    term = str(params.get("q", "") or "").strip()
+    if search_mode is None:
+        search_mode = how_search_reads(_filtered(lookups), term)
+    elif term and search_mode not in SEARCH_MODES:
+        raise SelectionError(f"unknown search mode {search_mode!r}")
     return {
         "lookups": dict(sorted(lookups.items())),
-        "search": str(params.get("q", "") or ""),
+        "search": term,
+        "search_mode": search_mode if term else "",
         "status_chosen": any(key.startswith("status") for key in lookups),
         "description": description,
     }
@@ -61,34 +91,54 @@ def _value(lookup: str, value: str) -> Any:
     return value
 
 
+def _filtered(lookups: Mapping[str, str]) -> QuerySet[DeadLetter]:
+    rows = DeadLetter.objects.all()
+    values = {k: _value(k, v) for k, v in lookups.items()}
+    return rows.filter(**values) if values else rows
+
+
 def matching(selection: Mapping[str, Any]) -> QuerySet[DeadLetter]:
     """Every dead letter the selection's filter and search match, whatever its status.
 
-    The search is the admin's: :func:`search`."""
-    rows = DeadLetter.objects.all()
-    lookups = {k: _value(k, v) for k, v in (selection.get("lookups") or {}).items()}
-    if lookups:
-        rows = rows.filter(**lookups)
-    return search(rows, selection.get("search") or "")
+    The search reads as the selection says (its ``search_mode``), never decided again here."""
+    term = selection.get("search") or ""
+    mode = selection.get("search_mode") or ""
+    if term.strip() and mode not in SEARCH_MODES:
+        raise SelectionError("this selection does not say how its search reads (search_mode)")
+    return search(_filtered(selection.get("lookups") or {}), term, mode=mode or None)
 
 
-def search(queryset: QuerySet[DeadLetter], term: str) -> QuerySet[DeadLetter]:
-    """The dead letters of ``queryset`` that ``term`` finds.
+def how_search_reads(queryset: QuerySet[DeadLetter], term: str) -> str:
+    """How :func:`search` reads ``term`` over ``queryset`` now: :data:`BY_MESSAGE_ID` for
+    ``=ID``, or for a single word that is the message_id of some of them (one probe of the
+    message_id index); :data:`BY_WORDS` otherwise; "" for no term."""
+    term = term.strip()
+    if not term:
+        return ""
+    if term.startswith("="):
+        return BY_MESSAGE_ID
+    one_word = not any(character.isspace() for character in term)
+    return BY_MESSAGE_ID if one_word and queryset.filter(message_id=term).exists() else BY_WORDS
 
-    ``=ID`` is an exact message_id. A single word that is the message_id of some of them finds
-    those (one probe of the message_id index); otherwise every word (quotes group words) must
-    be in the exception message or in the payload's JSON text, case-insensitively: trigram
-    GIN indexes answer that on PostgreSQL for words of three characters or more.
+
+def search(
+    queryset: QuerySet[DeadLetter], term: str, *, mode: str | None = None
+) -> QuerySet[DeadLetter]:
+    """The dead letters of ``queryset`` that ``term`` finds, read as ``mode`` says (None:
+    :func:`how_search_reads` decides, as the changelist does at each request).
+
+    By message_id: the exact message_id (``=ID`` or the word). By words: every word (quotes
+    group words) must be in the exception message or in the payload's JSON text,
+    case-insensitively: trigram GIN indexes answer that on PostgreSQL for words of three
+    characters or more.
     """
     term = term.strip()
     if not term:
         return queryset
-    if term.startswith("="):
-        return queryset.filter(message_id=term[1:].strip())
-    if not any(character.isspace() for character in term):
-        exact = queryset.filter(message_id=term)
-        if exact.exists():
-            return exact
+    if mode is None:
+        mode = how_search_reads(queryset, term)
+    if mode == BY_MESSAGE_ID:
+        return queryset.filter(message_id=term.removeprefix("=").strip())
     # alias(), not annotate(): the cast is needed in the WHERE clause only. Django writes
     # UPPER(("payload")::text) for it, the expression the trigram index is built on.
     queryset = queryset.alias(payload_text=Cast("payload", output_field=TextField()))

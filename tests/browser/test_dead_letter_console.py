@@ -25,7 +25,12 @@ from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from reliable_messaging.conf import messaging_settings
 from reliable_messaging.dead_letters.operations import run_batch
-from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
+from reliable_messaging.models import (
+    DeadLetter,
+    DeadLetterOperation,
+    OutboxMessage,
+    ProcessedMessage,
+)
 from reliable_messaging.testing import find_consumer, run_outbox
 from tests.testapp.models import Effect
 
@@ -204,6 +209,60 @@ def test_a_group_replay_shows_its_progress_and_can_be_cancelled(page: Page) -> N
     assert DeadLetter.objects.filter(status="replayed").count() == 1000
     assert DeadLetter.objects.filter(status="dead").count() == 2000
     assert OutboxMessage.objects.count() == 1000
+
+
+def test_a_bulk_replay_does_what_its_confirmation_page_said(page: Page) -> None:
+    """The page said "Replay 1 dead letter?" for a search that was a message_id; it was
+    replayed by someone else before the button was pressed: the page comes back with the
+    figures as they are now, and nothing runs. The operation confirmed then stops, and says
+    why, rather than replay a dead letter that failed again after it was announced."""
+    alpha, beta = find_consumer("tests.alpha"), find_consumer("tests.beta")
+    needle = dead_letter(alpha.name, alpha.queue, {"order_id": 1}, message_id="needle")
+    for n in range(3):
+        dead_letter(beta.name, beta.queue, {"note": f"a needle, {n}"}, message_id=f"hay-{n}")
+    again = dead_letter(
+        beta.name, beta.queue, {"note": "hay"}, message_id="hay-again", status="resolved"
+    )
+    page.goto(page.url.split("?")[0] + "?status__exact=dead&q=needle")
+    assert page.locator("#result_list tbody tr").count() == 1
+    page.get_by_role("link", name="Replay all matching…").click()
+    expect(page.locator("#content h1")).to_have_text("Replay 1 dead letter?")
+    expect(page.locator("#content-main")).to_contain_text("message_id = needle")
+
+    DeadLetter.objects.filter(pk=needle.pk).update(status="replayed")  # someone else did
+    page.get_by_role("button", name="Yes, replay 1 dead letter").click()
+
+    expect(page.locator(".messagelist .warning")).to_contain_text(
+        "changed after this page counted them (1 then, 0 now): nothing was started"
+    )
+    expect(page.locator("#content h1")).to_have_text("Replay 3 dead letters?")
+    expect(page.locator("#content-main")).to_contain_text("words “needle”")
+    assert not DeadLetterOperation.objects.exists()
+
+    page.get_by_role("button", name="Yes, replay 3 dead letters").click()
+    page.wait_for_url("**/deadletter/operations/*/")
+    # The producer sends hay-again once more, now with the word, and it fails again.
+    DeadLetter.objects.record_failure(
+        beta.name,
+        again.message_id,
+        fields={"status": "dead", "payload": {"note": "needle, again"}},
+        event={"event": "dead_lettered", "at": timezone.now().isoformat()},
+        first_failed_at=timezone.now(),
+    )
+    for _ in range(5):  # two batches of the three announced, then the stop
+        if run_batch(batch_size=2) is None:
+            break
+
+    expect(page.locator("#rm-operation-state")).to_have_attribute("data-state", "failed")
+    expect(page.locator(".errornote")).to_contain_text(
+        "Stopped after the 3 dead letter(s) its confirmation announced"
+    )
+    assert sorted(OutboxMessage.objects.values_list("message_id", flat=True)) == [
+        "hay-0",
+        "hay-1",
+        "hay-2",
+    ]
+    assert DeadLetter.objects.get(message_id="hay-again").status == "dead"
 
 
 def test_screenshot_of_the_dead_letter_list(page: Page, tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -73,6 +74,21 @@ def run_action(
         {"action": action, "index": 0, "_selected_action": [d.pk for d in letters], **data},
         follow=True,
     )
+
+
+def form_of(page: Any) -> dict[str, str]:
+    """The hidden fields a confirmation page's form sends back (what the page showed)."""
+    form = dict(re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)"', page.text))
+    form.pop("csrfmiddlewaretoken", None)
+    return form
+
+
+def confirm(client: Client, url: str, **data: Any) -> Any:
+    """Open a bulk confirmation page and press its button (its form's hidden fields, and
+    ``data``), following the redirect."""
+    page = client.get(url)
+    assert page.status_code == 200, page.status_code
+    return client.post(url, {**form_of(page), **data}, follow=True)
 
 
 def staff_user(username: str, *codenames: str) -> User:

@@ -18,7 +18,7 @@ from reliable_messaging.admin.operations import COUNT_CAP, figures
 from reliable_messaging.core.envelope import CELERY_TASK_HEADER, REPLAYED_BY_HEADER
 from reliable_messaging.dead_letters import operations
 from reliable_messaging.dead_letters.operations import run_pending_operations
-from reliable_messaging.dead_letters.selection import selection_from_query
+from reliable_messaging.dead_letters.selection import selection_from_query, targets
 from reliable_messaging.models import (
     DeadLetter,
     DeadLetterOperation,
@@ -35,11 +35,13 @@ def record(
     query: dict[str, str], *, kind: str = "replay", force: bool = False
 ) -> DeadLetterOperation:
     top = DeadLetter.objects.order_by("-pk").values_list("pk", flat=True).first() or 0
+    selection = selection_from_query(query)
     return DeadLetterOperation.objects.record(
         kind=kind,
-        selection=selection_from_query(query),
+        selection=selection,
         requested_by="carol (admin)",
         force=force,
+        matched=targets(kind, selection).count(),
         max_pk=top,
     )
 
