@@ -28,6 +28,7 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.contrib.admin.views.main import SEARCH_VAR
+from django.core.exceptions import EmptyResultSet
 from django.core.paginator import Paginator
 from django.db import OperationalError, connections, router, transaction
 from django.db.models import Q, QuerySet
@@ -151,7 +152,10 @@ class BoundedCountPaginator(Paginator):
         connection = connections[queryset.db]
         if connection.vendor != "postgresql":
             return None
-        sql, params = queryset.order_by().query.sql_with_params()
+        try:
+            sql, params = queryset.order_by().query.sql_with_params()
+        except EmptyResultSet:  # queryset.none(): a refused search
+            return 0
         with connection.cursor() as cursor:
             cursor.execute(f"EXPLAIN (FORMAT JSON) {sql}", params)
             plan = cursor.fetchone()[0]
@@ -204,23 +208,23 @@ class BoundedListAdmin(admin.ModelAdmin):
     ) -> HttpResponse:
         using = router.db_for_read(self.model)
         term = request.GET.get(SEARCH_VAR, "").strip()
-        if (
-            not term
-            or request.method != "GET"
-            or connections[using].vendor != "postgresql"
-            or connections[using].in_atomic_block
-        ):
+        if not term or request.method != "GET" or connections[using].vendor != "postgresql":
             return super().changelist_view(request, extra_context)
         try:
-            with transaction.atomic(using=using):
-                with connections[using].cursor() as cursor:
-                    cursor.execute(
-                        "SELECT set_config('statement_timeout', %s, true)",
-                        [f"{self.search_timeout_ms}ms"],
-                    )
+            # A transaction, or a savepoint in the request's (ATOMIC_REQUESTS): SET LOCAL lasts
+            # until the transaction ends, so the former value is set back after rendering (a
+            # rollback to the savepoint sets it back by itself).
+            with transaction.atomic(using=using), connections[using].cursor() as cursor:
+                cursor.execute(
+                    "SELECT current_setting('statement_timeout'), "
+                    "set_config('statement_timeout', %s, true)",
+                    [f"{self.search_timeout_ms}ms"],
+                )
+                former = cursor.fetchone()[0]
                 response = super().changelist_view(request, extra_context)
                 if isinstance(response, TemplateResponse):
                     response.render()  # the results are read here, under the timeout
+                cursor.execute("SELECT set_config('statement_timeout', %s, true)", [former])
                 return response
         except OperationalError as exc:
             if not _canceled(exc):
