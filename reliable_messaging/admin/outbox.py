@@ -48,8 +48,9 @@ class OutboxMessageAdmin(scaling.BoundedListAdmin):
     search_help_text = _("An exact message_id or idempotency key.")
     ordering = ("-id",)
     actions = ["retry_failed"]
-    readonly_fields = [
-        *(f.name for f in OutboxMessage._meta.fields if f.name not in ("body", "headers")),
+    # Everything read-only, the body and headers through blocks that cap what they show.
+    fields = readonly_fields = [
+        *(f.name for f in OutboxMessage._meta.fields if f.name not in ("id", "body", "headers")),
         "body_block",
         "headers_block",
     ]
