@@ -49,11 +49,12 @@ class OutboxMessageAdmin(scaling.BoundedListAdmin):
     ordering = ("-id",)
     actions = ["retry_failed"]
     # Everything read-only, the body and headers through blocks that cap what they show.
-    fields = readonly_fields = [
+    readonly_fields = (
         *(f.name for f in OutboxMessage._meta.fields if f.name not in ("id", "body", "headers")),
         "body_block",
         "headers_block",
-    ]
+    )
+    fields = readonly_fields
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[OutboxMessage]:
         # The list shows neither; the page reads the body's head alone (``body_block``).

@@ -27,13 +27,13 @@ def open_and_download(page: Page, url: str, tmp_path: Path) -> tuple[int, bytes]
     """Open ``url`` (its HTTP status and its HTML's size), then click Download."""
     response = page.goto(url)
     assert response is not None
-    status, size = response.status, len(response.body())
+    size = len(response.body())
+    assert response.status == 200
+    assert size < PAGE_LIMIT, f"the page is {size:,} bytes"
     with page.expect_download() as download:
         page.get_by_role("link", name="Download").first.click()
     target = tmp_path / download.value.suggested_filename
     download.value.save_as(target)
-    assert status == 200
-    assert size < PAGE_LIMIT, f"the page is {size:,} bytes"
     return size, target.read_bytes()
 
 
