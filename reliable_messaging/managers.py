@@ -427,15 +427,11 @@ class DeadLetterGroupQuerySet(models.QuerySet):
         return queryset
 
     def _live(self) -> models.QuerySet[Any]:
-        """The groups as of now (their rows plus the deltas not folded yet), after folding one
-        batch when that is safe: on the database the groups are written to, outside a
-        transaction (a fold inside one would hold its lock, and keep every other fold off,
-        until that transaction ends; the admin's pages run in one)."""
-        using = self.db
-        if not connections[using].in_atomic_block and using == router.db_for_write(self.model):
-            self.using(using).fold()
+        """The groups as of now: their rows plus the deltas not folded yet. Reading never
+        folds: a page that only shows figures writes nothing (the relay's operations process
+        folds every few seconds, ``purge_messages`` before it forgets empty groups)."""
         model = self.model._meta.apps.get_model(self.model._meta.app_label, "LiveDeadLetterGroup")
-        return model._default_manager.using(using).all()
+        return model._default_manager.using(self.db).all()
 
     def fold(self, *, batch_size: int = FOLD_BATCH_SIZE, batches: int | None = 1) -> int:
         """Move the oldest deltas the triggers appended into the groups, ``batch_size`` per

@@ -216,8 +216,8 @@ class DeadLetterGroup(_GroupCounts):
     at once, so folds wait neither for each other nor for writers of dead letters, and no delta
     is lost or counted twice (it leaves the deltas in the transaction that adds it here). A
     fold of 5,000 deltas takes about 20 ms; the relay's operations process folds every five
-    seconds, ``purge_messages`` before it forgets the empty groups, and readers outside a
-    transaction fold one batch before they read.
+    seconds and ``purge_messages`` before it forgets the empty groups; readers never fold (a
+    page that shows figures writes nothing).
 
     Readers read :class:`LiveDeadLetterGroup`, this table plus the deltas not folded yet, so
     they are exact whether anyone folded or not. With nobody folding, the deltas grow by one

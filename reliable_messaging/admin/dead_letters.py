@@ -8,15 +8,14 @@ confirmation page, the replay/discard buttons of a dead letter) live in ``admin_
 
 from __future__ import annotations
 
-import json
-import re
 from functools import partial
 from typing import Any
 
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.contrib.admin import helpers
+from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
-from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils import formats, timezone
@@ -29,9 +28,9 @@ from django.utils.translation import gettext_lazy as _
 from ..dead_letters import selection
 from ..dead_letters.replay import REPLAYABLE_STATUSES, UNREPLAYABLE_REASONS, stale_replays
 from ..models import DeadLetter, DeadLetterGroup, DeadLetterStatus, ProcessedMessage
+from . import bodies, scaling
 from . import console as admin_views
 from . import operations as admin_operations
-from . import scaling
 
 
 def _moment(value: Any, format: str = "Y-m-d H:i:s") -> str:
@@ -45,10 +44,6 @@ def _moment(value: Any, format: str = "Y-m-d H:i:s") -> str:
     return formats.date_format(value, format)
 
 
-# Invisible in a page, or (NUL) not even allowed in one: shown as \xNN like undecodable bytes.
-_CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
-
-
 def _filter_query(request: HttpRequest) -> str:
     """The changelist's query string without its page number and error flag: the filter,
     search and ordering that the bulk pages rebuild the changelist's queryset from."""
@@ -58,12 +53,12 @@ def _filter_query(request: HttpRequest) -> str:
     return params.urlencode()
 
 
-def _pre(text: str) -> str:
-    return format_html('<pre class="rm-pre">{}</pre>', text)
+# The search of words reads trigram indexes, which answer words of this many characters or more.
+SHORTEST_WORD = 3
 
 
 @admin.register(DeadLetter)
-class DeadLetterAdmin(admin.ModelAdmin):
+class DeadLetterAdmin(scaling.BoundedListAdmin):
     """Review, replay, discard and delete dead letters; see their failure groups."""
 
     # Pairs share a cell (consumer over its queue, exception type over its message) so that
@@ -94,10 +89,8 @@ class DeadLetterAdmin(admin.ModelAdmin):
     search_help_text = _(
         "An exact message_id, or words of the exception message or of the payload's JSON."
     )
-    paginator = scaling.BoundedCountPaginator
     ordering = ("-last_failed_at", "-id")
     list_per_page = 50
-    show_full_result_count = False
     actions = ("replay_selected", "force_replay_selected", "discard_selected")
     readonly_fields = (
         "message_id",
@@ -202,10 +195,33 @@ class DeadLetterAdmin(admin.ModelAdmin):
             return badge
         return format_html('{}<br><small class="rm-sub">{}</small>', badge, note)
 
+    def get_queryset(self, request: HttpRequest) -> QuerySet[DeadLetter]:
+        # The list shows none of them and the detail page reads the body's head alone: a row
+        # of 8 MiB costs a page no more than one of 8 bytes. Read on access when needed.
+        return super().get_queryset(request).defer("body", "payload", "traceback", "history")
+
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
     ) -> tuple[QuerySet[Any], bool]:
-        return selection.search(queryset, search_term), False
+        term = search_term.strip()
+        words = scaling.search_words(term)
+        if term.startswith("=") or not any(len(word) < SHORTEST_WORD for word in words):
+            return selection.search(queryset, search_term), False
+        if len(words) == 1:  # a short message_id is found by its index
+            exact = queryset.filter(message_id=term)
+            if exact.exists():
+                return exact, False
+        # No index answers a word this short in the texts: it would read every dead letter.
+        self.message_user(
+            request,
+            gettext(
+                "Search words of at least %(count)d characters, or an exact message_id "
+                "(“=ID”): a shorter word would read every dead letter."
+            )
+            % {"count": SHORTEST_WORD},
+            messages.ERROR,
+        )
+        return queryset.none(), False
 
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
@@ -223,7 +239,8 @@ class DeadLetterAdmin(admin.ModelAdmin):
     # ------------------------------------------------------------------ detail
 
     def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
-        body_field = "pretty_payload" if obj is None or self._json(obj) is not None else "raw_body"
+        shown_as_json = obj is None or self._body(obj)[2] is not None
+        body_field = "pretty_payload" if shown_as_json else "raw_body"
         return (
             (
                 None,
@@ -286,14 +303,22 @@ class DeadLetterAdmin(admin.ModelAdmin):
         )
 
     @staticmethod
-    def _json(obj: DeadLetter) -> Any:
-        """The payload, or None when the body is not JSON (then the raw body is shown)."""
-        if obj.payload is not None:
-            return obj.payload
-        try:
-            return json.loads(bytes(obj.body).decode("utf-8"))
-        except ValueError:  # UnicodeDecodeError is a ValueError too
-            return None
+    def _body(obj: DeadLetter) -> tuple[bytes, int, str | None]:
+        """The body's first bytes, its size, and its JSON indented (None: shown raw), read
+        once per page."""
+        cached: tuple[bytes, int, str | None] | None = getattr(obj, "_rm_body", None)
+        if cached is None:
+            rows = DeadLetter.objects.using(obj._state.db)
+            head, size = bodies.head_and_size(rows, obj.pk)
+            payload = None
+            if size <= bodies.SHOWN_BYTES:
+                try:
+                    payload = obj.payload
+                except RecursionError:  # a JSON value nested too deep for Python's parser
+                    payload = None
+            cached = (head, size, bodies.pretty_body(head, size, payload))
+            obj._rm_body = cached  # type: ignore[attr-defined]
+        return cached
 
     @staticmethod
     def _processed_row(obj: DeadLetter) -> ProcessedMessage | None:
@@ -318,33 +343,34 @@ class DeadLetterAdmin(admin.ModelAdmin):
 
     @admin.display(description=_("exception message"))
     def exception_message_block(self, obj: DeadLetter) -> str:
-        return _pre(obj.exception_message) if obj.exception_message else "-"
+        return bodies.shown_text(obj.exception_message) if obj.exception_message else "-"
 
     @admin.display(description=_("traceback"))
     def traceback_block(self, obj: DeadLetter) -> str:
-        return _pre(obj.traceback) if obj.traceback else "-"
+        return bodies.shown_text(obj.traceback) if obj.traceback else "-"
 
     @admin.display(description=_("payload"))
     def pretty_payload(self, obj: DeadLetter) -> str:
-        return _pre(json.dumps(self._json(obj), indent=2, ensure_ascii=False, sort_keys=True))
+        return bodies.shown_text(self._body(obj)[2] or "", self.console_url("body", obj.pk))
 
-    @admin.display(description=_("raw body (not JSON)"))
+    @admin.display(description=_("raw body"))
     def raw_body(self, obj: DeadLetter) -> str:
-        body = bytes(obj.body)
-        size = ngettext("%(count)d byte", "%(count)d bytes", len(body)) % {"count": len(body)}
-        return format_html(
-            '<p>{}; {}</p><pre class="rm-pre">{}</pre>',
-            size,
-            gettext("bytes that are not UTF-8, and control characters, are shown as \\xNN"),
-            _CONTROL_CHARACTERS.sub(
-                lambda match: f"\\x{ord(match.group()):02x}",
-                body.decode("utf-8", errors="backslashreplace"),
-            ),
-        )
+        head, size, _pretty = self._body(obj)
+        return bodies.raw_body(head, size, self.console_url("body", obj.pk))
 
     @admin.display(description=_("headers"))
     def pretty_headers(self, obj: DeadLetter) -> str:
-        return _pre(json.dumps(obj.headers, indent=2, ensure_ascii=False, sort_keys=True))
+        return bodies.shown_text(bodies.pretty_json(obj.headers) or repr(obj.headers))
+
+    def body_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        """The whole body, byte for byte, as a file: for those who may see the dead letter."""
+        obj = self.get_object(request, object_id)
+        if obj is None:
+            raise Http404(gettext("No dead letter with id %(id)s.") % {"id": object_id})
+        if not self.has_view_permission(request, obj):
+            raise PermissionDenied
+        response: HttpResponse = bodies.download(obj, bytes(obj.body))
+        return response
 
     @admin.display(description=_("failure group"))
     def failure_group(self, obj: DeadLetter) -> str:
@@ -482,6 +508,7 @@ class DeadLetterAdmin(admin.ModelAdmin):
         one = partial(admin_views.object_operation_view, self)
         custom = [
             path("groups/", view(groups), name=f"{prefix}_groups"),
+            path("<path:object_id>/body/", view(self.body_view), name=f"{prefix}_body"),
             path(
                 "replay-matching/",
                 view(partial(bulk, operation="replay")),

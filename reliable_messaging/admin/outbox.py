@@ -1,22 +1,36 @@
 """The outbox in the admin: what waits to be sent, what failed and why, and a way to send the
-failed rows again."""
+failed rows again.
+
+The outbox holds every message of the retention period (partitioned: ``partitions.py``), so
+the list reads no whole table (``scaling.BoundedListAdmin``): its filter is the status (the
+unsent and the sent partitions), its search an exact message_id or idempotency key (each
+partition's indexes; the unsent partition has no message_id index, on purpose, and its rows
+are few), and there is no ``date_hierarchy`` (a ``DISTINCT`` over every row) nor a filter
+built from the exchanges' or routing keys' values. A row's page shows the start of its body
+and offers the whole as a download (``bodies.py``).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from django.contrib import admin, messages
-from django.http import HttpRequest
+from django.core.exceptions import PermissionDenied
+from django.db.models import QuerySet
+from django.http import Http404, HttpRequest, HttpResponse
+from django.urls import URLPattern, path, reverse
 from django.utils import timezone
 from django.utils.timesince import timesince
-from django.utils.translation import ngettext
+from django.utils.translation import gettext, ngettext
+from django.utils.translation import gettext_lazy as _
 
 from ..managers import OutboxMessageQuerySet
 from ..models import OutboxMessage
+from . import bodies, scaling
 
 
 @admin.register(OutboxMessage)
-class OutboxMessageAdmin(admin.ModelAdmin):
+class OutboxMessageAdmin(scaling.BoundedListAdmin):
     list_display = (
         "created_at",
         "message_id",
@@ -28,17 +42,35 @@ class OutboxMessageAdmin(admin.ModelAdmin):
         "short_error",
         "sent_at",
     )
-    list_filter = ("status", "exchange", "routing_key")
-    search_fields = ("=message_id", "=idempotency_key", "=ordering_key", "last_error")
-    date_hierarchy = "created_at"
+    list_filter = ("status",)
+    search_fields = ("message_id",)  # only so that Django shows the search box
+    exact_search_fields = ("message_id", "idempotency_key")
+    search_help_text = _("An exact message_id or idempotency key.")
     ordering = ("-id",)
     actions = ["retry_failed"]
-    readonly_fields = [f.name for f in OutboxMessage._meta.fields]
+    # Everything read-only, the body and headers through blocks that cap what they show.
+    readonly_fields = (
+        *(f.name for f in OutboxMessage._meta.fields if f.name not in ("id", "body", "headers")),
+        "body_block",
+        "headers_block",
+    )
+    fields = readonly_fields
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[OutboxMessage]:
+        # The list shows neither; the page reads the body's head alone (``body_block``).
+        return super().get_queryset(request).defer("body", "headers")
 
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
     ) -> Any:
-        oldest = OutboxMessage.objects.oldest_pending_at()
+        # The oldest by id, which the primary key of each partition answers (created_at has
+        # no index: the relay never reads by it).
+        oldest = (
+            OutboxMessage.objects.pending()
+            .order_by("pk")
+            .values_list("created_at", flat=True)
+            .first()
+        )
         if oldest is not None:
             self.message_user(
                 request,
@@ -50,6 +82,38 @@ class OutboxMessageAdmin(admin.ModelAdmin):
     @admin.display(description="last error")
     def short_error(self, obj: OutboxMessage) -> str:
         return obj.last_error if len(obj.last_error) <= 80 else obj.last_error[:79] + "…"
+
+    @admin.display(description=_("body"))
+    def body_block(self, obj: OutboxMessage) -> str:
+        head, size = bodies.head_and_size(OutboxMessage.objects.using(obj._state.db), obj.pk)
+        name = f"{self.admin_site.name}:reliable_messaging_outboxmessage_body"
+        url = reverse(name, args=[obj.pk])
+        pretty = bodies.pretty_body(head, size)
+        if pretty is not None:
+            return bodies.shown_text(pretty, url)
+        return bodies.raw_body(head, size, url)
+
+    @admin.display(description=_("headers"))
+    def headers_block(self, obj: OutboxMessage) -> str:
+        return bodies.shown_text(bodies.pretty_json(obj.headers) or repr(obj.headers))
+
+    def body_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        """The whole body as a file: for those who may see the row."""
+        obj = self.get_object(request, object_id)
+        if obj is None:
+            raise Http404(gettext("No outbox message with id %(id)s.") % {"id": object_id})
+        if not self.has_view_permission(request, obj):
+            raise PermissionDenied
+        response: HttpResponse = bodies.download(obj, obj.body.encode(), "application/json")
+        return response
+
+    def get_urls(self) -> list[URLPattern]:
+        body = path(
+            "<path:object_id>/body/",
+            self.admin_site.admin_view(self.body_view),
+            name="reliable_messaging_outboxmessage_body",
+        )
+        return [body, *super().get_urls()]
 
     @admin.action(description="Retry the selected failed rows", permissions=["change"])
     def retry_failed(self, request: HttpRequest, queryset: OutboxMessageQuerySet) -> None:

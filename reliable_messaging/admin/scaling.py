@@ -1,9 +1,10 @@
-"""What keeps the dead-letter list fast with a million rows: its filters, its count, its search.
+"""What keeps the admin's lists fast with a million rows: their filters, counts and searches.
 
-After an outage the dead letters number in the millions, and Django's defaults read all of them
-on every page: a list filter built from a field's values runs ``SELECT DISTINCT`` over the whole
-table, ``date_hierarchy`` a ``DISTINCT date_trunc`` and a ``MIN``/``MAX``, the paginator a
-``COUNT(*)``, and the search box an ``UPPER(...) LIKE '%...%'`` that no B-tree answers. Here:
+After an outage the dead letters number in the millions, the inbox and the outbox always do,
+and Django's defaults read all of them on every page: a list filter built from a field's
+values runs ``SELECT DISTINCT`` over the whole table, ``date_hierarchy`` a ``DISTINCT
+date_trunc`` and a ``MIN``/``MAX``, the paginator a ``COUNT(*)``, and the search box an
+``UPPER(...) LIKE '%...%'`` that no B-tree answers. Here:
 
 - the filters offer values from the failure groups (``DeadLetterGroup``: tens of rows) and the
   registry, and the date filter offers fixed ranges;
@@ -13,7 +14,12 @@ table, ``date_hierarchy`` a ``DISTINCT date_trunc`` and a ``MIN``/``MAX``, the p
   batch, read as its confirmation read it) looks a single word up as an exact message_id
   first (the B-tree on message_id), and matches words in the exception message and the
   payload's text with trigram GIN indexes on PostgreSQL
-  (``migrations/0011_dead_letter_groups.py``), ``icontains`` elsewhere.
+  (``migrations/0011_dead_letter_groups.py``), ``icontains`` elsewhere;
+- :class:`BoundedListAdmin`, the base of every list of the app: the bounded count, no full
+  count, exact searches (no ``UPPER()``), and a search's statements stopped by PostgreSQL past
+  ``SEARCH_TIMEOUT_MS`` (``SET LOCAL``: inside the request's transaction only, so nothing leaks
+  to the next user of a pooled connection), the list then shown without the search and with a
+  message saying so.
 """
 
 from __future__ import annotations
@@ -21,12 +27,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from django.contrib import admin
+from django.contrib import admin, messages
+from django.contrib.admin.views.main import SEARCH_VAR
+from django.core.exceptions import EmptyResultSet
 from django.core.paginator import Paginator
-from django.db import connections
-from django.db.models import QuerySet
-from django.http import HttpRequest
+from django.db import OperationalError, connections, router, transaction
+from django.db.models import Q, QuerySet
+from django.http import HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
 from django.utils.functional import cached_property
+from django.utils.text import smart_split, unescape_string_literal
 from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
@@ -35,6 +45,10 @@ from ..registry import registry
 
 # A filtered list counts its rows up to this many and says "more than" past it.
 COUNT_UP_TO = 10_000
+# Each statement of a list with a search may run this long on PostgreSQL before it is stopped.
+SEARCH_TIMEOUT_MS = 250
+# PostgreSQL's SQLSTATE of a statement stopped by statement_timeout (query_canceled).
+QUERY_CANCELED = "57014"
 
 
 class GroupValueFilter(admin.SimpleListFilter):
@@ -139,9 +153,94 @@ class BoundedCountPaginator(Paginator):
         connection = connections[queryset.db]
         if connection.vendor != "postgresql":
             return None
-        sql, params = queryset.order_by().query.sql_with_params()
+        try:
+            sql, params = queryset.order_by().query.sql_with_params()
+        except EmptyResultSet:  # queryset.none(): a refused search
+            return 0
         with connection.cursor() as cursor:
             cursor.execute(f"EXPLAIN (FORMAT JSON) {sql}", params)
             plan = cursor.fetchone()[0]
         plan = json.loads(plan) if isinstance(plan, str) else plan
         return int(plan[0]["Plan"]["Plan Rows"])
+
+
+def search_words(term: str) -> list[str]:
+    """The words of a search term as Django's admin splits them (quotes group words)."""
+    words = []
+    for word in smart_split(term):
+        if word[0] in "\"'" and word[0] == word[-1]:
+            word = unescape_string_literal(word)
+        if word:
+            words.append(word)
+    return words
+
+
+def _canceled(exc: OperationalError) -> bool:
+    return getattr(exc.__cause__, "sqlstate", None) == QUERY_CANCELED
+
+
+class BoundedListAdmin(admin.ModelAdmin):
+    """A read-mostly list over a large table: no full count, a bounded one, exact searches in
+    ``exact_search_fields`` (each word must equal one of them: ``=`` without Django's
+    ``UPPER()``, which no index answers), and a search bounded in time.
+
+    A search runs in a transaction whose statements PostgreSQL stops past ``SEARCH_TIMEOUT_MS``
+    (``set_config('statement_timeout', ..., true)``, which is ``SET LOCAL``: it ends with the
+    transaction, so a transaction-pooling PgBouncer hands the server connection on without
+    it). When one is stopped, the list is shown without the search, with a message saying so.
+    """
+
+    paginator = BoundedCountPaginator
+    show_full_result_count = False
+    exact_search_fields: tuple[str, ...] = ()
+    search_timeout_ms = SEARCH_TIMEOUT_MS
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
+    ) -> tuple[QuerySet[Any], bool]:
+        for word in search_words(search_term):
+            queryset = queryset.filter(
+                Q.create([(field, word) for field in self.exact_search_fields], connector=Q.OR)
+            )
+        return queryset, False
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        using = router.db_for_read(self.model)
+        term = request.GET.get(SEARCH_VAR, "").strip()
+        if not term or request.method != "GET" or connections[using].vendor != "postgresql":
+            return super().changelist_view(request, extra_context)
+        try:
+            # A transaction, or a savepoint in the request's (ATOMIC_REQUESTS): SET LOCAL lasts
+            # until the transaction ends, so the former value is set back after rendering (a
+            # rollback to the savepoint sets it back by itself).
+            with transaction.atomic(using=using), connections[using].cursor() as cursor:
+                cursor.execute(
+                    "SELECT current_setting('statement_timeout'), "
+                    "set_config('statement_timeout', %s, true)",
+                    [f"{self.search_timeout_ms}ms"],
+                )
+                former = cursor.fetchone()[0]
+                response = super().changelist_view(request, extra_context)
+                if isinstance(response, TemplateResponse):
+                    response.render()  # the results are read here, under the timeout
+                cursor.execute("SELECT set_config('statement_timeout', %s, true)", [former])
+                return response
+        except OperationalError as exc:
+            if not _canceled(exc):
+                raise
+        self.message_user(
+            request,
+            gettext(
+                "The search “%(term)s” was stopped after %(ms)d ms: no index answers it "
+                "quickly enough. The list below is unsearched; search an exact id instead."
+            )
+            % {"term": term, "ms": self.search_timeout_ms},
+            messages.ERROR,
+        )
+        unsearched = request.GET.copy()
+        del unsearched[SEARCH_VAR]
+        unsearched._mutable = False
+        request.GET = unsearched  # type: ignore[assignment]  # the stubs' read-only QueryDict
+        return super().changelist_view(request, extra_context)

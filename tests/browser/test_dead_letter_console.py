@@ -13,15 +13,12 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from django.contrib.auth.models import User
-from django.db import connections
 from django.utils import timezone
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Page, expect
 
 from reliable_messaging.conf import messaging_settings
 from reliable_messaging.dead_letters.operations import run_batch
@@ -49,41 +46,6 @@ CHROMIUM_ARGS = [
 SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "images" / "dead-letters.png"
 PASSWORD = "correct horse battery staple"
 TIMEOUT_MS = 15_000
-
-
-@pytest.fixture
-def browser(monkeypatch: pytest.MonkeyPatch) -> Iterator[Browser]:
-    if not CHROMIUM.exists():
-        pytest.fail(f"{CHROMIUM} is missing: `make test` installs it (apt-get install chromium)")
-    # Playwright's sync API keeps an event loop running in this thread; the test's own ORM
-    # calls are still plain synchronous code, which Django would otherwise refuse to run.
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS
-        )
-        try:
-            yield browser
-        finally:
-            browser.close()
-            # With a loop running, Django keeps this thread's connections apart from the ones
-            # it uses without: close them now, or the test database cannot be dropped at exit.
-            connections.close_all()
-
-
-@pytest.fixture
-def page(transactional_db: None, live_server: Any, settings: Any, browser: Browser) -> Page:
-    """A page logged in to the admin as a superuser, on the dead letter list."""
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast
-    User.objects.create_superuser("alice", "alice@example.com", PASSWORD)
-    page = browser.new_page(viewport={"width": 1400, "height": 900})
-    page.set_default_timeout(TIMEOUT_MS)
-    page.goto(f"{live_server.url}/admin/login/?next=/admin/reliable_messaging/deadletter/")
-    page.fill("#id_username", "alice")
-    page.fill("#id_password", PASSWORD)
-    page.click("input[type=submit]")
-    page.wait_for_url("**/admin/reliable_messaging/deadletter/")
-    return page
 
 
 def dead_letter(

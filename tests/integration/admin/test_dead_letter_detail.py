@@ -56,7 +56,7 @@ def test_a_body_that_is_not_json_or_utf8_is_shown_raw_and_escaped(
     html = admin.get(change_url(letter)).content.decode()
 
     assert "<script>alert" not in html
-    assert "Raw body (not JSON)" in html
+    assert "Raw body" in html
     assert "\\xff\\xfe&lt;script&gt;alert(&#x27;raw&#x27;)&lt;/script&gt;\\x00" in html
     assert "32 bytes" in html
 

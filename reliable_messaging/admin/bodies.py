@@ -1,0 +1,125 @@
+"""Message bodies on the admin's detail pages: at most ``SHOWN_BYTES`` of them, whatever they hold.
+
+A body can be anything a publisher sent: 8 MiB of JSON, JSON nested 5,000 deep (which Python's
+parser and pretty-printer refuse with ``RecursionError``), bytes that are not UTF-8. A detail
+page shows the start of it, pretty-printed when it is JSON the printer can take, as raw text
+otherwise, with its full size and a link to download the exact bytes: the page stays a few
+hundred KB and the database sends at most ``SHOWN_BYTES`` of the body for it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from django.db.models import Model, QuerySet
+from django.db.models.functions import Length, Substr
+from django.http import HttpResponse
+from django.utils.html import format_html
+from django.utils.translation import gettext, ngettext
+
+# What a detail page shows of a body, a pretty-printed payload or a long text.
+SHOWN_BYTES = 64 * 1024
+
+# Invisible in a page, or (NUL) not even allowed in one: shown as \xNN like undecodable bytes.
+_CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+def head_and_size(rows: QuerySet[Any], pk: Any, field: str = "body") -> tuple[bytes, int]:
+    """The first ``SHOWN_BYTES`` + 1 bytes (characters of a text) of ``field`` of row ``pk``,
+    and its size (bytes of a binary field, characters of a text), read in one query that
+    sends no more of it."""
+    found = (
+        rows.filter(pk=pk)
+        .annotate(
+            _head=Substr(field, 1, SHOWN_BYTES + 1),
+            _size=Length(field),
+        )
+        .values_list("_head", "_size")
+        .first()
+    )
+    if found is None:
+        return b"", 0
+    head, size = found
+    return (head.encode() if isinstance(head, str) else bytes(head or b"")), int(size or 0)
+
+
+def raw_text(data: bytes) -> str:
+    """``data`` as text: bytes that are not UTF-8, and control characters, as ``\\xNN``."""
+    return _CONTROL_CHARACTERS.sub(
+        lambda match: f"\\x{ord(match.group()):02x}",
+        data.decode("utf-8", errors="backslashreplace"),
+    )
+
+
+def pretty_json(value: Any) -> str | None:
+    """``value`` indented, or None when the printer refuses it (nested too deep)."""
+    try:
+        return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True)
+    except (RecursionError, ValueError, TypeError):
+        return None
+
+
+def parsed_json(data: bytes) -> Any:
+    """The JSON value of ``data``, or None when it is not JSON the parser can take (not UTF-8,
+    not JSON, nested deeper than Python's recursion limit)."""
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError too
+        return None
+
+
+def _size(count: int) -> str:
+    return ngettext("%(count)s byte", "%(count)s bytes", count) % {"count": f"{count:,}"}
+
+
+def shown_text(text: str, download_url: str = "", full_size: int | None = None) -> str:
+    """A ``<pre>`` of ``text`` cut at ``SHOWN_BYTES`` characters, saying so, with the full
+    size (``full_size`` when ``text`` is itself only a head) and a download link if given."""
+    size = len(text) if full_size is None else full_size
+    cut = len(text) > SHOWN_BYTES or size > SHOWN_BYTES
+    note = ""
+    if cut:
+        note = gettext("The first %(shown)s of %(size)s are shown.") % {
+            "shown": _size(min(len(text), SHOWN_BYTES)),
+            "size": _size(size),
+        }
+    link = (
+        format_html(' <a href="{}" class="rm-download">{}</a>', download_url, gettext("Download"))
+        if download_url
+        else ""
+    )
+    header = format_html('<p class="rm-body-note">{}{}</p>', note, link) if note or link else ""
+    return format_html('{}<pre class="rm-pre">{}</pre>', header, text[:SHOWN_BYTES])
+
+
+def pretty_body(head: bytes, size: int, payload: Any = None) -> str | None:
+    """A body of ``size`` bytes starting with ``head``, as indented JSON: when it is whole in
+    ``head`` and the printer takes it (``payload``, when the consumer decoded one, stands for
+    it); else None, and the page shows :func:`raw_body`."""
+    if size > SHOWN_BYTES:
+        return None
+    value = payload if payload is not None else parsed_json(head)
+    if value is None and head.strip() != b"null":
+        return None
+    return pretty_json(value)
+
+
+def raw_body(head: bytes, size: int, download_url: str) -> str:
+    """A body of ``size`` bytes starting with ``head``, as text cut at ``SHOWN_BYTES``."""
+    described = format_html(
+        '<p class="rm-body-note">{}; {}</p>',
+        _size(size),
+        gettext("bytes that are not UTF-8, and control characters, are shown as \\xNN"),
+    )
+    return described + shown_text(raw_text(head[:SHOWN_BYTES]), download_url, full_size=size)
+
+
+def download(obj: Model, data: bytes, content_type: str = "application/octet-stream") -> Any:
+    """The exact bytes of a body as a file to save (never rendered by the browser)."""
+    response = HttpResponse(data, content_type=content_type)
+    name = f"{obj._meta.model_name}-{obj.pk}.bin"
+    response["Content-Disposition"] = f'attachment; filename="{name}"'
+    response["X-Content-Type-Options"] = "nosniff"
+    return response
