@@ -1,7 +1,8 @@
 """Replaying dead letters: back through the outbox, to the consumer that failed, only.
 
 A replay writes an outbox row addressed to the default exchange with the failed consumer's queue
-as routing key, so only that queue receives it, never the routing key's other subscribers. It
+as routing key, so only that queue receives it, never the routing key's other subscribers (nor
+a queue a producer named in ``CC``/``BCC``: :func:`~..core.envelope.wire_headers` drops them). It
 keeps the message_id (the inbox keeps protecting against doubles), starts again at attempt 1, and
 carries the original exchange and routing key plus who replayed it in our headers. The consumer
 marks the dead letter resolved in the same transaction as the handler's effects when it succeeds
