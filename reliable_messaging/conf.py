@@ -223,6 +223,12 @@ def _token_problem(value: Any) -> str | None:
 # --------------------------------------------------------------------------- conversions
 
 
+def _only_true(value: Any) -> bool:
+    """A switch that opens something: on for the boolean ``True`` only, never for a truthy
+    string such as ``"False"`` (E047 names such a value, but only where checks run)."""
+    return value is True
+
+
 def _optional_str(value: Any) -> str | None:
     return None if value is None else str(value)
 
@@ -469,9 +475,10 @@ class MessagingSettings:
     ops_views_public = Setting(
         "OPS_VIEWS_PUBLIC",
         False,
-        bool,
+        _only_true,
         "`True` lets anyone read those two views (when a proxy in front already restricts "
-        "them); otherwise anyone else gets 403",
+        'them); otherwise anyone else gets 403, also for any other value (`"False"` read '
+        "from an environment variable, `1`): web servers run no system checks",
         boolean(47, hint="False (the default) keeps metrics/ and healthz/ to staff and the token."),
     )
     dedup_lease_seconds = Setting(
