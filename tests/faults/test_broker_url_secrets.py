@@ -18,12 +18,14 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
+import pika.exceptions
 import pytest
 from django.conf import settings
 from django.core.management import CommandError, call_command
 from django.core.management.base import SystemCheckError
 from django.test import override_settings
 
+from reliable_messaging.broker.queues import describe_broker_error
 from reliable_messaging.conf import messaging_settings, redact_url, split_broker_urls
 from tests.support import ConsumeProcess, wait_until
 
@@ -132,3 +134,17 @@ def test_a_refused_login_never_logs_the_password(ns: str, tmp_path: Path, passwo
         assert "ACCESS_REFUSED" in log or "AuthenticationError" in log, log
         assert "guest:***@127.0.0.1:5672" in log, log
         assert_hidden(log, password)
+
+
+@passwords
+def test_a_broker_error_quoting_the_password_is_scrubbed_for_the_logs(password: str) -> None:
+    """What consume, the relay and the retry publisher log of a client error: a refusal that
+    quotes a vhost holding the password (a URL whose password pika read as the vhost)."""
+    plain = urllib.parse.unquote(password)
+    refusal = pika.exceptions.ConnectionClosedByBroker(
+        530, f"NOT_ALLOWED - vhost {plain} not found"
+    )
+    with _with_broker_url(url_with(password)):
+        shown = describe_broker_error(refusal)
+    assert "NOT_ALLOWED" in shown
+    assert_hidden(shown, password)
