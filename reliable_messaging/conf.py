@@ -15,6 +15,7 @@ attribute read because a check would have complained).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -46,11 +47,19 @@ def redact_url(url: str) -> str:
     return f"{url[: colon + 1]}***{url[last_at:]}"
 
 
+# Where one URL of a ``;``-joined BROKER_URL ends: at a ``;`` that the next URL's scheme follows.
+# Any other ``;`` belongs to the URL (a password may hold one), so a password is never cut in
+# two and shown as two "URLs" that redaction cannot recognise.
+_URL_SEPARATOR = re.compile(r";(?=\s*amqps?://)", re.IGNORECASE)
+
+
 def split_broker_urls(value: Any) -> list[str]:
-    """``BROKER_URL`` as a list of URLs; an empty list for a value that holds none."""
+    """``BROKER_URL`` as a list of URLs; an empty list for a value that holds none. A string is
+    cut only at a ``;`` followed by ``amqp://`` or ``amqps://`` (see :data:`_URL_SEPARATOR`)."""
     if isinstance(value, list | tuple):
         return [str(url).strip() for url in value if str(url).strip()]
-    return [url.strip() for url in str(value).split(";") if url.strip()]
+    pieces = (url.strip().strip(";").strip() for url in _URL_SEPARATOR.split(str(value)))
+    return [url for url in pieces if url]
 
 
 # --------------------------------------------------------------------------- rules
@@ -214,6 +223,12 @@ def _token_problem(value: Any) -> str | None:
 # --------------------------------------------------------------------------- conversions
 
 
+def _only_true(value: Any) -> bool:
+    """A switch that opens something: on for the boolean ``True`` only, never for a truthy
+    string such as ``"False"`` (E047 names such a value, but only where checks run)."""
+    return value is True
+
+
 def _optional_str(value: Any) -> str | None:
     return None if value is None else str(value)
 
@@ -284,7 +299,9 @@ class MessagingSettings:
         "amqp://guest:guest@localhost:5672/%2F",
         split_broker_urls,
         "one URL, several joined by `;`, or a list of URLs (the nodes of a cluster), tried in a "
-        "new random order on every connect; never logged with a password",
+        "new random order on every connect; never logged with a password. A string is cut only "
+        "at a `;` followed by `amqp://` or `amqps://`, so a password may hold `;` (and `@`, `:`); "
+        "percent-encode `/`, `?`, `#` and `%` in it (`urllib.parse.quote(password, safe='')`)",
         CheckedBy("check_broker_urls"),
     )
     management_url = Setting(
@@ -471,9 +488,10 @@ class MessagingSettings:
     ops_views_public = Setting(
         "OPS_VIEWS_PUBLIC",
         False,
-        bool,
+        _only_true,
         "`True` lets anyone read those two views (when a proxy in front already restricts "
-        "them); otherwise anyone else gets 403",
+        'them); otherwise anyone else gets 403, also for any other value (`"False"` read '
+        "from an environment variable, `1`): web servers run no system checks",
         boolean(47, hint="False (the default) keeps metrics/ and healthz/ to staff and the token."),
     )
     dedup_lease_seconds = Setting(
@@ -587,7 +605,8 @@ class MessagingSettings:
 
     @property
     def broker_url(self) -> str:
-        """The URLs as one ``;``-separated string (``;`` never occurs inside an AMQP URL)."""
+        """The URLs as one ``;``-separated string (:func:`split_broker_urls` gives them back:
+        each starts with its scheme)."""
         return ";".join(self.broker_urls)
 
     @property

@@ -85,22 +85,29 @@ def deliver(
     body: bytes | None = None,
     content_type: str | None = CONTENT_TYPE,
     redelivered: bool = False,
+    exchange: str | None = None,
 ) -> Outcome:
     """Deliver one message to ``consumer`` as the consume command would, and return the outcome:
     ``Acknowledge("processed" | "duplicate" | "dead_lettered")``, ``ScheduleRetry`` (what the
     broker would redeliver later: call ``deliver`` again with ``attempt=outcome.next_attempt``),
     ``RetryInPlace`` (the same for an ordered consumer, which retries without letting later
     messages of the key pass), or ``Release``. ``body`` sends raw bytes instead of encoding
-    ``payload``."""
+    ``payload``. ``exchange`` is the one it came through (default: the consumer's); through
+    the default exchange ``""``, ``routing_key`` names the queue, as for a replay."""
     spec = consumer if isinstance(consumer, ConsumerSpec) else find_consumer(consumer)
     all_headers = dict(headers or {})
     if attempt != 1:
         all_headers[ATTEMPT_HEADER] = attempt
+    if exchange is None:
+        exchange = spec.exchange or messaging_settings.exchange
+    if routing_key is None:
+        routing_key = (spec.bindings or ("",))[0]
+    queues = consumer_queues(spec)
     delivery = Delivery(
         body=encode_payload(payload) if body is None else body,
-        queue=consumer_queues(spec)[0],
-        exchange=spec.exchange or messaging_settings.exchange,
-        routing_key=routing_key if routing_key is not None else (spec.bindings or ("",))[0],
+        queue=routing_key if exchange == "" and routing_key in queues else queues[0],
+        exchange=exchange,
+        routing_key=routing_key,
         redelivered=redelivered,
         message_id=new_message_id() if message_id is None else message_id,
         content_type=content_type,
@@ -169,6 +176,7 @@ def run_outbox(
                         routing_key=row.routing_key,
                         headers=headers,
                         attempt=attempt,
+                        exchange=row.exchange,
                     )
                     results.append((spec.name, row.message_id, outcome))
                     if not isinstance(outcome, ScheduleRetry | RetryInPlace):

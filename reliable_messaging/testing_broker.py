@@ -297,8 +297,12 @@ class _StubRetryPublisher:
             self._broker.retry_copies.append(copy)
             self._broker.log.append(BrokerEvent("retry_copy", 0, 0, message_ids=(copy.message_id,)))
             if self._broker.deliver_retries:
+                # As the broker hands it back from the delay queue: through the default
+                # exchange, under the queue's name.
                 self._broker.queues.setdefault(copy.routing_key, collections.deque()).append(
-                    StubMessage(copy.routing_key, copy.body, copy.properties)
+                    StubMessage(
+                        copy.routing_key, copy.body, copy.properties, routing_key=copy.routing_key
+                    )
                 )
                 self._broker.wake.notify_all()
         copy.placed()

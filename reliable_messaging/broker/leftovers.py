@@ -32,7 +32,11 @@ import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
 
 from ..conf import MessagingSettings, messaging_settings
-from ..core.envelope import ORIGINAL_EXCHANGE_HEADER, ORIGINAL_ROUTING_KEY_HEADER
+from ..core.envelope import (
+    ORIGINAL_EXCHANGE_HEADER,
+    ORIGINAL_ROUTING_KEY_HEADER,
+    SENDER_ROUTING_HEADERS,
+)
 from ..registry import ConsumerSpec, registry
 from .probes import PassiveProbe
 from .replies import NOT_FOUND, PRECONDITION_FAILED
@@ -254,7 +258,10 @@ def _move_all(
         properties = got_properties or pika.BasicProperties()
         body = got_body or b""
         original_key = method.routing_key or ""
-        headers = dict(properties.headers or {})
+        # Moved to the consumer's queue only: a producer's CC/BCC would copy it further.
+        headers = {
+            k: v for k, v in (properties.headers or {}).items() if k not in SENDER_ROUTING_HEADERS
+        }
         if spec.ordered:
             # The partition exchange hashes the ordering-key header; the routing key stays.
             exchange, routing_key = partition_exchange(spec), original_key

@@ -27,6 +27,7 @@ from pika.spec import Basic, BasicProperties
 
 from ..conf import MessagingSettings
 from ..core.envelope import CONTENT_TYPE
+from .queues import scrub_broker_secrets
 from .topology import connection_parameters
 from .write_coalescing import coalesce_writes
 
@@ -276,15 +277,16 @@ class ConfirmingPublisher:
     def _on_connection_open_error(
         self, connection: pika.SelectConnection, error: BaseException | str
     ) -> None:
-        logger.warning("relay: cannot connect to %s: %s", self.settings.broker_shown, error)
-        self.events.on_connect_failed(str(error))
+        shown = scrub_broker_secrets(str(error), self.settings)
+        logger.warning("relay: cannot connect to %s: %s", self.settings.broker_shown, shown)
+        self.events.on_connect_failed(shown)
         connection.ioloop.stop()
 
     def _on_connection_closed(
         self, connection: pika.SelectConnection, reason: BaseException
     ) -> None:
         self._channel = None
-        self.events.on_connection_closed(str(reason))
+        self.events.on_connection_closed(scrub_broker_secrets(str(reason), self.settings))
         connection.ioloop.stop()
 
     def _on_channel_open(self, channel: pika.channel.Channel) -> None:

@@ -321,6 +321,29 @@ def secrets_of(settings: MessagingSettings, candidates: Iterable[pika.URLParamet
     return found + [_redacted_part(url) for url in settings.broker_urls]
 
 
+def broker_secrets(settings: MessagingSettings = messaging_settings) -> list[str]:
+    """Every password of the broker URLs (see :func:`_secrets`), also when pika cannot parse
+    a URL (then as redact_url hides it)."""
+    try:
+        candidates = connection_parameters(settings)
+    except Exception:  # noqa: BLE001 - pika raises several types for a bad URL
+        candidates = []
+    return _secrets(settings, candidates)
+
+
+def scrub_broker_secrets(text: str, settings: MessagingSettings = messaging_settings) -> str:
+    """``text`` (a client library's error, for a log line) scrubbed of the broker passwords,
+    as ``messaging_status`` shows it: a refusal may quote a vhost that holds one."""
+    return scrub(text, *broker_secrets(settings))
+
+
+def describe_broker_error(
+    exc: BaseException, settings: MessagingSettings = messaging_settings
+) -> str:
+    """:func:`describe_error` scrubbed of the broker passwords."""
+    return scrub_broker_secrets(describe_error(exc), settings)
+
+
 def broker_status(
     specs: Iterable[ConsumerSpec] | None = None,
     *,

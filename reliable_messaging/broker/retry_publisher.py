@@ -39,6 +39,7 @@ from pika.spec import BasicProperties
 from .. import metrics
 from ..conf import MessagingSettings, messaging_settings
 from ..core.backoff import Backoff
+from .queues import describe_broker_error
 from .replies import NOT_FOUND
 from .topology import CONNECTION_ERRORS, connect
 
@@ -197,7 +198,10 @@ class RetryPublisher:
                 connection.process_data_events(time_limit=wait)
                 return
             except CONNECTION_ERRORS as exc:
-                logger.warning("retry publisher: broker connection lost (%s)", exc)
+                logger.warning(
+                    "retry publisher: broker connection lost (%s)",
+                    describe_broker_error(exc, self.settings),
+                )
                 self._disconnect()
         self._wake.wait(wait)
 
@@ -261,7 +265,7 @@ class RetryPublisher:
                 "original back to its queue",
                 copy.message_id,
                 held,
-                exc,
+                describe_broker_error(exc, self.settings),
             )
             copy.give_back()
             return

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .. import metrics
+from ..broker.queues import describe_broker_error
 from ..broker.topology import broker_dead_letter_queues, consumer_queues
 from ..broker.transport import BrokerChannel, BrokerTransport, RetryPublishing
 from ..conf import MessagingSettings
@@ -110,10 +111,9 @@ class ConnectionThread:
                     break
                 wait = self._reconnect.next()
                 logger.warning(
-                    "broker connection to %s lost or refused (%s: %s); reconnecting in %.1fs",
+                    "broker connection to %s lost or refused (%s); reconnecting in %.1fs",
                     self.settings.broker_shown,
-                    type(exc).__name__,
-                    exc,
+                    describe_broker_error(exc, self.settings),
                     wait,
                 )
                 self._stop.wait(wait)

@@ -54,6 +54,12 @@ BROKER_HEADERS = frozenset(
         "x-last-death-reason",
     }
 )
+# RabbitMQ's sender-selected distribution: the broker routes a message to the routing key of
+# every entry of these headers too (on the default exchange, every entry is a queue), including
+# when it dead-letters the message (a retry copy leaving its delay queue). Names compared as the
+# broker does: exactly (rabbit_basic's ROUTING_HEADERS, case-sensitive). A copy we publish again
+# (retry, replay, leftover move) drops them, so it reaches the queue we address and no other.
+SENDER_ROUTING_HEADERS = frozenset({"CC", "BCC"})
 
 
 class MessageJSONEncoder(json.JSONEncoder):
@@ -269,7 +275,8 @@ def _signed_timestamp(raw: Any) -> int | None:
 
 
 def wire_headers(headers: Mapping[Any, Any]) -> dict[str, Any]:
-    """``headers`` as a copy the broker accepts when we publish it again (a retry copy).
+    """``headers`` as a copy the broker accepts when we publish it again (a retry copy, a
+    replay), without :data:`SENDER_ROUTING_HEADERS`: the copy goes where we address it only.
 
     Names fit AMQP's 255-byte short string (a longer one, such as the escaped form of a long
     name that was not UTF-8, is cut and ends in a hash of the whole, so two stay apart); values
@@ -278,7 +285,8 @@ def wire_headers(headers: Mapping[Any, Any]) -> dict[str, Any]:
     decimals AMQP's decimal cannot hold, text with lone surrogates, dates and times, tuples and any
     other object become text or lists; tables nested deeper than ``MAX_WIRE_NESTING`` become
     text."""
-    return {_wire_name(k): _wire_value(v, 1) for k, v in headers.items()}
+    named = ((_wire_name(k), v) for k, v in headers.items())
+    return {k: _wire_value(v, 1) for k, v in named if k not in SENDER_ROUTING_HEADERS}
 
 
 def _wire_name(name: Any) -> str:
@@ -528,6 +536,15 @@ def _parse_json(text: str, error: Callable[[str, str], DecodeError]) -> Any:
         )
 
 
+def _sent_to_its_queue(delivery: Delivery) -> bool:
+    """Whether ``delivery`` came the way our own copies come (a retry, a replay, a leftover
+    moved): through the default exchange, addressed to its queue by name. Only then do the
+    original exchange and routing key headers stand for where it was first published; on a
+    message routed by an exchange they are a producer's claim, and the broker's routing key
+    is the truth (the binding check and the dead letter's routing key rely on it)."""
+    return delivery.exchange == "" and delivery.routing_key == delivery.queue
+
+
 def decode_delivery(
     delivery: Delivery, *, max_body_bytes: int, derive_message_id: bool = False
 ) -> Message | DecodeError:
@@ -600,10 +617,11 @@ def decode_delivery(
     except ValueError as exc:
         return error(DecodeReason.INVALID_HEADERS, str(exc))
     headers = delivery.headers
+    origin = headers if _sent_to_its_queue(delivery) else {}
     return Message(
         message_id=message_id,
-        routing_key=_text(headers.get(ORIGINAL_ROUTING_KEY_HEADER)) or delivery.routing_key,
-        exchange=_text(headers.get(ORIGINAL_EXCHANGE_HEADER)) or delivery.exchange,
+        routing_key=_text(origin.get(ORIGINAL_ROUTING_KEY_HEADER)) or delivery.routing_key,
+        exchange=_text(origin.get(ORIGINAL_EXCHANGE_HEADER)) or delivery.exchange,
         payload=payload,
         headers=MappingProxyType(user_headers(headers)),
         attempt=attempt,

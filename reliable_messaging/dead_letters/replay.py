@@ -1,7 +1,8 @@
 """Replaying dead letters: back through the outbox, to the consumer that failed, only.
 
 A replay writes an outbox row addressed to the default exchange with the failed consumer's queue
-as routing key, so only that queue receives it, never the routing key's other subscribers. It
+as routing key, so only that queue receives it, never the routing key's other subscribers (nor
+a queue a producer named in ``CC``/``BCC``: :func:`~..core.envelope.wire_headers` drops them). It
 keeps the message_id (the inbox keeps protecting against doubles), starts again at attempt 1, and
 carries the original exchange and routing key plus who replayed it in our headers. The consumer
 marks the dead letter resolved in the same transaction as the handler's effects when it succeeds
@@ -24,6 +25,7 @@ from typing import Any
 
 from django.db import connections, router, transaction
 from django.db.models import Q, QuerySet
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from ..core.envelope import (
@@ -238,8 +240,6 @@ def replay_batch(
                     OutboxStatus.PENDING,
                     0,
                     "",
-                    now,
-                    now,
                 )
             )
             result.replayed.append(dead_letter.pk)
@@ -297,32 +297,42 @@ _OUTBOX_COLUMNS = (
     "status",
     "attempts",
     "last_error",
-    "next_attempt_at",
-    "created_at",
 )
+# Set by _insert from the database's clock, which the relay compares them with (``Now()``): a
+# web server whose clock runs ahead would otherwise hold every replay back by the difference.
+_OUTBOX_TIME_COLUMNS = ("next_attempt_at", "created_at")
 
 
 def _insert(using: str, copies: list[tuple[Any, ...]]) -> None:
-    """Write the outbox rows of a batch (values of :data:`_OUTBOX_COLUMNS`): with COPY on
-    PostgreSQL (several times the speed of a multi-row INSERT for the same rows),
-    ``bulk_create`` elsewhere. The caller wakes the relay after the commit."""
+    """Write the outbox rows of a batch (values of :data:`_OUTBOX_COLUMNS`), due now by the
+    database's clock: with COPY on PostgreSQL (several times the speed of a multi-row INSERT
+    for the same rows), ``bulk_create`` elsewhere. The caller wakes the relay after the
+    commit."""
     if not copies:
         return
     connection = connections[using]
     if connection.vendor != "postgresql":
+        times = dict.fromkeys(_OUTBOX_TIME_COLUMNS, Now())
         OutboxMessage.objects.using(using).bulk_create(
-            OutboxMessage(**dict(zip(_OUTBOX_COLUMNS, row, strict=True))) for row in copies
+            OutboxMessage(**dict(zip(_OUTBOX_COLUMNS, row, strict=True)), **times) for row in copies
         )
         return
     from psycopg.types.json import Jsonb
 
     table = connection.ops.quote_name(OutboxMessage._meta.db_table)
-    columns = ", ".join(connection.ops.quote_name(c) for c in _OUTBOX_COLUMNS)
+    columns = ", ".join(
+        connection.ops.quote_name(c) for c in (*_OUTBOX_COLUMNS, *_OUTBOX_TIME_COLUMNS)
+    )
     headers = _OUTBOX_COLUMNS.index("headers")
     copy_sql = f"COPY {table} ({columns}) FROM STDIN"
-    with connection.cursor() as cursor, cursor.cursor.copy(copy_sql) as copy:
-        for row in copies:
-            copy.write_row((*row[:headers], Jsonb(row[headers]), *row[headers + 1 :]))
+    with connection.cursor() as cursor:
+        # What Now() gives in this transaction (its start), as publish() writes it.
+        cursor.execute("SELECT CURRENT_TIMESTAMP")
+        (now,) = cursor.fetchone()
+        due = (now,) * len(_OUTBOX_TIME_COLUMNS)
+        with cursor.cursor.copy(copy_sql) as copy:
+            for row in copies:
+                copy.write_row((*row[:headers], Jsonb(row[headers]), *row[headers + 1 :], *due))
 
 
 def replay(

@@ -214,6 +214,28 @@ def test_retried_copy_keeps_the_original_routing_key_and_exchange() -> None:
     assert (message.exchange, message.routing_key, message.attempt) == ("shop", "order.placed", 2)
 
 
+@pytest.mark.parametrize(
+    ("exchange", "routing_key"), [("shop", "order.placed"), ("", "another.queue")]
+)
+def test_origin_headers_of_a_message_routed_to_the_queue_are_a_producers_claim(
+    exchange: str, routing_key: str
+) -> None:
+    # Only our copies come through the default exchange under the queue's own name.
+    d = delivery(
+        exchange=exchange,
+        routing_key=routing_key,
+        headers={ORIGINAL_EXCHANGE_HEADER: "billing", ORIGINAL_ROUTING_KEY_HEADER: "order.paid"},
+    )
+    message = decode(d)
+    assert isinstance(message, Message)
+    assert (message.exchange, message.routing_key) == (exchange, routing_key)
+
+
+def test_wire_headers_drop_the_headers_the_broker_routes_by() -> None:
+    headers = {"CC": ["q1"], b"BCC": ["q2"], "cc": ["q3"], "x-user": 1}
+    assert wire_headers(headers) == {"cc": ["q3"], "x-user": 1}
+
+
 def test_published_at_falls_back_to_the_timestamp_property() -> None:
     message = decode(delivery(timestamp=1_600_000_000))
     assert isinstance(message, Message)
