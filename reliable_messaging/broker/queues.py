@@ -328,7 +328,7 @@ def broker_secrets(settings: MessagingSettings = messaging_settings) -> list[str
         candidates = connection_parameters(settings)
     except Exception:  # noqa: BLE001 - pika raises several types for a bad URL
         candidates = []
-    return _secrets(settings, candidates)
+    return secrets_of(settings, candidates)
 
 
 def scrub_broker_secrets(text: str, settings: MessagingSettings = messaging_settings) -> str:
