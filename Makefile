@@ -22,6 +22,10 @@ PGBOUNCER_TESTS ?= tests/e2e/test_consume_command.py tests/e2e/test_replay_end_t
 	tests/integration/publishing/test_publish_in_handler.py \
 	tests/integration/publishing/test_relay.py tests/integration/publishing/test_wake_after_commit.py
 
+# Run once more against RabbitMQ 4.0.5 (scripts/rabbitmq4.sh, RM_TEST_BROKER=rabbitmq4) beside
+# the 3.10.8 of the rest: the tests of what differs across broker versions (filled in below).
+RABBITMQ4_TESTS ?= tests/e2e/test_consume_command.py
+
 .PHONY: help venv .venv services test matrix demo docs lint format bench dist clean
 
 help:
@@ -63,10 +67,14 @@ test: venv services
 	@# The PgBouncer tests run their own pgbouncer (Debian installs it in /usr/sbin; its service is
 	@# not used).
 	@command -v pgbouncer >/dev/null || test -x /usr/sbin/pgbouncer || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer)
+	@# The RabbitMQ 4.0 node is Debian trixie's package in a debootstrap root (scripts/rabbitmq4.sh).
+	@command -v debootstrap >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap)
 	@# Two parts: the tests that share nothing run in $(TEST_WORKERS) parallel workers; those
 	@# that stop or alarm a shared service (marked serial in tests/conftest.py) run alone after.
 	@# Both always run; exit code 5 ("no tests selected", e.g. with -k) is not a failure.
 	@# Then PGBOUNCER_TESTS again, every connection through a PgBouncer in transaction mode.
+	@# Then RABBITMQ4_TESTS again against the RabbitMQ 4.0 node (built the first time, about 3
+	@# minutes; started if it is down); their serial tests act on that node only.
 	@# Then the version matrix's two ends (noxfile.py): the newest Python and Django, and the
 	@# lowest versions setup.cfg admits, each on the version-sensitive slice of the suite.
 	@# MATRIX=0 skips them (for a quick local run); `make matrix` runs every pair.
@@ -78,8 +86,17 @@ test: venv services
 	rc4=0; RM_TEST_PGBOUNCER=1 $(BIN)/pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) \
 		$(PGBOUNCER_TESTS) || rc4=$$?; \
 	[[ $$rc4 == 5 ]] && rc4=0; \
+	rc5=0; scripts/rabbitmq4.sh start || rc5=$$?; \
+	if [[ $$rc5 == 0 ]]; then \
+		RM_TEST_BROKER=rabbitmq4 $(BIN)/pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) \
+			$(RABBITMQ4_TESTS) || rc5=$$?; \
+		[[ $$rc5 == 5 ]] && rc5=0; \
+		rc6=0; RM_TEST_BROKER=rabbitmq4 $(BIN)/pytest -m serial $(PYTEST_ARGS) $(RABBITMQ4_TESTS) || rc6=$$?; \
+		[[ $$rc6 == 5 ]] && rc6=0; \
+		rc5=$$(( rc5 ? rc5 : rc6 )); \
+	fi; \
 	rc3=0; [[ "$(MATRIX)" == 0 ]] || $(BIN)/nox -s ci || rc3=$$?; \
-	exit $$(( rc ? rc : (rc2 ? rc2 : (rc4 ? rc4 : rc3)) ))
+	exit $$(( rc ? rc : (rc2 ? rc2 : (rc4 ? rc4 : (rc5 ? rc5 : rc3))) ))
 
 # Every (Python, Django) pair supported, and the lowest versions (noxfile.py).
 matrix: venv services
