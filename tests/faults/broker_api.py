@@ -1,5 +1,6 @@
 """The broker acting on its own, as fault tests need it: RabbitMQ's management HTTP API and
-``rabbitmqctl eval`` calls aimed at one test's queues and channels, never at the whole node.
+``rabbitmqctl eval`` calls aimed at one test's queues and channels, never at the whole node, on
+the broker under test (``RM_TEST_BROKER``, tests/support.py).
 
 - :func:`fail_consuming_channels` makes the broker close, with ``406 PRECONDITION_FAILED``, every
   channel that consumes a given queue. It is what a client sees when RabbitMQ's
@@ -7,7 +8,9 @@
   channel breaks a precondition: a ``channel.close`` from the broker, the connection staying
   open. The node's ``consumer_timeout`` is global (3.10 has no per-queue or per-vhost one), so
   instead the channel process is handed an ack of a delivery tag it never issued, exactly as if
-  the client had sent it; the broker answers it the way it answers a timeout.
+  the client had sent it; the broker answers it the way it answers a timeout. The ``eval``
+  expressions work unchanged on 3.10 and 4.0 (``rabbit_amqqueue:consumers/1`` still lists the
+  channel pid first, ``rabbit_channel:do/2`` still feeds a method to the channel).
 - :func:`delete_queue` deletes a queue under its consumers: the broker sends each of them a
   ``basic.cancel``.
 - :func:`reads_refused` takes the ``read`` permission of a test's own vhost away for a while, so
