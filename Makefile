@@ -22,6 +22,36 @@ PGBOUNCER_TESTS ?= tests/e2e/test_consume_command.py tests/e2e/test_replay_end_t
 	tests/integration/publishing/test_publish_in_handler.py \
 	tests/integration/publishing/test_relay.py tests/integration/publishing/test_wake_after_commit.py
 
+# Run once more against RabbitMQ 4.0.5 (scripts/rabbitmq4.sh, RM_TEST_BROKER=rabbitmq4) beside
+# the 3.10.8 of the rest, where broker versions differ: consume end to end, ordered partitions
+# (single active consumer, the consistent-hash exchange), poison messages and the crash guard,
+# quorum queues and their `.dead`, the broker closing and cancelling channels, topology, the
+# relay with its refusals and reconnects, replay, foreign producers, the management API's
+# figures (about 3 minutes in 3 workers). Then, alone, the serial tests that stop, alarm or act
+# inside that node (about 1.5 minutes; none touches PostgreSQL or the 3.10 node).
+RABBITMQ4_TESTS ?= tests/e2e/test_consume_command.py tests/e2e/test_ordering.py \
+	tests/e2e/test_replay_end_to_end.py tests/faults/test_poison_pills.py \
+	tests/faults/test_broker_closes.py tests/faults/test_foreign_producers.py \
+	tests/faults/test_bad_input_corpus.py \
+	tests/integration/broker tests/integration/consuming/test_consumer_service.py \
+	tests/integration/consuming/test_consumer_outcomes.py \
+	tests/integration/consuming/test_ordered_outcomes.py tests/integration/consuming/test_batching.py \
+	tests/integration/publishing/test_relay.py tests/integration/publishing/test_relay_faults.py \
+	tests/integration/publishing/test_relay_edges.py \
+	tests/integration/publishing/test_relay_robustness.py \
+	tests/integration/publishing/test_publish_in_handler.py \
+	tests/integration/publishing/test_publish_edges.py \
+	tests/integration/ops/test_messaging_status.py tests/integration/ops/test_consume_ops.py \
+	tests/integration/ops/test_health.py
+RABBITMQ4_SERIAL_TESTS ?= \
+	tests/faults/test_broker_closes.py::test_a_channel_the_broker_closes_mid_handler_is_noticed_and_nothing_is_lost \
+	tests/faults/test_broker_closes.py::test_healthz_is_unhealthy_while_the_broker_keeps_the_consumer_off \
+	tests/faults/test_pipeline_under_faults.py::test_broker_restarted_twice_everyone_reconnects_by_themselves \
+	tests/faults/test_pipeline_under_faults.py::test_publishers_blocked_by_a_memory_alarm_then_released \
+	tests/integration/ops/test_relay_broker_faults.py::test_relay_healthz_fails_while_the_broker_is_stopped \
+	tests/integration/ops/test_relay_broker_faults.py::test_blocked_relay_claims_nothing_and_resumes_by_itself \
+	tests/integration/ops/test_consume_ops.py::test_consumer_healthz_fails_while_the_broker_is_stopped
+
 .PHONY: help venv .venv services test matrix demo docs lint format bench dist clean
 
 help:
@@ -63,10 +93,14 @@ test: venv services
 	@# The PgBouncer tests run their own pgbouncer (Debian installs it in /usr/sbin; its service is
 	@# not used).
 	@command -v pgbouncer >/dev/null || test -x /usr/sbin/pgbouncer || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer)
+	@# The RabbitMQ 4.0 node is Debian trixie's package in a debootstrap root (scripts/rabbitmq4.sh).
+	@command -v debootstrap >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap)
 	@# Two parts: the tests that share nothing run in $(TEST_WORKERS) parallel workers; those
 	@# that stop or alarm a shared service (marked serial in tests/conftest.py) run alone after.
 	@# Both always run; exit code 5 ("no tests selected", e.g. with -k) is not a failure.
 	@# Then PGBOUNCER_TESTS again, every connection through a PgBouncer in transaction mode.
+	@# Then RABBITMQ4_TESTS again against the RabbitMQ 4.0 node (built the first time, about 3
+	@# minutes; started if it is down), and RABBITMQ4_SERIAL_TESTS alone: they act on that node.
 	@# Then the version matrix's two ends (noxfile.py): the newest Python and Django, and the
 	@# lowest versions setup.cfg admits, each on the version-sensitive slice of the suite.
 	@# MATRIX=0 skips them (for a quick local run); `make matrix` runs every pair.
@@ -78,8 +112,18 @@ test: venv services
 	rc4=0; RM_TEST_PGBOUNCER=1 $(BIN)/pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) \
 		$(PGBOUNCER_TESTS) || rc4=$$?; \
 	[[ $$rc4 == 5 ]] && rc4=0; \
+	rc5=0; scripts/rabbitmq4.sh start || rc5=$$?; \
+	if [[ $$rc5 == 0 ]]; then \
+		RM_TEST_BROKER=rabbitmq4 $(BIN)/pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) \
+			$(RABBITMQ4_TESTS) || rc5=$$?; \
+		[[ $$rc5 == 5 ]] && rc5=0; \
+		rc6=0; RM_TEST_BROKER=rabbitmq4 $(BIN)/pytest -m serial $(PYTEST_ARGS) \
+			$(RABBITMQ4_SERIAL_TESTS) || rc6=$$?; \
+		[[ $$rc6 == 5 ]] && rc6=0; \
+		rc5=$$(( rc5 ? rc5 : rc6 )); \
+	fi; \
 	rc3=0; [[ "$(MATRIX)" == 0 ]] || $(BIN)/nox -s ci || rc3=$$?; \
-	exit $$(( rc ? rc : (rc2 ? rc2 : (rc4 ? rc4 : rc3)) ))
+	exit $$(( rc ? rc : (rc2 ? rc2 : (rc4 ? rc4 : (rc5 ? rc5 : rc3))) ))
 
 # Every (Python, Django) pair supported, and the lowest versions (noxfile.py).
 matrix: venv services

@@ -136,6 +136,16 @@ def _through_pgbouncer(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _broker_under_test() -> None:
+    """``RM_TEST_BROKER=rabbitmq4``: the session talks to the RabbitMQ 4.0 node
+    (tests/support.py); it is started (built, the first time on a machine) before any test."""
+    if support.BROKER.name == "rabbitmq4":
+        from tests import rabbitmq4 as node
+
+        node.ensure_started()
+
+
 @pytest.fixture(scope="session")
 def rabbitmq4() -> Any:
     """The RabbitMQ 4.0 node (tests/rabbitmq4.py), started for the session if it is not up."""

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import functools
 import subprocess
+from pathlib import Path
 
-from tests.support import ROOT
-
-SCRIPT = ROOT / "scripts" / "rabbitmq4.sh"
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "rabbitmq4.sh"
 URL = "amqp://guest:guest@127.0.0.1:5782/%2F"
 MANAGEMENT_URL = "http://127.0.0.1:15782"
 

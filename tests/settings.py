@@ -13,6 +13,8 @@ from datetime import timedelta
 
 import dj_database_url
 
+from tests.support import BROKER
+
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if _WORKER and os.environ.get("RM_TEST_NAMESPACE_WORKER") != _WORKER:
     # A pytest-xdist worker: its own namespace, not the one the controller made (the workers
@@ -82,7 +84,8 @@ CACHES = {
 }
 
 RELIABLE_MESSAGING = {
-    "BROKER_URL": os.environ.get("RM_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/%2F"),
+    # RM_TEST_BROKER=rabbitmq4: the RabbitMQ 4.0 node (tests/support.py).
+    "BROKER_URL": os.environ.get("RM_BROKER_URL", BROKER.url),
     "EXCHANGE": f"rmtest.{NAMESPACE}",
     "RETRY_DELAYS": [0.2, 0.4, 0.8],
     "MAX_ATTEMPTS": 3,

@@ -18,11 +18,14 @@ import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pika
 import pika.exceptions
+
+from tests import rabbitmq4
 
 ROOT = Path(__file__).resolve().parent.parent
 MANAGE = ROOT / "manage.py"
@@ -60,6 +63,40 @@ def new_namespace() -> str:
 # --------------------------------------------------------------------------- RabbitMQ
 
 
+@dataclass(frozen=True)
+class BrokerUnderTest:
+    """The RabbitMQ node a test session talks to: AMQP URL (the default of the settings'
+    ``BROKER_URL``), management API and the ``rabbitmqctl`` command that reaches it."""
+
+    name: str
+    url: str
+    management_url: str
+    rabbitmqctl: tuple[str, ...]
+
+
+BROKERS = {
+    "rabbitmq3": BrokerUnderTest(
+        "rabbitmq3",
+        "amqp://guest:guest@127.0.0.1:5672/%2F",
+        "http://127.0.0.1:15672",
+        ("rabbitmqctl",),
+    ),
+    "rabbitmq4": BrokerUnderTest(
+        "rabbitmq4", rabbitmq4.URL, rabbitmq4.MANAGEMENT_URL, (str(rabbitmq4.SCRIPT), "ctl")
+    ),
+}
+# RM_TEST_BROKER=rabbitmq4 points the whole session (and the subprocesses it starts, which
+# inherit the variable) at the 4.0 node beside the system's 3.10 one: `make test` runs the
+# broker-sensitive slice again so. RM_BROKER_URL still overrides the AMQP URL alone.
+try:
+    BROKER = BROKERS[os.environ.get("RM_TEST_BROKER") or "rabbitmq3"]
+except KeyError:
+    raise RuntimeError(
+        f"RM_TEST_BROKER={os.environ['RM_TEST_BROKER']!r}: expected one of {sorted(BROKERS)}"
+    ) from None
+MANAGEMENT_URL = BROKER.management_url
+
+
 def broker_url(vhost: str = "/") -> str:
     from django.conf import settings
 
@@ -79,12 +116,13 @@ def broker_connection(vhost: str = "/", name: str = "rm-tests") -> pika.Blocking
 
 
 def rabbitmqctl(*args: str, timeout: float = 60, attempts: int = 5) -> str:
-    """Run ``rabbitmqctl -q ARGS``; retried briefly because the node may be restarted by
-    another engineer's service script. Raises on a persistent failure."""
+    """Run ``rabbitmqctl -q ARGS`` against the broker under test; retried briefly because the
+    node may be restarted by another engineer's service script. Raises on a persistent
+    failure."""
     last: subprocess.CompletedProcess[str] | None = None
     for attempt in range(attempts):
         last = subprocess.run(
-            ["rabbitmqctl", "-q", *args],
+            [*BROKER.rabbitmqctl, "-q", *args],
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -172,25 +210,35 @@ def queue_arguments(queue: str, vhost: str = "/") -> dict[str, Any] | None:
     return all_queue_arguments(vhost).get(queue)
 
 
-def _management_list(kind: str, vhost: str) -> list[str] | None:
-    """Names of queues/exchanges via the management API, or None when it is not available."""
+def management(method: str, path: str, body: Any = None, timeout: float = 10.0) -> Any:
+    """One call of the broker under test's management HTTP API (``path`` below ``/api``,
+    already quoted), with the settings' broker credentials; the decoded JSON answer, or None
+    for an empty one. Raises ``urllib.error.HTTPError`` (or ``URLError`` without the plugin)."""
     from django.conf import settings
 
     parts = urllib.parse.urlsplit(str(settings.RELIABLE_MESSAGING["BROKER_URL"]))
     user = urllib.parse.unquote(parts.username or "guest")
     password = urllib.parse.unquote(parts.password or "guest")
-    url = (
-        f"http://{parts.hostname or '127.0.0.1'}:15672/api/{kind}/"
-        f"{urllib.parse.quote(vhost, safe='')}?columns=name"
-    )
-    request = urllib.request.Request(url)
     token = base64.b64encode(f"{user}:{password}".encode()).decode()
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"{MANAGEMENT_URL}/api{path}", data=data, method=method)
     request.add_header("Authorization", f"Basic {token}")
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        raw = response.read()
+    return json.loads(raw) if raw else None
+
+
+def _management_list(kind: str, vhost: str) -> list[str] | None:
+    """Names of queues/exchanges via the management API, or None when it is not available."""
     try:
-        with urllib.request.urlopen(request, timeout=3) as response:
-            return [row["name"] for row in json.load(response)]
+        rows = management(
+            "GET", f"/{kind}/{urllib.parse.quote(vhost, safe='')}?columns=name", timeout=3
+        )
     except Exception:  # noqa: BLE001 - the plugin is optional: fall back to rabbitmqctl
         return None
+    return [row["name"] for row in rows]
 
 
 def list_broker_names(kind: str, vhost: str = "/") -> list[str]:

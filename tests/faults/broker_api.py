@@ -1,5 +1,6 @@
 """The broker acting on its own, as fault tests need it: RabbitMQ's management HTTP API and
-``rabbitmqctl eval`` calls aimed at one test's queues and channels, never at the whole node.
+``rabbitmqctl eval`` calls aimed at one test's queues and channels, never at the whole node, on
+the broker under test (``RM_TEST_BROKER``, tests/support.py).
 
 - :func:`fail_consuming_channels` makes the broker close, with ``406 PRECONDITION_FAILED``, every
   channel that consumes a given queue. It is what a client sees when RabbitMQ's
@@ -7,7 +8,9 @@
   channel breaks a precondition: a ``channel.close`` from the broker, the connection staying
   open. The node's ``consumer_timeout`` is global (3.10 has no per-queue or per-vhost one), so
   instead the channel process is handed an ack of a delivery tag it never issued, exactly as if
-  the client had sent it; the broker answers it the way it answers a timeout.
+  the client had sent it; the broker answers it the way it answers a timeout. The ``eval``
+  expressions work unchanged on 3.10 and 4.0 (``rabbit_amqqueue:consumers/1`` still lists the
+  channel pid first, ``rabbit_channel:do/2`` still feeds a method to the channel).
 - :func:`delete_queue` deletes a queue under its consumers: the broker sends each of them a
   ``basic.cancel``.
 - :func:`reads_refused` takes the ``read`` permission of a test's own vhost away for a while, so
@@ -19,15 +22,11 @@ Names are checked before they go into Erlang source: only a test's own, plain na
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import json
 import re
 import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Iterator
-from typing import Any
 
 from tests import support
 
@@ -50,30 +49,6 @@ def _erlang_binary(name: str) -> str:
 # --------------------------------------------------------------------------- management API
 
 
-def _base_url_and_auth() -> tuple[str, str]:
-    from django.conf import settings
-
-    parts = urllib.parse.urlsplit(str(settings.RELIABLE_MESSAGING["BROKER_URL"]))
-    user = urllib.parse.unquote(parts.username or "guest")
-    password = urllib.parse.unquote(parts.password or "guest")
-    token = base64.b64encode(f"{user}:{password}".encode()).decode()
-    return f"http://{parts.hostname or '127.0.0.1'}:15672/api", f"Basic {token}"
-
-
-def management(method: str, path: str, body: Any = None, timeout: float = 10.0) -> Any:
-    """One call of the management HTTP API (``path`` below ``/api``, already quoted); the
-    decoded JSON answer, or None for an empty one. Raises ``urllib.error.HTTPError``."""
-    base, auth = _base_url_and_auth()
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(f"{base}{path}", data=data, method=method)
-    request.add_header("Authorization", auth)
-    if data is not None:
-        request.add_header("Content-Type", "application/json")
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        raw = response.read()
-    return json.loads(raw) if raw else None
-
-
 def _quote(value: str) -> str:
     return urllib.parse.quote(value, safe="")
 
@@ -81,11 +56,11 @@ def _quote(value: str) -> str:
 def delete_queue(vhost: str, queue: str) -> None:
     """Delete ``queue`` whatever it holds and whoever consumes it (each consumer gets a
     ``basic.cancel`` from the broker)."""
-    management("DELETE", f"/queues/{_quote(_plain(vhost))}/{_quote(_plain(queue))}")
+    support.management("DELETE", f"/queues/{_quote(_plain(vhost))}/{_quote(_plain(queue))}")
 
 
 def set_permissions(vhost: str, user: str, configure: str, write: str, read: str) -> None:
-    management(
+    support.management(
         "PUT",
         f"/permissions/{_quote(_plain(vhost))}/{_quote(user)}",
         {"configure": configure, "write": write, "read": read},
@@ -159,7 +134,7 @@ def alive(pids: list[str]) -> list[str]:
 
 def management_available() -> bool:
     try:
-        management("GET", "/overview", timeout=3)
+        support.management("GET", "/overview", timeout=3)
     except (OSError, urllib.error.URLError):
         return False
     return True

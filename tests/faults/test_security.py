@@ -35,6 +35,7 @@ from reliable_messaging.models import DeadLetter, DeadLetterStatus, OutboxMessag
 from reliable_messaging.registry import ConsumerSpec, registry
 from tests.conftest import database_url
 from tests.support import (
+    BROKER,
     MANAGE,
     ROOT,
     ConsumeProcess,
@@ -171,7 +172,9 @@ def _process_env(ns: str, broker_url: str) -> dict[str, str]:
     ("where", "after_password"),
     [
         pytest.param("127.0.0.1:1", "", id="broker-unreachable"),
-        pytest.param("127.0.0.1:5672", "", id="password-refused"),
+        pytest.param(
+            urllib.parse.urlsplit(BROKER.url).netloc.rpartition("@")[2], "", id="password-refused"
+        ),
         # An "@" left unquoted in the password: pika still reads it (the last "@" ends it).
         pytest.param("127.0.0.1:1", "@x", id="unquoted-at-in-password"),
     ],

@@ -6,7 +6,6 @@ them) are in ``tests/cluster``.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -35,17 +34,13 @@ from tests.support import Publisher, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-GOOD = "amqp://guest:guest@127.0.0.1:5672/%2F"
+GOOD = support.BROKER.url
 # Nothing listens on port 1: a node that is down.
 DEAD = "amqp://guest:s3cret-dead@127.0.0.1:1/%2F"
 
 
 def _queue_info(name: str) -> dict[str, Any]:
-    quoted = urllib.parse.quote(name, safe="")
-    request = urllib.request.Request(f"http://127.0.0.1:15672/api/queues/%2F/{quoted}")
-    request.add_header("Authorization", "Basic Z3Vlc3Q6Z3Vlc3Q=")  # guest:guest
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return dict(json.load(response))
+    return dict(support.management("GET", f"/queues/%2F/{urllib.parse.quote(name, safe='')}"))
 
 
 # --------------------------------------------------------------------------- several broker URLs

@@ -13,6 +13,8 @@ import os
 
 from celery import Celery
 
+from tests.support import BROKER
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
 
 QUEUE = os.environ.get("RM_CELERY_QUEUE", "rmtest.celery")
@@ -20,7 +22,7 @@ QUEUE = os.environ.get("RM_CELERY_QUEUE", "rmtest.celery")
 app = Celery("rmtests", include=["tests.integration.celery_tasks.tasks"], set_as_current=False)
 app.conf.update(
     # kombu reads the vhost from the path like pika does ("%2F" is "/").
-    broker_url=os.environ.get("RM_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/%2F"),
+    broker_url=os.environ.get("RM_BROKER_URL", BROKER.url),
     broker_connection_retry_on_startup=True,
     task_default_queue=QUEUE,
     task_default_exchange=QUEUE,

@@ -16,6 +16,7 @@ import re
 import socket
 import subprocess
 import sys
+import urllib.parse
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from reliable_messaging.broker.topology import (
     declare_topology,
     delay_exchange_name,
 )
+from reliable_messaging.conf import redact_url
 from reliable_messaging.models import DeadLetter, OutboxMessage, OutboxStatus, ProcessedMessage
 from reliable_messaging.ops.status import (
     BrokerStatus,
@@ -44,7 +46,9 @@ from reliable_messaging.registry import ConsumerSpec, registry
 from tests.conftest import database_url
 from tests.markers import postgresql_only
 from tests.support import (
+    BROKER,
     MANAGE,
+    MANAGEMENT_URL,
     ROOT,
     Publisher,
     broker_connection,
@@ -72,7 +76,10 @@ class Ran:
 
 
 def status(*args: str) -> Ran:
-    """Run the command in-process; ``code`` is what ``manage.py`` would exit with."""
+    """Run the command in-process; ``code`` is what ``manage.py`` would exit with. The
+    management API is the broker under test's unless ``args`` name one."""
+    if "--management-url" not in args:
+        args = (*args, "--management-url", MANAGEMENT_URL)
     out, err = io.StringIO(), io.StringIO()
     try:
         call_command("messaging_status", *args, stdout=out, stderr=err)
@@ -163,7 +170,7 @@ def test_json_has_the_numbers(backlog: str, rm_settings: dict[str, Any]) -> None
     broker = document["broker"]
     assert broker["reachable"] is True and broker["management_api"] is True
     assert broker["error"] is None
-    assert broker["url"] == "amqp://guest:***@127.0.0.1:5672/%2F"
+    assert broker["url"] == redact_url(BROKER.url)
     billing = ran.queue(backlog)
     assert billing["kind"] == "consumer" and billing["consumer"] == CONSUMER
     assert billing["exists"] is True
@@ -390,7 +397,8 @@ def test_the_broker_password_never_appears(
         rabbitmqctl("set_permissions", "-p", "/", user, ".*", ".*", ".*")
         caplog.set_level(logging.DEBUG)
         outputs = []
-        for port in (5672, closed_port()):
+        broker_port = urllib.parse.urlsplit(BROKER.url).port
+        for port in (broker_port, closed_port()):
             url = f"amqp://{user}:{password}@127.0.0.1:{port}/%2F"
             with override_settings(
                 RELIABLE_MESSAGING={**settings.RELIABLE_MESSAGING, "BROKER_URL": url}
@@ -400,11 +408,11 @@ def test_the_broker_password_never_appears(
                     outputs.append((port, args, ran))
         seen = "".join(r.out + r.err for _, _, r in outputs) + caplog.text
         assert password not in seen
-        reachable = [r for port, _, r in outputs if port == 5672]
+        reachable = [r for port, _, r in outputs if port == broker_port]
         assert all(r.code == 0 for r in reachable), [r.err for r in reachable]
-        assert f"amqp://{user}:***@127.0.0.1:5672/%2F" in reachable[0].out
+        assert f"amqp://{user}:***@127.0.0.1:{broker_port}/%2F" in reachable[0].out
         assert reachable[1].json["broker"]["management_api"] is True  # the user can read it
-        assert all(r.code == 2 for port, _, r in outputs if port != 5672)
+        assert all(r.code == 2 for port, _, r in outputs if port != broker_port)
     finally:
         rabbitmqctl("delete_user", user)
 

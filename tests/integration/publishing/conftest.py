@@ -15,16 +15,12 @@ Every wait is bounded. Subprocess logs are attached to the report of a failed te
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import datetime as dt
 import json
 import os
-import subprocess
 import threading
 import time
-import urllib.parse
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -42,6 +38,7 @@ from django.utils import timezone
 from reliable_messaging import partitions, publish
 from reliable_messaging.models import OutboxMessage
 from reliable_messaging.partitions import OUTBOX
+from tests import support
 from tests.integration.publishing.outbox_schema import migrate
 from tests.support import ManageProcess, WaitTimeout
 
@@ -172,20 +169,7 @@ class Broker:
 
     def names(self, kind: str) -> list[str]:
         """Names of the queues or exchanges of vhost / (management API, else rabbitmqctl)."""
-        parts = urllib.parse.urlsplit(self.url)
-        auth = base64.b64encode(
-            f"{parts.username or 'guest'}:{parts.password or 'guest'}".encode()
-        ).decode()
-        request = urllib.request.Request(
-            f"http://{parts.hostname or '127.0.0.1'}:15672/api/{kind}/%2F?columns=name",
-            headers={"Authorization": f"Basic {auth}"},
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=10) as response:
-                return [item["name"] for item in json.load(response)]
-        except Exception:  # noqa: BLE001 - the plugin may be off: ask rabbitmqctl instead
-            out = rabbitmqctl(f"list_{kind}", "name", "--no-table-headers")
-            return [line.strip() for line in out.splitlines() if line.strip()]
+        return support.list_broker_names(kind)
 
     def delete_matching(self, fragment: str) -> None:
         assert len(fragment) >= 10, "refusing to delete broker objects by a short fragment"
@@ -197,24 +181,12 @@ class Broker:
                 self.delete_exchange(name)
 
 
-def rabbitmqctl(*args: str, timeout: float = 120) -> str:
-    result = subprocess.run(
-        ["rabbitmqctl", "-q", *args], capture_output=True, text=True, timeout=timeout, check=False
-    )
-    if result.returncode != 0:
-        raise RuntimeError(
-            f"rabbitmqctl {' '.join(args)} failed ({result.returncode}): "
-            f"{result.stderr.strip() or result.stdout.strip()}"
-        )
-    return result.stdout
-
-
 def ensure_broker_running() -> None:
     """Bring the rabbit app back (after ``stop_app``) and wait until it has booted."""
     try:
-        rabbitmqctl("start_app")
+        support.rabbitmqctl("start_app", timeout=120)
     finally:
-        rabbitmqctl("await_startup", "--timeout", "120", timeout=150)
+        support.rabbitmqctl("await_startup", "--timeout", "120", timeout=150)
 
 
 # --------------------------------------------------------------------------- subprocesses

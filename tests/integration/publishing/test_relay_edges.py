@@ -4,9 +4,7 @@ events nobody subscribes to (``REQUIRE_ROUTE``). Real PostgreSQL and RabbitMQ th
 
 from __future__ import annotations
 
-import base64
 import datetime as dt
-import json
 import logging
 import re
 import subprocess
@@ -30,6 +28,7 @@ from reliable_messaging.publishing import wake_after_commit
 from reliable_messaging.publishing.listener import OutboxListener
 from reliable_messaging.publishing.relay import OutboxRelay, RelayReport
 from reliable_messaging.retention import purge_messages
+from tests import support
 from tests.markers import direct_only
 from tests.support import wait_until
 
@@ -101,31 +100,11 @@ def test_a_row_the_broker_refuses_with_403_fails_and_the_rows_after_it_are_sent(
 # --------------------------------------------------------------------------- 2. LISTEN again
 
 
-def _management(path: str, method: str = "GET") -> object:
-    parts = urllib.parse.urlsplit(_broker_url())
-    auth = base64.b64encode(
-        f"{parts.username or 'guest'}:{parts.password or 'guest'}".encode()
-    ).decode()
-    request = urllib.request.Request(
-        f"http://{parts.hostname or '127.0.0.1'}:15672/api/{path}",
-        method=method,
-        headers={"Authorization": f"Basic {auth}"},
-    )
-    with urllib.request.urlopen(request, timeout=10) as response:
-        body = response.read()
-    return json.loads(body) if body else None
-
-
-def _broker_url() -> str:
-    from django.conf import settings
-
-    return str(settings.RELIABLE_MESSAGING["BROKER_URL"])
-
-
 def _relay_connection_names(process: RelayProcess) -> list[str]:
     """Names (management API) of the broker connections ``process`` opened as "relay"."""
+    broker_port = urllib.parse.urlsplit(support.broker_url()).port or 5672
     out = subprocess.run(
-        ["ss", "-tnpH", "state", "established", "( dport = :5672 )"],
+        ["ss", "-tnpH", "state", "established", f"( dport = :{broker_port} )"],
         capture_output=True,
         text=True,
         timeout=10,
@@ -135,10 +114,10 @@ def _relay_connection_names(process: RelayProcess) -> list[str]:
         int(match.group(1))
         for line in out.splitlines()
         if f"pid={process.pid}," in line
-        for match in [re.search(r":(\d+)\s+\S+:5672\b", line)]
+        for match in [re.search(rf":(\d+)\s+\S+:{broker_port}\b", line)]
         if match
     }
-    connections = _management("connections?columns=name,peer_port,client_properties")
+    connections = support.management("GET", "/connections?columns=name,peer_port,client_properties")
     assert isinstance(connections, list)
     return [
         c["name"]
@@ -160,7 +139,7 @@ def test_listen_still_wakes_the_relay_after_a_broker_reconnect(ob: OutboxEnv) ->
         lambda: _relay_connection_names(relay), timeout=10, message="the relay's connection"
     )
     for name in names:
-        _management(f"connections/{urllib.parse.quote(name, safe='')}", method="DELETE")
+        support.management("DELETE", f"/connections/{urllib.parse.quote(name, safe='')}")
     wait_until(
         lambda: relay.log().count("relay: publishing the outbox") >= 2,
         timeout=30,

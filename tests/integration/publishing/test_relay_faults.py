@@ -18,7 +18,7 @@ from reliable_messaging.publishing.relay import LEASE_MARGIN, MAX_IN_FLIGHT
 from tests import support
 from tests.support import wait_until
 
-from .conftest import OutboxEnv, ensure_broker_running, rabbitmqctl
+from .conftest import OutboxEnv, ensure_broker_running
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -145,7 +145,7 @@ def test_relay_reconnects_by_itself_after_a_broker_restart(ob: OutboxEnv) -> Non
     try:
         wait_until(lambda: sent_rows() >= 20, timeout=30, message="rows sent before the restart")
         try:
-            rabbitmqctl("stop_app")
+            support.rabbitmqctl("stop_app", timeout=120)
             count = len(published)
             wait_until(
                 lambda: len(published) >= count + 30,
