@@ -28,7 +28,7 @@ from typing import Any
 
 from .broker.retry_publisher import RetryCopy
 from .broker.topology import consumer_queues
-from .broker.transport import BrokerChannel, OnMessage
+from .broker.transport import OnMessage
 from .conf import MessagingSettings
 from .core.envelope import CONTENT_TYPE, wire_headers
 from .registry import ConsumerSpec
@@ -278,9 +278,8 @@ class StubConnection:
     def retire_leftovers(self, specs: Sequence[ConsumerSpec]) -> None:
         """Nothing is ever left over in memory."""
 
-    def close_keeping_consumers(self, channel: BrokerChannel) -> None:
-        if isinstance(channel, StubChannel):
-            channel._close()
+    def drop(self) -> None:
+        self.close()
 
 
 class _StubRetryPublisher:

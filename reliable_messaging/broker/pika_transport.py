@@ -8,12 +8,14 @@ consumers) and the retry publisher of :mod:`.retry_publisher`.
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, cast
 
 import pika
-from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
+from pika.adapters.blocking_connection import BlockingConnection
 
 from .. import metrics
 from ..conf import MessagingSettings
@@ -59,20 +61,32 @@ class PikaConnection:
     def retire_leftovers(self, specs: Sequence[ConsumerSpec]) -> None:
         retire_leftovers(self._connection, specs, self._settings)
 
-    def close_keeping_consumers(self, channel: BrokerChannel) -> None:
-        """pika's ``BlockingChannel.close`` cancels every consumer before it closes the channel.
-        On a single-active-consumer queue the cancel makes the broker activate the standby at
-        once, and hand it the ready messages behind the ones this channel still holds, which
-        come back only when the channel closes: order broken. Closing the channel itself makes
-        the broker requeue what it held in place *before* it activates the next consumer."""
-        if not channel.is_open:
-            return
-        blocking = cast(BlockingChannel, channel)
-        impl: Any = getattr(blocking, "_impl")  # noqa: B009 - pika private, see above
-        impl.close(reply_code=200, reply_text="graceful stop")
+    def drop(self) -> None:
+        """End the TCP stream without AMQP's close handshake, once every frame written so far
+        (the acks) has left.
+
+        A closing channel or connection makes RabbitMQ cancel its consumers first: on a
+        single-active-consumer queue the standby is activated at once and handed the ready
+        messages behind the ones this process held, which come back after them (seen on
+        RabbitMQ 4.0 for classic and quorum queues, on 3.10 for quorum queues). A connection
+        that just ends is handled as gone: what each channel held is requeued in place
+        *before* the next consumer is activated, on both versions and both queue types."""
+        impl: Any = getattr(self._connection, "_impl")  # noqa: B009 - pika private, see above
+        transport = getattr(impl, "_transport", None)
         deadline = time.monotonic() + 10
-        while not blocking.is_closed and time.monotonic() < deadline:
-            self._connection.process_data_events(time_limit=0.1)
+        while (
+            transport is not None
+            and transport.get_write_buffer_size()
+            and time.monotonic() < deadline
+        ):
+            self._connection.process_data_events(time_limit=0.05)
+        sock = getattr(transport, "_sock", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(*CONNECTION_ERRORS):
+            # pika notices the end of the stream and marks the connection closed.
+            self._connection.process_data_events(time_limit=0.2)
 
 
 class PikaTransport:

@@ -80,9 +80,10 @@ class BrokerConnection(Protocol):
     def retire_leftovers(self, specs: Sequence[ConsumerSpec]) -> None:
         """Retire the queues ``specs`` left behind (see :mod:`.leftovers`)."""
 
-    def close_keeping_consumers(self, channel: BrokerChannel) -> None:
-        """Close ``channel`` without cancelling its consumers first, so the broker requeues
-        what it held in place before it activates a standby consumer (ordered stop)."""
+    def drop(self) -> None:
+        """End the connection without the AMQP close handshake, once what was written (the
+        acks) has left: the broker requeues what each channel held in place before it
+        activates a standby consumer (ordered stop)."""
 
 
 class RetryPublishing(Protocol):

@@ -357,8 +357,9 @@ def stop_gracefully(link: Link, publisher: RetryPublishing, settings: MessagingS
     Ordered partitions: no cancel, which would make the broker activate a standby consumer
     at once while this process still holds later messages of its keys (they would reach the
     standby after messages published later: order broken). Instead the deliveries not
-    started are dropped here unsettled, the batch in flight finishes, and then the channel
-    is closed, so the broker requeues what is left in place *before* it activates the next
+    started are dropped here unsettled, the batch in flight finishes and is acked, and then
+    the connection is dropped without a close handshake (which would cancel the consumers
+    first), so the broker requeues what is left in place *before* it activates the next
     consumer of the partition.
     """
     ordered = {channel.channel_number for channel in link.channels[1:]}
@@ -373,8 +374,8 @@ def stop_gracefully(link: Link, publisher: RetryPublishing, settings: MessagingS
             if link.in_flight == 0 and publisher.pending() == 0:
                 break
         link.connection.process_data_events(time_limit=0.1)
-    for channel in link.channels[1:]:
-        link.connection.close_keeping_consumers(channel)
+    if ordered:
+        link.connection.drop()
     with link.lock:
         left = link.in_flight
     if left:
