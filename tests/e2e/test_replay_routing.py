@@ -52,12 +52,12 @@ def ready(queue: str) -> list[tuple[Any, bytes]]:
     connection = broker_connection()
     try:
         channel = connection.channel()
-        found = []
+        found: list[tuple[Any, bytes]] = []
         while True:
             method, properties, body = channel.basic_get(queue, auto_ack=True)
             if method is None:
                 return found
-            found.append((properties, body))
+            found.append((properties, body or b""))
     finally:
         connection.close()
 
