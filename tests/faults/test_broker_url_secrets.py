@@ -13,7 +13,6 @@ import io
 import json
 import logging
 import re
-import signal
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -27,10 +26,8 @@ from django.test import override_settings
 
 from reliable_messaging.broker.queues import describe_broker_error
 from reliable_messaging.conf import messaging_settings, redact_url, split_broker_urls
-from tests.support import ConsumeProcess, wait_until
 
-from .harness import RelayProcess
-from .test_security import _process_env
+from .test_security import logs_of_failing_connections
 
 # Each piece between the special characters is distinctive, so a password shown cut in two is
 # caught as surely as one shown whole.
@@ -110,27 +107,7 @@ def test_messaging_status_never_shows_the_password(
 def test_a_refused_login_never_logs_the_password(ns: str, tmp_path: Path, password: str) -> None:
     """The real broker refuses guest with this password (ACCESS_REFUSED); consume and relay
     keep trying, and log each refusal."""
-    env = _process_env(ns, url_with(password, "127.0.0.1:5672"))
-    consume = ConsumeProcess([], env, tmp_path / "consume.log")
-    relay = RelayProcess([], env, tmp_path / "relay.log")
-    try:
-        wait_until(
-            lambda: (
-                consume.log().count("reconnecting") >= 2 and relay.log().count("reconnecting") >= 2
-            ),
-            timeout=60,
-            interval=0.2,
-            message=lambda: f"two refused logins each:\n{consume.log()}\n{relay.log()}",
-        )
-        for proc in (consume, relay):
-            proc.send(signal.SIGTERM)
-        codes = [consume.wait(30), relay.wait(30)]
-    finally:
-        consume.close()
-        relay.close()
-    assert codes == [0, 0]
-    for proc in (consume, relay):
-        log = proc.log()  # stdout and stderr, every logger, tracebacks included
+    for log in logs_of_failing_connections(ns, tmp_path, url_with(password, "127.0.0.1:5672")):
         assert "ACCESS_REFUSED" in log or "AuthenticationError" in log, log
         assert "guest:***@127.0.0.1:5672" in log, log
         assert_hidden(log, password)

@@ -165,6 +165,31 @@ def _process_env(ns: str, broker_url: str) -> dict[str, str]:
     return env
 
 
+def logs_of_failing_connections(ns: str, tmp_path: Path, broker_url: str) -> list[str]:
+    """The logs of ``consume`` and ``relay`` (stdout and stderr, every logger, tracebacks
+    included) after each failed to connect to ``broker_url`` twice and stopped on SIGTERM."""
+    env = _process_env(ns, broker_url)
+    consume = ConsumeProcess([], env, tmp_path / "consume.log")
+    relay = RelayProcess([], env, tmp_path / "relay.log")
+    try:
+        wait_until(
+            lambda: (
+                consume.log().count("reconnecting") >= 2 and relay.log().count("reconnecting") >= 2
+            ),
+            timeout=60,
+            interval=0.2,
+            message=lambda: f"two failed connections each:\n{consume.log()}\n{relay.log()}",
+        )
+        for proc in (consume, relay):
+            proc.send(signal.SIGTERM)
+        codes = [consume.wait(30), relay.wait(30)]
+    finally:
+        consume.close()
+        relay.close()
+    assert codes == [0, 0]
+    return [consume.log(), relay.log()]
+
+
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.timeout(120)
@@ -184,27 +209,7 @@ def test_the_broker_password_never_reaches_the_logs(
 ) -> None:
     quoted = urllib.parse.quote(PASSWORD, safe="")
     url = f"amqp://guest:{quoted}{after_password}@{where}/%2F"
-    env = _process_env(ns, url)
-    consume = ConsumeProcess([], env, tmp_path / "consume.log")
-    relay = RelayProcess([], env, tmp_path / "relay.log")
-    try:
-        wait_until(
-            lambda: (
-                consume.log().count("reconnecting") >= 2 and relay.log().count("reconnecting") >= 2
-            ),
-            timeout=60,
-            interval=0.2,
-            message=lambda: f"two failed connections each:\n{consume.log()}\n{relay.log()}",
-        )
-        for proc in (consume, relay):
-            proc.send(signal.SIGTERM)
-        codes = [consume.wait(30), relay.wait(30)]
-    finally:
-        consume.close()
-        relay.close()
-    assert codes == [0, 0]
-    for proc in (consume, relay):
-        log = proc.log()  # stdout and stderr, every logger, tracebacks included
+    for log in logs_of_failing_connections(ns, tmp_path, url):
         assert PASSWORD not in log and quoted not in log, log
         assert "guest:***@" in log, log  # the URL was logged, redacted
 
