@@ -28,12 +28,17 @@ PGBOUNCER_TESTS ?= tests/e2e/test_consume_command.py tests/e2e/test_replay_end_t
 # quorum queues and their `.dead`, the broker closing and cancelling channels, topology, the
 # relay with its refusals and reconnects, replay, foreign producers, the management API's
 # figures (about 3 minutes in 3 workers). Then, alone, the serial tests that stop, alarm or act
-# inside that node (about 1.5 minutes; none touches PostgreSQL or the 3.10 node).
+# inside that node (about 1.5 minutes; none touches PostgreSQL or the 3.10 node). The tests that
+# name both brokers themselves (test_broker_versions.py, test_inspection.py,
+# test_relay_broker_limits.py) run in the first stage.
 RABBITMQ4_TESTS ?= tests/e2e/test_consume_command.py tests/e2e/test_ordering.py \
 	tests/e2e/test_replay_end_to_end.py tests/faults/test_poison_pills.py \
 	tests/faults/test_broker_closes.py tests/faults/test_foreign_producers.py \
 	tests/faults/test_bad_input_corpus.py \
-	tests/integration/broker tests/integration/consuming/test_consumer_service.py \
+	tests/integration/broker/test_cluster_ready.py tests/integration/broker/test_leftovers.py \
+	tests/integration/broker/test_pika_logs.py tests/integration/broker/test_topology_errors.py \
+	tests/integration/broker/test_write_coalescing.py \
+	tests/integration/consuming/test_consumer_service.py \
 	tests/integration/consuming/test_consumer_outcomes.py \
 	tests/integration/consuming/test_ordered_outcomes.py tests/integration/consuming/test_batching.py \
 	tests/integration/publishing/test_relay.py tests/integration/publishing/test_relay_faults.py \

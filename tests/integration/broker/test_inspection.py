@@ -76,7 +76,14 @@ def check_until(specs: list[ConsumerSpec], *wanted: tuple[str, str, str]) -> Bro
 
 @pytest.fixture
 def on_3_10(ns: str) -> Iterator[dict[str, Any]]:
-    values = {**settings.RELIABLE_MESSAGING, "EXCHANGE": f"rmtest.{ns}", "MAX_BODY_BYTES": 20 * MIB}
+    values = {
+        **settings.RELIABLE_MESSAGING,
+        # The system's node, whichever broker the session tests (RM_TEST_BROKER).
+        "BROKER_URL": "amqp://guest:guest@127.0.0.1:5672/%2F",
+        "MANAGEMENT_URL": "http://127.0.0.1:15672",
+        "EXCHANGE": f"rmtest.{ns}",
+        "MAX_BODY_BYTES": 20 * MIB,
+    }
     with override_settings(RELIABLE_MESSAGING=values):
         yield values
 
