@@ -263,7 +263,7 @@ class Setting(Generic[T]):
     As an attribute of :class:`MessagingSettings` it reads the key at access time and returns
     ``convert(value)`` (the default when the key is absent), typed ``T``. ``doc`` is the
     paragraph of the settings reference (Markdown); ``rule`` what :func:`.checks.check_settings`
-    holds the value to (None: anything converts, as for ``DERIVE_MESSAGE_ID``)."""
+    holds the value to (None: anything converts)."""
 
     key: str
     default: Any
@@ -508,14 +508,15 @@ class MessagingSettings:
         "larger deliveries are dead-lettered (`body_too_large`) without being decoded",
         integer(9, 1, hint="The default is 1048576 (1 MiB).", what="a positive integer"),
     )
-    # Only safe when identical bodies always mean the same event. Not checked: any value reads
-    # as true or false, as it always has.
+    # Only safe when identical bodies always mean the same event.
     derive_message_id = Setting(
         "DERIVE_MESSAGE_ID",
         False,
-        bool,
-        "give a message without message_id the id `sha256:<body hash>` instead of "
-        "dead-lettering it; only when equal bodies always mean the same event",
+        _only_true,
+        "`True` gives a message without message_id the id `sha256:<body hash>` instead of "
+        "dead-lettering it; only when equal bodies always mean the same event. Any other value "
+        '(`"False"` read from an environment variable, `1`) leaves it off',
+        boolean(51, hint="True or False; False (the default) dead-letters a message without id."),
     )
     shutdown_timeout = Setting(
         "SHUTDOWN_TIMEOUT",

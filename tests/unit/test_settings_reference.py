@@ -96,9 +96,8 @@ def test_functions_named_by_declarations_exist_in_the_checks() -> None:
     assert named == set(checks.CHECKED_HERE)
 
 
-def test_only_derive_message_id_is_unchecked() -> None:
-    # It has never been checked (any value reads as true or false); a new setting should be.
-    assert [s.key for s in SETTINGS if s.rule is None] == ["DERIVE_MESSAGE_ID"]
+def test_every_setting_is_checked() -> None:
+    assert [s.key for s in SETTINGS if s.rule is None] == []
 
 
 def test_the_settings_object_is_read_only() -> None:

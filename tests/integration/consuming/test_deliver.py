@@ -13,6 +13,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from reliable_messaging import Message
+from reliable_messaging.checks import check_settings
 from reliable_messaging.core.envelope import (
     ATTEMPT_HEADER,
     FIRST_FAILED_AT_HEADER,
@@ -81,6 +82,18 @@ def test_derived_message_id_deduplicates_identical_bodies() -> None:
     ]
     assert len(effects()) == 2
     assert all(e.message_id.startswith("sha256:") for e in effects())
+
+
+@pytest.mark.parametrize("value", ["False", "0", 1])
+def test_a_derive_message_id_that_is_not_true_leaves_it_off(value: object) -> None:
+    """Read from an environment variable, "False" is a truthy string: it must not turn on
+    derived ids (which merge every two equal bodies) where no system check runs."""
+    values = {**settings.RELIABLE_MESSAGING, "DERIVE_MESSAGE_ID": value}
+    with override_settings(RELIABLE_MESSAGING=values):
+        outcome = deliver(ALPHA, body=b'{"order": 9}', message_id="")
+        assert [m.id for m in check_settings()] == ["reliable_messaging.E051"]
+    assert outcome == Acknowledge("dead_lettered", "missing_message_id")
+    assert effects() == []
 
 
 def test_handler_sees_the_message_fields() -> None:
