@@ -61,3 +61,20 @@ def test_every_code_block_of_the_testing_guide_is_code_a_test_runs() -> None:
             f"docs/testing-handlers.md's block {name!r} is not the code of "
             f"tests/integration/test_testing_guide.py between its {name} markers"
         )
+
+
+def test_the_benchmarks_summary_only_copies_figures_of_its_sections() -> None:
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    start = page.index("## Summary")
+    end = page.index("\n## ", start + 1)
+    summary, sections = page[start:end], page[:start] + page[end:]
+    rows = [line for line in summary.splitlines() if line.startswith("| [")]
+    headings = set(re.findall(r"^## (.+)$", sections, re.MULTILINE))
+    assert len(rows) == len(headings), "one summary row per section"
+    for row in rows:
+        link = re.match(r"\| \[(?P<title>[^\]]+)\]\(#[\w-]+\)", row)
+        assert link and link["title"] in headings, row
+        for figure in re.findall(r"\d[\d,.]*\d|\d", row):
+            assert re.search(rf"(?<![\d,.]){re.escape(figure)}(?![\d,]|\.\d)", sections), (
+                f"{figure} in the summary row {link['title']!r} is in no section"
+            )
