@@ -45,7 +45,7 @@ __all__ = [
 
 
 class StubConnectionLost(ConnectionError):
-    """The stub connection was closed (by :meth:`StubTransport.drop_connections`)."""
+    """A stub connection or channel was used after it closed."""
 
 
 @dataclass(frozen=True)
