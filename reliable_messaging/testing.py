@@ -90,8 +90,8 @@ def deliver(
     """Deliver one message to ``consumer`` as the consume command would, and return the outcome:
     ``Acknowledge("processed" | "duplicate" | "dead_lettered")``, ``ScheduleRetry`` (what the
     broker would redeliver later: call ``deliver`` again with ``attempt=outcome.next_attempt``),
-    ``RetryInPlace`` (the same for an ordered consumer, which retries without letting later
-    messages of the key pass), or ``Release``. ``body`` sends raw bytes instead of encoding
+    or ``RetryInPlace`` (the same for an ordered consumer, which retries without letting later
+    messages of the key pass). ``body`` sends raw bytes instead of encoding
     ``payload``. ``exchange`` is the one it came through (default: the consumer's); through
     the default exchange ``""``, ``routing_key`` names the queue, as for a replay."""
     spec = consumer if isinstance(consumer, ConsumerSpec) else find_consumer(consumer)
