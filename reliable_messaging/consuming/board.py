@@ -46,12 +46,23 @@ class Link:
     # fresh delivery (see ConnectionThread.open_up).
     cautious: bool = True
     open_up: bool = False
-    # Ordered channels being closed by a graceful stop: what they hold goes back in order.
-    closing: set[int] = field(default_factory=set)
+    # The channels of ordered partitions (numbers), and the process's stop event: once it is
+    # set, what those hold goes back only when the connection is dropped (see
+    # ``held_for_the_drop``).
+    ordered: set[int] = field(default_factory=set)
+    stopping: threading.Event = field(default_factory=threading.Event)
     # Queues the broker could not declare at connect (their node down): tried again now and
     # then, and consumed once they can be.
     unavailable: dict[str, str] = field(default_factory=dict)
     retry_topology_at: float = 0.0
+
+    def held_for_the_drop(self, channel: BrokerChannel) -> bool:
+        """An ordered partition's channel of a stopping process: nothing it holds is handled
+        or nacked any more. A nack would give a message back while this process is still the
+        partition's active consumer: a quorum queue hands it straight back to this process,
+        behind later messages, and the drop then returns them in that order. Dropping the
+        connection gives everything back in the order this process received it."""
+        return self.stopping.is_set() and channel.channel_number in self.ordered
 
     def forget(self, channel: BrokerChannel, tag: int) -> None:
         self.unsettled.get(channel.channel_number, {}).pop(tag, None)

@@ -144,7 +144,7 @@ class ConnectionThread:
             prefetch = max(self.settings.prefetch, self.concurrency)
             shared_channel, unavailable = connection.declare_topology(self.specs)
             connection.retire_leftovers(self.specs)
-            link = Link(connection, [shared_channel], unavailable=unavailable)
+            link = Link(connection, [shared_channel], unavailable=unavailable, stopping=self._stop)
             shared_channel.basic_qos(prefetch_count=1)
             self._watch(link, shared_channel)
             queues = self._subscribe_all(link, self.specs)
@@ -214,6 +214,7 @@ class ConnectionThread:
                     channel = link.connection.channel()
                     channel.basic_qos(prefetch_count=self.settings.prefetch)
                     link.channels.append(channel)
+                    link.ordered.add(channel.channel_number)
                     self._watch(link, channel)
                 on_message = functools.partial(self._on_message, link, spec, queue)
                 tag = channel.basic_consume(queue, on_message)
@@ -331,8 +332,8 @@ class ConnectionThread:
         delivery = delivery_from_frame(queue, method, properties, body)
         number = channel.channel_number
         link.unsettled.setdefault(number, {})[delivery.delivery_tag] = None
-        if number in link.closing:
-            return  # a graceful stop closes this ordered channel: the broker requeues it
+        if link.held_for_the_drop(channel):
+            return  # a graceful stop drops the connection: the broker requeues it in place
         if link.cautious and not delivery.redelivered and channel is link.channels[0]:
             link.open_up = True
         from_dead_letter_queue = self.settings.queue_type == "quorum" and queue in (
@@ -357,15 +358,14 @@ def stop_gracefully(link: Link, publisher: RetryPublishing, settings: MessagingS
     Ordered partitions: no cancel, which would make the broker activate a standby consumer
     at once while this process still holds later messages of its keys (they would reach the
     standby after messages published later: order broken). Instead the deliveries not
-    started are dropped here unsettled, the batch in flight finishes and is acked, and then
+    started are left unsettled, never nacked, from the moment the stop is asked for (see
+    :meth:`~.board.Link.held_for_the_drop`), the batch in flight finishes and is acked, and then
     the connection is dropped without a close handshake (which would cancel the consumers
     first), so the broker requeues what is left in place *before* it activates the next
     consumer of the partition.
     """
-    ordered = {channel.channel_number for channel in link.channels[1:]}
-    link.closing.update(ordered)
     for channel, tag, _, _ in link.consumers:
-        if channel.channel_number not in ordered:
+        if channel.channel_number not in link.ordered:
             channel.basic_cancel(tag)
     deadline = time.monotonic() + settings.shutdown_timeout
     while time.monotonic() < deadline:
@@ -374,7 +374,7 @@ def stop_gracefully(link: Link, publisher: RetryPublishing, settings: MessagingS
             if link.in_flight == 0 and publisher.pending() == 0:
                 break
         link.connection.process_data_events(time_limit=0.1)
-    if ordered:
+    if link.ordered:
         link.connection.drop()
     with link.lock:
         left = link.in_flight

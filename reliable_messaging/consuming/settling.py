@@ -5,8 +5,8 @@ Workers call :meth:`OutcomeSettler.hand_back` from their own threads; it schedul
 since broker objects are only ever touched by the thread that owns their connection. Acks go
 out after the batch's commit, coalesced; a retry copy is published (with confirms, on the retry
 publisher's connection) before its original is acked; releases are nacked with requeue, except
-on an ordered channel a graceful stop is closing, where closing the channel gives them back in
-place.
+on an ordered channel once the process is stopping, where dropping the connection gives them back
+in place (:meth:`~.board.Link.held_for_the_drop`).
 """
 
 from __future__ import annotations
@@ -101,8 +101,8 @@ class OutcomeSettler:
                 tags.add(item.delivery.delivery_tag)
             elif isinstance(outcome, ScheduleRetry):
                 self._publish_retry(item, outcome)
-            elif item.channel.channel_number in item.link.closing:
-                # Closing the channel gives it back in place, behind nothing (ordered stop).
+            elif item.link.held_for_the_drop(item.channel):
+                # Dropping the connection gives it back in place (ordered stop): not nacked.
                 pass
             else:
                 item.channel.basic_nack(item.delivery.delivery_tag, requeue=True)

@@ -294,19 +294,22 @@ def test_a_queue_deleted_under_the_consumer_is_declared_again_and_consumed(
 # --------------------------------------------------------------------------- ordered hand-over
 
 
+@pytest.mark.parametrize("queue_type", ["classic", "quorum"])
 def test_an_ordered_partition_handed_to_the_standby_on_sigterm_keeps_key_order(
-    rig: FaultRig,
+    rig: FaultRig, queue_type: str
 ) -> None:
     """Two processes on the ordered consumer tests.gamma: the first holds every partition
     (single active consumer), the second stands by. The first is stopped gracefully mid-stream:
     the standby takes over, and every key's messages still first take effect in ``seq`` order,
     once each. A small prefetch leaves messages ready beyond the stopping process's window, so
     the standby has something to take the moment it becomes active. A close handshake would
-    have RabbitMQ 4.0 activate the standby before it requeues what the first held. (Quorum
-    queues: see docs/development.md, not done yet.)"""
+    have RabbitMQ 4.0 activate the standby before it requeues what the first held. On quorum
+    queues a nack from the stopping process (its workers give back what they hold as soon as
+    the stop is asked for) would hand the message straight back to it, behind a later one of
+    its key, and the drop would return them to the standby in that order."""
     gamma = f"{rig.ns}.gamma"
     args = ["--queue", gamma, "--concurrency", "2"]
-    env = {"RM_TEST_PREFETCH": "10"}
+    env = {"RM_TEST_PREFETCH": "10", "RM_TEST_QUEUE_TYPE": queue_type}
     active = rig.consumer(*args, **env)
     standby = rig.consumer(*args, **env)
     keys = [f"k{n}" for n in range(6)]

@@ -248,6 +248,50 @@ def test_a_retrying_key_holds_only_its_own_partition(
     assert broker.events("nack") == [] and broker.events("channel_closed") == []
 
 
+def test_a_stopping_process_gives_an_ordered_partition_back_by_dropping_it_never_by_a_nack(
+    broker: StubTransport, run_service: Callable[..., ConsumerService]
+) -> None:
+    """The stop lands while a worker holds a partition: the worker gives its deliveries back at
+    once, before the connection's thread has noticed the stop. None of them is nacked: while
+    this process is still the partition's active consumer, a quorum queue hands a nacked
+    message straight back to it, behind a later one delivered meanwhile, and the dropped
+    connection then returns them to the standby in that order. They go back with the
+    connection, in the order they came."""
+    services: list[ConsumerService] = []
+    ids = [f"a-{i}" for i in range(5)]
+    stopped = threading.Event()
+
+    def handler(message: Message) -> None:
+        if message.message_id == ids[0]:
+            services[0].request_stop()  # SIGTERM landing mid-handler
+            stopped.set()
+            raise RuntimeError("fails: its partition waits for the retry in place")
+        record(message)
+
+    fast = {"ORDERED_PARTITIONS": 1, "RETRY_DELAYS": [30.0], "MAX_ATTEMPTS": 5}
+    from django.conf import settings
+
+    with override_settings(RELIABLE_MESSAGING={**settings.RELIABLE_MESSAGING, **fast}):
+        consumer = spec(handler, ordered=True)
+        p0 = f"{consumer.queue}.p0"
+        services.append(run_service([consumer], concurrency=1))
+        for message_id in ids:
+            publish(broker, p0, body(), message_id=message_id, headers={ORDERING_KEY_HEADER: "a"})
+        assert stopped.wait(15), "the first delivery never reached its handler"
+        wait_until(
+            lambda: (
+                not services[0].connected.is_set()
+                and broker.ready(p0) == len(ids)
+                and broker.unacked() == 0
+            ),
+            timeout=15,
+            message=lambda: f"the stopped service gave back {ids}; log: {broker.events()}",
+        )
+    assert broker.events("nack") == [], "a stopping process nacked an ordered partition's delivery"
+    assert [m.properties.message_id for m in broker.queues[p0]] == ids
+    assert effects() == []
+
+
 def test_a_channel_the_broker_closes_mid_batch_loses_nothing_and_doubles_nothing(
     broker: StubTransport, run_service: Callable[..., ConsumerService], outcomes: Outcomes
 ) -> None:
