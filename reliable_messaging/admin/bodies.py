@@ -53,8 +53,31 @@ def raw_text(data: bytes) -> str:
     )
 
 
+# Deeper JSON is shown raw: indented, each level adds two spaces to every line below it, so a
+# body nested 5,000 deep would print as tens of MB (Python 3.13's printer takes it).
+PRETTY_DEPTH = 64
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests lists and objects more than ``limit`` deep (no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if not isinstance(item, dict | list):
+            continue
+        if depth > limit:
+            return True
+        stack.extend(
+            (child, depth + 1) for child in (item.values() if isinstance(item, dict) else item)
+        )
+    return False
+
+
 def pretty_json(value: Any) -> str | None:
-    """``value`` indented, or None when the printer refuses it (nested too deep)."""
+    """``value`` indented, or None when it nests deeper than ``PRETTY_DEPTH`` or the printer
+    refuses it."""
+    if _deeper_than(value, PRETTY_DEPTH):
+        return None
     try:
         return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True)
     except (RecursionError, ValueError, TypeError):

@@ -61,6 +61,21 @@ def test_a_body_that_is_not_json_or_utf8_is_shown_raw_and_escaped(
     assert "32 bytes" in html
 
 
+def test_json_nested_deeper_than_the_printer_should_go_is_shown_raw(
+    admin: Client, make_dead_letter: MakeDeadLetter
+) -> None:
+    """Valid JSON 200 deep: indented, every level would add two spaces to each line below it
+    (Python 3.13's printer goes 5,000 deep, into tens of MB); it is shown as its raw text."""
+    body = b"[" * 200 + b"]" * 200
+    letter = make_dead_letter(payload=None, body=body, reason="permanent")
+
+    html = admin.get(change_url(letter)).content.decode()
+
+    assert "Raw body" in html
+    assert "[" * 200 in html
+    assert "400 bytes" in html
+
+
 def test_the_page_is_read_only_and_shows_the_whole_story(
     admin: Client, make_dead_letter: MakeDeadLetter
 ) -> None:
