@@ -54,6 +54,7 @@ except ImportError as exc:  # the "celery" extra is not installed
 from django.db import DatabaseError, router, transaction
 
 from .. import metrics
+from ..choices import DeadLetterReason
 from ..conf import messaging_settings
 from ..consuming.crash_guard import CrashGuard, Suspicion
 from ..core.database_errors import (
@@ -69,7 +70,7 @@ from ..core.outcomes import OutcomeLabel
 from ..dead_letters.record import record_dead_letter
 from ..exactly_once import claimed_atomic
 from ..exceptions import DatabaseUnavailable
-from ..models import DeadLetterReason, ProcessedMessage
+from ..models import ProcessedMessage
 
 logger = logging.getLogger(__name__)
 
