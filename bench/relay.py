@@ -198,7 +198,8 @@ def relay_memory(namespace: str, exchange: str, queue: str, total: int) -> tuple
     from django.db import transaction
 
     from reliable_messaging import publish
-    from reliable_messaging.models import OutboxMessage, OutboxStatus
+    from reliable_messaging.choices import OutboxStatus
+    from reliable_messaging.models import OutboxMessage
 
     OutboxMessage.objects.all().delete()
     vacuum_outbox()

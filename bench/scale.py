@@ -478,7 +478,8 @@ def measure(
 ) -> Measurement:
     from relay import declare_sink, raw_pika_publish
 
-    from reliable_messaging.models import OutboxMessage, OutboxStatus
+    from reliable_messaging.choices import OutboxStatus
+    from reliable_messaging.models import OutboxMessage
 
     declare_sink(exchange, queue)  # purges
     started = time.perf_counter()

@@ -192,7 +192,8 @@ def restart_broker(down_seconds: float, publisher: Publisher) -> float:
 
 def handled_counts(exchange: str) -> tuple[int, dict[str, int]]:
     """(outbox rows not yet sent, {label: distinct messages with an effect or dead letter})."""
-    from reliable_messaging.models import DeadLetter, OutboxMessage, OutboxStatus
+    from reliable_messaging.choices import OutboxStatus
+    from reliable_messaging.models import DeadLetter, OutboxMessage
     from tests.testapp.models import Effect
 
     unsent = OutboxMessage.objects.filter(exchange=exchange).exclude(status=OutboxStatus.SENT)

@@ -15,5 +15,5 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "demo_project.settings")
 
 app = Celery("demo_project")
 app.config_from_object("django.conf:settings", namespace="CELERY")
-# Finds demo_project.shop.tasks and reliable_messaging.contrib.celery (relay_outbox).
+# Finds demo_project.shop.tasks and reliable_messaging.tasks (relay_outbox).
 app.autodiscover_tasks()

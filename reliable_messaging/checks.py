@@ -390,7 +390,7 @@ def check_idempotent_tasks(app_configs: Any = None, **kwargs: Any) -> list[Check
     """``@idempotent_task`` tasks whose Celery options lose the key of a killed pool child."""
     import sys
 
-    # Celery is optional: without the tasks module imported no @idempotent_task exists, and
+    # Celery is optional: without contrib.celery imported no @idempotent_task exists, and
     # the check does not import Celery for nothing.
     if f"{__package__}.contrib.celery" not in sys.modules:
         return []

@@ -2,8 +2,7 @@
 dead letters and outbox rows.
 
 They live apart from the models so that the managers (``managers.py``), which the models
-import, can name them without an import circle; ``reliable_messaging.models`` re-exports them,
-so code that imports them from there keeps working.
+import, can name them without an import circle.
 """
 
 from __future__ import annotations

@@ -23,29 +23,10 @@ from .managers import (
     DeadLetterGroupManager,
     DeadLetterManager,
     DeadLetterOperationManager,
-    DeadLetterQuerySet,
     OutboxMessageManager,
-    OutboxMessageQuerySet,
     ProcessedMessageManager,
     SuspectDeliveryManager,
 )
-
-# Re-exported: they were defined here, and code imports them from here.
-__all__ = [
-    "DeadLetter",
-    "DeadLetterGroup",
-    "DeadLetterGroupDelta",
-    "DeadLetterOperation",
-    "DeadLetterQuerySet",
-    "DeadLetterReason",
-    "DeadLetterStatus",
-    "LiveDeadLetterGroup",
-    "OutboxMessage",
-    "OutboxMessageQuerySet",
-    "OutboxStatus",
-    "ProcessedMessage",
-    "SuspectDelivery",
-]
 
 
 class ProcessedMessage(models.Model):

@@ -1,10 +1,49 @@
-"""Moved to :mod:`reliable_messaging.contrib.celery`.
+"""The Celery task ``reliable_messaging.relay_outbox``, for teams that schedule work with Celery
+beat instead of running ``manage.py relay``.
 
-This path keeps working for a while, and warns (see :mod:`reliable_messaging.moved_modules`).
+Celery's ``app.autodiscover_tasks()`` imports this module (``<app>.tasks`` of every installed
+app), which registers the task; add it to the beat schedule::
+
+    CELERY_BEAT_SCHEDULE = {
+        "relay-outbox": {"task": "reliable_messaging.relay_outbox", "schedule": 5.0},
+    }
+
+Each run drains the outbox for at most ``max_seconds`` and returns a summary. Runs may overlap:
+on PostgreSQL rows are claimed with ``SELECT ... FOR UPDATE SKIP LOCKED``, so no row is sent twice
+by two runs; SQLite ignores ``SKIP LOCKED``, so overlapping runs there may send a row twice (the
+consumers' inbox drops the copy).
 """
 
-from .moved_modules import forward
+from __future__ import annotations
 
-__getattr__, __dir__ = forward(
-    __name__, "reliable_messaging.contrib.celery", eager=True, quiet_importers=("celery",)
-)
+from typing import Any
+
+try:
+    from celery import shared_task
+except ImportError as exc:  # the "celery" extra is not installed
+    from .exceptions import MissingExtra
+
+    raise MissingExtra("reliable_messaging.relay_outbox", "celery", "celery") from exc
+from django.db import router
+
+from .models import OutboxMessage
+from .partitions import OUTBOX, ensure_partitions
+from .publishing.relay import OutboxRelay
+
+
+@shared_task(name="reliable_messaging.relay_outbox", ignore_result=False)
+def relay_outbox(max_seconds: float = 50.0, batch_size: int | None = None) -> dict[str, Any]:
+    """Publish pending outbox rows until none is left or ``max_seconds`` have passed."""
+    # The sent rows' day partitions (PostgreSQL), made ahead as `manage.py relay` makes them: a
+    # catalog read when they exist.
+    ensure_partitions(router.db_for_write(OutboxMessage), spec=OUTBOX)
+    report = OutboxRelay(
+        once=True, max_seconds=max_seconds, batch_size=batch_size, listen=False
+    ).run()
+    return {
+        "sent": report.sent,
+        "nacked": report.nacked,
+        "unroutable": report.returned,
+        "pending": report.left_pending,
+        "failed": report.left_failed,
+    }

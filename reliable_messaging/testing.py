@@ -35,6 +35,7 @@ from django.db import router
 from django.utils import timezone
 
 from .broker.topology import consumer_queues
+from .choices import OutboxStatus
 from .conf import messaging_settings
 from .consuming.processing import DeliveryProcessor
 from .core.envelope import (
@@ -48,7 +49,7 @@ from .core.envelope import (
 from .core.outcomes import Acknowledge, Outcome, Release, RetryInPlace, ScheduleRetry
 from .core.routing import topic_matches
 from .core.uuid7 import new_message_id
-from .models import OutboxMessage, OutboxStatus
+from .models import OutboxMessage
 from .registry import ConsumerRegistry, ConsumerSpec, registry
 
 __all__ = [

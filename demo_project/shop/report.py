@@ -16,13 +16,8 @@ from typing import Any, NamedTuple
 from django.db import connection
 from django.db.models import Count
 
-from reliable_messaging.models import (
-    DeadLetter,
-    DeadLetterReason,
-    OutboxMessage,
-    OutboxStatus,
-    ProcessedMessage,
-)
+from reliable_messaging.choices import DeadLetterReason, OutboxStatus
+from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
 from reliable_messaging.registry import registry
 
 from .consumers import BILLING

@@ -32,6 +32,7 @@ from django.template.response import TemplateResponse
 from django.utils.http import urlencode
 from django.utils.translation import gettext, ngettext
 
+from ..choices import DeadLetterStatus
 from ..dead_letters.replay import ReplayResult, discard, discardable, replay_batch
 from ..dead_letters.selection import (
     BY_MESSAGE_ID,
@@ -44,7 +45,8 @@ from ..dead_letters.selection import (
     unreplayable,
     wanted,
 )
-from ..models import DeadLetter, DeadLetterGroup, DeadLetterQuerySet, DeadLetterStatus
+from ..managers import DeadLetterQuerySet
+from ..models import DeadLetter, DeadLetterGroup
 from ..publishing.wake_after_commit import wake_relay_after_commit
 from .operations import COUNT_CAP, OperationConsole, capped_count, operator, record_operation
 

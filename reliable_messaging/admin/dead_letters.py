@@ -25,9 +25,10 @@ from django.utils.http import urlencode
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
+from ..choices import DeadLetterStatus
 from ..dead_letters import selection
 from ..dead_letters.replay import REPLAYABLE_STATUSES, UNREPLAYABLE_REASONS, stale_replays
-from ..models import DeadLetter, DeadLetterGroup, DeadLetterStatus, ProcessedMessage
+from ..models import DeadLetter, DeadLetterGroup, ProcessedMessage
 from . import bodies, scaling
 from . import console as admin_views
 from . import operations as admin_operations

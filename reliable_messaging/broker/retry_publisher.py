@@ -39,6 +39,7 @@ from pika.spec import BasicProperties
 from .. import metrics
 from ..conf import MessagingSettings, messaging_settings
 from ..core.backoff import Backoff
+from ..liveness import HealthState
 from .queues import describe_broker_error
 from .replies import NOT_FOUND
 from .topology import CONNECTION_ERRORS, connect
@@ -89,7 +90,7 @@ class RetryPublisher:
         self,
         settings: MessagingSettings = messaging_settings,
         *,
-        health: metrics.HealthState | None = None,
+        health: HealthState | None = None,
         on_missing: Callable[[str], None] | None = None,
     ) -> None:
         self.settings = settings

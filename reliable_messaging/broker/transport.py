@@ -20,8 +20,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from .. import metrics
     from ..conf import MessagingSettings
+    from ..liveness import HealthState
     from ..registry import ConsumerSpec
     from .retry_publisher import RetryCopy
 
@@ -112,7 +112,7 @@ class BrokerTransport(Protocol):
         self,
         settings: MessagingSettings,
         *,
-        health: metrics.HealthState | None,
+        health: HealthState | None,
         on_missing: Callable[[str], None],
     ) -> RetryPublishing: ...
 

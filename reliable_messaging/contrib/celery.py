@@ -1,16 +1,4 @@
-"""Celery: the ``relay_outbox`` task, and ``@idempotent_task`` for tasks that must take effect once.
-
-``relay_outbox`` is for teams that schedule work with Celery beat instead of running processes.
-Add it to the beat schedule::
-
-    CELERY_BEAT_SCHEDULE = {
-        "relay-outbox": {"task": "reliable_messaging.relay_outbox", "schedule": 5.0},
-    }
-
-Each run drains the outbox for at most ``max_seconds`` and returns a summary. Runs may overlap:
-on PostgreSQL rows are claimed with ``SELECT ... FOR UPDATE SKIP LOCKED``, so no row is sent twice
-by two runs; SQLite ignores ``SKIP LOCKED``, so overlapping runs there may send a row twice (the
-consumers' inbox drops the copy).
+"""Celery: ``@idempotent_task``, for tasks that must take effect once.
 
 ``@idempotent_task`` goes *below* Celery's own decorator, so every Celery option (``bind``,
 ``acks_late``, ``autoretry_for``, ``queue``...) works as usual::
@@ -57,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, ParamSpec, TypeVar, overload
 
 try:
-    from celery import Celery, Task, current_task, shared_task
+    from celery import Celery, Task, current_task
     from celery.exceptions import Reject
 except ImportError as exc:  # the "celery" extra is not installed
     from ..exceptions import MissingExtra
@@ -66,6 +54,7 @@ except ImportError as exc:  # the "celery" extra is not installed
 from django.db import DatabaseError, router, transaction
 
 from .. import metrics
+from ..choices import DeadLetterReason
 from ..conf import messaging_settings
 from ..consuming.crash_guard import CrashGuard, Suspicion
 from ..core.database_errors import (
@@ -81,9 +70,7 @@ from ..core.outcomes import OutcomeLabel
 from ..dead_letters.record import record_dead_letter
 from ..exactly_once import claimed_atomic
 from ..exceptions import DatabaseUnavailable
-from ..models import DeadLetterReason, OutboxMessage, ProcessedMessage
-from ..partitions import OUTBOX, ensure_partitions
-from ..publishing.relay import OutboxRelay
+from ..models import ProcessedMessage
 
 logger = logging.getLogger(__name__)
 
@@ -107,24 +94,6 @@ CELERY_TASK_ID_HEADER = "celery-task-id"
 # The wrappers @idempotent_task returned, so the system check can find their Celery tasks.
 # Weak: a task defined and dropped at run time (a test's) does not stay here.
 _idempotent_bodies: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
-
-
-@shared_task(name="reliable_messaging.relay_outbox", ignore_result=False)
-def relay_outbox(max_seconds: float = 50.0, batch_size: int | None = None) -> dict[str, Any]:
-    """Publish pending outbox rows until none is left or ``max_seconds`` have passed."""
-    # The sent rows' day partitions (PostgreSQL), made ahead as `manage.py relay` makes them: a
-    # catalog read when they exist.
-    ensure_partitions(router.db_for_write(OutboxMessage), spec=OUTBOX)
-    report = OutboxRelay(
-        once=True, max_seconds=max_seconds, batch_size=batch_size, listen=False
-    ).run()
-    return {
-        "sent": report.sent,
-        "nacked": report.nacked,
-        "unroutable": report.returned,
-        "pending": report.left_pending,
-        "failed": report.left_failed,
-    }
 
 
 def inbox_key(key: object) -> str:

@@ -136,10 +136,6 @@ class Delivery:
     defects: tuple[str, ...] = ()
 
 
-# Why a delivery cannot be decoded: the decoding members of the one list of failure reasons.
-DecodeReason = FailureReason
-
-
 @dataclass(frozen=True)
 class DecodeError:
     """Why a delivery cannot be handled; ``message_id`` is whatever could be read."""
@@ -522,16 +518,16 @@ def _parse_json(text: str, error: Callable[[str, str], DecodeError]) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        return error(DecodeReason.INVALID_JSON, f"the body is not valid JSON: {exc}")
+        return error(FailureReason.INVALID_JSON, f"the body is not valid JSON: {exc}")
     except RecursionError:
         return error(
-            DecodeReason.INVALID_JSON,
+            FailureReason.INVALID_JSON,
             "the body is JSON nested too deeply to decode (arrays or objects thousands of "
             "levels deep)",
         )
     except ValueError as exc:  # an integer literal beyond Python's 4300-digit limit
         return error(
-            DecodeReason.INVALID_JSON,
+            FailureReason.INVALID_JSON,
             f"the body is JSON with a number too long to decode: {str(exc)[:200]}",
         )
 
@@ -558,7 +554,7 @@ def decode_delivery(
 
     if len(delivery.body) > max_body_bytes:
         return error(
-            DecodeReason.BODY_TOO_LARGE,
+            FailureReason.BODY_TOO_LARGE,
             f"body is {len(delivery.body)} bytes, the limit (MAX_BODY_BYTES) is {max_body_bytes}",
         )
     defects = list(delivery.defects)
@@ -573,49 +569,49 @@ def decode_delivery(
         )
     if defects:
         return DecodeError(
-            reason=DecodeReason.INVALID_HEADERS,
+            reason=FailureReason.INVALID_HEADERS,
             detail="; ".join(defects),
             message_id=fit_utf8(message_id),  # an escaped id may be longer than the column
         )
     if not message_id:
         return error(
-            DecodeReason.MISSING_MESSAGE_ID,
+            FailureReason.MISSING_MESSAGE_ID,
             "the message has no message_id property, so duplicates cannot be "
             "recognised; publish with a message_id (or set DERIVE_MESSAGE_ID)",
         )
     if "\x00" in message_id:
-        return error(DecodeReason.INVALID_HEADERS, "message_id contains a NUL character")
+        return error(FailureReason.INVALID_HEADERS, "message_id contains a NUL character")
     if len(message_id) > MAX_MESSAGE_ID_LENGTH:
         return error(
-            DecodeReason.INVALID_HEADERS,
+            FailureReason.INVALID_HEADERS,
             f"message_id is {len(message_id)} characters long, the limit is "
             f"{MAX_MESSAGE_ID_LENGTH}",
         )
     content_type = (_text(delivery.content_type) or "").split(";")[0].strip().lower()
     if content_type and content_type != CONTENT_TYPE and not content_type.endswith("+json"):
         return error(
-            DecodeReason.UNSUPPORTED_CONTENT_TYPE,
+            FailureReason.UNSUPPORTED_CONTENT_TYPE,
             f"content type {content_type!r} is not JSON; only {CONTENT_TYPE} is accepted",
         )
     if not delivery.body:
-        return error(DecodeReason.EMPTY_BODY, "the body is empty; a JSON document was expected")
+        return error(FailureReason.EMPTY_BODY, "the body is empty; a JSON document was expected")
     try:
         text = delivery.body.decode("utf-8")
     except UnicodeDecodeError as exc:
-        return error(DecodeReason.INVALID_UTF8, f"the body is not valid UTF-8: {exc}")
+        return error(FailureReason.INVALID_UTF8, f"the body is not valid UTF-8: {exc}")
     payload = _parse_json(text, error)
     if isinstance(payload, DecodeError):
         return payload
     if "\\u" in text and _has_lone_surrogate(payload):
         return error(
-            DecodeReason.INVALID_JSON,
+            FailureReason.INVALID_JSON,
             "the body escapes a lone UTF-16 surrogate (such as \\ud800), which is "
             "not a character: no database or UTF-8 text can hold it",
         )
     try:
         attempt = parse_attempt(delivery.headers)
     except ValueError as exc:
-        return error(DecodeReason.INVALID_HEADERS, str(exc))
+        return error(FailureReason.INVALID_HEADERS, str(exc))
     headers = delivery.headers
     origin = headers if _sent_to_its_queue(delivery) else {}
     return Message(

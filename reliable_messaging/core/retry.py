@@ -8,8 +8,6 @@ from dataclasses import dataclass
 from ..exceptions import HandlerTimeout, PermanentError
 from .outcomes import FailureReason
 
-__all__ = ["FailureReason", "GiveUp", "RetryLater", "decide", "delay_for", "delay_name"]
-
 
 @dataclass(frozen=True)
 class RetryLater:

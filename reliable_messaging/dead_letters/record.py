@@ -10,6 +10,7 @@ from typing import Any
 from django.db import DataError, router
 from django.utils import timezone
 
+from ..choices import DeadLetterStatus
 from ..core.envelope import (
     FIRST_FAILED_AT_HEADER,
     MAX_STORED_NESTING,
@@ -21,7 +22,7 @@ from ..core.envelope import (
     safe_text,
 )
 from ..core.fingerprints import exception_fingerprint, reason_fingerprint
-from ..models import DeadLetter, DeadLetterStatus
+from ..models import DeadLetter
 
 logger = logging.getLogger(__name__)
 

@@ -28,6 +28,7 @@ from django.db.models import Q, QuerySet
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from ..choices import DeadLetterReason, DeadLetterStatus, OutboxStatus
 from ..core.envelope import (
     ATTEMPT_HEADER,
     BROKER_HEADERS,
@@ -43,14 +44,7 @@ from ..core.envelope import (
     REPLAYED_BY_HEADER,
     wire_headers,
 )
-from ..models import (
-    DeadLetter,
-    DeadLetterReason,
-    DeadLetterStatus,
-    OutboxMessage,
-    OutboxStatus,
-    ProcessedMessage,
-)
+from ..models import DeadLetter, OutboxMessage, ProcessedMessage
 
 logger = logging.getLogger(__name__)
 

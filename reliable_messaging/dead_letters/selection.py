@@ -21,8 +21,8 @@ from django.db.models import Q, QuerySet, TextField
 from django.db.models.functions import Cast
 from django.utils.text import smart_split, unescape_string_literal
 
-from ..choices import OperationKind
-from ..models import DeadLetter, DeadLetterStatus
+from ..choices import DeadLetterStatus, OperationKind
+from ..models import DeadLetter
 from .replay import UNREPLAYABLE_REASONS, replayable, stale_replays
 
 # Query parameters of the admin's changelist that are not filters.

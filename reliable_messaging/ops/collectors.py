@@ -61,8 +61,9 @@ from ..broker.queues import (
     monitored_queues,
     queues_from_amqp,
 )
+from ..choices import OutboxStatus
 from ..conf import MessagingSettings, messaging_settings
-from ..models import DeadLetter, DeadLetterGroup, OutboxMessage, OutboxStatus, ProcessedMessage
+from ..models import DeadLetter, DeadLetterGroup, OutboxMessage, ProcessedMessage
 from ..registry import ConsumerSpec, registry
 
 logger = logging.getLogger(__name__)

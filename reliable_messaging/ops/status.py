@@ -5,15 +5,11 @@ judges them against :class:`Thresholds` (:func:`collect_status`, which ``manage.
 messaging_status`` renders) and answers every health endpoint:
 
 - ``messaging/healthz/`` of the web process (:mod:`.views`) and the django-health-check check
-  (:mod:`reliable_messaging.contrib.health_check`) judge the whole system with :func:`system_health`
-  and
-  :func:`outbox_lag_problem`, against the outbox-lag limits declared once below;
-- ``/healthz`` of a consume or relay process (:mod:`.http`) renders
-  :func:`process_health`, the verdict of what the process recorded in its
-  :class:`reliable_messaging.liveness.HealthState`.
-
-The readers and their dataclasses (``broker_status``, ``database_status``, ``QueueStatus``, ...)
-used to live here and are still importable from here.
+  (:mod:`reliable_messaging.contrib.health_check`) judge the whole system with
+  :func:`system_health` and :func:`outbox_lag_problem`, against the outbox-lag limits declared
+  once below;
+- ``/healthz`` of a consume or relay process (:mod:`.http`) renders :func:`process_health`, the
+  verdict of what the process recorded in its :class:`reliable_messaging.liveness.HealthState`.
 """
 
 from __future__ import annotations
@@ -27,66 +23,15 @@ from django.utils import timezone
 
 from ..broker.findings import summary
 from ..broker.inspection import BrokerCheck, check_broker
-from ..broker.queues import (
-    DEFAULT_TIMEOUT,
-    MANAGEMENT_PORT,
-    MANAGEMENT_TLS_PORT,
-    UNAUTHORIZED,
-    BrokerStatus,
-    QueueKind,
-    QueueStatus,
-    broker_connection_error,
-    broker_status,
-    default_management_url,
-    describe_error,
-    monitored_queues,
-    queues_from_amqp,
-    scrub,
-    with_management_figures,
-)
-from ..broker.replies import NOT_FOUND
+from ..broker.queues import DEFAULT_TIMEOUT, BrokerStatus, broker_status
 from ..conf import MessagingSettings, messaging_settings
 from ..partitions import UPKEEP_WARN_DAYS
 from ..registry import ConsumerSpec
-from .collectors import DatabaseStatus, DeadLetterCount, database_status
+from .collectors import DatabaseStatus, database_status
 
 if TYPE_CHECKING:
     from ..liveness import HealthCheck
 
-__all__ = [
-    "DEFAULT_TIMEOUT",
-    "MANAGEMENT_PORT",
-    "MANAGEMENT_TLS_PORT",
-    "NOT_FOUND",
-    "OUTBOX_LAG_LIMIT",
-    "OUTBOX_LAG_STRICT_LIMIT",
-    "STATUS_FORMAT_VERSION",
-    "UNAUTHORIZED",
-    "BrokerStatus",
-    "CheckResult",
-    "DatabaseStatus",
-    "DeadLetterCount",
-    "HealthReport",
-    "MessagingStatus",
-    "Problem",
-    "QueueKind",
-    "QueueStatus",
-    "Thresholds",
-    "broker_connection_error",
-    "broker_status",
-    "collect_status",
-    "database_status",
-    "default_management_url",
-    "describe_error",
-    "find_problems",
-    "monitored_queues",
-    "outbox_lag_problem",
-    "process_health",
-    "queues_from_amqp",
-    "scrub",
-    "system_health",
-    "with_management_figures",
-]
 
 # Version of the ``--json`` document; raised only when a key changes meaning or goes away.
 STATUS_FORMAT_VERSION = 1

@@ -30,8 +30,9 @@ from django.db.models.expressions import RawSQL
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from ..choices import OutboxStatus
 from ..conf import MessagingSettings
-from ..models import OutboxMessage, OutboxStatus
+from ..models import OutboxMessage
 from ..partitions import OUTBOX, UNSENT_STATUSES, ensure_covered, row_moved
 
 # Logged under the relay's name, the one users' logging configuration knows.

@@ -24,7 +24,8 @@ from typing import Any
 
 from django.db import connection
 
-from reliable_messaging.models import DeadLetter, OutboxMessage, OutboxStatus
+from reliable_messaging.choices import OutboxStatus
+from reliable_messaging.models import DeadLetter, OutboxMessage
 from tests.faults.harness import LABELS, FaultRig, RelayProcess, Traffic, Verdict
 from tests.support import ConsumeProcess, ManageProcess, WaitTimeout, wait_until
 from tests.testapp.models import Effect

@@ -16,8 +16,9 @@ import pytest
 from django.db import transaction
 
 from reliable_messaging import publish
+from reliable_messaging.choices import DeadLetterReason, DeadLetterStatus
 from reliable_messaging.dead_letters.replay import replay_batch
-from reliable_messaging.models import DeadLetter, DeadLetterReason, DeadLetterStatus
+from reliable_messaging.models import DeadLetter
 from tests.conftest import subprocess_env
 from tests.support import ConsumeProcess, ManageProcess, all_queue_counts, wait_until
 from tests.testapp.models import Effect

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from django.core.management import call_command
 
-from reliable_messaging.models import DeadLetter, DeadLetterStatus, ProcessedMessage
+from reliable_messaging.choices import DeadLetterStatus
+from reliable_messaging.models import DeadLetter, ProcessedMessage
 from tests.conftest import subprocess_env
 from tests.support import MANAGE, ROOT, ConsumeProcess, Publisher, wait_until
 from tests.testapp.models import Effect

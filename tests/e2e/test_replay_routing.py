@@ -20,9 +20,10 @@ from typing import Any
 import pika
 import pytest
 
+from reliable_messaging.choices import DeadLetterStatus
 from reliable_messaging.core.envelope import ORIGINAL_EXCHANGE_HEADER, ORIGINAL_ROUTING_KEY_HEADER
 from reliable_messaging.dead_letters.replay import replay
-from reliable_messaging.models import DeadLetter, DeadLetterStatus
+from reliable_messaging.models import DeadLetter
 from tests.conftest import subprocess_env
 from tests.support import MANAGE, ROOT, ConsumeProcess, Publisher, broker_connection, wait_until
 from tests.testapp.models import Effect

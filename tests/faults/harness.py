@@ -44,7 +44,8 @@ from typing import Any, TypeVar
 from django.db import DatabaseError, connection, connections, transaction
 
 from reliable_messaging import publish
-from reliable_messaging.models import DeadLetter, OutboxMessage, OutboxStatus, ProcessedMessage
+from reliable_messaging.choices import OutboxStatus
+from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
 from tests import support
 from tests.support import ROOT, ConsumeProcess, ManageProcess, WaitTimeout, wait_until
 from tests.testapp.models import Effect

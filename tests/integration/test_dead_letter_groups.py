@@ -29,6 +29,7 @@ from django.db.models import Count, Q
 from django.test import override_settings
 from django.utils import timezone
 
+from reliable_messaging.choices import DeadLetterStatus
 from reliable_messaging.dead_letters.operations import OperationRunner
 from reliable_messaging.dead_letters.replay import discard, replay_batch
 from reliable_messaging.managers import FOLD
@@ -36,7 +37,6 @@ from reliable_messaging.models import (
     DeadLetter,
     DeadLetterGroup,
     DeadLetterGroupDelta,
-    DeadLetterStatus,
     LiveDeadLetterGroup,
 )
 from tests.markers import postgresql_only

@@ -8,7 +8,7 @@ inside a function or under ``TYPE_CHECKING`` counts too:
 - only ``broker/`` imports pika;
 - ``consuming/``, ``publishing/`` and ``ops/`` never import each other;
 - a tier imports only tiers below it: nothing below tier 5 (admin, management commands, contrib,
-  urls, testing, apps) imports tier 5; nothing in tiers 1 to 3 imports ``consuming/``,
+  tasks, urls, testing, apps) imports tier 5; nothing in tiers 1 to 3 imports ``consuming/``,
   ``publishing/`` or ``ops/``; ``broker/``, ``dead_letters/`` and the other tier-3 modules
   import no ORM layer above the models;
 - no import circles anywhere (:mod:`tests.unit.test_no_import_cycles`).
@@ -35,10 +35,7 @@ TOP = (
     f"{P}.testing_broker",
     f"{P}.apps",
     f"{P}.checks",
-    # Old public paths kept for users, each a shim over its new home.
-    f"{P}.health",
     f"{P}.tasks",
-    f"{P}.views",
 )
 # Tier 4: siblings.
 SIBLINGS = (f"{P}.consuming", f"{P}.publishing", f"{P}.ops")

@@ -52,6 +52,7 @@ def import_without(hidden: list[str], statement: str) -> str:
     [
         (["celery"], "from reliable_messaging import idempotent_task", "celery", "celery"),
         (["celery"], "import reliable_messaging.contrib.celery", "celery", "celery"),
+        (["celery"], "import reliable_messaging.tasks", "celery", "celery"),
         (
             ["health_check", "health_check.base"],
             "from reliable_messaging.contrib.health_check import MessagingHealthCheck",

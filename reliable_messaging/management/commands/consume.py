@@ -14,8 +14,8 @@ from reliable_messaging import console
 from reliable_messaging.broker.inspection import log_findings_in_background
 from reliable_messaging.consuming.service import PROGRESS_EVERY, ConsumerService
 from reliable_messaging.keepalive import keep_database_alive
+from reliable_messaging.liveness import HealthState
 from reliable_messaging.management.metrics_options import add_metrics_arguments, serve_metrics
-from reliable_messaging.metrics import HealthState
 from reliable_messaging.registry import registry
 
 logger = logging.getLogger("reliable_messaging.consume")

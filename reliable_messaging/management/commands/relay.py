@@ -15,8 +15,8 @@ from reliable_messaging.broker.inspection import log_body_limit_in_background
 from reliable_messaging.dead_letters.operation_process import OperationProcess
 from reliable_messaging.dead_letters.operations import run_pending_operations
 from reliable_messaging.keepalive import keep_database_alive
+from reliable_messaging.liveness import HealthCheck, HealthGroup, HealthState
 from reliable_messaging.management.metrics_options import add_metrics_arguments, serve_metrics
-from reliable_messaging.metrics import HealthCheck, HealthGroup, HealthState
 from reliable_messaging.models import OutboxMessage
 from reliable_messaging.partitions import OUTBOX, PartitionUpkeep
 from reliable_messaging.publishing.lanes import RelayProgress, run_lanes

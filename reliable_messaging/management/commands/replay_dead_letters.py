@@ -12,15 +12,10 @@ from django.db.models import Q
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime, parse_duration
 
-from reliable_messaging.choices import OperationKind
+from reliable_messaging.choices import DeadLetterReason, DeadLetterStatus, OperationKind
 from reliable_messaging.dead_letters.replay import replay_batch
 from reliable_messaging.management.progress import Progress
-from reliable_messaging.models import (
-    DeadLetter,
-    DeadLetterOperation,
-    DeadLetterReason,
-    DeadLetterStatus,
-)
+from reliable_messaging.models import DeadLetter, DeadLetterOperation
 from reliable_messaging.publishing.wake_after_commit import wake_relay_after_commit
 
 

@@ -15,13 +15,9 @@ import pytest
 from django.core.management import call_command
 from django.test import Client
 
+from reliable_messaging.choices import DeadLetterStatus
 from reliable_messaging.dead_letters.operations import run_pending_operations
-from reliable_messaging.models import (
-    DeadLetter,
-    DeadLetterOperation,
-    DeadLetterStatus,
-    OutboxMessage,
-)
+from reliable_messaging.models import DeadLetter, DeadLetterOperation, OutboxMessage
 
 from .conftest import GROUPS, REPLAY_MATCHING, messages_of, run_action
 

@@ -20,7 +20,8 @@ import pytest
 from django.test import override_settings
 
 from reliable_messaging.broker.topology import all_delays, declare_topology, delay_exchange_name
-from reliable_messaging.models import DeadLetter, DeadLetterReason
+from reliable_messaging.choices import DeadLetterReason
+from reliable_messaging.models import DeadLetter
 from reliable_messaging.registry import ConsumerSpec
 from tests.support import wait_until
 

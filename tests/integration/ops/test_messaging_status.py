@@ -28,20 +28,17 @@ from django.core.management import CommandError, call_command
 from django.test import override_settings
 from django.utils import timezone
 
+from reliable_messaging.broker.queues import BrokerStatus, QueueStatus
 from reliable_messaging.broker.topology import (
     consumer_queues,
     declare_topology,
     delay_exchange_name,
 )
+from reliable_messaging.choices import OutboxStatus
 from reliable_messaging.conf import redact_url
-from reliable_messaging.models import DeadLetter, OutboxMessage, OutboxStatus, ProcessedMessage
-from reliable_messaging.ops.status import (
-    BrokerStatus,
-    DatabaseStatus,
-    QueueStatus,
-    Thresholds,
-    find_problems,
-)
+from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
+from reliable_messaging.ops.collectors import DatabaseStatus
+from reliable_messaging.ops.status import Thresholds, find_problems
 from reliable_messaging.registry import ConsumerSpec, registry
 from tests.conftest import database_url
 from tests.markers import postgresql_only
@@ -503,7 +500,6 @@ def test_the_inbox_is_estimated_on_postgresql_not_counted() -> None:
     from django.test.utils import CaptureQueriesContext
 
     from reliable_messaging.ops import collectors
-    from reliable_messaging.ops.status import database_status
 
     ProcessedMessage.objects.bulk_create(
         ProcessedMessage(consumer="c", message_id=f"m{n}") for n in range(300)
@@ -515,7 +511,7 @@ def test_the_inbox_is_estimated_on_postgresql_not_counted() -> None:
         mock.patch.object(collectors, "COUNT_INBOX_UP_TO", 50),
         CaptureQueriesContext(connection) as queries,
     ):
-        figures = database_status()
+        figures = collectors.database_status()
     assert figures.inbox_rows == 300
     inbox = ProcessedMessage._meta.db_table
     assert not [q for q in queries.captured_queries if "COUNT(" in q["sql"] and inbox in q["sql"]]

@@ -17,7 +17,8 @@ import pytest
 from django.db import connection, transaction
 
 from reliable_messaging import publish
-from reliable_messaging.models import OutboxMessage, OutboxStatus
+from reliable_messaging.choices import OutboxStatus
+from reliable_messaging.models import OutboxMessage
 from reliable_messaging.publishing.in_flight import HOLD_LIMIT
 from reliable_messaging.publishing.relay import MAX_IN_FLIGHT
 from tests.integration.publishing.conftest import OutboxEnv, ensure_broker_running

@@ -15,9 +15,10 @@ from prometheus_client import REGISTRY, CollectorRegistry
 import reliable_messaging
 from reliable_messaging import metrics
 from reliable_messaging.broker.topology import declare_topology
+from reliable_messaging.choices import DeadLetterReason
 from reliable_messaging.liveness import HealthState
 from reliable_messaging.metrics import HealthCollector
-from reliable_messaging.models import DeadLetter, DeadLetterReason
+from reliable_messaging.models import DeadLetter
 from reliable_messaging.ops.collectors import BrokerCollector, DatabaseCollector
 from reliable_messaging.ops.status import OUTBOX_LAG_LIMIT
 from reliable_messaging.registry import ConsumerSpec

@@ -10,7 +10,7 @@ import datetime as dt
 import pytest
 
 from reliable_messaging.liveness import HealthGroup, HealthState
-from reliable_messaging.ops import status, views
+from reliable_messaging.ops import views
 from reliable_messaging.ops.status import (
     OUTBOX_LAG_LIMIT,
     OUTBOX_LAG_STRICT_LIMIT,
@@ -95,12 +95,3 @@ def test_a_process_report_carries_its_reasons_and_notes() -> None:
     health.set_broker(True)
     health.note("blocked", None)
     assert process_health(HealthGroup({"lane-0": health})).as_dict() == {"status": "ok"}
-
-
-def test_status_still_exports_the_readers_that_moved_to_collectors() -> None:
-    from reliable_messaging.broker import queues as broker_queues
-    from reliable_messaging.ops import collectors
-
-    assert status.database_status is collectors.database_status
-    for name in ("broker_status", "QueueStatus", "describe_error", "scrub"):
-        assert getattr(status, name) is getattr(broker_queues, name)

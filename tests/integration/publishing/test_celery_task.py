@@ -12,8 +12,9 @@ from django.db import connections, transaction
 from django.utils import timezone
 
 from reliable_messaging import publish
-from reliable_messaging.contrib.celery import relay_outbox
-from reliable_messaging.models import OutboxMessage, OutboxStatus
+from reliable_messaging.choices import OutboxStatus
+from reliable_messaging.models import OutboxMessage
+from reliable_messaging.tasks import relay_outbox
 
 from .conftest import OutboxEnv
 

@@ -21,7 +21,8 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from reliable_messaging import partitions, publish
-from reliable_messaging.models import OutboxMessage, OutboxStatus
+from reliable_messaging.choices import OutboxStatus
+from reliable_messaging.models import OutboxMessage
 from reliable_messaging.partitions import (
     OUTBOX,
     OUTBOX_CURRENT,

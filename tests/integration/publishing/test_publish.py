@@ -19,7 +19,8 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from reliable_messaging import publish
-from reliable_messaging.models import OutboxMessage, OutboxStatus
+from reliable_messaging.choices import OutboxStatus
+from reliable_messaging.models import OutboxMessage
 from reliable_messaging.publishing.relay import OutboxRelay
 from tests.testapp.models import Effect
 

@@ -13,7 +13,8 @@ from django.urls import reverse
 from django.utils import timezone
 
 from reliable_messaging import publish
-from reliable_messaging.models import OutboxMessage, OutboxStatus
+from reliable_messaging.choices import OutboxStatus
+from reliable_messaging.models import OutboxMessage
 from reliable_messaging.publishing.relay import OutboxRelay, RelayReport
 
 from .conftest import OutboxEnv, Received

@@ -13,7 +13,8 @@ from django.db import transaction
 from reliable_messaging import publish
 from reliable_messaging.broker import limits
 from reliable_messaging.checks import check_broker_max_message_size
-from reliable_messaging.models import OutboxMessage, OutboxStatus
+from reliable_messaging.choices import OutboxStatus
+from reliable_messaging.models import OutboxMessage
 from tests.support import wait_until
 
 from .conftest import Broker, OutboxEnv

@@ -17,7 +17,8 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from reliable_messaging import publish
-from reliable_messaging.models import OutboxMessage, OutboxStatus
+from reliable_messaging.choices import OutboxStatus
+from reliable_messaging.models import OutboxMessage
 from reliable_messaging.publishing.batches import Batch
 from reliable_messaging.publishing.claims import claimable, release_parked
 from reliable_messaging.publishing.relay import LEASE_MARGIN, OutboxRelay

@@ -22,8 +22,10 @@ from django.utils import timezone
 
 from reliable_messaging import publish
 from reliable_messaging.checks import check_settings
-from reliable_messaging.models import OutboxMessage, OutboxStatus
-from reliable_messaging.ops.status import Thresholds, database_status, find_problems
+from reliable_messaging.choices import OutboxStatus
+from reliable_messaging.models import OutboxMessage
+from reliable_messaging.ops.collectors import database_status
+from reliable_messaging.ops.status import Thresholds, find_problems
 from reliable_messaging.publishing import wake_after_commit
 from reliable_messaging.publishing.listener import OutboxListener
 from reliable_messaging.publishing.relay import OutboxRelay, RelayReport
@@ -274,7 +276,7 @@ def test_an_event_nobody_subscribes_to_is_unrouted_not_retried(ob: OutboxEnv) ->
 
 
 def _no_broker():  # type: ignore[no-untyped-def]
-    from reliable_messaging.ops.status import BrokerStatus
+    from reliable_messaging.broker.queues import BrokerStatus
 
     return BrokerStatus(url="", reachable=False)
 

@@ -13,7 +13,8 @@ from django.db import connections, transaction
 from django.db.models.functions import Now
 
 from reliable_messaging import publish
-from reliable_messaging.models import OutboxMessage, OutboxStatus
+from reliable_messaging.choices import OutboxStatus
+from reliable_messaging.models import OutboxMessage
 from reliable_messaging.publishing.relay import LEASE_MARGIN, MAX_IN_FLIGHT
 from tests import support
 from tests.support import wait_until

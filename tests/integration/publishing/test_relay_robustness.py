@@ -16,7 +16,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from reliable_messaging import publish
-from reliable_messaging.models import OutboxMessage, OutboxStatus
+from reliable_messaging.choices import OutboxStatus
+from reliable_messaging.models import OutboxMessage
 from reliable_messaging.publishing.relay import OutboxRelay
 from tests.support import wait_until
 

@@ -15,7 +15,8 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from reliable_messaging import partitions
-from reliable_messaging.models import OutboxMessage, OutboxStatus, ProcessedMessage
+from reliable_messaging.choices import OutboxStatus
+from reliable_messaging.models import OutboxMessage, ProcessedMessage
 from tests.markers import ON_POSTGRESQL
 
 pytestmark = pytest.mark.django_db

@@ -21,8 +21,9 @@ from django.core.management import call_command
 from django.db import connection, transaction
 
 from reliable_messaging import publish
+from reliable_messaging.choices import OutboxStatus
 from reliable_messaging.conf import messaging_settings
-from reliable_messaging.models import OutboxMessage, OutboxStatus
+from reliable_messaging.models import OutboxMessage
 from reliable_messaging.publishing import wake_after_commit
 from reliable_messaging.publishing.listener import NOTIFY_CHANNEL, listen_conninfo
 from reliable_messaging.publishing.scheduling import TRAIL_FIRST, TRAIL_LAST

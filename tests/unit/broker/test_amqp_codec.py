@@ -20,11 +20,11 @@ from reliable_messaging.broker import codec as amqp_codec
 from reliable_messaging.core.envelope import (
     UNDECODABLE_HEADER,
     DecodeError,
-    DecodeReason,
     Message,
     decode_delivery,
     delivery_from_frame,
 )
+from reliable_messaging.core.outcomes import FailureReason
 
 UTC = dt.UTC
 JS_NOW_MS = 1_700_000_000_123  # Date.now() where seconds were meant
@@ -190,7 +190,7 @@ def test_headers_nested_beyond_the_recursion_limit_cost_the_message_not_the_conn
     assert "'deep'" in properties.headers[UNDECODABLE_HEADER]
     result = decoded_message(frame, body=b'{"kept": true}')
     assert isinstance(result, DecodeError)
-    assert result.reason == DecodeReason.INVALID_HEADERS
+    assert result.reason == FailureReason.INVALID_HEADERS
     assert result.message_id == "m-deep"
     assert "could not be decoded" in result.detail
 
@@ -202,7 +202,7 @@ def test_an_unknown_field_type_costs_the_message_not_the_connection() -> None:
     assert properties.headers["ok"] is True
     assert "InvalidFieldTypeException" in properties.headers[UNDECODABLE_HEADER]
     result = decoded_message(frame)
-    assert isinstance(result, DecodeError) and result.reason == DecodeReason.INVALID_HEADERS
+    assert isinstance(result, DecodeError) and result.reason == FailureReason.INVALID_HEADERS
 
 
 def test_a_truncated_header_table_keeps_what_was_read() -> None:
@@ -212,7 +212,7 @@ def test_a_truncated_header_table_keeps_what_was_read() -> None:
     properties = decoded_properties(frame)
     assert UNDECODABLE_HEADER in properties.headers
     result = decoded_message(frame)
-    assert isinstance(result, DecodeError) and result.reason == DecodeReason.INVALID_HEADERS
+    assert isinstance(result, DecodeError) and result.reason == FailureReason.INVALID_HEADERS
 
 
 def test_a_well_formed_frame_decodes_exactly_as_pika_does() -> None:

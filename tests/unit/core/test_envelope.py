@@ -21,7 +21,6 @@ from reliable_messaging.core.envelope import (
     ORIGINAL_ROUTING_KEY_HEADER,
     PUBLISHED_AT_HEADER,
     DecodeError,
-    DecodeReason,
     Delivery,
     Message,
     decode_delivery,
@@ -33,6 +32,7 @@ from reliable_messaging.core.envelope import (
     user_headers,
     wire_headers,
 )
+from reliable_messaging.core.outcomes import FailureReason
 from reliable_messaging.core.routing import topic_matches
 
 LIMIT = 1024
@@ -65,23 +65,23 @@ def assert_error(result: Message | DecodeError, reason: str) -> DecodeError:
 
 
 def test_invalid_json() -> None:
-    err = assert_error(decode(delivery(b'{"order_id": ')), DecodeReason.INVALID_JSON)
+    err = assert_error(decode(delivery(b'{"order_id": ')), FailureReason.INVALID_JSON)
     assert err.message_id == "m-1"
     assert "not valid JSON" in err.detail
 
 
 def test_invalid_utf8() -> None:
-    err = assert_error(decode(delivery(b'{"name": "\xff\xfe"}')), DecodeReason.INVALID_UTF8)
+    err = assert_error(decode(delivery(b'{"name": "\xff\xfe"}')), FailureReason.INVALID_UTF8)
     assert "UTF-8" in err.detail
 
 
 def test_empty_body() -> None:
-    assert_error(decode(delivery(b"")), DecodeReason.EMPTY_BODY)
+    assert_error(decode(delivery(b"")), FailureReason.EMPTY_BODY)
 
 
 @pytest.mark.parametrize("message_id", [None, "", b""])
 def test_missing_message_id(message_id: Any) -> None:
-    err = assert_error(decode(delivery(message_id=message_id)), DecodeReason.MISSING_MESSAGE_ID)
+    err = assert_error(decode(delivery(message_id=message_id)), FailureReason.MISSING_MESSAGE_ID)
     assert err.message_id == ""
     assert "message_id" in err.detail
 
@@ -98,7 +98,7 @@ def test_missing_message_id_is_derived_from_the_body_when_enabled() -> None:
 
 
 def test_body_too_large() -> None:
-    err = assert_error(decode(delivery(b"[" + b"1," * 600 + b"1]")), DecodeReason.BODY_TOO_LARGE)
+    err = assert_error(decode(delivery(b"[" + b"1," * 600 + b"1]")), FailureReason.BODY_TOO_LARGE)
     assert "MAX_BODY_BYTES" in err.detail and str(LIMIT) in err.detail
     assert err.message_id == "m-1"
 
@@ -112,7 +112,7 @@ def test_body_exactly_at_the_limit_is_accepted() -> None:
 def test_body_too_large_is_reported_before_anything_is_decoded() -> None:
     # Neither the message id nor the bytes are looked at: the size alone decides.
     huge = b"\xff" * (LIMIT + 1)
-    assert_error(decode(delivery(huge, message_id=None)), DecodeReason.BODY_TOO_LARGE)
+    assert_error(decode(delivery(huge, message_id=None)), FailureReason.BODY_TOO_LARGE)
 
 
 @pytest.mark.parametrize(
@@ -121,7 +121,7 @@ def test_body_too_large_is_reported_before_anything_is_decoded() -> None:
 )
 def test_unsupported_content_type(content_type: str) -> None:
     err = assert_error(
-        decode(delivery(content_type=content_type)), DecodeReason.UNSUPPORTED_CONTENT_TYPE
+        decode(delivery(content_type=content_type)), FailureReason.UNSUPPORTED_CONTENT_TYPE
     )
     assert content_type in err.detail
 
@@ -144,14 +144,14 @@ def test_json_content_types_are_accepted(content_type: str | None) -> None:
 @pytest.mark.parametrize("attempt", ["abc", "", 0, -1, "0", True, 2.0, b"x", [1], {"n": 1}])
 def test_invalid_attempt_header(attempt: Any) -> None:
     err = assert_error(
-        decode(delivery(headers={ATTEMPT_HEADER: attempt})), DecodeReason.INVALID_HEADERS
+        decode(delivery(headers={ATTEMPT_HEADER: attempt})), FailureReason.INVALID_HEADERS
     )
     assert ATTEMPT_HEADER in err.detail
 
 
 def test_message_id_longer_than_the_column_is_invalid() -> None:
     assert isinstance(decode(delivery(message_id="m" * 255)), Message)
-    err = assert_error(decode(delivery(message_id="m" * 256)), DecodeReason.INVALID_HEADERS)
+    err = assert_error(decode(delivery(message_id="m" * 256)), FailureReason.INVALID_HEADERS)
     assert "255" in err.detail
 
 
@@ -385,7 +385,7 @@ def test_a_routing_key_that_is_not_utf8_is_escaped_text_and_refused() -> None:
     assert isinstance(d.routing_key, str)
     assert d.routing_key == "order.\\xff"
     # Refused, not matched: even though its escaped form would match "order.*".
-    err = assert_error(decode(d), DecodeReason.INVALID_HEADERS)
+    err = assert_error(decode(d), FailureReason.INVALID_HEADERS)
     assert "routing key is not UTF-8" in err.detail
     assert err.message_id == "m-1"
 
@@ -412,7 +412,7 @@ def test_delivery_from_frame_turns_every_field_into_text() -> None:
     assert all(isinstance(k, str) for k in d.headers)
     assert d.headers["\\xfename"] == 1
     assert d.delivery_tag == 7
-    assert "exchange is not UTF-8" in assert_error(decode(d), DecodeReason.INVALID_HEADERS).detail
+    assert "exchange is not UTF-8" in assert_error(decode(d), FailureReason.INVALID_HEADERS).detail
 
 
 def test_delivery_from_frame_never_raises_on_garbage() -> None:
@@ -421,7 +421,7 @@ def test_delivery_from_frame_never_raises_on_garbage() -> None:
             raise RuntimeError(f"no {name}")
 
     d = delivery_from_frame("q", Broken(), Broken(), b"{}")
-    err = assert_error(decode(d), DecodeReason.INVALID_HEADERS)
+    err = assert_error(decode(d), FailureReason.INVALID_HEADERS)
     assert "could not be read" in err.detail
 
 
@@ -440,13 +440,13 @@ def test_a_timestamp_property_before_1970_is_signed() -> None:
 
 def test_json_nested_too_deeply_to_decode_is_invalid_json() -> None:
     body = b"[" * 50_000 + b"]" * 50_000
-    err = assert_error(decode(delivery(body), max_body_bytes=len(body)), DecodeReason.INVALID_JSON)
+    err = assert_error(decode(delivery(body), max_body_bytes=len(body)), FailureReason.INVALID_JSON)
     assert "nested too deeply" in err.detail
 
 
 def test_an_integer_beyond_pythons_digit_limit_is_invalid_json() -> None:
     body = b'{"n": ' + b"9" * 5000 + b"}"
-    err = assert_error(decode(delivery(body), max_body_bytes=len(body)), DecodeReason.INVALID_JSON)
+    err = assert_error(decode(delivery(body), max_body_bytes=len(body)), FailureReason.INVALID_JSON)
     assert "4300" in err.detail
 
 
@@ -480,7 +480,7 @@ def test_two_binary_message_ids_never_share_an_inbox_key() -> None:
     first = decode(delivery(message_id=b"\xff\x01"))
     second = decode(delivery(message_id=b"\xfe\x01"))
     for result in (first, second):
-        err = assert_error(result, DecodeReason.INVALID_HEADERS)
+        err = assert_error(result, FailureReason.INVALID_HEADERS)
         assert "message_id is not UTF-8" in err.detail
     assert isinstance(first, DecodeError) and isinstance(second, DecodeError)
     # Their dead letters are keyed apart too.
@@ -491,7 +491,7 @@ def test_a_binary_message_id_off_the_wire_is_refused() -> None:
     properties = properties_frame(message_id=b"\xff\x01")
     d = delivery_from_frame("q", deliver_frame(), properties, b"{}")
     assert isinstance(d.message_id, str)
-    err = assert_error(decode(d), DecodeReason.INVALID_HEADERS)
+    err = assert_error(decode(d), FailureReason.INVALID_HEADERS)
     assert "message_id is not UTF-8" in err.detail
     assert err.message_id == d.message_id
 

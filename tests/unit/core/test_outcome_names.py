@@ -1,11 +1,10 @@
 """Outcome labels and failure reasons are named once (``reliable_messaging.core.outcomes``); the
-metrics, the dead-letter model's choices and the decoding of deliveries use those names."""
+metrics, the retry decisions and the dead-letter model's choices use those names."""
 
 from __future__ import annotations
 
 from reliable_messaging import metrics
 from reliable_messaging.choices import DeadLetterReason
-from reliable_messaging.core.envelope import DecodeReason
 from reliable_messaging.core.outcomes import (
     Acknowledge,
     FailureReason,
@@ -33,7 +32,6 @@ def test_the_metrics_count_exactly_the_outcome_labels() -> None:
 
 def test_every_failure_reason_has_a_dead_letter_choice_and_no_other_exists() -> None:
     assert set(DeadLetterReason.values) == {str(reason) for reason in FailureReason}
-    assert DecodeReason is FailureReason
 
 
 def test_labels_of_outcomes() -> None:

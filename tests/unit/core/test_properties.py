@@ -22,7 +22,6 @@ from reliable_messaging.core.envelope import (
     ORIGINAL_ROUTING_KEY_HEADER,
     PUBLISHED_AT_HEADER,
     DecodeError,
-    DecodeReason,
     Delivery,
     Message,
     decode_delivery,
@@ -32,10 +31,11 @@ from reliable_messaging.core.envelope import (
     normalize_headers,
     wire_headers,
 )
+from reliable_messaging.core.outcomes import FailureReason
 
 PROPERTY = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-REASONS = {v for k, v in vars(DecodeReason).items() if k.isupper()}
+REASONS = {v for k, v in vars(FailureReason).items() if k.isupper()}
 
 # Values a pika delivery's headers can hold (pika/data.py decode_value).
 amqp_scalars = st.one_of(
@@ -361,4 +361,4 @@ def test_delivery_from_frame_never_raises_and_gives_text(
                 not_utf8.append(value)
     if not_utf8:  # refused, never matched or handled under an escaped name
         assert isinstance(result, DecodeError)
-        assert result.reason == DecodeReason.INVALID_HEADERS
+        assert result.reason == FailureReason.INVALID_HEADERS

@@ -6,8 +6,8 @@ import pytest
 
 from reliable_messaging import PermanentError
 from reliable_messaging.core.backoff import Backoff
+from reliable_messaging.core.outcomes import FailureReason
 from reliable_messaging.core.retry import (
-    FailureReason,
     GiveUp,
     RetryLater,
     decide,
