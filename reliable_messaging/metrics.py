@@ -46,8 +46,7 @@ Three kinds of figures, exported from three places:
 - **System gauges** (outbox, dead letters, inbox, queue depths) describe the whole system, not
   one process: :mod:`reliable_messaging.ops.collectors` reads them at scrape time for the web
   process's ``metrics/`` view. This module holds no reader, so the consume and relay processes
-  import it without the ORM queries or the status report. The health classes that moved to
-  :mod:`.liveness` stay importable from here.
+  import it without the ORM queries or the status report.
 
 The helper functions below are what the consumer and the relay call; they check their label
 values, because a typo'd label would silently start a new time series nobody alerts on.
@@ -62,19 +61,13 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from .core.outcomes import OutcomeLabel
-
-# Re-exported: the process's health used to live here, and the relay and consume commands
-# (and users' code) import it from here. liveness is standard library only.
-from .liveness import HealthCheck, HealthGroup, HealthState
+from .liveness import HealthCheck
 
 __all__ = [
     "CONSUMER_OUTCOMES",
     "DEDUP_RESULTS",
     "RELAY_FAILURE_KINDS",
-    "HealthCheck",
     "HealthCollector",
-    "HealthGroup",
-    "HealthState",
     "consumer_blocked",
     "consumer_outcome",
     "consumer_queues_unavailable",

@@ -17,9 +17,9 @@ from typing import Any, cast
 import pika
 from pika.adapters.blocking_connection import BlockingConnection
 
-from .. import metrics
 from ..conf import MessagingSettings
 from ..core.envelope import CONTENT_TYPE, wire_headers
+from ..liveness import HealthState
 from ..registry import ConsumerSpec
 from .leftovers import retire_leftovers
 from .retry_publisher import RetryPublisher
@@ -102,7 +102,7 @@ class PikaTransport:
         self,
         settings: MessagingSettings,
         *,
-        health: metrics.HealthState | None,
+        health: HealthState | None,
         on_missing: Callable[[str], None],
     ) -> RetryPublisher:
         return RetryPublisher(settings, health=health, on_missing=on_missing)

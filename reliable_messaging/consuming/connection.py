@@ -34,6 +34,7 @@ from ..console import announce
 from ..core.backoff import Backoff
 from ..core.envelope import delivery_from_frame
 from ..exceptions import TopologyMismatchError
+from ..liveness import HealthState
 from ..registry import ConsumerSpec
 from .board import DeliveryWork, Link, WorkBoard
 from .fastpath import DuplicateCache
@@ -67,7 +68,7 @@ class ConnectionThread:
         idle_timeout: float | None,
         progress_interval: float,
         cache: DuplicateCache | None,
-        health: metrics.HealthState | None,
+        health: HealthState | None,
     ) -> None:
         self.specs = specs
         self.transport = transport

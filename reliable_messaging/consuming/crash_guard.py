@@ -36,9 +36,10 @@ from dataclasses import dataclass
 from django.db import router, transaction
 from django.utils import timezone
 
+from ..choices import DeadLetterReason
 from ..core.envelope import DecodeError, Delivery
 from ..core.outcomes import Outcome, Release, RetryInPlace
-from ..models import DeadLetterReason, SuspectDelivery
+from ..models import SuspectDelivery
 from .last_resort import Processor, dead_letter_delivery
 
 logger = logging.getLogger(__name__)

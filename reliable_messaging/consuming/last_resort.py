@@ -26,11 +26,12 @@ from typing import Any, Protocol
 from django.db import transaction
 
 from .. import metrics
+from ..choices import DeadLetterReason
 from ..core.database_errors import classify
 from ..core.envelope import DecodeError, Delivery, Message, safe_text
 from ..core.outcomes import Acknowledge, OutcomeLabel, Release
 from ..dead_letters.record import record_dead_letter
-from ..models import DeadLetterReason, ProcessedMessage
+from ..models import ProcessedMessage
 from ..registry import ConsumerSpec
 
 logger = logging.getLogger(__name__)

@@ -35,6 +35,7 @@ from django.db import (
 )
 
 from .. import metrics
+from ..choices import DeadLetterReason
 from ..conf import MessagingSettings, messaging_settings
 from ..core.database_errors import (
     CONFLICT_RETRIES,
@@ -63,7 +64,7 @@ from ..exactly_once import (
     remember_busy,
 )
 from ..exceptions import DatabaseConflict, DatabaseUnavailable
-from ..models import DeadLetter, DeadLetterReason, ProcessedMessage
+from ..models import DeadLetter, ProcessedMessage
 from ..registry import ConsumerSpec
 from .failures import DeliveryFailures, DeliveryOutcome
 from .fastpath import DuplicateCache

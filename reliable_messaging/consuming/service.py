@@ -59,19 +59,18 @@ from ..broker.transport import BrokerTransport
 from ..conf import MessagingSettings, messaging_settings
 from ..core.envelope import Delivery
 from ..core.outcomes import Outcome
+from ..liveness import HealthState
 from ..models import ProcessedMessage
 from ..partitions import PartitionUpkeep
 from ..registry import ConsumerSpec
 from .board import WorkBoard
-from .connection import ChannelLost, ConnectionThread
+from .connection import ConnectionThread
 from .crash_guard import TIMEOUT, CrashGuard
 from .fastpath import duplicate_cache
 from .processing import DeliveryProcessor
 from .settling import OutcomeSettler
 from .time_limit import time_limits
 from .workers import WorkerPool
-
-__all__ = ["PROGRESS_EVERY", "ChannelLost", "ConsumerService"]
 
 # Seconds between two progress lines of a running consumer.
 PROGRESS_EVERY = 30.0
@@ -91,7 +90,7 @@ class ConsumerService:
         idle_timeout: float | None = None,
         settings: MessagingSettings = messaging_settings,
         on_outcome: Callable[[ConsumerSpec, Delivery, Outcome], None] | None = None,
-        health: metrics.HealthState | None = None,
+        health: HealthState | None = None,
         progress_interval: float = PROGRESS_EVERY,
         transport: BrokerTransport | None = None,
     ) -> None:

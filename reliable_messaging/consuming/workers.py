@@ -38,13 +38,13 @@ from collections.abc import Callable, Mapping
 
 from django.db import DatabaseError, close_old_connections, connections
 
-from .. import metrics
 from ..broker.topology import consumer_queues
 from ..conf import MessagingSettings
 from ..core.backoff import Backoff
 from ..core.database_errors import CONFLICT_RETRIES, OutageLog, conflict_delay, describe
 from ..core.outcomes import Outcome, Release, RetryInPlace
 from ..exceptions import DatabaseConflict, DatabaseUnavailable
+from ..liveness import HealthState
 from .board import DeliveryWork, HeldPartition, WorkBoard
 from .crash_guard import CRASHED, CrashGuard, SuspectGate, decide_suspect
 from .fastpath import DuplicateCache
@@ -82,7 +82,7 @@ class WorkerPool:
         crash_guard: CrashGuard,
         stop: threading.Event,
         hand_back: HandBack,
-        health: metrics.HealthState | None = None,
+        health: HealthState | None = None,
     ) -> None:
         self.board = board
         self.processors = processors

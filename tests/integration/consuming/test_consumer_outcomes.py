@@ -23,12 +23,13 @@ import pytest
 from django.test import override_settings
 
 import reliable_messaging.consuming.workers as consumer_workers
+from reliable_messaging.choices import DeadLetterReason
 from reliable_messaging.consuming.processing import DeliveryProcessor
 from reliable_messaging.consuming.workers import WorkerPool
 from reliable_messaging.core.envelope import DecodeError, Delivery, Message
 from reliable_messaging.core.outcomes import Acknowledge, Release
 from reliable_messaging.exceptions import DatabaseUnavailable
-from reliable_messaging.models import DeadLetter, DeadLetterReason
+from reliable_messaging.models import DeadLetter
 from tests.integration.consuming import test_consumer_service as base
 from tests.integration.consuming.test_consumer_service import (
     Recorder,

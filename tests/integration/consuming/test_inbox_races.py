@@ -21,6 +21,7 @@ from django.utils import timezone
 
 from reliable_messaging import exactly_once
 from reliable_messaging.broker.topology import consumer_queues
+from reliable_messaging.choices import DeadLetterReason, DeadLetterStatus
 from reliable_messaging.consuming.processing import DeliveryProcessor, Job, process_batch
 from reliable_messaging.core.envelope import (
     ORDERING_KEY_HEADER,
@@ -31,13 +32,7 @@ from reliable_messaging.core.envelope import (
 from reliable_messaging.core.outcomes import Acknowledge, Outcome, ScheduleRetry
 from reliable_messaging.dead_letters.replay import STALE_REPLAY_AFTER, discard, replay
 from reliable_messaging.exceptions import DatabaseUnavailable, PermanentError
-from reliable_messaging.models import (
-    DeadLetter,
-    DeadLetterReason,
-    DeadLetterStatus,
-    OutboxMessage,
-    ProcessedMessage,
-)
+from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
 from reliable_messaging.partitions import CLAIM_LOCK_CLASS
 from reliable_messaging.registry import ConsumerSpec
 from tests.markers import postgresql_only

@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 from django.test import override_settings
 
+from reliable_messaging.choices import DeadLetterReason
 from reliable_messaging.core.envelope import ORDERING_KEY_HEADER
-from reliable_messaging.models import DeadLetter, DeadLetterReason
+from reliable_messaging.models import DeadLetter
 from tests.integration.consuming.test_consumer_service import (  # noqa: F401 - fixtures
     Recorder,
     effects,
