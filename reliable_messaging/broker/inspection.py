@@ -34,7 +34,7 @@ from .findings import (
     QueueFacts,
     find_findings,
 )
-from .limits import broker_refuses
+from .limits import ask_broker, broker_refuses
 from .queues import (
     DEFAULT_TIMEOUT,
     MANAGEMENT_ERRORS,
@@ -324,13 +324,7 @@ def log_body_limit_in_background(
 
     def run() -> None:
         try:
-            candidates = connection_parameters(settings, name=CONNECTION_NAME)
-            connection, _ = connect_to_any(candidates, timeout=timeout)
-            try:
-                limit = broker_refuses(connection, settings.max_body_bytes)
-            finally:
-                if connection.is_open:
-                    connection.close()
+            limit, _ = ask_broker(settings.max_body_bytes, settings, timeout=timeout)
         except Exception:  # a check must never take the relay down
             logger.debug("the broker's message size limit could not be learned", exc_info=True)
             return
