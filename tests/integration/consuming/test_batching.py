@@ -185,18 +185,20 @@ def test_kill_9_in_the_middle_of_a_batch_loses_nothing_and_doubles_nothing(
 ) -> None:
     proc = consume("--queue", f"{ns}.alpha").wait_consuming()
     ids = [f"b-{uuid.uuid4()}" for _ in range(40)]
-    for n, message_id in enumerate(ids):
-        # One slow handler in the middle: the process dies while it runs, after the batch's
-        # earlier handlers ran but before the commit.
+    # Twenty quick messages first, committed before the rest is sent, so the batch that dies
+    # cannot be the one that holds them (a broker that delivers all forty at once would put
+    # them in one batch with the slow handler, committed after it).
+    for n, message_id in enumerate(ids[:20]):
+        publisher.publish(f"rmtest.{ns}", "order.placed", {"n": n}, message_id=message_id)
+    wait_until(lambda: Effect.objects.filter(consumer="alpha").count() == 20, timeout=30)
+    for n, message_id in enumerate(ids[20:], start=20):
+        # Message 20's handler sleeps for 5 s, holding its batch open: the process dies while
+        # it runs, after the batch's earlier handlers ran but before the commit.
         payload: dict[str, Any] = {"sleep": {"alpha": 5}} if n == 20 else {"n": n}
         publisher.publish(f"rmtest.{ns}", "order.placed", payload, message_id=message_id)
-    # Messages 0..19 take milliseconds; then message 20's handler sleeps for 5 s, holding its
-    # batch open: kill the process inside that window.
-    wait_until(lambda: Effect.objects.filter(consumer="alpha").exists(), timeout=30)
-    time.sleep(1.0)
+    time.sleep(1.5)
     proc.kill()
-    before = Effect.objects.filter(consumer="alpha").count()
-    assert before < 40
+    assert Effect.objects.filter(consumer="alpha").count() == 20
     consume("--queue", f"{ns}.alpha").wait_consuming()
     wait_until(
         lambda: Effect.objects.filter(consumer="alpha").count() >= 40,
