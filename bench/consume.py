@@ -303,8 +303,8 @@ def prepare_inbox() -> None:
     from an older version keeps."""
     from django.db import connection
 
-    from reliable_messaging import partitions
     from reliable_messaging.conf import messaging_settings
+    from reliable_messaging.storage import partitions
 
     with connection.cursor() as cursor:
         cursor.execute(f"TRUNCATE {partitions.INBOX_TABLE}, testapp_effect")

@@ -86,8 +86,8 @@ def build_expired(method: str, rows: int, exchange: str) -> None:
     sent rows on those days; VACUUM ANALYZE, CHECKPOINT."""
     from django.db import connection
 
-    from reliable_messaging import partitions
-    from reliable_messaging.partitions import OUTBOX
+    from reliable_messaging.storage import partitions
+    from reliable_messaging.storage.partitions import OUTBOX
 
     started = time.perf_counter()
     now = dt.datetime.now(dt.UTC)
@@ -145,7 +145,7 @@ def one_round(
     from django.db import connections
     from relay import declare_sink
 
-    from reliable_messaging.retention import purge_messages
+    from reliable_messaging.storage.retention import purge_messages
 
     build_expired(method, args.expired_rows, exchange)
     declare_sink(exchange, queue)

@@ -86,7 +86,7 @@ class Phase:
 def claim_loop(stop: threading.Event, phase: list[Phase], batch: int, hold: float) -> None:
     from django.db import connection, transaction
 
-    from reliable_messaging.exactly_once import claim_inbox_rows
+    from reliable_messaging.storage.inbox import claim_inbox_rows
 
     try:
         while not stop.is_set():
@@ -103,7 +103,7 @@ def claim_loop(stop: threading.Event, phase: list[Phase], batch: int, hold: floa
 def upkeep_loop(stop: threading.Event, phase: Phase, start: dt.datetime) -> None:
     from django.db import connection
 
-    from reliable_messaging import partitions
+    from reliable_messaging.storage import partitions
 
     upkeep = partitions.PartitionUpkeep("default", retention=RETENTION)
     day = 0
@@ -155,7 +155,7 @@ def main() -> None:
     setup_django()
     from django.db import connection
 
-    from reliable_messaging import partitions
+    from reliable_messaging.storage import partitions
 
     print(describe_machine())
     print(

@@ -68,7 +68,7 @@ def retention_days() -> int:
 
 def ensure_days(now: dt.datetime) -> None:
     """A day partition for every day of the last DEDUP_RETENTION + 3 days (and the next 3)."""
-    from reliable_messaging import partitions
+    from reliable_messaging.storage import partitions
 
     for back in range(retention_days() + 3, -1, -1):
         partitions.ensure_partitions("default", now=now - dt.timedelta(days=back))
@@ -77,7 +77,7 @@ def ensure_days(now: dt.datetime) -> None:
 def vacuum_and_checkpoint(cursor: Any) -> float:
     """VACUUM ANALYZE the inbox (as autovacuum would after a bulk load or a mass delete),
     then CHECKPOINT; seconds."""
-    from reliable_messaging.partitions import INBOX_TABLE
+    from reliable_messaging.storage.partitions import INBOX_TABLE
 
     started = time.perf_counter()
     cursor.execute(f"VACUUM ANALYZE {INBOX_TABLE}")
@@ -96,7 +96,7 @@ def insert_rows(
 ) -> None:
     """``count`` inbox rows of ``consumer`` evenly stamped over [start, start + span), chunk by
     chunk (series numbers 0..count-1)."""
-    from reliable_messaging.partitions import INBOX_TABLE
+    from reliable_messaging.storage.partitions import INBOX_TABLE
 
     step_s = span.total_seconds() / max(count, 1)
     for first in range(0, count, FILL_CHUNK):
@@ -122,7 +122,7 @@ def prepare_inbox(consumer: str, live_rows: int) -> None:
     of the last DEDUP_RETENTION + 3 days, and ``live_rows`` rows not yet expired."""
     from django.db import connection
 
-    from reliable_messaging import partitions
+    from reliable_messaging.storage import partitions
 
     started = time.perf_counter()
     with connection.cursor() as cursor:
@@ -169,8 +169,8 @@ def build_expired(method: str, consumer: str, rows: int) -> None:
     ``rows`` expired rows where ``method`` finds them; VACUUM ANALYZE, CHECKPOINT."""
     from django.db import connection
 
-    from reliable_messaging import partitions
     from reliable_messaging.conf import messaging_settings
+    from reliable_messaging.storage import partitions
 
     started = time.perf_counter()
     now = dt.datetime.now(dt.UTC)
@@ -240,7 +240,7 @@ class PurgeRun:
     def _run(self) -> None:
         from django.db import connection
 
-        from reliable_messaging.retention import purge_messages
+        from reliable_messaging.storage.retention import purge_messages
 
         try:
             self.result = purge_messages()

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .core.envelope import Message
+from .core.registry import consumer
 from .exceptions import PermanentError
-from .registry import consumer
 
 if TYPE_CHECKING:
     from .contrib.celery import idempotent_task

@@ -271,7 +271,7 @@ def _check_crash_limit() -> list[CheckMessage]:
 def _check_consumer_timeout() -> list[CheckMessage]:
     """What may hold a delivery unacked must stay below the broker's consumer_timeout, or the
     broker closes the channel under the consumer (and redelivers the whole prefetch window)."""
-    from .registry import registry
+    from .core.registry import registry
 
     limit = messaging_settings.broker_consumer_timeout
     found: list[CheckMessage] = []
@@ -327,7 +327,7 @@ def _is_django_redis(cache: Any) -> bool:
 
 def _check_retention_horizon() -> list[CheckMessage]:
     """The inbox must remember a message at least as long as its copies can still arrive."""
-    from .registry import registry
+    from .core.registry import registry
 
     horizons = [_horizon(messaging_settings.retry_delays, messaging_settings.max_attempts)]
     for spec in registry:
@@ -368,7 +368,7 @@ CROSS_SETTING_CHECKS: tuple[Callable[[], list[CheckMessage]], ...] = (
 
 @register(Tags.compatibility)
 def check_consumers(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    from .registry import registry
+    from .core.registry import registry
 
     errors: list[CheckMessage] = []
     for spec in registry:

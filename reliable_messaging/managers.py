@@ -29,7 +29,7 @@ from .choices import (
     OperationState,
     OutboxStatus,
 )
-from .partitions import ADVISORY_CLASS, GROUP_FOLD_LOCK
+from .storage.partitions import ADVISORY_CLASS, GROUP_FOLD_LOCK
 
 if TYPE_CHECKING:
     from .models import DeadLetter, SuspectDelivery

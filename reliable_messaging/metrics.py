@@ -60,8 +60,8 @@ from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from .core.liveness import HealthCheck
 from .core.outcomes import OutcomeLabel
-from .liveness import HealthCheck
 
 __all__ = [
     "CONSUMER_OUTCOMES",

@@ -22,7 +22,7 @@ from django.db import NotSupportedError, OperationalError, transaction
 from django.db.migrations.operations import AddIndex, RemoveIndex
 from django.db.migrations.operations.base import Operation
 
-from reliable_messaging.partitions import (
+from reliable_messaging.storage.partitions import (
     ADVISORY_CLASS,
     DDL_LOCK_TIMEOUT,
     LOCK_NOT_AVAILABLE,

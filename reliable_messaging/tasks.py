@@ -27,8 +27,8 @@ except ImportError as exc:  # the "celery" extra is not installed
 from django.db import router
 
 from .models import OutboxMessage
-from .partitions import OUTBOX, ensure_partitions
 from .publishing.relay import OutboxRelay
+from .storage.partitions import OUTBOX, ensure_partitions
 
 
 @shared_task(name="reliable_messaging.relay_outbox", ignore_result=False)

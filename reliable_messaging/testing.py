@@ -47,10 +47,10 @@ from .core.envelope import (
     encode_payload,
 )
 from .core.outcomes import Acknowledge, Outcome, Release, RetryInPlace, ScheduleRetry
+from .core.registry import ConsumerRegistry, ConsumerSpec, registry
 from .core.routing import topic_matches
 from .core.uuid7 import new_message_id
 from .models import OutboxMessage
-from .registry import ConsumerRegistry, ConsumerSpec, registry
 
 __all__ = [
     "Acknowledge",

@@ -31,7 +31,7 @@ from .broker.topology import consumer_queues
 from .broker.transport import OnMessage
 from .conf import MessagingSettings
 from .core.envelope import CONTENT_TYPE, wire_headers
-from .registry import ConsumerSpec
+from .core.registry import ConsumerSpec
 
 __all__ = [
     "BrokerEvent",

@@ -25,7 +25,7 @@ from reliable_messaging.broker.topology import (
 )
 from reliable_messaging.conf import messaging_settings
 from reliable_messaging.core.envelope import CONTENT_TYPE
-from reliable_messaging.registry import ConsumerSpec
+from reliable_messaging.core.registry import ConsumerSpec
 
 NOT_FOUND = 404
 

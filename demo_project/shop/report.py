@@ -17,8 +17,8 @@ from django.db import connection
 from django.db.models import Count
 
 from reliable_messaging.choices import DeadLetterReason, OutboxStatus
+from reliable_messaging.core.registry import registry
 from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
-from reliable_messaging.registry import registry
 
 from .consumers import BILLING
 from .models import Card, Order, Payment, TimelineEvent

@@ -31,8 +31,8 @@ from django.db import connection, transaction
 
 from demo_project.celery import app as celery_app
 from reliable_messaging import publish
+from reliable_messaging.core.registry import registry
 from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
-from reliable_messaging.registry import registry
 
 from .broker import DemoBroker
 from .models import Card, Order, Payment, Receipt, ReceiptEmail, Shipment, TimelineEvent

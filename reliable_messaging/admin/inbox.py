@@ -17,8 +17,8 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils.translation import gettext_lazy as _
 
+from ..core.registry import registry
 from ..models import ProcessedMessage, SuspectDelivery
-from ..registry import registry
 from .scaling import BoundedListAdmin
 
 

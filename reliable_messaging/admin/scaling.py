@@ -40,8 +40,8 @@ from django.utils.text import smart_split, unescape_string_literal
 from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
+from ..core.registry import registry
 from ..models import DeadLetterGroup
-from ..registry import registry
 
 # A filtered list counts its rows up to this many and says "more than" past it.
 COUNT_UP_TO = 10_000

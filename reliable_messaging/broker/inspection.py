@@ -24,7 +24,7 @@ from typing import Any
 import pika
 
 from ..conf import MessagingSettings, messaging_settings, redact_url
-from ..registry import ConsumerSpec, registry
+from ..core.registry import ConsumerSpec, registry
 from .findings import (
     BrokerFacts,
     DeprecatedFeature,

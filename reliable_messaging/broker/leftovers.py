@@ -37,7 +37,7 @@ from ..core.envelope import (
     ORIGINAL_ROUTING_KEY_HEADER,
     SENDER_ROUTING_HEADERS,
 )
-from ..registry import ConsumerSpec, registry
+from ..core.registry import ConsumerSpec, registry
 from .probes import PassiveProbe
 from .replies import NOT_FOUND, PRECONDITION_FAILED
 from .topology import consumer_exchange, consumer_queues, partition_exchange

@@ -19,8 +19,8 @@ from pika.adapters.blocking_connection import BlockingConnection
 
 from ..conf import MessagingSettings
 from ..core.envelope import CONTENT_TYPE, wire_headers
-from ..liveness import HealthState
-from ..registry import ConsumerSpec
+from ..core.liveness import HealthState
+from ..core.registry import ConsumerSpec
 from .leftovers import retire_leftovers
 from .retry_publisher import RetryPublisher
 from .topology import CONNECTION_ERRORS, connect, declare_topology

@@ -30,7 +30,7 @@ import pika
 import pika.exceptions
 
 from ..conf import MessagingSettings, messaging_settings, redact_url
-from ..registry import ConsumerSpec, registry
+from ..core.registry import ConsumerSpec, registry
 from .leftovers import find_leftovers
 from .probes import PassiveProbe
 from .replies import NOT_FOUND

@@ -39,7 +39,7 @@ from pika.spec import BasicProperties
 from .. import metrics
 from ..conf import MessagingSettings, messaging_settings
 from ..core.backoff import Backoff
-from ..liveness import HealthState
+from ..core.liveness import HealthState
 from .queues import describe_broker_error
 from .replies import NOT_FOUND
 from .topology import CONNECTION_ERRORS, connect

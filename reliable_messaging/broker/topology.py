@@ -30,9 +30,9 @@ from pika.adapters.blocking_connection import BlockingChannel
 
 from ..conf import MessagingSettings, messaging_settings
 from ..core.envelope import ORDERING_KEY_HEADER
+from ..core.registry import ConsumerSpec
 from ..core.retry import delay_name
 from ..exceptions import TopologyMismatchError
-from ..registry import ConsumerSpec
 from .replies import COMMAND_INVALID, NOT_FOUND, PRECONDITION_FAILED
 
 logger = logging.getLogger(__name__)

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from ..conf import MessagingSettings
-    from ..liveness import HealthState
-    from ..registry import ConsumerSpec
+    from ..core.liveness import HealthState
+    from ..core.registry import ConsumerSpec
     from .retry_publisher import RetryCopy
 
 # (channel, method frame, properties, body), as pika calls a consumer.

@@ -20,7 +20,7 @@ from typing import Any
 from ..broker.transport import BrokerChannel, BrokerConnection
 from ..core.envelope import Delivery
 from ..core.outcomes import RetryInPlace
-from ..registry import ConsumerSpec
+from ..core.registry import ConsumerSpec
 from .processing import with_attempt
 
 

@@ -30,12 +30,12 @@ from ..broker.queues import describe_broker_error
 from ..broker.topology import broker_dead_letter_queues, consumer_queues
 from ..broker.transport import BrokerChannel, BrokerTransport, RetryPublishing
 from ..conf import MessagingSettings
-from ..console import announce
+from ..core.announcements import announce
 from ..core.backoff import Backoff
 from ..core.envelope import delivery_from_frame
+from ..core.liveness import HealthState
+from ..core.registry import ConsumerSpec
 from ..exceptions import TopologyMismatchError
-from ..liveness import HealthState
-from ..registry import ConsumerSpec
 from .board import DeliveryWork, Link, WorkBoard
 from .fastpath import DuplicateCache
 from .settling import OutcomeSettler

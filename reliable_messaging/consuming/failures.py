@@ -29,10 +29,10 @@ from ..core.envelope import (
     Message,
 )
 from ..core.outcomes import Acknowledge, Outcome, OutcomeLabel, RetryInPlace, ScheduleRetry
+from ..core.registry import ConsumerSpec
 from ..core.retry import GiveUp, decide
 from ..dead_letters.record import record_dead_letter
 from ..exceptions import DatabaseConflict, DatabaseUnavailable
-from ..registry import ConsumerSpec
 
 # The consumer's log: these lines are about the deliveries it processes.
 logger = logging.getLogger("reliable_messaging.consuming.processing")

@@ -30,9 +30,9 @@ from ..choices import DeadLetterReason
 from ..core.database_errors import classify
 from ..core.envelope import DecodeError, Delivery, Message, safe_text
 from ..core.outcomes import Acknowledge, OutcomeLabel, Release
+from ..core.registry import ConsumerSpec
 from ..dead_letters.record import record_dead_letter
 from ..models import ProcessedMessage
-from ..registry import ConsumerSpec
 
 logger = logging.getLogger(__name__)
 

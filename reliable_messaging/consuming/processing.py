@@ -13,7 +13,7 @@ batch commits once. Nothing is acked before that commit, so a crash anywhere lea
 delivery of the batch with the broker, and the inbox rows that did commit absorb the redelivery.
 
 The inbox rows themselves (claimed one by one or a batch at a time, with bounded lock waits) are
-written by :mod:`reliable_messaging.exactly_once`, which the Celery integration shares; this module
+written by :mod:`reliable_messaging.storage.inbox`, which the Celery integration shares; this module
 decides what each delivery's outcome is.
 """
 
@@ -53,9 +53,12 @@ from ..core.envelope import (
     decode_delivery,
 )
 from ..core.outcomes import Acknowledge, Outcome, OutcomeLabel, RetryInPlace
+from ..core.registry import ConsumerSpec
 from ..core.routing import topic_matches
 from ..dead_letters.replay import mark_resolved, resolve_processed_copies
-from ..exactly_once import (
+from ..exceptions import DatabaseConflict, DatabaseUnavailable
+from ..models import DeadLetter, ProcessedMessage
+from ..storage.inbox import (
     CLAIM_VENDORS,
     InboxRowBusy,
     claim_inbox_rows,
@@ -63,9 +66,6 @@ from ..exactly_once import (
     lock_wait_for,
     remember_busy,
 )
-from ..exceptions import DatabaseConflict, DatabaseUnavailable
-from ..models import DeadLetter, ProcessedMessage
-from ..registry import ConsumerSpec
 from .failures import DeliveryFailures, DeliveryOutcome
 from .fastpath import DuplicateCache
 from .time_limit import time_limits

@@ -58,11 +58,11 @@ from ..broker.topology import consumer_queues
 from ..broker.transport import BrokerTransport
 from ..conf import MessagingSettings, messaging_settings
 from ..core.envelope import Delivery
+from ..core.liveness import HealthState
 from ..core.outcomes import Outcome
-from ..liveness import HealthState
+from ..core.registry import ConsumerSpec
 from ..models import ProcessedMessage
-from ..partitions import PartitionUpkeep
-from ..registry import ConsumerSpec
+from ..storage.partitions import PartitionUpkeep
 from .board import WorkBoard
 from .connection import ConnectionThread
 from .crash_guard import TIMEOUT, CrashGuard

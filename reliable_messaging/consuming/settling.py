@@ -24,7 +24,7 @@ from ..broker.transport import BrokerChannel, BrokerTransport, RetryPublishing
 from ..conf import MessagingSettings
 from ..core.envelope import Delivery
 from ..core.outcomes import Acknowledge, Outcome, OutcomeLabel, Release, ScheduleRetry, label_of
-from ..registry import ConsumerSpec
+from ..core.registry import ConsumerSpec
 from .board import DeliveryWork, Link
 
 logger = logging.getLogger(__name__)

@@ -42,9 +42,9 @@ from ..broker.topology import consumer_queues
 from ..conf import MessagingSettings
 from ..core.backoff import Backoff
 from ..core.database_errors import CONFLICT_RETRIES, OutageLog, conflict_delay, describe
+from ..core.liveness import HealthState
 from ..core.outcomes import Outcome, Release, RetryInPlace
 from ..exceptions import DatabaseConflict, DatabaseUnavailable
-from ..liveness import HealthState
 from .board import DeliveryWork, HeldPartition, WorkBoard
 from .crash_guard import CRASHED, CrashGuard, SuspectGate, decide_suspect
 from .fastpath import DuplicateCache

@@ -68,9 +68,9 @@ from ..core.database_errors import (
 from ..core.envelope import CELERY_TASK_HEADER, CONTENT_TYPE, Delivery, jsonable
 from ..core.outcomes import OutcomeLabel
 from ..dead_letters.record import record_dead_letter
-from ..exactly_once import claimed_atomic
 from ..exceptions import DatabaseUnavailable
 from ..models import ProcessedMessage
+from ..storage.inbox import claimed_atomic
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
 
-from reliable_messaging.liveness import HealthCheck
+from reliable_messaging.core.liveness import HealthCheck
 from reliable_messaging.ops.http import OpsServer, start_ops_server
 
 

@@ -22,8 +22,8 @@ from typing import Any
 
 from django.db import migrations, transaction
 
-from reliable_messaging import partitions
-from reliable_messaging.partitions import INBOX_TABLE, LEGACY
+from reliable_messaging.storage import partitions
+from reliable_messaging.storage.partitions import INBOX_TABLE, LEGACY
 
 LEGACY_RANGE = "rm_inbox_legacy_range"
 

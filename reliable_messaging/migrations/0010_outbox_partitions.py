@@ -28,8 +28,8 @@ from typing import Any
 
 from django.db import migrations, transaction
 
-from reliable_messaging import partitions
-from reliable_messaging.partitions import (
+from reliable_messaging.storage import partitions
+from reliable_messaging.storage.partitions import (
     OUTBOX,
     OUTBOX_CURRENT,
     OUTBOX_LEGACY,

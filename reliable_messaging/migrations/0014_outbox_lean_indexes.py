@@ -51,11 +51,7 @@ from reliable_messaging.migration_ops import (
     one,
     outbox_tree,
 )
-from reliable_messaging.partitions import (
-    OUTBOX_LEGACY,
-    OUTBOX_TABLE,
-    OUTBOX_UNSENT,
-)
+from reliable_messaging.storage.partitions import OUTBOX_LEGACY, OUTBOX_TABLE, OUTBOX_UNSENT
 
 COLUMN = "idempotency_key"
 # The name Django gave the varchar_pattern_ops index (0002), given back by the reverse.

@@ -54,12 +54,7 @@ from reliable_messaging.migration_ops import (
     one,
     outbox_tree,
 )
-from reliable_messaging.partitions import (
-    OUTBOX_LEGACY,
-    OUTBOX_SENT,
-    OUTBOX_TABLE,
-    OUTBOX_UNSENT,
-)
+from reliable_messaging.storage.partitions import OUTBOX_LEGACY, OUTBOX_SENT, OUTBOX_TABLE, OUTBOX_UNSENT
 
 FAILED_INDEX = f"{OUTBOX_UNSENT}_failed"
 # A partition attached while the indexes are built is built in the next round; after this

@@ -5,7 +5,7 @@ which judges them) and a Prometheus scrape of the web process's ``metrics/`` vie
 (:mod:`.views`), through the two collectors at the end of this module. The consume and relay
 processes never need this module: their counters are in :mod:`reliable_messaging.metrics`, their own
 health in
-:mod:`reliable_messaging.liveness`.
+:mod:`reliable_messaging.core.liveness`.
 
 **Database gauges**, read from the database at each scrape by :class:`DatabaseCollector`.
 They describe the whole system, not one process, so exactly one place exports them: the
@@ -54,7 +54,6 @@ from django.utils import timezone
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from .. import partitions
 from ..broker.queues import (
     READ_ERRORS,
     describe_error,
@@ -63,8 +62,9 @@ from ..broker.queues import (
 )
 from ..choices import OutboxStatus
 from ..conf import MessagingSettings, messaging_settings
+from ..core.registry import ConsumerSpec, registry
 from ..models import DeadLetter, DeadLetterGroup, OutboxMessage, ProcessedMessage
-from ..registry import ConsumerSpec, registry
+from ..storage import partitions
 
 logger = logging.getLogger(__name__)
 

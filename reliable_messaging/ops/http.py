@@ -30,7 +30,7 @@ from prometheus_client.exposition import MetricsHandler
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from ..liveness import HealthCheck
+from ..core.liveness import HealthCheck
 from ..metrics import HealthCollector
 from .status import process_health
 

@@ -9,7 +9,7 @@ messaging_status`` renders) and answers every health endpoint:
   :func:`system_health` and :func:`outbox_lag_problem`, against the outbox-lag limits declared
   once below;
 - ``/healthz`` of a consume or relay process (:mod:`.http`) renders :func:`process_health`, the
-  verdict of what the process recorded in its :class:`reliable_messaging.liveness.HealthState`.
+  verdict of what the process recorded in its :class:`reliable_messaging.core.liveness.HealthState`.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from ..broker.findings import summary
 from ..broker.inspection import BrokerCheck, check_broker
 from ..broker.queues import DEFAULT_TIMEOUT, BrokerStatus, broker_status
 from ..conf import MessagingSettings, messaging_settings
-from ..partitions import UPKEEP_WARN_DAYS
-from ..registry import ConsumerSpec
+from ..core.registry import ConsumerSpec
+from ..storage.partitions import UPKEEP_WARN_DAYS
 from .collectors import DatabaseStatus, database_status
 
 if TYPE_CHECKING:
-    from ..liveness import HealthCheck
+    from ..core.liveness import HealthCheck
 
 
 # Version of the ``--json`` document; raised only when a key changes meaning or goes away.
@@ -384,7 +384,7 @@ def system_health(checks: Mapping[str, CheckResult]) -> HealthReport:
 
 def process_health(health: HealthCheck) -> HealthReport:
     """The verdict on one consume or relay process, from what it recorded (its
-    :class:`reliable_messaging.liveness.HealthState`, or a group of them): the reasons it gives
+    :class:`reliable_messaging.core.liveness.HealthState`, or a group of them): the reasons it gives
     for being unhealthy, and its notes."""
     ok, reasons = health.check()
     notes = getattr(health, "notes", None)

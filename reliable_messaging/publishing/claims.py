@@ -33,7 +33,7 @@ from django.utils import timezone
 from ..choices import OutboxStatus
 from ..conf import MessagingSettings
 from ..models import OutboxMessage
-from ..partitions import OUTBOX, UNSENT_STATUSES, ensure_covered, row_moved
+from ..storage.partitions import OUTBOX, UNSENT_STATUSES, ensure_covered, row_moved
 
 # Logged under the relay's name, the one users' logging configuration knows.
 logger = logging.getLogger("reliable_messaging.relay")

@@ -19,8 +19,8 @@ from .. import metrics
 from ..broker.probes import ExchangeProbe
 from ..broker.publisher import ChannelClosed, ConfirmingPublisher, Returned, Unencodable
 from ..conf import MessagingSettings
+from ..core.liveness import HealthState
 from ..core.routing import topic_matches
-from ..liveness import HealthState
 from .batches import OUTBOX_ID_HEADER, Batch, charge_refusal, message_headers
 from .claims import Claim, OutboxClaims
 from .database_worker import DatabaseWorker

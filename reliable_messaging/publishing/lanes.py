@@ -12,7 +12,7 @@ import time
 
 from django.db import DatabaseError, connections
 
-from ..console import announce
+from ..core.announcements import announce
 from ..models import OutboxMessage
 from .claims import outbox_backlog
 from .relay import OutboxRelay, RelayReport

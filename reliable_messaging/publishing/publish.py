@@ -30,7 +30,7 @@ from ..conf import messaging_settings
 from ..core.envelope import MAX_MESSAGE_ID_LENGTH, encode_payload
 from ..core.uuid7 import new_message_id
 from ..models import OutboxMessage
-from ..partitions import IDEMPOTENCY_LOCK_CLASS
+from ..storage.partitions import IDEMPOTENCY_LOCK_CLASS
 from .wake_after_commit import wake_relay_after_commit
 
 

@@ -53,7 +53,7 @@ the relay goes on by itself. A block longer than the connection's ``blocked_conn
 ends the connection; the batch rolls back and goes again after the reconnect.
 
 Each relay counts what it does in :mod:`reliable_messaging.metrics` and reports to a
-:class:`~reliable_messaging.liveness.HealthState` (broker, database, a heartbeat from the I/O
+:class:`~reliable_messaging.core.liveness.HealthState` (broker, database, a heartbeat from the I/O
 loop) that ``--metrics-port`` serves as ``/healthz``.
 
 Where the parts live: this module runs the relay's life (connect, reconnect, stop) and routes
@@ -80,7 +80,7 @@ from .. import metrics
 from ..broker.publisher import ChannelClosed, ConfirmingPublisher, Returned
 from ..conf import MessagingSettings, messaging_settings
 from ..core.backoff import Backoff
-from ..liveness import HealthState
+from ..core.liveness import HealthState
 from ..models import OutboxMessage
 from . import wake_after_commit
 from .claims import OutboxClaims

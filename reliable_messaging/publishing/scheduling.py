@@ -25,7 +25,7 @@ from django.db import DatabaseError
 from ..broker.publisher import ConfirmingPublisher
 from ..conf import MessagingSettings
 from ..core.backoff import Backoff
-from ..liveness import HealthState
+from ..core.liveness import HealthState
 from .claims import Claim, ClaimTransaction, OutboxClaims
 from .database_worker import DatabaseWorker
 from .in_flight import InFlight

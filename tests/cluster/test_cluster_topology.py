@@ -17,8 +17,8 @@ from django.test import override_settings
 from reliable_messaging import Message
 from reliable_messaging.broker.topology import declare_topology
 from reliable_messaging.consuming.service import ConsumerService
-from reliable_messaging.liveness import HealthState
-from reliable_messaging.registry import ConsumerSpec
+from reliable_messaging.core.liveness import HealthState
+from reliable_messaging.core.registry import ConsumerSpec
 from tests.support import wait_until
 from tests.testapp.models import Effect
 

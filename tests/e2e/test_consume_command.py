@@ -78,7 +78,7 @@ def test_unknown_queue_is_a_command_error(consume, ns: str) -> None:
 
 
 def test_no_registered_consumer_is_a_command_error() -> None:
-    from reliable_messaging.registry import registry
+    from reliable_messaging.core.registry import registry
 
     with registry.isolated(), pytest.raises(CommandError, match="No consumers are registered"):
         call_command("consume", stdout=io.StringIO())

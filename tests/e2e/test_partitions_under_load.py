@@ -14,8 +14,8 @@ import psycopg
 import pytest
 from django.utils import timezone
 
-from reliable_messaging import partitions
-from reliable_messaging.partitions import INBOX_TABLE
+from reliable_messaging.storage import partitions
+from reliable_messaging.storage.partitions import INBOX_TABLE
 from tests.conftest import database_url
 from tests.markers import postgresql_only
 from tests.support import ConsumeProcess, Publisher, wait_until

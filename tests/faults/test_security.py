@@ -32,8 +32,8 @@ from django.test import override_settings
 from reliable_messaging.checks import check_settings
 from reliable_messaging.choices import DeadLetterStatus
 from reliable_messaging.conf import messaging_settings, redact_url
+from reliable_messaging.core.registry import ConsumerSpec, registry
 from reliable_messaging.models import DeadLetter, OutboxMessage
-from reliable_messaging.registry import ConsumerSpec, registry
 from tests.conftest import database_url
 from tests.support import (
     BROKER,

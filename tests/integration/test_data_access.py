@@ -9,10 +9,10 @@ import pytest
 from django.db import transaction
 from django.utils import timezone
 
-from reliable_messaging import partitions
 from reliable_messaging.choices import DeadLetterReason, DeadLetterStatus, OutboxStatus
-from reliable_messaging.exactly_once import claimed_atomic
 from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
+from reliable_messaging.storage import partitions
+from reliable_messaging.storage.inbox import claimed_atomic
 from tests.testapp.models import Effect
 from tests.unit.test_no_import_cycles import PACKAGE, import_graph
 

@@ -89,7 +89,7 @@ GUIDE_CONSUMERS = [find_consumer(charge_order), find_consumer(send_receipt)]
 
 
 def _unregister_guide_consumers() -> None:
-    from reliable_messaging.registry import registry
+    from reliable_messaging.core.registry import registry
 
     for spec in GUIDE_CONSUMERS:
         registry.unregister(spec.name)
@@ -100,7 +100,7 @@ _unregister_guide_consumers()
 
 @pytest.fixture(autouse=True)
 def guide_consumers() -> Iterator[None]:
-    from reliable_messaging.registry import registry
+    from reliable_messaging.core.registry import registry
 
     with registry.isolated():
         for spec in GUIDE_CONSUMERS:
@@ -224,7 +224,7 @@ def test_run_outbox_retries_at_once(db: None, monkeypatch: pytest.MonkeyPatch) -
 
 def test_deliver_does_not_enforce_the_handler_time_limit(db: None) -> None:
     """The watchdog that interrupts a handler past its limit runs in ``manage.py consume``."""
-    from reliable_messaging.registry import ConsumerSpec
+    from reliable_messaging.core.registry import ConsumerSpec
 
     def spin(message: Message) -> None:
         deadline = time.monotonic() + 0.5  # past the limit, in Python code an interrupt reaches
@@ -238,7 +238,7 @@ def test_deliver_does_not_enforce_the_handler_time_limit(db: None) -> None:
 def test_deliver_runs_a_handler_again_after_a_database_conflict_uncharged(db: None) -> None:
     from django.db import connection
 
-    from reliable_messaging.registry import ConsumerSpec
+    from reliable_messaging.core.registry import ConsumerSpec
 
     calls: list[int] = []
 

@@ -14,7 +14,7 @@ from django.test import override_settings
 
 from reliable_messaging import Message
 from reliable_messaging.checks import check_consumers, check_settings
-from reliable_messaging.registry import ConsumerSpec, registry
+from reliable_messaging.core.registry import ConsumerSpec, registry
 
 
 def handler(message: Message) -> None:

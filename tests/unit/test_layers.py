@@ -133,3 +133,28 @@ def test_the_rules_see_a_planted_breach() -> None:
     finally:
         GRAPH[f"{P}.consuming.service"].discard(f"{P}.publishing.relay")
         GRAPH[f"{P}.core.envelope"].discard(f"{P}.models")
+
+
+# What Django, Celery or a user looks for at the package root; everything else has a tier's home.
+ROOT_MODULES = {
+    "__init__",
+    "apps",
+    "checks",
+    "choices",
+    "conf",
+    "exceptions",
+    "managers",
+    "metrics",
+    "migration_ops",
+    "models",
+    "tasks",
+    "testing",
+    "testing_broker",
+    "urls",
+}
+
+
+def test_the_package_root_holds_only_what_is_looked_for_there() -> None:
+    found = {path.stem for path in ROOT.glob("*.py")}
+    assert found - ROOT_MODULES == set(), "a new module at the root: give it a tier's home"
+    assert ROOT_MODULES - found == set()

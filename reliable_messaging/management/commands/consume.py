@@ -10,13 +10,13 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from reliable_messaging import console
 from reliable_messaging.broker.inspection import log_findings_in_background
 from reliable_messaging.consuming.service import PROGRESS_EVERY, ConsumerService
-from reliable_messaging.keepalive import keep_database_alive
-from reliable_messaging.liveness import HealthState
+from reliable_messaging.core import announcements
+from reliable_messaging.core.liveness import HealthState
+from reliable_messaging.core.registry import registry
+from reliable_messaging.management.keepalive import keep_database_alive
 from reliable_messaging.management.metrics_options import add_metrics_arguments, serve_metrics
-from reliable_messaging.registry import registry
 
 logger = logging.getLogger("reliable_messaging.consume")
 
@@ -82,7 +82,7 @@ class Command(BaseCommand):
             raise CommandError("--idle-timeout must be a positive number of seconds")
         if options["progress_interval"] < 0:
             raise CommandError("--progress-interval must not be negative")
-        console.quiet_pika_info()
+        announcements.quiet_pika_info()
 
         keep_database_alive()
         health = HealthState()
@@ -103,7 +103,7 @@ class Command(BaseCommand):
                 # Second signal: leave now. Uncommitted work rolls back when the database
                 # connection drops and unacked deliveries go back to their queues.
                 os._exit(128 + signum)
-            console.announce(
+            announcements.announce(
                 logger,
                 "received %s: finishing the handlers in flight, then exiting "
                 "(send it again to exit at once)",
@@ -114,12 +114,12 @@ class Command(BaseCommand):
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
         # Its start, what it consumes, its progress and its stop show whatever LOGGING says.
-        console.attach(self.stdout.write)
+        announcements.attach(self.stdout.write)
         try:
             code = service.run()
         finally:
             if ops is not None:
                 ops.close()
-            console.detach()
+            announcements.detach()
         if code:
             raise CommandError(f"consume stopped with exit code {code}", returncode=code)

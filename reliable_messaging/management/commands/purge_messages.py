@@ -9,7 +9,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from reliable_messaging.conf import messaging_settings
 from reliable_messaging.management.progress import Progress
-from reliable_messaging.retention import purge_messages
+from reliable_messaging.storage.retention import purge_messages
 
 
 class Command(BaseCommand):

@@ -10,18 +10,18 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import router
 
-from reliable_messaging import console
 from reliable_messaging.broker.inspection import log_body_limit_in_background
+from reliable_messaging.core import announcements
+from reliable_messaging.core.liveness import HealthCheck, HealthGroup, HealthState
 from reliable_messaging.dead_letters.operation_process import OperationProcess
 from reliable_messaging.dead_letters.operations import run_pending_operations
-from reliable_messaging.keepalive import keep_database_alive
-from reliable_messaging.liveness import HealthCheck, HealthGroup, HealthState
+from reliable_messaging.management.keepalive import keep_database_alive
 from reliable_messaging.management.metrics_options import add_metrics_arguments, serve_metrics
 from reliable_messaging.models import OutboxMessage
-from reliable_messaging.partitions import OUTBOX, PartitionUpkeep
 from reliable_messaging.publishing.lanes import RelayProgress, run_lanes
 from reliable_messaging.publishing.listener import NOTIFY_CHANNEL
 from reliable_messaging.publishing.relay import OutboxRelay
+from reliable_messaging.storage.partitions import OUTBOX, PartitionUpkeep
 
 logger = logging.getLogger("reliable_messaging.relay")
 
@@ -84,7 +84,7 @@ class Command(BaseCommand):
         if options["operation_batch_size"] < 0:
             raise CommandError("--operation-batch-size must not be negative")
         keep_database_alive()
-        console.quiet_pika_info()
+        announcements.quiet_pika_info()
         relays = [
             OutboxRelay(
                 batch_size=options["batch_size"], once=options["once"], health=HealthState()
@@ -93,7 +93,7 @@ class Command(BaseCommand):
         ]
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
-            console.announce(
+            announcements.announce(
                 logger,
                 "received %s: finishing the batches in flight, then exiting",
                 signal.Signals(signum).name,
@@ -135,8 +135,8 @@ class Command(BaseCommand):
                 )
                 operations.start()
         # Its start, its progress and its stop show whatever LOGGING says.
-        console.attach(self.stdout.write)
-        console.announce(
+        announcements.attach(self.stdout.write)
+        announcements.announce(
             logger,
             "relay: sending the outbox of database %r to %s (%d lane(s), batches of up to %d%s)",
             relays[0].using,
@@ -155,7 +155,7 @@ class Command(BaseCommand):
                 progress.stop()
             if ops is not None:
                 ops.close()
-            console.detach()
+            announcements.detach()
         self.stdout.write(f"relay: {report.summary()}")
         if options["once"] and (report.left_failed or report.left_retrying):
             raise CommandError(

@@ -21,8 +21,8 @@ from django.test import override_settings
 
 from reliable_messaging.broker.topology import all_delays, declare_topology, delay_exchange_name
 from reliable_messaging.choices import DeadLetterReason
+from reliable_messaging.core.registry import ConsumerSpec
 from reliable_messaging.models import DeadLetter
-from reliable_messaging.registry import ConsumerSpec
 from tests.support import wait_until
 
 SYSTEM_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"

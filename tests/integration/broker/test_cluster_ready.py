@@ -20,7 +20,7 @@ from django.test import override_settings
 
 from reliable_messaging.broker.queues import broker_connection_error, broker_status
 from reliable_messaging.broker.topology import declare_topology, delay_exchange_name
-from reliable_messaging.keepalive import KEEPALIVE_OPTIONS, keep_database_alive
+from reliable_messaging.management.keepalive import KEEPALIVE_OPTIONS, keep_database_alive
 from reliable_messaging.models import ProcessedMessage
 from tests import support
 from tests.integration.consuming.test_consumer_service import (  # noqa: F401 - fixtures

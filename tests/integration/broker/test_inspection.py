@@ -30,7 +30,7 @@ from reliable_messaging.broker.inspection import (
 )
 from reliable_messaging.broker.topology import declare_topology, delay_exchange_name
 from reliable_messaging.conf import messaging_settings
-from reliable_messaging.registry import ConsumerSpec, registry
+from reliable_messaging.core.registry import ConsumerSpec, registry
 from tests.support import ConsumeProcess, rabbitmqctl, wait_until
 
 MIB = 1024 * 1024

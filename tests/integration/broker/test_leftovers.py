@@ -26,8 +26,8 @@ from reliable_messaging.core.envelope import (
     decode_delivery,
     normalize_headers,
 )
+from reliable_messaging.core.registry import ConsumerSpec, registry
 from reliable_messaging.core.routing import topic_matches
-from reliable_messaging.registry import ConsumerSpec, registry
 from tests.support import Publisher, broker_connection
 
 

@@ -10,8 +10,8 @@ from django.test import override_settings
 
 from reliable_messaging.broker.topology import declare_topology
 from reliable_messaging.conf import messaging_settings
+from reliable_messaging.core.registry import ConsumerSpec
 from reliable_messaging.exceptions import TopologyMismatchError
-from reliable_messaging.registry import ConsumerSpec
 from tests.support import broker_connection
 
 

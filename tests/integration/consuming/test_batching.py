@@ -22,9 +22,9 @@ from reliable_messaging.choices import DeadLetterReason
 from reliable_messaging.consuming.processing import DeliveryProcessor, Job, process_batch
 from reliable_messaging.core.envelope import ATTEMPT_HEADER, Delivery, encode_payload
 from reliable_messaging.core.outcomes import Acknowledge, ScheduleRetry
-from reliable_messaging.exactly_once import claim_inbox_rows
+from reliable_messaging.core.registry import ConsumerSpec
 from reliable_messaging.models import DeadLetter, ProcessedMessage
-from reliable_messaging.registry import ConsumerSpec
+from reliable_messaging.storage.inbox import claim_inbox_rows
 from reliable_messaging.testing import find_consumer
 from tests.support import Publisher, wait_until
 from tests.testapp.consumers import behave

@@ -23,10 +23,10 @@ from reliable_messaging.consuming.service import ConsumerService
 from reliable_messaging.consuming.time_limit import time_limits
 from reliable_messaging.consuming.workers import EXIT_WORKERS_DYING, WORKER_DEATH_LIMIT
 from reliable_messaging.core.envelope import ATTEMPT_HEADER
+from reliable_messaging.core.liveness import HealthState
 from reliable_messaging.core.outcomes import Acknowledge, Outcome, Release, ScheduleRetry
-from reliable_messaging.liveness import HealthState
+from reliable_messaging.core.registry import ConsumerSpec
 from reliable_messaging.models import DeadLetter, ProcessedMessage
-from reliable_messaging.registry import ConsumerSpec
 from reliable_messaging.testing import deliver
 from tests import support
 from tests.support import Publisher, queue_counts, wait_until

@@ -16,7 +16,6 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from reliable_messaging import exactly_once, partitions
 from reliable_messaging.conf import messaging_settings
 from reliable_messaging.consuming.board import DeliveryWork, WorkBoard
 from reliable_messaging.consuming.crash_guard import CrashGuard
@@ -27,6 +26,8 @@ from reliable_messaging.core.envelope import REPLAY_HEADER
 from reliable_messaging.core.outcomes import Acknowledge, ScheduleRetry
 from reliable_messaging.exceptions import DatabaseUnavailable
 from reliable_messaging.models import DeadLetter, ProcessedMessage
+from reliable_messaging.storage import inbox as exactly_once
+from reliable_messaging.storage import partitions
 from tests.integration.consuming.test_batching import effects_of, job
 from tests.markers import postgresql_only
 from tests.testapp import consumers

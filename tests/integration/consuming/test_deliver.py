@@ -22,8 +22,8 @@ from reliable_messaging.core.envelope import (
     ORIGINAL_ROUTING_KEY_HEADER,
 )
 from reliable_messaging.core.outcomes import Acknowledge, ScheduleRetry
+from reliable_messaging.core.registry import ConsumerSpec
 from reliable_messaging.models import DeadLetter, ProcessedMessage
-from reliable_messaging.registry import ConsumerSpec
 from reliable_messaging.testing import deliver, find_consumer
 from tests.testapp.models import Effect
 

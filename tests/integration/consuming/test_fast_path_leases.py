@@ -22,7 +22,7 @@ from reliable_messaging.consuming.fastpath import DuplicateCache
 from reliable_messaging.consuming.processing import DeliveryProcessor, Job, process_batch
 from reliable_messaging.core.envelope import DEFERRALS_HEADER, Delivery, Message, encode_payload
 from reliable_messaging.core.outcomes import Acknowledge, ScheduleRetry
-from reliable_messaging.registry import ConsumerSpec
+from reliable_messaging.core.registry import ConsumerSpec
 from tests.support import wait_until
 from tests.testapp.models import Effect
 

@@ -17,16 +17,16 @@ from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from reliable_messaging import partitions
 from reliable_messaging.broker.topology import consumer_queues
 from reliable_messaging.consuming.processing import DeliveryProcessor, Job, process_batch
 from reliable_messaging.core.envelope import Delivery, Message, encode_payload
 from reliable_messaging.core.outcomes import Acknowledge
-from reliable_messaging.exactly_once import insert_inbox_row
+from reliable_messaging.core.registry import ConsumerSpec
 from reliable_messaging.models import ProcessedMessage
-from reliable_messaging.partitions import INBOX_TABLE, LEGACY
-from reliable_messaging.registry import ConsumerSpec
-from reliable_messaging.retention import purge_messages
+from reliable_messaging.storage import partitions
+from reliable_messaging.storage.inbox import insert_inbox_row
+from reliable_messaging.storage.partitions import INBOX_TABLE, LEGACY
+from reliable_messaging.storage.retention import purge_messages
 from tests.support import wait_until
 from tests.testapp.models import Effect
 
@@ -204,7 +204,7 @@ def test_a_claim_on_a_day_with_no_partition_makes_it_on_the_spot() -> None:
     assert partitions.day_name(later.date()) not in names()
     partitions.forget_coverage()
     try:
-        with mock.patch("reliable_messaging.exactly_once.timezone.now", return_value=later):
+        with mock.patch("reliable_messaging.storage.inbox.timezone.now", return_value=later):
             with transaction.atomic():
                 assert insert_inbox_row("default", "c", "from-the-future") is True
             with transaction.atomic():

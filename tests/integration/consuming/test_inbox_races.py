@@ -19,7 +19,6 @@ import pytest
 from django.db import connection, connections
 from django.utils import timezone
 
-from reliable_messaging import exactly_once
 from reliable_messaging.broker.topology import consumer_queues
 from reliable_messaging.choices import DeadLetterReason, DeadLetterStatus
 from reliable_messaging.consuming.processing import DeliveryProcessor, Job, process_batch
@@ -30,11 +29,12 @@ from reliable_messaging.core.envelope import (
     encode_payload,
 )
 from reliable_messaging.core.outcomes import Acknowledge, Outcome, ScheduleRetry
+from reliable_messaging.core.registry import ConsumerSpec
 from reliable_messaging.dead_letters.replay import STALE_REPLAY_AFTER, discard, replay
 from reliable_messaging.exceptions import DatabaseUnavailable, PermanentError
 from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
-from reliable_messaging.partitions import CLAIM_LOCK_CLASS
-from reliable_messaging.registry import ConsumerSpec
+from reliable_messaging.storage import inbox as exactly_once
+from reliable_messaging.storage.partitions import CLAIM_LOCK_CLASS
 from tests.markers import postgresql_only
 from tests.support import wait_until
 from tests.testapp.models import Effect

@@ -15,10 +15,10 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.utils import timezone
 
-from reliable_messaging import partitions
-from reliable_messaging.liveness import HealthState
+from reliable_messaging.core.liveness import HealthState
 from reliable_messaging.ops.http import start_ops_server
-from reliable_messaging.partitions import INBOX_TABLE
+from reliable_messaging.storage import partitions
+from reliable_messaging.storage.partitions import INBOX_TABLE
 from tests.conftest import database_url
 from tests.integration.ops.conftest import http_get, http_json, parse_samples
 from tests.markers import postgresql_only
@@ -93,7 +93,7 @@ def test_an_upkeep_that_keeps_failing_is_seen_days_before_the_partitions_run_out
         assert "--min-partition-days-ahead" not in strict_status(start)[1]
 
         table_held.hold()
-        caplog.set_level(logging.WARNING, "reliable_messaging.partitions")
+        caplog.set_level(logging.WARNING, "reliable_messaging.storage.partitions")
         # A day passes with every upkeep run failing; then a second.
         for day in (1, 2):
             days[0] = day

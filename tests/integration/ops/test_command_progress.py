@@ -11,10 +11,10 @@ from django.core.management import call_command
 from django.core.management.base import OutputWrapper
 from django.utils import timezone
 
-from reliable_messaging import partitions
 from reliable_messaging.management import progress
 from reliable_messaging.management.progress import Progress
 from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage, SuspectDelivery
+from reliable_messaging.storage import partitions
 
 
 class Terminal(io.StringIO):

@@ -36,10 +36,10 @@ from reliable_messaging.broker.topology import (
 )
 from reliable_messaging.choices import OutboxStatus
 from reliable_messaging.conf import redact_url
+from reliable_messaging.core.registry import ConsumerSpec, registry
 from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
 from reliable_messaging.ops.collectors import DatabaseStatus
 from reliable_messaging.ops.status import Thresholds, find_problems
-from reliable_messaging.registry import ConsumerSpec, registry
 from tests.conftest import database_url
 from tests.markers import postgresql_only
 from tests.support import (

@@ -14,7 +14,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from reliable_messaging import metrics
 from reliable_messaging.choices import DeadLetterReason, DeadLetterStatus, OutboxStatus
-from reliable_messaging.liveness import HealthGroup, HealthState
+from reliable_messaging.core.liveness import HealthGroup, HealthState
 from reliable_messaging.metrics import HealthCollector
 from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
 from reliable_messaging.ops.collectors import DatabaseCollector
@@ -282,7 +282,7 @@ def test_the_counters_and_liveness_import_no_reader_and_no_status() -> None:
     readers, the status report, pika or Django's ORM (nor need Django set up)."""
     script = (
         "import sys\n"
-        "import reliable_messaging.liveness, reliable_messaging.metrics\n"
+        "import reliable_messaging.core.liveness, reliable_messaging.metrics\n"
         "heavy = ['reliable_messaging.ops.collectors', 'reliable_messaging.ops.status', "
         "'reliable_messaging.models', 'pika', 'django.db.models']\n"
         "print(sorted(m for m in heavy if m in sys.modules))\n"

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from reliable_messaging import metrics
-from reliable_messaging.liveness import HealthState
+from reliable_messaging.core.liveness import HealthState
 from reliable_messaging.ops.http import OpsServer, start_ops_server
 
 from .conftest import http_get, http_json, parse_samples

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from reliable_messaging import publish
 from reliable_messaging.choices import OutboxStatus
-from reliable_messaging.liveness import HealthState
+from reliable_messaging.core.liveness import HealthState
 from reliable_messaging.models import OutboxMessage
 from reliable_messaging.ops.collectors import DatabaseCollector
 from reliable_messaging.publishing.relay import OutboxRelay

@@ -16,12 +16,12 @@ import reliable_messaging
 from reliable_messaging import metrics
 from reliable_messaging.broker.topology import declare_topology
 from reliable_messaging.choices import DeadLetterReason
-from reliable_messaging.liveness import HealthState
+from reliable_messaging.core.liveness import HealthState
+from reliable_messaging.core.registry import ConsumerSpec
 from reliable_messaging.metrics import HealthCollector
 from reliable_messaging.models import DeadLetter
 from reliable_messaging.ops.collectors import BrokerCollector, DatabaseCollector
 from reliable_messaging.ops.status import OUTBOX_LAG_LIMIT
-from reliable_messaging.registry import ConsumerSpec
 from tests.support import broker_connection
 
 # Shipped in the package (reliable_messaging/monitoring/), so users of the wheel have them too.

@@ -9,7 +9,7 @@ import datetime as dt
 
 import pytest
 
-from reliable_messaging.liveness import HealthGroup, HealthState
+from reliable_messaging.core.liveness import HealthGroup, HealthState
 from reliable_messaging.ops import views
 from reliable_messaging.ops.status import (
     OUTBOX_LAG_LIMIT,

@@ -18,10 +18,10 @@ from django.utils import timezone
 from reliable_messaging import publish
 from reliable_messaging.broker.topology import declare_topology, delay_exchange_name
 from reliable_messaging.conf import messaging_settings
+from reliable_messaging.core.registry import ConsumerSpec, registry
 from reliable_messaging.models import OutboxMessage
 from reliable_messaging.ops import views
 from reliable_messaging.ops.collectors import BrokerCollector
-from reliable_messaging.registry import ConsumerSpec, registry
 from tests.support import Publisher, broker_connection
 
 from .conftest import parse_samples

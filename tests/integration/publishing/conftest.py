@@ -35,9 +35,10 @@ from django.db import connection, connections, transaction
 from django.test import override_settings
 from django.utils import timezone
 
-from reliable_messaging import partitions, publish
+from reliable_messaging import publish
 from reliable_messaging.models import OutboxMessage
-from reliable_messaging.partitions import OUTBOX
+from reliable_messaging.storage import partitions
+from reliable_messaging.storage.partitions import OUTBOX
 from tests import support
 from tests.integration.publishing.outbox_schema import migrate
 from tests.support import ManageProcess, WaitTimeout

@@ -9,7 +9,7 @@ import io
 from django.core.management import call_command
 from django.db import connection
 
-from reliable_messaging.partitions import OUTBOX_TABLE
+from reliable_messaging.storage.partitions import OUTBOX_TABLE
 
 
 def migrate(*target: str) -> None:

@@ -10,9 +10,10 @@ from collections.abc import Callable
 import pytest
 from django.db import IntegrityError, connection, transaction
 
-from reliable_messaging import partitions, publish
+from reliable_messaging import publish
 from reliable_messaging.models import OutboxMessage
-from reliable_messaging.partitions import (
+from reliable_messaging.storage import partitions
+from reliable_messaging.storage.partitions import (
     OUTBOX,
     OUTBOX_CURRENT,
     OUTBOX_LEGACY,

@@ -20,19 +20,20 @@ from django.db.backends.utils import CursorWrapper
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from reliable_messaging import partitions, publish
+from reliable_messaging import publish
 from reliable_messaging.choices import OutboxStatus
 from reliable_messaging.models import OutboxMessage
-from reliable_messaging.partitions import (
+from reliable_messaging.publishing.claims import OutboxClaims
+from reliable_messaging.publishing.relay import OutboxRelay, RelayReport
+from reliable_messaging.storage import partitions
+from reliable_messaging.storage.partitions import (
     OUTBOX,
     OUTBOX_CURRENT,
     OUTBOX_LEGACY,
     OUTBOX_TABLE,
     OUTBOX_UNSENT,
 )
-from reliable_messaging.publishing.claims import OutboxClaims
-from reliable_messaging.publishing.relay import OutboxRelay, RelayReport
-from reliable_messaging.retention import purge_messages
+from reliable_messaging.storage.retention import purge_messages
 from tests.markers import postgresql_only
 
 from .conftest import OutboxEnv

@@ -18,10 +18,11 @@ from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from reliable_messaging import partitions, publish
+from reliable_messaging import publish
 from reliable_messaging.choices import OutboxStatus
 from reliable_messaging.models import OutboxMessage
-from reliable_messaging.partitions import (
+from reliable_messaging.storage import partitions
+from reliable_messaging.storage.partitions import (
     OUTBOX,
     OUTBOX_CURRENT,
     OUTBOX_LEGACY,

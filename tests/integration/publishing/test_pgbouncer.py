@@ -26,9 +26,9 @@ from django.core.management import CommandError, call_command
 from django.db import connection, transaction
 
 from reliable_messaging import publish
+from reliable_messaging.core.registry import ConsumerSpec
 from reliable_messaging.publishing.listener import NOTIFY_CHANNEL
 from reliable_messaging.publishing.wake_after_commit import sender
-from reliable_messaging.registry import ConsumerSpec
 from tests.conftest import POOL_OF_ONE
 from tests.markers import direct_only, postgresql_only
 from tests.pgbouncer import PgBouncer, free_port, routed

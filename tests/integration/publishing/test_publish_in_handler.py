@@ -13,8 +13,8 @@ from reliable_messaging import Message, PermanentError, publish
 from reliable_messaging.choices import OutboxStatus
 from reliable_messaging.consuming.service import ConsumerService
 from reliable_messaging.core.outcomes import Acknowledge, ScheduleRetry
+from reliable_messaging.core.registry import ConsumerSpec
 from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
-from reliable_messaging.registry import ConsumerSpec
 from reliable_messaging.testing import deliver
 from tests.support import wait_until
 from tests.testapp.models import Effect

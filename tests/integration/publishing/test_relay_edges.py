@@ -29,7 +29,7 @@ from reliable_messaging.ops.status import Thresholds, find_problems
 from reliable_messaging.publishing import wake_after_commit
 from reliable_messaging.publishing.listener import OutboxListener
 from reliable_messaging.publishing.relay import OutboxRelay, RelayReport
-from reliable_messaging.retention import purge_messages
+from reliable_messaging.storage.retention import purge_messages
 from tests import support
 from tests.markers import direct_only
 from tests.support import wait_until

@@ -14,9 +14,9 @@ from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from reliable_messaging import partitions
 from reliable_messaging.choices import OutboxStatus
 from reliable_messaging.models import OutboxMessage, ProcessedMessage
+from reliable_messaging.storage import partitions
 from tests.markers import ON_POSTGRESQL
 
 pytestmark = pytest.mark.django_db

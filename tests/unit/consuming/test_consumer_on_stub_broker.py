@@ -23,7 +23,7 @@ from reliable_messaging import Message
 from reliable_messaging.consuming.service import ConsumerService
 from reliable_messaging.core.envelope import ORDERING_KEY_HEADER, Delivery
 from reliable_messaging.core.outcomes import Acknowledge, Outcome
-from reliable_messaging.registry import ConsumerSpec
+from reliable_messaging.core.registry import ConsumerSpec
 from reliable_messaging.testing_broker import StubTransport
 from tests.support import wait_until
 from tests.testapp.models import Effect

@@ -31,8 +31,8 @@ from typing import Any
 from django.db import IntegrityError, OperationalError, connections, transaction
 from django.utils import timezone
 
-from .choices import OPEN_DEAD_LETTER_STATUSES
-from .models import DeadLetter, ProcessedMessage
+from ..choices import OPEN_DEAD_LETTER_STATUSES
+from ..models import DeadLetter, ProcessedMessage
 from .partitions import CLAIM_LOCK_CLASS, LOCK_NOT_AVAILABLE, ensure_covered
 
 CLIENT_CURSOR: type | None

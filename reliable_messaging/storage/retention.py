@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from django.db import connections, router, transaction
 from django.utils import timezone
 
+from ..conf import MessagingSettings, messaging_settings
+from ..managers import BatchDeletingQuerySet
+from ..models import DeadLetter, DeadLetterGroup, OutboxMessage, ProcessedMessage, SuspectDelivery
 from . import partitions
-from .conf import MessagingSettings, messaging_settings
-from .managers import BatchDeletingQuerySet
-from .models import DeadLetter, DeadLetterGroup, OutboxMessage, ProcessedMessage, SuspectDelivery
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from .core.envelope import Message
-from .exceptions import ConsumerConfigurationError
+from ..exceptions import ConsumerConfigurationError
+from .envelope import Message
 
 Handler = Callable[[Message], Any]
 

@@ -77,8 +77,8 @@ from django.db import (
     transaction,
 )
 
-from . import metrics
-from .liveness import HealthState
+from .. import metrics
+from ..core.liveness import HealthState
 
 logger = logging.getLogger("reliable_messaging.partitions")
 

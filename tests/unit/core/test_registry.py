@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from reliable_messaging import Message, consumer
+from reliable_messaging.core.registry import ConsumerRegistry, ConsumerSpec, registry
 from reliable_messaging.exceptions import ConsumerConfigurationError
-from reliable_messaging.registry import ConsumerRegistry, ConsumerSpec, registry
 from reliable_messaging.testing import find_consumer
 
 
