@@ -26,7 +26,7 @@ from .conf import (
     redact_url,
     split_broker_urls,
 )
-from .core.retry import delay_for
+from .core.delays import delay_for
 
 SETTING = "RELIABLE_MESSAGING"
 

@@ -29,9 +29,9 @@ import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel
 
 from ..conf import MessagingSettings, messaging_settings
+from ..core.delays import delay_name
 from ..core.envelope import ORDERING_KEY_HEADER
 from ..core.registry import ConsumerSpec
-from ..core.retry import delay_name
 from ..exceptions import TopologyMismatchError
 from .replies import COMMAND_INVALID, NOT_FOUND, PRECONDITION_FAILED
 

@@ -66,8 +66,8 @@ from ..storage.inbox import (
     lock_wait_for,
     remember_busy,
 )
-from .failures import DeliveryFailures, DeliveryOutcome
 from .fastpath import DuplicateCache
+from .retries import DeliveryFailures, DeliveryOutcome
 from .time_limit import time_limits
 
 logger = logging.getLogger(__name__)

@@ -1,13 +1,13 @@
-"""The relay's database side: claim due outbox rows, hold or lease them, record what happened.
+"""The relay's database side: claim due outbox rows, and hold or lease them while in flight.
 
 Everything here runs on a relay's database worker threads (:mod:`.database_worker`), never on the
-I/O loop, and knows nothing of the broker: the relay hands it a :class:`BatchOutcome` (which
-rows were confirmed, which failed and why) and it writes that down.
+I/O loop, and knows nothing of the broker. What became of the rows is written by
+:func:`.sent.record_outcome`.
 
 A claim's transaction outlives the method that begins it: the claimed rows stay locked while
-their confirms come back, and the batch's record, a lease or a rollback ends it, in another
-call on the same worker thread. That transaction has a name, :class:`ClaimTransaction`, so that
-its beginning and its end can be read where they are.
+their confirms come back, and the batch's record (:mod:`.sent`), a lease or a rollback ends
+it, in another call on the same worker thread. That transaction has a name,
+:class:`ClaimTransaction`, so that its beginning and its end can be read where they are.
 
 Every statement that reads or changes unsent rows names the unsent statuses: on PostgreSQL that
 confines it to the outbox's unsent partition (partitions.py). Every comparison with or
@@ -18,22 +18,20 @@ with, so hosts with skewed clocks agree on when a row is due.
 from __future__ import annotations
 
 import datetime as dt
-import functools
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from django.db import DatabaseError, connections, transaction
 from django.db.models import BigIntegerField, DurationField, F, Min, Value
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Now
-from django.utils import timezone
 
 from ..choices import OutboxStatus
 from ..conf import MessagingSettings
 from ..models import OutboxMessage
-from ..storage.partitions import OUTBOX, UNSENT_STATUSES, ensure_covered, row_moved
+from ..storage.partitions import UNSENT_STATUSES, row_moved
 
 # Logged under the relay's name, the one users' logging configuration knows.
 logger = logging.getLogger("reliable_messaging.relay")
@@ -42,14 +40,9 @@ T = TypeVar("T")
 
 # The statuses of a row not sent yet (see the module docstring).
 UNSENT = UNSENT_STATUSES
-# How often a claim or a record is tried again at once when a row it reached was moved to the
+# How often a claim is tried again at once when a row it reached was moved to the
 # sent partition meanwhile (a serialization failure, in READ COMMITTED only that).
 MOVED_TRIES = 3
-
-
-def resend_backoff(attempts: int) -> dt.timedelta:
-    """Wait before the next try of a row that failed ``attempts`` times: 1 s doubling to 5 min."""
-    return dt.timedelta(seconds=min(2 ** max(attempts - 1, 0), 300))
 
 
 def _earlier_unsent_sql() -> str:
@@ -237,29 +230,6 @@ class Claim:
     error: DatabaseError | None = None
 
 
-@dataclass
-class BatchOutcome:
-    """What became of a claimed batch, for :meth:`OutboxClaims.record`."""
-
-    claimed: list[ClaimedRow]
-    sent: list[int] = field(default_factory=list)  # ids confirmed by the broker
-    unrouted: list[ClaimedRow] = field(default_factory=list)  # events confirmed, but unroutable
-    failures: dict[int, str] = field(default_factory=dict)  # id -> why it was not sent
-    # Failures no number of tries can change (a body over the broker's max_message_size).
-    final: set[int] = field(default_factory=set)
-    again: list[int] = field(default_factory=list)  # neither: due again at once
-
-    @property
-    def released_keys(self) -> set[str]:
-        """The ordering keys whose next row may go now: a row of theirs left the unsent side."""
-        done = set(self.sent) | {row.pk for row in self.unrouted}
-        return {
-            row.ordering_key
-            for row in self.claimed
-            if row.pk in done and row.ordering_key is not None
-        }
-
-
 class OutboxClaims:
     """The queries of one relay lane, on the database alias ``using``."""
 
@@ -386,84 +356,3 @@ class OutboxClaims:
                 "them again, which consumers absorb",
                 exc,
             )
-
-    # -- recording --------------------------------------------------------------------------
-
-    def record(self, outcome: BatchOutcome, held: ClaimTransaction | None) -> Exception | None:
-        """Mark the confirmed rows sent (or unrouted), charge the failed ones, make the rest due
-        again, and release the next row of each key sent, committing ``held`` (the claim's
-        transaction) or, when the rows were leased, a new one. Returns the error when the
-        database could not record it: the rows stay pending and go again, at once (rolled back)
-        or when their lease runs out, which consumers absorb by message_id."""
-        leased = held is None
-        for attempt in range(1, MOVED_TRIES + 1):
-            try:
-                (held or ClaimTransaction(self.using)).run(
-                    functools.partial(self._write_outcome, outcome, leased)
-                )
-                return None
-            except Exception as exc:  # noqa: BLE001 - whatever failed, the relay goes on
-                if row_moved(exc) and attempt < MOVED_TRIES:
-                    # A leased row that another relay sent meanwhile: rolled back, recorded
-                    # again in a transaction of its own (the rows are not locked any more).
-                    held, leased = None, True
-                    continue
-                if isinstance(exc, DatabaseError):
-                    self.forget_connection()
-                return exc
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _write_outcome(self, outcome: BatchOutcome, leased: bool) -> None:
-        # Marking a row sent moves it to the sent side of the partitioned outbox.
-        outbox = OutboxMessage.objects.using(self.using).filter(status__in=UNSENT)
-        if outcome.sent or outcome.unrouted:
-            # A day with no partition (every upkeep failing for days) is made here first.
-            ensure_covered(self.using, timezone.now(), OUTBOX)
-        if outcome.sent:
-            outbox.filter(pk__in=any_id_of(self.using, outcome.sent)).update(
-                status=OutboxStatus.SENT, sent_at=Now(), last_error=""
-            )
-        if outcome.unrouted:
-            outbox.filter(
-                pk__in=any_id_of(self.using, (row.pk for row in outcome.unrouted))
-            ).update(
-                status=OutboxStatus.UNROUTED,
-                sent_at=Now(),
-                last_error="no queue was bound for its routing key when it was sent",
-            )
-        for row in outcome.claimed:
-            error = outcome.failures.get(row.pk)
-            if error is not None:
-                self._charge(row, error, final=row.pk in outcome.final)
-        if outcome.again and leased:
-            # Rolled back, the claim's rows are due at once by themselves; leased, they are due
-            # when the lease runs out unless made due here.
-            outbox.filter(
-                pk__in=any_id_of(self.using, outcome.again), status=OutboxStatus.PENDING
-            ).update(next_attempt_at=Now())
-        release_next_of_keys(self.using, outcome.released_keys)
-
-    def _charge(self, row: ClaimedRow, error: str, *, final: bool = False) -> None:
-        """A failed send: one more attempt, a backoff, and ``failed`` past OUTBOX_MAX_ATTEMPTS
-        (at once when ``final``: the broker would refuse it every time)."""
-        attempts = row.attempts + 1
-        failed = final or attempts >= self.settings.outbox_max_attempts
-        if failed:
-            logger.error(
-                "relay: message_id=%s %s, marked failed: %s",
-                row.message_id,
-                "refused for good" if final else f"failed {attempts} times",
-                error,
-            )
-        else:
-            logger.warning(
-                "relay: message_id=%s not sent (attempt %d): %s", row.message_id, attempts, error
-            )
-        # Still unsent: a row another relay sent meanwhile (its lease ran out) stays sent.
-        OutboxMessage.objects.using(self.using).filter(pk=row.pk, status__in=UNSENT).update(
-            attempts=attempts,
-            last_error=error[:2000],
-            # From the database's clock, which the claim compares it with.
-            next_attempt_at=Now() + Value(resend_backoff(attempts), output_field=DurationField()),
-            status=OutboxStatus.FAILED if failed else OutboxStatus.PENDING,
-        )

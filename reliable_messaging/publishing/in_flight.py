@@ -21,9 +21,9 @@ from ..broker.publisher import ChannelClosed, ConfirmingPublisher, Returned, Une
 from ..conf import MessagingSettings
 from ..core.liveness import HealthState
 from ..core.routing import topic_matches
-from .batches import OUTBOX_ID_HEADER, Batch, charge_refusal, message_headers
 from .claims import Claim, OutboxClaims
 from .database_worker import DatabaseWorker
+from .sent import OUTBOX_ID_HEADER, Batch, charge_refusal, message_headers, record_outcome
 
 # Logged under the relay's name, the one users' logging configuration knows.
 logger = logging.getLogger("reliable_messaging.relay")
@@ -232,12 +232,17 @@ class InFlight:
         self.on_recorded(recorded)
 
     def _settle(self, batch: Batch) -> bool:
-        """Database worker: record the batch's outcome (see :meth:`OutboxClaims.record`) and
+        """Database worker: record the batch's outcome (:func:`.sent.record_outcome`) and
         count it. False when the database could not record it: the rows stay pending and go
         again, at once or when their lease runs out."""
         outcome = batch.outcome()
         held, batch.transaction = batch.transaction, None
-        error = self.claims.record(outcome, held)
+        error = record_outcome(
+            outcome,
+            held,
+            using=self.claims.using,
+            max_attempts=self.claims.settings.outbox_max_attempts,
+        )
         if error is not None:
             # The rows were published but cannot be marked: they go again, which consumers
             # absorb by message_id.

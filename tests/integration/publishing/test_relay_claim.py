@@ -19,9 +19,9 @@ from django.utils import timezone
 from reliable_messaging import publish
 from reliable_messaging.choices import OutboxStatus
 from reliable_messaging.models import OutboxMessage
-from reliable_messaging.publishing.batches import Batch
 from reliable_messaging.publishing.claims import claimable, release_parked
 from reliable_messaging.publishing.relay import LEASE_MARGIN, OutboxRelay
+from reliable_messaging.publishing.sent import Batch, record_outcome
 from tests.markers import postgresql_only
 
 from .conftest import OutboxEnv
@@ -196,7 +196,7 @@ def test_a_claim_holds_its_rows_then_trades_its_transaction_for_a_lease(ob: Outb
     # Recording the batch later marks the confirmed rows sent and makes the rest due again.
     batch = Batch(rows=dict(enumerate(claim.rows, start=1)), claimed=claim.rows)
     batch.confirmed = {claim.rows[0].pk}
-    assert relay.claims.record(batch.outcome(), None) is None
+    assert record_outcome(batch.outcome(), None, using="default", max_attempts=10) is None
     statuses = dict(OutboxMessage.objects.values_list("pk", "status"))
     assert statuses[claim.rows[0].pk] == OutboxStatus.SENT
     again = [row.pk for row in claim.rows[1:]]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from reliable_messaging import metrics
 from reliable_messaging.choices import DeadLetterReason
+from reliable_messaging.consuming.retries import GiveUp, decide
 from reliable_messaging.core.outcomes import (
     Acknowledge,
     FailureReason,
@@ -13,7 +14,6 @@ from reliable_messaging.core.outcomes import (
     ScheduleRetry,
     label_of,
 )
-from reliable_messaging.core.retry import GiveUp, decide
 
 
 def test_the_metrics_count_exactly_the_outcome_labels() -> None:

@@ -1,21 +1,39 @@
-"""The batches a relay has published and awaits confirms for: the bookkeeping of one batch,
-the headers of a row, and which rows a broker's refusal is about.
+"""Where an outbox row is marked sent: what the broker's answers make of a batch, written down.
 
-Nothing here touches the network or the database: the relay's I/O loop feeds a batch the
-confirms, returns and channel closes it receives, and hands :meth:`Batch.outcome` to the
-database side (:mod:`.claims`) to be written down.
+The relay's I/O loop (:mod:`.in_flight`) feeds a :class:`Batch` the confirms, returns and channel
+closes of the rows it published; :meth:`Batch.outcome` says which rows are sent, unrouted,
+charged (:func:`charge_refusal` for a broker's refusal) or due again; :func:`record_outcome`
+writes that down on a database worker, in the claim's transaction when it is still open.
 """
 
 from __future__ import annotations
 
+import datetime as dt
+import functools
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from django.db import DatabaseError, connections
+from django.db.models import DurationField, Value
+from django.db.models.functions import Now
+from django.utils import timezone
+
 from ..broker.limits import MESSAGE_SIZE, size_limit_in
 from ..broker.replies import NOT_FOUND
+from ..choices import OutboxStatus
 from ..core.envelope import ORDERING_KEY_HEADER, PUBLISHED_AT_HEADER
-from .claims import BatchOutcome, ClaimedRow, ClaimTransaction
+from ..models import OutboxMessage
+from ..storage.partitions import OUTBOX, ensure_covered, row_moved
+from .claims import UNSENT, ClaimedRow, ClaimTransaction, any_id_of, release_next_of_keys
+
+# Logged under the relay's name, the one users' logging configuration knows.
+logger = logging.getLogger("reliable_messaging.relay")
+
+# How often a record is tried again at once when a row it reached was moved to the sent
+# partition meanwhile (a serialization failure, in READ COMMITTED only that).
+MOVED_TRIES = 3
 
 # The header carrying a row's id, so that a returned message finds its row.
 OUTBOX_ID_HEADER = "x-rm-outbox-id"
@@ -24,6 +42,34 @@ _MISSING_EXCHANGE = re.compile(r"no exchange '([^']*)'")
 # The exchange a 403 names ("access to exchange 'x' in vhost '/' refused", "cannot publish to
 # internal exchange 'x'") and the size a 406 names ("message size 123 is larger than ...").
 _NAMED_EXCHANGE = re.compile(r"exchange '([^']*)'")
+
+
+@dataclass
+class BatchOutcome:
+    """What became of a claimed batch, for :func:`record_outcome`."""
+
+    claimed: list[ClaimedRow]
+    sent: list[int] = field(default_factory=list)  # ids confirmed by the broker
+    unrouted: list[ClaimedRow] = field(default_factory=list)  # events confirmed, but unroutable
+    failures: dict[int, str] = field(default_factory=dict)  # id -> why it was not sent
+    # Failures no number of tries can change (a body over the broker's max_message_size).
+    final: set[int] = field(default_factory=set)
+    again: list[int] = field(default_factory=list)  # neither: due again at once
+
+    @property
+    def released_keys(self) -> set[str]:
+        """The ordering keys whose next row may go now: a row of theirs left the unsent side."""
+        done = set(self.sent) | {row.pk for row in self.unrouted}
+        return {
+            row.ordering_key
+            for row in self.claimed
+            if row.pk in done and row.ordering_key is not None
+        }
+
+
+def resend_backoff(attempts: int) -> dt.timedelta:
+    """Wait before the next try of a row that failed ``attempts`` times: 1 s doubling to 5 min."""
+    return dt.timedelta(seconds=min(2 ** max(attempts - 1, 0), 300))
 
 
 def message_headers(row: ClaimedRow) -> dict[str, Any]:
@@ -204,3 +250,93 @@ def charge_refusal(
         else:
             batch.errors[row.pk] = error[:2000]
     return len(culprits), None
+
+
+def record_outcome(
+    outcome: BatchOutcome, held: ClaimTransaction | None, *, using: str, max_attempts: int
+) -> Exception | None:
+    """Mark the confirmed rows sent (or unrouted), charge the failed ones, make the rest due
+    again, and release the next row of each key sent, committing ``held`` (the claim's
+    transaction) or, when the rows were leased, a new one. Returns the error when the
+    database could not record it: the rows stay pending and go again, at once (rolled back)
+    or when their lease runs out, which consumers absorb by message_id."""
+    leased = held is None
+    for attempt in range(1, MOVED_TRIES + 1):
+        try:
+            (held or ClaimTransaction(using)).run(
+                functools.partial(_write_outcome, outcome, leased, using, max_attempts)
+            )
+            return None
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the relay goes on
+            if row_moved(exc) and attempt < MOVED_TRIES:
+                # A leased row that another relay sent meanwhile: rolled back, recorded
+                # again in a transaction of its own (the rows are not locked any more).
+                held, leased = None, True
+                continue
+            if isinstance(exc, DatabaseError):
+                connections[using].close()  # the next query opens a fresh connection
+            return exc
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _write_outcome(outcome: BatchOutcome, leased: bool, using: str, max_attempts: int) -> None:
+    # Marking a row sent moves it to the sent side of the partitioned outbox.
+    outbox = OutboxMessage.objects.using(using).filter(status__in=UNSENT)
+    if outcome.sent or outcome.unrouted:
+        # A day with no partition (every upkeep failing for days) is made here first.
+        ensure_covered(using, timezone.now(), OUTBOX)
+    if outcome.sent:
+        outbox.filter(pk__in=any_id_of(using, outcome.sent)).update(
+            status=OutboxStatus.SENT, sent_at=Now(), last_error=""
+        )
+    if outcome.unrouted:
+        outbox.filter(pk__in=any_id_of(using, (row.pk for row in outcome.unrouted))).update(
+            status=OutboxStatus.UNROUTED,
+            sent_at=Now(),
+            last_error="no queue was bound for its routing key when it was sent",
+        )
+    for row in outcome.claimed:
+        error = outcome.failures.get(row.pk)
+        if error is not None:
+            _charge(
+                row,
+                error,
+                using=using,
+                max_attempts=max_attempts,
+                final=row.pk in outcome.final,
+            )
+    if outcome.again and leased:
+        # Rolled back, the claim's rows are due at once by themselves; leased, they are due
+        # when the lease runs out unless made due here.
+        outbox.filter(pk__in=any_id_of(using, outcome.again), status=OutboxStatus.PENDING).update(
+            next_attempt_at=Now()
+        )
+    release_next_of_keys(using, outcome.released_keys)
+
+
+def _charge(
+    row: ClaimedRow, error: str, *, using: str, max_attempts: int, final: bool = False
+) -> None:
+    """A failed send: one more attempt, a backoff, and ``failed`` past OUTBOX_MAX_ATTEMPTS
+    (at once when ``final``: the broker would refuse it every time)."""
+    attempts = row.attempts + 1
+    failed = final or attempts >= max_attempts
+    if failed:
+        logger.error(
+            "relay: message_id=%s %s, marked failed: %s",
+            row.message_id,
+            "refused for good" if final else f"failed {attempts} times",
+            error,
+        )
+    else:
+        logger.warning(
+            "relay: message_id=%s not sent (attempt %d): %s", row.message_id, attempts, error
+        )
+    # Still unsent: a row another relay sent meanwhile (its lease ran out) stays sent.
+    OutboxMessage.objects.using(using).filter(pk=row.pk, status__in=UNSENT).update(
+        attempts=attempts,
+        last_error=error[:2000],
+        # From the database's clock, which the claim compares it with.
+        next_attempt_at=Now() + Value(resend_backoff(attempts), output_field=DurationField()),
+        status=OutboxStatus.FAILED if failed else OutboxStatus.PENDING,
+    )

@@ -1,19 +1,14 @@
-"""Retry decisions are pure functions of the attempt, the policy and the exception."""
+"""The retry policy is a pure function of the attempt, the delays and the exception."""
 
 from __future__ import annotations
 
 import pytest
 
 from reliable_messaging import PermanentError
+from reliable_messaging.consuming.retries import GiveUp, RetryLater, decide
 from reliable_messaging.core.backoff import Backoff
+from reliable_messaging.core.delays import delay_for, delay_name
 from reliable_messaging.core.outcomes import FailureReason
-from reliable_messaging.core.retry import (
-    GiveUp,
-    RetryLater,
-    decide,
-    delay_for,
-    delay_name,
-)
 
 DELAYS = (1.0, 5.0, 30.0)
 

@@ -1,7 +1,12 @@
-"""What a delivery that did not take effect becomes: a dead letter (with its reason), a retry
-(through a delay queue, or in place for an ordered consumer), or a deferral while another
-consumer holds it. Decided inside the batch's transaction, in the delivery's savepoint, by
-:mod:`.processing`; the retry decision itself is :func:`reliable_messaging.core.retry.decide`.
+"""Where a failed delivery becomes a retry or a dead letter: the whole policy of the consumer.
+
+:meth:`DeliveryFailures.on_failure` decides (:func:`decide`: a permanent error, the last attempt
+or no retry delays make a dead letter, anything else a retry after the attempt's delay), and the
+other methods say what an undecodable, rejected or busy delivery becomes. The mechanics around
+it: :mod:`.processing` runs the handler and calls here, :mod:`.settling` publishes the retried
+copy through :mod:`reliable_messaging.broker.retry_publisher` to its delay queue, and
+:mod:`.last_resort` and :mod:`.crash_guard` dead-letter what the broker or a crashed worker gave
+up on. What the database does is never a handler's failure (``docs/delivery-outcomes.md``).
 """
 
 from __future__ import annotations
@@ -10,12 +15,14 @@ import dataclasses
 import logging
 import time
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
 from django.db import DatabaseError, InterfaceError, OperationalError
 
 from ..conf import MessagingSettings
 from ..core.database_errors import DatabaseTrouble, classify
+from ..core.delays import delay_for
 from ..core.envelope import (
     ATTEMPT_HEADER,
     BROKER_HEADERS,
@@ -28,14 +35,53 @@ from ..core.envelope import (
     Delivery,
     Message,
 )
-from ..core.outcomes import Acknowledge, Outcome, OutcomeLabel, RetryInPlace, ScheduleRetry
+from ..core.outcomes import (
+    Acknowledge,
+    FailureReason,
+    Outcome,
+    OutcomeLabel,
+    RetryInPlace,
+    ScheduleRetry,
+)
 from ..core.registry import ConsumerSpec
-from ..core.retry import GiveUp, decide
 from ..dead_letters.record import record_dead_letter
-from ..exceptions import DatabaseConflict, DatabaseUnavailable
+from ..exceptions import (
+    DatabaseConflict,
+    DatabaseUnavailable,
+    HandlerTimeout,
+    PermanentError,
+)
 
 # The consumer's log: these lines are about the deliveries it processes.
 logger = logging.getLogger("reliable_messaging.consuming.processing")
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryLater:
+    """Send a copy back to the consumer's queue after ``delay`` seconds as ``next_attempt``."""
+
+    delay: float
+    next_attempt: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GiveUp:
+    """Stop retrying: the message becomes a dead letter for ``reason``."""
+
+    reason: str
+
+
+def decide(
+    exc: BaseException, *, attempt: int, max_attempts: int, delays: Sequence[float]
+) -> RetryLater | GiveUp:
+    """What a handler's exception at ``attempt`` makes of the delivery."""
+    if isinstance(exc, PermanentError):
+        return GiveUp(FailureReason.PERMANENT)
+    if attempt >= max_attempts or not delays:
+        if isinstance(exc, HandlerTimeout):
+            return GiveUp(FailureReason.TIMEOUT)
+        return GiveUp(FailureReason.RETRIES_EXHAUSTED)
+    return RetryLater(delay=delay_for(attempt, delays), next_attempt=attempt + 1)
 
 
 @dataclasses.dataclass(frozen=True)
