@@ -83,7 +83,7 @@ def test_the_benchmarks_summary_only_copies_figures_of_its_sections() -> None:
 # Links that land on a heading: `page.md#anchor` must name a heading of that page, with the ids
 # MkDocs gives headings (its Markdown toc extension: lowercase, spaces to hyphens, punctuation
 # dropped, a repeated title suffixed _1, _2...). MkDocs itself only reports a wrong anchor at the
-# INFO level, and reads neither the README nor the package's strings.
+# INFO level, and reads neither the README, the CHANGELOG nor the package's strings.
 DOCS = ROOT / "docs"
 MARKDOWN_EXTENSIONS = ["tables", "admonition", "toc", "pymdownx.superfences"]
 HREF = re.compile(r'<a [^>]*href="(?P<href>[^"]+)"')
@@ -132,9 +132,10 @@ def test_every_link_into_the_docs_lands_on_a_page_and_heading() -> None:
             # A link within the page (`#anchor`) is read against the page itself.
             base = page if target.startswith("#") else page.parent
             problems.append(_broken(str(page.relative_to(ROOT)), target, base, headings))
-    for target in _render(ROOT / "README.md")[1]:
-        if target.startswith("docs/"):
-            problems.append(_broken("README.md", target, ROOT, headings))
+    for name in ("README.md", "CHANGELOG.md"):
+        for target in _render(ROOT / name)[1]:
+            if target.startswith("docs/"):
+                problems.append(_broken(name, target, ROOT, headings))
     assert not [p for p in problems if p], "\n".join(p for p in problems if p)
 
 
