@@ -372,7 +372,7 @@ class MessagingSettings:
         None,
         _optional_str,
         "a django-redis cache for the duplicate fast path (see [The Redis fast path]"
-        "(../concepts.md)); give it short socket timeouts",
+        "(../concepts.md#the-redis-fast-path)); give it short socket timeouts",
         CheckedBy("check_cache_alias"),
     )
     queue_type = Setting(

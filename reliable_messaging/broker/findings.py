@@ -5,7 +5,7 @@ version, its ``max_message_size`` as it applies to ``MAX_BODY_BYTES``, the vhost
 type, the deprecated features, and each of our queues' type, arguments and effective policy)
 and what the settings expect (:class:`Expectations`), and returns one :class:`Finding` per
 thing an operator should know, each with what happens to the messages and how to fix it.
-``docs/operations.md`` (Checking the broker) explains each finding.
+``docs/operations.md#checking-the-broker`` explains each finding.
 
 A queue's effective value of a key is worked out as RabbitMQ does: the queue's ``x-`` argument
 wins over a policy for the dead-letter target and ``overflow``; for the limits (``max-length``,

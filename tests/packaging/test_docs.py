@@ -78,3 +78,84 @@ def test_the_benchmarks_summary_only_copies_figures_of_its_sections() -> None:
             assert re.search(rf"(?<![\d,.]){re.escape(figure)}(?![\d,]|\.\d)", sections), (
                 f"{figure} in the summary row {link['title']!r} is in no section"
             )
+
+
+# Links that land on a heading: `page.md#anchor` must name a heading of that page, with the ids
+# MkDocs gives headings (its Markdown toc extension: lowercase, spaces to hyphens, punctuation
+# dropped, a repeated title suffixed _1, _2...). MkDocs itself only reports a wrong anchor at the
+# INFO level, and reads neither the README, the CHANGELOG nor the package's strings.
+DOCS = ROOT / "docs"
+MARKDOWN_EXTENSIONS = ["tables", "admonition", "toc", "pymdownx.superfences"]
+HREF = re.compile(r'<a [^>]*href="(?P<href>[^"]+)"')
+
+
+def _render(page: Path) -> tuple[set[str], list[str]]:
+    """The heading ids of a Markdown page, and the targets of its links, as MkDocs reads them
+    (fenced code shows no heading or link)."""
+    import markdown  # type: ignore[import-untyped]
+
+    md = markdown.Markdown(extensions=MARKDOWN_EXTENSIONS)
+    html = md.convert(page.read_text())
+    ids: set[str] = set()
+    pending = list(md.toc_tokens)
+    while pending:
+        token = pending.pop()
+        ids.add(token["id"])
+        pending.extend(token["children"])
+    return ids, [m["href"].replace("&amp;", "&") for m in HREF.finditer(html)]
+
+
+def _headings() -> dict[Path, set[str]]:
+    return {page: _render(page)[0] for page in DOCS.rglob("*.md")}
+
+
+def _broken(source: str, target: str, base: Path, headings: dict[Path, set[str]]) -> str | None:
+    """Why the link `target`, found in `source` and read relative to `base`, lands nowhere, or
+    None when it lands on a page of the docs (and on its heading, when it names one)."""
+    path, _, anchor = target.partition("#")
+    if "://" in path or path.startswith("mailto:") or not (path.endswith(".md") or not path):
+        return None
+    page = (base / path).resolve() if path else base
+    if path and page not in headings:
+        return f"{source}: {target} names no page of docs/"
+    if anchor and anchor not in headings[page]:
+        return f"{source}: {target} names no heading of {page.relative_to(ROOT)}"
+    return None
+
+
+def test_every_link_into_the_docs_lands_on_a_page_and_heading() -> None:
+    headings = _headings()
+    assert "ordered-consumers" in headings[DOCS / "concepts.md"]  # the ids are MkDocs' own
+    problems = []
+    for page in sorted(headings):
+        for target in _render(page)[1]:
+            # A link within the page (`#anchor`) is read against the page itself.
+            base = page if target.startswith("#") else page.parent
+            problems.append(_broken(str(page.relative_to(ROOT)), target, base, headings))
+    for name in ("README.md", "CHANGELOG.md"):
+        for target in _render(ROOT / name)[1]:
+            if target.startswith("docs/"):
+                problems.append(_broken(name, target, ROOT, headings))
+    assert not [p for p in problems if p], "\n".join(p for p in problems if p)
+
+
+# The package's messages, hints and docstrings that send a reader to the docs: `docs/page.md`,
+# or `../page.md` in the settings' descriptions (written into docs/reference/settings.md).
+PACKAGE_LINK = re.compile(r"(?:docs/|\.\./)(?P<page>[\w/-]+\.md)(?:#(?P<anchor>[\w-]+))?")
+
+
+def test_every_link_of_the_package_into_the_docs_lands_on_a_page_and_heading() -> None:
+    headings = _headings()
+    problems, found = [], 0
+    package = ROOT / "reliable_messaging"
+    for source in sorted(package.rglob("*")):
+        if source.suffix not in {".py", ".yml", ".html", ".txt"}:
+            continue
+        for number, line in enumerate(source.read_text().splitlines(), 1):
+            for link in PACKAGE_LINK.finditer(line):
+                found += 1
+                target = link["page"] + (f"#{link['anchor']}" if link["anchor"] else "")
+                where = f"{source.relative_to(ROOT)}:{number}"
+                problems.append(_broken(where, target, DOCS, headings))
+    assert found, "no link of the package into the docs found: is the pattern still right?"
+    assert not [p for p in problems if p], "\n".join(p for p in problems if p)

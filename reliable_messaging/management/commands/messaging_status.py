@@ -295,7 +295,7 @@ class Command(BaseCommand):
                 f"a LISTEN on database {using!r} hears no NOTIFY (a transaction-pooling "
                 f"PgBouncer in between?): the relays poll every RELAY_POLL_INTERVAL instead of "
                 f"waking at once; set RELIABLE_MESSAGING['RELAY_LISTEN_DSN'] to a direct "
-                f"connection (docs/deploy.md, PgBouncer)"
+                f"connection (docs/deploy.md#pgbouncer)"
             )
         return {"hears_notify": heard, "note": note}
 
