@@ -168,6 +168,6 @@ def test_the_data_layer_depends_one_way() -> None:
             f"{P}.consuming.service",
             f"{P}.publishing.relay",
         }
-        & graph[f"{P}.exactly_once"]
+        & graph[f"{P}.storage.inbox"]
     )
     assert not {f"{P}.models", f"{P}.managers"} & graph[f"{P}.choices"]
