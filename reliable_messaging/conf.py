@@ -1,16 +1,11 @@
 """One typed settings object over ``settings.RELIABLE_MESSAGING``, read lazily.
 
-Each setting is declared once, in :class:`MessagingSettings`, as a :class:`Setting`: its key,
-default, conversion, the paragraph the settings reference shows, and the :class:`Rule` a valid
-value follows. Everything else derives from those declarations: the typed attributes
-(``messaging_settings.prefetch``), :data:`DEFAULTS`, the system checks of :mod:`.checks` and the
-table in ``docs/reference/settings.md`` (``scripts/settings_reference.py`` writes it, a test
-compares it), so a new setting is one declaration, not four edits that can disagree.
-
-Every attribute is read from Django settings at access time, so ``override_settings`` in tests
-and settings changed after import both take effect. Reading only converts; judging a value is
-the rules' job, and they speak only through the system checks (a process never fails on an
-attribute read because a check would have complained).
+Each setting is declared once, in :class:`MessagingSettings`, as a :class:`Setting` (key,
+default, conversion, documentation and the :class:`Rule` a valid value follows); the typed
+attributes, :data:`DEFAULTS`, the system checks of :mod:`.checks` and
+``docs/reference/settings.md`` all derive from those declarations. Every attribute is read from
+Django settings at access time, so ``override_settings`` and settings changed after import take
+effect. Reading only converts; judging a value is the rules' job, through the system checks.
 """
 
 from __future__ import annotations
