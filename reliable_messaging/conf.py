@@ -278,8 +278,8 @@ class Setting(Generic[T]):
         return self.convert(instance.get(self.key))
 
     def __set__(self, instance: MessagingSettings, value: Any) -> None:
-        # A data descriptor, as the properties were: assigning to the object cannot silently
-        # shadow what the Django settings say.
+        # A data descriptor: assigning to the object raises rather than silently shadowing what
+        # the Django settings say.
         raise AttributeError(f"{self.key} is read from settings.RELIABLE_MESSAGING")
 
 
@@ -379,8 +379,8 @@ class MessagingSettings:
         "quorum delay queues dead-letter at least once)",
         one_of(8, ("classic", "quorum"), hint="Use 'quorum' for replicated queues."),
     )
-    # Each batch commits its deliveries in one transaction (a savepoint each); their acks go out
-    # after that commit.
+    # Each batch commits its deliveries in one transaction (savepoints only after a handler of
+    # its consumer failed: consuming/processing.py); their acks go out after that commit.
     consumer_batch_size = Setting(
         "CONSUMER_BATCH_SIZE",
         50,

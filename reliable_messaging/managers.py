@@ -97,7 +97,7 @@ ProcessedMessageManager = models.Manager.from_queryset(ProcessedMessageQuerySet)
 
 
 class SuspectDeliveryQuerySet(BatchDeletingQuerySet):
-    """The crash guard's rows (``crash_guard.py`` decides what a death is; these read and
+    """The crash guard's rows (``consuming/crash_guard.py`` decides what a death is; these read and
     write them)."""
 
     def of(self, consumer: str, message_id: str) -> SuspectDeliveryQuerySet:

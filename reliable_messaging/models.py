@@ -34,9 +34,10 @@ class ProcessedMessage(models.Model):
 
     The row is what makes effects happen at most once: it is inserted in the handler's own
     transaction, so two deliveries of one message can never both commit. On SQLite the unique
-    constraint alone decides; on PostgreSQL the table is partitioned by day (``partitions.py``),
-    each partition has the constraint's index, and the inbox claim (``inbox.py``) looks across
-    all of them under a per-key advisory lock. The ORM sees one table either way.
+    constraint alone decides; on PostgreSQL the table is partitioned by day
+    (``storage/partitions.py``), each partition has the constraint's index, and the inbox claim
+    (``storage/inbox.py``) looks across all of them under a per-key advisory lock. The ORM sees one
+    table either way.
 
     Every index costs each insert, and an inbox grows to billions of rows: the unique index
     leads with message_id, so it also answers lookups by message_id alone (replays, the admin's
@@ -97,7 +98,7 @@ class DeadLetter(models.Model):
         max_length=20, choices=DeadLetterStatus.choices, default=DeadLetterStatus.DEAD
     )
     replay_count = models.PositiveIntegerField(default=0)
-    # Groups the dead letters that fail the same way (see fingerprints.py).
+    # Groups the dead letters that fail the same way (see core/fingerprints.py).
     fingerprint = models.CharField(max_length=64, blank=True)
     # Append-only record of what happened to this message: failures, replays, resolution.
     history = models.JSONField(default=list, blank=True)
@@ -337,19 +338,19 @@ class OutboxMessage(models.Model):
                 condition=Q(status__in=["pending", "failed"]) & Q(ordering_key__isnull=False),
                 name="rm_outbox_key_order_idx",
             ),
-            # On PostgreSQL these two are indexes of the sent side only (migration 0015,
-            # partitions.py): every publish inserts into the unsent partition, where they would
-            # cost it two entries and serve nothing (the relay claims through the due index,
-            # which counts the pending rows too); what they serve reads the sent side (the
-            # purge, the unrouted count, a sent row by message_id). The unsent partition has a
-            # partial index of its failed rows instead, which a publish writes nothing into.
+            # On PostgreSQL these two are indexes of the sent side only (storage/partitions.py):
+            # every publish inserts into the unsent partition, where they would cost it two entries
+            # and serve nothing (the relay claims through the due index, which counts the pending
+            # rows too); what they serve reads the sent side (the purge, the unrouted count, a sent
+            # row by message_id). The unsent partition has a partial index of its failed rows
+            # instead, which a publish writes nothing into.
             models.Index(fields=["status", "sent_at"], name="rm_outbox_status_sent_idx"),
             models.Index(fields=["message_id"], name="rm_outbox_message_id_idx"),
         ]
         constraints = [
             # Partial: most rows have no key, and a unique index would hold an entry for each
             # NULL, written by every publish and every row marked sent. On PostgreSQL each
-            # partition has its own (``<leaf>_idem``, partitions.py; migration 0014), and
+            # partition has its own (``<leaf>_idem``, storage/partitions.py), and
             # publish() looks a key up in all of them under an advisory lock.
             models.UniqueConstraint(
                 fields=["idempotency_key"],

@@ -3,7 +3,7 @@
 Message ids go into every consumer's inbox index; ids that grow with time are inserted at the
 index's right edge instead of on random pages. Ids minted by one process always increase
 ("monotonic random", RFC 9562 6.2 method 2); another process starts from its own random bits.
-Python 3.14's ``uuid.uuid7`` would do, and earlier versions have none. ``docs/design.md``
+Python 3.14's ``uuid.uuid7`` would do; Python 3.11 to 3.13 have none. ``docs/design.md``
 ("Time-ordered message ids") explains the layout.
 """
 
