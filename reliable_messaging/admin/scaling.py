@@ -5,7 +5,7 @@ Django's defaults read whole tables on every page (``SELECT DISTINCT`` for a lis
 values from the failure groups and the registry, :class:`BoundedCountPaginator` counts only up to
 :data:`COUNT_UP_TO` + 1 rows, and :class:`BoundedListAdmin`, the base of every list of the app,
 searches exactly and stops a search's statements past :data:`SEARCH_TIMEOUT_MS`.
-``docs/design.md`` ("The admin with a million rows") says more.
+``docs/design.md#the-admin-with-a-million-rows`` says more.
 """
 
 from __future__ import annotations

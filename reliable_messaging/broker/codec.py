@@ -2,11 +2,10 @@
 
 pika 1.4 raises on timestamps it cannot turn into a ``datetime`` (a JavaScript producer's
 milliseconds, a Java date before 1970) and on header tables it cannot decode, which drops the
-connection and stalls every queue of the process; and it decodes doubles and floats as integers
-and cannot encode a float. :func:`install` (called from the app's ``ready()``) fixes these in
-pika's own module, and guards ``BasicProperties.decode`` so that a message with undecodable
-headers becomes a dead letter instead. ``docs/design.md`` ("Where pika's codec is corrected")
-gives the rules.
+connection and stalls every queue of the process; and it decodes doubles and floats as integers and
+cannot encode a float. :func:`install` (called from the app's ``ready()``) fixes these in pika's own
+module, and guards ``BasicProperties.decode`` so that a message with undecodable headers becomes a
+dead letter instead. ``docs/design.md#where-pikas-codec-is-corrected`` gives the rules.
 """
 
 from __future__ import annotations

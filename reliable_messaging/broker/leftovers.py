@@ -1,10 +1,10 @@
 """Broker objects a consumer left behind when its shape changed, and their retirement.
 
-Adding or removing ``ordered=True``, or lowering ``ORDERED_PARTITIONS``, leaves a queue that
-still receives messages but that nobody consumes. :func:`find_leftovers` finds such queues and
+Adding or removing ``ordered=True``, or lowering ``ORDERED_PARTITIONS``, leaves a queue that still
+receives messages but that nobody consumes. :func:`find_leftovers` finds such queues and
 :func:`retire_leftovers`, at each ``consume`` start, cuts them off from new messages, moves what
-they hold to where the consumer reads now (acking each message only after its copy is confirmed)
-and deletes them once empty. ``docs/design.md`` ("Leftover queues") lists the cases.
+they hold to where the consumer reads now (acking each message only after its copy is confirmed) and
+deletes them once empty. ``docs/design.md#leftover-queues`` lists the cases.
 """
 
 from __future__ import annotations

@@ -2,11 +2,10 @@
 thread of their own.
 
 A retry copy is published (with confirms and ``mandatory``) before its original is acked. On a
-connection of its own, a broker's resource alarm (which blocks publishing connections) holds
-back only the deliveries waiting for a retry copy, not every ack. A copy the broker refuses is
-published again with backoff while its original stays unacked, and given back to its queue past
-half of ``BROKER_CONSUMER_TIMEOUT``. ``docs/design.md`` ("Retry copies on a connection of their
-own") explains.
+connection of its own, a broker's resource alarm (which blocks publishing connections) holds back
+only the deliveries waiting for a retry copy, not every ack. A copy the broker refuses is published
+again with backoff while its original stays unacked, and given back to its queue past half of
+``BROKER_CONSUMER_TIMEOUT``. ``docs/design.md#retry-copies-on-a-connection-of-their-own`` explains.
 """
 
 from __future__ import annotations

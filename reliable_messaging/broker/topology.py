@@ -1,10 +1,10 @@
 """Names and declaration of the broker objects: exchanges, consumer queues, delay queues.
 
-Retries wait in one queue per delay value (its message TTL), whose expired messages go back
-through the default exchange to the one queue whose consumer failed. An ordered consumer's
-messages go through a consistent-hash exchange ``<queue>.partitions`` onto
-``ORDERED_PARTITIONS`` single-active-consumer queues ``<queue>.p0`` ... ``docs/design.md``
-("Topology: delay queues and ordered partitions") explains both.
+Retries wait in one queue per delay value (its message TTL), whose expired messages go back through
+the default exchange to the one queue whose consumer failed. An ordered consumer's messages go
+through a consistent-hash exchange ``<queue>.partitions`` onto ``ORDERED_PARTITIONS``
+single-active-consumer queues ``<queue>.p0`` ...
+``docs/design.md#topology-delay-queues-and-ordered-partitions`` explains both.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ catch, and the broker hands the message to the next process, which dies the same
 delivery that comes back ``redelivered`` pays for the guard: :meth:`CrashGuard.begin` commits a
 :class:`~reliable_messaging.models.SuspectDelivery` row before its handler runs, and a row still
 there when the message comes back again counts one more death. Past ``CRASH_LIMIT`` deaths the
-delivery becomes a dead letter. ``@idempotent_task`` uses the same guard. ``docs/design.md``
-("The crash guard") explains the counting.
+delivery becomes a dead letter. ``@idempotent_task`` uses the same guard.
+``docs/design.md#the-crash-guard`` explains the counting.
 """
 
 from __future__ import annotations

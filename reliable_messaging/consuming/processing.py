@@ -1,12 +1,13 @@
 """The idempotent consumer: each delivery's handler commits with its inbox row, or not at all.
 
-:func:`process_batch` runs on a worker thread and decides a batch of deliveries in one
-transaction, returning one :mod:`outcome <reliable_messaging.core.outcomes>` per delivery, which
-the connection's thread carries out after the commit. What a failed delivery becomes is decided
-in :mod:`.retries`; which database errors are not its handler's failure in
+:func:`process_batch` runs on a worker thread and decides a batch of deliveries in one transaction,
+returning one :mod:`outcome <reliable_messaging.core.outcomes>` per delivery, which the connection's
+thread carries out after the commit. What a failed delivery becomes is decided in :mod:`.retries`;
+which database errors are not its handler's failure in
 :mod:`reliable_messaging.core.database_errors`; the inbox rows are written by
-:mod:`reliable_messaging.storage.inbox`. ``docs/design.md`` ("Batches") explains the optimistic
-and guarded ways a batch runs.
+:mod:`reliable_messaging.storage.inbox`.
+``docs/design.md#batches-one-transaction-for-many-deliveries`` explains the optimistic and guarded
+ways a batch runs.
 """
 
 from __future__ import annotations

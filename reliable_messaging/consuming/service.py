@@ -8,8 +8,8 @@
 - :mod:`.workers`: the worker threads do all database work and hand their outcomes back to the
   connection's thread.
 
-``docs/design.md`` ("The consumer service and its threads") explains how every delivery reaches
-an outcome in bounded time.
+``docs/design.md#the-consumer-service-and-its-threads`` explains how every delivery reaches an
+outcome in bounded time.
 """
 
 from __future__ import annotations

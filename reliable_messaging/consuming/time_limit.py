@@ -1,12 +1,11 @@
 """Handler time limits: a handler that never returns does not hold its delivery forever.
 
-Each handler call runs inside :meth:`TimeLimits.limit`. Past its deadline a watchdog thread
-raises :class:`_Interrupt` in the handler's thread, which unwinds through the handler's
-transaction; the caller sees a :class:`~reliable_messaging.exceptions.HandlerTimeout`, a failed
-attempt like any other. A handler blocked in C cannot be interrupted: past
-``HANDLER_TIMEOUT_GRACE`` the watchdog records the death with the crash guard and ends the
-process (exit code 3) for its supervisor to replace. ``docs/design.md`` ("Time limits") explains
-the races and why nothing is lost.
+Each handler call runs inside :meth:`TimeLimits.limit`. Past its deadline a watchdog thread raises
+:class:`_Interrupt` in the handler's thread, which unwinds through the handler's transaction; the
+caller sees a :class:`~reliable_messaging.exceptions.HandlerTimeout`, a failed attempt like any
+other. A handler blocked in C cannot be interrupted: past ``HANDLER_TIMEOUT_GRACE`` the watchdog
+records the death with the crash guard and ends the process (exit code 3) for its supervisor to
+replace. ``docs/design.md#time-limits`` explains the races and why nothing is lost.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """The consumer's worker threads: batches from the :class:`~.board.WorkBoard` through the inbox,
 outcomes handed back to the connection thread.
 
-A worker decides every delivery waiting for it (up to ``CONSUMER_BATCH_SIZE``) in one
-transaction (:mod:`.processing`); a redelivered one runs alone under the crash guard. While the
-database is unreachable a batch is held unacked and tried again with backoff. A worker whose
-loop dies gives its deliveries back to the broker and is replaced; after
-``WORKER_DEATH_LIMIT`` deaths the process exits with ``EXIT_WORKERS_DYING``.
-``docs/design.md`` ("Worker deaths") explains why.
+A worker decides every delivery waiting for it (up to ``CONSUMER_BATCH_SIZE``) in one transaction
+(:mod:`.processing`); a redelivered one runs alone under the crash guard. While the database is
+unreachable a batch is held unacked and tried again with backoff. A worker whose loop dies gives its
+deliveries back to the broker and is replaced; after ``WORKER_DEATH_LIMIT`` deaths the process exits
+with ``EXIT_WORKERS_DYING``. ``docs/design.md#worker-deaths`` explains why.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
 ``transaction.atomic()`` with the insert of an inbox row keyed by the task's idempotency key,
 exactly like a consumer's handler, so a key takes effect once. It needs ``acks_late`` and
 ``reject_on_worker_lost`` (a system check warns otherwise, :func:`unsafe_idempotent_tasks`), and
-redelivered task messages go through the crash guard. ``docs/design.md`` ("Celery's idempotent
-tasks") explains why.
+redelivered task messages go through the crash guard. ``docs/design.md#celerys-idempotent-tasks``
+explains why.
 """
 
 from __future__ import annotations

@@ -3,10 +3,9 @@
 :func:`classify` sorts a database error into :attr:`DatabaseTrouble.UNAVAILABLE` (the database
 cannot take the work now: the delivery is held unacked and tried again, nothing charged),
 :attr:`DatabaseTrouble.CONFLICT` (a serialization failure or deadlock: run again in place, up to
-:data:`CONFLICT_RETRIES` times) or ``None`` (the handler's failure). Every path that runs a
-handler or writes our own rows asks it. Pure (no Django, no driver import), so its rules are
-tested without a database; ``docs/design.md`` ("Database errors that charge nothing") lists the
-SQLSTATEs.
+:data:`CONFLICT_RETRIES` times) or ``None`` (the handler's failure). Every path that runs a handler
+or writes our own rows asks it. Pure (no Django, no driver import), so its rules are tested without
+a database; ``docs/design.md#database-errors-that-charge-nothing`` lists the SQLSTATEs.
 """
 
 from __future__ import annotations

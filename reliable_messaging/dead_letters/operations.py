@@ -1,11 +1,11 @@
 """Carrying out the bulk replays and discards operators record in the admin.
 
-The relay runs an :class:`OperationRunner` in a child process (:mod:`.operation_process`). One
-batch is one transaction (:func:`run_batch`): the operation row claimed with SKIP LOCKED, the
-next dead letters after the cursor replayed or discarded, and the cursor and counters moved, all
-committed together, so a killed process leaves nothing half done and each dead letter is done at
-most once per operation. An operation does no more than its confirmation announced.
-``docs/design.md`` ("Dead letters: replay and bulk operations") explains.
+The relay runs an :class:`OperationRunner` in a child process (:mod:`.operation_process`). One batch
+is one transaction (:func:`run_batch`): the operation row claimed with SKIP LOCKED, the next dead
+letters after the cursor replayed or discarded, and the cursor and counters moved, all committed
+together, so a killed process leaves nothing half done and each dead letter is done at most once per
+operation. An operation does no more than its confirmation announced.
+``docs/design.md#dead-letters-replay-and-bulk-operations`` explains.
 """
 
 from __future__ import annotations

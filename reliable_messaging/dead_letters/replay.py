@@ -1,10 +1,10 @@
 """Replaying dead letters: back through the outbox, to the consumer that failed, only.
 
-A replay writes an outbox row addressed to the default exchange with the failed consumer's queue
-as routing key, keeping the message_id (the inbox still protects against doubles) and starting
-again at attempt 1. The dead letter stays "replayed" until its copy's outcome resolves it or
-updates it; after :data:`STALE_REPLAY_AFTER` one whose copy never came may be replayed again or
-discarded. ``docs/design.md`` ("Dead letters: replay and bulk operations") says more.
+A replay writes an outbox row addressed to the default exchange with the failed consumer's queue as
+routing key, keeping the message_id (the inbox still protects against doubles) and starting again at
+attempt 1. The dead letter stays "replayed" until its copy's outcome resolves it or updates it;
+after :data:`STALE_REPLAY_AFTER` one whose copy never came may be replayed again or discarded.
+``docs/design.md#dead-letters-replay-and-bulk-operations`` says more.
 """
 
 from __future__ import annotations

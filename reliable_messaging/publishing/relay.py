@@ -8,7 +8,8 @@ again (consumers absorb the duplicate by message_id).
 This module runs the relay's life (connect, reconnect, stop, flow control) and routes what the
 broker says to the parts: :mod:`.scheduling` (when to claim), :mod:`.claims` (the queries),
 :mod:`.in_flight` (publishing and confirms), :mod:`.sent` (what became of a batch) and
-:mod:`.listener` (LISTEN). ``docs/design.md`` ("The relay") explains the pipeline.
+:mod:`.listener` (LISTEN). ``docs/design.md#the-relay-a-pipeline-with-publisher-confirms`` explains
+the pipeline.
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 ``publish()`` registers one ``transaction.on_commit`` callback per transaction and alias; the
 callback only sets an event, and one daemon thread per process (:class:`WakeUpSender`) sends
-``NOTIFY`` on a connection of its own, folding the wake-ups that come while it sends. A
-``NOTIFY`` inside the publishing transaction would make every publishing transaction of the
-server commit one after the other (PostgreSQL's notification lock). A lost wake-up costs at most
-the relay's poll interval. ``docs/design.md`` ("Waking the relay after a commit") explains.
+``NOTIFY`` on a connection of its own, folding the wake-ups that come while it sends. A ``NOTIFY``
+inside the publishing transaction would make every publishing transaction of the server commit one
+after the other (PostgreSQL's notification lock). A lost wake-up costs at most the relay's poll
+interval. ``docs/design.md#waking-the-relay-after-a-commit`` explains.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Exit codes: 0 all well; 1 a threshold is crossed (each one is named); 2 the brok
 database cannot be reached (it says which and why; the broker password is never shown). By
 default it judges what a probe that restarts or pages needs; ``--strict`` also what needs a
 person; ``--broker`` also checks the broker's own settings and policies. ``--json`` prints one
-document instead, whose shape ``docs/reference/commands.md`` shows.
+document instead, whose shape ``docs/reference/commands.md#the-status-document`` shows.
 """
 
 from __future__ import annotations
