@@ -243,7 +243,7 @@ class DeadLetterGroupDelta(_GroupCounts):
 class LiveDeadLetterGroup(_GroupCounts):
     """Read-only: each failure group as of now, its :class:`DeadLetterGroup` row plus the
     :class:`DeadLetterGroupDelta` rows not folded in yet, added up by a PostgreSQL view
-    (created by migration 0011; there is none elsewhere). Read it through
+    (created by the migrations; there is none elsewhere). Read it through
     ``DeadLetterGroup.objects`` (``listing()``, ``counts()``, ...)."""
 
     pk = models.CompositePrimaryKey("consumer", "fingerprint", "reason")
