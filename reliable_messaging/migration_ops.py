@@ -1,12 +1,15 @@
 """Migration operations that leave a live system writing while they run.
 
-``AddIndexOnline`` and ``RemoveIndexOnline`` build and drop an index CONCURRENTLY on PostgreSQL
-(a plain CREATE INDEX blocks every insert into the table until the build ends) and as usual
-elsewhere; a migration using them sets ``atomic = False``. ``ElsewhereThanPostgreSQL`` wraps an
-operation whose SQL a migration replaces with its own on PostgreSQL. The functions at the end
-are for migrations that change the partitioned outbox's indexes by hand: statements run under a
-short lock wait and tried again while a lock stops them, a build CONCURRENTLY that can be run
-again, and the outbox's partitions as the catalog lists them.
+``AddIndexOnline`` and ``RemoveIndexOnline`` build and drop an index CONCURRENTLY on
+PostgreSQL (a plain CREATE INDEX blocks every insert into the table until the build ends, a
+minute or more on a large outbox or inbox) and as usual elsewhere. A migration using them sets
+``atomic = False``, as PostgreSQL requires. ``ElsewhereThanPostgreSQL`` wraps an operation
+whose SQL a migration replaces with its own on PostgreSQL.
+
+The functions at the end are for the migrations that change the partitioned outbox's indexes
+by hand (0014, 0015): statements run under a short lock wait, tried again while a lock is what
+stops them, a build CONCURRENTLY that can be run again, and the outbox's partitions as the
+catalog lists them.
 """
 
 from __future__ import annotations

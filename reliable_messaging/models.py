@@ -243,7 +243,7 @@ class DeadLetterGroupDelta(_GroupCounts):
 class LiveDeadLetterGroup(_GroupCounts):
     """Read-only: each failure group as of now, its :class:`DeadLetterGroup` row plus the
     :class:`DeadLetterGroupDelta` rows not folded in yet, added up by a PostgreSQL view
-    (created by the migrations; there is none elsewhere). Read it through
+    (created by migration 0011; there is none elsewhere). Read it through
     ``DeadLetterGroup.objects`` (``listing()``, ``counts()``, ...)."""
 
     pk = models.CompositePrimaryKey("consumer", "fingerprint", "reason")
@@ -338,19 +338,19 @@ class OutboxMessage(models.Model):
                 condition=Q(status__in=["pending", "failed"]) & Q(ordering_key__isnull=False),
                 name="rm_outbox_key_order_idx",
             ),
-            # On PostgreSQL these two are indexes of the sent side only (storage/partitions.py):
-            # every publish inserts into the unsent partition, where they would cost it two entries
-            # and serve nothing (the relay claims through the due index, which counts the pending
-            # rows too); what they serve reads the sent side (the purge, the unrouted count, a sent
-            # row by message_id). The unsent partition has a partial index of its failed rows
-            # instead, which a publish writes nothing into.
+            # On PostgreSQL these two are indexes of the sent side only (migration 0015,
+            # partitions.py): every publish inserts into the unsent partition, where they would
+            # cost it two entries and serve nothing (the relay claims through the due index,
+            # which counts the pending rows too); what they serve reads the sent side (the
+            # purge, the unrouted count, a sent row by message_id). The unsent partition has a
+            # partial index of its failed rows instead, which a publish writes nothing into.
             models.Index(fields=["status", "sent_at"], name="rm_outbox_status_sent_idx"),
             models.Index(fields=["message_id"], name="rm_outbox_message_id_idx"),
         ]
         constraints = [
             # Partial: most rows have no key, and a unique index would hold an entry for each
             # NULL, written by every publish and every row marked sent. On PostgreSQL each
-            # partition has its own (``<leaf>_idem``, storage/partitions.py), and
+            # partition has its own (``<leaf>_idem``, partitions.py; migration 0014), and
             # publish() looks a key up in all of them under an advisory lock.
             models.UniqueConstraint(
                 fields=["idempotency_key"],

@@ -3,7 +3,7 @@
 A NOTIFY run by the caller's transaction makes its commit take PostgreSQL's instance-wide
 notification lock; a notification names the backend that sent it, so "no notification comes
 from the caller's backend" is the same as "nothing in the caller's commit path took that lock".
-A NOTIFY trigger on the outbox is put in place in one test to show that this check notices it.
+The old trigger is put back in one test to show that this check notices it.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def test_the_callers_transaction_sends_no_notify(ob: OutboxEnv, listener: Listen
 @postgresql_only
 @direct_only
 def test_the_old_trigger_fails_that_check(ob: OutboxEnv, listener: Listener) -> None:
-    # A trigger that NOTIFYs on every insert into the outbox: the check above catches it.
+    # The check above would have caught the trigger of migration 0002.
     caller = backend_pid()
     with connection.cursor() as cursor:
         cursor.execute(MIGRATION.CREATE_TRIGGER)
