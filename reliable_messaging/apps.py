@@ -13,7 +13,7 @@ class ReliableMessagingConfig(AppConfig):
         from . import checks  # noqa: F401  (registers the system checks)
         from .broker.codec import install as install_amqp_codec
 
-        install_amqp_codec()  # before any broker connection: see amqp_codec's docstring
+        install_amqp_codec()  # before any broker connection: see broker/codec.py
         from .broker.pika_logs import install as install_pika_logs
 
         install_pika_logs()  # our probes' expected 404s stay out of the user's log

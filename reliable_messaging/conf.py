@@ -1,16 +1,11 @@
 """One typed settings object over ``settings.RELIABLE_MESSAGING``, read lazily.
 
-Each setting is declared once, in :class:`MessagingSettings`, as a :class:`Setting`: its key,
-default, conversion, the paragraph the settings reference shows, and the :class:`Rule` a valid
-value follows. Everything else derives from those declarations: the typed attributes
-(``messaging_settings.prefetch``), :data:`DEFAULTS`, the system checks of :mod:`.checks` and the
-table in ``docs/reference/settings.md`` (``scripts/settings_reference.py`` writes it, a test
-compares it), so a new setting is one declaration, not four edits that can disagree.
-
-Every attribute is read from Django settings at access time, so ``override_settings`` in tests
-and settings changed after import both take effect. Reading only converts; judging a value is
-the rules' job, and they speak only through the system checks (a process never fails on an
-attribute read because a check would have complained).
+Each setting is declared once, in :class:`MessagingSettings`, as a :class:`Setting` (key,
+default, conversion, documentation and the :class:`Rule` a valid value follows); the typed
+attributes, :data:`DEFAULTS`, the system checks of :mod:`.checks` and
+``docs/reference/settings.md`` all derive from those declarations. Every attribute is read from
+Django settings at access time, so ``override_settings`` and settings changed after import take
+effect. Reading only converts; judging a value is the rules' job, through the system checks.
 """
 
 from __future__ import annotations
@@ -283,8 +278,8 @@ class Setting(Generic[T]):
         return self.convert(instance.get(self.key))
 
     def __set__(self, instance: MessagingSettings, value: Any) -> None:
-        # A data descriptor, as the properties were: assigning to the object cannot silently
-        # shadow what the Django settings say.
+        # A data descriptor: assigning to the object raises rather than silently shadowing what
+        # the Django settings say.
         raise AttributeError(f"{self.key} is read from settings.RELIABLE_MESSAGING")
 
 
@@ -384,8 +379,8 @@ class MessagingSettings:
         "quorum delay queues dead-letter at least once)",
         one_of(8, ("classic", "quorum"), hint="Use 'quorum' for replicated queues."),
     )
-    # Each batch commits its deliveries in one transaction (a savepoint each); their acks go out
-    # after that commit.
+    # Each batch commits its deliveries in one transaction (savepoints only after a handler of
+    # its consumer failed: consuming/processing.py); their acks go out after that commit.
     consumer_batch_size = Setting(
         "CONSUMER_BATCH_SIZE",
         50,

@@ -1,15 +1,10 @@
 """Every query and state change of the app's tables, on the models' managers.
 
-A dead letter moves between four statuses (``choices.DeadLetterStatus``), and each move appends
-an entry to its ``history``: written by hand at each call site, the five places that made a
-move could (and did) drift apart in the fields they saved and the entries they wrote. Here each
-move is one named method, the only code that sets ``status``. The same goes for the inbox row
-that makes a handler's effects happen once, and for the outbox rows an operator sends again.
-
-Methods that change rows do not open transactions of their own, save the batched deletes: the
-caller's transaction is what the change belongs to (a dead letter resolved with the handler's
-effects, a replay's outbox row with the dead letter's new status). Those that lock rows
-(``select_for_update``) must run inside one.
+Each move of a dead letter between its statuses is one named method, the only code that sets
+``status`` and appends to its ``history``; the same goes for the inbox row and for the outbox
+rows an operator sends again. Methods that change rows open no transaction of their own, save
+the batched deletes: the caller's transaction is what the change belongs to. Those that lock
+rows (``select_for_update``) must run inside one.
 """
 
 from __future__ import annotations
@@ -102,7 +97,7 @@ ProcessedMessageManager = models.Manager.from_queryset(ProcessedMessageQuerySet)
 
 
 class SuspectDeliveryQuerySet(BatchDeletingQuerySet):
-    """The crash guard's rows (``crash_guard.py`` decides what a death is; these read and
+    """The crash guard's rows (``consuming/crash_guard.py`` decides what a death is; these read and
     write them)."""
 
     def of(self, consumer: str, message_id: str) -> SuspectDeliveryQuerySet:

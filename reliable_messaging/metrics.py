@@ -1,55 +1,11 @@
-"""Prometheus metrics and process health.
+"""Prometheus metrics of one process: its counters and its health gauge.
 
-Three kinds of figures, exported from three places:
-
-- **Process counters** (``prometheus_client``'s default ``REGISTRY``), counted by the process
-  that does the work and served on ``--metrics-port`` by :mod:`reliable_messaging.ops.http`. The
-  names are stable:
-
-  ====================================================  ===========================================
-  ``reliable_messaging_consumer_received_total``        deliveries received {consumer}
-  ``reliable_messaging_consumer_redelivered_total``     of which flagged redelivered {consumer}
-  ``reliable_messaging_consumer_messages_total``        handled deliveries {consumer, outcome}:
-                                                        processed, duplicate, retried,
-                                                        dead_lettered, released, parked,
-                                                        deferred (another consumer holds the
-                                                        Redis lease)
-  ``reliable_messaging_handler_duration_seconds``       histogram of handler run time {consumer}
-  ``reliable_messaging_handler_timeouts_total``         handler calls interrupted at their time
-                                                        limit {consumer}
-  ``reliable_messaging_consumer_blocked``               1 while the broker blocks the consumer's
-                                                        publishing connection (retry copies
-                                                        wait; acks go on)
-  ``reliable_messaging_consumer_queues_unavailable``    queues the consumer cannot consume now
-                                                        (their node down); it consumes the rest
-  ``reliable_messaging_dedup_cache_total``              Redis fast-path lookups {consumer, result}:
-                                                        hit, miss, error, lease_busy
-  ``reliable_messaging_relay_claimed_total``            outbox rows claimed by the relay
-  ``reliable_messaging_relay_published_total``          rows confirmed by the broker, marked sent
-  ``reliable_messaging_relay_failed_total``             failed sends {kind}: returned (unroutable),
-                                                        nacked, timeout (no confirm), refused
-                                                        (missing exchange, unencodable headers)
-  ``reliable_messaging_relay_confirm_latency_seconds``  histogram, publish to broker confirm
-  ``reliable_messaging_relay_blocked``                  relay connections the broker blocks now
-                                                        (0 or 1 per relay lane)
-  ``reliable_messaging_relay_blocks_total``             times the broker blocked a relay connection
-  ``reliable_messaging_partition_days_ahead``           days of day partitions made ahead {table}:
-                                                        inbox or outbox (PostgreSQL), as the last
-                                                        upkeep run of the process found them
-  ``reliable_messaging_partition_upkeep_failures_total``  partition upkeep runs that failed {table}
-  ====================================================  ===========================================
-
-- **Health** of one process, ``reliable_messaging_healthy`` (1 or 0, :class:`HealthCollector`),
-  served next to the process counters by :mod:`reliable_messaging.ops.http`, which also
-  answers ``/healthz`` from what the process recorded in its :class:`.liveness.HealthState`.
-
-- **System gauges** (outbox, dead letters, inbox, queue depths) describe the whole system, not
-  one process: :mod:`reliable_messaging.ops.collectors` reads them at scrape time for the web
-  process's ``metrics/`` view. This module holds no reader, so the consume and relay processes
-  import it without the ORM queries or the status report.
-
-The helper functions below are what the consumer and the relay call; they check their label
-values, because a typo'd label would silently start a new time series nobody alerts on.
+The consumer and the relay count what they do through the helper functions below, which check
+their label values (a mistyped label would silently start a new time series);
+:class:`HealthCollector` exports ``reliable_messaging_healthy``. Both are served on
+``--metrics-port`` by :mod:`reliable_messaging.ops.http`. The gauges of the whole system are read
+by :mod:`reliable_messaging.ops.collectors`, not here, so the consume and relay processes import
+this module without the ORM readers. ``docs/operations.md`` lists the metrics.
 """
 
 from __future__ import annotations

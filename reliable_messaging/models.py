@@ -34,9 +34,10 @@ class ProcessedMessage(models.Model):
 
     The row is what makes effects happen at most once: it is inserted in the handler's own
     transaction, so two deliveries of one message can never both commit. On SQLite the unique
-    constraint alone decides; on PostgreSQL the table is partitioned by day (``partitions.py``),
-    each partition has the constraint's index, and the inbox claim (``inbox.py``) looks across
-    all of them under a per-key advisory lock. The ORM sees one table either way.
+    constraint alone decides; on PostgreSQL the table is partitioned by day
+    (``storage/partitions.py``), each partition has the constraint's index, and the inbox claim
+    (``storage/inbox.py``) looks across all of them under a per-key advisory lock. The ORM sees one
+    table either way.
 
     Every index costs each insert, and an inbox grows to billions of rows: the unique index
     leads with message_id, so it also answers lookups by message_id alone (replays, the admin's
@@ -97,7 +98,7 @@ class DeadLetter(models.Model):
         max_length=20, choices=DeadLetterStatus.choices, default=DeadLetterStatus.DEAD
     )
     replay_count = models.PositiveIntegerField(default=0)
-    # Groups the dead letters that fail the same way (see fingerprints.py).
+    # Groups the dead letters that fail the same way (see core/fingerprints.py).
     fingerprint = models.CharField(max_length=64, blank=True)
     # Append-only record of what happened to this message: failures, replays, resolution.
     history = models.JSONField(default=list, blank=True)

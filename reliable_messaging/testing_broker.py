@@ -1,19 +1,14 @@
 """An in-memory twin of the consumer's broker transport, for fast tests of the real consumer.
 
 ``ConsumerService(specs, transport=StubTransport())`` runs the real connection thread, workers
-and inbox (so a database is still needed) over queues held in memory: :meth:`StubTransport.publish`
-puts a message on a queue, the stub delivers it to the queue's consumer within each channel's
-prefetch window, and records what the consumer did with it: every ack (with its ``multiple``
-flag), nack and retry copy, in order, in :attr:`StubTransport.log`. A message nacked with
-requeue, or held by a channel that closes, goes back to the head of its queue marked
-``redelivered``, as RabbitMQ does. :meth:`StubTransport.close_channel` plays the broker closing a
-consuming channel by itself (a ``consumer_timeout``, a 406); the consumer reconnects.
-
-Retry copies are "confirmed" at once and, unless ``deliver_retries=False``, put back on their
-queue straight away (the delay queue's wait is skipped).
-
-Not a broker: no exchanges or bindings (publish to a queue by name), no topology conflicts,
-no delivery limits. pika is not imported here.
+and inbox (so a database is still needed) over queues held in memory:
+:meth:`StubTransport.publish` puts a message on a queue, the stub delivers it within each
+channel's prefetch window, and :attr:`StubTransport.log` records every ack, nack and retry copy
+in order. Requeued messages come back ``redelivered``, as on RabbitMQ, and
+:meth:`StubTransport.close_channel` plays the broker closing a channel. Not a broker: no
+exchanges or bindings (publish to a queue by name), no delivery limits, and retry copies are
+confirmed at once and, unless ``deliver_retries=False``, put back on their queue without the
+delay.
 """
 
 from __future__ import annotations

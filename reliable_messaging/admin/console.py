@@ -1,14 +1,12 @@
 """The dead-letter console's own admin pages, and the operations they share with the actions.
 
-- ``failure_groups_view``: dead letters grouped by fingerprint and consumer, with counts, first
-  and last seen, an example, and links to list, replay or discard a whole group.
-- ``bulk_operation_view``: replay or discard everything the changelist's filter matches; GET
-  shows how many (capped counts) on a confirmation page, POST records a ``DeadLetterOperation``
-  that the relay carries out (``operations.py``: its progress page, cancel, the list).
+- ``failure_groups_view``: dead letters grouped by fingerprint and consumer, with links to list,
+  replay or discard a whole group.
+- ``bulk_operation_view``: replay or discard everything the changelist's filter matches, after a
+  confirmation page; records a ``DeadLetterOperation`` that the relay carries out.
 - ``object_operation_view``: the replay and discard buttons of one dead letter's page.
-- ``replay_and_report``, ``discard_and_report``: call the services of ``replay.py`` batch by
-  batch, write each dead letter's admin log entry in the batch's transaction, and tell the user
-  what happened with ``message_user``.
+- ``replay_and_report``, ``discard_and_report``: run :mod:`reliable_messaging.dead_letters.replay`
+  batch by batch, log each dead letter in the admin log, and tell the user what happened.
 
 Each view checks its permission itself: ``admin_view`` only ensures a logged-in staff user and
 CSRF protection.

@@ -1,9 +1,10 @@
 """Admin pages for the inbox, the outbox and the dead letters.
 
-The dead-letter pages are a console over the services of ``replay.py``: they choose dead letters
-(a selection, everything matching the changelist's filter, a failure group), ask for confirmation
-before bulk work, and report what the service did. The pages of their own (failure groups, the
-confirmation page, the replay/discard buttons of a dead letter) live in ``admin_views.py``.
+The dead-letter pages are a console over the services of ``dead_letters/replay.py``: they choose
+dead letters (a selection, everything matching the changelist's filter, a failure group), ask for
+confirmation before bulk work, and report what the service did. The pages of their own (failure
+groups, the confirmation page, the replay/discard buttons of a dead letter) live in
+``admin/console.py``.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class DeadLetterAdmin(scaling.BoundedListAdmin):
         "status_display",
     )
     list_display_links = ("when", "message_id_display")
-    # None of them reads every dead letter (scaling.py): no DISTINCT, no date_hierarchy.
+    # None of them reads every dead letter (admin/scaling.py): no DISTINCT, no date_hierarchy.
     list_filter = (
         "status",
         scaling.ConsumerFilter,

@@ -1,25 +1,11 @@
 """What keeps the admin's lists fast with a million rows: their filters, counts and searches.
 
-After an outage the dead letters number in the millions, the inbox and the outbox always do,
-and Django's defaults read all of them on every page: a list filter built from a field's
-values runs ``SELECT DISTINCT`` over the whole table, ``date_hierarchy`` a ``DISTINCT
-date_trunc`` and a ``MIN``/``MAX``, the paginator a ``COUNT(*)``, and the search box an
-``UPPER(...) LIKE '%...%'`` that no B-tree answers. Here:
-
-- the filters offer values from the failure groups (``DeadLetterGroup``: tens of rows) and the
-  registry, and the date filter offers fixed ranges;
-- the paginator shows PostgreSQL's estimate of a large result, and counts a small one only up
-  to ``COUNT_UP_TO`` + 1 rows ("more than 10,000");
-- the search (``dead_letters.selection.search``, which a bulk operation applies batch after
-  batch, read as its confirmation read it) looks a single word up as an exact message_id
-  first (the B-tree on message_id), and matches words in the exception message and the
-  payload's text with trigram GIN indexes on PostgreSQL
-  (``migrations/0011_dead_letter_groups.py``), ``icontains`` elsewhere;
-- :class:`BoundedListAdmin`, the base of every list of the app: the bounded count, no full
-  count, exact searches (no ``UPPER()``), and a search's statements stopped by PostgreSQL past
-  ``SEARCH_TIMEOUT_MS`` (``SET LOCAL``: inside the request's transaction only, so nothing leaks
-  to the next user of a pooled connection), the list then shown without the search and with a
-  message saying so.
+Django's defaults read whole tables on every page (``SELECT DISTINCT`` for a list filter, a
+``COUNT(*)`` for the paginator, an ``UPPER(...) LIKE`` for the search). Here the filters offer
+values from the failure groups and the registry, :class:`BoundedCountPaginator` counts only up to
+:data:`COUNT_UP_TO` + 1 rows, and :class:`BoundedListAdmin`, the base of every list of the app,
+searches exactly and stops a search's statements past :data:`SEARCH_TIMEOUT_MS`.
+``docs/design.md#the-admin-with-a-million-rows`` says more.
 """
 
 from __future__ import annotations

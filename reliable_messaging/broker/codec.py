@@ -1,42 +1,11 @@
 """Where pika's AMQP field-table codec is corrected: the one module that patches it.
 
-pika (1.4.x) gets three things wrong with values other clients send as a matter of course, and
-the first two cost far more than the one message:
-
-- A timestamp (``T``) it cannot turn into a ``datetime`` raises while the frame is decoded: a
-  JavaScript producer's milliseconds (``{"!": "timestamp", value: Date.now()}``) or a Java
-  client's date before 1970 (a negative 64-bit value, which pika reads unsigned). The exception
-  escapes the connection's I/O loop, the connection drops, the broker redelivers the message
-  first, and every queue of the process stalls behind it for ever.
-- Anything else in a content header it cannot decode (a table nested deeper than Python's
-  recursion limit, a field type it does not know) does the same.
-- Doubles (``d``) and floats (``f``) in a table are decoded as integers: 3.75 arrives as 3
-  (pika issue 599, open). Node's amqplib and py-amqp (kombu, Celery) send every fractional
-  header value as a double. And pika cannot encode a float at all, so a retry copy of such a
-  message could not be published.
-
-:func:`install` fixes these in pika's own module (process-wide, idempotent):
-
-- ``d`` and ``f`` decode to the exact ``float``; a ``float`` encodes as ``d``.
-- ``T`` is read as the signed 64-bit number of seconds AMQP means (so a Java date before 1970
-  is that date), and encoded the same way. A value no ``datetime`` can hold as seconds (past the
-  year 9999) is taken as milliseconds when that gives a date: the JavaScript slip, and no
-  timestamp in seconds could have that value. Anything beyond both stays the raw (signed)
-  integer rather than failing. A millisecond value before 1978 reads as a (far future) date in
-  seconds: the two cannot be told apart.
-- ``BasicProperties.decode`` is guarded: when pika's decoding fails, the properties are read
-  again field by field, a header table that cannot be read is skipped by its length (its
-  entries read until then are kept), and header
-  :data:`~reliable_messaging.core.envelope.UNDECODABLE_HEADER` says what failed.
-  :func:`~reliable_messaging.core.envelope.decode_delivery` turns that into a dead letter
-  (``invalid_headers``) with the raw body: the bad message costs itself, not the connection.
-
-It is installed from :meth:`ReliableMessagingConfig.ready() <.apps.ReliableMessagingConfig>`,
-so before any connection of a process that set Django up (``manage.py consume``, ``relay``, the
-tests) is opened, rather than at import of the consumer: a process that imports pika and this
-app in another order is covered all the same. The patch only changes what pika got wrong or
-refused, so other pika users in the same process see nothing else change. When a pika release
-fixes issue 599, tests/unit/broker/test_amqp_codec.py says so, and the ``d``/``f`` part can go.
+pika 1.4 raises on timestamps it cannot turn into a ``datetime`` (a JavaScript producer's
+milliseconds, a Java date before 1970) and on header tables it cannot decode, which drops the
+connection and stalls every queue of the process; and it decodes doubles and floats as integers and
+cannot encode a float. :func:`install` (called from the app's ``ready()``) fixes these in pika's own
+module, and guards ``BasicProperties.decode`` so that a message with undecodable headers becomes a
+dead letter instead. ``docs/design.md#where-pikas-codec-is-corrected`` gives the rules.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """What in the broker we are given can drop or redeliver our messages behind our back.
 
 A pure judgement: :func:`find_findings` takes the facts :mod:`.inspection` read (the server's
-version, its ``max_message_size`` as it applies to ``MAX_BODY_BYTES``, the vhost's default queue
-type, the deprecated features, and each of our queues' type, arguments and effective policy)
-and what the settings expect (:class:`Expectations`), and returns one :class:`Finding` per
-thing an operator should know, each with what happens to the messages and how to fix it.
-``docs/operations.md#checking-the-broker`` explains each finding.
-
-A queue's effective value of a key is worked out as RabbitMQ does: the queue's ``x-`` argument
-wins over a policy for the dead-letter target and ``overflow``; for the limits (``max-length``,
-``message-ttl``, ``expires``, ``delivery-limit``, ``consumer-timeout``) the lower of the
-argument and the policy applies. ``effective_policy_definition`` already merges the policy
-with the operator policy.
+version and ``max_message_size``, the vhost's default queue type, deprecated features, and each
+of our queues' type, arguments and effective policy) and what the settings expect
+(:class:`Expectations`), and returns one :class:`Finding` per thing an operator should know,
+each with what happens to the messages and how to fix it. A queue's effective value of a key is
+worked out as RabbitMQ does (:func:`effective`). ``docs/operations.md#checking-the-broker``
+explains each finding.
 """
 
 from __future__ import annotations

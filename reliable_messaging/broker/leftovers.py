@@ -1,23 +1,10 @@
 """Broker objects a consumer left behind when its shape changed, and their retirement.
 
-Three changes leave a queue that nobody consumes but that still receives messages, so messages
-would pile up in it unseen:
-
-- ``ordered=True`` added to a consumer: its old queue ``<queue>`` stays bound to the topic
-  exchange and receives a copy of every message, next to the new partitions;
-- ``ORDERED_PARTITIONS`` lowered: the partitions beyond it stay bound to ``<queue>.partitions``
-  and keep receiving their share of the keys;
-- ``ordered=True`` removed: ``<queue>.partitions`` stays bound to the topic exchange and keeps
-  filling the old partitions.
-
-``consume`` retires them when it connects, before it consumes: it cuts the leftover off from
-new messages, moves the messages already in it to where the consumer reads now (keeping their
-properties, headers and attempt number), and deletes it once it is empty. A message is acked in
-the leftover only after the broker confirmed its copy, so a crash mid-move leaves it in place
-or doubled, never lost, and the inbox absorbs a double. A leftover that another process still
-consumes (an older version of the app during a rolling deploy) is moved from but not deleted;
-the next ``consume`` start retires it. Messages moved out of order are handled in any order:
-order across a change of shape is not kept.
+Adding or removing ``ordered=True``, or lowering ``ORDERED_PARTITIONS``, leaves a queue that still
+receives messages but that nobody consumes. :func:`find_leftovers` finds such queues and
+:func:`retire_leftovers`, at each ``consume`` start, cuts them off from new messages, moves what
+they hold to where the consumer reads now (acking each message only after its copy is confirmed) and
+deletes them once empty. ``docs/design.md#leftover-queues`` lists the cases.
 """
 
 from __future__ import annotations

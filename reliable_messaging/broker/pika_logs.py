@@ -1,17 +1,11 @@
 """Keeps the 404s our own probes expect out of the user's log.
 
-"Does this queue (or exchange) exist?" has one answer in AMQP: a passive declare, which the
-broker answers with ``404 NOT_FOUND`` *and the close of the channel* when it does not. pika then
-logs ``Received remote Channel.Close (404): 'NOT_FOUND - no queue ...'`` at WARNING (and
-"Closing channel" at INFO), which reaches stderr even under Django's default ``LOGGING``. Our
-probes ask that question on every normal ``consume`` start (the leftover queues of an earlier
-shape of a consumer), from ``messaging_status`` and from the relay's exchange check, where a
-404 is the expected "no".
-
-:func:`expecting_not_found` marks the calling thread while it probes; the filter that
+A passive declare is AMQP's only way to ask whether a queue or exchange exists, and the broker
+answers "no" with a 404 channel close, which pika logs at WARNING. Our probes ask on every
+``consume`` start, from ``messaging_status`` and from the relay's exchange check.
+:func:`expecting_not_found` marks the calling thread while it probes, and the filter
 :func:`install` puts on pika's channel logger drops that thread's 404 records meanwhile and
-nothing else: a 404 outside a probe (a user's own pika code, a queue deleted under a consumer)
-is logged by pika as before, and our own code says what a 404 it did not expect means.
+nothing else: any other 404 is logged by pika.
 """
 
 from __future__ import annotations

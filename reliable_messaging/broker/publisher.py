@@ -1,15 +1,12 @@
 """A publisher with confirms on pika's asynchronous ``SelectConnection``: transport only.
 
 It opens a connection (the next broker of a shuffled list each time, so a node that is down
-costs one attempt), a channel in confirm mode, and publishes persistent, ``mandatory`` messages,
-each with the delivery tag the broker's confirm will name. What the broker says comes back as
-calls on an object with the :class:`PublisherEvents` methods (confirms, returns, a channel or a
-connection closed, flow control); timers and watched sockets run on the same I/O loop. Nothing
-here knows about the outbox: the relay (:mod:`reliable_messaging.publishing.relay`) decides what to
-publish and what a confirm means.
-
-Every method is called on the I/O loop's thread, except :meth:`ConfirmingPublisher.post`, the
-way other threads hand work to it.
+costs one attempt) and a channel in confirm mode, and publishes persistent, ``mandatory``
+messages, each with the delivery tag its confirm will name. What the broker says comes back as
+calls on a :class:`PublisherEvents`. Nothing here knows about the outbox: the relay
+(:mod:`reliable_messaging.publishing.relay`) decides what to publish and what a confirm means.
+Every method runs on the I/O loop's thread, except :meth:`ConfirmingPublisher.post`, the way
+other threads hand work to it.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
-"""What the broker says about the app's queues, read over AMQP and, when it answers, the
-RabbitMQ management HTTP API.
+"""What the broker says about the app's queues, read over AMQP and, when it answers, the RabbitMQ
+management HTTP API.
 
-The broker is always read over AMQP, as the application talks to it: a passive declare per
-queue gives its exact ready count and consumers, and a connection that cannot be opened is what
-"unreachable" means. The management API adds what AMQP cannot tell: unacked deliveries and
-message rates. It is an optional plugin, and the application's user may lack the ``monitoring``
-tag it needs, so doing without it is normal, not an error.
-
-No broker password ever leaves this module: URLs are shown through
-:func:`reliable_messaging.conf.redact_url`, and what the client libraries say in their errors is
-scrubbed of it too. The readings are judged by :mod:`reliable_messaging.ops.status` and exported by
-:mod:`reliable_messaging.ops.collectors`.
+A passive declare per queue gives its exact ready count and consumers, and a connection that
+cannot be opened is what "unreachable" means. The management API, an optional plugin the
+application's user may not be allowed to read, adds unacked deliveries and message rates. No
+broker password leaves this module: URLs go through :func:`reliable_messaging.conf.redact_url`
+and the client libraries' errors are scrubbed of it. The readings are judged by
+:mod:`reliable_messaging.ops.status` and exported by :mod:`reliable_messaging.ops.collectors`.
 """
 
 from __future__ import annotations

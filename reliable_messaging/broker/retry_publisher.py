@@ -1,23 +1,11 @@
-"""The consumer's publishing side: retry copies go out on a broker connection of their own,
-from a thread of their own.
+"""The consumer's publishing side: retry copies go out on a broker connection of their own, from a
+thread of their own.
 
-A retry copy is published (with confirms and ``mandatory``) before its original is acked. Were
-it published on the connection that consumes, a resource alarm anywhere in a cluster would
-stall that connection: RabbitMQ blocks every connection that publishes while a memory or disk
-alarm lasts, and a blocked connection's acks wait with its publishes. RabbitMQ's own advice is
-to publish and consume on separate connections; this module is that separation. While the
-broker blocks the publishing connection, only the deliveries waiting for a retry copy wait
-(unacked); every other delivery is handled and acked as usual. The block is logged, counted in
-``reliable_messaging_consumer_blocked`` and named in ``/healthz`` (as a note: the process is
-working, restarting it would not help).
-
-A copy the broker refuses (unroutable: its delay queue missing, or on a node that is down; or
-nacked) is published again with backoff while its original stays unacked: requeueing the
-original at once would spin on it, and on a quorum queue every requeue counts toward the
-delivery limit. Past the hold bound (half of ``BROKER_CONSUMER_TIMEOUT``) the original is given
-back to its queue, once. A connection lost mid-publish is made again (to another node of
-``BROKER_URL`` when there are several) and the copy published again: the inbox makes a copy
-that went out twice harmless.
+A retry copy is published (with confirms and ``mandatory``) before its original is acked. On a
+connection of its own, a broker's resource alarm (which blocks publishing connections) holds back
+only the deliveries waiting for a retry copy, not every ack. A copy the broker refuses is published
+again with backoff while its original stays unacked, and given back to its queue past half of
+``BROKER_CONSUMER_TIMEOUT``. ``docs/design.md#retry-copies-on-a-connection-of-their-own`` explains.
 """
 
 from __future__ import annotations

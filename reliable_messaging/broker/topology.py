@@ -1,19 +1,10 @@
 """Names and declaration of the broker objects: exchanges, consumer queues, delay queues.
 
-Retries are delayed without any plugin: each delay value has a fanout exchange and a queue with
-that message TTL whose dead-letter exchange is the default exchange (""). A retry copy is
-published to the delay exchange with the failed consumer's queue name as routing key; when its
-TTL expires the broker dead-letters it to the default exchange under that same routing key, so
-it lands in that one queue only, never with the routing key's other subscribers. One queue per
-delay value keeps every message in a queue with a uniform TTL, so none waits behind a longer one.
-
-Ordered consumers (``@consumer(..., ordered=True)``) get no queue of their own name. Their
-bindings lead from the topic exchange to a consistent-hash exchange ``<queue>.partitions``, which
-hashes the ``x-rm-ordering-key`` header onto ``ORDERED_PARTITIONS`` queues ``<queue>.p0`` ...
-Each partition queue has ``x-single-active-consumer``: however many consume processes run, one
-of them receives a partition at a time, in order, and the others stand by to take over. So one
-key is always handled by one process, one message after the other, while keys in different
-partitions run in parallel. Messages without an ordering key all hash alike (one partition).
+Retries wait in one queue per delay value (its message TTL), whose expired messages go back through
+the default exchange to the one queue whose consumer failed. An ordered consumer's messages go
+through a consistent-hash exchange ``<queue>.partitions`` onto ``ORDERED_PARTITIONS``
+single-active-consumer queues ``<queue>.p0`` ...
+``docs/design.md#topology-delay-queues-and-ordered-partitions`` explains both.
 """
 
 from __future__ import annotations

@@ -2,16 +2,12 @@
 
 :class:`~reliable_messaging.consuming.connection.ConnectionThread` talks to the broker only
 through these protocols, so the same consumer runs over pika (:mod:`.pika_transport`, the
-default) or over the in-memory twin of :mod:`reliable_messaging.testing_broker`, on which batching,
-ack coalescing and held partitions are tested without RabbitMQ. The shapes follow pika's
-``BlockingConnection``/``BlockingChannel`` (a delivery callback receives the channel, a frame
-with ``delivery_tag``/``redelivered``/``exchange``/``routing_key``, properties and the body),
-plus the few steps that are more than one AMQP method: declaring the topology, retiring
-leftover queues, closing a channel without cancelling its consumers, and the publisher of
-retry copies (a connection and a thread of its own, see :mod:`.retry_publisher`).
-
-Threading is pika's: every method runs on the connection's thread except
-:meth:`BrokerConnection.add_callback_threadsafe`, which is how the workers hand outcomes back.
+default) or over the in-memory twin of :mod:`reliable_messaging.testing_broker`. The shapes
+follow pika's ``BlockingConnection``/``BlockingChannel``, plus the few steps that are more than
+one AMQP method (declaring the topology, retiring leftover queues, closing a channel without
+cancelling its consumers, the publisher of retry copies). Every method runs on the connection's
+thread except :meth:`BrokerConnection.add_callback_threadsafe`, which is how the workers hand
+outcomes back.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """The consumer's connection thread: owns the broker connection, its channels and consumers.
 
-Everything broker-side happens on the thread that calls :meth:`ConnectionThread.run` (the one
-calling :meth:`ConsumerService.run <reliable_messaging.consuming.service.ConsumerService.run>`):
-connect (and reconnect, with capped backoff), declare the topology, subscribe, receive
-deliveries onto the :class:`~.board.WorkBoard`, settle the outcomes the workers hand
-back (:mod:`.settling`), watch the channels, and stop gracefully. It talks to the
-broker only through a :class:`~reliable_messaging.broker.transport.BrokerTransport`.
-
-A channel the broker closes (``consumer_timeout``, any 406) or a consumer it cancels (queue
-deleted, a classic queue's node lost) is noticed within one loop turn: the connection is dropped
-and made again (re-declaring the topology), and ``/healthz`` says "broker not connected"
-meanwhile. After a (re)connect the shared channel starts with a prefetch of 1 and opens up to
-``PREFETCH`` at the first fresh delivery (see :meth:`ConnectionThread._open_up`). The partition
-queues of an ordered consumer each have their own channel, so their own prefetch window.
+Everything broker-side happens on the thread that calls :meth:`ConnectionThread.run`: connect
+(and reconnect, with capped backoff), declare the topology, subscribe, put deliveries on the
+:class:`~.board.WorkBoard`, settle the outcomes the workers hand back (:mod:`.settling`), watch
+the channels, and stop gracefully. It talks to the broker only through a
+:class:`~reliable_messaging.broker.transport.BrokerTransport`. A channel the broker closes or a
+consumer it cancels makes it drop the connection and connect again; after a (re)connect the
+shared channel starts with a prefetch of 1 (see :meth:`ConnectionThread._open_up`).
 """
 
 from __future__ import annotations

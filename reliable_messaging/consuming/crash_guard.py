@@ -1,26 +1,12 @@
 """The crash guard: a message that kills its process is dead-lettered, not retried forever.
 
-A handler that takes its whole process down (the OOM killer, a segfault in a C extension, a
-``SIGKILL``, or our own exit past an uninterruptible time limit) never raises anything our code
-could catch: the transaction rolls back with the process, nothing is acked, and the broker hands
-the message to the next process, which dies the same way. Under a supervisor that restarts the
-consumer, that is an endless loop that also starves every message behind it.
-
-The broker tells us when care is needed: every delivery that comes back after its consumer
-went away carries the ``redelivered`` flag. Only those pay for the guard (the happy path never
-does): before such a delivery's handler runs, :meth:`CrashGuard.begin` commits a
-:class:`~reliable_messaging.models.SuspectDelivery` row marked ``running``, outside the handler's
-transaction, so it survives the process. When the delivery reaches an outcome, the row is deleted. A
-row still ``running`` when the message comes back again means the process died on it: one more
-death. The first death leaves no row (the guard was not watching a fresh delivery), so a redelivered
-message with no row counts as one death already; the redelivered flag is the evidence. Past
-``CRASH_LIMIT`` deaths the delivery becomes a dead letter (reason ``worker_crashed``, or
-``timeout`` when the process exited because the handler would not stop) and is acked.
-
-The consumer runs a suspect alone in its process (see :mod:`.service`), so an innocent
-message is never running when another message kills the process, and never charged for it.
-
-The same guard protects ``@idempotent_task`` (scope and key instead of consumer and message id).
+A process killed by its handler (the OOM killer, a segfault, ``SIGKILL``) raises nothing we could
+catch, and the broker hands the message to the next process, which dies the same way. Only a
+delivery that comes back ``redelivered`` pays for the guard: :meth:`CrashGuard.begin` commits a
+:class:`~reliable_messaging.models.SuspectDelivery` row before its handler runs, and a row still
+there when the message comes back again counts one more death. Past ``CRASH_LIMIT`` deaths the
+delivery becomes a dead letter. ``@idempotent_task`` uses the same guard.
+``docs/design.md#the-crash-guard`` explains the counting.
 """
 
 from __future__ import annotations

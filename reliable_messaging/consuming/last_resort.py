@@ -1,18 +1,12 @@
 """Dead letters for deliveries whose handler never decided anything.
 
-A handler's own failures are decided by :mod:`.processing` (retry, then a dead letter). This module
-covers the outcomes that no handler exception ever reaches:
-
-- the process died on the delivery ``CRASH_LIMIT`` times (:mod:`.crash_guard`): reason
-  ``worker_crashed``, or ``timeout`` when it was our own exit past a handler's time limit;
-- our own code (decoding, bookkeeping, not the handler) failed on it again and again: reason
-  ``consumer_error`` with the traceback;
-- a quorum queue's ``x-delivery-limit`` was reached and the broker dead-lettered the message to
-  the consumer's ``<queue>.dead`` queue: reason ``delivery_limit``.
-
-Each writes the dead letter with the raw body, the headers and what is known of why, in one
-transaction, and returns the outcome to carry out (ack). When the inbox already holds the
-message, some copy of it was processed: nothing is dead-lettered and the delivery is a duplicate.
+A handler's own failures are decided by :mod:`.retries`. This module covers the outcomes no
+handler exception reaches: the process died on the delivery ``CRASH_LIMIT`` times
+(:mod:`.crash_guard`: reason ``worker_crashed``, or ``timeout`` past a handler's time limit); our
+own code failed on it again and again (``consumer_error``, with the traceback); a quorum queue's
+delivery limit sent it to ``<queue>.dead`` (``delivery_limit``). Each writes the dead letter with
+the raw body and headers in one transaction; when the inbox already holds the message, the
+delivery is a duplicate instead.
 """
 
 from __future__ import annotations

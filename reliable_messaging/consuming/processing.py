@@ -1,20 +1,13 @@
 """The idempotent consumer: each delivery's handler commits with its inbox row, or not at all.
 
-:func:`process_batch` runs on a worker thread with its own database connection and never touches
-pika; it returns one :mod:`outcome <reliable_messaging.core.outcomes>` per delivery, which the
-connection's thread carries out (ack, publish a retry copy then ack, or give the delivery back)
-after the commit. What a delivery that failed becomes is decided in :mod:`.failures`; which
-database errors are not its handler's failure (held, or run again in place) in
-:mod:`reliable_messaging.core.database_errors`.
-
-Several deliveries share one transaction: each runs in its own savepoint (inbox insert first,
-then the handler), so a failing handler rolls back its own effects and inbox row only, and the
-batch commits once. Nothing is acked before that commit, so a crash anywhere leaves every
-delivery of the batch with the broker, and the inbox rows that did commit absorb the redelivery.
-
-The inbox rows themselves (claimed one by one or a batch at a time, with bounded lock waits) are
-written by :mod:`reliable_messaging.storage.inbox`, which the Celery integration shares; this module
-decides what each delivery's outcome is.
+:func:`process_batch` runs on a worker thread and decides a batch of deliveries in one transaction,
+returning one :mod:`outcome <reliable_messaging.core.outcomes>` per delivery, which the connection's
+thread carries out after the commit. What a failed delivery becomes is decided in :mod:`.retries`;
+which database errors are not its handler's failure in
+:mod:`reliable_messaging.core.database_errors`; the inbox rows are written by
+:mod:`reliable_messaging.storage.inbox`.
+``docs/design.md#batches-one-transaction-for-many-deliveries`` explains the optimistic and guarded
+ways a batch runs.
 """
 
 from __future__ import annotations

@@ -1,47 +1,15 @@
 """The long-running consumer: one broker connection, N worker threads, reconnects by itself.
 
-:class:`ConsumerService` orchestrates three parts cut along the thread seam:
+:class:`ConsumerService` puts together three parts cut along the thread seam:
 
-- :mod:`.connection`: the connection's thread (the one calling :meth:`run`) owns the
-  broker connection, its channels and consumers, through a transport
-  (:mod:`reliable_messaging.broker.transport`; pika by default,
-  :mod:`reliable_messaging.testing_broker` in memory), and settles outcomes there (:mod:`.settling`:
-  acks, nacks, retry copies);
-- :mod:`.board`: deliveries copied into plain :class:`Delivery` values wait there for
-  the workers;
-- :mod:`.workers`: the worker threads do all database work and hand their outcomes
-  back with ``add_callback_threadsafe``, so acks, nacks and retry publishes happen on the
-  connection's thread again.
+- :mod:`.connection`: the connection's thread owns the broker connection, its channels and
+  consumers, and settles outcomes there (:mod:`.settling`);
+- :mod:`.board`: deliveries wait there for the workers;
+- :mod:`.workers`: the worker threads do all database work and hand their outcomes back to the
+  connection's thread.
 
-Throughput: a worker takes every delivery waiting for it (up to ``CONSUMER_BATCH_SIZE``) and
-decides them in one transaction, a savepoint each (see :mod:`.processing`); their acks go out after
-the commit. Under load that is one commit for many messages; when idle, a batch of one.
-
-Ordering: the partition queues of an ordered consumer are each tied to one worker, which takes
-their deliveries in arrival order, and each has its own channel (so its own prefetch window): a
-partition held by a message retrying in place stops only that partition, never the others.
-
-Every delivery reaches an outcome in bounded time, whatever the broker or the message does:
-
-- A channel the broker closes (``consumer_timeout``, any 406) or a consumer it cancels (queue
-  deleted, a classic queue's node lost) is noticed within one loop turn: the connection is
-  dropped and made again (re-declaring the topology), and ``/healthz`` says "broker not
-  connected" meanwhile. Deliveries are never held unacked longer than half of the broker's
-  ``consumer_timeout`` (``BROKER_CONSUMER_TIMEOUT``): past that they are given back.
-- A delivery that comes back ``redelivered`` is a suspect: it runs alone in the process, under
-  the crash guard (:mod:`.crash_guard`), so a message that kills its process is dead-lettered
-  after ``CRASH_LIMIT`` deaths and its innocent neighbours are never charged. After a
-  (re)connect every channel starts with a prefetch of 1 and opens up to ``PREFETCH`` at the
-  first fresh delivery: while the queue's head is a suspect, only it is exposed to a death (a
-  quorum queue counts every death against each message the dead process held).
-- A handler past its time limit is interrupted (:mod:`.time_limit`).
-- Our own code failing on a delivery (never the handler: its exceptions are outcomes) splits the
-  batch to find the delivery, which after ``CONSUMER_ERROR_LIMIT`` failures is dead-lettered
-  with reason ``consumer_error``.
-- A retry copy the broker refuses (unroutable, nacked) is published again with backoff while the
-  original stays unacked, never requeued at once (each requeue counts toward a quorum queue's
-  delivery limit); quorum queues dead-letter what reaches that limit to ``<queue>.dead``, which
-  this consumer reads and stores as ``delivery_limit`` dead letters (:mod:`.last_resort`).
+``docs/design.md#the-consumer-service-and-its-threads`` explains how every delivery reaches an
+outcome in bounded time.
 """
 
 from __future__ import annotations

@@ -1,35 +1,11 @@
 """Handler time limits: a handler that never returns does not hold its delivery forever.
 
-Each handler call runs inside :meth:`TimeLimits.limit`. A watchdog thread looks at the calls in
-progress a few times a second. Past a call's deadline it raises :class:`_Interrupt` in the
-handler's thread (``PyThreadState_SetAsyncExc``, as dramatiq's time limit does): a handler
-running Python code stops at its next bytecode, the exception unwinds through the handler's
-``transaction.atomic()`` (so its effects and its inbox row roll back), and the caller sees a
-:class:`~reliable_messaging.exceptions.HandlerTimeout`, a failed attempt like any other: retried
-with backoff, then a dead letter with reason ``timeout``. ``_Interrupt`` derives from
-``BaseException`` so that a handler's own ``except Exception`` cannot swallow it; should a handler
-catch it anyway, the call still ends as a timeout.
-
-The interrupt is asynchronous: it can land just after the handler returned, in this module's
-own bookkeeping. The watchdog fires only on a registered call, under a lock, once; leaving the
-``with`` block deregisters the call under that lock and withdraws an interrupt not yet
-delivered, and an interrupt landing in that bookkeeping is caught there. A handler that ended
-as the watchdog fired keeps its own outcome (its work is done, in the caller's transaction);
-only an interrupt that landed in the handler's code is a timeout. One point is beyond any
-Python code's reach: CPython may deliver the interrupt as ``__exit__`` itself starts, before
-its first line. Such an interrupt leaves the handler call as a raw ``_Interrupt``; the worker
-pool (:mod:`.workers`) catches whatever escapes a worker, gives its deliveries back to the
-broker and calls :meth:`TimeLimits.discard`.
-
-Python cannot interrupt a thread blocked in C (a socket read with no timeout, ``time.sleep``).
-When a call is still running ``HANDLER_TIMEOUT_GRACE`` seconds after its deadline, the process
-cannot recover that thread, and its open transaction would hold the delivery's inbox row. The
-watchdog then records the death against the delivery (the crash guard, reason ``timeout``),
-logs why, and ends the process with exit code 3, as Celery's hard time limit replaces its
-worker process. Nothing is lost or doubled: nothing uncommitted was acked, the database rolls
-back the open transactions when the connections drop, the broker redelivers, and the
-supervisor (systemd, Kubernetes) starts a new process, whose crash guard dead-letters the
-delivery once it has cost ``CRASH_LIMIT`` processes.
+Each handler call runs inside :meth:`TimeLimits.limit`. Past its deadline a watchdog thread raises
+:class:`_Interrupt` in the handler's thread, which unwinds through the handler's transaction; the
+caller sees a :class:`~reliable_messaging.exceptions.HandlerTimeout`, a failed attempt like any
+other. A handler blocked in C cannot be interrupted: past ``HANDLER_TIMEOUT_GRACE`` the watchdog
+records the death with the crash guard and ends the process (exit code 3) for its supervisor to
+replace. ``docs/design.md#time-limits`` explains the races and why nothing is lost.
 """
 
 from __future__ import annotations

@@ -1,32 +1,11 @@
-"""The consumer's worker threads: batches from the :class:`~.board.WorkBoard` through
-the inbox, outcomes handed back to the connection thread.
+"""The consumer's worker threads: batches from the :class:`~.board.WorkBoard` through the inbox,
+outcomes handed back to the connection thread.
 
-A worker takes every delivery waiting for it (up to ``CONSUMER_BATCH_SIZE``) and decides them in
-one transaction, a savepoint each (see :mod:`.processing`); their acks go out after the commit.
-Under load that is one commit for many messages; when idle, a batch of one. A delivery that came
-back ``redelivered`` runs alone, under the crash guard (:mod:`.crash_guard`), with the process to
-itself.
-
-An ordered partition whose delivery retries in place is held by its worker (a
-:class:`~.board.HeldPartition`): its later deliveries wait behind it, in order, while
-every other partition flows.
-
-While the database is unreachable a batch is held unacked and tried again with backoff, and
-given back to the broker when stopping, when its connection is lost, or past half of the
-broker's ``consumer_timeout``. Our own code failing on a delivery (never the handler: its
-exceptions are outcomes) splits the batch to find the delivery, which after
-``CONSUMER_ERROR_LIMIT`` failures is dead-lettered with reason ``consumer_error``.
-
-Anything that escapes a worker's loop all the same (a ``BaseException`` a handler raises, such as
-``SystemExit``, a handler's time-limit interrupt landing outside its ``with`` block, a
-``MemoryError``, our own bug) never leaves a silent smaller pool: every delivery the thread held
-goes back to the broker unacked (a :class:`Release`, no attempt charged), the death is logged at
-ERROR once and noted on ``/healthz``, and a new thread takes the same lane. The delivery comes
-back redelivered and runs alone: if it kills its thread again, the crash guard counts that as a
-death of the delivery and dead-letters it (``worker_crashed``) after ``CRASH_LIMIT``. After
-``WORKER_DEATH_LIMIT`` deaths the process stops instead, with exit code
-``EXIT_WORKERS_DYING``: something keeps killing its threads, and a fresh process (started by
-the supervisor) is the cleaner retry.
+A worker decides every delivery waiting for it (up to ``CONSUMER_BATCH_SIZE``) in one transaction
+(:mod:`.processing`); a redelivered one runs alone under the crash guard. While the database is
+unreachable a batch is held unacked and tried again with backoff. A worker whose loop dies gives its
+deliveries back to the broker and is replaced; after ``WORKER_DEATH_LIMIT`` deaths the process exits
+with ``EXIT_WORKERS_DYING``. ``docs/design.md#worker-deaths`` explains why.
 """
 
 from __future__ import annotations

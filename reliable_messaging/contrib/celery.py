@@ -1,35 +1,11 @@
 """Celery: ``@idempotent_task``, for tasks that must take effect once.
 
-``@idempotent_task`` goes *below* Celery's own decorator, so every Celery option (``bind``,
-``acks_late``, ``autoretry_for``, ``queue``...) works as usual::
-
-    from celery import shared_task
-    from reliable_messaging import idempotent_task
-
-    @shared_task(acks_late=True, reject_on_worker_lost=True)  # both needed: see below
-    @idempotent_task(key=lambda order_id: f"receipt:{order_id}")
-    def email_receipt(order_id: int) -> int:
-        receipt = Receipt.objects.create(order_id=order_id)
-        ...
-        return receipt.pk
-
-The body runs inside ``transaction.atomic()`` together with the insert of an inbox row
-(``ProcessedMessage``), exactly like a consumer's handler: ``consumer`` is the scope (the
-task's name unless ``scope=`` is given) and ``message_id`` the idempotency key. The insert comes
-first, so a key that already took effect fails on the unique index before the body runs, and
-a concurrent twin waits on that index until the first commits or rolls back. A body that raises
-rolls back its effects and the inbox row together, so a retry runs it again.
-
-A pool child killed mid-task (the OOM killer, ``SIGKILL``, a segfault) rolls back its
-transaction with it. What happens to the task message is Celery's choice: with ``acks_late``
-alone, Celery acks it as failed (``WorkerLostError``) and the key never takes effect. So
-``@idempotent_task`` needs ``acks_late`` *and* ``reject_on_worker_lost`` (per task, or
-``task_acks_late`` / ``task_reject_on_worker_lost`` in the app's config; a system check warns
-otherwise): the message goes back to the queue and runs again. A task that kills its child
-every time would then come back forever and hold a worker slot, so redelivered task messages
-go through the crash guard (:mod:`reliable_messaging.consuming.crash_guard`), like redelivered AMQP
-deliveries: past ``CRASH_LIMIT`` deaths the task becomes a dead letter (reason ``worker_crashed``)
-instead of running, and Celery acks it.
+``@idempotent_task`` goes *below* Celery's own decorator. The task's body runs inside
+``transaction.atomic()`` with the insert of an inbox row keyed by the task's idempotency key,
+exactly like a consumer's handler, so a key takes effect once. It needs ``acks_late`` and
+``reject_on_worker_lost`` (a system check warns otherwise, :func:`unsafe_idempotent_tasks`), and
+redelivered task messages go through the crash guard. ``docs/design.md#celerys-idempotent-tasks``
+explains why.
 """
 
 from __future__ import annotations

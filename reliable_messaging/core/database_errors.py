@@ -1,28 +1,11 @@
 """What the database may do to a delivery without charging it an attempt.
 
-Every path that runs a handler or writes our own rows (the batch and its commit, one delivery at a
-time, the inbox claim, the crash guard, dead letters, the ``.dead`` queue's ingestion, Celery's
-``@idempotent_task``) asks :func:`classify` about a database error, and gets one of:
-
-- :attr:`DatabaseTrouble.UNAVAILABLE`: the database cannot take the work now (a lost or refused
-  connection, a failover that left it read-only, a shutdown, no resources). The delivery is
-  held unacked and tried again with backoff; nothing is charged. SQLSTATE class ``08``
-  (connection exception), ``25006`` (read-only transaction, what a managed failover shows before
-  the sessions are cut), class ``53`` (insufficient resources), ``57P01``-``57P05`` (admin or
-  crash shutdown, cannot connect now, idle session timeout), ``3D000`` (the database does not
-  exist: dropped or not yet restored), ``23514`` "no partition of relation ... found for row"
-  (no day partition for our own inbox or outbox row), and a PostgreSQL driver's
-  ``OperationalError`` or ``InterfaceError`` carrying no SQLSTATE (the server never answered).
-- :attr:`DatabaseTrouble.CONFLICT`: the database asks for the transaction to be run again
-  (``40001`` serialization failure, ``40P01`` deadlock; SQLite's "database is locked"). The
-  delivery runs again in place in a new transaction, up to :data:`CONFLICT_RETRIES` times after
-  the first, :func:`conflict_delay` apart; nothing is charged unless it still fails past that
-  bound, when it is the handler's failure like any other.
-- ``None``: anything else is the handler's failure (or our bug), decided as before.
-
-The SQLSTATE is read from the driver's exception Django wraps (``__cause__``): ``sqlstate`` for
-psycopg 3, ``pgcode`` for psycopg2. This module is pure (no Django, no driver import) so its
-rules are tested without a database.
+:func:`classify` sorts a database error into :attr:`DatabaseTrouble.UNAVAILABLE` (the database
+cannot take the work now: the delivery is held unacked and tried again, nothing charged),
+:attr:`DatabaseTrouble.CONFLICT` (a serialization failure or deadlock: run again in place, up to
+:data:`CONFLICT_RETRIES` times) or ``None`` (the handler's failure). Every path that runs a handler
+or writes our own rows asks it. Pure (no Django, no driver import), so its rules are tested without
+a database; ``docs/design.md#database-errors-that-charge-nothing`` lists the SQLSTATEs.
 """
 
 from __future__ import annotations

@@ -37,9 +37,10 @@ REPLAYED_BY_HEADER = "x-rm-replayed-by"
 DEAD_LETTER_ID_HEADER = "x-rm-dead-letter-id"
 # How many times a copy was put aside because another consumer held the message.
 DEFERRALS_HEADER = "x-rm-deferrals"
-# On the dead letter of a Celery task whose pool child kept dying (tasks.py): not replayable.
+# On the dead letter of a Celery task whose pool child kept dying (contrib/celery.py): not
+# replayable.
 CELERY_TASK_HEADER = "celery-task"
-# Set by amqp_codec when part of a delivery's properties could not be decoded: the text says
+# Set by broker/codec.py when part of a delivery's properties could not be decoded: the text says
 # what failed. Such a delivery is dead-lettered (invalid_headers) with its raw body.
 UNDECODABLE_HEADER = "x-rm-undecodable"
 # Headers RabbitMQ adds on dead-lettering; they grow with every retry, so copies drop them.

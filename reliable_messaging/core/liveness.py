@@ -1,18 +1,11 @@
 """What a long-running process reports about itself on ``/healthz``.
 
-A ``consume`` or ``relay`` process records here what it sees as it works (the broker connected
-or not, the database failing, a heartbeat from its main loop, notes such as publishing blocked
-by a resource alarm), and ``/healthz`` (:mod:`reliable_messaging.ops.http`) and the
-``reliable_messaging_healthy`` gauge (:class:`.metrics.HealthCollector`) ask
-:meth:`HealthState.check`.
-
-Standard library only (and, like :mod:`.metrics`, neither Django nor pika): the consumer and
-the relay import it without pulling in the ORM readers or the status report
-(:mod:`reliable_messaging.ops.collectors`, :mod:`reliable_messaging.ops.status`), which read the
-whole system rather than one process. The rules for one process's liveness (stopping, the
-broker, the database, a stalled main loop) stay next to the state they read, because the
-processes that hold the state must not import the status report;
-:func:`reliable_messaging.ops.status.process_health` renders the answer.
+A ``consume`` or ``relay`` process records in a :class:`HealthState` what it sees as it works
+(the broker connected or not, the database failing, a heartbeat from its main loop, notes such
+as publishing blocked), and ``/healthz`` (:mod:`reliable_messaging.ops.http`) and the
+``reliable_messaging_healthy`` gauge ask :meth:`HealthState.check`;
+:func:`reliable_messaging.ops.status.process_health` renders the answer. Standard library only,
+so the processes import it without the ORM readers or the status report.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from typing import Any, Literal
 class OutcomeLabel(StrEnum):
     """How a delivery ended, named once for logs, metrics (the ``outcome`` label of
     ``reliable_messaging_consumer_messages_total``) and tests. A ``str``: it compares equal to
-    the plain words code written against earlier versions uses."""
+    its plain word (``OutcomeLabel.PROCESSED == "processed"``)."""
 
     PROCESSED = "processed"  # the handler ran and its transaction committed
     DUPLICATE = "duplicate"  # the inbox already held it: acked, the handler did not run
@@ -48,7 +48,7 @@ class FailureReason(StrEnum):
     DELIVERY_LIMIT = "delivery_limit"  # a quorum queue's x-delivery-limit was reached
 
 
-# The plain words too: code and tests written against earlier versions say Acknowledge("processed").
+# The plain words too: Acknowledge("processed") type-checks as Acknowledge(OutcomeLabel.PROCESSED).
 AckResult = Literal[
     OutcomeLabel.PROCESSED,
     OutcomeLabel.DUPLICATE,

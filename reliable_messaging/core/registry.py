@@ -33,7 +33,7 @@ class ConsumerSpec:
     ordered: bool = False
     max_attempts: int | None = None
     retry_delays: tuple[float, ...] | None = None
-    # Seconds the handler may run; None means HANDLER_TIMEOUT (see time_limit.py).
+    # Seconds the handler may run; None means HANDLER_TIMEOUT (see consuming/time_limit.py).
     timeout: float | None = None
 
 

@@ -1,19 +1,10 @@
 """Time-ordered message ids: UUID version 7 (RFC 9562, section 5.7).
 
-The app mints message ids (:func:`~reliable_messaging.publishing.publish.publish`) that every
-consumer then inserts into its inbox's unique index. Random (version 4) ids land on random pages of
-that index: once it is larger than the buffer cache, each insert reads a page from disk and dirties
-it, and the first change of a page after a checkpoint writes all of it to the WAL. Ids that grow
-with time land at the index's right edge, on a few hot pages, whatever its size.
-
-Layout: 48 bits of Unix time in milliseconds, the version (7), 12 + 62 bits (74 in all) below
-the variant bits. Those 74 bits are random for the first id of a millisecond; the next ids of
-the same millisecond add one to them (RFC 9562, 6.2, method 2, "monotonic random"), so ids
-minted by one process always increase, also when the clock steps back: the last timestamp is
-then kept until the clock has caught up with it. Another process starts from its own random
-bits, so two processes minting in the same millisecond do not collide (74 random bits).
-
-Python 3.14's ``uuid.uuid7`` would do; Python 3.11 and 3.12 have none, and this is small.
+Message ids go into every consumer's inbox index; ids that grow with time are inserted at the
+index's right edge instead of on random pages. Ids minted by one process always increase ("monotonic
+random", RFC 9562 6.2 method 2); another process starts from its own random bits. Python 3.14's
+``uuid.uuid7`` would do; Python 3.11 to 3.13 have none. ``docs/design.md#time-ordered-message-ids``
+explains the layout.
 """
 
 from __future__ import annotations

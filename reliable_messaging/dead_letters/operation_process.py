@@ -1,15 +1,11 @@
-"""The relay's child process that carries out the bulk operations (``operations.py``).
+"""The relay's child process that carries out the bulk operations (:mod:`.operations`).
 
-A process, not a thread of the relay: a batch is mostly Python work (judging each dead letter,
-building its headers) that would hold the GIL while the relay's I/O thread waits for it, and
-the relay's pipelined confirms are sensitive to that latency (``bench/admin_replay.py``: a
-replay at a third of the relay's speed with a thread, at about its speed with a process). It
-asks nothing of the relay's loop: after each batch's commit it NOTIFYs ``notify_channel``, the
-channel the relays LISTEN on, so they claim the batch's rows at once. It dies
-with the relay (on Linux by ``PR_SET_PDEATHSIG``, elsewhere at its next look), so a killed
-relay takes the batch under way with it: rolled back whole.
-
-This module imports no model: a spawned child imports it before Django is set up.
+A process, not a thread of the relay: a batch is mostly Python work that would hold the GIL
+while the relay's I/O thread, whose pipelined confirms are sensitive to latency, waits for it.
+After each batch's commit it NOTIFYs the channel the relays LISTEN on, so they claim the
+batch's rows at once. It dies with the relay (on Linux by ``PR_SET_PDEATHSIG``, elsewhere at
+its next look), so a killed relay's batch rolls back whole. This module imports no model: a
+spawned child imports it before Django is set up.
 """
 
 from __future__ import annotations

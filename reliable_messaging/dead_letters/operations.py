@@ -1,24 +1,11 @@
 """Carrying out the bulk replays and discards operators record in the admin.
 
-Every deployment runs the relay, and a replay is only done once the relay has sent its outbox
-rows: so the relay carries the operations out too. ``manage.py relay`` starts an
-:class:`OperationRunner` beside its lanes, in a child process of its own
-(``operation_process.py``), which NOTIFYs the relays after each batch's commit, so its rows are
-claimed at once.
-
-One batch is one transaction (:func:`run_batch`): the operation row is claimed with SKIP LOCKED
-(another runner takes another operation, or waits for the next batch), the next
-``batch_size`` dead letters after the cursor are replayed or discarded (locked, judged one by
-one by the replay's rules), and the cursor and counters move, all committed together. A
-process killed mid-batch rolls the whole batch back; the next runner starts from the cursor
-committed last. So each dead letter is done at most once per operation, and, because a
-replayed one is refused by the next replay until its outcome is known, at most once across
-two operations over the same selection.
-
-An operation does no more than its confirmation announced (``matched``, when it was counted
-exactly: up to :data:`COUNT_CAP`): a batch takes at most what is left of that count, and when
-that is used up while dead letters still match (some failed again, or changed status, after
-the confirmation), the operation stops, "failed" with why, rather than take them.
+The relay runs an :class:`OperationRunner` in a child process (:mod:`.operation_process`). One batch
+is one transaction (:func:`run_batch`): the operation row claimed with SKIP LOCKED, the next dead
+letters after the cursor replayed or discarded, and the cursor and counters moved, all committed
+together, so a killed process leaves nothing half done and each dead letter is done at most once per
+operation. An operation does no more than its confirmation announced.
+``docs/design.md#dead-letters-replay-and-bulk-operations`` explains.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Replaying dead letters: back through the outbox, to the consumer that failed, only.
 
-A replay writes an outbox row addressed to the default exchange with the failed consumer's queue
-as routing key, so only that queue receives it, never the routing key's other subscribers (nor
-a queue a producer named in ``CC``/``BCC``: :func:`~..core.envelope.wire_headers` drops them). It
-keeps the message_id (the inbox keeps protecting against doubles), starts again at attempt 1, and
-carries the original exchange and routing key plus who replayed it in our headers. The consumer
-marks the dead letter resolved in the same transaction as the handler's effects when it succeeds
-(or, when another copy of the message was processed first, in the transaction that finds the
-replayed copy a duplicate); if it fails again, the same dead letter row is updated (history kept).
-
-A dead letter stays "replayed" until that outcome. One whose replayed copy never comes (an
-outbox row the relay gave up on, a queue purged) would stay so for good, and for an ordered
-consumer keep its key parked: after :data:`STALE_REPLAY_AFTER` it may be replayed again or
-discarded.
+A replay writes an outbox row addressed to the default exchange with the failed consumer's queue as
+routing key, keeping the message_id (the inbox still protects against doubles) and starting again at
+attempt 1. The dead letter stays "replayed" until its copy's outcome resolves it or updates it;
+after :data:`STALE_REPLAY_AFTER` one whose copy never came may be replayed again or discarded.
+``docs/design.md#dead-letters-replay-and-bulk-operations`` says more.
 """
 
 from __future__ import annotations

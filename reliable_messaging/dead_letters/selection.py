@@ -1,13 +1,10 @@
 """Which dead letters a bulk operation takes: a selection frozen as JSON, resolved here.
 
-An operation is carried out by the relay process, long after the admin request that started
-it, so what it takes cannot be a queryset: it is the changelist's filter as data (field lookups,
-a search term and how that term reads), applied again batch after batch by :func:`targets`. The
-same function gives the admin's confirmation page its counts, so what the page announces is what
-runs. How the term reads is decided once, when the selection is made (:func:`how_search_reads`): a
-one-word term is an exact message_id only if some dead letter had it then, and a batch must not
-decide again, or a message_id that stops matching (its dead letter replayed) or starts matching
-(a producer's new failure) would change which dead letters the operation takes.
+An operation runs in the relay process long after the admin request that started it, so what it
+takes is the changelist's filter as data, applied again batch after batch by :func:`targets`,
+which also gives the confirmation page its counts. How a search term reads is decided once, when
+the selection is made (:func:`how_search_reads`), so that a message_id that stops or starts
+matching later does not change which dead letters the operation takes.
 """
 
 from __future__ import annotations

@@ -1,41 +1,12 @@
 """The readers of the whole system: the messaging tables and the broker's queues.
 
-Two callers read the same figures: ``manage.py messaging_status`` (through :mod:`.status`,
-which judges them) and a Prometheus scrape of the web process's ``metrics/`` view
-(:mod:`.views`), through the two collectors at the end of this module. The consume and relay
-processes never need this module: their counters are in :mod:`reliable_messaging.metrics`, their own
-health in
-:mod:`reliable_messaging.core.liveness`.
-
-**Database gauges**, read from the database at each scrape by :class:`DatabaseCollector`.
-They describe the whole system, not one process, so exactly one place exports them: the
-``metrics/`` view of ``reliable_messaging.urls`` in the web process (aggregate them with
-``max``, never ``sum``, when several web instances are scraped):
-
-=========================================================  ======================================
-``reliable_messaging_database_up``                         1 if the last scrape read the database
-``reliable_messaging_outbox_pending_messages``             outbox rows not sent yet
-``reliable_messaging_outbox_oldest_pending_age_seconds``   age of the oldest of them (0 if none)
-``reliable_messaging_outbox_failed_messages``              rows given up on (``failed``)
-``reliable_messaging_dead_letters``                        dead letters {status, consumer, reason}
-``reliable_messaging_inbox_messages``                      inbox rows (an estimate on PostgreSQL)
-=========================================================  ======================================
-
-**Queue gauges**, read from the broker at scrape time by :class:`BrokerCollector` with AMQP
-passive declares (no plugin needed), for the queues of every registered consumer (an ordered
-consumer's partitions) and the retry delay queues. Also served by the ``metrics/`` view:
-
-===========================================  ====================================================
-``reliable_messaging_broker_up``             1 if the last read reached the broker
-``reliable_messaging_queue_exists``          1 if declared, 0 if not {queue, consumer, kind};
-                                             kind is consumer, delay or leftover (a queue an
-                                             earlier shape of the consumer left behind)
-``reliable_messaging_queue_messages_ready``  messages waiting in it {queue, consumer, kind}
-``reliable_messaging_queue_consumers``       consumers attached to it {queue, consumer, kind}
-===========================================  ====================================================
-
-The broker's readers live in :mod:`reliable_messaging.broker.queues`, in the tier that alone
-speaks AMQP.
+:func:`database_status` reads the outbox, dead letters, inbox and partitions; ``manage.py
+messaging_status`` judges those figures through :mod:`.status`, and the two Prometheus
+collectors at the end of this module (:class:`DatabaseCollector`, :class:`BrokerCollector`)
+export them and the queue gauges at each scrape of the web process's ``metrics/`` view, the one
+place that exports them. The consume and relay processes never import this module: their own
+counters are in :mod:`reliable_messaging.metrics`. The broker's readers live in
+:mod:`reliable_messaging.broker.queues`.
 """
 
 from __future__ import annotations

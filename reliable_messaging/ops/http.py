@@ -1,18 +1,12 @@
 """A small HTTP server for the long-running processes: ``/metrics`` and ``/healthz``.
 
-``manage.py relay --metrics-port PORT`` (and the consumer) start one next to their work, on a
+``manage.py consume`` and ``relay`` start one with ``--metrics-port`` next to their work, on a
 daemon thread, so Prometheus can scrape the process's counters and an orchestrator can probe
-its health without the process running a web framework:
-
-- ``GET /metrics``: the registry's metrics plus ``reliable_messaging_healthy``, in the format
-  the scraper asks for (Prometheus text or OpenMetrics, gzip when accepted).
-- ``GET /healthz``: ``200 {"status": "ok"}``, or ``503 {"status": "unhealthy", "reasons":
-  [...]}`` with the reasons in words; either may carry ``"notes": [...]``, what an operator
-  should know while the process works (publishing blocked by a resource alarm, a queue whose
-  node is down).
-- anything else: 404.
-
-Request lines are logged at DEBUG only: a scraper every 15 s must not fill the INFO log.
+its health without a web framework. ``GET /metrics`` serves the registry plus
+``reliable_messaging_healthy`` (Prometheus text or OpenMetrics, gzip when accepted); ``GET
+/healthz`` answers ``200 {"status": "ok"}`` or ``503 {"status": "unhealthy", "reasons": [...]}``,
+either with the ``"notes"`` an operator should know; anything else is a 404. Request lines are
+logged at DEBUG only.
 """
 
 from __future__ import annotations

@@ -1,31 +1,12 @@
-"""Views for the web process: the database gauges and a health check of the whole system.
+"""Views for the web process: the system's gauges (``metrics/``) and its health (``healthz/``).
 
-Mount them with ``path("messaging/", include("reliable_messaging.urls"))``:
-
-- ``metrics/``: the gauges :class:`~reliable_messaging.ops.collectors.DatabaseCollector` reads at
-  each scrape (outbox backlog and lag, failed rows, dead letters, inbox size) and the queue
-  gauges :class:`~reliable_messaging.ops.collectors.BrokerCollector` reads from the broker
-  (messages ready and consumers attached, per queue of every registered consumer; kept 5 s
-  between reads). The consume and relay processes export their own counters on
-  ``--metrics-port``; these system gauges come from here only, so they are not scraped once
-  per process.
-- ``healthz/``: 200 when the database answers, the broker accepts a connection (within
-  ``BROKER_TIMEOUT``) and the oldest pending outbox row is younger than ``max_outbox_lag``
-  seconds (default :data:`~reliable_messaging.ops.status.OUTBOX_LAG_LIMIT`, 300); 503 with the
-  reasons otherwise. The checks are run here; the verdict and the body are
-  :mod:`.status`'s, as for every health endpoint. It judges the messaging system, not this web
-  process: use it for monitoring or a readiness gate, not as a liveness probe that restarts
-  web servers because a relay is down. Tune the lag with a URL keyword argument, e.g.
-  ``path("healthz/", views.healthz, {"max_outbox_lag": 60})``.
-
-Who may read them (:func:`ops_access`): staff users logged in to the admin; a request with
-``Authorization: Bearer <token>`` when ``RELIABLE_MESSAGING["OPS_VIEWS_TOKEN"]`` is set (what a
-Prometheus scrape config's ``authorization`` or a Kubernetes probe's ``httpHeaders`` send); and
-everyone only with ``OPS_VIEWS_PUBLIC = True`` (for views kept behind a proxy that already
-restricts them). Anyone else gets 403. They show consumer names and counts, never payloads.
-
-``healthz/`` opens a broker connection at most once per ``BROKER_CHECK_MAX_AGE`` seconds, however
-often it is asked: a probe every second costs the broker one connection every five.
+Mount them with ``path("messaging/", include("reliable_messaging.urls"))``. ``metrics/`` serves
+the gauges of :mod:`.collectors`, read at each scrape; ``healthz/`` answers 200 when the
+database and the broker answer and the outbox is not falling behind, 503 with the reasons
+otherwise (tune the lag with ``path("healthz/", views.healthz, {"max_outbox_lag": 60})``). It
+judges the messaging system, not this web process: use it for monitoring or a readiness gate,
+not as a liveness probe. :func:`ops_access` decides who may read them: staff users, a bearer
+``OPS_VIEWS_TOKEN``, or everyone with ``OPS_VIEWS_PUBLIC``.
 """
 
 from __future__ import annotations

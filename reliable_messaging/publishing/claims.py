@@ -1,18 +1,12 @@
 """The relay's database side: claim due outbox rows, and hold or lease them while in flight.
 
-Everything here runs on a relay's database worker threads (:mod:`.database_worker`), never on the
-I/O loop, and knows nothing of the broker. What became of the rows is written by
+Everything here runs on a relay's database worker threads (:mod:`.database_worker`), never on
+the I/O loop, and knows nothing of the broker. A claim's transaction outlives the call that
+begins it (the rows stay locked while their confirms come back), so it has a name,
+:class:`ClaimTransaction`. Every statement on unsent rows names the unsent statuses, which on
+PostgreSQL confines it to the outbox's unsent partition, and every comparison with
+``next_attempt_at`` uses the database's clock. What became of the rows is written by
 :func:`.sent.record_outcome`.
-
-A claim's transaction outlives the method that begins it: the claimed rows stay locked while
-their confirms come back, and the batch's record (:mod:`.sent`), a lease or a rollback ends
-it, in another call on the same worker thread. That transaction has a name,
-:class:`ClaimTransaction`, so that its beginning and its end can be read where they are.
-
-Every statement that reads or changes unsent rows names the unsent statuses: on PostgreSQL that
-confines it to the outbox's unsent partition (partitions.py). Every comparison with or
-computation of ``next_attempt_at`` uses the database's clock, the one ``publish()`` writes it
-with, so hosts with skewed clocks agree on when a row is due.
 """
 
 from __future__ import annotations
@@ -80,7 +74,7 @@ def any_id_of(using: str, pks: Iterable[int]) -> Any:
     """The right-hand side of ``pk__in`` for a batch of ids. On PostgreSQL one array parameter
     (``id IN (SELECT unnest(...))``): Django and psycopg compile it in the same time whatever
     its length, and PostgreSQL parses one value. A placeholder per id, as a plain list gets,
-    made compiling a batch's statements an eighth of the relay's Python time."""
+    costs compiling time that grows with the batch."""
     if connections[using].vendor == "postgresql":
         return RawSQL("SELECT unnest(%s::bigint[])", (list(pks),))
     return list(pks)

@@ -193,8 +193,8 @@ def _insert_sql(ordering_key: bool, idempotency_key: bool) -> str:
 
 
 # Built once, one per combination of keys given: on PostgreSQL publish() writes its row with
-# these statements rather than through Model.save(), whose SQL compiler cost as much Python
-# time per call as the rest of publish() (cProfile). So no pre_save/post_save signal is sent for
+# these statements rather than through Model.save(), whose SQL compiler costs as much Python
+# time per call as the rest of publish(). So no pre_save/post_save signal is sent for
 # outbox rows there (the changelog says so); this app never connected one.
 _INSERT_PG = {
     (ordering, once): _insert_sql(ordering, once)
@@ -218,11 +218,11 @@ def _earlier(idempotency_key: str, using: str) -> str | None:
 
 
 def _publish_once_pg(values: list[Any], idempotency_key: str, using: str) -> str:
-    """On PostgreSQL a unique index spans one partition of the outbox, and a message sent
-    leaves the unsent partition (partitions.py): an earlier message of the key is looked for in
-    every partition, under an advisory lock on the key held to the end of the transaction. A
-    second publish of the key waits there until the first commits (or rolls back), then, in
-    READ COMMITTED, its lookup sees the first's row."""
+    """On PostgreSQL a unique index spans one partition of the outbox, and a message sent leaves the
+    unsent partition (``storage/partitions.py``): an earlier message of the key is looked for in
+    every partition, under an advisory lock on the key held to the end of the transaction. A second
+    publish of the key waits there until the first commits (or rolls back), then, in READ COMMITTED,
+    its lookup sees the first's row."""
     with transaction.atomic(using=using), connections[using].cursor() as cursor:
         cursor.execute(
             "SELECT pg_advisory_xact_lock(%s, hashtext(%s))",

@@ -1,68 +1,15 @@
 """The outbox relay: sends committed outbox rows with pipelined publisher confirms.
 
-One thread runs pika's asynchronous ``SelectConnection`` I/O loop; the database work runs on
-``MAX_IN_FLIGHT`` worker threads, each with its own connection, so that publishing and waiting
-on PostgreSQL overlap. A batch goes like this:
+One thread runs pika's asynchronous I/O loop; the claims and the writes of what became of each
+row run on database worker threads, so that publishing and waiting on PostgreSQL overlap. A row
+is marked sent only after the broker confirmed it; a crash rolls the batch back and the rows go
+again (consumers absorb the duplicate by message_id).
 
-1. ``claim`` (a worker): in a transaction, ``SELECT ... FOR UPDATE SKIP LOCKED`` the due rows
-   through the index of due pending rows (rows sent, backing off, leased or parked are outside
-   the range it reads, so its cost does not grow with them). Relays running side by side never
-   take the same row. A keyed row goes only when no earlier row of its key is unsent; one
-   behind such a row is *parked* (``next_attempt_at`` NULL, in a transaction of its own that
-   locks the row holding it back) and is never read again until that row is sent, which
-   releases the next one in the transaction that marks it sent. (A sweep every 30 s releases
-   any left parked by other means, an operator's edit say.)
-2. ``publish`` (the I/O loop): every row goes out at once (``mandatory=True``, persistent).
-   While its confirms come back the next batch is claimed and published, up to
-   ``MAX_IN_FLIGHT`` batches.
-3. ``settle`` (the batch's worker): confirms arrive, ``multiple=True`` settling every tag up
-   to the one named. When all of a batch are in (or ``RELAY_CONFIRM_TIMEOUT`` passes) the
-   confirmed rows are marked sent, the others get their error, an attempt and a backoff, and
-   the claim's transaction commits. An event the broker returned as unroutable (no queue
-   bound: nobody subscribes yet) is marked ``unrouted`` instead, for good; only routing keys
-   matching ``REQUIRE_ROUTE`` (commands) are retried. When the broker refuses a publish by
-   closing the channel (403, 406, ...), the row it names is charged and what was confirmed is
-   marked sent; the unconfirmed rest are due again at once.
-
-A claim's transaction stays open while its confirms arrive (milliseconds) but never longer
-than ``HOLD_LIMIT`` (2 s): a batch still unconfirmed then (a slow or blocked broker) trades its
-row locks for a *lease*, ``next_attempt_at`` set ``RELAY_CONFIRM_TIMEOUT`` + 5 s ahead and
-renewed while the batch is in flight, and the transaction commits. So no snapshot and no lock
-is held long on the busiest table, which would hold back vacuum.
-
-Every time the relay compares or computes ``next_attempt_at`` it uses the database's clock, the
-one ``publish()`` writes it with, so hosts with skewed clocks agree on when a row is due.
-
-A crash before a batch is recorded rolls its transaction back: the rows are due again at once
-(or, if leased, when the lease runs out) and a relay sends them again (consumers absorb the
-duplicate by message_id). Nothing committed is lost.
-
-On PostgreSQL the relay also LISTENs on a channel that ``publish()`` NOTIFYs after each
-commit (:mod:`.wake_after_commit`), with the listening socket watched by the same I/O loop (a
-new LISTEN connection for each broker connection, since each has its own loop), so a new row
-leaves within milliseconds; polling every ``RELAY_POLL_INTERVAL`` remains as the fallback (the
-only mode on other databases, and the mode while a probe finds that the LISTEN hears nothing,
-as through a transaction-pooling PgBouncer: ``RELAY_LISTEN_DSN`` gives it a direct session).
-
-Flow control: when the broker runs low on memory or disk it stops reading from publishing
-connections and says so with ``connection.blocked``. The relay then claims nothing more (rows
-stay pending in the database, not piled up in memory) and stops the confirm timer of the batch
-in flight: its confirms are late because of the block, not lost, and charging its rows a failed
-attempt for that would mark them failed after a long enough alarm. On ``connection.unblocked``
-the relay goes on by itself. A block longer than the connection's ``blocked_connection_timeout``
-ends the connection; the batch rolls back and goes again after the reconnect.
-
-Each relay counts what it does in :mod:`reliable_messaging.metrics` and reports to a
-:class:`~reliable_messaging.core.liveness.HealthState` (broker, database, a heartbeat from the I/O
-loop) that ``--metrics-port`` serves as ``/healthz``.
-
-Where the parts live: this module runs the relay's life (connect, reconnect, stop) and routes
-what the broker says; :mod:`.scheduling` decides when to claim; :mod:`.claims` runs every
-query (claim, lease, record) on the threads of :mod:`.database_worker`; :mod:`.in_flight`
-publishes the batches and takes their confirms, with :mod:`.batches` keeping each batch's
-books; :mod:`.listener` LISTENs; :mod:`.lanes` runs several relays. Of the broker's side,
-:mod:`reliable_messaging.broker.publisher` is the transport (pika's ``SelectConnection``) and
-:mod:`reliable_messaging.broker.probes` checks exchanges.
+This module runs the relay's life (connect, reconnect, stop, flow control) and routes what the
+broker says to the parts: :mod:`.scheduling` (when to claim), :mod:`.claims` (the queries),
+:mod:`.in_flight` (publishing and confirms), :mod:`.sent` (what became of a batch) and
+:mod:`.listener` (LISTEN). ``docs/design.md#the-relay-a-pipeline-with-publisher-confirms`` explains
+the pipeline.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """When the relay claims: a claim at a time, on a free database worker, as soon as something may
 be due, and never a later wait pushing back one something asked for.
 
-Something asks for a claim when a channel is ready, a batch was recorded, a NOTIFY arrived or
-the broker unblocked the connection; otherwise the relay sleeps until the next row waiting out a
-backoff is due, or the poll interval (longer while LISTEN wakes it), or the next sweep of parked
-rows. A claim's answer, handed back to the I/O loop, publishes what it found and asks for the
-next one at once while rows keep coming. Once they stop, the relay keeps looking a little
-longer on its own (:data:`TRAIL_FIRST` to :data:`TRAIL_LAST`), so that under a steady load it
-finds each new row within milliseconds whether or not a wake-up announces it: publishers can
-then space their wake-ups widely while they keep committing (``wake_after_commit``).
-Everything here runs on the I/O loop, except the ``*_job`` methods, which run on a database
-worker.
+A claim is asked for when a channel is ready, a batch was recorded, a NOTIFY arrived or the
+broker unblocked the connection; otherwise the relay sleeps until the next row is due, the poll
+interval or the next sweep of parked rows. After rows stop coming it keeps looking a little
+longer (:data:`TRAIL_FIRST` to :data:`TRAIL_LAST`), so under a steady load it finds new rows
+within milliseconds without a wake-up. Everything here runs on the I/O loop, except the
+``*_job`` methods, which run on a database worker.
 """
 
 from __future__ import annotations

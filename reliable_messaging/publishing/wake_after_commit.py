@@ -1,23 +1,11 @@
 """Wake the relay after a publishing transaction commits, from outside that transaction.
 
-Why not a trigger: PostgreSQL delivers notifications in commit order by holding one lock for
-the whole instance (on "database 0") from a notifying transaction's pre-commit until its commit
-record is flushed. A ``NOTIFY`` inside every publishing transaction (migration 0002's trigger)
-made all of them commit one after the other, on every database of the server.
-
-So ``publish()`` registers one ``transaction.on_commit`` callback per transaction and database
-alias (many ``publish()`` calls in a transaction share it). The callback only marks the alias
-as due and sets an event: it never touches the network and never raises, so the caller's
-commit path holds no instance-wide lock and waits for nothing. One daemon thread per process
-(:class:`WakeUpSender`) sends ``NOTIFY`` in a transaction of its own, on a connection of its
-own; wake-ups requested while it sends, and for a few milliseconds after, are folded into its
-next ``NOTIFY``, so a process sends one at a time, at most ``1 / MAX_SPACING`` a second while
-it keeps committing, whatever its number of threads and commits.
-
-A lost wake-up (the thread's database connection down, the process exiting right after a
-commit) costs at most the relay's poll interval: a notification only tells the relay to claim,
-it carries nothing the claim relies on. SQLite, or PostgreSQL without psycopg 3, has no
-wake-up at all: the relay polls, as it always did there.
+``publish()`` registers one ``transaction.on_commit`` callback per transaction and alias; the
+callback only sets an event, and one daemon thread per process (:class:`WakeUpSender`) sends
+``NOTIFY`` on a connection of its own, folding the wake-ups that come while it sends. A ``NOTIFY``
+inside the publishing transaction would make every publishing transaction of the server commit one
+after the other (PostgreSQL's notification lock). A lost wake-up costs at most the relay's poll
+interval. ``docs/design.md#waking-the-relay-after-a-commit`` explains.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The homes of data access: the managers' moves and queries (``managers.py``) and the one
-exactly-once step (``exactly_once.py``) that consumers, batches and Celery tasks share."""
+exactly-once step (``storage/inbox.py``) that consumers, batches and Celery tasks share."""
 
 from __future__ import annotations
 

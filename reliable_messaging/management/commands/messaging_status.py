@@ -2,67 +2,10 @@
 screen, judged against thresholds; the exit code makes it a health probe too.
 
 Exit codes: 0 all well; 1 a threshold is crossed (each one is named); 2 the broker or the
-database cannot be reached (it says which and why; the broker password is never shown).
-
-By default it judges what a probe that restarts or pages needs: the services reachable and the
-outbox moving (its oldest pending row under five minutes old). ``--strict`` judges what needs a
-person too: any dead letter awaiting review, any failed outbox row, a backlog, redeliveries, a
-leftover queue. Any ``--max-*`` given sets that threshold in either mode.
-
-``--json`` prints one document instead (``version`` 1; keys are only ever added)::
-
-    {
-      "version": 1,
-      "checked_at": "2026-11-22T10:00:00+00:00",
-      "exit_code": 1,
-      "broker": {
-        "url": "amqp://app:***@rabbitmq:5672/%2F",
-        "reachable": true,               # an AMQP connection could be opened
-        "management_api": true,          # false: unacked and the rates below are null
-        "error": null,                   # why the broker could not be reached
-        "note": null,                    # why the management API was not used
-        "queues": [                      # ready and consumers: exact (AMQP passive declares);
-          {"name": "billing", "kind": "consumer", "consumer": "billing.charge-order",
-           "exists": true, "ready": 12, "unacked": 4, "consumers": 2,
-           "deliver_rate": 10.2, "redeliver_rate": 0.0, "redelivery_ratio": 0.0}
-        ]                                # unacked and rates: the management API's samples;
-      },                                 # kind "delay": retry delay queues (consumer null);
-                                         # kind "leftover": left by an earlier shape of the
-                                         # consumer, retired by its next consume start
-      "database": {
-        "alias": "default", "reachable": true, "error": null,
-        "outbox": {"pending": 3, "failed": 0, "unrouted": 5,  # unrouted: events nobody
-                   "lag_seconds": 0.4},                 # subscribed to; never a problem
-        "dead_letters": {"total": 2, "by_consumer_and_reason": [
-          {"consumer": "billing.charge-order", "reason": "permanent", "count": 2}]},
-        "inbox": {"rows": 120345},
-        "partitions": {"days_ahead": {"inbox": 7.6, "outbox": 7.6},  # PostgreSQL: made
-                       "overdue": []}               # ahead; expired days not dropped
-      },
-      "thresholds": {"max_outbox_lag": 60.0, "max_outbox_failed": 0, "max_dead_letters": 0,
-                     "max_ready": 1000, "max_redelivery_rate": 0.2, "min_consumers": 0,
-                     "max_leftover_messages": 0, "min_partition_days_ahead": 6,
-                     "max_overdue_partitions": 0},   # --strict; null: not judged
-      "problems": [{"threshold": "max_dead_letters",
-                    "message": "2 dead letter(s) await review (limit 0)"}],
-      "listen": {"hears_notify": true,   # the relays' LISTEN hears a NOTIFY sent as
-                 "note": null},          # publish() sends it; false behind a transaction
-                                         # pooler without RELAY_LISTEN_DSN (null: unknown)
-      "broker_check": {                  # with --broker only (docs/operations.md)
-        "url": "amqp://rabbitmq:5672/%2F", "reachable": true, "error": null,
-        "summary": "1 error, 2 notes",
-        "findings": [{"severity": "error",   # error (exit 1), warning or info
-                      "code": "queue-overflow", "subject": "billing",
-                      "message": "queue billing holds at most 10,000 messages (policy cap), "
-                                 "overflow drop-head: past it the broker drops the oldest ...",
-                      "fix": "remove 'max-length' from policy cap or ..."}]
-      }
-    }
-
-``--broker`` also checks the broker itself: its ``max_message_size`` against ``MAX_BODY_BYTES``,
-the vhost's default queue type, deprecated features, and each queue's type, arguments and
-effective policies (anything that makes the broker drop or redeliver messages behind the app's
-back). An error finding exits 1.
+database cannot be reached (it says which and why; the broker password is never shown). By
+default it judges what a probe that restarts or pages needs; ``--strict`` also what needs a
+person; ``--broker`` also checks the broker's own settings and policies. ``--json`` prints one
+document instead, whose shape ``docs/reference/commands.md#the-status-document`` shows.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def _reads_every_row(sql: str) -> str | None:
     with connection.cursor() as cursor:
         # Asked "can an index answer it?", not "does the planner prefer one on this small
         # table?": sequential scans only cost more (a query no index answers still shows one),
-        # and the choice no longer flips with the dead tuples earlier tests left behind.
+        # and the choice does not flip with the dead tuples earlier tests left behind.
         cursor.execute("SET enable_seqscan = off")
         try:
             cursor.execute(f"EXPLAIN {sql}")

@@ -1,4 +1,4 @@
-"""Our probes' expected 404s stay out of the log; every other 404 is logged by pika as before.
+"""Our probes' expected 404s stay out of the log; every other 404 is logged by pika.
 
 Against the real broker, with pika's own loggers captured at INFO (what a project whose root
 logger is at INFO shows)."""

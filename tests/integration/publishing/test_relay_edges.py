@@ -195,7 +195,7 @@ def test_missing_psycopg_is_said_once_and_names_the_extra(
     monkeypatch.setattr(wake_after_commit, "_can_notify", {})
     message_id = publish("poll.x", {"n": 1})
     with caplog.at_level(logging.WARNING, logger="reliable_messaging.relay"):
-        OutboxRelay(max_seconds=11.0).run()  # the old code said it again every 5 s
+        OutboxRelay(max_seconds=11.0).run()  # said once, not every 5 s
     said = [r.getMessage() for r in caplog.records if "LISTEN" in r.getMessage()]
     assert len(said) == 1, said
     assert 'pip install "reliable-messaging[postgres]"' in said[0]

@@ -1,4 +1,4 @@
-"""amqp_codec: content-header frames other clients send, decoded as pika hands them over.
+"""broker/codec.py: content-header frames other clients send, decoded as pika hands them over.
 
 Frames are built byte by byte (what Node's amqplib, py-amqp or a Java client put on the wire)
 and decoded with pika's own ``decode_frame``, as the consumer's connection does. No broker.

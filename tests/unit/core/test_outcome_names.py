@@ -18,7 +18,7 @@ from reliable_messaging.core.outcomes import (
 
 def test_the_metrics_count_exactly_the_outcome_labels() -> None:
     assert set(OutcomeLabel) == metrics.CONSUMER_OUTCOMES
-    # The label a time series carries is the plain word, as before the enum.
+    # The label a time series carries is the plain word.
     assert {str(label) for label in OutcomeLabel} == {
         "processed",
         "duplicate",

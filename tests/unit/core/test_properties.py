@@ -252,7 +252,7 @@ def test_encode_payload_of_a_decoded_lone_surrogate() -> None:
 
 # --------------------------------------------------------------------------- retry copies
 
-# Everything a delivery's headers can hold once decoded (pika with amqp_codec), plus what our
+# Everything a delivery's headers can hold once decoded (pika with broker/codec.py), plus what our
 # own retry headers add (exception texts with lone surrogates) and what a caller may pass.
 any_text = st.text(alphabet=st.characters(blacklist_categories=()), max_size=300)
 nasty_names = st.one_of(any_text, st.binary(min_size=1, max_size=255))
