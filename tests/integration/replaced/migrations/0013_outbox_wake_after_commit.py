@@ -19,7 +19,7 @@ import importlib
 from django.db import migrations
 
 # Reversing puts back exactly what 0002 made: its SQL and its functions, run the other way.
-_0002 = importlib.import_module("reliable_messaging.migrations.0002_outbox")
+_0002 = importlib.import_module("tests.integration.replaced.migrations.0002_outbox")
 CREATE_TRIGGER = _0002.CREATE_TRIGGER
 DROP_TRIGGER = _0002.DROP_TRIGGER
 
