@@ -14,7 +14,7 @@ date_trunc`` and a ``MIN``/``MAX``, the paginator a ``COUNT(*)``, and the search
   batch, read as its confirmation read it) looks a single word up as an exact message_id
   first (the B-tree on message_id), and matches words in the exception message and the
   payload's text with trigram GIN indexes on PostgreSQL
-  (``migrations/0011_dead_letter_groups.py``), ``icontains`` elsewhere;
+  (``migrations/0001_initial.py``), ``icontains`` elsewhere;
 - :class:`BoundedListAdmin`, the base of every list of the app: the bounded count, no full
   count, exact searches (no ``UPPER()``), and a search's statements stopped by PostgreSQL past
   ``SEARCH_TIMEOUT_MS`` (``SET LOCAL``: inside the request's transaction only, so nothing leaks

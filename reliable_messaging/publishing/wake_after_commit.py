@@ -2,8 +2,8 @@
 
 Why not a trigger: PostgreSQL delivers notifications in commit order by holding one lock for
 the whole instance (on "database 0") from a notifying transaction's pre-commit until its commit
-record is flushed. A ``NOTIFY`` inside every publishing transaction (migration 0002's trigger)
-made all of them commit one after the other, on every database of the server.
+record is flushed. A ``NOTIFY`` inside every publishing transaction (a trigger on the outbox)
+would make all of them commit one after the other, on every database of the server.
 
 So ``publish()`` registers one ``transaction.on_commit`` callback per transaction and database
 alias (many ``publish()`` calls in a transaction share it). The callback only marks the alias
