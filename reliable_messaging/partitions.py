@@ -20,12 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import (
-    DatabaseError,
-    OperationalError,
-    connections,
-    transaction,
-)
+from django.db import DatabaseError, OperationalError, connections, transaction
 
 from . import metrics
 from .liveness import HealthState
