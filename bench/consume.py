@@ -299,8 +299,7 @@ def new_ids(kind: str, count: int) -> list[str]:
 
 def prepare_inbox() -> None:
     """An empty inbox with a day partition for every day of DEDUP_RETENTION (as a system that
-    has run that long has), and without the pre-partitioning table a bench database migrated
-    from an older version keeps."""
+    has run that long has)."""
     from django.db import connection
 
     from reliable_messaging.conf import messaging_settings
@@ -308,7 +307,6 @@ def prepare_inbox() -> None:
 
     with connection.cursor() as cursor:
         cursor.execute(f"TRUNCATE {partitions.INBOX_TABLE}, testapp_effect")
-        cursor.execute(f'DROP TABLE IF EXISTS "{partitions.LEGACY}"')
     now = dt.datetime.now(dt.UTC)
     days = messaging_settings.dedup_retention.days + 1
     for back in range(days, -1, -1):

@@ -75,10 +75,8 @@ def expired_days(method: str, now: dt.datetime) -> list[dt.date]:
     from reliable_messaging.conf import messaging_settings
 
     before = now - messaging_settings.outbox_retention
-    if method == "drop":  # two expired days that have their partitions
-        return [(before - 2 * DAY).date(), (before - 3 * DAY).date()]
-    # Two expired days older than every partition: their rows land in the default partition.
-    return [(before - 20 * DAY).date(), (before - 21 * DAY).date()]
+    # Two expired days that have their partitions.
+    return [(before - 2 * DAY).date(), (before - 3 * DAY).date()]
 
 
 def build_expired(method: str, rows: int, exchange: str) -> None:
@@ -124,9 +122,8 @@ def build_expired(method: str, rows: int, exchange: str) -> None:
     with connection.cursor() as cursor:
         cursor.execute(f"VACUUM ANALYZE {table()}")
         cursor.execute("CHECKPOINT")
-    where = "their day partitions" if method == "drop" else "the default partition"
     print(
-        f"  {method}: {rows:,} expired sent rows in {where}, loaded in {loaded:.0f}s, "
+        f"  {method}: {rows:,} expired sent rows in their day partitions, loaded in {loaded:.0f}s, "
         f"VACUUM ANALYZE + CHECKPOINT {time.perf_counter() - started - loaded:.0f}s",
         flush=True,
     )

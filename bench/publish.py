@@ -14,8 +14,9 @@ Each throughput figure is the median of ``ROUNDS`` rounds run in turn.
      every ``ASK_EVERY`` the whole time, as by eight processes that always have a new commit to
      announce; they send their ``NOTIFY``s on eight connections of their own, at the pace they
      choose (the figure printed is how many they sent a second);
-   - the old way, as a reference in the same run: the outbox row under migration 0002's
-     NOTIFY trigger (recreated for the run, dropped after).
+   - the other way, as a reference in the same run: the outbox row under a statement-level
+     NOTIFY trigger (created for the run, dropped after), which wakes the relay from inside the
+     publishing transaction.
    References beside them: the business transaction plus ``SELECT 1`` (any second statement's
    round trip), plus the narrowest row there is, and plus an intake row: the envelope as one
    text, what publish() could write instead of the outbox row for the relay to unpack later
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import os
 import re
 import select
@@ -257,20 +257,37 @@ def empty_tables() -> None:
         cursor.execute("VACUUM ANALYZE reliable_messaging_outboxmessage")
 
 
+# A wake-up sent from inside the publishing transaction, by a trigger (NOTIFY is delivered on
+# commit, folded into one per transaction): its commit takes PostgreSQL's instance-wide
+# notification lock.
+NOTIFY_TRIGGER = """
+CREATE FUNCTION reliable_messaging_outbox_notify() RETURNS trigger AS $$
+BEGIN
+    PERFORM pg_notify('reliable_messaging_outbox', '');
+    RETURN NULL;
+END;
+$$ LANGUAGE plpgsql;
+CREATE TRIGGER reliable_messaging_outbox_notify
+    AFTER INSERT ON reliable_messaging_outboxmessage
+    FOR EACH STATEMENT EXECUTE FUNCTION reliable_messaging_outbox_notify();
+"""
+DROP_NOTIFY_TRIGGER = """
+DROP TRIGGER IF EXISTS reliable_messaging_outbox_notify ON reliable_messaging_outboxmessage;
+DROP FUNCTION IF EXISTS reliable_messaging_outbox_notify();
+"""
+
+
 @contextlib.contextmanager
 def old_trigger() -> Iterator[None]:
     from django.db import connection
 
-    migration = importlib.import_module(
-        "reliable_messaging.migrations.0013_outbox_wake_after_commit"
-    )
     with connection.cursor() as cursor:
-        cursor.execute(migration.CREATE_TRIGGER)
+        cursor.execute(NOTIFY_TRIGGER)
     try:
         yield
     finally:
         with connection.cursor() as cursor:
-            cursor.execute(migration.DROP_TRIGGER)
+            cursor.execute(DROP_NOTIFY_TRIGGER)
 
 
 def database_bound(exchange: str, seconds: float) -> dict[int, dict[str, float]]:

@@ -13,8 +13,7 @@ running meanwhile should keep at least 90% of its throughput. This measures both
 - **drop**: the rows are stamped in two expired days that have their day partitions (as on a
   system whose partitions were made ahead of time); the purge drops those partitions.
 
-The inbox is emptied first (and the pre-partitioning table a bench database migrated from an
-older version keeps is dropped), every day of the last ``DEDUP_RETENTION`` + 3 days gets its
+The inbox is emptied first, every day of the last ``DEDUP_RETENTION`` + 3 days gets its
 partition and ``--live-rows`` rows not yet expired are spread over those days, so the consumer
 works against a realistic inbox. Before each purge the expired rows are loaded again with
 ``INSERT ... SELECT`` from ``generate_series``, then the inbox is ``VACUUM ANALYZE``d (as
@@ -118,8 +117,8 @@ def insert_rows(
 
 
 def prepare_inbox(consumer: str, live_rows: int) -> None:
-    """An empty inbox with only the default partition left, then a partition for every day
-    of the last DEDUP_RETENTION + 3 days, and ``live_rows`` rows not yet expired."""
+    """An empty inbox with a partition for every day of the last DEDUP_RETENTION + 3 days, and
+    ``live_rows`` rows not yet expired."""
     from django.db import connection
 
     from reliable_messaging.storage import partitions
@@ -127,7 +126,6 @@ def prepare_inbox(consumer: str, live_rows: int) -> None:
     started = time.perf_counter()
     with connection.cursor() as cursor:
         cursor.execute(f"TRUNCATE {partitions.INBOX_TABLE}, testapp_effect")
-        cursor.execute(f'DROP TABLE IF EXISTS "{partitions.LEGACY}"')
         # Day partitions a run on another day left behind: start afresh.
         for partition in partitions.partitions("default"):
             cursor.execute(f'DROP TABLE "{partition.name}"')
@@ -148,7 +146,7 @@ def prepare_inbox(consumer: str, live_rows: int) -> None:
         vacuum_and_checkpoint(cursor)
     print(
         f"inbox: {len(partitions.partitions('default'))} partitions (day partitions for the "
-        f"last {retention_days()} + 3 days and the next 3, plus the default), {live_rows:,} "
+        f"last {retention_days()} + 3 days and the next 3), {live_rows:,} "
         f"live rows spread over the last {window}; {time.perf_counter() - started:.0f}s",
         flush=True,
     )
@@ -158,10 +156,8 @@ def expired_days(method: str, now: dt.datetime) -> list[dt.date]:
     from reliable_messaging.conf import messaging_settings
 
     before = now - messaging_settings.dedup_retention
-    if method == "drop":  # two expired days that have their partitions
-        return [(before - 2 * DAY).date(), (before - 3 * DAY).date()]
-    # Two expired days older than every partition: their rows land in the default partition.
-    return [(before - 20 * DAY).date(), (before - 21 * DAY).date()]
+    # Two expired days that have their partitions.
+    return [(before - 2 * DAY).date(), (before - 3 * DAY).date()]
 
 
 def build_expired(method: str, consumer: str, rows: int) -> None:
@@ -193,14 +189,9 @@ def build_expired(method: str, consumer: str, rows: int) -> None:
             )
         loaded = time.perf_counter() - started
         vacuumed = vacuum_and_checkpoint(cursor)
-    where = (
-        "their day partitions"
-        if method == "drop"
-        else f"the default partition ({days[0]}, {days[1]}: no day partition)"
-    )
     print(
-        f"  {rows:,} expired rows loaded into {where} in {loaded:.0f}s; VACUUM ANALYZE (as "
-        f"autovacuum would) + CHECKPOINT {vacuumed:.0f}s",
+        f"  {rows:,} expired rows loaded into their day partitions in {loaded:.0f}s; "
+        f"VACUUM ANALYZE (as autovacuum would) + CHECKPOINT {vacuumed:.0f}s",
         flush=True,
     )
 

@@ -43,8 +43,7 @@ class ProcessedMessage(models.Model):
     leads with message_id, so it also answers lookups by message_id alone (replays, the admin's
     search); the one on consumer (a few distinct values, deduplicated by PostgreSQL, filled in
     heap order) answers lookups by consumer at a fraction of a second index on message_id's
-    size and insert cost; processed_at is for the admin's order (and the purge of rows kept
-    outside the day partitions).
+    size and insert cost; processed_at is for the admin's order (and the purge on SQLite).
     """
 
     consumer = models.CharField(max_length=255)
@@ -177,7 +176,7 @@ class DeadLetterGroup(_GroupCounts):
     and ``messaging_status`` read instead of a ``GROUP BY`` over every dead letter.
 
     On PostgreSQL three statement-level triggers on the dead letters
-    (``migrations/0011_dead_letter_groups.py``) read the statement's transition tables, add up
+    (``migrations/0001_initial.py``) read the statement's transition tables, add up
     their rows per group and *insert* the sums, one row per group, into
     :class:`DeadLetterGroupDelta`. Triggers rather than code in the managers because dead
     letters change through many paths (``record_failure``, the status moves, the bulk replay's
@@ -243,7 +242,7 @@ class DeadLetterGroupDelta(_GroupCounts):
 class LiveDeadLetterGroup(_GroupCounts):
     """Read-only: each failure group as of now, its :class:`DeadLetterGroup` row plus the
     :class:`DeadLetterGroupDelta` rows not folded in yet, added up by a PostgreSQL view
-    (created by migration 0011; there is none elsewhere). Read it through
+    (created by the initial migration; there is none elsewhere). Read it through
     ``DeadLetterGroup.objects`` (``listing()``, ``counts()``, ...)."""
 
     pk = models.CompositePrimaryKey("consumer", "fingerprint", "reason")
@@ -338,8 +337,8 @@ class OutboxMessage(models.Model):
                 condition=Q(status__in=["pending", "failed"]) & Q(ordering_key__isnull=False),
                 name="rm_outbox_key_order_idx",
             ),
-            # On PostgreSQL these two are indexes of the sent side only (migration 0015,
-            # partitions.py): every publish inserts into the unsent partition, where they would
+            # On PostgreSQL these two are indexes of the sent side only (the initial migration,
+            # docs/operations.md): every publish inserts into the unsent partition, where they would
             # cost it two entries and serve nothing (the relay claims through the due index,
             # which counts the pending rows too); what they serve reads the sent side (the
             # purge, the unrouted count, a sent row by message_id). The unsent partition has a
@@ -350,7 +349,7 @@ class OutboxMessage(models.Model):
         constraints = [
             # Partial: most rows have no key, and a unique index would hold an entry for each
             # NULL, written by every publish and every row marked sent. On PostgreSQL each
-            # partition has its own (``<leaf>_idem``, partitions.py; migration 0014), and
+            # partition has its own (``<leaf>_idem``, partitions.py), and
             # publish() looks a key up in all of them under an advisory lock.
             models.UniqueConstraint(
                 fields=["idempotency_key"],

@@ -1,11 +1,10 @@
 """LISTEN for committed outbox rows, so that the relay wakes at once instead of polling.
 
 ``publish()`` has ``NOTIFY_CHANNEL`` notified after each transaction that wrote outbox rows
-commits, from a connection of its own (:mod:`.wake_after_commit`; until migration 0013 a trigger
-on the outbox table did it inside the publishing transaction). The relay keeps one autocommit
-psycopg connection LISTENing and watches its socket from
-its own I/O loop; a notification only wakes it to claim, it carries nothing the claim relies on,
-so a lost one costs at most a poll interval.
+commits, from a connection of its own (:mod:`.wake_after_commit`). The relay keeps one
+autocommit psycopg connection LISTENing and watches its socket from its own I/O loop; a
+notification only wakes it to claim, it carries nothing the claim relies on, so a lost one costs
+at most a poll interval.
 """
 
 from __future__ import annotations

@@ -1,60 +1,12 @@
-"""The inbox and the outbox on PostgreSQL: one partition per UTC day, dropped whole once expired.
+"""The day partitions of the inbox and of the outbox's sent rows on PostgreSQL.
 
-An inbox that remembers every message for ``DEDUP_RETENTION`` at a thousand messages a second
-holds over a billion rows, and deleting a day of them row by row costs as much as inserting
-them did (WAL, index upkeep, vacuum). So on PostgreSQL the inbox table is partitioned by
-``processed_at``, one partition per UTC day, and the retention purge drops the partitions
-whose every row has expired: a catalog change, whatever the rows.
-
-- ``<table>_pYYYYMMDD``: the partition of one UTC day, created ahead of time (the consumer at
-  start and every hour, the purge), each with the inbox's indexes.
-- ``<table>_legacy``: on a system that had inbox rows before the table was partitioned, the old
-  table itself, attached as the partition of everything before the cut-over day (migration
-  0009). Its expired rows are deleted in batches, as before, until it is dropped whole.
-There is no default partition, on purpose: attaching a day next to one locks the default
-partition ACCESS EXCLUSIVE (it must be proven free of the day's rows), every claim reads it,
-and ``DETACH ... CONCURRENTLY`` refuses a table that has one. Without it, attaching a day takes
-SHARE UPDATE EXCLUSIVE on the table and dropping an expired day is a concurrent detach (which
-waits for the transactions already reading the table, without queueing new ones) and a drop of
-a table nobody reads: no step of the upkeep takes a lock an inbox claim or a relay holds. The
-days are made ``AHEAD_DAYS`` ahead; a row for a day nobody made (every upkeep failing for
-longer than that, a clock far ahead) makes its day's partition on the spot
-(:func:`ensure_covered`), and an upkeep that keeps failing says so days before that (the log,
-``reliable_messaging_partition_days_ahead``, ``/healthz``, ``messaging_status``).
-
-Duplicates are detected across every partition, not only the current day's: a unique index
-only spans one partition, so the inbox claim takes an advisory lock per (consumer, message_id)
-and then looks for the key in the whole table before inserting (see ``inbox.py``). A row is
-kept between ``DEDUP_RETENTION`` and ``DEDUP_RETENTION`` plus a day.
-
-The outbox (see :data:`OUTBOX`) is partitioned the same way for its sent rows, by ``sent_at``;
-its unsent rows, the only ones the relay reads, live in a small partition of their own:
-
-- ``<outbox>``: partitioned by ``status``. ``<outbox>_unsent`` holds the pending and failed
-  rows; ``<outbox>_sent`` the sent and unrouted ones, partitioned by UTC day of ``sent_at``
-  like the inbox (``<outbox>_pYYYYMMDD``, no default partition). Marking a
-  row sent moves it from one to the other (PostgreSQL does that as a delete and an insert,
-  which costs what the update of an indexed column did before).
-- On a system that had outbox rows before (migration 0010), ``<outbox>`` is partitioned by
-  ``id`` first: the old table, rows of every status, is ``<outbox>_legacy`` (the ids up to the
-  cut-over) and the layout above is ``<outbox>_current`` (the ids after). The relay sends the
-  legacy table's pending rows where they are; its sent rows expire in batches, as before.
-- ``publish(idempotency_key=...)`` finds an earlier message of its key in any partition, under
-  an advisory lock on the key (``publishing/publish.py``): unique indexes span one partition
-  only. Each partition's unique index of keys (``<leaf>_idem``) is partial, keys that are not
-  NULL only (migration 0014; day partitions made before it keep a full unique constraint until
-  they expire).
-- Indexes: the outbox's partitioned indexes (the relay's due index, the index of unsent rows by
-  ordering key) have a copy on every partition. The (status, sent_at) and message_id indexes
-  (``rm_outbox_status_sent_idx``, ``rm_outbox_message_id_idx``) are partitioned indexes of
-  ``<outbox>_sent`` only, since migration 0015: every publish inserts into the unsent
-  partition, and what they serve reads the sent side (the purge's expired rows, the unrouted
-  count, a sent row found by its message_id). A day partition gets them as it is attached; the
-  legacy table keeps copies of its own. The unsent partition has instead a partial index of
-  its failed rows, ``<outbox>_unsent_failed``, which a publish (a pending row) writes nothing
-  into: a publish without keys writes into its primary key and its due index only.
-
-Elsewhere (SQLite) the tables stay plain tables and the purge deletes rows in batches.
+Expired rows go by dropping whole days, a catalog change whatever their number, instead of
+deleting them row by row. This module makes the coming days ahead of time (the consumer, the
+relay and the purge call it; a row for a day nobody made makes it on the spot), drops the expired
+ones, and reads the partitions for the upkeep's checks and metrics, without taking a lock that
+an inbox claim, a publish or the relay holds. The layout and the locks are described in
+docs/operations.md ("How the tables are laid out", "Partition upkeep"). Elsewhere (SQLite) the
+tables are plain and nothing here applies.
 """
 
 from __future__ import annotations
@@ -68,27 +20,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import (
-    DatabaseError,
-    NotSupportedError,
-    OperationalError,
-    connections,
-    migrations,
-    transaction,
-)
+from django.db import DatabaseError, OperationalError, connections, transaction
 
 from .. import metrics
 from ..core.liveness import HealthState
 
 logger = logging.getLogger("reliable_messaging.partitions")
 
-# The inbox table (ProcessedMessage's db_table; fixed, so migrations can use it too).
+# The inbox table (ProcessedMessage's db_table; fixed, so the migration can use it too).
 INBOX_TABLE = "reliable_messaging_processedmessage"
-LEGACY = f"{INBOX_TABLE}_legacy"
-# The outbox (OutboxMessage's db_table) and its partitions (see the module's docstring).
+# The outbox (OutboxMessage's db_table) and the partitions of its unsent and sent rows.
 OUTBOX_TABLE = "reliable_messaging_outboxmessage"
-OUTBOX_LEGACY = f"{OUTBOX_TABLE}_legacy"
-OUTBOX_CURRENT = f"{OUTBOX_TABLE}_current"
 OUTBOX_UNSENT = f"{OUTBOX_TABLE}_unsent"
 OUTBOX_SENT = f"{OUTBOX_TABLE}_sent"
 # The statuses of each side of the outbox (the values of its list partitions); every relay
@@ -104,8 +46,8 @@ AHEAD_DAYS = 7
 # (``--strict``), the log and ``/healthz`` say so, AHEAD_DAYS - 1 days before the last runs out.
 UPKEEP_WARN_DAYS = AHEAD_DAYS - 1
 # How long partition upkeep waits for a table lock, and how often it tries, before it gives
-# up until next time. No upkeep statement takes a lock a claim holds (see above): what it can
-# wait for is another process's DDL.
+# up until next time. No upkeep statement takes a lock a claim holds: what it can wait for is
+# another process's DDL.
 DDL_LOCK_TIMEOUT = "500ms"
 DDL_ATTEMPTS = 3
 DDL_RETRY_AFTER = 1.0
@@ -181,11 +123,6 @@ class DayPartitioned:
     # What a partition's rows satisfy beyond the range (the bound of ``table`` itself, when it
     # is a partition): stated in the CHECK too, so that attaching needs no scan.
     also: str = ""
-    # What a row of a legacy table must also satisfy to be purged once expired (the legacy
-    # outbox holds rows of every status, and only sent ones expire).
-    finished: str = ""
-    # Tables outside ``table`` whose expired rows are deleted in batches, when they exist.
-    legacy: tuple[str, ...] = ()
 
     def day_name(self, day: dt.date) -> str:
         return f"{self.prefix}{day:%Y%m%d}"
@@ -199,22 +136,20 @@ OUTBOX = DayPartitioned(
     f"{OUTBOX_TABLE}_p",
     outbox_leaf_sql,
     also=f"status IN ({SENT_SQL}) AND sent_at IS NOT NULL",
-    finished=f"status IN ({SENT_SQL})",
-    legacy=(OUTBOX_LEGACY,),
 )
 
 
 @dataclass(frozen=True)
 class Partition:
     name: str
-    # Its range of processed_at, [start, end); None for an open end (MINVALUE).
-    start: dt.datetime | None
-    end: dt.datetime | None
+    # Its range of the partitioning column, [start, end).
+    start: dt.datetime
+    end: dt.datetime
     # Half detached by a DETACH ... CONCURRENTLY that did not finish (its process died).
     detaching: bool = False
 
     def overlaps(self, start: dt.datetime, end: dt.datetime) -> bool:
-        return (self.start is None or self.start < end) and (self.end is None or start < self.end)
+        return self.start < end and start < self.end
 
 
 def day_name(day: dt.date, spec: DayPartitioned = INBOX) -> str:
@@ -241,11 +176,8 @@ def is_partitioned(using: str, spec: DayPartitioned = INBOX) -> bool:
 _BOUND = re.compile(r"FROM \((?P<start>[^)]*)\) TO \((?P<end>[^)]*)\)")
 
 
-def _bound_value(text: str) -> dt.datetime | None:
-    text = text.strip()
-    if text.upper() in ("MINVALUE", "MAXVALUE"):
-        return None
-    return dt.datetime.fromisoformat(text.strip("'"))
+def _bound_value(text: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(text.strip().strip("'"))
 
 
 def partitions(using: str, spec: DayPartitioned = INBOX) -> list[Partition]:
@@ -262,50 +194,38 @@ def partitions(using: str, spec: DayPartitioned = INBOX) -> list[Partition]:
     found: list[Partition] = []
     for name, bound, detaching in rows:
         match = _BOUND.search(bound)
-        if match is None:  # pragma: no cover - every partition of ours is a range
+        if match is None or "MINVALUE" in bound or "MAXVALUE" in bound:
+            # Not one of ours: a DEFAULT partition, or a range open at one end.
             logger.warning(
                 "%s partition %s has a bound this code does not read: %s", spec.label, name, bound
             )
             continue
         start, end = _bound_value(match["start"]), _bound_value(match["end"])
         found.append(Partition(name, start, end, detaching=detaching))
-    oldest = dt.datetime.min.replace(tzinfo=dt.UTC)
-    newest = dt.datetime.max.replace(tzinfo=dt.UTC)
-    return sorted(found, key=lambda p: (p.start or oldest, p.end or newest))
+    return sorted(found, key=lambda p: (p.start, p.end))
 
 
 def create_partition_sql(
-    name: str,
-    start: dt.datetime | None,
-    end: dt.datetime | None,
-    spec: DayPartitioned = INBOX,
+    name: str, start: dt.datetime, end: dt.datetime, spec: DayPartitioned = INBOX
 ) -> list[str]:
     """The statements that make ``name`` a standalone table shaped like a partition of
-    ``spec``, with its indexes and, for a range, a CHECK matching it (so attaching it needs no
+    ``spec``, with its indexes and a CHECK matching its range (so attaching it needs no
     scan)."""
-    statements = spec.leaf_sql(name)
-    if end is not None:
-        column = spec.column
-        lower = "" if start is None else f"{column} >= '{start.isoformat()}' AND "
-        also = f" AND {spec.also}" if spec.also else ""
-        statements.append(
-            f'ALTER TABLE "{name}" ADD CONSTRAINT "{name}_range" '
-            f"CHECK ({lower}{column} < '{end.isoformat()}'{also})"
-        )
-    return statements
+    column = spec.column
+    also = f" AND {spec.also}" if spec.also else ""
+    return [
+        *spec.leaf_sql(name),
+        f'ALTER TABLE "{name}" ADD CONSTRAINT "{name}_range" '
+        f"CHECK ({column} >= '{start.isoformat()}' AND {column} < '{end.isoformat()}'{also})",
+    ]
 
 
 def _attach(
-    cursor: Any,
-    name: str,
-    start: dt.datetime | None,
-    end: dt.datetime,
-    spec: DayPartitioned = INBOX,
+    cursor: Any, name: str, start: dt.datetime, end: dt.datetime, spec: DayPartitioned = INBOX
 ) -> None:
-    lower = "MINVALUE" if start is None else f"'{start.isoformat()}'"
     cursor.execute(
         f'ALTER TABLE "{spec.table}" ATTACH PARTITION "{name}" '
-        f"FOR VALUES FROM ({lower}) TO ('{end.isoformat()}')"
+        f"FOR VALUES FROM ('{start.isoformat()}') TO ('{end.isoformat()}')"
     )
     # Once attached, the partition bound does what the CHECK did.
     cursor.execute(f'ALTER TABLE "{name}" DROP CONSTRAINT "{name}_range"')
@@ -394,11 +314,7 @@ def covered_until(using: str, at: dt.datetime, spec: DayPartitioned = INBOX) -> 
     for partition in partitions(using, spec):
         if partition.detaching:
             continue
-        if (partition.start is None or partition.start <= until) and (
-            partition.end is None or partition.end > until
-        ):
-            if partition.end is None:
-                return dt.datetime.max.replace(tzinfo=dt.UTC)
+        if partition.start <= until < partition.end:
             until = partition.end
     return until
 
@@ -417,7 +333,7 @@ def expired(using: str, before: dt.datetime, spec: DayPartitioned = INBOX) -> li
     """The partitions of ``spec`` whose whole range lies before ``before``, oldest first."""
     if not is_partitioned(using, spec):
         return []
-    return [p.name for p in partitions(using, spec) if p.end is not None and p.end <= before]
+    return [p.name for p in partitions(using, spec) if p.end <= before]
 
 
 # Per (database alias, table): the instant before which claims know their rows have a partition.
@@ -611,7 +527,7 @@ def drop_expired(using: str, before: dt.datetime, spec: DayPartitioned = INBOX) 
         if _drop_detached(using, name):
             logger.info("dropped the detached %s partition %s", spec.label, name)
     for partition in partitions(using, spec):
-        if partition.end is None or partition.end > before:
+        if partition.end > before:
             continue
         rows = estimated_rows_of(using, [partition.name])
         if not _detach_concurrently(using, spec.table, partition.name, partition.detaching):
@@ -623,43 +539,6 @@ def drop_expired(using: str, before: dt.datetime, spec: DayPartitioned = INBOX) 
     if dropped:
         forget_coverage()  # what ensure_covered read may include what is gone
     return dropped
-
-
-def drop_if_empty(using: str, name: str) -> bool:
-    """Detach and drop the partition ``name`` if it holds no row (a legacy table whose last
-    rows were sent and expired); True if it did."""
-    with connections[using].cursor() as cursor:
-        cursor.execute(
-            "SELECT i.inhparent::regclass::text, i.inhdetachpending FROM pg_inherits i "
-            "WHERE i.inhrelid = to_regclass(%s)",
-            [name],
-        )
-        row = cursor.fetchone()
-        if row is None:
-            return False
-        parent, detaching = row[0].strip('"'), row[1]
-        cursor.execute(f'SELECT NOT EXISTS (SELECT 1 FROM "{name}")')  # noqa: S608
-        if not cursor.fetchone()[0]:
-            return False
-    # No row can come in meanwhile: the legacy tables take only rows of before the cut-over.
-    done = _detach_concurrently(using, parent, name, detaching) and _drop_detached(using, name)
-    if done:
-        logger.info("dropped the empty partition %s", name)
-    return done
-
-
-def row_partitions(using: str, spec: DayPartitioned = INBOX) -> list[str]:
-    """The partitions whose expired rows are deleted one by one rather than dropped whole: the
-    legacy tables."""
-    found = [p.name for p in partitions(using, spec) if p.start is None]
-    if spec.legacy:
-        with connections[using].cursor() as cursor:
-            cursor.execute(
-                "SELECT t FROM unnest(%s::text[]) AS t WHERE to_regclass(t) IS NOT NULL",
-                [list(spec.legacy)],
-            )
-            found += [row[0] for row in cursor.fetchall()]
-    return found
 
 
 def estimated_rows_of(using: str, tables: list[str]) -> int:
@@ -815,36 +694,3 @@ class PartitionUpkeep:
                     return
         finally:
             connections.close_all()
-
-
-# -- the migrations that partition a table (0009, 0010) ---------------------------------------
-
-
-def sequence_value(cursor: Any, sequence: str) -> int:
-    """The last value ``sequence`` gave out (0 when none)."""
-    cursor.execute(f"SELECT last_value, is_called FROM {sequence}")  # noqa: S608
-    last_value, is_called = cursor.fetchone()
-    return int(last_value) if is_called else int(last_value) - 1
-
-
-class PartitioningOperation(migrations.operations.base.Operation):
-    """A migration operation that turns a model's table into a partitioned one on PostgreSQL
-    (and does nothing elsewhere); the model, for the ORM, does not change."""
-
-    model_name = ""
-    reversible = True
-    atomic = False
-    reduces_to_sql = False
-
-    def state_forwards(self, app_label: str, state: Any) -> None:
-        """The model does not change: partitioning is invisible to the ORM."""
-
-    def _applies(self, app_label: str, schema_editor: Any, state: Any) -> bool:
-        model = state.apps.get_model(app_label, self.model_name)
-        if not self.allow_migrate_model(schema_editor.connection.alias, model):
-            return False
-        if schema_editor.connection.vendor != "postgresql":
-            return False
-        if schema_editor.connection.in_atomic_block:
-            raise NotSupportedError(f"{type(self).__name__} cannot run inside a transaction")
-        return True

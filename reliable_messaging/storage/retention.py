@@ -1,12 +1,11 @@
-"""Retention: old inbox rows and sent outbox rows go, without long transactions.
+"""Retention: expired inbox rows, sent outbox rows, crash-guard rows and closed dead letters go,
+without long transactions.
 
-On PostgreSQL the inbox and the outbox's sent rows are partitioned by day (see
-``partitions.py``): their expired days are dropped whole, whatever their rows, and only the rows
-of the pre-partitioning (legacy) tables are deleted one batch at a time.
-Everywhere else rows are deleted in batches of short transactions. Resolved and discarded dead
-letters older than ``DEAD_LETTER_RETENTION`` go in batches too (their failure groups' counts
-follow, by the triggers of ``DeadLetterGroup``); dead and replayed ones are never purged. Then
-the failure groups' deltas are folded and the groups left empty forgotten."""
+On PostgreSQL the inbox and the outbox's sent rows are partitioned by day (``partitions.py``):
+their expired days are dropped whole. Everything else, and every table on SQLite, is deleted in
+batches of short transactions. Dead and replayed dead letters are never purged; the failure
+groups follow the deleted dead letters through their triggers, and the purge then folds their
+deltas and forgets the groups left empty."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ import datetime as dt
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from django.db import connections, router, transaction
+from django.db import router
 from django.utils import timezone
 
 from ..conf import MessagingSettings, messaging_settings
@@ -25,7 +24,7 @@ from . import partitions
 
 @dataclass(frozen=True)
 class PurgeResult:
-    # Inbox rows deleted, plus PostgreSQL's estimate of those in the partitions dropped.
+    # Rows deleted (on PostgreSQL, its estimate of the rows of the day partitions dropped).
     inbox: int
     outbox: int
     # Crash-guard rows of deliveries that never came back (dead-lettered elsewhere, purged).
@@ -77,7 +76,7 @@ def purge_messages(
     inbox_before = now - settings.dedup_retention
     if partitions.is_partitioned(using, partitions.INBOX):
         inbox_rows, inbox_partitions = _purge_days(
-            using, partitions.INBOX, inbox_before, now, batch_size, dry_run, on_batch
+            using, partitions.INBOX, inbox_before, now, dry_run
         )
     else:
         inbox = ProcessedMessage.objects.expired(inbox_before)
@@ -88,7 +87,7 @@ def purge_messages(
     if partitions.is_partitioned(outbox_using, partitions.OUTBOX):
         # Unrouted rows (events nobody subscribed to) are finished like sent ones.
         outbox_rows, outbox_partitions = _purge_days(
-            outbox_using, partitions.OUTBOX, outbox_before, now, batch_size, dry_run, on_batch
+            outbox_using, partitions.OUTBOX, outbox_before, now, dry_run
         )
     else:
         outbox = OutboxMessage.objects.finished_before(outbox_before)
@@ -117,74 +116,16 @@ def _purge_days(
     spec: partitions.DayPartitioned,
     before: dt.datetime,
     now: dt.datetime,
-    batch_size: int,
     dry_run: bool,
-    on_batch: OnBatch | None,
 ) -> tuple[int, tuple[str, ...]]:
-    """Drop the expired day partitions of ``spec`` (for a dry run, estimate their rows), then
-    delete in batches the expired rows of its legacy tables (those that are
-    ``spec.finished``). Returns the rows and the names of the partitions dropped."""
-    where = f"{spec.finished} AND " if spec.finished else ""
+    """Drop the expired day partitions of ``spec`` (for a dry run, estimate their rows).
+    Returns PostgreSQL's estimate of their rows and their names."""
     if dry_run:
-        dropped: list[partitions.Dropped] = []
-        expired = [
-            p.name
-            for p in partitions.partitions(using, spec)
-            if p.end is not None and p.end <= before
-        ]
-        rows = partitions.estimated_rows_of(using, expired)
-    else:
-        partitions.ensure_partitions(using, now=now, spec=spec)
-        dropped = partitions.drop_expired(using, before, spec)
-        if now > timezone.now():
-            # A clock ahead (a test's, a what-if) may have dropped the days being written now.
-            partitions.ensure_partitions(using, spec=spec)
-        rows = sum(d.rows for d in dropped)
-    names = [d.name for d in dropped]
-    for name in partitions.row_partitions(using, spec):
-        rows += _purge_partition(
-            using, spec.label, name, spec.column, where, before, batch_size, dry_run, on_batch
-        )
-        if name in spec.legacy and not dry_run and partitions.drop_if_empty(using, name):
-            names.append(name)
-    return rows, tuple(names)
-
-
-def _purge_partition(
-    using: str,
-    label: str,
-    table: str,
-    column: str,
-    where: str,
-    before: dt.datetime,
-    batch_size: int,
-    dry_run: bool,
-    on_batch: OnBatch | None,
-) -> int:
-    """Delete, in batches, the rows of one partition (a legacy table)
-    whose ``column`` is before ``before`` and that match ``where`` (a condition followed by
-    AND, or empty)."""
-    quoted = connections[using].ops.quote_name(table)
-    with connections[using].cursor() as cursor:
-        if dry_run or on_batch:
-            cursor.execute(
-                f"SELECT count(*) FROM {quoted} WHERE {where}{column} < %s",  # noqa: S608
-                [before],
-            )
-            total = int(cursor.fetchone()[0])
-            if dry_run:
-                return total
-    deleted = 0
-    while True:
-        with transaction.atomic(using=using), connections[using].cursor() as cursor:
-            cursor.execute(
-                f"DELETE FROM {quoted} WHERE id IN (SELECT id FROM {quoted} "  # noqa: S608
-                f"WHERE {where}{column} < %s ORDER BY {column} LIMIT %s)",
-                [before, batch_size],
-            )
-            batch = cursor.rowcount
-        deleted += batch
-        if batch and on_batch:
-            on_batch(label, deleted, total)
-        if batch < batch_size:
-            return deleted
+        expired = partitions.expired(using, before, spec)
+        return partitions.estimated_rows_of(using, expired), ()
+    partitions.ensure_partitions(using, now=now, spec=spec)
+    dropped = partitions.drop_expired(using, before, spec)
+    if now > timezone.now():
+        # A clock ahead (a test's, a what-if) may have dropped the days being written now.
+        partitions.ensure_partitions(using, spec=spec)
+    return sum(d.rows for d in dropped), tuple(d.name for d in dropped)

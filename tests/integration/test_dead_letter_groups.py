@@ -3,9 +3,8 @@
 After each change what readers see (the groups plus the deltas PostgreSQL's triggers appended),
 with or without a fold in between, and the groups table after a fold, must equal a ``GROUP BY``
 over the dead letters themselves: new failures and repeated ones, the status moves, bulk
-updates, a fingerprint that changes, deletes, the purge and the migration's backfill. Writers of
-one group do not wait for each other, and folds neither wait for each other nor lose or double
-a delta.
+updates, a fingerprint that changes, deletes and the purge. Writers of one group do not wait
+for each other, and folds neither wait for each other nor lose or double a delta.
 """
 
 from __future__ import annotations
@@ -298,27 +297,7 @@ def test_purge_keeps_every_dead_letter_when_the_retention_is_none(old_and_new: N
     assert not DeadLetterGroupDelta.objects.exists()  # folded all the same
 
 
-# -- the migration's backfill, and SQLite --------------------------------------------------------
-
-
-@postgresql_only
-@pytest.mark.django_db(transaction=True)
-def test_the_migration_fills_the_table_from_the_dead_letters() -> None:
-    for n in range(12):
-        fail(f"m-{n}", consumer=f"tests.c{n % 2}", fingerprint=f"f{n % 3}")
-    DeadLetter.objects.filter(consumer="tests.c0").update(status=DeadLetterStatus.DISCARDED)
-    expected = counted()
-
-    call_command("migrate", "reliable_messaging", "0010", verbosity=0)
-    try:
-        fail("written-meanwhile")  # no trigger then: counted by the backfill
-        expected = counted()
-    finally:
-        call_command("migrate", "reliable_messaging", verbosity=0)
-
-    assert kept() == expected
-    fail("written-after")
-    assert_kept()
+# -- SQLite ----------------------------------------------------------------------------------------
 
 
 def test_groups_come_from_the_dead_letters_on_sqlite(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""Migrations match the models, and the app migrates to zero and back on PostgreSQL."""
+"""The migration matches the models, and the app migrates to zero and back, on PostgreSQL (the
+partitioned inbox and outbox, the failure groups' triggers) and on SQLite."""
 
 from __future__ import annotations
 
@@ -11,9 +12,18 @@ from pathlib import Path
 
 import pytest
 from django.core.management import call_command
-from django.db import connection
+from django.db import connection, transaction
+from django.utils import timezone
 
-from reliable_messaging.models import DeadLetter, ProcessedMessage
+from reliable_messaging import publish
+from reliable_messaging.models import (
+    DeadLetter,
+    LiveDeadLetterGroup,
+    OutboxMessage,
+    ProcessedMessage,
+)
+from reliable_messaging.storage import partitions
+from tests.markers import postgresql_only
 from tests.support import MANAGE
 
 
@@ -35,6 +45,7 @@ def rm_tables() -> set[str]:
     return {n for n in names if n.startswith("reliable_messaging_")}
 
 
+@postgresql_only
 @pytest.mark.django_db(transaction=True)
 def test_migrate_to_zero_and_back() -> None:
     assert {"reliable_messaging_processedmessage", "reliable_messaging_deadletter"} <= rm_tables()
@@ -49,6 +60,16 @@ def test_migrate_to_zero_and_back() -> None:
         ProcessedMessage.objects.create(consumer="c", message_id="m")
     DeadLetter.objects.create(consumer="c", message_id="", queue="q", body=b"", reason="x")
     DeadLetter.objects.create(consumer="c", message_id="", queue="q", body=b"", reason="x")
+    # The triggers count them into their failure group, read through the view.
+    assert LiveDeadLetterGroup.objects.get(consumer="c").total == 2
+    # Partitioned again, with the coming days made.
+    now = timezone.now()
+    for spec in (partitions.INBOX, partitions.OUTBOX):
+        assert partitions.is_partitioned("default", spec)
+        assert (partitions.days_ahead("default", now, spec) or 0) >= partitions.AHEAD_DAYS
+    with transaction.atomic():
+        publish("a.b", {"n": 1})
+    assert OutboxMessage.objects.pending().count() == 1
 
 
 def migrate_sqlite(database: Path, *target: str) -> None:
@@ -68,90 +89,45 @@ def migrate_sqlite(database: Path, *target: str) -> None:
     )
 
 
-def test_0008_migrates_forwards_and_back_on_sqlite(tmp_path: Path) -> None:
-    """The online operations fall back to the usual ones on SQLite."""
-    database = tmp_path / "inbox.sqlite3"
-
-    def migrate(*target: str) -> None:
-        migrate_sqlite(database, *target)
-
-    def indexes() -> set[str]:
-        """The table's index names, and its unique constraint as written in its SQL."""
-        with sqlite3.connect(database) as db:
-            rows = db.execute(
-                "SELECT name, sql FROM sqlite_master WHERE tbl_name = ?",
-                ["reliable_messaging_processedmessage"],
-            ).fetchall()
-        names = {name for name, _ in rows if not name.startswith("sqlite_autoindex")}
-        unique = {
-            unique
-            for _, sql in rows
-            for unique in ('UNIQUE ("message_id", "consumer")', 'UNIQUE ("consumer", "message_id")')
-            if sql and unique in sql
-        }
-        return names | unique
-
-    migrate()
-    after = indexes()
-    assert after == {
-        "reliable_messaging_processedmessage",
-        "rm_inbox_consumer_idx",
-        "rm_inbox_processed_at_idx",
-        'UNIQUE ("message_id", "consumer")',
-    }
-    migrate("reliable_messaging", "0007")
-    before = indexes()
-    assert before == {
-        "reliable_messaging_processedmessage",
-        "rm_inbox_message_id_idx",
-        "rm_inbox_processed_at_idx",
-        'UNIQUE ("consumer", "message_id")',
-    }
-    migrate()
-    assert indexes() == after
-    with sqlite3.connect(database) as db:
-        db.execute(
-            "INSERT INTO reliable_messaging_processedmessage (consumer, message_id, processed_at)"
-            " VALUES ('c', 'm', '2024-01-01')"
-        )
-        with pytest.raises(sqlite3.IntegrityError):
-            db.execute(
-                "INSERT INTO reliable_messaging_processedmessage"
-                " (consumer, message_id, processed_at) VALUES ('c', 'm', '2024-01-02')"
-            )
-
-
-def test_0014_makes_the_idempotency_key_partially_unique_on_sqlite(tmp_path: Path) -> None:
-    """Elsewhere than PostgreSQL, 0014 is Django's own AlterField and AddConstraint: the column
-    loses UNIQUE, a unique index of the keys that are not NULL takes its place; and back."""
-    database = tmp_path / "outbox.sqlite3"
-    table = "reliable_messaging_outboxmessage"
+def test_the_app_migrates_to_zero_and_back_on_sqlite(tmp_path: Path) -> None:
+    """Plain tables, with the models' constraints and indexes, and none left at zero."""
+    database = tmp_path / "messaging.sqlite3"
 
     def schema() -> dict[str, str]:
         with sqlite3.connect(database) as db:
             rows = db.execute(
-                "SELECT name, sql FROM sqlite_master WHERE tbl_name = ? AND sql IS NOT NULL",
-                [table],
+                "SELECT name, sql FROM sqlite_master "
+                "WHERE tbl_name LIKE 'reliable_messaging_%' AND sql IS NOT NULL"
             ).fetchall()
         return {name: sql for name, sql in rows}
 
-    partial = (
+    migrate_sqlite(database)
+    made = schema()
+    assert {
+        "reliable_messaging_processedmessage",
+        "reliable_messaging_outboxmessage",
+        "reliable_messaging_deadletter",
+        "reliable_messaging_deadlettergroup",
+        "reliable_messaging_deadlettergroupdelta",
+        "reliable_messaging_deadletteroperation",
+        "reliable_messaging_suspectdelivery",
+        "rm_inbox_consumer_idx",
+        "rm_outbox_due_idx",
+    } <= set(made)
+    assert "reliable_messaging_livedeadlettergroup" not in made  # a view on PostgreSQL only
+    assert 'UNIQUE ("message_id", "consumer")' in made["reliable_messaging_processedmessage"]
+    assert made["rm_outbox_idem_uniq"] == (
         'CREATE UNIQUE INDEX "rm_outbox_idem_uniq" ON "reliable_messaging_outboxmessage" '
         '("idempotency_key") WHERE "idempotency_key" IS NOT NULL'
     )
+    migrate_sqlite(database, "reliable_messaging", "zero")
+    assert schema() == {}
     migrate_sqlite(database)
-    assert schema()["rm_outbox_idem_uniq"] == partial
-    assert '"idempotency_key" varchar(255) NULL' in schema()[table]
-    assert '"idempotency_key" varchar(255) NULL UNIQUE' not in schema()[table]
-    migrate_sqlite(database, "reliable_messaging", "0013")
-    assert "rm_outbox_idem_uniq" not in schema()
-    assert '"idempotency_key" varchar(255) NULL UNIQUE' in schema()[table]
-    migrate_sqlite(database)
-    assert schema()["rm_outbox_idem_uniq"] == partial
+    assert schema() == made
 
     insert = (
-        f"INSERT INTO {table} (message_id, exchange, routing_key, body, headers, status, "
-        "attempts, last_error, created_at, idempotency_key) "
+        "INSERT INTO reliable_messaging_outboxmessage (message_id, exchange, routing_key, body, "
+        "headers, status, attempts, last_error, created_at, idempotency_key) "
         "VALUES (?, '', 'a.b', '{}', '{}', 'pending', 0, '', '2024-01-01', ?)"
     )
     with sqlite3.connect(database) as db:

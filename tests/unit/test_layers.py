@@ -145,7 +145,6 @@ ROOT_MODULES = {
     "exceptions",
     "managers",
     "metrics",
-    "migration_ops",
     "models",
     "tasks",
     "testing",

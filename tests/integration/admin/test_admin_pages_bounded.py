@@ -101,8 +101,8 @@ def _reads_every_row(sql: str, table: str) -> str | None:
         cursor.execute(f"EXPLAIN {sql}")
         plan = "\n".join(row[0] for row in cursor.fetchall())
         cursor.execute("SET LOCAL enable_seqscan = on")
-    # The outbox's unsent partition has no message_id index, on purpose (migration 0015:
-    # every publish would pay for it); its rows are the relay's working set, few.
+    # The outbox's unsent partition has no message_id index, on purpose (every publish would
+    # pay for it); its rows are the relay's working set, few.
     scans = [
         line
         for line in re.findall(rf"Seq Scan on ({table}\w*)", plan)

@@ -1,18 +1,15 @@
 """The inbox partitioned by day on PostgreSQL: duplicates found across partitions, also when two
-copies straddle midnight at once; partitions made ahead, and expired days dropped whole; a
-populated inbox converted in place by the migration, and back."""
+copies straddle midnight at once; partitions made ahead, and expired days dropped whole."""
 
 from __future__ import annotations
 
 import datetime as dt
-import io
 import threading
 import time
 from collections.abc import Iterator
 from unittest import mock
 
 import pytest
-from django.core.management import call_command
 from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
@@ -25,7 +22,7 @@ from reliable_messaging.core.registry import ConsumerSpec
 from reliable_messaging.models import ProcessedMessage
 from reliable_messaging.storage import partitions
 from reliable_messaging.storage.inbox import insert_inbox_row
-from reliable_messaging.storage.partitions import INBOX_TABLE, LEGACY
+from reliable_messaging.storage.partitions import INBOX_TABLE
 from reliable_messaging.storage.retention import purge_messages
 from tests.support import wait_until
 from tests.testapp.models import Effect
@@ -341,81 +338,11 @@ def _detaching() -> bool:
         return bool(cursor.fetchone()[0])
 
 
-def rows_by_partition() -> dict[str, set[str]]:
-    with connection.cursor() as cursor:
-        cursor.execute(f"SELECT tableoid::regclass::text, message_id FROM {INBOX_TABLE}")
-        found: dict[str, set[str]] = {}
-        for table, message_id in cursor.fetchall():
-            found.setdefault(table, set()).add(message_id)
-    return found
-
-
-def test_the_migration_converts_a_populated_inbox_in_place_and_back() -> None:
-    out = io.StringIO()
-    call_command("migrate", "reliable_messaging", "0008", stdout=out)
-    assert not partitions.is_partitioned("default")
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"INSERT INTO {INBOX_TABLE} (consumer, message_id, processed_at) "
-            "SELECT 'c', 'old-' || g, now() - g * interval '20 minutes' "
-            "FROM generate_series(1, 50) AS g"
-        )
-    last_old_id = ProcessedMessage.objects.order_by("-id").values_list("id", flat=True)[0]
-    call_command("migrate", "reliable_messaging", stdout=out)
-    assert partitions.is_partitioned("default")
-    assert rows_by_partition() == {LEGACY: {f"old-{n}" for n in range(1, 51)}}
-    legacy = next(p for p in partitions.partitions("default") if p.name == LEGACY)
-    assert legacy.start is None and legacy.end == partitions.day_start(today() + 2 * DAY)
-    # Until the cut-over new rows go on into the old table, ids going on from its sequence;
-    # duplicates are found in it.
-    with transaction.atomic():
-        assert insert_inbox_row("default", "c", "old-7") is False
-        assert insert_inbox_row("default", "c", "new-1") is True
-    assert ProcessedMessage.objects.get(message_id="new-1").id > last_old_id
-    assert where("c", "new-1") == [LEGACY]
-    after = partitions.day_start(today() + 2 * DAY) + dt.timedelta(hours=1)
-    put("c", "new-2", after)
-    assert where("c", "new-2") == [partitions.day_name(after.date())]
-    # Its expired rows are deleted as before, until the whole of it expires.
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"UPDATE {LEGACY} SET processed_at = now() - interval '3 days' "
-            "WHERE message_id IN ('old-1', 'old-2')"
-        )
-    assert purge_messages().inbox == 2
-    assert LEGACY in names()
-    assert LEGACY in purge_messages(now=after + 2 * DAY).inbox_partitions
-
-    # And back: one plain table with every row and the unique constraint. (The purge's clock
-    # was days ahead: it dropped the legacy table, today's partition, too.)
-    partitions.ensure_partitions("default")
-    put("c", "new-3", timezone.now())
-    call_command("migrate", "reliable_messaging", "0008", stdout=out)
-    assert not partitions.is_partitioned("default")
-    assert ProcessedMessage.objects.filter(message_id="new-3").exists()
-    with pytest.raises(Exception, match="rm_inbox_message_consumer_uniq"):
-        put("c", "new-3", timezone.now())
-    call_command("migrate", "reliable_messaging", stdout=out)
-    assert partitions.is_partitioned("default")
-    assert rows_by_partition() == {LEGACY: {"new-3"}}
-
-
 @pytest.fixture(autouse=True)
 def coming_days_ready() -> None:
     """The partitions a new installation has (a purge run by an earlier test with a clock far
     ahead may have dropped them)."""
     partitions.ensure_partitions("default")
-
-
-@pytest.fixture(autouse=True)
-def fresh_layout_after_a_migration(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Leave the layout of a new installation (day partitions, no legacy table) for the
-    tests that come after the migration's."""
-    yield
-    if "migration" in request.node.name and LEGACY in names():
-        ProcessedMessage.objects.all().delete()
-        call_command("migrate", "reliable_messaging", "0008", stdout=io.StringIO())
-        call_command("migrate", "reliable_messaging", stdout=io.StringIO())
 
 
 @pytest.mark.parametrize("level", ["SERIALIZABLE", "REPEATABLE READ"])

@@ -6,9 +6,8 @@
   stopped, every subprocess killed and every broker object of the namespace deleted.
 - ``broker``: short-lived pika connections (each operation opens its own, so a broker restart
   in the middle of a test does not break the helpers).
-- ``far_day`` and ``legacy_layout``: for the tests of the outbox's migrations on PostgreSQL, a
-  day partition created by the upkeep now, and the layout of a system that had outbox rows
-  before migration 0010 (see ``outbox_schema.py`` for what they read of the schema).
+- ``far_day``: for the tests of the outbox's indexes on PostgreSQL, a day partition created by
+  the upkeep now.
 
 Every wait is bounded. Subprocess logs are attached to the report of a failed test.
 """
@@ -22,7 +21,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,16 +30,13 @@ import pika
 import pika.exceptions
 import pytest
 from django.conf import settings
-from django.db import connection, connections, transaction
+from django.db import connection, connections
 from django.test import override_settings
 from django.utils import timezone
 
-from reliable_messaging import publish
-from reliable_messaging.models import OutboxMessage
 from reliable_messaging.storage import partitions
 from reliable_messaging.storage.partitions import OUTBOX
 from tests import support
-from tests.integration.publishing.outbox_schema import migrate
 from tests.support import ManageProcess, WaitTimeout
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -393,32 +389,6 @@ def far_day() -> Iterator[str]:
     with connection.cursor() as cursor:
         for name in created:
             cursor.execute(f'DROP TABLE IF EXISTS "{name}"')
-
-
-@pytest.fixture
-def legacy_layout() -> Iterator[Callable[[str], None]]:
-    """Makes, at the migration it is given, the layout of a system that had outbox rows before
-    migration 0010 (a legacy table under the outbox, the new layout beside it as ``_current``);
-    afterwards the layout of a new installation again, for the tests after this one."""
-    made = False
-
-    def make(at: str) -> None:
-        nonlocal made
-        made = True
-        migrate("0009")
-        with transaction.atomic():
-            publish("a.b", {"n": 1}, idempotency_key="legacy-key")
-            publish("a.b", {"n": 2})
-        migrate(at)
-
-    yield make
-    if not made:
-        return
-    for alias in connections:
-        connections[alias].close()
-    OutboxMessage.objects.all().delete()
-    migrate("0009")
-    migrate()
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -1,21 +1,17 @@
 """The outbox partitioned on PostgreSQL: unsent rows in a partition of their own (the only one
 the relay reads), sent rows by day, dropped whole once expired; an idempotency key found in
-every partition; a row moved to the sent side under a concurrent claim; a populated outbox
-converted in place by the migration, and back."""
+every partition; a row moved to the sent side under a concurrent claim."""
 
 from __future__ import annotations
 
 import datetime as dt
-import io
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
 import pytest
-from django.core.management import call_command
-from django.db import DatabaseError, connection, connections, transaction
+from django.db import DatabaseError, connection, transaction
 from django.db.backends.utils import CursorWrapper
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
@@ -26,13 +22,7 @@ from reliable_messaging.models import OutboxMessage
 from reliable_messaging.publishing.claims import OutboxClaims
 from reliable_messaging.publishing.relay import OutboxRelay, RelayReport
 from reliable_messaging.storage import partitions
-from reliable_messaging.storage.partitions import (
-    OUTBOX,
-    OUTBOX_CURRENT,
-    OUTBOX_LEGACY,
-    OUTBOX_TABLE,
-    OUTBOX_UNSENT,
-)
+from reliable_messaging.storage.partitions import OUTBOX, OUTBOX_TABLE, OUTBOX_UNSENT
 from reliable_messaging.storage.retention import purge_messages
 from tests.markers import postgresql_only
 
@@ -310,104 +300,8 @@ def test_the_relay_makes_the_coming_days_partitions(ob: OutboxEnv) -> None:
     assert name in [p.name for p in partitions.partitions("default", OUTBOX)]
 
 
-def by_partition() -> dict[str, set[str]]:
-    with connection.cursor() as cursor:
-        cursor.execute(f"SELECT tableoid::regclass::text, message_id FROM {OUTBOX_TABLE}")
-        found: dict[str, set[str]] = {}
-        for table, message_id in cursor.fetchall():
-            found.setdefault(table, set()).add(message_id)
-    return found
-
-
-def test_the_migration_converts_a_populated_outbox_in_place_and_back(ob: OutboxEnv) -> None:
-    queue = ob.queue()
-    out = io.StringIO()
-    call_command("migrate", "reliable_messaging", "0009", stdout=out)
-    assert not partitions.is_partitioned("default", OUTBOX)
-    long_ago = timezone.now() - 30 * DAY
-    with transaction.atomic():
-        pending = publish("a.b", {"n": 1}, ordering_key="K")
-        behind = publish("a.b", {"n": 2}, ordering_key="K")
-        keyed = publish("a.b", {"n": 3}, idempotency_key="legacy-key")
-    sent_row("old-sent", long_ago)
-    sent_row("old-unrouted", long_ago, status="unrouted")
-    OutboxMessage.objects.create(
-        message_id="old-failed", routing_key="x", body="{}", status="failed"
-    )
-    last_old_id = OutboxMessage.objects.order_by("-id").values_list("id", flat=True)[0]
-
-    call_command("migrate", "reliable_messaging", stdout=out)
-    assert partitions.is_partitioned("default", OUTBOX)
-    legacy_rows = {pending, behind, keyed, "old-sent", "old-unrouted", "old-failed"}
-    assert by_partition() == {OUTBOX_LEGACY: legacy_rows}
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
-            "WHERE i.indrelid = %s::regclass AND NOT i.indisvalid",
-            [OUTBOX_TABLE],
-        )
-        assert cursor.fetchone()[0] == 0  # the partitioned indexes took the old ones
-    # New rows go to the new layout, ids going on past the cut-over; a key in the old table
-    # is still found.
-    with transaction.atomic():
-        new = publish("a.b", {"n": 4}, ordering_key="K")
-        assert publish("a.b", {"n": 3}, idempotency_key="legacy-key") == keyed
-    assert where(new) == OUTBOX_UNSENT
-    assert OutboxMessage.objects.get(message_id=new).id > last_old_id
-    # The relay sends the old table's pending rows where they are, in key order with the new.
-    relay_once()
-    received = [m.message_id for m in ob.broker.drain(queue, expected=4)]
-    assert received.index(pending) < received.index(behind) < received.index(new)
-    assert where(pending) == OUTBOX_LEGACY
-    assert where(new) == partitions.day_name(today(), OUTBOX)
-    # Its expired sent rows are deleted in batches; its failed row is kept, and so is it.
-    ob.set(OUTBOX_RETENTION=DAY)
-    assert purge_messages().outbox == 2
-    assert OUTBOX_LEGACY in by_partition()
-    # Once nothing is left in it, it is dropped.
-    OutboxMessage.objects.filter(message_id="old-failed").delete()
-    result = purge_messages(now=timezone.now() + 3 * DAY)
-    assert OUTBOX_LEGACY in result.outbox_partitions
-    assert OUTBOX_LEGACY not in by_partition()
-
-    # And back: one plain table with every row, its unique key and its sequence.
-    with transaction.atomic():
-        last = publish("a.b", {"n": 5}, idempotency_key="k-back")
-    call_command("migrate", "reliable_messaging", "0009", stdout=out)
-    assert not partitions.is_partitioned("default", OUTBOX)
-    assert OutboxMessage.objects.filter(message_id=last).exists()
-    with pytest.raises(Exception, match="idempotency_key"), transaction.atomic():
-        sent_row("dup", timezone.now())
-        OutboxMessage.objects.filter(message_id="dup").update(idempotency_key="k-back")
-    with transaction.atomic():
-        after = publish("a.b", {"n": 6})
-    assert (
-        OutboxMessage.objects.get(message_id=after).id
-        > OutboxMessage.objects.get(message_id=last).id
-    )
-    call_command("migrate", "reliable_messaging", stdout=out)
-    assert set(by_partition()) == {OUTBOX_LEGACY}
-
-
 @pytest.fixture(autouse=True)
 def coming_days_ready() -> None:
     """The partitions a new installation has (a purge run by an earlier test with a clock far
     ahead may have dropped them)."""
     partitions.ensure_partitions("default", spec=OUTBOX)
-
-
-@pytest.fixture(autouse=True)
-def fresh_layout_after_a_migration(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Leave the layout of a new installation (no legacy table) for the tests after this."""
-    yield
-    if "migration" not in request.node.name:
-        return
-    for alias in connections:
-        connections[alias].close()
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT to_regclass(%s) IS NOT NULL", [OUTBOX_CURRENT])
-        converted = cursor.fetchone()[0]
-    if converted:
-        OutboxMessage.objects.all().delete()
-        call_command("migrate", "reliable_messaging", "0009", stdout=io.StringIO())
-        call_command("migrate", "reliable_messaging", stdout=io.StringIO())

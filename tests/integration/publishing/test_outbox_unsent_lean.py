@@ -1,14 +1,10 @@
-"""The outbox's unsent partition without the (status, sent_at) and message_id indexes
-(migration 0015): the sent side holds them as partitioned indexes of the model's names, on
-every day partition made before or after; the legacy table keeps copies of its own; a publish
+"""The outbox's unsent partition without the (status, sent_at) and message_id indexes: the sent
+side holds them as partitioned indexes of the model's names, on every day partition; a publish
 writes no index entry but its primary key's and the due index's; the counts of pending and
-failed rows and a sent row's look-up by message_id are still read through an index; the
-migration both ways, on a new installation's layout and on a legacy one."""
+failed rows and a sent row's look-up by message_id are still read through an index."""
 
 from __future__ import annotations
 
-import datetime as dt
-import importlib
 import json
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,19 +18,8 @@ from reliable_messaging import publish
 from reliable_messaging.choices import OutboxStatus
 from reliable_messaging.models import OutboxMessage
 from reliable_messaging.storage import partitions
-from reliable_messaging.storage.partitions import (
-    OUTBOX,
-    OUTBOX_CURRENT,
-    OUTBOX_LEGACY,
-    OUTBOX_SENT,
-    OUTBOX_TABLE,
-    OUTBOX_UNSENT,
-)
-from tests.integration.publishing.outbox_schema import (
-    assert_valid_indexes,
-    index_bytes,
-    migrate,
-)
+from reliable_messaging.storage.partitions import OUTBOX, OUTBOX_SENT, OUTBOX_TABLE, OUTBOX_UNSENT
+from tests.integration.publishing.outbox_schema import assert_valid_indexes, index_bytes
 from tests.markers import postgresql_only
 
 pytestmark = [
@@ -86,7 +71,7 @@ def tree_of(top: str) -> set[str]:
 
 
 def assert_on_the_sent_side_only() -> None:
-    """The layout 0015 makes (see the module's docstring)."""
+    """The layout of the outbox's indexes (see the module's docstring)."""
     assert_valid_indexes()
     assert set(index_of(OUTBOX_UNSENT)) == {
         f"{OUTBOX_UNSENT}_pkey",
@@ -104,21 +89,11 @@ def assert_on_the_sent_side_only() -> None:
         assert name not in index_of(OUTBOX_TABLE)
 
 
-def assert_on_every_partition() -> None:
-    """The layout 0014 left: the outbox's own indexes, a copy on every partition."""
-    assert_valid_indexes()
-    assert FAILED not in index_of(OUTBOX_UNSENT)
-    for name, definition in MOVED.items():
-        assert tables_under(name) == tree_of(OUTBOX_TABLE), name
-        for table in tree_of(OUTBOX_TABLE):
-            assert index_of(table)[name] == definition, (table, name)
-
-
 def test_the_unsent_partition_has_neither_and_every_day_of_the_sent_side_has_both(
     far_day: str,
 ) -> None:
-    # The default partition, the days made when the test database was, and the one the
-    # upkeep made just now: each is checked below.
+    # The days made when the test database was, and the one the upkeep made just now: each is
+    # checked below.
     days = {p.name for p in partitions.partitions("default", OUTBOX)}
     assert far_day in days and days < tree_of(OUTBOX_SENT)
     assert_on_the_sent_side_only()
@@ -203,76 +178,3 @@ def test_pending_and_failed_counts_and_a_sent_row_by_message_id_are_read_through
     on_the_day = [(node, i) for t, node, i in by_message_id if t == day]
     assert len(on_the_day) == 1 and on_the_day[0][1] in tree_of(MESSAGE_ID), by_message_id
     assert OutboxMessage.objects.get(message_id=sent).status == OutboxStatus.SENT
-
-
-def test_the_migration_goes_back_to_0014_and_forward_again(far_day: str) -> None:
-    migrate("0014")
-    assert_on_every_partition()
-    migrate()
-    assert_on_the_sent_side_only()
-    with transaction.atomic():
-        message_id = publish("a.b", {"after": "the round trip"})
-    assert OutboxMessage.objects.get(message_id=message_id).status == OutboxStatus.PENDING
-
-    # Again: the indexes kept backwards (under the names they were built with) are no hurdle.
-    migrate("0014")
-    assert_on_every_partition()
-    migrate()
-    assert_on_the_sent_side_only()
-
-
-def test_a_day_attached_while_the_copies_are_built_gets_them_too(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The partition upkeep of a running relay may attach days while the migration builds: a
-    day attached after the builds began has only the outbox's copies, and must get its own
-    before the sent side's index is made valid."""
-    migrate("0014")
-    migration = importlib.import_module("reliable_messaging.migrations.0015_outbox_unsent_lean")
-    build = migration._build
-    created: list[str] = []
-
-    def build_while_the_upkeep_runs(*args: Any) -> None:
-        if not created:
-            later = timezone.now() + dt.timedelta(days=400)
-            created.extend(partitions.ensure_partitions("default", now=later, spec=OUTBOX))
-        build(*args)
-
-    monkeypatch.setattr(migration, "_build", build_while_the_upkeep_runs)
-    try:
-        migrate()
-        assert created and set(created) < tree_of(OUTBOX_SENT)
-        assert_on_the_sent_side_only()
-    finally:
-        with connection.cursor() as cursor:
-            for name in created:
-                cursor.execute(f'DROP TABLE IF EXISTS "{name}"')
-
-
-def test_the_migration_on_a_legacy_layout_both_ways(
-    legacy_layout: Callable[[str], None],
-) -> None:
-    legacy_layout("0014")
-    assert_on_every_partition()
-
-    migrate()
-    assert_on_the_sent_side_only()
-    # The legacy table keeps copies of its own, which no longer belong to the outbox's index,
-    # and _current holds none.
-    legacy = {definition: name for name, definition in index_of(OUTBOX_LEGACY).items()}
-    assert set(MOVED.values()) <= set(legacy), legacy
-    assert not {legacy[definition] for definition in MOVED.values()} & set(MOVED)
-    assert not set(index_of(OUTBOX_CURRENT)) & set(MOVED)
-    # Failed rows may be in either partition: both are read through an index, the legacy
-    # table's (status, sent_at) and the unsent partition's own.
-    counted = plan_of(lambda: OutboxMessage.objects.failed().count())
-    assert sorted((t, i) for t, _, i in counted) == [
-        (OUTBOX_LEGACY, legacy[MOVED[STATUS_SENT]]),
-        (OUTBOX_UNSENT, FAILED),
-    ], counted
-
-    migrate("0014")
-    assert_on_every_partition()
-    assert {OUTBOX_LEGACY, OUTBOX_CURRENT} <= tables_under(STATUS_SENT)
-    migrate()
-    assert_on_the_sent_side_only()

@@ -3,12 +3,11 @@
 A NOTIFY run by the caller's transaction makes its commit take PostgreSQL's instance-wide
 notification lock; a notification names the backend that sent it, so "no notification comes
 from the caller's backend" is the same as "nothing in the caller's commit path took that lock".
-The old trigger is put back in one test to show that this check notices it.
+One test adds a NOTIFY trigger on the outbox to show that this check notices one.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 import select
 import time
@@ -17,7 +16,6 @@ from typing import Any
 
 import psycopg
 import pytest
-from django.core.management import call_command
 from django.db import connection, transaction
 
 from reliable_messaging import publish
@@ -41,7 +39,21 @@ from .conftest import OutboxEnv
 pytestmark = [pytest.mark.django_db(transaction=True)]
 on_sqlite = pytest.mark.skipif(ON_POSTGRESQL, reason="what happens elsewhere than PostgreSQL")
 
-MIGRATION = importlib.import_module("reliable_messaging.migrations.0013_outbox_wake_after_commit")
+# The wake-up as a trigger would send it: from inside the publishing transaction.
+NOTIFY_TRIGGER = f"""
+CREATE FUNCTION rm_test_outbox_notify() RETURNS trigger AS $$
+BEGIN
+    PERFORM pg_notify('{NOTIFY_CHANNEL}', '');
+    RETURN NULL;
+END;
+$$ LANGUAGE plpgsql;
+CREATE TRIGGER rm_test_outbox_notify AFTER INSERT ON reliable_messaging_outboxmessage
+    FOR EACH STATEMENT EXECUTE FUNCTION rm_test_outbox_notify();
+"""
+DROP_NOTIFY_TRIGGER = """
+DROP TRIGGER IF EXISTS rm_test_outbox_notify ON reliable_messaging_outboxmessage;
+DROP FUNCTION IF EXISTS rm_test_outbox_notify();
+"""
 
 
 class Listener:
@@ -115,17 +127,16 @@ def test_the_callers_transaction_sends_no_notify(ob: OutboxEnv, listener: Listen
 
 @postgresql_only
 @direct_only
-def test_the_old_trigger_fails_that_check(ob: OutboxEnv, listener: Listener) -> None:
-    # The check above would have caught the trigger of migration 0002.
+def test_a_notify_trigger_fails_that_check(ob: OutboxEnv, listener: Listener) -> None:
     caller = backend_pid()
     with connection.cursor() as cursor:
-        cursor.execute(MIGRATION.CREATE_TRIGGER)
+        cursor.execute(NOTIFY_TRIGGER)
     try:
         publish_in_a_transaction()
         assert caller in listener.received(wait=2.0)
     finally:
         with connection.cursor() as cursor:
-            cursor.execute(MIGRATION.DROP_TRIGGER)
+            cursor.execute(DROP_NOTIFY_TRIGGER)
 
 
 @postgresql_only
@@ -306,27 +317,6 @@ def test_a_failed_wake_up_does_not_reach_the_caller_and_the_poll_delivers(
         sender._retry_at.clear()
     assert OutboxMessage.objects.filter(status=OutboxStatus.SENT).count() == 3
     assert sorted(m.message_id for m in ob.broker.drain(queue, expected=3)) == sorted(ids)
-
-
-def _has_trigger() -> bool:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = "
-            "'reliable_messaging_outbox_notify')"
-        )
-        return bool(cursor.fetchone()[0])
-
-
-@postgresql_only
-def test_the_migration_drops_the_trigger_and_puts_it_back() -> None:
-    previous = MIGRATION.Migration.dependencies[0][1]
-    assert not _has_trigger()
-    try:
-        call_command("migrate", "reliable_messaging", previous, verbosity=0)
-        assert _has_trigger()
-    finally:
-        call_command("migrate", "reliable_messaging", verbosity=0)
-    assert not _has_trigger()
 
 
 @on_sqlite
