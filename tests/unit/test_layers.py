@@ -17,6 +17,7 @@ inside a function or under ``TYPE_CHECKING`` counts too:
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,13 @@ def test_the_package_root_holds_only_what_is_looked_for_there() -> None:
     found = {path.stem for path in ROOT.glob("*.py")}
     assert found - ROOT_MODULES == set(), "a new module at the root: give it a tier's home"
     assert ROOT_MODULES - found == set()
+
+
+def test_the_reading_guide_names_modules_that_exist() -> None:
+    """docs/development.md's "where to start reading" table names real modules."""
+    text = (ROOT.parent / "docs" / "development.md").read_text(encoding="utf-8")
+    text = text.split("Where to start reading", 1)[1].split("[How it is built]", 1)[0]
+    named = set(re.findall(r"`((?:[a-z_]+/)+[a-z_]+\.py)`", text))
+    assert "consuming/retries.py" in named and "publishing/sent.py" in named
+    missing = sorted(path for path in named if not (ROOT / path).is_file())
+    assert not missing, f"docs/development.md names modules that do not exist: {missing}"
