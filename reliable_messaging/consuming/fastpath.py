@@ -37,41 +37,43 @@ FLUSHER_IDLE = 30.0
 #  1. what this process committed since its last call: the done keys are written, and each lease
 #     is deleted only if it still holds this process's token (one that expired meanwhile may be
 #     another consumer's now);
-#  2. for each key asked about: 1 if its done key exists, else, where a lease is wanted, 0 if
-#     SET NX took the lease and 2 if another holds it (0 too where no lease is wanted).
-# KEYS: the done keys to write, the leases to give back, then the done key and the lease of each
-# key asked about. ARGV: the first two counts, the done keys' TTL in seconds, the token, the
-# leases' TTL in ms, then per key asked about "1" to take its lease or "0".
+#  2. for each message asked about, one character of the answer: "d" if its done key exists,
+#     else, where a lease is wanted, "n" if SET NX took the lease and "b" if another holds it
+#     ("n" too where no lease is wanted).
+# The keys are the cache's prefix, "done:" or "lease:", and the message's digest: only the prefix
+# and the digests travel (the keys are built here, so the fast path needs one Redis server, not
+# a Redis Cluster). ARGV: the prefix, how many digests to write and to give back, the done
+# keys' TTL in seconds, the token, the leases' TTL in ms, per message asked about "1" to take
+# its lease or "0" (one string), then the digests: to write, to give back, asked about.
 _SCRIPT = """
-local write, give_back = tonumber(ARGV[1]), tonumber(ARGV[2])
-for i = 1, write do
-    redis.call('SET', KEYS[i], '1', 'EX', ARGV[3])
+local prefix, write, give_back = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local token, flags, first = ARGV[5], ARGV[7], 8
+for i = first, first + write - 1 do
+    redis.call('SET', prefix .. 'done:' .. ARGV[i], '1', 'EX', ARGV[4])
 end
-for i = write + 1, write + give_back do
-    if redis.call('GET', KEYS[i]) == ARGV[4] then
-        redis.call('DEL', KEYS[i])
+for i = first + write, first + write + give_back - 1 do
+    local lease = prefix .. 'lease:' .. ARGV[i]
+    if redis.call('GET', lease) == token then
+        redis.call('DEL', lease)
     end
 end
-local base = write + give_back
-local asked = (#KEYS - base) / 2
+local base = first + write + give_back - 1
 local answers = {}
-for i = 1, asked do
-    if redis.call('EXISTS', KEYS[base + i]) == 1 then
-        answers[i] = 1
-    elseif ARGV[5 + i] == '1' then
-        if redis.call('SET', KEYS[base + asked + i], ARGV[4], 'NX', 'PX', ARGV[5]) then
-            answers[i] = 0
-        else
-            answers[i] = 2
-        end
+for i = 1, #ARGV - base do
+    local digest = ARGV[base + i]
+    if redis.call('EXISTS', prefix .. 'done:' .. digest) == 1 then
+        answers[i] = 'd'
+    elseif string.sub(flags, i, i) ~= '1' then
+        answers[i] = 'n'
+    elseif redis.call('SET', prefix .. 'lease:' .. digest, token, 'NX', 'PX', ARGV[6]) then
+        answers[i] = 'n'
     else
-        answers[i] = 0
+        answers[i] = 'b'
     end
 end
-return answers
+return table.concat(answers)
 """
-
-DONE, FREE, BUSY = 1, 0, 2
+DONE, NEW = ord("d"), ord("n")
 
 
 def _digest(consumer: str, message_id: str) -> str:
@@ -90,7 +92,8 @@ class DuplicateCache:
         self._paused_until = 0.0
         self._last_warning = -WARN_EVERY
         self._script: Any = None
-        # What committed batches left to tell Redis: done keys, leases to give back.
+        # What committed batches left to tell Redis: the digests to mark done, and of the
+        # leases to give back.
         self._to_write: list[str] = []
         self._to_give_back: list[str] = []
         self._wake = threading.Event()
@@ -107,11 +110,14 @@ class DuplicateCache:
 
         return get_redis_connection(self.alias)
 
+    def _prefix(self) -> str:
+        return str(self.cache.make_key("rm:"))
+
     def done_key(self, consumer: str, message_id: str) -> str:
-        return str(self.cache.make_key(f"rm:done:{_digest(consumer, message_id)}"))
+        return f"{self._prefix()}done:{_digest(consumer, message_id)}"
 
     def lease_key(self, consumer: str, message_id: str) -> str:
-        return str(self.cache.make_key(f"rm:lease:{_digest(consumer, message_id)}"))
+        return f"{self._prefix()}lease:{_digest(consumer, message_id)}"
 
     # -- the operations ---------------------------------------------------------------------------
 
@@ -125,17 +131,15 @@ class DuplicateCache:
         (run them all; the inbox decides)."""
         if not keys or not self._available():
             return set(), None
-        make_key = self.cache.make_key
-        digests = [_digest(c, m) for c, m in keys]
-        asked = [make_key(f"rm:done:{d}") for d in digests]
-        asked += [make_key(f"rm:lease:{d}") for d in digests]
-        flags = ["1" if key in lease else "0" for key in keys]
-        answers = self._run(asked, flags, "read processed ids and take leases")
+        flags = "".join("1" if key in lease else "0" for key in keys)
+        answers = self._run(
+            [_digest(c, m) for c, m in keys], flags, "read processed ids and take leases"
+        )
         if answers is None:
             return set(), None
         known = {key for key, answer in zip(keys, answers, strict=True) if answer == DONE}
         leases = {
-            key: answer == FREE
+            key: answer == NEW
             for key, answer, flag in zip(keys, answers, flags, strict=True)
             if flag == "1" and answer != DONE
         }
@@ -156,8 +160,8 @@ class DuplicateCache:
         """After the commit: mark ``processed`` done and give back the ``leased`` leases this
         process still holds. Sent with the next :meth:`check`, or by :meth:`flush` within
         ``FLUSH_AFTER`` seconds."""
-        done = [self.done_key(c, m) for c, m in processed]
-        leases = [self.lease_key(c, m) for c, m in leased]
+        done = [_digest(c, m) for c, m in processed]
+        leases = [_digest(c, m) for c, m in leased]
         if not (done or leases) or not self._available():
             return
         with self._lock:
@@ -172,34 +176,42 @@ class DuplicateCache:
 
     def flush(self) -> None:
         """Send what :meth:`remember` kept now (or drop it while the cache is failing)."""
+        with self._lock:
+            if not (self._to_write or self._to_give_back):
+                return  # a batch's check took it
         if self._available():
-            self._run([], [], "record processed ids")
+            self._run([], "", "record processed ids")
         else:
             with self._lock:
                 self._to_write, self._to_give_back = [], []
 
     # -- the round trip ---------------------------------------------------------------------------
 
-    def _run(self, asked: list[str], flags: list[str], what: str) -> list[int] | None:
+    def _run(self, asked: list[str], flags: str, what: str) -> bytes | None:
+        """The script's round trip for the digests ``asked``; its answer, or None on error."""
         with self._lock:
             write, self._to_write = self._to_write, []
             give_back, self._to_give_back = self._to_give_back, []
         if not (asked or write or give_back):
-            return []
+            return b""
         try:
             client = self._client()
             if self._script is None:
                 # EVALSHA, loading the script on the first call to a server that lacks it.
                 self._script = client.register_script(_SCRIPT)
-            answers: list[int] = self._script(
-                keys=[*write, *give_back, *asked],
+            answers: bytes | str = self._script(
+                keys=[],
                 args=[
+                    self._prefix(),
                     len(write),
                     len(give_back),
                     max(1, int(self.settings.dedup_retention.total_seconds())),
                     self._token,
                     max(1, round(self.settings.dedup_lease_seconds * 1000)),
-                    *flags,
+                    flags,
+                    *write,
+                    *give_back,
+                    *asked,
                 ],
                 client=client,
             )
@@ -208,7 +220,8 @@ class DuplicateCache:
             # still knows what was processed.
             self._failed(what, exc)
             return None
-        return answers
+        # bytes, unless the cache's client decodes responses
+        return answers.encode() if isinstance(answers, str) else answers
 
     def _flush_loop(self) -> None:
         while True:
