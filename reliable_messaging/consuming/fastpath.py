@@ -9,11 +9,13 @@ to say. The design is in docs/operations.md, "The Redis fast path".
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
@@ -98,6 +100,7 @@ class DuplicateCache:
         self._to_give_back: list[str] = []
         self._wake = threading.Event()
         self._flusher: threading.Thread | None = None
+        self._flushes_at_exit = False
 
     @property
     def cache(self) -> Any:
@@ -168,6 +171,10 @@ class DuplicateCache:
             self._to_write += done
             self._to_give_back += leases
             if self._flusher is None:
+                if not self._flushes_at_exit:
+                    # The flusher is a daemon thread: a process that ends sends what is left.
+                    atexit.register(_flush_at_exit, weakref.ref(self))
+                    self._flushes_at_exit = True
                 self._flusher = threading.Thread(
                     target=self._flush_loop, name="rm-fast-path-flush", daemon=True
                 )
@@ -263,6 +270,12 @@ class DuplicateCache:
             )
         else:
             logger.debug("duplicate fast path: cache %r still failing: %s", self.alias, exc)
+
+
+def _flush_at_exit(ref: weakref.ref[DuplicateCache]) -> None:
+    cache = ref()
+    if cache is not None:
+        cache.flush()
 
 
 def duplicate_cache(settings: MessagingSettings = messaging_settings) -> DuplicateCache | None:

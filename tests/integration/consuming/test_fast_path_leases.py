@@ -10,6 +10,9 @@ consumer without retry delays still has somewhere to put a leased message aside.
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Callable
@@ -180,6 +183,29 @@ def test_the_flusher_sends_the_last_batchs_marks_without_another_batch(
         timeout=5,
         message="the flusher to write the done key and give the lease back",
     )
+
+
+def test_a_process_that_ends_sends_what_its_last_batch_committed(
+    with_cache: Callable[..., None],
+) -> None:
+    """The flusher is a daemon thread; a consumer process that exits before it ran still sends
+    its last batch's done keys and gives its leases back."""
+    key = ("leases.exit", f"ex-{uuid.uuid4()}")
+    cache = DuplicateCache("messaging", messaging_settings)
+    redis = get_redis_connection("messaging")
+    assert cache.lease([key]) == {key: True}  # taken with this process's token...
+    script = (
+        "import django; django.setup()\n"
+        "from reliable_messaging.consuming import fastpath\n"
+        "fastpath.FLUSH_AFTER = 60.0\n"
+        "cache = fastpath.DuplicateCache('messaging')\n"
+        f"cache._token = {cache._token!r}\n"  # ...which the child holds, as if it took it
+        f"cache.remember([{key!r}], [{key!r}])\n"
+    )
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=60)
+    assert redis.exists(cache.done_key(*key))
+    assert not redis.exists(cache.lease_key(*key))
 
 
 def test_a_consumer_without_retry_delays_defers_a_leased_message_to_a_declared_delay(
