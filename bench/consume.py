@@ -1,6 +1,6 @@
 """Consumer benchmark: the idempotent consumer against raw pika + one psycopg transaction per
-message, duplicates per second with and without the Redis fast path, and memory over 100,000
-messages.
+message, duplicates per second, and memory over 100,000 messages (the Redis fast path has its
+own benchmark, bench/fast_path.py).
 
     .venv/bin/python bench/consume.py [--messages 20000] [--memory-messages 100000]
 
@@ -690,14 +690,6 @@ def main() -> None:
         fill(exchange, [f"proc2-{uuid.uuid4()}" for _ in range(n)], {"n": 1})
         proc2_s = processes_run(namespace, spec.queue, n, 2)
 
-    cached = {**settings, "CACHE_ALIAS": "messaging"}
-    with override_settings(RELIABLE_MESSAGING=cached):
-        warm = [f"warm-{uuid.uuid4()}" for _ in range(n)]
-        fill(exchange, warm, {"n": 1})
-        cached_s = run_service(spec, n, "app with the fast path", args.concurrency)
-        fill(exchange, warm, {"n": 1})
-        dup_cache_s = run_service(spec, n, "duplicates, fast path", args.concurrency)
-
     doubled = (
         Effect.objects.exclude(consumer="baseline")
         .values("message_id")
@@ -720,13 +712,11 @@ def main() -> None:
         "time_limit_off_msgs_per_s": round(2 * n / guard["off"]),
         "time_limit_on_off_ratio": guard_ratio,
         "app_concurrency_1_msgs_per_s": round((n // 2) / single_s),
-        "app_with_fast_path_msgs_per_s": round(n / cached_s),
         "raw_two_workers_msgs_per_s": round(n / raw2_s),
         "app_two_processes_msgs_per_s": round(n / proc2_s),
         "two_processes_ratio_to_raw": round((n / proc2_s) / raw_rate, 2),
         "two_processes_ratio_to_raw_two_workers": round(raw2_s / proc2_s, 2),
         "duplicates_per_s_database": round(n / dup_db_s),
-        "duplicates_per_s_fast_path": round(n / dup_cache_s),
         "doubled_effects": doubled,
         "memory_messages": args.memory_messages,
         "consumer_rss_kib_after_10k": rss_10k,
@@ -744,7 +734,6 @@ def main() -> None:
         f"{app_rate:,.0f} msg/s; ratio app/raw = {result['ratio']} (target >= 1.0, aim 2.0)"
     )
     print(f"  concurrency 1: {result['app_concurrency_1_msgs_per_s']:,} msg/s")
-    print(f"  with the Redis fast path on: {result['app_with_fast_path_msgs_per_s']:,} msg/s")
     print(
         f"two manage.py consume processes (concurrency 1 each): "
         f"{result['app_two_processes_msgs_per_s']:,} msg/s; ratio to the raw baseline = "
@@ -752,10 +741,7 @@ def main() -> None:
         f"{result['raw_two_workers_msgs_per_s']:,} msg/s (ratio "
         f"{result['two_processes_ratio_to_raw_two_workers']})"
     )
-    print(
-        f"duplicates: {result['duplicates_per_s_database']:,}/s through the database, "
-        f"{result['duplicates_per_s_fast_path']:,}/s with the Redis fast path"
-    )
+    print(f"duplicates: {result['duplicates_per_s_database']:,}/s through the database")
     print(f"doubled effects: {doubled}")
     print_memory(args.memory_messages, rss_10k, rss_end, mem_rate)
     print(json.dumps(result))

@@ -1,16 +1,22 @@
-"""Relay benchmark: outbox relay throughput against raw pika with pipelined confirms, and
-commit-to-broker latency at a steady rate with LISTEN/NOTIFY.
+"""Relay benchmark: what a second lane and coalesced writes buy, throughput against raw pika
+with pipelined confirms, and commit-to-broker latency at a steady rate with LISTEN/NOTIFY.
 
-    .venv/bin/python bench/relay.py [--rows 20000] [--rate 500] [--seconds 10]
+    .venv/bin/python bench/relay.py [--rows 20000] [--rounds 5] [--rate 500] [--seconds 10]
 
-Both throughput runs publish the same bodies and properties to the same durable queue, on the
-same machine, in the same run; the ratio is relay / raw.
+Each round sends ``--rows`` rows four ways, in an order that rotates from round to round so
+that drift hits all alike: the relay with one lane (the default), with two lanes (``relay
+--lanes 2``), with one lane and pika's writes left as pika makes them (``coalesce_writes``
+replaced by a no-op: one ``send()`` per frame), and raw pika publishing the same bodies and
+properties to the same durable queue. Each round prints its figures and ratios; then the
+median ratio of each comparison and its spread. ``--seconds 0`` skips the latency runs,
+``--memory-rows 0`` the memory run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import threading
@@ -90,16 +96,12 @@ def vacuum_outbox() -> None:
         cursor.execute("VACUUM ANALYZE reliable_messaging_outboxmessage")
 
 
-def relay_throughput(
-    rows: int, exchange: str, lanes: int = 1
-) -> tuple[float, list[tuple[str, bytes]]]:
+def fill_outbox(rows: int, exchange: str) -> list[tuple[str, bytes]]:
+    """``rows`` rows published in one transaction, vacuumed; their ids and bodies."""
     from django.db import transaction
-    from django.test import override_settings
 
     from reliable_messaging import publish
     from reliable_messaging.models import OutboxMessage
-    from reliable_messaging.publishing.lanes import run_lanes
-    from reliable_messaging.publishing.relay import OutboxRelay
 
     OutboxMessage.objects.all().delete()
     with transaction.atomic():
@@ -110,16 +112,81 @@ def relay_throughput(
                 exchange=exchange,
             )
     vacuum_outbox()
-    bodies = [
+    return [
         (m, b.encode())
         for m, b in OutboxMessage.objects.order_by("id").values_list("message_id", "body")
     ]
-    with override_settings(RELIABLE_MESSAGING={**_settings(), "EXCHANGE": exchange}):
+
+
+def relay_throughput(rows: int, exchange: str, lanes: int = 1, coalesce: bool = True) -> float:
+    """Seconds for ``manage.py relay --once``'s engine to send ``rows`` fresh rows."""
+    from unittest import mock
+
+    from django.test import override_settings
+
+    from reliable_messaging.broker import publisher
+    from reliable_messaging.publishing.lanes import run_lanes
+    from reliable_messaging.publishing.relay import OutboxRelay
+
+    fill_outbox(rows, exchange)
+    writes = publisher.coalesce_writes if coalesce else (lambda connection: 0)
+    with (
+        override_settings(RELIABLE_MESSAGING={**_settings(), "EXCHANGE": exchange}),
+        mock.patch.object(publisher, "coalesce_writes", writes),
+    ):
         started = time.perf_counter()
         report = run_lanes([OutboxRelay(once=True, listen=False) for _ in range(lanes)])
         elapsed = time.perf_counter() - started
     assert report.sent == rows, report.summary()
-    return elapsed, bodies
+    return elapsed
+
+
+# What each round measures: (lanes, coalesced writes), or None for raw pika.
+VARIANTS: dict[str, tuple[int, bool] | None] = {
+    "1 lane": (1, True),
+    "2 lanes": (2, True),
+    "1 lane, writes not coalesced": (1, False),
+    "raw pika": None,
+}
+# The ratios each round prints: (name, numerator, denominator).
+RATIOS = [
+    ("2 lanes / 1 lane", "2 lanes", "1 lane"),
+    ("coalesced / not coalesced", "1 lane", "1 lane, writes not coalesced"),
+    ("1 lane / raw pika", "1 lane", "raw pika"),
+    ("2 lanes / raw pika", "2 lanes", "raw pika"),
+]
+
+
+def throughput_rounds(
+    rows: int, exchange: str, queue: str, rounds: int
+) -> tuple[list[dict[str, float]], dict[str, list[float]]]:
+    """``rounds`` rounds of the four variants, rotating their order; per round the msg/s of
+    each, and the ratios of RATIOS."""
+    bodies = fill_outbox(rows, exchange)  # raw pika's messages, the relay's own
+    relay_throughput(rows // 4, exchange)  # a warm-up, not counted
+    declare_sink(exchange, queue)
+    names = list(VARIANTS)
+    rates: list[dict[str, float]] = []
+    ratios: dict[str, list[float]] = {name: [] for name, _, _ in RATIOS}
+    for round_ in range(rounds):
+        order = names[round_ % len(names) :] + names[: round_ % len(names)]
+        rate: dict[str, float] = {}
+        for name in order:
+            variant = VARIANTS[name]
+            if variant is None:
+                seconds = raw_pika_publish(exchange, bodies)
+            else:
+                seconds = relay_throughput(rows, exchange, *variant)
+            rate[name] = rows / seconds
+            declare_sink(exchange, queue)  # purge
+        rates.append(rate)
+        line = ", ".join(f"{name} {rate[name]:,.0f}" for name in order)
+        shown = []
+        for label, top, bottom in RATIOS:
+            ratios[label].append(round(rate[top] / rate[bottom], 3))
+            shown.append(f"{label} {ratios[label][-1]}")
+        print(f"round {round_ + 1} msg/s: {line}; {'; '.join(shown)}", flush=True)
+    return rates, ratios
 
 
 def _settings() -> dict:
@@ -241,6 +308,7 @@ def relay_memory(namespace: str, exchange: str, queue: str, total: int) -> tuple
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=int, default=20000)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--rate", type=int, default=500)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--memory-rows", type=int, default=100_000)
@@ -250,57 +318,59 @@ def main() -> None:
     exchange = f"rmtest.{namespace}"
     queue = f"{namespace}.sink"
     declare_sink(exchange, queue)
+    lat: list[float] = []
+    lat2: list[float] = []
+    rss_10k = rss_end = 0
+    print(f"machine: {describe_machine()}")
+    print(f"{args.rows:,} rows per run, {args.rounds} rounds")
     try:
-        one_s, bodies = relay_throughput(args.rows, exchange, lanes=1)
-        declare_sink(exchange, queue)  # purge
-        two_s, _ = relay_throughput(args.rows, exchange, lanes=2)
-        declare_sink(exchange, queue)
-        raw_s = raw_pika_publish(exchange, bodies)
-        declare_sink(exchange, queue)
-        lat = latency(namespace, exchange, queue, args.rate, args.seconds, lanes=1)
-        declare_sink(exchange, queue)
-        lat2 = latency(namespace, exchange, queue, args.rate, args.seconds, lanes=2)
-        rss_10k, rss_end = relay_memory(namespace, exchange, queue, args.memory_rows)
+        rates, ratios = throughput_rounds(args.rows, exchange, queue, args.rounds)
+        if args.seconds:
+            declare_sink(exchange, queue)
+            lat = latency(namespace, exchange, queue, args.rate, args.seconds, lanes=1)
+            declare_sink(exchange, queue)
+            lat2 = latency(namespace, exchange, queue, args.rate, args.seconds, lanes=2)
+        if args.memory_rows:
+            rss_10k, rss_end = relay_memory(namespace, exchange, queue, args.memory_rows)
     finally:
         drop_sink(exchange, queue)
-    one_rate, two_rate, raw_rate = args.rows / one_s, args.rows / two_s, args.rows / raw_s
-    result = {
+    result: dict[str, object] = {
         "machine": describe_machine(),
         "rows": args.rows,
-        "relay_1_lane_msgs_per_s": round(one_rate),
-        "relay_2_lanes_msgs_per_s": round(two_rate),
-        "raw_pika_confirms_msgs_per_s": round(raw_rate),
-        "ratio_1_lane": round(one_rate / raw_rate, 2),
-        "ratio_2_lanes": round(two_rate / raw_rate, 2),
-        "latency_rate_per_s": args.rate,
-        "latency_messages": len(lat),
-        "latency_p50_ms": round(percentile(lat, 50), 1),
-        "latency_p99_ms": round(percentile(lat, 99), 1),
-        "latency_2_lanes_p50_ms": round(percentile(lat2, 50), 1),
-        "latency_2_lanes_p99_ms": round(percentile(lat2, 99), 1),
-        "memory_rows": args.memory_rows,
-        "relay_rss_kib_after_10k": rss_10k,
-        "relay_rss_kib_at_end": rss_end,
-        "relay_rss_growth": round(rss_end / rss_10k - 1, 3) if rss_10k else None,
+        "rounds": [{name: round(rate) for name, rate in row.items()} for row in rates],
+        "median_msgs_per_s": {
+            name: round(statistics.median(row[name] for row in rates)) for name in VARIANTS
+        },
+        "ratios": ratios,
+        "median_ratios": {
+            label: round(statistics.median(values), 3) for label, values in ratios.items()
+        },
     }
-    print(f"machine: {result['machine']}")
-    print(f"relay, 1 lane:  {args.rows} rows in {one_s:.2f}s = {one_rate:,.0f} msg/s (default)")
-    print(f"relay, 2 lanes: {args.rows} rows in {two_s:.2f}s = {two_rate:,.0f} msg/s")
-    print(
-        f"raw pika:       {args.rows} msgs in {raw_s:.2f}s = {raw_rate:,.0f} msg/s (pipelined "
-        f"confirms, one connection)"
-    )
-    print(
-        f"ratio relay/raw = {result['ratio_1_lane']} (1 lane), {result['ratio_2_lanes']} "
-        f"(2 lanes); target >= 0.5, aim 0.7"
-    )
-    print(
-        f"commit->broker latency at {args.rate} msg/s, LISTEN/NOTIFY, {len(lat)} messages: "
-        f"1 lane p50 {result['latency_p50_ms']} ms, p99 {result['latency_p99_ms']} ms; "
-        f"2 lanes p50 {result['latency_2_lanes_p50_ms']} ms, "
-        f"p99 {result['latency_2_lanes_p99_ms']} ms"
-    )
+    for label, values in ratios.items():
+        print(
+            f"{label}: median {round(statistics.median(values), 3)} "
+            f"(rounds {min(values)} to {max(values)})"
+        )
+    medians = result["median_msgs_per_s"]
+    assert isinstance(medians, dict)
+    print("median msg/s: " + ", ".join(f"{name} {rate:,}" for name, rate in medians.items()))
+    if lat:
+        result.update(
+            latency_rate_per_s=args.rate,
+            latency_messages=len(lat),
+            latency_p50_ms=round(percentile(lat, 50), 1),
+            latency_p99_ms=round(percentile(lat, 99), 1),
+            latency_2_lanes_p50_ms=round(percentile(lat2, 50), 1),
+            latency_2_lanes_p99_ms=round(percentile(lat2, 99), 1),
+        )
+        print(
+            f"commit->broker latency at {args.rate} msg/s, LISTEN/NOTIFY, {len(lat)} messages: "
+            f"1 lane p50 {result['latency_p50_ms']} ms, p99 {result['latency_p99_ms']} ms; "
+            f"2 lanes p50 {result['latency_2_lanes_p50_ms']} ms, "
+            f"p99 {result['latency_2_lanes_p99_ms']} ms"
+        )
     if rss_10k:
+        result.update(relay_rss_kib_after_10k=rss_10k, relay_rss_kib_at_end=rss_end)
         print(
             f"relay RSS over {args.memory_rows:,} rows (manage.py relay): "
             f"{rss_10k / 1024:.1f} MiB after 10,000 sent, {rss_end / 1024:.1f} MiB at the end "

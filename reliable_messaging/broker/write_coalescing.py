@@ -1,19 +1,10 @@
 """Fewer, larger socket writes for a burst of publishes on pika's asynchronous connection.
 
-pika hands every frame of a message (method, content header, body) to its transport as a buffer
-of its own, and the transport's writer sends one buffer per ``send()``: a batch of 500 messages
-is 1,500 system calls and as many small TCP segments for the broker to read. Profiled, those
-calls were a fifth of the relay's I/O thread. Joining what is buffered into chunks of up to
-``CHUNK_BYTES`` before the I/O loop gets to write sends the same bytes, in the same order, in a
-few calls.
-
-This reads two attributes pika does not promise (``connection._transport`` and its
-``_tx_buffers`` deque, the same in pika 1.3 and 1.4). Where either is missing or not what it
-was, :func:`coalesce_writes` does nothing and pika writes as it always did: a pika upgrade can
-lose the speed, never a byte. ``tests/unit/broker/test_write_coalescing.py`` pins that it engages on
-the pika this project installs.
-
-Call it only on the connection's own I/O thread, as pika's writes are made.
+pika writes each frame it buffered (three a message) with its own ``send()``; joined into
+chunks of up to ``CHUNK_BYTES`` they go in a few, the same bytes in the same order. It reads
+pika internals (``_transport._tx_buffers``) and does nothing where they are not what it knows.
+Call it on the connection's I/O thread. What it buys: docs/benchmarks.md, "Relay lanes and
+coalesced writes".
 """
 
 from __future__ import annotations

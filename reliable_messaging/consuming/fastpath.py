@@ -1,39 +1,22 @@
-"""The duplicate fast path: Redis remembers what the inbox already holds.
+"""The duplicate fast path: Redis remembers what the inbox holds, so duplicates skip PostgreSQL.
 
-With ``CACHE_ALIAS`` set, two kinds of keys live in that cache:
-
-- a *done* key per (consumer, message_id), written after the inbox row committed, with the
-  inbox's retention as its lifetime. A delivery whose done key exists is a duplicate: it is
-  acked without opening a transaction. The key is only ever written after the commit, so a hit
-  is always true; a miss proves nothing and the database decides, as without the cache.
-- a *lease* per (consumer, message_id), taken with ``SET NX`` and a short TTL before the handler
-  runs. A second consumer that receives the same message while the first is still on it does
-  not run it in parallel (and does not wait on the inbox's unique index); it puts the delivery
-  aside for a moment, by which time the done key usually answers.
-
-PostgreSQL stays the source of truth. Redis being down, slow or flushed changes nothing but
-speed: any cache error logs one warning, and the cache is left alone for a few seconds before it
-is tried again (so a dead Redis costs one failed call per pause, not one per message).
-
-A lease holds this process's token, and is given back only while it still holds that token: a
-handler that ran past the lease's TTL finds its lease expired and maybe taken by another
-consumer, whose lease it must leave alone (compare-and-delete, in a Lua script, since Redis has
-no such command).
-
-The keys are read and written through django-redis's raw client, a batch per round trip
-(MGET, a pipeline of ``SET NX PX``, one script that writes the done keys and gives back the
-leases), with the cache's KEY_PREFIX. Values are plain bytes, never passed through the cache's
-serializer: nothing read from Redis is ever unpickled.
+One round trip per batch before the inbox claim answers, per message, *done* (acked without a
+transaction), *leased elsewhere* (put aside) or *new* (leased to this process). What a batch
+committed is sent with the next batch's round trip, or by a flusher after ``FLUSH_AFTER``
+seconds. Redis only ever speeds things up: the inbox decides whatever the cache says or fails
+to say. The design is in docs/operations.md, "The Redis fast path".
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+import weakref
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from ..conf import MessagingSettings, messaging_settings
@@ -44,25 +27,55 @@ logger = logging.getLogger(__name__)
 PAUSE_AFTER_ERROR = 5.0
 # Seconds between two warnings about the cache being unavailable.
 WARN_EVERY = 60.0
+# Seconds what a batch committed may wait for the next batch's round trip before it is sent on
+# its own. Until then a copy that another consumer receives goes to its inbox, or is put aside
+# (the lease still held): correct, only later.
+FLUSH_AFTER = 0.05
+# Seconds a flusher thread waits with nothing to send before it ends (the next remember()
+# starts another).
+FLUSHER_IDLE = 30.0
 
-# After a commit, in one round trip: the done keys are written, and each lease is deleted only if
-# it still holds this process's token. GET then DEL inside a script is atomic (no other command
-# runs in between), which two separate commands would not be.
-# KEYS: the done keys, then the leases. ARGV: how many done keys, their TTL in seconds, the token.
-_REMEMBER_SCRIPT = """
-local done = tonumber(ARGV[1])
-for i = 1, done do
-    redis.call('SET', KEYS[i], '1', 'EX', ARGV[2])
+# One round trip, atomic (no other command runs in between):
+#  1. what this process committed since its last call: the done keys are written, and each lease
+#     is deleted only if it still holds this process's token (one that expired meanwhile may be
+#     another consumer's now);
+#  2. for each message asked about, one character of the answer: "d" if its done key exists,
+#     else, where a lease is wanted, "n" if SET NX took the lease and "b" if another holds it
+#     ("n" too where no lease is wanted).
+# The keys are the cache's prefix, "done:" or "lease:", and the message's digest: only the prefix
+# and the digests travel (the keys are built here, so the fast path needs one Redis server, not
+# a Redis Cluster). ARGV: the prefix, how many digests to write and to give back, the done
+# keys' TTL in seconds, the token, the leases' TTL in ms, per message asked about "1" to take
+# its lease or "0" (one string), then the digests: to write, to give back, asked about.
+_SCRIPT = """
+local prefix, write, give_back = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local token, flags, first = ARGV[5], ARGV[7], 8
+for i = first, first + write - 1 do
+    redis.call('SET', prefix .. 'done:' .. ARGV[i], '1', 'EX', ARGV[4])
 end
-local released = 0
-for i = done + 1, #KEYS do
-    if redis.call('GET', KEYS[i]) == ARGV[3] then
-        redis.call('DEL', KEYS[i])
-        released = released + 1
+for i = first + write, first + write + give_back - 1 do
+    local lease = prefix .. 'lease:' .. ARGV[i]
+    if redis.call('GET', lease) == token then
+        redis.call('DEL', lease)
     end
 end
-return released
+local base = first + write + give_back - 1
+local answers = {}
+for i = 1, #ARGV - base do
+    local digest = ARGV[base + i]
+    if redis.call('EXISTS', prefix .. 'done:' .. digest) == 1 then
+        answers[i] = 'd'
+    elseif string.sub(flags, i, i) ~= '1' then
+        answers[i] = 'n'
+    elseif redis.call('SET', prefix .. 'lease:' .. digest, token, 'NX', 'PX', ARGV[6]) then
+        answers[i] = 'n'
+    else
+        answers[i] = 'b'
+    end
+end
+return table.concat(answers)
 """
+DONE, NEW = ord("d"), ord("n")
 
 
 def _digest(consumer: str, message_id: str) -> str:
@@ -80,6 +93,14 @@ class DuplicateCache:
         self._lock = threading.Lock()
         self._paused_until = 0.0
         self._last_warning = -WARN_EVERY
+        self._script: Any = None
+        # What committed batches left to tell Redis: the digests to mark done, and of the
+        # leases to give back.
+        self._to_write: list[str] = []
+        self._to_give_back: list[str] = []
+        self._wake = threading.Event()
+        self._flusher: threading.Thread | None = None
+        self._flushes_at_exit = False
 
     @property
     def cache(self) -> Any:
@@ -92,63 +113,134 @@ class DuplicateCache:
 
         return get_redis_connection(self.alias)
 
-    def _key(self, kind: str, consumer: str, message_id: str) -> str:
-        return str(self.cache.make_key(f"rm:{kind}:{_digest(consumer, message_id)}"))
+    def _prefix(self) -> str:
+        return str(self.cache.make_key("rm:"))
 
     def done_key(self, consumer: str, message_id: str) -> str:
-        return self._key("done", consumer, message_id)
+        return f"{self._prefix()}done:{_digest(consumer, message_id)}"
 
     def lease_key(self, consumer: str, message_id: str) -> str:
-        return self._key("lease", consumer, message_id)
+        return f"{self._prefix()}lease:{_digest(consumer, message_id)}"
 
-    # -- the three operations ---------------------------------------------------------------------
+    # -- the operations ---------------------------------------------------------------------------
+
+    def check(
+        self, keys: Sequence[tuple[str, str]], lease: Collection[tuple[str, str]] = ()
+    ) -> tuple[set[tuple[str, str]], dict[tuple[str, str], bool] | None]:
+        """In one round trip: which of the (consumer, message_id) pairs ``keys`` (no repeats)
+        are known to be processed, and for those of ``lease`` that are not, whether this
+        process took their lease (True) or another consumer holds it (False). Sends what
+        :meth:`remember` kept first. On a cache error: nothing known, and None for the leases
+        (run them all; the inbox decides)."""
+        if not keys or not self._available():
+            return set(), None
+        flags = "".join("1" if key in lease else "0" for key in keys)
+        answers = self._run(
+            [_digest(c, m) for c, m in keys], flags, "read processed ids and take leases"
+        )
+        if answers is None:
+            return set(), None
+        known = {key for key, answer in zip(keys, answers, strict=True) if answer == DONE}
+        leases = {
+            key: answer == NEW
+            for key, answer, flag in zip(keys, answers, flags, strict=True)
+            if flag == "1" and answer != DONE
+        }
+        return known, leases
 
     def processed(self, keys: Sequence[tuple[str, str]]) -> set[tuple[str, str]]:
-        """Which of the (consumer, message_id) pairs are known to be processed."""
-        if not keys or not self._available():
-            return set()
-        try:
-            found = self._client().mget([self.done_key(c, m) for c, m in keys])
-        except Exception as exc:  # noqa: BLE001 - any cache failure means "ask the database"
-            self._failed("read processed ids", exc)
-            return set()
-        return {key for key, value in zip(keys, found, strict=True) if value is not None}
+        """Which of ``keys`` are known to be processed (:meth:`check` without leases)."""
+        return self.check(list(dict.fromkeys(keys)))[0]
 
     def lease(self, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], bool] | None:
-        """Take the processing leases of ``keys``: True where taken, False where another
-        consumer holds it. None when the cache cannot tell (run them all; the inbox decides)."""
-        if not keys or not self._available():
-            return None
-        ttl_ms = max(1, round(self.settings.dedup_lease_seconds * 1000))
-        try:
-            pipe = self._client().pipeline(transaction=False)
-            for consumer, message_id in keys:
-                pipe.set(self.lease_key(consumer, message_id), self._token, nx=True, px=ttl_ms)
-            taken = pipe.execute()
-        except Exception as exc:  # noqa: BLE001
-            self._failed("take processing leases", exc)
-            return None
-        return {key: bool(ok) for key, ok in zip(keys, taken, strict=True)}
+        """Take the leases of ``keys`` not known to be processed (:meth:`check`)."""
+        unique = list(dict.fromkeys(keys))
+        return self.check(unique, set(unique))[1]
 
     def remember(
         self, processed: Iterable[tuple[str, str]], leased: Iterable[tuple[str, str]]
     ) -> None:
-        """After the commit: mark ``processed`` done and give back the ``leased`` leases, those
-        this process still holds (one that expired meanwhile may be another consumer's now)."""
-        done = [self.done_key(c, m) for c, m in processed]
-        leases = [self.lease_key(c, m) for c, m in leased]
+        """After the commit: mark ``processed`` done and give back the ``leased`` leases this
+        process still holds. Sent with the next :meth:`check`, or by :meth:`flush` within
+        ``FLUSH_AFTER`` seconds."""
+        done = [_digest(c, m) for c, m in processed]
+        leases = [_digest(c, m) for c, m in leased]
         if not (done or leases) or not self._available():
             return
-        ttl = max(1, int(self.settings.dedup_retention.total_seconds()))
+        with self._lock:
+            self._to_write += done
+            self._to_give_back += leases
+            if self._flusher is None:
+                if not self._flushes_at_exit:
+                    # The flusher is a daemon thread: a process that ends sends what is left.
+                    atexit.register(_flush_at_exit, weakref.ref(self))
+                    self._flushes_at_exit = True
+                self._flusher = threading.Thread(
+                    target=self._flush_loop, name="rm-fast-path-flush", daemon=True
+                )
+                self._flusher.start()
+        self._wake.set()
+
+    def flush(self) -> None:
+        """Send what :meth:`remember` kept now (or drop it while the cache is failing)."""
+        with self._lock:
+            if not (self._to_write or self._to_give_back):
+                return  # a batch's check took it
+        if self._available():
+            self._run([], "", "record processed ids")
+        else:
+            with self._lock:
+                self._to_write, self._to_give_back = [], []
+
+    # -- the round trip ---------------------------------------------------------------------------
+
+    def _run(self, asked: list[str], flags: str, what: str) -> bytes | None:
+        """The script's round trip for the digests ``asked``; its answer, or None on error."""
+        with self._lock:
+            write, self._to_write = self._to_write, []
+            give_back, self._to_give_back = self._to_give_back, []
+        if not (asked or write or give_back):
+            return b""
         try:
             client = self._client()
-            # EVALSHA, loading the script on the first call to a server that lacks it.
-            client.register_script(_REMEMBER_SCRIPT)(
-                keys=[*done, *leases], args=[len(done), ttl, self._token], client=client
+            if self._script is None:
+                # EVALSHA, loading the script on the first call to a server that lacks it.
+                self._script = client.register_script(_SCRIPT)
+            answers: bytes | str = self._script(
+                keys=[],
+                args=[
+                    self._prefix(),
+                    len(write),
+                    len(give_back),
+                    max(1, int(self.settings.dedup_retention.total_seconds())),
+                    self._token,
+                    max(1, round(self.settings.dedup_lease_seconds * 1000)),
+                    flags,
+                    *write,
+                    *give_back,
+                    *asked,
+                ],
+                client=client,
             )
-        except Exception as exc:  # noqa: BLE001
-            # The leases expire on their own and the inbox still knows what was processed.
-            self._failed("record processed ids", exc)
+        except Exception as exc:  # noqa: BLE001 - any cache failure means "ask the database"
+            # What was to be written is dropped: the leases expire on their own and the inbox
+            # still knows what was processed.
+            self._failed(what, exc)
+            return None
+        # bytes, unless the cache's client decodes responses
+        return answers.encode() if isinstance(answers, str) else answers
+
+    def _flush_loop(self) -> None:
+        while True:
+            if not self._wake.wait(FLUSHER_IDLE):
+                with self._lock:
+                    if not (self._to_write or self._to_give_back):
+                        self._flusher = None
+                        return
+                continue
+            time.sleep(FLUSH_AFTER)  # the next batch's check usually takes it meanwhile
+            self._wake.clear()
+            self.flush()
 
     # -- availability -----------------------------------------------------------------------------
 
@@ -178,6 +270,12 @@ class DuplicateCache:
             )
         else:
             logger.debug("duplicate fast path: cache %r still failing: %s", self.alias, exc)
+
+
+def _flush_at_exit(ref: weakref.ref[DuplicateCache]) -> None:
+    cache = ref()
+    if cache is not None:
+        cache.flush()
 
 
 def duplicate_cache(settings: MessagingSettings = messaging_settings) -> DuplicateCache | None:

@@ -694,8 +694,15 @@ def _fast_path(
         for index, (job, message) in enumerate(zip(jobs, decoded, strict=True))
         if isinstance(message, Message) and REPLAY_HEADER not in job.delivery.headers
     ]
-    known = cache.processed([(name, message.message_id) for _, name, message in candidates])
-    to_lease: list[tuple[int, tuple[str, str], Message]] = []
+    keys = list(dict.fromkeys((name, message.message_id) for _, name, message in candidates))
+    # Ordered partitions have one consumer at a time already (single active consumer).
+    wanted = {
+        (name, message.message_id)
+        for index, name, message in candidates
+        if not jobs[index].processor.spec.ordered
+    }
+    known, leases = cache.check(keys, wanted)
+    leased: list[tuple[str, str]] = []
     for index, name, message in candidates:
         key = (name, message.message_id)
         if key in known:
@@ -712,18 +719,12 @@ def _fast_path(
             )
             continue
         metrics.dedup_cache(name, "miss")
-        if not jobs[index].processor.spec.ordered:
-            # Ordered partitions have one consumer at a time already (single active consumer).
-            to_lease.append((index, key, message))
-    leases = cache.lease(list(dict.fromkeys(key for _, key, _ in to_lease)))
-    if leases is None:
-        return []
-    leased: list[tuple[str, str]] = []
-    for index, key, message in to_lease:
+        if leases is None or key not in leases:
+            continue
         if leases[key]:
             leases[key] = False  # the same message twice in one batch: the inbox decides
             leased.append(key)
         elif key not in leased:
-            metrics.dedup_cache(key[0], "lease_busy")
+            metrics.dedup_cache(name, "lease_busy")
             decided[index] = jobs[index].processor.failures.defer(jobs[index].delivery, message)
     return leased

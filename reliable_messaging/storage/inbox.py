@@ -1,22 +1,10 @@
 """Exactly once: a handler's effects commit together with its inbox row, or not at all.
 
-The one step every way of running a handler shares (a consumer's delivery on its own, a batch
-of deliveries, a Celery task): insert the inbox row of (consumer, message_id), then run, in one
-transaction. The insert comes first, so a duplicate is known before anything runs, and a
-concurrent twin makes it wait on the row until that one commits or rolls back: the unique
-constraint alone decides who takes effect. This module is the only code that writes inbox rows
-on that path:
-
-- :func:`claimed_atomic`: one message, the row and the work in one ``transaction.atomic``;
-- :func:`claim_inbox_rows`: a batch's rows in one statement (one round trip on PostgreSQL),
-  inside the batch's transaction, each handler then running in the caller's savepoints;
-- :func:`insert_inbox_row`: one row in the caller's transaction;
-- :func:`bounded_lock_wait` and :func:`lock_wait_for`: how long a claim may wait on a row
-  another transaction holds before the delivery is put aside instead.
-
-On PostgreSQL the inbox is partitioned by day (``partitions.py``) and a unique index spans one
-partition, so every claim first takes a transaction-scoped advisory lock per key and looks for
-the key across all partitions.
+Every way of running a handler (one delivery, a batch, a Celery task) inserts the inbox row of
+(consumer, message_id) here first and runs the work in the same transaction, so a duplicate is
+known before anything runs. :func:`claimed_atomic` claims one message, :func:`claim_inbox_rows`
+a batch in one statement, :func:`insert_inbox_row` one row in the caller's transaction; the
+lock waits are bounded by :func:`bounded_lock_wait`. ``docs/design.md#the-inbox-claim`` explains.
 """
 
 from __future__ import annotations

@@ -140,6 +140,7 @@ def test_the_duplicate_fast_path_never_unpickles_what_redis_holds() -> None:
         seen = duplicates.processed([("tests.alpha", "pickle-1")])
         duplicates.lease([("tests.alpha", "pickle-2")])
         duplicates.remember([("tests.alpha", "pickle-3")], [])
+        duplicates.flush()
         written = [redis.get(lease) or b"", redis.get(remembered) or b""]
     finally:
         redis.delete(done, lease, remembered)

@@ -19,17 +19,6 @@ DESIGN = ROOT / "docs" / "design.md"
 # A module docstring longer than this is an essay: its explanation belongs on docs/design.md.
 MAX_DOCSTRING_WORDS = 150
 
-# Modules whose docstrings are still essays, each to be summarised (and its essay moved to
-# docs/design.md) by the change that is rewriting the module: take a module out of this list
-# once it is.
-NOT_YET_SUMMARISED = frozenset(
-    {
-        "storage/inbox.py",
-        "consuming/fastpath.py",
-        "broker/write_coalescing.py",
-    }
-)
-
 DOTTED = re.compile(r"`(reliable_messaging(?:\.\w+)+)`")
 
 
@@ -94,11 +83,7 @@ def docstring_words() -> dict[str, int]:
 
 def test_every_module_docstring_is_a_summary() -> None:
     words = docstring_words()
-    too_long = {
-        module: count
-        for module, count in words.items()
-        if count > MAX_DOCSTRING_WORDS and module not in NOT_YET_SUMMARISED
-    }
+    too_long = {module: count for module, count in words.items() if count > MAX_DOCSTRING_WORDS}
     assert not too_long, (
         f"module docstrings over {MAX_DOCSTRING_WORDS} words (say what the module does and "
         f"why; move the design explanation to docs/design.md): {too_long}"

@@ -99,6 +99,7 @@ def test_a_message_leased_by_another_consumer_is_deferred_not_run(
     assert not Effect.objects.filter(message_id=message_id).exists()
     # The other consumer finishes: its done key answers the copy when it comes back.
     other.remember([(ALPHA, message_id)], [(ALPHA, message_id)])
+    other.flush()
     assert process(fast_path, message_id) == Acknowledge("duplicate")
 
 
@@ -106,6 +107,7 @@ def test_flushed_cache_changes_nothing_but_speed(fast_path: DuplicateCache) -> N
     ids = [f"fp-{uuid.uuid4()}" for _ in range(5)]
     for message_id in ids:
         assert process(fast_path, message_id) == Acknowledge("processed")
+    fast_path.flush()
     assert get_redis_connection("messaging").delete(*[fast_path.done_key(ALPHA, m) for m in ids])
     for message_id in ids:
         assert process(fast_path, message_id) == Acknowledge("duplicate")  # the inbox decides
