@@ -115,7 +115,9 @@ def test_getting_started_works_on_django_61_and_python_313(
     assert set(blocks) == {"settings.py", "orders/consumers.py", "orders/views.py", "urls.py"}
 
     dist = tmp_path / "dist"
-    run(sys.executable, "-m", "build", "--wheel", "--outdir", str(dist), str(ROOT), cwd=ROOT)
+    # The sdist, then the wheel from it, as `make dist` builds them: a wheel built straight from
+    # the checkout would take whatever an earlier build left in its build/ directory.
+    run(sys.executable, "-m", "build", "--outdir", str(dist), str(ROOT), cwd=ROOT)
     (wheel,) = dist.glob("reliable_messaging-*.whl")
 
     venv = tmp_path / "venv"
