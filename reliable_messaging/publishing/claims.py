@@ -34,8 +34,9 @@ T = TypeVar("T")
 
 # The statuses of a row not sent yet (see the module docstring).
 UNSENT = UNSENT_STATUSES
-# How often a claim is tried again at once when a row it reached was moved to the
-# sent partition meanwhile (a serialization failure, in READ COMMITTED only that).
+# How often a claim, or a batch's record (:mod:`.sent`), is tried again at once when a row it
+# reached was moved to the sent partition meanwhile (a serialization failure, in READ
+# COMMITTED only that).
 MOVED_TRIES = 3
 
 

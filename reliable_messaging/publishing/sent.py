@@ -26,14 +26,18 @@ from ..choices import OutboxStatus
 from ..core.envelope import ORDERING_KEY_HEADER, PUBLISHED_AT_HEADER
 from ..models import OutboxMessage
 from ..storage.partitions import OUTBOX, ensure_covered, row_moved
-from .claims import UNSENT, ClaimedRow, ClaimTransaction, any_id_of, release_next_of_keys
+from .claims import (
+    MOVED_TRIES,
+    UNSENT,
+    ClaimedRow,
+    ClaimTransaction,
+    any_id_of,
+    release_next_of_keys,
+)
 
 # Logged under the relay's name, the one users' logging configuration knows.
 logger = logging.getLogger("reliable_messaging.relay")
 
-# How often a record is tried again at once when a row it reached was moved to the sent
-# partition meanwhile (a serialization failure, in READ COMMITTED only that).
-MOVED_TRIES = 3
 
 # The header carrying a row's id, so that a returned message finds its row.
 OUTBOX_ID_HEADER = "x-rm-outbox-id"
