@@ -26,7 +26,7 @@ from reliable_messaging.core.envelope import REPLAY_HEADER
 from reliable_messaging.core.outcomes import Acknowledge, ScheduleRetry
 from reliable_messaging.exceptions import DatabaseUnavailable
 from reliable_messaging.models import DeadLetter, ProcessedMessage
-from reliable_messaging.storage import inbox as exactly_once
+from reliable_messaging.storage import inbox as inbox_claim
 from reliable_messaging.storage import partitions
 from tests.integration.consuming.test_batching import effects_of, job
 from tests.markers import postgresql_only
@@ -139,7 +139,7 @@ def no_partition_for_now(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """No inbox partition holds this instant, and none can be made on the spot (the upkeep and
     its fallback failing, say for want of the CREATE privilege): today's day is detached for
     the test, then attached again."""
-    monkeypatch.setattr(exactly_once, "ensure_covered", lambda *args, **kwargs: None)
+    monkeypatch.setattr(inbox_claim, "ensure_covered", lambda *args, **kwargs: None)
     now = timezone.now()
     [today] = [p for p in partitions.partitions("default") if p.overlaps(now, now)]
     assert today.start is not None and today.end is not None

@@ -33,7 +33,7 @@ from reliable_messaging.core.registry import ConsumerSpec
 from reliable_messaging.dead_letters.replay import STALE_REPLAY_AFTER, discard, replay
 from reliable_messaging.exceptions import DatabaseUnavailable, PermanentError
 from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
-from reliable_messaging.storage import inbox as exactly_once
+from reliable_messaging.storage import inbox as inbox_claim
 from reliable_messaging.storage.partitions import CLAIM_LOCK_CLASS
 from tests.markers import postgresql_only
 from tests.support import wait_until
@@ -349,7 +349,7 @@ def test_a_redelivered_batch_puts_held_rows_aside_without_waiting_for_them(
     attempt that never waits, and the rest of their batch is handled at once. (A probe that
     waits, however briefly, for each held row stalls the other consumer: its copies keep coming
     back while the holder lives.) A long probe makes any wait plain to see in pg_locks."""
-    monkeypatch.setattr(exactly_once, "ROW_LOCK_PROBE", 3.0)
+    monkeypatch.setattr(inbox_claim, "ROW_LOCK_PROBE", 3.0)
     spec = spec_of("races.held", record)
     held_id, free_id = f"held-{uuid.uuid4()}", f"free-{uuid.uuid4()}"
     holder = psycopg.connect(_dsn(), autocommit=False)
@@ -359,7 +359,7 @@ def test_a_redelivered_batch_puts_held_rows_aside_without_waiting_for_them(
         with holder.cursor() as cursor:  # the cut-off consumer's claim, never committed
             cursor.execute(
                 "SELECT pg_advisory_xact_lock(%s, %s)",
-                [CLAIM_LOCK_CLASS, exactly_once._key_hash(spec.name, held_id)],
+                [CLAIM_LOCK_CLASS, inbox_claim._key_hash(spec.name, held_id)],
             )
 
         def watch() -> None:
