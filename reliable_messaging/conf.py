@@ -218,6 +218,20 @@ def _token_problem(value: Any) -> str | None:
 # --------------------------------------------------------------------------- conversions
 
 
+def _trace_url_problem(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.startswith(("http://", "https://")):
+        return "must be None or an http:// or https:// URL template."
+    if "{trace_id}" not in value:
+        return "must hold {trace_id}, where the trace's id goes."
+    try:
+        value.format(trace_id="0" * 32, span_id="0" * 16)
+    except (KeyError, IndexError, ValueError) as exc:
+        return f"is not a template of {{trace_id}} and {{span_id}} only ({exc!r})."
+    return None
+
+
 def _only_true(value: Any) -> bool:
     """A switch that opens something: on for the boolean ``True`` only, never for a truthy
     string such as ``"False"`` (E047 names such a value, but only where checks run)."""
@@ -587,6 +601,22 @@ class MessagingSettings:
             _topic_patterns_problem,
             'e.g. ["billing.command.#", "*.charge"]; [] (the default) treats every '
             "unroutable row as an event nobody subscribes to yet.",
+        ),
+    )
+
+    trace_url_template = Setting(
+        "TRACE_URL_TEMPLATE",
+        None,
+        _optional_str,
+        "a link to a trace in your tracing UI, with `{trace_id}` (and optionally `{span_id}`) "
+        "where the ids go, e.g. `https://tempo.example.com/explore?traceId={trace_id}`: the "
+        "dead letter admin links each failure's trace with it (None: the ids are shown "
+        "without a link)",
+        Rule(
+            52,
+            _trace_url_problem,
+            'e.g. "https://jaeger.example.com/trace/{trace_id}"; None (the default) shows the '
+            "ids without a link.",
         ),
     )
 

@@ -242,13 +242,21 @@ class DeadLetterQuerySet(BatchDeletingQuerySet):
         )
 
     def mark_resolved(
-        self, dead_letter: DeadLetter, *, at: dt.datetime, by: str | None = None
+        self,
+        dead_letter: DeadLetter,
+        *,
+        at: dt.datetime,
+        by: str | None = None,
+        trace_id: str | None = None,
     ) -> None:
-        """Done with: its replay, or another copy of its message, was processed."""
+        """Done with: its replay, or another copy of its message, was processed (in the trace
+        ``trace_id``, when known)."""
         dead_letter.status = DeadLetterStatus.RESOLVED
         event: dict[str, Any] = {"event": "resolved", "at": at.isoformat()}
         if by is not None:
             event["by"] = by
+        if trace_id:
+            event["trace_id"] = trace_id
         _save_move(dead_letter, event, ["status", "history", "updated_at"])
 
     def mark_replayed_in_bulk(
@@ -273,12 +281,14 @@ class DeadLetterQuerySet(BatchDeletingQuerySet):
         event = {"event": "discarded", "at": at.isoformat(), "by": by, **details}
         return _move_in_bulk(self, event, status=DeadLetterStatus.DISCARDED, updated_at=at)
 
-    def resolve(self, *, at: dt.datetime, by: str | None = None) -> int:
+    def resolve(
+        self, *, at: dt.datetime, by: str | None = None, trace_id: str | None = None
+    ) -> int:
         """Lock these dead letters and mark each resolved; returns how many. Inside a
         transaction."""
         count = 0
         for dead_letter in self.select_for_update():
-            self.mark_resolved(dead_letter, at=at, by=by)
+            self.mark_resolved(dead_letter, at=at, by=by, trace_id=trace_id)
             count += 1
         return count
 

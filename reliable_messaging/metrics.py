@@ -30,6 +30,7 @@ __all__ = [
     "consumer_received",
     "consumers_started",
     "dedup_cache",
+    "delivery_times",
     "handler_timeout",
     "partition_days_ahead",
     "partition_upkeep_failed",
@@ -63,6 +64,19 @@ _HANDLER_DURATION = Histogram(
     "reliable_messaging_handler_duration_seconds",
     "Time a consumer's handler ran (its transaction included).",
     ["consumer"],
+)
+_PROCESSING_TIME = Histogram(
+    "reliable_messaging_processing_time_seconds",
+    "Time a consumer took to decide a delivery, from the start of its transaction (its batch's) "
+    "to the commit.",
+    ["consumer"],
+)
+_CRITICAL_TIME = Histogram(
+    "reliable_messaging_critical_time_seconds",
+    "Time from a message's publish (its outbox row's insert, else the producer's timestamp) to "
+    "its processing by a consumer (the commit), retries included.",
+    ["consumer"],
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 21600),
 )
 _HANDLER_TIMEOUTS = Counter(
     "reliable_messaging_handler_timeouts",
@@ -141,6 +155,8 @@ def consumers_started(consumers: Iterable[str]) -> None:
     for consumer in consumers:
         _RECEIVED.labels(consumer)
         _REDELIVERED.labels(consumer)
+        _PROCESSING_TIME.labels(consumer)
+        _CRITICAL_TIME.labels(consumer)
         for outcome in CONSUMER_OUTCOMES:
             _MESSAGES.labels(consumer, outcome)
 
@@ -159,6 +175,18 @@ def consumer_outcome(consumer: str, outcome: str, duration: float | None = None)
     _MESSAGES.labels(consumer, outcome).inc()
     if duration is not None:
         _HANDLER_DURATION.labels(consumer).observe(duration)
+
+
+def delivery_times(
+    consumer: str, processing: float, critical: float | None, trace_id: str | None = None
+) -> None:
+    """A delivery of ``consumer`` was decided in ``processing`` seconds; ``critical``: seconds
+    since its publish, when it was processed. ``trace_id`` becomes the observations' exemplar
+    (shown in the OpenMetrics format)."""
+    exemplar = {"trace_id": trace_id} if trace_id else None
+    _PROCESSING_TIME.labels(consumer).observe(processing, exemplar)
+    if critical is not None:
+        _CRITICAL_TIME.labels(consumer).observe(max(0.0, critical), exemplar)
 
 
 def handler_timeout(consumer: str) -> None:

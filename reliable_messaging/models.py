@@ -101,6 +101,10 @@ class DeadLetter(models.Model):
     fingerprint = models.CharField(max_length=64, blank=True)
     # Append-only record of what happened to this message: failures, replays, resolution.
     history = models.JSONField(default=list, blank=True)
+    # The trace of its last failure (W3C ids, hex): its delivery's span when tracing is on,
+    # else the traceparent it came with. A replay links to it.
+    trace_id = models.CharField(max_length=32, blank=True)
+    span_id = models.CharField(max_length=16, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

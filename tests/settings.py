@@ -139,3 +139,9 @@ if os.environ.get("RM_DEFAULT_LOGGING"):
 if os.environ.get("RM_ROOT_LOG_LEVEL"):
     LOGGING["root"] = {"handlers": ["console"], "level": os.environ["RM_ROOT_LOG_LEVEL"]}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+if os.environ.get("RM_TRACE_FILE"):
+    # The tracing tests' processes (tests/e2e/test_tracing.py): spans to a JSON-lines file.
+    from demo_project.tracing import configure_from_env
+
+    configure_from_env()

@@ -27,6 +27,7 @@ from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
 from ..choices import DeadLetterStatus
+from ..conf import messaging_settings
 from ..dead_letters import selection
 from ..dead_letters.replay import REPLAYABLE_STATUSES, UNREPLAYABLE_REASONS, stale_replays
 from ..models import DeadLetter, DeadLetterGroup, ProcessedMessage
@@ -44,6 +45,26 @@ def _moment(value: Any, format: str = "Y-m-d H:i:s") -> str:
     if timezone.is_aware(value):
         value = timezone.localtime(value)
     return formats.date_format(value, format)
+
+
+def trace_link(trace_id: str, span_id: str = "") -> str:
+    """A trace id, linked with ``TRACE_URL_TEMPLATE`` when it is set (the ids are hex, checked
+    here too: a stored id is data a producer could have chosen)."""
+    if not _is_hex(trace_id, 32) or (span_id and not _is_hex(span_id, 16)):
+        return format_html("{}", trace_id or "-")
+    template = messaging_settings.trace_url_template
+    if not template:
+        return format_html("<code>{}</code>", trace_id)
+    url = template.format(trace_id=trace_id, span_id=span_id)
+    return format_html('<a href="{}" rel="noopener"><code>{}</code></a>', url, trace_id)
+
+
+def _is_hex(value: Any, length: int) -> bool:
+    return (
+        isinstance(value, str)
+        and len(value) == length
+        and all(c in "0123456789abcdef" for c in value)
+    )
 
 
 def _filter_query(request: HttpRequest) -> str:
@@ -111,6 +132,7 @@ class DeadLetterAdmin(scaling.BoundedListAdmin):
         "first_failed_at",
         "last_failed_at",
         "failure_group",
+        "trace",
         "traceback_block",
         "pretty_payload",
         "raw_body",
@@ -271,6 +293,7 @@ class DeadLetterAdmin(scaling.BoundedListAdmin):
                         "first_failed_at",
                         "last_failed_at",
                         "failure_group",
+                        "trace",
                     )
                 },
             ),
@@ -343,6 +366,19 @@ class DeadLetterAdmin(scaling.BoundedListAdmin):
             gettext("a replay runs the handler again only if forced"),
         )
 
+    @admin.display(description=_("trace"))
+    def trace(self, obj: DeadLetter) -> str:
+        """The trace of the last failure (its span's id beside it); a replay's trace is in the
+        history, on the event its copy ended with."""
+        if not obj.trace_id:
+            return "-"
+        return format_html(
+            '{} <small class="rm-sub">{} {}</small>',
+            trace_link(obj.trace_id, obj.span_id),
+            gettext("span"),
+            obj.span_id or "-",
+        )
+
     @admin.display(description=_("exception message"))
     def exception_message_block(self, obj: DeadLetter) -> str:
         return bodies.shown_text(obj.exception_message) if obj.exception_message else "-"
@@ -397,13 +433,22 @@ class DeadLetterAdmin(scaling.BoundedListAdmin):
         if not events:
             return "-"
 
+        def detail(key: str, value: Any) -> str:
+            if key == "trace_id":
+                return format_html("{}: {}", gettext("trace"), trace_link(str(value)))
+            return format_html("{}: {}", key, value)
+
         def row(event: Any) -> tuple[str, str, str, str]:
             if not isinstance(event, dict):
                 return ("", "", "", str(event))
-            details = ", ".join(
-                f"{key}: {value}"
-                for key, value in event.items()
-                if key not in ("event", "at", "by") and value not in ("", None, False)
+            details = format_html_join(
+                ", ",
+                "{}",
+                (
+                    (detail(key, value),)
+                    for key, value in event.items()
+                    if key not in ("event", "at", "by") and value not in ("", None, False)
+                ),
             )
             return (
                 _moment(event.get("at", "")),

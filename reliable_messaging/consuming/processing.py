@@ -27,7 +27,7 @@ from django.db import (
     transaction,
 )
 
-from .. import metrics
+from .. import metrics, tracing
 from ..choices import DeadLetterReason
 from ..conf import MessagingSettings, messaging_settings
 from ..core.database_errors import (
@@ -122,10 +122,14 @@ class DeliveryProcessor:
     def timeout(self) -> float:
         return self.spec.timeout or self.settings.handler_timeout
 
-    def call_handler(self, message: Message) -> None:
+    def call_handler(self, message: Message, delivery: Delivery) -> None:
         """Run the handler (inside the caller's transaction) under its time limit: past it, it
-        raises :class:`~reliable_messaging.exceptions.HandlerTimeout` (see :mod:`.time_limit`)."""
-        with time_limits.limit(self.timeout, self.spec.name, message.message_id):
+        raises :class:`~reliable_messaging.exceptions.HandlerTimeout` (see :mod:`.time_limit`).
+        With tracing on, the delivery's span is the current one meanwhile."""
+        with (
+            tracing.handling(delivery),
+            time_limits.limit(self.timeout, self.spec.name, message.message_id),
+        ):
             self.spec.handler(message)
 
     def decode(self, delivery: Delivery) -> Message | DecodeError:
@@ -207,9 +211,15 @@ class DeliveryProcessor:
             ) as fresh:
                 if not fresh:
                     raise _AlreadyProcessed
-                self.call_handler(message)
+                self.call_handler(message, delivery)
                 if REPLAY_HEADER in delivery.headers:
-                    mark_resolved(self.spec.name, message.message_id, self.using)
+                    traced = tracing.ids_of(delivery)
+                    mark_resolved(
+                        self.spec.name,
+                        message.message_id,
+                        self.using,
+                        trace_id=traced[0] if traced else None,
+                    )
                 elif not self.spec.ordered:
                     # An ordered consumer's dead letter keeps its key parked until replayed.
                     resolve_processed_copies(self.spec.name, [message.message_id], self.using)
@@ -230,11 +240,13 @@ class DeliveryProcessor:
                     # Another copy of the message (published twice, sent again by a relay) was
                     # processed after the replay was queued: the dead letter is done with. Left
                     # "replayed", an ordered consumer's would park its key for good.
+                    traced = tracing.ids_of(delivery)
                     resolve_processed_copies(
                         self.spec.name,
                         [message.message_id],
                         self.using,
                         by="its replay found it processed by another copy",
+                        trace_id=traced[0] if traced else None,
                     )
                 return DeliveryOutcome(
                     Acknowledge(OutcomeLabel.DUPLICATE),
@@ -336,6 +348,22 @@ class _Fallback(Exception):
 def process_batch(
     jobs: Sequence[Job], *, cache: DuplicateCache | None = None
 ) -> list[Outcome | None]:
+    """Decide ``jobs`` in one transaction (:func:`_process_batch`), each delivery in a span of
+    its own when tracing is on."""
+    started = tracing.start_deliveries((job.delivery, job.processor.spec.name) for job in jobs)
+    if started is None:
+        return _process_batch(jobs, cache)
+    deliveries = [job.delivery for job in jobs]
+    try:
+        outcomes = _process_batch(jobs, cache)
+    except BaseException as exc:
+        tracing.end_deliveries(started, deliveries, None, exc)
+        raise
+    tracing.end_deliveries(started, deliveries, outcomes)
+    return outcomes
+
+
+def _process_batch(jobs: Sequence[Job], cache: DuplicateCache | None) -> list[Outcome | None]:
     """Decide ``jobs`` in one transaction; the outcomes are only valid once this returns.
 
     A conflict the database reports (a deadlock, a serialization failure) rolls the transaction
@@ -404,6 +432,7 @@ def _process_batch_once(
     """
     if not jobs:
         return []
+    began = time.perf_counter()
     if len({job.processor.using for job in jobs}) > 1:
         # A router sending consumers to different databases: one transaction per database.
         return [outcome for job in jobs for outcome in process_batch([job], cache=cache)]
@@ -447,11 +476,21 @@ def _process_batch_once(
             leased,
         )
     outcomes: list[Outcome | None] = []
+    now, processing = time.time(), time.perf_counter() - began
     for job, message, done in zip(jobs, decoded, decided, strict=True):
         if done is None:
             outcomes.append(None)
             continue
         metrics.consumer_outcome(job.processor.spec.name, done.label, done.duration)
+        published_at = message.published_at if isinstance(message, Message) else None
+        metrics.delivery_times(
+            job.processor.spec.name,
+            processing,
+            now - published_at.timestamp()
+            if published_at is not None and done.label == OutcomeLabel.PROCESSED
+            else None,
+            tracing.sampled_trace_id(job.delivery),
+        )
         if done.after_commit and isinstance(message, Message):
             _log_committed(job.processor.spec.name, message, done)
         outcomes.append(done.outcome)
@@ -602,7 +641,7 @@ def _run_claimed(
                 continue
         else:
             try:
-                processor.call_handler(message)
+                processor.call_handler(message, jobs[index].delivery)
             except Exception as exc:  # the batch is redone guarded, this failure decided there
                 # Not the handler's failure when the database did it: deciding it would spend
                 # an attempt on the database's outage or conflict. Nothing is decided then.
@@ -633,7 +672,7 @@ def _run_guarded(
     """Run the handler in a savepoint; None when it succeeded, else its failure's outcome."""
     try:
         with transaction.atomic(using=processor.using):
-            processor.call_handler(message)
+            processor.call_handler(message, delivery)
     except Exception as exc:  # noqa: BLE001 - any handler error is an outcome to decide on
         raise_database_trouble(
             exc, message.message_id, lost=lambda: not processor.connection_usable()

@@ -20,6 +20,7 @@ from typing import Any
 
 from django.db import DatabaseError, InterfaceError, OperationalError
 
+from .. import tracing
 from ..conf import MessagingSettings
 from ..core.database_errors import DatabaseTrouble, classify
 from ..core.delays import delay_for
@@ -133,6 +134,7 @@ class DeliveryFailures:
         return self.settings.retry_delays
 
     def reject_undecodable(self, delivery: Delivery, error: DecodeError) -> DeliveryOutcome:
+        tracing.delivery_failed(delivery, f"{error.reason}: {error.detail}")
         logger.error(
             "dead-lettering message_id=%s consumer=%s outcome=dead_lettered reason=%s: %s",
             error.message_id or "-",
@@ -159,6 +161,7 @@ class DeliveryFailures:
         detail: str,
         label: OutcomeLabel = OutcomeLabel.DEAD_LETTERED,
     ) -> DeliveryOutcome:
+        tracing.delivery_failed(delivery, f"{reason}: {detail}")
         logger.error(
             "dead-lettering message_id=%s consumer=%s attempt=%d outcome=%s reason=%s: %s",
             message.message_id,
@@ -184,6 +187,7 @@ class DeliveryFailures:
         self, delivery: Delivery, message: Message, exc: Exception, started: float
     ) -> DeliveryOutcome:
         duration = time.perf_counter() - started
+        tracing.delivery_failed(delivery, f"{type(exc).__name__}: {exc}", exc)
         decision = decide(
             exc, attempt=message.attempt, max_attempts=self.max_attempts, delays=self.retry_delays
         )

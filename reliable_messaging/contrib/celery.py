@@ -21,15 +21,16 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, ParamSpec, TypeVar, overload
 
 try:
-    from celery import Celery, Task, current_task
+    from celery import Celery, Task, current_app, current_task
     from celery.exceptions import Reject
+    from celery.signals import before_task_publish
 except ImportError as exc:  # the "celery" extra is not installed
     from ..exceptions import MissingExtra
 
     raise MissingExtra("reliable_messaging.idempotent_task", "celery", "celery") from exc
 from django.db import DatabaseError, router, transaction
 
-from .. import metrics
+from .. import metrics, tracing
 from ..choices import DeadLetterReason
 from ..conf import messaging_settings
 from ..consuming.crash_guard import CrashGuard, Suspicion
@@ -107,6 +108,17 @@ def _bodies(task: Task) -> Iterator[Any]:
         body = getattr(body, "__func__", body)  # a bound method when the task has bind=True
         yield body
         body = getattr(body, "__wrapped__", None)
+
+
+@before_task_publish.connect(weak=False)
+def _carry_trace(sender: str | None = None, headers: Any = None, **_: Any) -> None:
+    """With tracing on, an idempotent task sent inside a trace carries its context (Celery's
+    own instrumentation, when installed, has put it there already)."""
+    if headers is None or not tracing.active():
+        return
+    task = current_app.tasks.get(sender) if sender else None
+    if task is not None and any(body in _idempotent_bodies for body in _bodies(task)):
+        tracing.inject_into_task(headers)
 
 
 @dataclass(frozen=True)
@@ -248,41 +260,51 @@ def idempotent_task(
                     )
             message_id = inbox_key(raw_key)
             alias = using or router.db_for_write(ProcessedMessage)
-            guard = None
-            if task is not None and _redelivered(task):
-                # The message came back unacked: a pool child may have died on it. Only such
-                # messages pay for the guard; its mark commits before the body's transaction
-                # opens, so it outlives a SIGKILL.
-                guard = CrashGuard(messaging_settings.crash_limit, using=alias)
-                task_args = args[1:] if bound_self else args
+            request = task.request if task is not None else None
+            with tracing.running_task(request, name, message_id) as traced:
+                guard = None
+                if task is not None and _redelivered(task):
+                    # The message came back unacked: a pool child may have died on it. Only such
+                    # messages pay for the guard; its mark commits before the body's transaction
+                    # opens, so it outlives a SIGKILL.
+                    guard = CrashGuard(messaging_settings.crash_limit, using=alias)
+                    task_args = args[1:] if bound_self else args
+                    try:
+                        looping = _dead_letter_if_crash_looping(
+                            guard, task, name, message_id, task_args, kwargs
+                        )
+                    except DatabaseError as exc:
+                        if classify(exc) is DatabaseTrouble.UNAVAILABLE:
+                            traced.settle("held", "the database is unavailable")
+                            _hold(task, name, message_id, exc)
+                        raise
+                    if looping:
+                        traced.settle(OutcomeLabel.DEAD_LETTERED, DeadLetterReason.WORKER_CRASHED)
+                        return None  # Celery acks it, and the queue moves on
                 try:
-                    looping = _dead_letter_if_crash_looping(
-                        guard, task, name, message_id, task_args, kwargs
+                    result = _run_retrying_conflicts(
+                        body, args, kwargs, task, name, message_id, alias, traced
                     )
-                except DatabaseError as exc:
-                    if classify(exc) is DatabaseTrouble.UNAVAILABLE:
+                except BaseException as exc:
+                    if (
+                        isinstance(exc, DatabaseError)
+                        and classify(exc) is DatabaseTrouble.UNAVAILABLE
+                    ):
+                        # Not the task's failure: nothing is charged, the message goes back.
+                        if guard is not None:
+                            _interrupted(guard, name, message_id)
+                        traced.settle("held", "the database is unavailable")
                         _hold(task, name, message_id, exc)
+                    # An exception is an outcome: Celery fails or retries the task. SystemExit and
+                    # MemoryError end the child (Celery lets them through): the mark stays
+                    # "running", so the redelivery counts the death as if it were a SIGKILL.
+                    if guard is not None and _is_outcome(exc):
+                        _forget(guard, name, message_id)
                     raise
-                if looping:
-                    return None  # Celery acks it, and the queue moves on
-            try:
-                result = _run_retrying_conflicts(body, args, kwargs, task, name, message_id, alias)
-            except BaseException as exc:
-                if isinstance(exc, DatabaseError) and classify(exc) is DatabaseTrouble.UNAVAILABLE:
-                    # Not the task's failure: nothing is charged, the message goes back.
-                    if guard is not None:
-                        _interrupted(guard, name, message_id)
-                    _hold(task, name, message_id, exc)
-                # An exception is an outcome: Celery fails or retries the task. SystemExit and
-                # MemoryError end the child (Celery lets them through): the mark stays
-                # "running", so the redelivery counts the death as if it were a SIGKILL.
-                if guard is not None and _is_outcome(exc):
+                _outage.recovered()
+                if guard is not None:
                     _forget(guard, name, message_id)
-                raise
-            _outage.recovered()
-            if guard is not None:
-                _forget(guard, name, message_id)
-            return result
+                return result
 
         _idempotent_bodies.add(run_once)
         return run_once
@@ -298,13 +320,14 @@ def _run_retrying_conflicts(
     name: str,
     message_id: str,
     alias: str,
+    traced: tracing.TaskSpan,
 ) -> R | None:
     """:func:`_run_in_inbox`, run again in a new transaction (a bounded number of times, not
     charged to the task) when the database reports a deadlock or a serialization failure.
     Inside a caller's transaction there is no new transaction to run in: it raises at once."""
     for retry in range(CONFLICT_RETRIES + 1):
         try:
-            return _run_in_inbox(body, args, kwargs, task, name, message_id, alias)
+            return _run_in_inbox(body, args, kwargs, task, name, message_id, alias, traced)
         except DatabaseError as exc:
             if (
                 classify(exc) is not DatabaseTrouble.CONFLICT
@@ -358,6 +381,7 @@ def _run_in_inbox(
     name: str,
     message_id: str,
     alias: str,
+    traced: tracing.TaskSpan,
 ) -> R | None:
     """Run ``body`` in one transaction with the insert of its inbox row; ``None`` without
     running it when the key already took effect."""
@@ -374,6 +398,7 @@ def _run_in_inbox(
             task.request.id if task is not None else "-",
         )
         metrics.consumer_outcome(name, OutcomeLabel.DUPLICATE)
+        traced.settle(OutcomeLabel.DUPLICATE)
         return None
     duration = time.perf_counter() - started
     # Counted once committed: called inside a caller's transaction (eagerly, say), the
@@ -381,6 +406,7 @@ def _run_in_inbox(
     transaction.on_commit(
         lambda: metrics.consumer_outcome(name, OutcomeLabel.PROCESSED, duration), using=alias
     )
+    traced.settle(OutcomeLabel.PROCESSED)
     logger.info(
         "processed message_id=%s task=%s outcome=processed duration_ms=%.1f",
         message_id,

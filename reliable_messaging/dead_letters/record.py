@@ -10,6 +10,7 @@ from typing import Any
 from django.db import DataError, router
 from django.utils import timezone
 
+from .. import tracing
 from ..choices import DeadLetterStatus
 from ..core.envelope import (
     FIRST_FAILED_AT_HEADER,
@@ -96,6 +97,8 @@ def record_dead_letter(
         "last_failed_at": now,
         "status": DeadLetterStatus.DEAD,
         "fingerprint": fingerprint,
+        "trace_id": "",
+        "span_id": "",
     }
     event = {
         "event": "dead_lettered",
@@ -104,6 +107,10 @@ def record_dead_letter(
         "attempts": attempts,
         "exception_type": exception_type,
     }
+    traced = tracing.ids_of(delivery)
+    if traced is not None:
+        fields["trace_id"], fields["span_id"] = traced
+        event["trace_id"] = traced[0]
     using = router.db_for_write(DeadLetter)
     try:
         return _upsert(using, consumer, message_id, fields, event, delivery, now)

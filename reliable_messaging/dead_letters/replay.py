@@ -20,6 +20,7 @@ from django.db.models import Q, QuerySet
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from .. import tracing
 from ..choices import DeadLetterReason, DeadLetterStatus, OutboxStatus
 from ..core.envelope import (
     ATTEMPT_HEADER,
@@ -36,6 +37,7 @@ from ..core.envelope import (
     REPLAYED_BY_HEADER,
     wire_headers,
 )
+from ..core.trace_context import TRACE_HEADERS
 from ..models import DeadLetter, OutboxMessage, ProcessedMessage
 
 logger = logging.getLogger(__name__)
@@ -169,6 +171,26 @@ def _replay_headers(dead_letter: DeadLetter, replayed_by: str) -> dict[str, Any]
     return headers
 
 
+def _traced(headers: dict[str, Any], dead_letter: DeadLetter, replayed_by: str) -> dict[str, Any]:
+    """With tracing on, the copy starts a trace of its own, whose ``replay`` span links to the
+    failure it replays; off, it keeps the context the message came with."""
+    span, carrier = tracing.start_replay(
+        dead_letter=dead_letter.pk,
+        consumer=dead_letter.consumer,
+        queue=dead_letter.queue,
+        message_id=dead_letter.message_id,
+        trace_id=dead_letter.trace_id,
+        span_id=dead_letter.span_id,
+        replayed_by=replayed_by,
+    )
+    if span is not None:
+        for name in TRACE_HEADERS:
+            headers.pop(name, None)
+        headers.update(carrier)
+        tracing.end(span)
+    return headers
+
+
 def replay_batch(
     ids: Iterable[int], *, replayed_by: str, force: bool = False, operation: int | None = None
 ) -> ReplayResult:
@@ -221,7 +243,7 @@ def replay_batch(
                     "",  # the default exchange: straight to the failed consumer's queue
                     dead_letter.queue,
                     bytes(dead_letter.body).decode("utf-8"),
-                    _replay_headers(dead_letter, replayed_by),
+                    _traced(_replay_headers(dead_letter, replayed_by), dead_letter, replayed_by),
                     (dead_letter.headers or {}).get(ORDERING_KEY_HEADER),
                     OutboxStatus.PENDING,
                     0,
@@ -272,6 +294,8 @@ _REPLAY_FIELDS = (
     "status",
     "replay_count",
     "updated_at",
+    "trace_id",
+    "span_id",
 )
 _OUTBOX_COLUMNS = (
     "message_id",
@@ -352,9 +376,14 @@ def discard(
         )
 
 
-def mark_resolved(consumer: str, message_id: str, using: str) -> None:
-    """Called inside the handler's transaction when a replayed message succeeded."""
-    DeadLetter.objects.using(using).of(consumer, message_id).resolve(at=timezone.now())
+def mark_resolved(
+    consumer: str, message_id: str, using: str, *, trace_id: str | None = None
+) -> None:
+    """Called inside the handler's transaction when a replayed message succeeded (in the trace
+    ``trace_id``, which its history then names)."""
+    DeadLetter.objects.using(using).of(consumer, message_id).resolve(
+        at=timezone.now(), trace_id=trace_id
+    )
 
 
 def resolve_processed_copies(
@@ -363,6 +392,7 @@ def resolve_processed_copies(
     using: str,
     *,
     by: str = "a later copy was processed",
+    trace_id: str | None = None,
 ) -> int:
     """Resolve the dead letters of ``consumer`` whose message a later copy just processed.
 
@@ -383,4 +413,4 @@ def resolve_processed_copies(
     )
     if not open_letters.exists():
         return 0
-    return open_letters.resolve(at=timezone.now(), by=by)
+    return open_letters.resolve(at=timezone.now(), by=by, trace_id=trace_id)

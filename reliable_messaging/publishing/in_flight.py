@@ -9,13 +9,14 @@ database worker that holds its transaction. Everything here runs on the I/O loop
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import metrics
+from .. import metrics, tracing
 from ..broker.probes import ExchangeProbe
 from ..broker.publisher import ChannelClosed, ConfirmingPublisher, Returned, Unencodable
 from ..conf import MessagingSettings
@@ -23,7 +24,14 @@ from ..core.liveness import HealthState
 from ..core.routing import topic_matches
 from .claims import Claim, OutboxClaims
 from .database_worker import DatabaseWorker
-from .sent import OUTBOX_ID_HEADER, Batch, charge_refusal, message_headers, record_outcome
+from .sent import (
+    OUTBOX_ID_HEADER,
+    Batch,
+    BatchOutcome,
+    charge_refusal,
+    message_headers,
+    record_outcome,
+)
 
 # Logged under the relay's name, the one users' logging configuration knows.
 logger = logging.getLogger("reliable_messaging.relay")
@@ -141,11 +149,26 @@ class InFlight:
         )
         self._batches.append(batch)
         worker.batch = batch
+        tracing_on = tracing.active()
+        now = dt.datetime.now(dt.UTC)
         for row in rows:
             if not self.probe.exists(row.exchange):
                 batch.unpublished.append(row)
                 batch.errors[row.pk] = f"exchange {row.exchange!r} does not exist"
                 continue
+            headers = message_headers(row)
+            span = None
+            if tracing_on:
+                # A span per row, in the trace its publish() stored: the message carries it.
+                span = tracing.start_send(
+                    headers,
+                    exchange=row.exchange,
+                    routing_key=row.routing_key,
+                    message_id=row.message_id,
+                    created_at=row.created_at,
+                    now=now,
+                )
+                tracing.sent_with(span, headers)
             try:
                 tag = self.publisher.publish(
                     row.exchange,
@@ -153,13 +176,16 @@ class InFlight:
                     row.body.encode("utf-8"),
                     message_id=row.message_id,
                     timestamp=int(row.created_at.timestamp()),
-                    headers=message_headers(row),
+                    headers=headers,
                 )
             except Unencodable as exc:
                 batch.unpublished.append(row)
                 batch.errors[row.pk] = str(exc)[:2000]
+                tracing.end_send(span, "failed", batch.errors[row.pk])
                 continue
             batch.rows[tag] = row
+            if span is not None:
+                batch.spans[row.pk] = span
         self.publisher.flush()
         if batch.unpublished:
             metrics.relay_failed("refused", len(batch.unpublished))
@@ -253,7 +279,11 @@ class InFlight:
                 len(batch.claimed),
             )
             self.health.set_database(False, str(error))
+            for span in batch.spans.values():
+                tracing.end_send(span, "again", f"its outcome could not be recorded: {error}")
             return False
+        if batch.spans:
+            _end_send_spans(batch, outcome)
         sent, unrouted = outcome.sent, outcome.unrouted
         self.report.sent += len(sent)
         self.report.unrouted += len(unrouted)
@@ -289,3 +319,18 @@ class InFlight:
         logger.warning(
             "relay: %d row(s) in flight when %s; the unconfirmed ones are due again", rows, why
         )
+
+
+def _end_send_spans(batch: Batch, outcome: BatchOutcome) -> None:
+    """End the batch's ``send`` spans with what became of each row, once it is recorded."""
+    sent = set(outcome.sent)
+    unrouted = {row.pk for row in outcome.unrouted}
+    for pk, span in batch.spans.items():
+        if pk in sent:
+            tracing.end_send(span, "sent")
+        elif pk in unrouted:
+            tracing.end_send(span, "unrouted")
+        elif pk in outcome.failures:
+            tracing.end_send(span, "failed", outcome.failures[pk])
+        else:
+            tracing.end_send(span, "again")

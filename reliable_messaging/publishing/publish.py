@@ -24,6 +24,7 @@ from django.db import IntegrityError, connections, router, transaction
 from django.db.models import Field
 from django.db.models.functions import Now
 
+from .. import tracing
 from ..broker.limits import learned_max_message_size
 from ..choices import OutboxStatus
 from ..conf import messaging_settings
@@ -132,6 +133,37 @@ def publish(
         _check_short_string("exchange", exchange)
     exchange = messaging_settings.exchange if exchange is None else exchange
     headers = _json_headers(headers)
+    # With tracing on: a "publish" span in the caller's trace, whose context the row keeps (a
+    # traceparent the caller gave is kept instead).
+    span, trace_headers = tracing.start_publish(exchange, routing_key, message_id, len(encoded))
+    if "traceparent" not in headers:
+        headers.update(trace_headers)
+    try:
+        written = _write(
+            using, message_id, exchange, routing_key, body, headers, ordering_key, idempotency_key
+        )
+    except BaseException as exc:
+        tracing.end(span, exc)
+        raise
+    if span is not None and written != message_id:
+        span.set_attribute("reliable_messaging.published_before_as", written)
+    tracing.end(span)
+    wake_relay_after_commit(using)
+    return written
+
+
+def _write(
+    using: str,
+    message_id: str,
+    exchange: str,
+    routing_key: str,
+    body: str,
+    headers: dict[str, Any],
+    ordering_key: str | None,
+    idempotency_key: str | None,
+) -> str:
+    """Insert the row; returns its message_id (an earlier message's, for an idempotency key
+    published before)."""
     if connections[using].vendor == "postgresql":
         headers_json = json.dumps(headers) if headers else "{}"
         values = [
@@ -145,26 +177,23 @@ def publish(
         ]
         if idempotency_key is None:
             _insert_pg(using, values)
-        else:
-            message_id = _publish_once_pg(values, idempotency_key, using)
-    else:
-        row = OutboxMessage(
-            message_id=message_id,
-            exchange=exchange,
-            routing_key=routing_key,
-            body=body,
-            headers=headers,
-            ordering_key=ordering_key,
-            idempotency_key=idempotency_key,
-            next_attempt_at=Now(),
-            created_at=Now(),
-        )
-        if idempotency_key is None:
-            row.save(using=using, force_insert=True)
-        else:
-            message_id = _publish_once(row, idempotency_key, using)
-    wake_relay_after_commit(using)
-    return message_id
+            return message_id
+        return _publish_once_pg(values, idempotency_key, using)
+    row = OutboxMessage(
+        message_id=message_id,
+        exchange=exchange,
+        routing_key=routing_key,
+        body=body,
+        headers=headers,
+        ordering_key=ordering_key,
+        idempotency_key=idempotency_key,
+        next_attempt_at=Now(),
+        created_at=Now(),
+    )
+    if idempotency_key is None:
+        row.save(using=using, force_insert=True)
+        return message_id
+    return _publish_once(row, idempotency_key, using)
 
 
 def _insert_sql(ordering_key: bool, idempotency_key: bool) -> str:

@@ -109,6 +109,7 @@ class Batch:
     timer: Any = None
     published_at: float = 0.0  # monotonic time the rows went out, for the confirm latency
     leased_at: float = 0.0  # monotonic time the lease was taken or renewed; 0: not leased
+    spans: dict[int, Any] = field(default_factory=dict)  # row id -> its "send" span (tracing)
 
     def holds(self, pk: int) -> bool:
         return pk in self.pks

@@ -150,6 +150,7 @@ ROOT_MODULES = {
     "tasks",
     "testing",
     "testing_broker",
+    "tracing",
     "urls",
 }
 
