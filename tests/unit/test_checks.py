@@ -509,3 +509,27 @@ def test_management_url_malformed(rm: Any, url: Any) -> None:
     message = only(rm(MANAGEMENT_URL=url), "reliable_messaging.E049")
     assert "MANAGEMENT_URL" in message.msg
     assert "s3cret" not in message.msg
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "javascript:alert('{trace_id}')",
+        "https://tempo.example.com/explore",  # no {trace_id}
+        "https://tempo.example.com/{trace_id}/{tenant}",
+        "https://tempo.example.com/{trace_id}/{0}",
+        "https://tempo.example.com/{trace_id",
+        42,
+    ],
+)
+def test_trace_url_template_must_be_a_link_to_a_trace(rm: Any, template: Any) -> None:
+    message = only(rm(TRACE_URL_TEMPLATE=template), "reliable_messaging.E052")
+    assert "TRACE_URL_TEMPLATE" in message.msg
+
+
+@pytest.mark.parametrize(
+    "template",
+    [None, "https://jaeger.example.com/trace/{trace_id}?uiFind={span_id}"],
+)
+def test_trace_url_template_accepts_a_template_of_the_ids(rm: Any, template: Any) -> None:
+    assert ids(rm(TRACE_URL_TEMPLATE=template)) == []

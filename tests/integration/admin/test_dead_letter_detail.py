@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from django.test import Client
+from django.conf import settings
+from django.test import Client, override_settings
 
 from reliable_messaging.models import DeadLetter, ProcessedMessage
 
@@ -145,3 +146,46 @@ def test_no_replay_button_for_what_cannot_be_replayed(
     assert discard_url(resolved) not in resolved_html
     assert replay_url(no_json) not in no_json_html
     assert discard_url(no_json) in no_json_html
+
+
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+SPAN = "00f067aa0ba902b7"
+REPLAY_TRACE = "0af7651916cd43dd8448eb211c80319c"
+
+
+def test_the_trace_of_the_failure_and_of_its_replay_are_linked(
+    admin: Client, make_dead_letter: MakeDeadLetter
+) -> None:
+    """With TRACE_URL_TEMPLATE the page links the failure's trace and, in the history, the
+    trace its replay ended in; an id that is not one (a producer wrote it) is shown, unlinked."""
+    letter = make_dead_letter(
+        trace_id=TRACE,
+        span_id=SPAN,
+        history=[
+            {"event": "dead_lettered", "at": "2026-01-01T00:00:00+00:00", "trace_id": TRACE},
+            {"event": "replayed", "at": "2026-01-01T00:01:00+00:00", "by": "admin"},
+            {"event": "resolved", "at": "2026-01-01T00:01:02+00:00", "trace_id": REPLAY_TRACE},
+            {"event": "resolved", "at": "2026-01-01T00:01:03+00:00", "trace_id": "<b>x</b>"},
+        ],
+    )
+    template = "https://tempo.example.com/trace/{trace_id}?span={span_id}"
+    values = {**settings.RELIABLE_MESSAGING, "TRACE_URL_TEMPLATE": template}
+
+    with override_settings(RELIABLE_MESSAGING=values):
+        html = admin.get(change_url(letter)).content.decode()
+
+    assert f'href="https://tempo.example.com/trace/{TRACE}?span={SPAN}"' in html
+    assert f'href="https://tempo.example.com/trace/{REPLAY_TRACE}?span="' in html
+    assert "&lt;b&gt;x&lt;/b&gt;" in html and "<b>x</b>" not in html
+    assert html.count('href="https://tempo.example.com/') == 3  # the field and two events
+
+
+def test_without_a_template_the_trace_ids_are_shown_unlinked(
+    admin: Client, make_dead_letter: MakeDeadLetter
+) -> None:
+    letter = make_dead_letter(trace_id=TRACE, span_id=SPAN)
+
+    html = admin.get(change_url(letter)).content.decode()
+
+    assert f"<code>{TRACE}</code>" in html and SPAN in html
+    assert "tempo.example.com" not in html
