@@ -103,8 +103,9 @@ class DeadLetter(models.Model):
     history = models.JSONField(default=list, blank=True)
     # The trace of its last failure (W3C ids, hex): its delivery's span when tracing is on,
     # else the traceparent it came with. A replay links to it.
-    trace_id = models.CharField(max_length=32, blank=True)
-    span_id = models.CharField(max_length=16, blank=True)
+    # A database default too, so rows written with SQL (bulk loads, COPY) need not name them.
+    trace_id = models.CharField(max_length=32, blank=True, default="", db_default="")
+    span_id = models.CharField(max_length=16, blank=True, default="", db_default="")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -360,8 +360,14 @@ class Migration(migrations.Migration):
                 ("replay_count", models.PositiveIntegerField(default=0)),
                 ("fingerprint", models.CharField(blank=True, max_length=64)),
                 ("history", models.JSONField(blank=True, default=list)),
-                ("trace_id", models.CharField(blank=True, max_length=32)),
-                ("span_id", models.CharField(blank=True, max_length=16)),
+                (
+                    "trace_id",
+                    models.CharField(blank=True, db_default="", default="", max_length=32),
+                ),
+                (
+                    "span_id",
+                    models.CharField(blank=True, db_default="", default="", max_length=16),
+                ),
                 ("created_at", models.DateTimeField(auto_now_add=True)),
                 ("updated_at", models.DateTimeField(auto_now=True)),
             ],
