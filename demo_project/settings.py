@@ -124,3 +124,10 @@ LOGGING = {
         "reliable_messaging": {"handlers": ["stderr"], "level": "INFO", "propagate": False}
     },
 }
+
+if os.environ.get("RM_TRACE_FILE"):
+    # run_demo sets it for itself and the processes it starts (relay, consume, the Celery
+    # worker): each exports its spans to that file, and run_demo prints one trace at the end.
+    from demo_project.tracing import configure_from_env
+
+    configure_from_env()

@@ -5,15 +5,18 @@
 ``RM_TRACE_FILE`` names the file (the demo's ``make demo`` and the tracing tests set it for the
 processes they start); without it, nothing is configured and tracing stays off. A real
 deployment configures its own provider and exporter (OTLP to a collector) instead.
+``web_request()`` stands in for a web framework's instrumentation around a view.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +35,43 @@ def configure_from_env(service: str | None = None) -> bool:
 
     if service is None:
         command = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else ""
-        service = f"shop {command}".strip() if command else Path(sys.argv[0]).stem
+        program = Path(sys.argv[0])
+        if program.name == "__main__.py":  # python -m celery ...: the package's name
+            service = f"shop {program.parent.name}"
+        else:
+            service = f"shop {command}".strip() if command else program.stem
     provider = TracerProvider(resource=Resource.create({"service.name": service}))
     provider.add_span_processor(SimpleSpanProcessor(_file_exporter(path)))
     trace.set_tracer_provider(provider)
     return True
+
+
+def sdk_installed() -> bool:
+    """Whether ``opentelemetry-sdk``, which :func:`configure_from_env` needs, is installed."""
+    try:
+        return importlib.util.find_spec("opentelemetry.sdk") is not None
+    except ImportError:  # not even the API's namespace package
+        return False
+
+
+@contextmanager
+def web_request(method: str, route: str) -> Iterator[Any]:
+    """A server span named like a view's (``POST /orders``), current meanwhile, as a web
+    framework's instrumentation would start it; yields None when tracing is off."""
+    from reliable_messaging import tracing
+
+    if not tracing.active():
+        yield None
+        return
+    from opentelemetry import trace
+
+    tracer = trace.get_tracer("demo_project.shop")
+    with tracer.start_as_current_span(
+        f"{method} {route}",
+        kind=trace.SpanKind.SERVER,
+        attributes={"http.request.method": method, "http.route": route},
+    ) as span:
+        yield span
 
 
 def _file_exporter(path: str) -> Any:

@@ -12,10 +12,15 @@
    and customers ask for their receipt by email, some twice; the idempotent task sends one
    email per order. Then the worker and ``consume`` are stopped with SIGTERM.
 6. Read everything back from the database and print the summary.
+
+With ``opentelemetry-sdk`` installed, every process exports its spans to a file under
+``demo_project/logs`` and the run ends with the trace of one order that failed once, as a
+tree; each order is placed inside a ``POST /orders`` span, as a view would place it.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import time
@@ -29,8 +34,9 @@ from django.contrib.auth.models import User
 from django.core.management import call_command
 from django.db import connection, transaction
 
+from demo_project import tracing as demo_tracing
 from demo_project.celery import app as celery_app
-from reliable_messaging import publish
+from reliable_messaging import publish, tracing
 from reliable_messaging.core.registry import registry
 from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
 
@@ -50,6 +56,8 @@ from .tasks import EMAIL_RECEIPT, email_receipt
 from .workers import Worker, stop_all
 
 LOG_DIR = Path(__file__).resolve().parents[1] / "logs"
+# Every process's spans, one JSON line each; a fresh file per run.
+TRACE_FILE = LOG_DIR / "trace.jsonl"
 POLL_INTERVAL = 0.5
 # How long the final state must hold before the workers are stopped. A duplicate that a
 # consumer is handling right now shows in no queue depth (it is unacked, not ready); the pause
@@ -94,6 +102,7 @@ class DemoPlan:
 class PlacedOrder:
     order: Order
     message_id: str
+    trace_id: str | None = None  # of the POST /orders span that placed it, when traced
 
 
 class CustomerChangedTheirMind(Exception):
@@ -125,24 +134,31 @@ def place_orders(plan: DemoPlan, first: int = 1) -> tuple[list[PlacedOrder], lis
     rolled_back: list[str] = []
     for number, kind in enumerate(kinds, start=first):
         amount = Decimal(rng.randrange(500, 20000)).scaleb(-2)
-        try:
-            with transaction.atomic():
-                order = Order.objects.create(
-                    customer=f"customer-{number:02d}",
-                    amount=amount,
-                    card=Card.OK if kind == ROLLED_BACK else kind,
+        with demo_tracing.web_request("POST", "/orders") as request:
+            try:
+                with transaction.atomic():
+                    order = Order.objects.create(
+                        customer=f"customer-{number:02d}",
+                        amount=amount,
+                        card=Card.OK if kind == ROLLED_BACK else kind,
+                    )
+                    message_id = publish(
+                        ORDER_PLACED,
+                        {"order_id": order.pk, "amount": order.amount},
+                        ordering_key=str(order.pk),
+                    )
+                    if kind == ROLLED_BACK:
+                        rolled_back.append(message_id)
+                        raise CustomerChangedTheirMind
+            except CustomerChangedTheirMind:
+                if request is not None:
+                    request.set_attribute("http.response.status_code", 409)
+                continue
+            if request is not None:
+                request.set_attributes(
+                    {"http.response.status_code": 201, "shop.order.id": order.pk}
                 )
-                message_id = publish(
-                    ORDER_PLACED,
-                    {"order_id": order.pk, "amount": order.amount},
-                    ordering_key=str(order.pk),
-                )
-                if kind == ROLLED_BACK:
-                    rolled_back.append(message_id)
-                    raise CustomerChangedTheirMind
-        except CustomerChangedTheirMind:
-            continue
-        placed.append(PlacedOrder(order, message_id))
+            placed.append(PlacedOrder(order, message_id, tracing.current_trace_id()))
     return placed, rolled_back
 
 
@@ -271,7 +287,8 @@ def run_celery_part(
             asked = [p.order.pk for p in placed if p.order.card != Card.DECLINED]
             calls = asked + asked[: plan.emails_asked_twice]  # some customers ask twice
             for order_id in calls:
-                email_receipt.delay(order_id)
+                with demo_tracing.web_request("POST", "/orders/{id}/receipt-email"):
+                    email_receipt.delay(order_id)
             say(
                 f"Celery worker with beat running relay_outbox (log {celery.log_path}): placed "
                 f"{len(extra)} more orders, asked {len(asked)} receipt emails, "
@@ -303,11 +320,48 @@ def run_celery_part(
     return facts, exit_codes, unfinished
 
 
+def start_tracing(say: Say) -> Path | None:
+    """Export this process's spans, and those of the workers it starts, to a fresh
+    TRACE_FILE (or to ``$RM_TRACE_FILE`` when it is set); None when the SDK is missing."""
+    if os.environ.get(demo_tracing.TRACE_FILE_ENV):
+        # The settings have configured this process already; the workers inherit the variable.
+        return Path(os.environ[demo_tracing.TRACE_FILE_ENV])
+    TRACE_FILE.unlink(missing_ok=True)
+    if not demo_tracing.sdk_installed():
+        say("Tracing skipped: opentelemetry-sdk is not installed (pip install opentelemetry-sdk)")
+        return None
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    os.environ[demo_tracing.TRACE_FILE_ENV] = str(TRACE_FILE)  # the workers' settings read it
+    demo_tracing.configure_from_env()
+    return TRACE_FILE
+
+
+def traced_order(placed: Sequence[PlacedOrder], duplicated: Sequence[PlacedOrder]) -> PlacedOrder:
+    """The order whose trace is worth showing: a flaky card (failed once, charged on retry)
+    that was published only once."""
+    sent_twice = {p.message_id for p in duplicated}
+    return next(
+        (p for p in placed if p.order.card == Card.FLAKY and p.message_id not in sent_twice),
+        next((p for p in placed if p.order.card == Card.FLAKY), placed[0]),
+    )
+
+
+def trace_lines(trace_file: Path, order: PlacedOrder) -> list[str]:
+    """The order's trace as a tree, read from what every process exported."""
+    if order.trace_id is None:
+        return [f"(order {order.order.pk} was placed outside a trace)"]
+    return [
+        f"The trace of order {order.order.pk} (card {order.order.card}), from {trace_file}:",
+        *demo_tracing.render_tree(demo_tracing.read_spans(trace_file), order.trace_id).splitlines(),
+    ]
+
+
 def run_demo(say: Say, *, timeout: float = 120.0, plan: DemoPlan | None = None) -> bool:
     """Run the whole scenario and print its summary; True when every guarantee held."""
     plan = plan or DemoPlan()
     started = time.monotonic()
     say("Preparing: migrate, clear the previous run, purge the demo's queues")
+    trace_file = start_tracing(say)
     reset_database()
     broker = DemoBroker(registry.all(), celery_queue=celery_app.conf.task_default_queue)
     try:
@@ -361,6 +415,10 @@ def run_demo(say: Say, *, timeout: float = 120.0, plan: DemoPlan | None = None) 
     say("")
     for line in summary_lines(state, injected, facts):
         say(line)
+    if trace_file is not None and placed:
+        say("")
+        for line in trace_lines(trace_file, traced_order(placed, duplicated)):
+            say(line)
     if not problems(state, injected, facts):
         return True
     for name in exit_codes:
