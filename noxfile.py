@@ -44,6 +44,9 @@ LOWEST = (
     "celery==5.3.0",
     "django-redis==5.4.0",
     "django-health-check==4.8.0",
+    # The otel extra's floor, and the SDK of the same release for the tests that record spans.
+    "opentelemetry-api==1.20.0",
+    "opentelemetry-sdk==1.20.0",
 )
 
 # The version-sensitive slice (see the docstring).
@@ -70,7 +73,7 @@ SLICE = (
 # a session sets itself and the tools it does not run (linters, type stubs, packaging).
 NOT_IN_SESSIONS = re.compile(
     r"^(django|pika|prometheus-client|psycopg|celery|django-redis|django-health-check|"
-    r"ruff|mypy|django-stubs|types-.*|build|nox)\b",
+    r"opentelemetry-.*|ruff|mypy|django-stubs|types-.*|build|nox)\b",
     re.IGNORECASE,
 )
 
@@ -134,7 +137,7 @@ def matrix(session: nox.Session, django: str) -> None:
     """The slice on one (Python, Django) pair, with the newest release of that Django."""
     session.install(*_test_requirements(), f"Django~={django}.0")
     # The package itself with the newest versions its requirements admit (its extras too).
-    session.install("-e", ".[postgres,celery,redis,health]")
+    session.install("-e", ".[postgres,celery,redis,health,otel]", "opentelemetry-sdk")
     _run_slice(session)
 
 
