@@ -1,20 +1,16 @@
-"""What tracing costs: publish(), the relay and the consumer with tracing off and on, against
-the build before tracing, in one run.
+"""What tracing costs publish(), the relay and the consumer, off and on, against the build
+before tracing, in one run.
 
     .venv/bin/python bench/tracing.py [--rows 15000] [--messages 5000] [--rounds 7]
         [--baseline 9e03e54 | --no-baseline] [--quick]
 
-Each mode runs in a worker process of its own, with a database and an exchange of its own,
-kept warm across rounds; one worker works at a time, in an order that rotates from round to
-round. The modes: "today" (the ``--baseline`` commit, checked out in a throwaway git worktree
-and migrated from its own tree), "not installed" (this tree with ``opentelemetry`` made
-unimportable), "off" (API installed, no tracer provider), "off, traceparent" (the same, rows
-and messages carrying a traceparent), "on, simple" and "on, batch" (an SDK TracerProvider
-exporting to memory through a SimpleSpanProcessor or a BatchSpanProcessor, publishing inside a
-span so that every row and message is traced). Each round measures, per mode, publish() rows/s
-(``--tx-rows`` a transaction), the relay sending those rows (``relay --once``'s engine) and the
-consumer (ConsumerService, concurrency 2) over ``--messages`` messages; then the ratios to
-"today", the medians and their spread. Ends with one JSON line.
+Each mode (MODES) runs in a warm worker process with its own database and exchange; "today"
+runs ``--baseline`` from a throwaway git worktree. One worker works at a time, in an order
+that rotates from round to round. Per round and mode: publish() rows/s (``--tx-rows`` a
+transaction), the relay sending those rows (``relay --once``'s engine), the consumer
+(ConsumerService, concurrency 2) over ``--messages`` messages; then ratios to "today", medians
+and spread, and one more run of each off mode timing every call into the tracing hooks. Ends
+with one JSON line. docs/benchmarks.md describes the modes.
 """
 
 from __future__ import annotations
@@ -49,8 +45,10 @@ from _common import (
 
 DB_PREFIX = os.environ.get("RM_BENCH_DB", "rm_trace_bench")
 BASELINE = "9e03e54"
-# name -> (tree: "baseline" or "current", tracing: None | "blocked" | "simple" | "batch",
-# rows and messages carry a traceparent)
+# name -> (tree, tracing, traceparent). tree: "baseline" (the --baseline commit) or "current";
+# tracing: None (no tracer provider), "blocked" (opentelemetry unimportable), "simple" or "batch"
+# (an SDK provider exporting to memory through that span processor); traceparent: rows and
+# messages carry one (in the traced modes publish() runs inside a span, which gives them one).
 MODES: dict[str, tuple[str, str | None, bool]] = {
     "today": ("baseline", None, False),
     "not installed": ("current", "blocked", False),
@@ -495,7 +493,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--baseline", default=BASELINE, help="the commit 'today' is measured on")
     parser.add_argument("--no-baseline", action="store_true", help="skip 'today'")
-    parser.add_argument("--modes", help="comma-separated subset of: " + ", ".join(MODES))
+    parser.add_argument(
+        "--mode",
+        action="append",
+        choices=list(MODES),
+        help="measure only this mode (repeat for more); default: all",
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: small and short")
     args = parser.parse_args()
     if args.worker:
@@ -504,7 +507,7 @@ def main() -> None:
     if args.quick:
         args.rows, args.messages, args.rounds = 1_000, 400, 2
 
-    modes = [m.strip() for m in args.modes.split(",")] if args.modes else list(MODES)
+    modes = [m for m in MODES if m in args.mode] if args.mode else list(MODES)
     if args.no_baseline and "today" in modes:
         modes.remove("today")
     reference = "today" if "today" in modes else "off"
