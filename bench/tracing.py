@@ -327,19 +327,21 @@ class Worker:
         }
 
     def clean_up(self) -> None:
+        """Deletes this worker's queues and exchanges (the delay exchanges too)."""
         import pika
 
-        from reliable_messaging.conf import messaging_settings
+        def names(kind: str) -> list[str]:
+            listing = subprocess.run(
+                ["rabbitmqctl", "-q", f"list_{kind}", "name"], capture_output=True, text=True
+            )
+            return [name for name in listing.stdout.split() if self.namespace in name]
 
-        listing = subprocess.run(
-            ["rabbitmqctl", "-q", "list_queues", "name"], capture_output=True, text=True
-        )
         connection = pika.BlockingConnection(pika.URLParameters(BROKER_URL))
         channel = connection.channel()
-        for name in listing.stdout.split():
-            if self.namespace in name:
-                channel.queue_delete(name)
-        channel.exchange_delete(messaging_settings.exchange)
+        for name in names("queues"):
+            channel.queue_delete(name)
+        for name in names("exchanges"):
+            channel.exchange_delete(name)
         connection.close()
 
     def serve(self, stdin: IO[str], stdout: IO[str]) -> None:
