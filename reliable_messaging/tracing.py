@@ -9,6 +9,7 @@ messaging semantic conventions for RabbitMQ on each span. ``docs/tracing.md`` sh
 from __future__ import annotations
 
 import datetime as dt
+import os
 import threading
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -42,12 +43,20 @@ CONSUMER = "reliable_messaging.consumer"
 ATTEMPT = "reliable_messaging.attempt"
 
 _NOTHING: AbstractContextManager[None] = nullcontext()
+_UNKNOWN = object()
+# A provider named in the environment is made by the first get_tracer_provider() call.
+_PROVIDER_FROM_ENV = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ
 _local = threading.local()
 
 
 def active() -> bool:
     """Whether spans are recorded: the API is installed and a tracer provider was set."""
     if not INSTALLED:
+        return False
+    # Until a provider is set, OpenTelemetry's getter looks the environment up on every call,
+    # which costs more than the rest of a hook with tracing off: the global it sets is read
+    # first (a version without it goes through the getter).
+    if getattr(trace, "_TRACER_PROVIDER", _UNKNOWN) is None and not _PROVIDER_FROM_ENV:
         return False
     provider = trace.get_tracer_provider()
     return not isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
