@@ -11,19 +11,20 @@ its switch row; ``publish``: a handler that publishes).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import signal
 import subprocess
 import sys
 import urllib.request
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 
-from demo_project.tracing import read_spans, render_tree
 from reliable_messaging.choices import DeadLetterStatus
 from reliable_messaging.models import DeadLetter, OutboxMessage
 from tests.conftest import subprocess_env
@@ -59,6 +60,24 @@ for order in json.loads(os.environ["RM_TEST_ORDERS"]):
 from reliable_messaging.publishing.wake_after_commit import sender
 sender.flush(timeout=5)
 """
+
+
+def _trace_file_tools() -> ModuleType:
+    """demo_project/tracing.py, loaded from its file: importing the ``demo_project`` package
+    would create the demo's Celery app and make it Celery's current app in this process, which
+    the suite's Celery tests must not find there."""
+    spec = importlib.util.spec_from_file_location(
+        "tests_trace_file_tools", ROOT / "demo_project" / "tracing.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_tools = _trace_file_tools()
+read_spans: Callable[[Path], list[dict[str, Any]]] = _tools.read_spans
+render_tree: Callable[[Iterable[dict[str, Any]], str], str] = _tools.render_tree
 
 
 class RelayProcess(ManageProcess):
@@ -188,7 +207,24 @@ def test_one_trace_from_the_view_through_retries_to_the_dead_letter_and_a_linked
         ),
     )
 
-    # The fix is deployed; the dead letter is replayed from a traced process.
+    letter = DeadLetter.objects.get(consumer="tests.alpha", message_id="order-1")
+    first_failure = (letter.trace_id, letter.span_id)
+
+    def failures() -> list[dict[str, Any]]:
+        letter.refresh_from_db()
+        return [event for event in letter.history if event["event"] == "dead_lettered"]
+
+    # Replayed (from a traced process) before the fix: it fails again, in the replay's trace.
+    out = manage(env, "replay_dead_letters", "--consumer", "tests.alpha")
+    assert "replayed 1 dead letter(s), refused 0" in out, out
+    wait_until(
+        lambda: len(failures()) == 2 and letter.status == DeadLetterStatus.DEAD,
+        timeout=30,
+        message=lambda: f"the replay dead-lettered again; log:\n{consume.log()}",
+    )
+    second_failure = (letter.trace_id, letter.span_id)
+
+    # The fix is deployed; the dead letter is replayed again.
     Effect.objects.filter(consumer="switch").delete()
     out = manage(env, "replay_dead_letters", "--consumer", "tests.alpha")
     assert "replayed 1 dead letter(s), refused 0" in out, out
@@ -261,38 +297,46 @@ def test_one_trace_from_the_view_through_retries_to_the_dead_letter_and_a_linked
         assert second["parent_span_id"] == shipped_send["span_id"]
         assert second["attributes"][OUTCOME] == "processed"
 
-    # The dead letter keeps the failed attempt's span; its history names the trace.
-    letter = DeadLetter.objects.get(consumer="tests.alpha", message_id="order-1")
-    assert (letter.trace_id, letter.span_id) == (trace_id, failed["span_id"])
-    assert letter.history[0]["event"] == "dead_lettered"
-    assert letter.history[0]["trace_id"] == trace_id
+    # The dead letter kept the failed attempt's span; its history names the trace.
+    assert first_failure == (trace_id, failed["span_id"])
+    assert failures()[0]["trace_id"] == trace_id
 
-    # The replay is a new trace, linked to the failure it replays.
-    replay = only(matching(spans, f"replay {alpha}"), "replay span", everything)
-    replay_trace = replay["trace_id"]
-    assert replay_trace != trace_id and replay["parent_span_id"] is None
-    assert replay["service"] == "shop replay_dead_letters"
-    assert [(link["trace_id"], link["span_id"]) for link in replay["links"]] == [
-        (trace_id, failed["span_id"])
+    # Each replay is a new trace, linked to the failure it replays.
+    replays = sorted(matching(spans, f"replay {alpha}"), key=lambda span: span["start"])
+    assert len(replays) == 2, render_tree(spans, trace_id)
+    outcomes = []
+    for replay, replayed_failure in zip(replays, (first_failure, second_failure), strict=True):
+        assert replay["parent_span_id"] is None and replay["trace_id"] != trace_id
+        assert replay["service"] == "shop replay_dead_letters"
+        assert [(link["trace_id"], link["span_id"]) for link in replay["links"]] == [
+            replayed_failure
+        ]
+        again = [span for span in spans if span["trace_id"] == replay["trace_id"]]
+        replay_send = only(matching(again, f"send {alpha}"), "replay's send", everything)
+        assert replay_send["parent_span_id"] == replay["span_id"]
+        assert replay_send["attributes"][OUTCOME] == "sent"
+        copies = sorted(
+            matching(again, f"process {alpha}"), key=lambda span: span["attributes"][ATTEMPT]
+        )
+        assert {copy["parent_span_id"] for copy in copies} == {replay_send["span_id"]}
+        assert {span["name"] for span in again} == {
+            f"replay {alpha}",
+            f"send {alpha}",
+            f"process {alpha}",
+        }
+        outcomes.append([(c["attributes"][ATTEMPT], c["attributes"][OUTCOME]) for c in copies])
+        if replay is replays[0]:
+            # Failed again: the dead letter now holds this trace's failed attempt.
+            assert second_failure == (replay["trace_id"], copies[-1]["span_id"])
+            assert failures()[1]["trace_id"] == replay["trace_id"]
+    assert outcomes == [
+        [(1, "retried"), (2, "retried"), (3, "dead_lettered")],
+        [(1, "processed")],
     ]
-    again = [span for span in spans if span["trace_id"] == replay_trace]
-    replay_send = only(matching(again, f"send {alpha}"), "replay's send", everything)
-    assert replay_send["parent_span_id"] == replay["span_id"]
-    assert replay_send["attributes"][OUTCOME] == "sent"
-    replayed = only(matching(again, f"process {alpha}"), "replayed copy's process", everything)
-    assert replayed["parent_span_id"] == replay_send["span_id"]
-    assert replayed["attributes"][OUTCOME] == "processed"
-    assert replayed["attributes"][ATTEMPT] == 1
-    assert {span["name"] for span in again} == {
-        f"replay {alpha}",
-        f"send {alpha}",
-        f"process {alpha}",
-    }
-    letter.refresh_from_db()
     resolved = letter.history[-1]
-    assert resolved["event"] == "resolved" and resolved["trace_id"] == replay_trace
-    # Nothing of the story leaked into a third trace.
-    assert {span["trace_id"] for span in spans} == {trace_id, replay_trace}
+    assert resolved["event"] == "resolved" and resolved["trace_id"] == replays[1]["trace_id"]
+    # Nothing of the story leaked into another trace.
+    assert {span["trace_id"] for span in spans} == {trace_id} | {r["trace_id"] for r in replays}
 
 
 # --------------------------------------------------------------------------- batches, metrics
@@ -324,6 +368,7 @@ def test_batched_deliveries_each_have_a_span_in_their_own_trace_and_metrics_exem
         tmp_path / "consume.log",
     )
     processes.append(consume)
+    processes.append(RelayProcess([], traced_env(ns, trace_file), tmp_path / "relay.log"))
     consume.wait_consuming()
     exchange = f"rmtest.{ns}"
     # The first keeps the worker busy, so the next ones wait on the board: one batch.
@@ -339,9 +384,13 @@ def test_batched_deliveries_each_have_a_span_in_their_own_trace_and_metrics_exem
         )
     spans = spans_when(
         trace_file,
-        lambda found: len(matching(found, f"process {ns}.alpha")) == 6,
-        "six process spans",
+        lambda found: (
+            len(matching(found, f"process {ns}.alpha")) == 6
+            and len(matching(found, "send batch.done")) == 5
+        ),
+        "six process spans and five sends",
     )
+    sends = matching(spans, "send batch.done")
     runs = {
         message_id: only(
             matching(spans, f"process {ns}.alpha", messaging__message__id=message_id),
@@ -363,6 +412,10 @@ def test_batched_deliveries_each_have_a_span_in_their_own_trace_and_metrics_exem
         assert published["parent_span_id"] == run["span_id"]
         row = OutboxMessage.objects.get(message_id=f"{message_id}.alpha")
         assert row.headers["traceparent"] == traceparent(trace_id, published["span_id"])
+        # The relay sent it in that trace too; nobody is bound to batch.done.
+        send = only([s for s in sends if s["trace_id"] == trace_id], f"{message_id}'s send", spans)
+        assert send["parent_span_id"] == published["span_id"]
+        assert send["attributes"][OUTCOME] == "unrouted"
     # They were decided in one batch: every span covers the batch's transaction.
     assert max(r["start"] for r in runs.values()) < min(r["end"] for r in runs.values())
 
@@ -402,7 +455,7 @@ def test_a_foreign_producers_traceparent_is_the_parent_and_a_malformed_one_is_ig
     processes.append(consume)
     consume.wait_consuming()
     exchange = f"rmtest.{ns}"
-    node, node_dead, as_bytes = random_ids(), random_ids(), random_ids()
+    node, node_dead, not_json, as_bytes = random_ids(), random_ids(), random_ids(), random_ids()
     malformed = {
         "node-garbage": "00-not-a-trace-context",
         "node-uppercase": traceparent(uuid.uuid4().hex.upper(), "AB" * 8),
@@ -422,6 +475,12 @@ def test_a_foreign_producers_traceparent_is_the_parent_and_a_malformed_one_is_ig
                 "messageId": "node-dead",
                 "body": json.dumps({"permanent": {"alpha": True}}),
                 "headers": {"traceparent": traceparent(*node_dead)},
+            },
+            {
+                "routingKey": "order.placed",
+                "messageId": "node-not-json",
+                "body": "{not json",
+                "headers": {"traceparent": traceparent(*not_json)},
             },
             *(
                 {
@@ -445,15 +504,15 @@ def test_a_foreign_producers_traceparent_is_the_parent_and_a_malformed_one_is_ig
     wait_until(
         lambda: (
             Effect.objects.filter(consumer="alpha").count() == 5  # one dead
-            and DeadLetter.objects.filter(message_id="node-dead").exists()
+            and DeadLetter.objects.count() == 2
         ),
         timeout=30,
         message=lambda: f"every foreign message handled; log:\n{consume.log()}",
     )
     spans = spans_when(
         trace_file,
-        lambda found: len(matching(found, f"process {ns}.alpha")) == 6,
-        "six process spans",
+        lambda found: len(matching(found, f"process {ns}.alpha")) == 7,
+        "seven process spans",
     )
 
     def run_of(message_id: str) -> dict[str, Any]:
@@ -467,12 +526,19 @@ def test_a_foreign_producers_traceparent_is_the_parent_and_a_malformed_one_is_ig
         run = run_of(message_id)
         assert (run["trace_id"], run["parent_span_id"]) == (trace_id, span_id), message_id
         assert run["attributes"][OUTCOME] == "processed"
-    dead_run = run_of("node-dead")
-    assert (dead_run["trace_id"], dead_run["parent_span_id"]) == node_dead
-    assert dead_run["attributes"][OUTCOME] == "dead_lettered" and dead_run["status"] == "ERROR"
-    letter = DeadLetter.objects.get(message_id="node-dead")
-    assert (letter.trace_id, letter.span_id) == (node_dead[0], dead_run["span_id"])
-    known = {node[0], node_dead[0], as_bytes[0]}
+    # Dead letters, one refused by the handler and one that is not JSON, keep their spans.
+    for message_id, ids, reason in (
+        ("node-dead", node_dead, "permanent"),
+        ("node-not-json", not_json, "invalid_json"),
+    ):
+        dead_run = run_of(message_id)
+        assert (dead_run["trace_id"], dead_run["parent_span_id"]) == ids
+        assert dead_run["attributes"][OUTCOME] == "dead_lettered"
+        assert dead_run["status"] == "ERROR"
+        letter = DeadLetter.objects.get(message_id=message_id)
+        assert letter.reason == reason
+        assert (letter.trace_id, letter.span_id) == (ids[0], dead_run["span_id"])
+    known = {node[0], node_dead[0], not_json[0], as_bytes[0]}
     for message_id in malformed:
         run = run_of(message_id)
         assert run["parent_span_id"] is None, message_id  # a new root

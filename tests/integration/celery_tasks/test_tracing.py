@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from demo_project.tracing import read_spans, render_tree
 from reliable_messaging.models import ProcessedMessage
 from tests.conftest import database_url
+from tests.e2e.test_tracing import read_spans, render_tree
 from tests.support import ROOT, wait_until
 
 from .tasks import email_receipt
