@@ -23,14 +23,24 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import psycopg
 import pytest
+from django.db import connection
 
 from reliable_messaging.choices import DeadLetterStatus
 from reliable_messaging.models import DeadLetter, OutboxMessage
-from tests.conftest import subprocess_env
+from tests.conftest import database_url, subprocess_env
 from tests.faults.test_foreign_producers import ensure_amqplib, publish_with_amqplib
 from tests.integration.ops.conftest import free_port
-from tests.support import MANAGE, ROOT, ConsumeProcess, ManageProcess, Publisher, wait_until
+from tests.support import (
+    MANAGE,
+    ROOT,
+    ConsumeProcess,
+    ManageProcess,
+    Publisher,
+    queue_counts,
+    wait_until,
+)
 from tests.testapp.models import Effect
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
@@ -233,12 +243,23 @@ def test_one_trace_from_the_view_through_retries_to_the_dead_letter_and_a_linked
         timeout=30,
         message=lambda: f"the dead letter resolved by its replay; log:\n{consume.log()}",
     )
+    # A send span ends once its outcome is recorded, which may be after the consumer's.
     spans = spans_when(
         trace_file,
-        lambda found: matching(found, f"process {alpha}", reliable_messaging__outcome="processed"),
-        "the replayed copy's process span",
+        lambda found: (
+            matching(
+                found,
+                f"process {alpha}",
+                messaging__message__id="order-1",
+                reliable_messaging__outcome="processed",
+            )
+            and len(matching(found, f"send {alpha}")) == 2
+            and matching(found, "send order.shipped")
+        ),
+        "the replayed copy's process span and every send span",
     )
     everything = spans
+    assert Effect.objects.filter(consumer="view", message_id="order-1").exists()
     mine = [span for span in spans if span["trace_id"] == trace_id]
 
     # The view's transaction is the root; publish() is its child.
@@ -357,6 +378,16 @@ def exemplar_trace_ids(text: str, metric: str, consumer: str) -> set[str]:
     return found
 
 
+def waiting_on_locks() -> int:
+    """Sessions of the test database waiting for a lock now."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+        return int(cursor.fetchone()[0])
+
+
 def test_batched_deliveries_each_have_a_span_in_their_own_trace_and_metrics_exemplars(
     ns: str, tmp_path: Path, processes: list[ManageProcess], publisher: Publisher
 ) -> None:
@@ -371,17 +402,30 @@ def test_batched_deliveries_each_have_a_span_in_their_own_trace_and_metrics_exem
     processes.append(RelayProcess([], traced_env(ns, trace_file), tmp_path / "relay.log"))
     consume.wait_consuming()
     exchange = f"rmtest.{ns}"
-    # The first keeps the worker busy, so the next ones wait on the board: one batch.
-    publisher.publish(exchange, "order.placed", {"sleep": {"alpha": 1.0}}, message_id="sleeper")
     ids = {f"batch-{n}": random_ids() for n in range(5)}
-    for message_id, (trace_id, span_id) in ids.items():
+    # The first message's handler waits for a row this test holds locked; the others arrive
+    # meanwhile and wait for the worker together: one batch once the lock is let go.
+    hot = Effect.objects.create(consumer="hot", message_id="hot-batch", attempt=0)
+    with psycopg.connect(database_url()) as holder:
+        holder.execute(f"SELECT 1 FROM {Effect._meta.db_table} WHERE id = %s FOR UPDATE", [hot.pk])
         publisher.publish(
-            exchange,
-            "order.placed",
-            {"publish": {"alpha": "batch.done"}},  # the handler publishes, in its own trace
-            message_id=message_id,
-            headers={"traceparent": traceparent(trace_id, span_id)},
+            exchange, "order.placed", {"lock": {"alpha": ["hot-batch"]}}, message_id="sleeper"
         )
+        wait_until(lambda: waiting_on_locks() == 1, timeout=20, message="the handler to wait")
+        for message_id, (trace_id, span_id) in ids.items():
+            publisher.publish(
+                exchange,
+                "order.placed",
+                {"publish": {"alpha": "batch.done"}},  # the handler publishes, in its trace
+                message_id=message_id,
+                headers={"traceparent": traceparent(trace_id, span_id)},
+            )
+        wait_until(
+            lambda: queue_counts(f"{ns}.alpha") == (0, 6),
+            timeout=20,
+            message="all six delivered to the consumer",
+        )
+        holder.rollback()
     spans = spans_when(
         trace_file,
         lambda found: (
@@ -417,7 +461,9 @@ def test_batched_deliveries_each_have_a_span_in_their_own_trace_and_metrics_exem
         assert send["parent_span_id"] == published["span_id"]
         assert send["attributes"][OUTCOME] == "unrouted"
     # They were decided in one batch: every span covers the batch's transaction.
-    assert max(r["start"] for r in runs.values()) < min(r["end"] for r in runs.values())
+    assert max(r["start"] for r in runs.values()) < min(r["end"] for r in runs.values()), (
+        "the five deliveries were not decided in one batch"
+    )
 
     # The metrics, with exemplars pointing at the traced deliveries.
     request = urllib.request.Request(
