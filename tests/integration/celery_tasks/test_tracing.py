@@ -115,6 +115,7 @@ def test_the_task_span_is_a_child_of_the_senders_span_and_a_duplicate_says_so(
         assert run["attributes"]["reliable_messaging.idempotency_key"] == "receipt:71"
     senders = {s["span_id"] for s in spans if s["name"] == "POST /checkout"}
     assert senders == {first[1], second[1]}
+    assert "Traceback" not in traced_worker.log()
     assert list(
         ProcessedMessage.objects.filter(consumer=RECEIPTS).values_list("message_id", flat=True)
     ) == ["receipt:71"]
