@@ -15,6 +15,9 @@ locks those hot rows (``Effect`` rows of consumer ``hot``, made by the test) in 
 ``SELECT ... FOR UPDATE``, pausing after each, and counts itself in them (two handlers with the
 opposite orders deadlock); ``{"conflict": {"alpha": 2}}`` has the server raise a serialization
 failure (SQLSTATE 40001) on the first two runs of the message in this process (``-1``: always).
+Tracing: ``{"fail_while": {"alpha": "name"}}`` fails (a transient error) while an ``Effect`` row
+of consumer ``switch`` with that message_id exists (the test deletes it to deploy the fix), and
+``{"publish": {"alpha": "order.shipped"}}`` publishes a message with that routing key.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import time
 from django.db import connection, transaction
 from django.db.models import F
 
-from reliable_messaging import Message, PermanentError, consumer
+from reliable_messaging import Message, PermanentError, consumer, publish
 
 from .models import Effect
 
@@ -99,6 +102,12 @@ def behave(label: str, message: Message) -> None:
         raise RuntimeError(f"{label}: transient failure on attempt {message.attempt}")
     if "require" in payload:
         payload["fields"][payload["require"]]  # KeyError when the field is missing
+    switch = payload.get("fail_while", {}).get(label)
+    if switch and Effect.objects.filter(consumer="switch", message_id=switch).exists():
+        raise RuntimeError(f"{label}: failing while switch {switch!r} is on")
+    then = payload.get("publish", {}).get(label)
+    if then:
+        publish(then, {"after": message.message_id}, message_id=f"{message.message_id}.{label}")
 
 
 @consumer(f"{NAMESPACE}.alpha", bindings=["order.*"], name="tests.alpha")

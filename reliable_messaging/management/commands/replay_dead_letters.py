@@ -16,7 +16,7 @@ from reliable_messaging.choices import DeadLetterReason, DeadLetterStatus, Opera
 from reliable_messaging.dead_letters.replay import replay_batch
 from reliable_messaging.management.progress import Progress
 from reliable_messaging.models import DeadLetter, DeadLetterOperation
-from reliable_messaging.publishing.wake_after_commit import wake_relay_after_commit
+from reliable_messaging.publishing.wake_after_commit import sender, wake_relay_after_commit
 
 
 def _moment(value: str) -> dt.datetime:
@@ -143,6 +143,10 @@ class Command(BaseCommand):
                 self.stderr.write(f"not replayed #{pk}: {why}")
             progress.update(replayed + refused)
         progress.finish(replayed + refused)
+        if replayed:
+            # The wake-up goes from a daemon thread: sent before this process exits, the relay
+            # sends the copies at once instead of at its next poll.
+            sender.flush(timeout=2.0)
         self.stdout.write(
             self.style.SUCCESS(
                 f"replayed {replayed} dead letter(s), refused {refused}; the relay sends them to "
