@@ -142,6 +142,6 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 if os.environ.get("RM_TRACE_FILE"):
     # The tracing tests' processes (tests/e2e/test_tracing.py): spans to a JSON-lines file.
-    from demo_project.tracing import configure_from_env
+    from tests.trace_file import configure_from_env
 
     configure_from_env()

@@ -11,7 +11,6 @@ its switch row; ``publish``: a handler that publishes).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import signal
 import subprocess
@@ -20,7 +19,6 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import psycopg
@@ -29,6 +27,7 @@ from django.db import connection
 
 from reliable_messaging.choices import DeadLetterStatus
 from reliable_messaging.models import DeadLetter, OutboxMessage
+from tests import trace_file
 from tests.conftest import database_url, subprocess_env
 from tests.faults.test_foreign_producers import ensure_amqplib, publish_with_amqplib
 from tests.integration.ops.conftest import free_port
@@ -72,22 +71,8 @@ sender.flush(timeout=5)
 """
 
 
-def _trace_file_tools() -> ModuleType:
-    """demo_project/tracing.py, loaded from its file: importing the ``demo_project`` package
-    would create the demo's Celery app and make it Celery's current app in this process, which
-    the suite's Celery tests must not find there."""
-    spec = importlib.util.spec_from_file_location(
-        "tests_trace_file_tools", ROOT / "demo_project" / "tracing.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_tools = _trace_file_tools()
-read_spans: Callable[[Path], list[dict[str, Any]]] = _tools.read_spans
-render_tree: Callable[[Iterable[dict[str, Any]], str], str] = _tools.render_tree
+read_spans: Callable[[Path], list[dict[str, Any]]] = trace_file.read_spans
+render_tree: Callable[[Iterable[dict[str, Any]], str], str] = trace_file.render_tree
 
 
 class RelayProcess(ManageProcess):
