@@ -83,3 +83,32 @@ class OperationState(models.TextChoices):
 
 
 UNFINISHED_OPERATION_STATES = (OperationState.PENDING, OperationState.RUNNING)
+
+
+class ReplayKind(models.TextChoices):
+    REPLAY = "replay", _("replay")
+    FORCED = "forced", _("forced replay")  # the consumer's inbox row was removed for it
+    EDITED = "edited", _("edited replay")  # a corrected copy under a new message_id
+
+
+class ReplayOutcome(models.TextChoices):
+    """What became of a replayed copy (the replay ledger)."""
+
+    IN_FLIGHT = "in_flight", _("in flight")
+    PROCESSED = "processed", _("processed")
+    DUPLICATE = "duplicate", _("duplicate (skipped)")  # already processed by another copy
+    FAILED_AGAIN = "failed_again", _("failed again")
+
+
+class GroupState(models.TextChoices):
+    """A failure group's place in its lifecycle. Only ``acknowledged`` and ``resolved`` are
+    stored (``FailureGroupState``): a group without a row is ``new``, and a resolved one with
+    failures after it was resolved is ``regressed``."""
+
+    NEW = "new", _("new")
+    ACKNOWLEDGED = "acknowledged", _("acknowledged")
+    RESOLVED = "resolved", _("resolved")
+    REGRESSED = "regressed", _("regressed")
+
+
+STORED_GROUP_STATES = (GroupState.ACKNOWLEDGED, GroupState.RESOLVED)

@@ -13,11 +13,14 @@ from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
 from .choices import (
+    STORED_GROUP_STATES,
     DeadLetterReason,
     DeadLetterStatus,
     OperationKind,
     OperationState,
     OutboxStatus,
+    ReplayKind,
+    ReplayOutcome,
 )
 from .managers import (
     DeadLetterGroupManager,
@@ -106,6 +109,16 @@ class DeadLetter(models.Model):
     # A database default too, so rows written with SQL (bulk loads, COPY) need not name them.
     trace_id = models.CharField(max_length=32, blank=True, default="", db_default="")
     span_id = models.CharField(max_length=16, blank=True, default="", db_default="")
+    # An edited replay's copy that failed in turn: the dead letter it was edited from.
+    replay_of = models.ForeignKey(
+        "self",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="edited_copies",
+        db_index=False,  # rm_deadletter_replay_of_idx, partial
+        db_constraint=False,  # see Replay
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -144,6 +157,11 @@ class DeadLetter(models.Model):
                 fields=["consumer", "ordering_key", "id"],
                 condition=Q(status__in=["dead", "replayed"]) & Q(ordering_key__isnull=False),
                 name="rm_deadletter_key_idx",
+            ),
+            models.Index(
+                fields=["replay_of"],
+                condition=Q(replay_of__isnull=False),
+                name="rm_deadletter_replay_of_idx",
             ),
         ]
 
@@ -419,3 +437,88 @@ class DeadLetterOperation(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} #{self.pk} ({self.state})"
+
+
+class Replay(models.Model):
+    """One replay of a dead letter and what became of its copy: the replay ledger.
+
+    Written with the copy's outbox row (``dead_letters/replay.py``); the copy carries its id in
+    ``x-rm-replay-id``, and the consumer that decides the copy records the outcome in the same
+    transaction (``dead_letters/ledger.py``): processed, duplicate, or failed again (with the
+    dead letter it became). Until then it is in flight.
+    """
+
+    # No database constraints on its links: dead letters are also deleted with SQL (a purge in
+    # psql), which a constraint would refuse; the ORM's deletes cascade as declared.
+    dead_letter = models.ForeignKey(
+        DeadLetter, on_delete=models.CASCADE, related_name="replays", db_constraint=False
+    )
+    operation = models.ForeignKey(
+        DeadLetterOperation,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="replays",
+        db_index=False,  # rm_replay_op_outcome_idx
+        db_constraint=False,
+    )
+    consumer = models.CharField(max_length=255)
+    # The copy's: the dead letter's own, or a new one for an edited copy.
+    message_id = models.CharField(max_length=255)
+    kind = models.CharField(max_length=10, choices=ReplayKind.choices, default=ReplayKind.REPLAY)
+    replayed_by = models.CharField(max_length=255)
+    replayed_at = models.DateTimeField(default=timezone.now)
+    outcome = models.CharField(
+        max_length=15, choices=ReplayOutcome.choices, default=ReplayOutcome.IN_FLIGHT
+    )
+    outcome_at = models.DateTimeField(null=True, blank=True)
+    # The dead letter the copy became when it failed again (the same row, unless edited).
+    failed_as = models.ForeignKey(
+        DeadLetter,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+        db_constraint=False,
+    )
+    # Why the operator replayed it (required for an edited copy).
+    reason = models.TextField(blank=True)
+    # An edited copy: {"payload": ..., "headers": {...}, "diff": "unified diff of the JSON"}.
+    edit = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        verbose_name = _("replay")
+        ordering = ["-id"]
+        indexes = [
+            models.Index(fields=["operation", "outcome"], name="rm_replay_op_outcome_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"replay of {self.message_id} to {self.consumer}: {self.outcome}"
+
+
+class FailureGroupState(models.Model):
+    """What an operator said about a failure group: acknowledged (muted from alerts) or
+    resolved. A group without a row is new; a resolved group whose dead letters failed after
+    ``changed_at`` is regressed (computed when read, see ``GroupState``)."""
+
+    consumer = models.CharField(max_length=255)
+    fingerprint = models.CharField(max_length=64, blank=True)
+    reason = models.CharField(max_length=40, choices=DeadLetterReason.choices)
+    state = models.CharField(
+        max_length=15, choices=[(s.value, s.label) for s in STORED_GROUP_STATES]
+    )
+    changed_by = models.CharField(max_length=255)
+    changed_at = models.DateTimeField(default=timezone.now)
+    note = models.TextField(blank=True)
+
+    class Meta:
+        verbose_name = _("failure group state")
+        constraints = [
+            models.UniqueConstraint(
+                fields=["consumer", "fingerprint", "reason"], name="rm_groupstate_key_uniq"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.consumer} · {self.fingerprint[:8] or '-'}: {self.state}"

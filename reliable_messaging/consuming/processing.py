@@ -28,7 +28,7 @@ from django.db import (
 )
 
 from .. import metrics, tracing
-from ..choices import DeadLetterReason
+from ..choices import DeadLetterReason, ReplayOutcome
 from ..conf import MessagingSettings, messaging_settings
 from ..core.database_errors import (
     CONFLICT_RETRIES,
@@ -48,6 +48,7 @@ from ..core.envelope import (
 from ..core.outcomes import Acknowledge, Outcome, OutcomeLabel, RetryInPlace
 from ..core.registry import ConsumerSpec
 from ..core.routing import topic_matches
+from ..dead_letters import ledger
 from ..dead_letters.replay import mark_resolved, resolve_processed_copies
 from ..exceptions import DatabaseConflict, DatabaseUnavailable
 from ..models import DeadLetter, ProcessedMessage
@@ -189,9 +190,16 @@ class DeliveryProcessor:
             .exclude(message_id=message.message_id)
         )
         if REPLAY_HEADER in delivery.headers:
-            own = (
-                letters.of(self.spec.name, message.message_id).values_list("pk", flat=True).first()
+            # An edited copy's own dead letter is the one it was edited from (the ledger says).
+            own = ledger.replayed_dead_letter(
+                delivery, self.spec.name, message.message_id, self.using
             )
+            if own is None:
+                own = (
+                    letters.of(self.spec.name, message.message_id)
+                    .values_list("pk", flat=True)
+                    .first()
+                )
             if own is not None:
                 blocking = blocking.filter(pk__lt=own)
         return blocking.order_by("pk").first()
@@ -214,11 +222,15 @@ class DeliveryProcessor:
                 self.call_handler(message, delivery)
                 if REPLAY_HEADER in delivery.headers:
                     traced = tracing.ids_of(delivery)
-                    mark_resolved(
+                    trace_id = traced[0] if traced else None
+                    mark_resolved(self.spec.name, message.message_id, self.using, trace_id=trace_id)
+                    ledger.settle(
+                        delivery,
                         self.spec.name,
                         message.message_id,
-                        self.using,
-                        trace_id=traced[0] if traced else None,
+                        ReplayOutcome.PROCESSED,
+                        using=self.using,
+                        trace_id=trace_id,
                     )
                 elif not self.spec.ordered:
                     # An ordered consumer's dead letter keeps its key parked until replayed.
@@ -241,12 +253,21 @@ class DeliveryProcessor:
                     # processed after the replay was queued: the dead letter is done with. Left
                     # "replayed", an ordered consumer's would park its key for good.
                     traced = tracing.ids_of(delivery)
+                    trace_id = traced[0] if traced else None
                     resolve_processed_copies(
                         self.spec.name,
                         [message.message_id],
                         self.using,
                         by="its replay found it processed by another copy",
-                        trace_id=traced[0] if traced else None,
+                        trace_id=trace_id,
+                    )
+                    ledger.settle(
+                        delivery,
+                        self.spec.name,
+                        message.message_id,
+                        ReplayOutcome.DUPLICATE,
+                        using=self.using,
+                        trace_id=trace_id,
                     )
                 return DeliveryOutcome(
                     Acknowledge(OutcomeLabel.DUPLICATE),

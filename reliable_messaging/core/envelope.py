@@ -35,6 +35,7 @@ PUBLISHED_AT_HEADER = "x-rm-published-at"
 REPLAY_HEADER = "x-rm-replay"  # how many times the message was replayed
 REPLAYED_BY_HEADER = "x-rm-replayed-by"
 DEAD_LETTER_ID_HEADER = "x-rm-dead-letter-id"
+REPLAY_ID_HEADER = "x-rm-replay-id"  # the replay ledger's row of a replayed copy
 # How many times a copy was put aside because another consumer held the message.
 DEFERRALS_HEADER = "x-rm-deferrals"
 # On the dead letter of a Celery task whose pool child kept dying (contrib/celery.py): not
@@ -533,7 +534,7 @@ def _parse_json(text: str, error: Callable[[str, str], DecodeError]) -> Any:
         )
 
 
-def _sent_to_its_queue(delivery: Delivery) -> bool:
+def sent_to_its_queue(delivery: Delivery) -> bool:
     """Whether ``delivery`` came the way our own copies come (a retry, a replay, a leftover
     moved): through the default exchange, addressed to its queue by name. Only then do the
     original exchange and routing key headers stand for where it was first published; on a
@@ -614,7 +615,7 @@ def decode_delivery(
     except ValueError as exc:
         return error(FailureReason.INVALID_HEADERS, str(exc))
     headers = delivery.headers
-    origin = headers if _sent_to_its_queue(delivery) else {}
+    origin = headers if sent_to_its_queue(delivery) else {}
     return Message(
         message_id=message_id,
         routing_key=_text(origin.get(ORIGINAL_ROUTING_KEY_HEADER)) or delivery.routing_key,

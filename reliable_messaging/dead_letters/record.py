@@ -11,7 +11,7 @@ from django.db import DataError, router
 from django.utils import timezone
 
 from .. import tracing
-from ..choices import DeadLetterStatus
+from ..choices import DeadLetterStatus, ReplayOutcome
 from ..core.envelope import (
     FIRST_FAILED_AT_HEADER,
     MAX_STORED_NESTING,
@@ -24,6 +24,7 @@ from ..core.envelope import (
 )
 from ..core.fingerprints import exception_fingerprint, reason_fingerprint
 from ..models import DeadLetter
+from . import ledger
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,29 @@ def record_dead_letter(
         fields["trace_id"], fields["span_id"] = traced
         event["trace_id"] = traced[0]
     using = router.db_for_write(DeadLetter)
+    row = _store(using, consumer, message_id, fields, event, delivery, now)
+    # A replayed copy that failed again: its replay's ledger row says so.
+    ledger.settle(
+        delivery,
+        consumer,
+        message_id,
+        ReplayOutcome.FAILED_AGAIN,
+        using=using,
+        failed_as=row,
+        trace_id=traced[0] if traced else None,
+    )
+    return row
+
+
+def _store(
+    using: str,
+    consumer: str,
+    message_id: str,
+    fields: dict[str, Any],
+    event: dict[str, Any],
+    delivery: Delivery,
+    now: dt.datetime,
+) -> DeadLetter:
     try:
         return _upsert(using, consumer, message_id, fields, event, delivery, now)
     except DataError:

@@ -21,7 +21,7 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from .. import tracing
-from ..choices import DeadLetterReason, DeadLetterStatus, OutboxStatus
+from ..choices import DeadLetterReason, DeadLetterStatus, OutboxStatus, ReplayKind
 from ..core.envelope import (
     ATTEMPT_HEADER,
     BROKER_HEADERS,
@@ -34,11 +34,12 @@ from ..core.envelope import (
     ORIGINAL_ROUTING_KEY_HEADER,
     PUBLISHED_AT_HEADER,
     REPLAY_HEADER,
+    REPLAY_ID_HEADER,
     REPLAYED_BY_HEADER,
     wire_headers,
 )
 from ..core.trace_context import TRACE_HEADERS
-from ..models import DeadLetter, OutboxMessage, ProcessedMessage
+from ..models import DeadLetter, OutboxMessage, ProcessedMessage, Replay
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ _RESET_HEADERS = {
     FIRST_FAILED_AT_HEADER,
     LAST_ERROR_HEADER,
     PUBLISHED_AT_HEADER,
+    REPLAY_ID_HEADER,
     "x-rm-outbox-id",
 } | BROKER_HEADERS
 
@@ -218,7 +220,7 @@ def replay_batch(
         processed = ProcessedMessage.objects.using(using).processed_keys(
             d.message_id for d in letters if d.message_id
         )
-        copies: list[tuple[Any, ...]] = []  # the values of _OUTBOX_COLUMNS
+        chosen: list[tuple[DeadLetter, bool]] = []  # (dead letter, forced)
         forgotten: list[tuple[str, str]] = []
         plain: list[int] = []
         forced_pks: list[int] = []
@@ -237,20 +239,27 @@ def replay_batch(
                 forced_pks.append(dead_letter.pk)
             else:
                 plain.append(dead_letter.pk)
+            chosen.append((dead_letter, already))
+            result.replayed.append(dead_letter.pk)
+        # The ledger's rows first: each copy names its own.
+        entries = _record_replays(using, chosen, replayed_by, operation, now)
+        copies: list[tuple[Any, ...]] = []  # the values of _OUTBOX_COLUMNS
+        for (dead_letter, _forced), entry in zip(chosen, entries, strict=True):
+            headers = _replay_headers(dead_letter, replayed_by)
+            headers[REPLAY_ID_HEADER] = entry.pk
             copies.append(
                 (
                     dead_letter.message_id,
                     "",  # the default exchange: straight to the failed consumer's queue
                     dead_letter.queue,
                     bytes(dead_letter.body).decode("utf-8"),
-                    _traced(_replay_headers(dead_letter, replayed_by), dead_letter, replayed_by),
+                    _traced(headers, dead_letter, replayed_by),
                     (dead_letter.headers or {}).get(ORDERING_KEY_HEADER),
                     OutboxStatus.PENDING,
                     0,
                     "",
                 )
             )
-            result.replayed.append(dead_letter.pk)
         if forgotten:
             ProcessedMessage.objects.using(using).forget_many(forgotten)
         # In pk order: the outbox ids keep the dead letters' order, and so each ordering key's.
@@ -278,6 +287,35 @@ def replay_batch(
                     replayed_by,
                 )
     return result
+
+
+def _record_replays(
+    using: str,
+    chosen: list[tuple[DeadLetter, bool]],
+    replayed_by: str,
+    operation: int | None,
+    now: dt.datetime,
+) -> list[Replay]:
+    """The replay ledger's rows of a batch (``(dead letter, forced)`` pairs), with their ids."""
+    entries = [
+        Replay(
+            dead_letter_id=dead_letter.pk,
+            operation_id=operation,
+            consumer=dead_letter.consumer,
+            message_id=dead_letter.message_id,
+            kind=ReplayKind.FORCED if forced else ReplayKind.REPLAY,
+            replayed_by=replayed_by,
+            replayed_at=now,
+        )
+        for dead_letter, forced in chosen
+    ]
+    if not entries:
+        return []
+    created = Replay.objects.using(using).bulk_create(entries)
+    if any(entry.pk is None for entry in created):  # a database that returns no ids
+        for entry in created:
+            entry.save(using=using, force_insert=True)
+    return created
 
 
 # What a replay reads of a dead letter: not its payload, traceback or history, which can be

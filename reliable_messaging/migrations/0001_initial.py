@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import django.db.models.deletion
 import django.utils.timezone
 from django.db import migrations, models
 
@@ -664,5 +665,168 @@ class Migration(migrations.Migration):
             drop_dead_letter_sql,
             hints={"model_name": "deadletter"},
             elidable=False,
+        ),
+        migrations.CreateModel(
+            name="FailureGroupState",
+            fields=[
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("consumer", models.CharField(max_length=255)),
+                ("fingerprint", models.CharField(blank=True, max_length=64)),
+                (
+                    "reason",
+                    models.CharField(
+                        choices=[
+                            ("permanent", "permanent error"),
+                            ("retries_exhausted", "retries exhausted"),
+                            ("invalid_json", "invalid JSON"),
+                            ("invalid_utf8", "invalid UTF-8"),
+                            ("empty_body", "empty body"),
+                            ("missing_message_id", "missing message_id"),
+                            ("body_too_large", "body too large"),
+                            ("unsupported_content_type", "unsupported content type"),
+                            ("invalid_headers", "invalid headers"),
+                            ("no_handler", "no handler for the queue"),
+                            ("unexpected_routing_key", "routing key matches no binding"),
+                            ("parked", "parked behind an earlier dead letter of its key"),
+                            ("worker_crashed", "the worker process died while handling it"),
+                            ("timeout", "the handler ran past its time limit"),
+                            ("consumer_error", "the consumer failed on it"),
+                            ("delivery_limit", "the broker's delivery limit was reached"),
+                        ],
+                        max_length=40,
+                    ),
+                ),
+                (
+                    "state",
+                    models.CharField(
+                        choices=[("acknowledged", "acknowledged"), ("resolved", "resolved")],
+                        max_length=15,
+                    ),
+                ),
+                ("changed_by", models.CharField(max_length=255)),
+                ("changed_at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("note", models.TextField(blank=True)),
+            ],
+            options={
+                "verbose_name": "failure group state",
+            },
+        ),
+        migrations.CreateModel(
+            name="Replay",
+            fields=[
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("consumer", models.CharField(max_length=255)),
+                ("message_id", models.CharField(max_length=255)),
+                (
+                    "kind",
+                    models.CharField(
+                        choices=[
+                            ("replay", "replay"),
+                            ("forced", "forced replay"),
+                            ("edited", "edited replay"),
+                        ],
+                        default="replay",
+                        max_length=10,
+                    ),
+                ),
+                ("replayed_by", models.CharField(max_length=255)),
+                ("replayed_at", models.DateTimeField(default=django.utils.timezone.now)),
+                (
+                    "outcome",
+                    models.CharField(
+                        choices=[
+                            ("in_flight", "in flight"),
+                            ("processed", "processed"),
+                            ("duplicate", "duplicate (skipped)"),
+                            ("failed_again", "failed again"),
+                        ],
+                        default="in_flight",
+                        max_length=15,
+                    ),
+                ),
+                ("outcome_at", models.DateTimeField(blank=True, null=True)),
+                ("reason", models.TextField(blank=True)),
+                ("edit", models.JSONField(blank=True, default=dict)),
+            ],
+            options={
+                "verbose_name": "replay",
+                "ordering": ["-id"],
+            },
+        ),
+        migrations.AddField(
+            model_name="deadletter",
+            name="replay_of",
+            field=models.ForeignKey(
+                blank=True,
+                db_constraint=False,
+                db_index=False,
+                null=True,
+                on_delete=django.db.models.deletion.SET_NULL,
+                related_name="edited_copies",
+                to="reliable_messaging.deadletter",
+            ),
+        ),
+        migrations.AddIndex(
+            model_name="deadletter",
+            index=models.Index(
+                condition=models.Q(("replay_of__isnull", False)),
+                fields=["replay_of"],
+                name="rm_deadletter_replay_of_idx",
+            ),
+        ),
+        migrations.AddConstraint(
+            model_name="failuregroupstate",
+            constraint=models.UniqueConstraint(
+                fields=("consumer", "fingerprint", "reason"), name="rm_groupstate_key_uniq"
+            ),
+        ),
+        migrations.AddField(
+            model_name="replay",
+            name="dead_letter",
+            field=models.ForeignKey(
+                db_constraint=False,
+                on_delete=django.db.models.deletion.CASCADE,
+                related_name="replays",
+                to="reliable_messaging.deadletter",
+            ),
+        ),
+        migrations.AddField(
+            model_name="replay",
+            name="failed_as",
+            field=models.ForeignKey(
+                blank=True,
+                db_constraint=False,
+                null=True,
+                on_delete=django.db.models.deletion.SET_NULL,
+                related_name="+",
+                to="reliable_messaging.deadletter",
+            ),
+        ),
+        migrations.AddField(
+            model_name="replay",
+            name="operation",
+            field=models.ForeignKey(
+                blank=True,
+                db_constraint=False,
+                db_index=False,
+                null=True,
+                on_delete=django.db.models.deletion.SET_NULL,
+                related_name="replays",
+                to="reliable_messaging.deadletteroperation",
+            ),
+        ),
+        migrations.AddIndex(
+            model_name="replay",
+            index=models.Index(fields=["operation", "outcome"], name="rm_replay_op_outcome_idx"),
         ),
     ]

@@ -1,0 +1,118 @@
+"""The replay ledger: each replay of a dead letter, and what became of its copy.
+
+A replay writes a :class:`~reliable_messaging.models.Replay` row with the copy's outbox row
+(:mod:`.replay`); the copy carries the row's id in ``x-rm-replay-id``. The consumer that decides
+the copy settles the row in the same transaction: processed, duplicate, or failed again (with
+the dead letter it became). Only a copy we sent to its queue (the default exchange) is taken at
+its word, and only for the row of its own consumer and message_id: a header a producer wrote
+settles nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from django.db.models import Count
+from django.utils import timezone
+
+from ..choices import ReplayKind, ReplayOutcome
+from ..core.envelope import REPLAY_ID_HEADER, Delivery, sent_to_its_queue
+from ..models import DeadLetter, Replay
+
+
+def replay_id_of(delivery: Delivery) -> int | None:
+    """The ledger row a replayed copy names, when the copy came the way ours come."""
+    if not sent_to_its_queue(delivery):
+        return None
+    raw = delivery.headers.get(REPLAY_ID_HEADER)
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw <= 0:
+        return None
+    return raw
+
+
+def _in_flight(delivery: Delivery, consumer: str, message_id: str, using: str) -> Replay | None:
+    replay_id = replay_id_of(delivery)
+    if replay_id is None:
+        return None
+    return (
+        Replay.objects.using(using)
+        .select_for_update()
+        .filter(
+            pk=replay_id,
+            consumer=consumer,
+            message_id=message_id,
+            outcome=ReplayOutcome.IN_FLIGHT,
+        )
+        .first()
+    )
+
+
+def replayed_dead_letter(
+    delivery: Delivery, consumer: str, message_id: str, using: str
+) -> int | None:
+    """The id of the dead letter this copy replays (an edited copy's message_id is not its
+    dead letter's), or None when the copy names no ledger row of its own."""
+    replay_id = replay_id_of(delivery)
+    if replay_id is None:
+        return None
+    return (
+        Replay.objects.using(using)
+        .filter(pk=replay_id, consumer=consumer, message_id=message_id)
+        .values_list("dead_letter_id", flat=True)
+        .first()
+    )
+
+
+def settle(
+    delivery: Delivery,
+    consumer: str,
+    message_id: str,
+    outcome: ReplayOutcome,
+    *,
+    using: str,
+    failed_as: DeadLetter | None = None,
+    trace_id: str | None = None,
+) -> Replay | None:
+    """Record what became of a replayed copy, inside the transaction that decided it; None
+    when ``delivery`` is no replayed copy of ours still in flight.
+
+    An edited copy stands for the dead letter it was edited from: processed (or found
+    processed), that one is resolved; failed again, the new dead letter links back to it
+    (``replay_of``) and the original is resolved as superseded by it."""
+    row = _in_flight(delivery, consumer, message_id, using)
+    if row is None:
+        return None
+    now = timezone.now()
+    row.outcome = outcome
+    row.outcome_at = now
+    row.failed_as = failed_as
+    row.save(using=using, update_fields=["outcome", "outcome_at", "failed_as"])
+    if row.kind != ReplayKind.EDITED:
+        return row
+    letters = DeadLetter.objects.using(using)
+    original = letters.open().filter(pk=row.dead_letter_id)
+    if outcome == ReplayOutcome.FAILED_AGAIN and failed_as is not None:
+        if failed_as.pk != row.dead_letter_id:
+            letters.filter(pk=failed_as.pk).update(replay_of=row.dead_letter_id)
+            original.resolve(
+                at=now,
+                by=f"its edited copy {message_id} failed again as dead letter #{failed_as.pk}",
+                trace_id=trace_id,
+            )
+    elif outcome in (ReplayOutcome.PROCESSED, ReplayOutcome.DUPLICATE):
+        original.resolve(
+            at=now, by=f"its edited copy {message_id} was processed", trace_id=trace_id
+        )
+    return row
+
+
+def outcome_counts(operation_id: int, using: str | None = None) -> Mapping[str, int]:
+    """How many of an operation's replays reached each outcome so far (every outcome named)."""
+    rows = Replay.objects.using(using) if using else Replay.objects.all()
+    found = dict(
+        rows.filter(operation_id=operation_id)
+        .values("outcome")
+        .annotate(n=Count("id"))
+        .values_list("outcome", "n")
+    )
+    return {outcome.value: found.get(outcome.value, 0) for outcome in ReplayOutcome}
