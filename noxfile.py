@@ -61,6 +61,8 @@ SLICE = (
     "tests/integration/test_migrations.py",
     "tests/e2e/test_consume_command.py",
     "tests/e2e/test_replay_end_to_end.py",
+    # Spans recorded by real processes: the OpenTelemetry API and SDK of each end.
+    "tests/e2e/test_tracing.py",
     "tests/integration/celery_tasks/test_idempotent_task.py",
     "tests/integration/ops/test_command_progress.py",
     "tests/integration/ops/test_health.py",
