@@ -10,6 +10,7 @@ interval. ``docs/design.md#waking-the-relay-after-a-commit`` explains.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -45,6 +46,10 @@ SPACING = 0.005
 MAX_SPACING = 0.1
 # A process that stopped publishing gives its connection back after this long.
 IDLE_CLOSE = 30.0
+# At its exit a process lets the wake-ups it asked for go out, waiting this long at most: a
+# script or command that publishes and exits at once would otherwise leave them to the relay's
+# poll.
+EXIT_WAIT = 1.0
 
 
 class WakeUpSender:
@@ -57,6 +62,7 @@ class WakeUpSender:
         self._due: set[str] = set()
         self._event = threading.Event()
         self._thread: threading.Thread | None = None
+        self._exit_hook = False
         self._pid = 0
         self._conninfo: dict[str, str] = {}
         self._connections: dict[str, Any] = {}
@@ -109,6 +115,17 @@ class WakeUpSender:
             target=self._run, name="reliable-messaging-wake-ups", daemon=True
         )
         self._thread.start()
+        if not self._exit_hook:
+            self._exit_hook = True
+            atexit.register(self._send_before_exit)
+
+    def _send_before_exit(self) -> None:
+        """At the process's exit: the wake-ups asked for go out first (bounded by EXIT_WAIT)."""
+        with self._lock:
+            pending = bool(self._due) or self._event.is_set()
+            thread = self._thread
+        if pending and thread is not None and thread.is_alive() and self._pid == os.getpid():
+            self.flush(EXIT_WAIT)
 
     def _run(self) -> None:
         while True:

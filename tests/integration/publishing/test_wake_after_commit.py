@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import select
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -31,8 +33,9 @@ from reliable_messaging.publishing.wake_after_commit import (
     WakeUpSender,
     sender,
 )
+from tests.conftest import subprocess_env
 from tests.markers import ON_POSTGRESQL, direct_only, postgresql_only
-from tests.support import wait_until
+from tests.support import ROOT, wait_until
 
 from .conftest import OutboxEnv
 
@@ -328,3 +331,36 @@ def test_sqlite_has_no_wake_up_machinery() -> None:
     publish("wake.sqlite", {"n": 2})  # autocommit
     assert sender.requested == requested
     assert OutboxMessage.objects.count() == 2
+
+
+# Publishes in a transaction and exits at once, as a script or a short command does.
+PUBLISH_AND_EXIT = """
+import django
+django.setup()
+from django.db import transaction
+from reliable_messaging import publish
+with transaction.atomic():
+    publish("wake.exit", {"n": 1})
+"""
+
+
+@postgresql_only
+@direct_only
+@pytest.mark.slow
+def test_a_process_that_publishes_and_exits_at_once_still_wakes_the_relay(
+    ob: OutboxEnv, listener: Listener
+) -> None:
+    """Its wake-up goes out before it exits (the sender's thread is a daemon thread, which the
+    interpreter would otherwise stop with the wake-up unsent, leaving the rows to the poll)."""
+    done = subprocess.run(
+        [sys.executable, "-c", PUBLISH_AND_EXIT],
+        cwd=ROOT,
+        env=subprocess_env(ob.ns),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert OutboxMessage.objects.filter(routing_key="wake.exit").count() == 1
+    assert listener.received(wait=2.0), "the process exited without waking the relay"
