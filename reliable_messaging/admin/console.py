@@ -442,6 +442,11 @@ def failure_groups_view(model_admin: DeadLetterConsole, request: HttpRequest) ->
             request.POST.get("reason", ""),
         )
         note = request.POST.get("note", "").strip()[:2000]
+        known = DeadLetterGroup.objects.with_states(with_open=False).filter(
+            consumer=key[0], fingerprint=key[1], reason=key[2]
+        )
+        if action != "reopen" and not known.exists():
+            return HttpResponse(gettext("No such failure group."), status=400)
         states = FailureGroupState.objects.using(router.db_for_write(FailureGroupState))
         moves = {
             "acknowledge": (states.acknowledge, gettext("Acknowledged")),
@@ -465,9 +470,10 @@ def failure_groups_view(model_admin: DeadLetterConsole, request: HttpRequest) ->
                     messages.info(request, gettext("%(group)s is new already.") % {"group": label})
             else:
                 return HttpResponse(gettext("Unknown action."), status=400)
-        back = request.POST.get("next", "")
-        # Back to the page as it was filtered (a query string only: never another site).
-        return redirect(model_admin.console_url("groups") + (back if back.startswith("?") else ""))
+        # Back to the page as it was filtered: its own filters only, re-encoded.
+        back = QueryDict(request.POST.get("next", "").lstrip("?"))
+        kept = {name: back[name] for name in ("state", "all") if back.get(name)}
+        return redirect(model_admin.console_url("groups", query=urlencode(kept)))
 
     show_all = request.GET.get("all") == "1"
     wanted_state = request.GET.get("state", "")

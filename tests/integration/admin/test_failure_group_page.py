@@ -149,3 +149,13 @@ def test_the_page_reads_the_states_in_the_groups_query(
                 ("tests.alpha", f"many{n}", "permanent"), by="root", at=timezone.now()
             )
     assert queries() == few
+
+
+def test_a_group_that_does_not_exist_or_an_unknown_action_is_refused(
+    triager: Client, four_groups: None
+) -> None:
+    unknown = {"consumer": "tests.alpha", "fingerprint": "zz", "reason": "permanent"}
+    assert triager.post(GROUPS, {**unknown, "action": "acknowledge"}).status_code == 400
+    known = {"consumer": "tests.alpha", "fingerprint": "a1", "reason": "permanent"}
+    assert triager.post(GROUPS, {**known, "action": "delete"}).status_code == 400
+    assert not FailureGroupState.objects.filter(fingerprint__in=["zz", "a1"]).exists()
