@@ -14,20 +14,34 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from django.db import IntegrityError, connections, models, router, transaction
-from django.db.models import Count, Exists, F, Max, Min, OuterRef, Q, Sum, Value
+from django.db.models import (
+    Case,
+    Count,
+    Exists,
+    F,
+    Max,
+    Min,
+    OuterRef,
+    Q,
+    Subquery,
+    Sum,
+    Value,
+    When,
+)
 from django.db.models.functions import Now
 
 from .choices import (
     OPEN_DEAD_LETTER_STATUSES,
     UNFINISHED_OPERATION_STATES,
     DeadLetterStatus,
+    GroupState,
     OperationState,
     OutboxStatus,
 )
 from .storage.partitions import ADVISORY_CLASS, GROUP_FOLD_LOCK
 
 if TYPE_CHECKING:
-    from .models import DeadLetter, SuspectDelivery
+    from .models import DeadLetter, FailureGroupState, SuspectDelivery
 
 # Told after each deleted batch: the rows deleted so far, and how many were due at the start.
 BatchProgress = Callable[[int, int], None]
@@ -569,8 +583,208 @@ class DeadLetterGroupQuerySet(models.QuerySet):
             if status == DeadLetterStatus.DEAD
         ]
 
+    # -- the lifecycle (``FailureGroupState``) -------------------------------------------------
+
+    def _by_key(self) -> models.QuerySet[Any, dict[str, Any]]:
+        """One dict per (consumer, fingerprint, reason) with a dead letter (:data:`GROUP_FIELDS`):
+        the key ``FailureGroupState`` names, unlike :meth:`listing`'s (fingerprint, consumer)."""
+        if self.kept():
+            return self._live().filter(total__gt=0).values(*GROUP_FIELDS)
+        return (
+            self._dead_letters()
+            .values("consumer", "fingerprint", "reason")
+            .annotate(
+                total=Count("pk"),
+                **{status: Count("pk", filter=Q(status=status)) for status in STATUS_COUNTERS},
+                first_seen=Min("first_failed_at"),
+                last_seen=Max("last_failed_at"),
+                example_id=Max("pk"),
+                exception_type=Max("exception_type"),
+                queue=Max("queue"),
+            )
+        )
+
+    def with_states(
+        self, *, states: Iterable[str] | None = None, with_open: bool = True
+    ) -> models.QuerySet[Any, dict[str, Any]]:
+        """:meth:`_by_key`'s groups, each with its ``state`` (:class:`GroupState`), and
+        ``state_by``, ``state_at``, ``state_note`` of its ``FailureGroupState`` row (None when
+        new), those with dead letters first, then the latest. ``states``: only those;
+        ``with_open``: only groups with a dead letter still dead. The state is computed in the
+        query (one indexed subquery per group on the state's unique key), so a page of them
+        is one query whatever the filter."""
+        model = self.model._meta.apps.get_model(self.model._meta.app_label, "FailureGroupState")
+        row = model._default_manager.using(self.db).filter(
+            consumer=OuterRef("consumer"),
+            fingerprint=OuterRef("fingerprint"),
+            reason=OuterRef("reason"),
+        )
+        groups = (
+            self._by_key()
+            .annotate(
+                stored_state=Subquery(row.values("state")[:1]),
+                state_at=Subquery(row.values("changed_at")[:1]),
+                state_by=Subquery(row.values("changed_by")[:1]),
+                state_note=Subquery(row.values("note")[:1]),
+            )
+            .annotate(
+                state=Case(
+                    When(stored_state__isnull=True, then=Value(GroupState.NEW.value)),
+                    When(
+                        stored_state=GroupState.RESOLVED.value,
+                        last_seen__gt=F("state_at"),
+                        then=Value(GroupState.REGRESSED.value),
+                    ),
+                    default=F("stored_state"),
+                    output_field=models.CharField(),
+                )
+            )
+            .order_by("-dead", "-last_seen", "consumer", "fingerprint", "reason")
+        )
+        if with_open:
+            groups = groups.filter(dead__gt=0)
+        if states is not None:
+            groups = groups.filter(state__in=list(states))
+        return groups
+
+    def state_of(self, consumer: str, fingerprint: str, reason: str) -> str:
+        """The :class:`GroupState` of one group (``new`` for a group without dead letters)."""
+        group = (
+            self.with_states(with_open=False)
+            .filter(consumer=consumer, fingerprint=fingerprint, reason=reason)
+            .values_list("state", flat=True)
+            .first()
+        )
+        return group or GroupState.NEW.value
+
+    def state_counts(self) -> dict[str, int]:
+        """Groups with a dead letter still dead, per :class:`GroupState` (every state, 0 too):
+        what the alerts watch (new and regressed)."""
+        counts = dict.fromkeys((state.value for state in GroupState), 0)
+        for state in self.with_states().values_list("state", flat=True):
+            counts[state] += 1
+        return counts
+
 
 DeadLetterGroupManager = models.Manager.from_queryset(DeadLetterGroupQuerySet)
+
+
+class FailureGroupStateQuerySet(models.QuerySet):
+    """What operators said about failure groups, and the only code that changes it.
+
+    A group is keyed by (consumer, fingerprint, reason). ``acknowledge`` and ``resolve`` store
+    the state with who, when and why (a group already acknowledged or resolved is moved again,
+    with the new who, when and why); ``reopen`` deletes the row: the group is new again. Later
+    failures leave an acknowledged group acknowledged (muted); they make a resolved one
+    regressed, which is computed when read (``DeadLetterGroup.objects.with_states()``), never
+    stored. Each move writes a Django admin log entry when ``user_id`` is given (who did what,
+    in the admin's history), since ``reopen`` leaves no row behind. Inside the caller's
+    transaction, if any.
+    """
+
+    def of(self, consumer: str, fingerprint: str, reason: str) -> FailureGroupStateQuerySet:
+        return self.filter(consumer=consumer, fingerprint=fingerprint, reason=reason)
+
+    def _store(
+        self,
+        state: str,
+        key: tuple[str, str, str],
+        *,
+        by: str,
+        at: dt.datetime,
+        note: str,
+        user_id: int | None,
+    ) -> FailureGroupState:
+        consumer, fingerprint, reason = key
+        row, created = self.update_or_create(
+            consumer=consumer,
+            fingerprint=fingerprint,
+            reason=reason,
+            defaults={"state": state, "changed_by": by, "changed_at": at, "note": note},
+        )
+        _log_group_move(row, state, note, at=at, user_id=user_id, added=created)
+        return row
+
+    def acknowledge(
+        self,
+        key: tuple[str, str, str],
+        *,
+        by: str,
+        at: dt.datetime,
+        note: str = "",
+        user_id: int | None = None,
+    ) -> FailureGroupState:
+        """Someone looks into the group (consumer, fingerprint, reason): muted from alerts,
+        later failures included, until it is resolved or reopened."""
+        return self._store(GroupState.ACKNOWLEDGED, key, by=by, at=at, note=note, user_id=user_id)
+
+    def resolve(
+        self,
+        key: tuple[str, str, str],
+        *,
+        by: str,
+        at: dt.datetime,
+        note: str = "",
+        user_id: int | None = None,
+    ) -> FailureGroupState:
+        """The cause is fixed: a failure of the group after ``at`` makes it regressed."""
+        return self._store(GroupState.RESOLVED, key, by=by, at=at, note=note, user_id=user_id)
+
+    def reopen(
+        self,
+        key: tuple[str, str, str],
+        *,
+        at: dt.datetime,
+        note: str = "",
+        user_id: int | None = None,
+    ) -> bool:
+        """Forget what was said of the group: it is new again (alerted on while it has dead
+        letters). False when it was new already."""
+        row = self.select_for_update().of(*key).first()
+        if row is None:
+            return False
+        _log_group_move(row, GroupState.NEW, note, at=at, user_id=user_id, added=False)
+        row.delete()
+        return True
+
+
+def _log_group_move(
+    row: FailureGroupState,
+    state: str,
+    note: str,
+    *,
+    at: dt.datetime,
+    user_id: int | None,
+    added: bool,
+) -> None:
+    """An admin log entry for a group's move (``user_id``'s), naming the group and the note."""
+    if user_id is None or not row._meta.apps.is_installed("django.contrib.admin"):
+        return
+    from django.contrib.admin.models import ADDITION, CHANGE, DELETION, LogEntry
+    from django.contrib.contenttypes.models import ContentType
+
+    verb = {
+        GroupState.ACKNOWLEDGED: "Acknowledged",
+        GroupState.RESOLVED: "Resolved",
+        GroupState.NEW: "Reopened",
+    }[GroupState(state)]
+    message = f"{verb} failure group {row.consumer} · {row.fingerprint or '-'} ({row.reason})"
+    if note:
+        message += f": {note}"
+    flag = DELETION if state == GroupState.NEW else ADDITION if added else CHANGE
+    using = row._state.db or router.db_for_write(LogEntry)
+    LogEntry.objects.db_manager(using).create(
+        action_time=at,
+        user_id=user_id,
+        content_type_id=ContentType.objects.db_manager(using).get_for_model(row).pk,
+        object_id=str(row.pk),
+        object_repr=str(row)[:200],
+        action_flag=flag,
+        change_message=message,
+    )
+
+
+FailureGroupStateManager = models.Manager.from_queryset(FailureGroupStateQuerySet)
 
 
 # -- the outbox --------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from .managers import (
     DeadLetterGroupManager,
     DeadLetterManager,
     DeadLetterOperationManager,
+    FailureGroupStateManager,
     OutboxMessageManager,
     ProcessedMessageManager,
     SuspectDeliveryManager,
@@ -127,7 +128,10 @@ class DeadLetter(models.Model):
     class Meta:
         verbose_name = _("dead letter")
         ordering = ["-last_failed_at", "-id"]
-        permissions = [("replay_deadletter", "Can replay and discard dead letters")]
+        permissions = [
+            ("replay_deadletter", "Can replay and discard dead letters"),
+            ("triage_deadletter", "Can acknowledge, resolve and reopen failure groups"),
+        ]
         constraints = [
             models.UniqueConstraint(
                 fields=["consumer", "message_id"],
@@ -511,6 +515,8 @@ class FailureGroupState(models.Model):
     changed_by = models.CharField(max_length=255)
     changed_at = models.DateTimeField(default=timezone.now)
     note = models.TextField(blank=True)
+
+    objects = FailureGroupStateManager()
 
     class Meta:
         verbose_name = _("failure group state")

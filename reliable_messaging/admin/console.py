@@ -27,10 +27,11 @@ from django.db.models import Max, QuerySet
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed, QueryDict
 from django.shortcuts import redirect
 from django.template.response import TemplateResponse
+from django.utils import timezone
 from django.utils.http import urlencode
 from django.utils.translation import gettext, ngettext
 
-from ..choices import DeadLetterStatus
+from ..choices import DeadLetterStatus, GroupState
 from ..dead_letters.replay import ReplayResult, discard, discardable, replay_batch
 from ..dead_letters.selection import (
     BY_MESSAGE_ID,
@@ -44,7 +45,7 @@ from ..dead_letters.selection import (
     wanted,
 )
 from ..managers import DeadLetterQuerySet
-from ..models import DeadLetter, DeadLetterGroup
+from ..models import DeadLetter, DeadLetterGroup, FailureGroupState
 from ..publishing.wake_after_commit import wake_relay_after_commit
 from .operations import COUNT_CAP, OperationConsole, capped_count, operator, record_operation
 
@@ -422,16 +423,75 @@ def object_operation_view(
 
 
 def failure_groups_view(model_admin: DeadLetterConsole, request: HttpRequest) -> HttpResponse:
-    """Dead letters that fail the same way (fingerprint) in the same consumer, biggest first."""
+    """Dead letters that fail the same way (fingerprint and reason) in the same consumer, each
+    with its lifecycle state; those with dead letters first. ``?state=`` filters by state
+    (default: every state but resolved; ``all``), ``?all=1`` shows groups without dead letters
+    too. A POST acknowledges, resolves or reopens one group (``triage_deadletter``)."""
     if not model_admin.has_view_permission(request):
         raise PermissionDenied
+    user: Any = request.user
+    opts = model_admin.opts
+    can_triage = bool(user.has_perm(f"{opts.app_label}.triage_{opts.model_name}"))
+    if request.method == "POST":
+        if not can_triage:
+            raise PermissionDenied
+        action = request.POST.get("action", "")
+        key = (
+            request.POST.get("consumer", ""),
+            request.POST.get("fingerprint", ""),
+            request.POST.get("reason", ""),
+        )
+        note = request.POST.get("note", "").strip()[:2000]
+        known = DeadLetterGroup.objects.with_states(with_open=False).filter(
+            consumer=key[0], fingerprint=key[1], reason=key[2]
+        )
+        if action != "reopen" and not known.exists():
+            return HttpResponse(gettext("No such failure group."), status=400)
+        states = FailureGroupState.objects.using(router.db_for_write(FailureGroupState))
+        moves = {
+            "acknowledge": (states.acknowledge, gettext("Acknowledged")),
+            "resolve": (states.resolve, gettext("Resolved")),
+        }
+        label = f"{key[0]} · {key[2]}"
+        now = timezone.now()
+        with transaction.atomic(using=states.db):
+            if action in moves:
+                move, verb = moves[action]
+                move(key, by=operator(request), at=now, note=note, user_id=user.pk)
+                messages.success(
+                    request, gettext("%(verb)s %(group)s.") % {"verb": verb, "group": label}
+                )
+            elif action == "reopen":
+                if states.reopen(key, at=now, note=note, user_id=user.pk):
+                    messages.success(
+                        request, gettext("Reopened %(group)s: it is new again.") % {"group": label}
+                    )
+                else:
+                    messages.info(request, gettext("%(group)s is new already.") % {"group": label})
+            else:
+                return HttpResponse(gettext("Unknown action."), status=400)
+        # Back to the page as it was filtered: its own filters only, re-encoded.
+        back = QueryDict(request.POST.get("next", "").lstrip("?"))
+        kept = {name: back[name] for name in ("state", "all") if back.get(name)}
+        return redirect(model_admin.console_url("groups", query=urlencode(kept)))
+
     show_all = request.GET.get("all") == "1"
-    groups = DeadLetterGroup.objects.listing(with_open=not show_all)
+    wanted_state = request.GET.get("state", "")
+    if wanted_state == "all":
+        states_shown: list[str] | None = None
+    elif wanted_state in GroupState.values:
+        states_shown = [wanted_state]
+    else:
+        wanted_state = ""
+        states_shown = [s for s in GroupState.values if s != GroupState.RESOLVED]
+    groups = DeadLetterGroup.objects.with_states(states=states_shown, with_open=not show_all)
     page = Paginator(groups, 100).get_page(request.GET.get("p"))
     examples = DeadLetter.objects.only(
         "pk", "message_id", "reason", "exception_type", "exception_message"
     ).in_bulk([group["example_id"] for group in page if group["example_id"] is not None])
     can_replay = model_admin.has_replay_permission(request)
+    here = {"state": wanted_state, "all": "1" if show_all else ""}
+    here_query = urlencode({k: v for k, v in here.items() if v})
     rows = []
     for group in page:
         # The newest dead letter counted in; gone if it was deleted since.
@@ -443,6 +503,8 @@ def failure_groups_view(model_admin: DeadLetterConsole, request: HttpRequest) ->
         rows.append(
             {
                 **group,
+                "reason_code": group["reason"],
+                "state_label": GroupState(group["state"]).label,
                 "example": example,
                 "exception_type": exception_type,
                 "exception_name": exception_type.rsplit(".", 1)[-1],
@@ -460,13 +522,19 @@ def failure_groups_view(model_admin: DeadLetterConsole, request: HttpRequest) ->
         )
     context = {
         **model_admin.admin_site.each_context(request),
-        "opts": model_admin.opts,
+        "opts": opts,
         "title": gettext("Failure groups"),
         "rows": rows,
         "page": page,
         "show_all": show_all,
+        "state": wanted_state,
+        "state_choices": [("", gettext("needing attention or muted"))]
+        + [(s.value, s.label) for s in GroupState]
+        + [("all", gettext("every state"))],
+        "here_query": f"?{here_query}" if here_query else "?",
         "changelist_url": model_admin.console_url("changelist"),
         "has_replay_permission": can_replay,
+        "can_triage": can_triage,
     }
     request.current_app = model_admin.admin_site.name
     return TemplateResponse(

@@ -375,7 +375,10 @@ class Migration(migrations.Migration):
             options={
                 "verbose_name": "dead letter",
                 "ordering": ["-last_failed_at", "-id"],
-                "permissions": [("replay_deadletter", "Can replay and discard dead letters")],
+                "permissions": [
+                    ("replay_deadletter", "Can replay and discard dead letters"),
+                    ("triage_deadletter", "Can acknowledge, resolve and reopen failure groups"),
+                ],
                 "indexes": [
                     models.Index(
                         fields=["status", "-last_failed_at"], name="rm_deadletter_status_idx"

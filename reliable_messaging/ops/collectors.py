@@ -31,13 +31,20 @@ from ..broker.queues import (
     monitored_queues,
     queues_from_amqp,
 )
-from ..choices import OutboxStatus
+from ..choices import GroupState, OutboxStatus
 from ..conf import MessagingSettings, messaging_settings
 from ..core.registry import ConsumerSpec, registry
 from ..models import DeadLetter, DeadLetterGroup, OutboxMessage, ProcessedMessage
 from ..storage import partitions
 
 logger = logging.getLogger(__name__)
+
+# At most this many failure groups get a series of their own in
+# ``reliable_messaging_failure_group_dead_letters``: the new and regressed groups with the most
+# dead letters, so a storm of distinct failures cannot explode Prometheus's series.
+FAILURE_GROUP_SERIES = 50
+# The states the alerts fire on.
+ALERTING_GROUP_STATES = (GroupState.NEW.value, GroupState.REGRESSED.value)
 
 
 @dataclass(frozen=True)
@@ -254,6 +261,8 @@ class DatabaseCollector:
             dead.add_metric([status, consumer, reason], rows)
         yield dead
 
+        yield from self._failure_groups(self._alias(DeadLetter))
+
         yield GaugeMetricFamily(
             "reliable_messaging_inbox_messages",
             "Inbox rows (processed messages kept for deduplication); estimated on PostgreSQL.",
@@ -275,6 +284,38 @@ class DatabaseCollector:
             "Day partitions kept past their retention and the upkeep's next run (PostgreSQL).",
             value=len(overdue),
         )
+
+    @staticmethod
+    def _failure_groups(alias: str) -> Iterator[Metric]:
+        """Failure groups with a dead letter still dead, per lifecycle state; and the dead
+        letters of the new and regressed ones, the ``FAILURE_GROUP_SERIES`` largest."""
+        # One read of the open groups, largest first: their states counted, the first
+        # FAILURE_GROUP_SERIES alerting ones exported.
+        groups = DeadLetterGroup.objects.using(alias).with_states()
+        counts = dict.fromkeys(GroupState.values, 0)
+        open_letters = GaugeMetricFamily(
+            "reliable_messaging_failure_group_dead_letters",
+            "Dead letters still dead in each new or regressed failure group (the "
+            f"{FAILURE_GROUP_SERIES} largest), by consumer, reason, fingerprint and state.",
+            labels=["consumer", "reason", "fingerprint", "state"],
+        )
+        exported = 0
+        for group in groups.values("consumer", "reason", "fingerprint", "state", "dead"):
+            counts[group["state"]] += 1
+            if group["state"] in ALERTING_GROUP_STATES and exported < FAILURE_GROUP_SERIES:
+                labels = [group["consumer"], group["reason"], group["fingerprint"], group["state"]]
+                open_letters.add_metric(labels, group["dead"])
+                exported += 1
+        per_state = GaugeMetricFamily(
+            "reliable_messaging_failure_groups",
+            "Failure groups with dead letters still dead, by state (new, acknowledged, "
+            "resolved, regressed); the alerts fire on new and regressed.",
+            labels=["state"],
+        )
+        for state, count in counts.items():
+            per_state.add_metric([state], count)
+        yield per_state
+        yield open_letters
 
 
 class BrokerCollector:

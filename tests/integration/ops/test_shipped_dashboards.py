@@ -103,7 +103,7 @@ def test_alert_rules_cover_the_operational_risks() -> None:
     assert "reliable_messaging_consumer_redelivered_total" in text  # redelivery rate
     assert "> 0.10" in expressions["ReliableMessagingHighRedeliveryRate"]
     assert "reliable_messaging_outbox_oldest_pending_age_seconds" in text  # outbox lag
-    assert "reliable_messaging_dead_letters" in text  # dead letters growing
+    assert "reliable_messaging_failure_group_dead_letters" in text  # new or regressed groups
     assert 'up{job="reliable-messaging-consume"} == 0' in text  # consumer down
     assert "reliable_messaging_healthy == 0" in text  # a process failing its health check
     assert "reliable_messaging_relay_blocked" in text  # relay blocked for long
