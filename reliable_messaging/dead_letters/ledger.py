@@ -131,7 +131,7 @@ def failed_again(operation_id: int, limit: int, using: str | None = None) -> lis
             "consumer",
             "message_id",
             "outcome_at",
-            "failed_as__pk",
+            "failed_as__id",
             "failed_as__exception_type",
             "failed_as__exception_message",
             "failed_as__status",

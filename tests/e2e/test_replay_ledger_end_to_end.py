@@ -19,10 +19,9 @@ from django.test import Client
 from django.urls import reverse
 
 from reliable_messaging.choices import DeadLetterStatus, OutboxStatus, ReplayOutcome
-from reliable_messaging.core.envelope import REPLAY_ID_HEADER
+from reliable_messaging.core.envelope import REPLAY_HEADER, REPLAY_ID_HEADER
 from reliable_messaging.dead_letters.replay import replay_batch
 from reliable_messaging.models import DeadLetter, DeadLetterOperation, OutboxMessage, Replay
-from reliable_messaging.testing import find_consumer
 from tests.conftest import subprocess_env
 from tests.support import ConsumeProcess, ManageProcess, Publisher, wait_until
 from tests.testapp.models import Effect
@@ -197,10 +196,11 @@ def test_a_bulk_replays_outcomes_reach_the_ledger_and_the_operation_page(
 def test_a_producers_replay_id_header_settles_nothing(
     ns: str, publisher: Publisher, tmp_path: Path
 ) -> None:
-    """A message published to the exchange, naming an in-flight ledger row of its consumer and
-    message_id, is handled as any message (processed, or failed); the row stays in flight."""
+    """A message published to the exchange, dressed as a replay naming an in-flight ledger row
+    of its consumer and message_id, is handled (processed, or failed); the row stays in
+    flight."""
     exchange = f"rmtest.{ns}"
-    queue = find_consumer("tests.alpha").queue
+    queue = f"{ns}.alpha"  # the consume process's (this process has a namespace of its own)
     rows = {}
     for message_id in ("forged-ok", "forged-fails"):
         letter = DeadLetter.objects.create(
@@ -226,14 +226,14 @@ def test_a_producers_replay_id_header_settles_nothing(
             "order.placed",
             {},
             message_id="forged-ok",
-            headers={REPLAY_ID_HEADER: rows["forged-ok"].pk},
+            headers={REPLAY_HEADER: 1, REPLAY_ID_HEADER: rows["forged-ok"].pk},
         )
         publisher.publish(
             exchange,
             "order.placed",
             {"permanent": {"alpha": True}},
             message_id="forged-fails",
-            headers={REPLAY_ID_HEADER: rows["forged-fails"].pk},
+            headers={REPLAY_HEADER: 1, REPLAY_ID_HEADER: rows["forged-fails"].pk},
         )
         wait_until(
             lambda: (
