@@ -1,6 +1,6 @@
 """An operation's page in a real headless browser: its replays' outcomes come in while the page
 is open (it refreshes itself until none is in flight), and the dead letters that failed again
-are listed with links to their pages.
+are listed with links to their pages. And the confirmation page's "Dry run" button.
 
 Also renders the screenshot of the page in the docs; ``RM_UPDATE_SCREENSHOTS=1`` writes it to
 docs/images/replay-ledger.png (otherwise only to the test's temporary directory).
@@ -19,7 +19,13 @@ from playwright.sync_api import Page, expect
 from reliable_messaging.choices import ReplayOutcome
 from reliable_messaging.dead_letters.operations import run_pending_operations
 from reliable_messaging.dead_letters.selection import selection_from_query
-from reliable_messaging.models import DeadLetter, DeadLetterOperation, Replay
+from reliable_messaging.models import (
+    DeadLetter,
+    DeadLetterOperation,
+    OutboxMessage,
+    ProcessedMessage,
+    Replay,
+)
 
 from .test_dead_letter_console import TIMEOUT_MS, dead_letter
 
@@ -105,3 +111,24 @@ def test_the_operation_page_shows_the_replays_outcomes_as_they_come_in(
     if os.environ.get("RM_UPDATE_SCREENSHOTS") == "1":
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(target, SCREENSHOT)
+
+
+def test_the_dry_run_button_shows_what_a_replay_would_do(page: Page) -> None:
+    shipping = ("shipping.ship-order", "shop.shipping")
+    for n in range(3):
+        dead_letter(*shipping, {"order_id": 1200 + n}, message_id=f"ship-{1200 + n}")
+    ProcessedMessage.objects.create(consumer=shipping[0], message_id="ship-1202")
+    page.goto(f"{page.url}replay-matching/?consumer={shipping[0]}")
+
+    page.get_by_role("button", name="Dry run").click()
+    expect(page.locator("#rm-dry-run-done")).to_have_text("2")
+    expect(page.locator("#rm-dry-run-refused")).to_have_text("1")
+    expect(page.locator("#rm-dry-run-reasons")).to_contain_text("already processed")
+
+    # Forced, the processed one would run again; still nothing is written.
+    page.get_by_label("Force").check()
+    page.get_by_role("button", name="Dry run").click()
+    expect(page.locator("#rm-dry-run-done")).to_have_text("3")
+    expect(page.locator("#rm-dry-run-refused")).to_have_text("0")
+    assert Replay.objects.count() == OutboxMessage.objects.count() == 0
+    assert set(DeadLetter.objects.values_list("status", flat=True)) == {"dead"}
