@@ -32,7 +32,14 @@ from django.utils.http import urlencode
 from django.utils.translation import gettext, ngettext
 
 from ..choices import DeadLetterStatus, GroupState
-from ..dead_letters.replay import ReplayResult, discard, discardable, replay_batch
+from ..dead_letters.operations import DRY_RUN_LIMIT, dry_run
+from ..dead_letters.replay import (
+    REFUSAL_LABELS,
+    ReplayResult,
+    discard,
+    discardable,
+    replay_batch,
+)
 from ..dead_letters.selection import (
     BY_MESSAGE_ID,
     BY_WORDS,
@@ -304,7 +311,9 @@ def bulk_operation_view(
     model_admin: DeadLetterConsole, request: HttpRequest, operation: Operation
 ) -> HttpResponse:
     """Replay or discard every dead letter the changelist's filter and search match: GET asks
-    for confirmation with the counts, POST records an operation the relay carries out.
+    for confirmation with the counts, POST records an operation the relay carries out; a POST
+    of the "Dry run" button shows what it would do instead (``operations.dry_run``: the first
+    ``DRY_RUN_LIMIT`` judged as the replay judges them), and writes nothing.
 
     The POST takes what its page showed: the search read the same way, the dead letters up
     to the highest id the page counted; when it would take another number than the page
@@ -334,7 +343,15 @@ def bulk_operation_view(
     filter_parts = describe_filter(request, chosen["search_mode"])
     chosen["description"] = ", ".join(filter_parts)
 
-    if request.method == "POST":
+    dry = None
+    if request.method == "POST" and request.POST.get("dry_run"):
+        dry = dry_run(
+            operation,
+            chosen,
+            force=operation == "replay" and bool(request.POST.get("force")),
+            max_pk=max_pk,
+        )
+    elif request.method == "POST":
         if confirmed is not None and target_count != confirmed.announced:
             model_admin.message_user(
                 request,
@@ -385,6 +402,15 @@ def bulk_operation_view(
         "batch_size": model_admin.batch_size,
         "changelist_url": changelist_url,
         "confirmed": _Confirmed(chosen["search_mode"], max_pk, target_count),
+        "dry_run": dry,
+        "dry_run_refused": [
+            {"label": REFUSAL_LABELS.get(code, code), "count": n, "examples": dry.examples[code]}
+            for code, n in sorted(dry.refused.items(), key=lambda item: -item[1])
+        ]
+        if dry
+        else [],
+        "dry_run_limit": DRY_RUN_LIMIT,
+        "dry_run_forced": bool(request.POST.get("force")),
     }
     request.current_app = model_admin.admin_site.name
     return TemplateResponse(

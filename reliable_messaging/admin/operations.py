@@ -3,9 +3,10 @@
 - :func:`record_operation`: the POST of the confirmation page ("replay all matching", a
   failure group) records a ``DeadLetterOperation`` and redirects to its progress page; the
   request does nothing else, so it is as quick with a million dead letters as with ten.
-- :func:`progress_view`: where it got (refreshing itself while it runs), with a Cancel button;
-  :func:`status_view` gives the same figures as JSON; :func:`cancel_view` stops it between two
-  batches.
+- :func:`progress_view`: where it got (refreshing itself while it runs, and while its replays
+  await their outcomes), what became of its replays (the replay ledger's counts, and the dead
+  letters that failed again), with a Cancel button; :func:`status_view` gives the same figures
+  as JSON; :func:`cancel_view` stops it between two batches.
 - :class:`DeadLetterOperationAdmin`: the list of operations, read-only.
 
 The audit is each dead letter's history entry, which names the operator and the operation.
@@ -28,8 +29,10 @@ from django.utils.html import format_html
 from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
-from ..choices import UNFINISHED_OPERATION_STATES
+from ..choices import UNFINISHED_OPERATION_STATES, OperationKind, ReplayOutcome
+from ..dead_letters import ledger
 from ..dead_letters.operations import COUNT_CAP
+from ..dead_letters.replay import STALE_REPLAY_AFTER
 from ..models import DeadLetter, DeadLetterOperation
 
 if TYPE_CHECKING:
@@ -133,8 +136,13 @@ def _log(request: HttpRequest, operation: DeadLetterOperation, flag: int, messag
     )
 
 
+# Dead letters that failed again listed by an operation's page (the rest are counted).
+FAILED_AGAIN_SHOWN = 50
+
+
 def figures(operation: DeadLetterOperation) -> dict[str, Any]:
-    """What the progress page and its JSON show."""
+    """What the progress page and its JSON show: the operation's counters and, for a replay,
+    the ledger's outcome counts (one GROUP BY on the index of operation and outcome)."""
     rate = None
     if operation.started_at and operation.heartbeat_at and operation.done:
         seconds = (operation.heartbeat_at - operation.started_at).total_seconds()
@@ -148,6 +156,16 @@ def figures(operation: DeadLetterOperation) -> dict[str, Any]:
         total = max(operation.matched, operation.done)
         share = operation.done / total if total else 0
     percent = 100 if operation.state == "done" else min(99, int(100 * share))
+    outcomes: dict[str, int] | None = None
+    settling = False
+    if operation.kind == OperationKind.REPLAY:
+        outcomes = dict(ledger.outcome_counts(operation.pk))
+        # Its copies are still on their way: the page keeps refreshing, until they are
+        # presumed lost (then the dead letters may be replayed again).
+        settling = bool(outcomes[ReplayOutcome.IN_FLIGHT]) and (
+            operation.finished_at is None
+            or operation.finished_at > timezone.now() - STALE_REPLAY_AFTER
+        )
     return {
         "id": operation.pk,
         "kind": operation.kind,
@@ -165,6 +183,48 @@ def figures(operation: DeadLetterOperation) -> dict[str, Any]:
         "skipped": operation.skipped,
         "rate": rate,
         "error": operation.error,
+        "outcomes": outcomes,
+        "settling": settling,
+        "refresh": not finished or settling,
+    }
+
+
+def failures(model_admin: OperationConsole, operation: DeadLetterOperation) -> list[dict[str, Any]]:
+    """The first :data:`FAILED_AGAIN_SHOWN` dead letters an operation's replays became when
+    they failed again, with their pages."""
+    if operation.kind != OperationKind.REPLAY:
+        return []
+    shown = []
+    for row in ledger.failed_again(operation.pk, FAILED_AGAIN_SHOWN):
+        letter = row.failed_as
+        pk = letter.pk if letter is not None else row.dead_letter_id
+        error = (letter.exception_message or "").splitlines() if letter is not None else []
+        shown.append(
+            {
+                "dead_letter": pk,
+                "message_id": row.message_id,
+                "consumer": row.consumer,
+                "exception_type": letter.exception_type if letter is not None else "",
+                "error": error[0] if error else "",
+                "at": row.outcome_at.isoformat() if row.outcome_at else None,
+                "url": model_admin.console_url("change", pk),
+            }
+        )
+    return shown
+
+
+def _failed_again_figures(
+    model_admin: OperationConsole, operation: DeadLetterOperation, values: dict[str, Any]
+) -> dict[str, Any]:
+    shown = failures(model_admin, operation)
+    total = (values["outcomes"] or {}).get(ReplayOutcome.FAILED_AGAIN, 0)
+    ids = ",".join(str(item["dead_letter"]) for item in shown)
+    return {
+        "failed_again": shown,
+        "failed_again_more": max(0, total - len(shown)),
+        "failed_again_list_url": model_admin.console_url("changelist", query=f"id__in={ids}")
+        if shown
+        else "",
     }
 
 
@@ -188,6 +248,7 @@ def progress_view(model_admin: OperationConsole, request: HttpRequest, pk: int) 
         },
         "operation": operation,
         "figures": values,
+        **_failed_again_figures(model_admin, operation, values),
         "can_cancel": not values["finished"] and model_admin.has_replay_permission(request),
         "cancel_url": model_admin.console_url("operation_cancel", operation.pk),
         "changelist_url": model_admin.console_url("changelist"),
@@ -204,7 +265,9 @@ def progress_view(model_admin: OperationConsole, request: HttpRequest, pk: int) 
 def status_view(model_admin: OperationConsole, request: HttpRequest, pk: int) -> HttpResponse:
     if not model_admin.has_view_permission(request):
         raise PermissionDenied
-    return JsonResponse(figures(_operation(pk)))
+    operation = _operation(pk)
+    values = figures(operation)
+    return JsonResponse({**values, **_failed_again_figures(model_admin, operation, values)})
 
 
 def cancel_view(model_admin: OperationConsole, request: HttpRequest, pk: int) -> HttpResponse:

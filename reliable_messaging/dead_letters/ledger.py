@@ -116,3 +116,25 @@ def outcome_counts(operation_id: int, using: str | None = None) -> Mapping[str, 
         .values_list("outcome", "n")
     )
     return {outcome.value: found.get(outcome.value, 0) for outcome in ReplayOutcome}
+
+
+def failed_again(operation_id: int, limit: int, using: str | None = None) -> list[Replay]:
+    """The first ``limit`` replays of an operation that failed again, by id, with the dead
+    letter each became (``failed_as``; the index on operation and outcome finds them)."""
+    rows = Replay.objects.using(using) if using else Replay.objects.all()
+    return list(
+        rows.filter(operation_id=operation_id, outcome=ReplayOutcome.FAILED_AGAIN)
+        .select_related("failed_as")
+        .only(
+            "pk",
+            "dead_letter_id",
+            "consumer",
+            "message_id",
+            "outcome_at",
+            "failed_as__id",
+            "failed_as__exception_type",
+            "failed_as__exception_message",
+            "failed_as__status",
+        )
+        .order_by("pk")[:limit]
+    )

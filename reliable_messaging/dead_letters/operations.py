@@ -4,24 +4,28 @@ The relay runs an :class:`OperationRunner` in a child process (:mod:`.operation_
 is one transaction (:func:`run_batch`): the operation row claimed with SKIP LOCKED, the next dead
 letters after the cursor replayed or discarded, and the cursor and counters moved, all committed
 together, so a killed process leaves nothing half done and each dead letter is done at most once per
-operation. An operation does no more than its confirmation announced.
+operation. An operation does no more than its confirmation announced. :func:`dry_run` tells what an
+operation would do, by the same rules, writing nothing.
 ``docs/design.md#dead-letters-replay-and-bulk-operations`` explains.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from django.db import connections, router, transaction
 from django.utils import timezone
 
 from ..choices import OperationKind
 from ..models import DeadLetter, DeadLetterGroup, DeadLetterOperation
-from .replay import discard, replay_batch
-from .selection import targets
+from .replay import discard, judge_batch, replay_batch
+from .selection import matching, targets, wanted
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +39,82 @@ FAILURES_BEFORE_GIVING_UP = 5
 # what is left, so a fold only has to keep the deltas few, and must not hold up the operations.
 FOLD_INTERVAL = 5.0
 FOLD_BATCHES = 20
+# A dry run looks at this many of the matching dead letters at most (the first, by id), judged
+# DRY_RUN_BATCH at a time.
+DRY_RUN_LIMIT = 10_000
+DRY_RUN_BATCH = 1000
+# Dead letter ids a dry run keeps per refusal, as examples.
+DRY_RUN_EXAMPLES = 5
+
+
+@dataclass
+class DryRun:
+    """What an operation would do with the dead letters a dry run looked at (``examined``,
+    the first of those matching; ``limited``: more match). ``done``: replayed (``forced`` of
+    them after forgetting their inbox rows) or discarded; ``refused``: counts by refusal code
+    (``replay.REFUSAL_LABELS``), with a few ``examples``; ``skipped``: left alone for their
+    status."""
+
+    kind: str
+    examined: int = 0
+    limited: bool = False
+    done: int = 0
+    forced: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, list[int]] = field(default_factory=dict)
+    skipped: int = 0
+
+    @property
+    def refused_total(self) -> int:
+        return sum(self.refused.values())
+
+
+def dry_run(
+    kind: str,
+    selection: Mapping[str, Any],
+    *,
+    force: bool = False,
+    max_pk: int | None = None,
+    limit: int = DRY_RUN_LIMIT,
+    now: dt.datetime | None = None,
+) -> DryRun:
+    """What an operation of ``kind`` over ``selection`` (the dead letters up to ``max_pk``)
+    would do now with the first ``limit`` of them: the same selection as :func:`run_batch`,
+    judged as ``replay_batch`` judges (``replay.judge``); reads only."""
+    now = now or timezone.now()
+    result = DryRun(kind=kind)
+    rows = matching(selection)
+    if max_pk is not None:
+        rows = rows.filter(pk__lte=max_pk)
+    window = list(rows.order_by("pk").values_list("pk", flat=True)[: limit + 1])
+    result.limited = len(window) > limit
+    window = window[:limit]
+    result.examined = len(window)
+    if not window:
+        return result
+    # The first ``limit`` matching ones by id are exactly those up to the last one's id.
+    taken = list(
+        rows.filter(wanted(kind, selection, now), pk__lte=window[-1])
+        .order_by("pk")
+        .values_list("pk", flat=True)
+    )
+    result.skipped = len(window) - len(taken)
+    if kind != OperationKind.REPLAY:
+        result.done = len(taken)
+        return result
+    for start in range(0, len(taken), DRY_RUN_BATCH):
+        judgement = judge_batch(taken[start : start + DRY_RUN_BATCH], force=force, now=now)
+        result.done += len(judgement.chosen)
+        result.forced += sum(1 for _letter, forced in judgement.chosen if forced)
+        result.skipped += len(judgement.skipped)
+        for pk, why in judgement.refused.items():
+            if pk in judgement.skipped:
+                continue
+            result.refused[why.code] = result.refused.get(why.code, 0) + 1
+            examples = result.examples.setdefault(why.code, [])
+            if len(examples) < DRY_RUN_EXAMPLES:
+                examples.append(pk)
+    return result
 
 
 def run_batch(batch_size: int = DEFAULT_BATCH_SIZE) -> DeadLetterOperation | None:

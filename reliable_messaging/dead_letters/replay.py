@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.db import connections, router, transaction
 from django.db.models import Q, QuerySet
@@ -102,36 +102,131 @@ def discardable(now: dt.datetime | None = None) -> Q:
     return Q(status=DeadLetterStatus.DEAD) | stale_replays(now)
 
 
+# Why a replay refuses a dead letter, as a code (what a dry run groups by) and its label.
+AWAITING_OUTCOME = "awaiting_outcome"
+NOT_REPLAYABLE_STATUS = "status"
+UNREPLAYABLE_REASON = "unreplayable_reason"
+UNSENDABLE_BODY = "unsendable_body"
+CELERY_TASK = "celery_task"
+ALREADY_PROCESSED = "already_processed"
+REFUSAL_LABELS = {
+    AWAITING_OUTCOME: "replayed recently, awaiting that outcome",
+    NOT_REPLAYABLE_STATUS: "status not dead or discarded",
+    UNREPLAYABLE_REASON: "would be refused again (no message_id, body not JSON, UTF-8 or empty)",
+    UNSENDABLE_BODY: "body cannot travel through the outbox (not UTF-8 text, or a NUL)",
+    CELERY_TASK: "a Celery task, not a message",
+    ALREADY_PROCESSED: "already processed by its consumer (force to run it again)",
+}
+
+
+class Refusal(NamedTuple):
+    """Why a dead letter is not replayed: ``code`` (a key of :data:`REFUSAL_LABELS`) and the
+    sentence an operator reads."""
+
+    code: str
+    text: str
+
+
+def refusal(
+    dead_letter: DeadLetter, already_processed: bool, force: bool, now: dt.datetime
+) -> Refusal | None:
+    """Why a replay now would refuse ``dead_letter`` (None: it would replay it); the one rule
+    a replay, a dry run and an edited replay apply."""
+    if dead_letter.status == DeadLetterStatus.REPLAYED:
+        if dead_letter.updated_at > now - STALE_REPLAY_AFTER:
+            return Refusal(
+                AWAITING_OUTCOME,
+                f"it was replayed at {dead_letter.updated_at:%Y-%m-%d %H:%M:%S} UTC and is "
+                f"awaiting that outcome; if none comes, it can be replayed again or discarded "
+                f"{_duration(STALE_REPLAY_AFTER)} after the replay",
+            )
+    elif dead_letter.status not in REPLAYABLE_STATUSES:
+        return Refusal(
+            NOT_REPLAYABLE_STATUS, f"its status is {dead_letter.status}, not dead or discarded"
+        )
+    unreplayable = UNREPLAYABLE_REASONS.get(DeadLetterReason(dead_letter.reason))
+    if unreplayable:
+        return Refusal(UNREPLAYABLE_REASON, unreplayable)
+    unsendable = _unsendable_body(bytes(dead_letter.body))
+    if unsendable:
+        return Refusal(UNSENDABLE_BODY, unsendable)
+    if CELERY_TASK_HEADER in (dead_letter.headers or {}):
+        return Refusal(
+            CELERY_TASK,
+            "it is a Celery task whose worker died on it, not a message a replay could "
+            "publish; discard it and call the task again",
+        )
+    if already_processed and not force:
+        return Refusal(
+            ALREADY_PROCESSED,
+            f"consumer {dead_letter.consumer} already processed message "
+            f"{dead_letter.message_id}; replaying it would not run the handler (force it to "
+            f"forget that and run it again)",
+        )
+    return None
+
+
 def _refusal(
     dead_letter: DeadLetter, already_processed: bool, force: bool, now: dt.datetime
 ) -> str | None:
-    if dead_letter.status == DeadLetterStatus.REPLAYED:
-        if dead_letter.updated_at > now - STALE_REPLAY_AFTER:
-            return (
-                f"it was replayed at {dead_letter.updated_at:%Y-%m-%d %H:%M:%S} UTC and is "
-                f"awaiting that outcome; if none comes, it can be replayed again or discarded "
-                f"{_duration(STALE_REPLAY_AFTER)} after the replay"
-            )
-    elif dead_letter.status not in REPLAYABLE_STATUSES:
-        return f"its status is {dead_letter.status}, not dead or discarded"
-    unreplayable = UNREPLAYABLE_REASONS.get(DeadLetterReason(dead_letter.reason))
-    if unreplayable:
-        return unreplayable
-    unsendable = _unsendable_body(bytes(dead_letter.body))
-    if unsendable:
-        return unsendable
-    if CELERY_TASK_HEADER in (dead_letter.headers or {}):
-        return (
-            "it is a Celery task whose worker died on it, not a message a replay could "
-            "publish; discard it and call the task again"
-        )
-    if already_processed and not force:
-        return (
-            f"consumer {dead_letter.consumer} already processed message "
-            f"{dead_letter.message_id}; replaying it would not run the handler (force it to "
-            f"forget that and run it again)"
-        )
-    return None
+    found = refusal(dead_letter, already_processed, force, now)
+    return None if found is None else found.text
+
+
+@dataclass
+class Judgement:
+    """What a replay does with a batch of dead letters (:func:`judge`): ``chosen`` are
+    replayed, as ``(dead letter, forced)`` (forced: its inbox row is forgotten first)."""
+
+    chosen: list[tuple[DeadLetter, bool]] = field(default_factory=list)
+    refused: dict[int, Refusal] = field(default_factory=dict)
+    # Those of ``refused`` left alone for their status (see ReplayResult.skipped).
+    skipped: set[int] = field(default_factory=set)
+
+
+def judge(
+    letters: Iterable[DeadLetter],
+    processed: Container[tuple[str, str]],
+    *,
+    force: bool,
+    now: dt.datetime,
+) -> Judgement:
+    """Judge each dead letter by :func:`refusal`, given the ``(consumer, message_id)`` pairs
+    of the inbox among them; pure (it reads and writes nothing)."""
+    judgement = Judgement()
+    for dead_letter in letters:
+        already = (dead_letter.consumer, dead_letter.message_id) in processed
+        refused = refusal(dead_letter, already, force, now)
+        if refused is not None:
+            judgement.refused[dead_letter.pk] = refused
+            if dead_letter.status not in REPLAYABLE_STATUSES:
+                judgement.skipped.add(dead_letter.pk)
+            continue
+        judgement.chosen.append((dead_letter, already))
+    return judgement
+
+
+def _letters(using: str, ids: Iterable[int], *, lock: bool) -> list[DeadLetter]:
+    rows = DeadLetter.objects.using(using)
+    if lock:
+        rows = rows.select_for_update()
+    return list(rows.filter(pk__in=list(ids)).only(*_REPLAY_FIELDS).order_by("pk"))
+
+
+def _inbox_keys(using: str, letters: Sequence[DeadLetter]) -> set[tuple[str, str]]:
+    return ProcessedMessage.objects.using(using).processed_keys(
+        d.message_id for d in letters if d.message_id
+    )
+
+
+def judge_batch(
+    ids: Iterable[int], *, force: bool = False, now: dt.datetime | None = None
+) -> Judgement:
+    """What :func:`replay_batch` would do with ``ids`` now, by the same :func:`judge`, writing
+    and locking nothing (a dry run; call it with bounded batches)."""
+    using = router.db_for_read(DeadLetter)
+    letters = _letters(using, ids, lock=False)
+    return judge(letters, _inbox_keys(using, letters), force=force, now=now or timezone.now())
 
 
 def _unsendable_body(body: bytes) -> str | None:
@@ -201,8 +296,8 @@ def replay_batch(
     Set-based: one locking SELECT, one inbox lookup, one delete per consumer of the inbox rows
     a forced replay forgets, one INSERT of the outbox rows and one UPDATE of the dead letters
     (their history appended in the database). Each dead letter is judged on its own by the
-    same rules (:func:`_refusal`). ``operation``: the bulk operation doing it, recorded in each
-    history entry beside who."""
+    same rules (:func:`judge`; :func:`judge_batch` is the dry run). ``operation``: the bulk
+    operation doing it, recorded in each history entry beside who."""
     result = ReplayResult()
     using = router.db_for_write(DeadLetter)
     now = timezone.now()
@@ -210,36 +305,21 @@ def replay_batch(
     with transaction.atomic(using=using):
         # Locked in pk order, so two replays of overlapping selections never deadlock; the
         # second one waits, then finds these "replayed" and refuses them.
-        letters = list(
-            DeadLetter.objects.using(using)
-            .select_for_update()
-            .filter(pk__in=list(ids))
-            .only(*_REPLAY_FIELDS)
-            .order_by("pk")
-        )
-        processed = ProcessedMessage.objects.using(using).processed_keys(
-            d.message_id for d in letters if d.message_id
-        )
-        chosen: list[tuple[DeadLetter, bool]] = []  # (dead letter, forced)
+        letters = _letters(using, ids, lock=True)
+        judgement = judge(letters, _inbox_keys(using, letters), force=force, now=now)
+        result.refused = {pk: why.text for pk, why in judgement.refused.items()}
+        result.skipped = judgement.skipped
+        chosen = judgement.chosen
         forgotten: list[tuple[str, str]] = []
         plain: list[int] = []
         forced_pks: list[int] = []
-        for dead_letter in letters:
-            key = (dead_letter.consumer, dead_letter.message_id)
-            already = key in processed
-            refusal = _refusal(dead_letter, already, force, now)
-            if refusal:
-                result.refused[dead_letter.pk] = refusal
-                if dead_letter.status not in REPLAYABLE_STATUSES:
-                    result.skipped.add(dead_letter.pk)
-                continue
+        for dead_letter, already in chosen:
             if already:
                 # Forced: forget the inbox row, or the consumer would ack it as a duplicate.
-                forgotten.append(key)
+                forgotten.append((dead_letter.consumer, dead_letter.message_id))
                 forced_pks.append(dead_letter.pk)
             else:
                 plain.append(dead_letter.pk)
-            chosen.append((dead_letter, already))
             result.replayed.append(dead_letter.pk)
         # The ledger's rows first: each copy names its own.
         entries = _record_replays(using, chosen, replayed_by, operation, now)

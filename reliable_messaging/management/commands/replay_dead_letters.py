@@ -13,7 +13,7 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime, parse_duration
 
 from reliable_messaging.choices import DeadLetterReason, DeadLetterStatus, OperationKind
-from reliable_messaging.dead_letters.replay import replay_batch
+from reliable_messaging.dead_letters.replay import judge_batch, replay_batch
 from reliable_messaging.management.progress import Progress
 from reliable_messaging.models import DeadLetter, DeadLetterOperation
 from reliable_messaging.publishing.wake_after_commit import sender, wake_relay_after_commit
@@ -116,12 +116,7 @@ class Command(BaseCommand):
         queryset = self.select(options)
         ids = list(queryset.order_by("pk").values_list("pk", flat=True)[: options["limit"]])
         if options["dry_run"]:
-            for letter in DeadLetter.objects.filter(pk__in=ids).order_by("pk"):
-                self.stdout.write(
-                    f"would replay #{letter.pk} message_id={letter.message_id} "
-                    f"to {letter.consumer} ({letter.queue}): {letter.reason}"
-                )
-            self.stdout.write(f"dry run: {len(ids)} dead letter(s) match; nothing replayed")
+            self.dry_run(ids, options["force"], options["batch_size"])
             return
         who = f"{getpass.getuser()} (replay_dead_letters)"
         if options["via_relay"]:
@@ -153,6 +148,25 @@ class Command(BaseCommand):
                 f"their consumers' queues"
             )
         )
+
+    def dry_run(self, ids: list[int], force: bool, batch_size: int) -> None:
+        """What a replay of ``ids`` would do now, judged batch by batch as the replay judges
+        (``replay.judge``), writing nothing."""
+        would, refused = 0, 0
+        for start in range(0, len(ids), batch_size):
+            judgement = judge_batch(ids[start : start + batch_size], force=force)
+            for letter, forced in judgement.chosen:
+                would += 1
+                self.stdout.write(
+                    f"would replay #{letter.pk} message_id={letter.message_id} "
+                    f"to {letter.consumer} ({letter.queue}): {letter.reason}"
+                    + (" (forced)" if forced else "")
+                )
+            for pk, why in judgement.refused.items():
+                refused += 1
+                self.stdout.write(f"would refuse #{pk}: {why.text}")
+        self.stdout.write(f"dry run: {len(ids)} dead letter(s) match; nothing replayed")
+        self.stdout.write(f"{would} would be replayed, {refused} refused")
 
     def lookups(self, options: dict[str, Any]) -> dict[str, str] | None:
         """The filters as an operation's lookups; None when they cannot be (``--exception``
