@@ -127,7 +127,10 @@ class DeadLetter(models.Model):
     class Meta:
         verbose_name = _("dead letter")
         ordering = ["-last_failed_at", "-id"]
-        permissions = [("replay_deadletter", "Can replay and discard dead letters")]
+        permissions = [
+            ("replay_deadletter", "Can replay and discard dead letters"),
+            ("edit_replay_deadletter", "Can edit and replay the dead letters of every consumer"),
+        ]
         constraints = [
             models.UniqueConstraint(
                 fields=["consumer", "message_id"],

@@ -375,7 +375,13 @@ class Migration(migrations.Migration):
             options={
                 "verbose_name": "dead letter",
                 "ordering": ["-last_failed_at", "-id"],
-                "permissions": [("replay_deadletter", "Can replay and discard dead letters")],
+                "permissions": [
+                    ("replay_deadletter", "Can replay and discard dead letters"),
+                    (
+                        "edit_replay_deadletter",
+                        "Can edit and replay the dead letters of every consumer",
+                    ),
+                ],
                 "indexes": [
                     models.Index(
                         fields=["status", "-last_failed_at"], name="rm_deadletter_status_idx"
