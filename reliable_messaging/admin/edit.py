@@ -24,6 +24,7 @@ from ..dead_letters.edit import (
     check_edit,
     editable_headers,
     original_payload_text,
+    original_processed,
     pretty,
     replay_edited,
 )
@@ -95,9 +96,7 @@ def edit_replay_view(
         problems, diff, already_processed = edit.problems, edit.diff, edit.already_processed
         previewed = True
     else:
-        already_processed = check_edit(
-            obj, payload_text=form["payload"], headers=form["headers"], reason="-"
-        ).already_processed
+        already_processed = original_processed(obj)
     context = {
         **model_admin.admin_site.each_context(request),
         "opts": model_admin.opts,

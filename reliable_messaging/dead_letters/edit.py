@@ -128,6 +128,9 @@ def _header_problems(headers: Any) -> list[str]:
         return ["the headers must be a JSON object of names and values, such as {}"]
     problems = []
     for name in headers:
+        if not isinstance(name, str):
+            problems.append(f"header names must be strings, got {name!r}")
+            continue
         lowered = name.lower()
         if lowered.startswith(HEADER_PREFIX):
             problems.append(
@@ -206,9 +209,7 @@ def check_edit(
         problems.append(
             f"the reason is {len(cleaned)} characters long; at most {MAX_REASON_LENGTH}"
         )
-    edit.already_processed = bool(dead_letter.message_id) and ProcessedMessage.objects.using(
-        dead_letter._state.db or router.db_for_read(ProcessedMessage)
-    ).has(dead_letter.consumer, dead_letter.message_id)
+    edit.already_processed = original_processed(dead_letter)
     refusal = _status_refusal(dead_letter, now or timezone.now())
     if refusal:
         problems.append(f"dead letter #{dead_letter.pk} cannot be replayed: {refusal}")
@@ -228,6 +229,16 @@ def check_edit(
         )
     edit.diff = "\n".join(d for d in diffs if d)
     return edit
+
+
+def original_processed(dead_letter: DeadLetter) -> bool:
+    """Whether the consumer already processed the original message (its inbox has the id)."""
+    if not dead_letter.message_id:
+        return False
+    rows = ProcessedMessage.objects.using(
+        dead_letter._state.db or router.db_for_read(ProcessedMessage)
+    )
+    return rows.has(dead_letter.consumer, dead_letter.message_id)
 
 
 def _status_refusal(dead_letter: DeadLetter, now: Any) -> str | None:

@@ -224,7 +224,7 @@ def test_the_permission_is_per_consumer(page: Page, browser: Browser, live_serve
     as_bob = log_in(browser, live_server, "bob")
 
     as_bob.goto(f"{live_server.url}{BASE}/{beta_letter.pk}/change/")
-    expect(as_bob.get_by_role("button", name="Replay")).to_be_visible()  # replay: yes
+    expect(as_bob.get_by_role("button", name="Replay", exact=True)).to_be_visible()  # replay: yes
     expect(as_bob.locator("#rm-edit-replay")).to_have_count(0)  # edit: no
     response = as_bob.goto(f"{live_server.url}{BASE}/{beta_letter.pk}/edit-replay/")
     assert response is not None and response.status == 403
@@ -255,7 +255,17 @@ def test_without_the_edit_permission_the_page_is_403(
 
 
 def test_screenshot_of_the_edit_page(page: Page, tmp_path: Path) -> None:
-    letter = failed_for_sku()
+    # A consumer of the demo shop (demo_project/shop/consumers.py), as the list's screenshot.
+    letter = dead_letter(
+        "shipping.ship-order",
+        "shop.shipping",
+        ORIGINAL,
+        message_id="0193a4c2-7d1e-7c3a-9f51-2b8e4d6a1c07",
+        headers=HEADERS,
+        reason="retries_exhausted",
+        exception_type="builtins.KeyError",
+        exception_message="'sku'",
+    )
     # The navigation sidebar collapsed, as the admin remembers it per browser: more room.
     page.evaluate("localStorage.setItem('django.admin.navSidebarIsOpen', 'false')")
     edit_page(page, letter)
