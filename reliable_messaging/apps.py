@@ -20,3 +20,11 @@ class ReliableMessagingConfig(AppConfig):
 
         # Like admin.py: every installed app's consumers.py registers its handlers on import.
         autodiscover_modules("consumers")
+
+        from django.db.models.signals import post_migrate
+
+        from .dead_letters.permissions import create_consumer_permissions
+
+        # After Django's own permissions: one per registered consumer, to edit and replay its
+        # dead letters (created at each migrate, so a consumer added later gets it then).
+        post_migrate.connect(create_consumer_permissions, sender=self)

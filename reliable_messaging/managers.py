@@ -246,6 +246,34 @@ class DeadLetterQuerySet(BatchDeletingQuerySet):
             ["status", "replay_count", "history", "updated_at"],
         )
 
+    def mark_edited_replay(
+        self,
+        dead_letter: DeadLetter,
+        *,
+        by: str,
+        reason: str,
+        message_id: str,
+        diff: str,
+        at: dt.datetime,
+    ) -> None:
+        """An edited copy of it, under the new ``message_id``, is in the outbox: it awaits that
+        copy's outcome, its own payload, body and headers unchanged. The history entry keeps
+        who, why, the copy's id and the diff of the edit."""
+        dead_letter.status = DeadLetterStatus.REPLAYED
+        dead_letter.replay_count += 1
+        _save_move(
+            dead_letter,
+            {
+                "event": "edited_replay",
+                "at": at.isoformat(),
+                "by": by,
+                "reason": reason,
+                "message_id": message_id,
+                "diff": diff,
+            },
+            ["status", "replay_count", "history", "updated_at"],
+        )
+
     def mark_discarded(self, dead_letter: DeadLetter, *, by: str, at: dt.datetime) -> None:
         """Kept for the record, not to be replayed (it still can be)."""
         dead_letter.status = DeadLetterStatus.DISCARDED

@@ -29,10 +29,12 @@ from django.utils.translation import gettext_lazy as _
 from ..choices import DeadLetterStatus
 from ..conf import messaging_settings
 from ..dead_letters import selection
+from ..dead_letters.permissions import can_edit
 from ..dead_letters.replay import REPLAYABLE_STATUSES, UNREPLAYABLE_REASONS, stale_replays
-from ..models import DeadLetter, DeadLetterGroup, ProcessedMessage
+from ..models import DeadLetter, DeadLetterGroup, ProcessedMessage, Replay
 from . import bodies, scaling
 from . import console as admin_views
+from . import edit as admin_edit
 from . import operations as admin_operations
 
 
@@ -76,6 +78,8 @@ def _filter_query(request: HttpRequest) -> str:
     return params.urlencode()
 
 
+# The replay ledger's rows a dead letter's page lists, newest first.
+REPLAYS_SHOWN = 50
 # The search of words reads trigram indexes, which answer words of this many characters or more.
 SHORTEST_WORD = 3
 
@@ -138,6 +142,8 @@ class DeadLetterAdmin(scaling.BoundedListAdmin):
         "raw_body",
         "pretty_headers",
         "history_table",
+        "replay_of_link",
+        "replays_table",
         "created_at",
         "updated_at",
     )
@@ -299,7 +305,15 @@ class DeadLetterAdmin(scaling.BoundedListAdmin):
             ),
             (_("Traceback"), {"fields": ("traceback_block",)}),
             (_("Message"), {"fields": (body_field, "pretty_headers")}),
+            (_("Replays"), {"fields": self._replay_fields(obj)}),
             (_("History"), {"fields": ("history_table", "created_at", "updated_at")}),
+        )
+
+    @staticmethod
+    def _replay_fields(obj: DeadLetter | None) -> tuple[str, ...]:
+        # "Edited from" only on a dead letter an edited copy became.
+        return (
+            ("replay_of_link", "replays_table") if obj and obj.replay_of_id else ("replays_table",)
         )
 
     def change_view(
@@ -322,6 +336,9 @@ class DeadLetterAdmin(scaling.BoundedListAdmin):
                 processed_row=self._processed_row(obj),
                 replay_url=self.console_url("replay", obj.pk),
                 discard_url=self.console_url("discard", obj.pk),
+                can_edit_replay=can_edit(request.user, obj.consumer)
+                and (obj.status in REPLAYABLE_STATUSES or stale),
+                edit_replay_url=self.console_url("edit_replay", obj.pk),
             )
         return super().change_view(
             request, object_id, form_url, {**context, **(extra_context or {})}
@@ -427,6 +444,66 @@ class DeadLetterAdmin(scaling.BoundedListAdmin):
             obj.fingerprint,
         )
 
+    @admin.display(description=_("edited from"))
+    def replay_of_link(self, obj: DeadLetter) -> str:
+        if not obj.replay_of_id:
+            return "-"
+        return format_html(
+            '<a href="{}" id="rm-replay-of">{}</a>',
+            self.console_url("change", obj.replay_of_id),
+            gettext("edited from dead letter #%(id)s") % {"id": obj.replay_of_id},
+        )
+
+    @admin.display(description=_("replays and their outcomes"))
+    def replays_table(self, obj: DeadLetter) -> str:
+        """The replay ledger's rows of this dead letter: when, by whom, what became of each
+        copy (the dead letter it became when it failed again), and an edit's reason."""
+        rows = list(Replay.objects.filter(dead_letter=obj.pk).order_by("-id")[:REPLAYS_SHOWN])
+        if not rows:
+            return "-"
+
+        def failed_as(row: Replay) -> str:
+            if not row.failed_as_id:
+                return ""
+            return format_html(
+                ' <a href="{}">{}</a>',
+                self.console_url("change", row.failed_as_id),
+                gettext("as dead letter #%(id)s") % {"id": row.failed_as_id},
+            )
+
+        def cells(row: Replay) -> tuple[str, ...]:
+            outcome = format_html(
+                '<span class="rm-outcome rm-outcome-{}">{}</span>{}',
+                row.outcome,
+                row.get_outcome_display(),
+                failed_as(row),
+            )
+            return (
+                _moment(row.replayed_at),
+                row.replayed_by,
+                row.get_kind_display(),
+                outcome,
+                row.message_id,
+                row.reason,
+            )
+
+        return format_html(
+            '<table class="rm-history rm-replays"><thead><tr><th>{}</th><th>{}</th><th>{}</th>'
+            "<th>{}</th><th>{}</th><th>{}</th></tr></thead><tbody>{}</tbody></table>",
+            gettext("when"),
+            gettext("by"),
+            gettext("kind"),
+            gettext("outcome"),
+            gettext("copy's message ID"),
+            gettext("reason"),
+            format_html_join(
+                "",
+                "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td><code>{}</code></td>"
+                "<td>{}</td></tr>",
+                (cells(row) for row in rows),
+            ),
+        )
+
     @admin.display(description=_("attempts and replays"))
     def history_table(self, obj: DeadLetter) -> str:
         events = obj.history if isinstance(obj.history, list) else [obj.history]
@@ -436,6 +513,12 @@ class DeadLetterAdmin(scaling.BoundedListAdmin):
         def detail(key: str, value: Any) -> str:
             if key == "trace_id":
                 return format_html("{}: {}", gettext("trace"), trace_link(str(value)))
+            if key == "diff":  # an edited replay's
+                return format_html(
+                    '<details><summary>{}</summary><pre class="rm-pre">{}</pre></details>',
+                    gettext("diff"),
+                    value,
+                )
             return format_html("{}: {}", key, value)
 
         def row(event: Any) -> tuple[str, str, str, str]:
@@ -570,6 +653,11 @@ class DeadLetterAdmin(scaling.BoundedListAdmin):
                 "<path:object_id>/replay/",
                 view(partial(one, operation="replay")),
                 name=f"{prefix}_replay",
+            ),
+            path(
+                "<path:object_id>/edit-replay/",
+                view(partial(admin_edit.edit_replay_view, self)),
+                name=f"{prefix}_edit_replay",
             ),
             path(
                 "<path:object_id>/discard/",

@@ -37,6 +37,26 @@ def learned_max_message_size() -> int | None:
     return _learned
 
 
+def body_size_refusal(size: int) -> str | None:
+    """Why a body of ``size`` bytes must not be sent, or None: over ``MAX_BODY_BYTES`` (our
+    consumers would dead-letter it unread), or over the broker's ``max_message_size`` once this
+    process has learned it (the broker would refuse it)."""
+    limit = messaging_settings.max_body_bytes
+    if size > limit:
+        return (
+            f"the payload encodes to {size} bytes, over RELIABLE_MESSAGING"
+            f"['MAX_BODY_BYTES'] ({limit}): consumers would dead-letter it unread"
+        )
+    broker_limit = learned_max_message_size()
+    if broker_limit is not None and size > broker_limit:
+        return (
+            f"the payload encodes to {size} bytes, over the broker's max_message_size "
+            f"({broker_limit}): the broker would refuse it. Lower RELIABLE_MESSAGING"
+            f"['MAX_BODY_BYTES'] to at most {broker_limit}, or raise max_message_size"
+        )
+    return None
+
+
 def size_limit_in(reply_text: object) -> int | None:
     """The broker's ``max_message_size`` quoted in a 406 refusal (and remembered for
     :func:`learned_max_message_size`), or None for another reply."""

@@ -64,6 +64,54 @@ BROKER_HEADERS = frozenset(
 SENDER_ROUTING_HEADERS = frozenset({"CC", "BCC"})
 
 
+def check_header_value(name: str, value: Any) -> None:
+    """Raise ``TypeError`` unless ``value`` is one AMQP tables hold as pika encodes them:
+    strings, integers, booleans, None, and lists and tables of those (a float or another object
+    would only fail later, in the relay)."""
+    if value is None or isinstance(value, str | bool):
+        return
+    if isinstance(value, int):
+        if not -(2**63) <= value < 2**63:
+            raise TypeError(f"header {name!r} is out of the 64-bit integer range")
+        return
+    if isinstance(value, list | tuple):
+        for item in value:
+            check_header_value(name, item)
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"header {name!r} has a non-string key {key!r}")
+            check_header_value(f"{name}.{key}", item)
+        return
+    raise TypeError(
+        f"header {name!r} has a value of type {type(value).__name__}; AMQP headers hold "
+        f"str, int, bool, None, and lists or dicts of these (send a float as a string)"
+    )
+
+
+def check_short_string(what: str, value: str) -> None:
+    """Raise ``ValueError`` when ``value`` is longer than an AMQP short string (routing keys,
+    exchange names, message ids, header names): 255 bytes of UTF-8, not 255 characters."""
+    if len(value.encode("utf-8", errors="surrogatepass")) > 255:
+        raise ValueError(f"{what} {value[:40]!r}... is longer than AMQP's 255 bytes")
+
+
+def checked_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``headers`` as a dict, after checking that each name and value can travel in AMQP
+    (``TypeError`` or ``ValueError`` naming the header otherwise)."""
+    if not headers:
+        return {}
+    if not isinstance(headers, Mapping):
+        raise TypeError("headers must be a mapping with string keys")
+    for name, value in headers.items():
+        if not isinstance(name, str):
+            raise TypeError(f"header names must be strings, got {name!r}")
+        check_short_string("header name", name)
+        check_header_value(name, value)
+    return dict(headers)
+
+
 class MessageJSONEncoder(json.JSONEncoder):
     """JSON with the types business payloads carry: Decimal as a string (no float rounding of
     money), datetimes/dates/times as ISO 8601, UUIDs as strings, sets and tuples as lists."""

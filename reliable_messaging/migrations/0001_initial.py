@@ -378,6 +378,10 @@ class Migration(migrations.Migration):
                 "permissions": [
                     ("replay_deadletter", "Can replay and discard dead letters"),
                     ("triage_deadletter", "Can acknowledge, resolve and reopen failure groups"),
+                    (
+                        "edit_replay_deadletter",
+                        "Can edit and replay the dead letters of every consumer",
+                    ),
                 ],
                 "indexes": [
                     models.Index(

@@ -25,59 +25,16 @@ from django.db.models import Field
 from django.db.models.functions import Now
 
 from .. import tracing
-from ..broker.limits import learned_max_message_size
+from ..broker.limits import body_size_refusal
 from ..choices import OutboxStatus
 from ..conf import messaging_settings
 from ..core.envelope import MAX_MESSAGE_ID_LENGTH, encode_payload
+from ..core.envelope import check_short_string as _check_short_string
+from ..core.envelope import checked_headers as _json_headers
 from ..core.uuid7 import new_message_id
 from ..models import OutboxMessage
 from ..storage.partitions import IDEMPOTENCY_LOCK_CLASS
 from .wake_after_commit import wake_relay_after_commit
-
-
-def _check_header_value(name: str, value: Any) -> None:
-    # AMQP tables (as pika encodes them) hold strings, integers, booleans, None, and lists and
-    # tables of those; a float or another object would only fail later, in the relay.
-    if value is None or isinstance(value, str | bool):
-        return
-    if isinstance(value, int):
-        if not -(2**63) <= value < 2**63:
-            raise TypeError(f"header {name!r} is out of the 64-bit integer range")
-        return
-    if isinstance(value, list | tuple):
-        for item in value:
-            _check_header_value(name, item)
-        return
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise TypeError(f"header {name!r} has a non-string key {key!r}")
-            _check_header_value(f"{name}.{key}", item)
-        return
-    raise TypeError(
-        f"header {name!r} has a value of type {type(value).__name__}; AMQP headers hold "
-        f"str, int, bool, None, and lists or dicts of these (send a float as a string)"
-    )
-
-
-def _check_short_string(what: str, value: str) -> None:
-    # AMQP short strings (routing keys, exchange names, message ids, header names) hold 255
-    # bytes of UTF-8, not 255 characters.
-    if len(value.encode("utf-8", errors="surrogatepass")) > 255:
-        raise ValueError(f"{what} {value[:40]!r}... is longer than AMQP's 255 bytes")
-
-
-def _json_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
-    if not headers:
-        return {}
-    if not isinstance(headers, Mapping):
-        raise TypeError("headers must be a mapping with string keys")
-    for name, value in headers.items():
-        if not isinstance(name, str):
-            raise TypeError(f"header names must be strings, got {name!r}")
-        _check_short_string("header name", name)
-        _check_header_value(name, value)
-    return dict(headers)
 
 
 def publish(
@@ -108,21 +65,11 @@ def publish(
     encoded = encode_payload(payload)
     # Consumers of this app dead-letter larger bodies unread (body_too_large): refuse them here,
     # where the caller can still do something about it, rather than after the commit.
-    limit = messaging_settings.max_body_bytes
-    if len(encoded) > limit:
-        raise ValueError(
-            f"the payload encodes to {len(encoded)} bytes, over RELIABLE_MESSAGING"
-            f"['MAX_BODY_BYTES'] ({limit}): consumers would dead-letter it unread"
-        )
-    # The broker's own limit, when this process has learned it (the relay and consume ask at
-    # start; the deploy check compares it with MAX_BODY_BYTES): it would refuse the message.
-    broker_limit = learned_max_message_size()
-    if broker_limit is not None and len(encoded) > broker_limit:
-        raise ValueError(
-            f"the payload encodes to {len(encoded)} bytes, over the broker's max_message_size "
-            f"({broker_limit}): the broker would refuse it. Lower RELIABLE_MESSAGING"
-            f"['MAX_BODY_BYTES'] to at most {broker_limit}, or raise max_message_size"
-        )
+    # The broker's own limit too, when this process has learned it (the relay and consume ask
+    # at start; the deploy check compares it with MAX_BODY_BYTES): it would refuse the message.
+    refusal = body_size_refusal(len(encoded))
+    if refusal is not None:
+        raise ValueError(refusal)
     body = encoded.decode("utf-8")
     message_id = new_message_id() if message_id is None else str(message_id)
     if not message_id or len(message_id) > MAX_MESSAGE_ID_LENGTH:

@@ -1,0 +1,374 @@
+"""Edit, then replay: a corrected copy of a dead letter's message, under a new message_id.
+
+The operator edits the payload (JSON) and the user headers; :func:`check_edit` judges the edit
+(what is refused, and the diff against the original), :func:`replay_edited` writes the copy in
+one transaction: a ``Replay`` ledger row of kind ``edited`` (who, why, the edit and its diff),
+an outbox row addressed to the failed consumer's queue only, and the original marked replayed.
+The original's payload, body and headers are never changed; the consumer settles the ledger row
+(``ledger.settle``), which resolves the original or links the dead letter the copy became
+(``replay_of``). ``docs/operations.md#edit-a-message-then-replay-it`` says more.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db import router, transaction
+from django.utils import timezone
+
+from .. import tracing
+from ..broker.limits import body_size_refusal
+from ..choices import DeadLetterReason, OutboxStatus, ReplayKind
+from ..core.envelope import (
+    BROKER_HEADERS,
+    HEADER_PREFIX,
+    ORDERING_KEY_HEADER,
+    REPLAY_ID_HEADER,
+    SENDER_ROUTING_HEADERS,
+    checked_headers,
+    encode_payload,
+    user_headers,
+)
+from ..core.trace_context import TRACE_HEADERS
+from ..core.uuid7 import new_message_id
+from ..models import DeadLetter, ProcessedMessage, Replay
+from .replay import _insert, _refusal, _replay_headers
+
+logger = logging.getLogger(__name__)
+
+# An operator's reason, kept in the ledger and the history.
+MAX_REASON_LENGTH = 1000
+# The diff in the dead letter's history is cut past this (the ledger row keeps it whole).
+HISTORY_DIFF_CHARS = 20_000
+# Header names the edit may not set, compared case-insensitively: ours (x-rm-*), the broker's
+# routing (CC, BCC) and dead-letter bookkeeping, and the trace context the replay starts.
+_RESERVED = {name.lower() for name in (*SENDER_ROUTING_HEADERS, *BROKER_HEADERS, *TRACE_HEADERS)}
+
+
+class EditRefused(ValueError):
+    """The edit cannot be replayed; ``problems`` says why, one sentence each."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(problems) or "the edit was refused")
+
+
+@dataclass
+class Edit:
+    """An edit as judged: the parsed payload and headers (None when they do not parse), the
+    diff against the original, and the problems that refuse it."""
+
+    payload: Any = None
+    headers: dict[str, Any] | None = None
+    body: str = ""
+    diff: str = ""
+    problems: list[str] = field(default_factory=list)
+    already_processed: bool = False
+
+
+@dataclass(frozen=True)
+class EditedReplay:
+    """What :func:`replay_edited` wrote: the ledger row and the copy's message_id."""
+
+    replay: Replay
+    message_id: str
+    diff: str
+
+
+def pretty(value: Any) -> str:
+    """JSON as the edit page shows it and the diff compares it."""
+    return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=False)
+
+
+def original_payload_text(dead_letter: DeadLetter) -> str:
+    """The original's payload for the edit page: its JSON indented, or its body as text when
+    it is not JSON (a dead letter of invalid JSON is edited to fix it)."""
+    raw = bytes(dead_letter.body)
+    try:
+        return pretty(json.loads(raw))
+    except (ValueError, RecursionError):
+        return raw.decode("utf-8", errors="replace")
+
+
+def editable_headers(dead_letter: DeadLetter) -> dict[str, Any]:
+    """The original's headers an edit may change: the user's, not ours, the broker's, the
+    trace context or the sender-selected routing."""
+    return {
+        name: value
+        for name, value in user_headers(dead_letter.headers or {}).items()
+        if name.lower() not in _RESERVED
+    }
+
+
+_UNREAD = object()  # what _parse gives for text that is not JSON
+
+
+def _parse(text: str, what: str, problems: list[str]) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        problems.append(
+            f"the {what} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno} "
+            f"(character {exc.pos})"
+        )
+    except RecursionError:
+        problems.append(f"the {what} is nested too deep to read")
+    except ValueError as exc:  # an integer literal beyond Python's digit limit
+        problems.append(f"the {what} is not valid JSON: {exc}")
+    return _UNREAD
+
+
+def _header_problems(headers: Any) -> list[str]:
+    if not isinstance(headers, Mapping):
+        return ["the headers must be a JSON object of names and values, such as {}"]
+    problems = []
+    for name in headers:
+        if not isinstance(name, str):
+            problems.append(f"header names must be strings, got {name!r}")
+            continue
+        lowered = name.lower()
+        if lowered.startswith(HEADER_PREFIX):
+            problems.append(
+                f"header {name!r} is refused: the x-rm-* headers are the app's own bookkeeping"
+            )
+        elif lowered in {n.lower() for n in SENDER_ROUTING_HEADERS}:
+            problems.append(
+                f"header {name!r} is refused: the broker would route the copy to more queues "
+                f"than its consumer's"
+            )
+        elif lowered in {n.lower() for n in BROKER_HEADERS}:
+            problems.append(f"header {name!r} is refused: it is the broker's dead-letter record")
+        elif lowered in {n.lower() for n in TRACE_HEADERS}:
+            problems.append(f"header {name!r} is refused: the replay sets the trace context")
+        elif not name:
+            problems.append("a header has an empty name")
+    if problems:
+        return problems
+    try:
+        checked_headers(headers)
+    except (TypeError, ValueError) as exc:
+        return [str(exc)]
+    return []
+
+
+def unified_diff(before: str, after: str, what: str) -> str:
+    return "\n".join(
+        difflib.unified_diff(
+            before.splitlines(),
+            after.splitlines(),
+            fromfile=f"original {what}",
+            tofile=f"edited {what}",
+            lineterm="",
+        )
+    )
+
+
+def check_edit(
+    dead_letter: DeadLetter,
+    *,
+    payload_text: str,
+    headers: str | Mapping[str, Any],
+    reason: str,
+    force: bool = False,
+    now: Any = None,
+) -> Edit:
+    """Judge an edit of ``dead_letter`` without writing anything: the parsed payload and
+    headers, their diff against the original, and every problem that refuses it (the
+    payload's JSON and size, the headers, the reason, the original's status, and whether its
+    consumer already processed the original message unless ``force``)."""
+    edit = Edit()
+    problems = edit.problems
+    payload = _parse(payload_text, "payload", problems)
+    payload_ok = payload is not _UNREAD
+    if payload_ok:
+        edit.payload = payload
+        try:
+            encoded = encode_payload(payload)
+        except TypeError as exc:
+            problems.append(str(exc))
+        else:
+            refusal = body_size_refusal(len(encoded))
+            if refusal:
+                problems.append(refusal)
+            edit.body = encoded.decode("utf-8")
+    parsed = _parse(headers or "{}", "headers", problems) if isinstance(headers, str) else headers
+    if parsed is not _UNREAD:
+        header_problems = _header_problems(parsed)
+        problems.extend(header_problems)
+        if not header_problems:
+            edit.headers = dict(parsed)
+    cleaned = (reason or "").strip()
+    if not cleaned:
+        problems.append("a reason is required: say why the message is edited")
+    elif len(cleaned) > MAX_REASON_LENGTH:
+        problems.append(
+            f"the reason is {len(cleaned)} characters long; at most {MAX_REASON_LENGTH}"
+        )
+    edit.already_processed = original_processed(dead_letter)
+    refusal = _status_refusal(dead_letter, now or timezone.now())
+    if refusal:
+        problems.append(f"dead letter #{dead_letter.pk} cannot be replayed: {refusal}")
+    if edit.already_processed and not force:
+        problems.append(
+            f"consumer {dead_letter.consumer} already processed the original message "
+            f"{dead_letter.message_id}: the edited copy would run its handler once more for "
+            f"the same event. Tick force to send it anyway (the copy has a new message_id, so "
+            f"no inbox row is deleted)"
+        )
+    diffs = []
+    if payload_ok:
+        diffs.append(unified_diff(original_payload_text(dead_letter), pretty(payload), "payload"))
+    if edit.headers is not None:
+        diffs.append(
+            unified_diff(pretty(editable_headers(dead_letter)), pretty(edit.headers), "headers")
+        )
+    edit.diff = "\n".join(d for d in diffs if d)
+    return edit
+
+
+def original_processed(dead_letter: DeadLetter) -> bool:
+    """Whether the consumer already processed the original message (its inbox has the id)."""
+    if not dead_letter.message_id:
+        return False
+    rows = ProcessedMessage.objects.using(
+        dead_letter._state.db or router.db_for_read(ProcessedMessage)
+    )
+    return rows.has(dead_letter.consumer, dead_letter.message_id)
+
+
+def _status_refusal(dead_letter: DeadLetter, now: Any) -> str | None:
+    """The replay's rules (:func:`~.replay._refusal`) on what an edit keeps of the original:
+    its status and what it is (a Celery task is no message). Not its body (the edit replaces
+    it, so a dead letter whose body was not JSON can be fixed), nor its message_id (the copy
+    has its own), nor the inbox (judged by :func:`check_edit`, for the edit)."""
+    judged = DeadLetter(
+        pk=dead_letter.pk,
+        consumer=dead_letter.consumer,
+        message_id=dead_letter.message_id,
+        status=dead_letter.status,
+        updated_at=dead_letter.updated_at,
+        headers=dead_letter.headers,
+        reason=DeadLetterReason.PERMANENT,
+        body=b"{}",
+    )
+    return _refusal(judged, False, True, now)
+
+
+def replay_edited(
+    dead_letter: DeadLetter,
+    *,
+    payload_text: str,
+    headers: str | Mapping[str, Any],
+    reason: str,
+    replayed_by: str,
+    force: bool = False,
+) -> EditedReplay:
+    """Replay an edited copy of ``dead_letter`` in one transaction; :class:`EditRefused` when
+    :func:`check_edit` finds a problem (judged again on the original locked, so two operators
+    cannot both replay it).
+
+    ``force``: send the copy even though the consumer already processed the original message.
+    The copy has a new message_id, so nothing of the inbox is forgotten: the handler simply
+    runs for the copy. The caller wakes the relay after the commit
+    (``publishing.wake_after_commit``)."""
+    using = router.db_for_write(DeadLetter)
+    with transaction.atomic(using=using):
+        original = DeadLetter.objects.using(using).select_for_update().get(pk=dead_letter.pk)
+        now = timezone.now()
+        edit = check_edit(
+            original,
+            payload_text=payload_text,
+            headers=headers,
+            reason=reason,
+            force=force,
+            now=now,
+        )
+        if edit.problems:
+            raise EditRefused(edit.problems)
+        assert edit.headers is not None  # no problem: they parsed
+        message_id = new_message_id()
+        entry = Replay.objects.using(using).create(
+            dead_letter=original,
+            consumer=original.consumer,
+            message_id=message_id,
+            kind=ReplayKind.EDITED,
+            replayed_by=replayed_by,
+            replayed_at=now,
+            reason=reason.strip(),
+            edit={"payload": edit.payload, "headers": edit.headers, "diff": edit.diff},
+        )
+        copy_headers = _copy_headers(original, edit.headers, replayed_by)
+        copy_headers[REPLAY_ID_HEADER] = entry.pk
+        copy_headers = _traced(copy_headers, original, message_id, replayed_by)
+        _insert(
+            using,
+            [
+                (
+                    message_id,
+                    "",  # the default exchange: straight to the failed consumer's queue
+                    original.queue,
+                    edit.body,
+                    copy_headers,
+                    (original.headers or {}).get(ORDERING_KEY_HEADER),
+                    OutboxStatus.PENDING,
+                    0,
+                    "",
+                )
+            ],
+        )
+        diff = edit.diff
+        if len(diff) > HISTORY_DIFF_CHARS:
+            diff = diff[:HISTORY_DIFF_CHARS] + f"\n... (cut: the replay #{entry.pk} has all of it)"
+        DeadLetter.objects.using(using).mark_edited_replay(
+            original,
+            by=replayed_by,
+            reason=reason.strip(),
+            message_id=message_id,
+            diff=diff,
+            at=now,
+        )
+    logger.info(
+        "edited replay of dead letter #%s (message_id=%s) queued by %s as message_id=%s",
+        original.pk,
+        original.message_id,
+        replayed_by,
+        message_id,
+    )
+    return EditedReplay(replay=entry, message_id=message_id, diff=edit.diff)
+
+
+def _copy_headers(original: DeadLetter, edited: dict[str, Any], replayed_by: str) -> dict[str, Any]:
+    """The replay's headers (the original's routing, ordering key and ours, as a replay sends
+    them), with the original's user headers replaced by the edited ones."""
+    headers = _replay_headers(original, replayed_by)
+    for name in editable_headers(original):
+        headers.pop(name, None)
+    headers.update(edited)
+    return headers
+
+
+def _traced(
+    headers: dict[str, Any], original: DeadLetter, message_id: str, replayed_by: str
+) -> dict[str, Any]:
+    """As a replay (``replay._traced``): with tracing on, the copy starts a trace of its own
+    whose ``replay`` span links to the failure it replaces."""
+    span, carrier = tracing.start_replay(
+        dead_letter=original.pk,
+        consumer=original.consumer,
+        queue=original.queue,
+        message_id=message_id,
+        trace_id=original.trace_id,
+        span_id=original.span_id,
+        replayed_by=replayed_by,
+    )
+    if span is not None:
+        for name in TRACE_HEADERS:
+            headers.pop(name, None)
+        headers.update(carrier)
+        tracing.end(span)
+    return headers
