@@ -21,7 +21,6 @@ from typing import Any
 from django.db import router, transaction
 from django.utils import timezone
 
-from .. import tracing
 from ..broker.limits import body_size_refusal
 from ..choices import DeadLetterReason, OutboxStatus, ReplayKind
 from ..core.envelope import (
@@ -37,7 +36,7 @@ from ..core.envelope import (
 from ..core.trace_context import TRACE_HEADERS
 from ..core.uuid7 import new_message_id
 from ..models import DeadLetter, ProcessedMessage, Replay
-from .replay import _insert, _refusal, _replay_headers
+from .replay import _insert, _refusal, _replay_headers, traced
 
 logger = logging.getLogger(__name__)
 
@@ -304,7 +303,7 @@ def replay_edited(
         )
         copy_headers = _copy_headers(original, edit.headers, replayed_by)
         copy_headers[REPLAY_ID_HEADER] = entry.pk
-        copy_headers = _traced(copy_headers, original, message_id, replayed_by)
+        copy_headers = traced(copy_headers, original, replayed_by, message_id)
         _insert(
             using,
             [
@@ -349,26 +348,4 @@ def _copy_headers(original: DeadLetter, edited: dict[str, Any], replayed_by: str
     for name in editable_headers(original):
         headers.pop(name, None)
     headers.update(edited)
-    return headers
-
-
-def _traced(
-    headers: dict[str, Any], original: DeadLetter, message_id: str, replayed_by: str
-) -> dict[str, Any]:
-    """As a replay (``replay._traced``): with tracing on, the copy starts a trace of its own
-    whose ``replay`` span links to the failure it replaces."""
-    span, carrier = tracing.start_replay(
-        dead_letter=original.pk,
-        consumer=original.consumer,
-        queue=original.queue,
-        message_id=message_id,
-        trace_id=original.trace_id,
-        span_id=original.span_id,
-        replayed_by=replayed_by,
-    )
-    if span is not None:
-        for name in TRACE_HEADERS:
-            headers.pop(name, None)
-        headers.update(carrier)
-        tracing.end(span)
     return headers

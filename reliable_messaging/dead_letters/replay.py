@@ -268,14 +268,20 @@ def _replay_headers(dead_letter: DeadLetter, replayed_by: str) -> dict[str, Any]
     return headers
 
 
-def _traced(headers: dict[str, Any], dead_letter: DeadLetter, replayed_by: str) -> dict[str, Any]:
-    """With tracing on, the copy starts a trace of its own, whose ``replay`` span links to the
-    failure it replays; off, it keeps the context the message came with."""
+def traced(
+    headers: dict[str, Any],
+    dead_letter: DeadLetter,
+    replayed_by: str,
+    message_id: str | None = None,
+) -> dict[str, Any]:
+    """With tracing on, the copy (of ``message_id``, the dead letter's own unless edited)
+    starts a trace of its own, whose ``replay`` span links to the failure it replays; off, it
+    keeps the context the message came with."""
     span, carrier = tracing.start_replay(
         dead_letter=dead_letter.pk,
         consumer=dead_letter.consumer,
         queue=dead_letter.queue,
-        message_id=dead_letter.message_id,
+        message_id=dead_letter.message_id if message_id is None else message_id,
         trace_id=dead_letter.trace_id,
         span_id=dead_letter.span_id,
         replayed_by=replayed_by,
@@ -333,7 +339,7 @@ def replay_batch(
                     "",  # the default exchange: straight to the failed consumer's queue
                     dead_letter.queue,
                     bytes(dead_letter.body).decode("utf-8"),
-                    _traced(headers, dead_letter, replayed_by),
+                    traced(headers, dead_letter, replayed_by),
                     (dead_letter.headers or {}).get(ORDERING_KEY_HEADER),
                     OutboxStatus.PENDING,
                     0,
