@@ -221,17 +221,7 @@ class DeliveryProcessor:
                     raise _AlreadyProcessed
                 self.call_handler(message, delivery)
                 if REPLAY_HEADER in delivery.headers:
-                    traced = tracing.ids_of(delivery)
-                    trace_id = traced[0] if traced else None
-                    mark_resolved(self.spec.name, message.message_id, self.using, trace_id=trace_id)
-                    ledger.settle(
-                        delivery,
-                        self.spec.name,
-                        message.message_id,
-                        ReplayOutcome.PROCESSED,
-                        using=self.using,
-                        trace_id=trace_id,
-                    )
+                    self._replay_done(delivery, message, ReplayOutcome.PROCESSED)
                 elif not self.spec.ordered:
                     # An ordered consumer's dead letter keeps its key parked until replayed.
                     resolve_processed_copies(self.spec.name, [message.message_id], self.using)
@@ -252,23 +242,7 @@ class DeliveryProcessor:
                     # Another copy of the message (published twice, sent again by a relay) was
                     # processed after the replay was queued: the dead letter is done with. Left
                     # "replayed", an ordered consumer's would park its key for good.
-                    traced = tracing.ids_of(delivery)
-                    trace_id = traced[0] if traced else None
-                    resolve_processed_copies(
-                        self.spec.name,
-                        [message.message_id],
-                        self.using,
-                        by="its replay found it processed by another copy",
-                        trace_id=trace_id,
-                    )
-                    ledger.settle(
-                        delivery,
-                        self.spec.name,
-                        message.message_id,
-                        ReplayOutcome.DUPLICATE,
-                        using=self.using,
-                        trace_id=trace_id,
-                    )
+                    self._replay_done(delivery, message, ReplayOutcome.DUPLICATE)
                 return DeliveryOutcome(
                     Acknowledge(OutcomeLabel.DUPLICATE),
                     OutcomeLabel.DUPLICATE,
@@ -293,6 +267,31 @@ class DeliveryProcessor:
             duration,
             processed=True,
             after_commit=True,
+        )
+
+    def _replay_done(self, delivery: Delivery, message: Message, outcome: ReplayOutcome) -> None:
+        """A replayed copy was processed, or found processed by another copy: in the
+        transaction that decided it, its dead letter is resolved and its ledger row settled
+        (both naming the trace it was decided in)."""
+        traced = tracing.ids_of(delivery)
+        trace_id = traced[0] if traced else None
+        if outcome == ReplayOutcome.PROCESSED:
+            mark_resolved(self.spec.name, message.message_id, self.using, trace_id=trace_id)
+        else:
+            resolve_processed_copies(
+                self.spec.name,
+                [message.message_id],
+                self.using,
+                by="its replay found it processed by another copy",
+                trace_id=trace_id,
+            )
+        ledger.settle(
+            delivery,
+            self.spec.name,
+            message.message_id,
+            outcome,
+            using=self.using,
+            trace_id=trace_id,
         )
 
     def connection_usable(self) -> bool:

@@ -136,8 +136,17 @@ def _store(
     delivery: Delivery,
     now: dt.datetime,
 ) -> DeadLetter:
+    def upsert() -> DeadLetter:
+        return DeadLetter.objects.using(using).record_failure(
+            consumer,
+            message_id,
+            fields=fields,
+            event=event,
+            first_failed_at=_first_failed_at(delivery.headers, now),
+        )
+
     try:
-        return _upsert(using, consumer, message_id, fields, event, delivery, now)
+        return upsert()
     except DataError:
         # A payload the database's JSON type refuses: keep the raw body, which always survives
         # byte for byte, and drop the decoded copy; then, if need be, the headers' too.
@@ -148,25 +157,7 @@ def _store(
         )
         fields["payload"] = None
         try:
-            return _upsert(using, consumer, message_id, fields, event, delivery, now)
+            return upsert()
         except DataError:
             fields["headers"] = {"unstorable_headers": safe_text(bounded_repr(delivery.headers))}
-            return _upsert(using, consumer, message_id, fields, event, delivery, now)
-
-
-def _upsert(
-    using: str,
-    consumer: str,
-    message_id: str,
-    fields: dict[str, Any],
-    event: dict[str, Any],
-    delivery: Delivery,
-    now: dt.datetime,
-) -> DeadLetter:
-    return DeadLetter.objects.using(using).record_failure(
-        consumer,
-        message_id,
-        fields=fields,
-        event=event,
-        first_failed_at=_first_failed_at(delivery.headers, now),
-    )
+            return upsert()
