@@ -355,6 +355,7 @@ def test_a_redelivered_batch_puts_held_rows_aside_without_waiting_for_them(
     holder = psycopg.connect(_dsn(), autocommit=False)
     waits: list[int] = []
     done = threading.Event()
+    watching = threading.Event()  # set once the watcher took its first sample
     try:
         with holder.cursor() as cursor:  # the cut-off consumer's claim, never committed
             cursor.execute(
@@ -374,10 +375,13 @@ def test_a_redelivered_batch_puts_held_rows_aside_without_waiting_for_them(
                         [CLAIM_LOCK_CLASS],
                     ).fetchone()
                     waits.append(row[0] if row else 0)
+                    watching.set()
                     done.wait(0.02)
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
+        # The batch takes milliseconds: it must not be over before the watcher looks.
+        assert watching.wait(10), "the pg_locks watcher did not start"
         processor = DeliveryProcessor(spec)
         jobs = [
             Job(processor, dataclasses.replace(delivery_for(spec, m), redelivered=True))
