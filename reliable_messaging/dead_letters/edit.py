@@ -22,7 +22,7 @@ from django.db import router, transaction
 from django.utils import timezone
 
 from ..broker.limits import body_size_refusal
-from ..choices import DeadLetterReason, OutboxStatus, ReplayKind
+from ..choices import OutboxStatus, ReplayKind
 from ..core.envelope import (
     BROKER_HEADERS,
     HEADER_PREFIX,
@@ -36,7 +36,8 @@ from ..core.envelope import (
 from ..core.trace_context import TRACE_HEADERS
 from ..core.uuid7 import new_message_id
 from ..models import DeadLetter, ProcessedMessage, Replay
-from .replay import _insert, _refusal, _replay_headers, traced
+from .replay import _insert, _replay_headers, traced
+from .replay import refusal as replay_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -241,21 +242,12 @@ def original_processed(dead_letter: DeadLetter) -> bool:
 
 
 def _status_refusal(dead_letter: DeadLetter, now: Any) -> str | None:
-    """The replay's rules (:func:`~.replay._refusal`) on what an edit keeps of the original:
-    its status and what it is (a Celery task is no message). Not its body (the edit replaces
-    it, so a dead letter whose body was not JSON can be fixed), nor its message_id (the copy
-    has its own), nor the inbox (judged by :func:`check_edit`, for the edit)."""
-    judged = DeadLetter(
-        pk=dead_letter.pk,
-        consumer=dead_letter.consumer,
-        message_id=dead_letter.message_id,
-        status=dead_letter.status,
-        updated_at=dead_letter.updated_at,
-        headers=dead_letter.headers,
-        reason=DeadLetterReason.PERMANENT,
-        body=b"{}",
-    )
-    return _refusal(judged, False, True, now)
+    """The replay's rule (:func:`~.replay.refusal`) on what an edit keeps of the original: its
+    status and what it is (a Celery task is no message). Not its body (the edit replaces it,
+    so a dead letter whose body was not JSON can be fixed), nor the inbox (judged by
+    :func:`check_edit`, for the edit: the copy has its own message_id)."""
+    found = replay_refusal(dead_letter, False, True, now, body_replaced=True)
+    return None if found is None else found.text
 
 
 def replay_edited(

@@ -128,10 +128,16 @@ class Refusal(NamedTuple):
 
 
 def refusal(
-    dead_letter: DeadLetter, already_processed: bool, force: bool, now: dt.datetime
+    dead_letter: DeadLetter,
+    already_processed: bool,
+    force: bool,
+    now: dt.datetime,
+    *,
+    body_replaced: bool = False,
 ) -> Refusal | None:
     """Why a replay now would refuse ``dead_letter`` (None: it would replay it); the one rule
-    a replay, a dry run and an edited replay apply."""
+    a replay, a dry run and an edited replay apply. ``body_replaced``: an edited copy, whose
+    new body makes the original's reason and body no ground for refusing it."""
     if dead_letter.status == DeadLetterStatus.REPLAYED:
         if dead_letter.updated_at > now - STALE_REPLAY_AFTER:
             return Refusal(
@@ -144,12 +150,13 @@ def refusal(
         return Refusal(
             NOT_REPLAYABLE_STATUS, f"its status is {dead_letter.status}, not dead or discarded"
         )
-    unreplayable = UNREPLAYABLE_REASONS.get(DeadLetterReason(dead_letter.reason))
-    if unreplayable:
-        return Refusal(UNREPLAYABLE_REASON, unreplayable)
-    unsendable = _unsendable_body(bytes(dead_letter.body))
-    if unsendable:
-        return Refusal(UNSENDABLE_BODY, unsendable)
+    if not body_replaced:
+        unreplayable = UNREPLAYABLE_REASONS.get(DeadLetterReason(dead_letter.reason))
+        if unreplayable:
+            return Refusal(UNREPLAYABLE_REASON, unreplayable)
+        unsendable = _unsendable_body(bytes(dead_letter.body))
+        if unsendable:
+            return Refusal(UNSENDABLE_BODY, unsendable)
     if CELERY_TASK_HEADER in (dead_letter.headers or {}):
         return Refusal(
             CELERY_TASK,
@@ -164,13 +171,6 @@ def refusal(
             f"forget that and run it again)",
         )
     return None
-
-
-def _refusal(
-    dead_letter: DeadLetter, already_processed: bool, force: bool, now: dt.datetime
-) -> str | None:
-    found = refusal(dead_letter, already_processed, force, now)
-    return None if found is None else found.text
 
 
 @dataclass
