@@ -2,7 +2,8 @@
 
 Public API::
 
-    from reliable_messaging import consumer, publish, Message, PermanentError
+    from reliable_messaging import consumer, publish, cancel_scheduled, Message, PermanentError
+    from reliable_messaging import Breaker  # @consumer(breaker=Breaker(...))
     from reliable_messaging import idempotent_task  # needs Celery
 """
 
@@ -10,25 +11,34 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .core.breaker import Breaker
 from .core.envelope import Message
 from .core.registry import consumer
 from .exceptions import PermanentError
 
 if TYPE_CHECKING:
     from .contrib.celery import idempotent_task
-    from .publishing.publish import publish
+    from .publishing.publish import cancel_scheduled, publish
 
-__all__ = ["Message", "PermanentError", "consumer", "idempotent_task", "publish"]
+__all__ = [
+    "Breaker",
+    "Message",
+    "PermanentError",
+    "cancel_scheduled",
+    "consumer",
+    "idempotent_task",
+    "publish",
+]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
     # publish() touches models; importing it lazily keeps `import reliable_messaging` safe before
     # Django's app registry is ready (settings files, consumers.py modules).
-    if name == "publish":
-        from .publishing.publish import publish
+    if name in ("publish", "cancel_scheduled"):
+        from .publishing import publish
 
-        return publish
+        return getattr(publish, name)
     if name == "idempotent_task":
         # Celery is optional (the "celery" extra): only this name needs it.
         from .contrib.celery import idempotent_task

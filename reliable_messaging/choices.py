@@ -45,6 +45,7 @@ class DeadLetterReason(models.TextChoices):
         FailureReason.DELIVERY_LIMIT.value,
         _("the broker's delivery limit was reached"),
     )
+    EXPIRED = FailureReason.EXPIRED.value, _("expired before it was handled")
 
 
 class DeadLetterStatus(models.TextChoices):
@@ -55,6 +56,8 @@ class DeadLetterStatus(models.TextChoices):
 
 
 class OutboxStatus(models.TextChoices):
+    # Waiting for its due time (``publish(deliver_at=...)``); the relay makes it pending then.
+    SCHEDULED = "scheduled", _("scheduled")
     PENDING = "pending", _("pending")
     SENT = "sent", _("sent")
     FAILED = "failed", _("failed")

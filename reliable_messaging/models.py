@@ -346,6 +346,10 @@ class OutboxMessage(models.Model):
     next_attempt_at = models.DateTimeField(default=timezone.now, null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     sent_at = models.DateTimeField(null=True, blank=True)
+    # When a scheduled message is due (``publish(deliver_at=...)``); NULL for the others. A
+    # scheduled row waits as ``scheduled`` with next_attempt_at this time; the relay then makes
+    # it pending under a new id, so it takes its place in its ordering key's order when due.
+    deliver_at = models.DateTimeField(null=True, blank=True)
 
     objects = OutboxMessageManager()
 
@@ -373,6 +377,14 @@ class OutboxMessage(models.Model):
             # partial index of its failed rows instead, which a publish writes nothing into.
             models.Index(fields=["status", "sent_at"], name="rm_outbox_status_sent_idx"),
             models.Index(fields=["message_id"], name="rm_outbox_message_id_idx"),
+            # Scheduled rows by due time: the relay's "anything due?" reads its first entry. On
+            # PostgreSQL, an index of the scheduled partition only (with one of message_id, for
+            # cancel_scheduled), so that neither a publish nor the claim touches it.
+            models.Index(
+                fields=["next_attempt_at", "id"],
+                condition=Q(status="scheduled"),
+                name="rm_outbox_scheduled_idx",
+            ),
         ]
         constraints = [
             # Partial: most rows have no key, and a unique index would hold an entry for each

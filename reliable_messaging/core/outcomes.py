@@ -20,6 +20,8 @@ class OutcomeLabel(StrEnum):
     RELEASED = "released"  # given back to the broker undecided (nack + requeue)
     PARKED = "parked"  # held behind an earlier dead letter of its ordering key
     DEFERRED = "deferred"  # another consumer holds its processing lease: comes back later
+    # Past its deadline (``publish(expires=...)``, ``@consumer(max_age=...)``): acked unhandled.
+    EXPIRED = "expired"
 
 
 class FailureReason(StrEnum):
@@ -46,6 +48,8 @@ class FailureReason(StrEnum):
     WORKER_CRASHED = "worker_crashed"
     CONSUMER_ERROR = "consumer_error"  # our own code (not the handler) failed on it repeatedly
     DELIVERY_LIMIT = "delivery_limit"  # a quorum queue's x-delivery-limit was reached
+    # Past its deadline, for a consumer that keeps expired messages (``on_expiry="dead_letter"``).
+    EXPIRED = "expired"
 
 
 # The plain words too: Acknowledge("processed") type-checks as Acknowledge(OutcomeLabel.PROCESSED).
@@ -53,9 +57,11 @@ AckResult = Literal[
     OutcomeLabel.PROCESSED,
     OutcomeLabel.DUPLICATE,
     OutcomeLabel.DEAD_LETTERED,
+    OutcomeLabel.EXPIRED,
     "processed",
     "duplicate",
     "dead_lettered",
+    "expired",
 ]
 
 

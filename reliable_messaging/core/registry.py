@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from ..exceptions import ConsumerConfigurationError
+from .breaker import Breaker
 from .envelope import Message
 
 Handler = Callable[[Message], Any]
+# What becomes of a message past its deadline: acked unhandled ("drop"), or kept as a dead letter.
+OnExpiry = Literal["drop", "dead_letter"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,12 @@ class ConsumerSpec:
     retry_delays: tuple[float, ...] | None = None
     # Seconds the handler may run; None means HANDLER_TIMEOUT (see consuming/time_limit.py).
     timeout: float | None = None
+    # Seconds after its publish (its due time, when scheduled) past which a message is expired
+    # instead of handled; None: no limit of the consumer's own (a publish(expires=...) still is).
+    max_age: float | None = None
+    on_expiry: OnExpiry = "drop"
+    # The circuit breaker: a Breaker, False for none, None for the BREAKER setting's.
+    breaker: Breaker | Literal[False] | None = None
 
 
 class ConsumerRegistry:
@@ -125,6 +135,30 @@ def _validate(
     return delays
 
 
+def _seconds(queue: str, name: str, value: float | dt.timedelta | None) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, dt.timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ConsumerConfigurationError(
+            f"consumer {queue!r}: {name} must be a positive number of seconds or a timedelta, "
+            f"got {value!r}"
+        )
+    return float(value)
+
+
+def _breaker(queue: str, value: Breaker | bool | None) -> Breaker | Literal[False] | None:
+    if value is None or value is False or isinstance(value, Breaker):
+        return value
+    if value is True:
+        return Breaker()
+    raise ConsumerConfigurationError(
+        f"consumer {queue!r}: breaker must be a Breaker(...), True (the defaults) or False, "
+        f"got {value!r}"
+    )
+
+
 def consumer(
     queue: str,
     *,
@@ -135,6 +169,9 @@ def consumer(
     max_attempts: int | None = None,
     retry_delays: Sequence[float] | None = None,
     timeout: float | None = None,
+    max_age: float | dt.timedelta | None = None,
+    on_expiry: OnExpiry = "drop",
+    breaker: Breaker | bool | None = None,
     registry: ConsumerRegistry = registry,
 ) -> Callable[[Handler], Handler]:
     """Register ``func`` as the handler of ``queue``, bound to ``bindings`` on the exchange.
@@ -149,6 +186,14 @@ def consumer(
 
     ``timeout`` (seconds) overrides ``HANDLER_TIMEOUT`` for this handler: past it the handler
     is interrupted, its transaction rolls back and the delivery counts as a failed attempt.
+
+    ``max_age`` (seconds or a timedelta): a message older than this when it arrives, counted
+    from its publish (its due time, when scheduled), is not handled; its outcome is ``expired``,
+    and with ``on_expiry="dead_letter"`` it is kept as a dead letter too.
+
+    ``breaker``: a :class:`~reliable_messaging.core.breaker.Breaker` pauses this queue while
+    its handler keeps failing (``True``: the defaults; ``False``: none even if the
+    ``BREAKER`` setting gives one; None: the setting's).
     """
     delays = _validate(queue, bindings, max_attempts, retry_delays)
     if timeout is not None and (
@@ -157,6 +202,12 @@ def consumer(
         raise ConsumerConfigurationError(
             f"consumer {queue!r}: timeout must be a positive number of seconds, got {timeout!r}"
         )
+    age = _seconds(queue, "max_age", max_age)
+    if on_expiry not in ("drop", "dead_letter"):
+        raise ConsumerConfigurationError(
+            f"consumer {queue!r}: on_expiry must be 'drop' or 'dead_letter', got {on_expiry!r}"
+        )
+    breaker_spec = _breaker(queue, breaker)
 
     def decorator(func: Handler) -> Handler:
         spec = ConsumerSpec(
@@ -169,6 +220,9 @@ def consumer(
             max_attempts=max_attempts,
             retry_delays=delays,
             timeout=None if timeout is None else float(timeout),
+            max_age=age,
+            on_expiry=on_expiry,
+            breaker=breaker_spec,
         )
         registry.register(spec)
         return func

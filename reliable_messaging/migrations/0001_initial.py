@@ -24,6 +24,7 @@ from django.db import migrations, models
 from reliable_messaging.storage import partitions
 from reliable_messaging.storage.partitions import (
     INBOX_TABLE,
+    OUTBOX_SCHEDULED,
     OUTBOX_SENT,
     OUTBOX_TABLE,
     OUTBOX_UNSENT,
@@ -48,6 +49,7 @@ REASONS = [
     ("timeout", "the handler ran past its time limit"),
     ("consumer_error", "the consumer failed on it"),
     ("delivery_limit", "the broker's delivery limit was reached"),
+    ("expired", "expired before it was handled"),
 ]
 
 # -- the inbox and the outbox on PostgreSQL ----------------------------------------------------
@@ -85,10 +87,14 @@ OUTBOX = [
     "next_attempt_at timestamp with time zone NULL, "
     "created_at timestamp with time zone NOT NULL, "
     "sent_at timestamp with time zone NULL, "
+    "deliver_at timestamp with time zone NULL, "
     f'CONSTRAINT "{OUTBOX_TABLE}_attempts_check" CHECK (attempts >= 0)'
     ") PARTITION BY LIST (status)",
     *partitions.outbox_leaf_sql(OUTBOX_UNSENT),
     f'ALTER TABLE "{OUTBOX_TABLE}" ATTACH PARTITION "{OUTBOX_UNSENT}" FOR VALUES IN ({UNSENT_SQL})',
+    *partitions.outbox_leaf_sql(OUTBOX_SCHEDULED),
+    f'ALTER TABLE "{OUTBOX_TABLE}" ATTACH PARTITION "{OUTBOX_SCHEDULED}" '
+    "FOR VALUES IN ('scheduled')",
     f'CREATE TABLE "{OUTBOX_SENT}" PARTITION OF "{OUTBOX_TABLE}" FOR VALUES IN ({SENT_SQL}) '
     "PARTITION BY RANGE (sent_at)",
     f'CREATE INDEX "rm_outbox_due_idx" ON "{OUTBOX_TABLE}" (next_attempt_at, id) '
@@ -98,6 +104,8 @@ OUTBOX = [
     f'CREATE INDEX "rm_outbox_status_sent_idx" ON "{OUTBOX_SENT}" (status, sent_at)',
     f'CREATE INDEX "rm_outbox_message_id_idx" ON "{OUTBOX_SENT}" (message_id)',
     f'CREATE INDEX "{OUTBOX_UNSENT}_failed" ON "{OUTBOX_UNSENT}" (id) WHERE status = \'failed\'',
+    f'CREATE INDEX "rm_outbox_scheduled_idx" ON "{OUTBOX_SCHEDULED}" (next_attempt_at, id)',
+    f'CREATE INDEX "{OUTBOX_SCHEDULED}_message_id" ON "{OUTBOX_SCHEDULED}" (message_id)',
 ]
 
 
@@ -609,6 +617,7 @@ class Migration(migrations.Migration):
                             "status",
                             models.CharField(
                                 choices=[
+                                    ("scheduled", "scheduled"),
                                     ("pending", "pending"),
                                     ("sent", "sent"),
                                     ("failed", "failed"),
@@ -628,6 +637,7 @@ class Migration(migrations.Migration):
                         ),
                         ("created_at", models.DateTimeField(default=django.utils.timezone.now)),
                         ("sent_at", models.DateTimeField(blank=True, null=True)),
+                        ("deliver_at", models.DateTimeField(blank=True, null=True)),
                     ],
                     options={
                         "verbose_name": "outbox message",
@@ -649,6 +659,11 @@ class Migration(migrations.Migration):
                                 fields=["status", "sent_at"], name="rm_outbox_status_sent_idx"
                             ),
                             models.Index(fields=["message_id"], name="rm_outbox_message_id_idx"),
+                            models.Index(
+                                condition=models.Q(("status", "scheduled")),
+                                fields=["next_attempt_at", "id"],
+                                name="rm_outbox_scheduled_idx",
+                            ),
                         ],
                         "constraints": [
                             models.UniqueConstraint(
@@ -687,24 +702,7 @@ class Migration(migrations.Migration):
                 (
                     "reason",
                     models.CharField(
-                        choices=[
-                            ("permanent", "permanent error"),
-                            ("retries_exhausted", "retries exhausted"),
-                            ("invalid_json", "invalid JSON"),
-                            ("invalid_utf8", "invalid UTF-8"),
-                            ("empty_body", "empty body"),
-                            ("missing_message_id", "missing message_id"),
-                            ("body_too_large", "body too large"),
-                            ("unsupported_content_type", "unsupported content type"),
-                            ("invalid_headers", "invalid headers"),
-                            ("no_handler", "no handler for the queue"),
-                            ("unexpected_routing_key", "routing key matches no binding"),
-                            ("parked", "parked behind an earlier dead letter of its key"),
-                            ("worker_crashed", "the worker process died while handling it"),
-                            ("timeout", "the handler ran past its time limit"),
-                            ("consumer_error", "the consumer failed on it"),
-                            ("delivery_limit", "the broker's delivery limit was reached"),
-                        ],
+                        choices=REASONS,
                         max_length=40,
                     ),
                 ),

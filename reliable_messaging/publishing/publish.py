@@ -12,28 +12,36 @@ notification lock.
 The row's times are the database's clock, not this host's: the relay compares them with the
 database's clock, and a publisher whose clock runs ahead would otherwise hold its own messages
 back by the skew.
+
+A scheduled message (``deliver_at`` or ``delay``) is a ``scheduled`` row due at that time; the
+relay makes it pending when it is due (:mod:`.scheduled`), and ``cancel_scheduled`` deletes it
+until then. docs/scheduling.md tells the whole story.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from django.db import IntegrityError, connections, router, transaction
-from django.db.models import Field
+from django.db.models import DateTimeField, DurationField, Field, Value
+from django.db.models.expressions import Combinable
 from django.db.models.functions import Now
 
 from .. import tracing
 from ..broker.limits import body_size_refusal
 from ..choices import OutboxStatus
 from ..conf import messaging_settings
-from ..core.envelope import MAX_MESSAGE_ID_LENGTH, encode_payload
+from ..core.envelope import EXPIRES_AT_HEADER, MAX_MESSAGE_ID_LENGTH, encode_payload
 from ..core.envelope import check_short_string as _check_short_string
 from ..core.envelope import checked_headers as _json_headers
 from ..core.uuid7 import new_message_id
 from ..models import OutboxMessage
 from ..storage.partitions import IDEMPOTENCY_LOCK_CLASS
+from .scheduled import cancel as _cancel
 from .wake_after_commit import wake_relay_after_commit
 
 
@@ -46,9 +54,18 @@ def publish(
     headers: Mapping[str, Any] | None = None,
     ordering_key: str | None = None,
     idempotency_key: str | None = None,
+    deliver_at: dt.datetime | None = None,
+    delay: dt.timedelta | float | None = None,
+    expires: dt.timedelta | float | None = None,
     using: str | None = None,
 ) -> str:
     """Write a message to the outbox in the current transaction of ``using``; return its id.
+
+    ``deliver_at`` (an aware datetime) or ``delay`` (a timedelta or seconds from now, by the
+    database's clock) schedules it: the relay sends it once it is due, not before, and
+    :func:`cancel_scheduled` can take it back until then. ``expires`` (a timedelta or seconds,
+    counted from the publish or, when scheduled, from the due time) is its deadline: a
+    consumer that receives it later does not handle it (outcome ``expired``).
 
     ``using`` defaults to the alias the database routers give for writing ``OutboxMessage``
     (``"default"`` without routers), which is where the relay reads: publish inside a
@@ -80,6 +97,9 @@ def publish(
         _check_short_string("exchange", exchange)
     exchange = messaging_settings.exchange if exchange is None else exchange
     headers = _json_headers(headers)
+    due = _due(deliver_at, delay)
+    if expires is not None:
+        headers[EXPIRES_AT_HEADER] = _deadline_ms(expires, deliver_at, delay)
     # With tracing on: a "publish" span in the caller's trace, whose context the row keeps (a
     # traceparent the caller gave is kept instead).
     span, trace_headers = tracing.start_publish(exchange, routing_key, message_id, len(encoded))
@@ -87,7 +107,15 @@ def publish(
         headers.update(trace_headers)
     try:
         written = _write(
-            using, message_id, exchange, routing_key, body, headers, ordering_key, idempotency_key
+            using,
+            message_id,
+            exchange,
+            routing_key,
+            body,
+            headers,
+            ordering_key,
+            idempotency_key,
+            due,
         )
     except BaseException as exc:
         tracing.end(span, exc)
@@ -99,6 +127,61 @@ def publish(
     return written
 
 
+def cancel_scheduled(message_id: str, *, using: str | None = None) -> bool:
+    """Cancel a scheduled message not sent yet, in the current transaction of ``using``.
+
+    Returns True when it was still waiting (it will not be sent, once this transaction
+    commits), False when there is no such scheduled message: never scheduled, cancelled
+    before, or already due and handed to the relay (then it is sent)."""
+    if using is None:
+        using = router.db_for_write(OutboxMessage)
+    return _cancel(str(message_id), using)
+
+
+def _seconds(name: str, value: dt.timedelta | float) -> float:
+    if isinstance(value, dt.timedelta):
+        return value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a timedelta or a number of seconds, got {value!r}")
+    return float(value)
+
+
+def _due(deliver_at: dt.datetime | None, delay: dt.timedelta | float | None) -> Combinable | None:
+    """The due time of a scheduled message as a database value (None: send at once). ``delay``
+    is added to the database's clock, the one the relay compares due times with."""
+    if deliver_at is not None and delay is not None:
+        raise ValueError("give deliver_at or delay, not both")
+    if deliver_at is not None:
+        if not isinstance(deliver_at, dt.datetime):
+            raise TypeError(f"deliver_at must be a datetime, got {deliver_at!r}")
+        if deliver_at.utcoffset() is None:
+            raise ValueError("deliver_at must be timezone-aware (a naive time is ambiguous)")
+        return Value(deliver_at, output_field=DateTimeField())
+    if delay is None:
+        return None
+    seconds = _seconds("delay", delay)
+    if seconds < 0:
+        raise ValueError(f"delay must not be negative, got {seconds} s")
+    return Now() + Value(dt.timedelta(seconds=seconds), output_field=DurationField())
+
+
+def _deadline_ms(
+    expires: dt.timedelta | float,
+    deliver_at: dt.datetime | None,
+    delay: dt.timedelta | float | None,
+) -> int:
+    """The absolute deadline in Unix milliseconds: ``expires`` after the due time (this host's
+    clock for "now", as the consumer's host compares it with its own)."""
+    seconds = _seconds("expires", expires)
+    if seconds <= 0:
+        raise ValueError(f"expires must be positive, got {seconds} s")
+    if deliver_at is not None:
+        start = deliver_at.timestamp()
+    else:
+        start = time.time() + (_seconds("delay", delay) if delay is not None else 0.0)
+    return int((start + seconds) * 1000)
+
+
 def _write(
     using: str,
     message_id: str,
@@ -108,10 +191,12 @@ def _write(
     headers: dict[str, Any],
     ordering_key: str | None,
     idempotency_key: str | None,
+    due: Combinable | None = None,
 ) -> str:
     """Insert the row; returns its message_id (an earlier message's, for an idempotency key
     published before)."""
-    if connections[using].vendor == "postgresql":
+    if due is None and connections[using].vendor == "postgresql":
+        # The common case, a message sent at once, by a prepared INSERT (see _INSERT_PG).
         headers_json = json.dumps(headers) if headers else "{}"
         values = [
             message_id,
@@ -125,7 +210,9 @@ def _write(
         if idempotency_key is None:
             _insert_pg(using, values)
             return message_id
-        return _publish_once_pg(values, idempotency_key, using)
+        return _publish_once_pg(
+            lambda: _insert_pg(using, values), idempotency_key, using, message_id
+        )
     row = OutboxMessage(
         message_id=message_id,
         exchange=exchange,
@@ -134,12 +221,21 @@ def _write(
         headers=headers,
         ordering_key=ordering_key,
         idempotency_key=idempotency_key,
-        next_attempt_at=Now(),
+        next_attempt_at=Now() if due is None else due,
         created_at=Now(),
     )
+    if due is not None:
+        row.status = OutboxStatus.SCHEDULED
+        row.deliver_at = due
     if idempotency_key is None:
         row.save(using=using, force_insert=True)
         return message_id
+    if connections[using].vendor == "postgresql":
+        # A scheduled row goes to another partition than the key's other rows: the advisory
+        # lock and the lookup across partitions keep the key unique, not the index.
+        return _publish_once_pg(
+            lambda: row.save(using=using, force_insert=True), idempotency_key, using, message_id
+        )
     return _publish_once(row, idempotency_key, using)
 
 
@@ -193,7 +289,9 @@ def _earlier(idempotency_key: str, using: str) -> str | None:
     return OutboxMessage.objects.using(using).message_id_of(idempotency_key)
 
 
-def _publish_once_pg(values: list[Any], idempotency_key: str, using: str) -> str:
+def _publish_once_pg(
+    insert: Callable[[], None], idempotency_key: str, using: str, message_id: str
+) -> str:
     """On PostgreSQL a unique index spans one partition of the outbox, and a message sent leaves the
     unsent partition (``storage/partitions.py``): an earlier message of the key is looked for in
     every partition, under an advisory lock on the key held to the end of the transaction. A second
@@ -207,8 +305,8 @@ def _publish_once_pg(values: list[Any], idempotency_key: str, using: str) -> str
         existing = _earlier(idempotency_key, using)
         if existing is not None:
             return existing
-        _insert_pg(using, values)
-    return str(values[0])
+        insert()
+    return message_id
 
 
 def _publish_once(row: OutboxMessage, idempotency_key: str, using: str) -> str:

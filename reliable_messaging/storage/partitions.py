@@ -33,6 +33,9 @@ INBOX_TABLE = "reliable_messaging_processedmessage"
 OUTBOX_TABLE = "reliable_messaging_outboxmessage"
 OUTBOX_UNSENT = f"{OUTBOX_TABLE}_unsent"
 OUTBOX_SENT = f"{OUTBOX_TABLE}_sent"
+# Scheduled rows (``publish(deliver_at=...)``) wait in a partition of their own, outside every
+# index the relay's claim or a publish writes.
+OUTBOX_SCHEDULED = f"{OUTBOX_TABLE}_scheduled"
 # The statuses of each side of the outbox (the values of its list partitions); every relay
 # query names the unsent ones, so that PostgreSQL reads only that partition.
 UNSENT_STATUSES = ("pending", "failed")
