@@ -141,7 +141,7 @@ def test_expires_is_a_deadline_in_the_headers_counted_from_the_due_time() -> Non
 @pytest.mark.parametrize(
     ("kwargs", "error"),
     [
-        ({"deliver_at": dt.datetime(2030, 1, 1)}, "timezone-aware"),  # noqa: DTZ001
+        ({"deliver_at": dt.datetime(2030, 1, 1)}, "timezone-aware"),
         ({"deliver_at": "2030-01-01"}, "must be a datetime"),
         ({"delay": -1}, "must not be negative"),
         ({"delay": "soon"}, "timedelta or a number"),
