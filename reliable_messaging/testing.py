@@ -26,6 +26,7 @@ the relay and the topic exchange would, until nothing is left (handlers may publ
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import time
 from collections.abc import Callable, Mapping
@@ -61,6 +62,7 @@ __all__ = [
     "find_consumer",
     "published",
     "run_outbox",
+    "scheduled",
 ]
 
 
@@ -139,6 +141,47 @@ def published(routing_key: str | None = None, *, using: str | None = None) -> li
     ]
 
 
+def scheduled(*, using: str | None = None) -> list[tuple[dt.datetime, Message]]:
+    """Scheduled messages waiting for their due time, earliest first: ``(due, message)``."""
+    using = using or router.db_for_write(OutboxMessage)
+    rows = (
+        OutboxMessage.objects.using(using)
+        .filter(status=OutboxStatus.SCHEDULED)
+        .order_by("next_attempt_at", "id")
+    )
+    return [
+        (
+            row.deliver_at or row.created_at,
+            Message(
+                message_id=row.message_id,
+                routing_key=row.routing_key,
+                exchange=row.exchange,
+                payload=json.loads(row.body),
+                headers=dict(row.headers),
+                published_at=row.deliver_at,
+                ordering_key=row.ordering_key,
+            ),
+        )
+        for row in rows
+    ]
+
+
+def _make_due(using: str, due_by: dt.datetime) -> None:
+    """Make pending the scheduled rows due by ``due_by``, as the relay does when they fall due:
+    under a new id, in due order."""
+    rows = list(
+        OutboxMessage.objects.using(using)
+        .filter(status=OutboxStatus.SCHEDULED, next_attempt_at__lte=due_by)
+        .order_by("next_attempt_at", "id")
+    )
+    for row in rows:
+        OutboxMessage.objects.using(using).filter(pk=row.pk).delete()
+        row.pk = None
+        row.status = OutboxStatus.PENDING
+        row.next_attempt_at = timezone.now()
+        row.save(using=using, force_insert=True)
+
+
 def _routes_to(row: OutboxMessage, spec: ConsumerSpec) -> bool:
     if row.exchange == "":  # the default exchange: straight to the queue of that name
         return row.routing_key in consumer_queues(spec)
@@ -149,15 +192,21 @@ def _routes_to(row: OutboxMessage, spec: ConsumerSpec) -> bool:
 
 
 def run_outbox(
-    *, consumers: ConsumerRegistry = registry, using: str | None = None, max_rounds: int = 100
+    *,
+    consumers: ConsumerRegistry = registry,
+    using: str | None = None,
+    max_rounds: int = 100,
+    due_by: dt.datetime | None = None,
 ) -> list[tuple[str, str, Outcome]]:
     """Deliver pending outbox rows to every consumer bound to their exchange and routing key,
     mark them sent, and repeat for what the handlers publish. Retries are delivered again at
-    once with the next attempt number (no delays). Returns ``(consumer, message_id, outcome)``
-    in delivery order."""
+    once with the next attempt number (no delays). Scheduled messages are delivered once due:
+    by now, or by ``due_by`` (a time in your test's future: "a day later"). Returns
+    ``(consumer, message_id, outcome)`` in delivery order."""
     using = using or router.db_for_write(OutboxMessage)
     results: list[tuple[str, str, Outcome]] = []
     for _ in range(max_rounds):
+        _make_due(using, due_by or timezone.now())
         rows = list(OutboxMessage.objects.using(using).pending().order_by("id"))
         if not rows:
             return results

@@ -26,6 +26,7 @@ from ..choices import OutboxStatus
 from ..conf import MessagingSettings
 from ..models import OutboxMessage
 from ..storage.partitions import UNSENT_STATUSES, row_moved
+from . import scheduled
 
 # Logged under the relay's name, the one users' logging configuration knows.
 logger = logging.getLogger("reliable_messaging.relay")
@@ -167,6 +168,7 @@ class ClaimedRow:
     ordering_key: str | None
     attempts: int
     created_at: dt.datetime
+    deliver_at: dt.datetime | None = None  # a scheduled message's due time
 
 
 CLAIMED_FIELDS = (
@@ -179,6 +181,7 @@ CLAIMED_FIELDS = (
     "ordering_key",
     "attempts",
     "created_at",
+    "deliver_at",
 )
 _BEHIND = len(CLAIMED_FIELDS)  # the position of ``behind`` in a claimed tuple
 
@@ -317,6 +320,14 @@ class OutboxClaims:
 
     def release_parked(self, after: int) -> tuple[int, int | None]:
         return release_parked(self.using, after=after)
+
+    def promote_due(self) -> int:
+        """Make due scheduled rows pending (a chunk); see :mod:`.scheduled`."""
+        return scheduled.promote_due(self.using)
+
+    def next_scheduled_in(self) -> float | None:
+        """Seconds until the next scheduled row is due (0: due now); None when none waits."""
+        return scheduled.next_due_in(self.using)
 
     def backlog(self) -> tuple[int, int, int] | None:
         return outbox_backlog(self.using)

@@ -157,6 +157,8 @@ class InFlight:
                 batch.errors[row.pk] = f"exchange {row.exchange!r} does not exist"
                 continue
             headers = message_headers(row)
+            # A scheduled message counts its wait from its due time.
+            published = row.created_at if row.deliver_at is None else row.deliver_at
             span = None
             if tracing_on:
                 # A span per row, in the trace its publish() stored: the message carries it.
@@ -165,7 +167,7 @@ class InFlight:
                     exchange=row.exchange,
                     routing_key=row.routing_key,
                     message_id=row.message_id,
-                    created_at=row.created_at,
+                    created_at=published,
                     now=now,
                 )
                 tracing.sent_with(span, headers)
@@ -175,7 +177,7 @@ class InFlight:
                     row.routing_key,
                     row.body.encode("utf-8"),
                     message_id=row.message_id,
-                    timestamp=int(row.created_at.timestamp()),
+                    timestamp=int(published.timestamp()),
                     headers=headers,
                 )
             except Unencodable as exc:

@@ -26,6 +26,7 @@ from .claims import Claim, ClaimTransaction, OutboxClaims
 from .database_worker import DatabaseWorker
 from .in_flight import InFlight
 from .listener import WakeUps
+from .scheduled import PROMOTE_CHUNK
 
 # Logged under the relay's name, the one users' logging configuration knows.
 logger = logging.getLogger("reliable_messaging.relay")
@@ -42,6 +43,10 @@ SWEEP_INTERVAL = 30.0
 # then sleeps until woken. Each of those claims reads the index of due rows only.
 TRAIL_FIRST = 0.01
 TRAIL_LAST = 0.64
+# While claims keep finding rows (no idle wait reads the scheduled rows' next due time), how
+# often the relay looks whether a scheduled row fell due: the bound on how late a scheduled
+# message published during a steady load goes out. One read of that index's first entry.
+SCHEDULED_LOOK = 0.5
 
 
 class ClaimScheduler:
@@ -77,6 +82,7 @@ class ClaimScheduler:
         self._tick_timer: object = None
         self._next_sweep = 0.0  # monotonic time of the next release_parked sweep
         self._sweep_after: int | None = None  # where the sweep's pass goes on
+        self._next_promote = 0.0  # monotonic time to look for due scheduled rows next
         self._db_backoff = Backoff(0.5, settings.reconnect_max_delay)
         # The wait before the next claim of the trail after rows (see TRAIL_FIRST); None when
         # the relay found nothing for the whole trail.
@@ -174,6 +180,8 @@ class ClaimScheduler:
                 finally:
                     if self._next_sweep == float("inf"):  # it failed: try again in a while
                         self._next_sweep = time.monotonic() + SWEEP_INTERVAL
+            if time.monotonic() >= self._next_promote:
+                self._promote()
             claim = self.claims.claim()
             if claim.transaction is None and not claim.parked:
                 claim.wait = self._idle_wait()
@@ -252,6 +260,22 @@ class ClaimScheduler:
                 released,
             )
 
+    def _promote(self) -> None:
+        """Database worker: make the due scheduled rows pending (a chunk: the claim that follows
+        sends them, and the next claim takes the next chunk), and note when to look next."""
+        self._next_promote = time.monotonic() + SCHEDULED_LOOK  # meanwhile, for the others
+        promoted = self.claims.promote_due()
+        if promoted:
+            logger.debug("relay: %d scheduled row(s) fell due", promoted)
+        self._note_scheduled(0.0 if promoted >= PROMOTE_CHUNK else self.claims.next_scheduled_in())
+
+    def _note_scheduled(self, due_in: float | None) -> None:
+        """When to look for due scheduled rows next: at the next one's due time, and at least
+        every SCHEDULED_LOOK while the relay is busy."""
+        self._next_promote = time.monotonic() + min(
+            SCHEDULED_LOOK, SCHEDULED_LOOK if due_in is None else due_in
+        )
+
     def _idle_wait(self) -> float:
         """Database worker: how long the relay may sleep before the next claim."""
         poll = self.settings.relay_poll_interval
@@ -261,4 +285,10 @@ class ClaimScheduler:
         due_in = self.claims.next_due_in()  # a row waiting out a backoff or a lease
         if due_in is not None:
             poll = min(poll, due_in)
+        # A scheduled row: at its due time, whatever the poll (a NOTIFY wakes the relay for
+        # one published meanwhile, and this looks again).
+        scheduled_in = self.claims.next_scheduled_in()
+        if scheduled_in is not None:
+            poll = min(poll, scheduled_in)
+            self._next_promote = time.monotonic() + scheduled_in
         return min(poll, max(0.0, self._next_sweep - time.monotonic()))
