@@ -1,0 +1,204 @@
+"""Scheduled delivery with real processes: publish(deliver_at/delay) → relay → consume.
+
+tests.alpha is bound to ``order.*`` and tests.gamma (ordered) to ``seq.*``; their handlers write an
+Effect row in their transaction, stamped with this machine's clock when it took effect.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.db import transaction
+from django.utils import timezone
+
+from reliable_messaging import cancel_scheduled, publish
+from reliable_messaging.choices import OutboxStatus
+from reliable_messaging.models import OutboxMessage
+from tests.conftest import subprocess_env
+from tests.support import ConsumeProcess, ManageProcess, wait_until
+from tests.testapp.models import Effect
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True), pytest.mark.timeout(240)]
+
+
+class RelayProcess(ManageProcess):
+    command = "relay"
+
+
+def effects(label: str) -> dict[str, list[Effect]]:
+    found: dict[str, list[Effect]] = {}
+    for effect in Effect.objects.filter(consumer=label).order_by("id"):
+        found.setdefault(effect.message_id, []).append(effect)
+    return found
+
+
+def noise(ns: str, name: str, count: int) -> None:
+    """``count`` rows due now with a routing key no queue binds, written in one statement."""
+    now = timezone.now()
+    OutboxMessage.objects.bulk_create(
+        OutboxMessage(
+            message_id=f"noise-{name}-{n}",
+            exchange=f"rmtest.{ns}",
+            routing_key="noise.nobody",
+            body="{}",
+            next_attempt_at=now,
+            created_at=now,
+        )
+        for n in range(count)
+    )
+
+
+def assert_on_time(due: dict[str, dt.datetime]) -> None:
+    handled = effects("alpha")
+    for message_id, at in due.items():
+        (effect,) = handled[message_id]
+        late = (effect.created_at - at).total_seconds()
+        assert 0 <= late < 1.0, f"{message_id} took effect {late:.3f}s after its due time"
+
+
+def test_scheduled_messages_arrive_within_a_second_of_their_due_time_and_not_before(
+    ns: str, rm_settings: Any, tmp_path: Path
+) -> None:
+    """With an idle relay (it sleeps until the next due time, past its 5 s poll), then with a
+    relay kept busy by a backlog (it looks every 0.5 s); a cancelled message never arrives."""
+    env = subprocess_env(ns)
+    consume = ConsumeProcess(["--queue", f"{ns}.alpha"], env, tmp_path / "consume.log")
+    consume.wait_consuming()
+    relay = RelayProcess([], env, tmp_path / "relay.log")
+    try:
+        relay.wait_for_log("relay", timeout=30)
+        time.sleep(1.0)  # connected, listening and idle
+        start = timezone.now()
+        due = {}
+        for n in range(3):
+            at = start + dt.timedelta(seconds=2 + 1.5 * n)
+            due[publish("order.remind", {"n": n}, deliver_at=at)] = at
+        delayed = publish("order.remind", {"n": "delay"}, delay=dt.timedelta(seconds=3))
+        with transaction.atomic():
+            cancelled = publish("order.cancel_if_unpaid", {"n": "x"}, delay=2)
+            assert cancel_scheduled(cancelled) is True
+        wait_until(
+            lambda: all(message_id in effects("alpha") for message_id in [*due, delayed]),
+            timeout=30,
+            message="every scheduled message handled",
+        )
+        assert_on_time(due)
+        delayed_row = OutboxMessage.objects.get(message_id=delayed)
+        assert delayed_row.deliver_at is not None
+        assert_on_time({delayed: delayed_row.deliver_at})
+
+        # Busy: 90,000 rows nobody binds (marked unrouted) keep every claim full for seconds,
+        # so the relay never sleeps until a due time. The message due 1 s later must still join
+        # the line then, ahead of 20,000 more rows written 1 s after that: a normal message
+        # published at its due time would (rows go out in the order they became due).
+        noise(ns, "first", 90_000)
+        start = timezone.now()
+        busy = publish("order.remind", {"busy": True}, deliver_at=start + dt.timedelta(seconds=1))
+        time.sleep(max(0.0, (start - timezone.now()).total_seconds() + 2.0))
+        noise(ns, "second", 20_000)
+        assert OutboxMessage.objects.filter(
+            message_id__startswith="noise-first-", status=OutboxStatus.PENDING
+        ).exists(), "the first rows were all sent before the second came: the relay was idle"
+        wait_until(
+            lambda: not OutboxMessage.objects.exclude(status__in=["sent", "unrouted"]).exists(),
+            timeout=90,
+            message="the backlog sent",
+        )
+        sent_at = OutboxMessage.objects.get(message_id=busy).sent_at
+        second = OutboxMessage.objects.filter(message_id__startswith="noise-second-")
+        overtaken = second.filter(sent_at__lt=sent_at).count()
+        assert overtaken == 0, f"{overtaken} rows written after its due time went before it"
+        assert cancelled not in effects("alpha")
+        assert not OutboxMessage.objects.filter(message_id=cancelled).exists()
+    finally:
+        relay.close()
+        consume.close()
+
+
+def test_a_relay_killed_while_scheduled_rows_fall_due_loses_and_doubles_nothing(
+    ns: str, rm_settings: Any, tmp_path: Path
+) -> None:
+    """3,000 messages due at the same second; the relay is killed -9 while it makes them
+    pending and sends them, then started again: each is handled exactly once."""
+    env = subprocess_env(ns)
+    due_at = timezone.now() + dt.timedelta(seconds=2)
+    ids: list[str] = []
+    with transaction.atomic():
+        ids = [publish("order.burst", {"n": n}, deliver_at=due_at) for n in range(3000)]
+    consume = ConsumeProcess(
+        ["--queue", f"{ns}.alpha", "--concurrency", "4"], env, tmp_path / "consume.log"
+    )
+    consume.wait_consuming()
+    first = RelayProcess([], env, tmp_path / "relay-1.log")
+    second: RelayProcess | None = None
+    try:
+        wait_until(
+            lambda: OutboxMessage.objects.filter(status=OutboxStatus.SENT).exists(),
+            timeout=30,
+            interval=0.01,
+            message="the relay started sending",
+        )
+        first.send(signal.SIGKILL)
+        first.wait(30)
+        left = OutboxMessage.objects.exclude(status=OutboxStatus.SENT).count()
+        assert left > 0, "the kill came too late to test anything"
+        second = RelayProcess([], env, tmp_path / "relay-2.log")
+        wait_until(
+            lambda: Effect.objects.filter(consumer="alpha").count() >= 3000,
+            timeout=120,
+            message="all 3,000 handled",
+        )
+        time.sleep(1.0)
+        handled = effects("alpha")
+        assert sorted(handled) == sorted(ids)
+        doubled = [message_id for message_id, found in handled.items() if len(found) != 1]
+        assert doubled == []
+        assert not OutboxMessage.objects.exclude(status=OutboxStatus.SENT).exists()
+    finally:
+        for proc in (first, second, consume):
+            if proc is not None:
+                proc.close()
+
+
+def test_a_scheduled_message_takes_its_place_in_its_keys_order_when_due(
+    ns: str, rm_settings: Any, tmp_path: Path
+) -> None:
+    """Key k: a message scheduled 3 s ahead, then two to send at once, then (after it fell due)
+    a last one: the two go at once (it holds nothing back), and it comes after them and before
+    the last. Key j: a message scheduled 1 s ahead, then one to send at once, both before any
+    relay runs, which starts once the first is due: that one goes second (it took its place
+    when it became pending, behind the message published while it waited)."""
+    env = subprocess_env(ns)
+    consume = ConsumeProcess(["--queue", f"{ns}.gamma"], env, tmp_path / "consume.log")
+    consume.wait_consuming()
+    relay: RelayProcess | None = None
+    try:
+        later = publish("seq.k", {"key": "k", "seq": "later"}, ordering_key="k", delay=3)
+        publish("seq.k", {"key": "k", "seq": "first"}, ordering_key="k")
+        publish("seq.k", {"key": "k", "seq": "second"}, ordering_key="k")
+        publish("seq.j", {"key": "j", "seq": "scheduled"}, ordering_key="j", delay=1)
+        publish("seq.j", {"key": "j", "seq": "at once"}, ordering_key="j")
+        time.sleep(1.2)
+        relay = RelayProcess([], env, tmp_path / "relay.log")
+        wait_until(lambda: Effect.objects.filter(consumer="gamma").count() >= 4, timeout=30)
+        assert not Effect.objects.filter(message_id=later).exists()  # not due yet
+        wait_until(lambda: Effect.objects.filter(message_id=later).exists(), timeout=30)
+        publish("seq.k", {"key": "k", "seq": "last"}, ordering_key="k")
+        wait_until(lambda: Effect.objects.filter(consumer="gamma").count() >= 6, timeout=30)
+        order: dict[str, list[str]] = {}
+        for effect in Effect.objects.filter(consumer="gamma").order_by("id"):
+            payload: dict[str, str] = effect.payload or {}
+            order.setdefault(payload["key"], []).append(payload["seq"])
+        assert order == {
+            "k": ["first", "second", "later", "last"],
+            "j": ["at once", "scheduled"],
+        }
+    finally:
+        if relay is not None:
+            relay.close()
+        consume.close()
