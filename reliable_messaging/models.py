@@ -349,7 +349,7 @@ class OutboxMessage(models.Model):
     # When a scheduled message is due (``publish(deliver_at=...)``); NULL for the others. A
     # scheduled row waits as ``scheduled`` with next_attempt_at this time; the relay then makes
     # it pending under a new id, so it takes its place in its ordering key's order when due.
-    deliver_at = models.DateTimeField(null=True, blank=True)
+    deliver_at = models.DateTimeField(_("due at"), null=True, blank=True)
 
     objects = OutboxMessageManager()
 

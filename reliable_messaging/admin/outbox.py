@@ -1,5 +1,5 @@
-"""The outbox in the admin: what waits to be sent, what failed and why, and a way to send the
-failed rows again.
+"""The outbox in the admin: what waits to be sent (scheduled messages with their due time), what
+failed and why, a way to send the failed rows again and to cancel scheduled messages.
 
 The outbox holds every message of the retention period (partitioned by
 :mod:`reliable_messaging.storage.partitions`), so the list reads no whole table
@@ -24,8 +24,10 @@ from django.utils.timesince import timesince
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
+from ..choices import OutboxStatus
 from ..managers import OutboxMessageQuerySet
 from ..models import OutboxMessage
+from ..publishing.scheduled import cancel
 from . import bodies, scaling
 
 
@@ -38,6 +40,7 @@ class OutboxMessageAdmin(scaling.BoundedListAdmin):
         "routing_key",
         "ordering_key",
         "status",
+        "deliver_at",
         "attempts",
         "short_error",
         "sent_at",
@@ -47,7 +50,7 @@ class OutboxMessageAdmin(scaling.BoundedListAdmin):
     exact_search_fields = ("message_id", "idempotency_key")
     search_help_text = _("An exact message_id or idempotency key.")
     ordering = ("-id",)
-    actions = ["retry_failed"]
+    actions = ["retry_failed", "cancel_scheduled"]
     # Everything read-only, the body and headers through blocks that cap what they show.
     readonly_fields = (
         *(f.name for f in OutboxMessage._meta.fields if f.name not in ("id", "body", "headers")),
@@ -75,6 +78,19 @@ class OutboxMessageAdmin(scaling.BoundedListAdmin):
             self.message_user(
                 request,
                 f"Oldest pending row waits for {timesince(oldest, timezone.now())}.",
+                messages.INFO,
+            )
+        # The first entry of the scheduled rows' index.
+        next_due = (
+            OutboxMessage.objects.filter(status=OutboxStatus.SCHEDULED)
+            .order_by("next_attempt_at")
+            .values_list("next_attempt_at", flat=True)
+            .first()
+        )
+        if next_due is not None:
+            self.message_user(
+                request,
+                f"Next scheduled message is due at {next_due:%Y-%m-%d %H:%M:%S %Z}.",
                 messages.INFO,
             )
         return super().changelist_view(request, extra_context)
@@ -124,6 +140,40 @@ class OutboxMessageAdmin(scaling.BoundedListAdmin):
             % count,
             messages.SUCCESS,
         )
+
+    @admin.action(description="Cancel the selected scheduled messages", permissions=["change"])
+    def cancel_scheduled(self, request: HttpRequest, queryset: OutboxMessageQuerySet) -> None:
+        """Cancel each selected row that still waits for its due time; the others (sent, or
+        made pending meanwhile) are left alone and counted."""
+        using = queryset.db
+        chosen = list(queryset.values_list("message_id", "status"))
+        cancelled = sum(
+            cancel(message_id, using)
+            for message_id, status in chosen
+            if status == OutboxStatus.SCHEDULED
+        )
+        self.message_user(
+            request,
+            ngettext(
+                "%d scheduled message cancelled.", "%d scheduled messages cancelled.", cancelled
+            )
+            % cancelled,
+            messages.SUCCESS,
+        )
+        left = len(chosen) - cancelled
+        if left:
+            self.message_user(
+                request,
+                ngettext(
+                    "%d selected row was not waiting for its due time (sent or due already): "
+                    "left alone.",
+                    "%d selected rows were not waiting for their due time (sent or due "
+                    "already): left alone.",
+                    left,
+                )
+                % left,
+                messages.WARNING,
+            )
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

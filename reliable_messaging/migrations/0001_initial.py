@@ -637,7 +637,10 @@ class Migration(migrations.Migration):
                         ),
                         ("created_at", models.DateTimeField(default=django.utils.timezone.now)),
                         ("sent_at", models.DateTimeField(blank=True, null=True)),
-                        ("deliver_at", models.DateTimeField(blank=True, null=True)),
+                        (
+                            "deliver_at",
+                            models.DateTimeField(blank=True, null=True, verbose_name="due at"),
+                        ),
                     ],
                     options={
                         "verbose_name": "outbox message",

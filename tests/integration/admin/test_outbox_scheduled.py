@@ -1,0 +1,87 @@
+"""Scheduled messages in the outbox admin: listed with their due time, found by message_id, and
+cancelled by an action that says what it left alone; with 20,000 of them, no page reads them
+all."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from django.db import connection
+from django.test import Client
+from django.urls import reverse
+from django.utils import timezone
+
+from reliable_messaging import publish
+from reliable_messaging.choices import OutboxStatus
+from reliable_messaging.models import OutboxMessage
+from reliable_messaging.publishing import scheduled
+from tests.markers import postgresql_only
+
+from .conftest import messages_of
+from .test_admin_pages_bounded import OUTBOX, fetched
+
+CHANGELIST = "admin:reliable_messaging_outboxmessage_changelist"
+
+
+def test_the_list_shows_due_times_and_the_next_one(admin: Client, db: None) -> None:
+    soon = timezone.now() + dt.timedelta(minutes=30)
+    reminder = publish("order.remind", {"order": 1}, deliver_at=soon)
+    publish("order.placed", {"order": 1})
+    response = admin.get(reverse(CHANGELIST), {"status__exact": "scheduled"})
+    assert response.status_code == 200
+    assert [row.message_id for row in response.context["cl"].result_list] == [reminder]
+    assert response.context["cl"].result_list[0].deliver_at == soon
+    assert any("Next scheduled message is due at" in text for text in messages_of(response))
+    assert "Due at" in response.content.decode()
+
+
+def test_the_cancel_action_cancels_waiting_rows_and_leaves_the_others(
+    admin: Client, db: None
+) -> None:
+    waiting = publish("order.remind", {"order": 2}, delay=3600)
+    due = publish("order.remind", {"order": 3}, delay=60)
+    OutboxMessage.objects.filter(message_id=due).update(
+        next_attempt_at=timezone.now() - dt.timedelta(seconds=1)
+    )
+    scheduled.promote_due("default")  # the relay made it pending meanwhile
+    at_once = publish("order.placed", {"order": 4})
+    pks = list(
+        OutboxMessage.objects.filter(message_id__in=[waiting, due, at_once]).values_list(
+            "pk", flat=True
+        )
+    )
+    response = admin.post(
+        reverse(CHANGELIST),
+        {"action": "cancel_scheduled", "_selected_action": [str(pk) for pk in pks]},
+        follow=True,
+    )
+    shown = messages_of(response)
+    assert "1 scheduled message cancelled." in shown
+    assert any(text.startswith("2 selected rows were not waiting") for text in shown)
+    assert not OutboxMessage.objects.filter(message_id=waiting).exists()
+    assert OutboxMessage.objects.get(message_id=due).status == OutboxStatus.PENDING
+    assert OutboxMessage.objects.get(message_id=at_once).status == OutboxStatus.PENDING
+
+
+@postgresql_only
+def test_twenty_thousand_scheduled_rows_cost_the_pages_no_full_read(
+    admin: Client, db: None
+) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"""
+            INSERT INTO {OUTBOX} (message_id, exchange, routing_key, body, headers, status,
+                attempts, last_error, next_attempt_at, deliver_at, created_at)
+            SELECT 'later-' || i, 'x', 'order.remind', '{{}}', '{{}}', 'scheduled', 0, '',
+                   now() + i * interval '1 minute', now() + i * interval '1 minute', now()
+            FROM generate_series(1, 20000) AS i
+            """
+        )
+        cursor.execute(f"ANALYZE {OUTBOX}")
+    url = reverse(CHANGELIST)
+    fetched(admin, url, OUTBOX)
+    listed = fetched(admin, url, OUTBOX, status__exact="scheduled")
+    found = fetched(admin, url, OUTBOX, q="later-777")
+    assert len(listed.context["cl"].result_list) > 0
+    assert [row.message_id for row in found.context["cl"].result_list] == ["later-777"]
