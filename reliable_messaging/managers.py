@@ -28,7 +28,7 @@ from django.db.models import (
     Value,
     When,
 )
-from django.db.models.functions import Now
+from django.db.models.functions import Coalesce, Now
 
 from .choices import (
     OPEN_DEAD_LETTER_STATUSES,
@@ -818,6 +818,12 @@ FailureGroupStateManager = models.Manager.from_queryset(FailureGroupStateQuerySe
 # -- the outbox --------------------------------------------------------------------------------
 
 
+def waiting_since() -> Coalesce:
+    """Since when an outbox row waits to be sent: its due time for a scheduled message, else
+    when it was written."""
+    return Coalesce("deliver_at", "created_at")
+
+
 class OutboxMessageQuerySet(BatchDeletingQuerySet):
     def pending(self) -> OutboxMessageQuerySet:
         return self.filter(status=OutboxStatus.PENDING)
@@ -832,8 +838,25 @@ class OutboxMessageQuerySet(BatchDeletingQuerySet):
         )
 
     def oldest_pending_at(self) -> dt.datetime | None:
-        """When the oldest pending row was written, or None when none waits."""
-        return self.pending().order_by("created_at").values_list("created_at", flat=True).first()
+        """Since when the oldest pending row has waited (written, or for a scheduled message
+        fallen due), or None when none waits."""
+        return (
+            self.pending()
+            .annotate(since=waiting_since())
+            .order_by("since")
+            .values_list("since", flat=True)
+            .first()
+        )
+
+    def overdue_scheduled_since(self) -> dt.datetime | None:
+        """The due time of the earliest scheduled row whose time has come and that no relay has
+        made pending yet (read from the first entry of the scheduled rows' index), or None."""
+        return (
+            self.filter(status=OutboxStatus.SCHEDULED, next_attempt_at__lte=Now())
+            .order_by("next_attempt_at")
+            .values_list("next_attempt_at", flat=True)
+            .first()
+        )
 
     def message_id_of(self, idempotency_key: str) -> str | None:
         """The message_id published earlier with ``idempotency_key``, if any."""

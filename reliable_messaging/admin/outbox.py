@@ -25,7 +25,7 @@ from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
 from ..choices import OutboxStatus
-from ..managers import OutboxMessageQuerySet
+from ..managers import OutboxMessageQuerySet, waiting_since
 from ..models import OutboxMessage
 from ..publishing.scheduled import cancel
 from . import bodies, scaling
@@ -67,11 +67,11 @@ class OutboxMessageAdmin(scaling.BoundedListAdmin):
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
     ) -> Any:
         # The oldest by id, which the primary key of each partition answers (created_at has
-        # no index: the relay never reads by it).
+        # no index: the relay never reads by it); a scheduled one waits since its due time.
         oldest = (
             OutboxMessage.objects.pending()
             .order_by("pk")
-            .values_list("created_at", flat=True)
+            .values_list(waiting_since(), flat=True)
             .first()
         )
         if oldest is not None:

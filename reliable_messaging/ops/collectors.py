@@ -34,6 +34,7 @@ from ..broker.queues import (
 from ..choices import GroupState, OutboxStatus
 from ..conf import MessagingSettings, messaging_settings
 from ..core.registry import ConsumerSpec, registry
+from ..managers import waiting_since
 from ..models import DeadLetter, DeadLetterGroup, OutboxMessage, ProcessedMessage
 from ..storage import partitions
 
@@ -60,6 +61,7 @@ class DatabaseStatus:
     reachable: bool
     error: str = ""
     outbox_pending: int = 0
+    outbox_scheduled: int = 0  # waiting for their due time
     outbox_failed: int = 0
     # Events the broker had no queue for (nobody subscribed yet): shown, never a problem.
     outbox_unrouted: int = 0
@@ -83,22 +85,29 @@ class DatabaseStatus:
 
 
 def outbox_lag(using: str) -> float:
-    """Seconds the oldest pending outbox row has waited; 0 when none is pending.
+    """Seconds the oldest row that should have been sent has waited; 0 when none.
 
-    "Oldest" is the lowest id, found on the relay's partial index of pending rows: ids grow
-    with time, and ordering by ``created_at`` would sort the whole backlog at every call.
+    That is the oldest pending row since it was written (a scheduled one: since it fell due),
+    "oldest" being the lowest id, found on the relay's partial index of pending rows (ids grow
+    with time, and ordering by ``created_at`` would sort the whole backlog at every call); or a
+    scheduled row past its due time that no relay made pending, if it waited longer.
     """
     # The age by the database's clock, which also stamped the row: a web process whose clock
     # runs ahead or behind must not report a lag that is not there.
-    age = (
-        OutboxMessage.objects.using(using)
-        .pending()
+    outbox = OutboxMessage.objects.using(using)
+    ages = [
+        outbox.pending()
         .order_by("id")
-        .annotate(age=ExpressionWrapper(Now() - F("created_at"), output_field=DurationField()))
+        .annotate(age=ExpressionWrapper(Now() - waiting_since(), output_field=DurationField()))
         .values_list("age", flat=True)
-        .first()
-    )
-    return 0.0 if age is None else max(0.0, age.total_seconds())
+        .first(),
+        outbox.filter(status=OutboxStatus.SCHEDULED, next_attempt_at__lte=Now())
+        .order_by("next_attempt_at")
+        .annotate(age=ExpressionWrapper(Now() - F("next_attempt_at"), output_field=DurationField()))
+        .values_list("age", flat=True)
+        .first(),
+    ]
+    return max([0.0, *(age.total_seconds() for age in ages if age is not None)])
 
 
 # Up to this many rows by PostgreSQL's estimate, the inbox is counted instead.
@@ -171,6 +180,7 @@ def database_status(using: str | None = None) -> DatabaseStatus:
             alias=using,
             reachable=True,
             outbox_pending=pending,
+            outbox_scheduled=outbox.filter(status=OutboxStatus.SCHEDULED).count(),
             outbox_failed=outbox.failed().count(),
             outbox_unrouted=outbox.filter(status=OutboxStatus.UNROUTED).count(),
             outbox_lag=outbox_lag(using) if pending else None,
@@ -242,8 +252,14 @@ class DatabaseCollector:
         )
         yield GaugeMetricFamily(
             "reliable_messaging_outbox_oldest_pending_age_seconds",
-            "Age of the oldest pending outbox row; 0 when none is pending.",
+            "How long the oldest outbox row that should have been sent has waited (a scheduled "
+            "one: since it fell due); 0 when none.",
             value=outbox_lag(alias),
+        )
+        yield GaugeMetricFamily(
+            "reliable_messaging_outbox_scheduled_messages",
+            "Scheduled messages waiting for their due time (publish(deliver_at=...)).",
+            value=outbox.filter(status=OutboxStatus.SCHEDULED).count(),
         )
         yield GaugeMetricFamily(
             "reliable_messaging_outbox_failed_messages",

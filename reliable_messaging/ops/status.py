@@ -149,6 +149,7 @@ class MessagingStatus:
                 "error": db.error or None,
                 "outbox": {
                     "pending": db.outbox_pending,
+                    "scheduled": db.outbox_scheduled,
                     "failed": db.outbox_failed,
                     "unrouted": db.outbox_unrouted,
                     "lag_seconds": db.outbox_lag,

@@ -316,7 +316,8 @@ class Command(BaseCommand):
         oldest = "" if db.outbox_lag is None else f" (oldest {_age(db.outbox_lag)} old)"
         lines = [
             f"Outbox: {db.outbox_pending:,} pending{oldest}, {db.outbox_failed:,} failed, "
-            f"{db.outbox_unrouted:,} unrouted (events no queue was bound for)",
+            f"{db.outbox_unrouted:,} unrouted (events no queue was bound for), "
+            f"{db.outbox_scheduled:,} scheduled",
             f"Dead letters awaiting review: {db.dead_letters_total:,}",
         ]
         if db.dead_letters:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import datetime as dt
 
-import pytest
 from django.db import connection
 from django.test import Client
 from django.urls import reverse

@@ -203,3 +203,26 @@ def test_a_cancel_racing_the_relays_promotion_says_it_came_too_late() -> None:
     canceller.join(10)
     assert result == [False]
     assert row(message_id).status == OutboxStatus.PENDING
+
+
+def test_the_lag_counts_a_scheduled_message_from_its_due_time() -> None:
+    """A reminder written a day ago and due now is not a day late; one due ten minutes ago that
+    no relay made pending is ten minutes late (a relay that is down shows)."""
+    from reliable_messaging.ops.collectors import outbox_lag
+
+    message_id = publish("r", {}, delay=60)
+    day_ago = timezone.now() - dt.timedelta(days=1)
+    OutboxMessage.objects.filter(message_id=message_id).update(
+        created_at=day_ago, next_attempt_at=timezone.now(), deliver_at=timezone.now()
+    )
+    assert outbox_lag("default") < 5
+    scheduled.promote_due("default")
+    assert row(message_id).status == OutboxStatus.PENDING
+    assert outbox_lag("default") < 5
+    OutboxMessage.objects.all().delete()
+    overdue = publish("r", {}, delay=60)
+    ten_minutes_ago = timezone.now() - dt.timedelta(minutes=10)
+    OutboxMessage.objects.filter(message_id=overdue).update(
+        next_attempt_at=ten_minutes_ago, deliver_at=ten_minutes_ago
+    )
+    assert 595 < outbox_lag("default") < 610
