@@ -1,8 +1,10 @@
 """Relay at scale (issue 14): relay throughput with a big outbox beside the work, against raw
 pika with pipelined confirms in the same run, the time of one claim, and the relay's memory.
 
-    .venv/bin/python bench/scale.py [--states empty,not_due,blocked,sent,sent_blocked]
+    .venv/bin/python bench/scale.py
+        [--states empty,not_due,blocked,scheduled,sent,sent_blocked]
         [--sent-rows 1000000] [--extra-rows 200000] [--blocked-keys 2000]
+        [--scheduled-rows 1000000] [--burst-rows 100000]
         [--messages 20000] [--key-share 0] [--memory-messages 100000]
         [--relay-timeout 600] [--rounds 2] [--keep-db]
 
@@ -19,6 +21,13 @@ afresh at the start and dropped at the end unless ``--keep-db``):
   each key failed (attempts exhausted), every later one pending and due, so none can go.
 - ``sent``: + ``--sent-rows`` sent rows (history nobody deleted yet).
 - ``sent_blocked``: both of the last two.
+- ``scheduled``: + ``--scheduled-rows`` scheduled messages (``publish(deliver_at=...)``) due
+  over the next month, none of them due yet.
+
+Then the burst (``--burst-rows``, 0 skips it): that many scheduled messages fallen due at the
+same second, in an outbox holding nothing else, drained by the same relay child (which makes
+them pending a chunk at a time and sends them); its rate is compared with the ``empty`` state's
+relay rate of the same run.
 
 The rows are written with ``INSERT ... SELECT ... FROM generate_series`` into the migrated table,
 indexes in place as in production, shaped as ``publish()`` writes them (message ids of the kind
@@ -86,8 +95,9 @@ class State:
     sent: bool = False
     not_due: bool = False
     blocked: bool = False
+    scheduled: bool = False
 
-    def label(self, sent_rows: int, extra_rows: int) -> str:
+    def label(self, sent_rows: int, extra_rows: int, scheduled_rows: int = 0) -> str:
         if self.name == "empty":
             return "empty outbox"
         parts = []
@@ -97,6 +107,8 @@ class State:
             parts.append(f"{extra_rows:,} pending rows not yet due")
         if self.blocked:
             parts.append(f"{extra_rows:,} pending rows whose keys wait behind a failed row")
+        if self.scheduled:
+            parts.append(f"{scheduled_rows:,} scheduled rows due over the next month")
         return ("+ " if not self.sent else "") + " + ".join(parts)
 
 
@@ -106,6 +118,7 @@ STATES = {
         State("empty"),
         State("not_due", not_due=True),
         State("blocked", blocked=True),
+        State("scheduled", scheduled=True),
         State("sent", sent=True),
         State("sent_blocked", sent=True, blocked=True),
     )
@@ -275,6 +288,31 @@ def load_blocked(rows: int, keys: int, exchange: str, ids: str, max_attempts: in
     load_in_chunks("blocked rows", rows, chunk)
 
 
+def load_scheduled(rows: int, exchange: str, ids: str, *, due_now: bool = False) -> None:
+    """Scheduled rows, as publish(deliver_at=...) writes them: spread over the next month from
+    an hour ahead, or (``due_now``) all due at the same second, a second ago."""
+    due = (
+        "date_trunc('second', now()) - interval '1 second'"
+        if due_now
+        else f"now() + interval '1 hour' + i * (interval '30 days' / {max(rows, 1)})"
+    )
+
+    def chunk(first: int, last: int) -> None:
+        execute(
+            f"""
+            INSERT INTO {table()} ({COLUMNS}, deliver_at)
+            SELECT {ids}, %s, 'bench.order', {BODY_SQL}, '{{}}'::jsonb, NULL,
+                   NULL, 'scheduled', 0, '', d, c, NULL, d
+            FROM (SELECT i, now() - interval '10 minutes' + i * interval '1 millisecond' AS c,
+                         {due} AS d
+                  FROM generate_series(%s, %s) AS i) AS g
+            """,
+            [exchange, first, last],
+        )
+
+    load_in_chunks("scheduled rows" if not due_now else "due rows", rows, chunk)
+
+
 def vacuum_analyze() -> float:
     started = time.perf_counter()
     execute(f"VACUUM ANALYZE {table()}")
@@ -320,6 +358,9 @@ class OutboxBuilder:
                 messaging_settings.outbox_max_attempts,
             )
             how += f", {self.args.extra_rows:,} blocked rows over {self.args.blocked_keys:,} keys"
+        if state.scheduled:
+            load_scheduled(self.args.scheduled_rows, self.exchange, self.ids)
+            how += f", {self.args.scheduled_rows:,} scheduled rows"
         return time.perf_counter() - started, how
 
 
@@ -388,8 +429,9 @@ def relay_child() -> None:
         finally:
             elapsed = time.perf_counter() - started
             # The claim locks the rows it takes, whatever else it looks like; the relay's other
-            # reads and its updates of sent rows lock nothing.
-            if outbox in sql and "FOR UPDATE" in sql.upper():
+            # reads and its updates of sent rows lock nothing, but for the statement that makes
+            # due scheduled rows pending, which is not a claim.
+            if outbox in sql and "FOR UPDATE" in sql.upper() and "'scheduled'" not in sql:
                 rows = getattr(context.get("cursor"), "rowcount", -1)
                 claims.append({"s": elapsed, "rows": rows})
             else:
@@ -538,6 +580,47 @@ def measure(
     return measurement
 
 
+@dataclass(frozen=True)
+class Burst:
+    rows: int
+    drain_s: float
+    batches: int
+
+    @property
+    def rate(self) -> float:
+        return self.rows / self.drain_s if self.drain_s else 0.0
+
+
+def measure_burst(args: argparse.Namespace, namespace: str, exchange: str, queue: str) -> Burst:
+    """``--burst-rows`` scheduled rows due at the same second, alone in the outbox, drained by
+    the relay child."""
+    from relay import declare_sink
+
+    from reliable_messaging.choices import OutboxStatus
+    from reliable_messaging.models import OutboxMessage
+
+    execute(f"TRUNCATE {table()} RESTART IDENTITY")
+    load_scheduled(args.burst_rows, exchange, message_id_sql(), due_now=True)
+    vacuum_analyze()
+    declare_sink(exchange, queue)
+    print(f"burst: {args.burst_rows:,} scheduled rows due at one second; relay...", flush=True)
+    child = run_relay_child(namespace, args.relay_timeout)
+    sent = OutboxMessage.objects.filter(status=OutboxStatus.SENT).count()
+    if child["sent"] != args.burst_rows or sent != args.burst_rows:
+        raise RuntimeError(
+            f"burst: the relay sent {child['sent']} and the outbox shows {sent} of the "
+            f"{args.burst_rows} rows sent"
+        )
+    declare_sink(exchange, queue)
+    burst = Burst(args.burst_rows, child["drain_s"], child["batches"])
+    print(
+        f"  relay {burst.rate:,.0f} msg/s ({burst.batches} batches, {burst.drain_s:.2f}s); "
+        f"{query_note(child)}",
+        flush=True,
+    )
+    return burst
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -552,13 +635,14 @@ def report(
     results: list[Measurement],
     failures: dict[str, str],
     memory: tuple[int, int] | None,
+    burst: Burst | None = None,
 ) -> None:
     print()
     print(f"machine: {describe_machine()}")
     print(
         f"{args.messages:,} messages per state ({args.key_share:.0%} keyed), baselines in the "
         f"same run; sent rows {args.sent_rows:,}, extra rows {args.extra_rows:,} "
-        f"(blocked over {args.blocked_keys:,} keys)"
+        f"(blocked over {args.blocked_keys:,} keys), scheduled rows {args.scheduled_rows:,}"
     )
     print()
     print(
@@ -569,7 +653,7 @@ def report(
     for r in results:
         by_state.setdefault(r.state.name, []).append(r)
     for rounds in by_state.values():
-        label = rounds[0].state.label(args.sent_rows, args.extra_rows)
+        label = rounds[0].state.label(args.sent_rows, args.extra_rows, args.scheduled_rows)
         print(
             f"| {label} | {' / '.join(f'{r.relay_rate:,.0f}' for r in rounds)} | "
             f"{' / '.join(f'{r.raw_rate:,.0f}' for r in rounds)} | "
@@ -577,7 +661,9 @@ def report(
             f"{' / '.join(fmt_ms(r.claim_ms()) for r in rounds)} |"
         )
     for name in failures:
-        print(f"| {STATES[name].label(args.sent_rows, args.extra_rows)} | failed | | | |")
+        if name in STATES:
+            label = STATES[name].label(args.sent_rows, args.extra_rows, args.scheduled_rows)
+            print(f"| {label} | failed | | | |")
     print()
     for name, why in failures.items():
         print(f"{name} failed: {why}")
@@ -605,6 +691,18 @@ def report(
         )
         if others:
             line += f"; {'; '.join(others)} (within {GOAL_STATE_SPREAD:.0%} of it wanted)"
+        print(line)
+    if burst is not None:
+        line = (
+            f"burst: {burst.rows:,} scheduled rows due at one second sent at "
+            f"{burst.rate:,.0f} msg/s"
+        )
+        if empty_ratio is not None:
+            empty_rate = sum(r.relay_rate for r in by_state["empty"]) / len(by_state["empty"])
+            line += (
+                f", {burst.rate / empty_rate:.2f} of the empty outbox's relay rate "
+                f"({empty_rate:,.0f} msg/s; publish()ed rows, the same relay)"
+            )
         print(line)
     if memory is not None:
         rss_10k, rss_end = memory
@@ -643,6 +741,7 @@ def report(
                     for name, rounds in by_state.items()
                 },
                 "failed": failures,
+                "burst_msgs_per_s": round(burst.rate) if burst else None,
                 "relay_rss_kib_after_10k": memory[0] if memory else None,
                 "relay_rss_kib_at_end": memory[1] if memory else None,
             }
@@ -658,6 +757,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sent-rows", type=int, default=1_000_000)
     parser.add_argument("--extra-rows", type=int, default=200_000)
     parser.add_argument("--blocked-keys", type=int, default=2000)
+    parser.add_argument("--scheduled-rows", type=int, default=1_000_000)
+    parser.add_argument(
+        "--burst-rows", type=int, default=100_000, help="scheduled rows due at once; 0: skip"
+    )
     parser.add_argument("--messages", type=int, default=20_000)
     parser.add_argument(
         "--key-share", type=float, default=0.0, help="share of measured rows with an ordering key"
@@ -685,7 +788,10 @@ def parse_args() -> argparse.Namespace:
     args.state_list = [STATES[n] for n in names]
     if not 0 <= args.key_share <= 1:
         parser.error("--key-share is a share between 0 and 1")
-    if args.blocked_keys < 1 or args.extra_rows < 0 or args.sent_rows < 0:
+    if (
+        args.blocked_keys < 1
+        or min(args.extra_rows, args.sent_rows, args.scheduled_rows, args.burst_rows) < 0
+    ):
         parser.error("--blocked-keys must be at least 1, row counts not negative")
     if args.messages < 1:
         parser.error("--messages must be at least 1")
@@ -707,6 +813,7 @@ def main() -> None:
     results: list[Measurement] = []
     failures: dict[str, str] = {}
     memory = None
+    burst = None
     try:
         if args.memory_messages:
             print(f"relay memory over {args.memory_messages:,} messages...", flush=True)
@@ -737,6 +844,12 @@ def main() -> None:
                 why = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
                 print(f"  {state.name} FAILED: {exc}", flush=True)
                 failures[state.name] = why
+        if args.burst_rows:
+            try:
+                burst = measure_burst(args, namespace, exchange, queue)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                print(f"  burst FAILED: {exc}", flush=True)
+                failures["burst"] = str(exc).strip().splitlines()[0]
     finally:
         drop_sink(exchange, queue)
         from django.db import connections
@@ -744,7 +857,7 @@ def main() -> None:
         connections.close_all()
         if not args.keep_db:
             drop_database(BENCH_DB)
-    report(args, results, failures, memory)
+    report(args, results, failures, memory, burst)
 
 
 if __name__ == "__main__":
