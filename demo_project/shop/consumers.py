@@ -6,15 +6,26 @@ message_id never charges, ships or receipts twice.
 
 from __future__ import annotations
 
-from reliable_messaging import Message, PermanentError, consumer, publish
+import datetime as dt
 
-from .models import Card, Order, Payment, Receipt, Shipment, TimelineEvent
+from reliable_messaging import Message, PermanentError, cancel_scheduled, consumer, publish
+
+from .models import Card, Order, Payment, PaymentReminder, Receipt, Shipment, TimelineEvent
 
 # Consumer names are the inbox's deduplication scope; the demo's report looks them up too.
 BILLING = "billing.charge-order"
 SHIPPING = "shipping.ship-order"
 RECEIPTS = "receipts.send-receipt"
 TIMELINE = "timeline.record-event"
+REMINDERS = "reminders.payment-reminder"
+PAYMENT_REMINDER = "payment.reminder"
+# An order not paid this long after it was placed gets a reminder (a real shop: a day).
+REMINDER_DELAY = dt.timedelta(seconds=6)
+
+
+def reminder_id(order: Order) -> str:
+    """The message_id of an order's payment reminder: the payment cancels it by this id."""
+    return f"payment-reminder-{order.pk}"
 
 
 def order_of(message: Message) -> Order:
@@ -40,8 +51,10 @@ def charge_order(message: Message) -> None:
         # Any exception other than PermanentError is retried after RETRY_DELAYS.
         raise ConnectionError("payment gateway timed out")
     Payment.objects.create(order=order, amount=order.amount, attempt=message.attempt)
-    # Same transaction as the payment: the event exists exactly when the charge does.
+    # Same transaction as the payment: the event exists exactly when the charge does, and the
+    # reminder scheduled with the order is cancelled exactly when the charge is made.
     publish("payment.captured", {"order_id": order.pk}, ordering_key=str(order.pk))
+    cancel_scheduled(reminder_id(order))
 
 
 @consumer("shop.shipping", bindings=["order.placed"], name=SHIPPING)
@@ -64,3 +77,14 @@ def record_event(message: Message) -> None:
     they reach the same partition and are handled one after the other, never the other way
     round, however many consume processes run."""
     TimelineEvent.objects.create(order=order_of(message), event=message.routing_key)
+
+
+@consumer("shop.reminders", bindings=[PAYMENT_REMINDER], name=REMINDERS)
+def remind_unpaid(message: Message) -> None:
+    """Remind the customer of an order still unpaid when its reminder fell due. Scheduled when
+    the order was placed, in its transaction; the payment cancels it, so it arrives only for
+    orders nobody paid (a payment made as it fell due finds the reminder sent: it is skipped)."""
+    order = order_of(message)
+    if order.payments.exists():
+        return
+    PaymentReminder.objects.create(order=order, due_at=message.published_at or order.created_at)

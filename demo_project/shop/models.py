@@ -98,3 +98,20 @@ class ReceiptEmail(models.Model):
 
     def __str__(self) -> str:
         return f"receipt email for order {self.order_id}"
+
+
+class PaymentReminder(models.Model):
+    """A reminder to pay, sent by the ``reminders`` consumer when a message scheduled with the
+    order (``publish(delay=...)``) fell due and the order was still unpaid; the payment cancels
+    it before then (``cancel_scheduled``)."""
+
+    order = models.ForeignKey(Order, on_delete=models.CASCADE, related_name="reminders")
+    order_id: int
+    # When the scheduled message was due (its x-rm-published-at), and when it was handled.
+    due_at = models.DateTimeField()
+    created_at = models.DateTimeField(default=timezone.now)
+
+    objects: ClassVar[models.Manager[PaymentReminder]] = models.Manager()
+
+    def __str__(self) -> str:
+        return f"payment reminder for order {self.order_id}"

@@ -20,8 +20,8 @@ from reliable_messaging.choices import DeadLetterReason, OutboxStatus
 from reliable_messaging.core.registry import registry
 from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
 
-from .consumers import BILLING
-from .models import Card, Order, Payment, TimelineEvent
+from .consumers import BILLING, PAYMENT_REMINDER
+from .models import Card, Order, Payment, PaymentReminder, TimelineEvent
 
 ORDER_PLACED = "order.placed"
 PAYMENT_CAPTURED = "payment.captured"
@@ -45,6 +45,11 @@ class OrderEffects(NamedTuple):
     @property
     def payable(self) -> bool:
         return self.card != Card.DECLINED
+
+
+class ReminderRow(NamedTuple):
+    order_id: int
+    late: float  # seconds from the scheduled message's due time to its handling
 
 
 class DeadLetterRow(NamedTuple):
@@ -72,6 +77,24 @@ class RunState:
     # Each order's timeline events, in the order the ordered consumer committed them.
     timelines: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
     order_ids: tuple[int, ...] = ()
+    # Payment reminders: those handled, the scheduled messages the relay sent, those waiting.
+    reminders: tuple[ReminderRow, ...] = ()
+    reminders_sent: int = 0
+    reminders_waiting: int = 0
+
+    @property
+    def unpaid_ids(self) -> list[int]:
+        return [
+            order_id
+            for order_id, order in zip(self.order_ids, self.orders, strict=True)
+            if not order.payments
+        ]
+
+    @property
+    def reminders_complete(self) -> bool:
+        """Every unpaid order reminded, and no reminder still waiting (the others cancelled)."""
+        reminded = {r.order_id for r in self.reminders}
+        return not self.reminders_waiting and all(i in reminded for i in self.unpaid_ids)
 
     @property
     def by_card(self) -> Counter[str]:
@@ -139,6 +162,7 @@ class RunState:
             and sum(1 for d in self.dead_letters if self.is_poison(d))
             >= len(self.order_placed_consumers)
             and self.timelines_complete
+            and self.reminders_complete
             and self.outbox_pending == 0
             and not any(self.queue_depths.values())
         )
@@ -150,7 +174,8 @@ class RunState:
         return (
             f"payments {payments}/{len(self.payable)}, shipments {shipments}/{len(self.orders)}, "
             f"receipts {receipts}/{len(self.payable)}, dead letters {len(self.dead_letters)}/"
-            f"{self.expected_dead_letters}, outbox pending {self.outbox_pending}, "
+            f"{self.expected_dead_letters}, reminders {len(self.reminders)} "
+            f"({self.reminders_waiting} scheduled), outbox pending {self.outbox_pending}, "
             f"queued {sum(self.queue_depths.values())}"
         )
 
@@ -206,6 +231,18 @@ def read_state(injected: Injected, queue_depths: Mapping[str, int] | None = None
         queue_depths=dict(queue_depths or {}),
         timelines=_timelines(),
         order_ids=tuple(orders.values_list("pk", flat=True)),
+        reminders=tuple(
+            ReminderRow(order_id, (created - due).total_seconds())
+            for order_id, due, created in PaymentReminder.objects.order_by("pk").values_list(
+                "order_id", "due_at", "created_at"
+            )
+        ),
+        reminders_sent=OutboxMessage.objects.filter(
+            routing_key=PAYMENT_REMINDER, status=OutboxStatus.SENT
+        ).count(),
+        reminders_waiting=OutboxMessage.objects.filter(
+            routing_key=PAYMENT_REMINDER, status=OutboxStatus.SCHEDULED
+        ).count(),
     )
 
 
@@ -275,6 +312,18 @@ def problems(state: RunState, injected: Injected, facts: RunFacts) -> list[str]:
                 f"order {order_id}'s timeline is {list(timeline)}, expected "
                 f"{list(state.expected_timeline(order))}"
             )
+    reminded = Counter(r.order_id for r in state.reminders)
+    doubled_reminders = sum(1 for n in reminded.values() if n > 1)
+    if doubled_reminders:
+        found.append(f"{doubled_reminders} order(s) got more than one payment reminder")
+    unreminded = [i for i in state.unpaid_ids if i not in reminded]
+    if unreminded:
+        found.append(f"unpaid order(s) {unreminded} got no payment reminder")
+    early = [r for r in state.reminders if r.late < 0]
+    if early:
+        found.append(f"{len(early)} payment reminder(s) handled before they were due")
+    if state.reminders_waiting:
+        found.append(f"{state.reminders_waiting} payment reminder(s) still scheduled")
     declined = [d for d in state.dead_letters if state.is_declined_card(d)]
     if len(declined) != state.by_card[Card.DECLINED]:
         found.append(
@@ -353,6 +402,16 @@ def _dead_letters_text(state: RunState) -> str:
     return "; ".join(parts) or "none"
 
 
+def _reminders_text(state: RunState) -> str:
+    """E.g. "for the 3 unpaid orders, 0.1-0.3 s after due; 39 cancelled by their payment"."""
+    cancelled = len(state.orders) - state.reminders_sent - state.reminders_waiting
+    text = f"for the {len(state.unpaid_ids)} unpaid orders"
+    if state.reminders:
+        late = [r.late for r in state.reminders]
+        text += f", {min(late):.1f}-{max(late):.1f} s after due"
+    return f"{text}; {cancelled} cancelled by their payment"
+
+
 def _row(label: str, value: object, detail: str = "") -> str:
     return f"  {label:<33}{value!s:>6}   {detail}".rstrip()
 
@@ -404,6 +463,11 @@ def summary_lines(state: RunState, injected: Injected, facts: RunFacts) -> list[
             state.timelines_in_order,
             f"of {len(state.orders)} in publish order, placed before paid, once each: "
             f"{yes[state.timelines_in_order == len(state.orders)]}",
+        ),
+        _row(
+            "payment reminders (scheduled)",
+            len(state.reminders),
+            _reminders_text(state),
         ),
         _row(
             "retries (transient failures)",

@@ -41,7 +41,17 @@ from reliable_messaging.core.registry import registry
 from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
 
 from .broker import DemoBroker
-from .models import Card, Order, Payment, Receipt, ReceiptEmail, Shipment, TimelineEvent
+from .consumers import PAYMENT_REMINDER, REMINDER_DELAY, reminder_id
+from .models import (
+    Card,
+    Order,
+    Payment,
+    PaymentReminder,
+    Receipt,
+    ReceiptEmail,
+    Shipment,
+    TimelineEvent,
+)
 from .report import (
     ORDER_PLACED,
     CeleryFacts,
@@ -113,7 +123,15 @@ def reset_database() -> None:
     """Migrate, then delete the previous run's rows so every run starts from the same state."""
     call_command("migrate", verbosity=0)
     with transaction.atomic():
-        for model in (TimelineEvent, ReceiptEmail, Receipt, Shipment, Payment, Order):
+        for model in (
+            PaymentReminder,
+            TimelineEvent,
+            ReceiptEmail,
+            Receipt,
+            Shipment,
+            Payment,
+            Order,
+        ):
             model.objects.all().delete()
         for rm_model in (ProcessedMessage, OutboxMessage, DeadLetter):
             rm_model.objects.all().delete()
@@ -146,6 +164,14 @@ def place_orders(plan: DemoPlan, first: int = 1) -> tuple[list[PlacedOrder], lis
                         ORDER_PLACED,
                         {"order_id": order.pk, "amount": order.amount},
                         ordering_key=str(order.pk),
+                    )
+                    # "Remind the customer if unpaid in a while": sent by the relay when due,
+                    # unless the payment cancels it first.
+                    publish(
+                        PAYMENT_REMINDER,
+                        {"order_id": order.pk},
+                        message_id=reminder_id(order),
+                        delay=REMINDER_DELAY,
                     )
                     if kind == ROLLED_BACK:
                         rolled_back.append(message_id)
