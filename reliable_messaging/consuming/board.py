@@ -55,6 +55,11 @@ class Link:
     # then, and consumed once they can be.
     unavailable: dict[str, str] = field(default_factory=dict)
     retry_topology_at: float = 0.0
+    # Consumers with a circuit breaker: how each is subscribed now ("consuming", "paused",
+    # "probing"; absent: consuming as at connect), and the channel of its own it is
+    # subscribed on again after its first pause (see ConnectionThread.apply_breakers).
+    breaker_modes: dict[str, str] = field(default_factory=dict)
+    breaker_channels: dict[str, BrokerChannel] = field(default_factory=dict)
 
     def held_for_the_drop(self, channel: BrokerChannel) -> bool:
         """An ordered partition's channel of a stopping process: nothing it holds is handled

@@ -24,7 +24,8 @@ from ..core.database_errors import CONFLICT_RETRIES, OutageLog, conflict_delay, 
 from ..core.liveness import HealthState
 from ..core.outcomes import Outcome, Release, RetryInPlace
 from ..exceptions import DatabaseConflict, DatabaseUnavailable
-from .board import DeliveryWork, HeldPartition, WorkBoard
+from .board import DeliveryWork, HeldPartition, Link, WorkBoard
+from .breaker import BreakerState, ConsumerBreakers, handler_verdict
 from .crash_guard import CRASHED, CrashGuard, SuspectGate, decide_suspect
 from .fastpath import DuplicateCache
 from .last_resort import consumer_error, ingest_delivery_limit
@@ -62,6 +63,8 @@ class WorkerPool:
         stop: threading.Event,
         hand_back: HandBack,
         health: HealthState | None = None,
+        breakers: ConsumerBreakers | None = None,
+        breaker_opened: Callable[[Link], None] | None = None,
     ) -> None:
         self.board = board
         self.processors = processors
@@ -72,6 +75,8 @@ class WorkerPool:
         self.health = health
         self._stop = stop
         self._deliver_outcomes = hand_back
+        self.breakers = breakers if breakers is not None else ConsumerBreakers([], settings)
+        self._breaker_opened = breaker_opened
         self._gate = SuspectGate()
         self._threads: list[threading.Thread] = []
         # One WARNING when the database goes, one line when it is back, for all the threads.
@@ -245,8 +250,13 @@ class WorkerPool:
                 batch.append(item)
         if not batch:
             return
-        outcomes = self._decide(batch)
         settled: list[tuple[DeliveryWork, Outcome]] = []
+        if self.breakers:
+            batch, refused = self._admit(batch)
+            settled += refused
+        outcomes = self._decide(batch) if batch else []
+        if self.breakers:
+            self._report_to_breakers(batch, outcomes)
         for item, outcome in zip(batch, outcomes, strict=True):
             if isinstance(outcome, RetryInPlace):
                 held[item.delivery.queue] = HeldPartition(
@@ -258,6 +268,38 @@ class WorkerPool:
                 settled.append((item, outcome))
         if settled:
             self._hand_back(settled)
+
+    def _admit(
+        self, batch: list[DeliveryWork]
+    ) -> tuple[list[DeliveryWork], list[tuple[DeliveryWork, Outcome]]]:
+        """The deliveries whose breaker lets their handler run, and the others given back
+        unstarted: no attempt charged, the broker keeps them until the breaker lets them in."""
+        admitted: list[DeliveryWork] = []
+        refused: list[tuple[DeliveryWork, Outcome]] = []
+        for item in batch:
+            breaker = None if item.from_dead_letter_queue else self.breakers.get(item.spec.name)
+            if breaker is None or breaker.admit():
+                admitted.append(item)
+            else:
+                refused.append((item, Release("circuit breaker open: not started")))
+        return admitted, refused
+
+    def _report_to_breakers(
+        self, batch: list[DeliveryWork], outcomes: list[Outcome | None]
+    ) -> None:
+        """Count each admitted delivery's verdict; a breaker that opens stops its consumer
+        taking deliveries before this batch's outcomes are settled."""
+        opened: dict[int, Link] = {}
+        for item, outcome in zip(batch, outcomes, strict=True):
+            breaker = None if item.from_dead_letter_queue else self.breakers.get(item.spec.name)
+            if breaker is None:
+                continue
+            verdict = None if outcome is None else handler_verdict(outcome)
+            if breaker.record(verdict) is BreakerState.OPEN:
+                opened[id(item.link)] = item.link
+        if self._breaker_opened is not None:
+            for link in opened.values():
+                self._breaker_opened(link)
 
     def _decide(self, batch: list[DeliveryWork]) -> list[Outcome | None]:
         """The batch's outcomes; holds it while the database is unreachable, retrying with
