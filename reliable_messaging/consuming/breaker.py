@@ -122,6 +122,16 @@ class CircuitBreaker:
                 return 0.0
             return max(0.0, self._reopen_at - self._clock())
 
+    def room(self) -> int:
+        """How many deliveries may start together now: closed, as many as could fail before
+        it opens (at least one), so that a batch does not spend a whole outage's worth of
+        attempts before the breaker sees the first failure; 0 while open or half-open (a
+        half-open breaker admits its probes one by one through :meth:`admit`)."""
+        with self._lock:
+            if self._current() is not BreakerState.CLOSED:
+                return 0
+            return max(1, self.config.min_failures - sum(self._window))
+
     def admit(self) -> bool:
         """May a delivery's handler run now? A half-open breaker admits ``probes`` of them."""
         with self._lock:

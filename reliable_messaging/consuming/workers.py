@@ -241,48 +241,68 @@ class WorkerPool:
         self._run_segment(segment, held)
 
     def _run_segment(self, segment: list[DeliveryWork], held: dict[str, HeldPartition]) -> None:
-        batch: list[DeliveryWork] = []
-        for item in segment:
-            waiting = held.get(item.delivery.queue)
-            if waiting is not None:
-                waiting.items.append(item)  # behind its partition's retry, in order
-            else:
-                batch.append(item)
-        if not batch:
-            return
         settled: list[tuple[DeliveryWork, Outcome]] = []
-        if self.breakers:
-            batch, refused = self._admit(batch)
-            settled += refused
-        outcomes = self._decide(batch) if batch else []
-        if self.breakers:
-            self._report_to_breakers(batch, outcomes)
-        for item, outcome in zip(batch, outcomes, strict=True):
-            if isinstance(outcome, RetryInPlace):
-                held[item.delivery.queue] = HeldPartition(
-                    time.monotonic() + outcome.delay, [item.again(outcome)]
-                )
-            elif outcome is None:
-                held[item.delivery.queue].items.append(item)
-            else:
-                settled.append((item, outcome))
+        rest = segment
+        while rest:
+            batch: list[DeliveryWork] = []
+            for item in rest:
+                waiting = held.get(item.delivery.queue)
+                if waiting is not None:
+                    waiting.items.append(item)  # behind its partition's retry, in order
+                else:
+                    batch.append(item)
+            rest = []
+            if batch and self.breakers:
+                # A consumer with a breaker runs no more at once than could fail before it
+                # opens; the rest of the segment is decided next, once the breaker knows.
+                batch, refused, rest = self._admit(batch)
+                settled += refused
+            if not batch:
+                continue
+            outcomes = self._decide(batch)
+            if self.breakers:
+                self._report_to_breakers(batch, outcomes)
+            for item, outcome in zip(batch, outcomes, strict=True):
+                if isinstance(outcome, RetryInPlace):
+                    held[item.delivery.queue] = HeldPartition(
+                        time.monotonic() + outcome.delay, [item.again(outcome)]
+                    )
+                elif outcome is None:
+                    held[item.delivery.queue].items.append(item)
+                else:
+                    settled.append((item, outcome))
         if settled:
             self._hand_back(settled)
 
     def _admit(
         self, batch: list[DeliveryWork]
-    ) -> tuple[list[DeliveryWork], list[tuple[DeliveryWork, Outcome]]]:
-        """The deliveries whose breaker lets their handler run, and the others given back
-        unstarted: no attempt charged, the broker keeps them until the breaker lets them in."""
+    ) -> tuple[list[DeliveryWork], list[tuple[DeliveryWork, Outcome]], list[DeliveryWork]]:
+        """The deliveries whose breaker lets their handler run now; those given back unstarted
+        (open, or half-open with its probes taken: no attempt charged, the broker keeps them
+        until the breaker lets them in); and those that wait for the next round, past the
+        number of failures the breaker may still see before it opens."""
         admitted: list[DeliveryWork] = []
         refused: list[tuple[DeliveryWork, Outcome]] = []
+        later: list[DeliveryWork] = []
+        budget: dict[str, int] = {}
         for item in batch:
-            breaker = None if item.from_dead_letter_queue else self.breakers.get(item.spec.name)
-            if breaker is None or breaker.admit():
+            name = item.spec.name
+            breaker = None if item.from_dead_letter_queue else self.breakers.get(name)
+            if breaker is None:
                 admitted.append(item)
+                continue
+            if name not in budget:
+                budget[name] = breaker.room()
+            if budget[name] > 0:
+                budget[name] -= 1
+                admitted.append(item)
+            elif breaker.state is BreakerState.CLOSED:
+                later.append(item)  # this round is full: decided after it, in order
+            elif breaker.admit():
+                admitted.append(item)  # half-open: a probe
             else:
                 refused.append((item, Release("circuit breaker open: not started")))
-        return admitted, refused
+        return admitted, refused, later
 
     def _report_to_breakers(
         self, batch: list[DeliveryWork], outcomes: list[Outcome | None]
