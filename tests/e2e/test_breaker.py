@@ -156,6 +156,12 @@ def test_a_downstream_outage_opens_the_breaker_spends_no_attempts_and_drains_aft
         # the first failure reopens it (the second may be decided in the same batch).
         assert retries <= 4 + 2 * (opens - 1), log
         assert charged_attempts() == retries
+        # While open the process took none of the payments' deliveries (its consumer was
+        # cancelled): each payment came at most once before the open and once after the
+        # close, besides the retry copies and two deliveries per half-open round. Given back
+        # and taken again in a loop, they would come thousands of times.
+        received = metric(metrics_port, "reliable_messaging_consumer_received_total")
+        assert received is not None and received <= 3 + 2 * 30 + retries + 2 * opens, received
         assert not DeadLetter.objects.exists()
         for message_id in [f"before-{n}" for n in range(3)] + outage:
             assert Effect.objects.filter(consumer="payments", message_id=message_id).count() == 1
