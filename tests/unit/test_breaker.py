@@ -272,3 +272,19 @@ def test_transitions_show_in_health_notes_and_log_once(caplog: pytest.LogCapture
     assert [level for level, _ in lines] == ["WARNING", "INFO", "INFO"]
     assert "4 of the last 4 deliveries failed" in lines[0][1]
     assert "for 5s" in lines[0][1]
+
+
+def test_room_is_what_may_still_fail_before_it_opens() -> None:
+    breaker, clock, _ = make()
+    assert breaker.room() == 4
+    breaker.record(True)
+    breaker.record(False)
+    assert breaker.room() == 3
+    breaker.record(True)
+    breaker.record(True)
+    assert breaker.room() == 1  # at least one: a closed breaker always lets work through
+    breaker.record(True)
+    assert breaker.state is BreakerState.OPEN
+    assert breaker.room() == 0
+    clock.now += 5
+    assert breaker.room() == 0  # half-open: probes go one by one through admit()
