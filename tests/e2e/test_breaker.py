@@ -47,13 +47,13 @@ class Provider:
         provider = self
 
         class Charge(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            def do_GET(self) -> None:
                 provider.calls += 1
                 self.send_response(200)
                 self.end_headers()
                 self.wfile.write(b"charged")
 
-            def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+            def log_message(self, format: str, *args: object) -> None:
                 pass
 
         self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Charge)
@@ -98,8 +98,9 @@ def test_a_downstream_outage_opens_the_breaker_spends_no_attempts_and_drains_aft
 ) -> None:
     exchange = f"rmtest.{ns}"
     metrics_port = free_port()
+    queues = ["--queue", f"{ns}.payments", "--queue", f"{ns}.alpha"]
     proc = ConsumeProcess(
-        ["--queue", f"{ns}.payments", "--queue", f"{ns}.alpha", "--metrics-port", str(metrics_port)],
+        [*queues, "--metrics-port", str(metrics_port)],
         subprocess_env(ns, RM_TEST_DOWNSTREAM_URL=provider.url),
         tmp_path / "consume.log",
     )
@@ -163,6 +164,7 @@ def test_a_downstream_outage_opens_the_breaker_spends_no_attempts_and_drains_aft
         received = metric(metrics_port, "reliable_messaging_consumer_received_total")
         assert received is not None and received <= 3 + 2 * 30 + retries + 2 * opens, received
         assert not DeadLetter.objects.exists()
+        assert provider.calls == 33  # each payment charged once at the provider
         for message_id in [f"before-{n}" for n in range(3)] + outage:
             assert Effect.objects.filter(consumer="payments", message_id=message_id).count() == 1
         # Most payments waited the outage out without a failed attempt.
