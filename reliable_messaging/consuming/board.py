@@ -89,6 +89,10 @@ class DeliveryWork:
     received: float = field(default_factory=time.monotonic)
     # From the consumer's dead-letter queue (quorum x-delivery-limit), not a delivery to handle.
     from_dead_letter_queue: bool = False
+    # An ordered consumer's delivery that already ran and waits to run again in place: its
+    # attempts exist only in this process, so it is never given back undecided by a breaker
+    # (its next run would start over from the attempt it was delivered with).
+    retrying_in_place: bool = False
 
     def again(self, retry: RetryInPlace) -> DeliveryWork:
         """The same delivery, for its in-place retry."""
@@ -99,6 +103,7 @@ class DeliveryWork:
             with_attempt(self.delivery, retry),
             self.properties,
             self.received,
+            retrying_in_place=True,
         )
 
     @property

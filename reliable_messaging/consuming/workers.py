@@ -288,7 +288,9 @@ class WorkerPool:
         for item in batch:
             name = item.spec.name
             breaker = None if item.from_dead_letter_queue else self.breakers.get(name)
-            if breaker is None:
+            if breaker is None or item.retrying_in_place:
+                # A retry in place goes on to its outcome (max_attempts bounds it): given back,
+                # it would lose the attempts it spent, and a poison message would never end.
                 admitted.append(item)
                 continue
             if name not in budget:
