@@ -289,6 +289,14 @@ class ConnectionThread:
                     )
             link.breaker_modes[spec.name] = wanted
 
+    def _breaker_pausing(self) -> bool:
+        """A breaker is open or half-open: its queue's messages wait for it, the process is
+        not idle (``--idle-timeout``)."""
+        return any(
+            breaker is not None and breaker.state is not BreakerState.CLOSED
+            for breaker in (self.breakers.get(spec.name) for spec in self.specs)
+        )
+
     def _prefetch_of(self, spec: ConsumerSpec) -> int:
         if spec.ordered:
             return self.settings.prefetch
@@ -332,7 +340,10 @@ class ConnectionThread:
     def _note_unavailable(self, link: Link) -> None:
         link.retry_topology_at = time.monotonic() + TOPOLOGY_RETRY
         metrics.consumer_queues_unavailable(len(link.unavailable))
-        self._consuming_nothing = not link.consumers
+        # A consumer its breaker paused is not a queue that cannot be consumed.
+        self._consuming_nothing = not link.consumers and "paused" not in set(
+            link.breaker_modes.values()
+        )
         if self.health is not None:
             self.health.note(
                 "queues_unavailable",
@@ -403,7 +414,7 @@ class ConnectionThread:
             return False
         with link.lock:
             busy = link.in_flight > 0
-        if busy or not self.board.empty():
+        if busy or not self.board.empty() or self._breaker_pausing():
             self._last_delivery = time.monotonic()
             return False
         return time.monotonic() - self._last_delivery >= self.idle_timeout
