@@ -288,3 +288,23 @@ def test_room_is_what_may_still_fail_before_it_opens() -> None:
     assert breaker.room() == 0
     clock.now += 5
     assert breaker.room() == 0  # half-open: probes go one by one through admit()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [{"window": 3, "min_failures": 5}, {"pause": 0}, {"pauze": 30}, [0.5, 100], "on"],
+)
+def test_a_bad_breaker_setting_is_reported_by_a_system_check(value: object) -> None:
+    from reliable_messaging.checks import check_settings
+
+    with override_settings(RELIABLE_MESSAGING={"BREAKER": value}):
+        ids = [message.id for message in check_settings()]
+    assert ids == ["reliable_messaging.E053"]
+
+
+@pytest.mark.parametrize("value", [None, {}, {"window": 40, "min_failures": 8, "pause": 5}])
+def test_a_good_breaker_setting_passes_the_checks(value: object) -> None:
+    from reliable_messaging.checks import check_settings
+
+    with override_settings(RELIABLE_MESSAGING={"BREAKER": value}):
+        assert check_settings() == []
