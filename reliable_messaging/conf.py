@@ -18,6 +18,9 @@ from typing import Any, Generic, TypeVar, cast, overload
 
 from django.conf import settings as django_settings
 
+from .core.breaker import Breaker
+from .exceptions import ConsumerConfigurationError
+
 T = TypeVar("T")
 
 
@@ -232,6 +235,18 @@ def _trace_url_problem(value: Any) -> str | None:
     return None
 
 
+def _breaker_problem(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        return f"must be None or a dict of the Breaker's fields, got {value!r}."
+    try:
+        Breaker.from_mapping(value)
+    except (ConsumerConfigurationError, TypeError) as exc:
+        return f"is not a valid breaker: {exc}"
+    return None
+
+
 def _only_true(value: Any) -> bool:
     """A switch that opens something: on for the boolean ``True`` only, never for a truthy
     string such as ``"False"`` (E047 names such a value, but only where checks run)."""
@@ -252,6 +267,10 @@ def _float_tuple(value: Any) -> tuple[float, ...]:
 
 def _str_tuple(value: Any) -> tuple[str, ...]:
     return tuple(value)
+
+
+def _breaker(value: Any) -> Breaker | None:
+    return None if value is None else Breaker.from_mapping(value)
 
 
 def _timedelta(value: Any) -> timedelta:
@@ -601,6 +620,22 @@ class MessagingSettings:
             _topic_patterns_problem,
             'e.g. ["billing.command.#", "*.charge"]; [] (the default) treats every '
             "unroutable row as an event nobody subscribes to yet.",
+        ),
+    )
+
+    breaker = Setting(
+        "BREAKER",
+        None,
+        _breaker,
+        "the circuit breaker of every consumer without its own `breaker=`: a dict of "
+        "`failure_rate`, `window`, `min_failures`, `pause` (seconds) and `probes` "
+        "(`{}` for the defaults 0.5, 100, 20, 30, 3), or None for no breaker; see "
+        "[The circuit breaker](../circuit-breaker.md)",
+        Rule(
+            53,
+            _breaker_problem,
+            'e.g. {"failure_rate": 0.5, "window": 100, "min_failures": 20, "pause": 30, '
+            '"probes": 3}; None (the default) runs no breaker.',
         ),
     )
 

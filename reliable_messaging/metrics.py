@@ -24,6 +24,8 @@ __all__ = [
     "DEDUP_RESULTS",
     "RELAY_FAILURE_KINDS",
     "HealthCollector",
+    "breaker_opened",
+    "breaker_state",
     "consumer_blocked",
     "consumer_outcome",
     "consumer_queues_unavailable",
@@ -116,6 +118,19 @@ _CONSUMER_UNAVAILABLE = Gauge(
     "Queues the consumer cannot declare or consume now (their node down, say); it consumes "
     "the others and tries these again.",
 )
+_BREAKER_STATE = Gauge(
+    "reliable_messaging_breaker_state",
+    "The consumer's circuit breaker in this process: 0 closed, 1 half-open (probing), 2 open "
+    "(taking none of its deliveries).",
+    ["consumer"],
+)
+_BREAKER_OPENED = Counter(
+    "reliable_messaging_breaker_opened",
+    "Times the consumer's circuit breaker opened in this process (a half-open probe that "
+    "failed included).",
+    ["consumer"],
+)
+
 _RELAY_BLOCKED = Gauge(
     "reliable_messaging_relay_blocked",
     "Relay connections the broker is blocking now (resource alarm); 0 or 1 per relay lane.",
@@ -191,6 +206,17 @@ def delivery_times(
 
 def handler_timeout(consumer: str) -> None:
     _HANDLER_TIMEOUTS.labels(consumer).inc()
+
+
+def breaker_state(consumer: str, state: int) -> None:
+    """``consumer``'s breaker is now ``state`` (0 closed, 1 half-open, 2 open); also makes
+    its opened counter exist at zero."""
+    _BREAKER_STATE.labels(consumer).set(state)
+    _BREAKER_OPENED.labels(consumer)
+
+
+def breaker_opened(consumer: str) -> None:
+    _BREAKER_OPENED.labels(consumer).inc()
 
 
 # -- partition upkeep (consumer and relay) -------------------------------------------------------

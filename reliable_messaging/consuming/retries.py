@@ -288,7 +288,8 @@ class DeliveryFailures:
         headers[ORIGINAL_ROUTING_KEY_HEADER] = message.routing_key
         if self.spec.ordered:
             return DeliveryOutcome(
-                RetryInPlace(delay, message.attempt, headers, error), OutcomeLabel.DEFERRED
+                RetryInPlace(delay, message.attempt, headers, error, deferred=True),
+                OutcomeLabel.DEFERRED,
             )
         return DeliveryOutcome(
             ScheduleRetry(delay, message.attempt, headers, error, deferred=True),

@@ -32,6 +32,7 @@ from ..core.registry import ConsumerSpec
 from ..models import ProcessedMessage
 from ..storage.partitions import PartitionUpkeep
 from .board import WorkBoard
+from .breaker import ConsumerBreakers
 from .connection import ConnectionThread
 from .crash_guard import TIMEOUT, CrashGuard
 from .fastpath import duplicate_cache
@@ -79,6 +80,8 @@ class ConsumerService:
         metrics.consumers_started(processors)
         self._crash_guard = CrashGuard(settings.crash_limit)
         board = WorkBoard(self.concurrency)
+        # Each consumer's circuit breaker in this process (none unless asked for).
+        self.breakers = ConsumerBreakers(self.specs, settings, health=health)
         # Each ordered partition queue is tied to one worker, round robin.
         workers = itertools.cycle(range(self.concurrency))
         lane_of = {
@@ -109,6 +112,7 @@ class ConsumerService:
             progress_interval=self.progress_interval,
             cache=cache,
             health=health,
+            breakers=self.breakers,
         )
         self._workers = WorkerPool(
             board,
@@ -120,6 +124,8 @@ class ConsumerService:
             stop=self._stop,
             hand_back=settler.hand_back,
             health=health,
+            breakers=self.breakers,
+            breaker_opened=self._connection.breaker_opened,
         )
         if health is not None:
             health.add_problem_source(self._connection.idle_for_want_of_queues)

@@ -24,7 +24,8 @@ from ..core.database_errors import CONFLICT_RETRIES, OutageLog, conflict_delay, 
 from ..core.liveness import HealthState
 from ..core.outcomes import Outcome, Release, RetryInPlace
 from ..exceptions import DatabaseConflict, DatabaseUnavailable
-from .board import DeliveryWork, HeldPartition, WorkBoard
+from .board import DeliveryWork, HeldPartition, Link, WorkBoard
+from .breaker import BreakerState, ConsumerBreakers, handler_verdict
 from .crash_guard import CRASHED, CrashGuard, SuspectGate, decide_suspect
 from .fastpath import DuplicateCache
 from .last_resort import consumer_error, ingest_delivery_limit
@@ -62,6 +63,8 @@ class WorkerPool:
         stop: threading.Event,
         hand_back: HandBack,
         health: HealthState | None = None,
+        breakers: ConsumerBreakers | None = None,
+        breaker_opened: Callable[[Link], None] | None = None,
     ) -> None:
         self.board = board
         self.processors = processors
@@ -72,6 +75,8 @@ class WorkerPool:
         self.health = health
         self._stop = stop
         self._deliver_outcomes = hand_back
+        self.breakers = breakers if breakers is not None else ConsumerBreakers([], settings)
+        self._breaker_opened = breaker_opened
         self._gate = SuspectGate()
         self._threads: list[threading.Thread] = []
         # One WARNING when the database goes, one line when it is back, for all the threads.
@@ -236,28 +241,87 @@ class WorkerPool:
         self._run_segment(segment, held)
 
     def _run_segment(self, segment: list[DeliveryWork], held: dict[str, HeldPartition]) -> None:
-        batch: list[DeliveryWork] = []
-        for item in segment:
-            waiting = held.get(item.delivery.queue)
-            if waiting is not None:
-                waiting.items.append(item)  # behind its partition's retry, in order
-            else:
-                batch.append(item)
-        if not batch:
-            return
-        outcomes = self._decide(batch)
         settled: list[tuple[DeliveryWork, Outcome]] = []
-        for item, outcome in zip(batch, outcomes, strict=True):
-            if isinstance(outcome, RetryInPlace):
-                held[item.delivery.queue] = HeldPartition(
-                    time.monotonic() + outcome.delay, [item.again(outcome)]
-                )
-            elif outcome is None:
-                held[item.delivery.queue].items.append(item)
-            else:
-                settled.append((item, outcome))
+        rest = segment
+        while rest:
+            batch: list[DeliveryWork] = []
+            for item in rest:
+                waiting = held.get(item.delivery.queue)
+                if waiting is not None:
+                    waiting.items.append(item)  # behind its partition's retry, in order
+                else:
+                    batch.append(item)
+            rest = []
+            if batch and self.breakers:
+                # A consumer with a breaker runs no more at once than could fail before it
+                # opens; the rest of the segment is decided next, once the breaker knows.
+                batch, refused, rest = self._admit(batch)
+                settled += refused
+            if not batch:
+                continue
+            outcomes = self._decide(batch)
+            if self.breakers:
+                self._report_to_breakers(batch, outcomes)
+            for item, outcome in zip(batch, outcomes, strict=True):
+                if isinstance(outcome, RetryInPlace):
+                    held[item.delivery.queue] = HeldPartition(
+                        time.monotonic() + outcome.delay, [item.again(outcome)]
+                    )
+                elif outcome is None:
+                    held[item.delivery.queue].items.append(item)
+                else:
+                    settled.append((item, outcome))
         if settled:
             self._hand_back(settled)
+
+    def _admit(
+        self, batch: list[DeliveryWork]
+    ) -> tuple[list[DeliveryWork], list[tuple[DeliveryWork, Outcome]], list[DeliveryWork]]:
+        """The deliveries whose breaker lets their handler run now; those given back unstarted
+        (open, or half-open with its probes taken: no attempt charged, the broker keeps them
+        until the breaker lets them in); and those that wait for the next round, past the
+        number of failures the breaker may still see before it opens."""
+        admitted: list[DeliveryWork] = []
+        refused: list[tuple[DeliveryWork, Outcome]] = []
+        later: list[DeliveryWork] = []
+        budget: dict[str, int] = {}
+        for item in batch:
+            name = item.spec.name
+            breaker = None if item.from_dead_letter_queue else self.breakers.get(name)
+            if breaker is None or item.retrying_in_place:
+                # A retry in place goes on to its outcome (max_attempts bounds it): given back,
+                # it would lose the attempts it spent, and a poison message would never end.
+                admitted.append(item)
+                continue
+            if name not in budget:
+                budget[name] = breaker.room()
+            if budget[name] > 0:
+                budget[name] -= 1
+                admitted.append(item)
+            elif breaker.state is BreakerState.CLOSED:
+                later.append(item)  # this round is full: decided after it, in order
+            elif breaker.admit():
+                admitted.append(item)  # half-open: a probe
+            else:
+                refused.append((item, Release("circuit breaker open: not started")))
+        return admitted, refused, later
+
+    def _report_to_breakers(
+        self, batch: list[DeliveryWork], outcomes: list[Outcome | None]
+    ) -> None:
+        """Count each admitted delivery's verdict; a breaker that opens stops its consumer
+        taking deliveries before this batch's outcomes are settled."""
+        opened: dict[int, Link] = {}
+        for item, outcome in zip(batch, outcomes, strict=True):
+            breaker = None if item.from_dead_letter_queue else self.breakers.get(item.spec.name)
+            if breaker is None:
+                continue
+            verdict = None if outcome is None else handler_verdict(outcome)
+            if breaker.record(verdict) is BreakerState.OPEN:
+                opened[id(item.link)] = item.link
+        if self._breaker_opened is not None:
+            for link in opened.values():
+                self._breaker_opened(link)
 
     def _decide(self, batch: list[DeliveryWork]) -> list[Outcome | None]:
         """The batch's outcomes; holds it while the database is unreachable, retrying with

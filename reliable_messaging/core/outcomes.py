@@ -95,6 +95,8 @@ class RetryInPlace:
     next_attempt: int
     headers: Mapping[str, Any] = field(default_factory=dict)
     error: str = ""
+    # True when nothing failed (another consumer holds the message), as for ScheduleRetry.
+    deferred: bool = False
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ failure (SQLSTATE 40001) on the first two runs of the message in this process (`
 Tracing: ``{"fail_while": {"alpha": "name"}}`` fails (a transient error) while an ``Effect`` row
 of consumer ``switch`` with that message_id exists (the test deletes it to deploy the fix), and
 ``{"publish": {"alpha": "order.shipped"}}`` publishes a message with that routing key.
+Circuit breaker (issue 39): with ``RM_TEST_DOWNSTREAM_URL`` set, ``tests.payments`` calls that
+HTTP server (a "payment provider" the test stops and starts) and has a small breaker.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ from __future__ import annotations
 import os
 import signal
 import time
+import urllib.request
 
 from django.db import connection, transaction
 from django.db.models import F
 
-from reliable_messaging import Message, PermanentError, consumer, publish
+from reliable_messaging import Breaker, Message, PermanentError, consumer, publish
 
 from .models import Effect
 
@@ -124,3 +127,26 @@ def beta(message: Message) -> None:
 def gamma(message: Message) -> None:
     """Ordered: the payload's ``key`` is also the ordering key, ``seq`` its place in the key."""
     behave("gamma", message)
+
+
+DOWNSTREAM_URL = os.environ.get("RM_TEST_DOWNSTREAM_URL")
+if DOWNSTREAM_URL:
+    # Only in the processes of the breaker's tests: the others consume no such queue.
+
+    @consumer(
+        f"{NAMESPACE}.payments",
+        bindings=["payment.*"],
+        name="tests.payments",
+        max_attempts=50,
+        breaker=Breaker(failure_rate=0.5, window=10, min_failures=4, pause=1.0, probes=2),
+    )
+    def payments(message: Message) -> None:
+        """Charges through the provider; fails (connection refused) while it is down."""
+        with urllib.request.urlopen(f"{DOWNSTREAM_URL}/{message.message_id}", timeout=2) as reply:
+            reply.read()
+        Effect.objects.create(
+            consumer="payments",
+            message_id=message.message_id,
+            attempt=message.attempt,
+            payload=message.payload,
+        )

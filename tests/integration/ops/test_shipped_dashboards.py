@@ -42,6 +42,8 @@ def exported(db: None, ns: str, rm_settings: dict[str, Any]) -> set[str]:
     for result in metrics.DEDUP_RESULTS:
         metrics.dedup_cache("tests.ops.names", result)
     metrics.handler_timeout("tests.ops.names")
+    metrics.breaker_state("tests.ops.names", 2)
+    metrics.breaker_opened("tests.ops.names")
     metrics.relay_claimed(1)
     metrics.relay_published(1)
     metrics.relay_confirm_latency(0.01)

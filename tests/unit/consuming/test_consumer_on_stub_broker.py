@@ -19,7 +19,7 @@ from django.db import connection as db_connection
 from django.db import transaction
 from django.test import override_settings
 
-from reliable_messaging import Message
+from reliable_messaging import Breaker, Message
 from reliable_messaging.consuming.service import ConsumerService
 from reliable_messaging.core.envelope import ORDERING_KEY_HEADER, Delivery
 from reliable_messaging.core.outcomes import Acknowledge, Outcome
@@ -358,3 +358,86 @@ def test_a_failed_delivery_is_acked_only_once_its_retry_copy_is_placed(
     assert kinds == ["retry_copy", "ack", "ack"]  # the copy, the original's ack, the copy's ack
     assert effects() == [("r-1", 2)]  # the first attempt's effect rolled back
     assert broker.events("nack") == [] and broker.events("channel_closed") == []
+
+
+def test_an_ordered_consumer_with_an_open_breaker_keeps_its_head_retrying_in_place(
+    broker: StubTransport, run_service: Callable[..., ConsumerService], outcomes: Outcomes
+) -> None:
+    """Circuit breaker on an ordered consumer: the head of a key failing in place opens it. The
+    messages behind the head go back to the broker uncharged; the head itself goes on retrying
+    in place with its attempts counted (given back, it would start over at attempt 1 on every
+    probe, and a poison message would never end). Once the downstream is back, every message
+    is handled once, the head first."""
+    down = threading.Event()
+    down.set()
+    failures: list[tuple[str, int]] = []
+
+    def handler(message: Message) -> None:
+        if down.is_set():
+            failures.append((message.message_id, message.attempt))
+            raise RuntimeError("the provider is down")
+        record(message)
+
+    fast = {"ORDERED_PARTITIONS": 1, "RETRY_DELAYS": [0.05], "MAX_ATTEMPTS": 1000}
+    from django.conf import settings
+
+    config = Breaker(failure_rate=0.5, window=10, min_failures=3, pause=0.5, probes=1)
+    with override_settings(RELIABLE_MESSAGING={**settings.RELIABLE_MESSAGING, **fast}):
+        consumer = spec(handler, ordered=True, breaker=config)
+        service = run_service([consumer], concurrency=1)
+        ids = [f"a-{i}" for i in range(6)]
+        p0 = f"{consumer.queue}.p0"
+        for message_id in ids:
+            publish(broker, p0, body(), message_id=message_id, headers={ORDERING_KEY_HEADER: "a"})
+        breaker = service.breakers.get(consumer.name)
+        assert breaker is not None
+        wait_until(lambda: breaker.opened >= 1, timeout=10, message="the breaker opened")
+        # The five behind the head went back to the broker; the head stays in hand.
+        wait_until(
+            lambda: broker.ready(p0) == len(ids) - 1 and broker.unacked() == 1,
+            timeout=10,
+            message=lambda: f"the others given back; log: {broker.events()}",
+        )
+        wait_until(lambda: len(failures) >= 12, timeout=10, message="the head retrying")
+        assert {message_id for message_id, _ in failures} == {"a-0"}
+        assert [attempt for _, attempt in failures] == list(range(1, len(failures) + 1))
+
+        down.clear()
+        wait_until(
+            lambda: set(ids) <= set(outcomes.processed()),
+            timeout=20,
+            message=lambda: f"every message processed; outcomes: {outcomes.seen}",
+        )
+        wait_until(lambda: broker.unacked() == 0, timeout=10, message="everything acked")
+    handled = [m for m, _ in effects()]
+    assert sorted(handled) == ids  # each once
+    assert handled[0] == "a-0"
+    assert broker.events("retry_copy") == []
+
+
+def test_a_stop_while_the_breaker_is_open_is_graceful(
+    broker: StubTransport, run_service: Callable[..., ConsumerService]
+) -> None:
+    def handler(message: Message) -> None:
+        raise RuntimeError("the provider is down")
+
+    fast = {"RETRY_DELAYS": [30.0], "MAX_ATTEMPTS": 1000}
+    from django.conf import settings
+
+    config = Breaker(failure_rate=0.5, window=10, min_failures=2, pause=60, probes=1)
+    with override_settings(RELIABLE_MESSAGING={**settings.RELIABLE_MESSAGING, **fast}):
+        consumer = spec(handler, breaker=config)
+        service = run_service([consumer], concurrency=2)
+        for n in range(10):
+            publish(broker, consumer.queue, body(), message_id=f"m-{n}")
+        breaker = service.breakers.get(consumer.name)
+        assert breaker is not None
+        wait_until(lambda: breaker.opened == 1, timeout=10, message="the breaker opened")
+        wait_until(lambda: broker.unacked() == 0, timeout=10, message="everything settled")
+        service.request_stop()
+        wait_until(lambda: not service.connected.is_set(), timeout=20, message="stopped")
+    assert service.exit_code == 0
+    # The two failures that opened it became retry copies (the twin puts them straight back
+    # in the queue); the other eight wait there too, uncharged.
+    assert len(broker.events("retry_copy")) == 2
+    assert broker.ready(consumer.queue) == 10
