@@ -183,6 +183,26 @@ class DeliveryFailures:
         )
         return DeliveryOutcome(Acknowledge(OutcomeLabel.DEAD_LETTERED, reason), label)
 
+    def expire(self, delivery: Delivery, message: Message, why: str) -> DeliveryOutcome:
+        """The message is past its deadline (``why`` says by how much, see :mod:`.expiry`):
+        acked without running the handler, and with ``on_expiry="dead_letter"`` kept as a
+        dead letter ``expired``. Logged once the transaction commits."""
+        if self.spec.on_expiry == "dead_letter":
+            self._write_dead_letter(
+                delivery=delivery,
+                message_id=message.message_id,
+                reason=FailureReason.EXPIRED,
+                attempts=message.attempt,
+                payload=message.payload,
+                exchange=message.exchange,
+                routing_key=message.routing_key,
+                exception_message=why,
+            )
+            why = f"{why}; kept as a dead letter"
+        return DeliveryOutcome(
+            Acknowledge(OutcomeLabel.EXPIRED, why), OutcomeLabel.EXPIRED, after_commit=True
+        )
+
     def on_failure(
         self, delivery: Delivery, message: Message, exc: Exception, started: float
     ) -> DeliveryOutcome:
