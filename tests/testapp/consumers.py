@@ -18,6 +18,7 @@ failure (SQLSTATE 40001) on the first two runs of the message in this process (`
 Tracing: ``{"fail_while": {"alpha": "name"}}`` fails (a transient error) while an ``Effect`` row
 of consumer ``switch`` with that message_id exists (the test deletes it to deploy the fix), and
 ``{"publish": {"alpha": "order.shipped"}}`` publishes a message with that routing key.
+Expiry: ``tests.delta`` and ``tests.epsilon`` (``late.*``) have a max_age of 2 s and retry after 4 s.
 """
 
 from __future__ import annotations
@@ -124,3 +125,28 @@ def beta(message: Message) -> None:
 def gamma(message: Message) -> None:
     """Ordered: the payload's ``key`` is also the ordering key, ``seq`` its place in the key."""
     behave("gamma", message)
+
+
+# Expiry (issue 39): a message over 2 s old is not handled; epsilon keeps it as a dead letter.
+# Their retries wait 4 s, longer than that: the attempt after a failure is always too late.
+@consumer(
+    f"{NAMESPACE}.delta",
+    bindings=["late.*"],
+    name="tests.delta",
+    max_age=2.0,
+    retry_delays=[4.0],
+)
+def delta(message: Message) -> None:
+    behave("delta", message)
+
+
+@consumer(
+    f"{NAMESPACE}.epsilon",
+    bindings=["late.*"],
+    name="tests.epsilon",
+    max_age=2.0,
+    on_expiry="dead_letter",
+    retry_delays=[4.0],
+)
+def epsilon(message: Message) -> None:
+    behave("epsilon", message)
