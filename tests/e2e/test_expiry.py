@@ -10,6 +10,7 @@ the consumer that asks for one (tests/testapp/consumers.py: ``tests.delta`` and
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 import time
@@ -19,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from django.core.management import call_command
 from django.db import transaction
 from prometheus_client.parser import text_string_to_metric_families
 
 from reliable_messaging import publish
-from reliable_messaging.choices import DeadLetterReason
+from reliable_messaging.choices import DeadLetterReason, DeadLetterStatus
 from reliable_messaging.core.envelope import EXPIRES_AT_HEADER
 from reliable_messaging.models import DeadLetter, ProcessedMessage
 from tests.conftest import subprocess_env
@@ -155,29 +157,47 @@ def test_messages_past_their_publish_deadline_are_counted_not_handled(
         assert "consumer=tests.alpha" in line and "passed" in line and "s before" in line
 
 
-def test_max_age_expires_old_messages_and_on_expiry_keeps_them_as_dead_letters(
+def test_max_age_expires_old_messages_and_on_expiry_keeps_them_as_dead_letters_to_replay(
     ns: str, rm_settings: dict[str, Any], consumers: Consumers
 ) -> None:
     consumers.declare("delta", "epsilon")
     with transaction.atomic():
         publish("late.order", {"n": 1}, message_id="old-1")
+        # A replay keeps this one's deadline (it is the producer's), and its publish time is new.
+        publish("late.order", {"n": 2}, message_id="due-1", expires=1.0)
     relay_once(ns)
     sent = time.time()  # the relay stamps x-rm-published-at when it sends
     sleep_past(sent + 2.0)
 
     _, port = consumers.start("delta", "epsilon")
-    assert wait_for_outcomes(port, "tests.delta", expired=1).get("processed", 0) == 0
-    assert wait_for_outcomes(port, "tests.epsilon", expired=1).get("processed", 0) == 0
+    assert wait_for_outcomes(port, "tests.delta", expired=2).get("processed", 0) == 0
+    assert wait_for_outcomes(port, "tests.epsilon", expired=2).get("processed", 0) == 0
     assert effects("delta") == effects("epsilon") == []
     assert inbox("tests.delta") == inbox("tests.epsilon") == []
-    # delta drops it; epsilon keeps it for a person to look at.
+    # delta drops them; epsilon keeps them for a person to look at.
     assert not DeadLetter.objects.filter(consumer="tests.delta").exists()
-    letter = DeadLetter.objects.get(consumer="tests.epsilon", message_id="old-1")
-    assert letter.reason == DeadLetterReason.EXPIRED
-    assert "max_age of 2s" in letter.exception_message
+    old, due = (
+        DeadLetter.objects.get(consumer="tests.epsilon", message_id=message_id)
+        for message_id in ("old-1", "due-1")
+    )
+    assert old.reason == due.reason == DeadLetterReason.EXPIRED
+    assert "max_age of 2s" in old.exception_message
+    assert EXPIRES_AT_HEADER in due.exception_message
     wait_until(
         lambda: drained(f"{ns}.delta", f"{ns}.epsilon"), timeout=20, message="queues drained"
     )
+
+    # An operator's replay is a decision to handle it now: exempt from max_age.
+    out = io.StringIO()
+    call_command("replay_dead_letters", "--consumer", "tests.epsilon", stdout=out)
+    assert "replayed 2 dead letter(s)" in out.getvalue()
+    relay_once(ns)
+    counted = wait_for_outcomes(port, "tests.epsilon", processed=2)
+    assert counted["expired"] == 2, counted  # the replays were not expired again
+    assert effects("epsilon") == inbox("tests.epsilon") == ["due-1", "old-1"]
+    for letter in (old, due):
+        letter.refresh_from_db()
+        assert letter.status == DeadLetterStatus.RESOLVED
 
 
 def test_a_retry_whose_delay_outlives_max_age_is_expired_not_retried_again(
