@@ -18,7 +18,8 @@ failure (SQLSTATE 40001) on the first two runs of the message in this process (`
 Tracing: ``{"fail_while": {"alpha": "name"}}`` fails (a transient error) while an ``Effect`` row
 of consumer ``switch`` with that message_id exists (the test deletes it to deploy the fix), and
 ``{"publish": {"alpha": "order.shipped"}}`` publishes a message with that routing key.
-Expiry: ``tests.delta`` and ``tests.epsilon`` (``late.*``) have a max_age of 2 s and retry after 4 s.
+Expiry: ``tests.delta`` and ``tests.epsilon`` (``late.*``) have a max_age of 2 s and retry
+after 4 s.
 """
 
 from __future__ import annotations
