@@ -5,7 +5,8 @@ while no consumer runs, or fail and wait in a delay queue longer than their dead
 ``consume`` process that receives them late acks them without running the handler, counts
 them ``expired`` on its /metrics, writes no inbox row, and a dead letter ``expired`` only for
 the consumer that asks for one (tests/testapp/consumers.py: ``tests.delta`` and
-``tests.epsilon`` have a max_age of 2 s; epsilon keeps expired messages as dead letters).
+``tests.epsilon`` have a max_age of 2 s, and retry after ``RM_TEST_LATE_RETRY_DELAY`` seconds;
+epsilon keeps expired messages as dead letters).
 """
 
 from __future__ import annotations
@@ -44,12 +45,12 @@ class Consumers:
         self.tmp_path = tmp_path
         self.running: list[ConsumeProcess] = []
 
-    def start(self, *labels: str) -> tuple[ConsumeProcess, int]:
+    def start(self, *labels: str, **env: str) -> tuple[ConsumeProcess, int]:
         port = free_port()
         queues = [arg for label in labels for arg in ("--queue", f"{self.ns}.{label}")]
         process = ConsumeProcess(
             [*queues, "--metrics-port", str(port)],
-            subprocess_env(self.ns),
+            subprocess_env(self.ns, **env),
             self.tmp_path / f"consume-{len(self.running) + 1}.log",
         )
         self.running.append(process)
@@ -203,7 +204,7 @@ def test_max_age_expires_old_messages_and_on_expiry_keeps_them_as_dead_letters_t
 def test_a_retry_whose_delay_outlives_max_age_is_expired_not_retried_again(
     ns: str, consumers: Consumers, publisher: Publisher
 ) -> None:
-    _, port = consumers.start("delta", "epsilon")
+    _, port = consumers.start("delta", "epsilon", RM_TEST_LATE_RETRY_DELAY="4")
     # Both fail their first attempt (in time); the retry comes back 4 s later, past 2 s.
     publisher.publish(
         f"rmtest.{ns}",

@@ -27,6 +27,7 @@ def test_the_metrics_count_exactly_the_outcome_labels() -> None:
         "released",
         "parked",
         "deferred",
+        "expired",
     }
 
 
