@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from reliable_messaging import publish
 from reliable_messaging.choices import DeadLetterReason, DeadLetterStatus
-from reliable_messaging.core.envelope import EXPIRES_AT_HEADER
+from reliable_messaging.core.envelope import EXPIRES_AT_HEADER, PUBLISHED_AT_HEADER
 from reliable_messaging.models import DeadLetter, ProcessedMessage
 from tests.conftest import subprocess_env
 from tests.integration.ops.conftest import free_port
@@ -211,6 +211,8 @@ def test_a_retry_whose_delay_outlives_max_age_is_expired_not_retried_again(
         "late.order",
         {"fail": {"delta": 5, "epsilon": 5}},
         message_id="slow-retry",
+        # As the relay stamps it: in milliseconds (the AMQP timestamp has whole seconds only).
+        headers={PUBLISHED_AT_HEADER: int(time.time() * 1000)},
     )
     for consumer in ("tests.delta", "tests.epsilon"):
         counted = wait_for_outcomes(port, consumer, retried=1, expired=1)
