@@ -33,6 +33,7 @@ from tests.conftest import subprocess_env
 from tests.integration.ops.conftest import free_port
 from tests.support import MANAGE, ROOT, ConsumeProcess, Publisher, drained, wait_until
 from tests.testapp.models import Effect
+from tests.trace_file import read_spans
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
 
@@ -50,7 +51,7 @@ class Consumers:
         queues = [arg for label in labels for arg in ("--queue", f"{self.ns}.{label}")]
         process = ConsumeProcess(
             [*queues, "--metrics-port", str(port)],
-            subprocess_env(self.ns, **env),
+            {**subprocess_env(self.ns), **env},
             self.tmp_path / f"consume-{len(self.running) + 1}.log",
         )
         self.running.append(process)
@@ -226,9 +227,10 @@ def test_a_retry_whose_delay_outlives_max_age_is_expired_not_retried_again(
 
 
 def test_a_foreign_producers_deadline_as_text_is_honoured_and_garbage_is_ignored(
-    ns: str, consumers: Consumers, publisher: Publisher
+    ns: str, consumers: Consumers, publisher: Publisher, tmp_path: Path
 ) -> None:
-    process, port = consumers.start("alpha")
+    spans = tmp_path / "spans.jsonl"
+    process, port = consumers.start("alpha", RM_TRACE_FILE=str(spans))
     now_ms = int(time.time() * 1000)
     exchange = f"rmtest.{ns}"
     for message_id, deadline in (
@@ -251,3 +253,24 @@ def test_a_foreign_producers_deadline_as_text_is_honoured_and_garbage_is_ignored
     assert not DeadLetter.objects.exists()
     warnings = [x for x in process.log().splitlines() if "message_id=garbage" in x]
     assert any("WARNING" in x and EXPIRES_AT_HEADER in x for x in warnings), warnings
+
+    # Each delivery's span ends with its outcome, the expired ones saying how late they were.
+    def outcome_of_spans() -> dict[str, tuple[str, str]]:
+        return {
+            span["attributes"]["messaging.message.id"]: (
+                span["attributes"]["reliable_messaging.outcome"],
+                span["attributes"].get("reliable_messaging.reason", ""),
+            )
+            for span in read_spans(spans)
+            if span["name"] == f"process {ns}.alpha"
+        }
+
+    wait_until(lambda: len(outcome_of_spans()) == 4, timeout=20, message="four process spans")
+    traced = outcome_of_spans()
+    assert {m: outcome for m, (outcome, _) in traced.items()} == {
+        "text-past": "expired",
+        "bytes-past": "expired",
+        "text-future": "processed",
+        "garbage": "processed",
+    }
+    assert "passed" in traced["text-past"][1]
