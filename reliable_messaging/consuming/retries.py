@@ -2,11 +2,12 @@
 
 :meth:`DeliveryFailures.on_failure` decides (:func:`decide`: a permanent error, the last attempt
 or no retry delays make a dead letter, anything else a retry after the attempt's delay), and the
-other methods say what an undecodable, rejected or busy delivery becomes. The mechanics around
-it: :mod:`.processing` runs the handler and calls here, :mod:`.settling` publishes the retried
-copy through :mod:`reliable_messaging.broker.retry_publisher` to its delay queue, and
-:mod:`.last_resort` and :mod:`.crash_guard` dead-letter what the broker or a crashed worker gave
-up on. What the database does is never a handler's failure (``docs/delivery-outcomes.md``).
+other methods say what an undecodable, rejected, expired or busy delivery becomes. The
+mechanics around it: :mod:`.processing` runs the handler and calls here, :mod:`.settling`
+publishes the retried copy through :mod:`reliable_messaging.broker.retry_publisher` to its delay
+queue, and :mod:`.last_resort` and :mod:`.crash_guard` dead-letter what the broker or a crashed
+worker gave up on. What the database does is never a handler's failure
+(``docs/delivery-outcomes.md``).
 """
 
 from __future__ import annotations
