@@ -60,6 +60,7 @@ from ..storage.inbox import (
     lock_wait_for,
     remember_busy,
 )
+from .expiry import expiry_of
 from .fastpath import DuplicateCache
 from .retries import DeliveryFailures, DeliveryOutcome
 from .time_limit import time_limits
@@ -155,6 +156,9 @@ class DeliveryProcessor:
                 f"{list(self.spec.bindings)!r}: the message reached the queue some other way "
                 f"(published straight to the queue, or a stale binding)",
             )
+        late = expiry_of(delivery, decoded, self.spec)
+        if late is not None:
+            return self._expire(delivery, decoded, late)
         blocker = self._blocking_dead_letter(delivery, decoded)
         if blocker is not None:
             return self.failures.reject(
@@ -168,6 +172,21 @@ class DeliveryProcessor:
                 label=OutcomeLabel.PARKED,
             )
         return self._handle(delivery, decoded)
+
+    def _expire(self, delivery: Delivery, message: Message, why: str) -> DeliveryOutcome:
+        """A message past its deadline is not handled (see :mod:`.expiry`). Before it is kept
+        as a dead letter, the inbox is asked: a late redelivery of a message handled in time
+        is a duplicate, not a failure for a person to review."""
+        if self.spec.on_expiry == "dead_letter" and (
+            ProcessedMessage.objects.using(self.using).has(self.spec.name, message.message_id)
+        ):
+            return DeliveryOutcome(
+                Acknowledge(OutcomeLabel.DUPLICATE),
+                OutcomeLabel.DUPLICATE,
+                processed=True,
+                after_commit=True,
+            )
+        return self.failures.expire(delivery, message, why)
 
     def _expects(self, routing_key: str) -> bool:
         if not self.spec.bindings:
@@ -307,12 +326,14 @@ class DeliveryProcessor:
     def fits_batch_claim(self, delivery: Delivery, decoded: Message | DecodeError) -> bool:
         """Whether the batch claim (and the optimistic path) may take this delivery: a
         well-formed message of an unordered consumer, expected here, not a replay (those
-        resolve a dead letter). The others are decided one by one, each in its savepoints."""
+        resolve a dead letter), not past its deadline (never claimed in the inbox). The others
+        are decided one by one, each in its savepoints."""
         return (
             isinstance(decoded, Message)
             and not self.spec.ordered
             and REPLAY_HEADER not in delivery.headers
             and self._expects(decoded.routing_key)
+            and expiry_of(delivery, decoded, self.spec) is None
         )
 
     def charge(self, delivery: Delivery, exc: Exception) -> Outcome:
@@ -525,6 +546,16 @@ def _log_committed(consumer: str, message: Message, done: DeliveryOutcome) -> No
             message.message_id,
             consumer,
             message.attempt,
+        )
+    elif done.label == OutcomeLabel.EXPIRED:
+        why = done.outcome.reason if isinstance(done.outcome, Acknowledge) else None
+        logger.info(
+            "expired message_id=%s consumer=%s attempt=%d outcome=expired: %s; acked without "
+            "running the handler",
+            message.message_id,
+            consumer,
+            message.attempt,
+            why,
         )
     else:
         logger.info(

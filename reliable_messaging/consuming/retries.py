@@ -2,11 +2,12 @@
 
 :meth:`DeliveryFailures.on_failure` decides (:func:`decide`: a permanent error, the last attempt
 or no retry delays make a dead letter, anything else a retry after the attempt's delay), and the
-other methods say what an undecodable, rejected or busy delivery becomes. The mechanics around
-it: :mod:`.processing` runs the handler and calls here, :mod:`.settling` publishes the retried
-copy through :mod:`reliable_messaging.broker.retry_publisher` to its delay queue, and
-:mod:`.last_resort` and :mod:`.crash_guard` dead-letter what the broker or a crashed worker gave
-up on. What the database does is never a handler's failure (``docs/delivery-outcomes.md``).
+other methods say what an undecodable, rejected, expired or busy delivery becomes. The
+mechanics around it: :mod:`.processing` runs the handler and calls here, :mod:`.settling`
+publishes the retried copy through :mod:`reliable_messaging.broker.retry_publisher` to its delay
+queue, and :mod:`.last_resort` and :mod:`.crash_guard` dead-letter what the broker or a crashed
+worker gave up on. What the database does is never a handler's failure
+(``docs/delivery-outcomes.md``).
 """
 
 from __future__ import annotations
@@ -182,6 +183,26 @@ class DeliveryFailures:
             exception_message=detail,
         )
         return DeliveryOutcome(Acknowledge(OutcomeLabel.DEAD_LETTERED, reason), label)
+
+    def expire(self, delivery: Delivery, message: Message, why: str) -> DeliveryOutcome:
+        """The message is past its deadline (``why`` says by how much, see :mod:`.expiry`):
+        acked without running the handler, and with ``on_expiry="dead_letter"`` kept as a
+        dead letter ``expired``. Logged once the transaction commits."""
+        if self.spec.on_expiry == "dead_letter":
+            self._write_dead_letter(
+                delivery=delivery,
+                message_id=message.message_id,
+                reason=FailureReason.EXPIRED,
+                attempts=message.attempt,
+                payload=message.payload,
+                exchange=message.exchange,
+                routing_key=message.routing_key,
+                exception_message=why,
+            )
+            why = f"{why}; kept as a dead letter"
+        return DeliveryOutcome(
+            Acknowledge(OutcomeLabel.EXPIRED, why), OutcomeLabel.EXPIRED, after_commit=True
+        )
 
     def on_failure(
         self, delivery: Delivery, message: Message, exc: Exception, started: float

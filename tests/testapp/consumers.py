@@ -20,6 +20,10 @@ of consumer ``switch`` with that message_id exists (the test deletes it to deplo
 ``{"publish": {"alpha": "order.shipped"}}`` publishes a message with that routing key.
 Circuit breaker (issue 39): with ``RM_TEST_DOWNSTREAM_URL`` set, ``tests.payments`` calls that
 HTTP server (a "payment provider" the test stops and starts) and has a small breaker.
+
+Expiry: ``tests.delta`` and ``tests.epsilon`` (``late.*``) have a max_age of 2 s; in a process
+with ``RM_TEST_LATE_RETRY_DELAY`` set, they retry after that many seconds (the suite's delays
+otherwise, which the system checks of this process judge).
 """
 
 from __future__ import annotations
@@ -150,3 +154,35 @@ if DOWNSTREAM_URL:
             attempt=message.attempt,
             payload=message.payload,
         )
+
+
+# Expiry (issue 39): a message over 2 s old is not handled; epsilon keeps it as a dead letter.
+# A retry delay longer than that makes the attempt after a failure always too late.
+LATE_RETRY_DELAYS = (
+    [float(os.environ["RM_TEST_LATE_RETRY_DELAY"])]
+    if os.environ.get("RM_TEST_LATE_RETRY_DELAY")
+    else None
+)
+
+
+@consumer(
+    f"{NAMESPACE}.delta",
+    bindings=["late.*"],
+    name="tests.delta",
+    max_age=2.0,
+    retry_delays=LATE_RETRY_DELAYS,
+)
+def delta(message: Message) -> None:
+    behave("delta", message)
+
+
+@consumer(
+    f"{NAMESPACE}.epsilon",
+    bindings=["late.*"],
+    name="tests.epsilon",
+    max_age=2.0,
+    on_expiry="dead_letter",
+    retry_delays=LATE_RETRY_DELAYS,
+)
+def epsilon(message: Message) -> None:
+    behave("epsilon", message)
