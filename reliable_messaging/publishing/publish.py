@@ -13,9 +13,7 @@ The row's times are the database's clock, not this host's: the relay compares th
 database's clock, and a publisher whose clock runs ahead would otherwise hold its own messages
 back by the skew.
 
-A scheduled message (``deliver_at`` or ``delay``) is a ``scheduled`` row due at that time; the
-relay makes it pending when it is due (:mod:`.scheduled`), and ``cancel_scheduled`` deletes it
-until then. docs/scheduling.md tells the whole story.
+A scheduled message is a ``scheduled`` row until due (:mod:`.scheduled`).
 """
 
 from __future__ import annotations
