@@ -124,3 +124,11 @@ def beta(message: Message) -> None:
 def gamma(message: Message) -> None:
     """Ordered: the payload's ``key`` is also the ordering key, ``seq`` its place in the key."""
     behave("gamma", message)
+
+
+if os.environ.get("RM_TEST_EXTRA_CONSUMER"):
+    # A handler a later deploy adds (tests/e2e/test_relay_declares_topology.py): registered
+    # only in the processes of that deploy, which set the variable.
+    @consumer(f"{NAMESPACE}.delta", bindings=["invoice.*"], name="tests.delta")
+    def delta(message: Message) -> None:
+        behave("delta", message)

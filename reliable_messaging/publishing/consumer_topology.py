@@ -1,0 +1,203 @@
+"""The registered consumers' queues and bindings, declared by the relay before it sends.
+
+An event sent before any queue is bound to its routing key reaches nobody and is marked
+``unrouted`` for good, so the relay does not leave the declaring to ``consume``: on each new
+connection, before its first claim, it declares what ``consume`` declares for every consumer
+registered in this project, with the same code and arguments
+(:func:`~reliable_messaging.broker.topology.declare_topology`). It does so on a blocking
+connection of its own, on a thread of its own, so that the relay's I/O loop goes on (heartbeats,
+a stop request) meanwhile.
+
+Never fatal: a queue that exists with other arguments (a ``consume`` of another version, or
+other settings, declared it) is reported and bound all the same; a refusal (no configure
+permission on the vhost) or a broker that does not answer is reported, and the relay sends
+anyway, waiting :data:`DECLARE_WAIT` seconds at most. Reported means a log line and a note on
+the relay's ``/healthz``; ``messaging_status --broker`` judges the queues' arguments too.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+
+import pika.exceptions
+
+from ..broker.publisher import ConfirmingPublisher
+from ..broker.queues import describe_broker_error
+from ..broker.topology import CONNECTION_ERRORS, connect, consumer_queues, declare_topology
+from ..conf import MessagingSettings
+from ..core.liveness import HealthState
+from ..core.registry import ConsumerSpec
+from ..exceptions import TopologyMismatchError
+
+# Logged under the relay's name, the one users' logging configuration knows.
+logger = logging.getLogger("reliable_messaging.relay")
+
+# Seconds the relay waits for the declaration before it sends anyway; also the timeout of the
+# declaring connection's connect. A declaration takes milliseconds a queue.
+DECLARE_WAIT = 30.0
+# The /healthz notes this module sets.
+DRIFT_NOTE = "topology_drift"
+UNDECLARED_NOTE = "topology_not_declared"
+
+
+class ConsumerTopology:
+    """Declares ``specs``' topology once per relay connection, before its first claim.
+
+    Every method runs on the relay's I/O loop, except :meth:`_declare`, which runs on a thread
+    of its own and hands its outcome back with ``publisher.post``."""
+
+    def __init__(
+        self,
+        specs: Iterable[ConsumerSpec],
+        *,
+        publisher: ConfirmingPublisher,
+        settings: MessagingSettings,
+        health: HealthState,
+    ) -> None:
+        self.specs = list(specs)
+        self.publisher = publisher
+        self.settings = settings
+        self.health = health
+        # The connection being declared for; an outcome of an earlier one is ignored.
+        self._generation = 0
+        self._declared = False  # for the current connection (or given up on)
+        self._then: Callable[[], None] | None = None
+        self._timer: object = None
+        self._threads: list[threading.Thread] = []
+        # Objects already reported at ERROR: a reconnect says them again at DEBUG only.
+        self._reported: set[str] = set()
+
+    @property
+    def declaring(self) -> bool:
+        """A declaration for this connection is under way: no claim may start."""
+        return self._then is not None
+
+    def before_sending(self, then: Callable[[], None]) -> None:
+        """A channel is ready: call ``then`` once this connection's declaration is done (at
+        once when it is, or when there is nothing to declare)."""
+        if self._declared or not self.specs:
+            then()
+            return
+        started = self._then is not None
+        self._then = then
+        if started:
+            return
+        generation = self._generation
+        thread = threading.Thread(
+            target=self._declare, args=(generation,), name="rm-relay-declare", daemon=True
+        )
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+        self._timer = self.publisher.call_later(DECLARE_WAIT, lambda: self._waited(generation))
+
+    def connection_lost(self) -> None:
+        """The connection ended: the next one declares again (a broker restart or a new node
+        may have lost what this one declared)."""
+        self._generation += 1
+        self._declared = False
+        self._then = None
+        self.publisher.cancel(self._timer)
+        self._timer = None
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Wait a little for declarations still under way (the relay is stopping)."""
+        for thread in self._threads:
+            thread.join(timeout)
+
+    # -- the declaring thread ---------------------------------------------------------------
+
+    def _declare(self, generation: int) -> None:
+        """Declaring thread: declare on a connection of its own, then hand the outcome to the
+        I/O loop."""
+        try:
+            outcome = self._declare_on_a_connection()
+        except Exception as exc:  # never take the relay down for it
+            logger.exception("relay: unexpected error while declaring the consumers' queues")
+            outcome = f"unexpected error: {exc!r}"
+        self.publisher.post(lambda: self._finished(generation, outcome))
+
+    def _declare_on_a_connection(self) -> dict[str, str] | str:
+        """The mismatches found (queue or exchange: what differs), or why nothing could be
+        declared."""
+        try:
+            connection = connect(self.settings, "relay (declaring)", timeout=DECLARE_WAIT)
+        except CONNECTION_ERRORS as exc:
+            return f"the broker could not be reached ({describe_broker_error(exc, self.settings)})"
+        try:
+            declared = declare_topology(
+                connection.channel(), self.specs, self.settings, tolerate_mismatch=True
+            )
+            return declared.mismatched
+        except TopologyMismatchError as exc:  # the consistent-hash plugin is missing
+            return str(exc)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            return f"the broker refused: {exc.reply_code} {exc.reply_text}"
+        except CONNECTION_ERRORS as exc:
+            return f"the connection was lost ({describe_broker_error(exc, self.settings)})"
+        finally:
+            if connection.is_open:
+                try:
+                    connection.close()
+                except CONNECTION_ERRORS:
+                    logger.debug("closing the declaring connection failed", exc_info=True)
+
+    # -- back on the I/O loop ---------------------------------------------------------------
+
+    def _finished(self, generation: int, outcome: dict[str, str] | str) -> None:
+        if generation != self._generation:
+            return  # declared for a connection that is gone; the new one declares again
+        if isinstance(outcome, str):
+            logger.warning(
+                "relay: the queues and bindings of the registered consumers could not be "
+                "declared (%s); sending anyway: an event no queue is bound for yet is marked "
+                "unrouted. Give the relay's broker user the configure permission on the vhost, "
+                "or start consume before the relay; the next connection tries again",
+                outcome,
+            )
+            self.health.note(UNDECLARED_NOTE, f"consumers' queues not declared: {outcome}")
+        else:
+            self.health.note(UNDECLARED_NOTE, None)
+            self._report_mismatches(outcome)
+            queues = sum(len(consumer_queues(spec, self.settings)) for spec in self.specs)
+            logger.info(
+                "relay: declared the queues and bindings of %d registered consumer(s) "
+                "(%d queue(s)) before sending",
+                len(self.specs),
+                queues,
+            )
+        self._done()
+
+    def _report_mismatches(self, mismatched: dict[str, str]) -> None:
+        for name, what in sorted(mismatched.items()):
+            log = logger.debug if name in self._reported else logger.error
+            log("relay: %s It is used as it is (and bound); the relay goes on sending", what)
+            self._reported.add(name)
+        self.health.note(
+            DRIFT_NOTE,
+            "declared with other arguments than these settings ask for (see the relay's log "
+            f"and messaging_status --broker): {', '.join(sorted(mismatched))}"
+            if mismatched
+            else None,
+        )
+
+    def _waited(self, generation: int) -> None:
+        """I/O loop: the declaration takes longer than DECLARE_WAIT: send without it."""
+        if generation != self._generation or self._declared:
+            return
+        self._timer = None
+        logger.warning(
+            "relay: declaring the consumers' queues takes more than %gs; sending meanwhile",
+            DECLARE_WAIT,
+        )
+        self.health.note(UNDECLARED_NOTE, "consumers' queues: declaration still under way")
+        self._done()
+
+    def _done(self) -> None:
+        self._declared = True
+        self.publisher.cancel(self._timer)
+        self._timer = None
+        then, self._then = self._then, None
+        if then is not None:
+            then()
