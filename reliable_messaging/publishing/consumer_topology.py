@@ -1,18 +1,12 @@
 """The registered consumers' queues and bindings, declared by the relay before it sends.
 
-An event sent before any queue is bound to its routing key reaches nobody and is marked
-``unrouted`` for good, so the relay does not leave the declaring to ``consume``: on each new
-connection, before its first claim, it declares what ``consume`` declares for every consumer
-registered in this project, with the same code and arguments
-(:func:`~reliable_messaging.broker.topology.declare_topology`). It does so on a blocking
-connection of its own, on a thread of its own, so that the relay's I/O loop goes on (heartbeats,
-a stop request) meanwhile.
-
-Never fatal: a queue that exists with other arguments (a ``consume`` of another version, or
-other settings, declared it) is reported and bound all the same; a refusal (no configure
-permission on the vhost) or a broker that does not answer is reported, and the relay sends
-anyway, waiting :data:`DECLARE_WAIT` seconds at most. Reported means a log line and a note on
-the relay's ``/healthz``; ``messaging_status --broker`` judges the queues' arguments too.
+On each new connection, before its first claim, the relay declares what ``consume`` declares
+for every consumer of the project, with the same code
+(:func:`~reliable_messaging.broker.topology.declare_topology`), on a connection and a thread of
+its own so that its I/O loop goes on meanwhile. Never fatal: argument drift is reported and the
+queue bound all the same; a refusal or a silent broker is reported and the relay sends anyway,
+after :data:`DECLARE_WAIT` seconds at most.
+``docs/design.md#the-relay-declares-the-consumers-topology`` explains why.
 """
 
 from __future__ import annotations
@@ -151,9 +145,10 @@ class ConsumerTopology:
         if isinstance(outcome, str):
             logger.warning(
                 "relay: the queues and bindings of the registered consumers could not be "
-                "declared (%s); sending anyway: an event no queue is bound for yet is marked "
-                "unrouted. Give the relay's broker user the configure permission on the vhost, "
-                "or start consume before the relay; the next connection tries again",
+                "declared (%s); sending anyway, and an event no queue is bound for yet is "
+                "marked unrouted. The next connection tries again; meanwhile start consume "
+                "first, or, if the broker refused, give the relay's user the configure "
+                "permission on the vhost",
                 outcome,
             )
             self.health.note(UNDECLARED_NOTE, f"consumers' queues not declared: {outcome}")

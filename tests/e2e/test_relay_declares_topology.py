@@ -134,9 +134,7 @@ def test_relay_first_on_an_empty_broker_then_consume_handles_every_event_once(
         message=lambda: f"each event handled once: {effects('alpha')} {effects('gamma')}",
     )
     assert ProcessedMessage.objects.filter(message_id__in=orders + steps).count() == 14
-    assert not OutboxMessage.objects.filter(status=OutboxStatus.UNROUTED).exclude(
-        message_id=nobody
-    )
+    assert not OutboxMessage.objects.filter(status=OutboxStatus.UNROUTED).exclude(message_id=nobody)
     relay.send(signal.SIGTERM)
     assert relay.wait(30) == 0, relay.log()
     assert "declared the queues and bindings of 3 registered consumer(s)" in relay.log()
