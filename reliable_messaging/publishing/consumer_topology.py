@@ -71,7 +71,7 @@ class ConsumerTopology:
     def before_sending(self, then: Callable[[], None]) -> None:
         """A channel is ready: call ``then`` once this connection's declaration is done (at
         once when it is, or when there is nothing to declare)."""
-        if self._declared or not self.specs:
+        if self._declared or not self.specs or not self.settings.relay_declares_topology:
             then()
             return
         started = self._then is not None
@@ -148,7 +148,7 @@ class ConsumerTopology:
                 "declared (%s); sending anyway, and an event no queue is bound for yet is "
                 "marked unrouted. The next connection tries again; meanwhile start consume "
                 "first, or, if the broker refused, give the relay's user the configure "
-                "permission on the vhost",
+                "permission on the vhost (or set RELAY_DECLARES_TOPOLOGY to False)",
                 outcome,
             )
             self.health.note(UNDECLARED_NOTE, f"consumers' queues not declared: {outcome}")

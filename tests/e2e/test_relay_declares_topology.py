@@ -192,3 +192,38 @@ def test_a_queue_declared_with_other_arguments_is_reported_and_the_relay_still_s
     # The drifted queue is bound all the same, and the other consumers' queues are declared.
     assert queue_counts(f"{ns}.alpha") == (2, 0)
     assert queue_counts(f"{ns}.beta") == (2, 0)
+
+
+def test_relay_declares_topology_false_leaves_the_declaring_to_consume(
+    ns: str, rm_settings: dict[str, Any]
+) -> None:
+    from django.test import override_settings
+
+    from reliable_messaging.core.registry import ConsumerSpec
+    from reliable_messaging.publishing.relay import OutboxRelay
+
+    solo = ConsumerSpec(
+        name="tests.solo", queue=f"{ns}.solo", handler=lambda message: None, bindings=("solo.*",)
+    )
+    # A relay whose broker user may not configure the vhost: it declares nothing.
+    with override_settings(RELIABLE_MESSAGING={**rm_settings, "RELAY_DECLARES_TOPOLOGY": False}):
+        with transaction.atomic():
+            early = publish("solo.done", {"n": 1})
+        connection = broker_connection()
+        try:  # the exchange exists (another process declared it), no queue is bound
+            connection.channel().exchange_declare(
+                rm_settings["EXCHANGE"], exchange_type="topic", durable=True
+            )
+        finally:
+            connection.close()
+        OutboxRelay(once=True, consumers=[solo]).run()
+    assert statuses(early) == {early: OutboxStatus.UNROUTED}
+    assert not queue_exists(solo.queue)
+
+    with transaction.atomic():
+        later = publish("solo.done", {"n": 2})
+    relay = OutboxRelay(once=True, consumers=[solo])
+    assert relay.run().sent == 1
+    assert statuses(later) == {later: OutboxStatus.SENT}
+    assert queue_counts(solo.queue) == (1, 0)
+    assert relay.health.notes() == []
