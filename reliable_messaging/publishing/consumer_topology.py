@@ -2,10 +2,10 @@
 
 On each new connection, before its first claim, the relay declares what ``consume`` declares
 for every consumer of the project, with the same code
-(:func:`~reliable_messaging.broker.topology.declare_topology`), on a connection and a thread of
-its own so that its I/O loop goes on meanwhile. Never fatal: argument drift is reported and the
-queue bound all the same; a refusal or a silent broker is reported and the relay sends anyway,
-after :data:`DECLARE_WAIT` seconds at most.
+(:func:`~reliable_messaging.broker.declaring.declare_tolerantly`), on a connection and a thread
+of its own so that its I/O loop goes on meanwhile. Never fatal: argument drift is reported and
+the queue bound all the same; a refusal or a silent broker is reported and the relay sends
+anyway, after :data:`DECLARE_WAIT` seconds at most.
 ``docs/design.md#the-relay-declares-the-consumers-topology`` explains why.
 """
 
@@ -15,15 +15,12 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 
-import pika.exceptions
-
+from ..broker.declaring import declare_tolerantly
 from ..broker.publisher import ConfirmingPublisher
-from ..broker.queues import describe_broker_error
-from ..broker.topology import CONNECTION_ERRORS, connect, consumer_queues, declare_topology
+from ..broker.topology import consumer_queues
 from ..conf import MessagingSettings
 from ..core.liveness import HealthState
 from ..core.registry import ConsumerSpec
-from ..exceptions import TopologyMismatchError
 
 # Logged under the relay's name, the one users' logging configuration knows.
 logger = logging.getLogger("reliable_messaging.relay")
@@ -106,36 +103,13 @@ class ConsumerTopology:
         """Declaring thread: declare on a connection of its own, then hand the outcome to the
         I/O loop."""
         try:
-            outcome = self._declare_on_a_connection()
+            outcome = declare_tolerantly(
+                self.specs, self.settings, name="relay (declaring)", timeout=DECLARE_WAIT
+            )
         except Exception as exc:  # never take the relay down for it
             logger.exception("relay: unexpected error while declaring the consumers' queues")
             outcome = f"unexpected error: {exc!r}"
         self.publisher.post(lambda: self._finished(generation, outcome))
-
-    def _declare_on_a_connection(self) -> dict[str, str] | str:
-        """The mismatches found (queue or exchange: what differs), or why nothing could be
-        declared."""
-        try:
-            connection = connect(self.settings, "relay (declaring)", timeout=DECLARE_WAIT)
-        except CONNECTION_ERRORS as exc:
-            return f"the broker could not be reached ({describe_broker_error(exc, self.settings)})"
-        try:
-            declared = declare_topology(
-                connection.channel(), self.specs, self.settings, tolerate_mismatch=True
-            )
-            return declared.mismatched
-        except TopologyMismatchError as exc:  # the consistent-hash plugin is missing
-            return str(exc)
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            return f"the broker refused: {exc.reply_code} {exc.reply_text}"
-        except CONNECTION_ERRORS as exc:
-            return f"the connection was lost ({describe_broker_error(exc, self.settings)})"
-        finally:
-            if connection.is_open:
-                try:
-                    connection.close()
-                except CONNECTION_ERRORS:
-                    logger.debug("closing the declaring connection failed", exc_info=True)
 
     # -- back on the I/O loop ---------------------------------------------------------------
 
