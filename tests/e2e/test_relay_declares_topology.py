@@ -227,3 +227,49 @@ def test_relay_declares_topology_false_leaves_the_declaring_to_consume(
     assert statuses(later) == {later: OutboxStatus.SENT}
     assert queue_counts(solo.queue) == (1, 0)
     assert relay.health.notes() == []
+
+
+def test_a_relay_declares_again_after_a_reconnect(ns: str, rm_settings: dict[str, Any]) -> None:
+    """A broker restart or a new node can lose what was declared: each connection declares."""
+    import threading
+
+    from django.db import connections
+
+    from reliable_messaging.core.registry import ConsumerSpec
+    from reliable_messaging.publishing.relay import OutboxRelay
+
+    solo = ConsumerSpec(
+        name="tests.solo", queue=f"{ns}.solo", handler=lambda message: None, bindings=("solo.*",)
+    )
+    relay = OutboxRelay(consumers=[solo])
+
+    def run() -> None:
+        try:
+            relay.run()
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=run, name="rm-test-relay", daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: queue_exists(solo.queue), timeout=30, message="the queue declared")
+        connection = broker_connection()
+        try:  # as a node that lost it would be
+            connection.channel().queue_delete(solo.queue)
+        finally:
+            connection.close()
+        # The relay's connection ends (the broker went away), and the relay connects again.
+        relay.publisher.post(lambda: relay.publisher.close_now("test: the broker went away"))
+        wait_until(lambda: queue_exists(solo.queue), timeout=30, message="the queue again")
+        with transaction.atomic():
+            after = publish("solo.done", {"n": 1})
+        wait_until(
+            lambda: statuses(after) == {after: OutboxStatus.SENT},
+            timeout=30,
+            message=lambda: f"the event sent to the queue: {statuses(after)}",
+        )
+        assert queue_counts(solo.queue) == (1, 0)
+    finally:
+        relay.request_stop()
+        thread.join(30)
+    assert not thread.is_alive()
