@@ -253,6 +253,12 @@ def _only_true(value: Any) -> bool:
     return value is True
 
 
+def _unless_false(value: Any) -> bool:
+    """A switch that is on by default: off for the boolean ``False`` only (a string such as
+    ``"False"`` read from an environment variable is reported by its check, and leaves it on)."""
+    return value is not False
+
+
 def _optional_str(value: Any) -> str | None:
     return None if value is None else str(value)
 
@@ -599,6 +605,16 @@ class MessagingSettings:
         float,
         "seconds to wait for a batch's confirms before trying the rows again",
         seconds(10, hint="e.g. 30"),
+    )
+    relay_declares_topology = Setting(
+        "RELAY_DECLARES_TOPOLOGY",
+        True,
+        _unless_false,
+        "the relay declares the queues and bindings of every registered consumer before it "
+        "sends (see [What the relay declares](../deploy.md#what-the-relay-declares)), so an "
+        "event is never `unrouted` because `consume` started later. `False` for a relay whose "
+        "broker user may not configure the vhost: then start `consume` first",
+        boolean(54, hint="True (the default) or False."),
     )
     outbox_max_attempts = Setting(
         "OUTBOX_MAX_ATTEMPTS",

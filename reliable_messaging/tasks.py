@@ -26,6 +26,7 @@ except ImportError as exc:  # the "celery" extra is not installed
     raise MissingExtra("reliable_messaging.relay_outbox", "celery", "celery") from exc
 from django.db import router
 
+from .core.registry import registry
 from .models import OutboxMessage
 from .publishing.relay import OutboxRelay
 from .storage.partitions import OUTBOX, ensure_partitions
@@ -38,7 +39,11 @@ def relay_outbox(max_seconds: float = 50.0, batch_size: int | None = None) -> di
     # catalog read when they exist.
     ensure_partitions(router.db_for_write(OutboxMessage), spec=OUTBOX)
     report = OutboxRelay(
-        once=True, max_seconds=max_seconds, batch_size=batch_size, listen=False
+        once=True,
+        max_seconds=max_seconds,
+        batch_size=batch_size,
+        listen=False,
+        consumers=registry.all(),  # declared before it sends, as `manage.py relay` does
     ).run()
     return {
         "sent": report.sent,

@@ -152,6 +152,9 @@ class Declared:
 
     channel: BlockingChannel
     unavailable: dict[str, str] = field(default_factory=dict)
+    # With ``tolerate_mismatch``: each object the broker has with other arguments, and what
+    # differs (the text of the :class:`TopologyMismatchError` it would have raised).
+    mismatched: dict[str, str] = field(default_factory=dict)
 
 
 class _Declarer:
@@ -159,11 +162,48 @@ class _Declarer:
     cannot serve now (404: a classic queue whose home node is down): that queue is noted
     unavailable and the rest is declared. Any other refusal is the connection's failure."""
 
-    def __init__(self, channel: BlockingChannel, known: Collection[str] = ()) -> None:
+    def __init__(
+        self,
+        channel: BlockingChannel,
+        known: Collection[str] = (),
+        *,
+        tolerate_mismatch: bool = False,
+    ) -> None:
         self.channel = channel
         self.unavailable: dict[str, str] = {}
         # Already reported unavailable: tried again quietly.
         self.known = frozenset(known)
+        self.tolerate_mismatch = tolerate_mismatch
+        self.mismatched: dict[str, str] = {}
+
+    def _mismatched(
+        self,
+        kind: str,
+        name: str,
+        exc: pika.exceptions.ChannelClosedByBroker,
+        wanted: dict[str, Any],
+    ) -> None:
+        """Raise what the broker's refusal means or, when mismatches are tolerated and this is
+        one, note it and go on on a new channel (the broker closed this one): the object exists,
+        with the arguments it was first declared with."""
+        error = _mismatch(kind, name, exc, wanted)
+        if not (self.tolerate_mismatch and isinstance(error, TopologyMismatchError)):
+            raise error from exc
+        self.mismatched[name] = str(error)
+        self.channel = self.channel.connection.channel()
+
+    def exchange(
+        self,
+        kind: str,
+        name: str,
+        wanted: dict[str, Any],
+        declare: Callable[[BlockingChannel], object],
+    ) -> None:
+        """Run ``declare`` for exchange ``name``."""
+        try:
+            declare(self.channel)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            self._mismatched(kind, name, exc, wanted)
 
     def queue(
         self,
@@ -171,13 +211,21 @@ class _Declarer:
         name: str,
         wanted: dict[str, Any],
         declare: Callable[[BlockingChannel], object],
+        bind: Callable[[BlockingChannel], object] | None = None,
     ) -> bool:
-        """Run ``declare`` for queue ``name``; False when the queue is unavailable now."""
+        """Run ``declare`` for queue ``name``, then ``bind``; False when the queue is
+        unavailable now. A queue that exists with other arguments is bound all the same when
+        mismatches are tolerated: what is routed to it keeps reaching it."""
         try:
-            declare(self.channel)
+            try:
+                declare(self.channel)
+            except pika.exceptions.ChannelClosedByBroker as exc:
+                if exc.reply_code != PRECONDITION_FAILED:
+                    raise
+                self._mismatched(kind, name, exc, wanted)
+            if bind is not None:
+                bind(self.channel)
         except pika.exceptions.ChannelClosedByBroker as exc:
-            if exc.reply_code == PRECONDITION_FAILED:
-                raise _mismatch(kind, name, exc, wanted) from exc
             if exc.reply_code != NOT_FOUND:
                 raise  # refused (403), locked (405)...: the broker's answer for every queue
             self.channel = self.channel.connection.channel()
@@ -201,18 +249,21 @@ def declare_topology(
     settings: MessagingSettings = messaging_settings,
     *,
     known_unavailable: Collection[str] = (),
+    tolerate_mismatch: bool = False,
 ) -> Declared:
     """Declare (idempotently) everything the given consumers need. A declaration that conflicts
-    with what the broker has raises :class:`TopologyMismatchError` saying what differs; a
-    queue the broker cannot serve now (its node down) is left out and named in the result, so
-    the consumer can consume the rest and try it again."""
+    with what the broker has raises :class:`TopologyMismatchError` saying what differs (with
+    ``tolerate_mismatch``, the relay's way, it is named in the result instead and the rest is
+    declared); a queue the broker cannot serve now (its node down) is left out and named in the
+    result, so the consumer can consume the rest and try it again."""
     specs = list(specs)
+    declarer = _Declarer(channel, known_unavailable, tolerate_mismatch=tolerate_mismatch)
     for exchange in sorted({consumer_exchange(s, settings) for s in specs} | {settings.exchange}):
-        try:
+
+        def declare_exchange(channel: BlockingChannel, exchange: str = exchange) -> None:
             channel.exchange_declare(exchange, exchange_type="topic", durable=True)
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            raise _mismatch("exchange", exchange, exc, {"type": "topic"}) from exc
-    declarer = _Declarer(channel, known_unavailable)
+
+        declarer.exchange("exchange", exchange, {"type": "topic"}, declare_exchange)
     for spec in specs:
         dead_letter_to = _declare_dead_letter_queue(declarer, spec, settings)
         if spec.ordered:
@@ -228,10 +279,12 @@ def declare_topology(
             arguments: dict[str, Any] = arguments,
         ) -> None:
             channel.queue_declare(spec.queue, durable=True, arguments=arguments)
+
+        def bind(channel: BlockingChannel, spec: ConsumerSpec = spec) -> None:
             for binding in spec.bindings:
                 channel.queue_bind(spec.queue, consumer_exchange(spec, settings), binding)
 
-        declarer.queue("queue", spec.queue, arguments, declare)
+        declarer.queue("queue", spec.queue, arguments, declare, bind)
     for delay in all_delays(specs, settings):
         _declare_delay_queue(declarer, delay, settings)
     log = logger.debug if declarer.unavailable and declarer.known else logger.info
@@ -243,7 +296,7 @@ def declare_topology(
         if declarer.unavailable
         else "",
     )
-    return Declared(declarer.channel, declarer.unavailable)
+    return Declared(declarer.channel, declarer.unavailable, declarer.mismatched)
 
 
 def delay_queue_arguments(
@@ -271,10 +324,12 @@ def delay_queue_arguments(
 def _declare_delay_queue(declarer: _Declarer, delay: float, settings: MessagingSettings) -> None:
     name = delay_exchange_name(delay, settings)
     arguments = delay_queue_arguments(delay, settings)
-    try:
-        declarer.channel.exchange_declare(name, exchange_type="fanout", durable=True)
-    except pika.exceptions.ChannelClosedByBroker as exc:
-        raise _mismatch("delay exchange", name, exc, {"type": "fanout"}) from exc
+    declarer.exchange(
+        "delay exchange",
+        name,
+        {"type": "fanout"},
+        lambda channel: channel.exchange_declare(name, exchange_type="fanout", durable=True),
+    )
     probe = declarer.channel.connection.channel()
     try:
         probe.queue_declare(name, durable=True, arguments=arguments)
@@ -394,17 +449,21 @@ def _declare_partitions(
 ) -> None:
     exchange = partition_exchange(spec)
     hashing = {"hash-header": ORDERING_KEY_HEADER}
-    channel = declarer.channel
     try:
-        channel.exchange_declare(
-            exchange, exchange_type="x-consistent-hash", durable=True, arguments=hashing
+        declarer.exchange(
+            "exchange",
+            exchange,
+            hashing,
+            lambda channel: channel.exchange_declare(
+                exchange, exchange_type="x-consistent-hash", durable=True, arguments=hashing
+            ),
         )
-    except pika.exceptions.ChannelClosedByBroker as exc:
-        raise _mismatch("exchange", exchange, exc, hashing) from exc
     except pika.exceptions.ConnectionClosedByBroker as exc:
         raise _missing_plugin(exc) from exc
     for binding in spec.bindings:
-        channel.exchange_bind(exchange, consumer_exchange(spec, settings), routing_key=binding)
+        declarer.channel.exchange_bind(
+            exchange, consumer_exchange(spec, settings), routing_key=binding
+        )
     for queue in consumer_queues(spec, settings):
         arguments = _arguments_the_broker_takes(
             declarer.channel,
@@ -416,10 +475,12 @@ def _declare_partitions(
             channel: BlockingChannel, queue: str = queue, arguments: dict[str, Any] = arguments
         ) -> None:
             channel.queue_declare(queue, durable=True, arguments=arguments)
+
+        def bind(channel: BlockingChannel, queue: str = queue) -> None:
             # Equal weights: the binding key of a consistent-hash exchange is the queue's weight.
             channel.queue_bind(queue, exchange, routing_key="1")
 
-        declarer.queue("queue", queue, arguments, declare)
+        declarer.queue("queue", queue, arguments, declare, bind)
 
 
 def broker_host(url: str) -> str:

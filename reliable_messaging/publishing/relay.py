@@ -18,7 +18,7 @@ import datetime as dt
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from django.db import connections, router
@@ -28,9 +28,11 @@ from ..broker.publisher import ChannelClosed, ConfirmingPublisher, Returned
 from ..conf import MessagingSettings, messaging_settings
 from ..core.backoff import Backoff
 from ..core.liveness import HealthState
+from ..core.registry import ConsumerSpec
 from ..models import OutboxMessage
 from . import wake_after_commit
 from .claims import OutboxClaims
+from .consumer_topology import ConsumerTopology
 from .in_flight import InFlight
 from .listener import WakeUps
 from .scheduling import MAX_IN_FLIGHT, ClaimScheduler
@@ -77,6 +79,8 @@ class RelayReport:
 class OutboxRelay:
     """Publishes the outbox until stopped; with ``once`` until nothing is pending.
 
+    ``consumers``: the consumers whose queues and bindings it declares on each connection
+    before it sends (:mod:`.consumer_topology`); ``manage.py relay`` gives every registered one.
     The events of its :class:`ConfirmingPublisher` (``on_ready``, ``on_confirm``, ...) and its
     timers run on the I/O loop; the ``*_job`` methods run on a database worker."""
 
@@ -90,6 +94,7 @@ class OutboxRelay:
         settings: MessagingSettings = messaging_settings,
         on_batch: Callable[[RelayReport], None] | None = None,
         health: HealthState | None = None,
+        consumers: Iterable[ConsumerSpec] = (),
     ) -> None:
         self.settings = settings
         self.batch_size = batch_size or settings.relay_batch_size
@@ -128,6 +133,9 @@ class OutboxRelay:
             send_probe=wake_after_commit.sender.probe,
             health=self.health,
         )
+        self.topology = ConsumerTopology(
+            consumers, publisher=self.publisher, settings=settings, health=self.health
+        )
         self.scheduler = ClaimScheduler(
             publisher=self.publisher,
             claims=self.claims,
@@ -136,7 +144,9 @@ class OutboxRelay:
             health=self.health,
             settings=settings,
             stopping=lambda: self._stop_requested or self._past_deadline(),
-            blocked=lambda: self._blocked,
+            # No claim while the broker blocks the connection, nor before the consumers' queues
+            # are declared on it: the unblock, or the declaration's end, schedules the next one.
+            blocked=lambda: self._blocked or self.topology.declaring,
             on_nothing_due=self._on_nothing_due,
         )
         self._watch_timer: object = None
@@ -177,6 +187,7 @@ class OutboxRelay:
             self.in_flight.probe.close()
             self._after_loop()
             self.scheduler.close()
+            self.topology.close()
         counts = self.claims.backlog()
         if counts is not None:
             (self.report.left_pending, self.report.left_retrying, self.report.left_failed) = counts
@@ -212,7 +223,8 @@ class OutboxRelay:
         self._reconnect.reset()
         self.health.set_broker(True)
         self._watch()
-        self.scheduler.schedule(0)
+        # The first claim of a connection waits for the consumers' queues to be declared.
+        self.topology.before_sending(lambda: self.scheduler.schedule(0))
 
     def on_connect_failed(self, error: str) -> None:
         self.health.set_broker(False)
@@ -222,6 +234,7 @@ class OutboxRelay:
         self._set_blocked(False)
         self.in_flight.abort(f"connection closed: {reason}")
         self._cancel_timers()
+        self.topology.connection_lost()
         if not (self._finished or self._stop_requested):
             logger.warning("relay: broker connection closed: %s", reason)
 

@@ -186,3 +186,11 @@ def delta(message: Message) -> None:
 )
 def epsilon(message: Message) -> None:
     behave("epsilon", message)
+
+
+if os.environ.get("RM_TEST_EXTRA_CONSUMER"):
+    # A handler a later deploy adds (tests/e2e/test_relay_declares_topology.py): registered
+    # only in the processes of that deploy, which set the variable.
+    @consumer(f"{NAMESPACE}.zeta", bindings=["invoice.*"], name="tests.zeta")
+    def zeta(message: Message) -> None:
+        behave("zeta", message)

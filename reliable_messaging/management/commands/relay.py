@@ -13,6 +13,7 @@ from django.db import router
 from reliable_messaging.broker.inspection import log_body_limit_in_background
 from reliable_messaging.core import announcements
 from reliable_messaging.core.liveness import HealthCheck, HealthGroup, HealthState
+from reliable_messaging.core.registry import registry
 from reliable_messaging.dead_letters.operation_process import OperationProcess
 from reliable_messaging.dead_letters.operations import run_pending_operations
 from reliable_messaging.management.keepalive import keep_database_alive
@@ -85,9 +86,14 @@ class Command(BaseCommand):
             raise CommandError("--operation-batch-size must not be negative")
         keep_database_alive()
         announcements.quiet_pika_info()
+        # Each lane declares the queues and bindings of every consumer registered in this
+        # project before it sends, so that no start order loses an event to `unrouted`.
         relays = [
             OutboxRelay(
-                batch_size=options["batch_size"], once=options["once"], health=HealthState()
+                batch_size=options["batch_size"],
+                once=options["once"],
+                health=HealthState(),
+                consumers=registry.all(),
             )
             for _ in range(options["lanes"])
         ]

@@ -63,3 +63,43 @@ def test_ordered_consumer_declares_hashed_single_active_partitions(
             "x-single-active-consumer": True,
         }
     assert queue_arguments(f"{ns}.alpha") is None  # no queue of the plain name
+
+
+def test_a_tolerated_mismatch_is_named_and_the_queue_bound_while_the_rest_is_declared(
+    ns: str, rm_settings: dict[str, Any]
+) -> None:
+    """The relay's way: a queue another version declared differently does not stop the rest."""
+    import pika
+
+    from tests.support import queue_exists, ready_count
+
+    beta = ConsumerSpec(
+        name=f"{ns}.beta", queue=f"{ns}.beta", handler=lambda message: None, bindings=("order.*",)
+    )
+    connection = broker_connection()
+    try:
+        connection.channel().queue_declare(
+            f"{ns}.alpha", durable=True, arguments={"x-max-length": 999}
+        )
+        with pytest.raises(TopologyMismatchError):
+            declare_topology(connection.channel(), [spec(ns), beta], messaging_settings)
+        declared = declare_topology(
+            connection.channel(), [spec(ns), beta], messaging_settings, tolerate_mismatch=True
+        )
+        assert list(declared.mismatched) == [f"{ns}.alpha"]
+        assert "x-max-length" in declared.mismatched[f"{ns}.alpha"]
+        assert declared.channel.is_open
+        channel = connection.channel()
+        channel.confirm_delivery()
+        channel.basic_publish(
+            rm_settings["EXCHANGE"],
+            "order.placed",
+            b"{}",
+            pika.BasicProperties(delivery_mode=2),
+            mandatory=True,
+        )
+    finally:
+        if connection.is_open:
+            connection.close()
+    assert queue_exists(f"{ns}.beta")
+    assert ready_count(f"{ns}.alpha") == 1 and ready_count(f"{ns}.beta") == 1

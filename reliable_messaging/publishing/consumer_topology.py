@@ -1,0 +1,172 @@
+"""The registered consumers' queues and bindings, declared by the relay before it sends.
+
+On each new connection, before its first claim, the relay declares what ``consume`` declares
+for every consumer of the project, with the same code
+(:func:`~reliable_messaging.broker.declaring.declare_tolerantly`), on a connection and a thread
+of its own so that its I/O loop goes on meanwhile. Never fatal: argument drift is reported and
+the queue bound all the same; a refusal or a silent broker is reported and the relay sends
+anyway, after :data:`DECLARE_WAIT` seconds at most.
+``docs/design.md#the-relay-declares-the-consumers-topology`` explains why.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+
+from ..broker.declaring import declare_tolerantly
+from ..broker.publisher import ConfirmingPublisher
+from ..broker.topology import consumer_queues
+from ..conf import MessagingSettings
+from ..core.liveness import HealthState
+from ..core.registry import ConsumerSpec
+
+# Logged under the relay's name, the one users' logging configuration knows.
+logger = logging.getLogger("reliable_messaging.relay")
+
+# Seconds the relay waits for the declaration before it sends anyway; also the timeout of the
+# declaring connection's connect. A declaration takes milliseconds a queue.
+DECLARE_WAIT = 30.0
+# The /healthz notes this module sets.
+DRIFT_NOTE = "topology_drift"
+UNDECLARED_NOTE = "topology_not_declared"
+
+
+class ConsumerTopology:
+    """Declares ``specs``' topology once per relay connection, before its first claim.
+
+    Every method runs on the relay's I/O loop, except :meth:`_declare`, which runs on a thread
+    of its own and hands its outcome back with ``publisher.post``."""
+
+    def __init__(
+        self,
+        specs: Iterable[ConsumerSpec],
+        *,
+        publisher: ConfirmingPublisher,
+        settings: MessagingSettings,
+        health: HealthState,
+    ) -> None:
+        self.specs = list(specs)
+        self.publisher = publisher
+        self.settings = settings
+        self.health = health
+        # The connection being declared for; an outcome of an earlier one is ignored.
+        self._generation = 0
+        self._declared = False  # for the current connection (or given up on)
+        self._then: Callable[[], None] | None = None
+        self._timer: object = None
+        self._threads: list[threading.Thread] = []
+        # Objects already reported at ERROR: a reconnect says them again at DEBUG only.
+        self._reported: set[str] = set()
+
+    @property
+    def declaring(self) -> bool:
+        """A declaration for this connection is under way: no claim may start."""
+        return self._then is not None
+
+    def before_sending(self, then: Callable[[], None]) -> None:
+        """A channel is ready: call ``then`` once this connection's declaration is done (at
+        once when it is, or when there is nothing to declare)."""
+        if self._declared or not self.specs or not self.settings.relay_declares_topology:
+            then()
+            return
+        started = self._then is not None
+        self._then = then
+        if started:
+            return
+        generation = self._generation
+        thread = threading.Thread(
+            target=self._declare, args=(generation,), name="rm-relay-declare", daemon=True
+        )
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+        self._timer = self.publisher.call_later(DECLARE_WAIT, lambda: self._waited(generation))
+
+    def connection_lost(self) -> None:
+        """The connection ended: the next one declares again (a broker restart or a new node
+        may have lost what this one declared)."""
+        self._generation += 1
+        self._declared = False
+        self._then = None
+        self.publisher.cancel(self._timer)
+        self._timer = None
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Wait a little for declarations still under way (the relay is stopping)."""
+        for thread in self._threads:
+            thread.join(timeout)
+
+    # -- the declaring thread ---------------------------------------------------------------
+
+    def _declare(self, generation: int) -> None:
+        """Declaring thread: declare on a connection of its own, then hand the outcome to the
+        I/O loop."""
+        try:
+            outcome = declare_tolerantly(
+                self.specs, self.settings, name="relay (declaring)", timeout=DECLARE_WAIT
+            )
+        except Exception as exc:  # never take the relay down for it
+            logger.exception("relay: unexpected error while declaring the consumers' queues")
+            outcome = f"unexpected error: {exc!r}"
+        self.publisher.post(lambda: self._finished(generation, outcome))
+
+    # -- back on the I/O loop ---------------------------------------------------------------
+
+    def _finished(self, generation: int, outcome: dict[str, str] | str) -> None:
+        if generation != self._generation:
+            return  # declared for a connection that is gone; the new one declares again
+        if isinstance(outcome, str):
+            logger.warning(
+                "relay: the queues and bindings of the registered consumers could not be "
+                "declared (%s); sending anyway, and an event no queue is bound for yet is "
+                "marked unrouted. The next connection tries again; meanwhile start consume "
+                "first, or, if the broker refused, give the relay's user the configure "
+                "permission on the vhost (or set RELAY_DECLARES_TOPOLOGY to False)",
+                outcome,
+            )
+            self.health.note(UNDECLARED_NOTE, f"consumers' queues not declared: {outcome}")
+        else:
+            self.health.note(UNDECLARED_NOTE, None)
+            self._report_mismatches(outcome)
+            queues = sum(len(consumer_queues(spec, self.settings)) for spec in self.specs)
+            logger.info(
+                "relay: declared the queues and bindings of %d registered consumer(s) "
+                "(%d queue(s)) before sending",
+                len(self.specs),
+                queues,
+            )
+        self._done()
+
+    def _report_mismatches(self, mismatched: dict[str, str]) -> None:
+        for name, what in sorted(mismatched.items()):
+            log = logger.debug if name in self._reported else logger.error
+            log("relay: %s It is used as it is (and bound); the relay goes on sending", what)
+            self._reported.add(name)
+        self.health.note(
+            DRIFT_NOTE,
+            "declared with other arguments than these settings ask for (see the relay's log "
+            f"and messaging_status --broker): {', '.join(sorted(mismatched))}"
+            if mismatched
+            else None,
+        )
+
+    def _waited(self, generation: int) -> None:
+        """I/O loop: the declaration takes longer than DECLARE_WAIT: send without it."""
+        if generation != self._generation or self._declared:
+            return
+        self._timer = None
+        logger.warning(
+            "relay: declaring the consumers' queues takes more than %gs; sending meanwhile",
+            DECLARE_WAIT,
+        )
+        self.health.note(UNDECLARED_NOTE, "consumers' queues: declaration still under way")
+        self._done()
+
+    def _done(self) -> None:
+        self._declared = True
+        self.publisher.cancel(self._timer)
+        self._timer = None
+        then, self._then = self._then, None
+        if then is not None:
+            then()
