@@ -98,13 +98,18 @@ def test_broker_restarted_twice_everyone_reconnects_by_themselves(rig: FaultRig)
         consumers = [rig.consumer(), rig.consumer()]
         relay = rig.relay()
     traffic = rig.start_traffic(450, rate=30, payload=with_slow_handlers(every=5, seconds=0.1))
-    for threshold in (60, 240):
+    for restart, threshold in enumerate((60, 240), start=1):
         traffic.wait_published(threshold)
         with broker_stopped():
             # Publishing goes on meanwhile: the rows wait in the outbox.
             traffic.wait_published(traffic.published + 30)
         # Work flows again without anyone touching the processes.
         wait_for_more_effects(20)
+        # Everyone is back before the next stop: a process whose reconnect backoff falls
+        # outside a short window between two restarts would otherwise skip one.
+        for consumer in consumers:
+            wait_log_count(consumer, "consuming ", restart + 1)
+        wait_log_count(relay, "relay: publishing the outbox", restart + 1)
     rig.assert_exactly_once(timeout=150)
     rig.assert_still_running(relay, *consumers)
     for consumer in consumers:
