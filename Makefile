@@ -16,18 +16,19 @@ MATRIX ?= 1
 TEST_WORKERS ?= 3
 # Run once more through a transaction-pooling PgBouncer (tests/conftest.py, RM_TEST_PGBOUNCER):
 # a representative part of the e2e and publishing slices: consume's life and faults, a replay,
-# publish -> relay -> consume -> publish, the relay, the wake-ups (all of both slices would add
-# about 8 minutes).
+# publish -> relay -> consume -> publish, the relay, the wake-ups, scheduled rows and their
+# cancelling (all of both slices would add about 8 minutes).
 PGBOUNCER_TESTS ?= tests/e2e/test_consume_command.py tests/e2e/test_replay_end_to_end.py \
 	tests/integration/publishing/test_publish_in_handler.py \
-	tests/integration/publishing/test_relay.py tests/integration/publishing/test_wake_after_commit.py
+	tests/integration/publishing/test_relay.py tests/integration/publishing/test_wake_after_commit.py \
+	tests/integration/publishing/test_scheduled_rows.py
 
 # Run once more against RabbitMQ 4.0.5 (scripts/rabbitmq4.sh, RM_TEST_BROKER=rabbitmq4) beside
 # the 3.10.8 of the rest, where broker versions differ: consume end to end, ordered partitions
 # (single active consumer, the consistent-hash exchange), poison messages and the crash guard,
 # quorum queues and their `.dead`, the broker closing and cancelling channels, topology, the
-# relay with its refusals and reconnects, replay, foreign producers, the management API's
-# figures (about 3 minutes in 3 workers). Then, alone, the serial tests that stop, alarm or act
+# relay with its refusals and reconnects and the consumers' topology it declares, replay,
+# foreign producers, the management API's figures (about 3 minutes in 3 workers). Then, alone, the serial tests that stop, alarm or act
 # inside that node (about 1.5 minutes; none touches PostgreSQL or the 3.10 node). The tests that
 # name both brokers themselves (test_broker_versions.py, test_inspection.py,
 # test_relay_broker_limits.py) run in the first stage.
@@ -47,7 +48,7 @@ RABBITMQ4_TESTS ?= tests/e2e/test_consume_command.py tests/e2e/test_ordering.py 
 	tests/integration/publishing/test_publish_in_handler.py \
 	tests/integration/publishing/test_publish_edges.py \
 	tests/integration/ops/test_messaging_status.py tests/integration/ops/test_consume_ops.py \
-	tests/integration/ops/test_health.py
+	tests/integration/ops/test_health.py tests/e2e/test_relay_declares_topology.py
 RABBITMQ4_SERIAL_TESTS ?= \
 	tests/faults/test_broker_closes.py::test_a_channel_the_broker_closes_mid_handler_is_noticed_and_nothing_is_lost \
 	tests/faults/test_broker_closes.py::test_healthz_is_unhealthy_while_the_broker_keeps_the_consumer_off \

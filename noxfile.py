@@ -56,6 +56,7 @@ SLICE = (
     "tests/browser",
     "tests/integration/publishing/test_publish.py",
     "tests/integration/publishing/test_relay.py",
+    "tests/integration/publishing/test_scheduled_rows.py",
     "tests/integration/consuming/test_deliver.py",
     "tests/integration/broker/test_write_coalescing.py",
     "tests/integration/test_migrations.py",
