@@ -52,6 +52,7 @@ from .core.registry import ConsumerRegistry, ConsumerSpec, registry
 from .core.routing import topic_matches
 from .core.uuid7 import new_message_id
 from .models import OutboxMessage
+from .publishing.scheduled import promote_due
 
 __all__ = [
     "Acknowledge",
@@ -127,18 +128,20 @@ def published(routing_key: str | None = None, *, using: str | None = None) -> li
     rows = OutboxMessage.objects.using(using).pending().order_by("id")
     if routing_key is not None:
         rows = rows.filter(routing_key=routing_key)
-    return [
-        Message(
-            message_id=row.message_id,
-            routing_key=row.routing_key,
-            exchange=row.exchange,
-            payload=json.loads(row.body),
-            headers=dict(row.headers),
-            published_at=row.created_at,
-            ordering_key=row.ordering_key,
-        )
-        for row in rows
-    ]
+    return [_message_of(row) for row in rows]
+
+
+def _message_of(row: OutboxMessage) -> Message:
+    """An outbox row as its handlers would see it."""
+    return Message(
+        message_id=row.message_id,
+        routing_key=row.routing_key,
+        exchange=row.exchange,
+        payload=json.loads(row.body),
+        headers=dict(row.headers),
+        published_at=row.deliver_at or row.created_at,
+        ordering_key=row.ordering_key,
+    )
 
 
 def scheduled(*, using: str | None = None) -> list[tuple[dt.datetime, Message]]:
@@ -149,37 +152,7 @@ def scheduled(*, using: str | None = None) -> list[tuple[dt.datetime, Message]]:
         .filter(status=OutboxStatus.SCHEDULED)
         .order_by("next_attempt_at", "id")
     )
-    return [
-        (
-            row.deliver_at or row.created_at,
-            Message(
-                message_id=row.message_id,
-                routing_key=row.routing_key,
-                exchange=row.exchange,
-                payload=json.loads(row.body),
-                headers=dict(row.headers),
-                published_at=row.deliver_at,
-                ordering_key=row.ordering_key,
-            ),
-        )
-        for row in rows
-    ]
-
-
-def _make_due(using: str, due_by: dt.datetime) -> None:
-    """Make pending the scheduled rows due by ``due_by``, as the relay does when they fall due:
-    under a new id, in due order."""
-    rows = list(
-        OutboxMessage.objects.using(using)
-        .filter(status=OutboxStatus.SCHEDULED, next_attempt_at__lte=due_by)
-        .order_by("next_attempt_at", "id")
-    )
-    for row in rows:
-        OutboxMessage.objects.using(using).filter(pk=row.pk).delete()
-        row.pk = None
-        row.status = OutboxStatus.PENDING
-        row.next_attempt_at = timezone.now()
-        row.save(using=using, force_insert=True)
+    return [(row.deliver_at or row.created_at, _message_of(row)) for row in rows]
 
 
 def _routes_to(row: OutboxMessage, spec: ConsumerSpec) -> bool:
@@ -206,7 +179,8 @@ def run_outbox(
     using = using or router.db_for_write(OutboxMessage)
     results: list[tuple[str, str, Outcome]] = []
     for _ in range(max_rounds):
-        _make_due(using, due_by or timezone.now())
+        while promote_due(using, due_by=due_by):  # as the relay does when they fall due
+            pass
         rows = list(OutboxMessage.objects.using(using).pending().order_by("id"))
         if not rows:
             return results

@@ -54,9 +54,10 @@ def cancel(message_id: str, using: str) -> bool:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def promote_due(using: str, limit: int = PROMOTE_CHUNK) -> int:
+def promote_due(using: str, limit: int = PROMOTE_CHUNK, due_by: dt.datetime | None = None) -> int:
     """Make up to ``limit`` due scheduled rows pending, earliest due first, each under a new id
-    (in due order); returns how many. Rows another relay is promoting are skipped."""
+    (in due order); returns how many. Rows another relay is promoting are skipped. ``due_by``
+    (the testing helpers' "a day later") replaces the database's clock."""
     connection = connections[using]
     if connection.vendor == "postgresql":
         table = connection.ops.quote_name(OutboxMessage._meta.db_table)
@@ -67,16 +68,17 @@ def promote_due(using: str, limit: int = PROMOTE_CHUNK) -> int:
                 f"UPDATE {table} o SET id = r.new_id, status = 'pending', "  # noqa: S608
                 "next_attempt_at = now() FROM ("
                 f"SELECT d.id, nextval(pg_get_serial_sequence('{table}', 'id')) AS new_id FROM ("
-                f"SELECT id FROM {table} WHERE status = 'scheduled' AND next_attempt_at <= now() "
+                f"SELECT id FROM {table} WHERE status = 'scheduled' "
+                "AND next_attempt_at <= coalesce(%s, now()) "
                 "ORDER BY next_attempt_at, id LIMIT %s FOR UPDATE SKIP LOCKED) d) r "
                 "WHERE o.id = r.id AND o.status = 'scheduled'",
-                [limit],
+                [due_by, limit],
             )
             return int(cursor.rowcount)
     with transaction.atomic(using=using):
         rows = list(
             _scheduled(using)
-            .filter(next_attempt_at__lte=Now())
+            .filter(next_attempt_at__lte=Now() if due_by is None else due_by)
             .order_by("next_attempt_at", "id")[:limit]
         )
         if not rows:

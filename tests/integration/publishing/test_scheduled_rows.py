@@ -226,3 +226,29 @@ def test_the_lag_counts_a_scheduled_message_from_its_due_time() -> None:
         next_attempt_at=ten_minutes_ago, deliver_at=ten_minutes_ago
     )
     assert 595 < outbox_lag("default") < 610
+
+
+def test_the_testing_helpers_list_scheduled_messages_and_deliver_them_once_due() -> None:
+    from reliable_messaging import Message, consumer
+    from reliable_messaging.core.registry import ConsumerRegistry
+    from reliable_messaging.testing import published, run_outbox
+    from reliable_messaging.testing import scheduled as waiting
+
+    handled: list[str] = []
+    shop = ConsumerRegistry()
+
+    @consumer("test.reminders", bindings=["order.remind"], name="test.reminders", registry=shop)
+    def remind(message: Message) -> None:
+        handled.append(message.message_id)
+
+    due = timezone.now() + dt.timedelta(days=1)
+    message_id = publish("order.remind", {"order": 7}, deliver_at=due)
+    ((listed_due, message),) = waiting()
+    assert (listed_due, message.message_id, message.published_at) == (due, message_id, due)
+    assert published() == []  # not pending until due
+    assert run_outbox(consumers=shop) == []
+    assert handled == []
+    outcomes = run_outbox(consumers=shop, due_by=due)
+    assert [(name, mid) for name, mid, _ in outcomes] == [("test.reminders", message_id)]
+    assert handled == [message_id]
+    assert waiting() == []
