@@ -18,6 +18,8 @@ SHIPPING = "shipping.ship-order"
 RECEIPTS = "receipts.send-receipt"
 TIMELINE = "timeline.record-event"
 REMINDERS = "reminders.payment-reminder"
+OFFERS = "offers.show-offer"
+OFFER_SENT = "offer.sent"
 PAYMENT_REMINDER = "payment.reminder"
 # An order not paid this long after it was placed gets a reminder (a real shop: a day).
 REMINDER_DELAY = dt.timedelta(seconds=6)
@@ -88,3 +90,10 @@ def remind_unpaid(message: Message) -> None:
     if order.payments.exists():
         return
     PaymentReminder.objects.create(order=order, due_at=message.published_at or order.created_at)
+
+
+@consumer("shop.offers", bindings=[OFFER_SENT], name=OFFERS)
+def show_offer(message: Message) -> None:
+    """Show a customer a time-limited offer. Offers are published with ``expires=...``: one that
+    reaches this handler too late is not shown at all (outcome ``expired``, no inbox row), which
+    is the point of a deadline; the inbox row of a shown one is the demo's record of it."""

@@ -20,7 +20,7 @@ from reliable_messaging.choices import DeadLetterReason, OutboxStatus
 from reliable_messaging.core.registry import registry
 from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
 
-from .consumers import BILLING, PAYMENT_REMINDER
+from .consumers import BILLING, OFFERS, PAYMENT_REMINDER
 from .models import Card, Order, Payment, PaymentReminder, TimelineEvent
 
 ORDER_PLACED = "order.placed"
@@ -33,6 +33,9 @@ class Injected:
 
     rolled_back_message_ids: tuple[str, ...]
     poison_message_id: str
+    # Offers published with a deadline that passes before consume runs, and one sent after.
+    stale_offers: tuple[str, ...] = ()
+    fresh_offers: tuple[str, ...] = ()
 
 
 class OrderEffects(NamedTuple):
@@ -77,10 +80,14 @@ class RunState:
     # Each order's timeline events, in the order the ordered consumer committed them.
     timelines: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
     order_ids: tuple[int, ...] = ()
+    fresh_offers: int = 0  # how many were sent with time to spare
     # Payment reminders: those handled, the scheduled messages the relay sent, those waiting.
     reminders: tuple[ReminderRow, ...] = ()
     reminders_sent: int = 0
     reminders_waiting: int = 0
+    # The offers the offers consumer handled (its inbox rows), of the stale and fresh ones.
+    stale_offers_shown: int = 0
+    fresh_offers_shown: int = 0
 
     @property
     def unpaid_ids(self) -> list[int]:
@@ -163,6 +170,7 @@ class RunState:
             >= len(self.order_placed_consumers)
             and self.timelines_complete
             and self.reminders_complete
+            and self.fresh_offers_shown == self.fresh_offers
             and self.outbox_pending == 0
             and not any(self.queue_depths.values())
         )
@@ -197,6 +205,7 @@ def read_state(injected: Injected, queue_depths: Mapping[str, int] | None = None
         .values_list("message_id", flat=True)
     )
     rolled_back = list(injected.rolled_back_message_ids)
+    shown = ProcessedMessage.objects.filter(consumer=OFFERS)
     return RunState(
         orders=tuple(
             OrderEffects(*row)
@@ -243,6 +252,9 @@ def read_state(injected: Injected, queue_depths: Mapping[str, int] | None = None
         reminders_waiting=OutboxMessage.objects.filter(
             routing_key=PAYMENT_REMINDER, status=OutboxStatus.SCHEDULED
         ).count(),
+        fresh_offers=len(injected.fresh_offers),
+        stale_offers_shown=shown.filter(message_id__in=injected.stale_offers).count(),
+        fresh_offers_shown=shown.filter(message_id__in=injected.fresh_offers).count(),
     )
 
 
@@ -272,6 +284,7 @@ class RunFacts:
     seconds: float
     exit_codes: Mapping[str, int]
     duplicates_skipped: int  # "duplicate message_id=..." lines in the consume logs
+    expired: int = 0  # "outcome=expired" lines in the consume logs
     unfinished: str = ""  # why the run stopped before the expected final state, if it did
     celery: CeleryFacts | None = None  # None when the run stopped before the Celery part
 
@@ -322,6 +335,17 @@ def problems(state: RunState, injected: Injected, facts: RunFacts) -> list[str]:
     early = [r for r in state.reminders if r.late < 0]
     if early:
         found.append(f"{len(early)} payment reminder(s) handled before they were due")
+    if state.stale_offers_shown:
+        found.append(f"{state.stale_offers_shown} offer(s) were shown past their deadline")
+    if facts.expired != len(injected.stale_offers):
+        found.append(
+            f"consume logged {facts.expired} expired message(s) for the "
+            f"{len(injected.stale_offers)} offers sent too late"
+        )
+    if state.fresh_offers_shown != state.fresh_offers:
+        found.append(
+            f"{state.fresh_offers_shown} of the {state.fresh_offers} offers sent in time were shown"
+        )
     if state.reminders_waiting:
         found.append(f"{state.reminders_waiting} payment reminder(s) still scheduled")
     declined = [d for d in state.dead_letters if state.is_declined_card(d)]
@@ -468,6 +492,12 @@ def summary_lines(state: RunState, injected: Injected, facts: RunFacts) -> list[
             "payment reminders (scheduled)",
             len(state.reminders),
             _reminders_text(state),
+        ),
+        _row(
+            "offers with a deadline",
+            len(injected.stale_offers) + state.fresh_offers,
+            f"{facts.expired} expired before consume ran, not shown; "
+            f"{state.fresh_offers_shown} sent in time and shown",
         ),
         _row(
             "retries (transient failures)",

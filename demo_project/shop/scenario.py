@@ -26,7 +26,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal
 from pathlib import Path
 
@@ -41,7 +41,7 @@ from reliable_messaging.core.registry import registry
 from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
 
 from .broker import DemoBroker
-from .consumers import PAYMENT_REMINDER, REMINDER_DELAY, reminder_id
+from .consumers import OFFER_SENT, PAYMENT_REMINDER, REMINDER_DELAY, reminder_id
 from .models import (
     Card,
     Order,
@@ -207,6 +207,25 @@ def inject_duplicates(placed: Sequence[PlacedOrder], count: int) -> list[PlacedO
                 ordering_key=str(p.order.pk),
             )
     return chosen
+
+
+def send_offers(count: int, expires: float) -> list[str]:
+    """Publish ``count`` time-limited offers, each valid ``expires`` seconds."""
+    return [
+        publish(OFFER_SENT, {"offer": f"10% off, {number}"}, expires=expires)
+        for number in range(count)
+    ]
+
+
+def count_expired(*logs: Path) -> int:
+    """How many deliveries consume found past their deadline, per its logs."""
+    count = 0
+    for log in logs:
+        try:
+            count += log.read_text(errors="replace").count("outcome=expired")
+        except OSError:
+            continue  # that consume never started
+    return count
 
 
 def consume_worker(name: str) -> Worker:
@@ -405,13 +424,19 @@ def run_demo(say: Say, *, timeout: float = 120.0, plan: DemoPlan | None = None) 
         duplicated = inject_duplicates(placed, plan.duplicated)
         poison_id = f"poison-{uuid.uuid4()}"
         broker.publish_raw(ORDER_PLACED, b"{not json", message_id=poison_id)
-        injected = Injected(tuple(rolled_back), poison_id)
+        # Offers valid half a second, published before any worker runs: too late by the time
+        # consume starts, so they expire unhandled; the one sent with the workers running is
+        # shown.
+        stale = send_offers(2, expires=0.5)
+        injected = Injected(tuple(rolled_back), poison_id, stale_offers=tuple(stale))
         say(
             f"Placed {len(placed)} orders and rolled back {len(rolled_back)}; published "
-            f"{len(duplicated)} of them twice and one message that is not JSON"
+            f"{len(duplicated)} of them twice, one message that is not JSON and "
+            f"{len(stale)} offers valid for half a second"
         )
 
         workers = start_workers()
+        injected = replace(injected, fresh_offers=tuple(send_offers(1, expires=60)))
         say(f"Running manage.py relay and consume (logs in {LOG_DIR}) until all is settled")
         try:
             unfinished = wait_until_complete(broker, injected, workers, timeout, say)
@@ -435,6 +460,7 @@ def run_demo(say: Say, *, timeout: float = 120.0, plan: DemoPlan | None = None) 
         duplicates_skipped=count_skipped_duplicates(
             LOG_DIR / "consume.log", LOG_DIR / "consume-2.log"
         ),
+        expired=count_expired(LOG_DIR / "consume.log", LOG_DIR / "consume-2.log"),
         unfinished=unfinished,
         celery=celery_facts,
     )
