@@ -217,17 +217,6 @@ def send_offers(count: int, expires: float) -> list[str]:
     ]
 
 
-def count_expired(*logs: Path) -> int:
-    """How many deliveries consume found past their deadline, per its logs."""
-    count = 0
-    for log in logs:
-        try:
-            count += log.read_text(errors="replace").count("outcome=expired")
-        except OSError:
-            continue  # that consume never started
-    return count
-
-
 def consume_worker(name: str) -> Worker:
     # SQLite has a single writer: more handler threads would only queue for its lock.
     concurrency = 1 if connection.vendor == "sqlite" else 4
@@ -280,14 +269,15 @@ def ensure_admin_user() -> None:
     user.save()
 
 
-def count_skipped_duplicates(*logs: Path) -> int:
-    """How many deliveries the inbox recognised as already processed, per consume's logs."""
+def count_in_logs(text: str, *logs: Path) -> int:
+    """How many times consume's logs say ``text`` (a log that does not exist: that consume
+    never started)."""
     count = 0
     for log in logs:
         try:
-            count += log.read_text(errors="replace").count("duplicate message_id=")
+            count += log.read_text(errors="replace").count(text)
         except OSError:
-            continue  # that consume never started
+            continue
     return count
 
 
@@ -454,13 +444,13 @@ def run_demo(say: Say, *, timeout: float = 120.0, plan: DemoPlan | None = None) 
         broker.close()
     ensure_admin_user()
 
+    consume_logs = (LOG_DIR / "consume.log", LOG_DIR / "consume-2.log")
     facts = RunFacts(
         seconds=time.monotonic() - started,
         exit_codes=exit_codes,
-        duplicates_skipped=count_skipped_duplicates(
-            LOG_DIR / "consume.log", LOG_DIR / "consume-2.log"
-        ),
-        expired=count_expired(LOG_DIR / "consume.log", LOG_DIR / "consume-2.log"),
+        # Each delivery the inbox recognised as processed, and each past its deadline.
+        duplicates_skipped=count_in_logs("duplicate message_id=", *consume_logs),
+        expired=count_in_logs("outcome=expired", *consume_logs),
         unfinished=unfinished,
         celery=celery_facts,
     )

@@ -288,7 +288,7 @@ class ClaimScheduler:
         # A scheduled row: at its due time, whatever the poll (a NOTIFY wakes the relay for
         # one published meanwhile, and this looks again).
         scheduled_in = self.claims.next_scheduled_in()
+        self._note_scheduled(scheduled_in)
         if scheduled_in is not None:
             poll = min(poll, scheduled_in)
-            self._next_promote = time.monotonic() + scheduled_in
         return min(poll, max(0.0, self._next_sweep - time.monotonic()))
