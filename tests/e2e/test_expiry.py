@@ -12,8 +12,6 @@ epsilon keeps expired messages as dead letters).
 from __future__ import annotations
 
 import io
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -31,9 +29,11 @@ from reliable_messaging.core.envelope import EXPIRES_AT_HEADER, PUBLISHED_AT_HEA
 from reliable_messaging.models import DeadLetter, ProcessedMessage
 from tests.conftest import subprocess_env
 from tests.integration.ops.conftest import free_port
-from tests.support import MANAGE, ROOT, ConsumeProcess, Publisher, drained, wait_until
+from tests.support import ConsumeProcess, Publisher, drained, wait_until
 from tests.testapp.models import Effect
 from tests.trace_file import read_spans
+
+from .test_replay_routing import relay_once
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
 
@@ -77,19 +77,6 @@ def consumers(ns: str, tmp_path: Path) -> Iterator[Consumers]:
         yield running
     finally:
         running.close()
-
-
-def relay_once(ns: str) -> None:
-    relay = subprocess.run(
-        [sys.executable, str(MANAGE), "relay", "--once", "--settings", "tests.settings"],
-        cwd=ROOT,
-        env=subprocess_env(ns),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert relay.returncode == 0, relay.stdout + relay.stderr
 
 
 def outcomes(port: int, consumer: str) -> dict[str, float]:
