@@ -146,7 +146,10 @@ def queue_counts(queue: str, vhost: str = "/") -> tuple[int, int] | None:
 
 
 def all_queue_counts(vhost: str = "/") -> dict[str, tuple[int, int]]:
-    """{queue: (ready, unacknowledged)} for every queue of ``vhost``, in one rabbitmqctl call."""
+    """{queue: (ready, unacknowledged)} for every queue of ``vhost``, in one rabbitmqctl call.
+
+    A queue whose counts the broker leaves blank (RabbitMQ 4.0 does while a queue it has just
+    declared starts) is left out, as if not there yet."""
     out = rabbitmqctl(
         "list_queues",
         "-p",
@@ -159,7 +162,7 @@ def all_queue_counts(vhost: str = "/") -> dict[str, tuple[int, int]]:
     counts: dict[str, tuple[int, int]] = {}
     for line in out.splitlines():
         fields = line.split("\t")
-        if len(fields) == 3:
+        if len(fields) == 3 and fields[1].isdigit() and fields[2].isdigit():
             counts[fields[0]] = (int(fields[1]), int(fields[2]))
     return counts
 

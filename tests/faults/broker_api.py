@@ -88,7 +88,7 @@ def queue_consumers(vhost: str) -> dict[str, int]:
     counts: dict[str, int] = {}
     for line in out.splitlines():
         fields = line.split("\t")
-        if len(fields) == 2:
+        if len(fields) == 2 and fields[1].isdigit():  # blank while a 4.0 queue starts
             counts[fields[0]] = int(fields[1])
     return counts
 
