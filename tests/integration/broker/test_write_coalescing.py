@@ -26,15 +26,20 @@ def publish_burst(queue: str, payloads: list[bytes]) -> dict[str, Any]:
     """Publish every payload in one go on a SelectConnection with confirms, coalesce what pika
     buffered, and wait for every confirm. Returns what coalesce_writes saw and the confirms."""
     seen: dict[str, Any] = {"buffers": 0, "acked": 0, "nacked": 0, "error": None}
+    settled: set[int] = set()
 
     def on_open(connection: pika.SelectConnection) -> None:
         connection.channel(on_open_callback=on_channel)
 
     def on_channel(channel: pika.channel.Channel) -> None:
         def on_confirm(frame: Any) -> None:
+            # Confirms may come out of order: RabbitMQ 4.0 acks the small messages after a
+            # large one first, then the large one with a multiple ack.
             method = frame.method
-            count = method.delivery_tag - seen["acked"] - seen["nacked"] if method.multiple else 1
-            seen["nacked" if isinstance(method, pika.spec.Basic.Nack) else "acked"] += count
+            tag = method.delivery_tag
+            fresh = set(range(1, tag + 1) if method.multiple else (tag,)) - settled
+            settled.update(fresh)
+            seen["nacked" if isinstance(method, pika.spec.Basic.Nack) else "acked"] += len(fresh)
             if seen["acked"] + seen["nacked"] >= len(payloads):
                 channel.connection.close()
 
