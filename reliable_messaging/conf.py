@@ -413,9 +413,9 @@ class MessagingSettings:
         "QUEUE_TYPE",
         "classic",
         str,
-        "`classic` or `quorum` for consumer queues and the retry delay queues, always declared "
-        "with this type whatever the vhost's default (quorum queues get `x-delivery-limit`; "
-        "quorum delay queues dead-letter at least once)",
+        "`classic` or `quorum` for the consumer queues, always declared with this type whatever "
+        "the vhost's default (quorum queues get `x-delivery-limit`). The retry delay queues are "
+        "quorum queues that dead-letter at least once on either type",
         one_of(8, ("classic", "quorum"), hint="Use 'quorum' for replicated queues."),
     )
     # Each batch commits its deliveries in one transaction (savepoints only after a handler of

@@ -400,9 +400,11 @@ def _queue_findings(
 
 
 def _type_findings(facts: QueueFacts, vhost: str, expected: Expectations) -> list[Finding]:
+    name = facts.queue.name
+    if facts.queue.kind == "delay":
+        return _delay_type_findings(facts, vhost)
     if facts.type == expected.queue_type:
         return []
-    name = facts.queue.name
     if facts.type == "stream":
         return [
             Finding(
@@ -417,11 +419,6 @@ def _type_findings(facts: QueueFacts, vhost: str, expected: Expectations) -> lis
         ]
     if facts.type == "classic":
         what = "it is not replicated: a lost node takes its messages with it"
-    elif facts.queue.kind == "delay":
-        what = (
-            "without x-dead-letter-strategy at-least-once it hands expired retry copies on at "
-            "most once, so a copy the consumer's queue does not take in is lost"
-        )
     else:
         what = (
             "the broker counts its deliveries and, past the delivery limit, dead-letters or "
@@ -436,6 +433,39 @@ def _type_findings(facts: QueueFacts, vhost: str, expected: Expectations) -> lis
             f"{what}",
             f"set QUEUE_TYPE = {facts.type!r}, or move the queue to {expected.queue_type} as "
             "docs/quorum-migration.md says (drain, delete, let consume declare it)",
+        )
+    ]
+
+
+def _delay_type_findings(facts: QueueFacts, vhost: str) -> list[Finding]:
+    """A delay queue is a quorum queue with at-least-once dead-lettering on every QUEUE_TYPE."""
+    strategy = effective(facts, "dead-letter-strategy")
+    overflow = effective(facts, "overflow")
+    if facts.type == "quorum" and strategy == "at-least-once" and overflow == "reject-publish":
+        return []
+    name = facts.queue.name
+    if facts.type != "quorum":
+        what = f"is a {facts.type} queue"
+    elif strategy != "at-least-once":
+        what = (
+            f"dead-letters {strategy or 'at-most-once'} ({_source(facts, 'dead-letter-strategy')})"
+        )
+    else:
+        what = (
+            f"has overflow {overflow or 'drop-head'}, which turns at-least-once dead-lettering "
+            f"off ({_source(facts, 'overflow')})"
+        )
+    return [
+        Finding(
+            "warning",
+            "queue-type",
+            name,
+            f"delay queue {name} {what}: it hands expired retry copies on at most once, so a "
+            "copy that comes due while its consumer's queue cannot take it in (deleted, its "
+            "node down, the broker stopping) is lost",
+            f"replace it: unbind it from exchange {name}, wait for it to empty, delete it "
+            f"(rabbitmqctl delete_queue -p {shlex.quote(vhost)} {shlex.quote(name)}) and "
+            "restart a consumer, which declares it as a quorum queue",
         )
     ]
 

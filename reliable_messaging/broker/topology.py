@@ -299,31 +299,28 @@ def declare_topology(
     return Declared(declarer.channel, declarer.unavailable, declarer.mismatched)
 
 
-def delay_queue_arguments(
-    delay: float, settings: MessagingSettings = messaging_settings
-) -> dict[str, Any]:
+def delay_queue_arguments(delay: float) -> dict[str, Any]:
     """A delay queue: messages expire after ``delay`` into the default exchange, under the
     routing key they were published with (the failed consumer's queue).
 
-    With ``QUEUE_TYPE = "quorum"`` the delay queues are quorum queues too, so a retry waiting
-    in one survives the loss of any one node, and their dead-lettering is at-least-once: the
-    broker keeps an expired message until the consumer's queue has confirmed it (RabbitMQ
-    3.10+, which needs ``x-overflow: reject-publish`` for it), never dropping it on the way.
+    Always a quorum queue, whatever ``QUEUE_TYPE``, with at-least-once dead-lettering (RabbitMQ
+    3.10+, which needs ``x-overflow: reject-publish`` for it): the broker keeps an expired copy
+    until the consumer's queue has confirmed it. A classic queue hands it on at most once, so a
+    copy that comes due while that queue cannot take it in (deleted, its node down, the broker
+    stopping) would be lost. ``docs/design.md#delay-queues-are-quorum-queues`` explains.
     """
-    arguments: dict[str, Any] = {
-        "x-queue-type": settings.queue_type,
+    return {
+        "x-queue-type": "quorum",
         "x-message-ttl": round(delay * 1000),
         "x-dead-letter-exchange": "",
+        "x-dead-letter-strategy": "at-least-once",
+        "x-overflow": "reject-publish",
     }
-    if settings.queue_type == "quorum":
-        arguments["x-dead-letter-strategy"] = "at-least-once"
-        arguments["x-overflow"] = "reject-publish"
-    return arguments
 
 
 def _declare_delay_queue(declarer: _Declarer, delay: float, settings: MessagingSettings) -> None:
     name = delay_exchange_name(delay, settings)
-    arguments = delay_queue_arguments(delay, settings)
+    arguments = delay_queue_arguments(delay)
     declarer.exchange(
         "delay exchange",
         name,
@@ -342,17 +339,16 @@ def _declare_delay_queue(declarer: _Declarer, delay: float, settings: MessagingS
                 lambda channel: channel.queue_declare(name, durable=True, arguments=arguments),
             )
         else:
-            # Declared by an older version (or under the other QUEUE_TYPE); its name fixes its
-            # TTL, so only the type and its dead-lettering can differ. Its messages wait a few
-            # seconds at most: keep using it rather than refuse to start, and say how to move
-            # it to the wanted type.
+            # Declared by someone else (a classic queue, say); its name fixes its TTL, so only
+            # the type and its dead-lettering can differ. Its messages wait a few seconds at
+            # most: keep using it rather than refuse to start, and say how to replace it.
             logger.warning(
-                "delay queue %s exists with other arguments than QUEUE_TYPE=%r asks for (%s); "
-                "it is used as it is. To replace it: unbind it from exchange %s (management UI or "
-                "rabbitmqadmin), wait %ss for it to empty, delete it, and restart a consumer, "
-                "which declares it afresh",
+                "delay queue %s exists with other arguments than a quorum delay queue with "
+                "at-least-once dead-lettering (%s); it is used as it is, and a retry copy that "
+                "comes due while its consumer's queue cannot take it in may be lost. To replace "
+                "it: unbind it from exchange %s (management UI or rabbitmqadmin), wait %ss for it "
+                "to empty, delete it, and restart a consumer, which declares it afresh",
                 name,
-                settings.queue_type,
                 exc.reply_text,
                 name,
                 delay,

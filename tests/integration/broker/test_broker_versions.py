@@ -155,7 +155,8 @@ def test_classic_queues_stay_classic_on_a_vhost_whose_default_type_is_quorum(
     rabbitmq4: Any, ns: str, rm_settings: dict[str, Any]
 ) -> None:
     """A queue declared without ``x-queue-type`` takes the vhost's default type: quorum, with
-    the broker's delivery limit and no dead-letter target, where QUEUE_TYPE says classic."""
+    the broker's delivery limit and no dead-letter target, where QUEUE_TYPE says classic. (The
+    delay queues are quorum queues on every QUEUE_TYPE.)"""
     vhost = f"rm-{ns}"
     rabbitmq4.ctl("add_vhost", vhost, "--default-queue-type", "quorum")
     try:
@@ -177,7 +178,8 @@ def test_classic_queues_stay_classic_on_a_vhost_whose_default_type_is_quorum(
                 connection.close()
             delays = [delay_exchange_name(d) for d in all_delays([spec, ordered])]
         types = {name: q["type"] for name, q in node.queues("", vhost).items()}
-        ours = [spec.queue, *(f"{ordered.queue}.p{i}" for i in range(4)), *delays]
+        ours = [spec.queue, *(f"{ordered.queue}.p{i}" for i in range(4))]
         assert {name: types.get(name) for name in ours} == dict.fromkeys(ours, "classic")
+        assert {name: types.get(name) for name in delays} == dict.fromkeys(delays, "quorum")
     finally:
         rabbitmq4.ctl("delete_vhost", vhost)

@@ -269,7 +269,10 @@ def test_delay_queues_are_declared_with_ttl_and_dead_letter_to_the_default_excha
         assert args is not None, f"delay queue {name} missing"
         assert args["x-message-ttl"] == ttl
         assert args["x-dead-letter-exchange"] == ""
-        assert args["x-queue-type"] == "classic"  # stated: a vhost's default type is not ours
+        # Quorum on every QUEUE_TYPE: a copy is handed on at least once.
+        assert args["x-queue-type"] == "quorum"
+        assert args["x-dead-letter-strategy"] == "at-least-once"
+    # Stated: a vhost's default type is not ours.
     assert declared[f"{ns}.alpha"]["x-queue-type"] == "classic"
 
 
