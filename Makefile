@@ -28,8 +28,9 @@ PGBOUNCER_TESTS ?= tests/e2e/test_consume_command.py tests/e2e/test_replay_end_t
 # (single active consumer, the consistent-hash exchange), poison messages and the crash guard,
 # quorum queues and their `.dead`, the broker closing and cancelling channels, topology, the
 # relay with its refusals and reconnects and the consumers' topology it declares, replay,
-# foreign producers, the management API's figures (about 3 minutes in 3 workers). Then, alone, the serial tests that stop, alarm or act
-# inside that node (about 1.5 minutes; none touches PostgreSQL or the 3.10 node). The tests that
+# foreign producers, the management API's figures, delay queues that hand a retry on at least
+# once (about 4 minutes in 3 workers). Then, alone, the serial tests that stop, alarm or act
+# inside that node (about 2 minutes; none touches PostgreSQL or the 3.10 node). The tests that
 # name both brokers themselves (test_broker_versions.py, test_inspection.py,
 # test_relay_broker_limits.py) run in the first stage.
 RABBITMQ4_TESTS ?= tests/e2e/test_consume_command.py tests/e2e/test_ordering.py \
