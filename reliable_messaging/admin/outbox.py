@@ -27,7 +27,7 @@ from django.utils.translation import gettext_lazy as _
 from ..choices import OutboxStatus
 from ..managers import OutboxMessageQuerySet, waiting_since
 from ..models import OutboxMessage
-from ..publishing.scheduled import cancel
+from ..publishing.scheduled import cancel_rows
 from . import bodies, scaling
 
 
@@ -145,12 +145,10 @@ class OutboxMessageAdmin(scaling.BoundedListAdmin):
     def cancel_scheduled(self, request: HttpRequest, queryset: OutboxMessageQuerySet) -> None:
         """Cancel each selected row that still waits for its due time; the others (sent, or
         made pending meanwhile) are left alone and counted."""
-        using = queryset.db
-        chosen = list(queryset.values_list("message_id", "status"))
-        cancelled = sum(
-            cancel(message_id, using)
-            for message_id, status in chosen
-            if status == OutboxStatus.SCHEDULED
+        chosen = list(queryset.values_list("pk", "status"))
+        # By id: another row may share a selected row's message_id (publish() allows it).
+        cancelled = cancel_rows(
+            [pk for pk, status in chosen if status == OutboxStatus.SCHEDULED], queryset.db
         )
         self.message_user(
             request,

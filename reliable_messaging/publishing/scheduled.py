@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from django.db import DatabaseError, connections, transaction
@@ -42,10 +43,20 @@ def _scheduled(using: str) -> Any:
 def cancel(message_id: str, using: str) -> bool:
     """Delete the scheduled row of ``message_id`` in the caller's transaction (in a savepoint,
     so a race with the relay leaves that transaction usable). True when one was deleted."""
+    return bool(_delete_scheduled(_scheduled(using).filter(message_id=message_id), using))
+
+
+def cancel_rows(pks: Iterable[int], using: str) -> int:
+    """Delete those of the rows ``pks`` that still wait for their due time, and no other row
+    (another row may have the same message_id), as :func:`cancel` does; returns how many."""
+    return _delete_scheduled(_scheduled(using).filter(pk__in=list(pks)), using)
+
+
+def _delete_scheduled(rows: Any, using: str) -> int:
     for attempt in range(1, MOVED_TRIES + 1):
         try:
             with transaction.atomic(using=using):
-                return bool(_scheduled(using).filter(message_id=message_id)._raw_delete(using))
+                return int(rows._raw_delete(using))
         except DatabaseError as exc:
             # The relay made it pending meanwhile (PostgreSQL moved it to another partition):
             # it is being sent; the next try does not find it among the scheduled ones.

@@ -63,6 +63,23 @@ def test_the_cancel_action_cancels_waiting_rows_and_leaves_the_others(
     assert OutboxMessage.objects.get(message_id=at_once).status == OutboxStatus.PENDING
 
 
+def test_the_cancel_action_cancels_the_selected_row_only_when_two_share_a_message_id(
+    admin: Client, db: None
+) -> None:
+    shared = publish("order.remind", {"order": 5}, delay=3600)
+    publish("order.remind", {"order": 5, "again": True}, delay=7200, message_id=shared)
+    first, second = OutboxMessage.objects.filter(message_id=shared).order_by("pk")
+    response = admin.post(
+        reverse(CHANGELIST),
+        {"action": "cancel_scheduled", "_selected_action": [str(first.pk)]},
+        follow=True,
+    )
+    assert "1 scheduled message cancelled." in messages_of(response)
+    assert list(OutboxMessage.objects.filter(message_id=shared).values_list("pk", "status")) == [
+        (second.pk, OutboxStatus.SCHEDULED)
+    ]
+
+
 @postgresql_only
 def test_twenty_thousand_scheduled_rows_cost_the_pages_no_full_read(
     admin: Client, db: None
