@@ -17,9 +17,10 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from django.db import DatabaseError, connections, router
-from django.db.models import DurationField, ExpressionWrapper, F, Model
+from django.db.models import DurationField, ExpressionWrapper, F, Model, QuerySet
 from django.db.models.functions import Now
 from django.utils import timezone
 from prometheus_client.core import GaugeMetricFamily
@@ -62,6 +63,8 @@ class DatabaseStatus:
     error: str = ""
     outbox_pending: int = 0
     outbox_scheduled: int = 0  # waiting for their due time
+    # Whether outbox_scheduled is PostgreSQL's estimate of many (see scheduled_rows).
+    outbox_scheduled_estimated: bool = False
     outbox_failed: int = 0
     # Events the broker had no queue for (nobody subscribed yet): shown, never a problem.
     outbox_unrouted: int = 0
@@ -112,24 +115,39 @@ def outbox_lag(using: str) -> float:
 
 # Up to this many rows by PostgreSQL's estimate, the inbox is counted instead.
 COUNT_INBOX_UP_TO = 10_000
+# ... and the scheduled messages (their partition of the outbox).
+COUNT_SCHEDULED_UP_TO = 10_000
 
 
 def inbox_rows(alias: str) -> tuple[float, bool]:
-    """The inbox's rows, and whether that is an estimate: on PostgreSQL its statistics
-    (``reltuples``, kept by autovacuum and ANALYZE; summed over the partitions) when they say
-    more than ``COUNT_INBOX_UP_TO``, else a count; a count elsewhere. Counting a billion rows
-    would take minutes."""
+    """The inbox's rows, and whether that is an estimate (:func:`counted_or_estimated`, past
+    ``COUNT_INBOX_UP_TO``). Counting a billion rows would take minutes."""
     rows = ProcessedMessage._default_manager.using(alias)
-    if connections[alias].vendor == "postgresql":
+    return counted_or_estimated(rows, ProcessedMessage._meta.db_table, COUNT_INBOX_UP_TO)
+
+
+def scheduled_rows(alias: str) -> tuple[float, bool]:
+    """The scheduled messages waiting for their due time, and whether that is an estimate (of
+    the outbox's scheduled partition, past ``COUNT_SCHEDULED_UP_TO``): a month of them can be
+    millions, and a scrape must not count them."""
+    rows = OutboxMessage.objects.using(alias).filter(status=OutboxStatus.SCHEDULED)
+    return counted_or_estimated(rows, partitions.OUTBOX_SCHEDULED, COUNT_SCHEDULED_UP_TO)
+
+
+def counted_or_estimated(rows: QuerySet[Any], table: str, up_to: int) -> tuple[float, bool]:
+    """How many ``rows`` (all the rows of ``table``), and whether that is an estimate: on
+    PostgreSQL the table's statistics (``reltuples``, kept by autovacuum and ANALYZE; summed
+    over its partitions) when they say more than ``up_to``, else a count; a count elsewhere."""
+    if connections[rows.db].vendor == "postgresql":
         # None until the table is first vacuumed or analyzed: counted then, as is a small
-        # inbox, whose count is cheap and whose statistics may lag far behind it. The count
-        # stops past COUNT_INBOX_UP_TO rows all the same: statistics that lag behind a table
-        # grown since (autovacuum off, or not there yet) must not turn a scrape into a scan.
-        estimate = partitions.estimated_rows(alias, ProcessedMessage._meta.db_table)
-        if estimate is not None and estimate > COUNT_INBOX_UP_TO:
+        # table, whose count is cheap and whose statistics may lag far behind it. The count
+        # stops past ``up_to`` rows all the same: statistics that lag behind a table grown
+        # since (autovacuum off, or not there yet) must not turn a scrape into a scan.
+        estimate = partitions.estimated_rows(rows.db, table)
+        if estimate is not None and estimate > up_to:
             return estimate, True
-        counted = rows[: COUNT_INBOX_UP_TO + 1].count()
-        if counted > COUNT_INBOX_UP_TO:
+        counted = rows[: up_to + 1].count()
+        if counted > up_to:
             return max(float(counted), estimate or 0.0), True
         return float(counted), False
     return float(rows.count()), False
@@ -175,12 +193,14 @@ def database_status(using: str | None = None) -> DatabaseStatus:
         dead = DeadLetterGroup.objects.using(using).dead_counts()
         pending = outbox.pending().count()
         inbox = inbox_rows(using)
+        scheduled = scheduled_rows(using)
         days_ahead, overdue = partition_upkeep(using)
         return DatabaseStatus(
             alias=using,
             reachable=True,
             outbox_pending=pending,
-            outbox_scheduled=outbox.filter(status=OutboxStatus.SCHEDULED).count(),
+            outbox_scheduled=round(scheduled[0]),
+            outbox_scheduled_estimated=scheduled[1],
             outbox_failed=outbox.failed().count(),
             outbox_unrouted=outbox.filter(status=OutboxStatus.UNROUTED).count(),
             outbox_lag=outbox_lag(using) if pending else None,
@@ -258,8 +278,9 @@ class DatabaseCollector:
         )
         yield GaugeMetricFamily(
             "reliable_messaging_outbox_scheduled_messages",
-            "Scheduled messages waiting for their due time (publish(deliver_at=...)).",
-            value=outbox.filter(status=OutboxStatus.SCHEDULED).count(),
+            "Scheduled messages waiting for their due time (publish(deliver_at=...)); "
+            "estimated on PostgreSQL past ten thousand.",
+            value=scheduled_rows(alias)[0],
         )
         yield GaugeMetricFamily(
             "reliable_messaging_outbox_failed_messages",
