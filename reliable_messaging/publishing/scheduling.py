@@ -47,6 +47,11 @@ TRAIL_LAST = 0.64
 # often the relay looks whether a scheduled row fell due: the bound on how late a scheduled
 # message published during a steady load goes out. One read of that index's first entry.
 SCHEDULED_LOOK = 0.5
+# A due scheduled row that a promotion could not take is locked by another transaction (a
+# cancel_scheduled() in a transaction still open, another relay promoting it): the relay looks
+# again after HELD_FIRST, the wait doubling up to SCHEDULED_LOOK while the lock lasts, instead of
+# at once (that loop ran about 900 transactions a second until the lock ended).
+HELD_FIRST = 0.05
 
 
 class ClaimScheduler:
@@ -83,6 +88,10 @@ class ClaimScheduler:
         self._next_sweep = 0.0  # monotonic time of the next release_parked sweep
         self._sweep_after: int | None = None  # where the sweep's pass goes on
         self._next_promote = 0.0  # monotonic time to look for due scheduled rows next
+        # While due scheduled rows are locked (see HELD_FIRST): until when the relay takes
+        # them for not due yet, and the growing wait.
+        self._held_until = 0.0
+        self._held_backoff = Backoff(HELD_FIRST, SCHEDULED_LOOK)
         self._db_backoff = Backoff(0.5, settings.reconnect_max_delay)
         # The wait before the next claim of the trail after rows (see TRAIL_FIRST); None when
         # the relay found nothing for the whole trail.
@@ -267,7 +276,26 @@ class ClaimScheduler:
         promoted = self.claims.promote_due()
         if promoted:
             logger.debug("relay: %d scheduled row(s) fell due", promoted)
-        self._note_scheduled(0.0 if promoted >= PROMOTE_CHUNK else self.claims.next_scheduled_in())
+        if promoted >= PROMOTE_CHUNK:
+            self._note_scheduled(0.0)
+            return
+        due_in = self.claims.next_scheduled_in()
+        if due_in == 0.0 and not promoted:
+            # Due, yet the promotion skipped it: another transaction holds it locked. Its end
+            # sends no NOTIFY (a rollback) or takes the row away (a cancel's commit): look
+            # again after a growing wait rather than at once.
+            self._held_until = time.monotonic() + self._held_backoff.next()
+        else:
+            self._held_until = 0.0
+            self._held_backoff.reset()
+        self._note_scheduled(self._scheduled_in(due_in))
+
+    def _scheduled_in(self, due_in: float | None) -> float | None:
+        """The wait until the next scheduled row is due (``next_scheduled_in``), or, while the
+        due ones are locked, until the relay looks at them again."""
+        if due_in == 0.0:
+            return max(0.0, self._held_until - time.monotonic())
+        return due_in
 
     def _note_scheduled(self, due_in: float | None) -> None:
         """When to look for due scheduled rows next: at the next one's due time, and at least
@@ -287,7 +315,7 @@ class ClaimScheduler:
             poll = min(poll, due_in)
         # A scheduled row: at its due time, whatever the poll (a NOTIFY wakes the relay for
         # one published meanwhile, and this looks again).
-        scheduled_in = self.claims.next_scheduled_in()
+        scheduled_in = self._scheduled_in(self.claims.next_scheduled_in())
         self._note_scheduled(scheduled_in)
         if scheduled_in is not None:
             poll = min(poll, scheduled_in)

@@ -6,20 +6,24 @@ Effect row in their transaction, stamped with this machine's clock when it took 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import os
 import signal
 import time
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from reliable_messaging import cancel_scheduled, publish
 from reliable_messaging.choices import OutboxStatus
 from reliable_messaging.models import OutboxMessage
-from tests.conftest import subprocess_env
+from tests.conftest import database_url, subprocess_env
+from tests.markers import postgresql_only
 from tests.support import ConsumeProcess, ManageProcess, wait_until
 from tests.testapp.models import Effect
 
@@ -205,4 +209,78 @@ def test_a_scheduled_message_takes_its_place_in_its_keys_order_when_due(
     finally:
         if relay is not None:
             relay.close()
+        consume.close()
+
+
+class _Rollback(Exception):
+    """Ends the test's cancelling transaction by a rollback."""
+
+
+def _transactions(database: str) -> int:
+    """Transactions committed and rolled back in ``database`` so far, by the statistics, on a
+    connection of its own (one outside the test's open transaction sees them move)."""
+    with psycopg.connect(database_url(), autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = %s",
+            [database],
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _cpu_ticks(pid: int) -> int:
+    """User and system clock ticks the process ``pid`` has used (/proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+@postgresql_only
+def test_a_due_row_locked_by_an_open_cancel_leaves_the_relay_waiting_not_spinning(
+    ns: str, rm_settings: Any, tmp_path: Path
+) -> None:
+    """The docs' pattern: cancel_scheduled() in a transaction that then does slow work, past the
+    row's due time. The relay cannot promote the locked row; it must look again after a wait,
+    not at once (it ran about 900 transactions a second until the lock ended). The transaction
+    then rolls back: the message is due again and is handled."""
+    database = connection.settings_dict["NAME"]
+    env = subprocess_env(ns)
+    consume = ConsumeProcess(["--queue", f"{ns}.alpha"], env, tmp_path / "consume.log")
+    consume.wait_consuming()
+    relay = RelayProcess([], env, tmp_path / "relay.log")
+    window = 4.0
+    try:
+        relay.wait_for_log("relay", timeout=30)
+        time.sleep(1.5)  # connected, listening and idle
+        before, ticks_before = _transactions(database), _cpu_ticks(relay.pid)
+        time.sleep(window)
+        idle = _transactions(database) - before - 1  # less the reading's own
+        idle_ticks = _cpu_ticks(relay.pid) - ticks_before
+
+        due_at = timezone.now() + dt.timedelta(seconds=1.5)
+        message_id = publish("order.remind", {"locked": True}, deliver_at=due_at)
+        with contextlib.suppress(_Rollback), transaction.atomic():
+            assert cancel_scheduled(message_id) is True  # the row stays locked until the end
+            time.sleep(max(0.0, (due_at - timezone.now()).total_seconds()) + 1.0)
+            start, ticks_start = _transactions(database), _cpu_ticks(relay.pid)
+            time.sleep(window)
+            locked = _transactions(database) - start - 1
+            locked_ticks = _cpu_ticks(relay.pid) - ticks_start
+            raise _Rollback
+        wait_until(
+            lambda: message_id in effects("alpha"),
+            timeout=30,
+            message="the message handled once the cancel rolled back",
+        )
+        print(
+            f"over {window:.0f} s: {idle} transactions and {idle_ticks} CPU ticks idle, "
+            f"{locked} and {locked_ticks} while the due row was locked"
+        )
+        # Idle, a few a second (the operations process looks once a second); while locked, a
+        # look every 0.5 s at most adds a handful a second: the spin added hundreds.
+        assert locked <= idle + 40 * window, (idle, locked)
+        hertz = os.sysconf("SC_CLK_TCK")
+        assert locked_ticks <= idle_ticks + 0.1 * hertz * window, (idle_ticks, locked_ticks)
+        assert len(effects("alpha")[message_id]) == 1
+    finally:
+        relay.close()
         consume.close()
