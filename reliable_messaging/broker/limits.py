@@ -1,4 +1,5 @@
-"""The broker's ``max_message_size``: what it refuses, learned by asking.
+"""What the broker refuses for its size: a body over its ``max_message_size``, learned by asking,
+and properties over its ``frame_max``, known from the connection's tuning.
 
 RabbitMQ refuses a message whose body is larger than its ``max_message_size`` (128 MiB by
 default up to 3.13, 16 MiB from 4.0, and whatever the operator configured) by closing the
@@ -6,16 +7,28 @@ channel with ``406 PRECONDITION_FAILED - message size N is larger than configure
 Neither AMQP nor the management API tells the limit, so :func:`broker_refuses` publishes one body
 of the size in question to a routing key no queue binds (the broker drops it once it accepted
 it) on a channel of its own, and reads the limit from the refusal.
+
+The properties (the headers among them) travel in one content header frame, never split, while
+the body is split across frames. A header frame over the connection's ``frame_max`` (131072
+bytes unless both sides agree otherwise) makes RabbitMQ close the whole connection with ``501
+FRAME_ERROR ... frame_too_large``: :func:`header_frame_refusal` says so before it is sent.
 """
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Mapping
+from typing import Any
 
+import pika
 import pika.exceptions
+from pika import frame
 from pika.adapters.blocking_connection import BlockingConnection
+from pika.spec import BasicProperties
 
 from ..conf import MessagingSettings, messaging_settings
+from .publisher import message_properties
 from .replies import PRECONDITION_FAILED
 from .topology import connect
 
@@ -25,6 +38,9 @@ _REFUSAL = re.compile(r"message size (\d+) is larger than configured max size (\
 # The default exchange routes by queue name; no queue can be named so (the amq. prefix is
 # reserved for the broker), so the probe is accepted and dropped, never delivered.
 PROBE_ROUTING_KEY = "amq.reliable-messaging.size-probe"
+# The headers the relay adds to every row it sends (its id, when it was published: an AMQP
+# long each, names under 20 bytes), which publish() and an edit cannot know the values of yet.
+RELAY_HEADERS_ROOM = 64
 
 
 # The smallest max_message_size a broker of this process quoted (None: none refused yet).
@@ -100,3 +116,44 @@ def ask_broker(
                 connection.close()
     except (pika.exceptions.AMQPError, OSError) as exc:
         return None, type(exc).__name__
+
+
+def header_frame_size(properties: BasicProperties, body_size: int = 0) -> int:
+    """Bytes of the content header frame carrying ``properties``, as pika writes it. Raises
+    what pika raises for a value it cannot encode."""
+    return len(frame.Header(1, body_size, properties).marshal())
+
+
+def frame_size_refusal(size: int, frame_max: int) -> str | None:
+    """Why a header frame of ``size`` bytes must not be sent on a connection tuned to
+    ``frame_max``, or None."""
+    if size <= frame_max:
+        return None
+    return (
+        f"the message's properties and headers encode to a {size}-byte header frame, over the "
+        f"broker's frame size (frame_max, {frame_max} bytes): the broker would close the "
+        f"connection on it. Carry large values in the payload, which is split across frames"
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _client_frame_max(urls: tuple[str, ...]) -> int:
+    return min(pika.URLParameters(url).frame_max for url in urls)
+
+
+def configured_frame_max(settings: MessagingSettings = messaging_settings) -> int:
+    """The largest frame the relay's connections may negotiate: pika's 131072 unless the
+    ``BROKER_URL`` asks for less (``?frame_max=``). A broker configured lower is found by the
+    relay, which fails such a row with the same reason."""
+    return _client_frame_max(tuple(settings.broker_urls))
+
+
+def header_frame_refusal(
+    message_id: str, headers: Mapping[str, Any], settings: MessagingSettings = messaging_settings
+) -> str | None:
+    """Why a message of ``message_id`` with ``headers`` (all of them but the relay's own, for
+    which :data:`RELAY_HEADERS_ROOM` is kept) can never be sent, or None: its header frame
+    would be over the ``frame_max`` its connection can have."""
+    properties = message_properties(message_id, 0, dict(headers))
+    size = header_frame_size(properties) + RELAY_HEADERS_ROOM
+    return frame_size_refusal(size, configured_frame_max(settings))

@@ -93,6 +93,18 @@ class PublisherEvents(Protocol):
         """The broker reads from the connection again."""
 
 
+def message_properties(message_id: str, timestamp: int, headers: dict[str, Any]) -> BasicProperties:
+    """The properties of a message the relay sends: JSON, persistent, with its id, the Unix
+    second it was published at and its headers."""
+    return BasicProperties(
+        content_type=CONTENT_TYPE,
+        delivery_mode=pika.DeliveryMode.Persistent,
+        message_id=message_id,
+        timestamp=timestamp,
+        headers=headers,
+    )
+
+
 class ConfirmingPublisher:
     """One connection at a time: :meth:`run` opens one and returns when its I/O loop ends."""
 
@@ -133,6 +145,13 @@ class ConfirmingPublisher:
     @property
     def is_open(self) -> bool:
         return self._connection is not None and self._connection.is_open
+
+    @property
+    def frame_max(self) -> int:
+        """The frame size the connection was tuned to (the smaller of ours and the broker's)."""
+        if self._connection is None:
+            return int(pika.ConnectionParameters.DEFAULT_FRAME_MAX)
+        return int(self._connection.params.frame_max)
 
     @property
     def next_tag(self) -> int:
@@ -200,13 +219,7 @@ class ConfirmingPublisher:
         """Publish a persistent, mandatory message; returns its delivery tag. Raises
         :class:`Unencodable` when pika cannot encode it (nothing is written then)."""
         assert self._channel is not None
-        properties = BasicProperties(
-            content_type=CONTENT_TYPE,
-            delivery_mode=pika.DeliveryMode.Persistent,
-            message_id=message_id,
-            timestamp=timestamp,
-            headers=headers,
-        )
+        properties = message_properties(message_id, timestamp, headers)
         try:
             self._channel.basic_publish(
                 exchange=exchange,
@@ -221,6 +234,8 @@ class ConfirmingPublisher:
             struct.error,
             TypeError,
             ValueError,
+            OverflowError,
+            RecursionError,  # a table nested deeper than the interpreter's stack
         ) as exc:
             raise Unencodable(exc) from exc
         tag = self._next_tag

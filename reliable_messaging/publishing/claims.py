@@ -170,6 +170,15 @@ class ClaimedRow:
     created_at: dt.datetime
     deliver_at: dt.datetime | None = None  # a scheduled message's due time
 
+    @property
+    def published_at(self) -> dt.datetime:
+        """The time the message's age counts from (its ``x-rm-published-at`` and AMQP
+        timestamp): its ``publish()`` call, or a scheduled message's due time when that is
+        later. A due time already past at the call does not make the message older than it."""
+        if self.deliver_at is None or self.deliver_at <= self.created_at:
+            return self.created_at
+        return self.deliver_at
+
 
 CLAIMED_FIELDS = (
     "pk",

@@ -17,8 +17,15 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import metrics, tracing
+from ..broker.limits import frame_size_refusal, header_frame_size
 from ..broker.probes import ExchangeProbe
-from ..broker.publisher import ChannelClosed, ConfirmingPublisher, Returned, Unencodable
+from ..broker.publisher import (
+    ChannelClosed,
+    ConfirmingPublisher,
+    Returned,
+    Unencodable,
+    message_properties,
+)
 from ..conf import MessagingSettings
 from ..core.liveness import HealthState
 from ..core.routing import topic_matches
@@ -39,6 +46,8 @@ logger = logging.getLogger("reliable_messaging.relay")
 # Seconds a batch's claim transaction may stay open while its confirms are awaited; past it
 # the rows are leased instead and the transaction commits (see InFlight.renew_leases).
 HOLD_LIMIT = 2.0
+# What RabbitMQ's connection close says of a frame over the connection's frame_max.
+FRAME_TOO_LARGE = "frame_too_large"
 
 
 class InFlight:
@@ -157,8 +166,8 @@ class InFlight:
                 batch.errors[row.pk] = f"exchange {row.exchange!r} does not exist"
                 continue
             headers = message_headers(row)
-            # A scheduled message counts its wait from its due time.
-            published = row.created_at if row.deliver_at is None else row.deliver_at
+            # A scheduled message counts its wait from its due time (if after its publish()).
+            published = row.published_at
             span = None
             if tracing_on:
                 # A span per row, in the trace its publish() stored: the message carries it.
@@ -181,8 +190,10 @@ class InFlight:
                     headers=headers,
                 )
             except Unencodable as exc:
+                # pika encodes a row the same way every time: failed at once, not retried.
                 batch.unpublished.append(row)
-                batch.errors[row.pk] = str(exc)[:2000]
+                batch.errors[row.pk] = f"{exc}; this row will not be sent"[:2000]
+                batch.final.add(row.pk)
                 tracing.end_send(span, "failed", batch.errors[row.pk])
                 continue
             batch.rows[tag] = row
@@ -310,6 +321,7 @@ class InFlight:
         sent, the rest is due again (the broker may have it: consumers absorb duplicates)."""
         if not self._batches:
             return
+        self._charge_oversized(why)
         rows = sum(len(batch.claimed) for batch in self._batches)
         for batch in list(self._batches):
             self._batches.remove(batch)
@@ -321,6 +333,30 @@ class InFlight:
         logger.warning(
             "relay: %d row(s) in flight when %s; the unconfirmed ones are due again", rows, why
         )
+
+    def _charge_oversized(self, why: str) -> None:
+        """The broker closed the connection on a frame over its frame_max (``501 FRAME_ERROR
+        ... frame_too_large``): only a row's header frame can be (pika splits bodies), and the
+        same row would close every connection it is sent on, the rows behind it never sent. The
+        unconfirmed rows whose header frame is over the connection's frame_max are failed for
+        good; the others are due again."""
+        if FRAME_TOO_LARGE not in why:
+            return
+        frame_max = self.publisher.frame_max
+        charged = 0
+        for batch in self._batches:
+            for row in batch.unconfirmed():
+                properties = message_properties(
+                    row.message_id, int(row.published_at.timestamp()), message_headers(row)
+                )
+                size = header_frame_size(properties, len(row.body.encode("utf-8")))
+                refusal = frame_size_refusal(size, frame_max)
+                if refusal is not None:
+                    batch.errors[row.pk] = f"{refusal}; this row will not be sent ({why})"[:2000]
+                    batch.final.add(row.pk)
+                    charged += 1
+        if charged:
+            metrics.relay_failed("refused", charged)
 
 
 def _end_send_spans(batch: Batch, outcome: BatchOutcome) -> None:

@@ -78,11 +78,11 @@ def resend_backoff(attempts: int) -> dt.timedelta:
 
 def message_headers(row: ClaimedRow) -> dict[str, Any]:
     """The headers a row goes out with: its own, when it was published (a scheduled message:
-    when it fell due, the time its age and critical time count from), its row id (so that a
-    returned message finds its row) and its ordering key."""
+    when it fell due, if that is after its publish() call: see ``ClaimedRow.published_at``, the
+    time its age and critical time count from), its row id (so that a returned message finds
+    its row) and its ordering key."""
     headers: dict[str, Any] = dict(row.headers or {})
-    published = row.created_at if row.deliver_at is None else row.deliver_at
-    headers[PUBLISHED_AT_HEADER] = int(published.timestamp() * 1000)
+    headers[PUBLISHED_AT_HEADER] = int(row.published_at.timestamp() * 1000)
     headers[OUTBOX_ID_HEADER] = row.pk
     if row.ordering_key is not None:
         headers[ORDERING_KEY_HEADER] = row.ordering_key
