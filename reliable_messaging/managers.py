@@ -37,6 +37,7 @@ from .choices import (
     GroupState,
     OperationState,
     OutboxStatus,
+    ReplayOutcome,
 )
 from .storage.partitions import ADVISORY_CLASS, GROUP_FOLD_LOCK
 
@@ -987,3 +988,32 @@ class DeadLetterOperationQuerySet(models.QuerySet):
 
 
 DeadLetterOperationManager = models.Manager.from_queryset(DeadLetterOperationQuerySet)
+
+
+# The outcomes a replay is settled with, each a column of ReplayOutcomeTally.
+TALLIED_OUTCOMES = (ReplayOutcome.PROCESSED, ReplayOutcome.DUPLICATE, ReplayOutcome.FAILED_AGAIN)
+
+
+class ReplayOutcomeTallyQuerySet(models.QuerySet):
+    """The outcome counts of the bulk replays' copies (``ReplayOutcomeTally``)."""
+
+    def add(self, operation_id: int, outcome: str) -> None:
+        """One more replay of operation ``operation_id`` reached ``outcome``, in the caller's
+        transaction (the operation's row is made by its first). One statement, so two
+        consumers settling the first replays of an operation at once both count."""
+        if outcome not in TALLIED_OUTCOMES:
+            raise ValueError(f"not a settled replay outcome: {outcome!r}")
+        using = self.db
+        quote = connections[using].ops.quote_name
+        table = quote(self.model._meta.db_table)
+        column = quote(str(outcome))
+        with connections[using].cursor() as cursor:
+            cursor.execute(
+                f"INSERT INTO {table} (operation_id, processed, duplicate, failed_again) "  # noqa: S608
+                f"VALUES (%s, %s, %s, %s) ON CONFLICT (operation_id) "
+                f"DO UPDATE SET {column} = {table}.{column} + 1",
+                [operation_id, *(int(name == outcome) for name in TALLIED_OUTCOMES)],
+            )
+
+
+ReplayOutcomeTallyManager = models.Manager.from_queryset(ReplayOutcomeTallyQuerySet)

@@ -10,14 +10,15 @@ settles nothing.
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Mapping
 
-from django.db.models import Count
 from django.utils import timezone
 
 from ..choices import ReplayKind, ReplayOutcome
 from ..core.envelope import REPLAY_ID_HEADER, Delivery, sent_to_its_queue
-from ..models import DeadLetter, Replay
+from ..managers import TALLIED_OUTCOMES
+from ..models import DeadLetter, DeadLetterOperation, Replay, ReplayOutcomeTally
 
 
 def replay_id_of(delivery: Delivery) -> int | None:
@@ -83,10 +84,7 @@ def settle(
     if row is None:
         return None
     now = timezone.now()
-    row.outcome = outcome
-    row.outcome_at = now
-    row.failed_as = failed_as
-    row.save(using=using, update_fields=["outcome", "outcome_at", "failed_as"])
+    settle_row(row, outcome, using=using, failed_as=failed_as, at=now)
     if row.kind != ReplayKind.EDITED:
         return row
     letters = DeadLetter.objects.using(using)
@@ -106,16 +104,35 @@ def settle(
     return row
 
 
-def outcome_counts(operation_id: int, using: str | None = None) -> Mapping[str, int]:
-    """How many of an operation's replays reached each outcome so far (every outcome named)."""
-    rows = Replay.objects.using(using) if using else Replay.objects.all()
-    found = dict(
-        rows.filter(operation_id=operation_id)
-        .values("outcome")
-        .annotate(n=Count("id"))
-        .values_list("outcome", "n")
-    )
-    return {outcome.value: found.get(outcome.value, 0) for outcome in ReplayOutcome}
+def settle_row(
+    row: Replay,
+    outcome: ReplayOutcome,
+    *,
+    using: str,
+    failed_as: DeadLetter | None = None,
+    at: dt.datetime | None = None,
+) -> None:
+    """Record ``outcome`` on the ledger row of a replay in flight, locked by the caller, and
+    count it in its operation's tally, in the caller's transaction."""
+    row.outcome = outcome
+    row.outcome_at = at or timezone.now()
+    row.failed_as = failed_as
+    row.save(using=using, update_fields=["outcome", "outcome_at", "failed_as"])
+    if row.operation_id is not None:
+        ReplayOutcomeTally.objects.using(using).add(row.operation_id, outcome)
+
+
+def outcome_counts(operation: DeadLetterOperation) -> Mapping[str, int]:
+    """How many of an operation's replays reached each outcome so far (every outcome named):
+    its tally (read with it, ``select_related("replay_outcomes")``, else one row more), the
+    rest of those it replayed in flight. Never a count of its ledger rows."""
+    try:
+        tally: ReplayOutcomeTally | None = operation.replay_outcomes
+    except ReplayOutcomeTally.DoesNotExist:
+        tally = None
+    settled = {str(outcome): getattr(tally, str(outcome), 0) for outcome in TALLIED_OUTCOMES}
+    in_flight = max(0, operation.replayed - sum(settled.values()))
+    return {ReplayOutcome.IN_FLIGHT.value: in_flight, **settled}
 
 
 def failed_again(operation_id: int, limit: int, using: str | None = None) -> list[Replay]:

@@ -835,6 +835,30 @@ class Migration(migrations.Migration):
         ),
         migrations.AddIndex(
             model_name="replay",
-            index=models.Index(fields=["operation", "outcome"], name="rm_replay_op_outcome_idx"),
+            index=models.Index(
+                fields=["operation", "outcome", "id"], name="rm_replay_op_outcome_idx"
+            ),
+        ),
+        migrations.CreateModel(
+            name="ReplayOutcomeTally",
+            fields=[
+                (
+                    "operation",
+                    models.OneToOneField(
+                        db_constraint=False,
+                        on_delete=django.db.models.deletion.CASCADE,
+                        primary_key=True,
+                        related_name="replay_outcomes",
+                        serialize=False,
+                        to="reliable_messaging.deadletteroperation",
+                    ),
+                ),
+                ("processed", models.PositiveIntegerField(default=0)),
+                ("duplicate", models.PositiveIntegerField(default=0)),
+                ("failed_again", models.PositiveIntegerField(default=0)),
+            ],
+            options={
+                "verbose_name": "replay outcome tally",
+            },
         ),
     ]

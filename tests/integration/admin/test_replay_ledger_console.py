@@ -12,15 +12,15 @@ from typing import Any
 import pytest
 from django.core.management import call_command
 from django.db import connection
+from django.db.models import Count
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
-from django.utils import timezone
 
 from reliable_messaging.admin import operations as admin_operations
 from reliable_messaging.choices import ReplayKind, ReplayOutcome
 from reliable_messaging.core.envelope import CELERY_TASK_HEADER, REPLAY_ID_HEADER
-from reliable_messaging.dead_letters import operations
+from reliable_messaging.dead_letters import ledger, operations
 from reliable_messaging.dead_letters.operations import dry_run, run_pending_operations
 from reliable_messaging.dead_letters.replay import ALREADY_PROCESSED, CELERY_TASK, judge_batch
 from reliable_messaging.dead_letters.selection import selection_from_query
@@ -31,8 +31,10 @@ from reliable_messaging.models import (
     ProcessedMessage,
     Replay,
 )
+from tests.markers import postgresql_only
 
 from .conftest import REPLAY_MATCHING, change_url, form_of, operation_url, replay_url, run_action
+from .test_admin_pages_bounded import fetched
 
 MakeDeadLetter = Callable[..., DeadLetter]
 
@@ -192,11 +194,10 @@ def test_the_command_dry_run_uses_the_replays_judge(mixed: dict[str, DeadLetter]
     assert "2 would be replayed, 4 refused" in text
 
 
-def settle(row: Replay, outcome: str, failed_as: DeadLetter | None = None) -> None:
-    """What the consumer records when it decides a copy (``ledger.settle``), for a page test."""
-    Replay.objects.filter(pk=row.pk).update(
-        outcome=outcome, outcome_at=timezone.now(), failed_as=failed_as
-    )
+def settle(row: Replay, outcome: ReplayOutcome, failed_as: DeadLetter | None = None) -> None:
+    """What the consumer records when it decides a copy (``ledger.settle``, once it found the
+    row the copy names), for a page test."""
+    ledger.settle_row(row, outcome, using="default", failed_as=failed_as)
 
 
 @pytest.mark.django_db
@@ -305,3 +306,62 @@ def test_single_replays_are_in_the_ledger(admin: Client, make_dead_letter: MakeD
         )
         copy = OutboxMessage.objects.get(message_id=row.message_id)
         assert copy.headers[REPLAY_ID_HEADER] == row.pk
+
+
+@postgresql_only
+@pytest.mark.django_db
+def test_the_operation_page_reads_its_outcome_tally_not_its_ledger_rows(
+    admin: Client, make_dead_letter: MakeDeadLetter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """2,000 replays of one operation: its page and status JSON show the same outcome counts as
+    a count of its ledger rows, without counting them (no aggregate over the replays, no sort
+    of all those that failed again: each query reads a few index entries)."""
+    letters = [make_dead_letter(message_id=f"m-{n}") for n in range(2000)]
+    operation = DeadLetterOperation.objects.record(
+        kind="replay",
+        selection=selection_from_query({"consumer": "tests.alpha"}),
+        requested_by="carol (admin)",
+        force=False,
+        matched=len(letters),
+        max_pk=letters[-1].pk,
+    )
+    run_pending_operations()
+    rows = list(Replay.objects.filter(operation=operation).order_by("pk"))
+    assert len(rows) == 2000
+    for row in rows[:300]:
+        settle(row, ReplayOutcome.PROCESSED)
+    for row in rows[300:400]:
+        settle(row, ReplayOutcome.DUPLICATE)
+    for row, letter in zip(rows[400:460], letters[400:460], strict=True):
+        settle(row, ReplayOutcome.FAILED_AGAIN, failed_as=letter)
+    table = Replay._meta.db_table
+    with connection.cursor() as cursor:
+        cursor.execute(f"ANALYZE {table}")
+    counted = dict(
+        Replay.objects.filter(operation=operation)
+        .values("outcome")
+        .annotate(n=Count("id"))
+        .values_list("outcome", "n")
+    )
+    assert counted == {"processed": 300, "duplicate": 100, "failed_again": 60, "in_flight": 1540}
+
+    page = fetched(admin, operation_url(operation), table)
+    status = fetched(
+        admin,
+        reverse("admin:reliable_messaging_deadletter_operation_status", args=[operation.pk]),
+        table,
+    )
+
+    for name, count in counted.items():
+        assert f'<span id="rm-ledger-{name.replace("_", "-")}">{count}</span>' in page.text
+    assert status.json()["outcomes"] == counted
+    assert status.json()["failed_again_more"] == 10
+    with CaptureQueriesContext(connection) as captured:
+        admin.get(operation_url(operation))
+    on_the_ledger = [q["sql"] for q in captured.captured_queries if f'"{table}"' in q["sql"]]
+    assert len(on_the_ledger) == 1  # the letters that failed again, the first 50
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")
+        cursor.execute(f"EXPLAIN {on_the_ledger[0]}")
+        plan = "\n".join(line for (line,) in cursor.fetchall())
+    assert "rm_replay_op_outcome_idx" in plan and "Sort" not in plan, plan
