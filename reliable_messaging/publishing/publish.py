@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, cast
@@ -30,10 +31,15 @@ from django.db.models.expressions import Combinable
 from django.db.models.functions import Now
 
 from .. import tracing
-from ..broker.limits import body_size_refusal
+from ..broker.limits import body_size_refusal, header_frame_refusal
 from ..choices import OutboxStatus
 from ..conf import messaging_settings
-from ..core.envelope import EXPIRES_AT_HEADER, MAX_MESSAGE_ID_LENGTH, encode_payload
+from ..core.envelope import (
+    EXPIRES_AT_HEADER,
+    MAX_MESSAGE_ID_LENGTH,
+    ORDERING_KEY_HEADER,
+    encode_payload,
+)
 from ..core.envelope import check_short_string as _check_short_string
 from ..core.envelope import checked_headers as _json_headers
 from ..core.uuid7 import new_message_id
@@ -41,6 +47,11 @@ from ..models import OutboxMessage
 from ..storage.partitions import IDEMPOTENCY_LOCK_CLASS
 from .scheduled import cancel as _cancel
 from .wake_after_commit import wake_relay_after_commit
+
+# AMQP carries the publish time as an unsigned count of seconds since 1970 (the timestamp
+# property) and our deadline as a signed 64-bit count of milliseconds (a long header): a time
+# either cannot hold would fail to encode on every attempt of the relay.
+_MAX_LONG = 2**63 - 1
 
 
 def publish(
@@ -61,16 +72,19 @@ def publish(
 
     ``deliver_at`` (an aware datetime) or ``delay`` (a timedelta or seconds from now, by the
     database's clock) schedules it: the relay sends it once it is due, not before, and
-    :func:`cancel_scheduled` can take it back until then. ``expires`` (a timedelta or seconds,
-    counted from the publish or, when scheduled, from the due time) is its deadline: a
-    consumer that receives it later does not handle it (outcome ``expired``).
+    :func:`cancel_scheduled` can take it back until then. A ``deliver_at`` already past is sent
+    at once, and the message is as old as the call, not as the date. ``expires`` (a timedelta
+    or seconds, counted from the publish or, when scheduled, from the due time if later) is
+    its deadline: a consumer that receives it later does not handle it (outcome ``expired``).
 
     ``using`` defaults to the alias the database routers give for writing ``OutboxMessage``
     (``"default"`` without routers), which is where the relay reads: publish inside a
     transaction on that alias. The relay sends the message once the transaction commits; a
     rollback discards it. A payload JSON cannot encode raises ``TypeError`` here; a body larger
     than ``MAX_BODY_BYTES`` (or than the broker's ``max_message_size``, once this process has
-    learned it) raises ``ValueError``. With an ``idempotency_key`` already in the
+    learned it) raises ``ValueError``, as do headers over the broker's frame size (they travel
+    in one frame), a ``deliver_at`` before 1970 and a deadline past 64 bits of milliseconds
+    (AMQP cannot carry them). With an ``idempotency_key`` already in the
     outbox this is a no-op that returns the first message's id.
     """
     if not isinstance(routing_key, str) or not routing_key:
@@ -103,6 +117,12 @@ def publish(
     span, trace_headers = tracing.start_publish(exchange, routing_key, message_id, len(encoded))
     if "traceparent" not in headers:
         headers.update(trace_headers)
+    if headers or ordering_key is not None:
+        sent = headers if ordering_key is None else {**headers, ORDERING_KEY_HEADER: ordering_key}
+        refusal = header_frame_refusal(message_id, sent)
+        if refusal is not None:
+            tracing.end(span, ValueError(refusal))
+            raise ValueError(refusal)
     try:
         written = _write(
             using,
@@ -154,6 +174,12 @@ def _due(deliver_at: dt.datetime | None, delay: dt.timedelta | float | None) -> 
             raise TypeError(f"deliver_at must be a datetime, got {deliver_at!r}")
         if deliver_at.utcoffset() is None:
             raise ValueError("deliver_at must be timezone-aware (a naive time is ambiguous)")
+        if deliver_at.timestamp() < 0:
+            raise ValueError(
+                f"deliver_at {deliver_at.isoformat()} is before 1970-01-01T00:00:00Z: AMQP's "
+                f"timestamp property counts unsigned seconds from then, so no message can "
+                f"carry it"
+            )
         return Value(deliver_at, output_field=DateTimeField())
     if delay is None:
         return None
@@ -168,16 +194,24 @@ def _deadline_ms(
     deliver_at: dt.datetime | None,
     delay: dt.timedelta | float | None,
 ) -> int:
-    """The absolute deadline in Unix milliseconds: ``expires`` after the due time (this host's
-    clock for "now", as the consumer's host compares it with its own)."""
+    """The absolute deadline in Unix milliseconds: ``expires`` after the due time, or after now
+    when that is later (this host's clock for "now", as the consumer's host compares it with
+    its own)."""
     seconds = _seconds("expires", expires)
-    if seconds <= 0:
+    if not seconds > 0:  # NaN too
         raise ValueError(f"expires must be positive, got {seconds} s")
+    now = time.time()
     if deliver_at is not None:
-        start = deliver_at.timestamp()
+        start = max(deliver_at.timestamp(), now)
     else:
-        start = time.time() + (_seconds("delay", delay) if delay is not None else 0.0)
-    return int((start + seconds) * 1000)
+        start = now + (_seconds("delay", delay) if delay is not None else 0.0)
+    deadline = (start + seconds) * 1000
+    if not math.isfinite(deadline) or int(deadline) > _MAX_LONG:
+        raise ValueError(
+            f"expires={expires!r} puts the deadline past {_MAX_LONG} ms after 1970, the "
+            f"largest time the {EXPIRES_AT_HEADER} header (a signed 64-bit integer) can carry"
+        )
+    return int(deadline)
 
 
 def _write(
