@@ -21,7 +21,7 @@ from typing import Any
 from django.db import router, transaction
 from django.utils import timezone
 
-from ..broker.limits import body_size_refusal
+from ..broker.limits import body_size_refusal, header_frame_refusal
 from ..choices import OutboxStatus, ReplayKind
 from ..core.envelope import (
     BROKER_HEADERS,
@@ -45,6 +45,10 @@ logger = logging.getLogger(__name__)
 MAX_REASON_LENGTH = 1000
 # The diff in the dead letter's history is cut past this (the ledger row keeps it whole).
 HISTORY_DIFF_CHARS = 20_000
+# What the copy's headers get that the edit cannot know yet, at its longest: the operator's
+# name (Django's username: up to 150 characters), its ledger row's id and a trace context.
+_OPERATOR_ROOM = "x" * 150
+_TRACE_ROOM = {"traceparent": "0" * 55, "tracestate": ""}
 # Header names the edit may not set, compared case-insensitively: ours (x-rm-*), the broker's
 # routing (CC, BCC) and dead-letter bookkeeping, and the trace context the replay starts.
 _RESERVED = {name.lower() for name in (*SENDER_ROUTING_HEADERS, *BROKER_HEADERS, *TRACE_HEADERS)}
@@ -202,6 +206,9 @@ def check_edit(
         problems.extend(header_problems)
         if not header_problems:
             edit.headers = dict(parsed)
+            refusal = _frame_refusal(dead_letter, edit.headers)
+            if refusal:
+                problems.append(refusal)
     cleaned = (reason or "").strip()
     if not cleaned:
         problems.append("a reason is required: say why the message is edited")
@@ -229,6 +236,17 @@ def check_edit(
         )
     edit.diff = "\n".join(d for d in diffs if d)
     return edit
+
+
+def _frame_refusal(dead_letter: DeadLetter, edited: dict[str, Any]) -> str | None:
+    """Why the copy's headers (the edited ones with the replay's) can never be sent, or None:
+    over the broker's frame size, the broker would close the relay's connection on them."""
+    headers = {
+        **_copy_headers(dead_letter, edited, _OPERATOR_ROOM),
+        REPLAY_ID_HEADER: 2**62,
+        **_TRACE_ROOM,
+    }
+    return header_frame_refusal(new_message_id(), headers)
 
 
 def original_processed(dead_letter: DeadLetter) -> bool:
