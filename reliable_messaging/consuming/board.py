@@ -55,11 +55,6 @@ class Link:
     # then, and consumed once they can be.
     unavailable: dict[str, str] = field(default_factory=dict)
     retry_topology_at: float = 0.0
-    # Consumers with a circuit breaker: how each is subscribed now ("consuming", "paused",
-    # "probing"; absent: consuming as at connect), and the channel of its own it is
-    # subscribed on again after its first pause (see ConnectionThread.apply_breakers).
-    breaker_modes: dict[str, str] = field(default_factory=dict)
-    breaker_channels: dict[str, BrokerChannel] = field(default_factory=dict)
 
     def held_for_the_drop(self, channel: BrokerChannel) -> bool:
         """An ordered partition's channel of a stopping process: nothing it holds is handled
@@ -89,10 +84,6 @@ class DeliveryWork:
     received: float = field(default_factory=time.monotonic)
     # From the consumer's dead-letter queue (quorum x-delivery-limit), not a delivery to handle.
     from_dead_letter_queue: bool = False
-    # An ordered consumer's delivery that already ran and waits to run again in place: its
-    # attempts exist only in this process, so it is never given back undecided by a breaker
-    # (its next run would start over from the attempt it was delivered with).
-    retrying_in_place: bool = False
 
     def again(self, retry: RetryInPlace) -> DeliveryWork:
         """The same delivery, for its in-place retry."""
@@ -103,7 +94,6 @@ class DeliveryWork:
             with_attempt(self.delivery, retry),
             self.properties,
             self.received,
-            retrying_in_place=True,
         )
 
     @property
@@ -114,7 +104,8 @@ class DeliveryWork:
 
 @dataclass
 class HeldPartition:
-    """A partition waiting for its first delivery's in-place retry: nothing of it runs before."""
+    """Deliveries of one queue a worker keeps, in order, until ``ready_at``: behind its head's
+    in-place retry, or waiting for the consumer's circuit breaker to let them run."""
 
     ready_at: float
     items: list[DeliveryWork]

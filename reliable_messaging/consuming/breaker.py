@@ -1,11 +1,13 @@
 """The circuit breaker of one consumer in one consume process: closed, open, half-open.
 
 Worker threads ask :meth:`CircuitBreaker.admit` before a delivery's handler may run and report
-each decided outcome with :meth:`CircuitBreaker.record`; the connection's thread reads
-:attr:`CircuitBreaker.state` in its loop and stops or resumes taking deliveries of the
-consumer's queues to match (:mod:`.connection`). Only the handler's own failures count
-(:func:`handler_verdict`): what the database, the broker or a bad message does never opens it,
-as it never costs the handler an attempt. ``docs/circuit-breaker.md`` is the user's view.
+each decided outcome with :meth:`CircuitBreaker.record` (:mod:`.workers`). A delivery it does
+not admit waits in the process, unacked and unstarted, in arrival order: the consumer stays
+subscribed, its prefetch window fills, and the broker sends no more. Nothing is given back, so
+no delivery count is spent and no standby consumer of an ordered partition takes over. Only the
+handler's own failures count (:func:`handler_verdict`): what the database, the broker or a bad
+message does never opens it, as it never costs the handler an attempt.
+``docs/circuit-breaker.md`` is the user's view.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from .. import metrics
 from ..conf import MessagingSettings
@@ -76,16 +79,31 @@ def handler_verdict(outcome: Outcome) -> bool | None:
 
 Listener = Callable[["CircuitBreaker", BreakerState, BreakerState], None]
 
+# How often a delivery waiting for a half-open breaker looks again for a probe's place.
+HALF_OPEN_LOOK = 0.1
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A delivery let in by a breaker: in which of its periods (``epoch``, one per state it
+    entered) and whether as one of a half-open breaker's probes. Only a verdict of the period
+    still current counts, so a delivery started before the breaker opened never passes for a
+    probe."""
+
+    epoch: int
+    probe: bool = False
+
 
 class CircuitBreaker:
     """The state of one consumer's breaker; thread-safe.
 
     Closed: outcomes fill a window of the last ``window`` verdicts; it opens when at least
     ``min_failures`` of them failed and they are at least ``failure_rate`` of the window.
-    Open: :meth:`admit` refuses everything for ``pause`` seconds, and outcomes of deliveries
-    that started before are not counted. Half-open: ``probes`` deliveries are admitted; it
-    closes (with an empty window) once that many succeeded and opens again at the first
-    failure. ``listener(breaker, old, new)`` hears every transition, under the breaker's lock
+    Open: :meth:`admit` refuses everything for the pause (``pause``, doubled after each failed
+    half-open round up to ``max_pause``). Half-open: at most ``probes`` deliveries run at once as
+    probes; it closes (with an empty window) once that many succeeded and opens again at the
+    first failure. A verdict counts only with the :class:`Admission` of the period still
+    current. ``listener(breaker, old, new)`` hears every transition, under the breaker's lock
     (keep it short: a log line, a gauge, a note).
     """
 
@@ -103,9 +121,12 @@ class CircuitBreaker:
         self._listener = listener
         self._lock = threading.Lock()
         self._state = BreakerState.CLOSED
+        self._epoch = 0
         self._window: collections.deque[bool] = collections.deque(maxlen=config.window)
         self._reopen_at = 0.0
-        self._probes_admitted = 0
+        self._reopenings = 0  # failed half-open rounds since it last closed
+        self.pause = config.pause  # of the current (or last) opening
+        self._probes_running = 0
         self._probes_passed = 0
         self.opened = 0  # times it opened
 
@@ -122,6 +143,15 @@ class CircuitBreaker:
                 return 0.0
             return max(0.0, self._reopen_at - self._clock())
 
+    def look_again_in(self) -> float:
+        """When a delivery it did not admit should ask again: at the end of the pause, or
+        shortly while half-open (a probe's place may free up)."""
+        with self._lock:
+            state = self._current()
+            if state is BreakerState.OPEN:
+                return max(0.0, self._reopen_at - self._clock())
+            return HALF_OPEN_LOOK if state is BreakerState.HALF_OPEN else 0.0
+
     def room(self) -> int:
         """How many deliveries may start together now: closed, as many as could fail before
         it opens (at least one), so that a batch does not spend a whole outage's worth of
@@ -132,30 +162,35 @@ class CircuitBreaker:
                 return 0
             return max(1, self.config.min_failures - sum(self._window))
 
-    def admit(self) -> bool:
-        """May a delivery's handler run now? A half-open breaker admits ``probes`` of them."""
+    def admit(self, *, overdue: bool = False) -> Admission | None:
+        """May a delivery's handler run now? Closed, yes; half-open, as one of ``probes``
+        probes running at once; open, no. ``overdue``: it waited as long as a delivery may be
+        held unacked, so it runs all the same, its verdict not counted unless it is a probe."""
         with self._lock:
             state = self._current()
             if state is BreakerState.CLOSED:
-                return True
-            if state is BreakerState.OPEN or self._probes_admitted >= self.config.probes:
-                return False
-            self._probes_admitted += 1
-            return True
+                return Admission(self._epoch)
+            if state is BreakerState.HALF_OPEN and self._probes_running < self.config.probes:
+                self._probes_running += 1
+                return Admission(self._epoch, probe=True)
+            return Admission(-1) if overdue else None
 
-    def record(self, failed: bool | None) -> BreakerState | None:
-        """Count the verdict of a decided delivery (see :func:`handler_verdict`); the new
-        state when this verdict changed it."""
+    def record(self, admission: Admission, failed: bool | None) -> BreakerState | None:
+        """Count the verdict of a decided delivery (see :func:`handler_verdict`) let in by
+        ``admission``; the new state when this verdict changed it."""
         with self._lock:
             state = self._current()
-            if state is BreakerState.OPEN:
-                return None  # started before it opened: the pause is already decided
+            if admission.epoch != self._epoch:
+                return None  # started in an earlier period: the state it spoke of is gone
             if state is BreakerState.HALF_OPEN:
+                if not admission.probe:
+                    return None
                 if failed is None:
-                    # Said nothing about the handler: its probe slot goes to another delivery.
-                    self._probes_admitted = max(0, self._probes_admitted - 1)
+                    # Said nothing about the handler: its place goes to another delivery.
+                    self._probes_running -= 1
                     return None
                 if failed:
+                    self._reopenings += 1
                     return self._open(
                         f"a probe failed while half-open (after {self._probes_passed} passed)"
                     )
@@ -163,7 +198,7 @@ class CircuitBreaker:
                 if self._probes_passed >= self.config.probes:
                     return self._close()
                 return None
-            if failed is None:
+            if state is not BreakerState.CLOSED or failed is None:
                 return None
             self._window.append(failed)
             failures = sum(self._window)
@@ -178,7 +213,7 @@ class CircuitBreaker:
     def _current(self) -> BreakerState:
         if self._state is BreakerState.OPEN and self._clock() >= self._reopen_at:
             self._move(BreakerState.HALF_OPEN)
-            self._probes_admitted = 0
+            self._probes_running = 0
             self._probes_passed = 0
             logger.info(
                 "circuit breaker of consumer=%s half-open: letting %d probe deliveries through",
@@ -188,24 +223,26 @@ class CircuitBreaker:
         return self._state
 
     def _open(self, why: str) -> BreakerState:
-        self._reopen_at = self._clock() + self.config.pause
+        self.pause = self.config.pause_after(self._reopenings)
+        self._reopen_at = self._clock() + self.pause
         self.opened += 1
         self._window.clear()
         self._move(BreakerState.OPEN)
         logger.warning(
             "circuit breaker of consumer=%s opened: %s (failure_rate %g, min_failures %d, "
-            "window %d); taking none of its deliveries for %gs, no attempt charged meanwhile",
+            "window %d); starting none of its deliveries for %gs, no attempt charged meanwhile",
             self.consumer,
             why,
             self.config.failure_rate,
             self.config.min_failures,
             self.config.window,
-            self.config.pause,
+            self.pause,
         )
         return BreakerState.OPEN
 
     def _close(self) -> BreakerState:
         self._window.clear()
+        self._reopenings = 0
         self._move(BreakerState.CLOSED)
         logger.info(
             "circuit breaker of consumer=%s closed: %d probe deliveries succeeded; consuming again",
@@ -216,6 +253,7 @@ class CircuitBreaker:
 
     def _move(self, new: BreakerState) -> None:
         old, self._state = self._state, new
+        self._epoch += 1
         if self._listener is not None:
             self._listener(self, old, new)
 
@@ -259,8 +297,8 @@ class ConsumerBreakers:
         note: str | None = None
         if new is BreakerState.OPEN:
             note = (
-                f"circuit breaker of consumer {breaker.consumer} open: taking none of its "
-                f"deliveries for {breaker.config.pause:g}s (opened {breaker.opened} time(s))"
+                f"circuit breaker of consumer {breaker.consumer} open: starting none of its "
+                f"deliveries for {breaker.pause:g}s (opened {breaker.opened} time(s))"
             )
         elif new is BreakerState.HALF_OPEN:
             note = (

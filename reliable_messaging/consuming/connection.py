@@ -170,8 +170,6 @@ class ConnectionThread:
                     self._declare_again(link)
                 if link.open_up:
                     self._open_up(link, prefetch)
-                if self.breakers:
-                    self.apply_breakers(link)
                 self.publisher.refresh()
                 if self.health is not None:
                     self.health.heartbeat()
@@ -203,22 +201,8 @@ class ConnectionThread:
                 broker_dead_letter_queues(spec) if self.settings.queue_type == "quorum" else []
             )
             wanted += dead_letters
-            breaker = self.breakers.get(spec.name)
-            paused = breaker is not None and breaker.state is not BreakerState.CLOSED
-            if paused:
-                # Subscribed (for probes) by apply_breakers, on a channel of its own.
-                link.breaker_modes[spec.name] = "paused"
             for queue in wanted:
                 if queue in link.unavailable or any(q == queue for _, _, q, _ in link.consumers):
-                    continue
-                if paused and queue not in dead_letters:
-                    continue
-                if (queue if spec.ordered else spec.name) in link.breaker_channels and (
-                    queue not in dead_letters
-                ):
-                    # Re-subscribed after a pause: it lives on its breaker's channel now.
-                    self._subscribe_breaker_queue(link, spec, queue, self._prefetch_of(spec))
-                    queues.append(queue)
                     continue
                 channel = shared_channel
                 if spec.ordered and queue not in dead_letters:
@@ -236,88 +220,13 @@ class ConnectionThread:
                 queues.append(queue)
         return queues
 
-    # -- the circuit breakers (see .breaker) ------------------------------------------------------
-
-    def breaker_opened(self, link: Link) -> None:
-        """Told by a worker (its thread) that a breaker opened: stop taking that consumer's
-        deliveries now, on the connection's thread, before the deliveries the workers give
-        back are nacked (callbacks run in order), so none comes straight back to us."""
-        try:
-            link.connection.add_callback_threadsafe(functools.partial(self.apply_breakers, link))
-        except Exception:  # noqa: BLE001 - the connection is gone: the next one reads the state
-            logger.debug("connection closed before a breaker's pause could be applied")
-
-    def apply_breakers(self, link: Link) -> None:
-        """Subscribe each consumer with a breaker as its state says: open, no consumer on its
-        queues (``basic.cancel``: the broker keeps its messages, charging no attempt);
-        half-open, subscribed again with a prefetch of ``probes``; closed, with its full
-        prefetch. A consumer is re-subscribed on a channel of its own (an ordered partition
-        already has one), since a prefetch applies per channel to the consumers started
-        after it is set. Its quorum dead-letter queue is consumed all along."""
-        if self._stop.is_set() or not link.open:
-            return
-        wanted_modes = {
-            BreakerState.OPEN: "paused",
-            BreakerState.HALF_OPEN: "probing",
-            BreakerState.CLOSED: "consuming",
-        }
-        for spec in self.specs:
-            breaker = self.breakers.get(spec.name)
-            if breaker is None:
-                continue
-            state = breaker.state
-            wanted = wanted_modes[state]
-            if link.breaker_modes.get(spec.name, "consuming") == wanted:
-                continue
-            queues = [q for q in consumer_queues(spec, self.settings) if q not in link.unavailable]
-            kept = []
-            for channel, tag, queue, on_message in link.consumers:
-                if queue in queues:
-                    if channel.is_open:
-                        channel.basic_cancel(tag)
-                    if spec.ordered:
-                        # A partition keeps its channel: what it holds is settled there.
-                        link.breaker_channels.setdefault(queue, channel)
-                else:
-                    kept.append((channel, tag, queue, on_message))
-            link.consumers = kept
-            if wanted != "paused":
-                prefetch = breaker.config.probes if wanted == "probing" else None
-                for queue in queues:
-                    self._subscribe_breaker_queue(
-                        link, spec, queue, prefetch or self._prefetch_of(spec)
-                    )
-            link.breaker_modes[spec.name] = wanted
-
     def _breaker_pausing(self) -> bool:
-        """A breaker is open or half-open: its queue's messages wait for it, the process is
-        not idle (``--idle-timeout``)."""
+        """A breaker is open or half-open: its queue's messages wait for it in the process
+        (see :mod:`.breaker`), the process is not idle (``--idle-timeout``)."""
         return any(
             breaker is not None and breaker.state is not BreakerState.CLOSED
             for breaker in (self.breakers.get(spec.name) for spec in self.specs)
         )
-
-    def _prefetch_of(self, spec: ConsumerSpec) -> int:
-        if spec.ordered:
-            return self.settings.prefetch
-        return max(self.settings.prefetch, self.concurrency)
-
-    def _subscribe_breaker_queue(
-        self, link: Link, spec: ConsumerSpec, queue: str, prefetch: int
-    ) -> None:
-        key = queue if spec.ordered else spec.name
-        channel = link.breaker_channels.get(key)
-        if channel is None or not channel.is_open:
-            channel = link.connection.channel()
-            link.channels.append(channel)
-            if spec.ordered:
-                link.ordered.add(channel.channel_number)
-            self._watch(link, channel)
-            link.breaker_channels[key] = channel
-        channel.basic_qos(prefetch_count=prefetch)
-        on_message = functools.partial(self._on_message, link, spec, queue)
-        tag = channel.basic_consume(queue, on_message)
-        link.consumers.append((channel, tag, queue, on_message))
 
     def _declare_again(self, link: Link) -> None:
         """Try again the queues that could not be declared (their node down), or put back a
@@ -340,10 +249,7 @@ class ConnectionThread:
     def _note_unavailable(self, link: Link) -> None:
         link.retry_topology_at = time.monotonic() + TOPOLOGY_RETRY
         metrics.consumer_queues_unavailable(len(link.unavailable))
-        # A consumer its breaker paused is not a queue that cannot be consumed.
-        self._consuming_nothing = not link.consumers and "paused" not in set(
-            link.breaker_modes.values()
-        )
+        self._consuming_nothing = not link.consumers
         if self.health is not None:
             self.health.note(
                 "queues_unavailable",

@@ -125,7 +125,6 @@ class ConsumerService:
             hand_back=settler.hand_back,
             health=health,
             breakers=self.breakers,
-            breaker_opened=self._connection.breaker_opened,
         )
         if health is not None:
             health.add_problem_source(self._connection.idle_for_want_of_queues)

@@ -24,8 +24,8 @@ from ..core.database_errors import CONFLICT_RETRIES, OutageLog, conflict_delay, 
 from ..core.liveness import HealthState
 from ..core.outcomes import Outcome, Release, RetryInPlace
 from ..exceptions import DatabaseConflict, DatabaseUnavailable
-from .board import DeliveryWork, HeldPartition, Link, WorkBoard
-from .breaker import BreakerState, ConsumerBreakers, handler_verdict
+from .board import DeliveryWork, HeldPartition, WorkBoard
+from .breaker import Admission, BreakerState, ConsumerBreakers, handler_verdict
 from .crash_guard import CRASHED, CrashGuard, SuspectGate, decide_suspect
 from .fastpath import DuplicateCache
 from .last_resort import consumer_error, ingest_delivery_limit
@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 WORKER_DEATH_LIMIT = 3
 # Exit code of a consumer stopped because its worker threads kept dying.
 EXIT_WORKERS_DYING = 4
+
+# Share of the hold bound (``max_hold_seconds``) a delivery may wait for its breaker.
+BREAKER_HOLD_SHARE = 0.8
 
 # Outcomes a worker hands back: carried out on the connection's thread.
 HandBack = Callable[[list[tuple[DeliveryWork, Outcome]]], None]
@@ -64,7 +67,6 @@ class WorkerPool:
         hand_back: HandBack,
         health: HealthState | None = None,
         breakers: ConsumerBreakers | None = None,
-        breaker_opened: Callable[[Link], None] | None = None,
     ) -> None:
         self.board = board
         self.processors = processors
@@ -76,7 +78,6 @@ class WorkerPool:
         self._stop = stop
         self._deliver_outcomes = hand_back
         self.breakers = breakers if breakers is not None else ConsumerBreakers([], settings)
-        self._breaker_opened = breaker_opened
         self._gate = SuspectGate()
         self._threads: list[threading.Thread] = []
         # One WARNING when the database goes, one line when it is back, for all the threads.
@@ -248,80 +249,107 @@ class WorkerPool:
             for item in rest:
                 waiting = held.get(item.delivery.queue)
                 if waiting is not None:
-                    waiting.items.append(item)  # behind its partition's retry, in order
+                    waiting.items.append(item)  # behind its queue's waiting head, in order
                 else:
                     batch.append(item)
             rest = []
+            admissions: list[Admission | None] = [None] * len(batch)
+            kept_back: list[DeliveryWork] = []
             if batch and self.breakers:
                 # A consumer with a breaker runs no more at once than could fail before it
                 # opens; the rest of the segment is decided next, once the breaker knows.
-                batch, refused, rest = self._admit(batch)
-                settled += refused
-            if not batch:
-                continue
-            outcomes = self._decide(batch)
-            if self.breakers:
-                self._report_to_breakers(batch, outcomes)
-            for item, outcome in zip(batch, outcomes, strict=True):
-                if isinstance(outcome, RetryInPlace):
-                    held[item.delivery.queue] = HeldPartition(
-                        time.monotonic() + outcome.delay, [item.again(outcome)]
-                    )
-                elif outcome is None:
-                    held[item.delivery.queue].items.append(item)
-                else:
-                    settled.append((item, outcome))
+                batch, admissions, kept_back, rest = self._admit(batch)
+            if batch:
+                outcomes = self._decide(batch)
+                if self.breakers:
+                    self._report_to_breakers(batch, admissions, outcomes)
+                for item, outcome in zip(batch, outcomes, strict=True):
+                    if isinstance(outcome, RetryInPlace):
+                        held[item.delivery.queue] = HeldPartition(
+                            time.monotonic() + outcome.delay, [item.again(outcome)]
+                        )
+                    elif outcome is None:
+                        held[item.delivery.queue].items.append(item)
+                    else:
+                        settled.append((item, outcome))
+            for item in kept_back:
+                self._wait_for_breaker(item, held)
         if settled:
             self._hand_back(settled)
 
     def _admit(
         self, batch: list[DeliveryWork]
-    ) -> tuple[list[DeliveryWork], list[tuple[DeliveryWork, Outcome]], list[DeliveryWork]]:
-        """The deliveries whose breaker lets their handler run now; those given back unstarted
-        (open, or half-open with its probes taken: no attempt charged, the broker keeps them
-        until the breaker lets them in); and those that wait for the next round, past the
-        number of failures the breaker may still see before it opens."""
+    ) -> tuple[list[DeliveryWork], list[Admission | None], list[DeliveryWork], list[DeliveryWork]]:
+        """Split ``batch`` by what the breakers say: the deliveries whose handler may run now
+        (with their admissions); those kept back, unstarted, until their breaker lets them in
+        (open, or half-open with its probes running), and every later one of their queue
+        behind them, in order; and those left for the next round, past the number of
+        failures a closed breaker may still see before it opens."""
         admitted: list[DeliveryWork] = []
-        refused: list[tuple[DeliveryWork, Outcome]] = []
+        admissions: list[Admission | None] = []
+        kept_back: list[DeliveryWork] = []
         later: list[DeliveryWork] = []
         budget: dict[str, int] = {}
+        waiting_queues: set[str] = set()
         for item in batch:
             name = item.spec.name
             breaker = None if item.from_dead_letter_queue else self.breakers.get(name)
-            if breaker is None or item.retrying_in_place:
-                # A retry in place goes on to its outcome (max_attempts bounds it): given back,
-                # it would lose the attempts it spent, and a poison message would never end.
-                admitted.append(item)
+            if breaker is None or not item.link.open:
+                admitted.append(item)  # no breaker; or its link is gone: given back unstarted
+                admissions.append(None)
+                continue
+            if item.delivery.queue in waiting_queues:
+                kept_back.append(item)
                 continue
             if name not in budget:
                 budget[name] = breaker.room()
+            admission = None
             if budget[name] > 0:
                 budget[name] -= 1
-                admitted.append(item)
+                admission = breaker.admit()
             elif breaker.state is BreakerState.CLOSED:
                 later.append(item)  # this round is full: decided after it, in order
-            elif breaker.admit():
-                admitted.append(item)  # half-open: a probe
+                continue
             else:
-                refused.append((item, Release("circuit breaker open: not started")))
-        return admitted, refused, later
+                admission = breaker.admit(overdue=self._waited_too_long(item))
+            if admission is None:
+                kept_back.append(item)
+                waiting_queues.add(item.delivery.queue)
+            else:
+                admitted.append(item)
+                admissions.append(admission)
+        return admitted, admissions, kept_back, later
+
+    def _waited_too_long(self, item: DeliveryWork) -> bool:
+        """Held unacked long enough that the broker's consumer timeout nears: it runs even
+        with the breaker open (see ``docs/circuit-breaker.md``)."""
+        held_for = time.monotonic() - item.received
+        return held_for >= BREAKER_HOLD_SHARE * self.settings.max_hold_seconds
+
+    def _wait_for_breaker(self, item: DeliveryWork, held: dict[str, HeldPartition]) -> None:
+        """Keep ``item`` in this worker, unacked and unstarted, behind whatever of its queue
+        waits already, until its breaker is asked again."""
+        waiting = held.get(item.delivery.queue)
+        if waiting is not None:
+            waiting.items.append(item)
+            return
+        breaker = self.breakers.get(item.spec.name)
+        again = breaker.look_again_in() if breaker is not None else 0.0
+        overdue_at = item.received + BREAKER_HOLD_SHARE * self.settings.max_hold_seconds
+        held[item.delivery.queue] = HeldPartition(min(time.monotonic() + again, overdue_at), [item])
 
     def _report_to_breakers(
-        self, batch: list[DeliveryWork], outcomes: list[Outcome | None]
+        self,
+        batch: list[DeliveryWork],
+        admissions: list[Admission | None],
+        outcomes: list[Outcome | None],
     ) -> None:
-        """Count each admitted delivery's verdict; a breaker that opens stops its consumer
-        taking deliveries before this batch's outcomes are settled."""
-        opened: dict[int, Link] = {}
-        for item, outcome in zip(batch, outcomes, strict=True):
-            breaker = None if item.from_dead_letter_queue else self.breakers.get(item.spec.name)
-            if breaker is None:
+        """Count each admitted delivery's verdict with its breaker."""
+        for item, admission, outcome in zip(batch, admissions, outcomes, strict=True):
+            breaker = self.breakers.get(item.spec.name)
+            if breaker is None or admission is None:
                 continue
-            verdict = None if outcome is None else handler_verdict(outcome)
-            if breaker.record(verdict) is BreakerState.OPEN:
-                opened[id(item.link)] = item.link
-        if self._breaker_opened is not None:
-            for link in opened.values():
-                self._breaker_opened(link)
+            breaker.record(admission, None if outcome is None else handler_verdict(outcome))
 
     def _decide(self, batch: list[DeliveryWork]) -> list[Outcome | None]:
         """The batch's outcomes; holds it while the database is unreachable, retrying with

@@ -17,15 +17,17 @@ from ..exceptions import ConsumerConfigurationError
 @dataclass(frozen=True)
 class Breaker:
     """Open when at least ``min_failures`` of the last ``window`` handled deliveries failed and
-    they are at least ``failure_rate`` of them; stay open ``pause`` seconds (taking no
-    deliveries of that handler), then let ``probes`` deliveries through (half-open) and close
-    when they all succeed."""
+    they are at least ``failure_rate`` of them; stay open ``pause`` seconds (starting none of
+    that handler's deliveries), then let ``probes`` deliveries through (half-open) and close
+    when they all succeed. Each opening after a failed probe doubles the pause, up to
+    ``max_pause`` (default: ten times ``pause``)."""
 
     failure_rate: float = 0.5
     window: int = 100
     min_failures: int = 20
     pause: float = 30.0
     probes: int = 3
+    max_pause: float | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -41,10 +43,25 @@ class Breaker:
             )
         if not _number(self.pause) or self.pause <= 0:
             problems.append(f"pause must be a positive number of seconds, got {self.pause!r}")
+        if self.max_pause is not None and (
+            not _number(self.max_pause) or (_number(self.pause) and self.max_pause < self.pause)
+        ):
+            problems.append(
+                f"max_pause must be a number of seconds >= pause, got {self.max_pause!r}"
+            )
         if not _integer(self.probes) or self.probes < 1:
             problems.append(f"probes must be an integer >= 1, got {self.probes!r}")
         if problems:
             raise ConsumerConfigurationError("Breaker: " + "; ".join(problems))
+
+    @property
+    def longest_pause(self) -> float:
+        """The cap of the pause's doubling."""
+        return self.max_pause if self.max_pause is not None else 10 * self.pause
+
+    def pause_after(self, reopenings: int) -> float:
+        """The pause of an opening that follows ``reopenings`` failed half-open rounds."""
+        return min(self.pause * 2 ** min(reopenings, 32), self.longest_pause)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> Breaker:

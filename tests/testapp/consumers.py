@@ -19,7 +19,8 @@ Tracing: ``{"fail_while": {"alpha": "name"}}`` fails (a transient error) while a
 of consumer ``switch`` with that message_id exists (the test deletes it to deploy the fix), and
 ``{"publish": {"alpha": "order.shipped"}}`` publishes a message with that routing key.
 Circuit breaker (issue 39): with ``RM_TEST_DOWNSTREAM_URL`` set, ``tests.payments`` calls that
-HTTP server (a "payment provider" the test stops and starts) and has a small breaker.
+HTTP server (a "payment provider" the test stops and starts) and has a small breaker;
+``tests.ordered_payments`` (``opay.*``) is the same, ordered by its ordering key.
 
 Expiry: ``tests.delta`` and ``tests.epsilon`` (``late.*``) have a max_age of 2 s; in a process
 with ``RM_TEST_LATE_RETRY_DELAY`` set, they retry after that many seconds (the suite's delays
@@ -150,6 +151,25 @@ if DOWNSTREAM_URL:
             reply.read()
         Effect.objects.create(
             consumer="payments",
+            message_id=message.message_id,
+            attempt=message.attempt,
+            payload=message.payload,
+        )
+
+    @consumer(
+        f"{NAMESPACE}.opayments",
+        bindings=["opay.*"],
+        name="tests.ordered_payments",
+        ordered=True,
+        max_attempts=50,
+        breaker=Breaker(failure_rate=0.5, window=10, min_failures=4, pause=1.0, probes=2),
+    )
+    def ordered_payments(message: Message) -> None:
+        """The same provider, ordered by the payload's ``key`` (the ordering key)."""
+        with urllib.request.urlopen(f"{DOWNSTREAM_URL}/{message.message_id}", timeout=5) as reply:
+            reply.read()
+        Effect.objects.create(
+            consumer="opayments",
             message_id=message.message_id,
             attempt=message.attempt,
             payload=message.payload,

@@ -11,6 +11,7 @@ from django.test import override_settings
 from reliable_messaging import Breaker, consumer
 from reliable_messaging.conf import messaging_settings
 from reliable_messaging.consuming.breaker import (
+    Admission,
     BreakerState,
     CircuitBreaker,
     ConsumerBreakers,
@@ -47,9 +48,15 @@ def make(config: Breaker = SMALL) -> tuple[CircuitBreaker, Clock, list[tuple[int
     return breaker, clock, moves
 
 
+def decide(breaker: CircuitBreaker, failed: bool | None) -> BreakerState | None:
+    """One delivery offered to ``breaker`` and, when let in, decided with verdict ``failed``."""
+    admission = breaker.admit()
+    return None if admission is None else breaker.record(admission, failed)
+
+
 def open_it(breaker: CircuitBreaker) -> None:
     for _ in range(4):
-        breaker.record(True)
+        decide(breaker, True)
     assert breaker.state is BreakerState.OPEN
 
 
@@ -59,9 +66,9 @@ def open_it(breaker: CircuitBreaker) -> None:
 def test_opens_at_min_failures_when_the_rate_is_reached() -> None:
     breaker, _, moves = make()
     for _ in range(3):
-        assert breaker.record(True) is None
+        assert decide(breaker, True) is None
         assert breaker.admit()
-    assert breaker.record(True) is BreakerState.OPEN
+    assert decide(breaker, True) is BreakerState.OPEN
     assert not breaker.admit()
     assert moves == [(BreakerState.CLOSED, BreakerState.OPEN)]
     assert breaker.opened == 1
@@ -71,42 +78,42 @@ def test_stays_closed_below_the_failure_rate() -> None:
     breaker, _, _ = make()
     # 4 failures among 10: at min_failures but 40% < 50%.
     for failed in [False, False, True, False, True, False, True, False, True, False]:
-        breaker.record(failed)
+        decide(breaker, failed)
     assert breaker.state is BreakerState.CLOSED
 
 
 def test_the_window_forgets_old_failures() -> None:
     breaker, _, _ = make()
     for _ in range(3):
-        breaker.record(True)
+        decide(breaker, True)
     for _ in range(10):
-        breaker.record(False)  # the three failures slide out of the window of 10
+        decide(breaker, False)  # the three failures slide out of the window of 10
     for _ in range(3):
-        breaker.record(True)
+        decide(breaker, True)
     assert breaker.state is BreakerState.CLOSED  # 3 failures in the window, fewer than 4
-    breaker.record(True)
+    decide(breaker, True)
     assert breaker.state is BreakerState.CLOSED  # 4 of 10 = 40%
-    breaker.record(True)
+    decide(breaker, True)
     assert breaker.state is BreakerState.OPEN  # 5 of 10 = 50%
 
 
 def test_min_failures_guards_a_small_sample() -> None:
     breaker, _, _ = make(Breaker(failure_rate=0.5, window=100, min_failures=20, pause=1, probes=1))
     for _ in range(19):
-        breaker.record(True)  # 100% failures, but only 19
+        decide(breaker, True)  # 100% failures, but only 19
     assert breaker.state is BreakerState.CLOSED
-    breaker.record(True)
+    decide(breaker, True)
     assert breaker.state is BreakerState.OPEN
 
 
 def test_what_says_nothing_about_the_handler_is_not_counted() -> None:
     breaker, _, _ = make()
     for _ in range(50):
-        breaker.record(None)
-        breaker.record(True)
-        breaker.record(True)
-        breaker.record(False)
-        breaker.record(False)
+        decide(breaker, None)
+        decide(breaker, True)
+        decide(breaker, True)
+        decide(breaker, False)
+        decide(breaker, False)
         if breaker.state is BreakerState.OPEN:
             break
     # Two failures out of four counted verdicts reach 50%; the Nones did not dilute the rate.
@@ -129,28 +136,51 @@ def test_open_refuses_for_the_pause_then_half_opens() -> None:
 
 def test_outcomes_of_deliveries_started_before_the_open_are_not_counted() -> None:
     breaker, clock, _ = make()
+    started = [breaker.admit() for _ in range(10)]
     open_it(breaker)
-    for _ in range(10):
-        assert breaker.record(False) is None
+    for admission in started:
+        assert admission is not None
+        assert breaker.record(admission, False) is None
     assert breaker.state is BreakerState.OPEN
     clock.now += 5
     assert breaker.state is BreakerState.HALF_OPEN
+
+
+def test_deliveries_started_before_the_open_never_pass_for_probes() -> None:
+    """Two deliveries admitted while closed finish after the pause: their successes do not
+    close it (no probe ran), and saying nothing they free no probe's place."""
+    breaker, clock, _ = make()
+    early = [breaker.admit(), breaker.admit(), breaker.admit()]
+    open_it(breaker)
+    clock.now += 5
+    assert breaker.state is BreakerState.HALF_OPEN
+    probe = breaker.admit()
+    assert probe is not None and probe.probe
+    first, second, third = early
+    assert first is not None and second is not None and third is not None
+    assert breaker.record(first, False) is None
+    assert breaker.record(second, False) is None
+    assert breaker.state is BreakerState.HALF_OPEN
+    assert breaker.admit() is not None  # the second probe's place
+    assert breaker.record(third, None) is None
+    assert breaker.admit() is None  # two probes run: no third place
 
 
 def test_half_open_admits_probes_and_closes_when_they_succeed() -> None:
     breaker, clock, moves = make()
     open_it(breaker)
     clock.now += 5
-    assert breaker.admit() and breaker.admit()
+    first, second = breaker.admit(), breaker.admit()
+    assert first is not None and second is not None
     assert not breaker.admit()  # probes=2
-    assert breaker.record(False) is None
+    assert breaker.record(first, False) is None
     assert breaker.state is BreakerState.HALF_OPEN
-    assert breaker.record(False) is BreakerState.CLOSED
+    assert breaker.record(second, False) is BreakerState.CLOSED
     assert breaker.admit()
     assert moves[-1] == (BreakerState.HALF_OPEN, BreakerState.CLOSED)
     # The window starts empty: the failures before the pause do not count again.
     for _ in range(3):
-        breaker.record(True)
+        decide(breaker, True)
     assert breaker.state is BreakerState.CLOSED
 
 
@@ -158,23 +188,57 @@ def test_a_failed_probe_opens_it_again_for_another_pause() -> None:
     breaker, clock, _ = make()
     open_it(breaker)
     clock.now += 5
-    assert breaker.admit()
-    assert breaker.record(True) is BreakerState.OPEN
+    probe = breaker.admit()
+    assert probe is not None
+    assert breaker.record(probe, True) is BreakerState.OPEN
     assert breaker.opened == 2
     assert not breaker.admit()
-    clock.now += 4.9
+    clock.now += 9.9  # the second pause is twice the first
     assert breaker.state is BreakerState.OPEN
     clock.now += 0.1
     assert breaker.state is BreakerState.HALF_OPEN
+
+
+def test_each_failed_round_doubles_the_pause_up_to_max_pause_until_it_closes() -> None:
+    breaker, clock, _ = make(Breaker(window=10, min_failures=4, pause=1.0, probes=1, max_pause=5))
+    open_it(breaker)
+    pauses = [breaker.pause]
+    for _ in range(4):
+        clock.now += breaker.pause
+        probe = breaker.admit()
+        assert probe is not None and probe.probe
+        breaker.record(probe, True)
+        pauses.append(breaker.pause)
+    assert pauses == [1.0, 2.0, 4.0, 5.0, 5.0]
+    clock.now += breaker.pause
+    probe = breaker.admit()
+    assert probe is not None
+    assert breaker.record(probe, False) is BreakerState.CLOSED
+    open_it(breaker)
+    assert breaker.pause == 1.0  # closed in between: the first pause again
+    assert Breaker(pause=3).longest_pause == 30
+
+
+def test_an_overdue_delivery_runs_while_open_and_its_verdict_is_not_counted() -> None:
+    breaker, clock, _ = make()
+    open_it(breaker)
+    assert breaker.admit() is None
+    overdue = breaker.admit(overdue=True)
+    assert overdue is not None and not overdue.probe
+    clock.now += 5
+    assert breaker.record(overdue, False) is None
+    assert breaker.state is BreakerState.HALF_OPEN
+    assert breaker.record(Admission(overdue.epoch), True) is None
 
 
 def test_a_probe_that_says_nothing_frees_its_slot() -> None:
     breaker, clock, _ = make()
     open_it(breaker)
     clock.now += 5
-    assert breaker.admit() and breaker.admit()
+    first, second = breaker.admit(), breaker.admit()
+    assert first is not None and second is not None
     assert not breaker.admit()
-    breaker.record(None)  # a duplicate, or given back because the database is down
+    breaker.record(first, None)  # a duplicate, or given back because the database is down
     assert breaker.admit()
     assert not breaker.admit()
 
@@ -182,13 +246,15 @@ def test_a_probe_that_says_nothing_frees_its_slot() -> None:
 def test_it_is_thread_safe() -> None:
     breaker, _, moves = make(Breaker(failure_rate=1.0, window=100, min_failures=100, pause=60))
     start = threading.Barrier(8)
+    admitted = [[breaker.admit() for _ in range(50)] for _ in range(8)]
 
-    def report() -> None:
+    def report(admissions: list[Admission | None]) -> None:
         start.wait()
-        for _ in range(50):
-            breaker.record(True)
+        for admission in admissions:
+            assert admission is not None
+            breaker.record(admission, True)
 
-    threads = [threading.Thread(target=report) for _ in range(8)]
+    threads = [threading.Thread(target=report, args=(batch,)) for batch in admitted]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -259,14 +325,16 @@ def test_transitions_show_in_health_notes_and_log_once(caplog: pytest.LogCapture
     assert breaker is not None
     with caplog.at_level(logging.INFO, logger="reliable_messaging.consuming.breaker"):
         for _ in range(20):
-            breaker.record(True)
+            decide(breaker, True)
         assert health.check()[0]  # a note, not a failure of liveness
         assert any("shop.paid open" in note for note in health.notes())
         clock.now += 5
         assert breaker.state is BreakerState.HALF_OPEN
         assert any("half-open" in note for note in health.notes())
-        breaker.admit(), breaker.admit()
-        breaker.record(False), breaker.record(False)
+        probes = [breaker.admit(), breaker.admit()]
+        for probe in probes:
+            assert probe is not None
+            breaker.record(probe, False)
         assert health.notes() == []
     lines = [(r.levelname, r.getMessage()) for r in caplog.records]
     assert [level for level, _ in lines] == ["WARNING", "INFO", "INFO"]
@@ -277,13 +345,13 @@ def test_transitions_show_in_health_notes_and_log_once(caplog: pytest.LogCapture
 def test_room_is_what_may_still_fail_before_it_opens() -> None:
     breaker, clock, _ = make()
     assert breaker.room() == 4
-    breaker.record(True)
-    breaker.record(False)
+    decide(breaker, True)
+    decide(breaker, False)
     assert breaker.room() == 3
-    breaker.record(True)
-    breaker.record(True)
+    decide(breaker, True)
+    decide(breaker, True)
     assert breaker.room() == 1  # at least one: a closed breaker always lets work through
-    breaker.record(True)
+    decide(breaker, True)
     assert breaker.state is BreakerState.OPEN
     assert breaker.room() == 0
     clock.now += 5
