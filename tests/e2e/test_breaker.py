@@ -12,10 +12,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import threading
-import time
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -23,6 +19,7 @@ from django.db.models import Sum
 
 from reliable_messaging.models import DeadLetter
 from tests.conftest import subprocess_env
+from tests.e2e.conftest import Provider
 from tests.integration.ops.conftest import free_port, http_get
 from tests.support import ConsumeProcess, Publisher, queue_counts, wait_until
 from tests.testapp.models import Effect
@@ -30,55 +27,6 @@ from tests.testapp.models import Effect
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
 
 CONSUMER = "tests.payments"
-
-
-class Provider:
-    """The payment provider: an HTTP server on a fixed port that the test stops and starts."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.calls = 0
-        # Seconds each call takes, in turn (none: at once).
-        self.delays: list[float] = []
-        self._server: ThreadingHTTPServer | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        provider = self
-
-        class Charge(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                provider.calls += 1
-                if provider.delays:
-                    time.sleep(provider.delays[provider.calls % len(provider.delays)])
-                self.send_response(200)
-                self.end_headers()
-                self.wfile.write(b"charged")
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Charge)
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-
-
-@pytest.fixture
-def provider() -> Iterator[Provider]:
-    server = Provider()
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def metric(port: int, name: str, consumer: str = CONSUMER) -> float | None:

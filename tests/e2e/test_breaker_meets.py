@@ -25,7 +25,8 @@ from tests.integration.ops.conftest import free_port
 from tests.support import ConsumeProcess, Publisher, all_queue_counts, queue_counts, wait_until
 from tests.testapp.models import Effect
 
-from .test_breaker import CONSUMER, Provider, metric, payments_done, provider  # noqa: F401
+from .conftest import Provider
+from .test_breaker import CONSUMER, metric, payments_done
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True), pytest.mark.timeout(240)]
 

@@ -1,0 +1,61 @@
+"""Shared pieces of the end-to-end tests."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from tests.integration.ops.conftest import free_port
+
+
+class Provider:
+    """The payment provider: an HTTP server on a fixed port that the test stops and starts."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.calls = 0
+        # Seconds each call takes, in turn (none: at once).
+        self.delays: list[float] = []
+        self._server: ThreadingHTTPServer | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        provider = self
+
+        class Charge(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                provider.calls += 1
+                if provider.delays:
+                    time.sleep(provider.delays[provider.calls % len(provider.delays)])
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"charged")
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Charge)
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+@pytest.fixture
+def provider() -> Iterator[Provider]:
+    server = Provider()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
