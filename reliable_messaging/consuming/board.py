@@ -51,25 +51,35 @@ class Link:
     # ``held_for_the_drop``).
     ordered: set[int] = field(default_factory=set)
     stopping: threading.Event = field(default_factory=threading.Event)
+    # Why this link is to be dropped (a worker died holding an ordered partition's delivery):
+    # nothing more of it runs, and the connection's thread drops it (see ``held_for_the_drop``).
+    dropping: str | None = None
     # Queues the broker could not declare at connect (their node down): tried again now and
     # then, and consumed once they can be.
     unavailable: dict[str, str] = field(default_factory=dict)
     retry_topology_at: float = 0.0
 
     def held_for_the_drop(self, channel: BrokerChannel) -> bool:
-        """An ordered partition's channel of a stopping process: nothing it holds is handled
-        or nacked any more. A nack would give a message back while this process is still the
-        partition's active consumer: a quorum queue hands it straight back to this process,
-        behind later messages, and the drop then returns them in that order. Dropping the
-        connection gives everything back in the order this process received it."""
-        return self.stopping.is_set() and channel.channel_number in self.ordered
+        """An ordered partition's channel of a stopping process, or of a link to be dropped:
+        nothing it holds is handled or nacked any more. A nack would give a message back while
+        this process is still the partition's active consumer: a quorum queue hands it straight
+        back to this process, behind later messages, and the drop then returns them in that
+        order. Dropping the connection gives everything back in the order this process
+        received it."""
+        return (
+            self.stopping.is_set() or self.dropping is not None
+        ) and channel.channel_number in self.ordered
 
     def forget(self, channel: BrokerChannel, tag: int) -> None:
         self.unsettled.get(channel.channel_number, {}).pop(tag, None)
 
     @property
     def open(self) -> bool:
-        return self.connection.is_open and all(c.is_open for c in self.channels)
+        return (
+            self.dropping is None
+            and self.connection.is_open
+            and all(c.is_open for c in self.channels)
+        )
 
 
 @dataclass(frozen=True)

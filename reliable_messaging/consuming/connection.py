@@ -298,6 +298,14 @@ class ConnectionThread:
         consumer: pika's blocking adapter records a channel closed by the broker but raises
         nothing until the channel is used, so without this look the process would go on
         reporting healthy while no delivery ever arrives again."""
+        if link.dropping is not None and link.connection.is_open:
+            logger.warning(
+                "%s: dropping the connection so the broker gives its partitions back in "
+                "place, then connecting again",
+                link.dropping,
+            )
+            link.connection.drop()
+            link.lost = link.dropping
         if link.lost is None:
             for channel in link.channels:
                 if not channel.is_open:

@@ -205,6 +205,15 @@ class WorkerPool:
         )
         if len(items) == 1 and items[0].suspect:
             self._count_death(items[0])
+        for item in items:
+            if item.channel.channel_number in item.link.ordered and item.link.dropping is None:
+                # A nack would put an ordered partition's message back while its later ones
+                # wait in this process (handled first: order lost); dropping the connection
+                # gives the whole partition back in place. Set before the replacement starts.
+                item.link.dropping = (
+                    f"worker thread died holding message_id={item.delivery.message_id} "
+                    f"of ordered queue {item.delivery.queue}"
+                )
         if items:
             self._hand_back([(item, Release(f"worker thread died: {exc!r}")) for item in items])
         if not replace:
