@@ -644,8 +644,9 @@ class MessagingSettings:
         None,
         _breaker,
         "the circuit breaker of every consumer without its own `breaker=`: a dict of "
-        "`failure_rate`, `window`, `min_failures`, `pause` (seconds) and `probes` "
-        "(`{}` for the defaults 0.5, 100, 20, 30, 3), or None for no breaker; see "
+        "`failure_rate`, `window`, `min_failures`, `pause` (seconds), `probes` and "
+        "`max_pause` (`{}` for the defaults 0.5, 100, 20, 30, 3, ten times the pause), or "
+        "None for no breaker; see "
         "[The circuit breaker](../circuit-breaker.md)",
         Rule(
             53,

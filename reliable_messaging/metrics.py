@@ -121,7 +121,7 @@ _CONSUMER_UNAVAILABLE = Gauge(
 _BREAKER_STATE = Gauge(
     "reliable_messaging_breaker_state",
     "The consumer's circuit breaker in this process: 0 closed, 1 half-open (probing), 2 open "
-    "(taking none of its deliveries).",
+    "(starting none of its deliveries).",
     ["consumer"],
 )
 _BREAKER_OPENED = Counter(
