@@ -43,7 +43,10 @@ def relay_outbox(max_seconds: float = 50.0, batch_size: int | None = None) -> di
         max_seconds=max_seconds,
         batch_size=batch_size,
         listen=False,
-        consumers=registry.all(),  # declared before it sends, as `manage.py relay` does
+        # Declared before it sends, as `manage.py relay` does, but once per worker process
+        # (again after a failure, or while a queue is unavailable), not a connection every run.
+        consumers=registry.all(),
+        declare_once_per_process=True,
     ).run()
     return {
         "sent": report.sent,

@@ -5,7 +5,13 @@ for every consumer of the project, with the same code
 (:func:`~reliable_messaging.broker.declaring.declare_tolerantly`), on a connection and a thread
 of its own so that its I/O loop goes on meanwhile. Never fatal: argument drift is reported and
 the queue bound all the same; a refusal or a silent broker is reported and the relay sends
-anyway, after :data:`DECLARE_WAIT` seconds at most.
+anyway, after :data:`DECLARE_WAIT` seconds at most. A queue the broker cannot serve now (404:
+its node down, or it crashed) is declared again on the same connection, after a backoff of
+:data:`REDECLARE_FIRST` doubling up to :data:`REDECLARE_MAX` seconds, until it is there.
+
+Short-lived relays (the Celery task ``relay_outbox``, a run every few seconds) declare once per
+process instead of once per connection: a declaration that reached every queue is remembered
+until a declaration or a connection of this process fails.
 ``docs/design.md#the-relay-declares-the-consumers-topology`` explains why.
 """
 
@@ -13,12 +19,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
-from ..broker.declaring import declare_tolerantly
+from ..broker.declaring import TolerantDeclaration, declare_tolerantly
 from ..broker.publisher import ConfirmingPublisher
 from ..broker.topology import consumer_queues
 from ..conf import MessagingSettings
+from ..core.backoff import Backoff
 from ..core.liveness import HealthState
 from ..core.registry import ConsumerSpec
 
@@ -28,13 +35,21 @@ logger = logging.getLogger("reliable_messaging.relay")
 # Seconds the relay waits for the declaration before it sends anyway; also the timeout of the
 # declaring connection's connect. A declaration takes milliseconds a queue.
 DECLARE_WAIT = 30.0
+# Seconds before a queue the broker could not serve is declared again, doubling up to the most.
+REDECLARE_FIRST = 1.0
+REDECLARE_MAX = 30.0
 # The /healthz notes this module sets.
 DRIFT_NOTE = "topology_drift"
 UNDECLARED_NOTE = "topology_not_declared"
 
+# What this process declared in full, for the relays that declare once per process.
+_declared_in_process: set[Hashable] = set()
+_declared_lock = threading.Lock()
+
 
 class ConsumerTopology:
-    """Declares ``specs``' topology once per relay connection, before its first claim.
+    """Declares ``specs``' topology once per relay connection (with ``once_per_process``,
+    once per process), before its first claim.
 
     Every method runs on the relay's I/O loop, except :meth:`_declare`, which runs on a thread
     of its own and hands its outcome back with ``publisher.post``."""
@@ -46,11 +61,13 @@ class ConsumerTopology:
         publisher: ConfirmingPublisher,
         settings: MessagingSettings,
         health: HealthState,
+        once_per_process: bool = False,
     ) -> None:
         self.specs = list(specs)
         self.publisher = publisher
         self.settings = settings
         self.health = health
+        self.once_per_process = once_per_process
         # The connection being declared for; an outcome of an earlier one is ignored.
         self._generation = 0
         self._declared = False  # for the current connection (or given up on)
@@ -59,6 +76,10 @@ class ConsumerTopology:
         self._threads: list[threading.Thread] = []
         # Objects already reported at ERROR: a reconnect says them again at DEBUG only.
         self._reported: set[str] = set()
+        # Queues the broker could not serve at the last declaration, declared again later.
+        self._unavailable: dict[str, str] = {}
+        self._redeclare = Backoff(REDECLARE_FIRST, REDECLARE_MAX)
+        self._redeclare_timer: object = None
 
     @property
     def declaring(self) -> bool:
@@ -71,16 +92,16 @@ class ConsumerTopology:
         if self._declared or not self.specs or not self.settings.relay_declares_topology:
             then()
             return
+        if self.once_per_process and self._process_key() in _declared_in_process:
+            self._declared = True
+            then()
+            return
         started = self._then is not None
         self._then = then
         if started:
             return
+        self._start_declaring()
         generation = self._generation
-        thread = threading.Thread(
-            target=self._declare, args=(generation,), name="rm-relay-declare", daemon=True
-        )
-        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
-        thread.start()
         self._timer = self.publisher.call_later(DECLARE_WAIT, lambda: self._waited(generation))
 
     def connection_lost(self) -> None:
@@ -91,20 +112,60 @@ class ConsumerTopology:
         self._then = None
         self.publisher.cancel(self._timer)
         self._timer = None
+        self.publisher.cancel(self._redeclare_timer)
+        self._redeclare_timer = None
+        self._redeclare.reset()
+
+    def failed(self) -> None:
+        """The broker could not be reached, or the connection broke: the next relay of this
+        process declares again, whatever an earlier one did."""
+        self._forget()
 
     def close(self, timeout: float = 5.0) -> None:
         """Wait a little for declarations still under way (the relay is stopping)."""
         for thread in self._threads:
             thread.join(timeout)
 
+    def _process_key(self) -> Hashable:
+        """What the declaration depends on, besides the broker: the same key, the same
+        queues, bindings and arguments."""
+        return (
+            self.settings.exchange,
+            self.settings.queue_type,
+            tuple((s.queue, s.exchange, s.bindings, s.ordered) for s in self.specs),
+        )
+
+    def _remember(self) -> None:
+        if self.once_per_process:
+            with _declared_lock:
+                _declared_in_process.add(self._process_key())
+
+    def _forget(self) -> None:
+        with _declared_lock:
+            _declared_in_process.discard(self._process_key())
+
+    def _start_declaring(self) -> None:
+        generation = self._generation
+        known = set(self._unavailable)
+        thread = threading.Thread(
+            target=self._declare, args=(generation, known), name="rm-relay-declare", daemon=True
+        )
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+
     # -- the declaring thread ---------------------------------------------------------------
 
-    def _declare(self, generation: int) -> None:
+    def _declare(self, generation: int, known_unavailable: set[str]) -> None:
         """Declaring thread: declare on a connection of its own, then hand the outcome to the
         I/O loop."""
+        outcome: TolerantDeclaration | str
         try:
             outcome = declare_tolerantly(
-                self.specs, self.settings, name="relay (declaring)", timeout=DECLARE_WAIT
+                self.specs,
+                self.settings,
+                name="relay (declaring)",
+                timeout=DECLARE_WAIT,
+                known_unavailable=known_unavailable,
             )
         except Exception as exc:  # never take the relay down for it
             logger.exception("relay: unexpected error while declaring the consumers' queues")
@@ -113,10 +174,12 @@ class ConsumerTopology:
 
     # -- back on the I/O loop ---------------------------------------------------------------
 
-    def _finished(self, generation: int, outcome: dict[str, str] | str) -> None:
+    def _finished(self, generation: int, outcome: TolerantDeclaration | str) -> None:
         if generation != self._generation:
             return  # declared for a connection that is gone; the new one declares again
+        again = self._declared  # declared again for the queues that were unavailable
         if isinstance(outcome, str):
+            self._forget()
             logger.warning(
                 "relay: the queues and bindings of the registered consumers could not be "
                 "declared (%s); sending anyway, and an event no queue is bound for yet is "
@@ -126,17 +189,65 @@ class ConsumerTopology:
                 outcome,
             )
             self.health.note(UNDECLARED_NOTE, f"consumers' queues not declared: {outcome}")
+            if again and self._unavailable:
+                self._declare_later()
         else:
-            self.health.note(UNDECLARED_NOTE, None)
-            self._report_mismatches(outcome)
-            queues = sum(len(consumer_queues(spec, self.settings)) for spec in self.specs)
-            logger.info(
-                "relay: declared the queues and bindings of %d registered consumer(s) "
-                "(%d queue(s)) before sending",
-                len(self.specs),
-                queues,
-            )
+            self._report_mismatches(outcome.mismatched)
+            if not again:
+                queues = sum(len(consumer_queues(spec, self.settings)) for spec in self.specs)
+                logger.info(
+                    "relay: declared the queues and bindings of %d registered consumer(s) "
+                    "(%d queue(s)) before sending",
+                    len(self.specs),
+                    queues,
+                )
+            back = sorted(set(self._unavailable) - set(outcome.unavailable))
+            if again and back:
+                logger.info(
+                    "relay: declared %s, which the broker could not serve before",
+                    ", ".join(back),
+                )
+            self._note_unavailable(outcome.unavailable)
         self._done()
+
+    def _note_unavailable(self, unavailable: dict[str, str]) -> None:
+        """Remember what the broker could not serve, and declare again after a while (on this
+        connection: a queue whose node comes back must not wait for the relay's next one)."""
+        newly = sorted(set(unavailable) - set(self._unavailable))
+        self._unavailable = dict(unavailable)
+        if not unavailable:
+            self.health.note(UNDECLARED_NOTE, None)
+            self._redeclare.reset()
+            self._remember()
+            return
+        self._forget()
+        self.health.note(
+            UNDECLARED_NOTE,
+            f"consumers' queues not available now: {', '.join(sorted(unavailable))}",
+        )
+        delay = self._declare_later()
+        (logger.warning if newly else logger.debug)(
+            "relay: the broker cannot serve %s now (%s); an event bound for these alone is "
+            "marked unrouted meanwhile. Declared again in %.1fs",
+            ", ".join(sorted(unavailable)),
+            "; ".join(f"{name}: {why}" for name, why in sorted(unavailable.items())),
+            delay,
+        )
+
+    def _declare_later(self) -> float:
+        """Declare again after the next backoff, on this connection; the delay."""
+        delay = self._redeclare.next()
+        generation = self._generation
+        self._redeclare_timer = self.publisher.call_later(
+            delay, lambda: self._declare_again(generation)
+        )
+        return delay
+
+    def _declare_again(self, generation: int) -> None:
+        """I/O loop: the backoff is over; declare again, claims going on meanwhile."""
+        self._redeclare_timer = None
+        if generation == self._generation:
+            self._start_declaring()
 
     def _report_mismatches(self, mismatched: dict[str, str]) -> None:
         for name, what in sorted(mismatched.items()):
@@ -164,6 +275,8 @@ class ConsumerTopology:
         self._done()
 
     def _done(self) -> None:
+        if self._declared:
+            return  # declared again, or sending already: nothing waits for it
         self._declared = True
         self.publisher.cancel(self._timer)
         self._timer = None

@@ -81,6 +81,8 @@ class OutboxRelay:
 
     ``consumers``: the consumers whose queues and bindings it declares on each connection
     before it sends (:mod:`.consumer_topology`); ``manage.py relay`` gives every registered one.
+    ``declare_once_per_process``: declare them once for every relay of this process instead
+    (the Celery task, whose runs each open a connection).
     The events of its :class:`ConfirmingPublisher` (``on_ready``, ``on_confirm``, ...) and its
     timers run on the I/O loop; the ``*_job`` methods run on a database worker."""
 
@@ -95,6 +97,7 @@ class OutboxRelay:
         on_batch: Callable[[RelayReport], None] | None = None,
         health: HealthState | None = None,
         consumers: Iterable[ConsumerSpec] = (),
+        declare_once_per_process: bool = False,
     ) -> None:
         self.settings = settings
         self.batch_size = batch_size or settings.relay_batch_size
@@ -134,7 +137,11 @@ class OutboxRelay:
             health=self.health,
         )
         self.topology = ConsumerTopology(
-            consumers, publisher=self.publisher, settings=settings, health=self.health
+            consumers,
+            publisher=self.publisher,
+            settings=settings,
+            health=self.health,
+            once_per_process=declare_once_per_process,
         )
         self.scheduler = ClaimScheduler(
             publisher=self.publisher,
@@ -228,6 +235,7 @@ class OutboxRelay:
 
     def on_connect_failed(self, error: str) -> None:
         self.health.set_broker(False)
+        self.topology.failed()
 
     def on_connection_closed(self, reason: str) -> None:
         self.health.set_broker(False)
@@ -236,6 +244,7 @@ class OutboxRelay:
         self._cancel_timers()
         self.topology.connection_lost()
         if not (self._finished or self._stop_requested):
+            self.topology.failed()
             logger.warning("relay: broker connection closed: %s", reason)
 
     def on_channel_closed(self, closed: ChannelClosed) -> None:

@@ -13,6 +13,8 @@ the broker under test (``RM_TEST_BROKER``, tests/support.py).
   channel pid first, ``rabbit_channel:do/2`` still feeds a method to the channel).
 - :func:`delete_queue` deletes a queue under its consumers: the broker sends each of them a
   ``basic.cancel``.
+- :func:`queue_crashed` makes one queue answer its declarations with ``404`` for a while, as a
+  classic queue that crashed (or whose node is down) does.
 - :func:`reads_refused` takes the ``read`` permission of a test's own vhost away for a while, so
   nothing can subscribe (or bind) there until it is given back; what is consumed already keeps
   flowing. Only for a vhost of the test's own (``FaultRig.vhost``).
@@ -95,6 +97,30 @@ def queue_consumers(vhost: str) -> dict[str, int]:
 
 def _eval(expression: str) -> str:
     return support.rabbitmqctl("eval", expression, attempts=2)
+
+
+def _set_queue_state(vhost: str, queue: str, state: str) -> None:
+    # The default vhost, or a test's own; the queue is always a test's own.
+    where = '<<"/">>' if vhost == "/" else _erlang_binary(vhost)
+    out = _eval(
+        f"{{ok, Q}} = rabbit_amqqueue:lookup(rabbit_misc:r({where}, queue, "
+        f"{_erlang_binary(queue)})), rabbit_misc:execute_mnesia_transaction(fun() -> "
+        f"mnesia:write(rabbit_queue, amqqueue:set_state(Q, {state}), write) end)."
+    )
+    assert out.strip().endswith("ok"), out
+
+
+@contextlib.contextmanager
+def queue_crashed(vhost: str, queue: str) -> Iterator[None]:
+    """For the body of the ``with``, the broker answers a declaration or binding of ``queue``
+    (which must exist) with ``404 NOT_FOUND ... has crashed and failed to restart``, as for a
+    classic queue whose process could not be restarted; it serves again after it (its process
+    never stopped: only its record says crashed), even when the body fails."""
+    _set_queue_state(vhost, queue, "crashed")
+    try:
+        yield
+    finally:
+        _set_queue_state(vhost, queue, "live")
 
 
 def consuming_channels(vhost: str, queue: str) -> list[str]:

@@ -12,7 +12,9 @@ from django.db import connections, transaction
 from django.utils import timezone
 
 from reliable_messaging import publish
+from reliable_messaging.broker import declaring
 from reliable_messaging.choices import OutboxStatus
+from reliable_messaging.conf import messaging_settings
 from reliable_messaging.models import OutboxMessage
 from reliable_messaging.tasks import relay_outbox
 
@@ -76,3 +78,41 @@ def test_two_task_runs_at_once_send_each_row_once(ob: OutboxEnv) -> None:
     assert OutboxMessage.objects.filter(status=OutboxStatus.SENT).count() == 1000
     delivered = ob.broker.drain(queue, expected=1000)
     assert Counter(m.message_id for m in delivered) == dict.fromkeys(ids, 1)
+
+
+def test_runs_in_one_worker_process_declare_the_consumers_topology_once(
+    ob: OutboxEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each run publishes on a connection of its own; the consumers' queues are declared, on
+    one more connection, once per worker process rather than every run (every 5 s with the
+    example schedule), and again after a run that could not reach the broker."""
+    declaring_connections: list[tuple[Any, ...]] = []
+    connect = declaring.connect
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        declaring_connections.append(args)
+        return connect(*args, **kwargs)
+
+    monkeypatch.setattr(declaring, "connect", counted)
+    queue = ob.queue(bindings=["once.#"])
+
+    def run_sending_one() -> str:
+        with transaction.atomic():
+            message_id = publish("once.x", {})
+        assert relay_outbox.apply(kwargs={"max_seconds": 30}).get(timeout=120)["sent"] == 1
+        return message_id
+
+    sent = [run_sending_one() for _ in range(5)]
+    assert len(declaring_connections) == 1
+
+    # A run that cannot reach the broker (restarted, or failed over to another node): the
+    # next run declares again, once.
+    reachable = messaging_settings.broker_url
+    ob.set(BROKER_URL="amqp://guest:guest@127.0.0.1:1/%2F")
+    assert relay_outbox.apply(kwargs={"max_seconds": 1}).get(timeout=120)["sent"] == 0
+    ob.set(BROKER_URL=reachable)
+    sent += [run_sending_one() for _ in range(3)]
+    assert len(declaring_connections) == 2
+
+    delivered = ob.broker.drain(queue, expected=len(sent))
+    assert Counter(m.message_id for m in delivered) == dict.fromkeys(sent, 1)
