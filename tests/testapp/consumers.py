@@ -138,6 +138,17 @@ DOWNSTREAM_URL = os.environ.get("RM_TEST_DOWNSTREAM_URL")
 if DOWNSTREAM_URL:
     # Only in the processes of the breaker's tests: the others consume no such queue.
 
+    def charge(label: str, message: Message) -> None:
+        """Charges through the provider; fails (connection refused) while it is down."""
+        with urllib.request.urlopen(f"{DOWNSTREAM_URL}/{message.message_id}", timeout=5) as reply:
+            reply.read()
+        Effect.objects.create(
+            consumer=label,
+            message_id=message.message_id,
+            attempt=message.attempt,
+            payload=message.payload,
+        )
+
     @consumer(
         f"{NAMESPACE}.payments",
         bindings=["payment.*"],
@@ -146,15 +157,7 @@ if DOWNSTREAM_URL:
         breaker=Breaker(failure_rate=0.5, window=10, min_failures=4, pause=1.0, probes=2),
     )
     def payments(message: Message) -> None:
-        """Charges through the provider; fails (connection refused) while it is down."""
-        with urllib.request.urlopen(f"{DOWNSTREAM_URL}/{message.message_id}", timeout=2) as reply:
-            reply.read()
-        Effect.objects.create(
-            consumer="payments",
-            message_id=message.message_id,
-            attempt=message.attempt,
-            payload=message.payload,
-        )
+        charge("payments", message)
 
     @consumer(
         f"{NAMESPACE}.opayments",
@@ -166,14 +169,7 @@ if DOWNSTREAM_URL:
     )
     def ordered_payments(message: Message) -> None:
         """The same provider, ordered by the payload's ``key`` (the ordering key)."""
-        with urllib.request.urlopen(f"{DOWNSTREAM_URL}/{message.message_id}", timeout=5) as reply:
-            reply.read()
-        Effect.objects.create(
-            consumer="opayments",
-            message_id=message.message_id,
-            attempt=message.attempt,
-            payload=message.payload,
-        )
+        charge("opayments", message)
 
 
 # Expiry (issue 39): a message over 2 s old is not handled; epsilon keeps it as a dead letter.
