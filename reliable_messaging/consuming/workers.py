@@ -137,7 +137,7 @@ class WorkerPool:
                 for queue in [q for q, h in held.items() if h.ready_at <= now]:
                     batch.extend(held.pop(queue).items)
                 if self.board.closed or self._stop.is_set():
-                    self._release_held(held, "stopping while a retry in place waited")
+                    self._release_held(held, "stopping: kept for a retry in place or a breaker")
                 if self.board.closed and self.board.empty() and not batch:
                     return
                 wait = 0.0 if batch else 0.5
