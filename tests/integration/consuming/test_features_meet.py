@@ -1,0 +1,463 @@
+"""Features where they meet inside one consume process (issue 45), with a real ConsumerService
+in a thread of this process against the real broker and database.
+
+- The circuit breaker and expiry: a delivery waiting for an open breaker that passes its
+  ``max_age`` meanwhile is expired when its turn comes: never run, never charged, and its
+  verdict says nothing to the breaker (it neither closes nor opens it again).
+- The breaker and the time limit: a handler interrupted at its time limit is a handler failure,
+  so timeouts open the breaker, and the deliveries behind them wait uncharged.
+- The breaker and replays (plain and edited): a replayed copy arriving while the breaker is open
+  waits with the rest and is handled once after; nothing fails again for being replayed then.
+- Ordered consumers and expiry: an expired message never stalls its key (``on_expiry="drop"``),
+  or parks it like any dead letter (``"dead_letter"``); a replay, exempt from ``max_age``,
+  releases it oldest first, in order.
+- Ordered consumers and a quorum queue's delivery limit: a message the broker took off its
+  partition past the limit should be a dead letter ``delivery_limit`` that parks its key like
+  any other; it does not yet (the test is an expected failure until it does).
+
+The "downstream" of the breaker's tests is a switch: an ``Effect`` row of consumer ``switch``
+(tests/testapp/consumers.py, ``fail_while``); the test deletes it to bring the downstream back.
+"""
+
+# ruff: noqa: F811 - pytest fixtures imported from the consumer service tests, used by name
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+from django.test import override_settings
+
+from reliable_messaging import Breaker, Message
+from reliable_messaging.choices import DeadLetterReason, DeadLetterStatus, ReplayOutcome
+from reliable_messaging.consuming.breaker import BreakerState
+from reliable_messaging.core.envelope import ORDERING_KEY_HEADER, PUBLISHED_AT_HEADER
+from reliable_messaging.core.outcomes import Acknowledge, ScheduleRetry
+from reliable_messaging.core.registry import ConsumerSpec
+from reliable_messaging.dead_letters.edit import original_payload_text, replay_edited
+from reliable_messaging.dead_letters.replay import replay
+from reliable_messaging.models import DeadLetter, ProcessedMessage, Replay
+from tests.e2e.test_replay_routing import relay_once
+from tests.integration.consuming.test_consumer_service import (  # noqa: F401 - fixtures
+    Recorder,
+    effects,
+    exchange_of,
+    make_spec,
+    rec,
+)
+from tests.support import (
+    Publisher,
+    all_queue_counts,
+    broker_connection,
+    drained,
+    rabbitmqctl,
+    wait_until,
+)
+from tests.testapp.consumers import behave
+from tests.testapp.models import Effect
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
+
+SWITCH = "downstream-down"
+
+
+def downstream_down() -> None:
+    Effect.objects.create(consumer="switch", message_id=SWITCH, attempt=0, payload={})
+
+
+def downstream_up() -> None:
+    Effect.objects.filter(consumer="switch", message_id=SWITCH).delete()
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def results_by_id(rec: Recorder, consumer: str) -> dict[str, list[str]]:
+    """The outcomes ``consumer``'s deliveries ended with, by message_id, in order."""
+    found: dict[str, list[str]] = {}
+    for seen in rec.of(consumer):
+        outcome = seen.outcome
+        if isinstance(outcome, Acknowledge):
+            word = str(outcome.result)
+            if outcome.result == "dead_lettered":
+                word = f"{word}:{outcome.reason}"
+        elif isinstance(outcome, ScheduleRetry):
+            word = "deferred" if outcome.deferred else "retry"
+        else:
+            word = "release"
+        found.setdefault(seen.delivery.message_id, []).append(word)
+    return found
+
+
+def consumers_of(queue: str) -> int | None:
+    out = rabbitmqctl("list_queues", "-p", "/", "name", "consumers", "--no-table-headers")
+    for line in out.splitlines():
+        name, _, count = line.partition("\t")
+        if name == queue and count.strip().isdigit():
+            return int(count)
+    return None
+
+
+def return_until_dropped(queue: str, most: int) -> int:
+    """Consume ``queue`` as another client would (a quorum queue with a single active consumer
+    refuses ``basic.get``) and give back what comes (nack, requeue) until the broker stops
+    delivering it; how many times it was given back."""
+    connection = broker_connection(name="rm-tests returner")
+    returned = 0
+    try:
+        channel = connection.channel()
+        channel.basic_qos(prefetch_count=1)
+        for method, _, _ in channel.consume(queue, inactivity_timeout=2.0):
+            if method is None:
+                break
+            channel.basic_nack(method.delivery_tag, requeue=True)
+            returned += 1
+            if returned >= most:
+                break
+        channel.cancel()
+    finally:
+        connection.close()
+    return returned
+
+
+def dead_letter_reasons(consumer: str) -> Counter[str]:
+    return Counter(DeadLetter.objects.filter(consumer=consumer).values_list("reason", flat=True))
+
+
+# --------------------------------------------------------------------------- breaker x expiry
+
+
+def test_a_delivery_waiting_for_an_open_breaker_expires_uncharged_and_uncounted(
+    ns: str, rm_settings: dict[str, Any], service: Any, make_spec: Any, rec: Recorder
+) -> None:
+    """Four permanent failures open the breaker; six messages arrive meanwhile, each near its
+    ``max_age`` of 3 s, and wait. Past it when their turn comes, each is expired (a dead letter
+    ``expired``, as the consumer asks): its handler never ran, no attempt was charged, and the
+    breaker, half-open, neither closed on them nor opened again. Two fresh messages after them
+    are its probes: it closes."""
+    pay = make_spec(
+        "lpay",
+        bindings=("lpay.*",),
+        max_age=3.0,
+        on_expiry="dead_letter",
+        max_attempts=50,
+        breaker=Breaker(failure_rate=0.5, window=10, min_failures=4, pause=1.5, probes=2),
+    )
+    svc = service([pay], on_outcome=rec)
+    breaker = svc.breakers.get(pay.name)
+    publisher = Publisher()
+    try:
+        for n in range(4):
+            publisher.publish(
+                exchange_of(ns),
+                "lpay.due",
+                {"permanent": {"lpay": 1}},
+                message_id=f"refused-{n}",
+            )
+        wait_until(lambda: breaker.opened == 1, timeout=30, message="the breaker opening")
+        waiting = [f"late-{n}" for n in range(6)]
+        for message_id in waiting:
+            publisher.publish(
+                exchange_of(ns),
+                "lpay.due",
+                {"n": message_id},
+                message_id=message_id,
+                # 2.5 s old on arrival: in time now, past 3 s when the 1.5 s pause ends.
+                headers={PUBLISHED_AT_HEADER: now_ms() - 2500},
+            )
+        rec.wait_count(pay.name, 10, timeout=30)
+        by_id = results_by_id(rec, pay.name)
+        for message_id in waiting:
+            assert by_id[message_id] == ["expired"], (message_id, by_id)
+        # Expired deliveries say nothing about the handler: the half-open breaker waits for a
+        # verdict, neither closed by them (the downstream could still be down) nor opened again.
+        assert breaker.state is BreakerState.HALF_OPEN
+        assert breaker.opened == 1
+        assert [m for m, _ in effects("lpay")] == []  # no handler ran for them (nor committed)
+        assert not ProcessedMessage.objects.filter(consumer=pay.name).exists()
+        assert dead_letter_reasons(pay.name) == {"permanent": 4, "expired": 6}
+        for letter in DeadLetter.objects.filter(consumer=pay.name, reason="expired"):
+            assert letter.attempts == 1, (letter.message_id, letter.attempts)
+
+        for n in range(2):
+            publisher.publish(exchange_of(ns), "lpay.due", {"n": n}, message_id=f"fresh-{n}")
+        rec.wait_count(pay.name, 12, timeout=30)
+        assert breaker.state is BreakerState.CLOSED
+        assert sorted(m for m, _ in effects("lpay")) == ["fresh-0", "fresh-1"]
+        wait_until(lambda: drained(f"{ns}.lpay"), timeout=20, message="lpay's queue drained")
+    finally:
+        publisher.close()
+
+
+# --------------------------------------------------------------------------- breaker x time limit
+
+
+def slow_while_down(label: str, rec: Recorder) -> Any:
+    """A handler whose downstream is slow while the switch is on: it spins in Python (so its
+    time limit interrupts it) for 5 s, else it behaves as the testapp's."""
+
+    def handler(message: Message) -> None:
+        with rec.lock:
+            rec.messages.append((label, message))
+        if Effect.objects.filter(consumer="switch", message_id=SWITCH).exists():
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline:
+                pass
+        behave(label, message)
+
+    return handler
+
+
+def test_handlers_timing_out_open_the_breaker_and_the_rest_wait_uncharged(
+    ns: str, rm_settings: dict[str, Any], service: Any, rec: Recorder, publisher: Publisher
+) -> None:
+    """The downstream turns slow: handlers run into their 0.5 s time limit. Each interruption
+    is a failure of the handler (its attempt charged, a retry), so four of them open the
+    breaker; the six messages behind wait unstarted. The downstream is fast again: each of the
+    ten takes effect once, the six on their first attempt, the four on their second; nothing
+    is a dead letter."""
+    spec = ConsumerSpec(
+        name=f"{ns}.spay",
+        queue=f"{ns}.spay",
+        handler=slow_while_down("spay", rec),
+        bindings=("spay.*",),
+        timeout=0.5,
+        max_attempts=50,
+        breaker=Breaker(failure_rate=0.5, window=10, min_failures=4, pause=1.0, probes=2),
+    )
+    downstream_down()
+    svc = service([spec], on_outcome=rec)
+    breaker = svc.breakers.get(spec.name)
+    ids = [f"slow-{n}" for n in range(10)]
+    for message_id in ids:
+        publisher.publish(exchange_of(ns), "spay.due", {"n": message_id}, message_id=message_id)
+    wait_until(lambda: breaker.opened >= 1, timeout=30, message="timeouts opening the breaker")
+    downstream_up()
+    wait_until(
+        lambda: Effect.objects.filter(consumer="spay").count() == len(ids),
+        timeout=45,
+        message=lambda: f"every message handled; outcomes {results_by_id(rec, spec.name)}",
+    )
+    by_id = results_by_id(rec, spec.name)
+    timed_out = sorted(m for m, words in by_id.items() if "retry" in words)
+    assert len(timed_out) == 4, by_id
+    for seen in rec.of(spec.name):
+        if isinstance(seen.outcome, ScheduleRetry):
+            assert "time limit" in seen.outcome.error or "Timeout" in seen.outcome.error, seen
+    attempts = dict(effects("spay"))
+    assert sorted(attempts) == ids
+    assert {m: a for m, a in attempts.items() if a != 1} == dict.fromkeys(timed_out, 2)
+    assert breaker.opened == 1 and breaker.state is BreakerState.CLOSED
+    assert not DeadLetter.objects.exists()
+    wait_until(lambda: drained(f"{ns}.spay"), timeout=20, message="spay's queue drained")
+
+
+# --------------------------------------------------------------------------- breaker x replay
+
+
+def test_replays_arriving_while_the_breaker_is_open_wait_and_are_handled_once(
+    ns: str, rm_settings: dict[str, Any], service: Any, make_spec: Any, rec: Recorder
+) -> None:
+    """A consumer that gives up at the first failure: four failures with the downstream down
+    are four dead letters, and open the breaker (for 8 s). An operator replays three of them
+    and an edited copy of the fourth while it is open; two fresh messages come too. Everything
+    waits, unstarted (the dead letters are not failed again); with the downstream back, the
+    breaker closes and each copy and message takes effect once: the dead letters resolved,
+    the ledger saying processed, and no new dead letter."""
+    pay = make_spec(
+        "rpay",
+        bindings=("rpay.*",),
+        max_attempts=1,
+        breaker=Breaker(
+            failure_rate=0.5, window=10, min_failures=4, pause=8.0, probes=2, max_pause=8.0
+        ),
+    )
+    downstream_down()
+    svc = service([pay], on_outcome=rec)
+    breaker = svc.breakers.get(pay.name)
+    publisher = Publisher()
+    try:
+        failing = {"fail_while": {"rpay": SWITCH}}
+        for n in range(4):
+            publisher.publish(exchange_of(ns), "rpay.due", failing, message_id=f"gave-up-{n}")
+        wait_until(lambda: breaker.opened == 1, timeout=30, message="the breaker opening")
+        assert dead_letter_reasons(pay.name) == {"retries_exhausted": 4}
+        letters = list(DeadLetter.objects.filter(consumer=pay.name).order_by("pk"))
+        result = replay(
+            DeadLetter.objects.filter(pk__in=[letter.pk for letter in letters[:3]]),
+            replayed_by="operator",
+        )
+        assert len(result.replayed) == 3, result
+        edited = replay_edited(
+            letters[3],
+            payload_text=original_payload_text(letters[3]).replace("fail_while", "was_failing"),
+            headers={},
+            reason="the fourth, edited",
+            replayed_by="operator",
+        )
+        relay_once(ns)
+        for n in range(2):
+            publisher.publish(exchange_of(ns), "rpay.due", failing, message_id=f"fresh-{n}")
+        # All six are in the process, unacked, unstarted: nothing decided since the opening.
+        wait_until(
+            lambda: all_queue_counts().get(f"{ns}.rpay") == (0, 6),
+            timeout=30,
+            message=lambda: f"six deliveries held; {all_queue_counts().get(f'{ns}.rpay')}",
+        )
+        assert len(rec.of(pay.name)) == 4
+        assert breaker.state is BreakerState.OPEN
+        downstream_up()
+        rec.wait_count(pay.name, 10, timeout=30)
+    finally:
+        publisher.close()
+    assert breaker.state is BreakerState.CLOSED
+    assert [seen.outcome for seen in rec.of(pay.name)[4:]] == [Acknowledge("processed")] * 6
+    handled = Counter(m for m, _ in effects("rpay"))
+    expected = [f"gave-up-{n}" for n in range(3)] + [edited.message_id, "fresh-0", "fresh-1"]
+    assert handled == Counter(expected), handled
+    assert dead_letter_reasons(pay.name) == {"retries_exhausted": 4}
+    assert set(DeadLetter.objects.values_list("status", flat=True)) == {DeadLetterStatus.RESOLVED}
+    assert set(Replay.objects.values_list("outcome", flat=True)) == {ReplayOutcome.PROCESSED}
+    wait_until(lambda: drained(f"{ns}.rpay"), timeout=20, message="rpay's queue drained")
+
+
+# --------------------------------------------------------------------------- ordered x expiry
+
+
+def test_an_expired_message_never_stalls_its_key_and_a_kept_one_parks_it_in_order(
+    ns: str, rm_settings: dict[str, Any], service: Any, make_spec: Any, rec: Recorder
+) -> None:
+    """One partition, two ordered consumers of the same key with a ``max_age`` of 2 s: seq 0
+    and 3 arrive already too old. ``iota`` drops them and handles 1, 2 and 4 in order, the
+    key never waiting. ``eta`` keeps them as dead letters: 1 to 4 are parked behind seq 0;
+    replayed oldest first (a replay is exempt from ``max_age``) all five are handled in
+    publish order."""
+    with override_settings(RELIABLE_MESSAGING={**rm_settings, "ORDERED_PARTITIONS": 1}):
+        iota = make_spec("iota", bindings=("seq.*",), ordered=True, max_age=2.0)
+        eta = make_spec(
+            "eta", bindings=("seq.*",), ordered=True, max_age=2.0, on_expiry="dead_letter"
+        )
+        service([iota, eta], on_outcome=rec)
+        publisher = Publisher()
+        try:
+            for seq in range(5):
+                headers: dict[str, Any] = {ORDERING_KEY_HEADER: "k"}
+                if seq in (0, 3):
+                    headers[PUBLISHED_AT_HEADER] = now_ms() - 10_000
+                publisher.publish(
+                    exchange_of(ns),
+                    "seq.next",
+                    {"key": "k", "seq": seq},
+                    message_id=f"k-{seq}",
+                    headers=headers,
+                )
+        finally:
+            publisher.close()
+        rec.wait_count(iota.name, 5)
+        rec.wait_count(eta.name, 5)
+        assert [m for m, _ in effects("iota")] == ["k-1", "k-2", "k-4"]
+        iota_results = results_by_id(rec, iota.name)
+        assert iota_results["k-0"] == iota_results["k-3"] == ["expired"]
+        assert not DeadLetter.objects.filter(consumer=iota.name).exists()
+
+        assert effects("eta") == []
+        reasons = dict(
+            DeadLetter.objects.filter(consumer=eta.name).values_list("message_id", "reason")
+        )
+        assert reasons == {
+            "k-0": DeadLetterReason.EXPIRED,
+            "k-1": DeadLetterReason.PARKED,
+            "k-2": DeadLetterReason.PARKED,
+            # Expired comes before the key's dead letters are looked at.
+            "k-3": DeadLetterReason.EXPIRED,
+            "k-4": DeadLetterReason.PARKED,
+        }
+        wait_until(lambda: drained(f"{ns}.iota.p0", f"{ns}.eta.p0"), timeout=20, message="drained")
+        result = replay(DeadLetter.objects.filter(consumer=eta.name), replayed_by="operator")
+        assert len(result.replayed) == 5, result
+        relay_once(ns)
+        wait_until(
+            lambda: len(effects("eta")) == 5,
+            timeout=30,
+            message=lambda: f"the key replayed; eta took effect for {effects('eta')}",
+        )
+    assert [m for m, _ in effects("eta")] == [f"k-{seq}" for seq in range(5)]
+    assert set(DeadLetter.objects.filter(consumer=eta.name).values_list("status", flat=True)) == {
+        DeadLetterStatus.RESOLVED
+    }
+
+
+# --------------------------------------------------------------------------- ordered x quorum limit
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 45: the broker makes the partition's next message of the key available as "
+    "soon as it moves the head to .dead, and nothing parks the key before that dead letter is "
+    "ingested: k-1..3 are handled, k-0 becomes a dead letter behind them",
+)
+def test_a_key_whose_message_passed_the_quorum_delivery_limit_is_parked_in_order(
+    ns: str, rm_settings: dict[str, Any], service: Any, make_spec: Any, rec: Recorder
+) -> None:
+    """An ordered consumer on quorum queues with a delivery limit of 2: another client returns
+    seq 0 of key k until the broker takes it off the partition (to ``.dead``); seq 1 to 3 come
+    after. ``consume`` keeps seq 0 as a dead letter ``delivery_limit`` and parks 1 to 3 behind
+    it (none handled before it); another key flows. Replayed oldest first, the key's four are
+    handled in publish order."""
+    quorum = {
+        **rm_settings,
+        "ORDERED_PARTITIONS": 1,
+        "QUEUE_TYPE": "quorum",
+        "QUORUM_DELIVERY_LIMIT": 2,
+    }
+    with override_settings(RELIABLE_MESSAGING=quorum):
+        kappa = make_spec("kappa", bindings=("seq.*",), ordered=True)
+        declaring = service([kappa])
+        declaring.request_stop()
+        partition = f"{ns}.kappa.p0"
+        # Its consumer gone before another client takes the message.
+        wait_until(lambda: consumers_of(partition) == 0, timeout=30, message="no consumer")
+        publisher = Publisher()
+        try:
+
+            def send(key: str, seq: int) -> None:
+                publisher.publish(
+                    exchange_of(ns),
+                    "seq.next",
+                    {"key": key, "seq": seq},
+                    message_id=f"{key}-{seq}",
+                    headers={ORDERING_KEY_HEADER: key},
+                )
+
+            send("k", 0)
+            returned = return_until_dropped(partition, most=10)
+            assert 2 <= returned <= 4, returned
+            for seq in (1, 2, 3):
+                send("k", seq)
+            send("j", 0)
+        finally:
+            publisher.close()
+        service([kappa], on_outcome=rec)
+        # Five outcomes: k-0 from the .dead queue, k-1..3 and j-0 from the partition.
+        rec.wait_count(kappa.name, 5, timeout=30)
+        assert effects("kappa") == [("j-0", 1)]
+        reasons = dict(
+            DeadLetter.objects.filter(consumer=kappa.name).values_list("message_id", "reason")
+        )
+        assert reasons == {
+            "k-0": DeadLetterReason.DELIVERY_LIMIT,
+            "k-1": DeadLetterReason.PARKED,
+            "k-2": DeadLetterReason.PARKED,
+            "k-3": DeadLetterReason.PARKED,
+        }
+        result = replay(DeadLetter.objects.filter(consumer=kappa.name), replayed_by="operator")
+        assert len(result.replayed) == 4, result
+        relay_once(ns)
+        wait_until(
+            lambda: len(effects("kappa")) == 5,
+            timeout=30,
+            message=lambda: f"the key replayed; kappa took effect for {effects('kappa')}",
+        )
+    assert [m for m, _ in effects("kappa") if m.startswith("k-")] == [f"k-{s}" for s in range(4)]
