@@ -270,6 +270,10 @@ class StubConnection:
                     self.broker.queues.setdefault(queue, collections.deque())
         return self.channel(), {}
 
+    def messages_ready(self, queues: Sequence[str]) -> int:
+        with self.broker.lock:
+            return sum(len(self.broker.queues.get(queue, ())) for queue in queues)
+
     def retire_leftovers(self, specs: Sequence[ConsumerSpec]) -> None:
         """Nothing is ever left over in memory."""
 

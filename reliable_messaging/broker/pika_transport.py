@@ -15,6 +15,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, cast
 
 import pika
+import pika.exceptions
 from pika.adapters.blocking_connection import BlockingConnection
 
 from ..conf import MessagingSettings
@@ -60,6 +61,18 @@ class PikaConnection:
 
     def retire_leftovers(self, specs: Sequence[ConsumerSpec]) -> None:
         retire_leftovers(self._connection, specs, self._settings)
+
+    def messages_ready(self, queues: Sequence[str]) -> int:
+        ready = 0
+        channel = None
+        for queue in queues:
+            if channel is None or not channel.is_open:
+                channel = self._connection.channel()  # a 404 closes the one before
+            with contextlib.suppress(pika.exceptions.ChannelClosedByBroker):
+                ready += channel.queue_declare(queue, passive=True).method.message_count
+        if channel is not None and channel.is_open:
+            channel.close()
+        return ready
 
     def drop(self) -> None:
         """End the TCP stream without AMQP's close handshake, once every frame written so far

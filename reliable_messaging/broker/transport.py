@@ -73,6 +73,11 @@ class BrokerConnection(Protocol):
         """Declare what ``specs`` need; an open channel and the queues that cannot be
         declared now (their node down), with why."""
 
+    def messages_ready(self, queues: Sequence[str]) -> int:
+        """Messages ready (not delivered) in ``queues``; a queue the broker cannot serve counts
+        none."""
+        ...
+
     def retire_leftovers(self, specs: Sequence[ConsumerSpec]) -> None:
         """Retire the queues ``specs`` left behind (see :mod:`.leftovers`)."""
 

@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 # Seconds between two tries at the queues the broker could not declare (their node down).
 TOPOLOGY_RETRY = 5.0
+# Seconds a connection may spend storing ordered consumers' quorum dead letters before it
+# takes their partitions (see ConnectionThread._ingest_dead_letters_first).
+DEAD_LETTERS_FIRST = 10.0
 
 
 class ChannelLost(Exception):
@@ -145,6 +148,7 @@ class ConnectionThread:
             link = Link(connection, [shared_channel], unavailable=unavailable, stopping=self._stop)
             shared_channel.basic_qos(prefetch_count=1)
             self._watch(link, shared_channel)
+            self._ingest_dead_letters_first(link)
             queues = self._subscribe_all(link, self.specs)
             self._note_unavailable(link)
             announce(
@@ -191,15 +195,41 @@ class ConnectionThread:
                 except Exception:
                     logger.debug("error while closing the broker connection", exc_info=True)
 
-    def _subscribe_all(self, link: Link, specs: Iterable[ConsumerSpec]) -> list[str]:
-        """Subscribe to the queues of ``specs`` that are available; returns their names."""
+    def _ingest_dead_letters_first(self, link: Link) -> None:
+        """Ordered consumers on quorum queues: store what the broker moved to their ``.dead``
+        queues while no process consumed them (a dead letter ``delivery_limit``, which parks
+        its key) before taking their partitions, so that a key's later messages do not run
+        ahead of its head's dead letter. Bounded by ``DEAD_LETTERS_FIRST``."""
+        specs = [spec for spec in self.specs if spec.ordered]
+        if self.settings.queue_type != "quorum" or not specs:
+            return
+        self._subscribe_all(link, specs, dead_letters_only=True)
+        queues = [
+            queue
+            for spec in specs
+            for queue in broker_dead_letter_queues(spec)
+            if queue not in link.unavailable
+        ]
+        deadline = time.monotonic() + DEAD_LETTERS_FIRST
+        while time.monotonic() < deadline and not self._stop.is_set():
+            link.connection.process_data_events(time_limit=0.1)
+            with link.lock:
+                busy = link.in_flight > 0
+            if not busy and not link.connection.messages_ready(queues):
+                return
+
+    def _subscribe_all(
+        self, link: Link, specs: Iterable[ConsumerSpec], *, dead_letters_only: bool = False
+    ) -> list[str]:
+        """Subscribe to the queues of ``specs`` that are available (only their quorum
+        dead-letter queues with ``dead_letters_only``); returns their names."""
         shared_channel = link.channels[0]
         queues: list[str] = []
         for spec in specs:
-            wanted = list(consumer_queues(spec, self.settings))
             dead_letters = (
                 broker_dead_letter_queues(spec) if self.settings.queue_type == "quorum" else []
             )
+            wanted = [] if dead_letters_only else list(consumer_queues(spec, self.settings))
             wanted += dead_letters
             for queue in wanted:
                 if queue in link.unavailable or any(q == queue for _, _, q, _ in link.consumers):

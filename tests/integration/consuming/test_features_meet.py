@@ -392,12 +392,6 @@ def test_an_expired_message_never_stalls_its_key_and_a_kept_one_parks_it_in_orde
 # --------------------------------------------------------------------------- ordered x quorum limit
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 45: the broker makes the partition's next message of the key available as "
-    "soon as it moves the head to .dead, and nothing parks the key before that dead letter is "
-    "ingested: k-1..3 are handled, k-0 becomes a dead letter behind them",
-)
 def test_a_key_whose_message_passed_the_quorum_delivery_limit_is_parked_in_order(
     ns: str, rm_settings: dict[str, Any], service: Any, make_spec: Any, rec: Recorder
 ) -> None:
