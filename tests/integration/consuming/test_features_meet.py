@@ -4,6 +4,7 @@ in a thread of this process against the real broker and database.
 - The circuit breaker and expiry: a delivery waiting for an open breaker that passes its
   ``max_age`` meanwhile is expired when its turn comes: never run, never charged, and its
   verdict says nothing to the breaker (it neither closes nor opens it again).
+  An edited replay of an expired message is handled, whatever its age.
 - The breaker and the time limit: a handler interrupted at its time limit is a handler failure,
   so timeouts open the breaker, and the deliveries behind them wait uncharged.
 - The breaker and replays (plain and edited): a replayed copy arriving while the breaker is open
@@ -11,9 +12,11 @@ in a thread of this process against the real broker and database.
 - Ordered consumers and expiry: an expired message never stalls its key (``on_expiry="drop"``),
   or parks it like any dead letter (``"dead_letter"``); a replay, exempt from ``max_age``,
   releases it oldest first, in order.
+- A quorum queue's delivery limit and replays: a message the broker dropped past the limit is a
+  dead letter ``delivery_limit`` that a replay gets handled once.
 - Ordered consumers and a quorum queue's delivery limit: a message the broker took off its
-  partition past the limit should be a dead letter ``delivery_limit`` that parks its key like
-  any other; it does not yet (the test is an expected failure until it does).
+  partition past the limit (while nobody consumed) is a dead letter ``delivery_limit`` that
+  parks its key like any other.
 
 The "downstream" of the breaker's tests is a switch: an ``Effect`` row of consumer ``switch``
 (tests/testapp/consumers.py, ``fail_while``); the test deletes it to bring the downstream back.
@@ -136,7 +139,8 @@ def test_a_delivery_waiting_for_an_open_breaker_expires_uncharged_and_uncounted(
     ``max_age`` of 3 s, and wait. Past it when their turn comes, each is expired (a dead letter
     ``expired``, as the consumer asks): its handler never ran, no attempt was charged, and the
     breaker, half-open, neither closed on them nor opened again. Two fresh messages after them
-    are its probes: it closes."""
+    are its probes: it closes. An edited replay of one of the expired is handled, not expired
+    again."""
     pay = make_spec(
         "lpay",
         bindings=("lpay.*",),
@@ -186,6 +190,23 @@ def test_a_delivery_waiting_for_an_open_breaker_expires_uncharged_and_uncounted(
         rec.wait_count(pay.name, 12, timeout=30)
         assert breaker.state is BreakerState.CLOSED
         assert sorted(m for m, _ in effects("lpay")) == ["fresh-0", "fresh-1"]
+
+        # An edited replay of an expired one is an operator's decision to handle it now: it
+        # keeps the original's publish time (past max_age) and is handled, not expired again.
+        late = DeadLetter.objects.get(consumer=pay.name, message_id="late-0")
+        edited = replay_edited(
+            late,
+            payload_text=original_payload_text(late).replace("late-0", "late-0, edited"),
+            headers={},
+            reason="handle it late",
+            replayed_by="operator",
+        )
+        relay_once(ns)
+        rec.wait_count(pay.name, 13, timeout=30)
+        assert results_by_id(rec, pay.name)[edited.message_id] == ["processed"]
+        assert effects("lpay")[-1] == (edited.message_id, 1)
+        late.refresh_from_db()
+        assert late.status == DeadLetterStatus.RESOLVED
         wait_until(lambda: drained(f"{ns}.lpay"), timeout=20, message="lpay's queue drained")
     finally:
         publisher.close()
@@ -387,6 +408,43 @@ def test_an_expired_message_never_stalls_its_key_and_a_kept_one_parks_it_in_orde
     assert set(DeadLetter.objects.filter(consumer=eta.name).values_list("status", flat=True)) == {
         DeadLetterStatus.RESOLVED
     }
+
+
+# --------------------------------------------------------------------------- quorum limit x replay
+
+
+def test_a_message_past_the_quorum_delivery_limit_is_replayed_and_handled_once(
+    ns: str, rm_settings: dict[str, Any], service: Any, make_spec: Any, rec: Recorder
+) -> None:
+    """Another client returns a message on a quorum queue (delivery limit 2) until the broker
+    drops it to ``.dead``: ``consume`` keeps it as a dead letter ``delivery_limit``, not
+    handled; the message behind it is handled. A replay (its copy a new delivery, its count
+    at zero) takes effect once and resolves it."""
+    quorum = {**rm_settings, "QUEUE_TYPE": "quorum", "QUORUM_DELIVERY_LIMIT": 2}
+    with override_settings(RELIABLE_MESSAGING=quorum):
+        mu = make_spec("mu", bindings=("mu.*",))
+        declaring = service([mu])
+        declaring.request_stop()
+        wait_until(lambda: consumers_of(f"{ns}.mu") == 0, timeout=30, message="no consumer")
+        publisher = Publisher()
+        try:
+            publisher.publish(exchange_of(ns), "mu.due", {"n": 0}, message_id="returned")
+            returned = return_until_dropped(f"{ns}.mu", most=10)
+            assert 2 <= returned <= 4, returned
+            publisher.publish(exchange_of(ns), "mu.due", {"n": 1}, message_id="behind")
+        finally:
+            publisher.close()
+        service([mu], on_outcome=rec)
+        rec.wait_count(mu.name, 2, timeout=30)
+        assert effects("mu") == [("behind", 1)]
+        assert dead_letter_reasons(mu.name) == {"delivery_limit": 1}
+        result = replay(DeadLetter.objects.filter(consumer=mu.name), replayed_by="operator")
+        assert len(result.replayed) == 1, result
+        relay_once(ns)
+        rec.wait_count(mu.name, 3, timeout=30)
+    assert effects("mu") == [("behind", 1), ("returned", 1)]
+    assert DeadLetter.objects.get(consumer=mu.name).status == DeadLetterStatus.RESOLVED
+    wait_until(lambda: drained(f"{ns}.mu"), timeout=20, message="mu's queue drained")
 
 
 # --------------------------------------------------------------------------- ordered x quorum limit
