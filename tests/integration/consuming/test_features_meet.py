@@ -9,6 +9,8 @@ in a thread of this process against the real broker and database.
   so timeouts open the breaker, and the deliveries behind them wait uncharged.
 - The breaker and replays (plain and edited): a replayed copy arriving while the breaker is open
   waits with the rest and is handled once after; nothing fails again for being replayed then.
+- The crash guard and expiry: a redelivered delivery (a suspect) past its deadline is expired,
+  not run, and leaves no suspicion behind.
 - Ordered consumers and expiry: an expired message never stalls its key (``on_expiry="drop"``),
   or parks it like any dead letter (``"dead_letter"``); a replay, exempt from ``max_age``,
   releases it oldest first, in order.
@@ -40,7 +42,7 @@ from reliable_messaging.core.outcomes import Acknowledge, ScheduleRetry
 from reliable_messaging.core.registry import ConsumerSpec
 from reliable_messaging.dead_letters.edit import original_payload_text, replay_edited
 from reliable_messaging.dead_letters.replay import replay
-from reliable_messaging.models import DeadLetter, ProcessedMessage, Replay
+from reliable_messaging.models import DeadLetter, ProcessedMessage, Replay, SuspectDelivery
 from tests.e2e.test_replay_routing import relay_once
 from tests.integration.consuming.test_consumer_service import (  # noqa: F401 - fixtures
     Recorder,
@@ -342,6 +344,43 @@ def test_replays_arriving_while_the_breaker_is_open_wait_and_are_handled_once(
     assert set(DeadLetter.objects.values_list("status", flat=True)) == {DeadLetterStatus.RESOLVED}
     assert set(Replay.objects.values_list("outcome", flat=True)) == {ReplayOutcome.PROCESSED}
     wait_until(lambda: drained(f"{ns}.rpay"), timeout=20, message="rpay's queue drained")
+
+
+# --------------------------------------------------------------------------- crash guard x expiry
+
+
+def test_a_redelivered_suspect_past_its_deadline_is_expired_and_leaves_no_suspicion(
+    ns: str, rm_settings: dict[str, Any], service: Any, make_spec: Any, rec: Recorder
+) -> None:
+    """A message given back by another client comes redelivered: a suspect, run alone under the
+    crash guard. Past its ``max_age`` by then, it is expired (its handler never runs), and the
+    guard keeps no suspicion of it; a fresh message behind it is handled."""
+    nu = make_spec("nu", bindings=("nu.*",), max_age=2.0)
+    declaring = service([nu])
+    declaring.request_stop()
+    wait_until(lambda: consumers_of(f"{ns}.nu") == 0, timeout=30, message="no consumer")
+    publisher = Publisher()
+    try:
+        publisher.publish(
+            exchange_of(ns),
+            "nu.due",
+            {"n": 0},
+            message_id="old-suspect",
+            headers={PUBLISHED_AT_HEADER: now_ms() - 10_000},
+        )
+        assert return_until_dropped(f"{ns}.nu", most=1) == 1  # now redelivered
+        publisher.publish(exchange_of(ns), "nu.due", {"n": 1}, message_id="fresh")
+    finally:
+        publisher.close()
+    service([nu], on_outcome=rec)
+    rec.wait_count(nu.name, 2, timeout=30)
+    seen = {s.delivery.message_id: s for s in rec.of(nu.name)}
+    assert seen["old-suspect"].delivery.redelivered
+    assert results_by_id(rec, nu.name) == {"old-suspect": ["expired"], "fresh": ["processed"]}
+    assert effects("nu") == [("fresh", 1)]
+    assert not SuspectDelivery.objects.exists()
+    assert not DeadLetter.objects.exists()
+    wait_until(lambda: drained(f"{ns}.nu"), timeout=20, message="nu's queue drained")
 
 
 # --------------------------------------------------------------------------- ordered x expiry
