@@ -8,6 +8,10 @@
   makes no span: the new process's trace has one ``process`` span per run of a handler, each
   ending ``retried`` or ``processed``.
 
+- Ordered consumers and tracing: a key's head retried in place has a span per run (``retried``,
+  then ``processed``); a message of its key caught behind it ends a span ``held`` at most, and
+  is handled after it, on its first attempt.
+
 The provider is the payment provider of ``test_breaker.py`` (tests/e2e/conftest.py), and
 ``tests.payments`` its consumer (tests/testapp/consumers.py): window 10, 4 failures, a pause of
 1 s, 2 probes.
@@ -21,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from reliable_messaging.core.envelope import ORDERING_KEY_HEADER
 from reliable_messaging.models import DeadLetter, SuspectDelivery
 from tests.conftest import subprocess_env
 from tests.integration.ops.conftest import free_port
@@ -124,3 +129,60 @@ def test_suspects_redelivered_from_a_killed_process_wait_for_the_breaker_blamed_
         first.close()
         if second is not None:
             second.close()
+
+
+def test_an_ordered_keys_spans_show_the_retry_in_place_and_the_messages_held_behind_it(
+    ns: str, transactional_db: None, tmp_path: Path, publisher: Publisher
+) -> None:
+    spans = tmp_path / "spans.jsonl"
+    proc = ConsumeProcess(
+        ["--queue", f"{ns}.gamma"],
+        subprocess_env(ns, RM_TRACE_FILE=str(spans)),
+        tmp_path / "consume.log",
+    )
+    ids = [f"k-{seq}" for seq in range(4)]
+    try:
+        proc.wait_consuming()
+        for seq, message_id in enumerate(ids):
+            payload = {"key": "k", "seq": seq, **({"fail": {"gamma": 1}} if seq == 0 else {})}
+            publisher.publish(
+                f"rmtest.{ns}",
+                "seq.next",
+                payload,
+                message_id=message_id,
+                headers={ORDERING_KEY_HEADER: "k"},
+            )
+
+        def by_id() -> dict[str, list[tuple[int, str]]]:
+            found: dict[str, list[tuple[int, str]]] = collections.defaultdict(list)
+            for span in read_spans(spans):
+                if span["name"].startswith(f"process {ns}.gamma.p"):
+                    attributes = span["attributes"]
+                    found[attributes["messaging.message.id"]].append(
+                        (int(span["end"]), attributes["reliable_messaging.outcome"])
+                    )
+            return found
+
+        wait_until(
+            lambda: all(
+                any(outcome == "processed" for _, outcome in by_id().get(m, [])) for m in ids
+            ),
+            timeout=45,
+            message=lambda: f"every message's processed span; so far {dict(by_id())}",
+        )
+        traced = by_id()
+        assert [o for _, o in sorted(traced["k-0"])] == ["retried", "processed"], traced
+        for message_id in ids[1:]:
+            outcomes = [o for _, o in sorted(traced[message_id])]
+            assert outcomes in (["processed"], ["held", "processed"]), (message_id, outcomes)
+        ends = [max(end for end, o in traced[m] if o == "processed") for m in ids]
+        assert ends == sorted(ends), traced  # in the key's order
+        effects = list(
+            Effect.objects.filter(consumer="gamma")
+            .order_by("id")
+            .values_list("message_id", "attempt")
+        )
+        assert effects == [("k-0", 2), ("k-1", 1), ("k-2", 1), ("k-3", 1)]
+        assert not DeadLetter.objects.exists()
+    finally:
+        proc.close()
