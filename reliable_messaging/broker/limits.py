@@ -1,17 +1,12 @@
 """What the broker refuses for its size: a body over its ``max_message_size``, learned by asking,
 and properties over its ``frame_max``, known from the connection's tuning.
 
-RabbitMQ refuses a message whose body is larger than its ``max_message_size`` (128 MiB by
-default up to 3.13, 16 MiB from 4.0, and whatever the operator configured) by closing the
-channel with ``406 PRECONDITION_FAILED - message size N is larger than configured max size M``.
-Neither AMQP nor the management API tells the limit, so :func:`broker_refuses` publishes one body
-of the size in question to a routing key no queue binds (the broker drops it once it accepted
-it) on a channel of its own, and reads the limit from the refusal.
-
-The properties (the headers among them) travel in one content header frame, never split, while
-the body is split across frames. A header frame over the connection's ``frame_max`` (131072
-bytes unless both sides agree otherwise) makes RabbitMQ close the whole connection with ``501
-FRAME_ERROR ... frame_too_large``: :func:`header_frame_refusal` says so before it is sent.
+RabbitMQ closes the channel on a body over its ``max_message_size`` (``406 PRECONDITION_FAILED``),
+a limit neither AMQP nor the management API tells: :func:`broker_refuses` publishes one body of
+the size in question to a routing key no queue binds, on a channel of its own, and reads the
+limit from the refusal. The properties travel in one content header frame, never split (the
+body is): one over the connection's ``frame_max`` makes RabbitMQ close the whole connection
+(``501 FRAME_ERROR ... frame_too_large``), which :func:`header_frame_refusal` foresees.
 """
 
 from __future__ import annotations

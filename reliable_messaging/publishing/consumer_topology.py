@@ -2,17 +2,11 @@
 
 On each new connection, before its first claim, the relay declares what ``consume`` declares
 for every consumer of the project, with the same code
-(:func:`~reliable_messaging.broker.declaring.declare_tolerantly`), on a connection and a thread
-of its own so that its I/O loop goes on meanwhile. Never fatal: argument drift is reported and
-the queue bound all the same; a refusal or a silent broker is reported and the relay sends
-anyway, after :data:`DECLARE_WAIT` seconds at most. A queue the broker cannot serve now (404:
-its node down, or it crashed) is declared again on the same connection, after a backoff of
-:data:`REDECLARE_FIRST` doubling up to :data:`REDECLARE_MAX` seconds, until it is there.
-
-Short-lived relays (the Celery task ``relay_outbox``, a run every few seconds) declare once per
-process instead of once per connection: a declaration that reached every queue is remembered
-until a declaration or a connection of this process fails.
-``docs/design.md#the-relay-declares-the-consumers-topology`` explains why.
+(:func:`~reliable_messaging.broker.declaring.declare_tolerantly`), on a thread of its own.
+Never fatal: drift, a refusal or a silent broker is reported and the relay sends anyway (after
+:data:`DECLARE_WAIT` seconds at most); a queue the broker cannot serve now (404) is declared
+again with backoff on the same connection. Short-lived relays (the Celery task) declare once
+per process. ``docs/design.md#the-relay-declares-the-consumers-topology`` explains why.
 """
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from django.utils import timezone
 from playwright.sync_api import Page, expect
 
 from reliable_messaging.choices import ReplayOutcome
+from reliable_messaging.dead_letters import ledger
 from reliable_messaging.dead_letters.operations import run_pending_operations
 from reliable_messaging.dead_letters.selection import selection_from_query
 from reliable_messaging.models import (
@@ -34,14 +34,12 @@ pytestmark = pytest.mark.slow
 SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "images" / "replay-ledger.png"
 
 
-def settle(rows: list[Replay], outcome: str, failed: bool = False) -> None:
-    """What the consumer records as it decides the copies (``ledger.settle``)."""
+def settle(rows: list[Replay], outcome: ReplayOutcome, failed: bool = False) -> None:
+    """What the consumer records as it decides the copies (``ledger.settle``, once it found
+    the row a copy names): the row's outcome and its operation's tally."""
     for row in rows:
-        Replay.objects.filter(pk=row.pk).update(
-            outcome=outcome,
-            outcome_at=timezone.now(),
-            failed_as_id=row.dead_letter_id if failed else None,
-        )
+        failed_as = row.dead_letter if failed else None
+        ledger.settle_row(row, outcome, using="default", failed_as=failed_as)
 
 
 def test_the_operation_page_shows_the_replays_outcomes_as_they_come_in(
