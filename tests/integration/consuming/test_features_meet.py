@@ -19,6 +19,8 @@ in a thread of this process against the real broker and database.
 - Ordered consumers and a quorum queue's delivery limit: a message the broker took off its
   partition past the limit (while nobody consumed) is a dead letter ``delivery_limit`` that
   parks its key like any other.
+- The breaker and concurrent deliveries: those started before it opened, ending after its
+  pause, are no probes; it closes only on the probes it let in.
 
 The "downstream" of the breaker's tests is a switch: an ``Effect`` row of consumer ``switch``
 (tests/testapp/consumers.py, ``fail_while``); the test deletes it to bring the downstream back.
@@ -552,3 +554,54 @@ def test_a_key_whose_message_passed_the_quorum_delivery_limit_is_parked_in_order
             message=lambda: f"the key replayed; kappa took effect for {effects('kappa')}",
         )
     assert [m for m, _ in effects("kappa") if m.startswith("k-")] == [f"k-{s}" for s in range(4)]
+
+
+# --------------------------------------------------------------------------- breaker x probes
+
+
+def test_deliveries_started_before_the_breaker_opened_never_count_as_probes(
+    ns: str, rm_settings: dict[str, Any], service: Any, publisher: Publisher
+) -> None:
+    """Two slow deliveries start while the breaker is closed; two quick failures beside them
+    open it, and the slow ones succeed after its pause has ended. They were no probes: the
+    breaker stays half-open (no probe ran yet) until two deliveries it let in as probes
+    succeed."""
+
+    def handler(message: Message) -> None:
+        if message.message_id.startswith("slow"):
+            time.sleep(1.5)
+        elif message.message_id.startswith("bad"):
+            raise RuntimeError("the provider refused it")
+        Effect.objects.create(consumer="probes", message_id=message.message_id, attempt=1)
+
+    fast = {**rm_settings, "RETRY_DELAYS": [30.0], "MAX_ATTEMPTS": 5, "CONSUMER_BATCH_SIZE": 1}
+    config = Breaker(failure_rate=0.5, window=10, min_failures=2, pause=0.5, probes=2)
+    with override_settings(RELIABLE_MESSAGING=fast):
+        spec = ConsumerSpec(
+            name=f"{ns}.probes",
+            queue=f"{ns}.probes",
+            handler=handler,
+            bindings=("probe.*",),
+            breaker=config,
+        )
+        svc = service([spec], concurrency=4)
+        breaker = svc.breakers.get(spec.name)
+        assert breaker is not None
+        for message_id in ("slow-1", "slow-2", "bad-1", "bad-2"):
+            publisher.publish(exchange_of(ns), "probe.due", {}, message_id=message_id)
+        wait_until(lambda: breaker.opened == 1, timeout=20, message="the breaker opened")
+        wait_until(
+            lambda: Effect.objects.filter(consumer="probes").count() == 2,
+            timeout=20,
+            message="the slow deliveries succeeded",
+        )
+        time.sleep(0.3)  # their verdicts recorded (the commit comes just before)
+        assert breaker.state is BreakerState.HALF_OPEN
+        for message_id in ("good-1", "good-2"):
+            publisher.publish(exchange_of(ns), "probe.due", {}, message_id=message_id)
+        wait_until(
+            lambda: breaker.state is BreakerState.CLOSED,
+            timeout=20,
+            message="closed by two probes",
+        )
+    assert Effect.objects.filter(consumer="probes").count() == 4
