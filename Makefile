@@ -32,8 +32,8 @@ PGBOUNCER_TESTS ?= tests/e2e/test_consume_command.py tests/e2e/test_replay_end_t
 # relay with its refusals and reconnects and the consumers' topology it declares, replay,
 # foreign producers, the management API's figures, delay queues that hand a retry on at least
 # once, the breaker where it meets ordered partitions, quorum delivery limits and the crash
-# guard, and features meeting in one process (about 4.5 minutes in 3 workers; the last three
-# files about 75 s of it, run alone). Then, alone, the serial tests that stop, alarm or act
+# guard, features meeting in one process, and a row the broker closes the connection on
+# (about 4.5 minutes in 3 workers; the last four files about 85 s of it, run alone). Then, alone, the serial tests that stop, alarm or act
 # inside that node (about 2 minutes; none touches PostgreSQL or the 3.10 node). The tests that
 # name both brokers themselves (test_broker_versions.py, test_inspection.py,
 # test_relay_broker_limits.py) run in the first stage.
@@ -55,7 +55,8 @@ RABBITMQ4_TESTS ?= tests/e2e/test_consume_command.py tests/e2e/test_ordering.py 
 	tests/integration/ops/test_messaging_status.py tests/integration/ops/test_consume_ops.py \
 	tests/integration/ops/test_health.py tests/e2e/test_relay_declares_topology.py \
 	tests/e2e/test_breaker_meets.py tests/e2e/test_features_meet.py \
-	tests/integration/consuming/test_features_meet.py
+	tests/integration/consuming/test_features_meet.py \
+	tests/integration/publishing/test_relay_row_isolation.py
 RABBITMQ4_SERIAL_TESTS ?= \
 	tests/faults/test_broker_closes.py::test_a_channel_the_broker_closes_mid_handler_is_noticed_and_nothing_is_lost \
 	tests/faults/test_broker_closes.py::test_healthz_is_unhealthy_while_the_broker_keeps_the_consumer_off \
