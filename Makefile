@@ -33,8 +33,9 @@ PGBOUNCER_TESTS ?= tests/e2e/test_consume_command.py tests/e2e/test_replay_end_t
 # foreign producers, the management API's figures, delay queues that hand a retry on at least
 # once, the breaker where it meets ordered partitions, quorum delivery limits and the crash
 # guard, features meeting in one process, and a row the broker closes the connection on
-# (about 4.5 minutes in 3 workers; the last four files about 85 s of it, run alone). Then, alone, the serial tests that stop, alarm or act
-# inside that node (about 2 minutes; none touches PostgreSQL or the 3.10 node). The tests that
+# (about 4.5 minutes in 3 workers; the last four files about 85 s of it, run alone). Then,
+# alone, the serial tests that stop, alarm or act inside that node (about 2 minutes; none
+# touches PostgreSQL or the 3.10 node). The tests that
 # name both brokers themselves (test_broker_versions.py, test_inspection.py,
 # test_relay_broker_limits.py) run in the first stage.
 RABBITMQ4_TESTS ?= tests/e2e/test_consume_command.py tests/e2e/test_ordering.py \
