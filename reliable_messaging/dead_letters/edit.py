@@ -36,7 +36,7 @@ from ..core.envelope import (
 from ..core.trace_context import TRACE_HEADERS
 from ..core.uuid7 import new_message_id
 from ..models import DeadLetter, ProcessedMessage, Replay
-from .replay import _insert, _replay_headers, traced
+from .replay import insert_copies, replay_headers, traced
 from .replay import refusal as replay_refusal
 
 logger = logging.getLogger(__name__)
@@ -264,7 +264,9 @@ def _status_refusal(dead_letter: DeadLetter, now: Any) -> str | None:
     status and what it is (a Celery task is no message). Not its body (the edit replaces it,
     so a dead letter whose body was not JSON can be fixed), nor the inbox (judged by
     :func:`check_edit`, for the edit: the copy has its own message_id)."""
-    found = replay_refusal(dead_letter, False, True, now, body_replaced=True)
+    found = replay_refusal(
+        dead_letter, already_processed=False, force=True, now=now, body_replaced=True
+    )
     return None if found is None else found.text
 
 
@@ -314,7 +316,7 @@ def replay_edited(
         copy_headers = _copy_headers(original, edit.headers, replayed_by)
         copy_headers[REPLAY_ID_HEADER] = entry.pk
         copy_headers = traced(copy_headers, original, replayed_by, message_id)
-        _insert(
+        insert_copies(
             using,
             [
                 (
@@ -354,7 +356,7 @@ def replay_edited(
 def _copy_headers(original: DeadLetter, edited: dict[str, Any], replayed_by: str) -> dict[str, Any]:
     """The replay's headers (the original's routing, ordering key and ours, as a replay sends
     them), with the original's user headers replaced by the edited ones."""
-    headers = _replay_headers(original, replayed_by)
+    headers = replay_headers(original, replayed_by)
     for name in editable_headers(original):
         headers.pop(name, None)
     headers.update(edited)

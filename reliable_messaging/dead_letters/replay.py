@@ -129,10 +129,10 @@ class Refusal(NamedTuple):
 
 def refusal(
     dead_letter: DeadLetter,
+    *,
     already_processed: bool,
     force: bool,
     now: dt.datetime,
-    *,
     body_replaced: bool = False,
 ) -> Refusal | None:
     """Why a replay now would refuse ``dead_letter`` (None: it would replay it); the one rule
@@ -196,7 +196,7 @@ def judge(
     judgement = Judgement()
     for dead_letter in letters:
         already = (dead_letter.consumer, dead_letter.message_id) in processed
-        refused = refusal(dead_letter, already, force, now)
+        refused = refusal(dead_letter, already_processed=already, force=force, now=now)
         if refused is not None:
             judgement.refused[dead_letter.pk] = refused
             if dead_letter.status not in REPLAYABLE_STATUSES:
@@ -256,7 +256,9 @@ def _duration(delta: dt.timedelta) -> str:
     return f"{minutes // 60} h" if minutes and minutes % 60 == 0 else f"{minutes} min"
 
 
-def _replay_headers(dead_letter: DeadLetter, replayed_by: str) -> dict[str, Any]:
+def replay_headers(dead_letter: DeadLetter, replayed_by: str) -> dict[str, Any]:
+    """The headers of ``dead_letter``'s replayed copy: its own, less those a replay resets,
+    with where it came from and who replayed it."""
     headers = {k: v for k, v in (dead_letter.headers or {}).items() if k not in _RESET_HEADERS}
     headers[ORIGINAL_EXCHANGE_HEADER] = dead_letter.exchange
     headers[ORIGINAL_ROUTING_KEY_HEADER] = dead_letter.routing_key
@@ -331,7 +333,7 @@ def replay_batch(
         entries = _record_replays(using, chosen, replayed_by, operation, now)
         copies: list[tuple[Any, ...]] = []  # the values of _OUTBOX_COLUMNS
         for (dead_letter, _forced), entry in zip(chosen, entries, strict=True):
-            headers = _replay_headers(dead_letter, replayed_by)
+            headers = replay_headers(dead_letter, replayed_by)
             headers[REPLAY_ID_HEADER] = entry.pk
             copies.append(
                 (
@@ -349,7 +351,7 @@ def replay_batch(
         if forgotten:
             ProcessedMessage.objects.using(using).forget_many(forgotten)
         # In pk order: the outbox ids keep the dead letters' order, and so each ordering key's.
-        _insert(using, copies)
+        insert_copies(using, copies)
         rows = DeadLetter.objects.using(using)
         for forced, pks in ((False, plain), (True, forced_pks)):
             if pks:
@@ -432,12 +434,12 @@ _OUTBOX_COLUMNS = (
     "attempts",
     "last_error",
 )
-# Set by _insert from the database's clock, which the relay compares them with (``Now()``): a
+# Set by insert_copies from the database's clock, which the relay compares them with (``Now()``): a
 # web server whose clock runs ahead would otherwise hold every replay back by the difference.
 _OUTBOX_TIME_COLUMNS = ("next_attempt_at", "created_at")
 
 
-def _insert(using: str, copies: list[tuple[Any, ...]]) -> None:
+def insert_copies(using: str, copies: list[tuple[Any, ...]]) -> None:
     """Write the outbox rows of a batch (values of :data:`_OUTBOX_COLUMNS`), due now by the
     database's clock: with COPY on PostgreSQL (several times the speed of a multi-row INSERT
     for the same rows), ``bulk_create`` elsewhere. The caller wakes the relay after the
