@@ -13,6 +13,7 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime, parse_duration
 
 from reliable_messaging.choices import DeadLetterReason, DeadLetterStatus, OperationKind
+from reliable_messaging.core.registry import registry
 from reliable_messaging.dead_letters.replay import judge_batch, replay_batch
 from reliable_messaging.management.progress import Progress
 from reliable_messaging.models import DeadLetter, DeadLetterOperation
@@ -42,7 +43,12 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--consumer", action="append", default=[])
+        parser.add_argument(
+            "--consumer",
+            action="append",
+            default=[],
+            help="a consumer's name (its dotted function path unless name= was given), or its queue",
+        )
         parser.add_argument("--queue", action="append", default=[])
         parser.add_argument(
             "--reason", action="append", default=[], choices=list(DeadLetterReason.values)
@@ -113,6 +119,7 @@ class Command(BaseCommand):
             raise CommandError("--limit must be at least 1")
         if options["batch_size"] < 1:
             raise CommandError("--batch-size must be at least 1")
+        options["consumer"] = self.consumer_names(options["consumer"])
         queryset = self.select(options)
         ids = list(queryset.order_by("pk").values_list("pk", flat=True)[: options["limit"]])
         if options["dry_run"]:
@@ -214,6 +221,22 @@ class Command(BaseCommand):
                 f"relay carries it out (see its progress in the admin)"
             )
         )
+
+    def consumer_names(self, given: list[str]) -> list[str]:
+        """The consumers ``--consumer`` names: a consumer's name (its dotted function path
+        unless ``name=``), or its queue (what ``@consumer`` takes first), said so."""
+        names = []
+        for name in given:
+            by_queue = [spec.name for spec in registry.all() if spec.queue == name]
+            if by_queue and not any(spec.name == name for spec in registry.all()):
+                self.stderr.write(
+                    f"--consumer {name}: that is the queue of consumer {', '.join(by_queue)}; "
+                    f"selecting its dead letters (--queue {name} selects by queue)"
+                )
+                names += by_queue
+            else:
+                names.append(name)
+        return names
 
     def select(self, options: dict[str, Any]) -> Any:
         queryset = DeadLetter.objects.filter(

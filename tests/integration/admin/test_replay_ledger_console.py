@@ -32,6 +32,7 @@ from reliable_messaging.models import (
     Replay,
 )
 from tests.markers import postgresql_only
+from tests.settings import NAMESPACE
 
 from .conftest import REPLAY_MATCHING, change_url, form_of, operation_url, replay_url, run_action
 from .test_admin_pages_bounded import fetched
@@ -192,6 +193,20 @@ def test_the_command_dry_run_uses_the_replays_judge(mixed: dict[str, DeadLetter]
     # dead ones only, by default: the resolved and discarded ones are not chosen
     assert "dry run: 6 dead letter(s) match; nothing replayed" in text
     assert "2 would be replayed, 4 refused" in text
+
+
+@pytest.mark.django_db
+def test_the_command_takes_a_consumers_queue_for_the_consumer_and_says_so(
+    mixed: dict[str, DeadLetter],
+) -> None:
+    """``@consumer("<queue>")`` takes the queue first; logs, the admin and the dead letters use
+    the consumer's name. ``--consumer <its queue>`` selects that consumer's dead letters and
+    says which name it took, instead of matching none."""
+    queue = f"{NAMESPACE}.alpha"
+    out, err = io.StringIO(), io.StringIO()
+    call_command("replay_dead_letters", "--consumer", queue, "--dry-run", stdout=out, stderr=err)
+    assert f"--consumer {queue}: that is the queue of consumer tests.alpha" in err.getvalue()
+    assert "dry run: 6 dead letter(s) match; nothing replayed" in out.getvalue()
 
 
 def settle(row: Replay, outcome: ReplayOutcome, failed_as: DeadLetter | None = None) -> None:
