@@ -47,7 +47,7 @@ class Command(BaseCommand):
             "--consumer",
             action="append",
             default=[],
-            help="a consumer's name (its dotted function path unless name= was given), or its queue",
+            help="a consumer's name (its dotted function path unless name= is given) or queue",
         )
         parser.add_argument("--queue", action="append", default=[])
         parser.add_argument(
