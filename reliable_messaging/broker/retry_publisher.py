@@ -26,7 +26,7 @@ from pika.spec import BasicProperties
 
 from .. import metrics
 from ..conf import MessagingSettings, messaging_settings
-from ..core.backoff import Backoff
+from ..core.backoff import Backoff, exponential
 from ..core.liveness import HealthState
 from .queues import describe_broker_error
 from .replies import NOT_FOUND
@@ -232,7 +232,7 @@ class RetryPublisher:
 
     def _refused(self, job: _Job, exc: Exception) -> None:
         refusals = job.refusals + 1
-        delay = min(REFUSED_FIRST_DELAY * 2 ** (refusals - 1), self.settings.reconnect_max_delay)
+        delay = exponential(REFUSED_FIRST_DELAY, refusals - 1, self.settings.reconnect_max_delay)
         logger.error(
             "message_id=%s: the broker refused the retry copy (%s); the original stays unacked "
             "and the copy is published again in %.1fs (refusal %d)",

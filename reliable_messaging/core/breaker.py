@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..exceptions import ConsumerConfigurationError
+from .backoff import exponential
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ class Breaker:
 
     def pause_after(self, reopenings: int) -> float:
         """The pause of an opening that follows ``reopenings`` failed half-open rounds."""
-        return min(self.pause * 2 ** min(reopenings, 32), self.longest_pause)
+        return exponential(self.pause, reopenings, self.longest_pause)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> Breaker:

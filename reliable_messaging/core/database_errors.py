@@ -16,6 +16,8 @@ import random
 import threading
 import time
 
+from .backoff import exponential
+
 logger = logging.getLogger(__name__)
 
 
@@ -94,7 +96,7 @@ def describe(exc: BaseException) -> str:
 def conflict_delay(retry: int) -> float:
     """Seconds before run ``retry`` (0-based) after a conflict: small, doubling, jittered so
     that the two sides of a deadlock do not meet again in step."""
-    return min(CONFLICT_MAX_DELAY, CONFLICT_BASE_DELAY * 2**retry) * random.uniform(0.5, 1.5)
+    return exponential(CONFLICT_BASE_DELAY, retry, CONFLICT_MAX_DELAY) * random.uniform(0.5, 1.5)
 
 
 def _chain(exc: BaseException) -> list[BaseException]:

@@ -23,6 +23,7 @@ from django.utils import timezone
 from ..broker.limits import MESSAGE_SIZE, size_limit_in
 from ..broker.replies import NOT_FOUND
 from ..choices import OutboxStatus
+from ..core.backoff import exponential
 from ..core.envelope import ORDERING_KEY_HEADER, PUBLISHED_AT_HEADER
 from ..models import OutboxMessage
 from ..storage.partitions import OUTBOX, ensure_covered, row_moved
@@ -73,7 +74,7 @@ class BatchOutcome:
 
 def resend_backoff(attempts: int) -> dt.timedelta:
     """Wait before the next try of a row that failed ``attempts`` times: 1 s doubling to 5 min."""
-    return dt.timedelta(seconds=min(2 ** max(attempts - 1, 0), 300))
+    return dt.timedelta(seconds=exponential(1.0, max(attempts - 1, 0), 300.0))
 
 
 def message_headers(row: ClaimedRow) -> dict[str, Any]:
