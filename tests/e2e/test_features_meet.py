@@ -12,6 +12,20 @@
   then ``processed``); a message of its key caught behind it ends a span ``held`` at most, and
   is handled after it, on its first attempt.
 
+- A quorum queue's delivery limit and tracing: a message another client gave back until the
+  broker moved it to ``<queue>.dead`` reached no handler, so it has no ``process`` span; its
+  dead letter ``delivery_limit`` keeps the trace of its publish (the ids of the relay's ``send``
+  span it carried), and its replay's span links back to that span.
+
+- Scheduled rows and tracing: a message published with ``delay`` inside a view's span is sent
+  when it is due, by a ``send`` span that starts then, a child of its ``publish`` span in the
+  view's trace, its ``outbox.wait_ms`` counted from the due time, not from the publish.
+
+- Replays and the crash guard: a message that killed its process ``CRASH_LIMIT`` times is a
+  dead letter ``worker_crashed`` and leaves no suspicion behind; replayed after the fix (the
+  copy keeps its message_id), a copy whose process dies once more is a suspect counted from
+  zero: handled once, not a dead letter again.
+
 The provider is the payment provider of ``test_breaker.py`` (tests/e2e/conftest.py), and
 ``tests.payments`` its consumer (tests/testapp/consumers.py): window 10, 4 failures, a pause of
 1 s, 2 probes.
@@ -21,21 +35,28 @@ from __future__ import annotations
 
 import collections
 import re
+import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from reliable_messaging.choices import DeadLetterReason, DeadLetterStatus, OutboxStatus
 from reliable_messaging.core.envelope import ORDERING_KEY_HEADER
-from reliable_messaging.models import DeadLetter, SuspectDelivery
+from reliable_messaging.dead_letters.replay import replay
+from reliable_messaging.models import DeadLetter, OutboxMessage, Replay, SuspectDelivery
 from tests.conftest import subprocess_env
+from tests.integration.consuming.test_features_meet import return_until_dropped
 from tests.integration.ops.conftest import free_port
-from tests.support import ConsumeProcess, Publisher, queue_counts, wait_until
+from tests.support import ConsumeProcess, Publisher, drained, queue_counts, wait_until
 from tests.testapp.models import Effect
-from tests.trace_file import read_spans
+from tests.trace_file import read_spans, render_tree
 
 from .conftest import Provider
 from .test_breaker import CONSUMER, metric, payments_done
 from .test_breaker_meets import opened
+from .test_replay_routing import relay_once
+from .test_tracing import RelayProcess, manage, matching, only, run_view, spans_when, traced_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
 
@@ -186,3 +207,262 @@ def test_an_ordered_keys_spans_show_the_retry_in_place_and_the_messages_held_beh
         assert not DeadLetter.objects.exists()
     finally:
         proc.close()
+
+
+# --------------------------------------------------------------------------- quorum limit x tracing
+
+
+def test_a_message_past_the_quorum_delivery_limit_keeps_its_trace_without_a_process_span(
+    ns: str, transactional_db: None, tmp_path: Path
+) -> None:
+    """A view publishes order-1 (quorum queues, delivery limit 2); before any ``consume`` runs,
+    another client gives alpha's copy back until the broker moves it to ``alpha.dead``. The
+    traced ``consume`` stores it as a dead letter ``delivery_limit`` and processes beta's copy.
+    No handler ever ran alpha's: the view's trace has no ``process`` span of alpha (nor of its
+    ``.dead`` queue), and the dead letter holds the ids of the ``send`` span the message
+    carried. Its replay starts a trace of its own linked to that span; the copy is processed
+    there once, on attempt 1."""
+    spans_file = tmp_path / "spans.jsonl"
+    env = traced_env(ns, spans_file, RM_TEST_QUEUE_TYPE="quorum", RM_TEST_QUORUM_DELIVERY_LIMIT="2")
+    alpha, beta = f"{ns}.alpha", f"{ns}.beta"
+    relay = RelayProcess([], env, tmp_path / "relay.log")  # declares the quorum queues
+    consume: ConsumeProcess | None = None
+    try:
+        trace_id = run_view(env, [{"id": "order-1", "routing_key": "order.placed", "payload": {}}])[
+            "order-1"
+        ]
+        wait_until(
+            lambda: OutboxMessage.objects.filter(
+                message_id="order-1", status=OutboxStatus.SENT
+            ).exists(),
+            timeout=20,
+            message=lambda: f"order-1 sent; relay log:\n{relay.log()[-3000:]}",
+        )
+        returned = return_until_dropped(alpha, most=10)
+        assert 2 <= returned <= 4, returned
+        consume = ConsumeProcess(
+            ["--queue", alpha, "--queue", beta], env, tmp_path / "consume.log"
+        ).wait_consuming()
+        letters = DeadLetter.objects.filter(consumer="tests.alpha", message_id="order-1")
+        wait_until(
+            lambda: letters.exists() and Effect.objects.filter(consumer="beta").exists(),
+            timeout=20,
+            message=lambda: f"alpha's dead letter, beta's effect; log:\n{consume.log()[-3000:]}",
+        )
+        letter = letters.get()
+        assert letter.reason == DeadLetterReason.DELIVERY_LIMIT, letter.exception_message
+        assert not Effect.objects.filter(consumer="alpha").exists()
+
+        out = manage(env, "replay_dead_letters", "--consumer", "tests.alpha")
+        assert "replayed 1 dead letter(s), refused 0" in out, out
+        wait_until(
+            lambda: letters.filter(status=DeadLetterStatus.RESOLVED).exists(),
+            timeout=20,
+            message=lambda: f"the dead letter resolved by its replay; log:\n{consume.log()}",
+        )
+        spans = spans_when(
+            spans_file,
+            lambda found: (
+                matching(found, f"process {alpha}", reliable_messaging__outcome="processed")
+                and len(matching(found, f"send {alpha}")) == 1
+                and matching(found, f"process {beta}")
+            ),
+            "the replayed copy's process span and every send span",
+        )
+        mine = [span for span in spans if span["trace_id"] == trace_id]
+        tree = render_tree(spans, trace_id)
+        send = only(matching(mine, "send order.placed"), "send span", spans)
+        # Beta's handler ran in the view's trace; alpha's never did, and what the broker moved
+        # to alpha.dead was stored without a span.
+        assert {span["name"] for span in mine} == {
+            "POST /orders",
+            "publish order.placed",
+            "send order.placed",
+            f"process {beta}",
+        }, tree
+        assert not [span for span in spans if span["name"].startswith(f"process {alpha}.dead")]
+        beta_run = only(matching(mine, f"process {beta}"), "beta's span", spans)
+        assert beta_run["parent_span_id"] == send["span_id"]
+        assert beta_run["attributes"]["reliable_messaging.outcome"] == "processed"
+
+        # The dead letter keeps the trace of its publish: the span the message carried.
+        letter.refresh_from_db()
+        failures = [event for event in letter.history if event["event"] == "dead_lettered"]
+        assert failures[0]["trace_id"] == trace_id
+        assert (letter.trace_id, letter.span_id) == (trace_id, send["span_id"]), tree
+
+        # Its replay: a trace of its own, linked to that span, where the copy is processed.
+        replay_span = only(matching(spans, f"replay {alpha}"), "replay span", spans)
+        assert replay_span["parent_span_id"] is None and replay_span["trace_id"] != trace_id
+        assert [(link["trace_id"], link["span_id"]) for link in replay_span["links"]] == [
+            (trace_id, send["span_id"])
+        ]
+        again = [span for span in spans if span["trace_id"] == replay_span["trace_id"]]
+        replay_send = only(matching(again, f"send {alpha}"), "the replay's send", spans)
+        assert replay_send["parent_span_id"] == replay_span["span_id"]
+        copy = only(matching(again, f"process {alpha}"), "the copy's process span", spans)
+        assert copy["parent_span_id"] == replay_send["span_id"]
+        assert copy["attributes"]["reliable_messaging.outcome"] == "processed"
+        assert copy["attributes"]["reliable_messaging.attempt"] == 1
+        assert list(
+            Effect.objects.filter(consumer__in=["alpha", "beta"])
+            .order_by("consumer")
+            .values_list("consumer", "message_id", "attempt")
+        ) == [("alpha", "order-1", 1), ("beta", "order-1", 1)]
+    finally:
+        relay.close()
+        if consume is not None:
+            consume.close()
+
+
+# --------------------------------------------------------------------------- scheduled x tracing
+
+DELAY = 4.0
+
+# A view that schedules its message: publish(..., delay=...) inside its span and transaction.
+SCHEDULING_VIEW = """
+import os, time
+from django.db import transaction
+from opentelemetry import trace
+from reliable_messaging import publish
+
+tracer = trace.get_tracer("tests.view")
+with tracer.start_as_current_span("POST /reminders", kind=trace.SpanKind.SERVER) as span:
+    with transaction.atomic():
+        publish("order.placed", {}, message_id="later-1", delay=float(os.environ["RM_TEST_DELAY"]))
+print("trace", format(span.get_span_context().trace_id, "032x"))
+
+from reliable_messaging.publishing.wake_after_commit import sender
+sender.flush(timeout=5)
+"""
+
+
+def test_a_scheduled_messages_send_span_starts_when_due_in_the_trace_of_its_publish(
+    ns: str, transactional_db: None, tmp_path: Path
+) -> None:
+    """publish(delay=4 s) in a view's span: the relay's ``send`` span starts at the due time
+    (not at the publish), a child of the ``publish`` span in the view's trace, and its
+    ``outbox.wait_ms`` counts from the due time (well under the 4 s the row was scheduled
+    for). Alpha's ``process`` span follows in the same trace."""
+    spans_file = tmp_path / "spans.jsonl"
+    env = traced_env(ns, spans_file)
+    alpha = f"{ns}.alpha"
+    consume = ConsumeProcess(["--queue", alpha], env, tmp_path / "consume.log")
+    relay = RelayProcess([], env, tmp_path / "relay.log")
+    try:
+        consume.wait_consuming()
+        out = manage({**env, "RM_TEST_DELAY": str(DELAY)}, "shell", "-c", SCHEDULING_VIEW)
+        trace_id = next(line.split()[1] for line in out.splitlines() if line.startswith("trace "))
+        spans = spans_when(
+            spans_file,
+            lambda found: (
+                matching(found, f"process {alpha}", reliable_messaging__outcome="processed")
+                and matching(found, "send order.placed", reliable_messaging__outcome="sent")
+            ),
+            "alpha's process span and the relay's send span",
+            timeout=DELAY + 20,
+        )
+        row = OutboxMessage.objects.get(message_id="later-1")
+        assert row.deliver_at is not None
+        due_ns = int(row.deliver_at.timestamp() * 1e9)
+        mine = [span for span in spans if span["trace_id"] == trace_id]
+        tree = render_tree(spans, trace_id)
+        view = only(matching(mine, "POST /reminders"), "view span", spans)
+        published = only(matching(mine, "publish order.placed"), "publish span", spans)
+        send = only(matching(mine, "send order.placed"), "send span", spans)
+        run = only(matching(mine, f"process {alpha}"), "alpha's span", spans)
+        assert published["parent_span_id"] == view["span_id"], tree
+        assert send["parent_span_id"] == published["span_id"], tree
+        assert send["service"] == "shop relay"
+        assert run["parent_span_id"] == send["span_id"], tree
+        # Published at once, sent when due: the send span starts at the due time.
+        assert published["end"] < due_ns, tree
+        assert send["start"] >= due_ns - 1_000_000, (send["start"] - due_ns) / 1e6
+        assert send["start"] - published["start"] >= (DELAY - 0.5) * 1e9, tree
+        # Its wait counts from the due time, not from the publish 4 s before.
+        wait_ms = send["attributes"]["reliable_messaging.outbox.wait_ms"]
+        assert 0 <= wait_ms <= (send["start"] - due_ns) / 1e6 + 1, (wait_ms, tree)
+        assert wait_ms < DELAY * 1000 / 2, (wait_ms, tree)
+        assert list(
+            Effect.objects.filter(consumer="alpha").values_list("message_id", "attempt")
+        ) == [("later-1", 1)]
+    finally:
+        relay.close()
+        consume.close()
+
+
+# --------------------------------------------------------------------------- replay x crash guard
+
+
+def test_a_replay_of_a_message_that_killed_its_process_is_blamed_for_none_of_its_deaths(
+    ns: str, transactional_db: None, tmp_path: Path, publisher: Publisher
+) -> None:
+    """With ``CRASH_LIMIT`` 2, a pill kills its first two processes (``kill_while`` its bug's
+    switch is on); the third makes it a dead letter ``worker_crashed`` (2 deaths). The fix is
+    deployed and the dead letter replayed: the copy (same message_id) still takes its process
+    down once (``kill_once``: its first delivery), so it comes back redelivered, a suspect. The
+    guard counts that one death only: the copy is handled once, on the next process, the dead
+    letter resolved and no suspicion left."""
+    queue = f"{ns}.alpha"
+    env = subprocess_env(ns, RM_TEST_CRASH_LIMIT="2")
+    started: list[ConsumeProcess] = []
+
+    def start() -> ConsumeProcess:
+        proc = ConsumeProcess(["--queue", queue], env, tmp_path / f"consume-{len(started) + 1}.log")
+        started.append(proc)
+        return proc
+
+    def logs() -> str:
+        return "\n".join(f"--- {p.log_path.name}\n{p.log()[-2000:]}" for p in started)
+
+    Effect.objects.create(consumer="switch", message_id="pill-bug", attempt=1)  # the bug
+    letters = DeadLetter.objects.filter(consumer="tests.alpha", message_id="pill")
+    try:
+        start().wait_consuming()
+        payload: dict[str, Any] = {
+            "kill_while": {"alpha": "pill-bug"},
+            "kill_once": {"alpha": True},
+        }
+        publisher.publish(f"rmtest.{ns}", "order.placed", payload, message_id="pill")
+        assert started[0].wait(30) == -signal.SIGKILL, logs()
+        # Redelivered to the second process: a suspect of one death, run again, fatal again.
+        assert start().wait(45) == -signal.SIGKILL, logs()
+        survivor = start().wait_consuming()
+        wait_until(letters.exists, timeout=30, message=lambda: f"the pill's dead letter\n{logs()}")
+        letter = letters.get()
+        assert (letter.reason, letter.attempts) == (DeadLetterReason.WORKER_CRASHED, 2), (
+            letter.exception_message
+        )
+        assert not Effect.objects.filter(consumer="alpha").exists()
+
+        Effect.objects.filter(consumer="switch").delete()  # the fix is deployed
+        result = replay(letters, replayed_by="operator")
+        assert result.replayed == [letter.pk], result
+        relay_once(ns)
+        # The copy's first delivery still took its process down (a crash of its own).
+        assert survivor.wait(30) == -signal.SIGKILL, logs()
+        last = start().wait_consuming()
+        wait_until(
+            lambda: letters.exclude(status=DeadLetterStatus.REPLAYED).exists(),
+            timeout=30,
+            message=lambda: f"the replay's outcome\n{logs()}",
+        )
+        letter.refresh_from_db()
+        assert letter.status == DeadLetterStatus.RESOLVED, (
+            letter.status,
+            letter.reason,
+            letter.attempts,
+            letter.exception_message,
+            logs(),
+        )
+        assert list(
+            Effect.objects.filter(consumer="alpha").values_list("message_id", "attempt")
+        ) == [("pill", 1)]
+        assert list(Replay.objects.values_list("outcome", flat=True)) == ["processed"]
+        assert letters.count() == 1
+        assert not SuspectDelivery.objects.exists(), list(SuspectDelivery.objects.values())
+        wait_until(lambda: drained(queue), timeout=20, message="alpha's queue drained")
+        assert last.returncode is None, logs()
+    finally:
+        for proc in started:
+            proc.close()

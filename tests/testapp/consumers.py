@@ -9,7 +9,9 @@ with SIGKILL after the commit and before the ack (first delivery only),
 Poison pills (issue 18): ``{"kill": {"alpha": true}}`` kills the process with SIGKILL on every
 delivery, ``{"kill_once": {"alpha": true}}`` only on the first (not redelivered) one, and
 ``{"spin": {"alpha": 30}}`` busy-loops in pure Python for that many seconds (``sleep`` blocks in
-C instead). The effect rolls back whenever the handler raises or its process dies.
+C instead), and ``{"kill_while": {"alpha": "name"}}`` kills it on every delivery while an
+``Effect`` row of consumer ``switch`` with that message_id exists (the test deletes it: the
+fix). The effect rolls back whenever the handler raises or its process dies.
 Database conflicts (issue 33): ``{"lock": {"alpha": ["hot-1", "hot-2"]}, "lock_pause": 0.05}``
 locks those hot rows (``Effect`` rows of consumer ``hot``, made by the test) in that order with
 ``SELECT ... FOR UPDATE``, pausing after each, and counts itself in them (two handlers with the
@@ -83,6 +85,10 @@ def behave(label: str, message: Message) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if payload.get("kill_once", {}).get(label) and not message.redelivered:
         # Dies on the first delivery only; the redelivery succeeds.
+        os.kill(os.getpid(), signal.SIGKILL)
+    kill_switch = payload.get("kill_while", {}).get(label)
+    if kill_switch and Effect.objects.filter(consumer="switch", message_id=kill_switch).exists():
+        # A poison pill until its fix is deployed (the test deletes the switch row).
         os.kill(os.getpid(), signal.SIGKILL)
     hot = payload.get("lock", {}).get(label)
     if hot:
