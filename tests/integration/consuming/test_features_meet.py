@@ -21,6 +21,9 @@ in a thread of this process against the real broker and database.
   parks its key like any other.
 - The breaker and concurrent deliveries: those started before it opened, ending after its
   pause, are no probes; it closes only on the probes it let in.
+- Replays and the time limit: a message whose handler ran past its time limit on every
+  attempt is a dead letter ``timeout`` (the process alive, no suspicion kept); replayed after
+  the fix, it starts again at attempt 1 and is handled once.
 
 The "downstream" of the breaker's tests is a switch: an ``Effect`` row of consumer ``switch``
 (tests/testapp/consumers.py, ``fail_while``); the test deletes it to bring the downstream back.
@@ -605,3 +608,54 @@ def test_deliveries_started_before_the_breaker_opened_never_count_as_probes(
             message="closed by two probes",
         )
     assert Effect.objects.filter(consumer="probes").count() == 4
+
+
+# --------------------------------------------------------------------------- replay x time limit
+
+
+def test_a_replay_of_a_message_past_its_time_limit_starts_afresh_and_is_handled_once(
+    ns: str, rm_settings: dict[str, Any], service: Any, rec: Recorder, publisher: Publisher
+) -> None:
+    """While the downstream is slow, the handler spins past its 0.5 s time limit on each of its
+    3 attempts: interrupted each time, then a dead letter ``timeout``, with no suspicion kept
+    (the process lived). The downstream is fast again: the replay starts at attempt 1, is
+    handled once and resolves the dead letter."""
+    spec = ConsumerSpec(
+        name=f"{ns}.tpay",
+        queue=f"{ns}.tpay",
+        handler=slow_while_down("tpay", rec),
+        bindings=("tpay.*",),
+        timeout=0.5,
+    )
+    downstream_down()
+    service([spec], on_outcome=rec)
+    publisher.publish(exchange_of(ns), "tpay.due", {"n": 0}, message_id="slow")
+    letters = DeadLetter.objects.filter(consumer=spec.name, message_id="slow")
+    wait_until(
+        letters.exists,
+        timeout=30,
+        message=lambda: f"a dead letter; outcomes {results_by_id(rec, spec.name)}",
+    )
+    letter = letters.get()
+    assert (letter.reason, letter.attempts) == (DeadLetterReason.TIMEOUT, 3), (
+        letter.reason,
+        letter.attempts,
+        letter.exception_message,
+    )
+    assert results_by_id(rec, spec.name) == {"slow": ["retry", "retry", "dead_lettered:timeout"]}
+    assert not SuspectDelivery.objects.exists()
+    downstream_up()
+    result = replay(letters, replayed_by="operator")
+    assert result.replayed == [letter.pk], result
+    relay_once(ns)
+    wait_until(
+        lambda: letters.exclude(status=DeadLetterStatus.REPLAYED).exists(),
+        timeout=30,
+        message=lambda: f"the replay's outcome; outcomes {results_by_id(rec, spec.name)}",
+    )
+    letter.refresh_from_db()
+    assert letter.status == DeadLetterStatus.RESOLVED, (letter.status, letter.exception_message)
+    assert effects("tpay") == [("slow", 1)]
+    assert list(Replay.objects.values_list("outcome", flat=True)) == [ReplayOutcome.PROCESSED]
+    assert not SuspectDelivery.objects.exists()
+    wait_until(lambda: drained(f"{ns}.tpay"), timeout=20, message="tpay's queue drained")
