@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import pika
 import pika.exceptions
@@ -564,6 +564,16 @@ class ConsumeProcess(ManageProcess):
 
     def wait_consuming(self, timeout: float = 45.0) -> ConsumeProcess:
         self.wait_for_log("consuming ", timeout=timeout)
+        return self
+
+
+class RelayProcess(ManageProcess):
+    """A real ``manage.py relay`` subprocess."""
+
+    command = "relay"
+
+    def wait_connected(self, timeout: float = 60.0) -> Self:
+        self.wait_for_log("relay: publishing the outbox", timeout=timeout)
         return self
 
 

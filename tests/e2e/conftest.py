@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from tests.integration.ops.conftest import free_port
+from tests.support import ManageProcess
 
 
 class Provider:
@@ -59,3 +60,13 @@ def provider() -> Iterator[Provider]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def processes(request: pytest.FixtureRequest) -> Iterator[list[ManageProcess]]:
+    """Every process a test starts; killed in teardown, their logs shown when it fails."""
+    started: list[ManageProcess] = []
+    request.node._rm_processes = started
+    yield started
+    for process in started:
+        process.close()

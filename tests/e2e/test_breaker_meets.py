@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,7 +41,8 @@ def opened(*processes: ConsumeProcess, consumer: str = CONSUMER) -> int:
 def order_by_key() -> dict[str, list[int]]:
     seqs: dict[str, list[int]] = collections.defaultdict(list)
     for effect in Effect.objects.filter(consumer="opayments").order_by("id"):
-        seqs[effect.payload["key"]].append(effect.payload["seq"])
+        payload: dict[str, Any] = effect.payload or {}
+        seqs[payload["key"]].append(payload["seq"])
     return seqs
 
 

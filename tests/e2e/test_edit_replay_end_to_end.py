@@ -22,16 +22,12 @@ from reliable_messaging.dead_letters.edit import replay_edited
 from reliable_messaging.dead_letters.replay import replay_batch
 from reliable_messaging.models import DeadLetter, ProcessedMessage, Replay
 from tests.conftest import subprocess_env
-from tests.support import ConsumeProcess, ManageProcess, wait_until
+from tests.support import ConsumeProcess, RelayProcess, wait_until
 from tests.testapp.models import Effect
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
 
 NEEDS_SKU = {"order_id": 1042, "require": "sku", "fields": {"colour": "blue"}}
-
-
-class RelayProcess(ManageProcess):
-    command = "relay"
 
 
 def dead_letter_of(message_id: str, consumer: str = "tests.alpha") -> DeadLetter:

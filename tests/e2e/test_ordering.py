@@ -20,16 +20,12 @@ from reliable_messaging.choices import DeadLetterReason, DeadLetterStatus
 from reliable_messaging.dead_letters.replay import replay_batch
 from reliable_messaging.models import DeadLetter
 from tests.conftest import subprocess_env
-from tests.support import ConsumeProcess, ManageProcess, all_queue_counts, wait_until
+from tests.support import ConsumeProcess, RelayProcess, all_queue_counts, wait_until
 from tests.testapp.models import Effect
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True), pytest.mark.timeout(240)]
 
 BROKEN = "RM_TEST_GAMMA_BROKEN"
-
-
-class RelayProcess(ManageProcess):
-    command = "relay"
 
 
 def env_for(ns: str, **extra: str) -> dict[str, str]:

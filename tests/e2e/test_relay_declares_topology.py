@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from tests.conftest import subprocess_env
 from tests.support import (
     ConsumeProcess,
     ManageProcess,
+    RelayProcess,
     broker_connection,
     queue_counts,
     queue_exists,
@@ -46,22 +46,6 @@ def declared(log: str) -> int:
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
 
 EXTRA = "RM_TEST_EXTRA_CONSUMER"  # makes tests/testapp register tests.zeta (invoice.*)
-
-
-class RelayProcess(ManageProcess):
-    """A real ``manage.py relay`` subprocess on the suite's settings."""
-
-    command = "relay"
-
-
-@pytest.fixture
-def processes(request: pytest.FixtureRequest) -> Iterator[list[ManageProcess]]:
-    """Every process a test starts; killed in teardown, their logs shown when it fails."""
-    started: list[ManageProcess] = []
-    request.node._rm_processes = started
-    yield started
-    for process in started:
-        process.close()
 
 
 def start(

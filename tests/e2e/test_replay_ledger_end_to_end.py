@@ -23,7 +23,7 @@ from reliable_messaging.core.envelope import REPLAY_HEADER, REPLAY_ID_HEADER
 from reliable_messaging.dead_letters.replay import replay_batch
 from reliable_messaging.models import DeadLetter, DeadLetterOperation, OutboxMessage, Replay
 from tests.conftest import subprocess_env
-from tests.support import ConsumeProcess, ManageProcess, Publisher, wait_until
+from tests.support import ConsumeProcess, Publisher, RelayProcess, wait_until
 from tests.testapp.models import Effect
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True), pytest.mark.timeout(240)]
@@ -31,10 +31,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True), pytest.
 # Set in the deploy that breaks alpha; the second stays set in the "fixed" deploy too.
 BROKEN = "RM_TEST_ALPHA_BROKEN"
 STILL_BROKEN = "RM_TEST_ALPHA_STILL_BROKEN"
-
-
-class RelayProcess(ManageProcess):
-    command = "relay"
 
 
 def env_for(ns: str, **extra: str) -> dict[str, str]:

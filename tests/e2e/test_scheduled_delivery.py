@@ -24,14 +24,10 @@ from reliable_messaging.choices import OutboxStatus
 from reliable_messaging.models import OutboxMessage
 from tests.conftest import database_url, subprocess_env
 from tests.markers import postgresql_only
-from tests.support import ConsumeProcess, ManageProcess, wait_until
+from tests.support import ConsumeProcess, RelayProcess, wait_until
 from tests.testapp.models import Effect
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True), pytest.mark.timeout(240)]
-
-
-class RelayProcess(ManageProcess):
-    command = "relay"
 
 
 def effects(label: str) -> dict[str, list[Effect]]:

@@ -15,7 +15,6 @@ import os
 import signal
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,6 +29,7 @@ from tests.support import (
     ConsumeProcess,
     ManageProcess,
     Publisher,
+    RelayProcess,
     broker_connection,
     queue_counts,
     wait_until,
@@ -42,22 +42,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True), pytest.
 GRACE = float(settings.RELIABLE_MESSAGING["SHUTDOWN_TIMEOUT"])  # type: ignore[arg-type]
 
 ROWS = 3000
-
-
-class RelayProcess(ManageProcess):
-    """A real ``manage.py relay`` subprocess on the suite's settings."""
-
-    command = "relay"
-
-
-@pytest.fixture
-def processes(request: pytest.FixtureRequest) -> Iterator[list[ManageProcess]]:
-    """Every process a test starts; killed in teardown, their logs shown when it fails."""
-    started: list[ManageProcess] = []
-    request.node._rm_processes = started
-    yield started
-    for process in started:
-        process.close()
 
 
 def stop(process: ManageProcess, target: str) -> tuple[int, float]:

@@ -37,6 +37,7 @@ from tests.support import (
     ConsumeProcess,
     ManageProcess,
     Publisher,
+    RelayProcess,
     queue_counts,
     wait_until,
 )
@@ -73,10 +74,6 @@ sender.flush(timeout=5)
 
 read_spans: Callable[[Path], list[dict[str, Any]]] = trace_file.read_spans
 render_tree: Callable[[Iterable[dict[str, Any]], str], str] = trace_file.render_tree
-
-
-class RelayProcess(ManageProcess):
-    command = "relay"
 
 
 def traced_env(ns: str, trace_file: Path | None, **extra: str) -> dict[str, str]:

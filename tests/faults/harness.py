@@ -47,7 +47,7 @@ from reliable_messaging import publish
 from reliable_messaging.choices import OutboxStatus
 from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
 from tests import support
-from tests.support import ROOT, ConsumeProcess, ManageProcess, WaitTimeout, wait_until
+from tests.support import ROOT, ConsumeProcess, ManageProcess, RelayProcess, WaitTimeout, wait_until
 from tests.testapp.models import Effect
 
 LABELS = {"alpha": "tests.alpha", "beta": "tests.beta"}
@@ -191,16 +191,6 @@ class Traffic:
 
 
 # --------------------------------------------------------------------------- processes
-
-
-class RelayProcess(ManageProcess):
-    """A real ``manage.py relay`` subprocess."""
-
-    command = "relay"
-
-    def wait_connected(self, timeout: float = 60.0) -> RelayProcess:
-        self.wait_for_log("relay: publishing the outbox", timeout=timeout)
-        return self
 
 
 @dataclass(frozen=True)

@@ -122,6 +122,7 @@ def return_until_dropped(queue: str, most: int) -> int:
         for method, _, _ in channel.consume(queue, inactivity_timeout=2.0):
             if method is None:
                 break
+            assert method.delivery_tag is not None
             channel.basic_nack(method.delivery_tag, requeue=True)
             returned += 1
             if returned >= most:

@@ -37,7 +37,7 @@ from django.utils import timezone
 from reliable_messaging.storage import partitions
 from reliable_messaging.storage.partitions import OUTBOX
 from tests import support
-from tests.support import ManageProcess, WaitTimeout
+from tests.support import WaitTimeout
 
 ROOT = Path(__file__).resolve().parents[3]
 MANAGE = ROOT / "manage.py"
@@ -199,17 +199,11 @@ def database_url() -> str:
     return f"postgres://{user}{password}@{host}:{port}/{conf['NAME']}"
 
 
-class RelayProcess(ManageProcess):
+class RelayProcess(support.RelayProcess):
     """A real ``manage.py relay`` subprocess (with the per-test settings overrides)."""
-
-    command = "relay"
 
     def __init__(self, args: Sequence[str], env: dict[str, str], log_path: Path) -> None:
         super().__init__(args, env, log_path, settings=RELAY_SETTINGS)
-
-    def wait_connected(self, timeout: float = 60.0) -> RelayProcess:
-        self.wait_for_log("relay: publishing the outbox", timeout=timeout)
-        return self
 
 
 # --------------------------------------------------------------------------- in-process relays

@@ -70,5 +70,6 @@ def test_a_past_deliver_at_is_sent_at_once_and_counts_its_age_from_the_call(
     # Neither its published-at nor its deadline is counted from the date a minute ago.
     published_ms = received.headers[PUBLISHED_AT_HEADER]
     assert published_ms >= int(called * 1000) - 1000  # the database's clock, to a second
+    assert received.properties.timestamp is not None
     assert received.properties.timestamp >= int(called) - 1
     assert received.headers[EXPIRES_AT_HEADER] >= int((called + 60) * 1000)
