@@ -5,7 +5,7 @@ their label values (a mistyped label would silently start a new time series);
 :class:`HealthCollector` exports ``reliable_messaging_healthy``. Both are served on
 ``--metrics-port`` by :mod:`reliable_messaging.ops.http`. The gauges of the whole system are read
 by :mod:`reliable_messaging.ops.collectors`, not here, so the consume and relay processes import
-this module without the ORM readers. ``docs/operations.md`` lists the metrics.
+this module without the ORM readers. ``docs/operations.md#metrics`` lists the metrics.
 """
 
 from __future__ import annotations

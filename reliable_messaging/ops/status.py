@@ -223,7 +223,7 @@ def find_problems(
                         f"only {days:.1f} day(s) of {table} partitions are made ahead (at "
                         f"least {limit:g} expected): the partition upkeep of the "
                         f"{'consume' if table == 'inbox' else 'relay'} processes is failing; "
-                        "their log says why (docs/operations.md, partition upkeep)",
+                        "their log says why (docs/operations.md#partition-upkeep)",
                     )
                 )
         overdue = len(database.overdue_partitions)

@@ -682,7 +682,7 @@ class PartitionUpkeep:
             self.failures,
             self.retry,
             ": rows of a day with no partition make it on the spot, but find why the upkeep "
-            "fails (docs/operations.md, partition upkeep)"
+            "fails (docs/operations.md#partition-upkeep)"
             if urgent
             else "",
         )
