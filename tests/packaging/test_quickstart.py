@@ -3,13 +3,16 @@ newest supported versions.
 
 The wheel is built as ``make dist`` builds it and installed with its ``postgres`` extra and
 Django 6.1 into a fresh virtualenv of Python 3.13 (from this machine's pyenv). A project made by
-``django-admin startproject`` gets an ``orders`` app with the user's own models (an ``Order``
-and a ``Payment``: the page assumes them), then every code block of that page that names its
-file in a first-line comment, as it is written: the settings and URL
-blocks appended to the project's files, the others as the files they name. Only what differs on
-this machine is set after them: the database (PostgreSQL, a database of the test's own) and the
-broker's vhost (one of the test's own). Then ``migrate``, ``consume``, ``relay``, and an order
-placed through the view; its handler must charge it once and publish ``payment.captured``.
+``django-admin startproject`` gets an ``orders`` app (``startapp``), then every ``python`` code
+block of that page whose first line is a comment naming its file alone (``# orders/models.py``),
+as it is written: the settings and URL blocks appended to the project's files, the others as the
+files they name. A block whose first line says more (``# orders/consumers.py, later: ...``) is
+an illustration and is not written. Only what differs on this machine is set after them: the
+database (PostgreSQL, a database of the test's own) and the broker's vhost (one of the test's
+own). Then ``migrate``, ``consume``, ``relay``, and an order placed through the view; its
+handler must charge it once and publish ``payment.captured``, which nothing consumes (unrouted).
+Then the page's "see it fail" ending: an order over the limit is dead-lettered, the limit is
+raised as the page says, and ``replay_dead_letters --consumer <queue>`` has it charged once.
 """
 
 from __future__ import annotations
@@ -35,21 +38,6 @@ ROOT = Path(__file__).resolve().parents[2]
 GETTING_STARTED = ROOT / "docs" / "getting-started.md"
 DJANGO = "Django~=6.1.0"
 PYTHON = "3.13"
-
-# The user's existing app: what the page's handler and view take for granted.
-USER_MODELS = """
-from django.db import models
-
-
-class Order(models.Model):
-    amount = models.DecimalField(max_digits=10, decimal_places=2)
-    card_declined = models.BooleanField(default=False)
-
-
-class Payment(models.Model):
-    order = models.ForeignKey(Order, on_delete=models.CASCADE)
-    amount = models.DecimalField(max_digits=10, decimal_places=2)
-"""
 
 APPENDED = {"settings.py": "mysite/settings.py", "urls.py": "mysite/urls.py"}
 
@@ -83,6 +71,37 @@ def run(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float
     return result.stdout
 
 
+def place(python: str, project: Path, env: dict[str, str], amount: str) -> int:
+    """Place an order through the page's view, as a browser on the developer's machine would
+    (DEBUG allows localhost): the id of the order."""
+    placed = run(
+        python,
+        "manage.py",
+        "shell",
+        "-c",
+        "from django.test import Client; response = Client(HTTP_HOST='localhost')"
+        f".post('/orders/', {{'amount': {amount!r}}}); "
+        "print(response.status_code, response.content.decode()[-500:]); "
+        "print(response.json()['order'])",
+        cwd=project,
+        env=env,
+    )
+    return int(last_line(placed))
+
+
+def last_line(said: str) -> str:
+    """What a ``shell -c`` printed last (Django 6's shell first says what it imported)."""
+    return said.strip().splitlines()[-1]
+
+
+def stop(process: subprocess.Popen[str]) -> None:
+    process.terminate()
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
 @pytest.fixture
 def database() -> Iterator[str]:
     name = f"rm_quickstart_{uuid.uuid4().hex[:10]}"
@@ -112,7 +131,13 @@ def test_getting_started_works_on_django_61_and_python_313(
     tmp_path: Path, database: str, vhost: str
 ) -> None:
     blocks = quickstart_blocks()
-    assert set(blocks) == {"settings.py", "orders/consumers.py", "orders/views.py", "urls.py"}
+    assert set(blocks) == {
+        "settings.py",
+        "orders/models.py",
+        "orders/consumers.py",
+        "orders/views.py",
+        "urls.py",
+    }
 
     dist = tmp_path / "dist"
     # The sdist, then the wheel from it, as `make dist` builds them: a wheel built straight from
@@ -136,7 +161,6 @@ def test_getting_started_works_on_django_61_and_python_313(
     project.mkdir()
     run(str(venv / "bin" / "django-admin"), "startproject", "mysite", ".", cwd=project)
     run(python, "manage.py", "startapp", "orders", cwd=project)
-    (project / "orders" / "models.py").write_text(USER_MODELS)
     for name, code in blocks.items():
         target = project / APPENDED.get(name, name)
         if name in APPENDED:
@@ -147,7 +171,6 @@ def test_getting_started_works_on_django_61_and_python_313(
     with (project / "mysite" / "settings.py").open("a") as settings:
         settings.write(
             "\n# This machine's services (what a user sets to theirs):\n"
-            'INSTALLED_APPS += ["orders"]\n'
             "DATABASES = {'default': {'ENGINE': 'django.db.backends.postgresql', "
             f"'NAME': {database!r}, 'USER': 'postgres', 'HOST': '127.0.0.1', 'PORT': 5432}}}}\n"
             f'RELIABLE_MESSAGING["BROKER_URL"] = {broker!r}\n'
@@ -161,39 +184,29 @@ def test_getting_started_works_on_django_61_and_python_313(
 
     processes: list[subprocess.Popen[str]] = []
     logs = {name: tmp_path / f"{name}.log" for name in ("consume", "relay")}
-    try:
-        for name in ("consume", "relay"):  # in the order the page gives
-            processes.append(
-                subprocess.Popen(
-                    [python, "manage.py", name],
-                    cwd=project,
-                    env=env,
-                    stdout=logs[name].open("w"),
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                    start_new_session=True,
-                )
-            )
-            if name == "consume":
-                support.wait_until(
-                    lambda: "consuming" in logs["consume"].read_text(),
-                    timeout=60,
-                    message="consume subscribed",
-                )
-        placed = run(
-            python,
-            "manage.py",
-            "shell",
-            "-c",
-            # As a browser on the developer's machine would (DEBUG allows localhost).
-            "from django.test import Client; response = Client(HTTP_HOST='localhost')"
-            ".post('/orders/', {'amount': '9.99'}); "
-            "print(response.status_code, response.content.decode()[-500:]); "
-            "print(response.json()['order'])",
+
+    def start(name: str) -> subprocess.Popen[str]:
+        process = subprocess.Popen(
+            [python, "manage.py", name],
             cwd=project,
             env=env,
+            stdout=logs[name].open("w"),
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
         )
-        order = int(placed.strip().splitlines()[-1])
+        if name == "consume":
+            support.wait_until(
+                lambda: "consuming" in logs["consume"].read_text(),
+                timeout=60,
+                message="consume subscribed",
+            )
+        return process
+
+    try:
+        for name in ("consume", "relay"):  # in the order the page gives
+            processes.append(start(name))
+        order = place(python, project, env, "9.99")
         query = (
             "from orders.models import Payment; from reliable_messaging.models import "
             "OutboxMessage; print(list(Payment.objects.values_list('order_id', 'amount')), "
@@ -208,18 +221,67 @@ def test_getting_started_works_on_django_61_and_python_313(
         seen = ""
         while time.monotonic() < deadline:
             said = run(python, "manage.py", "shell", "-c", query, cwd=project, env=env)
-            seen = said.strip().splitlines()[-1]  # Django 6's shell first says what it imported
+            seen = last_line(said)
             if seen == expected:
                 break
             time.sleep(1)
         assert seen == expected, (seen, {k: v.read_text()[-3000:] for k, v in logs.items()})
         consumed = logs["consume"].read_text()
         assert "processed message_id=" in consumed and "orders.consumers.charge_order" in consumed
+
+        # See it fail, then replay it: over the limit, the charge is dead-lettered.
+        declined = place(python, project, env, "2500")
+        dead = (
+            "from reliable_messaging.models import DeadLetter; print(list(DeadLetter.objects"
+            ".values_list('consumer', 'queue', 'reason', 'status')))"
+        )
+        # Known by its consumer's name, over its queue; straight from PermanentError.
+        letter = "[('orders.consumers.charge_order', 'billing.charge-order', 'permanent', 'dead')]"
+        support.wait_until(
+            lambda: (
+                last_line(run(python, "manage.py", "shell", "-c", dead, cwd=project, env=env))
+                == letter
+            ),
+            timeout=60,
+            message="the declined charge dead-lettered",
+        )
+        # The page's fix, then consume restarted to load it.
+        consumers = project / "orders" / "consumers.py"
+        fixed = consumers.read_text().replace(
+            'CHARGE_LIMIT = Decimal("1000")', 'CHARGE_LIMIT = Decimal("5000")'
+        )
+        assert fixed != consumers.read_text()
+        consumers.write_text(fixed)
+        stop(processes.pop(0))
+        logs["consume"] = tmp_path / "consume-fixed.log"
+        processes.append(start("consume"))
+        replayed = subprocess.run(
+            [python, "manage.py", "replay_dead_letters", "--consumer", "billing.charge-order"],
+            cwd=project,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+        assert "replayed 1 dead letter(s)" in replayed.stdout, replayed.stdout
+        assert "queue of consumer orders.consumers.charge_order" in replayed.stderr
+        payments = (
+            "from orders.models import Payment; from reliable_messaging.models import "
+            "DeadLetter; print(list(Payment.objects.order_by('pk').values_list('order_id', "
+            "'amount')), list(DeadLetter.objects.values_list('status', flat=True)))"
+        )
+        expected = f"[({order}, Decimal('9.99')), ({declined}, Decimal('2500.00'))] ['resolved']"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            seen = last_line(
+                run(python, "manage.py", "shell", "-c", payments, cwd=project, env=env)
+            )
+            if seen == expected:
+                break
+            time.sleep(1)
+        assert seen == expected, (seen, {k: v.read_text()[-3000:] for k, v in logs.items()})
     finally:
         for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+            stop(process)
