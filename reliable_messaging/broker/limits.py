@@ -148,7 +148,40 @@ def header_frame_refusal(
 ) -> str | None:
     """Why a message of ``message_id`` with ``headers`` (all of them but the relay's own, for
     which :data:`RELAY_HEADERS_ROOM` is kept) can never be sent, or None: its header frame
-    would be over the ``frame_max`` its connection can have."""
+    would be over the ``frame_max`` its connection can have. Flat headers well under it (the
+    usual case: a trace context, an ordering key) are let through on a bound, not encoded."""
+    frame_max = configured_frame_max(settings)
+    bound = _flat_headers_bound(headers)
+    if bound is not None and bound + len(message_id) + _PROPERTIES_ROOM <= frame_max:
+        return None
     properties = message_properties(message_id, 0, dict(headers))
     size = header_frame_size(properties) + RELAY_HEADERS_ROOM
-    return frame_size_refusal(size, configured_frame_max(settings))
+    return frame_size_refusal(size, frame_max)
+
+
+# Bytes of a header frame besides its headers' entries and the message id (frame header and
+# end, class, body size, property flags, content type, delivery mode, timestamp, the table's
+# length), with room for the relay's own headers.
+_PROPERTIES_ROOM = 128 + RELAY_HEADERS_ROOM
+
+
+def _flat_headers_bound(headers: Mapping[str, Any]) -> int | None:
+    """At least the bytes ``headers`` take in a field table when each value is a string, a
+    64-bit number, a bool or None (a short key, a type octet, at most 8 bytes or a length and
+    the text); None when one is not, and only encoding tells."""
+    total = 0
+    for key, value in headers.items():
+        if not isinstance(key, str):
+            return None
+        total += 2 + len(key.encode("utf-8"))
+        if isinstance(value, str):
+            total += 4 + len(value.encode("utf-8"))
+        elif (
+            value is None
+            or isinstance(value, float)
+            or (isinstance(value, int) and -(2**63) <= value < 2**63)
+        ):
+            total += 8
+        else:
+            return None
+    return total
