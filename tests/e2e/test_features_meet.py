@@ -137,11 +137,15 @@ def test_suspects_redelivered_from_a_killed_process_wait_for_the_breaker_blamed_
         traced = outcomes_by_id()
         assert sorted(traced) == sorted(payments)
         for message_id, outcomes in traced.items():
-            assert outcomes[-1] == "processed" and outcomes.count("processed") == 1, (
+            # A payment the killed process had failed may come twice: its retry copy, and its
+            # original when the kill came between the copy's confirm and the original's ack.
+            # The second is a duplicate: its handler does not run, and its span says so.
+            runs = [outcome for outcome in outcomes if outcome != "duplicate"]
+            assert runs[-1] == "processed" and runs.count("processed") == 1, (
                 message_id,
                 outcomes,
             )
-            assert set(outcomes) <= {"retried", "processed"}, (message_id, outcomes)
+            assert set(runs) <= {"retried", "processed"}, (message_id, outcomes)
         assert sum(outcomes.count("retried") for outcomes in traced.values()) == retries
         # Most came redelivered from the killed process: suspects (the rest were retry copies
         # still in their delay queue at the kill).
