@@ -1,12 +1,8 @@
 """What in the broker we are given can drop or redeliver our messages behind our back.
 
-A pure judgement: :func:`find_findings` takes the facts :mod:`.inspection` read (the server's
-version and ``max_message_size``, the vhost's default queue type, deprecated features, and each
-of our queues' type, arguments and effective policy) and what the settings expect
-(:class:`Expectations`), and returns one :class:`Finding` per thing an operator should know,
-each with what happens to the messages and how to fix it. A queue's effective value of a key is
-worked out as RabbitMQ does (:func:`effective`). ``docs/operations.md#checking-the-broker``
-explains each finding.
+A pure judgement of the facts :mod:`.inspection` read against :class:`Expectations`: one
+:class:`Finding` per thing an operator should know, with its fix (see docs/operations.md,
+"Checking the broker").
 """
 
 from __future__ import annotations
@@ -33,10 +29,7 @@ PERMITTED = "permitted_by_default"
 
 @dataclass(frozen=True)
 class OurQueue:
-    """A queue ``consume`` declares, and what the app expects of it: its handler's time limit
-    (consumer queues), the queue a quorum consumer queue dead-letters to (``<queue>.dead``,
-    named for classic ones too, which may turn quorum), the TTL of a delay queue in
-    milliseconds."""
+    """A queue ``consume`` declares, and what the app expects of it (``message_ttl`` in ms)."""
 
     name: str
     kind: OurQueueKind
@@ -48,9 +41,8 @@ class OurQueue:
 
 @dataclass(frozen=True)
 class QueueFacts:
-    """One of our queues as the management API shows it. ``sampled`` is False while the broker
-    has not yet published the queue's policy fields (a queue declared moments ago); the
-    broker's own ``delivery_limit`` figure is given by RabbitMQ 4.0 and later only."""
+    """One of our queues as the management API shows it (``sampled``: its policy fields are
+    published yet; ``delivery_limit``: the broker's own figure, 4.0 and later)."""
 
     queue: OurQueue
     exists: bool
@@ -72,10 +64,8 @@ class DeprecatedFeature:
 
 @dataclass(frozen=True)
 class BrokerFacts:
-    """What was read of the broker. ``max_message_size`` is the broker's limit when it refused
-    a body of ``probed_body_bytes``, None when it took it (or it could not be probed:
-    ``probe_error``). ``management_error`` says why the API gave nothing ("" when it did);
-    ``deprecated_features`` is None when the broker has no such API (before 3.13)."""
+    """What was read of the broker. ``max_message_size`` is set when it refused a body of
+    ``probed_body_bytes``; ``deprecated_features`` is None before 3.13."""
 
     url: str
     vhost: str
@@ -105,9 +95,7 @@ class Expectations:
 
 @dataclass(frozen=True)
 class Finding:
-    """One thing found: ``message`` says what and what happens to the messages, ``fix`` how to
-    fix it (a command where there is one). ``code`` names the kind of finding (stable, for
-    scripts); ``subject`` the queue, vhost or broker it is about."""
+    """One thing found, what happens to the messages, and how to fix it; ``code`` is stable."""
 
     severity: Severity
     code: str
@@ -140,27 +128,14 @@ def effective(facts: QueueFacts, key: str) -> Any:
 
 
 def _origin(facts: QueueFacts, key: str) -> str | None:
-    """Whether the queue's ``argument`` or its ``policy`` gives the effective value of
-    ``key`` (None: neither sets it)."""
+    """Whether ``argument`` or ``policy`` gives the effective value of ``key`` (or None)."""
     argument = facts.arguments.get(f"x-{key}")
+    if argument is None:
+        return None if facts.effective_policy.get(key) is None else "policy"
     policy = facts.effective_policy.get(key)
-    if argument is None or policy is None:
-        return (
-            None
-            if argument is None and policy is None
-            else "argument"
-            if policy is None
-            else "policy"
-        )
-    if key in ARGUMENT_WINS or effective(facts, key) == argument:
+    if policy is None or key in ARGUMENT_WINS or effective(facts, key) == argument:
         return "argument"
     return "policy"
-
-
-def _policies(facts: QueueFacts) -> str:
-    names = [f"policy {facts.policy}"] if facts.policy else []
-    names += [f"operator policy {facts.operator_policy}"] if facts.operator_policy else []
-    return " or ".join(names) or "a policy"
 
 
 def _source(facts: QueueFacts, key: str) -> str:
@@ -168,7 +143,11 @@ def _source(facts: QueueFacts, key: str) -> str:
     origin = _origin(facts, key)
     if origin == "argument":
         return f"its argument x-{key}"
-    return _policies(facts) if origin == "policy" else "nothing"
+    if origin is None:
+        return "nothing"
+    names = [f"policy {facts.policy}"] if facts.policy else []
+    names += [f"operator policy {facts.operator_policy}"] if facts.operator_policy else []
+    return " or ".join(names) or "a policy"
 
 
 def _remove_key_fix(facts: QueueFacts, key: str, vhost: str) -> str:
@@ -245,50 +224,40 @@ def find_findings(facts: BrokerFacts, expected: Expectations) -> list[Finding]:
 
 
 def _broker_findings(facts: BrokerFacts, expected: Expectations) -> list[Finding]:
-    found = []
-    versions = f"RabbitMQ {facts.server_version or 'version unknown'} at {facts.url}"
+    url = facts.url
+    versions = f"RabbitMQ {facts.server_version or 'version unknown'} at {url}"
     if facts.management_version and facts.management_version != facts.server_version:
         versions += (
             f"; the management API at {facts.management_url} runs {facts.management_version}"
         )
-    found.append(Finding("info", "server-version", facts.url, versions))
+    found = [Finding("info", "server-version", url, versions)]
     if facts.max_message_size is not None:
-        found.append(
-            Finding(
-                "error",
-                "max-message-size",
-                facts.url,
-                f"the broker refuses message bodies over {_mib(facts.max_message_size)} "
-                f"(max_message_size), but MAX_BODY_BYTES lets publish() accept up to "
-                f"{_mib(expected.max_body_bytes)}: the relay's publish of a larger outbox row "
-                "is refused (406) and the row is marked failed at once",
-                f"lower RELIABLE_MESSAGING['MAX_BODY_BYTES'] to {facts.max_message_size} or less, "
-                f"or raise the broker's limit: max_message_size = {expected.max_body_bytes} in "
-                "rabbitmq.conf (at most 536870912), then restart the node",
-            )
+        message = (
+            f"the broker refuses message bodies over {_mib(facts.max_message_size)} "
+            f"(max_message_size), but MAX_BODY_BYTES lets publish() accept up to "
+            f"{_mib(expected.max_body_bytes)}: the relay's publish of a larger outbox row "
+            "is refused (406) and the row is marked failed at once"
         )
+        fix = (
+            f"lower RELIABLE_MESSAGING['MAX_BODY_BYTES'] to {facts.max_message_size} or less, "
+            f"or raise the broker's limit: max_message_size = {expected.max_body_bytes} in "
+            "rabbitmq.conf (at most 536870912), then restart the node"
+        )
+        found.append(Finding("error", "max-message-size", url, message, fix))
     elif facts.probe_error:
-        found.append(
-            Finding(
-                "info",
-                "max-message-size",
-                facts.url,
-                f"whether the broker takes a body of MAX_BODY_BYTES ({expected.max_body_bytes:,} "
-                f"bytes) could not be learned: {facts.probe_error}",
-            )
+        message = (
+            f"whether the broker takes a body of MAX_BODY_BYTES ({expected.max_body_bytes:,} "
+            f"bytes) could not be learned: {facts.probe_error}"
         )
+        found.append(Finding("info", "max-message-size", url, message))
     if facts.management_error:
-        found.append(
-            Finding(
-                "info",
-                "management-api",
-                facts.management_url or facts.url,
-                f"queue types, arguments and policies were not checked: {facts.management_error}",
-                "give RELIABLE_MESSAGING['MANAGEMENT_URL'] (or --management-url) the management "
-                "API's address, with the credentials of a user tagged monitoring "
-                "(rabbitmqctl set_user_tags USER monitoring)",
-            )
+        message = f"queue types, arguments and policies were not checked: {facts.management_error}"
+        fix = (
+            "give RELIABLE_MESSAGING['MANAGEMENT_URL'] (or --management-url) the management "
+            "API's address, with the credentials of a user tagged monitoring "
+            "(rabbitmqctl set_user_tags USER monitoring)"
         )
+        found.append(Finding("info", "management-api", facts.management_url or url, message, fix))
     return found
 
 
@@ -296,33 +265,24 @@ def _vhost_findings(facts: BrokerFacts, expected: Expectations) -> list[Finding]
     default = facts.vhost_default_queue_type
     if default in (None, expected.queue_type):
         return []
-    return [
-        Finding(
-            "info",
-            "vhost-default-queue-type",
-            facts.vhost,
-            f"vhost {facts.vhost!r} makes {default} queues by default; consume states the type "
-            f"of every queue it declares (QUEUE_TYPE {expected.queue_type!r}), so its queues "
-            "are not affected. A queue declared by hand or by another tool without "
-            "x-queue-type is, and is reported by its own findings",
-            "",
-        )
-    ]
+    message = (
+        f"vhost {facts.vhost!r} makes {default} queues by default; consume states the type "
+        f"of every queue it declares (QUEUE_TYPE {expected.queue_type!r}), so its queues "
+        "are not affected. A queue declared by hand or by another tool without "
+        "x-queue-type is, and is reported by its own findings"
+    )
+    return [Finding("info", "vhost-default-queue-type", facts.vhost, message)]
 
 
 def _deprecation_findings(facts: BrokerFacts) -> list[Finding]:
     features = facts.deprecated_features
     if features is None:
-        return [
-            Finding(
-                "info",
-                "deprecated-features",
-                facts.url,
-                f"RabbitMQ {facts.server_version or '(version unknown)'} does not report "
-                "deprecated features (its management API has no /api/deprecated-features, "
-                "added in 3.13): not an error",
-            )
-        ]
+        message = (
+            f"RabbitMQ {facts.server_version or '(version unknown)'} does not report "
+            "deprecated features (its management API has no /api/deprecated-features, "
+            "added in 3.13): not an error"
+        )
+        return [Finding("info", "deprecated-features", facts.url, message)]
     found = [
         Finding(
             "warning",
@@ -336,46 +296,29 @@ def _deprecation_findings(facts: BrokerFacts) -> list[Finding]:
         for feature in features
         if feature.used
     ]
-    denied = [f"{f.name} ({f.phase})" for f in features if f.phase != PERMITTED]
+    denied = ", ".join(f"{f.name} ({f.phase})" for f in features if f.phase != PERMITTED)
     if denied:
-        found.append(
-            Finding(
-                "info",
-                "deprecated-features-denied",
-                facts.url,
-                f"the broker refuses these deprecated features: {', '.join(denied)}; the app "
-                "uses none of them",
-            )
+        message = (
+            f"the broker refuses these deprecated features: {denied}; the app uses none of them"
         )
+        found.append(Finding("info", "deprecated-features-denied", facts.url, message))
     return found
 
 
 def _unread_queue_findings(queues: Sequence[QueueFacts]) -> list[Finding]:
     found = []
-    missing = [q.queue.name for q in queues if not q.exists]
+    missing = ", ".join(q.queue.name for q in queues if not q.exists)
     if missing:
-        found.append(
-            Finding(
-                "info",
-                "queue-missing",
-                ", ".join(missing),
-                f"not declared yet, so not checked (manage.py consume declares them): "
-                f"{', '.join(missing)}",
-            )
-        )
-    unsampled = [q.queue.name for q in queues if q.exists and not q.sampled]
+        message = f"not declared yet, so not checked (manage.py consume declares them): {missing}"
+        found.append(Finding("info", "queue-missing", missing, message))
+    unsampled = ", ".join(q.queue.name for q in queues if q.exists and not q.sampled)
     if unsampled:
-        found.append(
-            Finding(
-                "info",
-                "queue-not-sampled",
-                ", ".join(unsampled),
-                "the broker has not published the policies of these queues yet (it samples "
-                f"every few seconds after a declaration), so they were not checked: "
-                f"{', '.join(unsampled)}",
-                "run the check again in a few seconds",
-            )
+        message = (
+            "the broker has not published the policies of these queues yet (it samples "
+            f"every few seconds after a declaration), so they were not checked: {unsampled}"
         )
+        fix = "run the check again in a few seconds"
+        found.append(Finding("info", "queue-not-sampled", unsampled, message, fix))
     return found
 
 
@@ -406,17 +349,15 @@ def _type_findings(facts: QueueFacts, vhost: str, expected: Expectations) -> lis
     if facts.type == expected.queue_type:
         return []
     if facts.type == "stream":
-        return [
-            Finding(
-                "error",
-                "queue-type",
-                name,
-                f"queue {name} is a stream: an ack does not remove a message from it, and "
-                "consume cannot read it as a queue",
-                f"drain and delete it (rabbitmqctl delete_queue -p {shlex.quote(vhost)} "
-                f"{shlex.quote(name)}) and let consume declare it",
-            )
-        ]
+        message = (
+            f"queue {name} is a stream: an ack does not remove a message from it, and "
+            "consume cannot read it as a queue"
+        )
+        fix = (
+            f"drain and delete it (rabbitmqctl delete_queue -p {shlex.quote(vhost)} "
+            f"{shlex.quote(name)}) and let consume declare it"
+        )
+        return [Finding("error", "queue-type", name, message, fix)]
     if facts.type == "classic":
         what = "it is not replicated: a lost node takes its messages with it"
     else:
@@ -424,17 +365,14 @@ def _type_findings(facts: QueueFacts, vhost: str, expected: Expectations) -> lis
             "the broker counts its deliveries and, past the delivery limit, dead-letters or "
             "drops a message (see the dead-letter-target findings)"
         )
-    return [
-        Finding(
-            "warning",
-            "queue-type",
-            name,
-            f"queue {name} is a {facts.type} queue, but QUEUE_TYPE is {expected.queue_type!r}: "
-            f"{what}",
-            f"set QUEUE_TYPE = {facts.type!r}, or move the queue to {expected.queue_type} as "
-            "docs/quorum-migration.md says (drain, delete, let consume declare it)",
-        )
-    ]
+    message = (
+        f"queue {name} is a {facts.type} queue, but QUEUE_TYPE is {expected.queue_type!r}: {what}"
+    )
+    fix = (
+        f"set QUEUE_TYPE = {facts.type!r}, or move the queue to {expected.queue_type} as "
+        "docs/quorum-migration.md says (drain, delete, let consume declare it)"
+    )
+    return [Finding("warning", "queue-type", name, message, fix)]
 
 
 def _delay_type_findings(facts: QueueFacts, vhost: str) -> list[Finding]:
@@ -455,19 +393,17 @@ def _delay_type_findings(facts: QueueFacts, vhost: str) -> list[Finding]:
             f"has overflow {overflow or 'drop-head'}, which turns at-least-once dead-lettering "
             f"off ({_source(facts, 'overflow')})"
         )
-    return [
-        Finding(
-            "warning",
-            "queue-type",
-            name,
-            f"delay queue {name} {what}: it hands expired retry copies on at most once, so a "
-            "copy that comes due while its consumer's queue cannot take it in (deleted, its "
-            "node down, the broker stopping) is lost",
-            f"replace it: unbind it from exchange {name}, wait for it to empty, delete it "
-            f"(rabbitmqctl delete_queue -p {shlex.quote(vhost)} {shlex.quote(name)}) and "
-            "restart a consumer, which declares it as a quorum queue",
-        )
-    ]
+    message = (
+        f"delay queue {name} {what}: it hands expired retry copies on at most once, so a "
+        "copy that comes due while its consumer's queue cannot take it in (deleted, its "
+        "node down, the broker stopping) is lost"
+    )
+    fix = (
+        f"replace it: unbind it from exchange {name}, wait for it to empty, delete it "
+        f"(rabbitmqctl delete_queue -p {shlex.quote(vhost)} {shlex.quote(name)}) and "
+        "restart a consumer, which declares it as a quorum queue"
+    )
+    return [Finding("warning", "queue-type", name, message, fix)]
 
 
 def _dead_letters_to(facts: QueueFacts) -> str | None:
@@ -490,45 +426,29 @@ def _length_findings(facts: QueueFacts, vhost: str) -> list[Finding]:
         return []
     name = facts.queue.name
     overflow = effective(facts, "overflow") or "drop-head"
-    limit_text = " / ".join(limits.values())
-    keys = list(limits)
-    fix = "; ".join(_remove_key_fix(facts, key, vhost) for key in keys)
-    sources = " and ".join(_source(facts, key) for key in keys)
-    if overflow == "drop-head":
-        target = _dead_letters_to(facts)
-        if target is None:
-            return [
-                Finding(
-                    "error",
-                    "queue-overflow",
-                    name,
-                    f"queue {name} holds at most {limit_text} ({sources}), overflow drop-head: "
-                    "past it the broker drops the oldest messages, unhandled and unrecorded",
-                    fix,
-                )
-            ]
-        return [
-            Finding(
-                "warning",
-                "queue-overflow",
-                name,
-                f"queue {name} holds at most {limit_text} ({sources}), overflow drop-head: past "
-                f"it the broker dead-letters the oldest messages to {target}, unhandled",
-                fix,
-            )
-        ]
-    return [
-        Finding(
-            "warning",
-            "queue-overflow",
-            name,
-            f"queue {name} holds at most {limit_text} ({sources}), overflow {overflow}: past "
-            "it the broker refuses new messages (a nack): the relay retries the rows and marks "
-            "them failed after OUTBOX_MAX_ATTEMPTS, and retries of failed deliveries cannot be "
-            "scheduled",
-            fix,
+    fix = "; ".join(_remove_key_fix(facts, key, vhost) for key in limits)
+    sources = " and ".join(_source(facts, key) for key in limits)
+    held = f"queue {name} holds at most {' / '.join(limits.values())} ({sources}), overflow"
+    target = _dead_letters_to(facts)
+    severity: Severity = "warning"
+    if overflow != "drop-head":
+        message = (
+            f"{held} {overflow}: past it the broker refuses new messages (a nack): the relay "
+            "retries the rows and marks them failed after OUTBOX_MAX_ATTEMPTS, and retries of "
+            "failed deliveries cannot be scheduled"
         )
-    ]
+    elif target is None:
+        severity = "error"
+        message = (
+            f"{held} drop-head: past it the broker drops the oldest messages, unhandled and "
+            "unrecorded"
+        )
+    else:
+        message = (
+            f"{held} drop-head: past it the broker dead-letters the oldest messages to "
+            f"{target}, unhandled"
+        )
+    return [Finding(severity, "queue-overflow", name, message, fix)]
 
 
 def _expiry_findings(facts: QueueFacts, vhost: str) -> list[Finding]:
@@ -541,16 +461,12 @@ def _expiry_findings(facts: QueueFacts, vhost: str) -> list[Finding]:
         if facts.queue.kind == "delay"
         else "unused means no consumer attached: a consume outage that long"
     )
-    return [
-        Finding(
-            "error",
-            "queue-expires",
-            name,
-            f"queue {name} expires after {_ms(expires)} unused ({_source(facts, 'expires')}): "
-            f"the broker then deletes it with every message in it ({unused})",
-            _remove_key_fix(facts, "expires", vhost),
-        )
-    ]
+    message = (
+        f"queue {name} expires after {_ms(expires)} unused ({_source(facts, 'expires')}): "
+        f"the broker then deletes it with every message in it ({unused})"
+    )
+    fix = _remove_key_fix(facts, "expires", vhost)
+    return [Finding("error", "queue-expires", name, message, fix)]
 
 
 def _ttl_findings(facts: QueueFacts, vhost: str) -> list[Finding]:
@@ -564,16 +480,20 @@ def _ttl_findings(facts: QueueFacts, vhost: str) -> list[Finding]:
         if target is None
         else f"the broker dead-letters them to {target}, unhandled"
     )
+    message = (
+        f"messages expire in queue {name} after {_ms(ttl)} "
+        f"({_source(facts, 'message-ttl')}): {happens}"
+    )
+    fix = _remove_key_fix(facts, "message-ttl", vhost)
     return [
-        Finding(
-            "error" if target is None else "warning",
-            "queue-message-ttl",
-            name,
-            f"messages expire in queue {name} after {_ms(ttl)} "
-            f"({_source(facts, 'message-ttl')}): {happens}",
-            _remove_key_fix(facts, "message-ttl", vhost),
-        )
+        Finding("error" if target is None else "warning", "queue-message-ttl", name, message, fix)
     ]
+
+
+def _dead_letter_key_fix(facts: QueueFacts, vhost: str) -> str:
+    return _remove_key_fix(facts, "dead-letter-routing-key", vhost) or _remove_key_fix(
+        facts, "dead-letter-exchange", vhost
+    )
 
 
 def _delay_findings(facts: QueueFacts, vhost: str) -> list[Finding]:
@@ -582,33 +502,24 @@ def _delay_findings(facts: QueueFacts, vhost: str) -> list[Finding]:
     exchange = effective(facts, "dead-letter-exchange")
     key = effective(facts, "dead-letter-routing-key")
     if exchange != "" or key is not None:
-        where = _dead_letters_to(facts) or "nowhere (dropped)"
-        found.append(
-            Finding(
-                "error",
-                "delay-dead-letter",
-                name,
-                f"delay queue {name} sends expired retry copies to {where} instead of back to "
-                f"the failed consumer's queue (the default exchange under the key they were "
-                f"published with): retries are lost ({_source(facts, 'dead-letter-routing-key')})",
-                _remove_key_fix(facts, "dead-letter-routing-key", vhost)
-                or _remove_key_fix(facts, "dead-letter-exchange", vhost),
-            )
+        message = (
+            f"delay queue {name} sends expired retry copies to "
+            f"{_dead_letters_to(facts) or 'nowhere (dropped)'} instead of back to the failed "
+            f"consumer's queue (the default exchange under the key they were published with): "
+            f"retries are lost ({_source(facts, 'dead-letter-routing-key')})"
         )
+        fix = _dead_letter_key_fix(facts, vhost)
+        found.append(Finding("error", "delay-dead-letter", name, message, fix))
     ttl = effective(facts, "message-ttl")
     wanted = facts.queue.message_ttl
     if wanted is not None and ttl != wanted:
         shown = "never" if ttl is None else f"after {_ms(ttl)}"
-        found.append(
-            Finding(
-                "warning",
-                "delay-message-ttl",
-                name,
-                f"delay queue {name} returns retry copies {shown}, not after {_ms(wanted)} "
-                f"({_source(facts, 'message-ttl')})",
-                _remove_key_fix(facts, "message-ttl", vhost),
-            )
+        message = (
+            f"delay queue {name} returns retry copies {shown}, not after {_ms(wanted)} "
+            f"({_source(facts, 'message-ttl')})"
         )
+        fix = _remove_key_fix(facts, "message-ttl", vhost)
+        found.append(Finding("warning", "delay-message-ttl", name, message, fix))
     return found
 
 
@@ -623,37 +534,28 @@ def _consumer_timeout_findings(
     seconds = timeout / 1000
     name = facts.queue.name
     handler = facts.queue.handler_timeout
+    grace = expected.handler_timeout_grace
     fix = (
         f"{_remove_key_fix(facts, 'consumer-timeout', vhost)}; or set it to at least "
         f"BROKER_CONSUMER_TIMEOUT ({expected.broker_consumer_timeout * 1000:.0f} ms)"
     )
-    if handler is not None and seconds <= handler + expected.handler_timeout_grace:
-        return [
-            Finding(
-                "error",
-                "consumer-timeout",
-                name,
-                f"queue {name} has a consumer timeout of {_ms(timeout)} "
-                f"({_source(facts, 'consumer-timeout')}), within its handler's time limit "
-                f"({handler:g} s plus {expected.handler_timeout_grace:g} s grace): a slow "
-                "handler gets its channel closed by the broker, and every delivery of that "
-                "channel is redelivered",
-                fix,
-            )
-        ]
+    source = _source(facts, "consumer-timeout")
+    has = f"queue {name} has a consumer timeout of {_ms(timeout)} ({source})"
+    if handler is not None and seconds <= handler + grace:
+        message = (
+            f"{has}, within its handler's time limit ({handler:g} s plus {grace:g} s grace): a "
+            "slow handler gets its channel closed by the broker, and every delivery of that "
+            "channel is redelivered"
+        )
+        return [Finding("error", "consumer-timeout", name, message, fix)]
     if seconds < expected.broker_consumer_timeout / 2:
-        return [
-            Finding(
-                "warning",
-                "consumer-timeout",
-                name,
-                f"queue {name} has a consumer timeout of {_ms(timeout)} "
-                f"({_source(facts, 'consumer-timeout')}), under half of BROKER_CONSUMER_TIMEOUT "
-                f"({expected.broker_consumer_timeout:g} s), which the app holds deliveries "
-                "unacked for at most: the broker may close the channel first and redeliver",
-                f"{fix}, or set BROKER_CONSUMER_TIMEOUT to {seconds:g}",
-            )
-        ]
+        message = (
+            f"{has}, under half of BROKER_CONSUMER_TIMEOUT "
+            f"({expected.broker_consumer_timeout:g} s), which the app holds deliveries "
+            "unacked for at most: the broker may close the channel first and redeliver"
+        )
+        fix += f", or set BROKER_CONSUMER_TIMEOUT to {seconds:g}"
+        return [Finding("warning", "consumer-timeout", name, message, fix)]
     return []
 
 
@@ -665,88 +567,66 @@ def _delivery_limit_findings(
     by_name: Mapping[str, QueueFacts],
 ) -> list[Finding]:
     name = facts.queue.name
-    v = shlex.quote(vhost)
     limit = delivery_limit(facts, version)
+    quorum = expected.queue_type == "quorum"
+    limit_fix = _remove_key_fix(facts, "delivery-limit", vhost)
+    limit_source = _source(facts, "delivery-limit")
     found = []
     if limit is None:
-        if expected.queue_type == "quorum":
-            found.append(
-                Finding(
-                    "warning",
-                    "delivery-limit",
-                    name,
-                    f"quorum queue {name} has no delivery limit "
-                    f"({_source(facts, 'delivery-limit')}): a message whose delivery kills "
-                    "its consumer before the crash guard records it comes back forever",
-                    _remove_key_fix(facts, "delivery-limit", vhost),
-                )
+        if quorum:
+            message = (
+                f"quorum queue {name} has no delivery limit ({limit_source}): a message whose "
+                "delivery kills its consumer before the crash guard records it comes back forever"
             )
+            found.append(Finding("warning", "delivery-limit", name, message, limit_fix))
         return found
-    if expected.queue_type == "quorum" and limit < expected.quorum_delivery_limit:
-        found.append(
-            Finding(
-                "warning",
-                "delivery-limit",
-                name,
-                f"quorum queue {name} takes a message out after {limit} deliveries "
-                f"({_source(facts, 'delivery-limit')}), fewer than QUORUM_DELIVERY_LIMIT "
-                f"({expected.quorum_delivery_limit})"
-                + (
-                    f", and not more than CRASH_LIMIT ({expected.crash_limit}): the broker "
-                    "takes out a message that kills its consumer before the crash guard does"
-                    if limit <= expected.crash_limit
-                    else ""
-                ),
-                _remove_key_fix(facts, "delivery-limit", vhost),
-            )
+    if quorum and limit < expected.quorum_delivery_limit:
+        message = (
+            f"quorum queue {name} takes a message out after {limit} deliveries ({limit_source}), "
+            f"fewer than QUORUM_DELIVERY_LIMIT ({expected.quorum_delivery_limit})"
         )
+        if limit <= expected.crash_limit:
+            message += (
+                f", and not more than CRASH_LIMIT ({expected.crash_limit}): the broker takes "
+                "out a message that kills its consumer before the crash guard does"
+            )
+        found.append(Finding("warning", "delivery-limit", name, message, limit_fix))
     exchange = effective(facts, "dead-letter-exchange")
     key = effective(facts, "dead-letter-routing-key")
     wanted = facts.queue.dead_letter_to
-    policy_fix = (
-        f"rabbitmqctl set_policy -p {v} --apply-to quorum_queues --priority 10 "
-        f"{shlex.quote(name + '-dead-letters')} {shlex.quote('^' + re.escape(name) + '$')} "
-        + shlex.quote('{"dead-letter-exchange":"","dead-letter-routing-key":"' + str(wanted) + '"}')
-        + " (one policy applies per queue: fold these keys into a policy that already matches "
-        "it), and QUEUE_TYPE = 'quorum' so that consume declares " + str(wanted)
-    )
     if exchange is None:
-        found.append(
-            Finding(
-                "error",
-                "dead-letter-target",
-                name,
-                f"quorum queue {name} drops a message after {limit} deliveries: it has no "
-                "dead-letter target, so the message is neither handled nor recorded",
-                policy_fix,
-            )
+        message = (
+            f"quorum queue {name} drops a message after {limit} deliveries: it has no "
+            "dead-letter target, so the message is neither handled nor recorded"
         )
+        fix = (
+            f"rabbitmqctl set_policy -p {shlex.quote(vhost)} --apply-to quorum_queues "
+            f"--priority 10 {shlex.quote(name + '-dead-letters')} "
+            f"{shlex.quote('^' + re.escape(name) + '$')} "
+            + shlex.quote(
+                '{"dead-letter-exchange":"","dead-letter-routing-key":"' + str(wanted) + '"}'
+            )
+            + " (one policy applies per queue: fold these keys into a policy that already "
+            f"matches it), and QUEUE_TYPE = 'quorum' so that consume declares {wanted}"
+        )
+        found.append(Finding("error", "dead-letter-target", name, message, fix))
         return found
     target = by_name.get(wanted or "")
-    if expected.queue_type == "quorum" and (exchange != "" or key != wanted):
-        found.append(
-            Finding(
-                "warning",
-                "dead-letter-target",
-                name,
-                f"quorum queue {name} dead-letters to {_dead_letters_to(facts)} "
-                f"({_source(facts, 'dead-letter-routing-key')}), not to {wanted}: consume "
-                "never records those messages as dead letters",
-                _remove_key_fix(facts, "dead-letter-routing-key", vhost)
-                or _remove_key_fix(facts, "dead-letter-exchange", vhost),
-            )
+    if quorum and (exchange != "" or key != wanted):
+        message = (
+            f"quorum queue {name} dead-letters to {_dead_letters_to(facts)} "
+            f"({_source(facts, 'dead-letter-routing-key')}), not to {wanted}: consume "
+            "never records those messages as dead letters"
         )
+        fix = _dead_letter_key_fix(facts, vhost)
+        found.append(Finding("warning", "dead-letter-target", name, message, fix))
     elif exchange == "" and target is not None and not target.exists:
-        found.append(
-            Finding(
-                "error",
-                "dead-letter-target",
-                name,
-                f"quorum queue {name} dead-letters to queue {wanted}, which does not exist: "
-                f"the broker drops a message after {limit} deliveries",
-                "start manage.py consume, which declares it",
-            )
+        message = (
+            f"quorum queue {name} dead-letters to queue {wanted}, which does not exist: "
+            f"the broker drops a message after {limit} deliveries"
         )
+        fix = "start manage.py consume, which declares it"
+        found.append(Finding("error", "dead-letter-target", name, message, fix))
     return found
 
 

@@ -1,14 +1,8 @@
-"""Check the broker we are given: read what it does to our queues, and judge it.
+"""Check the broker we are given: read what it does to our queues (over AMQP and the
+management API), and judge it with :func:`.findings.find_findings`.
 
-:func:`read_broker_facts` reads, over AMQP, the server's version and whether it takes a body of
-``MAX_BODY_BYTES`` (:func:`.limits.broker_refuses`), and from the management API the vhost's
-default queue type, the deprecated features and, for each queue ``consume`` declares, its type,
-arguments and effective policy. :func:`.findings.find_findings` judges those facts;
-:func:`check_broker` does both for ``messaging_status --broker``, and
-:func:`log_findings_in_background` and :func:`log_body_limit_in_background` for the start of
-``consume`` and ``relay``, which never wait for it.
-
-No password leaves this module: URLs are redacted and errors scrubbed as in :mod:`.queues`.
+:func:`check_broker` serves ``messaging_status --broker``; ``consume`` and ``relay`` run the
+``*_in_background`` checks at their start. URLs are redacted and errors scrubbed.
 """
 
 from __future__ import annotations
@@ -18,7 +12,7 @@ import threading
 import urllib.error
 import urllib.parse
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import pika
@@ -59,16 +53,8 @@ from .topology import (
 logger = logging.getLogger(__name__)
 
 CONNECTION_NAME = "broker_check"
-_QUEUE_COLUMNS = ",".join(
-    (
-        "name",
-        "type",
-        "arguments",
-        "policy",
-        "operator_policy",
-        "effective_policy_definition",
-        "delivery_limit",
-    )
+_QUEUE_COLUMNS = (
+    "name,type,arguments,policy,operator_policy,effective_policy_definition,delivery_limit"
 )
 
 
@@ -87,22 +73,13 @@ class BrokerCheck:
 
 
 def expectations_from(settings: MessagingSettings = messaging_settings) -> Expectations:
-    return Expectations(
-        queue_type=settings.queue_type,
-        quorum_delivery_limit=settings.quorum_delivery_limit,
-        crash_limit=settings.crash_limit,
-        max_body_bytes=settings.max_body_bytes,
-        broker_consumer_timeout=settings.broker_consumer_timeout,
-        handler_timeout_grace=settings.handler_timeout_grace,
-    )
+    return Expectations(**{f.name: getattr(settings, f.name) for f in fields(Expectations)})
 
 
 def our_queues(
     specs: Iterable[ConsumerSpec], settings: MessagingSettings = messaging_settings
 ) -> list[OurQueue]:
-    """Every queue ``consume`` declares for ``specs``, named as :mod:`.topology` names them:
-    each handler's queue (an ordered one's partitions), its ``<queue>.dead`` under quorum
-    queues, then the retry delay queues."""
+    """Every queue ``consume`` declares for ``specs``, named as :mod:`.topology` names them."""
     specs = list(specs)
     found = []
     for spec in specs:
@@ -130,8 +107,7 @@ def read_broker_facts(
     probe_body: bool = True,
 ) -> BrokerFacts:
     """What the broker says about ``specs``' queues and ``MAX_BODY_BYTES``. Raises one of
-    :data:`.queues.READ_ERRORS` when no broker URL can be reached; the management API's
-    failure is recorded in the facts (``management_error``), not raised."""
+    :data:`.queues.READ_ERRORS` when no broker URL can be reached."""
     candidates = connection_parameters(settings, name=CONNECTION_NAME)
     secrets = secrets_of(settings, candidates)
     connection, params = connect_to_any(candidates, timeout=timeout)
@@ -285,9 +261,7 @@ def log_findings_in_background(
     settings: MessagingSettings = messaging_settings,
     timeout: float = DEFAULT_TIMEOUT,
 ) -> threading.Thread:
-    """Check the broker in a daemon thread and log each warning and error found, once, at
-    WARNING; a broker or management API that cannot be read is one INFO line. Never raises,
-    never blocks the caller (``consume`` at its start)."""
+    """Check the broker in a daemon thread and log each warning and error found at WARNING."""
     specs = list(specs)
 
     def run() -> None:
@@ -318,9 +292,7 @@ def log_findings_in_background(
 def log_body_limit_in_background(
     settings: MessagingSettings = messaging_settings, timeout: float = DEFAULT_TIMEOUT
 ) -> threading.Thread:
-    """In a daemon thread, ask the broker whether it takes a body of ``MAX_BODY_BYTES``, and
-    log an ERROR naming both sizes and the fix when it does not (``relay`` at its start). A
-    broker that cannot be reached is left to the relay to report."""
+    """In a daemon thread, log an ERROR when the broker refuses a body of ``MAX_BODY_BYTES``."""
 
     def run() -> None:
         try:
