@@ -1,10 +1,7 @@
 """Every query and state change of the app's tables, on the models' managers.
 
-Each move of a dead letter between its statuses is one named method, the only code that sets
-``status`` and appends to its ``history``; the same goes for the inbox row and for the outbox
-rows an operator sends again. Methods that change rows open no transaction of their own, save
-the batched deletes: the caller's transaction is what the change belongs to. Those that lock
-rows (``select_for_update``) must run inside one.
+Methods that change rows run in the caller's transaction (``docs/design.md#managers-every-state-
+change-in-one-place``); those that lock rows must run inside one.
 """
 
 from __future__ import annotations
@@ -52,11 +49,9 @@ class BatchDeletingQuerySet(models.QuerySet):
     """A queryset whose rows can be deleted a batch per short transaction."""
 
     def delete_in_batches(self, batch_size: int, progress: BatchProgress | None = None) -> int:
-        """Delete the rows of this queryset ``batch_size`` at a time, each batch in its own
-        transaction: never one huge delete holding locks for minutes. Returns how many went."""
-        using = getattr(self, "_db", None) or router.db_for_write(self.model)
+        """Delete these rows ``batch_size`` per transaction; returns how many went."""
+        using = _write_db(self)
         rows = self.using(using)
-        # Counted only for a progress display: one more scan, cheap next to deleting the rows.
         total = rows.count() if progress else 0
         deleted = 0
         while True:
@@ -67,6 +62,16 @@ class BatchDeletingQuerySet(models.QuerySet):
                 deleted += self.model._default_manager.using(using).filter(pk__in=ids).delete()[0]
             if progress:
                 progress(deleted, total)
+
+
+def _write_db(rows: models.QuerySet[Any]) -> str:
+    return getattr(rows, "_db", None) or router.db_for_write(rows.model)
+
+
+def _sibling(rows: models.QuerySet[Any], name: str) -> Any:
+    """Another model's rows on the same database, by name: models.py imports this module."""
+    model = rows.model._meta.apps.get_model(rows.model._meta.app_label, name)
+    return model._default_manager.using(rows.db).all()
 
 
 # -- the inbox ---------------------------------------------------------------------------------
@@ -82,13 +87,11 @@ class ProcessedMessageQuerySet(BatchDeletingQuerySet):
         return self.of(consumer, message_id).exists()
 
     def forget(self, consumer: str, message_id: str) -> int:
-        """Remove the inbox row of one message, so a copy of it runs the handler again (a
-        forced replay; a guarded handler's failure, whose claimed row must not commit)."""
+        """Remove the inbox row of one message, so a copy of it runs the handler again."""
         return self.of(consumer, message_id).delete()[0]
 
     def forget_many(self, keys: Iterable[tuple[str, str]]) -> int:
-        """Remove the inbox rows of several (consumer, message_id) pairs: one delete per
-        consumer (a forced bulk replay)."""
+        """Remove the inbox rows of several (consumer, message_id) pairs, a delete per consumer."""
         by_consumer: dict[str, list[str]] = {}
         for consumer, message_id in keys:
             by_consumer.setdefault(consumer, []).append(message_id)
@@ -112,15 +115,13 @@ ProcessedMessageManager = models.Manager.from_queryset(ProcessedMessageQuerySet)
 
 
 class SuspectDeliveryQuerySet(BatchDeletingQuerySet):
-    """The crash guard's rows (``consuming/crash_guard.py`` decides what a death is; these read and
-    write them)."""
+    """The crash guard's rows (``consuming/crash_guard.py`` decides what a death is)."""
 
     def of(self, consumer: str, message_id: str) -> SuspectDeliveryQuerySet:
         return self.filter(consumer=consumer, message_id=message_id)
 
     def locked_or_created(self, consumer: str, message_id: str) -> tuple[SuspectDelivery, bool]:
-        """The row of (consumer, message_id), locked, and whether it was just made. Inside the
-        caller's transaction; a twin delivery creating it at the same time waits on the lock."""
+        """The row of (consumer, message_id), locked, and whether it was just made."""
         using = self.db
         rows = self.using(using)
         row = rows.select_for_update().of(consumer, message_id).first()
@@ -150,36 +151,39 @@ SuspectDeliveryManager = models.Manager.from_queryset(SuspectDeliveryQuerySet)
 
 # -- dead letters ------------------------------------------------------------------------------
 
-# The keys of a failure group's dict (``failure_groups()``, ``DeadLetterGroup.objects.listing()``).
-GROUP_FIELDS = (
-    "consumer",
-    "fingerprint",
-    "reason",
-    "queue",
-    "exception_type",
-    "example_id",
-    "first_seen",
-    "last_seen",
-    "dead",
-    "replayed",
-    "resolved",
-    "discarded",
-    "total",
-)
 # The per-status counters of a group, named as the statuses.
 STATUS_COUNTERS = tuple(status.value for status in DeadLetterStatus)
+# The keys of a failure group's dict (``failure_groups()``, ``DeadLetterGroup.objects.listing()``).
+GROUP_FIELDS = (
+    *("consumer", "fingerprint", "reason", "queue", "exception_type", "example_id"),
+    *("first_seen", "last_seen", *STATUS_COUNTERS, "total"),
+)
+
+
+def _counted(letters: models.QuerySet[Any], *key: str) -> models.QuerySet[Any, dict[str, Any]]:
+    """The failure groups' figures, by ``key``, counted with a ``GROUP BY`` over ``letters``."""
+    return letters.values(*key).annotate(
+        total=Count("pk"),
+        **{status: Count("pk", filter=Q(status=status)) for status in STATUS_COUNTERS},
+        first_seen=Min("first_failed_at"),
+        last_seen=Max("last_failed_at"),
+        example_id=Max("pk"),
+        exception_type=Max("exception_type"),
+        queue=Max("queue"),
+    )
+
+
+def _latest_first(
+    groups: models.QuerySet[Any, dict[str, Any]], with_open: bool, *tie: str
+) -> models.QuerySet[Any, dict[str, Any]]:
+    """Those with dead letters first, then the latest; ``with_open``: only those with some."""
+    groups = groups.order_by("-dead", "-last_seen", *tie)
+    return groups.filter(dead__gt=0) if with_open else groups
 
 
 class DeadLetterQuerySet(BatchDeletingQuerySet):
-    """The dead letters, and the only code that moves one from a status to another.
-
-    Each move (``mark_*``) saves the status, the fields that go with it and one ``history``
-    entry (with ``at`` and, when someone did it, ``by``), on the database the dead letter came
-    from. The manager has them all (``DeadLetter.objects.mark_replayed(...)``).
-    """
-
-    def dead(self) -> DeadLetterQuerySet:
-        return self.filter(status=DeadLetterStatus.DEAD)
+    """The dead letters, and the only code that moves one from a status to another: each move
+    saves the status and one ``history`` entry (``at``, and ``by`` when someone did it)."""
 
     def open(self) -> DeadLetterQuerySet:
         """Those awaiting an outcome: dead, or replayed and not yet decided."""
@@ -190,43 +194,19 @@ class DeadLetterQuerySet(BatchDeletingQuerySet):
         return self.filter(consumer=consumer, message_id=message_id)
 
     def already_processed(self) -> DeadLetterQuerySet:
-        """Those whose consumer has an inbox row for their message_id (a replay of one is
-        refused unless forced)."""
-        # The inbox model by name: models.py imports this module, so it cannot import models.
-        inbox = self.model._meta.apps.get_model(self.model._meta.app_label, "ProcessedMessage")
-        return self.filter(
-            Exists(
-                inbox._default_manager.filter(
-                    consumer=OuterRef("consumer"), message_id=OuterRef("message_id")
-                )
-            )
-        )
+        """Those whose consumer has an inbox row for their message_id."""
+        inbox = _sibling(self, "ProcessedMessage")
+        key = {"consumer": OuterRef("consumer"), "message_id": OuterRef("message_id")}
+        return self.filter(Exists(inbox.filter(**key)))
 
     def failure_groups(self, *, with_open: bool = True) -> models.QuerySet[Any, dict[str, Any]]:
-        """One row per (fingerprint, consumer) of these dead letters, counted by a ``GROUP BY``
-        over them (:data:`GROUP_FIELDS`); those with dead letters first, then the latest.
-        ``with_open``: only groups with a dead letter left. A whole table's groups are read
-        from ``DeadLetterGroup.objects.listing()``, which does not read every dead letter on
-        PostgreSQL."""
-        groups = (
-            self.values("fingerprint", "consumer")
-            .annotate(
-                total=Count("pk"),
-                **{status: Count("pk", filter=Q(status=status)) for status in STATUS_COUNTERS},
-                first_seen=Min("first_failed_at"),
-                last_seen=Max("last_failed_at"),
-                example_id=Max("pk"),
-                reason=Max("reason"),
-                exception_type=Max("exception_type"),
-                queue=Max("queue"),
-            )
-            .order_by("-dead", "-last_seen", "fingerprint", "consumer")
-        )
-        return groups.filter(dead__gt=0) if with_open else groups
+        """One dict per (fingerprint, consumer) of these dead letters (:data:`GROUP_FIELDS`),
+        those with dead letters first; ``with_open``: only groups with a dead letter left."""
+        groups = _counted(self, "fingerprint", "consumer").annotate(reason=Max("reason"))
+        return _latest_first(groups, with_open, "fingerprint", "consumer")
 
     def closed_before(self, before: dt.datetime) -> DeadLetterQuerySet:
-        """Resolved and discarded dead letters untouched since ``before`` (purge_messages's);
-        on the partial index ``rm_deadletter_closed_idx``."""
+        """Resolved and discarded dead letters untouched since ``before`` (purge_messages's)."""
         return self.filter(
             status__in=[DeadLetterStatus.RESOLVED, DeadLetterStatus.DISCARDED],
             updated_at__lt=before,
@@ -237,76 +217,22 @@ class DeadLetterQuerySet(BatchDeletingQuerySet):
     def mark_replayed(
         self, dead_letter: DeadLetter, *, by: str, forced: bool, at: dt.datetime
     ) -> None:
-        """A copy of it is in the outbox, addressed to its consumer's queue only: it awaits
-        that copy's outcome. ``forced``: its inbox row was removed for the copy to run."""
-        dead_letter.status = DeadLetterStatus.REPLAYED
-        dead_letter.replay_count += 1
-        _save_move(
-            dead_letter,
-            {"event": "replayed", "at": at.isoformat(), "by": by, "forced": forced},
-            ["status", "replay_count", "history", "updated_at"],
-        )
+        """A copy of it is in the outbox, to its consumer's queue only; ``forced``: its inbox
+        row was removed for the copy to run."""
+        _move(dead_letter, DeadLetterStatus.REPLAYED, "replayed", at, by=by, forced=forced)
 
     def mark_edited_replay(
-        self,
-        dead_letter: DeadLetter,
-        *,
-        by: str,
-        reason: str,
-        message_id: str,
-        diff: str,
-        at: dt.datetime,
+        self, dead_letter: DeadLetter, *, at: dt.datetime, **details: str
     ) -> None:
-        """An edited copy of it, under the new ``message_id``, is in the outbox: it awaits that
-        copy's outcome, its own payload, body and headers unchanged. The history entry keeps
-        who, why, the copy's id and the diff of the edit."""
-        dead_letter.status = DeadLetterStatus.REPLAYED
-        dead_letter.replay_count += 1
-        _save_move(
-            dead_letter,
-            {
-                "event": "edited_replay",
-                "at": at.isoformat(),
-                "by": by,
-                "reason": reason,
-                "message_id": message_id,
-                "diff": diff,
-            },
-            ["status", "replay_count", "history", "updated_at"],
-        )
-
-    def mark_discarded(self, dead_letter: DeadLetter, *, by: str, at: dt.datetime) -> None:
-        """Kept for the record, not to be replayed (it still can be)."""
-        dead_letter.status = DeadLetterStatus.DISCARDED
-        _save_move(
-            dead_letter,
-            {"event": "discarded", "at": at.isoformat(), "by": by},
-            ["status", "history", "updated_at"],
-        )
-
-    def mark_resolved(
-        self,
-        dead_letter: DeadLetter,
-        *,
-        at: dt.datetime,
-        by: str | None = None,
-        trace_id: str | None = None,
-    ) -> None:
-        """Done with: its replay, or another copy of its message, was processed (in the trace
-        ``trace_id``, when known)."""
-        dead_letter.status = DeadLetterStatus.RESOLVED
-        event: dict[str, Any] = {"event": "resolved", "at": at.isoformat()}
-        if by is not None:
-            event["by"] = by
-        if trace_id:
-            event["trace_id"] = trace_id
-        _save_move(dead_letter, event, ["status", "history", "updated_at"])
+        """An edited copy under a new message_id is in the outbox; ``details`` (by, reason,
+        message_id, diff) go into the history entry. Its own payload and headers are kept."""
+        _move(dead_letter, DeadLetterStatus.REPLAYED, "edited_replay", at, **details)
 
     def mark_replayed_in_bulk(
         self, pks: Iterable[int], *, by: str, forced: bool, at: dt.datetime, **details: Any
     ) -> int:
-        """:meth:`mark_replayed` for many dead letters at once, already locked by the caller:
-        one UPDATE (``details``, such as the operation's id, go into each history entry)."""
+        """:meth:`mark_replayed` for many dead letters locked by the caller, in one UPDATE
+        (``details``, such as the operation's id, go into each history entry)."""
         event = {"event": "replayed", "at": at.isoformat(), "by": by, "forced": forced, **details}
         return _move_in_bulk(
             self.filter(pk__in=list(pks)),
@@ -317,23 +243,23 @@ class DeadLetterQuerySet(BatchDeletingQuerySet):
         )
 
     def discard(self, *, by: str, at: dt.datetime, **details: Any) -> int:
-        """Mark these dead letters discarded; returns how many. One UPDATE, which locks the
-        rows it changes (a concurrent replay's lock is waited for, and the rows it took no
-        longer match the caller's filter when the UPDATE re-reads them). Inside a
-        transaction. ``details`` go into each history entry."""
+        """Mark these dead letters discarded in one UPDATE (which waits for a concurrent
+        replay's locks, then re-reads the filter); returns how many."""
         event = {"event": "discarded", "at": at.isoformat(), "by": by, **details}
         return _move_in_bulk(self, event, status=DeadLetterStatus.DISCARDED, updated_at=at)
 
     def resolve(
         self, *, at: dt.datetime, by: str | None = None, trace_id: str | None = None
     ) -> int:
-        """Lock these dead letters and mark each resolved; returns how many. Inside a
-        transaction."""
-        count = 0
-        for dead_letter in self.select_for_update():
-            self.mark_resolved(dead_letter, at=at, by=by, trace_id=trace_id)
-            count += 1
-        return count
+        """Lock these dead letters and mark each resolved (a replay or another copy of its
+        message was processed, in the trace ``trace_id``); returns how many."""
+        details: dict[str, Any] = {"by": by} if by is not None else {}
+        if trace_id:
+            details["trace_id"] = trace_id
+        letters = list(self.select_for_update())
+        for dead_letter in letters:
+            _move(dead_letter, DeadLetterStatus.RESOLVED, "resolved", at, **details)
+        return len(letters)
 
     def record_failure(
         self,
@@ -344,10 +270,8 @@ class DeadLetterQuerySet(BatchDeletingQuerySet):
         event: dict[str, Any],
         first_failed_at: dt.datetime,
     ) -> DeadLetter:
-        """Store a failure of ``message_id`` for ``consumer`` (``fields`` set the status back
-        to dead): a new row, or the one it already has updated, ``event`` added to its
-        history. A message without an id always gets a row of its own. Each attempt is a
-        transaction of its own (a savepoint inside the caller's)."""
+        """Store a failure of ``message_id`` for ``consumer``: a new row, or its row updated with
+        ``fields``, ``event`` added to its history (a message without an id gets its own)."""
         using = self.db
         rows = self.using(using)
         for _ in range(2):  # a concurrent first insert of the same key turns into an update
@@ -401,9 +325,16 @@ def _move_in_bulk(rows: models.QuerySet[Any], event: dict[str, Any], **fields: A
     return len(pks)
 
 
-def _save_move(dead_letter: DeadLetter, event: dict[str, Any], update_fields: list[str]) -> None:
-    dead_letter.history = [*dead_letter.history, event]
-    dead_letter.save(using=dead_letter._state.db, update_fields=update_fields)
+def _move(
+    dead_letter: DeadLetter, status: str, event: str, at: dt.datetime, **details: Any
+) -> None:
+    dead_letter.status = status
+    fields = ["status", "history", "updated_at"]
+    if status == DeadLetterStatus.REPLAYED:
+        dead_letter.replay_count += 1
+        fields.append("replay_count")
+    dead_letter.history = [*dead_letter.history, {"event": event, "at": at.isoformat(), **details}]
+    dead_letter.save(using=dead_letter._state.db, update_fields=fields)
 
 
 DeadLetterManager = models.Manager.from_queryset(DeadLetterQuerySet)
@@ -454,55 +385,41 @@ SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM folded)
 """
 
 
-class DeadLetterGroupQuerySet(models.QuerySet):
-    """The failure groups and the figures derived from them, without reading every dead letter.
+def _fold_lock(cursor: Any) -> bool:
+    """Take the fold's advisory lock for this transaction, unless another fold holds it."""
+    cursor.execute("SELECT pg_try_advisory_xact_lock(%s, %s)", [ADVISORY_CLASS, GROUP_FOLD_LOCK])
+    return bool(cursor.fetchone()[0])
 
-    On PostgreSQL the triggers on the dead letters append deltas, :meth:`fold` moves them into
-    the groups, and the readers read both added up (the view ``LiveDeadLetterGroup``); see
-    ``DeadLetterGroup``. Elsewhere the tables are empty, and each reader answers from the dead
-    letters themselves (``GROUP BY`` or ``DISTINCT``), which is fine on the small databases
-    that run there. The readers read every group of the database: filters on this queryset do
-    not narrow them.
-    """
+
+class DeadLetterGroupQuerySet(models.QuerySet):
+    """The failure groups and their figures (``docs/concepts.md#failure-groups``): on PostgreSQL
+    read from the live view (groups plus deltas not folded yet), elsewhere counted over the dead
+    letters. Readers read every group: filters on this queryset do not narrow them."""
 
     def kept(self) -> bool:
         """Whether the table is kept up to date on this database (PostgreSQL's triggers)."""
         return connections[self.db].vendor == "postgresql"
 
     def _dead_letters(self) -> DeadLetterQuerySet:
-        model = self.model._meta.apps.get_model(self.model._meta.app_label, "DeadLetter")
-        queryset: DeadLetterQuerySet = model._default_manager.using(self.db).all()
-        return queryset
+        return _sibling(self, "DeadLetter")  # type: ignore[no-any-return]
 
     def _live(self) -> models.QuerySet[Any]:
-        """The groups as of now: their rows plus the deltas not folded yet. Reading never
-        folds: a page that only shows figures writes nothing (the relay's operations process
-        folds every few seconds, ``purge_messages`` before it forgets empty groups)."""
-        model = self.model._meta.apps.get_model(self.model._meta.app_label, "LiveDeadLetterGroup")
-        return model._default_manager.using(self.db).all()
+        """The groups with a dead letter, as of now. Reading never folds."""
+        return _sibling(self, "LiveDeadLetterGroup").filter(total__gt=0)
 
     def fold(self, *, batch_size: int = FOLD_BATCH_SIZE, batches: int | None = 1) -> int:
-        """Move the oldest deltas the triggers appended into the groups, ``batch_size`` per
-        transaction, for at most ``batches`` transactions (None: until none is left); returns
-        how many deltas were folded.
-
-        One fold runs at a time: when another holds the fold's advisory lock this returns at
-        once (with what it folded so far) rather than wait. A fold waits for no writer of dead
-        letters either: they only insert deltas, and the deltas of a transaction not yet
-        committed are folded by a later fold. Inside the caller's transaction, if any (the
-        lock is then held until that one ends)."""
-        using = getattr(self, "_db", None) or router.db_for_write(self.model)
+        """Move the oldest deltas into the groups, ``batch_size`` per transaction, for at most
+        ``batches`` transactions (None: until none is left); returns how many were folded. One
+        fold runs at a time: while another holds the lock this returns at once."""
+        using = _write_db(self)
         if connections[using].vendor != "postgresql":
             return 0
-        model = self.model._meta.apps.get_model(self.model._meta.app_label, "DeadLetterGroupDelta")
-        sql = FOLD.format(deltas=model._meta.db_table, groups=self.model._meta.db_table)
+        deltas = _sibling(self, "DeadLetterGroupDelta").model._meta.db_table
+        sql = FOLD.format(deltas=deltas, groups=self.model._meta.db_table)
         folded = rounds = 0
         while batches is None or rounds < batches:
             with transaction.atomic(using=using), connections[using].cursor() as cursor:
-                cursor.execute(
-                    "SELECT pg_try_advisory_xact_lock(%s, %s)", [ADVISORY_CLASS, GROUP_FOLD_LOCK]
-                )
-                if not cursor.fetchone()[0]:
+                if not _fold_lock(cursor):
                     return folded
                 cursor.execute(sql, [batch_size])
                 moved = cursor.fetchone()[0]
@@ -513,28 +430,21 @@ class DeadLetterGroupQuerySet(models.QuerySet):
         return folded
 
     def listing(self, *, with_open: bool = True) -> models.QuerySet[Any, dict[str, Any]]:
-        """One dict per (fingerprint, consumer) (:data:`GROUP_FIELDS`; the rows of its
-        reasons added up), those with dead letters first, then the latest; ``with_open``: only
-        groups with a dead letter left."""
+        """As ``DeadLetter.objects.failure_groups()``: one dict per (fingerprint, consumer), the
+        rows of its reasons added up."""
         if not self.kept():
             return self._dead_letters().failure_groups(with_open=with_open)
         groups = (
             self._live()
-            .filter(total__gt=0)
             .values("fingerprint", "consumer")
             .annotate(
-                total=Sum("total"),
-                **{status: Sum(status) for status in STATUS_COUNTERS},
+                **{name: Sum(name) for name in ("total", *STATUS_COUNTERS)},
                 first_seen=Min("first_seen"),
-                last_seen=Max("last_seen"),
-                example_id=Max("example_id"),
-                reason=Max("reason"),
+                **{name: Max(name) for name in ("last_seen", "example_id", "reason", "queue")},
                 exception_type=Max("exception_type"),
-                queue=Max("queue"),
             )
-            .order_by("-dead", "-last_seen", "fingerprint", "consumer")
         )
-        return groups.filter(dead__gt=0) if with_open else groups
+        return _latest_first(groups, with_open, "fingerprint", "consumer")
 
     def of_fingerprint(self, fingerprint: str) -> dict[str, Any]:
         """How many dead letters (``total``) have ``fingerprint``, whatever their consumer,
@@ -544,11 +454,11 @@ class DeadLetterGroupQuerySet(models.QuerySet):
             latest = letters.order_by("-pk").values("exception_type", "reason").first()
             return {
                 "total": letters.count(),
-                **(latest or {"exception_type": None, "reason": None}),
+                **(latest or dict.fromkeys(("exception_type", "reason"))),
             }
         rows = list(
             self._live()
-            .filter(fingerprint=fingerprint, total__gt=0)
+            .filter(fingerprint=fingerprint)
             .order_by("-last_seen")
             .values("exception_type", "reason", "total")
         )
@@ -559,11 +469,9 @@ class DeadLetterGroupQuerySet(models.QuerySet):
         }
 
     def values_of(self, field: str) -> list[str]:
-        """The distinct values of a dead letter's ``consumer``, ``queue``, ``reason`` or
-        ``exception_type``, sorted: read from the groups (tens of rows, not millions)."""
-        source: models.QuerySet[Any] = (
-            self._live().filter(total__gt=0) if self.kept() else self._dead_letters()
-        )
+        """The distinct values of a dead letter's ``field`` (consumer, queue, reason, exception
+        type), sorted: read from the groups (tens of rows, not millions)."""
+        source: models.QuerySet[Any] = self._live() if self.kept() else self._dead_letters()
         return sorted(
             value for value in source.order_by().values_list(field, flat=True).distinct() if value
         )
@@ -579,7 +487,7 @@ class DeadLetterGroupQuerySet(models.QuerySet):
             )
             return sorted((status, c, r, n) for status, c, r, n in rows)
         totals: dict[tuple[str, str, str], int] = {}
-        for row in self._live().filter(total__gt=0).values("consumer", "reason", *STATUS_COUNTERS):
+        for row in self._live().values("consumer", "reason", *STATUS_COUNTERS):
             for status in STATUS_COUNTERS:
                 if row[status]:
                     key = (status, row["consumer"], row["reason"])
@@ -588,17 +496,13 @@ class DeadLetterGroupQuerySet(models.QuerySet):
 
     def forget_empty(self) -> int:
         """Fold the deltas, then delete the groups left without a dead letter (after a purge);
-        returns how many. Under the fold's lock: while another fold runs, nothing is deleted
-        this time. Never waits for a writer of dead letters."""
-        using = getattr(self, "_db", None) or router.db_for_write(self.model)
+        returns how many. Under the fold's lock: while another fold runs, nothing is deleted."""
+        using = _write_db(self)
         if connections[using].vendor != "postgresql":
             return 0
         self.using(using).fold(batches=None)
         with transaction.atomic(using=using), connections[using].cursor() as cursor:
-            cursor.execute(
-                "SELECT pg_try_advisory_xact_lock(%s, %s)", [ADVISORY_CLASS, GROUP_FOLD_LOCK]
-            )
-            if not cursor.fetchone()[0]:
+            if not _fold_lock(cursor):
                 return 0
             # Every count, not only the total: a group is empty only when all are zero.
             empty = self.using(using).filter(total=0, **dict.fromkeys(STATUS_COUNTERS, 0))
@@ -615,45 +519,26 @@ class DeadLetterGroupQuerySet(models.QuerySet):
     # -- the lifecycle (``FailureGroupState``) -------------------------------------------------
 
     def _by_key(self) -> models.QuerySet[Any, dict[str, Any]]:
-        """One dict per (consumer, fingerprint, reason) with a dead letter (:data:`GROUP_FIELDS`):
-        the key ``FailureGroupState`` names, unlike :meth:`listing`'s (fingerprint, consumer)."""
+        """One dict per (consumer, fingerprint, reason) with a dead letter (:data:`GROUP_FIELDS`),
+        the key ``FailureGroupState`` names."""
         if self.kept():
-            return self._live().filter(total__gt=0).values(*GROUP_FIELDS)
-        return (
-            self._dead_letters()
-            .values("consumer", "fingerprint", "reason")
-            .annotate(
-                total=Count("pk"),
-                **{status: Count("pk", filter=Q(status=status)) for status in STATUS_COUNTERS},
-                first_seen=Min("first_failed_at"),
-                last_seen=Max("last_failed_at"),
-                example_id=Max("pk"),
-                exception_type=Max("exception_type"),
-                queue=Max("queue"),
-            )
-        )
+            return self._live().values(*GROUP_FIELDS)
+        return _counted(self._dead_letters(), "consumer", "fingerprint", "reason")
 
     def with_states(
         self, *, states: Iterable[str] | None = None, with_open: bool = True
     ) -> models.QuerySet[Any, dict[str, Any]]:
-        """:meth:`_by_key`'s groups, each with its ``state`` (:class:`GroupState`), and
-        ``state_by``, ``state_at``, ``state_note`` of its ``FailureGroupState`` row (None when
-        new), those with dead letters first, then the latest. ``states``: only those;
-        ``with_open``: only groups with a dead letter still dead. The state is computed in the
-        query (one indexed subquery per group on the state's unique key), so a page of them
-        is one query whatever the filter."""
-        model = self.model._meta.apps.get_model(self.model._meta.app_label, "FailureGroupState")
-        row = model._default_manager.using(self.db).filter(
-            consumer=OuterRef("consumer"),
-            fingerprint=OuterRef("fingerprint"),
-            reason=OuterRef("reason"),
+        """:meth:`_by_key`'s groups, each with its ``state`` (:class:`GroupState`, computed in
+        the query), ``state_by``, ``state_at`` and ``state_note`` (None when new), those with
+        dead letters first. ``states``: only those; ``with_open``: only groups with one dead."""
+        row = _sibling(self, "FailureGroupState").filter(
+            **{name: OuterRef(name) for name in ("consumer", "fingerprint", "reason")}
         )
-        groups = (
+        stored = {"stored_state": "state", "state_at": "changed_at", "state_by": "changed_by"}
+        groups = _latest_first(
             self._by_key()
             .annotate(
-                stored_state=Subquery(row.values("state")[:1]),
-                state_at=Subquery(row.values("changed_at")[:1]),
-                state_by=Subquery(row.values("changed_by")[:1]),
+                **{name: Subquery(row.values(column)[:1]) for name, column in stored.items()},
                 state_note=Subquery(row.values("note")[:1]),
             )
             .annotate(
@@ -667,11 +552,12 @@ class DeadLetterGroupQuerySet(models.QuerySet):
                     default=F("stored_state"),
                     output_field=models.CharField(),
                 )
-            )
-            .order_by("-dead", "-last_seen", "consumer", "fingerprint", "reason")
+            ),
+            with_open,
+            "consumer",
+            "fingerprint",
+            "reason",
         )
-        if with_open:
-            groups = groups.filter(dead__gt=0)
         if states is not None:
             groups = groups.filter(state__in=list(states))
         return groups
@@ -687,8 +573,7 @@ class DeadLetterGroupQuerySet(models.QuerySet):
         return group or GroupState.NEW.value
 
     def state_counts(self) -> dict[str, int]:
-        """Groups with a dead letter still dead, per :class:`GroupState` (every state, 0 too):
-        what the alerts watch (new and regressed)."""
+        """Groups with a dead letter still dead, per :class:`GroupState` (every state, 0 too)."""
         counts = dict.fromkeys((state.value for state in GroupState), 0)
         for state in self.with_states().values_list("state", flat=True):
             counts[state] += 1
@@ -699,17 +584,9 @@ DeadLetterGroupManager = models.Manager.from_queryset(DeadLetterGroupQuerySet)
 
 
 class FailureGroupStateQuerySet(models.QuerySet):
-    """What operators said about failure groups, and the only code that changes it.
-
-    A group is keyed by (consumer, fingerprint, reason). ``acknowledge`` and ``resolve`` store
-    the state with who, when and why (a group already acknowledged or resolved is moved again,
-    with the new who, when and why); ``reopen`` deletes the row: the group is new again. Later
-    failures leave an acknowledged group acknowledged (muted); they make a resolved one
-    regressed, which is computed when read (``DeadLetterGroup.objects.with_states()``), never
-    stored. Each move writes a Django admin log entry when ``user_id`` is given (who did what,
-    in the admin's history), since ``reopen`` leaves no row behind. Inside the caller's
-    transaction, if any.
-    """
+    """What operators said about failure groups (keyed by consumer, fingerprint, reason), and
+    the only code that changes it. ``reopen`` deletes the row (the group is new again); each
+    move writes an admin log entry when ``user_id`` is given, since ``reopen`` leaves no row."""
 
     def of(self, consumer: str, fingerprint: str, reason: str) -> FailureGroupStateQuerySet:
         return self.filter(consumer=consumer, fingerprint=fingerprint, reason=reason)
@@ -743,8 +620,7 @@ class FailureGroupStateQuerySet(models.QuerySet):
         note: str = "",
         user_id: int | None = None,
     ) -> FailureGroupState:
-        """Someone looks into the group (consumer, fingerprint, reason): muted from alerts,
-        later failures included, until it is resolved or reopened."""
+        """Someone looks into the group: muted from alerts until resolved or reopened."""
         return self._store(GroupState.ACKNOWLEDGED, key, by=by, at=at, note=note, user_id=user_id)
 
     def resolve(
@@ -767,8 +643,7 @@ class FailureGroupStateQuerySet(models.QuerySet):
         note: str = "",
         user_id: int | None = None,
     ) -> bool:
-        """Forget what was said of the group: it is new again (alerted on while it has dead
-        letters). False when it was new already."""
+        """Forget what was said of the group: it is new again. False when it was already."""
         row = self.select_for_update().of(*key).first()
         if row is None:
             return False
@@ -786,7 +661,6 @@ def _log_group_move(
     user_id: int | None,
     added: bool,
 ) -> None:
-    """An admin log entry for a group's move (``user_id``'s), naming the group and the note."""
     if user_id is None or not row._meta.apps.is_installed("django.contrib.admin"):
         return
     from django.contrib.admin.models import ADDITION, CHANGE, DELETION, LogEntry
@@ -820,8 +694,7 @@ FailureGroupStateManager = models.Manager.from_queryset(FailureGroupStateQuerySe
 
 
 def waiting_since() -> Coalesce:
-    """Since when an outbox row waits to be sent: its due time for a scheduled message, else
-    when it was written."""
+    """Since when an outbox row waits: its due time if scheduled, else when it was written."""
     return Coalesce("deliver_at", "created_at")
 
 
@@ -839,23 +712,12 @@ class OutboxMessageQuerySet(BatchDeletingQuerySet):
         )
 
     def oldest_pending_at(self) -> dt.datetime | None:
-        """Since when the oldest pending row has waited (written, or for a scheduled message
-        fallen due), or None when none waits."""
+        """Since when the oldest pending row has waited, or None when none waits."""
         return (
             self.pending()
             .annotate(since=waiting_since())
             .order_by("since")
             .values_list("since", flat=True)
-            .first()
-        )
-
-    def overdue_scheduled_since(self) -> dt.datetime | None:
-        """The due time of the earliest scheduled row whose time has come and that no relay has
-        made pending yet (read from the first entry of the scheduled rows' index), or None."""
-        return (
-            self.filter(status=OutboxStatus.SCHEDULED, next_attempt_at__lte=Now())
-            .order_by("next_attempt_at")
-            .values_list("next_attempt_at", flat=True)
             .first()
         )
 
@@ -868,8 +730,7 @@ class OutboxMessageQuerySet(BatchDeletingQuerySet):
         )
 
     def retry_failed(self) -> int:
-        """Make the failed rows among these pending again, due now, their attempts counted
-        afresh (an operator's decision once the cause is fixed); returns how many."""
+        """Make the failed rows among these pending again, due now, attempts afresh."""
         return self.failed().update(status=OutboxStatus.PENDING, attempts=0, next_attempt_at=Now())
 
 
@@ -880,13 +741,8 @@ OutboxMessageManager = models.Manager.from_queryset(OutboxMessageQuerySet)
 
 
 class DeadLetterOperationQuerySet(models.QuerySet):
-    """The bulk replays and discards, and every change of their state.
-
-    ``claim_next`` locks an operation row for the caller's transaction with SKIP LOCKED: two
-    relays never run a batch of the same operation at once, and a cancel waits at most for
-    the batch under way. ``advance`` moves the cursor and the counters in that same
-    transaction, with the batch's replays: they commit together or not at all.
-    """
+    """The bulk replays and discards, and every change of their state: ``claim_next`` locks an
+    operation with SKIP LOCKED, ``advance`` moves it in the same transaction as its batch."""
 
     def unfinished(self) -> DeadLetterOperationQuerySet:
         return self.filter(state__in=UNFINISHED_OPERATION_STATES)
@@ -901,16 +757,10 @@ class DeadLetterOperationQuerySet(models.QuerySet):
         matched: int,
         max_pk: int,
     ) -> Any:
-        """A new pending operation over ``selection``, up to dead letter ``max_pk``, that
-        does at most the ``matched`` dead letters its confirmation announced."""
-        return self.create(
-            kind=kind,
-            selection=selection,
-            requested_by=requested_by,
-            force=force,
-            matched=matched,
-            max_pk=max_pk,
-        )
+        """A new pending operation over ``selection`` up to dead letter ``max_pk``, doing at most
+        the ``matched`` its confirmation announced."""
+        fields = {"kind": kind, "selection": selection, "requested_by": requested_by}
+        return self.create(**fields, force=force, matched=matched, max_pk=max_pk)
 
     def same_as(self, kind: str, selection: dict[str, Any], force: bool) -> Any:
         """An unfinished operation of the same kind over the same selection, if any."""
@@ -922,8 +772,7 @@ class DeadLetterOperationQuerySet(models.QuerySet):
         )
 
     def claim_next(self) -> Any:
-        """The oldest unfinished operation no one else is running, locked until the caller's
-        transaction ends; None when there is none. Inside a transaction."""
+        """The oldest unfinished operation no one else is running, locked; or None."""
         return self.unfinished().select_for_update(skip_locked=True).order_by("pk").first()
 
     def advance(
@@ -937,30 +786,17 @@ class DeadLetterOperationQuerySet(models.QuerySet):
         refused: int = 0,
         skipped: int = 0,
     ) -> None:
-        """A batch of ``operation`` (locked by :meth:`claim_next`) is done up to ``cursor``.
-        In the batch's own transaction."""
-        operation.cursor = cursor
-        operation.replayed += replayed
-        operation.discarded += discarded
-        operation.refused += refused
-        operation.skipped += skipped
-        operation.done += replayed + discarded + refused + skipped
-        operation.state = OperationState.RUNNING
+        """A batch of ``operation`` (locked by :meth:`claim_next`) is done up to ``cursor``."""
+        counts = {"replayed": replayed, "discarded": discarded, "refused": refused}
+        counts["skipped"] = skipped
+        for name, count in counts.items():
+            setattr(operation, name, getattr(operation, name) + count)
+        operation.done += sum(counts.values())
+        operation.cursor, operation.state = cursor, OperationState.RUNNING
         operation.started_at = operation.started_at or at
         operation.heartbeat_at = at
-        operation.save(
-            update_fields=[
-                "cursor",
-                "replayed",
-                "discarded",
-                "refused",
-                "skipped",
-                "done",
-                "state",
-                "started_at",
-                "heartbeat_at",
-            ]
-        )
+        fields = ["cursor", "done", "state", "started_at", "heartbeat_at"]
+        operation.save(update_fields=[*counts, *fields])
 
     def finish(self, operation: Any, *, at: dt.datetime) -> None:
         """Nothing is left of ``operation`` (locked by :meth:`claim_next`)."""
@@ -978,8 +814,8 @@ class DeadLetterOperationQuerySet(models.QuerySet):
         )
 
     def cancel(self, pk: int, *, by: str, at: dt.datetime) -> bool:
-        """Stop ``pk`` after the batch under way (whose transaction this UPDATE waits for);
-        what it did stays done, the rest is left as it is. False when it had finished."""
+        """Stop ``pk`` after the batch under way (this UPDATE waits for it); False when it had
+        finished."""
         return bool(
             self.unfinished()
             .filter(pk=pk)
@@ -998,9 +834,8 @@ class ReplayOutcomeTallyQuerySet(models.QuerySet):
     """The outcome counts of the bulk replays' copies (``ReplayOutcomeTally``)."""
 
     def add(self, operation_id: int, outcome: str) -> None:
-        """One more replay of operation ``operation_id`` reached ``outcome``, in the caller's
-        transaction (the operation's row is made by its first). One statement, so two
-        consumers settling the first replays of an operation at once both count."""
+        """One more replay of operation ``operation_id`` reached ``outcome``: one upsert, so two
+        consumers settling its first replays at once both count."""
         if outcome not in TALLIED_OUTCOMES:
             raise ValueError(f"not a settled replay outcome: {outcome!r}")
         using = self.db
