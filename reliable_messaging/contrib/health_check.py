@@ -1,35 +1,8 @@
 """A django-health-check (4.x) check: RabbitMQ answers, and the outbox is not falling behind.
 
-Only this module needs django-health-check (``pip install "reliable-messaging[health]"``);
-``import reliable_messaging`` does not. Add the check to your health endpoint's list, by
-dotted path, alone or with options::
-
-    # urls.py
-    from datetime import timedelta
-
-    from django.urls import path
-    from health_check.views import HealthCheckView
-
-    urlpatterns = [
-        path(
-            "health/",
-            HealthCheckView.as_view(
-                checks=[
-                    "health_check.checks.Database",
-                    (
-                        "reliable_messaging.contrib.health_check.MessagingHealthCheck",
-                        {"max_outbox_lag": timedelta(minutes=2)},
-                    ),
-                ]
-            ),
-        ),
-    ]
-
-It fails (HTTP 500 from the view) when an AMQP connection to ``BROKER_URL`` cannot be opened
-within ``timeout``, when the outbox cannot be read, or when the oldest pending outbox row is
-older than ``max_outbox_lag``: committed messages are not reaching the broker, so no relay is
-running, or the broker refuses what it sends. The check does not count dead letters or queue
-depths: those need a person, not a restart; ``manage.py messaging_status`` reports them.
+Only this module needs django-health-check (``pip install "reliable-messaging[health]"``).
+docs/operations.md#messaging_status-and-django-health-check shows how to register it; dead
+letters and queue depths need a person, not a restart, and are left to ``messaging_status``.
 """
 
 from __future__ import annotations

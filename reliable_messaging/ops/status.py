@@ -1,15 +1,8 @@
 """How the messaging is doing right now, and the one place that judges it.
 
-:mod:`.collectors` reads the broker and the database and returns frozen dataclasses; this module
-judges them against :class:`Thresholds` (:func:`collect_status`, which ``manage.py
-messaging_status`` renders) and answers every health endpoint:
-
-- ``messaging/healthz/`` of the web process (:mod:`.views`) and the django-health-check check
-  (:mod:`reliable_messaging.contrib.health_check`) judge the whole system with
-  :func:`system_health` and :func:`outbox_lag_problem`, against the outbox-lag limits declared
-  once below;
-- ``/healthz`` of a consume or relay process (:mod:`.http`) renders :func:`process_health`, the
-  verdict of what the process recorded in its :class:`reliable_messaging.core.liveness.HealthState`.
+:func:`collect_status` judges what :mod:`.collectors` read against :class:`Thresholds` (for
+``manage.py messaging_status``); :func:`system_health` and :func:`process_health` are the
+verdicts of the web process's and of a consume or relay process's health endpoints.
 """
 
 from __future__ import annotations
@@ -36,29 +29,17 @@ if TYPE_CHECKING:
 # Version of the ``--json`` document; raised only when a key changes meaning or goes away.
 STATUS_FORMAT_VERSION = 1
 
+# Seconds the oldest pending outbox row may wait: past it the outbox has stopped moving (the
+# limit of messaging_status, of messaging/healthz/ and of the shipped alert rule) ...
 OUTBOX_LAG_LIMIT = 300.0
-"""Seconds the oldest pending outbox row may wait before a probe fails: past it the outbox has
-stopped moving (no relay runs, or the broker refuses what it sends). The documented limit of
-``messaging_status`` without ``--strict`` and of ``messaging/healthz/``; the shipped alert
-rule uses it too."""
-
+# ... and past this a relay is behind enough to need a person (--strict, MessagingHealthCheck).
 OUTBOX_LAG_STRICT_LIMIT = 60.0
-"""Seconds past which a relay is behind enough to need a person, not a restart: the limit of
-``messaging_status --strict`` and the default of
-:class:`~reliable_messaging.contrib.health_check.MessagingHealthCheck`."""
 
 
 @dataclass(frozen=True)
 class Thresholds:
-    """Limits beyond which the status is a problem; None leaves a figure unjudged (it is still
-    reported).
-
-    The defaults suit a probe that restarts or pages: only a relay that stopped sending (the
-    oldest pending outbox row older than five minutes) fails it, besides a broker or database
-    that cannot be reached. A dead letter, a failed outbox row, a backlog or redeliveries need a
-    person, not a restart: :meth:`strict` (``messaging_status --strict``) judges them too.
-    ``min_consumers`` is off (0) in both, because only the deployment knows how many consume
-    processes should be attached."""
+    """Limits beyond which the status is a problem; None leaves a figure unjudged. The defaults
+    suit a probe that restarts or pages; :meth:`strict` judges what needs a person too."""
 
     max_outbox_lag: float | None = OUTBOX_LAG_LIMIT
     max_outbox_failed: int | None = None
@@ -72,11 +53,7 @@ class Thresholds:
 
     @classmethod
     def strict(cls) -> Thresholds:
-        """Everything that needs a person: a relay a minute behind, any failed outbox row, any
-        dead letter awaiting review, 1,000 messages ready in a queue, a fifth of the deliveries
-        coming back, any message in a queue an earlier shape of a consumer left, a partition
-        upkeep that has failed for about a day (fewer than ``UPKEEP_WARN_DAYS`` days of
-        partitions made ahead, days before they run out) or left an expired day in place."""
+        """Everything that needs a person (``messaging_status --strict``)."""
         return cls(
             max_outbox_lag=OUTBOX_LAG_STRICT_LIMIT,
             max_outbox_failed=0,
@@ -95,8 +72,7 @@ def _over(value: float | None, limit: float | None) -> bool:
 
 @dataclass(frozen=True)
 class Problem:
-    """A crossed threshold: ``threshold`` is the :class:`Thresholds` field, ``message`` says
-    what was found, for a person."""
+    """A crossed threshold (a :class:`Thresholds` field) and what was found, for a person."""
 
     threshold: str
     message: str
@@ -118,8 +94,7 @@ class MessagingStatus:
 
     @property
     def exit_code(self) -> int:
-        """0 all well, 1 a threshold is crossed or the broker check found an error, 2 the
-        broker or the database is unreachable."""
+        """0 all well, 1 a threshold crossed or a broker check error, 2 a service unreachable."""
         if self.unreachable:
             return 2
         check_failed = self.broker_check is not None and bool(self.broker_check.errors)
@@ -185,8 +160,7 @@ class MessagingStatus:
 
 
 def outbox_lag_problem(lag: float | None, limit: float | None) -> Problem | None:
-    """The problem when the oldest pending outbox row (``lag`` seconds old; None when nothing
-    is pending) is older than ``limit`` (None: not judged); None when it is not."""
+    """The problem when the oldest pending outbox row (``lag`` seconds) is older than ``limit``."""
     if lag is None or not _over(lag, limit):
         return None
     return Problem(
@@ -199,88 +173,75 @@ def outbox_lag_problem(lag: float | None, limit: float | None) -> Problem | None
 def find_problems(
     broker: BrokerStatus, database: DatabaseStatus, thresholds: Thresholds
 ) -> list[Problem]:
-    """Every threshold the figures cross. What could not be read is not judged here: an
-    unreachable broker or database is reported as such (exit code 2)."""
+    """Every threshold the figures cross; what could not be read is not judged here."""
     found: list[Problem] = []
+
+    def problem(threshold: str, message: str) -> None:
+        found.append(Problem(threshold, message))
+
     if database.reachable:
         lagging = outbox_lag_problem(database.outbox_lag, thresholds.max_outbox_lag)
         if lagging is not None:
             found.append(lagging)
         if _over(database.outbox_failed, thresholds.max_outbox_failed):
-            found.append(
-                Problem(
-                    "max_outbox_failed",
-                    f"{database.outbox_failed:,} outbox row(s) failed and will not be sent "
-                    f"until retried in the admin (limit {thresholds.max_outbox_failed or 0:,})",
-                )
+            problem(
+                "max_outbox_failed",
+                f"{database.outbox_failed:,} outbox row(s) failed and will not be sent "
+                f"until retried in the admin (limit {thresholds.max_outbox_failed or 0:,})",
             )
         limit = thresholds.min_partition_days_ahead
         for table, days in database.partition_days_ahead:
             if limit is not None and days < limit:
-                found.append(
-                    Problem(
-                        "min_partition_days_ahead",
-                        f"only {days:.1f} day(s) of {table} partitions are made ahead (at "
-                        f"least {limit:g} expected): the partition upkeep of the "
-                        f"{'consume' if table == 'inbox' else 'relay'} processes is failing; "
-                        "their log says why (docs/operations.md#partition-upkeep)",
-                    )
+                problem(
+                    "min_partition_days_ahead",
+                    f"only {days:.1f} day(s) of {table} partitions are made ahead (at "
+                    f"least {limit:g} expected): the partition upkeep of the "
+                    f"{'consume' if table == 'inbox' else 'relay'} processes is failing; "
+                    "their log says why (docs/operations.md#partition-upkeep)",
                 )
         overdue = len(database.overdue_partitions)
         if _over(overdue, thresholds.max_overdue_partitions):
-            found.append(
-                Problem(
-                    "max_overdue_partitions",
-                    f"{overdue} expired partition(s) not dropped "
-                    f"({', '.join(database.overdue_partitions)}): the partition upkeep is "
-                    "failing; the log of the consume and relay processes says why",
-                )
+            problem(
+                "max_overdue_partitions",
+                f"{overdue} expired partition(s) not dropped "
+                f"({', '.join(database.overdue_partitions)}): the partition upkeep is "
+                "failing; the log of the consume and relay processes says why",
             )
         if _over(database.dead_letters_total, thresholds.max_dead_letters):
-            found.append(
-                Problem(
-                    "max_dead_letters",
-                    f"{database.dead_letters_total:,} dead letter(s) await review (limit "
-                    f"{thresholds.max_dead_letters or 0:,})",
-                )
+            problem(
+                "max_dead_letters",
+                f"{database.dead_letters_total:,} dead letter(s) await review (limit "
+                f"{thresholds.max_dead_letters or 0:,})",
             )
     for queue in broker.queues if broker.reachable else ():
         if queue.kind == "leftover" and _over(queue.ready or 0, thresholds.max_leftover_messages):
-            found.append(
-                Problem(
-                    "max_leftover_messages",
-                    f"queue {queue.name} was left by an earlier shape of consumer "
-                    f"{queue.consumer} and holds {queue.ready:,} message(s) nobody handles "
-                    f"(limit {thresholds.max_leftover_messages or 0:,}): the next `manage.py "
-                    f"consume` start moves them and deletes it",
-                )
+            problem(
+                "max_leftover_messages",
+                f"queue {queue.name} was left by an earlier shape of consumer "
+                f"{queue.consumer} and holds {queue.ready:,} message(s) nobody handles "
+                f"(limit {thresholds.max_leftover_messages or 0:,}): the next `manage.py "
+                f"consume` start moves them and deletes it",
             )
         if queue.kind != "consumer" or not queue.exists:
             continue
         if _over(queue.ready, thresholds.max_ready):
-            found.append(
-                Problem(
-                    "max_ready",
-                    f"queue {queue.name} has {queue.ready:,} ready message(s) (limit "
-                    f"{thresholds.max_ready or 0:,})",
-                )
+            problem(
+                "max_ready",
+                f"queue {queue.name} has {queue.ready:,} ready message(s) (limit "
+                f"{thresholds.max_ready or 0:,})",
             )
         if queue.consumers is not None and queue.consumers < thresholds.min_consumers:
-            found.append(
-                Problem(
-                    "min_consumers",
-                    f"queue {queue.name} has {queue.consumers} consumer(s) attached (at least "
-                    f"{thresholds.min_consumers} expected): is consume running?",
-                )
+            problem(
+                "min_consumers",
+                f"queue {queue.name} has {queue.consumers} consumer(s) attached (at least "
+                f"{thresholds.min_consumers} expected): is consume running?",
             )
         ratio = queue.redelivery_ratio
         if _over(ratio, thresholds.max_redelivery_rate):
-            found.append(
-                Problem(
-                    "max_redelivery_rate",
-                    f"queue {queue.name}: {ratio:.0%} of recent deliveries are redeliveries "
-                    f"(limit {thresholds.max_redelivery_rate or 0:.0%})",
-                )
+            problem(
+                "max_redelivery_rate",
+                f"queue {queue.name}: {ratio:.0%} of recent deliveries are redeliveries "
+                f"(limit {thresholds.max_redelivery_rate or 0:.0%})",
             )
     return found
 
@@ -296,8 +257,7 @@ def collect_status(
     inspect_broker: bool = False,
 ) -> MessagingStatus:
     """Read the broker and the database and judge the figures against ``thresholds``; with
-    ``inspect_broker``, check the broker's settings and policies too
-    (:mod:`reliable_messaging.broker.inspection`)."""
+    ``inspect_broker``, check the broker's settings and policies too."""
     thresholds = thresholds or Thresholds()
     broker = broker_status(specs, settings=settings, management_url=management_url, timeout=timeout)
     database = database_status(using)
@@ -329,11 +289,8 @@ class CheckResult:
 
 @dataclass(frozen=True)
 class HealthReport:
-    """What a ``/healthz`` answers: 200 when nothing is wrong, else 503 with the reasons.
-
-    ``checks`` (by name) are shown when the endpoint judged several things (the web process's
-    ``messaging/healthz/``); ``notes`` are what an operator should know while the answer is
-    still 200 (a consume or relay process blocked by a resource alarm, say)."""
+    """What a ``/healthz`` answers: 200 when nothing is wrong, else 503 with the reasons;
+    ``notes`` are what an operator should know while the answer is still 200."""
 
     reasons: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
@@ -348,8 +305,7 @@ class HealthReport:
         return 200 if self.ok else 503
 
     def as_dict(self) -> dict[str, Any]:
-        """The JSON body: ``status`` ("ok" or "unhealthy"), ``checks`` when there are any,
-        ``reasons`` when unhealthy, ``notes`` when there are any."""
+        """The JSON body: ``status``, and ``checks``, ``reasons`` and ``notes`` when any."""
         body: dict[str, Any] = {"status": "ok" if self.ok else "unhealthy"}
         if self.checks:
             body["checks"] = {
@@ -363,8 +319,7 @@ class HealthReport:
 
 
 def outbox_lag_check(lag: float, limit: float) -> CheckResult:
-    """The outbox-lag check of ``messaging/healthz/``: failed when the oldest pending outbox
-    row has waited more than ``limit`` seconds (``lag`` is 0 when nothing is pending)."""
+    """The outbox-lag check of ``messaging/healthz/`` (``lag`` is 0 when nothing is pending)."""
     if _over(lag, limit):
         return CheckResult(
             False,
@@ -375,8 +330,7 @@ def outbox_lag_check(lag: float, limit: float) -> CheckResult:
 
 
 def system_health(checks: Mapping[str, CheckResult]) -> HealthReport:
-    """The verdict on the whole system from the checks an endpoint ran: unhealthy when any
-    failed, with their details as the reasons."""
+    """The verdict on the whole system: unhealthy when any check failed, with its details."""
     return HealthReport(
         reasons=tuple(result.detail for result in checks.values() if not result.ok),
         checks=tuple(checks.items()),
@@ -385,8 +339,7 @@ def system_health(checks: Mapping[str, CheckResult]) -> HealthReport:
 
 def process_health(health: HealthCheck) -> HealthReport:
     """The verdict on one consume or relay process, from what it recorded (its
-    :class:`reliable_messaging.core.liveness.HealthState`, or a group of them): the reasons it gives
-    for being unhealthy, and its notes."""
+    :class:`reliable_messaging.core.liveness.HealthState`, or a group of them)."""
     ok, reasons = health.check()
     notes = getattr(health, "notes", None)
     return HealthReport(

@@ -28,6 +28,39 @@ from reliable_messaging.ops.status import MessagingStatus, Thresholds, collect_s
 from reliable_messaging.publishing.listener import listen_hears_notify
 
 PROBE, STRICT = Thresholds(), Thresholds.strict()
+# The --max-*/--min-* options of the thresholds: field, type, metavar, what it limits.
+THRESHOLD_OPTIONS = (
+    ("max_outbox_lag", float, "SECONDS", "age of the oldest pending outbox row"),
+    ("max_outbox_failed", int, "N", "outbox rows marked failed"),
+    ("max_dead_letters", int, "N", "dead letters awaiting review, status dead"),
+    ("max_ready", int, "N", "ready messages in any consumer queue"),
+    (
+        "max_redelivery_rate",
+        float,
+        "FRACTION",
+        "share of a queue's recent deliveries that are redeliveries, 0..1; needs the "
+        "management API",
+    ),
+    (
+        "max_leftover_messages",
+        int,
+        "N",
+        "messages in a queue left by an earlier shape of a consumer (ordered turned on or off, "
+        "fewer partitions), which nobody handles until consume retires it",
+    ),
+    (
+        "min_partition_days_ahead",
+        float,
+        "DAYS",
+        "days of inbox and outbox day partitions made ahead, PostgreSQL",
+    ),
+    (
+        "max_overdue_partitions",
+        int,
+        "N",
+        "expired day partitions the upkeep has not dropped, PostgreSQL",
+    ),
+)
 
 
 def _limits(name: str) -> str:
@@ -85,42 +118,14 @@ class Command(BaseCommand):
         parser.add_argument(
             "--json", action="store_true", help="print a JSON document (see the module docs)"
         )
-        parser.add_argument(
-            "--max-outbox-lag",
-            type=float,
-            default=None,
-            metavar="SECONDS",
-            help=f"age of the oldest pending outbox row ({_limits('max_outbox_lag')})",
-        )
-        parser.add_argument(
-            "--max-outbox-failed",
-            type=int,
-            default=None,
-            metavar="N",
-            help=f"outbox rows marked failed ({_limits('max_outbox_failed')})",
-        )
-        parser.add_argument(
-            "--max-dead-letters",
-            type=int,
-            default=None,
-            metavar="N",
-            help=f"dead letters awaiting review, status dead ({_limits('max_dead_letters')})",
-        )
-        parser.add_argument(
-            "--max-ready",
-            type=int,
-            default=None,
-            metavar="N",
-            help=f"ready messages in any consumer queue ({_limits('max_ready')})",
-        )
-        parser.add_argument(
-            "--max-redelivery-rate",
-            type=float,
-            default=None,
-            metavar="FRACTION",
-            help="share of a queue's recent deliveries that are redeliveries, 0..1; needs the "
-            f"management API ({_limits('max_redelivery_rate')})",
-        )
+        for name, kind, metavar, what in THRESHOLD_OPTIONS:
+            parser.add_argument(
+                "--" + name.replace("_", "-"),
+                type=kind,
+                default=None,
+                metavar=metavar,
+                help=f"{what} ({_limits(name)})",
+            )
         parser.add_argument(
             "--min-consumers",
             type=int,
@@ -128,31 +133,6 @@ class Command(BaseCommand):
             metavar="N",
             help="consumers each consumer queue must have attached (default %(default)d: "
             "not checked)",
-        )
-        parser.add_argument(
-            "--max-leftover-messages",
-            type=int,
-            default=None,
-            metavar="N",
-            help="messages in a queue left by an earlier shape of a consumer (ordered turned "
-            "on or off, fewer partitions), which nobody handles until consume retires it "
-            f"({_limits('max_leftover_messages')})",
-        )
-        parser.add_argument(
-            "--min-partition-days-ahead",
-            type=float,
-            default=None,
-            metavar="DAYS",
-            help="days of inbox and outbox day partitions made ahead, PostgreSQL "
-            f"({_limits('min_partition_days_ahead')})",
-        )
-        parser.add_argument(
-            "--max-overdue-partitions",
-            type=int,
-            default=None,
-            metavar="N",
-            help="expired day partitions the upkeep has not dropped, PostgreSQL "
-            f"({_limits('max_overdue_partitions')})",
         )
         parser.add_argument(
             "--strict",

@@ -36,6 +36,21 @@ def _moment(value: str) -> dt.datetime:
     return moment if timezone.is_aware(moment) else timezone.make_aware(moment)
 
 
+# The options that select by a field's value, and by the time of the last failure.
+LIST_FILTERS = dict(
+    consumer="consumer", queue="queue", reason="reason", fingerprint="fingerprint", ids="pk"
+)
+TIME_FILTERS = {"since": "last_failed_at__gte", "until": "last_failed_at__lt"}
+
+
+def _filters(options: dict[str, Any]) -> dict[str, Any]:
+    """The lookups of the filters given (all but ``--exception``)."""
+    found: dict[str, Any] = {"status__in": options["status"] or [DeadLetterStatus.DEAD]}
+    found.update({f"{field}__in": options[o] for o, field in LIST_FILTERS.items() if options[o]})
+    found.update({lookup: options[o] for o, lookup in TIME_FILTERS.items() if options[o]})
+    return found
+
+
 class Command(BaseCommand):
     help = (
         "Replay dead letters to the consumer that failed them (through the outbox). "
@@ -99,16 +114,7 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        filters = (
-            "consumer",
-            "queue",
-            "reason",
-            "exception",
-            "fingerprint",
-            "since",
-            "until",
-            "ids",
-        )
+        filters = [*LIST_FILTERS, *TIME_FILTERS, "exception"]
         if not any(options[f] for f in filters) and not options["all"]:
             raise CommandError(
                 "No filter given: pass --consumer, --queue, --reason, "
@@ -180,20 +186,12 @@ class Command(BaseCommand):
         matches a dotted or a bare name, ``--limit`` a number of rows): then the ids are."""
         if options["exception"] or options["limit"] is not None:
             return None
-        lookups = {"status__in": ",".join(options["status"] or [DeadLetterStatus.DEAD])}
-        for option, field in (
-            ("consumer", "consumer"),
-            ("queue", "queue"),
-            ("reason", "reason"),
-            ("fingerprint", "fingerprint"),
-            ("ids", "pk"),
-        ):
-            if options[option]:
-                lookups[f"{field}__in"] = ",".join(map(str, options[option]))
-        for option, lookup in (("since", "last_failed_at__gte"), ("until", "last_failed_at__lt")):
-            if options[option]:
-                lookups[lookup] = options[option].isoformat()
-        return lookups
+        return {
+            lookup: value.isoformat()
+            if isinstance(value, dt.datetime)
+            else ",".join(map(str, value))
+            for lookup, value in _filters(options).items()
+        }
 
     def record_operation(
         self, ids: list[int], who: str, force: bool, lookups: dict[str, str] | None
@@ -239,26 +237,10 @@ class Command(BaseCommand):
         return names
 
     def select(self, options: dict[str, Any]) -> Any:
-        queryset = DeadLetter.objects.filter(
-            status__in=options["status"] or [DeadLetterStatus.DEAD]
-        )
-        if options["consumer"]:
-            queryset = queryset.filter(consumer__in=options["consumer"])
-        if options["queue"]:
-            queryset = queryset.filter(queue__in=options["queue"])
-        if options["reason"]:
-            queryset = queryset.filter(reason__in=options["reason"])
-        if options["fingerprint"]:
-            queryset = queryset.filter(fingerprint__in=options["fingerprint"])
+        queryset = DeadLetter.objects.filter(**_filters(options))
         if options["exception"]:
             match = Q()
             for name in options["exception"]:
                 match |= Q(exception_type=name) | Q(exception_type__endswith=f".{name}")
             queryset = queryset.filter(match)
-        if options["since"]:
-            queryset = queryset.filter(last_failed_at__gte=options["since"])
-        if options["until"]:
-            queryset = queryset.filter(last_failed_at__lt=options["until"])
-        if options["ids"]:
-            queryset = queryset.filter(pk__in=options["ids"])
         return queryset
