@@ -1,9 +1,5 @@
-"""The inbox (``ProcessedMessage``), the dead letters (``DeadLetter``) and their failure groups
-(``DeadLetterGroup``, its ``DeadLetterGroupDelta`` rows and the ``LiveDeadLetterGroup`` view),
-the crash guard's ``SuspectDelivery`` and the outbox (``OutboxMessage``).
-
-Fields, constraints and indexes only: the queries and state changes live on the managers
-(``managers.py``), the status and reason vocabularies in ``choices.py``."""
+"""The app's tables: fields, constraints and indexes only (queries and state changes live on the
+managers, ``managers.py``; the vocabularies in ``choices.py``)."""
 
 from __future__ import annotations
 
@@ -35,21 +31,12 @@ from .managers import (
 
 
 class ProcessedMessage(models.Model):
-    """One row per (consumer, message_id) whose handler committed: the inbox.
+    """One row per (consumer, message_id) whose handler committed: the inbox, inserted in the
+    handler's own transaction (``docs/operations.md#how-the-tables-are-laid-out``).
 
-    The row is what makes effects happen at most once: it is inserted in the handler's own
-    transaction, so two deliveries of one message can never both commit. On SQLite the unique
-    constraint alone decides; on PostgreSQL the table is partitioned by day
-    (``storage/partitions.py``), each partition has the constraint's index, and the inbox claim
-    (``storage/inbox.py``) looks across all of them under a per-key advisory lock. The ORM sees one
-    table either way.
-
-    Every index costs each insert, and an inbox grows to billions of rows: the unique index
-    leads with message_id, so it also answers lookups by message_id alone (replays, the admin's
-    search); the one on consumer (a few distinct values, deduplicated by PostgreSQL, filled in
-    heap order) answers lookups by consumer at a fraction of a second index on message_id's
-    size and insert cost; processed_at is for the admin's order (and the purge on SQLite).
-    """
+    The unique index leads with message_id, so it also answers lookups by message_id alone; the
+    one on consumer (few values, deduplicated by PostgreSQL) costs a fraction of a second index
+    on message_id."""
 
     consumer = models.CharField(max_length=255)
     message_id = models.CharField(max_length=255)
@@ -74,11 +61,8 @@ class ProcessedMessage(models.Model):
 
 
 class DeadLetter(models.Model):
-    """A message a consumer gave up on, with everything needed to understand and replay it.
-
-    One row per (consumer, message_id): a replayed message that fails again updates its row.
-    ``body`` always holds the delivery's bytes exactly, also when they are not JSON or UTF-8.
-    """
+    """A message a consumer gave up on: one row per (consumer, message_id), ``body`` the
+    delivery's exact bytes."""
 
     message_id = models.CharField(max_length=255, blank=True)
     consumer = models.CharField(max_length=255)
@@ -106,9 +90,7 @@ class DeadLetter(models.Model):
     fingerprint = models.CharField(max_length=64, blank=True)
     # Append-only record of what happened to this message: failures, replays, resolution.
     history = models.JSONField(default=list, blank=True)
-    # The trace of its last failure (W3C ids, hex): its delivery's span when tracing is on,
-    # else the traceparent it came with. A replay links to it.
-    # A database default too, so rows written with SQL (bulk loads, COPY) need not name them.
+    # The trace of its last failure (W3C ids, hex); db_default for rows written with SQL.
     trace_id = models.CharField(max_length=32, blank=True, default="", db_default="")
     span_id = models.CharField(max_length=16, blank=True, default="", db_default="")
     # An edited replay's copy that failed in turn: the dead letter it was edited from.
@@ -153,7 +135,6 @@ class DeadLetter(models.Model):
             models.Index(
                 fields=["consumer", "-last_failed_at", "-id"], name="rm_deadletter_cons_latest_idx"
             ),
-            # What purge_messages looks for: resolved and discarded, untouched for a while.
             models.Index(
                 fields=["updated_at"],
                 condition=Q(status__in=["resolved", "discarded"]),
@@ -176,8 +157,7 @@ class DeadLetter(models.Model):
 
 
 class _GroupCounts(models.Model):
-    """The key and the figures of a failure group, shared by its row, its deltas and the view
-    that adds them up."""
+    """The key and the figures of a failure group: of its row, its deltas and the live view."""
 
     consumer = models.CharField(max_length=255)
     fingerprint = models.CharField(max_length=64, blank=True)
@@ -200,43 +180,10 @@ class _GroupCounts(models.Model):
 
 
 class DeadLetterGroup(_GroupCounts):
-    """The dead letters of one consumer that fail the same way (fingerprint and reason), with
-    their counts per status: what the failure groups page, the filters' choices, the metrics
-    and ``messaging_status`` read instead of a ``GROUP BY`` over every dead letter.
-
-    On PostgreSQL three statement-level triggers on the dead letters
-    (``migrations/0001_initial.py``) read the statement's transition tables, add up
-    their rows per group and *insert* the sums, one row per group, into
-    :class:`DeadLetterGroupDelta`. Triggers rather than code in the managers because dead
-    letters change through many paths (``record_failure``, the status moves, the bulk replay's
-    ``UPDATE``, the admin's delete action, ``purge_messages``, a ``DELETE`` typed in psql): each
-    one would have to remember the group, and one that forgot would skew the counts for good.
-    Statement-level rather than per row so that a bulk ``UPDATE`` of 25,000 dead letters costs
-    one delta per group, not 25,000. Inserting into a table without a unique index takes no
-    lock that another writer waits for: transactions that write dead letters of one group (a
-    consumer dead-lettering or resolving replayed messages in many short transactions, inside
-    its handlers' own) never take turns, and two that touch two groups in opposite orders never
-    deadlock. A statement that changes nothing a group shows (an ``UPDATE`` of the history
-    alone) appends nothing; a repeated failure of a dead letter appends a delta without counts,
-    as it moves the group's ``last_seen``, by which the failure groups page sorts.
-
-    ``DeadLetterGroup.objects.fold()`` moves the oldest deltas into this table in one short
-    transaction: it deletes them, adds them up per group and upserts the sums in key order.
-    One fold runs at a time: a second one finds the first's advisory lock taken and returns
-    at once, so folds wait neither for each other nor for writers of dead letters, and no delta
-    is lost or counted twice (it leaves the deltas in the transaction that adds it here). A
-    fold of 5,000 deltas takes about 20 ms; the relay's operations process folds every five
-    seconds and ``purge_messages`` before it forgets the empty groups; readers never fold (a
-    page that shows figures writes nothing).
-
-    Readers read :class:`LiveDeadLetterGroup`, this table plus the deltas not folded yet, so
-    they are exact whether anyone folded or not. With nobody folding, the deltas grow by one
-    row per statement that writes dead letters, and each read adds them up until a fold
-    (about 70 ms for 50,000 deltas).
-
-    Elsewhere (SQLite, for development) both tables stay empty and the manager answers the same
-    questions with a ``GROUP BY`` over the dead letters, which is cheap on a small table.
-    """
+    """The dead letters of one consumer that fail the same way, counted per status. On
+    PostgreSQL, statement-level triggers append :class:`DeadLetterGroupDelta` rows and
+    ``objects.fold()`` adds them in (``docs/concepts.md#failure-groups``); elsewhere it stays
+    empty and the manager counts the dead letters."""
 
     objects = DeadLetterGroupManager()
 
@@ -256,10 +203,8 @@ class DeadLetterGroup(_GroupCounts):
 
 
 class DeadLetterGroupDelta(_GroupCounts):
-    """What one statement on the dead letters changed in one failure group (PostgreSQL's
-    triggers insert it; see :class:`DeadLetterGroup`): counts to add (negative for dead
-    letters that left a status or the group), and the queue, exception type, newest id and
-    failure times of the dead letters it wrote. Append-only until a fold deletes it."""
+    """What one statement on the dead letters changed in one failure group (counts to add, the
+    latest figures), appended by the triggers until a fold deletes it."""
 
     class Meta:
         verbose_name = _("dead-letter group delta")
@@ -269,10 +214,8 @@ class DeadLetterGroupDelta(_GroupCounts):
 
 
 class LiveDeadLetterGroup(_GroupCounts):
-    """Read-only: each failure group as of now, its :class:`DeadLetterGroup` row plus the
-    :class:`DeadLetterGroupDelta` rows not folded in yet, added up by a PostgreSQL view
-    (created by the initial migration; there is none elsewhere). Read it through
-    ``DeadLetterGroup.objects`` (``listing()``, ``counts()``, ...)."""
+    """Each failure group as of now (its row plus the deltas not folded in): a PostgreSQL view
+    made by the initial migration, read through ``DeadLetterGroup.objects``."""
 
     pk = models.CompositePrimaryKey("consumer", "fingerprint", "reason")
 
@@ -286,12 +229,8 @@ class LiveDeadLetterGroup(_GroupCounts):
 
 
 class SuspectDelivery(models.Model):
-    """A delivery that came back redelivered and is being handled with care (the crash guard).
-
-    Written and committed *before* the handler runs, outside its transaction, so it survives a
-    ``SIGKILL`` of the process mid-handler; deleted once the delivery reached an outcome. A row
-    still ``running`` when the message comes back means the process died on it.
-    """
+    """A redelivered delivery the crash guard watches: committed before the handler runs, so a
+    row still ``running`` when the message comes back means the process died on it."""
 
     consumer = models.CharField(max_length=255)
     message_id = models.CharField(max_length=255)
@@ -320,11 +259,8 @@ class SuspectDelivery(models.Model):
 
 
 class OutboxMessage(models.Model):
-    """A message written by ``publish()`` in the caller's transaction, sent later by the relay.
-
-    ``body`` is the exact JSON text the relay sends: encoding happens at ``publish()`` time, so
-    a payload JSON cannot hold fails there and then, never in the relay.
-    """
+    """A message ``publish()`` wrote in the caller's transaction, sent later by the relay;
+    ``body`` is the exact JSON text sent (encoded by ``publish()``)."""
 
     message_id = models.CharField(max_length=255)
     exchange = models.CharField(max_length=255, blank=True)
@@ -340,16 +276,12 @@ class OutboxMessage(models.Model):
     )
     attempts = models.PositiveIntegerField(default=0)
     last_error = models.TextField(blank=True)
-    # When the relay may take the row next (the database's clock). While the relay has it in
-    # flight it holds a lease: the time past which another relay may send it again. NULL parks a
-    # pending row behind an earlier unsent message of its key; the relay clears that when the
-    # earlier one is sent.
+    # When the relay may take the row next (the database's clock); in flight, its lease. NULL
+    # parks a pending row behind an earlier unsent message of its key.
     next_attempt_at = models.DateTimeField(default=timezone.now, null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     sent_at = models.DateTimeField(null=True, blank=True)
-    # When a scheduled message is due (``publish(deliver_at=...)``); NULL for the others. A
-    # scheduled row waits as ``scheduled`` with next_attempt_at this time; the relay then makes
-    # it pending under a new id, so it takes its place in its ordering key's order when due.
+    # When a scheduled message is due (``publish(deliver_at=...)``); NULL for the others.
     deliver_at = models.DateTimeField(_("due at"), null=True, blank=True)
 
     objects = OutboxMessageManager()
@@ -357,8 +289,7 @@ class OutboxMessage(models.Model):
     class Meta:
         verbose_name = _("outbox message")
         indexes = [
-            # The relay's claim reads the due pending rows and nothing else: rows sent, backing
-            # off, in flight or parked (NULL) are outside the range it walks.
+            # The relay's claim: the due pending rows and nothing else.
             models.Index(
                 fields=["next_attempt_at", "id"],
                 condition=Q(status="pending"),
@@ -370,17 +301,10 @@ class OutboxMessage(models.Model):
                 condition=Q(status__in=["pending", "failed"]) & Q(ordering_key__isnull=False),
                 name="rm_outbox_key_order_idx",
             ),
-            # On PostgreSQL these two are indexes of the sent side only (the initial migration,
-            # docs/operations.md): every publish inserts into the unsent partition, where they would
-            # cost it two entries and serve nothing (the relay claims through the due index,
-            # which counts the pending rows too); what they serve reads the sent side (the
-            # purge, the unrouted count, a sent row by message_id). The unsent partition has a
-            # partial index of its failed rows instead, which a publish writes nothing into.
+            # On PostgreSQL, of the sent side only (docs/operations.md, "The outbox's indexes").
             models.Index(fields=["status", "sent_at"], name="rm_outbox_status_sent_idx"),
             models.Index(fields=["message_id"], name="rm_outbox_message_id_idx"),
-            # Scheduled rows by due time: the relay's "anything due?" reads its first entry. On
-            # PostgreSQL, an index of the scheduled partition only (with one of message_id, for
-            # cancel_scheduled), so that neither a publish nor the claim touches it.
+            # Scheduled rows by due time; on PostgreSQL, of the scheduled partition only.
             models.Index(
                 fields=["next_attempt_at", "id"],
                 condition=Q(status="scheduled"),
@@ -388,10 +312,7 @@ class OutboxMessage(models.Model):
             ),
         ]
         constraints = [
-            # Partial: most rows have no key, and a unique index would hold an entry for each
-            # NULL, written by every publish and every row marked sent. On PostgreSQL each
-            # partition has its own (``<leaf>_idem``, partitions.py), and
-            # publish() looks a key up in all of them under an advisory lock.
+            # Partial: most rows have no key (on PostgreSQL, one per partition).
             models.UniqueConstraint(
                 fields=["idempotency_key"],
                 condition=Q(idempotency_key__isnull=False),
@@ -404,23 +325,15 @@ class OutboxMessage(models.Model):
 
 
 class DeadLetterOperation(models.Model):
-    """A bulk replay or discard an operator started: what it takes, who, and how far it got.
-
-    The admin records it and returns at once; the relay process carries it out a batch per
-    transaction (``dead_letters/operations.py``). The dead letters it takes are those its
-    ``selection`` matches (``dead_letters/selection.py``) with a pk up to ``max_pk``, fixed
-    when it was recorded, walked in ascending pk order: ``cursor`` is the last pk done, moved
-    in the same transaction as the batch's replays, so a process killed mid-batch leaves the
-    batch undone and the cursor before it. State changes live on the manager.
-    """
+    """A bulk replay or discard an operator recorded, carried out by the relay a batch per
+    transaction (``dead_letters/operations.py``): the ``selection``'s dead letters up to
+    ``max_pk``, in pk order, ``cursor`` the last one done."""
 
     kind = models.CharField(max_length=10, choices=OperationKind.choices)
     force = models.BooleanField(default=False)
-    # {"lookups": {field lookup: value}, "search": "...", "search_mode": "message_id" or
-    #  "words" (decided when confirmed), "status_chosen": bool, "description": "in words"}
+    # What ``dead_letters.selection.selection_from_query`` makes.
     selection = models.JSONField(default=dict)
-    # How many its confirmation announced (counted up to COUNT_CAP, then an estimate for the
-    # progress display): the most it does when counted exactly.
+    # How many its confirmation announced (up to COUNT_CAP): the most it does.
     matched = models.PositiveIntegerField(default=0)
     max_pk = models.BigIntegerField(default=0)
     cursor = models.BigIntegerField(default=0)
@@ -458,16 +371,10 @@ class DeadLetterOperation(models.Model):
 
 
 class Replay(models.Model):
-    """One replay of a dead letter and what became of its copy: the replay ledger.
+    """One replay of a dead letter and what became of its copy (the replay ledger): written with
+    the copy, settled by the consumer that decides it (``dead_letters/ledger.py``)."""
 
-    Written with the copy's outbox row (``dead_letters/replay.py``); the copy carries its id in
-    ``x-rm-replay-id``, and the consumer that decides the copy records the outcome in the same
-    transaction (``dead_letters/ledger.py``): processed, duplicate, or failed again (with the
-    dead letter it became). Until then it is in flight.
-    """
-
-    # No database constraints on its links: dead letters are also deleted with SQL (a purge in
-    # psql), which a constraint would refuse; the ORM's deletes cascade as declared.
+    # No database constraints: dead letters are also deleted with SQL, which one would refuse.
     dead_letter = models.ForeignKey(
         DeadLetter, on_delete=models.CASCADE, related_name="replays", db_constraint=False
     )
@@ -517,15 +424,8 @@ class Replay(models.Model):
 
 
 class ReplayOutcomeTally(models.Model):
-    """How many of an operation's replays reached each outcome: what its page shows, read as one
-    row rather than counted over its ledger rows (hundreds of thousands), every 2 s.
-
-    Added to by :func:`~reliable_messaging.dead_letters.ledger.settle`, in the transaction that
-    settles the replay, so it is exact; in flight is the rest of the operation's ``replayed``.
-    A row of its own, not counters on the operation: the relay holds the operation's row locked
-    for each batch and claims it with SKIP LOCKED, and consumers settling replays must neither
-    wait for a batch nor make the relay skip the operation.
-    """
+    """How many of an operation's replays reached each outcome, added to as each is settled
+    (``docs/design.md#dead-letters-replay-and-bulk-operations`` says why a row of its own)."""
 
     operation = models.OneToOneField(
         DeadLetterOperation,
@@ -548,9 +448,7 @@ class ReplayOutcomeTally(models.Model):
 
 
 class FailureGroupState(models.Model):
-    """What an operator said about a failure group: acknowledged (muted from alerts) or
-    resolved. A group without a row is new; a resolved group whose dead letters failed after
-    ``changed_at`` is regressed (computed when read, see ``GroupState``)."""
+    """What an operator said about a failure group: acknowledged or resolved (no row: new)."""
 
     consumer = models.CharField(max_length=255)
     fingerprint = models.CharField(max_length=64, blank=True)
