@@ -23,7 +23,7 @@ measurement).
 The baseline is the same relay in the same run: for each method and round, ``--messages`` rows
 are published with ``publish()`` and drained with no purge running, then as many again while
 ``purge_messages()`` runs in a thread of its own (with its own database connection) started
-as the relay starts. The relay is ``OutboxRelay(once=True, listen=False)`` in a subprocess
+as the relay starts. The relay is ``build_relay(once=True, listen=False)`` in a subprocess
 (bench/scale.py's), and its rate counts from its start to its last recorded batch. Rounds
 alternate the order of the methods so that drift hits both; the summary shows medians over the
 rounds. Figures and ratios are printed, never asserted.

@@ -126,7 +126,7 @@ def relay_throughput(rows: int, exchange: str, lanes: int = 1, coalesce: bool = 
 
     from reliable_messaging.broker import publisher
     from reliable_messaging.publishing.lanes import run_lanes
-    from reliable_messaging.publishing.relay import OutboxRelay
+    from reliable_messaging.publishing.relay import build_relay
 
     fill_outbox(rows, exchange)
     writes = publisher.coalesce_writes if coalesce else (lambda connection: 0)
@@ -135,7 +135,7 @@ def relay_throughput(rows: int, exchange: str, lanes: int = 1, coalesce: bool = 
         mock.patch.object(publisher, "coalesce_writes", writes),
     ):
         started = time.perf_counter()
-        report = run_lanes([OutboxRelay(once=True, listen=False) for _ in range(lanes)])
+        report = run_lanes([build_relay(once=True, listen=False) for _ in range(lanes)])
         elapsed = time.perf_counter() - started
     assert report.sent == rows, report.summary()
     return elapsed

@@ -37,7 +37,7 @@ ones held back by their key, say) is done, as a running relay would long have do
 ``VACUUM ANALYZE`` does what autovacuum would (this machine's PostgreSQL runs with it off).
 
 The measured work is ``--messages`` rows published with the app's ``publish()`` in transactions
-of 5,000, drained by ``OutboxRelay(once=True, listen=False)`` in a subprocess: ``once`` stops
+of 5,000, drained by ``build_relay(once=True, listen=False)`` in a subprocess: ``once`` stops
 when nothing claimable is left, and the pre-built rows never are, so it ends when the measured
 rows are sent; its time runs to the last batch recorded. The raw baseline publishes the same
 message ids and bodies with pika, confirms kept in flight, right before and right after the
@@ -407,7 +407,7 @@ def run_relay_child(namespace: str, timeout: float) -> dict[str, Any]:
 
 
 def relay_child() -> None:
-    """In the relay's own process: drain what is claimable with ``OutboxRelay(once=True,
+    """In the relay's own process: drain what is claimable with ``build_relay(once=True,
     listen=False)``, timing every claim query; print the result as one JSON line."""
     import django
 
@@ -415,7 +415,7 @@ def relay_child() -> None:
     django.setup()
     from django.db.backends.signals import connection_created
 
-    from reliable_messaging.publishing.relay import OutboxRelay
+    from reliable_messaging.publishing.relay import build_relay
 
     outbox = table()
     claims: list[dict[str, float]] = []
@@ -450,9 +450,9 @@ def relay_child() -> None:
 
     connection_created.connect(install, weak=False)
     try:
-        relay = OutboxRelay(once=True, listen=False, on_batch=on_batch)
+        relay = build_relay(once=True, listen=False, on_batch=on_batch)
     except TypeError:  # a relay without the hook: time the whole run
-        relay = OutboxRelay(once=True, listen=False)
+        relay = build_relay(once=True, listen=False)
     started = time.perf_counter()
     report = relay.run()
     ended = time.perf_counter()

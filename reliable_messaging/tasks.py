@@ -28,7 +28,7 @@ from django.db import router
 
 from .core.registry import registry
 from .models import OutboxMessage
-from .publishing.relay import OutboxRelay
+from .publishing.relay import build_relay
 from .storage.partitions import OUTBOX, ensure_partitions
 
 
@@ -38,7 +38,7 @@ def relay_outbox(max_seconds: float = 50.0, batch_size: int | None = None) -> di
     # The sent rows' day partitions (PostgreSQL), made ahead as `manage.py relay` makes them: a
     # catalog read when they exist.
     ensure_partitions(router.db_for_write(OutboxMessage), spec=OUTBOX)
-    report = OutboxRelay(
+    report = build_relay(
         once=True,
         max_seconds=max_seconds,
         batch_size=batch_size,

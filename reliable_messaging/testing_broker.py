@@ -1,32 +1,47 @@
-"""An in-memory twin of the consumer's broker transport, for fast tests of the real consumer.
+"""In-memory twins of the broker transports, for fast tests of the real consumer and relay.
 
-``ConsumerService(specs, transport=StubTransport())`` runs the real connection thread, workers
-and inbox (so a database is still needed) over queues held in memory:
-:meth:`StubTransport.publish` puts a message on a queue, the stub delivers it within each
-channel's prefetch window, and :attr:`StubTransport.log` records every ack, nack and retry copy
-in order. Requeued messages come back ``redelivered``, as on RabbitMQ, and
-:meth:`StubTransport.close_channel` plays the broker closing a channel. Not a broker: no
-exchanges or bindings (publish to a queue by name), no delivery limits, and retry copies are
-confirmed at once and, unless ``deliver_retries=False``, put back on their queue without the
-delay.
+``ConsumerService(specs, transport=StubTransport())`` runs the real consumer over queues held in
+memory: :meth:`StubTransport.publish` puts a message on a queue, deliveries respect each
+channel's prefetch, :attr:`StubTransport.log` records every ack, nack and retry copy, requeued
+messages come back ``redelivered`` and :meth:`StubTransport.close_channel` plays the broker
+closing a channel. No exchanges, bindings or delivery limits; retry copies are confirmed at once
+and put back without the delay.
+
+``build_relay(transport=StubPublisher())`` runs the real relay over a broker that confirms in
+order, in reverse or with ``multiple``, nacks, returns unroutable messages, refuses a row by
+closing the channel, closes the connection on an oversized header frame, drops the connection,
+blocks, or holds confirms, as the test says. Both still need the database.
 """
 
 from __future__ import annotations
 
 import collections
+import heapq
 import itertools
+import os
+import select
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .broker.limits import header_frame_size
+from .broker.publisher import (
+    ENCODING_ERRORS,
+    ChannelClosed,
+    PublisherEvents,
+    Returned,
+    Unencodable,
+    message_properties,
+)
 from .broker.retry_publisher import RetryCopy
 from .broker.topology import consumer_queues
 from .broker.transport import OnMessage
 from .conf import MessagingSettings
 from .core.envelope import CONTENT_TYPE, wire_headers
 from .core.registry import ConsumerSpec
+from .core.routing import topic_matches
 
 __all__ = [
     "BrokerEvent",
@@ -35,6 +50,8 @@ __all__ = [
     "StubConnectionLost",
     "StubMessage",
     "StubProperties",
+    "StubPublished",
+    "StubPublisher",
     "StubTransport",
 ]
 
@@ -434,3 +451,316 @@ class StubTransport:
             queue = self.queues.setdefault(message.queue, collections.deque())
             queue.appendleft(replace(message, redelivered=True))
         self.wake.notify_all()
+
+
+# -- the relay's broker --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StubPublished:
+    """A message a :class:`StubPublisher` took; ``connection`` counts connections from 1."""
+
+    connection: int
+    tag: int
+    exchange: str
+    routing_key: str
+    body: bytes
+    message_id: str
+    headers: Mapping[str, Any]
+
+
+@dataclass
+class _Timer:
+    at: float
+    callback: Callable[[], None]
+    cancelled: bool = False
+
+    def __lt__(self, other: _Timer) -> bool:
+        return self.at < other.at
+
+
+class StubPublisher:
+    """The relay's :class:`~reliable_messaging.broker.publisher.PublisherTransport` in memory,
+    with an I/O loop of its own on the thread that calls :meth:`run`.
+
+    ``confirms``: ``"in order"``, ``"reverse"`` (out of order), ``"multiple"`` (one ack for a
+    run of tags) or ``"hold"`` (none: confirm timeouts); ``routes``: the routing-key patterns
+    some queue is bound with (others are returned, ``mandatory``); ``missing``: exchanges that
+    do not exist (a publish to one closes the channel, 404); ``nack`` and ``refuse`` (a reply
+    code and text: the broker closes the channel) judge each message; ``on_publish`` sees each
+    one taken, and may :meth:`drop_connection`, :meth:`block`, ... there. A header frame over
+    ``frame_max`` closes the connection, as RabbitMQ does. ``routed`` holds what reached a
+    queue (acked and routable), in the order the broker confirmed it."""
+
+    def __init__(
+        self,
+        *,
+        confirms: str = "in order",
+        routes: Collection[str] = ("#",),
+        missing: Collection[str] = (),
+        nack: Callable[[StubPublished], bool] | None = None,
+        refuse: Callable[[StubPublished], tuple[int, str] | None] | None = None,
+        on_publish: Callable[[StubPublished], None] | None = None,
+        frame_max: int = 131072,
+    ) -> None:
+        assert confirms in ("in order", "reverse", "multiple", "hold"), confirms
+        self.confirms = confirms
+        self.routes = tuple(routes)
+        self.missing = set(missing)
+        self.nack = nack
+        self.refuse = refuse
+        self.on_publish = on_publish
+        self.frame_max = frame_max
+        self.connections = 0
+        self.published: list[StubPublished] = []  # every message the broker took
+        self.routed: list[StubPublished] = []
+        self.returned: list[StubPublished] = []
+        self.nacked: list[StubPublished] = []
+        self.channel_closes: list[tuple[int, str]] = []
+        self.connection_closes: list[str] = []
+        self._events: PublisherEvents | None = None
+        self._open = False
+        self._channel_open = False
+        self._next_tag = 1
+        self._unconfirmed: dict[int, StubPublished] = {}
+        self._deaf = False  # a refusal or a drop is under way: nothing more is taken
+        self._dropping = False  # the connection is going: nothing more is confirmed
+        self._blocked = False
+        self._known: set[str] = {""}  # exchanges the probe found (as ExchangeProbe caches them)
+        self._timers: list[_Timer] = []
+        self._readers: dict[int, Callable[[], None]] = {}
+        self._lock = threading.Lock()
+        self._posted: collections.deque[Callable[[], None]] = collections.deque()
+        self._wake: tuple[int, int] | None = None
+
+    # -- the transport ---------------------------------------------------------------------------
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
+    @property
+    def ready(self) -> bool:
+        return self._open and self._channel_open
+
+    more_brokers = False
+
+    def run(self, events: PublisherEvents) -> None:
+        """One connection: open it and a channel, then serve timers, posted callbacks, watched
+        sockets and the broker's answers until it closes."""
+        self.connections += 1
+        self._events, self._open = events, True
+        self._deaf = self._dropping = self._blocked = False
+        with self._lock:
+            self._wake = os.pipe()
+        self.reopen_channel()
+        try:
+            while self._open:
+                self._turn()
+        finally:
+            with self._lock:
+                wake, self._wake = self._wake, None
+                self._posted.clear()
+            for fd in wake or ():
+                os.close(fd)
+            self._open = self._channel_open = False
+            self._timers.clear()
+            self._readers.clear()
+
+    def publish(
+        self,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        *,
+        message_id: str,
+        timestamp: int,
+        headers: dict[str, Any],
+    ) -> int:
+        assert self.ready, "publish on a closed channel"
+        properties = message_properties(message_id, timestamp, headers)
+        try:  # what pika would write: it fails here on what it cannot encode
+            size = header_frame_size(properties, len(body))
+        except ENCODING_ERRORS as exc:
+            raise Unencodable(exc) from exc
+        tag, self._next_tag = self._next_tag, self._next_tag + 1
+        if self._deaf:
+            return tag  # after a refusal the broker reads nothing more on the channel
+        message = StubPublished(
+            self.connections, tag, exchange, routing_key, body, message_id, dict(headers)
+        )
+        if size > self.frame_max:
+            self.drop_connection(
+                f"(501, 'FRAME_ERROR - type 2, all octets = <<>>: "
+                f"{{frame_too_large,{size},{self.frame_max}}}')"
+            )
+            return tag
+        refusal = self.refuse(message) if self.refuse is not None else None
+        if exchange in self.missing:
+            refusal = (404, f"NOT_FOUND - no exchange '{exchange}' in vhost '/'")
+        if refusal is not None:
+            self.close_channel(*refusal)
+            return tag
+        self.published.append(message)
+        self._unconfirmed[tag] = message
+        if self.on_publish is not None:
+            self.on_publish(message)
+        return tag
+
+    def flush(self) -> None:
+        """Nothing is buffered."""
+
+    def exchange_exists(self, exchange: str) -> bool:
+        if exchange in self._known:
+            return True  # remembered, as the real probe does, until forgotten
+        if exchange in self.missing:
+            return False
+        self._known.add(exchange)
+        return True
+
+    def forget_exchange(self, exchange: str | None) -> None:
+        self._known.discard(exchange or "")
+        self._known.add("")
+
+    def reopen_channel(self) -> None:
+        self.post(self._open_channel)
+
+    def close(self, reason: str = "Normal shutdown") -> None:
+        self.post(lambda: self._close_connection(str((200, reason))))
+
+    def abandon(self) -> None:
+        self._open = False
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> _Timer:
+        timer = _Timer(time.monotonic() + delay, callback)
+        heapq.heappush(self._timers, timer)
+        return timer
+
+    def cancel(self, timer: Any) -> None:
+        if timer is not None:
+            timer.cancelled = True
+
+    def post(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            if self._wake is None:
+                return  # the loop has ended, as with pika
+            self._posted.append(callback)
+            os.write(self._wake[1], b"x")
+
+    def watch_readable(self, fd: int, callback: Callable[[], None]) -> None:
+        self._readers[fd] = callback
+
+    def unwatch(self, fd: int) -> None:
+        self._readers.pop(fd, None)
+
+    # -- what the test makes the broker do (from any thread, or from on_publish) -----------------
+
+    def close_channel(self, reply_code: int, reply_text: str) -> None:
+        """Close the channel as the broker does at a publish it refuses: what was published
+        before is still confirmed, nothing after is read."""
+        self._deaf = True
+        self.post(lambda: self._close_channel(reply_code, reply_text))
+
+    def drop_connection(
+        self, reason: str = '(320, "CONNECTION_FORCED - broker forced connection closure")'
+    ) -> None:
+        """Close the connection at once: nothing unconfirmed is confirmed (nor routed)."""
+        self._deaf = self._dropping = True
+        self.post(lambda: self._close_connection(reason))
+
+    def block(self, reason: str = "low on memory") -> None:
+        """``connection.blocked``: no confirm comes until :meth:`unblock`."""
+        self._blocked = True
+        self.post(lambda: self._event("on_blocked", reason))
+
+    def unblock(self) -> None:
+        def unblocked() -> None:
+            self._blocked = False
+            self._event("on_unblocked")
+
+        self.post(unblocked)
+
+    def delete_exchange(self, exchange: str) -> None:
+        """The exchange goes; the probe still remembers it until the broker's 404."""
+        self.missing.add(exchange)
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def _turn(self) -> None:
+        now = time.monotonic()
+        while self._timers and self._timers[0].at <= now and self._open:
+            timer = heapq.heappop(self._timers)
+            if not timer.cancelled:
+                timer.callback()
+        with self._lock:
+            posted = list(self._posted)
+            self._posted.clear()
+        for callback in posted:
+            if self._open:
+                callback()
+        if not self._open:
+            return
+        self._settle()
+        timeout = 0.2 if not self._timers else max(0.0, self._timers[0].at - time.monotonic())
+        with self._lock:
+            if self._posted:
+                timeout = 0.0
+            assert self._wake is not None
+            wake = self._wake[0]
+        readable, _, _ = select.select([wake, *self._readers], [], [], min(timeout, 0.2))
+        for fd in readable:
+            if fd == wake:
+                os.read(wake, 4096)
+            elif fd in self._readers:
+                self._readers[fd]()
+
+    def _event(self, name: str, *args: Any) -> None:
+        if self._events is not None and self._open:
+            getattr(self._events, name)(*args)
+
+    def _open_channel(self) -> None:
+        self._channel_open, self._next_tag, self._deaf = True, 1, False
+        self._unconfirmed.clear()
+        self._event("on_ready")
+
+    def _close_channel(self, reply_code: int, reply_text: str) -> None:
+        self._settle()  # the messages before the refused one are confirmed first
+        self._channel_open = False
+        self._unconfirmed.clear()
+        self.channel_closes.append((reply_code, reply_text))
+        description = str((reply_code, reply_text))
+        self._event("on_channel_closed", ChannelClosed(True, reply_code, reply_text, description))
+
+    def _close_connection(self, reason: str) -> None:
+        if not self._open:
+            return
+        self._unconfirmed.clear()
+        self.connection_closes.append(reason)
+        self._event("on_connection_closed", reason)
+        self._open = self._channel_open = False
+
+    def _settle(self) -> None:
+        """The broker's answers to what was published: returns, then confirms."""
+        if self._blocked or self._dropping or self.confirms == "hold" or not self._unconfirmed:
+            return
+        taken = sorted(self._unconfirmed.items(), reverse=self.confirms == "reverse")
+        self._unconfirmed.clear()
+        answers = [(tag, m, not (self.nack is not None and self.nack(m))) for tag, m in taken]
+        for _tag, message, acked in answers:
+            if not acked:
+                self.nacked.append(message)
+            elif any(topic_matches(p, message.routing_key) for p in self.routes):
+                self.routed.append(message)
+            else:
+                self.returned.append(message)
+                returned = Returned(
+                    dict(message.headers), message.exchange, message.routing_key, 312, "NO_ROUTE"
+                )
+                self._event("on_returned", returned)
+        for i, (tag, _message, acked) in enumerate(answers):
+            if self.confirms == "multiple":
+                if i + 1 < len(answers) and answers[i + 1][2] == acked:
+                    continue  # one ack or nack for the whole run
+                self._event("on_confirm", tag, True, acked)
+            else:
+                self._event("on_confirm", tag, False, acked)

@@ -5,8 +5,10 @@ costs one attempt) and a channel in confirm mode, and publishes persistent, ``ma
 messages, each with the delivery tag its confirm will name. What the broker says comes back as
 calls on a :class:`PublisherEvents`. Nothing here knows about the outbox: the relay
 (:mod:`reliable_messaging.publishing.relay`) decides what to publish and what a confirm means.
-Every method runs on the I/O loop's thread, except :meth:`ConfirmingPublisher.post`, the way
-other threads hand work to it.
+The relay sees it through :class:`PublisherTransport`, which the in-memory twin
+(:class:`reliable_messaging.testing_broker.StubPublisher`) implements too. Every method runs on
+the I/O loop's thread, except :meth:`~PublisherTransport.post`, the way other threads hand
+work to it.
 """
 
 from __future__ import annotations
@@ -24,12 +26,25 @@ from pika.spec import Basic, BasicProperties
 
 from ..conf import MessagingSettings
 from ..core.envelope import CONTENT_TYPE
+from .probes import ExchangeProbe
 from .queues import scrub_broker_secrets
 from .topology import connection_parameters
 from .write_coalescing import coalesce_writes
 
 # Logged under the relay's name, the one users' logging configuration knows.
 logger = logging.getLogger("reliable_messaging.relay")
+
+
+# What pika raises for a message it cannot encode (nothing is written then).
+ENCODING_ERRORS: tuple[type[BaseException], ...] = (
+    pika.exceptions.UnsupportedAMQPFieldException,
+    pika.exceptions.ShortStringTooLong,
+    struct.error,
+    TypeError,
+    ValueError,
+    OverflowError,
+    RecursionError,  # a table nested deeper than the interpreter's stack
+)
 
 
 class Unencodable(Exception):
@@ -93,6 +108,71 @@ class PublisherEvents(Protocol):
         """The broker reads from the connection again."""
 
 
+class PublisherTransport(Protocol):
+    """What the relay asks of the broker: one connection at a time with a channel in confirm
+    mode, and its I/O loop. :class:`ConfirmingPublisher` is the real one."""
+
+    @property
+    def is_open(self) -> bool:
+        """The connection is open."""
+
+    @property
+    def ready(self) -> bool:
+        """The channel is open in confirm mode: publishing goes out."""
+
+    @property
+    def more_brokers(self) -> bool:
+        """Another node of the list is left to try in this round of connects."""
+
+    @property
+    def frame_max(self) -> int:
+        """The frame size the connection was tuned to."""
+
+    def run(self, events: PublisherEvents) -> None:
+        """Connect and run the I/O loop, telling ``events``, until the connection ends."""
+
+    def publish(
+        self,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        *,
+        message_id: str,
+        timestamp: int,
+        headers: dict[str, Any],
+    ) -> int:
+        """Publish a persistent, mandatory message; its delivery tag (1, 2, ... on each
+        channel). Raises :class:`Unencodable` when nothing could be written."""
+
+    def flush(self) -> None:
+        """Write what was published since the last flush."""
+
+    def exchange_exists(self, exchange: str) -> bool:
+        """Whether ``exchange`` exists (True when it cannot tell)."""
+
+    def forget_exchange(self, exchange: str | None) -> None:
+        """The broker said ``exchange`` is gone: ask again before the next publish to it."""
+
+    def reopen_channel(self) -> None: ...
+
+    def close(self, reason: str = "Normal shutdown") -> None:
+        """Close the connection; the loop ends when the broker answers."""
+
+    def abandon(self) -> None:
+        """End the loop without the closing handshake (the broker blocks the connection)."""
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Any: ...
+
+    def cancel(self, timer: Any) -> None: ...
+
+    def post(self, callback: Callable[[], None]) -> None:
+        """From any thread: run ``callback`` on the I/O loop (lost once the loop has ended)."""
+
+    def watch_readable(self, fd: int, callback: Callable[[], None]) -> None: ...
+
+    def unwatch(self, fd: int) -> None: ...
+
+
 def message_properties(message_id: str, timestamp: int, headers: dict[str, Any]) -> BasicProperties:
     """The properties of a message the relay sends: JSON, persistent, with its id, the Unix
     second it was published at and its headers."""
@@ -106,22 +186,26 @@ def message_properties(message_id: str, timestamp: int, headers: dict[str, Any])
 
 
 class ConfirmingPublisher:
-    """One connection at a time: :meth:`run` opens one and returns when its I/O loop ends."""
+    """The :class:`PublisherTransport` over pika: :meth:`run` opens a connection and returns
+    when its I/O loop ends."""
 
-    def __init__(self, settings: MessagingSettings, events: PublisherEvents, name: str) -> None:
+    events: PublisherEvents  # the owner of the loop :meth:`run` runs
+
+    def __init__(self, settings: MessagingSettings, name: str = "relay") -> None:
         self.settings = settings
-        self.events = events
         self.name = name
         self._connection: pika.SelectConnection | None = None
         self._channel: pika.channel.Channel | None = None
         self._next_tag = 1
         # Broker URLs not yet tried in this round of connects (see _next_broker).
         self._brokers: list[pika.URLParameters] = []
+        self._probe = ExchangeProbe(settings)
 
     # -- the connection's life ---------------------------------------------------------------
 
-    def run(self) -> None:
+    def run(self, events: PublisherEvents) -> None:
         """Connect and run the I/O loop until the connection ends or :meth:`close` is called."""
+        self.events = events
         self._connection = pika.SelectConnection(
             self._next_broker(),
             on_open_callback=self._on_connection_open,
@@ -134,8 +218,10 @@ class ConfirmingPublisher:
             # A callback failed in a way nothing above handled (a channel closing under a
             # publish, say). Never die for it: the owner settles what it can, and reconnects.
             logger.exception("relay: unexpected error; reconnecting")
-            self.events.on_connection_closed("unexpected error")
+            events.on_connection_closed("unexpected error")
             self._close_quietly()
+        finally:
+            self._probe.close()  # its own connection, opened again by the next loop
 
     @property
     def more_brokers(self) -> bool:
@@ -154,29 +240,19 @@ class ConfirmingPublisher:
         return int(self._connection.params.frame_max)
 
     @property
-    def next_tag(self) -> int:
-        """The delivery tag the next publish gets (tags start at 1 on each channel)."""
-        return self._next_tag
-
-    @property
     def ready(self) -> bool:
         """The channel is open: publishing goes out."""
         return self._channel is not None and self._channel.is_open
 
-    def close(self) -> None:
+    def close(self, reason: str = "Normal shutdown") -> None:
         """Close the connection gracefully; the loop ends when the broker answers."""
         connection = self._connection
         if connection is None:
             return
         if connection.is_open:
-            connection.close()
+            connection.close(reply_text=reason)
         else:
             connection.ioloop.stop()
-
-    def close_now(self, reply_text: str) -> None:
-        """Close a connection that is not to be trusted any more (it stopped confirming)."""
-        if self._connection is not None and self._connection.is_open:
-            self._connection.close(reply_text=reply_text)
 
     def abandon(self) -> None:
         """End the loop without the closing handshake: while the broker blocks the connection
@@ -228,15 +304,7 @@ class ConfirmingPublisher:
                 properties=properties,
                 mandatory=True,
             )
-        except (
-            pika.exceptions.UnsupportedAMQPFieldException,
-            pika.exceptions.ShortStringTooLong,
-            struct.error,
-            TypeError,
-            ValueError,
-            OverflowError,
-            RecursionError,  # a table nested deeper than the interpreter's stack
-        ) as exc:
+        except ENCODING_ERRORS as exc:
             raise Unencodable(exc) from exc
         tag = self._next_tag
         self._next_tag += 1
@@ -246,6 +314,15 @@ class ConfirmingPublisher:
         """A few writes for what was published since the last flush, instead of three a
         message (see write_coalescing)."""
         coalesce_writes(self._connection)
+
+    def exchange_exists(self, exchange: str) -> bool:
+        """A passive declare on a connection of its own, remembered for a while (see
+        :class:`.probes.ExchangeProbe`): publishing to a missing exchange would close the
+        channel and throw away the confirms of every other row in flight."""
+        return self._probe.exists(exchange)
+
+    def forget_exchange(self, exchange: str | None) -> None:
+        self._probe.forget(exchange)
 
     # -- the I/O loop ------------------------------------------------------------------------
 

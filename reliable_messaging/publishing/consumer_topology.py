@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Hashable, Iterable
 
 from ..broker.declaring import TolerantDeclaration, declare_tolerantly
-from ..broker.publisher import ConfirmingPublisher
+from ..broker.publisher import PublisherTransport
 from ..broker.topology import consumer_queues
 from ..conf import MessagingSettings
 from ..core.backoff import Backoff
@@ -52,7 +52,7 @@ class ConsumerTopology:
         self,
         specs: Iterable[ConsumerSpec],
         *,
-        publisher: ConfirmingPublisher,
+        publisher: PublisherTransport,
         settings: MessagingSettings,
         health: HealthState,
         once_per_process: bool = False,

@@ -1,6 +1,6 @@
 """The batches a relay has published and awaits confirms for.
 
-:class:`InFlight` publishes a claimed batch through the relay's :class:`ConfirmingPublisher`,
+:class:`InFlight` publishes a claimed batch through the relay's publisher transport,
 takes the broker's confirms, returns and refusals for it, times it out, trades its claim's
 transaction for a lease when its confirms are slow, and has each finished batch recorded on the
 database worker that holds its transaction. Everything here runs on the I/O loop, except the
@@ -18,10 +18,9 @@ from typing import Any
 
 from .. import metrics, tracing
 from ..broker.limits import frame_size_refusal, header_frame_size
-from ..broker.probes import ExchangeProbe
 from ..broker.publisher import (
     ChannelClosed,
-    ConfirmingPublisher,
+    PublisherTransport,
     Returned,
     Unencodable,
     message_properties,
@@ -56,14 +55,13 @@ class InFlight:
     def __init__(
         self,
         *,
-        publisher: ConfirmingPublisher,
+        publisher: PublisherTransport,
         claims: OutboxClaims,
         settings: MessagingSettings,
         report: Any,
         health: HealthState,
         lease_seconds: float,
         on_batch: Callable[[Any], None] | None,
-        on_recorded: Callable[[bool], None],
     ) -> None:
         self.publisher = publisher
         self.claims = claims
@@ -72,9 +70,6 @@ class InFlight:
         self.health = health
         self.lease_seconds = lease_seconds
         self.on_batch = on_batch
-        # On the I/O loop after a batch was recorded (True) or could not be (False).
-        self.on_recorded = on_recorded
-        self.probe = ExchangeProbe(settings)
         self._batches: list[Batch] = []
 
     def __len__(self) -> int:
@@ -126,7 +121,7 @@ class InFlight:
             self._batches, closed.reply_code, closed.reply_text, closed.description
         )
         metrics.relay_failed("refused", charged)
-        self.probe.forget(missing)
+        self.publisher.forget_exchange(missing)
         for batch in list(self._batches):
             self._finish_batch(batch)
         return True
@@ -143,8 +138,11 @@ class InFlight:
             if batch.timer is None:
                 self._start_confirm_timer(batch)
 
-    def publish(self, worker: DatabaseWorker, claim: Claim) -> None:
-        """I/O loop: publish a claimed batch; its confirms settle it later."""
+    def publish(
+        self, worker: DatabaseWorker, claim: Claim, on_recorded: Callable[[bool], None]
+    ) -> None:
+        """I/O loop: publish a claimed batch; its confirms settle it later, and once it is
+        recorded (True) or could not be (False), ``on_recorded`` is called on the I/O loop."""
         rows = claim.rows
         metrics.relay_claimed(len(rows))
         batch = Batch(
@@ -153,15 +151,15 @@ class InFlight:
             pks={row.pk for row in rows},
             worker=worker,
             transaction=claim.transaction,
-            lowest_unsettled=self.publisher.next_tag,
             published_at=time.monotonic(),
+            on_recorded=on_recorded,
         )
         self._batches.append(batch)
         worker.batch = batch
         tracing_on = tracing.active()
         now = dt.datetime.now(dt.UTC)
         for row in rows:
-            if not self.probe.exists(row.exchange):
+            if not self.publisher.exchange_exists(row.exchange):
                 batch.unpublished.append(row)
                 batch.errors[row.pk] = f"exchange {row.exchange!r} does not exist"
                 continue
@@ -200,6 +198,7 @@ class InFlight:
             if span is not None:
                 batch.spans[row.pk] = span
         self.publisher.flush()
+        batch.lowest_unsettled = min(batch.rows, default=0)  # tags are consecutive
         if batch.unpublished:
             metrics.relay_failed("refused", len(batch.unpublished))
         if not batch.rows:
@@ -222,7 +221,7 @@ class InFlight:
         self._finish_batch(batch)
         # A channel that stopped confirming is not to be trusted: start afresh (the batches
         # still in flight are settled as far as they got, the rest due again).
-        self.publisher.close_now("confirm timeout")
+        self.publisher.close("confirm timeout")
 
     def renew_leases(self) -> None:
         """I/O loop: a batch whose confirms take longer than HOLD_LIMIT (a slow or blocked
@@ -268,7 +267,8 @@ class InFlight:
     def _after_settle(self, batch: Batch, recorded: bool) -> None:
         if batch.worker.batch is batch:
             batch.worker.batch = None
-        self.on_recorded(recorded)
+        if batch.on_recorded is not None:
+            batch.on_recorded(recorded)
 
     def _settle(self, batch: Batch) -> bool:
         """Database worker: record the batch's outcome (:func:`.sent.record_outcome`) and

@@ -8,15 +8,15 @@ again (consumers absorb the duplicate by message_id).
 This module runs the relay's life (connect, reconnect, stop, flow control) and routes what the
 broker says to the parts: :mod:`.scheduling` (when to claim), :mod:`.claims` (the queries),
 :mod:`.in_flight` (publishing and confirms), :mod:`.sent` (what became of a batch) and
-:mod:`.listener` (LISTEN). ``docs/design.md#the-relay-a-pipeline-with-publisher-confirms`` explains
-the pipeline.
+:mod:`.listener` (LISTEN). :func:`build_relay` assembles them over a publisher transport (pika,
+or the in-memory twin in tests). ``docs/design.md#the-relay-a-pipeline-with-publisher-confirms``
+explains the pipeline.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from django.db import connections, router
 
 from .. import metrics
-from ..broker.publisher import ChannelClosed, ConfirmingPublisher, Returned
+from ..broker.publisher import ChannelClosed, ConfirmingPublisher, PublisherTransport, Returned
 from ..conf import MessagingSettings, messaging_settings
 from ..core.backoff import Backoff
 from ..core.liveness import HealthState
@@ -77,85 +77,43 @@ class RelayReport:
 
 
 class OutboxRelay:
-    """Publishes the outbox until stopped; with ``once`` until nothing is pending.
+    """Publishes the outbox until stopped; with ``once`` until nothing is pending. Built by
+    :func:`build_relay`.
 
-    ``consumers``: the consumers whose queues and bindings it declares on each connection
-    before it sends (:mod:`.consumer_topology`); ``manage.py relay`` gives every registered one.
-    ``declare_once_per_process``: declare them once for every relay of this process instead
-    (the Celery task, whose runs each open a connection).
-    The events of its :class:`ConfirmingPublisher` (``on_ready``, ``on_confirm``, ...) and its
-    timers run on the I/O loop; the ``*_job`` methods run on a database worker."""
+    The events of its publisher (``on_ready``, ``on_confirm``, ...) and its timers run on the
+    I/O loop; the ``*_job`` methods of its parts run on a database worker."""
 
     def __init__(
         self,
         *,
-        batch_size: int | None = None,
+        publisher: PublisherTransport,
+        claims: OutboxClaims,
+        in_flight: InFlight,
+        scheduler: ClaimScheduler,
+        wake_ups: WakeUps,
+        topology: ConsumerTopology,
+        report: RelayReport,
+        health: HealthState,
+        settings: MessagingSettings,
         once: bool = False,
         max_seconds: float | None = None,
-        listen: bool = True,
-        settings: MessagingSettings = messaging_settings,
-        on_batch: Callable[[RelayReport], None] | None = None,
-        health: HealthState | None = None,
-        consumers: Iterable[ConsumerSpec] = (),
-        declare_once_per_process: bool = False,
     ) -> None:
+        self.publisher = publisher
+        self.claims = claims
+        self.in_flight = in_flight
+        self.scheduler = scheduler
+        self.wake_ups = wake_ups
+        self.topology = topology
+        self.report = report
+        self.health = health
         self.settings = settings
-        self.batch_size = batch_size or settings.relay_batch_size
+        self.using = claims.using
+        self.batch_size = claims.batch_size
         self.once = once
         self.deadline = None if max_seconds is None else time.monotonic() + max_seconds
-        self.using = router.db_for_write(OutboxMessage)
-        self.on_batch = on_batch
-        self.health = health if health is not None else HealthState()
-        self.report = RelayReport()
         self._stop_requested = False
         self._finished = False
         self._blocked = False  # the broker sent connection.blocked on the current connection
-        self.publisher = ConfirmingPublisher(settings, self, name="relay")
-        # Rows stay leased this long after a claim: the confirm timeout and a margin to record
-        # the outcome. A batch that takes longer (a broker block) has its lease renewed.
-        self.lease_seconds = settings.relay_confirm_timeout + LEASE_MARGIN
-        # The database side: claims, leases and records, run on the database workers.
-        self.claims = OutboxClaims(
-            self.using, settings, self.batch_size, lease=dt.timedelta(seconds=self.lease_seconds)
-        )
-        self.in_flight = InFlight(
-            publisher=self.publisher,
-            claims=self.claims,
-            settings=settings,
-            report=self.report,
-            health=self.health,
-            lease_seconds=self.lease_seconds,
-            on_batch=on_batch,
-            on_recorded=lambda recorded: self.scheduler.on_recorded(recorded),
-        )
-        self.wake_ups = WakeUps(
-            self.using,
-            enabled=listen and connections[self.using].vendor == "postgresql",
-            poll_interval=settings.relay_poll_interval,
-            dsn=settings.relay_listen_dsn,
-            send_probe=wake_after_commit.sender.probe,
-            health=self.health,
-        )
-        self.topology = ConsumerTopology(
-            consumers,
-            publisher=self.publisher,
-            settings=settings,
-            health=self.health,
-            once_per_process=declare_once_per_process,
-        )
-        self.scheduler = ClaimScheduler(
-            publisher=self.publisher,
-            claims=self.claims,
-            in_flight=self.in_flight,
-            wake_ups=self.wake_ups,
-            health=self.health,
-            settings=settings,
-            stopping=lambda: self._stop_requested or self._past_deadline(),
-            # No claim while the broker blocks the connection, nor before the consumers' queues
-            # are declared on it: the unblock, or the declaration's end, schedules the next one.
-            blocked=lambda: self._blocked or self.topology.declaring,
-            on_nothing_due=self._on_nothing_due,
-        )
         self._watch_timer: object = None
         self._reconnect = Backoff(0.5, settings.reconnect_max_delay)
 
@@ -172,11 +130,11 @@ class OutboxRelay:
         self._stop_requested = True
 
     def run(self) -> RelayReport:
-        self.scheduler.start(threading.current_thread().name)
+        self.scheduler.start(self)
         try:
             while not self._done():
                 self.wake_ups.close(retry_at_once=True)  # a new loop gets a LISTEN of its own
-                self.publisher.run()
+                self.publisher.run(self)
                 self._after_loop()
                 if self._done():
                     break
@@ -191,7 +149,6 @@ class OutboxRelay:
         finally:
             self.health.stopping()
             self.wake_ups.close()
-            self.in_flight.probe.close()
             self._after_loop()
             self.scheduler.close()
             self.topology.close()
@@ -211,6 +168,16 @@ class OutboxRelay:
 
     def _past_deadline(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
+
+    # -- what the scheduler asks (ClaimOwner) ------------------------------------------------
+
+    def stopping(self) -> bool:
+        return self._stop_requested or self._past_deadline()
+
+    def holding(self) -> bool:
+        # No claim while the broker blocks the connection, nor before the consumers' queues
+        # are declared on it.
+        return self._blocked or self.topology.declaring
 
     def _sleep(self, seconds: float) -> None:
         end = time.monotonic() + seconds
@@ -331,7 +298,7 @@ class OutboxRelay:
         self._cancel_timers()
         self.publisher.abandon()
 
-    def _on_nothing_due(self) -> bool:
+    def nothing_due(self) -> bool:
         """Nothing is due now. With ``once`` the relay stops: rows waiting out a backoff after
         a failure are left for a later run (and reported), not waited for."""
         if not self.once:
@@ -346,3 +313,85 @@ class OutboxRelay:
         if len(self.in_flight) < MAX_IN_FLIGHT:
             self.scheduler.schedule(0)
         # else: the next batch to finish schedules a claim
+
+
+def build_relay(
+    settings: MessagingSettings = messaging_settings,
+    *,
+    transport: PublisherTransport | None = None,
+    batch_size: int | None = None,
+    once: bool = False,
+    max_seconds: float | None = None,
+    listen: bool = True,
+    on_batch: Callable[[RelayReport], None] | None = None,
+    health: HealthState | None = None,
+    consumers: Iterable[ConsumerSpec] = (),
+    declare_once_per_process: bool = False,
+) -> OutboxRelay:
+    """A relay assembled from its parts, publishing through ``transport`` (pika's
+    :class:`ConfirmingPublisher` unless given, e.g. the in-memory
+    :class:`~reliable_messaging.testing_broker.StubPublisher`).
+
+    ``consumers``: the consumers whose queues and bindings it declares on each connection
+    before it sends (:mod:`.consumer_topology`); ``manage.py relay`` gives every registered one.
+    ``declare_once_per_process``: declare them once for every relay of this process instead
+    (the Celery task, whose runs each open a connection). ``on_batch`` is called with the
+    report after each batch is recorded, on a database worker."""
+    publisher = transport if transport is not None else ConfirmingPublisher(settings)
+    health = health if health is not None else HealthState()
+    using = router.db_for_write(OutboxMessage)
+    report = RelayReport()
+    # Rows stay leased this long after a claim: the confirm timeout and a margin to record
+    # the outcome. A batch that takes longer (a broker block) has its lease renewed.
+    lease_seconds = settings.relay_confirm_timeout + LEASE_MARGIN
+    claims = OutboxClaims(
+        using,
+        settings,
+        batch_size or settings.relay_batch_size,
+        lease=dt.timedelta(seconds=lease_seconds),
+    )
+    in_flight = InFlight(
+        publisher=publisher,
+        claims=claims,
+        settings=settings,
+        report=report,
+        health=health,
+        lease_seconds=lease_seconds,
+        on_batch=on_batch,
+    )
+    wake_ups = WakeUps(
+        using,
+        enabled=listen and connections[using].vendor == "postgresql",
+        poll_interval=settings.relay_poll_interval,
+        dsn=settings.relay_listen_dsn,
+        send_probe=wake_after_commit.sender.probe,
+        health=health,
+    )
+    scheduler = ClaimScheduler(
+        publisher=publisher,
+        claims=claims,
+        in_flight=in_flight,
+        wake_ups=wake_ups,
+        health=health,
+        settings=settings,
+    )
+    topology = ConsumerTopology(
+        consumers,
+        publisher=publisher,
+        settings=settings,
+        health=health,
+        once_per_process=declare_once_per_process,
+    )
+    return OutboxRelay(
+        publisher=publisher,
+        claims=claims,
+        in_flight=in_flight,
+        scheduler=scheduler,
+        wake_ups=wake_ups,
+        topology=topology,
+        report=report,
+        health=health,
+        settings=settings,
+        once=once,
+        max_seconds=max_seconds,
+    )

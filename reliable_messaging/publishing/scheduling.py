@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
-from collections.abc import Callable
+from typing import Protocol
 
 from django.db import DatabaseError
 
-from ..broker.publisher import ConfirmingPublisher
+from ..broker.publisher import PublisherTransport
 from ..conf import MessagingSettings
 from ..core.backoff import Backoff
 from ..core.liveness import HealthState
@@ -54,21 +55,34 @@ SCHEDULED_LOOK = 0.5
 HELD_FIRST = 0.05
 
 
+class ClaimOwner(Protocol):
+    """What the scheduler asks the relay that runs it (:meth:`ClaimScheduler.start`)."""
+
+    def stopping(self) -> bool:
+        """A stop was asked for, or the deadline passed."""
+
+    def holding(self) -> bool:
+        """No claim now: the broker blocks the connection, or the consumers' queues are being
+        declared (the unblock, or the declaration's end, schedules the next claim)."""
+
+    def nothing_due(self) -> bool:
+        """Nothing is due now; True when the relay stops for it (``--once``)."""
+
+
 class ClaimScheduler:
     """Gives claims to the relay's database workers and publishes what they find."""
+
+    owner: ClaimOwner  # the relay, from start()
 
     def __init__(
         self,
         *,
-        publisher: ConfirmingPublisher,
+        publisher: PublisherTransport,
         claims: OutboxClaims,
         in_flight: InFlight,
         wake_ups: WakeUps,
         health: HealthState,
         settings: MessagingSettings,
-        stopping: Callable[[], bool],
-        blocked: Callable[[], bool],
-        on_nothing_due: Callable[[], bool],
     ) -> None:
         self.publisher = publisher
         self.claims = claims
@@ -76,10 +90,6 @@ class ClaimScheduler:
         self.wake_ups = wake_ups
         self.health = health
         self.settings = settings
-        self.stopping = stopping  # a stop was asked for, or the deadline passed
-        self.blocked = blocked  # the broker blocks the connection
-        # Nothing is due now: True when the relay stops for it (``--once``).
-        self.on_nothing_due = on_nothing_due
         # One per batch that may be in flight; they run every query of the batches.
         self.workers: list[DatabaseWorker] = []
         self._look_again = False  # a claim was asked for while one was under way
@@ -97,7 +107,10 @@ class ClaimScheduler:
         # the relay found nothing for the whole trail.
         self._trail: float | None = None
 
-    def start(self, name: str) -> None:
+    def start(self, owner: ClaimOwner) -> None:
+        """Start the database workers, named after the thread that runs ``owner``."""
+        self.owner = owner
+        name = threading.current_thread().name
         self.workers = [DatabaseWorker(f"{name}-db{i}") for i in range(MAX_IN_FLIGHT)]
 
     def close(self) -> None:
@@ -169,10 +182,10 @@ class ClaimScheduler:
         worker = self._free_worker()
         if worker is None:
             return  # the next batch to be recorded schedules a claim
-        if self.stopping():
+        if self.owner.stopping():
             return  # the relay's watch closes the connection
-        if self.blocked():
-            return  # the unblock schedules the next tick
+        if self.owner.holding():
+            return  # the unblock, or the declaration's end, schedules the next tick
         sweep = time.monotonic() >= self._next_sweep
         if sweep:
             self._next_sweep = float("inf")  # the sweep sets when the next one is due
@@ -226,13 +239,13 @@ class ClaimScheduler:
         self._db_backoff.reset()
         self.health.set_database(True)
         if claim.transaction is not None:
-            if not self.publisher.ready or self.blocked():
+            if not self.publisher.ready or self.owner.holding():
                 # The channel went, or the broker blocked the connection while the claim was
                 # under way: the rows are due again at once. The new channel's confirm mode,
                 # or the unblock, schedules a claim.
                 worker.submit(functools.partial(self._roll_back_job, claim.transaction))
                 return
-            self.in_flight.publish(worker, claim)
+            self.in_flight.publish(worker, claim, self.on_recorded)
         if claim.rows:
             self._trail = TRAIL_FIRST
         if claim.rows or claim.parked or self._look_again:
@@ -244,7 +257,7 @@ class ClaimScheduler:
             return  # a batch in flight schedules a claim when it is recorded
         if self._tick_timer is not None and self._tick_at <= time.monotonic():
             return  # a claim is due already (asked for after this one looked)
-        if self.on_nothing_due():
+        if self.owner.nothing_due():
             return
         self.schedule(self._next_wait(claim.wait))
 

@@ -12,6 +12,7 @@ import datetime as dt
 import functools
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +114,8 @@ class Batch:
     published_at: float = 0.0  # monotonic time the rows went out, for the confirm latency
     leased_at: float = 0.0  # monotonic time the lease was taken or renewed; 0: not leased
     spans: dict[int, Any] = field(default_factory=dict)  # row id -> its "send" span (tracing)
+    # Called on the I/O loop once the outcome is recorded (True) or could not be (False).
+    on_recorded: Callable[[bool], None] | None = None
 
     def holds(self, pk: int) -> bool:
         return pk in self.pks

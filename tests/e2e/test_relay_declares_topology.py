@@ -197,7 +197,7 @@ def test_relay_declares_topology_false_leaves_the_declaring_to_consume(
     from django.test import override_settings
 
     from reliable_messaging.core.registry import ConsumerSpec
-    from reliable_messaging.publishing.relay import OutboxRelay
+    from reliable_messaging.publishing.relay import build_relay
 
     solo = ConsumerSpec(
         name="tests.solo", queue=f"{ns}.solo", handler=lambda message: None, bindings=("solo.*",)
@@ -213,13 +213,13 @@ def test_relay_declares_topology_false_leaves_the_declaring_to_consume(
             )
         finally:
             connection.close()
-        OutboxRelay(once=True, consumers=[solo]).run()
+        build_relay(once=True, consumers=[solo]).run()
     assert statuses(early) == {early: OutboxStatus.UNROUTED}
     assert not queue_exists(solo.queue)
 
     with transaction.atomic():
         later = publish("solo.done", {"n": 2})
-    relay = OutboxRelay(once=True, consumers=[solo])
+    relay = build_relay(once=True, consumers=[solo])
     assert relay.run().sent == 1
     assert statuses(later) == {later: OutboxStatus.SENT}
     assert queue_counts(solo.queue) == (1, 0)
@@ -233,12 +233,12 @@ def test_a_relay_declares_again_after_a_reconnect(ns: str, rm_settings: dict[str
     from django.db import connections
 
     from reliable_messaging.core.registry import ConsumerSpec
-    from reliable_messaging.publishing.relay import OutboxRelay
+    from reliable_messaging.publishing.relay import build_relay
 
     solo = ConsumerSpec(
         name="tests.solo", queue=f"{ns}.solo", handler=lambda message: None, bindings=("solo.*",)
     )
-    relay = OutboxRelay(consumers=[solo])
+    relay = build_relay(consumers=[solo])
 
     def run() -> None:
         try:
@@ -256,7 +256,7 @@ def test_a_relay_declares_again_after_a_reconnect(ns: str, rm_settings: dict[str
         finally:
             connection.close()
         # The relay's connection ends (the broker went away), and the relay connects again.
-        relay.publisher.post(lambda: relay.publisher.close_now("test: the broker went away"))
+        relay.publisher.post(lambda: relay.publisher.close("test: the broker went away"))
         wait_until(lambda: queue_exists(solo.queue), timeout=30, message="the queue again")
         with transaction.atomic():
             after = publish("solo.done", {"n": 1})

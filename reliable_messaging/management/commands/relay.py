@@ -21,7 +21,7 @@ from reliable_messaging.management.metrics_options import add_metrics_arguments,
 from reliable_messaging.models import OutboxMessage
 from reliable_messaging.publishing.lanes import RelayProgress, run_lanes
 from reliable_messaging.publishing.listener import NOTIFY_CHANNEL
-from reliable_messaging.publishing.relay import OutboxRelay
+from reliable_messaging.publishing.relay import build_relay
 from reliable_messaging.storage.partitions import OUTBOX, PartitionUpkeep
 
 logger = logging.getLogger("reliable_messaging.relay")
@@ -89,7 +89,7 @@ class Command(BaseCommand):
         # Each lane declares the queues and bindings of every consumer registered in this
         # project before it sends, so that no start order loses an event to `unrouted`.
         relays = [
-            OutboxRelay(
+            build_relay(
                 batch_size=options["batch_size"],
                 once=options["once"],
                 health=HealthState(),

@@ -14,7 +14,7 @@ from reliable_messaging.choices import OutboxStatus
 from reliable_messaging.core.liveness import HealthState
 from reliable_messaging.models import OutboxMessage
 from reliable_messaging.ops.collectors import DatabaseCollector
-from reliable_messaging.publishing.relay import OutboxRelay
+from reliable_messaging.publishing.relay import build_relay
 from tests.integration.publishing.conftest import OutboxEnv
 from tests.support import wait_until
 
@@ -44,7 +44,7 @@ def test_twenty_rows_through_a_real_relay(ob: OutboxEnv) -> None:
         )
     }
 
-    report = OutboxRelay(once=True, batch_size=8).run()
+    report = build_relay(once=True, batch_size=8).run()
 
     assert report.sent == 20
     assert sample("reliable_messaging_relay_published_total") == (
@@ -77,7 +77,7 @@ def test_failed_sends_are_counted_by_kind(ob: OutboxEnv) -> None:
         publish("full.3", {"n": 3})  # rejected by a full queue: nacked
         publish("ok.4", {"n": 4}, exchange=f"rmtest.{ob.ns}.missing")  # refused
 
-    report = OutboxRelay(once=True).run()
+    report = build_relay(once=True).run()
 
     assert (report.sent, report.returned, report.nacked) == (1, 1, 1)
     after = {k: sample("reliable_messaging_relay_failed_total", kind=k) for k in kinds}

@@ -210,14 +210,14 @@ class RelayProcess(support.RelayProcess):
 
 
 class RelayThread:
-    """An :class:`OutboxRelay` running in a thread of the test process (so it sees the test's
+    """A relay (:func:`build_relay`) running in a thread of the test process (so it sees the test's
     ``override_settings``); ``done`` is set when ``run()`` returned (``result``) or raised
     (``error``)."""
 
     def __init__(self, **kwargs: Any) -> None:
-        from reliable_messaging.publishing.relay import OutboxRelay
+        from reliable_messaging.publishing.relay import build_relay
 
-        self.relay = OutboxRelay(**kwargs)
+        self.relay = build_relay(**kwargs)
         self.done = threading.Event()
         self.result: Any = None
         self.error: BaseException | None = None
@@ -319,7 +319,7 @@ class OutboxEnv:
         return code, process.log()
 
     def relay_thread(self, **kwargs: Any) -> RelayThread:
-        """Start an in-process :class:`OutboxRelay` (``kwargs`` for it) in a thread; it is
+        """Start an in-process relay (``kwargs`` for :func:`build_relay`) in a thread; it is
         stopped in teardown."""
         runner = RelayThread(**kwargs)
         self.threads.append(runner)

@@ -20,7 +20,7 @@ from reliable_messaging import publish
 from reliable_messaging.choices import OutboxStatus
 from reliable_messaging.models import OutboxMessage
 from reliable_messaging.publishing.claims import OutboxClaims
-from reliable_messaging.publishing.relay import OutboxRelay, RelayReport
+from reliable_messaging.publishing.relay import RelayReport, build_relay
 from reliable_messaging.storage import partitions
 from reliable_messaging.storage.partitions import OUTBOX, OUTBOX_TABLE, OUTBOX_UNSENT
 from reliable_messaging.storage.retention import purge_messages
@@ -41,7 +41,7 @@ def today() -> dt.date:
 
 
 def relay_once() -> RelayReport:
-    return OutboxRelay(once=True).run()
+    return build_relay(once=True).run()
 
 
 def where(message_id: str) -> str:
@@ -250,7 +250,7 @@ def test_a_claim_that_meets_a_row_moved_meanwhile_claims_again(ob: OutboxEnv) ->
             raise error
         return real(self)
 
-    relay = OutboxRelay(once=True)
+    relay = build_relay(once=True)
     with mock.patch.object(OutboxClaims, "_select", select):
         report = relay.run()
     assert report.sent == 5

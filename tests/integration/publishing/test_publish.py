@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from reliable_messaging import publish
 from reliable_messaging.choices import OutboxStatus
 from reliable_messaging.models import OutboxMessage
-from reliable_messaging.publishing.relay import OutboxRelay
+from reliable_messaging.publishing.relay import build_relay
 from tests.testapp.models import Effect
 
 from .conftest import OutboxEnv
@@ -72,10 +72,10 @@ def test_rolled_back_publish_is_never_sent_and_committed_one_is_sent_exactly_onc
     assert committed_rows(committed) == 1
     assert not OutboxMessage.objects.filter(message_id__in=[rolled_back, in_savepoint]).exists()
 
-    report = OutboxRelay(once=True).run()
+    report = build_relay(once=True).run()
     assert report.sent == 1
     # A second relay run finds nothing more to send.
-    assert OutboxRelay(once=True).run().sent == 0
+    assert build_relay(once=True).run().sent == 0
 
     delivered = ob.broker.drain(queue, expected=1)
     assert Counter(m.message_id for m in delivered) == {committed: 1}

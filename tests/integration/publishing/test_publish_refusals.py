@@ -15,7 +15,7 @@ from django.utils import timezone
 from reliable_messaging import publish
 from reliable_messaging.core.envelope import EXPIRES_AT_HEADER, PUBLISHED_AT_HEADER
 from reliable_messaging.models import OutboxMessage
-from reliable_messaging.publishing.relay import OutboxRelay
+from reliable_messaging.publishing.relay import build_relay
 
 from .conftest import OutboxEnv
 
@@ -50,7 +50,7 @@ def test_headers_over_the_frame_size_are_refused_naming_the_limit() -> None:
 def test_headers_under_the_frame_size_are_sent(ob: OutboxEnv) -> None:
     queue = ob.queue()
     message_id = publish("accepted.x", {}, headers={"big": "a" * 130_000})
-    assert OutboxRelay(once=True, max_seconds=10).run().sent == 1
+    assert build_relay(once=True, max_seconds=10).run().sent == 1
     [received] = ob.broker.drain(queue, expected=1)
     assert received.message_id == message_id and len(received.headers["big"]) == 130_000
 
@@ -64,7 +64,7 @@ def test_a_past_deliver_at_is_sent_at_once_and_counts_its_age_from_the_call(
         past = publish(
             "past.x", {}, deliver_at=timezone.now() - dt.timedelta(minutes=1), expires=60
         )
-    assert OutboxRelay(once=True, max_seconds=10).run().sent == 1
+    assert build_relay(once=True, max_seconds=10).run().sent == 1
     [received] = ob.broker.drain(queue, expected=1)
     assert received.message_id == past
     # Neither its published-at nor its deadline is counted from the date a minute ago.

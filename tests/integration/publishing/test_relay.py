@@ -15,7 +15,7 @@ from django.utils import timezone
 from reliable_messaging import publish
 from reliable_messaging.choices import OutboxStatus
 from reliable_messaging.models import OutboxMessage
-from reliable_messaging.publishing.relay import OutboxRelay, RelayReport
+from reliable_messaging.publishing.relay import RelayReport, build_relay
 
 from .conftest import OutboxEnv, Received
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def relay_once(**kwargs: object) -> RelayReport:
-    return OutboxRelay(once=True, **kwargs).run()  # type: ignore[arg-type]
+    return build_relay(once=True, **kwargs).run()  # type: ignore[arg-type]
 
 
 def make_due(*message_ids: str) -> None:

@@ -20,7 +20,7 @@ from reliable_messaging import publish
 from reliable_messaging.choices import OutboxStatus
 from reliable_messaging.models import OutboxMessage
 from reliable_messaging.publishing.claims import claimable, release_parked
-from reliable_messaging.publishing.relay import LEASE_MARGIN, OutboxRelay
+from reliable_messaging.publishing.relay import LEASE_MARGIN, build_relay
 from reliable_messaging.publishing.sent import Batch, record_outcome
 from tests.markers import postgresql_only
 
@@ -105,7 +105,7 @@ def test_rows_behind_a_failed_row_are_parked_once_then_released_in_order(ob: Out
         later = [publish(f"ok.a{i}", {"n": i}, ordering_key="A") for i in range(1, 6)]
         free = publish("ok.free", {"n": "free"})
 
-    OutboxRelay(once=True).run()
+    build_relay(once=True).run()
     assert OutboxMessage.objects.get(message_id=head).status == OutboxStatus.FAILED
     assert [m.message_id for m in ob.broker.drain(queue, expected=1)] == [free]
     parked = OutboxMessage.objects.filter(message_id__in=later)
@@ -113,7 +113,7 @@ def test_rows_behind_a_failed_row_are_parked_once_then_released_in_order(ob: Out
     assert all(r.next_attempt_at is None for r in parked), "the rows behind it are not parked"
     # Parked rows are out of the claim's reach: later claims never read them again.
     assert not claimable("default").filter(message_id__in=later).exists()
-    assert OutboxRelay(once=True).run().sent == 0
+    assert build_relay(once=True).run().sent == 0
 
     # The operator fixes the cause and retries the head (the admin's action): the head goes,
     # and each row is released by the one before it, in order.
@@ -121,7 +121,7 @@ def test_rows_behind_a_failed_row_are_parked_once_then_released_in_order(ob: Out
     OutboxMessage.objects.filter(message_id=head).update(
         status=OutboxStatus.PENDING, attempts=0, next_attempt_at=Now()
     )
-    report = OutboxRelay(once=True).run()
+    report = build_relay(once=True).run()
     assert report.sent == 6
     assert [m.message_id for m in ob.broker.drain(queue, expected=6)] == [head, *later]
 
@@ -138,7 +138,7 @@ def test_a_parked_row_nothing_holds_back_is_released_by_the_sweep(ob: OutboxEnv)
 
     assert release_parked("default") == (1, None)
     OutboxMessage.objects.filter(message_id=second).update(next_attempt_at=None)
-    assert OutboxRelay(once=True).run().sent == 1  # the relay sweeps when it starts
+    assert build_relay(once=True).run().sent == 1  # the relay sweeps when it starts
     assert [m.message_id for m in ob.broker.drain(queue, expected=1)] == [second]
 
 
@@ -170,12 +170,12 @@ def test_a_claim_holds_its_rows_then_trades_its_transaction_for_a_lease(ob: Outb
     ob.set(RELAY_CONFIRM_TIMEOUT=10)
     with transaction.atomic():
         ids = [publish("order.placed", {"n": i}) for i in range(5)]
-    relay = OutboxRelay(once=True)
+    relay = build_relay(once=True)
     claim = relay.claims.claim()
     assert sorted(r.message_id for r in claim.rows) == sorted(ids)
     assert connection.in_atomic_block  # the rows are locked by it
     other: list[Any] = []
-    thread = threading.Thread(target=lambda: other.append(OutboxRelay(once=True).claims.claim()))
+    thread = threading.Thread(target=lambda: other.append(build_relay(once=True).claims.claim()))
     thread.start()
     thread.join(10)
     assert other[0].rows == [], "another relay took rows a batch in flight holds"
@@ -190,7 +190,7 @@ def test_a_claim_holds_its_rows_then_trades_its_transaction_for_a_lease(ob: Outb
         assert row.next_attempt_at is not None
         lease = (row.next_attempt_at - now).total_seconds()
         assert 10 < lease <= 10 + LEASE_MARGIN + 1, lease
-    other_claim = OutboxRelay(once=True).claims.claim()
+    other_claim = build_relay(once=True).claims.claim()
     assert other_claim.rows == [] and other_claim.transaction is None, "leased rows were taken"
 
     # Recording the batch later marks the confirmed rows sent and makes the rest due again.
@@ -216,7 +216,7 @@ def test_several_batches_in_flight_keep_each_keys_order(ob: OutboxEnv) -> None:
                 )
             publish("order.placed", {"key": None, "seq": seq})
     batches: list[int] = []
-    report = OutboxRelay(once=True, batch_size=4, on_batch=lambda r: batches.append(r.sent)).run()
+    report = build_relay(once=True, batch_size=4, on_batch=lambda r: batches.append(r.sent)).run()
     assert report.sent == 15 * 7
     delivered = ob.broker.drain(queue, expected=15 * 7)
     for key, ids in published.items():

@@ -28,7 +28,7 @@ from reliable_messaging.ops.collectors import database_status
 from reliable_messaging.ops.status import Thresholds, find_problems
 from reliable_messaging.publishing import wake_after_commit
 from reliable_messaging.publishing.listener import OutboxListener
-from reliable_messaging.publishing.relay import OutboxRelay, RelayReport
+from reliable_messaging.publishing.relay import RelayReport, build_relay
 from reliable_messaging.storage.retention import purge_messages
 from tests import support
 from tests.markers import direct_only
@@ -40,7 +40,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def relay_once() -> RelayReport:
-    return OutboxRelay(once=True).run()
+    return build_relay(once=True).run()
 
 
 def row(message_id: str) -> OutboxMessage:
@@ -195,7 +195,7 @@ def test_missing_psycopg_is_said_once_and_names_the_extra(
     monkeypatch.setattr(wake_after_commit, "_can_notify", {})
     message_id = publish("poll.x", {"n": 1})
     with caplog.at_level(logging.WARNING, logger="reliable_messaging.relay"):
-        OutboxRelay(max_seconds=11.0).run()  # said once, not every 5 s
+        build_relay(max_seconds=11.0).run()  # said once, not every 5 s
     said = [r.getMessage() for r in caplog.records if "LISTEN" in r.getMessage()]
     assert len(said) == 1, said
     assert 'pip install "reliable-messaging[postgres]"' in said[0]

@@ -18,7 +18,7 @@ from django.utils import timezone
 from reliable_messaging import publish
 from reliable_messaging.choices import OutboxStatus
 from reliable_messaging.models import OutboxMessage
-from reliable_messaging.publishing.relay import OutboxRelay
+from reliable_messaging.publishing.relay import build_relay
 from tests.support import wait_until
 
 from .conftest import OutboxEnv
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def test_default_exchange_routes_to_a_queue_by_name(ob: OutboxEnv) -> None:
     queue = ob.queue(bindings=[])
     message_id = publish(queue, {"direct": True}, exchange="")
-    assert OutboxRelay(once=True).run().sent == 1
+    assert build_relay(once=True).run().sent == 1
     delivered = ob.broker.drain(queue, expected=1)
     assert [(m.message_id, m.exchange, m.payload) for m in delivered] == [
         (message_id, "", {"direct": True})
@@ -60,7 +60,7 @@ def test_a_row_amqp_cannot_carry_does_not_block_the_others(
     good_after = publish("ok.after", {"n": 3})
 
     # Bounded: a healthy relay is done in milliseconds; a crash-looping one is cut off.
-    OutboxRelay(once=True, max_seconds=4).run()
+    build_relay(once=True, max_seconds=4).run()
 
     assert OutboxMessage.objects.get(message_id=good_before).status == OutboxStatus.SENT
     assert OutboxMessage.objects.get(message_id=good_after).status == OutboxStatus.SENT
