@@ -26,6 +26,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pika.spec import Basic
+
 from .broker.limits import header_frame_size
 from .broker.publisher import (
     ENCODING_ERRORS,
@@ -579,7 +581,8 @@ class StubPublisher:
     ) -> int:
         assert self.ready, "publish on a closed channel"
         properties = message_properties(message_id, timestamp, headers)
-        try:  # what pika would write: it fails here on what it cannot encode
+        try:  # the frames pika would write: it fails here on what it cannot encode
+            Basic.Publish(exchange=exchange, routing_key=routing_key, mandatory=True).encode()
             size = header_frame_size(properties, len(body))
         except ENCODING_ERRORS as exc:
             raise Unencodable(exc) from exc

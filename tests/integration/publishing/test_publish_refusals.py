@@ -6,14 +6,10 @@ call, not as the date."""
 from __future__ import annotations
 
 import datetime as dt
-import time
 
 import pytest
-from django.db import transaction
-from django.utils import timezone
 
 from reliable_messaging import publish
-from reliable_messaging.core.envelope import EXPIRES_AT_HEADER, PUBLISHED_AT_HEADER
 from reliable_messaging.models import OutboxMessage
 from reliable_messaging.publishing.relay import build_relay
 
@@ -53,23 +49,3 @@ def test_headers_under_the_frame_size_are_sent(ob: OutboxEnv) -> None:
     assert build_relay(once=True, max_seconds=10).run().sent == 1
     [received] = ob.broker.drain(queue, expected=1)
     assert received.message_id == message_id and len(received.headers["big"]) == 130_000
-
-
-def test_a_past_deliver_at_is_sent_at_once_and_counts_its_age_from_the_call(
-    ob: OutboxEnv,
-) -> None:
-    queue = ob.queue()
-    called = time.time()
-    with transaction.atomic():
-        past = publish(
-            "past.x", {}, deliver_at=timezone.now() - dt.timedelta(minutes=1), expires=60
-        )
-    assert build_relay(once=True, max_seconds=10).run().sent == 1
-    [received] = ob.broker.drain(queue, expected=1)
-    assert received.message_id == past
-    # Neither its published-at nor its deadline is counted from the date a minute ago.
-    published_ms = received.headers[PUBLISHED_AT_HEADER]
-    assert published_ms >= int(called * 1000) - 1000  # the database's clock, to a second
-    assert received.properties.timestamp is not None
-    assert received.properties.timestamp >= int(called) - 1
-    assert received.headers[EXPIRES_AT_HEADER] >= int((called + 60) * 1000)

@@ -8,7 +8,6 @@ import datetime as dt
 import json
 import re
 import threading
-from collections import defaultdict
 from typing import Any
 
 import pytest
@@ -203,22 +202,3 @@ def test_a_claim_holds_its_rows_then_trades_its_transaction_for_a_lease(ob: Outb
     assert OutboxMessage.objects.filter(
         pk__in=again, status=OutboxStatus.PENDING, next_attempt_at__lte=Now()
     ).count() == len(again)
-
-
-def test_several_batches_in_flight_keep_each_keys_order(ob: OutboxEnv) -> None:
-    queue = ob.queue()
-    published: dict[str, list[str]] = defaultdict(list)
-    with transaction.atomic():
-        for seq in range(15):
-            for key in ("a", "b", "c", "d", "e", "f"):
-                published[key].append(
-                    publish("order.placed", {"key": key, "seq": seq}, ordering_key=key)
-                )
-            publish("order.placed", {"key": None, "seq": seq})
-    batches: list[int] = []
-    report = build_relay(once=True, batch_size=4, on_batch=lambda r: batches.append(r.sent)).run()
-    assert report.sent == 15 * 7
-    delivered = ob.broker.drain(queue, expected=15 * 7)
-    for key, ids in published.items():
-        assert [m.message_id for m in delivered if m.payload["key"] == key] == ids, key
-    assert not OutboxMessage.objects.exclude(status=OutboxStatus.SENT).exists()

@@ -281,21 +281,6 @@ def _no_broker():  # type: ignore[no-untyped-def]
     return BrokerStatus(url="", reachable=False)
 
 
-def test_a_command_matching_require_route_is_retried_then_failed(ob: OutboxEnv) -> None:
-    ob.set(REQUIRE_ROUTE=["billing.command.#"], OUTBOX_MAX_ATTEMPTS=2)
-    ob.queue(bindings=["order.#"])
-    command = publish("billing.command.charge", {"n": 1})
-
-    report = relay_once()
-    assert (report.returned, report.unrouted) == (1, 0)
-    assert (row(command).status, row(command).attempts) == (OutboxStatus.PENDING, 1)
-    assert "REQUIRE_ROUTE" in row(command).last_error
-    OutboxMessage.objects.filter(message_id=command).update(next_attempt_at=Now())
-    code, log = ob.run_relay_once(60)
-    assert code == 1, log
-    assert (row(command).status, row(command).attempts) == (OutboxStatus.FAILED, 2)
-
-
 @pytest.mark.parametrize("value", ["billing.#", ["ok", ""], ["a..b"], [1], {"a": 1}], ids=repr)
 def test_a_malformed_require_route_is_a_check_error(value: object) -> None:
     with override_settings(RELIABLE_MESSAGING={"REQUIRE_ROUTE": value}):

@@ -20,6 +20,7 @@ from django.utils import timezone
 
 from reliable_messaging import publish
 from reliable_messaging.choices import OutboxStatus
+from reliable_messaging.core.envelope import EXPIRES_AT_HEADER, PUBLISHED_AT_HEADER
 from reliable_messaging.models import OutboxMessage
 from reliable_messaging.publishing.lanes import run_lanes
 from reliable_messaging.publishing.relay import RelayReport, build_relay
@@ -62,7 +63,7 @@ def write_row(routing_key: str, headers: dict[str, Any], **fields: Any) -> str:
     """A row publish() would refuse now (written before the refusal existed, or by another
     path)."""
     created = OutboxMessage.objects.create(
-        message_id=f"direct-{routing_key}-{time.monotonic_ns()}",
+        message_id=fields.pop("message_id", f"direct-{time.monotonic_ns()}"),
         exchange=str(django_settings.RELIABLE_MESSAGING["EXCHANGE"]),
         routing_key=routing_key,
         body='{"n": 0}',
@@ -363,6 +364,14 @@ def test_keys_keep_their_order_across_lanes_and_a_failed_head_holds_only_its_key
     assert (row(behind).status, row(behind).attempts) == (OutboxStatus.PENDING, 0)
     assert behind not in {m.message_id for m in wire}
 
+    # Its cause fixed and the head retried, the key's rows go, in order.
+    stubs[0].routes = ("#",)
+    OutboxMessage.objects.filter(message_id=head).update(
+        status=OutboxStatus.PENDING, attempts=0, next_attempt_at=Now()
+    )
+    assert relay_once(stubs[0]).sent == 2
+    assert ids(stubs[0].routed[-2:]) == [head, behind]
+
 
 # --------------------------------------------------------------------------- scheduled rows
 
@@ -381,3 +390,40 @@ def test_a_scheduled_row_goes_when_due_and_counts_its_age_from_then() -> None:
     assert message.message_id == later
     assert message.headers["x-rm-published-at"] == int(due_at.timestamp() * 1000)
     assert row(later).status == OutboxStatus.SENT
+
+
+def test_a_past_deliver_at_goes_at_once_and_counts_its_age_from_the_call() -> None:
+    called = time.time()
+    with transaction.atomic():
+        past = publish(
+            "past.x", {}, deliver_at=timezone.now() - dt.timedelta(minutes=1), expires=60
+        )
+    stub = StubPublisher()
+
+    assert relay_once(stub).sent == 1
+    [message] = stub.routed
+    assert message.message_id == past
+    # Neither its published-at nor its deadline is counted from the date a minute ago.
+    assert message.headers[PUBLISHED_AT_HEADER] >= int(called * 1000) - 1000  # the DB's clock
+    assert message.headers[EXPIRES_AT_HEADER] >= int((called + 60) * 1000)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"routing_key": "é" * 200}, {"message_id": "é" * 200}, {"headers": {"k" * 300: 1}}],
+    ids=["routing-key-400-bytes", "message-id-400-bytes", "header-name-300-bytes"],
+)
+def test_a_row_amqp_cannot_carry_fails_and_the_others_go(bad: dict[str, Any]) -> None:
+    first = publish("ok.before", {"n": 1})
+    fields = dict(bad)
+    headers = fields.pop("headers", {})
+    routing_key = fields.pop("routing_key", "ok.bad")
+    unsendable = write_row(routing_key, headers, **fields)
+    last = publish("ok.after", {"n": 3})
+    stub = StubPublisher()
+
+    relay_once(stub)
+    r = row(unsendable)
+    assert (r.status, r.attempts) == (OutboxStatus.FAILED, 1)
+    assert "cannot encode" in r.last_error, r.last_error
+    assert ids(stub.routed) == [first, last]

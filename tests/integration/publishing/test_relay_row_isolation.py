@@ -1,13 +1,13 @@
-"""No row stops the outbox: a row the broker or pika refuses at any level (the connection, its
-encoding) is marked failed with its reason, and the rows around it are sent.
+"""No row stops the outbox: a row whose header frame is over the real broker's frame_max (it
+closes the connection) is marked failed with its reason, and the rows around it are sent. The
+rows pika cannot encode are isolated the same way in ``test_relay_on_twin.py``.
 
-The rows are written with the manager, not ``publish()`` (which refuses them now): rows written
+The row is written with the manager, not ``publish()`` (which refuses it now): rows written
 before the refusals existed, or by another path. A real ``manage.py relay`` process sends them.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import time
 from collections import Counter
 from typing import Any
@@ -79,38 +79,3 @@ def test_a_header_over_the_frame_size_fails_and_the_rows_around_it_are_sent(
     reconnects = relay.log().count(CLOSED)
     assert reconnects <= 2, relay.log()
     print(f"big row failed after {failed_after:.2f}s, {reconnects} reconnect(s)")
-
-
-@pytest.mark.parametrize(
-    "bad",
-    [
-        {"created_at": dt.datetime(1960, 1, 1, tzinfo=dt.UTC)},
-        {"headers": {"x-rm-expires-at": 10**20}},
-    ],
-    ids=["timestamp-before-1970", "header-int-over-64-bits"],
-)
-def test_a_row_pika_cannot_encode_fails_at_once_and_the_others_are_sent(
-    ob: OutboxEnv, bad: dict[str, Any]
-) -> None:
-    queue = ob.queue()
-    first = publish("iso.first", {"n": 1})
-    fields = dict(bad)
-    unsendable = write_row("iso.bad", fields.pop("headers", {}), exchange=ob.exchange, **fields)
-    last = publish("iso.last", {"n": 2})
-
-    relay = ob.relay_process()
-    wait_until(
-        lambda: status(unsendable) == OutboxStatus.FAILED,
-        timeout=30,
-        message=lambda: f"the unencodable row marked failed; relay log:\n{relay.log()}",
-    )
-    wait_until(
-        lambda: status(first) == status(last) == OutboxStatus.SENT,
-        timeout=30,
-        message="the other rows sent",
-    )
-    row = OutboxMessage.objects.get(message_id=unsendable)
-    # Failed at its first attempt: encoding it again can only fail again.
-    assert row.attempts == 1 and "cannot encode" in row.last_error, row.last_error
-    assert [m.message_id for m in ob.broker.drain(queue, expected=2)] == [first, last]
-    assert CLOSED not in relay.log()
