@@ -1,16 +1,6 @@
-"""The dead-letter console's own admin pages, and the operations they share with the actions.
-
-- ``failure_groups_view``: dead letters grouped by fingerprint and consumer, with links to list,
-  replay or discard a whole group.
-- ``bulk_operation_view``: replay or discard everything the changelist's filter matches, after a
-  confirmation page; records a ``DeadLetterOperation`` that the relay carries out.
-- ``object_operation_view``: the replay and discard buttons of one dead letter's page.
-- ``replay_and_report``, ``discard_and_report``: run :mod:`reliable_messaging.dead_letters.replay`
-  batch by batch, log each dead letter in the admin log, and tell the user what happened.
-
-Each view checks its permission itself: ``admin_view`` only ensures a logged-in staff user and
-CSRF protection.
-"""
+"""The dead-letter console's own pages (failure groups, the confirmation of a bulk operation,
+one dead letter's replay and discard buttons), and the replays and discards they share with the
+actions. Each view checks its permission itself (``admin_view`` only ensures a staff user)."""
 
 from __future__ import annotations
 
@@ -26,7 +16,6 @@ from django.db import router, transaction
 from django.db.models import Max, QuerySet
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed, QueryDict
 from django.shortcuts import redirect
-from django.template.response import TemplateResponse
 from django.utils import timezone
 from django.utils.http import urlencode
 from django.utils.translation import gettext, ngettext
@@ -54,16 +43,21 @@ from ..dead_letters.selection import (
 from ..managers import DeadLetterQuerySet
 from ..models import DeadLetter, DeadLetterGroup, FailureGroupState
 from ..publishing.wake_after_commit import wake_relay_after_commit
-from .operations import COUNT_CAP, OperationConsole, capped_count, operator, record_operation
+from .operations import (
+    COUNT_CAP,
+    OperationConsole,
+    capped_count,
+    operator,
+    record_operation,
+    render,
+)
 
 if TYPE_CHECKING:
     from django.contrib.admin.views.main import ChangeList
 
 
 class DeadLetterConsole(OperationConsole, Protocol):
-    """What these views need of the dead letters' ModelAdmin (``admin.DeadLetterAdmin``,
-    which passes itself to each view): what the operations' pages need, and more. They never
-    import it, so the console's modules depend one way only, admin.py on these."""
+    """What these views need of the dead letters' ModelAdmin, which passes itself."""
 
     # Dead letters per transaction of a synchronous replay or discard (a selection).
     batch_size: int
@@ -89,7 +83,7 @@ def already_processed(queryset: QuerySet[DeadLetter]) -> QuerySet[DeadLetter]:
 
 
 def log_changes(request: HttpRequest, ids: Sequence[int], message: str) -> None:
-    """One admin log entry (who, when, what) per dead letter, so its history page shows it."""
+    """One admin log entry per dead letter, so its history page shows it."""
     if not ids:
         return
     user: Any = request.user  # admin views only run for logged-in staff
@@ -119,17 +113,15 @@ def replay_and_report(
     force: bool,
     how: str,
 ) -> ReplayResult:
-    """Replay ``ids`` (a selection of the list, one dead letter's button) through the outbox,
-    ``batch_size`` per transaction, log and report it; returns what was done."""
+    """Replay ``ids`` through the outbox, ``batch_size`` per transaction, log and report it."""
     result = ReplayResult()
-    who = operator(request)
     verb = gettext("Replayed, forced") if force else gettext("Replayed")
     message = _how_many(verb, how, len(ids))
     using = router.db_for_write(DeadLetter)
-    for start in range(0, len(ids), model_admin.batch_size):
+    for start in range(0, len(ids), size := model_admin.batch_size):
         with transaction.atomic(using=using):
             batch = replay_batch(
-                ids[start : start + model_admin.batch_size], replayed_by=who, force=force
+                ids[start : start + size], replayed_by=operator(request), force=force
             )
             log_changes(request, batch.replayed, message)
             if batch.replayed:  # the relay claims the replays' outbox rows once committed
@@ -203,29 +195,20 @@ def _report_replay(
 
 
 def discard_and_report(
-    model_admin: DeadLetterConsole,
-    request: HttpRequest,
-    ids: Sequence[int],
-    *,
-    how: str,
+    model_admin: DeadLetterConsole, request: HttpRequest, ids: Sequence[int], *, how: str
 ) -> int:
     """Discard those of ``ids`` still dead, ``batch_size`` per transaction; log and report.
     Returns how many were discarded."""
-    who = operator(request)
     message = _how_many(gettext("Discarded"), how, len(ids))
     using = router.db_for_write(DeadLetter)
     discarded = 0
-    for start in range(0, len(ids), model_admin.batch_size):
+    for start in range(0, len(ids), size := model_admin.batch_size):
         with transaction.atomic(using=using):
             # Locked, so a dead letter a replay just took is not discarded under its feet.
-            dead = list(
-                DeadLetter.objects.using(using)
-                .select_for_update()
-                .filter(pk__in=ids[start : start + model_admin.batch_size])
-                .filter(discardable())
-                .values_list("pk", flat=True)
-            )
-            discarded += discard(DeadLetter.objects.filter(pk__in=dead), discarded_by=who)
+            rows = DeadLetter.objects.using(using).select_for_update().filter(discardable())
+            dead = list(rows.filter(pk__in=ids[start : start + size]).values_list("pk", flat=True))
+            rows = DeadLetter.objects.filter(pk__in=dead)
+            discarded += discard(rows, discarded_by=operator(request))
             log_changes(request, dead, message)
     if discarded:
         model_admin.message_user(
@@ -311,13 +294,9 @@ def bulk_operation_view(
     model_admin: DeadLetterConsole, request: HttpRequest, operation: Operation
 ) -> HttpResponse:
     """Replay or discard every dead letter the changelist's filter and search match: GET asks
-    for confirmation with the counts, POST records an operation the relay carries out; a POST
-    of the "Dry run" button shows what it would do instead (``operations.dry_run``: the first
-    ``DRY_RUN_LIMIT`` judged as the replay judges them), and writes nothing.
-
-    The POST takes what its page showed: the search read the same way, the dead letters up
-    to the highest id the page counted; when it would take another number than the page
-    announced, nothing is recorded and the page is shown again with the new figures."""
+    for confirmation with the counts, POST records an operation (of what its page showed: the
+    same search, the dead letters up to the id it counted; when the count changed since,
+    nothing is recorded), the "Dry run" button shows what it would do."""
     if not model_admin.has_replay_permission(request):
         raise PermissionDenied
     if request.method not in ("GET", "POST"):
@@ -385,36 +364,33 @@ def bulk_operation_view(
         title = ngettext(
             "Discard %(count)s dead letter?", "Discard %(count)s dead letters?", target_count
         )
-    context = {
-        **model_admin.admin_site.each_context(request),
-        "opts": model_admin.opts,
-        "title": title % {"count": _at_most(target_count)},
-        "operation": operation,
-        "filter_parts": filter_parts,
-        "matching_count": matching_count,
-        "target_count": target_count,
-        "left_alone_count": max(0, matching_count - capped_count(wanted_rows)),
-        "unreplayable_count": unreplayable_count,
-        "processed_count": processed,
-        "count_cap": COUNT_CAP,
-        "capped": matching_count > COUNT_CAP,
-        "status_chosen": chosen["status_chosen"],
-        "batch_size": model_admin.batch_size,
-        "changelist_url": changelist_url,
-        "confirmed": _Confirmed(chosen["search_mode"], max_pk, target_count),
-        "dry_run": dry,
-        "dry_run_refused": [
+    refusals = sorted(dry.refused.items(), key=lambda item: -item[1]) if dry else []
+    return render(
+        model_admin,
+        request,
+        "confirm_operation",
+        title % {"count": _at_most(target_count)},
+        operation=operation,
+        filter_parts=filter_parts,
+        matching_count=matching_count,
+        target_count=target_count,
+        left_alone_count=max(0, matching_count - capped_count(wanted_rows)),
+        unreplayable_count=unreplayable_count,
+        processed_count=processed,
+        count_cap=COUNT_CAP,
+        capped=matching_count > COUNT_CAP,
+        status_chosen=chosen["status_chosen"],
+        batch_size=model_admin.batch_size,
+        changelist_url=changelist_url,
+        confirmed=_Confirmed(chosen["search_mode"], max_pk, target_count),
+        dry_run=dry,
+        dry_run_refused=[
             {"label": REFUSAL_LABELS.get(code, code), "count": n, "examples": dry.examples[code]}
-            for code, n in sorted(dry.refused.items(), key=lambda item: -item[1])
-        ]
-        if dry
-        else [],
-        "dry_run_limit": DRY_RUN_LIMIT,
-        "dry_run_forced": bool(request.POST.get("force")),
-    }
-    request.current_app = model_admin.admin_site.name
-    return TemplateResponse(
-        request, "admin/reliable_messaging/deadletter/confirm_operation.html", context
+            for code, n in refusals
+            if dry
+        ],
+        dry_run_limit=DRY_RUN_LIMIT,
+        dry_run_forced=bool(request.POST.get("force")),
     )
 
 
@@ -546,23 +522,20 @@ def failure_groups_view(model_admin: DeadLetterConsole, request: HttpRequest) ->
                 else "",
             }
         )
-    context = {
-        **model_admin.admin_site.each_context(request),
-        "opts": opts,
-        "title": gettext("Failure groups"),
-        "rows": rows,
-        "page": page,
-        "show_all": show_all,
-        "state": wanted_state,
-        "state_choices": [("", gettext("needing attention or muted"))]
+    return render(
+        model_admin,
+        request,
+        "failure_groups",
+        gettext("Failure groups"),
+        rows=rows,
+        page=page,
+        show_all=show_all,
+        state=wanted_state,
+        state_choices=[("", gettext("needing attention or muted"))]
         + [(s.value, s.label) for s in GroupState]
         + [("all", gettext("every state"))],
-        "here_query": f"?{here_query}" if here_query else "?",
-        "changelist_url": model_admin.console_url("changelist"),
-        "has_replay_permission": can_replay,
-        "can_triage": can_triage,
-    }
-    request.current_app = model_admin.admin_site.name
-    return TemplateResponse(
-        request, "admin/reliable_messaging/deadletter/failure_groups.html", context
+        here_query=f"?{here_query}" if here_query else "?",
+        changelist_url=model_admin.console_url("changelist"),
+        has_replay_permission=can_replay,
+        can_triage=can_triage,
     )

@@ -1,14 +1,10 @@
-"""Admin pages for the inbox, the outbox and the dead letters.
-
-The dead-letter pages are a console over the services of ``dead_letters/replay.py``: they choose
-dead letters (a selection, everything matching the changelist's filter, a failure group), ask for
-confirmation before bulk work, and report what the service did. The pages of their own (failure
-groups, the confirmation page, the replay/discard buttons of a dead letter) live in
-``admin/console.py``.
-"""
+"""The dead letters' admin: the list, the detail page and the actions; the console's own pages
+(failure groups, confirmation, the replay and discard buttons) live in ``admin/console.py``."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
@@ -17,7 +13,6 @@ from django.contrib.admin import helpers
 from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
-from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils import formats, timezone
 from django.utils.dateparse import parse_datetime
@@ -50,9 +45,9 @@ def _moment(value: Any, format: str = "Y-m-d H:i:s") -> str:
 
 
 def trace_link(trace_id: str, span_id: str = "") -> str:
-    """A trace id, linked with ``TRACE_URL_TEMPLATE`` when it is set (the ids are hex, checked
-    here too: a stored id is data a producer could have chosen)."""
-    if not _is_hex(trace_id, 32) or (span_id and not _is_hex(span_id, 16)):
+    """A trace id, linked with ``TRACE_URL_TEMPLATE`` when it is set and the ids are hex (a
+    stored id is data a producer could have chosen)."""
+    if not re.fullmatch("[0-9a-f]{32}", trace_id) or not re.fullmatch("([0-9a-f]{16})?", span_id):
         return format_html("{}", trace_id or "-")
     template = messaging_settings.trace_url_template
     if not template:
@@ -61,17 +56,22 @@ def trace_link(trace_id: str, span_id: str = "") -> str:
     return format_html('<a href="{}" rel="noopener"><code>{}</code></a>', url, trace_id)
 
 
-def _is_hex(value: Any, length: int) -> bool:
-    return (
-        isinstance(value, str)
-        and len(value) == length
-        and all(c in "0123456789abcdef" for c in value)
+def _table(css_class: str, heads: Iterable[Any], rows: Iterable[Iterable[Any]]) -> str:
+    """An HTML table of ``rows`` under the headings ``heads``."""
+    return format_html(
+        '<table class="{}"><thead><tr>{}</tr></thead><tbody>{}</tbody></table>',
+        css_class,
+        format_html_join("", "<th>{}</th>", ((head,) for head in heads)),
+        format_html_join(
+            "",
+            "<tr>{}</tr>",
+            ((format_html_join("", "<td>{}</td>", ((c,) for c in r)),) for r in rows),
+        ),
     )
 
 
 def _filter_query(request: HttpRequest) -> str:
-    """The changelist's query string without its page number and error flag: the filter,
-    search and ordering that the bulk pages rebuild the changelist's queryset from."""
+    """The changelist's query string without its page number and error flag."""
     params = request.GET.copy()
     for key in ("p", "e"):
         params.pop(key, None)
@@ -82,6 +82,18 @@ def _filter_query(request: HttpRequest) -> str:
 REPLAYS_SHOWN = 50
 # The search of words reads trigram indexes, which answer words of this many characters or more.
 SHORTEST_WORD = 3
+# The detail page's sections (its message shows the payload as JSON, or else the raw body).
+_SUMMARY = (
+    *("message_id", "consumer", "queue", "exchange", "routing_key", "content_type", "status"),
+    *("replay_count", "processed"),
+)
+_FAILURE = (
+    *("reason", "exception_type", "exception_message_block", "attempts", "first_failed_at"),
+    *("last_failed_at", "failure_group", "trace"),
+)
+_HISTORY = ("history_table", "created_at", "updated_at")
+_HISTORY_HEADS = (_("when"), _("event"), _("by"), _("details"))
+_REPLAY_HEADS = (_("when"), _("by"), _("kind"), _("outcome"), _("copy's message ID"), _("reason"))
 
 
 @admin.register(DeadLetter)
@@ -120,32 +132,8 @@ class DeadLetterAdmin(scaling.BoundedListAdmin):
     list_per_page = 50
     actions = ("replay_selected", "force_replay_selected", "discard_selected")
     readonly_fields = (
-        "message_id",
-        "consumer",
-        "queue",
-        "exchange",
-        "routing_key",
-        "content_type",
-        "status",
-        "replay_count",
-        "processed",
-        "reason",
-        "exception_type",
-        "exception_message_block",
-        "attempts",
-        "first_failed_at",
-        "last_failed_at",
-        "failure_group",
-        "trace",
-        "traceback_block",
-        "pretty_payload",
-        "raw_body",
-        "pretty_headers",
-        "history_table",
-        "replay_of_link",
-        "replays_table",
-        "created_at",
-        "updated_at",
+        *(*_SUMMARY, *_FAILURE, *_HISTORY, "traceback_block", "pretty_payload", "raw_body"),
+        *("pretty_headers", "replay_of_link", "replays_table"),
     )
     # Dead letters of a selection replayed, or discarded, per transaction (each with its admin
     # log rows). "All matching" and failure groups are operations the relay carries out.
@@ -154,10 +142,8 @@ class DeadLetterAdmin(scaling.BoundedListAdmin):
     # ------------------------------------------------------------------ permissions
 
     def has_replay_permission(self, request: HttpRequest) -> bool:
-        """``reliable_messaging.replay_deadletter`` and the view permission: replay, discard,
-        and the confirmation pages and operations that do it. The view permission too, as
-        Django asks of any action (its changelist): every path to a replay counts and shows
-        dead letters, so none is open to a user who may not see them."""
+        """``reliable_messaging.replay_deadletter`` and the view permission (every path to a
+        replay counts and shows dead letters): replay, discard and their pages."""
         user: Any = request.user
         return self.has_view_permission(request) and bool(
             user.has_perm(f"{self.opts.app_label}.replay_{self.opts.model_name}")
@@ -167,9 +153,7 @@ class DeadLetterAdmin(scaling.BoundedListAdmin):
         return False
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        # The record of a failure is never edited by hand: the page is read-only, and changes
-        # go through the replay and discard services.
-        return False
+        return False  # changes go through the replay and discard services
 
     # ------------------------------------------------------------------ list
 
@@ -226,15 +210,14 @@ class DeadLetterAdmin(scaling.BoundedListAdmin):
         return format_html('{}<br><small class="rm-sub">{}</small>', badge, note)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[DeadLetter]:
-        # The list shows none of them and the detail page reads the body's head alone: a row
-        # of 8 MiB costs a page no more than one of 8 bytes. Read on access when needed.
+        # The list shows none of them; the detail page reads the body's head alone.
         return super().get_queryset(request).defer("body", "payload", "traceback", "history")
 
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
     ) -> tuple[QuerySet[Any], bool]:
         term = search_term.strip()
-        words = scaling.search_words(term)
+        words = selection.search_words(term)
         if term.startswith("=") or not any(len(word) < SHORTEST_WORD for word in words):
             return selection.search(queryset, search_term), False
         if len(words) == 1:  # a short message_id is found by its index
@@ -269,51 +252,15 @@ class DeadLetterAdmin(scaling.BoundedListAdmin):
     # ------------------------------------------------------------------ detail
 
     def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
-        shown_as_json = obj is None or self._body(obj)[2] is not None
-        body_field = "pretty_payload" if shown_as_json else "raw_body"
+        body = "pretty_payload" if obj is None or self._body(obj)[2] is not None else "raw_body"
+        edited = ("replay_of_link",) if obj and obj.replay_of_id else ()
         return (
-            (
-                None,
-                {
-                    "fields": (
-                        "message_id",
-                        "consumer",
-                        "queue",
-                        "exchange",
-                        "routing_key",
-                        "content_type",
-                        "status",
-                        "replay_count",
-                        "processed",
-                    )
-                },
-            ),
-            (
-                _("Failure"),
-                {
-                    "fields": (
-                        "reason",
-                        "exception_type",
-                        "exception_message_block",
-                        "attempts",
-                        "first_failed_at",
-                        "last_failed_at",
-                        "failure_group",
-                        "trace",
-                    )
-                },
-            ),
+            (None, {"fields": _SUMMARY}),
+            (_("Failure"), {"fields": _FAILURE}),
             (_("Traceback"), {"fields": ("traceback_block",)}),
-            (_("Message"), {"fields": (body_field, "pretty_headers")}),
-            (_("Replays"), {"fields": self._replay_fields(obj)}),
-            (_("History"), {"fields": ("history_table", "created_at", "updated_at")}),
-        )
-
-    @staticmethod
-    def _replay_fields(obj: DeadLetter | None) -> tuple[str, ...]:
-        # "Edited from" only on a dead letter an edited copy became.
-        return (
-            ("replay_of_link", "replays_table") if obj and obj.replay_of_id else ("replays_table",)
+            (_("Message"), {"fields": (body, "pretty_headers")}),
+            (_("Replays"), {"fields": (*edited, "replays_table")}),
+            (_("History"), {"fields": _HISTORY}),
         )
 
     def change_view(
@@ -346,8 +293,7 @@ class DeadLetterAdmin(scaling.BoundedListAdmin):
 
     @staticmethod
     def _body(obj: DeadLetter) -> tuple[bytes, int, str | None]:
-        """The body's first bytes, its size, and its JSON indented (None: shown raw), read
-        once per page."""
+        """The body's first bytes, its size, and its JSON indented (None: raw), read once."""
         cached: tuple[bytes, int, str | None] | None = getattr(obj, "_rm_body", None)
         if cached is None:
             rows = DeadLetter.objects.using(obj._state.db)
@@ -385,8 +331,7 @@ class DeadLetterAdmin(scaling.BoundedListAdmin):
 
     @admin.display(description=_("trace"))
     def trace(self, obj: DeadLetter) -> str:
-        """The trace of the last failure (its span's id beside it); a replay's trace is in the
-        history, on the event its copy ended with."""
+        """The trace of the last failure (a replay's is in the history)."""
         if not obj.trace_id:
             return "-"
         return format_html(
@@ -459,8 +404,6 @@ class DeadLetterAdmin(scaling.BoundedListAdmin):
         """The replay ledger's rows of this dead letter: when, by whom, what became of each
         copy (the dead letter it became when it failed again), and an edit's reason."""
         rows = list(Replay.objects.filter(dead_letter=obj.pk).order_by("-id")[:REPLAYS_SHOWN])
-        if not rows:
-            return "-"
 
         def failed_as(row: Replay) -> str:
             if not row.failed_as_id:
@@ -471,38 +414,23 @@ class DeadLetterAdmin(scaling.BoundedListAdmin):
                 gettext("as dead letter #%(id)s") % {"id": row.failed_as_id},
             )
 
-        def cells(row: Replay) -> tuple[str, ...]:
-            outcome = format_html(
-                '<span class="rm-outcome rm-outcome-{}">{}</span>{}',
-                row.outcome,
-                row.get_outcome_display(),
-                failed_as(row),
-            )
-            return (
+        cells = (
+            (
                 _moment(row.replayed_at),
                 row.replayed_by,
                 row.get_kind_display(),
-                outcome,
-                row.message_id,
+                format_html(
+                    '<span class="rm-outcome rm-outcome-{}">{}</span>{}',
+                    row.outcome,
+                    row.get_outcome_display(),
+                    failed_as(row),
+                ),
+                format_html("<code>{}</code>", row.message_id),
                 row.reason,
             )
-
-        return format_html(
-            '<table class="rm-history rm-replays"><thead><tr><th>{}</th><th>{}</th><th>{}</th>'
-            "<th>{}</th><th>{}</th><th>{}</th></tr></thead><tbody>{}</tbody></table>",
-            gettext("when"),
-            gettext("by"),
-            gettext("kind"),
-            gettext("outcome"),
-            gettext("copy's message ID"),
-            gettext("reason"),
-            format_html_join(
-                "",
-                "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td><code>{}</code></td>"
-                "<td>{}</td></tr>",
-                (cells(row) for row in rows),
-            ),
+            for row in rows
         )
+        return _table("rm-history rm-replays", _REPLAY_HEADS, cells) if rows else "-"
 
     @admin.display(description=_("attempts and replays"))
     def history_table(self, obj: DeadLetter) -> str:
@@ -533,46 +461,18 @@ class DeadLetterAdmin(scaling.BoundedListAdmin):
                     if key not in ("event", "at", "by") and value not in ("", None, False)
                 ),
             )
-            return (
-                _moment(event.get("at", "")),
-                str(event.get("event", "")),
-                str(event.get("by", "")),
-                details,
-            )
+            when = _moment(event.get("at", ""))
+            return (when, str(event.get("event", "")), str(event.get("by", "")), details)
 
-        return format_html(
-            '<table class="rm-history"><thead><tr><th>{}</th><th>{}</th><th>{}</th><th>{}</th>'
-            "</tr></thead><tbody>{}</tbody></table>",
-            gettext("when"),
-            gettext("event"),
-            gettext("by"),
-            gettext("details"),
-            format_html_join(
-                "",
-                "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
-                (row(event) for event in events),
-            ),
-        )
+        return _table("rm-history", _HISTORY_HEADS, (row(event) for event in events))
 
     # ------------------------------------------------------------------ actions
-
-    def _confirm_bulk(self, request: HttpRequest, view: str) -> HttpResponse | None:
-        """ "Select all N" in the list is bulk work: send it to the page that shows how many
-        match the current filter and asks for confirmation."""
-        if request.POST.get("select_across") != "1":
-            return None
-        return HttpResponseRedirect(self.console_url(view, query=_filter_query(request)))
 
     @admin.action(description=_("Replay the selected dead letters"), permissions=["replay"])
     def replay_selected(
         self, request: HttpRequest, queryset: QuerySet[DeadLetter]
     ) -> HttpResponse | None:
-        if bulk := self._confirm_bulk(request, "replay_matching"):
-            return bulk
-        admin_views.replay_and_report(
-            self, request, self._ids(queryset), force=False, how=gettext("selected in the list")
-        )
-        return None
+        return self._act(request, queryset, "replay_matching", force=False)
 
     @admin.action(
         description=_("Replay the selected dead letters, even if already processed…"),
@@ -581,14 +481,20 @@ class DeadLetterAdmin(scaling.BoundedListAdmin):
     def force_replay_selected(
         self, request: HttpRequest, queryset: QuerySet[DeadLetter]
     ) -> HttpResponse | None:
-        if bulk := self._confirm_bulk(request, "replay_matching"):
-            return bulk
-        if request.POST.get("post") == "yes":
-            admin_views.replay_and_report(
-                self, request, self._ids(queryset), force=True, how=gettext("selected in the list")
-            )
-            return None
-        return self.render_force_confirmation(request, queryset)
+        if request.POST.get("post") == "yes" or request.POST.get("select_across") == "1":
+            return self._act(request, queryset, "replay_matching", force=True)
+        # The confirmation page of a forced replay of a selection.
+        return admin_operations.render(
+            self,
+            request,
+            "confirm_operation",
+            gettext("Replay the selected dead letters, even if already processed?"),
+            operation="replay",
+            forced_selection=list(queryset.order_by("pk").only("message_id", "consumer", "reason")),
+            selection_processed=admin_views.already_processed(queryset).count(),
+            action_checkbox_name=helpers.ACTION_CHECKBOX_NAME,
+            changelist_url=self.console_url("changelist", query=_filter_query(request)),
+        )
 
     @admin.action(
         description=_("Discard the selected dead letters (kept for the record)"),
@@ -597,74 +503,41 @@ class DeadLetterAdmin(scaling.BoundedListAdmin):
     def discard_selected(
         self, request: HttpRequest, queryset: QuerySet[DeadLetter]
     ) -> HttpResponse | None:
-        if bulk := self._confirm_bulk(request, "discard_matching"):
-            return bulk
-        admin_views.discard_and_report(
-            self, request, self._ids(queryset), how=gettext("selected in the list")
-        )
+        return self._act(request, queryset, "discard_matching")
+
+    def _act(
+        self, request: HttpRequest, queryset: QuerySet[DeadLetter], bulk: str, force: Any = None
+    ) -> HttpResponse | None:
+        """Replay (``force`` given) or discard the selection; "select all N" in the list is bulk
+        work, sent to its confirmation page."""
+        if request.POST.get("select_across") == "1":
+            return HttpResponseRedirect(self.console_url(bulk, query=_filter_query(request)))
+        ids = list(queryset.order_by("pk").values_list("pk", flat=True))
+        how = gettext("selected in the list")
+        if force is None:
+            admin_views.discard_and_report(self, request, ids, how=how)
+        else:
+            admin_views.replay_and_report(self, request, ids, force=force, how=how)
         return None
-
-    def render_force_confirmation(
-        self, request: HttpRequest, queryset: QuerySet[DeadLetter]
-    ) -> TemplateResponse:
-        """The confirmation page of a forced replay of a selection (it runs handlers again)."""
-        letters = list(queryset.order_by("pk").only("pk", "message_id", "consumer", "reason"))
-        context = {
-            **self.admin_site.each_context(request),
-            "opts": self.opts,
-            "title": gettext("Replay the selected dead letters, even if already processed?"),
-            "operation": "replay",
-            "forced_selection": letters,
-            "selection_processed": admin_views.already_processed(queryset).count(),
-            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
-            "changelist_url": self.console_url("changelist", query=_filter_query(request)),
-        }
-        request.current_app = self.admin_site.name
-        return TemplateResponse(
-            request, "admin/reliable_messaging/deadletter/confirm_operation.html", context
-        )
-
-    @staticmethod
-    def _ids(queryset: QuerySet[DeadLetter]) -> list[int]:
-        return list(queryset.order_by("pk").values_list("pk", flat=True))
 
     # ------------------------------------------------------------------ URLs
 
     def get_urls(self) -> list[URLPattern]:
         view = self.admin_site.admin_view  # login, staff and CSRF protection
         prefix = f"{self.opts.app_label}_{self.opts.model_name}"
-        groups = partial(admin_views.failure_groups_view, self)
         bulk = partial(admin_views.bulk_operation_view, self)
         one = partial(admin_views.object_operation_view, self)
-        custom = [
-            path("groups/", view(groups), name=f"{prefix}_groups"),
-            path("<path:object_id>/body/", view(self.body_view), name=f"{prefix}_body"),
-            path(
-                "replay-matching/",
-                view(partial(bulk, operation="replay")),
-                name=f"{prefix}_replay_matching",
-            ),
-            path(
-                "discard-matching/",
-                view(partial(bulk, operation="discard")),
-                name=f"{prefix}_discard_matching",
-            ),
-            path(
-                "<path:object_id>/replay/",
-                view(partial(one, operation="replay")),
-                name=f"{prefix}_replay",
-            ),
-            path(
-                "<path:object_id>/edit-replay/",
-                view(partial(admin_edit.edit_replay_view, self)),
-                name=f"{prefix}_edit_replay",
-            ),
-            path(
-                "<path:object_id>/discard/",
-                view(partial(one, operation="discard")),
-                name=f"{prefix}_discard",
-            ),
+        edit = partial(admin_edit.edit_replay_view, self)
+        pages: list[tuple[str, Any, str]] = [
+            ("groups/", partial(admin_views.failure_groups_view, self), "groups"),
+            ("<path:object_id>/body/", self.body_view, "body"),
+            ("replay-matching/", partial(bulk, operation="replay"), "replay_matching"),
+            ("discard-matching/", partial(bulk, operation="discard"), "discard_matching"),
+            ("<path:object_id>/replay/", partial(one, operation="replay"), "replay"),
+            ("<path:object_id>/edit-replay/", edit, "edit_replay"),
+            ("<path:object_id>/discard/", partial(one, operation="discard"), "discard"),
         ]
+        custom = [path(route, view(page), name=f"{prefix}_{name}") for route, page, name in pages]
         return custom + admin_operations.urls(self, prefix) + super().get_urls()
 
     def console_url(self, name: str, *args: Any, query: str = "") -> str:

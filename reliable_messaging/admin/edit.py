@@ -1,10 +1,5 @@
-"""The "Edit and replay" page of a dead letter: edit the payload and the user headers, preview
-the diff and what would be refused, give a reason, and replay the edited copy
-(:mod:`reliable_messaging.dead_letters.edit` does the work).
-
-Open to users who may edit that consumer's dead letters (``dead_letters.permissions.can_edit``);
-others get 403.
-"""
+"""The "Edit and replay" page of a dead letter, for users who may edit its consumer's dead
+letters (``dead_letters.permissions.can_edit``); ``dead_letters/edit.py`` does the work."""
 
 from __future__ import annotations
 
@@ -16,10 +11,10 @@ from django.core.exceptions import PermissionDenied
 from django.db import router, transaction
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed
 from django.shortcuts import redirect
-from django.template.response import TemplateResponse
 from django.utils.translation import gettext
 
 from ..dead_letters.edit import (
+    Edit,
     EditRefused,
     check_edit,
     editable_headers,
@@ -32,25 +27,14 @@ from ..dead_letters.permissions import can_edit
 from ..models import DeadLetter
 from ..publishing.wake_after_commit import wake_relay_after_commit
 from .console import DeadLetterConsole
-from .operations import operator
+from .operations import operator, render
 
 
-def diff_lines(diff: str) -> list[tuple[str, str]]:
-    """The diff's lines with the class the page colours them by."""
-    lines = []
-    for line in diff.splitlines():
-        if line.startswith(("+++", "---")):
-            kind = "file"
-        elif line.startswith("@@"):
-            kind = "hunk"
-        elif line.startswith("+"):
-            kind = "added"
-        elif line.startswith("-"):
-            kind = "removed"
-        else:
-            kind = "same"
-        lines.append((kind, line))
-    return lines
+def _kind(line: str) -> str:
+    """The class the page colours a line of the diff by."""
+    if line.startswith(("+++", "---")):
+        return "file"
+    return {"@": "hunk", "+": "added", "-": "removed"}.get(line[:1], "same")
 
 
 def edit_replay_view(
@@ -65,73 +49,52 @@ def edit_replay_view(
         raise Http404(gettext("No dead letter with id %(id)s.") % {"id": object_id})
     if not can_edit(request.user, obj.consumer):
         raise PermissionDenied
-    form: dict[str, Any] = {
-        "payload": original_payload_text(obj),
-        "headers": pretty(editable_headers(obj)),
-        "reason": "",
-        "force": False,
-    }
-    problems: list[str] = []
-    diff = ""
-    already_processed = False
-    previewed = False
-    if request.method == "POST":
-        form = {
-            "payload": str(request.POST.get("payload", "")),
-            "headers": str(request.POST.get("headers", "")),
-            "reason": str(request.POST.get("reason", "")),
-            "force": bool(request.POST.get("force")),
+    previewed = request.method == "POST"
+    if previewed:
+        form: dict[str, Any] = {
+            name: str(request.POST.get(name, "")) for name in ("payload", "headers", "reason")
         }
-        if "replay" in request.POST:
-            done = _replay(model_admin, request, obj, form)
-            if done is not None:
-                return done
-        edit = check_edit(
-            obj,
-            payload_text=form["payload"],
-            headers=form["headers"],
-            reason=form["reason"],
-            force=form["force"],
-        )
-        problems, diff, already_processed = edit.problems, edit.diff, edit.already_processed
-        previewed = True
+        form["force"] = bool(request.POST.get("force"))
+        if "replay" in request.POST and (done := _replay(model_admin, request, obj, form)):
+            return done
+        edit = check_edit(obj, **_edit_of(form))
     else:
-        already_processed = original_processed(obj)
-    context = {
-        **model_admin.admin_site.each_context(request),
-        "opts": model_admin.opts,
-        "title": gettext("Edit and replay dead letter #%(id)s") % {"id": obj.pk},
-        "original": obj,
-        "form": form,
-        "problems": problems,
-        "diff_lines": diff_lines(diff),
-        "previewed": previewed,
-        "already_processed": already_processed,
-        "changelist_url": model_admin.console_url("changelist"),
-        "change_url": model_admin.console_url("change", obj.pk),
-    }
-    request.current_app = model_admin.admin_site.name
-    return TemplateResponse(
-        request, "admin/reliable_messaging/deadletter/edit_replay.html", context
+        form = {"payload": original_payload_text(obj), "headers": pretty(editable_headers(obj))}
+        form.update(reason="", force=False)
+        edit = Edit(already_processed=original_processed(obj))
+    return render(
+        model_admin,
+        request,
+        "edit_replay",
+        gettext("Edit and replay dead letter #%(id)s") % {"id": obj.pk},
+        original=obj,
+        form=form,
+        problems=edit.problems,
+        diff_lines=[(_kind(line), line) for line in edit.diff.splitlines()],
+        previewed=previewed,
+        already_processed=edit.already_processed,
+        changelist_url=model_admin.console_url("changelist"),
+        change_url=model_admin.console_url("change", obj.pk),
     )
+
+
+def _edit_of(form: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "payload_text": form["payload"],
+        "headers": form["headers"],
+        "reason": form["reason"],
+        "force": form["force"],
+    }
 
 
 def _replay(
     model_admin: DeadLetterConsole, request: HttpRequest, obj: DeadLetter, form: dict[str, Any]
 ) -> HttpResponse | None:
-    """Replay the edited copy: back to the original's page with a message naming the copy, or
-    None (the page shows the problems) when it is refused."""
+    """Replay the edited copy: back to the original's page, or None when it is refused."""
     using = router.db_for_write(DeadLetter)
     try:
         with transaction.atomic(using=using):
-            done = replay_edited(
-                obj,
-                payload_text=form["payload"],
-                headers=form["headers"],
-                reason=form["reason"],
-                replayed_by=operator(request),
-                force=form["force"],
-            )
+            done = replay_edited(obj, **_edit_of(form), replayed_by=operator(request))
             user: Any = request.user
             LogEntry.objects.log_actions(
                 user_id=user.pk,

@@ -1,16 +1,6 @@
-"""The admin's bulk replays and discards: recorded by a request, carried out by the relay.
-
-- :func:`record_operation`: the POST of the confirmation page ("replay all matching", a
-  failure group) records a ``DeadLetterOperation`` and redirects to its progress page; the
-  request does nothing else, so it is as quick with a million dead letters as with ten.
-- :func:`progress_view`: where it got (refreshing itself while it runs, and while its replays
-  await their outcomes), what became of its replays (the replay ledger's counts, and the dead
-  letters that failed again), with a Cancel button; :func:`status_view` gives the same figures
-  as JSON; :func:`cancel_view` stops it between two batches.
-- :class:`DeadLetterOperationAdmin`: the list of operations, read-only.
-
-The audit is each dead letter's history entry, which names the operator and the operation.
-"""
+"""The admin's bulk replays and discards: recorded by a request (:func:`record_operation`),
+carried out by the relay; a progress page (and its JSON) with a Cancel button, and the list of
+operations. Each dead letter's history entry names the operator and the operation."""
 
 from __future__ import annotations
 
@@ -42,8 +32,7 @@ if TYPE_CHECKING:
 
 
 class OperationConsole(Protocol):
-    """What these views need of the dead letters' ModelAdmin (which passes itself), as
-    ``console.DeadLetterConsole`` does: they never import it."""
+    """What these views need of the dead letters' ModelAdmin (which passes itself)."""
 
     admin_site: AdminSite
     opts: Options[DeadLetter]
@@ -65,16 +54,23 @@ class OperationConsole(Protocol):
 
 
 def capped_count(rows: QuerySet[Any], cap: int = COUNT_CAP) -> int:
-    """How many rows, counting at most ``cap + 1`` (``SELECT count(*) FROM (... LIMIT n)``):
-    past ``COUNT_CAP``, "more than" is all an operator needs, and counting a million rows
-    exactly would take seconds."""
+    """How many rows, counting at most ``cap + 1``: past it, "more than" is all one needs."""
     return rows.order_by().values("pk")[: cap + 1].count()
 
 
 def operator(request: HttpRequest) -> str:
-    """Who did it, as the replay headers, the dead letters' history and the operation record
-    it."""
+    """Who did it, as the replay headers, the history and the operation record it."""
     return f"{request.user.get_username()} (admin)"
+
+
+def render(
+    model_admin: OperationConsole, request: HttpRequest, name: str, title: str, /, **context: Any
+) -> TemplateResponse:
+    """One of the console's pages, ``deadletter/<name>.html``, in the admin's frame."""
+    request.current_app = model_admin.admin_site.name
+    frame = {**model_admin.admin_site.each_context(request), "opts": model_admin.opts}
+    template = f"admin/reliable_messaging/deadletter/{name}.html"
+    return TemplateResponse(request, template, {**frame, "title": title, **context})
 
 
 def record_operation(
@@ -87,11 +83,8 @@ def record_operation(
     matched: int,
     max_pk: int,
 ) -> HttpResponse:
-    """Record the operation over the dead letters up to ``max_pk`` (those its confirmation
-    counted: failures stored later are not swept in), ``matched`` of them announced, and
-    redirect to its progress page; the same one already under way (same kind, selection and
-    force) is shown instead of starting it twice."""
-    who = operator(request)
+    """Record the operation over the dead letters up to ``max_pk``, ``matched`` of them
+    announced, and redirect to its progress page (that of the same one already under way)."""
     running = DeadLetterOperation.objects.same_as(kind, selection, force)
     if running is not None:
         model_admin.message_user(
@@ -107,7 +100,7 @@ def record_operation(
     operation = DeadLetterOperation.objects.record(
         kind=kind,
         selection=selection,
-        requested_by=who,
+        requested_by=operator(request),
         force=force,
         matched=matched,
         max_pk=max_pk,
@@ -141,15 +134,14 @@ FAILED_AGAIN_SHOWN = 50
 
 
 def figures(operation: DeadLetterOperation) -> dict[str, Any]:
-    """What the progress page and its JSON show: the operation's counters and, for a replay,
-    its replays' outcome counts (its tally, one row: see ``ReplayOutcomeTally``)."""
+    """What the progress page and its JSON show: the counters and, for a replay, the outcomes."""
     rate = None
     if operation.started_at and operation.heartbeat_at and operation.done:
         seconds = (operation.heartbeat_at - operation.started_at).total_seconds()
         rate = round(operation.done / seconds) if seconds > 0 else None
     finished = operation.state not in UNFINISHED_OPERATION_STATES
     if operation.matched > COUNT_CAP:
-        # Counted up to the cap only: how far the cursor got in the ids is the estimate.
+        # Counted up to the cap only: how far the cursor got is the estimate.
         total: int | None = None
         share = operation.cursor / operation.max_pk if operation.max_pk else 0
     else:
@@ -160,42 +152,35 @@ def figures(operation: DeadLetterOperation) -> dict[str, Any]:
     settling = False
     if operation.kind == OperationKind.REPLAY:
         outcomes = dict(ledger.outcome_counts(operation))
-        # Its copies are still on their way: the page keeps refreshing, until they are
-        # presumed lost (then the dead letters may be replayed again).
+        # Its copies are on their way: the page refreshes until they are presumed lost.
         settling = bool(outcomes[ReplayOutcome.IN_FLIGHT]) and (
             operation.finished_at is None
             or operation.finished_at > timezone.now() - STALE_REPLAY_AFTER
         )
+    counters = ("kind", "state", "done", "replayed", "discarded", "refused", "skipped", "error")
     return {
         "id": operation.pk,
-        "kind": operation.kind,
-        "state": operation.state,
+        **{name: getattr(operation, name) for name in counters},
         "finished": finished,
-        "done": operation.done,
         "total": total,
         "total_text": str(total)
         if total is not None
         else gettext("more than %(cap)d") % {"cap": COUNT_CAP},
         "percent": percent,
-        "replayed": operation.replayed,
-        "discarded": operation.discarded,
-        "refused": operation.refused,
-        "skipped": operation.skipped,
         "rate": rate,
-        "error": operation.error,
         "outcomes": outcomes,
         "settling": settling,
         "refresh": not finished or settling,
     }
 
 
-def failures(model_admin: OperationConsole, operation: DeadLetterOperation) -> list[dict[str, Any]]:
-    """The first :data:`FAILED_AGAIN_SHOWN` dead letters an operation's replays became when
-    they failed again, with their pages."""
-    if operation.kind != OperationKind.REPLAY:
-        return []
+def _failed_again_figures(
+    model_admin: OperationConsole, operation: DeadLetterOperation, values: dict[str, Any]
+) -> dict[str, Any]:
+    """The first dead letters an operation's replays became when they failed again."""
+    replays = operation.kind == OperationKind.REPLAY
     shown = []
-    for row in ledger.failed_again(operation.pk, FAILED_AGAIN_SHOWN):
+    for row in ledger.failed_again(operation.pk, FAILED_AGAIN_SHOWN) if replays else ():
         letter = row.failed_as
         pk = letter.pk if letter is not None else row.dead_letter_id
         error = (letter.exception_message or "").splitlines() if letter is not None else []
@@ -210,13 +195,6 @@ def failures(model_admin: OperationConsole, operation: DeadLetterOperation) -> l
                 "url": model_admin.console_url("change", pk),
             }
         )
-    return shown
-
-
-def _failed_again_figures(
-    model_admin: OperationConsole, operation: DeadLetterOperation, values: dict[str, Any]
-) -> dict[str, Any]:
-    shown = failures(model_admin, operation)
     total = (values["outcomes"] or {}).get(ReplayOutcome.FAILED_AGAIN, 0)
     ids = ",".join(str(item["dead_letter"]) for item in shown)
     return {
@@ -238,28 +216,22 @@ def progress_view(model_admin: OperationConsole, request: HttpRequest, pk: int) 
         raise PermissionDenied
     operation = _operation(pk)
     values = figures(operation)
-    context = {
-        **model_admin.admin_site.each_context(request),
-        "opts": model_admin.opts,
-        "title": gettext("%(kind)s #%(pk)d: %(state)s")
-        % {
-            "kind": operation.get_kind_display().capitalize(),
-            "pk": operation.pk,
-            "state": operation.get_state_display(),
-        },
-        "operation": operation,
-        "figures": values,
+    kind = operation.get_kind_display().capitalize()
+    return render(
+        model_admin,
+        request,
+        "operation_progress",
+        gettext("%(kind)s #%(pk)d: %(state)s")
+        % {"kind": kind, "pk": operation.pk, "state": operation.get_state_display()},
+        operation=operation,
+        figures=values,
         **_failed_again_figures(model_admin, operation, values),
-        "can_cancel": not values["finished"] and model_admin.has_replay_permission(request),
-        "cancel_url": model_admin.console_url("operation_cancel", operation.pk),
-        "changelist_url": model_admin.console_url("changelist"),
-        "operations_url": reverse(
+        can_cancel=not values["finished"] and model_admin.has_replay_permission(request),
+        cancel_url=model_admin.console_url("operation_cancel", operation.pk),
+        changelist_url=model_admin.console_url("changelist"),
+        operations_url=reverse(
             f"{model_admin.admin_site.name}:reliable_messaging_deadletteroperation_changelist"
         ),
-    }
-    request.current_app = model_admin.admin_site.name
-    return TemplateResponse(
-        request, "admin/reliable_messaging/deadletter/operation_progress.html", context
     )
 
 
@@ -278,8 +250,7 @@ def cancel_view(model_admin: OperationConsole, request: HttpRequest, pk: int) ->
     if request.method != "POST":
         return HttpResponseNotAllowed(["POST"])
     operation = _operation(pk)
-    who = f"{request.user.get_username()} (admin)"
-    if DeadLetterOperation.objects.cancel(operation.pk, by=who, at=timezone.now()):
+    if DeadLetterOperation.objects.cancel(operation.pk, by=operator(request), at=timezone.now()):
         _log(request, operation, CHANGE, gettext("Cancelled."))
         model_admin.message_user(
             request,
@@ -312,9 +283,8 @@ def urls(model_admin: OperationConsole, prefix: str) -> list[URLPattern]:
 
 @admin.register(DeadLetterOperation)
 class DeadLetterOperationAdmin(admin.ModelAdmin):
-    """The bulk operations, newest first; each links to its progress page for users who may
-    view dead letters (the page is the dead letters' console: it needs that permission), and
-    is a plain number for the others."""
+    """The bulk operations, newest first, each linked to its progress page for users who may
+    view dead letters (a plain number for the others)."""
 
     list_display = (
         "progress_link",

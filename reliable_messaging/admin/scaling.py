@@ -22,11 +22,11 @@ from django.db.models import Q, QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.utils.functional import cached_property
-from django.utils.text import smart_split, unescape_string_literal
 from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
 from ..core.registry import registry
+from ..dead_letters.selection import search_words
 from ..models import DeadLetterGroup
 
 # A filtered list counts its rows up to this many and says "more than" past it.
@@ -148,17 +148,6 @@ class BoundedCountPaginator(Paginator):
             plan = cursor.fetchone()[0]
         plan = json.loads(plan) if isinstance(plan, str) else plan
         return int(plan[0]["Plan"]["Plan Rows"])
-
-
-def search_words(term: str) -> list[str]:
-    """The words of a search term as Django's admin splits them (quotes group words)."""
-    words = []
-    for word in smart_split(term):
-        if word[0] in "\"'" and word[0] == word[-1]:
-            word = unescape_string_literal(word)
-        if word:
-            words.append(word)
-    return words
 
 
 def _canceled(exc: OperationalError) -> bool:

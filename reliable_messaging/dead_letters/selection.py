@@ -1,10 +1,6 @@
-"""Which dead letters a bulk operation takes: a selection frozen as JSON, resolved here.
-
-An operation runs in the relay process long after the admin request that started it, so what it
-takes is the changelist's filter as data, applied again batch after batch by :func:`targets`,
-which also gives the confirmation page its counts. How a search term reads is decided once, when
-the selection is made (:func:`how_search_reads`), so that a message_id that stops or starts
-matching later does not change which dead letters the operation takes.
+"""Which dead letters a bulk operation takes: the changelist's filter frozen as JSON, applied
+again batch after batch by :func:`targets` (``docs/design.md#dead-letters-replay-and-bulk-
+operations``).
 """
 
 from __future__ import annotations
@@ -42,12 +38,9 @@ class SelectionError(ValueError):
 def selection_from_query(
     params: Mapping[str, Any], description: str = "", *, search_mode: str | None = None
 ) -> dict[str, Any]:
-    """The selection of a changelist query string (a ``QueryDict``, or a plain mapping).
-
-    ``search_mode`` is how its search term reads, as a confirmation page showed it; None
-    decides it now (:func:`how_search_reads`). A filter or search given more than once is refused:
-    the changelist reads some of them as "any of these" and others as "the last one", and an
-    operation must take what the list showed (``status__in=a,b`` says "any of" for all)."""
+    """The selection of a changelist query string, its search read as ``search_mode`` says
+    (None: decided now). A filter given twice is refused: the changelist reads some as "any of"
+    and others as "the last one" (``status__in=a,b`` says "any of" for all)."""
     lists = params.lists() if hasattr(params, "lists") else ((k, [params[k]]) for k in params)
     for key, values in lists:
         if len(values) > 1 and (key == "q" or key not in NOT_FILTERS):
@@ -95,9 +88,8 @@ def _filtered(lookups: Mapping[str, str]) -> QuerySet[DeadLetter]:
 
 
 def matching(selection: Mapping[str, Any]) -> QuerySet[DeadLetter]:
-    """Every dead letter the selection's filter and search match, whatever its status.
-
-    The search reads as the selection says (its ``search_mode``), never decided again here."""
+    """Every dead letter the selection's filter and search match (as its ``search_mode`` says),
+    whatever its status."""
     term = selection.get("search") or ""
     mode = selection.get("search_mode") or ""
     if term.strip() and mode not in SEARCH_MODES:
@@ -122,13 +114,8 @@ def search(
     queryset: QuerySet[DeadLetter], term: str, *, mode: str | None = None
 ) -> QuerySet[DeadLetter]:
     """The dead letters of ``queryset`` that ``term`` finds, read as ``mode`` says (None:
-    :func:`how_search_reads` decides, as the changelist does at each request).
-
-    By message_id: the exact message_id (``=ID`` or the word). By words: every word (quotes
-    group words) must be in the exception message or in the payload's JSON text,
-    case-insensitively: trigram GIN indexes answer that on PostgreSQL for words of three
-    characters or more.
-    """
+    decided now): the exact message_id, or every word (quotes group words) in the exception
+    message or the payload's JSON, case-insensitively (trigram indexes on PostgreSQL)."""
     term = term.strip()
     if not term:
         return queryset
@@ -139,20 +126,23 @@ def search(
     # alias(), not annotate(): the cast is needed in the WHERE clause only. Django writes
     # UPPER(("payload")::text) for it, the expression the trigram index is built on.
     queryset = queryset.alias(payload_text=Cast("payload", output_field=TextField()))
-    for word in smart_split(term):
-        if word[0] in "\"'" and word[0] == word[-1]:
-            word = unescape_string_literal(word)
+    for word in search_words(term):
         queryset = queryset.filter(
             Q(exception_message__icontains=word) | Q(payload_text__icontains=word)
         )
     return queryset
 
 
-def wanted(kind: str, selection: Mapping[str, Any], now: dt.datetime | None = None) -> Q:
-    """Which of the matching dead letters an operation of ``kind`` takes, by status.
+def search_words(term: str) -> list[str]:
+    """The words of a search term as Django's admin splits them (quotes group words)."""
+    words = smart_split(term)
+    unquoted = (unescape_string_literal(w) if w[0] in "\"'" and w[0] == w[-1] else w for w in words)
+    return [word for word in unquoted if word]
 
-    Without a status filter only dead ones (and replays presumed lost): "replay everything
-    from billing" should not wake up what someone discarded on purpose."""
+
+def wanted(kind: str, selection: Mapping[str, Any], now: dt.datetime | None = None) -> Q:
+    """Which of the matching dead letters an operation of ``kind`` takes, by status: without a
+    status filter only dead ones (and replays presumed lost), not those discarded on purpose."""
     if kind == OperationKind.REPLAY and selection.get("status_chosen"):
         return replayable(now)
     return Q(status=DeadLetterStatus.DEAD) | stale_replays(now)
