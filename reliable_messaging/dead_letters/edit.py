@@ -1,12 +1,8 @@
 """Edit, then replay: a corrected copy of a dead letter's message, under a new message_id.
 
-The operator edits the payload (JSON) and the user headers; :func:`check_edit` judges the edit
-(what is refused, and the diff against the original), :func:`replay_edited` writes the copy in
-one transaction: a ``Replay`` ledger row of kind ``edited`` (who, why, the edit and its diff),
-an outbox row addressed to the failed consumer's queue only, and the original marked replayed.
-The original's payload, body and headers are never changed; the consumer settles the ledger row
-(``ledger.settle``), which resolves the original or links the dead letter the copy became
-(``replay_of``). ``docs/operations.md#edit-a-message-then-replay-it`` says more.
+:func:`check_edit` judges an edit of the payload and user headers; :func:`replay_edited` writes
+the ledger row, the copy's outbox row and the original's move in one transaction, the original's
+payload and headers unchanged (``docs/operations.md#edit-a-message-then-replay-it``).
 """
 
 from __future__ import annotations
@@ -49,9 +45,15 @@ HISTORY_DIFF_CHARS = 20_000
 # name (Django's username: up to 150 characters), its ledger row's id and a trace context.
 _OPERATOR_ROOM = "x" * 150
 _TRACE_ROOM = {"traceparent": "0" * 55, "tracestate": ""}
-# Header names the edit may not set, compared case-insensitively: ours (x-rm-*), the broker's
-# routing (CC, BCC) and dead-letter bookkeeping, and the trace context the replay starts.
-_RESERVED = {name.lower() for name in (*SENDER_ROUTING_HEADERS, *BROKER_HEADERS, *TRACE_HEADERS)}
+# Header names the edit may not set (besides ours, x-rm-*), lowercase, with why.
+_REFUSED = {
+    **dict.fromkeys((n.lower() for n in TRACE_HEADERS), "the replay sets the trace context"),
+    **dict.fromkeys((n.lower() for n in BROKER_HEADERS), "it is the broker's dead-letter record"),
+    **dict.fromkeys(
+        (n.lower() for n in SENDER_ROUTING_HEADERS),
+        "the broker would route the copy to more queues than its consumer's",
+    ),
+}
 
 
 class EditRefused(ValueError):
@@ -81,7 +83,6 @@ class EditedReplay:
 
     replay: Replay
     message_id: str
-    diff: str
 
 
 def pretty(value: Any) -> str:
@@ -90,8 +91,7 @@ def pretty(value: Any) -> str:
 
 
 def original_payload_text(dead_letter: DeadLetter) -> str:
-    """The original's payload for the edit page: its JSON indented, or its body as text when
-    it is not JSON (a dead letter of invalid JSON is edited to fix it)."""
+    """The original's payload for the edit page: its JSON indented, or else its body as text."""
     raw = bytes(dead_letter.body)
     try:
         return pretty(json.loads(raw))
@@ -100,13 +100,9 @@ def original_payload_text(dead_letter: DeadLetter) -> str:
 
 
 def editable_headers(dead_letter: DeadLetter) -> dict[str, Any]:
-    """The original's headers an edit may change: the user's, not ours, the broker's, the
-    trace context or the sender-selected routing."""
-    return {
-        name: value
-        for name, value in user_headers(dead_letter.headers or {}).items()
-        if name.lower() not in _RESERVED
-    }
+    """The original's headers an edit may change: the user's (not ours, the broker's, ...)."""
+    headers = user_headers(dead_letter.headers or {})
+    return {name: value for name, value in headers.items() if name.lower() not in _REFUSED}
 
 
 _UNREAD = object()  # what _parse gives for text that is not JSON
@@ -135,20 +131,11 @@ def _header_problems(headers: Any) -> list[str]:
         if not isinstance(name, str):
             problems.append(f"header names must be strings, got {name!r}")
             continue
-        lowered = name.lower()
-        if lowered.startswith(HEADER_PREFIX):
-            problems.append(
-                f"header {name!r} is refused: the x-rm-* headers are the app's own bookkeeping"
-            )
-        elif lowered in {n.lower() for n in SENDER_ROUTING_HEADERS}:
-            problems.append(
-                f"header {name!r} is refused: the broker would route the copy to more queues "
-                f"than its consumer's"
-            )
-        elif lowered in {n.lower() for n in BROKER_HEADERS}:
-            problems.append(f"header {name!r} is refused: it is the broker's dead-letter record")
-        elif lowered in {n.lower() for n in TRACE_HEADERS}:
-            problems.append(f"header {name!r} is refused: the replay sets the trace context")
+        why = _REFUSED.get(name.lower())
+        if name.lower().startswith(HEADER_PREFIX):
+            why = "the x-rm-* headers are the app's own bookkeeping"
+        if why:
+            problems.append(f"header {name!r} is refused: {why}")
         elif not name:
             problems.append("a header has an empty name")
     if problems:
@@ -181,10 +168,8 @@ def check_edit(
     force: bool = False,
     now: Any = None,
 ) -> Edit:
-    """Judge an edit of ``dead_letter`` without writing anything: the parsed payload and
-    headers, their diff against the original, and every problem that refuses it (the
-    payload's JSON and size, the headers, the reason, the original's status, and whether its
-    consumer already processed the original message unless ``force``)."""
+    """Judge an edit of ``dead_letter``, writing nothing: the parsed payload and headers, their
+    diff against the original, and every problem that refuses it."""
     edit = Edit()
     problems = edit.problems
     payload = _parse(payload_text, "payload", problems)
@@ -196,8 +181,7 @@ def check_edit(
         except TypeError as exc:
             problems.append(str(exc))
         else:
-            refusal = body_size_refusal(len(encoded))
-            if refusal:
+            if refusal := body_size_refusal(len(encoded)):
                 problems.append(refusal)
             edit.body = encoded.decode("utf-8")
     parsed = _parse(headers or "{}", "headers", problems) if isinstance(headers, str) else headers
@@ -206,8 +190,7 @@ def check_edit(
         problems.extend(header_problems)
         if not header_problems:
             edit.headers = dict(parsed)
-            refusal = _frame_refusal(dead_letter, edit.headers)
-            if refusal:
+            if refusal := _frame_refusal(dead_letter, edit.headers):
                 problems.append(refusal)
     cleaned = (reason or "").strip()
     if not cleaned:
@@ -217,8 +200,7 @@ def check_edit(
             f"the reason is {len(cleaned)} characters long; at most {MAX_REASON_LENGTH}"
         )
     edit.already_processed = original_processed(dead_letter)
-    refusal = _status_refusal(dead_letter, now or timezone.now())
-    if refusal:
+    if refusal := _status_refusal(dead_letter, now or timezone.now()):
         problems.append(f"dead letter #{dead_letter.pk} cannot be replayed: {refusal}")
     if edit.already_processed and not force:
         problems.append(
@@ -239,8 +221,7 @@ def check_edit(
 
 
 def _frame_refusal(dead_letter: DeadLetter, edited: dict[str, Any]) -> str | None:
-    """Why the copy's headers (the edited ones with the replay's) can never be sent, or None:
-    over the broker's frame size, the broker would close the relay's connection on them."""
+    """Why the copy's headers can never be sent (over the broker's frame size), or None."""
     headers = {
         **_copy_headers(dead_letter, edited, _OPERATOR_ROOM),
         REPLAY_ID_HEADER: 2**62,
@@ -250,7 +231,7 @@ def _frame_refusal(dead_letter: DeadLetter, edited: dict[str, Any]) -> str | Non
 
 
 def original_processed(dead_letter: DeadLetter) -> bool:
-    """Whether the consumer already processed the original message (its inbox has the id)."""
+    """Whether the consumer already processed the original message."""
     if not dead_letter.message_id:
         return False
     rows = ProcessedMessage.objects.using(
@@ -261,9 +242,7 @@ def original_processed(dead_letter: DeadLetter) -> bool:
 
 def _status_refusal(dead_letter: DeadLetter, now: Any) -> str | None:
     """The replay's rule (:func:`~.replay.refusal`) on what an edit keeps of the original: its
-    status and what it is (a Celery task is no message). Not its body (the edit replaces it,
-    so a dead letter whose body was not JSON can be fixed), nor the inbox (judged by
-    :func:`check_edit`, for the edit: the copy has its own message_id)."""
+    status and what it is, not its body nor the inbox (the copy has its own message_id)."""
     found = replay_refusal(
         dead_letter, already_processed=False, force=True, now=now, body_replaced=True
     )
@@ -279,14 +258,9 @@ def replay_edited(
     replayed_by: str,
     force: bool = False,
 ) -> EditedReplay:
-    """Replay an edited copy of ``dead_letter`` in one transaction; :class:`EditRefused` when
-    :func:`check_edit` finds a problem (judged again on the original locked, so two operators
-    cannot both replay it).
-
-    ``force``: send the copy even though the consumer already processed the original message.
-    The copy has a new message_id, so nothing of the inbox is forgotten: the handler simply
-    runs for the copy. The caller wakes the relay after the commit
-    (``publishing.wake_after_commit``)."""
+    """Replay an edited copy of ``dead_letter`` in one transaction, judged again on the locked
+    original (:class:`EditRefused`); ``force``: even if the original was processed. The caller
+    wakes the relay after the commit."""
     using = router.db_for_write(DeadLetter)
     with transaction.atomic(using=using):
         original = DeadLetter.objects.using(using).select_for_update().get(pk=dead_letter.pk)
@@ -337,11 +311,11 @@ def replay_edited(
             diff = diff[:HISTORY_DIFF_CHARS] + f"\n... (cut: the replay #{entry.pk} has all of it)"
         DeadLetter.objects.using(using).mark_edited_replay(
             original,
+            at=now,
             by=replayed_by,
             reason=reason.strip(),
             message_id=message_id,
             diff=diff,
-            at=now,
         )
     logger.info(
         "edited replay of dead letter #%s (message_id=%s) queued by %s as message_id=%s",
@@ -350,12 +324,11 @@ def replay_edited(
         replayed_by,
         message_id,
     )
-    return EditedReplay(replay=entry, message_id=message_id, diff=edit.diff)
+    return EditedReplay(replay=entry, message_id=message_id)
 
 
 def _copy_headers(original: DeadLetter, edited: dict[str, Any], replayed_by: str) -> dict[str, Any]:
-    """The replay's headers (the original's routing, ordering key and ours, as a replay sends
-    them), with the original's user headers replaced by the edited ones."""
+    """The replay's headers, with the original's user headers replaced by the edited ones."""
     headers = replay_headers(original, replayed_by)
     for name in editable_headers(original):
         headers.pop(name, None)

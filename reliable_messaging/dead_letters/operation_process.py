@@ -1,13 +1,6 @@
-"""The relay's child process that carries out the bulk operations (:mod:`.operations`).
-
-A process, not a thread of the relay: a batch is mostly Python work that would hold the GIL
-while the relay's I/O thread, whose pipelined confirms are sensitive to latency, waits for it.
-After each batch's commit it NOTIFYs the channel the relays LISTEN on, so they claim the
-batch's rows at once. It dies with the relay (on Linux by ``PR_SET_PDEATHSIG``, elsewhere at
-its next look), so a killed relay's batch rolls back whole. The relay alone stops it: the child
-ignores SIGTERM and SIGINT, which a supervisor sends to the whole process group (systemd's
-``KillMode=control-group``, a terminal's Ctrl-C). This module imports no model: a spawned child
-imports it before Django is set up.
+"""The relay's child process that carries out the bulk operations (:mod:`.operations`), why a
+process and how it stops: ``docs/design.md#dead-letters-replay-and-bulk-operations``. It imports
+no model: a spawned child imports it before Django is set up.
 """
 
 from __future__ import annotations
@@ -17,18 +10,15 @@ import multiprocessing
 import os
 import signal
 import sys
+from functools import partial
 from multiprocessing.connection import Connection
 
 DEFAULT_BATCH_SIZE = 1000
 
 
 class OperationProcess:
-    """An :class:`OperationRunner` in a child process of its own (spawned, so it shares
-    nothing with its parent but the settings), stopped with the parent.
-
-    The stop is the end of a pipe, not a shared ``multiprocessing.Event``: an Event's set()
-    waits for its waiters to wake, so a child that took a signal (or died) inside its wait
-    left the relay waiting for ever."""
+    """An :class:`OperationRunner` in a spawned child process, stopped by closing a pipe (an
+    Event's set() waits for its waiters, so a child that died inside its wait hung the relay)."""
 
     def __init__(
         self, *, batch_size: int = DEFAULT_BATCH_SIZE, notify_channel: str | None = None
@@ -74,9 +64,7 @@ def _run_in_child(
     settings: str,
 ) -> None:
     _die_with_parent()
-    # The relay stops it by closing ``stop``, after its own lanes: a terminal's Ctrl-C or a
-    # supervisor's SIGTERM to the whole group must not cut a batch short, nor run a handler
-    # in the middle of the wait below.
+    # The relay stops it by closing ``stop``: a signal to the whole group must not cut a batch.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sys.path[:] = path
@@ -87,9 +75,7 @@ def _run_in_child(
     django.setup()
     from .operations import OperationRunner
 
-    on_batch = None
-    if notify_channel:
-        on_batch = lambda: _notify(notify_channel)  # noqa: E731
+    on_batch = partial(_notify, notify_channel) if notify_channel else None
     runner = OperationRunner(batch_size=batch_size, on_batch=on_batch)
     runner.start()
     while not stop.poll(1.0):  # readable at the end of the pipe: the relay closed it, or died

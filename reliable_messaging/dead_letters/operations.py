@@ -1,11 +1,7 @@
 """Carrying out the bulk replays and discards operators record in the admin.
 
-The relay runs an :class:`OperationRunner` in a child process (:mod:`.operation_process`). One batch
-is one transaction (:func:`run_batch`): the operation row claimed with SKIP LOCKED, the next dead
-letters after the cursor replayed or discarded, and the cursor and counters moved, all committed
-together, so a killed process leaves nothing half done and each dead letter is done at most once per
-operation. An operation does no more than its confirmation announced. :func:`dry_run` tells what an
-operation would do, by the same rules, writing nothing.
+The relay runs an :class:`OperationRunner` in a child process (:mod:`.operation_process`); one
+batch is one transaction (:func:`run_batch`); :func:`dry_run` tells what an operation would do.
 ``docs/design.md#dead-letters-replay-and-bulk-operations`` explains.
 """
 
@@ -34,13 +30,11 @@ DEFAULT_BATCH_SIZE = 1000
 COUNT_CAP = 100_000
 # A batch that raises this many times in a row stops its operation (state "failed").
 FAILURES_BEFORE_GIVING_UP = 5
-# How often the runner folds the failure groups' deltas into their rows (seconds), and at most
-# how many fold transactions it runs then (``DeadLetterGroup.objects.fold()``): readers add up
-# what is left, so a fold only has to keep the deltas few, and must not hold up the operations.
+# How often the runner folds the failure groups' deltas (seconds), and at most how many fold
+# transactions it runs then: a fold only has to keep the deltas few.
 FOLD_INTERVAL = 5.0
 FOLD_BATCHES = 20
-# A dry run looks at this many of the matching dead letters at most (the first, by id), judged
-# DRY_RUN_BATCH at a time.
+# A dry run looks at this many of the matching dead letters at most, DRY_RUN_BATCH at a time.
 DRY_RUN_LIMIT = 10_000
 DRY_RUN_BATCH = 1000
 # Dead letter ids a dry run keeps per refusal, as examples.
@@ -49,11 +43,9 @@ DRY_RUN_EXAMPLES = 5
 
 @dataclass
 class DryRun:
-    """What an operation would do with the dead letters a dry run looked at (``examined``,
-    the first of those matching; ``limited``: more match). ``done``: replayed (``forced`` of
-    them after forgetting their inbox rows) or discarded; ``refused``: counts by refusal code
-    (``replay.REFUSAL_LABELS``), with a few ``examples``; ``skipped``: left alone for their
-    status."""
+    """What an operation would do with the first ``examined`` dead letters matching
+    (``limited``: more match): ``done`` (``forced`` of them), ``refused`` by refusal code with
+    a few ``examples``, ``skipped`` for their status."""
 
     kind: str
     examined: int = 0
@@ -78,9 +70,8 @@ def dry_run(
     limit: int = DRY_RUN_LIMIT,
     now: dt.datetime | None = None,
 ) -> DryRun:
-    """What an operation of ``kind`` over ``selection`` (the dead letters up to ``max_pk``)
-    would do now with the first ``limit`` of them: the same selection as :func:`run_batch`,
-    judged as ``replay_batch`` judges (``replay.judge``); reads only."""
+    """What an operation of ``kind`` over ``selection`` (up to ``max_pk``) would do now with
+    the first ``limit`` of them, judged as ``replay_batch`` judges; reads only."""
     now = now or timezone.now()
     result = DryRun(kind=kind)
     rows = matching(selection)
@@ -119,7 +110,7 @@ def dry_run(
 
 def run_batch(batch_size: int = DEFAULT_BATCH_SIZE) -> DeadLetterOperation | None:
     """Run the next batch of the oldest operation nobody else is running, in one transaction;
-    returns that operation (after the batch), or None when there was none to run."""
+    returns that operation, or None when there was none."""
     using = router.db_for_write(DeadLetterOperation)
     with transaction.atomic(using=using):
         operation = DeadLetterOperation.objects.using(using).claim_next()
@@ -150,34 +141,18 @@ def run_batch(batch_size: int = DEFAULT_BATCH_SIZE) -> DeadLetterOperation | Non
             DeadLetterOperation.objects.using(using).finish(operation, at=now)
             logger.info("dead letter operation %s done: %s", operation.pk, _counts(operation))
             return operation
+        by, pk = operation.requested_by, operation.pk
         if operation.kind == OperationKind.REPLAY:
-            result = replay_batch(
-                ids,
-                replayed_by=operation.requested_by,
-                force=operation.force,
-                operation=operation.pk,
-            )
-            DeadLetterOperation.objects.using(using).advance(
-                operation,
-                cursor=ids[-1],
-                at=now,
-                replayed=len(result.replayed),
-                refused=len(result.refused) - len(result.skipped),
-                skipped=len(result.skipped),
-            )
+            result = replay_batch(ids, replayed_by=by, force=operation.force, operation=pk)
+            skipped = len(result.skipped)
+            counts = {"replayed": len(result.replayed), "refused": len(result.refused) - skipped}
         else:
-            discarded = discard(
-                DeadLetter.objects.using(using).filter(pk__in=ids),
-                discarded_by=operation.requested_by,
-                operation=operation.pk,
-            )
-            DeadLetterOperation.objects.using(using).advance(
-                operation,
-                cursor=ids[-1],
-                at=now,
-                discarded=discarded,
-                skipped=len(ids) - discarded,
-            )
+            rows = DeadLetter.objects.using(using).filter(pk__in=ids)
+            counts = {"discarded": discard(rows, discarded_by=by, operation=pk)}
+            skipped = len(ids) - counts["discarded"]
+        DeadLetterOperation.objects.using(using).advance(
+            operation, cursor=ids[-1], at=now, skipped=skipped, **counts
+        )
     return operation
 
 
@@ -193,8 +168,8 @@ def run_pending_operations(
     time_budget: float | None = None,
     on_batch: Callable[[], None] | None = None,
 ) -> int:
-    """Run batches until no operation is left (or ``time_budget`` seconds have passed);
-    returns how many batches ran. ``on_batch`` is called after each committed batch."""
+    """Run batches until no operation is left (or ``time_budget`` seconds have passed), calling
+    ``on_batch`` after each; returns how many ran."""
     deadline = None if time_budget is None else time.monotonic() + time_budget
     batches = 0
     while deadline is None or time.monotonic() < deadline:
@@ -206,22 +181,11 @@ def run_pending_operations(
     return batches
 
 
-def fold_group_deltas(batches: int | None = FOLD_BATCHES) -> int:
-    """Fold the failure groups' deltas into their rows (see ``DeadLetterGroup``); returns how
-    many were folded (0 at once while another fold runs)."""
-    return DeadLetterGroup.objects.using(router.db_for_write(DeadLetterGroup)).fold(batches=batches)
-
-
 class OperationRunner:
     """A thread that carries out the recorded operations: batch after batch while there are
-    some, otherwise a look every ``interval`` seconds (one query on a partial index of the
-    unfinished operations, on a connection kept open while idle, so an operator's replay starts
-    within a second and an idle relay costs one short transaction a second).
-    Errors are logged; a batch that fails :data:`FAILURES_BEFORE_GIVING_UP` times in a row
-    stops its operation, with the error.
-
-    Every ``fold_interval`` seconds (None: never) it also folds the failure groups' deltas:
-    every deployment runs the relay, so the deltas stay few without another process."""
+    some, otherwise a look every ``interval`` seconds on a connection kept open. A batch that
+    fails :data:`FAILURES_BEFORE_GIVING_UP` times in a row stops its operation. Every
+    ``fold_interval`` seconds (None: never) it also folds the failure groups' deltas."""
 
     def __init__(
         self,
@@ -277,7 +241,8 @@ class OperationRunner:
 
     def _fold(self) -> None:
         try:
-            folded = fold_group_deltas()
+            groups = DeadLetterGroup.objects.using(router.db_for_write(DeadLetterGroup))
+            folded = groups.fold(batches=FOLD_BATCHES)
         except Exception as exc:  # noqa: BLE001 - the database may be down: folded next time
             logger.warning(
                 "folding the failure groups' deltas failed: %s: %s", type(exc).__name__, exc

@@ -1,12 +1,6 @@
-"""Who may edit a dead letter's message and replay the edited copy, per consumer.
-
-``reliable_messaging.edit_replay_deadletter`` allows it for every consumer; a permission per
-registered consumer (``edit_replay_deadletter__<12 hex>``, named "Can edit and replay dead
-letters of <consumer>") allows it for that consumer's dead letters only. The per-consumer
-permissions are created after each ``migrate`` (:func:`create_consumer_permissions`, connected
-to ``post_migrate`` by the app config): a consumer registered later gets its permission at the
-next ``migrate``. Either way the user also needs the view and replay permissions of the dead
-letters, as every replay does.
+"""Who may edit a dead letter's message and replay the edited copy: ``edit_replay_deadletter``
+for every consumer, or a registered consumer's own permission (made after each ``migrate``),
+with the dead letters' view and replay permissions.
 """
 
 from __future__ import annotations
@@ -26,27 +20,18 @@ _CODENAME_MAX, _NAME_MAX = 100, 255
 
 
 def consumer_codename(consumer: str) -> str:
-    """The codename of the permission to edit and replay ``consumer``'s dead letters: short
-    and fixed whatever the consumer's name (a hash of it), so any name fits."""
+    """The codename of the permission to edit and replay ``consumer``'s dead letters (a hash of
+    its name, so any name fits)."""
     digest = hashlib.sha256(consumer.encode("utf-8", errors="surrogatepass")).hexdigest()
     return f"{GLOBAL_CODENAME}__{digest[:12]}"[:_CODENAME_MAX]
 
 
-def consumer_permission_name(consumer: str) -> str:
-    return f"Can edit and replay dead letters of {consumer}"[:_NAME_MAX]
-
-
 def can_edit(user: Any, consumer: str) -> bool:
-    """Whether ``user`` may edit and replay ``consumer``'s dead letters: the view and replay
-    permissions of the dead letters, and the global edit permission or the consumer's own."""
-    if not (
-        user.has_perm(f"{APP_LABEL}.view_deadletter")
-        and user.has_perm(f"{APP_LABEL}.replay_deadletter")
-    ):
-        return False
+    """Whether ``user`` may edit and replay ``consumer``'s dead letters."""
+    needed = (f"{APP_LABEL}.view_deadletter", f"{APP_LABEL}.replay_deadletter")
+    either = (GLOBAL_CODENAME, consumer_codename(consumer))
     return bool(
-        user.has_perm(f"{APP_LABEL}.{GLOBAL_CODENAME}")
-        or user.has_perm(f"{APP_LABEL}.{consumer_codename(consumer)}")
+        user.has_perms(needed) and any(user.has_perm(f"{APP_LABEL}.{code}") for code in either)
     )
 
 
@@ -58,8 +43,7 @@ def create_consumer_permissions(
     **kwargs: Any,
 ) -> int:
     """``post_migrate``: one permission per registered consumer, on the dead letters' content
-    type; existing ones are left alone (a renamed consumer's old one stays until deleted).
-    Returns how many were created."""
+    type (existing ones left alone); returns how many were created."""
     try:
         permission_model = apps.get_model("auth", "Permission")
         content_type_model = apps.get_model("contenttypes", "ContentType")
@@ -72,7 +56,8 @@ def create_consumer_permissions(
         app_label=APP_LABEL, model=dead_letter_model._meta.model_name
     )
     wanted = {
-        consumer_codename(spec.name): consumer_permission_name(spec.name) for spec in registry
+        consumer_codename(spec.name): f"Can edit and replay dead letters of {spec.name}"[:_NAME_MAX]
+        for spec in registry
     }
     existing = set(
         permission_model.objects.using(using)

@@ -58,10 +58,8 @@ def record_dead_letter(
     exception_message: str = "",
     traceback_text: str = "",
 ) -> DeadLetter:
-    """Store (or update) the dead letter of ``message_id`` for ``consumer``.
-
-    Raises the database's error when the row cannot be written: the caller must then not ack.
-    """
+    """Store (or update) the dead letter of ``message_id`` for ``consumer``; raises the
+    database's error when the row cannot be written (the caller must then not ack)."""
     now = timezone.now()
     exception_type = ""
     fingerprint = reason_fingerprint(reason)
@@ -72,8 +70,7 @@ def record_dead_letter(
     ordering_key = delivery.headers.get(ORDERING_KEY_HEADER)
     message_id = _clip(message_id)
     if payload is not None and nesting_depth(payload) > MAX_STORED_NESTING:
-        # Storing it would run json's recursive encoder past Python's recursion limit (and
-        # nobody reads a payload that deep in the admin): the raw body keeps all of it.
+        # json's recursive encoder would pass Python's recursion limit: the body keeps it all.
         logger.warning(
             "dead letter payload of message_id=%s nests deeper than %d levels; "
             "storing the raw body only",
@@ -136,13 +133,11 @@ def _store(
     delivery: Delivery,
     now: dt.datetime,
 ) -> DeadLetter:
+    first = _first_failed_at(delivery.headers, now)
+
     def upsert() -> DeadLetter:
         return DeadLetter.objects.using(using).record_failure(
-            consumer,
-            message_id,
-            fields=fields,
-            event=event,
-            first_failed_at=_first_failed_at(delivery.headers, now),
+            consumer, message_id, fields=fields, event=event, first_failed_at=first
         )
 
     try:

@@ -1,10 +1,5 @@
-"""Replaying dead letters: back through the outbox, to the consumer that failed, only.
-
-A replay writes an outbox row addressed to the default exchange with the failed consumer's queue as
-routing key, keeping the message_id (the inbox still protects against doubles) and starting again at
-attempt 1. The dead letter stays "replayed" until its copy's outcome resolves it or updates it;
-after :data:`STALE_REPLAY_AFTER` one whose copy never came may be replayed again or discarded.
-``docs/design.md#dead-letters-replay-and-bulk-operations`` says more.
+"""Replaying dead letters: back through the outbox, to the consumer that failed, only
+(``docs/design.md#dead-letters-replay-and-bulk-operations``).
 """
 
 from __future__ import annotations
@@ -51,11 +46,8 @@ UNREPLAYABLE_REASONS = {
     DeadLetterReason.EMPTY_BODY: "its body is empty, so it would be refused again",
 }
 REPLAYABLE_STATUSES = (DeadLetterStatus.DEAD, DeadLetterStatus.DISCARDED)
-# How long a replay may await its outcome before it is presumed lost. The relay publishes a
-# replay within seconds and the consumer decides it within its retry horizon (the broker's
-# consumer_timeout bounds an ordered one's retries in place); past this, the dead letter may be
-# replayed again (harmless if the first copy turns up after all: the inbox takes it once) or
-# discarded (a copy that turns up after all is still processed, and resolves it).
+# How long a replay may await its outcome before it is presumed lost: then it may be replayed
+# again (the inbox takes a late first copy once) or discarded (a late copy still resolves it).
 STALE_REPLAY_AFTER = dt.timedelta(hours=1)
 # Headers describing the previous life of the message, which a replay starts afresh.
 _RESET_HEADERS = {
@@ -86,8 +78,7 @@ class ReplayResult:
 
 def stale_replays(now: dt.datetime | None = None) -> Q:
     """The dead letters replayed more than :data:`STALE_REPLAY_AFTER` ago and still awaiting
-    the outcome (``updated_at`` is when the replay was queued: nothing else saves a row in that
-    status)."""
+    the outcome (``updated_at`` is when the replay was queued)."""
     since = (now or timezone.now()) - STALE_REPLAY_AFTER
     return Q(status=DeadLetterStatus.REPLAYED, updated_at__lte=since)
 
@@ -135,9 +126,8 @@ def refusal(
     now: dt.datetime,
     body_replaced: bool = False,
 ) -> Refusal | None:
-    """Why a replay now would refuse ``dead_letter`` (None: it would replay it); the one rule
-    a replay, a dry run and an edited replay apply. ``body_replaced``: an edited copy, whose
-    new body makes the original's reason and body no ground for refusing it."""
+    """Why a replay now would refuse ``dead_letter`` (None: it would replay it), the rule of
+    replays, dry runs and edited replays (``body_replaced``: the original's body is no ground)."""
     if dead_letter.status == DeadLetterStatus.REPLAYED:
         if dead_letter.updated_at > now - STALE_REPLAY_AFTER:
             return Refusal(
@@ -230,25 +220,17 @@ def judge_batch(
 
 
 def _unsendable_body(body: bytes) -> str | None:
-    """Why ``body`` cannot travel through the outbox, whose ``body`` is a text column.
-
-    Reasons that are not about the body's encoding (``unsupported_content_type``,
-    ``body_too_large``, ``invalid_headers``) may still hold binary bodies; decoding one would
-    raise in the middle of the batch and roll back every other replay with it. PostgreSQL text
-    also cannot hold NUL, which is valid UTF-8."""
+    """Why ``body`` cannot travel through the outbox's text column (not UTF-8, or a NUL)."""
     try:
-        text = body.decode("utf-8")
+        if "\x00" not in body.decode("utf-8"):
+            return None
+        what = "contains a NUL character"
     except UnicodeDecodeError:
-        return (
-            "its body is not UTF-8 text, so it cannot be sent again through the outbox (which "
-            "stores text); publish a corrected copy yourself, or discard it"
-        )
-    if "\x00" in text:
-        return (
-            "its body contains a NUL character, so it cannot be sent again through the outbox "
-            "(which stores text); publish a corrected copy yourself, or discard it"
-        )
-    return None
+        what = "is not UTF-8 text"
+    return (
+        f"its body {what}, so it cannot be sent again through the outbox (which stores text); "
+        "publish a corrected copy yourself, or discard it"
+    )
 
 
 def _duration(delta: dt.timedelta) -> str:
@@ -266,8 +248,7 @@ def replay_headers(dead_letter: DeadLetter, replayed_by: str) -> dict[str, Any]:
     headers[REPLAYED_BY_HEADER] = replayed_by
     headers[DEAD_LETTER_ID_HEADER] = dead_letter.pk
     # Stored names may be longer than AMQP's short string (an escaped name that was not UTF-8).
-    headers = wire_headers(headers)
-    return headers
+    return wire_headers(headers)
 
 
 def traced(
@@ -299,13 +280,9 @@ def traced(
 def replay_batch(
     ids: Iterable[int], *, replayed_by: str, force: bool = False, operation: int | None = None
 ) -> ReplayResult:
-    """Replay the given dead letters in one transaction (call it with bounded batches).
-
-    Set-based: one locking SELECT, one inbox lookup, one delete per consumer of the inbox rows
-    a forced replay forgets, one INSERT of the outbox rows and one UPDATE of the dead letters
-    (their history appended in the database). Each dead letter is judged on its own by the
-    same rules (:func:`judge`; :func:`judge_batch` is the dry run). ``operation``: the bulk
-    operation doing it, recorded in each history entry beside who."""
+    """Replay the given dead letters in one transaction (call it with bounded batches), each
+    judged by :func:`judge`, set-based: one locking SELECT, one inbox lookup, one COPY of the
+    outbox rows, one UPDATE of the dead letters. ``operation``: the bulk operation doing it."""
     result = ReplayResult()
     using = router.db_for_write(DeadLetter)
     now = timezone.now()
@@ -318,17 +295,9 @@ def replay_batch(
         result.refused = {pk: why.text for pk, why in judgement.refused.items()}
         result.skipped = judgement.skipped
         chosen = judgement.chosen
-        forgotten: list[tuple[str, str]] = []
-        plain: list[int] = []
-        forced_pks: list[int] = []
-        for dead_letter, already in chosen:
-            if already:
-                # Forced: forget the inbox row, or the consumer would ack it as a duplicate.
-                forgotten.append((dead_letter.consumer, dead_letter.message_id))
-                forced_pks.append(dead_letter.pk)
-            else:
-                plain.append(dead_letter.pk)
-            result.replayed.append(dead_letter.pk)
+        result.replayed = [dead_letter.pk for dead_letter, _forced in chosen]
+        # Forced: forget the inbox row, or the consumer would ack the copy as a duplicate.
+        forced = [dead_letter for dead_letter, already in chosen if already]
         # The ledger's rows first: each copy names its own.
         entries = _record_replays(using, chosen, replayed_by, operation, now)
         copies: list[tuple[Any, ...]] = []  # the values of _OUTBOX_COLUMNS
@@ -348,17 +317,21 @@ def replay_batch(
                     "",
                 )
             )
-        if forgotten:
-            ProcessedMessage.objects.using(using).forget_many(forgotten)
+        if forced:
+            ProcessedMessage.objects.using(using).forget_many(
+                (dead_letter.consumer, dead_letter.message_id) for dead_letter in forced
+            )
         # In pk order: the outbox ids keep the dead letters' order, and so each ordering key's.
         insert_copies(using, copies)
+        forced_pks = {dead_letter.pk for dead_letter in forced}
         rows = DeadLetter.objects.using(using)
-        for forced, pks in ((False, plain), (True, forced_pks)):
-            if pks:
-                rows.mark_replayed_in_bulk(pks, by=replayed_by, forced=forced, at=now, **details)
+        for was_forced in (False, True):
+            if pks := [pk for pk in result.replayed if (pk in forced_pks) == was_forced]:
+                rows.mark_replayed_in_bulk(
+                    pks, by=replayed_by, forced=was_forced, at=now, **details
+                )
     if result.replayed:
-        # One line a batch (a bulk replay writes thousands a second); each message's own line
-        # at DEBUG.
+        # One line a batch (a bulk replay writes thousands a second); each message's at DEBUG.
         logger.info(
             "replay of %d dead letter(s) queued by %s (message_id=%s ... %s)",
             len(result.replayed),
@@ -406,33 +379,14 @@ def _record_replays(
     return created
 
 
-# What a replay reads of a dead letter: not its payload, traceback or history, which can be
-# large and which PostgreSQL's UPDATE appends to without them.
+# What a replay reads of a dead letter: not its payload, traceback or history, which can be large.
 _REPLAY_FIELDS = (
-    "message_id",
-    "consumer",
-    "queue",
-    "exchange",
-    "routing_key",
-    "headers",
-    "body",
-    "reason",
-    "status",
-    "replay_count",
-    "updated_at",
-    "trace_id",
-    "span_id",
+    *("message_id", "consumer", "queue", "exchange", "routing_key", "headers", "body", "reason"),
+    *("status", "replay_count", "updated_at", "trace_id", "span_id"),
 )
 _OUTBOX_COLUMNS = (
-    "message_id",
-    "exchange",
-    "routing_key",
-    "body",
-    "headers",
-    "ordering_key",
-    "status",
-    "attempts",
-    "last_error",
+    *("message_id", "exchange", "routing_key", "body", "headers", "ordering_key", "status"),
+    *("attempts", "last_error"),
 )
 # Set by insert_copies from the database's clock, which the relay compares them with (``Now()``): a
 # web server whose clock runs ahead would otherwise hold every replay back by the difference.
@@ -441,9 +395,7 @@ _OUTBOX_TIME_COLUMNS = ("next_attempt_at", "created_at")
 
 def insert_copies(using: str, copies: list[tuple[Any, ...]]) -> None:
     """Write the outbox rows of a batch (values of :data:`_OUTBOX_COLUMNS`), due now by the
-    database's clock: with COPY on PostgreSQL (several times the speed of a multi-row INSERT
-    for the same rows), ``bulk_create`` elsewhere. The caller wakes the relay after the
-    commit."""
+    database's clock: with COPY on PostgreSQL, ``bulk_create`` elsewhere."""
     if not copies:
         return
     connection = connections[using]
@@ -487,10 +439,8 @@ def replay(
 def discard(
     queryset: QuerySet[DeadLetter], *, discarded_by: str, operation: int | None = None
 ) -> int:
-    """Mark dead letters "discarded": kept for the record, not replayed. Only letters still
-    ``dead`` are taken, and replayed ones whose outcome has not come for
-    :data:`STALE_REPLAY_AFTER` (see :func:`discardable`); one replayed more recently, or
-    resolved, is left alone."""
+    """Mark the :func:`discardable` ones of these dead letters "discarded": kept for the record,
+    not replayed; returns how many."""
     using = router.db_for_write(DeadLetter)
     now = timezone.now()
     details = {} if operation is None else {"operation": operation}
