@@ -1,7 +1,7 @@
 """The circuit breaker of one consumer in one consume process: closed, open, half-open.
 
-Worker threads ask :meth:`CircuitBreaker.admit` before a delivery's handler may run and report
-each decided outcome with :meth:`CircuitBreaker.record` (:mod:`.workers`). A delivery it does
+Worker threads ask :meth:`ConsumerBreakers.admit` which deliveries of a batch may run and report
+each decided outcome with :meth:`ConsumerBreakers.report` (:mod:`.workers`). A delivery it does
 not admit waits in the process, unacked and unstarted, in arrival order: the consumer stays
 subscribed, its prefetch window fills, and the broker sends no more. Nothing is given back, so
 no delivery count is spent and no standby consumer of an ordered partition takes over. Only the
@@ -17,8 +17,9 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .. import metrics
 from ..conf import MessagingSettings
@@ -34,7 +35,13 @@ from ..core.outcomes import (
 )
 from ..core.registry import ConsumerSpec
 
+if TYPE_CHECKING:
+    from .board import DeliveryWork
+
 logger = logging.getLogger(__name__)
+
+# Share of the hold bound (``max_hold_seconds``) a delivery may wait for its breaker.
+BREAKER_HOLD_SHARE = 0.8
 
 # Dead letters the handler itself caused; every other reason (undecodable, parked, crashed,
 # our own error, the broker's delivery limit, expired) is not the handler's failure.
@@ -272,6 +279,7 @@ class ConsumerBreakers:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.health = health
+        self.settings = settings
         self._by_consumer: dict[str, CircuitBreaker] = {}
         for spec in specs:
             config = breaker_for(spec, settings)
@@ -287,6 +295,74 @@ class ConsumerBreakers:
 
     def get(self, consumer: str) -> CircuitBreaker | None:
         return self._by_consumer.get(consumer)
+
+    def admit(
+        self, batch: list[DeliveryWork]
+    ) -> tuple[list[DeliveryWork], list[Admission | None], list[DeliveryWork], list[DeliveryWork]]:
+        """Split ``batch``: the deliveries whose handler may run now (with their admissions);
+        those kept back, unstarted, until their breaker lets them in (open, or half-open with
+        its probes running), and every later one of their queue behind them, in order; and
+        those left for the next round, past the failures a closed breaker may still see
+        before it opens (a consumer runs no more at once than could fail before it opens)."""
+        admitted: list[DeliveryWork] = []
+        admissions: list[Admission | None] = []
+        kept_back: list[DeliveryWork] = []
+        later: list[DeliveryWork] = []
+        budget: dict[str, int] = {}
+        waiting_queues: set[str] = set()
+        for item in batch:
+            name = item.spec.name
+            breaker = None if item.from_dead_letter_queue else self.get(name)
+            if breaker is None or not item.link.open:
+                admitted.append(item)  # no breaker; or its link is gone: given back unstarted
+                admissions.append(None)
+                continue
+            if item.delivery.queue in waiting_queues:
+                kept_back.append(item)
+                continue
+            if name not in budget:
+                budget[name] = breaker.room()
+            admission = None
+            if budget[name] > 0:
+                budget[name] -= 1
+                admission = breaker.admit()
+            elif breaker.state is BreakerState.CLOSED:
+                later.append(item)  # this round is full: decided after it, in order
+                continue
+            else:
+                # Held unacked long enough that the broker's consumer timeout nears: it runs
+                # even with the breaker open (see ``docs/circuit-breaker.md``).
+                overdue = time.monotonic() - item.received >= self._hold_limit()
+                admission = breaker.admit(overdue=overdue)
+            if admission is None:
+                kept_back.append(item)
+                waiting_queues.add(item.delivery.queue)
+            else:
+                admitted.append(item)
+                admissions.append(admission)
+        return admitted, admissions, kept_back, later
+
+    def asked_again_at(self, item: DeliveryWork) -> float:
+        """When a delivery kept back is asked about again: when its breaker may let it in, or
+        once it is overdue, whichever comes first (a monotonic time)."""
+        breaker = self.get(item.spec.name)
+        again = breaker.look_again_in() if breaker is not None else 0.0
+        return min(time.monotonic() + again, item.received + self._hold_limit())
+
+    def report(
+        self,
+        batch: Sequence[DeliveryWork],
+        admissions: Sequence[Admission | None],
+        outcomes: Sequence[Outcome | None],
+    ) -> None:
+        """Count each admitted delivery's verdict with its breaker."""
+        for item, admission, outcome in zip(batch, admissions, outcomes, strict=True):
+            breaker = self.get(item.spec.name)
+            if breaker is not None and admission is not None:
+                breaker.record(admission, None if outcome is None else handler_verdict(outcome))
+
+    def _hold_limit(self) -> float:
+        return BREAKER_HOLD_SHARE * self.settings.max_hold_seconds
 
     def _changed(self, breaker: CircuitBreaker, old: BreakerState, new: BreakerState) -> None:
         metrics.breaker_state(breaker.consumer, new)

@@ -25,6 +25,8 @@ from typing import Any
 
 from ..core.envelope import EXPIRES_AT_HEADER, REPLAY_HEADER, Delivery, Message
 from ..core.registry import ConsumerSpec
+from ..models import ProcessedMessage
+from .pipeline import DUPLICATE, DeliveryOutcome, Job, Stage
 
 logger = logging.getLogger(__name__)
 
@@ -110,3 +112,19 @@ def expiry_of(
                 f"of {spec.max_age:g}s"
             )
     return None
+
+
+class Expiry(Stage):
+    """The stage that acks a message past its deadline without running its handler. Before
+    one is kept as a dead letter the inbox is asked: a late redelivery of a message handled
+    in time is a duplicate, not a failure for a person to review."""
+
+    def screen(self, job: Job, message: Message) -> DeliveryOutcome | None:
+        spec = job.processor.spec
+        late = expiry_of(job.delivery, message, spec)
+        if late is None:
+            return None
+        inbox = ProcessedMessage.objects.using(job.processor.using)
+        if spec.on_expiry == "dead_letter" and inbox.has(spec.name, message.message_id):
+            return DUPLICATE
+        return job.processor.failures.expire(job.delivery, message, late)

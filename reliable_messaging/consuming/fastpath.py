@@ -19,7 +19,11 @@ import weakref
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
+from .. import metrics
 from ..conf import MessagingSettings, messaging_settings
+from ..core.envelope import REPLAY_HEADER, Message
+from ..core.outcomes import Acknowledge, OutcomeLabel
+from .pipeline import DeliveryOutcome, Job, Stage
 
 logger = logging.getLogger(__name__)
 
@@ -281,3 +285,66 @@ def _flush_at_exit(ref: weakref.ref[DuplicateCache]) -> None:
 def duplicate_cache(settings: MessagingSettings = messaging_settings) -> DuplicateCache | None:
     alias = settings.cache_alias
     return None if alias is None else DuplicateCache(alias, settings)
+
+
+class FastPath(Stage):
+    """The stage that settles, before the transaction, what Redis already knows: duplicates,
+    and messages another consumer is on (put aside). After the commit it remembers what the
+    batch processed and gives back the leases it took. Replays always go to the database (a
+    forced replay has just removed its inbox row, which the cache may still remember)."""
+
+    def open(self, jobs: Sequence[Job], decided: list[DeliveryOutcome | None]) -> Any:
+        cache = jobs[0].processor.cache if jobs else None
+        if cache is None:
+            return None
+        candidates = [
+            (index, job, job.message)
+            for index, job in enumerate(jobs)
+            if isinstance(job.message, Message) and REPLAY_HEADER not in job.delivery.headers
+        ]
+        keys = list(dict.fromkeys((job.name, message.message_id) for _, job, message in candidates))
+        # Ordered partitions have one consumer at a time already (single active consumer).
+        wanted = {
+            (job.name, message.message_id)
+            for _, job, message in candidates
+            if not job.processor.spec.ordered
+        }
+        known, leases = cache.check(keys, wanted)
+        leased: list[tuple[str, str]] = []
+        for index, job, message in candidates:
+            key = (job.name, message.message_id)
+            if key in known:
+                metrics.dedup_cache(job.name, "hit")
+                decided[index] = DeliveryOutcome(
+                    Acknowledge(OutcomeLabel.DUPLICATE), OutcomeLabel.DUPLICATE, from_cache=True
+                )
+                continue
+            metrics.dedup_cache(job.name, "miss")
+            if leases is None or key not in leases:
+                continue
+            if leases[key]:
+                leases[key] = False  # the same message twice in one batch: the inbox decides
+                leased.append(key)
+            elif key not in leased:
+                metrics.dedup_cache(job.name, "lease_busy")
+                decided[index] = job.processor.failures.defer(job.delivery, message)
+        return cache, leased
+
+    def close(
+        self,
+        jobs: Sequence[Job],
+        decided: Sequence[DeliveryOutcome | None],
+        state: Any,
+        error: BaseException | None,
+    ) -> None:
+        if state is None:
+            return
+        cache, leased = state
+        processed = []
+        if error is None:
+            processed = [
+                (job.name, job.message.message_id)
+                for job, done in zip(jobs, decided, strict=True)
+                if done is not None and done.processed and isinstance(job.message, Message)
+            ]
+        cache.remember(processed, leased)

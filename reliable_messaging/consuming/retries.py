@@ -13,7 +13,6 @@ worker gave up on. What the database does is never a handler's failure
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 import traceback
 from collections.abc import Sequence
@@ -21,7 +20,6 @@ from typing import Any
 
 from django.db import DatabaseError, InterfaceError, OperationalError
 
-from .. import tracing
 from ..conf import MessagingSettings
 from ..core.database_errors import DatabaseTrouble, classify
 from ..core.delays import delay_for
@@ -40,7 +38,6 @@ from ..core.envelope import (
 from ..core.outcomes import (
     Acknowledge,
     FailureReason,
-    Outcome,
     OutcomeLabel,
     RetryInPlace,
     ScheduleRetry,
@@ -53,9 +50,7 @@ from ..exceptions import (
     HandlerTimeout,
     PermanentError,
 )
-
-# The consumer's log: these lines are about the deliveries it processes.
-logger = logging.getLogger("reliable_messaging.consuming.processing")
+from .pipeline import DeliveryOutcome
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,19 +79,6 @@ def decide(
             return GiveUp(FailureReason.TIMEOUT)
         return GiveUp(FailureReason.RETRIES_EXHAUSTED)
     return RetryLater(delay=delay_for(attempt, delays), next_attempt=attempt + 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class DeliveryOutcome:
-    """A delivery's outcome (what the connection's thread does with it) plus what to count,
-    log and remember once (if) the batch's transaction commits."""
-
-    outcome: Outcome
-    label: OutcomeLabel
-    duration: float | None = None
-    processed: bool = False  # the inbox holds the message now: the fast path may remember it
-    # Logged once the transaction committed (a line saying "processed" must be true).
-    after_commit: bool = False
 
 
 def retry_headers(
@@ -134,139 +116,89 @@ class DeliveryFailures:
             return self.spec.retry_delays
         return self.settings.retry_delays
 
-    def reject_undecodable(self, delivery: Delivery, error: DecodeError) -> DeliveryOutcome:
-        tracing.delivery_failed(delivery, f"{error.reason}: {error.detail}")
-        logger.error(
-            "dead-lettering message_id=%s consumer=%s outcome=dead_lettered reason=%s: %s",
-            error.message_id or "-",
-            self.spec.name,
-            error.reason,
-            error.detail,
-        )
-        self._write_dead_letter(
-            delivery=delivery,
-            message_id=error.message_id,
-            reason=error.reason,
-            attempts=1,
-            exception_message=error.detail,
-        )
-        return DeliveryOutcome(
-            Acknowledge(OutcomeLabel.DEAD_LETTERED, error.reason), OutcomeLabel.DEAD_LETTERED
-        )
-
-    def reject(
+    def dead_letter(
         self,
         delivery: Delivery,
-        message: Message,
+        message: Message | DecodeError,
         reason: str,
-        detail: str,
+        detail: str = "",
+        *,
+        error: BaseException | None = None,
+        duration: float | None = None,
         label: OutcomeLabel = OutcomeLabel.DEAD_LETTERED,
     ) -> DeliveryOutcome:
-        tracing.delivery_failed(delivery, f"{reason}: {detail}")
-        logger.error(
-            "dead-lettering message_id=%s consumer=%s attempt=%d outcome=%s reason=%s: %s",
-            message.message_id,
-            self.spec.name,
-            message.attempt,
+        """Record the delivery as a dead letter for ``reason`` (in the caller's transaction)."""
+        fields: dict[str, Any] = {}
+        if isinstance(message, Message):
+            fields = {
+                "attempts": message.attempt,
+                "payload": message.payload,
+                "exchange": message.exchange,
+                "routing_key": message.routing_key,
+            }
+        if error is not None:
+            fields["exception"] = error
+            fields["traceback_text"] = "".join(traceback.format_exception(error))
+        try:
+            record_dead_letter(
+                consumer=self.spec.name,
+                delivery=delivery,
+                message_id=message.message_id,
+                reason=reason,
+                exception_message=detail,
+                **({"attempts": 1} | fields),
+            )
+        except DatabaseError as exc:
+            # Without the row the message must stay with the broker: nothing is lost. A
+            # read-only or lost database holds it; a conflict runs its transaction again.
+            what = f"the dead letter of message_id={message.message_id}: {exc}"
+            trouble = classify(exc)
+            if trouble is DatabaseTrouble.CONFLICT:
+                raise DatabaseConflict(f"recording {what}") from exc
+            if trouble is DatabaseTrouble.UNAVAILABLE or isinstance(
+                exc, OperationalError | InterfaceError
+            ):
+                raise DatabaseUnavailable(f"cannot record {what}") from exc
+            raise
+        return DeliveryOutcome(
+            Acknowledge(OutcomeLabel.DEAD_LETTERED, reason),
             label,
-            reason,
-            detail,
+            duration,
+            detail=detail,
+            error=error,
         )
-        self._write_dead_letter(
-            delivery=delivery,
-            message_id=message.message_id,
-            reason=reason,
-            attempts=message.attempt,
-            payload=message.payload,
-            exchange=message.exchange,
-            routing_key=message.routing_key,
-            exception_message=detail,
-        )
-        return DeliveryOutcome(Acknowledge(OutcomeLabel.DEAD_LETTERED, reason), label)
 
     def expire(self, delivery: Delivery, message: Message, why: str) -> DeliveryOutcome:
         """The message is past its deadline (``why`` says by how much, see :mod:`.expiry`):
         acked without running the handler, and with ``on_expiry="dead_letter"`` kept as a
-        dead letter ``expired``. Logged once the transaction commits."""
+        dead letter ``expired``."""
         if self.spec.on_expiry == "dead_letter":
-            self._write_dead_letter(
-                delivery=delivery,
-                message_id=message.message_id,
-                reason=FailureReason.EXPIRED,
-                attempts=message.attempt,
-                payload=message.payload,
-                exchange=message.exchange,
-                routing_key=message.routing_key,
-                exception_message=why,
-            )
+            self.dead_letter(delivery, message, FailureReason.EXPIRED, why)
             why = f"{why}; kept as a dead letter"
-        return DeliveryOutcome(
-            Acknowledge(OutcomeLabel.EXPIRED, why), OutcomeLabel.EXPIRED, after_commit=True
-        )
+        return DeliveryOutcome(Acknowledge(OutcomeLabel.EXPIRED, why), OutcomeLabel.EXPIRED)
 
     def on_failure(
         self, delivery: Delivery, message: Message, exc: Exception, started: float
     ) -> DeliveryOutcome:
+        """The handler raised ``exc``: a dead letter or a retry (:func:`decide`)."""
         duration = time.perf_counter() - started
-        tracing.delivery_failed(delivery, f"{type(exc).__name__}: {exc}", exc)
         decision = decide(
             exc, attempt=message.attempt, max_attempts=self.max_attempts, delays=self.retry_delays
         )
         if isinstance(decision, GiveUp):
-            logger.error(
-                "dead-lettering message_id=%s consumer=%s attempt=%d outcome=dead_lettered "
-                "reason=%s duration_ms=%.1f: %s: %s",
-                message.message_id,
-                self.spec.name,
-                message.attempt,
-                decision.reason,
-                duration * 1000,
-                type(exc).__name__,
-                exc,
+            return self.dead_letter(
+                delivery, message, decision.reason, str(exc), error=exc, duration=duration
             )
-            self._write_dead_letter(
-                delivery=delivery,
-                message_id=message.message_id,
-                reason=decision.reason,
-                attempts=message.attempt,
-                payload=message.payload,
-                exchange=message.exchange,
-                routing_key=message.routing_key,
-                exception=exc,
-                traceback_text="".join(traceback.format_exception(exc)),
-            )
-            return DeliveryOutcome(
-                Acknowledge(OutcomeLabel.DEAD_LETTERED, decision.reason),
-                OutcomeLabel.DEAD_LETTERED,
-                duration,
-            )
-        logger.warning(
-            "retrying message_id=%s consumer=%s attempt=%d outcome=retry next_attempt=%d "
-            "in %.3gs%s duration_ms=%.1f: %s: %s",
-            message.message_id,
-            self.spec.name,
-            message.attempt,
-            decision.next_attempt,
-            decision.delay,
-            " in place (ordered)" if self.spec.ordered else "",
-            duration * 1000,
-            type(exc).__name__,
-            exc,
-        )
         headers = retry_headers(delivery, message, exc, decision.next_attempt)
         error = f"{type(exc).__name__}: {exc}"
-        if self.spec.ordered:
-            # Through a delay queue a later message of the key would overtake it: the delivery
-            # stays unacked, holding its partition, and runs again after the delay.
-            return DeliveryOutcome(
-                RetryInPlace(decision.delay, decision.next_attempt, headers, error),
-                OutcomeLabel.RETRIED,
-                duration,
-            )
+        # An ordered consumer's retry waits in place: through a delay queue a later message of
+        # the key would overtake it. The delivery stays unacked, holding its partition.
+        retry = RetryInPlace if self.spec.ordered else ScheduleRetry
         return DeliveryOutcome(
-            ScheduleRetry(decision.delay, decision.next_attempt, headers, error),
+            retry(decision.delay, decision.next_attempt, headers, error),
             OutcomeLabel.RETRIED,
             duration,
+            error=exc,
         )
 
     def defer_delay(self, deferrals: int = 0) -> float:
@@ -294,27 +226,16 @@ class DeliveryFailures:
         An ordered consumer's delivery waits in place instead, holding its partition."""
         deferrals = _deferrals(delivery.headers)
         delay = self.defer_delay(deferrals)
-        logger.info(
-            "message_id=%s consumer=%s attempt=%d outcome=deferred: %s; it comes back in %.3gs",
-            message.message_id,
-            self.spec.name,
-            message.attempt,
-            why,
-            delay,
-        )
         headers = {k: v for k, v in delivery.headers.items() if k not in BROKER_HEADERS}
         headers[ATTEMPT_HEADER] = message.attempt
         headers[DEFERRALS_HEADER] = deferrals + 1
         headers[ORIGINAL_EXCHANGE_HEADER] = message.exchange
         headers[ORIGINAL_ROUTING_KEY_HEADER] = message.routing_key
-        if self.spec.ordered:
-            return DeliveryOutcome(
-                RetryInPlace(delay, message.attempt, headers, error, deferred=True),
-                OutcomeLabel.DEFERRED,
-            )
+        retry = RetryInPlace if self.spec.ordered else ScheduleRetry
         return DeliveryOutcome(
-            ScheduleRetry(delay, message.attempt, headers, error, deferred=True),
+            retry(delay, message.attempt, headers, error, deferred=True),
             OutcomeLabel.DEFERRED,
+            detail=why,
         )
 
     def busy(self, delivery: Delivery, message: Message) -> DeliveryOutcome:
@@ -328,25 +249,6 @@ class DeliveryFailures:
             f"cut off mid-batch)",
             error="inbox row locked",
         )
-
-    def _write_dead_letter(self, **kwargs: Any) -> None:
-        try:
-            record_dead_letter(consumer=self.spec.name, **kwargs)
-        except DatabaseError as exc:
-            # Without the row the message must stay with the broker: nothing is lost. A
-            # read-only or lost database holds it; a conflict runs its transaction again.
-            trouble = classify(exc)
-            if trouble is DatabaseTrouble.CONFLICT:
-                raise DatabaseConflict(
-                    f"recording the dead letter of message_id={kwargs.get('message_id')}: {exc}"
-                ) from exc
-            if trouble is DatabaseTrouble.UNAVAILABLE or isinstance(
-                exc, OperationalError | InterfaceError
-            ):
-                raise DatabaseUnavailable(
-                    f"cannot record the dead letter of message_id={kwargs.get('message_id')}: {exc}"
-                ) from exc
-            raise
 
 
 def _deferrals(headers: Any) -> int:

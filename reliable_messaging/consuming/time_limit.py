@@ -20,7 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 
+from ..core.envelope import Message
 from ..exceptions import HandlerTimeout
+from .pipeline import Job, Stage
 
 logger = logging.getLogger(__name__)
 
@@ -274,3 +276,12 @@ class TimeLimits:
 
 
 time_limits = TimeLimits()
+
+
+class TimeLimit(Stage):
+    """The stage around each handler: its consumer's ``timeout``, else ``HANDLER_TIMEOUT``."""
+
+    def handling(self, job: Job, message: Message) -> contextlib.AbstractContextManager[None]:
+        processor = job.processor
+        seconds = processor.spec.timeout or processor.settings.handler_timeout
+        return time_limits.limit(seconds, processor.spec.name, message.message_id)

@@ -25,7 +25,7 @@ from ..core.liveness import HealthState
 from ..core.outcomes import Outcome, Release, RetryInPlace
 from ..exceptions import DatabaseConflict, DatabaseUnavailable
 from .board import DeliveryWork, HeldPartition, WorkBoard
-from .breaker import Admission, BreakerState, ConsumerBreakers, handler_verdict
+from .breaker import Admission, ConsumerBreakers
 from .crash_guard import CRASHED, CrashGuard, SuspectGate, decide_suspect
 from .fastpath import DuplicateCache
 from .last_resort import consumer_error, ingest_delivery_limit
@@ -38,9 +38,6 @@ logger = logging.getLogger(__name__)
 WORKER_DEATH_LIMIT = 3
 # Exit code of a consumer stopped because its worker threads kept dying.
 EXIT_WORKERS_DYING = 4
-
-# Share of the hold bound (``max_hold_seconds``) a delivery may wait for its breaker.
-BREAKER_HOLD_SHARE = 0.8
 
 # Outcomes a worker hands back: carried out on the connection's thread.
 HandBack = Callable[[list[tuple[DeliveryWork, Outcome]]], None]
@@ -267,11 +264,11 @@ class WorkerPool:
             if batch and self.breakers:
                 # A consumer with a breaker runs no more at once than could fail before it
                 # opens; the rest of the segment is decided next, once the breaker knows.
-                batch, admissions, kept_back, rest = self._admit(batch)
+                batch, admissions, kept_back, rest = self.breakers.admit(batch)
             if batch:
                 outcomes = self._decide(batch)
                 if self.breakers:
-                    self._report_to_breakers(batch, admissions, outcomes)
+                    self.breakers.report(batch, admissions, outcomes)
                 for item, outcome in zip(batch, outcomes, strict=True):
                     if isinstance(outcome, RetryInPlace):
                         held[item.delivery.queue] = HeldPartition(
@@ -282,83 +279,16 @@ class WorkerPool:
                     else:
                         settled.append((item, outcome))
             for item in kept_back:
-                self._wait_for_breaker(item, held)
+                # Kept here, unacked and unstarted, behind whatever of its queue waits already,
+                # until its breaker is asked again.
+                waiting = held.get(item.delivery.queue)
+                if waiting is not None:
+                    waiting.items.append(item)
+                else:
+                    again_at = self.breakers.asked_again_at(item)
+                    held[item.delivery.queue] = HeldPartition(again_at, [item])
         if settled:
             self._hand_back(settled)
-
-    def _admit(
-        self, batch: list[DeliveryWork]
-    ) -> tuple[list[DeliveryWork], list[Admission | None], list[DeliveryWork], list[DeliveryWork]]:
-        """Split ``batch`` by what the breakers say: the deliveries whose handler may run now
-        (with their admissions); those kept back, unstarted, until their breaker lets them in
-        (open, or half-open with its probes running), and every later one of their queue
-        behind them, in order; and those left for the next round, past the number of
-        failures a closed breaker may still see before it opens."""
-        admitted: list[DeliveryWork] = []
-        admissions: list[Admission | None] = []
-        kept_back: list[DeliveryWork] = []
-        later: list[DeliveryWork] = []
-        budget: dict[str, int] = {}
-        waiting_queues: set[str] = set()
-        for item in batch:
-            name = item.spec.name
-            breaker = None if item.from_dead_letter_queue else self.breakers.get(name)
-            if breaker is None or not item.link.open:
-                admitted.append(item)  # no breaker; or its link is gone: given back unstarted
-                admissions.append(None)
-                continue
-            if item.delivery.queue in waiting_queues:
-                kept_back.append(item)
-                continue
-            if name not in budget:
-                budget[name] = breaker.room()
-            admission = None
-            if budget[name] > 0:
-                budget[name] -= 1
-                admission = breaker.admit()
-            elif breaker.state is BreakerState.CLOSED:
-                later.append(item)  # this round is full: decided after it, in order
-                continue
-            else:
-                admission = breaker.admit(overdue=self._waited_too_long(item))
-            if admission is None:
-                kept_back.append(item)
-                waiting_queues.add(item.delivery.queue)
-            else:
-                admitted.append(item)
-                admissions.append(admission)
-        return admitted, admissions, kept_back, later
-
-    def _waited_too_long(self, item: DeliveryWork) -> bool:
-        """Held unacked long enough that the broker's consumer timeout nears: it runs even
-        with the breaker open (see ``docs/circuit-breaker.md``)."""
-        held_for = time.monotonic() - item.received
-        return held_for >= BREAKER_HOLD_SHARE * self.settings.max_hold_seconds
-
-    def _wait_for_breaker(self, item: DeliveryWork, held: dict[str, HeldPartition]) -> None:
-        """Keep ``item`` in this worker, unacked and unstarted, behind whatever of its queue
-        waits already, until its breaker is asked again."""
-        waiting = held.get(item.delivery.queue)
-        if waiting is not None:
-            waiting.items.append(item)
-            return
-        breaker = self.breakers.get(item.spec.name)
-        again = breaker.look_again_in() if breaker is not None else 0.0
-        overdue_at = item.received + BREAKER_HOLD_SHARE * self.settings.max_hold_seconds
-        held[item.delivery.queue] = HeldPartition(min(time.monotonic() + again, overdue_at), [item])
-
-    def _report_to_breakers(
-        self,
-        batch: list[DeliveryWork],
-        admissions: list[Admission | None],
-        outcomes: list[Outcome | None],
-    ) -> None:
-        """Count each admitted delivery's verdict with its breaker."""
-        for item, admission, outcome in zip(batch, admissions, outcomes, strict=True):
-            breaker = self.breakers.get(item.spec.name)
-            if breaker is None or admission is None:
-                continue
-            breaker.record(admission, None if outcome is None else handler_verdict(outcome))
 
     def _decide(self, batch: list[DeliveryWork]) -> list[Outcome | None]:
         """The batch's outcomes; holds it while the database is unreachable, retrying with
@@ -397,7 +327,7 @@ class WorkerPool:
                 return [self._attempt_suspect(batch[0])]
         jobs = [Job(self.processors[item.spec.name], item.delivery) for item in batch]
         with self._gate.shared():
-            return process_batch(jobs, cache=self.cache)
+            return process_batch(jobs)
 
     def _attempt_suspect(self, item: DeliveryWork) -> Outcome | None:
         processor = self.processors[item.spec.name]
@@ -405,7 +335,7 @@ class WorkerPool:
             self.crash_guard,
             processor,
             item.delivery,
-            lambda: process_batch([Job(processor, item.delivery)], cache=self.cache)[0],
+            lambda: process_batch([Job(processor, item.delivery)])[0],
         )
 
     def _decide_live(self, batch: list[DeliveryWork]) -> list[Outcome | None]:

@@ -152,6 +152,8 @@ def claim_inbox_rows(
     copies keep coming back meanwhile; each must cost the consumer a round trip, not a wait.
     """
     ordered = sorted(set(keys))
+    if connections[using].vendor not in CLAIM_VENDORS:
+        return {key: True for key in ordered if insert_inbox_row(using, *key)}, set()
     if lock_wait <= ROW_LOCK_PROBE and connections[using].vendor == "postgresql":
         return _claim_around_held(using, ordered)
     try:

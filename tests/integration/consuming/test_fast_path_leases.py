@@ -146,7 +146,7 @@ def test_a_fresh_batch_costs_one_round_trip_and_carries_the_last_batchs_marks(
     batches = [[f"rt{b}-{uuid.uuid4()}" for _ in range(5)] for b in range(2)]
 
     def run_batch(ids: list[str]) -> list[Outcome | None]:
-        return process_batch([Job(processor, delivery_for(spec, m)) for m in ids], cache=cache)
+        return process_batch([Job(processor, delivery_for(spec, m)) for m in ids])
 
     assert run_batch(batches[0]) == [Acknowledge("processed")] * 5
     assert len(trips) == 1
@@ -274,7 +274,7 @@ def test_a_batch_that_outlived_its_leases_gives_back_only_its_own(
     processor = DeliveryProcessor(spec, cache=cache)
     jobs = [Job(processor, delivery_for(spec, message_id)) for message_id in ids]
 
-    assert process_batch(jobs, cache=cache) == [Acknowledge("processed")] * 3
+    assert process_batch(jobs) == [Acknowledge("processed")] * 3
     cache.flush()
 
     assert redis.exists(cache.lease_key(spec.name, taken_over)), "the other's lease was deleted"

@@ -1,0 +1,27 @@
+"""The routing-key stage: a message that matches none of its consumer's bindings is refused.
+
+It reached the queue some other way (published straight to the queue, or a stale binding);
+running the handler on it would act on an event the consumer never asked for.
+"""
+
+from __future__ import annotations
+
+from ..core.envelope import Message
+from ..core.outcomes import FailureReason
+from ..core.routing import topic_matches
+from .pipeline import DeliveryOutcome, Job, Stage
+
+
+class UnexpectedRoutingKey(Stage):
+    def screen(self, job: Job, message: Message) -> DeliveryOutcome | None:
+        bindings = job.processor.spec.bindings
+        if not bindings or any(topic_matches(b, message.routing_key) for b in bindings):
+            return None  # expected (or bound outside the app: nothing to compare with)
+        return job.processor.failures.dead_letter(
+            job.delivery,
+            message,
+            FailureReason.UNEXPECTED_ROUTING_KEY,
+            f"routing key {message.routing_key!r} matches none of the consumer's bindings "
+            f"{list(bindings)!r}: the message reached the queue some other way "
+            f"(published straight to the queue, or a stale binding)",
+        )

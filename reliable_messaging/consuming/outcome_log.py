@@ -1,0 +1,71 @@
+"""The log stage: one line per delivery once its outcome committed (a line saying
+"processed" is true), in the consumer's log ``reliable_messaging.consuming.processing``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from ..core.envelope import DecodeError
+from ..core.outcomes import Acknowledge, OutcomeLabel, RetryInPlace, ScheduleRetry
+from .pipeline import DeliveryOutcome, Job, Stage
+
+logger = logging.getLogger("reliable_messaging.consuming.processing")
+
+
+class OutcomeLog(Stage):
+    def close(
+        self,
+        jobs: Sequence[Job],
+        decided: Sequence[DeliveryOutcome | None],
+        state: Any,
+        error: BaseException | None,
+    ) -> None:
+        if error is None:
+            for job, done in zip(jobs, decided, strict=True):
+                if done is not None:
+                    log_outcome(job, done)
+
+
+def log_outcome(job: Job, done: DeliveryOutcome) -> None:
+    message = job.message
+    attempt = 1 if isinstance(message, DecodeError) else message.attempt
+    head = f"message_id={message.message_id or '-'} consumer={job.name} attempt={attempt}"
+    outcome = done.outcome
+    why = f"{type(done.error).__name__}: {done.error}" if done.error is not None else done.detail
+    took = f" duration_ms={done.duration * 1000:.1f}" if done.duration is not None else ""
+    label = done.label
+    if label == OutcomeLabel.PROCESSED:
+        logger.info("processed %s outcome=processed%s", head, took)
+    elif label == OutcomeLabel.DUPLICATE:
+        logger.info(
+            "duplicate %s outcome=duplicate: already processed%s, acked without running the "
+            "handler",
+            head,
+            " (fast path)" if done.from_cache else "",
+        )
+    elif label == OutcomeLabel.EXPIRED:
+        logger.info(
+            "expired %s outcome=expired: %s; acked without running the handler",
+            head,
+            outcome.reason if isinstance(outcome, Acknowledge) else why,
+        )
+    elif isinstance(outcome, Acknowledge):  # a dead letter, or parked
+        logger.error(
+            "dead-lettering %s outcome=%s reason=%s%s: %s", head, label, outcome.reason, took, why
+        )
+    elif isinstance(outcome, ScheduleRetry | RetryInPlace) and outcome.deferred:
+        logger.info(
+            "%s outcome=deferred: %s; it comes back in %.3gs", head, done.detail, outcome.delay
+        )
+    elif isinstance(outcome, ScheduleRetry | RetryInPlace):
+        logger.warning(
+            "retrying %s outcome=retry next_attempt=%d in %.3gs%s%s: %s",
+            head,
+            outcome.next_attempt,
+            outcome.delay,
+            " in place (ordered)" if isinstance(outcome, RetryInPlace) else "",
+            took,
+            why,
+        )

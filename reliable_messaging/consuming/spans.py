@@ -1,0 +1,49 @@
+"""The tracing stage: a ``process`` span per delivery, current while its handler runs.
+
+The spans themselves (attributes, context propagation) are :mod:`reliable_messaging.tracing`'s;
+this stage only says when they start, are current, fail and end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+from .. import tracing
+from ..core.envelope import Message
+from ..core.outcomes import Acknowledge, OutcomeLabel
+from .pipeline import DeliveryOutcome, Job, Stage
+
+FAILED = frozenset({OutcomeLabel.DEAD_LETTERED, OutcomeLabel.PARKED, OutcomeLabel.RETRIED})
+
+
+class Spans(Stage):
+    def open(self, jobs: Sequence[Job], decided: list[DeliveryOutcome | None]) -> Any:
+        return tracing.start_deliveries((job.delivery, job.name) for job in jobs)
+
+    def handling(self, job: Job, message: Message) -> AbstractContextManager[Any]:
+        return tracing.handling(job.delivery)
+
+    def close(
+        self,
+        jobs: Sequence[Job],
+        decided: Sequence[DeliveryOutcome | None],
+        state: Any,
+        error: BaseException | None,
+    ) -> None:
+        if state is None:
+            return
+        if error is None:
+            for job, done in zip(jobs, decided, strict=True):
+                if done is not None and done.label in FAILED:
+                    tracing.delivery_failed(job.delivery, _described(job, done), done.error)
+        outcomes = None if error is not None else [d.outcome if d else None for d in decided]
+        tracing.end_deliveries(state, [job.delivery for job in jobs], outcomes, error)
+
+
+def _described(job: Job, done: DeliveryOutcome) -> str:
+    if done.error is not None:
+        return f"{type(done.error).__name__}: {done.error}"
+    reason = done.outcome.reason if isinstance(done.outcome, Acknowledge) else done.label
+    return f"{reason}: {done.detail}"

@@ -1,0 +1,159 @@
+"""The consumer's pipeline: a stage registered beside the others sees every delivery through
+each hook, may decide a delivery before its inbox claim, and cannot break a batch by failing
+after it; and the decision code names no feature.
+
+What the stages do together is tested feature by feature (``test_features_meet.py`` and the
+e2e suite); this file holds the contract a new stage relies on.
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import reliable_messaging.consuming.processing as processing
+from reliable_messaging.consuming.pipeline import (
+    DeliveryOutcome,
+    Job,
+    Pipeline,
+    Stage,
+    default_pipeline,
+)
+from reliable_messaging.consuming.processing import DeliveryProcessor, process_batch
+from reliable_messaging.core.envelope import Delivery, Message, encode_payload
+from reliable_messaging.core.outcomes import Acknowledge, OutcomeLabel
+from reliable_messaging.models import DeadLetter, ProcessedMessage
+from reliable_messaging.testing import find_consumer
+from tests.testapp.models import Effect
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class Watcher(Stage):
+    """Writes down each hook it sees; refuses message ids starting with ``refuse-``."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str]] = []
+
+    def open(self, jobs: Sequence[Job], decided: list[DeliveryOutcome | None]) -> Any:
+        self.seen += [("open", job.delivery.message_id or "") for job in jobs]
+        return "state"
+
+    def screen(self, job: Job, message: Message) -> DeliveryOutcome | None:
+        self.seen.append(("screen", message.message_id))
+        if message.message_id.startswith("refuse-"):
+            return job.processor.failures.dead_letter(
+                job.delivery, message, "unexpected_routing_key", "refused by the watcher"
+            )
+        return None
+
+    @contextmanager
+    def _around(self, message_id: str) -> Iterator[None]:
+        self.seen.append(("before handler", message_id))
+        yield
+        self.seen.append(("after handler", message_id))
+
+    def handling(self, job: Job, message: Message) -> Any:
+        return self._around(message.message_id)
+
+    def decided(self, job: Job, message: Message, done: DeliveryOutcome) -> None:
+        self.seen.append((f"decided {done.label}", message.message_id))
+
+    def close(
+        self,
+        jobs: Sequence[Job],
+        decided: Sequence[DeliveryOutcome | None],
+        state: Any,
+        error: BaseException | None,
+    ) -> None:
+        assert state == "state"
+        self.seen += [(f"close {d.label if d else None}", "") for d in decided]
+        if any(job.delivery.message_id == "explode-after" for job in jobs):
+            raise RuntimeError("a stage's own bug after the commit")
+
+
+def processor_with(*extra: Stage) -> DeliveryProcessor:
+    pipeline = Pipeline([*default_pipeline().stages, *extra])
+    return DeliveryProcessor(find_consumer("tests.alpha"), pipeline=pipeline)
+
+
+def job(processor: DeliveryProcessor, message_id: str, payload: Any = None) -> Job:
+    delivery = Delivery(
+        body=encode_payload(payload or {}),
+        queue=processor.spec.queue,
+        exchange="rmtest",
+        routing_key="order.placed",
+        message_id=message_id,
+        content_type="application/json",
+    )
+    return Job(processor, delivery)
+
+
+def test_a_registered_stage_sees_each_delivery_through_every_hook_in_order() -> None:
+    watcher = Watcher()
+    processor = processor_with(watcher)
+    outcomes = process_batch([job(processor, "m-1"), job(processor, "m-1")])
+    assert outcomes == [Acknowledge("processed"), Acknowledge("duplicate")]
+    assert watcher.seen == [
+        ("open", "m-1"),
+        ("open", "m-1"),
+        ("screen", "m-1"),
+        ("screen", "m-1"),
+        ("before handler", "m-1"),
+        ("after handler", "m-1"),
+        ("decided processed", "m-1"),
+        ("decided duplicate", "m-1"),
+        ("close processed", ""),
+        ("close duplicate", ""),
+    ]
+
+
+def test_a_screen_decides_before_the_claim_and_the_handler() -> None:
+    watcher = Watcher()
+    processor = processor_with(watcher)
+    outcomes = process_batch([job(processor, "refuse-1"), job(processor, "ok-1")])
+    assert outcomes == [
+        Acknowledge(OutcomeLabel.DEAD_LETTERED, "unexpected_routing_key"),
+        Acknowledge("processed"),
+    ]
+    assert ("before handler", "refuse-1") not in watcher.seen
+    assert not ProcessedMessage.objects.filter(message_id="refuse-1").exists()
+    assert DeadLetter.objects.get(message_id="refuse-1").exception_message == (
+        "refused by the watcher"
+    )
+    assert Effect.objects.filter(message_id="refuse-1").count() == 0
+
+
+def test_a_stage_failing_after_the_commit_changes_no_outcome(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    watcher = Watcher()
+    processor = processor_with(watcher)
+    with caplog.at_level(logging.ERROR, logger="reliable_messaging.consuming.pipeline"):
+        outcomes = process_batch([job(processor, "explode-after")])
+    assert outcomes == [Acknowledge("processed")]
+    assert Effect.objects.filter(message_id="explode-after").count() == 1
+    assert "failed after a batch" in caplog.text
+
+
+def test_the_decision_code_names_no_feature() -> None:
+    """processing.py imports the pipeline, the policy and the storage it claims with; every
+    feature reaches it only as a stage."""
+    tree = ast.parse(Path(processing.__file__).read_text())
+    imported = {
+        node.module
+        for node in tree.body  # not those under TYPE_CHECKING: types only
+        if isinstance(node, ast.ImportFrom) and node.module is not None
+    }
+    stage_modules = {
+        type(stage).__module__.rsplit(".", 1)[-1] for stage in default_pipeline().stages
+    }
+    assert not {module.lstrip(".") for module in imported} & stage_modules, imported
+    names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    assert not names & {"tracing", "metrics", "ledger", "expiry_of", "time_limits"}
