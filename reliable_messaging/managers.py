@@ -583,6 +583,10 @@ class DeadLetterGroupQuerySet(models.QuerySet):
 DeadLetterGroupManager = models.Manager.from_queryset(DeadLetterGroupQuerySet)
 
 
+# A failure group's key: (consumer, fingerprint, reason).
+GroupKey = tuple[str, str, str]
+
+
 class FailureGroupStateQuerySet(models.QuerySet):
     """What operators said about failure groups (keyed by consumer, fingerprint, reason), and
     the only code that changes it. ``reopen`` deletes the row (the group is new again); each
@@ -592,14 +596,7 @@ class FailureGroupStateQuerySet(models.QuerySet):
         return self.filter(consumer=consumer, fingerprint=fingerprint, reason=reason)
 
     def _store(
-        self,
-        state: str,
-        key: tuple[str, str, str],
-        *,
-        by: str,
-        at: dt.datetime,
-        note: str,
-        user_id: int | None,
+        self, state: str, key: GroupKey, *, by: str, at: dt.datetime, note: str, user_id: int | None
     ) -> FailureGroupState:
         consumer, fingerprint, reason = key
         row, created = self.update_or_create(
@@ -612,36 +609,19 @@ class FailureGroupStateQuerySet(models.QuerySet):
         return row
 
     def acknowledge(
-        self,
-        key: tuple[str, str, str],
-        *,
-        by: str,
-        at: dt.datetime,
-        note: str = "",
-        user_id: int | None = None,
+        self, key: GroupKey, *, by: str, at: dt.datetime, note: str = "", user_id: int | None = None
     ) -> FailureGroupState:
         """Someone looks into the group: muted from alerts until resolved or reopened."""
         return self._store(GroupState.ACKNOWLEDGED, key, by=by, at=at, note=note, user_id=user_id)
 
     def resolve(
-        self,
-        key: tuple[str, str, str],
-        *,
-        by: str,
-        at: dt.datetime,
-        note: str = "",
-        user_id: int | None = None,
+        self, key: GroupKey, *, by: str, at: dt.datetime, note: str = "", user_id: int | None = None
     ) -> FailureGroupState:
         """The cause is fixed: a failure of the group after ``at`` makes it regressed."""
         return self._store(GroupState.RESOLVED, key, by=by, at=at, note=note, user_id=user_id)
 
     def reopen(
-        self,
-        key: tuple[str, str, str],
-        *,
-        at: dt.datetime,
-        note: str = "",
-        user_id: int | None = None,
+        self, key: GroupKey, *, at: dt.datetime, note: str = "", user_id: int | None = None
     ) -> bool:
         """Forget what was said of the group: it is new again. False when it was already."""
         row = self.select_for_update().of(*key).first()

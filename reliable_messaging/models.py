@@ -49,7 +49,7 @@ class ProcessedMessage(models.Model):
         constraints = [
             models.UniqueConstraint(
                 fields=["message_id", "consumer"], name="rm_inbox_message_consumer_uniq"
-            ),
+            )
         ]
         indexes = [
             models.Index(fields=["processed_at"], name="rm_inbox_processed_at_idx"),
@@ -121,7 +121,7 @@ class DeadLetter(models.Model):
                 fields=["consumer", "message_id"],
                 condition=~Q(message_id=""),
                 name="rm_deadletter_consumer_msg_uniq",
-            ),
+            )
         ]
         indexes = [
             models.Index(fields=["status", "-last_failed_at"], name="rm_deadletter_status_idx"),
@@ -192,11 +192,9 @@ class DeadLetterGroup(_GroupCounts):
         constraints = [
             models.UniqueConstraint(
                 fields=["consumer", "fingerprint", "reason"], name="rm_dlgroup_key_uniq"
-            ),
+            )
         ]
-        indexes = [
-            models.Index(fields=["fingerprint"], name="rm_dlgroup_fprint_idx"),
-        ]
+        indexes = [models.Index(fields=["fingerprint"], name="rm_dlgroup_fprint_idx")]
 
     def __str__(self) -> str:
         return f"{self.consumer} · {self.fingerprint[:8] or '-'}: {self.dead} dead"
@@ -250,7 +248,7 @@ class SuspectDelivery(models.Model):
         constraints = [
             models.UniqueConstraint(
                 fields=["consumer", "message_id"], name="rm_suspect_consumer_message_uniq"
-            ),
+            )
         ]
         indexes = [models.Index(fields=["updated_at"], name="rm_suspect_updated_at_idx")]
 
@@ -317,7 +315,7 @@ class OutboxMessage(models.Model):
                 fields=["idempotency_key"],
                 condition=Q(idempotency_key__isnull=False),
                 name="rm_outbox_idem_uniq",
-            ),
+            )
         ]
 
     def __str__(self) -> str:
@@ -363,7 +361,7 @@ class DeadLetterOperation(models.Model):
                 fields=["id"],
                 condition=Q(state__in=["pending", "running"]),
                 name="rm_dlop_unfinished_idx",
-            ),
+            )
         ]
 
     def __str__(self) -> str:
@@ -416,7 +414,7 @@ class Replay(models.Model):
         ordering = ["-id"]
         indexes = [
             # With the id: an operation's first replays that failed again, read in order.
-            models.Index(fields=["operation", "outcome", "id"], name="rm_replay_op_outcome_idx"),
+            models.Index(fields=["operation", "outcome", "id"], name="rm_replay_op_outcome_idx")
         ]
 
     def __str__(self) -> str:
@@ -467,7 +465,7 @@ class FailureGroupState(models.Model):
         constraints = [
             models.UniqueConstraint(
                 fields=["consumer", "fingerprint", "reason"], name="rm_groupstate_key_uniq"
-            ),
+            )
         ]
 
     def __str__(self) -> str:

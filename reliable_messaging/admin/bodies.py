@@ -1,10 +1,5 @@
-"""Message bodies on the admin's detail pages: at most ``SHOWN_BYTES`` of them, whatever they hold.
-
-A body can be anything a publisher sent: 8 MiB of JSON, JSON nested 5,000 deep (which Python's
-parser and pretty-printer refuse with ``RecursionError``), bytes that are not UTF-8. A detail
-page shows the start of it, pretty-printed when it is JSON the printer can take, as raw text
-otherwise, with its full size and a link to download the exact bytes: the page stays a few
-hundred KB and the database sends at most ``SHOWN_BYTES`` of the body for it.
+"""Message bodies on the admin's detail pages: the first ``SHOWN_BYTES``, pretty-printed when
+JSON the printer can take (not 5,000 deep), raw text otherwise, and the whole as a download.
 """
 
 from __future__ import annotations
@@ -32,10 +27,7 @@ def head_and_size(rows: QuerySet[Any], pk: Any, field: str = "body") -> tuple[by
     sends no more of it."""
     found = (
         rows.filter(pk=pk)
-        .annotate(
-            _head=Substr(field, 1, SHOWN_BYTES + 1),
-            _size=Length(field),
-        )
+        .annotate(_head=Substr(field, 1, SHOWN_BYTES + 1), _size=Length(field))
         .values_list("_head", "_size")
         .first()
     )

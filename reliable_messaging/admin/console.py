@@ -22,13 +22,7 @@ from django.utils.translation import gettext, ngettext
 
 from ..choices import DeadLetterStatus, GroupState
 from ..dead_letters.operations import DRY_RUN_LIMIT, dry_run
-from ..dead_letters.replay import (
-    REFUSAL_LABELS,
-    ReplayResult,
-    discard,
-    discardable,
-    replay_batch,
-)
+from ..dead_letters.replay import REFUSAL_LABELS, ReplayResult, discard, discardable, replay_batch
 from ..dead_letters.selection import (
     BY_MESSAGE_ID,
     BY_WORDS,

@@ -97,7 +97,7 @@ _REPLAY_HEADS = (_("when"), _("by"), _("kind"), _("outcome"), _("copy's message 
 
 
 @admin.register(DeadLetter)
-class DeadLetterAdmin(scaling.BoundedListAdmin):
+class DeadLetterAdmin(scaling.ReadOnlyAdmin, scaling.BoundedListAdmin):
     """Review, replay, discard and delete dead letters; see their failure groups."""
 
     # Pairs share a cell (consumer over its queue, exception type over its message) so that
@@ -148,12 +148,6 @@ class DeadLetterAdmin(scaling.BoundedListAdmin):
         return self.has_view_permission(request) and bool(
             user.has_perm(f"{self.opts.app_label}.replay_{self.opts.model_name}")
         )
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False  # changes go through the replay and discard services
 
     # ------------------------------------------------------------------ list
 
@@ -543,7 +537,6 @@ class DeadLetterAdmin(scaling.BoundedListAdmin):
     def console_url(self, name: str, *args: Any, query: str = "") -> str:
         """The URL of one of this admin's pages ("changelist", "change", "groups"...)."""
         url = reverse(
-            f"{self.admin_site.name}:{self.opts.app_label}_{self.opts.model_name}_{name}",
-            args=args,
+            f"{self.admin_site.name}:{self.opts.app_label}_{self.opts.model_name}_{name}", args=args
         )
         return f"{url}?{query}" if query else url

@@ -1,12 +1,5 @@
-"""The inbox in the admin: "was message X processed by consumer Y, and when?", and the
-deliveries the crash guard is watching. Read-only: rows here are the consumers' memory.
-
-Both tables are large (the inbox holds every message of the retention period), so the lists
-(``scaling.BoundedListAdmin``) take their consumer filter from the registry, count with the
-planner's estimate or up to a bound, and search exact ids, which the indexes of every day's
-partition answer (no ``UPPER()``); the inbox's dates are fixed ranges of ``processed_at``, its
-partition key, rather than a ``date_hierarchy`` (a ``DISTINCT`` over every row).
-"""
+"""The inbox in the admin ("was message X processed by consumer Y, and when?") and the
+deliveries the crash guard watches: read-only, bounded lists (``scaling.BoundedListAdmin``)."""
 
 from __future__ import annotations
 
@@ -19,7 +12,7 @@ from django.utils.translation import gettext_lazy as _
 
 from ..core.registry import registry
 from ..models import ProcessedMessage, SuspectDelivery
-from .scaling import BoundedListAdmin
+from .scaling import BoundedListAdmin, ReadOnlyAdmin
 
 
 class RegisteredConsumerFilter(admin.SimpleListFilter):
@@ -41,7 +34,7 @@ class RegisteredConsumerFilter(admin.SimpleListFilter):
 
 
 @admin.register(ProcessedMessage)
-class ProcessedMessageAdmin(BoundedListAdmin):
+class ProcessedMessageAdmin(ReadOnlyAdmin, BoundedListAdmin):
     """Answers "was message X processed by consumer Y, and when?"."""
 
     list_display = ("message_id", "consumer", "processed_at")
@@ -56,15 +49,9 @@ class ProcessedMessageAdmin(BoundedListAdmin):
     )
     ordering = ("-processed_at",)
 
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
 
 @admin.register(SuspectDelivery)
-class SuspectDeliveryAdmin(BoundedListAdmin):
+class SuspectDeliveryAdmin(ReadOnlyAdmin, BoundedListAdmin):
     """Deliveries the crash guard is watching: came back after their process went away. A row
     with deaths close to CRASH_LIMIT names a message that may be killing its consumers."""
 
@@ -81,9 +68,3 @@ class SuspectDeliveryAdmin(BoundedListAdmin):
     search_fields = ("message_id",)
     exact_search_fields = ("message_id", "consumer")
     ordering = ("-updated_at",)
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False

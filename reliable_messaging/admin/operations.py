@@ -24,6 +24,7 @@ from ..dead_letters import ledger
 from ..dead_letters.operations import COUNT_CAP
 from ..dead_letters.replay import STALE_REPLAY_AFTER
 from ..models import DeadLetter, DeadLetterOperation
+from .scaling import ReadOnlyAdmin
 
 if TYPE_CHECKING:
     from django.contrib.admin import AdminSite
@@ -282,7 +283,7 @@ def urls(model_admin: OperationConsole, prefix: str) -> list[URLPattern]:
 
 
 @admin.register(DeadLetterOperation)
-class DeadLetterOperationAdmin(admin.ModelAdmin):
+class DeadLetterOperationAdmin(ReadOnlyAdmin):
     """The bulk operations, newest first, each linked to its progress page for users who may
     view dead letters (a plain number for the others)."""
 
@@ -313,12 +314,6 @@ class DeadLetterOperationAdmin(admin.ModelAdmin):
     def get_list_display_links(self, request: HttpRequest, list_display: Any) -> Any:
         # The progress link is the row's link (Django's own would wrap it in another <a>).
         return None if "progress_link" in list_display else ("number",)
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False

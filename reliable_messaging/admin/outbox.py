@@ -1,13 +1,5 @@
-"""The outbox in the admin: what waits to be sent (scheduled messages with their due time), what
-failed and why, a way to send the failed rows again and to cancel scheduled messages.
-
-The outbox holds every message of the retention period (partitioned by
-:mod:`reliable_messaging.storage.partitions`), so the list reads no whole table
-(``scaling.BoundedListAdmin``): its filter is the status (the unsent and the sent partitions), its
-search an exact message_id or idempotency key (each partition's indexes; the unsent partition has no
-message_id index, on purpose, and its rows are few), and there is no ``date_hierarchy`` (a
-``DISTINCT`` over every row) nor a filter built from the exchanges' or routing keys' values. A row's
-page shows the start of its body and offers the whole as a download (``bodies.py``).
+"""The outbox in the admin: what waits, what failed and why; retry failed rows and cancel
+scheduled ones. A bounded list (``scaling.BoundedListAdmin``) filtered by status only.
 """
 
 from __future__ import annotations

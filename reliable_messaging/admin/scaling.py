@@ -1,12 +1,5 @@
-"""What keeps the admin's lists fast with a million rows: their filters, counts and searches.
-
-Django's defaults read whole tables on every page (``SELECT DISTINCT`` for a list filter, a
-``COUNT(*)`` for the paginator, an ``UPPER(...) LIKE`` for the search). Here the filters offer
-values from the failure groups and the registry, :class:`BoundedCountPaginator` counts only up to
-:data:`COUNT_UP_TO` + 1 rows, and :class:`BoundedListAdmin`, the base of every list of the app,
-searches exactly and stops a search's statements past :data:`SEARCH_TIMEOUT_MS`.
-``docs/design.md#the-admin-with-a-million-rows`` says more.
-"""
+"""What keeps the admin's lists fast with a million rows: their filters, counts and searches
+(``docs/design.md#the-admin-with-a-million-rows``)."""
 
 from __future__ import annotations
 
@@ -38,8 +31,7 @@ QUERY_CANCELED = "57014"
 
 
 class GroupValueFilter(admin.SimpleListFilter):
-    """The values of one field of the dead letters, from the failure groups (and the registry):
-    never a ``SELECT DISTINCT`` over the dead letters."""
+    """The values of one field of the dead letters, from the failure groups and the registry."""
 
     field = ""
 
@@ -81,11 +73,8 @@ class ExceptionTypeFilter(GroupValueFilter):
 
 
 class FailureGroupFilter(admin.SimpleListFilter):
-    """Dead letters of one fingerprint; reached from the failure groups page.
-
-    It only ever offers the group already chosen: listing every fingerprint would be noise.
-    It must offer that one, though: Django drops the filter of a list filter without choices.
-    """
+    """Dead letters of one fingerprint, from the failure groups page: it offers the one chosen
+    only (Django drops the filter of a list filter without choices)."""
 
     title = _("failure group")
     parameter_name = "fingerprint"
@@ -108,14 +97,8 @@ class FailureGroupFilter(admin.SimpleListFilter):
 
 
 class BoundedCountPaginator(Paginator):
-    """A count that never reads the whole table.
-
-    On PostgreSQL a result the planner expects to pass ``COUNT_UP_TO`` rows shows its estimate
-    (``estimated``): the plain list after an outage, a busy consumer. Any other result is
-    counted up to ``COUNT_UP_TO`` + 1 rows (``SELECT count(*) FROM (... LIMIT 10001)``), and
-    one that reaches it is shown as "more than 10,000" (``capped``): the planner's estimate of a
-    search or of a rare value can be far off, a bounded count cannot.
-    """
+    """A count that never reads the whole table: PostgreSQL's estimate past ``COUNT_UP_TO``
+    (``estimated``), else a count up to ``COUNT_UP_TO`` + 1 (``capped`` when it reaches it)."""
 
     COUNT_UP_TO = COUNT_UP_TO  # for the template
     estimated = False
@@ -154,16 +137,21 @@ def _canceled(exc: OperationalError) -> bool:
     return getattr(exc.__cause__, "sqlstate", None) == QUERY_CANCELED
 
 
-class BoundedListAdmin(admin.ModelAdmin):
-    """A read-mostly list over a large table: no full count, a bounded one, exact searches in
-    ``exact_search_fields`` (each word must equal one of them: ``=`` without Django's
-    ``UPPER()``, which no index answers), and a search bounded in time.
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Rows the app writes: never added or changed by hand (changes go through services)."""
 
-    A search runs in a transaction whose statements PostgreSQL stops past ``SEARCH_TIMEOUT_MS``
-    (``set_config('statement_timeout', ..., true)``, which is ``SET LOCAL``: it ends with the
-    transaction, so a transaction-pooling PgBouncer hands the server connection on without
-    it). When one is stopped, the list is shown without the search, with a message saying so.
-    """
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+class BoundedListAdmin(admin.ModelAdmin):
+    """A list over a large table: a bounded count, exact searches in ``exact_search_fields``
+    (each word equal to one of them), and a search whose statements PostgreSQL stops past
+    ``SEARCH_TIMEOUT_MS`` (``SET LOCAL``, so nothing leaks to a pooled connection's next user),
+    the list then shown without it."""
 
     paginator = BoundedCountPaginator
     show_full_result_count = False
