@@ -1,7 +1,7 @@
 """Every query and state change of the app's tables, on the models' managers.
 
-Methods that change rows run in the caller's transaction (``docs/design.md#managers-every-state-
-change-in-one-place``); those that lock rows must run inside one.
+Methods that change rows run in the caller's transaction, and those that lock rows must run
+inside one (``docs/design.md#managers-every-state-change-in-one-place``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Which dead letters a bulk operation takes: the changelist's filter frozen as JSON, applied
-again batch after batch by :func:`targets` (``docs/design.md#dead-letters-replay-and-bulk-
-operations``).
+again batch after batch by :func:`targets`.
+``docs/design.md#dead-letters-replay-and-bulk-operations`` explains.
 """
 
 from __future__ import annotations
