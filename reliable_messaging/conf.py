@@ -485,25 +485,6 @@ class MessagingSettings:
         "of it, and the checks compare time limits and ordered retry horizons with it",
         seconds(10, hint="e.g. 30"),
     )
-    consumer_error_limit = Setting(
-        "CONSUMER_ERROR_LIMIT",
-        3,
-        int,
-        "failures of our own code (not the handler) on one delivery before it is dead-lettered "
-        "as `consumer_error`",
-        integer(12, 1),
-    )
-    # The transaction holding the row may be a consumer cut off from the network mid-batch,
-    # which the database has not ended yet.
-    inbox_lock_timeout = Setting(
-        "INBOX_LOCK_TIMEOUT",
-        2.0,
-        float,
-        "seconds a consumer waits for an inbox row another transaction holds (a twin still "
-        "running, a consumer cut off mid-batch); past it the delivery is deferred through a "
-        "delay queue instead of stalling the consumer",
-        seconds(10, hint="e.g. 30"),
-    )
     ops_views_token = Setting(
         "OPS_VIEWS_TOKEN",
         None,
@@ -527,13 +508,6 @@ class MessagingSettings:
         'them); otherwise anyone else gets 403, also for any other value (`"False"` read '
         "from an environment variable, `1`): web servers run no system checks",
         boolean(47, hint="False (the default) keeps metrics/ and healthz/ to staff and the token."),
-    )
-    dedup_lease_seconds = Setting(
-        "DEDUP_LEASE_SECONDS",
-        60.0,
-        float,
-        "fast path: how long a consumer holds a message's processing lease",
-        seconds(10, hint="e.g. 30"),
     )
     max_body_bytes = Setting(
         "MAX_BODY_BYTES",

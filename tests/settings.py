@@ -105,7 +105,6 @@ RELIABLE_MESSAGING = {
     "HANDLER_TIMEOUT_GRACE": float(os.environ.get("RM_TEST_HANDLER_TIMEOUT_GRACE", "10")),
     "BROKER_CONSUMER_TIMEOUT": float(os.environ.get("RM_TEST_BROKER_CONSUMER_TIMEOUT", "1800")),
     "HEARTBEAT": int(os.environ.get("RM_TEST_HEARTBEAT", "60")),
-    "INBOX_LOCK_TIMEOUT": float(os.environ.get("RM_TEST_INBOX_LOCK_TIMEOUT", "2")),
     # None: the broker's host on 15672, as for users who do not set it.
     "MANAGEMENT_URL": os.environ.get("RM_TEST_MANAGEMENT_URL") or None,
 }

@@ -27,6 +27,9 @@ from .pipeline import DeliveryOutcome, Job, Stage
 
 logger = logging.getLogger(__name__)
 
+# Seconds a consumer holds a message's processing lease: longer than a handler usually runs; a
+# handler that outlives it only loses the shortcut (the inbox still decides).
+LEASE_SECONDS = 60.0
 # After a cache error, seconds during which the cache is not tried at all.
 PAUSE_AFTER_ERROR = 5.0
 # Seconds between two warnings about the cache being unavailable.
@@ -218,7 +221,7 @@ class DuplicateCache:
                     len(give_back),
                     max(1, int(self.settings.dedup_retention.total_seconds())),
                     self._token,
-                    max(1, round(self.settings.dedup_lease_seconds * 1000)),
+                    max(1, round(LEASE_SECONDS * 1000)),
                     flags,
                     *write,
                     *give_back,

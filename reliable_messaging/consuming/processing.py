@@ -350,7 +350,7 @@ def _claimed(
         return []
     keys = [(jobs[i].name, jobs[i].message.message_id) for i in indexes]
     redelivered = any(jobs[i].delivery.redelivered for i in indexes)
-    claimed, busy = _claim(using, keys, redelivered, jobs[indexes[0]].processor.settings)
+    claimed, busy = _claim(using, keys, redelivered)
     results: list[tuple[int, DeliveryOutcome]] = []
     seen: set[tuple[str, str]] = set()
     for index, key in zip(indexes, keys, strict=True):
@@ -368,12 +368,12 @@ def _claimed(
 
 
 def _claim(
-    using: str, keys: list[tuple[str, str]], redelivered: bool, settings: MessagingSettings
+    using: str, keys: list[tuple[str, str]], redelivered: bool
 ) -> tuple[dict[tuple[str, str], bool], set[tuple[str, str]]]:
     """The inbox claim of ``keys`` (see :func:`claim_inbox_rows`); our statement, before any
     handler ran, so its failure is the database's trouble or our own, never a handler's."""
     try:
-        claimed, busy = claim_inbox_rows(using, keys, lock_wait_for(keys, redelivered, settings))
+        claimed, busy = claim_inbox_rows(using, keys, lock_wait_for(keys, redelivered))
     except DatabaseError as exc:
         raise_database_trouble(exc, keys[0][1])
         more = f" and {len(keys) - 1} more" if len(keys) > 1 else ""
@@ -396,9 +396,7 @@ def _run(
     try:
         with transaction.atomic(using=processor.using) if guarded else nullcontext():
             if alone:
-                claimed, busy = _claim(
-                    processor.using, [key], job.delivery.redelivered, processor.settings
-                )
+                claimed, busy = _claim(processor.using, [key], job.delivery.redelivered)
                 if key in busy:
                     return processor.failures.busy(job.delivery, message)
                 if key not in claimed:

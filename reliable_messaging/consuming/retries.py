@@ -50,6 +50,7 @@ from ..exceptions import (
     HandlerTimeout,
     PermanentError,
 )
+from ..storage.inbox import LOCK_TIMEOUT
 from .pipeline import DeliveryOutcome
 
 
@@ -240,12 +241,12 @@ class DeliveryFailures:
 
     def busy(self, delivery: Delivery, message: Message) -> DeliveryOutcome:
         """The inbox row is locked by a transaction that did not end within
-        ``INBOX_LOCK_TIMEOUT`` (a twin still running, or a consumer cut off mid-batch)."""
+        ``storage.inbox.LOCK_TIMEOUT`` (a twin still running, or a consumer cut off mid-batch)."""
         return self.defer(
             delivery,
             message,
             why=f"its inbox row is held by another transaction for over "
-            f"{self.settings.inbox_lock_timeout:g}s (a twin delivery running, or a consumer "
+            f"{LOCK_TIMEOUT:g}s (a twin delivery running, or a consumer "
             f"cut off mid-batch)",
             error="inbox row locked",
         )

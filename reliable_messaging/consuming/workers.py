@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 # Worker threads that may die (and be replaced) in one process before it stops instead.
 WORKER_DEATH_LIMIT = 3
+# Failures of our own code (never the handler) on one delivery before it is dead-lettered as
+# ``consumer_error``: enough to ride out a passing fault, few enough to free the consumer.
+CONSUMER_ERROR_LIMIT = 3
 # Exit code of a consumer stopped because its worker threads kept dying.
 EXIT_WORKERS_DYING = 4
 
@@ -381,7 +384,7 @@ class WorkerPool:
                         batch[0].delivery.message_id,
                     )
                     return self._decide_one_by_one(batch)
-                if errors >= self.settings.consumer_error_limit:
+                if errors >= CONSUMER_ERROR_LIMIT:
                     item = batch[0]
                     return [
                         consumer_error(self.processors[item.spec.name], item.delivery, exc, errors)
@@ -392,7 +395,7 @@ class WorkerPool:
                     "it is dead-lettered); holding it unacked and retrying in %.1fs",
                     batch[0].delivery.message_id,
                     errors,
-                    self.settings.consumer_error_limit,
+                    CONSUMER_ERROR_LIMIT,
                     delay,
                 )
             finally:

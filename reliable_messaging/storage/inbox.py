@@ -31,12 +31,12 @@ except ImportError:  # psycopg2, or no PostgreSQL at all
 
 
 # After a batch's claim timed out, each of its rows is tried alone for this long: the batch
-# already waited INBOX_LOCK_TIMEOUT, so a row still locked now is the busy one.
+# already waited LOCK_TIMEOUT, so a row still locked now is the busy one.
 ROW_LOCK_PROBE = 0.1
 
 
 # Keys found held by another transaction, with when that was (monotonic): for a while their
-# next copies wait only ROW_LOCK_PROBE, not INBOX_LOCK_TIMEOUT. A consumer cut off mid-batch
+# next copies wait only ROW_LOCK_PROBE, not LOCK_TIMEOUT. A consumer cut off mid-batch
 # holds its rows until the server ends its transaction; the copies the broker redelivered
 # come back deferred again and again meanwhile, and each full wait would stall this consumer.
 _BUSY_KEYS: dict[tuple[str, str], float] = {}
@@ -55,17 +55,23 @@ def remember_busy(keys: Iterable[tuple[str, str]]) -> None:
                     del _BUSY_KEYS[key]
 
 
-def lock_wait_for(keys: Iterable[tuple[str, str]], redelivered: bool, settings: Any) -> float:
+# Seconds a claim waits for an inbox row another transaction holds (a twin still running, a
+# consumer cut off mid-batch) before its delivery is deferred through a delay queue instead of
+# stalling the consumer. Longer only stalls a consumer behind a holder that may never end.
+LOCK_TIMEOUT = 2.0
+
+
+def lock_wait_for(keys: Iterable[tuple[str, str]], redelivered: bool) -> float:
     """How long an inbox claim of ``keys`` may wait on rows another transaction holds: the
-    full ``INBOX_LOCK_TIMEOUT``, or only ROW_LOCK_PROBE for a redelivery (its last holder may
+    full ``LOCK_TIMEOUT``, or only ROW_LOCK_PROBE for a redelivery (its last holder may
     be the consumer that went away with its transaction open) or a key found held lately."""
     if redelivered:
-        return min(ROW_LOCK_PROBE, settings.inbox_lock_timeout)
+        return min(ROW_LOCK_PROBE, LOCK_TIMEOUT)
     now = time.monotonic()
     with _BUSY_LOCK:
         if any(now - _BUSY_KEYS.get(key, -BUSY_MEMORY) < BUSY_MEMORY for key in keys):
-            return min(ROW_LOCK_PROBE, settings.inbox_lock_timeout)
-    return float(settings.inbox_lock_timeout)
+            return min(ROW_LOCK_PROBE, LOCK_TIMEOUT)
+    return LOCK_TIMEOUT
 
 
 class InboxRowBusy(Exception):

@@ -34,7 +34,6 @@ from .netns import ConsumerHost, NetnsConsumeProcess
 from .rabbit_cluster import RabbitCluster
 
 HEARTBEAT = 5  # seconds: RM_TEST_HEARTBEAT of every process
-INBOX_LOCK_TIMEOUT = 2  # seconds: RM_TEST_INBOX_LOCK_TIMEOUT
 OPS_LINE = re.compile(r"serving /metrics and /healthz on http://[^:]+:(\d+)")
 
 
@@ -78,7 +77,6 @@ class ClusterRig(FaultRig):
         settings = {
             "RM_TEST_QUEUE_TYPE": "quorum",
             "RM_TEST_HEARTBEAT": str(HEARTBEAT),
-            "RM_TEST_INBOX_LOCK_TIMEOUT": str(INBOX_LOCK_TIMEOUT),
             **self.extra_env,
         }
         return super().env(app_name, **{**settings, **extra})

@@ -329,7 +329,6 @@ def test_time_limit_checks_are_silent_with_the_defaults() -> None:
         ("HANDLER_TIMEOUT_GRACE", None, "reliable_messaging.E010"),
         ("CRASH_LIMIT", 0, "reliable_messaging.E012"),
         ("CRASH_LIMIT", 2.0, "reliable_messaging.E012"),
-        ("CONSUMER_ERROR_LIMIT", 0, "reliable_messaging.E012"),
     ],
 )
 def test_bad_time_limit_and_crash_values(rm: Any, key: str, value: Any, id_: str) -> None:

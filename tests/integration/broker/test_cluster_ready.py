@@ -12,6 +12,7 @@ import time
 import urllib.parse
 import urllib.request
 from typing import Any
+from unittest import mock
 
 import psycopg
 import pytest
@@ -22,6 +23,7 @@ from reliable_messaging.broker.queues import broker_connection_error, broker_sta
 from reliable_messaging.broker.topology import declare_topology, delay_exchange_name
 from reliable_messaging.management.keepalive import KEEPALIVE_OPTIONS, keep_database_alive
 from reliable_messaging.models import ProcessedMessage
+from reliable_messaging.storage import inbox
 from tests import support
 from tests.integration.consuming.test_consumer_service import (  # noqa: F401 - fixtures
     Recorder,
@@ -223,7 +225,7 @@ def test_an_inbox_row_held_by_a_transaction_that_does_not_end_defers_instead_of_
     # Another consumer cut off mid-batch: its inbox row inserted, its transaction left open.
     blocker = _hold_inbox_row(alpha.name, "held-1")
     try:
-        with override_settings(RELIABLE_MESSAGING={**rm_settings, "INBOX_LOCK_TIMEOUT": 0.5}):
+        with mock.patch.object(inbox, "LOCK_TIMEOUT", 0.5):
             service([alpha], on_outcome=rec)
             publisher.publish(exchange_of(ns), "order.placed", {}, message_id="held-1")
             for n in range(3):

@@ -1,7 +1,7 @@
 """Outcomes no handler decides, with a real ConsumerService against RabbitMQ and PostgreSQL.
 
 - ``consumer_error``: our own code (not the handler) failing on one delivery of a batch. The
-  batch is split to find it; after ``CONSUMER_ERROR_LIMIT`` failures it becomes a dead letter
+  batch is split to find it; after ``workers.CONSUMER_ERROR_LIMIT`` failures it becomes a dead letter
   with reason ``consumer_error`` and is acked, and its neighbours are processed normally.
 - the hold bound: a batch held while the database is unavailable is given back to the broker
   once held longer than ``max_hold_seconds`` (half of ``BROKER_CONSUMER_TIMEOUT``), and is
@@ -70,7 +70,8 @@ def test_our_own_error_on_one_delivery_dead_letters_it_and_spares_its_batch(
     publisher: Publisher,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    tune(RECONNECT_MAX_DELAY=0.5, CONSUMER_ERROR_LIMIT=2)
+    tune(RECONNECT_MAX_DELAY=0.5)
+    monkeypatch.setattr(consumer_workers, "CONSUMER_ERROR_LIMIT", 2)
     real_decode = DeliveryProcessor.decode
     decode_calls: list[str] = []
 

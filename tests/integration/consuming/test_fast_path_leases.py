@@ -30,6 +30,7 @@ from reliable_messaging.consuming.processing import DeliveryProcessor, Job, proc
 from reliable_messaging.core.envelope import DEFERRALS_HEADER, Delivery, Message, encode_payload
 from reliable_messaging.core.outcomes import Acknowledge, Outcome, ScheduleRetry
 from reliable_messaging.core.registry import ConsumerSpec
+from reliable_messaging.storage import inbox
 from tests.support import wait_until
 from tests.testapp.models import Effect
 
@@ -73,12 +74,13 @@ def record(message: Message) -> None:
 
 def test_concurrent_twins_run_the_handler_once_and_the_second_yields_at_once(
     with_cache: Callable[..., None],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Two consumers (each with its own cache client and token, as two processes have) receive
     the same message_id while the first is inside its handler, its inbox row not committed.
-    Without the lease the second would wait on that row, up to INBOX_LOCK_TIMEOUT, holding a
+    Without the lease the second would wait on that row, up to the inbox's LOCK_TIMEOUT, holding a
     database connection and a handler thread all that time."""
-    with_cache(INBOX_LOCK_TIMEOUT=30.0)
+    monkeypatch.setattr(inbox, "LOCK_TIMEOUT", 30.0)
     message_id = f"tw-{uuid.uuid4()}"
     inside, finish = threading.Event(), threading.Event()
     runs: list[str] = []
@@ -228,7 +230,7 @@ def test_a_consumer_without_retry_delays_defers_a_leased_message_to_a_declared_d
 
 
 def test_an_expired_lease_given_back_late_leaves_the_new_holders_lease(
-    with_cache: Callable[..., None],
+    with_cache: Callable[..., None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     key = ("leases.expired", f"ex-{uuid.uuid4()}")
     redis = get_redis_connection("messaging")
@@ -237,10 +239,10 @@ def test_an_expired_lease_given_back_late_leaves_the_new_holders_lease(
     third = DuplicateCache("messaging", messaging_settings)
     lease_key = slow.lease_key(*key)
 
-    with_cache(DEDUP_LEASE_SECONDS=0.05)
+    monkeypatch.setattr(fastpath, "LEASE_SECONDS", 0.05)
     assert slow.lease([key]) == {key: True}
     wait_until(lambda: not redis.exists(lease_key), timeout=5, message="the lease to expire")
-    with_cache(DEDUP_LEASE_SECONDS=60.0)
+    monkeypatch.setattr(fastpath, "LEASE_SECONDS", 60.0)
     assert other.lease([key]) == {key: True}
 
     slow.remember([key], [key])  # the slow consumer finishes and gives back "its" lease
@@ -265,7 +267,7 @@ def test_a_batch_that_outlived_its_leases_gives_back_only_its_own(
     def slow_handler(message: Message) -> None:
         record(message)
         if message.message_id == taken_over:
-            # This handler ran past DEDUP_LEASE_SECONDS: its lease is gone (as on expiry) and
+            # This handler ran past the lease's LEASE_SECONDS: its lease is gone (as on expiry) and
             # another consumer, receiving a copy, takes the lease.
             redis.delete(cache.lease_key(spec.name, taken_over))
             assert other.lease([(spec.name, taken_over)]) == {(spec.name, taken_over): True}
