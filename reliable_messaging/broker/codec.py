@@ -1,11 +1,8 @@
 """Where pika's AMQP field-table codec is corrected: the one module that patches it.
 
-pika 1.4 raises on timestamps it cannot turn into a ``datetime`` (a JavaScript producer's
-milliseconds, a Java date before 1970) and on header tables it cannot decode, which drops the
-connection and stalls every queue of the process; and it decodes doubles and floats as integers and
-cannot encode a float. :func:`install` (called from the app's ``ready()``) fixes these in pika's own
-module, and guards ``BasicProperties.decode`` so that a message with undecodable headers becomes a
-dead letter instead. ``docs/design.md#where-pikas-codec-is-corrected`` gives the rules.
+:func:`install` (called from the app's ``ready()``) reads doubles, floats and any timestamp,
+writes floats, and makes a message with undecodable properties a dead letter instead of a dropped
+connection. ``docs/design.md#where-pikas-codec-is-corrected`` gives the rules.
 """
 
 from __future__ import annotations
@@ -21,8 +18,7 @@ import pika.spec
 
 from ..core.envelope import UNDECODABLE_HEADER, safe_text
 
-# pika's own functions, kept so ours can hand every other case back to them (and so the tests
-# can check whether pika still gets doubles wrong).
+# pika's own functions, to which ours hand every other case.
 PIKA_DECODE_VALUE: Callable[[bytes, int], tuple[Any, int]] = pika.data.decode_value
 PIKA_ENCODE_VALUE: Callable[[list[bytes], Any], int] = pika.data.encode_value
 PIKA_DECODE_PROPERTIES: Callable[..., Any] = pika.spec.BasicProperties.decode
@@ -32,8 +28,7 @@ _install_lock = threading.Lock()
 
 
 def timestamp_value(raw: int) -> dt.datetime | int:
-    """What an AMQP timestamp's 64 bits mean (see the module's docstring): a UTC ``datetime``
-    from seconds, else from milliseconds, else the signed integer itself."""
+    """A UTC ``datetime`` from the signed seconds, else milliseconds, else the integer itself."""
     signed = raw - 2**64 if raw >= 2**63 else raw
     for unit in ("seconds", "milliseconds"):
         try:
@@ -56,8 +51,7 @@ def decode_field_value(encoded: bytes, offset: int) -> tuple[Any, int]:
 
 
 def encode_field_value(pieces: list[bytes], value: Any) -> int:
-    """pika's ``encode_value`` that also writes floats (as doubles) and any ``datetime`` (as the
-    signed seconds AMQP means, so dates before 1970 too)."""
+    """pika's ``encode_value`` that also writes floats (as doubles) and dates before 1970."""
     if isinstance(value, float):
         pieces.append(struct.pack(">cd", b"d", value))
         return 9
@@ -93,8 +87,8 @@ def _describe(exc: BaseException) -> str:
 
 
 def _decode_headers_tolerantly(encoded: bytes, offset: int) -> tuple[dict[Any, Any], int]:
-    """The header table from ``offset``: entries are read until one fails; the table's length
-    prefix then says where the next property starts, so the rest of the frame still reads."""
+    """The header table from ``offset``, read until an entry fails; its length prefix says
+    where the next property starts."""
     size = struct.unpack_from(">I", encoded, offset)[0]
     start = offset + 4
     end = start + size
@@ -118,9 +112,8 @@ def _decode_headers_tolerantly(encoded: bytes, offset: int) -> tuple[dict[Any, A
 def decode_properties_tolerantly(
     properties: pika.spec.BasicProperties, encoded: bytes, offset: int, failure: BaseException
 ) -> pika.spec.BasicProperties:
-    """Fill ``properties`` with what can be read of ``encoded`` after pika's decoding failed
-    with ``failure``; the headers then carry
-    :data:`~reliable_messaging.core.envelope.UNDECODABLE_HEADER`."""
+    """Fill ``properties`` with what can be read of ``encoded`` after pika's decoding failed;
+    the headers then carry ``UNDECODABLE_HEADER``."""
     for name, _ in _PROPERTY_LAYOUT:
         setattr(properties, name, None)
     problem = f"the properties could not be decoded: {_describe(failure)}"
@@ -159,8 +152,7 @@ def decode_properties_tolerantly(
 def decode_properties_guarded(
     properties: pika.spec.BasicProperties, encoded: bytes, offset: int = 0
 ) -> pika.spec.BasicProperties:
-    """``BasicProperties.decode`` that never raises: pika's own decoding, and when that fails,
-    :func:`decode_properties_tolerantly`."""
+    """``BasicProperties.decode`` that never raises."""
     try:
         return PIKA_DECODE_PROPERTIES(properties, encoded, offset)
     except Exception as exc:  # noqa: BLE001 - any failure here would drop the connection
@@ -176,10 +168,8 @@ def installed() -> bool:
 
 
 def install() -> None:
-    """Patch pika's table codec and properties decoding (see the module's docstring); calling
-    it again does nothing. pika's table functions look ``decode_value``/``encode_value`` up in
-    their module on every call (nested tables and arrays too), so replacing them there is
-    enough."""
+    """Patch pika's table codec and properties decoding, once. pika's table functions look
+    ``decode_value``/``encode_value`` up in their module on every call (nested ones too)."""
     with _install_lock:
         if installed():
             return

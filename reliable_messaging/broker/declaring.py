@@ -1,11 +1,4 @@
-"""Declaring consumers' topology on a connection of its own, tolerating drift: the relay's way.
-
-:func:`declare_tolerantly` opens a connection, runs
-:func:`~reliable_messaging.broker.topology.declare_topology` (the code ``consume`` runs) with
-``tolerate_mismatch`` and closes the connection again. It never raises for what the broker
-does: it returns the objects declared with other arguments and the queues the broker could not
-serve now, or why nothing could be declared.
-"""
+"""Declaring consumers' topology on a connection of its own, tolerating drift: the relay's way."""
 
 from __future__ import annotations
 
@@ -26,9 +19,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TolerantDeclaration:
-    """What :func:`declare_tolerantly` declared: ``mismatched`` names each object the broker
-    has with other arguments (and what differs), ``unavailable`` each queue the broker could not
-    declare or bind now (404: its node down, or the queue crashed), with why."""
+    """The objects the broker has with other arguments, and the queues it cannot serve now."""
 
     mismatched: dict[str, str] = field(default_factory=dict)
     unavailable: dict[str, str] = field(default_factory=dict)
@@ -42,10 +33,8 @@ def declare_tolerantly(
     timeout: float,
     known_unavailable: Collection[str] = (),
 ) -> TolerantDeclaration | str:
-    """Declare what ``specs`` need. What was declared, or, as a string, why the declaration
-    failed (broker unreachable, a refusal such as 403 without the configure permission, the
-    consistent-hash plugin missing). ``known_unavailable``: queues already reported unavailable,
-    logged again at DEBUG only."""
+    """Declare what ``specs`` need, as ``consume`` does; never raises for what the broker does:
+    what was declared, or, as a string, why the declaration failed."""
     try:
         connection = connect(settings, name, timeout=timeout)
     except CONNECTION_ERRORS as exc:

@@ -1,10 +1,7 @@
-"""Broker objects a consumer left behind when its shape changed, and their retirement.
+"""Queues a consumer left behind when its shape changed (``ordered`` turned on or off, fewer
+``ORDERED_PARTITIONS``), found and, at each ``consume`` start, moved and deleted.
 
-Adding or removing ``ordered=True``, or lowering ``ORDERED_PARTITIONS``, leaves a queue that still
-receives messages but that nobody consumes. :func:`find_leftovers` finds such queues and
-:func:`retire_leftovers`, at each ``consume`` start, cuts them off from new messages, moves what
-they hold to where the consumer reads now (acking each message only after its copy is confirmed) and
-deletes them once empty. ``docs/design.md#leftover-queues`` lists the cases.
+``docs/design.md#leftover-queues`` lists the cases.
 """
 
 from __future__ import annotations
@@ -33,10 +30,10 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# Partition queues are numbered from 0 without gaps; probing stops at the first missing one.
 MAX_PARTITIONS_PROBED = 256
-"""Partition queues are numbered from 0 without gaps; probing stops at the first missing one."""
+# Times a leftover is drained again when messages arrived between the drain and the delete.
 DELETE_ROUNDS = 5
-"""Times a leftover is drained again when messages arrived between the drain and the delete."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +41,6 @@ class Leftover:
     spec: ConsumerSpec
     queue: str
     # The bindings that feed it, cut before it is drained: (source exchange, routing key).
-    # Bindings nobody knows any more (an old queue's former bindings) go with its delete.
     feeds: tuple[tuple[str, str], ...]
     messages: int
     consumers: int
@@ -83,10 +79,8 @@ def find_leftovers(
     specs: Iterable[ConsumerSpec],
     settings: MessagingSettings = messaging_settings,
 ) -> list[Leftover]:
-    """The leftover queues of ``specs`` on the broker (passive declares only: changes nothing).
-
-    A queue that a registered consumer reads now is never a leftover, whatever its name: a
-    plain consumer may well own ``orders.p0`` next to another one's ``orders``."""
+    """The leftover queues of ``specs`` on the broker (passive declares only); a queue that a
+    registered consumer reads now is never one, whatever its name."""
     specs = list(specs)
     live = {
         queue for spec in [*registry.all(), *specs] for queue in consumer_queues(spec, settings)
@@ -118,15 +112,14 @@ def retire_leftovers(
     specs: Iterable[ConsumerSpec],
     settings: MessagingSettings = messaging_settings,
 ) -> list[Leftover]:
-    """Find the leftovers of ``specs`` and retire them (see the module docstring). Returns what
-    was found. Call it after :func:`~reliable_messaging.broker.topology.declare_topology`."""
+    """Find the leftovers of ``specs``, move what they hold where the consumer reads now (each
+    acked after its copy is confirmed) and delete them; returns what was found."""
     specs = list(specs)
     try:
         return _retire_all(connection, specs, settings)
     except pika.exceptions.AMQPChannelError as exc:
-        # Refused by the broker (permissions, an exclusive queue of that name, a message it will
-        # not route): what is left stays in place, and consuming goes on. Connection errors
-        # propagate, for the caller's reconnect.
+        # Refused by the broker: left in place, and consuming goes on (connection errors
+        # propagate, for the caller's reconnect).
         logger.error(
             "could not look for or retire leftover queues (%s: %s); they are left in place",
             type(exc).__name__,
@@ -253,8 +246,7 @@ def _move_all(
             # The partition exchange hashes the ordering-key header; the routing key stays.
             exchange, routing_key = partition_exchange(spec), original_key
         else:
-            # Straight to the consumer's queue, with the original routing key and exchange
-            # kept in headers, as retries do, so the binding check still sees them.
+            # Straight to the consumer's queue, the origin kept in headers as retries do.
             headers.setdefault(ORIGINAL_ROUTING_KEY_HEADER, original_key)
             headers.setdefault(
                 ORIGINAL_EXCHANGE_HEADER, method.exchange or consumer_exchange(spec, settings)

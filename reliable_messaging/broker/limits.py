@@ -1,12 +1,6 @@
-"""What the broker refuses for its size: a body over its ``max_message_size``, learned by asking,
-and properties over its ``frame_max``, known from the connection's tuning.
-
-RabbitMQ closes the channel on a body over its ``max_message_size`` (``406 PRECONDITION_FAILED``),
-a limit neither AMQP nor the management API tells: :func:`broker_refuses` publishes one body of
-the size in question to a routing key no queue binds, on a channel of its own, and reads the
-limit from the refusal. The properties travel in one content header frame, never split (the
-body is): one over the connection's ``frame_max`` makes RabbitMQ close the whole connection
-(``501 FRAME_ERROR ... frame_too_large``), which :func:`header_frame_refusal` foresees.
+"""What the broker refuses for its size: a body over its ``max_message_size``, learned by asking
+(neither AMQP nor the management API tells it), and properties over its ``frame_max``: they
+travel in one header frame, and one too large closes the whole connection.
 """
 
 from __future__ import annotations
@@ -30,11 +24,9 @@ from .topology import connect
 # "message size 123 is larger than configured max size 45"
 MESSAGE_SIZE = re.compile(r"message size (\d+)")
 _REFUSAL = re.compile(r"message size (\d+) is larger than configured max size (\d+)")
-# The default exchange routes by queue name; no queue can be named so (the amq. prefix is
-# reserved for the broker), so the probe is accepted and dropped, never delivered.
+# No queue can be named so (amq. is reserved): the probe is accepted and dropped, never delivered.
 PROBE_ROUTING_KEY = "amq.reliable-messaging.size-probe"
-# The headers the relay adds to every row it sends (its id, when it was published: an AMQP
-# long each, names under 20 bytes), which publish() and an edit cannot know the values of yet.
+# Room for the headers the relay adds to every row it sends (publish() cannot know them yet).
 RELAY_HEADERS_ROOM = 64
 
 
@@ -43,15 +35,13 @@ _learned: int | None = None
 
 
 def learned_max_message_size() -> int | None:
-    """The broker's ``max_message_size`` as this process learned it from a refusal, if any;
-    ``publish()`` refuses larger payloads with it."""
+    """The broker's ``max_message_size`` as this process learned it from a refusal, if any."""
     return _learned
 
 
 def body_size_refusal(size: int) -> str | None:
-    """Why a body of ``size`` bytes must not be sent, or None: over ``MAX_BODY_BYTES`` (our
-    consumers would dead-letter it unread), or over the broker's ``max_message_size`` once this
-    process has learned it (the broker would refuse it)."""
+    """Why a body of ``size`` bytes must not be sent (over ``MAX_BODY_BYTES`` or the broker's
+    learned limit), or None."""
     limit = messaging_settings.max_body_bytes
     if size > limit:
         return (
@@ -69,8 +59,7 @@ def body_size_refusal(size: int) -> str | None:
 
 
 def size_limit_in(reply_text: object) -> int | None:
-    """The broker's ``max_message_size`` quoted in a 406 refusal (and remembered for
-    :func:`learned_max_message_size`), or None for another reply."""
+    """The broker's ``max_message_size`` quoted in a 406 refusal (and remembered), or None."""
     global _learned
     found = _REFUSAL.search(str(reply_text))
     if not found:
@@ -81,8 +70,8 @@ def size_limit_in(reply_text: object) -> int | None:
 
 
 def broker_refuses(connection: BlockingConnection, size: int) -> int | None:
-    """The broker's ``max_message_size`` if it refuses a body of ``size`` bytes; None when it
-    takes it. Costs one publish of ``size`` bytes and one round trip."""
+    """The broker's ``max_message_size`` if it refuses a body of ``size`` bytes (published to
+    nowhere on a channel of its own); None when it takes it."""
     channel = connection.channel()
     try:
         channel.confirm_delivery()
@@ -100,8 +89,8 @@ def broker_refuses(connection: BlockingConnection, size: int) -> int | None:
 def ask_broker(
     size: int, settings: MessagingSettings = messaging_settings, *, timeout: float = 5.0
 ) -> tuple[int | None, str | None]:
-    """:func:`broker_refuses` on a connection of its own: (the limit if the broker refuses
-    ``size``, else None; why the broker could not be asked, else None)."""
+    """:func:`broker_refuses` on a connection of its own: (the limit, or None; why the broker
+    could not be asked, or None)."""
     try:
         connection = connect(settings, name="reliable_messaging size check", timeout=timeout)
         try:
@@ -114,8 +103,7 @@ def ask_broker(
 
 
 def header_frame_size(properties: BasicProperties, body_size: int = 0) -> int:
-    """Bytes of the content header frame carrying ``properties``, as pika writes it. Raises
-    what pika raises for a value it cannot encode."""
+    """Bytes of the content header frame carrying ``properties``, as pika writes it."""
     return len(frame.Header(1, body_size, properties).marshal())
 
 
@@ -138,18 +126,15 @@ def _client_frame_max(urls: tuple[str, ...]) -> int:
 
 def configured_frame_max(settings: MessagingSettings = messaging_settings) -> int:
     """The largest frame the relay's connections may negotiate: pika's 131072 unless the
-    ``BROKER_URL`` asks for less (``?frame_max=``). A broker configured lower is found by the
-    relay, which fails such a row with the same reason."""
+    ``BROKER_URL`` asks for less (``?frame_max=``)."""
     return _client_frame_max(tuple(settings.broker_urls))
 
 
 def header_frame_refusal(
     message_id: str, headers: Mapping[str, Any], settings: MessagingSettings = messaging_settings
 ) -> str | None:
-    """Why a message of ``message_id`` with ``headers`` (all of them but the relay's own, for
-    which :data:`RELAY_HEADERS_ROOM` is kept) can never be sent, or None: its header frame
-    would be over the ``frame_max`` its connection can have. Flat headers well under it (the
-    usual case: a trace context, an ordering key) are let through on a bound, not encoded."""
+    """Why a message with ``headers`` can never be sent (its header frame over ``frame_max``),
+    or None. Flat headers well under it are let through on a bound, not encoded."""
     frame_max = configured_frame_max(settings)
     bound = _flat_headers_bound(headers)
     if bound is not None and bound + len(message_id) + _PROPERTIES_ROOM <= frame_max:
@@ -159,16 +144,13 @@ def header_frame_refusal(
     return frame_size_refusal(size, frame_max)
 
 
-# Bytes of a header frame besides its headers' entries and the message id (frame header and
-# end, class, body size, property flags, content type, delivery mode, timestamp, the table's
-# length), with room for the relay's own headers.
+# Bytes of a header frame besides its headers' entries and the message id, the relay's included.
 _PROPERTIES_ROOM = 128 + RELAY_HEADERS_ROOM
 
 
 def _flat_headers_bound(headers: Mapping[str, Any]) -> int | None:
-    """At least the bytes ``headers`` take in a field table when each value is a string, a
-    64-bit number, a bool or None (a short key, a type octet, at most 8 bytes or a length and
-    the text); None when one is not, and only encoding tells."""
+    """At least the bytes ``headers`` take in a field table when each value is flat (a string,
+    a 64-bit number, a bool or None); None when only encoding tells."""
     total = 0
     for key, value in headers.items():
         if not isinstance(key, str):

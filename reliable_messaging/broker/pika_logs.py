@@ -1,11 +1,5 @@
-"""Keeps the 404s our own probes expect out of the user's log.
-
-A passive declare is AMQP's only way to ask whether a queue or exchange exists, and the broker
-answers "no" with a 404 channel close, which pika logs at WARNING. Our probes ask on every
-``consume`` start, from ``messaging_status`` and from the relay's exchange check.
-:func:`expecting_not_found` marks the calling thread while it probes, and the filter
-:func:`install` puts on pika's channel logger drops that thread's 404 records meanwhile and
-nothing else: any other 404 is logged by pika.
+"""Keeps the 404s our own passive declares expect out of the user's log (pika logs a channel
+close at WARNING); any other 404 is logged by pika.
 """
 
 from __future__ import annotations
@@ -39,11 +33,7 @@ _CLOSE_MESSAGES = ("Received remote Channel.Close", "Closing channel")
 
 class ExpectedNotFound(logging.Filter):
     """Drops pika's channel-close records of a 404 on a thread inside
-    :func:`expecting_not_found`.
-
-    It runs inside pika's frame handling, on every record of that logger (DEBUG ones carry
-    frames and methods as arguments, whose ``==`` raises for an int), so it only ever looks at
-    an int argument of the two close messages, and never raises."""
+    :func:`expecting_not_found`; looks only at an int argument (frames' ``==`` may raise)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not getattr(_probing, "depth", 0):

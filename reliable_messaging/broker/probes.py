@@ -1,14 +1,7 @@
 """Does a queue or an exchange exist? Passive declares, the one way the app asks.
 
-The broker answers "no" to a passive declare with ``404 NOT_FOUND`` and the close of the
-channel, so :class:`PassiveProbe` opens a channel again after each "no" and keeps it otherwise;
-any other refusal (403, ...) is raised. The 404 it expects stays out of the log
-(:func:`.pika_logs.expecting_not_found`).
-
-:class:`ExchangeProbe` is the relay's: publishing to a missing exchange makes the broker close
-the channel, which would throw away the confirms of every other row in flight (and send them
-twice). A passive declare on a separate, blocking connection costs one round trip per exchange
-per minute instead.
+:class:`ExchangeProbe` is the relay's: publishing to a missing exchange would close the channel
+and throw away the confirms of every other row in flight.
 """
 
 from __future__ import annotations
@@ -32,7 +25,8 @@ logger = logging.getLogger("reliable_messaging.relay")
 
 
 class PassiveProbe:
-    """Passive declares on ``connection``, on one channel reopened after each "no"."""
+    """Passive declares on ``connection``, on one channel reopened after each "no" (a 404
+    closes it); any other refusal is raised."""
 
     def __init__(self, connection: BlockingConnection) -> None:
         self.connection = connection
@@ -67,8 +61,7 @@ class PassiveProbe:
 
 
 class ExchangeProbe:
-    """Remembers for ``TTL`` seconds each exchange found; ``forget`` drops one the broker said
-    is gone."""
+    """Remembers for ``TTL`` seconds each exchange found, asked on a connection of its own."""
 
     TTL = 60.0
 

@@ -1,12 +1,8 @@
-"""What the broker says about the app's queues, read over AMQP and, when it answers, the RabbitMQ
-management HTTP API.
+"""What the broker says about the app's queues: exact figures from passive declares over AMQP
+and, when it answers, unacked deliveries and rates from the RabbitMQ management HTTP API.
 
-A passive declare per queue gives its exact ready count and consumers, and a connection that
-cannot be opened is what "unreachable" means. The management API, an optional plugin the
-application's user may not be allowed to read, adds unacked deliveries and message rates. No
-broker password leaves this module: URLs go through :func:`reliable_messaging.conf.redact_url`
-and the client libraries' errors are scrubbed of it. The readings are judged by
-:mod:`reliable_messaging.ops.status` and exported by :mod:`reliable_messaging.ops.collectors`.
+No broker password leaves this module: URLs are redacted and the client libraries' errors
+scrubbed of it.
 """
 
 from __future__ import annotations
@@ -47,11 +43,9 @@ READ_ERRORS = (pika.exceptions.AMQPError, OSError, ValueError)
 
 UNAUTHORIZED = 401
 DEFAULT_TIMEOUT = 3.0
-# The management plugin listens here unless configured otherwise (TLS: 15671).
+# The management plugin listens here unless configured otherwise.
 MANAGEMENT_PORT = 15672
 MANAGEMENT_TLS_PORT = 15671
-
-# The readings: what the readers below return, judged by .status and rendered by the command.
 
 # "leftover": a queue an earlier shape of a consumer left (see reliable_messaging.broker.leftovers).
 QueueKind = Literal["consumer", "delay", "leftover"]
@@ -59,9 +53,7 @@ QueueKind = Literal["consumer", "delay", "leftover"]
 
 @dataclass(frozen=True)
 class QueueStatus:
-    """One queue as the broker sees it. ``None`` means "not known": unacked deliveries and
-    rates come from the management API only, and a queue that does not exist (nobody ran
-    ``consume`` yet) has no figures at all."""
+    """One queue as the broker sees it; ``None`` means "not known"."""
 
     name: str
     kind: QueueKind
@@ -75,10 +67,7 @@ class QueueStatus:
 
     @property
     def redelivery_ratio(self) -> float | None:
-        """The share of recent deliveries that were redeliveries (0..1), when there were any.
-
-        A high share means deliveries keep coming back: consumers die or drop their connection
-        with messages unacked, or hold deliveries back while the database is down."""
+        """The share of recent deliveries that were redeliveries (0..1), when there were any."""
         if self.deliver_rate is None or self.redeliver_rate is None or self.deliver_rate <= 0:
             return None
         return min(1.0, self.redeliver_rate / self.deliver_rate)
@@ -97,8 +86,7 @@ class BrokerStatus:
 def monitored_queues(
     specs: Iterable[ConsumerSpec], settings: MessagingSettings = messaging_settings
 ) -> list[tuple[str, QueueKind, str | None]]:
-    """(queue, kind, consumer name) of every queue ``consume`` declares for ``specs``: each
-    handler's queue (an ordered consumer's partition queues), then the retry delay queues."""
+    """(queue, kind, consumer name) of every consumer and delay queue ``consume`` declares."""
     specs = list(specs)
     queues: list[tuple[str, QueueKind, str | None]] = [
         (queue, "consumer", spec.name)
@@ -112,9 +100,7 @@ def monitored_queues(
 
 
 def default_management_url(broker: str | pika.URLParameters) -> str:
-    """The management API's base URL on the broker's host (``broker``: a URL, or the
-    parameters of the node a connection reached): http on 15672, or https on 15671 for an
-    ``amqps://`` broker. Carries no credentials."""
+    """The management API's base URL on the broker's host (https for ``amqps://``)."""
     params = pika.URLParameters(broker) if isinstance(broker, str) else broker
     tls = params.ssl_options is not None
     scheme, port = ("https", MANAGEMENT_TLS_PORT) if tls else ("http", MANAGEMENT_PORT)
@@ -133,9 +119,8 @@ def scrub(text: str, *secrets: str) -> str:
 
 
 def _redacted_part(url: str) -> str:
-    """What :func:`reliable_messaging.conf.redact_url` hides of ``url``. Not always the password
-    pika reads: in a malformed URL (``amqp:///user:pw@mq``) pika may take it for the vhost,
-    which the broker then quotes in its refusal."""
+    """What :func:`reliable_messaging.conf.redact_url` hides of ``url`` (not always what pika
+    reads as the password: it may take it for the vhost, which the broker quotes)."""
     shown = redact_url(url)
     if shown == url:
         return ""
@@ -144,8 +129,7 @@ def _redacted_part(url: str) -> str:
 
 
 def describe_error(exc: BaseException) -> str:
-    """A one-line account of a connection error. pika's connection errors carry their cause
-    in ``args``, as exceptions whose ``str()`` may be empty: those are shown by their repr."""
+    """A one-line account of a connection error (causes whose ``str()`` is empty by repr)."""
     if isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, BaseException):
         return describe_error(exc.reason)
     if isinstance(exc, OSError):
@@ -159,16 +143,16 @@ def describe_error(exc: BaseException) -> str:
 def management_url_for(
     management_url: str | None, settings: MessagingSettings, params: pika.URLParameters
 ) -> str:
-    """The management API to read: ``management_url`` when given ("" means none), else
-    ``MANAGEMENT_URL``, else :func:`default_management_url` of the node ``params`` reached."""
+    """``management_url`` when given ("" means none), else ``MANAGEMENT_URL``, else the API on
+    the node ``params`` reached."""
     if management_url is None:
         management_url = settings.management_url
     return default_management_url(params) if management_url is None else management_url
 
 
 def management_get(base_url: str, path: str, params: pika.URLParameters, timeout: float) -> Any:
-    """GET ``path`` of the management API at ``base_url`` and decode its JSON. The user and
-    password are the URL's when it has any, else the broker connection's (``params``)."""
+    """GET ``path`` of the management API at ``base_url`` and decode its JSON, as the URL's
+    user, else the broker connection's."""
     parts = urllib.parse.urlsplit(base_url)
     if parts.scheme not in ("http", "https"):
         raise ValueError(f"the management URL must be http(s)://, not {redact_url(base_url)!r}")
@@ -188,8 +172,7 @@ def management_get(base_url: str, path: str, params: pika.URLParameters, timeout
 
 
 def management_failure(exc: BaseException, management_url: str, secrets: Iterable[str]) -> str:
-    """Why the management API at ``management_url`` could not be used, without a password:
-    ``exc`` is what :func:`management_get` raised."""
+    """Why the management API could not be used (``exc``), without a password."""
     api = redact_url(management_url)
     if isinstance(exc, urllib.error.HTTPError):
         note = f"the management API at {api} answered HTTP {exc.code}"
@@ -200,18 +183,13 @@ def management_failure(exc: BaseException, management_url: str, secrets: Iterabl
     return f"the management API at {api} is unreachable ({detail})"
 
 
-# What management_get raises when the API cannot be used: URLError and timeouts are OSErrors
-# (HTTPError too), a port that does not speak HTTP raises an HTTPException, a body that is not
-# JSON (or a URL that is not http) a ValueError.
+# What management_get raises when the API cannot be used (URLError and timeouts are OSErrors).
 MANAGEMENT_ERRORS = (OSError, ValueError, http.client.HTTPException)
 
 
-_MANAGEMENT_COLUMNS = ",".join(
-    (
-        "messages_unacknowledged",
-        "message_stats.deliver_get_details.rate",
-        "message_stats.redeliver_details.rate",
-    )
+_MANAGEMENT_COLUMNS = (
+    "messages_unacknowledged,message_stats.deliver_get_details.rate,"
+    "message_stats.redeliver_details.rate"
 )
 
 
@@ -227,9 +205,8 @@ def with_management_figures(
     base_url: str,
     timeout: float = DEFAULT_TIMEOUT,
 ) -> tuple[QueueStatus, ...]:
-    """``queues`` with unacked counts and rates from the management API. Raises
-    ``urllib.error.URLError`` (an ``OSError``), ``http.client.HTTPException`` or ``ValueError``
-    when the API cannot be used. Its figures are samples, refreshed every few seconds."""
+    """``queues`` with unacked counts and rates from the management API; raises one of
+    :data:`MANAGEMENT_ERRORS` when the API cannot be used."""
     vhost = urllib.parse.quote(params.virtual_host, safe="")
     found = []
     for queue in queues:
@@ -245,9 +222,7 @@ def with_management_figures(
                 raise
             found.append(queue)  # deleted since the passive declare: nothing more to add
             continue
-        if not isinstance(data, dict):
-            # A queue declared moments ago has no sampled figures yet, and the plugin answers
-            # an empty list for the columns asked: nothing was delivered from it yet.
+        if not isinstance(data, dict):  # a queue not sampled yet: nothing delivered from it
             data = {}
         stats = data.get("message_stats")
         found.append(
@@ -268,9 +243,8 @@ def queues_from_amqp(
     *,
     leftovers_of: Iterable[ConsumerSpec] = (),
 ) -> tuple[QueueStatus, ...]:
-    """Read exact ready counts and consumers with passive declares, then the queues that
-    earlier shapes of ``leftovers_of`` left behind (kind ``leftover``). Raises
-    ``pika.exceptions.AMQPConnectionError`` when no broker URL can be reached."""
+    """Ready counts and consumers by passive declares, then the queues that earlier shapes of
+    ``leftovers_of`` left behind; raises when no broker URL can be reached."""
     connection = connect(settings, "messaging_status", timeout=timeout)
     try:
         return _queues_on(connection, queues, settings, leftovers_of)
@@ -317,20 +291,14 @@ def secrets_of(settings: MessagingSettings, candidates: Iterable[pika.URLParamet
     return found + [_redacted_part(url) for url in settings.broker_urls]
 
 
-def broker_secrets(settings: MessagingSettings = messaging_settings) -> list[str]:
-    """Every password of the broker URLs (see :func:`_secrets`), also when pika cannot parse
-    a URL (then as redact_url hides it)."""
+def scrub_broker_secrets(text: str, settings: MessagingSettings = messaging_settings) -> str:
+    """``text`` (a client library's error) scrubbed of the broker passwords, also when pika
+    cannot parse a URL: a refusal may quote a vhost that holds one."""
     try:
         candidates = connection_parameters(settings)
     except Exception:  # noqa: BLE001 - pika raises several types for a bad URL
         candidates = []
-    return secrets_of(settings, candidates)
-
-
-def scrub_broker_secrets(text: str, settings: MessagingSettings = messaging_settings) -> str:
-    """``text`` (a client library's error, for a log line) scrubbed of the broker passwords,
-    as ``messaging_status`` shows it: a refusal may quote a vhost that holds one."""
-    return scrub(text, *broker_secrets(settings))
+    return scrub(text, *secrets_of(settings, candidates))
 
 
 def describe_broker_error(
@@ -347,9 +315,8 @@ def broker_status(
     management_url: str | None = None,
     timeout: float = DEFAULT_TIMEOUT,
 ) -> BrokerStatus:
-    """The queues of ``specs`` (default: every registered consumer) and their delay queues.
-    ``management_url`` overrides the management API's address (default: ``MANAGEMENT_URL``,
-    else the broker's host); "" skips the API."""
+    """The queues of ``specs`` (default: every registered consumer) and their delay queues;
+    ``management_url`` "" skips the management API."""
     shown = settings.broker_shown
     try:
         candidates = connection_parameters(settings, name="messaging_status")
@@ -371,8 +338,6 @@ def broker_status(
         detail = scrub(describe_error(exc), *secrets)
         error = f"cannot connect to {shown}: {detail}"
         return BrokerStatus(shown, reachable=False, error=error)
-    # By default the management API of the node that answered; a URL given may carry
-    # credentials of its own.
     management_url = management_url_for(management_url, settings, params)
     if not management_url:
         note = "the management API was skipped (no URL given)"
@@ -389,8 +354,8 @@ def broker_status(
 def broker_connection_error(
     settings: MessagingSettings = messaging_settings, timeout: float = DEFAULT_TIMEOUT
 ) -> str:
-    """Open and close one AMQP connection; "" when that worked, else why not. The text names
-    neither the host nor the user, and never the password: health endpoints may be public."""
+    """Open and close one AMQP connection; "" when that worked, else why not, naming neither
+    host, user nor password: health endpoints may be public."""
     try:
         candidates = connection_parameters(settings, name="messaging_status")
     except Exception as exc:  # noqa: BLE001 - pika raises several types for a bad URL

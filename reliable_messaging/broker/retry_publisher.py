@@ -1,11 +1,7 @@
-"""The consumer's publishing side: retry copies go out on a broker connection of their own, from a
-thread of their own.
+"""The consumer's publishing side: retry copies go out, confirmed, on a broker connection and a
+thread of their own, so that a resource alarm holds back only the deliveries waiting for one.
 
-A retry copy is published (with confirms and ``mandatory``) before its original is acked. On a
-connection of its own, a broker's resource alarm (which blocks publishing connections) holds back
-only the deliveries waiting for a retry copy, not every ack. A copy the broker refuses is published
-again with backoff while its original stays unacked, and given back to its queue past half of
-``BROKER_CONSUMER_TIMEOUT``. ``docs/design.md#retry-copies-on-a-connection-of-their-own`` explains.
+``docs/design.md#retry-copies-on-a-connection-of-their-own`` explains.
 """
 
 from __future__ import annotations
@@ -51,14 +47,12 @@ class RetryCopy:
     body: bytes
     properties: BasicProperties
     message_id: str
-    # When the original arrived (monotonic): the hold bound counts from it.
-    received: float
-    # Called on the publisher's thread: the broker confirmed the copy (ack the original).
+    received: float  # when the original arrived (monotonic): the hold bound counts from it
+    # Called on the publisher's thread: the copy is confirmed (ack the original), or no copy
+    # could be placed in time (requeue the original).
     placed: Callable[[], None]
-    # Called on the publisher's thread: no copy could be placed in time (requeue the original).
     give_back: Callable[[], None]
-    # Whether the copy is still wanted: False once the original's connection is gone (the
-    # broker redelivers it then, and a copy would only add a twin).
+    # False once the original's connection is gone (the broker redelivers it then).
     wanted: Callable[[], bool] = lambda: True
 
 
@@ -83,8 +77,7 @@ class RetryPublisher:
     ) -> None:
         self.settings = settings
         self.health = health
-        # Told the name of a delay exchange the broker says does not exist (deleted by hand,
-        # or lost with a node), so the consumer declares its topology again.
+        # Told the name of a delay exchange the broker says does not exist: declare again.
         self.on_missing = on_missing
         self._lock = threading.Lock()
         self._jobs: list[_Job] = []
@@ -122,8 +115,7 @@ class RetryPublisher:
         return self._blocked
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop; copies not yet placed are dropped (their originals stay unacked, and the
-        broker redelivers them when the consuming connection closes)."""
+        """Stop; copies not yet placed are dropped (the broker redelivers their originals)."""
         self._stopping.set()
         self._poke()
         self._thread.join(timeout)
@@ -212,19 +204,15 @@ class RetryPublisher:
             self._publishing_since = None
             self._refused(job, exc)
             return
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            self._channel = None
-            if exc.reply_code == NOT_FOUND and self.on_missing is not None:
-                self.on_missing(copy.exchange)
-            self._again(job, exc, self._reconnect.next())
-            return
-        except CONNECTION_ERRORS as exc:
-            self._disconnect()
-            self._again(job, exc, self._reconnect.next())
-            return
         except Exception as exc:  # never die: the originals would wait forever
-            logger.exception("retry publisher: unexpected error publishing a retry copy")
-            self._disconnect()
+            if isinstance(exc, pika.exceptions.ChannelClosedByBroker):
+                self._channel = None
+                if exc.reply_code == NOT_FOUND and self.on_missing is not None:
+                    self.on_missing(copy.exchange)
+            else:
+                if not isinstance(exc, CONNECTION_ERRORS):
+                    logger.exception("retry publisher: unexpected error publishing a retry copy")
+                self._disconnect()
             self._again(job, exc, self._reconnect.next())
             return
         self._reconnect.reset()
@@ -292,9 +280,8 @@ class RetryPublisher:
         self.refresh()
 
     def refresh(self) -> None:
-        """Show a block in the metrics and ``/healthz``. pika's blocking adapter tells of a
-        block only once the publish that met it returns, so a publish waiting longer than
-        STALL_AFTER for its confirm counts as blocked too. Called from the consumer's loop."""
+        """Show a block in the metrics and ``/healthz`` (from the consumer's loop). pika tells of
+        a block only once the publish returns: a confirm awaited past STALL_AFTER counts too."""
         since = self._publishing_since
         waited = time.monotonic() - since if since is not None else 0.0
         text = None

@@ -1,10 +1,7 @@
 """Names and declaration of the broker objects: exchanges, consumer queues, delay queues.
 
-Retries wait in one queue per delay value (its message TTL), whose expired messages go back through
-the default exchange to the one queue whose consumer failed. An ordered consumer's messages go
-through a consistent-hash exchange ``<queue>.partitions`` onto ``ORDERED_PARTITIONS``
-single-active-consumer queues ``<queue>.p0`` ...
-``docs/design.md#topology-delay-queues-and-ordered-partitions`` explains both.
+``docs/design.md#topology-delay-queues-and-ordered-partitions`` explains the delay queues and
+the ordered consumers' partitions.
 """
 
 from __future__ import annotations
@@ -63,16 +60,12 @@ def consumer_queues(
 
 
 def dead_letter_queue(spec: ConsumerSpec) -> str:
-    """Quorum queues only: where the broker dead-letters a message of ``spec``'s queues that
-    reached ``x-delivery-limit``; the consumer ingests it as a ``delivery_limit`` dead letter."""
+    """Quorum queues only: where the broker dead-letters a message past ``x-delivery-limit``."""
     return f"{spec.queue}.dead"
 
 
 def kept_queue(spec: ConsumerSpec) -> str:
-    """Quorum queues only: where the broker moves a message that reached the delivery limit of
-    :func:`dead_letter_queue` too. A classic queue, which has no delivery limit on any broker
-    version, so this is the end of the line: nothing is dropped; the consumer ingests it like
-    the ``.dead`` queue's."""
+    """Quorum queues only: the classic queue (no delivery limit) past the ``.dead`` queue's."""
     return f"{spec.queue}.dead.kept"
 
 
@@ -87,13 +80,10 @@ def queue_arguments(
     ordered: bool = False,
     dead_letter_to: str | None = None,
 ) -> dict[str, Any]:
-    # The type always stated: a vhost can make quorum its default type (RabbitMQ 3.11+), and a
-    # queue declared without one would become a quorum queue with the broker's delivery limit.
+    # The type always stated: a vhost can make quorum its default type (RabbitMQ 3.11+).
     arguments: dict[str, Any] = {"x-queue-type": settings.queue_type}
     if settings.queue_type == "quorum":
-        # The broker's own guard against poison loops that never reach a handler's outcome
-        # (a process crashing on the message before it can ack). Past the limit it would drop
-        # the message; with a dead-letter target it moves it there instead, never silently.
+        # The broker's own guard against a message that crashes its consumer before any ack.
         arguments["x-delivery-limit"] = settings.quorum_delivery_limit
         if dead_letter_to is not None:
             arguments["x-dead-letter-exchange"] = ""
@@ -146,21 +136,17 @@ def _missing_plugin(exc: pika.exceptions.ConnectionClosedByBroker) -> Exception:
 
 @dataclass
 class Declared:
-    """What :func:`declare_topology` did: ``channel`` is open (the one given, or a new one where
-    the broker closed that one), ``unavailable`` names each queue the broker could not declare
-    or bind now, with why (a classic queue whose node is down answers 404)."""
+    """What :func:`declare_topology` did: ``channel`` is open, ``unavailable`` names each queue
+    the broker could not declare now and ``mismatched`` each it has with other arguments."""
 
     channel: BlockingChannel
     unavailable: dict[str, str] = field(default_factory=dict)
-    # With ``tolerate_mismatch``: each object the broker has with other arguments, and what
-    # differs (the text of the :class:`TopologyMismatchError` it would have raised).
     mismatched: dict[str, str] = field(default_factory=dict)
 
 
 class _Declarer:
     """Declares on one channel, opening a new one when the broker closes it over a queue it
-    cannot serve now (404: a classic queue whose home node is down): that queue is noted
-    unavailable and the rest is declared. Any other refusal is the connection's failure."""
+    cannot serve now (404: its node down): that queue is noted unavailable."""
 
     def __init__(
         self,
@@ -183,9 +169,7 @@ class _Declarer:
         exc: pika.exceptions.ChannelClosedByBroker,
         wanted: dict[str, Any],
     ) -> None:
-        """Raise what the broker's refusal means or, when mismatches are tolerated and this is
-        one, note it and go on on a new channel (the broker closed this one): the object exists,
-        with the arguments it was first declared with."""
+        """Raise what the broker's refusal means or, when mismatches are tolerated, note it."""
         error = _mismatch(kind, name, exc, wanted)
         if not (self.tolerate_mismatch and isinstance(error, TopologyMismatchError)):
             raise error from exc
@@ -213,9 +197,7 @@ class _Declarer:
         declare: Callable[[BlockingChannel], object],
         bind: Callable[[BlockingChannel], object] | None = None,
     ) -> bool:
-        """Run ``declare`` for queue ``name``, then ``bind``; False when the queue is
-        unavailable now. A queue that exists with other arguments is bound all the same when
-        mismatches are tolerated: what is routed to it keeps reaching it."""
+        """Run ``declare`` for queue ``name``, then ``bind``; False when it is unavailable now."""
         try:
             try:
                 declare(self.channel)
@@ -242,6 +224,20 @@ class _Declarer:
             return False
         return True
 
+    def declare_queue(
+        self,
+        kind: str,
+        name: str,
+        arguments: dict[str, Any],
+        bind: Callable[[BlockingChannel], object] | None = None,
+    ) -> bool:
+        """Declare durable queue ``name`` with ``arguments`` (see :meth:`queue`)."""
+
+        def declare(channel: BlockingChannel) -> None:
+            channel.queue_declare(name, durable=True, arguments=arguments)
+
+        return self.queue(kind, name, arguments, declare, bind)
+
 
 def declare_topology(
     channel: BlockingChannel,
@@ -251,11 +247,9 @@ def declare_topology(
     known_unavailable: Collection[str] = (),
     tolerate_mismatch: bool = False,
 ) -> Declared:
-    """Declare (idempotently) everything the given consumers need. A declaration that conflicts
-    with what the broker has raises :class:`TopologyMismatchError` saying what differs (with
-    ``tolerate_mismatch``, the relay's way, it is named in the result instead and the rest is
-    declared); a queue the broker cannot serve now (its node down) is left out and named in the
-    result, so the consumer can consume the rest and try it again."""
+    """Declare (idempotently) everything the given consumers need. A conflicting declaration
+    raises :class:`TopologyMismatchError` (with ``tolerate_mismatch``, it is named in the
+    result); a queue the broker cannot serve now is left out and named in the result."""
     specs = list(specs)
     declarer = _Declarer(channel, known_unavailable, tolerate_mismatch=tolerate_mismatch)
     for exchange in sorted({consumer_exchange(s, settings) for s in specs} | {settings.exchange}):
@@ -273,18 +267,11 @@ def declare_topology(
             declarer.channel, spec.queue, queue_arguments(settings, dead_letter_to=dead_letter_to)
         )
 
-        def declare(
-            channel: BlockingChannel,
-            spec: ConsumerSpec = spec,
-            arguments: dict[str, Any] = arguments,
-        ) -> None:
-            channel.queue_declare(spec.queue, durable=True, arguments=arguments)
-
         def bind(channel: BlockingChannel, spec: ConsumerSpec = spec) -> None:
             for binding in spec.bindings:
                 channel.queue_bind(spec.queue, consumer_exchange(spec, settings), binding)
 
-        declarer.queue("queue", spec.queue, arguments, declare, bind)
+        declarer.declare_queue("queue", spec.queue, arguments, bind)
     for delay in all_delays(specs, settings):
         _declare_delay_queue(declarer, delay, settings)
     log = logger.debug if declarer.unavailable and declarer.known else logger.info
@@ -300,15 +287,9 @@ def declare_topology(
 
 
 def delay_queue_arguments(delay: float) -> dict[str, Any]:
-    """A delay queue: messages expire after ``delay`` into the default exchange, under the
-    routing key they were published with (the failed consumer's queue).
-
-    Always a quorum queue, whatever ``QUEUE_TYPE``, with at-least-once dead-lettering (RabbitMQ
-    3.10+, which needs ``x-overflow: reject-publish`` for it): the broker keeps an expired copy
-    until the consumer's queue has confirmed it. A classic queue hands it on at most once, so a
-    copy that comes due while that queue cannot take it in (deleted, its node down, the broker
-    stopping) would be lost. ``docs/design.md#delay-queues-are-quorum-queues`` explains.
-    """
+    """A delay queue: messages expire after ``delay`` into the default exchange, back to the
+    failed consumer's queue; always quorum with at-least-once dead-lettering
+    (``docs/design.md#delay-queues-are-quorum-queues`` explains)."""
     return {
         "x-queue-type": "quorum",
         "x-message-ttl": round(delay * 1000),
@@ -327,41 +308,29 @@ def _declare_delay_queue(declarer: _Declarer, delay: float, settings: MessagingS
         {"type": "fanout"},
         lambda channel: channel.exchange_declare(name, exchange_type="fanout", durable=True),
     )
-    probe = declarer.channel.connection.channel()
-    try:
-        probe.queue_declare(name, durable=True, arguments=arguments)
-    except pika.exceptions.ChannelClosedByBroker as exc:
-        if exc.reply_code != PRECONDITION_FAILED:
-            declarer.queue(
-                "delay queue",
-                name,
-                arguments,
-                lambda channel: channel.queue_declare(name, durable=True, arguments=arguments),
-            )
-        else:
-            # Declared by someone else (a classic queue, say); its name fixes its TTL, so only
-            # the type and its dead-lettering can differ. Its messages wait a few seconds at
-            # most: keep using it rather than refuse to start, and say how to replace it.
-            logger.warning(
-                "delay queue %s exists with other arguments than a quorum delay queue with "
-                "at-least-once dead-lettering (%s); it is used as it is, and a retry copy that "
-                "comes due while its consumer's queue cannot take it in may be lost. To replace "
-                "it: unbind it from exchange %s (management UI or rabbitmqadmin), wait %ss for it "
-                "to empty, delete it, and restart a consumer, which declares it afresh",
-                name,
-                exc.reply_text,
-                name,
-                delay,
-            )
-            declarer.queue(
-                "delay queue",
-                name,
-                arguments,
-                lambda channel: channel.queue_declare(name, passive=True),
-            )
-    else:
-        if probe.is_open:
-            probe.close()
+    refused = _refusal(declarer.channel, name, arguments)
+    if refused is not None and refused.reply_code != PRECONDITION_FAILED:
+        declarer.declare_queue("delay queue", name, arguments)
+    elif refused is not None:
+        # Declared by someone else (a classic queue, say); its name fixes its TTL. Its messages
+        # wait a few seconds at most: keep using it rather than refuse to start.
+        logger.warning(
+            "delay queue %s exists with other arguments than a quorum delay queue with "
+            "at-least-once dead-lettering (%s); it is used as it is, and a retry copy that "
+            "comes due while its consumer's queue cannot take it in may be lost. To replace "
+            "it: unbind it from exchange %s (management UI or rabbitmqadmin), wait %ss for it "
+            "to empty, delete it, and restart a consumer, which declares it afresh",
+            name,
+            refused.reply_text,
+            name,
+            delay,
+        )
+        declarer.queue(
+            "delay queue",
+            name,
+            arguments,
+            lambda channel: channel.queue_declare(name, passive=True),
+        )
     if name not in declarer.unavailable:
         declarer.queue(
             "delay queue", name, arguments, lambda channel: channel.queue_bind(name, name)
@@ -374,9 +343,8 @@ def _declare_dead_letter_queue(
     if settings.queue_type != "quorum":
         return None
     name, kept = dead_letter_queue(spec), kept_queue(spec)
-    # The .dead queue has a delivery limit of its own, stated (RabbitMQ 4 gives every quorum
-    # queue one, 20 by default, and drops past it when there is no target): past it a message
-    # goes to the classic .dead.kept queue, which has none.
+    # The .dead queue's delivery limit stated (RabbitMQ 4 gives one, 20 by default, and drops
+    # past it without a target): past it a message goes to the classic .dead.kept queue.
     for queue, arguments in (
         (kept, {"x-queue-type": "classic"}),
         (
@@ -389,15 +357,8 @@ def _declare_dead_letter_queue(
             },
         ),
     ):
-
-        def declare(
-            channel: BlockingChannel, queue: str = queue, arguments: dict[str, Any] = arguments
-        ) -> None:
-            channel.queue_declare(queue, durable=True, arguments=arguments)
-
-        declarer.queue("dead-letter queue", queue, arguments, declare)
-    # Named as the target even when unavailable now: a queue's arguments are fixed at its
-    # first declaration, and the broker routes to the target once it exists.
+        declarer.declare_queue("dead-letter queue", queue, arguments)
+    # Named as the target even when unavailable now: the broker routes to it once it exists.
     return name
 
 
@@ -405,36 +366,44 @@ def _arguments_the_broker_takes(
     channel: BlockingChannel, queue: str, arguments: dict[str, Any]
 ) -> dict[str, Any]:
     """``arguments``, or without the dead-letter target when ``queue`` already exists without
-    one (declared by an older version): a queue's arguments cannot change in place, and
-    refusing to start would be worse than running without the target. Tried on a channel of
-    its own, since the broker closes the channel that declares a queue differently."""
+    one: its arguments cannot change in place, and refusing to start would be worse."""
     if "x-dead-letter-routing-key" not in arguments:
         return arguments
+    refused = _refusal(channel, queue, arguments)
+    if refused is None or refused.reply_code != PRECONDITION_FAILED:
+        return arguments  # another refusal: the real declaration reports it
+    if "x-dead-letter" not in str(refused.reply_text):
+        return arguments  # another mismatch: likewise
+    logger.warning(
+        "queue %s exists without a dead-letter target: a message that reaches its "
+        "x-delivery-limit would be dropped by the broker. Give it one with a policy "
+        "(rabbitmqctl set_policy --apply-to queues <name> '^%s$' "
+        '\'{"dead-letter-exchange":"","dead-letter-routing-key":"%s"}\'), or drain '
+        "and delete it so that it is declared afresh",
+        queue,
+        queue,
+        arguments["x-dead-letter-routing-key"],
+    )
+    return {
+        k: v
+        for k, v in arguments.items()
+        if k not in ("x-dead-letter-exchange", "x-dead-letter-routing-key")
+    }
+
+
+def _refusal(
+    channel: BlockingChannel, queue: str, arguments: dict[str, Any]
+) -> pika.exceptions.ChannelClosedByBroker | None:
+    """Declare ``queue`` on a channel of its own (the broker closes one that declares a queue
+    differently); the broker's refusal, or None."""
     probe = channel.connection.channel()
     try:
         probe.queue_declare(queue, durable=True, arguments=arguments)
     except pika.exceptions.ChannelClosedByBroker as exc:
-        if exc.reply_code != PRECONDITION_FAILED or "x-dead-letter" not in str(exc.reply_text):
-            return arguments  # another mismatch: the real declaration reports it
-        logger.warning(
-            "queue %s exists without a dead-letter target: a message that reaches its "
-            "x-delivery-limit would be dropped by the broker. Give it one with a policy "
-            "(rabbitmqctl set_policy --apply-to queues <name> '^%s$' "
-            '\'{"dead-letter-exchange":"","dead-letter-routing-key":"%s"}\'), or drain '
-            "and delete it so that it is declared afresh",
-            queue,
-            queue,
-            arguments["x-dead-letter-routing-key"],
-        )
-        return {
-            k: v
-            for k, v in arguments.items()
-            if k not in ("x-dead-letter-exchange", "x-dead-letter-routing-key")
-        }
-    else:
-        if probe.is_open:
-            probe.close()
-    return arguments
+        return exc
+    if probe.is_open:
+        probe.close()
+    return None
 
 
 def _declare_partitions(
@@ -467,21 +436,15 @@ def _declare_partitions(
             queue_arguments(settings, ordered=True, dead_letter_to=dead_letter_to),
         )
 
-        def declare(
-            channel: BlockingChannel, queue: str = queue, arguments: dict[str, Any] = arguments
-        ) -> None:
-            channel.queue_declare(queue, durable=True, arguments=arguments)
-
         def bind(channel: BlockingChannel, queue: str = queue) -> None:
             # Equal weights: the binding key of a consistent-hash exchange is the queue's weight.
             channel.queue_bind(queue, exchange, routing_key="1")
 
-        declarer.queue("queue", queue, arguments, declare, bind)
+        declarer.declare_queue("queue", queue, arguments, bind)
 
 
 def broker_host(url: str) -> str:
-    """The host a broker URL names, as pika reads it ("" for none). Raises what pika raises for
-    a URL it cannot parse (several types, whose messages may quote pieces of the URL)."""
+    """The host a broker URL names, as pika reads it ("" for none); raises what pika raises."""
     return str(pika.URLParameters(url).host or "")
 
 
@@ -489,9 +452,7 @@ def connection_parameters(
     settings: MessagingSettings = messaging_settings, name: str = "reliable_messaging"
 ) -> list[pika.URLParameters]:
     """One set of connection parameters per broker URL, in a new random order each call, so
-    that the processes of a deployment spread over a cluster's nodes and each connect tries
-    the nodes in a different order. Raises ValueError (or another pika error) for a URL pika
-    cannot parse; the system checks report those first."""
+    that the processes of a deployment spread over a cluster's nodes."""
     found = []
     for url in settings.broker_urls:
         params = pika.URLParameters(url)
@@ -512,9 +473,8 @@ def connect(
     *,
     timeout: float | None = None,
 ) -> pika.BlockingConnection:
-    """A blocking connection to the first broker URL that answers, tried in a random order.
-    ``timeout`` bounds the TCP connect and the AMQP handshake of each. Raises the last
-    error when none answers."""
+    """A blocking connection to the first broker URL that answers (``timeout`` for each);
+    raises the last error when none answers."""
     return connect_to_any(connection_parameters(settings, name), timeout=timeout)[0]
 
 
