@@ -1,18 +1,15 @@
 """Django system checks for ``RELIABLE_MESSAGING`` and the registered consumers.
 
-The per-setting checks are not written here: each setting's declaration in :mod:`.conf` carries
-its rule (check id, message, hint), and :func:`check_settings` applies them. What stays here is
-what a single value cannot tell: the broker URLs (pika's parser), the cache alias (``CACHES``),
-the checks across settings and consumers (:data:`CROSS_SETTING_CHECKS`), and the database
-checks."""
+Each setting's declaration in :mod:`.conf` carries its own rule; what stays here is what a single
+value cannot tell: broker URLs, the cache alias, checks across settings, and the databases."""
 
 from __future__ import annotations
 
 import difflib
 import urllib.parse
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
@@ -27,6 +24,9 @@ from .conf import (
     split_broker_urls,
 )
 from .core.delays import delay_for
+
+if TYPE_CHECKING:
+    from .core.registry import ConsumerSpec
 
 SETTING = "RELIABLE_MESSAGING"
 
@@ -48,13 +48,8 @@ def check_broker_urls(value: Any) -> list[CheckMessage]:
     else:
         urls = [value]
     if not urls:
-        return [
-            _error(
-                1,
-                f"{SETTING}['BROKER_URL'] holds no URL.",
-                "Give one amqp:// URL, several joined by ';', or a list of them.",
-            )
-        ]
+        hint = "Give one amqp:// URL, several joined by ';', or a list of them."
+        return [_error(1, f"{SETTING}['BROKER_URL'] holds no URL.", hint)]
     return [error for url in urls for error in _check_broker_url(url)]
 
 
@@ -65,35 +60,20 @@ def _check_broker_url(value: Any) -> list[CheckMessage]:
     if not isinstance(value, str) or not value.startswith(("amqp://", "amqps://")):
         # Not repr() of another type: bytes or a dict may hold the password just the same.
         shown = redact_url(value) if isinstance(value, str) else f"a {type(value).__name__}"
-        return [
-            _error(1, f"{SETTING}['BROKER_URL'] is not an amqp:// or amqps:// URL: {shown}", hint)
-        ]
+        message = f"{SETTING}['BROKER_URL'] is not an amqp:// or amqps:// URL: {shown}"
+        return [_error(1, message, hint)]
     try:
         if not broker_host(value):
             raise ValueError("no host")
     except Exception as exc:  # noqa: BLE001 - pika raises several types for bad URLs
-        # Only the type: pika's messages quote pieces of the URL ("Port could not be cast to
-        # integer value as 'pa'" for a password holding a "/").
-        return [
-            _error(
-                1,
-                f"{SETTING}['BROKER_URL'] cannot be parsed ({type(exc).__name__}): "
-                f"{redact_url(value)}",
-                hint,
-            )
-        ]
+        # Only the type: pika's messages quote pieces of the URL (a password holding a "/").
+        what = f"cannot be parsed ({type(exc).__name__}): {redact_url(value)}"
+        return [_error(1, f"{SETTING}['BROKER_URL'] {what}", hint)]
     host_and_path = value.split("://", 1)[1]
     if host_and_path.startswith("/") and "@" in host_and_path:
-        # "amqp:///user:pw@mq": pika falls back to localhost and takes "user:pw@mq" for the
-        # vhost, which the broker then quotes in its refusal, in every log line.
-        return [
-            _error(
-                1,
-                f"{SETTING}['BROKER_URL'] has no host, and its credentials would be taken for "
-                f"the vhost: {redact_url(value)}",
-                hint,
-            )
-        ]
+        # "amqp:///user:pw@mq": pika takes "user:pw@mq" for the vhost, which the broker quotes.
+        what = f"has no host, and its credentials would be taken for the vhost: {redact_url(value)}"
+        return [_error(1, f"{SETTING}['BROKER_URL'] {what}", hint)]
     return []
 
 
@@ -104,24 +84,17 @@ def check_cache_alias(alias: Any) -> list[CheckMessage]:
     if alias is None:
         return []
     if not isinstance(alias, str) or alias not in caches:
-        return [
-            _error(
-                7,
-                f"{SETTING}['CACHE_ALIAS'] is {alias!r}, which names no cache in CACHES.",
-                "Add a django-redis cache under that alias in CACHES, or set CACHE_ALIAS to None.",
-            )
-        ]
+        message = f"{SETTING}['CACHE_ALIAS'] is {alias!r}, which names no cache in CACHES."
+        hint = "Add a django-redis cache under that alias in CACHES, or set CACHE_ALIAS to None."
+        return [_error(7, message, hint)]
     if not _is_django_redis(caches[alias]):
         backend = caches[alias].get("BACKEND") if isinstance(caches[alias], dict) else None
-        return [
-            _error(
-                13,
-                f"{SETTING}['CACHE_ALIAS'] is {alias!r}, whose BACKEND "
-                f"{backend!r} is not django-redis: the duplicate "
-                f"fast path talks to Redis through django-redis's client.",
-                "Use 'django_redis.cache.RedisCache' for that cache, or set CACHE_ALIAS to None.",
-            )
-        ]
+        message = (
+            f"{SETTING}['CACHE_ALIAS'] is {alias!r}, whose BACKEND {backend!r} is not "
+            "django-redis: the duplicate fast path talks to Redis through django-redis's client."
+        )
+        hint = "Use 'django_redis.cache.RedisCache' for that cache, or set CACHE_ALIAS to None."
+        return [_error(13, message, hint)]
     return []
 
 
@@ -139,26 +112,15 @@ def check_relay_listen_dsn(value: Any) -> list[CheckMessage]:
     try:
         from psycopg.conninfo import conninfo_to_dict
     except ImportError:
-        return [
-            _error(
-                48,
-                f"{SETTING}['RELAY_LISTEN_DSN'] is set, but psycopg 3 (which the relay's LISTEN "
-                f"needs) is not installed.",
-                'pip install "reliable-messaging[postgres]", or remove the setting.',
-            )
-        ]
+        what = "is set, but psycopg 3 (which the relay's LISTEN needs) is not installed."
+        fix = 'pip install "reliable-messaging[postgres]", or remove the setting.'
+        return [_error(48, f"{SETTING}['RELAY_LISTEN_DSN'] {what}", fix)]
     try:
         conninfo_to_dict(value)
     except Exception as exc:  # noqa: BLE001 - psycopg's ProgrammingError, or a type error
         # Only the type: the parser's message quotes pieces of the string, a password perhaps.
-        return [
-            _error(
-                48,
-                f"{SETTING}['RELAY_LISTEN_DSN'] cannot be parsed as a libpq connection string "
-                f"({type(exc).__name__}).",
-                hint,
-            )
-        ]
+        what = f"cannot be parsed as a libpq connection string ({type(exc).__name__})."
+        return [_error(48, f"{SETTING}['RELAY_LISTEN_DSN'] {what}", hint)]
     return []
 
 
@@ -178,11 +140,8 @@ def check_management_url(value: Any) -> list[CheckMessage]:
             parts.port  # noqa: B018 - raises ValueError for a port that is not a number
     except ValueError:
         fits = False
-    if fits:
-        return []
-    return [
-        _error(49, f"{SETTING}['MANAGEMENT_URL'] is not an http:// or https:// URL: {shown}", hint)
-    ]
+    message = f"{SETTING}['MANAGEMENT_URL'] is not an http:// or https:// URL: {shown}"
+    return [] if fits else [_error(49, message, hint)]
 
 
 # The functions that a declaration's conf.CheckedBy names, by name: conf cannot import this
@@ -214,11 +173,8 @@ def _unknown_keys(raw: Mapping[str, Any]) -> list[CheckMessage]:
     for key in raw:
         if key not in DEFAULTS:
             close = difflib.get_close_matches(key, DEFAULTS, n=1)
-            hint = (
-                f"Did you mean {close[0]!r}?"
-                if close
-                else (f"Known keys: {', '.join(sorted(DEFAULTS))}.")
-            )
+            hint = f"Did you mean {close[0]!r}?" if close else ""
+            hint = hint or f"Known keys: {', '.join(sorted(DEFAULTS))}."
             found.append(_warning(1, f"{SETTING} has an unknown key {key!r}; it is ignored.", hint))
     return found
 
@@ -231,18 +187,12 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     if raw is None:
         return []
     if not isinstance(raw, dict):
-        return [
-            _error(
-                0,
-                f"{SETTING} must be a dict, got {type(raw).__name__}.",
-                "Write RELIABLE_MESSAGING = {'BROKER_URL': ..., ...} in your settings.",
-            )
-        ]
+        hint = "Write RELIABLE_MESSAGING = {'BROKER_URL': ..., ...} in your settings."
+        return [_error(0, f"{SETTING} must be a dict, got {type(raw).__name__}.", hint)]
     errors = _unknown_keys(raw)
     for setting in SETTINGS:
         errors += _check_setting(setting, messaging_settings.get(setting.key))
-    # The cross-setting warnings need valid values; a mere warning (an unknown key) does not
-    # hide them.
+    # The cross-setting warnings need valid values (a mere warning does not hide them).
     if not any(message.is_serious() for message in errors):
         for check in CROSS_SETTING_CHECKS:
             errors += check()
@@ -293,10 +243,7 @@ def _check_consumer_timeout() -> list[CheckMessage]:
         if not spec.ordered:
             continue
         # An ordered consumer retries in place: the delivery stays unacked for every delay.
-        horizon = _horizon(
-            spec.retry_delays or messaging_settings.retry_delays,
-            spec.max_attempts or messaging_settings.max_attempts,
-        )
+        horizon = _horizon(spec)
         if horizon >= messaging_settings.max_hold_seconds:
             found.append(
                 _warning(
@@ -329,33 +276,23 @@ def _check_retention_horizon() -> list[CheckMessage]:
     """The inbox must remember a message at least as long as its copies can still arrive."""
     from .core.registry import registry
 
-    horizons = [_horizon(messaging_settings.retry_delays, messaging_settings.max_attempts)]
-    for spec in registry:
-        horizons.append(
-            _horizon(
-                spec.retry_delays or messaging_settings.retry_delays,
-                spec.max_attempts or messaging_settings.max_attempts,
-            )
-        )
-    horizon = timedelta(seconds=max(horizons))
+    horizon = timedelta(seconds=max([_horizon(None), *map(_horizon, registry)]))
     if messaging_settings.dedup_retention < horizon:
+        message = (
+            f"{SETTING}['DEDUP_RETENTION'] ({messaging_settings.dedup_retention}) is shorter "
+            f"than the retry horizon ({horizon}): a late redelivery could run a handler twice."
+        )
         return [
-            _warning(
-                2,
-                f"{SETTING}['DEDUP_RETENTION'] ({messaging_settings.dedup_retention})"
-                f" is shorter than the retry horizon ({horizon}): a late redelivery "
-                f"could run a handler twice.",
-                "Keep DEDUP_RETENTION well above the sum of the retry delays.",
-            )
+            _warning(2, message, "Keep DEDUP_RETENTION well above the sum of the retry delays.")
         ]
     return []
 
 
-def _horizon(delays: Sequence[float], max_attempts: int) -> float:
-    """Seconds from the first attempt to the last: the waits after attempts 1 .. max - 1."""
-    if not delays:
-        return 0.0
-    return sum(delay_for(attempt, delays) for attempt in range(1, max_attempts))
+def _horizon(spec: ConsumerSpec | None) -> float:
+    """Seconds from a consumer's first attempt to its last (the settings' for None)."""
+    delays = (spec and spec.retry_delays) or messaging_settings.retry_delays
+    attempts = (spec and spec.max_attempts) or messaging_settings.max_attempts
+    return sum(delay_for(attempt, delays) for attempt in range(1, attempts)) if delays else 0.0
 
 
 # The checks that judge settings together, run once every setting is valid on its own.
@@ -370,19 +307,16 @@ CROSS_SETTING_CHECKS: tuple[Callable[[], list[CheckMessage]], ...] = (
 def check_consumers(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     from .core.registry import registry
 
-    errors: list[CheckMessage] = []
-    for spec in registry:
-        if not spec.bindings:
-            errors.append(
-                _warning(
-                    3,
-                    f"Consumer {spec.name!r} on queue {spec.queue!r} has no "
-                    f"bindings: it only receives messages sent to the queue "
-                    f"directly.",
-                    "Pass bindings=['some.routing.key'] to @consumer(...).",
-                )
-            )
-    return errors
+    return [
+        _warning(
+            3,
+            f"Consumer {spec.name!r} on queue {spec.queue!r} has no bindings: it only receives "
+            f"messages sent to the queue directly.",
+            "Pass bindings=['some.routing.key'] to @consumer(...).",
+        )
+        for spec in registry
+        if not spec.bindings
+    ]
 
 
 @register(Tags.compatibility)
@@ -390,8 +324,7 @@ def check_idempotent_tasks(app_configs: Any = None, **kwargs: Any) -> list[Check
     """``@idempotent_task`` tasks whose Celery options lose the key of a killed pool child."""
     import sys
 
-    # Celery is optional: without contrib.celery imported no @idempotent_task exists, and
-    # the check does not import Celery for nothing.
+    # Without contrib.celery imported no @idempotent_task exists: Celery is not imported here.
     if f"{__package__}.contrib.celery" not in sys.modules:
         return []
     from .contrib.celery import unsafe_idempotent_tasks
@@ -582,23 +515,17 @@ def check_broker_max_message_size(app_configs: Any = None, **kwargs: Any) -> lis
     limit = messaging_settings.max_body_bytes
     refused, unreachable = ask_broker(limit)
     if unreachable is not None:
-        return [
-            _warning(
-                50,
-                f"The broker's max_message_size could not be compared with {SETTING}"
-                f"['MAX_BODY_BYTES'] ({limit}): the broker did not answer ({unreachable}).",
-                "Run the check where the broker is reachable, or run "
-                "`manage.py messaging_status --broker`.",
-            )
-        ]
+        message = (
+            f"The broker's max_message_size could not be compared with {SETTING}"
+            f"['MAX_BODY_BYTES'] ({limit}): the broker did not answer ({unreachable})."
+        )
+        hint = "Run the check where the broker is reachable, or run "
+        return [_warning(50, message, hint + "`manage.py messaging_status --broker`.")]
     if refused is None:
         return []
-    return [
-        _error(
-            50,
-            f"{SETTING}['MAX_BODY_BYTES'] is {limit}, over the broker's max_message_size "
-            f"({refused}): publish() would accept payloads that the broker refuses.",
-            f"Set MAX_BODY_BYTES to at most {refused}, or raise max_message_size in "
-            f"rabbitmq.conf (it cannot exceed 536870912).",
-        )
-    ]
+    message = (
+        f"{SETTING}['MAX_BODY_BYTES'] is {limit}, over the broker's max_message_size "
+        f"({refused}): publish() would accept payloads that the broker refuses."
+    )
+    hint = f"Set MAX_BODY_BYTES to at most {refused}, or raise max_message_size in rabbitmq.conf"
+    return [_error(50, message, hint + " (it cannot exceed 536870912).")]

@@ -1,11 +1,8 @@
 """Prometheus metrics of one process: its counters and its health gauge.
 
-The consumer and the relay count what they do through the helper functions below, which check
-their label values (a mistyped label would silently start a new time series);
-:class:`HealthCollector` exports ``reliable_messaging_healthy``. Both are served on
-``--metrics-port`` by :mod:`reliable_messaging.ops.http`. The gauges of the whole system are read
-by :mod:`reliable_messaging.ops.collectors`, not here, so the consume and relay processes import
-this module without the ORM readers. ``docs/operations.md#metrics`` lists the metrics.
+The consumer and the relay count through the helpers below, which check their label values (a
+mistyped label would silently start a new series). The whole system's gauges are in
+:mod:`reliable_messaging.ops.collectors`. ``docs/operations.md#metrics`` lists the metrics.
 """
 
 from __future__ import annotations
@@ -18,30 +15,6 @@ from prometheus_client.metrics_core import Metric
 
 from .core.liveness import HealthCheck
 from .core.outcomes import OutcomeLabel
-
-__all__ = [
-    "CONSUMER_OUTCOMES",
-    "DEDUP_RESULTS",
-    "RELAY_FAILURE_KINDS",
-    "HealthCollector",
-    "breaker_opened",
-    "breaker_state",
-    "consumer_blocked",
-    "consumer_outcome",
-    "consumer_queues_unavailable",
-    "consumer_received",
-    "consumers_started",
-    "dedup_cache",
-    "delivery_times",
-    "handler_timeout",
-    "partition_days_ahead",
-    "partition_upkeep_failed",
-    "relay_blocked",
-    "relay_claimed",
-    "relay_confirm_latency",
-    "relay_failed",
-    "relay_published",
-]
 
 CONSUMER_OUTCOMES = frozenset(OutcomeLabel)
 DEDUP_RESULTS = frozenset({"hit", "miss", "error", "lease_busy"})
@@ -165,8 +138,7 @@ def _check(value: str, allowed: Iterable[str], what: str) -> None:
 
 
 def consumers_started(consumers: Iterable[str]) -> None:
-    """Create every consumer series at zero when a consumer process starts, so ``increase()``
-    and ``rate()`` see the first dead letter or redelivery instead of a series appearing."""
+    """Create every consumer series at zero, so ``rate()`` sees the first dead letter."""
     for consumer in consumers:
         _RECEIVED.labels(consumer)
         _REDELIVERED.labels(consumer)
@@ -184,8 +156,7 @@ def consumer_received(consumer: str, redelivered: bool = False) -> None:
 
 
 def consumer_outcome(consumer: str, outcome: str, duration: float | None = None) -> None:
-    """``consumer`` finished a delivery with ``outcome``; ``duration`` is the handler's run
-    time in seconds, when a handler ran."""
+    """``consumer`` finished a delivery with ``outcome`` (``duration``: the handler's run time)."""
     _check(outcome, CONSUMER_OUTCOMES, "consumer outcome")
     _MESSAGES.labels(consumer, outcome).inc()
     if duration is not None:
@@ -195,9 +166,8 @@ def consumer_outcome(consumer: str, outcome: str, duration: float | None = None)
 def delivery_times(
     consumer: str, processing: float, critical: float | None, trace_id: str | None = None
 ) -> None:
-    """A delivery of ``consumer`` was decided in ``processing`` seconds; ``critical``: seconds
-    since its publish, when it was processed. ``trace_id`` becomes the observations' exemplar
-    (shown in the OpenMetrics format)."""
+    """A delivery of ``consumer`` was decided in ``processing`` seconds, ``critical`` seconds
+    after its publish; ``trace_id`` becomes the observations' exemplar."""
     exemplar = {"trace_id": trace_id} if trace_id else None
     _PROCESSING_TIME.labels(consumer).observe(processing, exemplar)
     if critical is not None:
@@ -209,8 +179,7 @@ def handler_timeout(consumer: str) -> None:
 
 
 def breaker_state(consumer: str, state: int) -> None:
-    """``consumer``'s breaker is now ``state`` (0 closed, 1 half-open, 2 open); also makes
-    its opened counter exist at zero."""
+    """``consumer``'s breaker is now ``state`` (0 closed, 1 half-open, 2 open)."""
     _BREAKER_STATE.labels(consumer).set(state)
     _BREAKER_OPENED.labels(consumer)
 
@@ -268,8 +237,7 @@ def relay_failed(kind: str, count: int = 1) -> None:
 
 
 def relay_blocked(blocked: bool) -> None:
-    """A relay connection was blocked (True) or is no longer blocked (False). Each True must
-    be followed by exactly one False (unblocked, or the connection closed)."""
+    """A relay connection was blocked, or is no longer (each True followed by one False)."""
     if blocked:
         _RELAY_BLOCKED.inc()
         _RELAY_BLOCKS.inc()

@@ -1,12 +1,8 @@
 """The readers of the whole system: the messaging tables and the broker's queues.
 
-:func:`database_status` reads the outbox, dead letters, inbox and partitions; ``manage.py
-messaging_status`` judges those figures through :mod:`.status`, and the two Prometheus
-collectors at the end of this module (:class:`DatabaseCollector`, :class:`BrokerCollector`)
-export them and the queue gauges at each scrape of the web process's ``metrics/`` view, the one
-place that exports them. The consume and relay processes never import this module: their own
-counters are in :mod:`reliable_messaging.metrics`. The broker's readers live in
-:mod:`reliable_messaging.broker.queues`.
+:func:`database_status` feeds ``messaging_status`` (judged in :mod:`.status`); the two
+Prometheus collectors export the same figures at each scrape of the web process's ``metrics/``.
+The consume and relay processes never import this module.
 """
 
 from __future__ import annotations
@@ -41,9 +37,8 @@ from ..storage import partitions
 
 logger = logging.getLogger(__name__)
 
-# At most this many failure groups get a series of their own in
-# ``reliable_messaging_failure_group_dead_letters``: the new and regressed groups with the most
-# dead letters, so a storm of distinct failures cannot explode Prometheus's series.
+# The largest new and regressed failure groups that get a series of their own (a storm of
+# distinct failures must not explode Prometheus's series).
 FAILURE_GROUP_SERIES = 50
 # The states the alerts fire on.
 ALERTING_GROUP_STATES = (GroupState.NEW.value, GroupState.REGRESSED.value)
@@ -63,19 +58,14 @@ class DatabaseStatus:
     error: str = ""
     outbox_pending: int = 0
     outbox_scheduled: int = 0  # waiting for their due time
-    # Whether outbox_scheduled is PostgreSQL's estimate of many (see scheduled_rows).
     outbox_scheduled_estimated: bool = False
     outbox_failed: int = 0
-    # Events the broker had no queue for (nobody subscribed yet): shown, never a problem.
-    outbox_unrouted: int = 0
-    # Seconds since the oldest pending outbox row was written; None when nothing is pending.
-    outbox_lag: float | None = None
+    outbox_unrouted: int = 0  # no queue was bound for them: shown, never a problem
+    outbox_lag: float | None = None  # None when nothing is pending
     dead_letters: tuple[DeadLetterCount, ...] = ()  # status "dead", awaiting a person
     inbox_rows: int = 0
-    # Whether inbox_rows is PostgreSQL's estimate of a large inbox (see inbox_rows).
     inbox_estimated: bool = False
-    # On PostgreSQL, per day-partitioned table ("inbox", "outbox"): the days its partitions
-    # are made ahead, and its partitions kept past their retention (see partition_upkeep).
+    # Per day-partitioned table (PostgreSQL): see partition_upkeep.
     partition_days_ahead: tuple[tuple[str, float], ...] = ()
     overdue_partitions: tuple[str, ...] = ()
 
@@ -88,15 +78,9 @@ class DatabaseStatus:
 
 
 def outbox_lag(using: str) -> float:
-    """Seconds the oldest row that should have been sent has waited; 0 when none.
-
-    That is the oldest pending row since it was written (a scheduled one: since it fell due),
-    "oldest" being the lowest id, found on the relay's partial index of pending rows (ids grow
-    with time, and ordering by ``created_at`` would sort the whole backlog at every call); or a
-    scheduled row past its due time that no relay made pending, if it waited longer.
-    """
-    # The age by the database's clock, which also stamped the row: a web process whose clock
-    # runs ahead or behind must not report a lag that is not there.
+    """Seconds the oldest row that should have been sent has waited (by the database's clock);
+    0 when none. The oldest pending row is the lowest id, found on the relay's partial index
+    (ordering by ``created_at`` would sort the whole backlog)."""
     outbox = OutboxMessage.objects.using(using)
     ages = [
         outbox.pending()
@@ -113,36 +97,28 @@ def outbox_lag(using: str) -> float:
     return max([0.0, *(age.total_seconds() for age in ages if age is not None)])
 
 
-# Up to this many rows by PostgreSQL's estimate, the inbox is counted instead.
-COUNT_INBOX_UP_TO = 10_000
-# ... and the scheduled messages (their partition of the outbox).
-COUNT_SCHEDULED_UP_TO = 10_000
+# Up to this many rows by PostgreSQL's estimate, the inbox and the scheduled rows are counted.
+COUNT_INBOX_UP_TO = COUNT_SCHEDULED_UP_TO = 10_000
 
 
 def inbox_rows(alias: str) -> tuple[float, bool]:
-    """The inbox's rows, and whether that is an estimate (:func:`counted_or_estimated`, past
-    ``COUNT_INBOX_UP_TO``). Counting a billion rows would take minutes."""
+    """The inbox's rows, and whether that is an estimate (:func:`counted_or_estimated`)."""
     rows = ProcessedMessage._default_manager.using(alias)
     return counted_or_estimated(rows, ProcessedMessage._meta.db_table, COUNT_INBOX_UP_TO)
 
 
 def scheduled_rows(alias: str) -> tuple[float, bool]:
-    """The scheduled messages waiting for their due time, and whether that is an estimate (of
-    the outbox's scheduled partition, past ``COUNT_SCHEDULED_UP_TO``): a month of them can be
-    millions, and a scrape must not count them."""
+    """The scheduled messages waiting for their due time, and whether that is an estimate."""
     rows = OutboxMessage.objects.using(alias).filter(status=OutboxStatus.SCHEDULED)
     return counted_or_estimated(rows, partitions.OUTBOX_SCHEDULED, COUNT_SCHEDULED_UP_TO)
 
 
 def counted_or_estimated(rows: QuerySet[Any], table: str, up_to: int) -> tuple[float, bool]:
     """How many ``rows`` (all the rows of ``table``), and whether that is an estimate: on
-    PostgreSQL the table's statistics (``reltuples``, kept by autovacuum and ANALYZE; summed
-    over its partitions) when they say more than ``up_to``, else a count; a count elsewhere."""
+    PostgreSQL the table's statistics when they say more than ``up_to``, else a count."""
     if connections[rows.db].vendor == "postgresql":
-        # None until the table is first vacuumed or analyzed: counted then, as is a small
-        # table, whose count is cheap and whose statistics may lag far behind it. The count
-        # stops past ``up_to`` rows all the same: statistics that lag behind a table grown
-        # since (autovacuum off, or not there yet) must not turn a scrape into a scan.
+        # The count stops past ``up_to`` rows all the same: statistics that lag behind a grown
+        # table must not turn a scrape into a scan.
         estimate = partitions.estimated_rows(rows.db, table)
         if estimate is not None and estimate > up_to:
             return estimate, True
@@ -153,18 +129,15 @@ def counted_or_estimated(rows: QuerySet[Any], table: str, up_to: int) -> tuple[f
     return float(rows.count()), False
 
 
-# How long an expired day partition may stay before it is overdue: the upkeep (hourly) drops
-# it on its next run, or a purge does.
+# How long an expired day partition may stay before it is overdue (the upkeep runs hourly).
 OVERDUE_AFTER = dt.timedelta(seconds=2 * partitions.UPKEEP_INTERVAL)
 
 
 def partition_upkeep(
     using: str, settings: MessagingSettings = messaging_settings
 ) -> tuple[tuple[tuple[str, float], ...], tuple[str, ...]]:
-    """What the partition upkeep left, read from the catalog whichever process runs it: per
-    day-partitioned table, the days made ahead of now; and the partitions whose day expired
-    (past ``DEDUP_RETENTION`` or ``OUTBOX_RETENTION``) more than ``OVERDUE_AFTER`` ago. Both
-    empty where nothing is partitioned (SQLite)."""
+    """Per day-partitioned table, the days made ahead of now; and the partitions expired more
+    than ``OVERDUE_AFTER`` ago. Both empty where nothing is partitioned (SQLite)."""
     if connections[using].vendor != "postgresql":
         return (), ()
     now = timezone.now()
@@ -184,8 +157,7 @@ def partition_upkeep(
 
 def database_status(using: str | None = None) -> DatabaseStatus:
     """Outbox, dead-letter and inbox figures; ``reachable=False`` with the error when the
-    database cannot be queried. On PostgreSQL the inbox's rows are estimated, as the scrape
-    does (:func:`inbox_rows`): counting a billion rows would take minutes."""
+    database cannot be queried."""
     using = using or router.db_for_read(OutboxMessage)
     try:
         outbox = OutboxMessage.objects.using(using)
@@ -224,19 +196,9 @@ def database_status(using: str | None = None) -> DatabaseStatus:
 
 
 class DatabaseCollector:
-    """Reads the outbox, the dead letters and the inbox at each scrape.
-
-    Every query is cheap on a large table: pending rows are counted on the partial index the
-    relay claims with, the oldest pending row is found on it too (:func:`outbox_lag`), the dead
-    letters are read from their failure groups (``DeadLetterGroup``: one row per consumer,
-    fingerprint and reason, kept by triggers, plus the deltas not folded in yet), and the
-    inbox, the largest table by far, is estimated from PostgreSQL's statistics
-    (``pg_class.reltuples``, kept by autovacuum) instead of counted. A database error never
-    fails the scrape: it exports ``reliable_messaging_database_up 0`` and logs a warning.
-
-    Queries run on the calling thread's Django connection. In a request Django closes it
-    afterwards; elsewhere the caller owns the connection's lifetime.
-    """
+    """Reads the outbox, the dead letters and the inbox at each scrape, with queries that stay
+    cheap on a large table (partial indexes, failure groups, statistics). A database error
+    exports ``reliable_messaging_database_up 0`` instead of failing the scrape."""
 
     def __init__(self, using: str | None = None) -> None:
         self.using = using
@@ -324,10 +286,7 @@ class DatabaseCollector:
 
     @staticmethod
     def _failure_groups(alias: str) -> Iterator[Metric]:
-        """Failure groups with a dead letter still dead, per lifecycle state; and the dead
-        letters of the new and regressed ones, the ``FAILURE_GROUP_SERIES`` largest."""
-        # One read of the open groups, largest first: their states counted, the first
-        # FAILURE_GROUP_SERIES alerting ones exported.
+        """Open failure groups per state, and the dead letters of the largest alerting ones."""
         groups = DeadLetterGroup.objects.using(alias).with_states()
         counts = dict.fromkeys(GroupState.values, 0)
         open_letters = GaugeMetricFamily(
@@ -356,15 +315,9 @@ class DatabaseCollector:
 
 
 class BrokerCollector:
-    """Reads the depth and the consumer count of every consumer and delay queue at scrape time.
-
-    One AMQP connection per read, with one passive declare per queue (exact figures, no
-    management plugin needed). A read is kept for ``max_age`` seconds, so several scrapers or a
-    dashboard refresh storm open at most one connection per ``max_age``. A broker that cannot be
-    reached never fails the scrape: it exports ``reliable_messaging_broker_up 0`` and logs one
-    warning until it answers again. ``specs`` defaults to every registered consumer, read at
-    each scrape.
-    """
+    """Reads the depth and the consumer count of every consumer and delay queue (passive
+    declares on one AMQP connection), kept for ``max_age`` seconds. A broker that cannot be
+    reached exports ``reliable_messaging_broker_up 0`` and logs one warning."""
 
     def __init__(
         self,

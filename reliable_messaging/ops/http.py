@@ -1,12 +1,7 @@
 """A small HTTP server for the long-running processes: ``/metrics`` and ``/healthz``.
 
-``manage.py consume`` and ``relay`` start one with ``--metrics-port`` next to their work, on a
-daemon thread, so Prometheus can scrape the process's counters and an orchestrator can probe
-its health without a web framework. ``GET /metrics`` serves the registry plus
-``reliable_messaging_healthy`` (Prometheus text or OpenMetrics, gzip when accepted); ``GET
-/healthz`` answers ``200 {"status": "ok"}`` or ``503 {"status": "unhealthy", "reasons": [...]}``,
-either with the ``"notes"`` an operator should know; anything else is a 404. Request lines are
-logged at DEBUG only.
+``manage.py consume`` and ``relay`` start one with ``--metrics-port`` on a daemon thread;
+anything but these two paths is a 404, and request lines are logged at DEBUG only.
 """
 
 from __future__ import annotations
@@ -94,8 +89,7 @@ def start_ops_server(
     host: str = "0.0.0.0",  # noqa: S104 - scraped and probed from other hosts or pods
     registry: Collector = REGISTRY,
 ) -> OpsServer:
-    """Serve ``/metrics`` (``registry`` and the health gauge) and ``/healthz`` (``health``) on
-    ``host:port`` from a daemon thread; port 0 picks a free port (see ``.port``)."""
+    """Serve ``/metrics`` and ``/healthz`` on ``host:port``; port 0 picks a free port."""
     served = CollectorRegistry(auto_describe=False)
     served.register(_Forward(registry))
     served.register(HealthCollector(health))

@@ -1,12 +1,7 @@
 """Views for the web process: the system's gauges (``metrics/``) and its health (``healthz/``).
 
-Mount them with ``path("messaging/", include("reliable_messaging.urls"))``. ``metrics/`` serves
-the gauges of :mod:`.collectors`, read at each scrape; ``healthz/`` answers 200 when the
-database and the broker answer and the outbox is not falling behind, 503 with the reasons
-otherwise (tune the lag with ``path("healthz/", views.healthz, {"max_outbox_lag": 60})``). It
-judges the messaging system, not this web process: use it for monitoring or a readiness gate,
-not as a liveness probe. :func:`ops_access` decides who may read them: staff users, a bearer
-``OPS_VIEWS_TOKEN``, or everyone with ``OPS_VIEWS_PUBLIC``.
+``healthz/`` judges the messaging system, not this web process: use it for monitoring or a
+readiness gate, not as a liveness probe. :func:`ops_access` decides who may read them.
 """
 
 from __future__ import annotations
@@ -38,14 +33,9 @@ from .collectors import BrokerCollector, DatabaseCollector, outbox_lag
 from .status import OUTBOX_LAG_LIMIT, CheckResult, outbox_lag_check, system_health
 
 MAX_OUTBOX_LAG = OUTBOX_LAG_LIMIT
-"""Seconds the oldest pending outbox row may wait before ``healthz/`` reports it (declared
-once, in :mod:`.status`)."""
-
+# Seconds healthz/ waits for the broker to accept a connection, and reuses its answer.
 BROKER_TIMEOUT = 2.0
-"""Seconds ``healthz/`` waits for the broker to accept a connection."""
-
 BROKER_CHECK_MAX_AGE = 5.0
-"""Seconds a broker check of ``healthz/`` is reused before the broker is asked again."""
 
 
 def ops_access(view: Callable[..., HttpResponseBase]) -> Callable[..., HttpResponseBase]:
@@ -95,7 +85,7 @@ metrics = transaction.non_atomic_requests(never_cache(ops_access(SystemMetricsVi
 
 
 # The details name no host, user or password, nor a database error's text: a health endpoint
-# may be reachable by anyone. The logs of the processes have the particulars.
+# may be reachable by anyone.
 
 
 def check_database(using: str) -> CheckResult:
@@ -116,8 +106,7 @@ def check_broker(timeout: float = BROKER_TIMEOUT) -> CheckResult:
 
 
 class _RecentBrokerCheck:
-    """The last :func:`check_broker` result of this process, reused for ``max_age`` seconds;
-    one request at a time asks the broker, the others wait for its answer."""
+    """The last :func:`check_broker` result, reused for ``max_age`` seconds."""
 
     def __init__(self, max_age: float) -> None:
         self.max_age = max_age
