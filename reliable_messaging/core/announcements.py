@@ -1,12 +1,8 @@
 """What a long-running command always shows, whatever ``LOGGING`` says.
 
-``consume`` and ``relay`` run for weeks under systemd or Kubernetes, whose logs are the process's
-output. A fresh Django project's ``LOGGING`` gives this app's loggers no handler, so without
-this a healthy ``consume`` printed nothing at all: no sign that it started, what it consumes,
-that it makes progress, or that it stopped. The lines that say so (*announcements*) are logged
-at INFO as always and, when the command has attached its output with :func:`attach` and the
-logging configuration would not show that INFO line itself, written to the command's output
-too: once, either way.
+A fresh project's ``LOGGING`` gives this app's loggers no handler: an *announcement* (started,
+what it consumes, stopped) is logged at INFO and, when logging would not show it, written to
+the command's attached output instead.
 """
 
 from __future__ import annotations
@@ -31,8 +27,7 @@ def detach() -> None:
 
 
 def shown_by_logging(logger: logging.Logger, level: int = logging.INFO) -> bool:
-    """Whether a record of ``level`` on ``logger`` reaches a handler that emits it (the
-    ``NullHandler`` libraries add does not count)."""
+    """Whether a record of ``level`` on ``logger`` reaches a handler (not a ``NullHandler``)."""
     if not logger.isEnabledFor(level):
         return False
     current: logging.Logger | None = logger
@@ -47,8 +42,8 @@ def shown_by_logging(logger: logging.Logger, level: int = logging.INFO) -> bool:
 
 
 def announce(logger: logging.Logger, message: str, *args: object) -> None:
-    """Log ``message % args`` at INFO on ``logger``; also write it to the attached command
-    output when logging would not show it."""
+    """Log ``message % args`` at INFO, or write it to the attached output if logging would not
+    show it."""
     logger.info(message, *args)
     write = _write
     if write is not None and not shown_by_logging(logger):
@@ -56,9 +51,8 @@ def announce(logger: logging.Logger, message: str, *args: object) -> None:
 
 
 def quiet_pika_info() -> None:
-    """pika logs every connection and channel it opens at INFO; under a root logger at INFO
-    that floods a long-running process's log. Unless the project configured pika's logger
-    itself (a level of its own), keep it to warnings."""
+    """Keep pika's logger (which logs every connection and channel at INFO) to warnings, unless
+    the project gave it a level of its own."""
     pika_logger = logging.getLogger("pika")
     if pika_logger.level == logging.NOTSET:
         pika_logger.setLevel(logging.WARNING)

@@ -1,8 +1,7 @@
 """The wire format: JSON bodies with AMQP properties, and the decoding of a delivery.
 
-Pure logic: no Django, no pika objects. A delivery arrives here as a :class:`Delivery` (plain
-values copied off pika's frames on the connection's thread) and leaves as a :class:`Message` or a
-:class:`DecodeError` that says exactly why it cannot be handled.
+Pure logic: a :class:`Delivery` (plain values copied off pika's frames) becomes a
+:class:`Message` or a :class:`DecodeError` that says exactly why it cannot be handled.
 """
 
 from __future__ import annotations
@@ -40,11 +39,9 @@ DEAD_LETTER_ID_HEADER = "x-rm-dead-letter-id"
 REPLAY_ID_HEADER = "x-rm-replay-id"  # the replay ledger's row of a replayed copy
 # How many times a copy was put aside because another consumer held the message.
 DEFERRALS_HEADER = "x-rm-deferrals"
-# On the dead letter of a Celery task whose pool child kept dying (contrib/celery.py): not
-# replayable.
+# On the dead letter of a Celery task whose pool child kept dying: not replayable.
 CELERY_TASK_HEADER = "celery-task"
-# Set by broker/codec.py when part of a delivery's properties could not be decoded: the text says
-# what failed. Such a delivery is dead-lettered (invalid_headers) with its raw body.
+# Set by broker/codec.py when part of a delivery's properties could not be decoded (what failed).
 UNDECODABLE_HEADER = "x-rm-undecodable"
 # Headers RabbitMQ adds on dead-lettering; they grow with every retry, so copies drop them.
 BROKER_HEADERS = frozenset(
@@ -58,18 +55,14 @@ BROKER_HEADERS = frozenset(
         "x-last-death-reason",
     }
 )
-# RabbitMQ's sender-selected distribution: the broker routes a message to the routing key of
-# every entry of these headers too (on the default exchange, every entry is a queue), including
-# when it dead-letters the message (a retry copy leaving its delay queue). Names compared as the
-# broker does: exactly (rabbit_basic's ROUTING_HEADERS, case-sensitive). A copy we publish again
-# (retry, replay, leftover move) drops them, so it reaches the queue we address and no other.
+# RabbitMQ's sender-selected distribution (case-sensitive, as the broker compares them): the
+# broker routes to every entry too, also when dead-lettering. A copy we publish again drops them,
+# so it reaches the queue we address and no other.
 SENDER_ROUTING_HEADERS = frozenset({"CC", "BCC"})
 
 
 def check_header_value(name: str, value: Any) -> None:
-    """Raise ``TypeError`` unless ``value`` is one AMQP tables hold as pika encodes them:
-    strings, integers, booleans, None, and lists and tables of those (a float or another object
-    would only fail later, in the relay)."""
+    """Raise ``TypeError`` unless ``value`` is one AMQP tables hold as pika encodes them."""
     if value is None or isinstance(value, str | bool):
         return
     if isinstance(value, int):
@@ -93,15 +86,13 @@ def check_header_value(name: str, value: Any) -> None:
 
 
 def check_short_string(what: str, value: str) -> None:
-    """Raise ``ValueError`` when ``value`` is longer than an AMQP short string (routing keys,
-    exchange names, message ids, header names): 255 bytes of UTF-8, not 255 characters."""
+    """Raise ``ValueError`` when ``value`` is longer than an AMQP short string (255 bytes)."""
     if len(value.encode("utf-8", errors="surrogatepass")) > 255:
         raise ValueError(f"{what} {value[:40]!r}... is longer than AMQP's 255 bytes")
 
 
 def checked_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``headers`` as a dict, after checking that each name and value can travel in AMQP
-    (``TypeError`` or ``ValueError`` naming the header otherwise)."""
+    """``headers`` as a dict, after checking that each name and value can travel in AMQP."""
     if not headers:
         return {}
     if not isinstance(headers, Mapping):
@@ -115,8 +106,7 @@ def checked_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 class MessageJSONEncoder(json.JSONEncoder):
-    """JSON with the types business payloads carry: Decimal as a string (no float rounding of
-    money), datetimes/dates/times as ISO 8601, UUIDs as strings, sets and tuples as lists."""
+    """JSON with Decimal and UUID as strings, dates and times as ISO 8601, sets as lists."""
 
     def default(self, o: Any) -> Any:
         if isinstance(o, decimal.Decimal):
@@ -142,9 +132,7 @@ def encode_payload(payload: Any) -> bytes:
             separators=(",", ":"),
             allow_nan=False,
         )
-    except ValueError as exc:  # NaN / Infinity, circular references
-        raise TypeError(f"payload cannot be encoded as JSON: {exc}") from exc
-    except TypeError as exc:
+    except (ValueError, TypeError) as exc:  # NaN / Infinity, circular references, a type
         raise TypeError(f"payload cannot be encoded as JSON: {exc}") from exc
     try:
         return text.encode("utf-8")
@@ -169,11 +157,8 @@ class Message:
 
 @dataclass(frozen=True)
 class Delivery:
-    """What a consumer received, as plain values (safe to hand to another thread).
-
-    ``defects`` lists what :func:`delivery_from_frame` could not take over faithfully (a routing
-    key or message_id that is not UTF-8, ...): such a delivery is refused by
-    :func:`decode_delivery`, never matched or handled under a name it was not sent with."""
+    """What a consumer received, as plain values. ``defects`` lists what could not be taken
+    over faithfully (a routing key that is not UTF-8, ...): such a delivery is refused."""
 
     body: bytes
     queue: str
@@ -198,11 +183,8 @@ class DecodeError:
 
 
 MAX_MESSAGE_ID_LENGTH = 255
-# AMQP short strings (header names, routing keys, message ids) hold at most 255 bytes.
 MAX_SHORT_STRING_BYTES = 255
-# Nesting kept when headers or payloads are stored (a dead letter) or published again (a retry
-# copy). Encoders recurse once per level (json, pika's table encoder) on top of a worker's deep
-# stack; real headers and payloads nest a few levels, never hundreds.
+# Nesting kept when headers or payloads are stored or published again: encoders recurse.
 MAX_STORED_NESTING = 200
 MAX_WIRE_NESTING = 64
 
@@ -216,18 +198,15 @@ def safe_text(value: Any) -> str:
 
 
 def escaped_text(raw: bytes) -> str:
-    r"""``raw`` (bytes that are not UTF-8) as text, one to one: the UTF-8 parts as they are with
-    each backslash doubled, every other byte as ``\xNN``, NUL as ``\x00``. Unlike
-    :func:`safe_text`, two different byte strings never give the same text (``b"\xff"`` and
-    ``b"\\xff"`` differ), so the result can serve as a key."""
+    r"""``raw`` (bytes that are not UTF-8) as text, one to one (backslashes doubled, other
+    bytes as ``\xNN``), so that, unlike :func:`safe_text`, the result can serve as a key."""
     text = raw.replace(b"\\", b"\\\\").decode("utf-8", errors="backslashreplace")
     return text.replace("\x00", "\\x00")
 
 
 def fit_utf8(text: str, limit: int = MAX_SHORT_STRING_BYTES) -> str:
     """``text`` if it fits in ``limit`` UTF-8 bytes; otherwise its beginning plus a hash of the
-    whole, within ``limit``: the same text always gives the same result, and two long texts that
-    only differ at the end stay apart."""
+    whole, so that two long texts that only differ at the end stay apart."""
     encoded = text.encode("utf-8", errors="surrogatepass")
     if len(encoded) <= limit:
         return text
@@ -252,14 +231,7 @@ def _frame_text(value: Any, what: str, defects: list[str]) -> str:
 
 
 def _header_name(name: Any) -> str:
-    if isinstance(name, str):
-        return name
-    if isinstance(name, bytes):
-        try:
-            return name.decode("utf-8")
-        except UnicodeDecodeError:
-            return escaped_text(name)
-    return safe_text(name)
+    return str(_text(name)) if isinstance(name, str | bytes) else safe_text(name)
 
 
 def normalize_headers(headers: Mapping[Any, Any] | None) -> dict[str, Any]:
@@ -270,11 +242,8 @@ def normalize_headers(headers: Mapping[Any, Any] | None) -> dict[str, Any]:
 
 
 def delivery_from_frame(queue: str, method: Any, properties: Any, body: bytes) -> Delivery:
-    """A :class:`Delivery` from what pika handed the consumer (``Basic.Deliver``,
-    ``BasicProperties``, body), as plain values. Never raises: whatever a foreign producer
-    sent, the delivery can be decided (and if need be dead-lettered) rather than crash the
-    connection's thread. A field that is not what AMQP says (a routing key that is not UTF-8)
-    becomes escaped text and a defect, so the delivery is refused rather than matched."""
+    """A :class:`Delivery` from what pika handed the consumer. Never raises: a field that is
+    not what AMQP says becomes escaped text and a defect, so the delivery is refused."""
     defects: list[str] = []
     try:
         message_id = properties.message_id
@@ -323,16 +292,9 @@ def _signed_timestamp(raw: Any) -> int | None:
 
 
 def wire_headers(headers: Mapping[Any, Any]) -> dict[str, Any]:
-    """``headers`` as a copy the broker accepts when we publish it again (a retry copy, a
-    replay), without :data:`SENDER_ROUTING_HEADERS`: the copy goes where we address it only.
-
-    Names fit AMQP's 255-byte short string (a longer one, such as the escaped form of a long
-    name that was not UTF-8, is cut and ends in a hash of the whole, so two stay apart); values
-    are of types pika can write, with :mod:`reliable_messaging.broker.codec` installed (it writes
-    floats as AMQP doubles and dates before 1970 as negative timestamps): integers beyond 64 bits,
-    decimals AMQP's decimal cannot hold, text with lone surrogates, dates and times, tuples and any
-    other object become text or lists; tables nested deeper than ``MAX_WIRE_NESTING`` become
-    text."""
+    """``headers`` as a copy the broker accepts when we publish it again, without
+    :data:`SENDER_ROUTING_HEADERS`: names fit a short string, and values pika cannot write
+    (with :mod:`reliable_messaging.broker.codec`) become text or lists."""
     named = ((_wire_name(k), v) for k, v in headers.items())
     return {k: _wire_value(v, 1) for k, v in named if k not in SENDER_ROUTING_HEADERS}
 
@@ -341,8 +303,7 @@ def _wire_name(name: Any) -> str:
     return fit_utf8(safe_text(_header_name(name)))
 
 
-# Compared, never tested with ``in range(...)``: pika decodes 64-bit integers as an int
-# subclass (pika.compat.long), for which range membership scans every number.
+# Compared, never tested with ``in range(...)``: for pika's int subclass that scans every number.
 _INT64_MIN, _INT64_END = -(2**63), 2**63
 _INT32_MIN, _INT32_END = -(2**31), 2**31
 
@@ -412,11 +373,8 @@ def _jsonable_scalar(value: Any) -> Any:
 
 
 def jsonable(value: Any, max_depth: int | None = None) -> Any:
-    """AMQP header values (bytes, Decimal, datetime, nested tables) as JSON-safe values that
-    PostgreSQL's jsonb accepts (no NUL, no lone surrogate, no NaN).
-
-    Iterative, so any nesting converts; with ``max_depth``, a table or list nested deeper
-    becomes a note saying so (what is stored must also survive json's recursive encoder)."""
+    """AMQP header values as JSON-safe values that PostgreSQL's jsonb accepts; iterative, and
+    with ``max_depth`` a table or list nested deeper becomes a note saying so."""
     result: list[Any] = [None]
     on_path: set[int] = set()  # containers being converted: a cycle is noted, not followed
     # (value, where the result goes, its key there, depth) or a container's id to leave
@@ -489,12 +447,8 @@ def _text(value: Any) -> str | None:
 
 
 def _message_id(value: Any) -> tuple[str, str | None]:
-    """The message_id as the inbox's key, and why it cannot be one (or None).
-
-    An id that is not UTF-8 is refused rather than decoded with replacement characters: two
-    different ids must never share an inbox key (the second would be acked as a duplicate of
-    the first and never handled). Its dead letter is keyed by its escaped form, which is one to
-    one, so two refused ids do not share a dead letter either."""
+    """The message_id as the inbox's key, and why it cannot be one (or None): an id that is not
+    UTF-8 is refused, since two different ids must never share an inbox key."""
     if value is None:
         return "", None
     if isinstance(value, bytes):
@@ -548,8 +502,7 @@ def user_headers(headers: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _has_lone_surrogate(payload: Any) -> bool:
-    """Whether any text in ``payload`` (keys too) holds a lone surrogate; iterative, so a
-    payload nested as deep as json.loads allowed is walked without recursion."""
+    """Whether any text in ``payload`` (keys too) holds a lone surrogate; iterative."""
     stack = [payload]
     while stack:
         current = stack.pop()
@@ -585,11 +538,8 @@ def _parse_json(text: str, error: Callable[[str, str], DecodeError]) -> Any:
 
 
 def sent_to_its_queue(delivery: Delivery) -> bool:
-    """Whether ``delivery`` came the way our own copies come (a retry, a replay, a leftover
-    moved): through the default exchange, addressed to its queue by name. Only then do the
-    original exchange and routing key headers stand for where it was first published; on a
-    message routed by an exchange they are a producer's claim, and the broker's routing key
-    is the truth (the binding check and the dead letter's routing key rely on it)."""
+    """Whether ``delivery`` came the way our own copies come: through the default exchange to
+    its queue. Only then do our origin headers stand for where it was first published."""
     return delivery.exchange == "" and delivery.routing_key == delivery.queue
 
 

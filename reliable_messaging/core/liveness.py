@@ -1,12 +1,4 @@
-"""What a long-running process reports about itself on ``/healthz``.
-
-A ``consume`` or ``relay`` process records in a :class:`HealthState` what it sees as it works
-(the broker connected or not, the database failing, a heartbeat from its main loop, notes such
-as publishing blocked), and ``/healthz`` (:mod:`reliable_messaging.ops.http`) and the
-``reliable_messaging_healthy`` gauge ask :meth:`HealthState.check`;
-:func:`reliable_messaging.ops.status.process_health` renders the answer. Standard library only,
-so the processes import it without the ORM readers or the status report.
-"""
+"""What a long-running process reports about itself on ``/healthz`` (standard library only)."""
 
 from __future__ import annotations
 
@@ -23,14 +15,9 @@ class HealthCheck(Protocol):
 
 
 class HealthState:
-    """What a long-running process knows about its own health; thread-safe.
-
-    The process reports broker and database state as it sees them and calls :meth:`heartbeat`
-    from its main loop at least every second. :meth:`check` is what ``/healthz`` answers: not
-    healthy while the broker is disconnected, the database failing, the process stopping, or
-    when no heartbeat came for ``stall_after`` seconds (a loop stuck in a call that never
-    returns looks alive from outside; only a missing heartbeat tells).
-    """
+    """What a long-running process knows about its own health; thread-safe. Not healthy while
+    the broker is disconnected, the database failing, the process stopping, or when no
+    :meth:`heartbeat` came for ``stall_after`` seconds (a stuck loop looks alive from outside)."""
 
     def __init__(
         self, stall_after: float = 30.0, clock: Callable[[], float] = time.monotonic
@@ -43,10 +30,8 @@ class HealthState:
         self._database_detail: str | None = None
         self._last_heartbeat = clock()
         self._stopping = False
-        # More reasons to be unhealthy, asked at each check (handlers past their time limit).
+        # More reasons to be unhealthy, asked at each check; and notes that do not fail it.
         self._problems: list[Callable[[], list[str]]] = []
-        # What an operator should know while the process stays healthy (publishing blocked by
-        # an alarm, a queue on a node that is down), by key.
         self._notes: dict[str, str] = {}
 
     def add_problem_source(self, source: Callable[[], list[str]]) -> None:
@@ -59,8 +44,7 @@ class HealthState:
             self._broker_connected = connected
 
     def note(self, key: str, text: str | None) -> None:
-        """Set (or with None, clear) a note ``/healthz`` shows without failing: the process
-        works, and restarting it would not help."""
+        """Set (or with None, clear) a note ``/healthz`` shows without failing."""
         with self._lock:
             if text is None:
                 self._notes.pop(key, None)

@@ -1,10 +1,6 @@
-"""Time-ordered message ids: UUID version 7 (RFC 9562, section 5.7).
-
-Message ids go into every consumer's inbox index; ids that grow with time are inserted at the
-index's right edge instead of on random pages. Ids minted by one process always increase ("monotonic
-random", RFC 9562 6.2 method 2); another process starts from its own random bits. Python 3.14's
-``uuid.uuid7`` would do; Python 3.11 to 3.13 have none. ``docs/design.md#time-ordered-message-ids``
-explains the layout.
+"""Time-ordered message ids: UUID version 7 (RFC 9562), increasing within a process, so that
+they are inserted at the inbox index's right edge (Python before 3.14 has no ``uuid.uuid7``).
+``docs/design.md#time-ordered-message-ids`` explains the layout.
 """
 
 from __future__ import annotations

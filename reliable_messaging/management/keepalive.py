@@ -1,14 +1,5 @@
-"""TCP keepalives for the database connections of the long-running processes.
-
-A consumer cut off from the network mid-batch leaves its transaction open on the server, and a
-process whose database host vanished waits on its socket: without keepalives, until TCP gives
-up (about 15 minutes on Linux). ``consume`` and ``relay`` call :func:`keep_database_alive`
-before they open a connection, so each PostgreSQL connection they open probes an idle peer and
-gives up on a dead one in about a minute. Values the project sets in ``OPTIONS`` win.
-
-This bounds what the process waits for; what the *server* keeps open for a client that
-vanished is bounded by its own settings (``idle_in_transaction_session_timeout``,
-``tcp_keepalives_idle``/``_interval``/``_count``): see docs/cluster.md.
+"""TCP keepalives for the database connections of ``consume`` and ``relay``: a dead database
+host is given up on in about a minute, not TCP's 15. The server's side: see docs/cluster.md.
 """
 
 from __future__ import annotations
@@ -29,9 +20,8 @@ KEEPALIVE_OPTIONS: dict[str, Any] = {
 
 
 def keep_database_alive() -> list[str]:
-    """Add :data:`KEEPALIVE_OPTIONS` to every PostgreSQL database's ``OPTIONS`` (a value
-    already there is kept) and close this thread's connection to it, so the next one has them.
-    Returns the aliases changed."""
+    """Add :data:`KEEPALIVE_OPTIONS` to every PostgreSQL database's ``OPTIONS`` (a value there
+    wins) and close this thread's connection to it; returns the aliases changed."""
     changed = []
     for alias in connections:
         settings_dict = connections.settings[alias]

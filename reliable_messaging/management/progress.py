@@ -1,11 +1,5 @@
-"""Progress of a long-running management command, for the person watching it.
-
-On a terminal, one line rewritten in place (``"\\r  replaying 1,500/12,000 (12%)"``), at most a
-few times a second. Anywhere else (a log file, a pipe, ``call_command`` in a test) a carriage
-return would garble the output, so a plain line is written every ``interval`` seconds instead,
-and none at all for a job that ends sooner: its final summary says everything.
-
-Small enough that it does not justify a dependency (``rich``, ``tqdm``) for a reusable app.
+"""Progress of a long-running management command: on a terminal one line rewritten in place,
+elsewhere a plain line every ``interval`` seconds (none for a job that ends sooner).
 """
 
 from __future__ import annotations
@@ -61,8 +55,7 @@ class Progress:
         self._show(done)
 
     def finish(self, done: int | None = None) -> None:
-        """Show the final count on a terminal and end the line; elsewhere the caller's
-        summary follows instead. Calling it again does nothing."""
+        """Show the final count on a terminal and end the line (once)."""
         if self._finished:
             return
         self._finished = True

@@ -1,12 +1,8 @@
 """The day partitions of the inbox and of the outbox's sent rows on PostgreSQL.
 
-Expired rows go by dropping whole days, a catalog change whatever their number, instead of
-deleting them row by row. This module makes the coming days ahead of time (the consumer, the
-relay and the purge call it; a row for a day nobody made makes it on the spot), drops the expired
-ones, and reads the partitions for the upkeep's checks and metrics, without taking a lock that
-an inbox claim, a publish or the relay holds. The layout and the locks are described in
-docs/operations.md ("How the tables are laid out", "Partition upkeep"). Elsewhere (SQLite) the
-tables are plain and nothing here applies.
+Makes the coming days ahead of time, drops the expired ones and reads them, without taking a
+lock that an inbox claim, a publish or the relay holds. The layout and the locks are described
+in docs/operations.md#how-the-tables-are-laid-out; on SQLite nothing here applies.
 """
 
 from __future__ import annotations
@@ -27,14 +23,11 @@ from ..core.liveness import HealthState
 
 logger = logging.getLogger("reliable_messaging.partitions")
 
-# The inbox table (ProcessedMessage's db_table; fixed, so the migration can use it too).
+# The models' db_tables (fixed, so the migration can use them too) and the outbox's partitions.
 INBOX_TABLE = "reliable_messaging_processedmessage"
-# The outbox (OutboxMessage's db_table) and the partitions of its unsent and sent rows.
 OUTBOX_TABLE = "reliable_messaging_outboxmessage"
 OUTBOX_UNSENT = f"{OUTBOX_TABLE}_unsent"
 OUTBOX_SENT = f"{OUTBOX_TABLE}_sent"
-# Scheduled rows (``publish(deliver_at=...)``) wait in a partition of their own, outside every
-# index the relay's claim or a publish writes.
 OUTBOX_SCHEDULED = f"{OUTBOX_TABLE}_scheduled"
 # The statuses of each side of the outbox (the values of its list partitions); every relay
 # query names the unsent ones, so that PostgreSQL reads only that partition.
@@ -42,15 +35,11 @@ UNSENT_STATUSES = ("pending", "failed")
 SENT_STATUSES = ("sent", "unrouted")
 UNSENT_SQL = ", ".join(f"'{status}'" for status in UNSENT_STATUSES)
 SENT_SQL = ", ".join(f"'{status}'" for status in SENT_STATUSES)
-# Days created ahead of the current one, so a consumer never needs a partition nobody made,
-# and an upkeep that keeps failing is seen (see UPKEEP_WARN_DAYS) days before they run out.
+# Days made ahead of the current one; fewer than UPKEEP_WARN_DAYS means the upkeep has failed
+# for about a day (the status, the log and /healthz say so).
 AHEAD_DAYS = 7
-# Fewer days than this made ahead means the upkeep has failed for about a day: the status
-# (``--strict``), the log and ``/healthz`` say so, AHEAD_DAYS - 1 days before the last runs out.
 UPKEEP_WARN_DAYS = AHEAD_DAYS - 1
-# How long partition upkeep waits for a table lock, and how often it tries, before it gives
-# up until next time. No upkeep statement takes a lock a claim holds: what it can wait for is
-# another process's DDL.
+# How long partition upkeep waits for a table lock (another process's DDL), and how often.
 DDL_LOCK_TIMEOUT = "500ms"
 DDL_ATTEMPTS = 3
 DDL_RETRY_AFTER = 1.0
@@ -65,17 +54,13 @@ GROUP_FOLD_LOCK = 2
 CLAIM_LOCK_CLASS = 0x726D0001
 # The class of publish()'s advisory lock per idempotency key (a hash of the key).
 IDEMPOTENCY_LOCK_CLASS = 0x726D0002
-# PostgreSQL's SQLSTATE for a serialization failure; in READ COMMITTED it is raised when a row
-# to be locked or updated was moved to another partition (sent) by a transaction that
-# committed meanwhile: the statement is simply run again.
+# PostgreSQL's SQLSTATE for a serialization failure (see row_moved).
 SERIALIZATION_FAILURE = "40001"
 
 
 def row_moved(exc: BaseException) -> bool:
-    """Whether ``exc`` is PostgreSQL's serialization failure, which in READ COMMITTED means that
-    a row to be locked or updated was moved to another partition (an outbox row marked sent)
-    by a transaction that committed meanwhile: the statement is to be run again, and will then
-    not find that row among the unsent ones."""
+    """Whether ``exc`` says, in READ COMMITTED, that a row to be locked or updated was moved to
+    another partition (marked sent) meanwhile: the statement is to be run again."""
     return isinstance(exc, OperationalError) and (
         getattr(exc.__cause__, "sqlstate", None) == SERIALIZATION_FAILURE
     )
@@ -93,16 +78,8 @@ def _inbox_leaf_sql(name: str) -> list[str]:
 
 def outbox_leaf_sql(name: str) -> list[str]:
     """A standalone table shaped like the outbox with what each of its partitions has of its
-    own: the primary key and the unique index of idempotency keys (a partitioned table can hold
-    neither across partitions). Its other indexes are the partitioned indexes of the tables it
-    is attached under (the outbox's and, for a day, the sent side's), which PostgreSQL creates
-    on a table as it is attached.
-
-    The idempotency index is partial: almost every row has no key, and a B-tree stores an
-    entry for each NULL, which every publish and every row marked sent would pay for. It still
-    answers ``idempotency_key = %s`` (the planner proves the key is not NULL from the
-    equality); ``publish()``'s advisory lock and lookup are what keep a key unique across
-    partitions, this index a second line of defence within one."""
+    own: the primary key and the partial unique index of idempotency keys (see
+    docs/operations.md#how-the-tables-are-laid-out); the other indexes come as it is attached."""
     return [
         f'CREATE TABLE "{name}" (LIKE "{OUTBOX_TABLE}" INCLUDING DEFAULTS INCLUDING CONSTRAINTS)',
         f'ALTER TABLE "{name}" ADD CONSTRAINT "{name}_pkey" PRIMARY KEY (id)',
@@ -235,10 +212,8 @@ def _attach(
 
 
 def _ddl(using: str, what: str, work: Callable[[Any], bool]) -> bool | None:
-    """Run ``work(cursor)`` in a transaction whose lock waits last ``DDL_LOCK_TIMEOUT``, up to
-    ``DDL_ATTEMPTS`` times while a lock is what stops it; returns what ``work`` returned, or
-    None when it did not go through (logged: the next upkeep or purge tries again). Serialized
-    with every other upkeep by an advisory lock, awaited under the same timeout."""
+    """Run ``work(cursor)`` under the upkeep's advisory lock with lock waits bounded, up to
+    ``DDL_ATTEMPTS`` times; its result, or None when it did not go through (logged)."""
     for attempt in range(1, DDL_ATTEMPTS + 1):
         try:
             with transaction.atomic(using=using), connections[using].cursor() as cursor:
@@ -267,13 +242,8 @@ def ensure_partitions(
     ahead: int = AHEAD_DAYS,
     spec: DayPartitioned = INBOX,
 ) -> list[str]:
-    """Create the day partitions of ``spec`` (the inbox, by default) from yesterday to
-    ``ahead`` days from now that no partition covers yet; returns the names created. Does
-    nothing where the table is not partitioned. Stops at the first day it cannot create (see
-    :func:`_ddl`).
-
-    Each day is a table made apart, with a CHECK of its range, then attached: SHARE UPDATE
-    EXCLUSIVE on the table, which no insert or read waits for."""
+    """Create the missing day partitions of ``spec`` from yesterday to ``ahead`` days from now
+    (each a table made apart, then attached); returns the names created."""
     if not is_partitioned(using, spec):
         return []
     today = (now or dt.datetime.now(dt.UTC)).astimezone(dt.UTC).date()
@@ -308,9 +278,8 @@ def ensure_partitions(
 
 
 def covered_until(using: str, at: dt.datetime, spec: DayPartitioned = INBOX) -> dt.datetime | None:
-    """The end of the partitions of ``spec`` that follow one another from the one holding
-    ``at``: rows stamped before it have a partition. ``at`` itself when none holds it; None
-    where the table is not partitioned."""
+    """The instant before which rows from ``at`` on have a partition (``at`` when none holds
+    it); None where the table is not partitioned."""
     if not is_partitioned(using, spec):
         return None
     until = at
@@ -323,9 +292,8 @@ def covered_until(using: str, at: dt.datetime, spec: DayPartitioned = INBOX) -> 
 
 
 def days_ahead(using: str, at: dt.datetime, spec: DayPartitioned = INBOX) -> float | None:
-    """How many days from ``at`` rows of ``spec`` have their partitions made (0 when the
-    current day has none); None where the table is not partitioned. The upkeep keeps it
-    between ``AHEAD_DAYS`` and ``AHEAD_DAYS + 1``; each day it cannot work takes one away."""
+    """How many days from ``at`` rows of ``spec`` have their partitions made; None where the
+    table is not partitioned."""
     until = covered_until(using, at, spec)
     if until is None:
         return None
@@ -347,12 +315,9 @@ ON_THE_SPOT_TIMEOUT = 30.0
 
 
 def ensure_covered(using: str, at: dt.datetime, spec: DayPartitioned = INBOX) -> None:
-    """Make sure a row of ``spec`` stamped ``at`` has a partition to go to: a comparison with
-    what this process last read of the catalog, almost always. When no partition holds ``at``
-    (every upkeep failed for ``AHEAD_DAYS`` days, or a clock far ahead), its days are made
-    here, on a connection of their own (attaching waits for no claim, so the caller's open
-    transaction does not stand in the way); an error there is logged, and the caller's insert
-    fails as it would have."""
+    """Make sure a row of ``spec`` stamped ``at`` has a partition to go to (almost always a
+    comparison with what this process last read); when none holds it, its days are made on
+    the spot, on a connection of their own, so the caller's open transaction is no obstacle."""
     key = (using, spec.table)
     if at < _COVERED.get(key, at):
         return
@@ -390,10 +355,9 @@ def forget_coverage() -> None:
 def _read_coverage(
     using: str, at: dt.datetime, spec: DayPartitioned
 ) -> tuple[bool, dt.datetime | None]:
-    """Whether the catalog could be read, and :func:`covered_until`, on the caller's connection
-    in a savepoint of its own (a failure rolls back only that). Not on a connection of its own:
-    behind a pooler whose server connections the callers' open transactions hold, a second
-    connection would wait for one of them to end, and none would until it got one."""
+    """Whether the catalog could be read, and :func:`covered_until`, in a savepoint of the
+    caller's connection: behind a pooler the callers' transactions hold, a second connection
+    could wait for ever."""
     try:
         with transaction.atomic(using=using):
             return True, covered_until(using, at, spec)
@@ -419,10 +383,7 @@ class Dropped:
 
 
 def _detach_concurrently(using: str, parent: str, name: str, finalize: bool) -> bool:
-    """Detach ``name`` from ``parent`` with ``DETACH PARTITION ... CONCURRENTLY``: SHARE
-    UPDATE EXCLUSIVE on both, then a wait for the transactions that were already reading the
-    table (new ones no longer see the partition, and do not wait). It cannot run inside a
-    transaction; in one (a test's), a plain detach under :func:`_ddl` does it instead.
+    """Detach ``name`` from ``parent`` ``CONCURRENTLY`` (in a transaction, a test's: plainly);
     ``finalize`` completes a detach a process began and did not finish."""
     connection = connections[using]
     how = "FINALIZE" if finalize else "CONCURRENTLY"
@@ -441,9 +402,8 @@ def _detach_concurrently(using: str, parent: str, name: str, finalize: bool) -> 
             )
         )
     statement = f'ALTER TABLE "{parent}" DETACH PARTITION "{name}" {how}'
-    # Outside a transaction there is no SET LOCAL lock_timeout (and a session-level SET would
-    # stay on a pooled connection): a probe under one first, so that a table another DDL holds
-    # is left for the next run at once; then a watchdog bounds the detach itself.
+    # No SET LOCAL outside a transaction: a probe under one first, so that a table another DDL
+    # holds is left for the next run; then a watchdog bounds the detach itself.
     if not _ddl(using, f"lock {parent} to detach {name}", lambda cursor: _probe(cursor, parent)):
         return False
     watchdog = threading.Timer(DETACH_TIMEOUT, _cancel, args=(using, statement))
@@ -460,9 +420,7 @@ def _detach_concurrently(using: str, parent: str, name: str, finalize: bool) -> 
     return True
 
 
-# How long a concurrent detach may wait (for the transactions already reading the table, or a
-# lock another DDL holds) before it is cancelled; the partition is then left half detached,
-# and the next run finishes the detach (FINALIZE).
+# How long a concurrent detach may wait before it is cancelled (the next run finishes it).
 DETACH_TIMEOUT = 300.0
 
 
@@ -472,8 +430,8 @@ def _probe(cursor: Any, parent: str) -> bool:
 
 
 def _cancel(using: str, statement: str) -> None:
-    """Cancel ``statement`` where it still runs (found by its text, not by a backend pid: behind
-    a pooler the pid of this process's session is not that of the statement's)."""
+    """Cancel ``statement`` where it still runs (found by its text: behind a pooler the pid of
+    this session is not the statement's)."""
     try:
         with connections[using].cursor() as cursor:
             cursor.execute(
@@ -500,8 +458,7 @@ def _drop_detached(using: str, name: str) -> bool:
 
 
 def _leftovers(using: str, before: dt.datetime, spec: DayPartitioned) -> list[str]:
-    """Day tables of ``spec`` no longer attached (detached by a process that died before it
-    dropped them) whose day ended before ``before``."""
+    """Detached day tables of ``spec`` (a process died before dropping them) that expired."""
     with connections[using].cursor() as cursor:
         cursor.execute(
             "SELECT relname FROM pg_class WHERE relkind = 'r' AND NOT relispartition "
@@ -518,11 +475,8 @@ def _leftovers(using: str, before: dt.datetime, spec: DayPartitioned) -> list[st
 
 
 def drop_expired(using: str, before: dt.datetime, spec: DayPartitioned = INBOX) -> list[Dropped]:
-    """Drop every partition of ``spec`` whose whole range lies before ``before``, oldest
-    first; returns what was dropped. Each is detached concurrently (see
-    :func:`_detach_concurrently`), then dropped: no step takes a lock that an insert or a
-    claim holds, so none of them waits; the detach itself waits for the transactions that
-    were reading the table when it began. What cannot be done waits for the next run."""
+    """Detach concurrently and drop every partition of ``spec`` whose whole range lies before
+    ``before``, oldest first; returns what was dropped. What cannot be done waits."""
     if not is_partitioned(using, spec):
         return []
     dropped: list[Dropped] = []
@@ -545,9 +499,7 @@ def drop_expired(using: str, before: dt.datetime, spec: DayPartitioned = INBOX) 
 
 
 def estimated_rows_of(using: str, tables: list[str]) -> int:
-    """PostgreSQL's estimate of the rows of ``tables`` (partitions), without reading them; a
-    partition never analyzed yet (autovacuum analyzes one as it fills) has no estimate and is
-    counted."""
+    """PostgreSQL's estimate of the rows of ``tables`` (one never analyzed yet is counted)."""
     if not tables:
         return 0
     with connections[using].cursor() as cursor:
@@ -566,9 +518,8 @@ def estimated_rows_of(using: str, tables: list[str]) -> int:
 
 
 def estimated_rows(using: str, table: str = INBOX_TABLE) -> float | None:
-    """PostgreSQL's estimate of the rows of a table (of a partitioned one, the sum over its
-    partitions, however deep; one never analyzed yet, such as today's before autovacuum reached
-    it, counts as empty); None while none was ever analyzed."""
+    """PostgreSQL's estimate of the rows of a table, summed over its partitions; None while
+    none was ever analyzed."""
     with connections[using].cursor() as cursor:
         # A plain table is its own leaf (pg_partition_tree lists nothing for it).
         cursor.execute(
@@ -583,22 +534,15 @@ def estimated_rows(using: str, table: str = INBOX_TABLE) -> float | None:
     return float(row[1])
 
 
-# How often a long-running consumer or relay makes sure the coming days have their partitions.
+# How often a consumer or relay keeps the partitions, and how soon it tries again after a failure.
 UPKEEP_INTERVAL = 3600.0
-# ... and how soon it tries again after a failure (the database down, another process's DDL
-# holding the table): soon, so that one bad hour does not cost a day.
 UPKEEP_RETRY = 60.0
 
 
 class PartitionUpkeep:
-    """A thread that keeps the day partitions of ``spec`` (the inbox, by default): at once,
-    then every ``interval`` seconds, it makes the coming ``AHEAD_DAYS`` days
-    (:func:`ensure_partitions`) and, given a ``retention``, drops the days that expired
-    (:func:`drop_expired`), on a database connection of its own. A run that leaves fewer than
-    ``AHEAD_DAYS`` days made or an expired day in place failed: it is tried again after
-    ``retry`` seconds, logged (an ERROR once fewer than ``UPKEEP_WARN_DAYS`` days are left),
-    counted (``reliable_messaging_partition_upkeep_failures_total``), and noted on the
-    process's ``/healthz`` through ``health``. ``clock`` gives "now" (tests move it)."""
+    """A thread that keeps the day partitions of ``spec`` every ``interval`` seconds: makes the
+    coming days and, given a ``retention``, drops the expired ones. A failed run is tried again
+    after ``retry`` seconds, logged, counted and noted on ``health``."""
 
     def __init__(
         self,

@@ -1,11 +1,5 @@
 """Retention: expired inbox rows, sent outbox rows, crash-guard rows and closed dead letters go,
-without long transactions.
-
-On PostgreSQL the inbox and the outbox's sent rows are partitioned by day (``partitions.py``):
-their expired days are dropped whole. Everything else, and every table on SQLite, is deleted in
-batches of short transactions. Dead and replayed dead letters are never purged; the failure
-groups follow the deleted dead letters through their triggers, and the purge then folds their
-deltas and forgets the groups left empty."""
+without long transactions: whole day partitions on PostgreSQL, else batches of short deletes."""
 
 from __future__ import annotations
 
@@ -24,15 +18,12 @@ from . import partitions
 
 @dataclass(frozen=True)
 class PurgeResult:
-    # Rows deleted (on PostgreSQL, its estimate of the rows of the day partitions dropped).
+    # Rows deleted (of the day partitions dropped: PostgreSQL's estimate).
     inbox: int
     outbox: int
-    # Crash-guard rows of deliveries that never came back (dead-lettered elsewhere, purged).
-    suspects: int = 0
-    # The day partitions dropped whole (PostgreSQL).
+    suspects: int = 0  # crash-guard rows of deliveries that never came back
     inbox_partitions: tuple[str, ...] = ()
     outbox_partitions: tuple[str, ...] = ()
-    # Resolved and discarded dead letters past DEAD_LETTER_RETENTION.
     dead_letters: int = 0
 
 
@@ -66,33 +57,27 @@ def purge_messages(
     settings: MessagingSettings = messaging_settings,
     on_batch: OnBatch | None = None,
 ) -> PurgeResult:
-    """Delete inbox rows older than ``DEDUP_RETENTION``, sent outbox rows older than
-    ``OUTBOX_RETENTION``, crash-guard rows untouched for ``DEDUP_RETENTION``, and resolved
-    and discarded dead letters untouched for ``DEAD_LETTER_RETENTION`` (unless None). Pending and
-    failed outbox rows are never touched. ``on_batch`` is told of each deleted batch (see
-    :data:`OnBatch`)."""
+    """Delete inbox rows and crash-guard rows past ``DEDUP_RETENTION``, sent and unrouted
+    outbox rows past ``OUTBOX_RETENTION``, and resolved and discarded dead letters past
+    ``DEAD_LETTER_RETENTION`` (unless None). ``on_batch`` is told of each deleted batch."""
     now = now or timezone.now()
-    using = router.db_for_write(ProcessedMessage)
+
+    def expire(
+        spec: partitions.DayPartitioned, before: dt.datetime, rows: BatchDeletingQuerySet
+    ) -> tuple[int, tuple[str, ...]]:
+        using = router.db_for_write(rows.model)
+        if partitions.is_partitioned(using, spec):
+            return _purge_days(using, spec, before, now, dry_run)
+        return _purge(spec.label, rows, batch_size, dry_run, on_batch), ()
+
     inbox_before = now - settings.dedup_retention
-    if partitions.is_partitioned(using, partitions.INBOX):
-        inbox_rows, inbox_partitions = _purge_days(
-            using, partitions.INBOX, inbox_before, now, dry_run
-        )
-    else:
-        inbox = ProcessedMessage.objects.expired(inbox_before)
-        inbox_rows = _purge("inbox", inbox, batch_size, dry_run, on_batch)
-        inbox_partitions = ()
+    inbox_rows, inbox_partitions = expire(
+        partitions.INBOX, inbox_before, ProcessedMessage.objects.expired(inbox_before)
+    )
     outbox_before = now - settings.outbox_retention
-    outbox_using = router.db_for_write(OutboxMessage)
-    if partitions.is_partitioned(outbox_using, partitions.OUTBOX):
-        # Unrouted rows (events nobody subscribed to) are finished like sent ones.
-        outbox_rows, outbox_partitions = _purge_days(
-            outbox_using, partitions.OUTBOX, outbox_before, now, dry_run
-        )
-    else:
-        outbox = OutboxMessage.objects.finished_before(outbox_before)
-        outbox_rows = _purge("outbox", outbox, batch_size, dry_run, on_batch)
-        outbox_partitions = ()
+    outbox_rows, outbox_partitions = expire(
+        partitions.OUTBOX, outbox_before, OutboxMessage.objects.finished_before(outbox_before)
+    )
     suspects = SuspectDelivery.objects.expired(now - settings.dedup_retention)
     dead_letters = 0
     if settings.dead_letter_retention is not None:
@@ -118,8 +103,7 @@ def _purge_days(
     now: dt.datetime,
     dry_run: bool,
 ) -> tuple[int, tuple[str, ...]]:
-    """Drop the expired day partitions of ``spec`` (for a dry run, estimate their rows).
-    Returns PostgreSQL's estimate of their rows and their names."""
+    """Drop the expired day partitions of ``spec``; the estimate of their rows, and names."""
     if dry_run:
         expired = partitions.expired(using, before, spec)
         return partitions.estimated_rows_of(using, expired), ()
