@@ -14,6 +14,8 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 MATRIX ?= 1
 TEST_WORKERS ?= 3
+# 0: the three lanes that follow the storage faults' tests run one after the other (see test:).
+TEST_SIDE_BY_SIDE ?= 1
 # Run once more through a transaction-pooling PgBouncer (tests/conftest.py, RM_TEST_PGBOUNCER):
 # a representative part of the e2e and publishing slices: consume's life and faults, a replay,
 # publish -> relay -> consume -> publish, the relay, the wake-ups, scheduled rows and their
@@ -110,35 +112,63 @@ test: venv services
 	@command -v pgbouncer >/dev/null || test -x /usr/sbin/pgbouncer || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer)
 	@# The RabbitMQ 4.0 node is Debian trixie's package in a debootstrap root (scripts/rabbitmq4.sh).
 	@command -v debootstrap >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap)
-	@# Two parts: the tests that share nothing run in $(TEST_WORKERS) parallel workers; those
-	@# that stop or alarm a shared service (marked serial in tests/conftest.py) run alone after.
-	@# Both always run; exit code 5 ("no tests selected", e.g. with -k) is not a failure.
-	@# Then PGBOUNCER_TESTS again, every connection through a PgBouncer in transaction mode.
-	@# Then RABBITMQ4_TESTS again against the RabbitMQ 4.0 node (built the first time, about 3
-	@# minutes; started if it is down), and RABBITMQ4_SERIAL_TESTS alone: they act on that node.
-	@# Then the version matrix's two ends (noxfile.py): the newest Python and Django, and the
-	@# lowest versions setup.cfg admits, each on the version-sensitive slice of the suite.
-	@# MATRIX=0 skips them (for a quick local run); `make matrix` runs every pair.
-	@rc=0; \
-	$(BIN)/pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) || rc=$$?; \
-	[[ $$rc == 5 ]] && rc=0; \
-	rc2=0; $(BIN)/pytest -m serial $(PYTEST_ARGS) || rc2=$$?; \
-	[[ $$rc2 == 5 ]] && rc2=0; \
-	rc4=0; RM_TEST_PGBOUNCER=1 $(BIN)/pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) \
-		$(PGBOUNCER_TESTS) || rc4=$$?; \
-	[[ $$rc4 == 5 ]] && rc4=0; \
-	rc5=0; scripts/rabbitmq4.sh start || rc5=$$?; \
-	if [[ $$rc5 == 0 ]]; then \
-		RM_TEST_BROKER=rabbitmq4 $(BIN)/pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) \
-			$(RABBITMQ4_TESTS) || rc5=$$?; \
-		[[ $$rc5 == 5 ]] && rc5=0; \
-		rc6=0; RM_TEST_BROKER=rabbitmq4 $(BIN)/pytest -m serial $(PYTEST_ARGS) \
-			$(RABBITMQ4_SERIAL_TESTS) || rc6=$$?; \
-		[[ $$rc6 == 5 ]] && rc6=0; \
-		rc5=$$(( rc5 ? rc5 : rc6 )); \
+	@# First the tests that share nothing, in $(TEST_WORKERS) parallel workers; then those that stop
+	@# PostgreSQL or Redis (marked serial and stops_storage in tests/conftest.py), with nothing
+	@# beside them. Then three lanes side by side, each breaking only what no other lane uses:
+	@#   - the serial tests that stop or alarm the broker on 5672 (serial and stops_broker), then
+	@#     PGBOUNCER_TESTS again, every connection through a PgBouncer in transaction mode, then
+	@#     the version matrix's two ends (noxfile.py: the newest Python and Django, and the lowest
+	@#     versions setup.cfg admits, each on the version-sensitive slice; MATRIX=0 skips them,
+	@#     `make matrix` runs every pair), all of which use the node on 5672;
+	@#   - RABBITMQ4_TESTS again against the RabbitMQ 4.0 node (built the first time, about 3
+	@#     minutes; started if it is down), then RABBITMQ4_SERIAL_TESTS alone on that node;
+	@#   - the cluster tests (serial and cluster), on a cluster of their own.
+	@# The last two print their output when they are done (a test database of their own each);
+	@# TEST_SIDE_BY_SIDE=0 runs the three lanes one after the other instead.
+	@# Every part always runs; exit code 5 ("no tests selected", e.g. with -k) is not a failure.
+	@run() { local s=0; "$$@" || s=$$?; (( s == 5 )) && s=0; return $$s; }; \
+	db=$${RM_TEST_DB_NAME:-test_reliable_messaging}; \
+	lane_broker() { \
+		local rc=0; \
+		run $(BIN)/pytest -m "serial and stops_broker" $(PYTEST_ARGS) || rc=$$?; \
+		RM_TEST_PGBOUNCER=1 run $(BIN)/pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) \
+			$(PGBOUNCER_TESTS) || rc=$$(( rc ? rc : $$? )); \
+		[[ "$(MATRIX)" == 0 ]] || $(BIN)/nox -s ci || rc=$$(( rc ? rc : $$? )); \
+		return $$rc; \
+	}; \
+	lane_rabbitmq4() { \
+		local rc=0; \
+		scripts/rabbitmq4.sh start || return $$?; \
+		RM_TEST_DB_NAME=$${db}_rabbitmq4 RM_TEST_BROKER=rabbitmq4 run $(BIN)/pytest \
+			-n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) $(RABBITMQ4_TESTS) || rc=$$?; \
+		RM_TEST_DB_NAME=$${db}_rabbitmq4 RM_TEST_BROKER=rabbitmq4 run $(BIN)/pytest -m serial \
+			$(PYTEST_ARGS) $(RABBITMQ4_SERIAL_TESTS) || rc=$$(( rc ? rc : $$? )); \
+		return $$rc; \
+	}; \
+	lane_cluster() { \
+		RM_TEST_DB_NAME=$${db}_cluster run $(BIN)/pytest -m "serial and cluster" $(PYTEST_ARGS); \
+	}; \
+	rc=0; run $(BIN)/pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) || rc=$$?; \
+	rc2=0; run $(BIN)/pytest -m "serial and stops_storage" $(PYTEST_ARGS) || rc2=$$?; \
+	rc3=0; rc4=0; rc5=0; \
+	if [[ "$(TEST_SIDE_BY_SIDE)" == 0 ]]; then \
+		lane_broker || rc3=$$?; lane_rabbitmq4 || rc4=$$?; lane_cluster || rc5=$$?; \
+	else \
+		logs=$$(mktemp -d "$${TMPDIR:-/tmp}/rm-make-test.XXXXXX"); \
+		lane_rabbitmq4 >"$$logs/rabbitmq4.log" 2>&1 & r4=$$!; \
+		lane_cluster >"$$logs/cluster.log" 2>&1 & cluster=$$!; \
+		echo "make test: the RabbitMQ 4.0 lane and the cluster lane run beside this one;" \
+			"their output: $$logs/rabbitmq4.log, $$logs/cluster.log"; \
+		lane_broker || rc3=$$?; \
+		wait $$r4 || rc4=$$?; \
+		echo "==================== the RabbitMQ 4.0 lane (exit $$rc4) ===================="; \
+		cat "$$logs/rabbitmq4.log"; \
+		wait $$cluster || rc5=$$?; \
+		echo "==================== the cluster lane (exit $$rc5) ===================="; \
+		cat "$$logs/cluster.log"; \
+		rm -rf "$$logs"; \
 	fi; \
-	rc3=0; [[ "$(MATRIX)" == 0 ]] || $(BIN)/nox -s ci || rc3=$$?; \
-	exit $$(( rc ? rc : (rc2 ? rc2 : (rc4 ? rc4 : (rc5 ? rc5 : rc3))) ))
+	for code in $$rc $$rc2 $$rc3 $$rc4 $$rc5; do (( code == 0 )) || exit $$code; done
 
 # Every (Python, Django) pair supported, and the lowest versions (noxfile.py).
 matrix: venv services

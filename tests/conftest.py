@@ -33,41 +33,62 @@ POOL_OF_ONE = "rm_pool_of_one"
 def pytest_configure(config: pytest.Config) -> None:
     # Also declared in setup.cfg; repeated so the suite runs under --strict-markers either way.
     config.addinivalue_line("markers", "slow: spawns real processes (manage.py consume)")
+    for marker, says in SERIAL_GROUP_MARKERS.items():
+        config.addinivalue_line("markers", f"{marker}: {says}")
 
 
-# Tests that stop, restart or alarm a service every test shares (the broker on 5672, PostgreSQL,
-# Redis), or start a cluster of their own: `make test` runs them alone, after the rest has run
-# in parallel workers (pytest-xdist), so no other test sees their faults.
+# Tests that stop, restart or alarm a service other tests use (the broker under test, PostgreSQL,
+# Redis), or start a cluster of their own: marked ``serial``, `make test` runs none of them in
+# its parallel workers (pytest-xdist), so no other test sees their faults. Each also carries
+# the marker of its group, by what it breaks; `make test` runs each group alone among the tests
+# that use what it breaks, beside groups that break nothing they use:
+#
+# - ``stops_storage``: PostgreSQL or Redis stopped. Every test uses them: nothing runs beside.
+# - ``stops_broker``: the broker under test stopped, alarmed, or closing channels and taking
+#   permissions away by ``rabbitmqctl eval`` in the node (the two test_broker_closes.py tests,
+#   whose timing windows are tight). Beside them: the RabbitMQ 4.0 slice and the cluster.
+# - ``cluster``: a RabbitMQ cluster of the session's own (tests/cluster), beside the node under
+#   test, never touching it.
 #
 # Listed by what they do, not by directory: tests/faults/test_bad_input_corpus.py,
 # test_foreign_producers.py, test_poison_pills.py and test_security.py work in a namespace or a
 # vhost of their own with processes of their own and break nothing shared, so they run in the
-# parallel part, as do the tests of test_broker_closes.py, test_consume_ops.py and
-# test_relay_faults.py not named here.
-SERIAL = (
-    "tests/cluster/",
-    # Stops the broker, closes every connection of a vhost, raises a memory alarm, stops
-    # PostgreSQL and Redis.
-    "tests/faults/test_pipeline_under_faults.py",
-    # Have the broker close channels (rabbitmqctl eval in the node); the second also takes the
-    # read permission away. The other tests of the file act on their own vhost's queues only.
-    "tests/faults/test_broker_closes.py::test_a_channel_the_broker_closes_mid_handler_",
-    "tests/faults/test_broker_closes.py::test_healthz_is_unhealthy_while_the_broker_keeps_",
-    "tests/integration/ops/test_consume_ops.py::test_consumer_healthz_fails_while_the_broker_is_stopped",
-    # Stop the broker or raise its memory alarm.
-    "tests/integration/ops/test_relay_broker_faults.py",
-    "tests/integration/publishing/test_relay_faults.py::test_relay_reconnects_by_itself_after_a_broker_restart",
-    # These stop PostgreSQL.
-    "tests/integration/publishing/test_relay_faults.py::test_relay_rides_out_a_database_outage",
-    "tests/e2e/test_consume_command.py::test_database_",
-    "tests/e2e/test_consume_command.py::test_sigterm_during_a_database_outage",
-)
+# parallel part, as do the tests of test_broker_closes.py, test_consume_ops.py,
+# test_relay_faults.py and test_pipeline_under_faults.py not named here (in the last, kill -9 of
+# the rig's own processes and closing the connections of the rig's own vhost).
+SERIAL_GROUP_MARKERS = {
+    "stops_storage": "stops PostgreSQL or Redis (serial; run with nothing beside it)",
+    "stops_broker": "stops, alarms or acts inside the broker under test (serial)",
+    "cluster": "starts a RabbitMQ cluster of its own (3 nodes) beside the node on 5672",
+}
+SERIAL = {
+    "cluster": ("tests/cluster/",),
+    "stops_broker": (
+        "tests/faults/test_pipeline_under_faults.py::test_broker_restarted_twice_",
+        "tests/faults/test_pipeline_under_faults.py::test_publishers_blocked_by_a_memory_alarm_",
+        "tests/faults/test_broker_closes.py::test_a_channel_the_broker_closes_mid_handler_",
+        "tests/faults/test_broker_closes.py::test_healthz_is_unhealthy_while_the_broker_keeps_",
+        "tests/integration/ops/test_consume_ops.py::test_consumer_healthz_fails_while_the_broker_is_stopped",
+        "tests/integration/ops/test_relay_broker_faults.py",
+        "tests/integration/publishing/test_relay_faults.py::test_relay_reconnects_by_itself_after_a_broker_restart",
+    ),
+    "stops_storage": (
+        "tests/faults/test_pipeline_under_faults.py::test_postgresql_restarted_mid_run",
+        "tests/faults/test_pipeline_under_faults.py::test_redis_stopped_and_started_mid_run",
+        "tests/integration/publishing/test_relay_faults.py::test_relay_rides_out_a_database_outage",
+        "tests/e2e/test_consume_command.py::test_database_",
+        "tests/e2e/test_consume_command.py::test_sigterm_during_a_database_outage",
+    ),
+}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if item.nodeid.startswith(SERIAL):
-            item.add_marker(pytest.mark.serial)
+        for group, prefixes in SERIAL.items():
+            if item.nodeid.startswith(prefixes):
+                item.add_marker(pytest.mark.serial)
+                item.add_marker(getattr(pytest.mark, group))
+                break
 
 
 @pytest.hookimpl(hookwrapper=True)

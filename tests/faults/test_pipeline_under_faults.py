@@ -8,8 +8,10 @@ went through a retry; and no queue holds anything. The processes recover by them
 test never restarts them, except after a ``kill -9``, where it does what a supervisor would.
 Each service a test breaks is restored in a ``finally``.
 
-These tests stop, block or disconnect shared services: run them alone, under the exclusive
-lock (``flock -o /tmp/rm-services.lock .venv/bin/pytest tests/faults``).
+The broker, PostgreSQL and Redis tests stop or block a shared service: run them alone, under
+the exclusive lock (``flock -o /tmp/rm-services.lock .venv/bin/pytest tests/faults``;
+tests/conftest.py marks them serial). The kill -9 tests and the one closing every connection of
+the rig's own vhost break nothing shared: they run in the parallel part of ``make test``.
 """
 
 from __future__ import annotations
