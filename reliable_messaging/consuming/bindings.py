@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..core.envelope import Message
 from ..core.outcomes import FailureReason
 from ..core.routing import topic_matches
-from .pipeline import DeliveryOutcome, Job, Stage
+from .stage import DeliveryOutcome, Job, Stage
 
 
 class UnexpectedRoutingKey(Stage):

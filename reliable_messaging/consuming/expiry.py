@@ -26,7 +26,7 @@ from typing import Any
 from ..core.envelope import EXPIRES_AT_HEADER, REPLAY_HEADER, Delivery, Message
 from ..core.registry import ConsumerSpec
 from ..models import ProcessedMessage
-from .pipeline import DUPLICATE, DeliveryOutcome, Job, Stage
+from .stage import DUPLICATE, DeliveryOutcome, Job, Stage
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from .. import metrics
 from ..conf import MessagingSettings, messaging_settings
 from ..core.envelope import REPLAY_HEADER, Message
 from ..core.outcomes import Acknowledge, OutcomeLabel
-from .pipeline import DeliveryOutcome, Job, Stage
+from .stage import DeliveryOutcome, Job, Stage
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..core.envelope import DecodeError
 from ..core.outcomes import Acknowledge, OutcomeLabel, RetryInPlace, ScheduleRetry
-from .pipeline import DeliveryOutcome, Job, Stage
+from .stage import DeliveryOutcome, Job, Stage
 
 logger = logging.getLogger("reliable_messaging.consuming.processing")
 

@@ -10,7 +10,7 @@ from typing import Any
 from .. import metrics, tracing
 from ..core.envelope import Message
 from ..core.outcomes import OutcomeLabel
-from .pipeline import DeliveryOutcome, Job, Stage
+from .stage import DeliveryOutcome, Job, Stage
 
 
 class OutcomeMetrics(Stage):

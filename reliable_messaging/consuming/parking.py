@@ -11,7 +11,7 @@ from ..core.envelope import REPLAY_HEADER, Message
 from ..core.outcomes import FailureReason, OutcomeLabel
 from ..dead_letters import ledger
 from ..models import DeadLetter
-from .pipeline import DeliveryOutcome, Job, Stage
+from .stage import DeliveryOutcome, Job, Stage
 
 
 class ParkedKeys(Stage):

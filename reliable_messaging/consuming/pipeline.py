@@ -11,60 +11,26 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from contextlib import ExitStack, contextmanager
+from typing import Any
 
-from ..core.envelope import DecodeError, Delivery, Message
-from ..core.outcomes import Acknowledge, Outcome, OutcomeLabel
-
-if TYPE_CHECKING:
-    from .processing import DeliveryProcessor
+from ..core.envelope import Message
+from .bindings import UnexpectedRoutingKey
+from .expiry import Expiry
+from .fastpath import FastPath
+from .outcome_log import OutcomeLog
+from .outcome_metrics import OutcomeMetrics
+from .parking import ParkedKeys
+from .replays import ReplayLedger
+from .spans import Spans
+from .stage import DeliveryOutcome, Job, Stage
+from .time_limit import TimeLimit
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class DeliveryOutcome:
-    """What became of a delivery: the ``outcome`` the connection's thread carries out, and
-    what the stages report of it once the transaction committed."""
-
-    outcome: Outcome
-    label: OutcomeLabel
-    duration: float | None = None  # the handler's run time, when it ran
-    processed: bool = False  # the inbox holds the message now
-    detail: str = ""  # why, in words (the log line's and the span's)
-    error: BaseException | None = None  # the handler's exception
-    # A dead letter of the message may be open (the claim says; True when it could not tell).
-    copies_open: bool = True
-    from_cache: bool = False  # settled by the fast path, before the transaction
-
-
-# The inbox holds the message already: acked without running the handler.
-DUPLICATE = DeliveryOutcome(
-    Acknowledge(OutcomeLabel.DUPLICATE), OutcomeLabel.DUPLICATE, processed=True
-)
-
-
-@dataclass(eq=False)
-class Job:
-    """One delivery for one consumer, as a worker hands it to the pipeline."""
-
-    processor: DeliveryProcessor
-    delivery: Delivery
-    message: Message | DecodeError = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.message = self.processor.decode(self.delivery)
-
-    @property
-    def name(self) -> str:
-        return self.processor.spec.name
-
-
-class Stage:
-    """A feature of the consumer. Every hook is optional (the base does nothing); a stage
-    keeps what a batch needs in the state :meth:`open` returns, never in a delivery.
+class Pipeline:
+    """The stages in order; runs each hook of every stage that overrides it.
 
     ========== ============================================ ==================================
     hook       when                                         may change
@@ -76,31 +42,6 @@ class Stage:
     close      after the commit (``error`` None) or not     nothing (report, remember)
     ========== ============================================ ==================================
     """
-
-    def open(self, jobs: Sequence[Job], decided: list[DeliveryOutcome | None]) -> Any:
-        return None
-
-    def screen(self, job: Job, message: Message) -> DeliveryOutcome | None:
-        return None
-
-    def handling(self, job: Job, message: Message) -> AbstractContextManager[Any] | None:
-        return None
-
-    def decided(self, job: Job, message: Message, done: DeliveryOutcome) -> None:
-        return None
-
-    def close(
-        self,
-        jobs: Sequence[Job],
-        decided: Sequence[DeliveryOutcome | None],
-        state: Any,
-        error: BaseException | None,
-    ) -> None:
-        return None
-
-
-class Pipeline:
-    """The stages in order; runs each hook of every stage that overrides it."""
 
     def __init__(self, stages: Sequence[Stage]) -> None:
         self.stages = tuple(stages)
@@ -157,16 +98,6 @@ class Pipeline:
 def default_pipeline() -> Pipeline:
     """The consumer's stages, in their order: the screens in the order a delivery is judged, the
     handler's contexts outermost first, the reports in reverse (the span ends last)."""
-    from .bindings import UnexpectedRoutingKey
-    from .expiry import Expiry
-    from .fastpath import FastPath
-    from .outcome_log import OutcomeLog
-    from .outcome_metrics import OutcomeMetrics
-    from .parking import ParkedKeys
-    from .replays import ReplayLedger
-    from .spans import Spans
-    from .time_limit import TimeLimit
-
     return Pipeline(
         [
             Spans(),

@@ -42,8 +42,9 @@ from ..core.registry import ConsumerSpec
 from ..exceptions import DatabaseConflict, DatabaseUnavailable
 from ..models import ProcessedMessage
 from ..storage.inbox import claim_inbox_rows, lock_wait_for, remember_busy
-from .pipeline import DUPLICATE, DeliveryOutcome, Job, Pipeline, default_pipeline
+from .pipeline import Pipeline, default_pipeline
 from .retries import DeliveryFailures
+from .stage import DUPLICATE, DeliveryOutcome, Job, Processor
 
 if TYPE_CHECKING:
     from .fastpath import DuplicateCache
@@ -147,7 +148,7 @@ GUARDED_BATCHES_AFTER_FAILURE = 20
 class _Fallback(Exception):
     """A handler failed on the optimistic path: roll the batch back, redo it guarded."""
 
-    def __init__(self, processor: DeliveryProcessor, index: int, error: Exception) -> None:
+    def __init__(self, processor: Processor, index: int, error: Exception) -> None:
         super().__init__(processor.spec.name)
         self.processor = processor
         self.index = index

@@ -14,7 +14,7 @@ from ..core.envelope import REPLAY_HEADER, Message
 from ..core.outcomes import OutcomeLabel
 from ..dead_letters import ledger
 from ..dead_letters.replay import mark_resolved, resolve_processed_copies
-from .pipeline import DeliveryOutcome, Job, Stage
+from .stage import DeliveryOutcome, Job, Stage
 
 
 class ReplayLedger(Stage):

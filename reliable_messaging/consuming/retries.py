@@ -51,7 +51,7 @@ from ..exceptions import (
     PermanentError,
 )
 from ..storage.inbox import LOCK_TIMEOUT
-from .pipeline import DeliveryOutcome
+from .stage import DeliveryOutcome
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any
 from .. import tracing
 from ..core.envelope import Message
 from ..core.outcomes import Acknowledge, OutcomeLabel
-from .pipeline import DeliveryOutcome, Job, Stage
+from .stage import DeliveryOutcome, Job, Stage
 
 FAILED = frozenset({OutcomeLabel.DEAD_LETTERED, OutcomeLabel.PARKED, OutcomeLabel.RETRIED})
 

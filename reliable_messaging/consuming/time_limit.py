@@ -22,7 +22,7 @@ from types import TracebackType
 
 from ..core.envelope import Message
 from ..exceptions import HandlerTimeout
-from .pipeline import Job, Stage
+from .stage import Job, Stage
 
 logger = logging.getLogger(__name__)
 

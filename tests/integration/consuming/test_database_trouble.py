@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Iterator
+from typing import cast
 
 import pytest
 from django.db import connection
@@ -19,7 +20,7 @@ from django.utils import timezone
 from reliable_messaging.conf import messaging_settings
 from reliable_messaging.consuming.board import DeliveryWork, WorkBoard
 from reliable_messaging.consuming.crash_guard import CrashGuard
-from reliable_messaging.consuming.processing import process_batch
+from reliable_messaging.consuming.processing import DeliveryProcessor, process_batch
 from reliable_messaging.consuming.workers import WorkerPool
 from reliable_messaging.core.database_errors import CONFLICT_RETRIES
 from reliable_messaging.core.envelope import REPLAY_HEADER
@@ -106,7 +107,7 @@ def test_our_own_bookkeeping_on_a_read_only_database_holds_the_delivery(
     """The ``.dead`` queue's ingestion and the crash guard's mark write before any handler
     runs: on a read-only database they hold the delivery (the worker's DatabaseUnavailable
     path), never count as our own bug nor give the message back at once."""
-    processor = job("bookkeeping").processor
+    processor = cast(DeliveryProcessor, job("bookkeeping").processor)
     delivery = dataclasses.replace(job("bookkeeping").delivery, redelivered=True)
     pool = WorkerPool(
         WorkBoard(1),

@@ -18,14 +18,9 @@ from typing import Any
 import pytest
 
 import reliable_messaging.consuming.processing as processing
-from reliable_messaging.consuming.pipeline import (
-    DeliveryOutcome,
-    Job,
-    Pipeline,
-    Stage,
-    default_pipeline,
-)
+from reliable_messaging.consuming.pipeline import Pipeline, default_pipeline
 from reliable_messaging.consuming.processing import DeliveryProcessor, process_batch
+from reliable_messaging.consuming.stage import DeliveryOutcome, Job, Stage
 from reliable_messaging.core.envelope import Delivery, Message, encode_payload
 from reliable_messaging.core.outcomes import Acknowledge, OutcomeLabel
 from reliable_messaging.models import DeadLetter, ProcessedMessage

@@ -1,0 +1,98 @@
+"""What a stage of the consumer's pipeline is given and returns: a :class:`Job`, a
+:class:`DeliveryOutcome`, and the :class:`Stage` base every feature subclasses (see
+:mod:`.pipeline`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..conf import MessagingSettings
+from ..core.envelope import DecodeError, Delivery, Message
+from ..core.outcomes import Acknowledge, Outcome, OutcomeLabel
+from ..core.registry import ConsumerSpec
+
+
+@dataclass(frozen=True)
+class DeliveryOutcome:
+    """What became of a delivery: the ``outcome`` the connection's thread carries out, and
+    what the stages report of it once the transaction committed."""
+
+    outcome: Outcome
+    label: OutcomeLabel
+    duration: float | None = None  # the handler's run time, when it ran
+    processed: bool = False  # the inbox holds the message now
+    detail: str = ""  # why, in words (the log line's and the span's)
+    error: BaseException | None = None  # the handler's exception
+    # A dead letter of the message may be open (the claim says; True when it could not tell).
+    copies_open: bool = True
+    from_cache: bool = False  # settled by the fast path, before the transaction
+
+
+# The inbox holds the message already: acked without running the handler.
+DUPLICATE = DeliveryOutcome(
+    Acknowledge(OutcomeLabel.DUPLICATE), OutcomeLabel.DUPLICATE, processed=True
+)
+
+
+class Processor(Protocol):
+    """The consumer a job is for, as the stages see it (:class:`~.processing.DeliveryProcessor`)."""
+
+    spec: ConsumerSpec
+    settings: MessagingSettings
+    using: str
+    cache: Any  # the fast path's DuplicateCache, or None
+    failures: Any  # its DeliveryFailures: what a delivery that did not take effect becomes
+    pipeline: Any  # its Pipeline
+    guarded_batches: int
+
+    def decode(self, delivery: Delivery) -> Message | DecodeError: ...
+
+    def charge(self, job: Job, exc: Exception) -> DeliveryOutcome: ...
+
+    def connection_usable(self) -> bool: ...
+
+
+@dataclass(eq=False)
+class Job:
+    """One delivery for one consumer, as a worker hands it to the pipeline."""
+
+    processor: Processor
+    delivery: Delivery
+    message: Message | DecodeError = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.message = self.processor.decode(self.delivery)
+
+    @property
+    def name(self) -> str:
+        return self.processor.spec.name
+
+
+class Stage:
+    """A feature of the consumer. Every hook is optional (the base does nothing); a stage
+    keeps what a batch needs in the state :meth:`open` returns, never in a delivery. When each
+    hook runs and what it may change: :class:`~.pipeline.Pipeline`."""
+
+    def open(self, jobs: Sequence[Job], decided: list[DeliveryOutcome | None]) -> Any:
+        return None
+
+    def screen(self, job: Job, message: Message) -> DeliveryOutcome | None:
+        return None
+
+    def handling(self, job: Job, message: Message) -> AbstractContextManager[Any] | None:
+        return None
+
+    def decided(self, job: Job, message: Message, done: DeliveryOutcome) -> None:
+        return None
+
+    def close(
+        self,
+        jobs: Sequence[Job],
+        decided: Sequence[DeliveryOutcome | None],
+        state: Any,
+        error: BaseException | None,
+    ) -> None:
+        return None
