@@ -26,15 +26,11 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pika.spec import Basic
-
-from .broker.limits import header_frame_size
+from .broker.limits import header_frame_of
 from .broker.publisher import (
-    ENCODING_ERRORS,
     ChannelClosed,
     PublisherEvents,
     Returned,
-    Unencodable,
     message_properties,
 )
 from .broker.retry_publisher import RetryCopy
@@ -581,11 +577,8 @@ class StubPublisher:
     ) -> int:
         assert self.ready, "publish on a closed channel"
         properties = message_properties(message_id, timestamp, headers)
-        try:  # the frames pika would write: it fails here on what it cannot encode
-            Basic.Publish(exchange=exchange, routing_key=routing_key, mandatory=True).encode()
-            size = header_frame_size(properties, len(body))
-        except ENCODING_ERRORS as exc:
-            raise Unencodable(exc) from exc
+        # The frames pika would write: it fails here on what it cannot encode.
+        size = header_frame_of(exchange, routing_key, len(body), properties)
         tag, self._next_tag = self._next_tag, self._next_tag + 1
         if self._deaf:
             return tag  # after a refusal the broker reads nothing more on the channel

@@ -14,10 +14,10 @@ import pika
 import pika.exceptions
 from pika import frame
 from pika.adapters.blocking_connection import BlockingConnection
-from pika.spec import BasicProperties
+from pika.spec import Basic, BasicProperties
 
 from ..conf import MessagingSettings, messaging_settings
-from .publisher import message_properties
+from .publisher import ENCODING_ERRORS, Unencodable, message_properties
 from .replies import PRECONDITION_FAILED
 from .topology import connect
 
@@ -167,3 +167,15 @@ def _flat_headers_bound(headers: Mapping[str, Any]) -> int | None:
         else:
             return None
     return total
+
+
+def header_frame_of(
+    exchange: str, routing_key: str, body_size: int, properties: BasicProperties
+) -> int:
+    """The size of the header frame pika would write for this publish; raises
+    :class:`Unencodable` for a message pika cannot encode (as a publish would)."""
+    try:
+        Basic.Publish(exchange=exchange, routing_key=routing_key, mandatory=True).encode()
+        return header_frame_size(properties, body_size)
+    except ENCODING_ERRORS as exc:
+        raise Unencodable(exc) from exc
