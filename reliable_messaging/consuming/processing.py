@@ -221,21 +221,9 @@ def _process_batch(
 def _process_batch_once(
     jobs: Sequence[Job], settled: list[DeliveryOutcome | None]
 ) -> list[DeliveryOutcome | None]:
-    """One try at deciding ``jobs`` in one transaction.
-
-    The batch's inbox rows go in first, with one ``INSERT ... ON CONFLICT DO NOTHING RETURNING``
-    (the rows not returned are duplicates; a concurrent twin makes it wait until it commits, as
-    a single insert would). Then the handlers run, in one of two ways with the same guarantees:
-
-    - optimistic, for the common case of handlers that succeed: no savepoints. If a handler
-      raises, the whole transaction rolls back and the batch is decided again, guarded; its
-      consumer's next batches stay guarded for a while.
-    - guarded: a savepoint per handler, so a failure rolls back its own effects (and its inbox
-      row is removed) while the rest of the batch commits.
-
-    Either way a handler may be invoked again after a rollback it did not cause; only its
-    database effects are exactly-once (as after any crash or retry).
-    """
+    """One try at deciding ``jobs`` in one transaction: optimistic (no savepoints; a handler's
+    failure redoes the batch guarded) or guarded (a savepoint per handler), with the same
+    guarantees (``docs/design.md#batches-one-transaction-for-many-deliveries``)."""
     optimistic = all(job.processor.guarded_batches == 0 for job in jobs)
     for processor in {job.processor for job in jobs}:
         processor.guarded_batches = max(0, processor.guarded_batches - 1)
