@@ -1,13 +1,8 @@
 """The circuit breaker of one consumer in one consume process: closed, open, half-open.
 
-Worker threads ask :meth:`ConsumerBreakers.admit` which deliveries of a batch may run and report
-each decided outcome with :meth:`ConsumerBreakers.report` (:mod:`.workers`). A delivery it does
-not admit waits in the process, unacked and unstarted, in arrival order: the consumer stays
-subscribed, its prefetch window fills, and the broker sends no more. Nothing is given back, so
-no delivery count is spent and no standby consumer of an ordered partition takes over. Only the
-handler's own failures count (:func:`handler_verdict`): what the database, the broker or a bad
-message does never opens it, as it never costs the handler an attempt.
-``docs/circuit-breaker.md`` is the user's view.
+Workers ask :meth:`ConsumerBreakers.admit` which deliveries may run and report their outcomes;
+one not admitted waits in the process, unacked and unstarted. Only the handler's
+own failures count (:func:`handler_verdict`). ``docs/circuit-breaker.md`` is the user's view.
 """
 
 from __future__ import annotations
@@ -59,8 +54,7 @@ class BreakerState(enum.IntEnum):
 
 
 def breaker_for(spec: ConsumerSpec, settings: MessagingSettings) -> Breaker | None:
-    """The breaker ``spec`` runs with: its own, none when it says ``breaker=False``, else the
-    ``BREAKER`` setting's (None: no breaker)."""
+    """``spec``'s own breaker, none for ``breaker=False``, else the ``BREAKER`` setting's."""
     if spec.breaker is False:
         return None
     if spec.breaker is not None:
@@ -69,10 +63,8 @@ def breaker_for(spec: ConsumerSpec, settings: MessagingSettings) -> Breaker | No
 
 
 def handler_verdict(outcome: Outcome) -> bool | None:
-    """True when ``outcome`` is the handler's failure (it raised or timed out: a retry or a
-    dead letter of its doing), False when it processed the message, None for anything that
-    says nothing about the handler (a duplicate, a deferral, a refusal of foreign input, a
-    parked or expired message, a delivery given back undecided)."""
+    """True for the handler's failure (a retry or dead letter of its doing), False when it
+    processed the message, None for anything that says nothing about the handler."""
     if isinstance(outcome, Acknowledge):
         if outcome.result == OutcomeLabel.PROCESSED:
             return False
@@ -92,27 +84,16 @@ HALF_OPEN_LOOK = 0.1
 
 @dataclass(frozen=True)
 class Admission:
-    """A delivery let in by a breaker: in which of its periods (``epoch``, one per state it
-    entered) and whether as one of a half-open breaker's probes. Only a verdict of the period
-    still current counts, so a delivery started before the breaker opened never passes for a
-    probe."""
+    """A delivery let in by a breaker: in which period (``epoch``, one per state) and whether
+    as a half-open probe. Only a verdict of the current period counts."""
 
     epoch: int
     probe: bool = False
 
 
 class CircuitBreaker:
-    """The state of one consumer's breaker; thread-safe.
-
-    Closed: outcomes fill a window of the last ``window`` verdicts; it opens when at least
-    ``min_failures`` of them failed and they are at least ``failure_rate`` of the window.
-    Open: :meth:`admit` refuses everything for the pause (``pause``, doubled after each failed
-    half-open round up to ``max_pause``). Half-open: at most ``probes`` deliveries run at once as
-    probes; it closes (with an empty window) once that many succeeded and opens again at the
-    first failure. A verdict counts only with the :class:`Admission` of the period still
-    current. ``listener(breaker, old, new)`` hears every transition, under the breaker's lock
-    (keep it short: a log line, a gauge, a note).
-    """
+    """The state of one consumer's breaker (thread-safe), as ``docs/circuit-breaker.md``
+    describes; ``listener(breaker, old, new)`` hears every transition, under the lock."""
 
     def __init__(
         self,
@@ -151,8 +132,7 @@ class CircuitBreaker:
             return max(0.0, self._reopen_at - self._clock())
 
     def look_again_in(self) -> float:
-        """When a delivery it did not admit should ask again: at the end of the pause, or
-        shortly while half-open (a probe's place may free up)."""
+        """When a delivery not admitted should ask again (shortly while half-open)."""
         with self._lock:
             state = self._current()
             if state is BreakerState.OPEN:
@@ -160,19 +140,16 @@ class CircuitBreaker:
             return HALF_OPEN_LOOK if state is BreakerState.HALF_OPEN else 0.0
 
     def room(self) -> int:
-        """How many deliveries may start together now: closed, as many as could fail before
-        it opens (at least one), so that a batch does not spend a whole outage's worth of
-        attempts before the breaker sees the first failure; 0 while open or half-open (a
-        half-open breaker admits its probes one by one through :meth:`admit`)."""
+        """How many deliveries may start together: closed, as many as could fail before it
+        opens (at least one); 0 otherwise (probes are admitted one by one)."""
         with self._lock:
             if self._current() is not BreakerState.CLOSED:
                 return 0
             return max(1, self.config.min_failures - sum(self._window))
 
     def admit(self, *, overdue: bool = False) -> Admission | None:
-        """May a delivery's handler run now? Closed, yes; half-open, as one of ``probes``
-        probes running at once; open, no. ``overdue``: it waited as long as a delivery may be
-        held unacked, so it runs all the same, its verdict not counted unless it is a probe."""
+        """May a delivery's handler run now? Closed, yes; half-open, as a probe; open, no.
+        ``overdue`` ones run all the same, their verdict not counted."""
         with self._lock:
             state = self._current()
             if state is BreakerState.CLOSED:
@@ -183,8 +160,7 @@ class CircuitBreaker:
             return Admission(-1) if overdue else None
 
     def record(self, admission: Admission, failed: bool | None) -> BreakerState | None:
-        """Count the verdict of a decided delivery (see :func:`handler_verdict`) let in by
-        ``admission``; the new state when this verdict changed it."""
+        """Count a verdict (:func:`handler_verdict`); the new state when it changed."""
         with self._lock:
             state = self._current()
             if admission.epoch != self._epoch:
@@ -266,9 +242,8 @@ class CircuitBreaker:
 
 
 class ConsumerBreakers:
-    """The breakers of one consume process, by consumer name; each transition shows in the
-    metrics and as a ``/healthz`` note (a paused consumer is not a sick process: restarting it
-    would not bring the downstream back)."""
+    """The breakers of one consume process, by consumer name; transitions show in the metrics
+    and as ``/healthz`` notes."""
 
     def __init__(
         self,
@@ -299,11 +274,9 @@ class ConsumerBreakers:
     def admit(
         self, batch: list[DeliveryWork]
     ) -> tuple[list[DeliveryWork], list[Admission | None], list[DeliveryWork], list[DeliveryWork]]:
-        """Split ``batch``: the deliveries whose handler may run now (with their admissions);
-        those kept back, unstarted, until their breaker lets them in (open, or half-open with
-        its probes running), and every later one of their queue behind them, in order; and
-        those left for the next round, past the failures a closed breaker may still see
-        before it opens (a consumer runs no more at once than could fail before it opens)."""
+        """Split ``batch`` into those admitted (with their admissions), those kept back until
+        their breaker lets them in (with every later one of their queue), and those left for
+        the next round (past what a closed breaker may see fail at once)."""
         admitted: list[DeliveryWork] = []
         admissions: list[Admission | None] = []
         kept_back: list[DeliveryWork] = []
@@ -330,8 +303,7 @@ class ConsumerBreakers:
                 later.append(item)  # this round is full: decided after it, in order
                 continue
             else:
-                # Held unacked long enough that the broker's consumer timeout nears: it runs
-                # even with the breaker open (see ``docs/circuit-breaker.md``).
+                # Near the broker's consumer timeout it runs even with the breaker open.
                 overdue = time.monotonic() - item.received >= self._hold_limit()
                 admission = breaker.admit(overdue=overdue)
             if admission is None:
@@ -343,8 +315,7 @@ class ConsumerBreakers:
         return admitted, admissions, kept_back, later
 
     def asked_again_at(self, item: DeliveryWork) -> float:
-        """When a delivery kept back is asked about again: when its breaker may let it in, or
-        once it is overdue, whichever comes first (a monotonic time)."""
+        """When a delivery kept back is asked about again (a monotonic time)."""
         breaker = self.get(item.spec.name)
         again = breaker.look_again_in() if breaker is not None else 0.0
         return min(time.monotonic() + again, item.received + self._hold_limit())

@@ -1,12 +1,8 @@
 """The consumer's connection thread: owns the broker connection, its channels and consumers.
 
-Everything broker-side happens on the thread that calls :meth:`ConnectionThread.run`: connect
-(and reconnect, with capped backoff), declare the topology, subscribe, put deliveries on the
-:class:`~.board.WorkBoard`, settle the outcomes the workers hand back (:mod:`.settling`), watch
-the channels, and stop gracefully. It talks to the broker only through a
-:class:`~reliable_messaging.broker.transport.BrokerTransport`. A channel the broker closes or a
-consumer it cancels makes it drop the connection and connect again; after a (re)connect the
-shared channel starts with a prefetch of 1 (see :meth:`ConnectionThread._open_up`).
+It connects (and reconnects), declares, subscribes, puts deliveries on the
+:class:`~.board.WorkBoard`, settles outcomes (:mod:`.settling`) and stops gracefully, through a
+:class:`~reliable_messaging.broker.transport.BrokerTransport`. ``docs/design.md`` explains why.
 """
 
 from __future__ import annotations
@@ -196,10 +192,8 @@ class ConnectionThread:
                     logger.debug("error while closing the broker connection", exc_info=True)
 
     def _ingest_dead_letters_first(self, link: Link) -> None:
-        """Ordered consumers on quorum queues: store what the broker moved to their ``.dead``
-        queues while no process consumed them (a dead letter ``delivery_limit``, which parks
-        its key) before taking their partitions, so that a key's later messages do not run
-        ahead of its head's dead letter. Bounded by ``DEAD_LETTERS_FIRST``."""
+        """Ordered quorum consumers: store their ``.dead`` queues' messages before taking the
+        partitions, so a key's later messages never run ahead of its head's dead letter."""
         specs = [spec for spec in self.specs if spec.ordered]
         if self.settings.queue_type != "quorum" or not specs:
             return
@@ -221,8 +215,8 @@ class ConnectionThread:
     def _subscribe_all(
         self, link: Link, specs: Iterable[ConsumerSpec], *, dead_letters_only: bool = False
     ) -> list[str]:
-        """Subscribe to the queues of ``specs`` that are available (only their quorum
-        dead-letter queues with ``dead_letters_only``); returns their names."""
+        """Subscribe to the available queues of ``specs`` (only the ``.dead`` ones with
+        ``dead_letters_only``); returns their names."""
         shared_channel = link.channels[0]
         queues: list[str] = []
         for spec in specs:
@@ -236,9 +230,8 @@ class ConnectionThread:
                     continue
                 channel = shared_channel
                 if spec.ordered and queue not in dead_letters:
-                    # Its own prefetch window: a held partition fills only its own. No
-                    # cautious start here: re-subscribing to open it up would hand the
-                    # partition (single active consumer) to a standby mid-stream.
+                    # Its own prefetch window; no cautious start: re-subscribing would hand
+                    # the partition (single active consumer) to a standby mid-stream.
                     channel = link.connection.channel()
                     channel.basic_qos(prefetch_count=self.settings.prefetch)
                     link.channels.append(channel)
@@ -251,18 +244,15 @@ class ConnectionThread:
         return queues
 
     def _breaker_pausing(self) -> bool:
-        """A breaker is open or half-open: its queue's messages wait for it in the process
-        (see :mod:`.breaker`), the process is not idle (``--idle-timeout``)."""
+        """A breaker is not closed: its messages wait in the process, which is not idle."""
         return any(
             breaker is not None and breaker.state is not BreakerState.CLOSED
             for breaker in (self.breakers.get(spec.name) for spec in self.specs)
         )
 
     def _declare_again(self, link: Link) -> None:
-        """Try again the queues that could not be declared (their node down), or put back a
-        delay exchange found missing, declaring the whole topology again (idempotent) on a
-        channel of its own, since a refusal closes it; consume the queues that now can be.
-        Every ``TOPOLOGY_RETRY`` seconds while any is missing."""
+        """Declare the whole topology again on a channel of its own (a refusal closes it) and
+        consume the queues that are back; every ``TOPOLOGY_RETRY`` seconds while any is missing."""
         self._redeclare.clear()
         before = set(link.unavailable)
         channel, link.unavailable = link.connection.declare_topology(
@@ -289,8 +279,7 @@ class ConnectionThread:
             )
 
     def _watch(self, link: Link, channel: BrokerChannel) -> None:
-        """Note a broker ``basic.cancel`` of a consumer on ``channel`` (its queue deleted, its
-        node lost): the main loop then reconnects and declares the queue again."""
+        """Note a broker ``basic.cancel`` on ``channel``: the main loop then reconnects."""
         number = channel.channel_number
 
         def on_cancel(frame: object) -> None:
@@ -299,16 +288,8 @@ class ConnectionThread:
         channel.add_on_cancel_callback(on_cancel)
 
     def _open_up(self, link: Link, prefetch: int) -> None:
-        """The first fresh delivery arrived on the shared channel: give its consumers the full
-        ``PREFETCH``.
-
-        The shared channel starts every connection at a prefetch of 1: after a crash the head of
-        a queue may be the message that killed the last process, redelivered first, and with a
-        wide window every message behind it would be held (and, on a quorum queue, counted
-        against its delivery limit) each time it kills again. RabbitMQ applies a consumer's
-        prefetch when the consumer subscribes, so opening up means subscribing again; what was
-        already delivered stays ours to settle on the channel.
-        """
+        """The first fresh delivery arrived: give the shared channel the full ``PREFETCH``.
+        RabbitMQ applies prefetch at subscribe time, so this subscribes again."""
         link.open_up = False
         link.cautious = False
         shared = link.channels[0]
@@ -324,10 +305,8 @@ class ConnectionThread:
         link.consumers = kept
 
     def _check_channels(self, link: Link) -> None:
-        """Raise :class:`ChannelLost` when the broker closed a channel or cancelled a
-        consumer: pika's blocking adapter records a channel closed by the broker but raises
-        nothing until the channel is used, so without this look the process would go on
-        reporting healthy while no delivery ever arrives again."""
+        """Raise :class:`ChannelLost` when the broker closed a channel or cancelled a consumer
+        (pika raises nothing until a closed channel is used)."""
         if link.dropping is not None and link.connection.is_open:
             logger.warning(
                 "%s: dropping the connection so the broker gives its partitions back in "
@@ -395,19 +374,9 @@ class ConnectionThread:
 
 
 def stop_gracefully(link: Link, publisher: RetryPublishing, settings: MessagingSettings) -> bool:
-    """Graceful stop: let the handlers in flight finish and settle their acks, within
-    ``SHUTDOWN_TIMEOUT``; give back the rest. False when handlers were still running.
-
-    Plain queues: cancel the consumers (pika gives back deliveries not yet dispatched).
-    Ordered partitions: no cancel, which would make the broker activate a standby consumer
-    at once while this process still holds later messages of its keys (they would reach the
-    standby after messages published later: order broken). Instead the deliveries not
-    started are left unsettled, never nacked, from the moment the stop is asked for (see
-    :meth:`~.board.Link.held_for_the_drop`), the batch in flight finishes and is acked, and then
-    the connection is dropped without a close handshake (which would cancel the consumers
-    first), so the broker requeues what is left in place *before* it activates the next
-    consumer of the partition.
-    """
+    """Let the handlers in flight finish within ``SHUTDOWN_TIMEOUT``; False when some were
+    still running. Ordered partitions are not cancelled but dropped without a close handshake,
+    so the broker requeues them in place before a standby takes over (``docs/guarantees.md``)."""
     for channel, tag, _, _ in link.consumers:
         if channel.channel_number not in link.ordered:
             channel.basic_cancel(tag)

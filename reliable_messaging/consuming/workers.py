@@ -1,11 +1,5 @@
 """The consumer's worker threads: batches from the :class:`~.board.WorkBoard` through the inbox,
-outcomes handed back to the connection thread.
-
-A worker decides every delivery waiting for it (up to ``CONSUMER_BATCH_SIZE``) in one transaction
-(:mod:`.processing`); a redelivered one runs alone under the crash guard. While the database is
-unreachable a batch is held unacked and tried again with backoff. A worker whose loop dies gives its
-deliveries back to the broker and is replaced; after ``WORKER_DEATH_LIMIT`` deaths the process exits
-with ``EXIT_WORKERS_DYING``. ``docs/design.md#worker-deaths`` explains why.
+outcomes handed back to the connection thread (``docs/design.md#worker-deaths``).
 """
 
 from __future__ import annotations
@@ -36,8 +30,7 @@ logger = logging.getLogger(__name__)
 
 # Worker threads that may die (and be replaced) in one process before it stops instead.
 WORKER_DEATH_LIMIT = 3
-# Failures of our own code (never the handler) on one delivery before it is dead-lettered as
-# ``consumer_error``: enough to ride out a passing fault, few enough to free the consumer.
+# Failures of our own code (never the handler) on one delivery before it is ``consumer_error``.
 CONSUMER_ERROR_LIMIT = 3
 # Exit code of a consumer stopped because its worker threads kept dying.
 EXIT_WORKERS_DYING = 4
@@ -158,9 +151,7 @@ class WorkerPool:
             connections.close_all()
 
     def _count_death(self, item: DeliveryWork) -> None:
-        """A suspect runs alone, with the process to itself (see :mod:`.crash_guard`): it is
-        what killed the thread. Count the death so that the crash guard dead-letters it after
-        ``CRASH_LIMIT``, here or in the next process, instead of a loop of deaths."""
+        """A suspect runs alone, so it killed the thread: count the death (:mod:`.crash_guard`)."""
         try:
             message_id = self.processors[item.spec.name].decode(item.delivery).message_id
             if message_id:
@@ -177,8 +168,7 @@ class WorkerPool:
         self._deliver_outcomes(settled)
 
     def _worker_died(self, index: int, exc: BaseException) -> None:
-        """Give back what the dying worker held, then replace it (or give up, stopping the
-        process, after ``WORKER_DEATH_LIMIT`` deaths)."""
+        """Give back what the dying worker held, then replace it or, past the limit, stop."""
         # Its handler's time limit, if the exception left the call registered.
         time_limits.discard(threading.get_ident())
         items = list(self._local.in_hand.values())
@@ -207,9 +197,7 @@ class WorkerPool:
             self._count_death(items[0])
         for item in items:
             if item.channel.channel_number in item.link.ordered and item.link.dropping is None:
-                # A nack would put an ordered partition's message back while its later ones
-                # wait in this process (handled first: order lost); dropping the connection
-                # gives the whole partition back in place. Set before the replacement starts.
+                # A nack would lose the partition's order; a drop gives it back in place.
                 item.link.dropping = (
                     f"worker thread died holding message_id={item.delivery.message_id} "
                     f"of ordered queue {item.delivery.queue}"
@@ -238,8 +226,7 @@ class WorkerPool:
             self._hand_back([(item, Release(why)) for item in items])
 
     def _run_batch(self, batch: list[DeliveryWork], held: dict[str, HeldPartition]) -> None:
-        """Decide ``batch`` in segments, in arrival order: the fresh deliveries together, each
-        suspect (redelivered) alone. The happy path is one segment."""
+        """Decide ``batch`` in arrival order: fresh deliveries together, each suspect alone."""
         segment: list[DeliveryWork] = []
         for item in batch:
             if item.suspect or item.from_dead_letter_queue:
@@ -265,8 +252,6 @@ class WorkerPool:
             admissions: list[Admission | None] = [None] * len(batch)
             kept_back: list[DeliveryWork] = []
             if batch and self.breakers:
-                # A consumer with a breaker runs no more at once than could fail before it
-                # opens; the rest of the segment is decided next, once the breaker knows.
                 batch, admissions, kept_back, rest = self.breakers.admit(batch)
             if batch:
                 outcomes = self._decide(batch)
@@ -282,8 +267,6 @@ class WorkerPool:
                     else:
                         settled.append((item, outcome))
             for item in kept_back:
-                # Kept here, unacked and unstarted, behind whatever of its queue waits already,
-                # until its breaker is asked again.
                 waiting = held.get(item.delivery.queue)
                 if waiting is not None:
                     waiting.items.append(item)
@@ -294,8 +277,7 @@ class WorkerPool:
             self._hand_back(settled)
 
     def _decide(self, batch: list[DeliveryWork]) -> list[Outcome | None]:
-        """The batch's outcomes; holds it while the database is unreachable, retrying with
-        backoff, and gives it back to the broker when stopping or disconnected meanwhile."""
+        """The batch's outcomes; deliveries whose link is gone are given back unstarted."""
         if self._stop.is_set():
             return [Release("stopping: not started")] * len(batch)
         gone = [not item.link.open for item in batch]
@@ -309,37 +291,31 @@ class WorkerPool:
         ]
 
     def _attempt(self, batch: list[DeliveryWork]) -> list[Outcome | None]:
-        """One try at deciding ``batch``; the database's own trouble in our bookkeeping (the
-        crash guard, the ``.dead`` queue's ingestion) raises DatabaseUnavailable or
-        DatabaseConflict, never an error charged to anyone."""
-        try:
-            return self._attempt_once(batch)
-        except DatabaseError as exc:
-            raise_database_trouble(exc, batch[0].delivery.message_id or "-")
-            raise
-
-    def _attempt_once(self, batch: list[DeliveryWork]) -> list[Outcome | None]:
-        """A suspect alone, under the crash guard and with the process to itself; anything
-        else as one batch, beside other ordinary batches."""
-        if len(batch) == 1 and batch[0].from_dead_letter_queue:
-            item = batch[0]
-            queues = consumer_queues(item.spec, self.settings)
-            return [ingest_delivery_limit(self.processors[item.spec.name], item.delivery, queues)]
-        if len(batch) == 1 and batch[0].suspect:
-            with self._gate.exclusive():
-                return [self._attempt_suspect(batch[0])]
-        jobs = [Job(self.processors[item.spec.name], item.delivery) for item in batch]
-        with self._gate.shared():
-            return process_batch(jobs)
-
-    def _attempt_suspect(self, item: DeliveryWork) -> Outcome | None:
+        """One try at ``batch`` (a ``.dead`` delivery or a suspect alone); the database's
+        trouble raises DatabaseUnavailable or DatabaseConflict, charged to no one."""
+        item = batch[0]
         processor = self.processors[item.spec.name]
-        return decide_suspect(
-            self.crash_guard,
-            processor,
-            item.delivery,
-            lambda: process_batch([Job(processor, item.delivery)])[0],
-        )
+        try:
+            if len(batch) == 1 and item.from_dead_letter_queue:
+                queues = consumer_queues(item.spec, self.settings)
+                return [ingest_delivery_limit(processor, item.delivery, queues)]
+            if len(batch) == 1 and item.suspect:
+                with self._gate.exclusive():
+                    job = Job(processor, item.delivery)
+                    return [
+                        decide_suspect(
+                            self.crash_guard,
+                            processor,
+                            item.delivery,
+                            lambda: process_batch([job])[0],
+                        )
+                    ]
+            jobs = [Job(self.processors[work.spec.name], work.delivery) for work in batch]
+            with self._gate.shared():
+                return process_batch(jobs)
+        except DatabaseError as exc:
+            raise_database_trouble(exc, item.delivery.message_id or "-")
+            raise
 
     def _decide_live(self, batch: list[DeliveryWork]) -> list[Outcome | None]:
         wait = Backoff(0.5, self.settings.reconnect_max_delay)
@@ -360,8 +336,7 @@ class WorkerPool:
                     self.health.set_database(False, describe(exc))
                 self._outage.held([item.delivery.message_id or "-" for item in batch], exc, delay)
             except DatabaseConflict as exc:
-                # Our own bookkeeping met a deadlock or serialization failure (a handler's are
-                # run again by process_batch): run again shortly, then count it as our error.
+                # Our bookkeeping's deadlock (a handler's is run again by process_batch).
                 conflicts += 1
                 if conflicts > CONFLICT_RETRIES:
                     item = batch[0]
@@ -407,8 +382,6 @@ class WorkerPool:
             if not all(item.link.open for item in batch):
                 return [Release("connection lost while the database was unavailable")] * len(batch)
             if time.monotonic() - batch[0].received > self.settings.max_hold_seconds:
-                # Held past half the broker's consumer_timeout, the broker would close the
-                # channel under us (and redeliver anyway): give it back first.
                 logger.warning(
                     "message_id=%s%s held unacked for over %.0fs (half of "
                     "BROKER_CONSUMER_TIMEOUT): giving back to the broker",
