@@ -1,11 +1,6 @@
-"""What passes between the consumer's connection thread and its worker threads.
-
-The connection thread turns each delivery into a :class:`DeliveryWork` and leaves it on the
-:class:`WorkBoard`; a worker takes a batch of them, decides them, and hands the outcomes back
-to the connection thread, which acks, nacks or publishes a retry copy on the :class:`Link` the
-delivery came on. Deliveries are tied to that link: after a reconnect, outcomes of the old link
-are dropped (the broker redelivers those messages, and the inbox recognises any that did
-commit).
+"""What passes between the consumer's connection thread and its worker threads: each delivery
+as a :class:`DeliveryWork` on the :class:`WorkBoard`, settled on the :class:`Link` it came on
+(after a reconnect, outcomes of the old link are dropped: the broker redelivers).
 """
 
 from __future__ import annotations
@@ -42,30 +37,21 @@ class Link:
     consumers: list[tuple[BrokerChannel, str, str, Callable[..., None]]] = field(
         default_factory=list
     )
-    # The shared channel starts at a prefetch of 1 and is opened up to PREFETCH at the first
-    # fresh delivery (see ConnectionThread.open_up).
+    # The shared channel starts at a prefetch of 1 (see ConnectionThread._open_up).
     cautious: bool = True
     open_up: bool = False
-    # The channels of ordered partitions (numbers), and the process's stop event: once it is
-    # set, what those hold goes back only when the connection is dropped (see
-    # ``held_for_the_drop``).
+    # The ordered partitions' channel numbers, and the process's stop event.
     ordered: set[int] = field(default_factory=set)
     stopping: threading.Event = field(default_factory=threading.Event)
-    # Why this link is to be dropped (a worker died holding an ordered partition's delivery):
-    # nothing more of it runs, and the connection's thread drops it (see ``held_for_the_drop``).
+    # Why this link is to be dropped (a worker died holding an ordered partition's delivery).
     dropping: str | None = None
-    # Queues the broker could not declare at connect (their node down): tried again now and
-    # then, and consumed once they can be.
+    # Queues the broker could not declare (their node down): tried again now and then.
     unavailable: dict[str, str] = field(default_factory=dict)
     retry_topology_at: float = 0.0
 
     def held_for_the_drop(self, channel: BrokerChannel) -> bool:
         """An ordered partition's channel of a stopping process, or of a link to be dropped:
-        nothing it holds is handled or nacked any more. A nack would give a message back while
-        this process is still the partition's active consumer: a quorum queue hands it straight
-        back to this process, behind later messages, and the drop then returns them in that
-        order. Dropping the connection gives everything back in the order this process
-        received it."""
+        nothing it holds is handled or nacked any more; the drop gives it back in order."""
         return (
             self.stopping.is_set() or self.dropping is not None
         ) and channel.channel_number in self.ordered
@@ -114,16 +100,15 @@ class DeliveryWork:
 
 @dataclass
 class HeldPartition:
-    """Deliveries of one queue a worker keeps, in order, until ``ready_at``: behind its head's
-    in-place retry, or waiting for the consumer's circuit breaker to let them run."""
+    """Deliveries of one queue a worker keeps, in order, until ``ready_at`` (behind an in-place
+    retry or a circuit breaker)."""
 
     ready_at: float
     items: list[DeliveryWork]
 
 
 class WorkBoard:
-    """Where the connection's thread leaves deliveries for the workers: one lane per worker
-    (the ordered partitions tied to it, in arrival order) and one lane any worker may take."""
+    """Deliveries for the workers: one lane per worker (its ordered partitions) and one shared."""
 
     def __init__(self, workers: int) -> None:
         self._cond = threading.Condition()
@@ -139,8 +124,7 @@ class WorkBoard:
             self._cond.notify_all()
 
     def take(self, worker: int, limit: int, timeout: float) -> list[DeliveryWork]:
-        """Up to ``limit`` items: the worker's own first, then shared ones. Waits at most
-        ``timeout`` seconds for the first."""
+        """Up to ``limit`` items, the worker's own first; waits at most ``timeout`` seconds."""
         with self._cond:
             own = self._own[worker]
             if not own and not self._shared and not self.closed and timeout > 0:

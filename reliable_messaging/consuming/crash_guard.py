@@ -1,12 +1,8 @@
 """The crash guard: a message that kills its process is dead-lettered, not retried forever.
 
-A process killed by its handler (the OOM killer, a segfault, ``SIGKILL``) raises nothing we could
-catch, and the broker hands the message to the next process, which dies the same way. Only a
-delivery that comes back ``redelivered`` pays for the guard: :meth:`CrashGuard.begin` commits a
-:class:`~reliable_messaging.models.SuspectDelivery` row before its handler runs, and a row still
-there when the message comes back again counts one more death. Past ``CRASH_LIMIT`` deaths the
-delivery becomes a dead letter. ``@idempotent_task`` uses the same guard.
-``docs/design.md#the-crash-guard`` explains the counting.
+A redelivered delivery gets a :class:`~reliable_messaging.models.SuspectDelivery` row committed
+before its handler runs; one still there when it comes back counts a death
+(``docs/design.md#the-crash-guard``).
 """
 
 from __future__ import annotations
@@ -73,10 +69,7 @@ class CrashGuard:
         with transaction.atomic(using=self.using):
             row, new = self._locked_row(consumer, message_id)
             died_in = row.last_process
-            if new or row.running:
-                # Redelivered and never watched (the process that had it went away: the first
-                # death, or a lost connection), or marked running by a process that never
-                # finished it: one more death.
+            if new or row.running:  # never watched, or never finished: one more death
                 row.deaths += 1
                 row.last_cause = CRASHED
             suspicion = Suspicion(row.deaths, row.last_cause or CRASHED, died_in)
@@ -89,16 +82,14 @@ class CrashGuard:
             SuspectDelivery.objects.using(self.using).forget(consumer, message_id)
 
     def interrupted(self, keys: Iterable[tuple[str, str]]) -> None:
-        """The deliveries were given back without an outcome, and the process lives on (a
-        graceful stop, a lost connection): no death to count."""
+        """The deliveries were given back without an outcome; the process lives on."""
         for consumer, message_id in keys:
             SuspectDelivery.objects.using(self.using).mark_interrupted(
                 consumer, message_id, at=timezone.now()
             )
 
     def record_death(self, consumer: str, message_id: str, cause: str) -> None:
-        """Called by a process about to exit on purpose because of this delivery (a handler it
-        cannot stop): count the death now, with its cause, so the next process knows why."""
+        """Count a death now, with its cause: the process is about to exit because of it."""
         with transaction.atomic(using=self.using):
             row, _ = self._locked_row(consumer, message_id)
             row.deaths += 1
@@ -121,9 +112,8 @@ def decide_suspect(
     delivery: Delivery,
     run: Callable[[], Outcome | None],
 ) -> Outcome | None:
-    """Decide a redelivered ``delivery``: a dead letter once it has cost ``guard.limit``
-    processes, else ``run()`` (its handler) watched by the guard. The caller makes sure
-    nothing else runs in the process meanwhile (:class:`SuspectGate`)."""
+    """Decide a redelivered ``delivery``: a dead letter past ``guard.limit`` deaths, else
+    ``run()`` watched by the guard, alone in the process (:class:`SuspectGate`)."""
     decoded = processor.decode(delivery)
     if isinstance(decoded, DecodeError) and not decoded.message_id:
         return run()  # nothing to count deaths against; it is dead-lettered without a handler
@@ -154,8 +144,7 @@ def decide_suspect(
         try:
             outcome = run()
         except BaseException:
-            # Nothing was decided (the database went away, or our own bug): this process lives
-            # on, so no death is to be counted when it is tried again.
+            # Nothing was decided and this process lives on: no death to count.
             guard.interrupted([key])
             raise
     if outcome is None or isinstance(outcome, Release | RetryInPlace):
@@ -166,10 +155,8 @@ def decide_suspect(
 
 
 class SuspectGate:
-    """Lets a suspect (a redelivered delivery) run alone in its process: ordinary batches
-    share the gate, a suspect takes it exclusively, so when a message kills the process, no
-    other handler was running to be blamed with it. Ordinary batches never wait on each other.
-    """
+    """Lets a suspect run alone in its process: ordinary batches share the gate, a suspect
+    takes it exclusively, so nothing else is blamed when it kills the process."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()

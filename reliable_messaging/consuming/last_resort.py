@@ -1,12 +1,6 @@
-"""Dead letters for deliveries whose handler never decided anything.
-
-A handler's own failures are decided by :mod:`.retries`. This module covers the outcomes no
-handler exception reaches: the process died on the delivery ``CRASH_LIMIT`` times
-(:mod:`.crash_guard`: reason ``worker_crashed``, or ``timeout`` past a handler's time limit); our
-own code failed on it again and again (``consumer_error``, with the traceback); a quorum queue's
-delivery limit sent it to ``<queue>.dead`` (``delivery_limit``). Each writes the dead letter with
-the raw body and headers in one transaction; when the inbox already holds the message, the
-delivery is a duplicate instead.
+"""Dead letters for deliveries whose handler never decided anything: ``worker_crashed`` and
+``timeout`` (:mod:`.crash_guard`), ``consumer_error`` and ``delivery_limit``; a duplicate instead
+when the inbox holds the message (``docs/design.md#the-crash-guard``).
 """
 
 from __future__ import annotations
@@ -92,8 +86,8 @@ def dead_letter_delivery(
 def consumer_error(
     processor: Processor, delivery: Delivery, exc: Exception, errors: int
 ) -> Acknowledge | Release:
-    """Our own code (not the handler) failed on ``delivery`` ``errors`` times: dead-letter it
-    with the traceback; give it back when even that cannot be written."""
+    """Our own code failed on ``delivery`` ``errors`` times: dead-letter it with the traceback,
+    or give it back when even that cannot be written."""
     try:
         return dead_letter_delivery(
             processor,
@@ -117,8 +111,7 @@ def consumer_error(
 
 
 def _first_death(headers: Mapping[str, Any], queues: list[str]) -> Mapping[str, Any]:
-    """The ``x-death`` entry of the consumer's own queue (the newest first: a message that
-    passed the ``.dead`` queue's limit too has that queue's entry before it), else the newest."""
+    """The ``x-death`` entry of the consumer's own queue, else the newest."""
     deaths = headers.get("x-death")
     if not isinstance(deaths, list):
         return {}
@@ -128,14 +121,12 @@ def _first_death(headers: Mapping[str, Any], queues: list[str]) -> Mapping[str, 
 
 
 def original_delivery(delivery: Delivery, queues: list[str]) -> Delivery:
-    """The delivery as it was in the consumer's queue, from what the broker's dead-lettering
-    recorded in ``x-death`` (queue, exchange, routing key), so a replay goes back to it."""
+    """The delivery as it was in the consumer's queue, from ``x-death``, so a replay goes back."""
     death = _first_death(delivery.headers, queues)
     queue = death.get("queue")
     routing_keys = death.get("routing-keys")
     routing_key = routing_keys[0] if isinstance(routing_keys, list) and routing_keys else None
     exchange = death.get("exchange")
-    # Everything else (body, headers, the frame's defects) stays as it arrived.
     return dataclasses.replace(
         delivery,
         queue=queue if isinstance(queue, str) and queue in queues else queues[0],

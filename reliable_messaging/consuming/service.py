@@ -1,15 +1,6 @@
-"""The long-running consumer: one broker connection, N worker threads, reconnects by itself.
-
-:class:`ConsumerService` puts together three parts cut along the thread seam:
-
-- :mod:`.connection`: the connection's thread owns the broker connection, its channels and
-  consumers, and settles outcomes there (:mod:`.settling`);
-- :mod:`.board`: deliveries wait there for the workers;
-- :mod:`.workers`: the worker threads do all database work and hand their outcomes back to the
-  connection's thread.
-
-``docs/design.md#the-consumer-service-and-its-threads`` explains how every delivery reaches an
-outcome in bounded time.
+"""The long-running consumer: one broker connection (:mod:`.connection`), N worker threads
+(:mod:`.workers`) and the :mod:`.board` between them; reconnects by itself
+(``docs/design.md#the-consumer-service-and-its-threads``).
 """
 
 from __future__ import annotations
@@ -46,10 +37,8 @@ PROGRESS_EVERY = 30.0
 
 
 class ConsumerService:
-    """Consumes the queues of ``specs`` until :meth:`request_stop` (or the idle timeout).
-
-    ``transport`` is how the connection's thread reaches the broker: pika unless given (the
-    in-memory :class:`~reliable_messaging.testing_broker.StubTransport` in fast tests)."""
+    """Consumes the queues of ``specs`` until :meth:`request_stop` (or the idle timeout), over
+    ``transport`` (pika unless given)."""
 
     def __init__(
         self,
@@ -80,7 +69,6 @@ class ConsumerService:
         metrics.consumers_started(processors)
         self._crash_guard = CrashGuard(settings.crash_limit)
         board = WorkBoard(self.concurrency)
-        # Each consumer's circuit breaker in this process (none unless asked for).
         self.breakers = ConsumerBreakers(self.specs, settings, health=health)
         # Each ordered partition queue is tied to one worker, round robin.
         workers = itertools.cycle(range(self.concurrency))
@@ -90,8 +78,7 @@ class ConsumerService:
             if spec.ordered
             for queue in consumer_queues(spec, settings)
         }
-        # Retry copies go out on a connection of their own (see .retry_publisher); a delay
-        # exchange it finds missing makes the connection's thread declare the topology again.
+        # A delay exchange the retry publisher finds missing is declared again.
         self._publisher = self._transport.retry_publisher(
             settings,
             health=health,
@@ -136,13 +123,11 @@ class ConsumerService:
 
     @property
     def exit_code(self) -> int:
-        """0, or 1 when handlers were still running at the stop, 2 for a topology conflict, 4
-        when worker threads kept dying (see :mod:`.workers`)."""
+        """0; 1: handlers still running at the stop; 2: topology conflict; 4: workers dying."""
         return self._workers.exit_code or self._connection.exit_code
 
     def request_stop(self) -> None:
-        """Stop taking deliveries, let handlers in flight finish, then return from :meth:`run`.
-        Safe to call from a signal handler or another thread."""
+        """Stop after the handlers in flight; safe from a signal handler or another thread."""
         self._stop.set()
         if self.health is not None:
             self.health.stopping()

@@ -1,12 +1,8 @@
 """Carrying out the workers' outcomes on the broker, on the connection's thread.
 
-Workers call :meth:`OutcomeSettler.hand_back` from their own threads; it schedules
-:meth:`OutcomeSettler.settle_all` on the connection's thread with ``add_callback_threadsafe``,
-since broker objects are only ever touched by the thread that owns their connection. Acks go
-out after the batch's commit, coalesced; a retry copy is published (with confirms, on the retry
-publisher's connection) before its original is acked; releases are nacked with requeue, except
-on an ordered channel once the process is stopping, where dropping the connection gives them back
-in place (:meth:`~.board.Link.held_for_the_drop`).
+:meth:`OutcomeSettler.hand_back` (any thread) schedules :meth:`OutcomeSettler.settle_all` with
+``add_callback_threadsafe``: acks coalesced, a retry copy confirmed before its original's ack,
+releases nacked with requeue (except on an ordered channel being dropped).
 """
 
 from __future__ import annotations
@@ -84,12 +80,8 @@ class OutcomeSettler:
     # -- the connection's thread -----------------------------------------------------------------
 
     def settle_all(self, settled: list[tuple[DeliveryWork, Outcome]]) -> None:
-        """Carry out the outcomes of a batch on the broker.
-
-        Acks are coalesced: the acked deliveries that are the oldest unsettled ones of their
-        channel go out as one ``basic.ack(multiple=True)``, the others one by one. Nacks and
-        retries are settled first, so a multiple ack never covers a delivery meant otherwise.
-        """
+        """Carry out the outcomes of a batch: nacks and retries first, so a coalesced
+        multiple ack never covers a delivery meant otherwise."""
         acks: dict[int, tuple[Link, BrokerChannel, set[int]]] = {}
         done: list[tuple[DeliveryWork, Outcome]] = []
         for item, outcome in settled:
@@ -114,8 +106,7 @@ class OutcomeSettler:
                 self.on_outcome(item.spec, item.delivery, outcome)
 
     def _publish_retry(self, item: DeliveryWork, retry: ScheduleRetry) -> None:
-        """Hand the retry copy to the publisher (its own connection and thread); the original
-        is acked here, on the connection's thread, once the broker has confirmed the copy."""
+        """Hand the retry copy to the publisher; the original is acked once it is confirmed."""
         link, delivery = item.link, item.delivery
         if not (link.connection.is_open and item.channel.is_open):
             return  # the broker redelivers the original
@@ -167,8 +158,7 @@ def _settleable(item: DeliveryWork, outcome: Outcome) -> bool:
 
 
 def ack_coalesced(link: Link, channel: BrokerChannel, tags: set[int]) -> None:
-    """Ack ``tags`` on ``channel``: the run of them that starts at the channel's oldest
-    unsettled delivery with one multiple ack, the rest one by one."""
+    """Ack ``tags``: the run from the channel's oldest unsettled one with a multiple ack."""
     unsettled = link.unsettled.get(channel.channel_number, {})
     run: list[int] = []
     for tag in unsettled:  # oldest first: tags grow on a channel
