@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 MATRIX ?= 1
 TEST_WORKERS ?= 3
-# 0: the three lanes that follow the storage faults' tests run one after the other (see test:).
+# 0: the three serial parts that `make test` runs side by side run one after the other.
 TEST_SIDE_BY_SIDE ?= 1
 # Run once more through a transaction-pooling PgBouncer (tests/conftest.py, RM_TEST_PGBOUNCER):
 # a representative part of the e2e and publishing slices: consume's life and faults, a replay,
@@ -35,10 +35,11 @@ PGBOUNCER_TESTS ?= tests/e2e/test_consume_command.py tests/e2e/test_replay_end_t
 # foreign producers, the management API's figures, delay queues that hand a retry on at least
 # once, the breaker where it meets ordered partitions, quorum delivery limits and the crash
 # guard, features meeting in one process, and a row the broker closes the connection on
-# (about 4.5 minutes in 3 workers; the last four files about 85 s of it, run alone). Then,
-# alone, the serial tests that stop, alarm or act inside that node (about 2 minutes; none
-# touches PostgreSQL or the 3.10 node). The tests that
-# name both brokers themselves (test_broker_versions.py, test_inspection.py,
+# (about 4.5 minutes in 3 workers; the last four files about 85 s of it, run alone). Before
+# it, RABBITMQ4_SERIAL_TESTS, the serial tests that stop, alarm or act inside that node (about
+# 2 minutes), in one process beside the serial tests of the 3.10 node and of the cluster: none
+# of them uses the 4.0 node, and none of these stops PostgreSQL or touches the 3.10 node. The
+# tests that name both brokers themselves (test_broker_versions.py, test_inspection.py,
 # test_relay_broker_limits.py) run in the first stage.
 RABBITMQ4_TESTS ?= tests/e2e/test_consume_command.py tests/e2e/test_ordering.py \
 	tests/e2e/test_replay_end_to_end.py tests/faults/test_poison_pills.py \
@@ -112,63 +113,57 @@ test: venv services
 	@command -v pgbouncer >/dev/null || test -x /usr/sbin/pgbouncer || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer)
 	@# The RabbitMQ 4.0 node is Debian trixie's package in a debootstrap root (scripts/rabbitmq4.sh).
 	@command -v debootstrap >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap)
-	@# First the tests that share nothing, in $(TEST_WORKERS) parallel workers; then those that stop
-	@# PostgreSQL or Redis (marked serial and stops_storage in tests/conftest.py), with nothing
-	@# beside them. Then three lanes side by side, each breaking only what no other lane uses:
-	@#   - the serial tests that stop or alarm the broker on 5672 (serial and stops_broker), then
-	@#     PGBOUNCER_TESTS again, every connection through a PgBouncer in transaction mode, then
-	@#     the version matrix's two ends (noxfile.py: the newest Python and Django, and the lowest
-	@#     versions setup.cfg admits, each on the version-sensitive slice; MATRIX=0 skips them,
-	@#     `make matrix` runs every pair), all of which use the node on 5672;
-	@#   - RABBITMQ4_TESTS again against the RabbitMQ 4.0 node (built the first time, about 3
-	@#     minutes; started if it is down), then RABBITMQ4_SERIAL_TESTS alone on that node;
-	@#   - the cluster tests (serial and cluster), on a cluster of their own.
-	@# The last two print their output when they are done (a test database of their own each);
-	@# TEST_SIDE_BY_SIDE=0 runs the three lanes one after the other instead.
+	@# 1. The tests that share nothing, in $(TEST_WORKERS) parallel workers.
+	@# 2. Those that stop PostgreSQL or Redis (serial and stops_storage, tests/conftest.py), alone.
+	@# 3. Side by side, one pytest process each, as each breaks only what the others do not use:
+	@#    the serial tests that stop or alarm the node on 5672 (serial and stops_broker); the
+	@#    cluster tests on their own cluster (serial and cluster); RABBITMQ4_SERIAL_TESTS, acting
+	@#    on the RabbitMQ 4.0 node (built the first time, about 3 minutes; started if it is down).
+	@#    The last two print their output when done; TEST_SIDE_BY_SIDE=0 runs the three in turn.
+	@# 4. PGBOUNCER_TESTS again, every connection through a PgBouncer in transaction mode; then
+	@#    RABBITMQ4_TESTS again against the 4.0 node; then the version matrix's two ends
+	@#    (noxfile.py): the newest Python and Django, and the lowest versions setup.cfg admits,
+	@#    each on the version-sensitive slice (MATRIX=0 skips them; `make matrix` runs every pair).
 	@# Every part always runs; exit code 5 ("no tests selected", e.g. with -k) is not a failure.
 	@run() { local s=0; "$$@" || s=$$?; (( s == 5 )) && s=0; return $$s; }; \
 	db=$${RM_TEST_DB_NAME:-test_reliable_messaging}; \
-	lane_broker() { \
-		local rc=0; \
-		run $(BIN)/pytest -m "serial and stops_broker" $(PYTEST_ARGS) || rc=$$?; \
-		RM_TEST_PGBOUNCER=1 run $(BIN)/pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) \
-			$(PGBOUNCER_TESTS) || rc=$$(( rc ? rc : $$? )); \
-		[[ "$(MATRIX)" == 0 ]] || $(BIN)/nox -s ci || rc=$$(( rc ? rc : $$? )); \
-		return $$rc; \
-	}; \
-	lane_rabbitmq4() { \
-		local rc=0; \
-		scripts/rabbitmq4.sh start || return $$?; \
-		RM_TEST_DB_NAME=$${db}_rabbitmq4 RM_TEST_BROKER=rabbitmq4 run $(BIN)/pytest \
-			-n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) $(RABBITMQ4_TESTS) || rc=$$?; \
-		RM_TEST_DB_NAME=$${db}_rabbitmq4 RM_TEST_BROKER=rabbitmq4 run $(BIN)/pytest -m serial \
-			$(PYTEST_ARGS) $(RABBITMQ4_SERIAL_TESTS) || rc=$$(( rc ? rc : $$? )); \
-		return $$rc; \
-	}; \
-	lane_cluster() { \
-		RM_TEST_DB_NAME=$${db}_cluster run $(BIN)/pytest -m "serial and cluster" $(PYTEST_ARGS); \
+	on_rabbitmq4() { RM_TEST_DB_NAME=$${db}_rabbitmq4 RM_TEST_BROKER=rabbitmq4 run "$$@"; }; \
+	broker_faults() { run $(BIN)/pytest -m "serial and stops_broker" $(PYTEST_ARGS); }; \
+	cluster() { RM_TEST_DB_NAME=$${db}_cluster run $(BIN)/pytest -m "serial and cluster" $(PYTEST_ARGS); }; \
+	rabbitmq4_faults() { \
+		scripts/rabbitmq4.sh start || return 99; \
+		on_rabbitmq4 $(BIN)/pytest -m serial $(PYTEST_ARGS) $(RABBITMQ4_SERIAL_TESTS); \
 	}; \
 	rc=0; run $(BIN)/pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) || rc=$$?; \
 	rc2=0; run $(BIN)/pytest -m "serial and stops_storage" $(PYTEST_ARGS) || rc2=$$?; \
 	rc3=0; rc4=0; rc5=0; \
 	if [[ "$(TEST_SIDE_BY_SIDE)" == 0 ]]; then \
-		lane_broker || rc3=$$?; lane_rabbitmq4 || rc4=$$?; lane_cluster || rc5=$$?; \
+		broker_faults || rc3=$$?; cluster || rc4=$$?; rabbitmq4_faults || rc5=$$?; \
 	else \
 		logs=$$(mktemp -d "$${TMPDIR:-/tmp}/rm-make-test.XXXXXX"); \
-		lane_rabbitmq4 >"$$logs/rabbitmq4.log" 2>&1 & r4=$$!; \
-		lane_cluster >"$$logs/cluster.log" 2>&1 & cluster=$$!; \
-		echo "make test: the RabbitMQ 4.0 lane and the cluster lane run beside this one;" \
-			"their output: $$logs/rabbitmq4.log, $$logs/cluster.log"; \
-		lane_broker || rc3=$$?; \
-		wait $$r4 || rc4=$$?; \
-		echo "==================== the RabbitMQ 4.0 lane (exit $$rc4) ===================="; \
-		cat "$$logs/rabbitmq4.log"; \
-		wait $$cluster || rc5=$$?; \
-		echo "==================== the cluster lane (exit $$rc5) ===================="; \
+		cluster >"$$logs/cluster.log" 2>&1 & cluster_pid=$$!; \
+		rabbitmq4_faults >"$$logs/rabbitmq4.log" 2>&1 & rabbitmq4_pid=$$!; \
+		echo "make test: the cluster tests and the RabbitMQ 4.0 node's serial tests run beside" \
+			"these; their output: $$logs/cluster.log, $$logs/rabbitmq4.log"; \
+		broker_faults || rc3=$$?; \
+		wait $$cluster_pid || rc4=$$?; \
+		echo "==================== the cluster tests (exit $$rc4) ===================="; \
 		cat "$$logs/cluster.log"; \
+		wait $$rabbitmq4_pid || rc5=$$?; \
+		echo "==================== RABBITMQ4_SERIAL_TESTS (exit $$rc5) ===================="; \
+		cat "$$logs/rabbitmq4.log"; \
 		rm -rf "$$logs"; \
 	fi; \
-	for code in $$rc $$rc2 $$rc3 $$rc4 $$rc5; do (( code == 0 )) || exit $$code; done
+	rc6=0; RM_TEST_PGBOUNCER=1 run $(BIN)/pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) \
+		$(PGBOUNCER_TESTS) || rc6=$$?; \
+	rc7=0; if [[ $$rc5 != 99 ]]; then \
+		on_rabbitmq4 $(BIN)/pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) \
+			$(RABBITMQ4_TESTS) || rc7=$$?; \
+	fi; \
+	rc8=0; [[ "$(MATRIX)" == 0 ]] || $(BIN)/nox -s ci || rc8=$$?; \
+	for code in $$rc $$rc2 $$rc3 $$rc4 $$rc5 $$rc6 $$rc7 $$rc8; do \
+		(( code == 0 )) || exit $$code; \
+	done
 
 # Every (Python, Django) pair supported, and the lowest versions (noxfile.py).
 matrix: venv services

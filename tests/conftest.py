@@ -40,13 +40,13 @@ def pytest_configure(config: pytest.Config) -> None:
 # Tests that stop, restart or alarm a service other tests use (the broker under test, PostgreSQL,
 # Redis), or start a cluster of their own: marked ``serial``, `make test` runs none of them in
 # its parallel workers (pytest-xdist), so no other test sees their faults. Each also carries
-# the marker of its group, by what it breaks; `make test` runs each group alone among the tests
-# that use what it breaks, beside groups that break nothing they use:
+# the marker of its group, by what it breaks; `make test` runs a group in one process, beside
+# no test that uses what it breaks:
 #
 # - ``stops_storage``: PostgreSQL or Redis stopped. Every test uses them: nothing runs beside.
 # - ``stops_broker``: the broker under test stopped, alarmed, or closing channels and taking
-#   permissions away by ``rabbitmqctl eval`` in the node (the two test_broker_closes.py tests,
-#   whose timing windows are tight). Beside them: the RabbitMQ 4.0 slice and the cluster.
+#   permissions away by ``rabbitmqctl eval`` in the node (the two test_broker_closes.py tests).
+#   Beside them (on 5672): the cluster tests, and the RabbitMQ 4.0 node's own serial tests.
 # - ``cluster``: a RabbitMQ cluster of the session's own (tests/cluster), beside the node under
 #   test, never touching it.
 #
