@@ -8,10 +8,8 @@ app), which registers the task; add it to the beat schedule::
         "relay-outbox": {"task": "reliable_messaging.relay_outbox", "schedule": 5.0},
     }
 
-Each run drains the outbox for at most ``max_seconds`` and returns a summary. Runs may overlap:
-on PostgreSQL rows are claimed with ``SELECT ... FOR UPDATE SKIP LOCKED``, so no row is sent twice
-by two runs; SQLite ignores ``SKIP LOCKED``, so overlapping runs there may send a row twice (the
-consumers' inbox drops the copy).
+Each run drains the outbox for at most ``max_seconds`` and returns a summary. Overlapping runs
+never send a row twice on PostgreSQL (``SKIP LOCKED``); on SQLite the consumers' inbox drops it.
 """
 
 from __future__ import annotations
@@ -35,16 +33,14 @@ from .storage.partitions import OUTBOX, ensure_partitions
 @shared_task(name="reliable_messaging.relay_outbox", ignore_result=False)
 def relay_outbox(max_seconds: float = 50.0, batch_size: int | None = None) -> dict[str, Any]:
     """Publish pending outbox rows until none is left or ``max_seconds`` have passed."""
-    # The sent rows' day partitions (PostgreSQL), made ahead as `manage.py relay` makes them: a
-    # catalog read when they exist.
+    # The sent rows' day partitions, made ahead as `manage.py relay` makes them.
     ensure_partitions(router.db_for_write(OutboxMessage), spec=OUTBOX)
     report = build_relay(
         once=True,
         max_seconds=max_seconds,
         batch_size=batch_size,
         listen=False,
-        # Declared before it sends, as `manage.py relay` does, but once per worker process
-        # (again after a failure, or while a queue is unavailable), not a connection every run.
+        # Declared before it sends, as `manage.py relay` does, but once per worker process.
         consumers=registry.all(),
         declare_once_per_process=True,
     ).run()

@@ -1,16 +1,9 @@
 """In-memory twins of the broker transports, for fast tests of the real consumer and relay.
 
-``ConsumerService(specs, transport=StubTransport())`` runs the real consumer over queues held in
-memory: :meth:`StubTransport.publish` puts a message on a queue, deliveries respect each
-channel's prefetch, :attr:`StubTransport.log` records every ack, nack and retry copy, requeued
-messages come back ``redelivered`` and :meth:`StubTransport.close_channel` plays the broker
-closing a channel. No exchanges, bindings or delivery limits; retry copies are confirmed at once
-and put back without the delay.
-
-``build_relay(transport=StubPublisher())`` runs the real relay over a broker that confirms in
-order, in reverse or with ``multiple``, nacks, returns unroutable messages, refuses a row by
-closing the channel, closes the connection on an oversized header frame, drops the connection,
-blocks, or holds confirms, as the test says. Both still need the database.
+``ConsumerService(specs, transport=StubTransport())`` runs the real consumer over queues in
+memory (no exchanges, bindings or delivery limits; retry copies come back at once);
+``build_relay(transport=StubPublisher())`` runs the real relay over a broker that confirms,
+nacks, returns, refuses or blocks as the test says. Both still need the database.
 """
 
 from __future__ import annotations
@@ -27,12 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .broker.limits import header_frame_of
-from .broker.publisher import (
-    ChannelClosed,
-    PublisherEvents,
-    Returned,
-    message_properties,
-)
+from .broker.publisher import ChannelClosed, PublisherEvents, Returned, message_properties
 from .broker.retry_publisher import RetryCopy
 from .broker.topology import consumer_queues
 from .broker.transport import OnMessage
@@ -92,9 +80,7 @@ class _Frame:
 @dataclass(frozen=True)
 class BrokerEvent:
     """One thing the consumer did on the broker: ``kind`` is ``ack``, ``nack``, ``retry_copy``
-    or ``channel_closed`` (by the broker); ``message_ids`` the messages it settled (all those an
-    ack with ``multiple`` covered; "" for one without a message_id). ``connection`` counts the
-    connections from 1."""
+    or ``channel_closed`` (by the broker); ``message_ids`` the messages it settled."""
 
     kind: str
     connection: int
@@ -128,7 +114,6 @@ class StubChannel:
         self.consumers: list[_Consumer] = []
         self.unacked: dict[int, StubMessage] = {}
         self._tags = itertools.count(1)
-        self._on_cancel: list[Callable[[Any], None]] = []
 
     def basic_qos(self, prefetch_count: int) -> None:
         self.prefetch = prefetch_count
@@ -164,7 +149,7 @@ class StubChannel:
                 self._broker.requeue(settled)
 
     def add_on_cancel_callback(self, callback: Callable[[Any], None]) -> None:
-        self._on_cancel.append(callback)
+        """The stub broker never cancels a consumer."""
 
     def close(self) -> None:
         self._close()
@@ -297,7 +282,7 @@ class StubConnection:
 
 
 class _StubRetryPublisher:
-    """Confirms each copy at once; puts it back on its queue unless told not to."""
+    """Confirms each copy at once and puts it back on its queue."""
 
     def __init__(self, broker: StubTransport) -> None:
         self._broker = broker
@@ -309,15 +294,13 @@ class _StubRetryPublisher:
         with self._broker.lock:
             self._broker.retry_copies.append(copy)
             self._broker.log.append(BrokerEvent("retry_copy", 0, 0, message_ids=(copy.message_id,)))
-            if self._broker.deliver_retries:
-                # As the broker hands it back from the delay queue: through the default
-                # exchange, under the queue's name.
-                self._broker.queues.setdefault(copy.routing_key, collections.deque()).append(
-                    StubMessage(
-                        copy.routing_key, copy.body, copy.properties, routing_key=copy.routing_key
-                    )
+            # As the delay queue hands it back: through the default exchange, by queue name.
+            self._broker.queues.setdefault(copy.routing_key, collections.deque()).append(
+                StubMessage(
+                    copy.routing_key, copy.body, copy.properties, routing_key=copy.routing_key
                 )
-                self._broker.wake.notify_all()
+            )
+            self._broker.wake.notify_all()
         copy.placed()
 
     def pending(self) -> int:
@@ -335,10 +318,9 @@ class StubTransport:
 
     connection_errors: tuple[type[BaseException], ...] = (StubConnectionLost,)
 
-    def __init__(self, *, deliver_retries: bool = True) -> None:
+    def __init__(self) -> None:
         self.lock = threading.RLock()
         self.wake = threading.Condition(self.lock)
-        self.deliver_retries = deliver_retries
         self.queues: dict[str, collections.deque[StubMessage]] = {}
         self.connections: list[StubConnection] = []
         self.log: list[BrokerEvent] = []
@@ -407,8 +389,7 @@ class StubTransport:
             return [e for e in self.log if kind is None or e.kind == kind]
 
     def close_channel(self, queue: str, reason: str = "406 PRECONDITION_FAILED") -> int:
-        """Close, as the broker would, the open channel consuming ``queue``: what it held goes
-        back to the head of its queues, redelivered. Returns the channel's number."""
+        """Close the open channel consuming ``queue`` as the broker would; its number."""
         with self.lock:
             for connection in self.connections:
                 for channel in connection.channels:
@@ -478,17 +459,12 @@ class _Timer:
 
 
 class StubPublisher:
-    """The relay's :class:`~reliable_messaging.broker.publisher.PublisherTransport` in memory,
-    with an I/O loop of its own on the thread that calls :meth:`run`.
+    """The relay's :class:`~reliable_messaging.broker.publisher.PublisherTransport` in memory.
 
-    ``confirms``: ``"in order"``, ``"reverse"`` (out of order), ``"multiple"`` (one ack for a
-    run of tags) or ``"hold"`` (none: confirm timeouts); ``routes``: the routing-key patterns
-    some queue is bound with (others are returned, ``mandatory``); ``missing``: exchanges that
-    do not exist (a publish to one closes the channel, 404); ``nack`` and ``refuse`` (a reply
-    code and text: the broker closes the channel) judge each message; ``on_publish`` sees each
-    one taken, and may :meth:`drop_connection`, :meth:`block`, ... there. A header frame over
-    ``frame_max`` closes the connection, as RabbitMQ does. ``routed`` holds what reached a
-    queue (acked and routable), in the order the broker confirmed it."""
+    ``confirms``: ``"in order"``, ``"reverse"``, ``"multiple"`` or ``"hold"`` (none);
+    ``routes``: the bound routing-key patterns (others are returned); ``missing``: exchanges
+    that do not exist (404); ``nack`` and ``refuse`` judge each message; ``on_publish`` sees
+    each one taken. ``routed`` holds what reached a queue, in confirm order."""
 
     def __init__(
         self,
@@ -544,8 +520,7 @@ class StubPublisher:
     more_brokers = False
 
     def run(self, events: PublisherEvents) -> None:
-        """One connection: open it and a channel, then serve timers, posted callbacks, watched
-        sockets and the broker's answers until it closes."""
+        """One connection: serve timers, posted callbacks, sockets and answers until it closes."""
         self.connections += 1
         self._events, self._open = events, True
         self._deaf = self._dropping = self._blocked = False
@@ -652,8 +627,7 @@ class StubPublisher:
     # -- what the test makes the broker do (from any thread, or from on_publish) -----------------
 
     def close_channel(self, reply_code: int, reply_text: str) -> None:
-        """Close the channel as the broker does at a publish it refuses: what was published
-        before is still confirmed, nothing after is read."""
+        """Refuse a publish: what went before is still confirmed, nothing after is read."""
         self._deaf = True
         self.post(lambda: self._close_channel(reply_code, reply_text))
 

@@ -1,14 +1,8 @@
-"""A publisher with confirms on pika's asynchronous ``SelectConnection``: transport only.
+"""A publisher with confirms on pika's ``SelectConnection``: the relay's transport only.
 
-It opens a connection (the next broker of a shuffled list each time, so a node that is down
-costs one attempt) and a channel in confirm mode, and publishes persistent, ``mandatory``
-messages, each with the delivery tag its confirm will name. What the broker says comes back as
-calls on a :class:`PublisherEvents`. Nothing here knows about the outbox: the relay
-(:mod:`reliable_messaging.publishing.relay`) decides what to publish and what a confirm means.
-The relay sees it through :class:`PublisherTransport`, which the in-memory twin
-(:class:`reliable_messaging.testing_broker.StubPublisher`) implements too. Every method runs on
-the I/O loop's thread, except :meth:`~PublisherTransport.post`, the way other threads hand
-work to it.
+The relay sees it through :class:`PublisherTransport` and hears the broker through
+:class:`PublisherEvents` (``docs/design.md#the-relay-a-pipeline-with-publisher-confirms``, the
+transport seam). Every method runs on the I/O loop's thread, except ``post``.
 """
 
 from __future__ import annotations
@@ -48,8 +42,7 @@ ENCODING_ERRORS: tuple[type[BaseException], ...] = (
 
 
 class Unencodable(Exception):
-    """pika cannot encode the message (a header value of no AMQP type, a too long short
-    string, ...): nothing was written and no delivery tag was used."""
+    """pika cannot encode the message: nothing was written and no delivery tag was used."""
 
     def __init__(self, error: BaseException) -> None:
         super().__init__(f"cannot encode the message: {error!r}")
@@ -109,8 +102,7 @@ class PublisherEvents(Protocol):
 
 
 class PublisherTransport(Protocol):
-    """What the relay asks of the broker: one connection at a time with a channel in confirm
-    mode, and its I/O loop. :class:`ConfirmingPublisher` is the real one."""
+    """What the relay asks of the broker: a connection, a channel in confirm mode, its I/O loop."""
 
     @property
     def is_open(self) -> bool:
@@ -141,8 +133,7 @@ class PublisherTransport(Protocol):
         timestamp: int,
         headers: dict[str, Any],
     ) -> int:
-        """Publish a persistent, mandatory message; its delivery tag (1, 2, ... on each
-        channel). Raises :class:`Unencodable` when nothing could be written."""
+        """Publish a persistent, mandatory message; its delivery tag, or :class:`Unencodable`."""
 
     def flush(self) -> None:
         """Write what was published since the last flush."""
@@ -174,8 +165,7 @@ class PublisherTransport(Protocol):
 
 
 def message_properties(message_id: str, timestamp: int, headers: dict[str, Any]) -> BasicProperties:
-    """The properties of a message the relay sends: JSON, persistent, with its id, the Unix
-    second it was published at and its headers."""
+    """The properties of a message the relay sends: JSON, persistent, with its id and headers."""
     return BasicProperties(
         content_type=CONTENT_TYPE,
         delivery_mode=pika.DeliveryMode.Persistent,
@@ -186,8 +176,7 @@ def message_properties(message_id: str, timestamp: int, headers: dict[str, Any])
 
 
 class ConfirmingPublisher:
-    """The :class:`PublisherTransport` over pika: :meth:`run` opens a connection and returns
-    when its I/O loop ends."""
+    """The :class:`PublisherTransport` over pika."""
 
     events: PublisherEvents  # the owner of the loop :meth:`run` runs
 
@@ -204,7 +193,6 @@ class ConfirmingPublisher:
     # -- the connection's life ---------------------------------------------------------------
 
     def run(self, events: PublisherEvents) -> None:
-        """Connect and run the I/O loop until the connection ends or :meth:`close` is called."""
         self.events = events
         self._connection = pika.SelectConnection(
             self._next_broker(),
@@ -225,7 +213,6 @@ class ConfirmingPublisher:
 
     @property
     def more_brokers(self) -> bool:
-        """Another node of the list is left to try in this round of connects."""
         return bool(self._brokers)
 
     @property
@@ -234,18 +221,15 @@ class ConfirmingPublisher:
 
     @property
     def frame_max(self) -> int:
-        """The frame size the connection was tuned to (the smaller of ours and the broker's)."""
         if self._connection is None:
             return int(pika.ConnectionParameters.DEFAULT_FRAME_MAX)
         return int(self._connection.params.frame_max)
 
     @property
     def ready(self) -> bool:
-        """The channel is open: publishing goes out."""
         return self._channel is not None and self._channel.is_open
 
     def close(self, reason: str = "Normal shutdown") -> None:
-        """Close the connection gracefully; the loop ends when the broker answers."""
         connection = self._connection
         if connection is None:
             return
@@ -255,8 +239,7 @@ class ConfirmingPublisher:
             connection.ioloop.stop()
 
     def abandon(self) -> None:
-        """End the loop without the closing handshake: while the broker blocks the connection
-        it reads nothing, so no Close-Ok would come. The socket goes with the connection."""
+        """End the loop without the closing handshake: a blocked connection sends no Close-Ok."""
         if self._connection is not None:
             self._connection.ioloop.stop()
 
@@ -265,8 +248,7 @@ class ConfirmingPublisher:
             self._connection.channel(on_open_callback=self._on_channel_open)
 
     def _next_broker(self) -> pika.URLParameters:
-        """The broker URL to try next: each connect takes the next one of a shuffled list, so
-        a node that is down costs one attempt and the next connect goes elsewhere."""
+        """The next URL of a shuffled list: a node that is down costs one connect."""
         if not self._brokers:
             self._brokers = connection_parameters(self.settings, name=self.name)
         return self._brokers.pop()
@@ -292,8 +274,6 @@ class ConfirmingPublisher:
         timestamp: int,
         headers: dict[str, Any],
     ) -> int:
-        """Publish a persistent, mandatory message; returns its delivery tag. Raises
-        :class:`Unencodable` when pika cannot encode it (nothing is written then)."""
         assert self._channel is not None
         properties = message_properties(message_id, timestamp, headers)
         try:
@@ -311,14 +291,12 @@ class ConfirmingPublisher:
         return tag
 
     def flush(self) -> None:
-        """A few writes for what was published since the last flush, instead of three a
-        message (see write_coalescing)."""
+        """A few writes instead of three a message (see write_coalescing)."""
         coalesce_writes(self._connection)
 
     def exchange_exists(self, exchange: str) -> bool:
-        """A passive declare on a connection of its own, remembered for a while (see
-        :class:`.probes.ExchangeProbe`): publishing to a missing exchange would close the
-        channel and throw away the confirms of every other row in flight."""
+        """Asked first: a publish to a missing exchange would close the channel under every
+        other row in flight."""
         return self._probe.exists(exchange)
 
     def forget_exchange(self, exchange: str | None) -> None:
@@ -335,8 +313,6 @@ class ConfirmingPublisher:
             self._connection.ioloop.remove_timeout(timer)
 
     def post(self, callback: Callable[[], None]) -> None:
-        """From another thread: run ``callback`` on the I/O loop. Lost when the loop has
-        ended (the owner accounts for that when :meth:`run` returns)."""
         connection = self._connection
         if connection is not None:
             try:

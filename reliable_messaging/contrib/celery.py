@@ -33,7 +33,7 @@ from django.db import DatabaseError, router, transaction
 from .. import metrics, tracing
 from ..choices import DeadLetterReason
 from ..conf import messaging_settings
-from ..consuming.crash_guard import CrashGuard, Suspicion
+from ..consuming.crash_guard import CrashGuard
 from ..core.database_errors import (
     CONFLICT_RETRIES,
     DatabaseTrouble,
@@ -53,8 +53,7 @@ logger = logging.getLogger(__name__)
 
 # One WARNING per outage for the whole worker process, not a traceback per task.
 _outage = OutageLog(logger)
-# Seconds a task waits before its message goes back to the queue while the database is
-# unavailable, so that a worker does not spin on it.
+# Seconds before a task's message goes back to the queue while the database is unavailable.
 UNAVAILABLE_PAUSE = 1.0
 
 P = ParamSpec("P")
@@ -68,8 +67,7 @@ HASHED_KEY_PREFIX = "sha256:"
 # Headers of a task's dead letter: they say it was a Celery task, not an AMQP delivery of ours.
 CELERY_TASK_ID_HEADER = "celery-task-id"
 
-# The wrappers @idempotent_task returned, so the system check can find their Celery tasks.
-# Weak: a task defined and dropped at run time (a test's) does not stay here.
+# The wrappers @idempotent_task returned, for the system check (weak: tests drop theirs).
 _idempotent_bodies: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
 
 
@@ -90,11 +88,8 @@ def inbox_key(key: object) -> str:
 
 
 def _running_task(wrapper: Callable[..., Any]) -> Task | None:
-    """The Celery task whose body is ``wrapper``, when that is the task running now.
-
-    Celery pushes a task on its stack both when a worker (or ``apply()``) runs it and when it
-    is called directly. Its ``run`` leads to our wrapper through ``__wrapped__`` layers when
-    something wraps it (another decorator, Celery's own ``autoretry_for``)."""
+    """The Celery task whose body is ``wrapper`` (through any ``__wrapped__`` layers), when that
+    is the task running now (by a worker, ``apply()`` or a direct call)."""
     task = current_task._get_current_object() if current_task else None
     if task is None:
         return None
@@ -147,8 +142,7 @@ def unsafe_idempotent_tasks(apps: Sequence[Celery] | None = None) -> list[Unsafe
 
 
 def _configured_apps() -> list[Celery]:
-    # Celery keeps every app it created in a weak set; shared_task itself walks it to add its
-    # task to each one. The fallback app it makes up when none was configured is left out: no
+    # Every app Celery created, but the fallback it makes up when none was configured: no
     # worker runs it, and its defaults would make every task look unsafe.
     from celery import _state
 
@@ -174,8 +168,7 @@ def _unsafe_options(app: Celery, task: Task) -> tuple[str, ...]:
             "reject_on_worker_lost is off, so the task of a killed child is acked as failed"
         )
     if option("retry_on_worker_lost"):
-        # Its copy is a new message, not a redelivery: the crash guard never sees it, and once
-        # max_retries copies have died Celery acks the task as failed, with no dead letter.
+        # Its copy is a new message, which the crash guard never sees.
         problems.append(
             "retry_on_worker_lost is on, so once max_retries copies have died the task is "
             "acked as failed, with no dead letter"
@@ -189,10 +182,7 @@ def idempotent_task(func: Callable[P, R], /) -> Callable[P, R | None]: ...
 
 @overload
 def idempotent_task(
-    *,
-    key: Callable[..., object] | None = None,
-    scope: str | None = None,
-    using: str | None = None,
+    *, key: Callable[..., object] | None = None, scope: str | None = None, using: str | None = None
 ) -> Callable[[Callable[P, R]], Callable[P, R | None]]: ...
 
 
@@ -221,15 +211,9 @@ def idempotent_task(
 
     Run it with ``acks_late=True`` and ``reject_on_worker_lost=True`` (on the task, or
     ``task_acks_late`` / ``task_reject_on_worker_lost`` for the app; the system check
-    ``reliable_messaging.W020`` says when a task lacks them). A pool child killed mid-task
-    (OOM killer, ``SIGKILL``) takes the body's transaction with it; without
-    ``reject_on_worker_lost`` Celery then acks the message as failed and the key never takes
-    effect; with it, the message goes back to the queue and runs again. A redelivered message
-    is watched by the crash guard: once children have died on it ``CRASH_LIMIT`` times it is
-    not run again but stored as a dead letter (reason ``worker_crashed``, ``attempts`` = the
-    deaths), logged, counted as outcome ``dead_lettered`` and returns ``None``, and Celery acks
-    it. Such a dead letter is for reading and discarding in the admin: it is not a message a
-    replay could publish, so once the cause is fixed, call the task again.
+    ``reliable_messaging.W020`` says when a task lacks them), so that the task of a pool child
+    killed mid-task runs again; past ``CRASH_LIMIT`` deaths it becomes a dead letter
+    (``worker_crashed``) and returns ``None`` (see ``docs/delivery-outcomes.md``).
     """
     if scope is not None and not 0 < len(scope) <= KEY_MAX_LENGTH:
         raise ValueError(f"scope must be 1 to {KEY_MAX_LENGTH} characters, got {scope!r}")
@@ -264,9 +248,8 @@ def idempotent_task(
             with tracing.running_task(request, name, message_id) as traced:
                 guard = None
                 if task is not None and _redelivered(task):
-                    # The message came back unacked: a pool child may have died on it. Only such
-                    # messages pay for the guard; its mark commits before the body's transaction
-                    # opens, so it outlives a SIGKILL.
+                    # A pool child may have died on it: the guard's mark commits before the
+                    # body's transaction opens, so it outlives a SIGKILL.
                     guard = CrashGuard(messaging_settings.crash_limit, using=alias)
                     task_args = args[1:] if bound_self else args
                     try:
@@ -283,7 +266,12 @@ def idempotent_task(
                         return None  # Celery acks it, and the queue moves on
                 try:
                     result = _run_retrying_conflicts(
-                        body, args, kwargs, task, name, message_id, alias, traced
+                        functools.partial(
+                            _run_in_inbox, body, args, kwargs, task, name, message_id, alias, traced
+                        ),
+                        name,
+                        message_id,
+                        alias,
                     )
                 except BaseException as exc:
                     if (
@@ -295,9 +283,8 @@ def idempotent_task(
                             _interrupted(guard, name, message_id)
                         traced.settle("held", "the database is unavailable")
                         _hold(task, name, message_id, exc)
-                    # An exception is an outcome: Celery fails or retries the task. SystemExit and
-                    # MemoryError end the child (Celery lets them through): the mark stays
-                    # "running", so the redelivery counts the death as if it were a SIGKILL.
+                    # An exception is an outcome; SystemExit and MemoryError end the child, and
+                    # the redelivery counts the death as if it were a SIGKILL.
                     if guard is not None and _is_outcome(exc):
                         _forget(guard, name, message_id)
                     raise
@@ -312,22 +299,12 @@ def idempotent_task(
     return decorate if func is None else decorate(func)
 
 
-def _run_retrying_conflicts(
-    body: Callable[..., R],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    task: Task | None,
-    name: str,
-    message_id: str,
-    alias: str,
-    traced: tracing.TaskSpan,
-) -> R | None:
-    """:func:`_run_in_inbox`, run again in a new transaction (a bounded number of times, not
-    charged to the task) when the database reports a deadlock or a serialization failure.
-    Inside a caller's transaction there is no new transaction to run in: it raises at once."""
+def _run_retrying_conflicts(run: Callable[[], R], name: str, message_id: str, alias: str) -> R:
+    """``run`` again in a new transaction (a bounded number of times, not charged to the task)
+    on a deadlock or a serialization failure; inside a caller's transaction it raises at once."""
     for retry in range(CONFLICT_RETRIES + 1):
         try:
-            return _run_in_inbox(body, args, kwargs, task, name, message_id, alias, traced)
+            return run()
         except DatabaseError as exc:
             if (
                 classify(exc) is not DatabaseTrouble.CONFLICT
@@ -351,10 +328,8 @@ def _run_retrying_conflicts(
 
 
 def _hold(task: Task | None, name: str, message_id: str, exc: DatabaseError) -> NoReturn:
-    """The database is unavailable: the task message goes back to its queue (a
-    ``Reject(requeue=True)``, which ``acks_late`` makes possible) after a short pause, counting
-    no retry; called outside a worker (eagerly, directly), :class:`DatabaseUnavailable` is
-    raised instead."""
+    """The database is unavailable: the task message goes back to its queue after a pause
+    (outside a worker, :class:`DatabaseUnavailable` is raised instead)."""
     _outage.held([message_id], exc, UNAVAILABLE_PAUSE)
     if task is None or getattr(task.request, "is_eager", False):
         raise DatabaseUnavailable(
@@ -365,8 +340,7 @@ def _hold(task: Task | None, name: str, message_id: str, exc: DatabaseError) -> 
 
 
 def _interrupted(guard: CrashGuard, scope: str, message_id: str) -> None:
-    """The task was given back without an outcome, and the child lives on: no death to count
-    (when the database lets us say so)."""
+    """The task was given back without an outcome, and the child lives on: no death to count."""
     try:
         guard.interrupted([(scope, message_id)])
     except DatabaseError:
@@ -427,9 +401,7 @@ def _is_outcome(exc: BaseException) -> bool:
 
 
 def _forget(guard: CrashGuard, scope: str, message_id: str) -> None:
-    """The task reached an outcome: drop the guard's mark. Failing to must not turn an effect
-    that committed into a failed task; a mark left behind is never read again (the message
-    is acked)."""
+    """The task reached an outcome: drop the guard's mark (failing to is only logged)."""
     try:
         guard.finish([(scope, message_id)])
     except DatabaseError as exc:
@@ -450,36 +422,18 @@ def _dead_letter_if_crash_looping(
     args: Sequence[Any],
     kwargs: dict[str, Any],
 ) -> bool:
-    """Count the deaths on this redelivered task; past the limit, store it as a dead letter
-    instead of running it again (``True``). A key already in the inbox took effect: it goes on
-    to be skipped as a duplicate, however often the children died around it."""
+    """Count the deaths on this redelivered task; past the limit (unless its key already took
+    effect), store it as a dead letter, for the admin, instead of running it (``True``)."""
     suspicion = guard.begin(scope, message_id)
     if not suspicion.exceeds(guard.limit):
         return False
     if ProcessedMessage.objects.using(guard.using).has(scope, message_id):
         return False
-    _record_crashed_task(task, scope, message_id, suspicion, args, kwargs)
-    _forget(guard, scope, message_id)
-    return True
-
-
-def _record_crashed_task(
-    task: Task,
-    scope: str,
-    message_id: str,
-    suspicion: Suspicion,
-    args: Sequence[Any],
-    kwargs: dict[str, Any],
-) -> None:
-    """Store the task that killed its child too often as a dead letter, to be read (and
-    discarded) in the admin. It is not a message a replay through the outbox can recreate: run
-    the task again with ``delay()`` once the cause is fixed."""
     delivery_info = getattr(task.request, "delivery_info", None) or {}
     payload = jsonable({"args": list(args), "kwargs": kwargs})
     delivery = Delivery(
         body=json.dumps(payload, ensure_ascii=False).encode("utf-8"),
-        # Celery does not say which queue a message came from; its routing key names the
-        # queue in the usual set-up (one direct exchange and routing key per queue).
+        # Celery does not say which queue; its routing key names it in the usual set-up.
         queue=delivery_info.get("routing_key") or "celery",
         exchange="",
         routing_key=task.name,
@@ -511,3 +465,5 @@ def _record_crashed_task(
         suspicion.describe(),
     )
     metrics.consumer_outcome(scope, OutcomeLabel.DEAD_LETTERED)
+    _forget(guard, scope, message_id)
+    return True

@@ -1,12 +1,7 @@
 """The relay's database side: claim due outbox rows, and hold or lease them while in flight.
 
-Everything here runs on a relay's database worker threads (:mod:`.database_worker`), never on
-the I/O loop, and knows nothing of the broker. A claim's transaction outlives the call that
-begins it (the rows stay locked while their confirms come back), so it has a name,
-:class:`ClaimTransaction`. Every statement on unsent rows names the unsent statuses, which on
-PostgreSQL confines it to the outbox's unsent partition, and every comparison with
-``next_attempt_at`` uses the database's clock. What became of the rows is written by
-:func:`.sent.record_outcome`.
+Runs on the relay's database workers, never on the I/O loop
+(``docs/design.md#the-relay-a-pipeline-with-publisher-confirms``).
 """
 
 from __future__ import annotations
@@ -14,7 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
 from django.db import DatabaseError, connections, transaction
@@ -33,20 +28,16 @@ logger = logging.getLogger("reliable_messaging.relay")
 
 T = TypeVar("T")
 
-# The statuses of a row not sent yet (see the module docstring).
 UNSENT = UNSENT_STATUSES
-# How often a claim, or a batch's record (:mod:`.sent`), is tried again at once when a row it
-# reached was moved to the sent partition meanwhile (a serialization failure, in READ
-# COMMITTED only that).
+# Tries of a claim, or a batch's record, that met a row moved to the sent partition meanwhile.
 MOVED_TRIES = 3
 
 
 def _earlier_unsent_sql() -> str:
     """SQL for the id of an unsent row before the outer outbox row in its key, or NULL.
 
-    Compared as a row, ``(ordering_key, id) < (...)``, so that only the key index can answer
-    it, reading one entry: with ``id < ...`` apart, the planner takes the LIMIT 1 as a cue to
-    walk the primary key from the start instead, and reads every earlier row of the table."""
+    Compared as a row so that the key index answers it (with ``id < ...`` apart, the planner
+    walks the primary key from the start)."""
     table = f'"{OutboxMessage._meta.db_table}"'
     return (
         f"CASE WHEN {table}.ordering_key IS NULL THEN NULL ELSE ("  # noqa: S608
@@ -73,10 +64,8 @@ def claimable(using: str) -> Any:
 
 
 def any_id_of(using: str, pks: Iterable[int]) -> Any:
-    """The right-hand side of ``pk__in`` for a batch of ids. On PostgreSQL one array parameter
-    (``id IN (SELECT unnest(...))``): Django and psycopg compile it in the same time whatever
-    its length, and PostgreSQL parses one value. A placeholder per id, as a plain list gets,
-    costs compiling time that grows with the batch."""
+    """The right-hand side of ``pk__in`` for a batch of ids: on PostgreSQL one array parameter,
+    whose compiling time does not grow with the batch."""
     if connections[using].vendor == "postgresql":
         return RawSQL("SELECT unnest(%s::bigint[])", (list(pks),))
     return list(pks)
@@ -138,17 +127,11 @@ def release_parked(using: str, after: int = 0, limit: int = 2000) -> tuple[int, 
 
 def outbox_backlog(using: str) -> tuple[int, int, int] | None:
     """(pending, pending after failed sends, failed) rows; None when the database is down.
-
-    Three counts, each read through an index of the rows it counts (one aggregate with
-    filters would read every row of the table, sent ones included: seconds at 30 M rows)."""
+    Three counts, each through its own index (one aggregate would read every row)."""
     outbox = OutboxMessage.objects.using(using)
     try:
         pending = outbox.pending()
-        counts = (
-            pending.count(),
-            pending.filter(attempts__gt=0).count(),
-            outbox.failed().count(),
-        )
+        counts = (pending.count(), pending.filter(attempts__gt=0).count(), outbox.failed().count())
     except DatabaseError:
         logger.warning("relay: cannot count the outbox rows left (database unavailable)")
         return None
@@ -172,36 +155,20 @@ class ClaimedRow:
 
     @property
     def published_at(self) -> dt.datetime:
-        """The time the message's age counts from (its ``x-rm-published-at`` and AMQP
-        timestamp): its ``publish()`` call, or a scheduled message's due time when that is
-        later. A due time already past at the call does not make the message older than it."""
+        """The time the message's age counts from: its ``publish()`` call, or a scheduled
+        message's due time when that is later."""
         if self.deliver_at is None or self.deliver_at <= self.created_at:
             return self.created_at
         return self.deliver_at
 
 
-CLAIMED_FIELDS = (
-    "pk",
-    "message_id",
-    "exchange",
-    "routing_key",
-    "body",
-    "headers",
-    "ordering_key",
-    "attempts",
-    "created_at",
-    "deliver_at",
-)
+CLAIMED_FIELDS = tuple(column.name for column in fields(ClaimedRow))
 _BEHIND = len(CLAIMED_FIELDS)  # the position of ``behind`` in a claimed tuple
 
 
 class ClaimTransaction:
-    """The transaction of a claim, begun by :meth:`OutboxClaims.claim` and ended later by the
-    batch's record, a lease or a rollback, on the same database worker thread.
-
-    It holds the claimed rows' locks while their confirms come back (milliseconds); the relay
-    never lets it stay open past ``HOLD_LIMIT`` (it leases the rows then). A wrapper over
-    Django's ``atomic`` entered and exited by hand, since its two ends are in two calls."""
+    """A claim's transaction: Django's ``atomic`` entered by :meth:`OutboxClaims.claim` and
+    exited later by the batch's record, a lease or a rollback, on the same worker thread."""
 
     def __init__(self, using: str) -> None:
         self._atomic = transaction.atomic(using=using)
@@ -272,8 +239,7 @@ class OutboxClaims:
 
     def _claim(self) -> Claim:
         """Rows behind an earlier unsent row of their key are parked first, in a transaction of
-        their own, so the batch's transaction never holds a lock a relay recording its batch
-        would wait for."""
+        their own."""
         outbox = OutboxMessage.objects.using(self.using)
         held = ClaimTransaction(self.using)
         parked: list[int] = []
@@ -281,15 +247,12 @@ class OutboxClaims:
             found = self._select()
             behind = {values[0]: values[_BEHIND] for values in found if values[_BEHIND] is not None}
             if behind:
-                # A row is parked only while its key's first unsent row (the one holding it
-                # back) is locked here: whoever sends that row locks it first, so it cannot be
-                # sent, and its release of the next row run, before this park is committed.
-                # Rows behind a row in flight elsewhere are skipped for now.
+                # Parked only while the row holding it back is locked here, so that row's
+                # release cannot run before this park commits; others are skipped for now.
                 locked = {values[0] for values in found}
                 locked |= set(
                     outbox.filter(
-                        # Still unsent now (this statement's snapshot is newer than the
-                        # claim's): one sent since is not holding anything back any more.
+                        # Still unsent in this statement's (newer) snapshot.
                         pk__in=set(behind.values()) - locked,
                         status__in=[OutboxStatus.PENDING, OutboxStatus.FAILED],
                     )
@@ -314,9 +277,8 @@ class OutboxClaims:
         return Claim(rows=rows, transaction=held, parked=len(parked))
 
     def next_due_in(self) -> float | None:
-        """Seconds until the next row waiting out a backoff (or a lease) is due, by the
-        database's clock (the one the claim compares with); None when none waits. Parked rows
-        (NULL) are not due at any time: they are released when the row before them is sent."""
+        """Seconds until the next row waiting out a backoff or a lease is due, by the database's
+        clock; None when none waits (parked rows are never due)."""
         due_in = (
             OutboxMessage.objects.using(self.using)
             .filter(status=OutboxStatus.PENDING, next_attempt_at__gt=Now())
@@ -348,9 +310,7 @@ class OutboxClaims:
     # -- leasing ----------------------------------------------------------------------------
 
     def lease(self, rows: list[ClaimedRow], held: ClaimTransaction | None) -> None:
-        """Lease ``rows`` (``next_attempt_at`` ``lease_for`` ahead) and commit ``held``, the claim's
-        transaction if it is still open, or a new one. A failure is logged: another relay may
-        then send the rows again, which consumers absorb."""
+        """Lease ``rows`` ``lease_for`` ahead and commit ``held`` (or a new transaction)."""
         try:
             (held or ClaimTransaction(self.using)).run(
                 lambda: (

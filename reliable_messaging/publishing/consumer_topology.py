@@ -1,12 +1,7 @@
 """The registered consumers' queues and bindings, declared by the relay before it sends.
 
-On each new connection, before its first claim, the relay declares what ``consume`` declares
-for every consumer of the project, with the same code
-(:func:`~reliable_messaging.broker.declaring.declare_tolerantly`), on a thread of its own.
-Never fatal: drift, a refusal or a silent broker is reported and the relay sends anyway (after
-:data:`DECLARE_WAIT` seconds at most); a queue the broker cannot serve now (404) is declared
-again with backoff on the same connection. Short-lived relays (the Celery task) declare once
-per process. ``docs/design.md#the-relay-declares-the-consumers-topology`` explains why.
+Never fatal: drift, a refusal or a silent broker is reported and the relay sends anyway
+(``docs/design.md#the-relay-declares-the-consumers-topology`` explains why).
 """
 
 from __future__ import annotations
@@ -26,8 +21,7 @@ from ..core.registry import ConsumerSpec
 # Logged under the relay's name, the one users' logging configuration knows.
 logger = logging.getLogger("reliable_messaging.relay")
 
-# Seconds the relay waits for the declaration before it sends anyway; also the timeout of the
-# declaring connection's connect. A declaration takes milliseconds a queue.
+# Seconds the relay waits for the declaration before it sends anyway (and the connect timeout).
 DECLARE_WAIT = 30.0
 # Seconds before a queue the broker could not serve is declared again, doubling up to the most.
 REDECLARE_FIRST = 1.0
@@ -42,11 +36,8 @@ _declared_lock = threading.Lock()
 
 
 class ConsumerTopology:
-    """Declares ``specs``' topology once per relay connection (with ``once_per_process``,
-    once per process), before its first claim.
-
-    Every method runs on the relay's I/O loop, except :meth:`_declare`, which runs on a thread
-    of its own and hands its outcome back with ``publisher.post``."""
+    """Declares ``specs``' topology once per relay connection (or process), before its first
+    claim. Everything runs on the relay's I/O loop, except :meth:`_declare`."""
 
     def __init__(
         self,
@@ -62,16 +53,13 @@ class ConsumerTopology:
         self.settings = settings
         self.health = health
         self.once_per_process = once_per_process
-        # The connection being declared for; an outcome of an earlier one is ignored.
-        self._generation = 0
+        self._generation = 0  # the connection declared for; an earlier one's outcome is ignored
         self._declared = False  # for the current connection (or given up on)
         self._then: Callable[[], None] | None = None
         self._timer: object = None
         self._threads: list[threading.Thread] = []
-        # Objects already reported at ERROR: a reconnect says them again at DEBUG only.
-        self._reported: set[str] = set()
-        # Queues the broker could not serve at the last declaration, declared again later.
-        self._unavailable: dict[str, str] = {}
+        self._reported: set[str] = set()  # said at ERROR: a reconnect says them at DEBUG
+        self._unavailable: dict[str, str] = {}  # queues the broker could not serve last time
         self._redeclare = Backoff(REDECLARE_FIRST, REDECLARE_MAX)
         self._redeclare_timer: object = None
 
@@ -81,8 +69,7 @@ class ConsumerTopology:
         return self._then is not None
 
     def before_sending(self, then: Callable[[], None]) -> None:
-        """A channel is ready: call ``then`` once this connection's declaration is done (at
-        once when it is, or when there is nothing to declare)."""
+        """A channel is ready: call ``then`` once this connection's declaration is done."""
         if self._declared or not self.specs or not self.settings.relay_declares_topology:
             then()
             return
@@ -99,8 +86,7 @@ class ConsumerTopology:
         self._timer = self.publisher.call_later(DECLARE_WAIT, lambda: self._waited(generation))
 
     def connection_lost(self) -> None:
-        """The connection ended: the next one declares again (a broker restart or a new node
-        may have lost what this one declared)."""
+        """The connection ended: the next one declares again."""
         self._generation += 1
         self._declared = False
         self._then = None
@@ -111,9 +97,9 @@ class ConsumerTopology:
         self._redeclare.reset()
 
     def failed(self) -> None:
-        """The broker could not be reached, or the connection broke: the next relay of this
-        process declares again, whatever an earlier one did."""
-        self._forget()
+        """Declaring failed, or the connection did: the next relay of this process declares."""
+        with _declared_lock:
+            _declared_in_process.discard(self._process_key())
 
     def close(self, timeout: float = 5.0) -> None:
         """Wait a little for declarations still under way (the relay is stopping)."""
@@ -121,8 +107,7 @@ class ConsumerTopology:
             thread.join(timeout)
 
     def _process_key(self) -> Hashable:
-        """What the declaration depends on, besides the broker: the same key, the same
-        queues, bindings and arguments."""
+        """What the declaration depends on, besides the broker."""
         return (
             self.settings.exchange,
             self.settings.queue_type,
@@ -133,10 +118,6 @@ class ConsumerTopology:
         if self.once_per_process:
             with _declared_lock:
                 _declared_in_process.add(self._process_key())
-
-    def _forget(self) -> None:
-        with _declared_lock:
-            _declared_in_process.discard(self._process_key())
 
     def _start_declaring(self) -> None:
         generation = self._generation
@@ -150,8 +131,7 @@ class ConsumerTopology:
     # -- the declaring thread ---------------------------------------------------------------
 
     def _declare(self, generation: int, known_unavailable: set[str]) -> None:
-        """Declaring thread: declare on a connection of its own, then hand the outcome to the
-        I/O loop."""
+        """Declaring thread: declare on a connection of its own; the outcome goes to the loop."""
         outcome: TolerantDeclaration | str
         try:
             outcome = declare_tolerantly(
@@ -173,7 +153,7 @@ class ConsumerTopology:
             return  # declared for a connection that is gone; the new one declares again
         again = self._declared  # declared again for the queues that were unavailable
         if isinstance(outcome, str):
-            self._forget()
+            self.failed()
             logger.warning(
                 "relay: the queues and bindings of the registered consumers could not be "
                 "declared (%s); sending anyway, and an event no queue is bound for yet is "
@@ -198,15 +178,13 @@ class ConsumerTopology:
             back = sorted(set(self._unavailable) - set(outcome.unavailable))
             if again and back:
                 logger.info(
-                    "relay: declared %s, which the broker could not serve before",
-                    ", ".join(back),
+                    "relay: declared %s, which the broker could not serve before", ", ".join(back)
                 )
             self._note_unavailable(outcome.unavailable)
         self._done()
 
     def _note_unavailable(self, unavailable: dict[str, str]) -> None:
-        """Remember what the broker could not serve, and declare again after a while (on this
-        connection: a queue whose node comes back must not wait for the relay's next one)."""
+        """Remember what the broker could not serve; declare it again later on this connection."""
         newly = sorted(set(unavailable) - set(self._unavailable))
         self._unavailable = dict(unavailable)
         if not unavailable:
@@ -214,7 +192,7 @@ class ConsumerTopology:
             self._redeclare.reset()
             self._remember()
             return
-        self._forget()
+        self.failed()
         self.health.note(
             UNDECLARED_NOTE,
             f"consumers' queues not available now: {', '.join(sorted(unavailable))}",

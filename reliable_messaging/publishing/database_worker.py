@@ -1,10 +1,4 @@
-"""The relay's database worker threads.
-
-The relay's I/O loop (pika's ``SelectConnection``) must never wait on PostgreSQL: claims, leases
-and the recording of batches run on worker threads, each with its own database connection, so
-that publishing and taking confirms overlap with the database work (on two cores the two run
-side by side instead of taking turns).
-"""
+"""The relay's database worker threads: the I/O loop never waits on the database."""
 
 from __future__ import annotations
 
@@ -21,26 +15,20 @@ logger = logging.getLogger("reliable_messaging.relay")
 
 
 class DatabaseWorker:
-    """Runs database jobs one at a time on a thread of its own with its own connection.
-
-    A batch's rows stay locked by its claim's transaction on its worker's connection until the
-    batch is recorded, so each batch in flight has a worker of its own."""
+    """Runs database jobs one at a time on a thread of its own with its own connection (one
+    per batch in flight, whose transaction it holds)."""
 
     def __init__(self, name: str) -> None:
-        # Set and read on the I/O loop only: the batch whose transaction this worker's
-        # connection holds, and whether a claim was given to it.
-        self.batch: Any = None
-        self.claiming = False
-        # A claim's answer, handed from this worker's thread to the I/O loop.
-        self.claimed: Any = None
+        self.batch: Any = None  # I/O loop only: the batch whose transaction it holds
+        self.claiming = False  # I/O loop only
+        self.claimed: Any = None  # a claim's answer, handed to the I/O loop
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     @property
     def free(self) -> bool:
-        """Neither claiming nor holding a batch in flight (it may still be recording one: a
-        claim given to it runs after that)."""
+        """Neither claiming nor holding a batch in flight (it may still be recording one)."""
         return not (self.claiming or self.batch is not None)
 
     def submit(self, job: Callable[[], None]) -> None:
@@ -63,8 +51,7 @@ class DatabaseWorker:
                         return
                     job()
                 except Exception:
-                    # Jobs handle their own database errors; anything else is a bug to see,
-                    # never a reason for the relay to stop recording batches.
+                    # A bug to see, never a reason to stop recording batches.
                     logger.exception("relay: unexpected error in database work")
                 finally:
                     self._jobs.task_done()

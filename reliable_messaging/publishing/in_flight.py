@@ -1,10 +1,6 @@
-"""The batches a relay has published and awaits confirms for.
-
-:class:`InFlight` publishes a claimed batch through the relay's publisher transport,
-takes the broker's confirms, returns and refusals for it, times it out, trades its claim's
-transaction for a lease when its confirms are slow, and has each finished batch recorded on the
-database worker that holds its transaction. Everything here runs on the I/O loop, except the
-``*_job`` methods, which run on a database worker.
+"""The batches a relay has published and awaits confirms for: their confirms, returns,
+refusals, timeouts and leases. Everything here runs on the I/O loop, except the ``*_job``
+methods, which run on a database worker.
 """
 
 from __future__ import annotations
@@ -42,8 +38,7 @@ from .sent import (
 # Logged under the relay's name, the one users' logging configuration knows.
 logger = logging.getLogger("reliable_messaging.relay")
 
-# Seconds a batch's claim transaction may stay open while its confirms are awaited; past it
-# the rows are leased instead and the transaction commits (see InFlight.renew_leases).
+# Seconds a claim's transaction may stay open awaiting confirms; then its rows are leased.
 HOLD_LIMIT = 2.0
 # What RabbitMQ's connection close says of a frame over the connection's frame_max.
 FRAME_TOO_LARGE = "frame_too_large"
@@ -88,12 +83,8 @@ class InFlight:
                 self._finish_batch(batch)
 
     def on_returned(self, returned: Returned) -> None:
-        """An unroutable message (mandatory): the broker still acks it afterwards, so record
-        why here and let the confirm settle it.
-
-        A command (routing key matching ``REQUIRE_ROUTE``) that reaches no queue is an error:
-        it is retried with backoff, then failed. Any other row is an event, and an event nobody
-        subscribes to yet is normal in publish-subscribe: it is marked unrouted, not retried."""
+        """An unroutable message, whose ack follows: an event is marked unrouted, a command
+        (``REQUIRE_ROUTE``) charged."""
         row_id = returned.headers.get(OUTBOX_ID_HEADER)
         if not isinstance(row_id, int):
             return
@@ -112,9 +103,8 @@ class InFlight:
         )
 
     def on_refused(self, closed: ChannelClosed) -> bool:
-        """The channel closed; True when it was the broker refusing a publish of a batch in
-        flight: the rows it was about are charged and every batch is recorded as far as it
-        got. False when there was nothing to charge (the caller aborts the batches)."""
+        """The channel closed; True when the broker refused a publish in flight: the rows it
+        was about are charged and every batch recorded as far as it got."""
         if not (self._batches and closed.by_broker):
             return False
         charged, missing = charge_refusal(
@@ -127,8 +117,7 @@ class InFlight:
         return True
 
     def pause_timers(self) -> None:
-        """The broker blocks the connection: the confirms are held up by the block, not lost,
-        so no batch times out while it lasts."""
+        """The broker blocks us: confirms are late, not lost, so no batch times out meanwhile."""
         for batch in self._batches:
             self.publisher.cancel(batch.timer)
             batch.timer = None
@@ -141,8 +130,7 @@ class InFlight:
     def publish(
         self, worker: DatabaseWorker, claim: Claim, on_recorded: Callable[[bool], None]
     ) -> None:
-        """I/O loop: publish a claimed batch; its confirms settle it later, and once it is
-        recorded (True) or could not be (False), ``on_recorded`` is called on the I/O loop."""
+        """I/O loop: publish a claimed batch; ``on_recorded(recorded)`` follows on the I/O loop."""
         rows = claim.rows
         metrics.relay_claimed(len(rows))
         batch = Batch(
@@ -219,15 +207,12 @@ class InFlight:
         self.report.timed_out += timed_out
         metrics.relay_failed("timeout", timed_out)
         self._finish_batch(batch)
-        # A channel that stopped confirming is not to be trusted: start afresh (the batches
-        # still in flight are settled as far as they got, the rest due again).
+        # A channel that stopped confirming is not to be trusted: start afresh.
         self.publisher.close("confirm timeout")
 
     def renew_leases(self) -> None:
-        """I/O loop: a batch whose confirms take longer than HOLD_LIMIT (a slow or blocked
-        broker) trades its open transaction for a lease, so that no snapshot and no row lock
-        is held long (they would hold back vacuum on the outbox); a lease is renewed at half
-        its length for as long as the batch is in flight."""
+        """I/O loop: a batch unconfirmed past HOLD_LIMIT trades its transaction for a lease,
+        renewed at half its length while the batch is in flight."""
         now = time.monotonic()
         half = self.lease_seconds / 2
         for batch in self._batches:
@@ -240,8 +225,7 @@ class InFlight:
                 batch.worker.submit(functools.partial(self._lease_job, batch))
 
     def _lease_job(self, batch: Batch) -> None:
-        """Database worker: lease the batch's rows, committing its claim's transaction if it is
-        still open."""
+        """Database worker: lease the batch's rows, committing its claim's transaction."""
         held, batch.transaction = batch.transaction, None
         self.claims.lease(batch.claimed, held)
 
@@ -271,9 +255,7 @@ class InFlight:
             batch.on_recorded(recorded)
 
     def _settle(self, batch: Batch) -> bool:
-        """Database worker: record the batch's outcome (:func:`.sent.record_outcome`) and
-        count it. False when the database could not record it: the rows stay pending and go
-        again, at once or when their lease runs out."""
+        """Database worker: record and count the batch's outcome; False when it could not be."""
         outcome = batch.outcome()
         held, batch.transaction = batch.transaction, None
         error = record_outcome(
@@ -283,8 +265,6 @@ class InFlight:
             max_attempts=self.claims.settings.outbox_max_attempts,
         )
         if error is not None:
-            # The rows were published but cannot be marked: they go again, which consumers
-            # absorb by message_id.
             logger.warning(
                 "relay: cannot record a batch's confirms (%s); its %d row(s) stay "
                 "pending and will be sent again",
@@ -301,8 +281,7 @@ class InFlight:
         self.report.sent += len(sent)
         self.report.unrouted += len(unrouted)
         if unrouted:
-            # One line per batch, not per row: a busy service may publish many events nobody
-            # subscribes to yet, and that is normal.
+            # One line per batch: events nobody subscribes to yet are normal.
             logger.info(
                 "relay: %d event(s) reached no queue (nothing subscribes to their routing key "
                 "yet), marked unrouted and not retried: %s",
@@ -317,8 +296,7 @@ class InFlight:
         return True
 
     def abort(self, why: str) -> None:
-        """The connection or channel died with batches in flight: what was confirmed is marked
-        sent, the rest is due again (the broker may have it: consumers absorb duplicates)."""
+        """The connection or channel died: what was confirmed is marked sent, the rest due again."""
         if not self._batches:
             return
         self._charge_oversized(why)
@@ -335,11 +313,8 @@ class InFlight:
         )
 
     def _charge_oversized(self, why: str) -> None:
-        """The broker closed the connection on a frame over its frame_max (``501 FRAME_ERROR
-        ... frame_too_large``): only a row's header frame can be (pika splits bodies), and the
-        same row would close every connection it is sent on, the rows behind it never sent. The
-        unconfirmed rows whose header frame is over the connection's frame_max are failed for
-        good; the others are due again."""
+        """After a ``frame_too_large`` close, fail for good the rows whose header frame is over
+        frame_max (pika splits bodies): they would close every connection."""
         if FRAME_TOO_LARGE not in why:
             return
         frame_max = self.publisher.frame_max

@@ -37,8 +37,7 @@ def run_lanes(relays: list[OutboxRelay]) -> RelayReport:
         thread.start()
     main = relays[0].run()
     if not relays[0].once:
-        # The main lane stops only when told to: the others follow. (With --once each lane
-        # stops by itself when it finds nothing due.)
+        # The main lane stops only when told to: the others follow.
         for relay in relays[1:]:
             relay.request_stop()
     for thread in threads:
@@ -53,13 +52,8 @@ def run_lanes(relays: list[OutboxRelay]) -> RelayReport:
 
 
 class RelayProgress:
-    """Logs one INFO line every ``interval`` seconds while relays run: rows sent so far, the
-    rate since the last line, and rows pending in the outbox. Quiet while there is nothing to
-    say (nothing sent, nothing pending), so an idle relay does not fill the log.
-
-    Runs on a thread of its own with its own database connection (closed when it stops); the
-    relays' counters are only read, never written, from here.
-    """
+    """Logs one INFO line every ``interval`` seconds while relays run (rows sent, the rate,
+    rows pending), quiet while there is nothing to say; on a thread of its own."""
 
     def __init__(self, relays: list[OutboxRelay], interval: float) -> None:
         self.relays = relays

@@ -1,10 +1,5 @@
-"""LISTEN for committed outbox rows, so that the relay wakes at once instead of polling.
-
-``publish()`` has ``NOTIFY_CHANNEL`` notified after each transaction that wrote outbox rows
-commits, from a connection of its own (:mod:`.wake_after_commit`). The relay keeps one
-autocommit psycopg connection LISTENing and watches its socket from its own I/O loop; a
-notification only wakes it to claim, it carries nothing the claim relies on, so a lost one costs
-at most a poll interval.
+"""LISTEN for committed outbox rows, so that the relay wakes at once instead of polling
+(``docs/design.md#when-the-relay-claims``); a lost notification costs a poll interval.
 """
 
 from __future__ import annotations
@@ -26,16 +21,13 @@ NOTIFY_CHANNEL = "reliable_messaging_outbox"
 PROBE_TIMEOUT = 5.0
 PROBE_INTERVAL = 300.0
 
-# Connection parameters Django's PostgreSQL backend adds that are Python objects of the driver,
-# not libpq settings: the LISTEN connection has no use for them.
+# Parameters Django's backend adds that are driver objects, not libpq settings.
 _DRIVER_ONLY_PARAMS = frozenset({"cursor_factory", "context", "prepare_threshold"})
 
 
 def listen_conninfo(using: str, dsn: str | None = None) -> str:
-    """A libpq connection string built from the parameters Django's own connection to ``using``
-    uses, so ``OPTIONS`` (``service``, ``sslmode``, ``options``, ``application_name``, ...) apply
-    to it as to every other connection of the project; the parameters ``dsn`` gives (a URL or
-    ``key=value`` pairs: ``RELAY_LISTEN_DSN``) replace theirs."""
+    """A libpq connection string from Django's parameters for ``using`` (its ``OPTIONS``
+    included), those ``dsn`` (``RELAY_LISTEN_DSN``) gives replacing theirs."""
     import psycopg
 
     params = {
@@ -51,9 +43,7 @@ def listen_conninfo(using: str, dsn: str | None = None) -> str:
 
 
 class OutboxListener:
-    """A dedicated autocommit psycopg connection LISTENing for committed outbox inserts.
-
-    Raises ImportError without psycopg 3, and the driver's error when it cannot connect."""
+    """An autocommit psycopg connection LISTENing; ImportError without psycopg 3."""
 
     def __init__(self, using: str, dsn: str | None = None) -> None:
         import psycopg
@@ -68,8 +58,7 @@ class OutboxListener:
         return self.connection.fileno()
 
     def drain(self) -> list[str]:
-        """Read what arrived; returns the payloads of the notifications (``""`` for a plain
-        wake-up). Raises when the connection is broken."""
+        """The payloads of the notifications that arrived (``""`` for a plain wake-up)."""
         pgconn = self.connection.pgconn
         pgconn.consume_input()
         payloads = []
@@ -78,8 +67,7 @@ class OutboxListener:
         return payloads
 
     def unlisten(self) -> None:
-        """Best effort: through a transaction pooler the LISTEN stayed on a server connection
-        the pooler hands to others; this reaches that one when the pooler reuses it."""
+        """Best effort: through a pooler this reaches the server connection holding the LISTEN."""
         try:
             self.connection.execute(f"UNLISTEN {NOTIFY_CHANNEL}")
         except Exception:
@@ -93,9 +81,8 @@ class OutboxListener:
 
 
 def listen_hears_notify(using: str, dsn: str | None, timeout: float = 3.0) -> bool | None:
-    """Whether a LISTEN made as the relay makes it (``dsn``: ``RELAY_LISTEN_DSN``) hears a
-    NOTIFY sent as publishers send theirs, within ``timeout``; None when it cannot tell (not
-    PostgreSQL, no psycopg 3, no connection). On a channel of its own, so no relay wakes."""
+    """Whether a LISTEN made as the relay makes it hears a NOTIFY sent as publishers send
+    theirs, on a channel of its own; None when it cannot tell."""
     if connections[using].vendor != "postgresql":
         return None
     try:
@@ -135,19 +122,8 @@ class Health(Protocol):
 
 
 class WakeUps:
-    """The relay's LISTEN connection on its I/O loop: opened (and opened again after a failure)
-    by :meth:`look_after`, it calls ``wake`` after each batch of notifications. While it is
-    down the relay polls; with psycopg 3 missing it says so once and polls for good.
-
-    LISTEN through a transaction-pooling PgBouncer succeeds but hears nothing: the LISTEN stays
-    on a server connection the pooler hands to other clients. So a listener counts as
-    :attr:`listening` only once a probe reached it: a NOTIFY carrying a token of its own, sent
-    by ``send_probe`` the way publishers send their wake-ups, when it opens and every
-    :data:`PROBE_INTERVAL` after. A probe that does not arrive within :data:`PROBE_TIMEOUT`
-    is said once in the log and noted in ``health`` (``/healthz``); the deaf listener UNLISTENs
-    and closes, and the relay polls every ``RELAY_POLL_INTERVAL``: for the rest of the process
-    when no probe ever arrived (a pooler: every fresh LISTEN would be left on a server
-    connection others get), else until a fresh listener is tried, :data:`PROBE_INTERVAL` later."""
+    """The relay's LISTEN connection on its I/O loop, opened by :meth:`look_after` and
+    counted :attr:`listening` only once a probe reached it (a pooler's LISTEN hears nothing)."""
 
     def __init__(
         self,
@@ -181,8 +157,7 @@ class WakeUps:
         return self._listener is not None and (self._heard or self.send_probe is None)
 
     def look_after(self, loop: Loop, wake: Callable[[], None]) -> None:
-        """Open the LISTEN connection on ``loop`` if it is not open and its retry is due;
-        send a probe when one is due, and judge the one awaited."""
+        """Open the LISTEN connection on ``loop`` when due; send and judge the probes."""
         if self._listener is not None:
             self._look_after_probe()
             return
@@ -220,10 +195,7 @@ class WakeUps:
         if self._probe is not None and now >= self._probe_deadline:
             self._probe = None
             self._on_probe_lost()
-            # A deaf listener is no use, and through a pooler its LISTEN sits on a connection
-            # others get: take it back (best effort). One that never heard a probe is behind
-            # a pooler, and each fresh LISTEN would leave another such connection: poll for the
-            # rest of the process. One that heard before missed one probe: try again later.
+            # Deaf: take the LISTEN back; one that never heard is behind a pooler: poll for good.
             if self._listener is not None:
                 self._listener.unlisten()
             self.close()
@@ -289,10 +261,7 @@ class WakeUps:
         wake()
 
     def close(self, retry_at_once: bool = False) -> None:
-        """Close the LISTEN connection. Each broker connection has its own I/O loop, and the
-        socket is watched by the loop it was added to: the relay closes it with the old loop
-        (``retry_at_once``) and the new loop opens a fresh one. (Kept, it would sit on a loop
-        that no longer runs: no wake-ups, and notifications piling up unread.)"""
+        """Close the LISTEN connection; each broker connection's loop opens a fresh one."""
         listener, loop, self._listener, self._loop = self._listener, self._loop, None, None
         if retry_at_once:
             self._retry_at = 0.0

@@ -1,24 +1,13 @@
 """``publish()``: the transactional outbox's write side.
 
-``publish`` only inserts a row, on the caller's database connection and so inside the caller's
-transaction: the message exists exactly when the business change it announces exists. The relay
-(:mod:`.relay`) sends committed rows later. Called with no transaction open (autocommit), the
-row commits at once, like any other ORM write.
-
-Once the transaction commits (at once in autocommit), the relay is woken from outside it
-(:mod:`.wake_after_commit`): nothing in the caller's commit path takes PostgreSQL's instance-wide
-notification lock.
-
-The row's times are the database's clock, not this host's: the relay compares them with the
-database's clock, and a publisher whose clock runs ahead would otherwise hold its own messages
-back by the skew.
-
-A scheduled message is a ``scheduled`` row until due (:mod:`.scheduled`).
+``publish`` only inserts a row in the caller's transaction, its times by the database's clock;
+the relay sends committed rows later, woken after the commit (:mod:`.wake_after_commit`).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import math
 import time
@@ -48,9 +37,7 @@ from ..storage.partitions import IDEMPOTENCY_LOCK_CLASS
 from .scheduled import cancel as _cancel
 from .wake_after_commit import wake_relay_after_commit
 
-# AMQP carries the publish time as an unsigned count of seconds since 1970 (the timestamp
-# property) and our deadline as a signed 64-bit count of milliseconds (a long header): a time
-# either cannot hold would fail to encode on every attempt of the relay.
+# The largest deadline (milliseconds since 1970) a long header carries.
 _MAX_LONG = 2**63 - 1
 
 
@@ -92,10 +79,7 @@ def publish(
     if using is None:
         using = router.db_for_write(OutboxMessage)
     encoded = encode_payload(payload)
-    # Consumers of this app dead-letter larger bodies unread (body_too_large): refuse them here,
-    # where the caller can still do something about it, rather than after the commit.
-    # The broker's own limit too, when this process has learned it (the relay and consume ask
-    # at start; the deploy check compares it with MAX_BODY_BYTES): it would refuse the message.
+    # Refused here, where the caller can still do something, not dead-lettered after the commit.
     refusal = body_size_refusal(len(encoded))
     if refusal is not None:
         raise ValueError(refusal)
@@ -112,8 +96,7 @@ def publish(
     due = _due(deliver_at, delay)
     if expires is not None:
         headers[EXPIRES_AT_HEADER] = _deadline_ms(expires, deliver_at, delay)
-    # With tracing on: a "publish" span in the caller's trace, whose context the row keeps (a
-    # traceparent the caller gave is kept instead).
+    # With tracing on: a "publish" span, whose context the row keeps (unless the caller gave one).
     span, trace_headers = tracing.start_publish(exchange, routing_key, message_id, len(encoded))
     if "traceparent" not in headers:
         headers.update(trace_headers)
@@ -165,8 +148,7 @@ def _seconds(name: str, value: dt.timedelta | float) -> float:
 
 
 def _due(deliver_at: dt.datetime | None, delay: dt.timedelta | float | None) -> Combinable | None:
-    """The due time of a scheduled message as a database value (None: send at once). ``delay``
-    is added to the database's clock, the one the relay compares due times with."""
+    """The due time of a scheduled message as a database value, by the database's clock."""
     if deliver_at is not None and delay is not None:
         raise ValueError("give deliver_at or delay, not both")
     if deliver_at is not None:
@@ -194,9 +176,8 @@ def _deadline_ms(
     deliver_at: dt.datetime | None,
     delay: dt.timedelta | float | None,
 ) -> int:
-    """The absolute deadline in Unix milliseconds: ``expires`` after the due time, or after now
-    when that is later (this host's clock for "now", as the consumer's host compares it with
-    its own)."""
+    """The deadline in Unix milliseconds: ``expires`` after the due time or now (this host's
+    clock, as the consumer's host compares it with its own)."""
     seconds = _seconds("expires", expires)
     if not seconds > 0:  # NaN too
         raise ValueError(f"expires must be positive, got {seconds} s")
@@ -228,23 +209,12 @@ def _write(
     """Insert the row; returns its message_id (an earlier message's, for an idempotency key
     published before)."""
     if due is None and connections[using].vendor == "postgresql":
-        # The common case, a message sent at once, by a prepared INSERT (see _INSERT_PG).
-        headers_json = json.dumps(headers) if headers else "{}"
-        values = [
-            message_id,
-            exchange,
-            routing_key,
-            body,
-            headers_json,
-            ordering_key,
-            idempotency_key,
-        ]
+        values = [message_id, exchange, routing_key, body, json.dumps(headers) if headers else "{}"]
+        insert = functools.partial(_insert_pg, using, values, ordering_key, idempotency_key)
         if idempotency_key is None:
-            _insert_pg(using, values)
+            insert()
             return message_id
-        return _publish_once_pg(
-            lambda: _insert_pg(using, values), idempotency_key, using, message_id
-        )
+        return _publish_once_pg(insert, idempotency_key, using, message_id)
     row = OutboxMessage(
         message_id=message_id,
         exchange=exchange,
@@ -263,8 +233,6 @@ def _write(
         row.save(using=using, force_insert=True)
         return message_id
     if connections[using].vendor == "postgresql":
-        # A scheduled row goes to another partition than the key's other rows: the advisory
-        # lock and the lookup across partitions keep the key unique, not the index.
         return _publish_once_pg(
             lambda: row.save(using=using, force_insert=True), idempotency_key, using, message_id
         )
@@ -272,10 +240,8 @@ def _write(
 
 
 def _insert_sql(ordering_key: bool, idempotency_key: bool) -> str:
-    """One INSERT of a new pending row, its times the database's clock (``Now()`` is
-    ``STATEMENT_TIMESTAMP()`` on PostgreSQL). A key the call has none of is left out rather than
-    written as NULL (the column's value then): PostgreSQL parses, checks and plans every column
-    an INSERT names, and most publishes have neither key."""
+    """One INSERT of a new pending row; a key not given is left out rather than written as
+    NULL (PostgreSQL plans every column an INSERT names, and most publishes have neither)."""
     meta = OutboxMessage._meta
     given = ["message_id", "exchange", "routing_key", "body", "headers"]
     if ordering_key:
@@ -296,10 +262,8 @@ def _insert_sql(ordering_key: bool, idempotency_key: bool) -> str:
     return f'INSERT INTO "{meta.db_table}" ({quoted}) VALUES ({", ".join(placeholders)})'  # noqa: S608
 
 
-# Built once, one per combination of keys given: on PostgreSQL publish() writes its row with
-# these statements rather than through Model.save(), whose SQL compiler costs as much Python
-# time per call as the rest of publish(). So no pre_save/post_save signal is sent for
-# outbox rows there (the changelog says so); this app never connected one.
+# On PostgreSQL publish() writes with these rather than Model.save(), whose compiler costs as
+# much as the rest of publish(): no pre_save/post_save signal (docs/concepts.md says so).
 _INSERT_PG = {
     (ordering, once): _insert_sql(ordering, once)
     for ordering in (False, True)
@@ -307,10 +271,10 @@ _INSERT_PG = {
 }
 
 
-def _insert_pg(using: str, values: list[Any]) -> None:
-    """``values``: message_id, exchange, routing_key, body, headers (JSON text), ordering_key,
-    idempotency_key (the keys None when not given, and then left out)."""
-    *row, ordering_key, idempotency_key = values
+def _insert_pg(
+    using: str, row: list[Any], ordering_key: str | None, idempotency_key: str | None
+) -> None:
+    """``row``: message_id, exchange, routing_key, body, headers (JSON); keys not given left out."""
     statement = _INSERT_PG[ordering_key is not None, idempotency_key is not None]
     given = [key for key in (ordering_key, idempotency_key) if key is not None]
     with connections[using].cursor() as cursor:
@@ -324,11 +288,8 @@ def _earlier(idempotency_key: str, using: str) -> str | None:
 def _publish_once_pg(
     insert: Callable[[], None], idempotency_key: str, using: str, message_id: str
 ) -> str:
-    """On PostgreSQL a unique index spans one partition of the outbox, and a message sent leaves the
-    unsent partition (``storage/partitions.py``): an earlier message of the key is looked for in
-    every partition, under an advisory lock on the key held to the end of the transaction. A second
-    publish of the key waits there until the first commits (or rolls back), then, in READ COMMITTED,
-    its lookup sees the first's row."""
+    """A unique index spans one partition: the key is looked for in every partition, under an
+    advisory lock on it held to the end of the transaction (``docs/concepts.md``)."""
     with transaction.atomic(using=using), connections[using].cursor() as cursor:
         cursor.execute(
             "SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
@@ -345,8 +306,7 @@ def _publish_once(row: OutboxMessage, idempotency_key: str, using: str) -> str:
     message_id = str(row.message_id)
     for _ in range(3):
         try:
-            # A savepoint, so a duplicate key leaves the caller's transaction usable. Under
-            # concurrency the second insert waits on the unique index until the first commits.
+            # A savepoint, so a duplicate key leaves the caller's transaction usable.
             with transaction.atomic(using=using):
                 row.save(using=using, force_insert=True)
         except IntegrityError:

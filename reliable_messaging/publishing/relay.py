@@ -1,16 +1,8 @@
 """The outbox relay: sends committed outbox rows with pipelined publisher confirms.
 
-One thread runs pika's asynchronous I/O loop; the claims and the writes of what became of each
-row run on database worker threads, so that publishing and waiting on PostgreSQL overlap. A row
-is marked sent only after the broker confirmed it; a crash rolls the batch back and the rows go
-again (consumers absorb the duplicate by message_id).
-
 This module runs the relay's life (connect, reconnect, stop, flow control) and routes what the
-broker says to the parts: :mod:`.scheduling` (when to claim), :mod:`.claims` (the queries),
-:mod:`.in_flight` (publishing and confirms), :mod:`.sent` (what became of a batch) and
-:mod:`.listener` (LISTEN). :func:`build_relay` assembles them over a publisher transport (pika,
-or the in-memory twin in tests). ``docs/design.md#the-relay-a-pipeline-with-publisher-confirms``
-explains the pipeline.
+broker says to its parts; :func:`build_relay` assembles them over a publisher transport.
+``docs/design.md#the-relay-a-pipeline-with-publisher-confirms`` explains the pipeline.
 """
 
 from __future__ import annotations
@@ -59,12 +51,8 @@ class RelayReport:
 
     def add(self, other: RelayReport) -> None:
         """Add what ``other`` did (not what it left: that is read once for all lanes)."""
-        self.sent += other.sent
-        self.nacked += other.nacked
-        self.returned += other.returned
-        self.unrouted += other.unrouted
-        self.timed_out += other.timed_out
-        self.batches += other.batches
+        for name in ("sent", "nacked", "returned", "unrouted", "timed_out", "batches"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def summary(self) -> str:
         return (
@@ -77,11 +65,8 @@ class RelayReport:
 
 
 class OutboxRelay:
-    """Publishes the outbox until stopped; with ``once`` until nothing is pending. Built by
-    :func:`build_relay`.
-
-    The events of its publisher (``on_ready``, ``on_confirm``, ...) and its timers run on the
-    I/O loop; the ``*_job`` methods of its parts run on a database worker."""
+    """Publishes the outbox until stopped; with ``once`` until nothing is pending. Its publisher's
+    events and its timers run on the I/O loop. Built by :func:`build_relay`."""
 
     def __init__(
         self,
@@ -125,8 +110,7 @@ class OutboxRelay:
     # -- lifecycle --------------------------------------------------------------------------
 
     def request_stop(self) -> None:
-        """Finish the batch in flight, then return from :meth:`run`. Only sets a flag, so it
-        is safe from a signal handler; the I/O loop notices within 0.2 s."""
+        """Finish the batch in flight, then return from :meth:`run`; safe in a signal handler."""
         self._stop_requested = True
 
     def run(self) -> RelayReport:
@@ -161,8 +145,7 @@ class OutboxRelay:
         return self._finished or self._stop_requested or self._past_deadline()
 
     def _after_loop(self) -> None:
-        """A connection's loop ended: what was in flight is recorded as far as it got, and a
-        claim never published rolls back."""
+        """A loop ended: what was in flight is recorded as far as it got."""
         self.in_flight.abort("the connection's loop ended")
         self.scheduler.after_loop()
 
@@ -175,8 +158,6 @@ class OutboxRelay:
         return self._stop_requested or self._past_deadline()
 
     def holding(self) -> bool:
-        # No claim while the broker blocks the connection, nor before the consumers' queues
-        # are declared on it.
         return self._blocked or self.topology.declaring
 
     def _sleep(self, seconds: float) -> None:
@@ -226,7 +207,6 @@ class OutboxRelay:
         self.in_flight.on_returned(returned)
 
     def on_blocked(self, reason: str) -> None:
-        """The broker stopped reading from this connection (a memory or disk alarm)."""
         if self._blocked:
             return
         self._set_blocked(True)
@@ -263,8 +243,7 @@ class OutboxRelay:
     # -- timers -----------------------------------------------------------------------------
 
     def _watch(self) -> None:
-        """Every 0.2 s: beat the heart, honour a stop request or the deadline, and look after
-        LISTEN."""
+        """Every 0.2 s: beat the heart, honour a stop or the deadline, look after LISTEN."""
         if not self.publisher.is_open:
             return
         self.health.heartbeat()
@@ -289,9 +268,8 @@ class OutboxRelay:
         self._watch_timer = None
 
     def _leave_blocked(self) -> None:
-        """Stop while the broker blocks us, without waiting for the alarm to clear, which may
-        take long. A batch in flight cannot be confirmed until then: it rolls back (its rows go
-        again later; any the broker did take become duplicates that consumers absorb)."""
+        """Stop while the broker blocks us, without waiting for the alarm to clear: a batch in
+        flight rolls back."""
         self.in_flight.abort("stopping while the broker blocks the connection")
         self._set_blocked(False)
         self._finished = True
@@ -299,8 +277,7 @@ class OutboxRelay:
         self.publisher.abandon()
 
     def nothing_due(self) -> bool:
-        """Nothing is due now. With ``once`` the relay stops: rows waiting out a backoff after
-        a failure are left for a later run (and reported), not waited for."""
+        """Nothing is due now: with ``once`` the relay stops (rows backing off are left)."""
         if not self.once:
             return False
         logger.info("relay: nothing left to send")
@@ -329,20 +306,14 @@ def build_relay(
     declare_once_per_process: bool = False,
 ) -> OutboxRelay:
     """A relay assembled from its parts, publishing through ``transport`` (pika's
-    :class:`ConfirmingPublisher` unless given, e.g. the in-memory
-    :class:`~reliable_messaging.testing_broker.StubPublisher`).
+    :class:`ConfirmingPublisher` unless given).
 
-    ``consumers``: the consumers whose queues and bindings it declares on each connection
-    before it sends (:mod:`.consumer_topology`); ``manage.py relay`` gives every registered one.
-    ``declare_once_per_process``: declare them once for every relay of this process instead
-    (the Celery task, whose runs each open a connection). ``on_batch`` is called with the
-    report after each batch is recorded, on a database worker."""
+    ``consumers``: those whose queues it declares before it sends, on each connection (or once
+    per process). ``on_batch`` gets the report after each batch, on a database worker."""
     publisher = transport if transport is not None else ConfirmingPublisher(settings)
     health = health if health is not None else HealthState()
     using = router.db_for_write(OutboxMessage)
     report = RelayReport()
-    # Rows stay leased this long after a claim: the confirm timeout and a margin to record
-    # the outcome. A batch that takes longer (a broker block) has its lease renewed.
     lease_seconds = settings.relay_confirm_timeout + LEASE_MARGIN
     claims = OutboxClaims(
         using,

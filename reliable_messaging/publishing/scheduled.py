@@ -1,14 +1,6 @@
-"""Scheduled messages: made pending when due, and cancelled before.
-
-A message published with ``deliver_at``/``delay`` waits as a ``scheduled`` outbox row whose
-``next_attempt_at`` is its due time. On PostgreSQL those rows have a partition of their own, so
-a month of them costs the claim (which reads the index of due pending rows) and every publish
-nothing. The relay moves the due ones to the pending rows a chunk at a time (:func:`promote_due`,
-run before a claim when something is due, see :class:`.claims.OutboxClaims`), each under a new
-id: per ordering key, the relay sends rows in id order, so a scheduled message takes its place in
-its key's order at its due time and holds nothing back before then.
-
-Times are the database's clock, as for every other outbox row.
+"""Scheduled messages: ``scheduled`` outbox rows (a partition of their own on PostgreSQL)
+whose ``next_attempt_at`` is their due time, made pending under a new id when due, so that they
+take their place in their key's order then (``docs/scheduling.md``), or cancelled before.
 """
 
 from __future__ import annotations
@@ -28,11 +20,9 @@ from ..storage.partitions import row_moved
 
 logger = logging.getLogger("reliable_messaging.relay")
 
-# How many due rows one promotion moves, in one short transaction. A burst due at one second
-# is moved this many at a time, each chunk well ahead of what the relay sends meanwhile.
+# How many due rows one promotion moves, in one short transaction.
 PROMOTE_CHUNK = 5000
-# How often a cancel is tried again when the row was moved by the relay meanwhile (see
-# storage.partitions.row_moved): the next try finds it no longer scheduled.
+# Tries of a cancel that met a row the relay moved meanwhile (storage.partitions.row_moved).
 MOVED_TRIES = 3
 
 
@@ -58,8 +48,7 @@ def _delete_scheduled(rows: Any, using: str) -> int:
             with transaction.atomic(using=using):
                 return int(rows._raw_delete(using))
         except DatabaseError as exc:
-            # The relay made it pending meanwhile (PostgreSQL moved it to another partition):
-            # it is being sent; the next try does not find it among the scheduled ones.
+            # The relay made it pending meanwhile: the next try does not find it.
             if not row_moved(exc) or attempt == MOVED_TRIES:
                 raise
     raise AssertionError("unreachable")  # pragma: no cover
@@ -73,8 +62,7 @@ def promote_due(using: str, limit: int = PROMOTE_CHUNK, due_by: dt.datetime | No
     if connection.vendor == "postgresql":
         table = connection.ops.quote_name(OutboxMessage._meta.db_table)
         with transaction.atomic(using=using), connection.cursor() as cursor:
-            # The inner SELECT yields the rows in due order, and nextval() numbers them as they
-            # come: the new ids keep that order.
+            # nextval() numbers the rows as the inner SELECT yields them: in due order.
             cursor.execute(
                 f"UPDATE {table} o SET id = r.new_id, status = 'pending', "  # noqa: S608
                 "next_attempt_at = now() FROM ("
@@ -116,8 +104,3 @@ def next_due_in(using: str) -> float | None:
         .first()
     )
     return None if due_in is None else max(0.0, due_in.total_seconds())
-
-
-def scheduled_count(using: str) -> int:
-    """How many messages wait for their due time (the metrics and the status count them)."""
-    return int(_scheduled(using).count())

@@ -1,11 +1,5 @@
-"""When the relay claims: a claim at a time, on a free database worker, as soon as something may
-be due, and never a later wait pushing back one something asked for.
-
-A claim is asked for when a channel is ready, a batch was recorded, a NOTIFY arrived or the
-broker unblocked the connection; otherwise the relay sleeps until the next row is due, the poll
-interval or the next sweep of parked rows. After rows stop coming it keeps looking a little
-longer (:data:`TRAIL_FIRST` to :data:`TRAIL_LAST`), so under a steady load it finds new rows
-within milliseconds without a wake-up. Everything here runs on the I/O loop, except the
+"""When the relay claims: a claim at a time, as soon as something may be due
+(``docs/design.md#when-the-relay-claims``). Everything here runs on the I/O loop, except the
 ``*_job`` methods, which run on a database worker.
 """
 
@@ -32,26 +26,17 @@ from .scheduled import PROMOTE_CHUNK
 # Logged under the relay's name, the one users' logging configuration knows.
 logger = logging.getLogger("reliable_messaging.relay")
 
-# Batches published and awaiting confirms at once: the next is claimed and sent while the
-# previous one's confirms come back. Each has a database worker of its own.
+# Batches awaiting confirms at once, each on a database worker of its own.
 MAX_IN_FLIGHT = 3
-# Parked rows are released by the relay that sends the row before them; this sweep catches
-# any left parked by other means (a row deleted by hand, say).
+# A sweep for rows left parked by other means than a send (a row deleted by hand, say).
 SWEEP_INTERVAL = 30.0
-# After a claim that found rows, the first claim that finds none is followed by another
-# TRAIL_FIRST later, the wait doubling while claims keep finding nothing, the last TRAIL_LAST
-# after the one before: a relay that sent something looks again seven times over the next 1.3 s,
-# then sleeps until woken. Each of those claims reads the index of due rows only.
+# After rows, the waits between claims that find none double from TRAIL_FIRST to TRAIL_LAST.
 TRAIL_FIRST = 0.01
 TRAIL_LAST = 0.64
-# While claims keep finding rows (no idle wait reads the scheduled rows' next due time), how
-# often the relay looks whether a scheduled row fell due: the bound on how late a scheduled
-# message published during a steady load goes out. One read of that index's first entry.
+# How often a busy relay looks for a scheduled row fallen due: how late one can go out.
 SCHEDULED_LOOK = 0.5
-# A due scheduled row that a promotion could not take is locked by another transaction (a
-# cancel_scheduled() in a transaction still open, another relay promoting it): the relay looks
-# again after HELD_FIRST, the wait doubling up to SCHEDULED_LOOK while the lock lasts, instead of
-# at once (that loop ran about 900 transactions a second until the lock ended).
+# The first wait, doubling to SCHEDULED_LOOK, while a due scheduled row is locked elsewhere
+# (looking again at once ran about 900 transactions a second).
 HELD_FIRST = 0.05
 
 
@@ -62,8 +47,7 @@ class ClaimOwner(Protocol):
         """A stop was asked for, or the deadline passed."""
 
     def holding(self) -> bool:
-        """No claim now: the broker blocks the connection, or the consumers' queues are being
-        declared (the unblock, or the declaration's end, schedules the next claim)."""
+        """No claim now: the broker blocks us, or the consumers' queues are being declared."""
 
     def nothing_due(self) -> bool:
         """Nothing is due now; True when the relay stops for it (``--once``)."""
@@ -98,13 +82,9 @@ class ClaimScheduler:
         self._next_sweep = 0.0  # monotonic time of the next release_parked sweep
         self._sweep_after: int | None = None  # where the sweep's pass goes on
         self._next_promote = 0.0  # monotonic time to look for due scheduled rows next
-        # While due scheduled rows are locked (see HELD_FIRST): until when the relay takes
-        # them for not due yet, and the growing wait.
         self._held_until = 0.0
         self._held_backoff = Backoff(HELD_FIRST, SCHEDULED_LOOK)
         self._db_backoff = Backoff(0.5, settings.reconnect_max_delay)
-        # The wait before the next claim of the trail after rows (see TRAIL_FIRST); None when
-        # the relay found nothing for the whole trail.
         self._trail: float | None = None
 
     def start(self, owner: ClaimOwner) -> None:
@@ -118,8 +98,7 @@ class ClaimScheduler:
             worker.close()
 
     def busy(self) -> bool:
-        """A claim is under way or a batch is in flight or being recorded: each ends in a
-        callback on the I/O loop that schedules the next claim."""
+        """A claim is under way or a batch is in flight or being recorded."""
         return not all(worker.free for worker in self.workers)
 
     def cancel(self) -> None:
@@ -127,9 +106,7 @@ class ClaimScheduler:
         self._tick_timer = None
 
     def schedule(self, delay: float) -> None:
-        """Claim again in ``delay`` seconds, unless a claim is already due sooner: a later
-        wait must never push back a claim something asked for (a batch recorded, a row
-        released, a NOTIFY)."""
+        """Claim again in ``delay`` seconds, unless a claim is already due sooner."""
         if not self.publisher.is_open:
             return
         at = time.monotonic() + delay
@@ -141,8 +118,7 @@ class ClaimScheduler:
         self._tick_timer = self.publisher.call_later(delay, self._tick)
 
     def after_loop(self) -> None:
-        """A connection's loop ended: let the database workers finish what they were given
-        (the outcomes of the batches in flight), and roll back a claim never published."""
+        """A loop ended: the workers finish their jobs; a claim never published rolls back."""
         for worker in self.workers:
             worker.drain()
             claimed, worker.claimed = worker.claimed, None
@@ -169,14 +145,12 @@ class ClaimScheduler:
         return next((worker for worker in self.workers if worker.free), None)
 
     def _tick(self) -> None:
-        """I/O loop: give the next claim to a free database worker, unless a claim is under
-        way or every worker holds a batch in flight."""
+        """I/O loop: give the next claim to a free database worker."""
         self._tick_timer = None
         if not self.publisher.ready:
             return
         if any(worker.claiming for worker in self.workers):
-            # Its answer schedules the next claim; it may have looked before what this tick
-            # is for (a batch recorded, a row released, a NOTIFY), so it looks again.
+            # It may have looked before what this tick is for: its answer looks again.
             self._look_again = True
             return
         worker = self._free_worker()
@@ -240,17 +214,14 @@ class ClaimScheduler:
         self.health.set_database(True)
         if claim.transaction is not None:
             if not self.publisher.ready or self.owner.holding():
-                # The channel went, or the broker blocked the connection while the claim was
-                # under way: the rows are due again at once. The new channel's confirm mode,
-                # or the unblock, schedules a claim.
+                # The channel went or the broker blocked us meanwhile: the rows are due again.
                 worker.submit(functools.partial(self._roll_back_job, claim.transaction))
                 return
             self.in_flight.publish(worker, claim, self.on_recorded)
         if claim.rows:
             self._trail = TRAIL_FIRST
         if claim.rows or claim.parked or self._look_again:
-            # More may be due at once: claim the next batch while this one's confirms come
-            # back (a batch being recorded schedules a claim too).
+            # More may be due: claim the next batch while this one's confirms come back.
             self.schedule(0)
             return
         if self.in_flight or self.busy():
@@ -262,8 +233,7 @@ class ClaimScheduler:
         self.schedule(self._next_wait(claim.wait))
 
     def _next_wait(self, idle_wait: float) -> float:
-        """I/O loop: the wait after a claim that found nothing: the next step of the trail after
-        rows, if the relay is on one, else ``idle_wait``."""
+        """I/O loop: the wait after a claim that found nothing (the trail's next step)."""
         trail = self._trail
         if trail is None:
             return idle_wait
@@ -271,9 +241,8 @@ class ClaimScheduler:
         return min(trail, idle_wait)
 
     def _sweep(self) -> None:
-        """Release parked rows nothing holds back any more (see :func:`release_parked`): a
-        slice of them per claim, so that many parked rows never hold a claim up; the next
-        slice a second later, and a new pass SWEEP_INTERVAL after the last one ended."""
+        """Release a slice of the parked rows nothing holds back any more; the next a second
+        later, a new pass SWEEP_INTERVAL after the last ended."""
         released, self._sweep_after = self.claims.release_parked(after=self._sweep_after or 0)
         self._next_sweep = time.monotonic() + (1.0 if self._sweep_after else SWEEP_INTERVAL)
         if released:
@@ -283,8 +252,7 @@ class ClaimScheduler:
             )
 
     def _promote(self) -> None:
-        """Database worker: make the due scheduled rows pending (a chunk: the claim that follows
-        sends them, and the next claim takes the next chunk), and note when to look next."""
+        """Database worker: make a chunk of due scheduled rows pending; note when to look next."""
         self._next_promote = time.monotonic() + SCHEDULED_LOOK  # meanwhile, for the others
         promoted = self.claims.promote_due()
         if promoted:
@@ -294,9 +262,7 @@ class ClaimScheduler:
             return
         due_in = self.claims.next_scheduled_in()
         if due_in == 0.0 and not promoted:
-            # Due, yet the promotion skipped it: another transaction holds it locked. Its end
-            # sends no NOTIFY (a rollback) or takes the row away (a cancel's commit): look
-            # again after a growing wait rather than at once.
+            # Due, yet skipped: another transaction holds it locked (see HELD_FIRST).
             self._held_until = time.monotonic() + self._held_backoff.next()
         else:
             self._held_until = 0.0
@@ -304,18 +270,15 @@ class ClaimScheduler:
         self._note_scheduled(self._scheduled_in(due_in))
 
     def _scheduled_in(self, due_in: float | None) -> float | None:
-        """The wait until the next scheduled row is due (``next_scheduled_in``), or, while the
-        due ones are locked, until the relay looks at them again."""
+        """The wait until the next scheduled row is due, or, while it is locked, looked at again."""
         if due_in == 0.0:
             return max(0.0, self._held_until - time.monotonic())
         return due_in
 
     def _note_scheduled(self, due_in: float | None) -> None:
-        """When to look for due scheduled rows next: at the next one's due time, and at least
-        every SCHEDULED_LOOK while the relay is busy."""
-        self._next_promote = time.monotonic() + min(
-            SCHEDULED_LOOK, SCHEDULED_LOOK if due_in is None else due_in
-        )
+        """Look for due scheduled rows at the next one's due time, or SCHEDULED_LOOK."""
+        wait = SCHEDULED_LOOK if due_in is None else min(SCHEDULED_LOOK, due_in)
+        self._next_promote = time.monotonic() + wait
 
     def _idle_wait(self) -> float:
         """Database worker: how long the relay may sleep before the next claim."""
@@ -326,8 +289,7 @@ class ClaimScheduler:
         due_in = self.claims.next_due_in()  # a row waiting out a backoff or a lease
         if due_in is not None:
             poll = min(poll, due_in)
-        # A scheduled row: at its due time, whatever the poll (a NOTIFY wakes the relay for
-        # one published meanwhile, and this looks again).
+        # A scheduled row: at its due time, whatever the poll.
         scheduled_in = self._scheduled_in(self.claims.next_scheduled_in())
         self._note_scheduled(scheduled_in)
         if scheduled_in is not None:

@@ -1,9 +1,5 @@
-"""Where an outbox row is marked sent: what the broker's answers make of a batch, written down.
-
-The relay's I/O loop (:mod:`.in_flight`) feeds a :class:`Batch` the confirms, returns and channel
-closes of the rows it published; :meth:`Batch.outcome` says which rows are sent, unrouted,
-charged (:func:`charge_refusal` for a broker's refusal) or due again; :func:`record_outcome`
-writes that down on a database worker, in the claim's transaction when it is still open.
+"""Where an outbox row is marked sent: a :class:`Batch` takes the broker's answers,
+:meth:`Batch.outcome` says what became of each row and :func:`record_outcome` writes it down.
 """
 
 from __future__ import annotations
@@ -45,8 +41,7 @@ logger = logging.getLogger("reliable_messaging.relay")
 OUTBOX_ID_HEADER = "x-rm-outbox-id"
 
 _MISSING_EXCHANGE = re.compile(r"no exchange '([^']*)'")
-# The exchange a 403 names ("access to exchange 'x' in vhost '/' refused", "cannot publish to
-# internal exchange 'x'") and the size a 406 names ("message size 123 is larger than ...").
+# The exchange a 403 names ("access to exchange 'x' in vhost '/' refused").
 _NAMED_EXCHANGE = re.compile(r"exchange '([^']*)'")
 
 
@@ -79,10 +74,8 @@ def resend_backoff(attempts: int) -> dt.timedelta:
 
 
 def message_headers(row: ClaimedRow) -> dict[str, Any]:
-    """The headers a row goes out with: its own, when it was published (a scheduled message:
-    when it fell due, if that is after its publish() call: see ``ClaimedRow.published_at``, the
-    time its age and critical time count from), its row id (so that a returned message finds
-    its row) and its ordering key."""
+    """The headers a row goes out with: its own, ``published_at``, its row id (so that a
+    returned message finds its row) and its ordering key."""
     headers: dict[str, Any] = dict(row.headers or {})
     headers[PUBLISHED_AT_HEADER] = int(row.published_at.timestamp() * 1000)
     headers[OUTBOX_ID_HEADER] = row.pk
@@ -93,14 +86,12 @@ def message_headers(row: ClaimedRow) -> dict[str, Any]:
 
 @dataclass
 class Batch:
-    """Rows published and awaiting confirms, under the transaction or the lease their claim
-    took."""
+    """Rows published and awaiting confirms, under their claim's transaction or lease."""
 
     rows: dict[int, ClaimedRow]  # published, by delivery tag
     claimed: list[ClaimedRow] = field(default_factory=list)  # every row the claim took
     worker: Any = None  # the DatabaseWorker whose connection holds its transaction
-    # The claim's transaction, holding the row locks, until HOLD_LIMIT: then the rows are
-    # leased instead and it commits (touched on the worker's thread only).
+    # The claim's transaction until HOLD_LIMIT (touched on the worker's thread only).
     transaction: ClaimTransaction | None = None
     unpublished: list[ClaimedRow] = field(default_factory=list)  # refused before publishing
     errors: dict[int, str] = field(default_factory=dict)  # row id -> why it was not sent
@@ -129,14 +120,12 @@ class Batch:
         ]
 
     def settle(self, tag: int, multiple: bool, acked: bool) -> tuple[int, int]:
-        """Take a confirm (``basic.ack`` or ``basic.nack``) for ``tag``, or with ``multiple``
-        for every tag up to it. Returns how many of this batch's rows it confirmed and how
-        many it nacked."""
+        """Take a confirm for ``tag`` (with ``multiple``, every tag up to it); how many of this
+        batch's rows it confirmed and nacked."""
         if not self.rows or (not multiple and tag not in self.rows):
             return 0, 0
         if multiple:
-            # Tags are consecutive across batches: settle from the batch's lowest unsettled
-            # one up to tag.
+            # Tags are consecutive across batches: from the batch's lowest unsettled one.
             tags = range(self.lowest_unsettled, min(tag, max(self.rows)) + 1)
             self.lowest_unsettled = max(self.lowest_unsettled, tags.stop)
         else:
@@ -162,17 +151,14 @@ class Batch:
 
     def time_out(self, seconds: float) -> int:
         """Charge every published row still without a confirm; returns how many."""
-        timed_out = 0
-        for row in self.rows.values():
-            if row.pk not in self.confirmed and row.pk not in self.errors:
-                self.errors[row.pk] = f"no confirm from the broker within {seconds}s"
-                timed_out += 1
-        return timed_out
+        rows = self.unconfirmed()
+        for row in rows:
+            self.errors[row.pk] = f"no confirm from the broker within {seconds}s"
+        return len(rows)
 
     def outcome(self) -> BatchOutcome:
-        """What to record: confirmed rows are sent (or unrouted, for events the broker returned
-        unroutable), rows with an error are charged, and the rest (in flight when a channel
-        died: the broker may have them, which consumers absorb) are due again."""
+        """What to record: confirmed rows are sent (or unrouted), rows with an error charged,
+        the rest due again."""
         sent = [pk for pk in self.confirmed if pk not in self.errors and pk not in self.unrouted]
         unrouted = [
             row
@@ -199,10 +185,8 @@ def missing_exchange(reply_text: str) -> str | None:
 
 
 def refused_rows(batches: list[Batch], reply_text: str) -> list[tuple[Batch, ClaimedRow]]:
-    """The unconfirmed rows a channel close was caused by: those bound for the exchange the
-    broker named, or with the body size it named; failing that, the first one published (the
-    broker closes at the offending publish, so the culprit is the first row it did not confirm
-    or the rows after it were never looked at)."""
+    """The unconfirmed rows a channel close was about: those bound for the exchange or with the
+    body size it names; failing that, the first one the broker did not confirm."""
     unconfirmed = [(batch, row) for batch in batches for row in batch.unconfirmed()]
     named = _NAMED_EXCHANGE.search(reply_text)
     if named is not None:
@@ -222,15 +206,8 @@ def refused_rows(batches: list[Batch], reply_text: str) -> list[tuple[Batch, Cla
 def charge_refusal(
     batches: list[Batch], reply_code: int, reply_text: str, description: str
 ) -> tuple[int, str | None]:
-    """The broker closed the channel at a publish of ours: charge the rows it was about.
-    Returns how many it charged and the exchange the broker said is missing, if any.
-
-    A 404 names an exchange that does not exist: the rows bound for it are charged, the rest
-    are due again, untouched. Any other refusal (403: no write permission, an internal
-    exchange; 406: a body over max_message_size, ...) is charged to the row it was about:
-    sending the same rows again at once would hit the same wall forever (rows before it re-sent
-    many times a second, rows after it never); with backoff, and what was confirmed kept, the
-    rows after it go out in the next batch, and OUTBOX_MAX_ATTEMPTS retires the culprit."""
+    """The broker closed the channel at a publish of ours: charge the rows it was about (a
+    404: those bound for the missing exchange). How many, and the missing exchange if any."""
     if reply_code == NOT_FOUND:
         missing = missing_exchange(reply_text)
         charged = 0
@@ -266,11 +243,8 @@ def charge_refusal(
 def record_outcome(
     outcome: BatchOutcome, held: ClaimTransaction | None, *, using: str, max_attempts: int
 ) -> Exception | None:
-    """Mark the confirmed rows sent (or unrouted), charge the failed ones, make the rest due
-    again, and release the next row of each key sent, committing ``held`` (the claim's
-    transaction) or, when the rows were leased, a new one. Returns the error when the
-    database could not record it: the rows stay pending and go again, at once (rolled back)
-    or when their lease runs out, which consumers absorb by message_id."""
+    """Write ``outcome`` down and release the next row of each key sent, committing ``held``
+    or, when the rows were leased, a new transaction. The error when it could not."""
     leased = held is None
     for attempt in range(1, MOVED_TRIES + 1):
         try:
@@ -280,8 +254,7 @@ def record_outcome(
             return None
         except Exception as exc:  # noqa: BLE001 - whatever failed, the relay goes on
             if row_moved(exc) and attempt < MOVED_TRIES:
-                # A leased row that another relay sent meanwhile: rolled back, recorded
-                # again in a transaction of its own (the rows are not locked any more).
+                # Another relay sent a leased row meanwhile: again, in a new transaction.
                 held, leased = None, True
                 continue
             if isinstance(exc, DatabaseError):
@@ -310,15 +283,10 @@ def _write_outcome(outcome: BatchOutcome, leased: bool, using: str, max_attempts
         error = outcome.failures.get(row.pk)
         if error is not None:
             _charge(
-                row,
-                error,
-                using=using,
-                max_attempts=max_attempts,
-                final=row.pk in outcome.final,
+                row, error, using=using, max_attempts=max_attempts, final=row.pk in outcome.final
             )
     if outcome.again and leased:
-        # Rolled back, the claim's rows are due at once by themselves; leased, they are due
-        # when the lease runs out unless made due here.
+        # Leased rows are due only when the lease runs out, unless made due here.
         outbox.filter(pk__in=any_id_of(using, outcome.again), status=OutboxStatus.PENDING).update(
             next_attempt_at=Now()
         )
@@ -328,8 +296,7 @@ def _write_outcome(outcome: BatchOutcome, leased: bool, using: str, max_attempts
 def _charge(
     row: ClaimedRow, error: str, *, using: str, max_attempts: int, final: bool = False
 ) -> None:
-    """A failed send: one more attempt, a backoff, and ``failed`` past OUTBOX_MAX_ATTEMPTS
-    (at once when ``final``: the broker would refuse it every time)."""
+    """A failed send: an attempt, a backoff; ``failed`` past OUTBOX_MAX_ATTEMPTS or if ``final``."""
     attempts = row.attempts + 1
     failed = final or attempts >= max_attempts
     if failed:

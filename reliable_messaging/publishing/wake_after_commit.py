@@ -1,11 +1,5 @@
-"""Wake the relay after a publishing transaction commits, from outside that transaction.
-
-``publish()`` registers one ``transaction.on_commit`` callback per transaction and alias; the
-callback only sets an event, and one daemon thread per process (:class:`WakeUpSender`) sends
-``NOTIFY`` on a connection of its own, folding the wake-ups that come while it sends. A ``NOTIFY``
-inside the publishing transaction would make every publishing transaction of the server commit one
-after the other (PostgreSQL's notification lock). A lost wake-up costs at most the relay's poll
-interval. ``docs/design.md#waking-the-relay-after-a-commit`` explains.
+"""Wake the relay after a publishing transaction commits, from outside that transaction
+(``docs/design.md#waking-the-relay-after-a-commit`` explains why).
 """
 
 from __future__ import annotations
@@ -24,37 +18,24 @@ from .listener import NOTIFY_CHANNEL, listen_conninfo
 
 logger = logging.getLogger("reliable_messaging.publish")
 
-# After a failure to connect or to send, an alias is left alone this long (its wake-ups are
-# dropped meanwhile; the relay's poll covers them), so a database that is down costs one
-# failed attempt per pause, not one per commit.
+# After a failure an alias's wake-ups are dropped this long: one failed attempt per pause.
 RETRY_PAUSE = 5.0
-# Bounds on the sender's own connection and its transactions (see notify_sql): it never
-# blocks a caller, but a hung database should not keep it from noticing that the connection is
-# dead either.
+# A hung database must not keep the sender from noticing a dead connection.
 CONNECT_TIMEOUT = 2
 STATEMENT_TIMEOUT_MS = 2000
-# After each NOTIFY the sender waits before the next: the first commit after a quiet spell wakes
-# the relay at once, the others of the pause share the next wake-up. The pause starts at
-# SPACING and doubles, up to MAX_SPACING, for as long as every pause ends with commits waiting
-# (a process that keeps committing); a pause that ends with none resets it. So a process that
-# commits now and then wakes the relay within milliseconds, and a busy one sends at most 1 /
-# MAX_SPACING NOTIFYs a second, each a transaction of its own on the database its callers are
-# using. Its other commits are found without one: a relay that sent rows keeps claiming, and
-# after its last rows keeps looking for over a second (scheduling.TRAIL_FIRST), longer than
-# MAX_SPACING, so a commit held back by a pause waits for the relay's next look, not for it.
+# The pause after each NOTIFY, doubling up to MAX_SPACING while commits keep coming in it,
+# back to SPACING after a quiet one; a busy relay's trail (scheduling) is longer than it.
 SPACING = 0.005
 MAX_SPACING = 0.1
 # A process that stopped publishing gives its connection back after this long.
 IDLE_CLOSE = 30.0
-# At its exit a process lets the wake-ups it asked for go out, waiting this long at most: a
-# script or command that publishes and exits at once would otherwise leave them to the relay's
-# poll.
+# How long a process's exit waits for the wake-ups it asked for.
 EXIT_WAIT = 1.0
 
 
 class WakeUpSender:
-    """The process's sender of after-commit wake-ups: :meth:`request` is what the on-commit
-    callbacks call (cheap, thread-safe, never raises); a daemon thread does the sending."""
+    """The process's sender of after-commit wake-ups: :meth:`request` is cheap, thread-safe and
+    never raises; a daemon thread sends."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -67,10 +48,8 @@ class WakeUpSender:
         self._conninfo: dict[str, str] = {}
         self._connections: dict[str, Any] = {}
         self._retry_at: dict[str, float] = {}
-        # Probe payloads to send, by alias (see :meth:`probe`).
-        self._probes: dict[str, list[str]] = {}
-        # The pause after the next NOTIFY (see SPACING).
-        self.pause = SPACING
+        self._probes: dict[str, list[str]] = {}  # probe payloads to send, by alias
+        self.pause = SPACING  # after the next NOTIFY
         # Counters for tests and the benchmark: wake-ups asked for, NOTIFYs sent, failures.
         self.requested = 0
         self.sent = 0
@@ -81,8 +60,7 @@ class WakeUpSender:
         try:
             conninfo = self._conninfo.get(using)
             if conninfo is None:
-                # Read here, on a thread that has the alias's settings at hand; kept, since a
-                # process's database parameters do not change.
+                # Read on a thread that has the alias's settings at hand.
                 conninfo = self._conninfo[using] = listen_conninfo(using)
             with self._lock:
                 self.requested += 1
@@ -93,8 +71,7 @@ class WakeUpSender:
             logger.debug("publish: could not ask for a wake-up of the relay", exc_info=True)
 
     def probe(self, using: str, token: str) -> None:
-        """Ask for a ``NOTIFY`` carrying ``token`` on ``using``, sent the way every wake-up is
-        (a relay checks with it that its LISTEN hears what publishers send)."""
+        """Ask for a ``NOTIFY`` carrying ``token``, sent as every wake-up is (a relay's probe)."""
         if not token.isalnum():
             raise ValueError(f"a probe token is letters and digits, got {token!r}")
         with self._lock:
@@ -102,8 +79,7 @@ class WakeUpSender:
         self.request(using)
 
     def _ensure_thread(self) -> None:
-        # After a fork (a preloading web server) the parent's thread and connections are not
-        # this process's: start afresh.
+        # After a fork the parent's thread and connections are not this process's.
         pid = os.getpid()
         if self._thread is not None and self._pid == pid and self._thread.is_alive():
             return
@@ -171,9 +147,8 @@ class WakeUpSender:
     def _connect(self, using: str) -> Any:
         import psycopg
 
-        # prepare_threshold=None: psycopg would otherwise prepare the NOTIFY after five runs,
-        # and behind a transaction-pooling PgBouncer (before 1.21) the next server connection
-        # has no such statement (or another client's statement of that name).
+        # Nothing prepared: behind a transaction-pooling PgBouncer (before 1.21) the next server
+        # connection has no such statement.
         return psycopg.connect(
             self._conninfo.get(using) or listen_conninfo(using),  # close() may have cleared it
             autocommit=True,
@@ -182,8 +157,7 @@ class WakeUpSender:
         )
 
     def flush(self, timeout: float = 5.0) -> bool:
-        """Wait until every wake-up asked for so far was sent or dropped (for tests and the
-        benchmark); True when that happened within ``timeout``."""
+        """Whether every wake-up asked for so far was sent or dropped within ``timeout``."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             with self._lock:
@@ -198,8 +172,7 @@ class WakeUpSender:
         return False
 
     def close(self) -> None:
-        """Close the sender's connections (the thread stays, idle, and reconnects if asked,
-        with the connection parameters read afresh)."""
+        """Close the sender's connections; the idle thread reconnects if asked."""
         with self._send_lock:
             connections_, self._connections = self._connections, {}
             self._conninfo = {}
@@ -208,15 +181,8 @@ class WakeUpSender:
 
 
 def notify_sql(probes: Sequence[str] = ()) -> str:
-    """The wake-up, with a NOTIFY per probe token: one transaction, one round trip.
-
-    Its settings are ``SET LOCAL``: behind a transaction-pooling PgBouncer the server connection
-    goes to another client once the transaction ends, and a session ``SET`` would go with it.
-    ``statement_timeout``: a hung database must not keep the sender from noticing that the
-    connection is dead. ``synchronous_commit = off``: a NOTIFY gives its transaction an id,
-    hence a commit record; with synchronous commit that transaction would hold the notification
-    lock, and the sender wait, until the record is flushed. A wake-up lost to a crash costs a
-    poll; it is not worth a flush."""
+    """The wake-up, with a NOTIFY per probe token, in one transaction with ``SET LOCAL``
+    settings (a pooler hands the session to others)."""
     notifies = [f"NOTIFY {NOTIFY_CHANNEL}"]
     notifies += [f"NOTIFY {NOTIFY_CHANNEL}, '{token}'" for token in probes]
     return "; ".join(
@@ -239,34 +205,26 @@ def _close(connection: Any) -> None:
 
 sender = WakeUpSender()
 
-# One callback object per alias, so that a transaction's list of on-commit callbacks can be
-# searched for it: the first publish() of a transaction registers it, the others find it.
+# One callback per alias, so that a transaction's on-commit callbacks can be searched for it.
 _callbacks: dict[str, Any] = {}
 _can_notify: dict[str, bool] = {}
 
 
 def _callback(using: str) -> Any:
-    callback = _callbacks.get(using)
-    if callback is None:
-
-        def callback() -> None:
-            sender.request(using)
-
-        _callbacks[using] = callback
-    return callback
+    if using not in _callbacks:
+        _callbacks[using] = lambda: sender.request(using)
+    return _callbacks[using]
 
 
 def _supported(using: str) -> bool:
-    supported = _can_notify.get(using)
-    if supported is None:
-        supported = connections[using].vendor == "postgresql"
-        if supported:
-            try:
-                import psycopg  # noqa: F401
-            except ImportError:
-                supported = False
-        _can_notify[using] = supported
-    return supported
+    if using not in _can_notify:
+        try:
+            import psycopg  # noqa: F401
+        except ImportError:
+            _can_notify[using] = False
+        else:
+            _can_notify[using] = connections[using].vendor == "postgresql"
+    return _can_notify[using]
 
 
 def wake_relay_after_commit(using: str) -> None:

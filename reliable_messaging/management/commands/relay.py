@@ -52,9 +52,8 @@ class Command(BaseCommand):
             type=int,
             default=1,
             metavar="N",
-            help="relays running side by side in this process, each with its own database "
-            "and broker connection: one claims and publishes while another waits for its "
-            "confirms. More throughput on a backlog, at some latency cost (default 1)",
+            help="relays running side by side in this process, each with its own connections: "
+            "more throughput on a backlog, at some latency cost (default 1)",
         )
         parser.add_argument(
             "--operation-batch-size",
@@ -86,8 +85,7 @@ class Command(BaseCommand):
             raise CommandError("--operation-batch-size must not be negative")
         keep_database_alive()
         announcements.quiet_pika_info()
-        # Each lane declares the queues and bindings of every consumer registered in this
-        # project before it sends, so that no start order loses an event to `unrouted`.
+        # Each lane declares every registered consumer's queues before it sends.
         relays = [
             build_relay(
                 batch_size=options["batch_size"],
@@ -125,12 +123,9 @@ class Command(BaseCommand):
             health=relays[0].health,
         )
         upkeep.start()
-        # A broker whose max_message_size is under MAX_BODY_BYTES refuses some rows publish()
-        # accepted: said once, at ERROR, beside the lanes (the relay goes on either way).
+        # A broker max_message_size under MAX_BODY_BYTES is said once, at ERROR.
         log_body_limit_in_background(relays[0].settings)
-        # The admin's bulk replays and discards, carried out beside the lanes in a process of
-        # their own (dead_letters/operation_process.py). It wakes the lanes after each batch's
-        # commit with a NOTIFY on the channel they LISTEN on, as publish() does after a commit.
+        # The admin's bulk replays and discards, in a process of their own that wakes the lanes.
         operations = None
         if options["operation_batch_size"]:
             if options["once"]:  # before the lanes start: they find the replays due
