@@ -9,7 +9,7 @@ import collections
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..broker.transport import BrokerChannel, BrokerConnection
@@ -83,13 +83,8 @@ class DeliveryWork:
 
     def again(self, retry: RetryInPlace) -> DeliveryWork:
         """The same delivery, for its in-place retry."""
-        return DeliveryWork(
-            self.link,
-            self.channel,
-            self.spec,
-            with_attempt(self.delivery, retry),
-            self.properties,
-            self.received,
+        return replace(
+            self, delivery=with_attempt(self.delivery, retry), from_dead_letter_queue=False
         )
 
     @property

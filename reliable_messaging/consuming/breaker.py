@@ -191,8 +191,6 @@ class CircuitBreaker:
                 return self._open(f"{failures} of the last {len(self._window)} deliveries failed")
             return None
 
-    # -- under the lock --------------------------------------------------------------------------
-
     def _current(self) -> BreakerState:
         if self._state is BreakerState.OPEN and self._clock() >= self._reopen_at:
             self._move(BreakerState.HALF_OPEN)

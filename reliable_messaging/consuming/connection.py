@@ -117,10 +117,7 @@ class ConnectionThread:
         return self.exit_code
 
     def set_connected(self, connected: bool) -> None:
-        if connected:
-            self.connected.set()
-        else:
-            self.connected.clear()
+        (self.connected.set if connected else self.connected.clear)()
         if self.health is not None:
             self.health.set_broker(connected)
 

@@ -1,10 +1,8 @@
 """The duplicate fast path: Redis remembers what the inbox holds, so duplicates skip PostgreSQL.
 
-One round trip per batch before the inbox claim answers, per message, *done* (acked without a
-transaction), *leased elsewhere* (put aside) or *new* (leased to this process). What a batch
-committed is sent with the next batch's round trip, or by a flusher after ``FLUSH_AFTER``
-seconds. Redis only ever speeds things up: the inbox decides whatever the cache says or fails
-to say. The design is in docs/operations.md, "The Redis fast path".
+One round trip per batch answers, per message, *done*, *leased elsewhere* or *new*; the inbox
+decides whatever the cache says or fails to say. The design is in docs/operations.md, "The
+Redis fast path".
 """
 
 from __future__ import annotations
@@ -27,33 +25,21 @@ from .stage import DeliveryOutcome, Job, Stage
 
 logger = logging.getLogger(__name__)
 
-# Seconds a consumer holds a message's processing lease: longer than a handler usually runs; a
-# handler that outlives it only loses the shortcut (the inbox still decides).
+# Seconds a consumer holds a message's processing lease (outliving it only loses the shortcut).
 LEASE_SECONDS = 60.0
 # After a cache error, seconds during which the cache is not tried at all.
 PAUSE_AFTER_ERROR = 5.0
 # Seconds between two warnings about the cache being unavailable.
 WARN_EVERY = 60.0
-# Seconds what a batch committed may wait for the next batch's round trip before it is sent on
-# its own. Until then a copy that another consumer receives goes to its inbox, or is put aside
-# (the lease still held): correct, only later.
+# Seconds what a batch committed may wait for the next batch's round trip before it is sent.
 FLUSH_AFTER = 0.05
-# Seconds a flusher thread waits with nothing to send before it ends (the next remember()
-# starts another).
+# Seconds a flusher thread waits with nothing to send before it ends.
 FLUSHER_IDLE = 30.0
 
-# One round trip, atomic (no other command runs in between):
-#  1. what this process committed since its last call: the done keys are written, and each lease
-#     is deleted only if it still holds this process's token (one that expired meanwhile may be
-#     another consumer's now);
-#  2. for each message asked about, one character of the answer: "d" if its done key exists,
-#     else, where a lease is wanted, "n" if SET NX took the lease and "b" if another holds it
-#     ("n" too where no lease is wanted).
-# The keys are the cache's prefix, "done:" or "lease:", and the message's digest: only the prefix
-# and the digests travel (the keys are built here, so the fast path needs one Redis server, not
-# a Redis Cluster). ARGV: the prefix, how many digests to write and to give back, the done
-# keys' TTL in seconds, the token, the leases' TTL in ms, per message asked about "1" to take
-# its lease or "0" (one string), then the digests: to write, to give back, asked about.
+# One atomic round trip: write the done keys and give back the leases still holding our token,
+# then answer per digest asked "d" (done), "n" (new: leased, or no lease wanted) or "b" (leased
+# elsewhere). ARGV: prefix, counts to write and to give back, done TTL (s), token, lease TTL
+# (ms), lease flags ("1"/"0" per asked digest), then the digests: to write, to give back, asked.
 _SCRIPT = """
 local prefix, write, give_back = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local token, flags, first = ARGV[5], ARGV[7], 8
@@ -101,8 +87,7 @@ class DuplicateCache:
         self._paused_until = 0.0
         self._last_warning = -WARN_EVERY
         self._script: Any = None
-        # What committed batches left to tell Redis: the digests to mark done, and of the
-        # leases to give back.
+        # What committed batches left to tell Redis (digests to mark done, leases to give back).
         self._to_write: list[str] = []
         self._to_give_back: list[str] = []
         self._wake = threading.Event()
@@ -129,16 +114,11 @@ class DuplicateCache:
     def lease_key(self, consumer: str, message_id: str) -> str:
         return f"{self._prefix()}lease:{_digest(consumer, message_id)}"
 
-    # -- the operations ---------------------------------------------------------------------------
-
     def check(
         self, keys: Sequence[tuple[str, str]], lease: Collection[tuple[str, str]] = ()
     ) -> tuple[set[tuple[str, str]], dict[tuple[str, str], bool] | None]:
-        """In one round trip: which of the (consumer, message_id) pairs ``keys`` (no repeats)
-        are known to be processed, and for those of ``lease`` that are not, whether this
-        process took their lease (True) or another consumer holds it (False). Sends what
-        :meth:`remember` kept first. On a cache error: nothing known, and None for the leases
-        (run them all; the inbox decides)."""
+        """Which of ``keys`` (no repeats) are known processed, and for those of ``lease`` that
+        are not, whether this process took the lease; on a cache error, nothing and None."""
         if not keys or not self._available():
             return set(), None
         flags = "".join("1" if key in lease else "0" for key in keys)
@@ -167,9 +147,8 @@ class DuplicateCache:
     def remember(
         self, processed: Iterable[tuple[str, str]], leased: Iterable[tuple[str, str]]
     ) -> None:
-        """After the commit: mark ``processed`` done and give back the ``leased`` leases this
-        process still holds. Sent with the next :meth:`check`, or by :meth:`flush` within
-        ``FLUSH_AFTER`` seconds."""
+        """After the commit: mark ``processed`` done and give back the ``leased`` leases, with
+        the next :meth:`check` or within ``FLUSH_AFTER`` seconds."""
         done = [_digest(c, m) for c, m in processed]
         leases = [_digest(c, m) for c, m in leased]
         if not (done or leases) or not self._available():
@@ -198,8 +177,6 @@ class DuplicateCache:
         else:
             with self._lock:
                 self._to_write, self._to_give_back = [], []
-
-    # -- the round trip ---------------------------------------------------------------------------
 
     def _run(self, asked: list[str], flags: str, what: str) -> bytes | None:
         """The script's round trip for the digests ``asked``; its answer, or None on error."""
@@ -230,8 +207,6 @@ class DuplicateCache:
                 client=client,
             )
         except Exception as exc:  # noqa: BLE001 - any cache failure means "ask the database"
-            # What was to be written is dropped: the leases expire on their own and the inbox
-            # still knows what was processed.
             self._failed(what, exc)
             return None
         # bytes, unless the cache's client decodes responses
@@ -249,15 +224,11 @@ class DuplicateCache:
             self._wake.clear()
             self.flush()
 
-    # -- availability -----------------------------------------------------------------------------
-
     def _available(self) -> bool:
         with self._lock:
             return time.monotonic() >= self._paused_until
 
     def _failed(self, what: str, exc: Exception) -> None:
-        from .. import metrics
-
         now = time.monotonic()
         with self._lock:
             was_available = now >= self._paused_until

@@ -140,11 +140,8 @@ def ingest_delivery_limit(
 ) -> Acknowledge:
     """A message the broker dead-lettered from one of ``queues`` at its delivery limit."""
     death = _first_death(delivery.headers, queues)
-    count = 0
-    for raw in (delivery.headers.get("x-delivery-count"), death.get("count")):
-        if isinstance(raw, int) and not isinstance(raw, bool):
-            count = raw
-            break
+    counts = (delivery.headers.get("x-delivery-count"), death.get("count"))
+    count = next((n for n in counts if isinstance(n, int) and not isinstance(n, bool)), 0)
     why = death.get("reason")
     return dead_letter_delivery(
         processor,

@@ -48,20 +48,16 @@ class OutcomeSettler:
         with self._counts_lock:
             return dict(self._counts)
 
-    # -- any thread ------------------------------------------------------------------------------
-
     def hand_back(self, settled: list[tuple[DeliveryWork, Outcome]]) -> None:
         """Have ``settled`` carried out on the connection's thread of each delivery's link."""
-        with self._counts_lock:
-            for _, outcome in settled:
-                self._counts[label_of(outcome)] += 1
-        for item, outcome in settled:
-            if isinstance(outcome, Release):
-                metrics.consumer_outcome(item.spec.name, OutcomeLabel.RELEASED)
         # One callback per link: after a reconnect a batch may span the old and the new one.
         by_link: dict[int, list[tuple[DeliveryWork, Outcome]]] = {}
-        for pair in settled:
-            by_link.setdefault(id(pair[0].link), []).append(pair)
+        for item, outcome in settled:
+            by_link.setdefault(id(item.link), []).append((item, outcome))
+            with self._counts_lock:
+                self._counts[label_of(outcome)] += 1
+            if isinstance(outcome, Release):
+                metrics.consumer_outcome(item.spec.name, OutcomeLabel.RELEASED)
         for pairs in by_link.values():
             link = pairs[0][0].link
             try:
@@ -76,8 +72,6 @@ class OutcomeSettler:
                     pairs[0][0].delivery.message_id,
                     ", ..." if len(pairs) > 1 else "",
                 )
-
-    # -- the connection's thread -----------------------------------------------------------------
 
     def settle_all(self, settled: list[tuple[DeliveryWork, Outcome]]) -> None:
         """Carry out the outcomes of a batch: nacks and retries first, so a coalesced
@@ -111,21 +105,19 @@ class OutcomeSettler:
         if not (link.connection.is_open and item.channel.is_open):
             return  # the broker redelivers the original
 
-        def on_link(settle: Callable[[], None]) -> None:
+        def on_link(ack: bool) -> None:
+            def settle() -> None:
+                if link.connection.is_open and item.channel.is_open:
+                    if ack:
+                        item.channel.basic_ack(delivery.delivery_tag)
+                    else:
+                        item.channel.basic_nack(delivery.delivery_tag, requeue=True)
+                    link.forget(item.channel, delivery.delivery_tag)
+
             try:
                 link.connection.add_callback_threadsafe(settle)
             except Exception:  # noqa: BLE001 - the connection is gone: the broker redelivers
                 logger.debug("connection closed before a retry copy could be settled")
-
-        def ack() -> None:
-            if link.connection.is_open and item.channel.is_open:
-                item.channel.basic_ack(delivery.delivery_tag)
-                link.forget(item.channel, delivery.delivery_tag)
-
-        def give_back() -> None:
-            if link.connection.is_open and item.channel.is_open:
-                item.channel.basic_nack(delivery.delivery_tag, requeue=True)
-                link.forget(item.channel, delivery.delivery_tag)
 
         self.publisher.submit(
             RetryCopy(
@@ -135,8 +127,8 @@ class OutcomeSettler:
                 properties=self.transport.retry_properties(item.properties, retry.headers),
                 message_id=str(delivery.message_id),
                 received=item.received,
-                placed=lambda: on_link(ack),
-                give_back=lambda: on_link(give_back),
+                placed=lambda: on_link(True),
+                give_back=lambda: on_link(False),
                 wanted=lambda: link.connection.is_open and item.channel.is_open,
             )
         )

@@ -1,11 +1,9 @@
 """Handler time limits: a handler that never returns does not hold its delivery forever.
 
-Each handler call runs inside :meth:`TimeLimits.limit`. Past its deadline a watchdog thread raises
-:class:`_Interrupt` in the handler's thread, which unwinds through the handler's transaction; the
-caller sees a :class:`~reliable_messaging.exceptions.HandlerTimeout`, a failed attempt like any
-other. A handler blocked in C cannot be interrupted: past ``HANDLER_TIMEOUT_GRACE`` the watchdog
-records the death with the crash guard and ends the process (exit code 3) for its supervisor to
-replace. ``docs/design.md#time-limits`` explains the races and why nothing is lost.
+Past a call's deadline (:meth:`TimeLimits.limit`) a watchdog raises :class:`_Interrupt` in the
+handler's thread, which the caller sees as a :class:`~reliable_messaging.exceptions.HandlerTimeout`;
+past ``HANDLER_TIMEOUT_GRACE`` the process exits (code 3). ``docs/design.md#time-limits`` explains
+the races and why nothing is lost.
 """
 
 from __future__ import annotations
@@ -36,9 +34,8 @@ class _Interrupt(BaseException):
     """Raised asynchronously in a handler's thread at its deadline."""
 
     def __init__(self, *args: object) -> None:
-        # Runs in the interrupted thread when the exception takes effect (CPython instantiates
-        # an asynchronous exception when it is caught or unwinds a ``with``): records whether
-        # it landed in the handler's code or in the bookkeeping after the handler returned.
+        # Runs in the interrupted thread when the exception takes effect: did it land in the
+        # handler's code or in the bookkeeping after the handler returned?
         super().__init__(*(args or ("interrupted by the watchdog at the handler's time limit",)))
         call: _Call | None = getattr(_running, "call", None)
         if call is not None and not call.leaving:
@@ -76,14 +73,8 @@ def _raise_in(thread: int, exc_type: type[BaseException] | None) -> None:
 
 
 class _Limited:
-    """The ``with`` block of :meth:`TimeLimits.limit`.
-
-    The watchdog fires only on a registered call, under the lock, once. So once the call is
-    deregistered (under the lock) nothing new can be raised in this thread, and a fired
-    interrupt still pending is withdrawn (``PyThreadState_SetAsyncExc(thread, NULL)``). Every
-    step of ``__enter__`` and ``__exit__`` that runs while the call is registered is guarded:
-    an interrupt that lands there is caught and decided, never let out raw.
-    """
+    """The ``with`` block of :meth:`TimeLimits.limit`: every step that runs while the call is
+    registered catches an interrupt landing there; deregistering withdraws a pending one."""
 
     def __init__(self, limits: TimeLimits, call: _Call) -> None:
         self._limits = limits
@@ -95,9 +86,7 @@ class _Limited:
             _running.call = call
             with self._limits._lock:
                 self._limits._calls[call.thread] = call
-        except _Interrupt:
-            # The deadline passed before the handler started (the thread was stalled for the
-            # whole limit): the call timed out without running.
+        except _Interrupt:  # the deadline passed before the handler started
             self._deregister()
             raise self._timeout(None) from None
 
@@ -120,15 +109,9 @@ class _Limited:
         if isinstance(exc, _Interrupt):
             call.landed_in_handler = True
             exc = None  # the timeout says it all
-        if call.landed_in_handler:
-            # Interrupted in the handler's code, whatever the handler then did with it (it may
-            # have caught it and returned, or raised something else).
+        if call.landed_in_handler:  # whatever the handler then did with it
             raise self._timeout(exc)
-        if call.fired:
-            # The handler returned (or raised its own error) just as the watchdog fired: its
-            # work is done and is in the caller's transaction, and whatever it did outside the
-            # database too. Charging a timeout would roll that back and run the handler again
-            # for nothing, so its own outcome stands.
+        if call.fired:  # the handler ended just as the watchdog fired: its outcome stands
             logger.warning(
                 "message_id=%s consumer=%s: the handler ended at its time limit of %gs, as "
                 "the watchdog fired; the interrupt was withdrawn and the handler's own outcome "
@@ -139,9 +122,7 @@ class _Limited:
             )
 
     def _deregister(self) -> None:
-        """Remove the call (the watchdog no longer sees it) and withdraw a pending interrupt.
-        Idempotent: an interrupt landing here is caught by the caller, which runs it again; it
-        can land only once (the watchdog fires once per call)."""
+        """Remove the call and withdraw a pending interrupt; idempotent (the caller retries)."""
         call = self._call
         with self._limits._lock:
             if self._limits._calls.get(call.thread) is call:
@@ -156,7 +137,6 @@ class _Limited:
             f"the handler ran past its time limit of {call.seconds:g}s "
             f"(message_id={call.message_id}, consumer={call.consumer})"
         )
-        # As ``raise error from cause``.
         error.__cause__ = cause
         error.__suppress_context__ = True
         return error
@@ -178,19 +158,15 @@ class TimeLimits:
     def limit(
         self, seconds: float | None, consumer: str, message_id: str
     ) -> contextlib.AbstractContextManager[None]:
-        """Run the body under a time limit of ``seconds`` (None or <= 0: no limit).
-
-        Past the deadline an interrupt that lands in the body ends it with
-        :class:`~reliable_messaging.exceptions.HandlerTimeout`. A body that ended (returned or
-        raised) just as the watchdog fired keeps its own outcome: the interrupt is withdrawn."""
+        """Run the body under a time limit of ``seconds`` (None or <= 0: no limit); past it the
+        body ends with :class:`~reliable_messaging.exceptions.HandlerTimeout`."""
         if not seconds or seconds <= 0:
             return contextlib.nullcontext()
         call = _Call(threading.get_ident(), consumer, message_id, seconds, time.monotonic())
         return _Limited(self, call)
 
     def discard(self, thread: int) -> None:
-        """Forget the call of ``thread`` and withdraw its pending interrupt: for a thread whose
-        ``with`` block was left by an exception that never reached ``__exit__``."""
+        """Forget the call of ``thread`` (left without ``__exit__``); withdraw its interrupt."""
         with self._lock:
             call = self._calls.pop(thread, None)
         if call is not None and call.fired:
@@ -206,8 +182,6 @@ class TimeLimits:
                 for c in self._calls.values()
                 if now > c.deadline
             ]
-
-    # -- the watchdog ----------------------------------------------------------------------------
 
     def start(self, grace: float) -> None:
         self.grace = max(0.0, grace)
@@ -255,10 +229,9 @@ class TimeLimits:
     def _give_up(self, call: _Call) -> None:
         logger.critical(
             "message_id=%s consumer=%s: the handler is still running %gs after its time limit "
-            "of %gs and cannot be interrupted (blocked outside Python, e.g. a socket read "
-            "without a timeout); exiting with code %d so that a fresh process takes over. "
-            "Nothing uncommitted was acked: the broker redelivers the messages in flight, and "
-            "the crash guard dead-letters this one once it has cost CRASH_LIMIT processes",
+            "of %gs and cannot be interrupted (blocked outside Python); exiting with code %d "
+            "for a fresh process. The broker redelivers the messages in flight, and the crash "
+            "guard dead-letters this one once it has cost CRASH_LIMIT processes",
             call.message_id,
             call.consumer,
             self.grace,
