@@ -1,11 +1,8 @@
 """One typed settings object over ``settings.RELIABLE_MESSAGING``, read lazily.
 
-Each setting is declared once, in :class:`MessagingSettings`, as a :class:`Setting` (key,
-default, conversion, documentation and the :class:`Rule` a valid value follows); the typed
-attributes, :data:`DEFAULTS`, the system checks of :mod:`.checks` and
-``docs/reference/settings.md`` all derive from those declarations. Every attribute is read from
-Django settings at access time, so ``override_settings`` and settings changed after import take
-effect. Reading only converts; judging a value is the rules' job, through the system checks.
+Each setting is declared once, in :class:`MessagingSettings`, as a :class:`Setting`; the typed
+attributes, :data:`DEFAULTS`, the system checks and ``docs/reference/settings.md`` derive from
+it. Values are read at access time (``override_settings`` works); only the checks judge them.
 """
 
 from __future__ import annotations
@@ -25,14 +22,10 @@ T = TypeVar("T")
 
 
 def redact_url(url: str) -> str:
-    """Return ``url`` with any password replaced by ``***``, safe for logs, reprs and checks.
+    """Return ``url`` with any password replaced by ``***``; never raises.
 
-    Works on the text, not on a parse: the URLs worth redacting are often the malformed ones
-    (``amqps//app:pw@mq`` without its colon, a password holding ``/``, ``?``, ``#`` or ``@``, an
-    unclosed IPv6 bracket), which ``urlsplit`` either rejects or splits so that the password
-    lands in the host or path. Everything from the first ``:`` after ``scheme://`` (or after
-    the start, when there is no scheme) to the last ``@`` is hidden. When the last ``@`` was in
-    the query instead, more is hidden than needed, never less. Never raises."""
+    Works on the text, not on a parse (``urlsplit`` puts a malformed URL's password in the host
+    or path): everything from the first ``:`` after ``scheme://`` to the last ``@`` is hidden."""
     first_at = url.find("@")
     if first_at < 0:
         return url  # nothing can separate credentials from the host
@@ -45,15 +38,12 @@ def redact_url(url: str) -> str:
     return f"{url[: colon + 1]}***{url[last_at:]}"
 
 
-# Where one URL of a ``;``-joined BROKER_URL ends: at a ``;`` that the next URL's scheme follows.
-# Any other ``;`` belongs to the URL (a password may hold one), so a password is never cut in
-# two and shown as two "URLs" that redaction cannot recognise.
+# Where one URL of a ``;``-joined BROKER_URL ends: any other ``;`` may be in a password.
 _URL_SEPARATOR = re.compile(r";(?=\s*amqps?://)", re.IGNORECASE)
 
 
 def split_broker_urls(value: Any) -> list[str]:
-    """``BROKER_URL`` as a list of URLs; an empty list for a value that holds none. A string is
-    cut only at a ``;`` followed by ``amqp://`` or ``amqps://`` (see :data:`_URL_SEPARATOR`)."""
+    """``BROKER_URL`` as a list of URLs (a string cut at :data:`_URL_SEPARATOR`)."""
     if isinstance(value, list | tuple):
         return [str(url).strip() for url in value if str(url).strip()]
     pieces = (url.strip().strip(";").strip() for url in _URL_SEPARATOR.split(str(value)))
@@ -61,17 +51,13 @@ def split_broker_urls(value: Any) -> list[str]:
 
 
 # --------------------------------------------------------------------------- rules
-#
-# A rule judges one value on its own and says what is wrong in words that follow
-# "RELIABLE_MESSAGING['KEY'] ": the check ids, messages and hints are the ones users (and their
-# SILENCED_SYSTEM_CHECKS) already know, so each rule carries them rather than deriving new ones.
+# A rule's complaint follows "RELIABLE_MESSAGING['KEY'] "; check ids and hints are stable.
 
 
 @dataclass(frozen=True)
 class Rule:
-    """What a valid value of a setting is, and the system check (``E<id>``) that reports one
-    that is not. ``problem`` returns the complaint, or None for a valid value; it never raises.
-    ``hint`` None means "The default is <default>."."""
+    """A valid value and the check ``E<id>`` reporting others: ``problem`` returns the complaint
+    or None, never raises; ``hint`` None means "The default is <default>."."""
 
     id: int
     problem: Callable[[Any], str | None]
@@ -80,8 +66,8 @@ class Rule:
 
 @dataclass(frozen=True)
 class CheckedBy:
-    """A setting judged by the function of :mod:`.checks` named ``function``: its check needs
-    more than the value (pika's URL parser, the ``CACHES`` setting) or reports several ids."""
+    """A setting judged by the function ``function`` of :mod:`.checks` (it needs more than the
+    value, or reports several ids)."""
 
     function: str
 
@@ -92,6 +78,17 @@ def _is_number(value: Any) -> bool:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_timedelta(value: Any) -> bool:
+    return isinstance(value, timedelta) and value > timedelta(0)
+
+
+def _judged(check_id: int, hint: str | None, fits: Callable[[Any], bool], what: str) -> Rule:
+    """A rule saying "must be <what>, got <value>." of a value that does not fit."""
+    return Rule(
+        check_id, lambda value: None if fits(value) else f"must be {what}, got {value!r}.", hint
+    )
 
 
 def integer(
@@ -110,65 +107,46 @@ def integer(
             else f"an integer >= {minimum}"
         )
 
-    def problem(value: Any) -> str | None:
-        fits = _is_int(value) and minimum <= value and (maximum is None or value <= maximum)
-        return None if fits else f"must be {what}, got {value!r}."
+    def fits(value: Any) -> bool:
+        return _is_int(value) and minimum <= value and (maximum is None or value <= maximum)
 
-    return Rule(check_id, problem, hint)
+    return _judged(check_id, hint, fits, what)
 
 
 def seconds(check_id: int, *, hint: str, zero_allowed: bool = False) -> Rule:
     """A number of seconds (int or float), positive or, with ``zero_allowed``, >= 0."""
     what = "a number of seconds >= 0" if zero_allowed else "a positive number of seconds"
 
-    def problem(value: Any) -> str | None:
-        fits = _is_number(value) and (value >= 0 if zero_allowed else value > 0)
-        return None if fits else f"must be {what}, got {value!r}."
+    def fits(value: Any) -> bool:
+        return _is_number(value) and (value >= 0 if zero_allowed else value > 0)
 
-    return Rule(check_id, problem, hint)
+    return _judged(check_id, hint, fits, what)
 
 
 def duration(check_id: int, *, hint: str) -> Rule:
     """A positive ``timedelta``."""
-
-    def problem(value: Any) -> str | None:
-        fits = isinstance(value, timedelta) and value > timedelta(0)
-        return None if fits else f"must be a positive timedelta, got {value!r}."
-
-    return Rule(check_id, problem, hint)
+    return _judged(check_id, hint, _positive_timedelta, "a positive timedelta")
 
 
 def optional_duration(check_id: int, *, hint: str) -> Rule:
     """None, or a positive ``timedelta``."""
-    positive = duration(check_id, hint=hint)
 
-    def problem(value: Any) -> str | None:
-        if value is None:
-            return None
-        found = positive.problem(value)
-        return None if found is None else found.replace("must be", "must be None or", 1)
+    def fits(value: Any) -> bool:
+        return value is None or _positive_timedelta(value)
 
-    return Rule(check_id, problem, hint)
+    return _judged(check_id, hint, fits, "None or a positive timedelta")
 
 
 def one_of(check_id: int, choices: Sequence[object], *, hint: str) -> Rule:
     """One of ``choices``."""
     shown = [repr(choice) for choice in choices]
     what = " or ".join([", ".join(shown[:-1]), shown[-1]]) if len(shown) > 1 else shown[0]
-
-    def problem(value: Any) -> str | None:
-        return None if value in choices else f"must be {what}, got {value!r}."
-
-    return Rule(check_id, problem, hint)
+    return _judged(check_id, hint, lambda value: value in choices, what)
 
 
 def boolean(check_id: int, *, hint: str) -> Rule:
     """True or False, not merely truthy: ``"no"`` would read as True."""
-
-    def problem(value: Any) -> str | None:
-        return None if isinstance(value, bool) else f"must be True or False, got {value!r}."
-
-    return Rule(check_id, problem, hint)
+    return _judged(check_id, hint, lambda value: isinstance(value, bool), "True or False")
 
 
 def non_empty_string(check_id: int, *, hint: str) -> Rule:
@@ -218,9 +196,6 @@ def _token_problem(value: Any) -> str | None:
     )
 
 
-# --------------------------------------------------------------------------- conversions
-
-
 def _trace_url_problem(value: Any) -> str | None:
     if value is None:
         return None
@@ -248,14 +223,12 @@ def _breaker_problem(value: Any) -> str | None:
 
 
 def _only_true(value: Any) -> bool:
-    """A switch that opens something: on for the boolean ``True`` only, never for a truthy
-    string such as ``"False"`` (E047 names such a value, but only where checks run)."""
+    """On for the boolean ``True`` only, never for a truthy string such as ``"False"``."""
     return value is True
 
 
 def _unless_false(value: Any) -> bool:
-    """A switch that is on by default: off for the boolean ``False`` only (a string such as
-    ``"False"`` read from an environment variable is reported by its check, and leaves it on)."""
+    """Off for the boolean ``False`` only (its check reports any other non-boolean)."""
     return value is not False
 
 
@@ -287,17 +260,10 @@ def _optional_timedelta(value: Any) -> timedelta | None:
     return None if value is None else cast(timedelta, value)
 
 
-# --------------------------------------------------------------------------- declarations
-
-
 @dataclass(frozen=True)
 class Setting(Generic[T]):
-    """One key of ``RELIABLE_MESSAGING``, declared once.
-
-    As an attribute of :class:`MessagingSettings` it reads the key at access time and returns
-    ``convert(value)`` (the default when the key is absent), typed ``T``. ``doc`` is the
-    paragraph of the settings reference (Markdown); ``rule`` what :func:`.checks.check_settings`
-    holds the value to (None: anything converts)."""
+    """One key of ``RELIABLE_MESSAGING``, declared once: read at access time as
+    ``convert(value)``; ``doc`` is its reference paragraph, ``rule`` what the checks hold it to."""
 
     key: str
     default: Any
@@ -317,16 +283,12 @@ class Setting(Generic[T]):
         return self.convert(instance.get(self.key))
 
     def __set__(self, instance: MessagingSettings, value: Any) -> None:
-        # A data descriptor: assigning to the object raises rather than silently shadowing what
-        # the Django settings say.
         raise AttributeError(f"{self.key} is read from settings.RELIABLE_MESSAGING")
 
 
 class MessagingSettings:
-    """Typed, lazily-read view of ``settings.RELIABLE_MESSAGING`` with the contract's defaults.
-
-    The :class:`Setting` attributes below are the declarations, in the settings reference's
-    order."""
+    """Typed, lazily-read view of ``settings.RELIABLE_MESSAGING``; the :class:`Setting`
+    attributes are the declarations, in the reference's order."""
 
     broker_urls = Setting(
         "BROKER_URL",
@@ -418,8 +380,6 @@ class MessagingSettings:
         "quorum queues that dead-letter at least once on either type",
         one_of(8, ("classic", "quorum"), hint="Use 'quorum' for replicated queues."),
     )
-    # Each batch commits its deliveries in one transaction (savepoints only after a handler of
-    # its consumer failed: consuming/processing.py); their acks go out after that commit.
     consumer_batch_size = Setting(
         "CONSUMER_BATCH_SIZE",
         50,
@@ -428,7 +388,6 @@ class MessagingSettings:
         "delivery",
         integer(12, 1),
     )
-    # Keys are spread over the partitions by consistent hashing.
     ordered_partitions = Setting(
         "ORDERED_PARTITIONS",
         4,
@@ -437,7 +396,6 @@ class MessagingSettings:
         "once the backlog is handled); `consume` moves the messages of removed partitions",
         integer(12, 1),
     )
-    # A guard against poison loops that never reach a handler (crashes before the ack).
     quorum_delivery_limit = Setting(
         "QUORUM_DELIVERY_LIMIT",
         50,
@@ -447,8 +405,6 @@ class MessagingSettings:
         "limit and moves what passes it to the classic `<queue>.dead.kept`, also consumed)",
         integer(12, 1),
     )
-    # The crash guard charges the delivery of a process that exits past the grace when it
-    # comes back.
     handler_timeout = Setting(
         "HANDLER_TIMEOUT",
         600.0,
@@ -475,8 +431,7 @@ class MessagingSettings:
         "`@idempotent_task`",
         integer(12, 1),
     )
-    # RabbitMQ's default consumer_timeout is 30 minutes: a delivery held unacked longer makes
-    # the broker close the channel.
+    # RabbitMQ's default consumer_timeout is 30 minutes.
     broker_consumer_timeout = Setting(
         "BROKER_CONSUMER_TIMEOUT",
         1800.0,
@@ -516,7 +471,6 @@ class MessagingSettings:
         "larger deliveries are dead-lettered (`body_too_large`) without being decoded",
         integer(9, 1, hint="The default is 1048576 (1 MiB).", what="a positive integer"),
     )
-    # Only safe when identical bodies always mean the same event.
     derive_message_id = Setting(
         "DERIVE_MESSAGE_ID",
         False,
@@ -657,8 +611,7 @@ class MessagingSettings:
 
     @property
     def broker_url(self) -> str:
-        """The URLs as one ``;``-separated string (:func:`split_broker_urls` gives them back:
-        each starts with its scheme)."""
+        """The URLs as one ``;``-separated string (:func:`split_broker_urls` splits it)."""
         return ";".join(self.broker_urls)
 
     @property
@@ -668,8 +621,7 @@ class MessagingSettings:
 
     @property
     def max_hold_seconds(self) -> float:
-        """How long a delivery may be held unacked before it is given back: half the broker's
-        consumer_timeout, so the broker never closes the channel under us."""
+        """How long a delivery may be held unacked: half the broker's consumer_timeout."""
         return self.broker_consumer_timeout / 2
 
     def __repr__(self) -> str:
@@ -689,9 +641,6 @@ DEFAULTS: dict[str, Any] = {setting.key: setting.default for setting in SETTINGS
 """Each key's default, derived from the declarations."""
 
 messaging_settings = MessagingSettings()
-
-
-# --------------------------------------------------------------------------- reference
 
 
 def _shown_default(value: Any) -> str:

@@ -37,15 +37,13 @@ class DatabaseUnavailable(ReliableMessagingError):
 
 
 class DatabaseConflict(ReliableMessagingError):
-    """The database asked for the transaction to be run again (a deadlock, a serialization
-    failure): the delivery runs again in place, a bounded number of times, uncharged."""
+    """The database asked for the transaction to be run again: it runs again in place, uncharged."""
 
     default_message = "the database asked for the transaction to be retried"
 
 
 class HandlerTimeout(ReliableMessagingError):
-    """A handler ran past its time limit (``HANDLER_TIMEOUT`` or ``@consumer(timeout=...)``):
-    its transaction rolled back and the delivery counts as a failed attempt."""
+    """A handler ran past its time limit: its transaction rolled back, the attempt failed."""
 
     default_message = "the handler ran past its time limit"
 

@@ -1,27 +1,10 @@
 """Test your handlers without a broker.
 
 ``deliver`` runs a registered handler through the same code path ``manage.py consume`` uses
-(decode, inbox row, ``transaction.atomic()``, retry decision, dead letter), against your test
-database, and returns what the consumer would have done::
-
-    from reliable_messaging.testing import deliver
-
-    def test_charge_is_taken_once(db):
-        first = deliver("billing.charge-order", {"order_id": 1}, message_id="m-1")
-        again = deliver("billing.charge-order", {"order_id": 1}, message_id="m-1")
-        assert (first.result, again.result) == ("processed", "duplicate")
-        assert Payment.objects.count() == 1
-
-``published()`` lists what ``publish()`` wrote (pending outbox rows, oldest first), and
-``run_outbox()`` delivers those rows to every registered consumer whose bindings match, the way
-the relay and the topic exchange would, until nothing is left (handlers may publish more)::
-
-    def test_order_flow(db):
-        with transaction.atomic():
-            place_order(...)                 # calls publish("order.placed", ...)
-        assert [m.routing_key for m in published()] == ["order.placed"]
-        outcomes = run_outbox()              # billing, shipping, then payment.captured...
-        assert Payment.objects.count() == 1
+(decode, inbox row, ``transaction.atomic()``, retry decision, dead letter) against your test
+database and returns what the consumer would have done; ``published()`` lists what ``publish()``
+wrote, and ``run_outbox()`` delivers it to every consumer bound to it, as the relay and the topic
+exchange would. The guide "Test your handlers without a broker" shows them at work.
 """
 
 from __future__ import annotations
@@ -92,12 +75,10 @@ def deliver(
     exchange: str | None = None,
 ) -> Outcome:
     """Deliver one message to ``consumer`` as the consume command would, and return the outcome:
-    ``Acknowledge("processed" | "duplicate" | "dead_lettered")``, ``ScheduleRetry`` (what the
-    broker would redeliver later: call ``deliver`` again with ``attempt=outcome.next_attempt``),
-    or ``RetryInPlace`` (the same for an ordered consumer, which retries without letting later
-    messages of the key pass). ``body`` sends raw bytes instead of encoding
-    ``payload``. ``exchange`` is the one it came through (default: the consumer's); through
-    the default exchange ``""``, ``routing_key`` names the queue, as for a replay."""
+    ``Acknowledge("processed" | "duplicate" | "dead_lettered")``, ``ScheduleRetry`` (call
+    ``deliver`` again with ``attempt=outcome.next_attempt``) or ``RetryInPlace`` (the same for an
+    ordered consumer). ``body`` sends raw bytes instead of encoding ``payload``; through the
+    default exchange ``""``, ``routing_key`` names the queue, as for a replay."""
     spec = consumer if isinstance(consumer, ConsumerSpec) else find_consumer(consumer)
     all_headers = dict(headers or {})
     if attempt != 1:

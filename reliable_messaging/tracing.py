@@ -1,9 +1,7 @@
 """OpenTelemetry spans for ``publish()``, the relay's send, each delivery, tasks and replays.
 
-Active when the ``otel`` extra (``opentelemetry-api``) is installed and the process has set a
-tracer provider; otherwise every hook returns at its first check. The W3C context rides in the
-``traceparent``/``tracestate`` headers of the outbox row and of the AMQP message, with the
-messaging semantic conventions for RabbitMQ on each span. ``docs/tracing.md`` shows a trace.
+Active when the ``otel`` extra is installed and a tracer provider is set; otherwise every hook
+returns at its first check. ``docs/tracing.md`` shows a trace.
 """
 
 from __future__ import annotations
@@ -53,9 +51,8 @@ def active() -> bool:
     """Whether spans are recorded: the API is installed and a tracer provider was set."""
     if not INSTALLED:
         return False
-    # Until a provider is set, OpenTelemetry's getter looks the environment up on every call,
-    # which costs more than the rest of a hook with tracing off: the global it sets is read
-    # first (a version without it goes through the getter).
+    # Until a provider is set, OpenTelemetry's getter reads the environment on every call: the
+    # global it sets is cheaper (a version without it goes through the getter).
     if getattr(trace, "_TRACER_PROVIDER", _UNKNOWN) is None and not _PROVIDER_FROM_ENV:
         return False
     provider = trace.get_tracer_provider()
@@ -80,8 +77,7 @@ def _tracer() -> Any:
 if INSTALLED:
 
     class _HeaderGetter(Getter[Mapping[str, Any]]):
-        """Reads the context from AMQP headers, whose long strings pika may hand over as
-        bytes."""
+        """Reads the context from AMQP headers (pika may hand strings over as bytes)."""
 
         def get(self, carrier: Mapping[str, Any], key: str) -> list[str] | None:
             text = header_text(carrier.get(key))
@@ -91,8 +87,7 @@ if INSTALLED:
             return [str(key) for key in carrier]
 
     class _AttributeGetter(Getter[Any]):
-        """Reads the context from a Celery task request, where message headers are
-        attributes."""
+        """Reads the context from a Celery task request's attributes."""
 
         def get(self, carrier: Any, key: str) -> list[str] | None:
             text = header_text(getattr(carrier, key, None))
@@ -127,14 +122,10 @@ def end(span: Any, error: BaseException | None = None) -> None:
     span.end()
 
 
-# -- publish() and replays: the outbox row carries the span's context ---------------------------
-
-
 def start_publish(
     exchange: str, routing_key: str, message_id: str, body_size: int
 ) -> tuple[Any, dict[str, str]]:
-    """A ``publish`` span in the caller's trace, and the headers that carry its context to the
-    outbox row; ``(None, {})`` when tracing is off."""
+    """A ``publish`` span and the headers carrying its context; ``(None, {})`` when off."""
     if not active():
         return None, {}
     span = _tracer().start_span(
@@ -165,8 +156,8 @@ def start_replay(
     span_id: str,
     replayed_by: str,
 ) -> tuple[Any, dict[str, str]]:
-    """A ``replay`` span that starts a new trace, linked to the failure it replays (its
-    ``trace_id``/``span_id``, when the dead letter has them), and the headers for the copy."""
+    """A ``replay`` span starting a new trace, linked to the failure it replays, and the
+    headers for the copy."""
     if not active():
         return None, {}
     links = []
@@ -200,9 +191,6 @@ def start_replay(
     return span, carrier
 
 
-# -- the relay ----------------------------------------------------------------------------------
-
-
 def start_send(
     headers: Mapping[str, Any],
     *,
@@ -212,9 +200,8 @@ def start_send(
     created_at: dt.datetime,
     now: dt.datetime,
 ) -> Any:
-    """A ``send`` span for one outbox row, a child of the context its publish stored (not of the
-    relay's loop), so the trace shows the time the row waited; None when tracing is off or the
-    row holds no context."""
+    """A ``send`` span for one outbox row, a child of its publish's context; None when off or
+    the row holds no context."""
     if not active() or "traceparent" not in headers:
         return None
     parent = propagate.extract(headers, getter=_headers_getter)
@@ -253,12 +240,8 @@ def end_send(span: Any, outcome: str, error: str | None = None) -> None:
     span.end()
 
 
-# -- consume: one span per delivery -------------------------------------------------------------
-
-
 def _delivery_spans() -> dict[int, tuple[Delivery, Any]]:
-    """This thread's deliveries being decided, by ``id()`` (each entry keeps its delivery
-    alive, so an id is not reused while it is there)."""
+    """This thread's deliveries being decided, by ``id()`` (the entry keeps the id in use)."""
     spans: dict[int, tuple[Delivery, Any]] | None = getattr(_local, "spans", None)
     if spans is None:
         spans = _local.spans = {}
@@ -266,8 +249,7 @@ def _delivery_spans() -> dict[int, tuple[Delivery, Any]]:
 
 
 def _origin(delivery: Delivery) -> tuple[str, str]:
-    """Where the message was first published: a copy we sent to its queue (a retry, a replay)
-    says so in its headers."""
+    """Where the message was first published (a retry or replay copy's headers say)."""
     if delivery.exchange == "" and delivery.routing_key == delivery.queue:
         exchange = header_text(delivery.headers.get(ORIGINAL_EXCHANGE_HEADER))
         routing_key = header_text(delivery.headers.get(ORIGINAL_ROUTING_KEY_HEADER))
@@ -281,9 +263,8 @@ def _attempt(headers: Mapping[str, Any]) -> int:
 
 
 def start_deliveries(deliveries: Iterable[tuple[Delivery, str]]) -> list[Delivery] | None:
-    """Start a ``process`` span for each (delivery, consumer) that has none on this thread
-    yet, a child of the context its headers carry; return the deliveries started here (to hand
-    to :func:`end_deliveries`), or None when tracing is off."""
+    """Start a ``process`` span for each (delivery, consumer) without one on this thread; the
+    deliveries started here (for :func:`end_deliveries`), or None when tracing is off."""
     if not active():
         return None
     spans = _delivery_spans()
@@ -328,8 +309,7 @@ def _span_of(delivery: Delivery) -> Any:
 
 
 def handling(delivery: Delivery) -> AbstractContextManager[Any]:
-    """Around the handler: its span is the current one, so the handler's own spans (the ORM,
-    HTTP clients) and a ``publish()`` it makes nest in it."""
+    """Around the handler: its span is current, so the handler's own spans nest in it."""
     span = _span_of(delivery)
     if span is None:
         return _NOTHING
@@ -366,8 +346,7 @@ def end_deliveries(
     outcomes: Sequence[Outcome | None] | None,
     error: BaseException | None = None,
 ) -> None:
-    """End the spans :func:`start_deliveries` started: each with its delivery's outcome, or,
-    when deciding raised ``error``, as held (the database's trouble: nothing was decided)."""
+    """End the spans :func:`start_deliveries` started with their outcomes (held on ``error``)."""
     if not started:
         return
     spans = _delivery_spans()
@@ -392,9 +371,8 @@ def end_deliveries(
 
 
 def ids_of(delivery: Delivery) -> tuple[str, str] | None:
-    """The trace and span ids to store with what became of ``delivery`` (a dead letter): its
-    ``process`` span's (or the current span's), else those of the ``traceparent`` it
-    carries."""
+    """The trace and span ids to store with ``delivery``'s dead letter: its span's (or the
+    current one's), else its ``traceparent``'s."""
     span = _span_of(delivery)
     if span is None and INSTALLED:
         span = trace.get_current_span()  # an idempotent task's
@@ -406,8 +384,7 @@ def ids_of(delivery: Delivery) -> tuple[str, str] | None:
 
 
 def sampled_trace_id(delivery: Delivery | None = None) -> str | None:
-    """The trace id for a metric's exemplar: of ``delivery``'s span, or of the current span,
-    when it is sampled."""
+    """A metric exemplar's trace id, when ``delivery``'s (or the current) span is sampled."""
     if not INSTALLED:
         return None
     span = _span_of(delivery) if delivery is not None else trace.get_current_span()
@@ -427,9 +404,6 @@ def current_trace_id() -> str | None:
     return f"{context.trace_id:032x}" if context.is_valid else None
 
 
-# -- Celery tasks -----------------------------------------------------------------------------
-
-
 class TaskSpan:
     """The span of one idempotent task's run, and the outcome it ends with."""
 
@@ -447,9 +421,8 @@ class TaskSpan:
 
 @contextmanager
 def running_task(request: Any, name: str, message_id: str) -> Iterator[TaskSpan]:
-    """A ``process`` span around an idempotent task's run, current meanwhile: a child of the
-    current span (Celery's own instrumentation) or of the ``traceparent`` the task message
-    carries. An exception that escapes without a settled outcome ends it ``failed``."""
+    """A ``process`` span around an idempotent task's run, a child of the current span or of the
+    task message's ``traceparent``; an escaping exception without an outcome ends it ``failed``."""
     if not active():
         yield TaskSpan(None)
         return

@@ -7,8 +7,7 @@ import random
 
 
 def exponential(first: float, step: int, maximum: float, factor: float = 2.0) -> float:
-    """The wait of ``step`` (0-based): ``first`` grown ``step`` times by ``factor``, capped at
-    ``maximum``."""
+    """The wait of ``step`` (0-based): ``first`` grown ``step`` times by ``factor``, capped."""
     return min(first * factor ** min(step, 64), maximum)
 
 
@@ -22,8 +21,7 @@ class Backoff:
         self._step = 0
 
     def next(self) -> float:
-        """The next wait: grows by ``factor`` up to ``maximum``, with +-20 % jitter so a fleet
-        of consumers does not reconnect in lockstep."""
+        """The next wait, with +-20 % jitter so a fleet does not reconnect in lockstep."""
         current = exponential(self.initial, self._step, self.maximum, self.factor)
         self._step += 1
         return current * random.uniform(0.8, 1.2)

@@ -1,9 +1,4 @@
-"""The circuit breaker's settings: when a handler's failures pause its queue, and for how long.
-
-Only the configuration lives here (the ``@consumer`` decorator and the settings build it); the
-breaker's state and what the consume process does with it are in
-:mod:`reliable_messaging.consuming.breaker`.
-"""
+"""The circuit breaker's settings; its state is in :mod:`reliable_messaging.consuming.breaker`."""
 
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """What the database may do to a delivery without charging it an attempt.
 
-:func:`classify` sorts a database error into :attr:`DatabaseTrouble.UNAVAILABLE` (the database
-cannot take the work now: the delivery is held unacked and tried again, nothing charged),
-:attr:`DatabaseTrouble.CONFLICT` (a serialization failure or deadlock: run again in place, up to
-:data:`CONFLICT_RETRIES` times) or ``None`` (the handler's failure). Every path that runs a handler
-or writes our own rows asks it. Pure (no Django, no driver import), so its rules are tested without
-a database; ``docs/design.md#database-errors-that-charge-nothing`` lists the SQLSTATEs.
+:func:`classify` sorts a database error into :attr:`DatabaseTrouble.UNAVAILABLE` (held unacked
+and tried again), :attr:`DatabaseTrouble.CONFLICT` (run again in place) or ``None`` (the
+handler's failure). Pure, so its rules are tested without a database;
+``docs/design.md#database-errors-that-charge-nothing`` lists the SQLSTATEs.
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ class DatabaseTrouble(enum.Enum):
 
 
 # Runs of a delivery after a conflict, beyond the first, before it is charged: about 5 s of
-# pauses in all (0.05 s doubling to 1 s, jittered), long enough for the other side of a
-# deadlock to finish, short enough that a handler that always conflicts is charged soon.
+# pauses in all (0.05 s doubling to 1 s, jittered).
 CONFLICT_RETRIES = 8
 CONFLICT_BASE_DELAY = 0.05
 CONFLICT_MAX_DELAY = 1.0
@@ -36,9 +33,7 @@ CONFLICT_MAX_DELAY = 1.0
 UNAVAILABLE_CLASSES = ("08", "53")
 UNAVAILABLE_STATES = frozenset({"25006", "57P01", "57P02", "57P03", "57P04", "57P05", "3D000"})
 CONFLICT_STATES = frozenset({"40001", "40P01"})
-# A row for a day no inbox or outbox partition holds (the partition upkeep failing for days,
-# and the partition made on the spot failing too): the database's state, not the handler's.
-# PostgreSQL reports it as a check violation; its text (English server messages) tells it apart.
+# A row for a day no inbox or outbox partition holds: a check violation told apart by its text.
 CHECK_VIOLATION = "23514"
 NO_PARTITION_TEXT = "no partition of relation"
 SQLITE_CONFLICT_TEXTS = ("database is locked", "database table is locked")
@@ -75,8 +70,7 @@ def classify(exc: BaseException) -> DatabaseTrouble | None:
                 return DatabaseTrouble.CONFLICT
             return None
         if module in _POSTGRESQL_DRIVERS:
-            # A driver error with no SQLSTATE: the server never answered (a connection lost,
-            # refused, or closed under us).
+            # A driver error with no SQLSTATE: the server never answered.
             if _named(error, _NO_ANSWER_TYPES):
                 return DatabaseTrouble.UNAVAILABLE
             return None
@@ -114,12 +108,8 @@ def _named(error: BaseException, names: tuple[str, ...]) -> bool:
 
 
 class OutageLog:
-    """Says once per process that the database is unavailable, and once that it is back.
-
-    Every held delivery calls :meth:`held`; the first one of an outage logs a WARNING, the rest
-    only count (DEBUG). The first success after it calls :meth:`recovered`, which logs how long
-    it lasted and how many deliveries were held, none of them charged.
-    """
+    """Says once per process that the database is unavailable (:meth:`held`, a WARNING, then
+    DEBUG), and once that it is back (:meth:`recovered`: how long, how many held)."""
 
     def __init__(self, log: logging.Logger = logger) -> None:
         self._log = log

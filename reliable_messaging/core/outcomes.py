@@ -9,9 +9,7 @@ from typing import Any, Literal
 
 
 class OutcomeLabel(StrEnum):
-    """How a delivery ended, named once for logs, metrics (the ``outcome`` label of
-    ``reliable_messaging_consumer_messages_total``) and tests. A ``str``: it compares equal to
-    its plain word (``OutcomeLabel.PROCESSED == "processed"``)."""
+    """How a delivery ended, for logs, metrics and tests; equal to its plain word."""
 
     PROCESSED = "processed"  # the handler ran and its transaction committed
     DUPLICATE = "duplicate"  # the inbox already held it: acked, the handler did not run
@@ -25,9 +23,7 @@ class OutcomeLabel(StrEnum):
 
 
 class FailureReason(StrEnum):
-    """Why a delivery became a dead letter, named once: the retry decision, the decoding of a
-    delivery and the consumer's guards use these, and the dead-letter model's choices
-    (``choices.DeadLetterReason``) give each its label for the admin."""
+    """Why a delivery became a dead letter (``choices.DeadLetterReason`` labels each)."""
 
     PERMANENT = "permanent"  # the handler raised PermanentError
     RETRIES_EXHAUSTED = "retries_exhausted"
@@ -74,29 +70,24 @@ class Acknowledge:
 
 
 @dataclass(frozen=True)
-class ScheduleRetry:
-    """Publish a copy (with ``headers``) to the delay queue for ``delay`` seconds, then ack."""
-
+class _Retry:
     delay: float
     next_attempt: int
     headers: Mapping[str, Any] = field(default_factory=dict)
     error: str = ""
-    # True when nothing failed: another consumer holds the message's processing lease, so this
-    # copy comes back later (same attempt) instead of running in parallel with it.
+    # True when nothing failed: another consumer holds the message's processing lease.
     deferred: bool = False
 
 
 @dataclass(frozen=True)
-class RetryInPlace:
+class ScheduleRetry(_Retry):
+    """Publish a copy (with ``headers``) to the delay queue for ``delay`` seconds, then ack."""
+
+
+@dataclass(frozen=True)
+class RetryInPlace(_Retry):
     """Ordered consumers only: keep the delivery unacked, wait ``delay`` seconds and run it
     again as ``next_attempt`` (with ``headers``), so no later message of its key overtakes it."""
-
-    delay: float
-    next_attempt: int
-    headers: Mapping[str, Any] = field(default_factory=dict)
-    error: str = ""
-    # True when nothing failed (another consumer holds the message), as for ScheduleRetry.
-    deferred: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,8 +101,7 @@ Outcome = Acknowledge | ScheduleRetry | RetryInPlace | Release
 
 
 def label_of(outcome: Outcome) -> OutcomeLabel:
-    """The label of an outcome the connection's thread carries out (a retry in place never
-    reaches it: the worker that decided it runs the delivery again)."""
+    """The label of an outcome the connection's thread carries out."""
     if isinstance(outcome, Acknowledge):
         return OutcomeLabel(outcome.result)
     if isinstance(outcome, ScheduleRetry):

@@ -20,14 +20,8 @@ OnExpiry = Literal["drop", "dead_letter"]
 
 @dataclass(frozen=True)
 class ConsumerSpec:
-    """A registered handler and how it is wired to the broker.
-
-    ``name`` is the deduplication scope: the inbox remembers (name, message_id).
-    ``exchange`` None means ``RELIABLE_MESSAGING["EXCHANGE"]``; ``max_attempts`` and
-    ``retry_delays`` None mean the settings' values. ``ordered`` consumers read ``queue``'s
-    partition queues (see :mod:`reliable_messaging.broker.topology`) and handle each ordering key in
-    publish order.
-    """
+    """A registered handler and how it is wired to the broker; ``name`` is the deduplication
+    scope, and None (``exchange``, ``max_attempts``, ``retry_delays``) means the setting's."""
 
     name: str
     queue: str
@@ -179,21 +173,12 @@ def consumer(
     The handler runs inside ``transaction.atomic()`` together with the insert of its inbox row,
     so a redelivered or duplicated message_id does not take effect twice.
 
-    ``ordered=True`` handles messages of one ``publish(ordering_key=...)`` key one at a time in
-    publish order, also with several consume processes; different keys run in parallel. A
-    failing message is retried in place (its partition waits), and once it is a dead letter the
-    later messages of its key are parked behind it until it is replayed or discarded.
-
-    ``timeout`` (seconds) overrides ``HANDLER_TIMEOUT`` for this handler: past it the handler
-    is interrupted, its transaction rolls back and the delivery counts as a failed attempt.
-
-    ``max_age`` (seconds or a timedelta): a message older than this when it arrives, counted
-    from its publish (its due time, when scheduled), is not handled; its outcome is ``expired``,
-    and with ``on_expiry="dead_letter"`` it is kept as a dead letter too.
-
-    ``breaker``: a :class:`~reliable_messaging.core.breaker.Breaker` pauses this queue while
-    its handler keeps failing (``True``: the defaults; ``False``: none even if the
-    ``BREAKER`` setting gives one; None: the setting's).
+    ``ordered=True`` handles the messages of one ``publish(ordering_key=...)`` key one at a time
+    in publish order, across processes; a dead letter parks the later messages of its key.
+    ``timeout`` (seconds) overrides ``HANDLER_TIMEOUT``. ``max_age`` (seconds or a timedelta):
+    an older message is ``expired`` unhandled (kept as a dead letter with
+    ``on_expiry="dead_letter"``). ``breaker``: a :class:`~reliable_messaging.core.breaker.Breaker`
+    (``True``: the defaults; ``False``: none; None: the ``BREAKER`` setting's).
     """
     delays = _validate(queue, bindings, max_attempts, retry_delays)
     if timeout is not None and (

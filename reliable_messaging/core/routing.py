@@ -12,12 +12,7 @@ def _split(value: str) -> tuple[str, ...]:
 
 def topic_matches(pattern: str, routing_key: str) -> bool:
     """True when ``routing_key`` matches the binding ``pattern`` as RabbitMQ's topic exchange
-    decides: words split on ``.``, ``*`` matches exactly one word, ``#`` zero or more.
-
-    A routing key that is not text (pika hands one that is not UTF-8 over as bytes) matches
-    nothing rather than raising: a worker deciding a delivery must never fail on its key.
-    (:func:`~.envelope.delivery_from_frame` turns such a key into escaped text and has the
-    delivery refused before it gets here.)"""
+    decides (``*`` one word, ``#`` zero or more); a key that is not text matches nothing."""
     if not isinstance(pattern, str) or not isinstance(routing_key, str):
         return False
     return _match(_split(pattern), _split(routing_key))

@@ -1,8 +1,4 @@
-"""The W3C trace context as it rides in message headers (``traceparent``, ``tracestate``).
-
-Pure parsing, no OpenTelemetry: a dead letter keeps the trace and span ids of the message's
-``traceparent`` even where the ``otel`` extra is not installed.
-"""
+"""The W3C trace context in message headers, parsed without OpenTelemetry (for dead letters)."""
 
 from __future__ import annotations
 
