@@ -1,8 +1,8 @@
 """Outcomes no handler decides, with a real ConsumerService against RabbitMQ and PostgreSQL.
 
 - ``consumer_error``: our own code (not the handler) failing on one delivery of a batch. The
-  batch is split to find it; after ``workers.CONSUMER_ERROR_LIMIT`` failures it becomes a dead letter
-  with reason ``consumer_error`` and is acked, and its neighbours are processed normally.
+  batch is split to find it; after ``workers.CONSUMER_ERROR_LIMIT`` failures it becomes a dead
+  letter with reason ``consumer_error`` and is acked, and its neighbours are processed normally.
 - the hold bound: a batch held while the database is unavailable is given back to the broker
   once held longer than ``max_hold_seconds`` (half of ``BROKER_CONSUMER_TIMEOUT``), and is
   processed once when the database is back.
