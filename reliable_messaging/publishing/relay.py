@@ -164,7 +164,8 @@ class OutboxRelay:
         end = time.monotonic() + seconds
         while not self._stop_requested and time.monotonic() < end:
             self.health.heartbeat()  # waiting to reconnect is alive, not stuck
-            time.sleep(min(0.2, end - time.monotonic()))
+            # The clock moves between the check and this read: never a negative sleep.
+            time.sleep(max(0.0, min(0.2, end - time.monotonic())))
 
     # -- what the broker says (PublisherEvents) ----------------------------------------------
 
