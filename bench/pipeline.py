@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,7 @@ def main() -> None:
 
     from reliable_messaging.consuming.pipeline import Pipeline, default_pipeline
     from reliable_messaging.consuming.processing import DeliveryProcessor, process_batch
-    from reliable_messaging.consuming.stage import DeliveryOutcome, Job, Stage
+    from reliable_messaging.consuming.stage import Batch, DeliveryOutcome, Job, Stage
     from reliable_messaging.core.envelope import Delivery, Message, encode_payload
     from reliable_messaging.testing import find_consumer
 
@@ -52,7 +52,7 @@ def main() -> None:
     class Idle(Stage):
         """Overrides every hook and does nothing."""
 
-        def open(self, jobs: Sequence[Job], decided: list[DeliveryOutcome | None]) -> Any:
+        def open(self, batch: Batch) -> Any:
             return None
 
         def screen(self, job: Job, message: Message) -> DeliveryOutcome | None:
@@ -68,7 +68,7 @@ def main() -> None:
         def decided(self, job: Job, message: Message, done: DeliveryOutcome) -> None:
             return None
 
-        def close(self, jobs: Any, decided: Any, state: Any, error: Any) -> None:
+        def close(self, batch: Batch, state: Any, error: Any) -> None:
             return None
 
     spec = find_consumer("tests.alpha")
@@ -100,11 +100,10 @@ def main() -> None:
 
     def dispatch() -> float:
         jobs = batch()
-        decided: list[DeliveryOutcome | None] = [None] * len(jobs)
         done = DeliveryOutcome(DUMMY, LABEL)
         started = time.perf_counter()
         for _ in range(args.batches):
-            with idle.batch(jobs, decided):
+            with idle.around(Batch(jobs, [None] * len(jobs))):
                 for job in jobs:
                     message = job.message
                     assert isinstance(message, Message)

@@ -21,7 +21,7 @@ from .. import metrics
 from ..conf import MessagingSettings, messaging_settings
 from ..core.envelope import REPLAY_HEADER, Message
 from ..core.outcomes import Acknowledge, OutcomeLabel
-from .stage import DeliveryOutcome, Job, Stage
+from .stage import Batch, DeliveryOutcome, Stage
 
 logger = logging.getLogger(__name__)
 
@@ -267,7 +267,8 @@ class FastPath(Stage):
     batch processed and gives back the leases it took. Replays always go to the database (a
     forced replay has just removed its inbox row, which the cache may still remember)."""
 
-    def open(self, jobs: Sequence[Job], decided: list[DeliveryOutcome | None]) -> Any:
+    def open(self, batch: Batch) -> Any:
+        jobs, decided = batch.jobs, batch.decided
         cache = jobs[0].processor.cache if jobs else None
         if cache is None:
             return None
@@ -304,13 +305,7 @@ class FastPath(Stage):
                 decided[index] = job.processor.failures.defer(job.delivery, message)
         return cache, leased
 
-    def close(
-        self,
-        jobs: Sequence[Job],
-        decided: Sequence[DeliveryOutcome | None],
-        state: Any,
-        error: BaseException | None,
-    ) -> None:
+    def close(self, batch: Batch, state: Any, error: BaseException | None) -> None:
         if state is None:
             return
         cache, leased = state
@@ -318,7 +313,7 @@ class FastPath(Stage):
         if error is None:
             processed = [
                 (job.name, job.message.message_id)
-                for job, done in zip(jobs, decided, strict=True)
-                if done is not None and done.processed and isinstance(job.message, Message)
+                for job, done in batch.outcomes()
+                if done.processed and isinstance(job.message, Message)
             ]
         cache.remember(processed, leased)

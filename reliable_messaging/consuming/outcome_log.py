@@ -4,28 +4,20 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 from ..core.envelope import DecodeError
 from ..core.outcomes import Acknowledge, OutcomeLabel, RetryInPlace, ScheduleRetry
-from .stage import DeliveryOutcome, Job, Stage
+from .stage import Batch, DeliveryOutcome, Job, Stage
 
 logger = logging.getLogger("reliable_messaging.consuming.processing")
 
 
 class OutcomeLog(Stage):
-    def close(
-        self,
-        jobs: Sequence[Job],
-        decided: Sequence[DeliveryOutcome | None],
-        state: Any,
-        error: BaseException | None,
-    ) -> None:
+    def close(self, batch: Batch, state: Any, error: BaseException | None) -> None:
         if error is None:
-            for job, done in zip(jobs, decided, strict=True):
-                if done is not None:
-                    log_outcome(job, done)
+            for job, done in batch.outcomes():
+                log_outcome(job, done)
 
 
 def log_outcome(job: Job, done: DeliveryOutcome) -> None:

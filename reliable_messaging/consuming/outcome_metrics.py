@@ -4,32 +4,23 @@ time (see :mod:`reliable_messaging.metrics` for the series)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from .. import metrics, tracing
 from ..core.envelope import Message
 from ..core.outcomes import OutcomeLabel
-from .stage import DeliveryOutcome, Job, Stage
+from .stage import Batch, Stage
 
 
 class OutcomeMetrics(Stage):
-    def open(self, jobs: Sequence[Job], decided: list[DeliveryOutcome | None]) -> Any:
+    def open(self, batch: Batch) -> Any:
         return time.perf_counter()
 
-    def close(
-        self,
-        jobs: Sequence[Job],
-        decided: Sequence[DeliveryOutcome | None],
-        state: Any,
-        error: BaseException | None,
-    ) -> None:
+    def close(self, batch: Batch, state: Any, error: BaseException | None) -> None:
         if error is not None:
             return
         now, processing = time.time(), time.perf_counter() - state
-        for job, done in zip(jobs, decided, strict=True):
-            if done is None:
-                continue
+        for job, done in batch.outcomes():
             metrics.consumer_outcome(job.name, done.label, done.duration)
             message = job.message
             published_at = message.published_at if isinstance(message, Message) else None

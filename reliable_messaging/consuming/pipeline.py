@@ -23,7 +23,7 @@ from .outcome_metrics import OutcomeMetrics
 from .parking import ParkedKeys
 from .replays import ReplayLedger
 from .spans import Spans
-from .stage import DeliveryOutcome, Job, Stage
+from .stage import Batch, DeliveryOutcome, Job, Stage
 from .time_limit import TimeLimit
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ class Pipeline:
     ========== ============================================ ==================================
     hook       when                                         may change
     ========== ============================================ ==================================
-    open       before the batch's transaction               settle a job (``decided[i]``)
+    open       before the batch's transaction               settle a job (``batch.decided``)
     screen     in the transaction, before the inbox claim   decide the job: return an outcome
     handling   around the handler, in its savepoint         nothing (a context around it)
     decided    in the transaction, after the decision       write in the transaction
@@ -57,10 +57,10 @@ class Pipeline:
         )
 
     @contextmanager
-    def batch(self, jobs: Sequence[Job], decided: list[DeliveryOutcome | None]) -> Iterator[None]:
-        """Around the deciding of ``jobs``: each stage's ``open`` before, ``close`` after (in
+    def around(self, batch: Batch) -> Iterator[None]:
+        """Around the deciding of ``batch``: each stage's ``open`` before, ``close`` after (in
         reverse order). A stage's failure in ``close`` is logged, never a delivery's outcome."""
-        states = [stage.open(jobs, decided) for stage in self.stages]
+        states = [stage.open(batch) for stage in self.stages]
         error: BaseException | None = None
         try:
             yield
@@ -70,7 +70,7 @@ class Pipeline:
         finally:
             for stage, state in zip(reversed(self.stages), reversed(states), strict=True):
                 try:
-                    stage.close(jobs, decided, state, error)
+                    stage.close(batch, state, error)
                 except Exception:
                     logger.exception("the consumer stage %s failed after a batch", stage)
 

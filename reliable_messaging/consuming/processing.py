@@ -44,7 +44,7 @@ from ..models import ProcessedMessage
 from ..storage.inbox import claim_inbox_rows, lock_wait_for, remember_busy
 from .pipeline import Pipeline, default_pipeline
 from .retries import DeliveryFailures
-from .stage import DUPLICATE, DeliveryOutcome, Job, Processor
+from .stage import DUPLICATE, Batch, DeliveryOutcome, Job, Processor
 
 if TYPE_CHECKING:
     from .fastpath import DuplicateCache
@@ -177,10 +177,10 @@ def process_batch(jobs: Sequence[Job]) -> list[Outcome | None]:
     if len({job.processor.using for job in jobs}) > 1:
         # A router sending consumers to different databases: one transaction per database.
         return [outcome for job in jobs for outcome in process_batch([job])]
-    decided: list[DeliveryOutcome | None] = [None] * len(jobs)
-    with jobs[0].processor.pipeline.batch(jobs, decided):
-        decided[:] = _process_batch(jobs, list(decided))
-    return [done.outcome if done is not None else None for done in decided]
+    batch = Batch(jobs, [None] * len(jobs))
+    with jobs[0].processor.pipeline.around(batch):
+        batch.decided[:] = _process_batch(jobs, list(batch.decided))
+    return [done.outcome if done is not None else None for done in batch.decided]
 
 
 def _process_batch(

@@ -6,40 +6,33 @@ this stage only says when they start, are current, fail and end.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
 from .. import tracing
 from ..core.envelope import Message
 from ..core.outcomes import Acknowledge, OutcomeLabel
-from .stage import DeliveryOutcome, Job, Stage
+from .stage import Batch, DeliveryOutcome, Job, Stage
 
 FAILED = frozenset({OutcomeLabel.DEAD_LETTERED, OutcomeLabel.PARKED, OutcomeLabel.RETRIED})
 
 
 class Spans(Stage):
-    def open(self, jobs: Sequence[Job], decided: list[DeliveryOutcome | None]) -> Any:
-        return tracing.start_deliveries((job.delivery, job.name) for job in jobs)
+    def open(self, batch: Batch) -> Any:
+        return tracing.start_deliveries((job.delivery, job.name) for job in batch.jobs)
 
     def handling(self, job: Job, message: Message) -> AbstractContextManager[Any]:
         return tracing.handling(job.delivery)
 
-    def close(
-        self,
-        jobs: Sequence[Job],
-        decided: Sequence[DeliveryOutcome | None],
-        state: Any,
-        error: BaseException | None,
-    ) -> None:
+    def close(self, batch: Batch, state: Any, error: BaseException | None) -> None:
         if state is None:
             return
         if error is None:
-            for job, done in zip(jobs, decided, strict=True):
-                if done is not None and done.label in FAILED:
+            for job, done in batch.outcomes():
+                if done.label in FAILED:
                     tracing.delivery_failed(job.delivery, _described(job, done), done.error)
-        outcomes = None if error is not None else [d.outcome if d else None for d in decided]
-        tracing.end_deliveries(state, [job.delivery for job in jobs], outcomes, error)
+        outcomes = None if error is not None else [d.outcome if d else None for d in batch.decided]
+        tracing.end_deliveries(state, [job.delivery for job in batch.jobs], outcomes, error)
 
 
 def _described(job: Job, done: DeliveryOutcome) -> str:

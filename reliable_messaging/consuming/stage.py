@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -71,12 +71,27 @@ class Job:
         return self.processor.spec.name
 
 
+@dataclass(eq=False)
+class Batch:
+    """The jobs a pipeline decides together and, index for index, what became of each (None:
+    not decided yet, or held behind an earlier delivery of its queue)."""
+
+    jobs: Sequence[Job]
+    decided: list[DeliveryOutcome | None]
+
+    def outcomes(self) -> Iterator[tuple[Job, DeliveryOutcome]]:
+        """The jobs decided, each with its outcome."""
+        for job, done in zip(self.jobs, self.decided, strict=True):
+            if done is not None:
+                yield job, done
+
+
 class Stage:
     """A feature of the consumer. Every hook is optional (the base does nothing); a stage
     keeps what a batch needs in the state :meth:`open` returns, never in a delivery. When each
     hook runs and what it may change: :class:`~.pipeline.Pipeline`."""
 
-    def open(self, jobs: Sequence[Job], decided: list[DeliveryOutcome | None]) -> Any:
+    def open(self, batch: Batch) -> Any:
         return None
 
     def screen(self, job: Job, message: Message) -> DeliveryOutcome | None:
@@ -88,11 +103,5 @@ class Stage:
     def decided(self, job: Job, message: Message, done: DeliveryOutcome) -> None:
         return None
 
-    def close(
-        self,
-        jobs: Sequence[Job],
-        decided: Sequence[DeliveryOutcome | None],
-        state: Any,
-        error: BaseException | None,
-    ) -> None:
+    def close(self, batch: Batch, state: Any, error: BaseException | None) -> None:
         return None

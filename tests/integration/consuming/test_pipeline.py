@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ast
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ import pytest
 import reliable_messaging.consuming.processing as processing
 from reliable_messaging.consuming.pipeline import Pipeline, default_pipeline
 from reliable_messaging.consuming.processing import DeliveryProcessor, process_batch
-from reliable_messaging.consuming.stage import DeliveryOutcome, Job, Stage
+from reliable_messaging.consuming.stage import Batch, DeliveryOutcome, Job, Stage
 from reliable_messaging.core.envelope import Delivery, Message, encode_payload
 from reliable_messaging.core.outcomes import Acknowledge, OutcomeLabel
 from reliable_messaging.models import DeadLetter, ProcessedMessage
@@ -36,8 +36,8 @@ class Watcher(Stage):
     def __init__(self) -> None:
         self.seen: list[tuple[str, str]] = []
 
-    def open(self, jobs: Sequence[Job], decided: list[DeliveryOutcome | None]) -> Any:
-        self.seen += [("open", job.delivery.message_id or "") for job in jobs]
+    def open(self, batch: Batch) -> Any:
+        self.seen += [("open", job.delivery.message_id or "") for job in batch.jobs]
         return "state"
 
     def screen(self, job: Job, message: Message) -> DeliveryOutcome | None:
@@ -60,16 +60,10 @@ class Watcher(Stage):
     def decided(self, job: Job, message: Message, done: DeliveryOutcome) -> None:
         self.seen.append((f"decided {done.label}", message.message_id))
 
-    def close(
-        self,
-        jobs: Sequence[Job],
-        decided: Sequence[DeliveryOutcome | None],
-        state: Any,
-        error: BaseException | None,
-    ) -> None:
+    def close(self, batch: Batch, state: Any, error: BaseException | None) -> None:
         assert state == "state"
-        self.seen += [(f"close {d.label if d else None}", "") for d in decided]
-        if any(job.delivery.message_id == "explode-after" for job in jobs):
+        self.seen += [(f"close {d.label if d else None}", "") for d in batch.decided]
+        if any(job.delivery.message_id == "explode-after" for job in batch.jobs):
             raise RuntimeError("a stage's own bug after the commit")
 
 
