@@ -27,12 +27,17 @@ HTTP server (a "payment provider" the test stops and starts) and has a small bre
 Expiry: ``tests.delta`` and ``tests.epsilon`` (``late.*``) have a max_age of 2 s; in a process
 with ``RM_TEST_LATE_RETRY_DELAY`` set, they retry after that many seconds (the suite's delays
 otherwise, which the system checks of this process judge).
+
+In-process tests: ``{"hold": {"alpha": "name"}}`` waits (up to 60 s) until the test sets
+``GATES["name"]``, so the test decides when the handler ends.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
+import threading
 import time
 import urllib.request
 
@@ -42,6 +47,8 @@ from django.db.models import F
 from reliable_messaging import Breaker, Message, PermanentError, consumer, publish
 
 from .models import Effect
+
+GATES: collections.defaultdict[str, threading.Event] = collections.defaultdict(threading.Event)
 
 NAMESPACE = os.environ["RM_TEST_NAMESPACE"]
 
@@ -96,6 +103,9 @@ def behave(label: str, message: Message) -> None:
     conflicts = payload.get("conflict", {}).get(label)
     if conflicts:
         serialization_failure(label, message.message_id, int(conflicts))
+    gate = payload.get("hold", {}).get(label)
+    if gate:
+        GATES[gate].wait(60)
     sleep = payload.get("sleep", {}).get(label)
     if sleep:
         time.sleep(float(sleep))

@@ -30,7 +30,7 @@ from reliable_messaging.models import DeadLetter, ProcessedMessage
 from reliable_messaging.testing import deliver
 from tests import support
 from tests.support import Publisher, queue_counts, wait_until
-from tests.testapp.consumers import behave
+from tests.testapp.consumers import GATES, behave
 from tests.testapp.models import Effect
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -561,12 +561,12 @@ def test_connection_lost_while_a_handler_runs_commits_once(
     pub = Publisher(vhost)
     try:
         pub.publish(
-            exchange_of(ns), "order.placed", {"sleep": {"alpha": 4}}, message_id="in-flight"
+            exchange_of(ns), "order.placed", {"hold": {"alpha": ns}}, message_id="in-flight"
         )
         assert rec.started.wait(20), "the handler did not start"
-        # The handler commits, but its ack cannot be sent. (rabbitmqctl takes a second or two
-        # on a loaded machine: the handler sleeps long enough to still be running.)
+        # The handler commits once its connection is gone: its ack cannot be sent.
         close_connections(vhost)
+        GATES[ns].set()
     finally:
         pub.close()
     # The broker redelivers it on the new connection; the inbox recognises it.

@@ -290,17 +290,18 @@ def test_replays_arriving_while_the_breaker_is_open_wait_and_are_handled_once(
     ns: str, rm_settings: dict[str, Any], service: Any, make_spec: Any, rec: Recorder
 ) -> None:
     """A consumer that gives up at the first failure: four failures with the downstream down
-    are four dead letters, and open the breaker (for 8 s). An operator replays three of them
-    and an edited copy of the fourth while it is open; two fresh messages come too. Everything
-    waits, unstarted (the dead letters are not failed again); with the downstream back, the
-    breaker closes and each copy and message takes effect once: the dead letters resolved,
-    the ledger saying processed, and no new dead letter."""
+    are four dead letters, and open the breaker (for 30 s: on a loaded machine running the relay
+    and listing the queues below take long, and the pause must outlast them). An operator
+    replays three of them and an edited copy of the fourth while it is open; two fresh
+    messages come too. Everything waits, unstarted (the dead letters are not failed again);
+    with the downstream back, the breaker closes and each copy and message takes effect once:
+    the dead letters resolved, the ledger saying processed, and no new dead letter."""
     pay = make_spec(
         "rpay",
         bindings=("rpay.*",),
         max_attempts=1,
         breaker=Breaker(
-            failure_rate=0.5, window=10, min_failures=4, pause=8.0, probes=2, max_pause=8.0
+            failure_rate=0.5, window=10, min_failures=4, pause=30.0, probes=2, max_pause=30.0
         ),
     )
     downstream_down()
@@ -338,7 +339,7 @@ def test_replays_arriving_while_the_breaker_is_open_wait_and_are_handled_once(
         assert len(rec.of(pay.name)) == 4
         assert breaker.state is BreakerState.OPEN
         downstream_up()
-        rec.wait_count(pay.name, 10, timeout=30)
+        rec.wait_count(pay.name, 10, timeout=60)
     finally:
         publisher.close()
     assert breaker.state is BreakerState.CLOSED
