@@ -5,7 +5,8 @@ actions. Each view checks its permission itself (``admin_view`` only ensures a s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
+from functools import partial
+from typing import Any, Literal, NamedTuple
 
 from django.contrib import messages
 from django.contrib.admin.models import CHANGE, LogEntry
@@ -16,6 +17,7 @@ from django.db import router, transaction
 from django.db.models import Max, QuerySet
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed, QueryDict
 from django.shortcuts import redirect
+from django.urls import URLPattern
 from django.utils import timezone
 from django.utils.http import urlencode
 from django.utils.translation import gettext, ngettext
@@ -37,31 +39,7 @@ from ..dead_letters.selection import (
 from ..managers import DeadLetterQuerySet
 from ..models import DeadLetter, DeadLetterGroup, FailureGroupState
 from ..publishing.wake_after_commit import wake_relay_after_commit
-from .operations import (
-    COUNT_CAP,
-    OperationConsole,
-    capped_count,
-    operator,
-    record_operation,
-    render,
-)
-
-if TYPE_CHECKING:
-    from django.contrib.admin.views.main import ChangeList
-
-
-class DeadLetterConsole(OperationConsole, Protocol):
-    """What these views need of the dead letters' ModelAdmin, which passes itself."""
-
-    # Dead letters per transaction of a synchronous replay or discard (a selection).
-    batch_size: int
-
-    def get_changelist_instance(self, request: HttpRequest) -> ChangeList: ...
-
-    def get_object(
-        self, request: HttpRequest, object_id: str, from_field: str | None = ...
-    ) -> DeadLetter | None: ...
-
+from .operations import COUNT_CAP, OperationPages, capped_count, operator
 
 Operation = Literal["replay", "discard"]
 # Refusals spelled out in the warning message; the rest are counted.
@@ -97,141 +75,6 @@ def _how_many(verb: str, how: str, total: int) -> str:
         "%(verb)s (%(how)s; %(count)d dead letters in this operation).",
         total,
     ) % {"verb": verb, "how": how, "count": total}
-
-
-def replay_and_report(
-    model_admin: DeadLetterConsole,
-    request: HttpRequest,
-    ids: Sequence[int],
-    *,
-    force: bool,
-    how: str,
-) -> ReplayResult:
-    """Replay ``ids`` through the outbox, ``batch_size`` per transaction, log and report it."""
-    result = ReplayResult()
-    verb = gettext("Replayed, forced") if force else gettext("Replayed")
-    message = _how_many(verb, how, len(ids))
-    using = router.db_for_write(DeadLetter)
-    for start in range(0, len(ids), size := model_admin.batch_size):
-        with transaction.atomic(using=using):
-            batch = replay_batch(
-                ids[start : start + size], replayed_by=operator(request), force=force
-            )
-            log_changes(request, batch.replayed, message)
-            if batch.replayed:  # the relay claims the replays' outbox rows once committed
-                wake_relay_after_commit(using)
-        result.merge(batch)
-    _report_replay(model_admin, request, result, force=force)
-    return result
-
-
-def _report_replay(
-    model_admin: DeadLetterConsole, request: HttpRequest, result: ReplayResult, *, force: bool
-) -> None:
-    replayed, refused = len(result.replayed), len(result.refused)
-    if replayed:
-        model_admin.message_user(
-            request,
-            ngettext(
-                "%(count)d dead letter was replayed: the relay sends it to the queue of the "
-                "consumer that failed it, and only there.",
-                "%(count)d dead letters were replayed: the relay sends them to the queues of "
-                "the consumers that failed them, and only there.",
-                replayed,
-            )
-            % {"count": replayed},
-            messages.SUCCESS,
-        )
-    if refused:
-        shown = sorted(result.refused)[:REFUSALS_SHOWN]
-        message_ids = dict(DeadLetter.objects.filter(pk__in=shown).values_list("pk", "message_id"))
-        details = "; ".join(
-            f"#{pk} ({message_ids.get(pk) or gettext('no id')}): {result.refused[pk]}"
-            for pk in shown
-        )
-        if refused > len(shown):
-            more = refused - len(shown)
-            details += " " + ngettext("and %(count)d more", "and %(count)d more", more) % {
-                "count": more
-            }
-        model_admin.message_user(
-            request,
-            ngettext(
-                "%(count)d dead letter was not replayed: %(details)s",
-                "%(count)d dead letters were not replayed: %(details)s",
-                refused,
-            )
-            % {"count": refused, "details": details},
-            messages.WARNING,
-        )
-        processed = already_processed(
-            DeadLetter.objects.filter(pk__in=list(result.refused))
-        ).count()
-        if processed and not force:
-            model_admin.message_user(
-                request,
-                ngettext(
-                    "%(count)d of them was already processed by its consumer. To run the "
-                    "handler again anyway, use “force”: the action “Replay the selected dead "
-                    "letters, even if already processed”, or the checkbox on the confirmation "
-                    "page.",
-                    "%(count)d of them were already processed by their consumers. To run the "
-                    "handlers again anyway, use “force”: the action “Replay the selected dead "
-                    "letters, even if already processed”, or the checkbox on the confirmation "
-                    "page.",
-                    processed,
-                )
-                % {"count": processed},
-                messages.INFO,
-            )
-    if not replayed and not refused:
-        model_admin.message_user(request, gettext("No dead letter to replay."), messages.WARNING)
-
-
-def discard_and_report(
-    model_admin: DeadLetterConsole, request: HttpRequest, ids: Sequence[int], *, how: str
-) -> int:
-    """Discard those of ``ids`` still dead, ``batch_size`` per transaction; log and report.
-    Returns how many were discarded."""
-    message = _how_many(gettext("Discarded"), how, len(ids))
-    using = router.db_for_write(DeadLetter)
-    discarded = 0
-    for start in range(0, len(ids), size := model_admin.batch_size):
-        with transaction.atomic(using=using):
-            # Locked, so a dead letter a replay just took is not discarded under its feet.
-            rows = DeadLetter.objects.using(using).select_for_update().filter(discardable())
-            dead = list(rows.filter(pk__in=ids[start : start + size]).values_list("pk", flat=True))
-            rows = DeadLetter.objects.filter(pk__in=dead)
-            discarded += discard(rows, discarded_by=operator(request))
-            log_changes(request, dead, message)
-    if discarded:
-        model_admin.message_user(
-            request,
-            ngettext(
-                "%(count)d dead letter was discarded: it stays here, marked discarded, and "
-                "can still be replayed.",
-                "%(count)d dead letters were discarded: they stay here, marked discarded, and "
-                "can still be replayed.",
-                discarded,
-            )
-            % {"count": discarded},
-            messages.SUCCESS,
-        )
-    skipped = len(ids) - discarded
-    if skipped:
-        model_admin.message_user(
-            request,
-            ngettext(
-                "%(count)d dead letter was not discarded: only those with status “dead” are "
-                "(the others are resolved, awaiting a replay's outcome, or already discarded).",
-                "%(count)d dead letters were not discarded: only those with status “dead” are "
-                "(the others are resolved, awaiting a replay's outcome, or already discarded).",
-                skipped,
-            )
-            % {"count": skipped},
-            messages.WARNING,
-        )
-    return discarded
 
 
 # --------------------------------------------------------------------------- views
@@ -284,110 +127,6 @@ class _Confirmed(NamedTuple):
         )
 
 
-def bulk_operation_view(
-    model_admin: DeadLetterConsole, request: HttpRequest, operation: Operation
-) -> HttpResponse:
-    """Replay or discard every dead letter the changelist's filter and search match: GET asks
-    for confirmation with the counts, POST records an operation (of what its page showed: the
-    same search, the dead letters up to the id it counted; when the count changed since,
-    nothing is recorded), the "Dry run" button shows what it would do."""
-    if not model_admin.has_replay_permission(request):
-        raise PermissionDenied
-    if request.method not in ("GET", "POST"):
-        return HttpResponseNotAllowed(["GET", "POST"])
-    query = request.GET.urlencode()
-    changelist_url = model_admin.console_url("changelist", query=query)
-    try:
-        # What the changelist would refuse (an unknown field, a malformed date) is refused here.
-        model_admin.get_changelist_instance(request)
-        confirmed = _Confirmed.of(request.POST) if request.method == "POST" else None
-        chosen = selection_from_query(
-            request.GET, search_mode=confirmed.search_mode if confirmed else None
-        )
-        max_pk = confirmed.max_pk if confirmed else _highest_id()
-        matching_rows = matching(chosen).filter(pk__lte=max_pk)
-        targets_rows = targets(operation, chosen).filter(pk__lte=max_pk)
-        target_count = capped_count(targets_rows)
-    except SelectionError as exc:
-        model_admin.message_user(request, str(exc), messages.ERROR)
-        return redirect(changelist_url)
-    except (IncorrectLookupParameters, ValidationError, ValueError):
-        return redirect(model_admin.console_url("changelist", query="e=1"))
-    filter_parts = describe_filter(request, chosen["search_mode"])
-    chosen["description"] = ", ".join(filter_parts)
-
-    dry = None
-    if request.method == "POST" and request.POST.get("dry_run"):
-        dry = dry_run(
-            operation,
-            chosen,
-            force=operation == "replay" and bool(request.POST.get("force")),
-            max_pk=max_pk,
-        )
-    elif request.method == "POST":
-        if confirmed is not None and target_count != confirmed.announced:
-            model_admin.message_user(
-                request,
-                gettext(
-                    "The dead letters changed after this page counted them (%(then)s then, "
-                    "%(now)s now): nothing was started. Here are the figures as they are now."
-                )
-                % {"then": _at_most(confirmed.announced), "now": _at_most(target_count)},
-                messages.WARNING,
-            )
-            return redirect(request.get_full_path())
-        return record_operation(
-            model_admin,
-            request,
-            kind=operation,
-            selection=chosen,
-            force=operation == "replay" and bool(request.POST.get("force")),
-            matched=target_count,
-            max_pk=max_pk,
-        )
-
-    wanted_rows = matching_rows.filter(wanted(operation, chosen))
-    matching_count = capped_count(matching_rows)
-    unreplayable_count = capped_count(wanted_rows.filter(reason__in=unreplayable(operation)))
-    processed = capped_count(already_processed(targets_rows)) if operation == "replay" else 0
-    if operation == "replay":
-        title = ngettext(
-            "Replay %(count)s dead letter?", "Replay %(count)s dead letters?", target_count
-        )
-    else:
-        title = ngettext(
-            "Discard %(count)s dead letter?", "Discard %(count)s dead letters?", target_count
-        )
-    refusals = sorted(dry.refused.items(), key=lambda item: -item[1]) if dry else []
-    return render(
-        model_admin,
-        request,
-        "confirm_operation",
-        title % {"count": _at_most(target_count)},
-        operation=operation,
-        filter_parts=filter_parts,
-        matching_count=matching_count,
-        target_count=target_count,
-        left_alone_count=max(0, matching_count - capped_count(wanted_rows)),
-        unreplayable_count=unreplayable_count,
-        processed_count=processed,
-        count_cap=COUNT_CAP,
-        capped=matching_count > COUNT_CAP,
-        status_chosen=chosen["status_chosen"],
-        batch_size=model_admin.batch_size,
-        changelist_url=changelist_url,
-        confirmed=_Confirmed(chosen["search_mode"], max_pk, target_count),
-        dry_run=dry,
-        dry_run_refused=[
-            {"label": REFUSAL_LABELS.get(code, code), "count": n, "examples": dry.examples[code]}
-            for code, n in refusals
-            if dry
-        ],
-        dry_run_limit=DRY_RUN_LIMIT,
-        dry_run_forced=bool(request.POST.get("force")),
-    )
-
-
 def _highest_id() -> int:
     """The highest dead letter id now: those stored later are not the page's."""
     return DeadLetter.objects.aggregate(top=Max("pk"))["top"] or 0
@@ -397,139 +136,388 @@ def _at_most(count: int) -> str:
     return gettext("more than %(cap)d") % {"cap": COUNT_CAP} if count > COUNT_CAP else str(count)
 
 
-def object_operation_view(
-    model_admin: DeadLetterConsole, request: HttpRequest, object_id: str, operation: Operation
-) -> HttpResponse:
-    """The replay and discard buttons of one dead letter's page (POST only)."""
-    if not model_admin.has_replay_permission(request):
-        raise PermissionDenied
-    if request.method != "POST":
-        return HttpResponseNotAllowed(["POST"])
-    obj = model_admin.get_object(request, object_id)
-    if obj is None:
-        raise Http404(gettext("No dead letter with id %(id)s.") % {"id": object_id})
-    how = gettext("from its page")
-    if operation == "replay":
-        replay_and_report(
-            model_admin, request, [obj.pk], force=bool(request.POST.get("force")), how=how
-        )
-    else:
-        discard_and_report(model_admin, request, [obj.pk], how=how)
-    return redirect(model_admin.console_url("change", obj.pk))
+class DeadLetterConsole(OperationPages):
+    """This module's pages and replays, a base of the dead letters' ModelAdmin."""
 
+    # Dead letters of a selection replayed, or discarded, per transaction (each with its admin
+    # log rows). "All matching" and failure groups are operations the relay carries out.
+    batch_size = 500
 
-def failure_groups_view(model_admin: DeadLetterConsole, request: HttpRequest) -> HttpResponse:
-    """Dead letters that fail the same way (fingerprint and reason) in the same consumer, each
-    with its lifecycle state; those with dead letters first. ``?state=`` filters by state
-    (default: every state but resolved; ``all``), ``?all=1`` shows groups without dead letters
-    too. A POST acknowledges, resolves or reopens one group (``triage_deadletter``)."""
-    if not model_admin.has_view_permission(request):
-        raise PermissionDenied
-    user: Any = request.user
-    opts = model_admin.opts
-    can_triage = bool(user.has_perm(f"{opts.app_label}.triage_{opts.model_name}"))
-    if request.method == "POST":
-        if not can_triage:
-            raise PermissionDenied
-        action = request.POST.get("action", "")
-        key = (
-            request.POST.get("consumer", ""),
-            request.POST.get("fingerprint", ""),
-            request.POST.get("reason", ""),
-        )
-        note = request.POST.get("note", "").strip()[:2000]
-        known = DeadLetterGroup.objects.with_states(with_open=False).filter(
-            consumer=key[0], fingerprint=key[1], reason=key[2]
-        )
-        if action != "reopen" and not known.exists():
-            return HttpResponse(gettext("No such failure group."), status=400)
-        states = FailureGroupState.objects.using(router.db_for_write(FailureGroupState))
-        moves = {
-            "acknowledge": (states.acknowledge, gettext("Acknowledged")),
-            "resolve": (states.resolve, gettext("Resolved")),
-        }
-        label = f"{key[0]} · {key[2]}"
-        now = timezone.now()
-        with transaction.atomic(using=states.db):
-            if action in moves:
-                move, verb = moves[action]
-                move(key, by=operator(request), at=now, note=note, user_id=user.pk)
-                messages.success(
-                    request, gettext("%(verb)s %(group)s.") % {"verb": verb, "group": label}
+    def get_urls(self) -> list[URLPattern]:
+        bulk, one = self.bulk_operation_view, self.object_operation_view
+        pages: list[tuple[str, Any, str]] = [
+            ("groups/", self.failure_groups_view, "groups"),
+            ("replay-matching/", partial(bulk, operation="replay"), "replay_matching"),
+            ("discard-matching/", partial(bulk, operation="discard"), "discard_matching"),
+            ("<path:object_id>/replay/", partial(one, operation="replay"), "replay"),
+            ("<path:object_id>/discard/", partial(one, operation="discard"), "discard"),
+        ]
+        return self.console_paths(pages) + super().get_urls()
+
+    def replay_and_report(
+        self, request: HttpRequest, ids: Sequence[int], *, force: bool, how: str
+    ) -> ReplayResult:
+        """Replay ``ids`` through the outbox, ``batch_size`` per transaction, log and report it."""
+        result = ReplayResult()
+        verb = gettext("Replayed, forced") if force else gettext("Replayed")
+        message = _how_many(verb, how, len(ids))
+        using = router.db_for_write(DeadLetter)
+        for start in range(0, len(ids), size := self.batch_size):
+            with transaction.atomic(using=using):
+                batch = replay_batch(
+                    ids[start : start + size], replayed_by=operator(request), force=force
                 )
-            elif action == "reopen":
-                if states.reopen(key, at=now, note=note, user_id=user.pk):
-                    messages.success(
-                        request, gettext("Reopened %(group)s: it is new again.") % {"group": label}
-                    )
-                else:
-                    messages.info(request, gettext("%(group)s is new already.") % {"group": label})
-            else:
-                return HttpResponse(gettext("Unknown action."), status=400)
-        # Back to the page as it was filtered: its own filters only, re-encoded.
-        back = QueryDict(request.POST.get("next", "").lstrip("?"))
-        kept = {name: back[name] for name in ("state", "all") if back.get(name)}
-        return redirect(model_admin.console_url("groups", query=urlencode(kept)))
+                log_changes(request, batch.replayed, message)
+                if batch.replayed:  # the relay claims the replays' outbox rows once committed
+                    wake_relay_after_commit(using)
+            result.merge(batch)
+        self._report_replay(request, result, force=force)
+        return result
 
-    show_all = request.GET.get("all") == "1"
-    wanted_state = request.GET.get("state", "")
-    if wanted_state == "all":
-        states_shown: list[str] | None = None
-    elif wanted_state in GroupState.values:
-        states_shown = [wanted_state]
-    else:
-        wanted_state = ""
-        states_shown = [s for s in GroupState.values if s != GroupState.RESOLVED]
-    groups = DeadLetterGroup.objects.with_states(states=states_shown, with_open=not show_all)
-    page = Paginator(groups, 100).get_page(request.GET.get("p"))
-    examples = DeadLetter.objects.only(
-        "pk", "message_id", "reason", "exception_type", "exception_message"
-    ).in_bulk([group["example_id"] for group in page if group["example_id"] is not None])
-    can_replay = model_admin.has_replay_permission(request)
-    here = {"state": wanted_state, "all": "1" if show_all else ""}
-    here_query = urlencode({k: v for k, v in here.items() if v})
-    rows = []
-    for group in page:
-        # The newest dead letter counted in; gone if it was deleted since.
-        example = examples.get(group["example_id"])
-        selection = {"fingerprint": group["fingerprint"], "consumer": group["consumer"]}
-        dead_selection = urlencode({**selection, "status__exact": DeadLetterStatus.DEAD})
-        message = next(iter(example.exception_message.splitlines()), "") if example else ""
-        exception_type = group["exception_type"] or ""
-        rows.append(
-            {
-                **group,
-                "reason_code": group["reason"],
-                "state_label": GroupState(group["state"]).label,
-                "example": example,
-                "exception_type": exception_type,
-                "exception_name": exception_type.rsplit(".", 1)[-1],
-                "reason": DeadLetterGroup(reason=group["reason"]).get_reason_display(),
-                "message": message if len(message) <= 100 else message[:99] + "…",
-                "example_url": model_admin.console_url("change", example.pk) if example else "",
-                "list_url": model_admin.console_url("changelist", query=urlencode(selection)),
-                "replay_url": model_admin.console_url("replay_matching", query=dead_selection)
-                if can_replay and group["dead"]
-                else "",
-                "discard_url": model_admin.console_url("discard_matching", query=dead_selection)
-                if can_replay and group["dead"]
-                else "",
-            }
+    def _report_replay(self, request: HttpRequest, result: ReplayResult, *, force: bool) -> None:
+        replayed, refused = len(result.replayed), len(result.refused)
+        if replayed:
+            self.message_user(
+                request,
+                ngettext(
+                    "%(count)d dead letter was replayed: the relay sends it to the queue of the "
+                    "consumer that failed it, and only there.",
+                    "%(count)d dead letters were replayed: the relay sends them to the queues of "
+                    "the consumers that failed them, and only there.",
+                    replayed,
+                )
+                % {"count": replayed},
+                messages.SUCCESS,
+            )
+        if refused:
+            shown = sorted(result.refused)[:REFUSALS_SHOWN]
+            message_ids = dict(
+                DeadLetter.objects.filter(pk__in=shown).values_list("pk", "message_id")
+            )
+            details = "; ".join(
+                f"#{pk} ({message_ids.get(pk) or gettext('no id')}): {result.refused[pk]}"
+                for pk in shown
+            )
+            if refused > len(shown):
+                more = refused - len(shown)
+                details += " " + ngettext("and %(count)d more", "and %(count)d more", more) % {
+                    "count": more
+                }
+            self.message_user(
+                request,
+                ngettext(
+                    "%(count)d dead letter was not replayed: %(details)s",
+                    "%(count)d dead letters were not replayed: %(details)s",
+                    refused,
+                )
+                % {"count": refused, "details": details},
+                messages.WARNING,
+            )
+            processed = already_processed(
+                DeadLetter.objects.filter(pk__in=list(result.refused))
+            ).count()
+            if processed and not force:
+                self.message_user(
+                    request,
+                    ngettext(
+                        "%(count)d of them was already processed by its consumer. To run the "
+                        "handler again anyway, use “force”: the action “Replay the selected dead "
+                        "letters, even if already processed”, or the checkbox on the confirmation "
+                        "page.",
+                        "%(count)d of them were already processed by their consumers. To run the "
+                        "handlers again anyway, use “force”: the action “Replay the selected dead "
+                        "letters, even if already processed”, or the checkbox on the confirmation "
+                        "page.",
+                        processed,
+                    )
+                    % {"count": processed},
+                    messages.INFO,
+                )
+        if not replayed and not refused:
+            self.message_user(request, gettext("No dead letter to replay."), messages.WARNING)
+
+    def discard_and_report(self, request: HttpRequest, ids: Sequence[int], *, how: str) -> int:
+        """Discard those of ``ids`` still dead, ``batch_size`` per transaction; log and report.
+        Returns how many were discarded."""
+        message = _how_many(gettext("Discarded"), how, len(ids))
+        using = router.db_for_write(DeadLetter)
+        discarded = 0
+        for start in range(0, len(ids), size := self.batch_size):
+            with transaction.atomic(using=using):
+                # Locked, so a dead letter a replay just took is not discarded under its feet.
+                rows = DeadLetter.objects.using(using).select_for_update().filter(discardable())
+                dead = list(
+                    rows.filter(pk__in=ids[start : start + size]).values_list("pk", flat=True)
+                )
+                rows = DeadLetter.objects.filter(pk__in=dead)
+                discarded += discard(rows, discarded_by=operator(request))
+                log_changes(request, dead, message)
+        if discarded:
+            self.message_user(
+                request,
+                ngettext(
+                    "%(count)d dead letter was discarded: it stays here, marked discarded, and "
+                    "can still be replayed.",
+                    "%(count)d dead letters were discarded: they stay here, marked discarded, and "
+                    "can still be replayed.",
+                    discarded,
+                )
+                % {"count": discarded},
+                messages.SUCCESS,
+            )
+        skipped = len(ids) - discarded
+        if skipped:
+            self.message_user(
+                request,
+                ngettext(
+                    "%(count)d dead letter was not discarded: only those with status “dead” are "
+                    "(the others are resolved, awaiting a replay's outcome, or already discarded).",
+                    "%(count)d dead letters were not discarded: only those with status “dead” are "
+                    "(the others are resolved, awaiting a replay's outcome, or already discarded).",
+                    skipped,
+                )
+                % {"count": skipped},
+                messages.WARNING,
+            )
+        return discarded
+
+    def bulk_operation_view(self, request: HttpRequest, operation: Operation) -> HttpResponse:
+        """Replay or discard every dead letter the changelist's filter and search match: GET asks
+        for confirmation with the counts, POST records an operation (of what its page showed: the
+        same search, the dead letters up to the id it counted; when the count changed since,
+        nothing is recorded), the "Dry run" button shows what it would do."""
+        if not self.has_replay_permission(request):
+            raise PermissionDenied
+        if request.method not in ("GET", "POST"):
+            return HttpResponseNotAllowed(["GET", "POST"])
+        query = request.GET.urlencode()
+        changelist_url = self.console_url("changelist", query=query)
+        try:
+            # What the changelist would refuse (an unknown field, a malformed date) is refused here.
+            self.get_changelist_instance(request)
+            confirmed = _Confirmed.of(request.POST) if request.method == "POST" else None
+            chosen = selection_from_query(
+                request.GET, search_mode=confirmed.search_mode if confirmed else None
+            )
+            max_pk = confirmed.max_pk if confirmed else _highest_id()
+            matching_rows = matching(chosen).filter(pk__lte=max_pk)
+            targets_rows = targets(operation, chosen).filter(pk__lte=max_pk)
+            target_count = capped_count(targets_rows)
+        except SelectionError as exc:
+            self.message_user(request, str(exc), messages.ERROR)
+            return redirect(changelist_url)
+        except (IncorrectLookupParameters, ValidationError, ValueError):
+            return redirect(self.console_url("changelist", query="e=1"))
+        filter_parts = describe_filter(request, chosen["search_mode"])
+        chosen["description"] = ", ".join(filter_parts)
+
+        dry = None
+        if request.method == "POST" and request.POST.get("dry_run"):
+            dry = dry_run(
+                operation,
+                chosen,
+                force=operation == "replay" and bool(request.POST.get("force")),
+                max_pk=max_pk,
+            )
+        elif request.method == "POST":
+            if confirmed is not None and target_count != confirmed.announced:
+                self.message_user(
+                    request,
+                    gettext(
+                        "The dead letters changed after this page counted them (%(then)s then, "
+                        "%(now)s now): nothing was started. Here are the figures as they are now."
+                    )
+                    % {"then": _at_most(confirmed.announced), "now": _at_most(target_count)},
+                    messages.WARNING,
+                )
+                return redirect(request.get_full_path())
+            return self.record_operation(
+                request,
+                kind=operation,
+                selection=chosen,
+                force=operation == "replay" and bool(request.POST.get("force")),
+                matched=target_count,
+                max_pk=max_pk,
+            )
+
+        wanted_rows = matching_rows.filter(wanted(operation, chosen))
+        matching_count = capped_count(matching_rows)
+        unreplayable_count = capped_count(wanted_rows.filter(reason__in=unreplayable(operation)))
+        processed = capped_count(already_processed(targets_rows)) if operation == "replay" else 0
+        if operation == "replay":
+            title = ngettext(
+                "Replay %(count)s dead letter?", "Replay %(count)s dead letters?", target_count
+            )
+        else:
+            title = ngettext(
+                "Discard %(count)s dead letter?", "Discard %(count)s dead letters?", target_count
+            )
+        refusals = sorted(dry.refused.items(), key=lambda item: -item[1]) if dry else []
+        return self.render_page(
+            request,
+            "confirm_operation",
+            title % {"count": _at_most(target_count)},
+            operation=operation,
+            filter_parts=filter_parts,
+            matching_count=matching_count,
+            target_count=target_count,
+            left_alone_count=max(0, matching_count - capped_count(wanted_rows)),
+            unreplayable_count=unreplayable_count,
+            processed_count=processed,
+            count_cap=COUNT_CAP,
+            capped=matching_count > COUNT_CAP,
+            status_chosen=chosen["status_chosen"],
+            batch_size=self.batch_size,
+            changelist_url=changelist_url,
+            confirmed=_Confirmed(chosen["search_mode"], max_pk, target_count),
+            dry_run=dry,
+            dry_run_refused=[
+                {
+                    "label": REFUSAL_LABELS.get(code, code),
+                    "count": n,
+                    "examples": dry.examples[code],
+                }
+                for code, n in refusals
+                if dry
+            ],
+            dry_run_limit=DRY_RUN_LIMIT,
+            dry_run_forced=bool(request.POST.get("force")),
         )
-    return render(
-        model_admin,
-        request,
-        "failure_groups",
-        gettext("Failure groups"),
-        rows=rows,
-        page=page,
-        show_all=show_all,
-        state=wanted_state,
-        state_choices=[("", gettext("needing attention or muted"))]
-        + [(s.value, s.label) for s in GroupState]
-        + [("all", gettext("every state"))],
-        here_query=f"?{here_query}" if here_query else "?",
-        changelist_url=model_admin.console_url("changelist"),
-        has_replay_permission=can_replay,
-        can_triage=can_triage,
-    )
+
+    def object_operation_view(
+        self, request: HttpRequest, object_id: str, operation: Operation
+    ) -> HttpResponse:
+        """The replay and discard buttons of one dead letter's page (POST only)."""
+        if not self.has_replay_permission(request):
+            raise PermissionDenied
+        if request.method != "POST":
+            return HttpResponseNotAllowed(["POST"])
+        obj = self.get_object(request, object_id)
+        if obj is None:
+            raise Http404(gettext("No dead letter with id %(id)s.") % {"id": object_id})
+        how = gettext("from its page")
+        if operation == "replay":
+            self.replay_and_report(
+                request, [obj.pk], force=bool(request.POST.get("force")), how=how
+            )
+        else:
+            self.discard_and_report(request, [obj.pk], how=how)
+        return redirect(self.console_url("change", obj.pk))
+
+    def failure_groups_view(self, request: HttpRequest) -> HttpResponse:
+        """Dead letters that fail the same way (fingerprint and reason) in the same consumer, each
+        with its lifecycle state; those with dead letters first. ``?state=`` filters by state
+        (default: every state but resolved; ``all``), ``?all=1`` shows groups without dead letters
+        too. A POST acknowledges, resolves or reopens one group (``triage_deadletter``)."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        user: Any = request.user
+        opts = self.opts
+        can_triage = bool(user.has_perm(f"{opts.app_label}.triage_{opts.model_name}"))
+        if request.method == "POST":
+            if not can_triage:
+                raise PermissionDenied
+            action = request.POST.get("action", "")
+            key = (
+                request.POST.get("consumer", ""),
+                request.POST.get("fingerprint", ""),
+                request.POST.get("reason", ""),
+            )
+            note = request.POST.get("note", "").strip()[:2000]
+            known = DeadLetterGroup.objects.with_states(with_open=False).filter(
+                consumer=key[0], fingerprint=key[1], reason=key[2]
+            )
+            if action != "reopen" and not known.exists():
+                return HttpResponse(gettext("No such failure group."), status=400)
+            states = FailureGroupState.objects.using(router.db_for_write(FailureGroupState))
+            moves = {
+                "acknowledge": (states.acknowledge, gettext("Acknowledged")),
+                "resolve": (states.resolve, gettext("Resolved")),
+            }
+            label = f"{key[0]} · {key[2]}"
+            now = timezone.now()
+            with transaction.atomic(using=states.db):
+                if action in moves:
+                    move, verb = moves[action]
+                    move(key, by=operator(request), at=now, note=note, user_id=user.pk)
+                    messages.success(
+                        request, gettext("%(verb)s %(group)s.") % {"verb": verb, "group": label}
+                    )
+                elif action == "reopen":
+                    if states.reopen(key, at=now, note=note, user_id=user.pk):
+                        messages.success(
+                            request,
+                            gettext("Reopened %(group)s: it is new again.") % {"group": label},
+                        )
+                    else:
+                        messages.info(
+                            request, gettext("%(group)s is new already.") % {"group": label}
+                        )
+                else:
+                    return HttpResponse(gettext("Unknown action."), status=400)
+            # Back to the page as it was filtered: its own filters only, re-encoded.
+            back = QueryDict(request.POST.get("next", "").lstrip("?"))
+            kept = {name: back[name] for name in ("state", "all") if back.get(name)}
+            return redirect(self.console_url("groups", query=urlencode(kept)))
+
+        show_all = request.GET.get("all") == "1"
+        wanted_state = request.GET.get("state", "")
+        if wanted_state == "all":
+            states_shown: list[str] | None = None
+        elif wanted_state in GroupState.values:
+            states_shown = [wanted_state]
+        else:
+            wanted_state = ""
+            states_shown = [s for s in GroupState.values if s != GroupState.RESOLVED]
+        groups = DeadLetterGroup.objects.with_states(states=states_shown, with_open=not show_all)
+        page = Paginator(groups, 100).get_page(request.GET.get("p"))
+        examples = DeadLetter.objects.only(
+            "pk", "message_id", "reason", "exception_type", "exception_message"
+        ).in_bulk([group["example_id"] for group in page if group["example_id"] is not None])
+        can_replay = self.has_replay_permission(request)
+        here = {"state": wanted_state, "all": "1" if show_all else ""}
+        here_query = urlencode({k: v for k, v in here.items() if v})
+        rows = []
+        for group in page:
+            # The newest dead letter counted in; gone if it was deleted since.
+            example = examples.get(group["example_id"])
+            selection = {"fingerprint": group["fingerprint"], "consumer": group["consumer"]}
+            dead_selection = urlencode({**selection, "status__exact": DeadLetterStatus.DEAD})
+            message = next(iter(example.exception_message.splitlines()), "") if example else ""
+            exception_type = group["exception_type"] or ""
+            rows.append(
+                {
+                    **group,
+                    "reason_code": group["reason"],
+                    "state_label": GroupState(group["state"]).label,
+                    "example": example,
+                    "exception_type": exception_type,
+                    "exception_name": exception_type.rsplit(".", 1)[-1],
+                    "reason": DeadLetterGroup(reason=group["reason"]).get_reason_display(),
+                    "message": message if len(message) <= 100 else message[:99] + "…",
+                    "example_url": self.console_url("change", example.pk) if example else "",
+                    "list_url": self.console_url("changelist", query=urlencode(selection)),
+                    "replay_url": self.console_url("replay_matching", query=dead_selection)
+                    if can_replay and group["dead"]
+                    else "",
+                    "discard_url": self.console_url("discard_matching", query=dead_selection)
+                    if can_replay and group["dead"]
+                    else "",
+                }
+            )
+        return self.render_page(
+            request,
+            "failure_groups",
+            gettext("Failure groups"),
+            rows=rows,
+            page=page,
+            show_all=show_all,
+            state=wanted_state,
+            state_choices=[("", gettext("needing attention or muted"))]
+            + [(s.value, s.label) for s in GroupState]
+            + [("all", gettext("every state"))],
+            here_query=f"?{here_query}" if here_query else "?",
+            changelist_url=self.console_url("changelist"),
+            has_replay_permission=can_replay,
+            can_triage=can_triage,
+        )

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from functools import partial
 from typing import Any
 
 from django.contrib import admin, messages
@@ -13,7 +12,7 @@ from django.contrib.admin import helpers
 from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
-from django.urls import URLPattern, path, reverse
+from django.urls import URLPattern, reverse
 from django.utils import formats, timezone
 from django.utils.dateparse import parse_datetime
 from django.utils.html import format_html, format_html_join
@@ -28,9 +27,8 @@ from ..dead_letters.permissions import can_edit
 from ..dead_letters.replay import REPLAYABLE_STATUSES, UNREPLAYABLE_REASONS, stale_replays
 from ..models import DeadLetter, DeadLetterGroup, ProcessedMessage, Replay
 from . import bodies, scaling
-from . import console as admin_views
-from . import edit as admin_edit
-from . import operations as admin_operations
+from .console import DeadLetterConsole, already_processed
+from .edit import EditReplayPage
 
 
 def _moment(value: Any, format: str = "Y-m-d H:i:s") -> str:
@@ -97,7 +95,9 @@ _REPLAY_HEADS = (_("when"), _("by"), _("kind"), _("outcome"), _("copy's message 
 
 
 @admin.register(DeadLetter)
-class DeadLetterAdmin(scaling.ReadOnlyAdmin, scaling.BoundedListAdmin):
+class DeadLetterAdmin(
+    DeadLetterConsole, EditReplayPage, scaling.ReadOnlyAdmin, scaling.BoundedListAdmin
+):
     """Review, replay, discard and delete dead letters; see their failure groups."""
 
     # Pairs share a cell (consumer over its queue, exception type over its message) so that
@@ -135,20 +135,6 @@ class DeadLetterAdmin(scaling.ReadOnlyAdmin, scaling.BoundedListAdmin):
         *(*_SUMMARY, *_FAILURE, *_HISTORY, "traceback_block", "pretty_payload", "raw_body"),
         *("pretty_headers", "replay_of_link", "replays_table"),
     )
-    # Dead letters of a selection replayed, or discarded, per transaction (each with its admin
-    # log rows). "All matching" and failure groups are operations the relay carries out.
-    batch_size = 500
-
-    # ------------------------------------------------------------------ permissions
-
-    def has_replay_permission(self, request: HttpRequest) -> bool:
-        """``reliable_messaging.replay_deadletter`` and the view permission (every path to a
-        replay counts and shows dead letters): replay, discard and their pages."""
-        user: Any = request.user
-        return self.has_view_permission(request) and bool(
-            user.has_perm(f"{self.opts.app_label}.replay_{self.opts.model_name}")
-        )
-
     # ------------------------------------------------------------------ list
 
     @admin.display(description=_("when"), ordering="last_failed_at")
@@ -478,14 +464,13 @@ class DeadLetterAdmin(scaling.ReadOnlyAdmin, scaling.BoundedListAdmin):
         if request.POST.get("post") == "yes" or request.POST.get("select_across") == "1":
             return self._act(request, queryset, "replay_matching", force=True)
         # The confirmation page of a forced replay of a selection.
-        return admin_operations.render(
-            self,
+        return self.render_page(
             request,
             "confirm_operation",
             gettext("Replay the selected dead letters, even if already processed?"),
             operation="replay",
             forced_selection=list(queryset.order_by("pk").only("message_id", "consumer", "reason")),
-            selection_processed=admin_views.already_processed(queryset).count(),
+            selection_processed=already_processed(queryset).count(),
             action_checkbox_name=helpers.ACTION_CHECKBOX_NAME,
             changelist_url=self.console_url("changelist", query=_filter_query(request)),
         )
@@ -509,34 +494,13 @@ class DeadLetterAdmin(scaling.ReadOnlyAdmin, scaling.BoundedListAdmin):
         ids = list(queryset.order_by("pk").values_list("pk", flat=True))
         how = gettext("selected in the list")
         if force is None:
-            admin_views.discard_and_report(self, request, ids, how=how)
+            self.discard_and_report(request, ids, how=how)
         else:
-            admin_views.replay_and_report(self, request, ids, force=force, how=how)
+            self.replay_and_report(request, ids, force=force, how=how)
         return None
 
     # ------------------------------------------------------------------ URLs
 
     def get_urls(self) -> list[URLPattern]:
-        view = self.admin_site.admin_view  # login, staff and CSRF protection
-        prefix = f"{self.opts.app_label}_{self.opts.model_name}"
-        bulk = partial(admin_views.bulk_operation_view, self)
-        one = partial(admin_views.object_operation_view, self)
-        edit = partial(admin_edit.edit_replay_view, self)
-        pages: list[tuple[str, Any, str]] = [
-            ("groups/", partial(admin_views.failure_groups_view, self), "groups"),
-            ("<path:object_id>/body/", self.body_view, "body"),
-            ("replay-matching/", partial(bulk, operation="replay"), "replay_matching"),
-            ("discard-matching/", partial(bulk, operation="discard"), "discard_matching"),
-            ("<path:object_id>/replay/", partial(one, operation="replay"), "replay"),
-            ("<path:object_id>/edit-replay/", edit, "edit_replay"),
-            ("<path:object_id>/discard/", partial(one, operation="discard"), "discard"),
-        ]
-        custom = [path(route, view(page), name=f"{prefix}_{name}") for route, page, name in pages]
-        return custom + admin_operations.urls(self, prefix) + super().get_urls()
-
-    def console_url(self, name: str, *args: Any, query: str = "") -> str:
-        """The URL of one of this admin's pages ("changelist", "change", "groups"...)."""
-        url = reverse(
-            f"{self.admin_site.name}:{self.opts.app_label}_{self.opts.model_name}_{name}", args=args
-        )
-        return f"{url}?{query}" if query else url
+        body = ("<path:object_id>/body/", self.body_view, "body")
+        return self.console_paths([body]) + super().get_urls()

@@ -4,7 +4,8 @@ operations. Each dead letter's history entry names the operator and the operatio
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from functools import partial
+from typing import Any
 
 from django.contrib import admin, messages
 from django.contrib.admin.models import ADDITION, CHANGE, LogEntry
@@ -26,33 +27,6 @@ from ..dead_letters.replay import STALE_REPLAY_AFTER
 from ..models import DeadLetter, DeadLetterOperation
 from .scaling import ReadOnlyAdmin
 
-if TYPE_CHECKING:
-    from django.contrib.admin import AdminSite
-    from django.db.models.options import Options
-    from django.utils.functional import _StrOrPromise
-
-
-class OperationConsole(Protocol):
-    """What these views need of the dead letters' ModelAdmin (which passes itself)."""
-
-    admin_site: AdminSite
-    opts: Options[DeadLetter]
-
-    def console_url(self, name: str, *args: Any, query: str = "") -> str: ...
-
-    def has_replay_permission(self, request: HttpRequest) -> bool: ...
-
-    def has_view_permission(self, request: HttpRequest, obj: DeadLetter | None = ...) -> bool: ...
-
-    def message_user(
-        self,
-        request: HttpRequest,
-        message: _StrOrPromise,
-        level: int | str = ...,
-        extra_tags: str = ...,
-        fail_silently: bool = ...,
-    ) -> None: ...
-
 
 def capped_count(rows: QuerySet[Any], cap: int = COUNT_CAP) -> int:
     """How many rows, counting at most ``cap + 1``: past it, "more than" is all one needs."""
@@ -62,61 +36,6 @@ def capped_count(rows: QuerySet[Any], cap: int = COUNT_CAP) -> int:
 def operator(request: HttpRequest) -> str:
     """Who did it, as the replay headers, the history and the operation record it."""
     return f"{request.user.get_username()} (admin)"
-
-
-def render(
-    model_admin: OperationConsole, request: HttpRequest, name: str, title: str, /, **context: Any
-) -> TemplateResponse:
-    """One of the console's pages, ``deadletter/<name>.html``, in the admin's frame."""
-    request.current_app = model_admin.admin_site.name
-    frame = {**model_admin.admin_site.each_context(request), "opts": model_admin.opts}
-    template = f"admin/reliable_messaging/deadletter/{name}.html"
-    return TemplateResponse(request, template, {**frame, "title": title, **context})
-
-
-def record_operation(
-    model_admin: OperationConsole,
-    request: HttpRequest,
-    *,
-    kind: str,
-    selection: dict[str, Any],
-    force: bool,
-    matched: int,
-    max_pk: int,
-) -> HttpResponse:
-    """Record the operation over the dead letters up to ``max_pk``, ``matched`` of them
-    announced, and redirect to its progress page (that of the same one already under way)."""
-    running = DeadLetterOperation.objects.same_as(kind, selection, force)
-    if running is not None:
-        model_admin.message_user(
-            request,
-            gettext(
-                "The same operation (#%(pk)d, started by %(who)s) is already under way: "
-                "here is its progress."
-            )
-            % {"pk": running.pk, "who": running.requested_by},
-            messages.WARNING,
-        )
-        return redirect(model_admin.console_url("operation", running.pk))
-    operation = DeadLetterOperation.objects.record(
-        kind=kind,
-        selection=selection,
-        requested_by=operator(request),
-        force=force,
-        matched=matched,
-        max_pk=max_pk,
-    )
-    _log(request, operation, ADDITION, gettext("Recorded."))
-    model_admin.message_user(
-        request,
-        gettext(
-            "Operation #%(pk)d is recorded: the relay carries it out in batches. You may leave "
-            "this page; it goes on without it."
-        )
-        % {"pk": operation.pk},
-        messages.SUCCESS,
-    )
-    return redirect(model_admin.console_url("operation", operation.pk))
 
 
 def _log(request: HttpRequest, operation: DeadLetterOperation, flag: int, message: str) -> None:
@@ -175,111 +94,181 @@ def figures(operation: DeadLetterOperation) -> dict[str, Any]:
     }
 
 
-def _failed_again_figures(
-    model_admin: OperationConsole, operation: DeadLetterOperation, values: dict[str, Any]
-) -> dict[str, Any]:
-    """The first dead letters an operation's replays became when they failed again."""
-    replays = operation.kind == OperationKind.REPLAY
-    shown = []
-    for row in ledger.failed_again(operation.pk, FAILED_AGAIN_SHOWN) if replays else ():
-        letter = row.failed_as
-        pk = letter.pk if letter is not None else row.dead_letter_id
-        error = (letter.exception_message or "").splitlines() if letter is not None else []
-        shown.append(
-            {
-                "dead_letter": pk,
-                "message_id": row.message_id,
-                "consumer": row.consumer,
-                "exception_type": letter.exception_type if letter is not None else "",
-                "error": error[0] if error else "",
-                "at": row.outcome_at.isoformat() if row.outcome_at else None,
-                "url": model_admin.console_url("change", pk),
-            }
-        )
-    total = (values["outcomes"] or {}).get(ReplayOutcome.FAILED_AGAIN, 0)
-    ids = ",".join(str(item["dead_letter"]) for item in shown)
-    return {
-        "failed_again": shown,
-        "failed_again_more": max(0, total - len(shown)),
-        "failed_again_list_url": model_admin.console_url("changelist", query=f"id__in={ids}")
-        if shown
-        else "",
-    }
-
-
 def _operation(pk: int) -> DeadLetterOperation:
     # With its replays' outcome tally, in the same read (the page refreshes every 2 s).
     return get_object_or_404(DeadLetterOperation.objects.select_related("replay_outcomes"), pk=pk)
 
 
-def progress_view(model_admin: OperationConsole, request: HttpRequest, pk: int) -> HttpResponse:
-    if not model_admin.has_view_permission(request):
-        raise PermissionDenied
-    operation = _operation(pk)
-    values = figures(operation)
-    kind = operation.get_kind_display().capitalize()
-    return render(
-        model_admin,
-        request,
-        "operation_progress",
-        gettext("%(kind)s #%(pk)d: %(state)s")
-        % {"kind": kind, "pk": operation.pk, "state": operation.get_state_display()},
-        operation=operation,
-        figures=values,
-        **_failed_again_figures(model_admin, operation, values),
-        can_cancel=not values["finished"] and model_admin.has_replay_permission(request),
-        cancel_url=model_admin.console_url("operation_cancel", operation.pk),
-        changelist_url=model_admin.console_url("changelist"),
-        operations_url=reverse(
-            f"{model_admin.admin_site.name}:reliable_messaging_deadletteroperation_changelist"
-        ),
-    )
+class OperationPages(admin.ModelAdmin):
+    """The dead letters' ModelAdmin's console: its permission to replay, its pages' URLs and
+    frame, and the bulk operations' pages. Each view checks its permission itself
+    (``admin_view`` only ensures a staff user)."""
 
+    def has_replay_permission(self, request: HttpRequest) -> bool:
+        """``reliable_messaging.replay_deadletter`` and the view permission (every path to a
+        replay counts and shows dead letters): replay, discard and their pages."""
+        user: Any = request.user
+        return self.has_view_permission(request) and bool(
+            user.has_perm(f"{self.opts.app_label}.replay_{self.opts.model_name}")
+        )
 
-def status_view(model_admin: OperationConsole, request: HttpRequest, pk: int) -> HttpResponse:
-    if not model_admin.has_view_permission(request):
-        raise PermissionDenied
-    operation = _operation(pk)
-    values = figures(operation)
-    return JsonResponse({**values, **_failed_again_figures(model_admin, operation, values)})
+    def console_url(self, name: str, *args: Any, query: str = "") -> str:
+        """The URL of one of this admin's pages ("changelist", "change", "groups"...)."""
+        url = reverse(
+            f"{self.admin_site.name}:{self.opts.app_label}_{self.opts.model_name}_{name}", args=args
+        )
+        return f"{url}?{query}" if query else url
 
+    def console_paths(self, pages: list[tuple[str, Any, str]]) -> list[URLPattern]:
+        """The URLs of ``(route, view, name)`` pages, named like the admin's own."""
+        view = self.admin_site.admin_view  # login, staff and CSRF protection
+        prefix = f"{self.opts.app_label}_{self.opts.model_name}"
+        return [path(route, view(page), name=f"{prefix}_{name}") for route, page, name in pages]
 
-def cancel_view(model_admin: OperationConsole, request: HttpRequest, pk: int) -> HttpResponse:
-    """Cancel (POST): the batch under way finishes, no other starts; the rest stays as is."""
-    if not model_admin.has_replay_permission(request):
-        raise PermissionDenied
-    if request.method != "POST":
-        return HttpResponseNotAllowed(["POST"])
-    operation = _operation(pk)
-    if DeadLetterOperation.objects.cancel(operation.pk, by=operator(request), at=timezone.now()):
-        _log(request, operation, CHANGE, gettext("Cancelled."))
-        model_admin.message_user(
+    def get_urls(self) -> list[URLPattern]:
+        as_json = partial(self.progress_view, as_json=True)
+        operations = [
+            ("operations/<int:pk>/", self.progress_view, "operation"),
+            ("operations/<int:pk>/status/", as_json, "operation_status"),
+            ("operations/<int:pk>/cancel/", self.cancel_view, "operation_cancel"),
+        ]
+        return self.console_paths(operations) + super().get_urls()
+
+    def render_page(
+        self, request: HttpRequest, name: str, title: str, /, **context: Any
+    ) -> TemplateResponse:
+        """One of the console's pages, ``deadletter/<name>.html``, in the admin's frame."""
+        request.current_app = self.admin_site.name
+        frame = {**self.admin_site.each_context(request), "opts": self.opts}
+        template = f"admin/reliable_messaging/deadletter/{name}.html"
+        return TemplateResponse(request, template, {**frame, "title": title, **context})
+
+    def record_operation(
+        self,
+        request: HttpRequest,
+        *,
+        kind: str,
+        selection: dict[str, Any],
+        force: bool,
+        matched: int,
+        max_pk: int,
+    ) -> HttpResponse:
+        """Record the operation over the dead letters up to ``max_pk``, ``matched`` of them
+        announced, and redirect to its progress page (that of the same one already under way)."""
+        running = DeadLetterOperation.objects.same_as(kind, selection, force)
+        if running is not None:
+            self.message_user(
+                request,
+                gettext(
+                    "The same operation (#%(pk)d, started by %(who)s) is already under way: "
+                    "here is its progress."
+                )
+                % {"pk": running.pk, "who": running.requested_by},
+                messages.WARNING,
+            )
+            return redirect(self.console_url("operation", running.pk))
+        operation = DeadLetterOperation.objects.record(
+            kind=kind,
+            selection=selection,
+            requested_by=operator(request),
+            force=force,
+            matched=matched,
+            max_pk=max_pk,
+        )
+        _log(request, operation, ADDITION, gettext("Recorded."))
+        self.message_user(
             request,
             gettext(
-                "Operation #%(pk)d is cancelled: what it did stays done, the rest is left as it is."
+                "Operation #%(pk)d is recorded: the relay carries it out in batches. You may leave "
+                "this page; it goes on without it."
             )
             % {"pk": operation.pk},
             messages.SUCCESS,
         )
-    else:
-        model_admin.message_user(
-            request, gettext("The operation had already finished."), messages.WARNING
+        return redirect(self.console_url("operation", operation.pk))
+
+    def _failed_again_figures(
+        self, operation: DeadLetterOperation, values: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The first dead letters an operation's replays became when they failed again."""
+        replays = operation.kind == OperationKind.REPLAY
+        shown = []
+        for row in ledger.failed_again(operation.pk, FAILED_AGAIN_SHOWN) if replays else ():
+            letter = row.failed_as
+            pk = letter.pk if letter is not None else row.dead_letter_id
+            error = (letter.exception_message or "").splitlines() if letter is not None else []
+            shown.append(
+                {
+                    "dead_letter": pk,
+                    "message_id": row.message_id,
+                    "consumer": row.consumer,
+                    "exception_type": letter.exception_type if letter is not None else "",
+                    "error": error[0] if error else "",
+                    "at": row.outcome_at.isoformat() if row.outcome_at else None,
+                    "url": self.console_url("change", pk),
+                }
+            )
+        total = (values["outcomes"] or {}).get(ReplayOutcome.FAILED_AGAIN, 0)
+        ids = ",".join(str(item["dead_letter"]) for item in shown)
+        return {
+            "failed_again": shown,
+            "failed_again_more": max(0, total - len(shown)),
+            "failed_again_list_url": self.console_url("changelist", query=f"id__in={ids}")
+            if shown
+            else "",
+        }
+
+    def progress_view(self, request: HttpRequest, pk: int, as_json: bool = False) -> HttpResponse:
+        """An operation's progress page, or (``as_json``) its figures, which the page polls."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        operation = _operation(pk)
+        values = figures(operation)
+        failed_again = self._failed_again_figures(operation, values)
+        if as_json:
+            return JsonResponse({**values, **failed_again})
+        kind = operation.get_kind_display().capitalize()
+        return self.render_page(
+            request,
+            "operation_progress",
+            gettext("%(kind)s #%(pk)d: %(state)s")
+            % {"kind": kind, "pk": operation.pk, "state": operation.get_state_display()},
+            operation=operation,
+            figures=values,
+            **failed_again,
+            can_cancel=not values["finished"] and self.has_replay_permission(request),
+            cancel_url=self.console_url("operation_cancel", operation.pk),
+            changelist_url=self.console_url("changelist"),
+            operations_url=reverse(
+                f"{self.admin_site.name}:reliable_messaging_deadletteroperation_changelist"
+            ),
         )
-    return redirect(model_admin.console_url("operation", operation.pk))
 
-
-def urls(model_admin: OperationConsole, prefix: str) -> list[URLPattern]:
-    """The operation pages, under the dead letters' admin URLs."""
-    view = model_admin.admin_site.admin_view
-
-    def bound(function: Any) -> Any:
-        return view(lambda request, pk: function(model_admin, request, pk))
-
-    return [
-        path("operations/<int:pk>/", bound(progress_view), name=f"{prefix}_operation"),
-        path("operations/<int:pk>/status/", bound(status_view), name=f"{prefix}_operation_status"),
-        path("operations/<int:pk>/cancel/", bound(cancel_view), name=f"{prefix}_operation_cancel"),
-    ]
+    def cancel_view(self, request: HttpRequest, pk: int) -> HttpResponse:
+        """Cancel (POST): the batch under way finishes, no other starts; the rest stays as is."""
+        if not self.has_replay_permission(request):
+            raise PermissionDenied
+        if request.method != "POST":
+            return HttpResponseNotAllowed(["POST"])
+        operation = _operation(pk)
+        if DeadLetterOperation.objects.cancel(
+            operation.pk, by=operator(request), at=timezone.now()
+        ):
+            _log(request, operation, CHANGE, gettext("Cancelled."))
+            self.message_user(
+                request,
+                gettext(
+                    "Operation #%(pk)d is cancelled: what it did stays done, the rest is left as "
+                    "it is."
+                )
+                % {"pk": operation.pk},
+                messages.SUCCESS,
+            )
+        else:
+            self.message_user(
+                request, gettext("The operation had already finished."), messages.WARNING
+            )
+        return redirect(self.console_url("operation", operation.pk))
 
 
 @admin.register(DeadLetterOperation)
