@@ -8,7 +8,7 @@ it. Values are read at access time (``override_settings`` works); only the check
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Generic, TypeVar, cast, overload
@@ -80,10 +80,6 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _positive_timedelta(value: Any) -> bool:
-    return isinstance(value, timedelta) and value > timedelta(0)
-
-
 def _judged(check_id: int, hint: str | None, fits: Callable[[Any], bool], what: str) -> Rule:
     """A rule saying "must be <what>, got <value>." of a value that does not fit."""
     return Rule(
@@ -123,18 +119,16 @@ def seconds(check_id: int, *, hint: str, zero_allowed: bool = False) -> Rule:
     return _judged(check_id, hint, fits, what)
 
 
-def duration(check_id: int, *, hint: str) -> Rule:
-    """A positive ``timedelta``."""
-    return _judged(check_id, hint, _positive_timedelta, "a positive timedelta")
-
-
-def optional_duration(check_id: int, *, hint: str) -> Rule:
-    """None, or a positive ``timedelta``."""
+def duration(check_id: int, *, hint: str, none_allowed: bool = False) -> Rule:
+    """A positive ``timedelta`` or, with ``none_allowed``, None."""
 
     def fits(value: Any) -> bool:
-        return value is None or _positive_timedelta(value)
+        if none_allowed and value is None:
+            return True
+        return isinstance(value, timedelta) and value > timedelta(0)
 
-    return _judged(check_id, hint, fits, "None or a positive timedelta")
+    what = "None or a positive timedelta" if none_allowed else "a positive timedelta"
+    return _judged(check_id, hint, fits, what)
 
 
 def one_of(check_id: int, choices: Sequence[object], *, hint: str) -> Rule:
@@ -263,13 +257,18 @@ def _optional_timedelta(value: Any) -> timedelta | None:
 @dataclass(frozen=True)
 class Setting(Generic[T]):
     """One key of ``RELIABLE_MESSAGING``, declared once: read at access time as
-    ``convert(value)``; ``doc`` is its reference paragraph, ``rule`` what the checks hold it to."""
+    ``convert(value)``; ``doc`` is its reference paragraph, ``rule`` what the checks hold it to.
+    ``key`` is the attribute's name in capitals unless given."""
 
-    key: str
     default: Any
     convert: Callable[[Any], T]
     doc: str
     rule: Rule | CheckedBy | None = None
+    key: str = ""
+
+    def __set_name__(self, owner: type[Any], name: str) -> None:
+        if not self.key:
+            object.__setattr__(self, "key", name.upper())
 
     @overload
     def __get__(self, instance: None, owner: type[Any]) -> Setting[T]: ...
@@ -291,7 +290,6 @@ class MessagingSettings:
     attributes are the declarations, in the reference's order."""
 
     broker_urls = Setting(
-        "BROKER_URL",
         "amqp://guest:guest@localhost:5672/%2F",
         split_broker_urls,
         "one URL, several joined by `;`, or a list of URLs (the nodes of a cluster), tried in a "
@@ -299,9 +297,9 @@ class MessagingSettings:
         "at a `;` followed by `amqp://` or `amqps://`, so a password may hold `;` (and `@`, `:`); "
         "percent-encode `/`, `?`, `#` and `%` in it (`urllib.parse.quote(password, safe='')`)",
         CheckedBy("check_broker_urls"),
+        key="BROKER_URL",
     )
     management_url = Setting(
-        "MANAGEMENT_URL",
         None,
         _optional_str,
         "the RabbitMQ management API (`http://rabbitmq:15672`), read by `messaging_status` and "
@@ -312,7 +310,6 @@ class MessagingSettings:
         CheckedBy("check_management_url"),
     )
     exchange = Setting(
-        "EXCHANGE",
         "reliable_messaging",
         str,
         "the topic exchange `publish()` uses and consumers bind to; also the prefix of the "
@@ -320,7 +317,6 @@ class MessagingSettings:
         non_empty_string(2, hint="Name the topic exchange publish() uses, e.g. 'events'."),
     )
     prefetch = Setting(
-        "PREFETCH",
         100,
         int,
         "unacked deliveries per consumer process (at least `--concurrency`); also the window "
@@ -328,43 +324,37 @@ class MessagingSettings:
         integer(3, 1, 65535, hint="A value near 2-4x --concurrency is usual."),
     )
     retry_delays = Setting(
-        "RETRY_DELAYS",
         (1, 5, 30, 120, 600),
         _float_tuple,
         "seconds before attempt 2, 3, …; the last repeats",
         increasing_seconds(4, hint="Give increasing positive seconds, e.g. [1, 5, 30, 120, 600]."),
     )
     max_attempts = Setting(
-        "MAX_ATTEMPTS",
         6,
         int,
         "attempts before a message becomes a dead letter (per handler: `max_attempts=`)",
         integer(5, 1, hint="1 means no retry; the default is 6."),
     )
     dedup_retention = Setting(
-        "DEDUP_RETENTION",
         timedelta(days=14),
         _timedelta,
         "how long the inbox remembers a processed message_id",
         duration(6, hint="e.g. timedelta(days=14)"),
     )
     outbox_retention = Setting(
-        "OUTBOX_RETENTION",
         timedelta(days=7),
         _timedelta,
         "how long sent outbox rows are kept",
         duration(6, hint="e.g. timedelta(days=14)"),
     )
     dead_letter_retention = Setting(
-        "DEAD_LETTER_RETENTION",
         timedelta(days=30),
         _optional_timedelta,
         "how long `purge_messages` keeps resolved and discarded dead letters after their last "
         "change; `None` keeps them for good (dead and replayed ones are never purged)",
-        optional_duration(6, hint="e.g. timedelta(days=90), or None to keep them"),
+        duration(6, hint="e.g. timedelta(days=90), or None to keep them", none_allowed=True),
     )
     cache_alias = Setting(
-        "CACHE_ALIAS",
         None,
         _optional_str,
         "a django-redis cache for the duplicate fast path (see [The Redis fast path]"
@@ -372,7 +362,6 @@ class MessagingSettings:
         CheckedBy("check_cache_alias"),
     )
     queue_type = Setting(
-        "QUEUE_TYPE",
         "classic",
         str,
         "`classic` or `quorum` for the consumer queues, always declared with this type whatever "
@@ -381,7 +370,6 @@ class MessagingSettings:
         one_of(8, ("classic", "quorum"), hint="Use 'quorum' for replicated queues."),
     )
     consumer_batch_size = Setting(
-        "CONSUMER_BATCH_SIZE",
         50,
         int,
         "deliveries a handler thread commits in one transaction; `1` gives one transaction per "
@@ -389,7 +377,6 @@ class MessagingSettings:
         integer(12, 1),
     )
     ordered_partitions = Setting(
-        "ORDERED_PARTITIONS",
         4,
         int,
         "partition queues of each ordered consumer; changing it remaps keys (order holds again "
@@ -397,7 +384,6 @@ class MessagingSettings:
         integer(12, 1),
     )
     quorum_delivery_limit = Setting(
-        "QUORUM_DELIVERY_LIMIT",
         50,
         int,
         "quorum queues: past this many deliveries the broker moves a message to `<queue>.dead`, "
@@ -406,7 +392,6 @@ class MessagingSettings:
         integer(12, 1),
     )
     handler_timeout = Setting(
-        "HANDLER_TIMEOUT",
         600.0,
         float,
         "seconds a handler may run (per handler: `timeout=`); past it the handler is "
@@ -415,7 +400,6 @@ class MessagingSettings:
         seconds(10, hint="e.g. 30"),
     )
     handler_timeout_grace = Setting(
-        "HANDLER_TIMEOUT_GRACE",
         10.0,
         float,
         "seconds past the time limit after which a handler that cannot be interrupted (blocked "
@@ -423,7 +407,6 @@ class MessagingSettings:
         seconds(10, hint="e.g. 10", zero_allowed=True),
     )
     crash_limit = Setting(
-        "CRASH_LIMIT",
         3,
         int,
         "deaths of a consume process during one delivery before it becomes a dead letter "
@@ -433,7 +416,6 @@ class MessagingSettings:
     )
     # RabbitMQ's default consumer_timeout is 30 minutes.
     broker_consumer_timeout = Setting(
-        "BROKER_CONSUMER_TIMEOUT",
         1800.0,
         float,
         "the broker's `consumer_timeout` in seconds; nothing is held unacked longer than half "
@@ -441,7 +423,6 @@ class MessagingSettings:
         seconds(10, hint="e.g. 30"),
     )
     ops_views_token = Setting(
-        "OPS_VIEWS_TOKEN",
         None,
         _token,
         "a secret (16 characters or more) that lets a request with `Authorization: Bearer "
@@ -456,7 +437,6 @@ class MessagingSettings:
         ),
     )
     ops_views_public = Setting(
-        "OPS_VIEWS_PUBLIC",
         False,
         _only_true,
         "`True` lets anyone read those two views (when a proxy in front already restricts "
@@ -465,14 +445,12 @@ class MessagingSettings:
         boolean(47, hint="False (the default) keeps metrics/ and healthz/ to staff and the token."),
     )
     max_body_bytes = Setting(
-        "MAX_BODY_BYTES",
         1024 * 1024,
         int,
         "larger deliveries are dead-lettered (`body_too_large`) without being decoded",
         integer(9, 1, hint="The default is 1048576 (1 MiB).", what="a positive integer"),
     )
     derive_message_id = Setting(
-        "DERIVE_MESSAGE_ID",
         False,
         _only_true,
         "`True` gives a message without message_id the id `sha256:<body hash>` instead of "
@@ -481,42 +459,36 @@ class MessagingSettings:
         boolean(51, hint="True or False; False (the default) dead-letters a message without id."),
     )
     shutdown_timeout = Setting(
-        "SHUTDOWN_TIMEOUT",
         30.0,
         float,
         "seconds a graceful stop waits for handlers in flight",
         seconds(10, hint="e.g. 30"),
     )
     reconnect_max_delay = Setting(
-        "RECONNECT_MAX_DELAY",
         30.0,
         float,
         "cap of the backoff between broker reconnects and database probes",
         seconds(10, hint="e.g. 30"),
     )
     heartbeat = Setting(
-        "HEARTBEAT",
         60,
         int,
         "AMQP heartbeat, seconds",
         integer(11, 0, hint="0 disables heartbeats; 60 is usual."),
     )
     relay_batch_size = Setting(
-        "RELAY_BATCH_SIZE",
         500,
         int,
         "outbox rows claimed and published per batch",
         integer(12, 1),
     )
     relay_poll_interval = Setting(
-        "RELAY_POLL_INTERVAL",
         1.0,
         float,
         "polling period of the relay when no NOTIFY wakes it (the only mode off PostgreSQL)",
         seconds(10, hint="e.g. 30"),
     )
     relay_listen_dsn = Setting(
-        "RELAY_LISTEN_DSN",
         None,
         _optional_str,
         "a libpq connection string (`postgresql://db-primary:5432/shop` or "
@@ -528,14 +500,12 @@ class MessagingSettings:
         CheckedBy("check_relay_listen_dsn"),
     )
     relay_confirm_timeout = Setting(
-        "RELAY_CONFIRM_TIMEOUT",
         30.0,
         float,
         "seconds to wait for a batch's confirms before trying the rows again",
         seconds(10, hint="e.g. 30"),
     )
     relay_declares_topology = Setting(
-        "RELAY_DECLARES_TOPOLOGY",
         True,
         _unless_false,
         "the relay declares the queues and bindings of every registered consumer before it "
@@ -545,7 +515,6 @@ class MessagingSettings:
         boolean(54, hint="True (the default) or False."),
     )
     outbox_max_attempts = Setting(
-        "OUTBOX_MAX_ATTEMPTS",
         10,
         int,
         "failed sends (nack, unroutable command, missing exchange, refused by the broker) "
@@ -553,7 +522,6 @@ class MessagingSettings:
         integer(12, 1),
     )
     require_route = Setting(
-        "REQUIRE_ROUTE",
         (),
         _str_tuple,
         'topic patterns (`"billing.command.#"`) of routing keys that are commands and must '
@@ -568,7 +536,6 @@ class MessagingSettings:
     )
 
     breaker = Setting(
-        "BREAKER",
         None,
         _breaker,
         "the circuit breaker of every consumer without its own `breaker=`: a dict of "
@@ -585,7 +552,6 @@ class MessagingSettings:
     )
 
     trace_url_template = Setting(
-        "TRACE_URL_TEMPLATE",
         None,
         _optional_str,
         "a link to a trace in your tracing UI, with `{trace_id}` (and optionally `{span_id}`) "
@@ -628,13 +594,9 @@ class MessagingSettings:
         return f"<MessagingSettings broker={self.broker_shown} exchange={self.exchange}>"
 
 
-def _declared() -> Iterator[Setting[Any]]:
-    for value in vars(MessagingSettings).values():
-        if isinstance(value, Setting):
-            yield value
-
-
-SETTINGS: tuple[Setting[Any], ...] = tuple(_declared())
+SETTINGS: tuple[Setting[Any], ...] = tuple(
+    value for value in vars(MessagingSettings).values() if isinstance(value, Setting)
+)
 """Every declared setting, in the settings reference's order."""
 
 DEFAULTS: dict[str, Any] = {setting.key: setting.default for setting in SETTINGS}

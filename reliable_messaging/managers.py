@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Self
 
 from django.db import IntegrityError, connections, models, router, transaction
 from django.db.models import (
@@ -38,8 +38,8 @@ from .choices import (
 )
 from .storage.partitions import ADVISORY_CLASS, GROUP_FOLD_LOCK
 
-if TYPE_CHECKING:
-    from .models import DeadLetter, FailureGroupState, SuspectDelivery
+# The model classes are Any here, reached through ``self.model`` or :func:`_sibling`: models.py
+# imports this module.
 
 # Told after each deleted batch: the rows deleted so far, and how many were due at the start.
 BatchProgress = Callable[[int, int], None]
@@ -74,21 +74,26 @@ def _sibling(rows: models.QuerySet[Any], name: str) -> Any:
     return model._default_manager.using(rows.db).all()
 
 
+class _PerMessageQuerySet(BatchDeletingQuerySet):
+    """Rows keyed by (consumer, message_id)."""
+
+    def of(self, consumer: str, message_id: str) -> Self:
+        """The row of one (consumer, message_id): at most one."""
+        return self.filter(consumer=consumer, message_id=message_id)
+
+    def forget(self, consumer: str, message_id: str) -> int:
+        """Remove the row of one message: from the inbox, so a copy of it runs the handler
+        again; from the crash guard, once its delivery reached an outcome."""
+        return self.of(consumer, message_id).delete()[0]
+
+
 # -- the inbox ---------------------------------------------------------------------------------
 
 
-class ProcessedMessageQuerySet(BatchDeletingQuerySet):
-    def of(self, consumer: str, message_id: str) -> ProcessedMessageQuerySet:
-        """The inbox row of one (consumer, message_id): at most one."""
-        return self.filter(consumer=consumer, message_id=message_id)
-
+class ProcessedMessageQuerySet(_PerMessageQuerySet):
     def has(self, consumer: str, message_id: str) -> bool:
         """Whether ``consumer`` processed ``message_id`` (its effects committed)."""
         return self.of(consumer, message_id).exists()
-
-    def forget(self, consumer: str, message_id: str) -> int:
-        """Remove the inbox row of one message, so a copy of it runs the handler again."""
-        return self.of(consumer, message_id).delete()[0]
 
     def forget_many(self, keys: Iterable[tuple[str, str]]) -> int:
         """Remove the inbox rows of several (consumer, message_id) pairs, a delete per consumer."""
@@ -114,13 +119,10 @@ class ProcessedMessageQuerySet(BatchDeletingQuerySet):
 ProcessedMessageManager = models.Manager.from_queryset(ProcessedMessageQuerySet)
 
 
-class SuspectDeliveryQuerySet(BatchDeletingQuerySet):
+class SuspectDeliveryQuerySet(_PerMessageQuerySet):
     """The crash guard's rows (``consuming/crash_guard.py`` decides what a death is)."""
 
-    def of(self, consumer: str, message_id: str) -> SuspectDeliveryQuerySet:
-        return self.filter(consumer=consumer, message_id=message_id)
-
-    def locked_or_created(self, consumer: str, message_id: str) -> tuple[SuspectDelivery, bool]:
+    def locked_or_created(self, consumer: str, message_id: str) -> tuple[Any, bool]:
         """The row of (consumer, message_id), locked, and whether it was just made."""
         using = self.db
         rows = self.using(using)
@@ -132,10 +134,6 @@ class SuspectDeliveryQuerySet(BatchDeletingQuerySet):
                 return rows.create(consumer=consumer, message_id=message_id), True
         except IntegrityError:
             return rows.select_for_update().get(consumer=consumer, message_id=message_id), False
-
-    def forget(self, consumer: str, message_id: str) -> None:
-        """The delivery reached an outcome: its row goes."""
-        self.of(consumer, message_id).delete()
 
     def mark_interrupted(self, consumer: str, message_id: str, *, at: dt.datetime) -> None:
         """The delivery was given back without an outcome by a process that lives on."""
@@ -153,6 +151,8 @@ SuspectDeliveryManager = models.Manager.from_queryset(SuspectDeliveryQuerySet)
 
 # The per-status counters of a group, named as the statuses.
 STATUS_COUNTERS = tuple(status.value for status in DeadLetterStatus)
+# A failure group's key, named as the columns of ``FailureGroupState``.
+GROUP_KEY = ("consumer", "fingerprint", "reason")
 # The keys of a failure group's dict (``failure_groups()``, ``DeadLetterGroup.objects.listing()``).
 GROUP_FIELDS = (
     *("consumer", "fingerprint", "reason", "queue", "exception_type", "example_id"),
@@ -181,17 +181,13 @@ def _latest_first(
     return groups.filter(dead__gt=0) if with_open else groups
 
 
-class DeadLetterQuerySet(BatchDeletingQuerySet):
+class DeadLetterQuerySet(_PerMessageQuerySet):
     """The dead letters, and the only code that moves one from a status to another: each move
     saves the status and one ``history`` entry (``at``, and ``by`` when someone did it)."""
 
     def open(self) -> DeadLetterQuerySet:
         """Those awaiting an outcome: dead, or replayed and not yet decided."""
         return self.filter(status__in=OPEN_DEAD_LETTER_STATUSES)
-
-    def of(self, consumer: str, message_id: str) -> DeadLetterQuerySet:
-        """The dead letter of one (consumer, message_id): at most one."""
-        return self.filter(consumer=consumer, message_id=message_id)
 
     def already_processed(self) -> DeadLetterQuerySet:
         """Those whose consumer has an inbox row for their message_id."""
@@ -214,16 +210,12 @@ class DeadLetterQuerySet(BatchDeletingQuerySet):
 
     # -- moves ------------------------------------------------------------------------------
 
-    def mark_replayed(
-        self, dead_letter: DeadLetter, *, by: str, forced: bool, at: dt.datetime
-    ) -> None:
+    def mark_replayed(self, dead_letter: Any, *, by: str, forced: bool, at: dt.datetime) -> None:
         """A copy of it is in the outbox, to its consumer's queue only; ``forced``: its inbox
         row was removed for the copy to run."""
         _move(dead_letter, DeadLetterStatus.REPLAYED, "replayed", at, by=by, forced=forced)
 
-    def mark_edited_replay(
-        self, dead_letter: DeadLetter, *, at: dt.datetime, **details: str
-    ) -> None:
+    def mark_edited_replay(self, dead_letter: Any, *, at: dt.datetime, **details: str) -> None:
         """An edited copy under a new message_id is in the outbox; ``details`` (by, reason,
         message_id, diff) go into the history entry. Its own payload and headers are kept."""
         _move(dead_letter, DeadLetterStatus.REPLAYED, "edited_replay", at, **details)
@@ -269,7 +261,7 @@ class DeadLetterQuerySet(BatchDeletingQuerySet):
         fields: dict[str, Any],
         event: dict[str, Any],
         first_failed_at: dt.datetime,
-    ) -> DeadLetter:
+    ) -> Any:
         """Store a failure of ``message_id`` for ``consumer``: a new row, or its row updated with
         ``fields``, ``event`` added to its history (a message without an id gets its own)."""
         using = self.db
@@ -325,9 +317,7 @@ def _move_in_bulk(rows: models.QuerySet[Any], event: dict[str, Any], **fields: A
     return len(pks)
 
 
-def _move(
-    dead_letter: DeadLetter, status: str, event: str, at: dt.datetime, **details: Any
-) -> None:
+def _move(dead_letter: Any, status: str, event: str, at: dt.datetime, **details: Any) -> None:
     dead_letter.status = status
     fields = ["status", "history", "updated_at"]
     if status == DeadLetterStatus.REPLAYED:
@@ -523,7 +513,7 @@ class DeadLetterGroupQuerySet(models.QuerySet):
         the key ``FailureGroupState`` names."""
         if self.kept():
             return self._live().values(*GROUP_FIELDS)
-        return _counted(self._dead_letters(), "consumer", "fingerprint", "reason")
+        return _counted(self._dead_letters(), *GROUP_KEY)
 
     def with_states(
         self, *, states: Iterable[str] | None = None, with_open: bool = True
@@ -532,7 +522,7 @@ class DeadLetterGroupQuerySet(models.QuerySet):
         the query), ``state_by``, ``state_at`` and ``state_note`` (None when new), those with
         dead letters first. ``states``: only those; ``with_open``: only groups with one dead."""
         row = _sibling(self, "FailureGroupState").filter(
-            **{name: OuterRef(name) for name in ("consumer", "fingerprint", "reason")}
+            **{name: OuterRef(name) for name in GROUP_KEY}
         )
         stored = {"stored_state": "state", "state_at": "changed_at", "state_by": "changed_by"}
         groups = _latest_first(
@@ -554,9 +544,7 @@ class DeadLetterGroupQuerySet(models.QuerySet):
                 )
             ),
             with_open,
-            "consumer",
-            "fingerprint",
-            "reason",
+            *GROUP_KEY,
         )
         if states is not None:
             groups = groups.filter(state__in=list(states))
@@ -597,26 +585,23 @@ class FailureGroupStateQuerySet(models.QuerySet):
 
     def _store(
         self, state: str, key: GroupKey, *, by: str, at: dt.datetime, note: str, user_id: int | None
-    ) -> FailureGroupState:
-        consumer, fingerprint, reason = key
+    ) -> Any:
+        lookup: dict[str, Any] = dict(zip(GROUP_KEY, key, strict=True))
         row, created = self.update_or_create(
-            consumer=consumer,
-            fingerprint=fingerprint,
-            reason=reason,
-            defaults={"state": state, "changed_by": by, "changed_at": at, "note": note},
+            **lookup, defaults={"state": state, "changed_by": by, "changed_at": at, "note": note}
         )
         _log_group_move(row, state, note, at=at, user_id=user_id, added=created)
         return row
 
     def acknowledge(
         self, key: GroupKey, *, by: str, at: dt.datetime, note: str = "", user_id: int | None = None
-    ) -> FailureGroupState:
+    ) -> Any:
         """Someone looks into the group: muted from alerts until resolved or reopened."""
         return self._store(GroupState.ACKNOWLEDGED, key, by=by, at=at, note=note, user_id=user_id)
 
     def resolve(
         self, key: GroupKey, *, by: str, at: dt.datetime, note: str = "", user_id: int | None = None
-    ) -> FailureGroupState:
+    ) -> Any:
         """The cause is fixed: a failure of the group after ``at`` makes it regressed."""
         return self._store(GroupState.RESOLVED, key, by=by, at=at, note=note, user_id=user_id)
 
@@ -633,13 +618,7 @@ class FailureGroupStateQuerySet(models.QuerySet):
 
 
 def _log_group_move(
-    row: FailureGroupState,
-    state: str,
-    note: str,
-    *,
-    at: dt.datetime,
-    user_id: int | None,
-    added: bool,
+    row: Any, state: str, note: str, *, at: dt.datetime, user_id: int | None, added: bool
 ) -> None:
     if user_id is None or not row._meta.apps.is_installed("django.contrib.admin"):
         return

@@ -178,6 +178,9 @@ class _GroupCounts(models.Model):
     class Meta:
         abstract = True
 
+    def __str__(self) -> str:
+        return f"{self.consumer} · {self.fingerprint[:8] or '-'}: {self.dead} dead"
+
 
 class DeadLetterGroup(_GroupCounts):
     """The dead letters of one consumer that fail the same way, counted per status. On
@@ -195,9 +198,6 @@ class DeadLetterGroup(_GroupCounts):
             )
         ]
         indexes = [models.Index(fields=["fingerprint"], name="rm_dlgroup_fprint_idx")]
-
-    def __str__(self) -> str:
-        return f"{self.consumer} · {self.fingerprint[:8] or '-'}: {self.dead} dead"
 
 
 class DeadLetterGroupDelta(_GroupCounts):
@@ -221,9 +221,6 @@ class LiveDeadLetterGroup(_GroupCounts):
         managed = False
         db_table = "reliable_messaging_livedeadlettergroup"
         verbose_name = _("dead-letter group as of now")
-
-    def __str__(self) -> str:
-        return f"{self.consumer} · {self.fingerprint[:8] or '-'}: {self.dead} dead"
 
 
 class SuspectDelivery(models.Model):

@@ -110,7 +110,7 @@ def test_the_settings_object_is_read_only() -> None:
 def test_a_pipe_in_a_doc_does_not_break_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
     import reliable_messaging.conf as conf
 
-    odd = Setting("ODD", "a|b", str, "either a | b")
+    odd = Setting("a|b", str, "either a | b", key="ODD")
     monkeypatch.setattr(conf, "SETTINGS", (odd,))
     row = conf.reference_table().splitlines()[-1]
     assert row.count("|") - row.count("\\|") == 4
