@@ -603,27 +603,3 @@ DEFAULTS: dict[str, Any] = {setting.key: setting.default for setting in SETTINGS
 """Each key's default, derived from the declarations."""
 
 messaging_settings = MessagingSettings()
-
-
-def _shown_default(value: Any) -> str:
-    if isinstance(value, timedelta):
-        if not value.seconds and not value.microseconds:
-            return f"timedelta(days={value.days})"
-        return f"timedelta(seconds={value.total_seconds():g})"
-    if isinstance(value, float):
-        return f"{value:g}"
-    if isinstance(value, tuple):
-        return repr(list(value))
-    return str(value)
-
-
-def reference_table() -> str:
-    """The settings reference's Markdown table, one row per declaration."""
-    rows = ["| key | default | meaning |", "|---|---|---|"]
-    for setting in SETTINGS:
-        # A "|" would end the cell; escaped, it shows (also inside a code span).
-        default, doc = (
-            text.replace("|", "\\|") for text in (_shown_default(setting.default), setting.doc)
-        )
-        rows.append(f"| `{setting.key}` | `{default}` | {doc} |")
-    return "\n".join(rows) + "\n"

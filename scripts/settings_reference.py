@@ -14,7 +14,13 @@ from __future__ import annotations
 import argparse
 import difflib
 import sys
+from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from reliable_messaging.conf import Setting
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "reference" / "settings.md"
@@ -25,18 +31,42 @@ START = (
 END = "<!-- end of the generated settings table -->"
 
 
+def _shown_default(value: Any) -> str:
+    if isinstance(value, timedelta):
+        if not value.seconds and not value.microseconds:
+            return f"timedelta(days={value.days})"
+        return f"timedelta(seconds={value.total_seconds():g})"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, tuple):
+        return repr(list(value))
+    return str(value)
+
+
+def reference_table(settings: Sequence[Setting[Any]]) -> str:
+    """The settings reference's Markdown table, one row per declaration."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    for setting in settings:
+        # A "|" would end the cell; escaped, it shows (also inside a code span).
+        default, doc = (
+            text.replace("|", "\\|") for text in (_shown_default(setting.default), setting.doc)
+        )
+        rows.append(f"| `{setting.key}` | `{default}` | {doc} |")
+    return "\n".join(rows) + "\n"
+
+
 def rendered(page: str) -> str:
     """``page`` with the text between the markers replaced by the table of the declarations."""
     # The checkout's package, not an installed copy of another version.
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from reliable_messaging.conf import reference_table
+    from reliable_messaging.conf import SETTINGS
 
     before, found, rest = page.partition(START)
     _, found_end, after = rest.partition(END)
     if not found or not found_end:
         raise SystemExit(f"{PAGE}: the markers {START!r} and {END!r} are missing")
-    return f"{before}{START}\n{reference_table()}{END}{after}"
+    return f"{before}{START}\n{reference_table(SETTINGS)}{END}{after}"
 
 
 def main(argv: list[str] | None = None) -> int:
