@@ -9,7 +9,6 @@ from functools import partial
 from typing import Any, Literal, NamedTuple
 
 from django.contrib import messages
-from django.contrib.admin.models import CHANGE, LogEntry
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.core.paginator import Paginator
@@ -39,7 +38,7 @@ from ..dead_letters.selection import (
 from ..managers import DeadLetterQuerySet
 from ..models import DeadLetter, DeadLetterGroup, FailureGroupState
 from ..publishing.wake_after_commit import wake_relay_after_commit
-from .operations import COUNT_CAP, OperationPages, capped_count, operator
+from .operations import COUNT_CAP, OperationPages, capped_count, log_rows, operator
 
 Operation = Literal["replay", "discard"]
 # Refusals spelled out in the warning message; the rest are counted.
@@ -56,17 +55,8 @@ def already_processed(queryset: QuerySet[DeadLetter]) -> QuerySet[DeadLetter]:
 
 def log_changes(request: HttpRequest, ids: Sequence[int], message: str) -> None:
     """One admin log entry per dead letter, so its history page shows it."""
-    if not ids:
-        return
-    user: Any = request.user  # admin views only run for logged-in staff
-    LogEntry.objects.log_actions(
-        user_id=user.pk,
-        queryset=DeadLetter.objects.filter(pk__in=ids).only(
-            "pk", "message_id", "consumer", "reason"
-        ),
-        action_flag=CHANGE,
-        change_message=message,
-    )
+    rows = DeadLetter.objects.filter(pk__in=ids).only("pk", "message_id", "consumer", "reason")
+    log_rows(request, rows, message)
 
 
 def _how_many(verb: str, how: str, total: int) -> str:
@@ -353,6 +343,11 @@ class DeadLetterConsole(OperationPages):
                 "Discard %(count)s dead letter?", "Discard %(count)s dead letters?", target_count
             )
         refusals = sorted(dry.refused.items(), key=lambda item: -item[1]) if dry else []
+        dry_run_refused = [
+            {"label": REFUSAL_LABELS.get(code, code), "count": n, "examples": dry.examples[code]}
+            for code, n in refusals
+            if dry
+        ]
         return self.render_page(
             request,
             "confirm_operation",
@@ -367,19 +362,10 @@ class DeadLetterConsole(OperationPages):
             count_cap=COUNT_CAP,
             capped=matching_count > COUNT_CAP,
             status_chosen=chosen["status_chosen"],
-            batch_size=self.batch_size,
             changelist_url=changelist_url,
             confirmed=_Confirmed(chosen["search_mode"], max_pk, target_count),
             dry_run=dry,
-            dry_run_refused=[
-                {
-                    "label": REFUSAL_LABELS.get(code, code),
-                    "count": n,
-                    "examples": dry.examples[code],
-                }
-                for code, n in refusals
-                if dry
-            ],
+            dry_run_refused=dry_run_refused,
             dry_run_limit=DRY_RUN_LIMIT,
             dry_run_forced=bool(request.POST.get("force")),
         )

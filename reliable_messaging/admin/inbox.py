@@ -6,16 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib import admin
-from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils.translation import gettext_lazy as _
 
 from ..core.registry import registry
 from ..models import ProcessedMessage, SuspectDelivery
-from .scaling import BoundedListAdmin, ReadOnlyAdmin
+from .scaling import BoundedListAdmin, FieldFilter, ReadOnlyAdmin
 
 
-class RegisteredConsumerFilter(admin.SimpleListFilter):
+class RegisteredConsumerFilter(FieldFilter):
     """Consumers from the registry: a DISTINCT over the whole inbox would scan it every time."""
 
     title = _("consumer")
@@ -27,10 +26,6 @@ class RegisteredConsumerFilter(admin.SimpleListFilter):
         if value is not None and value not in names:
             names.append(value)  # a consumer since removed, reached through a link
         return [(name, name) for name in sorted(names)]
-
-    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        value = self.value()
-        return queryset if value is None else queryset.filter(consumer=value)
 
 
 @admin.register(ProcessedMessage)

@@ -38,14 +38,12 @@ def operator(request: HttpRequest) -> str:
     return f"{request.user.get_username()} (admin)"
 
 
-def _log(request: HttpRequest, operation: DeadLetterOperation, flag: int, message: str) -> None:
-    """One admin log entry for the operation (its dead letters' history names it too)."""
-    user: Any = request.user
+def log_rows(request: HttpRequest, rows: QuerySet[Any], message: str, flag: int = CHANGE) -> None:
+    """One admin log entry per row, so its history page shows it (an operation's dead letters'
+    history names it too)."""
+    user: Any = request.user  # admin views only run for logged-in staff
     LogEntry.objects.log_actions(
-        user_id=user.pk,
-        queryset=DeadLetterOperation.objects.filter(pk=operation.pk),
-        action_flag=flag,
-        change_message=message,
+        user_id=user.pk, queryset=rows, action_flag=flag, change_message=message
     )
 
 
@@ -175,7 +173,8 @@ class OperationPages(admin.ModelAdmin):
             matched=matched,
             max_pk=max_pk,
         )
-        _log(request, operation, ADDITION, gettext("Recorded."))
+        rows = DeadLetterOperation.objects.filter(pk=operation.pk)
+        log_rows(request, rows, gettext("Recorded."), ADDITION)
         self.message_user(
             request,
             gettext(
@@ -254,7 +253,8 @@ class OperationPages(admin.ModelAdmin):
         if DeadLetterOperation.objects.cancel(
             operation.pk, by=operator(request), at=timezone.now()
         ):
-            _log(request, operation, CHANGE, gettext("Cancelled."))
+            rows = DeadLetterOperation.objects.filter(pk=operation.pk)
+            log_rows(request, rows, gettext("Cancelled."))
             self.message_user(
                 request,
                 gettext(

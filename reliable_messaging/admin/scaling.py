@@ -30,30 +30,34 @@ SEARCH_TIMEOUT_MS = 250
 QUERY_CANCELED = "57014"
 
 
-class GroupValueFilter(admin.SimpleListFilter):
-    """The values of one field of the dead letters, from the failure groups and the registry."""
+class FieldFilter(admin.SimpleListFilter):
+    """Rows whose field named like the parameter equals the value chosen."""
 
-    field = ""
+    parameter_name: str
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        return queryset if value is None else queryset.filter(**{self.parameter_name: value})
+
+
+class GroupValueFilter(FieldFilter):
+    """The values of one field of the dead letters, from the failure groups and the registry."""
 
     def known(self) -> list[str]:
         """Values worth offering even without a dead letter (the registry's)."""
         return []
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        values = set(DeadLetterGroup.objects.values_of(self.field)) | set(self.known())
+        values = set(DeadLetterGroup.objects.values_of(self.parameter_name)) | set(self.known())
         value = self.value()
         if value:
             values.add(value)  # reached through a link: offered, so Django keeps the filter
         return [(value, value) for value in sorted(values)]
 
-    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        value = self.value()
-        return queryset if value is None else queryset.filter(**{self.field: value})
-
 
 class ConsumerFilter(GroupValueFilter):
     title = _("consumer")
-    parameter_name = field = "consumer"
+    parameter_name = "consumer"
 
     def known(self) -> list[str]:
         return [spec.name for spec in registry]
@@ -61,7 +65,7 @@ class ConsumerFilter(GroupValueFilter):
 
 class QueueFilter(GroupValueFilter):
     title = _("queue")
-    parameter_name = field = "queue"
+    parameter_name = "queue"
 
     def known(self) -> list[str]:
         return [spec.queue for spec in registry]
@@ -69,10 +73,10 @@ class QueueFilter(GroupValueFilter):
 
 class ExceptionTypeFilter(GroupValueFilter):
     title = _("exception type")
-    parameter_name = field = "exception_type"
+    parameter_name = "exception_type"
 
 
-class FailureGroupFilter(admin.SimpleListFilter):
+class FailureGroupFilter(FieldFilter):
     """Dead letters of one fingerprint, from the failure groups page: it offers the one chosen
     only (Django drops the filter of a list filter without choices)."""
 
@@ -90,10 +94,6 @@ class FailureGroupFilter(admin.SimpleListFilter):
         else:
             label = f"{kind.rsplit('.', 1)[-1]} · {value[:8] or '-'}"
         return [(value, label)]
-
-    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        value = self.value()
-        return queryset if value is None else queryset.filter(fingerprint=value)
 
 
 class BoundedCountPaginator(Paginator):
