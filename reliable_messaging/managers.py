@@ -441,22 +441,18 @@ class DeadLetterGroupQuerySet(models.QuerySet):
         and the exception type and reason of its latest group (None when there is none)."""
         if not self.kept():
             letters = self._dead_letters().filter(fingerprint=fingerprint)
+            total = letters.count()
             latest = letters.order_by("-pk").values("exception_type", "reason").first()
-            return {
-                "total": letters.count(),
-                **(latest or dict.fromkeys(("exception_type", "reason"))),
-            }
-        rows = list(
-            self._live()
-            .filter(fingerprint=fingerprint)
-            .order_by("-last_seen")
-            .values("exception_type", "reason", "total")
-        )
-        return {
-            "total": sum(row["total"] for row in rows),
-            "exception_type": rows[0]["exception_type"] if rows else None,
-            "reason": rows[0]["reason"] if rows else None,
-        }
+        else:
+            rows = list(
+                self._live()
+                .filter(fingerprint=fingerprint)
+                .order_by("-last_seen")
+                .values("exception_type", "reason", "total")
+            )
+            total = sum(row.pop("total") for row in rows)
+            latest = rows[0] if rows else None
+        return {"total": total, **(latest or dict.fromkeys(("exception_type", "reason")))}
 
     def values_of(self, field: str) -> list[str]:
         """The distinct values of a dead letter's ``field`` (consumer, queue, reason, exception
@@ -764,22 +760,17 @@ class DeadLetterOperationQuerySet(models.QuerySet):
         operation.finished_at = operation.heartbeat_at = at
         operation.save(update_fields=["state", "started_at", "finished_at", "heartbeat_at"])
 
+    def _stop(self, pk: int, state: str, **fields: Any) -> int:
+        return self.unfinished().filter(pk=pk).update(state=state, **fields)
+
     def fail(self, pk: int, *, error: str, at: dt.datetime) -> int:
         """``pk`` failed for good (a batch that raises every time): stopped, with why."""
-        return (
-            self.unfinished()
-            .filter(pk=pk)
-            .update(state=OperationState.FAILED, error=error, finished_at=at, heartbeat_at=at)
-        )
+        return self._stop(pk, OperationState.FAILED, error=error, finished_at=at, heartbeat_at=at)
 
     def cancel(self, pk: int, *, by: str, at: dt.datetime) -> bool:
         """Stop ``pk`` after the batch under way (this UPDATE waits for it); False when it had
         finished."""
-        return bool(
-            self.unfinished()
-            .filter(pk=pk)
-            .update(state=OperationState.CANCELLED, cancelled_by=by, finished_at=at)
-        )
+        return bool(self._stop(pk, OperationState.CANCELLED, cancelled_by=by, finished_at=at))
 
 
 DeadLetterOperationManager = models.Manager.from_queryset(DeadLetterOperationQuerySet)
