@@ -131,7 +131,9 @@ def raw_body(head: bytes, size: int, download_url: str) -> str:
     return described + shown_text(raw_text(head[:SHOWN_BYTES]), download_url, full_size=size)
 
 
-def download(obj: Model, data: bytes, content_type: str = "application/octet-stream") -> Any:
+def download(
+    obj: Model, data: bytes, content_type: str = "application/octet-stream"
+) -> HttpResponse:
     """The exact bytes of a body as a file to save (never rendered by the browser)."""
     response = HttpResponse(data, content_type=content_type)
     name = f"{obj._meta.model_name}-{obj.pk}.bin"

@@ -302,13 +302,9 @@ class DeadLetterConsole(OperationPages):
         chosen["description"] = ", ".join(filter_parts)
 
         dry = None
+        force = operation == "replay" and bool(request.POST.get("force"))
         if request.method == "POST" and request.POST.get("dry_run"):
-            dry = dry_run(
-                operation,
-                chosen,
-                force=operation == "replay" and bool(request.POST.get("force")),
-                max_pk=max_pk,
-            )
+            dry = dry_run(operation, chosen, force=force, max_pk=max_pk)
         elif request.method == "POST":
             if confirmed is not None and target_count != confirmed.announced:
                 self.message_user(
@@ -325,7 +321,7 @@ class DeadLetterConsole(OperationPages):
                 request,
                 kind=operation,
                 selection=chosen,
-                force=operation == "replay" and bool(request.POST.get("force")),
+                force=force,
                 matched=target_count,
                 max_pk=max_pk,
             )

@@ -256,15 +256,14 @@ class DeadLetterAdmin(
             # A replay whose outcome never came (STALE_REPLAY_AFTER) can be replayed or
             # discarded again, so a lost replay never parks an ordered key for good.
             stale = DeadLetter.objects.filter(stale_replays(), pk=obj.pk).exists()
+            replayable = obj.status in REPLAYABLE_STATUSES or stale
             context.update(
-                can_replay=(obj.status in REPLAYABLE_STATUSES or stale)
-                and obj.reason not in UNREPLAYABLE_REASONS,
+                can_replay=replayable and obj.reason not in UNREPLAYABLE_REASONS,
                 can_discard=obj.status == DeadLetterStatus.DEAD or stale,
                 processed_row=self._processed_row(obj),
                 replay_url=self.console_url("replay", obj.pk),
                 discard_url=self.console_url("discard", obj.pk),
-                can_edit_replay=can_edit(request.user, obj.consumer)
-                and (obj.status in REPLAYABLE_STATUSES or stale),
+                can_edit_replay=can_edit(request.user, obj.consumer) and replayable,
                 edit_replay_url=self.console_url("edit_replay", obj.pk),
             )
         return super().change_view(
@@ -349,8 +348,7 @@ class DeadLetterAdmin(
             raise Http404(gettext("No dead letter with id %(id)s.") % {"id": object_id})
         if not self.has_view_permission(request, obj):
             raise PermissionDenied
-        response: HttpResponse = bodies.download(obj, bytes(obj.body))
-        return response
+        return bodies.download(obj, bytes(obj.body))
 
     @admin.display(description=_("failure group"))
     def failure_group(self, obj: DeadLetter) -> str:

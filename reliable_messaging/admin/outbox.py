@@ -112,8 +112,7 @@ class OutboxMessageAdmin(scaling.BoundedListAdmin):
             raise Http404(gettext("No outbox message with id %(id)s.") % {"id": object_id})
         if not self.has_view_permission(request, obj):
             raise PermissionDenied
-        response: HttpResponse = bodies.download(obj, obj.body.encode(), "application/json")
-        return response
+        return bodies.download(obj, obj.body.encode(), "application/json")
 
     def get_urls(self) -> list[URLPattern]:
         body = path(
