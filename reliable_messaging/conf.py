@@ -226,8 +226,9 @@ def _unless_false(value: Any) -> bool:
     return value is not False
 
 
-def _optional_str(value: Any) -> str | None:
-    return None if value is None else str(value)
+def _optional(convert: Callable[[Any], T]) -> Callable[[Any], T | None]:
+    """``convert``, but None stays None."""
+    return lambda value: None if value is None else convert(value)
 
 
 def _token(value: Any) -> str | None:
@@ -242,16 +243,8 @@ def _str_tuple(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _breaker(value: Any) -> Breaker | None:
-    return None if value is None else Breaker.from_mapping(value)
-
-
 def _timedelta(value: Any) -> timedelta:
     return cast(timedelta, value)
-
-
-def _optional_timedelta(value: Any) -> timedelta | None:
-    return None if value is None else cast(timedelta, value)
 
 
 @dataclass(frozen=True)
@@ -301,7 +294,7 @@ class MessagingSettings:
     )
     management_url = Setting(
         None,
-        _optional_str,
+        _optional(str),
         "the RabbitMQ management API (`http://rabbitmq:15672`), read by `messaging_status` and "
         "the broker check (`messaging_status --broker`, `consume` start); may carry a user "
         "tagged `monitoring` (`http://monitor:secret@rabbitmq:15672`), never logged with its "
@@ -349,14 +342,14 @@ class MessagingSettings:
     )
     dead_letter_retention = Setting(
         timedelta(days=30),
-        _optional_timedelta,
+        _optional(_timedelta),
         "how long `purge_messages` keeps resolved and discarded dead letters after their last "
         "change; `None` keeps them for good (dead and replayed ones are never purged)",
         duration(6, hint="e.g. timedelta(days=90), or None to keep them", none_allowed=True),
     )
     cache_alias = Setting(
         None,
-        _optional_str,
+        _optional(str),
         "a django-redis cache for the duplicate fast path (see [The Redis fast path]"
         "(../concepts.md#the-redis-fast-path)); give it short socket timeouts",
         CheckedBy("check_cache_alias"),
@@ -490,7 +483,7 @@ class MessagingSettings:
     )
     relay_listen_dsn = Setting(
         None,
-        _optional_str,
+        _optional(str),
         "a libpq connection string (`postgresql://db-primary:5432/shop` or "
         '`"host=db-primary port=5432"`) for the relay\'s LISTEN only; the parameters it gives '
         "replace those of `DATABASES`. Set it when the relay reaches PostgreSQL through a "
@@ -537,7 +530,7 @@ class MessagingSettings:
 
     breaker = Setting(
         None,
-        _breaker,
+        _optional(Breaker.from_mapping),
         "the circuit breaker of every consumer without its own `breaker=`: a dict of "
         "`failure_rate`, `window`, `min_failures`, `pause` (seconds), `probes` and "
         "`max_pause` (`{}` for the defaults 0.5, 100, 20, 30, 3, ten times the pause), or "
@@ -553,7 +546,7 @@ class MessagingSettings:
 
     trace_url_template = Setting(
         None,
-        _optional_str,
+        _optional(str),
         "a link to a trace in your tracing UI, with `{trace_id}` (and optionally `{span_id}`) "
         "where the ids go, e.g. `https://tempo.example.com/explore?traceId={trace_id}`: the "
         "dead letter admin links each failure's trace with it (None: the ids are shown "
