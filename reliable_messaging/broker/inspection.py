@@ -33,22 +33,18 @@ from .queues import (
     DEFAULT_TIMEOUT,
     MANAGEMENT_ERRORS,
     READ_ERRORS,
+    BadBrokerURL,
+    BrokerUnreachable,
     describe_error,
     management_failure,
     management_get,
+    management_queue,
     management_url_for,
+    open_connection,
+    our_queues,
     scrub,
-    secrets_of,
 )
 from .replies import NOT_FOUND
-from .topology import (
-    all_delays,
-    connect_to_any,
-    connection_parameters,
-    consumer_queues,
-    dead_letter_queue,
-    delay_exchange_name,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -76,28 +72,6 @@ def expectations_from(settings: MessagingSettings = messaging_settings) -> Expec
     return Expectations(**{f.name: getattr(settings, f.name) for f in fields(Expectations)})
 
 
-def our_queues(
-    specs: Iterable[ConsumerSpec], settings: MessagingSettings = messaging_settings
-) -> list[OurQueue]:
-    """Every queue ``consume`` declares for ``specs``, named as :mod:`.topology` names them."""
-    specs = list(specs)
-    found = []
-    for spec in specs:
-        timeout = spec.timeout or settings.handler_timeout
-        dead = dead_letter_queue(spec)
-        found += [
-            OurQueue(queue, "consumer", spec.name, handler_timeout=timeout, dead_letter_to=dead)
-            for queue in consumer_queues(spec, settings)
-        ]
-        if settings.queue_type == "quorum":
-            found.append(OurQueue(dead, "dead", spec.name, handler_timeout=timeout))
-    found += [
-        OurQueue(delay_exchange_name(delay, settings), "delay", message_ttl=round(delay * 1000))
-        for delay in all_delays(specs, settings)
-    ]
-    return found
-
-
 def read_broker_facts(
     specs: Iterable[ConsumerSpec],
     *,
@@ -106,11 +80,9 @@ def read_broker_facts(
     timeout: float = DEFAULT_TIMEOUT,
     probe_body: bool = True,
 ) -> BrokerFacts:
-    """What the broker says about ``specs``' queues and ``MAX_BODY_BYTES``. Raises one of
-    :data:`.queues.READ_ERRORS` when no broker URL can be reached."""
-    candidates = connection_parameters(settings, name=CONNECTION_NAME)
-    secrets = secrets_of(settings, candidates)
-    connection, params = connect_to_any(candidates, timeout=timeout)
+    """What the broker says about ``specs``' queues and ``MAX_BODY_BYTES``; raises what
+    :func:`.queues.open_connection` raises when no broker URL can be reached."""
+    connection, params, secrets = open_connection(settings, CONNECTION_NAME, timeout)
     try:
         # The Connection.Start the broker opened with; BlockingConnection does not expose it.
         impl: Any = getattr(connection, "_impl")  # noqa: B009 - pika private
@@ -132,16 +104,33 @@ def read_broker_facts(
         max_message_size=max_message_size,
         probe_error=probe_error,
     )
-    management_url = management_url_for(management_url, settings, params)
-    if not management_url:
+    base_url = management_url_for(management_url, settings, params)
+    if not base_url:
         return replace(facts, management_error="the management API was skipped (no URL given)")
-    facts = replace(facts, management_url=redact_url(management_url))
+    facts = replace(facts, management_url=redact_url(base_url))
+
+    def get(path: str) -> Any:
+        return management_get(base_url, path, params, timeout)
+
     try:
-        return _with_management_facts(
-            facts, our_queues(specs, settings), params, management_url, timeout
+        overview = get("/api/overview")
+        described = get(f"/api/vhosts/{urllib.parse.quote(params.virtual_host, safe='')}")
+        default_type = described.get("default_queue_type") or (described.get("metadata") or {}).get(
+            "default_queue_type"
+        )
+        return replace(
+            facts,
+            management_version=_text(overview.get("rabbitmq_version")),
+            # 3.10 answers "undefined": no default set, classic.
+            vhost_default_queue_type=None if default_type in (None, "undefined") else default_type,
+            deprecated_features=_deprecated_features(get),
+            queues=tuple(
+                _queue_facts(queue, management_queue(get, params, queue.name, _QUEUE_COLUMNS))
+                for queue in our_queues(specs, settings)
+            ),
         )
     except MANAGEMENT_ERRORS as exc:
-        return replace(facts, management_error=management_failure(exc, management_url, secrets))
+        return replace(facts, management_error=management_failure(exc, base_url, secrets))
 
 
 def _text(value: Any) -> str | None:
@@ -156,32 +145,6 @@ def _url_of(params: pika.URLParameters) -> str:
     vhost = urllib.parse.quote(params.virtual_host, safe="")
     host = f"[{params.host}]" if ":" in params.host else params.host
     return f"{scheme}://{host}:{params.port}/{vhost}"
-
-
-def _with_management_facts(
-    facts: BrokerFacts,
-    queues: Iterable[OurQueue],
-    params: pika.URLParameters,
-    base_url: str,
-    timeout: float,
-) -> BrokerFacts:
-    def get(path: str) -> Any:
-        return management_get(base_url, path, params, timeout)
-
-    vhost = urllib.parse.quote(params.virtual_host, safe="")
-    overview = get("/api/overview")
-    described = get(f"/api/vhosts/{vhost}")
-    default_type = described.get("default_queue_type") or (described.get("metadata") or {}).get(
-        "default_queue_type"
-    )
-    return replace(
-        facts,
-        management_version=_text(overview.get("rabbitmq_version")),
-        # 3.10 answers "undefined": no default set, classic.
-        vhost_default_queue_type=None if default_type in (None, "undefined") else default_type,
-        deprecated_features=_deprecated_features(get),
-        queues=tuple(_queue_facts(queue, vhost, get) for queue in queues),
-    )
 
 
 def _deprecated_features(get: Any) -> tuple[DeprecatedFeature, ...] | None:
@@ -202,16 +165,9 @@ def _deprecated_features(get: Any) -> tuple[DeprecatedFeature, ...] | None:
     )
 
 
-def _queue_facts(queue: OurQueue, vhost: str, get: Any) -> QueueFacts:
-    name = urllib.parse.quote(queue.name, safe="")
-    try:
-        data = get(f"/api/queues/{vhost}/{name}?columns={_QUEUE_COLUMNS}")
-    except urllib.error.HTTPError as exc:
-        if exc.code != NOT_FOUND:
-            raise
+def _queue_facts(queue: OurQueue, data: dict[str, Any] | None) -> QueueFacts:
+    if data is None:
         return QueueFacts(queue, exists=False)
-    if not isinstance(data, dict):
-        data = {}
     # 4.0 gives its own figure of a quorum queue's limit ("unlimited" when there is none).
     limit = data.get("delivery_limit")
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)):
@@ -244,13 +200,10 @@ def check_broker(
         facts = read_broker_facts(
             specs, settings=settings, management_url=management_url, timeout=timeout
         )
-    except READ_ERRORS as exc:
-        try:
-            secrets = secrets_of(settings, connection_parameters(settings))
-        except Exception:  # noqa: BLE001 - pika raises several types for a bad URL
-            return BrokerCheck(shown, reachable=False, error="the URL cannot be parsed")
-        detail = scrub(describe_error(exc), *secrets)
-        return BrokerCheck(shown, reachable=False, error=f"cannot connect to {shown}: {detail}")
+    except BadBrokerURL:
+        return BrokerCheck(shown, reachable=False, error="the URL cannot be parsed")
+    except BrokerUnreachable as exc:
+        return BrokerCheck(shown, reachable=False, error=f"cannot connect to {shown}: {exc}")
     return BrokerCheck(
         facts.url, reachable=True, findings=tuple(find_findings(facts, expectations_from(settings)))
     )

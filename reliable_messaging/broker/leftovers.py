@@ -115,8 +115,23 @@ def retire_leftovers(
     """Find the leftovers of ``specs``, move what they hold where the consumer reads now (each
     acked after its copy is confirmed) and delete them; returns what was found."""
     specs = list(specs)
+    # An ordered consumer turned plain: stop the old partitions' feed before looking at them.
+    live = {partition_exchange(spec) for spec in registry.all() if spec.ordered}
     try:
-        return _retire_all(connection, specs, settings)
+        for spec in specs:
+            exchange = partition_exchange(spec)
+            if spec.ordered or exchange in live or not _exchange_exists(connection, exchange):
+                continue
+            channel = connection.channel()
+            channel.exchange_delete(exchange)
+            channel.close()
+            logger.warning(
+                "consumer=%s is no longer ordered: deleted its partition exchange %r, which "
+                "kept copying messages into its old partition queues",
+                spec.name,
+                exchange,
+            )
+        leftovers = find_leftovers(connection, specs, settings)
     except pika.exceptions.AMQPChannelError as exc:
         # Refused by the broker: left in place, and consuming goes on (connection errors
         # propagate, for the caller's reconnect).
@@ -126,27 +141,6 @@ def retire_leftovers(
             exc,
         )
         return []
-
-
-def _retire_all(
-    connection: BlockingConnection, specs: list[ConsumerSpec], settings: MessagingSettings
-) -> list[Leftover]:
-    # An ordered consumer turned plain: stop the old partitions' feed before looking at them.
-    live = {partition_exchange(spec) for spec in registry.all() if spec.ordered}
-    for spec in specs:
-        if spec.ordered or partition_exchange(spec) in live:
-            continue
-        if _exchange_exists(connection, partition_exchange(spec)):
-            channel = connection.channel()
-            channel.exchange_delete(partition_exchange(spec))
-            channel.close()
-            logger.warning(
-                "consumer=%s is no longer ordered: deleted its partition exchange %r, which "
-                "kept copying messages into its old partition queues",
-                spec.name,
-                partition_exchange(spec),
-            )
-    leftovers = find_leftovers(connection, specs, settings)
     for leftover in leftovers:
         try:
             _retire(connection, leftover, settings)

@@ -10,11 +10,10 @@ from __future__ import annotations
 import base64
 import http.client
 import json
-import logging
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -23,6 +22,7 @@ import pika.exceptions
 
 from ..conf import MessagingSettings, messaging_settings, redact_url
 from ..core.registry import ConsumerSpec, registry
+from .findings import OurQueue
 from .leftovers import find_leftovers
 from .probes import PassiveProbe
 from .replies import NOT_FOUND
@@ -32,10 +32,9 @@ from .topology import (
     connect_to_any,
     connection_parameters,
     consumer_queues,
+    dead_letter_queue,
     delay_exchange_name,
 )
-
-logger = logging.getLogger(__name__)
 
 # What reading the broker may raise: the client's errors, the network's, and ValueError for a URL
 # pika cannot use.
@@ -83,29 +82,26 @@ class BrokerStatus:
     note: str = ""  # why the management API was not used, when it was not
 
 
-def monitored_queues(
+def our_queues(
     specs: Iterable[ConsumerSpec], settings: MessagingSettings = messaging_settings
-) -> list[tuple[str, QueueKind, str | None]]:
-    """(queue, kind, consumer name) of every consumer and delay queue ``consume`` declares."""
+) -> list[OurQueue]:
+    """Every queue ``consume`` declares for ``specs``, named as :mod:`.topology` names them."""
     specs = list(specs)
-    queues: list[tuple[str, QueueKind, str | None]] = [
-        (queue, "consumer", spec.name)
-        for spec in specs
-        for queue in consumer_queues(spec, settings)
+    found = []
+    for spec in specs:
+        timeout = spec.timeout or settings.handler_timeout
+        dead = dead_letter_queue(spec)
+        found += [
+            OurQueue(queue, "consumer", spec.name, handler_timeout=timeout, dead_letter_to=dead)
+            for queue in consumer_queues(spec, settings)
+        ]
+        if settings.queue_type == "quorum":
+            found.append(OurQueue(dead, "dead", spec.name, handler_timeout=timeout))
+    found += [
+        OurQueue(delay_exchange_name(delay, settings), "delay", message_ttl=round(delay * 1000))
+        for delay in all_delays(specs, settings)
     ]
-    queues += [
-        (delay_exchange_name(d, settings), "delay", None) for d in all_delays(specs, settings)
-    ]
-    return queues
-
-
-def default_management_url(broker: str | pika.URLParameters) -> str:
-    """The management API's base URL on the broker's host (https for ``amqps://``)."""
-    params = pika.URLParameters(broker) if isinstance(broker, str) else broker
-    tls = params.ssl_options is not None
-    scheme, port = ("https", MANAGEMENT_TLS_PORT) if tls else ("http", MANAGEMENT_PORT)
-    host = f"[{params.host}]" if ":" in params.host else params.host
-    return f"{scheme}://{host}:{port}"
+    return found
 
 
 def scrub(text: str, *secrets: str) -> str:
@@ -144,10 +140,15 @@ def management_url_for(
     management_url: str | None, settings: MessagingSettings, params: pika.URLParameters
 ) -> str:
     """``management_url`` when given ("" means none), else ``MANAGEMENT_URL``, else the API on
-    the node ``params`` reached."""
+    the node ``params`` reached (https for ``amqps://``)."""
     if management_url is None:
         management_url = settings.management_url
-    return default_management_url(params) if management_url is None else management_url
+    if management_url is not None:
+        return management_url
+    tls = params.ssl_options is not None
+    scheme, port = ("https", MANAGEMENT_TLS_PORT) if tls else ("http", MANAGEMENT_PORT)
+    host = f"[{params.host}]" if ":" in params.host else params.host
+    return f"{scheme}://{host}:{port}"
 
 
 def management_get(base_url: str, path: str, params: pika.URLParameters, timeout: float) -> Any:
@@ -199,6 +200,21 @@ def _rate(stats: Any, key: str) -> float:
     return float(details.get("rate", 0.0)) if isinstance(details, dict) else 0.0
 
 
+def management_queue(
+    get: Callable[[str], Any], params: pika.URLParameters, name: str, columns: str
+) -> dict[str, Any] | None:
+    """The ``columns`` of queue ``name`` in the connection's vhost, read by ``get`` from the
+    management API ({} for a queue not sampled yet), or None when it does not exist."""
+    vhost = urllib.parse.quote(params.virtual_host, safe="")
+    try:
+        data = get(f"/api/queues/{vhost}/{urllib.parse.quote(name, safe='')}?columns={columns}")
+    except urllib.error.HTTPError as exc:
+        if exc.code != NOT_FOUND:
+            raise
+        return None
+    return data if isinstance(data, dict) else {}
+
+
 def with_management_figures(
     queues: Iterable[QueueStatus],
     params: pika.URLParameters,
@@ -207,23 +223,19 @@ def with_management_figures(
 ) -> tuple[QueueStatus, ...]:
     """``queues`` with unacked counts and rates from the management API; raises one of
     :data:`MANAGEMENT_ERRORS` when the API cannot be used."""
-    vhost = urllib.parse.quote(params.virtual_host, safe="")
+
+    def get(path: str) -> Any:
+        return management_get(base_url, path, params, timeout)
+
     found = []
     for queue in queues:
-        if not queue.exists:
+        data = (
+            management_queue(get, params, queue.name, _MANAGEMENT_COLUMNS) if queue.exists else None
+        )
+        if data is None:  # not declared, or deleted since the passive declare: nothing to add
             found.append(queue)
             continue
-        quoted = urllib.parse.quote(queue.name, safe="")
-        path = f"/api/queues/{vhost}/{quoted}?columns={_MANAGEMENT_COLUMNS}"
-        try:
-            data = management_get(base_url, path, params, timeout)
-        except urllib.error.HTTPError as exc:
-            if exc.code != NOT_FOUND:
-                raise
-            found.append(queue)  # deleted since the passive declare: nothing more to add
-            continue
-        if not isinstance(data, dict):  # a queue not sampled yet: nothing delivered from it
-            data = {}
+        # A queue not sampled yet has no message_stats: nothing delivered from it.
         stats = data.get("message_stats")
         found.append(
             replace(
@@ -237,39 +249,41 @@ def with_management_figures(
 
 
 def queues_from_amqp(
-    queues: Iterable[tuple[str, QueueKind, str | None]],
+    specs: Iterable[ConsumerSpec],
     settings: MessagingSettings = messaging_settings,
     timeout: float = DEFAULT_TIMEOUT,
-    *,
-    leftovers_of: Iterable[ConsumerSpec] = (),
 ) -> tuple[QueueStatus, ...]:
-    """Ready counts and consumers by passive declares, then the queues that earlier shapes of
-    ``leftovers_of`` left behind; raises when no broker URL can be reached."""
+    """Ready counts and consumers of the consumer and delay queues of ``specs`` by passive
+    declares, then the queues their earlier shapes left behind; raises when no broker URL can
+    be reached."""
     connection = connect(settings, "messaging_status", timeout=timeout)
     try:
-        return _queues_on(connection, queues, settings, leftovers_of)
+        return _queues_on(connection, list(specs), settings)
     finally:
         if connection.is_open:
             connection.close()
 
 
 def _queues_on(
-    connection: pika.BlockingConnection,
-    queues: Iterable[tuple[str, QueueKind, str | None]],
-    settings: MessagingSettings,
-    leftovers_of: Iterable[ConsumerSpec],
+    connection: pika.BlockingConnection, specs: list[ConsumerSpec], settings: MessagingSettings
 ) -> tuple[QueueStatus, ...]:
     found = []
     probe = PassiveProbe(connection)
-    for name, kind, consumer in queues:
-        figures = probe.queue(name)
-        if figures is None:
-            # (A classic queue whose node is down answers 404 too: it cannot be read now.)
-            found.append(QueueStatus(name, kind, consumer, exists=False))
+    for queue in our_queues(specs, settings):
+        if queue.kind == "dead":
             continue
-        ready, consumers = figures
+        # (A classic queue whose node is down answers 404 too: it cannot be read now.)
+        figures = probe.queue(queue.name)
+        ready, consumers = figures or (None, None)
         found.append(
-            QueueStatus(name, kind, consumer, exists=True, ready=ready, consumers=consumers)
+            QueueStatus(
+                queue.name,
+                queue.kind,
+                queue.consumer,
+                exists=figures is not None,
+                ready=ready,
+                consumers=consumers,
+            )
         )
     found += [
         QueueStatus(
@@ -280,7 +294,7 @@ def _queues_on(
             ready=leftover.messages,
             consumers=leftover.consumers,
         )
-        for leftover in find_leftovers(connection, leftovers_of, settings)
+        for leftover in find_leftovers(connection, specs, settings)
     ]
     return tuple(found)
 
@@ -308,6 +322,32 @@ def describe_broker_error(
     return scrub_broker_secrets(describe_error(exc), settings)
 
 
+class BadBrokerURL(Exception):
+    """A broker URL pika cannot parse (its text: the type of pika's error)."""
+
+
+class BrokerUnreachable(Exception):
+    """No broker URL answers (its text: why, scrubbed of the broker passwords)."""
+
+
+def open_connection(
+    settings: MessagingSettings, name: str, timeout: float
+) -> tuple[pika.BlockingConnection, pika.URLParameters, list[str]]:
+    """A connection to the first broker URL that answers, its parameters and the broker
+    passwords; raises :class:`BadBrokerURL` or :class:`BrokerUnreachable`."""
+    try:
+        candidates = connection_parameters(settings, name=name)
+    except Exception as exc:  # noqa: BLE001 - pika raises several types for a bad URL
+        # The type only: pika's messages quote pieces of the URL, a password's among them.
+        raise BadBrokerURL(type(exc).__name__) from None
+    secrets = secrets_of(settings, candidates)
+    try:
+        connection, params = connect_to_any(candidates, timeout=timeout)
+    except READ_ERRORS as exc:
+        raise BrokerUnreachable(scrub(describe_error(exc), *secrets)) from exc
+    return connection, params, secrets
+
+
 def broker_status(
     specs: Iterable[ConsumerSpec] | None = None,
     *,
@@ -318,26 +358,21 @@ def broker_status(
     """The queues of ``specs`` (default: every registered consumer) and their delay queues;
     ``management_url`` "" skips the management API."""
     shown = settings.broker_shown
-    try:
-        candidates = connection_parameters(settings, name="messaging_status")
-    except Exception as exc:  # noqa: BLE001 - pika raises several types for a bad URL
-        # The type only: pika's messages quote pieces of the URL, a password's among them.
-        error = f"the URL cannot be parsed ({type(exc).__name__})"
-        return BrokerStatus(shown, reachable=False, error=error)
-    secrets = secrets_of(settings, candidates)
     specs = list(registry.all() if specs is None else specs)
-    queues = monitored_queues(specs, settings)
     try:
-        connection, params = connect_to_any(candidates, timeout=timeout)
-        try:
-            found = _queues_on(connection, queues, settings, specs)
-        finally:
-            if connection.is_open:
-                connection.close()
+        connection, params, secrets = open_connection(settings, "messaging_status", timeout)
+    except BadBrokerURL as exc:
+        return BrokerStatus(shown, reachable=False, error=f"the URL cannot be parsed ({exc})")
+    except BrokerUnreachable as exc:
+        return BrokerStatus(shown, reachable=False, error=f"cannot connect to {shown}: {exc}")
+    try:
+        found = _queues_on(connection, specs, settings)
     except (pika.exceptions.AMQPError, OSError) as exc:
-        detail = scrub(describe_error(exc), *secrets)
-        error = f"cannot connect to {shown}: {detail}"
+        error = f"cannot connect to {shown}: {scrub(describe_error(exc), *secrets)}"
         return BrokerStatus(shown, reachable=False, error=error)
+    finally:
+        if connection.is_open:
+            connection.close()
     management_url = management_url_for(management_url, settings, params)
     if not management_url:
         note = "the management API was skipped (no URL given)"
@@ -357,13 +392,11 @@ def broker_connection_error(
     """Open and close one AMQP connection; "" when that worked, else why not, naming neither
     host, user nor password: health endpoints may be public."""
     try:
-        candidates = connection_parameters(settings, name="messaging_status")
-    except Exception as exc:  # noqa: BLE001 - pika raises several types for a bad URL
-        return f"the broker URL cannot be parsed ({type(exc).__name__})"
-    try:
-        connection, _ = connect_to_any(candidates, timeout=timeout)
-    except (pika.exceptions.AMQPError, OSError) as exc:
-        return scrub(describe_error(exc), *secrets_of(settings, candidates))
+        connection, _, _ = open_connection(settings, "messaging_status", timeout)
+    except BadBrokerURL as exc:
+        return f"the broker URL cannot be parsed ({exc})"
+    except BrokerUnreachable as exc:
+        return str(exc)
     if connection.is_open:
         connection.close()
     return ""

@@ -11,7 +11,7 @@ import datetime as dt
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,12 +22,7 @@ from django.utils import timezone
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from ..broker.queues import (
-    READ_ERRORS,
-    describe_error,
-    monitored_queues,
-    queues_from_amqp,
-)
+from ..broker.queues import READ_ERRORS, describe_error, queues_from_amqp
 from ..choices import GroupState, OutboxStatus
 from ..conf import MessagingSettings, messaging_settings
 from ..core.registry import ConsumerSpec, registry
@@ -195,6 +190,19 @@ def database_status(using: str | None = None) -> DatabaseStatus:
 # --------------------------------------------------------------------------- the scrape
 
 
+def _gauge(
+    name: str,
+    documentation: str,
+    labels: Sequence[str],
+    samples: Iterable[tuple[Sequence[str], float]],
+) -> Metric:
+    """A gauge with one sample per set of label values."""
+    family = GaugeMetricFamily(name, documentation, labels=labels)
+    for values, value in samples:
+        family.add_metric(values, value)
+    return family
+
+
 class DatabaseCollector:
     """Reads the outbox, the dead letters and the inbox at each scrape, with queries that stay
     cheap on a large table (partial indexes, failure groups, statistics). A database error
@@ -249,35 +257,27 @@ class DatabaseCollector:
             "Outbox rows marked failed after OUTBOX_MAX_ATTEMPTS; they wait for the admin.",
             value=outbox.failed().count(),
         )
-
-        dead = GaugeMetricFamily(
+        groups = DeadLetterGroup.objects.using(self._alias(DeadLetter)).counts()
+        yield _gauge(
             "reliable_messaging_dead_letters",
             "Dead letters by status, consumer and reason.",
-            labels=["status", "consumer", "reason"],
+            ["status", "consumer", "reason"],
+            (([status, consumer, reason], rows) for status, consumer, reason, rows in groups),
         )
-        groups = DeadLetterGroup.objects.using(self._alias(DeadLetter)).counts()
-        for status, consumer, reason, rows in groups:
-            dead.add_metric([status, consumer, reason], rows)
-        yield dead
-
         yield from self._failure_groups(self._alias(DeadLetter))
-
         yield GaugeMetricFamily(
             "reliable_messaging_inbox_messages",
             "Inbox rows (processed messages kept for deduplication); estimated on PostgreSQL.",
             value=inbox_rows(self._alias(ProcessedMessage))[0],
         )
-
         days_ahead, overdue = partition_upkeep(self._alias(ProcessedMessage))
-        ahead = GaugeMetricFamily(
+        yield _gauge(
             "reliable_messaging_partition_days_ahead",
             "Days of day partitions made ahead of now (PostgreSQL), by table; the upkeep keeps "
             f"it above {partitions.AHEAD_DAYS}, each day it fails takes one away.",
-            labels=["table"],
+            ["table"],
+            (([table], days) for table, days in days_ahead),
         )
-        for table, days in days_ahead:
-            ahead.add_metric([table], days)
-        yield ahead
         yield GaugeMetricFamily(
             "reliable_messaging_partitions_overdue",
             "Day partitions kept past their retention and the upkeep's next run (PostgreSQL).",
@@ -289,29 +289,26 @@ class DatabaseCollector:
         """Open failure groups per state, and the dead letters of the largest alerting ones."""
         groups = DeadLetterGroup.objects.using(alias).with_states()
         counts = dict.fromkeys(GroupState.values, 0)
-        open_letters = GaugeMetricFamily(
-            "reliable_messaging_failure_group_dead_letters",
-            "Dead letters still dead in each new or regressed failure group (the "
-            f"{FAILURE_GROUP_SERIES} largest), by consumer, reason, fingerprint and state.",
-            labels=["consumer", "reason", "fingerprint", "state"],
-        )
-        exported = 0
+        alerting: list[tuple[list[str], int]] = []
         for group in groups.values("consumer", "reason", "fingerprint", "state", "dead"):
             counts[group["state"]] += 1
-            if group["state"] in ALERTING_GROUP_STATES and exported < FAILURE_GROUP_SERIES:
+            if group["state"] in ALERTING_GROUP_STATES and len(alerting) < FAILURE_GROUP_SERIES:
                 labels = [group["consumer"], group["reason"], group["fingerprint"], group["state"]]
-                open_letters.add_metric(labels, group["dead"])
-                exported += 1
-        per_state = GaugeMetricFamily(
+                alerting.append((labels, group["dead"]))
+        yield _gauge(
             "reliable_messaging_failure_groups",
             "Failure groups with dead letters still dead, by state (new, acknowledged, "
             "resolved, regressed); the alerts fire on new and regressed.",
-            labels=["state"],
+            ["state"],
+            (([state], count) for state, count in counts.items()),
         )
-        for state, count in counts.items():
-            per_state.add_metric([state], count)
-        yield per_state
-        yield open_letters
+        yield _gauge(
+            "reliable_messaging_failure_group_dead_letters",
+            "Dead letters still dead in each new or regressed failure group (the "
+            f"{FAILURE_GROUP_SERIES} largest), by consumer, reason, fingerprint and state.",
+            ["consumer", "reason", "fingerprint", "state"],
+            alerting,
+        )
 
 
 class BrokerCollector:
@@ -351,10 +348,7 @@ class BrokerCollector:
     def _read(self) -> list[Metric]:
         specs = registry.all() if self.specs is None else self.specs
         try:
-            specs = list(specs)
-            queues = queues_from_amqp(
-                monitored_queues(specs), timeout=self.timeout, leftovers_of=specs
-            )
+            queues = queues_from_amqp(specs, timeout=self.timeout)
         except READ_ERRORS as exc:
             if self._reachable:
                 # describe_error names the error, never the URL or its password; pika's

@@ -102,8 +102,8 @@ class MessagingStatus:
 
     def as_dict(self) -> dict[str, Any]:
         """The ``messaging_status --json`` document (see the command's docstring)."""
-        db = self.database
-        return {
+        db, check = self.database, self.broker_check
+        document: dict[str, Any] = {
             "version": STATUS_FORMAT_VERSION,
             "checked_at": self.checked_at.isoformat(),
             "exit_code": self.exit_code,
@@ -141,19 +141,16 @@ class MessagingStatus:
             },
             "thresholds": asdict(self.thresholds),
             "problems": [asdict(p) for p in self.problems],
-            **({} if self.broker_check is None else {"broker_check": self._check_dict()}),
         }
-
-    def _check_dict(self) -> dict[str, Any]:
-        check = self.broker_check
-        assert check is not None
-        return {
-            "url": check.url,
-            "reachable": check.reachable,
-            "error": check.error or None,
-            "summary": summary(check.findings),
-            "findings": [asdict(f) for f in check.findings],
-        }
+        if check is not None:
+            document["broker_check"] = {
+                "url": check.url,
+                "reachable": check.reachable,
+                "error": check.error or None,
+                "summary": summary(check.findings),
+                "findings": [asdict(f) for f in check.findings],
+            }
+        return document
 
 
 # --------------------------------------------------------------------------- the verdict
