@@ -5,7 +5,6 @@ actions. Each view checks its permission itself (``admin_view`` only ensures a s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
 from typing import Any, Literal, NamedTuple
 
 from django.contrib import messages
@@ -16,7 +15,6 @@ from django.db import router, transaction
 from django.db.models import Max, QuerySet
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed, QueryDict
 from django.shortcuts import redirect
-from django.urls import URLPattern
 from django.utils import timezone
 from django.utils.http import urlencode
 from django.utils.translation import gettext, ngettext
@@ -132,17 +130,6 @@ class DeadLetterConsole(OperationPages):
     # Dead letters of a selection replayed, or discarded, per transaction (each with its admin
     # log rows). "All matching" and failure groups are operations the relay carries out.
     batch_size = 500
-
-    def get_urls(self) -> list[URLPattern]:
-        bulk, one = self.bulk_operation_view, self.object_operation_view
-        pages: list[tuple[str, Any, str]] = [
-            ("groups/", self.failure_groups_view, "groups"),
-            ("replay-matching/", partial(bulk, operation="replay"), "replay_matching"),
-            ("discard-matching/", partial(bulk, operation="discard"), "discard_matching"),
-            ("<path:object_id>/replay/", partial(one, operation="replay"), "replay"),
-            ("<path:object_id>/discard/", partial(one, operation="discard"), "discard"),
-        ]
-        return self.console_paths(pages) + super().get_urls()
 
     def replay_and_report(
         self, request: HttpRequest, ids: Sequence[int], *, force: bool, how: str

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from functools import partial
 from typing import Any
 
 from django.contrib import admin, messages
@@ -500,5 +501,14 @@ class DeadLetterAdmin(
     # ------------------------------------------------------------------ URLs
 
     def get_urls(self) -> list[URLPattern]:
-        body = ("<path:object_id>/body/", self.body_view, "body")
-        return self.console_paths([body]) + super().get_urls()
+        bulk, one = self.bulk_operation_view, self.object_operation_view
+        pages: list[tuple[str, Any, str]] = [
+            ("groups/", self.failure_groups_view, "groups"),
+            ("<path:object_id>/body/", self.body_view, "body"),
+            ("replay-matching/", partial(bulk, operation="replay"), "replay_matching"),
+            ("discard-matching/", partial(bulk, operation="discard"), "discard_matching"),
+            ("<path:object_id>/replay/", partial(one, operation="replay"), "replay"),
+            ("<path:object_id>/edit-replay/", self.edit_replay_view, "edit_replay"),
+            ("<path:object_id>/discard/", partial(one, operation="discard"), "discard"),
+        ]
+        return self.console_paths(pages) + super().get_urls()

@@ -10,7 +10,6 @@ from django.core.exceptions import PermissionDenied
 from django.db import router, transaction
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed
 from django.shortcuts import redirect
-from django.urls import URLPattern
 from django.utils.translation import gettext
 
 from ..dead_letters.edit import (
@@ -26,8 +25,7 @@ from ..dead_letters.edit import (
 from ..dead_letters.permissions import can_edit
 from ..models import DeadLetter
 from ..publishing.wake_after_commit import wake_relay_after_commit
-from .console import log_changes
-from .operations import OperationPages, operator
+from .operations import OperationPages, log_rows, operator
 
 
 def _kind(line: str) -> str:
@@ -39,10 +37,6 @@ def _kind(line: str) -> str:
 
 class EditReplayPage(OperationPages):
     """The page, a base of the dead letters' ModelAdmin."""
-
-    def get_urls(self) -> list[URLPattern]:
-        page = ("<path:object_id>/edit-replay/", self.edit_replay_view, "edit_replay")
-        return self.console_paths([page]) + super().get_urls()
 
     def edit_replay_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
         """GET: the form, filled with the original. POST ``preview``: the diff and the problems.
@@ -93,7 +87,7 @@ class EditReplayPage(OperationPages):
                     "id": done.message_id,
                     "reason": form["reason"].strip(),
                 }
-                log_changes(request, [obj.pk], message)
+                log_rows(request, DeadLetter.objects.filter(pk=obj.pk), message)
                 wake_relay_after_commit(using)  # the relay claims the copy's row once committed
         except EditRefused:
             return None
