@@ -116,9 +116,6 @@ class ProcessedMessageQuerySet(_PerMessageQuerySet):
         return self.filter(processed_at__lt=before)
 
 
-ProcessedMessageManager = models.Manager.from_queryset(ProcessedMessageQuerySet)
-
-
 class SuspectDeliveryQuerySet(_PerMessageQuerySet):
     """The crash guard's rows (``consuming/crash_guard.py`` decides what a death is)."""
 
@@ -142,9 +139,6 @@ class SuspectDeliveryQuerySet(_PerMessageQuerySet):
     def expired(self, before: dt.datetime) -> SuspectDeliveryQuerySet:
         """Crash-guard rows untouched since ``before``: deliveries that never came back."""
         return self.filter(updated_at__lt=before)
-
-
-SuspectDeliveryManager = models.Manager.from_queryset(SuspectDeliveryQuerySet)
 
 
 # -- dead letters ------------------------------------------------------------------------------
@@ -325,9 +319,6 @@ def _move(dead_letter: Any, status: str, event: str, at: dt.datetime, **details:
         fields.append("replay_count")
     dead_letter.history = [*dead_letter.history, {"event": event, "at": at.isoformat(), **details}]
     dead_letter.save(using=dead_letter._state.db, update_fields=fields)
-
-
-DeadLetterManager = models.Manager.from_queryset(DeadLetterQuerySet)
 
 
 # -- the failure groups ------------------------------------------------------------------------
@@ -564,9 +555,6 @@ class DeadLetterGroupQuerySet(models.QuerySet):
         return counts
 
 
-DeadLetterGroupManager = models.Manager.from_queryset(DeadLetterGroupQuerySet)
-
-
 # A failure group's key: (consumer, fingerprint, reason).
 GroupKey = tuple[str, str, str]
 
@@ -642,9 +630,6 @@ def _log_group_move(
     )
 
 
-FailureGroupStateManager = models.Manager.from_queryset(FailureGroupStateQuerySet)
-
-
 # -- the outbox --------------------------------------------------------------------------------
 
 
@@ -687,9 +672,6 @@ class OutboxMessageQuerySet(BatchDeletingQuerySet):
     def retry_failed(self) -> int:
         """Make the failed rows among these pending again, due now, attempts afresh."""
         return self.failed().update(status=OutboxStatus.PENDING, attempts=0, next_attempt_at=Now())
-
-
-OutboxMessageManager = models.Manager.from_queryset(OutboxMessageQuerySet)
 
 
 # -- bulk operations on dead letters -----------------------------------------------------------
@@ -773,9 +755,6 @@ class DeadLetterOperationQuerySet(models.QuerySet):
         return bool(self._stop(pk, OperationState.CANCELLED, cancelled_by=by, finished_at=at))
 
 
-DeadLetterOperationManager = models.Manager.from_queryset(DeadLetterOperationQuerySet)
-
-
 # The outcomes a replay is settled with, each a column of ReplayOutcomeTally.
 TALLIED_OUTCOMES = (ReplayOutcome.PROCESSED, ReplayOutcome.DUPLICATE, ReplayOutcome.FAILED_AGAIN)
 
@@ -799,6 +778,3 @@ class ReplayOutcomeTallyQuerySet(models.QuerySet):
                 f"DO UPDATE SET {column} = {table}.{column} + 1",
                 [operation_id, *(int(name == outcome) for name in TALLIED_OUTCOMES)],
             )
-
-
-ReplayOutcomeTallyManager = models.Manager.from_queryset(ReplayOutcomeTallyQuerySet)

@@ -19,14 +19,14 @@ from .choices import (
     ReplayOutcome,
 )
 from .managers import (
-    DeadLetterGroupManager,
-    DeadLetterManager,
-    DeadLetterOperationManager,
-    FailureGroupStateManager,
-    OutboxMessageManager,
-    ProcessedMessageManager,
-    ReplayOutcomeTallyManager,
-    SuspectDeliveryManager,
+    DeadLetterGroupQuerySet,
+    DeadLetterOperationQuerySet,
+    DeadLetterQuerySet,
+    FailureGroupStateQuerySet,
+    OutboxMessageQuerySet,
+    ProcessedMessageQuerySet,
+    ReplayOutcomeTallyQuerySet,
+    SuspectDeliveryQuerySet,
 )
 
 
@@ -42,7 +42,7 @@ class ProcessedMessage(models.Model):
     message_id = models.CharField(max_length=255)
     processed_at = models.DateTimeField(default=timezone.now)
 
-    objects = ProcessedMessageManager()
+    objects = ProcessedMessageQuerySet.as_manager()
 
     class Meta:
         verbose_name = _("processed message")
@@ -106,7 +106,7 @@ class DeadLetter(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
-    objects = DeadLetterManager()
+    objects = DeadLetterQuerySet.as_manager()
 
     class Meta:
         verbose_name = _("dead letter")
@@ -188,7 +188,7 @@ class DeadLetterGroup(_GroupCounts):
     ``objects.fold()`` adds them in (``docs/concepts.md#failure-groups``); elsewhere it stays
     empty and the manager counts the dead letters."""
 
-    objects = DeadLetterGroupManager()
+    objects = DeadLetterGroupQuerySet.as_manager()
 
     class Meta:
         verbose_name = _("dead-letter group")
@@ -238,7 +238,7 @@ class SuspectDelivery(models.Model):
     first_seen_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(default=timezone.now)
 
-    objects = SuspectDeliveryManager()
+    objects = SuspectDeliveryQuerySet.as_manager()
 
     class Meta:
         verbose_name = _("suspect delivery")
@@ -279,7 +279,7 @@ class OutboxMessage(models.Model):
     # When a scheduled message is due (``publish(deliver_at=...)``); NULL for the others.
     deliver_at = models.DateTimeField(_("due at"), null=True, blank=True)
 
-    objects = OutboxMessageManager()
+    objects = OutboxMessageQuerySet.as_manager()
 
     class Meta:
         verbose_name = _("outbox message")
@@ -348,7 +348,7 @@ class DeadLetterOperation(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
     error = models.TextField(blank=True)
 
-    objects = DeadLetterOperationManager()
+    objects = DeadLetterOperationQuerySet.as_manager()
 
     class Meta:
         verbose_name = _("dead letter operation")
@@ -433,7 +433,7 @@ class ReplayOutcomeTally(models.Model):
     duplicate = models.PositiveIntegerField(default=0)
     failed_again = models.PositiveIntegerField(default=0)
 
-    objects = ReplayOutcomeTallyManager()
+    objects = ReplayOutcomeTallyQuerySet.as_manager()
 
     class Meta:
         verbose_name = _("replay outcome tally")
@@ -455,7 +455,7 @@ class FailureGroupState(models.Model):
     changed_at = models.DateTimeField(default=timezone.now)
     note = models.TextField(blank=True)
 
-    objects = FailureGroupStateManager()
+    objects = FailureGroupStateQuerySet.as_manager()
 
     class Meta:
         verbose_name = _("failure group state")
