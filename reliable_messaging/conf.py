@@ -132,7 +132,6 @@ def duration(check_id: int, *, hint: str, none_allowed: bool = False) -> Rule:
 
 
 def one_of(check_id: int, choices: Sequence[object], *, hint: str) -> Rule:
-    """One of ``choices``."""
     shown = [repr(choice) for choice in choices]
     what = " or ".join([", ".join(shown[:-1]), shown[-1]]) if len(shown) > 1 else shown[0]
     return _judged(check_id, hint, lambda value: value in choices, what)
@@ -168,11 +167,9 @@ def increasing_seconds(check_id: int, *, hint: str) -> Rule:
 
 def _topic_patterns_problem(value: Any) -> str | None:
     # A list (not one string) of non-empty patterns with no empty word between the dots.
-    fits = not isinstance(value, str) and (
-        isinstance(value, list | tuple)
-        and all(isinstance(p, str) and p and "" not in p.split(".") for p in value)
-    )
-    if fits:
+    if isinstance(value, list | tuple) and all(
+        isinstance(p, str) and p and "" not in p.split(".") for p in value
+    ):
         return None
     return (
         "must be a list of topic patterns (words separated by '.', '*' for one word, '#' for "
