@@ -63,18 +63,18 @@ def encode_field_value(pieces: list[bytes], value: Any) -> int:
     return PIKA_ENCODE_VALUE(pieces, value)
 
 
-# BasicProperties in wire order: the attribute and how it is written.
+# BasicProperties in wire order: the attribute and how it is written (else a struct format).
 _PROPERTY_LAYOUT = (
     ("content_type", "shortstr"),
     ("content_encoding", "shortstr"),
     ("headers", "table"),
-    ("delivery_mode", "octet"),
-    ("priority", "octet"),
+    ("delivery_mode", "B"),
+    ("priority", "B"),
     ("correlation_id", "shortstr"),
     ("reply_to", "shortstr"),
     ("expiration", "shortstr"),
     ("message_id", "shortstr"),
-    ("timestamp", "longlong"),
+    ("timestamp", ">Q"),
     ("type", "shortstr"),
     ("user_id", "shortstr"),
     ("app_id", "shortstr"),
@@ -136,12 +136,9 @@ def decode_properties_tolerantly(
             elif kind == "table":
                 value, offset = _decode_headers_tolerantly(encoded, offset)
                 problem = value.pop(UNDECODABLE_HEADER, problem)
-            elif kind == "octet":
-                value = struct.unpack_from("B", encoded, offset)[0]
-                offset += 1
             else:
-                value = struct.unpack_from(">Q", encoded, offset)[0]
-                offset += 8
+                value = struct.unpack_from(kind, encoded, offset)[0]
+                offset += struct.calcsize(kind)
             setattr(properties, name, value)
     except Exception as exc:  # noqa: BLE001 - a truncated frame: keep what was read
         problem = f"{problem}; reading stopped at byte {offset}: {_describe(exc)}"

@@ -30,13 +30,9 @@ PROBE_ROUTING_KEY = "amq.reliable-messaging.size-probe"
 RELAY_HEADERS_ROOM = 64
 
 
-# The smallest max_message_size a broker of this process quoted (None: none refused yet).
+# The smallest max_message_size a broker of this process quoted, learned from a refusal (None:
+# none refused yet).
 _learned: int | None = None
-
-
-def learned_max_message_size() -> int | None:
-    """The broker's ``max_message_size`` as this process learned it from a refusal, if any."""
-    return _learned
 
 
 def body_size_refusal(size: int) -> str | None:
@@ -48,7 +44,7 @@ def body_size_refusal(size: int) -> str | None:
             f"the payload encodes to {size} bytes, over RELIABLE_MESSAGING"
             f"['MAX_BODY_BYTES'] ({limit}): consumers would dead-letter it unread"
         )
-    broker_limit = learned_max_message_size()
+    broker_limit = _learned
     if broker_limit is not None and size > broker_limit:
         return (
             f"the payload encodes to {size} bytes, over the broker's max_message_size "
@@ -121,13 +117,9 @@ def frame_size_refusal(size: int, frame_max: int) -> str | None:
 
 @functools.lru_cache(maxsize=8)
 def _client_frame_max(urls: tuple[str, ...]) -> int:
-    return min(pika.URLParameters(url).frame_max for url in urls)
-
-
-def configured_frame_max(settings: MessagingSettings = messaging_settings) -> int:
     """The largest frame the relay's connections may negotiate: pika's 131072 unless the
     ``BROKER_URL`` asks for less (``?frame_max=``)."""
-    return _client_frame_max(tuple(settings.broker_urls))
+    return min(pika.URLParameters(url).frame_max for url in urls)
 
 
 def header_frame_refusal(
@@ -135,7 +127,7 @@ def header_frame_refusal(
 ) -> str | None:
     """Why a message with ``headers`` can never be sent (its header frame over ``frame_max``),
     or None. Flat headers well under it are let through on a bound, not encoded."""
-    frame_max = configured_frame_max(settings)
+    frame_max = _client_frame_max(tuple(settings.broker_urls))
     bound = _flat_headers_bound(headers)
     if bound is not None and bound + len(message_id) + _PROPERTIES_ROOM <= frame_max:
         return None

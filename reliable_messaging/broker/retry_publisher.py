@@ -103,16 +103,14 @@ class RetryPublisher:
         return self
 
     def submit(self, copy: RetryCopy) -> None:
-        self._add(_Job(time.monotonic(), next(self._seq), copy))
+        with self._lock:
+            heapq.heappush(self._jobs, _Job(time.monotonic(), next(self._seq), copy))
+        self._poke()
 
     def pending(self) -> int:
         """Copies submitted and not yet placed, given back or dropped."""
         with self._lock:
             return len(self._jobs) + self._busy
-
-    @property
-    def blocked(self) -> bool:
-        return self._blocked
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop; copies not yet placed are dropped (the broker redelivers their originals)."""
@@ -126,11 +124,6 @@ class RetryPublisher:
                 left,
                 "y" if left == 1 else "ies",
             )
-
-    def _add(self, job: _Job) -> None:
-        with self._lock:
-            heapq.heappush(self._jobs, job)
-        self._poke()
 
     def _poke(self) -> None:
         self._wake.set()

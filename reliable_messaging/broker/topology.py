@@ -102,38 +102,6 @@ def all_delays(
     return sorted(delays)
 
 
-def _mismatch(
-    kind: str, name: str, exc: pika.exceptions.ChannelClosedByBroker, wanted: dict[str, Any]
-) -> Exception:
-    if exc.reply_code != PRECONDITION_FAILED:
-        return exc
-    queue_type = "quorum" if wanted.get("x-queue-type") == "quorum" else "classic"
-    hint = ""
-    if "x-queue-type" in str(exc.reply_text):
-        hint = (
-            f" A queue's type cannot change in place: to move to {queue_type} queues, run the "
-            f"consumers with the old QUEUE_TYPE until the queue is empty (stop the relay "
-            f"first, or bind a new queue and let the old one drain), then delete the queue and "
-            f"start with QUEUE_TYPE={queue_type!r}."
-        )
-    return TopologyMismatchError(
-        f"The broker already has {kind} {name!r} declared with other arguments than these "
-        f"settings ask for ({wanted or 'no arguments'}): {exc.reply_text}.{hint} Either make "
-        f"the settings match the existing {kind}, or migrate: stop its consumers, drain it, "
-        f"delete it (rabbitmqctl delete_queue / delete_exchange {name}) and start again so it "
-        f"is declared afresh."
-    )
-
-
-def _missing_plugin(exc: pika.exceptions.ConnectionClosedByBroker) -> Exception:
-    if exc.reply_code != COMMAND_INVALID or "exchange type" not in str(exc.reply_text):
-        return exc
-    return TopologyMismatchError(
-        f"Ordered consumers need RabbitMQ's consistent-hash exchange ({exc.reply_text}). "
-        f"Enable it on every node: rabbitmq-plugins enable {HASH_EXCHANGE_PLUGIN}"
-    )
-
-
 @dataclass
 class Declared:
     """What :func:`declare_topology` did: ``channel`` is open, ``unavailable`` names each queue
@@ -144,23 +112,13 @@ class Declared:
     mismatched: dict[str, str] = field(default_factory=dict)
 
 
-class _Declarer:
+@dataclass
+class _Declarer(Declared):
     """Declares on one channel, opening a new one when the broker closes it over a queue it
     cannot serve now (404: its node down): that queue is noted unavailable."""
 
-    def __init__(
-        self,
-        channel: BlockingChannel,
-        known: Collection[str] = (),
-        *,
-        tolerate_mismatch: bool = False,
-    ) -> None:
-        self.channel = channel
-        self.unavailable: dict[str, str] = {}
-        # Already reported unavailable: tried again quietly.
-        self.known = frozenset(known)
-        self.tolerate_mismatch = tolerate_mismatch
-        self.mismatched: dict[str, str] = {}
+    known: Collection[str] = ()  # already reported unavailable: tried again quietly
+    tolerate_mismatch: bool = False
 
     def _mismatched(
         self,
@@ -170,41 +128,60 @@ class _Declarer:
         wanted: dict[str, Any],
     ) -> None:
         """Raise what the broker's refusal means or, when mismatches are tolerated, note it."""
-        error = _mismatch(kind, name, exc, wanted)
-        if not (self.tolerate_mismatch and isinstance(error, TopologyMismatchError)):
+        if exc.reply_code != PRECONDITION_FAILED:
+            raise exc
+        queue_type = "quorum" if wanted.get("x-queue-type") == "quorum" else "classic"
+        hint = ""
+        if "x-queue-type" in str(exc.reply_text):
+            hint = (
+                f" A queue's type cannot change in place: to move to {queue_type} queues, run "
+                f"the consumers with the old QUEUE_TYPE until the queue is empty (stop the relay "
+                f"first, or bind a new queue and let the old one drain), then delete the queue "
+                f"and start with QUEUE_TYPE={queue_type!r}."
+            )
+        error = TopologyMismatchError(
+            f"The broker already has {kind} {name!r} declared with other arguments than these "
+            f"settings ask for ({wanted or 'no arguments'}): {exc.reply_text}.{hint} Either "
+            f"make the settings match the existing {kind}, or migrate: stop its consumers, "
+            f"drain it, delete it (rabbitmqctl delete_queue / delete_exchange {name}) and start "
+            f"again so it is declared afresh."
+        )
+        if not self.tolerate_mismatch:
             raise error from exc
         self.mismatched[name] = str(error)
         self.channel = self.channel.connection.channel()
 
     def exchange(
-        self,
-        kind: str,
-        name: str,
-        wanted: dict[str, Any],
-        declare: Callable[[BlockingChannel], object],
+        self, kind: str, name: str, exchange_type: str, arguments: dict[str, Any] | None = None
     ) -> None:
-        """Run ``declare`` for exchange ``name``."""
+        """Declare durable exchange ``name``."""
         try:
-            declare(self.channel)
+            self.channel.exchange_declare(
+                name, exchange_type=exchange_type, durable=True, arguments=arguments
+            )
         except pika.exceptions.ChannelClosedByBroker as exc:
-            self._mismatched(kind, name, exc, wanted)
+            self._mismatched(kind, name, exc, arguments or {"type": exchange_type})
 
     def queue(
         self,
         kind: str,
         name: str,
-        wanted: dict[str, Any],
-        declare: Callable[[BlockingChannel], object],
+        arguments: dict[str, Any],
         bind: Callable[[BlockingChannel], object] | None = None,
-    ) -> bool:
-        """Run ``declare`` for queue ``name``, then ``bind``; False when it is unavailable now."""
+        declare: Callable[[BlockingChannel], object] | None = None,
+    ) -> None:
+        """Run ``declare`` (by default: declare durable queue ``name`` with ``arguments``) then
+        ``bind``; a queue unavailable now is noted so."""
         try:
             try:
-                declare(self.channel)
+                if declare is None:
+                    self.channel.queue_declare(name, durable=True, arguments=arguments)
+                else:
+                    declare(self.channel)
             except pika.exceptions.ChannelClosedByBroker as exc:
                 if exc.reply_code != PRECONDITION_FAILED:
                     raise
-                self._mismatched(kind, name, exc, wanted)
+                self._mismatched(kind, name, exc, arguments)
             if bind is not None:
                 bind(self.channel)
         except pika.exceptions.ChannelClosedByBroker as exc:
@@ -221,22 +198,6 @@ class _Declarer:
                 exc.reply_code,
                 exc.reply_text,
             )
-            return False
-        return True
-
-    def declare_queue(
-        self,
-        kind: str,
-        name: str,
-        arguments: dict[str, Any],
-        bind: Callable[[BlockingChannel], object] | None = None,
-    ) -> bool:
-        """Declare durable queue ``name`` with ``arguments`` (see :meth:`queue`)."""
-
-        def declare(channel: BlockingChannel) -> None:
-            channel.queue_declare(name, durable=True, arguments=arguments)
-
-        return self.queue(kind, name, arguments, declare, bind)
 
 
 def declare_topology(
@@ -251,13 +212,9 @@ def declare_topology(
     raises :class:`TopologyMismatchError` (with ``tolerate_mismatch``, it is named in the
     result); a queue the broker cannot serve now is left out and named in the result."""
     specs = list(specs)
-    declarer = _Declarer(channel, known_unavailable, tolerate_mismatch=tolerate_mismatch)
+    declarer = _Declarer(channel, known=known_unavailable, tolerate_mismatch=tolerate_mismatch)
     for exchange in sorted({consumer_exchange(s, settings) for s in specs} | {settings.exchange}):
-
-        def declare_exchange(channel: BlockingChannel, exchange: str = exchange) -> None:
-            channel.exchange_declare(exchange, exchange_type="topic", durable=True)
-
-        declarer.exchange("exchange", exchange, {"type": "topic"}, declare_exchange)
+        declarer.exchange("exchange", exchange, "topic")
     for spec in specs:
         dead_letter_to = _declare_dead_letter_queue(declarer, spec, settings)
         if spec.ordered:
@@ -271,7 +228,7 @@ def declare_topology(
             for binding in spec.bindings:
                 channel.queue_bind(spec.queue, consumer_exchange(spec, settings), binding)
 
-        declarer.declare_queue("queue", spec.queue, arguments, bind)
+        declarer.queue("queue", spec.queue, arguments, bind)
     for delay in all_delays(specs, settings):
         _declare_delay_queue(declarer, delay, settings)
     log = logger.debug if declarer.unavailable and declarer.known else logger.info
@@ -302,15 +259,10 @@ def delay_queue_arguments(delay: float) -> dict[str, Any]:
 def _declare_delay_queue(declarer: _Declarer, delay: float, settings: MessagingSettings) -> None:
     name = delay_exchange_name(delay, settings)
     arguments = delay_queue_arguments(delay)
-    declarer.exchange(
-        "delay exchange",
-        name,
-        {"type": "fanout"},
-        lambda channel: channel.exchange_declare(name, exchange_type="fanout", durable=True),
-    )
+    declarer.exchange("delay exchange", name, "fanout")
     refused = _refusal(declarer.channel, name, arguments)
     if refused is not None and refused.reply_code != PRECONDITION_FAILED:
-        declarer.declare_queue("delay queue", name, arguments)
+        declarer.queue("delay queue", name, arguments)
     elif refused is not None:
         # Declared by someone else (a classic queue, say); its name fixes its TTL. Its messages
         # wait a few seconds at most: keep using it rather than refuse to start.
@@ -326,15 +278,10 @@ def _declare_delay_queue(declarer: _Declarer, delay: float, settings: MessagingS
             delay,
         )
         declarer.queue(
-            "delay queue",
-            name,
-            arguments,
-            lambda channel: channel.queue_declare(name, passive=True),
+            "delay queue", name, arguments, declare=lambda c: c.queue_declare(name, passive=True)
         )
     if name not in declarer.unavailable:
-        declarer.queue(
-            "delay queue", name, arguments, lambda channel: channel.queue_bind(name, name)
-        )
+        declarer.queue("delay queue", name, arguments, declare=lambda c: c.queue_bind(name, name))
 
 
 def _declare_dead_letter_queue(
@@ -345,19 +292,8 @@ def _declare_dead_letter_queue(
     name, kept = dead_letter_queue(spec), kept_queue(spec)
     # The .dead queue's delivery limit stated (RabbitMQ 4 gives one, 20 by default, and drops
     # past it without a target): past it a message goes to the classic .dead.kept queue.
-    for queue, arguments in (
-        (kept, {"x-queue-type": "classic"}),
-        (
-            name,
-            {
-                "x-queue-type": "quorum",
-                "x-delivery-limit": settings.quorum_delivery_limit,
-                "x-dead-letter-exchange": "",
-                "x-dead-letter-routing-key": kept,
-            },
-        ),
-    ):
-        declarer.declare_queue("dead-letter queue", queue, arguments)
+    declarer.queue("dead-letter queue", kept, {"x-queue-type": "classic"})
+    declarer.queue("dead-letter queue", name, queue_arguments(settings, dead_letter_to=kept))
     # Named as the target even when unavailable now: the broker routes to it once it exists.
     return name
 
@@ -415,16 +351,14 @@ def _declare_partitions(
     exchange = partition_exchange(spec)
     hashing = {"hash-header": ORDERING_KEY_HEADER}
     try:
-        declarer.exchange(
-            "exchange",
-            exchange,
-            hashing,
-            lambda channel: channel.exchange_declare(
-                exchange, exchange_type="x-consistent-hash", durable=True, arguments=hashing
-            ),
-        )
+        declarer.exchange("exchange", exchange, "x-consistent-hash", hashing)
     except pika.exceptions.ConnectionClosedByBroker as exc:
-        raise _missing_plugin(exc) from exc
+        if exc.reply_code != COMMAND_INVALID or "exchange type" not in str(exc.reply_text):
+            raise
+        raise TopologyMismatchError(
+            f"Ordered consumers need RabbitMQ's consistent-hash exchange ({exc.reply_text}). "
+            f"Enable it on every node: rabbitmq-plugins enable {HASH_EXCHANGE_PLUGIN}"
+        ) from exc
     for binding in spec.bindings:
         declarer.channel.exchange_bind(
             exchange, consumer_exchange(spec, settings), routing_key=binding
@@ -440,7 +374,7 @@ def _declare_partitions(
             # Equal weights: the binding key of a consistent-hash exchange is the queue's weight.
             channel.queue_bind(queue, exchange, routing_key="1")
 
-        declarer.declare_queue("queue", queue, arguments, bind)
+        declarer.queue("queue", queue, arguments, bind)
 
 
 def broker_host(url: str) -> str:
