@@ -76,15 +76,6 @@ def pretty_json(value: Any) -> str | None:
         return None
 
 
-def parsed_json(data: bytes) -> Any:
-    """The JSON value of ``data``, or None when it is not JSON the parser can take (not UTF-8,
-    not JSON, nested deeper than Python's recursion limit)."""
-    try:
-        return json.loads(data.decode("utf-8"))
-    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError too
-        return None
-
-
 def _size(count: int) -> str:
     return ngettext("%(count)s byte", "%(count)s bytes", count) % {"count": f"{count:,}"}
 
@@ -115,10 +106,12 @@ def pretty_body(head: bytes, size: int, payload: Any = None) -> str | None:
     it); else None, and the page shows :func:`raw_body`."""
     if size > SHOWN_BYTES:
         return None
-    value = payload if payload is not None else parsed_json(head)
-    if value is None and head.strip() != b"null":
-        return None
-    return pretty_json(value)
+    if payload is None:
+        try:
+            payload = json.loads(head.decode("utf-8"))
+        except (ValueError, RecursionError):  # not UTF-8 (a ValueError too), not JSON, too deep
+            return None
+    return pretty_json(payload)
 
 
 def raw_body(head: bytes, size: int, download_url: str) -> str:
