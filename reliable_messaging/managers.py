@@ -456,13 +456,8 @@ class DeadLetterGroupQuerySet(models.QuerySet):
     def counts(self) -> list[tuple[str, str, str, int]]:
         """(status, consumer, reason, dead letters) for every status that has some, sorted."""
         if not self.kept():
-            rows = (
-                self._dead_letters()
-                .order_by()
-                .values_list("status", "consumer", "reason")
-                .annotate(rows=Count("pk"))
-            )
-            return sorted((status, c, r, n) for status, c, r, n in rows)
+            letters = self._dead_letters().order_by().values_list("status", "consumer", "reason")
+            return sorted(letters.annotate(rows=Count("pk")))
         totals: dict[tuple[str, str, str], int] = {}
         for row in self._live().values("consumer", "reason", *STATUS_COUNTERS):
             for status in STATUS_COUNTERS:
@@ -653,21 +648,13 @@ class OutboxMessageQuerySet(BatchDeletingQuerySet):
 
     def oldest_pending_at(self) -> dt.datetime | None:
         """Since when the oldest pending row has waited, or None when none waits."""
-        return (
-            self.pending()
-            .annotate(since=waiting_since())
-            .order_by("since")
-            .values_list("since", flat=True)
-            .first()
-        )
+        waiting = self.pending().annotate(since=waiting_since()).order_by("since")
+        return waiting.values_list("since", flat=True).first()
 
     def message_id_of(self, idempotency_key: str) -> str | None:
         """The message_id published earlier with ``idempotency_key``, if any."""
-        return (
-            self.filter(idempotency_key=idempotency_key)
-            .values_list("message_id", flat=True)
-            .first()
-        )
+        published = self.filter(idempotency_key=idempotency_key)
+        return published.values_list("message_id", flat=True).first()
 
     def retry_failed(self) -> int:
         """Make the failed rows among these pending again, due now, attempts afresh."""
@@ -701,12 +688,8 @@ class DeadLetterOperationQuerySet(models.QuerySet):
 
     def same_as(self, kind: str, selection: dict[str, Any], force: bool) -> Any:
         """An unfinished operation of the same kind over the same selection, if any."""
-        return (
-            self.unfinished()
-            .filter(kind=kind, force=force, selection=selection)
-            .order_by("pk")
-            .first()
-        )
+        same = self.unfinished().filter(kind=kind, force=force, selection=selection)
+        return same.order_by("pk").first()
 
     def claim_next(self) -> Any:
         """The oldest unfinished operation no one else is running, locked; or None."""
