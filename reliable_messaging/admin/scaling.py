@@ -133,10 +133,6 @@ class BoundedCountPaginator(Paginator):
         return int(plan[0]["Plan"]["Plan Rows"])
 
 
-def _canceled(exc: OperationalError) -> bool:
-    return getattr(exc.__cause__, "sqlstate", None) == QUERY_CANCELED
-
-
 class ReadOnlyAdmin(admin.ModelAdmin):
     """Rows the app writes: never added or changed by hand (changes go through services)."""
 
@@ -191,7 +187,7 @@ class BoundedListAdmin(admin.ModelAdmin):
                 cursor.execute("SELECT set_config('statement_timeout', %s, true)", [former])
                 return response
         except OperationalError as exc:
-            if not _canceled(exc):
+            if getattr(exc.__cause__, "sqlstate", None) != QUERY_CANCELED:
                 raise
         self.message_user(
             request,
