@@ -8,6 +8,7 @@ from django.db.models import Q
 from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
+from . import managers
 from .choices import (
     STORED_GROUP_STATES,
     DeadLetterReason,
@@ -17,16 +18,6 @@ from .choices import (
     OutboxStatus,
     ReplayKind,
     ReplayOutcome,
-)
-from .managers import (
-    DeadLetterGroupQuerySet,
-    DeadLetterOperationQuerySet,
-    DeadLetterQuerySet,
-    FailureGroupStateQuerySet,
-    OutboxMessageQuerySet,
-    ProcessedMessageQuerySet,
-    ReplayOutcomeTallyQuerySet,
-    SuspectDeliveryQuerySet,
 )
 
 
@@ -42,7 +33,7 @@ class ProcessedMessage(models.Model):
     message_id = models.CharField(max_length=255)
     processed_at = models.DateTimeField(default=timezone.now)
 
-    objects = ProcessedMessageQuerySet.as_manager()
+    objects = managers.ProcessedMessageQuerySet.as_manager()
 
     class Meta:
         verbose_name = _("processed message")
@@ -106,7 +97,7 @@ class DeadLetter(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
-    objects = DeadLetterQuerySet.as_manager()
+    objects = managers.DeadLetterQuerySet.as_manager()
 
     class Meta:
         verbose_name = _("dead letter")
@@ -188,7 +179,7 @@ class DeadLetterGroup(_GroupCounts):
     ``objects.fold()`` adds them in (``docs/concepts.md#failure-groups``); elsewhere it stays
     empty and the manager counts the dead letters."""
 
-    objects = DeadLetterGroupQuerySet.as_manager()
+    objects = managers.DeadLetterGroupQuerySet.as_manager()
 
     class Meta:
         verbose_name = _("dead-letter group")
@@ -238,7 +229,7 @@ class SuspectDelivery(models.Model):
     first_seen_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(default=timezone.now)
 
-    objects = SuspectDeliveryQuerySet.as_manager()
+    objects = managers.SuspectDeliveryQuerySet.as_manager()
 
     class Meta:
         verbose_name = _("suspect delivery")
@@ -279,7 +270,7 @@ class OutboxMessage(models.Model):
     # When a scheduled message is due (``publish(deliver_at=...)``); NULL for the others.
     deliver_at = models.DateTimeField(_("due at"), null=True, blank=True)
 
-    objects = OutboxMessageQuerySet.as_manager()
+    objects = managers.OutboxMessageQuerySet.as_manager()
 
     class Meta:
         verbose_name = _("outbox message")
@@ -348,7 +339,7 @@ class DeadLetterOperation(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
     error = models.TextField(blank=True)
 
-    objects = DeadLetterOperationQuerySet.as_manager()
+    objects = managers.DeadLetterOperationQuerySet.as_manager()
 
     class Meta:
         verbose_name = _("dead letter operation")
@@ -433,7 +424,7 @@ class ReplayOutcomeTally(models.Model):
     duplicate = models.PositiveIntegerField(default=0)
     failed_again = models.PositiveIntegerField(default=0)
 
-    objects = ReplayOutcomeTallyQuerySet.as_manager()
+    objects = managers.ReplayOutcomeTallyQuerySet.as_manager()
 
     class Meta:
         verbose_name = _("replay outcome tally")
@@ -455,7 +446,7 @@ class FailureGroupState(models.Model):
     changed_at = models.DateTimeField(default=timezone.now)
     note = models.TextField(blank=True)
 
-    objects = FailureGroupStateQuerySet.as_manager()
+    objects = managers.FailureGroupStateQuerySet.as_manager()
 
     class Meta:
         verbose_name = _("failure group state")
