@@ -13,7 +13,7 @@ from django.core.exceptions import PermissionDenied, ValidationError
 from django.core.paginator import Paginator
 from django.db import router, transaction
 from django.db.models import Max, QuerySet
-from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed, QueryDict
+from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, QueryDict
 from django.shortcuts import redirect
 from django.utils import timezone
 from django.utils.http import urlencode
@@ -361,9 +361,7 @@ class DeadLetterConsole(OperationPages):
             raise PermissionDenied
         if request.method != "POST":
             return HttpResponseNotAllowed(["POST"])
-        obj = self.get_object(request, object_id)
-        if obj is None:
-            raise Http404(gettext("No dead letter with id %(id)s.") % {"id": object_id})
+        obj = self.dead_letter_or_404(request, object_id)
         how = gettext("from its page")
         if operation == "replay":
             self.replay_and_report(

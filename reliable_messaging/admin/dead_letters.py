@@ -12,7 +12,7 @@ from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
-from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import URLPattern, reverse
 from django.utils import formats, timezone
 from django.utils.dateparse import parse_datetime
@@ -344,9 +344,7 @@ class DeadLetterAdmin(
 
     def body_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
         """The whole body, byte for byte, as a file: for those who may see the dead letter."""
-        obj = self.get_object(request, object_id)
-        if obj is None:
-            raise Http404(gettext("No dead letter with id %(id)s.") % {"id": object_id})
+        obj = self.dead_letter_or_404(request, object_id)
         if not self.has_view_permission(request, obj):
             raise PermissionDenied
         return bodies.download(obj, bytes(obj.body))

@@ -8,7 +8,7 @@ from typing import Any
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied
 from django.db import router, transaction
-from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed
+from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed
 from django.shortcuts import redirect
 from django.utils.translation import gettext
 
@@ -43,9 +43,7 @@ class EditReplayPage(OperationPages):
         POST ``replay``: the edited copy is replayed, or the page comes back with why not."""
         if request.method not in ("GET", "POST"):
             return HttpResponseNotAllowed(["GET", "POST"])
-        obj = self.get_object(request, object_id)
-        if obj is None:
-            raise Http404(gettext("No dead letter with id %(id)s.") % {"id": object_id})
+        obj = self.dead_letter_or_404(request, object_id)
         if not can_edit(request.user, obj.consumer):
             raise PermissionDenied
         previewed = request.method == "POST"

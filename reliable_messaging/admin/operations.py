@@ -11,7 +11,7 @@ from django.contrib import admin, messages
 from django.contrib.admin.models import ADDITION, CHANGE, LogEntry
 from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
-from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, JsonResponse
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed, JsonResponse
 from django.shortcuts import get_object_or_404, redirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
@@ -131,6 +131,12 @@ class OperationPages(admin.ModelAdmin):
             ("operations/<int:pk>/cancel/", self.cancel_view, "operation_cancel"),
         ]
         return self.console_paths(operations) + super().get_urls()
+
+    def dead_letter_or_404(self, request: HttpRequest, object_id: str) -> DeadLetter:
+        obj: DeadLetter | None = self.get_object(request, object_id)
+        if obj is None:
+            raise Http404(gettext("No dead letter with id %(id)s.") % {"id": object_id})
+        return obj
 
     def render_page(
         self, request: HttpRequest, name: str, title: str, /, **context: Any
