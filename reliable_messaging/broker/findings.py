@@ -214,10 +214,19 @@ def find_findings(facts: BrokerFacts, expected: Expectations) -> list[Finding]:
         found += _vhost_findings(facts, expected)
         found += _deprecation_findings(facts)
         version = version_tuple(facts.server_version or facts.management_version)
-        present = [q for q in facts.queues if q.exists and q.sampled]
         by_name = {q.queue.name: q for q in facts.queues}
-        for queue in present:
-            found += _queue_findings(queue, facts.vhost, version, expected, by_name)
+        vhost = facts.vhost
+        for queue in (q for q in facts.queues if q.exists and q.sampled):
+            found += _type_findings(queue, vhost, expected)
+            found += _length_findings(queue, vhost)
+            found += _expiry_findings(queue, vhost)
+            if queue.queue.kind == "delay":
+                found += _delay_findings(queue, vhost)
+            else:
+                found += _ttl_findings(queue, vhost)
+                found += _consumer_timeout_findings(queue, vhost, version, expected)
+            if queue.queue.kind == "consumer" and queue.type == "quorum":
+                found += _delivery_limit_findings(queue, vhost, version, expected, by_name)
         found += _unread_queue_findings(facts.queues)
     order = {severity: rank for rank, severity in enumerate(SEVERITIES)}
     return sorted(found, key=lambda f: order[f.severity])
@@ -319,26 +328,6 @@ def _unread_queue_findings(queues: Sequence[QueueFacts]) -> list[Finding]:
         )
         fix = "run the check again in a few seconds"
         found.append(Finding("info", "queue-not-sampled", unsampled, message, fix))
-    return found
-
-
-def _queue_findings(
-    facts: QueueFacts,
-    vhost: str,
-    version: tuple[int, ...],
-    expected: Expectations,
-    by_name: Mapping[str, QueueFacts],
-) -> list[Finding]:
-    found = _type_findings(facts, vhost, expected)
-    found += _length_findings(facts, vhost)
-    found += _expiry_findings(facts, vhost)
-    if facts.queue.kind == "delay":
-        found += _delay_findings(facts, vhost)
-    else:
-        found += _ttl_findings(facts, vhost)
-        found += _consumer_timeout_findings(facts, vhost, version, expected)
-    if facts.queue.kind == "consumer" and facts.type == "quorum":
-        found += _delivery_limit_findings(facts, vhost, version, expected, by_name)
     return found
 
 

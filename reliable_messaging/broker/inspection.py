@@ -13,6 +13,7 @@ import urllib.error
 import urllib.parse
 from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
+from functools import partial
 from typing import Any
 
 import pika
@@ -109,9 +110,7 @@ def read_broker_facts(
         return replace(facts, management_error="the management API was skipped (no URL given)")
     facts = replace(facts, management_url=redact_url(base_url))
 
-    def get(path: str) -> Any:
-        return management_get(base_url, path, params, timeout)
-
+    get = partial(management_get, base_url, params=params, timeout=timeout)
     try:
         overview = get("/api/overview")
         described = get(f"/api/vhosts/{urllib.parse.quote(params.virtual_host, safe='')}")

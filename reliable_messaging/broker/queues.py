@@ -15,6 +15,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, Literal
 
 import pika
@@ -224,9 +225,7 @@ def with_management_figures(
     """``queues`` with unacked counts and rates from the management API; raises one of
     :data:`MANAGEMENT_ERRORS` when the API cannot be used."""
 
-    def get(path: str) -> Any:
-        return management_get(base_url, path, params, timeout)
-
+    get = partial(management_get, base_url, params=params, timeout=timeout)
     found = []
     for queue in queues:
         data = (

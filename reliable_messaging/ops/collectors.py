@@ -223,11 +223,8 @@ class DatabaseCollector:
 
     @staticmethod
     def _up(value: int) -> Metric:
-        return GaugeMetricFamily(
-            "reliable_messaging_database_up",
-            "1 when the last scrape could read the messaging tables, else 0.",
-            value=value,
-        )
+        what = "1 when the last scrape could read the messaging tables, else 0."
+        return GaugeMetricFamily("reliable_messaging_database_up", what, value=value)
 
     def _alias(self, model: type[Model]) -> str:
         return self.using or router.db_for_read(model)
@@ -393,8 +390,5 @@ class BrokerCollector:
 
     @staticmethod
     def _up(value: int) -> Metric:
-        return GaugeMetricFamily(
-            "reliable_messaging_broker_up",
-            "1 when the last read of the queue gauges reached the broker, else 0.",
-            value=value,
-        )
+        what = "1 when the last read of the queue gauges reached the broker, else 0."
+        return GaugeMetricFamily("reliable_messaging_broker_up", what, value=value)

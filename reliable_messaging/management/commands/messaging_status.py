@@ -78,13 +78,9 @@ def _consumer_column(queue: QueueStatus) -> str:
     return queue.consumer or "(retry delay)"
 
 
-def _count(value: int | None) -> str:
-    return "-" if value is None else f"{value:,}"
-
-
-def _ratio(queue: QueueStatus) -> str:
-    ratio = queue.redelivery_ratio
-    return "-" if ratio is None else f"{ratio:.0%}"
+def _shown(value: float | None, spec: str = ",") -> str:
+    """A figure of the queue table, "-" when not known."""
+    return "-" if value is None else format(value, spec)
 
 
 def _age(seconds: float) -> str:
@@ -255,10 +251,10 @@ class Command(BaseCommand):
                 [
                     q.name,
                     _consumer_column(q),
-                    _count(q.ready),
-                    _count(q.unacked),
-                    _count(q.consumers),
-                    _ratio(q),
+                    _shown(q.ready),
+                    _shown(q.unacked),
+                    _shown(q.consumers),
+                    _shown(q.redelivery_ratio, ".0%"),
                 ]
                 for q in present
             ]
