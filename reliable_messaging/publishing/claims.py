@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
 from django.db import DatabaseError, connections, transaction
-from django.db.models import BigIntegerField, DurationField, F, Min, Value
+from django.db.models import BigIntegerField, DurationField, Min, Value
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Now
 
@@ -22,6 +22,7 @@ from ..conf import MessagingSettings
 from ..models import OutboxMessage
 from ..storage.partitions import UNSENT_STATUSES, row_moved
 from . import scheduled
+from .scheduled import MOVED_TRIES
 
 # Logged under the relay's name, the one users' logging configuration knows.
 logger = logging.getLogger("reliable_messaging.relay")
@@ -29,8 +30,6 @@ logger = logging.getLogger("reliable_messaging.relay")
 T = TypeVar("T")
 
 UNSENT = UNSENT_STATUSES
-# Tries of a claim, or a batch's record, that met a row moved to the sent partition meanwhile.
-MOVED_TRIES = 3
 
 
 def _earlier_unsent_sql() -> str:
@@ -125,19 +124,6 @@ def release_parked(using: str, after: int = 0, limit: int = 2000) -> tuple[int, 
     return released, (found[-1][0] if len(found) >= limit else None)
 
 
-def outbox_backlog(using: str) -> tuple[int, int, int] | None:
-    """(pending, pending after failed sends, failed) rows; None when the database is down.
-    Three counts, each through its own index (one aggregate would read every row)."""
-    outbox = OutboxMessage.objects.using(using)
-    try:
-        pending = outbox.pending()
-        counts = (pending.count(), pending.filter(attempts__gt=0).count(), outbox.failed().count())
-    except DatabaseError:
-        logger.warning("relay: cannot count the outbox rows left (database unavailable)")
-        return None
-    return counts
-
-
 @dataclass(frozen=True)
 class ClaimedRow:
     """The columns of a claimed outbox row the relay needs (no model instance: cheaper)."""
@@ -204,16 +190,14 @@ class Claim:
     error: DatabaseError | None = None
 
 
+@dataclass(eq=False)
 class OutboxClaims:
     """The queries of one relay lane, on the database alias ``using``."""
 
-    def __init__(
-        self, using: str, settings: MessagingSettings, batch_size: int, lease: dt.timedelta
-    ) -> None:
-        self.using = using
-        self.settings = settings
-        self.batch_size = batch_size
-        self.lease_for = lease  # how long claimed rows stay leased past a claim's transaction
+    using: str
+    settings: MessagingSettings
+    batch_size: int
+    lease_for: dt.timedelta  # how long claimed rows stay leased past a claim's transaction
 
     # -- claiming ---------------------------------------------------------------------------
 
@@ -279,29 +263,10 @@ class OutboxClaims:
     def next_due_in(self) -> float | None:
         """Seconds until the next row waiting out a backoff or a lease is due, by the database's
         clock; None when none waits (parked rows are never due)."""
-        due_in = (
-            OutboxMessage.objects.using(self.using)
-            .filter(status=OutboxStatus.PENDING, next_attempt_at__gt=Now())
-            .order_by("next_attempt_at")
-            .annotate(due_in=F("next_attempt_at") - Now())
-            .values_list("due_in", flat=True)
-            .first()
+        outbox = OutboxMessage.objects.using(self.using)
+        return scheduled.first_due_in(
+            outbox.filter(status=OutboxStatus.PENDING, next_attempt_at__gt=Now())
         )
-        return None if due_in is None else max(0.0, due_in.total_seconds())
-
-    def release_parked(self, after: int) -> tuple[int, int | None]:
-        return release_parked(self.using, after=after)
-
-    def promote_due(self) -> int:
-        """Make due scheduled rows pending (a chunk); see :mod:`.scheduled`."""
-        return scheduled.promote_due(self.using)
-
-    def next_scheduled_in(self) -> float | None:
-        """Seconds until the next scheduled row is due (0: due now); None when none waits."""
-        return scheduled.next_due_in(self.using)
-
-    def backlog(self) -> tuple[int, int, int] | None:
-        return outbox_backlog(self.using)
 
     def forget_connection(self) -> None:
         """After a database error: the next query opens a fresh connection."""

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 
 from ..broker.declaring import TolerantDeclaration, declare_tolerantly
 from ..broker.publisher import PublisherTransport
@@ -35,24 +36,18 @@ _declared_in_process: set[Hashable] = set()
 _declared_lock = threading.Lock()
 
 
+@dataclass(eq=False)
 class ConsumerTopology:
     """Declares ``specs``' topology once per relay connection (or process), before its first
     claim. Everything runs on the relay's I/O loop, except :meth:`_declare`."""
 
-    def __init__(
-        self,
-        specs: Iterable[ConsumerSpec],
-        *,
-        publisher: PublisherTransport,
-        settings: MessagingSettings,
-        health: HealthState,
-        once_per_process: bool = False,
-    ) -> None:
-        self.specs = list(specs)
-        self.publisher = publisher
-        self.settings = settings
-        self.health = health
-        self.once_per_process = once_per_process
+    specs: list[ConsumerSpec]
+    publisher: PublisherTransport
+    settings: MessagingSettings
+    health: HealthState
+    once_per_process: bool = False
+
+    def __post_init__(self) -> None:
         self._generation = 0  # the connection declared for; an earlier one's outcome is ignored
         self._declared = False  # for the current connection (or given up on)
         self._then: Callable[[], None] | None = None

@@ -10,6 +10,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from .. import metrics, tracing
@@ -21,7 +22,6 @@ from ..broker.publisher import (
     Unencodable,
     message_properties,
 )
-from ..conf import MessagingSettings
 from ..core.liveness import HealthState
 from ..core.routing import topic_matches
 from .claims import Claim, OutboxClaims
@@ -44,28 +44,16 @@ HOLD_LIMIT = 2.0
 FRAME_TOO_LARGE = "frame_too_large"
 
 
+@dataclass(eq=False)
 class InFlight:
     """The relay's batches in flight, oldest first."""
 
-    def __init__(
-        self,
-        *,
-        publisher: PublisherTransport,
-        claims: OutboxClaims,
-        settings: MessagingSettings,
-        report: Any,
-        health: HealthState,
-        lease_seconds: float,
-        on_batch: Callable[[Any], None] | None,
-    ) -> None:
-        self.publisher = publisher
-        self.claims = claims
-        self.settings = settings
-        self.report = report  # the relay's RelayReport
-        self.health = health
-        self.lease_seconds = lease_seconds
-        self.on_batch = on_batch
-        self._batches: list[Batch] = []
+    publisher: PublisherTransport
+    claims: OutboxClaims
+    report: Any  # the relay's RelayReport
+    health: HealthState
+    on_batch: Callable[[Any], None] | None
+    _batches: list[Batch] = field(default_factory=list, init=False)
 
     def __len__(self) -> int:
         return len(self._batches)
@@ -88,12 +76,13 @@ class InFlight:
         row_id = returned.headers.get(OUTBOX_ID_HEADER)
         if not isinstance(row_id, int):
             return
-        batch = next((b for b in self._batches if b.holds(row_id)), None)
+        batch = next((b for b in self._batches if row_id in b.pks), None)
         if batch is None:
             return
         self.report.returned += 1
         metrics.relay_failed("returned")
-        if not any(topic_matches(p, returned.routing_key) for p in self.settings.require_route):
+        require_route = self.claims.settings.require_route
+        if not any(topic_matches(p, returned.routing_key) for p in require_route):
             batch.unrouted.add(row_id)  # its ack follows; the outcome keeps it from "sent"
             return
         batch.errors[row_id] = (
@@ -196,14 +185,14 @@ class InFlight:
 
     def _start_confirm_timer(self, batch: Batch) -> None:
         batch.timer = self.publisher.call_later(
-            self.settings.relay_confirm_timeout, lambda: self._on_confirm_timeout(batch)
+            self.claims.settings.relay_confirm_timeout, lambda: self._on_confirm_timeout(batch)
         )
 
     def _on_confirm_timeout(self, batch: Batch) -> None:
         if batch not in self._batches:
             return
         batch.timer = None
-        timed_out = batch.time_out(self.settings.relay_confirm_timeout)
+        timed_out = batch.time_out(self.claims.settings.relay_confirm_timeout)
         self.report.timed_out += timed_out
         metrics.relay_failed("timeout", timed_out)
         self._finish_batch(batch)
@@ -214,7 +203,7 @@ class InFlight:
         """I/O loop: a batch unconfirmed past HOLD_LIMIT trades its transaction for a lease,
         renewed at half its length while the batch is in flight."""
         now = time.monotonic()
-        half = self.lease_seconds / 2
+        half = self.claims.lease_for.total_seconds() / 2
         for batch in self._batches:
             if batch.leased_at == 0.0:
                 due = now - batch.published_at >= HOLD_LIMIT  # still holds its transaction
@@ -229,14 +218,17 @@ class InFlight:
         held, batch.transaction = batch.transaction, None
         self.claims.lease(batch.claimed, held)
 
-    def _finish_batch(self, batch: Batch) -> None:
+    def _finish_batch(self, batch: Batch, then_claim: bool = True) -> None:
         """Record the batch's outcome in one short transaction."""
         if batch not in self._batches:
             return
         self._batches.remove(batch)
-        self.publisher.cancel(batch.timer)
+        try:
+            self.publisher.cancel(batch.timer)
+        except Exception:  # the connection may be gone (abort)
+            logger.debug("removing the confirm timer failed", exc_info=True)
         batch.timer = None
-        batch.worker.submit(functools.partial(self._settle_job, batch))
+        batch.worker.submit(functools.partial(self._settle_job, batch, then_claim))
 
     def _settle_job(self, batch: Batch, then_claim: bool = True) -> None:
         """Database worker: record a finished batch, then let the I/O loop claim again."""
@@ -302,12 +294,7 @@ class InFlight:
         self._charge_oversized(why)
         rows = sum(len(batch.claimed) for batch in self._batches)
         for batch in list(self._batches):
-            self._batches.remove(batch)
-            try:
-                self.publisher.cancel(batch.timer)
-            except Exception:
-                logger.debug("removing the confirm timer failed", exc_info=True)
-            batch.worker.submit(functools.partial(self._settle_job, batch, then_claim=False))
+            self._finish_batch(batch, then_claim=False)
         logger.warning(
             "relay: %d row(s) in flight when %s; the unconfirmed ones are due again", rows, why
         )

@@ -14,7 +14,6 @@ from django.db import DatabaseError, connections
 
 from ..core.announcements import announce
 from ..models import OutboxMessage
-from .claims import outbox_backlog
 from .relay import OutboxRelay, RelayReport
 
 # Logged under the relay's name, the one users' logging configuration knows.
@@ -45,9 +44,7 @@ def run_lanes(relays: list[OutboxRelay]) -> RelayReport:
     total = RelayReport()
     for report in [main, *reports]:
         total.add(report)
-    counts = outbox_backlog(relays[0].using)
-    if counts is not None:
-        total.left_pending, total.left_retrying, total.left_failed = counts
+    total.count_left(relays[0].using)
     return total
 
 

@@ -9,9 +9,12 @@ import select
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass
 from typing import Protocol
 
 from django.db import connections
+
+from ..core.liveness import HealthState
 
 # Logged under the relay's name, the one users' logging configuration knows.
 logger = logging.getLogger("reliable_messaging.relay")
@@ -117,30 +120,20 @@ class Loop(Protocol):
     def unwatch(self, fd: int) -> None: ...
 
 
-class Health(Protocol):
-    def note(self, key: str, text: str | None) -> None: ...
-
-
+@dataclass(eq=False)
 class WakeUps:
     """The relay's LISTEN connection on its I/O loop, opened by :meth:`look_after` and
     counted :attr:`listening` only once a probe reached it (a pooler's LISTEN hears nothing)."""
 
-    def __init__(
-        self,
-        using: str,
-        enabled: bool,
-        poll_interval: float,
-        *,
-        dsn: str | None = None,
-        send_probe: Callable[[str, str], None] | None = None,
-        health: Health | None = None,
-    ) -> None:
-        self.using = using
-        self.enabled = enabled
-        self.poll_interval = poll_interval
-        self.dsn = dsn
-        self.send_probe = send_probe
-        self.health = health
+    using: str
+    enabled: bool
+    poll_interval: float
+    _: KW_ONLY
+    dsn: str | None = None
+    send_probe: Callable[[str, str], None] | None = None
+    health: HealthState | None = None
+
+    def __post_init__(self) -> None:
         self._listener: OutboxListener | None = None
         self._loop: Loop | None = None
         self._retry_at = 0.0

@@ -208,35 +208,32 @@ def _write(
 ) -> str:
     """Insert the row; returns its message_id (an earlier message's, for an idempotency key
     published before)."""
-    if due is None and connections[using].vendor == "postgresql":
+    postgresql = connections[using].vendor == "postgresql"
+    if due is None and postgresql:
         values = [message_id, exchange, routing_key, body, json.dumps(headers) if headers else "{}"]
         insert = functools.partial(_insert_pg, using, values, ordering_key, idempotency_key)
-        if idempotency_key is None:
-            insert()
-            return message_id
-        return _publish_once_pg(insert, idempotency_key, using, message_id)
-    row = OutboxMessage(
-        message_id=message_id,
-        exchange=exchange,
-        routing_key=routing_key,
-        body=body,
-        headers=headers,
-        ordering_key=ordering_key,
-        idempotency_key=idempotency_key,
-        next_attempt_at=Now() if due is None else due,
-        created_at=Now(),
-    )
-    if due is not None:
-        row.status = OutboxStatus.SCHEDULED
-        row.deliver_at = due
-    if idempotency_key is None:
-        row.save(using=using, force_insert=True)
-        return message_id
-    if connections[using].vendor == "postgresql":
-        return _publish_once_pg(
-            lambda: row.save(using=using, force_insert=True), idempotency_key, using, message_id
+    else:
+        row = OutboxMessage(
+            message_id=message_id,
+            exchange=exchange,
+            routing_key=routing_key,
+            body=body,
+            headers=headers,
+            ordering_key=ordering_key,
+            idempotency_key=idempotency_key,
+            next_attempt_at=Now() if due is None else due,
+            created_at=Now(),
         )
-    return _publish_once(row, idempotency_key, using)
+        if due is not None:
+            row.status = OutboxStatus.SCHEDULED
+            row.deliver_at = due
+        if idempotency_key is not None and not postgresql:
+            return _publish_once(row, idempotency_key, using)
+        insert = functools.partial(row.save, using=using, force_insert=True)
+    if idempotency_key is None:
+        insert()
+        return message_id
+    return _publish_once_pg(insert, idempotency_key, using, message_id)
 
 
 def _insert_sql(ordering_key: bool, idempotency_key: bool) -> str:

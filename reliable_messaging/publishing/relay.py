@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from django.db import connections, router
+from django.db import DatabaseError, connections, router
 
 from .. import metrics
 from ..broker.publisher import ChannelClosed, ConfirmingPublisher, PublisherTransport, Returned
@@ -54,6 +54,18 @@ class RelayReport:
         for name in ("sent", "nacked", "returned", "unrouted", "timed_out", "batches"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
+    def count_left(self, using: str) -> None:
+        """Read the rows left in the outbox (not when the database is down): three counts, each
+        through its own index (one aggregate would read every row)."""
+        outbox = OutboxMessage.objects.using(using)
+        try:
+            pending = outbox.pending()
+            left = [q.count() for q in (pending, pending.filter(attempts__gt=0), outbox.failed())]
+        except DatabaseError:
+            logger.warning("relay: cannot count the outbox rows left (database unavailable)")
+            return
+        self.left_pending, self.left_retrying, self.left_failed = left
+
     def summary(self) -> str:
         return (
             f"sent {self.sent}, nacked {self.nacked}, unroutable {self.returned} "
@@ -64,43 +76,32 @@ class RelayReport:
         )
 
 
+@dataclass(eq=False)
 class OutboxRelay:
     """Publishes the outbox until stopped; with ``once`` until nothing is pending. Its publisher's
     events and its timers run on the I/O loop. Built by :func:`build_relay`."""
 
-    def __init__(
-        self,
-        *,
-        publisher: PublisherTransport,
-        claims: OutboxClaims,
-        in_flight: InFlight,
-        scheduler: ClaimScheduler,
-        wake_ups: WakeUps,
-        topology: ConsumerTopology,
-        report: RelayReport,
-        health: HealthState,
-        settings: MessagingSettings,
-        once: bool = False,
-        max_seconds: float | None = None,
-    ) -> None:
-        self.publisher = publisher
-        self.claims = claims
-        self.in_flight = in_flight
-        self.scheduler = scheduler
-        self.wake_ups = wake_ups
-        self.topology = topology
-        self.report = report
-        self.health = health
-        self.settings = settings
-        self.using = claims.using
-        self.batch_size = claims.batch_size
-        self.once = once
-        self.deadline = None if max_seconds is None else time.monotonic() + max_seconds
+    publisher: PublisherTransport
+    claims: OutboxClaims
+    in_flight: InFlight
+    scheduler: ClaimScheduler
+    wake_ups: WakeUps
+    topology: ConsumerTopology
+    report: RelayReport
+    health: HealthState
+    once: bool = False
+    max_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        self.settings = self.claims.settings
+        self.using = self.claims.using
+        self.batch_size = self.claims.batch_size
+        self.deadline = None if self.max_seconds is None else time.monotonic() + self.max_seconds
         self._stop_requested = False
         self._finished = False
         self._blocked = False  # the broker sent connection.blocked on the current connection
         self._watch_timer: object = None
-        self._reconnect = Backoff(0.5, settings.reconnect_max_delay)
+        self._reconnect = Backoff(0.5, self.settings.reconnect_max_delay)
 
     @property
     def listen(self) -> bool:
@@ -136,26 +137,23 @@ class OutboxRelay:
             self._after_loop()
             self.scheduler.close()
             self.topology.close()
-        counts = self.claims.backlog()
-        if counts is not None:
-            (self.report.left_pending, self.report.left_retrying, self.report.left_failed) = counts
+        self.report.count_left(self.using)
         return self.report
 
     def _done(self) -> bool:
-        return self._finished or self._stop_requested or self._past_deadline()
+        return self._finished or self.stopping()
 
     def _after_loop(self) -> None:
         """A loop ended: what was in flight is recorded as far as it got."""
         self.in_flight.abort("the connection's loop ended")
         self.scheduler.after_loop()
 
-    def _past_deadline(self) -> bool:
-        return self.deadline is not None and time.monotonic() >= self.deadline
-
     # -- what the scheduler asks (ClaimOwner) ------------------------------------------------
 
     def stopping(self) -> bool:
-        return self._stop_requested or self._past_deadline()
+        return self._stop_requested or (
+            self.deadline is not None and time.monotonic() >= self.deadline
+        )
 
     def holding(self) -> bool:
         return self._blocked or self.topology.declaring
@@ -250,18 +248,21 @@ class OutboxRelay:
         self.health.heartbeat()
         if self._stop_requested:
             self.health.stopping()
-        if self._stop_requested or self._past_deadline():
+        if self.stopping():
             if self._blocked:
                 self._leave_blocked()
                 return
             if not (self.in_flight or self.scheduler.busy()):
-                self._finished = True
-                self._cancel_timers()
-                self.publisher.close()
+                self._finish()
                 return
         self.in_flight.renew_leases()
         self.wake_ups.look_after(self.publisher, self._on_notify)
         self._watch_timer = self.publisher.call_later(0.2, self._watch)
+
+    def _finish(self, close: Callable[[], None] | None = None) -> None:
+        self._finished = True
+        self._cancel_timers()
+        (close or self.publisher.close)()
 
     def _cancel_timers(self) -> None:
         self.scheduler.cancel()
@@ -273,18 +274,14 @@ class OutboxRelay:
         flight rolls back."""
         self.in_flight.abort("stopping while the broker blocks the connection")
         self._set_blocked(False)
-        self._finished = True
-        self._cancel_timers()
-        self.publisher.abandon()
+        self._finish(self.publisher.abandon)
 
     def nothing_due(self) -> bool:
         """Nothing is due now: with ``once`` the relay stops (rows backing off are left)."""
         if not self.once:
             return False
         logger.info("relay: nothing left to send")
-        self._finished = True
-        self._cancel_timers()
-        self.publisher.close()
+        self._finish()
         return True
 
     def _on_notify(self) -> None:
@@ -315,22 +312,9 @@ def build_relay(
     health = health if health is not None else HealthState()
     using = router.db_for_write(OutboxMessage)
     report = RelayReport()
-    lease_seconds = settings.relay_confirm_timeout + LEASE_MARGIN
-    claims = OutboxClaims(
-        using,
-        settings,
-        batch_size or settings.relay_batch_size,
-        lease=dt.timedelta(seconds=lease_seconds),
-    )
-    in_flight = InFlight(
-        publisher=publisher,
-        claims=claims,
-        settings=settings,
-        report=report,
-        health=health,
-        lease_seconds=lease_seconds,
-        on_batch=on_batch,
-    )
+    lease = dt.timedelta(seconds=settings.relay_confirm_timeout + LEASE_MARGIN)
+    claims = OutboxClaims(using, settings, batch_size or settings.relay_batch_size, lease)
+    in_flight = InFlight(publisher, claims, report, health, on_batch)
     wake_ups = WakeUps(
         using,
         enabled=listen and connections[using].vendor == "postgresql",
@@ -339,31 +323,18 @@ def build_relay(
         send_probe=wake_after_commit.sender.probe,
         health=health,
     )
-    scheduler = ClaimScheduler(
-        publisher=publisher,
-        claims=claims,
-        in_flight=in_flight,
-        wake_ups=wake_ups,
-        health=health,
-        settings=settings,
-    )
     topology = ConsumerTopology(
-        consumers,
-        publisher=publisher,
-        settings=settings,
-        health=health,
-        once_per_process=declare_once_per_process,
+        list(consumers), publisher, settings, health, declare_once_per_process
     )
     return OutboxRelay(
         publisher=publisher,
         claims=claims,
         in_flight=in_flight,
-        scheduler=scheduler,
+        scheduler=ClaimScheduler(publisher, claims, in_flight, wake_ups, health),
         wake_ups=wake_ups,
         topology=topology,
         report=report,
         health=health,
-        settings=settings,
         once=once,
         max_seconds=max_seconds,
     )

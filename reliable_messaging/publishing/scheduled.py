@@ -6,7 +6,6 @@ take their place in their key's order then (``docs/scheduling.md``), or cancelle
 from __future__ import annotations
 
 import datetime as dt
-import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -18,11 +17,10 @@ from ..choices import OutboxStatus
 from ..models import OutboxMessage
 from ..storage.partitions import row_moved
 
-logger = logging.getLogger("reliable_messaging.relay")
-
 # How many due rows one promotion moves, in one short transaction.
 PROMOTE_CHUNK = 5000
-# Tries of a cancel that met a row the relay moved meanwhile (storage.partitions.row_moved).
+# Tries of a cancel, a claim or a batch's record that met a row moved to another partition
+# meanwhile (storage.partitions.row_moved).
 MOVED_TRIES = 3
 
 
@@ -96,9 +94,13 @@ def promote_due(using: str, limit: int = PROMOTE_CHUNK, due_by: dt.datetime | No
 def next_due_in(using: str) -> float | None:
     """Seconds until the next scheduled row is due by the database's clock (0 when one is due
     now); None when none is scheduled. Reads the first entry of the scheduled rows' index."""
+    return first_due_in(_scheduled(using))
+
+
+def first_due_in(rows: Any) -> float | None:
+    """Seconds until the first of ``rows`` is due by the database's clock (0 when overdue)."""
     due_in: dt.timedelta | None = (
-        _scheduled(using)
-        .order_by("next_attempt_at")
+        rows.order_by("next_attempt_at")
         .annotate(due_in=F("next_attempt_at") - Now())
         .values_list("due_in", flat=True)
         .first()

@@ -9,19 +9,19 @@ import functools
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from django.db import DatabaseError
 
 from ..broker.publisher import PublisherTransport
-from ..conf import MessagingSettings
 from ..core.backoff import Backoff
 from ..core.liveness import HealthState
-from .claims import Claim, ClaimTransaction, OutboxClaims
+from .claims import Claim, ClaimTransaction, OutboxClaims, release_parked
 from .database_worker import DatabaseWorker
 from .in_flight import InFlight
 from .listener import WakeUps
-from .scheduled import PROMOTE_CHUNK
+from .scheduled import PROMOTE_CHUNK, next_due_in, promote_due
 
 # Logged under the relay's name, the one users' logging configuration knows.
 logger = logging.getLogger("reliable_messaging.relay")
@@ -53,27 +53,18 @@ class ClaimOwner(Protocol):
         """Nothing is due now; True when the relay stops for it (``--once``)."""
 
 
+@dataclass(eq=False)
 class ClaimScheduler:
     """Gives claims to the relay's database workers and publishes what they find."""
 
-    owner: ClaimOwner  # the relay, from start()
+    publisher: PublisherTransport
+    claims: OutboxClaims
+    in_flight: InFlight
+    wake_ups: WakeUps
+    health: HealthState
+    owner: ClaimOwner = field(init=False)  # the relay, from start()
 
-    def __init__(
-        self,
-        *,
-        publisher: PublisherTransport,
-        claims: OutboxClaims,
-        in_flight: InFlight,
-        wake_ups: WakeUps,
-        health: HealthState,
-        settings: MessagingSettings,
-    ) -> None:
-        self.publisher = publisher
-        self.claims = claims
-        self.in_flight = in_flight
-        self.wake_ups = wake_ups
-        self.health = health
-        self.settings = settings
+    def __post_init__(self) -> None:
         # One per batch that may be in flight; they run every query of the batches.
         self.workers: list[DatabaseWorker] = []
         self._look_again = False  # a claim was asked for while one was under way
@@ -84,7 +75,7 @@ class ClaimScheduler:
         self._next_promote = 0.0  # monotonic time to look for due scheduled rows next
         self._held_until = 0.0
         self._held_backoff = Backoff(HELD_FIRST, SCHEDULED_LOOK)
-        self._db_backoff = Backoff(0.5, settings.reconnect_max_delay)
+        self._db_backoff = Backoff(0.5, self.claims.settings.reconnect_max_delay)
         self._trail: float | None = None
 
     def start(self, owner: ClaimOwner) -> None:
@@ -140,10 +131,6 @@ class ClaimScheduler:
         """I/O loop: a batch was recorded: claim again (after a backoff if it could not be)."""
         self.schedule(0 if recorded else self._db_backoff.next())
 
-    def _free_worker(self) -> DatabaseWorker | None:
-        # A worker still finishing a job (recording a batch) takes the claim after it.
-        return next((worker for worker in self.workers if worker.free), None)
-
     def _tick(self) -> None:
         """I/O loop: give the next claim to a free database worker."""
         self._tick_timer = None
@@ -153,7 +140,8 @@ class ClaimScheduler:
             # It may have looked before what this tick is for: its answer looks again.
             self._look_again = True
             return
-        worker = self._free_worker()
+        # A worker still finishing a job (recording a batch) takes the claim after it.
+        worker = next((worker for worker in self.workers if worker.free), None)
         if worker is None:
             return  # the next batch to be recorded schedules a claim
         if self.owner.stopping():
@@ -243,7 +231,7 @@ class ClaimScheduler:
     def _sweep(self) -> None:
         """Release a slice of the parked rows nothing holds back any more; the next a second
         later, a new pass SWEEP_INTERVAL after the last ended."""
-        released, self._sweep_after = self.claims.release_parked(after=self._sweep_after or 0)
+        released, self._sweep_after = release_parked(self.claims.using, self._sweep_after or 0)
         self._next_sweep = time.monotonic() + (1.0 if self._sweep_after else SWEEP_INTERVAL)
         if released:
             logger.info(
@@ -254,13 +242,13 @@ class ClaimScheduler:
     def _promote(self) -> None:
         """Database worker: make a chunk of due scheduled rows pending; note when to look next."""
         self._next_promote = time.monotonic() + SCHEDULED_LOOK  # meanwhile, for the others
-        promoted = self.claims.promote_due()
+        promoted = promote_due(self.claims.using)
         if promoted:
             logger.debug("relay: %d scheduled row(s) fell due", promoted)
         if promoted >= PROMOTE_CHUNK:
             self._note_scheduled(0.0)
             return
-        due_in = self.claims.next_scheduled_in()
+        due_in = next_due_in(self.claims.using)
         if due_in == 0.0 and not promoted:
             # Due, yet skipped: another transaction holds it locked (see HELD_FIRST).
             self._held_until = time.monotonic() + self._held_backoff.next()
@@ -282,7 +270,7 @@ class ClaimScheduler:
 
     def _idle_wait(self) -> float:
         """Database worker: how long the relay may sleep before the next claim."""
-        poll = self.settings.relay_poll_interval
+        poll = self.claims.settings.relay_poll_interval
         if self.wake_ups.listening:
             # NOTIFY wakes us (a probe proved it); polling only catches backoffs and misses.
             poll = max(poll, 5.0)
@@ -290,7 +278,7 @@ class ClaimScheduler:
         if due_in is not None:
             poll = min(poll, due_in)
         # A scheduled row: at its due time, whatever the poll.
-        scheduled_in = self._scheduled_in(self.claims.next_scheduled_in())
+        scheduled_in = self._scheduled_in(next_due_in(self.claims.using))
         self._note_scheduled(scheduled_in)
         if scheduled_in is not None:
             poll = min(poll, scheduled_in)

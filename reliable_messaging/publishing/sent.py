@@ -108,9 +108,6 @@ class Batch:
     # Called on the I/O loop once the outcome is recorded (True) or could not be (False).
     on_recorded: Callable[[bool], None] | None = None
 
-    def holds(self, pk: int) -> bool:
-        return pk in self.pks
-
     def unconfirmed(self) -> list[ClaimedRow]:
         """Published rows not confirmed nor charged yet, in the order they went out."""
         return [
@@ -165,23 +162,15 @@ class Batch:
             for row in self.rows.values()
             if row.pk in self.unrouted and row.pk in self.confirmed and row.pk not in self.errors
         ]
-        done = set(sent) | {row.pk for row in unrouted}
+        answered = self.confirmed | set(self.errors)
         return BatchOutcome(
             claimed=self.claimed,
             sent=sent,
             unrouted=unrouted,
             failures=dict(self.errors),
             final=self.final & set(self.errors),
-            again=[
-                row.pk for row in self.claimed if row.pk not in done and row.pk not in self.errors
-            ],
+            again=[row.pk for row in self.claimed if row.pk not in answered],
         )
-
-
-def missing_exchange(reply_text: str) -> str | None:
-    """The exchange a ``404 NOT_FOUND`` channel close names ("no exchange 'x' in vhost ...")."""
-    match = _MISSING_EXCHANGE.search(reply_text)
-    return match.group(1) if match else None
 
 
 def refused_rows(batches: list[Batch], reply_text: str) -> list[tuple[Batch, ClaimedRow]]:
@@ -209,7 +198,8 @@ def charge_refusal(
     """The broker closed the channel at a publish of ours: charge the rows it was about (a
     404: those bound for the missing exchange). How many, and the missing exchange if any."""
     if reply_code == NOT_FOUND:
-        missing = missing_exchange(reply_text)
+        named = _MISSING_EXCHANGE.search(reply_text)  # "no exchange 'x' in vhost ..."
+        missing = named.group(1) if named else None
         charged = 0
         for batch in batches:
             for row in batch.unconfirmed():

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import threading
@@ -205,15 +206,13 @@ def _close(connection: Any) -> None:
 
 sender = WakeUpSender()
 
-# One callback per alias, so that a transaction's on-commit callbacks can be searched for it.
-_callbacks: dict[str, Any] = {}
 _can_notify: dict[str, bool] = {}
 
 
+@functools.cache
 def _callback(using: str) -> Any:
-    if using not in _callbacks:
-        _callbacks[using] = lambda: sender.request(using)
-    return _callbacks[using]
+    """One callback per alias: a transaction's on-commit callbacks are searched for it."""
+    return lambda: sender.request(using)
 
 
 def _supported(using: str) -> bool:
