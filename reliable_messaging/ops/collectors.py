@@ -76,18 +76,16 @@ def outbox_lag(using: str) -> float:
     """Seconds the oldest row that should have been sent has waited (by the database's clock);
     0 when none. The oldest pending row is the lowest id, found on the relay's partial index
     (ordering by ``created_at`` would sort the whole backlog)."""
+
+    def oldest(rows: QuerySet[Any], since: Any) -> dt.timedelta | None:
+        age = ExpressionWrapper(Now() - since, output_field=DurationField())
+        return rows.annotate(age=age).values_list("age", flat=True).first()
+
     outbox = OutboxMessage.objects.using(using)
+    due = outbox.filter(status=OutboxStatus.SCHEDULED, next_attempt_at__lte=Now())
     ages = [
-        outbox.pending()
-        .order_by("id")
-        .annotate(age=ExpressionWrapper(Now() - waiting_since(), output_field=DurationField()))
-        .values_list("age", flat=True)
-        .first(),
-        outbox.filter(status=OutboxStatus.SCHEDULED, next_attempt_at__lte=Now())
-        .order_by("next_attempt_at")
-        .annotate(age=ExpressionWrapper(Now() - F("next_attempt_at"), output_field=DurationField()))
-        .values_list("age", flat=True)
-        .first(),
+        oldest(outbox.pending().order_by("id"), waiting_since()),
+        oldest(due.order_by("next_attempt_at"), F("next_attempt_at")),
     ]
     return max([0.0, *(age.total_seconds() for age in ages if age is not None)])
 
