@@ -65,9 +65,6 @@ def _how_many(verb: str, how: str, total: int) -> str:
     ) % {"verb": verb, "how": how, "count": total}
 
 
-# --------------------------------------------------------------------------- views
-
-
 def describe_filter(request: HttpRequest, search_mode: str = "") -> list[str]:
     """The changelist's filter in words, e.g. ``["consumer = billing", "search “x”"]``; with
     ``search_mode``, how the search reads too."""
