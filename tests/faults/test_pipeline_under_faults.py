@@ -153,8 +153,10 @@ def test_publishers_blocked_by_a_memory_alarm_then_released(rig: FaultRig) -> No
         # first (connection.blocked goes to connections that published before) and it claims
         # nothing more, its connection staying "blocking"; either way the rows pile up.
         wait_until(
-            lambda: "blocked" in connection_states(rig.vhost)
-            or "the broker blocked the connection" in relay.log(),
+            lambda: (
+                "blocked" in connection_states(rig.vhost)
+                or "the broker blocked the connection" in relay.log()
+            ),
             timeout=30,
             interval=0.2,
             message=lambda: f"a blocked relay; states: {connection_states(rig.vhost)}",
