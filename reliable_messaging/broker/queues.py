@@ -224,7 +224,6 @@ def with_management_figures(
 ) -> tuple[QueueStatus, ...]:
     """``queues`` with unacked counts and rates from the management API; raises one of
     :data:`MANAGEMENT_ERRORS` when the API cannot be used."""
-
     get = partial(management_get, base_url, params=params, timeout=timeout)
     found = []
     for queue in queues:
