@@ -26,6 +26,20 @@ BASE=/var/lib/rm-rabbitmq4   # inside the chroot: HOME, data, logs, config
 
 die() { echo "rabbitmq4: ERROR: $*" >&2; exit 1; }
 
+# The Debian mirror this machine's apt already uses (RM_DEBIAN_MIRROR overrides it), read from
+# its sources: deb822 ".sources" files and one-line "deb" entries alike.
+debian_mirror() {
+    if [[ -n "${RM_DEBIAN_MIRROR:-}" ]]; then echo "${RM_DEBIAN_MIRROR%/}"; return; fi
+    local uri
+    uri=$( {
+        sed -n 's/^URIs:[[:space:]]*//p' /etc/apt/sources.list.d/*.sources 2>/dev/null | tr ' ' '\n'
+        sed -nE 's/^deb[[:space:]]+(\[[^]]*\][[:space:]]+)?([^[:space:]]+).*/\2/p' \
+            /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null
+    } | grep -E '/debian/?$' | head -n 1 || true)
+    [[ -n "$uri" ]] || die "no Debian mirror in this machine's apt sources; set RM_DEBIAN_MIRROR"
+    echo "${uri%/}"
+}
+
 build() {
     [[ -f "$STAMP" ]] && return 0
     command -v debootstrap >/dev/null || (apt-get update -qq &&
@@ -37,7 +51,7 @@ build() {
     umount_all
     rm -rf "$ROOT"
     mkdir -p "$ROOT"
-    debootstrap --variant=minbase trixie "$ROOT" http://deb.debian.org/debian >"$ROOT.debootstrap.log" 2>&1 ||
+    debootstrap --variant=minbase trixie "$ROOT" "$(debian_mirror)" >"$ROOT.debootstrap.log" 2>&1 ||
         die "debootstrap failed; see $ROOT.debootstrap.log"
     printf '#!/bin/sh\nexit 101\n' >"$ROOT/usr/sbin/policy-rc.d"
     chmod +x "$ROOT/usr/sbin/policy-rc.d"
