@@ -62,7 +62,7 @@ class ClaimScheduler:
     in_flight: InFlight
     wake_ups: WakeUps
     health: HealthState
-    owner: ClaimOwner = field(init=False)  # the relay, from start()
+    owner: ClaimOwner = field(init=False, repr=False)  # the relay, from start()
 
     def __post_init__(self) -> None:
         # One per batch that may be in flight; they run every query of the batches.

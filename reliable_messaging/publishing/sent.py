@@ -197,25 +197,20 @@ def charge_refusal(
 ) -> tuple[int, str | None]:
     """The broker closed the channel at a publish of ours: charge the rows it was about (a
     404: those bound for the missing exchange). How many, and the missing exchange if any."""
-    if reply_code == NOT_FOUND:
-        named = _MISSING_EXCHANGE.search(reply_text)  # "no exchange 'x' in vhost ..."
-        missing = named.group(1) if named else None
-        charged = 0
-        for batch in batches:
-            for row in batch.unconfirmed():
-                if row.exchange == missing:
-                    batch.errors[row.pk] = f"exchange {missing!r} does not exist"
-                    charged += 1
-        if not charged:  # a 404 about something else: charge the row it came at
-            for batch, row in refused_rows(batches, reply_text):
-                batch.errors[row.pk] = f"the broker closed the channel: {description}"[:2000]
-                charged += 1
-        return charged, missing
+    # A 404's "no exchange 'x' in vhost ...": the rows refused_rows finds are those bound for x.
+    named = _MISSING_EXCHANGE.search(reply_text) if reply_code == NOT_FOUND else None
+    missing = named.group(1) if named else None
     culprits = refused_rows(batches, reply_text)
     error = f"the broker closed the channel: {reply_code} {reply_text}"
     limit = size_limit_in(reply_text)
     for batch, row in culprits:
-        if limit is not None:
+        if reply_code == NOT_FOUND:
+            batch.errors[row.pk] = (
+                f"exchange {missing!r} does not exist"
+                if row.exchange == missing
+                else f"the broker closed the channel: {description}"[:2000]  # a 404 of another kind
+            )
+        elif limit is not None:
             # The broker refuses this body every time: failed at once, not after every attempt.
             size = len(row.body.encode("utf-8"))
             batch.errors[row.pk] = (
@@ -227,7 +222,7 @@ def charge_refusal(
             batch.final.add(row.pk)
         else:
             batch.errors[row.pk] = error[:2000]
-    return len(culprits), None
+    return len(culprits), missing
 
 
 def record_outcome(
