@@ -151,23 +151,7 @@ class StubChannel:
     def add_on_cancel_callback(self, callback: Callable[[Any], None]) -> None:
         """The stub broker never cancels a consumer."""
 
-    def close(self) -> None:
-        self._close()
-
-    # -- the stub's side -------------------------------------------------------------------------
-
-    def _take(self, delivery_tag: int, multiple: bool) -> list[StubMessage] | None:
-        """The deliveries an ack or nack settles; None when the tag is unknown, which RabbitMQ
-        answers by closing the channel (406), as here."""
-        if not self.is_open:
-            raise StubConnectionLost(f"channel {self.channel_number} is closed")
-        if delivery_tag not in self.unacked:
-            self._close(by_broker=f"406 PRECONDITION_FAILED - unknown delivery tag {delivery_tag}")
-            return None
-        tags = [t for t in self.unacked if t <= delivery_tag] if multiple else [delivery_tag]
-        return [self.unacked.pop(t) for t in sorted(tags)]
-
-    def _close(self, by_broker: str | None = None) -> None:
+    def close(self, by_broker: str | None = None) -> None:
         with self._broker.lock:
             if not self.is_open:
                 return
@@ -179,6 +163,19 @@ class StubChannel:
             if by_broker is not None:
                 self._broker.record("channel_closed", self, 0, messages=held, reason=by_broker)
             self._broker.wake.notify_all()
+
+    # -- the stub's side -------------------------------------------------------------------------
+
+    def _take(self, delivery_tag: int, multiple: bool) -> list[StubMessage] | None:
+        """The deliveries an ack or nack settles; None when the tag is unknown, which RabbitMQ
+        answers by closing the channel (406), as here."""
+        if not self.is_open:
+            raise StubConnectionLost(f"channel {self.channel_number} is closed")
+        if delivery_tag not in self.unacked:
+            self.close(by_broker=f"406 PRECONDITION_FAILED - unknown delivery tag {delivery_tag}")
+            return None
+        tags = [t for t in self.unacked if t <= delivery_tag] if multiple else [delivery_tag]
+        return [self.unacked.pop(t) for t in sorted(tags)]
 
     def _deliverable(self) -> list[tuple[_Consumer, _Frame, StubMessage]]:
         """Move messages from the consumed queues into this channel's window (broker lock)."""
@@ -257,7 +254,7 @@ class StubConnection:
     def close(self) -> None:
         with self.broker.lock:
             for channel in self.channels:
-                channel._close()
+                channel.close()
             self.is_open = False
             self._callbacks.clear()
 
@@ -394,7 +391,7 @@ class StubTransport:
             for connection in self.connections:
                 for channel in connection.channels:
                     if channel.is_open and any(c.queue == queue for c in channel.consumers):
-                        channel._close(by_broker=reason)
+                        channel.close(by_broker=reason)
                         return channel.channel_number
         raise LookupError(f"no open channel consumes {queue}")
 
@@ -406,23 +403,13 @@ class StubTransport:
         channel: StubChannel,
         delivery_tag: int,
         *,
-        multiple: bool = False,
-        requeue: bool = False,
         messages: Sequence[StubMessage] = (),
-        reason: str = "",
+        **details: Any,
     ) -> None:
-        self.log.append(
-            BrokerEvent(
-                kind,
-                channel.connection_number,
-                channel.channel_number,
-                delivery_tag,
-                multiple=multiple,
-                requeue=requeue,
-                message_ids=tuple(m.properties.message_id or "" for m in messages),
-                reason=reason,
-            )
-        )
+        """Log what was done on ``channel``; ``details`` are more fields of its event."""
+        ids = tuple(m.properties.message_id or "" for m in messages)
+        numbers = (channel.connection_number, channel.channel_number)
+        self.log.append(BrokerEvent(kind, *numbers, delivery_tag, message_ids=ids, **details))
 
     def requeue(self, messages: Sequence[StubMessage]) -> None:
         """Back to the head of their queues, in their order, marked redelivered."""

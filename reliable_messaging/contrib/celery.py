@@ -231,9 +231,10 @@ def idempotent_task(
             name = scope or (
                 task.name if task is not None else body.__module__ + "." + body.__qualname__
             )
-            bound_self = task is not None and bool(args) and args[0] is task
+            task_args = args[1:] if task is not None and args and args[0] is task else args
+
             if key is not None:
-                raw_key = key(*(args[1:] if bound_self else args), **kwargs)
+                raw_key = key(*task_args, **kwargs)
             else:
                 raw_key = task.request.id if task is not None else None
                 if not raw_key:
@@ -251,7 +252,6 @@ def idempotent_task(
                     # A pool child may have died on it: the guard's mark commits before the
                     # body's transaction opens, so it outlives a SIGKILL.
                     guard = CrashGuard(messaging_settings.crash_limit, using=alias)
-                    task_args = args[1:] if bound_self else args
                     try:
                         looping = _dead_letter_if_crash_looping(
                             guard, task, name, message_id, task_args, kwargs
@@ -285,7 +285,8 @@ def idempotent_task(
                         _hold(task, name, message_id, exc)
                     # An exception is an outcome; SystemExit and MemoryError end the child, and
                     # the redelivery counts the death as if it were a SIGKILL.
-                    if guard is not None and _is_outcome(exc):
+                    outcome = isinstance(exc, Exception) and not isinstance(exc, MemoryError)
+                    if guard is not None and outcome:
                         _forget(guard, name, message_id)
                     raise
                 _outage.recovered()
@@ -394,10 +395,6 @@ def _redelivered(task: Task) -> bool:
     """Whether the broker handed this task message out before (eager runs never are)."""
     delivery_info = getattr(task.request, "delivery_info", None) or {}
     return bool(delivery_info.get("redelivered"))
-
-
-def _is_outcome(exc: BaseException) -> bool:
-    return isinstance(exc, Exception) and not isinstance(exc, MemoryError)
 
 
 def _forget(guard: CrashGuard, scope: str, message_id: str) -> None:

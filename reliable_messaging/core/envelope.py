@@ -109,14 +109,13 @@ class MessageJSONEncoder(json.JSONEncoder):
     """JSON with Decimal and UUID as strings, dates and times as ISO 8601, sets as lists."""
 
     def default(self, o: Any) -> Any:
-        if isinstance(o, decimal.Decimal):
+        if isinstance(o, decimal.Decimal | uuid.UUID):
             return str(o)
         if isinstance(o, dt.datetime | dt.date | dt.time):
             return o.isoformat()
         if isinstance(o, dt.timedelta):
             return o.total_seconds()
-        if isinstance(o, uuid.UUID):
-            return str(o)
+
         if isinstance(o, set | frozenset):
             return sorted(o, key=repr)
         return super().default(o)
@@ -245,9 +244,12 @@ def delivery_from_frame(queue: str, method: Any, properties: Any, body: bytes) -
     """A :class:`Delivery` from what pika handed the consumer. Never raises: a field that is
     not what AMQP says becomes escaped text and a defect, so the delivery is refused."""
     defects: list[str] = []
+
+    def optional(value: Any, what: str) -> str | None:
+        return None if value is None else _frame_text(value, what, defects)
+
     try:
-        message_id = properties.message_id
-        content_type = properties.content_type
+        message_id, content_type = properties.message_id, properties.content_type
         return Delivery(
             body=bytes(body),
             queue=queue,
@@ -255,12 +257,8 @@ def delivery_from_frame(queue: str, method: Any, properties: Any, body: bytes) -
             routing_key=_frame_text(method.routing_key or "", "routing key", defects),
             delivery_tag=method.delivery_tag or 0,
             redelivered=bool(method.redelivered),
-            message_id=None
-            if message_id is None
-            else _frame_text(message_id, "message_id", defects),
-            content_type=(
-                None if content_type is None else _frame_text(content_type, "content type", defects)
-            ),
+            message_id=optional(message_id, "message_id"),
+            content_type=optional(content_type, "content type"),
             timestamp=_signed_timestamp(properties.timestamp),
             headers=normalize_headers(properties.headers),
             defects=tuple(defects),

@@ -129,15 +129,17 @@ def _validate(
     return delays
 
 
-def _seconds(queue: str, name: str, value: float | dt.timedelta | None) -> float | None:
+def _seconds(
+    queue: str, name: str, value: float | dt.timedelta | None, or_timedelta: bool = True
+) -> float | None:
     if value is None:
         return None
-    if isinstance(value, dt.timedelta):
+    if or_timedelta and isinstance(value, dt.timedelta):
         value = value.total_seconds()
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        also = " or a timedelta" if or_timedelta else ""
         raise ConsumerConfigurationError(
-            f"consumer {queue!r}: {name} must be a positive number of seconds or a timedelta, "
-            f"got {value!r}"
+            f"consumer {queue!r}: {name} must be a positive number of seconds{also}, got {value!r}"
         )
     return float(value)
 
@@ -181,12 +183,7 @@ def consumer(
     (``True``: the defaults; ``False``: none; None: the ``BREAKER`` setting's).
     """
     delays = _validate(queue, bindings, max_attempts, retry_delays)
-    if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0
-    ):
-        raise ConsumerConfigurationError(
-            f"consumer {queue!r}: timeout must be a positive number of seconds, got {timeout!r}"
-        )
+    seconds = _seconds(queue, "timeout", timeout, or_timedelta=False)
     age = _seconds(queue, "max_age", max_age)
     if on_expiry not in ("drop", "dead_letter"):
         raise ConsumerConfigurationError(
@@ -204,7 +201,7 @@ def consumer(
             ordered=ordered,
             max_attempts=max_attempts,
             retry_delays=delays,
-            timeout=None if timeout is None else float(timeout),
+            timeout=seconds,
             max_age=age,
             on_expiry=on_expiry,
             breaker=breaker_spec,

@@ -19,6 +19,7 @@ from typing import Any
 from django.db import DatabaseError, OperationalError, connections, transaction
 
 from .. import metrics
+from ..core.database_errors import sqlstate
 from ..core.liveness import HealthState
 
 logger = logging.getLogger("reliable_messaging.partitions")
@@ -61,9 +62,7 @@ SERIALIZATION_FAILURE = "40001"
 def row_moved(exc: BaseException) -> bool:
     """Whether ``exc`` says, in READ COMMITTED, that a row to be locked or updated was moved to
     another partition (marked sent) meanwhile: the statement is to be run again."""
-    return isinstance(exc, OperationalError) and (
-        getattr(exc.__cause__, "sqlstate", None) == SERIALIZATION_FAILURE
-    )
+    return isinstance(exc, OperationalError) and sqlstate(exc) == SERIALIZATION_FAILURE
 
 
 def _inbox_leaf_sql(name: str) -> list[str]:
@@ -104,9 +103,6 @@ class DayPartitioned:
     # is a partition): stated in the CHECK too, so that attaching needs no scan.
     also: str = ""
 
-    def day_name(self, day: dt.date) -> str:
-        return f"{self.prefix}{day:%Y%m%d}"
-
 
 INBOX = DayPartitioned("inbox", INBOX_TABLE, "processed_at", f"{INBOX_TABLE}_p", _inbox_leaf_sql)
 OUTBOX = DayPartitioned(
@@ -133,7 +129,7 @@ class Partition:
 
 
 def day_name(day: dt.date, spec: DayPartitioned = INBOX) -> str:
-    return spec.day_name(day)
+    return f"{spec.prefix}{day:%Y%m%d}"
 
 
 def day_start(day: dt.date) -> dt.datetime:
@@ -190,25 +186,29 @@ def create_partition_sql(
 ) -> list[str]:
     """The statements that make ``name`` a standalone table shaped like a partition of
     ``spec``, with its indexes and a CHECK matching its range (so attaching it needs no
-    scan)."""
-    column = spec.column
+    scan), then attach it."""
+    column, start_at, end_at = spec.column, start.isoformat(), end.isoformat()
     also = f" AND {spec.also}" if spec.also else ""
     return [
         *spec.leaf_sql(name),
         f'ALTER TABLE "{name}" ADD CONSTRAINT "{name}_range" '
-        f"CHECK ({column} >= '{start.isoformat()}' AND {column} < '{end.isoformat()}'{also})",
+        f"CHECK ({column} >= '{start_at}' AND {column} < '{end_at}'{also})",
+        f'ALTER TABLE "{spec.table}" ATTACH PARTITION "{name}" '
+        f"FOR VALUES FROM ('{start_at}') TO ('{end_at}')",
+        # Once attached, the partition bound does what the CHECK did.
+        f'ALTER TABLE "{name}" DROP CONSTRAINT "{name}_range"',
     ]
 
 
-def _attach(
-    cursor: Any, name: str, start: dt.datetime, end: dt.datetime, spec: DayPartitioned = INBOX
-) -> None:
-    cursor.execute(
-        f'ALTER TABLE "{spec.table}" ATTACH PARTITION "{name}" '
-        f"FOR VALUES FROM ('{start.isoformat()}') TO ('{end.isoformat()}')"
-    )
-    # Once attached, the partition bound does what the CHECK did.
-    cursor.execute(f'ALTER TABLE "{name}" DROP CONSTRAINT "{name}_range"')
+def _statements(*statements: str) -> Callable[[Any], bool]:
+    """A work for :func:`_ddl` that runs ``statements``."""
+
+    def work(cursor: Any) -> bool:
+        for statement in statements:
+            cursor.execute(statement)
+        return True
+
+    return work
 
 
 def _ddl(using: str, what: str, work: Callable[[Any], bool]) -> bool | None:
@@ -223,13 +223,11 @@ def _ddl(using: str, what: str, work: Callable[[Any], bool]) -> bool | None:
                     "SELECT pg_advisory_xact_lock(%s, %s)", [ADVISORY_CLASS, UPKEEP_LOCK]
                 )
                 return work(cursor)
-        except OperationalError as exc:
-            busy = getattr(exc.__cause__, "sqlstate", None) == LOCK_NOT_AVAILABLE
+        except DatabaseError as exc:
+            busy = isinstance(exc, OperationalError) and sqlstate(exc) == LOCK_NOT_AVAILABLE
             if busy and attempt < DDL_ATTEMPTS:
                 time.sleep(DDL_RETRY_AFTER)
                 continue
-            logger.warning("could not %s (will try again later): %s", what, exc)
-        except DatabaseError as exc:
             logger.warning("could not %s (will try again later): %s", what, exc)
         return None
     return None  # pragma: no cover - the loop always returns
@@ -252,7 +250,7 @@ def ensure_partitions(
     for offset in range(-1, ahead + 1):
         day = today + dt.timedelta(days=offset)
         start, end = day_start(day), day_start(day + dt.timedelta(days=1))
-        name = spec.day_name(day)
+        name = day_name(day, spec)
         if any(p.overlaps(start, end) for p in known):
             continue  # the usual case: no transaction, no lock
 
@@ -262,10 +260,7 @@ def ensure_partitions(
             # Again, under the lock: another process may have made it.
             if any(p.overlaps(start, end) for p in partitions(using, spec)):
                 return False
-            for statement in create_partition_sql(name, start, end, spec):
-                cursor.execute(statement)
-            _attach(cursor, name, start, end, spec)
-            return True
+            return _statements(*create_partition_sql(name, start, end, spec))(cursor)
 
         done = _ddl(using, f"create the {spec.label} partition of {day}", create)
         if done is None:
@@ -284,9 +279,7 @@ def covered_until(using: str, at: dt.datetime, spec: DayPartitioned = INBOX) -> 
         return None
     until = at
     for partition in partitions(using, spec):
-        if partition.detaching:
-            continue
-        if partition.start <= until < partition.end:
+        if not partition.detaching and partition.start <= until < partition.end:
             until = partition.end
     return until
 
@@ -295,9 +288,7 @@ def days_ahead(using: str, at: dt.datetime, spec: DayPartitioned = INBOX) -> flo
     """How many days from ``at`` rows of ``spec`` have their partitions made; None where the
     table is not partitioned."""
     until = covered_until(using, at, spec)
-    if until is None:
-        return None
-    return max(0.0, (until - at).total_seconds() / 86400)
+    return None if until is None else max(0.0, (until - at).total_seconds() / 86400)
 
 
 def expired(using: str, before: dt.datetime, spec: DayPartitioned = INBOX) -> list[str]:
@@ -386,25 +377,15 @@ def _detach_concurrently(using: str, parent: str, name: str, finalize: bool) -> 
     """Detach ``name`` from ``parent`` ``CONCURRENTLY`` (in a transaction, a test's: plainly);
     ``finalize`` completes a detach a process began and did not finish."""
     connection = connections[using]
-    how = "FINALIZE" if finalize else "CONCURRENTLY"
+    detach = f'ALTER TABLE "{parent}" DETACH PARTITION "{name}"'
     if connection.in_atomic_block:
-        return bool(
-            _ddl(
-                using,
-                f"detach {name}",
-                lambda cursor: (
-                    cursor.execute(
-                        f'ALTER TABLE "{parent}" DETACH PARTITION "{name}"'
-                        + (" FINALIZE" if finalize else "")
-                    )
-                    or True
-                ),
-            )
-        )
-    statement = f'ALTER TABLE "{parent}" DETACH PARTITION "{name}" {how}'
+        plain = detach + (" FINALIZE" if finalize else "")
+        return bool(_ddl(using, f"detach {name}", _statements(plain)))
+    statement = f"{detach} {'FINALIZE' if finalize else 'CONCURRENTLY'}"
     # No SET LOCAL outside a transaction: a probe under one first, so that a table another DDL
     # holds is left for the next run; then a watchdog bounds the detach itself.
-    if not _ddl(using, f"lock {parent} to detach {name}", lambda cursor: _probe(cursor, parent)):
+    probe = _statements(f'LOCK TABLE "{parent}" IN SHARE UPDATE EXCLUSIVE MODE')
+    if not _ddl(using, f"lock {parent} to detach {name}", probe):
         return False
     watchdog = threading.Timer(DETACH_TIMEOUT, _cancel, args=(using, statement))
     watchdog.daemon = True
@@ -422,11 +403,6 @@ def _detach_concurrently(using: str, parent: str, name: str, finalize: bool) -> 
 
 # How long a concurrent detach may wait before it is cancelled (the next run finishes it).
 DETACH_TIMEOUT = 300.0
-
-
-def _probe(cursor: Any, parent: str) -> bool:
-    cursor.execute(f'LOCK TABLE "{parent}" IN SHARE UPDATE EXCLUSIVE MODE')
-    return True
 
 
 def _cancel(using: str, statement: str) -> None:
@@ -449,11 +425,7 @@ def _cancel(using: str, statement: str) -> None:
 
 def _drop_detached(using: str, name: str) -> bool:
     """Drop ``name``, a table no longer attached: a lock on it alone, which nobody holds."""
-
-    def drop(cursor: Any) -> bool:
-        cursor.execute(f'DROP TABLE IF EXISTS "{name}"')
-        return True
-
+    drop = _statements(f'DROP TABLE IF EXISTS "{name}"')
     return bool(_ddl(using, f"drop the detached partition {name}", drop))
 
 
@@ -506,14 +478,12 @@ def estimated_rows_of(using: str, tables: list[str]) -> int:
         cursor.execute(
             "SELECT relname, reltuples FROM pg_class WHERE oid = ANY(%s::regclass[])", [tables]
         )
-        found = cursor.fetchall()
         total = 0
-        for name, reltuples in found:
-            if reltuples >= 0:
-                total += int(reltuples)
-                continue
-            cursor.execute(f'SELECT count(*) FROM "{name}"')  # noqa: S608
-            total += int(cursor.fetchone()[0])
+        for name, reltuples in cursor.fetchall():
+            if reltuples < 0:
+                cursor.execute(f'SELECT count(*) FROM "{name}"')  # noqa: S608
+                reltuples = cursor.fetchone()[0]
+            total += int(reltuples)
     return total
 
 
@@ -580,19 +550,17 @@ class PartitionUpkeep:
     def run_once(self) -> bool:
         """One run of the upkeep; whether it left the partitions as they should be."""
         now = self.clock()
+        before = None if self.retention is None else now - self.retention
         problem: str | None = None
         try:
             ensure_partitions(self.using, now=now, spec=self.spec)
-            if self.retention is not None:
-                drop_expired(self.using, now - self.retention, self.spec)
+            if before is not None:
+                drop_expired(self.using, before, self.spec)
             ahead = days_ahead(self.using, now, self.spec)
             if ahead is None:  # not partitioned: nothing to keep
                 return True
-            left = (
-                expired(self.using, now - self.retention, self.spec)
-                if self.retention is not None
-                else []
-            )
+            left = [] if before is None else expired(self.using, before, self.spec)
+
             if ahead < AHEAD_DAYS:
                 problem = f"only {ahead:.1f} day(s) of {self.spec.label} partitions are made ahead"
             elif left:

@@ -4,6 +4,7 @@ without long transactions: whole day partitions on PostgreSQL, else batches of s
 from __future__ import annotations
 
 import datetime as dt
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,12 +42,8 @@ def _purge(
 ) -> int:
     if dry_run:
         return queryset.count()
-
-    def progress(deleted: int, total: int) -> None:
-        if on_batch:
-            on_batch(table, deleted, total)
-
-    return queryset.delete_in_batches(batch_size, progress if on_batch else None)
+    progress = None if on_batch is None else functools.partial(on_batch, table)
+    return queryset.delete_in_batches(batch_size, progress)
 
 
 def purge_messages(
