@@ -68,21 +68,19 @@ def check_header_value(name: str, value: Any) -> None:
     if isinstance(value, int):
         if not -(2**63) <= value < 2**63:
             raise TypeError(f"header {name!r} is out of the 64-bit integer range")
-        return
-    if isinstance(value, list | tuple):
+    elif isinstance(value, list | tuple):
         for item in value:
             check_header_value(name, item)
-        return
-    if isinstance(value, Mapping):
+    elif isinstance(value, Mapping):
         for key, item in value.items():
             if not isinstance(key, str):
                 raise TypeError(f"header {name!r} has a non-string key {key!r}")
             check_header_value(f"{name}.{key}", item)
-        return
-    raise TypeError(
-        f"header {name!r} has a value of type {type(value).__name__}; AMQP headers hold "
-        f"str, int, bool, None, and lists or dicts of these (send a float as a string)"
-    )
+    else:
+        raise TypeError(
+            f"header {name!r} has a value of type {type(value).__name__}; AMQP headers hold "
+            f"str, int, bool, None, and lists or dicts of these (send a float as a string)"
+        )
 
 
 def check_short_string(what: str, value: str) -> None:
@@ -321,7 +319,7 @@ def _wire_decimal(value: decimal.Decimal) -> decimal.Decimal | str:
 
 
 def _wire_value(value: Any, depth: int) -> Any:
-    if value is None or isinstance(value, bool | float | bytes):
+    if value is None or isinstance(value, bool | float | bytes | dt.datetime):
         return value
     if isinstance(value, str):
         try:
@@ -333,8 +331,6 @@ def _wire_value(value: Any, depth: int) -> Any:
         return value if _INT64_MIN <= value < _INT64_END else str(value)
     if isinstance(value, decimal.Decimal):
         return _wire_decimal(value)
-    if isinstance(value, dt.datetime):
-        return value
     if isinstance(value, dt.date | dt.time):
         return value.isoformat()
     if isinstance(value, Mapping | list | tuple) and depth > MAX_WIRE_NESTING:
