@@ -34,6 +34,7 @@ from .core.outcomes import Acknowledge, Outcome, Release, RetryInPlace, Schedule
 from .core.registry import ConsumerRegistry, ConsumerSpec, registry
 from .core.routing import topic_matches
 from .core.uuid7 import new_message_id
+from .managers import OutboxMessageQuerySet
 from .models import OutboxMessage
 from .publishing.scheduled import promote_due
 
@@ -105,11 +106,14 @@ def deliver(
 def published(routing_key: str | None = None, *, using: str | None = None) -> list[Message]:
     """Messages ``publish()`` wrote and no relay has sent yet, oldest first, as handlers would
     see them; optionally only those with ``routing_key``."""
-    using = using or router.db_for_write(OutboxMessage)
-    rows = OutboxMessage.objects.using(using).pending().order_by("id")
+    rows = _outbox(using).pending().order_by("id")
     if routing_key is not None:
         rows = rows.filter(routing_key=routing_key)
     return [_message_of(row) for row in rows]
+
+
+def _outbox(using: str | None) -> OutboxMessageQuerySet:
+    return OutboxMessage.objects.using(using or router.db_for_write(OutboxMessage))
 
 
 def _message_of(row: OutboxMessage) -> Message:
@@ -127,12 +131,7 @@ def _message_of(row: OutboxMessage) -> Message:
 
 def scheduled(*, using: str | None = None) -> list[tuple[dt.datetime, Message]]:
     """Scheduled messages waiting for their due time, earliest first: ``(due, message)``."""
-    using = using or router.db_for_write(OutboxMessage)
-    rows = (
-        OutboxMessage.objects.using(using)
-        .filter(status=OutboxStatus.SCHEDULED)
-        .order_by("next_attempt_at", "id")
-    )
+    rows = _outbox(using).filter(status=OutboxStatus.SCHEDULED).order_by("next_attempt_at", "id")
     return [(row.deliver_at or row.created_at, _message_of(row)) for row in rows]
 
 
