@@ -20,7 +20,6 @@ from pika.adapters.blocking_connection import BlockingConnection
 
 from ..conf import MessagingSettings
 from ..core.envelope import CONTENT_TYPE, wire_headers
-from ..core.liveness import HealthState
 from ..core.registry import ConsumerSpec
 from .leftovers import retire_leftovers
 from .retry_publisher import RetryPublisher
@@ -111,14 +110,7 @@ class PikaTransport:
     def connect(self, settings: MessagingSettings, name: str) -> PikaConnection:
         return PikaConnection(connect(settings, name=name), settings)
 
-    def retry_publisher(
-        self,
-        settings: MessagingSettings,
-        *,
-        health: HealthState | None,
-        on_missing: Callable[[str], None],
-    ) -> RetryPublisher:
-        return RetryPublisher(settings, health=health, on_missing=on_missing)
+    retry_publisher = RetryPublisher
 
     def retry_properties(self, original: Any, headers: Mapping[str, Any]) -> pika.BasicProperties:
         return pika.BasicProperties(

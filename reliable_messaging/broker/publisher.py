@@ -277,13 +277,7 @@ class ConfirmingPublisher:
         assert self._channel is not None
         properties = message_properties(message_id, timestamp, headers)
         try:
-            self._channel.basic_publish(
-                exchange=exchange,
-                routing_key=routing_key,
-                body=body,
-                properties=properties,
-                mandatory=True,
-            )
+            self._channel.basic_publish(exchange, routing_key, body, properties, mandatory=True)
         except ENCODING_ERRORS as exc:
             raise Unencodable(exc) from exc
         tag = self._next_tag
@@ -336,7 +330,7 @@ class ConfirmingPublisher:
 
     def _on_connection_open(self, connection: pika.SelectConnection) -> None:
         connection.add_on_connection_blocked_callback(self._on_connection_blocked)
-        connection.add_on_connection_unblocked_callback(self._on_connection_unblocked)
+        connection.add_on_connection_unblocked_callback(lambda _c, _f: self.events.on_unblocked())
         connection.channel(on_open_callback=self._on_channel_open)
 
     def _on_connection_open_error(
@@ -366,10 +360,9 @@ class ConfirmingPublisher:
 
     def _on_channel_closed(self, channel: pika.channel.Channel, reason: BaseException) -> None:
         self._channel = None
-        by_broker = isinstance(reason, pika.exceptions.ChannelClosedByBroker)
         self.events.on_channel_closed(
             ChannelClosed(
-                by_broker=by_broker,
+                by_broker=isinstance(reason, pika.exceptions.ChannelClosedByBroker),
                 reply_code=int(getattr(reason, "reply_code", 0) or 0),
                 reply_text=str(getattr(reason, "reply_text", "") or ""),
                 description=str(reason),
@@ -395,9 +388,6 @@ class ConfirmingPublisher:
 
     def _on_connection_blocked(self, connection: pika.SelectConnection, frame: Any) -> None:
         self.events.on_blocked(getattr(frame.method, "reason", "") or "no reason given")
-
-    def _on_connection_unblocked(self, connection: pika.SelectConnection, frame: Any) -> None:
-        self.events.on_unblocked()
 
     def _on_delivery_confirmation(self, frame: Any) -> None:
         method = frame.method

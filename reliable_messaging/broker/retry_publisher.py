@@ -88,8 +88,7 @@ class RetryPublisher:
         self._connection: BlockingConnection | None = None
         self._channel: BlockingChannel | None = None
         self._reconnect = Backoff(0.5, settings.reconnect_max_delay)
-        self._blocked = False
-        self._reason = ""
+        self._blocked_by: str | None = None  # the broker's reason while it blocks publishing
         # When the publish under way began (monotonic), else None; and what is shown now.
         self._publishing_since: float | None = None
         self._shown: str | None = None
@@ -187,11 +186,7 @@ class RetryPublisher:
             channel = self._open_channel()
             self._publishing_since = time.monotonic()
             channel.basic_publish(
-                exchange=copy.exchange,
-                routing_key=copy.routing_key,
-                body=copy.body,
-                properties=copy.properties,
-                mandatory=True,
+                copy.exchange, copy.routing_key, copy.body, copy.properties, mandatory=True
             )
         except (pika.exceptions.UnroutableError, pika.exceptions.NackError) as exc:
             self._publishing_since = None
@@ -262,14 +257,11 @@ class RetryPublisher:
 
     def _on_blocked(self, connection: object, frame: object) -> None:
         reason = getattr(getattr(frame, "method", None), "reason", "") or "a resource alarm"
-        self._set_blocked(True, str(reason))
+        self._blocked_by = str(reason)
+        self.refresh()
 
-    def _on_unblocked(self, connection: object, frame: object) -> None:
-        self._set_blocked(False)
-
-    def _set_blocked(self, blocked: bool, reason: str = "") -> None:
-        self._blocked = blocked
-        self._reason = reason
+    def _on_unblocked(self, connection: object = None, frame: object = None) -> None:
+        self._blocked_by = None
         self.refresh()
 
     def refresh(self) -> None:
@@ -278,8 +270,8 @@ class RetryPublisher:
         since = self._publishing_since
         waited = time.monotonic() - since if since is not None else 0.0
         text = None
-        if self._blocked:
-            text = f"the broker blocks publishing ({self._reason}): retry copies wait"
+        if self._blocked_by is not None:
+            text = f"the broker blocks publishing ({self._blocked_by}): retry copies wait"
         elif waited > STALL_AFTER:
             text = (
                 f"a retry copy has waited {waited:.0f}s for the broker's confirm (a resource "
@@ -301,7 +293,7 @@ class RetryPublisher:
 
     def _disconnect(self) -> None:
         connection, self._connection, self._channel = self._connection, None, None
-        self._set_blocked(False)
+        self._on_unblocked()
         if connection is not None and connection.is_open:
             try:
                 connection.close()

@@ -320,11 +320,7 @@ def _arguments_the_broker_takes(
         queue,
         arguments["x-dead-letter-routing-key"],
     )
-    return {
-        k: v
-        for k, v in arguments.items()
-        if k not in ("x-dead-letter-exchange", "x-dead-letter-routing-key")
-    }
+    return {k: v for k, v in arguments.items() if not k.startswith("x-dead-letter-")}
 
 
 def _refusal(
@@ -363,12 +359,9 @@ def _declare_partitions(
         declarer.channel.exchange_bind(
             exchange, consumer_exchange(spec, settings), routing_key=binding
         )
+    wanted = queue_arguments(settings, ordered=True, dead_letter_to=dead_letter_to)
     for queue in consumer_queues(spec, settings):
-        arguments = _arguments_the_broker_takes(
-            declarer.channel,
-            queue,
-            queue_arguments(settings, ordered=True, dead_letter_to=dead_letter_to),
-        )
+        arguments = _arguments_the_broker_takes(declarer.channel, queue, wanted)
 
         def bind(channel: BlockingChannel, queue: str = queue) -> None:
             # Equal weights: the binding key of a consistent-hash exchange is the queue's weight.

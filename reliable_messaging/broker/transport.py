@@ -76,7 +76,6 @@ class BrokerConnection(Protocol):
     def messages_ready(self, queues: Sequence[str]) -> int:
         """Messages ready (not delivered) in ``queues``; a queue the broker cannot serve counts
         none."""
-        ...
 
     def retire_leftovers(self, specs: Sequence[ConsumerSpec]) -> None:
         """Retire the queues ``specs`` left behind (see :mod:`.leftovers`)."""
