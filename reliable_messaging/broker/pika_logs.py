@@ -11,8 +11,6 @@ from contextlib import contextmanager
 
 from .replies import NOT_FOUND
 
-PIKA_CHANNEL_LOGGER = "pika.channel"
-
 _probing = threading.local()
 
 
@@ -54,6 +52,6 @@ _FILTER = ExpectedNotFound()
 
 def install() -> None:
     """Put the filter on pika's channel logger (idempotent)."""
-    logger = logging.getLogger(PIKA_CHANNEL_LOGGER)
+    logger = logging.getLogger("pika.channel")
     if _FILTER not in logger.filters:
         logger.addFilter(_FILTER)

@@ -186,7 +186,7 @@ class ConfirmingPublisher:
         self._connection: pika.SelectConnection | None = None
         self._channel: pika.channel.Channel | None = None
         self._next_tag = 1
-        # Broker URLs not yet tried in this round of connects (see _next_broker).
+        # Broker URLs not yet tried in this round of connects (see run).
         self._brokers: list[pika.URLParameters] = []
         self._probe = ExchangeProbe(settings)
 
@@ -194,8 +194,10 @@ class ConfirmingPublisher:
 
     def run(self, events: PublisherEvents) -> None:
         self.events = events
+        if not self._brokers:  # a shuffled list: a node that is down costs one connect
+            self._brokers = connection_parameters(self.settings, name=self.name)
         self._connection = pika.SelectConnection(
-            self._next_broker(),
+            self._brokers.pop(),
             on_open_callback=self._on_connection_open,
             on_open_error_callback=self._on_connection_open_error,
             on_close_callback=self._on_connection_closed,
@@ -246,12 +248,6 @@ class ConfirmingPublisher:
     def reopen_channel(self) -> None:
         if self._connection is not None and self._connection.is_open:
             self._connection.channel(on_open_callback=self._on_channel_open)
-
-    def _next_broker(self) -> pika.URLParameters:
-        """The next URL of a shuffled list: a node that is down costs one connect."""
-        if not self._brokers:
-            self._brokers = connection_parameters(self.settings, name=self.name)
-        return self._brokers.pop()
 
     def _close_quietly(self) -> None:
         connection, self._connection, self._channel = self._connection, None, None

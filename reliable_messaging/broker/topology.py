@@ -64,14 +64,10 @@ def dead_letter_queue(spec: ConsumerSpec) -> str:
     return f"{spec.queue}.dead"
 
 
-def kept_queue(spec: ConsumerSpec) -> str:
-    """Quorum queues only: the classic queue (no delivery limit) past the ``.dead`` queue's."""
-    return f"{spec.queue}.dead.kept"
-
-
 def broker_dead_letter_queues(spec: ConsumerSpec) -> list[str]:
-    """The queues the broker dead-letters ``spec``'s messages into (quorum queues only)."""
-    return [dead_letter_queue(spec), kept_queue(spec)]
+    """The queues the broker dead-letters ``spec``'s messages into (quorum queues only): the
+    ``.dead`` queue, and the classic queue (no delivery limit) past its delivery limit."""
+    return [dead_letter_queue(spec), f"{spec.queue}.dead.kept"]
 
 
 def queue_arguments(
@@ -289,7 +285,7 @@ def _declare_dead_letter_queue(
 ) -> str | None:
     if settings.queue_type != "quorum":
         return None
-    name, kept = dead_letter_queue(spec), kept_queue(spec)
+    name, kept = broker_dead_letter_queues(spec)
     # The .dead queue's delivery limit stated (RabbitMQ 4 gives one, 20 by default, and drops
     # past it without a target): past it a message goes to the classic .dead.kept queue.
     declarer.queue("dead-letter queue", kept, {"x-queue-type": "classic"})
