@@ -36,7 +36,7 @@ from .choices import (
     OutboxStatus,
     ReplayOutcome,
 )
-from .storage.partitions import ADVISORY_CLASS, GROUP_FOLD_LOCK
+from .core.advisory_locks import ADVISORY_CLASS, GROUP_FOLD_LOCK
 
 # The model classes are Any here, reached through ``self.model`` or :func:`_sibling`: models.py
 # imports this module.

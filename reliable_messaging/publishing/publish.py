@@ -23,6 +23,7 @@ from .. import tracing
 from ..broker.limits import body_size_refusal, header_frame_refusal
 from ..choices import OutboxStatus
 from ..conf import messaging_settings
+from ..core.advisory_locks import IDEMPOTENCY_LOCK_CLASS
 from ..core.envelope import (
     EXPIRES_AT_HEADER,
     MAX_MESSAGE_ID_LENGTH,
@@ -33,7 +34,6 @@ from ..core.envelope import check_short_string as _check_short_string
 from ..core.envelope import checked_headers as _json_headers
 from ..core.uuid7 import new_message_id
 from ..models import OutboxMessage
-from ..storage.partitions import IDEMPOTENCY_LOCK_CLASS
 from .scheduled import cancel as _cancel
 from .wake_after_commit import wake_relay_after_commit
 

@@ -20,8 +20,9 @@ from django.db import IntegrityError, OperationalError, connections, transaction
 from django.utils import timezone
 
 from ..choices import OPEN_DEAD_LETTER_STATUSES
+from ..core.advisory_locks import CLAIM_LOCK_CLASS
 from ..models import DeadLetter, ProcessedMessage
-from .partitions import CLAIM_LOCK_CLASS, LOCK_NOT_AVAILABLE, ensure_covered
+from .partitions import LOCK_NOT_AVAILABLE, ensure_covered
 
 CLIENT_CURSOR: type | None
 try:

@@ -19,6 +19,7 @@ from typing import Any
 from django.db import DatabaseError, OperationalError, connections, transaction
 
 from .. import metrics
+from ..core.advisory_locks import ADVISORY_CLASS, UPKEEP_LOCK
 from ..core.database_errors import sqlstate
 from ..core.liveness import HealthState
 
@@ -46,15 +47,6 @@ DDL_ATTEMPTS = 3
 DDL_RETRY_AFTER = 1.0
 # PostgreSQL's SQLSTATE for a lock wait cut short by lock_timeout.
 LOCK_NOT_AVAILABLE = "55P03"
-# The advisory lock (two-int form: this class, then the purpose) that serializes upkeep.
-ADVISORY_CLASS = 0x726D  # "rm"
-UPKEEP_LOCK = 1
-# ... and the one that lets one fold of the failure groups' deltas run at a time (managers.py).
-GROUP_FOLD_LOCK = 2
-# The class of the inbox claim's per-key advisory locks (the key is a hash of the pair).
-CLAIM_LOCK_CLASS = 0x726D0001
-# The class of publish()'s advisory lock per idempotency key (a hash of the key).
-IDEMPOTENCY_LOCK_CLASS = 0x726D0002
 # PostgreSQL's SQLSTATE for a serialization failure (see row_moved).
 SERIALIZATION_FAILURE = "40001"
 

@@ -22,6 +22,7 @@ from django.utils import timezone
 from reliable_messaging.broker.topology import consumer_queues
 from reliable_messaging.choices import DeadLetterReason, DeadLetterStatus
 from reliable_messaging.consuming.processing import DeliveryProcessor, Job, process_batch
+from reliable_messaging.core.advisory_locks import CLAIM_LOCK_CLASS
 from reliable_messaging.core.envelope import (
     ORDERING_KEY_HEADER,
     Delivery,
@@ -34,7 +35,6 @@ from reliable_messaging.dead_letters.replay import STALE_REPLAY_AFTER, discard, 
 from reliable_messaging.exceptions import DatabaseUnavailable, PermanentError
 from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
 from reliable_messaging.storage import inbox as inbox_claim
-from reliable_messaging.storage.partitions import CLAIM_LOCK_CLASS
 from tests.markers import postgresql_only
 from tests.support import wait_until
 from tests.testapp.models import Effect
