@@ -12,7 +12,7 @@ import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NotRequired, TypedDict, Unpack
 
 from django.db import router, transaction
 from django.utils import timezone
@@ -159,20 +159,22 @@ def unified_diff(before: str, after: str, what: str) -> str:
     )
 
 
-def check_edit(
-    dead_letter: DeadLetter,
-    *,
-    payload_text: str,
-    headers: str | Mapping[str, Any],
-    reason: str,
-    force: bool = False,
-    now: Any = None,
-) -> Edit:
+class EditForm(TypedDict):
+    """An edit as the operator gives it: the payload and headers as JSON text (the headers may
+    be a mapping), why, and ``force``: even if the original was processed."""
+
+    payload_text: str
+    headers: str | Mapping[str, Any]
+    reason: str
+    force: NotRequired[bool]
+
+
+def check_edit(dead_letter: DeadLetter, *, now: Any = None, **form: Unpack[EditForm]) -> Edit:
     """Judge an edit of ``dead_letter``, writing nothing: the parsed payload and headers, their
     diff against the original, and every problem that refuses it."""
     edit = Edit()
     problems = edit.problems
-    payload = _parse(payload_text, "payload", problems)
+    payload = _parse(form["payload_text"], "payload", problems)
     payload_ok = payload is not _UNREAD
     if payload_ok:
         edit.payload = payload
@@ -184,6 +186,7 @@ def check_edit(
             if refusal := body_size_refusal(len(encoded)):
                 problems.append(refusal)
             edit.body = encoded.decode("utf-8")
+    headers = form["headers"]
     parsed = _parse(headers or "{}", "headers", problems) if isinstance(headers, str) else headers
     if parsed is not _UNREAD:
         header_problems = _header_problems(parsed)
@@ -192,7 +195,7 @@ def check_edit(
             edit.headers = dict(parsed)
             if refusal := _frame_refusal(dead_letter, edit.headers):
                 problems.append(refusal)
-    cleaned = (reason or "").strip()
+    cleaned = (form["reason"] or "").strip()
     if not cleaned:
         problems.append("a reason is required: say why the message is edited")
     elif len(cleaned) > MAX_REASON_LENGTH:
@@ -200,9 +203,15 @@ def check_edit(
             f"the reason is {len(cleaned)} characters long; at most {MAX_REASON_LENGTH}"
         )
     edit.already_processed = original_processed(dead_letter)
-    if refusal := _status_refusal(dead_letter, now or timezone.now()):
-        problems.append(f"dead letter #{dead_letter.pk} cannot be replayed: {refusal}")
-    if edit.already_processed and not force:
+    now = now or timezone.now()
+    # The replay's rule on what an edit keeps of the original: its status and what it is, not
+    # its body nor the inbox (the copy has its own message_id).
+    found = replay_refusal(
+        dead_letter, already_processed=False, force=True, now=now, body_replaced=True
+    )
+    if found is not None:
+        problems.append(f"dead letter #{dead_letter.pk} cannot be replayed: {found.text}")
+    if edit.already_processed and not form.get("force", False):
         problems.append(
             f"consumer {dead_letter.consumer} already processed the original message "
             f"{dead_letter.message_id}: the edited copy would run its handler once more for "
@@ -222,11 +231,7 @@ def check_edit(
 
 def _frame_refusal(dead_letter: DeadLetter, edited: dict[str, Any]) -> str | None:
     """Why the copy's headers can never be sent (over the broker's frame size), or None."""
-    headers = {
-        **_copy_headers(dead_letter, edited, _OPERATOR_ROOM),
-        REPLAY_ID_HEADER: 2**62,
-        **_TRACE_ROOM,
-    }
+    headers = {**_copy_headers(dead_letter, edited, _OPERATOR_ROOM, 2**62), **_TRACE_ROOM}
     return header_frame_refusal(new_message_id(), headers)
 
 
@@ -240,23 +245,8 @@ def original_processed(dead_letter: DeadLetter) -> bool:
     return rows.has(dead_letter.consumer, dead_letter.message_id)
 
 
-def _status_refusal(dead_letter: DeadLetter, now: Any) -> str | None:
-    """The replay's rule (:func:`~.replay.refusal`) on what an edit keeps of the original: its
-    status and what it is, not its body nor the inbox (the copy has its own message_id)."""
-    found = replay_refusal(
-        dead_letter, already_processed=False, force=True, now=now, body_replaced=True
-    )
-    return None if found is None else found.text
-
-
 def replay_edited(
-    dead_letter: DeadLetter,
-    *,
-    payload_text: str,
-    headers: str | Mapping[str, Any],
-    reason: str,
-    replayed_by: str,
-    force: bool = False,
+    dead_letter: DeadLetter, *, replayed_by: str, **form: Unpack[EditForm]
 ) -> EditedReplay:
     """Replay an edited copy of ``dead_letter`` in one transaction, judged again on the locked
     original (:class:`EditRefused`); ``force``: even if the original was processed. The caller
@@ -265,14 +255,7 @@ def replay_edited(
     with transaction.atomic(using=using):
         original = DeadLetter.objects.using(using).select_for_update().get(pk=dead_letter.pk)
         now = timezone.now()
-        edit = check_edit(
-            original,
-            payload_text=payload_text,
-            headers=headers,
-            reason=reason,
-            force=force,
-            now=now,
-        )
+        edit = check_edit(original, now=now, **form)
         if edit.problems:
             raise EditRefused(edit.problems)
         assert edit.headers is not None  # no problem: they parsed
@@ -284,28 +267,15 @@ def replay_edited(
             kind=ReplayKind.EDITED,
             replayed_by=replayed_by,
             replayed_at=now,
-            reason=reason.strip(),
+            reason=form["reason"].strip(),
             edit={"payload": edit.payload, "headers": edit.headers, "diff": edit.diff},
         )
-        copy_headers = _copy_headers(original, edit.headers, replayed_by)
-        copy_headers[REPLAY_ID_HEADER] = entry.pk
+        copy_headers = _copy_headers(original, edit.headers, replayed_by, entry.pk)
         copy_headers = traced(copy_headers, original, replayed_by, message_id)
-        insert_copies(
-            using,
-            [
-                (
-                    message_id,
-                    "",  # the default exchange: straight to the failed consumer's queue
-                    original.queue,
-                    edit.body,
-                    copy_headers,
-                    (original.headers or {}).get(ORDERING_KEY_HEADER),
-                    OutboxStatus.PENDING,
-                    0,
-                    "",
-                )
-            ],
-        )
+        ordering_key = (original.headers or {}).get(ORDERING_KEY_HEADER)
+        # Through the default exchange (""): straight to the failed consumer's queue.
+        copy = (message_id, "", original.queue, edit.body, copy_headers, ordering_key)
+        insert_copies(using, [(*copy, OutboxStatus.PENDING, 0, "")])
         diff = edit.diff
         if len(diff) > HISTORY_DIFF_CHARS:
             diff = diff[:HISTORY_DIFF_CHARS] + f"\n... (cut: the replay #{entry.pk} has all of it)"
@@ -313,7 +283,7 @@ def replay_edited(
             original,
             at=now,
             by=replayed_by,
-            reason=reason.strip(),
+            reason=form["reason"].strip(),
             message_id=message_id,
             diff=diff,
         )
@@ -327,10 +297,12 @@ def replay_edited(
     return EditedReplay(replay=entry, message_id=message_id)
 
 
-def _copy_headers(original: DeadLetter, edited: dict[str, Any], replayed_by: str) -> dict[str, Any]:
-    """The replay's headers, with the original's user headers replaced by the edited ones."""
+def _copy_headers(
+    original: DeadLetter, edited: dict[str, Any], replayed_by: str, replay_id: int
+) -> dict[str, Any]:
+    """The replay's headers (of ledger row ``replay_id``), with the original's user headers
+    replaced by the edited ones."""
     headers = replay_headers(original, replayed_by)
     for name in editable_headers(original):
         headers.pop(name, None)
-    headers.update(edited)
-    return headers
+    return {**headers, **edited, REPLAY_ID_HEADER: replay_id}
