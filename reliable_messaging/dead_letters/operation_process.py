@@ -13,16 +13,12 @@ import sys
 from functools import partial
 from multiprocessing.connection import Connection
 
-DEFAULT_BATCH_SIZE = 1000
-
 
 class OperationProcess:
     """An :class:`OperationRunner` in a spawned child process, stopped by closing a pipe (an
     Event's set() waits for its waiters, so a child that died inside its wait hung the relay)."""
 
-    def __init__(
-        self, *, batch_size: int = DEFAULT_BATCH_SIZE, notify_channel: str | None = None
-    ) -> None:
+    def __init__(self, *, batch_size: int, notify_channel: str | None = None) -> None:
         context = multiprocessing.get_context("spawn")
         self._stop_seen, self._stop_sent = context.Pipe(duplex=False)
         self._process = context.Process(

@@ -112,8 +112,9 @@ def run_batch(batch_size: int = DEFAULT_BATCH_SIZE) -> DeadLetterOperation | Non
     """Run the next batch of the oldest operation nobody else is running, in one transaction;
     returns that operation, or None when there was none."""
     using = router.db_for_write(DeadLetterOperation)
+    operations = DeadLetterOperation.objects.using(using)
     with transaction.atomic(using=using):
-        operation = DeadLetterOperation.objects.using(using).claim_next()
+        operation = operations.claim_next()
         if operation is None:
             return None
         now = timezone.now()
@@ -135,10 +136,10 @@ def run_batch(batch_size: int = DEFAULT_BATCH_SIZE) -> DeadLetterOperation | Non
                     f"status since). They were left as they are; start another operation to "
                     f"take them."
                 )
-                DeadLetterOperation.objects.using(using).fail(operation.pk, error=error, at=now)
+                operations.fail(operation.pk, error=error, at=now)
                 logger.warning("dead letter operation %s: %s", operation.pk, error)
                 return operation
-            DeadLetterOperation.objects.using(using).finish(operation, at=now)
+            operations.finish(operation, at=now)
             logger.info("dead letter operation %s done: %s", operation.pk, _counts(operation))
             return operation
         by, pk = operation.requested_by, operation.pk
@@ -150,9 +151,7 @@ def run_batch(batch_size: int = DEFAULT_BATCH_SIZE) -> DeadLetterOperation | Non
             rows = DeadLetter.objects.using(using).filter(pk__in=ids)
             counts = {"discarded": discard(rows, discarded_by=by, operation=pk)}
             skipped = len(ids) - counts["discarded"]
-        DeadLetterOperation.objects.using(using).advance(
-            operation, cursor=ids[-1], at=now, skipped=skipped, **counts
-        )
+        operations.advance(operation, cursor=ids[-1], at=now, skipped=skipped, **counts)
     return operation
 
 
@@ -163,25 +162,15 @@ def _counts(operation: DeadLetterOperation) -> str:
     )
 
 
-def run_pending_operations(
-    batch_size: int = DEFAULT_BATCH_SIZE,
-    time_budget: float | None = None,
-    on_batch: Callable[[], None] | None = None,
-) -> int:
-    """Run batches until no operation is left (or ``time_budget`` seconds have passed), calling
-    ``on_batch`` after each; returns how many ran."""
-    deadline = None if time_budget is None else time.monotonic() + time_budget
+def run_pending_operations(batch_size: int = DEFAULT_BATCH_SIZE) -> int:
+    """Run batches until no operation is left; returns how many ran."""
     batches = 0
-    while deadline is None or time.monotonic() < deadline:
-        if run_batch(batch_size) is None:
-            break
+    while run_batch(batch_size) is not None:
         batches += 1
-        if on_batch is not None:
-            on_batch()
     return batches
 
 
-class OperationRunner:
+class OperationRunner(threading.Thread):
     """A thread that carries out the recorded operations: batch after batch while there are
     some, otherwise a look every ``interval`` seconds on a connection kept open. A batch that
     fails :data:`FAILURES_BEFORE_GIVING_UP` times in a row stops its operation. Every
@@ -195,28 +184,23 @@ class OperationRunner:
         on_batch: Callable[[], None] | None = None,
         fold_interval: float | None = FOLD_INTERVAL,
     ) -> None:
+        super().__init__(name="dead-letter-operations", daemon=True)
         self.batch_size = batch_size
         self.interval = interval
         self.on_batch = on_batch
         self.fold_interval = fold_interval
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name="dead-letter-operations", daemon=True
-        )
-
-    def start(self) -> None:
-        self._thread.start()
+        self._stopping = threading.Event()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop after the batch under way (its transaction commits or rolls back whole)."""
-        self._stop.set()
-        self._thread.join(timeout=timeout)
+        self._stopping.set()
+        self.join(timeout=timeout)
 
-    def _run(self) -> None:
+    def run(self) -> None:
         failures: dict[int, int] = {}
         next_fold = time.monotonic()
         try:
-            while not self._stop.is_set():
+            while not self._stopping.is_set():
                 if self.fold_interval is not None and time.monotonic() >= next_fold:
                     next_fold = time.monotonic() + self.fold_interval
                     self._fold()
@@ -225,13 +209,13 @@ class OperationRunner:
                 except Exception as exc:  # noqa: BLE001 - the database may be down: retried
                     self._failed(failures, exc)
                     connections.close_all()
-                    self._stop.wait(self.interval)
+                    self._stopping.wait(self.interval)
                     continue
                 if operation is None:
                     # Kept for the next look, unless broken (then the next look reconnects).
                     for connection in connections.all(initialized_only=True):
                         connection.close_if_unusable_or_obsolete()
-                    self._stop.wait(self.interval)
+                    self._stopping.wait(self.interval)
                     continue
                 failures.pop(operation.pk, None)
                 if self.on_batch is not None:
@@ -255,13 +239,8 @@ class OperationRunner:
         using = router.db_for_write(DeadLetterOperation)
         error = f"{type(exc).__name__}: {exc}"
         try:
-            pk = (
-                DeadLetterOperation.objects.using(using)
-                .unfinished()
-                .order_by("pk")
-                .values_list("pk", flat=True)
-                .first()
-            )
+            unfinished = DeadLetterOperation.objects.using(using).unfinished()
+            pk = unfinished.order_by("pk").values_list("pk", flat=True).first()
         except Exception:  # noqa: BLE001 - the database is down: nothing to count against
             pk = None
         logger.warning("a dead letter operation batch failed, trying again: %s", error)

@@ -31,9 +31,6 @@ SEARCH_MODES = (BY_MESSAGE_ID, BY_WORDS)
 class SelectionError(ValueError):
     """A query that does not make a selection (an unknown field, a filter given twice)."""
 
-    def __init__(self, message: str = "this filter does not name a dead letter's field") -> None:
-        super().__init__(message)
-
 
 def selection_from_query(
     params: Mapping[str, Any], description: str = "", *, search_mode: str | None = None
