@@ -54,14 +54,13 @@ class Progress:
         self._last = now
         self._show(done)
 
-    def finish(self, done: int | None = None) -> None:
-        """Show the final count on a terminal and end the line (once)."""
+    def finish(self) -> None:
+        """Show the final count (the last update's) on a terminal and end the line (once)."""
         if self._finished:
             return
         self._finished = True
-        final = self._done if done is None else done
-        if self.tty and final and final != self._on_screen:
-            self._show(final)
+        if self.tty and self._done and self._done != self._on_screen:
+            self._show(self._done)
         self.interrupt()
 
     def interrupt(self) -> None:

@@ -69,8 +69,7 @@ class Command(BaseCommand):
         wanted = options["queues"]
         if wanted:
             known = {s.queue for s in specs}
-            unknown = sorted(set(wanted) - known)
-            if unknown:
+            if unknown := sorted(set(wanted) - known):
                 raise CommandError(
                     f"Unknown queue(s): {', '.join(unknown)}. Registered queues: "
                     f"{', '.join(sorted(known))}."

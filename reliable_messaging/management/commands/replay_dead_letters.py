@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import getpass
 from typing import Any
 
@@ -58,24 +59,19 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument(
+        repeatable = functools.partial(parser.add_argument, action="append", default=[])
+        repeatable(
             "--consumer",
-            action="append",
-            default=[],
             help="a consumer's name (its dotted function path unless name= is given) or queue",
         )
-        parser.add_argument("--queue", action="append", default=[])
-        parser.add_argument(
-            "--reason", action="append", default=[], choices=list(DeadLetterReason.values)
-        )
-        parser.add_argument(
+        repeatable("--queue")
+        repeatable("--reason", choices=list(DeadLetterReason.values))
+        repeatable(
             "--exception",
-            action="append",
-            default=[],
             metavar="TYPE",
             help="exception type, dotted (builtins.KeyError) or bare (KeyError)",
         )
-        parser.add_argument("--fingerprint", action="append", default=[])
+        repeatable("--fingerprint")
         parser.add_argument(
             "--since",
             type=_moment,
@@ -83,11 +79,9 @@ class Command(BaseCommand):
             help="last failed at or after WHEN (ISO date-time or age: 2h, 3d)",
         )
         parser.add_argument("--until", type=_moment, metavar="WHEN", help="last failed before WHEN")
-        parser.add_argument("--id", type=int, action="append", default=[], dest="ids")
-        parser.add_argument(
+        repeatable("--id", type=int, dest="ids")
+        repeatable(
             "--status",
-            action="append",
-            default=[],
             choices=[DeadLetterStatus.DEAD, DeadLetterStatus.DISCARDED],
             help="default: dead",
         )
@@ -150,7 +144,7 @@ class Command(BaseCommand):
             for pk, why in result.refused.items():
                 self.stderr.write(f"not replayed #{pk}: {why}")
             progress.update(replayed + refused)
-        progress.finish(replayed + refused)
+        progress.finish()
         if replayed:
             # The wake-up goes from a daemon thread: sent before this process exits, the relay
             # sends the copies at once instead of at its next poll.
@@ -237,10 +231,7 @@ class Command(BaseCommand):
         return names
 
     def select(self, options: dict[str, Any]) -> Any:
-        queryset = DeadLetter.objects.filter(**_filters(options))
-        if options["exception"]:
-            match = Q()
-            for name in options["exception"]:
-                match |= Q(exception_type=name) | Q(exception_type__endswith=f".{name}")
-            queryset = queryset.filter(match)
-        return queryset
+        match = Q()  # any of the --exception names; without any, every type
+        for name in options["exception"]:
+            match |= Q(exception_type=name) | Q(exception_type__endswith=f".{name}")
+        return DeadLetter.objects.filter(match, **_filters(options))
