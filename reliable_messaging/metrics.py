@@ -21,9 +21,7 @@ DEDUP_RESULTS = frozenset({"hit", "miss", "error", "lease_busy"})
 RELAY_FAILURE_KINDS = ("returned", "nacked", "timeout", "refused")
 
 _RECEIVED = Counter(
-    "reliable_messaging_consumer_received",
-    "Deliveries received by a consumer.",
-    ["consumer"],
+    "reliable_messaging_consumer_received", "Deliveries received by a consumer.", ["consumer"]
 )
 _REDELIVERED = Counter(
     "reliable_messaging_consumer_redelivered",
@@ -64,12 +62,10 @@ _DEDUP_CACHE = Counter(
     ["consumer", "result"],
 )
 _RELAY_CLAIMED = Counter(
-    "reliable_messaging_relay_claimed",
-    "Outbox rows claimed by the relay for publishing.",
+    "reliable_messaging_relay_claimed", "Outbox rows claimed by the relay for publishing."
 )
 _RELAY_PUBLISHED = Counter(
-    "reliable_messaging_relay_published",
-    "Outbox rows confirmed by the broker and marked sent.",
+    "reliable_messaging_relay_published", "Outbox rows confirmed by the broker and marked sent."
 )
 _RELAY_FAILED = Counter(
     "reliable_messaging_relay_failed",
@@ -109,8 +105,7 @@ _RELAY_BLOCKED = Gauge(
     "Relay connections the broker is blocking now (resource alarm); 0 or 1 per relay lane.",
 )
 _RELAY_BLOCKS = Counter(
-    "reliable_messaging_relay_blocks",
-    "Times the broker blocked a relay connection.",
+    "reliable_messaging_relay_blocks", "Times the broker blocked a relay connection."
 )
 
 _PARTITION_DAYS_AHEAD = Gauge(
@@ -140,10 +135,8 @@ def _check(value: str, allowed: Iterable[str], what: str) -> None:
 def consumers_started(consumers: Iterable[str]) -> None:
     """Create every consumer series at zero, so ``rate()`` sees the first dead letter."""
     for consumer in consumers:
-        _RECEIVED.labels(consumer)
-        _REDELIVERED.labels(consumer)
-        _PROCESSING_TIME.labels(consumer)
-        _CRITICAL_TIME.labels(consumer)
+        for series in (_RECEIVED, _REDELIVERED, _PROCESSING_TIME, _CRITICAL_TIME):
+            series.labels(consumer)
         for outcome in CONSUMER_OUTCOMES:
             _MESSAGES.labels(consumer, outcome)
 
@@ -206,28 +199,18 @@ def dedup_cache(consumer: str, result: str) -> None:
     _DEDUP_CACHE.labels(consumer, result).inc()
 
 
-def consumer_blocked(blocked: bool) -> None:
-    _CONSUMER_BLOCKED.set(1 if blocked else 0)
-
-
-def consumer_queues_unavailable(count: int) -> None:
-    _CONSUMER_UNAVAILABLE.set(count)
+# consumer_blocked(blocked): 1 while blocked (a gauge set to True holds 1), else 0.
+consumer_blocked = _CONSUMER_BLOCKED.set
+consumer_queues_unavailable = _CONSUMER_UNAVAILABLE.set
 
 
 # -- the relay -----------------------------------------------------------------------------------
 
 
-def relay_claimed(count: int) -> None:
-    _RELAY_CLAIMED.inc(count)
-
-
-def relay_published(count: int = 1) -> None:
-    """``count`` rows were confirmed by the broker and their sent mark committed."""
-    _RELAY_PUBLISHED.inc(count)
-
-
-def relay_confirm_latency(seconds: float) -> None:
-    _RELAY_CONFIRM_LATENCY.observe(seconds)
+relay_claimed = _RELAY_CLAIMED.inc
+# relay_published(count=1): rows confirmed by the broker and their sent mark committed.
+relay_published = _RELAY_PUBLISHED.inc
+relay_confirm_latency = _RELAY_CONFIRM_LATENCY.observe
 
 
 def relay_failed(kind: str, count: int = 1) -> None:

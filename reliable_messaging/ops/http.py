@@ -9,14 +9,12 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Iterable
 from http.server import ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.exposition import MetricsHandler
-from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from ..core.liveness import HealthCheck
@@ -24,16 +22,6 @@ from ..metrics import HealthCollector
 from .status import process_health
 
 logger = logging.getLogger(__name__)
-
-
-class _Forward:
-    """Collects another registry's metrics, so one server's registry can add its health."""
-
-    def __init__(self, registry: Collector) -> None:
-        self.registry = registry
-
-    def collect(self) -> Iterable[Metric]:
-        return self.registry.collect()
 
 
 class _OpsHandler(MetricsHandler):
@@ -68,14 +56,8 @@ class OpsServer:
     def __init__(self, server: ThreadingHTTPServer, thread: threading.Thread) -> None:
         self._server = server
         self._thread = thread
-
-    @property
-    def host(self) -> str:
-        return str(self._server.server_address[0])
-
-    @property
-    def port(self) -> int:
-        return int(self._server.server_address[1])
+        self.host = str(server.server_address[0])
+        self.port = int(server.server_address[1])
 
     def close(self) -> None:
         self._server.shutdown()
@@ -90,8 +72,9 @@ def start_ops_server(
     registry: Collector = REGISTRY,
 ) -> OpsServer:
     """Serve ``/metrics`` and ``/healthz`` on ``host:port``; port 0 picks a free port."""
+    # A registry has no describe(): it joins whole, its names clashing with none of the health's.
     served = CollectorRegistry(auto_describe=False)
-    served.register(_Forward(registry))
+    served.register(registry)
     served.register(HealthCollector(health))
     handler = type("OpsHandler", (_OpsHandler,), {"registry": served, "health": health})
     server = ThreadingHTTPServer((host, port), handler)
