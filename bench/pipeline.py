@@ -10,7 +10,9 @@ Two loops over the same number of batches, alternated round by round:
   the commit and every stage, as a worker runs them;
 - *dispatch*: the pipeline's own work for the same batch shape, with as many stages as the
   default pipeline, each overriding every hook and doing nothing: what the hooks cost beyond
-  the features they call.
+  the features they call. Around the handler each gives the same ``nullcontext``: a context a
+  stage builds (a ``@contextmanager`` generator costs about 0.8 µs) is that stage's cost, not
+  the dispatch's.
 
 It prints µs per delivery for each and their ratio (the issue's goal: dispatch under 2 % of a
 delivery).
@@ -23,8 +25,7 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,8 @@ def main() -> None:
 
     logging.getLogger("reliable_messaging").setLevel(logging.WARNING)
 
+    nothing = nullcontext()
+
     class Idle(Stage):
         """Overrides every hook and does nothing."""
 
@@ -58,12 +61,8 @@ def main() -> None:
         def screen(self, job: Job, message: Message) -> DeliveryOutcome | None:
             return None
 
-        @contextmanager
-        def _nothing(self) -> Iterator[None]:
-            yield
-
         def handling(self, job: Job, message: Message) -> Any:
-            return self._nothing()
+            return nothing
 
         def decided(self, job: Job, message: Message, done: DeliveryOutcome) -> None:
             return None
