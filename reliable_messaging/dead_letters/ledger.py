@@ -2,10 +2,11 @@
 
 A replay writes a :class:`~reliable_messaging.models.Replay` row with the copy's outbox row
 (:mod:`.replay`); the copy carries the row's id in ``x-rm-replay-id``. The consumer that decides
-the copy settles the row in the same transaction: processed, duplicate, or failed again (with
-the dead letter it became). Only a copy we sent to its queue (the default exchange) is taken at
-its word, and only for the row of its own consumer and message_id: a header a producer wrote
-settles nothing.
+the copy settles the row in the same transaction: processed or duplicate
+(:func:`settle_processed`, which also resolves the dead letters that copy makes moot), or failed
+again (:func:`settle`, with the dead letter it became). Only a copy we sent to its queue (the
+default exchange) is taken at its word, and only for the row of its own consumer and
+message_id: a header a producer wrote settles nothing.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from collections.abc import Mapping
 
 from django.utils import timezone
 
+from .. import tracing
 from ..choices import ReplayKind, ReplayOutcome
-from ..core.envelope import REPLAY_ID_HEADER, Delivery, sent_to_its_queue
+from ..core.envelope import REPLAY_HEADER, REPLAY_ID_HEADER, Delivery, sent_to_its_queue
 from ..managers import TALLIED_OUTCOMES
 from ..models import DeadLetter, DeadLetterOperation, Replay, ReplayOutcomeTally
 
@@ -62,6 +64,68 @@ def replayed_dead_letter(
         .values_list("dead_letter_id", flat=True)
         .first()
     )
+
+
+def settle_processed(
+    delivery: Delivery,
+    consumer: str,
+    message_id: str,
+    *,
+    using: str,
+    duplicate: bool = False,
+    resolve_open: bool = True,
+) -> None:
+    """A copy of ``message_id`` was processed by ``consumer`` (``duplicate``: found processed
+    by another copy): settle what that makes moot, in the transaction that decided it.
+
+    A replayed copy (``x-rm-replay``) resolves its dead letter and settles its ledger row,
+    naming the trace it was decided in. Any other copy, processed, resolves the open dead
+    letters of its message when ``resolve_open`` (the inbox claim said one may be open; an
+    ordered consumer's keep its key parked until they are replayed)."""
+    if REPLAY_HEADER not in delivery.headers:
+        if resolve_open and not duplicate:
+            _resolve_processed_copy(consumer, message_id, using)
+        return
+    traced = tracing.ids_of(delivery)
+    trace_id = traced[0] if traced else None
+    if duplicate:
+        # Another copy (published twice, sent again by a relay) was processed after the
+        # replay was queued: the dead letter is done with. Left "replayed", an ordered
+        # consumer's would park its key for good.
+        _resolve_processed_copy(
+            consumer,
+            message_id,
+            using,
+            by="its replay found it processed by another copy",
+            trace_id=trace_id,
+        )
+        outcome = ReplayOutcome.DUPLICATE
+    else:
+        DeadLetter.objects.using(using).of(consumer, message_id).resolve(
+            at=timezone.now(), trace_id=trace_id
+        )
+        outcome = ReplayOutcome.PROCESSED
+    settle(delivery, consumer, message_id, outcome, using=using, trace_id=trace_id)
+
+
+def _resolve_processed_copy(
+    consumer: str,
+    message_id: str,
+    using: str,
+    *,
+    by: str = "a later copy was processed",
+    trace_id: str | None = None,
+) -> None:
+    """Resolve the open dead letter of ``consumer`` whose message a later copy just processed
+    (or whose replay found it processed by another copy); ``by`` goes into its history.
+
+    A dead letter is stored when a copy fails for good, but another copy of the same message
+    (published twice, or sent again by a relay after a lost confirm) can still succeed, and
+    then nothing is left to review or replay. One indexed query; the row is locked and updated
+    only when there is something to resolve, which is rare."""
+    open_letters = DeadLetter.objects.using(using).open().of(consumer, message_id)
+    if open_letters.exists():
+        open_letters.resolve(at=timezone.now(), by=by, trace_id=trace_id)
 
 
 def settle(

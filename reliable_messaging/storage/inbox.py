@@ -328,7 +328,7 @@ def _insert_inbox_rows(using: str, keys: list[tuple[str, str]]) -> dict[tuple[st
     """Insert the inbox rows of ``keys`` that are not there yet (``ON CONFLICT DO NOTHING``);
     returns those inserted, each with whether its consumer holds a dead letter of it that a
     processed copy must resolve
-    (:func:`reliable_messaging.dead_letters.replay.resolve_processed_copies`, after the handler).
+    (:func:`reliable_messaging.dead_letters.ledger.settle_processed`, after the handler).
     Looked up in the same statement on PostgreSQL, which saves the batch a round trip; a dead letter
     of the key can only appear meanwhile from a copy that could not take the inbox row (a malformed
     one, or one parked), as it can between any lookup and the commit."""
