@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from django.apps import AppConfig
+from django.conf import settings
 from django.utils.module_loading import autodiscover_modules
 
 
@@ -20,6 +21,11 @@ class ReliableMessagingConfig(AppConfig):
 
         # Like admin.py: every installed app's consumers.py registers its handlers on import.
         autodiscover_modules("consumers")
+        if getattr(settings, "TASKS", None):
+            # And the consumers of the task queues of a django.tasks backend of ours.
+            from .contrib.task_backend import register_task_consumers
+
+            register_task_consumers()
 
         from django.db.models.signals import post_migrate
 

@@ -529,3 +529,58 @@ def check_broker_max_message_size(app_configs: Any = None, **kwargs: Any) -> lis
     )
     hint = f"Set MAX_BODY_BYTES to at most {refused}, or raise max_message_size in rabbitmq.conf"
     return [_error(50, message, hint + " (it cannot exceed 536870912).")]
+
+
+@register(Tags.compatibility)
+def check_task_backends(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """The ``TASKS`` entries of our ``django.tasks`` backend that cannot work."""
+    tasks = getattr(settings, "TASKS", None) or {}
+    if not isinstance(tasks, Mapping):
+        return []  # the framework's own to report
+    try:
+        from .contrib.task_backend import reliable_backends
+    except ImportError as exc:
+        ours = sorted(
+            alias
+            for alias, params in tasks.items()
+            if isinstance(params, Mapping)
+            and str(params.get("BACKEND", "")).startswith(f"{__package__}.")
+        )
+        if not ours:
+            return []
+        return [
+            _error(
+                60,
+                f"TASKS {ours!r} name reliable_messaging's task backend, but the task framework "
+                f"cannot be imported ({exc}).",
+                "On Django 5.2 install the django-tasks backport: pip install "
+                "'reliable-messaging[tasks]'. Django 6.0 and later have django.tasks built in.",
+            )
+        ]
+    from django.db import router
+
+    from .models import TaskRun
+    from .task_runs.naming import problems
+
+    found: list[CheckMessage] = [
+        _error(61, problem, "See docs/tasks.md for the backend's QUEUES and OPTIONS.")
+        for alias, params in reliable_backends().items()
+        for problem in problems(alias, params)
+    ]
+    if reliable_backends():
+        aliases = _app_aliases()
+        runs = router.db_for_write(TaskRun)
+        if {aliases["ProcessedMessage"], aliases["OutboxMessage"]} != {runs}:
+            found.append(
+                _error(
+                    62,
+                    f"The database routers send TaskRun to {runs!r}, the inbox to "
+                    f"{aliases['ProcessedMessage']!r} and the outbox to "
+                    f"{aliases['OutboxMessage']!r}: a task is enqueued with its outbox row and "
+                    f"runs with its inbox row, each in one transaction, only when all three "
+                    f"share one database.",
+                    "Route TaskRun, ProcessedMessage and OutboxMessage to the same alias, the "
+                    "one your tasks and the code that enqueues them write to.",
+                )
+            )
+    return found

@@ -115,3 +115,13 @@ class GroupState(models.TextChoices):
 
 
 STORED_GROUP_STATES = (GroupState.ACKNOWLEDGED, GroupState.RESOLVED)
+
+
+class TaskRunStatus(models.TextChoices):
+    """Where a ``django.tasks`` task is (``TaskRun``): the framework's ``TaskResultStatus``,
+    value for value, without importing the framework (an optional extra on Django 5.2)."""
+
+    READY = "READY", _("ready")  # enqueued, or waiting for its next attempt
+    RUNNING = "RUNNING", _("running")
+    FAILED = "FAILED", _("failed")  # a dead letter now
+    SUCCESSFUL = "SUCCESSFUL", _("successful")

@@ -35,6 +35,7 @@ from .choices import (
     OperationState,
     OutboxStatus,
     ReplayOutcome,
+    TaskRunStatus,
 )
 from .core.advisory_locks import ADVISORY_CLASS, GROUP_FOLD_LOCK
 
@@ -761,3 +762,58 @@ class ReplayOutcomeTallyQuerySet(models.QuerySet):
                 f"DO UPDATE SET {column} = {table}.{column} + 1",
                 [operation_id, *(int(name == outcome) for name in TALLIED_OUTCOMES)],
             )
+
+
+class TaskRunQuerySet(models.QuerySet):
+    """The lifecycle of ``django.tasks`` tasks (``TaskRun``): READY, RUNNING for each attempt,
+    then SUCCESSFUL or FAILED (READY again between retries)."""
+
+    def start_attempts(self, ids: Iterable[str], worker_id: str, at: dt.datetime) -> list[Any]:
+        """Mark the tasks of ``ids`` RUNNING for one more attempt by ``worker_id`` and return
+        their rows; a task already SUCCESSFUL (a duplicate delivery) is left as it is. Each row
+        in a transaction of its own, so that RUNNING is visible while the task runs."""
+        started = []
+        for task_id in ids:
+            with transaction.atomic(using=self.db):
+                run = self.select_for_update().filter(pk=task_id).first()
+                if run is None or run.status == TaskRunStatus.SUCCESSFUL:
+                    continue
+                run.status = TaskRunStatus.RUNNING
+                run.started_at = run.started_at or at
+                run.last_attempted_at = at
+                run.finished_at = None
+                run.attempts += 1
+                run.worker_ids = [*run.worker_ids, worker_id]
+                run.save(
+                    using=self.db,
+                    update_fields=[
+                        "status",
+                        "started_at",
+                        "last_attempted_at",
+                        "finished_at",
+                        "attempts",
+                        "worker_ids",
+                    ],
+                )
+            started.append(run)
+        return started
+
+    def succeed(self, task_id: str, return_value: Any, at: dt.datetime) -> int:
+        """The task returned ``return_value`` (JSON): SUCCESSFUL, in the attempt's transaction."""
+        return self.filter(pk=task_id).update(
+            status=TaskRunStatus.SUCCESSFUL, return_value=return_value, finished_at=at
+        )
+
+    def fail_attempt(
+        self, task_id: str, error: dict[str, str] | None, *, final: bool, at: dt.datetime
+    ) -> None:
+        """An attempt failed with ``error`` (``exception_class_path``, ``traceback``): READY for
+        the next attempt, or FAILED when ``final`` (its message a dead letter now)."""
+        run = self.select_for_update().filter(pk=task_id).first()
+        if run is None:
+            return
+        if error is not None:
+            run.errors = [*run.errors, error]
+        run.status = TaskRunStatus.FAILED if final else TaskRunStatus.READY
+        run.finished_at = at if final else None
+        run.save(using=self.db, update_fields=["errors", "status", "finished_at"])

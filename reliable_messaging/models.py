@@ -18,6 +18,7 @@ from .choices import (
     OutboxStatus,
     ReplayKind,
     ReplayOutcome,
+    TaskRunStatus,
 )
 
 
@@ -458,3 +459,46 @@ class FailureGroupState(models.Model):
 
     def __str__(self) -> str:
         return f"{self.consumer} · {self.fingerprint[:8] or '-'}: {self.state}"
+
+
+class TaskRun(models.Model):
+    """One ``django.tasks`` task enqueued through the app's task backend, and its result.
+
+    ``id`` is also the message_id of the message that runs it: the inbox deduplicates its runs
+    and its dead letter carries it. Written in the caller's transaction with that message's
+    outbox row; RUNNING is committed before each attempt, SUCCESSFUL in the attempt's own
+    transaction (``docs/tasks.md``)."""
+
+    id = models.CharField(primary_key=True, max_length=64)
+    backend = models.CharField(max_length=100)  # the alias in TASKS
+    task_path = models.CharField(max_length=255)
+    queue_name = models.CharField(max_length=255)
+    priority = models.IntegerField(default=0)
+    args = models.JSONField(default=list, blank=True)
+    kwargs = models.JSONField(default=dict, blank=True)
+    run_after = models.DateTimeField(null=True, blank=True)
+    status = models.CharField(
+        max_length=10, choices=TaskRunStatus.choices, default=TaskRunStatus.READY
+    )
+    attempts = models.PositiveIntegerField(default=0)
+    return_value = models.JSONField(null=True, blank=True)
+    # [{"exception_class_path": ..., "traceback": ...}], one per failed attempt.
+    errors = models.JSONField(default=list, blank=True)
+    worker_ids = models.JSONField(default=list, blank=True)  # one per attempt
+    enqueued_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True)
+    last_attempted_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    objects = managers.TaskRunQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = _("task run")
+        indexes = [
+            # The admin's list: by status, latest first; and all of them, latest first.
+            models.Index(fields=["status", "-enqueued_at"], name="rm_taskrun_status_idx"),
+            models.Index(fields=["-enqueued_at"], name="rm_taskrun_enqueued_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task_path} {self.id} ({self.status})"

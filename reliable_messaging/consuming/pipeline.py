@@ -24,6 +24,7 @@ from .parking import ParkedKeys
 from .replays import ReplayLedger
 from .spans import Spans
 from .stage import Batch, DeliveryOutcome, Job, Stage
+from .task_runs import TaskRuns
 from .time_limit import TimeLimit
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ def default_pipeline() -> Pipeline:
             ParkedKeys(),
             TimeLimit(),
             ReplayLedger(),
+            TaskRuns(),
             OutcomeMetrics(),
             OutcomeLog(),
         ]

@@ -861,4 +861,45 @@ class Migration(migrations.Migration):
                 "verbose_name": "replay outcome tally",
             },
         ),
+        migrations.CreateModel(
+            name="TaskRun",
+            fields=[
+                ("id", models.CharField(max_length=64, primary_key=True, serialize=False)),
+                ("backend", models.CharField(max_length=100)),
+                ("task_path", models.CharField(max_length=255)),
+                ("queue_name", models.CharField(max_length=255)),
+                ("priority", models.IntegerField(default=0)),
+                ("args", models.JSONField(blank=True, default=list)),
+                ("kwargs", models.JSONField(blank=True, default=dict)),
+                ("run_after", models.DateTimeField(blank=True, null=True)),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("READY", "ready"),
+                            ("RUNNING", "running"),
+                            ("FAILED", "failed"),
+                            ("SUCCESSFUL", "successful"),
+                        ],
+                        default="READY",
+                        max_length=10,
+                    ),
+                ),
+                ("attempts", models.PositiveIntegerField(default=0)),
+                ("return_value", models.JSONField(blank=True, null=True)),
+                ("errors", models.JSONField(blank=True, default=list)),
+                ("worker_ids", models.JSONField(blank=True, default=list)),
+                ("enqueued_at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("started_at", models.DateTimeField(blank=True, null=True)),
+                ("last_attempted_at", models.DateTimeField(blank=True, null=True)),
+                ("finished_at", models.DateTimeField(blank=True, null=True)),
+            ],
+            options={
+                "verbose_name": "task run",
+                "indexes": [
+                    models.Index(fields=["status", "-enqueued_at"], name="rm_taskrun_status_idx"),
+                    models.Index(fields=["-enqueued_at"], name="rm_taskrun_enqueued_idx"),
+                ],
+            },
+        ),
     ]

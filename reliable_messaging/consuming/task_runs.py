@@ -1,0 +1,72 @@
+"""The consumer's stage of ``django.tasks`` tasks (:mod:`reliable_messaging.task_runs`).
+
+Around the deliveries of the task queues' consumers: RUNNING committed before the batch's
+transaction (so a caller's ``get_result()`` sees it while the task runs) with ``task_started``;
+in the transaction, a failed attempt's error with READY again (a retry) or FAILED (a dead
+letter); after the commit, ``task_finished``. SUCCESSFUL is the handler's own write
+(:func:`~reliable_messaging.task_runs.worker.run_task`). The task framework is an optional
+extra on Django 5.2: it is imported only for a batch that holds tasks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..core.envelope import Message
+from ..core.outcomes import OutcomeLabel
+from ..task_runs.naming import is_task_consumer, task_id_of
+from .stage import Batch, DeliveryOutcome, Job, Stage
+
+# What a failed or put-aside attempt leaves a task as: READY for the next one, or FAILED.
+_AFTER = {
+    OutcomeLabel.RETRIED: False,
+    OutcomeLabel.DEFERRED: False,
+    OutcomeLabel.DEAD_LETTERED: True,
+}
+
+
+def _task_id(job: Job) -> str | None:
+    if not is_task_consumer(job.name) or not isinstance(job.message, Message):
+        return None
+    return task_id_of(job.message)
+
+
+class TaskRuns(Stage):
+    """RUNNING before, the attempt's failure in, ``task_finished`` after each batch of tasks."""
+
+    def open(self, batch: Batch) -> Any:
+        ids = [
+            task_id
+            for job, done in zip(batch.jobs, batch.decided, strict=True)
+            if done is None and (task_id := _task_id(job)) is not None
+        ]
+        if not ids:
+            return None
+        from ..task_runs.worker import start_attempts
+
+        start_attempts(batch.jobs[0].processor.using, ids)
+        return ids
+
+    def decided(self, job: Job, message: Message, done: DeliveryOutcome) -> None:
+        final = _AFTER.get(done.label)
+        task_id = _task_id(job)
+        if final is None or task_id is None:
+            return
+        from ..task_runs.worker import record_failure
+
+        error = None if done.label is OutcomeLabel.DEFERRED else done.error
+        record_failure(job.processor.using, task_id, error, final=final)
+
+    def close(self, batch: Batch, state: Any, error: BaseException | None) -> None:
+        if state is None or error is not None:
+            return
+        ended = (OutcomeLabel.PROCESSED, OutcomeLabel.DEAD_LETTERED)
+        ids = [
+            task_id
+            for job, done in batch.outcomes()
+            if done.label in ended and (task_id := _task_id(job)) is not None
+        ]
+        if ids:
+            from ..task_runs.worker import send_finished
+
+            send_finished(batch.jobs[0].processor.using, ids)

@@ -1,0 +1,154 @@
+"""A ``django.tasks`` backend whose enqueue is a ``publish()`` and whose worker is
+``manage.py consume`` (``docs/tasks.md``)::
+
+    TASKS = {
+        "default": {
+            "BACKEND": "reliable_messaging.contrib.task_backend.ReliableTaskBackend",
+            "QUEUES": ["default"],
+            "OPTIONS": {"MAX_ATTEMPTS": 5, "RETRY_DELAYS": [1, 10, 60]},
+        }
+    }
+
+A task enqueued inside ``transaction.atomic()`` is sent if and only if the transaction commits,
+and runs at most once (its inbox row), retried through the consumer's delay queues and a dead
+letter when it keeps failing.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping
+from typing import Any, ParamSpec, TypeVar
+
+from django.conf import settings
+from django.db import router, transaction
+from django.utils import timezone
+from django.utils.module_loading import import_string
+
+from ..core.registry import ConsumerRegistry, registry
+from ..core.uuid7 import new_message_id
+from ..models import TaskRun
+from ..publishing.publish import publish
+from ..task_runs.framework import (
+    BaseTaskBackend,
+    InvalidTask,
+    Task,
+    TaskResult,
+    TaskResultDoesNotExist,
+    task_enqueued,
+)
+from ..task_runs.naming import TaskQueues, problems
+from ..task_runs.results import NotJSON, json_value, result_of, task_at
+from ..task_runs.worker import consumer_specs
+
+T = TypeVar("T")
+P = ParamSpec("P")
+
+
+class ReliableTaskBackend(BaseTaskBackend):
+    """Tasks as messages of the outbox, run once each by ``manage.py consume``.
+
+    ``supports_defer``: ``run_after`` is the outbox's scheduled delivery. ``supports_get_result``:
+    every attempt is written to ``TaskRun`` rows any process reads. Not (yet) priorities (their
+    queue argument and ordering are not built) nor async task functions."""
+
+    supports_defer = True
+    supports_get_result = True
+    supports_priority = False
+    supports_async_task = False
+
+    def __init__(self, alias: str, params: dict[str, Any]) -> None:
+        super().__init__(alias, params)
+        self.task_queues = TaskQueues.of(alias, params)
+
+    def enqueue(
+        self,
+        task: Task[P, T],
+        args: P.args,  # type: ignore[valid-type]
+        kwargs: P.kwargs,  # type: ignore[valid-type]
+    ) -> TaskResult[T]:
+        """Write the result row and publish its message in the current transaction of the
+        database ``TaskRun`` is routed to (a transaction of its own outside one)."""
+        self.validate_task(task)
+        _check_importable(task)
+        try:
+            stored_args, stored_kwargs = json_value(list(args)), json_value(dict(kwargs))
+        except NotJSON as exc:
+            raise InvalidTask(f"the arguments of {task.module_path} must be JSON: {exc}") from exc
+        using = router.db_for_write(TaskRun)
+        task_id = new_message_id()
+        run_after = _aware(task.run_after)
+        with transaction.atomic(using=using):
+            run = TaskRun.objects.using(using).create(
+                id=task_id,
+                backend=self.alias,
+                task_path=task.module_path,
+                queue_name=task.queue_name,
+                priority=task.priority,
+                args=stored_args,
+                kwargs=stored_kwargs,
+                run_after=run_after,
+                enqueued_at=timezone.now(),
+            )
+            publish(
+                self.task_queues.amqp_queue(task.queue_name),
+                {"task_id": task_id, "task": task.module_path},
+                message_id=task_id,
+                deliver_at=run_after,
+                using=using,
+            )
+        result: TaskResult[T] = result_of(run, task)
+        # Enqueued means committed: a rolled-back task was never enqueued, nor signalled.
+        transaction.on_commit(
+            lambda: task_enqueued.send(type(self), task_result=result), using=using, robust=True
+        )
+        return result
+
+    def get_result(self, result_id: str) -> TaskResult:
+        """The stored result of ``result_id`` (raises ``TaskResultDoesNotExist``)."""
+        run = TaskRun.objects.using(router.db_for_read(TaskRun)).filter(pk=result_id).first()
+        if run is None:
+            raise TaskResultDoesNotExist(result_id)
+        return result_of(run)
+
+
+def _check_importable(task: Task[Any, Any]) -> None:
+    """The worker finds the task by its module path: refuse one it could not find."""
+    path = task.module_path
+    if task.func.__module__ == "__main__":
+        raise InvalidTask(f"{path}: a task of __main__ cannot be imported by the worker")
+    try:
+        found = task_at(path)
+    except (ImportError, InvalidTask) as exc:
+        raise InvalidTask(f"{path} cannot be imported by the worker: {exc}") from exc
+    if found.func is not task.func:
+        raise InvalidTask(f"{path} names another function than this task's in its module")
+
+
+def _aware(when: dt.datetime | None) -> dt.datetime | None:
+    if when is None or timezone.is_aware(when):
+        return when
+    return timezone.make_aware(when)  # USE_TZ=False: the framework allows a naive time
+
+
+def reliable_backends() -> dict[str, Mapping[str, Any]]:
+    """The ``TASKS`` entries whose backend is (a subclass of) :class:`ReliableTaskBackend`."""
+    found: dict[str, Mapping[str, Any]] = {}
+    for alias, params in (getattr(settings, "TASKS", None) or {}).items():
+        try:
+            backend = import_string(params["BACKEND"])
+        except (ImportError, KeyError, TypeError):
+            continue  # the framework reports a backend it cannot find
+        if isinstance(backend, type) and issubclass(backend, ReliableTaskBackend):
+            found[alias] = params
+    return found
+
+
+def register_task_consumers(consumers: ConsumerRegistry = registry) -> None:
+    """Register the consumers of the task queues of every backend of ours in ``TASKS`` (the
+    app does at start), for ``manage.py consume``; a ``TASKS`` entry the system checks refuse
+    is left for them to report."""
+    for alias, params in reliable_backends().items():
+        if not problems(alias, params):
+            for spec in consumer_specs(TaskQueues.of(alias, params)):
+                consumers.register(spec)

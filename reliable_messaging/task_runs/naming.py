@@ -1,0 +1,122 @@
+"""Where the tasks of a ``TASKS`` backend of ours travel: one consumer per queue of its
+``QUEUES``, its AMQP queue and routing key ``<QUEUE_PREFIX><queue_name>``, and the backend's
+``OPTIONS`` with their defaults. Plain values: no framework, no broker."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..core.envelope import Message
+
+# The consumer names of tasks start with this: what the consumer's stage of tasks looks for.
+TASK_CONSUMER_PREFIX = "django.tasks:"
+DEFAULT_QUEUE_PREFIX = "tasks."
+# Longest AMQP queue name and routing key (a short string).
+_MAX_NAME_BYTES = 255
+
+
+@dataclass(frozen=True)
+class TaskQueues:
+    """The queues of one backend (``TASKS[alias]``) and the retry policy of its tasks (None:
+    the ``RELIABLE_MESSAGING`` settings')."""
+
+    alias: str
+    queues: tuple[str, ...]
+    prefix: str = DEFAULT_QUEUE_PREFIX
+    max_attempts: int | None = None
+    retry_delays: tuple[float, ...] | None = None
+
+    @classmethod
+    def of(cls, alias: str, params: Mapping[str, Any]) -> TaskQueues:
+        """From a ``TASKS`` entry the system checks passed (:func:`problems`)."""
+        options = params.get("OPTIONS") or {}
+        delays = options.get("RETRY_DELAYS")
+        return cls(
+            alias=alias,
+            queues=tuple(params.get("QUEUES") or ()),
+            prefix=options.get("QUEUE_PREFIX", DEFAULT_QUEUE_PREFIX),
+            max_attempts=options.get("MAX_ATTEMPTS"),
+            retry_delays=None if delays is None else tuple(float(d) for d in delays),
+        )
+
+    def amqp_queue(self, queue_name: str) -> str:
+        """The queue (and routing key) of the task queue ``queue_name``."""
+        return f"{self.prefix}{queue_name}"
+
+    def consumer_name(self, queue_name: str) -> str:
+        """The consumer of ``queue_name``: the inbox's deduplication scope, the dead letter's
+        consumer."""
+        return f"{TASK_CONSUMER_PREFIX}{self.alias}:{queue_name}"
+
+
+def is_task_consumer(name: str) -> bool:
+    return name.startswith(TASK_CONSUMER_PREFIX)
+
+
+def task_id_of(message: Message) -> str | None:
+    """The task a message of the task queues runs (its payload's ``task_id``)."""
+    payload = message.payload
+    task_id = payload.get("task_id") if isinstance(payload, dict) else None
+    return task_id if isinstance(task_id, str) and task_id else None
+
+
+OPTIONS = {"QUEUE_PREFIX", "MAX_ATTEMPTS", "RETRY_DELAYS"}
+
+
+def problems(alias: str, params: Mapping[str, Any]) -> list[str]:
+    """What makes ``TASKS[alias]`` unusable by our backend, each said as a sentence."""
+    found: list[str] = []
+    queues = params.get("QUEUES")
+    if not queues or isinstance(queues, str) or not isinstance(queues, list | tuple):
+        found.append(
+            f"TASKS[{alias!r}]['QUEUES'] must list the task queues (e.g. ['default']): each "
+            f"gets a queue on the broker that `manage.py consume` consumes, got {queues!r}."
+        )
+        queues = []
+    options = params.get("OPTIONS") or {}
+    if not isinstance(options, Mapping):
+        return [*found, f"TASKS[{alias!r}]['OPTIONS'] must be a dict, got {options!r}."]
+    for key in sorted(set(options) - OPTIONS):
+        found.append(
+            f"TASKS[{alias!r}]['OPTIONS'] has an unknown key {key!r} (known: "
+            f"{', '.join(sorted(OPTIONS))})."
+        )
+    prefix = options.get("QUEUE_PREFIX", DEFAULT_QUEUE_PREFIX)
+    if not isinstance(prefix, str):
+        found.append(f"TASKS[{alias!r}]['OPTIONS']['QUEUE_PREFIX'] must be a string.")
+        prefix = ""
+    for queue in queues:
+        name = f"{prefix}{queue}" if isinstance(queue, str) else ""
+        if (
+            not isinstance(queue, str)
+            or not queue
+            or "*" in name
+            or "#" in name
+            or len(name.encode()) > _MAX_NAME_BYTES
+        ):
+            found.append(
+                f"TASKS[{alias!r}]['QUEUES'] holds {queue!r}: a queue name must be a non-empty "
+                f"string without '*' or '#' (it is a routing key), at most "
+                f"{_MAX_NAME_BYTES} bytes with the prefix {prefix!r}."
+            )
+    attempts = options.get("MAX_ATTEMPTS")
+    if attempts is not None and (
+        isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1
+    ):
+        found.append(
+            f"TASKS[{alias!r}]['OPTIONS']['MAX_ATTEMPTS'] must be an integer >= 1, "
+            f"got {attempts!r}."
+        )
+    delays = options.get("RETRY_DELAYS")
+    if delays is not None and (
+        not isinstance(delays, list | tuple)
+        or not all(isinstance(d, int | float) and not isinstance(d, bool) and d > 0 for d in delays)
+        or list(delays) != sorted(delays)
+    ):
+        found.append(
+            f"TASKS[{alias!r}]['OPTIONS']['RETRY_DELAYS'] must be positive seconds in "
+            f"increasing order, got {delays!r}."
+        )
+    return found
