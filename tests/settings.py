@@ -7,6 +7,7 @@ subprocess passes its own namespace (and the test database's URL) in the environ
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import uuid
 from datetime import timedelta
@@ -138,6 +139,21 @@ if os.environ.get("RM_DEFAULT_LOGGING"):
 if os.environ.get("RM_ROOT_LOG_LEVEL"):
     LOGGING["root"] = {"handlers": ["console"], "level": os.environ["RM_ROOT_LOG_LEVEL"]}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# The django.tasks backend (docs/tasks.md). Before Django 6.0 the framework is the django-tasks
+# backport (the tasks extra), an app of its own; without it, no TASKS (tests/integration/tasks
+# is then skipped). The task queues carry the namespace like every test queue.
+_BUILT_IN_TASKS = importlib.util.find_spec("django.tasks") is not None
+if not _BUILT_IN_TASKS and importlib.util.find_spec("django_tasks") is not None:
+    INSTALLED_APPS.append("django_tasks")
+if _BUILT_IN_TASKS or "django_tasks" in INSTALLED_APPS:
+    TASKS = {
+        "default": {
+            "BACKEND": "reliable_messaging.contrib.task_backend.ReliableTaskBackend",
+            "QUEUES": ["default", "other"],
+            "OPTIONS": {"QUEUE_PREFIX": f"rmtest.{NAMESPACE}.tasks."},
+        }
+    }
 
 if os.environ.get("RM_TRACE_FILE"):
     # The tracing tests' processes (tests/e2e/test_tracing.py): spans to a JSON-lines file.

@@ -1,0 +1,68 @@
+"""The tasks the task backend's tests enqueue: module level, so the worker imports them by path.
+
+Each records an ``Effect`` in the attempt's transaction, so a task run twice shows twice and a
+failed attempt's effect rolls back with it."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from reliable_messaging.task_runs.framework import TaskContext, task
+from tests.testapp.models import Effect
+
+
+def _effect(name: str, context: TaskContext | None = None, payload: Any = None) -> None:
+    result = context.task_result if context is not None else None
+    Effect.objects.create(
+        consumer=f"task.{name}",
+        message_id=result.id if result is not None else "",
+        attempt=context.attempt if context is not None else 0,
+        payload=payload,
+    )
+
+
+@task(takes_context=True)
+def add(context: TaskContext, a: int, b: int) -> int:
+    _effect("add", context, [a, b])
+    return a + b
+
+
+@task(queue_name="other", takes_context=True)
+def greet(context: TaskContext, *, name: str) -> dict[str, str]:
+    _effect("greet", context, name)
+    return {"greeting": f"hello {name}"}
+
+
+class Flaky(Exception):
+    """A failure that goes away after a few attempts."""
+
+
+@task(takes_context=True)
+def fails_before(context: TaskContext, attempts: int) -> str:
+    """Fails its first ``attempts - 1`` attempts, then succeeds."""
+    _effect("fails_before", context, attempts)
+    if context.attempt < attempts:
+        raise Flaky(f"attempt {context.attempt} of {attempts}")
+    return f"succeeded at attempt {context.attempt}"
+
+
+@task
+def not_json_back() -> Any:
+    return {1, 2}
+
+
+# Set by a test to let ``waits`` finish (the worker runs in a thread of the test's process).
+GATE = threading.Event()
+
+
+@task(takes_context=True)
+def waits(context: TaskContext) -> str:
+    _effect("waits", context)
+    if not GATE.wait(30):
+        raise TimeoutError("the test never opened the gate")
+    return "done"
+
+
+def plain_function() -> None:
+    """Not decorated: a task made of it elsewhere is not what the worker finds at its path."""

@@ -1,0 +1,244 @@
+"""The django.tasks backend end to end: enqueue in the caller's transaction, run once by the
+consumer, retried, failed into a dead letter, replayed; results read through the framework."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import decimal
+from typing import Any
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.db import connections, transaction
+from django.utils import timezone
+
+from reliable_messaging.choices import OutboxStatus
+from reliable_messaging.dead_letters.replay import replay
+from reliable_messaging.models import DeadLetter, OutboxMessage, TaskRun
+from reliable_messaging.task_runs.framework import (
+    InvalidTask,
+    TaskResultDoesNotExist,
+    TaskResultStatus,
+    task,
+    task_backends,
+)
+from reliable_messaging.task_runs.naming import TaskQueues
+from tests.support import Publisher, wait_until
+from tests.testapp.models import Effect
+
+from . import tasks
+from .conftest import Outcomes, Signals, relay_once, until_status
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def effects(name: str) -> list[Any]:
+    return list(Effect.objects.filter(consumer=f"task.{name}").values_list("attempt", flat=True))
+
+
+class Rollback(Exception):
+    """Raised to roll a test's transaction back."""
+
+
+def test_a_task_enqueued_in_a_rolled_back_transaction_is_never_sent(
+    worker: Any, signals: Signals
+) -> None:
+    with pytest.raises(Rollback), transaction.atomic():
+        result = tasks.add.enqueue(1, 2)
+        assert TaskRun.objects.filter(pk=result.id).exists()  # written in the transaction
+        raise Rollback
+    assert not TaskRun.objects.exists()
+    assert not OutboxMessage.objects.exists()
+    assert relay_once() == 0
+    assert signals.of(result.id) == []  # never enqueued, so never signalled
+    with pytest.raises(TaskResultDoesNotExist):
+        task_backends["default"].get_result(result.id)
+
+
+def test_a_committed_task_runs_once_and_its_result_is_read_back(
+    worker: Any, signals: Signals, outcomes: Outcomes
+) -> None:
+    with transaction.atomic():
+        result = tasks.add.enqueue(2, 3)
+        assert result.status == TaskResultStatus.READY
+        assert signals.of(result.id) == []  # not before the commit
+    assert signals.of(result.id) == [("enqueued", "READY")]
+    until_status(result, "SUCCESSFUL")
+    assert result.return_value == 5
+    assert result.attempts == 1 and len(result.worker_ids) == 1
+    assert result.errors == []
+    assert result.enqueued_at is not None and result.started_at is not None
+    assert result.last_attempted_at is not None and result.finished_at is not None
+    assert result.enqueued_at <= result.started_at <= result.finished_at
+    assert effects("add") == [1]
+    read = tasks.add.get_result(result.id)
+    assert (read.status, read.return_value, read.args, read.kwargs) == (
+        TaskResultStatus.SUCCESSFUL,
+        5,
+        [2, 3],
+        {},
+    )
+    wait_until(lambda: len(signals.of(result.id)) == 3, timeout=10, message="three signals")
+    assert signals.of(result.id) == [
+        ("enqueued", "READY"),
+        ("started", "RUNNING"),
+        ("finished", "SUCCESSFUL"),
+    ]
+    assert outcomes.words() == ["processed"]
+
+
+def test_keyword_arguments_and_another_queue(worker: Any, tasks_settings: TaskQueues) -> None:
+    result = tasks.greet.enqueue(name="ada")
+    row = OutboxMessage.objects.get(message_id=result.id)
+    assert row.routing_key == tasks_settings.amqp_queue("other")
+    until_status(result, "SUCCESSFUL")
+    assert result.return_value == {"greeting": "hello ada"}
+    assert result.task.queue_name == "other"
+
+
+def test_running_is_visible_while_the_task_runs(worker: Any) -> None:
+    tasks.GATE.clear()
+    try:
+        result = tasks.waits.enqueue()
+        until_status(result, "RUNNING")
+        assert result.attempts == 1 and result.started_at is not None
+        assert result.finished_at is None
+    finally:
+        tasks.GATE.set()
+    until_status(result, "SUCCESSFUL")
+    assert result.return_value == "done"
+
+
+def test_a_duplicated_delivery_runs_the_task_once(
+    worker: Any, outcomes: Outcomes, tasks_settings: TaskQueues, rm_settings: dict[str, Any]
+) -> None:
+    result = tasks.add.enqueue(4, 4)
+    publisher = Publisher()
+    try:  # a second copy of its message, as a publisher retrying after a lost confirm sends
+        publisher.publish(
+            rm_settings["EXCHANGE"],
+            tasks_settings.amqp_queue("default"),
+            {"task_id": result.id, "task": "tests.integration.tasks.tasks.add"},
+            message_id=result.id,
+        )
+    finally:
+        publisher.close()
+    until_status(result, "SUCCESSFUL")
+    assert sorted(outcomes.wait(2)) == ["duplicate", "processed"]
+    assert effects("add") == [1]
+    result.refresh()
+    assert result.attempts == 1 and result.return_value == 8
+
+
+def test_a_failing_task_is_retried_until_it_succeeds(worker: Any, outcomes: Outcomes) -> None:
+    result = tasks.fails_before.enqueue(2)
+    until_status(result, "SUCCESSFUL")
+    assert result.return_value == "succeeded at attempt 2"
+    assert result.attempts == 2
+    (error,) = result.errors
+    assert error.exception_class is tasks.Flaky
+    assert "attempt 1 of 2" in error.traceback
+    assert outcomes.words() == ["retry", "processed"]
+    assert effects("fails_before") == [2]  # the failed attempt's effect rolled back
+
+
+def test_a_task_that_keeps_failing_is_failed_and_a_dead_letter_and_a_replay_runs_it_again(
+    worker: Any, signals: Signals, tasks_settings: TaskQueues
+) -> None:
+    result = tasks.fails_before.enqueue(4)  # MAX_ATTEMPTS is 3: it fails for good
+    until_status(result, "FAILED")
+    assert result.attempts == 3
+    assert [e.exception_class for e in result.errors] == [tasks.Flaky] * 3
+    assert [f"attempt {n} of 4" in e.traceback for n, e in enumerate(result.errors, 1)] == [
+        True
+    ] * 3
+    assert result.finished_at is not None
+    with pytest.raises(ValueError, match="failed"):
+        result.return_value
+    dead = DeadLetter.objects.get(message_id=result.id)
+    assert dead.consumer == tasks_settings.consumer_name("default")
+    assert dead.payload == {
+        "task_id": result.id,
+        "task": "tests.integration.tasks.tasks.fails_before",
+    }
+    assert effects("fails_before") == []
+    wait_until(lambda: ("finished", "FAILED") in signals.of(result.id), timeout=10)
+
+    replay(DeadLetter.objects.filter(pk=dead.pk), replayed_by="tests")
+    until_status(result, "SUCCESSFUL")
+    assert result.return_value == "succeeded at attempt 4"
+    assert result.attempts == 4 and len(result.errors) == 3
+    assert effects("fails_before") == [4]
+
+
+def test_a_return_value_json_cannot_hold_fails_the_task_at_once(worker: Any) -> None:
+    result = tasks.not_json_back.enqueue()
+    until_status(result, "FAILED")
+    assert result.attempts == 1
+    (error,) = result.errors
+    assert error.exception_class_path.endswith("ReturnValueNotJSON")
+    assert DeadLetter.objects.filter(message_id=result.id).exists()
+
+
+def test_run_after_waits_in_the_outbox_until_due(worker: Any) -> None:
+    due = timezone.now() + dt.timedelta(seconds=2)
+    result = tasks.add.using(run_after=due).enqueue(1, 1)
+    assert OutboxMessage.objects.get(message_id=result.id).status == OutboxStatus.SCHEDULED
+    assert relay_once() == 0
+    result.refresh()
+    assert result.status == TaskResultStatus.READY and result.task.run_after == due
+    until_status(result, "SUCCESSFUL")
+    assert result.started_at is not None and result.started_at >= due
+
+
+async def _closing(call: Any) -> Any:
+    """Await ``call`` and close the connection of the thread the framework ran it on."""
+    try:
+        return await call
+    finally:
+        await sync_to_async(connections.close_all)()
+
+
+def test_aenqueue_outside_a_transaction_commits_at_once(worker: Any) -> None:
+    result = asyncio.run(_closing(tasks.add.aenqueue(20, 22)))
+    assert TaskRun.objects.filter(pk=result.id).exists()
+    until_status(result, "SUCCESSFUL")
+    again = asyncio.run(_closing(tasks.add.aget_result(result.id)))
+    assert again.return_value == 42
+
+
+def test_an_unknown_result_does_not_exist(tasks_settings: TaskQueues) -> None:
+    with pytest.raises(TaskResultDoesNotExist):
+        task_backends["default"].get_result("no-such-task")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (decimal.Decimal("1.5"), 1),
+        (dt.datetime(2030, 1, 1, tzinfo=dt.UTC), 1),
+        ({1, 2}, 1),
+        ({1: "a non-string key"}, 1),
+        (float("nan"), 1),
+        (object(), 1),
+    ],
+    ids=["decimal", "datetime", "set", "int-key", "nan", "object"],
+)
+def test_an_argument_json_cannot_carry_is_refused(args: tuple[Any, ...]) -> None:
+    with pytest.raises(InvalidTask, match="must be JSON"):
+        tasks.add.enqueue(*args)
+    assert not TaskRun.objects.exists() and not OutboxMessage.objects.exists()
+
+
+def test_what_the_backend_cannot_run_is_refused() -> None:
+    with pytest.raises(InvalidTask):
+        tasks.add.using(queue_name="not-in-queues")
+    with pytest.raises(InvalidTask):
+        tasks.add.using(priority=10)  # no priorities in this backend
+    with pytest.raises(InvalidTask):
+        task(lambda: None)
+    hidden = task(tasks.plain_function)  # its path leads the worker to the plain function
+    with pytest.raises(InvalidTask, match="cannot be imported by the worker"):
+        hidden.enqueue()
+    assert not TaskRun.objects.exists() and not OutboxMessage.objects.exists()
