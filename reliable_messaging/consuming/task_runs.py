@@ -35,11 +35,15 @@ class TaskRuns(Stage):
     """RUNNING before, the attempt's failure in, ``task_finished`` after each batch of tasks."""
 
     def open(self, batch: Batch) -> Any:
-        ids = [
-            task_id
-            for job, done in zip(batch.jobs, batch.decided, strict=True)
-            if done is None and (task_id := _task_id(job)) is not None
-        ]
+        # Once per task: two copies of its message in one batch are one attempt (the inbox
+        # lets one of them run).
+        ids = list(
+            dict.fromkeys(
+                task_id
+                for job, done in zip(batch.jobs, batch.decided, strict=True)
+                if done is None and (task_id := _task_id(job)) is not None
+            )
+        )
         if not ids:
             return None
         from ..task_runs.worker import start_attempts
