@@ -141,17 +141,19 @@ if os.environ.get("RM_ROOT_LOG_LEVEL"):
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # The django.tasks backend (docs/tasks.md). Before Django 6.0 the framework is the django-tasks
-# backport (the tasks extra), an app of its own; without it, no TASKS (tests/integration/tasks
-# is then skipped). The task queues carry the namespace like every test queue.
+# backport (the tasks extra), an app of its own. TASKS names our backend only in the processes
+# of the task tests (RM_TEST_TASKS=1): with it the app registers the consumers of the task
+# queues, and every other test's `manage.py consume` would consume them too. Its task queues
+# carry the namespace like every test queue.
 _BUILT_IN_TASKS = importlib.util.find_spec("django.tasks") is not None
 if not _BUILT_IN_TASKS and importlib.util.find_spec("django_tasks") is not None:
     INSTALLED_APPS.append("django_tasks")
-if _BUILT_IN_TASKS or "django_tasks" in INSTALLED_APPS:
+if os.environ.get("RM_TEST_TASKS") and (_BUILT_IN_TASKS or "django_tasks" in INSTALLED_APPS):
     TASKS = {
         "default": {
             "BACKEND": "reliable_messaging.contrib.task_backend.ReliableTaskBackend",
             "QUEUES": ["default", "other"],
-            "OPTIONS": {"QUEUE_PREFIX": f"rmtest.{NAMESPACE}.tasks."},
+            "OPTIONS": {"QUEUE_PREFIX": f"{NAMESPACE}.tasks."},
         }
     }
 

@@ -49,13 +49,17 @@ class ReliableTaskBackend(BaseTaskBackend):
     """Tasks as messages of the outbox, run once each by ``manage.py consume``.
 
     ``supports_defer``: ``run_after`` is the outbox's scheduled delivery. ``supports_get_result``:
-    every attempt is written to ``TaskRun`` rows any process reads. Not (yet) priorities (their
-    queue argument and ordering are not built) nor async task functions."""
+    every attempt is written to ``TaskRun`` rows any process reads. ``supports_async_task``:
+    a coroutine task runs on the delivery's worker thread, in its transaction. Not (yet)
+    priorities (their queue argument and ordering are not built)."""
 
     supports_defer = True
     supports_get_result = True
     supports_priority = False
-    supports_async_task = False
+    # An async def task runs through the framework's Task.call (async_to_sync) on the
+    # delivery's worker thread: its ORM calls (the async ORM, sync_to_async's thread-sensitive
+    # default) come back to that thread, so to its connection and transaction.
+    supports_async_task = True
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)

@@ -4,6 +4,7 @@ sends the outbox once per call."""
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -21,9 +22,14 @@ from tests.support import wait_until
 if TYPE_CHECKING:
     from reliable_messaging.task_runs.framework import TaskResult
 
+BACKEND = "reliable_messaging.contrib.task_backend.ReliableTaskBackend"
+
 # Without the task framework (Django 5.2 without the tasks extra) there is nothing to test here;
 # what needs it is imported where it is used.
-if not getattr(settings, "TASKS", None):
+if (
+    "django_tasks" not in settings.INSTALLED_APPS
+    and importlib.util.find_spec("django.tasks") is None
+):
     collect_ignore_glob = ["test_*.py", "tasks.py"]
 
 
@@ -81,8 +87,10 @@ def task_options(ns: str) -> dict[str, Any]:
 
 @pytest.fixture
 def tasks_settings(rm_settings: dict[str, Any], task_options: dict[str, Any]) -> Iterator[Any]:
-    """The suite's TASKS with task queues of the test's namespace."""
-    tasks = {"default": {**settings.TASKS["default"], "OPTIONS": task_options}}
+    """TASKS naming our backend, its task queues in the test's namespace."""
+    tasks = {
+        "default": {"BACKEND": BACKEND, "QUEUES": ["default", "other"], "OPTIONS": task_options}
+    }
     with override_settings(TASKS=tasks):
         yield TaskQueues.of("default", tasks["default"])
 

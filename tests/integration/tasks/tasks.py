@@ -28,7 +28,7 @@ def add(context: TaskContext, a: int, b: int) -> int:
     return a + b
 
 
-@task(queue_name="other", takes_context=True)
+@task(takes_context=True)
 def greet(context: TaskContext, *, name: str) -> dict[str, str]:
     _effect("greet", context, name)
     return {"greeting": f"hello {name}"}
@@ -66,3 +66,18 @@ def waits(context: TaskContext) -> str:
 
 def plain_function() -> None:
     """Not decorated: a task made of it elsewhere is not what the worker finds at its path."""
+
+
+@task(takes_context=True)
+async def async_fails_before(context: TaskContext, attempts: int) -> str:
+    """``fails_before`` as a coroutine: its effect through the async ORM, in the attempt's
+    transaction (a failed attempt's effect rolls back with it)."""
+    await Effect.objects.acreate(
+        consumer="task.async_fails_before",
+        message_id=context.task_result.id,
+        attempt=context.attempt,
+        payload=attempts,
+    )
+    if context.attempt < attempts:
+        raise Flaky(f"attempt {context.attempt} of {attempts}")
+    return f"succeeded at attempt {context.attempt}"

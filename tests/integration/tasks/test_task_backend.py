@@ -85,16 +85,16 @@ def test_a_committed_task_runs_once_and_its_result_is_read_back(
         ("started", "RUNNING"),
         ("finished", "SUCCESSFUL"),
     ]
-    assert outcomes.words() == ["processed"]
+    assert outcomes.wait(1) == ["processed"]  # reported once acked, after the commit
 
 
 def test_keyword_arguments_and_another_queue(worker: Any, tasks_settings: TaskQueues) -> None:
-    result = tasks.greet.enqueue(name="ada")
+    result = tasks.greet.using(queue_name="other").enqueue(name="ada")
     row = OutboxMessage.objects.get(message_id=result.id)
     assert row.routing_key == tasks_settings.amqp_queue("other")
     until_status(result, "SUCCESSFUL")
     assert result.return_value == {"greeting": "hello ada"}
-    assert result.task.queue_name == "other"
+    assert tasks.greet.get_result(result.id).task.queue_name == "other"
 
 
 def test_running_is_visible_while_the_task_runs(worker: Any) -> None:
@@ -139,7 +139,7 @@ def test_a_failing_task_is_retried_until_it_succeeds(worker: Any, outcomes: Outc
     (error,) = result.errors
     assert error.exception_class is tasks.Flaky
     assert "attempt 1 of 2" in error.traceback
-    assert outcomes.words() == ["retry", "processed"]
+    assert outcomes.wait(2) == ["retry", "processed"]
     assert effects("fails_before") == [2]  # the failed attempt's effect rolled back
 
 
@@ -170,6 +170,16 @@ def test_a_task_that_keeps_failing_is_failed_and_a_dead_letter_and_a_replay_runs
     assert result.return_value == "succeeded at attempt 4"
     assert result.attempts == 4 and len(result.errors) == 3
     assert effects("fails_before") == [4]
+
+
+def test_an_async_task_runs_in_the_attempts_transaction(worker: Any) -> None:
+    result = tasks.async_fails_before.enqueue(2)
+    until_status(result, "SUCCESSFUL")
+    assert result.return_value == "succeeded at attempt 2"
+    assert [e.exception_class for e in result.errors] == [tasks.Flaky]
+    # The first attempt's effect, written through the async ORM, rolled back with its
+    # transaction: the coroutine's queries ran on the attempt's connection.
+    assert effects("async_fails_before") == [2]
 
 
 def test_a_return_value_json_cannot_hold_fails_the_task_at_once(worker: Any) -> None:
@@ -225,13 +235,15 @@ def test_an_unknown_result_does_not_exist(tasks_settings: TaskQueues) -> None:
     ],
     ids=["decimal", "datetime", "set", "int-key", "nan", "object"],
 )
-def test_an_argument_json_cannot_carry_is_refused(args: tuple[Any, ...]) -> None:
+def test_an_argument_json_cannot_carry_is_refused(
+    args: tuple[Any, ...], tasks_settings: TaskQueues
+) -> None:
     with pytest.raises(InvalidTask, match="must be JSON"):
         tasks.add.enqueue(*args)
     assert not TaskRun.objects.exists() and not OutboxMessage.objects.exists()
 
 
-def test_what_the_backend_cannot_run_is_refused() -> None:
+def test_what_the_backend_cannot_run_is_refused(tasks_settings: TaskQueues) -> None:
     with pytest.raises(InvalidTask):
         tasks.add.using(queue_name="not-in-queues")
     with pytest.raises(InvalidTask):

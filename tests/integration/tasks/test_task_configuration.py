@@ -6,37 +6,33 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from django.conf import settings
 from django.test import override_settings
 
 from reliable_messaging.checks import check_task_backends
 from reliable_messaging.contrib.task_backend import register_task_consumers
-from reliable_messaging.core.registry import ConsumerRegistry, registry
+from reliable_messaging.core.registry import ConsumerRegistry
+from reliable_messaging.task_runs.naming import TaskQueues
 from reliable_messaging.task_runs.worker import run_task
 
-BACKEND = "reliable_messaging.contrib.task_backend.ReliableTaskBackend"
+from .conftest import BACKEND
 
 
-def test_the_app_registers_a_consumer_per_task_queue_for_consume() -> None:
-    tasks: dict[str, Any] = settings.TASKS
-    prefix = tasks["default"]["OPTIONS"]["QUEUE_PREFIX"]
-    for queue_name in ("default", "other"):
-        spec = registry.get(f"django.tasks:default:{queue_name}")
-        assert spec.handler is run_task
-        assert spec.queue == f"{prefix}{queue_name}"
-        assert spec.bindings == (spec.queue,)
-
-
-def test_a_backend_of_another_framework_engine_gets_no_consumer() -> None:
+def test_a_consumer_per_task_queue_of_each_backend_of_ours() -> None:
     tasks = {
-        "default": {"BACKEND": BACKEND, "QUEUES": ["a"], "OPTIONS": {"MAX_ATTEMPTS": 7}},
-        "other": {"BACKEND": "django_tasks.backends.immediate.ImmediateBackend"},
+        "default": {"BACKEND": BACKEND, "QUEUES": ["a", "b"], "OPTIONS": {"MAX_ATTEMPTS": 7}},
+        "elsewhere": {"BACKEND": BACKEND, "QUEUES": ["a"], "OPTIONS": {"QUEUE_PREFIX": "jobs."}},
+        "immediate": {"BACKEND": "django_tasks.backends.immediate.ImmediateBackend"},
     }
     consumers = ConsumerRegistry()
     with override_settings(TASKS=tasks):
         register_task_consumers(consumers)
-    (spec,) = consumers.all()
-    assert (spec.name, spec.queue, spec.max_attempts) == ("django.tasks:default:a", "tasks.a", 7)
+    found = [(s.name, s.queue, s.bindings, s.max_attempts) for s in consumers.all()]
+    assert found == [
+        ("django.tasks:elsewhere:a", "jobs.a", ("jobs.a",), None),
+        ("django.tasks:default:a", "tasks.a", ("tasks.a",), 7),
+        ("django.tasks:default:b", "tasks.b", ("tasks.b",), 7),
+    ]
+    assert all(spec.handler is run_task for spec in consumers.all())
 
 
 @pytest.mark.parametrize(
@@ -62,5 +58,5 @@ def test_a_tasks_configuration_that_cannot_work_is_refused(
     assert len(consumers) == 0  # left to the check, not half-registered
 
 
-def test_the_suites_tasks_configuration_passes_the_checks() -> None:
+def test_the_task_tests_configuration_passes_the_checks(tasks_settings: TaskQueues) -> None:
     assert check_task_backends() == []
