@@ -14,8 +14,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from ..core.envelope import Message
+from ..core.envelope import DecodeError, Message
 from .bindings import UnexpectedRoutingKey
+from .decoding import Undecodable
 from .expiry import Expiry
 from .fastpath import FastPath
 from .outcome_log import OutcomeLog
@@ -42,6 +43,9 @@ class Pipeline:
     decided    in the transaction, after the decision       write in the transaction
     close      after the commit (``error`` None) or not     nothing (report, remember)
     ========== ============================================ ==================================
+
+    The first screen, :class:`~.decoding.Undecodable`, decides every delivery that could not be
+    decoded, so the other screens and the later hooks are given a decoded :class:`Message`.
     """
 
     def __init__(self, stages: Sequence[Stage]) -> None:
@@ -75,7 +79,7 @@ class Pipeline:
                 except Exception:
                     logger.exception("the consumer stage %s failed after a batch", stage)
 
-    def screen(self, job: Job, message: Message) -> DeliveryOutcome | None:
+    def screen(self, job: Job, message: Message | DecodeError) -> DeliveryOutcome | None:
         for screen in self._screens:
             done = screen(job, message)
             if done is not None:
@@ -103,6 +107,7 @@ def default_pipeline() -> Pipeline:
         [
             Spans(),
             FastPath(),
+            Undecodable(),
             UnexpectedRoutingKey(),
             Expiry(),
             ParkedKeys(),

@@ -283,7 +283,7 @@ def _decide(
                     )
                     decided[index] = _report(job, done)
                 else:
-                    decided[index] = _screen(job)
+                    decided[index] = job.processor.pipeline.screen(job, job.message)
             claim = [i for i in batch if decided[i] is None]
             for index, done in _claimed(jobs, claim, using, guarded):
                 decided[index] = _report(jobs[index], done)
@@ -292,7 +292,9 @@ def _decide(
                 job = jobs[index]
                 if not job.processor.spec.ordered or job.delivery.queue in held_queues:
                     continue
-                done = _screen(job) or _run(job, index, guarded=True, alone=True)
+                done = job.processor.pipeline.screen(job, job.message) or _run(
+                    job, index, guarded=True, alone=True
+                )
                 decided[index] = _report(job, done)
                 if isinstance(done.outcome, RetryInPlace):
                     held_queues.add(job.delivery.queue)
@@ -310,17 +312,6 @@ def _decide(
         # A deferred constraint (or the like) refused the commit: no savepoint can help.
         raise _CommitRefused(exc) from exc
     return decided
-
-
-def _screen(job: Job) -> DeliveryOutcome | None:
-    """Before the claim: an undecodable delivery is a dead letter; the stages' screens may
-    decide the others."""
-    message = job.message
-    if isinstance(message, DecodeError):
-        return job.processor.failures.dead_letter(
-            job.delivery, message, message.reason, message.detail
-        )
-    return job.processor.pipeline.screen(job, message)
 
 
 def _report(job: Job, done: DeliveryOutcome | None) -> DeliveryOutcome | None:

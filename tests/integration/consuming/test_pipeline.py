@@ -119,6 +119,32 @@ def test_a_screen_decides_before_the_claim_and_the_handler() -> None:
     assert Effect.objects.filter(message_id="refuse-1").count() == 0
 
 
+def test_an_undecodable_delivery_is_a_dead_letter_that_no_later_screen_sees() -> None:
+    """The decoding stage screens first: a stage's screen and ``decided`` are given decoded
+    messages only, and what could not be decoded is a dead letter before any claim."""
+    watcher = Watcher()
+    processor = processor_with(watcher)
+    broken = Job(
+        processor,
+        Delivery(
+            body=b"{not json",
+            queue=processor.spec.queue,
+            exchange="rmtest",
+            routing_key="order.placed",
+            message_id="broken-1",
+            content_type="application/json",
+        ),
+    )
+    outcomes = process_batch([broken, job(processor, "ok-2")])
+    assert outcomes == [
+        Acknowledge(OutcomeLabel.DEAD_LETTERED, "invalid_json"),
+        Acknowledge("processed"),
+    ]
+    assert [seen for seen in watcher.seen if seen[1] == "broken-1"] == [("open", "broken-1")]
+    assert DeadLetter.objects.get(message_id="broken-1").reason == "invalid_json"
+    assert not ProcessedMessage.objects.filter(message_id="broken-1").exists()
+
+
 def test_a_stage_failing_after_the_commit_changes_no_outcome(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
