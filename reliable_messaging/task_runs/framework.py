@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the type checker reads the backport, the development environment's
     from django_tasks import (
-        DEFAULT_TASK_QUEUE_NAME,
         TaskContext,
         TaskResult,
         TaskResultStatus,
@@ -22,7 +21,6 @@ if TYPE_CHECKING:  # the type checker reads the backport, the development enviro
 else:
     try:
         from django.tasks import (
-            DEFAULT_TASK_QUEUE_NAME,
             TaskContext,
             TaskResult,
             TaskResultStatus,
@@ -35,7 +33,6 @@ else:
         from django.tasks.signals import task_enqueued, task_finished, task_started
     except ImportError:
         from django_tasks import (
-            DEFAULT_TASK_QUEUE_NAME,
             TaskContext,
             TaskResult,
             TaskResultStatus,
@@ -49,7 +46,6 @@ else:
         from django_tasks.signals import task_enqueued, task_finished, task_started
 
 __all__ = [
-    "DEFAULT_TASK_QUEUE_NAME",
     "BaseTaskBackend",
     "InvalidTask",
     "Task",

@@ -58,5 +58,24 @@ def test_a_tasks_configuration_that_cannot_work_is_refused(
     assert len(consumers) == 0  # left to the check, not half-registered
 
 
+class TaskRunsElsewhere:
+    """A router sending TaskRun, and only it, to another database."""
+
+    def db_for_write(self, model: type[Any], **hints: Any) -> str | None:
+        return "other" if model.__name__ == "TaskRun" else None
+
+    db_for_read = db_for_write
+
+
+def test_task_runs_on_another_database_than_the_inbox_and_outbox_are_refused(
+    tasks_settings: TaskQueues,
+) -> None:
+    router = f"{__name__}.{TaskRunsElsewhere.__qualname__}"
+    with override_settings(DATABASE_ROUTERS=[router]):
+        errors = check_task_backends()
+    assert [e.id for e in errors] == ["reliable_messaging.E062"]
+    assert "TaskRun to 'other'" in errors[0].msg
+
+
 def test_the_task_tests_configuration_passes_the_checks(tasks_settings: TaskQueues) -> None:
     assert check_task_backends() == []
