@@ -14,10 +14,8 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 MATRIX ?= 1
 TEST_WORKERS ?= 3
-# 1: `make test` runs its three single-process serial groups side by side (see test:). Off by
-# default until measured on a quiet machine: on a loaded one the cluster tests hit their
-# timeouts either way.
-TEST_SIDE_BY_SIDE ?= 0
+# 1: `make test` runs its last part in three lanes side by side (see test:); 0: in turn.
+TEST_LANES ?= 1
 # Run once more through a transaction-pooling PgBouncer (tests/conftest.py, RM_TEST_PGBOUNCER):
 # a representative part of the e2e and publishing slices: consume's life and faults, a replay,
 # publish -> relay -> consume -> publish, the relay, the wake-ups, scheduled rows and their
@@ -117,53 +115,65 @@ test: venv services
 	@command -v debootstrap >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap)
 	@# 1. The tests that share nothing, in $(TEST_WORKERS) parallel workers.
 	@# 2. Those that stop PostgreSQL or Redis (serial and stops_storage, tests/conftest.py), alone.
-	@# 3. One pytest process each, in turn (TEST_SIDE_BY_SIDE=1: side by side, as each breaks only
-	@#    what the others do not use; the last two print their output when done): the serial
-	@#    tests that stop or alarm the node on 5672 (serial and stops_broker); the cluster tests
-	@#    on their own cluster (serial and cluster); RABBITMQ4_SERIAL_TESTS, acting on the
-	@#    RabbitMQ 4.0 node (built the first time, about 3 minutes; started if it is down).
-	@# 4. PGBOUNCER_TESTS again, every connection through a PgBouncer in transaction mode; then
-	@#    RABBITMQ4_TESTS again against the 4.0 node; then the version matrix's two ends
-	@#    (noxfile.py): the newest Python and Django, and the lowest versions setup.cfg admits,
-	@#    each on the version-sensitive slice (MATRIX=0 skips them; `make matrix` runs every pair).
+	@#    The version matrix's two ends (noxfile.py: the newest Python and Django, and the lowest
+	@#    versions setup.cfg admits) install their virtualenvs meanwhile.
+	@# 3. Three lanes side by side, as each breaks only what the others do not use (TEST_LANES=0:
+	@#    everything in turn, in this order):
+	@#    - the serial tests that stop or alarm the node on 5672 (serial and stops_broker); then
+	@#      PGBOUNCER_TESTS, every connection through a PgBouncer in transaction mode; then, once
+	@#      the cluster lane is done, the matrix's two ends on the version-sensitive slice
+	@#      (MATRIX=0 skips them; `make matrix` runs every pair);
+	@#    - the cluster tests on their own cluster (serial and cluster);
+	@#    - RABBITMQ4_SERIAL_TESTS, acting on the RabbitMQ 4.0 node (built the first time, about 3
+	@#      minutes; started if it is down), then RABBITMQ4_TESTS against that node.
+	@#    The second and third lanes print their output when done.
 	@# Every part always runs; exit code 5 ("no tests selected", e.g. with -k) is not a failure.
 	@run() { local s=0; "$$@" || s=$$?; (( s == 5 )) && s=0; return $$s; }; \
 	db=$${RM_TEST_DB_NAME:-test_reliable_messaging}; \
+	logs=$$(mktemp -d "$${TMPDIR:-/tmp}/rm-make-test.XXXXXX"); \
 	on_rabbitmq4() { RM_TEST_DB_NAME=$${db}_rabbitmq4 RM_TEST_BROKER=rabbitmq4 run "$$@"; }; \
-	broker_faults() { run $(BIN)/pytest -m "serial and stops_broker" $(PYTEST_ARGS); }; \
-	cluster() { RM_TEST_DB_NAME=$${db}_cluster run $(BIN)/pytest -m "serial and cluster" $(PYTEST_ARGS); }; \
-	rabbitmq4_faults() { \
-		scripts/rabbitmq4.sh start || return 99; \
-		on_rabbitmq4 $(BIN)/pytest -m serial $(PYTEST_ARGS) $(RABBITMQ4_SERIAL_TESTS); \
+	broker_lane() { \
+		local s=0; \
+		run $(BIN)/pytest -m "serial and stops_broker" $(PYTEST_ARGS) || s=$$?; \
+		RM_TEST_PGBOUNCER=1 run $(BIN)/pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) \
+			$(PGBOUNCER_TESTS) || s=$$?; \
+		return $$s; \
 	}; \
-	rc=0; run $(BIN)/pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) || rc=$$?; \
-	rc2=0; run $(BIN)/pytest -m "serial and stops_storage" $(PYTEST_ARGS) || rc2=$$?; \
-	rc3=0; rc4=0; rc5=0; \
-	if [[ "$(TEST_SIDE_BY_SIDE)" != 1 ]]; then \
-		broker_faults || rc3=$$?; cluster || rc4=$$?; rabbitmq4_faults || rc5=$$?; \
-	else \
-		logs=$$(mktemp -d "$${TMPDIR:-/tmp}/rm-make-test.XXXXXX"); \
-		cluster >"$$logs/cluster.log" 2>&1 & cluster_pid=$$!; \
-		rabbitmq4_faults >"$$logs/rabbitmq4.log" 2>&1 & rabbitmq4_pid=$$!; \
-		echo "make test: the cluster tests and the RabbitMQ 4.0 node's serial tests run beside" \
-			"these; their output: $$logs/cluster.log, $$logs/rabbitmq4.log"; \
-		broker_faults || rc3=$$?; \
-		wait $$cluster_pid || rc4=$$?; \
-		echo "==================== the cluster tests (exit $$rc4) ===================="; \
-		cat "$$logs/cluster.log"; \
-		wait $$rabbitmq4_pid || rc5=$$?; \
-		echo "==================== RABBITMQ4_SERIAL_TESTS (exit $$rc5) ===================="; \
-		cat "$$logs/rabbitmq4.log"; \
-		rm -rf "$$logs"; \
-	fi; \
-	rc6=0; RM_TEST_PGBOUNCER=1 run $(BIN)/pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) \
-		$(PGBOUNCER_TESTS) || rc6=$$?; \
-	rc7=0; if [[ $$rc5 != 99 ]]; then \
+	cluster_lane() { RM_TEST_DB_NAME=$${db}_cluster run $(BIN)/pytest -m "serial and cluster" $(PYTEST_ARGS); }; \
+	rabbitmq4_lane() { \
+		local s=0; \
+		scripts/rabbitmq4.sh start || return 99; \
+		on_rabbitmq4 $(BIN)/pytest -m serial $(PYTEST_ARGS) $(RABBITMQ4_SERIAL_TESTS) || s=$$?; \
 		on_rabbitmq4 $(BIN)/pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) \
-			$(RABBITMQ4_TESTS) || rc7=$$?; \
+			$(RABBITMQ4_TESTS) || s=$$?; \
+		return $$s; \
+	}; \
+	matrix_ends() { \
+		[[ "$(MATRIX)" == 0 ]] && return 0; \
+		wait $$nox_install_pid || { cat "$$logs/nox-install.log"; return 1; }; \
+		$(BIN)/nox -R -s ci; \
+	}; \
+	show() { echo "==================== $$1 (exit $$2) ===================="; cat "$$logs/$$1.log"; }; \
+	rc=0; run $(BIN)/pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) || rc=$$?; \
+	nox_install_pid=; [[ "$(MATRIX)" == 0 ]] || { \
+		$(BIN)/nox -s ci --install-only >"$$logs/nox-install.log" 2>&1 & nox_install_pid=$$!; }; \
+	rc2=0; run $(BIN)/pytest -m "serial and stops_storage" $(PYTEST_ARGS) || rc2=$$?; \
+	rc3=0; rc4=0; rc5=0; rc6=0; \
+	if [[ "$(TEST_LANES)" == 0 ]]; then \
+		broker_lane || rc3=$$?; cluster_lane || rc4=$$?; rabbitmq4_lane || rc5=$$?; \
+		matrix_ends || rc6=$$?; \
+	else \
+		cluster_lane >"$$logs/cluster.log" 2>&1 & cluster_pid=$$!; \
+		rabbitmq4_lane >"$$logs/rabbitmq4.log" 2>&1 & rabbitmq4_pid=$$!; \
+		echo "make test: the cluster lane and the RabbitMQ 4.0 lane run beside this one; their" \
+			"output: $$logs/cluster.log, $$logs/rabbitmq4.log"; \
+		broker_lane || rc3=$$?; \
+		wait $$cluster_pid || rc4=$$?; show cluster $$rc4; \
+		matrix_ends || rc6=$$?; \
+		wait $$rabbitmq4_pid || rc5=$$?; show rabbitmq4 $$rc5; \
 	fi; \
-	rc8=0; [[ "$(MATRIX)" == 0 ]] || $(BIN)/nox -s ci || rc8=$$?; \
-	for code in $$rc $$rc2 $$rc3 $$rc4 $$rc5 $$rc6 $$rc7 $$rc8; do \
+	rm -rf "$$logs"; \
+	for code in $$rc $$rc2 $$rc3 $$rc4 $$rc5 $$rc6; do \
 		(( code == 0 )) || exit $$code; \
 	done
 

@@ -8,11 +8,10 @@ pair, and once on the lowest versions ``setup.cfg`` admits, against the real ser
 
 ``make test`` runs the whole suite on the default pair (requirements.txt); these sessions run
 what depends on the versions: unit tests, the admin (in a browser too), publish and the relay,
-the consumer end to end, replay, the Celery integration, status and health, and the
-migrations. Each session
-has a virtualenv of its own under ``.nox/``; the services are the ones ``make services`` starts.
-The Python versions come from this machine's pyenv (``~/.pyenv/versions``) when they are not on
-PATH.
+the consumer end to end, replay, the Celery integration, the django.tasks backend, status and
+health, and the migrations. Each session has a virtualenv of its own under ``.nox/``; the
+services are the ones ``make services`` starts. The Python versions come from this machine's
+pyenv (``~/.pyenv/versions``) when they are not on PATH.
 """
 
 from __future__ import annotations
@@ -47,6 +46,8 @@ LOWEST = (
     # The otel extra's floor, and the SDK of the same release for the tests that record spans.
     "opentelemetry-api==1.20.0",
     "opentelemetry-sdk==1.20.0",
+    # The django.tasks backport, the framework on Django 5.2 (the "tasks" extra's floor).
+    "django-tasks==0.12.0",
 )
 
 # The version-sensitive slice (see the docstring).
@@ -65,6 +66,8 @@ SLICE = (
     # Spans recorded by real processes: the OpenTelemetry API and SDK of each end.
     "tests/e2e/test_tracing.py",
     "tests/integration/celery_tasks/test_idempotent_task.py",
+    # The django.tasks backend: the backport on Django 5.2, the framework itself on 6.0 and 6.1.
+    "tests/integration/tasks",
     "tests/integration/ops/test_command_progress.py",
     "tests/integration/ops/test_health.py",
     "tests/integration/ops/test_messaging_status.py",
@@ -140,7 +143,9 @@ def matrix(session: nox.Session, django: str) -> None:
     """The slice on one (Python, Django) pair, with the newest release of that Django."""
     session.install(*_test_requirements(), f"Django~={django}.0")
     # The package itself with the newest versions its requirements admit (its extras too).
-    session.install("-e", ".[postgres,celery,redis,health,otel]", "opentelemetry-sdk")
+    # Django 6.0 and later have the task framework; 5.2 takes the backport (the "tasks" extra).
+    extras = "postgres,celery,redis,health,otel" + (",tasks" if django == "5.2" else "")
+    session.install("-e", f".[{extras}]", "opentelemetry-sdk")
     _run_slice(session)
 
 
