@@ -14,6 +14,8 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 MATRIX ?= 1
 TEST_WORKERS ?= 3
+# An idle worker takes tests queued for a busy one, so one long test does not hold the end.
+WORKERS = -n $(TEST_WORKERS) --dist worksteal
 # 1: `make test` runs its last part in three lanes side by side (see test:); 0: in turn.
 TEST_LANES ?= 1
 # Run once more through a transaction-pooling PgBouncer (tests/conftest.py, RM_TEST_PGBOUNCER):
@@ -135,7 +137,7 @@ test: venv services
 	broker_lane() { \
 		local s=0; \
 		run $(BIN)/pytest -m "serial and stops_broker" $(PYTEST_ARGS) || s=$$?; \
-		RM_TEST_PGBOUNCER=1 run $(BIN)/pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) \
+		RM_TEST_PGBOUNCER=1 run $(BIN)/pytest $(WORKERS) -m "not serial" $(PYTEST_ARGS) \
 			$(PGBOUNCER_TESTS) || s=$$?; \
 		return $$s; \
 	}; \
@@ -144,7 +146,7 @@ test: venv services
 		local s=0; \
 		scripts/rabbitmq4.sh start || return 99; \
 		on_rabbitmq4 $(BIN)/pytest -m serial $(PYTEST_ARGS) $(RABBITMQ4_SERIAL_TESTS) || s=$$?; \
-		on_rabbitmq4 $(BIN)/pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) \
+		on_rabbitmq4 $(BIN)/pytest $(WORKERS) -m "not serial" $(PYTEST_ARGS) \
 			$(RABBITMQ4_TESTS) || s=$$?; \
 		return $$s; \
 	}; \
@@ -154,7 +156,7 @@ test: venv services
 		$(BIN)/nox -R -s ci; \
 	}; \
 	show() { echo "==================== $$1 (exit $$2) ===================="; cat "$$logs/$$1.log"; }; \
-	rc=0; run $(BIN)/pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) || rc=$$?; \
+	rc=0; run $(BIN)/pytest $(WORKERS) -m "not serial" $(PYTEST_ARGS) || rc=$$?; \
 	nox_install_pid=; [[ "$(MATRIX)" == 0 ]] || { \
 		$(BIN)/nox -s ci --install-only >"$$logs/nox-install.log" 2>&1 & nox_install_pid=$$!; }; \
 	rc2=0; run $(BIN)/pytest -m "serial and stops_storage" $(PYTEST_ARGS) || rc2=$$?; \
