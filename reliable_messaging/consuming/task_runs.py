@@ -1,11 +1,15 @@
 """The consumer's stage of ``django.tasks`` tasks (:mod:`reliable_messaging.task_runs`).
 
-Around the deliveries of the task queues' consumers: RUNNING committed before the batch's
-transaction (so a caller's ``get_result()`` sees it while the task runs) with ``task_started``;
-in the transaction, a failed attempt's error with READY again (a retry) or FAILED (a dead
-letter); after the commit, ``task_finished``. SUCCESSFUL is the handler's own write
-(:func:`~reliable_messaging.task_runs.worker.run_task`). The task framework is an optional
-extra on Django 5.2: it is imported only for a batch that holds tasks.
+Around the deliveries of the task queues' consumers: RUNNING and one more attempt committed
+before the batch's transaction (so a caller's ``get_result()`` sees it while the task runs, and
+an attempt that kills its process still counts) with ``task_started``; in the transaction, a
+failed attempt's error with READY again (a retry), or the attempt taken back when the delivery
+was put aside because another worker holds it; after the commit, ``task_finished``.
+SUCCESSFUL is the handler's own write (:func:`~reliable_messaging.task_runs.worker.run_task`);
+FAILED is the dead letter's (``DeadLetter.objects.record_failure``), so that a dead letter
+recorded without this stage (the crash guard's, the ``.dead`` queue's) fails its task too. The
+task framework is an optional extra on Django 5.2: it is imported only for a batch that holds
+tasks.
 """
 
 from __future__ import annotations
@@ -16,13 +20,6 @@ from ..core.envelope import Message
 from ..core.outcomes import OutcomeLabel
 from ..task_runs.naming import is_task_consumer, task_id_of
 from .stage import Batch, DeliveryOutcome, Job, Stage
-
-# What a failed or put-aside attempt leaves a task as: READY for the next one, or FAILED.
-_AFTER = {
-    OutcomeLabel.RETRIED: False,
-    OutcomeLabel.DEFERRED: False,
-    OutcomeLabel.DEAD_LETTERED: True,
-}
 
 
 def _task_id(job: Job) -> str | None:
@@ -52,14 +49,20 @@ class TaskRuns(Stage):
         return ids
 
     def decided(self, job: Job, message: Message, done: DeliveryOutcome) -> None:
-        final = _AFTER.get(done.label)
         task_id = _task_id(job)
-        if final is None or task_id is None:
+        if task_id is None:
             return
-        from ..task_runs.worker import record_failure
+        if done.label is OutcomeLabel.RETRIED:
+            from ..task_runs.worker import record_retry
 
-        error = None if done.label is OutcomeLabel.DEFERRED else done.error
-        record_failure(job.processor.using, task_id, error, final=final)
+            record_retry(job.processor.using, task_id, done.error)
+        elif done.label is OutcomeLabel.DEFERRED:
+            # Counted in open, before the inbox claim could tell that another worker holds
+            # the delivery: counting after the claim instead would lose the attempts that kill
+            # their process, so the put-aside one is taken back here.
+            from ..task_runs.worker import take_back_attempt
+
+            take_back_attempt(job.processor.using, task_id)
 
     def close(self, batch: Batch, state: Any, error: BaseException | None) -> None:
         if state is None or error is not None:

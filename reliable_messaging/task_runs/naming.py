@@ -48,7 +48,12 @@ class TaskQueues:
     def consumer_name(self, queue_name: str) -> str:
         """The consumer of ``queue_name``: the inbox's deduplication scope, the dead letter's
         consumer."""
-        return f"{TASK_CONSUMER_PREFIX}{self.alias}:{queue_name}"
+        return task_consumer_name(self.alias, queue_name)
+
+
+def task_consumer_name(alias: str, queue_name: str) -> str:
+    """The consumer of the tasks of backend ``alias`` on its queue ``queue_name``."""
+    return f"{TASK_CONSUMER_PREFIX}{alias}:{queue_name}"
 
 
 def is_task_consumer(name: str) -> bool:

@@ -92,11 +92,17 @@ def start_attempts(using: str, task_ids: Iterable[str]) -> None:
     _signal(task_started, runs)
 
 
-def record_failure(using: str, task_id: str, error: BaseException | None, *, final: bool) -> None:
-    """In the attempt's transaction: the attempt's error, and READY again or FAILED."""
-    TaskRun.objects.using(using).fail_attempt(
-        task_id, None if error is None else error_of(error), final=final, at=timezone.now()
-    )
+def record_retry(using: str, task_id: str, error: BaseException | None) -> None:
+    """In the attempt's transaction: the attempt's error, and READY for the next one. FAILED
+    is the dead letter's own write (``DeadLetter.objects.record_failure``), whichever path
+    records it."""
+    TaskRun.objects.using(using).fail_attempt(task_id, None if error is None else error_of(error))
+
+
+def take_back_attempt(using: str, task_id: str) -> None:
+    """In the attempt's transaction: the delivery was put aside before the task ran (another
+    worker holds it), so this worker's attempt is not one."""
+    TaskRun.objects.using(using).take_back_attempt(task_id, worker_id())
 
 
 def send_finished(using: str, task_ids: Iterable[str]) -> None:

@@ -5,6 +5,8 @@ failed attempt's effect rolls back with it."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from typing import Any
 
@@ -81,3 +83,10 @@ async def async_fails_before(context: TaskContext, attempts: int) -> str:
     if context.attempt < attempts:
         raise Flaky(f"attempt {context.attempt} of {attempts}")
     return f"succeeded at attempt {context.attempt}"
+
+
+@task
+def kills_its_process() -> None:
+    """Dies as the OOM killer or a segfault would kill it: run only by a ``manage.py consume``
+    subprocess of a test, never in the test's own process."""
+    os.kill(os.getpid(), signal.SIGKILL)
