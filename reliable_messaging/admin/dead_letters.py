@@ -26,7 +26,8 @@ from ..conf import messaging_settings
 from ..dead_letters import selection
 from ..dead_letters.permissions import can_edit
 from ..dead_letters.replay import REPLAYABLE_STATUSES, UNREPLAYABLE_REASONS, stale_replays
-from ..models import DeadLetter, DeadLetterGroup, ProcessedMessage, Replay
+from ..models import DeadLetter, DeadLetterGroup, ProcessedMessage, Replay, TaskRun
+from ..task_runs.naming import is_task_consumer
 from . import bodies, scaling
 from .console import DeadLetterConsole, already_processed
 from .edit import EditReplayPage
@@ -134,7 +135,7 @@ class DeadLetterAdmin(
     actions = ("replay_selected", "force_replay_selected", "discard_selected")
     readonly_fields = (
         *(*_SUMMARY, *_FAILURE, *_HISTORY, "traceback_block", "pretty_payload", "raw_body"),
-        *("pretty_headers", "replay_of_link", "replays_table"),
+        *("pretty_headers", "replay_of_link", "replays_table", "task_run_link"),
     )
     # ------------------------------------------------------------------ list
 
@@ -235,8 +236,9 @@ class DeadLetterAdmin(
     def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
         body = "pretty_payload" if obj is None or self._body(obj)[2] is not None else "raw_body"
         edited = ("replay_of_link",) if obj and obj.replay_of_id else ()
+        task = ("task_run_link",) if obj and is_task_consumer(obj.consumer) else ()
         return (
-            (None, {"fields": _SUMMARY}),
+            (None, {"fields": (*_SUMMARY, *task)}),
             (_("Failure"), {"fields": _FAILURE}),
             (_("Traceback"), {"fields": ("traceback_block",)}),
             (_("Message"), {"fields": (body, "pretty_headers")}),
@@ -374,6 +376,19 @@ class DeadLetterAdmin(
             '<a href="{}" id="rm-replay-of">{}</a>',
             self.console_url("change", obj.replay_of_id),
             gettext("edited from dead letter #%(id)s") % {"id": obj.replay_of_id},
+        )
+
+    @admin.display(description=_("task"))
+    def task_run_link(self, obj: DeadLetter) -> str:
+        """The ``django.tasks`` task whose message this is (a task queue's consumer)."""
+        run = TaskRun.objects.using(obj._state.db).filter(pk=obj.message_id).first()
+        if run is None:
+            return "-"
+        return format_html(
+            '<a href="{}" id="rm-dead-letter-task">{}</a> ({})',
+            reverse(f"{self.admin_site.name}:reliable_messaging_taskrun_change", args=[run.pk]),
+            run.task_path,
+            run.get_status_display(),
         )
 
     @admin.display(description=_("replays and their outcomes"))

@@ -1,0 +1,149 @@
+"""The ``django.tasks`` tasks of the app's task backend in the admin: what each was asked to do,
+what became of it and why (``docs/tasks.md``). Read-only, like the outbox: a task's state
+changes only by its runs, and a failed task is replayed from its dead letter, which its page
+links to. A bounded list (``scaling.BoundedListAdmin``) filtered by status and queue."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django.contrib import admin
+from django.http import HttpRequest
+from django.urls import reverse
+from django.utils.html import format_html, format_html_join
+from django.utils.translation import gettext
+from django.utils.translation import gettext_lazy as _
+
+from ..choices import TaskRunStatus
+from ..models import DeadLetter, TaskRun
+from ..task_runs.naming import task_consumer_name
+from . import bodies
+from .scaling import BoundedListAdmin, FieldFilter, ReadOnlyAdmin
+
+
+def dead_letter_of(run: TaskRun) -> DeadLetter | None:
+    """The dead letter of a task's message, recorded by the consumer of its queue."""
+    rows = DeadLetter.objects.using(run._state.db)
+    return rows.of(task_consumer_name(run.backend, run.queue_name), run.id).first()
+
+
+class TaskQueueFilter(FieldFilter):
+    """The queues ``TASKS`` declares: a DISTINCT over every task would read them all."""
+
+    title = _("queue")
+    parameter_name = "queue_name"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        names = {
+            queue
+            for params in (getattr(settings, "TASKS", None) or {}).values()
+            if isinstance(params, dict)
+            for queue in params.get("QUEUES") or ()
+            if isinstance(queue, str)
+        }
+        value = self.value()
+        if value is not None:
+            names.add(value)  # a queue since removed, reached through a link
+        return [(name, name) for name in sorted(names)]
+
+
+@admin.register(TaskRun)
+class TaskRunAdmin(ReadOnlyAdmin, BoundedListAdmin):
+    """Tasks enqueued through the task backend, latest first, and each one's result."""
+
+    list_display = (
+        "enqueued_at",
+        "id",
+        "task_path",
+        "queue_name",
+        "status",
+        "attempts",
+        "started_at",
+        "finished_at",
+    )
+    list_filter = ("status", TaskQueueFilter)
+    search_fields = ("id",)  # only so that Django shows the search box
+    exact_search_fields = ("id", "task_path")
+    search_help_text = _("An exact task id (its result's id), or a task's dotted path.")
+    ordering = ("-enqueued_at",)
+    _SUMMARY = (
+        *("id", "task_path", "backend", "queue_name", "priority", "status", "attempts"),
+        "dead_letter_link",
+    )
+    _RUNS = (
+        *("worker_ids_block", "enqueued_at", "run_after", "started_at", "last_attempted_at"),
+        "finished_at",
+    )
+    fieldsets = (
+        (None, {"fields": _SUMMARY}),
+        (_("Arguments"), {"fields": ("args_block", "kwargs_block")}),
+        (_("Result"), {"fields": ("return_value_block", "errors_block")}),
+        (_("Runs"), {"fields": _RUNS}),
+    )
+    readonly_fields = (
+        *_SUMMARY,
+        *("args_block", "kwargs_block", "return_value_block", "errors_block"),
+        *_RUNS,
+    )
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    @admin.display(description=_("arguments"))
+    def args_block(self, obj: TaskRun) -> str:
+        return bodies.shown_text(bodies.pretty_json(obj.args) or repr(obj.args))
+
+    @admin.display(description=_("keyword arguments"))
+    def kwargs_block(self, obj: TaskRun) -> str:
+        return bodies.shown_text(bodies.pretty_json(obj.kwargs) or repr(obj.kwargs))
+
+    @admin.display(description=_("return value"))
+    def return_value_block(self, obj: TaskRun) -> str:
+        if obj.status != TaskRunStatus.SUCCESSFUL:
+            return "-"
+        return bodies.shown_text(bodies.pretty_json(obj.return_value) or repr(obj.return_value))
+
+    @admin.display(description=_("errors"))
+    def errors_block(self, obj: TaskRun) -> str:
+        """One entry per failed attempt, oldest first: its exception's class and traceback."""
+        if not obj.errors:
+            return "-"
+        return format_html_join(
+            "",
+            '<div class="rm-task-error"><p>{} <code>{}</code></p>{}</div>',
+            (
+                (
+                    gettext("Error %(number)d:") % {"number": number},
+                    error.get("exception_class_path", "?"),
+                    bodies.shown_text(error.get("traceback", "")),
+                )
+                for number, error in enumerate(obj.errors, 1)
+                if isinstance(error, dict)
+            ),
+        )
+
+    @admin.display(description=_("workers"))
+    def worker_ids_block(self, obj: TaskRun) -> str:
+        """The worker (``host:pid``) of each attempt, in order."""
+        if not obj.worker_ids:
+            return "-"
+        return format_html_join(", ", "<code>{}</code>", ((w,) for w in obj.worker_ids))
+
+    @admin.display(description=_("dead letter"))
+    def dead_letter_link(self, obj: TaskRun) -> str:
+        """A failed task's dead letter, where it is reviewed and replayed."""
+        if obj.status != TaskRunStatus.FAILED:
+            return "-"
+        letter = dead_letter_of(obj)
+        if letter is None:
+            return gettext("none (deleted?)")
+        url = reverse(
+            f"{self.admin_site.name}:reliable_messaging_deadletter_change", args=[letter.pk]
+        )
+        return format_html(
+            '<a href="{}" id="rm-task-dead-letter">{}</a> ({})',
+            url,
+            gettext("dead letter #%(id)s") % {"id": letter.pk},
+            letter.get_status_display(),
+        )

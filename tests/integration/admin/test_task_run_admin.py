@@ -1,0 +1,147 @@
+"""The tasks of the task backend in the admin: a read-only list filtered by status and queue and
+searched by id or task path, a page with the task's arguments, result, errors and workers, and
+a failed task linked to its dead letter and back."""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from django.test import Client
+from django.urls import reverse
+from django.utils import timezone
+
+from reliable_messaging.choices import TaskRunStatus
+from reliable_messaging.models import DeadLetter, TaskRun
+from reliable_messaging.task_runs.naming import task_consumer_name
+
+from .conftest import change_url
+
+CHANGELIST = reverse("admin:reliable_messaging_taskrun_changelist")
+TRACEBACK = (
+    "Traceback (most recent call last):\n"
+    '  File "/srv/shop/tasks.py", line 12, in send_receipt\n'
+    "    raise MailServerDown(host)\n"
+    "shop.tasks.MailServerDown: smtp.example.com refused the connection\n"
+)
+
+
+def task_url(run: TaskRun) -> str:
+    return reverse("admin:reliable_messaging_taskrun_change", args=[run.pk])
+
+
+@pytest.fixture
+def make_run(db: None) -> Callable[..., TaskRun]:
+    """``make_run(**fields)``: a READY ``shop.tasks.send_receipt`` on the queue "default"."""
+    numbers = itertools.count(1)
+
+    def make(**fields: Any) -> TaskRun:
+        n = next(numbers)
+        values: dict[str, Any] = {
+            "id": str(uuid.uuid4()),
+            "backend": "default",
+            "task_path": "shop.tasks.send_receipt",
+            "queue_name": "default",
+            "args": [n],
+            "kwargs": {"to": f"customer-{n}@example.com"},
+            "enqueued_at": timezone.now() - dt.timedelta(minutes=n),
+        }
+        return TaskRun.objects.create(**(values | fields))
+
+    return make
+
+
+@pytest.fixture
+def task_queues(settings: Any) -> None:
+    settings.TASKS = {
+        "default": {
+            "BACKEND": "reliable_messaging.contrib.task_backend.ReliableTaskBackend",
+            "QUEUES": ["default", "emails"],
+        }
+    }
+
+
+def listed(response: Any) -> list[str]:
+    assert response.status_code == 200
+    return [run.id for run in response.context["cl"].result_list]
+
+
+def test_the_list_filters_by_status_and_queue_and_finds_by_id_or_path(
+    admin: Client, make_run: Callable[..., TaskRun], task_queues: None
+) -> None:
+    ready = make_run()
+    done = make_run(status=TaskRunStatus.SUCCESSFUL, queue_name="emails", attempts=1)
+    other = make_run(task_path="shop.tasks.restock", status=TaskRunStatus.FAILED, attempts=3)
+
+    assert listed(admin.get(CHANGELIST)) == [ready.id, done.id, other.id]  # latest first
+    assert listed(admin.get(CHANGELIST, {"status__exact": "SUCCESSFUL"})) == [done.id]
+    assert listed(admin.get(CHANGELIST, {"queue_name": "emails"})) == [done.id]
+    assert listed(admin.get(CHANGELIST, {"q": other.id})) == [other.id]
+    assert listed(admin.get(CHANGELIST, {"q": "shop.tasks.send_receipt"})) == [ready.id, done.id]
+    page = admin.get(CHANGELIST).content.decode()
+    # The queue filter offers the queues TASKS declares, with or without tasks.
+    assert "?queue_name=emails" in page and "?queue_name=default" in page
+    assert "shop.tasks.restock" in page
+
+
+def test_a_tasks_page_shows_what_it_was_asked_and_what_came_of_it(
+    admin: Client, make_run: Callable[..., TaskRun]
+) -> None:
+    run = make_run(
+        args=[41, "gift"],
+        kwargs={"to": "ada@example.com"},
+        status=TaskRunStatus.SUCCESSFUL,
+        attempts=2,
+        return_value={"receipt": "R-1041"},
+        errors=[{"exception_class_path": "shop.tasks.MailServerDown", "traceback": TRACEBACK}],
+        worker_ids=["web-1:4242", "web-2:77"],
+        started_at=timezone.now(),
+        finished_at=timezone.now(),
+    )
+    response = admin.get(task_url(run))
+    assert response.status_code == 200
+    page = response.content.decode()
+    for shown in ("gift", "ada@example.com", "R-1041", "web-1:4242", "web-2:77"):
+        assert shown in page, shown
+    assert "shop.tasks.MailServerDown" in page
+    assert "smtp.example.com refused the connection" in page  # the traceback itself
+    assert "rm-task-dead-letter" not in page  # not failed: no dead letter to link
+
+
+def test_a_failed_task_links_to_its_dead_letter_and_back(
+    admin: Client, make_run: Callable[..., TaskRun], make_dead_letter: Callable[..., DeadLetter]
+) -> None:
+    run = make_run(status=TaskRunStatus.FAILED, attempts=3)
+    consumer = task_consumer_name(run.backend, run.queue_name)
+    # Another consumer's dead letter of the same message_id is not the task's.
+    make_dead_letter(message_id=run.id, consumer="tests.alpha")
+    letter = make_dead_letter(message_id=run.id, consumer=consumer)
+
+    page = admin.get(task_url(run)).content.decode()
+    assert f'href="{change_url(letter)}" id="rm-task-dead-letter"' in page
+
+    page = admin.get(change_url(letter)).content.decode()
+    assert f'href="{task_url(run)}" id="rm-dead-letter-task"' in page
+    assert "shop.tasks.send_receipt" in page
+
+
+def test_an_ordinary_dead_letters_page_names_no_task(
+    admin: Client, make_dead_letter: Callable[..., DeadLetter]
+) -> None:
+    page = admin.get(change_url(make_dead_letter())).content.decode()
+    assert "rm-dead-letter-task" not in page
+
+
+def test_tasks_are_read_only_in_the_admin(admin: Client, make_run: Callable[..., TaskRun]) -> None:
+    run = make_run()
+    page = admin.get(task_url(run)).content.decode()
+    assert 'name="_save"' not in page
+    assert admin.get(reverse("admin:reliable_messaging_taskrun_add")).status_code == 403
+    assert admin.post(task_url(run), {"status": "SUCCESSFUL"}).status_code == 403
+    delete = reverse("admin:reliable_messaging_taskrun_delete", args=[run.pk])
+    assert admin.post(delete, {"post": "yes"}).status_code == 403
+    assert TaskRun.objects.get(pk=run.pk).status == TaskRunStatus.READY
