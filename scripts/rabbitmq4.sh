@@ -1,26 +1,44 @@
 #!/usr/bin/env bash
-# A RabbitMQ 4.0 node beside the system's 3.10 one, for the tests that run on both brokers.
+# RabbitMQ 4 nodes beside the system's 3.10 one, for the tests that run on several brokers.
 #
-#   scripts/rabbitmq4.sh build   build the node's root once (Debian trixie's rabbitmq-server
-#                                with Erlang 27, in a debootstrap directory), kept outside the
+#   scripts/rabbitmq4.sh [--release 4.0|4.3] build   build the node's root once (a debootstrap
+#                                directory with Debian's rabbitmq-server), kept outside the
 #                                checkout so every clone and CI run on this machine reuses it
-#   scripts/rabbitmq4.sh start   start the node (idempotent), enable its plugins, wait for it
-#   scripts/rabbitmq4.sh stop    stop it
-#   scripts/rabbitmq4.sh url     print its AMQP URL
-#   scripts/rabbitmq4.sh ctl ... rabbitmqctl against it
+#   scripts/rabbitmq4.sh [--release R] start   start the node (idempotent), enable its plugins,
+#                                              wait for it
+#   scripts/rabbitmq4.sh [--release R] stop    stop it
+#   scripts/rabbitmq4.sh [--release R] url     print its AMQP URL
+#   scripts/rabbitmq4.sh [--release R] ctl ... rabbitmqctl against it
 #
-# The node has its own name, ports, epmd port, cookie and HOME; it never touches the node on
-# 5672. Erlang 27 needs trixie's libc, hence the chroot. Its rabbitmq user gets a uid that is
-# free on the host, so that files it writes are never mistaken for the host's.
+# The release (RM_RABBITMQ_RELEASE when --release is not given; 4.0 by default) picks the node:
+#   4.0  Debian trixie's rabbitmq-server 4.0.5 with Erlang 27, node rmq4, AMQP port 5782
+#   4.3  Debian sid's rabbitmq-server 4.3.x with Erlang 29, node rmq43, AMQP port 5783
+# Each node has its own root, name, ports, epmd port, cookie and HOME, so both can run at once;
+# neither touches the node on 5672. Their Erlang needs a newer libc than the host's, hence the
+# chroots. Each node's rabbitmq user gets a uid that is free on the host, so that files it
+# writes are never mistaken for the host's.
 set -euo pipefail
 
-ROOT="${RM_RABBITMQ4_ROOT:-/var/cache/reliable-messaging/rabbitmq4-trixie}"
-NODE="${RM_RABBITMQ4_NODE:-rmq4@localhost}"
-AMQP_PORT="${RM_RABBITMQ4_PORT:-5782}"
-MGMT_PORT="${RM_RABBITMQ4_MANAGEMENT_PORT:-15782}"
-DIST_PORT="${RM_RABBITMQ4_DIST_PORT:-25782}"
-EPMD_PORT="${RM_RABBITMQ4_EPMD_PORT:-4382}"
-RABBIT_UID=2782
+set_node() {
+    SUITE=$1
+    ROOT="${RM_RABBITMQ4_ROOT:-/var/cache/reliable-messaging/$2}"
+    NODE="${RM_RABBITMQ4_NODE:-$3@localhost}"
+    AMQP_PORT="${RM_RABBITMQ4_PORT:-$4}"
+    MGMT_PORT="${RM_RABBITMQ4_MANAGEMENT_PORT:-$5}"
+    DIST_PORT="${RM_RABBITMQ4_DIST_PORT:-$6}"
+    EPMD_PORT="${RM_RABBITMQ4_EPMD_PORT:-$7}"
+    RABBIT_UID=$8
+}
+
+RELEASE="${RM_RABBITMQ_RELEASE:-4.0}"
+if [[ "${1:-}" == "--release" ]]; then RELEASE="${2:-}"; shift 2 || true; fi
+# One line per node: its Debian suite, root, node name, AMQP, management, distribution and epmd
+# ports, and the uid of its rabbitmq user. RM_RABBITMQ4_* override the chosen node's values.
+case "$RELEASE" in
+4.0) set_node trixie rabbitmq4-trixie rmq4 5782 15782 25782 4382 2782 ;;
+4.3) set_node sid rabbitmq43-sid rmq43 5783 15783 25783 4383 2783 ;;
+*) echo "rabbitmq4: ERROR: --release ${RELEASE@Q}: expected 4.0 or 4.3" >&2; exit 2 ;;
+esac
 STAMP="$ROOT/.reliable-messaging-built"
 BASE=/var/lib/rm-rabbitmq4   # inside the chroot: HOME, data, logs, config
 
@@ -47,12 +65,17 @@ build() {
     exec 8>"${ROOT%/*}.build.lock" 2>/dev/null || { mkdir -p "${ROOT%/*}"; exec 8>"${ROOT%/*}.build.lock"; }
     flock -w 900 8 || die "another build holds ${ROOT%/*}.build.lock"
     [[ -f "$STAMP" ]] && return 0
-    echo "rabbitmq4: building $ROOT (debootstrap trixie + rabbitmq-server, about 3 minutes)"
+    echo "rabbitmq4: building $ROOT (debootstrap $SUITE + rabbitmq-server, about 3 minutes)"
     umount_all
     rm -rf "$ROOT"
     mkdir -p "$ROOT"
-    debootstrap --variant=minbase trixie "$ROOT" "$(debian_mirror)" >"$ROOT.debootstrap.log" 2>&1 ||
+    # debootstrap checks the Release file's signature (gpgv, ignoring time conflicts) but not its
+    # Valid-Until, so a mirror whose sid Release has lapsed still bootstraps, signatures checked.
+    debootstrap --variant=minbase "$SUITE" "$ROOT" "$(debian_mirror)" >"$ROOT.debootstrap.log" 2>&1 ||
         die "debootstrap failed; see $ROOT.debootstrap.log"
+    # apt does check Valid-Until, and sid's Release on a mirror that is not refreshed every few
+    # days is past it; the signature is still checked.
+    echo 'Acquire::Check-Valid-Until "false";' >"$ROOT/etc/apt/apt.conf.d/90reliable-messaging"
     printf '#!/bin/sh\nexit 101\n' >"$ROOT/usr/sbin/policy-rc.d"
     chmod +x "$ROOT/usr/sbin/policy-rc.d"
     chroot "$ROOT" groupadd --system --gid "$RABBIT_UID" rabbitmq

@@ -160,21 +160,31 @@ def _through_pgbouncer(request: pytest.FixtureRequest) -> Iterator[None]:
 
 @pytest.fixture(scope="session", autouse=True)
 def _broker_under_test() -> None:
-    """``RM_TEST_BROKER=rabbitmq4``: the session talks to the RabbitMQ 4.0 node
-    (tests/support.py); it is started (built, the first time on a machine) before any test."""
-    if support.BROKER.name == "rabbitmq4":
-        from tests import rabbitmq4 as node
+    """``RM_TEST_BROKER=rabbitmq4`` (or ``rabbitmq43``): the session talks to the RabbitMQ 4.0
+    (or 4.3) node (tests/support.py); it is started (built, the first time on a machine) before
+    any test."""
+    from tests.rabbitmq4 import NODES
 
-        node.ensure_started()
+    if support.BROKER.name in NODES:
+        NODES[support.BROKER.name].ensure_started()
 
 
 @pytest.fixture(scope="session")
 def rabbitmq4() -> Any:
     """The RabbitMQ 4.0 node (tests/rabbitmq4.py), started for the session if it is not up."""
-    from tests import rabbitmq4 as node
+    from tests.rabbitmq4 import NODES
 
-    node.ensure_started()
-    return node
+    NODES["rabbitmq4"].ensure_started()
+    return NODES["rabbitmq4"]
+
+
+@pytest.fixture(scope="session")
+def rabbitmq43() -> Any:
+    """The RabbitMQ 4.3 node (tests/rabbitmq4.py), started for the session if it is not up."""
+    from tests.rabbitmq4 import NODES
+
+    NODES["rabbitmq43"].ensure_started()
+    return NODES["rabbitmq43"]
 
 
 @pytest.fixture

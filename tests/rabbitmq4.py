@@ -1,42 +1,76 @@
-"""The RabbitMQ 4.0 node beside the system's 3.10 one (``scripts/rabbitmq4.sh``).
+"""The RabbitMQ 4 nodes beside the system's 3.10 one (``scripts/rabbitmq4.sh``): 4.0.5 from
+Debian trixie and 4.3.x from Debian sid.
 
-One node per machine, shared by every test and session that asks for it: built once into a
-cache directory outside the checkout, started on first use, left running (it costs nothing
-idle and starts in about 15 s). Tests reach it with :data:`URL` and :data:`MANAGEMENT_URL`
-and drive it with :func:`ctl`, never the system node on 5672.
+One node of each release per machine, shared by every test and session that asks for it: built
+once into a cache directory outside the checkout, started on first use, left running (it costs
+nothing idle and starts in about 15 s). Tests reach a node through its :class:`Node` in
+:data:`NODES` (the ``rabbitmq4`` and ``rabbitmq43`` fixtures), never the system node on 5672.
 """
 
 from __future__ import annotations
 
 import functools
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "rabbitmq4.sh"
-URL = "amqp://guest:guest@127.0.0.1:5782/%2F"
-MANAGEMENT_URL = "http://127.0.0.1:15782"
+
+
+@dataclass(frozen=True)
+class Node:
+    """One node of ``scripts/rabbitmq4.sh``: its ``--release`` and the ports the script gives
+    it."""
+
+    release: str
+    amqp_port: int
+    management_port: int
+
+    @property
+    def url(self) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.amqp_port}/%2F"
+
+    @property
+    def management_url(self) -> str:
+        return f"http://127.0.0.1:{self.management_port}"
+
+    @property
+    def script(self) -> tuple[str, ...]:
+        """The script's command line for this node; ``(*script, "ctl")`` is its rabbitmqctl."""
+        return (str(SCRIPT), "--release", self.release)
+
+    def ensure_started(self) -> str:
+        """Build (first time on this machine) and start the node; return its version line."""
+        return _start(self)
+
+    def ctl(self, *args: str, timeout: float = 60) -> str:
+        """``rabbitmqctl -q ARGS`` against the node; raises on failure."""
+        done = subprocess.run(
+            [*self.script, "ctl", "-q", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"rabbitmqctl {' '.join(args)} failed: {done.stderr or done.stdout}")
+        return done.stdout
 
 
 @functools.cache
-def ensure_started() -> str:
-    """Build (first time on this machine) and start the node; return its version line."""
+def _start(node: Node) -> str:
     done = subprocess.run(
-        [str(SCRIPT), "start"], capture_output=True, text=True, timeout=900, check=False
+        [*node.script, "start"], capture_output=True, text=True, timeout=900, check=False
     )
     if done.returncode != 0:
-        raise RuntimeError(f"the RabbitMQ 4 node did not start:\n{done.stdout}{done.stderr}")
+        raise RuntimeError(
+            f"the RabbitMQ {node.release} node did not start:\n{done.stdout}{done.stderr}"
+        )
     return done.stdout.strip().splitlines()[-1]
 
 
-def ctl(*args: str, timeout: float = 60) -> str:
-    """``rabbitmqctl -q ARGS`` against the 4.0 node; raises on failure."""
-    done = subprocess.run(
-        [str(SCRIPT), "ctl", "-q", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"rabbitmqctl {' '.join(args)} failed: {done.stderr or done.stdout}")
-    return done.stdout
+# By the name RM_TEST_BROKER and the fixtures give them (tests/support.py, tests/conftest.py).
+NODES = {
+    "rabbitmq4": Node("4.0", amqp_port=5782, management_port=15782),
+    "rabbitmq43": Node("4.3", amqp_port=5783, management_port=15783),
+}

@@ -85,7 +85,7 @@ CACHES = {
 }
 
 RELIABLE_MESSAGING = {
-    # RM_TEST_BROKER=rabbitmq4: the RabbitMQ 4.0 node (tests/support.py).
+    # RM_TEST_BROKER=rabbitmq4 or rabbitmq43: the RabbitMQ 4.0 or 4.3 node (tests/support.py).
     "BROKER_URL": os.environ.get("RM_BROKER_URL", BROKER.url),
     "EXCHANGE": f"rmtest.{NAMESPACE}",
     "RETRY_DELAYS": [0.2, 0.4, 0.8],
@@ -106,8 +106,10 @@ RELIABLE_MESSAGING = {
     "HANDLER_TIMEOUT_GRACE": float(os.environ.get("RM_TEST_HANDLER_TIMEOUT_GRACE", "10")),
     "BROKER_CONSUMER_TIMEOUT": float(os.environ.get("RM_TEST_BROKER_CONSUMER_TIMEOUT", "1800")),
     "HEARTBEAT": int(os.environ.get("RM_TEST_HEARTBEAT", "60")),
-    # None: the broker's host on 15672, as for users who do not set it.
-    "MANAGEMENT_URL": os.environ.get("RM_TEST_MANAGEMENT_URL") or None,
+    # None: the broker's host on 15672, as for users who do not set it; the RabbitMQ 4 nodes
+    # beside the system's have their management API on a port of their own.
+    "MANAGEMENT_URL": os.environ.get("RM_TEST_MANAGEMENT_URL")
+    or (None if BROKER.name == "rabbitmq3" else BROKER.management_url),
 }
 if os.environ.get("RM_TEST_CONSUMER_BATCH_SIZE"):
     RELIABLE_MESSAGING["CONSUMER_BATCH_SIZE"] = int(os.environ["RM_TEST_CONSUMER_BATCH_SIZE"])

@@ -81,13 +81,15 @@ BROKERS = {
         "http://127.0.0.1:15672",
         ("rabbitmqctl",),
     ),
-    "rabbitmq4": BrokerUnderTest(
-        "rabbitmq4", rabbitmq4.URL, rabbitmq4.MANAGEMENT_URL, (str(rabbitmq4.SCRIPT), "ctl")
-    ),
+    **{
+        name: BrokerUnderTest(name, node.url, node.management_url, (*node.script, "ctl"))
+        for name, node in rabbitmq4.NODES.items()
+    },
 }
-# RM_TEST_BROKER=rabbitmq4 points the whole session (and the subprocesses it starts, which
-# inherit the variable) at the 4.0 node beside the system's 3.10 one: `make test` runs the
-# broker-sensitive slice again so. RM_BROKER_URL still overrides the AMQP URL alone.
+# RM_TEST_BROKER=rabbitmq4 (or rabbitmq43) points the whole session (and the subprocesses it
+# starts, which inherit the variable) at the 4.0 (or 4.3) node beside the system's 3.10 one:
+# `make test` runs the broker-sensitive slice again so. RM_BROKER_URL still overrides the AMQP
+# URL alone.
 try:
     BROKER = BROKERS[os.environ.get("RM_TEST_BROKER") or "rabbitmq3"]
 except KeyError:

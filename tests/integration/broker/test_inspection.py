@@ -1,8 +1,8 @@
 """The broker check (:mod:`reliable_messaging.broker.inspection`) against both real brokers.
 
 On the system's 3.10 node, a policy on one uniquely named queue of the default vhost (removed
-afterwards); on the 4.0 node, a vhost of the test's own whose default queue type is quorum
-(deleted afterwards). The management API publishes a queue's policies only with its next
+afterwards); on the 4.0 and the 4.3 node, a vhost of the test's own whose default queue type is
+quorum (deleted afterwards). The management API publishes a queue's policies only with its next
 statistics, seconds after a change: the tests wait for the findings, they do not sleep.
 """
 
@@ -165,30 +165,36 @@ def test_an_unreachable_broker_is_said_not_raised(on_3_10: Any) -> None:
     assert "s3cret" not in check.error
 
 
-# --------------------------------------------------------------------------- RabbitMQ 4.0
+# --------------------------------------------------------------------------- RabbitMQ 4
+
+
+@pytest.fixture(scope="module", params=["rabbitmq4", "rabbitmq43"])
+def node4(request: pytest.FixtureRequest) -> Any:
+    """Each RabbitMQ 4 node in turn: 4.0 and 4.3 (tests/rabbitmq4.py)."""
+    return request.getfixturevalue(request.param)
 
 
 @pytest.fixture(scope="module")
-def quorum_vhost(rabbitmq4: Any) -> Iterator[str]:
-    """A vhost of the 4.0 node whose queues are quorum queues unless declared otherwise."""
+def quorum_vhost(node4: Any) -> Iterator[str]:
+    """A vhost of the 4.x node whose queues are quorum queues unless declared otherwise."""
     from tests.support import new_namespace
 
     vhost = f"rmtest-{new_namespace()}"
-    rabbitmq4.ctl("add_vhost", vhost, "--default-queue-type", "quorum")
+    node4.ctl("add_vhost", vhost, "--default-queue-type", "quorum")
     try:
-        rabbitmq4.ctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
+        node4.ctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
         yield vhost
     finally:
-        rabbitmq4.ctl("delete_vhost", vhost)
+        node4.ctl("delete_vhost", vhost)
 
 
 @pytest.fixture
-def on_4_0(ns: str, rabbitmq4: Any, quorum_vhost: str) -> Iterator[dict[str, Any]]:
-    url = rabbitmq4.URL.rsplit("/", 1)[0] + "/" + urllib.parse.quote(quorum_vhost, safe="")
+def on_4(ns: str, node4: Any, quorum_vhost: str) -> Iterator[dict[str, Any]]:
+    url = node4.url.rsplit("/", 1)[0] + "/" + urllib.parse.quote(quorum_vhost, safe="")
     values = {
         **settings.RELIABLE_MESSAGING,
         "BROKER_URL": url,
-        "MANAGEMENT_URL": rabbitmq4.MANAGEMENT_URL,
+        "MANAGEMENT_URL": node4.management_url,
         "EXCHANGE": f"rmtest.{ns}",
         "MAX_BODY_BYTES": 20 * MIB,
     }
@@ -196,15 +202,15 @@ def on_4_0(ns: str, rabbitmq4: Any, quorum_vhost: str) -> Iterator[dict[str, Any
         yield values
 
 
-def test_4_0_a_queue_the_quorum_vhost_default_turned_quorum(
-    ns: str, rabbitmq4: Any, quorum_vhost: str, on_4_0: Any
+def test_4_a_queue_the_quorum_vhost_default_turned_quorum(
+    ns: str, node4: Any, quorum_vhost: str, on_4: Any
 ) -> None:
     """consume states every queue's type; a queue declared without one (by hand, by another
     tool) on a vhost whose default is quorum is a quorum queue with the broker's limit of 20
     and no dead-letter target, which the check reports."""
     spec = spec_of(f"rmtest.{ns}.orders")
-    declare(on_4_0["BROKER_URL"], spec)
-    connection = pika.BlockingConnection(pika.URLParameters(on_4_0["BROKER_URL"]))
+    declare(on_4["BROKER_URL"], spec)
+    connection = pika.BlockingConnection(pika.URLParameters(on_4["BROKER_URL"]))
     try:
         channel = connection.channel()
         channel.queue_delete(spec.queue)
@@ -213,12 +219,12 @@ def test_4_0_a_queue_the_quorum_vhost_default_turned_quorum(
         connection.close()
     delay = delay_exchange_name(messaging_settings.retry_delays[0])
     policy = f"rmtest-{ns}-expires"
-    rabbitmq4.ctl(
+    node4.ctl(
         "set_policy", "-p", quorum_vhost, "--apply-to", "queues", policy,
         f"^{re.escape(delay)}$", json.dumps({"expires": 600_000}),
     )  # fmt: skip
     node = check_broker([]).url
-    assert node.startswith("amqp://127.0.0.1:5782/")  # the 4.0 node, not the system's
+    assert node.startswith(f"amqp://127.0.0.1:{node4.amqp_port}/")  # not the system's
     check = check_until(
         [spec],
         ("error", "max-message-size", node),
@@ -235,20 +241,20 @@ def test_4_0_a_queue_the_quorum_vhost_default_turned_quorum(
         "drops a message after 20 deliveries" in findings["dead-letter-target", spec.queue].message
     )
     assert "no consumer ever reads a delay queue" in findings["queue-expires", delay].message
-    assert "RabbitMQ 4.0.5" in findings["server-version", check.url].message
+    assert f"RabbitMQ {node4.release}." in findings["server-version", check.url].message
     assert "not affected" in findings["vhost-default-queue-type", quorum_vhost].message
 
 
-def test_4_0_a_policy_lowering_the_delivery_limit_and_the_consumer_timeout(
-    ns: str, rabbitmq4: Any, quorum_vhost: str, on_4_0: Any
+def test_4_a_policy_lowering_the_delivery_limit_and_the_consumer_timeout(
+    ns: str, node4: Any, quorum_vhost: str, on_4: Any
 ) -> None:
     spec = spec_of(f"rmtest.{ns}.payments")
     with override_settings(
-        RELIABLE_MESSAGING={**on_4_0, "QUEUE_TYPE": "quorum", "MAX_BODY_BYTES": 1 * MIB}
+        RELIABLE_MESSAGING={**on_4, "QUEUE_TYPE": "quorum", "MAX_BODY_BYTES": 1 * MIB}
     ):
-        declare(on_4_0["BROKER_URL"], spec)
+        declare(on_4["BROKER_URL"], spec)
         policy = f"rmtest-{ns}-short"
-        rabbitmq4.ctl(
+        node4.ctl(
             "set_policy", "-p", quorum_vhost, "--apply-to", "quorum_queues", policy,
             f"^{re.escape(spec.queue)}$",
             json.dumps({"delivery-limit": 2, "consumer-timeout": 60_000}),
@@ -268,7 +274,7 @@ def test_4_0_a_policy_lowering_the_delivery_limit_and_the_consumer_timeout(
 
 
 def test_messaging_status_broker_exits_1_on_an_error_finding(
-    ns: str, on_4_0: Any, transactional_db: None
+    ns: str, on_4: Any, transactional_db: None
 ) -> None:
     spec = spec_of(f"rmtest.{ns}.status")
     out, err = io.StringIO(), io.StringIO()
@@ -288,7 +294,7 @@ def test_messaging_status_broker_exits_1_on_an_error_finding(
 
 
 def test_consume_start_logs_each_warning_and_error_once(
-    ns: str, on_4_0: Any, caplog: pytest.LogCaptureFixture
+    ns: str, on_4: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     spec = spec_of(f"rmtest.{ns}.startup")
     with caplog.at_level(logging.INFO, logger="reliable_messaging.broker.inspection"):
@@ -306,10 +312,10 @@ def test_consume_start_logs_each_warning_and_error_once(
 
 
 def test_consume_start_with_the_management_api_unreachable_is_one_info_line(
-    ns: str, on_4_0: Any, caplog: pytest.LogCaptureFixture
+    ns: str, on_4: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     spec = spec_of(f"rmtest.{ns}.noapi")
-    values = {**on_4_0, "MANAGEMENT_URL": "http://127.0.0.1:1", "MAX_BODY_BYTES": MIB}
+    values = {**on_4, "MANAGEMENT_URL": "http://127.0.0.1:1", "MAX_BODY_BYTES": MIB}
     with (
         override_settings(RELIABLE_MESSAGING=values),
         caplog.at_level(logging.INFO, logger="reliable_messaging.broker.inspection"),
@@ -325,7 +331,7 @@ def test_consume_start_with_the_management_api_unreachable_is_one_info_line(
 
 
 def test_relay_start_logs_an_error_naming_both_sizes(
-    on_4_0: Any, caplog: pytest.LogCaptureFixture
+    on_4: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.INFO, logger="reliable_messaging.broker.inspection"):
         log_body_limit_in_background().join(timeout=60)

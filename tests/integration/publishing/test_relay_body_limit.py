@@ -16,7 +16,7 @@ LOGGED = "ERROR reliable_messaging.broker.inspection the broker refuses message 
 def test_relay_logs_the_size_4_0_refuses_once_and_keeps_running(
     ob: OutboxEnv, rabbitmq4: Any
 ) -> None:
-    ob.set(BROKER_URL=rabbitmq4.URL, MAX_BODY_BYTES=20 * MIB)
+    ob.set(BROKER_URL=rabbitmq4.url, MAX_BODY_BYTES=20 * MIB)
     relay = ob.relay_process()
     relay.wait_for_log(LOGGED)
     relay.wait_connected()

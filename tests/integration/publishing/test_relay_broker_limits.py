@@ -25,11 +25,12 @@ MIB = 1024 * 1024
 SYSTEM_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 
 
-@pytest.fixture(params=["rabbitmq-3.10", "rabbitmq-4.0"])
+@pytest.fixture(params=["rabbitmq3", "rabbitmq4", "rabbitmq43"])
 def broker(request: pytest.FixtureRequest) -> Broker:
-    if request.param == "rabbitmq-4.0":
-        return Broker(request.getfixturevalue("rabbitmq4").URL)
-    return Broker(SYSTEM_URL)
+    """The system's 3.10 node, or the fixture of that name (the 4.0 and the 4.3 node)."""
+    if request.param == "rabbitmq3":
+        return Broker(SYSTEM_URL)
+    return Broker(request.getfixturevalue(request.param).url)
 
 
 @pytest.fixture(autouse=True)
