@@ -1,13 +1,16 @@
-"""What RabbitMQ 4 changed under our queues, proven on both broker lines: 3.10.8 (the system
-node) and 4.0.5 (tests/rabbitmq4.py).
+"""What RabbitMQ 4 changed under our queues, proven on each broker line: 3.10.8 (the system
+node), 4.0.5 and 4.3.x (tests/rabbitmq4.py).
 
 4.0 gives every quorum queue a delivery limit of 20 and drops past it when the queue has no
 dead-letter target, and a vhost can make quorum its default queue type: every queue we declare
-states its type, and ``<queue>.dead`` states its limit and where what passes it goes.
+states its type, and ``<queue>.dead`` states its limit and where what passes it goes. 4.3
+counts toward that limit only the deliveries that failed (a ``basic.reject`` with requeue, a
+channel or connection closed on the message), not a ``basic.nack`` with requeue.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import urllib.parse
@@ -64,15 +67,22 @@ class Node:
                 self.api(f"exchanges/{quoted}/{name}", "DELETE")
 
 
-@pytest.fixture(params=["rabbitmq-3.10", "rabbitmq-4.0"])
+@pytest.fixture(params=["rabbitmq3", "rabbitmq4", "rabbitmq43"])
 def node(request: pytest.FixtureRequest, ns: str) -> Iterator[Node]:
-    if request.param == "rabbitmq-4.0":
-        rabbitmq4 = request.getfixturevalue("rabbitmq4")
-        found = Node(rabbitmq4.URL, rabbitmq4.MANAGEMENT_URL)
-    else:
+    """The system's 3.10 node, or the fixture of that name (the 4.0 and the 4.3 node)."""
+    if request.param == "rabbitmq3":
         found = Node(SYSTEM_URL, SYSTEM_MANAGEMENT_URL)
+    else:
+        started = request.getfixturevalue(request.param)
+        found = Node(started.url, started.management_url)
     yield found
     found.delete_matching(ns)
+
+
+@pytest.fixture(params=["rabbitmq4", "rabbitmq43"])
+def node4(request: pytest.FixtureRequest) -> Any:
+    """Each RabbitMQ 4 node (tests/rabbitmq4.py), for what needs ``rabbitmqctl``."""
+    return request.getfixturevalue(request.param)
 
 
 def payments(ns: str) -> ConsumerSpec:
@@ -85,8 +95,10 @@ def payments(ns: str) -> ConsumerSpec:
 
 
 def bounce(channel: Any, queue: str, times: int) -> int:
-    """Take the message off ``queue`` and give it back, up to ``times`` times or until the queue
-    stays empty for a second (the broker moved it on); returns how many times it came."""
+    """Take the message off ``queue`` and give it back as failed, up to ``times`` times or until
+    the queue stays empty for a second (the broker moved it on); returns how many times it came.
+    ``basic.reject``: every version counts it toward the delivery limit, where 4.3 no longer
+    counts a ``basic.nack`` (see test_a_requeueing_nack_counts_toward_the_limit_before_4_3)."""
     came = 0
     empty_since: float | None = None
     while came < times:
@@ -99,8 +111,79 @@ def bounce(channel: Any, queue: str, times: int) -> int:
             continue
         empty_since = None
         came += 1
-        channel.basic_nack(method.delivery_tag, requeue=True)
+        channel.basic_reject(method.delivery_tag, requeue=True)
     return came
+
+
+def test_a_requeueing_nack_counts_toward_the_limit_before_4_3(node: Node, ns: str) -> None:
+    """What the broker counts toward a quorum queue's delivery limit, the ground the crash guard
+    and the docs stand on: a closed channel (a process that died on the message) and a
+    ``basic.reject`` on every version; a ``basic.nack`` with requeue (what the app gives back
+    undecided) before 4.3 only. On 4.3 such a nack leaves ``x-delivery-count`` unset."""
+    version = node.api("overview")["rabbitmq_version"]
+    counts_nacks = tuple(int(part) for part in version.split(".")[:2]) < (4, 3)
+    connection = node.connection()
+    try:
+        channel = connection.channel()
+        came: dict[str, int] = {}
+        for how in ("nack", "reject", "close"):
+            queue = f"{ns}.count-{how}"
+            channel.queue_declare(f"{queue}.dead", durable=True)
+            channel.queue_declare(
+                queue,
+                durable=True,
+                arguments={
+                    "x-queue-type": "quorum",
+                    "x-delivery-limit": 2,
+                    "x-dead-letter-exchange": "",
+                    "x-dead-letter-routing-key": f"{queue}.dead",
+                },
+            )
+            channel.basic_publish("", queue, b"{}", pika.BasicProperties(delivery_mode=2))
+            came[how] = 0
+            counts: list[Any] = []
+            while came[how] < 6 and (got := _next(channel, queue)) is not None:
+                method, properties = got
+                came[how] += 1
+                counts.append((properties.headers or {}).get("x-delivery-count"))
+                if how == "nack":
+                    channel.basic_nack(method.delivery_tag, requeue=True)
+                elif how == "reject":
+                    channel.basic_reject(method.delivery_tag, requeue=True)
+                else:
+                    channel.close()
+                    channel = connection.channel()
+            if how == "nack" and not counts_nacks:
+                assert (came[how], counts) == (6, [None] * 6), version
+                wait_until(functools.partial(_has_depth, channel, queue, 1), timeout=5)
+                assert _depth(channel, f"{queue}.dead") == 0
+            else:
+                # Delivered once and given back twice within the limit; the third return
+                # passes it and the broker moves the message to <queue>.dead.
+                # (3.10 gives the first delivery a count of 0, 4.x none.)
+                assert (came[how], counts[1:]) == (3, [1, 2]), (how, version, counts)
+                wait_until(functools.partial(_has_depth, channel, f"{queue}.dead", 1), timeout=5)
+    finally:
+        connection.close()
+
+
+def _next(channel: Any, queue: str, within: float = 1.5) -> tuple[Any, Any] | None:
+    """The next message of ``queue`` (method, properties), or None if none comes ``within``."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        method, properties, _ = channel.basic_get(queue)
+        if method is not None:
+            return method, properties
+        time.sleep(0.02)
+    return None
+
+
+def _depth(channel: Any, queue: str) -> int:
+    return int(channel.queue_declare(queue, passive=True).method.message_count)
+
+
+def _has_depth(channel: Any, queue: str, depth: int) -> bool:
+    return _depth(channel, queue) == depth
 
 
 def test_a_message_past_the_dead_queues_limit_is_kept_and_becomes_a_dead_letter(
@@ -130,9 +213,12 @@ def test_a_message_past_the_dead_queues_limit_is_kept_and_becomes_a_dead_letter(
                 ),
             )
             # Past the consumer queue's limit, then past the .dead queue's own (more than the
-            # 20 that RabbitMQ 4 gives a quorum queue that states none).
+            # 20 that RabbitMQ 4 gives a quorum queue that states none). 4.3 carries the count
+            # along when it dead-letters: the message reaches .dead already past its limit,
+            # and the first failed return there moves it on.
             assert bounce(channel, spec.queue, 10) >= 3
-            assert bounce(channel, f"{spec.queue}.dead", 25) >= 3
+            assert bounce(channel, f"{spec.queue}.dead", 25) >= 1
+            wait_until(lambda: _depth(channel, f"{spec.queue}.dead.kept") == 1, timeout=5)
         finally:
             connection.close()
         service([spec])
@@ -152,16 +238,16 @@ def test_a_message_past_the_dead_queues_limit_is_kept_and_becomes_a_dead_letter(
 
 
 def test_classic_queues_stay_classic_on_a_vhost_whose_default_type_is_quorum(
-    rabbitmq4: Any, ns: str, rm_settings: dict[str, Any]
+    node4: Any, ns: str, rm_settings: dict[str, Any]
 ) -> None:
     """A queue declared without ``x-queue-type`` takes the vhost's default type: quorum, with
     the broker's delivery limit and no dead-letter target, where QUEUE_TYPE says classic. (The
     delay queues are quorum queues on every QUEUE_TYPE.)"""
     vhost = f"rm-{ns}"
-    rabbitmq4.ctl("add_vhost", vhost, "--default-queue-type", "quorum")
+    node4.ctl("add_vhost", vhost, "--default-queue-type", "quorum")
     try:
-        rabbitmq4.ctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
-        node = Node(rabbitmq4.URL, rabbitmq4.MANAGEMENT_URL)
+        node4.ctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
+        node = Node(node4.url, node4.management_url)
         spec = payments(ns)
         ordered = ConsumerSpec(
             name=f"{ns}.ledger",
@@ -182,4 +268,4 @@ def test_classic_queues_stay_classic_on_a_vhost_whose_default_type_is_quorum(
         assert {name: types.get(name) for name in ours} == dict.fromkeys(ours, "classic")
         assert {name: types.get(name) for name in delays} == dict.fromkeys(delays, "quorum")
     finally:
-        rabbitmq4.ctl("delete_vhost", vhost)
+        node4.ctl("delete_vhost", vhost)

@@ -112,8 +112,9 @@ def consumers_of(queue: str) -> int | None:
 
 def return_until_dropped(queue: str, most: int) -> int:
     """Consume ``queue`` as another client would (a quorum queue with a single active consumer
-    refuses ``basic.get``) and give back what comes (nack, requeue) until the broker stops
-    delivering it; how many times it was given back."""
+    refuses ``basic.get``) and give back what comes as failed (reject, requeue) until the broker
+    stops delivering it; how many times it was given back. (RabbitMQ 4.3 no longer counts a
+    ``basic.nack`` with requeue toward the delivery limit.)"""
     connection = broker_connection(name="rm-tests returner")
     returned = 0
     try:
@@ -123,7 +124,7 @@ def return_until_dropped(queue: str, most: int) -> int:
             if method is None:
                 break
             assert method.delivery_tag is not None
-            channel.basic_nack(method.delivery_tag, requeue=True)
+            channel.basic_reject(method.delivery_tag, requeue=True)
             returned += 1
             if returned >= most:
                 break
