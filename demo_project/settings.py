@@ -6,6 +6,7 @@ e.g. ``postgres://postgres@127.0.0.1:5432/rm_demo``. Not for production: the sec
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -83,6 +84,18 @@ RELIABLE_MESSAGING = {
     "MAX_ATTEMPTS": 3,
     # SQLite has no LISTEN/NOTIFY: the relay polls, so poll often.
     "RELAY_POLL_INTERVAL": 0.2,
+}
+
+# django.tasks, for the demo's task part: its tasks run by `manage.py consume` (docs/tasks.md).
+# Before Django 6.0 the framework is the django-tasks backport, an app of its own.
+if importlib.util.find_spec("django.tasks") is None:
+    INSTALLED_APPS.append("django_tasks")
+TASKS = {
+    "default": {
+        "BACKEND": "reliable_messaging.contrib.task_backend.ReliableTaskBackend",
+        "QUEUES": ["default"],
+        "OPTIONS": {"QUEUE_PREFIX": "shop.tasks."},
+    }
 }
 
 # Celery, for the second part of the demo: the same RabbitMQ as broker, on its own queue. Beat

@@ -19,6 +19,7 @@ from django.db.models import Count
 from reliable_messaging.choices import DeadLetterReason, OutboxStatus
 from reliable_messaging.core.registry import registry
 from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
+from reliable_messaging.task_runs.naming import TASK_CONSUMER_PREFIX
 
 from .consumers import BILLING, OFFERS, PAYMENT_REMINDER
 from .models import Card, Order, Payment, PaymentReminder, TimelineEvent
@@ -216,9 +217,10 @@ def read_state(injected: Injected, queue_depths: Mapping[str, int] | None = None
         ),
         dead_letters=tuple(
             DeadLetterRow(*row)
-            for row in DeadLetter.objects.order_by("pk").values_list(
-                "consumer", "message_id", "reason", "exception_message"
-            )
+            # The shop's messages': the task part reports its own (a replayed task's).
+            for row in DeadLetter.objects.exclude(consumer__startswith=TASK_CONSUMER_PREFIX)
+            .order_by("pk")
+            .values_list("consumer", "message_id", "reason", "exception_message")
         ),
         outbox_pending=OutboxMessage.objects.pending().count(),
         outbox_failed=OutboxMessage.objects.filter(status=OutboxStatus.FAILED).count(),
@@ -533,6 +535,7 @@ def summary_lines(state: RunState, injected: Injected, facts: RunFacts) -> list[
         "Review and replay the dead letters in the admin:",
         "  python manage.py runserver   then open "
         "http://127.0.0.1:8000/admin/reliable_messaging/deadletter/",
+        "  and the django.tasks results at http://127.0.0.1:8000/admin/reliable_messaging/taskrun/",
         "  login: demo / demo",
     ]
     return lines

@@ -11,7 +11,10 @@
    ``reliable_messaging.relay_outbox`` every few seconds) while a few more orders are placed,
    and customers ask for their receipt by email, some twice; the idempotent task sends one
    email per order. Then the worker and ``consume`` are stopped with SIGTERM.
-6. Read everything back from the database and print the summary.
+6. The ``django.tasks`` part (:mod:`.task_scenario`): tasks enqueued from requests'
+   transactions (some rolled back) and run by ``manage.py consume``; one succeeds on its retry,
+   one fails for good and is replayed with ``manage.py replay_dead_letters``.
+7. Read everything back from the database and print the summary, with each task's result.
 
 With ``opentelemetry-sdk`` installed, every process exports its spans to a file under
 ``demo_project/logs`` and the run ends with the trace of one order that failed once, as a
@@ -38,7 +41,7 @@ from demo_project import tracing as demo_tracing
 from demo_project.celery import app as celery_app
 from reliable_messaging import publish, tracing
 from reliable_messaging.core.registry import registry
-from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
+from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage, TaskRun
 
 from .broker import DemoBroker
 from .consumers import OFFER_SENT, PAYMENT_REMINDER, REMINDER_DELAY, reminder_id
@@ -62,6 +65,7 @@ from .report import (
     read_state,
     summary_lines,
 )
+from .task_scenario import TaskFacts, result_lines, run_task_part, task_problems
 from .tasks import EMAIL_RECEIPT, email_receipt
 from .workers import Worker, stop_all
 
@@ -133,7 +137,7 @@ def reset_database() -> None:
             Order,
         ):
             model.objects.all().delete()
-        for rm_model in (ProcessedMessage, OutboxMessage, DeadLetter):
+        for rm_model in (ProcessedMessage, OutboxMessage, DeadLetter, TaskRun):
             rm_model.objects.all().delete()
 
 
@@ -438,6 +442,13 @@ def run_demo(say: Say, *, timeout: float = 120.0, plan: DemoPlan | None = None) 
                 broker, injected, placed, plan, timeout, say
             )
             exit_codes.update(celery_codes)
+        task_facts: TaskFacts | None = None
+        if not unfinished:
+            task_facts = run_task_part(
+                [p.order.pk for p in placed if p.order.card != Card.DECLINED], LOG_DIR, timeout, say
+            )
+            exit_codes.update(task_facts.exit_codes)
+            unfinished = task_facts.unfinished
         # Read after the workers are gone: anything they left unacked is back in its queue.
         state = read_state(injected, broker.depths())
     finally:
@@ -455,13 +466,20 @@ def run_demo(say: Say, *, timeout: float = 120.0, plan: DemoPlan | None = None) 
         celery=celery_facts,
     )
     say("")
+    found_in_tasks = task_problems(task_facts) if task_facts is not None else []
+    if task_facts is not None:
+        for line in result_lines(task_facts):
+            say(line)
+        for text in found_in_tasks:
+            say(f"PROBLEM: {text}")
+        say("")
     for line in summary_lines(state, injected, facts):
         say(line)
     if trace_file is not None and placed:
         say("")
         for line in trace_lines(trace_file, traced_order(placed, duplicated)):
             say(line)
-    if not problems(state, injected, facts):
+    if not problems(state, injected, facts) and not found_in_tasks:
         return True
     for name in exit_codes:
         log = LOG_DIR / f"{name}.log"
