@@ -19,8 +19,11 @@ SEVERITIES: tuple[Severity, ...] = ("error", "warning", "info")
 
 # RabbitMQ 4.0 gives a quorum queue without any delivery limit this one.
 DEFAULT_DELIVERY_LIMIT_4 = 20
-# The per-queue consumer timeout (argument or policy) exists from 3.12 on.
+# The per-queue consumer timeout (argument or policy) exists from 3.12 on; from 4.3 the queue
+# evaluates it, quorum queues only (classic queues and streams never time a consumer out), and
+# takes the late delivery back with a basic.cancel instead of closing the channel.
 PER_QUEUE_CONSUMER_TIMEOUT_SINCE = (3, 12)
+QUEUE_EVALUATES_CONSUMER_TIMEOUT_SINCE = (4, 3)
 # Where an argument and a policy both set a key, the argument wins for these; the lower value
 # wins for the others.
 ARGUMENT_WINS = frozenset({"dead-letter-exchange", "dead-letter-routing-key", "overflow"})
@@ -517,6 +520,9 @@ def _consumer_timeout_findings(
 ) -> list[Finding]:
     if version and version < PER_QUEUE_CONSUMER_TIMEOUT_SINCE:
         return []  # the broker ignores it: only its global consumer_timeout applies
+    by_the_queue = version >= QUEUE_EVALUATES_CONSUMER_TIMEOUT_SINCE
+    if by_the_queue and facts.type != "quorum":
+        return []  # 4.3: classic queues and streams ignore it
     timeout = effective(facts, "consumer-timeout")
     if timeout is None:
         return []
@@ -531,17 +537,24 @@ def _consumer_timeout_findings(
     source = _source(facts, "consumer-timeout")
     has = f"queue {name} has a consumer timeout of {_ms(timeout)} ({source})"
     if handler is not None and seconds <= handler + grace:
+        late = (
+            "the broker takes a slow handler's delivery back while it runs and cancels the "
+            "consumer, and the delivery is redelivered"
+            if by_the_queue
+            else "a slow handler gets its channel closed by the broker, and every delivery of "
+            "that channel is redelivered"
+        )
         message = (
-            f"{has}, within its handler's time limit ({handler:g} s plus {grace:g} s grace): a "
-            "slow handler gets its channel closed by the broker, and every delivery of that "
-            "channel is redelivered"
+            f"{has}, within its handler's time limit ({handler:g} s plus {grace:g} s grace): {late}"
         )
         return [Finding("error", "consumer-timeout", name, message, fix)]
     if seconds < expected.broker_consumer_timeout / 2:
         message = (
             f"{has}, under half of BROKER_CONSUMER_TIMEOUT "
             f"({expected.broker_consumer_timeout:g} s), which the app holds deliveries "
-            "unacked for at most: the broker may close the channel first and redeliver"
+            "unacked for at most: the broker may "
+            + ("cancel the consumer" if by_the_queue else "close the channel")
+            + " first and redeliver"
         )
         fix += f", or set BROKER_CONSUMER_TIMEOUT to {seconds:g}"
         return [Finding("warning", "consumer-timeout", name, message, fix)]

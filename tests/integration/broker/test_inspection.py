@@ -13,6 +13,7 @@ import json
 import logging
 import re
 import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -271,6 +272,50 @@ def test_4_a_policy_lowering_the_delivery_limit_and_the_consumer_timeout(
     # Declared by the app as quorum, with its target: the vhost default and the target are fine.
     codes = {code for code, _ in findings}
     assert not codes & {"vhost-default-queue-type", "dead-letter-target", "max-message-size"}
+
+
+def test_4_a_consumer_timeout_policy_on_a_classic_queue_matters_before_4_3_only(
+    ns: str, node4: Any, quorum_vhost: str, on_4: Any
+) -> None:
+    """From 4.3 classic queues never time a consumer out, whatever a policy says: the check
+    reports such a policy on 4.0 (the broker would close the channel under a slow handler) and
+    says nothing of it on 4.3. The quorum queue's finding says what 4.3 does instead."""
+    classic, quorum = spec_of(f"rmtest.{ns}.classic"), spec_of(f"rmtest.{ns}.quorum")
+    declare(on_4["BROKER_URL"], classic)  # QUEUE_TYPE classic
+    with override_settings(RELIABLE_MESSAGING={**on_4, "QUEUE_TYPE": "quorum"}):
+        declare(on_4["BROKER_URL"], quorum)
+    policy = f"rmtest-{ns}-slow"
+    node4.ctl(
+        "set_policy", "-p", quorum_vhost, "--apply-to", "queues", policy,
+        f"^rmtest\\.{re.escape(ns)}\\.(classic|quorum)$", json.dumps({"consumer-timeout": 60_000}),
+    )  # fmt: skip
+    check = check_until([quorum], ("error", "consumer-timeout", quorum.queue))
+    quorum_message = {(f.code, f.subject): f for f in check.findings}[
+        "consumer-timeout", quorum.queue
+    ].message
+    if node4.release == "4.0":
+        check_until([classic], ("error", "consumer-timeout", classic.queue))
+        assert "gets its channel closed by the broker" in quorum_message
+        return
+    # The policy reached the classic queue too (both are sampled alike), and 4.3 ignores it.
+    wait_until(
+        lambda: _queue_api(node4, quorum_vhost, classic.queue).get("policy") == policy,
+        timeout=SAMPLED,
+        message="the policy shown on the classic queue",
+    )
+    found = check_broker([classic]).findings
+    assert [f for f in found if f.code == "consumer-timeout"] == []
+    assert "takes a slow handler's delivery back while it runs and cancels the consumer" in (
+        quorum_message
+    )
+
+
+def _queue_api(node: Any, vhost: str, queue: str) -> dict[str, Any]:
+    quoted = "/".join(urllib.parse.quote(part, safe="") for part in (vhost, queue))
+    request = urllib.request.Request(f"{node.management_url}/api/queues/{quoted}")
+    request.add_header("Authorization", "Basic Z3Vlc3Q6Z3Vlc3Q=")  # guest:guest
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return dict(json.load(response))
 
 
 def test_messaging_status_broker_exits_1_on_an_error_finding(

@@ -349,6 +349,22 @@ def test_a_consumer_timeout_argument_means_nothing_to_rabbitmq_3_10() -> None:
     assert serious(find_findings(facts(queue, version="3.10.8"), CLASSIC)) == []
 
 
+def test_from_4_3_a_consumer_timeout_concerns_quorum_queues_only() -> None:
+    """4.3 evaluates the consumer timeout in the queue: classic queues never time a consumer
+    out, and a quorum queue takes the late delivery back with a basic.cancel."""
+    policy: dict[str, Any] = {"policy": "short", "effective_policy": {"consumer-timeout": 60_000}}
+    classic = QueueFacts(ORDERS, exists=True, **policy)
+    assert serious(find_findings(facts(classic, version="4.3.6"), CLASSIC)) == []
+    assert serious(find_findings(facts(classic, version="4.2.9"), CLASSIC)) == [
+        ("error", "consumer-timeout", "orders")
+    ]
+    late = only(find_findings(facts(quorum(**policy), version="4.3.6"), QUORUM), "consumer-timeout")
+    assert late.severity == "error"
+    assert "takes a slow handler's delivery back while it runs and cancels the consumer" in (
+        late.message
+    )
+
+
 def test_a_stream_is_an_error() -> None:
     queue = QueueFacts(ORDERS, exists=True, type="stream")
     assert serious(find_findings(facts(queue), CLASSIC)) == [("error", "queue-type", "orders")]
