@@ -786,39 +786,81 @@ class ReplayOutcomeTallyQuerySet(models.QuerySet):
             )
 
 
+_STARTED_FIELDS = [
+    "status",
+    "started_at",
+    "last_attempted_at",
+    "finished_at",
+    "attempts",
+    "worker_ids",
+]
+
+
+def _started(run: Any, worker_id: str, at: dt.datetime) -> Any:
+    """``run`` RUNNING for one more attempt by ``worker_id`` (not saved)."""
+    run.status = TaskRunStatus.RUNNING
+    run.started_at = run.started_at or at
+    run.last_attempted_at = at
+    run.finished_at = None
+    run.attempts += 1
+    run.worker_ids = [*run.worker_ids, worker_id]
+    return run
+
+
 class TaskRunQuerySet(models.QuerySet):
     """The lifecycle of ``django.tasks`` tasks (``TaskRun``): READY, RUNNING for each attempt,
     then SUCCESSFUL or FAILED (READY again between retries)."""
 
     def start_attempts(self, ids: Iterable[str], worker_id: str, at: dt.datetime) -> list[Any]:
         """Mark the tasks of ``ids`` RUNNING for one more attempt by ``worker_id`` and return
-        their rows; a task already SUCCESSFUL (a duplicate delivery) is left as it is. Each row
-        in a transaction of its own, so that RUNNING is visible while the task runs."""
-        started = []
-        for task_id in ids:
+        their rows; a task already SUCCESSFUL (a duplicate delivery) is left as it is.
+
+        Committed before the tasks run, so that RUNNING is visible while they do: the rows no
+        other transaction holds in one transaction (one commit for a batch), then each row
+        another holds (a twin's attempt writing its outcome) in a transaction of its own, which
+        waits for it without holding the others' rows."""
+        wanted = list(dict.fromkeys(ids))
+        with transaction.atomic(using=self.db):
+            free = list(
+                self.select_for_update(skip_locked=True).filter(pk__in=wanted).order_by("pk")
+            )
+            started = [run for run in free if run.status != TaskRunStatus.SUCCESSFUL]
+            self._start_locked([run.pk for run in started], worker_id, at)
+        for run in started:
+            _started(run, worker_id, at)  # as the UPDATE left it
+        taken = {run.pk for run in free}
+        for task_id in wanted:
+            if task_id in taken:
+                continue
             with transaction.atomic(using=self.db):
                 run = self.select_for_update().filter(pk=task_id).first()
                 if run is None or run.status == TaskRunStatus.SUCCESSFUL:
                     continue
-                run.status = TaskRunStatus.RUNNING
-                run.started_at = run.started_at or at
-                run.last_attempted_at = at
-                run.finished_at = None
-                run.attempts += 1
-                run.worker_ids = [*run.worker_ids, worker_id]
-                run.save(
-                    using=self.db,
-                    update_fields=[
-                        "status",
-                        "started_at",
-                        "last_attempted_at",
-                        "finished_at",
-                        "attempts",
-                        "worker_ids",
-                    ],
-                )
+                _started(run, worker_id, at).save(using=self.db, update_fields=_STARTED_FIELDS)
             started.append(run)
         return started
+
+    def _start_locked(self, pks: list[str], worker_id: str, at: dt.datetime) -> None:
+        """One UPDATE of the rows ``pks`` the caller locked, as :func:`_started` changes a row
+        (the worker's id appended in the UPDATE on PostgreSQL, row by row elsewhere)."""
+        if not pks:
+            return
+        rows = self.filter(pk__in=pks)
+        appended = Value([worker_id], output_field=models.JSONField())
+        on_postgresql = connections[self.db].vendor == "postgresql"
+        extra = {"worker_ids": _JSONAppend(F("worker_ids"), appended)} if on_postgresql else {}
+        rows.update(
+            status=TaskRunStatus.RUNNING,
+            started_at=Coalesce(F("started_at"), Value(at)),
+            last_attempted_at=at,
+            finished_at=None,
+            attempts=F("attempts") + 1,
+            **extra,
+        )
+        if not on_postgresql:
+            for run in rows.only("pk", "worker_ids"):
+                run.worker_ids = [*run.worker_ids, worker_id]
+                run.save(using=self.db, update_fields=["worker_ids"])
 
     def succeed(self, task_id: str, return_value: Any, at: dt.datetime) -> int:
         """The task returned ``return_value`` (JSON): SUCCESSFUL, in the attempt's transaction."""

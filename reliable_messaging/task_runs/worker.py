@@ -107,6 +107,8 @@ def take_back_attempt(using: str, task_id: str) -> None:
 
 def send_finished(using: str, task_ids: Iterable[str]) -> None:
     """After the commit: ``task_finished`` for the tasks of ``task_ids`` that finished."""
+    if not task_finished.receivers:
+        return  # nobody listens: no need to read the rows back
     finished = (TaskResultStatus.SUCCESSFUL, TaskResultStatus.FAILED)
     runs = TaskRun.objects.using(using).filter(pk__in=list(task_ids), status__in=finished)
     _signal(task_finished, list(runs))
@@ -114,6 +116,8 @@ def send_finished(using: str, task_ids: Iterable[str]) -> None:
 
 def _signal(signal: Any, runs: Iterable[TaskRun]) -> None:
     """Send ``signal`` for each run; a receiver's failure is logged, never a delivery's."""
+    if not signal.receivers:
+        return  # nobody listens: no result to build
     for run in runs:
         try:
             result = result_of(run)
