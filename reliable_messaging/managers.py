@@ -38,8 +38,6 @@ from .choices import (
     TaskRunStatus,
 )
 from .core.advisory_locks import ADVISORY_CLASS, GROUP_FOLD_LOCK
-from .task_runs.failures import dead_letter_error
-from .task_runs.naming import is_task_consumer, task_consumer_name
 
 # The model classes are Any here, reached through ``self.model`` or :func:`_sibling`: models.py
 # imports this module.
@@ -273,7 +271,6 @@ class DeadLetterQuerySet(_PerMessageQuerySet):
                         setattr(existing, name, value)
                     existing.history = [*existing.history, event]
                     existing.save(using=using)
-                    _fail_task_of(rows, existing)
                     return existing
                 try:
                     with transaction.atomic(using=using):
@@ -286,26 +283,8 @@ class DeadLetterQuerySet(_PerMessageQuerySet):
                         )
                 except IntegrityError:
                     continue
-                _fail_task_of(rows, row)
                 return row
         raise IntegrityError(f"could not record the dead letter of message_id={message_id}")
-
-
-def _fail_task_of(rows: models.QuerySet[Any], dead_letter: Any) -> None:
-    """A dead letter of a task's consumer, whichever path recorded it (the pipeline, the crash
-    guard, the ``.dead`` queue, our own code's failure): its task FAILED, in the same
-    transaction, so that no task stays RUNNING or READY for ever."""
-    if not is_task_consumer(dead_letter.consumer) or not dead_letter.message_id:
-        return
-    error = dead_letter_error(
-        reason=dead_letter.reason,
-        exception_type=dead_letter.exception_type,
-        exception_message=dead_letter.exception_message,
-        traceback=dead_letter.traceback,
-    )
-    _sibling(rows, "TaskRun").fail_dead_lettered(
-        dead_letter.consumer, dead_letter.message_id, error, at=dead_letter.last_failed_at
-    )
 
 
 class _JSONAppend(models.Func):
@@ -878,26 +857,6 @@ class TaskRunQuerySet(models.QuerySet):
             run.errors = [*run.errors, error]
         run.status = TaskRunStatus.READY
         run.save(using=self.db, update_fields=["errors", "status"])
-
-    def fail_dead_lettered(
-        self, consumer: str, task_id: str, error: dict[str, str], *, at: dt.datetime
-    ) -> bool:
-        """The message of ``task_id`` is a dead letter of ``consumer`` now: FAILED with
-        ``error``, in the dead letter's transaction. Only its own consumer's dead letter counts
-        (another consumer bound to the task queue fails on its own), and a SUCCESSFUL task
-        stays so. Returns whether the task is FAILED now."""
-        run = self.select_for_update().filter(pk=task_id).first()
-        if (
-            run is None
-            or run.status == TaskRunStatus.SUCCESSFUL
-            or task_consumer_name(run.backend, run.queue_name) != consumer
-        ):
-            return False
-        run.errors = [*run.errors, error]
-        run.status = TaskRunStatus.FAILED
-        run.finished_at = at
-        run.save(using=self.db, update_fields=["errors", "status", "finished_at"])
-        return True
 
     def take_back_attempt(self, task_id: str, worker_id: str) -> None:
         """The attempt ``worker_id`` started was put aside before the task ran (another worker

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from django.db import DataError, router
+from django.db import DataError, router, transaction
 from django.utils import timezone
 
 from .. import tracing
@@ -24,6 +24,7 @@ from ..core.envelope import (
 )
 from ..core.fingerprints import exception_fingerprint, reason_fingerprint
 from ..models import DeadLetter
+from ..task_runs.failures import fail_task_of
 from . import ledger
 
 logger = logging.getLogger(__name__)
@@ -136,9 +137,13 @@ def _store(
     first = _first_failed_at(delivery.headers, now)
 
     def upsert() -> DeadLetter:
-        return DeadLetter.objects.using(using).record_failure(
-            consumer, message_id, fields=fields, event=event, first_failed_at=first
-        )
+        with transaction.atomic(using=using):
+            row = DeadLetter.objects.using(using).record_failure(
+                consumer, message_id, fields=fields, event=event, first_failed_at=first
+            )
+            # A task's message: its TaskRun is FAILED with the dead letter.
+            fail_task_of(row, using)
+            return row
 
     try:
         return upsert()

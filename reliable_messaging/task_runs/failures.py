@@ -1,10 +1,14 @@
 """What a dead letter of a task's consumer leaves its ``TaskRun``: FAILED, with the error that
-says why. Every dead letter passes ``DeadLetter.objects.record_failure`` (the pipeline's, the
-crash guard's, the ``.dead`` queue's, our own code's failure), which writes it in the dead
-letter's transaction: a task never stays RUNNING after its message became a dead letter. Plain
-values: the manager imports this module, so it imports no model."""
+says why. Every dead letter passes :func:`reliable_messaging.dead_letters.record.record_dead_letter`
+(the pipeline's, the crash guard's, the ``.dead`` queue's, our own code's failure), which calls
+:func:`fail_task_of` in the dead letter's transaction: a task never stays RUNNING after its
+message became a dead letter."""
 
 from __future__ import annotations
+
+from ..choices import TaskRunStatus
+from ..models import DeadLetter, TaskRun
+from .naming import is_task_consumer, task_consumer_name
 
 
 class TaskDeadLettered(Exception):
@@ -35,3 +39,30 @@ def dead_letter_error(
         "exception_class_path": _CLASS_PATH,
         "traceback": f"{_CLASS_PATH}: dead-lettered ({reason}){detail}\n",
     }
+
+
+def fail_task_of(dead_letter: DeadLetter, using: str) -> bool:
+    """A dead letter of a task's consumer: its task FAILED with :func:`dead_letter_error`, in
+    the caller's transaction. Only the task's own consumer's dead letter counts (another
+    consumer bound to the task queue fails on its own), and a SUCCESSFUL task stays so.
+    Returns whether the task is FAILED now."""
+    if not is_task_consumer(dead_letter.consumer) or not dead_letter.message_id:
+        return False
+    run = TaskRun.objects.using(using).select_for_update().filter(pk=dead_letter.message_id).first()
+    if (
+        run is None
+        or run.status == TaskRunStatus.SUCCESSFUL
+        or task_consumer_name(run.backend, run.queue_name) != dead_letter.consumer
+    ):
+        return False
+    error = dead_letter_error(
+        reason=dead_letter.reason,
+        exception_type=dead_letter.exception_type,
+        exception_message=dead_letter.exception_message,
+        traceback=dead_letter.traceback,
+    )
+    run.errors = [*run.errors, error]
+    run.status = TaskRunStatus.FAILED
+    run.finished_at = dead_letter.last_failed_at
+    run.save(using=using, update_fields=["errors", "status", "finished_at"])
+    return True
