@@ -9,8 +9,9 @@ the broker under test (``RM_TEST_BROKER``, tests/support.py).
   open. The node's ``consumer_timeout`` is global (3.10 has no per-queue or per-vhost one), so
   instead the channel process is handed an ack of a delivery tag it never issued, exactly as if
   the client had sent it; the broker answers it the way it answers a timeout. The ``eval``
-  expressions work unchanged on 3.10 and 4.0 (``rabbit_amqqueue:consumers/1`` still lists the
-  channel pid first, ``rabbit_channel:do/2`` still feeds a method to the channel).
+  expressions work unchanged on 3.10, 4.0 and 4.3 (``rabbit_amqqueue:consumers/1`` still lists
+  the channel pid first, ``rabbit_channel_common:do/2`` feeds a method to the channel on each;
+  4.3 removed the ``rabbit_channel:do/2`` that 4.0 delegated to it).
 - :func:`delete_queue` deletes a queue under its consumers: the broker sends each of them a
   ``basic.cancel``.
 - :func:`queue_crashed` makes one queue answer its declarations with ``404`` for a while, as a
@@ -140,9 +141,9 @@ def fail_consuming_channels(vhost: str, queue: str) -> list[str]:
     to their queues, as after a ``consumer_timeout``."""
     pids = consuming_channels(vhost, queue)
     for pid in pids:
-        # rabbit_channel:do/2 feeds a method to the channel as if its client had sent it.
+        # rabbit_channel_common:do/2 feeds a method to the channel as if its client had sent it.
         _eval(
-            f'rabbit_channel:do(list_to_pid("{pid}"), '
+            f'rabbit_channel_common:do(list_to_pid("{pid}"), '
             f"{{'basic.ack', {UNKNOWN_DELIVERY_TAG}, false}})."
         )
     return pids
