@@ -155,5 +155,5 @@ start) start ;;
 stop) stop ;;
 url) echo "amqp://guest:guest@127.0.0.1:$AMQP_PORT/%2F" ;;
 ctl) shift; ctl "$@" ;;
-*) die "usage: $0 build|start|stop|url|ctl ..." ;;
+*) die "usage: $0 [--release 4.0|4.3] build|start|stop|url|ctl ..." ;;
 esac
