@@ -205,7 +205,8 @@ def processes_run(namespace: str, queue: str, count: int, processes: int) -> flo
 
 
 def run_service(queue_spec: object, count: int, label: str, concurrency: int) -> float:
-    """Run ConsumerService until ``count`` new outcomes were settled; seconds."""
+    """Run ConsumerService (on one spec, or a list of them) until ``count`` new outcomes were
+    settled; seconds."""
     from reliable_messaging.consuming.service import ConsumerService
 
     settled = 0
@@ -220,7 +221,8 @@ def run_service(queue_spec: object, count: int, label: str, concurrency: int) ->
             if settled == count:
                 finished.set()
 
-    service = ConsumerService([queue_spec], concurrency=concurrency, on_outcome=on_outcome)
+    specs = queue_spec if isinstance(queue_spec, list) else [queue_spec]
+    service = ConsumerService(specs, concurrency=concurrency, on_outcome=on_outcome)
     thread = threading.Thread(target=service.run, daemon=True)
     started = time.perf_counter()
     thread.start()

@@ -28,16 +28,15 @@ import argparse
 import logging
 import os
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
 os.environ.setdefault("RM_BENCH_DB", "rm_bench_tasks")
 os.environ["RM_TEST_TASKS"] = "1"  # tests/settings.py: TASKS names our backend
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pika
 from _common import BROKER_URL, describe_machine, median, setup_django
+from consume import run_service
 
 
 def enqueue_round(kind: str, count: int, offset: int) -> float:
@@ -63,33 +62,6 @@ def drain_outbox() -> int:
     from reliable_messaging.publishing.relay import build_relay
 
     return build_relay(once=True).run().sent
-
-
-def run_round(specs: list[Any], count: int, concurrency: int) -> float:
-    """Seconds the consumer's engine takes to settle ``count`` deliveries already queued."""
-    from reliable_messaging.consuming.service import ConsumerService
-
-    settled = 0
-    finished = threading.Event()
-    lock = threading.Lock()
-
-    def on_outcome(spec: object, delivery: object, outcome: object) -> None:
-        nonlocal settled
-        with lock:
-            settled += 1
-            if settled == count:
-                finished.set()
-
-    service = ConsumerService(specs, concurrency=concurrency, on_outcome=on_outcome)
-    thread = threading.Thread(target=service.run, daemon=True)
-    started = time.perf_counter()
-    thread.start()
-    if not finished.wait(600):
-        raise RuntimeError(f"only {settled}/{count} settled after 600 s")
-    elapsed = time.perf_counter() - started
-    service.request_stop()
-    thread.join(60)
-    return elapsed
 
 
 def main() -> None:
@@ -145,7 +117,7 @@ def main() -> None:
     )
     drain_outbox()
     # The deliveries of part 1 are not part 2's: run them off first (their count is known).
-    run_round([*task_specs, handler_spec], 2 * n * args.rounds, args.concurrency)
+    run_service([*task_specs, handler_spec], 2 * n * args.rounds, "warm-up", args.concurrency)
 
     # 2. Tasks against a handler doing the same work, alternated.
     from _task_work import one_row
@@ -164,7 +136,7 @@ def main() -> None:
                     publish("bench.one-row", {"n": base + i})
             drain_outbox()
             specs = task_specs if kind == "tasks" else [handler_spec]
-            rates[kind].append(count / run_round(specs, count, args.concurrency))
+            rates[kind].append(count / run_service(specs, count, kind, args.concurrency))
     failed = TaskRun.objects.exclude(status="SUCCESSFUL").count()
     tasks_rate, handler_rate = median(rates["tasks"]), median(rates["handler"])
     print(
