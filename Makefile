@@ -14,8 +14,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 MATRIX ?= 1
 TEST_WORKERS ?= 3
-# An idle worker takes tests queued for a busy one, so one long test does not hold the end.
-WORKERS = -n $(TEST_WORKERS) --dist worksteal
+WORKERS = -n $(TEST_WORKERS)
 # 1: `make test` runs its last part in three lanes side by side (see test:); 0: in turn.
 TEST_LANES ?= 1
 # Run once more through a transaction-pooling PgBouncer (tests/conftest.py, RM_TEST_PGBOUNCER):

@@ -126,8 +126,6 @@ def _run_slice(session: nox.Session) -> None:
         # real processes and the broker.
         "-n",
         "3",
-        "--dist",
-        "worksteal",
         "-m",
         "not serial",
         *SLICE,

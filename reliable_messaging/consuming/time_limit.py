@@ -198,13 +198,14 @@ class TimeLimits:
         while not self._stop.wait(TICK):
             self.check(time.monotonic())
 
-    def check(self, now: float) -> None:
-        """One look at the calls in progress (the watchdog calls it every ``TICK``)."""
+    def check(self, now: float, thread: int | None = None) -> None:
+        """One look at the calls in progress (the watchdog calls it every ``TICK``), or at
+        ``thread``'s only."""
         fire: list[_Call] = []
         hopeless: list[_Call] = []
         with self._lock:
             for call in self._calls.values():
-                if now <= call.deadline:
+                if now <= call.deadline or thread not in (None, call.thread):
                     continue
                 if not call.fired:
                     call.fired = True

@@ -24,8 +24,9 @@ Circuit breaker (issue 39): with ``RM_TEST_DOWNSTREAM_URL`` set, ``tests.payment
 HTTP server (a "payment provider" the test stops and starts) and has a small breaker;
 ``tests.ordered_payments`` (``opay.*``) is the same, ordered by its ordering key.
 
-Expiry: ``tests.delta`` and ``tests.epsilon`` (``late.*``) have a max_age of 2 s; in a process
-with ``RM_TEST_LATE_RETRY_DELAY`` set, they retry after that many seconds (the suite's delays
+Expiry: ``tests.delta`` and ``tests.epsilon`` (``late.*``) have a max_age of 2 s (delta's is
+``RM_TEST_LATE_MAX_AGE`` seconds in a process with it set); in a process with
+``RM_TEST_LATE_RETRY_DELAY`` set, they retry after that many seconds (the suite's delays
 otherwise, which the system checks of this process judge).
 
 In-process tests: ``{"hold": {"alpha": "name"}}`` waits (up to 60 s) until the test sets
@@ -195,13 +196,15 @@ LATE_RETRY_DELAYS = (
     if os.environ.get("RM_TEST_LATE_RETRY_DELAY")
     else None
 )
+# In a process with RM_TEST_LATE_MAX_AGE set, delta's max_age is that many seconds instead.
+DELTA_MAX_AGE = float(os.environ.get("RM_TEST_LATE_MAX_AGE") or 2.0)
 
 
 @consumer(
     f"{NAMESPACE}.delta",
     bindings=["late.*"],
     name="tests.delta",
-    max_age=2.0,
+    max_age=DELTA_MAX_AGE,
     retry_delays=LATE_RETRY_DELAYS,
 )
 def delta(message: Message) -> None:

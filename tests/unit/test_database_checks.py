@@ -198,10 +198,17 @@ def test_sqlite_with_immediate_transactions_passes(databases: Any, mode: str) ->
 
 def test_the_demo_settings_pass_the_sqlite_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DATABASE_URL", raising=False)
-    import importlib
+    import importlib.util
+    from pathlib import Path
 
-    demo = importlib.import_module("demo_project.settings")
-    demo = importlib.reload(demo)  # read with DATABASE_URL unset: the SQLite database
+    # Read from its file, with DATABASE_URL unset (the SQLite database): importing the
+    # demo_project package would create the demo's Celery app and make it this process's
+    # current app, which other tests of this worker would then meet.
+    path = Path(__file__).resolve().parents[2] / "demo_project" / "settings.py"
+    spec = importlib.util.spec_from_file_location("demo_settings_read_by_a_test", path)
+    assert spec is not None and spec.loader is not None
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
     monkeypatch.setattr(settings, "DATABASES", demo.DATABASES)
     assert "sqlite3" in demo.DATABASES["default"]["ENGINE"]
     assert check_sqlite() == []
