@@ -136,6 +136,9 @@ CONF
     fi
     for _ in $(seq 1 90); do
         if ctl -q await_startup --timeout 2 >/dev/null 2>&1; then
+            # The configured memory watermark again: a memory-alarm test that was killed
+            # leaves its 1 MB one, and every publisher on the node blocked.
+            ctl -q set_vm_memory_high_watermark 0.3 >/dev/null 2>&1 || true
             echo "rabbitmq4: up ($(cat "$STAMP"), amqp $AMQP_PORT, management $MGMT_PORT)"
             return 0
         fi
