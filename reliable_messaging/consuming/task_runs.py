@@ -6,8 +6,8 @@ an attempt that kills its process still counts) with ``task_started``; in the tr
 failed attempt's error with READY again (a retry), or the attempt taken back when the delivery
 was put aside because another worker holds it; after the commit, ``task_finished``.
 SUCCESSFUL is the handler's own write (:func:`~reliable_messaging.task_runs.worker.run_task`);
-FAILED is the dead letter's (``DeadLetter.objects.record_failure``), so that a dead letter
-recorded without this stage (the crash guard's, the ``.dead`` queue's) fails its task too. The
+FAILED is written with the dead letter (``dead_letters.record.record_dead_letter``), so a
+dead letter recorded without this stage (the crash guard's, the ``.dead`` queue's) fails its task too. The
 task framework is an optional extra on Django 5.2: it is imported only for a batch that holds
 tasks.
 """

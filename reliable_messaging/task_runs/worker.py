@@ -94,7 +94,7 @@ def start_attempts(using: str, task_ids: Iterable[str]) -> None:
 
 def record_retry(using: str, task_id: str, error: BaseException | None) -> None:
     """In the attempt's transaction: the attempt's error, and READY for the next one. FAILED
-    is the dead letter's own write (``DeadLetter.objects.record_failure``), whichever path
+    is written with the dead letter (``dead_letters.record.record_dead_letter``), whichever path
     records it."""
     TaskRun.objects.using(using).fail_attempt(task_id, None if error is None else error_of(error))
 
