@@ -7,9 +7,9 @@ failed attempt's error with READY again (a retry), or the attempt taken back whe
 was put aside because another worker holds it; after the commit, ``task_finished``.
 SUCCESSFUL is the handler's own write (:func:`~reliable_messaging.task_runs.worker.run_task`);
 FAILED is written with the dead letter (``dead_letters.record.record_dead_letter``), so a
-dead letter recorded without this stage (the crash guard's, the ``.dead`` queue's) fails its task too. The
-task framework is an optional extra on Django 5.2: it is imported only for a batch that holds
-tasks.
+dead letter recorded without this stage (the crash guard's, the ``.dead`` queue's) fails its
+task too. The task framework is an optional extra on Django 5.2: it is imported only for a
+batch that holds tasks.
 """
 
 from __future__ import annotations
