@@ -31,6 +31,8 @@ ORDERING_KEY_HEADER = "x-rm-ordering-key"
 FIRST_FAILED_AT_HEADER = "x-rm-first-failed-at"
 LAST_ERROR_HEADER = "x-rm-last-error"
 PUBLISHED_AT_HEADER = "x-rm-published-at"
+# The outbox row a message was sent from, so that a message the broker returns finds its row.
+OUTBOX_ID_HEADER = "x-rm-outbox-id"
 # A message's deadline (publish(expires=...)), Unix milliseconds: past it, it is not handled.
 EXPIRES_AT_HEADER = "x-rm-expires-at"
 REPLAY_HEADER = "x-rm-replay"  # how many times the message was replayed

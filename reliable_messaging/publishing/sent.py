@@ -21,7 +21,7 @@ from ..broker.limits import MESSAGE_SIZE, size_limit_in
 from ..broker.replies import NOT_FOUND
 from ..choices import OutboxStatus
 from ..core.backoff import exponential
-from ..core.envelope import ORDERING_KEY_HEADER, PUBLISHED_AT_HEADER
+from ..core.envelope import ORDERING_KEY_HEADER, OUTBOX_ID_HEADER, PUBLISHED_AT_HEADER
 from ..models import OutboxMessage
 from ..storage.partitions import OUTBOX, ensure_covered, row_moved
 from .claims import (
@@ -36,9 +36,6 @@ from .claims import (
 # Logged under the relay's name, the one users' logging configuration knows.
 logger = logging.getLogger("reliable_messaging.relay")
 
-
-# The header carrying a row's id, so that a returned message finds its row.
-OUTBOX_ID_HEADER = "x-rm-outbox-id"
 
 _MISSING_EXCHANGE = re.compile(r"no exchange '([^']*)'")
 # The exchange a 403 names ("access to exchange 'x' in vhost '/' refused").
