@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from ..exceptions import ConsumerConfigurationError
 from .breaker import Breaker
+from .contracts import Contract, contract_of
 from .envelope import Message
 
 Handler = Callable[[Message], Any]
@@ -39,6 +40,9 @@ class ConsumerSpec:
     on_expiry: OnExpiry = "drop"
     # The circuit breaker: a Breaker, False for none, None for the BREAKER setting's.
     breaker: Breaker | Literal[False] | None = None
+    # The declared payload type: a message that does not match it is a dead letter
+    # (invalid_payload) before the handler runs, and the handler's message.payload is its object.
+    payload: Contract | None = None
 
 
 class ConsumerRegistry:
@@ -168,6 +172,7 @@ def consumer(
     max_age: float | dt.timedelta | None = None,
     on_expiry: OnExpiry = "drop",
     breaker: Breaker | bool | None = None,
+    payload: Any = None,
     registry: ConsumerRegistry = registry,
 ) -> Callable[[Handler], Handler]:
     """Register ``func`` as the handler of ``queue``, bound to ``bindings`` on the exchange.
@@ -180,7 +185,10 @@ def consumer(
     ``timeout`` (seconds) overrides ``HANDLER_TIMEOUT``. ``max_age`` (seconds or a timedelta):
     an older message is ``expired`` unhandled (kept as a dead letter with
     ``on_expiry="dead_letter"``). ``breaker``: a :class:`~reliable_messaging.core.breaker.Breaker`
-    (``True``: the defaults; ``False``: none; None: the ``BREAKER`` setting's).
+    (``True``: the defaults; ``False``: none; None: the ``BREAKER`` setting's). ``payload``: the
+    declared type (a pydantic v2 model, a dataclass or a TypedDict): the handler's
+    ``message.payload`` is an object of it, and a message that does not match is a dead letter
+    ``invalid_payload`` before the handler runs, no attempt spent.
     """
     delays = _validate(queue, bindings, max_attempts, retry_delays)
     seconds = _seconds(queue, "timeout", timeout, or_timedelta=False)
@@ -190,6 +198,7 @@ def consumer(
             f"consumer {queue!r}: on_expiry must be 'drop' or 'dead_letter', got {on_expiry!r}"
         )
     breaker_spec = _breaker(queue, breaker)
+    contract = contract_of(payload) if payload is not None else None
 
     def decorator(func: Handler) -> Handler:
         spec = ConsumerSpec(
@@ -205,6 +214,7 @@ def consumer(
             max_age=age,
             on_expiry=on_expiry,
             breaker=breaker_spec,
+            payload=contract,
         )
         registry.register(spec)
         return func

@@ -1,0 +1,91 @@
+"""The routing keys the project publishes, each with its declared payload type.
+
+``publishes("order.placed", OrderPlaced)`` (or ``@publishes("order.placed")`` on the class) at
+a module's top level, usually an app's ``contracts.py``, which the app registry imports at
+start-up: then every ``publish("order.placed", ...)`` is checked against ``OrderPlaced`` before
+its row is written, and ``manage.py asyncapi`` lists the key with its schema.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar, overload
+
+from ..core.contracts import Contract, ContractError, contract_of
+
+T = TypeVar("T")
+
+
+class PublishedRegistry:
+    """Routing key → contract, one declaration per key."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[str, Contract] = {}
+        self._lock = threading.Lock()
+
+    def declare(self, routing_key: str, contract: Contract) -> None:
+        if not isinstance(routing_key, str) or not routing_key.strip():
+            raise ContractError("publishes(routing_key, ...) needs a non-empty routing key")
+        if "*" in routing_key.split(".") or "#" in routing_key.split("."):
+            raise ContractError(
+                f"publishes({routing_key!r}): a published message has one routing key, not a "
+                f"pattern; declare each key"
+            )
+        with self._lock:
+            existing = self._by_key.get(routing_key)
+            if existing is not None and existing != contract:
+                raise ContractError(
+                    f"routing key {routing_key!r} is declared with {existing.name} and with "
+                    f"{contract.name}: one key carries one payload type (a new shape is a new "
+                    f"key, or a field added with a default: docs/contracts.md)"
+                )
+            self._by_key[routing_key] = contract
+
+    def get(self, routing_key: str) -> Contract | None:
+        return self._by_key.get(routing_key)
+
+    def all(self) -> dict[str, Contract]:
+        return dict(sorted(self._by_key.items()))
+
+    @contextmanager
+    def isolated(self) -> Iterator[PublishedRegistry]:
+        """Temporarily empty the registry (for tests); restores it on exit."""
+        with self._lock:
+            saved = dict(self._by_key)
+            self._by_key.clear()
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._by_key.clear()
+                self._by_key.update(saved)
+
+
+published_registry = PublishedRegistry()
+
+
+@overload
+def publishes(routing_key: str) -> Callable[[type[T]], type[T]]: ...
+@overload
+def publishes(routing_key: str, payload_type: type[T]) -> type[T]: ...
+def publishes(routing_key: str, payload_type: Any = None) -> Any:
+    """Declare that messages published with ``routing_key`` carry ``payload_type`` (a pydantic
+    v2 model, a dataclass or a TypedDict); as a class decorator without ``payload_type``."""
+
+    def declare(tp: type[T]) -> type[T]:
+        published_registry.declare(routing_key, contract_of(tp))
+        return tp
+
+    return declare if payload_type is None else declare(payload_type)
+
+
+def published() -> dict[str, Contract]:
+    """Routing key → contract of every declared published message, sorted by key."""
+    return published_registry.all()
+
+
+def contract_for(routing_key: str) -> Contract | None:
+    """The contract ``publish(routing_key, ...)`` checks, None when the key is not declared."""
+    return published_registry.get(routing_key)
