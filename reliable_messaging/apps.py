@@ -19,7 +19,9 @@ class ReliableMessagingConfig(AppConfig):
 
         install_pika_logs()  # our probes' expected 404s stay out of the user's log
 
-        # Like admin.py: every installed app's consumers.py registers its handlers on import.
+        # Like admin.py: every installed app's contracts.py declares the payloads it publishes
+        # (reliable_messaging.contracts.publishes), and its consumers.py registers its handlers.
+        autodiscover_modules("contracts")
         autodiscover_modules("consumers")
         if getattr(settings, "TASKS", None):
             # And the consumers of the task queues of a django.tasks backend of ours.
