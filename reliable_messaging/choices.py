@@ -46,6 +46,10 @@ class DeadLetterReason(models.TextChoices):
         _("the broker's delivery limit was reached"),
     )
     EXPIRED = FailureReason.EXPIRED.value, _("expired before it was handled")
+    INVALID_PAYLOAD = (
+        FailureReason.INVALID_PAYLOAD.value,
+        _("the payload does not match its declared type"),
+    )
 
 
 class DeadLetterStatus(models.TextChoices):

@@ -46,6 +46,8 @@ class FailureReason(StrEnum):
     DELIVERY_LIMIT = "delivery_limit"  # a quorum queue's x-delivery-limit was reached
     # Past its deadline, for a consumer that keeps expired messages (``on_expiry="dead_letter"``).
     EXPIRED = "expired"
+    # The payload does not match the consumer's declared type (``@consumer(payload=...)``).
+    INVALID_PAYLOAD = "invalid_payload"
 
 
 # The plain words too: Acknowledge("processed") type-checks as Acknowledge(OutcomeLabel.PROCESSED).

@@ -50,6 +50,7 @@ REASONS = [
     ("consumer_error", "the consumer failed on it"),
     ("delivery_limit", "the broker's delivery limit was reached"),
     ("expired", "expired before it was handled"),
+    ("invalid_payload", "the payload does not match its declared type"),
 ]
 
 # -- the inbox and the outbox on PostgreSQL ----------------------------------------------------
