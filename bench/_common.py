@@ -164,3 +164,30 @@ def drop_sink(exchange: str | None, queue: str) -> None:
     if exchange is not None:
         channel.exchange_delete(exchange)
     connection.close()
+
+
+# --------------------------------------------------------------------------- CPU time
+
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds process ``pid`` has spent, all its threads (``utime`` and
+    ``stime`` of /proc/<pid>/stat), or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            # The command name may hold spaces: the fields after its closing parenthesis.
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def backend_pids(cursor: object, application_name: str) -> list[int]:
+    """The pids of the PostgreSQL backends serving connections opened with
+    ``application_name`` (a process given ``PGAPPNAME`` names every libpq connection it opens)."""
+    cursor.execute(  # type: ignore[attr-defined]
+        "SELECT pid FROM pg_stat_activity WHERE application_name = %s", [application_name]
+    )
+    return [row[0] for row in cursor.fetchall()]  # type: ignore[attr-defined]

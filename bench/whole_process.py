@@ -1,0 +1,436 @@
+"""Whole processes, as users run them: a long-running ``manage.py relay`` and a ``manage.py
+consume``, each against its raw baseline in the same run, with the CPU each spends per message.
+
+    RM_BENCH_DB=bench_whole .venv/bin/python bench/whole_process.py [--messages 20000]
+        [--rounds 2] [--only relay|consume]
+
+Relay: ``--messages`` rows are published with ``publish()`` (1,000 per transaction) into an
+emptied outbox, vacuumed; then ``manage.py relay`` (not ``--once``) starts and sends them to a
+durable queue bound to the bench exchange. The baseline is a process publishing the same bodies
+and properties with raw pika, confirms kept in flight (bench/relay.py's ``raw_pika_publish``).
+Both are timed from the first to the last message at the broker: this process reads the
+queue's depth every 10 ms (a passive ``queue.declare``), so start-up, topology and the probes
+are outside the window, as is the process's exit.
+
+Consume: ``--messages`` messages wait in tests.alpha's queue; ``manage.py consume --queue
+<alpha>`` runs them through the handler, which writes one row with the ORM. The baseline is a
+process with raw pika and one psycopg transaction (INSERT + COMMIT) per message, then the ack
+(bench/consume.py's ``raw_baseline``). Both timed from the first to the last row in the
+database (``count(*)`` every 20 ms).
+
+CPU: at the first and at the last message, the process's utime + stime and those of its
+PostgreSQL backends (found in ``pg_stat_activity`` by the ``application_name`` the process's
+``PGAPPNAME`` gives every connection it opens) are read from /proc; the difference over the
+messages in between is the CPU per message. The broker's CPU is not counted (it is shared with
+everything else on the machine). Rounds alternate ours and the baseline, the order rotating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("RM_BENCH_DB", "bench_whole")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pika
+from _common import (
+    BROKER_URL,
+    DATABASE_URL,
+    ROOT,
+    backend_pids,
+    cpu_seconds,
+    declare_sink,
+    describe_machine,
+    drop_sink,
+    setup_django,
+    subprocess_env,
+)
+
+HERE = Path(__file__).resolve()
+
+
+@dataclass
+class Run:
+    """One process timed from its first to its last message."""
+
+    label: str
+    messages: int  # messages inside the window (after the first one seen)
+    seconds: float
+    process_cpu: float  # CPU seconds of the Python process in the window
+    database_cpu: float  # CPU seconds of its PostgreSQL backends in the window
+
+    @property
+    def rate(self) -> float:
+        return self.messages / self.seconds
+
+    @property
+    def process_us(self) -> float:
+        return self.process_cpu * 1e6 / self.messages
+
+    @property
+    def database_us(self) -> float:
+        return self.database_cpu * 1e6 / self.messages
+
+    def line(self) -> str:
+        return (
+            f"{self.label}: {self.rate:,.0f} msg/s; CPU per message: process "
+            f"{self.process_us:.0f} us, PostgreSQL {self.database_us:.0f} us, "
+            f"total {self.process_us + self.database_us:.0f} us"
+        )
+
+
+class CpuSample:
+    """The CPU seconds of a process and of the backends named ``application_name``."""
+
+    def __init__(self, cursor: object, pid: int, application_name: str) -> None:
+        self.process = cpu_seconds(pid) or 0.0
+        self.backends = {
+            backend: cpu_seconds(backend) or 0.0
+            for backend in backend_pids(cursor, application_name)
+        }
+
+    def since(self, earlier: CpuSample) -> tuple[float, float]:
+        """Process and backend CPU seconds from ``earlier`` to this sample (a backend opened
+        in between counts from zero)."""
+        database = sum(
+            max(0.0, spent - earlier.backends.get(backend, 0.0))
+            for backend, spent in self.backends.items()
+        )
+        return self.process - earlier.process, database
+
+
+def time_process(
+    label: str,
+    command: list[str],
+    env: dict[str, str],
+    progress: Callable[[], int],
+    total: int,
+    *,
+    poll: float,
+    timeout: float = 900,
+) -> Run:
+    """Start ``command``; time it from the first to the ``total``-th message ``progress`` sees,
+    with its CPU and its backends' in between; then stop it (SIGTERM)."""
+    import psycopg
+
+    application_name = f"rmwp{uuid.uuid4().hex[:8]}"
+    monitor = psycopg.connect(DATABASE_URL, autocommit=True)
+    cursor = monitor.cursor()
+    proc = subprocess.Popen(
+        command,
+        env={**env, "PGAPPNAME": application_name},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + timeout
+        first = start = None
+        done = 0
+        while True:
+            done = progress()
+            if first is None and done > 0:
+                start = time.perf_counter()
+                first = (done, CpuSample(cursor, proc.pid, application_name))
+            if done >= total:
+                end = time.perf_counter()
+                last = CpuSample(cursor, proc.pid, application_name)
+                break
+            if proc.poll() is not None:
+                raise RuntimeError(f"{label}: exited {proc.returncode}: {proc.stderr.read()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{label}: only {done}/{total} after {timeout:.0f}s")
+            time.sleep(poll)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        monitor.close()
+    assert first is not None and start is not None
+    process_cpu, database_cpu = last.since(first[1])
+    return Run(label, total - first[0], end - start, process_cpu, database_cpu)
+
+
+def process_env(namespace: str) -> dict[str, str]:
+    """The environment of our processes: bench/_process_settings.py (persistent connections, as
+    docs/deploy.md advises), warnings only in the log (no line per message)."""
+    return subprocess_env(
+        namespace,
+        DJANGO_SETTINGS_MODULE="_process_settings",
+        PYTHONPATH=os.pathsep.join([str(HERE.parent), str(ROOT)]),
+        RM_LOG_LEVEL="WARNING",
+    )
+
+
+# --------------------------------------------------------------------------- relay
+
+
+def fill_outbox(rows: int, exchange: str) -> None:
+    """An emptied outbox with ``rows`` rows from ``publish()``, 1,000 per transaction,
+    vacuumed (this server runs without autovacuum)."""
+    from django.db import connection, transaction
+
+    from reliable_messaging import publish
+    from reliable_messaging.models import OutboxMessage
+
+    with connection.cursor() as cursor:
+        cursor.execute(f"TRUNCATE {OutboxMessage._meta.db_table}")
+    for start in range(0, rows, 1000):
+        with transaction.atomic():
+            for i in range(start, min(rows, start + 1000)):
+                publish(
+                    "bench.order",
+                    {"order_id": i, "amount": "19.99", "customer": f"c{i % 97}"},
+                    exchange=exchange,
+                )
+    with connection.cursor() as cursor:
+        cursor.execute(f"VACUUM ANALYZE {OutboxMessage._meta.db_table}")
+
+
+def queue_depth(queue: str) -> Callable[[], int]:
+    """How many messages ``queue`` holds, read on a connection of its own."""
+    channel = pika.BlockingConnection(pika.URLParameters(BROKER_URL)).channel()
+    return lambda: channel.queue_declare(queue, passive=True).method.message_count
+
+
+def relay_run(
+    namespace: str, exchange: str, queue: str, n: int, wrapper: list[str] | None = None
+) -> Run:
+    """``manage.py relay`` (long-running, one lane, the default batch size) over ``n`` rows."""
+    fill_outbox(n, exchange)
+    declare_sink(exchange, queue)
+    command = [*(wrapper or [sys.executable]), str(ROOT / "manage.py"), "relay"]
+    env = process_env(namespace)
+    return time_process("manage.py relay", command, env, queue_depth(queue), n, poll=0.01)
+
+
+def raw_publish_run(namespace: str, exchange: str, queue: str, n: int) -> Run:
+    """A process publishing the outbox's bodies with raw pika, confirms in flight."""
+    from reliable_messaging.models import OutboxMessage
+
+    fill_outbox(n, exchange)  # the same bodies and ids as the relay's
+    rows = list(OutboxMessage.objects.order_by("id").values_list("message_id", "body"))
+    path = Path(f"/tmp/{namespace}.raw.json")
+    path.write_text(json.dumps(rows))
+    declare_sink(exchange, queue)
+    command = [sys.executable, str(HERE), "--child", "raw-publish", str(path), exchange]
+    try:
+        return time_process(
+            "raw pika, confirms in flight",
+            command,
+            subprocess_env(namespace),
+            queue_depth(queue),
+            n,
+            poll=0.01,
+        )
+    finally:
+        path.unlink()
+
+
+def child_raw_publish(path: str, exchange: str) -> None:
+    from relay import raw_pika_publish
+
+    rows = [(message_id, body.encode()) for message_id, body in json.loads(Path(path).read_text())]
+    raw_pika_publish(exchange, rows)
+    time.sleep(3600)  # stopped by the parent, like the relay
+
+
+# --------------------------------------------------------------------------- consume
+
+
+def effects_of(consumer: str) -> Callable[[], int]:
+    """How many rows of ``consumer`` testapp_effect holds, read on a connection of its own."""
+    import psycopg
+
+    cursor = psycopg.connect(DATABASE_URL, autocommit=True).cursor()
+
+    def count() -> int:
+        cursor.execute("SELECT count(*) FROM testapp_effect WHERE consumer = %s", [consumer])
+        return int(cursor.fetchone()[0])  # type: ignore[index]
+
+    return count
+
+
+def prepare_consume(exchange: str, n: int, kind: str) -> None:
+    """An empty inbox and effect table, and ``n`` fresh messages in tests.alpha's queue."""
+    from consume import fill
+    from django.db import connection
+
+    from reliable_messaging.storage.partitions import INBOX_TABLE
+
+    with connection.cursor() as cursor:
+        cursor.execute(f"TRUNCATE {INBOX_TABLE}, testapp_effect")
+        cursor.execute(f"VACUUM ANALYZE {INBOX_TABLE}")
+    fill(exchange, [f"{kind}-{uuid.uuid4()}" for _ in range(n)], {"n": 1})
+
+
+def consume_run(
+    namespace: str, exchange: str, queue: str, n: int, wrapper: list[str] | None = None
+) -> Run:
+    """``manage.py consume --queue <alpha>`` (the defaults: concurrency 1, batches on)."""
+    prepare_consume(exchange, n, "app")
+    command = [
+        *(wrapper or [sys.executable]),
+        str(ROOT / "manage.py"),
+        "consume",
+        "--queue",
+        queue,
+    ]
+    env = process_env(namespace)
+    return time_process("manage.py consume", command, env, effects_of("alpha"), n, poll=0.02)
+
+
+def raw_consume_run(namespace: str, exchange: str, queue: str, n: int) -> Run:
+    """A process with raw pika + one psycopg transaction per message, then the ack."""
+    from reliable_messaging.conf import messaging_settings
+
+    prepare_consume(exchange, n, "raw")
+    prefetch = str(messaging_settings.prefetch)
+    command = [sys.executable, str(HERE), "--child", "raw-consume", queue, str(n), prefetch]
+    return time_process(
+        "raw pika + psycopg",
+        command,
+        subprocess_env(namespace),
+        effects_of("baseline"),
+        n,
+        poll=0.02,
+    )
+
+
+def child_raw_consume(queue: str, n: str, prefetch: str) -> None:
+    """bench/consume.py's raw_baseline, keeping its connections open until stopped: the
+    parent reads its backend's CPU after the last row."""
+    import psycopg
+    from consume import EFFECT_INSERT
+
+    db = psycopg.connect(DATABASE_URL)
+    channel = pika.BlockingConnection(pika.URLParameters(BROKER_URL)).channel()
+    channel.basic_qos(prefetch_count=int(prefetch))
+    for done, (method, properties, body) in enumerate(channel.consume(queue), start=1):
+        payload = json.loads(body)
+        with db.transaction(), db.cursor() as cursor:
+            cursor.execute(
+                EFFECT_INSERT, ("baseline", properties.message_id, 1, json.dumps(payload))
+            )
+        channel.basic_ack(method.delivery_tag)
+        if done == int(n):
+            break
+    time.sleep(3600)
+
+
+# --------------------------------------------------------------------------- rounds
+
+
+def alternate(
+    runs: dict[str, Callable[[], Run]], rounds: int, ratio: tuple[str, str]
+) -> tuple[dict[str, list[Run]], list[float]]:
+    """``rounds`` rounds of ``runs``, their order rotating; each round's rate ratio."""
+    names = list(runs)
+    results: dict[str, list[Run]] = {name: [] for name in names}
+    ratios: list[float] = []
+    for round_ in range(rounds):
+        order = names[round_ % len(names) :] + names[: round_ % len(names)]
+        for name in order:
+            run = runs[name]()
+            results[name].append(run)
+            print(f"  round {round_ + 1} {run.line()}", flush=True)
+        top, bottom = (results[name][-1].rate for name in ratio)
+        ratios.append(round(top / bottom, 3))
+        print(f"  round {round_ + 1} {ratio[0]} / {ratio[1]} = {ratios[-1]}", flush=True)
+    return results, ratios
+
+
+def summary(results: dict[str, list[Run]], ratios: list[float], label: str) -> dict[str, object]:
+    out: dict[str, object] = {"ratios": ratios}
+    for name, runs in results.items():
+        out[name] = {
+            "msgs_per_s": [round(r.rate) for r in runs],
+            "process_us": [round(r.process_us) for r in runs],
+            "database_us": [round(r.database_us) for r in runs],
+        }
+        print(
+            f"{label} {name}: {', '.join(f'{r.rate:,.0f}' for r in runs)} msg/s; CPU/msg "
+            f"process {statistics.median(r.process_us for r in runs):.0f} us, PostgreSQL "
+            f"{statistics.median(r.database_us for r in runs):.0f} us (medians)"
+        )
+    print(f"{label} ratio ours/raw per round: {ratios}")
+    return out
+
+
+def cleanup(namespace: str) -> None:
+    """Delete the queues this run's processes declared (their names start with the
+    namespace)."""
+    from _common import rabbitmqctl
+
+    names = [
+        line.split()[0]
+        for line in rabbitmqctl("list_queues", "name").splitlines()
+        if line.startswith(f"{namespace}.")
+    ]
+    channel = pika.BlockingConnection(pika.URLParameters(BROKER_URL)).channel()
+    for name in names:
+        channel.queue_delete(name)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--messages", type=int, default=20000)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--only", choices=("relay", "consume"))
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        kind, *rest = args.child
+        {"raw-publish": child_raw_publish, "raw-consume": child_raw_consume}[kind](*rest)
+        return
+
+    namespace = setup_django()
+    from reliable_messaging.conf import messaging_settings
+    from reliable_messaging.testing import find_consumer
+
+    n = args.messages
+    exchange = messaging_settings.exchange
+    sink = f"{namespace}.sink"
+    alpha = find_consumer("tests.alpha").queue
+    print(f"machine: {describe_machine()}; {n:,} messages per run, {args.rounds} rounds")
+    result: dict[str, object] = {"machine": describe_machine(), "messages": n}
+    try:
+        if args.only in (None, "relay"):
+            runs = {
+                "relay": lambda: relay_run(namespace, exchange, sink, n),
+                "raw": lambda: raw_publish_run(namespace, exchange, sink, n),
+            }
+            result["relay"] = summary(*alternate(runs, args.rounds, ("relay", "raw")), "relay")
+        if args.only in (None, "consume"):
+            from reliable_messaging.broker.topology import declare_topology
+
+            connection = pika.BlockingConnection(pika.URLParameters(BROKER_URL))
+            declare_topology(connection.channel(), [find_consumer("tests.alpha")])
+            connection.close()
+            runs = {
+                "consume": lambda: consume_run(namespace, exchange, alpha, n),
+                "raw": lambda: raw_consume_run(namespace, exchange, alpha, n),
+            }
+            result["consume"] = summary(
+                *alternate(runs, args.rounds, ("consume", "raw")), "consume"
+            )
+    finally:
+        drop_sink(None, sink)
+        cleanup(namespace)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
