@@ -30,20 +30,23 @@ PGBOUNCER_TESTS ?= tests/e2e/test_consume_command.py tests/e2e/test_replay_end_t
 	tests/integration/publishing/test_relay.py tests/integration/publishing/test_wake_after_commit.py \
 	tests/integration/publishing/test_scheduled_rows.py
 
-# Run once more against RabbitMQ 4.0.5 (scripts/rabbitmq4.sh, RM_TEST_BROKER=rabbitmq4) beside
-# the 3.10.8 of the rest, where broker versions differ: consume end to end, ordered partitions
-# (single active consumer, the consistent-hash exchange), poison messages and the crash guard,
-# quorum queues and their `.dead`, the broker closing and cancelling channels, topology, the
-# relay with its refusals and reconnects and the consumers' topology it declares, replay,
-# foreign producers, the management API's figures, delay queues that hand a retry on at least
-# once, the breaker where it meets ordered partitions, quorum delivery limits and the crash
-# guard, features meeting in one process, and a row the broker closes the connection on
-# (about 4.5 minutes in 3 workers; the last four files about 85 s of it, run alone). Before
-# it, RABBITMQ4_SERIAL_TESTS, the serial tests that stop, alarm or act inside that node (about
-# 2 minutes), in one process beside the serial tests of the 3.10 node and of the cluster: none
-# of them uses the 4.0 node, and none of these stops PostgreSQL or touches the 3.10 node. The
-# tests that name both brokers themselves (test_broker_versions.py, test_inspection.py,
-# test_relay_broker_limits.py) run in the first stage.
+# Run once more against RabbitMQ 4.3.6 (scripts/rabbitmq4.sh --release 4.3, RM_TEST_BROKER=
+# rabbitmq43), the newest release line, beside the 3.10.8 of the rest, where broker versions
+# differ: consume end to end, ordered partitions (single active consumer, the consistent-hash
+# exchange), poison messages and the crash guard, quorum queues and their `.dead`, the broker
+# closing and cancelling channels, topology, the relay with its refusals and reconnects and the
+# consumers' topology it declares, replay, foreign producers, the management API's figures,
+# delay queues that hand a retry on at least once, the breaker where it meets ordered
+# partitions, quorum delivery limits and the crash guard, features meeting in one process, and
+# a row the broker closes the connection on. Before it, RABBITMQ4_SERIAL_TESTS, the serial
+# tests that stop, alarm or act inside that node, beside the serial tests of the 3.10 node and
+# of the cluster: none of them uses the 4.x nodes, and none of these stops PostgreSQL or touches
+# the 3.10 node. After it, RABBITMQ40_TESTS against RabbitMQ 4.0.5 (scripts/rabbitmq4.sh,
+# RM_TEST_BROKER=rabbitmq4), the 4.x line's oldest end: the files whose behaviour differs
+# between 4.0 and 4.3 (what counts toward a quorum queue's delivery limit, the count a
+# dead-lettered message keeps, poison messages and the crash guard, the frame a row closes the
+# connection on). The tests that name the brokers themselves (test_broker_versions.py,
+# test_inspection.py, test_relay_broker_limits.py) run in the first stage, on all three.
 RABBITMQ4_TESTS ?= tests/e2e/test_consume_command.py tests/e2e/test_ordering.py \
 	tests/e2e/test_replay_end_to_end.py tests/faults/test_poison_pills.py \
 	tests/faults/test_broker_closes.py tests/faults/test_foreign_producers.py \
@@ -63,6 +66,9 @@ RABBITMQ4_TESTS ?= tests/e2e/test_consume_command.py tests/e2e/test_ordering.py 
 	tests/integration/ops/test_health.py tests/e2e/test_relay_declares_topology.py \
 	tests/e2e/test_breaker_meets.py tests/e2e/test_features_meet.py \
 	tests/integration/consuming/test_features_meet.py \
+	tests/integration/publishing/test_relay_row_isolation.py
+RABBITMQ40_TESTS ?= tests/faults/test_poison_pills.py tests/faults/test_broker_closes.py \
+	tests/e2e/test_features_meet.py tests/integration/consuming/test_features_meet.py \
 	tests/integration/publishing/test_relay_row_isolation.py
 RABBITMQ4_SERIAL_TESTS ?= \
 	tests/faults/test_broker_closes.py::test_a_channel_the_broker_closes_mid_handler_is_noticed_and_nothing_is_lost \
@@ -114,7 +120,8 @@ test: venv services
 	@# The PgBouncer tests run their own pgbouncer (Debian installs it in /usr/sbin; its service is
 	@# not used).
 	@command -v pgbouncer >/dev/null || test -x /usr/sbin/pgbouncer || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer)
-	@# The RabbitMQ 4.0 node is Debian trixie's package in a debootstrap root (scripts/rabbitmq4.sh).
+	@# The RabbitMQ 4.0 and 4.3 nodes are Debian trixie's and sid's packages in debootstrap roots
+	@# (scripts/rabbitmq4.sh).
 	@command -v debootstrap >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap)
 	@# 1. The tests that share nothing, in $(TEST_WORKERS) parallel workers.
 	@# 2. Those that stop PostgreSQL or Redis (serial and stops_storage, tests/conftest.py), alone.
@@ -127,14 +134,15 @@ test: venv services
 	@#      the cluster lane is done, the matrix's two ends on the version-sensitive slice
 	@#      (MATRIX=0 skips them; `make matrix` runs every pair);
 	@#    - the cluster tests on their own cluster (serial and cluster);
-	@#    - RABBITMQ4_SERIAL_TESTS, acting on the RabbitMQ 4.0 node (built the first time, about 3
-	@#      minutes; started if it is down), then RABBITMQ4_TESTS against that node.
+	@#    - RABBITMQ4_SERIAL_TESTS, acting on the RabbitMQ 4.3 node (built the first time, about a
+	@#      minute; started if it is down), then RABBITMQ4_TESTS against that node, then
+	@#      RABBITMQ40_TESTS against the 4.0 node (built the first time, about 3 minutes).
 	@#    The second and third lanes print their output when done.
 	@# Every part always runs; exit code 5 ("no tests selected", e.g. with -k) is not a failure.
 	@run() { local s=0; "$$@" || s=$$?; (( s == 5 )) && s=0; return $$s; }; \
 	db=$${RM_TEST_DB_NAME:-test_reliable_messaging}; \
 	logs=$$(mktemp -d "$${TMPDIR:-/tmp}/rm-make-test.XXXXXX"); \
-	on_rabbitmq4() { RM_TEST_DB_NAME=$${db}_rabbitmq4 RM_TEST_BROKER=rabbitmq4 run "$$@"; }; \
+	on_broker() { local broker=$$1; shift; RM_TEST_DB_NAME=$${db}_$$broker RM_TEST_BROKER=$$broker run "$$@"; }; \
 	broker_lane() { \
 		local s=0; \
 		run $(BIN)/pytest -m "serial and stops_broker" $(PYTEST_ARGS) || s=$$?; \
@@ -145,10 +153,13 @@ test: venv services
 	cluster_lane() { RM_TEST_DB_NAME=$${db}_cluster run $(BIN)/pytest -m "serial and cluster" $(PYTEST_ARGS); }; \
 	rabbitmq4_lane() { \
 		local s=0; \
-		scripts/rabbitmq4.sh start || return 99; \
-		on_rabbitmq4 $(BIN)/pytest -m serial $(PYTEST_ARGS) $(RABBITMQ4_SERIAL_TESTS) || s=$$?; \
-		on_rabbitmq4 $(BIN)/pytest $(WORKERS) -m "not serial" $(PYTEST_ARGS) \
+		scripts/rabbitmq4.sh --release 4.3 start || return 99; \
+		on_broker rabbitmq43 $(BIN)/pytest -m serial $(PYTEST_ARGS) $(RABBITMQ4_SERIAL_TESTS) || s=$$?; \
+		on_broker rabbitmq43 $(BIN)/pytest $(WORKERS) -m "not serial" $(PYTEST_ARGS) \
 			$(RABBITMQ4_TESTS) || s=$$?; \
+		scripts/rabbitmq4.sh start || return 99; \
+		on_broker rabbitmq4 $(BIN)/pytest $(WORKERS) -m "not serial" $(PYTEST_ARGS) \
+			$(RABBITMQ40_TESTS) || s=$$?; \
 		return $$s; \
 	}; \
 	matrix_ends() { \
@@ -168,7 +179,7 @@ test: venv services
 	else \
 		cluster_lane >"$$logs/cluster.log" 2>&1 & cluster_pid=$$!; \
 		rabbitmq4_lane >"$$logs/rabbitmq4.log" 2>&1 & rabbitmq4_pid=$$!; \
-		echo "make test: the cluster lane and the RabbitMQ 4.0 lane run beside this one; their" \
+		echo "make test: the cluster lane and the RabbitMQ 4.x lane run beside this one; their" \
 			"output: $$logs/cluster.log, $$logs/rabbitmq4.log"; \
 		broker_lane || rc3=$$?; \
 		wait $$cluster_pid || rc4=$$?; show cluster $$rc4; \
