@@ -21,8 +21,9 @@ from django.utils.http import urlencode
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
-from ..choices import DeadLetterStatus
+from ..choices import DeadLetterReason, DeadLetterStatus
 from ..conf import messaging_settings
+from ..contracts import consumer_payload_errors
 from ..dead_letters import selection
 from ..dead_letters.permissions import can_edit
 from ..dead_letters.replay import REPLAYABLE_STATUSES, UNREPLAYABLE_REASONS, stale_replays
@@ -136,6 +137,7 @@ class DeadLetterAdmin(
     readonly_fields = (
         *(*_SUMMARY, *_FAILURE, *_HISTORY, "traceback_block", "pretty_payload", "raw_body"),
         *("pretty_headers", "replay_of_link", "replays_table", "task_run_link"),
+        "payload_errors_table",
     )
     # ------------------------------------------------------------------ list
 
@@ -237,9 +239,13 @@ class DeadLetterAdmin(
         body = "pretty_payload" if obj is None or self._body(obj)[2] is not None else "raw_body"
         edited = ("replay_of_link",) if obj and obj.replay_of_id else ()
         task = ("task_run_link",) if obj and is_task_consumer(obj.consumer) else ()
+        invalid = obj is not None and obj.reason == DeadLetterReason.INVALID_PAYLOAD
         return (
             (None, {"fields": (*_SUMMARY, *task)}),
-            (_("Failure"), {"fields": _FAILURE}),
+            (
+                _("Failure"),
+                {"fields": (*_FAILURE, *(("payload_errors_table",) if invalid else ()))},
+            ),
             (_("Traceback"), {"fields": ("traceback_block",)}),
             (_("Message"), {"fields": (body, "pretty_headers")}),
             (_("Replays"), {"fields": (*edited, "replays_table")}),
@@ -326,6 +332,18 @@ class DeadLetterAdmin(
     @admin.display(description=_("exception message"))
     def exception_message_block(self, obj: DeadLetter) -> str:
         return bodies.shown_text(obj.exception_message) if obj.exception_message else "-"
+
+    @admin.display(description=_("payload errors"))
+    def payload_errors_table(self, obj: DeadLetter) -> str:
+        """The stored payload checked now against its consumer's declared type: each field's
+        path and what is wrong (never the value), or that it matches now (after a fix)."""
+        errors = consumer_payload_errors(obj.consumer, obj.payload)
+        if errors is None:
+            return gettext("- (the consumer declares no payload type in this deployment)")
+        if not errors:
+            return gettext("none: the payload matches the consumer's declared type now")
+        rows = ((error["path"] or gettext("(payload)"), error["message"]) for error in errors)
+        return _table("rm-payload-errors", (_("field"), _("error")), rows)
 
     @admin.display(description=_("traceback"))
     def traceback_block(self, obj: DeadLetter) -> str:

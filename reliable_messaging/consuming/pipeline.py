@@ -22,6 +22,7 @@ from .fastpath import FastPath
 from .outcome_log import OutcomeLog
 from .outcome_metrics import OutcomeMetrics
 from .parking import ParkedKeys
+from .payloads import DeclaredPayload
 from .replays import ReplayLedger
 from .spans import Spans
 from .stage import Batch, DeliveryOutcome, Job, Stage
@@ -111,6 +112,7 @@ def default_pipeline() -> Pipeline:
             UnexpectedRoutingKey(),
             Expiry(),
             ParkedKeys(),
+            DeclaredPayload(),
             TimeLimit(),
             ReplayLedger(),
             TaskRuns(),

@@ -383,7 +383,7 @@ def _run(
                     return DUPLICATE
                 copies_open, started = claimed[key], time.perf_counter()
             with processor.pipeline.handling(job, message):
-                processor.spec.handler(message)
+                processor.spec.handler(job.for_handler or message)
     except (DatabaseUnavailable, DatabaseConflict, InboxClaimFailed):
         raise
     except Exception as exc:  # any handler error is an outcome to decide on

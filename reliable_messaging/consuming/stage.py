@@ -62,6 +62,9 @@ class Job:
     processor: Processor
     delivery: Delivery
     message: Message | DecodeError = field(init=False)
+    # What the handler is given when a screen made it (the declared-payload stage: the message
+    # with its payload as the declared type's object); None: ``message`` as decoded.
+    for_handler: Message | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.message = self.processor.decode(self.delivery)

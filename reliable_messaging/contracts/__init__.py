@@ -14,12 +14,19 @@ Public names::
 from __future__ import annotations
 
 from ..core.contracts import Contract, ContractError, PayloadInvalid, contract_of
-from .declarations import contract_for, published, published_registry, publishes
+from .declarations import (
+    consumer_payload_errors,
+    contract_for,
+    published,
+    published_registry,
+    publishes,
+)
 
 __all__ = [
     "Contract",
     "ContractError",
     "PayloadInvalid",
+    "consumer_payload_errors",
     "contract_for",
     "contract_of",
     "published",

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar, overload
 
-from ..core.contracts import Contract, ContractError, contract_of
+from ..core.contracts import Contract, ContractError, PayloadInvalid, contract_of
 
 T = TypeVar("T")
 
@@ -89,3 +89,22 @@ def published() -> dict[str, Contract]:
 def contract_for(routing_key: str) -> Contract | None:
     """The contract ``publish(routing_key, ...)`` checks, None when the key is not declared."""
     return published_registry.get(routing_key)
+
+
+def consumer_payload_errors(consumer: str, payload: Any) -> list[dict[str, str]] | None:
+    """What is wrong with ``payload`` for the registered consumer named ``consumer`` (the
+    admin's view of a dead letter and of an edit): None when that consumer declares no payload
+    type (or is not registered here), an empty list when the payload matches it."""
+    from ..core.registry import registry
+
+    try:
+        contract = registry.get(consumer).payload
+    except KeyError:
+        return None
+    if contract is None:
+        return None
+    try:
+        contract.validate(payload)
+    except PayloadInvalid as exc:
+        return exc.errors
+    return []

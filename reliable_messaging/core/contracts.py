@@ -91,7 +91,8 @@ class PydanticContract(Contract):
         import pydantic
 
         if isinstance(data, self.type):
-            data = data.model_dump(mode="json")  # built with model_construct(), or changed since
+            # Built with model_construct(), or changed since: checked in its JSON form.
+            data = data.model_dump(mode="json", warnings=False)
         try:
             return self.type.model_validate(data)
         except pydantic.ValidationError as exc:

@@ -186,8 +186,15 @@ class _Validation:
 def _fields(tp: Any, hints: dict[str, Any]) -> list[tuple[str, bool]]:
     """Each field's name and whether it is required."""
     if is_typeddict(tp):
-        required = tp.__required_keys__
-        return [(name, name in required) for name in hints]
+        # Python 3.11 reads NotRequired in a string annotation (``from __future__ import
+        # annotations``) into __required_keys__ wrongly: the resolved hint says it.
+        def required(name: str) -> bool:
+            wrapper = get_origin(hints[name])
+            if wrapper in (typing.NotRequired, typing.Required):
+                return wrapper is typing.Required
+            return name in tp.__required_keys__
+
+        return [(name, required(name)) for name in hints]
     missing = dataclasses.MISSING
     return [
         (f.name, f.default is missing and f.default_factory is missing)

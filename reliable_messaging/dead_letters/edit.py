@@ -19,6 +19,7 @@ from django.utils import timezone
 
 from ..broker.limits import body_size_refusal, header_frame_refusal
 from ..choices import OutboxStatus, ReplayKind
+from ..contracts import consumer_payload_errors
 from ..core.envelope import (
     BROKER_HEADERS,
     HEADER_PREFIX,
@@ -186,6 +187,12 @@ def check_edit(dead_letter: DeadLetter, *, now: Any = None, **form: Unpack[EditF
             if refusal := body_size_refusal(len(encoded)):
                 problems.append(refusal)
             edit.body = encoded.decode("utf-8")
+        # Its consumer's declared type would refuse it before the handler: said here instead.
+        for error in consumer_payload_errors(dead_letter.consumer, payload) or ():
+            problems.append(
+                f"the payload does not match the consumer's declared type at "
+                f"{error['path'] or '(payload)'}: {error['message']}"
+            )
     headers = form["headers"]
     parsed = _parse(headers or "{}", "headers", problems) if isinstance(headers, str) else headers
     if parsed is not _UNREAD:

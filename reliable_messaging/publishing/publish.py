@@ -23,6 +23,7 @@ from .. import tracing
 from ..broker.limits import body_size_refusal, header_frame_refusal
 from ..choices import OutboxStatus
 from ..conf import messaging_settings
+from ..contracts import contract_for
 from ..core.advisory_locks import IDEMPOTENCY_LOCK_CLASS
 from ..core.envelope import (
     EXPIRES_AT_HEADER,
@@ -73,12 +74,17 @@ def publish(
     in one frame), a ``deliver_at`` before 1970 and a deadline past 64 bits of milliseconds
     (AMQP cannot carry them). With an ``idempotency_key`` already in the
     outbox this is a no-op that returns the first message's id.
+
+    When ``routing_key`` has a declared payload type (``reliable_messaging.contracts.publishes``)
+    ``payload`` (a dict, or an object of the type) is checked against it first: a mismatch raises
+    :class:`~reliable_messaging.contracts.PayloadInvalid` with each field's path, and nothing is
+    written; what is sent is the type's JSON form of it.
     """
     if not isinstance(routing_key, str) or not routing_key:
         raise ValueError("routing_key must be a non-empty string")
     if using is None:
         using = router.db_for_write(OutboxMessage)
-    encoded = encode_payload(payload)
+    encoded = encode_payload(_declared_form(routing_key, payload))
     # Refused here, where the caller can still do something, not dead-lettered after the commit.
     refusal = body_size_refusal(len(encoded))
     if refusal is not None:
@@ -126,6 +132,15 @@ def publish(
     tracing.end(span)
     wake_relay_after_commit(using)
     return written
+
+
+def _declared_form(routing_key: str, payload: Any) -> Any:
+    """The step of declared payloads: ``payload`` as its routing key's declared type writes it,
+    after checking it (raises ``PayloadInvalid``); as it is when the key has none."""
+    contract = contract_for(routing_key)
+    if contract is None:
+        return payload
+    return contract.to_json(contract.validate(payload))
 
 
 def cancel_scheduled(message_id: str, *, using: str | None = None) -> bool:
