@@ -79,7 +79,7 @@ SLICE = (
 # a session sets itself and the tools it does not run (linters, type stubs, packaging).
 NOT_IN_SESSIONS = re.compile(
     r"^(django|pika|prometheus-client|psycopg|celery|django-redis|django-health-check|"
-    r"opentelemetry-.*|ruff|mypy|django-stubs|types-.*|build|nox)\b",
+    r"opentelemetry-.*|ruff|mypy|django-stubs|types-.*|build|nox|asyncapi3)\b",
     re.IGNORECASE,
 )
 

@@ -1,0 +1,533 @@
+"""The project's AsyncAPI 3.0 document: the broker, what the project publishes, what it consumes.
+
+Built from the code alone: the settings (the server, the exchange, the queue type), the declared
+payloads (:func:`reliable_messaging.contracts.published` and each consumer's ``payload``), the
+consumer registry, and the names and arguments :mod:`reliable_messaging.broker.topology`
+declares. The same code gives the same document, so ``manage.py asyncapi --check`` tells when a
+committed document is behind (``docs/contracts.md#the-asyncapi-document`` explains the mapping).
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from ..broker.topology import (
+    all_delays,
+    consumer_exchange,
+    consumer_queues,
+    dead_letter_queue,
+    delay_exchange_name,
+    delay_queue_arguments,
+    partition_exchange,
+    queue_arguments,
+)
+from ..conf import MessagingSettings, messaging_settings
+from ..core import envelope
+from ..core.contracts import Contract
+from ..core.envelope import CONTENT_TYPE, HEADER_PREFIX
+from ..core.registry import ConsumerSpec
+from ..core.routing import topic_matches
+from ..core.trace_context import TRACE_HEADERS, TRACEPARENT, TRACESTATE
+
+ASYNCAPI_VERSION = "3.0.0"
+AMQP_BINDING_VERSION = "0.3.0"
+# The message trait every message of ours carries: the headers below.
+HEADERS_TRAIT = "reliableMessagingHeaders"
+UNTYPED_MESSAGE = "untypedJson"
+# Set on a frame in the consuming process only (its properties could not be decoded); never sent.
+_IN_PROCESS_HEADERS = frozenset({envelope.UNDECODABLE_HEADER})
+_MILLISECONDS = {"type": "integer", "description": "Unix time in milliseconds"}
+
+# What each header of ours holds. The names come from the code (every ``*_HEADER`` constant of
+# core/envelope.py with our prefix, and the W3C trace headers); a header the code gains without
+# a line here is still listed, and tests/integration/contracts/test_asyncapi.py asks for one.
+HEADER_SCHEMAS: dict[str, dict[str, Any]] = {
+    envelope.PUBLISHED_AT_HEADER: {
+        **_MILLISECONDS,
+        "description": "When the outbox row was written (Unix ms); set by the relay.",
+    },
+    envelope.OUTBOX_ID_HEADER: {
+        "type": "integer",
+        "description": "The outbox row the message was sent from; set by the relay.",
+    },
+    envelope.ORDERING_KEY_HEADER: {
+        "type": "string",
+        "description": "publish(ordering_key=...): an ordered consumer handles the messages of "
+        "one key one at a time, in publish order; its partitions hash on this header.",
+    },
+    envelope.EXPIRES_AT_HEADER: {
+        **_MILLISECONDS,
+        "description": "publish(expires=...): the deadline (Unix ms) past which the message is "
+        "not handled.",
+    },
+    envelope.ATTEMPT_HEADER: {
+        "type": "integer",
+        "minimum": 1,
+        "description": "The attempt a retried copy is (absent on the first).",
+    },
+    envelope.ORIGINAL_EXCHANGE_HEADER: {
+        "type": "string",
+        "description": "On a retried or replayed copy: the exchange it was first published to.",
+    },
+    envelope.ORIGINAL_ROUTING_KEY_HEADER: {
+        "type": "string",
+        "description": "On a retried or replayed copy: the routing key it was first published "
+        "with.",
+    },
+    envelope.FIRST_FAILED_AT_HEADER: {
+        **_MILLISECONDS,
+        "description": "On a retried copy: when the first attempt failed (Unix ms).",
+    },
+    envelope.LAST_ERROR_HEADER: {
+        "type": "string",
+        "maxLength": 500,
+        "description": "On a retried copy: the type and text of the last attempt's exception.",
+    },
+    envelope.DEFERRALS_HEADER: {
+        "type": "integer",
+        "description": "How many times a copy was put aside because another consumer process "
+        "held the message.",
+    },
+    envelope.REPLAY_HEADER: {
+        "type": "integer",
+        "minimum": 1,
+        "description": "On a replayed dead letter: how many times it was replayed.",
+    },
+    envelope.REPLAYED_BY_HEADER: {
+        "type": "string",
+        "description": "On a replayed dead letter: who replayed it (an admin user, a command).",
+    },
+    envelope.DEAD_LETTER_ID_HEADER: {
+        "type": "integer",
+        "description": "On a replayed dead letter: its DeadLetter row.",
+    },
+    envelope.REPLAY_ID_HEADER: {
+        "type": "integer",
+        "description": "On a replayed dead letter: its row of the replay ledger.",
+    },
+    TRACEPARENT: {
+        "type": "string",
+        "pattern": "^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}",
+        "description": "W3C Trace Context of the publishing span (with the otel extra).",
+    },
+    TRACESTATE: {
+        "type": "string",
+        "description": "W3C Trace Context vendor state, passed along with traceparent.",
+    },
+}
+
+
+def our_headers() -> list[str]:
+    """Every header the app sets on a message: ``x-rm-*`` of core/envelope.py, and tracing's."""
+    names = {
+        value
+        for attribute, value in vars(envelope).items()
+        if attribute.endswith("_HEADER")
+        and isinstance(value, str)
+        and value.startswith(HEADER_PREFIX)
+        and value not in _IN_PROCESS_HEADERS
+    }
+    return sorted(names | set(TRACE_HEADERS))
+
+
+def headers_schema() -> dict[str, Any]:
+    """The JSON Schema of the headers of ours a message may carry (user headers pass too)."""
+    return {
+        "type": "object",
+        "description": "Headers reliable_messaging sets; the publisher's own headers "
+        "(publish(headers=...)) travel beside them.",
+        "properties": {
+            name: HEADER_SCHEMAS.get(name, {"description": "Set by reliable_messaging."})
+            for name in our_headers()
+        },
+    }
+
+
+def _key(text: str) -> str:
+    """``text`` as a key of the document (letters, digits, ``_`` and ``-``: what every parser
+    takes; the specification allows ``.`` in component keys only)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", text) or "_"
+
+
+def _unique(taken: Mapping[str, Any], base: str) -> str:
+    key = base
+    for n in range(2, 10_000):
+        if key not in taken:
+            break
+        key = f"{base}-{n}"
+    return key
+
+
+def _rewrite_refs(value: Any, names: Mapping[str, str]) -> Any:
+    """``value`` with its local ``$defs``/``definitions`` references pointed at components."""
+    if isinstance(value, dict):
+        out = {k: _rewrite_refs(v, names) for k, v in value.items()}
+        ref = out.get("$ref")
+        if isinstance(ref, str):
+            match = re.fullmatch(r"#/(?:\$defs|definitions)/(.+)", ref)
+            if match:
+                name = match[1].replace("~1", "/").replace("~0", "~")
+                out["$ref"] = f"#/components/schemas/{names.get(name, _key(name))}"
+        return out
+    if isinstance(value, list):
+        return [_rewrite_refs(item, names) for item in value]
+    return value
+
+
+def _vhost(url: str) -> str:
+    path = urlsplit(url).path
+    return unquote(path[1:]) if len(path) > 1 else "/"
+
+
+def _server(url: str) -> dict[str, Any]:
+    """The server of a broker URL: host, port and vhost, never the user or password."""
+    parts = urlsplit(url)
+    secure = parts.scheme.lower() == "amqps"
+    host = parts.hostname or "localhost"
+    if ":" in host:
+        host = f"[{host}]"  # IPv6
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    server: dict[str, Any] = {
+        "host": f"{host}:{port or (5671 if secure else 5672)}",
+        "protocol": "amqps" if secure else "amqp",
+        "protocolVersion": "0.9.1",
+        "pathname": parts.path or "/",
+        "description": f"RabbitMQ (BROKER_URL), virtual host {_vhost(url)!r}.",
+    }
+    if parts.username:
+        server["security"] = [{"$ref": "#/components/securitySchemes/brokerUser"}]
+    return server
+
+
+class _Document:
+    """The document being built: channels, operations and components by key.
+
+    Extensions (``x-...``) describing the queues' arguments, bindings, partitions and retries
+    sit on the channel and the operation rather than inside the ``amqp`` binding: the official
+    schema allows both places, and some parsers refuse them inside a binding.
+    """
+
+    def __init__(self, settings: MessagingSettings) -> None:
+        self.settings = settings
+        self.vhost = _vhost(settings.broker_urls[0]) if settings.broker_urls else "/"
+        self.channels: dict[str, Any] = {}
+        self.operations: dict[str, Any] = {}
+        self.messages: dict[str, Any] = {}
+        self.schemas: dict[str, Any] = {}
+        self._message_keys: dict[tuple[str, str], str] = {}
+        self._delay_channels: dict[float, str] = {}
+
+    # -- components --------------------------------------------------------------------------
+
+    def message(self, payload: Contract) -> str:
+        """The key of ``payload``'s message in components (added once)."""
+        schema = copy.deepcopy(payload.json_schema())
+        schema.pop("$schema", None)
+        found = (payload.name, json.dumps(schema, sort_keys=True, default=str))
+        if found in self._message_keys:
+            return self._message_keys[found]
+        key = self._message_keys[found] = _unique(self.messages, _key(payload.name))
+        self.messages[key] = {
+            "name": payload.name,
+            "title": payload.name,
+            "contentType": CONTENT_TYPE,
+            "payload": {"$ref": f"#/components/schemas/{self._schema(key, schema)}"},
+            "traits": [{"$ref": f"#/components/messageTraits/{HEADERS_TRAIT}"}],
+            "bindings": {"amqp": {"bindingVersion": AMQP_BINDING_VERSION}},
+        }
+        return key
+
+    def untyped_message(self) -> str:
+        self.messages[UNTYPED_MESSAGE] = {
+            "name": UNTYPED_MESSAGE,
+            "title": "Any JSON",
+            "summary": "No payload type is declared: any JSON value.",
+            "contentType": CONTENT_TYPE,
+            "payload": {},
+            "traits": [{"$ref": f"#/components/messageTraits/{HEADERS_TRAIT}"}],
+            "bindings": {"amqp": {"bindingVersion": AMQP_BINDING_VERSION}},
+        }
+        return UNTYPED_MESSAGE
+
+    def _schema(self, name: str, schema: dict[str, Any]) -> str:
+        """Put ``schema`` and its nested types (``$defs``) in components; its key there.
+        A nested type of the same name but another shape than one already there is kept
+        under ``<name>_<type>``, and so are the other nested types of ``schema``."""
+        defs: dict[str, Any] = {**schema.pop("definitions", {}), **schema.pop("$defs", {})}
+        names: dict[str, str] = {}
+        hoisted: dict[str, Any] = {}
+        for prefix in ("", f"{name}_"):
+            names = {d: f"{prefix}{_key(d)}" for d in defs}
+            hoisted = {names[d]: _rewrite_refs(s, names) for d, s in defs.items()}
+            if all(self.schemas.get(k, s) == s for k, s in hoisted.items()):
+                break
+        self.schemas.update(hoisted)
+        top = _rewrite_refs(schema, names)
+        key = name
+        for n in range(2, 10_000):
+            if self.schemas.get(key, top) == top:
+                break
+            key = f"{name}-{n}"
+        self.schemas[key] = top
+        return key
+
+    # -- what the project publishes ----------------------------------------------------------
+
+    def published(self, routing_key: str, payload: Contract) -> None:
+        message = self.message(payload)
+        channel = _unique(self.channels, f"published_{_key(routing_key)}")
+        self.channels[channel] = {
+            "address": routing_key,
+            "title": f"{routing_key} on {self.settings.exchange}",
+            "description": "Published with publish() inside the caller's transaction; the "
+            "relay sends it after commit.",
+            "messages": {message: {"$ref": f"#/components/messages/{message}"}},
+            "bindings": {
+                "amqp": {
+                    "is": "routingKey",
+                    "exchange": {
+                        "name": self.settings.exchange,
+                        "type": "topic",
+                        "durable": True,
+                        "autoDelete": False,
+                        "vhost": self.vhost,
+                    },
+                    "bindingVersion": AMQP_BINDING_VERSION,
+                }
+            },
+        }
+        self.operations[_unique(self.operations, f"publish_{_key(routing_key)}")] = {
+            "action": "send",
+            "channel": {"$ref": f"#/channels/{channel}"},
+            "summary": f'publish("{routing_key}", ...): the payload is checked, an outbox row '
+            "written in the caller's transaction, and the relay sends it after commit.",
+            "messages": [{"$ref": f"#/channels/{channel}/messages/{message}"}],
+            "bindings": {
+                "amqp": {
+                    # Persistent, and mandatory with publisher confirms: a row is marked sent
+                    # only once the broker routed and confirmed it.
+                    "deliveryMode": 2,
+                    "mandatory": True,
+                    "bindingVersion": AMQP_BINDING_VERSION,
+                }
+            },
+        }
+
+    # -- what the project consumes -----------------------------------------------------------
+
+    def _queue_binding(self, name: str) -> dict[str, Any]:
+        return {
+            "amqp": {
+                "is": "queue",
+                "queue": {
+                    "name": name,
+                    "durable": True,
+                    "exclusive": False,
+                    "autoDelete": False,
+                    "vhost": self.vhost,
+                },
+                "bindingVersion": AMQP_BINDING_VERSION,
+            }
+        }
+
+    def delay(self, delay: float) -> None:
+        """The delay queue of ``delay`` seconds (and its fanout exchange of the same name)."""
+        name = delay_exchange_name(delay, self.settings)
+        channel = self._delay_channels[delay] = _unique(self.channels, f"delay_{_key(name)}")
+        self.channels[channel] = {
+            "address": name,
+            "title": f"Retry delay of {delay:g}s",
+            "description": "A retried copy waits here (published to the fanout exchange of the "
+            "same name), then returns to its consumer's queue through the default exchange.",
+            "bindings": self._queue_binding(name),
+            "x-queue-arguments": delay_queue_arguments(delay),
+            "x-bound-to": [{"exchange": name, "exchangeType": "fanout"}],
+        }
+
+    def consumed(self, spec: ConsumerSpec, published: Mapping[str, Contract]) -> None:
+        settings = self.settings
+        if spec.payload is not None:
+            messages = [self.message(spec.payload)]
+        else:  # what of ours reaches the queue, or any JSON
+            matched = {
+                self.message(payload)
+                for key, payload in published.items()
+                if any(topic_matches(binding, key) for binding in spec.bindings)
+            }
+            messages = sorted(matched) or [self.untyped_message()]
+        exchange = consumer_exchange(spec, settings)
+        bound_to = [{"exchange": exchange, "routingKey": key} for key in spec.bindings]
+        dead_letter_to = dead_letter_queue(spec) if settings.queue_type == "quorum" else None
+        channel_id = _unique(self.channels, f"queue_{_key(spec.queue)}")
+        channel: dict[str, Any] = {
+            "address": spec.queue,
+            "title": spec.queue,
+            "messages": {m: {"$ref": f"#/components/messages/{m}"} for m in messages},
+            "bindings": self._queue_binding(spec.queue),
+            "x-queue-arguments": queue_arguments(
+                settings, ordered=spec.ordered, dead_letter_to=dead_letter_to
+            ),
+            "x-bound-to": bound_to,
+        }
+        if spec.ordered:
+            partitions = consumer_queues(spec, settings)
+            channel["address"] = f"{spec.queue}.p{{partition}}"
+            channel["bindings"] = self._queue_binding(channel["address"])
+            channel["parameters"] = {
+                "partition": {
+                    "enum": [str(n) for n in range(len(partitions))],
+                    "description": "Ordered consumer: one queue per partition, each with a "
+                    "single active consumer.",
+                }
+            }
+            # Equal weights: the binding key of a consistent-hash exchange is the weight.
+            channel["x-bound-to"] = [{"exchange": partition_exchange(spec), "routingKey": "1"}]
+            channel["x-ordered"] = {
+                "partitions": partitions,
+                "hashExchange": partition_exchange(spec),
+                "hashExchangeType": "x-consistent-hash",
+                "hashHeader": envelope.ORDERING_KEY_HEADER,
+                "hashExchangeBoundTo": bound_to,
+            }
+        self.channels[channel_id] = channel
+        delays = list(spec.retry_delays or settings.retry_delays)
+        operation: dict[str, Any] = {
+            "action": "receive",
+            "channel": {"$ref": f"#/channels/{channel_id}"},
+            "summary": f"{spec.name}: handled once per message_id (the inbox), in a "
+            "transaction with its inbox row.",
+            "messages": [{"$ref": f"#/channels/{channel_id}/messages/{m}"} for m in messages],
+            "bindings": {"amqp": {"ack": True, "bindingVersion": AMQP_BINDING_VERSION}},
+            "x-consumer": spec.name,
+            "x-max-attempts": spec.max_attempts or settings.max_attempts,
+            "x-retry-delays": delays,
+            "x-retry-via": [
+                {"$ref": f"#/channels/{self._delay_channels[d]}"} for d in sorted(set(delays))
+            ],
+            "x-handler-timeout": spec.timeout or settings.handler_timeout,
+        }
+        if spec.max_age is not None:
+            operation["x-max-age"] = spec.max_age
+            operation["x-on-expiry"] = spec.on_expiry
+        self.operations[_unique(self.operations, f"consume_{_key(spec.queue)}")] = operation
+
+
+def asyncapi_document(
+    *,
+    title: str,
+    version: str = "unversioned",
+    settings: MessagingSettings = messaging_settings,
+    specs: Iterable[ConsumerSpec] | None = None,
+    published: Mapping[str, Contract] | None = None,
+) -> dict[str, Any]:
+    """The AsyncAPI 3.0 document of ``specs`` (the registry's) and ``published`` (the declared
+    payloads), on the broker and exchange of ``settings``."""
+    if specs is None:
+        from ..core.registry import registry
+
+        specs = registry.all()
+    if published is None:
+        from .declarations import published as declared
+
+        published = declared()
+    specs = sorted(specs, key=lambda s: s.queue)
+    doc = _Document(settings)
+    for delay in all_delays(specs, settings) if specs else ():
+        doc.delay(delay)
+    for routing_key, payload in sorted(published.items()):
+        doc.published(routing_key, payload)
+    for spec in specs:
+        doc.consumed(spec, published)
+    urls = list(settings.broker_urls)
+    servers = {
+        ("rabbitmq" if len(urls) == 1 else f"rabbitmq-{n + 1}"): _server(url)
+        for n, url in enumerate(urls)
+    }
+    components: dict[str, Any] = {
+        "messages": doc.messages,
+        "schemas": doc.schemas,
+        "messageTraits": {
+            HEADERS_TRAIT: {
+                "headers": headers_schema(),
+                "contentType": CONTENT_TYPE,
+                "description": "Every message carries its message_id (the AMQP property, the "
+                "inbox's deduplication key), content type application/json and delivery "
+                "mode 2 (persistent).",
+            }
+        },
+    }
+    if any("security" in server for server in servers.values()):
+        components["securitySchemes"] = {
+            "brokerUser": {
+                "type": "userPassword",
+                "description": "The user and password of BROKER_URL (not written here).",
+            }
+        }
+    return {
+        "asyncapi": ASYNCAPI_VERSION,
+        "info": {
+            "title": title,
+            "version": version,
+            "description": "What this project publishes and consumes over RabbitMQ. Written by "
+            "`manage.py asyncapi` from the code (consumers, declared payloads, settings): "
+            "regenerate it rather than edit it.",
+        },
+        "defaultContentType": CONTENT_TYPE,
+        "servers": servers,
+        "channels": doc.channels,
+        "operations": doc.operations,
+        "components": components,
+    }
+
+
+def render(document: Mapping[str, Any], fmt: str = "json") -> str:
+    """``document`` as text: JSON (or YAML), keys sorted, so the same code gives the same text."""
+    if fmt == "yaml":
+        import yaml
+
+        return str(yaml.safe_dump(dict(document), sort_keys=True, allow_unicode=True, width=100))
+    return json.dumps(document, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def parse(text: str, fmt: str = "json") -> Any:
+    """A document read back from :func:`render`'s format (or any equivalent formatting)."""
+    if fmt == "yaml":
+        import yaml
+
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(str(exc)) from exc
+    return json.loads(text)
+
+
+def difference(committed: str, current: str, path: str, fmt: str = "json", limit: int = 40) -> str:
+    """A short unified diff from ``committed`` to ``current`` ("" when they say the same)."""
+    try:
+        old = parse(committed, fmt)
+    except ValueError as exc:
+        return f"{path} is not {fmt.upper()}: {exc}\n"
+    new = parse(current, fmt)
+    if old == new:
+        return ""
+    lines = list(
+        difflib.unified_diff(
+            render(old, fmt).splitlines(keepends=True),
+            render(new, fmt).splitlines(keepends=True),
+            fromfile=f"{path} (committed)",
+            tofile=f"{path} (from the code)",
+            n=2,
+        )
+    )
+    if len(lines) > limit:
+        lines = [*lines[:limit], f"... {len(lines) - limit} more diff lines\n"]
+    return "".join(lines)
