@@ -77,7 +77,8 @@ RABBITMQ4_SERIAL_TESTS ?= \
 	tests/faults/test_pipeline_under_faults.py::test_publishers_blocked_by_a_memory_alarm_then_released \
 	tests/integration/ops/test_relay_broker_faults.py::test_relay_healthz_fails_while_the_broker_is_stopped \
 	tests/integration/ops/test_relay_broker_faults.py::test_blocked_relay_claims_nothing_and_resumes_by_itself \
-	tests/integration/ops/test_consume_ops.py::test_consumer_healthz_fails_while_the_broker_is_stopped
+	tests/integration/ops/test_consume_ops.py::test_consumer_healthz_fails_while_the_broker_is_stopped \
+	tests/e2e/test_ordering.py::test_keys_keep_publish_order_across_a_restart_of_the_node
 
 .PHONY: help venv .venv services test matrix demo docs lint format bench dist clean
 

@@ -72,6 +72,7 @@ SERIAL = {
         "tests/integration/ops/test_consume_ops.py::test_consumer_healthz_fails_while_the_broker_is_stopped",
         "tests/integration/ops/test_relay_broker_faults.py",
         "tests/integration/publishing/test_relay_faults.py::test_relay_reconnects_by_itself_after_a_broker_restart",
+        "tests/e2e/test_ordering.py::test_keys_keep_publish_order_across_a_restart_",
     ),
     "stops_storage": (
         "tests/faults/test_pipeline_under_faults.py::test_postgresql_restarted_mid_run",

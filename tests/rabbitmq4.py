@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,21 @@ class Node:
         """Build (first time on this machine) and start the node; return its version line."""
         return _start(self)
 
+    def restart(self, timeout: float = 120) -> None:
+        """Stop the node's Erlang VM (not only its app), wait until it is down, start it again:
+        everything it knows comes back from its disk."""
+        subprocess.run([*self.script, "stop"], capture_output=True, timeout=timeout, check=True)
+        deadline = time.monotonic() + timeout
+        while _answers(self):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the RabbitMQ {self.release} node did not stop")
+            time.sleep(0.5)
+        done = subprocess.run(
+            [*self.script, "start"], capture_output=True, text=True, timeout=timeout, check=False
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"the RabbitMQ {self.release} node did not start again: {done}")
+
     def ctl(self, *args: str, timeout: float = 60) -> str:
         """``rabbitmqctl -q ARGS`` against the node; raises on failure."""
         done = subprocess.run(
@@ -55,6 +71,13 @@ class Node:
         if done.returncode != 0:
             raise RuntimeError(f"rabbitmqctl {' '.join(args)} failed: {done.stderr or done.stdout}")
         return done.stdout
+
+
+def _answers(node: Node) -> bool:
+    done = subprocess.run(
+        [*node.script, "ctl", "-q", "status"], capture_output=True, timeout=60, check=False
+    )
+    return done.returncode == 0
 
 
 @functools.cache

@@ -19,7 +19,9 @@ from reliable_messaging import publish
 from reliable_messaging.choices import DeadLetterReason, DeadLetterStatus
 from reliable_messaging.dead_letters.replay import replay_batch
 from reliable_messaging.models import DeadLetter
+from tests import support
 from tests.conftest import subprocess_env
+from tests.rabbitmq4 import NODES
 from tests.support import ConsumeProcess, RelayProcess, all_queue_counts, wait_until
 from tests.testapp.models import Effect
 
@@ -33,12 +35,15 @@ def env_for(ns: str, **extra: str) -> dict[str, str]:
 
 
 def publish_keys(
-    keys: list[str], per_key: int, special: dict[tuple[str, int], dict[str, Any]]
+    keys: list[str],
+    per_key: int,
+    special: dict[tuple[str, int], dict[str, Any]],
+    first: int = 0,
 ) -> dict[str, list[str]]:
-    """Publish ``per_key`` messages for each key, interleaved across keys, one transaction per
-    round; returns {key: [message ids in publish order]}."""
+    """Publish ``per_key`` messages for each key (``seq`` from ``first`` on), interleaved
+    across keys, one transaction per round; returns {key: [message ids in publish order]}."""
     ids: dict[str, list[str]] = collections.defaultdict(list)
-    for seq in range(per_key):
+    for seq in range(first, first + per_key):
         with transaction.atomic():
             for key in keys:
                 payload = {"key": key, "seq": seq, **special.get((key, seq), {})}
@@ -98,6 +103,49 @@ def test_keys_keep_publish_order_across_processes_and_a_kill(
         for proc in (first, second, third, relay):
             if proc is not None:
                 proc.close()
+
+
+@pytest.mark.skipif(
+    support.BROKER.name not in NODES,
+    reason="restarts the node under test: only a RabbitMQ 4 node of scripts/rabbitmq4.sh (on "
+    "3.10 the cluster's rolling restart covers it)",
+)
+def test_keys_keep_publish_order_across_a_restart_of_the_node(
+    ns: str, rm_settings: Any, tmp_path: Path
+) -> None:
+    """The whole node restarted (on 4.x its metadata store, Khepri on 4.3, holds the
+    consistent-hash exchange and its bindings) while keyed messages are handled, and more are
+    published meanwhile: every key's messages take effect once each, in publish order, and those
+    published during the outage are routed to their partitions when the node is back."""
+    env = env_for(ns)
+    args = ["--queue", f"{ns}.gamma", "--concurrency", "2"]
+    first = ConsumeProcess(args, env, tmp_path / "consume-1.log").wait_consuming()
+    second = ConsumeProcess(args, env, tmp_path / "consume-2.log").wait_consuming()
+    relay = RelayProcess([], env, tmp_path / "relay.log")
+    keys = [f"k{n}" for n in range(8)]
+    try:
+        slow = {(key, seq): {"sleep": {"gamma": 0.01}} for key in keys for seq in range(30)}
+        ids = publish_keys(keys, 30, slow)
+        wait_until(lambda: Effect.objects.filter(consumer="gamma").count() >= 60, timeout=60)
+        node = NODES[support.BROKER.name]
+        node.restart()
+        more = publish_keys(keys, 10, {}, first=30)  # the relay may still be reconnecting
+        wait_until(
+            lambda: (
+                Effect.objects.filter(consumer="gamma").count() >= 320 and gamma_backlog(ns) == 0
+            ),
+            timeout=150,
+            message="all 320 messages handled after the restart",
+        )
+        seqs = order_of_effects()
+        for key in keys:
+            assert seqs[key] == list(range(40)), f"key {key} out of order: {seqs[key]}"
+            for message_id in ids[key] + more[key]:
+                assert Effect.objects.filter(consumer="gamma", message_id=message_id).count() == 1
+        assert relay.log().count("relay: publishing the outbox") >= 2, relay.log()  # reconnected
+    finally:
+        for proc in (first, second, relay):
+            proc.close()
 
 
 def test_a_failing_message_is_never_overtaken_by_its_key(
