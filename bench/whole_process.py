@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -117,9 +118,12 @@ def time_process(
     *,
     poll: float,
     timeout: float = 900,
+    mark_window: bool = False,
 ) -> Run:
     """Start ``command``; time it from the first to the ``total``-th message ``progress`` sees,
-    with its CPU and its backends' in between; then stop it (SIGTERM)."""
+    with its CPU and its backends' in between; then stop it (SIGTERM). With ``mark_window``
+    the process is sent SIGUSR1 at the first message and SIGUSR2 at the last (see
+    bench/cpu_budget.py)."""
     import psycopg
 
     application_name = f"rmwp{uuid.uuid4().hex[:8]}"
@@ -141,9 +145,14 @@ def time_process(
             if first is None and done > 0:
                 start = time.perf_counter()
                 first = (done, CpuSample(cursor, proc.pid, application_name))
+                if mark_window:
+                    proc.send_signal(signal.SIGUSR1)
             if done >= total:
                 end = time.perf_counter()
                 last = CpuSample(cursor, proc.pid, application_name)
+                if mark_window:
+                    proc.send_signal(signal.SIGUSR2)
+                    time.sleep(0.5)  # its snapshot is taken before SIGTERM
                 break
             if proc.poll() is not None:
                 raise RuntimeError(f"{label}: exited {proc.returncode}: {proc.stderr.read()}")
@@ -213,7 +222,15 @@ def relay_run(
     declare_sink(exchange, queue)
     command = [*(wrapper or [sys.executable]), str(ROOT / "manage.py"), "relay"]
     env = process_env(namespace)
-    return time_process("manage.py relay", command, env, queue_depth(queue), n, poll=0.01)
+    return time_process(
+        "manage.py relay",
+        command,
+        env,
+        queue_depth(queue),
+        n,
+        poll=0.01,
+        mark_window=wrapper is not None,
+    )
 
 
 def raw_publish_run(namespace: str, exchange: str, queue: str, n: int) -> Run:
@@ -289,7 +306,15 @@ def consume_run(
         queue,
     ]
     env = process_env(namespace)
-    return time_process("manage.py consume", command, env, effects_of("alpha"), n, poll=0.02)
+    return time_process(
+        "manage.py consume",
+        command,
+        env,
+        effects_of("alpha"),
+        n,
+        poll=0.02,
+        mark_window=wrapper is not None,
+    )
 
 
 def raw_consume_run(namespace: str, exchange: str, queue: str, n: int) -> Run:
