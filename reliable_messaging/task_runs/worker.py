@@ -1,23 +1,40 @@
 """Running tasks in the consumer: the handler of the task queues' consumers, and what the
 consumer's stage of tasks (:mod:`reliable_messaging.consuming.task_runs`) writes and signals
-around each attempt."""
+around each attempt.
+
+A batch's attempts (:class:`Attempts`) cost about what a handler's deliveries do: the rows are
+marked RUNNING and read in one statement before the batch's transaction, the handler takes its
+row from there instead of reading it again, and the SUCCESSFUL rows are written in one
+statement at the end of the batch's transaction (``docs/tasks.md#what-it-costs``).
+"""
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import socket
+import threading
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from django.db import DatabaseError, router
 from django.utils import timezone
 
+from ..choices import TaskRunStatus
 from ..core.envelope import Message
 from ..core.registry import ConsumerSpec
 from ..exceptions import DatabaseUnavailable, PermanentError
 from ..models import TaskRun
-from .framework import TaskContext, TaskResultStatus, task_backends, task_finished, task_started
+from .framework import (
+    Task,
+    TaskContext,
+    TaskResultStatus,
+    task_backends,
+    task_finished,
+    task_started,
+)
 from .naming import TaskQueues, task_id_of
 from .results import NotJSON, error_of, json_value, result_of, task_of
 
@@ -45,17 +62,78 @@ def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"[:64]
 
 
+@dataclass(eq=False)
+class Attempts:
+    """The attempts of one batch on this worker thread, between the stage's ``open`` and
+    ``close``: the rows marked RUNNING (``runs``), the values the tasks returned in the current
+    transaction (``returned``), and those whose delivery was decided processed, to be written
+    SUCCESSFUL before the transaction commits (``succeeded``)."""
+
+    using: str
+    runs: dict[str, TaskRun]
+    returned: dict[str, Any] = field(default_factory=dict)
+    succeeded: dict[str, Any] = field(default_factory=dict)
+    # The rows as the SUCCESSFUL written in the current transaction left them (for the signal).
+    written: dict[str, TaskRun] = field(default_factory=dict)
+    _tasks: dict[tuple[Any, ...], Task] = field(default_factory=dict)
+
+    def task_of(self, run: TaskRun) -> Task:
+        """The task ``run`` runs (found once per batch for each task and queue)."""
+        key = (run.task_path, run.queue_name, run.backend, run.run_after)
+        if key not in self._tasks:
+            self._tasks[key] = task_of(run)
+        return self._tasks[key]
+
+    def processed(self, task_id: str) -> None:
+        """The delivery of ``task_id`` was decided processed: its return value is to be written."""
+        if task_id in self.returned:
+            self.succeeded[task_id] = self.returned.pop(task_id)
+
+    def write_successes(self) -> None:
+        """SUCCESSFUL and the return values of the tasks processed so far, in one statement of
+        the caller's transaction."""
+        # Taken before the UPDATE: a failed one fails the transaction, and with it these.
+        succeeded, self.succeeded = self.succeeded, {}
+        if not succeeded:
+            return
+        at = timezone.now()
+        TaskRun.objects.using(self.using).succeed_all(succeeded, at)
+        for task_id, value in succeeded.items():
+            run = copy.copy(self.runs[task_id])
+            run.status, run.return_value, run.finished_at = TaskRunStatus.SUCCESSFUL, value, at
+            self.written[task_id] = run
+
+    def forget(self) -> None:
+        """The transaction was rolled back (its batch is decided again): nothing it ran holds."""
+        self.returned.clear()
+        self.succeeded.clear()
+        self.written.clear()
+
+
+# The Attempts of the batch this worker thread decides (a batch runs on one thread, from the
+# stage's open to its close), for run_task to find its row in.
+_current = threading.local()
+
+
+def current_attempts() -> Attempts | None:
+    return getattr(_current, "attempts", None)
+
+
 def run_task(message: Message) -> None:
     """The handler of every task queue: run the task, in the delivery's transaction with its
-    inbox row, and write SUCCESSFUL and its return value in that transaction."""
+    inbox row, and write SUCCESSFUL and its return value in that transaction (with the batch's
+    others, when the stage of tasks marked it RUNNING)."""
     task_id = task_id_of(message)
     if task_id is None:
         raise PermanentError(f"message_id={message.message_id} names no task_id")
-    using = router.db_for_write(TaskRun)
-    run = TaskRun.objects.using(using).filter(pk=task_id).first()
-    if run is None:
-        raise TaskRunMissing(task_id)
-    task = task_of(run)
+    attempts = current_attempts()
+    run = None if attempts is None else attempts.runs.get(task_id)
+    using = router.db_for_write(TaskRun) if attempts is None else attempts.using
+    if run is None:  # not started by the stage (a duplicate it skipped, a row gone): read it
+        run = TaskRun.objects.using(using).filter(pk=task_id).first()
+        if run is None:
+            raise TaskRunMissing(task_id)
+    task = task_of(run) if attempts is None else attempts.task_of(run)
     if task.takes_context:
         value = task.call(TaskContext(task_result=result_of(run, task)), *run.args, **run.kwargs)
     else:
@@ -64,7 +142,10 @@ def run_task(message: Message) -> None:
         stored = json_value(value)
     except NotJSON as exc:
         raise ReturnValueNotJSON(str(exc)) from exc
-    TaskRun.objects.using(using).succeed(task_id, stored, timezone.now())
+    if attempts is not None and task_id in attempts.runs:
+        attempts.returned[task_id] = stored  # written once its delivery is decided processed
+    else:
+        TaskRun.objects.using(using).succeed_all({task_id: stored}, timezone.now())
 
 
 def consumer_specs(queues: TaskQueues) -> list[ConsumerSpec]:
@@ -82,14 +163,38 @@ def consumer_specs(queues: TaskQueues) -> list[ConsumerSpec]:
     ]
 
 
-def start_attempts(using: str, task_ids: Iterable[str]) -> None:
+def start_attempts(using: str, task_ids: Iterable[str]) -> Attempts:
     """Before the attempts' transaction: RUNNING, committed (so visible while the tasks run),
-    then ``task_started``. A database that cannot take the write holds the deliveries."""
+    then ``task_started``; the batch's :class:`Attempts`, current on this thread until
+    :func:`end_attempts`. A database that cannot take the write holds the deliveries."""
     try:
         runs = TaskRun.objects.using(using).start_attempts(task_ids, worker_id(), timezone.now())
     except DatabaseError as exc:
         raise DatabaseUnavailable(f"could not mark tasks RUNNING: {exc}") from exc
-    _signal(task_started, runs)
+    attempts = Attempts(using, {run.pk: run for run in runs})
+    _signal(task_started, runs, attempts)
+    _current.attempts = attempts
+    return attempts
+
+
+def end_attempts(attempts: Attempts, processed: Iterable[str]) -> None:
+    """After the batch: no batch is current on this thread any more. A task of ``processed``
+    (decided so, committed) whose SUCCESSFUL was not written in its transaction (none should
+    be) is written now rather than left RUNNING."""
+    if getattr(_current, "attempts", None) is attempts:
+        del _current.attempts
+    left = {
+        task_id: attempts.succeeded[task_id]
+        for task_id in processed
+        if task_id in attempts.succeeded
+    }
+    if left:
+        logger.error(
+            "tasks %s: their SUCCESSFUL was not written in their transaction; writing it now",
+            ", ".join(left),
+        )
+        attempts.succeeded = left
+        attempts.write_successes()
 
 
 def record_retry(using: str, task_id: str, error: BaseException | None) -> None:
@@ -105,22 +210,32 @@ def take_back_attempt(using: str, task_id: str) -> None:
     TaskRun.objects.using(using).take_back_attempt(task_id, worker_id())
 
 
-def send_finished(using: str, task_ids: Iterable[str]) -> None:
-    """After the commit: ``task_finished`` for the tasks of ``task_ids`` that finished."""
+def send_finished(attempts: Attempts, task_ids: Iterable[str]) -> None:
+    """After the commit: ``task_finished`` for the tasks of ``task_ids`` that finished (their
+    rows as the batch wrote them, or read back: a FAILED one's is written with its dead
+    letter)."""
     if not task_finished.receivers:
         return  # nobody listens: no need to read the rows back
-    finished = (TaskResultStatus.SUCCESSFUL, TaskResultStatus.FAILED)
-    runs = TaskRun.objects.using(using).filter(pk__in=list(task_ids), status__in=finished)
-    _signal(task_finished, list(runs))
+    runs, unknown = [], []
+    for task_id in task_ids:
+        if task_id in attempts.written:
+            runs.append(attempts.written[task_id])
+        else:
+            unknown.append(task_id)
+    if unknown:
+        finished = (TaskResultStatus.SUCCESSFUL, TaskResultStatus.FAILED)
+        rows = TaskRun.objects.using(attempts.using).filter(pk__in=unknown, status__in=finished)
+        runs.extend(rows)
+    _signal(task_finished, runs, attempts)
 
 
-def _signal(signal: Any, runs: Iterable[TaskRun]) -> None:
+def _signal(signal: Any, runs: Iterable[TaskRun], attempts: Attempts) -> None:
     """Send ``signal`` for each run; a receiver's failure is logged, never a delivery's."""
     if not signal.receivers:
         return  # nobody listens: no result to build
     for run in runs:
         try:
-            result = result_of(run)
+            result = result_of(run, attempts.task_of(run))
             replies = signal.send_robust(type(task_backends[run.backend]), task_result=result)
         except Exception:
             logger.exception("task %s: could not signal its state %s", run.id, run.status)
