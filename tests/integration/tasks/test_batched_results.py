@@ -88,9 +88,9 @@ def test_a_batch_decided_again_after_a_failure_keeps_each_tasks_own_outcome(
     for n, result in enumerate(before):
         assert rows[result.id].status == TaskRunStatus.SUCCESSFUL
         assert rows[result.id].return_value == n + 10
-    for name, result in zip(("ann", "bob"), after, strict=True):
-        assert rows[result.id].status == TaskRunStatus.SUCCESSFUL
-        assert rows[result.id].return_value == {"greeting": f"hello {name}"}
+    for name, greeted in zip(("ann", "bob"), after, strict=True):
+        assert rows[greeted.id].status == TaskRunStatus.SUCCESSFUL
+        assert rows[greeted.id].return_value == {"greeting": f"hello {name}"}
     assert rows[flaky.id].status == TaskRunStatus.READY
     assert rows[flaky.id].return_value is None
     assert [e["exception_class_path"] for e in rows[flaky.id].errors] == [
