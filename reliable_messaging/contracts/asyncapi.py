@@ -350,7 +350,8 @@ class _Document:
             "same name), then returns to its consumer's queue through the default exchange.",
             "bindings": self._queue_binding(name),
             "x-queue-arguments": delay_queue_arguments(delay),
-            "x-bound-to": [{"exchange": name, "exchangeType": "fanout"}],
+            # A fanout exchange ignores the key; consume binds with the queue's name.
+            "x-bound-to": [{"exchange": name, "exchangeType": "fanout", "routingKey": name}],
         }
 
     def consumed(self, spec: ConsumerSpec, published: Mapping[str, Contract]) -> None:

@@ -23,7 +23,9 @@ import jsonschema
 import pydantic
 import pytest
 from django.core.management import CommandError, call_command
+from django.test import override_settings
 
+from reliable_messaging.broker.topology import declare_topology
 from reliable_messaging.contracts import published_registry, publishes
 from reliable_messaging.contracts.asyncapi import (
     HEADER_SCHEMAS,
@@ -32,7 +34,8 @@ from reliable_messaging.contracts.asyncapi import (
     render,
 )
 from reliable_messaging.core import envelope
-from reliable_messaging.core.registry import ConsumerRegistry, consumer, registry
+from reliable_messaging.core.registry import ConsumerRegistry, ConsumerSpec, consumer, registry
+from tests.support import broker_connection, rabbitmqctl
 
 ROOT = Path(__file__).resolve().parents[3]
 SCHEMA = Path(__file__).parent / "asyncapi_schema" / "asyncapi-3.0.0-without-id.json"
@@ -246,6 +249,113 @@ def test_ordered_quorum_and_retry_properties_are_bindings_and_extensions(
     ]
     assert operations["billing"]["x-retry-delays"] == [1.0, 10.0]
     assert operations["billing"]["x-max-attempts"] == 4
+
+
+Topology = tuple[dict[str, Any], dict[str, Any], set[tuple[str, str, str]]]
+
+
+def broker_topology(fragment: str) -> Topology:
+    """The queues (arguments and flags) and exchanges (type and arguments) of the broker whose
+    names hold ``fragment``, and the bindings (source, destination, key) into them."""
+
+    def rows(kind: str, *columns: str) -> list[dict[str, Any]]:
+        out = rabbitmqctl(f"list_{kind}", "-p", "/", *columns, "--formatter", "json")
+        return list(json.loads(out or "[]"))
+
+    def table(arguments: Any) -> dict[str, Any]:  # [[key, type, value], ...]
+        return {item[0]: item[-1] for item in arguments or []}
+
+    queues = {
+        row["name"]: {
+            "arguments": table(row["arguments"]),
+            "durable": row["durable"],
+            "autoDelete": row["auto_delete"],
+        }
+        for row in rows("queues", "name", "arguments", "durable", "auto_delete")
+        if fragment in row["name"]
+    }
+    exchanges = {
+        row["name"]: {"type": row["type"], "arguments": table(row["arguments"])}
+        for row in rows("exchanges", "name", "type", "arguments")
+        if fragment in row["name"]
+    }
+    bindings = {
+        (row["source_name"], row["destination_name"], row["routing_key"])
+        for row in rows("bindings", "source_name", "destination_name", "routing_key")
+        if row["source_name"] and fragment in row["destination_name"]
+    }
+    return queues, exchanges, bindings
+
+
+def described_topology(document: dict[str, Any]) -> Topology:
+    """What the document says the broker has, in :func:`broker_topology`'s terms."""
+    queues: dict[str, Any] = {}
+    exchanges: dict[str, Any] = {}
+    bindings: set[tuple[str, str, str]] = set()
+    for channel in document["channels"].values():
+        if "x-queue-arguments" not in channel:
+            continue  # a published routing key: not a queue
+        queue = channel["bindings"]["amqp"]["queue"]
+        ordering = channel.get("x-ordered")
+        for name in ordering["partitions"] if ordering else [queue["name"]]:
+            queues[name] = {
+                "arguments": channel["x-queue-arguments"],
+                "durable": queue["durable"],
+                "autoDelete": queue["autoDelete"],
+            }
+            for binding in channel["x-bound-to"]:
+                bindings.add((binding["exchange"], name, binding.get("routingKey", "")))
+                if "exchangeType" in binding:  # a delay queue's exchange
+                    exchanges[binding["exchange"]] = {
+                        "type": binding["exchangeType"],
+                        "arguments": {},
+                    }
+        if ordering:
+            exchanges[ordering["hashExchange"]] = {
+                "type": ordering["hashExchangeType"],
+                "arguments": {"hash-header": ordering["hashHeader"]},
+            }
+            for binding in ordering["hashExchangeBoundTo"]:
+                bindings.add((binding["exchange"], ordering["hashExchange"], binding["routingKey"]))
+    return queues, exchanges, bindings
+
+
+@pytest.mark.parametrize("queue_type", ["classic", "quorum"])
+@pytest.mark.parametrize("ordered", [False, True], ids=["plain", "ordered"])
+def test_the_document_says_what_consume_declares_on_the_broker(
+    ns: str, rm_settings: dict[str, Any], queue_type: str, ordered: bool
+) -> None:
+    """Every queue, exchange, argument and binding of the document, read back from RabbitMQ
+    after the topology ``consume`` declares, and nothing else of the consumer's: the document
+    describes the broker, not a wish."""
+    spec = ConsumerSpec(
+        name="c",
+        queue=f"rmtest.{ns}.orders",
+        handler=handler,
+        bindings=("o.placed", "p.#"),
+        ordered=ordered,
+        retry_delays=(0.5, 3.0),
+    )
+    with override_settings(RELIABLE_MESSAGING={**rm_settings, "QUEUE_TYPE": queue_type}):
+        connection = broker_connection()
+        try:
+            declare_topology(connection.channel(), [spec])
+        finally:
+            if connection.is_open:
+                connection.close()
+        document = asyncapi_document(title="t", specs=[spec], published={})
+    assert problems(document) == []
+    queues, exchanges, bindings = broker_topology(ns)
+    # Quorum queues' .dead queues (where the broker puts a message past its delivery limit)
+    # are named by the x-dead-letter-routing-key of the queues' arguments, not channels.
+    dead = {f"{spec.queue}.dead", f"{spec.queue}.dead.kept"} if queue_type == "quorum" else set()
+    assert dead <= set(queues)
+    expected_queues, expected_exchanges, expected_bindings = described_topology(document)
+    assert {n: q for n, q in queues.items() if n not in dead} == expected_queues
+    assert {n: x for n, x in exchanges.items() if n != rm_settings["EXCHANGE"]} == (
+        expected_exchanges
+    )
+    assert bindings == expected_bindings
 
 
 def test_every_header_of_ours_is_in_the_document_and_described() -> None:
