@@ -21,11 +21,9 @@ from reliable_messaging.core.registry import registry
 from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
 from reliable_messaging.task_runs.naming import TASK_CONSUMER_PREFIX
 
-from .consumers import BILLING, OFFERS, PAYMENT_REMINDER
+from .consumers import BILLING, OFFERS
+from .contracts import ORDER_PLACED, PAYMENT_CAPTURED, PAYMENT_REMINDER
 from .models import Card, Order, Payment, PaymentReminder, TimelineEvent
-
-ORDER_PLACED = "order.placed"
-PAYMENT_CAPTURED = "payment.captured"
 
 
 @dataclass(frozen=True)

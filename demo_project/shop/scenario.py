@@ -44,7 +44,8 @@ from reliable_messaging.core.registry import registry
 from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage, TaskRun
 
 from .broker import DemoBroker
-from .consumers import OFFER_SENT, PAYMENT_REMINDER, REMINDER_DELAY, reminder_id
+from .consumers import REMINDER_DELAY, reminder_id
+from .contracts import OFFER_SENT, PAYMENT_REMINDER
 from .models import (
     Card,
     Order,
