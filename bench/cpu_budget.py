@@ -290,14 +290,21 @@ class Budget:
     database: dict[str, float]
 
 
-def budget(kind: str, namespace: str, exchange: str, queue: str, n: int) -> Budget:
+def budget(
+    kind: str, namespace: str, exchange: str, queue: str, n: int, root: Path, parts: bool
+) -> Budget:
+    """A plain run of the process from the source tree ``root`` and, with ``parts``, a charged
+    one (without, the plain run stands in for it and the parts are empty)."""
     import whole_process
 
     run = {"relay": whole_process.relay_run, "consume": whole_process.consume_run}[kind]
-    plain = run(namespace, exchange, queue, n)
+    plain = run(namespace, exchange, queue, n, root=root)
+    print(f"  {root}: {plain.line()}", flush=True)
+    if not parts:
+        return Budget(plain, plain, {}, {})
     out = Path(f"/tmp/{namespace}.{kind}.charges.json")
     wrapper = [sys.executable, str(HERE), "--charged", str(out), kind]
-    charged = run(namespace, exchange, queue, n, wrapper)
+    charged = run(namespace, exchange, queue, n, wrapper, root=root)
     charges = json.loads(out.read_text())
     out.unlink()
     python = {
@@ -320,7 +327,7 @@ def show(kind: str, budgets: list[Budget]) -> dict[str, object]:
     print(f"\n{kind}: CPU us per message, median (min to max) of {len(budgets)} rounds")
     print(f"  {'part':50} {'Python':>24} {'PostgreSQL':>24}")
     names = list(budgets[0].python)
-    for name in names:
+    for name in names:  # none without parts
         print(
             f"  {name:50} {spread([b.python[name] for b in budgets]):>24} "
             f"{spread([b.database[name] for b in budgets]):>24}"
@@ -348,6 +355,42 @@ def show(kind: str, budgets: list[Budget]) -> dict[str, object]:
     }
 
 
+def alternate_builds(
+    builds: dict[str, Path], rounds: int, measure: Callable[[Path], Budget]
+) -> dict[str, list[Budget]]:
+    """``rounds`` rounds measuring each build, their order rotating from round to round."""
+    names = list(builds)
+    results: dict[str, list[Budget]] = {name: [] for name in names}
+    for round_ in range(rounds):
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+            results[name].append(measure(builds[name]))
+    return results
+
+
+def show_ratios(kind: str, rounds: dict[str, list[Budget]]) -> dict[str, list[float]]:
+    """Each build's CPU per message (process + PostgreSQL) and rate over the first build's, round
+    by round."""
+    first, *others = rounds
+    ratios: dict[str, list[float]] = {}
+    for name in others:
+        cpu = [
+            round(
+                (b.plain.process_us + b.plain.database_us)
+                / (a.plain.process_us + a.plain.database_us),
+                3,
+            )
+            for a, b in zip(rounds[first], rounds[name], strict=True)
+        ]
+        rate = [
+            round(b.plain.rate / a.plain.rate, 3)
+            for a, b in zip(rounds[first], rounds[name], strict=True)
+        ]
+        ratios[f"{name} / {first} CPU per message"] = cpu
+        ratios[f"{name} / {first} msg/s"] = rate
+        print(f"{kind}: {name} / {first}: CPU per message {cpu}, msg/s {rate}")
+    return ratios
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--charged":
         run_charged(sys.argv[2], sys.argv[3], sys.argv[4:])
@@ -356,7 +399,24 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=20000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--only", choices=("relay", "consume"))
+    parser.add_argument(
+        "--builds",
+        help="compare source trees in the same run, NAME=PATH,NAME=PATH (e.g. a `git archive` "
+        "of the commit before a change, and this checkout): their rounds alternate, each "
+        "round prints its CPU ratios to the first",
+    )
+    parser.add_argument(
+        "--no-parts", action="store_true", help="plain runs only (the totals, for --builds)"
+    )
     args = parser.parse_args()
+    from _common import ROOT
+
+    builds = {"this checkout": ROOT}
+    if args.builds:
+        builds = {
+            name: Path(path)
+            for name, path in (item.split("=", 1) for item in args.builds.split(","))
+        }
 
     import pika
     from _common import BROKER_URL, describe_machine, drop_sink, setup_django
@@ -373,21 +433,25 @@ def main() -> None:
     print(f"machine: {describe_machine()}; {args.messages:,} messages per run")
     result: dict[str, object] = {"machine": describe_machine(), "messages": args.messages}
     try:
-        if args.only in (None, "relay"):
-            budgets = [
-                budget("relay", namespace, exchange, sink, args.messages)
-                for _ in range(args.rounds)
-            ]
-            result["relay"] = show("relay", budgets)
-        if args.only in (None, "consume"):
-            connection = pika.BlockingConnection(pika.URLParameters(BROKER_URL))
-            declare_topology(connection.channel(), [alpha])
-            connection.close()
-            budgets = [
-                budget("consume", namespace, exchange, alpha.queue, args.messages)
-                for _ in range(args.rounds)
-            ]
-            result["consume"] = show("consume", budgets)
+        for kind, queue in (("relay", sink), ("consume", alpha.queue)):
+            if args.only not in (None, kind):
+                continue
+            if kind == "consume":
+                connection = pika.BlockingConnection(pika.URLParameters(BROKER_URL))
+                declare_topology(connection.channel(), [alpha])
+                connection.close()
+            rounds = alternate_builds(
+                builds,
+                args.rounds,
+                lambda root, kind=kind, queue=queue: budget(
+                    kind, namespace, exchange, queue, args.messages, root, not args.no_parts
+                ),
+            )
+            result[kind] = {
+                name: show(f"{kind}, {name}", budgets) for name, budgets in rounds.items()
+            }
+            if len(builds) > 1:
+                result[kind]["ratios"] = show_ratios(kind, rounds)  # type: ignore[index]
     finally:
         drop_sink(None, sink)
         cleanup(namespace)

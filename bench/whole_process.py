@@ -172,13 +172,14 @@ def time_process(
     return Run(label, total - first[0], end - start, process_cpu, database_cpu)
 
 
-def process_env(namespace: str) -> dict[str, str]:
+def process_env(namespace: str, root: Path = ROOT) -> dict[str, str]:
     """The environment of our processes: bench/_process_settings.py (persistent connections, as
-    docs/deploy.md advises), warnings only in the log (no line per message)."""
+    docs/deploy.md advises), warnings only in the log (no line per message); the package and
+    the test settings from the source tree ``root``."""
     return subprocess_env(
         namespace,
         DJANGO_SETTINGS_MODULE="_process_settings",
-        PYTHONPATH=os.pathsep.join([str(HERE.parent), str(ROOT)]),
+        PYTHONPATH=os.pathsep.join([str(HERE.parent), str(root)]),
         RM_LOG_LEVEL="WARNING",
     )
 
@@ -215,13 +216,19 @@ def queue_depth(queue: str) -> Callable[[], int]:
 
 
 def relay_run(
-    namespace: str, exchange: str, queue: str, n: int, wrapper: list[str] | None = None
+    namespace: str,
+    exchange: str,
+    queue: str,
+    n: int,
+    wrapper: list[str] | None = None,
+    root: Path = ROOT,
 ) -> Run:
-    """``manage.py relay`` (long-running, one lane, the default batch size) over ``n`` rows."""
+    """``manage.py relay`` (long-running, one lane, the default batch size) over ``n`` rows,
+    run from the source tree ``root``."""
     fill_outbox(n, exchange)
     declare_sink(exchange, queue)
-    command = [*(wrapper or [sys.executable]), str(ROOT / "manage.py"), "relay"]
-    env = process_env(namespace)
+    command = [*(wrapper or [sys.executable]), str(root / "manage.py"), "relay"]
+    env = process_env(namespace, root)
     return time_process(
         "manage.py relay",
         command,
@@ -294,18 +301,24 @@ def prepare_consume(exchange: str, n: int, kind: str) -> None:
 
 
 def consume_run(
-    namespace: str, exchange: str, queue: str, n: int, wrapper: list[str] | None = None
+    namespace: str,
+    exchange: str,
+    queue: str,
+    n: int,
+    wrapper: list[str] | None = None,
+    root: Path = ROOT,
 ) -> Run:
-    """``manage.py consume --queue <alpha>`` (the defaults: concurrency 1, batches on)."""
+    """``manage.py consume --queue <alpha>`` (the defaults: concurrency 1, batches on), run
+    from the source tree ``root``."""
     prepare_consume(exchange, n, "app")
     command = [
         *(wrapper or [sys.executable]),
-        str(ROOT / "manage.py"),
+        str(root / "manage.py"),
         "consume",
         "--queue",
         queue,
     ]
-    env = process_env(namespace)
+    env = process_env(namespace, root)
     return time_process(
         "manage.py consume",
         command,
