@@ -84,7 +84,7 @@ def publish(
         raise ValueError("routing_key must be a non-empty string")
     if using is None:
         using = router.db_for_write(OutboxMessage)
-    encoded = encode_payload(_declared_form(routing_key, payload))
+    encoded = _encoded(routing_key, payload)
     # Refused here, where the caller can still do something, not dead-lettered after the commit.
     refusal = body_size_refusal(len(encoded))
     if refusal is not None:
@@ -134,13 +134,13 @@ def publish(
     return written
 
 
-def _declared_form(routing_key: str, payload: Any) -> Any:
-    """The step of declared payloads: ``payload`` as its routing key's declared type writes it,
-    after checking it (raises ``PayloadInvalid``); as it is when the key has none."""
+def _encoded(routing_key: str, payload: Any) -> bytes:
+    """The body. With the step of declared payloads: ``payload`` checked against its routing
+    key's declared type (raises ``PayloadInvalid``), and written as that type writes it."""
     contract = contract_for(routing_key)
     if contract is None:
-        return payload
-    return contract.to_json(contract.validate(payload))
+        return encode_payload(payload)
+    return contract.encode(contract.validate(payload))
 
 
 def cancel_scheduled(message_id: str, *, using: str | None = None) -> bool:
