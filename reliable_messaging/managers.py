@@ -800,15 +800,22 @@ class TaskRunQuerySet(models.QuerySet):
         another holds (a twin's attempt writing its outcome) in a transaction of its own, which
         waits for it without holding the others' rows."""
         wanted = list(dict.fromkeys(ids))
-        with transaction.atomic(using=self.db):
-            free = list(
-                self.select_for_update(skip_locked=True).filter(pk__in=wanted).order_by("pk")
-            )
-            started = [run for run in free if run.status != TaskRunStatus.SUCCESSFUL]
-            self._start_locked([run.pk for run in started], worker_id, at)
-        for run in started:
-            _started(run, worker_id, at)  # as the UPDATE left it
-        taken = {run.pk for run in free}
+        if connections[self.db].vendor == "postgresql":
+            with transaction.atomic(using=self.db):
+                started = self._start_free(wanted, worker_id, at)
+            # Not started: held by another transaction, SUCCESSFUL, or gone (each looked at
+            # alone below: a held one is rare, and so is a duplicate of a finished task).
+            taken = {run.pk for run in started}
+        else:
+            with transaction.atomic(using=self.db):
+                free = list(
+                    self.select_for_update(skip_locked=True).filter(pk__in=wanted).order_by("pk")
+                )
+                started = [run for run in free if run.status != TaskRunStatus.SUCCESSFUL]
+                self._start_locked([run.pk for run in started], worker_id, at)
+            for run in started:
+                _started(run, worker_id, at)  # as the UPDATE left it
+            taken = {run.pk for run in free}
         for task_id in wanted:
             if task_id in taken:
                 continue
@@ -819,6 +826,27 @@ class TaskRunQuerySet(models.QuerySet):
                 _started(run, worker_id, at).save(using=self.db, update_fields=_STARTED_FIELDS)
             started.append(run)
         return started
+
+    def _start_free(self, wanted: list[str], worker_id: str, at: dt.datetime) -> list[Any]:
+        """PostgreSQL: the rows of ``wanted`` that no other transaction holds and that are not
+        SUCCESSFUL, RUNNING for one more attempt, read back by the same statement."""
+        table = connections[self.db].ops.quote_name(self.model._meta.db_table)
+        sql = (
+            f"UPDATE {table} SET status = %s, started_at = COALESCE(started_at, %s), "  # noqa: S608
+            f"last_attempted_at = %s, finished_at = NULL, attempts = attempts + 1, "
+            f"worker_ids = worker_ids || %s::jsonb WHERE id IN (SELECT id FROM {table} "
+            f"WHERE id = ANY(%s) AND status <> %s ORDER BY id FOR UPDATE SKIP LOCKED) "
+            f"RETURNING *"
+        )
+        params = [
+            TaskRunStatus.RUNNING,
+            at,
+            at,
+            json.dumps([worker_id]),
+            wanted,
+            TaskRunStatus.SUCCESSFUL,
+        ]
+        return list(self.raw(sql, params))
 
     def _start_locked(self, pks: list[str], worker_id: str, at: dt.datetime) -> None:
         """One UPDATE of the rows ``pks`` the caller locked, as :func:`_started` changes a row

@@ -11,6 +11,7 @@ statement at the end of the batch's transaction (``docs/tasks.md#what-it-costs``
 from __future__ import annotations
 
 import copy
+import datetime as dt
 import logging
 import os
 import socket
@@ -73,8 +74,9 @@ class Attempts:
     runs: dict[str, TaskRun]
     returned: dict[str, Any] = field(default_factory=dict)
     succeeded: dict[str, Any] = field(default_factory=dict)
-    # The rows as the SUCCESSFUL written in the current transaction left them (for the signal).
-    written: dict[str, TaskRun] = field(default_factory=dict)
+    # The return value and finish time of each SUCCESSFUL written in the current transaction
+    # (for the signal).
+    written: dict[str, tuple[Any, dt.datetime]] = field(default_factory=dict)
     _tasks: dict[tuple[Any, ...], Task] = field(default_factory=dict)
 
     def task_of(self, run: TaskRun) -> Task:
@@ -99,9 +101,14 @@ class Attempts:
         at = timezone.now()
         TaskRun.objects.using(self.using).succeed_all(succeeded, at)
         for task_id, value in succeeded.items():
-            run = copy.copy(self.runs[task_id])
-            run.status, run.return_value, run.finished_at = TaskRunStatus.SUCCESSFUL, value, at
-            self.written[task_id] = run
+            self.written[task_id] = (value, at)
+
+    def written_row(self, task_id: str) -> TaskRun:
+        """The row of ``task_id`` as the SUCCESSFUL written for it left it."""
+        run = copy.copy(self.runs[task_id])
+        run.status = TaskRunStatus.SUCCESSFUL
+        run.return_value, run.finished_at = self.written[task_id]
+        return run
 
     def forget(self) -> None:
         """The transaction was rolled back (its batch is decided again): nothing it ran holds."""
@@ -219,7 +226,7 @@ def send_finished(attempts: Attempts, task_ids: Iterable[str]) -> None:
     runs, unknown = [], []
     for task_id in task_ids:
         if task_id in attempts.written:
-            runs.append(attempts.written[task_id])
+            runs.append(attempts.written_row(task_id))
         else:
             unknown.append(task_id)
     if unknown:
