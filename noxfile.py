@@ -8,8 +8,8 @@ pair, and once on the lowest versions ``setup.cfg`` admits, against the real ser
 
 ``make test`` runs the whole suite on the default pair (requirements.txt); these sessions run
 what depends on the versions: unit tests, the admin (in a browser too), publish and the relay,
-the consumer end to end, replay, the Celery integration, the django.tasks backend, status and
-health, and the migrations. Each session has a virtualenv of its own under ``.nox/``; the
+the consumer end to end, replay, the Celery integration, the django.tasks backend, declared
+payloads (pydantic), status and health, and the migrations. Each session has a virtualenv of its own under ``.nox/``; the
 services are the ones ``make services`` starts. The Python versions come from this machine's
 pyenv (``~/.pyenv/versions``) when they are not on PATH.
 """
@@ -48,6 +48,8 @@ LOWEST = (
     "opentelemetry-sdk==1.20.0",
     # The django.tasks backport, the framework on Django 5.2 (the "tasks" extra's floor).
     "django-tasks==0.12.0",
+    # The contracts extra's floor (declared payloads as pydantic models).
+    "pydantic==2.0",
 )
 
 # The version-sensitive slice (see the docstring).
@@ -73,13 +75,16 @@ SLICE = (
     "tests/integration/ops/test_messaging_status.py",
     "tests/integration/ops/test_verdicts.py",
     "tests/integration/ops/test_views.py",
+    # Declared payloads: pydantic's errors and serializer, and Django's admin and replay pages.
+    "tests/integration/contracts/test_declared_payloads.py",
+    "tests/integration/contracts/test_versions.py",
 )
 
 # What the slice needs beside the package's own requirements: requirements.txt less the pins
 # a session sets itself and the tools it does not run (linters, type stubs, packaging).
 NOT_IN_SESSIONS = re.compile(
     r"^(django|pika|prometheus-client|psycopg|celery|django-redis|django-health-check|"
-    r"opentelemetry-.*|ruff|mypy|django-stubs|types-.*|build|nox|asyncapi3)\b",
+    r"opentelemetry-.*|pydantic|ruff|mypy|django-stubs|types-.*|build|nox|asyncapi3)\b",
     re.IGNORECASE,
 )
 
@@ -144,7 +149,7 @@ def matrix(session: nox.Session, django: str) -> None:
     session.install(*_test_requirements(), f"Django~={django}.0")
     # The package itself with the newest versions its requirements admit (its extras too).
     # Django 6.0 and later have the task framework; 5.2 takes the backport (the "tasks" extra).
-    extras = "postgres,celery,redis,health,otel" + (",tasks" if django == "5.2" else "")
+    extras = "postgres,celery,redis,health,otel,contracts" + (",tasks" if django == "5.2" else "")
     session.install("-e", f".[{extras}]", "opentelemetry-sdk")
     _run_slice(session)
 

@@ -39,7 +39,8 @@ class Pipeline:
     hook       when                                         may change
     ========== ============================================ ==================================
     open       before the batch's transaction               settle a job (``batch.decided``)
-    screen     in the transaction, before the inbox claim   decide the job: return an outcome
+    screen     in the transaction, before the inbox claim   decide the job: return an outcome;
+                                                            or set ``job.for_handler``
     handling   around the handler, in its savepoint         nothing (a context around it)
     decided    in the transaction, after the decision       write in the transaction
     close      after the commit (``error`` None) or not     nothing (report, remember)

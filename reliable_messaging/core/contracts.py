@@ -105,10 +105,9 @@ class PydanticContract(Contract):
             raise PayloadInvalid(
                 self.name,
                 [
+                    # Only the location and the message: each error's "input" holds the value.
                     {"path": field_path(error["loc"]), "message": error["msg"]}
-                    for error in exc.errors(
-                        include_url=False, include_input=False, include_context=False
-                    )
+                    for error in exc.errors()
                 ],
             ) from None  # the cause's text would show the values
 
