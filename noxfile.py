@@ -9,9 +9,9 @@ pair, and once on the lowest versions ``setup.cfg`` admits, against the real ser
 ``make test`` runs the whole suite on the default pair (requirements.txt); these sessions run
 what depends on the versions: unit tests, the admin (in a browser too), publish and the relay,
 the consumer end to end, replay, the Celery integration, the django.tasks backend, declared
-payloads (pydantic), status and health, and the migrations. Each session has a virtualenv of its own under ``.nox/``; the
-services are the ones ``make services`` starts. The Python versions come from this machine's
-pyenv (``~/.pyenv/versions``) when they are not on PATH.
+payloads (pydantic), status and health, and the migrations. Each session has a virtualenv of
+its own under ``.nox/``; the services are the ones ``make services`` starts. The Python
+versions come from this machine's pyenv (``~/.pyenv/versions``) when they are not on PATH.
 """
 
 from __future__ import annotations
