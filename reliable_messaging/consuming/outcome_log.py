@@ -20,7 +20,26 @@ class OutcomeLog(Stage):
                 log_outcome(job, done)
 
 
+def _level_of(done: DeliveryOutcome) -> int | None:
+    """The level of the line ``done`` is logged with (None: no line)."""
+    outcome = done.outcome
+    if done.label in _INFO_LABELS:
+        return logging.INFO
+    if isinstance(outcome, Acknowledge):  # a dead letter, or parked
+        return logging.ERROR
+    if isinstance(outcome, ScheduleRetry | RetryInPlace):
+        return logging.INFO if outcome.deferred else logging.WARNING
+    return None
+
+
+_INFO_LABELS = frozenset({OutcomeLabel.PROCESSED, OutcomeLabel.DUPLICATE, OutcomeLabel.EXPIRED})
+
+
 def log_outcome(job: Job, done: DeliveryOutcome) -> None:
+    level = _level_of(done)
+    # Nothing is formatted for a line the log would drop (INFO ones, in most deployments).
+    if level is None or not logger.isEnabledFor(level):
+        return
     message = job.message
     attempt = 1 if isinstance(message, DecodeError) else message.attempt
     head = f"message_id={message.message_id or '-'} consumer={job.name} attempt={attempt}"
