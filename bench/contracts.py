@@ -16,7 +16,7 @@ two sides of a comparison message by message (batch by batch), on PostgreSQL:
 
 It prints µs per message for each (the median of a round's calls; a batch's time divided by its
 size) and their ratio; then what the step itself costs, timed alone in the same run
-(``validate`` + ``to_json`` for publish, ``validate`` for consume), as a share of the path
+(``validate`` + ``encode`` for publish, ``validate`` for consume), as a share of the path
 without a type: on a shared machine the paths' medians move by more than the step costs, and
 the share is the figure to hold against the issue's goal (at most 5 %).
 """
@@ -157,7 +157,7 @@ def main() -> None:
     def round_trip_alone() -> float:
         started = time.perf_counter()
         for _ in range(args.messages):
-            contract.to_json(contract.validate(payload))
+            contract.encode(contract.validate(payload))
         return time.perf_counter() - started
 
     batches = max(1, args.messages // args.batch_size)
@@ -198,7 +198,7 @@ def main() -> None:
             f"({', '.join(f'{r:+.1%}' for r in ratios)}) | {steps[name]:.1f} | "
             f"{steps[name] / base:.2%} |"
         )
-    print("the step: validate + to_json on publish, validate on consume")
+    print("the step: validate + encode on publish, validate on consume")
     print("goal: at most 5 % on each path")
 
 
