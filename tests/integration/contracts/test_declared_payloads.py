@@ -21,9 +21,11 @@ from django.urls import reverse
 from reliable_messaging import publish
 from reliable_messaging.choices import DeadLetterReason, DeadLetterStatus, OutboxStatus
 from reliable_messaging.contracts import PayloadInvalid, published_registry, publishes
+from reliable_messaging.core.outcomes import Acknowledge
 from reliable_messaging.core.registry import ConsumerSpec, registry
 from reliable_messaging.dead_letters.replay import replay
 from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
+from reliable_messaging.testing import deliver
 from tests.e2e.test_replay_routing import relay_once
 from tests.integration.consuming.test_consumer_service import exchange_of
 from tests.integration.contracts.support import Handled, recording_spec
@@ -232,3 +234,17 @@ def test_after_the_type_is_relaxed_the_dead_letter_replays_and_the_admin_said_wh
         timeout=30,
         message="the dead letter resolved by its processed replay",
     )
+
+
+def test_reliable_messaging_testing_runs_the_same_stage(ns: str) -> None:
+    """A handler's unit test through ``reliable_messaging.testing.deliver`` sees what consume
+    does: the typed object, or the dead letter before the handler."""
+    handled = Handled()
+    billing = recording_spec(ns, "billing", handled, OrderPlaced, bindings=("order.placed",))
+    assert deliver(billing, {"order_id": 1, "amount": "2"}) == Acknowledge("processed")
+    assert handled.given(billing.name) == [OrderPlaced(order_id=1, amount=decimal.Decimal(2))]
+    outcome = deliver(billing, {"order_id": 2}, message_id="no-amount")
+    assert outcome == Acknowledge("dead_lettered", "invalid_payload")
+    assert len(handled.given(billing.name)) == 1
+    letter = DeadLetter.objects.get(consumer=billing.name, message_id="no-amount")
+    assert letter.exception_message.endswith("amount: Field required")
