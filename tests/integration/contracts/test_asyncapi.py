@@ -474,3 +474,11 @@ def test_the_schema_check_fails_a_document_that_breaks_the_specification() -> No
     channel = next(c for c in document["channels"].values() if "x-queue-arguments" in c)
     channel["bindings"]["amqp"]["is"] = "exchange"
     assert problems(document)
+
+
+def test_the_docs_show_the_demos_document_as_it_is() -> None:
+    """docs/contracts.md's excerpt of the demo's document is the committed document's."""
+    page = (ROOT / "docs" / "contracts.md").read_text()
+    block = page.split("<!-- tested: demo_billing -->\n```json\n", 1)[1].split("```", 1)[0]
+    document = json.loads(DEMO_DOCUMENT.read_text())
+    assert json.loads(block) == document["channels"]["queue_shop_billing"]
