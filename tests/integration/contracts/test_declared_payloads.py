@@ -20,7 +20,10 @@ from django.urls import reverse
 
 from reliable_messaging import publish
 from reliable_messaging.choices import DeadLetterReason, DeadLetterStatus, OutboxStatus
+from reliable_messaging.consuming.processing import DeliveryProcessor, process_batch
+from reliable_messaging.consuming.stage import Job
 from reliable_messaging.contracts import PayloadInvalid, published_registry, publishes
+from reliable_messaging.core.envelope import Delivery, encode_payload
 from reliable_messaging.core.outcomes import Acknowledge
 from reliable_messaging.core.registry import ConsumerSpec, registry
 from reliable_messaging.dead_letters.replay import replay
@@ -248,3 +251,39 @@ def test_reliable_messaging_testing_runs_the_same_stage(ns: str) -> None:
     assert len(handled.given(billing.name)) == 1
     letter = DeadLetter.objects.get(consumer=billing.name, message_id="no-amount")
     assert letter.exception_message.endswith("amount: Field required")
+
+
+def test_a_mismatch_in_a_batch_is_screened_and_the_rest_commit_together(ns: str) -> None:
+    handled = Handled()
+    billing = recording_spec(ns, "billing", handled, OrderPlaced, bindings=("order.placed",))
+    processor = DeliveryProcessor(billing)
+
+    def job(message_id: str, payload: Any) -> Job:
+        return Job(
+            processor,
+            Delivery(
+                body=encode_payload(payload),
+                queue=billing.queue,
+                exchange="rmtest",
+                routing_key="order.placed",
+                message_id=message_id,
+                content_type="application/json",
+            ),
+        )
+
+    outcomes = process_batch(
+        [
+            job("b-1", {"order_id": 1, "amount": "1"}),
+            job("b-2", {"order_id": "two", "amount": "2"}),
+            job("b-3", {"order_id": 3, "amount": "3"}),
+        ]
+    )
+    assert outcomes == [
+        Acknowledge("processed"),
+        Acknowledge("dead_lettered", "invalid_payload"),
+        Acknowledge("processed"),
+    ]
+    assert [p.order_id for p in handled.given(billing.name)] == [1, 3]
+    assert set(
+        ProcessedMessage.objects.filter(consumer=billing.name).values_list("message_id", flat=True)
+    ) == {"b-1", "b-3"}
