@@ -269,3 +269,61 @@ def test_classic_queues_stay_classic_on_a_vhost_whose_default_type_is_quorum(
         assert {name: types.get(name) for name in delays} == dict.fromkeys(delays, "quorum")
     finally:
         node4.ctl("delete_vhost", vhost)
+
+
+def test_a_per_queue_consumer_timeout_takes_a_late_delivery_back(node4: Any, ns: str) -> None:
+    """What the broker does to a consumer holding a delivery past its queue's consumer timeout
+    (5 s here), the ground of the broker check's ``consumer-timeout`` finding: 4.0 closes the
+    channel at its next check (about once a minute; pika's blocking adapter says so only when
+    the channel is used), on classic and quorum queues alike; 4.3 cancels the consumer of a
+    quorum queue and keeps the channel open, refuses the argument on a classic queue and ignores
+    the policy there. Where the broker acts, the delivery is back in the queue."""
+    node = Node(node4.url, node4.management_url)
+    version = node.api("overview")["rabbitmq_version"]
+    is_43 = tuple(int(part) for part in version.split(".")[:2]) >= (4, 3)
+    consuming = node.connection()
+    side = node.connection().channel()
+    policy = f"{ns}-consumer-timeout"
+    try:
+        channels: dict[str, Any] = {}
+        cancelled: dict[str, list[Any]] = {}
+        for kind in ("classic", "quorum"):
+            queue = f"{ns}.timeout-{kind}"
+            arguments: dict[str, Any] = {"x-queue-type": kind, "x-consumer-timeout": 5000}
+            if is_43 and kind == "classic":
+                with pytest.raises(pika.exceptions.ChannelClosedByBroker) as refused:
+                    consuming.channel().queue_declare(queue, durable=True, arguments=arguments)
+                assert refused.value.reply_code == 406, refused.value
+                del arguments["x-consumer-timeout"]
+                node4.ctl(
+                    "set_policy", policy, f"^{queue}$", '{"consumer-timeout": 5000}',
+                    "--apply-to", "queues",
+                )  # fmt: skip
+            channel = channels[kind] = consuming.channel()
+            channel.queue_declare(queue, durable=True, arguments=arguments)
+            channel.basic_publish("", queue, b"{}", pika.BasicProperties(delivery_mode=2))
+            cancelled[kind] = []
+            channel.add_on_cancel_callback(cancelled[kind].append)
+            channel.basic_consume(queue, lambda *delivery: None)  # holds it, never acks
+
+        def back(kind: str) -> bool:
+            consuming.process_data_events(0.2)
+            return _depth(side, f"{ns}.timeout-{kind}") == 1
+
+        wait_until(lambda: back("quorum"), timeout=150, message="the quorum queue's delivery back")
+        if is_43:
+            assert cancelled["quorum"] and channels["quorum"].is_open, version
+            time.sleep(3)  # past the quorum queue's own check: the classic queue never acts
+            assert not back("classic") and not cancelled["classic"], version
+            assert channels["classic"].is_open, version
+        else:
+            wait_until(lambda: back("classic"), timeout=60, message="the classic delivery back")
+            consuming.process_data_events(1)
+            assert channels["quorum"].is_closed and channels["classic"].is_closed, version
+            assert not cancelled["quorum"] and not cancelled["classic"], version
+    finally:
+        if is_43:
+            node4.ctl("clear_policy", policy)
+        consuming.close()
+        side.connection.close()
+        node.delete_matching(ns)
