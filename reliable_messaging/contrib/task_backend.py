@@ -82,7 +82,9 @@ class ReliableTaskBackend(BaseTaskBackend):
         using = router.db_for_write(TaskRun)
         task_id = new_message_id()
         run_after = _aware(task.run_after)
-        with transaction.atomic(using=using):
+        # No savepoint inside the caller's transaction (two round trips of its own): if a
+        # write fails, the caller's transaction can only roll back, so never commits half.
+        with transaction.atomic(using=using, savepoint=False):
             run = TaskRun.objects.using(using).create(
                 id=task_id,
                 backend=self.alias,
