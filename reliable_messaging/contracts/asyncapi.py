@@ -13,7 +13,7 @@ import copy
 import difflib
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -27,7 +27,7 @@ from ..broker.topology import (
     partition_exchange,
     queue_arguments,
 )
-from ..conf import MessagingSettings, messaging_settings
+from ..conf import MessagingSettings, messaging_settings, split_broker_urls
 from ..core import envelope
 from ..core.contracts import Contract
 from ..core.envelope import CONTENT_TYPE, HEADER_PREFIX
@@ -216,9 +216,9 @@ class _Document:
     schema allows both places, and some parsers refuse them inside a binding.
     """
 
-    def __init__(self, settings: MessagingSettings) -> None:
+    def __init__(self, settings: MessagingSettings, urls: Sequence[str]) -> None:
         self.settings = settings
-        self.vhost = _vhost(settings.broker_urls[0]) if settings.broker_urls else "/"
+        self.vhost = _vhost(urls[0]) if urls else "/"
         self.channels: dict[str, Any] = {}
         self.operations: dict[str, Any] = {}
         self.messages: dict[str, Any] = {}
@@ -429,9 +429,11 @@ def asyncapi_document(
     settings: MessagingSettings = messaging_settings,
     specs: Iterable[ConsumerSpec] | None = None,
     published: Mapping[str, Contract] | None = None,
+    broker_url: str | None = None,
 ) -> dict[str, Any]:
     """The AsyncAPI 3.0 document of ``specs`` (the registry's) and ``published`` (the declared
-    payloads), on the broker and exchange of ``settings``."""
+    payloads), on the exchange of ``settings`` and its broker (``broker_url``'s, when given:
+    ``;``-separated URLs, as ``BROKER_URL``)."""
     if specs is None:
         from ..core.registry import registry
 
@@ -441,14 +443,14 @@ def asyncapi_document(
 
         published = declared()
     specs = sorted(specs, key=lambda s: s.queue)
-    doc = _Document(settings)
+    urls = settings.broker_urls if broker_url is None else split_broker_urls(broker_url)
+    doc = _Document(settings, urls)
     for delay in all_delays(specs, settings) if specs else ():
         doc.delay(delay)
     for routing_key, payload in sorted(published.items()):
         doc.published(routing_key, payload)
     for spec in specs:
         doc.consumed(spec, published)
-    urls = list(settings.broker_urls)
     servers = {
         ("rabbitmq" if len(urls) == 1 else f"rabbitmq-{n + 1}"): _server(url)
         for n, url in enumerate(urls)

@@ -41,6 +41,12 @@ class Command(BaseCommand):
             "--title", help="info.title (default: the settings module's top package)"
         )
         parser.add_argument(
+            "--broker-url",
+            metavar="URL",
+            help="describe this broker (URLs separated by ';', as BROKER_URL) instead of "
+            "BROKER_URL's: a CI job's settings may point at another one",
+        )
+        parser.add_argument(
             "--document-version",
             default="unversioned",
             metavar="VERSION",
@@ -55,7 +61,10 @@ class Command(BaseCommand):
         if fmt == "yaml" and importlib.util.find_spec("yaml") is None:
             raise CommandError("YAML needs PyYAML (pip install PyYAML); or write .json")
         title = options["title"] or str(settings.SETTINGS_MODULE or "project").split(".")[0]
-        text = render(asyncapi_document(title=title, version=options["document_version"]), fmt)
+        document = asyncapi_document(
+            title=title, version=options["document_version"], broker_url=options["broker_url"]
+        )
+        text = render(document, fmt)
         if options["check"]:
             self._check(Path(options["check"]), text, fmt)
         elif options["output"]:

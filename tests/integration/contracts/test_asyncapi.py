@@ -398,6 +398,23 @@ def test_the_broker_is_described_without_its_credentials(settings: Any) -> None:
     assert document["components"]["securitySchemes"]["brokerUser"]["type"] == "userPassword"
 
 
+def test_broker_url_describes_another_broker_than_the_settings() -> None:
+    """What a CI job whose settings point at its own broker passes to describe production's."""
+    out = io.StringIO()
+    call_command(
+        "asyncapi", broker_url="amqps://prod-user:hunter2@mq.example.internal/orders", stdout=out
+    )
+    document = json.loads(out.getvalue())
+    assert "hunter2" not in out.getvalue() and "prod-user" not in out.getvalue()
+    assert document["servers"]["rabbitmq"]["host"] == "mq.example.internal:5671"
+    vhosts = {
+        channel["bindings"]["amqp"]["queue"]["vhost"]
+        for channel in document["channels"].values()
+        if channel["bindings"]["amqp"]["is"] == "queue"
+    }
+    assert vhosts == {"orders"}
+
+
 def test_the_output_is_deterministic_and_yaml_says_the_same(tmp_path: Path) -> None:
     first, second = io.StringIO(), io.StringIO()
     call_command("asyncapi", stdout=first)
