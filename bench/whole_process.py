@@ -7,7 +7,8 @@ consume``, each against its raw baseline in the same run, with the CPU each spen
 Relay: ``--messages`` rows are published with ``publish()`` (1,000 per transaction) into an
 emptied outbox, vacuumed; then ``manage.py relay`` (not ``--once``) starts and sends them to a
 durable queue bound to the bench exchange. The baseline is a process publishing the same bodies
-and properties with raw pika, confirms kept in flight (bench/relay.py's ``raw_pika_publish``).
+with raw pika, confirms kept in flight, 500 messages per turn of its I/O loop (as the relay's
+batches go; one loop over all would encode every message before the first left).
 Both are timed from the first to the last message at the broker: this process reads the
 queue's depth every 10 ms (a passive ``queue.declare``), so start-up, topology and the probes
 are outside the window, as is the process's exit.
@@ -263,12 +264,47 @@ def raw_publish_run(namespace: str, exchange: str, queue: str, n: int) -> Run:
         path.unlink()
 
 
-def child_raw_publish(path: str, exchange: str) -> None:
-    from relay import raw_pika_publish
+RAW_BATCH = 500  # the relay's default batch size
 
+
+def child_raw_publish(path: str, exchange: str) -> None:
+    """Publish the rows with raw pika, confirms kept in flight and settled as they come, in
+    batches of RAW_BATCH that the I/O loop writes out in turn (as the relay's do): one loop over
+    every row would encode them all before the first reached the broker, outside the window."""
     rows = [(message_id, body.encode()) for message_id, body in json.loads(Path(path).read_text())]
-    raw_pika_publish(exchange, rows)
-    time.sleep(3600)  # stopped by the parent, like the relay
+    state = {"next": 0}
+
+    def on_open(connection: pika.SelectConnection) -> None:
+        connection.channel(on_open_callback=on_channel)
+
+    def on_channel(channel: pika.channel.Channel) -> None:
+        def on_confirm(frame: pika.frame.Method) -> None:
+            """Settled as they come: the parent counts the messages on the queue."""
+
+        def publish_batch() -> None:
+            start = state["next"]
+            for message_id, body in rows[start : start + RAW_BATCH]:
+                channel.basic_publish(
+                    exchange,
+                    "bench.raw",
+                    body,
+                    pika.BasicProperties(
+                        content_type="application/json",
+                        delivery_mode=2,
+                        message_id=message_id,
+                        timestamp=int(time.time()),
+                        headers={"x-rm-published-at": 0},
+                    ),
+                    mandatory=True,
+                )
+            state["next"] = start + RAW_BATCH
+            if state["next"] < len(rows):
+                channel.connection.ioloop.call_later(0, publish_batch)
+
+        channel.confirm_delivery(ack_nack_callback=on_confirm, callback=lambda _: publish_batch())
+
+    connection = pika.SelectConnection(pika.URLParameters(BROKER_URL), on_open_callback=on_open)
+    connection.ioloop.start()  # until the parent stops it, like the relay
 
 
 # --------------------------------------------------------------------------- consume
