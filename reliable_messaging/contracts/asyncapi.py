@@ -42,7 +42,7 @@ HEADERS_TRAIT = "reliableMessagingHeaders"
 UNTYPED_MESSAGE = "untypedJson"
 # Set on a frame in the consuming process only (its properties could not be decoded); never sent.
 _IN_PROCESS_HEADERS = frozenset({envelope.UNDECODABLE_HEADER})
-_MILLISECONDS = {"type": "integer", "description": "Unix time in milliseconds"}
+_MILLISECONDS = {"type": "integer"}  # Unix time in milliseconds
 
 # What each header of ours holds. The names come from the code (every ``*_HEADER`` constant of
 # core/envelope.py with our prefix, and the W3C trace headers); a header the code gains without
