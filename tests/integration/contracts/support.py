@@ -53,10 +53,15 @@ class Handled:
 
 
 def recording_spec(
-    ns: str, label: str, handled: Handled, payload: Any, bindings: tuple[str, ...] = ("order.*",)
+    ns: str,
+    label: str,
+    handled: Handled,
+    payload: Any,
+    bindings: tuple[str, ...] = ("order.*",),
+    **options: Any,
 ) -> ConsumerSpec:
-    """A consumer named and queued ``<ns>.<label>`` declaring ``payload``; its handler records
-    ``message.payload`` (the typed object)."""
+    """A consumer named and queued ``<ns>.<label>`` declaring ``payload`` (and ``options``, such
+    as ``ordered=True``); its handler records ``message.payload`` (the typed object)."""
     name = f"{ns}.{label}"
 
     def handler(message: Message) -> None:
@@ -69,4 +74,5 @@ def recording_spec(
         handler=handler,
         bindings=bindings,
         payload=contract_of(payload) if payload is not None else None,
+        **options,
     )
