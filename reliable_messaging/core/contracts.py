@@ -110,6 +110,8 @@ class PydanticContract(Contract):
                     for error in exc.errors()
                 ],
             ) from None  # the cause's text would show the values
+        except Exception as exc:  # noqa: BLE001 - a validator of the model's own failed
+            raise _validator_failed(self.name, exc) from None
 
     def to_json(self, obj: Any) -> Any:
         return obj.model_dump(mode="json")
@@ -128,7 +130,10 @@ class StdlibContract(Contract):
     is installed: a service's checks do not change with what else is installed)."""
 
     def validate(self, data: Any) -> Any:
-        result, errors = stdlib_contracts.validate(self.type, data)
+        try:
+            result, errors = stdlib_contracts.validate(self.type, data)
+        except Exception as exc:  # noqa: BLE001 - the dataclass's __post_init__ failed
+            raise _validator_failed(self.name, exc) from None
         if errors:
             raise PayloadInvalid(
                 self.name, [{"path": field_path(at), "message": text} for at, text in errors]
@@ -143,6 +148,15 @@ class StdlibContract(Contract):
             return stdlib_contracts.json_schema(self.type, ref_template)
         except stdlib_contracts.UnsupportedType as exc:
             raise ContractError(f"{self.name}: {exc}") from None
+
+
+def _validator_failed(contract: str, exc: Exception) -> PayloadInvalid:
+    """A validator of the type's own raised something other than a validation error: the
+    payload cannot pass, now or on a retry. Its type only: its text may quote the value."""
+    return PayloadInvalid(
+        contract,
+        [{"path": "", "message": f"the type's own validation raised {type(exc).__name__}"}],
+    )
 
 
 def _is_pydantic_model(tp: Any) -> bool:

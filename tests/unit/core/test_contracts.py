@@ -357,3 +357,27 @@ def test_dataclasses_are_checked_without_pydantic_installed() -> None:
     assert lines[1] == "[{'path': 'order_id', 'message': 'Input should be an integer'}]"
     assert lines[2].startswith("ContractError")
     assert 'pip install "reliable-messaging[contracts]"' in lines[2]
+
+
+def test_a_validator_that_fails_otherwise_is_an_invalid_payload_without_its_text() -> None:
+    class Picky(pydantic.BaseModel):
+        code: str
+
+        @pydantic.field_validator("code")
+        @classmethod
+        def look_up(cls, value: str) -> str:
+            return {"known": value}[value]  # KeyError quoting the value
+
+    @dataclasses.dataclass
+    class Strict:
+        code: str
+
+        def __post_init__(self) -> None:
+            raise LookupError(self.code)
+
+    for contract in (contract_of(Picky), contract_of(Strict)):
+        with pytest.raises(PayloadInvalid) as caught:
+            contract.validate({"code": SECRET})
+        assert caught.value.errors[0]["path"] == ""
+        assert "the type's own validation raised" in caught.value.errors[0]["message"]
+        assert SECRET not in str(caught.value)
