@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar, overload
 
 from ..core.contracts import Contract, ContractError, PayloadInvalid, contract_of
+from ..core.registry import registry
 
 T = TypeVar("T")
 
@@ -95,8 +96,6 @@ def consumer_payload_errors(consumer: str, payload: Any) -> list[dict[str, str]]
     """What is wrong with ``payload`` for the registered consumer named ``consumer`` (the
     admin's view of a dead letter and of an edit): None when that consumer declares no payload
     type (or is not registered here), an empty list when the payload matches it."""
-    from ..core.registry import registry
-
     try:
         contract = registry.get(consumer).payload
     except KeyError:
