@@ -80,6 +80,12 @@ RABBITMQ4_SERIAL_TESTS ?= \
 	tests/integration/ops/test_consume_ops.py::test_consumer_healthz_fails_while_the_broker_is_stopped \
 	tests/e2e/test_ordering.py::test_keys_keep_publish_order_across_a_restart_of_the_node
 
+# This machine's environment sets PYTHONDONTWRITEBYTECODE=1. Without bytecode files every pytest
+# process rewrites every test module's asserts again (about 9 s of CPU per collection of the
+# suite), and every manage.py process a test starts compiles the package again: the targets
+# write them, in __pycache__ directories git ignores.
+unexport PYTHONDONTWRITEBYTECODE
+
 .PHONY: help venv .venv services test matrix demo docs lint format bench dist clean
 
 help:
@@ -112,18 +118,20 @@ services:
 	@scripts/ensure-services.sh
 
 test: venv services
-	@# The browser tests drive Debian's chromium through Playwright (never `playwright install`).
-	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
-	@# The cluster tests cut a consumer off in a network namespace with nftables rules.
-	@command -v nft >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables)
-	@# A cluster test reaches the nodes through HAProxy, the load-balancer way.
-	@command -v haproxy >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy)
-	@# The PgBouncer tests run their own pgbouncer (Debian installs it in /usr/sbin; its service is
-	@# not used).
-	@command -v pgbouncer >/dev/null || test -x /usr/sbin/pgbouncer || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer)
-	@# The RabbitMQ 4.0 and 4.3 nodes are Debian trixie's and sid's packages in debootstrap roots
-	@# (scripts/rabbitmq4.sh).
-	@command -v debootstrap >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap)
+	@# What the tests need from Debian, installed in one apt-get run when missing: chromium (the
+	@# browser tests drive it through Playwright, never `playwright install`), nftables (the
+	@# cluster tests cut a consumer off in a network namespace), haproxy (a cluster test reaches
+	@# the nodes through it), pgbouncer (the PgBouncer tests run their own; Debian puts it in
+	@# /usr/sbin, its service is not used) and debootstrap (the RabbitMQ 4.0 and 4.3 nodes are
+	@# Debian trixie's and sid's packages in debootstrap roots: scripts/rabbitmq4.sh).
+	@missing=(); \
+	command -v chromium >/dev/null || missing+=(chromium); \
+	command -v nft >/dev/null || missing+=(nftables); \
+	command -v haproxy >/dev/null || missing+=(haproxy); \
+	command -v pgbouncer >/dev/null || test -x /usr/sbin/pgbouncer || missing+=(pgbouncer); \
+	command -v debootstrap >/dev/null || missing+=(debootstrap); \
+	(( $${#missing[@]} == 0 )) || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$${missing[@]}"; }
 	@# 1. The tests that share nothing, in $(TEST_WORKERS) parallel workers.
 	@# 2. Those that stop PostgreSQL or Redis (serial and stops_storage, tests/conftest.py), alone.
 	@#    The version matrix's two ends (noxfile.py: the newest Python and Django, and the lowest
@@ -143,36 +151,42 @@ test: venv services
 	@run() { local s=0; "$$@" || s=$$?; (( s == 5 )) && s=0; return $$s; }; \
 	db=$${RM_TEST_DB_NAME:-test_reliable_messaging}; \
 	logs=$$(mktemp -d "$${TMPDIR:-/tmp}/rm-make-test.XXXXXX"); \
+	timed() { local part=$$1 t0=$$SECONDS s=0; shift; "$$@" || s=$$?; \
+		printf '%-44s %5d s  exit %d\n' "$$part" $$((SECONDS - t0)) $$s >>"$$logs/times"; return $$s; }; \
 	on_broker() { local broker=$$1; shift; RM_TEST_DB_NAME=$${db}_$$broker RM_TEST_BROKER=$$broker run "$$@"; }; \
 	broker_lane() { \
 		local s=0; \
-		run $(BIN)/pytest -m "serial and stops_broker" $(PYTEST_ARGS) || s=$$?; \
-		RM_TEST_PGBOUNCER=1 run $(BIN)/pytest $(WORKERS) -m "not serial" $(PYTEST_ARGS) \
-			$(PGBOUNCER_TESTS) || s=$$?; \
+		timed "serial, the node on 5672" run $(BIN)/pytest -m "serial and stops_broker" \
+			$(PYTEST_ARGS) || s=$$?; \
+		RM_TEST_PGBOUNCER=1 timed "PGBOUNCER_TESTS" run $(BIN)/pytest $(WORKERS) -m "not serial" \
+			$(PYTEST_ARGS) $(PGBOUNCER_TESTS) || s=$$?; \
 		return $$s; \
 	}; \
-	cluster_lane() { RM_TEST_DB_NAME=$${db}_cluster run $(BIN)/pytest -m "serial and cluster" $(PYTEST_ARGS); }; \
+	cluster_lane() { RM_TEST_DB_NAME=$${db}_cluster timed "serial, the cluster" run $(BIN)/pytest \
+		-m "serial and cluster" $(PYTEST_ARGS); }; \
 	rabbitmq4_lane() { \
 		local s=0; \
 		scripts/rabbitmq4.sh --release 4.3 start || return 99; \
-		on_broker rabbitmq43 $(BIN)/pytest -m serial $(PYTEST_ARGS) $(RABBITMQ4_SERIAL_TESTS) || s=$$?; \
-		on_broker rabbitmq43 $(BIN)/pytest $(WORKERS) -m "not serial" $(PYTEST_ARGS) \
-			$(RABBITMQ4_TESTS) || s=$$?; \
+		timed "RABBITMQ4_SERIAL_TESTS on 4.3" on_broker rabbitmq43 $(BIN)/pytest -m serial \
+			$(PYTEST_ARGS) $(RABBITMQ4_SERIAL_TESTS) || s=$$?; \
+		timed "RABBITMQ4_TESTS on 4.3" on_broker rabbitmq43 $(BIN)/pytest $(WORKERS) \
+			-m "not serial" $(PYTEST_ARGS) $(RABBITMQ4_TESTS) || s=$$?; \
 		scripts/rabbitmq4.sh start || return 99; \
-		on_broker rabbitmq4 $(BIN)/pytest $(WORKERS) -m "not serial" $(PYTEST_ARGS) \
-			$(RABBITMQ40_TESTS) || s=$$?; \
+		timed "RABBITMQ40_TESTS on 4.0" on_broker rabbitmq4 $(BIN)/pytest $(WORKERS) \
+			-m "not serial" $(PYTEST_ARGS) $(RABBITMQ40_TESTS) || s=$$?; \
 		return $$s; \
 	}; \
 	matrix_ends() { \
 		[[ "$(MATRIX)" == 0 ]] && return 0; \
 		wait $$nox_install_pid || { cat "$$logs/nox-install.log"; return 1; }; \
-		$(BIN)/nox -R -s ci; \
+		timed "the matrix's two ends (nox -s ci)" $(BIN)/nox -R -s ci; \
 	}; \
 	show() { echo "==================== $$1 (exit $$2) ===================="; cat "$$logs/$$1.log"; }; \
-	rc=0; run $(BIN)/pytest $(WORKERS) -m "not serial" $(PYTEST_ARGS) || rc=$$?; \
+	rc=0; timed "parallel" run $(BIN)/pytest $(WORKERS) -m "not serial" $(PYTEST_ARGS) || rc=$$?; \
 	nox_install_pid=; [[ "$(MATRIX)" == 0 ]] || { \
 		$(BIN)/nox -s ci --install-only >"$$logs/nox-install.log" 2>&1 & nox_install_pid=$$!; }; \
-	rc2=0; run $(BIN)/pytest -m "serial and stops_storage" $(PYTEST_ARGS) || rc2=$$?; \
+	rc2=0; timed "serial, PostgreSQL and Redis" run $(BIN)/pytest -m "serial and stops_storage" \
+		$(PYTEST_ARGS) || rc2=$$?; \
 	rc3=0; rc4=0; rc5=0; rc6=0; \
 	if [[ "$(TEST_LANES)" == 0 ]]; then \
 		broker_lane || rc3=$$?; cluster_lane || rc4=$$?; rabbitmq4_lane || rc5=$$?; \
@@ -187,7 +201,7 @@ test: venv services
 		matrix_ends || rc6=$$?; \
 		wait $$rabbitmq4_pid || rc5=$$?; show rabbitmq4 $$rc5; \
 	fi; \
-	rm -rf "$$logs"; \
+	echo "make test: the time of each part"; cat "$$logs/times"; rm -rf "$$logs"; \
 	for code in $$rc $$rc2 $$rc3 $$rc4 $$rc5 $$rc6; do \
 		(( code == 0 )) || exit $$code; \
 	done
