@@ -1,16 +1,13 @@
 """The consumer's stage of ``django.tasks`` tasks (:mod:`reliable_messaging.task_runs`).
 
-Around the deliveries of the task queues' consumers: RUNNING and one more attempt committed
-before the batch's transaction, in one statement that also reads the rows the handler runs
-(so a caller's ``get_result()`` sees RUNNING while the task runs, and an attempt that kills its
-process still counts) with ``task_started``; in the transaction, a failed attempt's error with
-READY again (a retry), or the attempt taken back when the delivery was put aside because
-another worker holds it, and SUCCESSFUL with the return values of the processed ones in one
-statement once the last task screened in the transaction is decided; after the commit,
-``task_finished``. FAILED is written with the dead letter
-(``dead_letters.record.record_dead_letter``), so a dead letter recorded without this stage (the
-crash guard's, the ``.dead`` queue's) fails its task too. The task framework is an optional
-extra on Django 5.2: it is imported only for a batch that holds tasks.
+Before a batch's transaction: RUNNING and one more attempt committed, in one statement that
+also reads the rows the handler runs, and ``task_started``. In the transaction: a failed
+attempt's error with READY again (a retry), an attempt taken back when another worker holds
+the delivery, and SUCCESSFUL with the processed tasks' return values in one statement once
+every task the transaction screened is decided. After the commit: ``task_finished``. FAILED
+is written with the dead letter (``dead_letters.record.record_dead_letter``), whichever path
+records it. Why and what each costs: ``docs/tasks.md``. The task framework is imported only
+for a batch that holds tasks.
 """
 
 from __future__ import annotations
