@@ -3,6 +3,7 @@
 Public API::
 
     from reliable_messaging import consumer, publish, cancel_scheduled, Message, PermanentError
+    from reliable_messaging import apublish  # publish() for async views and handlers
     from reliable_messaging import Breaker  # @consumer(breaker=Breaker(...))
     from reliable_messaging import idempotent_task  # needs Celery
 """
@@ -18,12 +19,13 @@ from .exceptions import PermanentError
 
 if TYPE_CHECKING:
     from .contrib.celery import idempotent_task
-    from .publishing.publish import cancel_scheduled, publish
+    from .publishing.publish import apublish, cancel_scheduled, publish
 
 __all__ = [
     "Breaker",
     "Message",
     "PermanentError",
+    "apublish",
     "cancel_scheduled",
     "consumer",
     "idempotent_task",
@@ -35,7 +37,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     # publish() touches models; importing it lazily keeps `import reliable_messaging` safe before
     # Django's app registry is ready (settings files, consumers.py modules).
-    if name in ("publish", "cancel_scheduled"):
+    if name in ("publish", "apublish", "cancel_scheduled"):
         from .publishing import publish
 
         return getattr(publish, name)

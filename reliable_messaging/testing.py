@@ -56,7 +56,7 @@ def find_consumer(
 ) -> ConsumerSpec:
     """A registered consumer by name, queue name or handler function."""
     for spec in consumers:
-        if consumer in (spec.name, spec.queue, spec.handler):
+        if consumer in (spec.name, spec.queue, spec.function):
             return spec
     known = ", ".join(s.name for s in consumers) or "none"
     raise LookupError(f"no registered consumer matches {consumer!r}; registered: {known}")
@@ -75,7 +75,8 @@ def deliver(
     redelivered: bool = False,
     exchange: str | None = None,
 ) -> Outcome:
-    """Deliver one message to ``consumer`` as the consume command would, and return the outcome:
+    """Deliver one message to ``consumer`` as the consume command would (an ``async def``
+    handler too: call it from a sync test), and return the outcome:
     ``Acknowledge("processed" | "duplicate" | "dead_lettered")``, ``ScheduleRetry`` (call
     ``deliver`` again with ``attempt=outcome.next_attempt``) or ``RetryInPlace`` (the same for an
     ordered consumer). ``body`` sends raw bytes instead of encoding ``payload``; through the

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 
+from ..core.coroutines import wake
 from ..core.envelope import Message
 from ..exceptions import HandlerTimeout
 from .stage import Job, Stage
@@ -203,6 +204,7 @@ class TimeLimits:
         ``thread``'s only."""
         fire: list[_Call] = []
         hopeless: list[_Call] = []
+        waiting: list[int] = []
         with self._lock:
             for call in self._calls.values():
                 if now <= call.deadline or thread not in (None, call.thread):
@@ -214,6 +216,11 @@ class TimeLimits:
                     fire.append(call)
                 elif now >= call.hopeless_at:
                     hopeless.append(call)
+                waiting.append(call.thread)
+        # An async handler's thread waits outside Python on its coroutine: end the coroutine so
+        # the interrupt lands; again every tick, in case the coroutine had not started yet.
+        for waiter in waiting:
+            wake(waiter)
         for call in fire:
             logger.error(
                 "message_id=%s consumer=%s outcome=timeout: the handler ran past its time "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import inspect
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -12,6 +13,7 @@ from typing import Any, Literal
 from ..exceptions import ConsumerConfigurationError
 from .breaker import Breaker
 from .contracts import Contract, contract_of
+from .coroutines import CoroutineHandler
 from .envelope import Message
 
 Handler = Callable[[Message], Any]
@@ -26,6 +28,8 @@ class ConsumerSpec:
 
     name: str
     queue: str
+    # Always a plain callable: an ``async def`` handler is wrapped to run on the calling thread
+    # (see core/coroutines.py); ``function`` is what the decorator was given.
     handler: Handler
     bindings: tuple[str, ...] = ()
     exchange: str | None = None
@@ -44,6 +48,12 @@ class ConsumerSpec:
     # (invalid_payload) before the handler runs, and the handler's message.payload is its object.
     payload: Contract | None = None
 
+    @property
+    def function(self) -> Callable[..., Any]:
+        """The decorated function itself (``handler`` wraps an ``async def`` one)."""
+        handler = self.handler
+        return handler.function if isinstance(handler, CoroutineHandler) else handler
+
 
 class ConsumerRegistry:
     """Handlers by name, with one handler per queue."""
@@ -56,7 +66,7 @@ class ConsumerRegistry:
         with self._lock:
             existing = self._by_name.get(spec.name)
             if existing is not None:
-                if existing.handler is spec.handler or existing == spec:
+                if existing.function is spec.function or existing == spec:
                     return  # the same module imported twice under one name
                 raise ConsumerConfigurationError(
                     f"Two consumers are named {spec.name!r}. The name is the deduplication "
@@ -189,6 +199,10 @@ def consumer(
     declared type (a pydantic v2 model, a dataclass or a TypedDict): the handler's
     ``message.payload`` is an object of it, and a message that does not match is a dead letter
     ``invalid_payload`` before the handler runs, no attempt spent.
+
+    An ``async def`` handler runs the same way, on the delivery's worker thread and inside its
+    transaction: what it awaits through Django's async ORM or ``sync_to_async`` runs on that
+    thread's connection. It gains ``await``, not concurrency (docs/concepts.md).
     """
     delays = _validate(queue, bindings, max_attempts, retry_delays)
     seconds = _seconds(queue, "timeout", timeout, or_timedelta=False)
@@ -204,7 +218,7 @@ def consumer(
         spec = ConsumerSpec(
             name=name or f"{func.__module__}.{func.__qualname__}",
             queue=queue,
-            handler=func,
+            handler=CoroutineHandler(func) if inspect.iscoroutinefunction(func) else func,
             bindings=tuple(bindings),
             exchange=exchange,
             ordered=ordered,

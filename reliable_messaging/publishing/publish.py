@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
+from asgiref.sync import sync_to_async
 from django.db import IntegrityError, connections, router, transaction
 from django.db.models import DateTimeField, DurationField, Field, Value
 from django.db.models.expressions import Combinable
@@ -132,6 +133,45 @@ def publish(
     tracing.end(span)
     wake_relay_after_commit(using)
     return written
+
+
+async def apublish(
+    routing_key: str,
+    payload: Any,
+    *,
+    exchange: str | None = None,
+    message_id: str | None = None,
+    headers: Mapping[str, Any] | None = None,
+    ordering_key: str | None = None,
+    idempotency_key: str | None = None,
+    deliver_at: dt.datetime | None = None,
+    delay: dt.timedelta | float | None = None,
+    expires: dt.timedelta | float | None = None,
+    using: str | None = None,
+) -> str:
+    """:func:`publish` for async code (the same arguments, checks and errors).
+
+    The row is written through ``sync_to_async(thread_sensitive=True)``, on the connection of
+    the thread Django's async ORM uses: in an async view it commits at once (autocommit); from
+    sync code inside ``transaction.atomic()`` reached through ``sync_to_async``, or in an
+    ``async def`` handler, it joins that transaction and is sent only if it commits.
+    """
+    return await _publish_on_sync_thread(
+        routing_key,
+        payload,
+        exchange=exchange,
+        message_id=message_id,
+        headers=headers,
+        ordering_key=ordering_key,
+        idempotency_key=idempotency_key,
+        deliver_at=deliver_at,
+        delay=delay,
+        expires=expires,
+        using=using,
+    )
+
+
+_publish_on_sync_thread = sync_to_async(publish, thread_sensitive=True)
 
 
 def _encoded(routing_key: str, payload: Any) -> bytes:

@@ -229,3 +229,13 @@ if os.environ.get("RM_TEST_EXTRA_CONSUMER"):
     @consumer(f"{NAMESPACE}.zeta", bindings=["invoice.*"], name="tests.zeta")
     def zeta(message: Message) -> None:
         behave("zeta", message)
+
+
+if os.environ.get("RM_TEST_ASYNC_CONSUMERS"):
+    # The async def handler of tests/integration/consuming/test_async_handlers.py (issue 47),
+    # only in the processes of those tests.
+    from .async_handling import ASYNC_CONSUMER, handle
+
+    @consumer(f"{NAMESPACE}.async", bindings=["async.*"], name=ASYNC_CONSUMER, timeout=1)
+    async def async_handler(message: Message) -> None:
+        await handle(message)

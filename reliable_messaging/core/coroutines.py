@@ -1,0 +1,71 @@
+"""``async def`` handlers, run to completion on the thread that calls them.
+
+:class:`CoroutineHandler` makes a coroutine function a plain callable with asgiref's
+``async_to_sync``: the coroutine runs in an event loop of its own (one per call), and every
+``sync_to_async(thread_sensitive=True)`` call it makes (Django's async ORM) runs back on the
+calling thread, so on that thread's database connection and inside its open transaction.
+
+While the coroutine runs, the calling thread waits on a lock, outside Python, where an exception
+raised in it asynchronously (the time limit's) cannot land. :func:`wake` is how such an
+interrupter reaches it: it cancels the coroutine, the wait ends, and the pending exception
+lands in the calling thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any
+
+_lock = threading.Lock()
+# How to wake each thread that waits on a coroutine, by thread id.
+_wakers: dict[int, Callable[[], None]] = {}
+
+
+@contextlib.contextmanager
+def _wakes(thread: int, waker: Callable[[], None]) -> Iterator[None]:
+    with _lock:
+        _wakers[thread] = waker
+    try:
+        yield
+    finally:
+        with _lock:
+            if _wakers.get(thread) is waker:
+                del _wakers[thread]
+
+
+def wake(thread: int) -> None:
+    """Cancel the coroutine ``thread`` waits on, if any (safe to call again, or from any thread)."""
+    with _lock:
+        waker = _wakers.get(thread)
+    if waker is not None:
+        waker()
+
+
+class CoroutineHandler:
+    """A plain callable that runs the coroutine function ``function`` to its end and returns its
+    result; its thread-sensitive sync calls run on the caller's thread."""
+
+    def __init__(self, function: Callable[..., Coroutine[Any, Any, Any]]) -> None:
+        from asgiref.sync import async_to_sync  # Django's own dependency; core stays importable
+
+        self.function = function
+        self._run = async_to_sync(self._guarded)
+        functools.update_wrapper(self, function)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run(threading.get_ident(), *args, **kwargs)
+
+    async def _guarded(self, thread: int, *args: Any, **kwargs: Any) -> Any:
+        loop, task = asyncio.get_running_loop(), asyncio.current_task()
+        assert task is not None
+
+        def cancel() -> None:
+            with contextlib.suppress(RuntimeError):  # a closed loop: the coroutine is over
+                loop.call_soon_threadsafe(task.cancel)
+
+        with _wakes(thread, cancel):
+            return await self.function(*args, **kwargs)
