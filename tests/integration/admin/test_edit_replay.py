@@ -4,6 +4,7 @@ key, what an edit may fix and what it refuses, and both directions of the link o
 
 from __future__ import annotations
 
+import html
 import json
 from collections.abc import Callable
 from typing import Any
@@ -152,6 +153,35 @@ def test_the_copy_keeps_routing_and_ordering_and_replaces_user_headers(
             letter, payload_text="{}", headers="{}", reason="again", replayed_by="bob (admin)"
         )
     assert Replay.objects.count() == 1
+
+
+@pytest.mark.parametrize(
+    ("payload", "headers", "refusal"),
+    [
+        ('{"order_id": 1042,, "sku": 1}', "{}", "the payload is not valid JSON: Expecting"),
+        (
+            json.dumps({"blob": "x" * (70 * 1024)}),
+            "{}",
+            "over RELIABLE_MESSAGING['MAX_BODY_BYTES'] (65536)",
+        ),
+        ("{}", '{"CC": ["other-queue"]}', "header 'CC' is refused"),
+        ("{}", '{"x-rm-replay-id": 1}', "header 'x-rm-replay-id' is refused"),
+        ("{}", '{"x-death": []}', "header 'x-death' is refused"),
+        ("{}", '{"price": 1.5}', "header 'price' has a value of type float"),
+        ("{}", '["tenant"]', "the headers must be a JSON object"),
+    ],
+    ids=["invalid-json", "too-large", "cc", "x-rm", "x-death", "float", "not-an-object"],
+)
+def test_the_page_shows_each_refusal_and_sends_nothing(
+    admin: Client, make_dead_letter: MakeDeadLetter, payload: str, headers: str, refusal: str
+) -> None:
+    letter = make_dead_letter()
+    form = {"payload": payload, "headers": headers, "reason": "trying", "replay": "1"}
+    response = admin.post(edit_url(letter), form)
+    assert response.status_code == 200
+    assert refusal in html.unescape(response.content.decode())
+    assert not Replay.objects.exists() and not OutboxMessage.objects.exists()
+    assert DeadLetter.objects.get(pk=letter.pk).status == "dead"
 
 
 def test_an_edit_fixes_a_body_that_was_not_json(make_dead_letter: MakeDeadLetter) -> None:
