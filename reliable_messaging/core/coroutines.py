@@ -17,8 +17,12 @@ import asyncio
 import contextlib
 import functools
 import threading
+import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
+
+# How many times (every 10 ms) an interrupted call cancels a coroutine that has not ended.
+ORPHAN_CANCELS = 100
 
 _lock = threading.Lock()
 # How to wake each thread that waits on a coroutine, by thread id.
@@ -57,7 +61,20 @@ class CoroutineHandler:
         functools.update_wrapper(self, function)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._run(threading.get_ident(), *args, **kwargs)
+        thread = threading.get_ident()
+        try:
+            return self._run(thread, *args, **kwargs)
+        except BaseException:
+            # An interrupt can end this thread's wait while the coroutine still runs (cancelled,
+            # its cleanup awaiting a sync call this thread will not run now): cancel it until
+            # it ends, so that no coroutine outlives its call, for a bounded time.
+            for _ in range(ORPHAN_CANCELS):
+                with _lock:
+                    if thread not in _wakers:
+                        break
+                wake(thread)
+                time.sleep(0.01)
+            raise
 
     async def _guarded(self, thread: int, *args: Any, **kwargs: Any) -> Any:
         loop, task = asyncio.get_running_loop(), asyncio.current_task()
