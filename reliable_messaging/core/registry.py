@@ -203,7 +203,7 @@ def consumer(
     An ``async def`` handler runs the same way, on the delivery's worker thread and inside its
     transaction: what it awaits through Django's async ORM or ``sync_to_async`` runs on that
     thread's connection. It gains ``await``, not concurrency
-(``docs/concepts.md#async-handlers-and-apublish``).
+    (``docs/concepts.md#async-handlers-and-apublish``).
     """
     delays = _validate(queue, bindings, max_attempts, retry_delays)
     seconds = _seconds(queue, "timeout", timeout, or_timedelta=False)
