@@ -56,8 +56,8 @@ class ReliableTaskBackend(BaseTaskBackend):
     supports_defer = True
     supports_get_result = True
     supports_priority = False
-    # An async def task runs through the framework's Task.call (async_to_sync) on the
-    # delivery's worker thread: its ORM calls (the async ORM, sync_to_async's thread-sensitive
+    # An async def task runs on the delivery's worker thread as an async def handler does
+    # (core/coroutines.py): its ORM calls (the async ORM, sync_to_async's thread-sensitive
     # default) come back to that thread, so to its connection and transaction.
     supports_async_task = True
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import datetime as dt
+import inspect
 import logging
 import os
 import socket
@@ -24,6 +25,7 @@ from django.db import DatabaseError, router
 from django.utils import timezone
 
 from ..choices import TaskRunStatus
+from ..core.coroutines import CoroutineHandler
 from ..core.envelope import Message
 from ..core.registry import ConsumerSpec
 from ..exceptions import DatabaseUnavailable, PermanentError
@@ -141,10 +143,13 @@ def run_task(message: Message) -> None:
         if run is None:
             raise TaskRunMissing(task_id)
     task = task_of(run) if attempts is None else attempts.task_of(run)
+    # An async def task through CoroutineHandler, not the framework's Task.call: that one's wait
+    # blocks the thread where the time limit's interrupt cannot land.
+    call = CoroutineHandler(task.func) if inspect.iscoroutinefunction(task.func) else task.func
     if task.takes_context:
-        value = task.call(TaskContext(task_result=result_of(run, task)), *run.args, **run.kwargs)
+        value = call(TaskContext(task_result=result_of(run, task)), *run.args, **run.kwargs)
     else:
-        value = task.call(*run.args, **run.kwargs)
+        value = call(*run.args, **run.kwargs)
     try:
         stored = json_value(value)
     except NotJSON as exc:

@@ -5,6 +5,7 @@ failed attempt's effect rolls back with it."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -83,6 +84,14 @@ async def async_fails_before(context: TaskContext, attempts: int) -> str:
     if context.attempt < attempts:
         raise Flaky(f"attempt {context.attempt} of {attempts}")
     return f"succeeded at attempt {context.attempt}"
+
+
+@task(takes_context=True)
+async def async_sleeps_at_first(context: TaskContext) -> str:
+    """Awaits far past any short time limit on its first attempt, returns on the next."""
+    if context.attempt == 1:
+        await asyncio.sleep(60)
+    return f"returned at attempt {context.attempt}"
 
 
 @task

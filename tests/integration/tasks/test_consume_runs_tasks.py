@@ -41,3 +41,25 @@ def test_consume_runs_the_tasks_of_the_queues_it_is_given(
         assert proc.wait(60) == 0, proc.log()
     finally:
         proc.close()
+
+
+def test_the_time_limit_interrupts_an_async_task_and_the_next_attempt_runs(
+    ns: str, tasks_settings: TaskQueues, transactional_db: Any, tmp_path: Path
+) -> None:
+    """An ``async def`` task awaiting past ``HANDLER_TIMEOUT`` is interrupted like a handler:
+    the attempt fails as a timeout and the process stays up to run the next one (the
+    framework's own ``Task.call`` blocks the thread where the interrupt cannot land, and the
+    process would exit with code 3 past the grace)."""
+    env = subprocess_env(ns, RM_TEST_TASKS="1", RM_TEST_HANDLER_TIMEOUT="1")
+    proc = ConsumeProcess(["--queue", tasks_settings.amqp_queue("default")], env, tmp_path / "log")
+    try:
+        proc.wait_consuming()
+        result = tasks.async_sleeps_at_first.enqueue()
+        until_status(result, "SUCCESSFUL", timeout=60)
+        assert result.return_value == "returned at attempt 2"
+        assert result.attempts == 2 and len(result.errors) == 1
+        assert "outcome=timeout" in proc.log(), proc.log()
+        proc.send(signal.SIGTERM)
+        assert proc.wait(60) == 0, proc.log()
+    finally:
+        proc.close()
