@@ -13,7 +13,7 @@ import datetime as dt
 import json
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, is_typeddict
 
 from django.db import router
 from django.utils import timezone
@@ -91,7 +91,7 @@ def deliver(
         routing_key = (spec.bindings or ("",))[0]
     queues = consumer_queues(spec)
     delivery = Delivery(
-        body=encode_payload(payload) if body is None else body,
+        body=_body_of(spec, payload) if body is None else body,
         queue=routing_key if exchange == "" and routing_key in queues else queues[0],
         exchange=exchange,
         routing_key=routing_key,
@@ -102,6 +102,16 @@ def deliver(
         headers=all_headers,
     )
     return DeliveryProcessor(spec).process(delivery)
+
+
+def _body_of(spec: ConsumerSpec, payload: Any) -> bytes:
+    """``payload`` encoded as ``publish()`` encodes it; an object of the consumer's declared type
+    (a pydantic model or a dataclass) in that type's JSON form."""
+    contract = spec.payload
+    declared = None if contract is None or is_typeddict(contract.type) else contract.type
+    if isinstance(declared, type) and isinstance(payload, declared):
+        return contract.encode(payload)  # type: ignore[union-attr]
+    return encode_payload(payload)
 
 
 def published(routing_key: str | None = None, *, using: str | None = None) -> list[Message]:

@@ -251,6 +251,10 @@ def test_reliable_messaging_testing_runs_the_same_stage(ns: str) -> None:
     assert len(handled.given(billing.name)) == 1
     letter = DeadLetter.objects.get(consumer=billing.name, message_id="no-amount")
     assert letter.exception_message.endswith("amount: Field required")
+    # An object of the type is sent in its JSON form, as publish() sends it.
+    typed = OrderPlaced(order_id=3, amount=decimal.Decimal("4.50"), lines=[Line(sku="A")])
+    assert deliver(billing, typed) == Acknowledge("processed")
+    assert handled.given(billing.name)[-1] == typed
 
 
 def test_a_mismatch_in_a_batch_is_screened_and_the_rest_commit_together(ns: str) -> None:
