@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import decimal
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +24,7 @@ from reliable_messaging.choices import DeadLetterReason, DeadLetterStatus, Outbo
 from reliable_messaging.consuming.processing import DeliveryProcessor, process_batch
 from reliable_messaging.consuming.stage import Job
 from reliable_messaging.contracts import PayloadInvalid, published_registry, publishes
-from reliable_messaging.core.envelope import Delivery, encode_payload
+from reliable_messaging.core.envelope import PUBLISHED_AT_HEADER, Delivery, encode_payload
 from reliable_messaging.core.outcomes import Acknowledge
 from reliable_messaging.core.registry import ConsumerSpec, registry
 from reliable_messaging.dead_letters.replay import replay
@@ -255,6 +256,29 @@ def test_reliable_messaging_testing_runs_the_same_stage(ns: str) -> None:
     typed = OrderPlaced(order_id=3, amount=decimal.Decimal("4.50"), lines=[Line(sku="A")])
     assert deliver(billing, typed) == Acknowledge("processed")
     assert handled.given(billing.name)[-1] == typed
+
+
+def test_an_expired_message_is_expired_whatever_its_payload(ns: str) -> None:
+    """Declared payloads meet expiry: the expiry screen comes first, so a message past its
+    consumer's max_age is expired (kept as the consumer's ``on_expiry`` says) even when its
+    payload does not match; one in time that does not match is ``invalid_payload``. Neither
+    runs the handler or spends an attempt."""
+    handled = Handled()
+    spec = recording_spec(ns, "late", handled, OrderPlaced, max_age=60.0, on_expiry="dead_letter")
+    two_hours_ago = int((time.time() - 7200) * 1000)
+    late = deliver(
+        spec, {"order_id": 1}, message_id="late", headers={PUBLISHED_AT_HEADER: two_hours_ago}
+    )
+    in_time = deliver(spec, {"order_id": 2}, message_id="in-time")
+    assert isinstance(late, Acknowledge), late  # acked, never retried
+    assert in_time == Acknowledge("dead_lettered", "invalid_payload")
+    letters = {
+        letter.message_id: letter for letter in DeadLetter.objects.filter(consumer=spec.name)
+    }
+    assert letters["late"].reason == DeadLetterReason.EXPIRED
+    assert letters["in-time"].reason == DeadLetterReason.INVALID_PAYLOAD
+    assert {letter.attempts for letter in letters.values()} == {1}
+    assert handled.given(spec.name) == []
 
 
 def test_a_mismatch_in_a_batch_is_screened_and_the_rest_commit_together(ns: str) -> None:
