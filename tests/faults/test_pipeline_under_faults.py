@@ -157,9 +157,12 @@ def test_publishers_blocked_by_a_memory_alarm_then_released(rig: FaultRig) -> No
                 "blocked" in connection_states(rig.vhost)
                 or "the broker blocked the connection" in relay.log()
             ),
-            timeout=30,
+            timeout=60,  # generous: on a loaded host the relay's next batch can come late
             interval=0.2,
-            message=lambda: f"a blocked relay; states: {connection_states(rig.vhost)}",
+            message=lambda: (
+                f"a blocked relay; states: {connection_states(rig.vhost)}; the relay's log:\n"
+                f"{relay.log()[-3000:]}"
+            ),
         )
         traffic.wait_published(traffic.published + 45)
     rig.assert_exactly_once()

@@ -25,8 +25,9 @@ from reliable_messaging.choices import OutboxStatus
 from reliable_messaging.conf import messaging_settings
 from reliable_messaging.models import OutboxMessage
 from reliable_messaging.publishing import wake_after_commit
+from reliable_messaging.publishing.claims import OutboxClaims
 from reliable_messaging.publishing.listener import NOTIFY_CHANNEL, listen_conninfo
-from reliable_messaging.publishing.scheduling import TRAIL_FIRST, TRAIL_LAST
+from reliable_messaging.publishing.scheduling import TRAIL_LAST
 from reliable_messaging.publishing.wake_after_commit import (
     MAX_SPACING,
     SPACING,
@@ -252,11 +253,18 @@ def test_a_relay_that_sent_rows_finds_the_next_ones_without_a_wake_up_then_sleep
     committed with no wake-up at all, one every 20 ms, are sent as they come; once they stop,
     the relay stops looking within the trail and sleeps until woken."""
     assert MAX_SPACING < TRAIL_LAST  # a held-back wake-up is never needed during a trail
-    trail, step = 0.0, TRAIL_FIRST
-    while step <= TRAIL_LAST:
-        trail, step = trail + step, step * 2
     # Polling every 30 s: within this test, only a wake-up or the trail explains a delivery.
     ob.set(RELAY_POLL_INTERVAL=30.0)
+    # When the relay claims, seen from here: the trail's end is observed, not timed, so a
+    # loaded machine (claims that take longer) cannot make the relay look as if it kept polling.
+    looked_at: list[float] = []
+    claim = OutboxClaims.claim
+
+    def counted(claims: OutboxClaims) -> Any:
+        looked_at.append(time.monotonic())
+        return claim(claims)
+
+    monkeypatch.setattr(OutboxClaims, "claim", counted)
     queue = ob.queue()
     relay = ob.relay_thread()
     publish("trail.warmup", {"n": 0})  # announced: the relay sends it and begins its trail
@@ -278,10 +286,20 @@ def test_a_relay_that_sent_rows_finds_the_next_ones_without_a_wake_up_then_sleep
     # Sent while the stream went on, not in one sweep at its end.
     assert sent_as_they_came >= 25, sent_as_they_came
 
-    time.sleep(trail + 0.5)  # past the trail: the relay sleeps
+    # The trail ends: the relay stops claiming, for longer than the trail's longest wait (its
+    # waits double from TRAIL_FIRST to TRAIL_LAST, about 1.3 s in all on a quiet machine).
+    quiet_for = TRAIL_LAST + 2.0
+    wait_until(
+        lambda: time.monotonic() - looked_at[-1] > quiet_for,
+        timeout=30,
+        interval=0.1,
+        message="the relay stopping its claims after the trail",
+    )
+    looked = len(looked_at)
     late = publish("trail.late", {"n": 0})
     time.sleep(1.5)
-    assert ob.broker.count(queue) == 51, "the relay kept polling after its trail"
+    assert len(looked_at) == looked, "the relay kept polling after its trail"
+    assert ob.broker.count(queue) == 51
     monkeypatch.setitem(wake_after_commit._can_notify, "default", True)
     woken = publish("trail.woken", {"n": 0})
     wait_until(lambda: ob.broker.count(queue) == 53, timeout=5, message="a wake-up sends both")
