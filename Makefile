@@ -15,10 +15,8 @@ PYTEST_ARGS ?=
 MATRIX ?= 1
 TEST_WORKERS ?= 3
 WORKERS = -n $(TEST_WORKERS)
-# 1: `make test` runs its last part in three lanes side by side (see test:); 0: in turn. In
-# turn by default: side by side, on two cores, timing-sensitive tests of the PgBouncer slice and
-# the memory alarm failed.
-TEST_LANES ?= 0
+# 1: `make test` runs its last part in three lanes side by side (see test:); 0: in turn.
+TEST_LANES ?= 1
 # Run once more through a transaction-pooling PgBouncer (tests/conftest.py, RM_TEST_PGBOUNCER):
 # a representative part of the e2e and publishing slices: consume's life and faults, a replay,
 # publish -> relay -> consume -> publish, the relay, the wake-ups, scheduled rows and their
@@ -136,8 +134,8 @@ test: venv services
 	@# 2. Those that stop PostgreSQL or Redis (serial and stops_storage, tests/conftest.py), alone.
 	@#    The version matrix's two ends (noxfile.py: the newest Python and Django, and the lowest
 	@#    versions setup.cfg admits) install their virtualenvs meanwhile.
-	@# 3. Three lanes, in turn (TEST_LANES=1: side by side, as each breaks only what the others
-	@#    do not use):
+	@# 3. Three lanes side by side, as each breaks only what the others do not use (TEST_LANES=0:
+	@#    in turn):
 	@#    - the serial tests that stop or alarm the node on 5672 (serial and stops_broker); then
 	@#      PGBOUNCER_TESTS, every connection through a PgBouncer in transaction mode; then, once
 	@#      the cluster lane is done, the matrix's two ends on the version-sensitive slice
@@ -182,7 +180,8 @@ test: venv services
 		timed "the matrix's two ends (nox -s ci)" $(BIN)/nox -R -s ci; \
 	}; \
 	show() { echo "==================== $$1 (exit $$2) ===================="; cat "$$logs/$$1.log"; }; \
-	rc=0; timed "parallel" run $(BIN)/pytest $(WORKERS) -m "not serial" $(PYTEST_ARGS) || rc=$$?; \
+	rc=0; timed "parallel" run $(BIN)/pytest $(WORKERS) -m "not serial" --durations=25 \
+		$(PYTEST_ARGS) || rc=$$?; \
 	nox_install_pid=; [[ "$(MATRIX)" == 0 ]] || { \
 		$(BIN)/nox -s ci --install-only >"$$logs/nox-install.log" 2>&1 & nox_install_pid=$$!; }; \
 	rc2=0; timed "serial, PostgreSQL and Redis" run $(BIN)/pytest -m "serial and stops_storage" \
