@@ -34,6 +34,7 @@ from .. import metrics, tracing
 from ..choices import DeadLetterReason
 from ..conf import messaging_settings
 from ..consuming.crash_guard import CrashGuard
+from ..core.backoff import Backoff
 from ..core.database_errors import (
     CONFLICT_RETRIES,
     DatabaseTrouble,
@@ -53,7 +54,8 @@ logger = logging.getLogger(__name__)
 
 # One WARNING per outage for the whole worker process, not a traceback per task.
 _outage = OutageLog(logger)
-# Seconds before a task's message goes back to the queue while the database is unavailable.
+# The first wait before a task held by an unavailable database runs again; the waits double up
+# to RECONNECT_MAX_DELAY, and past the hold bound the message goes back to its queue.
 UNAVAILABLE_PAUSE = 1.0
 
 P = ParamSpec("P")
@@ -246,58 +248,73 @@ def idempotent_task(
             message_id = inbox_key(raw_key)
             alias = using or router.db_for_write(ProcessedMessage)
             request = task.request if task is not None else None
-            with tracing.running_task(request, name, message_id) as traced:
-                guard = None
-                if task is not None and _redelivered(task):
-                    # A pool child may have died on it: the guard's mark commits before the
-                    # body's transaction opens, so it outlives a SIGKILL.
-                    guard = CrashGuard(messaging_settings.crash_limit, using=alias)
-                    try:
-                        looping = _dead_letter_if_crash_looping(
-                            guard, task, name, message_id, task_args, kwargs
-                        )
-                    except DatabaseError as exc:
-                        if classify(exc) is DatabaseTrouble.UNAVAILABLE:
-                            traced.settle("held", "the database is unavailable")
-                            _hold(task, name, message_id, exc)
-                        raise
-                    if looping:
-                        traced.settle(OutcomeLabel.DEAD_LETTERED, DeadLetterReason.WORKER_CRASHED)
-                        return None  # Celery acks it, and the queue moves on
+            hold = _Hold(task, name, message_id, alias)
+            while True:
                 try:
-                    result = _run_retrying_conflicts(
-                        functools.partial(
-                            _run_in_inbox, body, args, kwargs, task, name, message_id, alias, traced
-                        ),
-                        name,
-                        message_id,
-                        alias,
-                    )
-                except BaseException as exc:
-                    if (
-                        isinstance(exc, DatabaseError)
-                        and classify(exc) is DatabaseTrouble.UNAVAILABLE
-                    ):
-                        # Not the task's failure: nothing is charged, the message goes back.
-                        if guard is not None:
-                            _interrupted(guard, name, message_id)
-                        traced.settle("held", "the database is unavailable")
-                        _hold(task, name, message_id, exc)
-                    # An exception is an outcome; SystemExit and MemoryError end the child, and
-                    # the redelivery counts the death as if it were a SIGKILL.
-                    outcome = isinstance(exc, Exception) and not isinstance(exc, MemoryError)
-                    if guard is not None and outcome:
-                        _forget(guard, name, message_id)
-                    raise
-                _outage.recovered()
-                if guard is not None:
-                    _forget(guard, name, message_id)
-                return result
+                    return _run_once_traced(body, args, kwargs, task_args, request, hold)
+                except _RunAgain:
+                    continue
 
         _idempotent_bodies.add(run_once)
         return run_once
 
     return decorate if func is None else decorate(func)
+
+
+def _run_once_traced(
+    body: Callable[..., R],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    task_args: tuple[Any, ...],
+    request: Any,
+    hold: _Hold,
+) -> R | None:
+    """One run of an idempotent task's body in its inbox transaction, in its trace."""
+    task, name, message_id, alias = hold.task, hold.name, hold.message_id, hold.alias
+    with tracing.running_task(request, name, message_id) as traced:
+        guard = None
+        if task is not None and _redelivered(task):
+            # A pool child may have died on it: the guard's mark commits before the
+            # body's transaction opens, so it outlives a SIGKILL.
+            guard = CrashGuard(messaging_settings.crash_limit, using=alias)
+            try:
+                looping = _dead_letter_if_crash_looping(
+                    guard, task, name, message_id, task_args, kwargs
+                )
+            except DatabaseError as exc:
+                if classify(exc) is DatabaseTrouble.UNAVAILABLE:
+                    traced.settle("held", "the database is unavailable")
+                    hold.wait(exc)
+                raise
+            if looping:
+                traced.settle(OutcomeLabel.DEAD_LETTERED, DeadLetterReason.WORKER_CRASHED)
+                return None  # Celery acks it, and the queue moves on
+        try:
+            result = _run_retrying_conflicts(
+                functools.partial(
+                    _run_in_inbox, body, args, kwargs, task, name, message_id, alias, traced
+                ),
+                name,
+                message_id,
+                alias,
+            )
+        except BaseException as exc:
+            if isinstance(exc, DatabaseError) and classify(exc) is DatabaseTrouble.UNAVAILABLE:
+                # Not the task's failure: nothing is charged, the message goes back.
+                if guard is not None:
+                    _interrupted(guard, name, message_id)
+                traced.settle("held", "the database is unavailable")
+                hold.wait(exc)
+            # An exception is an outcome; SystemExit and MemoryError end the child, and
+            # the redelivery counts the death as if it were a SIGKILL.
+            outcome = isinstance(exc, Exception) and not isinstance(exc, MemoryError)
+            if guard is not None and outcome:
+                _forget(guard, name, message_id)
+            raise
+        _outage.recovered()
+        if guard is not None:
+            _forget(guard, name, message_id)
+        return result
 
 
 def _run_retrying_conflicts(run: Callable[[], R], name: str, message_id: str, alias: str) -> R:
@@ -328,16 +345,40 @@ def _run_retrying_conflicts(run: Callable[[], R], name: str, message_id: str, al
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _hold(task: Task | None, name: str, message_id: str, exc: DatabaseError) -> NoReturn:
-    """The database is unavailable: the task message goes back to its queue after a pause
-    (outside a worker, :class:`DatabaseUnavailable` is raised instead)."""
-    _outage.held([message_id], exc, UNAVAILABLE_PAUSE)
-    if task is None or getattr(task.request, "is_eager", False):
-        raise DatabaseUnavailable(
-            f"database unavailable for message_id={message_id} task={name}: {exc}"
-        ) from exc
-    time.sleep(UNAVAILABLE_PAUSE)
-    raise Reject(f"database unavailable: {exc}", requeue=True) from exc
+class _RunAgain(Exception):
+    """The database was unavailable and the task, still held, runs again."""
+
+
+class _Hold:
+    """A worker's task that the database cannot take: held unacked and run again after a
+    wait, as ``consume`` holds a delivery, until it is back or the hold bound
+    (``max_hold_seconds``) has passed; only then does the message go back to its queue, so
+    an outage does not spend a quorum queue's delivery limit once a second. Outside a
+    worker, :class:`DatabaseUnavailable` is raised instead."""
+
+    def __init__(self, task: Task | None, name: str, message_id: str, alias: str) -> None:
+        self.task, self.name, self.message_id, self.alias = task, name, message_id, alias
+        self.since = time.monotonic()
+        self.waits = Backoff(UNAVAILABLE_PAUSE, messaging_settings.reconnect_max_delay)
+
+    def wait(self, exc: DatabaseError) -> NoReturn:
+        task = self.task
+        if task is None or getattr(task.request, "is_eager", False):
+            raise DatabaseUnavailable(
+                f"database unavailable for message_id={self.message_id} task={self.name}: {exc}"
+            ) from exc
+        delay = self.waits.next()
+        _outage.held([self.message_id], exc, delay)
+        connection = transaction.get_connection(self.alias)
+        if (
+            connection.in_atomic_block
+            or time.monotonic() - self.since + delay > messaging_settings.max_hold_seconds
+        ):
+            time.sleep(UNAVAILABLE_PAUSE)
+            raise Reject(f"database unavailable: {exc}", requeue=True) from exc
+        time.sleep(delay)
+        connection.close()  # the next run opens a new one, as after a failover
+        raise _RunAgain from exc
 
 
 def _interrupted(guard: CrashGuard, scope: str, message_id: str) -> None:
