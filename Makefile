@@ -33,18 +33,19 @@ PGBOUNCER_TESTS ?= tests/e2e/test_consume_command.py tests/e2e/test_replay_end_t
 # differ: consume end to end, ordered partitions (single active consumer, the consistent-hash
 # exchange), poison messages and the crash guard, quorum queues and their `.dead`, the broker
 # closing and cancelling channels, topology, the relay with its refusals and reconnects and the
-# consumers' topology it declares, replay, foreign producers, the management API's figures,
-# delay queues that hand a retry on at least once, the breaker where it meets ordered
-# partitions, quorum delivery limits and the crash guard, features meeting in one process, and
-# a row the broker closes the connection on. Before it, RABBITMQ4_SERIAL_TESTS, the serial
-# tests that stop, alarm or act inside that node, beside the serial tests of the 3.10 node and
-# of the cluster: none of them uses the 4.x nodes, and none of these stops PostgreSQL or touches
-# the 3.10 node. After it, RABBITMQ40_TESTS against RabbitMQ 4.0.5 (scripts/rabbitmq4.sh,
-# RM_TEST_BROKER=rabbitmq4), the 4.x line's oldest end: the files whose behaviour differs
-# between 4.0 and 4.3 (what counts toward a quorum queue's delivery limit, the count a
-# dead-lettered message keeps, poison messages and the crash guard, the frame a row closes the
-# connection on). The tests that name the brokers themselves (test_broker_versions.py,
-# test_inspection.py, test_relay_broker_limits.py) run in the first stage, on all three.
+# consumers' topology it declares, replay, foreign producers, the management API's figures, delay
+# queues that hand a retry on at least once, the breaker where it meets ordered partitions, quorum
+# delivery limits and the crash guard, features meeting in one process, a row the broker
+# closes the connection on, and the order of tasks by priority. Before it, RABBITMQ4_SERIAL_TESTS,
+# the serial tests that stop, alarm or act inside that node, beside the serial tests of the 3.10
+# node and of the cluster: none of them uses the 4.x nodes, and none of these stops PostgreSQL or
+# touches the 3.10 node. After it, RABBITMQ40_TESTS against RabbitMQ 4.0.5 (scripts/rabbitmq4.sh,
+# RM_TEST_BROKER=rabbitmq4), the 4.x line's oldest end: the files whose behaviour differs between
+# 4.0 and 4.3 (what counts toward a quorum queue's delivery limit, the count a dead-lettered
+# message keeps, poison messages and the crash guard, the frame a row closes the connection on,
+# the order a quorum queue hands out tasks of different priorities). The tests that name the
+# brokers themselves (test_broker_versions.py, test_inspection.py, test_relay_broker_limits.py)
+# run in the first stage, on all three.
 RABBITMQ4_TESTS ?= tests/e2e/test_consume_command.py tests/e2e/test_ordering.py \
 	tests/e2e/test_replay_end_to_end.py tests/faults/test_poison_pills.py \
 	tests/faults/test_broker_closes.py tests/faults/test_foreign_producers.py \
@@ -64,10 +65,12 @@ RABBITMQ4_TESTS ?= tests/e2e/test_consume_command.py tests/e2e/test_ordering.py 
 	tests/integration/ops/test_health.py tests/e2e/test_relay_declares_topology.py \
 	tests/e2e/test_breaker_meets.py tests/e2e/test_features_meet.py \
 	tests/integration/consuming/test_features_meet.py \
-	tests/integration/publishing/test_relay_row_isolation.py
+	tests/integration/publishing/test_relay_row_isolation.py \
+	tests/integration/tasks/test_task_priorities.py
 RABBITMQ40_TESTS ?= tests/faults/test_poison_pills.py tests/faults/test_broker_closes.py \
 	tests/e2e/test_features_meet.py tests/integration/consuming/test_features_meet.py \
-	tests/integration/publishing/test_relay_row_isolation.py
+	tests/integration/publishing/test_relay_row_isolation.py \
+	tests/integration/tasks/test_task_priorities.py
 RABBITMQ4_SERIAL_TESTS ?= \
 	tests/faults/test_broker_closes.py::test_a_channel_the_broker_closes_mid_handler_is_noticed_and_nothing_is_lost \
 	tests/faults/test_broker_closes.py::test_healthz_is_unhealthy_while_the_broker_keeps_the_consumer_off \

@@ -116,6 +116,9 @@ class PikaTransport:
         return pika.BasicProperties(
             content_type=original.content_type or CONTENT_TYPE,
             delivery_mode=pika.DeliveryMode.Persistent,
+            # Kept, so a retried task waits in its queue with its priority (the delay queue
+            # dead-letters it back with its properties unchanged).
+            priority=original.priority,
             message_id=original.message_id,
             timestamp=original.timestamp,
             headers=wire_headers(headers),

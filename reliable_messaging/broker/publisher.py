@@ -20,6 +20,7 @@ from pika.spec import Basic, BasicProperties
 
 from ..conf import MessagingSettings
 from ..core.envelope import CONTENT_TYPE
+from ..core.priorities import priority_of_headers
 from .probes import ExchangeProbe
 from .queues import scrub_broker_secrets
 from .topology import connection_parameters
@@ -165,10 +166,12 @@ class PublisherTransport(Protocol):
 
 
 def message_properties(message_id: str, timestamp: int, headers: dict[str, Any]) -> BasicProperties:
-    """The properties of a message the relay sends: JSON, persistent, with its id and headers."""
+    """The properties of a message the relay sends: JSON, persistent, with its id, its headers
+    and the priority its ``x-rm-priority`` header asks for (a task's, see core/priorities.py)."""
     return BasicProperties(
         content_type=CONTENT_TYPE,
         delivery_mode=pika.DeliveryMode.Persistent,
+        priority=priority_of_headers(headers),
         message_id=message_id,
         timestamp=timestamp,
         headers=headers,

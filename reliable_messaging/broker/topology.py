@@ -19,6 +19,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 from ..conf import MessagingSettings, messaging_settings
 from ..core.delays import delay_name
 from ..core.envelope import ORDERING_KEY_HEADER
+from ..core.priorities import MAX_PRIORITY
 from ..core.registry import ConsumerSpec
 from ..exceptions import TopologyMismatchError
 from .replies import COMMAND_INVALID, NOT_FOUND, PRECONDITION_FAILED
@@ -75,9 +76,14 @@ def queue_arguments(
     *,
     ordered: bool = False,
     dead_letter_to: str | None = None,
+    priorities: bool = False,
 ) -> dict[str, Any]:
     # The type always stated: a vhost can make quorum its default type (RabbitMQ 3.11+).
     arguments: dict[str, Any] = {"x-queue-type": settings.queue_type}
+    if priorities and settings.queue_type == "classic":
+        # A quorum queue refuses the argument (3.10 to 4.3): from 4.0 it orders by priority
+        # without one (docs/tasks.md#priorities).
+        arguments["x-max-priority"] = MAX_PRIORITY
     if settings.queue_type == "quorum":
         # The broker's own guard against a message that crashes its consumer before any ack.
         arguments["x-delivery-limit"] = settings.quorum_delivery_limit
@@ -128,7 +134,14 @@ class _Declarer(Declared):
             raise exc
         queue_type = "quorum" if wanted.get("x-queue-type") == "quorum" else "classic"
         hint = ""
-        if "x-queue-type" in str(exc.reply_text):
+        if "x-max-priority" in str(exc.reply_text):
+            hint = (
+                " Task queues are declared with x-max-priority so that a classic queue honours "
+                "the tasks' priorities, and no policy can add it to an existing queue: stop the "
+                "relay, let the consumers empty the queue with the old declaration, then delete "
+                "the queue and start again (docs/tasks.md#priorities)."
+            )
+        elif "x-queue-type" in str(exc.reply_text):
             hint = (
                 f" A queue's type cannot change in place: to move to {queue_type} queues, run "
                 f"the consumers with the old QUEUE_TYPE until the queue is empty (stop the relay "
@@ -217,7 +230,9 @@ def declare_topology(
             _declare_partitions(declarer, spec, settings, dead_letter_to)
             continue
         arguments = _arguments_the_broker_takes(
-            declarer.channel, spec.queue, queue_arguments(settings, dead_letter_to=dead_letter_to)
+            declarer.channel,
+            spec.queue,
+            queue_arguments(settings, dead_letter_to=dead_letter_to, priorities=spec.priorities),
         )
 
         def bind(channel: BlockingChannel, spec: ConsumerSpec = spec) -> None:
@@ -355,7 +370,9 @@ def _declare_partitions(
         declarer.channel.exchange_bind(
             exchange, consumer_exchange(spec, settings), routing_key=binding
         )
-    wanted = queue_arguments(settings, ordered=True, dead_letter_to=dead_letter_to)
+    wanted = queue_arguments(
+        settings, ordered=True, dead_letter_to=dead_letter_to, priorities=spec.priorities
+    )
     for queue in consumer_queues(spec, settings):
         arguments = _arguments_the_broker_takes(declarer.channel, queue, wanted)
 

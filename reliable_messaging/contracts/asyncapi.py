@@ -375,7 +375,10 @@ class _Document:
             "messages": {m: {"$ref": f"#/components/messages/{m}"} for m in messages},
             "bindings": self._queue_binding(spec.queue),
             "x-queue-arguments": queue_arguments(
-                settings, ordered=spec.ordered, dead_letter_to=dead_letter_to
+                settings,
+                ordered=spec.ordered,
+                dead_letter_to=dead_letter_to,
+                priorities=spec.priorities,
             ),
             "x-bound-to": bound_to,
         }

@@ -25,6 +25,7 @@ from django.db import router, transaction
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
+from ..core.priorities import PRIORITY_HEADER, amqp_priority
 from ..core.registry import ConsumerRegistry, registry
 from ..core.uuid7 import new_message_id
 from ..models import TaskRun
@@ -50,12 +51,13 @@ class ReliableTaskBackend(BaseTaskBackend):
 
     ``supports_defer``: ``run_after`` is the outbox's scheduled delivery. ``supports_get_result``:
     every attempt is written to ``TaskRun`` rows any process reads. ``supports_async_task``:
-    a coroutine task runs on the delivery's worker thread, in its transaction. Not (yet)
-    priorities (their queue argument and ordering are not built)."""
+    a coroutine task runs on the delivery's worker thread, in its transaction.
+    ``supports_priority``: a task's priority is its message's AMQP priority, which the task
+    queues are declared to honour where the broker can (``docs/tasks.md#priorities``)."""
 
     supports_defer = True
     supports_get_result = True
-    supports_priority = False
+    supports_priority = True
     # An async def task runs on the delivery's worker thread as an async def handler does
     # (core/coroutines.py): its ORM calls (the async ORM, sync_to_async's thread-sensitive
     # default) come back to that thread, so to its connection and transaction.
@@ -100,6 +102,8 @@ class ReliableTaskBackend(BaseTaskBackend):
                 self.task_queues.amqp_queue(task.queue_name),
                 {"task_id": task_id, "task": task.module_path},
                 message_id=task_id,
+                # The relay sends it as the message's priority property.
+                headers={PRIORITY_HEADER: amqp_priority(task.priority)},
                 deliver_at=run_after,
                 using=using,
             )

@@ -47,6 +47,9 @@ class ConsumerSpec:
     # The declared payload type: a message that does not match it is a dead letter
     # (invalid_payload) before the handler runs, and the handler's message.payload is its object.
     payload: Contract | None = None
+    # Its messages carry priorities (the task queues'): a classic queue is declared with
+    # x-max-priority (core/priorities.py), which it cannot be given later.
+    priorities: bool = False
 
     @property
     def function(self) -> Callable[..., Any]:

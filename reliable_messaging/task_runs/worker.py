@@ -170,6 +170,7 @@ def consumer_specs(queues: TaskQueues) -> list[ConsumerSpec]:
             bindings=(queues.amqp_queue(queue_name),),
             max_attempts=queues.max_attempts,
             retry_delays=queues.retry_delays,
+            priorities=True,
         )
         for queue_name in queues.queues
     ]

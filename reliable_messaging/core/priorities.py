@@ -1,0 +1,46 @@
+"""Message priorities on the broker: the framework's task priority (-100 to 100, default 0) as
+an AMQP ``priority`` (0 to :data:`MAX_PRIORITY`), and the header the outbox keeps it in.
+
+The levels are chosen so that every queue type draws the line where a user expects it:
+the default 0 is AMQP 4, which a RabbitMQ 4.x quorum queue also gives a message without a
+priority; a positive priority is 5 or more, RabbitMQ 4.0's "high"; a negative one is 0 to 3.
+``docs/tasks.md#priorities`` says what each broker and queue type does with them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+# The outbox row's record of a message's AMQP priority (the relay sets the property from it;
+# retried and replayed copies keep it, as they keep every header).
+PRIORITY_HEADER = "x-rm-priority"
+# The highest AMQP priority we send: a classic queue of tasks is declared with this
+# x-max-priority (10 levels, RabbitMQ's advice for classic priority queues).
+MAX_PRIORITY = 9
+# What the framework's default priority 0 becomes.
+DEFAULT_PRIORITY = 4
+LOWEST, HIGHEST = -100, 100
+# AMQP's priority property is an octet.
+_OCTET = 255
+
+
+def amqp_priority(priority: int) -> int:
+    """``priority`` (-100 to 100) as an AMQP priority: 0 is 4; 1 to 100 are 5 to 9 (20 each);
+    -100 to -1 are 0 to 3 (25 each)."""
+    if priority > 0:
+        return DEFAULT_PRIORITY + math.ceil(
+            min(priority, HIGHEST) * (MAX_PRIORITY - DEFAULT_PRIORITY) / HIGHEST
+        )
+    if priority < 0:
+        return DEFAULT_PRIORITY - math.ceil(max(priority, LOWEST) * DEFAULT_PRIORITY / LOWEST)
+    return DEFAULT_PRIORITY
+
+
+def priority_of_headers(headers: Any) -> int | None:
+    """The AMQP priority a message's headers ask for, or None (no header, or a value the
+    priority property cannot carry: a header is not ours to trust)."""
+    value = headers.get(PRIORITY_HEADER) if isinstance(headers, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _OCTET:
+        return None
+    return value
