@@ -13,6 +13,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..core.priorities import MAX_PRIORITY as MAX_TASK_PRIORITY
+
 Severity = Literal["error", "warning", "info"]
 OurQueueKind = Literal["consumer", "dead", "delay"]
 SEVERITIES: tuple[Severity, ...] = ("error", "warning", "info")
@@ -28,6 +30,9 @@ QUEUE_EVALUATES_CONSUMER_TIMEOUT_SINCE = (4, 3)
 # wins for the others.
 ARGUMENT_WINS = frozenset({"dead-letter-exchange", "dead-letter-routing-key", "overflow"})
 PERMITTED = "permitted_by_default"
+# Quorum queues order by priority from 4.0 (two levels), strictly by 32 levels from 4.3.
+QUORUM_PRIORITIES_SINCE = (4, 0)
+QUORUM_STRICT_PRIORITIES_SINCE = (4, 3)
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,8 @@ class OurQueue:
     handler_timeout: float | None = None
     dead_letter_to: str | None = None
     message_ttl: int | None = None
+    # Its messages carry priorities (a task queue): the queue should honour them.
+    priorities: bool = False
 
 
 @dataclass(frozen=True)
@@ -230,6 +237,8 @@ def find_findings(facts: BrokerFacts, expected: Expectations) -> list[Finding]:
                 found += _consumer_timeout_findings(queue, vhost, version, expected)
             if queue.queue.kind == "consumer" and queue.type == "quorum":
                 found += _delivery_limit_findings(queue, vhost, version, expected, by_name)
+            if queue.queue.priorities:
+                found += _priority_findings(queue, vhost, version)
         found += _unread_queue_findings(facts.queues)
     order = {severity: rank for rank, severity in enumerate(SEVERITIES)}
     return sorted(found, key=lambda f: order[f.severity])
@@ -559,6 +568,51 @@ def _consumer_timeout_findings(
         fix += f", or set BROKER_CONSUMER_TIMEOUT to {seconds:g}"
         return [Finding("warning", "consumer-timeout", name, message, fix)]
     return []
+
+
+def _priority_findings(facts: QueueFacts, vhost: str, version: tuple[int, ...]) -> list[Finding]:
+    """A task queue whose tasks' priorities the broker ignores, or orders more coarsely than
+    docs/tasks.md#priorities says for our declaration."""
+    name = facts.queue.name
+    move = (
+        f"stop the relay, let the consumers empty {name}, delete it (rabbitmqctl delete_queue "
+        f"-p {shlex.quote(vhost)} {shlex.quote(name)}) and start consume, which declares it "
+        "afresh"
+    )
+    if facts.type == "classic":
+        levels = _number(facts.arguments.get("x-max-priority"))
+        if levels is None:
+            message = (
+                f"task queue {name} is a classic queue without x-max-priority: it ignores the "
+                "tasks' priorities (consume refuses to start until it is declared afresh)"
+            )
+            return [Finding("error", "task-priorities-ignored", name, message, move)]
+        if levels < MAX_TASK_PRIORITY:
+            message = (
+                f"task queue {name} has x-max-priority {levels}: the tasks' priorities above it "
+                f"(up to {MAX_TASK_PRIORITY}) are all run as {levels}"
+            )
+            return [Finding("warning", "task-priorities-capped", name, message, move)]
+        return []
+    if facts.type != "quorum" or version >= QUORUM_STRICT_PRIORITIES_SINCE:
+        return []
+    if version and version < QUORUM_PRIORITIES_SINCE:
+        message = (
+            f"task queue {name} is a quorum queue on RabbitMQ {'.'.join(map(str, version))}, "
+            "which ignores message priorities: its tasks run in the order they arrive"
+        )
+        fix = (
+            "upgrade RabbitMQ (4.3 orders quorum queues strictly by priority), or use "
+            "QUEUE_TYPE 'classic', or give urgent tasks a queue of their own in QUEUES"
+        )
+        return [Finding("warning", "task-priorities-ignored", name, message, fix)]
+    message = (
+        f"task queue {name} is a quorum queue on RabbitMQ "
+        f"{'.'.join(map(str, version)) or '(version unknown)'}: it orders by two levels only, "
+        "tasks of priority above 0 and the others, about two of the first for one of the "
+        "second (4.3 orders by every level, strictly)"
+    )
+    return [Finding("info", "task-priorities-two-levels", name, message)]
 
 
 def _delivery_limit_findings(

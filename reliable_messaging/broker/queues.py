@@ -93,7 +93,14 @@ def our_queues(
         timeout = spec.timeout or settings.handler_timeout
         dead = dead_letter_queue(spec)
         found += [
-            OurQueue(queue, "consumer", spec.name, handler_timeout=timeout, dead_letter_to=dead)
+            OurQueue(
+                queue,
+                "consumer",
+                spec.name,
+                handler_timeout=timeout,
+                dead_letter_to=dead,
+                priorities=spec.priorities,
+            )
             for queue in consumer_queues(spec, settings)
         ]
         if settings.queue_type == "quorum":

@@ -388,3 +388,47 @@ def test_summary() -> None:
     ]
     assert summary(found) == "1 error, 2 notes"
     assert summary([]) == "nothing found"
+
+
+TASKS_QUEUE = OurQueue(
+    "tasks.default",
+    "consumer",
+    "django.tasks:default:default",
+    handler_timeout=600,
+    priorities=True,
+)
+
+
+@pytest.mark.parametrize(
+    ("queue_type", "arguments", "version", "expected"),
+    [
+        ("classic", {"x-max-priority": 9}, "3.10.8", None),
+        ("classic", {}, "4.3.6", ("error", "task-priorities-ignored")),
+        ("classic", {"x-max-priority": 3}, "4.0.5", ("warning", "task-priorities-capped")),
+        ("quorum", {}, "3.10.8", ("warning", "task-priorities-ignored")),
+        ("quorum", {}, "4.0.5", ("info", "task-priorities-two-levels")),
+        ("quorum", {}, "4.3.6", None),
+    ],
+)
+def test_a_task_queue_whose_priorities_the_broker_ignores_is_named(
+    queue_type: str, arguments: dict[str, Any], version: str, expected: tuple[str, str] | None
+) -> None:
+    queue = QueueFacts(
+        TASKS_QUEUE,
+        exists=True,
+        type=queue_type,
+        arguments={"x-queue-type": queue_type, **arguments},
+        delivery_limit=50 if queue_type == "quorum" else None,
+    )
+    found = [
+        (f.severity, f.code)
+        for f in find_findings(facts(queue, version=version), Expectations(queue_type=queue_type))
+        if f.code.startswith("task-priorities")
+    ]
+    assert found == ([] if expected is None else [expected])
+
+
+def test_a_handler_queue_without_priorities_is_not_a_task_queue_finding() -> None:
+    queue = QueueFacts(ORDERS, exists=True, type="classic", arguments={"x-queue-type": "classic"})
+    found = find_findings(facts(queue, version="3.10.8"), CLASSIC)
+    assert not [f for f in found if f.code.startswith("task-priorities")]
