@@ -35,6 +35,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True), pytest.
 SENT = [-100, 0, 100, -50, 50, 0, 20, 0, 100, 100, 0]
 
 
+@pytest.fixture
+def task_options(ns: str) -> dict[str, Any]:
+    """A retry delay long enough to find the retry copy waiting in its delay queue."""
+    return {"QUEUE_PREFIX": f"{ns}.tasks.", "MAX_ATTEMPTS": 2, "RETRY_DELAYS": [2]}
+
+
 def _declare(queues: TaskQueues, rm_settings: dict[str, Any], queue_type: str) -> None:
     """The task queues as consume declares them, before any consumer."""
     with override_settings(RELIABLE_MESSAGING={**rm_settings, "QUEUE_TYPE": queue_type}):
@@ -114,9 +120,8 @@ def test_waiting_tasks_run_by_priority_where_the_broker_honours_it(
     assert set(ran[: len(high) + 2]) >= set(high), [SENT[i] for i in ran]
 
 
-@pytest.mark.parametrize("task_options", [{"RETRY_DELAYS": [2], "MAX_ATTEMPTS": 2}])
 def test_a_retried_task_waits_in_its_delay_queue_with_its_priority(
-    ns: str, rm_settings: dict[str, Any], worker: Any, task_options: dict[str, Any]
+    ns: str, rm_settings: dict[str, Any], worker: Any
 ) -> None:
     """The retry copy keeps the priority property: the delay queue dead-letters it back to the
     task queue as it is, so the retried task is ordered as it was at first."""
