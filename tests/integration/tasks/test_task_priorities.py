@@ -211,3 +211,22 @@ def test_the_broker_check_names_a_task_queue_whose_priorities_are_ignored(
 
     wait_until(checked, timeout=45, interval=0.5, message="the queues sampled")
     assert found == ([] if wanted is None else [wanted])
+
+
+def test_a_replayed_task_is_sent_with_its_priority(
+    rm_settings: dict[str, Any], worker: Any
+) -> None:
+    """The dead letter keeps the ``x-rm-priority`` header, the replay's outbox row carries it,
+    and the relay sends that row with the priority property."""
+    from reliable_messaging.broker.publisher import message_properties
+    from reliable_messaging.dead_letters.replay import replay
+    from reliable_messaging.models import DeadLetter, OutboxMessage
+
+    result = tasks.fails_before.using(priority=100).enqueue(3)  # MAX_ATTEMPTS is 2 here
+    until_status(result, "FAILED", timeout=60)
+    dead = DeadLetter.objects.get(message_id=result.id)
+    replay(DeadLetter.objects.filter(pk=dead.pk), replayed_by="tests")
+    (row,) = OutboxMessage.objects.filter(headers__has_key="x-rm-replay")
+    assert row.headers["x-rm-priority"] == 9
+    assert message_properties(row.message_id, 0, dict(row.headers)).priority == 9
+    until_status(result, "SUCCESSFUL", timeout=60)
