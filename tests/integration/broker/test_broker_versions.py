@@ -5,7 +5,8 @@ node), 4.0.5 and 4.3.x (tests/rabbitmq4.py).
 dead-letter target, and a vhost can make quorum its default queue type: every queue we declare
 states its type, and ``<queue>.dead`` states its limit and where what passes it goes. 4.3
 counts toward that limit only the deliveries that failed (a ``basic.reject`` with requeue, a
-channel or connection closed on the message), not a ``basic.nack`` with requeue.
+channel or connection closed on the message), not a ``basic.nack`` with requeue. 4.3's
+quorum-queue delayed retry is shown as such a client meets it (no use to our retries).
 """
 
 from __future__ import annotations
@@ -184,6 +185,78 @@ def _depth(channel: Any, queue: str) -> int:
 
 def _has_depth(channel: Any, queue: str, depth: int) -> bool:
     return _depth(channel, queue) == depth
+
+
+DELAYED_RETRY_MIN_MS = 2000
+
+
+def _returned_twice(node: Node, queue: str, how: str) -> list[tuple[bool, Any]]:
+    """Publish one message, take it and give it back (``nack`` or ``reject``) twice;
+    for each return: was the message ready again at once, and its ``x-delivery-count`` then."""
+    connection = node.connection()
+    try:
+        channel = connection.channel()
+        channel.queue_declare(
+            queue,
+            durable=True,
+            arguments={
+                "x-queue-type": "quorum",
+                "x-delayed-retry-type": "all",
+                "x-delayed-retry-min": DELAYED_RETRY_MIN_MS,
+                "x-delayed-retry-max": 4 * DELAYED_RETRY_MIN_MS,
+            },
+        )
+        channel.basic_publish("", queue, b"{}", pika.BasicProperties(delivery_mode=2))
+        seen: list[tuple[bool, Any]] = []
+        got: list[Any] = []
+
+        def take() -> bool:
+            method, properties, _body = channel.basic_get(queue)
+            if method is None:
+                return False
+            got[:] = [method, properties]
+            return True
+
+        wait_until(take, timeout=10, interval=0.05)
+        for _ in range(2):
+            method, _properties = got
+            if how == "nack":
+                channel.basic_nack(method.delivery_tag, requeue=True)
+            else:
+                channel.basic_reject(method.delivery_tag, requeue=True)
+            at_once = take()
+            if not at_once:
+                wait_until(take, timeout=5 * DELAYED_RETRY_MIN_MS / 1000, interval=0.1)
+            seen.append((at_once, (got[1].headers or {}).get("x-delivery-count")))
+        channel.basic_ack(got[0].delivery_tag)
+        return seen
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("node", ["rabbitmq3", "rabbitmq43"], indirect=True)
+def test_4_3s_delayed_retry_holds_a_nack_the_minimum_uncounted_and_backs_off_a_reject(
+    node: Node, ns: str
+) -> None:
+    """RabbitMQ 4.3's quorum-queue delayed retry, as an AMQP 0.9.1 client meets it: the ground
+    for keeping retries out of it (``docs/design.md#where-a-retry-waits``). A returned message
+    waits ``min(min * delivery_count, max)``. A requeueing ``basic.nack`` is no failed delivery
+    on 4.3: it waits the minimum every time, with no ``x-delivery-count`` (no backoff, no
+    attempt number); a ``basic.reject`` counts, so its wait grows linearly, one schedule per
+    queue. 3.10 (and 4.0) take the arguments and ignore them. The 4.0 node behaves as 3.10
+    here and is not started for it."""
+    version = node.api("overview")["rabbitmq_version"]
+    delays = tuple(int(part) for part in version.split(".")[:2]) >= (4, 3)
+    nacked = _returned_twice(node, f"{ns}.delayed-nack", "nack")
+    rejected = _returned_twice(node, f"{ns}.delayed-reject", "reject")
+    if delays:
+        # Held back each time, never counted: the same minimum, no attempt number.
+        assert nacked == [(False, None), (False, None)], version
+        # Held back and counted: min * count, so a linear backoff of the queue's own.
+        assert rejected == [(False, 1), (False, 2)], version
+    else:
+        assert [at_once for at_once, _count in nacked] == [True, True], version
+        assert [at_once for at_once, _count in rejected] == [True, True], version
 
 
 def test_a_message_past_the_dead_queues_limit_is_kept_and_becomes_a_dead_letter(
