@@ -16,9 +16,8 @@ import inspect
 import logging
 import os
 import socket
-import threading
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from django.db import DatabaseError, router
@@ -119,23 +118,29 @@ class Attempts:
         self.written.clear()
 
 
-# The Attempts of the batch this worker thread decides (a batch runs on one thread, from the
-# stage's open to its close), for run_task to find its row in.
-_current = threading.local()
+_MESSAGE_FIELDS = tuple(f.name for f in fields(Message))
 
 
-def current_attempts() -> Attempts | None:
-    return getattr(_current, "attempts", None)
+@dataclass(frozen=True)
+class TaskMessage(Message):
+    """A task's message as the consumer's stage of tasks hands it to :func:`run_task`
+    (``Job.for_handler``): with the :class:`Attempts` of its batch, where its row is."""
+
+    attempts: Attempts | None = None
+
+    @classmethod
+    def of(cls, message: Message, attempts: Attempts) -> TaskMessage:
+        return cls(**{name: getattr(message, name) for name in _MESSAGE_FIELDS}, attempts=attempts)
 
 
 def run_task(message: Message) -> None:
     """The handler of every task queue: run the task, in the delivery's transaction with its
     inbox row, and write SUCCESSFUL and its return value in that transaction (with the batch's
-    others, when the stage of tasks marked it RUNNING)."""
+    others, when the stage of tasks marked it RUNNING and handed it a :class:`TaskMessage`)."""
     task_id = task_id_of(message)
     if task_id is None:
         raise PermanentError(f"message_id={message.message_id} names no task_id")
-    attempts = current_attempts()
+    attempts = message.attempts if isinstance(message, TaskMessage) else None
     run = None if attempts is None else attempts.runs.get(task_id)
     using = router.db_for_write(TaskRun) if attempts is None else attempts.using
     if run is None:  # not started by the stage (a duplicate it skipped, a row gone): read it
@@ -177,24 +182,20 @@ def consumer_specs(queues: TaskQueues) -> list[ConsumerSpec]:
 
 def start_attempts(using: str, task_ids: Iterable[str]) -> Attempts:
     """Before the attempts' transaction: RUNNING, committed (so visible while the tasks run),
-    then ``task_started``; the batch's :class:`Attempts`, current on this thread until
-    :func:`end_attempts`. A database that cannot take the write holds the deliveries."""
+    then ``task_started``; the batch's :class:`Attempts`, which the stage of tasks keeps as its
+    state until :func:`end_attempts`. A database that cannot take the write holds the deliveries."""
     try:
         runs = TaskRun.objects.using(using).start_attempts(task_ids, worker_id(), timezone.now())
     except DatabaseError as exc:
         raise DatabaseUnavailable(f"could not mark tasks RUNNING: {exc}") from exc
     attempts = Attempts(using, {run.pk: run for run in runs})
     _signal(task_started, runs, attempts)
-    _current.attempts = attempts
     return attempts
 
 
 def end_attempts(attempts: Attempts, processed: Iterable[str]) -> None:
-    """After the batch: no batch is current on this thread any more. A task of ``processed``
-    (decided so, committed) whose SUCCESSFUL was not written in its transaction (none should
-    be) is written now rather than left RUNNING."""
-    if getattr(_current, "attempts", None) is attempts:
-        del _current.attempts
+    """After the batch: a task of ``processed`` (decided so, committed) whose SUCCESSFUL was
+    not written in its transaction (none should be) is written now rather than left RUNNING."""
     left = {
         task_id: attempts.succeeded[task_id]
         for task_id in processed
