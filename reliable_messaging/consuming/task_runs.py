@@ -4,10 +4,10 @@ Before a batch's transaction: RUNNING and one more attempt committed, in one sta
 also reads the rows the handler runs, and ``task_started``. In the transaction: a failed
 attempt's error with READY again (a retry), an attempt taken back when another worker holds
 the delivery, and SUCCESSFUL with the processed tasks' return values in one statement once
-every task the transaction screened is decided. After the commit: ``task_finished``. FAILED
-is written with the dead letter (``dead_letters.record.record_dead_letter``), whichever path
-records it. Why and what each costs: ``docs/tasks.md``. The task framework is imported only
-for a batch that holds tasks.
+every task the transaction screened is decided. After the commit: ``task_finished`` of the
+processed ones. FAILED is written with the dead letter (``dead_letters.record``), whichever
+path records it, and signalled after that commit. Why and what each costs:
+``docs/tasks.md``. The task framework is imported only for a batch that holds tasks.
 """
 
 from __future__ import annotations
@@ -107,18 +107,14 @@ class TaskRuns(Stage):
             return
         from ..task_runs.worker import end_attempts, send_finished
 
-        ended: dict[str, OutcomeLabel] = {}
+        processed: dict[str, None] = {}
         if error is None:
             for job, done in batch.outcomes():
                 task_id = _task_id(job)
-                if task_id is not None and done.label in _ENDED:
-                    ended[task_id] = done.label
-        end_attempts(
-            state.attempts,
-            processed=[t for t, label in ended.items() if label is OutcomeLabel.PROCESSED],
-        )
-        if ended:
-            send_finished(state.attempts, list(ended))
-
-
-_ENDED = (OutcomeLabel.PROCESSED, OutcomeLabel.DEAD_LETTERED)
+                if task_id is not None and done.label is OutcomeLabel.PROCESSED:
+                    processed[task_id] = None
+        end_attempts(state.attempts, processed=list(processed))
+        if processed:
+            # A dead-lettered task's task_finished follows its dead letter's commit
+            # (task_runs.failures), on this path as on the crash guard's and the .dead queue's.
+            send_finished(state.attempts, list(processed))

@@ -224,9 +224,9 @@ def take_back_attempt(using: str, task_id: str) -> None:
 
 
 def send_finished(attempts: Attempts, task_ids: Iterable[str]) -> None:
-    """After the commit: ``task_finished`` for the tasks of ``task_ids`` that finished (their
-    rows as the batch wrote them, or read back: a FAILED one's is written with its dead
-    letter)."""
+    """After the commit: ``task_finished`` for the tasks of ``task_ids`` that the batch
+    processed (their rows as the batch wrote them, or read back when the handler wrote its own).
+    A FAILED one is signalled by its dead letter (:func:`send_failed`)."""
     if not task_finished.receivers:
         return  # nobody listens: no need to read the rows back
     runs, unknown = [], []
@@ -236,19 +236,36 @@ def send_finished(attempts: Attempts, task_ids: Iterable[str]) -> None:
         else:
             unknown.append(task_id)
     if unknown:
-        finished = (TaskResultStatus.SUCCESSFUL, TaskResultStatus.FAILED)
-        rows = TaskRun.objects.using(attempts.using).filter(pk__in=unknown, status__in=finished)
+        rows = TaskRun.objects.using(attempts.using).filter(
+            pk__in=unknown, status=TaskResultStatus.SUCCESSFUL
+        )
         runs.extend(rows)
     _signal(task_finished, runs, attempts)
 
 
-def _signal(signal: Any, runs: Iterable[TaskRun], attempts: Attempts) -> None:
+def send_failed(using: str, task_id: str) -> None:
+    """After the commit of the dead letter that made ``task_id`` FAILED
+    (:func:`~.failures.fail_task_of`): ``task_finished`` with its row as committed. A database
+    that cannot be read then is logged: the dead letter and the FAILED row stand."""
+    if not task_finished.receivers:
+        return
+    try:
+        run = TaskRun.objects.using(using).filter(pk=task_id).first()
+    except DatabaseError:
+        logger.exception("task %s: could not read its FAILED row to signal it", task_id)
+        return
+    if run is not None and run.status == TaskResultStatus.FAILED:
+        _signal(task_finished, [run])
+
+
+def _signal(signal: Any, runs: Iterable[TaskRun], attempts: Attempts | None = None) -> None:
     """Send ``signal`` for each run; a receiver's failure is logged, never a delivery's."""
     if not signal.receivers:
         return  # nobody listens: no result to build
     for run in runs:
         try:
-            result = result_of(run, attempts.task_of(run))
+            task = task_of(run) if attempts is None else attempts.task_of(run)
+            result = result_of(run, task)
             replies = signal.send_robust(type(task_backends[run.backend]), task_result=result)
         except Exception:
             logger.exception("task %s: could not signal its state %s", run.id, run.status)
