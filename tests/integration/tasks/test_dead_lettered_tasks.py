@@ -74,12 +74,7 @@ def test_a_task_that_kills_its_process_is_failed_by_the_crash_guards_dead_letter
         killed.close()
     result.refresh()
     assert str(result.status) == "RUNNING" and result.attempts == 1
-    survivor = ConsumeProcess([*queue, "--idle-timeout", "3"], env, tmp_path / "survivor.log")
-    try:
-        until_status(result, "FAILED", timeout=60)
-        assert survivor.wait(60) == 0, survivor.log()
-    finally:
-        survivor.close()
+    failed_in_the_next_process(result, queue, env, tmp_path)
     letter = DeadLetter.objects.get(message_id=result.id)
     assert letter.reason == "worker_crashed"
     assert letter.consumer == tasks_settings.consumer_name("default")
@@ -91,7 +86,19 @@ def test_a_task_that_kills_its_process_is_failed_by_the_crash_guards_dead_letter
     assert signalled(result.id) == [("started", "RUNNING"), ("finished", "FAILED")]
 
 
-def signalled(task_id: str) -> list[tuple[str, str]]:
+def failed_in_the_next_process(
+    result: Any, queue: list[str], env: dict[str, str], tmp_path: Path
+) -> None:
+    """A ``consume`` process that records the task's dead letter (FAILED), then exits idle."""
+    survivor = ConsumeProcess([*queue, "--idle-timeout", "3"], env, tmp_path / "survivor.log")
+    try:
+        until_status(result, "FAILED", timeout=60)
+        assert survivor.wait(60) == 0, survivor.log()
+    finally:
+        survivor.close()
+
+
+def signalled(task_id: str) -> list[tuple[str, Any]]:
     """The task signals the ``manage.py consume`` processes sent of ``task_id`` (see
     ``tests/testapp/task_signals.py``), in order."""
     rows = Effect.objects.filter(consumer__startswith="signal.", message_id=task_id).order_by("pk")
@@ -128,12 +135,7 @@ def test_a_task_past_the_brokers_delivery_limit_in_real_processes_signals_its_fa
         finally:
             killed.close()
     assert result is not None
-    survivor = ConsumeProcess([*queue, "--idle-timeout", "3"], env, tmp_path / "survivor.log")
-    try:
-        until_status(result, "FAILED", timeout=60)
-        assert survivor.wait(60) == 0, survivor.log()
-    finally:
-        survivor.close()
+    failed_in_the_next_process(result, queue, env, tmp_path)
     assert DeadLetter.objects.get(message_id=result.id).reason == "delivery_limit"
     assert result.attempts == 2
     assert signalled(result.id) == [
