@@ -58,13 +58,13 @@ def main() -> None:
         def open(self, batch: Batch) -> Any:
             return None
 
-        def screen(self, job: Job, message: Message) -> DeliveryOutcome | None:
+        def screen(self, job: Job, message: Message, state: Any) -> DeliveryOutcome | None:
             return None
 
-        def handling(self, job: Job, message: Message) -> Any:
+        def handling(self, job: Job, message: Message, state: Any) -> Any:
             return nothing
 
-        def decided(self, job: Job, message: Message, done: DeliveryOutcome) -> None:
+        def decided(self, job: Job, message: Message, done: DeliveryOutcome, state: Any) -> None:
             return None
 
         def close(self, batch: Batch, state: Any, error: Any) -> None:
@@ -102,14 +102,14 @@ def main() -> None:
         done = DeliveryOutcome(DUMMY, LABEL)
         started = time.perf_counter()
         for _ in range(args.batches):
-            with idle.around(Batch(jobs, [None] * len(jobs))):
+            with idle.around(Batch(jobs, [None] * len(jobs))) as stages:
                 for job in jobs:
                     message = job.message
                     assert isinstance(message, Message)
-                    idle.screen(job, message)
-                    with idle.handling(job, message):
+                    stages.screen(job, message)
+                    with stages.handling(job, message):
                         pass
-                    idle.decided(job, message, done)
+                    stages.decided(job, message, done)
         return time.perf_counter() - started
 
     from reliable_messaging.core.outcomes import Acknowledge, OutcomeLabel

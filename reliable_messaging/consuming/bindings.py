@@ -6,6 +6,8 @@ running the handler on it would act on an event the consumer never asked for.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..core.envelope import Message
 from ..core.outcomes import FailureReason
 from ..core.routing import topic_matches
@@ -13,7 +15,7 @@ from .stage import DeliveryOutcome, Job, Stage
 
 
 class UnexpectedRoutingKey(Stage):
-    def screen(self, job: Job, message: Message) -> DeliveryOutcome | None:
+    def screen(self, job: Job, message: Message, state: Any) -> DeliveryOutcome | None:
         bindings = job.processor.spec.bindings
         if not bindings or any(topic_matches(b, message.routing_key) for b in bindings):
             return None  # expected (or bound outside the app: nothing to compare with)

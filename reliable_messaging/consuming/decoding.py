@@ -9,12 +9,16 @@ the inbox cannot claim it. This stage screens first, so every later screen, the 
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..core.envelope import DecodeError, Message
 from .stage import DeliveryOutcome, Job, Stage
 
 
 class Undecodable(Stage):
-    def screen(self, job: Job, message: Message | DecodeError) -> DeliveryOutcome | None:
+    def screen(
+        self, job: Job, message: Message | DecodeError, state: Any
+    ) -> DeliveryOutcome | None:
         if isinstance(message, Message):
             return None
         return job.processor.failures.dead_letter(

@@ -119,7 +119,7 @@ class Expiry(Stage):
     one is kept as a dead letter the inbox is asked: a late redelivery of a message handled
     in time is a duplicate, not a failure for a person to review."""
 
-    def screen(self, job: Job, message: Message) -> DeliveryOutcome | None:
+    def screen(self, job: Job, message: Message, state: Any) -> DeliveryOutcome | None:
         spec = job.processor.spec
         late = expiry_of(job.delivery, message, spec)
         if late is None:

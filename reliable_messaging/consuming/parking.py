@@ -7,6 +7,8 @@ than its own, so replaying a key's dead letters oldest first releases them in or
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..core.envelope import REPLAY_HEADER, Message
 from ..core.outcomes import FailureReason, OutcomeLabel
 from ..dead_letters import ledger
@@ -15,7 +17,7 @@ from .stage import DeliveryOutcome, Job, Stage
 
 
 class ParkedKeys(Stage):
-    def screen(self, job: Job, message: Message) -> DeliveryOutcome | None:
+    def screen(self, job: Job, message: Message, state: Any) -> DeliveryOutcome | None:
         blocker = _blocking_dead_letter(job, message)
         if blocker is None:
             return None

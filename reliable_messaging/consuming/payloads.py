@@ -13,6 +13,7 @@ type of its time (a redelivery across a deploy that tightened the type).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from ..core.contracts import PayloadInvalid
 from ..core.envelope import Message
@@ -22,7 +23,7 @@ from .stage import DUPLICATE, DeliveryOutcome, Job, Stage
 
 
 class DeclaredPayload(Stage):
-    def screen(self, job: Job, message: Message) -> DeliveryOutcome | None:
+    def screen(self, job: Job, message: Message, state: Any) -> DeliveryOutcome | None:
         spec = job.processor.spec
         if spec.payload is None:
             return None

@@ -38,7 +38,8 @@ class Pipeline:
     ========== ============================================ ==================================
     hook       when                                         may change
     ========== ============================================ ==================================
-    open       before the batch's transaction               settle a job (``batch.decided``)
+    open       before the batch's transaction               settle a job (``batch.decided``);
+                                                            returns the stage's state
     screen     in the transaction, before the inbox claim   decide the job: return an outcome;
                                                             or set ``job.for_handler``
     handling   around the handler, in its savepoint         nothing (a context around it)
@@ -46,8 +47,11 @@ class Pipeline:
     close      after the commit (``error`` None) or not     nothing (report, remember)
     ========== ============================================ ==================================
 
-    The first screen, :class:`~.decoding.Undecodable`, decides every delivery that could not be
-    decoded, so the other screens and the later hooks are given a decoded :class:`Message`.
+    Every hook after ``open`` is given, as its last argument, the state that stage's ``open``
+    returned for the batch (None when it does not override ``open``): a stage keeps a batch's
+    state there, never in a thread-local. The first screen, :class:`~.decoding.Undecodable`,
+    decides every delivery that could not be decoded, so the other screens and the later hooks
+    are given a decoded :class:`Message`.
     """
 
     def __init__(self, stages: Sequence[Stage]) -> None:
@@ -56,21 +60,23 @@ class Pipeline:
         self._handlings = self._overriding("handling")
         self._decideds = self._overriding("decided")
 
-    def _overriding(self, hook: str) -> tuple[Any, ...]:
+    def _overriding(self, hook: str) -> tuple[tuple[int, Any], ...]:
+        """The stages' ``hook`` methods that do something, each with its stage's index."""
         return tuple(
-            getattr(stage, hook)
-            for stage in self.stages
+            (index, getattr(stage, hook))
+            for index, stage in enumerate(self.stages)
             if getattr(type(stage), hook) is not getattr(Stage, hook)
         )
 
     @contextmanager
-    def around(self, batch: Batch) -> Iterator[None]:
+    def around(self, batch: Batch) -> Iterator[BatchStages]:
         """Around the deciding of ``batch``: each stage's ``open`` before, ``close`` after (in
-        reverse order). A stage's failure in ``close`` is logged, never a delivery's outcome."""
+        reverse order); in between, the hooks of the stages given their states. A stage's
+        failure in ``close`` is logged, never a delivery's outcome."""
         states = [stage.open(batch) for stage in self.stages]
         error: BaseException | None = None
         try:
-            yield
+            yield BatchStages(self, states)
         except BaseException as exc:
             error = exc
             raise
@@ -81,24 +87,36 @@ class Pipeline:
                 except Exception:
                     logger.exception("the consumer stage %s failed after a batch", stage)
 
+
+class BatchStages:
+    """The pipeline's hooks for one batch, between its ``open`` and its ``close``: each
+    stage's ``screen``, ``handling`` and ``decided``, given the state its ``open`` returned."""
+
+    __slots__ = ("_decideds", "_handlings", "_screens")
+
+    def __init__(self, pipeline: Pipeline, states: Sequence[Any]) -> None:
+        self._screens = tuple((hook, states[i]) for i, hook in pipeline._screens)
+        self._handlings = tuple((hook, states[i]) for i, hook in pipeline._handlings)
+        self._decideds = tuple((hook, states[i]) for i, hook in pipeline._decideds)
+
     def screen(self, job: Job, message: Message | DecodeError) -> DeliveryOutcome | None:
-        for screen in self._screens:
-            done = screen(job, message)
+        for screen, state in self._screens:
+            done = screen(job, message, state)
             if done is not None:
                 return done
         return None
 
     def handling(self, job: Job, message: Message) -> ExitStack:
         stack = ExitStack()
-        for handling in self._handlings:
-            context = handling(job, message)
+        for handling, state in self._handlings:
+            context = handling(job, message, state)
             if context is not None:
                 stack.enter_context(context)
         return stack
 
     def decided(self, job: Job, message: Message, done: DeliveryOutcome) -> None:
-        for decided in self._decideds:
-            decided(job, message, done)
+        for decided, state in self._decideds:
+            decided(job, message, done, state)
 
 
 @functools.cache

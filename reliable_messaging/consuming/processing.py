@@ -42,7 +42,7 @@ from ..core.registry import ConsumerSpec
 from ..exceptions import DatabaseConflict, DatabaseUnavailable
 from ..models import ProcessedMessage
 from ..storage.inbox import claim_inbox_rows, lock_wait_for, remember_busy
-from .pipeline import Pipeline, default_pipeline
+from .pipeline import BatchStages, Pipeline, default_pipeline
 from .retries import DeliveryFailures
 from .stage import DUPLICATE, Batch, DeliveryOutcome, Job, Processor
 
@@ -178,19 +178,19 @@ def process_batch(jobs: Sequence[Job]) -> list[Outcome | None]:
         # A router sending consumers to different databases: one transaction per database.
         return [outcome for job in jobs for outcome in process_batch([job])]
     batch = Batch(jobs, [None] * len(jobs))
-    with jobs[0].processor.pipeline.around(batch):
-        batch.decided[:] = _process_batch(jobs, list(batch.decided))
+    with jobs[0].processor.pipeline.around(batch) as stages:
+        batch.decided[:] = _process_batch(jobs, list(batch.decided), stages)
     return [done.outcome if done is not None else None for done in batch.decided]
 
 
 def _process_batch(
-    jobs: Sequence[Job], settled: list[DeliveryOutcome | None]
+    jobs: Sequence[Job], settled: list[DeliveryOutcome | None], stages: BatchStages
 ) -> list[DeliveryOutcome | None]:
     """``jobs`` decided in one transaction, conflicts run again (see :func:`process_batch`);
     ``settled`` holds what the stages decided before it."""
     for retry in range(CONFLICT_RETRIES + 1):
         try:
-            return _process_batch_once(jobs, settled)
+            return _process_batch_once(jobs, settled, stages)
         except DatabaseConflict as exc:
             conflict = exc
             if retry < CONFLICT_RETRIES:
@@ -207,7 +207,7 @@ def _process_batch(
                 )
                 time.sleep(delay)
     if len(jobs) > 1:
-        return _one_by_one(jobs, settled)
+        return _one_by_one(jobs, settled, stages)
     cause = conflict.__cause__
     logger.warning(
         "message_id=%s met database conflicts %d times in a row: charged as a failure of its "
@@ -219,7 +219,7 @@ def _process_batch(
 
 
 def _process_batch_once(
-    jobs: Sequence[Job], settled: list[DeliveryOutcome | None]
+    jobs: Sequence[Job], settled: list[DeliveryOutcome | None], stages: BatchStages
 ) -> list[DeliveryOutcome | None]:
     """One try at deciding ``jobs`` in one transaction: optimistic (no savepoints; a handler's
     failure redoes the batch guarded) or guarded (a savepoint per handler), with the same
@@ -229,12 +229,12 @@ def _process_batch_once(
         processor.guarded_batches = max(0, processor.guarded_batches - 1)
     try:
         try:
-            return _decide(jobs, settled, guarded=not optimistic)
+            return _decide(jobs, settled, stages, guarded=not optimistic)
         except _Fallback as fallback:
             fallback.processor.guarded_batches = GUARDED_BATCHES_AFTER_FAILURE
             # The handler that failed is not run again: its failure is decided as it was.
             failed = {fallback.index: fallback.error}
-            return _decide(jobs, settled, guarded=True, failed=failed)
+            return _decide(jobs, settled, stages, guarded=True, failed=failed)
     except _CommitRefused as refused:
         if len(jobs) == 1:
             return [jobs[0].processor.charge(jobs[0], refused.error)]
@@ -244,7 +244,7 @@ def _process_batch_once(
             type(refused.error).__name__,
             refused.error,
         )
-        return _one_by_one(jobs, settled)
+        return _one_by_one(jobs, settled, stages)
 
 
 class _CommitRefused(Exception):
@@ -256,6 +256,7 @@ class _CommitRefused(Exception):
 def _decide(
     jobs: Sequence[Job],
     settled: Sequence[DeliveryOutcome | None],
+    stages: BatchStages,
     *,
     guarded: bool,
     failed: dict[int, Exception] | None = None,
@@ -281,21 +282,21 @@ def _decide(
                     done = job.processor.failures.on_failure(
                         job.delivery, message, error, time.perf_counter()
                     )
-                    decided[index] = _report(job, done)
+                    decided[index] = _report(job, done, stages)
                 else:
-                    decided[index] = job.processor.pipeline.screen(job, job.message)
+                    decided[index] = stages.screen(job, job.message)
             claim = [i for i in batch if decided[i] is None]
-            for index, done in _claimed(jobs, claim, using, guarded):
-                decided[index] = _report(jobs[index], done)
+            for index, done in _claimed(jobs, claim, using, stages, guarded):
+                decided[index] = _report(jobs[index], done, stages)
             held_queues: set[str] = set()
             for index in pending:
                 job = jobs[index]
                 if not job.processor.spec.ordered or job.delivery.queue in held_queues:
                     continue
-                done = job.processor.pipeline.screen(job, job.message) or _run(
-                    job, index, guarded=True, alone=True
+                done = stages.screen(job, job.message) or _run(
+                    job, index, stages, guarded=True, alone=True
                 )
-                decided[index] = _report(job, done)
+                decided[index] = _report(job, done, stages)
                 if isinstance(done.outcome, RetryInPlace):
                     held_queues.add(job.delivery.queue)
     except (_Fallback, DatabaseUnavailable, DatabaseConflict):
@@ -314,15 +315,15 @@ def _decide(
     return decided
 
 
-def _report(job: Job, done: DeliveryOutcome | None) -> DeliveryOutcome | None:
+def _report(job: Job, done: DeliveryOutcome | None, stages: BatchStages) -> DeliveryOutcome | None:
     """Tell the stages what was decided, in the transaction that decided it."""
     if done is not None and isinstance(job.message, Message):
-        job.processor.pipeline.decided(job, job.message, done)
+        stages.decided(job, job.message, done)
     return done
 
 
 def _claimed(
-    jobs: Sequence[Job], indexes: list[int], using: str, guarded: bool
+    jobs: Sequence[Job], indexes: list[int], using: str, stages: BatchStages, guarded: bool
 ) -> list[tuple[int, DeliveryOutcome]]:
     """Claim the inbox rows of ``indexes`` in one statement, then run the handlers of the
     claimed ones: optimistic (a handler error raises :class:`_Fallback`) or guarded."""
@@ -342,7 +343,7 @@ def _claimed(
             done = DUPLICATE
         else:
             seen.add(key)
-            done = _run(job, index, guarded=guarded, copies_open=claimed[key])
+            done = _run(job, index, stages, guarded=guarded, copies_open=claimed[key])
         results.append((index, done))
     return results
 
@@ -365,7 +366,13 @@ def _claim(
 
 
 def _run(
-    job: Job, index: int, *, guarded: bool, alone: bool = False, copies_open: bool = True
+    job: Job,
+    index: int,
+    stages: BatchStages,
+    *,
+    guarded: bool,
+    alone: bool = False,
+    copies_open: bool = True,
 ) -> DeliveryOutcome:
     """Run the handler of ``job`` (its inbox row claimed by the batch, or ``alone`` here in
     its savepoint), in a savepoint when ``guarded``; the outcome of its success or failure."""
@@ -382,7 +389,7 @@ def _run(
                 if key not in claimed:
                     return DUPLICATE
                 copies_open, started = claimed[key], time.perf_counter()
-            with processor.pipeline.handling(job, message):
+            with stages.handling(job, message):
                 processor.spec.handler(job.for_handler or message)
     except (DatabaseUnavailable, DatabaseConflict, InboxClaimFailed):
         raise
@@ -429,7 +436,7 @@ def _connection_lost(using: str) -> bool:
 
 
 def _one_by_one(
-    jobs: Sequence[Job], settled: Sequence[DeliveryOutcome | None]
+    jobs: Sequence[Job], settled: Sequence[DeliveryOutcome | None], stages: BatchStages
 ) -> list[DeliveryOutcome | None]:
     decided: list[DeliveryOutcome | None] = []
     held_queues: set[str] = set()
@@ -438,7 +445,7 @@ def _one_by_one(
             decided.append(None)
             continue
         if done is None:
-            done = _process_batch([job], [None])[0]
+            done = _process_batch([job], [None], stages)[0]
         decided.append(done)
         if done is not None and isinstance(done.outcome, RetryInPlace):
             held_queues.add(job.delivery.queue)

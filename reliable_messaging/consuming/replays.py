@@ -10,6 +10,8 @@ says when.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..core.envelope import Message
 from ..core.outcomes import OutcomeLabel
 from ..dead_letters import ledger
@@ -17,7 +19,7 @@ from .stage import DeliveryOutcome, Job, Stage
 
 
 class ReplayLedger(Stage):
-    def decided(self, job: Job, message: Message, done: DeliveryOutcome) -> None:
+    def decided(self, job: Job, message: Message, done: DeliveryOutcome, state: Any) -> None:
         if done.label in (OutcomeLabel.PROCESSED, OutcomeLabel.DUPLICATE):
             ledger.settle_processed(
                 job.delivery,

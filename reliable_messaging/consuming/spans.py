@@ -21,7 +21,7 @@ class Spans(Stage):
     def open(self, batch: Batch) -> Any:
         return tracing.start_deliveries((job.delivery, job.name) for job in batch.jobs)
 
-    def handling(self, job: Job, message: Message) -> AbstractContextManager[Any]:
+    def handling(self, job: Job, message: Message, state: Any) -> AbstractContextManager[Any]:
         return tracing.handling(job.delivery)
 
     def close(self, batch: Batch, state: Any, error: BaseException | None) -> None:

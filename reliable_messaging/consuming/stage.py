@@ -63,7 +63,8 @@ class Job:
     delivery: Delivery
     message: Message | DecodeError = field(init=False)
     # What the handler is given when a screen made it (the declared-payload stage: the message
-    # with its payload as the declared type's object); None: ``message`` as decoded.
+    # with its payload as the declared type's object; the stage of tasks: the message with its
+    # batch's attempts); None: ``message`` as decoded.
     for_handler: Message | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -91,19 +92,23 @@ class Batch:
 
 class Stage:
     """A feature of the consumer. Every hook is optional (the base does nothing); a stage
-    keeps what a batch needs in the state :meth:`open` returns, never in a delivery. When each
-    hook runs and what it may change: :class:`~.pipeline.Pipeline`."""
+    keeps what a batch needs in the state :meth:`open` returns, never in a delivery or a
+    thread-local: every later hook is given that state (``state``, None when the stage does not
+    override :meth:`open`). When each hook runs and what it may change:
+    :class:`~.pipeline.Pipeline`."""
 
     def open(self, batch: Batch) -> Any:
         return None
 
-    def screen(self, job: Job, message: Message) -> DeliveryOutcome | None:
+    def screen(self, job: Job, message: Message, state: Any) -> DeliveryOutcome | None:
         return None
 
-    def handling(self, job: Job, message: Message) -> AbstractContextManager[Any] | None:
+    def handling(
+        self, job: Job, message: Message, state: Any
+    ) -> AbstractContextManager[Any] | None:
         return None
 
-    def decided(self, job: Job, message: Message, done: DeliveryOutcome) -> None:
+    def decided(self, job: Job, message: Message, done: DeliveryOutcome, state: Any) -> None:
         return None
 
     def close(self, batch: Batch, state: Any, error: BaseException | None) -> None:

@@ -4,15 +4,14 @@ Before a batch's transaction: RUNNING and one more attempt committed, in one sta
 also reads the rows the handler runs, and ``task_started``. In the transaction: a failed
 attempt's error with READY again (a retry), an attempt taken back when another worker holds
 the delivery, and SUCCESSFUL with the processed tasks' return values in one statement once
-every task the transaction screened is decided. After the commit: ``task_finished``. FAILED
-is written with the dead letter (``dead_letters.record.record_dead_letter``), whichever path
-records it. Why and what each costs: ``docs/tasks.md``. The task framework is imported only
-for a batch that holds tasks.
+every task the transaction screened is decided. After the commit: ``task_finished`` of the
+processed ones. FAILED is written with the dead letter (``dead_letters.record``), whichever
+path records it, and signalled after that commit. Why and what each costs:
+``docs/tasks.md``. The task framework is imported only for a batch that holds tasks.
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -44,10 +43,6 @@ class _Tasks:
 class TaskRuns(Stage):
     """RUNNING before, the attempts' outcomes in, ``task_finished`` after each batch of tasks."""
 
-    def __init__(self) -> None:
-        # The batch this worker thread decides: screen and decided are not given open's state.
-        self._local = threading.local()
-
     def open(self, batch: Batch) -> Any:
         # Once per task: two copies of its message in one batch are one attempt (the inbox
         # lets one of them run).
@@ -62,14 +57,13 @@ class TaskRuns(Stage):
             return None
         from ..task_runs.worker import start_attempts
 
-        state = _Tasks(start_attempts(batch.jobs[0].processor.using, ids))
-        self._local.tasks = state
-        return state
+        return _Tasks(start_attempts(batch.jobs[0].processor.using, ids))
 
-    def screen(self, job: Job, message: Message) -> DeliveryOutcome | None:
-        state: _Tasks | None = getattr(self._local, "tasks", None)
+    def screen(self, job: Job, message: Message, state: _Tasks | None) -> DeliveryOutcome | None:
         if state is None or _task_id(job) is None:
             return None
+        from ..task_runs.worker import TaskMessage
+
         if job in state.screened:
             # Screened again: the batch is decided anew in a new transaction (the last one
             # rolled back, or each delivery now alone), so what that one ran is gone.
@@ -78,13 +72,16 @@ class TaskRuns(Stage):
             state.attempts.forget()
         state.screened.add(job)
         state.awaiting.add(job)
+        # The handler (run_task) takes the task's row from the batch's attempts.
+        job.for_handler = TaskMessage.of(job.for_handler or message, state.attempts)
         return None
 
-    def decided(self, job: Job, message: Message, done: DeliveryOutcome) -> None:
+    def decided(
+        self, job: Job, message: Message, done: DeliveryOutcome, state: _Tasks | None
+    ) -> None:
         task_id = _task_id(job)
         if task_id is None:
             return
-        state: _Tasks | None = getattr(self._local, "tasks", None)
         if done.label is OutcomeLabel.PROCESSED:
             if state is not None:
                 state.attempts.processed(task_id)
@@ -105,25 +102,19 @@ class TaskRuns(Stage):
                 # Every task this transaction screened is decided: its handlers have all run.
                 state.attempts.write_successes()
 
-    def close(self, batch: Batch, state: Any, error: BaseException | None) -> None:
+    def close(self, batch: Batch, state: _Tasks | None, error: BaseException | None) -> None:
         if state is None:
             return
         from ..task_runs.worker import end_attempts, send_finished
 
-        if getattr(self._local, "tasks", None) is state:
-            del self._local.tasks
-        ended: dict[str, OutcomeLabel] = {}
+        processed: dict[str, None] = {}
         if error is None:
             for job, done in batch.outcomes():
                 task_id = _task_id(job)
-                if task_id is not None and done.label in _ENDED:
-                    ended[task_id] = done.label
-        end_attempts(
-            state.attempts,
-            processed=[t for t, label in ended.items() if label is OutcomeLabel.PROCESSED],
-        )
-        if ended:
-            send_finished(state.attempts, list(ended))
-
-
-_ENDED = (OutcomeLabel.PROCESSED, OutcomeLabel.DEAD_LETTERED)
+                if task_id is not None and done.label is OutcomeLabel.PROCESSED:
+                    processed[task_id] = None
+        end_attempts(state.attempts, processed=list(processed))
+        if processed:
+            # A dead-lettered task's task_finished follows its dead letter's commit
+            # (task_runs.failures), on this path as on the crash guard's and the .dead queue's.
+            send_finished(state.attempts, list(processed))

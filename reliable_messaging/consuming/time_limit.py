@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Any
 
 from ..core.coroutines import wake
 from ..core.envelope import Message
@@ -262,7 +263,9 @@ time_limits = TimeLimits()
 class TimeLimit(Stage):
     """The stage around each handler: its consumer's ``timeout``, else ``HANDLER_TIMEOUT``."""
 
-    def handling(self, job: Job, message: Message) -> contextlib.AbstractContextManager[None]:
+    def handling(
+        self, job: Job, message: Message, state: Any
+    ) -> contextlib.AbstractContextManager[None]:
         processor = job.processor
         seconds = processor.spec.timeout or processor.settings.handler_timeout
         return time_limits.limit(seconds, processor.spec.name, message.message_id)

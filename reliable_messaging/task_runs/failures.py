@@ -2,9 +2,14 @@
 says why. Every dead letter passes :func:`reliable_messaging.dead_letters.record.record_dead_letter`
 (the pipeline's, the crash guard's, the ``.dead`` queue's, our own code's failure), which calls
 :func:`fail_task_of` in the dead letter's transaction: a task never stays RUNNING after its
-message became a dead letter."""
+message became a dead letter. ``task_finished`` follows once that transaction commits, whichever
+path it was, once for each time the task became FAILED."""
 
 from __future__ import annotations
+
+import functools
+
+from django.db import transaction
 
 from ..choices import TaskRunStatus
 from ..models import DeadLetter, TaskRun
@@ -45,7 +50,8 @@ def fail_task_of(dead_letter: DeadLetter, using: str) -> bool:
     """A dead letter of a task's consumer: its task FAILED with :func:`dead_letter_error`, in
     the caller's transaction. Only the task's own consumer's dead letter counts (another
     consumer bound to the task queue fails on its own), and a SUCCESSFUL task stays so.
-    Returns whether the task is FAILED now."""
+    Returns whether the task is FAILED now. A task that became FAILED here is signalled
+    ``task_finished`` after the commit (one FAILED already was signalled when it became so)."""
     if not is_task_consumer(dead_letter.consumer) or not dead_letter.message_id:
         return False
     run = TaskRun.objects.using(using).select_for_update().filter(pk=dead_letter.message_id).first()
@@ -62,7 +68,18 @@ def fail_task_of(dead_letter: DeadLetter, using: str) -> bool:
         traceback=dead_letter.traceback,
     )
     run.errors = [*run.errors, error]
+    if run.status != TaskRunStatus.FAILED:
+        transaction.on_commit(
+            functools.partial(_send_failed, using, run.pk), using=using, robust=True
+        )
     run.status = TaskRunStatus.FAILED
     run.finished_at = dead_letter.last_failed_at
     run.save(using=using, update_fields=["errors", "status", "finished_at"])
     return True
+
+
+def _send_failed(using: str, task_id: str) -> None:
+    # The signal needs the task framework, imported only once a task failed.
+    from .worker import send_failed
+
+    send_failed(using, task_id)

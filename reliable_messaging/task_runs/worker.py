@@ -16,9 +16,8 @@ import inspect
 import logging
 import os
 import socket
-import threading
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from django.db import DatabaseError, router
@@ -119,23 +118,29 @@ class Attempts:
         self.written.clear()
 
 
-# The Attempts of the batch this worker thread decides (a batch runs on one thread, from the
-# stage's open to its close), for run_task to find its row in.
-_current = threading.local()
+_MESSAGE_FIELDS = tuple(f.name for f in fields(Message))
 
 
-def current_attempts() -> Attempts | None:
-    return getattr(_current, "attempts", None)
+@dataclass(frozen=True)
+class TaskMessage(Message):
+    """A task's message as the consumer's stage of tasks hands it to :func:`run_task`
+    (``Job.for_handler``): with the :class:`Attempts` of its batch, where its row is."""
+
+    attempts: Attempts | None = None
+
+    @classmethod
+    def of(cls, message: Message, attempts: Attempts) -> TaskMessage:
+        return cls(**{name: getattr(message, name) for name in _MESSAGE_FIELDS}, attempts=attempts)
 
 
 def run_task(message: Message) -> None:
     """The handler of every task queue: run the task, in the delivery's transaction with its
     inbox row, and write SUCCESSFUL and its return value in that transaction (with the batch's
-    others, when the stage of tasks marked it RUNNING)."""
+    others, when the stage of tasks marked it RUNNING and handed it a :class:`TaskMessage`)."""
     task_id = task_id_of(message)
     if task_id is None:
         raise PermanentError(f"message_id={message.message_id} names no task_id")
-    attempts = current_attempts()
+    attempts = message.attempts if isinstance(message, TaskMessage) else None
     run = None if attempts is None else attempts.runs.get(task_id)
     using = router.db_for_write(TaskRun) if attempts is None else attempts.using
     if run is None:  # not started by the stage (a duplicate it skipped, a row gone): read it
@@ -178,24 +183,20 @@ def consumer_specs(queues: TaskQueues) -> list[ConsumerSpec]:
 
 def start_attempts(using: str, task_ids: Iterable[str]) -> Attempts:
     """Before the attempts' transaction: RUNNING, committed (so visible while the tasks run),
-    then ``task_started``; the batch's :class:`Attempts`, current on this thread until
-    :func:`end_attempts`. A database that cannot take the write holds the deliveries."""
+    then ``task_started``; the batch's :class:`Attempts`, which the stage of tasks keeps as its
+    state until :func:`end_attempts`. A database that cannot take the write holds the deliveries."""
     try:
         runs = TaskRun.objects.using(using).start_attempts(task_ids, worker_id(), timezone.now())
     except DatabaseError as exc:
         raise DatabaseUnavailable(f"could not mark tasks RUNNING: {exc}") from exc
     attempts = Attempts(using, {run.pk: run for run in runs})
     _signal(task_started, runs, attempts)
-    _current.attempts = attempts
     return attempts
 
 
 def end_attempts(attempts: Attempts, processed: Iterable[str]) -> None:
-    """After the batch: no batch is current on this thread any more. A task of ``processed``
-    (decided so, committed) whose SUCCESSFUL was not written in its transaction (none should
-    be) is written now rather than left RUNNING."""
-    if getattr(_current, "attempts", None) is attempts:
-        del _current.attempts
+    """After the batch: a task of ``processed`` (decided so, committed) whose SUCCESSFUL was
+    not written in its transaction (none should be) is written now rather than left RUNNING."""
     left = {
         task_id: attempts.succeeded[task_id]
         for task_id in processed
@@ -224,9 +225,9 @@ def take_back_attempt(using: str, task_id: str) -> None:
 
 
 def send_finished(attempts: Attempts, task_ids: Iterable[str]) -> None:
-    """After the commit: ``task_finished`` for the tasks of ``task_ids`` that finished (their
-    rows as the batch wrote them, or read back: a FAILED one's is written with its dead
-    letter)."""
+    """After the commit: ``task_finished`` for the tasks of ``task_ids`` that the batch
+    processed (their rows as the batch wrote them, or read back when the handler wrote its own).
+    A FAILED one is signalled by its dead letter (:func:`send_failed`)."""
     if not task_finished.receivers:
         return  # nobody listens: no need to read the rows back
     runs, unknown = [], []
@@ -236,19 +237,36 @@ def send_finished(attempts: Attempts, task_ids: Iterable[str]) -> None:
         else:
             unknown.append(task_id)
     if unknown:
-        finished = (TaskResultStatus.SUCCESSFUL, TaskResultStatus.FAILED)
-        rows = TaskRun.objects.using(attempts.using).filter(pk__in=unknown, status__in=finished)
+        rows = TaskRun.objects.using(attempts.using).filter(
+            pk__in=unknown, status=TaskResultStatus.SUCCESSFUL
+        )
         runs.extend(rows)
     _signal(task_finished, runs, attempts)
 
 
-def _signal(signal: Any, runs: Iterable[TaskRun], attempts: Attempts) -> None:
+def send_failed(using: str, task_id: str) -> None:
+    """After the commit of the dead letter that made ``task_id`` FAILED
+    (:func:`~.failures.fail_task_of`): ``task_finished`` with its row as committed. A database
+    that cannot be read then is logged: the dead letter and the FAILED row stand."""
+    if not task_finished.receivers:
+        return
+    try:
+        run = TaskRun.objects.using(using).filter(pk=task_id).first()
+    except DatabaseError:
+        logger.exception("task %s: could not read its FAILED row to signal it", task_id)
+        return
+    if run is not None and run.status == TaskResultStatus.FAILED:
+        _signal(task_finished, [run])
+
+
+def _signal(signal: Any, runs: Iterable[TaskRun], attempts: Attempts | None = None) -> None:
     """Send ``signal`` for each run; a receiver's failure is logged, never a delivery's."""
     if not signal.receivers:
         return  # nobody listens: no result to build
     for run in runs:
         try:
-            result = result_of(run, attempts.task_of(run))
+            task = task_of(run) if attempts is None else attempts.task_of(run)
+            result = result_of(run, task)
             replies = signal.send_robust(type(task_backends[run.backend]), task_result=result)
         except Exception:
             logger.exception("task %s: could not signal its state %s", run.id, run.status)

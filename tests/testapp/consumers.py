@@ -239,3 +239,10 @@ if os.environ.get("RM_TEST_ASYNC_CONSUMERS"):
     @consumer(f"{NAMESPACE}.async", bindings=["async.*"], name=ASYNC_CONSUMER, timeout=1)
     async def async_handler(message: Message) -> None:
         await handle(message)
+
+
+if os.environ.get("RM_TEST_TASK_SIGNALS"):
+    # The processes of the task tests that count the task signals a process sent.
+    from .task_signals import record_task_signals
+
+    record_task_signals()

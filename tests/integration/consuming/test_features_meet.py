@@ -24,6 +24,10 @@ in a thread of this process against the real broker and database.
 - Replays and the time limit: a message whose handler ran past its time limit on every
   attempt is a dead letter ``timeout`` (the process alive, no suspicion kept); replayed after
   the fix, it starts again at attempt 1 and is handled once.
+- ``async def`` handlers and the breaker: their failures open it as a handler's do, and the
+  deliveries behind wait uncharged.
+- ``async def`` handlers and ordered consumers: a failure is retried in place, so no later
+  message of its key overtakes it.
 
 The "downstream" of the breaker's tests is a switch: an ``Effect`` row of consumer ``switch``
 (tests/testapp/consumers.py, ``fail_while``); the test deletes it to bring the downstream back.
@@ -37,11 +41,13 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from asgiref.sync import sync_to_async
 from django.test import override_settings
 
 from reliable_messaging import Breaker, Message
 from reliable_messaging.choices import DeadLetterReason, DeadLetterStatus, ReplayOutcome
 from reliable_messaging.consuming.breaker import BreakerState
+from reliable_messaging.core.coroutines import CoroutineHandler
 from reliable_messaging.core.envelope import ORDERING_KEY_HEADER, PUBLISHED_AT_HEADER
 from reliable_messaging.core.outcomes import Acknowledge, ScheduleRetry
 from reliable_messaging.core.registry import ConsumerSpec
@@ -257,31 +263,79 @@ def test_handlers_timing_out_open_the_breaker_and_the_rest_wait_uncharged(
         max_attempts=50,
         breaker=Breaker(failure_rate=0.5, window=10, min_failures=4, pause=1.0, probes=2),
     )
+    failed_while_down_and_handled_once_after(ns, service, rec, publisher, spec, "spay")
+    for seen in rec.of(spec.name):
+        if isinstance(seen.outcome, ScheduleRetry):
+            assert "time limit" in seen.outcome.error or "Timeout" in seen.outcome.error, seen
+
+
+def failed_while_down_and_handled_once_after(
+    ns: str, service: Any, rec: Recorder, publisher: Publisher, spec: ConsumerSpec, label: str
+) -> None:
+    """Ten messages for ``spec`` (its breaker opening at four failures) while the downstream is
+    down: four fail, open the breaker, and the six behind wait unstarted. Once it is up, each of
+    the ten takes effect once, the six on their first attempt, the four on their second; the
+    breaker opened once and closed, nothing is a dead letter."""
     downstream_down()
     svc = service([spec], on_outcome=rec)
     breaker = svc.breakers.get(spec.name)
-    ids = [f"slow-{n}" for n in range(10)]
+    ids = [f"{label}-{n}" for n in range(10)]
     for message_id in ids:
-        publisher.publish(exchange_of(ns), "spay.due", {"n": message_id}, message_id=message_id)
-    wait_until(lambda: breaker.opened >= 1, timeout=30, message="timeouts opening the breaker")
+        publisher.publish(exchange_of(ns), f"{label}.due", {"n": message_id}, message_id=message_id)
+    wait_until(lambda: breaker.opened >= 1, timeout=30, message="failures opening the breaker")
     downstream_up()
     wait_until(
-        lambda: Effect.objects.filter(consumer="spay").count() == len(ids),
+        lambda: Effect.objects.filter(consumer=label).count() == len(ids),
         timeout=45,
         message=lambda: f"every message handled; outcomes {results_by_id(rec, spec.name)}",
     )
     by_id = results_by_id(rec, spec.name)
-    timed_out = sorted(m for m, words in by_id.items() if "retry" in words)
-    assert len(timed_out) == 4, by_id
-    for seen in rec.of(spec.name):
-        if isinstance(seen.outcome, ScheduleRetry):
-            assert "time limit" in seen.outcome.error or "Timeout" in seen.outcome.error, seen
-    attempts = dict(effects("spay"))
+    failed = sorted(m for m, words in by_id.items() if "retry" in words)
+    assert len(failed) == 4, by_id
+    attempts = dict(effects(label))
     assert sorted(attempts) == ids
-    assert {m: a for m, a in attempts.items() if a != 1} == dict.fromkeys(timed_out, 2)
+    assert {m: a for m, a in attempts.items() if a != 1} == dict.fromkeys(failed, 2)
     assert breaker.opened == 1 and breaker.state is BreakerState.CLOSED
     assert not DeadLetter.objects.exists()
-    wait_until(lambda: drained(f"{ns}.spay"), timeout=20, message="spay's queue drained")
+    wait_until(lambda: drained(spec.queue), timeout=20, message=f"{label}'s queue drained")
+
+
+# --------------------------------------------------------------------------- async x breaker
+
+
+def async_failing_while_down(label: str, rec: Recorder) -> CoroutineHandler:
+    """An ``async def`` handler whose downstream fails while the switch is on; it reads the
+    switch and writes its effect through ``sync_to_async``, in the delivery's transaction."""
+
+    async def handler(message: Message) -> None:
+        with rec.lock:
+            rec.messages.append((label, message))
+        down = await sync_to_async(
+            Effect.objects.filter(consumer="switch", message_id=SWITCH).exists
+        )()
+        if down:
+            raise ConnectionError("the downstream is down")
+        await sync_to_async(behave)(label, message)
+
+    return CoroutineHandler(handler)
+
+
+def test_async_handlers_failing_open_the_breaker_and_the_rest_wait_uncharged(
+    ns: str, rm_settings: dict[str, Any], service: Any, rec: Recorder, publisher: Publisher
+) -> None:
+    """An ``async def`` handler's failures count for its breaker as a handler's do: four open
+    it, and the six messages behind wait unstarted. The downstream is back: each of the ten
+    takes effect once, the six on their first attempt, the four on their second; nothing is a
+    dead letter."""
+    spec = ConsumerSpec(
+        name=f"{ns}.apay",
+        queue=f"{ns}.apay",
+        handler=async_failing_while_down("apay", rec),
+        bindings=("apay.*",),
+        max_attempts=50,
+        breaker=Breaker(failure_rate=0.5, window=10, min_failures=4, pause=1.0, probes=2),
+    )
+    failed_while_down_and_handled_once_after(ns, service, rec, publisher, spec, "apay")
 
 
 # --------------------------------------------------------------------------- breaker x replay
@@ -455,6 +509,60 @@ def test_an_expired_message_never_stalls_its_key_and_a_kept_one_parks_it_in_orde
     assert set(DeadLetter.objects.filter(consumer=eta.name).values_list("status", flat=True)) == {
         DeadLetterStatus.RESOLVED
     }
+
+
+# --------------------------------------------------------------------------- async x ordered
+
+
+def async_behaving(label: str, rec: Recorder) -> CoroutineHandler:
+    """An ``async def`` handler that behaves as the testapp's, through ``sync_to_async``."""
+
+    async def handler(message: Message) -> None:
+        with rec.lock:
+            rec.messages.append((label, message))
+        await sync_to_async(behave)(label, message)
+
+    return CoroutineHandler(handler)
+
+
+def test_an_async_ordered_consumer_retries_in_place_and_keeps_each_keys_order(
+    ns: str, rm_settings: dict[str, Any], service: Any, rec: Recorder, publisher: Publisher
+) -> None:
+    """One partition, two keys, an ``async def`` ordered handler: ``k-1`` fails its first two
+    attempts and is retried in place, so no later message of ``k`` overtakes it; every message
+    takes effect once, in its key's publish order, none a dead letter."""
+    with override_settings(RELIABLE_MESSAGING={**rm_settings, "ORDERED_PARTITIONS": 1}):
+        spec = ConsumerSpec(
+            name=f"{ns}.aseq",
+            queue=f"{ns}.aseq",
+            handler=async_behaving("aseq", rec),
+            bindings=("aseq.*",),
+            ordered=True,
+            max_attempts=5,
+        )
+        service([spec], on_outcome=rec)
+        for seq in range(4):
+            for key in ("k", "j"):
+                payload: dict[str, Any] = {"key": key, "seq": seq}
+                if (key, seq) == ("k", 1):
+                    payload["fail"] = {"aseq": 2}
+                publisher.publish(
+                    exchange_of(ns),
+                    "aseq.next",
+                    payload,
+                    message_id=f"{key}-{seq}",
+                    headers={ORDERING_KEY_HEADER: key},
+                )
+        wait_until(
+            lambda: len(effects("aseq")) == 8,
+            timeout=45,
+            message=lambda: f"every message handled; outcomes {results_by_id(rec, spec.name)}",
+        )
+    done = effects("aseq")
+    for key in ("k", "j"):
+        assert [m for m, _ in done if m.startswith(f"{key}-")] == [f"{key}-{n}" for n in range(4)]
+    assert dict(done) == {**{m: 1 for m, _ in done}, "k-1": 3}
+    assert not DeadLetter.objects.exists()
 
 
 # --------------------------------------------------------------------------- quorum limit x replay

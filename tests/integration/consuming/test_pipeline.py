@@ -40,7 +40,8 @@ class Watcher(Stage):
         self.seen += [("open", job.delivery.message_id or "") for job in batch.jobs]
         return "state"
 
-    def screen(self, job: Job, message: Message) -> DeliveryOutcome | None:
+    def screen(self, job: Job, message: Message, state: Any) -> DeliveryOutcome | None:
+        assert state == "state"
         self.seen.append(("screen", message.message_id))
         if message.message_id.startswith("refuse-"):
             return job.processor.failures.dead_letter(
@@ -54,10 +55,12 @@ class Watcher(Stage):
         yield
         self.seen.append(("after handler", message_id))
 
-    def handling(self, job: Job, message: Message) -> Any:
+    def handling(self, job: Job, message: Message, state: Any) -> Any:
+        assert state == "state"
         return self._around(message.message_id)
 
-    def decided(self, job: Job, message: Message, done: DeliveryOutcome) -> None:
+    def decided(self, job: Job, message: Message, done: DeliveryOutcome, state: Any) -> None:
+        assert state == "state"
         self.seen.append((f"decided {done.label}", message.message_id))
 
     def close(self, batch: Batch, state: Any, error: BaseException | None) -> None:
@@ -101,6 +104,77 @@ def test_a_registered_stage_sees_each_delivery_through_every_hook_in_order() -> 
         ("close processed", ""),
         ("close duplicate", ""),
     ]
+
+
+class Counter(Stage):
+    """Keeps what it counts of a batch in the state its ``open`` returns: a new list per batch,
+    which every later hook is given."""
+
+    def __init__(self) -> None:
+        self.closed: list[list[tuple[str, str]]] = []
+
+    def open(self, batch: Batch) -> Any:
+        return [("open", job.delivery.message_id or "") for job in batch.jobs]
+
+    def screen(self, job: Job, message: Message, state: Any) -> DeliveryOutcome | None:
+        state.append(("screen", message.message_id))
+        return None
+
+    @contextmanager
+    def _around(self, state: list[tuple[str, str]], message_id: str) -> Iterator[None]:
+        state.append(("handling", message_id))
+        yield
+
+    def handling(self, job: Job, message: Message, state: Any) -> Any:
+        return self._around(state, message.message_id)
+
+    def decided(self, job: Job, message: Message, done: DeliveryOutcome, state: Any) -> None:
+        state.append((f"decided {done.label}", message.message_id))
+
+    def close(self, batch: Batch, state: Any, error: BaseException | None) -> None:
+        self.closed.append(state)
+
+
+class Stateless(Stage):
+    """Overrides every hook but ``open``: it is given None."""
+
+    def __init__(self) -> None:
+        self.states: list[Any] = []
+
+    def screen(self, job: Job, message: Message, state: Any) -> DeliveryOutcome | None:
+        self.states.append(state)
+        return None
+
+    def handling(self, job: Job, message: Message, state: Any) -> Any:
+        self.states.append(state)
+        return None
+
+    def decided(self, job: Job, message: Message, done: DeliveryOutcome, state: Any) -> None:
+        self.states.append(state)
+
+
+def test_each_stage_is_given_the_state_its_open_returned_in_every_hook() -> None:
+    """Two batches, each with its own state; a stage beside it without ``open`` gets None."""
+    counter, stateless = Counter(), Stateless()
+    processor = processor_with(counter, stateless)
+    assert process_batch([job(processor, "s-1"), job(processor, "s-1")]) == [
+        Acknowledge("processed"),
+        Acknowledge("duplicate"),
+    ]
+    assert process_batch([job(processor, "s-2")]) == [Acknowledge("processed")]
+    assert counter.closed == [
+        [
+            ("open", "s-1"),
+            ("open", "s-1"),
+            ("screen", "s-1"),
+            ("screen", "s-1"),
+            ("handling", "s-1"),
+            ("decided processed", "s-1"),
+            ("decided duplicate", "s-1"),
+        ],
+        [("open", "s-2"), ("screen", "s-2"), ("handling", "s-2"), ("decided processed", "s-2")],
+    ]
+    assert stateless.states == [None] * 8
 
 
 def test_a_screen_decides_before_the_claim_and_the_handler() -> None:

@@ -26,6 +26,7 @@ from reliable_messaging.task_runs.worker import consumer_specs
 from tests.conftest import subprocess_env
 from tests.markers import postgresql_only
 from tests.support import ConsumeProcess
+from tests.testapp.models import Effect
 
 from . import tasks
 from .conftest import relay_once, until_status
@@ -59,8 +60,9 @@ def test_a_task_that_kills_its_process_is_failed_by_the_crash_guards_dead_letter
 ) -> None:
     """The task's attempt is RUNNING when its process dies; the next process's crash guard
     dead-letters the redelivered message without running it (CRASH_LIMIT=1), and the task is
-    FAILED with it, the error naming the death, instead of RUNNING for ever."""
-    env = subprocess_env(ns, RM_TEST_TASKS="1", RM_TEST_CRASH_LIMIT="1")
+    FAILED with it, the error naming the death, instead of RUNNING for ever; and
+    ``task_finished`` is sent once, after the dead letter's commit."""
+    env = subprocess_env(ns, RM_TEST_TASKS="1", RM_TEST_CRASH_LIMIT="1", RM_TEST_TASK_SIGNALS="1")
     queue = ["--queue", tasks_settings.amqp_queue("default")]
     killed = ConsumeProcess(queue, env, tmp_path / "killed.log")
     try:
@@ -72,12 +74,7 @@ def test_a_task_that_kills_its_process_is_failed_by_the_crash_guards_dead_letter
         killed.close()
     result.refresh()
     assert str(result.status) == "RUNNING" and result.attempts == 1
-    survivor = ConsumeProcess([*queue, "--idle-timeout", "3"], env, tmp_path / "survivor.log")
-    try:
-        until_status(result, "FAILED", timeout=60)
-        assert survivor.wait(60) == 0, survivor.log()
-    finally:
-        survivor.close()
+    failed_in_the_next_process(result, queue, env, tmp_path)
     letter = DeadLetter.objects.get(message_id=result.id)
     assert letter.reason == "worker_crashed"
     assert letter.consumer == tasks_settings.consumer_name("default")
@@ -86,6 +83,66 @@ def test_a_task_that_kills_its_process_is_failed_by_the_crash_guards_dead_letter
     (error,) = result.errors
     assert error.exception_class is TaskDeadLettered
     assert "worker_crashed" in error.traceback and "died" in error.traceback
+    assert signalled(result.id) == [("started", "RUNNING"), ("finished", "FAILED")]
+
+
+def failed_in_the_next_process(
+    result: Any, queue: list[str], env: dict[str, str], tmp_path: Path
+) -> None:
+    """A ``consume`` process that records the task's dead letter (FAILED), then exits idle."""
+    survivor = ConsumeProcess([*queue, "--idle-timeout", "3"], env, tmp_path / "survivor.log")
+    try:
+        until_status(result, "FAILED", timeout=60)
+        assert survivor.wait(60) == 0, survivor.log()
+    finally:
+        survivor.close()
+
+
+def signalled(task_id: str) -> list[tuple[str, Any]]:
+    """The task signals the ``manage.py consume`` processes sent of ``task_id`` (see
+    ``tests/testapp/task_signals.py``), in order."""
+    rows = Effect.objects.filter(consumer__startswith="signal.", message_id=task_id).order_by("pk")
+    return [(row.consumer.removeprefix("signal."), row.payload) for row in rows]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_task_past_the_brokers_delivery_limit_in_real_processes_signals_its_failure_once(
+    ns: str, tasks_settings: TaskQueues, tmp_path: Path
+) -> None:
+    """A quorum task queue with a delivery limit of 1 and a crash limit the task never reaches:
+    the task kills the process that runs it and the one its redelivery goes to, the broker then
+    dead-letters the message to the ``.dead`` queue, and the next process records it: FAILED,
+    and ``task_finished`` once, after that commit."""
+    env = subprocess_env(
+        ns,
+        RM_TEST_TASKS="1",
+        RM_TEST_TASK_SIGNALS="1",
+        RM_TEST_CRASH_LIMIT="10",
+        RM_TEST_QUEUE_TYPE="quorum",
+        RM_TEST_QUORUM_DELIVERY_LIMIT="1",
+    )
+    queue = ["--queue", tasks_settings.amqp_queue("default")]
+    result = None
+    for n in range(2):  # the delivery, then its redelivery
+        killed = ConsumeProcess(queue, env, tmp_path / f"killed-{n}.log")
+        try:
+            killed.wait_consuming()
+            if result is None:
+                result = tasks.kills_its_process.enqueue()
+                assert relay_once() == 1
+            assert killed.wait(60) == -signal.SIGKILL, killed.log()
+        finally:
+            killed.close()
+    assert result is not None
+    failed_in_the_next_process(result, queue, env, tmp_path)
+    assert DeadLetter.objects.get(message_id=result.id).reason == "delivery_limit"
+    assert result.attempts == 2
+    assert signalled(result.id) == [
+        ("started", "RUNNING"),
+        ("started", "RUNNING"),
+        ("finished", "FAILED"),
+    ]
 
 
 def test_a_task_past_the_brokers_delivery_limit_is_failed_by_its_dead_letter(

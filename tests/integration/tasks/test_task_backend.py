@@ -170,6 +170,10 @@ def test_a_task_that_keeps_failing_is_failed_and_a_dead_letter_and_a_replay_runs
     assert result.return_value == "succeeded at attempt 4"
     assert result.attempts == 4 and len(result.errors) == 3
     assert effects("fails_before") == [4]
+    # Once each time it finished: FAILED after its dead letter's commit, then SUCCESSFUL.
+    wait_until(lambda: ("finished", "SUCCESSFUL") in signals.of(result.id), timeout=10)
+    finished = [sent for sent in signals.of(result.id) if sent[0] == "finished"]
+    assert finished == [("finished", "FAILED"), ("finished", "SUCCESSFUL")]
 
 
 def test_an_async_task_runs_in_the_attempts_transaction(worker: Any) -> None:
