@@ -23,6 +23,7 @@ from django.db import migrations, models
 
 from reliable_messaging.storage import partitions
 from reliable_messaging.storage.partitions import (
+    INBOX_CLAIM_FUNCTION,
     INBOX_TABLE,
     OUTBOX_SCHEDULED,
     OUTBOX_SENT,
@@ -292,6 +293,60 @@ def create_dead_letter_sql(apps: Any, schema_editor: Any) -> None:
 def drop_dead_letter_sql(apps: Any, schema_editor: Any) -> None:
     if schema_editor.connection.vendor == "postgresql":
         schema_editor.execute(DROP_DEAD_LETTER_SQL)
+
+# -- the inbox claim on PostgreSQL ------------------------------------------------------------
+
+# The inbox claim (reliable_messaging.storage.inbox): a function, so that PostgreSQL plans its
+# statement once per connection instead of once per batch. Its text would otherwise change with
+# each batch's keys and be planned anew across every day partition, which cost more than running
+# it. A function's plans live in its backend, so a transaction-pooling PgBouncer is no obstacle
+# (server-side prepared statements are, before PgBouncer 1.21).
+#
+# The plan is made once and kept until the tables change (a partition made, dropped or analyzed),
+# so it must not depend on how full a partition looked then: hash and merge joins and sequential
+# scans are off, and the consumer is compared with IS NOT DISTINCT FROM (equal for these NOT NULL
+# columns), which no index answers. Each key is then looked up by message_id in the unique index
+# of each partition, and in the dead letters' index of message_id, whatever the statistics said.
+INBOX_CLAIM = f"""
+CREATE FUNCTION {INBOX_CLAIM_FUNCTION}(
+    claim_consumers text[], claim_message_ids text[], claim_at timestamptz, open_statuses text[]
+) RETURNS TABLE (consumer text, message_id text, open_letter boolean)
+LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
+SET enable_hashjoin = off
+SET enable_mergejoin = off
+AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    WITH claimed AS (
+        INSERT INTO "{INBOX_TABLE}" (consumer, message_id, processed_at)
+        SELECT v.consumer, v.message_id, claim_at
+        FROM unnest(claim_consumers, claim_message_ids) AS v (consumer, message_id)
+        WHERE NOT EXISTS (
+            SELECT 1 FROM "{INBOX_TABLE}" AS p
+            WHERE p.message_id = v.message_id AND p.consumer IS NOT DISTINCT FROM v.consumer)
+        ON CONFLICT DO NOTHING
+        RETURNING consumer, message_id)
+    SELECT c.consumer::text, c.message_id::text, coalesce((
+        SELECT bool_or(d.status = ANY (open_statuses)) FROM "{DEAD_LETTERS}" AS d
+        WHERE d.message_id = c.message_id AND d.consumer IS NOT DISTINCT FROM c.consumer), false)
+    FROM claimed AS c;
+END
+$$
+"""
+
+
+def create_inbox_claim(apps: Any, schema_editor: Any) -> None:
+    if schema_editor.connection.vendor == "postgresql":
+        schema_editor.execute(INBOX_CLAIM)
+
+
+def drop_inbox_claim(apps: Any, schema_editor: Any) -> None:
+    if schema_editor.connection.vendor == "postgresql":
+        schema_editor.execute(f"DROP FUNCTION {INBOX_CLAIM_FUNCTION}")
+
 
 
 def id_field() -> tuple[str, models.Field[Any, Any]]:
@@ -690,6 +745,12 @@ class Migration(migrations.Migration):
             create_dead_letter_sql,
             drop_dead_letter_sql,
             hints={"model_name": "deadletter"},
+            elidable=False,
+        ),
+        migrations.RunPython(
+            create_inbox_claim,
+            drop_inbox_claim,
+            hints={"model_name": "processedmessage"},
             elidable=False,
         ),
         migrations.CreateModel(

@@ -21,8 +21,8 @@ from django.utils import timezone
 
 from ..choices import OPEN_DEAD_LETTER_STATUSES
 from ..core.advisory_locks import CLAIM_LOCK_CLASS
-from ..models import DeadLetter, ProcessedMessage
-from .partitions import LOCK_NOT_AVAILABLE, ensure_covered
+from ..models import ProcessedMessage
+from .partitions import INBOX_CLAIM_FUNCTION, LOCK_NOT_AVAILABLE, ensure_covered
 
 CLIENT_CURSOR: type | None
 try:
@@ -287,13 +287,13 @@ def _claim_in_one_round_trip(
 def _insert_inbox_rows_sql(using: str, keys: list[tuple[str, str]]) -> tuple[str, list[Any]]:
     """The claim's statement and parameters; see :func:`_insert_inbox_rows`."""
     connection = connections[using]
-    table = connection.ops.quote_name(ProcessedMessage._meta.db_table)
     now = timezone.now()
-    params: list[Any] = []
-    for consumer, message_id in keys:
-        params += [consumer, message_id, now]
-    rows = ", ".join(["(%s, %s, %s)"] * (len(params) // 3))
     if connection.vendor != "postgresql":
+        table = connection.ops.quote_name(ProcessedMessage._meta.db_table)
+        params: list[Any] = []
+        for consumer, message_id in keys:
+            params += [consumer, message_id, now]
+        rows = ", ".join(["(%s, %s, %s)"] * len(keys))
         insert = (
             f"INSERT INTO {table} (consumer, message_id, processed_at) "  # noqa: S608
             f"VALUES {rows} ON CONFLICT (consumer, message_id) DO NOTHING "
@@ -304,24 +304,17 @@ def _insert_inbox_rows_sql(using: str, keys: list[tuple[str, str]]) -> tuple[str
     # A day with no partition (every upkeep failing for days, a clock far ahead) is made first.
     ensure_covered(using, now)
     # The inbox is partitioned by day (partitions.py): a unique index spans one partition, so
-    # the key is looked for in every partition first. Run after _key_locks_sql's statement, in
-    # a snapshot of its own, this sees any copy committed while the lock was awaited; a copy
-    # in the same partition and not yet committed makes ON CONFLICT wait, as before.
-    insert = (
-        f"INSERT INTO {table} (consumer, message_id, processed_at) "  # noqa: S608
-        f"SELECT v.consumer, v.message_id, v.processed_at FROM (VALUES {rows}) "
-        "AS v (consumer, message_id, processed_at) WHERE NOT EXISTS ("
-        f"SELECT 1 FROM {table} AS p "
-        "WHERE p.message_id = v.message_id AND p.consumer = v.consumer) "
-        "ON CONFLICT DO NOTHING RETURNING consumer, message_id"
-    )
-    letters = connection.ops.quote_name(DeadLetter._meta.db_table)
+    # the function (migrations/0001_initial.py, INBOX_CLAIM) looks for each key in every
+    # partition first, with a plan made once per connection. Run after _key_locks_sql's
+    # statement, in a snapshot of its own, it sees any copy committed while the lock was
+    # awaited; a copy in the same partition and not yet committed makes ON CONFLICT wait.
     sql = (
-        f"WITH claimed AS ({insert}) SELECT consumer, message_id, EXISTS ("  # noqa: S608
-        f"SELECT 1 FROM {letters} AS d WHERE d.consumer = claimed.consumer "
-        f"AND d.message_id = claimed.message_id AND d.status IN (%s, %s)) FROM claimed"
+        "SELECT consumer, message_id, open_letter "  # noqa: S608
+        f"FROM {INBOX_CLAIM_FUNCTION}(%s::text[], %s::text[], %s, %s::text[])"
     )
-    return sql, [*params, *OPEN_DEAD_LETTER_STATUSES]
+    consumers = [consumer for consumer, _ in keys]
+    message_ids = [message_id for _, message_id in keys]
+    return sql, [consumers, message_ids, now, [str(s) for s in OPEN_DEAD_LETTER_STATUSES]]
 
 
 def _insert_inbox_rows(using: str, keys: list[tuple[str, str]]) -> dict[tuple[str, str], bool]:

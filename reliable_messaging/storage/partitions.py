@@ -31,6 +31,8 @@ OUTBOX_TABLE = "reliable_messaging_outboxmessage"
 OUTBOX_UNSENT = f"{OUTBOX_TABLE}_unsent"
 OUTBOX_SENT = f"{OUTBOX_TABLE}_sent"
 OUTBOX_SCHEDULED = f"{OUTBOX_TABLE}_scheduled"
+# The function that claims a batch of inbox rows (the migration makes it; storage.inbox calls it).
+INBOX_CLAIM_FUNCTION = "rm_inbox_claim"
 # The statuses of each side of the outbox (the values of its list partitions); every relay
 # query names the unsent ones, so that PostgreSQL reads only that partition.
 UNSENT_STATUSES = ("pending", "failed")

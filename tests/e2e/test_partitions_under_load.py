@@ -15,7 +15,7 @@ import pytest
 from django.utils import timezone
 
 from reliable_messaging.storage import partitions
-from reliable_messaging.storage.partitions import INBOX_TABLE
+from reliable_messaging.storage.partitions import INBOX_CLAIM_FUNCTION
 from tests.conftest import database_url
 from tests.markers import postgresql_only
 from tests.support import ConsumeProcess, Publisher, wait_until
@@ -51,7 +51,7 @@ class ClaimLockWaits:
     """Polls pg_stat_activity every 20 ms for inbox claims waiting on a lock; keeps the
     longest wait seen."""
 
-    CLAIM = f'%INSERT INTO "{INBOX_TABLE}"%'
+    CLAIM = f"%{INBOX_CLAIM_FUNCTION}(%"
 
     def __init__(self) -> None:
         self.longest = 0.0

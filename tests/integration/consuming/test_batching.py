@@ -26,7 +26,7 @@ from reliable_messaging.core.outcomes import Acknowledge, ScheduleRetry
 from reliable_messaging.core.registry import ConsumerSpec
 from reliable_messaging.models import DeadLetter, ProcessedMessage
 from reliable_messaging.storage.inbox import claim_inbox_rows
-from reliable_messaging.storage.partitions import ensure_covered
+from reliable_messaging.storage.partitions import INBOX_CLAIM_FUNCTION, ensure_covered
 from reliable_messaging.testing import find_consumer
 from tests.support import Publisher, wait_until
 from tests.testapp.consumers import behave
@@ -236,7 +236,7 @@ def test_a_batch_costs_one_round_trip_for_its_inbox_rows_and_dead_letter_lookup(
     # The claim, then resolving rt-3's dead letter (looked up, locked, saved): nothing for
     # the four others.
     assert ours[0].startswith("SAVEPOINT rm_inbox_claim; SELECT set_config")
-    assert "INSERT INTO" in ours[0] and "RELEASE SAVEPOINT rm_inbox_claim" in ours[0]
+    assert f"{INBOX_CLAIM_FUNCTION}(" in ours[0] and "RELEASE SAVEPOINT rm_inbox_claim" in ours[0]
     assert all("processedmessage" not in sql and "lock_timeout" not in sql for sql in ours[1:])
     assert DeadLetter.objects.get(message_id="rt-3").status == "resolved"
     assert sorted(ProcessedMessage.objects.values_list("message_id", flat=True)) == [

@@ -21,7 +21,7 @@ from reliable_messaging.core.outcomes import Acknowledge
 from reliable_messaging.core.registry import ConsumerSpec
 from reliable_messaging.models import ProcessedMessage
 from reliable_messaging.storage import partitions
-from reliable_messaging.storage.inbox import insert_inbox_row
+from reliable_messaging.storage.inbox import claim_inbox_rows, insert_inbox_row
 from reliable_messaging.storage.partitions import INBOX_TABLE
 from reliable_messaging.storage.retention import purge_messages
 from tests.support import wait_until
@@ -392,3 +392,46 @@ def test_two_copies_either_side_of_midnight_under_stricter_isolation(
         assert outcome in {"duplicate", "serialization failure"}
     else:
         assert outcome == "inserted"
+
+
+def scans_of_today() -> tuple[int, int, int]:
+    """Today's partition: its sequential scans, and the scans of its unique index and of its
+    index of consumers, as PostgreSQL counts them (this backend's counts flushed first)."""
+    name = partitions.day_name(today())
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_force_next_flush()")
+        cursor.execute(
+            "SELECT t.seq_scan, "
+            "sum(i.idx_scan) FILTER (WHERE i.indexrelname = %s), "
+            "sum(i.idx_scan) FILTER (WHERE i.indexrelname = %s) "
+            "FROM pg_stat_user_tables AS t JOIN pg_stat_user_indexes AS i USING (relid) "
+            "WHERE t.relname = %s GROUP BY t.seq_scan",
+            [f"{name}_uniq", f"{name}_consumer", name],
+        )
+        seq, uniq, by_consumer = cursor.fetchone()
+    return seq, uniq, by_consumer
+
+
+def test_the_claim_looks_keys_up_in_the_unique_index_however_empty_the_inbox_was_when_planned() -> (
+    None
+):
+    """The batch claim's plan is made once per connection and kept: made while every partition
+    was empty and analyzed (the planner would then read a partition whole, or by consumer), it
+    still looks each key up in the unique index after today's partition has filled."""
+    with connection.cursor() as cursor:
+        cursor.execute(f"ANALYZE {INBOX_TABLE}")
+    with transaction.atomic():
+        assert list(claim_inbox_rows("default", [("c", "first")], 1.0)[0]) == [("c", "first")]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {INBOX_TABLE} (consumer, message_id, processed_at) "
+            "SELECT 'c', 'filler-' || g, now() FROM generate_series(1, 20000) AS g"
+        )
+    seq, uniq, by_consumer = scans_of_today()
+    keys = [("c", f"m-{n}") for n in range(50)] + [("c", "filler-7")]
+    with transaction.atomic():
+        claimed, busy = claim_inbox_rows("default", keys, 1.0)
+    assert sorted(claimed) == sorted(keys[:-1]) and not busy
+    after = scans_of_today()
+    assert after[0] == seq and after[2] == by_consumer, (seq, uniq, by_consumer, after)
+    assert after[1] >= uniq + len(keys), (seq, uniq, by_consumer, after)
