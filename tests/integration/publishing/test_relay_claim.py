@@ -17,8 +17,9 @@ from django.utils import timezone
 
 from reliable_messaging import publish
 from reliable_messaging.choices import OutboxStatus
+from reliable_messaging.conf import messaging_settings
 from reliable_messaging.models import OutboxMessage
-from reliable_messaging.publishing.claims import claimable, release_parked
+from reliable_messaging.publishing.claims import OutboxClaims, claimable, release_parked
 from reliable_messaging.publishing.relay import LEASE_MARGIN, build_relay
 from reliable_messaging.publishing.sent import Batch, record_outcome
 from tests.markers import postgresql_only
@@ -123,6 +124,36 @@ def test_rows_behind_a_failed_row_are_parked_once_then_released_in_order(ob: Out
     report = build_relay(once=True).run()
     assert report.sent == 6
     assert [m.message_id for m in ob.broker.drain(queue, expected=6)] == [head, *later]
+
+
+@postgresql_only
+def test_one_claim_parks_every_due_row_behind_a_held_key_not_only_its_batch(
+    ob: OutboxEnv,
+) -> None:
+    """Rows held back by their key, due as publish() writes them, many times a batch: the
+    first claim that meets them parks all of them in one statement (parked a batch at a time, a
+    relay --once beside 200,000 of them spent most of its run parking), and claims free rows."""
+    OutboxMessage.objects.create(
+        message_id="head",
+        routing_key="x",
+        body="{}",
+        ordering_key="A",
+        status="failed",
+        next_attempt_at=timezone.now() + dt.timedelta(hours=1),
+    )
+    for _ in range(3):  # interleaved with free rows, as they were published
+        bulk_rows(20, ordering_key="A", next_attempt_at=timezone.now())
+        bulk_rows(5, next_attempt_at=timezone.now())
+
+    claims = OutboxClaims("default", messaging_settings, 10, dt.timedelta(seconds=60))
+    claim = claims.claim()
+    assert claim.transaction is not None
+    claim.transaction.rollback()
+    assert claim.parked == 60
+    held = OutboxMessage.objects.filter(ordering_key="A", status="pending")
+    assert not held.filter(next_attempt_at__isnull=False).exists(), "a held row is still due"
+    assert len(claim.rows) == 10 and all(row.ordering_key is None for row in claim.rows)
+    assert not OutboxMessage.objects.filter(ordering_key=None, next_attempt_at=None).exists()
 
 
 def test_a_parked_row_nothing_holds_back_is_released_by_the_sweep(ob: OutboxEnv) -> None:

@@ -1,0 +1,151 @@
+"""``manage.py relay --once`` beside rows held back by their ordering key, against the same run
+with none held: the time a run spends on rows it cannot send.
+
+    RM_BENCH_DB=bench_held .venv/bin/python bench/relay_held.py [--held 200000] [--keys 1000]
+        [--sendable 5000] [--rounds 2] [--builds NAME=PATH,NAME=PATH]
+
+Each round fills an emptied outbox with ``--keys`` keys whose first row failed and backs off an
+hour, and behind them ``--held`` rows of those keys as ``publish()`` writes them (pending, due
+now), by INSERT ... SELECT generate_series; then ``--sendable`` rows without a key from
+``publish()``. Two ``relay --once`` processes run one after the other, as the Celery
+``relay_outbox`` task does every few seconds: the first finds the held rows due, the second
+finds them parked. The baseline run has the sendable rows only. Each figure is the process's
+wall time from start to exit and its CPU with its PostgreSQL backends'; "outside sending" is
+the held run's wall time less the baseline's, in the same round. Rounds alternate the order.
+``--builds`` runs each source tree's ``manage.py`` in turn in every round (e.g. a ``git
+archive`` of the commit before a change, and this checkout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("RM_BENCH_DB", "bench_held")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import ROOT, declare_sink, describe_machine, drop_sink, median, setup_django
+from whole_process import process_env
+
+
+def fill(exchange: str, held: int, keys: int, sendable: int) -> None:
+    """The outbox as the module's docstring says, vacuumed and analyzed."""
+    from django.db import connection, transaction
+
+    from reliable_messaging import publish
+    from reliable_messaging.models import OutboxMessage
+
+    table = OutboxMessage._meta.db_table
+    columns = (
+        "message_id, exchange, routing_key, body, headers, ordering_key, status, attempts, "
+        "last_error, next_attempt_at, created_at"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(f"TRUNCATE {table}")
+        if held:
+            cursor.execute(
+                f"INSERT INTO {table} ({columns}) SELECT 'head-' || k, %s, 'bench.held', "
+                "'{\"n\": 0}', '{}', 'key-' || k, 'failed', 1, 'refused', "
+                "now() + interval '1 hour', now() FROM generate_series(1, %s) AS k",
+                [exchange, keys],
+            )
+            cursor.execute(
+                f"INSERT INTO {table} ({columns}) SELECT 'held-' || g, %s, 'bench.held', "
+                "'{\"n\": ' || g || '}', '{}', 'key-' || (g %% %s + 1), 'pending', 0, '', "
+                "statement_timestamp(), statement_timestamp() "
+                "FROM generate_series(1, %s) AS g",
+                [exchange, keys, held],
+            )
+    for start in range(0, sendable, 1000):
+        with transaction.atomic():
+            for i in range(start, min(sendable, start + 1000)):
+                publish("bench.order", {"order_id": i, "amount": "19.99"}, exchange=exchange)
+    with connection.cursor() as cursor:
+        cursor.execute(f"VACUUM ANALYZE {table}")
+
+
+def relay_once(namespace: str, root: Path) -> tuple[float, float]:
+    """One ``manage.py relay --once`` of the source tree ``root``: its wall time, and its CPU
+    (the process's; its backends' are not counted here, as they exit with it)."""
+    env = process_env(namespace, root)
+    started = time.perf_counter()
+    before = os.times()
+    # It exits with 1 beside the held keys' failed first rows (and says so): expected here.
+    subprocess.run(
+        [sys.executable, str(root / "manage.py"), "relay", "--once"],
+        env=env,
+        check=False,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    after = os.times()
+    cpu = (after.children_user - before.children_user) + (
+        after.children_system - before.children_system
+    )
+    return time.perf_counter() - started, cpu
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--held", type=int, default=200_000)
+    parser.add_argument("--keys", type=int, default=1000)
+    parser.add_argument("--sendable", type=int, default=5000)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--builds", help="NAME=PATH,NAME=PATH: source trees run in turn")
+    args = parser.parse_args()
+    builds = {"this checkout": ROOT}
+    if args.builds:
+        builds = {
+            name: Path(path)
+            for name, path in (item.split("=", 1) for item in args.builds.split(","))
+        }
+    namespace = setup_django()
+    exchange, queue = f"{namespace}.ex", f"{namespace}.sink"
+    declare_sink(exchange, queue)
+    print(f"machine: {describe_machine()}; load average {os.getloadavg()}", flush=True)
+    figures: dict[tuple[str, str], list[float]] = {}
+    try:
+        for round_ in range(args.rounds):
+            names = list(builds) if round_ % 2 == 0 else list(reversed(builds))
+            for name in names:
+                got: dict[str, float] = {}
+                for kind in ("held", "none") if round_ % 2 == 0 else ("none", "held"):
+                    fill(exchange, args.held if kind == "held" else 0, args.keys, args.sendable)
+                    runs = ("first", "next") if kind == "held" else ("first",)
+                    for run in runs:
+                        wall, cpu = relay_once(namespace, builds[name])
+                        figures.setdefault((name, f"{kind} {run}"), []).append(wall)
+                        got[f"{kind} {run}"] = wall
+                        print(
+                            f"  round {round_ + 1} {name}, {kind} rows, {run} run: "
+                            f"{wall:.2f} s, process CPU {cpu:.2f} s",
+                            flush=True,
+                        )
+                outside = got["held first"] - got["none first"]
+                figures.setdefault((name, "outside"), []).append(outside)
+                print(
+                    f"  round {round_ + 1} {name}: outside sending {outside:.2f} s "
+                    f"(load average {os.getloadavg()[0]:.2f})",
+                    flush=True,
+                )
+    finally:
+        drop_sink(exchange, queue)
+    print(
+        f"relay --once beside {args.held:,} held rows ({args.keys:,} keys) and "
+        f"{args.sendable:,} sendable rows, medians:"
+    )
+    for name in builds:
+        print(
+            f"  {name}: {median(figures[name, 'held first']):.2f} s "
+            f"(the next run {median(figures[name, 'held next']):.2f} s) against "
+            f"{median(figures[name, 'none first']):.2f} s with none held; outside sending "
+            f"{median(figures[name, 'outside']):.2f} s"
+        )
+
+
+if __name__ == "__main__":
+    main()
