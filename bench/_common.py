@@ -11,8 +11,28 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_DB = os.environ.get("RM_BENCH_DB", "rm_bench")
-DATABASE_URL = f"postgres://postgres@127.0.0.1:5432/{BENCH_DB}"
+# Another PostgreSQL server than the shared one on 5432: one with autovacuum on, say, whose
+# settings a benchmark needs without changing everyone's.
+PG_PORT = os.environ.get("RM_BENCH_PG_PORT", "5432")
+DATABASE_URL = f"postgres://postgres@127.0.0.1:{PG_PORT}/{BENCH_DB}"
 BROKER_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+
+
+def psql(sql: str, *, check: bool = False) -> None:
+    """Run ``sql`` with psql as postgres on the bench's server (its output kept quiet)."""
+    subprocess.run(
+        ["psql", "-h", "127.0.0.1", "-p", PG_PORT, "-U", "postgres", "-qc", sql],
+        capture_output=True,
+        check=check,
+    )
+
+
+def parse_builds(spec: str | None) -> dict[str, Path]:
+    """``--builds NAME=PATH,NAME=PATH``: source trees to run in turn; this checkout alone when
+    None."""
+    if not spec:
+        return {"this checkout": ROOT}
+    return {name: Path(path) for name, path in (item.split("=", 1) for item in spec.split(","))}
 
 
 def setup_django(namespace: str | None = None) -> str:
@@ -22,11 +42,7 @@ def setup_django(namespace: str | None = None) -> str:
     os.environ["DATABASE_URL"] = DATABASE_URL
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
     sys.path.insert(0, str(ROOT))
-    subprocess.run(
-        ["psql", "-h", "127.0.0.1", "-U", "postgres", "-qc", f"CREATE DATABASE {BENCH_DB}"],
-        capture_output=True,
-        check=False,
-    )
+    psql(f"CREATE DATABASE {BENCH_DB}")
     import django
     from django.core.management import call_command
 
@@ -72,34 +88,18 @@ def median(values: list[float]) -> float:
 
 
 def database_url_for(name: str) -> str:
-    return f"postgres://postgres@127.0.0.1:5432/{name}"
+    return f"postgres://postgres@127.0.0.1:{PG_PORT}/{name}"
 
 
 def recreate_database(name: str) -> str:
     """Drop database ``name`` if it exists and create it empty; returns its URL."""
     for sql in (f"DROP DATABASE IF EXISTS {name} WITH (FORCE)", f"CREATE DATABASE {name}"):
-        subprocess.run(
-            ["psql", "-h", "127.0.0.1", "-U", "postgres", "-qc", sql],
-            capture_output=True,
-            check=True,
-        )
+        psql(sql, check=True)
     return database_url_for(name)
 
 
 def drop_database(name: str) -> None:
-    subprocess.run(
-        [
-            "psql",
-            "-h",
-            "127.0.0.1",
-            "-U",
-            "postgres",
-            "-qc",
-            f"DROP DATABASE IF EXISTS {name} WITH (FORCE)",
-        ],
-        capture_output=True,
-        check=False,
-    )
+    psql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 def setup_django_on(database_url: str, namespace: str) -> None:

@@ -409,14 +409,9 @@ def main() -> None:
         "--no-parts", action="store_true", help="plain runs only (the totals, for --builds)"
     )
     args = parser.parse_args()
-    from _common import ROOT
+    from _common import parse_builds
 
-    builds = {"this checkout": ROOT}
-    if args.builds:
-        builds = {
-            name: Path(path)
-            for name, path in (item.split("=", 1) for item in args.builds.split(","))
-        }
+    builds = parse_builds(args.builds)
 
     import pika
     from _common import BROKER_URL, describe_machine, drop_sink, setup_django

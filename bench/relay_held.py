@@ -28,7 +28,7 @@ from pathlib import Path
 os.environ.setdefault("RM_BENCH_DB", "bench_held")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import ROOT, declare_sink, describe_machine, drop_sink, median, setup_django
+from _common import declare_sink, describe_machine, drop_sink, median, parse_builds, setup_django
 from whole_process import process_env
 
 
@@ -97,12 +97,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--builds", help="NAME=PATH,NAME=PATH: source trees run in turn")
     args = parser.parse_args()
-    builds = {"this checkout": ROOT}
-    if args.builds:
-        builds = {
-            name: Path(path)
-            for name, path in (item.split("=", 1) for item in args.builds.split(","))
-        }
+    builds = parse_builds(args.builds)
     namespace = setup_django()
     exchange, queue = f"{namespace}.ex", f"{namespace}.sink"
     declare_sink(exchange, queue)
