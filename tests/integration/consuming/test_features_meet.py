@@ -21,6 +21,10 @@ in a thread of this process against the real broker and database.
   parks its key like any other.
 - The breaker and concurrent deliveries: those started before it opened, ending after its
   pause, are no probes; it closes only on the probes it let in.
+- The breaker and declared payloads: a message that does not match its consumer's type is a
+  dead letter ``invalid_payload`` decided before the handler, which the breaker never counts
+  (neither toward opening nor as a probe's verdict); one arriving while it is open waits with
+  the rest and is still ``invalid_payload`` after, never a retry or another reason.
 - Replays and the time limit: a message whose handler ran past its time limit on every
   attempt is a dead letter ``timeout`` (the process alive, no suspicion kept); replayed after
   the fix, it starts again at attempt 1 and is handled once.
@@ -36,10 +40,12 @@ The "downstream" of the breaker's tests is a switch: an ``Effect`` row of consum
 # ruff: noqa: F811 - pytest fixtures imported from the consumer service tests, used by name
 from __future__ import annotations
 
+import decimal
 import time
 from collections import Counter
 from typing import Any
 
+import pydantic
 import pytest
 from asgiref.sync import sync_to_async
 from django.test import override_settings
@@ -47,6 +53,7 @@ from django.test import override_settings
 from reliable_messaging import Breaker, Message
 from reliable_messaging.choices import DeadLetterReason, DeadLetterStatus, ReplayOutcome
 from reliable_messaging.consuming.breaker import BreakerState
+from reliable_messaging.contracts import contract_of
 from reliable_messaging.core.coroutines import CoroutineHandler
 from reliable_messaging.core.envelope import ORDERING_KEY_HEADER, PUBLISHED_AT_HEADER
 from reliable_messaging.core.outcomes import Acknowledge, ScheduleRetry
@@ -336,6 +343,116 @@ def test_async_handlers_failing_open_the_breaker_and_the_rest_wait_uncharged(
         breaker=Breaker(failure_rate=0.5, window=10, min_failures=4, pause=1.0, probes=2),
     )
     failed_while_down_and_handled_once_after(ns, service, rec, publisher, spec, "apay")
+
+
+# --------------------------------------------------------------------------- breaker x payloads
+
+
+class Payment(pydantic.BaseModel):
+    n: str
+    amount: decimal.Decimal
+
+
+def paying_while_up(label: str, rec: Recorder) -> Any:
+    """A handler of ``Payment`` objects that fails while the switch is on (the downstream is
+    down), else writes one ``Effect`` row."""
+
+    def handler(message: Message) -> None:
+        with rec.lock:
+            rec.messages.append((label, message))
+        payment = message.payload
+        assert isinstance(payment, Payment), payment  # the stage gave it the typed object
+        if Effect.objects.filter(consumer="switch", message_id=SWITCH).exists():
+            raise RuntimeError(f"{label}: the downstream is down")
+        Effect.objects.create(
+            consumer=label,
+            message_id=message.message_id,
+            attempt=message.attempt,
+            payload={"n": payment.n},
+        )
+
+    return handler
+
+
+def test_invalid_payloads_never_count_for_the_breaker_nor_turn_into_anything_else_while_open(
+    ns: str, rm_settings: dict[str, Any], service: Any, rec: Recorder, publisher: Publisher
+) -> None:
+    """Eight payloads that do not match the consumer's type, the downstream up: eight dead
+    letters ``invalid_payload``, no handler run, and the breaker (opening at four failures)
+    stays closed. The downstream goes down: four payments fail and open it. Three more bad
+    payloads and two payments arrive while it is open, and wait; the downstream comes back.
+    After the pause the bad ones are ``invalid_payload`` again (no retry, no other reason) and
+    say nothing to the half-open breaker: it closes on payments, having opened once. Every
+    payment takes effect once; every dead letter is a bad payload, its first attempt unspent."""
+    spec = ConsumerSpec(
+        name=f"{ns}.ppay",
+        queue=f"{ns}.ppay",
+        handler=paying_while_up("ppay", rec),
+        bindings=("ppay.*",),
+        payload=contract_of(Payment),
+        max_attempts=50,
+        breaker=Breaker(failure_rate=0.5, window=10, min_failures=4, pause=3.0, probes=2),
+    )
+    svc = service([spec], on_outcome=rec)
+    breaker = svc.breakers.get(spec.name)
+
+    def send(message_id: str, payload: Any) -> None:
+        publisher.publish(exchange_of(ns), "ppay.due", payload, message_id=message_id)
+
+    bad_first = [f"bad-{n}" for n in range(8)]
+    for message_id in bad_first:
+        send(message_id, {"n": message_id, "amount": "not a number"})
+    rec.wait_count(spec.name, len(bad_first), timeout=30)
+    assert results_by_id(rec, spec.name) == {
+        m: ["dead_lettered:invalid_payload"] for m in bad_first
+    }
+    assert breaker.opened == 0 and breaker.state is BreakerState.CLOSED
+
+    downstream_down()
+    failing = [f"down-{n}" for n in range(4)]
+    for message_id in failing:
+        send(message_id, {"n": message_id, "amount": "10.00"})
+    wait_until(lambda: breaker.opened == 1, timeout=30, message="failed payments opening it")
+    bad_while_open = [f"bad-open-{n}" for n in range(3)]
+    fresh = [f"fresh-{n}" for n in range(2)]
+    send(bad_while_open[0], {"n": bad_while_open[0], "amount": "twelve"})
+    send(fresh[0], {"n": fresh[0], "amount": "12.50"})
+    send(bad_while_open[1], {"n": bad_while_open[1]})  # no amount
+    send(fresh[1], {"n": fresh[1], "amount": "7.25"})
+    send(bad_while_open[2], ["not", "an", "object"])
+    assert breaker.state is BreakerState.OPEN  # they wait (pause 3 s)
+    downstream_up()
+
+    payments = failing + fresh
+    wait_until(
+        lambda: Effect.objects.filter(consumer="ppay").count() == len(payments),
+        timeout=45,
+        message=lambda: f"every payment handled; outcomes {results_by_id(rec, spec.name)}",
+    )
+    wait_until(
+        lambda: all(m in results_by_id(rec, spec.name) for m in bad_while_open),
+        timeout=30,
+        message="the bad payloads that waited decided",
+    )
+    by_id = results_by_id(rec, spec.name)
+    for message_id in bad_first + bad_while_open:
+        assert by_id[message_id] == ["dead_lettered:invalid_payload"], (message_id, by_id)
+    for message_id in failing:  # failed while down (retries), then processed
+        assert by_id[message_id][-1] == "processed", by_id
+        assert set(by_id[message_id][:-1]) <= {"retry"}, by_id
+    for message_id in fresh:
+        assert by_id[message_id] == ["processed"], by_id
+    assert breaker.opened == 1 and breaker.state is BreakerState.CLOSED
+    assert sorted(m for m, _ in effects("ppay")) == sorted(payments)
+    given = {message.message_id for label, message in rec.messages if label == "ppay"}
+    assert given.isdisjoint(bad_first + bad_while_open)  # never reached the handler
+    letters = DeadLetter.objects.filter(consumer=spec.name)
+    assert sorted(letters.values_list("message_id", flat=True)) == sorted(
+        bad_first + bad_while_open
+    )
+    assert {letter.reason for letter in letters} == {DeadLetterReason.INVALID_PAYLOAD}
+    assert {letter.attempts for letter in letters} == {1}
+    wait_until(lambda: drained(f"{ns}.ppay"), timeout=20, message="ppay's queue drained")
 
 
 # --------------------------------------------------------------------------- breaker x replay
