@@ -34,12 +34,14 @@ from ..core.envelope import CONTENT_TYPE, HEADER_PREFIX
 from ..core.registry import ConsumerSpec
 from ..core.routing import topic_matches
 from ..core.trace_context import TRACE_HEADERS, TRACEPARENT, TRACESTATE
+from ..task_runs.naming import is_task_consumer
 
 ASYNCAPI_VERSION = "3.0.0"
 AMQP_BINDING_VERSION = "0.3.0"
 # The message trait every message of ours carries: the headers below.
 HEADERS_TRAIT = "reliableMessagingHeaders"
 UNTYPED_MESSAGE = "untypedJson"
+TASK_MESSAGE = "djangoTask"
 # Set on a frame in the consuming process only (its properties could not be decoded); never sent.
 _IN_PROCESS_HEADERS = frozenset({envelope.UNDECODABLE_HEADER})
 _MILLISECONDS = {"type": "integer"}  # Unix time in milliseconds
@@ -120,6 +122,35 @@ HEADER_SCHEMAS: dict[str, dict[str, Any]] = {
         "type": "string",
         "description": "W3C Trace Context vendor state, passed along with traceparent.",
     },
+}
+
+
+# The body of a task message (reliable_messaging/contrib/task_backend.py enqueues it, the
+# task queues' handler in task_runs/worker.py reads it): the task's id and its module path.
+# The arguments are not in the message: they are in the TaskRun row, written in the same
+# transaction, so a message sent by anything but the backend finds no row to run.
+TASK_MESSAGE_SCHEMA: dict[str, Any] = {
+    "title": "TaskMessage",
+    "type": "object",
+    "description": "A django.tasks task enqueued with ReliableTaskBackend. The task's arguments, "
+    "status and result are in its TaskRun row (written in the transaction that "
+    "published this message), not here: a message whose task_id has no row is a dead letter "
+    "at once.",
+    "properties": {
+        "task_id": {
+            "type": "string",
+            "minLength": 1,
+            "description": "The TaskRun row's id, also the message_id (the inbox deduplicates "
+            "on it): the task runs at most once.",
+        },
+        "task": {
+            "type": "string",
+            "minLength": 1,
+            "description": "The task function's module path (module.function), as its TaskRun row "
+            "names it; the worker runs the task of the row.",
+        },
+    },
+    "required": ["task_id", "task"],
 }
 
 
@@ -258,6 +289,21 @@ class _Document:
         }
         return UNTYPED_MESSAGE
 
+    def task_message(self) -> str:
+        """The message of the task queues: what ``ReliableTaskBackend.enqueue`` publishes."""
+        self.schemas[TASK_MESSAGE] = TASK_MESSAGE_SCHEMA
+        self.messages[TASK_MESSAGE] = {
+            "name": TASK_MESSAGE,
+            "title": "A django.tasks task",
+            "summary": "A task enqueued through ReliableTaskBackend: which task, and the id of "
+            "its TaskRun row; the arguments stay in that row.",
+            "contentType": CONTENT_TYPE,
+            "payload": {"$ref": f"#/components/schemas/{TASK_MESSAGE}"},
+            "traits": [{"$ref": f"#/components/messageTraits/{HEADERS_TRAIT}"}],
+            "bindings": {"amqp": {"bindingVersion": AMQP_BINDING_VERSION}},
+        }
+        return TASK_MESSAGE
+
     def _schema(self, name: str, schema: dict[str, Any]) -> str:
         """Put ``schema`` and its nested types (``$defs``) in components; its key there.
         A nested type of the same name but another shape than one already there is kept
@@ -358,6 +404,8 @@ class _Document:
         settings = self.settings
         if spec.payload is not None:
             messages = [self.message(spec.payload)]
+        elif is_task_consumer(spec.name):
+            messages = [self.task_message()]
         else:  # what of ours reaches the queue, or any JSON
             matched = {
                 self.message(payload)
