@@ -474,7 +474,6 @@ def test_the_demos_committed_document_is_current_valid_and_round_trips(tmp_path:
     assert result.returncode == 0, result.stdout + result.stderr
     document = json.loads(DEMO_DOCUMENT.read_text())
     assert problems(document) == []
-    assert_round_trips(document)
     channels = {channel["address"] for channel in document["channels"].values()}
     assert {"shop.billing", "shop.shipping", "shop.timeline.p{partition}"} <= channels
 
@@ -483,6 +482,8 @@ def test_the_demos_committed_document_is_current_valid_and_round_trips(tmp_path:
     result = run_demo_command("--check", str(stale))
     assert result.returncode == 1
     assert "shop.billing2" in result.stdout and "manage.py asyncapi --output" in result.stderr
+    # Last: the version matrix's sessions have no asyncapi3, and skip only this.
+    assert_round_trips(document)
 
 
 def test_the_schema_check_fails_a_document_that_breaks_the_specification() -> None:
