@@ -121,16 +121,15 @@ class MessageJSONEncoder(json.JSONEncoder):
         return super().default(o)
 
 
+# One encoder for every body: json.dumps(cls=...) would build one per call. It keeps no state
+# between calls (each encode() has its own), so threads share it.
+_ENCODER = MessageJSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
 def encode_payload(payload: Any) -> bytes:
     """Encode ``payload`` as the UTF-8 JSON body; a value JSON cannot hold raises ``TypeError``."""
     try:
-        text = json.dumps(
-            payload,
-            cls=MessageJSONEncoder,
-            ensure_ascii=False,
-            separators=(",", ":"),
-            allow_nan=False,
-        )
+        text = _ENCODER.encode(payload)
     except (ValueError, TypeError) as exc:  # NaN / Infinity, circular references, a type
         raise TypeError(f"payload cannot be encoded as JSON: {exc}") from exc
     try:
