@@ -113,6 +113,13 @@ HEADER_SCHEMAS: dict[str, dict[str, Any]] = {
         "type": "integer",
         "description": "On a replayed dead letter: its row of the replay ledger.",
     },
+    envelope.PRIORITY_HEADER: {
+        "type": "integer",
+        "minimum": 0,
+        "maximum": 9,
+        "description": "A task's AMQP priority (its framework priority mapped onto 0 to 9, 4 by "
+        "default); the relay sends it as the message's priority property too.",
+    },
     TRACEPARENT: {
         "type": "string",
         "pattern": "^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}",

@@ -25,7 +25,8 @@ from django.db import router, transaction
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
-from ..core.priorities import PRIORITY_HEADER, amqp_priority
+from ..core.envelope import PRIORITY_HEADER
+from ..core.priorities import amqp_priority
 from ..core.registry import ConsumerRegistry, registry
 from ..core.uuid7 import new_message_id
 from ..models import TaskRun

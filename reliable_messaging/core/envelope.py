@@ -41,6 +41,9 @@ DEAD_LETTER_ID_HEADER = "x-rm-dead-letter-id"
 REPLAY_ID_HEADER = "x-rm-replay-id"  # the replay ledger's row of a replayed copy
 # How many times a copy was put aside because another consumer held the message.
 DEFERRALS_HEADER = "x-rm-deferrals"
+# A message's AMQP priority as the outbox row keeps it (core/priorities.py): the relay sets the
+# property from it; retried and replayed copies keep it, as they keep every header.
+PRIORITY_HEADER = "x-rm-priority"
 # On the dead letter of a Celery task whose pool child kept dying: not replayable.
 CELERY_TASK_HEADER = "celery-task"
 # Set by broker/codec.py when part of a delivery's properties could not be decoded (what failed).

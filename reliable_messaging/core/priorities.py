@@ -12,9 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-# The outbox row's record of a message's AMQP priority (the relay sets the property from it;
-# retried and replayed copies keep it, as they keep every header).
-PRIORITY_HEADER = "x-rm-priority"
+from .envelope import PRIORITY_HEADER
+
 # The highest AMQP priority we send: a classic queue of tasks is declared with this
 # x-max-priority (10 levels, RabbitMQ's advice for classic priority queues).
 MAX_PRIORITY = 9
