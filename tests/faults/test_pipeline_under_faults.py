@@ -146,7 +146,9 @@ def test_publishers_blocked_by_a_memory_alarm_then_released(rig: FaultRig) -> No
     with rig.starting_together():
         consumers = [rig.consumer(), rig.consumer()]
         relay = rig.relay()
-    traffic = rig.start_traffic(300, rate=30)
+    # Traffic for 30 s: it must still be writing rows once the alarm is on, which takes a few
+    # rabbitmqctl calls (seconds each on a loaded host), for the relay to publish into it.
+    traffic = rig.start_traffic(900, rate=30)
     traffic.wait_published(60)
     with memory_alarm():
         # The relay's connection is blocked as soon as it publishes, or the broker tells the relay
