@@ -233,3 +233,42 @@ def test_a_claim_holds_its_rows_then_trades_its_transaction_for_a_lease(ob: Outb
     assert OutboxMessage.objects.filter(
         pk__in=again, status=OutboxStatus.PENDING, next_attempt_at__lte=Now()
     ).count() == len(again)
+
+
+@postgresql_only
+def test_a_scheduled_row_falling_due_behind_a_held_key_is_parked_then_sent_in_its_place(
+    ob: OutboxEnv,
+) -> None:
+    """Parking meets scheduling: a key's head fails, a row behind it is parked, and a scheduled
+    row of the key falls due meanwhile. It is promoted and parked behind the head like the
+    others (never sent around it), goes in its place once the head is retried, and a row of
+    the key still not due stays scheduled until its time, after them."""
+    ob.set(OUTBOX_MAX_ATTEMPTS=1, REQUIRE_ROUTE=["stuck.#"])
+    queue = ob.queue(bindings=["ok.#"])
+    with transaction.atomic():
+        head = publish("stuck.a0", {"n": 0}, ordering_key="A")  # unroutable command: fails
+        behind = publish("ok.a1", {"n": 1}, ordering_key="A")
+        soon = publish("ok.a2", {"n": 2}, ordering_key="A", delay=3600)
+        later = publish("ok.a3", {"n": 3}, ordering_key="A", delay=3600)
+
+    build_relay(once=True).run()
+    assert OutboxMessage.objects.get(message_id=head).status == OutboxStatus.FAILED
+    # The scheduled row falls due (its time moved, not waited for).
+    OutboxMessage.objects.filter(message_id=soon).update(next_attempt_at=Now())
+    assert build_relay(once=True).run().sent == 0
+    row = OutboxMessage.objects.get(message_id=soon)
+    assert (row.status, row.next_attempt_at) == (OutboxStatus.PENDING, None), "not parked"
+    assert OutboxMessage.objects.get(message_id=later).status == OutboxStatus.SCHEDULED
+    assert ob.broker.drain(queue, expected=0) == []
+
+    ob.broker.bind(queue, ob.exchange, "stuck.#")
+    OutboxMessage.objects.filter(message_id=head).update(
+        status=OutboxStatus.PENDING, attempts=0, next_attempt_at=Now()
+    )
+    assert build_relay(once=True).run().sent == 3
+    assert [m.message_id for m in ob.broker.drain(queue, expected=3)] == [head, behind, soon]
+    assert OutboxMessage.objects.get(message_id=later).status == OutboxStatus.SCHEDULED
+
+    OutboxMessage.objects.filter(message_id=later).update(next_attempt_at=Now())
+    assert build_relay(once=True).run().sent == 1
+    assert [m.message_id for m in ob.broker.drain(queue, expected=1)] == [later]
