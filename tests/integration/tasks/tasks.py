@@ -99,3 +99,16 @@ def kills_its_process() -> None:
     """Dies as the OOM killer or a segfault would kill it: run only by a ``manage.py consume``
     subprocess of a test, never in the test's own process."""
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+# While an Effect row of this name exists, ``pays_while_up`` fails (its downstream is down).
+DOWNSTREAM_DOWN = "tasks-downstream-down"
+
+
+@task(takes_context=True)
+def pays_while_up(context: TaskContext, n: int) -> int:
+    """Fails while the downstream is down, else records its effect."""
+    if Effect.objects.filter(consumer="switch", message_id=DOWNSTREAM_DOWN).exists():
+        raise ConnectionError("the downstream is down")
+    _effect("pays_while_up", context, n)
+    return n
