@@ -2,16 +2,18 @@
 with none held: the time a run spends on rows it cannot send.
 
     RM_BENCH_DB=bench_held .venv/bin/python bench/relay_held.py [--held 200000] [--keys 1000]
-        [--sendable 5000] [--rounds 2] [--builds NAME=PATH,NAME=PATH]
+        [--sendable 5000] [--rounds 2] [--due-held] [--builds NAME=PATH,NAME=PATH]
 
 Each round fills an emptied outbox with ``--keys`` keys whose first row failed and backs off an
-hour, and behind them ``--held`` rows of those keys as ``publish()`` writes them (pending, due
-now), by INSERT ... SELECT generate_series; then ``--sendable`` rows without a key from
-``publish()``. Two ``relay --once`` processes run one after the other, as the Celery
-``relay_outbox`` task does every few seconds: the first finds the held rows due, the second
-finds them parked. The baseline run has the sendable rows only. Each figure is the process's
-wall time from start to exit and its CPU with its PostgreSQL backends'; "outside sending" is
-the held run's wall time less the baseline's, in the same round. Rounds alternate the order.
+hour, and behind them ``--held`` rows of those keys as ``publish()`` writes them behind a held
+key (parked), by INSERT ... SELECT generate_series; with ``--due-held``, as it writes the rows
+published before their key's first row failed (pending, due now: a claim must park them). Then
+``--sendable`` rows without a key from ``publish()``. Two ``relay --once`` processes run one
+after the other, as the Celery ``relay_outbox`` task does every few seconds (with
+``--due-held`` the first finds the held rows due, the second finds them parked). The baseline
+run has the sendable rows only. Each figure is the process's wall time from start to exit and
+its CPU; "outside sending" is the held run's wall time less the baseline's, in the same round.
+Rounds alternate the order.
 ``--builds`` runs each source tree's ``manage.py`` in turn in every round (e.g. a ``git
 archive`` of the commit before a change, and this checkout).
 """
@@ -32,7 +34,7 @@ from _common import declare_sink, describe_machine, drop_sink, median, parse_bui
 from whole_process import process_env
 
 
-def fill(exchange: str, held: int, keys: int, sendable: int) -> None:
+def fill(exchange: str, held: int, keys: int, sendable: int, due_held: bool) -> None:
     """The outbox as the module's docstring says, vacuumed and analyzed."""
     from django.db import connection, transaction
 
@@ -56,9 +58,9 @@ def fill(exchange: str, held: int, keys: int, sendable: int) -> None:
             cursor.execute(
                 f"INSERT INTO {table} ({columns}) SELECT 'held-' || g, %s, 'bench.held', "
                 "'{\"n\": ' || g || '}', '{}', 'key-' || (g %% %s + 1), 'pending', 0, '', "
-                "statement_timestamp(), statement_timestamp() "
+                "CASE WHEN %s THEN statement_timestamp() END, statement_timestamp() "
                 "FROM generate_series(1, %s) AS g",
-                [exchange, keys, held],
+                [exchange, keys, due_held, held],
             )
     for start in range(0, sendable, 1000):
         with transaction.atomic():
@@ -95,6 +97,9 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=1000)
     parser.add_argument("--sendable", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--due-held", action="store_true", help="write the held rows due, for a claim to park"
+    )
     parser.add_argument("--builds", help="NAME=PATH,NAME=PATH: source trees run in turn")
     args = parser.parse_args()
     builds = parse_builds(args.builds)
@@ -109,7 +114,13 @@ def main() -> None:
             for name in names:
                 got: dict[str, float] = {}
                 for kind in ("held", "none") if round_ % 2 == 0 else ("none", "held"):
-                    fill(exchange, args.held if kind == "held" else 0, args.keys, args.sendable)
+                    fill(
+                        exchange,
+                        args.held if kind == "held" else 0,
+                        args.keys,
+                        args.sendable,
+                        args.due_held,
+                    )
                     runs = ("first", "next") if kind == "held" else ("first",)
                     for run in runs:
                         wall, cpu = relay_once(namespace, builds[name])
@@ -130,7 +141,8 @@ def main() -> None:
     finally:
         drop_sink(exchange, queue)
     print(
-        f"relay --once beside {args.held:,} held rows ({args.keys:,} keys) and "
+        f"relay --once beside {args.held:,} held rows ({args.keys:,} keys, "
+        f"{'due' if args.due_held else 'parked'} as written) and "
         f"{args.sendable:,} sendable rows, medians:"
     )
     for name in builds:

@@ -307,6 +307,15 @@ def _insert_sql(ordering_key: bool, idempotency_key: bool) -> str:
         "next_attempt_at": "STATEMENT_TIMESTAMP()",
         "created_at": "STATEMENT_TIMESTAMP()",
     }
+    if ordering_key:
+        # Written parked behind a held key (its first unsent row failed, backing off or
+        # parked), so that no claim has to find it due and park it (docs/concepts.md).
+        fixed["next_attempt_at"] = (
+            f"CASE WHEN (SELECT u.status = 'failed' OR u.attempts > 0 "  # noqa: S608
+            f'OR u.next_attempt_at IS NULL FROM "{meta.db_table}" u WHERE u.ordering_key = %s '
+            "AND u.status IN ('pending', 'failed') ORDER BY u.ordering_key, u.id LIMIT 1) "
+            "THEN NULL ELSE STATEMENT_TIMESTAMP() END"
+        )
     columns = [cast("Field[Any, Any]", meta.get_field(name)).column for name in [*given, *fixed]]
     placeholders = ["%s"] * len(given) + list(fixed.values())
     placeholders[given.index("headers")] = "%s::jsonb"
@@ -326,9 +335,10 @@ _INSERT_PG = {
 def _insert_pg(
     using: str, row: list[Any], ordering_key: str | None, idempotency_key: str | None
 ) -> None:
-    """``row``: message_id, exchange, routing_key, body, headers (JSON); keys not given left out."""
+    """``row``: message_id, exchange, routing_key, body, headers (JSON); keys not given left out
+    (the ordering key is given twice: its column, and the look at its key's first unsent row)."""
     statement = _INSERT_PG[ordering_key is not None, idempotency_key is not None]
-    given = [key for key in (ordering_key, idempotency_key) if key is not None]
+    given = [key for key in (ordering_key, idempotency_key, ordering_key) if key is not None]
     with connections[using].cursor() as cursor:
         cursor.execute(statement, [*row, *given])
 

@@ -272,3 +272,54 @@ def test_a_scheduled_row_falling_due_behind_a_held_key_is_parked_then_sent_in_it
     OutboxMessage.objects.filter(message_id=later).update(next_attempt_at=Now())
     assert build_relay(once=True).run().sent == 1
     assert [m.message_id for m in ob.broker.drain(queue, expected=1)] == [later]
+
+
+@postgresql_only
+def test_a_row_published_behind_a_held_key_is_written_parked_and_behind_a_busy_key_due(
+    ob: OutboxEnv,
+) -> None:
+    """publish() looks at its key's first unsent row: when it failed or backs off, the new row
+    is written parked, and no claim has to find it due and park it; behind rows merely not sent
+    yet it is written due, as before (a claim parks a key's rows behind its first). The held
+    keys' rows go in order once their heads are sent."""
+    ob.set(OUTBOX_MAX_ATTEMPTS=1, REQUIRE_ROUTE=["stuck.#"])
+    queue = ob.queue(bindings=["ok.#"])
+    with transaction.atomic():
+        head = publish("stuck.a0", {"n": 0}, ordering_key="A")  # unroutable command: fails
+    build_relay(once=True).run()
+    assert OutboxMessage.objects.get(message_id=head).status == OutboxStatus.FAILED
+    backing_off = OutboxMessage.objects.create(
+        message_id="backing-off",
+        exchange=ob.exchange,
+        routing_key="ok.c0",
+        body="{}",
+        ordering_key="C",
+        attempts=1,
+        next_attempt_at=timezone.now() + dt.timedelta(hours=1),
+    )
+    with transaction.atomic():
+        behind_failed = [publish(f"ok.a{i}", {"n": i}, ordering_key="A") for i in (1, 2)]
+        behind_backoff = publish("ok.c1", {"n": 1}, ordering_key="C")
+        busy = [publish(f"ok.b{i}", {"n": i}, ordering_key="B") for i in (1, 2, 3)]
+
+    def due(message_id: str) -> bool:
+        return OutboxMessage.objects.get(message_id=message_id).next_attempt_at is not None
+
+    assert [due(m) for m in [*behind_failed, behind_backoff]] == [False, False, False]
+    assert [due(m) for m in busy] == [True, True, True]
+    claims = OutboxClaims("default", messaging_settings, 10, dt.timedelta(seconds=60))
+    claim = claims.claim()
+    assert claim.transaction is not None
+    claim.transaction.rollback()
+    assert [row.message_id for row in claim.rows] == busy[:1]
+    assert claim.parked == 2, "the claim parked more than the busy key's rows behind its first"
+
+    ob.broker.bind(queue, ob.exchange, "stuck.#")
+    OutboxMessage.objects.filter(pk__in=[backing_off.pk]).update(next_attempt_at=Now())
+    OutboxMessage.objects.filter(message_id=head).update(
+        status=OutboxStatus.PENDING, attempts=0, next_attempt_at=Now()
+    )
+    assert build_relay(once=True).run().sent == 8
+    sent = [m.message_id for m in ob.broker.drain(queue, expected=8)]
+    for key in ([head, *behind_failed], ["backing-off", behind_backoff], busy):
+        assert [m for m in sent if m in key] == key
