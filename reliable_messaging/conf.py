@@ -466,12 +466,6 @@ class MessagingSettings:
         "AMQP heartbeat, seconds",
         integer(11, 0, hint="0 disables heartbeats; 60 is usual."),
     )
-    relay_batch_size = Setting(
-        500,
-        int,
-        "outbox rows claimed and published per batch",
-        integer(12, 1),
-    )
     relay_poll_interval = Setting(
         1.0,
         float,

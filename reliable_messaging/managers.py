@@ -792,13 +792,9 @@ class TaskRunQuerySet(models.QuerySet):
     then SUCCESSFUL or FAILED (READY again between retries)."""
 
     def start_attempts(self, ids: Iterable[str], worker_id: str, at: dt.datetime) -> list[Any]:
-        """Mark the tasks of ``ids`` RUNNING for one more attempt by ``worker_id`` and return
-        their rows; a task already SUCCESSFUL (a duplicate delivery) is left as it is.
-
-        Committed before the tasks run, so that RUNNING is visible while they do: the rows no
-        other transaction holds in one transaction (one commit for a batch), then each row
-        another holds (a twin's attempt writing its outcome) in a transaction of its own, which
-        waits for it without holding the others' rows."""
+        """Mark the tasks of ``ids`` RUNNING for one more attempt by ``worker_id`` (a SUCCESSFUL
+        one is left as it is) and return their rows, committed before they run: the free rows
+        in one transaction, each row another holds in one of its own."""
         wanted = list(dict.fromkeys(ids))
         if connections[self.db].vendor == "postgresql":
             with transaction.atomic(using=self.db):

@@ -1,15 +1,6 @@
-"""Message contracts: payload types declared once, checked where a message is published and
-where it is consumed (``docs/contracts.md``).
-
-Public names::
-
-    from reliable_messaging.contracts import publishes, published, Contract, PayloadInvalid
-
-- ``publishes(routing_key, Type)``: ``publish(routing_key, ...)`` validates against ``Type``;
-- ``@consumer(..., payload=Type)``: the handler's ``message.payload`` is a ``Type``, and a
-  message that does not match is a dead letter ``invalid_payload`` before the handler runs;
-- ``contract_of(Type)``: the :class:`Contract` of a type; ``published()``: every declared key.
-"""
+"""Message contracts: payload types declared once, checked where a message is published
+(``publishes``) and where it is consumed (``@consumer(..., payload=Type)``); see
+``docs/contracts.md``."""
 
 from __future__ import annotations
 

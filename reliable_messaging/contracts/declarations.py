@@ -1,10 +1,5 @@
-"""The routing keys the project publishes, each with its declared payload type.
-
-``publishes("order.placed", OrderPlaced)`` (or ``@publishes("order.placed")`` on the class) at
-a module's top level, usually an app's ``contracts.py``, which the app registry imports at
-start-up: then every ``publish("order.placed", ...)`` is checked against ``OrderPlaced`` before
-its row is written, and ``manage.py asyncapi`` lists the key with its schema.
-"""
+"""The routing keys the project publishes, each with its declared payload type:
+``publishes("order.placed", OrderPlaced)`` in an app's ``contracts.py``."""
 
 from __future__ import annotations
 

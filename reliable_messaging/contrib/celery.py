@@ -1,12 +1,5 @@
-"""Celery: ``@idempotent_task``, for tasks that must take effect once.
-
-``@idempotent_task`` goes *below* Celery's own decorator. The task's body runs inside
-``transaction.atomic()`` with the insert of an inbox row keyed by the task's idempotency key,
-exactly like a consumer's handler, so a key takes effect once. It needs ``acks_late`` and
-``reject_on_worker_lost`` (a system check warns otherwise, :func:`unsafe_idempotent_tasks`), and
-redelivered task messages go through the crash guard. ``docs/design.md#celerys-idempotent-tasks``
-explains why.
-"""
+"""Celery: ``@idempotent_task``, below Celery's own decorator, runs a task's body in one
+transaction with its key's inbox row (``docs/design.md#celerys-idempotent-tasks``)."""
 
 from __future__ import annotations
 
@@ -196,26 +189,13 @@ def idempotent_task(
     scope: str | None = None,
     using: str | None = None,
 ) -> Any:
-    """Make a Celery task take effect once per idempotency key. Put it below ``@shared_task``
-    or ``@app.task``.
+    """Make a Celery task take effect once per idempotency key; put it below ``@shared_task``
+    or ``@app.task``, with ``acks_late=True`` and ``reject_on_worker_lost=True``.
 
-    ``key`` receives the task's arguments (without ``self`` for ``bind=True`` tasks) and
-    returns the key, e.g. ``key=lambda order_id: f"receipt:{order_id}"``; without it the key is
-    the Celery task id, which protects against redelivery of one task message (use
-    ``acks_late=True``) but not against two ``delay()`` calls. Keys over 255 characters are
-    stored hashed (see :func:`inbox_key`). ``scope`` is the deduplication scope, by default the
-    task's name: keep it when renaming the task, or every key takes effect once more.
-    ``using`` is the database alias of the inbox and the body's transaction.
-
-    Returns the body's result; a skipped duplicate returns ``None`` (and is logged and
-    counted as outcome ``duplicate``), so a caller that must tell them apart should have the
-    body return something. Keys are remembered for ``DEDUP_RETENTION`` (``purge_messages``).
-
-    Run it with ``acks_late=True`` and ``reject_on_worker_lost=True`` (on the task, or
-    ``task_acks_late`` / ``task_reject_on_worker_lost`` for the app; the system check
-    ``reliable_messaging.W020`` says when a task lacks them), so that the task of a pool child
-    killed mid-task runs again; past ``CRASH_LIMIT`` deaths it becomes a dead letter
-    (``worker_crashed``) and returns ``None`` (see ``docs/delivery-outcomes.md``).
+    ``key`` maps the task's arguments (without ``self``) to the key (default: the Celery task
+    id); ``scope`` is the deduplication scope (default: the task's name); ``using`` the
+    database alias. A skipped duplicate, or a task dead-lettered past ``CRASH_LIMIT`` deaths,
+    returns ``None`` (``docs/operations.md`` and ``docs/delivery-outcomes.md`` say more).
     """
     if scope is not None and not 0 < len(scope) <= KEY_MAX_LENGTH:
         raise ValueError(f"scope must be 1 to {KEY_MAX_LENGTH} characters, got {scope!r}")
@@ -350,11 +330,9 @@ class _RunAgain(Exception):
 
 
 class _Hold:
-    """A worker's task that the database cannot take: held unacked and run again after a
-    wait, as ``consume`` holds a delivery, until it is back or the hold bound
-    (``max_hold_seconds``) has passed; only then does the message go back to its queue, so
-    an outage does not spend a quorum queue's delivery limit once a second. Outside a
-    worker, :class:`DatabaseUnavailable` is raised instead."""
+    """A worker's task the database cannot take: held unacked and run again after a wait, as
+    ``consume`` holds a delivery, up to ``max_hold_seconds``; outside a worker,
+    :class:`DatabaseUnavailable` is raised instead."""
 
     def __init__(self, task: Task | None, name: str, message_id: str, alias: str) -> None:
         self.task, self.name, self.message_id, self.alias = task, name, message_id, alias

@@ -1,12 +1,6 @@
-"""Declared payload types: a :class:`Contract` checks a JSON payload against one type.
-
-A contract wraps a pydantic v2 model (when pydantic is installed) or a stdlib dataclass or
-``TypedDict`` (:mod:`.stdlib_contracts`). It turns decoded JSON into the typed object
-(:meth:`Contract.validate`), the object back into JSON (:meth:`Contract.to_json`), and describes
-the payload as a JSON Schema (:meth:`Contract.json_schema`). Its errors name each field by its
-path and say what is wrong, never the value (a payload may hold secrets). Why these types and
-not msgspec: ``docs/contracts.md``.
-"""
+"""Declared payload types: a :class:`Contract` validates a JSON payload against a pydantic v2
+model, a dataclass or a ``TypedDict``, and gives its JSON Schema; its errors name fields, never
+values (``docs/contracts.md``)."""
 
 from __future__ import annotations
 
@@ -35,10 +29,8 @@ class ContractError(ReliableMessagingError):
 
 
 class PayloadInvalid(PermanentError):
-    """A payload does not match its declared type. ``errors``: one ``{"path", "message"}`` per
-    problem (``"items[0].sku"``, ``"Field required"``), never the value.
-
-    A :class:`~reliable_messaging.PermanentError`: raised in a handler, retrying cannot help."""
+    """A payload does not match its declared type; ``errors``: one ``{"path", "message"}`` per
+    problem, never the value. A :class:`~reliable_messaging.PermanentError`."""
 
     def __init__(self, contract: str, errors: list[dict[str, str]]) -> None:
         self.contract = contract
@@ -94,13 +86,9 @@ class Contract(ABC):
 
 
 class PydanticContract(Contract):
-    """A pydantic v2 model: validated in pydantic's lax mode, extra fields ignored.
-
-    It calls the model's validator and serializer (``__pydantic_validator__``,
-    ``__pydantic_serializer__``, what ``model_validate`` and ``model_dump_json`` call) itself:
-    on publish the step runs between two database round trips, with its code out of the CPU's
-    caches, and every Python frame and conversion it skips counts there (``docs/contracts.md``).
-    """
+    """A pydantic v2 model, validated in lax mode (extra fields ignored) through the model's
+    own validator and serializer, which saves the frames ``model_validate`` adds
+    (``docs/contracts.md``)."""
 
     def validate(self, data: Any) -> Any:
         if isinstance(data, self.type):

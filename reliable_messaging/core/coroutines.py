@@ -1,15 +1,7 @@
-"""``async def`` handlers, run to completion on the thread that calls them.
-
-:class:`CoroutineHandler` makes a coroutine function a plain callable with asgiref's
-``async_to_sync``: the coroutine runs in an event loop of its own (one per call), and every
-``sync_to_async(thread_sensitive=True)`` call it makes (Django's async ORM) runs back on the
-calling thread, so on that thread's database connection and inside its open transaction.
-
-While the coroutine runs, the calling thread waits on a lock, outside Python, where an exception
-raised in it asynchronously (the time limit's) cannot land. :func:`wake` is how such an
-interrupter reaches it: it cancels the coroutine, the wait ends, and the pending exception
-lands in the calling thread.
-"""
+"""``async def`` handlers, run to completion on the calling thread with asgiref's
+``async_to_sync``, so Django's async ORM uses that thread's connection and open transaction.
+The thread then waits outside Python, where an asynchronous exception cannot land: an
+interrupter calls :func:`wake`, which cancels the coroutine so the exception lands."""
 
 from __future__ import annotations
 

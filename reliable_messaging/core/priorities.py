@@ -1,11 +1,6 @@
-"""Message priorities on the broker: the framework's task priority (-100 to 100, default 0) as
-an AMQP ``priority`` (0 to :data:`MAX_PRIORITY`), and the header the outbox keeps it in.
-
-The levels are chosen so that every queue type draws the line where a user expects it:
-the default 0 is AMQP 4, which a RabbitMQ 4.x quorum queue also gives a message without a
-priority; a positive priority is 5 or more, RabbitMQ 4.0's "high"; a negative one is 0 to 3.
-``docs/tasks.md#priorities`` says what each broker and queue type does with them.
-"""
+"""Message priorities: a task's priority (-100 to 100, default 0) as an AMQP ``priority``
+(0 to :data:`MAX_PRIORITY`, 0 mapping to 4) and the header the outbox keeps it in
+(``docs/tasks.md#priorities``)."""
 
 from __future__ import annotations
 

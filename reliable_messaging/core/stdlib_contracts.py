@@ -1,12 +1,5 @@
-"""Payload contracts of stdlib types: a dataclass or a ``TypedDict``, checked without pydantic.
-
-The field annotations understood: ``str``, ``int``, ``float``, ``bool``, ``None``, ``Any``,
-``Decimal`` (a JSON number or a string), ``datetime``/``date``/``time`` (ISO 8601 strings),
-``UUID``, an ``Enum``, ``Literal[...]``, ``X | Y`` and ``Optional``, ``list[X]``,
-``tuple[X, ...]``, ``dict[str, X]``, and nested dataclasses and ``TypedDict``\\s (not
-recursive ones). Fields the type does not declare are ignored, as pydantic does by default;
-a field with a default (or ``NotRequired``) may be missing.
-"""
+"""Payload contracts of stdlib types, a dataclass or a ``TypedDict``, checked without pydantic;
+the annotations understood are listed in ``docs/contracts.md``."""
 
 from __future__ import annotations
 

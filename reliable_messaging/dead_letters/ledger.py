@@ -1,13 +1,6 @@
-"""The replay ledger: each replay of a dead letter, and what became of its copy.
-
-A replay writes a :class:`~reliable_messaging.models.Replay` row with the copy's outbox row
-(:mod:`.replay`); the copy carries the row's id in ``x-rm-replay-id``. The consumer that decides
-the copy settles the row in the same transaction: processed or duplicate
-(:func:`settle_processed`, which also resolves the dead letters that copy makes moot), or failed
-again (:func:`settle`, with the dead letter it became). Only a copy we sent to its queue (the
-default exchange) is taken at its word, and only for the row of its own consumer and
-message_id: a header a producer wrote settles nothing.
-"""
+"""The replay ledger: each replay of a dead letter, and what became of its copy, settled in the
+transaction that decided it (``docs/operations.md``, the replay ledger). Only a copy we sent to
+its queue is taken at its word: a header a producer wrote settles nothing."""
 
 from __future__ import annotations
 
@@ -75,13 +68,9 @@ def settle_processed(
     duplicate: bool = False,
     resolve_open: bool = True,
 ) -> None:
-    """A copy of ``message_id`` was processed by ``consumer`` (``duplicate``: found processed
-    by another copy): settle what that makes moot, in the transaction that decided it.
-
-    A replayed copy (``x-rm-replay``) resolves its dead letter and settles its ledger row,
-    naming the trace it was decided in. Any other copy, processed, resolves the open dead
-    letters of its message when ``resolve_open`` (the inbox claim said one may be open; an
-    ordered consumer's keep its key parked until they are replayed)."""
+    """A copy of ``message_id`` was processed by ``consumer`` (``duplicate``: by another copy):
+    a replayed copy resolves its dead letter and settles its ledger row; any other copy resolves
+    its message's open dead letters when ``resolve_open`` (the inbox claim said one may be)."""
     if REPLAY_HEADER not in delivery.headers:
         if resolve_open and not duplicate:
             _resolve_processed_copy(consumer, message_id, using)
@@ -116,13 +105,9 @@ def _resolve_processed_copy(
     by: str = "a later copy was processed",
     trace_id: str | None = None,
 ) -> None:
-    """Resolve the open dead letter of ``consumer`` whose message a later copy just processed
-    (or whose replay found it processed by another copy); ``by`` goes into its history.
-
-    A dead letter is stored when a copy fails for good, but another copy of the same message
-    (published twice, or sent again by a relay after a lost confirm) can still succeed, and
-    then nothing is left to review or replay. One indexed query; the row is locked and updated
-    only when there is something to resolve, which is rare."""
+    """Resolve the open dead letter of ``consumer`` whose message another copy just processed
+    (published twice, or sent again after a lost confirm); ``by`` goes into its history. One
+    indexed query; the row is locked only when there is something to resolve."""
     open_letters = DeadLetter.objects.using(using).open().of(consumer, message_id)
     if open_letters.exists():
         open_letters.resolve(at=timezone.now(), by=by, trace_id=trace_id)
@@ -139,11 +124,8 @@ def settle(
     trace_id: str | None = None,
 ) -> Replay | None:
     """Record what became of a replayed copy, inside the transaction that decided it; None
-    when ``delivery`` is no replayed copy of ours still in flight.
-
-    An edited copy stands for the dead letter it was edited from: processed (or found
-    processed), that one is resolved; failed again, the new dead letter links back to it
-    (``replay_of``) and the original is resolved as superseded by it."""
+    when ``delivery`` is no replayed copy of ours still in flight. An edited copy stands for
+    the dead letter it was edited from (resolved, or superseded by the new one)."""
     row = _in_flight(delivery, consumer, message_id, using)
     if row is None:
         return None
@@ -188,8 +170,7 @@ def settle_row(
 
 def outcome_counts(operation: DeadLetterOperation) -> Mapping[str, int]:
     """How many of an operation's replays reached each outcome so far (every outcome named):
-    its tally (read with it, ``select_related("replay_outcomes")``, else one row more), the
-    rest of those it replayed in flight. Never a count of its ledger rows."""
+    its tally plus those in flight, never a count of its ledger rows."""
     try:
         tally: ReplayOutcomeTally | None = operation.replay_outcomes
     except ReplayOutcomeTally.DoesNotExist:

@@ -33,6 +33,8 @@ logger = logging.getLogger("reliable_messaging.relay")
 
 # Seconds a claim's lease lasts past RELAY_CONFIRM_TIMEOUT.
 LEASE_MARGIN = 5.0
+# Outbox rows claimed and published per batch unless `relay --batch-size` says otherwise.
+BATCH_SIZE = 500
 
 
 @dataclass
@@ -313,7 +315,7 @@ def build_relay(
     using = router.db_for_write(OutboxMessage)
     report = RelayReport()
     lease = dt.timedelta(seconds=settings.relay_confirm_timeout + LEASE_MARGIN)
-    claims = OutboxClaims(using, settings, batch_size or settings.relay_batch_size, lease)
+    claims = OutboxClaims(using, settings, batch_size or BATCH_SIZE, lease)
     in_flight = InFlight(publisher, claims, report, health, on_batch)
     wake_ups = WakeUps(
         using,

@@ -1,11 +1,5 @@
-"""Exactly once: a handler's effects commit together with its inbox row, or not at all.
-
-Every way of running a handler (one delivery, a batch, a Celery task) inserts the inbox row of
-(consumer, message_id) here first and runs the work in the same transaction, so a duplicate is
-known before anything runs. :func:`claimed_atomic` claims one message, :func:`claim_inbox_rows`
-a batch in one statement, :func:`insert_inbox_row` one row in the caller's transaction; the
-lock waits are bounded by :func:`bounded_lock_wait`. ``docs/design.md#the-inbox-claim`` explains.
-"""
+"""Exactly once: a handler's effects commit together with its inbox row, or not at all
+(``docs/design.md#the-inbox-claim``)."""
 
 from __future__ import annotations
 
@@ -111,19 +105,10 @@ def bounded_lock_wait(using: str, seconds: float) -> Iterator[None]:
 def claimed_atomic(
     using: str, consumer: str, message_id: str, *, lock_wait: float = 0.0
 ) -> Iterator[bool]:
-    """Open ``transaction.atomic(using)`` and insert the inbox row of (consumer, message_id) in
-    it; yields whether the row went in (``False``: the message took effect already, a
-    duplicate). Whatever the ``with`` block does then commits with the row, or rolls back with
-    it when the block raises::
-
-        with claimed_atomic(using, consumer, message_id) as fresh:
-            if fresh:
-                handler(message)
-
-    ``lock_wait`` bounds how long the insert may wait on a copy of the row another transaction
-    holds (see :func:`bounded_lock_wait`; 0 waits as long as the database does): past it,
-    :class:`InboxRowBusy` is raised and nothing is left of the transaction. An error raised
-    while entering (the insert's) is raised before the block runs."""
+    """Open ``transaction.atomic(using)`` with the inbox row of (consumer, message_id) inserted;
+    yields whether it went in (``False``: a duplicate). The block commits or rolls back with the
+    row. Past ``lock_wait`` (0: no bound) on a row another transaction holds,
+    :class:`InboxRowBusy` is raised and nothing is left of the transaction."""
     with transaction.atomic(using=using):
         with bounded_lock_wait(using, lock_wait):
             if not insert_inbox_row(using, consumer, message_id):
@@ -142,22 +127,11 @@ CLAIM_VENDORS = frozenset({"postgresql", "sqlite"})
 def claim_inbox_rows(
     using: str, keys: list[tuple[str, str]], lock_wait: float
 ) -> tuple[dict[tuple[str, str], bool], set[tuple[str, str]]]:
-    """Insert the inbox rows of ``keys``; returns those this statement inserted (each with
-    whether the consumer may hold an open dead letter of it: see :func:`_insert_inbox_rows`),
-    and those another transaction holds (busy: not decided here, deferred).
-
-    The rows go in sorted by key, not in batch order. A row another transaction inserted and
-    has not committed makes the insert wait for that transaction; two batches sharing keys in
-    different orders would each hold a row the other waits for (a deadlock, one batch killed).
-    In one order for everyone, the second batch only waits for the first.
-
-    The wait is bounded by ``lock_wait`` (see :func:`lock_wait_for`): past it the claim is rolled
-    back to its savepoint, the rows another transaction holds are found without waiting and put
-    aside, and the rest of the batch goes on. A claim allowed no more than ``ROW_LOCK_PROBE``
-    (a redelivery, a key found held lately) looks for those rows first instead of waiting: a
-    consumer cut off mid-batch holds its rows until the server ends its transaction, and their
-    copies keep coming back meanwhile; each must cost the consumer a round trip, not a wait.
-    """
+    """Insert the inbox rows of ``keys``, sorted (so two batches sharing keys never deadlock);
+    returns those inserted (each with whether an open dead letter of it may exist) and those
+    another transaction holds past ``lock_wait`` (busy, deferred). A claim allowed no more than
+    ``ROW_LOCK_PROBE`` looks for held rows first instead of waiting
+    (``docs/design.md#the-inbox-claim``)."""
     ordered = sorted(set(keys))
     if connections[using].vendor not in CLAIM_VENDORS:
         return {key: True for key in ordered if insert_inbox_row(using, *key)}, set()
@@ -318,13 +292,10 @@ def _insert_inbox_rows_sql(using: str, keys: list[tuple[str, str]]) -> tuple[str
 
 
 def _insert_inbox_rows(using: str, keys: list[tuple[str, str]]) -> dict[tuple[str, str], bool]:
-    """Insert the inbox rows of ``keys`` that are not there yet (``ON CONFLICT DO NOTHING``);
-    returns those inserted, each with whether its consumer holds a dead letter of it that a
-    processed copy must resolve
-    (:func:`reliable_messaging.dead_letters.ledger.settle_processed`, after the handler).
-    Looked up in the same statement on PostgreSQL, which saves the batch a round trip; a dead letter
-    of the key can only appear meanwhile from a copy that could not take the inbox row (a malformed
-    one, or one parked), as it can between any lookup and the commit."""
+    """Insert the inbox rows of ``keys`` not there yet (``ON CONFLICT DO NOTHING``); returns
+    those inserted, each with whether its consumer holds a dead letter of it that
+    :func:`~reliable_messaging.dead_letters.ledger.settle_processed` must resolve (looked up in
+    the same statement on PostgreSQL)."""
     sql, params = _insert_inbox_rows_sql(using, keys)
     with connections[using].cursor() as cursor:
         if connections[using].vendor == "postgresql":

@@ -1,9 +1,6 @@
-"""The day partitions of the inbox and of the outbox's sent rows on PostgreSQL.
-
-Makes the coming days ahead of time, drops the expired ones and reads them, without taking a
-lock that an inbox claim, a publish or the relay holds. The layout and the locks are described
-in docs/operations.md#how-the-tables-are-laid-out; on SQLite nothing here applies.
-"""
+"""The day partitions of the inbox and of the outbox's sent rows on PostgreSQL, made ahead and
+dropped without a lock a claim, a publish or the relay holds
+(``docs/operations.md#how-the-tables-are-laid-out``)."""
 
 from __future__ import annotations
 
@@ -504,9 +501,8 @@ UPKEEP_RETRY = 60.0
 
 
 class PartitionUpkeep:
-    """A thread that keeps the day partitions of ``spec`` every ``interval`` seconds: makes the
-    coming days and, given a ``retention``, drops the expired ones. A failed run is tried again
-    after ``retry`` seconds, logged, counted and noted on ``health``."""
+    """A thread that makes the coming day partitions of ``spec`` every ``interval`` seconds and,
+    given a ``retention``, drops the expired ones; a failed run is tried again after ``retry``."""
 
     def __init__(
         self,

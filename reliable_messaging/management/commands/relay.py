@@ -45,7 +45,7 @@ class Command(BaseCommand):
             type=int,
             default=None,
             metavar="N",
-            help="rows claimed and published per batch (RELAY_BATCH_SIZE)",
+            help="rows claimed and published per batch (default 500)",
         )
         parser.add_argument(
             "--lanes",
