@@ -1,7 +1,5 @@
-"""Django system checks for ``RELIABLE_MESSAGING`` and the registered consumers.
-
-Each setting's declaration in :mod:`.conf` carries its own rule; what stays here is what a single
-value cannot tell: broker URLs, the cache alias, checks across settings, and the databases."""
+"""Django system checks: what a setting's own rule (in :mod:`.conf`) cannot tell, across
+settings, and of the consumers and the databases."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""One typed settings object over ``settings.RELIABLE_MESSAGING``, read lazily.
-
-Each setting is declared once, in :class:`MessagingSettings`, as a :class:`Setting`; the typed
-attributes, :data:`DEFAULTS`, the system checks and ``docs/reference/settings.md`` derive from
-it. Values are read at access time (``override_settings`` works); only the checks judge them.
-"""
+"""One typed settings object over ``settings.RELIABLE_MESSAGING``, read at access time; each
+setting is declared once, as a :class:`Setting` (``docs/design.md#settings``)."""
 
 from __future__ import annotations
 

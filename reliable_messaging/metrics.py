@@ -1,9 +1,5 @@
-"""Prometheus metrics of one process: its counters and its health gauge.
-
-The consumer and the relay count through the helpers below, which check their label values (a
-mistyped label would silently start a new series). The whole system's gauges are in
-:mod:`reliable_messaging.ops.collectors`. ``docs/operations.md#metrics`` lists the metrics.
-"""
+"""Prometheus metrics of one process, counted through helpers that check their label values
+(``docs/operations.md#metrics``); the whole system's gauges are in :mod:`.ops.collectors`."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""OpenTelemetry spans for ``publish()``, the relay's send, each delivery, tasks and replays.
-
-Active when the ``otel`` extra is installed and a tracer provider is set; otherwise every hook
-returns at its first check. ``docs/tracing.md`` shows a trace.
-"""
+"""OpenTelemetry spans for ``publish()``, the relay's send, each delivery, tasks and replays;
+every hook returns at once unless a tracer provider is set (``docs/tracing.md``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The ``django.tasks`` tasks of the app's task backend in the admin: what each was asked to do,
-what became of it and why (``docs/tasks.md``). Read-only, like the outbox: a task's state
-changes only by its runs, and a failed task is replayed from its dead letter, which its page
-links to. A bounded list (``scaling.BoundedListAdmin``) filtered by status and queue."""
+"""The ``django.tasks`` tasks of the app's task backend in the admin, read-only: a task's
+state changes only by its runs (``docs/tasks.md``)."""
 
 from __future__ import annotations
 

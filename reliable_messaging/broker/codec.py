@@ -1,9 +1,5 @@
-"""Where pika's AMQP field-table codec is corrected: the one module that patches it.
-
-:func:`install` (called from the app's ``ready()``) reads doubles, floats and any timestamp,
-writes floats, and makes a message with undecodable properties a dead letter instead of a dropped
-connection. ``docs/design.md#where-pikas-codec-is-corrected`` gives the rules.
-"""
+"""Where pika's AMQP field-table codec is corrected, the one module that patches it
+(``docs/design.md#where-pikas-codec-is-corrected``)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Check the broker we are given: read what it does to our queues (over AMQP and the
-management API), and judge it with :func:`.findings.find_findings`.
-
-:func:`check_broker` serves ``messaging_status --broker``; ``consume`` and ``relay`` run the
-``*_in_background`` checks at their start. URLs are redacted and errors scrubbed.
-"""
+"""Check the broker we are given (``messaging_status --broker``, and ``consume`` and ``relay``
+at their start): read what it does to our queues, judged by :func:`.findings.find_findings`."""
 
 from __future__ import annotations
 

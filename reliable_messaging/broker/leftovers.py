@@ -1,8 +1,5 @@
-"""Queues a consumer left behind when its shape changed (``ordered`` turned on or off, fewer
-``ORDERED_PARTITIONS``), found and, at each ``consume`` start, moved and deleted.
-
-``docs/design.md#leftover-queues`` lists the cases.
-"""
+"""Queues a consumer left behind when its shape changed, found and moved at each ``consume``
+start (``docs/design.md#leftover-queues``)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""What the broker says about the app's queues: exact figures from passive declares over AMQP
-and, when it answers, unacked deliveries and rates from the RabbitMQ management HTTP API.
-
-No broker password leaves this module: URLs are redacted and the client libraries' errors
-scrubbed of it.
-"""
+"""What the broker says about the app's queues: passive declares over AMQP and, when it answers,
+the management API's figures; no broker password leaves this module."""
 
 from __future__ import annotations
 

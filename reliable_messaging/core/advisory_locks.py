@@ -1,7 +1,5 @@
-"""The PostgreSQL advisory locks the app takes, listed in one place so that none collide.
-
-All take the two-integer form: a class, then a purpose (the app-wide ones) or a hash (per key).
-"""
+"""The PostgreSQL advisory locks the app takes, in one place so that none collide: a class,
+then a purpose or a key's hash."""
 
 # The class of the app-wide locks, then each one's purpose.
 ADVISORY_CLASS = 0x726D  # "rm"

@@ -1,9 +1,5 @@
-"""What a long-running command always shows, whatever ``LOGGING`` says.
-
-A fresh project's ``LOGGING`` gives this app's loggers no handler: an *announcement* (started,
-what it consumes, stopped) is logged at INFO and, when logging would not show it, written to
-the command's attached output instead.
-"""
+"""What a long-running command always shows (started, what it consumes, stopped): logged at
+INFO and, when ``LOGGING`` would not show it, written to the command's output."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""What the database may do to a delivery without charging it an attempt.
-
-:func:`classify` sorts a database error into :attr:`DatabaseTrouble.UNAVAILABLE` (held unacked
-and tried again), :attr:`DatabaseTrouble.CONFLICT` (run again in place) or ``None`` (the
-handler's failure). Pure, so its rules are tested without a database;
-``docs/design.md#database-errors-that-charge-nothing`` lists the SQLSTATEs.
-"""
+"""What the database may do to a delivery without charging it an attempt: :func:`classify`
+sorts an error into UNAVAILABLE, CONFLICT or None (the handler's failure), without a database
+(``docs/design.md#database-errors-that-charge-nothing``)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The wire format: JSON bodies with AMQP properties, and the decoding of a delivery.
-
-Pure logic: a :class:`Delivery` (plain values copied off pika's frames) becomes a
-:class:`Message` or a :class:`DecodeError` that says exactly why it cannot be handled.
-"""
+"""The wire format: JSON bodies with AMQP properties, and the decoding of a :class:`Delivery`
+into a :class:`Message` or a :class:`DecodeError` that says why it cannot be handled."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Failure fingerprints: which dead letters fail the same way.
-
-A fingerprint hashes the exception type and the stack's frames as (file's last two path parts,
-function name): no line numbers and no absolute paths, so it survives deploys, edits elsewhere in
-the file and a different install directory.
-"""
+"""Failure fingerprints: the exception type and the stack's (file's last two path parts,
+function) frames, hashed without line numbers or absolute paths so they survive deploys."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Edit, then replay: a corrected copy of a dead letter's message, under a new message_id.
-
-:func:`check_edit` judges an edit of the payload and user headers; :func:`replay_edited` writes
-the ledger row, the copy's outbox row and the original's move in one transaction, the original's
-payload and headers unchanged (``docs/operations.md#edit-a-message-then-replay-it``).
-"""
+"""Edit, then replay: a corrected copy of a dead letter's message under a new message_id, the
+original kept unchanged (``docs/operations.md#edit-a-message-then-replay-it``)."""
 
 from __future__ import annotations
 

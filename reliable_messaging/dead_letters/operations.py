@@ -1,9 +1,5 @@
-"""Carrying out the bulk replays and discards operators record in the admin.
-
-The relay runs an :class:`OperationRunner` in a child process (:mod:`.operation_process`); one
-batch is one transaction (:func:`run_batch`); :func:`dry_run` tells what an operation would do.
-``docs/design.md#dead-letters-replay-and-bulk-operations`` explains.
-"""
+"""Carrying out the bulk replays and discards recorded in the admin, a batch per transaction, in
+the relay's child process (``docs/design.md#dead-letters-replay-and-bulk-operations``)."""
 
 from __future__ import annotations
 

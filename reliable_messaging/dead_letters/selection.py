@@ -1,7 +1,5 @@
 """Which dead letters a bulk operation takes: the changelist's filter frozen as JSON, applied
-again batch after batch by :func:`targets`.
-``docs/design.md#dead-letters-replay-and-bulk-operations`` explains.
-"""
+again batch after batch by :func:`targets`."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The readers of the whole system: the messaging tables and the broker's queues.
-
-:func:`database_status` feeds ``messaging_status`` (judged in :mod:`.status`); the two
-Prometheus collectors export the same figures at each scrape of the web process's ``metrics/``.
-The consume and relay processes never import this module.
-"""
+"""The readers of the messaging tables and the broker's queues, for ``messaging_status`` and the
+web process's ``metrics/`` (the consume and relay processes never import this module)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""A small HTTP server for the long-running processes: ``/metrics`` and ``/healthz``.
-
-``manage.py consume`` and ``relay`` start one with ``--metrics-port`` on a daemon thread;
-anything but these two paths is a 404, and request lines are logged at DEBUG only.
-"""
+"""The ``/metrics`` and ``/healthz`` server of ``consume`` and ``relay`` (``--metrics-port``),
+on a daemon thread; anything else is a 404."""
 
 from __future__ import annotations
 

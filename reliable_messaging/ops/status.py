@@ -1,9 +1,5 @@
-"""How the messaging is doing right now, and the one place that judges it.
-
-:func:`collect_status` judges what :mod:`.collectors` read against :class:`Thresholds` (for
-``manage.py messaging_status``); :func:`system_health` and :func:`process_health` are the
-verdicts of the web process's and of a consume or relay process's health endpoints.
-"""
+"""How the messaging is doing, judged in one place: :func:`collect_status` for
+``messaging_status``, :func:`system_health` and :func:`process_health` for the health endpoints."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Views for the web process: the system's gauges (``metrics/``) and its health (``healthz/``).
-
-``healthz/`` judges the messaging system, not this web process: use it for monitoring or a
-readiness gate, not as a liveness probe. :func:`ops_access` decides who may read them.
-"""
+"""The web process's ``metrics/`` and ``healthz/`` (the messaging system's health, not this
+process's: not a liveness probe); :func:`ops_access` decides who may read them."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""``manage.py messaging_status``: the queues, the outbox, the dead letters and the inbox on one
-screen, judged against thresholds; the exit code makes it a health probe too.
-
-Exit codes: 0 all well; 1 a threshold is crossed (each one is named); 2 the broker or the
-database cannot be reached (it says which and why; the broker password is never shown). By
-default it judges what a probe that restarts or pages needs; ``--strict`` also what needs a
-person; ``--broker`` also checks the broker's own settings and policies. ``--json`` prints one
-document instead, whose shape ``docs/reference/commands.md#the-status-document`` shows.
-"""
+"""``manage.py messaging_status``: the queues, the outbox, the dead letters and the inbox judged
+against thresholds; exits 0 when all is well, 1 past a threshold, 2 when the broker or the
+database cannot be reached (``docs/reference/commands.md``)."""
 
 from __future__ import annotations
 
