@@ -72,10 +72,6 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _judged(check_id: int, hint: str | None, fits: Callable[[Any], bool], what: str) -> Rule:
     """A rule saying "must be <what>, got <value>." of a value that does not fit."""
     return Rule(
@@ -100,7 +96,12 @@ def integer(
         )
 
     def fits(value: Any) -> bool:
-        return _is_int(value) and minimum <= value and (maximum is None or value <= maximum)
+        return (
+            _is_number(value)
+            and isinstance(value, int)
+            and minimum <= value
+            and (maximum is None or value <= maximum)
+        )
 
     return _judged(check_id, hint, fits, what)
 
@@ -214,11 +215,6 @@ def _only_true(value: Any) -> bool:
     return value is True
 
 
-def _unless_false(value: Any) -> bool:
-    """Off for the boolean ``False`` only (its check reports any other non-boolean)."""
-    return value is not False
-
-
 def _optional(convert: Callable[[Any], T]) -> Callable[[Any], T | None]:
     """``convert``, but None stays None."""
     return lambda value: None if value is None else convert(value)
@@ -226,14 +222,6 @@ def _optional(convert: Callable[[Any], T]) -> Callable[[Any], T | None]:
 
 def _token(value: Any) -> str | None:
     return str(value) if value else None
-
-
-def _float_tuple(value: Any) -> tuple[float, ...]:
-    return tuple(float(item) for item in value)
-
-
-def _str_tuple(value: Any) -> tuple[str, ...]:
-    return tuple(value)
 
 
 def _timedelta(value: Any) -> timedelta:
@@ -311,7 +299,7 @@ class MessagingSettings:
     )
     retry_delays = Setting(
         (1, 5, 30, 120, 600),
-        _float_tuple,
+        lambda value: tuple(map(float, value)),
         "seconds before attempt 2, 3, …; the last repeats",
         increasing_seconds(4, hint="Give increasing positive seconds, e.g. [1, 5, 30, 120, 600]."),
     )
@@ -487,7 +475,7 @@ class MessagingSettings:
     )
     relay_declares_topology = Setting(
         True,
-        _unless_false,
+        lambda value: value is not False,  # off for False only (its check reports the rest)
         "the relay declares the queues and bindings of every registered consumer before it "
         "sends (see [What the relay declares](../deploy.md#what-the-relay-declares)), so an "
         "event is never `unrouted` because `consume` started later. `False` for a relay whose "
@@ -503,7 +491,7 @@ class MessagingSettings:
     )
     require_route = Setting(
         (),
-        _str_tuple,
+        tuple,
         'topic patterns (`"billing.command.#"`) of routing keys that are commands and must '
         "reach a queue: unroutable, they are retried, then `failed`. Any other row is an event: "
         "unroutable (nobody subscribes yet) it is marked `unrouted` and not retried",
