@@ -188,26 +188,9 @@ def consumer(
     payload: Any = None,
     registry: ConsumerRegistry = registry,
 ) -> Callable[[Handler], Handler]:
-    """Register ``func`` as the handler of ``queue``, bound to ``bindings`` on the exchange.
-
-    The handler runs inside ``transaction.atomic()`` together with the insert of its inbox row,
-    so a redelivered or duplicated message_id does not take effect twice.
-
-    ``ordered=True`` handles the messages of one ``publish(ordering_key=...)`` key one at a time
-    in publish order, across processes; a dead letter parks the later messages of its key.
-    ``timeout`` (seconds) overrides ``HANDLER_TIMEOUT``. ``max_age`` (seconds or a timedelta):
-    an older message is ``expired`` unhandled (kept as a dead letter with
-    ``on_expiry="dead_letter"``). ``breaker``: a :class:`~reliable_messaging.core.breaker.Breaker`
-    (``True``: the defaults; ``False``: none; None: the ``BREAKER`` setting's). ``payload``: the
-    declared type (a pydantic v2 model, a dataclass or a TypedDict): the handler's
-    ``message.payload`` is an object of it, and a message that does not match is a dead letter
-    ``invalid_payload`` before the handler runs, no attempt spent.
-
-    An ``async def`` handler runs the same way, on the delivery's worker thread and inside its
-    transaction: what it awaits through Django's async ORM or ``sync_to_async`` runs on that
-    thread's connection. It gains ``await``, not concurrency
-    (``docs/concepts.md#async-handlers-and-apublish``).
-    """
+    """Register the decorated function as the handler of ``queue``, bound to ``bindings`` on
+    the exchange, run in one transaction with its inbox row; the parameters are described in
+    ``docs/reference/api.md``."""
     delays = _validate(queue, bindings, max_attempts, retry_delays)
     seconds = _seconds(queue, "timeout", timeout, or_timedelta=False)
     age = _seconds(queue, "max_age", max_age)
