@@ -38,6 +38,7 @@ from .framework import (
     task_started,
 )
 from .naming import TaskQueues, task_id_of
+from .policies import TaskRetryPolicies
 from .results import NotJSON, error_of, json_value, result_of, task_of
 
 logger = logging.getLogger(__name__)
@@ -175,6 +176,7 @@ def consumer_specs(queues: TaskQueues) -> list[ConsumerSpec]:
             bindings=(queues.amqp_queue(queue_name),),
             max_attempts=queues.max_attempts,
             retry_delays=queues.retry_delays,
+            retry_policy=TaskRetryPolicies(queues),
             priorities=True,
         )
         for queue_name in queues.queues
