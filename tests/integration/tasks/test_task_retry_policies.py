@@ -82,6 +82,18 @@ def assert_failed_after(result: Any, attempts: int) -> None:
     assert (dead.attempts, dead.reason) == (attempts, "retries_exhausted")
 
 
+def assert_own_and_backends_policies(deliveries: Deliveries, mine: Any, backends: Any) -> None:
+    """``mine`` failed after 2 attempts, its retry through the 0.8 s delay queue; ``backends``
+    after the backend's 3, through 0.2 then 0.4 s."""
+    assert_failed_after(mine, 2)
+    assert_failed_after(backends, 3)
+    assert deliveries.delay_queues(mine.id) == [[delay_queue(0.8)]]
+    assert [queues[0] for queues in deliveries.delay_queues(backends.id)] == [
+        delay_queue(0.2),
+        delay_queue(0.4),
+    ]
+
+
 @needs_decorator_options
 def test_a_tasks_own_policy_from_its_decorator_beside_a_task_with_the_backends(
     tasks_settings: TaskQueues, deliveries: Deliveries, monkeypatch: pytest.MonkeyPatch
@@ -94,13 +106,7 @@ def test_a_tasks_own_policy_from_its_decorator_beside_a_task_with_the_backends(
     mine = own.enqueue(1)
     backends = tasks.fails_before.enqueue(9)  # the backend's: 3 attempts after 0.2 and 0.4 s
 
-    assert_failed_after(mine, 2)
-    assert_failed_after(backends, 3)
-    assert deliveries.delay_queues(mine.id) == [[delay_queue(0.8)]]
-    assert [queues[0] for queues in deliveries.delay_queues(backends.id)] == [
-        delay_queue(0.2),
-        delay_queue(0.4),
-    ]
+    assert_own_and_backends_policies(deliveries, mine, backends)
 
 
 @pytest.fixture
@@ -121,13 +127,7 @@ def test_a_tasks_own_policy_from_the_settings_beside_a_task_with_the_backends(
     mine = tasks.always_fails.enqueue(1)
     backends = tasks.fails_with_own_policy.enqueue(2)  # not named: the backend's policy
 
-    assert_failed_after(mine, 2)
-    assert_failed_after(backends, 3)
-    assert deliveries.delay_queues(mine.id) == [[delay_queue(0.8)]]
-    assert [queues[0] for queues in deliveries.delay_queues(backends.id)] == [
-        delay_queue(0.2),
-        delay_queue(0.4),
-    ]
+    assert_own_and_backends_policies(deliveries, mine, backends)
 
 
 class Failed:
