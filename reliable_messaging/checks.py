@@ -558,13 +558,17 @@ def check_task_backends(app_configs: Any = None, **kwargs: Any) -> list[CheckMes
     from django.db import router
 
     from .models import TaskRun
-    from .task_runs.naming import problems
+    from .task_runs.naming import TaskQueues, problems
+    from .task_runs.policies import named_task_problems
 
-    found: list[CheckMessage] = [
-        _error(61, problem, "See docs/tasks.md for the backend's QUEUES and OPTIONS.")
-        for alias, params in reliable_backends().items()
-        for problem in problems(alias, params)
-    ]
+    found: list[CheckMessage] = []
+    for alias, params in reliable_backends().items():
+        # The tasks TASK_RETRIES names are imported only for a configuration otherwise valid.
+        said = problems(alias, params) or named_task_problems(alias, TaskQueues.of(alias, params))
+        found.extend(
+            _error(61, problem, "See docs/tasks.md for the backend's QUEUES and OPTIONS.")
+            for problem in said
+        )
     if reliable_backends():
         aliases = _app_aliases()
         runs = router.db_for_write(TaskRun)

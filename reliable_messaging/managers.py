@@ -796,9 +796,15 @@ class TaskRunQuerySet(models.QuerySet):
         one is left as it is) and return their rows, committed before they run: the free rows
         in one transaction, each row another holds in one of its own."""
         wanted = list(dict.fromkeys(ids))
-        if connections[self.db].vendor == "postgresql":
-            with transaction.atomic(using=self.db):
-                started = self._start_free(wanted, worker_id, at)
+        connection = connections[self.db]
+        if connection.vendor == "postgresql":
+            if connection.in_atomic_block:
+                with transaction.atomic(using=self.db):
+                    started = self._start_free(wanted, worker_id, at)
+            else:
+                # One statement, its own transaction: one round trip, and a commit that does
+                # not wait for the disk (_start_free says why that is safe).
+                started = self._start_free(wanted, worker_id, at, flush=False)
             # Not started: held by another transaction, SUCCESSFUL, or gone (each looked at
             # alone below: a held one is rare, and so is a duplicate of a finished task).
             taken = {run.pk for run in started}
@@ -823,16 +829,34 @@ class TaskRunQuerySet(models.QuerySet):
             started.append(run)
         return started
 
-    def _start_free(self, wanted: list[str], worker_id: str, at: dt.datetime) -> list[Any]:
+    def _start_free(
+        self, wanted: list[str], worker_id: str, at: dt.datetime, *, flush: bool = True
+    ) -> list[Any]:
         """PostgreSQL: the rows of ``wanted`` that no other transaction holds and that are not
-        SUCCESSFUL, RUNNING for one more attempt, read back by the same statement."""
+        SUCCESSFUL, RUNNING for one more attempt, read back by the same statement.
+
+        ``flush=False`` (the statement is its own transaction, in autocommit): the commit does
+        not wait for its WAL to reach the disk (``synchronous_commit`` off for this transaction
+        only). The rows are visible to every session at once; the server flushes them within
+        its ``wal_writer_delay``, and at the latest with the batch's own transaction, whose
+        commit waits for the disk and so for every WAL record before it. Only a crash of the
+        server in between can lose the mark, when the batch's transaction, not committed
+        either, is lost with it: the deliveries come again and count that attempt anew."""
         table = connections[self.db].ops.quote_name(self.model._meta.db_table)
+        # In the statement itself (a CTE the WHERE reads), so it holds for its transaction.
+        no_flush = (
+            ""
+            if flush
+            else "WITH rm_no_flush AS (SELECT set_config('synchronous_commit', 'off', true)) "
+        )
+        flushed = "" if flush else "AND EXISTS (SELECT 1 FROM rm_no_flush) "
         sql = (
-            f"UPDATE {table} SET status = %s, started_at = COALESCE(started_at, %s), "  # noqa: S608
+            f"{no_flush}UPDATE {table} SET status = %s, "  # noqa: S608
+            f"started_at = COALESCE(started_at, %s), "
             f"last_attempted_at = %s, finished_at = NULL, attempts = attempts + 1, "
             f"worker_ids = worker_ids || %s::jsonb WHERE id IN (SELECT id FROM {table} "
             f"WHERE id = ANY(%s) AND status <> %s ORDER BY id FOR UPDATE SKIP LOCKED) "
-            f"RETURNING *"
+            f"{flushed}RETURNING *"
         )
         params = [
             TaskRunStatus.RUNNING,

@@ -117,6 +117,15 @@ class DeliveryFailures:
             return self.spec.retry_delays
         return self.settings.retry_delays
 
+    def policy_for(self, message: Message) -> tuple[int, tuple[float, ...]]:
+        """The max attempts and retry delays of ``message``: its own where the consumer looks
+        one up (``ConsumerSpec.retry_policy``: a task's), else the consumer's."""
+        own = None if self.spec.retry_policy is None else self.spec.retry_policy(message)
+        if own is None:
+            return self.max_attempts, self.retry_delays
+        delays = self.retry_delays if own.retry_delays is None else own.retry_delays
+        return own.max_attempts or self.max_attempts, delays
+
     def dead_letter(
         self,
         delivery: Delivery,
@@ -183,9 +192,8 @@ class DeliveryFailures:
     ) -> DeliveryOutcome:
         """The handler raised ``exc``: a dead letter or a retry (:func:`decide`)."""
         duration = time.perf_counter() - started
-        decision = decide(
-            exc, attempt=message.attempt, max_attempts=self.max_attempts, delays=self.retry_delays
-        )
+        max_attempts, delays = self.policy_for(message)
+        decision = decide(exc, attempt=message.attempt, max_attempts=max_attempts, delays=delays)
         if isinstance(decision, GiveUp):
             return self.dead_letter(
                 delivery, message, decision.reason, str(exc), error=exc, duration=duration

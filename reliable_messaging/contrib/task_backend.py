@@ -40,6 +40,7 @@ from ..task_runs.framework import (
     task_enqueued,
 )
 from ..task_runs.naming import TaskQueues, problems
+from ..task_runs.policies import ReliableTask, task_policy_problems
 from ..task_runs.results import NotJSON, json_value, result_of, task_at
 from ..task_runs.worker import consumer_specs
 
@@ -63,10 +64,20 @@ class ReliableTaskBackend(BaseTaskBackend):
     # (core/coroutines.py): its ORM calls (the async ORM, sync_to_async's thread-sensitive
     # default) come back to that thread, so to its connection and transaction.
     supports_async_task = True
+    # @task(max_attempts=..., retry_delays=...) where the decorator passes them (Django 6.1,
+    # the backport); OPTIONS["TASK_RETRIES"] everywhere (task_runs/policies.py).
+    task_class = ReliableTask
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
         self.task_queues = TaskQueues.of(alias, params)
+
+    def validate_task(self, task: Task[Any, Any]) -> None:
+        """The framework's checks, and the task's own retry policy (``InvalidTask``)."""
+        super().validate_task(task)
+        found = task_policy_problems(task, self.task_queues)
+        if found:
+            raise InvalidTask(" ".join(found))
 
     def enqueue(
         self,

@@ -17,6 +17,17 @@ from .coroutines import CoroutineHandler
 from .envelope import Message
 
 Handler = Callable[[Message], Any]
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """One message's own retry policy, where a consumer runs several kinds of work (a task
+    queue's consumer runs many tasks); None: the consumer's."""
+
+    max_attempts: int | None = None
+    retry_delays: tuple[float, ...] | None = None
+
+
 # What becomes of a message past its deadline: acked unhandled ("drop"), or kept as a dead letter.
 OnExpiry = Literal["drop", "dead_letter"]
 
@@ -50,6 +61,9 @@ class ConsumerSpec:
     # Its messages carry priorities (the task queues'): a classic queue is declared with
     # x-max-priority (core/priorities.py), which it cannot be given later.
     priorities: bool = False
+    # Looks up a failed delivery's own retry policy (None: the consumer's): the task queues'
+    # consumers give each task its own max_attempts and retry_delays (task_runs/policies.py).
+    retry_policy: Callable[[Message], RetryPolicy | None] | None = None
 
     @property
     def function(self) -> Callable[..., Any]:

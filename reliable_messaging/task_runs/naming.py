@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.envelope import Message
+from ..core.registry import RetryPolicy
 
 # The consumer names of tasks start with this: what the consumer's stage of tasks looks for.
 TASK_CONSUMER_PREFIX = "django.tasks:"
@@ -27,6 +28,9 @@ class TaskQueues:
     prefix: str = DEFAULT_QUEUE_PREFIX
     max_attempts: int | None = None
     retry_delays: tuple[float, ...] | None = None
+    # OPTIONS["TASK_RETRIES"]: the policies of tasks named by their dotted path, over their
+    # decorator's (``task_runs.policies``).
+    task_retries: tuple[tuple[str, RetryPolicy], ...] = ()
 
     @classmethod
     def of(cls, alias: str, params: Mapping[str, Any]) -> TaskQueues:
@@ -39,7 +43,19 @@ class TaskQueues:
             prefix=options.get("QUEUE_PREFIX", DEFAULT_QUEUE_PREFIX),
             max_attempts=options.get("MAX_ATTEMPTS"),
             retry_delays=None if delays is None else tuple(float(d) for d in delays),
+            task_retries=tuple(
+                (path, RetryPolicy(policy.get("MAX_ATTEMPTS"), _delays(policy.get("RETRY_DELAYS"))))
+                for path, policy in (options.get("TASK_RETRIES") or {}).items()
+            ),
         )
+
+    def declared_delays(self) -> set[float]:
+        """The delays a task of this backend may retry after: those the broker's delay queues
+        are declared for whatever consumers a process runs (the backend's ``RETRY_DELAYS``,
+        which its consumers carry, and ``RELIABLE_MESSAGING["RETRY_DELAYS"]``)."""
+        from ..conf import messaging_settings
+
+        return {*(self.retry_delays or ()), *map(float, messaging_settings.retry_delays)}
 
     def amqp_queue(self, queue_name: str) -> str:
         """The queue (and routing key) of the task queue ``queue_name``."""
@@ -67,7 +83,46 @@ def task_id_of(message: Message) -> str | None:
     return task_id if isinstance(task_id, str) and task_id else None
 
 
-OPTIONS = {"QUEUE_PREFIX", "MAX_ATTEMPTS", "RETRY_DELAYS"}
+def _delays(delays: Any) -> tuple[float, ...] | None:
+    return None if delays is None else tuple(float(d) for d in delays)
+
+
+OPTIONS = {"QUEUE_PREFIX", "MAX_ATTEMPTS", "RETRY_DELAYS", "TASK_RETRIES"}
+POLICY_KEYS = {"MAX_ATTEMPTS", "RETRY_DELAYS"}
+
+
+def policy_problems(
+    what: str,
+    max_attempts: Any,
+    delays: Any,
+    declared: set[float] | None = None,
+    names: tuple[str, str] = ("MAX_ATTEMPTS", "RETRY_DELAYS"),
+) -> list[str]:
+    """What is wrong with a retry policy (``what`` names where it was given, with ``{}`` for
+    the value's name of ``names``); ``declared``: the delays a task's own must be among."""
+    found: list[str] = []
+    if max_attempts is not None and (
+        isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1
+    ):
+        found.append(f"{what.format(names[0])} must be an integer >= 1, got {max_attempts!r}.")
+    if delays is None:
+        return found
+    if (
+        not isinstance(delays, list | tuple)
+        or not all(isinstance(d, int | float) and not isinstance(d, bool) and d > 0 for d in delays)
+        or list(delays) != sorted(delays)
+    ):
+        found.append(
+            f"{what.format(names[1])} must be positive seconds in increasing order, got {delays!r}."
+        )
+    elif declared is not None and (missing := sorted({float(d) for d in delays} - declared)):
+        found.append(
+            f"{what.format(names[1])} has {', '.join(f'{d:g}' for d in missing)} s, "
+            f"which no delay queue is declared for: a task's own delays are chosen among the "
+            f"backend's RETRY_DELAYS and RELIABLE_MESSAGING['RETRY_DELAYS'] "
+            f"({', '.join(f'{d:g}' for d in sorted(declared))})."
+        )
+    return found
 
 
 def problems(alias: str, params: Mapping[str, Any]) -> list[str]:
@@ -106,22 +161,39 @@ def problems(alias: str, params: Mapping[str, Any]) -> list[str]:
                 f"string without '*' or '#' (it is a routing key), at most "
                 f"{_MAX_NAME_BYTES} bytes with the prefix {prefix!r}."
             )
-    attempts = options.get("MAX_ATTEMPTS")
-    if attempts is not None and (
-        isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1
-    ):
-        found.append(
-            f"TASKS[{alias!r}]['OPTIONS']['MAX_ATTEMPTS'] must be an integer >= 1, "
-            f"got {attempts!r}."
-        )
-    delays = options.get("RETRY_DELAYS")
-    if delays is not None and (
-        not isinstance(delays, list | tuple)
-        or not all(isinstance(d, int | float) and not isinstance(d, bool) and d > 0 for d in delays)
-        or list(delays) != sorted(delays)
-    ):
-        found.append(
-            f"TASKS[{alias!r}]['OPTIONS']['RETRY_DELAYS'] must be positive seconds in "
-            f"increasing order, got {delays!r}."
+    policy = policy_problems(
+        f"TASKS[{alias!r}]['OPTIONS'][{{!r}}]",
+        options.get("MAX_ATTEMPTS"),
+        options.get("RETRY_DELAYS"),
+    )
+    found.extend(policy)
+    retries = options.get("TASK_RETRIES")
+    if retries is None:
+        return found
+    if not isinstance(retries, Mapping):
+        return [
+            *found,
+            f"TASKS[{alias!r}]['OPTIONS']['TASK_RETRIES'] must be a dict of task paths to "
+            f"their MAX_ATTEMPTS and RETRY_DELAYS, got {retries!r}.",
+        ]
+    if policy:
+        return found  # the tasks' delays are checked against valid RETRY_DELAYS only
+    declared = TaskQueues.of(alias, {**params, "OPTIONS": {**options, "TASK_RETRIES": {}}})
+    for path, own in retries.items():
+        where = f"TASKS[{alias!r}]['OPTIONS']['TASK_RETRIES'][{path!r}]"
+        if not isinstance(own, Mapping) or not own:
+            found.append(f"{where} must be a dict of MAX_ATTEMPTS and/or RETRY_DELAYS.")
+            continue
+        for key in sorted(set(own) - POLICY_KEYS):
+            found.append(
+                f"{where} has an unknown key {key!r} (known: {', '.join(sorted(POLICY_KEYS))})."
+            )
+        found.extend(
+            policy_problems(
+                f"{where}[{{!r}}]",
+                own.get("MAX_ATTEMPTS"),
+                own.get("RETRY_DELAYS"),
+                declared.declared_delays(),
+            )
         )
     return found

@@ -3,6 +3,7 @@ stores of an error or a value."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import traceback
 from typing import Any
@@ -72,15 +73,23 @@ def task_of(run: TaskRun) -> Task:
     return task
 
 
-def result_of(run: TaskRun, task: Task | None = None) -> TaskResult:
-    """``run`` as the framework's result (``task``: its task, when the caller has it)."""
+def result_of(
+    run: TaskRun, task: Task | None = None, succeeded: tuple[Any, dt.datetime] | None = None
+) -> TaskResult:
+    """``run`` as the framework's result (``task``: its task, when the caller has it;
+    ``succeeded``: the return value and finish time of a SUCCESSFUL written since ``run`` was
+    read, so that the row need not be copied or read again)."""
+    status, finished_at, value = run.status, run.finished_at, run.return_value
+    if succeeded is not None:
+        status = TaskRunStatus.SUCCESSFUL
+        value, finished_at = succeeded
     result: TaskResult = TaskResult(
         task=task if task is not None else task_of(run),
         id=run.id,
-        status=TaskResultStatus(run.status),
+        status=TaskResultStatus(status),
         enqueued_at=run.enqueued_at,
         started_at=run.started_at,
-        finished_at=run.finished_at,
+        finished_at=finished_at,
         last_attempted_at=run.last_attempted_at,
         args=list(run.args),
         kwargs=dict(run.kwargs),
@@ -88,8 +97,8 @@ def result_of(run: TaskRun, task: Task | None = None) -> TaskResult:
         errors=[TaskError(**error) for error in run.errors],
         worker_ids=list(run.worker_ids),
     )
-    if run.status == TaskRunStatus.SUCCESSFUL:
+    if status == TaskRunStatus.SUCCESSFUL:
         # The framework's result has no public setter of its return value: its own backends
         # set the field as here.
-        object.__setattr__(result, "_return_value", run.return_value)
+        object.__setattr__(result, "_return_value", value)
     return result

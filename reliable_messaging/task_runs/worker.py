@@ -10,7 +10,6 @@ statement at the end of the batch's transaction (``docs/tasks.md#what-it-costs``
 
 from __future__ import annotations
 
-import copy
 import datetime as dt
 import inspect
 import logging
@@ -23,7 +22,6 @@ from typing import Any
 from django.db import DatabaseError, router
 from django.utils import timezone
 
-from ..choices import TaskRunStatus
 from ..core.coroutines import CoroutineHandler
 from ..core.envelope import Message
 from ..core.registry import ConsumerSpec
@@ -38,6 +36,7 @@ from .framework import (
     task_started,
 )
 from .naming import TaskQueues, task_id_of
+from .policies import TaskRetryPolicies
 from .results import NotJSON, error_of, json_value, result_of, task_of
 
 logger = logging.getLogger(__name__)
@@ -104,13 +103,6 @@ class Attempts:
         for task_id, value in succeeded.items():
             self.written[task_id] = (value, at)
 
-    def written_row(self, task_id: str) -> TaskRun:
-        """The row of ``task_id`` as the SUCCESSFUL written for it left it."""
-        run = copy.copy(self.runs[task_id])
-        run.status = TaskRunStatus.SUCCESSFUL
-        run.return_value, run.finished_at = self.written[task_id]
-        return run
-
     def forget(self) -> None:
         """The transaction was rolled back (its batch is decided again): nothing it ran holds."""
         self.returned.clear()
@@ -175,6 +167,7 @@ def consumer_specs(queues: TaskQueues) -> list[ConsumerSpec]:
             bindings=(queues.amqp_queue(queue_name),),
             max_attempts=queues.max_attempts,
             retry_delays=queues.retry_delays,
+            retry_policy=TaskRetryPolicies(queues),
             priorities=True,
         )
         for queue_name in queues.queues
@@ -233,7 +226,7 @@ def send_finished(attempts: Attempts, task_ids: Iterable[str]) -> None:
     runs, unknown = [], []
     for task_id in task_ids:
         if task_id in attempts.written:
-            runs.append(attempts.written_row(task_id))
+            runs.append(attempts.runs[task_id])  # with the SUCCESSFUL written since
         else:
             unknown.append(task_id)
     if unknown:
@@ -241,7 +234,7 @@ def send_finished(attempts: Attempts, task_ids: Iterable[str]) -> None:
             pk__in=unknown, status=TaskResultStatus.SUCCESSFUL
         )
         runs.extend(rows)
-    _signal(task_finished, runs, attempts)
+    _signal(task_finished, runs, attempts, written=attempts.written)
 
 
 def send_failed(using: str, task_id: str) -> None:
@@ -259,14 +252,20 @@ def send_failed(using: str, task_id: str) -> None:
         _signal(task_finished, [run])
 
 
-def _signal(signal: Any, runs: Iterable[TaskRun], attempts: Attempts | None = None) -> None:
-    """Send ``signal`` for each run; a receiver's failure is logged, never a delivery's."""
+def _signal(
+    signal: Any,
+    runs: Iterable[TaskRun],
+    attempts: Attempts | None = None,
+    written: dict[str, tuple[Any, dt.datetime]] | None = None,
+) -> None:
+    """Send ``signal`` for each run (as ``written``, the SUCCESSFUL written since it was read,
+    leaves it); a receiver's failure is logged, never a delivery's."""
     if not signal.receivers:
         return  # nobody listens: no result to build
     for run in runs:
         try:
             task = task_of(run) if attempts is None else attempts.task_of(run)
-            result = result_of(run, task)
+            result = result_of(run, task, None if written is None else written.get(run.pk))
             replies = signal.send_robust(type(task_backends[run.backend]), task_result=result)
         except Exception:
             logger.exception("task %s: could not signal its state %s", run.id, run.status)

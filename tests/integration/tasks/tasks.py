@@ -112,3 +112,22 @@ def pays_while_up(context: TaskContext, n: int) -> int:
         raise ConnectionError("the downstream is down")
     _effect("pays_while_up", context, n)
     return n
+
+
+@task
+def always_fails(n: int) -> None:
+    """Fails every attempt (its retry policy is given by the tests)."""
+    _effect("always_fails", None, n)
+    raise Flaky(f"always_fails({n})")
+
+
+@task
+def fails_with_own_policy(n: int) -> None:
+    """Fails every attempt; the tests decorate it again with a policy of its own."""
+    _effect("fails_with_own_policy", None, n)
+    raise Flaky(f"fails_with_own_policy({n})")
+
+
+def not_a_task(n: int) -> int:
+    """Module level and undecorated: what the tests decorate with bad options."""
+    return n

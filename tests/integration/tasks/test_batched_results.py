@@ -101,3 +101,33 @@ def test_a_batch_decided_again_after_a_failure_keeps_each_tasks_own_outcome(
     assert Effect.objects.filter(consumer="task.add").count() == 3
     assert Effect.objects.filter(consumer="task.greet").count() == 2
     assert Effect.objects.filter(consumer="task.fails_before").count() == 0
+
+
+def synchronous_commit() -> str:
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW synchronous_commit")
+        return str(cursor.fetchone()[0])
+
+
+@postgresql_only
+def test_running_is_marked_without_waiting_for_the_disk_and_nothing_of_it_stays(
+    tasks_settings: TaskQueues,
+) -> None:
+    """Outside a transaction the RUNNING mark is one statement, its own transaction, whose
+    commit does not wait for the WAL flush (the batch's own commit flushes it); the setting
+    is that transaction's only, and inside a caller's transaction it is never set (that
+    transaction's commit must wait for the disk)."""
+    from django.db import transaction
+
+    before = synchronous_commit()
+    first, second = (tasks.add.enqueue(n, 1) for n in range(2))
+    with CaptureQueriesContext(connection) as queries:
+        (started,) = TaskRun.objects.start_attempts([first.id], "w:1", first.enqueued_at)
+    (statement,) = taskrun_statements(queries)
+    assert "set_config('synchronous_commit', 'off', true)" in statement
+    assert started.status == TaskRunStatus.RUNNING
+    assert synchronous_commit() == before  # nothing left on the session
+    with transaction.atomic(), CaptureQueriesContext(connection) as queries:
+        TaskRun.objects.start_attempts([second.id], "w:1", second.enqueued_at)
+        assert synchronous_commit() == before
+    assert all("synchronous_commit" not in sql for sql in taskrun_statements(queries))
