@@ -128,7 +128,6 @@ def place_in_delay_queue(
 ) -> Placement:
     """Retry copies through the consumer's own RetryPublisher, each waited for until placed."""
     from pika.spec import BasicProperties
-
     from reliable_messaging.broker.retry_publisher import RetryCopy
 
     def place(message_id: str) -> float:
@@ -199,8 +198,8 @@ def main() -> None:
 
     namespace = setup_django()
     from django.db import connection
-
     from reliable_messaging.broker.retry_publisher import RetryPublisher
+
     from reliable_messaging.broker.topology import delay_exchange_name, delay_queue_arguments
     from reliable_messaging.conf import messaging_settings
 

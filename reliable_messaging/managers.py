@@ -15,6 +15,7 @@ from django.db import IntegrityError, connections, models, router, transaction
 from django.db.models import (
     Case,
     Count,
+    DurationField,
     Exists,
     F,
     Max,
@@ -662,6 +663,37 @@ class OutboxMessageQuerySet(BatchDeletingQuerySet):
     def retry_failed(self) -> int:
         """Make the failed rows among these pending again, due now, attempts afresh."""
         return self.failed().update(status=OutboxStatus.PENDING, attempts=0, next_attempt_at=Now())
+
+    def schedule_copy(
+        self,
+        *,
+        message_id: str,
+        queue: str,
+        body: bytes,
+        properties: bytes,
+        delay: float,
+        idempotency_key: str,
+    ) -> None:
+        """A retry copy due ``delay`` seconds from now (the database's clock), to be sent to
+        ``queue`` alone (through the default exchange) as it came: ``body`` and its encoded
+        ``properties``. Nothing is written when a row of ``idempotency_key`` waits already (its
+        original was handed to us again after its ack was lost)."""
+        due = Now() + Value(dt.timedelta(seconds=delay), output_field=DurationField())
+        row = self.model(
+            message_id=message_id,
+            exchange="",
+            routing_key=queue,
+            body="",
+            headers={},
+            raw_body=body,
+            raw_properties=properties,
+            idempotency_key=idempotency_key,
+            status=OutboxStatus.SCHEDULED,
+            next_attempt_at=due,
+            deliver_at=due,
+            created_at=Now(),
+        )
+        self.bulk_create([row], ignore_conflicts=True)
 
 
 # -- bulk operations on dead letters -----------------------------------------------------------

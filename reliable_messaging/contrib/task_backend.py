@@ -10,7 +10,7 @@
     }
 
 A task enqueued inside ``transaction.atomic()`` is sent if and only if the transaction commits,
-and runs at most once (its inbox row), retried through the consumer's delay queues and a dead
+and runs at most once (its inbox row), retried through the outbox (a scheduled copy) and a dead
 letter when it keeps failing.
 """
 

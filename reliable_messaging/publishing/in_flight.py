@@ -20,7 +20,7 @@ from ..broker.publisher import (
     PublisherTransport,
     Returned,
     Unencodable,
-    message_properties,
+    publish_properties,
 )
 from ..core.liveness import HealthState
 from ..core.routing import topic_matches
@@ -144,7 +144,8 @@ class InFlight:
             # A scheduled message counts its wait from its due time (if after its publish()).
             published = row.published_at
             span = None
-            if tracing_on:
+            # A retry copy carries its original's trace context unchanged: no span of its own.
+            if tracing_on and row.raw_properties is None:
                 # A span per row, in the trace its publish() stored: the message carries it.
                 span = tracing.start_send(
                     headers,
@@ -159,10 +160,11 @@ class InFlight:
                 tag = self.publisher.publish(
                     row.exchange,
                     row.routing_key,
-                    row.body.encode("utf-8"),
+                    row.wire_body,
                     message_id=row.message_id,
                     timestamp=int(published.timestamp()),
                     headers=headers,
+                    stored_properties=row.stored_properties,
                 )
             except Unencodable as exc:
                 # pika encodes a row the same way every time: failed at once, not retried.
@@ -308,10 +310,13 @@ class InFlight:
         charged = 0
         for batch in self._batches:
             for row in batch.unconfirmed():
-                properties = message_properties(
-                    row.message_id, int(row.published_at.timestamp()), message_headers(row)
+                properties = publish_properties(
+                    row.message_id,
+                    int(row.published_at.timestamp()),
+                    message_headers(row),
+                    row.stored_properties,
                 )
-                size = header_frame_size(properties, len(row.body.encode("utf-8")))
+                size = header_frame_size(properties, len(row.wire_body))
                 refusal = frame_size_refusal(size, frame_max)
                 if refusal is not None:
                     batch.errors[row.pk] = f"{refusal}; this row will not be sent ({why})"[:2000]
