@@ -71,8 +71,9 @@ class InFlight:
                 self._finish_batch(batch)
 
     def on_returned(self, returned: Returned) -> None:
-        """An unroutable message, whose ack follows: an event is marked unrouted, a command
-        (``REQUIRE_ROUTE``) charged."""
+        """An unroutable message, whose ack follows: an event is marked unrouted; a command
+        (``REQUIRE_ROUTE``) is charged, as is a copy for one queue through the default exchange
+        (a retry copy, a replay), sent again with backoff until its queue is back."""
         row_id = returned.headers.get(OUTBOX_ID_HEADER)
         if not isinstance(row_id, int):
             return
@@ -82,13 +83,18 @@ class InFlight:
         self.report.returned += 1
         metrics.relay_failed("returned")
         require_route = self.claims.settings.require_route
-        if not any(topic_matches(p, returned.routing_key) for p in require_route):
+        one_queue = returned.exchange == ""
+        if not one_queue and not any(topic_matches(p, returned.routing_key) for p in require_route):
             batch.unrouted.add(row_id)  # its ack follows; the outcome keeps it from "sent"
             return
         batch.errors[row_id] = (
             f"unroutable: {returned.reply_code} {returned.reply_text} (exchange "
-            f"{returned.exchange!r}, routing key {returned.routing_key!r}): no queue is bound "
-            f"for it, and REQUIRE_ROUTE says it must reach one"
+            f"{returned.exchange!r}, routing key {returned.routing_key!r}): "
+            + (
+                "its queue does not exist now (deleted, or its node down)"
+                if one_queue
+                else "no queue is bound for it, and REQUIRE_ROUTE says it must reach one"
+            )
         )
 
     def on_refused(self, closed: ChannelClosed) -> bool:
