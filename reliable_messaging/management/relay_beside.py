@@ -13,9 +13,13 @@ import threading
 
 from django.db import connections, router
 
+from ..core.envelope import Delivery
 from ..core.liveness import HealthState
+from ..core.outcomes import Outcome, ScheduleRetry
+from ..core.registry import ConsumerSpec
 from ..models import OutboxMessage
 from ..publishing.relay import OutboxRelay, build_relay
+from ..publishing.wake_after_commit import sender
 from ..storage.partitions import OUTBOX, PartitionUpkeep
 
 logger = logging.getLogger("reliable_messaging.consume")
@@ -54,3 +58,11 @@ class RelayBeside:
             logger.exception("the relay beside the consumer stopped; the outbox waits for another")
         finally:
             connections.close_all()  # this thread's connections
+
+
+def wake_relays_on_retry(spec: ConsumerSpec, delivery: Delivery, outcome: Outcome) -> None:
+    """After a retry copy's commit (the consumer's ``on_outcome``): wake the relays, whose next
+    look at the scheduled rows may otherwise come after the copy is due."""
+    if isinstance(outcome, ScheduleRetry):
+        sender.request(router.db_for_write(OutboxMessage))
+

@@ -17,7 +17,7 @@ from reliable_messaging.core.liveness import HealthState
 from reliable_messaging.core.registry import registry
 from reliable_messaging.management.keepalive import keep_database_alive
 from reliable_messaging.management.metrics_options import add_metrics_arguments, serve_metrics
-from reliable_messaging.management.relay_beside import RelayBeside
+from reliable_messaging.management.relay_beside import RelayBeside, wake_relays_on_retry
 
 logger = logging.getLogger("reliable_messaging.consume")
 
@@ -99,6 +99,7 @@ class Command(BaseCommand):
             idle_timeout=options["idle_timeout"],
             health=health,
             progress_interval=options["progress_interval"],
+            on_outcome=wake_relays_on_retry,
         )
         ops = serve_metrics(options, health)
         # What in the broker would drop or redeliver messages behind our back, logged once at
