@@ -39,7 +39,7 @@ from .choices import (
     ReplayOutcome,
     TaskRunStatus,
 )
-from .core.advisory_locks import ADVISORY_CLASS, GROUP_FOLD_LOCK
+from .core.advisory_locks import ADVISORY_CLASS, GROUP_FOLD_LOCK, IDEMPOTENCY_LOCK_CLASS
 
 # The model classes are Any here, reached through ``self.model`` or :func:`_sibling`: models.py
 # imports this module.
@@ -676,8 +676,31 @@ class OutboxMessageQuerySet(BatchDeletingQuerySet):
     ) -> None:
         """A retry copy due ``delay`` seconds from now (the database's clock), to be sent to
         ``queue`` alone (through the default exchange) as it came: ``body`` and its encoded
-        ``properties``. Nothing is written when a row of ``idempotency_key`` waits already (its
-        original was handed to us again after its ack was lost)."""
+        ``properties``. Nothing is written when a row of ``idempotency_key`` exists already (its
+        original was handed to us again after its ack was lost): looked for in every partition
+        under the advisory lock ``publish()`` takes for a key, as a unique index spans one
+        partition (a copy made pending, or sent, is in another than a scheduled one)."""
+        using = self.db
+        with transaction.atomic(using=using):
+            if connections[using].vendor == "postgresql":
+                with connections[using].cursor() as cursor:
+                    cursor.execute(
+                        "SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
+                        [IDEMPOTENCY_LOCK_CLASS, idempotency_key],
+                    )
+            if self.filter(idempotency_key=idempotency_key).exists():
+                return
+            self._insert_copy(message_id, queue, body, properties, delay, idempotency_key)
+
+    def _insert_copy(
+        self,
+        message_id: str,
+        queue: str,
+        body: bytes,
+        properties: bytes,
+        delay: float,
+        idempotency_key: str,
+    ) -> None:
         due = Now() + Value(dt.timedelta(seconds=delay), output_field=DurationField())
         row = self.model(
             message_id=message_id,

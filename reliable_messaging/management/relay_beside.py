@@ -65,4 +65,3 @@ def wake_relays_on_retry(spec: ConsumerSpec, delivery: Delivery, outcome: Outcom
     look at the scheduled rows may otherwise come after the copy is due."""
     if isinstance(outcome, ScheduleRetry):
         sender.request(router.db_for_write(OutboxMessage))
-

@@ -214,3 +214,27 @@ def test_a_deployment_of_consumers_alone_retries(
     assert OutboxMessage.objects.get().status == OutboxStatus.SCHEDULED
     assert not Effect.objects.exists()
     assert json.loads(bytes(OutboxMessage.objects.get().raw_body)) == {"fail": {"alpha": 1}}
+
+
+def test_an_original_handed_back_after_its_copy_fell_due_adds_no_second_copy() -> None:
+    """A lost ack (the queue's leader died, say) hands the original back after its copy was
+    made pending, or sent: that copy is in another partition than the scheduled rows, so their
+    unique index cannot see it. The second write finds it all the same, and the promotion of
+    due rows is not stopped by a duplicate key."""
+    from reliable_messaging.publishing.scheduled import promote_due
+
+    copy = {
+        "message_id": "lost-ack-1",
+        "queue": "billing",
+        "body": b"{}",
+        "properties": b"",
+        "delay": 0.0,
+        "idempotency_key": "rm-retry:lost-ack-1",
+    }
+    OutboxMessage.objects.schedule_copy(**copy)
+    later = dt.datetime.now(dt.UTC) + dt.timedelta(minutes=1)
+    assert promote_due("default", due_by=later) == 1
+    OutboxMessage.objects.schedule_copy(**copy)  # the original again, attempt and key the same
+    assert promote_due("default", due_by=later) == 0
+    rows = OutboxMessage.objects.filter(message_id="lost-ack-1")
+    assert list(rows.values_list("status", flat=True)) == [OutboxStatus.PENDING]
