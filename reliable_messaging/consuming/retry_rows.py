@@ -7,7 +7,7 @@ it came (its exact body bytes, its AMQP properties in pika's encoding, the retry
 for the consumer's own queue alone. A database that cannot take the row fails the batch as a
 dead letter's write does: the delivery stays with the broker, nothing charged. One row per
 consumer, message, attempt and deferral (its idempotency key), so an original handed to us
-again after a lost ack adds no second copy while the first waits.
+again after a lost ack adds no second copy.
 ``docs/design.md#where-a-retry-waits`` explains.
 """
 
