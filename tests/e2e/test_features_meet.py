@@ -148,7 +148,7 @@ def test_suspects_redelivered_from_a_killed_process_wait_for_the_breaker_blamed_
             assert set(runs) <= {"retried", "processed"}, (message_id, outcomes)
         assert sum(outcomes.count("retried") for outcomes in traced.values()) == retries
         # Most came redelivered from the killed process: suspects (the rest were retry copies
-        # still in their delay queue at the kill).
+        # still waiting in the outbox at the kill).
         assert len(redelivered) >= len(payments) - 4, sorted(redelivered)
     finally:
         first.close()
