@@ -130,11 +130,13 @@ def place_as_copies(queue: str, count: int, delay: float) -> Placement:
     from reliable_messaging.broker.stored_properties import retry_properties
     from reliable_messaging.models import OutboxMessage
 
-    original = BasicProperties(
-        message_id="", delivery_mode=2, content_type="application/json", timestamp=int(time.time())
-    )
-
     def place(message_id: str) -> float:
+        original = BasicProperties(
+            message_id=message_id,
+            delivery_mode=2,
+            content_type="application/json",
+            timestamp=int(time.time()),
+        )
         due = time.time() + delay
         with transaction.atomic():
             OutboxMessage.objects.schedule_copy(
