@@ -16,7 +16,7 @@ import dataclasses
 import time
 import traceback
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from django.db import DatabaseError, InterfaceError, OperationalError
 
@@ -100,6 +100,19 @@ def retry_headers(
     return headers
 
 
+def raise_for_our_write(exc: DatabaseError, what: str) -> NoReturn:
+    """A write of ours for a delivery (its dead letter, its retry copy) failed: without the row
+    the delivery must stay with the broker, so nothing is lost or charged. A read-only or lost
+    database holds it (:class:`DatabaseUnavailable`); a conflict runs its transaction again
+    (:class:`DatabaseConflict`); anything else is raised as it is (our own failure)."""
+    trouble = classify(exc)
+    if trouble is DatabaseTrouble.CONFLICT:
+        raise DatabaseConflict(f"writing {what}: {exc}") from exc
+    if trouble is DatabaseTrouble.UNAVAILABLE or isinstance(exc, OperationalError | InterfaceError):
+        raise DatabaseUnavailable(f"cannot write {what}: {exc}") from exc
+    raise exc
+
+
 class DeliveryFailures:
     """The failure outcomes of one consumer's deliveries."""
 
@@ -150,17 +163,7 @@ class DeliveryFailures:
                 **({"attempts": 1} | fields),
             )
         except DatabaseError as exc:
-            # Without the row the message must stay with the broker: nothing is lost. A
-            # read-only or lost database holds it; a conflict runs its transaction again.
-            what = f"the dead letter of message_id={message.message_id}: {exc}"
-            trouble = classify(exc)
-            if trouble is DatabaseTrouble.CONFLICT:
-                raise DatabaseConflict(f"recording {what}") from exc
-            if trouble is DatabaseTrouble.UNAVAILABLE or isinstance(
-                exc, OperationalError | InterfaceError
-            ):
-                raise DatabaseUnavailable(f"cannot record {what}") from exc
-            raise
+            raise_for_our_write(exc, f"the dead letter of message_id={message.message_id}")
         return DeliveryOutcome(
             Acknowledge(OutcomeLabel.DEAD_LETTERED, reason),
             label,

@@ -16,14 +16,13 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from django.db import DatabaseError, InterfaceError, OperationalError
+from django.db import DatabaseError
 
 from ..broker.stored_properties import retry_properties
-from ..core.database_errors import DatabaseTrouble, classify
 from ..core.envelope import DEFERRALS_HEADER, Message
 from ..core.outcomes import ScheduleRetry
-from ..exceptions import DatabaseConflict, DatabaseUnavailable
 from ..models import OutboxMessage
+from .retries import raise_for_our_write
 from .stage import Batch, DeliveryOutcome, Job, Stage
 
 
@@ -47,16 +46,7 @@ def write_copy(job: Job, message: Message, retry: ScheduleRetry) -> None:
             idempotency_key=copy_key(job.name, message.message_id, retry),
         )
     except DatabaseError as exc:
-        # Without the row the delivery must stay with the broker: nothing is lost or charged.
-        what = f"the retry copy of message_id={message.message_id}: {exc}"
-        trouble = classify(exc)
-        if trouble is DatabaseTrouble.CONFLICT:
-            raise DatabaseConflict(f"writing {what}") from exc
-        if trouble is DatabaseTrouble.UNAVAILABLE or isinstance(
-            exc, OperationalError | InterfaceError
-        ):
-            raise DatabaseUnavailable(f"cannot write {what}") from exc
-        raise
+        raise_for_our_write(exc, f"the retry copy of message_id={message.message_id}")
 
 
 class RetryRows(Stage):
