@@ -676,10 +676,10 @@ class OutboxMessageQuerySet(BatchDeletingQuerySet):
     ) -> None:
         """A retry copy due ``delay`` seconds from now (the database's clock), to be sent to
         ``queue`` alone (through the default exchange) as it came: ``body`` and its encoded
-        ``properties``. Nothing is written when a row of ``idempotency_key`` exists already (its
-        original was handed to us again after its ack was lost): looked for in every partition
-        under the advisory lock ``publish()`` takes for a key, as a unique index spans one
-        partition (a copy made pending, or sent, is in another than a scheduled one)."""
+        ``properties``. Nothing is written when an unsent row of ``idempotency_key`` exists (its
+        original was handed to us again after its ack was lost): looked for in the scheduled and
+        the unsent partitions under the advisory lock ``publish()`` takes for a key, as a unique
+        index spans one partition (a copy made pending is no longer in the scheduled one)."""
         using = self.db
         with transaction.atomic(using=using):
             if connections[using].vendor == "postgresql":
@@ -688,7 +688,10 @@ class OutboxMessageQuerySet(BatchDeletingQuerySet):
                         "SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
                         [IDEMPOTENCY_LOCK_CLASS, idempotency_key],
                     )
-            if self.filter(idempotency_key=idempotency_key).exists():
+            # Unsent rows only: a sent copy's key may come again (a replay, a producer
+            # publishing the message anew), and a second copy after a sent one is absorbed.
+            unsent = [OutboxStatus.SCHEDULED, OutboxStatus.PENDING, OutboxStatus.FAILED]
+            if self.filter(idempotency_key=idempotency_key, status__in=unsent).exists():
                 return
             self._insert_copy(message_id, queue, body, properties, delay, idempotency_key)
 

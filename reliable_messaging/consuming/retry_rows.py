@@ -19,7 +19,7 @@ from typing import Any
 from django.db import DatabaseError
 
 from ..broker.stored_properties import retry_properties
-from ..core.envelope import DEFERRALS_HEADER, Message
+from ..core.envelope import DEFERRALS_HEADER, REPLAY_ID_HEADER, Message
 from ..core.outcomes import ScheduleRetry
 from ..models import OutboxMessage
 from .retries import raise_for_our_write
@@ -27,9 +27,11 @@ from .stage import Batch, DeliveryOutcome, Job, Stage
 
 
 def copy_key(consumer: str, message_id: str, retry: ScheduleRetry) -> str:
-    """The idempotency key of a copy: one per consumer, message, attempt and deferral."""
+    """The idempotency key of a copy: one per consumer, message, replay, attempt and deferral
+    (a replay starts its attempts afresh)."""
     deferrals = retry.headers.get(DEFERRALS_HEADER, 0) if retry.deferred else 0
-    named = f"{consumer}\x00{message_id}\x00{retry.next_attempt}\x00{deferrals}"
+    replay = retry.headers.get(REPLAY_ID_HEADER, "")
+    named = f"{consumer}\x00{message_id}\x00{replay}\x00{retry.next_attempt}\x00{deferrals}"
     return f"rm-retry:{hashlib.sha256(named.encode()).hexdigest()}"
 
 
