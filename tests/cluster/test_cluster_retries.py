@@ -36,7 +36,7 @@ pytestmark = [
     pytest.mark.cluster,
     pytest.mark.slow,
     pytest.mark.django_db(transaction=True),
-    pytest.mark.timeout(400),
+    pytest.mark.timeout(600),
 ]
 
 
