@@ -56,6 +56,7 @@ RABBITMQ4_TESTS ?= tests/e2e/test_consume_command.py tests/e2e/test_ordering.py 
 	tests/integration/broker/test_pika_logs.py tests/integration/broker/test_topology_errors.py \
 	tests/integration/broker/test_write_coalescing.py \
 	tests/integration/consuming/test_consumer_service.py \
+	tests/integration/consuming/test_retry_rows.py \
 	tests/integration/consuming/test_consumer_outcomes.py \
 	tests/integration/consuming/test_ordered_outcomes.py tests/integration/consuming/test_batching.py \
 	tests/integration/publishing/test_relay.py tests/integration/publishing/test_relay_faults.py \

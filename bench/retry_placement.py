@@ -1,6 +1,8 @@
-"""Where a retry waits: a quorum delay queue (a copy published with confirms, dead-lettered
-at-least-once back to the consumer's queue) against a scheduled outbox row (sent by a real
-``manage.py relay`` when due).
+"""Where a retry waits: the retry copy as ``consume`` writes it (a scheduled outbox row with the
+original's bytes and its AMQP properties encoded by pika, ``schedule_copy``) against a
+``publish(deliver_at=...)`` row (JSON text and headers), both sent by a real ``manage.py relay``
+when due. The second is the row the retry was weighed with against the broker's delay queues
+(docs/benchmarks.md keeps those figures), so this says what building it cost beyond them.
 
     .venv/bin/python bench/retry_placement.py [--retries 200] [--rounds 6] [--delay 1]
 
@@ -8,7 +10,7 @@ Each round places ``--retries`` retries one after the other, as a failing worker
 then the other, the order swapped every round. Per retry it prints the worker's wait for the
 placement; the CPU of the placing process and its PostgreSQL backend, of the relay and its
 backends, and of the broker (a shared node: noisy); and the time from due to arrival in the
-queue, read by a consumer process of its own. Medians and same-run ratios close. The row's
+queue, read by a consumer process of its own. Medians and same-run ratios close. Each row's
 insert and commit is an upper bound: in ``consume`` the failing delivery's transaction commits
 anyway, and a batch shares its commit.
 """
@@ -25,7 +27,6 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pika
@@ -40,9 +41,6 @@ from _common import (
     setup_django,
     subprocess_env,
 )
-
-if TYPE_CHECKING:
-    from reliable_messaging.broker.retry_publisher import RetryPublisher
 
 RELAY_APP = "rm-bench-retry-relay"
 
@@ -123,36 +121,32 @@ def placed_one_by_one(count: int, place: Callable[[str], float]) -> Placement:
     return due, waits, cpu
 
 
-def place_in_delay_queue(
-    publisher: RetryPublisher, exchange: str, queue: str, count: int, delay: float
-) -> Placement:
-    """Retry copies through the consumer's own RetryPublisher, each waited for until placed."""
+def place_as_copies(queue: str, count: int, delay: float) -> Placement:
+    """Retry copies as the consumer's retry stage writes them, each in a transaction of its own
+    as the failing delivery's outcome would be."""
+    from django.db import transaction
     from pika.spec import BasicProperties
 
-    from reliable_messaging.broker.retry_publisher import RetryCopy
+    from reliable_messaging.broker.stored_properties import retry_properties
+    from reliable_messaging.models import OutboxMessage
 
     def place(message_id: str) -> float:
-        placed = threading.Event()
-        due = time.time() + delay
-        publisher.submit(
-            RetryCopy(
-                exchange=exchange,
-                routing_key=queue,
-                body=b'{"order": 1}',
-                properties=BasicProperties(
-                    message_id=message_id,
-                    delivery_mode=2,
-                    content_type="application/json",
-                    headers={"x-rm-attempt": 2},
-                ),
-                message_id=message_id,
-                received=time.monotonic(),
-                placed=placed.set,
-                give_back=placed.set,
-            )
+        original = BasicProperties(
+            message_id=message_id,
+            delivery_mode=2,
+            content_type="application/json",
+            timestamp=int(time.time()),
         )
-        if not placed.wait(30):
-            raise RuntimeError("a retry copy was not placed in 30 s")
+        due = time.time() + delay
+        with transaction.atomic():
+            OutboxMessage.objects.schedule_copy(
+                message_id=message_id,
+                queue=queue,
+                body=b'{"order": 1}',
+                properties=retry_properties(original, {"x-rm-attempt": 2}),
+                delay=delay,
+                idempotency_key=f"rm-retry:{message_id}",
+            )
         return due
 
     return placed_one_by_one(count, place)
@@ -200,18 +194,10 @@ def main() -> None:
     namespace = setup_django()
     from django.db import connection
 
-    from reliable_messaging.broker.retry_publisher import RetryPublisher
-    from reliable_messaging.broker.topology import delay_exchange_name, delay_queue_arguments
-    from reliable_messaging.conf import messaging_settings
-
     queue = f"bench.retries.{namespace}"
-    delay_exchange = delay_exchange_name(args.delay, messaging_settings)
     channel_connection = pika.BlockingConnection(pika.URLParameters(BROKER_URL))
     channel = channel_connection.channel()
     channel.queue_declare(queue, durable=True)
-    channel.exchange_declare(delay_exchange, "fanout", durable=True)
-    channel.queue_declare(delay_exchange, durable=True, arguments=delay_queue_arguments(args.delay))
-    channel.queue_bind(delay_exchange, delay_exchange)
 
     print(describe_machine())
     print(f"load average at start: {os.getloadavg()}")
@@ -222,11 +208,10 @@ def main() -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    publisher = RetryPublisher(messaging_settings).start()
     beam = broker_pid()
     results: dict[str, dict[str, list[float]]] = {
         way: {"wait": [], "cpu": [], "relay": [], "broker": [], "late": []}
-        for way in ("delay queue", "outbox row")
+        for way in ("retry copy", "publish row")
     }
     try:
         time.sleep(3)  # the relay connects and listens
@@ -236,16 +221,14 @@ def main() -> None:
             own_backend = cursor.fetchone()[0]
         watched = [relay.pid, *relay_backends]
         for round_no in range(args.rounds):
-            ways = ["delay queue", "outbox row"]
+            ways = ["retry copy", "publish row"]
             if round_no % 2:
                 ways.reverse()
             for way in ways:
                 relay_before, beam_before = cpu_of(watched), cpu_of([beam] if beam else [])
                 own_before = cpu_of([own_backend])
-                if way == "delay queue":
-                    due, waits, cpu = place_in_delay_queue(
-                        publisher, delay_exchange, queue, args.retries, args.delay
-                    )
+                if way == "retry copy":
+                    due, waits, cpu = place_as_copies(queue, args.retries, args.delay)
                 else:
                     due, waits, cpu = place_as_rows(queue, args.retries, args.delay)
                 cpu += cpu_of([own_backend]) - own_before  # the insert's backend
@@ -271,17 +254,14 @@ def main() -> None:
                     f"max {max(late) * 1000:6.1f} ms"
                 )
     finally:
-        publisher.stop()
         relay.terminate()
         relay.wait(timeout=30)
         sink.stop()
         channel.queue_delete(queue)
-        channel.queue_delete(delay_exchange)
-        channel.exchange_delete(delay_exchange)
         channel_connection.close()
 
     print(f"load average at end: {os.getloadavg()}")
-    broker, rows = results["delay queue"], results["outbox row"]
+    copies, rows = results["retry copy"], results["publish row"]
     for key, what in (
         ("wait", "failing worker waits for the placement (ms)"),
         ("cpu", "CPU of the placing process per retry (us)"),
@@ -289,16 +269,16 @@ def main() -> None:
         ("broker", "CPU of the broker per retry (us, shared node)"),
         ("late", "due time to arrival (ms)"),
     ):
-        b, r = median(broker[key]), median(rows[key])
-        ratio = f"{r / b:5.2f}x" if b else "  n/a"
-        print(f"{what:50}: delay queue {b:8.2f}, outbox row {r:8.2f}, row/queue {ratio}")
-    total_b = median(
-        [c + r + k for c, r, k in zip(broker["cpu"], broker["relay"], broker["broker"])]
+        c, r = median(copies[key]), median(rows[key])
+        ratio = f"{c / r:5.2f}x" if r else "  n/a"
+        print(f"{what:50}: retry copy {c:8.2f}, publish row {r:8.2f}, copy/row {ratio}")
+    total_c = median(
+        [c + r + k for c, r, k in zip(copies["cpu"], copies["relay"], copies["broker"])]
     )
     total_r = median([c + r + k for c, r, k in zip(rows["cpu"], rows["relay"], rows["broker"])])
     print(
-        f"{'all CPU per retry (us)':50}: delay queue {total_b:8.0f}, outbox row {total_r:8.0f}, "
-        f"row/queue {total_r / total_b:5.2f}x"
+        f"{'all CPU per retry (us)':50}: retry copy {total_c:8.0f}, publish row {total_r:8.0f}, "
+        f"copy/row {total_c / total_r:5.2f}x"
     )
 
 

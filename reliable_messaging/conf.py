@@ -286,8 +286,7 @@ class MessagingSettings:
     exchange = Setting(
         "reliable_messaging",
         str,
-        "the topic exchange `publish()` uses and consumers bind to; also the prefix of the "
-        "delay queues",
+        "the topic exchange `publish()` uses and consumers bind to",
         non_empty_string(2, hint="Name the topic exchange publish() uses, e.g. 'events'."),
     )
     prefetch = Setting(
@@ -300,7 +299,8 @@ class MessagingSettings:
     retry_delays = Setting(
         (1, 5, 30, 120, 600),
         lambda value: tuple(map(float, value)),
-        "seconds before attempt 2, 3, …; the last repeats",
+        "seconds before attempt 2, 3, …; the last repeats. A retry waits that long as a "
+        "scheduled outbox row",
         increasing_seconds(4, hint="Give increasing positive seconds, e.g. [1, 5, 30, 120, 600]."),
     )
     max_attempts = Setting(
@@ -339,8 +339,7 @@ class MessagingSettings:
         "classic",
         str,
         "`classic` or `quorum` for the consumer queues, always declared with this type whatever "
-        "the vhost's default (quorum queues get `x-delivery-limit`). The retry delay queues are "
-        "quorum queues that dead-letter at least once on either type",
+        "the vhost's default (quorum queues get `x-delivery-limit`)",
         one_of(8, ("classic", "quorum"), hint="Use 'quorum' for replicated queues."),
     )
     consumer_batch_size = Setting(

@@ -15,6 +15,7 @@ from django.db import IntegrityError, connections, models, router, transaction
 from django.db.models import (
     Case,
     Count,
+    DurationField,
     Exists,
     F,
     Max,
@@ -38,7 +39,7 @@ from .choices import (
     ReplayOutcome,
     TaskRunStatus,
 )
-from .core.advisory_locks import ADVISORY_CLASS, GROUP_FOLD_LOCK
+from .core.advisory_locks import ADVISORY_CLASS, GROUP_FOLD_LOCK, IDEMPOTENCY_LOCK_CLASS
 
 # The model classes are Any here, reached through ``self.model`` or :func:`_sibling`: models.py
 # imports this module.
@@ -662,6 +663,63 @@ class OutboxMessageQuerySet(BatchDeletingQuerySet):
     def retry_failed(self) -> int:
         """Make the failed rows among these pending again, due now, attempts afresh."""
         return self.failed().update(status=OutboxStatus.PENDING, attempts=0, next_attempt_at=Now())
+
+    def schedule_copy(
+        self,
+        *,
+        message_id: str,
+        queue: str,
+        body: bytes,
+        properties: bytes,
+        delay: float,
+        idempotency_key: str,
+    ) -> None:
+        """A retry copy due ``delay`` seconds from now (the database's clock), to be sent to
+        ``queue`` alone (through the default exchange) as it came: ``body`` and its encoded
+        ``properties``. Nothing is written when an unsent row of ``idempotency_key`` exists (its
+        original was handed to us again after its ack was lost): looked for in the scheduled and
+        the unsent partitions under the advisory lock ``publish()`` takes for a key, as a unique
+        index spans one partition (a copy made pending is no longer in the scheduled one)."""
+        using = self.db
+        with transaction.atomic(using=using):
+            if connections[using].vendor == "postgresql":
+                with connections[using].cursor() as cursor:
+                    cursor.execute(
+                        "SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
+                        [IDEMPOTENCY_LOCK_CLASS, idempotency_key],
+                    )
+            # Unsent rows only: a sent copy's key may come again (a replay, a producer
+            # publishing the message anew), and a second copy after a sent one is absorbed.
+            unsent = [OutboxStatus.SCHEDULED, OutboxStatus.PENDING, OutboxStatus.FAILED]
+            if self.filter(idempotency_key=idempotency_key, status__in=unsent).exists():
+                return
+            self._insert_copy(message_id, queue, body, properties, delay, idempotency_key)
+
+    def _insert_copy(
+        self,
+        message_id: str,
+        queue: str,
+        body: bytes,
+        properties: bytes,
+        delay: float,
+        idempotency_key: str,
+    ) -> None:
+        due = Now() + Value(dt.timedelta(seconds=delay), output_field=DurationField())
+        row = self.model(
+            message_id=message_id,
+            exchange="",
+            routing_key=queue,
+            body="",
+            headers={},
+            raw_body=body,
+            raw_properties=properties,
+            idempotency_key=idempotency_key,
+            status=OutboxStatus.SCHEDULED,
+            next_attempt_at=due,
+            deliver_at=due,
+            created_at=Now(),
+        )
+        self.bulk_create([row], ignore_conflicts=True)
 
 
 # -- bulk operations on dead letters -----------------------------------------------------------

@@ -73,11 +73,6 @@ _RELAY_CONFIRM_LATENCY = Histogram(
     "Time from publishing an outbox row to the broker's confirm of it.",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
 )
-_CONSUMER_BLOCKED = Gauge(
-    "reliable_messaging_consumer_blocked",
-    "1 while the broker blocks the consumer's publishing connection (resource alarm): retry "
-    "copies wait, acks go on.",
-)
 _CONSUMER_UNAVAILABLE = Gauge(
     "reliable_messaging_consumer_queues_unavailable",
     "Queues the consumer cannot declare or consume now (their node down, say); it consumes "
@@ -195,8 +190,6 @@ def dedup_cache(consumer: str, result: str) -> None:
     _DEDUP_CACHE.labels(consumer, result).inc()
 
 
-# consumer_blocked(blocked): 1 while blocked (a gauge set to True holds 1), else 0.
-consumer_blocked = _CONSUMER_BLOCKED.set
 consumer_queues_unavailable = _CONSUMER_UNAVAILABLE.set
 
 

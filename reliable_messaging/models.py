@@ -247,13 +247,18 @@ class SuspectDelivery(models.Model):
 
 class OutboxMessage(models.Model):
     """A message ``publish()`` wrote in the caller's transaction, sent later by the relay;
-    ``body`` is the exact JSON text sent (encoded by ``publish()``)."""
+    ``body`` is the exact JSON text sent (encoded by ``publish()``). A consumer's retry copy
+    carries instead the original's exact bytes (``raw_body``) and AMQP properties
+    (``raw_properties``, pika's encoding, so that header types survive); its ``body`` is empty."""
 
     message_id = models.CharField(max_length=255)
     exchange = models.CharField(max_length=255, blank=True)
     routing_key = models.CharField(max_length=255)
     body = models.TextField()
     headers = models.JSONField(default=dict, blank=True)
+    # A retry copy's (docs/design.md#where-a-retry-waits); NULL for what publish() wrote.
+    raw_body = models.BinaryField(null=True, blank=True)
+    raw_properties = models.BinaryField(null=True, blank=True)
     # NULL, not "", means "no key": "" is a legitimate key, and the order index skips NULLs.
     ordering_key = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001
     # NULL means "no key"; unique where given (see Meta.constraints).

@@ -22,6 +22,7 @@ from .broker.topology import consumer_queues
 from .choices import OutboxStatus
 from .conf import messaging_settings
 from .consuming.processing import DeliveryProcessor
+from .consuming.retry_rows import copy_key
 from .core.envelope import (
     ATTEMPT_HEADER,
     CONTENT_TYPE,
@@ -77,10 +78,11 @@ def deliver(
 ) -> Outcome:
     """Deliver one message to ``consumer`` as the consume command would (an ``async def``
     handler too: call it from a sync test), and return the outcome:
-    ``Acknowledge("processed" | "duplicate" | "dead_lettered")``, ``ScheduleRetry`` (call
-    ``deliver`` again with ``attempt=outcome.next_attempt``) or ``RetryInPlace`` (the same for an
-    ordered consumer). ``body`` sends raw bytes instead of encoding ``payload``; through the
-    default exchange ``""``, ``routing_key`` names the queue, as for a replay."""
+    ``Acknowledge("processed" | "duplicate" | "dead_lettered")``, ``ScheduleRetry`` (its copy
+    waits in the outbox as with ``consume``; call ``deliver`` again with
+    ``attempt=outcome.next_attempt``) or ``RetryInPlace`` (the same for an ordered consumer).
+    ``body`` sends raw bytes instead of encoding ``payload``; through the default exchange
+    ``""``, ``routing_key`` names the queue, as for a replay."""
     spec = consumer if isinstance(consumer, ConsumerSpec) else find_consumer(consumer)
     all_headers = dict(headers or {})
     if attempt != 1:
@@ -116,8 +118,8 @@ def _body_of(spec: ConsumerSpec, payload: Any) -> bytes:
 
 def published(routing_key: str | None = None, *, using: str | None = None) -> list[Message]:
     """Messages ``publish()`` wrote and no relay has sent yet, oldest first, as handlers would
-    see them; optionally only those with ``routing_key``."""
-    rows = _outbox(using).pending().order_by("id")
+    see them; optionally only those with ``routing_key``. Retry copies are not among them."""
+    rows = _outbox(using).pending().filter(raw_properties__isnull=True).order_by("id")
     if routing_key is not None:
         rows = rows.filter(routing_key=routing_key)
     return [_message_of(row) for row in rows]
@@ -141,8 +143,10 @@ def _message_of(row: OutboxMessage) -> Message:
 
 
 def scheduled(*, using: str | None = None) -> list[tuple[dt.datetime, Message]]:
-    """Scheduled messages waiting for their due time, earliest first: ``(due, message)``."""
-    rows = _outbox(using).filter(status=OutboxStatus.SCHEDULED).order_by("next_attempt_at", "id")
+    """Scheduled messages waiting for their due time, earliest first: ``(due, message)``; retry
+    copies are not among them."""
+    rows = _outbox(using).filter(status=OutboxStatus.SCHEDULED, raw_properties__isnull=True)
+    rows = rows.order_by("next_attempt_at", "id")
     return [(row.deliver_at or row.created_at, _message_of(row)) for row in rows]
 
 
@@ -196,6 +200,10 @@ def run_outbox(
                     results.append((spec.name, row.message_id, outcome))
                     if not isinstance(outcome, ScheduleRetry | RetryInPlace):
                         break
+                    if isinstance(outcome, ScheduleRetry):
+                        # Delivered again here at once: its copy in the outbox is not needed.
+                        key = copy_key(spec.name, row.message_id, outcome)
+                        OutboxMessage.objects.using(using).filter(idempotency_key=key).delete()
                     attempt = outcome.next_attempt
             row.status = OutboxStatus.SENT
             row.sent_at = timezone.now()

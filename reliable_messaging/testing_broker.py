@@ -1,9 +1,11 @@
 """In-memory twins of the broker transports, for fast tests of the real consumer and relay.
 
 ``ConsumerService(specs, transport=StubTransport())`` runs the real consumer over queues in
-memory (no exchanges, bindings or delivery limits; retry copies come back at once);
-``build_relay(transport=StubPublisher())`` runs the real relay over a broker that confirms,
-nacks, returns, refuses or blocks as the test says. Both still need the database.
+memory (no exchanges, bindings or delivery limits); ``build_relay(transport=StubPublisher())``
+runs the real relay over a broker that confirms, nacks, returns, refuses or blocks as the test
+says. A retry copy waits in the outbox as with a real broker: a relay over
+``StubPublisher(delivers_to=transport)`` puts what it sends through the default exchange back on
+that twin's queue. Both still need the database.
 """
 
 from __future__ import annotations
@@ -20,12 +22,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .broker.limits import header_frame_of
-from .broker.publisher import ChannelClosed, PublisherEvents, Returned, message_properties
-from .broker.retry_publisher import RetryCopy
+from .broker.publisher import ChannelClosed, PublisherEvents, Returned, publish_properties
 from .broker.topology import consumer_queues
 from .broker.transport import OnMessage
 from .conf import MessagingSettings
-from .core.envelope import CONTENT_TYPE, wire_headers
+from .core.envelope import CONTENT_TYPE
 from .core.registry import ConsumerSpec
 from .core.routing import topic_matches
 
@@ -60,7 +61,7 @@ class StubProperties:
 class StubMessage:
     queue: str
     body: bytes
-    # StubProperties, or what a retry copy carries (built by retry_properties).
+    # StubProperties, or pika's (a retry copy's, sent by a relay over a StubPublisher).
     properties: Any
     redelivered: bool = False
     routing_key: str = ""
@@ -79,8 +80,8 @@ class _Frame:
 
 @dataclass(frozen=True)
 class BrokerEvent:
-    """One thing the consumer did on the broker: ``kind`` is ``ack``, ``nack``, ``retry_copy``
-    or ``channel_closed`` (by the broker); ``message_ids`` the messages it settled."""
+    """One thing the consumer did on the broker: ``kind`` is ``ack``, ``nack`` or
+    ``channel_closed`` (by the broker); ``message_ids`` the messages it settled."""
 
     kind: str
     connection: int
@@ -277,38 +278,6 @@ class StubConnection:
     drop = close  # nothing to abandon in memory
 
 
-class _StubRetryPublisher:
-    """Confirms each copy at once and puts it back on its queue."""
-
-    def __init__(self, broker: StubTransport) -> None:
-        self._broker = broker
-
-    def start(self) -> _StubRetryPublisher:
-        return self
-
-    def submit(self, copy: RetryCopy) -> None:
-        with self._broker.lock:
-            self._broker.retry_copies.append(copy)
-            self._broker.log.append(BrokerEvent("retry_copy", 0, 0, message_ids=(copy.message_id,)))
-            # As the delay queue hands it back: through the default exchange, by queue name.
-            self._broker.queues.setdefault(copy.routing_key, collections.deque()).append(
-                StubMessage(
-                    copy.routing_key, copy.body, copy.properties, routing_key=copy.routing_key
-                )
-            )
-            self._broker.wake.notify_all()
-        copy.placed()
-
-    def pending(self) -> int:
-        return 0
-
-    def refresh(self) -> None:
-        pass
-
-    def stop(self, timeout: float = 5.0) -> None:
-        pass
-
-
 class StubTransport:
     """The broker in memory; pass it as ``ConsumerService(..., transport=StubTransport())``."""
 
@@ -320,7 +289,6 @@ class StubTransport:
         self.queues: dict[str, collections.deque[StubMessage]] = {}
         self.connections: list[StubConnection] = []
         self.log: list[BrokerEvent] = []
-        self.retry_copies: list[RetryCopy] = []
         self.ids = itertools.count(1)
 
     # -- the transport -------------------------------------------------------------------------
@@ -330,19 +298,6 @@ class StubTransport:
             connection = StubConnection(self, settings)
             self.connections.append(connection)
             return connection
-
-    def retry_publisher(
-        self, settings: MessagingSettings, *, health: Any, on_missing: Callable[[str], None]
-    ) -> _StubRetryPublisher:
-        return _StubRetryPublisher(self)
-
-    def retry_properties(self, original: Any, headers: Mapping[str, Any]) -> StubProperties:
-        return StubProperties(
-            message_id=original.message_id,
-            content_type=original.content_type or CONTENT_TYPE,
-            timestamp=original.timestamp,
-            headers=wire_headers(headers),
-        )
 
     # -- the test's side -----------------------------------------------------------------------
 
@@ -357,12 +312,21 @@ class StubTransport:
         redelivered: bool = False,
     ) -> None:
         """Put a message at the tail of ``queue`` (created if need be)."""
+        properties = StubProperties(message_id=message_id, headers=dict(headers or {}))
+        self.put(queue, body, properties, routing_key=routing_key, redelivered=redelivered)
+
+    def put(
+        self,
+        queue: str,
+        body: bytes,
+        properties: Any,
+        *,
+        routing_key: str = "",
+        redelivered: bool = False,
+    ) -> None:
+        """Put a message with ``properties`` (pika's, or :class:`StubProperties`) on ``queue``."""
         message = StubMessage(
-            queue,
-            body,
-            StubProperties(message_id=message_id, headers=dict(headers or {})),
-            redelivered=redelivered,
-            routing_key=routing_key or queue,
+            queue, body, properties, redelivered=redelivered, routing_key=routing_key or queue
         )
         with self.lock:
             self.queues.setdefault(queue, collections.deque()).append(message)
@@ -432,6 +396,7 @@ class StubPublished:
     body: bytes
     message_id: str
     headers: Mapping[str, Any]
+    properties: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -450,7 +415,9 @@ class StubPublisher:
     ``confirms``: ``"in order"``, ``"reverse"``, ``"multiple"`` or ``"hold"`` (none);
     ``routes``: the bound routing-key patterns (others are returned); ``missing``: exchanges
     that do not exist (404); ``nack`` and ``refuse`` judge each message; ``on_publish`` sees
-    each one taken. ``routed`` holds what reached a queue, in confirm order."""
+    each one taken. ``routed`` holds what reached a queue, in confirm order; with
+    ``delivers_to``, what was routed through the default exchange (a retry copy) is also put on
+    that consumer twin's queue of the routing key's name."""
 
     def __init__(
         self,
@@ -462,6 +429,7 @@ class StubPublisher:
         refuse: Callable[[StubPublished], tuple[int, str] | None] | None = None,
         on_publish: Callable[[StubPublished], None] | None = None,
         frame_max: int = 131072,
+        delivers_to: StubTransport | None = None,
     ) -> None:
         assert confirms in ("in order", "reverse", "multiple", "hold"), confirms
         self.confirms = confirms
@@ -471,6 +439,7 @@ class StubPublisher:
         self.refuse = refuse
         self.on_publish = on_publish
         self.frame_max = frame_max
+        self.delivers_to = delivers_to
         self.connections = 0
         self.published: list[StubPublished] = []  # every message the broker took
         self.routed: list[StubPublished] = []
@@ -535,16 +504,24 @@ class StubPublisher:
         message_id: str,
         timestamp: int,
         headers: dict[str, Any],
+        stored_properties: bytes | None = None,
     ) -> int:
         assert self.ready, "publish on a closed channel"
-        properties = message_properties(message_id, timestamp, headers)
+        properties = publish_properties(message_id, timestamp, headers, stored_properties)
         # The frames pika would write: it fails here on what it cannot encode.
         size = header_frame_of(exchange, routing_key, len(body), properties)
         tag, self._next_tag = self._next_tag, self._next_tag + 1
         if self._deaf:
             return tag  # after a refusal the broker reads nothing more on the channel
         message = StubPublished(
-            self.connections, tag, exchange, routing_key, body, message_id, dict(headers)
+            self.connections,
+            tag,
+            exchange,
+            routing_key,
+            body,
+            message_id,
+            dict(headers),
+            properties,
         )
         if size > self.frame_max:
             self.drop_connection(
@@ -707,6 +684,9 @@ class StubPublisher:
                 self.nacked.append(message)
             elif any(topic_matches(p, message.routing_key) for p in self.routes):
                 self.routed.append(message)
+                if self.delivers_to is not None and message.exchange == "":
+                    # Before its confirm, as a broker enqueues a message before confirming it.
+                    self.delivers_to.put(message.routing_key, message.body, message.properties)
             else:
                 self.returned.append(message)
                 returned = Returned(

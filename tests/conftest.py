@@ -1,9 +1,10 @@
 """Fixtures of the suite. Real PostgreSQL and RabbitMQ; isolation by a namespace per test.
 
 - ``ns``: a unique namespace; every broker object whose name contains it is deleted afterwards.
-- ``rm_settings``: ``RELIABLE_MESSAGING`` overridden so the exchange (and so the delay queues)
-  carry the test's namespace, for services run in this process.
-- ``service``: runs :class:`ConsumerService` in a background thread; stopped in teardown.
+- ``rm_settings``: ``RELIABLE_MESSAGING`` overridden so the exchange carries the test's
+  namespace, for services run in this process.
+- ``service``: runs :class:`ConsumerService` in a background thread, with the relay ``consume``
+  runs beside it (retry copies wait in the outbox); stopped in teardown.
 - ``consume``: starts real ``manage.py consume`` subprocesses; killed in teardown, and their
   logs are attached to the report of a failed test.
 - ``publisher``: a raw pika publisher (publisher confirms).
@@ -213,12 +214,18 @@ def publisher() -> Iterator[Publisher]:
 @pytest.fixture
 def service(rm_settings: dict[str, Any], transactional_db: None) -> Iterator[Callable[..., Any]]:
     """``service(specs, **kwargs)`` starts a ConsumerService in a thread and waits until it
-    consumes; every service started is stopped (and joined) in teardown."""
+    consumes, and once a relay beside it as ``consume`` does (``relay=False``: none); every
+    service started is stopped (and joined) in teardown."""
     from reliable_messaging.consuming.service import ConsumerService
+    from reliable_messaging.management.relay_beside import RelayBeside
 
     running: list[tuple[Any, threading.Thread]] = []
+    relays: list[RelayBeside] = []
 
-    def start(specs: list[Any], *, wait: bool = True, **kwargs: Any) -> Any:
+    def start(specs: list[Any], *, wait: bool = True, relay: bool = True, **kwargs: Any) -> Any:
+        if relay and not relays:
+            relays.append(RelayBeside())
+            relays[0].start()
         svc = ConsumerService(specs, **kwargs)
         thread = threading.Thread(target=svc.run, name="rm-test-service", daemon=True)
         thread.start()
@@ -233,6 +240,8 @@ def service(rm_settings: dict[str, Any], transactional_db: None) -> Iterator[Cal
     for svc, thread in running:
         thread.join(60)
         assert not thread.is_alive(), "the consumer service did not stop within 60s"
+    for beside in relays:
+        beside.stop()
 
 
 def database_url() -> str:

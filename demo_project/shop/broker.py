@@ -1,6 +1,6 @@
 """The demo's own use of RabbitMQ: a clean slate of queues, a poison message, queue depths.
 
-The handlers' queues and their delay queues are the app's topology; the Celery queue is
+The handlers' queues are the app's topology; the Celery queue is
 declared by the Celery worker, so it may not exist yet when the demo starts.
 
 The demo talks to the broker directly only for what the app deliberately does not offer: purging
@@ -17,11 +17,9 @@ import pika.exceptions
 from pika.spec import BasicProperties
 
 from reliable_messaging.broker.topology import (
-    all_delays,
     connection_parameters,
     consumer_queues,
     declare_topology,
-    delay_exchange_name,
 )
 from reliable_messaging.conf import messaging_settings
 from reliable_messaging.core.envelope import CONTENT_TYPE
@@ -37,7 +35,6 @@ class DemoBroker:
         self.specs = list(specs)
         self.celery_queue = celery_queue
         self.consumer_queues = [q for spec in self.specs for q in consumer_queues(spec)]
-        self.delay_queues = [delay_exchange_name(d) for d in all_delays(self.specs)]
         self._connection = pika.BlockingConnection(connection_parameters(name="run_demo"))
         self._channel = self._connection.channel()
         # The poison message must really be in the queues before the consumers start.
@@ -45,10 +42,10 @@ class DemoBroker:
 
     @property
     def queues(self) -> list[str]:
-        return [*self.consumer_queues, *self.delay_queues]
+        return list(self.consumer_queues)
 
     def declare(self) -> None:
-        """Declare the exchange, the handlers' queues and the delay queues (idempotent)."""
+        """Declare the exchange and the handlers' queues (idempotent)."""
         declare_topology(self._channel, self.specs)
 
     def attached_consumers(self) -> dict[str, int]:

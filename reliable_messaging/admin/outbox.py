@@ -16,6 +16,7 @@ from django.utils.timesince import timesince
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
+from ..broker.stored_properties import shown_properties
 from ..choices import OutboxStatus
 from ..managers import OutboxMessageQuerySet, waiting_since
 from ..models import OutboxMessage
@@ -43,9 +44,14 @@ class OutboxMessageAdmin(scaling.BoundedListAdmin):
     search_help_text = _("An exact message_id or idempotency key.")
     ordering = ("-id",)
     actions = ["retry_failed", "cancel_scheduled"]
-    # Everything read-only, the body and headers through blocks that cap what they show.
+    # Everything read-only, the body and headers through blocks that cap what they show (a
+    # retry copy's bytes and properties in their place).
     readonly_fields = (
-        *(f.name for f in OutboxMessage._meta.fields if f.name not in ("id", "body", "headers")),
+        *(
+            f.name
+            for f in OutboxMessage._meta.fields
+            if f.name not in ("id", "body", "headers", "raw_body", "raw_properties")
+        ),
         "body_block",
         "headers_block",
     )
@@ -53,7 +59,7 @@ class OutboxMessageAdmin(scaling.BoundedListAdmin):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[OutboxMessage]:
         # The list shows neither; the page reads the body's head alone (``body_block``).
-        return super().get_queryset(request).defer("body", "headers")
+        return super().get_queryset(request).defer("body", "headers", "raw_body")
 
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
@@ -93,7 +99,9 @@ class OutboxMessageAdmin(scaling.BoundedListAdmin):
 
     @admin.display(description=_("body"))
     def body_block(self, obj: OutboxMessage) -> str:
-        head, size = bodies.head_and_size(OutboxMessage.objects.using(obj._state.db), obj.pk)
+        field = "body" if obj.raw_properties is None else "raw_body"
+        rows = OutboxMessage.objects.using(obj._state.db)
+        head, size = bodies.head_and_size(rows, obj.pk, field)
         name = f"{self.admin_site.name}:reliable_messaging_outboxmessage_body"
         url = reverse(name, args=[obj.pk])
         pretty = bodies.pretty_body(head, size)
@@ -103,6 +111,10 @@ class OutboxMessageAdmin(scaling.BoundedListAdmin):
 
     @admin.display(description=_("headers"))
     def headers_block(self, obj: OutboxMessage) -> str:
+        if obj.raw_properties is not None:
+            # A retry copy: the original's properties and headers, as pika reads them back.
+            shown = shown_properties(obj.raw_properties)
+            return bodies.shown_text("\n".join(f"{k}: {v!r}" for k, v in shown.items()))
         return bodies.shown_text(bodies.pretty_json(obj.headers) or repr(obj.headers))
 
     def body_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
@@ -112,6 +124,8 @@ class OutboxMessageAdmin(scaling.BoundedListAdmin):
             raise Http404(gettext("No outbox message with id %(id)s.") % {"id": object_id})
         if not self.has_view_permission(request, obj):
             raise PermissionDenied
+        if obj.raw_body is not None:
+            return bodies.download(obj, bytes(obj.raw_body))
         return bodies.download(obj, obj.body.encode(), "application/json")
 
     def get_urls(self) -> list[URLPattern]:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from ..core.priorities import MAX_PRIORITY as MAX_TASK_PRIORITY
 
 Severity = Literal["error", "warning", "info"]
-OurQueueKind = Literal["consumer", "dead", "delay"]
+OurQueueKind = Literal["consumer", "dead"]
 SEVERITIES: tuple[Severity, ...] = ("error", "warning", "info")
 
 # RabbitMQ 4.0 gives a quorum queue without any delivery limit this one.
@@ -37,14 +37,13 @@ QUORUM_STRICT_PRIORITIES_SINCE = (4, 3)
 
 @dataclass(frozen=True)
 class OurQueue:
-    """A queue ``consume`` declares, and what the app expects of it (``message_ttl`` in ms)."""
+    """A queue ``consume`` declares, and what the app expects of it."""
 
     name: str
     kind: OurQueueKind
     consumer: str | None = None
     handler_timeout: float | None = None
     dead_letter_to: str | None = None
-    message_ttl: int | None = None
     # Its messages carry priorities (a task queue): the queue should honour them.
     priorities: bool = False
 
@@ -230,11 +229,8 @@ def find_findings(facts: BrokerFacts, expected: Expectations) -> list[Finding]:
             found += _type_findings(queue, vhost, expected)
             found += _length_findings(queue, vhost)
             found += _expiry_findings(queue, vhost)
-            if queue.queue.kind == "delay":
-                found += _delay_findings(queue, vhost)
-            else:
-                found += _ttl_findings(queue, vhost)
-                found += _consumer_timeout_findings(queue, vhost, version, expected)
+            found += _ttl_findings(queue, vhost)
+            found += _consumer_timeout_findings(queue, vhost, version, expected)
             if queue.queue.kind == "consumer" and queue.type == "quorum":
                 found += _delivery_limit_findings(queue, vhost, version, expected, by_name)
             if queue.queue.priorities:
@@ -345,8 +341,6 @@ def _unread_queue_findings(queues: Sequence[QueueFacts]) -> list[Finding]:
 
 def _type_findings(facts: QueueFacts, vhost: str, expected: Expectations) -> list[Finding]:
     name = facts.queue.name
-    if facts.queue.kind == "delay":
-        return _delay_type_findings(facts, vhost)
     if facts.type == expected.queue_type:
         return []
     if facts.type == "stream":
@@ -372,37 +366,6 @@ def _type_findings(facts: QueueFacts, vhost: str, expected: Expectations) -> lis
     fix = (
         f"set QUEUE_TYPE = {facts.type!r}, or move the queue to {expected.queue_type} as "
         "docs/quorum-migration.md says (drain, delete, let consume declare it)"
-    )
-    return [Finding("warning", "queue-type", name, message, fix)]
-
-
-def _delay_type_findings(facts: QueueFacts, vhost: str) -> list[Finding]:
-    """A delay queue is a quorum queue with at-least-once dead-lettering on every QUEUE_TYPE."""
-    strategy = effective(facts, "dead-letter-strategy")
-    overflow = effective(facts, "overflow")
-    if facts.type == "quorum" and strategy == "at-least-once" and overflow == "reject-publish":
-        return []
-    name = facts.queue.name
-    if facts.type != "quorum":
-        what = f"is a {facts.type} queue"
-    elif strategy != "at-least-once":
-        what = (
-            f"dead-letters {strategy or 'at-most-once'} ({_source(facts, 'dead-letter-strategy')})"
-        )
-    else:
-        what = (
-            f"has overflow {overflow or 'drop-head'}, which turns at-least-once dead-lettering "
-            f"off ({_source(facts, 'overflow')})"
-        )
-    message = (
-        f"delay queue {name} {what}: it hands expired retry copies on at most once, so a "
-        "copy that comes due while its consumer's queue cannot take it in (deleted, its "
-        "node down, the broker stopping) is lost"
-    )
-    fix = (
-        f"replace it: unbind it from exchange {name}, wait for it to empty, delete it "
-        f"(rabbitmqctl delete_queue -p {shlex.quote(vhost)} {shlex.quote(name)}) and "
-        "restart a consumer, which declares it as a quorum queue"
     )
     return [Finding("warning", "queue-type", name, message, fix)]
 
@@ -457,11 +420,7 @@ def _expiry_findings(facts: QueueFacts, vhost: str) -> list[Finding]:
     if expires is None:
         return []
     name = facts.queue.name
-    unused = (
-        "no consumer ever reads a delay queue, so it goes that long after consume last declared it"
-        if facts.queue.kind == "delay"
-        else "unused means no consumer attached: a consume outage that long"
-    )
+    unused = "unused means no consumer attached: a consume outage that long"
     message = (
         f"queue {name} expires after {_ms(expires)} unused ({_source(facts, 'expires')}): "
         f"the broker then deletes it with every message in it ({unused})"
@@ -495,33 +454,6 @@ def _dead_letter_key_fix(facts: QueueFacts, vhost: str) -> str:
     return _remove_key_fix(facts, "dead-letter-routing-key", vhost) or _remove_key_fix(
         facts, "dead-letter-exchange", vhost
     )
-
-
-def _delay_findings(facts: QueueFacts, vhost: str) -> list[Finding]:
-    found = []
-    name = facts.queue.name
-    exchange = effective(facts, "dead-letter-exchange")
-    key = effective(facts, "dead-letter-routing-key")
-    if exchange != "" or key is not None:
-        message = (
-            f"delay queue {name} sends expired retry copies to "
-            f"{_dead_letters_to(facts) or 'nowhere (dropped)'} instead of back to the failed "
-            f"consumer's queue (the default exchange under the key they were published with): "
-            f"retries are lost ({_source(facts, 'dead-letter-routing-key')})"
-        )
-        fix = _dead_letter_key_fix(facts, vhost)
-        found.append(Finding("error", "delay-dead-letter", name, message, fix))
-    ttl = effective(facts, "message-ttl")
-    wanted = facts.queue.message_ttl
-    if wanted is not None and ttl != wanted:
-        shown = "never" if ttl is None else f"after {_ms(ttl)}"
-        message = (
-            f"delay queue {name} returns retry copies {shown}, not after {_ms(wanted)} "
-            f"({_source(facts, 'message-ttl')})"
-        )
-        fix = _remove_key_fix(facts, "message-ttl", vhost)
-        found.append(Finding("warning", "delay-message-ttl", name, message, fix))
-    return found
 
 
 def _consumer_timeout_findings(

@@ -3,7 +3,7 @@
 Everything here is a thin adapter: pika's ``BlockingConnection`` already has the shape of
 :class:`~reliable_messaging.broker.transport.BrokerConnection`; this adds the steps that take
 more than one AMQP method (topology, leftovers, a channel closed without cancelling its
-consumers) and the retry publisher of :mod:`.retry_publisher`.
+consumers).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, cast
 
 import pika
@@ -19,10 +19,8 @@ import pika.exceptions
 from pika.adapters.blocking_connection import BlockingConnection
 
 from ..conf import MessagingSettings
-from ..core.envelope import CONTENT_TYPE, wire_headers
 from ..core.registry import ConsumerSpec
 from .leftovers import retire_leftovers
-from .retry_publisher import RetryPublisher
 from .topology import CONNECTION_ERRORS, connect, declare_topology
 from .transport import BrokerChannel
 
@@ -103,23 +101,9 @@ class PikaConnection:
 
 class PikaTransport:
     """Consuming connections from :func:`~reliable_messaging.broker.topology.connect` (the nodes of
-    ``BROKER_URL`` in a random order) and the :class:`RetryPublisher`."""
+    ``BROKER_URL`` in a random order)."""
 
     connection_errors: tuple[type[BaseException], ...] = CONNECTION_ERRORS
 
     def connect(self, settings: MessagingSettings, name: str) -> PikaConnection:
         return PikaConnection(connect(settings, name=name), settings)
-
-    retry_publisher = RetryPublisher
-
-    def retry_properties(self, original: Any, headers: Mapping[str, Any]) -> pika.BasicProperties:
-        return pika.BasicProperties(
-            content_type=original.content_type or CONTENT_TYPE,
-            delivery_mode=pika.DeliveryMode.Persistent,
-            # Kept, so a retried task waits in its queue with its priority (the delay queue
-            # dead-letters it back with its properties unchanged).
-            priority=original.priority,
-            message_id=original.message_id,
-            timestamp=original.timestamp,
-            headers=wire_headers(headers),
-        )

@@ -23,6 +23,7 @@ from ..core.envelope import CONTENT_TYPE
 from ..core.priorities import priority_of_headers
 from .probes import ExchangeProbe
 from .queues import scrub_broker_secrets
+from .stored_properties import properties_to_send
 from .topology import connection_parameters
 from .write_coalescing import coalesce_writes
 
@@ -133,8 +134,10 @@ class PublisherTransport(Protocol):
         message_id: str,
         timestamp: int,
         headers: dict[str, Any],
+        stored_properties: bytes | None = None,
     ) -> int:
-        """Publish a persistent, mandatory message; its delivery tag, or :class:`Unencodable`."""
+        """Publish a persistent, mandatory message; its delivery tag, or :class:`Unencodable`.
+        ``stored_properties`` (a retry copy's, encoded): sent as they are, ``headers`` added."""
 
     def flush(self) -> None:
         """Write what was published since the last flush."""
@@ -176,6 +179,16 @@ def message_properties(message_id: str, timestamp: int, headers: dict[str, Any])
         timestamp=timestamp,
         headers=headers,
     )
+
+
+def publish_properties(
+    message_id: str, timestamp: int, headers: dict[str, Any], stored: bytes | None
+) -> BasicProperties:
+    """A row's properties: a retry copy's as stored with ``headers`` added (see
+    :mod:`.stored_properties`), else :func:`message_properties`."""
+    if stored is not None:
+        return properties_to_send(stored, headers)
+    return message_properties(message_id, timestamp, headers)
 
 
 class ConfirmingPublisher:
@@ -272,9 +285,10 @@ class ConfirmingPublisher:
         message_id: str,
         timestamp: int,
         headers: dict[str, Any],
+        stored_properties: bytes | None = None,
     ) -> int:
         assert self._channel is not None
-        properties = message_properties(message_id, timestamp, headers)
+        properties = publish_properties(message_id, timestamp, headers, stored_properties)
         try:
             self._channel.basic_publish(exchange, routing_key, body, properties, mandatory=True)
         except ENCODING_ERRORS as exc:

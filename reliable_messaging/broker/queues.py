@@ -24,13 +24,11 @@ from .leftovers import find_leftovers
 from .probes import PassiveProbe
 from .replies import NOT_FOUND
 from .topology import (
-    all_delays,
     connect,
     connect_to_any,
     connection_parameters,
     consumer_queues,
     dead_letter_queue,
-    delay_exchange_name,
 )
 
 # What reading the broker may raise: the client's errors, the network's, and ValueError for a URL
@@ -44,7 +42,7 @@ MANAGEMENT_PORT = 15672
 MANAGEMENT_TLS_PORT = 15671
 
 # "leftover": a queue an earlier shape of a consumer left (see reliable_messaging.broker.leftovers).
-QueueKind = Literal["consumer", "delay", "leftover"]
+QueueKind = Literal["consumer", "leftover"]
 
 
 @dataclass(frozen=True)
@@ -101,10 +99,6 @@ def our_queues(
         ]
         if settings.queue_type == "quorum":
             found.append(OurQueue(dead, "dead", spec.name, handler_timeout=timeout))
-    found += [
-        OurQueue(delay_exchange_name(delay, settings), "delay", message_ttl=round(delay * 1000))
-        for delay in all_delays(specs, settings)
-    ]
     return found
 
 
@@ -254,7 +248,7 @@ def queues_from_amqp(
     settings: MessagingSettings = messaging_settings,
     timeout: float = DEFAULT_TIMEOUT,
 ) -> tuple[QueueStatus, ...]:
-    """Ready counts and consumers of the consumer and delay queues of ``specs`` by passive
+    """Ready counts and consumers of the consumer queues of ``specs`` by passive
     declares, then the queues their earlier shapes left behind; raises when no broker URL can
     be reached."""
     connection = connect(settings, "messaging_status", timeout=timeout)
@@ -356,8 +350,8 @@ def broker_status(
     management_url: str | None = None,
     timeout: float = DEFAULT_TIMEOUT,
 ) -> BrokerStatus:
-    """The queues of ``specs`` (default: every registered consumer) and their delay queues;
-    ``management_url`` "" skips the management API."""
+    """The queues of ``specs`` (default: every registered consumer); ``management_url`` ""
+    skips the management API."""
     shown = settings.broker_shown
     specs = list(registry.all() if specs is None else specs)
     try:

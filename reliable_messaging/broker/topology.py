@@ -1,7 +1,6 @@
-"""Names and declaration of the broker objects: exchanges, consumer queues, delay queues.
+"""Names and declaration of the broker objects: exchanges and consumer queues.
 
-``docs/design.md#topology-delay-queues-and-ordered-partitions`` explains the delay queues and
-the ordered consumers' partitions.
+``docs/design.md#topology-ordered-partitions`` explains the ordered consumers' partitions.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel
 
 from ..conf import MessagingSettings, messaging_settings
-from ..core.delays import delay_name
 from ..core.envelope import ORDERING_KEY_HEADER
 from ..core.priorities import MAX_PRIORITY
 from ..core.registry import ConsumerSpec
@@ -37,10 +35,6 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
 )
 HASH_EXCHANGE_PLUGIN = "rabbitmq_consistent_hash_exchange"
-
-
-def delay_exchange_name(delay: float, settings: MessagingSettings = messaging_settings) -> str:
-    return f"{settings.exchange}.delay.{delay_name(delay)}"
 
 
 def consumer_exchange(spec: ConsumerSpec, settings: MessagingSettings = messaging_settings) -> str:
@@ -93,15 +87,6 @@ def queue_arguments(
     if ordered:
         arguments["x-single-active-consumer"] = True
     return arguments
-
-
-def all_delays(
-    specs: Iterable[ConsumerSpec], settings: MessagingSettings = messaging_settings
-) -> list[float]:
-    delays = set(settings.retry_delays)
-    for spec in specs:
-        delays.update(spec.retry_delays or ())
-    return sorted(delays)
 
 
 @dataclass
@@ -240,59 +225,15 @@ def declare_topology(
                 channel.queue_bind(spec.queue, consumer_exchange(spec, settings), binding)
 
         declarer.queue("queue", spec.queue, arguments, bind)
-    for delay in all_delays(specs, settings):
-        _declare_delay_queue(declarer, delay, settings)
     log = logger.debug if declarer.unavailable and declarer.known else logger.info
     log(
-        "declared topology: %d queue(s), %d delay queue(s)%s",
+        "declared topology: %d queue(s)%s",
         sum(len(consumer_queues(spec, settings)) for spec in specs),
-        len(all_delays(specs, settings)),
         f"; not available now: {', '.join(sorted(declarer.unavailable))}"
         if declarer.unavailable
         else "",
     )
     return Declared(declarer.channel, declarer.unavailable, declarer.mismatched)
-
-
-def delay_queue_arguments(delay: float) -> dict[str, Any]:
-    """A delay queue: messages expire after ``delay`` into the default exchange, back to the
-    failed consumer's queue; always quorum with at-least-once dead-lettering
-    (``docs/design.md#delay-queues-are-quorum-queues`` explains)."""
-    return {
-        "x-queue-type": "quorum",
-        "x-message-ttl": round(delay * 1000),
-        "x-dead-letter-exchange": "",
-        "x-dead-letter-strategy": "at-least-once",
-        "x-overflow": "reject-publish",
-    }
-
-
-def _declare_delay_queue(declarer: _Declarer, delay: float, settings: MessagingSettings) -> None:
-    name = delay_exchange_name(delay, settings)
-    arguments = delay_queue_arguments(delay)
-    declarer.exchange("delay exchange", name, "fanout")
-    refused = _refusal(declarer.channel, name, arguments)
-    if refused is not None and refused.reply_code != PRECONDITION_FAILED:
-        declarer.queue("delay queue", name, arguments)
-    elif refused is not None:
-        # Declared by someone else (a classic queue, say); its name fixes its TTL. Its messages
-        # wait a few seconds at most: keep using it rather than refuse to start.
-        logger.warning(
-            "delay queue %s exists with other arguments than a quorum delay queue with "
-            "at-least-once dead-lettering (%s); it is used as it is, and a retry copy that "
-            "comes due while its consumer's queue cannot take it in may be lost. To replace "
-            "it: unbind it from exchange %s (management UI or rabbitmqadmin), wait %ss for it "
-            "to empty, delete it, and restart a consumer, which declares it afresh",
-            name,
-            refused.reply_text,
-            name,
-            delay,
-        )
-        declarer.queue(
-            "delay queue", name, arguments, declare=lambda c: c.queue_declare(name, passive=True)
-        )
-    if name not in declarer.unavailable:
-        declarer.queue("delay queue", name, arguments, declare=lambda c: c.queue_bind(name, name))
 
 
 def _declare_dead_letter_queue(

@@ -5,21 +5,19 @@ through these protocols, so the same consumer runs over pika (:mod:`.pika_transp
 default) or over the in-memory twin of :mod:`reliable_messaging.testing_broker`. The shapes
 follow pika's ``BlockingConnection``/``BlockingChannel``, plus the few steps that are more than
 one AMQP method (declaring the topology, retiring leftover queues, closing a channel without
-cancelling its consumers, the publisher of retry copies). Every method runs on the connection's
+cancelling its consumers). Every method runs on the connection's
 thread except :meth:`BrokerConnection.add_callback_threadsafe`, which is how the workers hand
 outcomes back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from ..conf import MessagingSettings
-    from ..core.liveness import HealthState
     from ..core.registry import ConsumerSpec
-    from .retry_publisher import RetryCopy
 
 # (channel, method frame, properties, body), as pika calls a consumer.
 OnMessage = Callable[[Any, Any, Any, bytes], None]
@@ -86,35 +84,10 @@ class BrokerConnection(Protocol):
         activates a standby consumer (ordered stop)."""
 
 
-class RetryPublishing(Protocol):
-    """Publishes retry copies with confirms, from a thread and connection of its own."""
-
-    def start(self) -> object: ...
-
-    def submit(self, copy: RetryCopy) -> None: ...
-
-    def pending(self) -> int: ...
-
-    def refresh(self) -> None: ...
-
-    def stop(self, timeout: float = 5.0) -> None: ...
-
-
 class BrokerTransport(Protocol):
-    """Opens consuming connections and retry publishers."""
+    """Opens consuming connections."""
 
     # What a lost or refused connection raises: the service reconnects on these.
     connection_errors: tuple[type[BaseException], ...]
 
     def connect(self, settings: MessagingSettings, name: str) -> BrokerConnection: ...
-
-    def retry_publisher(
-        self,
-        settings: MessagingSettings,
-        *,
-        health: HealthState | None,
-        on_missing: Callable[[str], None],
-    ) -> RetryPublishing: ...
-
-    def retry_properties(self, original: Any, headers: Mapping[str, Any]) -> Any:
-        """The properties of a retry copy of a delivery that came with ``original``."""

@@ -18,7 +18,7 @@ from typing import Any
 from .. import metrics
 from ..broker.queues import describe_broker_error
 from ..broker.topology import broker_dead_letter_queues, consumer_queues
-from ..broker.transport import BrokerChannel, BrokerTransport, RetryPublishing
+from ..broker.transport import BrokerChannel, BrokerTransport
 from ..conf import MessagingSettings
 from ..core.announcements import announce
 from ..core.backoff import Backoff
@@ -55,7 +55,6 @@ class ConnectionThread:
         board: WorkBoard,
         lane_of: Mapping[str, int],
         settler: OutcomeSettler,
-        publisher: RetryPublishing,
         settings: MessagingSettings,
         stop: threading.Event,
         concurrency: int,
@@ -70,7 +69,6 @@ class ConnectionThread:
         self.board = board
         self.lane_of = lane_of
         self.settler = settler
-        self.publisher = publisher
         self.settings = settings
         self.concurrency = concurrency
         self.idle_timeout = idle_timeout
@@ -83,8 +81,6 @@ class ConnectionThread:
         self._stop = stop
         self._last_delivery = time.monotonic()
         self._reconnect = Backoff(0.5, settings.reconnect_max_delay)
-        # Set from the publisher's thread when a delay exchange turned out missing.
-        self._redeclare = threading.Event()
         # Every queue of this process unavailable (their nodes down): connected, yet idle.
         self._consuming_nothing = False
 
@@ -127,11 +123,6 @@ class ConnectionThread:
             return ["no queue of this process can be consumed now (their nodes down?)"]
         return []
 
-    def topology_lost(self, exchange: str) -> None:
-        """Told by the retry publisher (its thread) that a delay exchange is missing."""
-        logger.warning("exchange %s is missing: declaring the topology again", exchange)
-        self._redeclare.set()
-
     def _run_connection(self) -> None:
         connection = self.transport.connect(self.settings, f"consume pid={os.getpid()}")
         try:
@@ -161,13 +152,10 @@ class ConnectionThread:
             while not self._stop.is_set():
                 connection.process_data_events(time_limit=0.2)
                 self._check_channels(link)
-                if self._redeclare.is_set() or (
-                    link.unavailable and time.monotonic() >= link.retry_topology_at
-                ):
+                if link.unavailable and time.monotonic() >= link.retry_topology_at:
                     self._declare_again(link)
                 if link.open_up:
                     self._open_up(link, prefetch)
-                self.publisher.refresh()
                 if self.health is not None:
                     self.health.heartbeat()
                 if time.monotonic() >= next_progress:
@@ -178,7 +166,7 @@ class ConnectionThread:
                         logger, "no delivery for %ss: stopping (--idle-timeout)", self.idle_timeout
                     )
                     self._stop.set()
-            if not stop_gracefully(link, self.publisher, self.settings):
+            if not stop_gracefully(link, self.settings):
                 self.exit_code = 1
         finally:
             self.set_connected(False)
@@ -250,7 +238,6 @@ class ConnectionThread:
     def _declare_again(self, link: Link) -> None:
         """Declare the whole topology again on a channel of its own (a refusal closes it) and
         consume the queues that are back; every ``TOPOLOGY_RETRY`` seconds while any is missing."""
-        self._redeclare.clear()
         before = set(link.unavailable)
         channel, link.unavailable = link.connection.declare_topology(
             self.specs, known_unavailable=before
@@ -370,7 +357,7 @@ class ConnectionThread:
         self.board.put(item, self.lane_of.get(queue))
 
 
-def stop_gracefully(link: Link, publisher: RetryPublishing, settings: MessagingSettings) -> bool:
+def stop_gracefully(link: Link, settings: MessagingSettings) -> bool:
     """Let the handlers in flight finish within ``SHUTDOWN_TIMEOUT``; False when some were
     still running. Ordered partitions are not cancelled but dropped without a close handshake,
     so the broker requeues them in place before a standby takes over (``docs/guarantees.md``)."""
@@ -380,8 +367,7 @@ def stop_gracefully(link: Link, publisher: RetryPublishing, settings: MessagingS
     deadline = time.monotonic() + settings.shutdown_timeout
     while time.monotonic() < deadline:
         with link.lock:
-            # Retry copies still being placed count too: their originals' acks are due.
-            if link.in_flight == 0 and publisher.pending() == 0:
+            if link.in_flight == 0:
                 break
         link.connection.process_data_events(time_limit=0.1)
     if link.ordered:

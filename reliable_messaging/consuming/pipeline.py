@@ -24,6 +24,7 @@ from .outcome_metrics import OutcomeMetrics
 from .parking import ParkedKeys
 from .payloads import DeclaredPayload
 from .replays import ReplayLedger
+from .retry_rows import RetryRows
 from .spans import Spans
 from .stage import Batch, DeliveryOutcome, Job, Stage
 from .task_runs import TaskRuns
@@ -38,8 +39,9 @@ class Pipeline:
     ========== ============================================ ==================================
     hook       when                                         may change
     ========== ============================================ ==================================
-    open       before the batch's transaction               settle a job (``batch.decided``);
-                                                            returns the stage's state
+    open       before the batch's transaction               settle a job (``batch.decided``),
+                                                            write what an earlier stage
+                                                            settled; returns the stage's state
     screen     in the transaction, before the inbox claim   decide the job: return an outcome;
                                                             or set ``job.for_handler``
     handling   around the handler, in its savepoint         nothing (a context around it)
@@ -133,6 +135,7 @@ def default_pipeline() -> Pipeline:
             ParkedKeys(),
             DeclaredPayload(),
             TimeLimit(),
+            RetryRows(),
             ReplayLedger(),
             TaskRuns(),
             OutcomeMetrics(),

@@ -215,7 +215,8 @@ def _process_batch(
         jobs[0].delivery.message_id,
         CONFLICT_RETRIES + 1,
     )
-    return [jobs[0].processor.charge(jobs[0], cause if isinstance(cause, Exception) else conflict)]
+    error = cause if isinstance(cause, Exception) else conflict
+    return [_report(jobs[0], jobs[0].processor.charge(jobs[0], error), stages)]
 
 
 def _process_batch_once(
@@ -237,7 +238,7 @@ def _process_batch_once(
             return _decide(jobs, settled, stages, guarded=True, failed=failed)
     except _CommitRefused as refused:
         if len(jobs) == 1:
-            return [jobs[0].processor.charge(jobs[0], refused.error)]
+            return [_report(jobs[0], jobs[0].processor.charge(jobs[0], refused.error), stages)]
         logger.warning(
             "a batch of %d deliveries failed to commit (%s: %s); deciding them one by one",
             len(jobs),
@@ -316,7 +317,8 @@ def _decide(
 
 
 def _report(job: Job, done: DeliveryOutcome | None, stages: BatchStages) -> DeliveryOutcome | None:
-    """Tell the stages what was decided, in the transaction that decided it."""
+    """Tell the stages what was decided, in the transaction that decided it (its own, for a
+    delivery charged after its transaction failed)."""
     if done is not None and isinstance(job.message, Message):
         stages.decided(job, job.message, done)
     return done

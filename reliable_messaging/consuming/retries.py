@@ -3,10 +3,10 @@
 :meth:`DeliveryFailures.on_failure` decides (:func:`decide`: a permanent error, the last attempt
 or no retry delays make a dead letter, anything else a retry after the attempt's delay), and the
 other methods say what an undecodable, rejected, expired or busy delivery becomes. The
-mechanics around it: :mod:`.processing` runs the handler and calls here, :mod:`.settling`
-publishes the retried copy through :mod:`reliable_messaging.broker.retry_publisher` to its delay
-queue, and :mod:`.last_resort` and :mod:`.crash_guard` dead-letter what the broker or a crashed
-worker gave up on. What the database does is never a handler's failure
+mechanics around it: :mod:`.processing` runs the handler and calls here, :mod:`.retry_rows`
+writes the retried copy into the outbox in the same transaction (the relay sends it when due),
+and :mod:`.last_resort` and :mod:`.crash_guard` dead-letter what the broker or a crashed worker
+gave up on. What the database does is never a handler's failure
 (``docs/delivery-outcomes.md``).
 """
 
@@ -16,7 +16,7 @@ import dataclasses
 import time
 import traceback
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from django.db import DatabaseError, InterfaceError, OperationalError
 
@@ -100,6 +100,19 @@ def retry_headers(
     return headers
 
 
+def raise_for_our_write(exc: DatabaseError, what: str) -> NoReturn:
+    """A write of ours for a delivery (its dead letter, its retry copy) failed: without the row
+    the delivery must stay with the broker, so nothing is lost or charged. A read-only or lost
+    database holds it (:class:`DatabaseUnavailable`); a conflict runs its transaction again
+    (:class:`DatabaseConflict`); anything else is raised as it is (our own failure)."""
+    trouble = classify(exc)
+    if trouble is DatabaseTrouble.CONFLICT:
+        raise DatabaseConflict(f"writing {what}: {exc}") from exc
+    if trouble is DatabaseTrouble.UNAVAILABLE or isinstance(exc, OperationalError | InterfaceError):
+        raise DatabaseUnavailable(f"cannot write {what}: {exc}") from exc
+    raise exc
+
+
 class DeliveryFailures:
     """The failure outcomes of one consumer's deliveries."""
 
@@ -159,17 +172,7 @@ class DeliveryFailures:
                 **({"attempts": 1} | fields),
             )
         except DatabaseError as exc:
-            # Without the row the message must stay with the broker: nothing is lost. A
-            # read-only or lost database holds it; a conflict runs its transaction again.
-            what = f"the dead letter of message_id={message.message_id}: {exc}"
-            trouble = classify(exc)
-            if trouble is DatabaseTrouble.CONFLICT:
-                raise DatabaseConflict(f"recording {what}") from exc
-            if trouble is DatabaseTrouble.UNAVAILABLE or isinstance(
-                exc, OperationalError | InterfaceError
-            ):
-                raise DatabaseUnavailable(f"cannot record {what}") from exc
-            raise
+            raise_for_our_write(exc, f"the dead letter of message_id={message.message_id}")
         return DeliveryOutcome(
             Acknowledge(OutcomeLabel.DEAD_LETTERED, reason),
             label,
@@ -200,8 +203,8 @@ class DeliveryFailures:
             )
         headers = retry_headers(delivery, message, exc, decision.next_attempt)
         error = f"{type(exc).__name__}: {exc}"
-        # An ordered consumer's retry waits in place: through a delay queue a later message of
-        # the key would overtake it. The delivery stays unacked, holding its partition.
+        # An ordered consumer's retry waits in place: through the outbox a later message of the
+        # key would overtake it. The delivery stays unacked, holding its partition.
         retry = RetryInPlace if self.spec.ordered else ScheduleRetry
         return DeliveryOutcome(
             retry(decision.delay, decision.next_attempt, headers, error),
@@ -215,11 +218,8 @@ class DeliveryFailures:
         delays (else the settings'), one step further for each time the copy was already put
         aside, the last one after that. A holder that keeps the message for long (a consumer
         cut off mid-batch, until the server ends its transaction) then costs a few deferrals,
-        not one every first delay. The copy goes through the delay queue of that value, so it
-        must be one :func:`reliable_messaging.broker.topology.all_delays` declares: the
-        consumer's and the settings' delays always are (and the system checks require
-        RETRY_DELAYS to be non-empty), so a consumer with ``retry_delays=()`` (no retries) still
-        has one."""
+        not one every first delay. A consumer with ``retry_delays=()`` (no retries) takes the
+        settings' (which the system checks require to be non-empty)."""
         delays = self.spec.retry_delays or self.settings.retry_delays
         return delays[min(max(0, deferrals), len(delays) - 1)]
 

@@ -78,20 +78,13 @@ class ConsumerService:
             if spec.ordered
             for queue in consumer_queues(spec, settings)
         }
-        # A delay exchange the retry publisher finds missing is declared again.
-        self._publisher = self._transport.retry_publisher(
-            settings,
-            health=health,
-            on_missing=lambda exchange: self._connection.topology_lost(exchange),
-        )
-        settler = OutcomeSettler(self._transport, self._publisher, settings, on_outcome)
+        settler = OutcomeSettler(on_outcome)
         self._connection = ConnectionThread(
             self.specs,
             transport=self._transport,
             board=board,
             lane_of=lane_of,
             settler=settler,
-            publisher=self._publisher,
             settings=settings,
             stop=self._stop,
             concurrency=self.concurrency,
@@ -146,14 +139,12 @@ class ConsumerService:
         )
         upkeep.start()
         self._workers.start()
-        self._publisher.start()
         try:
             code = self._connection.run()
             return self._workers.exit_code or code
         finally:
             self._connection.set_connected(False)
             self._workers.stop()
-            self._publisher.stop()
             time_limits.stop()
             upkeep.stop()
 

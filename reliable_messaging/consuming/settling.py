@@ -1,8 +1,8 @@
 """Carrying out the workers' outcomes on the broker, on the connection's thread.
 
 :meth:`OutcomeSettler.hand_back` (any thread) schedules :meth:`OutcomeSettler.settle_all` with
-``add_callback_threadsafe``: acks coalesced, a retry copy confirmed before its original's ack,
-releases nacked with requeue (except on an ordered channel being dropped).
+``add_callback_threadsafe``: acks coalesced (a retry's too: its copy is an outbox row committed
+with its decision), releases nacked with requeue (except on an ordered channel being dropped).
 """
 
 from __future__ import annotations
@@ -14,10 +14,7 @@ import threading
 from collections.abc import Callable
 
 from .. import metrics
-from ..broker.retry_publisher import RetryCopy
-from ..broker.topology import delay_exchange_name
-from ..broker.transport import BrokerChannel, BrokerTransport, RetryPublishing
-from ..conf import MessagingSettings
+from ..broker.transport import BrokerChannel
 from ..core.envelope import Delivery
 from ..core.outcomes import Acknowledge, Outcome, OutcomeLabel, Release, ScheduleRetry, label_of
 from ..core.registry import ConsumerSpec
@@ -27,18 +24,11 @@ logger = logging.getLogger(__name__)
 
 
 class OutcomeSettler:
-    """Acks, nacks and retry copies for the outcomes the workers hand back; counts them."""
+    """Acks and nacks for the outcomes the workers hand back; counts them."""
 
     def __init__(
-        self,
-        transport: BrokerTransport,
-        publisher: RetryPublishing,
-        settings: MessagingSettings,
-        on_outcome: Callable[[ConsumerSpec, Delivery, Outcome], None] | None = None,
+        self, on_outcome: Callable[[ConsumerSpec, Delivery, Outcome], None] | None = None
     ) -> None:
-        self.transport = transport
-        self.publisher = publisher
-        self.settings = settings
         self.on_outcome = on_outcome
         self._counts: collections.Counter[str] = collections.Counter()
         self._counts_lock = threading.Lock()
@@ -74,19 +64,17 @@ class OutcomeSettler:
                 )
 
     def settle_all(self, settled: list[tuple[DeliveryWork, Outcome]]) -> None:
-        """Carry out the outcomes of a batch: nacks and retries first, so a coalesced
-        multiple ack never covers a delivery meant otherwise."""
+        """Carry out the outcomes of a batch: nacks first, so a coalesced multiple ack never
+        covers a delivery meant otherwise."""
         acks: dict[int, tuple[Link, BrokerChannel, set[int]]] = {}
         done: list[tuple[DeliveryWork, Outcome]] = []
         for item, outcome in settled:
             if not _settleable(item, outcome):
                 continue
             done.append((item, outcome))
-            if isinstance(outcome, Acknowledge):
+            if isinstance(outcome, Acknowledge | ScheduleRetry):
                 _, _, tags = acks.setdefault(id(item.channel), (item.link, item.channel, set()))
                 tags.add(item.delivery.delivery_tag)
-            elif isinstance(outcome, ScheduleRetry):
-                self._publish_retry(item, outcome)
             elif item.link.held_for_the_drop(item.channel):
                 # Dropping the connection gives it back in place (ordered stop): not nacked.
                 pass
@@ -98,40 +86,6 @@ class OutcomeSettler:
         if self.on_outcome is not None:
             for item, outcome in done:
                 self.on_outcome(item.spec, item.delivery, outcome)
-
-    def _publish_retry(self, item: DeliveryWork, retry: ScheduleRetry) -> None:
-        """Hand the retry copy to the publisher; the original is acked once it is confirmed."""
-        link, delivery = item.link, item.delivery
-        if not (link.connection.is_open and item.channel.is_open):
-            return  # the broker redelivers the original
-
-        def on_link(ack: bool) -> None:
-            def settle() -> None:
-                if link.connection.is_open and item.channel.is_open:
-                    if ack:
-                        item.channel.basic_ack(delivery.delivery_tag)
-                    else:
-                        item.channel.basic_nack(delivery.delivery_tag, requeue=True)
-                    link.forget(item.channel, delivery.delivery_tag)
-
-            try:
-                link.connection.add_callback_threadsafe(settle)
-            except Exception:  # noqa: BLE001 - the connection is gone: the broker redelivers
-                logger.debug("connection closed before a retry copy could be settled")
-
-        self.publisher.submit(
-            RetryCopy(
-                exchange=delay_exchange_name(retry.delay, self.settings),
-                routing_key=delivery.queue,
-                body=delivery.body,
-                properties=self.transport.retry_properties(item.properties, retry.headers),
-                message_id=str(delivery.message_id),
-                received=item.received,
-                placed=lambda: on_link(True),
-                give_back=lambda: on_link(False),
-                wanted=lambda: link.connection.is_open and item.channel.is_open,
-            )
-        )
 
 
 def _settleable(item: DeliveryWork, outcome: Outcome) -> bool:

@@ -18,12 +18,9 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from ..broker.topology import (
-    all_delays,
     consumer_exchange,
     consumer_queues,
     dead_letter_queue,
-    delay_exchange_name,
-    delay_queue_arguments,
     partition_exchange,
     queue_arguments,
 )
@@ -262,7 +259,6 @@ class _Document:
         self.messages: dict[str, Any] = {}
         self.schemas: dict[str, Any] = {}
         self._message_keys: dict[tuple[str, str], str] = {}
-        self._delay_channels: dict[float, str] = {}
 
     # -- components --------------------------------------------------------------------------
 
@@ -392,21 +388,6 @@ class _Document:
             }
         }
 
-    def delay(self, delay: float) -> None:
-        """The delay queue of ``delay`` seconds (and its fanout exchange of the same name)."""
-        name = delay_exchange_name(delay, self.settings)
-        channel = self._delay_channels[delay] = _unique(self.channels, f"delay_{_key(name)}")
-        self.channels[channel] = {
-            "address": name,
-            "title": f"Retry delay of {delay:g}s",
-            "description": "A retried copy waits here (published to the fanout exchange of the "
-            "same name), then returns to its consumer's queue through the default exchange.",
-            "bindings": self._queue_binding(name),
-            "x-queue-arguments": delay_queue_arguments(delay),
-            # A fanout exchange ignores the key; consume binds with the queue's name.
-            "x-bound-to": [{"exchange": name, "exchangeType": "fanout", "routingKey": name}],
-        }
-
     def consumed(self, spec: ConsumerSpec, published: Mapping[str, Contract]) -> None:
         settings = self.settings
         if spec.payload is not None:
@@ -469,9 +450,6 @@ class _Document:
             "x-consumer": spec.name,
             "x-max-attempts": spec.max_attempts or settings.max_attempts,
             "x-retry-delays": delays,
-            "x-retry-via": [
-                {"$ref": f"#/channels/{self._delay_channels[d]}"} for d in sorted(set(delays))
-            ],
             "x-handler-timeout": spec.timeout or settings.handler_timeout,
         }
         if spec.max_age is not None:
@@ -503,8 +481,6 @@ def asyncapi_document(
     specs = sorted(specs, key=lambda s: s.queue)
     urls = settings.broker_urls if broker_url is None else split_broker_urls(broker_url)
     doc = _Document(settings, urls)
-    for delay in all_delays(specs, settings) if specs else ():
-        doc.delay(delay)
     for routing_key, payload in sorted(published.items()):
         doc.published(routing_key, payload)
     for spec in specs:

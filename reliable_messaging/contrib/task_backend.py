@@ -10,7 +10,7 @@
     }
 
 A task enqueued inside ``transaction.atomic()`` is sent if and only if the transaction commits,
-and runs at most once (its inbox row), retried through the consumer's delay queues and a dead
+and runs at most once (its inbox row), retried through the outbox (a scheduled copy) and a dead
 letter when it keeps failing.
 """
 
@@ -75,7 +75,7 @@ class ReliableTaskBackend(BaseTaskBackend):
     def validate_task(self, task: Task[Any, Any]) -> None:
         """The framework's checks, and the task's own retry policy (``InvalidTask``)."""
         super().validate_task(task)
-        found = task_policy_problems(task, self.task_queues)
+        found = task_policy_problems(task)
         if found:
             raise InvalidTask(" ".join(found))
 

@@ -169,6 +169,9 @@ class Delivery:
     timestamp: int | None = None
     headers: Mapping[str, Any] = field(default_factory=dict)
     defects: tuple[str, ...] = ()
+    # The broker's properties object as received (pika's BasicProperties): a retry copy
+    # goes out with them (reliable_messaging.consuming.retry_rows).
+    properties: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -261,6 +264,7 @@ def delivery_from_frame(queue: str, method: Any, properties: Any, body: bytes) -
             timestamp=_signed_timestamp(properties.timestamp),
             headers=normalize_headers(properties.headers),
             defects=tuple(defects),
+            properties=properties,
         )
     except Exception as exc:  # noqa: BLE001 - a delivery that cannot be read is refused, not fatal
         return Delivery(

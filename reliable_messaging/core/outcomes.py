@@ -13,7 +13,7 @@ class OutcomeLabel(StrEnum):
 
     PROCESSED = "processed"  # the handler ran and its transaction committed
     DUPLICATE = "duplicate"  # the inbox already held it: acked, the handler did not run
-    RETRIED = "retried"  # failed; a copy waits in a delay queue for the next attempt
+    RETRIED = "retried"  # failed; a copy waits in the outbox for the next attempt
     DEAD_LETTERED = "dead_lettered"  # stored as a dead letter for a person; acked
     RELEASED = "released"  # given back to the broker undecided (nack + requeue)
     PARKED = "parked"  # held behind an earlier dead letter of its ordering key
@@ -83,7 +83,8 @@ class _Retry:
 
 @dataclass(frozen=True)
 class ScheduleRetry(_Retry):
-    """Publish a copy (with ``headers``) to the delay queue for ``delay`` seconds, then ack."""
+    """A copy (with ``headers``) waits ``delay`` seconds in the outbox, written in the
+    transaction that decided it (``consuming/retry_rows.py``): ack once that committed."""
 
 
 @dataclass(frozen=True)

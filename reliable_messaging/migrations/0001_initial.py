@@ -81,6 +81,8 @@ OUTBOX = [
     "routing_key varchar(255) NOT NULL, "
     "body text NOT NULL, "
     "headers jsonb NOT NULL, "
+    "raw_body bytea NULL, "
+    "raw_properties bytea NULL, "
     "ordering_key varchar(255) NULL, "
     "idempotency_key varchar(255) NULL, "
     "status varchar(10) NOT NULL, "
@@ -664,6 +666,8 @@ class Migration(migrations.Migration):
                         ("routing_key", models.CharField(max_length=255)),
                         ("body", models.TextField()),
                         ("headers", models.JSONField(blank=True, default=dict)),
+                        ("raw_body", models.BinaryField(blank=True, null=True)),
+                        ("raw_properties", models.BinaryField(blank=True, null=True)),
                         ("ordering_key", models.CharField(blank=True, max_length=255, null=True)),
                         (
                             "idempotency_key",

@@ -303,7 +303,7 @@ class DatabaseCollector:
 
 
 class BrokerCollector:
-    """Reads the depth and the consumer count of every consumer and delay queue (passive
+    """Reads the depth and the consumer count of every consumer queue (passive
     declares on one AMQP connection), kept for ``max_age`` seconds. A broker that cannot be
     reached exports ``reliable_messaging_broker_up 0`` and logs one warning."""
 

@@ -177,10 +177,22 @@ class ClaimedRow:
     routing_key: str
     body: str
     headers: dict[str, Any]
+    # A retry copy's exact bytes and encoded AMQP properties; None for what publish() wrote.
+    raw_body: bytes | None
+    raw_properties: bytes | None
     ordering_key: str | None
     attempts: int
     created_at: dt.datetime
     deliver_at: dt.datetime | None = None  # a scheduled message's due time
+
+    @property
+    def wire_body(self) -> bytes:
+        """The body as it goes out."""
+        return self.body.encode("utf-8") if self.raw_body is None else bytes(self.raw_body)
+
+    @property
+    def stored_properties(self) -> bytes | None:
+        return None if self.raw_properties is None else bytes(self.raw_properties)
 
     @property
     def published_at(self) -> dt.datetime:

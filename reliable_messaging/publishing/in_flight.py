@@ -20,7 +20,7 @@ from ..broker.publisher import (
     PublisherTransport,
     Returned,
     Unencodable,
-    message_properties,
+    publish_properties,
 )
 from ..core.liveness import HealthState
 from ..core.routing import topic_matches
@@ -71,8 +71,9 @@ class InFlight:
                 self._finish_batch(batch)
 
     def on_returned(self, returned: Returned) -> None:
-        """An unroutable message, whose ack follows: an event is marked unrouted, a command
-        (``REQUIRE_ROUTE``) charged."""
+        """An unroutable message, whose ack follows: an event is marked unrouted; a command
+        (``REQUIRE_ROUTE``) is charged, as is a copy for one queue through the default exchange
+        (a retry copy, a replay), sent again with backoff until its queue is back."""
         row_id = returned.headers.get(OUTBOX_ID_HEADER)
         if not isinstance(row_id, int):
             return
@@ -82,13 +83,18 @@ class InFlight:
         self.report.returned += 1
         metrics.relay_failed("returned")
         require_route = self.claims.settings.require_route
-        if not any(topic_matches(p, returned.routing_key) for p in require_route):
+        one_queue = returned.exchange == ""
+        if not one_queue and not any(topic_matches(p, returned.routing_key) for p in require_route):
             batch.unrouted.add(row_id)  # its ack follows; the outcome keeps it from "sent"
             return
         batch.errors[row_id] = (
             f"unroutable: {returned.reply_code} {returned.reply_text} (exchange "
-            f"{returned.exchange!r}, routing key {returned.routing_key!r}): no queue is bound "
-            f"for it, and REQUIRE_ROUTE says it must reach one"
+            f"{returned.exchange!r}, routing key {returned.routing_key!r}): "
+            + (
+                "its queue does not exist now (deleted, or its node down)"
+                if one_queue
+                else "no queue is bound for it, and REQUIRE_ROUTE says it must reach one"
+            )
         )
 
     def on_refused(self, closed: ChannelClosed) -> bool:
@@ -144,7 +150,8 @@ class InFlight:
             # A scheduled message counts its wait from its due time (if after its publish()).
             published = row.published_at
             span = None
-            if tracing_on:
+            # A retry copy carries its original's trace context unchanged: no span of its own.
+            if tracing_on and row.raw_properties is None:
                 # A span per row, in the trace its publish() stored: the message carries it.
                 span = tracing.start_send(
                     headers,
@@ -159,10 +166,11 @@ class InFlight:
                 tag = self.publisher.publish(
                     row.exchange,
                     row.routing_key,
-                    row.body.encode("utf-8"),
+                    row.wire_body,
                     message_id=row.message_id,
                     timestamp=int(published.timestamp()),
                     headers=headers,
+                    stored_properties=row.stored_properties,
                 )
             except Unencodable as exc:
                 # pika encodes a row the same way every time: failed at once, not retried.
@@ -308,10 +316,13 @@ class InFlight:
         charged = 0
         for batch in self._batches:
             for row in batch.unconfirmed():
-                properties = message_properties(
-                    row.message_id, int(row.published_at.timestamp()), message_headers(row)
+                properties = publish_properties(
+                    row.message_id,
+                    int(row.published_at.timestamp()),
+                    message_headers(row),
+                    row.stored_properties,
                 )
-                size = header_frame_size(properties, len(row.body.encode("utf-8")))
+                size = header_frame_size(properties, len(row.wire_body))
                 refusal = frame_size_refusal(size, frame_max)
                 if refusal is not None:
                     batch.errors[row.pk] = f"{refusal}; this row will not be sent ({why})"[:2000]

@@ -72,7 +72,10 @@ def resend_backoff(attempts: int) -> dt.timedelta:
 
 def message_headers(row: ClaimedRow) -> dict[str, Any]:
     """The headers a row goes out with: its own, ``published_at``, its row id (so that a
-    returned message finds its row) and its ordering key."""
+    returned message finds its row) and its ordering key. A retry copy keeps its original's
+    (in its stored properties) and gets the row id alone."""
+    if row.raw_properties is not None:
+        return {OUTBOX_ID_HEADER: row.pk}
     headers: dict[str, Any] = dict(row.headers or {})
     headers[PUBLISHED_AT_HEADER] = int(row.published_at.timestamp() * 1000)
     headers[OUTBOX_ID_HEADER] = row.pk

@@ -51,7 +51,7 @@ def remember_busy(keys: Iterable[tuple[str, str]]) -> None:
 
 
 # Seconds a claim waits for an inbox row another transaction holds (a twin still running, a
-# consumer cut off mid-batch) before its delivery is deferred through a delay queue instead of
+# consumer cut off mid-batch) before its delivery is deferred (a copy due later) instead of
 # stalling the consumer. Longer only stalls a consumer behind a holder that may never end.
 LOCK_TIMEOUT = 2.0
 

@@ -49,14 +49,6 @@ class TaskQueues:
             ),
         )
 
-    def declared_delays(self) -> set[float]:
-        """The delays a task of this backend may retry after: those the broker's delay queues
-        are declared for whatever consumers a process runs (the backend's ``RETRY_DELAYS``,
-        which its consumers carry, and ``RELIABLE_MESSAGING["RETRY_DELAYS"]``)."""
-        from ..conf import messaging_settings
-
-        return {*(self.retry_delays or ()), *map(float, messaging_settings.retry_delays)}
-
     def amqp_queue(self, queue_name: str) -> str:
         """The queue (and routing key) of the task queue ``queue_name``."""
         return f"{self.prefix}{queue_name}"
@@ -95,11 +87,10 @@ def policy_problems(
     what: str,
     max_attempts: Any,
     delays: Any,
-    declared: set[float] | None = None,
     names: tuple[str, str] = ("MAX_ATTEMPTS", "RETRY_DELAYS"),
 ) -> list[str]:
     """What is wrong with a retry policy (``what`` names where it was given, with ``{}`` for
-    the value's name of ``names``); ``declared``: the delays a task's own must be among."""
+    the value's name of ``names``)."""
     found: list[str] = []
     if max_attempts is not None and (
         isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1
@@ -114,13 +105,6 @@ def policy_problems(
     ):
         found.append(
             f"{what.format(names[1])} must be positive seconds in increasing order, got {delays!r}."
-        )
-    elif declared is not None and (missing := sorted({float(d) for d in delays} - declared)):
-        found.append(
-            f"{what.format(names[1])} has {', '.join(f'{d:g}' for d in missing)} s, "
-            f"which no delay queue is declared for: a task's own delays are chosen among the "
-            f"backend's RETRY_DELAYS and RELIABLE_MESSAGING['RETRY_DELAYS'] "
-            f"({', '.join(f'{d:g}' for d in sorted(declared))})."
         )
     return found
 
@@ -161,12 +145,13 @@ def problems(alias: str, params: Mapping[str, Any]) -> list[str]:
                 f"string without '*' or '#' (it is a routing key), at most "
                 f"{_MAX_NAME_BYTES} bytes with the prefix {prefix!r}."
             )
-    policy = policy_problems(
-        f"TASKS[{alias!r}]['OPTIONS'][{{!r}}]",
-        options.get("MAX_ATTEMPTS"),
-        options.get("RETRY_DELAYS"),
+    found.extend(
+        policy_problems(
+            f"TASKS[{alias!r}]['OPTIONS'][{{!r}}]",
+            options.get("MAX_ATTEMPTS"),
+            options.get("RETRY_DELAYS"),
+        )
     )
-    found.extend(policy)
     retries = options.get("TASK_RETRIES")
     if retries is None:
         return found
@@ -176,9 +161,6 @@ def problems(alias: str, params: Mapping[str, Any]) -> list[str]:
             f"TASKS[{alias!r}]['OPTIONS']['TASK_RETRIES'] must be a dict of task paths to "
             f"their MAX_ATTEMPTS and RETRY_DELAYS, got {retries!r}.",
         ]
-    if policy:
-        return found  # the tasks' delays are checked against valid RETRY_DELAYS only
-    declared = TaskQueues.of(alias, {**params, "OPTIONS": {**options, "TASK_RETRIES": {}}})
     for path, own in retries.items():
         where = f"TASKS[{alias!r}]['OPTIONS']['TASK_RETRIES'][{path!r}]"
         if not isinstance(own, Mapping) or not own:
@@ -193,7 +175,6 @@ def problems(alias: str, params: Mapping[str, Any]) -> list[str]:
                 f"{where}[{{!r}}]",
                 own.get("MAX_ATTEMPTS"),
                 own.get("RETRY_DELAYS"),
-                declared.declared_delays(),
             )
         )
     return found

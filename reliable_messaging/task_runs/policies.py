@@ -34,7 +34,7 @@ class ReliableTask(Task):  # type: ignore[type-arg]  # generic in the backport o
         Task.__post_init__(self)
 
 
-def task_policy_problems(task: Task[Any, Any], queues: TaskQueues) -> list[str]:
+def task_policy_problems(task: Task[Any, Any]) -> list[str]:
     """What is wrong with the retry policy ``task`` was decorated with."""
     max_attempts = getattr(task, "max_attempts", None)
     delays = getattr(task, "retry_delays", None)
@@ -44,7 +44,6 @@ def task_policy_problems(task: Task[Any, Any], queues: TaskQueues) -> list[str]:
         f"@task({{}}=...) of {task.module_path}",
         max_attempts,
         delays,
-        queues.declared_delays(),
         names=("max_attempts", "retry_delays"),
     )
 

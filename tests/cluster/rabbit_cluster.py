@@ -178,8 +178,8 @@ NodeRef = Node | int | str
 
 class Depth(NamedTuple):
     """What a queue holds. ``messages`` is more than ready + unacked when a quorum queue keeps
-    expired or rejected messages for at-least-once dead-lettering (a delay queue whose
-    messages have not reached their target yet): those count in no other column."""
+    expired or rejected messages for at-least-once dead-lettering: those count in no other
+    column."""
 
     ready: int
     unacked: int
@@ -334,14 +334,10 @@ class RabbitCluster:
             (node.base / "enabled_plugins").write_text("[rabbitmq_consistent_hash_exchange].\n")
             # Queue lengths (list_queues) are sampled: by default every 5 s, and a quorum
             # queue's only on its Ra tick, also 5 s. Half a second keeps "every queue is
-            # empty" and the depth before and after a fault close to the truth.
-            # The at-least-once dead-letter worker of a quorum queue sends an expired message
-            # on and waits for the target's confirm; a confirm lost with a leader that died is
-            # waited for dead_letter_worker_publisher_confirm_timeout (180 s by default) before
-            # the message is sent again. 5 s, as the docs recommend for a cluster.
+            # empty" and the depth before and after a fault close to the truth. Nothing else:
+            # the app asks no broker setting of a cluster (a retry waits in the outbox).
             (node.base / "advanced.config").write_text(
-                "[{rabbit, [{quorum_tick_interval, 500}, {collect_statistics_interval, 500},"
-                " {dead_letter_worker_publisher_confirm_timeout, 5000}]}].\n"
+                "[{rabbit, [{quorum_tick_interval, 500}, {collect_statistics_interval, 500}]}].\n"
             )
             (node.base / "rabbitmq.conf").write_text(
                 "\n".join(

@@ -141,7 +141,7 @@ class ClusterRig(FaultRig):
 
     def queues_settled(self) -> bool:
         """Every queue of the vhost on the cluster is empty: nothing ready, unacked, or kept for
-        at-least-once dead-lettering (a retry copy a delay queue has not handed back yet)."""
+        at-least-once dead-lettering."""
         if not self._queues_empty():
             return False
         time.sleep(1.2)

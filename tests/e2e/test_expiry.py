@@ -1,7 +1,7 @@
 """Expired messages are counted, not handled: real ``relay`` and ``consume`` processes.
 
 Messages are published (``publish(..., expires=...)`` and the relay, or a foreign producer)
-while no consumer runs, or fail and wait in a delay queue longer than their deadline; the
+while no consumer runs, or fail and wait in the outbox longer than their deadline; the
 ``consume`` process that receives them late acks them without running the handler, counts
 them ``expired`` on its /metrics, writes no inbox row, and a dead letter ``expired`` only for
 the consumer that asks for one (tests/testapp/consumers.py: ``tests.delta`` and

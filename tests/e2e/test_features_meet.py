@@ -148,7 +148,7 @@ def test_suspects_redelivered_from_a_killed_process_wait_for_the_breaker_blamed_
             assert set(runs) <= {"retried", "processed"}, (message_id, outcomes)
         assert sum(outcomes.count("retried") for outcomes in traced.values()) == retries
         # Most came redelivered from the killed process: suspects (the rest were retry copies
-        # still in their delay queue at the kill).
+        # still waiting in the outbox at the kill).
         assert len(redelivered) >= len(payments) - 4, sorted(redelivered)
     finally:
         first.close()
@@ -351,7 +351,8 @@ def test_a_scheduled_messages_send_span_starts_when_due_in_the_trace_of_its_publ
     spans_file = tmp_path / "spans.jsonl"
     env = traced_env(ns, spans_file)
     alpha = f"{ns}.alpha"
-    consume = ConsumeProcess(["--queue", alpha], env, tmp_path / "consume.log")
+    # The relay process sends (consume's own relay off), so the send span is the relay's.
+    consume = ConsumeProcess(["--queue", alpha, "--no-relay"], env, tmp_path / "consume.log")
     relay = RelayProcess([], env, tmp_path / "relay.log")
     try:
         consume.wait_consuming()

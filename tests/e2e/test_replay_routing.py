@@ -3,11 +3,10 @@ else, whatever the producer wrote into the message.
 
 RabbitMQ's sender-selected distribution routes a message to every routing key of its ``CC`` and
 ``BCC`` headers too (case-sensitive names, read by rabbit_basic), also when it dead-letters it:
-on the default exchange, where replays go and where retry copies come back from their delay
-queue, each entry is a queue name. A producer's ``CC`` kept on such a copy would copy it into
-any queue it names. Our own origin headers (``x-rm-exchange``, ``x-rm-routing-key``) are only
-believed on a message that came the way our copies come, never on one a producer routed through
-an exchange.
+on the default exchange, where replays and retry copies go, each entry is a queue name. A
+producer's ``CC`` kept on such a copy would copy it into any queue it names. Our own origin
+headers (``x-rm-exchange``, ``x-rm-routing-key``) are only believed on a message that came the
+way our copies come, never on one a producer routed through an exchange.
 """
 
 from __future__ import annotations
@@ -122,7 +121,7 @@ def test_a_retry_copy_reaches_the_consumers_queue_only_and_forged_origins_are_ig
     try:
         consume.wait_consuming()
         named = {header: [queue] for header, queue in bystanders.items() if header != "BCC"}
-        # Fails once, then succeeds: its retry copy leaves the delay queue through the default
+        # Fails once, then succeeds: its retry copy goes from the outbox through the default
         # exchange, where the broker reads CC again.
         publisher.publish(
             f"rmtest.{ns}",

@@ -168,7 +168,10 @@ def test_one_trace_from_the_view_through_retries_to_the_dead_letter_and_a_linked
     alpha, beta = f"{ns}.alpha", f"{ns}.beta"
     # The bug of this deploy: alpha fails every attempt while the switch row exists.
     Effect.objects.create(consumer="switch", message_id="alpha-bug", attempt=1)
-    consume = ConsumeProcess(["--queue", alpha, "--queue", beta], env, tmp_path / "consume.log")
+    # The relay process sends (consume's own relay off), so its spans are the relay's.
+    consume = ConsumeProcess(
+        ["--queue", alpha, "--queue", beta, "--no-relay"], env, tmp_path / "consume.log"
+    )
     processes.append(consume)
     processes.append(RelayProcess([], env, tmp_path / "relay.log"))
     consume.wait_consuming()

@@ -10,7 +10,7 @@ A :class:`FaultRig` gives one test everything it needs, isolated from every othe
   PostgreSQL ``application_name`` so the test can see when *that* process is inside a
   transaction (a handler running, a relay batch waiting for its confirms);
 - :class:`Traffic`: a background thread that commits ``publish()`` calls at a steady rate,
-  some of them failing once for alpha (a retry through the delay queue) and some refused for
+  some of them failing once for alpha (a retry through the outbox) and some refused for
   good by beta (an expected dead letter), and that rides out a database outage;
 - :meth:`FaultRig.settle` and :meth:`FaultRig.verdict`: once everything committed has been
   handled, exactly one effect per (consumer, message_id) that was not dead-lettered, nothing
@@ -64,7 +64,7 @@ P = TypeVar("P", bound=ManageProcess)
 
 def standard_payload(seq: int) -> dict[str, Any]:
     """The traffic's mix: one message in ten fails once for alpha (it succeeds on the retry
-    that comes back through the 0.2 s delay queue), one in fifty is refused for good by beta (an
+    that comes back after 0.2 s through the outbox), one in fifty is refused for good by beta (an
     expected dead letter; alpha takes it normally), the rest just succeed."""
     payload: dict[str, Any] = {"seq": seq}
     if seq % 10 == 3:
@@ -478,7 +478,7 @@ class FaultRig:
         # Each handler's inbox holds exactly the messages it took effect for.
         for label, name in LABELS.items():
             assert verdict.inbox_rows[label] == Effect.objects.filter(consumer=label).count(), name
-        # The transient failures went through the delay queue and succeeded on attempt 2.
+        # The transient failures went through the outbox and succeeded on attempt 2.
         retried = [m for m, p in self.traffic.payloads.items() if p.get("fail")]
         assert retried
         attempts = set(

@@ -8,7 +8,6 @@ broker do what it does in production without asking us:
   a delivery held unacked too long), with a handler in flight, and while nothing may subscribe;
 - cancel a consumer because its queue was deleted (and is expected back);
 - hand an ordered partition to the standby process while the active one stops gracefully;
-- refuse a retry copy (its delay queue is gone), again and again;
 - drop a message off a quorum queue at its ``x-delivery-limit``.
 
 The user's outcome is what is checked: every message handled once (one ``Effect`` row) or kept
@@ -32,7 +31,7 @@ import pytest
 from reliable_messaging.core.envelope import ORDERING_KEY_HEADER
 from reliable_messaging.models import DeadLetter
 from tests import support
-from tests.integration.ops.conftest import free_port, http_json, scraped
+from tests.integration.ops.conftest import free_port, http_json
 from tests.support import ConsumeProcess, Publisher, wait_until
 from tests.testapp.models import Effect
 
@@ -375,65 +374,6 @@ def test_an_ordered_partition_handed_to_the_standby_on_sigterm_keeps_key_order(
     assert not doubled, f"messages that took effect more than once: {doubled}"
     assert "consumer=tests.gamma" in standby.log(), f"the standby took nothing\n{tail(standby)}"
     rig.assert_still_running(standby)
-
-
-# --------------------------------------------------------------------------- refused retry copy
-
-
-def test_a_refused_retry_copy_is_not_retried_in_a_tight_loop(rig: FaultRig) -> None:
-    """The 0.2 s delay queue is gone, so the broker returns (unroutable) the retry copy of a
-    message that failed once. The consumer backs off instead of redelivering the original at
-    once, hundreds of times a second; once the delay queue is back, the message takes effect
-    once, on a later attempt."""
-    port = free_port()
-    metrics_url = f"http://127.0.0.1:{port}/metrics"
-    alpha = rig.queues["alpha"]
-    delay_queue = f"{rig.exchange}.delay.200ms"  # RETRY_DELAYS[0] of tests/settings.py
-    proc = rig.consumer("--queue", alpha, "--metrics-port", str(port))
-    wait_healthy(port, proc)
-    assert support.queue_exists(delay_queue, rig.vhost), (
-        f"no delay queue {delay_queue} (topology.delay_exchange_name changed?): "
-        f"{support.list_broker_names('queues', rig.vhost)}"
-    )
-    broker_api.delete_queue(rig.vhost, delay_queue)
-    publisher = Publisher(rig.vhost)
-    try:
-        received_before = scraped(metrics_url, RECEIVED, consumer="tests.alpha") or 0.0
-        message_id = publisher.publish(rig.exchange, ROUTING_KEY, {"fail": {"alpha": 1}})
-        assert message_id is not None
-        time.sleep(3.0)  # the observation window
-        received = (scraped(metrics_url, RECEIVED, consumer="tests.alpha") or 0.0) - received_before
-        refused = proc.log().count("refused the retry copy")
-        redeclare_delay_queue(rig.vhost, delay_queue)
-        assert received <= 10, (
-            f"the original was delivered {received:.0f} times in 3 s while its retry copy was "
-            f"refused ({refused} 'refused the retry copy' lines): a tight loop\n"
-            f"{tail(proc, 2000)}"
-        )
-        wait_handled_once([message_id], [alpha, delay_queue], rig, proc)
-        attempt = Effect.objects.get(consumer="alpha", message_id=message_id).attempt
-        assert attempt >= 2, f"took effect on attempt {attempt}: the failure was not retried"
-        assert not DeadLetter.objects.filter(message_id=message_id).exists()
-        rig.assert_still_running(proc)
-    finally:
-        publisher.close()
-
-
-def redeclare_delay_queue(vhost: str, name: str) -> None:
-    """Declare the delay queue as topology.declare_topology does, unless the consumer already
-    did; its fanout exchange was never deleted."""
-    if support.queue_exists(name, vhost):
-        return
-    connection = support.broker_connection(vhost, name="rm-tests delay queue")
-    try:
-        channel = connection.channel()
-        channel.exchange_declare(name, exchange_type="fanout", durable=True)
-        channel.queue_declare(
-            name, durable=True, arguments={"x-message-ttl": 200, "x-dead-letter-exchange": ""}
-        )
-        channel.queue_bind(name, name)
-    finally:
-        connection.close()
 
 
 # --------------------------------------------------------------------------- quorum delivery limit

@@ -128,7 +128,7 @@ class PoisonRun:
         return all(effects[m] for m in self.good_ids)
 
     def drained(self) -> bool:
-        """No message left in any queue of the vhost (delay queues included), ready or unacked."""
+        """No message left in any queue of the vhost, ready or unacked."""
         counts = support.all_queue_counts(self.rig.vhost)
         return self.queue in counts and all(c == (0, 0) for c in counts.values())
 
@@ -194,7 +194,7 @@ class PoisonRun:
         limit) or they were acked without their effect."""
         if self.goods_handled() or not self.drained():
             return
-        time.sleep(1.0)  # a message may be between a delay queue and its queue
+        time.sleep(1.0)  # a retry copy may be between the outbox and its queue
         if self.drained() and not self.goods_handled():
             raise AssertionError(
                 f"good messages lost: every queue is empty but they never took effect\n"
@@ -325,7 +325,7 @@ def test_a_handler_spinning_past_its_time_limit_is_interrupted(rig: FaultRig) ->
         supervisor.current.wait_consuming(60)
         # The good messages reach the process while it handles the pill.
         run.publish({"spin": {LABEL: 30}}, good=5)
-        # Interrupted after 1 s and retried through the delay queue: the messages behind it
+        # Interrupted after 1 s and retried through the outbox: the messages behind it
         # are not held for the 30 s it would spin.
         run.wait(
             run.goods_handled,

@@ -139,7 +139,7 @@ def test_a_gateway_outage_is_retried_then_dead_lettered(
     assert (outcome.delay, outcome.next_attempt) == (10, 2)
     assert outcome.error == "ConnectionError: payment gateway unreachable"
 
-    # What the delay queue hands back later: the same message, next attempt.
+    # What the relay hands back later: the same message, next attempt.
     outcome = deliver(charge_order, ORDER, message_id="order-8", attempt=outcome.next_attempt)
     assert isinstance(outcome, ScheduleRetry)
     assert (outcome.delay, outcome.next_attempt) == (60, 3)

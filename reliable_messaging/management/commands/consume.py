@@ -17,6 +17,7 @@ from reliable_messaging.core.liveness import HealthState
 from reliable_messaging.core.registry import registry
 from reliable_messaging.management.keepalive import keep_database_alive
 from reliable_messaging.management.metrics_options import add_metrics_arguments, serve_metrics
+from reliable_messaging.management.relay_beside import RelayBeside, wake_relays_on_retry
 
 logger = logging.getLogger("reliable_messaging.consume")
 
@@ -57,6 +58,13 @@ class Command(BaseCommand):
             help="a line with the outcomes so far every S seconds while there are any "
             "(default %(default)g; 0: none)",
         )
+        parser.add_argument(
+            "--no-relay",
+            action="store_false",
+            dest="relay",
+            help="do not run a relay beside the handlers (by default one sends the outbox's due "
+            "rows, retry copies included, so that consumers alone still retry)",
+        )
         add_metrics_arguments(parser, "broker or database lost, loop stuck")
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -91,6 +99,7 @@ class Command(BaseCommand):
             idle_timeout=options["idle_timeout"],
             health=health,
             progress_interval=options["progress_interval"],
+            on_outcome=wake_relays_on_retry,
         )
         ops = serve_metrics(options, health)
         # What in the broker would drop or redeliver messages behind our back, logged once at
@@ -114,9 +123,15 @@ class Command(BaseCommand):
         signal.signal(signal.SIGINT, on_signal)
         # Its start, what it consumes, its progress and its stop show whatever LOGGING says.
         announcements.attach(self.stdout.write)
+        # Retry copies wait in the outbox: a relay sends them, this one if no other runs.
+        relay = RelayBeside() if options["relay"] else None
+        if relay is not None:
+            relay.start()
         try:
             code = service.run()
         finally:
+            if relay is not None:
+                relay.stop()
             if ops is not None:
                 ops.close()
             announcements.detach()

@@ -101,3 +101,30 @@ def test_twenty_thousand_scheduled_rows_cost_the_pages_no_full_read(
     found = fetched(admin, url, OUTBOX, q="later-777")
     assert len(listed.context["cl"].result_list) > 0
     assert [row.message_id for row in found.context["cl"].result_list] == ["later-777"]
+
+
+def test_a_retry_copy_shows_its_bytes_and_its_original_properties(admin: Client, db: None) -> None:
+    """A retry copy keeps the original's bytes and AMQP properties, not JSON text and headers:
+    its page shows those, readably, and its download is the exact bytes."""
+    from pika.spec import BasicProperties
+
+    from reliable_messaging.broker.stored_properties import retry_properties
+
+    original = BasicProperties(message_id="copy-1", content_type="text/x-legacy", app_id="shop")
+    OutboxMessage.objects.schedule_copy(
+        message_id="copy-1",
+        queue="billing",
+        body=b"\x00legacy \xff bytes",
+        properties=retry_properties(original, {"x-rm-attempt": 2, "sent": dt.datetime(2026, 1, 2)}),
+        delay=60,
+        idempotency_key="rm-retry:copy-1",
+    )
+    row = OutboxMessage.objects.get(message_id="copy-1")
+    page = admin.get(reverse("admin:reliable_messaging_outboxmessage_change", args=[row.pk]))
+    assert page.status_code == 200
+    text = page.content.decode()
+    assert "\\x00legacy \\xff bytes" in text
+    assert "app_id: &#x27;shop&#x27;" in text and "text/x-legacy" in text
+    assert "x-rm-attempt" in text and "datetime.datetime(2026, 1, 2" in text
+    download = admin.get(reverse("admin:reliable_messaging_outboxmessage_body", args=[row.pk]))
+    assert b"".join(download) == b"\x00legacy \xff bytes"

@@ -23,7 +23,7 @@ import pika
 import pytest
 from django.test import override_settings
 
-from reliable_messaging.broker.topology import all_delays, declare_topology, delay_exchange_name
+from reliable_messaging.broker.topology import declare_topology
 from reliable_messaging.choices import DeadLetterReason
 from reliable_messaging.core.registry import ConsumerSpec
 from reliable_messaging.models import DeadLetter
@@ -314,8 +314,7 @@ def test_classic_queues_stay_classic_on_a_vhost_whose_default_type_is_quorum(
     node4: Any, ns: str, rm_settings: dict[str, Any]
 ) -> None:
     """A queue declared without ``x-queue-type`` takes the vhost's default type: quorum, with
-    the broker's delivery limit and no dead-letter target, where QUEUE_TYPE says classic. (The
-    delay queues are quorum queues on every QUEUE_TYPE.)"""
+    the broker's delivery limit and no dead-letter target, where QUEUE_TYPE says classic."""
     vhost = f"rm-{ns}"
     node4.ctl("add_vhost", vhost, "--default-queue-type", "quorum")
     try:
@@ -335,11 +334,9 @@ def test_classic_queues_stay_classic_on_a_vhost_whose_default_type_is_quorum(
                 declare_topology(connection.channel(), [spec, ordered])
             finally:
                 connection.close()
-            delays = [delay_exchange_name(d) for d in all_delays([spec, ordered])]
         types = {name: q["type"] for name, q in node.queues("", vhost).items()}
         ours = [spec.queue, *(f"{ordered.queue}.p{i}" for i in range(4))]
         assert {name: types.get(name) for name in ours} == dict.fromkeys(ours, "classic")
-        assert {name: types.get(name) for name in delays} == dict.fromkeys(delays, "quorum")
     finally:
         node4.ctl("delete_vhost", vhost)
 

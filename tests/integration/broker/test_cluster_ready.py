@@ -1,12 +1,11 @@
 """What a cluster asks of one consumer, tried against the one broker of the suite: several broker
-URLs, quorum delay queues (on every QUEUE_TYPE), an inbox row another transaction holds, and
+URLs, a retry copy whose queue is gone, an inbox row another transaction holds, and
 keepalives on the database connections. The faults of a real 3-node cluster (a queue whose
 node is down among them) are in ``tests/cluster``.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import urllib.parse
@@ -20,9 +19,8 @@ from django.db import connection
 from django.test import override_settings
 
 from reliable_messaging.broker.queues import broker_connection_error, broker_status
-from reliable_messaging.broker.topology import declare_topology, delay_exchange_name
 from reliable_messaging.management.keepalive import KEEPALIVE_OPTIONS, keep_database_alive
-from reliable_messaging.models import ProcessedMessage
+from reliable_messaging.models import OutboxMessage, ProcessedMessage
 from reliable_messaging.storage import inbox
 from tests import support
 from tests.integration.consuming.test_consumer_service import (  # noqa: F401 - fixtures
@@ -85,36 +83,7 @@ def test_with_every_node_down_the_error_names_no_password(rm_settings: dict[str,
     assert "s3cret" not in error + str(status.error) + status.url
 
 
-# --------------------------------------------------------------------------- quorum delay queues
-
-
-@pytest.mark.parametrize("queue_type", ["classic", "quorum"])
-def test_delay_queues_are_quorum_queues_that_dead_letter_at_least_once_on_any_queue_type(
-    queue_type: str,
-    ns: str,
-    rm_settings: dict[str, Any],
-    make_spec: Any,  # noqa: F811
-) -> None:
-    alpha = make_spec("alpha")
-    conn = support.broker_connection()
-    try:
-        with override_settings(RELIABLE_MESSAGING={**rm_settings, "QUEUE_TYPE": queue_type}):
-            declare_topology(conn.channel(), [alpha])
-            delay = delay_exchange_name(0.2)
-    finally:
-        conn.close()
-    assert _queue_info(alpha.queue)["type"] == queue_type
-    info = _queue_info(delay)
-    assert info["type"] == "quorum"
-    assert info["arguments"]["x-dead-letter-strategy"] == "at-least-once"
-    assert info["arguments"]["x-overflow"] == "reject-publish"
-    assert info["arguments"]["x-message-ttl"] == 200
-
-
-# How long the broker's at-least-once dead-lettering waits before it hands a copy on again
-# (RabbitMQ's default is 3 minutes); lowered on the RabbitMQ 4.0 node of the suite, which is
-# the suite's own (the node on 5672 is never reconfigured).
-DLX_RETRY_MS = 5000
+# --------------------------------------------------------------------------- a retry's queue gone
 
 
 def test_a_retry_copy_due_while_its_queue_is_gone_is_kept_until_the_queue_is_back(
@@ -125,18 +94,9 @@ def test_a_retry_copy_due_while_its_queue_is_gone_is_kept_until_the_queue_is_bac
     rec: Recorder,  # noqa: F811
     publisher: Publisher,
 ) -> None:
-    """Classic consumer queues: the retry copy comes due while the consumer's queue is deleted
-    (as when it is on a node that is down, or the broker is stopping). A classic delay queue
-    would drop it; the quorum one keeps it and hands it on once consume declares the queue."""
-    if support.BROKER.name not in ("rabbitmq4", "rabbitmq43"):
-        pytest.skip(
-            "needs one of the suite's own RabbitMQ 4 nodes (its dead-letter retry is lowered)"
-        )
-    support.rabbitmqctl(
-        "eval",
-        "application:set_env(rabbit, dead_letter_worker_publisher_confirm_timeout, "
-        f"{DLX_RETRY_MS}).",
-    )
+    """The retry copy comes due while the consumer's queue is deleted (as when it is on a node
+    that is down, or the broker is stopping): the broker returns it, and the outbox keeps it,
+    sent again with backoff until consume has declared the queue again. No broker setting."""
     alpha = make_spec("alpha")
     with override_settings(RELIABLE_MESSAGING={**rm_settings, "RETRY_DELAYS": [1.0]}):
         first = service([alpha], on_outcome=rec)
@@ -156,47 +116,18 @@ def test_a_retry_copy_due_while_its_queue_is_gone_is_kept_until_the_queue_is_bac
             admin.channel().queue_delete(alpha.queue)
         finally:
             admin.close()
-        time.sleep(2.0)  # the copy comes due with no queue to take it
+        # The copy comes due with no queue to take it: returned, charged, kept.
+        wait_until(
+            lambda: OutboxMessage.objects.filter(message_id="k1", attempts__gt=0).exists(),
+            timeout=30,
+            message="the copy returned while its queue was gone",
+        )
+        (copy,) = OutboxMessage.objects.filter(message_id="k1")
+        assert copy.status == "pending" and "does not exist now" in copy.last_error
         service([alpha], on_outcome=rec)  # declares the queue again
-        rec.wait_count(alpha.name, 2, timeout=DLX_RETRY_MS / 1000 + 20)
+        rec.wait_count(alpha.name, 2, timeout=60)
     assert rec.results(alpha.name) == ["retry", "processed"]
     assert effects("alpha") == [("k1", 2)]
-
-
-def test_a_classic_delay_queue_declared_by_someone_else_is_kept_and_the_log_says_how_to_move(
-    ns: str,
-    rm_settings: dict[str, Any],
-    service: Any,
-    make_spec: Any,  # noqa: F811
-    rec: Recorder,  # noqa: F811
-    publisher: Publisher,
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    alpha = make_spec("alpha")
-    with override_settings(RELIABLE_MESSAGING=rm_settings):
-        delay = delay_exchange_name(0.2)
-    conn = support.broker_connection()
-    try:
-        # As a classic-only setup would have declared it: at-most-once dead-lettering.
-        conn.channel().queue_declare(
-            delay,
-            durable=True,
-            arguments={
-                "x-queue-type": "classic",
-                "x-message-ttl": 200,
-                "x-dead-letter-exchange": "",
-            },
-        )
-    finally:
-        conn.close()
-    with override_settings(RELIABLE_MESSAGING=rm_settings):
-        with caplog.at_level(logging.WARNING, logger="reliable_messaging"):
-            service([alpha], on_outcome=rec)
-        publisher.publish(exchange_of(ns), "order.placed", {"fail": {"alpha": 1}}, message_id="q1")
-        rec.wait_count(alpha.name, 2)
-    assert rec.results(alpha.name) == ["retry", "processed"]
-    assert _queue_info(delay)["type"] == "classic"
-    assert "exists with other arguments than a quorum delay queue" in caplog.text
 
 
 # --------------------------------------------------------------------------- inbox lock wait

@@ -29,8 +29,7 @@ from reliable_messaging.broker.inspection import (
     log_body_limit_in_background,
     log_findings_in_background,
 )
-from reliable_messaging.broker.topology import declare_topology, delay_exchange_name
-from reliable_messaging.conf import messaging_settings
+from reliable_messaging.broker.topology import declare_topology
 from reliable_messaging.core.registry import ConsumerSpec, registry
 from tests.support import ConsumeProcess, rabbitmqctl, wait_until
 
@@ -114,7 +113,6 @@ def test_3_10_a_policy_that_drops_and_expires_one_consumer_queue(ns: str, on_3_1
     assert "max-message-size" not in findings
     assert "RabbitMQ 3.10" in findings["server-version"].message
     assert "not an error" in findings["deprecated-features"].message
-    # The delay queues carry no policy: nothing about them.
     assert {subject for _, _, subject in serious(check)} == {spec.queue}
 
 
@@ -218,11 +216,10 @@ def test_4_a_queue_the_quorum_vhost_default_turned_quorum(
         channel.queue_declare(spec.queue, durable=True)  # no x-queue-type
     finally:
         connection.close()
-    delay = delay_exchange_name(messaging_settings.retry_delays[0])
     policy = f"rmtest-{ns}-expires"
     node4.ctl(
         "set_policy", "-p", quorum_vhost, "--apply-to", "queues", policy,
-        f"^{re.escape(delay)}$", json.dumps({"expires": 600_000}),
+        f"^{re.escape(spec.queue)}$", json.dumps({"expires": 600_000}),
     )  # fmt: skip
     node = check_broker([]).url
     assert node.startswith(f"amqp://127.0.0.1:{node4.amqp_port}/")  # not the system's
@@ -231,7 +228,7 @@ def test_4_a_queue_the_quorum_vhost_default_turned_quorum(
         ("error", "max-message-size", node),
         ("warning", "queue-type", spec.queue),
         ("error", "dead-letter-target", spec.queue),
-        ("error", "queue-expires", delay),
+        ("error", "queue-expires", spec.queue),
     )
     findings = {(f.code, f.subject): f for f in check.findings}
     size = findings["max-message-size", check.url]
@@ -241,7 +238,7 @@ def test_4_a_queue_the_quorum_vhost_default_turned_quorum(
     assert (
         "drops a message after 20 deliveries" in findings["dead-letter-target", spec.queue].message
     )
-    assert "no consumer ever reads a delay queue" in findings["queue-expires", delay].message
+    assert "a consume outage that long" in findings["queue-expires", spec.queue].message
     assert f"RabbitMQ {node4.release}." in findings["server-version", check.url].message
     assert "not affected" in findings["vhost-default-queue-type", quorum_vhost].message
 

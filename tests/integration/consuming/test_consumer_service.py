@@ -1,7 +1,7 @@
 """ConsumerService against the real broker and database, run in a thread of this process.
 
-Each test has its own namespace: its own exchange (``rmtest.<ns>``), delay queues and consumer
-queues, all deleted afterwards. The ``on_outcome`` callback shows what the service decided for
+Each test has its own namespace: its own exchange (``rmtest.<ns>``) and consumer queues, all
+deleted afterwards. The ``on_outcome`` callback shows what the service decided for
 each delivery (and so the attempts of which the effects rolled back).
 """
 
@@ -26,7 +26,8 @@ from reliable_messaging.core.envelope import ATTEMPT_HEADER
 from reliable_messaging.core.liveness import HealthState
 from reliable_messaging.core.outcomes import Acknowledge, Outcome, Release, ScheduleRetry
 from reliable_messaging.core.registry import ConsumerSpec
-from reliable_messaging.models import DeadLetter, ProcessedMessage
+from reliable_messaging.management.relay_beside import RelayBeside
+from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
 from reliable_messaging.testing import deliver
 from tests import support
 from tests.support import Publisher, queue_counts, wait_until
@@ -230,14 +231,16 @@ def test_retry_attempts_and_delays_reach_only_the_failed_consumer(
     assert third == Acknowledge("processed")
     assert effects("alpha") == [("retry-1", 3)]
 
-    # The copies went through the delay queue of their delay and came back to alpha's queue
-    # only, by the default exchange.
-    for seen, delay_queue in zip(alpha_seen[1:], ["200ms", "400ms"], strict=True):
+    # The copies waited in the outbox, each a row for alpha's queue alone, and came back to it
+    # by the default exchange.
+    for seen in alpha_seen[1:]:
         assert seen.delivery.exchange == ""
         assert seen.delivery.routing_key == alpha.queue
-        death = seen.delivery.headers["x-death"][0]
-        assert death["queue"] == f"{exchange_of(ns)}.delay.{delay_queue}"
-        assert death["reason"] == "expired"
+        assert "x-death" not in seen.delivery.headers
+    copies = OutboxMessage.objects.filter(message_id="retry-1").order_by("id")
+    assert [(c.exchange, c.routing_key, c.status) for c in copies] == [
+        ("", alpha.queue, "sent")
+    ] * 2
     # ... and the handler still saw where the message was published, and the user's headers.
     alpha_messages = [m for label, m in rec.messages if label == "alpha"]
     assert [(m.attempt, m.routing_key, m.exchange) for m in alpha_messages] == [
@@ -250,30 +253,9 @@ def test_retry_attempts_and_delays_reach_only_the_failed_consumer(
     # beta succeeded the first time and never saw the retried copies.
     assert rec.results(beta.name) == ["processed"]
     assert effects("beta") == [("retry-1", 1)]
-    queues = (
-        alpha.queue,
-        beta.queue,
-        *(f"{exchange_of(ns)}.delay.{d}" for d in ("200ms", "400ms", "800ms")),
-    )
+    queues = (alpha.queue, beta.queue)
     wait_until(lambda: drained(*queues), timeout=10, message=f"{queues} drained")
     assert rec.results(beta.name) == ["processed"]
-
-
-def test_delay_queues_are_declared_with_ttl_and_dead_letter_to_the_default_exchange(
-    ns: str, service: Any, make_spec: Any
-) -> None:
-    service([make_spec("alpha")])
-    declared = support.all_queue_arguments()
-    for name, ttl in (("200ms", 200), ("400ms", 400), ("800ms", 800)):
-        args = declared.get(f"{exchange_of(ns)}.delay.{name}")
-        assert args is not None, f"delay queue {name} missing"
-        assert args["x-message-ttl"] == ttl
-        assert args["x-dead-letter-exchange"] == ""
-        # Quorum on every QUEUE_TYPE: a copy is handed on at least once.
-        assert args["x-queue-type"] == "quorum"
-        assert args["x-dead-letter-strategy"] == "at-least-once"
-    # Stated: a vhost's default type is not ours.
-    assert declared[f"{ns}.alpha"]["x-queue-type"] == "classic"
 
 
 def test_retries_exhausted_through_the_broker(
@@ -308,32 +290,11 @@ def test_consumer_own_retry_policy(
 ) -> None:
     alpha = make_spec("alpha", max_attempts=2, retry_delays=(0.3,))
     service([alpha], on_outcome=rec)
-    assert support.queue_exists(f"{exchange_of(ns)}.delay.300ms")
     publisher.publish(exchange_of(ns), "order.placed", {"fail": {"alpha": 99}}, message_id="own-1")
     seen = rec.wait_count(alpha.name, 2)
     assert isinstance(seen[0].outcome, ScheduleRetry) and seen[0].outcome.delay == 0.3
     assert seen[1].outcome == Acknowledge("dead_lettered", "retries_exhausted")
     assert DeadLetter.objects.get().attempts == 2
-
-
-def test_deleted_delay_exchange_heals_by_reconnecting(
-    ns: str, service: Any, make_spec: Any, rec: Recorder, publisher: Publisher
-) -> None:
-    alpha = make_spec("alpha")
-    service([alpha], on_outcome=rec)
-    conn = support.broker_connection()
-    try:
-        conn.channel().exchange_delete(f"{exchange_of(ns)}.delay.200ms")
-    finally:
-        conn.close()
-    publisher.publish(exchange_of(ns), "order.placed", {"fail": {"alpha": 1}}, message_id="heal-1")
-    wait_until(
-        lambda: rec.results(alpha.name)[-1:] == ["processed"],
-        timeout=30,
-        message="the message processed after the topology was redeclared",
-    )
-    assert effects("alpha") == [("heal-1", 2)]
-    wait_until(lambda: drained(alpha.queue), timeout=10)
 
 
 def test_consumer_on_its_own_exchange(
@@ -362,6 +323,8 @@ def test_quorum_queues(
         svc = ConsumerService([alpha], on_outcome=rec)
         thread = threading.Thread(target=svc.run, daemon=True)
         thread.start()
+        relay = RelayBeside()  # the retry copy waits in the outbox
+        relay.start()
         try:
             assert svc.connected.wait(30)
             # Past the delivery limit the broker moves a message to <queue>.dead (ingested as
@@ -388,6 +351,7 @@ def test_quorum_queues(
             )
             rec.wait_count(alpha.name, 2)
         finally:
+            relay.stop()
             svc.request_stop()
             thread.join(30)
     assert rec.results(alpha.name) == ["retry", "processed"]

@@ -91,7 +91,7 @@ def test_a_conflict_in_a_batch_runs_the_batch_again_and_each_takes_effect_once()
 
 def test_a_delivery_that_always_conflicts_is_charged_after_the_bound() -> None:
     """Not retried in place forever: past CONFLICT_RETRIES runs again it is the handler's
-    failure (a retry through the delay queue, attempt 2), and the rest of its batch commits."""
+    failure (a retry through the outbox, attempt 2), and the rest of its batch commits."""
     [outcome] = process_batch([job("always", {"conflict": {"alpha": -1}})])
     assert isinstance(outcome, ScheduleRetry) and outcome.next_attempt == 2
     assert "serialize" in outcome.error

@@ -1,5 +1,5 @@
 """Retries never extend a deadline: the attempt after a retry whose delay outlives the
-message's deadline is expired, through the delay queue and in place (ordered consumers).
+message's deadline is expired, through the outbox and in place (ordered consumers).
 
 A ConsumerService runs in a thread of this process against the real broker and database.
 """

@@ -22,7 +22,6 @@ import pytest
 from django.db import connections
 from django_redis import get_redis_connection
 
-from reliable_messaging.broker.topology import all_delays
 from reliable_messaging.conf import messaging_settings
 from reliable_messaging.consuming import fastpath
 from reliable_messaging.consuming.fastpath import DuplicateCache
@@ -30,6 +29,7 @@ from reliable_messaging.consuming.processing import DeliveryProcessor, Job, proc
 from reliable_messaging.core.envelope import DEFERRALS_HEADER, Delivery, Message, encode_payload
 from reliable_messaging.core.outcomes import Acknowledge, Outcome, ScheduleRetry
 from reliable_messaging.core.registry import ConsumerSpec
+from reliable_messaging.models import OutboxMessage
 from reliable_messaging.storage import inbox
 from tests.support import wait_until
 from tests.testapp.models import Effect
@@ -223,9 +223,10 @@ def test_a_consumer_without_retry_delays_defers_a_leased_message_to_a_declared_d
 
     assert isinstance(outcome, ScheduleRetry) and outcome.deferred
     assert outcome.next_attempt == 1  # nothing failed: no attempt spent
-    # The copy is published to the delay exchange of that delay: it must be one the topology
-    # declares for this consumer, or the broker would refuse the copy.
-    assert outcome.delay in all_delays([spec])
+    # The settings' first delay, and the copy waits in the outbox for it, for this queue alone.
+    assert outcome.delay == messaging_settings.retry_delays[0]
+    (copy,) = OutboxMessage.objects.filter(message_id=message_id)
+    assert (copy.status, copy.exchange, copy.routing_key) == ("scheduled", "", spec.queue)
     assert not Effect.objects.filter(message_id=message_id).exists()
 
 

@@ -237,16 +237,13 @@ def test_ordered_quorum_and_retry_properties_are_bindings_and_extensions(
         {"exchange": "shop", "routingKey": "order.*"}
     ]
     assert operations["timeline"]["x-max-age"] == 30
-    # Retries: the consumer's own delays and attempts, through delay queues that are channels.
+    # Retries: the consumer's own delays and attempts; a retry waits in the outbox, so no
+    # channel of the broker's is there for it.
     refunds = operations["refunds"]
     assert refunds["bindings"]["amqp"]["ack"] is True
     assert (refunds["x-max-attempts"], refunds["x-retry-delays"]) == (7, [5.0, 60.0])
-    delay_queues = [resolve(document, ref["$ref"]) for ref in refunds["x-retry-via"]]
-    assert [queue["address"] for queue in delay_queues] == ["shop.delay.5s", "shop.delay.60s"]
-    assert [queue["x-queue-arguments"]["x-message-ttl"] for queue in delay_queues] == [
-        5000,
-        60000,
-    ]
+    assert "x-retry-via" not in refunds
+    assert not [c for c in document["channels"].values() if ".delay." in c["address"]]
     assert operations["billing"]["x-retry-delays"] == [1.0, 10.0]
     assert operations["billing"]["x-max-attempts"] == 4
 
@@ -305,11 +302,6 @@ def described_topology(document: dict[str, Any]) -> Topology:
             }
             for binding in channel["x-bound-to"]:
                 bindings.add((binding["exchange"], name, binding.get("routingKey", "")))
-                if "exchangeType" in binding:  # a delay queue's exchange
-                    exchanges[binding["exchange"]] = {
-                        "type": binding["exchangeType"],
-                        "arguments": {},
-                    }
         if ordering:
             exchanges[ordering["hashExchange"]] = {
                 "type": ordering["hashExchangeType"],

@@ -1,6 +1,6 @@
 """``manage.py messaging_status`` against a real queue, a real outbox and real dead letters.
 
-Each test registers one consumer of its own (queue and delay queues carry the test's namespace)
+Each test registers one consumer of its own (its queue carries the test's namespace)
 in an isolated registry, so the command looks at exactly the queues the test controls.
 """
 
@@ -32,7 +32,6 @@ from reliable_messaging.broker.queues import BrokerStatus, QueueStatus
 from reliable_messaging.broker.topology import (
     consumer_queues,
     declare_topology,
-    delay_exchange_name,
 )
 from reliable_messaging.choices import OutboxStatus
 from reliable_messaging.conf import redact_url
@@ -94,7 +93,7 @@ def closed_port() -> int:
 
 
 def declare(spec: ConsumerSpec) -> None:
-    """What ``consume`` declares for ``spec`` on start (queues or partitions, delay queues)."""
+    """What ``consume`` declares for ``spec`` on start (its queue or partitions)."""
     connection = broker_connection()
     try:
         declare_topology(connection.channel(), [spec])
@@ -104,7 +103,7 @@ def declare(spec: ConsumerSpec) -> None:
 
 @pytest.fixture
 def queue(ns: str, rm_settings: dict[str, Any]) -> Iterator[str]:
-    """The test's consumer, registered alone, with its queue and delay queues declared."""
+    """The test's consumer, registered alone, with its queue declared."""
     spec = ConsumerSpec(
         name=CONSUMER, queue=f"rmtest.{ns}.billing", handler=lambda m: None, bindings=("x.#",)
     )
@@ -173,11 +172,8 @@ def test_json_has_the_numbers(backlog: str, rm_settings: dict[str, Any]) -> None
     assert billing["exists"] is True
     assert (billing["ready"], billing["unacked"], billing["consumers"]) == (3, 0, 0)
     assert billing["redelivery_ratio"] is None  # nothing delivered yet
-    delays = [q for q in broker["queues"] if q["kind"] == "delay"]
-    assert [q["name"] for q in delays] == [
-        delay_exchange_name(d) for d in (0.2, 0.4, 0.8)
-    ]  # the test settings' RETRY_DELAYS
-    assert all(q["consumer"] is None and q["ready"] == 0 for q in delays)
+    # A retry waits in the outbox: no queue of the broker's holds one.
+    assert {q["kind"] for q in broker["queues"]} == {"consumer"}
 
     database = document["database"]
     assert database["reachable"] is True and database["alias"] == "default"

@@ -68,14 +68,17 @@ def test_handler_raising_after_publish_rolls_the_outbox_row_back(ob: OutboxEnv) 
     spec = spec_for(ob)
     outcome = deliver(spec, {"order": 2, "fail_attempts": 1}, message_id="order-2")
     assert isinstance(outcome, ScheduleRetry)
-    assert not OutboxMessage.objects.exists()
+    # What the handler published rolled back; only the retry copy waits in the outbox.
+    announcements = OutboxMessage.objects.filter(raw_properties__isnull=True)
+    assert not announcements.exists()
+    assert OutboxMessage.objects.get().routing_key == spec.queue
     assert not Effect.objects.exists()
     assert not ProcessedMessage.objects.exists()
 
     # The retry succeeds: now exactly one announcement exists.
     again = deliver(spec, {"order": 2, "fail_attempts": 1}, message_id="order-2", attempt=2)
     assert again == Acknowledge("processed")
-    assert OutboxMessage.objects.count() == 1
+    assert announcements.count() == 1
 
 
 def test_permanent_error_after_publish_leaves_no_outbox_row(ob: OutboxEnv) -> None:

@@ -68,7 +68,7 @@ def test_a_task_that_kills_its_process_is_failed_by_the_crash_guards_dead_letter
     try:
         killed.wait_consuming()  # its queues declared
         result = tasks.kills_its_process.enqueue()
-        assert relay_once() == 1
+        relay_once()  # unless the relay consume runs beside its handlers sent it first
         assert killed.wait(60) == -signal.SIGKILL, killed.log()
     finally:
         killed.close()
@@ -130,7 +130,7 @@ def test_a_task_past_the_brokers_delivery_limit_in_real_processes_signals_its_fa
             killed.wait_consuming()
             if result is None:
                 result = tasks.kills_its_process.enqueue()
-                assert relay_once() == 1
+                relay_once()  # unless the relay consume runs beside its handlers sent it first
             assert killed.wait(60) == -signal.SIGKILL, killed.log()
         finally:
             killed.close()

@@ -15,11 +15,12 @@ import pika
 import pytest
 from django.test import override_settings
 
-from reliable_messaging.broker.topology import declare_topology, delay_exchange_name
+from reliable_messaging.broker.stored_properties import decoded_properties
+from reliable_messaging.broker.topology import declare_topology
 from reliable_messaging.conf import messaging_settings
 from reliable_messaging.core.priorities import amqp_priority
 from reliable_messaging.exceptions import TopologyMismatchError
-from reliable_messaging.models import TaskRun
+from reliable_messaging.models import OutboxMessage, TaskRun
 from reliable_messaging.task_runs.naming import TaskQueues
 from reliable_messaging.task_runs.worker import consumer_specs
 from tests import support
@@ -37,7 +38,7 @@ SENT = [-100, 0, 100, -50, 50, 0, 20, 0, 100, 100, 0]
 
 @pytest.fixture
 def task_options(ns: str) -> dict[str, Any]:
-    """A retry delay long enough to find the retry copy waiting in its delay queue."""
+    """A retry delay long enough to find the retry copy waiting in the outbox."""
     return {"QUEUE_PREFIX": f"{ns}.tasks.", "MAX_ATTEMPTS": 2, "RETRY_DELAYS": [2]}
 
 
@@ -120,30 +121,22 @@ def test_waiting_tasks_run_by_priority_where_the_broker_honours_it(
     assert set(ran[: len(high) + 2]) >= set(high), [SENT[i] for i in ran]
 
 
-def test_a_retried_task_waits_in_its_delay_queue_with_its_priority(
+def test_a_retried_task_waits_in_the_outbox_with_its_priority(
     ns: str, rm_settings: dict[str, Any], worker: Any
 ) -> None:
-    """The retry copy keeps the priority property: the delay queue dead-letters it back to the
-    task queue as it is, so the retried task is ordered as it was at first."""
+    """The retry copy keeps the priority property: it waits in the outbox with its original's
+    properties and goes back to the task queue with them, so the retried task is ordered as it
+    was at first."""
     result = tasks.fails_before.using(priority=100).enqueue(2)
     relay_once()
-    delay_queue = delay_exchange_name(2, messaging_settings)
-    copies: list[Any] = []
-    connection = broker_connection()
-    try:
-        channel = connection.channel()
 
-        def caught() -> bool:
-            method, properties, _ = channel.basic_get(delay_queue, auto_ack=False)
-            if method is not None:
-                copies.append(properties)
-                channel.basic_nack(int(method.delivery_tag or 0), requeue=True)
-            return bool(copies)
+    def copy() -> Any:
+        return OutboxMessage.objects.filter(raw_properties__isnull=False).first()
 
-        wait_until(caught, timeout=10, interval=0.05, message="the retry copy in its delay queue")
-    finally:
-        connection.close()
-    assert copies[0].priority == amqp_priority(100) == 9
+    wait_until(lambda: copy() is not None, timeout=10, message="the retry copy in the outbox")
+    waiting = copy()
+    assert waiting is not None and waiting.routing_key.startswith(f"{ns}.tasks.")
+    assert decoded_properties(waiting.raw_properties).priority == amqp_priority(100) == 9
     until_status(result, "SUCCESSFUL", timeout=30)
     assert result.attempts == 2
 

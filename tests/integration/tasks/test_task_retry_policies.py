@@ -12,12 +12,9 @@ from typing import Any
 import pytest
 from django.test import override_settings
 
-from reliable_messaging.broker.topology import delay_exchange_name
 from reliable_messaging.checks import check_task_backends
-from reliable_messaging.conf import messaging_settings
-from reliable_messaging.core.envelope import ATTEMPT_HEADER
 from reliable_messaging.core.registry import ConsumerSpec, RetryPolicy
-from reliable_messaging.models import DeadLetter
+from reliable_messaging.models import DeadLetter, OutboxMessage
 from reliable_messaging.task_runs.framework import InvalidTask, task
 from reliable_messaging.task_runs.naming import TaskQueues
 from reliable_messaging.task_runs.policies import TaskRetryPolicies
@@ -40,31 +37,26 @@ PATH = "tests.integration.tasks.tasks"
 
 
 class Deliveries:
-    """The consumer service's ``on_outcome``: each delivery's message id and headers."""
+    """The consumer service's ``on_outcome``: each delivery's message id."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.seen: list[tuple[str | None, dict[str, Any]]] = []
+        self.seen: list[str | None] = []
 
     def __call__(self, spec: ConsumerSpec, delivery: Any, outcome: Any) -> None:
         with self.lock:
-            self.seen.append((delivery.message_id, dict(delivery.headers)))
-
-    def delay_queues(self, message_id: str) -> list[list[str]]:
-        """For each delivery of ``message_id`` after the first, in attempt order: the delay
-        queues its copy came back through (the broker's x-death header)."""
-        with self.lock:
-            copies = [headers for mid, headers in self.seen if mid == message_id]
-        copies.sort(key=lambda headers: headers.get(ATTEMPT_HEADER, 1))
-        return [
-            [death["queue"] for death in headers.get("x-death", ())]
-            for headers in copies
-            if headers.get(ATTEMPT_HEADER, 1) > 1
-        ]
+            self.seen.append(delivery.message_id)
 
 
-def delay_queue(delay: float) -> str:
-    return delay_exchange_name(delay, messaging_settings)
+def copy_delays(message_id: str) -> list[float]:
+    """The delays of the retry copies of ``message_id`` in the order they were written: each
+    copy's due time less its writing time, both the database's clock in one statement."""
+    copies = OutboxMessage.objects.filter(message_id=message_id, raw_properties__isnull=False)
+    return [
+        (copy.deliver_at - copy.created_at).total_seconds()
+        for copy in copies.order_by("created_at")
+        if copy.deliver_at is not None
+    ]
 
 
 @pytest.fixture
@@ -83,15 +75,12 @@ def assert_failed_after(result: Any, attempts: int) -> None:
 
 
 def assert_own_and_backends_policies(deliveries: Deliveries, mine: Any, backends: Any) -> None:
-    """``mine`` failed after 2 attempts, its retry through the 0.8 s delay queue; ``backends``
-    after the backend's 3, through 0.2 then 0.4 s."""
+    """``mine`` failed after 2 attempts, its retry copy due 0.8 s after it was written;
+    ``backends`` after the backend's 3, its copies due 0.2 then 0.4 s after."""
     assert_failed_after(mine, 2)
     assert_failed_after(backends, 3)
-    assert deliveries.delay_queues(mine.id) == [[delay_queue(0.8)]]
-    assert [queues[0] for queues in deliveries.delay_queues(backends.id)] == [
-        delay_queue(0.2),
-        delay_queue(0.4),
-    ]
+    assert copy_delays(mine.id) == [0.8]
+    assert copy_delays(backends.id) == [0.2, 0.4]
 
 
 @needs_decorator_options
@@ -162,7 +151,6 @@ def test_the_settings_policy_of_a_task_overrides_its_decorators_key_by_key(
         ({"max_attempts": True}, "must be an integer >= 1"),
         ({"retry_delays": [5, 1]}, "increasing order"),
         ({"retry_delays": "1"}, "increasing order"),
-        ({"retry_delays": [0.2, 7]}, "has 7 s, which no delay queue is declared for"),
     ],
 )
 def test_a_decorators_policy_that_cannot_work_is_refused(
@@ -186,7 +174,6 @@ def test_an_unknown_option_of_the_decorator_is_refused(tasks_settings: TaskQueue
         ({f"{PATH}.add": {"MAX_TRIES": 2}}, "unknown key 'MAX_TRIES'"),
         ({f"{PATH}.add": {"MAX_ATTEMPTS": 0}}, "['MAX_ATTEMPTS'] must be an integer >= 1"),
         ({f"{PATH}.add": {"RETRY_DELAYS": [2, 1]}}, "increasing order"),
-        ({f"{PATH}.add": {"RETRY_DELAYS": [9]}}, "has 9 s, which no delay queue is declared"),
         ({f"{PATH}.gone": {"MAX_ATTEMPTS": 2}}, f"names '{PATH}.gone', which is not a task"),
         ({f"{PATH}.not_a_task": {"MAX_ATTEMPTS": 2}}, "which is not a task"),
     ],
@@ -203,14 +190,14 @@ def test_a_settings_policy_that_cannot_work_is_refused(retries: Any, says: str) 
     assert says in errors[0].msg
 
 
-def test_a_settings_policy_among_the_declared_delays_passes_the_checks() -> None:
+def test_a_settings_policy_with_delays_of_its_own_passes_the_checks() -> None:
+    """Any delays will do: a retry waits in the outbox, not in a delay queue of its delay."""
     params = {
         "BACKEND": BACKEND,
         "QUEUES": ["default"],
-        # 5 is the backend's, 0.8 RELIABLE_MESSAGING's (tests/settings.py).
         "OPTIONS": {
             "RETRY_DELAYS": [1, 5],
-            "TASK_RETRIES": {f"{PATH}.add": {"MAX_ATTEMPTS": 9, "RETRY_DELAYS": [0.8, 5]}},
+            "TASK_RETRIES": {f"{PATH}.add": {"MAX_ATTEMPTS": 9, "RETRY_DELAYS": [0.7, 33]}},
         },
     }
     with override_settings(TASKS={"default": params}):

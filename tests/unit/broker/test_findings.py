@@ -18,7 +18,6 @@ from reliable_messaging.broker.findings import (
     find_findings,
     summary,
 )
-from reliable_messaging.broker.topology import delay_queue_arguments
 
 URL = "amqp://rabbitmq:5672/%2F"
 MIB = 1024 * 1024
@@ -28,9 +27,6 @@ ORDERS = OurQueue(
     "orders", "consumer", "shop.orders", handler_timeout=600, dead_letter_to="orders.dead"
 )
 DEAD = OurQueue("orders.dead", "dead", "shop.orders", handler_timeout=600)
-DELAY = OurQueue("shop.delay.30s", "delay", message_ttl=30_000)
-# What the app declares a delay queue with, on every QUEUE_TYPE.
-DELAY_ARGUMENTS = delay_queue_arguments(30)
 QUORUM_ARGUMENTS = {
     "x-queue-type": "quorum",
     "x-delivery-limit": 50,
@@ -70,8 +66,7 @@ def only(found: list[Finding], code: str) -> Finding:
 
 def test_a_quorum_setup_as_the_app_declares_it_has_nothing_to_report() -> None:
     dead = QueueFacts(DEAD, exists=True, type="quorum", arguments={"x-queue-type": "quorum"})
-    delay = QueueFacts(DELAY, exists=True, type="quorum", arguments=DELAY_ARGUMENTS)
-    found = find_findings(facts(quorum(delivery_limit=50), dead, delay), QUORUM)
+    found = find_findings(facts(quorum(delivery_limit=50), dead), QUORUM)
     assert serious(found) == []
     assert [f.code for f in found] == ["server-version"]
 
@@ -257,79 +252,6 @@ def test_a_queue_that_expires_loses_its_messages() -> None:
     assert "deletes it with every message" in finding.message
 
 
-def test_a_delay_queue_that_expires_is_an_error_even_with_consumers_running() -> None:
-    queue = QueueFacts(
-        DELAY, exists=True, type="quorum", arguments={**DELAY_ARGUMENTS, "x-expires": 600_000}
-    )
-    finding = only(find_findings(facts(queue), CLASSIC), "queue-expires")
-    assert "no consumer ever reads a delay queue" in finding.message
-    assert "delete_queue -p / shop.delay.30s" in finding.fix
-
-
-def test_a_delay_queue_a_policy_gives_a_routing_key_loses_retries() -> None:
-    queue = QueueFacts(
-        DELAY,
-        exists=True,
-        type="quorum",
-        arguments=DELAY_ARGUMENTS,
-        policy="dlx",
-        effective_policy={"dead-letter-exchange": "dead", "dead-letter-routing-key": "all"},
-    )
-    found = find_findings(facts(queue), CLASSIC)
-    assert serious(found) == [("error", "delay-dead-letter", "shop.delay.30s")]
-    assert "the default exchange with routing key 'all'" in found[0].message
-
-
-def test_a_delay_queue_whose_ttl_a_policy_lowers_returns_retries_early() -> None:
-    queue = QueueFacts(
-        DELAY,
-        exists=True,
-        type="quorum",
-        arguments=DELAY_ARGUMENTS,
-        policy="fast",
-        effective_policy={"message-ttl": 1000},
-    )
-    finding = only(find_findings(facts(queue), CLASSIC), "delay-message-ttl")
-    assert finding.severity == "warning"
-    assert "after 1 s, not after 30 s" in finding.message
-
-
-def test_a_delay_queue_as_the_app_declares_it_is_fine_on_a_classic_setup() -> None:
-    queue = QueueFacts(DELAY, exists=True, type="quorum", arguments=DELAY_ARGUMENTS)
-    assert serious(find_findings(facts(queue), CLASSIC)) == []
-
-
-@pytest.mark.parametrize(
-    ("changes", "said"),
-    [
-        ({"type": "classic", "arguments": {"x-message-ttl": 30_000}}, "is a classic queue"),
-        (
-            {"arguments": {**DELAY_ARGUMENTS, "x-dead-letter-strategy": "at-most-once"}},
-            "dead-letters at-most-once (its argument x-dead-letter-strategy)",
-        ),
-        (
-            {
-                "arguments": {k: v for k, v in DELAY_ARGUMENTS.items() if k != "x-overflow"},
-                "policy": "cap",
-                "effective_policy": {"overflow": "drop-head"},
-            },
-            "has overflow drop-head, which turns at-least-once dead-lettering off (policy cap)",
-        ),
-    ],
-)
-def test_a_delay_queue_that_hands_copies_on_at_most_once_is_a_warning(
-    changes: dict[str, Any], said: str
-) -> None:
-    queue = QueueFacts(
-        DELAY, **{"exists": True, "type": "quorum", "arguments": DELAY_ARGUMENTS, **changes}
-    )
-    (finding,) = [f for f in find_findings(facts(queue), CLASSIC) if f.code == "queue-type"]
-    assert finding.severity == "warning"
-    assert said in finding.message
-    assert "comes due while its consumer's queue cannot take it in" in finding.message
-    assert "delete_queue -p / shop.delay.30s" in finding.fix
-
-
 @pytest.mark.parametrize(
     ("timeout_ms", "severity"),
     [(60_000, "error"), (610_000, "error"), (700_000, "warning"), (900_000, None)],
@@ -372,12 +294,12 @@ def test_a_stream_is_an_error() -> None:
 
 def test_queues_not_declared_or_not_sampled_yet_are_notes() -> None:
     found = find_findings(
-        facts(QueueFacts(ORDERS, exists=False), QueueFacts(DELAY, exists=True, sampled=False)),
+        facts(QueueFacts(ORDERS, exists=False), QueueFacts(DEAD, exists=True, sampled=False)),
         CLASSIC,
     )
     assert serious(found) == []
     assert only(found, "queue-missing").subject == "orders"
-    assert only(found, "queue-not-sampled").subject == "shop.delay.30s"
+    assert only(found, "queue-not-sampled").subject == DEAD.name
 
 
 def test_summary() -> None:

@@ -24,7 +24,9 @@ from reliable_messaging.consuming.service import ConsumerService
 from reliable_messaging.core.envelope import ORDERING_KEY_HEADER, Delivery
 from reliable_messaging.core.outcomes import Acknowledge, Outcome
 from reliable_messaging.core.registry import ConsumerSpec
-from reliable_messaging.testing_broker import StubTransport
+from reliable_messaging.models import OutboxMessage
+from reliable_messaging.publishing.relay import build_relay
+from reliable_messaging.testing_broker import StubPublisher, StubTransport
 from tests.support import wait_until
 from tests.testapp.models import Effect
 
@@ -65,9 +67,13 @@ def outcomes() -> Outcomes:
 def run_service(
     broker: StubTransport, outcomes: Outcomes, transactional_db: None
 ) -> Iterator[Callable[..., ConsumerService]]:
-    """``run_service(specs, **kwargs)``: a ConsumerService on the twin, in a thread, connected;
-    stopped and joined in teardown."""
+    """``run_service(specs, **kwargs)``: a ConsumerService on the twin, in a thread, connected,
+    with a relay over a twin publisher that puts the retry copies it sends back on the twin's
+    queues (as ``consume`` runs one beside its handlers); stopped and joined in teardown."""
     running: list[tuple[ConsumerService, threading.Thread]] = []
+    relay = build_relay(transport=StubPublisher(delivers_to=broker), listen=False)
+    relay_thread = threading.Thread(target=relay.run, name="rm-stub-relay", daemon=True)
+    relay_thread.start()
 
     def start(specs: list[ConsumerSpec], **kwargs: Any) -> ConsumerService:
         service = ConsumerService(specs, transport=broker, on_outcome=outcomes, **kwargs)
@@ -80,9 +86,12 @@ def run_service(
     yield start
     for service, _ in running:
         service.request_stop()
+    relay.request_stop()
     for service, thread in running:
         thread.join(30)
         assert not thread.is_alive(), "the service did not stop within 30s"
+    relay_thread.join(30)
+    assert not relay_thread.is_alive(), "the relay did not stop within 30s"
 
 
 def spec(handler: Callable[[Message], None], **kwargs: Any) -> ConsumerSpec:
@@ -232,7 +241,7 @@ def test_a_retrying_key_holds_only_its_own_partition(
         # a-0 retries in place: not acked, no retry copy, not requeued; a-1 waits behind it.
         assert "a-1" not in [m for m, _ in effects()]
         assert not [e for e in broker.events() if "a-0" in e.message_ids or "a-1" in e.message_ids]
-        assert broker.events("retry_copy") == []
+        assert not OutboxMessage.objects.exists()
 
         fixed.set()
         wait_until(
@@ -337,7 +346,7 @@ def test_a_channel_the_broker_closes_mid_batch_loses_nothing_and_doubles_nothing
     assert broker.events("nack") == []
 
 
-def test_a_failed_delivery_is_acked_only_once_its_retry_copy_is_placed(
+def test_a_failed_delivery_is_acked_only_once_its_retry_copy_waits_in_the_outbox(
     broker: StubTransport, run_service: Callable[..., ConsumerService], outcomes: Outcomes
 ) -> None:
     def handler(message: Message) -> None:
@@ -345,17 +354,24 @@ def test_a_failed_delivery_is_acked_only_once_its_retry_copy_is_placed(
         if message.attempt == 1:
             raise RuntimeError("transient")
 
-    consumer = spec(handler)
-    run_service([consumer])
-    publish(broker, consumer.queue, body(), message_id="r-1")
-    wait_until(lambda: outcomes.processed() == ["r-1"], timeout=10, message="r-1 processed")
-    wait_until(lambda: broker.unacked() == 0, timeout=10, message="everything acked")
+    from django.conf import settings
 
-    # The copy carries the next attempt; the original's ack follows the copy, never precedes it.
-    (copy,) = broker.retry_copies
-    assert copy.routing_key == consumer.queue and copy.message_id == "r-1"
-    kinds = [e.kind for e in broker.events() if "r-1" in e.message_ids]
-    assert kinds == ["retry_copy", "ack", "ack"]  # the copy, the original's ack, the copy's ack
+    with override_settings(
+        RELIABLE_MESSAGING={**settings.RELIABLE_MESSAGING, "RETRY_DELAYS": [0.2]}
+    ):
+        consumer = spec(handler)
+        run_service([consumer])
+        publish(broker, consumer.queue, body(), message_id="r-1", headers={"x-tenant": b"\x00\xff"})
+        wait_until(lambda: outcomes.processed() == ["r-1"], timeout=20, message="r-1 processed")
+        wait_until(lambda: broker.unacked() == 0, timeout=10, message="everything acked")
+
+    # The copy was a row for the consumer's queue alone, sent by the relay once due; the
+    # original's ack followed its commit, the copy's ack its processing.
+    (row,) = OutboxMessage.objects.filter(message_id="r-1")
+    assert (row.exchange, row.routing_key, row.status) == ("", consumer.queue, "sent")
+    assert bytes(row.raw_body) == body()
+    acks = [e for e in broker.events() if "r-1" in e.message_ids]
+    assert [e.kind for e in acks] == ["ack", "ack"]
     assert effects() == [("r-1", 2)]  # the first attempt's effect rolled back
     assert broker.events("nack") == [] and broker.events("channel_closed") == []
 
@@ -408,7 +424,7 @@ def test_an_ordered_consumer_with_an_open_breaker_keeps_its_partition_in_hand(
         )
         wait_until(lambda: broker.unacked() == 0, timeout=10, message="everything acked")
     assert [m for m, _ in effects()] == ids  # each once, in order
-    assert broker.events("retry_copy") == [] and broker.events("nack") == []
+    assert not OutboxMessage.objects.exists() and broker.events("nack") == []
 
 
 def test_a_stop_while_the_breaker_is_open_is_graceful(
@@ -429,14 +445,13 @@ def test_a_stop_while_the_breaker_is_open_is_graceful(
         breaker = service.breakers.get(consumer.name)
         assert breaker is not None
         wait_until(lambda: breaker.opened == 1, timeout=10, message="the breaker opened")
-        # The eight not started, and the two retry copies the twin puts straight back, wait
-        # in the process, unacked; none was given back.
-        wait_until(lambda: broker.unacked() == 10, timeout=10, message="all kept in hand")
+        # The eight not started wait in the process, unacked; none was given back. The two
+        # failures that opened it wait in the outbox, their originals acked.
+        wait_until(lambda: broker.unacked() == 8, timeout=10, message="all kept in hand")
         assert broker.events("nack") == []
         service.request_stop()
         wait_until(lambda: not service.connected.is_set(), timeout=20, message="stopped")
     assert service.exit_code == 0
-    # The two failures that opened it became retry copies (the twin puts them straight back
-    # in the queue); they and the other eight went back at the stop, uncharged.
-    assert len(broker.events("retry_copy")) == 2
-    assert broker.ready(consumer.queue) == 10
+    # The eight went back at the stop, uncharged; the two retry copies wait their 30 s.
+    assert broker.ready(consumer.queue) == 8
+    assert OutboxMessage.objects.filter(status="scheduled").count() == 2

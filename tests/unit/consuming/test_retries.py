@@ -7,7 +7,7 @@ import pytest
 from reliable_messaging import PermanentError
 from reliable_messaging.consuming.retries import GiveUp, RetryLater, decide
 from reliable_messaging.core.backoff import Backoff
-from reliable_messaging.core.delays import delay_for, delay_name
+from reliable_messaging.core.delays import delay_for
 from reliable_messaging.core.outcomes import FailureReason
 
 DELAYS = (1.0, 5.0, 30.0)
@@ -60,14 +60,6 @@ def test_subclass_of_permanent_error_is_permanent() -> None:
         pass
 
     assert decide(CardDeclined(), attempt=1, max_attempts=5, delays=DELAYS) == GiveUp("permanent")
-
-
-@pytest.mark.parametrize(
-    ("delay", "name"),
-    [(0.2, "200ms"), (0.25, "250ms"), (1, "1s"), (1.0, "1s"), (1.5, "1500ms"), (600, "600s")],
-)
-def test_delay_name(delay: float, name: str) -> None:
-    assert delay_name(delay) == name
 
 
 def test_backoff_grows_to_its_cap_and_resets() -> None:

@@ -19,6 +19,8 @@ def batch(first_tag: int, count: int) -> Batch:
             routing_key="order.placed",
             body="{}",
             headers={},
+            raw_body=None,
+            raw_properties=None,
             ordering_key=None,
             attempts=0,
             created_at=dt.datetime(2026, 1, 1, tzinfo=dt.UTC),

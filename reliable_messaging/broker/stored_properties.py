@@ -1,0 +1,66 @@
+"""A retry copy's AMQP properties as the outbox keeps them: pika's own encoding.
+
+A retry waits in the outbox as a scheduled row (``docs/design.md#where-a-retry-waits``) and
+must go out as its original came in: JSON would lose a header's type (a timestamp, bytes, a
+decimal), so the row keeps the properties as the content header frame carries them, written
+and read by pika's codec (with :mod:`.codec`'s corrections).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pika
+from pika.spec import BasicProperties
+
+from ..core.envelope import CONTENT_TYPE, wire_headers
+
+# What is taken over from the original, besides its headers. ``user_id`` is not: the broker
+# closes the channel of a publish whose user_id is not the publishing connection's user.
+_KEPT = (
+    "content_type",
+    "content_encoding",
+    "priority",
+    "correlation_id",
+    "reply_to",
+    "expiration",
+    "message_id",
+    "timestamp",
+    "type",
+    "app_id",
+)
+
+
+def retry_properties(original: Any, headers: Mapping[str, Any]) -> bytes:
+    """The encoded properties of a retry copy of a delivery that came with ``original``
+    (pika's ``BasicProperties``, or any object with its attributes): the original's, persistent,
+    with ``headers`` (the retry headers) as pika can write them."""
+    kept = {name: getattr(original, name, None) for name in _KEPT}
+    kept["content_type"] = kept["content_type"] or CONTENT_TYPE
+    properties = BasicProperties(
+        **kept, delivery_mode=pika.DeliveryMode.Persistent, headers=wire_headers(headers)
+    )
+    return b"".join(properties.encode())
+
+
+def decoded_properties(encoded: bytes | memoryview) -> BasicProperties:
+    """The properties :func:`retry_properties` encoded."""
+    return BasicProperties().decode(bytes(encoded))
+
+
+def properties_to_send(encoded: bytes | memoryview, headers: Mapping[str, Any]) -> BasicProperties:
+    """The stored properties with ``headers`` (the relay's own, such as the row id) added."""
+    properties = decoded_properties(encoded)
+    properties.headers = {**(properties.headers or {}), **headers}
+    return properties
+
+
+def shown_properties(encoded: bytes | memoryview) -> dict[str, Any]:
+    """The stored properties as names and values, for a person to read (the admin)."""
+    properties = decoded_properties(encoded)
+    return {
+        name: value
+        for name in ("delivery_mode", *_KEPT, "headers")
+        if (value := getattr(properties, name, None)) is not None
+    }

@@ -1,0 +1,67 @@
+"""The relay ``consume`` runs beside its handlers, so that a deployment of consumers alone
+still sends what waits in the outbox: its retry copies first of all
+(``docs/design.md#where-a-retry-waits``).
+
+It is the relay of ``manage.py relay`` (one lane, on a thread of its own) with the upkeep of the
+outbox's partitions; rows are shared out with every other relay by ``SKIP LOCKED``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from django.db import connections, router
+
+from ..core.envelope import Delivery
+from ..core.liveness import HealthState
+from ..core.outcomes import Outcome, ScheduleRetry
+from ..core.registry import ConsumerSpec
+from ..models import OutboxMessage
+from ..publishing.relay import OutboxRelay, build_relay
+from ..publishing.wake_after_commit import sender
+from ..storage.partitions import OUTBOX, PartitionUpkeep
+
+logger = logging.getLogger("reliable_messaging.consume")
+
+# Seconds ``stop`` waits for the relay's batches in flight.
+STOP_TIMEOUT = 10.0
+
+
+class RelayBeside:
+    """A relay on a daemon thread, started and stopped with the consumer."""
+
+    def __init__(self) -> None:
+        self.relay: OutboxRelay = build_relay(health=HealthState())
+        self._upkeep = PartitionUpkeep(
+            router.db_for_write(OutboxMessage),
+            spec=OUTBOX,
+            retention=self.relay.settings.outbox_retention,
+            health=self.relay.health,
+        )
+        self._thread = threading.Thread(target=self._run, name="rm-relay", daemon=True)
+
+    def start(self) -> None:
+        self._upkeep.start()
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Finish the batches in flight (rows not confirmed by then are sent again later)."""
+        self.relay.request_stop()
+        self._thread.join(STOP_TIMEOUT)
+        self._upkeep.stop()
+
+    def _run(self) -> None:
+        try:
+            self.relay.run()
+        except Exception:
+            logger.exception("the relay beside the consumer stopped; the outbox waits for another")
+        finally:
+            connections.close_all()  # this thread's connections
+
+
+def wake_relays_on_retry(spec: ConsumerSpec, delivery: Delivery, outcome: Outcome) -> None:
+    """After a retry copy's commit (the consumer's ``on_outcome``): wake the relays, whose next
+    look at the scheduled rows may otherwise come after the copy is due."""
+    if isinstance(outcome, ScheduleRetry):
+        sender.request(router.db_for_write(OutboxMessage))
