@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
 import sys
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_DB = os.environ.get("RM_BENCH_DB", "rm_bench")
@@ -27,12 +30,72 @@ def psql(sql: str, *, check: bool = False) -> None:
     )
 
 
-def parse_builds(spec: str | None) -> dict[str, Path]:
-    """``--builds NAME=PATH,NAME=PATH``: source trees to run in turn; this checkout alone when
-    None."""
+@dataclass(frozen=True)
+class Build:
+    """A source tree to benchmark; with ``database``, on a database of its own that its own
+    migrations make (an older build's schema is not this checkout's), named ``bench_*``."""
+
+    root: Path
+    database: str | None = None
+
+
+def parse_build_list(spec: str | None) -> dict[str, Build]:
+    """``--builds NAME=PATH[@DATABASE],...``: source trees to run in turn, each on the bench
+    database or on its own; this checkout alone when None."""
     if not spec:
-        return {"this checkout": ROOT}
-    return {name: Path(path) for name, path in (item.split("=", 1) for item in spec.split(","))}
+        return {"this checkout": Build(ROOT)}
+    builds = {}
+    for item in spec.split(","):
+        name, _, where = item.partition("=")
+        path, _, database = where.partition("@")
+        if database and not database.startswith("bench_"):
+            raise SystemExit(
+                f"{database}: a build's own database is dropped and made again, "
+                "so its name must start with bench_"
+            )
+        builds[name] = Build(Path(path), database or None)
+    return builds
+
+
+def parse_builds(spec: str | None) -> dict[str, Path]:
+    """``--builds NAME=PATH,NAME=PATH`` for the benchmarks that run every build on the bench
+    database (so on this checkout's schema)."""
+    builds = parse_build_list(spec)
+    if any(build.database for build in builds.values()):
+        raise SystemExit("this benchmark runs every build on the bench database: no @DATABASE")
+    return {name: build.root for name, build in builds.items()}
+
+
+def build_side(build: Build, namespace: str, *args: str) -> dict[str, Any]:
+    """Run bench/_build_side.py's ``args`` in ``build``'s tree on its own database; its
+    answer."""
+    assert build.database is not None
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "_build_side.py"), *args],
+        env={
+            **os.environ,
+            "RM_TEST_NAMESPACE": namespace,
+            "DATABASE_URL": database_url_for(build.database),
+            "DJANGO_SETTINGS_MODULE": "tests.settings",
+            "PYTHONPATH": str(build.root),
+            "RM_LOG_LEVEL": "WARNING",
+        },
+        cwd="/tmp",  # not this checkout: the build's own package must be the one imported
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"{build.root}: _build_side.py {' '.join(args)}: {result.stderr}")
+    return json.loads(result.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def prepare_build_databases(builds: dict[str, Build], namespace: str) -> None:
+    """Each build with a database of its own gets it afresh, migrated by its own tree."""
+    for build in builds.values():
+        if build.database is not None:
+            recreate_database(build.database)
+            build_side(build, namespace, "migrate")
 
 
 def setup_django(namespace: str | None = None) -> str:

@@ -44,6 +44,7 @@ from typing import Any
 
 os.environ.setdefault("RM_BENCH_DB", "bench_whole")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import Build
 
 HERE = Path(__file__).resolve()
 
@@ -291,20 +292,20 @@ class Budget:
 
 
 def budget(
-    kind: str, namespace: str, exchange: str, queue: str, n: int, root: Path, parts: bool
+    kind: str, namespace: str, exchange: str, queue: str, n: int, build: Build, parts: bool
 ) -> Budget:
-    """A plain run of the process from the source tree ``root`` and, with ``parts``, a charged
+    """A plain run of the process from the build's source tree and, with ``parts``, a charged
     one (without, the plain run stands in for it and the parts are empty)."""
     import whole_process
 
     run = {"relay": whole_process.relay_run, "consume": whole_process.consume_run}[kind]
-    plain = run(namespace, exchange, queue, n, root=root)
-    print(f"  {root}: {plain.line()}", flush=True)
+    plain = run(namespace, exchange, queue, n, build=build)
+    print(f"  {build.root}: {plain.line()}", flush=True)
     if not parts:
         return Budget(plain, plain, {}, {})
     out = Path(f"/tmp/{namespace}.{kind}.charges.json")
     wrapper = [sys.executable, str(HERE), "--charged", str(out), kind]
-    charged = run(namespace, exchange, queue, n, wrapper, root=root)
+    charged = run(namespace, exchange, queue, n, wrapper, build=build)
     charges = json.loads(out.read_text())
     out.unlink()
     python = {
@@ -356,7 +357,7 @@ def show(kind: str, budgets: list[Budget]) -> dict[str, object]:
 
 
 def alternate_builds(
-    builds: dict[str, Path], rounds: int, measure: Callable[[Path], Budget]
+    builds: dict[str, Build], rounds: int, measure: Callable[[Build], Budget]
 ) -> dict[str, list[Budget]]:
     """``rounds`` rounds measuring each build, their order rotating from round to round."""
     names = list(builds)
@@ -401,23 +402,25 @@ def main() -> None:
     parser.add_argument("--only", choices=("relay", "consume"))
     parser.add_argument(
         "--builds",
-        help="compare source trees in the same run, NAME=PATH,NAME=PATH (e.g. a `git archive` "
-        "of the commit before a change, and this checkout): their rounds alternate, each "
-        "round prints its CPU ratios to the first",
+        help="compare source trees in the same run, NAME=PATH[@DATABASE],... (e.g. a `git "
+        "archive` of the commit before a change, and this checkout): their rounds alternate, "
+        "each round prints its CPU ratios to the first; a build with @DATABASE (bench_*, "
+        "dropped and made again) runs on a database of its own, made by its own migrations",
     )
     parser.add_argument(
         "--no-parts", action="store_true", help="plain runs only (the totals, for --builds)"
     )
     args = parser.parse_args()
-    from _common import parse_builds
+    from _common import parse_build_list, prepare_build_databases
 
-    builds = parse_builds(args.builds)
+    builds = parse_build_list(args.builds)
 
     import pika
     from _common import BROKER_URL, describe_machine, drop_sink, setup_django
     from whole_process import cleanup
 
     namespace = setup_django()
+    prepare_build_databases(builds, namespace)
     from reliable_messaging.broker.topology import declare_topology
     from reliable_messaging.conf import messaging_settings
     from reliable_messaging.testing import find_consumer
@@ -438,8 +441,8 @@ def main() -> None:
             rounds = alternate_builds(
                 builds,
                 args.rounds,
-                lambda root, kind=kind, queue=queue: budget(
-                    kind, namespace, exchange, queue, args.messages, root, not args.no_parts
+                lambda build, kind=kind, queue=queue: budget(
+                    kind, namespace, exchange, queue, args.messages, build, not args.no_parts
                 ),
             )
             result[kind] = {

@@ -29,6 +29,7 @@ everything else on the machine). Rounds alternate ours and the baseline, the ord
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -48,11 +49,16 @@ from _common import (
     BROKER_URL,
     DATABASE_URL,
     ROOT,
+    Build,
     backend_pids,
+    build_side,
     cpu_seconds,
+    database_url_for,
     declare_sink,
     describe_machine,
     drop_sink,
+    parse_build_list,
+    prepare_build_databases,
     setup_django,
     subprocess_env,
 )
@@ -176,15 +182,19 @@ def time_process(
     return Run(label, total - first[0], end - start, process_cpu, database_cpu)
 
 
-def process_env(namespace: str, root: Path = ROOT) -> dict[str, str]:
+THIS_CHECKOUT = Build(ROOT)
+
+
+def process_env(namespace: str, build: Build = THIS_CHECKOUT) -> dict[str, str]:
     """The environment of our processes: bench/_process_settings.py (persistent connections, as
     docs/deploy.md advises), warnings only in the log (no line per message); the package and
-    the test settings from the source tree ``root``."""
+    the test settings from the build's source tree, on its own database if it has one."""
     return subprocess_env(
         namespace,
         DJANGO_SETTINGS_MODULE="_process_settings",
-        PYTHONPATH=os.pathsep.join([str(HERE.parent), str(root)]),
+        PYTHONPATH=os.pathsep.join([str(HERE.parent), str(build.root)]),
         RM_LOG_LEVEL="WARNING",
+        DATABASE_URL=database_url_for(build.database) if build.database else DATABASE_URL,
     )
 
 
@@ -193,24 +203,10 @@ def process_env(namespace: str, root: Path = ROOT) -> dict[str, str]:
 
 def fill_outbox(rows: int, exchange: str) -> None:
     """An emptied outbox with ``rows`` rows from ``publish()``, 1,000 per transaction,
-    vacuumed (this server runs without autovacuum)."""
-    from django.db import connection, transaction
+    vacuumed (this server runs without autovacuum): bench/_build_side.py's, in this process."""
+    from _build_side import fill_outbox as fill
 
-    from reliable_messaging import publish
-    from reliable_messaging.models import OutboxMessage
-
-    with connection.cursor() as cursor:
-        cursor.execute(f"TRUNCATE {OutboxMessage._meta.db_table}")
-    for start in range(0, rows, 1000):
-        with transaction.atomic():
-            for i in range(start, min(rows, start + 1000)):
-                publish(
-                    "bench.order",
-                    {"order_id": i, "amount": "19.99", "customer": f"c{i % 97}"},
-                    exchange=exchange,
-                )
-    with connection.cursor() as cursor:
-        cursor.execute(f"VACUUM ANALYZE {OutboxMessage._meta.db_table}")
+    fill(rows, exchange)
 
 
 def queue_depth(queue: str) -> Callable[[], int]:
@@ -225,14 +221,18 @@ def relay_run(
     queue: str,
     n: int,
     wrapper: list[str] | None = None,
-    root: Path = ROOT,
+    build: Build = THIS_CHECKOUT,
 ) -> Run:
     """``manage.py relay`` (long-running, one lane, the default batch size) over ``n`` rows,
-    run from the source tree ``root``."""
-    fill_outbox(n, exchange)
+    run from the build's source tree (its outbox filled by its own ``publish()`` when it has
+    a database of its own)."""
+    if build.database is None:
+        fill_outbox(n, exchange)
+    else:
+        build_side(build, namespace, "fill-outbox", str(n), exchange)
     declare_sink(exchange, queue)
-    command = [*(wrapper or [sys.executable]), str(root / "manage.py"), "relay"]
-    env = process_env(namespace, root)
+    command = [*(wrapper or [sys.executable]), str(build.root / "manage.py"), "relay"]
+    env = process_env(namespace, build)
     return time_process(
         "manage.py relay",
         command,
@@ -313,11 +313,11 @@ def child_raw_publish(path: str, exchange: str) -> None:
 # --------------------------------------------------------------------------- consume
 
 
-def effects_of(consumer: str) -> Callable[[], int]:
+def effects_of(consumer: str, database_url: str = DATABASE_URL) -> Callable[[], int]:
     """How many rows of ``consumer`` testapp_effect holds, read on a connection of its own."""
     import psycopg
 
-    cursor = psycopg.connect(DATABASE_URL, autocommit=True).cursor()
+    cursor = psycopg.connect(database_url, autocommit=True).cursor()
 
     def count() -> int:
         cursor.execute("SELECT count(*) FROM testapp_effect WHERE consumer = %s", [consumer])
@@ -332,17 +332,18 @@ class Autoanalyze:
     is planned for the inbox's real size (planned for an empty one, it hashes the whole inbox
     on every claim)."""
 
-    def __init__(self) -> None:
+    def __init__(self, database_url: str = DATABASE_URL, inbox_table: str | None = None) -> None:
         import psycopg
 
-        self.cursor = psycopg.connect(DATABASE_URL, autocommit=True).cursor()
+        from reliable_messaging.storage.partitions import INBOX_TABLE
+
+        self.cursor = psycopg.connect(database_url, autocommit=True).cursor()
+        self.inbox_table = inbox_table or INBOX_TABLE
         self.next_at = 50
 
     def __call__(self, done: int) -> None:
-        from reliable_messaging.storage.partitions import INBOX_TABLE
-
         if done >= self.next_at:
-            self.cursor.execute(f"ANALYZE {INBOX_TABLE}")
+            self.cursor.execute(f"ANALYZE {self.inbox_table}")
             self.next_at = int(done * 1.1) + 50
 
 
@@ -365,28 +366,38 @@ def consume_run(
     queue: str,
     n: int,
     wrapper: list[str] | None = None,
-    root: Path = ROOT,
+    build: Build = THIS_CHECKOUT,
 ) -> Run:
     """``manage.py consume --queue <alpha>`` (the defaults: concurrency 1, batches on), run
-    from the source tree ``root``."""
-    prepare_consume(exchange, n, "app")
+    from the build's source tree (on its own database, with tests.alpha's queue declared by
+    its own topology, when it has one)."""
+    if build.database is None:
+        prepare_consume(exchange, n, "app")
+        database_url, inbox_table = DATABASE_URL, None
+    else:
+        build_side(build, namespace, "declare-alpha")
+        inbox_table = build_side(build, namespace, "empty-inbox")["emptied"]
+        database_url = database_url_for(build.database)
+        from consume import fill
+
+        fill(exchange, [f"app-{uuid.uuid4()}" for _ in range(n)], {"n": 1})
     command = [
         *(wrapper or [sys.executable]),
-        str(root / "manage.py"),
+        str(build.root / "manage.py"),
         "consume",
         "--queue",
         queue,
     ]
-    env = process_env(namespace, root)
+    env = process_env(namespace, build)
     return time_process(
         "manage.py consume",
         command,
         env,
-        effects_of("alpha"),
+        effects_of("alpha", database_url),
         n,
         poll=0.02,
         mark_window=wrapper is not None,
-        upkeep=Autoanalyze(),
+        upkeep=Autoanalyze(database_url, inbox_table),
     )
 
 
@@ -432,25 +443,31 @@ def child_raw_consume(queue: str, n: str, prefetch: str) -> None:
 
 
 def alternate(
-    runs: dict[str, Callable[[], Run]], rounds: int, ratio: tuple[str, str]
-) -> tuple[dict[str, list[Run]], list[float]]:
-    """``rounds`` rounds of ``runs``, their order rotating; each round's rate ratio."""
+    runs: dict[str, Callable[[], Run]], rounds: int, baseline: str
+) -> tuple[dict[str, list[Run]], dict[str, list[float]]]:
+    """``rounds`` rounds of ``runs``, their order rotating; each round's rate ratios: every
+    run to ``baseline`` and, with more than one other run, each to the first of them."""
     names = list(runs)
     results: dict[str, list[Run]] = {name: [] for name in names}
-    ratios: list[float] = []
+    ours = [name for name in names if name != baseline]
+    pairs = [(name, baseline) for name in ours] + [(name, ours[0]) for name in ours[1:]]
+    ratios: dict[str, list[float]] = {f"{top} / {bottom}": [] for top, bottom in pairs}
     for round_ in range(rounds):
         order = names[round_ % len(names) :] + names[: round_ % len(names)]
         for name in order:
             run = runs[name]()
             results[name].append(run)
-            print(f"  round {round_ + 1} {run.line()}", flush=True)
-        top, bottom = (results[name][-1].rate for name in ratio)
-        ratios.append(round(top / bottom, 3))
-        print(f"  round {round_ + 1} {ratio[0]} / {ratio[1]} = {ratios[-1]}", flush=True)
+            print(f"  round {round_ + 1} {name}: {run.line()}", flush=True)
+        for top, bottom in pairs:
+            value = round(results[top][-1].rate / results[bottom][-1].rate, 3)
+            ratios[f"{top} / {bottom}"].append(value)
+            print(f"  round {round_ + 1} {top} / {bottom} = {value}", flush=True)
     return results, ratios
 
 
-def summary(results: dict[str, list[Run]], ratios: list[float], label: str) -> dict[str, object]:
+def summary(
+    results: dict[str, list[Run]], ratios: dict[str, list[float]], label: str
+) -> dict[str, object]:
     out: dict[str, object] = {"ratios": ratios}
     for name, runs in results.items():
         out[name] = {
@@ -463,7 +480,8 @@ def summary(results: dict[str, list[Run]], ratios: list[float], label: str) -> d
             f"process {statistics.median(r.process_us for r in runs):.0f} us, PostgreSQL "
             f"{statistics.median(r.database_us for r in runs):.0f} us (medians)"
         )
-    print(f"{label} ratio ours/raw per round: {ratios}")
+    for pair, values in ratios.items():
+        print(f"{label} rate ratio {pair} per round: {values}")
     return out
 
 
@@ -487,6 +505,13 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=20000)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--only", choices=("relay", "consume"))
+    parser.add_argument(
+        "--builds",
+        help="source trees to run in turn with the raw baselines, NAME=PATH[@DATABASE],...: "
+        "a build with @DATABASE (named bench_*, dropped and made again) runs on a database of "
+        "its own, migrated, filled and emptied by its own code (an older build's schema); "
+        "each round prints every build's ratio to the raw baseline and to the first build",
+    )
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -498,6 +523,13 @@ def main() -> None:
     from reliable_messaging.conf import messaging_settings
     from reliable_messaging.testing import find_consumer
 
+    chosen = parse_build_list(args.builds) if args.builds else None
+    prepare_build_databases(chosen or {}, namespace)
+
+    def ours(kind: str) -> dict[str, Build]:
+        """The builds to run, named after the process when this checkout runs alone."""
+        return chosen or {kind: THIS_CHECKOUT}
+
     n = args.messages
     exchange = messaging_settings.exchange
     sink = f"{namespace}.sink"
@@ -506,11 +538,12 @@ def main() -> None:
     result: dict[str, object] = {"machine": describe_machine(), "messages": n}
     try:
         if args.only in (None, "relay"):
-            runs = {
-                "relay": lambda: relay_run(namespace, exchange, sink, n),
-                "raw": lambda: raw_publish_run(namespace, exchange, sink, n),
+            runs: dict[str, Callable[[], Run]] = {
+                name: functools.partial(relay_run, namespace, exchange, sink, n, build=build)
+                for name, build in ours("relay").items()
             }
-            result["relay"] = summary(*alternate(runs, args.rounds, ("relay", "raw")), "relay")
+            runs["raw"] = lambda: raw_publish_run(namespace, exchange, sink, n)
+            result["relay"] = summary(*alternate(runs, args.rounds, "raw"), "relay")
         if args.only in (None, "consume"):
             from reliable_messaging.broker.topology import declare_topology
 
@@ -518,12 +551,11 @@ def main() -> None:
             declare_topology(connection.channel(), [find_consumer("tests.alpha")])
             connection.close()
             runs = {
-                "consume": lambda: consume_run(namespace, exchange, alpha, n),
-                "raw": lambda: raw_consume_run(namespace, exchange, alpha, n),
+                name: functools.partial(consume_run, namespace, exchange, alpha, n, build=build)
+                for name, build in ours("consume").items()
             }
-            result["consume"] = summary(
-                *alternate(runs, args.rounds, ("consume", "raw")), "consume"
-            )
+            runs["raw"] = lambda: raw_consume_run(namespace, exchange, alpha, n)
+            result["consume"] = summary(*alternate(runs, args.rounds, "raw"), "consume")
     finally:
         drop_sink(None, sink)
         cleanup(namespace)

@@ -1,8 +1,10 @@
 """A publisher with confirms on pika's ``SelectConnection``: the relay's transport only.
 
-The relay sees it through :class:`PublisherTransport` and hears the broker through
-:class:`PublisherEvents` (``docs/design.md#the-relay-a-pipeline-with-publisher-confirms``, the
-transport seam). Every method runs on the I/O loop's thread, except ``post``.
+Its messages' frames are encoded by broker/publish_frames.py, byte for byte as pika's
+``basic_publish`` would, and written on pika's connection as pika writes them. The relay sees
+it through :class:`PublisherTransport` and hears the broker through :class:`PublisherEvents`
+(``docs/design.md#the-relay-a-pipeline-with-publisher-confirms``, the transport seam). Every
+method runs on the I/O loop's thread, except ``post``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ..conf import MessagingSettings
 from ..core.envelope import CONTENT_TYPE
 from ..core.priorities import priority_of_headers
 from .probes import ExchangeProbe
+from .publish_frames import PublishFrames
 from .queues import scrub_broker_secrets
 from .stored_properties import properties_to_send
 from .topology import connection_parameters
@@ -191,6 +194,21 @@ def publish_properties(
     return message_properties(message_id, timestamp, headers)
 
 
+def publish_frames_for(connection: Any, channel: Any) -> PublishFrames | None:
+    """The frame encoder for ``channel``, or None (publish through ``basic_publish``) when the
+    pika internals it writes through are not the ones it knows."""
+    body_max = getattr(connection, "_body_max_length", None)
+    if not (isinstance(body_max, int) and body_max > 0):
+        return None
+    known = (
+        isinstance(getattr(connection, "bytes_sent", None), int)
+        and isinstance(getattr(connection, "frames_sent", None), int)
+        and callable(getattr(connection, "_adapter_emit_data", None))
+        and callable(getattr(channel, "_raise_if_not_open", None))
+    )
+    return PublishFrames(channel.channel_number, body_max) if known else None
+
+
 class ConfirmingPublisher:
     """The :class:`PublisherTransport` over pika."""
 
@@ -201,6 +219,8 @@ class ConfirmingPublisher:
         self.name = name
         self._connection: pika.SelectConnection | None = None
         self._channel: pika.channel.Channel | None = None
+        # The open channel's frame encoder; None where this pika is not one it knows.
+        self._frames: PublishFrames | None = None
         self._next_tag = 1
         # Broker URLs not yet tried in this round of connects (see run).
         self._brokers: list[pika.URLParameters] = []
@@ -287,15 +307,44 @@ class ConfirmingPublisher:
         headers: dict[str, Any],
         stored_properties: bytes | None = None,
     ) -> int:
-        assert self._channel is not None
-        properties = publish_properties(message_id, timestamp, headers, stored_properties)
-        try:
-            self._channel.basic_publish(exchange, routing_key, body, properties, mandatory=True)
-        except ENCODING_ERRORS as exc:
-            raise Unencodable(exc) from exc
+        channel = self._channel
+        assert channel is not None
+        frames = self._frames
+        if frames is None or stored_properties is not None:
+            # A retry copy's stored properties go as they are, through pika.
+            properties = publish_properties(message_id, timestamp, headers, stored_properties)
+            try:
+                channel.basic_publish(exchange, routing_key, body, properties, mandatory=True)
+            except ENCODING_ERRORS as exc:
+                raise Unencodable(exc) from exc
+        else:
+            channel._raise_if_not_open()  # type: ignore[attr-defined]  # as basic_publish does
+            try:
+                encoded = frames.encode(
+                    exchange,
+                    routing_key,
+                    body,
+                    message_id=message_id,
+                    timestamp=timestamp,
+                    headers=headers,
+                    priority=priority_of_headers(headers),
+                )
+            except ENCODING_ERRORS as exc:
+                raise Unencodable(exc) from exc
+            self._write(encoded)  # only once the whole message is encoded
         tag = self._next_tag
         self._next_tag += 1
         return tag
+
+    def _write(self, frames: list[bytes]) -> None:
+        """Hand a message's frames to the connection as pika's ``_output_marshaled_frames``
+        does, in one buffer: its counts of bytes and frames sent (which its heartbeats read)
+        move as they would."""
+        connection: Any = self._connection
+        data = frames[0] if len(frames) == 1 else b"".join(frames)
+        connection.bytes_sent += len(data)
+        connection.frames_sent += len(frames)
+        connection._adapter_emit_data(data)
 
     def flush(self) -> None:
         """A few writes instead of three a message (see write_coalescing)."""
@@ -363,6 +412,7 @@ class ConfirmingPublisher:
 
     def _on_channel_open(self, channel: pika.channel.Channel) -> None:
         self._channel = channel
+        self._frames = publish_frames_for(self._connection, channel)
         self._next_tag = 1
         channel.add_on_close_callback(self._on_channel_closed)
         channel.add_on_return_callback(self._on_return)

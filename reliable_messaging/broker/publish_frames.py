@@ -1,0 +1,174 @@
+"""The frames of the relay's ``basic.publish``, encoded in one step, byte for byte as pika's.
+
+pika's ``basic_publish`` builds a method object, a properties object and three frame objects per
+message, and encodes every short string and header entry through a chain of calls: about 25 µs
+of the relay's CPU per message (docs/benchmarks.md, the CPU budget). Here the method frame is
+encoded once per (exchange, routing key), the constant properties once, and the header table's
+common values (strings, integers, booleans, None) inline; every other value goes through
+``pika.data.encode_value``, pika's own encoder as broker/codec.py corrects it. What it writes,
+and how, is what pika's ``Connection._send_message`` does: the method, header and body frames
+(bodies split at the connection's frame size) handed to the connection's transport, its byte and
+frame counts (which its heartbeats read) kept.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import pika.data
+import pika.exceptions
+import pika.spec
+from pika.spec import BasicProperties
+
+from ..core.envelope import CONTENT_TYPE
+
+_FRAME_END = b"\xce"
+_FRAME = struct.Struct(">BHI")  # type, channel, payload size
+_METHOD_FRAME = 1
+_HEADER_FRAME = 2
+_BODY_FRAME = 3
+# The content header's class (basic), weight (0) and body size, then the property flags.
+_CONTENT_HEADER = struct.Struct(">HHQH")
+_PUBLISH_METHOD = struct.pack(">IH", pika.spec.Basic.Publish.INDEX, 0)  # ticket 0
+_MANDATORY = b"\x01"  # the bits octet: mandatory, not immediate
+_INT32 = struct.Struct(">cI")
+_LONG_LONG = struct.Struct(">cq")
+_SIGNED_INT = struct.Struct(">ci")
+_UINT64 = struct.Struct(">Q")
+
+# The properties every message of the relay has, in wire order around its headers: JSON,
+# persistent; the priority only when its headers ask for one.
+_FLAGS = (
+    BasicProperties.FLAG_CONTENT_TYPE
+    | BasicProperties.FLAG_HEADERS
+    | BasicProperties.FLAG_DELIVERY_MODE
+    | BasicProperties.FLAG_MESSAGE_ID
+    | BasicProperties.FLAG_TIMESTAMP
+)
+_PERSISTENT = bytes([pika.DeliveryMode.Persistent.value])
+# Method frames kept per (exchange, routing key); cleared past this many (a relay sends to few).
+_METHOD_FRAMES_KEPT = 4096
+
+
+def short_string(value: str | bytes) -> bytes:
+    """An AMQP short string as pika encodes it (``ShortStringTooLong`` past 255 bytes)."""
+    raw = value if isinstance(value, bytes) else value.encode("utf-8")
+    if len(raw) > 255:
+        raise pika.exceptions.ShortStringTooLong(raw)
+    return bytes((len(raw),)) + raw
+
+
+_CONTENT_TYPE = short_string(CONTENT_TYPE)
+
+
+def field_table(table: dict[Any, Any]) -> bytes:
+    """``table`` as an AMQP field table, its size first, as ``pika.data.encode_table`` writes it.
+
+    Values of exactly the types ``str``, ``int`` (32 or 64 bits), ``bool`` and ``None`` are
+    written here; any other (a float, a subclass, a nested table, a list) by
+    ``pika.data.encode_value``, looked up at each call as pika's own table encoder does."""
+    pieces: list[bytes] = [b""]
+    append = pieces.append
+    size = 0
+    for key, value in table.items():
+        name = short_string(key)
+        append(name)
+        size += len(name)
+        kind = type(value)
+        if kind is str:
+            raw = value.encode("utf-8")
+            append(_INT32.pack(b"S", len(raw)))
+            append(raw)
+            size += 5 + len(raw)
+        elif kind is int and -0x80000000 <= value <= 0x7FFFFFFF:
+            append(_SIGNED_INT.pack(b"I", value))
+            size += 5
+        elif kind is int and -0x8000000000000000 <= value <= 0x7FFFFFFFFFFFFFFF:
+            append(_LONG_LONG.pack(b"l", value))
+            size += 9
+        elif kind is bool:
+            append(b"t\x01" if value else b"t\x00")
+            size += 2
+        elif value is None:
+            append(b"V")
+            size += 1
+        else:
+            size += pika.data.encode_value(pieces, value)
+    pieces[0] = struct.pack(">I", size)
+    return b"".join(pieces)
+
+
+class PublishFrames:
+    """Encodes the relay's messages for one channel; a body goes in frames of at most
+    ``body_max`` bytes (pika's ``Connection._body_max_length``: frame_max less a frame's 8 bytes
+    of framing)."""
+
+    def __init__(self, channel_number: int, body_max: int) -> None:
+        self.channel_number = channel_number
+        self.body_max = body_max
+        self._methods: dict[tuple[str, str], bytes] = {}
+
+    def method_frame(self, exchange: str, routing_key: str) -> bytes:
+        """The ``basic.publish`` frame (mandatory) for this exchange and routing key."""
+        key = (exchange, routing_key)
+        frame = self._methods.get(key)
+        if frame is None:
+            payload = (
+                _PUBLISH_METHOD + short_string(exchange) + short_string(routing_key) + _MANDATORY
+            )
+            frame = _FRAME.pack(_METHOD_FRAME, self.channel_number, len(payload))
+            frame += payload + _FRAME_END
+            if len(self._methods) >= _METHOD_FRAMES_KEPT:
+                self._methods.clear()
+            self._methods[key] = frame
+        return frame
+
+    def encode(
+        self,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        *,
+        message_id: str,
+        timestamp: int,
+        headers: dict[Any, Any],
+        priority: int | None,
+    ) -> list[bytes]:
+        """The frames of one message, as pika's ``basic_publish`` with
+        ``message_properties(message_id, timestamp, headers)`` would write them (the priority
+        is the one those properties carry). Raises what pika raises for what it cannot encode,
+        before anything is written."""
+        method = self.method_frame(exchange, routing_key)
+        table = field_table(headers)
+        tail = short_string(message_id) + _UINT64.pack(timestamp)
+        if priority is None:
+            flags = _FLAGS
+            middle = _PERSISTENT
+        else:
+            flags = _FLAGS | BasicProperties.FLAG_PRIORITY
+            middle = _PERSISTENT + bytes((priority,))
+        length = len(body)
+        payload_size = _CONTENT_HEADER.size + len(_CONTENT_TYPE) + len(table) + len(middle)
+        payload_size += len(tail)
+        channel = self.channel_number
+        frames = [
+            method,
+            _FRAME.pack(_HEADER_FRAME, channel, payload_size)
+            + _CONTENT_HEADER.pack(BasicProperties.INDEX, 0, length, flags)
+            + _CONTENT_TYPE
+            + table
+            + middle
+            + tail
+            + _FRAME_END,
+        ]
+        body_max = self.body_max
+        if length <= body_max:
+            if length:
+                frames.append(_FRAME.pack(_BODY_FRAME, channel, length) + body + _FRAME_END)
+            return frames
+        view = memoryview(body)
+        for start in range(0, length, body_max):
+            chunk = view[start : start + body_max]
+            frames.append(_FRAME.pack(_BODY_FRAME, channel, len(chunk)) + chunk + _FRAME_END)
+        return frames
