@@ -61,6 +61,19 @@ def short_string(value: str | bytes) -> bytes:
 
 _CONTENT_TYPE = short_string(CONTENT_TYPE)
 
+# Header names as short strings: a relay sends the same few names on every message.
+_NAMES: dict[str, bytes] = {}
+_NAMES_KEPT = 1024
+
+
+def _name(key: Any) -> bytes:
+    name = _NAMES.get(key) if type(key) is str else None
+    if name is None:
+        name = short_string(key)
+        if type(key) is str and len(_NAMES) < _NAMES_KEPT:
+            _NAMES[key] = name
+    return name
+
 
 def field_table(table: dict[Any, Any]) -> bytes:
     """``table`` as an AMQP field table, its size first, as ``pika.data.encode_table`` writes it.
@@ -72,7 +85,9 @@ def field_table(table: dict[Any, Any]) -> bytes:
     append = pieces.append
     size = 0
     for key, value in table.items():
-        name = short_string(key)
+        name = _NAMES.get(key) if type(key) is str else None
+        if name is None:
+            name = _name(key)
         append(name)
         size += len(name)
         kind = type(value)
