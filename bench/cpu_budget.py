@@ -56,7 +56,7 @@ PARTS: dict[str, dict[str, tuple[str, ...]]] = {
         "claim (select due rows, park, lock)": (
             "reliable_messaging.publishing.claims:OutboxClaims.claim",
         ),
-        "encoding (headers, properties, pika frames)": (
+        "encoding (headers, properties, frames)": (
             "reliable_messaging.publishing.in_flight:InFlight.publish",
         ),
         "socket write": (

@@ -2,7 +2,7 @@
 consume``, each against its raw baseline in the same run, with the CPU each spends per message.
 
     RM_BENCH_DB=bench_whole .venv/bin/python bench/whole_process.py [--messages 20000]
-        [--rounds 2] [--only relay|consume]
+        [--rounds 2] [--only relay|consume] [--builds NAME=PATH[@DATABASE],...]
 
 Relay: ``--messages`` rows are published with ``publish()`` (1,000 per transaction) into an
 emptied outbox, vacuumed; then ``manage.py relay`` (not ``--once``) starts and sends them to a
@@ -24,6 +24,14 @@ PostgreSQL backends (found in ``pg_stat_activity`` by the ``application_name`` t
 ``PGAPPNAME`` gives every connection it opens) are read from /proc; the difference over the
 messages in between is the CPU per message. The broker's CPU is not counted (it is shared with
 everything else on the machine). Rounds alternate ours and the baseline, the order rotating.
+
+``--builds``: several source trees (``git archive`` of a commit) run in turn with the baselines,
+each round giving every build's ratio to the baseline and to the first build. A build with
+``@DATABASE`` (a name starting ``bench_``, dropped and made again) runs on a database of its own,
+which its own migrations make and its own code fills (bench/_build_side.py: its ``publish()``,
+its inbox table, tests.alpha's queue declared by its own topology), so that a build whose schema
+differs from this checkout's (the one before issues 33 to 40, say) runs beside it. Give every
+build a database then: tests.alpha's queue is declared again by each build's own code.
 """
 
 from __future__ import annotations
