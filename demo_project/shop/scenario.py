@@ -222,10 +222,11 @@ def send_offers(count: int, expires: float) -> list[str]:
     ]
 
 
-def consume_worker(name: str) -> Worker:
+def consume_worker(name: str, *, relay: bool = True) -> Worker:
     # SQLite has a single writer: more handler threads would only queue for its lock.
     concurrency = 1 if connection.vendor == "sqlite" else 4
-    return Worker.manage(name, ["consume", "--concurrency", str(concurrency)], LOG_DIR)
+    args = ["consume", "--concurrency", str(concurrency), *([] if relay else ["--no-relay"])]
+    return Worker.manage(name, args, LOG_DIR)
 
 
 def start_workers() -> list[Worker]:
@@ -312,7 +313,8 @@ def run_celery_part(
     when it did)."""
     # Prefork, Celery's default pool; two processes so a relay run and emails overlap.
     celery = Worker.celery("celery", LOG_DIR, concurrency=2)
-    workers = [celery, consume_worker("consume-2")]
+    # Beat's relay_outbox is the only relay here: the consumer runs none beside its handlers.
+    workers = [celery, consume_worker("consume-2", relay=False)]
     asked: list[int] = []  # orders whose receipt email was asked for
     calls: list[int] = []  # one per email_receipt.delay()
     try:
