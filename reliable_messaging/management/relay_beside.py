@@ -45,6 +45,16 @@ class RelayBeside:
         self._upkeep.start()
         self._thread.start()
 
+    def problems(self) -> list[str]:
+        """Why the relay is not doing its work now (empty when it is): a reason of ``consume``'s
+        ``/healthz``, whose retry copies wait for a relay."""
+        if self.relay.stopping():
+            return []
+        if self._thread.ident is not None and not self._thread.is_alive():
+            return ["the relay beside the handlers stopped: the outbox waits for another relay"]
+        healthy, reasons = self.relay.health.check()
+        return [] if healthy else [f"the relay beside the handlers: {r}" for r in reasons]
+
     def stop(self) -> None:
         """Finish the batches in flight (rows not confirmed by then are sent again later)."""
         self.relay.request_stop()

@@ -126,6 +126,7 @@ class Command(BaseCommand):
         # Retry copies wait in the outbox: a relay sends them, this one if no other runs.
         relay = RelayBeside() if options["relay"] else None
         if relay is not None:
+            health.add_problem_source(relay.problems)
             relay.start()
         try:
             code = service.run()
