@@ -56,9 +56,12 @@ class OutboxListener:
             listen_conninfo(using, dsn), autocommit=True, prepare_threshold=None
         )
         self.connection.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        # Kept: once the server is gone psycopg raises for the socket it still holds, and the
+        # I/O loop must still be told to stop watching it.
+        self._fd = self.connection.fileno()
 
     def fileno(self) -> int:
-        return self.connection.fileno()
+        return self._fd
 
     def drain(self) -> list[str]:
         """The payloads of the notifications that arrived (``""`` for a plain wake-up)."""

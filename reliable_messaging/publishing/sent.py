@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.db import DatabaseError, connections
-from django.db.models import DurationField, Value
+from django.db.models import Case, DurationField, F, Value, When
 from django.db.models.functions import Now
 from django.utils import timezone
 
@@ -248,6 +248,13 @@ def record_outcome(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+# A retry copy's key guards only against a second copy waiting beside it (managers'
+# schedule_copy): once sent it is dropped, so that the copy an original handed back after a
+# lost ack may add can be marked sent too (the sent side's unique index would refuse it, and
+# with it the whole batch's record).
+_KEPT_KEY = Case(When(raw_properties__isnull=False, then=Value(None)), default=F("idempotency_key"))
+
+
 def _write_outcome(outcome: BatchOutcome, leased: bool, using: str, max_attempts: int) -> None:
     # Marking a row sent moves it to the sent side of the partitioned outbox.
     outbox = OutboxMessage.objects.using(using).filter(status__in=UNSENT)
@@ -256,13 +263,14 @@ def _write_outcome(outcome: BatchOutcome, leased: bool, using: str, max_attempts
         ensure_covered(using, timezone.now(), OUTBOX)
     if outcome.sent:
         outbox.filter(pk__in=any_id_of(using, outcome.sent)).update(
-            status=OutboxStatus.SENT, sent_at=Now(), last_error=""
+            status=OutboxStatus.SENT, sent_at=Now(), last_error="", idempotency_key=_KEPT_KEY
         )
     if outcome.unrouted:
         outbox.filter(pk__in=any_id_of(using, (row.pk for row in outcome.unrouted))).update(
             status=OutboxStatus.UNROUTED,
             sent_at=Now(),
             last_error="no queue was bound for its routing key when it was sent",
+            idempotency_key=_KEPT_KEY,
         )
     for row in outcome.claimed:
         error = outcome.failures.get(row.pk)

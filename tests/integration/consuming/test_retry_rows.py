@@ -238,3 +238,29 @@ def test_an_original_handed_back_after_its_copy_fell_due_adds_no_second_copy() -
     assert promote_due("default", due_by=later) == 0
     rows = OutboxMessage.objects.filter(message_id="lost-ack-1")
     assert list(rows.values_list("status", flat=True)) == [OutboxStatus.PENDING]
+
+
+def test_a_second_copy_after_the_first_was_sent_is_marked_sent_too() -> None:
+    """A lost ack hands the original back after its copy was sent: the second copy is written
+    (a sent copy is not looked for) and, once sent, recorded as sent beside the first, whose
+    key the sent side's unique index would otherwise hold against it (the batch's record
+    failed, and its rows went out again and again)."""
+    from reliable_messaging.publishing.scheduled import promote_due
+    from reliable_messaging.publishing.sent import BatchOutcome, _write_outcome
+
+    copy = {
+        "message_id": "lost-ack-2",
+        "queue": "billing",
+        "body": b"{}",
+        "properties": b"",
+        "delay": 0.0,
+        "idempotency_key": "rm-retry:lost-ack-2",
+    }
+    rows = OutboxMessage.objects.filter(message_id="lost-ack-2")
+    later = dt.datetime.now(dt.UTC) + dt.timedelta(minutes=1)
+    for _ in range(2):
+        OutboxMessage.objects.schedule_copy(**copy)
+        assert promote_due("default", due_by=later) == 1
+        (pending,) = rows.filter(status=OutboxStatus.PENDING).values_list("pk", flat=True)
+        _write_outcome(BatchOutcome(claimed=[], sent=[pending]), False, "default", 5)
+    assert list(rows.values_list("status", flat=True)) == [OutboxStatus.SENT] * 2
