@@ -33,11 +33,17 @@ class HealthState:
         # More reasons to be unhealthy, asked at each check; and notes that do not fail it.
         self._problems: list[Callable[[], list[str]]] = []
         self._notes: dict[str, str] = {}
+        self._note_sources: list[Callable[[], list[str]]] = []
 
     def add_problem_source(self, source: Callable[[], list[str]]) -> None:
         """``source()`` returns reasons the process is unhealthy now (empty when it is not)."""
         with self._lock:
             self._problems.append(source)
+
+    def add_note_source(self, source: Callable[[], list[str]]) -> None:
+        """``source()`` returns more notes ``/healthz`` shows without failing."""
+        with self._lock:
+            self._note_sources.append(source)
 
     def set_broker(self, connected: bool) -> None:
         with self._lock:
@@ -53,7 +59,10 @@ class HealthState:
 
     def notes(self) -> list[str]:
         with self._lock:
-            return list(self._notes.values())
+            notes, sources = list(self._notes.values()), list(self._note_sources)
+        for source in sources:
+            notes.extend(source())
+        return notes
 
     def set_database(self, ok: bool, detail: str | None = None) -> None:
         with self._lock:

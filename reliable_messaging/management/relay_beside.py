@@ -55,6 +55,11 @@ class RelayBeside:
         healthy, reasons = self.relay.health.check()
         return [] if healthy else [f"the relay beside the handlers: {r}" for r in reasons]
 
+    def notes(self) -> list[str]:
+        """What the relay notes without failing (a broker alarm blocking its publishing, say),
+        for ``consume``'s ``/healthz``."""
+        return [f"the relay beside the handlers: {note}" for note in self.relay.health.notes()]
+
     def stop(self) -> None:
         """Finish the batches in flight (rows not confirmed by then are sent again later)."""
         self.relay.request_stop()

@@ -127,6 +127,7 @@ class Command(BaseCommand):
         relay = RelayBeside() if options["relay"] else None
         if relay is not None:
             health.add_problem_source(relay.problems)
+            health.add_note_source(relay.notes)
             relay.start()
         try:
             code = service.run()

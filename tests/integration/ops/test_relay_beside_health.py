@@ -33,3 +33,17 @@ def test_a_consumer_whose_relay_stopped_is_not_healthy(monkeypatch: pytest.Monke
     finally:
         beside.stop()
     assert beside.problems() == [], "a relay stopped with its consumer is no problem"
+
+
+def test_what_the_relay_notes_shows_on_the_consumers_healthz() -> None:
+    """A broker alarm blocking the relay's publishing is a note of the consumer's too (it does
+    not fail the check: the handlers go on), as the retry copies wait for that relay."""
+    beside = RelayBeside()
+    health = HealthState()
+    health.set_broker(True)
+    health.add_note_source(beside.notes)
+    beside.relay.health.note("blocked", "the broker blocks publishing (low on memory)")
+    assert health.check() == (True, [])
+    assert health.notes() == [
+        "the relay beside the handlers: the broker blocks publishing (low on memory)"
+    ]
