@@ -33,7 +33,6 @@ _CONTENT_HEADER = struct.Struct(">HHQH")
 _PUBLISH_METHOD = struct.pack(">IH", pika.spec.Basic.Publish.INDEX, 0)  # ticket 0
 _MANDATORY = b"\x01"  # the bits octet: mandatory, not immediate
 _INT32 = struct.Struct(">cI")
-_LONG_LONG = struct.Struct(">cq")
 _SIGNED_INT = struct.Struct(">ci")
 _UINT64 = struct.Struct(">Q")
 
@@ -78,9 +77,10 @@ def _name(key: Any) -> bytes:
 def field_table(table: dict[Any, Any]) -> bytes:
     """``table`` as an AMQP field table, its size first, as ``pika.data.encode_table`` writes it.
 
-    Values of exactly the types ``str``, ``int`` (32 or 64 bits), ``bool`` and ``None`` are
-    written here; any other (a float, a subclass, a nested table, a list) by
-    ``pika.data.encode_value``, looked up at each call as pika's own table encoder does."""
+    Values of exactly the types ``str``, ``int`` (32 bits), ``bool`` and ``None`` are written
+    here; any other (a 64-bit int, whose type letter pika 1.3.0 writes otherwise than later
+    releases, a float, a subclass, a nested table, a list) by ``pika.data.encode_value``,
+    looked up at each call as pika's own table encoder does."""
     pieces: list[bytes] = [b""]
     append = pieces.append
     size = 0
@@ -99,9 +99,6 @@ def field_table(table: dict[Any, Any]) -> bytes:
         elif kind is int and -0x80000000 <= value <= 0x7FFFFFFF:
             append(_SIGNED_INT.pack(b"I", value))
             size += 5
-        elif kind is int and -0x8000000000000000 <= value <= 0x7FFFFFFFFFFFFFFF:
-            append(_LONG_LONG.pack(b"l", value))
-            size += 9
         elif kind is bool:
             append(b"t\x01" if value else b"t\x00")
             size += 2

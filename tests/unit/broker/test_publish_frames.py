@@ -160,11 +160,14 @@ def test_what_pika_cannot_encode_is_refused_alike(
 ) -> None:
     exchange, routing_key, message_id, timestamp, headers = case
     args = (exchange, routing_key, b"{}", message_id, timestamp, headers)
-    with pytest.raises(ENCODING_ERRORS) as theirs:
-        pika_frames(*args)
-    with pytest.raises(ENCODING_ERRORS) as ours:
-        our_frames(*args)
-    assert type(ours.value) is type(theirs.value)
+    try:
+        frames = pika_frames(*args)
+    except ENCODING_ERRORS as theirs:
+        with pytest.raises(ENCODING_ERRORS) as ours:
+            our_frames(*args)
+        assert type(ours.value) is type(theirs)
+    else:  # pika 1.3.0 writes 2**63 as an unsigned 64-bit int; later releases refuse it
+        assert our_frames(*args) == frames
 
 
 def test_the_table_alone_is_pikas_table() -> None:
