@@ -693,33 +693,22 @@ class OutboxMessageQuerySet(BatchDeletingQuerySet):
             unsent = [OutboxStatus.SCHEDULED, OutboxStatus.PENDING, OutboxStatus.FAILED]
             if self.filter(idempotency_key=idempotency_key, status__in=unsent).exists():
                 return
-            self._insert_copy(message_id, queue, body, properties, delay, idempotency_key)
-
-    def _insert_copy(
-        self,
-        message_id: str,
-        queue: str,
-        body: bytes,
-        properties: bytes,
-        delay: float,
-        idempotency_key: str,
-    ) -> None:
-        due = Now() + Value(dt.timedelta(seconds=delay), output_field=DurationField())
-        row = self.model(
-            message_id=message_id,
-            exchange="",
-            routing_key=queue,
-            body="",
-            headers={},
-            raw_body=body,
-            raw_properties=properties,
-            idempotency_key=idempotency_key,
-            status=OutboxStatus.SCHEDULED,
-            next_attempt_at=due,
-            deliver_at=due,
-            created_at=Now(),
-        )
-        self.bulk_create([row], ignore_conflicts=True)
+            due = Now() + Value(dt.timedelta(seconds=delay), output_field=DurationField())
+            row = self.model(
+                message_id=message_id,
+                exchange="",
+                routing_key=queue,
+                body="",
+                headers={},
+                raw_body=body,
+                raw_properties=properties,
+                idempotency_key=idempotency_key,
+                status=OutboxStatus.SCHEDULED,
+                next_attempt_at=due,
+                deliver_at=due,
+                created_at=Now(),
+            )
+            self.bulk_create([row], ignore_conflicts=True)
 
 
 # -- bulk operations on dead letters -----------------------------------------------------------
