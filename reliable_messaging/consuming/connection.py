@@ -109,8 +109,19 @@ class ConnectionThread:
                     describe_broker_error(exc, self.settings),
                     wait,
                 )
-                self._stop.wait(wait)
+                self._wait_alive(wait)
         return self.exit_code
+
+    def _wait_alive(self, seconds: float) -> None:
+        """Wait to reconnect; the loop is alive meanwhile, not stuck (``/healthz``)."""
+        end = time.monotonic() + seconds
+        while not self._stop.is_set():
+            if self.health is not None:
+                self.health.heartbeat()
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            self._stop.wait(min(0.2, left))
 
     def set_connected(self, connected: bool) -> None:
         (self.connected.set if connected else self.connected.clear)()

@@ -22,11 +22,12 @@ from django.test import override_settings
 from reliable_messaging import Breaker, Message
 from reliable_messaging.consuming.service import ConsumerService
 from reliable_messaging.core.envelope import ORDERING_KEY_HEADER, Delivery
+from reliable_messaging.core.liveness import HealthState
 from reliable_messaging.core.outcomes import Acknowledge, Outcome
 from reliable_messaging.core.registry import ConsumerSpec
 from reliable_messaging.models import OutboxMessage
 from reliable_messaging.publishing.relay import build_relay
-from reliable_messaging.testing_broker import StubPublisher, StubTransport
+from reliable_messaging.testing_broker import StubConnectionLost, StubPublisher, StubTransport
 from tests.support import wait_until
 from tests.testapp.models import Effect
 
@@ -455,3 +456,27 @@ def test_a_stop_while_the_breaker_is_open_is_graceful(
     # The eight went back at the stop, uncharged; the two retry copies wait their 30 s.
     assert broker.ready(consumer.queue) == 8
     assert OutboxMessage.objects.filter(status="scheduled").count() == 2
+
+
+def test_waiting_to_reconnect_is_unhealthy_for_the_broker_alone_never_a_stuck_loop() -> None:
+    """While the broker refuses every connection, ``/healthz`` says so and nothing else: the
+    reconnect wait beats the heartbeat, so an outage longer than the stall limit does not read
+    as a hung main loop."""
+
+    class Refusing(StubTransport):
+        def connect(self, settings: Any, name: str) -> Any:
+            raise StubConnectionLost("connection refused")
+
+    health = HealthState(stall_after=0.3)
+    service = ConsumerService([spec(lambda message: None)], transport=Refusing(), health=health)
+    thread = threading.Thread(target=service.run, name="rm-stub-refused", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            assert health.check() == (False, ["broker not connected"])
+            time.sleep(0.05)
+    finally:
+        service.request_stop()
+        thread.join(10)
+    assert not thread.is_alive()
