@@ -379,8 +379,8 @@ def test_invalid_payloads_never_count_for_the_breaker_nor_turn_into_anything_els
 ) -> None:
     """Eight payloads that do not match the consumer's type, the downstream up: eight dead
     letters ``invalid_payload``, no handler run, and the breaker (opening at four failures)
-    stays closed. The downstream goes down: four payments fail and open it. Three more bad
-    payloads and two payments arrive while it is open, and wait; the downstream comes back.
+    stays closed. The downstream goes down: four payments fail and open it; the downstream comes
+    back. Three more bad payloads and two payments arrive while it is open, and wait.
     After the pause the bad ones are ``invalid_payload`` again (no retry, no other reason) and
     say nothing to the half-open breaker: it closes on payments, having opened once. Every
     payment takes effect once; every dead letter is a bad payload, its first attempt unspent."""
@@ -413,6 +413,9 @@ def test_invalid_payloads_never_count_for_the_breaker_nor_turn_into_anything_els
     for message_id in failing:
         send(message_id, {"n": message_id, "amount": "10.00"})
     wait_until(lambda: breaker.opened == 1, timeout=30, message="failed payments opening it")
+    # Back before anything arrives: a probe of the half-open breaker, 3 s on, must find it up
+    # however long the sends below take on a loaded machine.
+    downstream_up()
     bad_while_open = [f"bad-open-{n}" for n in range(3)]
     fresh = [f"fresh-{n}" for n in range(2)]
     send(bad_while_open[0], {"n": bad_while_open[0], "amount": "twelve"})
@@ -421,7 +424,6 @@ def test_invalid_payloads_never_count_for_the_breaker_nor_turn_into_anything_els
     send(fresh[1], {"n": fresh[1], "amount": "7.25"})
     send(bad_while_open[2], ["not", "an", "object"])
     assert breaker.state is BreakerState.OPEN  # they wait (pause 3 s)
-    downstream_up()
 
     payments = failing + fresh
     wait_until(
