@@ -1,7 +1,8 @@
 """Scheduled delivery with real processes: publish(deliver_at/delay) → relay → consume.
 
 tests.alpha is bound to ``order.*`` and tests.gamma (ordered) to ``seq.*``; their handlers write an
-Effect row in their transaction, stamped with this machine's clock when it took effect.
+Effect row in their transaction, stamped with this machine's clock when it took effect. Each
+``consume`` runs with ``--no-relay``: the relay under test is the only one sending.
 """
 
 from __future__ import annotations
@@ -75,7 +76,9 @@ def test_scheduled_messages_arrive_within_a_second_of_their_due_time_and_not_bef
     """With an idle relay (it sleeps until the next due time, past its 5 s poll), then with a
     relay kept busy by a backlog (it looks every 0.5 s); a cancelled message never arrives."""
     env = subprocess_env(ns)
-    consume = ConsumeProcess(["--queue", f"{ns}.alpha"], env, tmp_path / "consume.log")
+    consume = ConsumeProcess(
+        ["--queue", f"{ns}.alpha", "--no-relay"], env, tmp_path / "consume.log"
+    )
     consume.wait_consuming()
     relay = RelayProcess([], env, tmp_path / "relay.log")
     try:
@@ -143,7 +146,9 @@ def test_a_relay_killed_while_scheduled_rows_fall_due_loses_and_doubles_nothing(
     with transaction.atomic():
         ids = [publish("order.burst", {"n": n}, deliver_at=due_at) for n in range(3000)]
     consume = ConsumeProcess(
-        ["--queue", f"{ns}.alpha", "--concurrency", "4"], env, tmp_path / "consume.log"
+        ["--queue", f"{ns}.alpha", "--concurrency", "4", "--no-relay"],
+        env,
+        tmp_path / "consume.log",
     )
     consume.wait_consuming()
     first = RelayProcess([], env, tmp_path / "relay-1.log")
@@ -186,7 +191,9 @@ def test_a_scheduled_message_takes_its_place_in_its_keys_order_when_due(
     relay runs, which starts once the first is due: that one goes second (it took its place
     when it became pending, behind the message published while it waited)."""
     env = subprocess_env(ns)
-    consume = ConsumeProcess(["--queue", f"{ns}.gamma"], env, tmp_path / "consume.log")
+    consume = ConsumeProcess(
+        ["--queue", f"{ns}.gamma", "--no-relay"], env, tmp_path / "consume.log"
+    )
     consume.wait_consuming()
     relay: RelayProcess | None = None
     try:
@@ -248,7 +255,9 @@ def test_a_due_row_locked_by_an_open_cancel_leaves_the_relay_waiting_not_spinnin
     then rolls back: the message is due again and is handled."""
     database = connection.settings_dict["NAME"]
     env = subprocess_env(ns)
-    consume = ConsumeProcess(["--queue", f"{ns}.alpha"], env, tmp_path / "consume.log")
+    consume = ConsumeProcess(
+        ["--queue", f"{ns}.alpha", "--no-relay"], env, tmp_path / "consume.log"
+    )
     consume.wait_consuming()
     relay = RelayProcess([], env, tmp_path / "relay.log")
     window = 4.0
