@@ -11,6 +11,7 @@ statement at the end of the batch's transaction (``docs/tasks.md#what-it-costs``
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import inspect
 import logging
 import os
@@ -30,6 +31,7 @@ from ..models import TaskRun
 from .framework import (
     Task,
     TaskContext,
+    TaskResult,
     TaskResultStatus,
     task_backends,
     task_finished,
@@ -37,7 +39,7 @@ from .framework import (
 )
 from .naming import TaskQueues, task_id_of
 from .policies import TaskRetryPolicies
-from .results import NotJSON, error_of, json_value, result_of, task_of
+from .results import NotJSON, error_of, json_value, result_of, succeeded, task_of
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +60,14 @@ class ReturnValueNotJSON(PermanentError):
 
 
 def worker_id() -> str:
-    """This process, as the results' ``worker_ids`` name it (computed at each call: a forked
-    child is another worker)."""
-    return f"{socket.gethostname()}:{os.getpid()}"[:64]
+    """This process, as the results' ``worker_ids`` name it (its pid read at each call: a
+    forked child is another worker)."""
+    return f"{_hostname()}:{os.getpid()}"[:64]
+
+
+@functools.cache
+def _hostname() -> str:
+    return socket.gethostname()
 
 
 @dataclass(eq=False)
@@ -77,6 +84,8 @@ class Attempts:
     # The return value and finish time of each SUCCESSFUL written in the current transaction
     # (for the signal).
     written: dict[str, tuple[Any, dt.datetime]] = field(default_factory=dict)
+    # The results ``task_started`` was sent, from which ``task_finished``'s are copied.
+    started: dict[str, TaskResult] = field(default_factory=dict)
     _tasks: dict[tuple[Any, ...], Task] = field(default_factory=dict)
 
     def task_of(self, run: TaskRun) -> Task:
@@ -223,18 +232,21 @@ def send_finished(attempts: Attempts, task_ids: Iterable[str]) -> None:
     A FAILED one is signalled by its dead letter (:func:`send_failed`)."""
     if not task_finished.receivers:
         return  # nobody listens: no need to read the rows back
-    runs, unknown = [], []
+    results: list[TaskResult] = []
+    unknown = []
     for task_id in task_ids:
-        if task_id in attempts.written:
-            runs.append(attempts.runs[task_id])  # with the SUCCESSFUL written since
-        else:
+        if task_id not in attempts.written:
             unknown.append(task_id)
+        elif task_id in attempts.started:
+            results.append(succeeded(attempts.started[task_id], *attempts.written[task_id]))
+        else:  # with the SUCCESSFUL written since it was read
+            results.extend(_results([attempts.runs[task_id]], attempts, attempts.written))
     if unknown:
         rows = TaskRun.objects.using(attempts.using).filter(
             pk__in=unknown, status=TaskResultStatus.SUCCESSFUL
         )
-        runs.extend(rows)
-    _signal(task_finished, runs, attempts, written=attempts.written)
+        results.extend(_results(rows, attempts))
+    _send(task_finished, results)
 
 
 def send_failed(using: str, task_id: str) -> None:
@@ -252,31 +264,52 @@ def send_failed(using: str, task_id: str) -> None:
         _signal(task_finished, [run])
 
 
-def _signal(
-    signal: Any,
-    runs: Iterable[TaskRun],
-    attempts: Attempts | None = None,
-    written: dict[str, tuple[Any, dt.datetime]] | None = None,
-) -> None:
-    """Send ``signal`` for each run (as ``written``, the SUCCESSFUL written since it was read,
-    leaves it); a receiver's failure is logged, never a delivery's."""
+def _signal(signal: Any, runs: Iterable[TaskRun], attempts: Attempts | None = None) -> None:
+    """Send ``signal`` for each run; the results ``task_started`` was sent are kept in
+    ``attempts`` for ``task_finished``."""
     if not signal.receivers:
         return  # nobody listens: no result to build
+    results = _results(runs, attempts)
+    if signal is task_started and attempts is not None:
+        attempts.started.update((result.id, result) for result in results)
+    _send(signal, results)
+
+
+def _results(
+    runs: Iterable[TaskRun],
+    attempts: Attempts | None,
+    written: dict[str, tuple[Any, dt.datetime]] | None = None,
+) -> list[TaskResult]:
+    """The framework's results of ``runs`` (as ``written``, the SUCCESSFUL written since a run
+    was read, leaves it); a run whose result cannot be built is logged and left out."""
+    results = []
     for run in runs:
         try:
             task = task_of(run) if attempts is None else attempts.task_of(run)
-            result = result_of(run, task, None if written is None else written.get(run.pk))
-            replies = signal.send_robust(type(task_backends[run.backend]), task_result=result)
+            results.append(result_of(run, task, None if written is None else written.get(run.pk)))
         except Exception:
             logger.exception("task %s: could not signal its state %s", run.id, run.status)
+    return results
+
+
+def _send(signal: Any, results: Iterable[TaskResult]) -> None:
+    """Send ``signal`` for each result; a receiver's failure is logged, never a delivery's."""
+    senders: dict[str, type] = {}  # the backend's class, found once per backend
+    for result in results:
+        try:
+            if result.backend not in senders:
+                senders[result.backend] = type(task_backends[result.backend])
+            replies = signal.send_robust(senders[result.backend], task_result=result)
+        except Exception:
+            logger.exception("task %s: could not signal its state %s", result.id, result.status)
             continue
         for receiver, reply in replies:
             if isinstance(reply, Exception):
                 logger.error(
                     "task %s: the receiver %r of its state %s failed: %r",
-                    run.id,
+                    result.id,
                     receiver,
-                    run.status,
+                    result.status,
                     reply,
                     exc_info=reply,
                 )
