@@ -62,22 +62,30 @@ class Outcomes:
 
 
 class Signals:
-    """The statuses each task signal carried, in order."""
+    """The statuses each task signal carried, in order, and the results themselves."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.sent: list[tuple[str, str, str]] = []
+        self.results: list[tuple[str, TaskResult]] = []
 
     def receiver(self, name: str) -> Callable[..., None]:
         def receive(sender: Any, task_result: TaskResult, **kwargs: Any) -> None:
             with self.lock:
                 self.sent.append((name, task_result.id, str(task_result.status)))
+                self.results.append((name, task_result))
 
         return receive
 
     def of(self, task_id: str) -> list[tuple[str, str]]:
         with self.lock:
             return [(name, status) for name, tid, status in self.sent if tid == task_id]
+
+    def result(self, name: str, task_id: str) -> TaskResult:
+        """The result the signal ``name`` carried for ``task_id`` (the only one)."""
+        with self.lock:
+            (found,) = [r for n, r in self.results if n == name and r.id == task_id]
+        return found
 
 
 @pytest.fixture

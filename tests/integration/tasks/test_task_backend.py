@@ -85,6 +85,22 @@ def test_a_committed_task_runs_once_and_its_result_is_read_back(
         ("started", "RUNNING"),
         ("finished", "SUCCESSFUL"),
     ]
+    # Each signal's result is the row as it stood then: finished as get_result reads it, and
+    # started still RUNNING after it.
+    started, finished = signals.result("started", result.id), signals.result("finished", result.id)
+    for sent in (started, finished):
+        assert (sent.args, sent.kwargs, sent.worker_ids, sent.errors) == (
+            [2, 3],
+            {},
+            read.worker_ids,
+            [],
+        )
+        assert (sent.enqueued_at, sent.started_at) == (read.enqueued_at, read.started_at)
+        assert sent.last_attempted_at == read.last_attempted_at
+    assert (finished.finished_at, finished.return_value) == (read.finished_at, 5)
+    assert (started.status, started.finished_at) == (TaskResultStatus.RUNNING, None)
+    with pytest.raises(ValueError):
+        _ = started.return_value  # not finished: the framework raises
     assert outcomes.wait(1) == ["processed"]  # reported once acked, after the commit
 
 
