@@ -899,15 +899,15 @@ class TaskRunQuerySet(models.QuerySet):
         flushed = "" if flush else "AND EXISTS (SELECT 1 FROM rm_no_flush) "
         # Every column, but the times the statement sets to ``at`` come back NULL (set in
         # Python below): a timestamp costs the row's loading more than all its other columns.
-        times = {"started_at", "last_attempted_at", "finished_at"}
-        quote = connections[self.db].ops.quote_name
+        connection = connections[self.db]
+        fields = self.model._meta.concrete_fields
+        in_python = {
+            "started_at": "NULLIF(started_at, %s)",
+            "last_attempted_at": "NULL::timestamptz",
+            "finished_at": "NULL::timestamptz",
+        }
         returned = ", ".join(
-            [
-                *(quote(f.column) for f in self.model._meta.concrete_fields if f.name not in times),
-                "NULLIF(started_at, %s) AS started_at",
-                "NULL::timestamptz AS last_attempted_at",
-                "NULL::timestamptz AS finished_at",
-            ]
+            in_python.get(f.name, connection.ops.quote_name(f.column)) for f in fields
         )
         sql = (
             f"{no_flush}UPDATE {table} SET status = %s, "  # noqa: S608
@@ -917,7 +917,7 @@ class TaskRunQuerySet(models.QuerySet):
             f"WHERE id = ANY(%s) AND status <> %s ORDER BY id FOR UPDATE SKIP LOCKED) "
             f"{flushed}RETURNING {returned}"
         )
-        params = [
+        params: list[Any] = [
             TaskRunStatus.RUNNING,
             at,
             at,
@@ -926,10 +926,27 @@ class TaskRunQuerySet(models.QuerySet):
             TaskRunStatus.SUCCESSFUL,
             at,
         ]
-        started = list(self.raw(sql, params))
-        for run in started:
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            rows = cursor.fetchall()
+        # The rows as the ORM would build them, without its per-row machinery: only the JSON
+        # columns need their field's conversion on PostgreSQL.
+        db_table = self.model._meta.db_table
+        converted = [
+            (i, f, f.get_col(db_table))
+            for i, f in enumerate(fields)
+            if isinstance(f, models.JSONField)
+        ]
+        names = [f.attname for f in fields]
+        started = []
+        for row in rows:
+            values = list(row)
+            for i, field, column in converted:
+                values[i] = field.from_db_value(values[i], column, connection)
+            run = self.model.from_db(self.db, names, values)
             run.started_at = run.started_at or at
             run.last_attempted_at = at
+            started.append(run)
         return started
 
     def _start_locked(self, pks: list[str], worker_id: str, at: dt.datetime) -> None:

@@ -36,31 +36,34 @@ class _Tasks:
     (``screened``) and has not decided yet (``awaiting``)."""
 
     attempts: Attempts
+    ids: dict[Job, str]  # the task of each job this stage looked at in ``open``
     screened: set[Job] = field(default_factory=set)
     awaiting: set[Job] = field(default_factory=set)
+
+    def id_of(self, job: Job) -> str | None:
+        return self.ids[job] if job in self.ids else _task_id(job)
 
 
 class TaskRuns(Stage):
     """RUNNING before, the attempts' outcomes in, ``task_finished`` after each batch of tasks."""
 
     def open(self, batch: Batch) -> Any:
-        # Once per task: two copies of its message in one batch are one attempt (the inbox
-        # lets one of them run).
-        ids = list(
-            dict.fromkeys(
-                task_id
-                for job, done in zip(batch.jobs, batch.decided, strict=True)
-                if done is None and (task_id := _task_id(job)) is not None
-            )
-        )
+        ids = {
+            job: task_id
+            for job, done in zip(batch.jobs, batch.decided, strict=True)
+            if done is None and (task_id := _task_id(job)) is not None
+        }
         if not ids:
             return None
         from ..task_runs.worker import start_attempts
 
-        return _Tasks(start_attempts(batch.jobs[0].processor.using, ids))
+        # Once per task: two copies of its message in one batch are one attempt (the inbox
+        # lets one of them run).
+        attempts = start_attempts(batch.jobs[0].processor.using, dict.fromkeys(ids.values()))
+        return _Tasks(attempts, ids)
 
     def screen(self, job: Job, message: Message, state: _Tasks | None) -> DeliveryOutcome | None:
-        if state is None or _task_id(job) is None:
+        if state is None or state.id_of(job) is None:
             return None
         from ..task_runs.worker import TaskMessage
 
@@ -79,7 +82,7 @@ class TaskRuns(Stage):
     def decided(
         self, job: Job, message: Message, done: DeliveryOutcome, state: _Tasks | None
     ) -> None:
-        task_id = _task_id(job)
+        task_id = _task_id(job) if state is None else state.id_of(job)
         if task_id is None:
             return
         if done.label is OutcomeLabel.PROCESSED:
@@ -110,7 +113,7 @@ class TaskRuns(Stage):
         processed: dict[str, None] = {}
         if error is None:
             for job, done in batch.outcomes():
-                task_id = _task_id(job)
+                task_id = state.id_of(job)
                 if task_id is not None and done.label is OutcomeLabel.PROCESSED:
                     processed[task_id] = None
         end_attempts(state.attempts, processed=list(processed))
