@@ -151,11 +151,12 @@ def test_our_frames_reach_the_broker_confirmed_returned_and_whole(
         got.append((properties, payload))
     assert channel.basic_get(queue, auto_ack=True)[0] is None
     for (properties, payload), sent in zip(got, [messages[0], messages[1], messages[3]]):
-        assert payload == sent["body"]
+        assert payload == sent["body"] and properties is not None
         assert properties.message_id == sent["message_id"]
         assert properties.timestamp == sent["timestamp"]
         assert properties.content_type == "application/json"
         assert properties.delivery_mode == pika.DeliveryMode.Persistent.value
         assert properties.headers == sent["headers"]
+    assert got[1][0] is not None and got[0][0] is not None
     assert got[1][0].priority == 7 and got[0][0].priority is None
     channel.connection.close()

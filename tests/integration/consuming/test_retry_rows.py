@@ -213,7 +213,7 @@ def test_a_deployment_of_consumers_alone_retries(
     time.sleep(2.0)  # due after 0.2 s: a relay would have sent it by now
     assert OutboxMessage.objects.get().status == OutboxStatus.SCHEDULED
     assert not Effect.objects.exists()
-    assert json.loads(bytes(OutboxMessage.objects.get().raw_body)) == {"fail": {"alpha": 1}}
+    assert json.loads(bytes(OutboxMessage.objects.get().raw_body or b"")) == {"fail": {"alpha": 1}}
 
 
 def test_an_original_handed_back_after_its_copy_fell_due_adds_no_second_copy() -> None:
@@ -223,7 +223,7 @@ def test_an_original_handed_back_after_its_copy_fell_due_adds_no_second_copy() -
     due rows is not stopped by a duplicate key."""
     from reliable_messaging.publishing.scheduled import promote_due
 
-    copy = {
+    copy: dict[str, Any] = {
         "message_id": "lost-ack-1",
         "queue": "billing",
         "body": b"{}",
@@ -248,7 +248,7 @@ def test_a_second_copy_after_the_first_was_sent_is_marked_sent_too() -> None:
     from reliable_messaging.publishing.scheduled import promote_due
     from reliable_messaging.publishing.sent import BatchOutcome, _write_outcome
 
-    copy = {
+    copy: dict[str, Any] = {
         "message_id": "lost-ack-2",
         "queue": "billing",
         "body": b"{}",

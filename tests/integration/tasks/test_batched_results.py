@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 
 from reliable_messaging.choices import TaskRunStatus
 from reliable_messaging.consuming.processing import DeliveryProcessor, process_batch
@@ -122,12 +123,12 @@ def test_running_is_marked_without_waiting_for_the_disk_and_nothing_of_it_stays(
     before = synchronous_commit()
     first, second = (tasks.add.enqueue(n, 1) for n in range(2))
     with CaptureQueriesContext(connection) as queries:
-        (started,) = TaskRun.objects.start_attempts([first.id], "w:1", first.enqueued_at)
+        (started,) = TaskRun.objects.start_attempts([first.id], "w:1", timezone.now())
     (statement,) = taskrun_statements(queries)
     assert "set_config('synchronous_commit', 'off', true)" in statement
     assert started.status == TaskRunStatus.RUNNING
     assert synchronous_commit() == before  # nothing left on the session
     with transaction.atomic(), CaptureQueriesContext(connection) as queries:
-        TaskRun.objects.start_attempts([second.id], "w:1", second.enqueued_at)
+        TaskRun.objects.start_attempts([second.id], "w:1", timezone.now())
         assert synchronous_commit() == before
     assert all("synchronous_commit" not in sql for sql in taskrun_statements(queries))

@@ -90,7 +90,7 @@ def test_a_tasks_own_policy_from_its_decorator_beside_a_task_with_the_backends(
     # Decorated under the test's TASKS (the module's import saw the suite's default backend).
     own = task(max_attempts=2, retry_delays=[0.8])(tasks.fails_with_own_policy.func)
     monkeypatch.setattr(tasks, "fails_with_own_policy", own)
-    assert (own.max_attempts, own.retry_delays) == (2, (0.8,))
+    assert (own.max_attempts, own.retry_delays) == (2, (0.8,))  # type: ignore[attr-defined]
 
     mine = own.enqueue(1)
     backends = tasks.fails_before.enqueue(9)  # the backend's: 3 attempts after 0.2 and 0.4 s

@@ -44,7 +44,7 @@ def pika_frames(*message: Any, channel: int = 1, body_max: int = BODY_MAX) -> li
     connection = SimpleNamespace(_body_max_length=body_max, _output_marshaled_frames=written.extend)
     properties = message_properties(message_id, timestamp, headers)
     method = Basic.Publish(exchange=exchange, routing_key=routing_key, mandatory=True)
-    pika.connection.Connection._send_message(connection, channel, method, (properties, body))  # type: ignore[arg-type]
+    pika.connection.Connection._send_message(connection, channel, method, (properties, body))  # type: ignore[arg-type,attr-defined]
     return written
 
 
