@@ -76,6 +76,7 @@ class ClaimScheduler:
         self._held_until = 0.0
         self._held_backoff = Backoff(HELD_FIRST, SCHEDULED_LOOK)
         self._db_backoff = Backoff(0.5, self.claims.settings.reconnect_max_delay)
+        self._db_down_since: float | None = None  # monotonic start of a database outage
         self._trail: float | None = None
 
     def start(self, owner: ClaimOwner) -> None:
@@ -191,13 +192,24 @@ class ClaimScheduler:
         if claim.error is not None:
             self.health.set_database(False, str(claim.error))
             wait = self._db_backoff.next()
-            logger.warning(
-                "relay: database unavailable (%s); rows stay pending, retrying in %.1fs",
+            first = self._db_down_since is None
+            if first:
+                self._db_down_since = time.monotonic()
+            # Said once per outage, as the consumer says it; each retry at DEBUG.
+            (logger.warning if first else logger.debug)(
+                "relay: database unavailable (%s); rows stay pending, retrying in %.1fs%s",
                 claim.error,
                 wait,
+                "; said once until it is back" if first else "",
             )
             self.schedule(wait)
             return
+        if self._db_down_since is not None:
+            logger.info(
+                "relay: database available again after %.1fs",
+                time.monotonic() - self._db_down_since,
+            )
+            self._db_down_since = None
         self._db_backoff.reset()
         self.health.set_database(True)
         if claim.transaction is not None:

@@ -6,6 +6,7 @@ in the tests against RabbitMQ."""
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
@@ -328,6 +329,37 @@ def test_a_blocked_connection_holds_confirms_without_timing_out() -> None:
     assert (report.sent, report.timed_out) == (6, 0)
     assert stub.connections == 1
     assert Counter(ids(stub.routed)) == Counter(sent)
+
+
+def test_a_database_outage_is_said_once_and_its_end_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The claims fail three times (the database unavailable), then work: one WARNING for the
+    outage, each retry at DEBUG, one INFO when the database is back; the row is sent."""
+    from django.db import OperationalError
+
+    from reliable_messaging.publishing.claims import OutboxClaims
+
+    claim = OutboxClaims.claim
+    failures = iter(range(3))
+
+    def failing(self: OutboxClaims) -> Any:
+        if next(failures, None) is not None:
+            raise OperationalError("connection refused")
+        return claim(self)
+
+    monkeypatch.setattr(OutboxClaims, "claim", failing)
+    sent = publish("outage.x", {"n": 1})
+    caplog.set_level(logging.DEBUG, logger="reliable_messaging.relay")
+    stub = StubPublisher()
+
+    assert relay_once(stub).sent == 1
+    assert ids(stub.routed) == [sent]
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "database" in r.getMessage()]
+    unavailable = [level for level, text in said if "database unavailable" in text]
+    assert unavailable == [logging.WARNING, logging.DEBUG, logging.DEBUG], said
+    back = [level for level, text in said if "database available again" in text]
+    assert back == [logging.INFO], said
 
 
 # --------------------------------------------------------------------------- order, lanes
