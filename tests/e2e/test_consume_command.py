@@ -36,13 +36,15 @@ def effect_count(message_id: str, label: str = "alpha") -> int:
 
 
 def in_transaction_backends() -> int:
-    """Other sessions on the test database that are inside a transaction right now (a handler
-    running: its inbox row and effect are written but not committed)."""
+    """Other sessions on the test database inside a transaction that has written an Effect row (a
+    handler running: its inbox row and effect are written but not committed). A transaction alone
+    is not enough: the relay beside the handlers claims outbox rows in its own."""
     with connection.cursor() as cursor:
         cursor.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-            "AND pid <> pg_backend_pid() AND state IN ('idle in transaction', 'active') "
-            "AND xact_start IS NOT NULL"
+            "SELECT count(DISTINCT l.pid) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+            "WHERE a.datname = current_database() AND l.pid <> pg_backend_pid() "
+            "AND l.relation = %s::regclass AND l.mode = 'RowExclusiveLock'",
+            [Effect._meta.db_table],
         )
         return int(cursor.fetchone()[0])
 
