@@ -199,7 +199,18 @@ consumer_queues_unavailable = _CONSUMER_UNAVAILABLE.set
 relay_claimed = _RELAY_CLAIMED.inc
 # relay_published(count=1): rows confirmed by the broker and their sent mark committed.
 relay_published = _RELAY_PUBLISHED.inc
-relay_confirm_latency = _RELAY_CONFIRM_LATENCY.observe
+
+
+def relay_confirm_latency(seconds: float, count: int = 1) -> None:
+    """``count`` rows confirmed ``seconds`` after they went out, as ``count`` observations
+    taken in one step: the bucket and the sum ``Histogram.observe`` changes, each changed once
+    (an ``observe`` per row cost the relay about a tenth of its CPU)."""
+    histogram = _RELAY_CONFIRM_LATENCY
+    histogram._sum.inc(seconds * count)
+    for bound, bucket in zip(histogram._upper_bounds, histogram._buckets, strict=True):
+        if seconds <= bound:
+            bucket.inc(count)
+            break
 
 
 def relay_failed(kind: str, count: int = 1) -> None:

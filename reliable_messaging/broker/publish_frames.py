@@ -35,6 +35,23 @@ _MANDATORY = b"\x01"  # the bits octet: mandatory, not immediate
 _INT32 = struct.Struct(">cI")
 _SIGNED_INT = struct.Struct(">ci")
 _UINT64 = struct.Struct(">Q")
+_INT64 = struct.Struct(">cq")
+
+
+def _long_letter() -> bytes | None:
+    """The type letter pika writes a non-negative integer past 32 bits with (``l`` in pika
+    1.4, another letter in earlier releases), if it writes one as 8 signed big-endian bytes."""
+    pieces: list[bytes] = []
+    sample = 2**40 + 5
+    pika.data.encode_value(pieces, sample)
+    raw = b"".join(pieces)
+    if len(raw) == 9 and raw[1:] == sample.to_bytes(8, "big"):
+        return raw[:1]
+    return None
+
+
+# A publish timestamp in milliseconds, on every message the relay sends, is such an integer.
+_LONG = _long_letter()
 
 # The properties every message of the relay has, in wire order around its headers: JSON,
 # persistent; the priority only when its headers ask for one.
@@ -77,10 +94,10 @@ def _name(key: Any) -> bytes:
 def field_table(table: dict[Any, Any]) -> bytes:
     """``table`` as an AMQP field table, its size first, as ``pika.data.encode_table`` writes it.
 
-    Values of exactly the types ``str``, ``int`` (32 bits), ``bool`` and ``None`` are written
-    here; any other (a 64-bit int, whose type letter pika 1.3.0 writes otherwise than later
-    releases, a float, a subclass, a nested table, a list) by ``pika.data.encode_value``,
-    looked up at each call as pika's own table encoder does."""
+    Values of exactly the types ``str``, ``int`` (32 bits, or 64 and not negative, with the
+    letter pika's encoder was found to write at import), ``bool`` and ``None`` are written here;
+    any other (a negative 64-bit int, a float, a subclass, a nested table, a list) by
+    ``pika.data.encode_value``, looked up at each call as pika's own table encoder does."""
     pieces: list[bytes] = [b""]
     append = pieces.append
     size = 0
@@ -99,6 +116,9 @@ def field_table(table: dict[Any, Any]) -> bytes:
         elif kind is int and -0x80000000 <= value <= 0x7FFFFFFF:
             append(_SIGNED_INT.pack(b"I", value))
             size += 5
+        elif kind is int and _LONG is not None and 0 <= value < 2**63:
+            append(_INT64.pack(_LONG, value))
+            size += 9
         elif kind is bool:
             append(b"t\x01" if value else b"t\x00")
             size += 2

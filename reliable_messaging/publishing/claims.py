@@ -25,11 +25,13 @@ from ..storage.partitions import UNSENT_STATUSES, row_moved
 from . import scheduled
 from .scheduled import MOVED_TRIES
 
-# A claimed row's times as microseconds since the epoch (see OutboxClaims._select): from a
-# double (date_part; extract's numeric costs the database more), exact to the microsecond for
-# times before the year 2255 (2**53 µs), and a claimed row's times are all past.
+# A claimed row's age counts from its publish() call, or from its due time when that is later
+# (a scheduled message), read as microseconds since the epoch (see OutboxClaims._select): from
+# a double (date_part; extract's numeric costs the database more), exact to the microsecond
+# for times before the year 2255 (2**53 µs), and a claimed row's times are all past.
+# PostgreSQL's GREATEST ignores a NULL deliver_at.
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
-_MICROSECONDS = "round(date_part('epoch', {}) * 1000000)::bigint"
+_PUBLISHED_US = "round(date_part('epoch', GREATEST(created_at, deliver_at)) * 1000000)::bigint"
 
 # Logged under the relay's name, the one users' logging configuration knows.
 logger = logging.getLogger("reliable_messaging.relay")
@@ -156,8 +158,8 @@ def release_parked(using: str, after: int = 0, limit: int = 2000) -> tuple[int, 
     return released, (found[-1][0] if len(found) >= limit else None)
 
 
-def _time_of(microseconds: int | None) -> dt.datetime | None:
-    return None if microseconds is None else _EPOCH + dt.timedelta(microseconds=microseconds)
+def _microseconds(moment: dt.datetime) -> int:
+    return (moment - _EPOCH) // dt.timedelta(microseconds=1)
 
 
 def _headers_of(value: Any) -> dict[str, Any]:
@@ -167,9 +169,10 @@ def _headers_of(value: Any) -> dict[str, Any]:
     return {} if value == "{}" else json.loads(value)  # type: ignore[no-any-return]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ClaimedRow:
-    """The columns of a claimed outbox row the relay needs (no model instance: cheaper)."""
+    """The columns of a claimed outbox row the relay needs (no model instance: cheaper; not
+    frozen either: a frozen dataclass sets each field through ``object.__setattr__``)."""
 
     pk: int
     message_id: str
@@ -182,8 +185,9 @@ class ClaimedRow:
     raw_properties: bytes | None
     ordering_key: str | None
     attempts: int
-    created_at: dt.datetime
-    deliver_at: dt.datetime | None = None  # a scheduled message's due time
+    # Microseconds since the epoch of its publish() call, or of a scheduled message's due time
+    # when that is later: the time its age counts from.
+    published_us: int
 
     @property
     def wire_body(self) -> bytes:
@@ -196,17 +200,14 @@ class ClaimedRow:
 
     @property
     def published_at(self) -> dt.datetime:
-        """The time the message's age counts from: its ``publish()`` call, or a scheduled
-        message's due time when that is later."""
-        if self.deliver_at is None or self.deliver_at <= self.created_at:
-            return self.created_at
-        return self.deliver_at
+        """``published_us`` as a time."""
+        return _EPOCH + dt.timedelta(microseconds=self.published_us)
 
 
 CLAIMED_FIELDS = tuple(column.name for column in fields(ClaimedRow))
 _BEHIND = len(CLAIMED_FIELDS)  # the position of ``behind`` in a claimed tuple
 _HEADERS = CLAIMED_FIELDS.index("headers")
-_CREATED_AT = CLAIMED_FIELDS.index("created_at")  # deliver_at follows it, and ends the row
+_PUBLISHED = CLAIMED_FIELDS.index("published_us")  # the last column of a ClaimedRow
 
 
 class ClaimTransaction:
@@ -275,18 +276,20 @@ class OutboxClaims:
         query = claimable(self.using).select_for_update(skip_locked=True)
         connection = connections[self.using]
         if connection.vendor != "postgresql":
-            return list(query.values_list(*CLAIMED_FIELDS, "behind")[: self.batch_size])
+            return [
+                (*row[:_PUBLISHED], _microseconds(max(row[-3], row[-2] or row[-3])), row[-1])
+                for row in query.values_list(
+                    *CLAIMED_FIELDS[:_PUBLISHED], "created_at", "deliver_at", "behind"
+                )[: self.batch_size]
+            ]
         # The same statement with its times as integers, its rows read without the ORM's
         # per-row converters: Django loads a timestamptz in Python and JSON through a
         # converter per value, which cost more CPU per row than the rest of the claim
         # (docs/benchmarks.md, the CPU budget).
-        times = {
-            f"{name}_us": RawSQL(_MICROSECONDS.format(name), (), output_field=BigIntegerField())  # noqa: S611
-            for name in ("created_at", "deliver_at")
-        }
-        columns = [*CLAIMED_FIELDS[:_CREATED_AT], *times, "behind"]
+        published = RawSQL(_PUBLISHED_US, (), output_field=BigIntegerField())  # noqa: S611
+        columns = [*CLAIMED_FIELDS, "behind"]
         sql, params = (
-            query.annotate(**times)
+            query.annotate(published_us=published)
             .values_list(*columns)[: self.batch_size]
             .query.get_compiler(using=self.using)
             .as_sql()
@@ -298,10 +301,7 @@ class OutboxClaims:
             (
                 *row[:_HEADERS],
                 _headers_of(row[_HEADERS]),
-                *row[_HEADERS + 1 : _CREATED_AT],
-                _time_of(row[_CREATED_AT]),
-                _time_of(row[_CREATED_AT + 1]),
-                row[-1],
+                *row[_HEADERS + 1 :],
             )
             for row in rows
         ]

@@ -62,8 +62,8 @@ class InFlight:
         now = time.monotonic()
         for batch in list(self._batches):
             confirmed, nacked = batch.settle(tag, multiple, acked)
-            for _ in range(confirmed):
-                metrics.relay_confirm_latency(now - batch.published_at)
+            if confirmed:
+                metrics.relay_confirm_latency(now - batch.published_at, confirmed)
             if nacked:
                 self.report.nacked += nacked
                 metrics.relay_failed("nacked", nacked)
@@ -147,8 +147,6 @@ class InFlight:
                 batch.errors[row.pk] = f"exchange {row.exchange!r} does not exist"
                 continue
             headers = message_headers(row)
-            # A scheduled message counts its wait from its due time (if after its publish()).
-            published = row.published_at
             span = None
             # A retry copy carries its original's trace context unchanged: no span of its own.
             if tracing_on and row.raw_properties is None:
@@ -158,7 +156,8 @@ class InFlight:
                     exchange=row.exchange,
                     routing_key=row.routing_key,
                     message_id=row.message_id,
-                    created_at=published,
+                    # A scheduled message counts its wait from its due time (if after publish()).
+                    created_at=row.published_at,
                     now=now,
                 )
                 tracing.sent_with(span, headers)
@@ -168,7 +167,7 @@ class InFlight:
                     row.routing_key,
                     row.wire_body,
                     message_id=row.message_id,
-                    timestamp=int(published.timestamp()),
+                    timestamp=row.published_us // 1_000_000,
                     headers=headers,
                     stored_properties=row.stored_properties,
                 )
@@ -318,7 +317,7 @@ class InFlight:
             for row in batch.unconfirmed():
                 properties = publish_properties(
                     row.message_id,
-                    int(row.published_at.timestamp()),
+                    row.published_us // 1_000_000,
                     message_headers(row),
                     row.stored_properties,
                 )

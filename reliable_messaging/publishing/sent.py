@@ -77,7 +77,7 @@ def message_headers(row: ClaimedRow) -> dict[str, Any]:
     if row.raw_properties is not None:
         return {OUTBOX_ID_HEADER: row.pk}
     headers: dict[str, Any] = dict(row.headers or {})
-    headers[PUBLISHED_AT_HEADER] = int(row.published_at.timestamp() * 1000)
+    headers[PUBLISHED_AT_HEADER] = row.published_us // 1000
     headers[OUTBOX_ID_HEADER] = row.pk
     if row.ordering_key is not None:
         headers[ORDERING_KEY_HEADER] = row.ordering_key

@@ -4,8 +4,6 @@ ack that also covers tags already settled."""
 
 from __future__ import annotations
 
-import datetime as dt
-
 from reliable_messaging.publishing.claims import ClaimedRow
 from reliable_messaging.publishing.sent import Batch
 
@@ -23,7 +21,7 @@ def batch(first_tag: int, count: int) -> Batch:
             raw_properties=None,
             ordering_key=None,
             attempts=0,
-            created_at=dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
+            published_us=1_767_225_600_000_000,
         )
         for n in range(count)
     }
