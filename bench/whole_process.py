@@ -2,7 +2,7 @@
 consume``, each against its raw baseline in the same run, with the CPU each spends per message.
 
     RM_BENCH_DB=bench_whole .venv/bin/python bench/whole_process.py [--messages 20000]
-        [--rounds 2] [--only relay|consume] [--builds NAME=PATH[@DATABASE],...]
+        [--rounds 2] [--only relay|consume] [--builds NAME=PATH[@DATABASE],...] [--callgrind]
 
 Relay: ``--messages`` rows are published with ``publish()`` (1,000 per transaction) into an
 emptied outbox, vacuumed; then ``manage.py relay`` (not ``--once``) starts and sends them to a
@@ -25,6 +25,12 @@ PostgreSQL backends (found in ``pg_stat_activity`` by the ``application_name`` t
 messages in between is the CPU per message. The broker's CPU is not counted (it is shared with
 everything else on the machine). Rounds alternate ours and the baseline, the order rotating.
 
+``--callgrind`` (the relay only): each build's ``manage.py relay --once`` under ``valgrind
+--tool=callgrind`` over 1,000 rows and over 4,000; the difference over the extra 3,000 is its
+instructions per message, process only (PostgreSQL's are not counted). Start-up, topology and
+the last claim cancel out, and the count does not move with the load of a shared machine, where
+the rates above do.
+
 ``--builds``: several source trees (``git archive`` of a commit) run in turn with the baselines,
 each round giving every build's ratio to the baseline and to the first build. A build with
 ``@DATABASE`` (a name starting ``bench_``, dropped and made again) runs on a database of its own,
@@ -40,10 +46,12 @@ import argparse
 import functools
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -72,6 +80,7 @@ from _common import (
 )
 
 HERE = Path(__file__).resolve()
+CALLGRIND_ROWS = (1000, 4000)
 
 
 @dataclass
@@ -250,6 +259,38 @@ def relay_run(
         poll=0.01,
         mark_window=wrapper is not None,
     )
+
+
+def relay_instructions(namespace: str, exchange: str, queue: str, build: Build) -> float:
+    """Instructions per message of the build's ``manage.py relay --once``, from callgrind runs
+    over two sizes (the outbox filled as for :func:`relay_run`)."""
+    counts = {}
+    for rows in CALLGRIND_ROWS:
+        if build.database is None:
+            fill_outbox(rows, exchange)
+        else:
+            build_side(build, namespace, "fill-outbox", str(rows), exchange)
+        declare_sink(exchange, queue)
+        with tempfile.TemporaryDirectory() as scratch:
+            done = subprocess.run(
+                [
+                    "valgrind",
+                    "--tool=callgrind",
+                    f"--callgrind-out-file={scratch}/callgrind.out",
+                    sys.executable,
+                    str(build.root / "manage.py"),
+                    "relay",
+                    "--once",
+                ],
+                env=process_env(namespace, build),
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+        counts[rows] = sum(int(n) for n in re.findall(r"Collected : (\d+)", done.stderr))
+        drop_sink(None, queue)
+    few, many = CALLGRIND_ROWS
+    return (counts[many] - counts[few]) / (many - few)
 
 
 def raw_publish_run(namespace: str, exchange: str, queue: str, n: int) -> Run:
@@ -520,6 +561,12 @@ def main() -> None:
         "its own, migrated, filled and emptied by its own code (an older build's schema); "
         "each round prints every build's ratio to the raw baseline and to the first build",
     )
+    parser.add_argument(
+        "--callgrind",
+        action="store_true",
+        help="the relay's instructions per message under callgrind, each build's, instead of "
+        "the timed runs",
+    )
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -545,14 +592,19 @@ def main() -> None:
     print(f"machine: {describe_machine()}; {n:,} messages per run, {args.rounds} rounds")
     result: dict[str, object] = {"machine": describe_machine(), "messages": n}
     try:
-        if args.only in (None, "relay"):
+        if args.callgrind:
+            for name, build in ours("relay").items():
+                per_message = relay_instructions(namespace, exchange, sink, build)
+                print(f"  {name}: relay --once, {per_message:,.0f} instructions per message")
+                result[name] = {"instructions_per_message": round(per_message)}
+        elif args.only in (None, "relay"):
             runs: dict[str, Callable[[], Run]] = {
                 name: functools.partial(relay_run, namespace, exchange, sink, n, build=build)
                 for name, build in ours("relay").items()
             }
             runs["raw"] = lambda: raw_publish_run(namespace, exchange, sink, n)
             result["relay"] = summary(*alternate(runs, args.rounds, "raw"), "relay")
-        if args.only in (None, "consume"):
+        if not args.callgrind and args.only in (None, "consume"):
             from reliable_messaging.broker.topology import declare_topology
 
             connection = pika.BlockingConnection(pika.URLParameters(BROKER_URL))
