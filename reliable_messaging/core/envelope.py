@@ -239,6 +239,8 @@ def normalize_headers(headers: Mapping[Any, Any] | None) -> dict[str, Any]:
     """Header names as text: pika hands a name that is not UTF-8 over as bytes (escaped here)."""
     if not headers:
         return {}
+    if all(type(name) is str for name in headers):
+        return dict(headers)
     return {_header_name(k): v for k, v in headers.items()}
 
 

@@ -15,6 +15,8 @@ def topic_matches(pattern: str, routing_key: str) -> bool:
     decides (``*`` one word, ``#`` zero or more); a key that is not text matches nothing."""
     if not isinstance(pattern, str) or not isinstance(routing_key, str):
         return False
+    if "*" not in pattern and "#" not in pattern:
+        return pattern == routing_key  # the same words, in the same order
     return _match(_split(pattern), _split(routing_key))
 
 

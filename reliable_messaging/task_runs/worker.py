@@ -131,7 +131,14 @@ class TaskMessage(Message):
 
     @classmethod
     def of(cls, message: Message, attempts: Attempts) -> TaskMessage:
-        return cls(**{name: getattr(message, name) for name in _MESSAGE_FIELDS}, attempts=attempts)
+        if type(message) is not Message:
+            fields_of = {name: getattr(message, name) for name in _MESSAGE_FIELDS}
+            return cls(**fields_of, attempts=attempts)
+        # The message's fields taken at once: a frozen dataclass's __init__ sets each through
+        # object.__setattr__.
+        copy = object.__new__(cls)
+        copy.__dict__.update(message.__dict__, attempts=attempts)
+        return copy
 
 
 def run_task(message: Message) -> None:

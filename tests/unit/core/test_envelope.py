@@ -13,7 +13,10 @@ from typing import Any
 import pika.data
 import pika.spec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from reliable_messaging.core import routing
 from reliable_messaging.core.envelope import (
     ATTEMPT_HEADER,
     ORDERING_KEY_HEADER,
@@ -394,6 +397,18 @@ def test_topic_matching_never_raises_on_a_key_that_is_not_text() -> None:
     assert topic_matches("order.*", "order.placed")
     assert not topic_matches("order.*", b"order.\xff")  # type: ignore[arg-type]
     assert not topic_matches("#", b"\xff")  # type: ignore[arg-type]
+
+
+_WORDS = st.lists(st.sampled_from(["", "order", "placed", "a", "*", "#", "o.p"]), max_size=4)
+
+
+@given(pattern=_WORDS, key=_WORDS)
+def test_a_pattern_without_wildcards_matches_as_the_word_by_word_matcher_does(
+    pattern: list[str], key: list[str]
+) -> None:
+    binding, routing_key = ".".join(pattern), ".".join(key).replace("*", "").replace("#", "")
+    expected = routing._match(routing._split(binding), routing._split(routing_key))
+    assert topic_matches(binding, routing_key) is expected
 
 
 def test_delivery_from_frame_turns_every_field_into_text() -> None:
