@@ -39,8 +39,9 @@ _INT64 = struct.Struct(">cq")
 
 
 def _long_letter() -> bytes | None:
-    """The type letter pika writes a non-negative integer past 32 bits with (``l`` in pika
-    1.4, another letter in earlier releases), if it writes one as 8 signed big-endian bytes."""
+    """The type letter pika writes a non-negative integer past 32 bits with (``l`` in pika 1.3
+    and 1.4; 1.3 writes a negative one with another letter, so those are left to pika), if it
+    writes one as 8 big-endian bytes."""
     pieces: list[bytes] = []
     sample = 2**40 + 5
     pika.data.encode_value(pieces, sample)
