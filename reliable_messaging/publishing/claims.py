@@ -33,6 +33,13 @@ from .scheduled import MOVED_TRIES
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 _PUBLISHED_US = "round(date_part('epoch', GREATEST(created_at, deliver_at)) * 1000000)::bigint"
 
+# The bytes of bodies one claim takes at most (its first row whatever its size): with
+# MAX_IN_FLIGHT batches in flight, the relay's memory stays bounded when bodies are large.
+CLAIM_BYTES = 16 * 1024 * 1024
+# A row's bytes as the claim counts them: what goes out (a retry copy's exact bytes, else the
+# body; octet_length reads a stored value's size without decompressing it).
+_ROW_BYTES = "coalesce(octet_length({t}.raw_body), octet_length({t}.body))"
+
 # Logged under the relay's name, the one users' logging configuration knows.
 logger = logging.getLogger("reliable_messaging.relay")
 
@@ -208,6 +215,7 @@ CLAIMED_FIELDS = tuple(column.name for column in fields(ClaimedRow))
 _BEHIND = len(CLAIMED_FIELDS)  # the position of ``behind`` in a claimed tuple
 _HEADERS = CLAIMED_FIELDS.index("headers")
 _PUBLISHED = CLAIMED_FIELDS.index("published_us")  # the last column of a ClaimedRow
+_BODY, _RAW_BODY = CLAIMED_FIELDS.index("body"), CLAIMED_FIELDS.index("raw_body")
 
 
 class ClaimTransaction:
@@ -273,29 +281,44 @@ class OutboxClaims:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _select(self) -> list[tuple[Any, ...]]:
+        """Up to ``batch_size`` due rows, locked, in claim order, cut after ``CLAIM_BYTES``."""
         query = claimable(self.using).select_for_update(skip_locked=True)
         connection = connections[self.using]
         if connection.vendor != "postgresql":
-            return [
-                (*row[:_PUBLISHED], _microseconds(max(row[-3], row[-2] or row[-3])), row[-1])
-                for row in query.values_list(
-                    *CLAIMED_FIELDS[:_PUBLISHED], "created_at", "deliver_at", "behind"
-                )[: self.batch_size]
-            ]
+            found = []
+            taken = 0
+            for row in query.values_list(
+                *CLAIMED_FIELDS[:_PUBLISHED], "created_at", "deliver_at", "behind"
+            )[: self.batch_size]:
+                if found and taken >= CLAIM_BYTES:
+                    break
+                raw_body, body = row[_RAW_BODY], row[_BODY]
+                taken += len(raw_body) if raw_body is not None else len(body.encode())
+                found.append(
+                    (*row[:_PUBLISHED], _microseconds(max(row[-3], row[-2] or row[-3])), row[-1])
+                )
+            return found
         # The same statement with its times as integers, its rows read without the ORM's
         # per-row converters: Django loads a timestamptz in Python and JSON through a
         # converter per value, which cost more CPU per row than the rest of the claim
-        # (docs/benchmarks.md, the CPU budget).
+        # (docs/benchmarks.md, the CPU budget). The rows it locks past CLAIM_BYTES are not
+        # returned: they stay locked until the batch's transaction ends, then are due again.
         published = RawSQL(_PUBLISHED_US, (), output_field=BigIntegerField())  # noqa: S611
         columns = [*CLAIMED_FIELDS, "behind"]
-        sql, params = (
+        inner, params = (
             query.annotate(published_us=published)
-            .values_list(*columns)[: self.batch_size]
+            .values_list(*columns, "next_attempt_at")[: self.batch_size]
             .query.get_compiler(using=self.using)
             .as_sql()
         )
+        sql = (
+            f"SELECT {', '.join(columns)} FROM (SELECT c.*, sum({_ROW_BYTES.format(t='c')}) "  # noqa: S608
+            "OVER (ORDER BY c.next_attempt_at, c.pk ROWS BETWEEN UNBOUNDED PRECEDING AND "
+            f"1 PRECEDING) AS bytes_before FROM ({inner}) c) w "
+            "WHERE coalesce(w.bytes_before, 0) < %s ORDER BY w.next_attempt_at, w.pk"
+        )
         with connection.cursor() as cursor:
-            cursor.execute(sql, params)
+            cursor.execute(sql, [*params, CLAIM_BYTES])
             rows = cursor.fetchall()
         return [
             (

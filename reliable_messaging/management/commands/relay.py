@@ -19,9 +19,10 @@ from reliable_messaging.dead_letters.operations import run_pending_operations
 from reliable_messaging.management.keepalive import keep_database_alive
 from reliable_messaging.management.metrics_options import add_metrics_arguments, serve_metrics
 from reliable_messaging.models import OutboxMessage
+from reliable_messaging.publishing.claims import CLAIM_BYTES
 from reliable_messaging.publishing.lanes import RelayProgress, run_lanes
 from reliable_messaging.publishing.listener import NOTIFY_CHANNEL
-from reliable_messaging.publishing.relay import build_relay
+from reliable_messaging.publishing.relay import BATCH_SIZE, build_relay
 from reliable_messaging.storage.partitions import OUTBOX, PartitionUpkeep
 
 logger = logging.getLogger("reliable_messaging.relay")
@@ -45,7 +46,8 @@ class Command(BaseCommand):
             type=int,
             default=None,
             metavar="N",
-            help="rows claimed and published per batch (default 500)",
+            help=f"rows claimed and published per batch (default {BATCH_SIZE:,}; fewer past "
+            f"{CLAIM_BYTES // 2**20} MiB of bodies)",
         )
         parser.add_argument(
             "--lanes",

@@ -19,6 +19,7 @@ from reliable_messaging import publish
 from reliable_messaging.choices import OutboxStatus
 from reliable_messaging.conf import messaging_settings
 from reliable_messaging.models import OutboxMessage
+from reliable_messaging.publishing import claims
 from reliable_messaging.publishing.claims import OutboxClaims, claimable, release_parked
 from reliable_messaging.publishing.relay import LEASE_MARGIN, build_relay
 from reliable_messaging.publishing.sent import Batch, record_outcome
@@ -124,6 +125,38 @@ def test_rows_behind_a_failed_row_are_parked_once_then_released_in_order(ob: Out
     report = build_relay(once=True).run()
     assert report.sent == 6
     assert [m.message_id for m in ob.broker.drain(queue, expected=6)] == [head, *later]
+
+
+def test_a_claim_stops_at_its_byte_budget_and_the_rows_past_it_go_in_later_batches(
+    ob: OutboxEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch takes rows until their bodies pass CLAIM_BYTES (its first row whatever its
+    size), so that large bodies never fill the relay's memory; the rows past it are claimed by
+    the next batches, every one sent, in order."""
+    queue = ob.queue(bindings=["big.#"])
+    with transaction.atomic():
+        ids = [publish("big.a", {"n": i, "pad": "x" * (300 + 50 * i)}) for i in range(8)]
+    sizes = [
+        len(row.body.encode())
+        for row in sorted(OutboxMessage.objects.filter(message_id__in=ids), key=lambda r: r.pk)
+    ]
+    budget = sizes[0] + sizes[1] + sizes[2] // 2  # the third row starts under it
+    monkeypatch.setattr(claims, "CLAIM_BYTES", budget)
+
+    claim = build_relay(once=True).claims.claim()
+    assert claim.transaction is not None
+    assert [row.message_id for row in claim.rows] == ids[:3]
+    claim.transaction.rollback()
+
+    monkeypatch.setattr(claims, "CLAIM_BYTES", 1)  # a row larger than the budget goes alone
+    claim = build_relay(once=True).claims.claim()
+    assert claim.transaction is not None
+    assert [row.message_id for row in claim.rows] == ids[:1]
+    claim.transaction.rollback()
+
+    report = build_relay(once=True).run()
+    assert report.sent == len(ids) and report.batches == len(ids)
+    assert [m.message_id for m in ob.broker.drain(queue, expected=len(ids))] == ids
 
 
 @postgresql_only
