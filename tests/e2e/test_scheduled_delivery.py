@@ -80,7 +80,9 @@ def test_scheduled_messages_arrive_within_a_second_of_their_due_time_and_not_bef
         ["--queue", f"{ns}.alpha", "--no-relay"], env, tmp_path / "consume.log"
     )
     consume.wait_consuming()
-    relay = RelayProcess([], env, tmp_path / "relay.log")
+    # Batches of 100 rows: the backlog below keeps a relay of any batch size busy for seconds
+    # only on a slow machine (2,000-row batches send 40,000 rows in two seconds on a quiet one).
+    relay = RelayProcess(["--batch-size", "100"], env, tmp_path / "relay.log")
     try:
         relay.wait_for_log("relay", timeout=30)
         time.sleep(1.0)  # connected, listening and idle

@@ -53,8 +53,11 @@ from tests.testapp.models import Effect
 LABELS = {"alpha": "tests.alpha", "beta": "tests.beta"}
 ROUTING_KEY = "order.placed"
 # pg_stat_activity keeps only the first 1 kB of a statement, so match the claim's beginning: the
-# relay's ``SELECT ... FOR UPDATE SKIP LOCKED`` of the outbox rows it is about to publish.
-RELAY_BATCH_SQL = 'SELECT "reliable_messaging_outboxmessage"."id" AS "pk"%'
+# relay's ``SELECT ... FOR UPDATE SKIP LOCKED`` of the outbox rows it is about to publish, inside
+# the statement that cuts them at the claim's byte budget.
+RELAY_BATCH_SQL = (
+    'SELECT pk, message_id, %AS bytes_before FROM (SELECT "reliable_messaging_outboxmessage"."id"%'
+)
 HANDLER_SQL = '%"testapp_effect"%'
 P = TypeVar("P", bound=ManageProcess)
 
