@@ -285,7 +285,7 @@ class OutboxClaims:
         query = claimable(self.using).select_for_update(skip_locked=True)
         connection = connections[self.using]
         if connection.vendor != "postgresql":
-            found = []
+            found: list[tuple[Any, ...]] = []
             taken = 0
             for row in query.values_list(
                 *CLAIMED_FIELDS[:_PUBLISHED], "created_at", "deliver_at", "behind"
