@@ -305,10 +305,15 @@ def drop_dead_letter_sql(apps: Any, schema_editor: Any) -> None:
 # (server-side prepared statements are, before PgBouncer 1.21).
 #
 # The plan is made once and kept until the tables change (a partition made, dropped or analyzed),
-# so it must not depend on how full a partition looked then: hash and merge joins and sequential
-# scans are off, and the consumer is compared with IS NOT DISTINCT FROM (equal for these NOT NULL
-# columns), which no index answers. Each key is then looked up by message_id in the unique index
-# of each partition, and in the dead letters' index of message_id, whatever the statistics said.
+# so it must not depend on how full a partition looked then: hash and merge joins, sequential
+# scans, materializing and index-only scans are off, and the consumer is compared with IS NOT
+# DISTINCT FROM (equal for these NOT NULL columns), which no index answers. Each key is then
+# looked up by message_id in the unique index of each partition, and in the dead letters' index
+# of message_id, whatever the statistics said. (With the last two on, a plan made while the partitions
+# were empty scanned each partition's unique index whole, materialized it and compared it with
+# every key: each claim read the whole inbox, more as it filled, until an ANALYZE or a new
+# connection planned it again. Without index-only scans PostgreSQL builds no index path that has
+# no condition, so the look-up by message_id is the only one left.)
 INBOX_CLAIM = f"""
 CREATE FUNCTION {INBOX_CLAIM_FUNCTION}(
     claim_consumers text[], claim_message_ids text[], claim_at timestamptz, open_statuses text[]
@@ -318,6 +323,8 @@ SET plan_cache_mode = force_generic_plan
 SET enable_seqscan = off
 SET enable_hashjoin = off
 SET enable_mergejoin = off
+SET enable_material = off
+SET enable_indexonlyscan = off
 AS $$
 #variable_conflict use_column
 BEGIN
