@@ -153,7 +153,9 @@ def test_a_relay_killed_while_scheduled_rows_fall_due_loses_and_doubles_nothing(
         tmp_path / "consume.log",
     )
     consume.wait_consuming()
-    first = RelayProcess([], env, tmp_path / "relay-1.log")
+    # Batches of 100: it is killed mid-way through the 3,000 rows (with 2,000-row batches the
+    # whole burst could be sent before the kill).
+    first = RelayProcess(["--batch-size", "100"], env, tmp_path / "relay-1.log")
     second: RelayProcess | None = None
     try:
         wait_until(
