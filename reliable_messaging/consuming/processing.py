@@ -274,31 +274,15 @@ def _decide(
     using = jobs[0].processor.using
     try:
         with transaction.atomic(using=using):
-            batch = [i for i in pending if not jobs[i].processor.spec.ordered]
-            for index in batch:
-                job = jobs[index]
-                message = job.message
-                if index in failed and isinstance(message, Message):
-                    error = failed[index]
-                    done = job.processor.failures.on_failure(
-                        job.delivery, message, error, time.perf_counter()
-                    )
-                    decided[index] = _report(job, done, stages)
-                else:
-                    decided[index] = stages.screen(job, job.message)
-            claim = [i for i in batch if decided[i] is None]
-            for index, done in _claimed(jobs, claim, using, stages, guarded):
-                decided[index] = _report(jobs[index], done, stages)
+            unordered = [i for i in pending if not jobs[i].processor.spec.ordered]
+            _screen_claim_run(jobs, unordered, decided, stages, guarded, failed)
             held_queues: set[str] = set()
             for index in pending:
                 job = jobs[index]
                 if not job.processor.spec.ordered or job.delivery.queue in held_queues:
                     continue
-                done = stages.screen(job, job.message) or _run(
-                    job, index, stages, guarded=True, alone=True
-                )
-                decided[index] = _report(job, done, stages)
-                if isinstance(done.outcome, RetryInPlace):
+                _screen_claim_run(jobs, [index], decided, stages, True, failed)
+                if isinstance(getattr(decided[index], "outcome", None), RetryInPlace):
                     held_queues.add(job.delivery.queue)
     except (_Fallback, DatabaseUnavailable, DatabaseConflict):
         raise
@@ -324,19 +308,36 @@ def _report(job: Job, done: DeliveryOutcome | None, stages: BatchStages) -> Deli
     return done
 
 
-def _claimed(
-    jobs: Sequence[Job], indexes: list[int], using: str, stages: BatchStages, guarded: bool
-) -> list[tuple[int, DeliveryOutcome]]:
-    """Claim the inbox rows of ``indexes`` in one statement, then run the handlers of the
-    claimed ones: optimistic (a handler error raises :class:`_Fallback`) or guarded."""
-    if not indexes:
-        return []
-    keys = [(jobs[i].name, jobs[i].message.message_id) for i in indexes]
-    redelivered = any(jobs[i].delivery.redelivered for i in indexes)
-    claimed, busy = _claim(using, keys, redelivered)
-    results: list[tuple[int, DeliveryOutcome]] = []
+def _screen_claim_run(
+    jobs: Sequence[Job],
+    indexes: list[int],
+    decided: list[DeliveryOutcome | None],
+    stages: BatchStages,
+    guarded: bool,
+    failed: dict[int, Exception],
+) -> None:
+    """Decide ``indexes`` into ``decided``, in the batch's transaction: each screened (or, in
+    ``failed``, charged its handler's error seen on the optimistic path); the inbox rows of the
+    rest claimed in one statement; then the handlers of the claimed ones run, optimistic (a
+    handler error raises :class:`_Fallback`) or ``guarded`` (a savepoint each)."""
+    for index in indexes:
+        job, message = jobs[index], jobs[index].message
+        if index in failed and isinstance(message, Message):
+            done = job.processor.failures.on_failure(
+                job.delivery, message, failed[index], time.perf_counter()
+            )
+        else:
+            done = stages.screen(job, message)
+        decided[index] = _report(job, done, stages)
+    claim = [i for i in indexes if decided[i] is None]
+    if not claim:
+        return
+    keys = [(jobs[i].name, jobs[i].message.message_id) for i in claim]
+    claimed, busy = _claim(
+        jobs[0].processor.using, keys, any(jobs[i].delivery.redelivered for i in claim)
+    )
     seen: set[tuple[str, str]] = set()
-    for index, key in zip(indexes, keys, strict=True):
+    for index, key in zip(claim, keys, strict=True):
         job, message = jobs[index], jobs[index].message
         assert isinstance(message, Message)
         if key in busy:
@@ -346,8 +347,7 @@ def _claimed(
         else:
             seen.add(key)
             done = _run(job, index, stages, guarded=guarded, copies_open=claimed[key])
-        results.append((index, done))
-    return results
+        decided[index] = _report(job, done, stages)
 
 
 def _claim(
@@ -368,32 +368,18 @@ def _claim(
 
 
 def _run(
-    job: Job,
-    index: int,
-    stages: BatchStages,
-    *,
-    guarded: bool,
-    alone: bool = False,
-    copies_open: bool = True,
+    job: Job, index: int, stages: BatchStages, *, guarded: bool, copies_open: bool
 ) -> DeliveryOutcome:
-    """Run the handler of ``job`` (its inbox row claimed by the batch, or ``alone`` here in
-    its savepoint), in a savepoint when ``guarded``; the outcome of its success or failure."""
+    """Run the handler of ``job``, its inbox row claimed, in a savepoint when ``guarded``; the
+    outcome of its success or failure."""
     processor, message = job.processor, job.message
     assert isinstance(message, Message)
-    key = (job.name, message.message_id)
     started = time.perf_counter()
     try:
-        with transaction.atomic(using=processor.using) if guarded else nullcontext():
-            if alone:
-                claimed, busy = _claim(processor.using, [key], job.delivery.redelivered)
-                if key in busy:
-                    return processor.failures.busy(job.delivery, message)
-                if key not in claimed:
-                    return DUPLICATE
-                copies_open, started = claimed[key], time.perf_counter()
-            with stages.handling(job, message):
-                processor.spec.handler(job.for_handler or message)
-    except (DatabaseUnavailable, DatabaseConflict, InboxClaimFailed):
+        savepoint = transaction.atomic(using=processor.using) if guarded else nullcontext()
+        with savepoint, stages.handling(job, message):
+            processor.spec.handler(job.for_handler or message)
+    except (DatabaseUnavailable, DatabaseConflict):
         raise
     except Exception as exc:  # any handler error is an outcome to decide on
         if not guarded:
@@ -407,8 +393,8 @@ def _run(
         raise_database_trouble(
             exc, message.message_id, lost=lambda: not processor.connection_usable()
         )
-        if not alone:  # its effects rolled back with the savepoint; the batch's claim goes too
-            ProcessedMessage.objects.using(processor.using).forget(*key)
+        # Its effects rolled back with the savepoint; its inbox row, claimed before, goes too.
+        ProcessedMessage.objects.using(processor.using).forget(job.name, message.message_id)
         return processor.failures.on_failure(job.delivery, message, exc, started)
     return DeliveryOutcome(
         Acknowledge(OutcomeLabel.PROCESSED),

@@ -20,7 +20,12 @@ from django.test import Client
 from django.urls import reverse
 
 from reliable_messaging import publish
-from reliable_messaging.choices import DeadLetterReason, DeadLetterStatus, OutboxStatus
+from reliable_messaging.choices import (
+    DeadLetterReason,
+    DeadLetterStatus,
+    OutboxStatus,
+    ReplayOutcome,
+)
 from reliable_messaging.consuming.processing import DeliveryProcessor, process_batch
 from reliable_messaging.consuming.stage import Job
 from reliable_messaging.contracts import PayloadInvalid, published_registry, publishes
@@ -28,7 +33,7 @@ from reliable_messaging.core.envelope import PUBLISHED_AT_HEADER, Delivery, enco
 from reliable_messaging.core.outcomes import Acknowledge
 from reliable_messaging.core.registry import ConsumerSpec, registry
 from reliable_messaging.dead_letters.replay import replay
-from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
+from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage, Replay
 from reliable_messaging.testing import deliver
 from tests.e2e.test_replay_routing import relay_once
 from tests.integration.consuming.test_consumer_service import exchange_of
@@ -315,3 +320,31 @@ def test_a_mismatch_in_a_batch_is_screened_and_the_rest_commit_together(ns: str)
     assert set(
         ProcessedMessage.objects.filter(consumer=billing.name).values_list("message_id", flat=True)
     ) == {"b-1", "b-3"}
+
+
+def test_a_replayed_copy_found_processed_by_another_copy_settles_its_replay(ns: str) -> None:
+    """A replay whose copy the payload screen acks as a duplicate (a valid copy of the message
+    was processed after the replay was asked for) settles as a duplicate, as it would at the
+    inbox claim: left in flight, the admin would show the replay waiting for ever."""
+    handled = Handled()
+    billing = recording_spec(ns, "billing", handled, OrderPlaced, bindings=("order.placed",))
+    bad = deliver(billing, {"order_id": "ref"}, message_id="twice")
+    assert bad == Acknowledge("dead_lettered", "invalid_payload")
+    letter = DeadLetter.objects.get(consumer=billing.name, message_id="twice")
+    assert replay(DeadLetter.objects.filter(pk=letter.pk), replayed_by="operator").replayed
+    copy = OutboxMessage.objects.get(message_id="twice")
+    assert deliver(billing, {"order_id": 1, "amount": "1"}, message_id="twice") == Acknowledge(
+        "processed"
+    )
+    outcome = deliver(
+        billing,
+        body=bytes(copy.raw_body) if copy.raw_body is not None else copy.body.encode(),
+        message_id="twice",
+        headers=copy.headers,
+        exchange=copy.exchange,
+        routing_key=copy.routing_key,
+    )
+    assert outcome == Acknowledge("duplicate")
+    assert Replay.objects.get(dead_letter=letter).outcome == ReplayOutcome.DUPLICATE
+    assert DeadLetter.objects.get(pk=letter.pk).status == DeadLetterStatus.RESOLVED
+    assert len(handled.given(billing.name)) == 1
