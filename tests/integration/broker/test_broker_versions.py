@@ -344,7 +344,8 @@ def test_classic_queues_stay_classic_on_a_vhost_whose_default_type_is_quorum(
 def test_a_per_queue_consumer_timeout_takes_a_late_delivery_back(node4: Any, ns: str) -> None:
     """What the broker does to a consumer holding a delivery past its queue's consumer timeout
     (5 s here), the ground of the broker check's ``consumer-timeout`` finding: 4.0 closes the
-    channel at its next check (about once a minute; pika's blocking adapter says so only when
+    channel at its next check (every ``channel_tick_interval``: a minute by default, 5 s on the
+    test nodes, scripts/rabbitmq4.sh; pika's blocking adapter says so only when
     the channel is used), on classic and quorum queues alike; 4.3 cancels the consumer of a
     quorum queue and keeps the channel open, refuses the argument on a classic queue and ignores
     the policy there. Where the broker acts, the delivery is back in the queue."""
