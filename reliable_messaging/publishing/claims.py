@@ -10,7 +10,7 @@ import datetime as dt
 import json
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 from django.db import DatabaseError, connections, transaction
@@ -264,6 +264,13 @@ class OutboxClaims:
     settings: MessagingSettings
     batch_size: int
     lease_for: dt.timedelta  # how long claimed rows stay leased past a claim's transaction
+    # How many rows the next claim locks: after a claim that CLAIM_BYTES cut, one more than it
+    # returned (a row locked past the budget waits until its batch ends, skipped by the other
+    # batches); doubled back towards batch_size by each claim that returns all it locked.
+    lock_limit: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self.lock_limit = self.batch_size
 
     # -- claiming ---------------------------------------------------------------------------
 
@@ -281,15 +288,17 @@ class OutboxClaims:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _select(self) -> list[tuple[Any, ...]]:
-        """Up to ``batch_size`` due rows, locked, in claim order, cut after ``CLAIM_BYTES``."""
+        """Up to ``lock_limit`` due rows, locked, in claim order, cut after ``CLAIM_BYTES``."""
+        limit = self.lock_limit
         query = claimable(self.using).select_for_update(skip_locked=True)
         connection = connections[self.using]
         if connection.vendor != "postgresql":
             found: list[tuple[Any, ...]] = []
-            taken = 0
+            taken, locked = 0, 0
             for row in query.values_list(
                 *CLAIMED_FIELDS[:_PUBLISHED], "created_at", "deliver_at", "behind"
-            )[: self.batch_size]:
+            )[:limit]:
+                locked += 1
                 if found and taken >= CLAIM_BYTES:
                     break
                 raw_body, body = row[_RAW_BODY], row[_BODY]
@@ -297,37 +306,47 @@ class OutboxClaims:
                 found.append(
                     (*row[:_PUBLISHED], _microseconds(max(row[-3], row[-2] or row[-3])), row[-1])
                 )
+            self._next_limit(limit, locked, len(found))
             return found
         # The same statement with its times as integers, its rows read without the ORM's
         # per-row converters: Django loads a timestamptz in Python and JSON through a
         # converter per value, which cost more CPU per row than the rest of the claim
         # (docs/benchmarks.md, the CPU budget). The rows it locks past CLAIM_BYTES are not
-        # returned: they stay locked until the batch's transaction ends, then are due again.
+        # returned: they stay locked until the batch's transaction ends, then are due again
+        # (lock_limit keeps them to one a claim while bodies are that large).
         published = RawSQL(_PUBLISHED_US, (), output_field=BigIntegerField())  # noqa: S611
         columns = [*CLAIMED_FIELDS, "behind"]
         inner, params = (
             query.annotate(published_us=published)
-            .values_list(*columns, "next_attempt_at")[: self.batch_size]
+            .values_list(*columns, "next_attempt_at")[:limit]
             .query.get_compiler(using=self.using)
             .as_sql()
         )
         sql = (
-            f"SELECT {', '.join(columns)} FROM (SELECT c.*, sum({_ROW_BYTES.format(t='c')}) "  # noqa: S608
-            "OVER (ORDER BY c.next_attempt_at, c.pk ROWS BETWEEN UNBOUNDED PRECEDING AND "
-            f"1 PRECEDING) AS bytes_before FROM ({inner}) c) w "
+            f"SELECT {', '.join(columns)}, w.locked FROM (SELECT c.*, "  # noqa: S608
+            f"count(*) OVER () AS locked, sum({_ROW_BYTES.format(t='c')}) OVER (ORDER BY "
+            "c.next_attempt_at, c.pk ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) "
+            f"AS bytes_before FROM ({inner}) c) w "
             "WHERE coalesce(w.bytes_before, 0) < %s ORDER BY w.next_attempt_at, w.pk"
         )
         with connection.cursor() as cursor:
             cursor.execute(sql, [*params, CLAIM_BYTES])
             rows = cursor.fetchall()
+        self._next_limit(limit, rows[0][-1] if rows else 0, len(rows))
         return [
             (
                 *row[:_HEADERS],
                 _headers_of(row[_HEADERS]),
-                *row[_HEADERS + 1 :],
+                *row[_HEADERS + 1 : -1],
             )
             for row in rows
         ]
+
+    def _next_limit(self, limit: int, locked: int, returned: int) -> None:
+        if returned < locked:
+            self.lock_limit = returned + 1
+        elif returned == limit:
+            self.lock_limit = min(self.batch_size, limit * 2)
 
     def _claim(self) -> Claim:
         """Rows behind an earlier unsent row of their key are parked first, in a transaction of

@@ -10,6 +10,7 @@ import re
 import threading
 from typing import Any
 
+import psycopg
 import pytest
 from django.db import connection, transaction
 from django.db.models.functions import Now
@@ -19,7 +20,7 @@ from reliable_messaging import publish
 from reliable_messaging.choices import OutboxStatus
 from reliable_messaging.conf import messaging_settings
 from reliable_messaging.models import OutboxMessage
-from reliable_messaging.publishing import claims
+from reliable_messaging.publishing import claims, listener
 from reliable_messaging.publishing.claims import OutboxClaims, claimable, release_parked
 from reliable_messaging.publishing.relay import LEASE_MARGIN, build_relay
 from reliable_messaging.publishing.sent import Batch, record_outcome
@@ -132,7 +133,7 @@ def test_a_claim_stops_at_its_byte_budget_and_the_rows_past_it_go_in_later_batch
 ) -> None:
     """A batch takes rows until their bodies pass CLAIM_BYTES (its first row whatever its
     size), so that large bodies never fill the relay's memory; the rows past it are claimed by
-    the next batches, every one sent, in order."""
+    the next batches, every one sent, a key's in order."""
     queue = ob.queue(bindings=["big.#"])
     with transaction.atomic():
         ids = [publish("big.a", {"n": i, "pad": "x" * (300 + 50 * i)}) for i in range(8)]
@@ -156,7 +157,55 @@ def test_a_claim_stops_at_its_byte_budget_and_the_rows_past_it_go_in_later_batch
 
     report = build_relay(once=True).run()
     assert report.sent == len(ids) and report.batches == len(ids)
-    assert [m.message_id for m in ob.broker.drain(queue, expected=len(ids))] == ids
+    # Rows without a key go in any order; a key's rows in publish order whatever the cut.
+    assert sorted(m.message_id for m in ob.broker.drain(queue, expected=len(ids))) == ids
+    monkeypatch.setattr(claims, "CLAIM_BYTES", budget)
+    with transaction.atomic():
+        keyed = [
+            publish("big.k", {"n": i, "pad": "x" * (300 + 50 * i)}, ordering_key="K")
+            for i in range(8)
+        ]
+    assert build_relay(once=True).run().sent == len(keyed)
+    assert [m.message_id for m in ob.broker.drain(queue, expected=len(keyed))] == keyed
+
+
+@postgresql_only
+def test_once_the_budget_cut_a_claim_the_next_ones_lock_one_row_past_what_they_return(
+    ob: OutboxEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row a claim locks past CLAIM_BYTES waits until that batch ends, skipped by the other
+    batches in flight: after a claim the budget cut, the lane's next claims lock one row more
+    than fitted, and a claim that returns all it locked lets the next lock twice as many."""
+    ob.queue(bindings=["big.#"])
+    with transaction.atomic():
+        ids = [publish("big.a", {"n": i, "pad": "x" * 1000}) for i in range(10)]
+    size = len(OutboxMessage.objects.get(message_id=ids[0]).body.encode())
+    monkeypatch.setattr(claims, "CLAIM_BYTES", 3 * size)  # three rows a batch
+    table = OutboxMessage._meta.db_table
+
+    def free_elsewhere() -> int:
+        with psycopg.connect(listener.listen_conninfo("default"), autocommit=True) as other:
+            found = other.execute(
+                f'SELECT count(*) FROM (SELECT 1 FROM "{table}" WHERE message_id = ANY(%s) '
+                "FOR UPDATE SKIP LOCKED) s",
+                [ids],
+            ).fetchone()
+        assert found is not None
+        return int(found[0])
+
+    lane = build_relay(once=True).claims
+    for locked in (10, 4, 4):  # the first claim knew no better than the batch size
+        claim = lane.claim()
+        assert claim.transaction is not None
+        assert [row.message_id for row in claim.rows] == ids[:3]
+        assert free_elsewhere() == len(ids) - locked
+        claim.transaction.rollback()
+    monkeypatch.setattr(claims, "CLAIM_BYTES", 100 * size)
+    claim = lane.claim()
+    assert claim.transaction is not None
+    assert [row.message_id for row in claim.rows] == ids[:4]
+    claim.transaction.rollback()
+    assert lane.lock_limit == 8
 
 
 @postgresql_only
