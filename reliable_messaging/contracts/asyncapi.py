@@ -1,11 +1,6 @@
-"""The project's AsyncAPI 3.0 document: the broker, what the project publishes, what it consumes.
-
-Built from the code alone: the settings (the server, the exchange, the queue type), the declared
-payloads (:func:`reliable_messaging.contracts.published` and each consumer's ``payload``), the
-consumer registry, and the names and arguments :mod:`reliable_messaging.broker.topology`
-declares. The same code gives the same document, so ``manage.py asyncapi --check`` tells when a
-committed document is behind (``docs/contracts.md#the-asyncapi-document`` explains the mapping).
-"""
+"""The project's AsyncAPI 3.0 document (the broker, what the project publishes, what it
+consumes), built from the code alone: the same code gives the same document
+(``docs/contracts.md#the-asyncapi-document`` explains the mapping)."""
 
 from __future__ import annotations
 
@@ -28,10 +23,11 @@ from ..conf import MessagingSettings, messaging_settings, split_broker_urls
 from ..core import envelope
 from ..core.contracts import Contract
 from ..core.envelope import CONTENT_TYPE, HEADER_PREFIX
-from ..core.registry import ConsumerSpec
+from ..core.registry import ConsumerSpec, registry
 from ..core.routing import topic_matches
 from ..core.trace_context import TRACE_HEADERS, TRACEPARENT, TRACESTATE
 from ..task_runs.naming import is_task_consumer
+from .declarations import published as declared_payloads
 
 ASYNCAPI_VERSION = "3.0.0"
 AMQP_BINDING_VERSION = "0.3.0"
@@ -129,10 +125,7 @@ HEADER_SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 
-# The body of a task message (reliable_messaging/contrib/task_backend.py enqueues it, the
-# task queues' handler in task_runs/worker.py reads it): the task's id and its module path.
-# The arguments are not in the message: they are in the TaskRun row, written in the same
-# transaction, so a message sent by anything but the backend finds no row to run.
+# The body of a task message (contrib/task_backend.py enqueues it, task_runs/worker.py reads it).
 TASK_MESSAGE_SCHEMA: dict[str, Any] = {
     "title": "TaskMessage",
     "type": "object",
@@ -190,10 +183,15 @@ def _key(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", text) or "_"
 
 
-def _unique(taken: Mapping[str, Any], base: str) -> str:
+_ABSENT = object()
+
+
+def _unique(taken: Mapping[str, Any], base: str, value: Any = _ABSENT) -> str:
+    """``base``, else ``base-2``, ``base-3``, ...: the first key free in ``taken`` (or that
+    holds ``value`` already)."""
     key = base
     for n in range(2, 10_000):
-        if key not in taken:
+        if taken.get(key, value) == value:
             break
         key = f"{base}-{n}"
     return key
@@ -244,12 +242,7 @@ def _server(url: str) -> dict[str, Any]:
 
 
 class _Document:
-    """The document being built: channels, operations and components by key.
-
-    Extensions (``x-...``) describing the queues' arguments, bindings, partitions and retries
-    sit on the channel and the operation rather than inside the ``amqp`` binding: the official
-    schema allows both places, and some parsers refuse them inside a binding.
-    """
+    """The document being built: channels, operations and components by key."""
 
     def __init__(self, settings: MessagingSettings, urls: Sequence[str]) -> None:
         self.settings = settings
@@ -270,42 +263,40 @@ class _Document:
         if found in self._message_keys:
             return self._message_keys[found]
         key = self._message_keys[found] = _unique(self.messages, _key(payload.name))
-        self.messages[key] = {
-            "name": payload.name,
-            "title": payload.name,
-            "contentType": CONTENT_TYPE,
-            "payload": {"$ref": f"#/components/schemas/{self._schema(key, schema)}"},
-            "traits": [{"$ref": f"#/components/messageTraits/{HEADERS_TRAIT}"}],
-            "bindings": {"amqp": {"bindingVersion": AMQP_BINDING_VERSION}},
-        }
-        return key
+        schema_ref = f"#/components/schemas/{self._schema(key, schema)}"
+        return self._add_message(key, payload.name, payload.name, {"$ref": schema_ref})
 
     def untyped_message(self) -> str:
-        self.messages[UNTYPED_MESSAGE] = {
-            "name": UNTYPED_MESSAGE,
-            "title": "Any JSON",
-            "summary": "No payload type is declared: any JSON value.",
-            "contentType": CONTENT_TYPE,
-            "payload": {},
-            "traits": [{"$ref": f"#/components/messageTraits/{HEADERS_TRAIT}"}],
-            "bindings": {"amqp": {"bindingVersion": AMQP_BINDING_VERSION}},
-        }
-        return UNTYPED_MESSAGE
+        summary = "No payload type is declared: any JSON value."
+        return self._add_message(UNTYPED_MESSAGE, UNTYPED_MESSAGE, "Any JSON", {}, summary)
 
     def task_message(self) -> str:
         """The message of the task queues: what ``ReliableTaskBackend.enqueue`` publishes."""
         self.schemas[TASK_MESSAGE] = TASK_MESSAGE_SCHEMA
-        self.messages[TASK_MESSAGE] = {
-            "name": TASK_MESSAGE,
-            "title": "A django.tasks task",
-            "summary": "A task enqueued through ReliableTaskBackend: which task, and the id of "
-            "its TaskRun row; the arguments stay in that row.",
+        summary = (
+            "A task enqueued through ReliableTaskBackend: which task, and the id of its TaskRun "
+            "row; the arguments stay in that row."
+        )
+        schema_ref = f"#/components/schemas/{TASK_MESSAGE}"
+        return self._add_message(
+            TASK_MESSAGE, TASK_MESSAGE, "A django.tasks task", {"$ref": schema_ref}, summary
+        )
+
+    def _add_message(
+        self, key: str, name: str, title: str, payload: dict[str, Any], summary: str | None = None
+    ) -> str:
+        message: dict[str, Any] = {
+            "name": name,
+            "title": title,
             "contentType": CONTENT_TYPE,
-            "payload": {"$ref": f"#/components/schemas/{TASK_MESSAGE}"},
+            "payload": payload,
             "traits": [{"$ref": f"#/components/messageTraits/{HEADERS_TRAIT}"}],
             "bindings": {"amqp": {"bindingVersion": AMQP_BINDING_VERSION}},
         }
-        return TASK_MESSAGE
+        if summary is not None:
+            message["summary"] = summary
+        self.messages[key] = message
+        return key
 
     def _schema(self, name: str, schema: dict[str, Any]) -> str:
         """Put ``schema`` and its nested types (``$defs``) in components; its key there.
@@ -321,11 +312,7 @@ class _Document:
                 break
         self.schemas.update(hoisted)
         top = _rewrite_refs(schema, names)
-        key = name
-        for n in range(2, 10_000):
-            if self.schemas.get(key, top) == top:
-                break
-            key = f"{name}-{n}"
+        key = _unique(self.schemas, name, top)
         self.schemas[key] = top
         return key
 
@@ -405,11 +392,12 @@ class _Document:
         bound_to = [{"exchange": exchange, "routingKey": key} for key in spec.bindings]
         dead_letter_to = dead_letter_queue(spec) if settings.queue_type == "quorum" else None
         channel_id = _unique(self.channels, f"queue_{_key(spec.queue)}")
+        address = f"{spec.queue}.p{{partition}}" if spec.ordered else spec.queue
         channel: dict[str, Any] = {
-            "address": spec.queue,
+            "address": address,
             "title": spec.queue,
             "messages": {m: {"$ref": f"#/components/messages/{m}"} for m in messages},
-            "bindings": self._queue_binding(spec.queue),
+            "bindings": self._queue_binding(address),
             "x-queue-arguments": queue_arguments(
                 settings,
                 ordered=spec.ordered,
@@ -420,8 +408,6 @@ class _Document:
         }
         if spec.ordered:
             partitions = consumer_queues(spec, settings)
-            channel["address"] = f"{spec.queue}.p{{partition}}"
-            channel["bindings"] = self._queue_binding(channel["address"])
             channel["parameters"] = {
                 "partition": {
                     "enum": [str(n) for n in range(len(partitions))],
@@ -470,15 +456,9 @@ def asyncapi_document(
     """The AsyncAPI 3.0 document of ``specs`` (the registry's) and ``published`` (the declared
     payloads), on the exchange of ``settings`` and its broker (``broker_url``'s, when given:
     ``;``-separated URLs, as ``BROKER_URL``)."""
-    if specs is None:
-        from ..core.registry import registry
-
-        specs = registry.all()
+    specs = sorted(registry.all() if specs is None else specs, key=lambda s: s.queue)
     if published is None:
-        from .declarations import published as declared
-
-        published = declared()
-    specs = sorted(specs, key=lambda s: s.queue)
+        published = declared_payloads()
     urls = settings.broker_urls if broker_url is None else split_broker_urls(broker_url)
     doc = _Document(settings, urls)
     for routing_key, payload in sorted(published.items()):
