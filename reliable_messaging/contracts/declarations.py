@@ -49,14 +49,12 @@ class PublishedRegistry:
     def isolated(self) -> Iterator[PublishedRegistry]:
         """Temporarily empty the registry (for tests); restores it on exit."""
         with self._lock:
-            saved = dict(self._by_key)
-            self._by_key.clear()
+            saved, self._by_key = self._by_key, {}
         try:
             yield self
         finally:
             with self._lock:
-                self._by_key.clear()
-                self._by_key.update(saved)
+                self._by_key = saved
 
 
 published_registry = PublishedRegistry()

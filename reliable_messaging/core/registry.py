@@ -121,14 +121,12 @@ class ConsumerRegistry:
     def isolated(self) -> Iterator[ConsumerRegistry]:
         """Temporarily empty the registry (for tests); restores it on exit."""
         with self._lock:
-            saved = dict(self._by_name)
-            self._by_name.clear()
+            saved, self._by_name = self._by_name, {}
         try:
             yield self
         finally:
             with self._lock:
-                self._by_name.clear()
-                self._by_name.update(saved)
+                self._by_name = saved
 
 
 registry = ConsumerRegistry()
