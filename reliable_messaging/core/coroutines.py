@@ -10,7 +10,7 @@ import contextlib
 import functools
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 # How many times (every 10 ms) an interrupted call cancels a coroutine that has not ended.
@@ -19,18 +19,6 @@ ORPHAN_CANCELS = 100
 _lock = threading.Lock()
 # How to wake each thread that waits on a coroutine, by thread id.
 _wakers: dict[int, Callable[[], None]] = {}
-
-
-@contextlib.contextmanager
-def _wakes(thread: int, waker: Callable[[], None]) -> Iterator[None]:
-    with _lock:
-        _wakers[thread] = waker
-    try:
-        yield
-    finally:
-        with _lock:
-            if _wakers.get(thread) is waker:
-                del _wakers[thread]
 
 
 def wake(thread: int) -> None:
@@ -76,5 +64,11 @@ class CoroutineHandler:
             with contextlib.suppress(RuntimeError):  # a closed loop: the coroutine is over
                 loop.call_soon_threadsafe(task.cancel)
 
-        with _wakes(thread, cancel):
+        with _lock:
+            _wakers[thread] = cancel
+        try:
             return await self.function(*args, **kwargs)
+        finally:
+            with _lock:
+                if _wakers.get(thread) is cancel:
+                    del _wakers[thread]

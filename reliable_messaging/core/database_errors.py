@@ -67,7 +67,7 @@ def classify(exc: BaseException) -> DatabaseTrouble | None:
             return None
         if module in _POSTGRESQL_DRIVERS:
             # A driver error with no SQLSTATE: the server never answered.
-            if _named(error, _NO_ANSWER_TYPES):
+            if any(cls.__name__ in _NO_ANSWER_TYPES for cls in type(error).__mro__):
                 return DatabaseTrouble.UNAVAILABLE
             return None
     # Django's own InterfaceError ("connection already closed") wraps nothing.
@@ -97,10 +97,6 @@ def _chain(exc: BaseException) -> list[BaseException]:
         seen.append(error)
         error = error.__cause__
     return seen
-
-
-def _named(error: BaseException, names: tuple[str, ...]) -> bool:
-    return any(cls.__name__ in names for cls in type(error).__mro__)
 
 
 class OutageLog:

@@ -10,7 +10,7 @@ import json
 import math
 import reprlib
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -520,24 +520,6 @@ def _has_lone_surrogate(payload: Any) -> bool:
     return False
 
 
-def _parse_json(text: str, error: Callable[[str, str], DecodeError]) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        return error(FailureReason.INVALID_JSON, f"the body is not valid JSON: {exc}")
-    except RecursionError:
-        return error(
-            FailureReason.INVALID_JSON,
-            "the body is JSON nested too deeply to decode (arrays or objects thousands of "
-            "levels deep)",
-        )
-    except ValueError as exc:  # an integer literal beyond Python's 4300-digit limit
-        return error(
-            FailureReason.INVALID_JSON,
-            f"the body is JSON with a number too long to decode: {str(exc)[:200]}",
-        )
-
-
 def sent_to_its_queue(delivery: Delivery) -> bool:
     """Whether ``delivery`` came the way our own copies come: through the default exchange to
     its queue. Only then do our origin headers stand for where it was first published."""
@@ -602,9 +584,21 @@ def decode_delivery(
         text = delivery.body.decode("utf-8")
     except UnicodeDecodeError as exc:
         return error(FailureReason.INVALID_UTF8, f"the body is not valid UTF-8: {exc}")
-    payload = _parse_json(text, error)
-    if isinstance(payload, DecodeError):
-        return payload
+    try:
+        payload = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return error(FailureReason.INVALID_JSON, f"the body is not valid JSON: {exc}")
+    except RecursionError:
+        return error(
+            FailureReason.INVALID_JSON,
+            "the body is JSON nested too deeply to decode (arrays or objects thousands of "
+            "levels deep)",
+        )
+    except ValueError as exc:  # an integer literal beyond Python's 4300-digit limit
+        return error(
+            FailureReason.INVALID_JSON,
+            f"the body is JSON with a number too long to decode: {str(exc)[:200]}",
+        )
     if "\\u" in text and _has_lone_surrogate(payload):
         return error(
             FailureReason.INVALID_JSON,
