@@ -62,13 +62,22 @@ BROKER_HEADERS = frozenset(
 # so it reaches the queue we address and no other.
 SENDER_ROUTING_HEADERS = frozenset({"CC", "BCC"})
 
+MAX_MESSAGE_ID_LENGTH = 255
+MAX_SHORT_STRING_BYTES = 255
+# Nesting kept when headers or payloads are stored or published again: encoders recurse.
+MAX_STORED_NESTING = 200
+MAX_WIRE_NESTING = 64
+# Compared, never tested with ``in range(...)``: for pika's int subclass that scans every number.
+_INT64_MIN, _INT64_END = -(2**63), 2**63
+_INT32_MIN, _INT32_END = -(2**31), 2**31
+
 
 def check_header_value(name: str, value: Any) -> None:
     """Raise ``TypeError`` unless ``value`` is one AMQP tables hold as pika encodes them."""
     if value is None or isinstance(value, str | bool):
         return
     if isinstance(value, int):
-        if not -(2**63) <= value < 2**63:
+        if not _INT64_MIN <= value < _INT64_END:
             raise TypeError(f"header {name!r} is out of the 64-bit integer range")
     elif isinstance(value, list | tuple):
         for item in value:
@@ -87,7 +96,7 @@ def check_header_value(name: str, value: Any) -> None:
 
 def check_short_string(what: str, value: str) -> None:
     """Raise ``ValueError`` when ``value`` is longer than an AMQP short string (255 bytes)."""
-    if len(value.encode("utf-8", errors="surrogatepass")) > 255:
+    if len(value.encode("utf-8", errors="surrogatepass")) > MAX_SHORT_STRING_BYTES:
         raise ValueError(f"{what} {value[:40]!r}... is longer than AMQP's 255 bytes")
 
 
@@ -181,13 +190,6 @@ class DecodeError:
     reason: str
     detail: str
     message_id: str
-
-
-MAX_MESSAGE_ID_LENGTH = 255
-MAX_SHORT_STRING_BYTES = 255
-# Nesting kept when headers or payloads are stored or published again: encoders recurse.
-MAX_STORED_NESTING = 200
-MAX_WIRE_NESTING = 64
 
 
 def safe_text(value: Any) -> str:
@@ -304,11 +306,6 @@ def wire_headers(headers: Mapping[Any, Any]) -> dict[str, Any]:
 
 def _wire_name(name: Any) -> str:
     return fit_utf8(safe_text(_header_name(name)))
-
-
-# Compared, never tested with ``in range(...)``: for pika's int subclass that scans every number.
-_INT64_MIN, _INT64_END = -(2**63), 2**63
-_INT32_MIN, _INT32_END = -(2**31), 2**31
 
 
 def _wire_decimal(value: decimal.Decimal) -> decimal.Decimal | str:
