@@ -110,6 +110,32 @@ def _failed(span: Any, description: str, error: BaseException | None = None) -> 
     span.set_status(Status(StatusCode.ERROR, description[:500]))
 
 
+def _settle(span: Any, outcome: str, reason: str | None) -> None:
+    span.set_attribute(OUTCOME, outcome)
+    if reason:
+        span.set_attribute(REASON, reason[:500])
+
+
+def _attributes(
+    operation_type: str, operation_name: str, exchange: str, routing_key: str
+) -> dict[str, Any]:
+    """The semantic conventions' attributes of a span about one message on RabbitMQ."""
+    return {
+        "messaging.system": SYSTEM,
+        "messaging.operation.type": operation_type,
+        "messaging.operation.name": operation_name,
+        "messaging.destination.name": exchange,
+        "messaging.rabbitmq.destination.routing_key": routing_key,
+    }
+
+
+def _with_carrier(span: Any) -> tuple[Any, dict[str, str]]:
+    """``span`` and the headers carrying its context."""
+    carrier: dict[str, str] = {}
+    _inject(span, carrier)
+    return span, carrier
+
+
 def end(span: Any, error: BaseException | None = None) -> None:
     """End a span of :func:`start_publish` or :func:`start_replay` (None: nothing to end)."""
     if span is None:
@@ -129,18 +155,12 @@ def start_publish(
         f"publish {routing_key}",
         kind=SpanKind.PRODUCER,
         attributes={
-            "messaging.system": SYSTEM,
-            "messaging.operation.type": "create",
-            "messaging.operation.name": "publish",
-            "messaging.destination.name": exchange,
-            "messaging.rabbitmq.destination.routing_key": routing_key,
+            **_attributes("create", "publish", exchange, routing_key),
             "messaging.message.id": message_id,
             "messaging.message.body.size": body_size,
         },
     )
-    carrier: dict[str, str] = {}
-    _inject(span, carrier)
-    return span, carrier
+    return _with_carrier(span)
 
 
 def start_replay(
@@ -172,20 +192,14 @@ def start_replay(
         kind=SpanKind.PRODUCER,
         links=links,
         attributes={
-            "messaging.system": SYSTEM,
-            "messaging.operation.type": "create",
-            "messaging.operation.name": "replay",
-            "messaging.destination.name": "",
-            "messaging.rabbitmq.destination.routing_key": queue,
+            **_attributes("create", "replay", "", queue),
             "messaging.message.id": message_id,
             CONSUMER: consumer,
             "reliable_messaging.dead_letter.id": dead_letter,
             "reliable_messaging.replayed_by": replayed_by,
         },
     )
-    carrier: dict[str, str] = {}
-    _inject(span, carrier)
-    return span, carrier
+    return _with_carrier(span)
 
 
 def start_send(
@@ -207,11 +221,7 @@ def start_send(
         context=parent,
         kind=SpanKind.PRODUCER,
         attributes={
-            "messaging.system": SYSTEM,
-            "messaging.operation.type": "send",
-            "messaging.operation.name": "send",
-            "messaging.destination.name": exchange,
-            "messaging.rabbitmq.destination.routing_key": routing_key,
+            **_attributes("send", "send", exchange, routing_key),
             "messaging.message.id": message_id,
             "reliable_messaging.outbox.wait_ms": max(
                 0.0, (now - created_at).total_seconds() * 1000
@@ -230,9 +240,8 @@ def end_send(span: Any, outcome: str, error: str | None = None) -> None:
     """End a ``send`` span: ``sent``, ``unrouted``, ``failed`` (with ``error``) or ``again``."""
     if span is None:
         return
-    span.set_attribute(OUTCOME, outcome)
+    _settle(span, outcome, error)
     if error is not None:
-        span.set_attribute(REASON, error[:500])
         _failed(span, error)
     span.end()
 
@@ -272,12 +281,8 @@ def start_deliveries(deliveries: Iterable[tuple[Delivery, str]]) -> list[Deliver
             continue  # decided again inside the batch that started its span
         exchange, routing_key = _origin(delivery)
         attributes: dict[str, Any] = {
-            "messaging.system": SYSTEM,
-            "messaging.operation.type": "process",
-            "messaging.operation.name": "process",
-            "messaging.destination.name": exchange,
+            **_attributes("process", "process", exchange, routing_key),
             "messaging.destination.subscription.name": delivery.queue,
-            "messaging.rabbitmq.destination.routing_key": routing_key,
             "messaging.rabbitmq.message.delivery_tag": delivery.delivery_tag,
             "messaging.message.body.size": len(delivery.body),
             CONSUMER: consumer,
@@ -357,13 +362,10 @@ def end_deliveries(
         if span is None:
             continue
         if error is not None:
-            span.set_attribute(OUTCOME, "held")
-            span.set_attribute(REASON, f"{type(error).__name__}: {error}"[:500])
+            _settle(span, "held", f"{type(error).__name__}: {error}")
         else:
             label, reason = _describe(results[index] if index < len(results) else None)
-            span.set_attribute(OUTCOME, str(label))
-            if reason:
-                span.set_attribute(REASON, reason[:500])
+            _settle(span, str(label), reason)
         span.end()
 
 
@@ -411,9 +413,7 @@ class TaskSpan:
     def settle(self, outcome: str, reason: str | None = None) -> None:
         self.outcome = outcome
         if self.span is not None:
-            self.span.set_attribute(OUTCOME, outcome)
-            if reason:
-                self.span.set_attribute(REASON, reason[:500])
+            _settle(self.span, outcome, reason)
 
 
 @contextmanager
