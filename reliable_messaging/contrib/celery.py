@@ -225,13 +225,11 @@ def idempotent_task(
                         f"directly, not through delay(), apply_async() or apply(). Give "
                         f"@idempotent_task a key=... to call it like this."
                     )
-            message_id = inbox_key(raw_key)
             alias = using or router.db_for_write(ProcessedMessage)
-            request = task.request if task is not None else None
-            hold = _Hold(task, name, message_id, alias)
+            run = _Run(task, name, inbox_key(raw_key), alias)
             while True:
                 try:
-                    return _run_once_traced(body, args, kwargs, task_args, request, hold)
+                    return _run_once_traced(body, args, kwargs, task_args, run)
                 except _RunAgain:
                     continue
 
@@ -246,14 +244,14 @@ def _run_once_traced(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     task_args: tuple[Any, ...],
-    request: Any,
-    hold: _Hold,
+    run: _Run,
 ) -> R | None:
     """One run of an idempotent task's body in its inbox transaction, in its trace."""
-    task, name, message_id, alias = hold.task, hold.name, hold.message_id, hold.alias
+    task, name, message_id, alias = run.task, run.name, run.message_id, run.alias
+    request = task.request if task is not None else None
     with tracing.running_task(request, name, message_id) as traced:
         guard = None
-        if task is not None and _redelivered(task):
+        if task is not None and _delivery_info(task).get("redelivered"):
             # A pool child may have died on it: the guard's mark commits before the
             # body's transaction opens, so it outlives a SIGKILL.
             guard = CrashGuard(messaging_settings.crash_limit, using=alias)
@@ -263,28 +261,21 @@ def _run_once_traced(
                 )
             except DatabaseError as exc:
                 if classify(exc) is DatabaseTrouble.UNAVAILABLE:
-                    traced.settle("held", "the database is unavailable")
-                    hold.wait(exc)
+                    run.hold(exc, traced)
                 raise
             if looping:
                 traced.settle(OutcomeLabel.DEAD_LETTERED, DeadLetterReason.WORKER_CRASHED)
                 return None  # Celery acks it, and the queue moves on
         try:
             result = _run_retrying_conflicts(
-                functools.partial(
-                    _run_in_inbox, body, args, kwargs, task, name, message_id, alias, traced
-                ),
-                name,
-                message_id,
-                alias,
+                functools.partial(_run_in_inbox, body, args, kwargs, run, traced), run
             )
         except BaseException as exc:
             if isinstance(exc, DatabaseError) and classify(exc) is DatabaseTrouble.UNAVAILABLE:
                 # Not the task's failure: nothing is charged, the message goes back.
                 if guard is not None:
                     _interrupted(guard, name, message_id)
-                traced.settle("held", "the database is unavailable")
-                hold.wait(exc)
+                run.hold(exc, traced)
             # An exception is an outcome; SystemExit and MemoryError end the child, and
             # the redelivery counts the death as if it were a SIGKILL.
             outcome = isinstance(exc, Exception) and not isinstance(exc, MemoryError)
@@ -297,17 +288,18 @@ def _run_once_traced(
         return result
 
 
-def _run_retrying_conflicts(run: Callable[[], R], name: str, message_id: str, alias: str) -> R:
-    """``run`` again in a new transaction (a bounded number of times, not charged to the task)
-    on a deadlock or a serialization failure; inside a caller's transaction it raises at once."""
+def _run_retrying_conflicts(attempt: Callable[[], R], run: _Run) -> R:
+    """``attempt`` again in a new transaction (a bounded number of times, not charged to the
+    task) on a deadlock or a serialization failure; inside a caller's transaction it raises at
+    once."""
     for retry in range(CONFLICT_RETRIES + 1):
         try:
-            return run()
+            return attempt()
         except DatabaseError as exc:
             if (
                 classify(exc) is not DatabaseTrouble.CONFLICT
                 or retry == CONFLICT_RETRIES
-                or transaction.get_connection(alias).in_atomic_block
+                or transaction.get_connection(run.alias).in_atomic_block
             ):
                 raise
             delay = conflict_delay(retry)
@@ -315,8 +307,8 @@ def _run_retrying_conflicts(run: Callable[[], R], name: str, message_id: str, al
                 "database conflict (%s) on message_id=%s task=%s: running again in a new "
                 "transaction in %.2fs (%d of %d), not charged",
                 describe(exc),
-                message_id,
-                name,
+                run.message_id,
+                run.name,
                 delay,
                 retry + 1,
                 CONFLICT_RETRIES,
@@ -329,17 +321,19 @@ class _RunAgain(Exception):
     """The database was unavailable and the task, still held, runs again."""
 
 
-class _Hold:
-    """A worker's task the database cannot take: held unacked and run again after a wait, as
-    ``consume`` holds a delivery, up to ``max_hold_seconds``; outside a worker,
-    :class:`DatabaseUnavailable` is raised instead."""
+class _Run:
+    """An idempotent task's run: its Celery task (None when called directly), scope, inbox key
+    and database alias, and the holds of a worker's task the database cannot take."""
 
     def __init__(self, task: Task | None, name: str, message_id: str, alias: str) -> None:
         self.task, self.name, self.message_id, self.alias = task, name, message_id, alias
         self.since = time.monotonic()
         self.waits = Backoff(UNAVAILABLE_PAUSE, messaging_settings.reconnect_max_delay)
 
-    def wait(self, exc: DatabaseError) -> NoReturn:
+    def hold(self, exc: DatabaseError, traced: tracing.TaskSpan) -> NoReturn:
+        """Hold the task unacked and run it again after a wait, as ``consume`` holds a delivery,
+        up to ``max_hold_seconds``; outside a worker, raise :class:`DatabaseUnavailable`."""
+        traced.settle("held", "the database is unavailable")
         task = self.task
         if task is None or getattr(task.request, "is_eager", False):
             raise DatabaseUnavailable(
@@ -371,14 +365,12 @@ def _run_in_inbox(
     body: Callable[..., R],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    task: Task | None,
-    name: str,
-    message_id: str,
-    alias: str,
+    run: _Run,
     traced: tracing.TaskSpan,
 ) -> R | None:
     """Run ``body`` in one transaction with the insert of its inbox row; ``None`` without
     running it when the key already took effect."""
+    name, message_id, alias = run.name, run.message_id, run.alias
     started = time.perf_counter()
     with claimed_atomic(alias, name, message_id) as fresh:
         if fresh:
@@ -389,7 +381,7 @@ def _run_in_inbox(
             "effect, the body was skipped",
             message_id,
             name,
-            task.request.id if task is not None else "-",
+            run.task.request.id if run.task is not None else "-",
         )
         metrics.consumer_outcome(name, OutcomeLabel.DUPLICATE)
         traced.settle(OutcomeLabel.DUPLICATE)
@@ -410,10 +402,10 @@ def _run_in_inbox(
     return result
 
 
-def _redelivered(task: Task) -> bool:
-    """Whether the broker handed this task message out before (eager runs never are)."""
-    delivery_info = getattr(task.request, "delivery_info", None) or {}
-    return bool(delivery_info.get("redelivered"))
+def _delivery_info(task: Task) -> dict[str, Any]:
+    """How the broker handed this task message out (``redelivered``: before too); eager runs
+    have none."""
+    return getattr(task.request, "delivery_info", None) or {}
 
 
 def _forget(guard: CrashGuard, scope: str, message_id: str) -> None:
@@ -445,7 +437,7 @@ def _dead_letter_if_crash_looping(
         return False
     if ProcessedMessage.objects.using(guard.using).has(scope, message_id):
         return False
-    delivery_info = getattr(task.request, "delivery_info", None) or {}
+    delivery_info = _delivery_info(task)
     payload = jsonable({"args": list(args), "kwargs": kwargs})
     delivery = Delivery(
         body=json.dumps(payload, ensure_ascii=False).encode("utf-8"),
