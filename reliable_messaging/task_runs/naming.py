@@ -36,16 +36,15 @@ class TaskQueues:
     def of(cls, alias: str, params: Mapping[str, Any]) -> TaskQueues:
         """From a ``TASKS`` entry the system checks passed (:func:`problems`)."""
         options = params.get("OPTIONS") or {}
-        delays = options.get("RETRY_DELAYS")
         return cls(
             alias=alias,
             queues=tuple(params.get("QUEUES") or ()),
             prefix=options.get("QUEUE_PREFIX", DEFAULT_QUEUE_PREFIX),
             max_attempts=options.get("MAX_ATTEMPTS"),
-            retry_delays=None if delays is None else tuple(float(d) for d in delays),
+            retry_delays=delays_of(options.get("RETRY_DELAYS")),
             task_retries=tuple(
-                (path, RetryPolicy(policy.get("MAX_ATTEMPTS"), _delays(policy.get("RETRY_DELAYS"))))
-                for path, policy in (options.get("TASK_RETRIES") or {}).items()
+                (path, RetryPolicy(own.get("MAX_ATTEMPTS"), delays_of(own.get("RETRY_DELAYS"))))
+                for path, own in (options.get("TASK_RETRIES") or {}).items()
             ),
         )
 
@@ -75,7 +74,7 @@ def task_id_of(message: Message) -> str | None:
     return task_id if isinstance(task_id, str) and task_id else None
 
 
-def _delays(delays: Any) -> tuple[float, ...] | None:
+def delays_of(delays: Any) -> tuple[float, ...] | None:
     return None if delays is None else tuple(float(d) for d in delays)
 
 
@@ -109,6 +108,13 @@ def policy_problems(
     return found
 
 
+def _unknown_keys(where: str, given: Mapping[str, Any], known: set[str]) -> list[str]:
+    return [
+        f"{where} has an unknown key {key!r} (known: {', '.join(sorted(known))})."
+        for key in sorted(set(given) - known)
+    ]
+
+
 def problems(alias: str, params: Mapping[str, Any]) -> list[str]:
     """What makes ``TASKS[alias]`` unusable by our backend, each said as a sentence."""
     found: list[str] = []
@@ -122,11 +128,7 @@ def problems(alias: str, params: Mapping[str, Any]) -> list[str]:
     options = params.get("OPTIONS") or {}
     if not isinstance(options, Mapping):
         return [*found, f"TASKS[{alias!r}]['OPTIONS'] must be a dict, got {options!r}."]
-    for key in sorted(set(options) - OPTIONS):
-        found.append(
-            f"TASKS[{alias!r}]['OPTIONS'] has an unknown key {key!r} (known: "
-            f"{', '.join(sorted(OPTIONS))})."
-        )
+    found.extend(_unknown_keys(f"TASKS[{alias!r}]['OPTIONS']", options, OPTIONS))
     prefix = options.get("QUEUE_PREFIX", DEFAULT_QUEUE_PREFIX)
     if not isinstance(prefix, str):
         found.append(f"TASKS[{alias!r}]['OPTIONS']['QUEUE_PREFIX'] must be a string.")
@@ -166,10 +168,7 @@ def problems(alias: str, params: Mapping[str, Any]) -> list[str]:
         if not isinstance(own, Mapping) or not own:
             found.append(f"{where} must be a dict of MAX_ATTEMPTS and/or RETRY_DELAYS.")
             continue
-        for key in sorted(set(own) - POLICY_KEYS):
-            found.append(
-                f"{where} has an unknown key {key!r} (known: {', '.join(sorted(POLICY_KEYS))})."
-            )
+        found.extend(_unknown_keys(where, own, POLICY_KEYS))
         found.extend(
             policy_problems(
                 f"{where}[{{!r}}]",

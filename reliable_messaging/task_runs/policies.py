@@ -1,9 +1,6 @@
-"""A task's own retry policy: ``@task(max_attempts=3, retry_delays=[1, 5])`` where the
-decorator passes its other keyword arguments to the backend's ``task_class`` (Django 6.1, the
-``django-tasks`` backport), and ``OPTIONS["TASK_RETRIES"]`` naming tasks by their dotted path
-(every version, Django 6.0 included). The consumer of a task queue runs many tasks, so it looks
-each failed delivery's policy up (``ConsumerSpec.retry_policy``): :class:`TaskRetryPolicies`.
-``docs/tasks.md#a-tasks-own-retries``."""
+"""A task's own retry policy, from ``@task(max_attempts=3, retry_delays=[1, 5])`` or
+``OPTIONS["TASK_RETRIES"]``, looked up for each failed delivery
+(``docs/tasks.md#a-tasks-own-retries``)."""
 
 from __future__ import annotations
 
@@ -14,7 +11,7 @@ from typing import Any
 from ..core.envelope import Message
 from ..core.registry import RetryPolicy
 from .framework import InvalidTask, Task
-from .naming import TaskQueues, policy_problems
+from .naming import TaskQueues, delays_of, policy_problems
 from .results import task_at
 
 
@@ -87,4 +84,4 @@ class TaskRetryPolicies:
             delays = getattr(task, "retry_delays", None)
         if max_attempts is None and delays is None:
             return None
-        return RetryPolicy(max_attempts, None if delays is None else tuple(map(float, delays)))
+        return RetryPolicy(max_attempts, delays_of(delays))

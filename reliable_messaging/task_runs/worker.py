@@ -1,12 +1,6 @@
 """Running tasks in the consumer: the handler of the task queues' consumers, and what the
 consumer's stage of tasks (:mod:`reliable_messaging.consuming.task_runs`) writes and signals
-around each attempt.
-
-A batch's attempts (:class:`Attempts`) cost about what a handler's deliveries do: the rows are
-marked RUNNING and read in one statement before the batch's transaction, the handler takes its
-row from there instead of reading it again, and the SUCCESSFUL rows are written in one
-statement at the end of the batch's transaction (``docs/tasks.md#what-it-costs``).
-"""
+around each batch of attempts, in one statement each (``docs/tasks.md#what-it-costs``)."""
 
 from __future__ import annotations
 
@@ -199,7 +193,10 @@ def start_attempts(using: str, task_ids: Iterable[str]) -> Attempts:
     except DatabaseError as exc:
         raise DatabaseUnavailable(f"could not mark tasks RUNNING: {exc}") from exc
     attempts = Attempts(using, {run.pk: run for run in runs})
-    _signal(task_started, runs, attempts)
+    if task_started.receivers:  # else no result to build
+        results = _results(runs, attempts)
+        attempts.started.update((result.id, result) for result in results)
+        _send(task_started, results)
     return attempts
 
 
@@ -268,18 +265,7 @@ def send_failed(using: str, task_id: str) -> None:
         logger.exception("task %s: could not read its FAILED row to signal it", task_id)
         return
     if run is not None and run.status == TaskResultStatus.FAILED:
-        _signal(task_finished, [run])
-
-
-def _signal(signal: Any, runs: Iterable[TaskRun], attempts: Attempts | None = None) -> None:
-    """Send ``signal`` for each run; the results ``task_started`` was sent are kept in
-    ``attempts`` for ``task_finished``."""
-    if not signal.receivers:
-        return  # nobody listens: no result to build
-    results = _results(runs, attempts)
-    if signal is task_started and attempts is not None:
-        attempts.started.update((result.id, result) for result in results)
-    _send(signal, results)
+        _send(task_finished, _results([run], None))
 
 
 def _results(
