@@ -1,16 +1,6 @@
-"""The Celery task ``reliable_messaging.relay_outbox``, for teams that schedule work with Celery
-beat instead of running ``manage.py relay``.
-
-Celery's ``app.autodiscover_tasks()`` imports this module (``<app>.tasks`` of every installed
-app), which registers the task; add it to the beat schedule::
-
-    CELERY_BEAT_SCHEDULE = {
-        "relay-outbox": {"task": "reliable_messaging.relay_outbox", "schedule": 5.0},
-    }
-
-Each run drains the outbox for at most ``max_seconds`` and returns a summary. Overlapping runs
-never send a row twice on PostgreSQL (``SKIP LOCKED``); on SQLite the consumers' inbox drops it.
-"""
+"""The Celery task ``reliable_messaging.relay_outbox`` (found by Celery's
+``autodiscover_tasks()``), for teams that run the relay from Celery beat instead of
+``manage.py relay`` (``docs/reference/commands.md``)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Test your handlers without a broker.
-
-``deliver`` runs a registered handler through the same code path ``manage.py consume`` uses
-(decode, inbox row, ``transaction.atomic()``, retry decision, dead letter) against your test
-database and returns what the consumer would have done; ``published()`` lists what ``publish()``
-wrote, and ``run_outbox()`` delivers it to every consumer bound to it, as the relay and the topic
-exchange would. The guide "Test your handlers without a broker" shows them at work.
-"""
+"""Test your handlers without a broker: ``deliver`` runs a handler through the code path
+``manage.py consume`` uses, ``published()`` lists what ``publish()`` wrote and ``run_outbox()``
+delivers it (``docs/testing-handlers.md``)."""
 
 from __future__ import annotations
 

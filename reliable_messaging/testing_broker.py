@@ -1,12 +1,6 @@
-"""In-memory twins of the broker transports, for fast tests of the real consumer and relay.
-
-``ConsumerService(specs, transport=StubTransport())`` runs the real consumer over queues in
-memory (no exchanges, bindings or delivery limits); ``build_relay(transport=StubPublisher())``
-runs the real relay over a broker that confirms, nacks, returns, refuses or blocks as the test
-says. A retry copy waits in the outbox as with a real broker: a relay over
-``StubPublisher(delivers_to=transport)`` puts what it sends through the default exchange back on
-that twin's queue. Both still need the database.
-"""
+"""In-memory twins of the broker transports: ``ConsumerService(specs,
+transport=StubTransport())`` and ``build_relay(transport=StubPublisher())`` run the real consumer
+and relay without RabbitMQ, but with the database (``docs/testing-handlers.md``)."""
 
 from __future__ import annotations
 

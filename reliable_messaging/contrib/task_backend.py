@@ -1,18 +1,5 @@
-"""A ``django.tasks`` backend whose enqueue is a ``publish()`` and whose worker is
-``manage.py consume`` (``docs/tasks.md``)::
-
-    TASKS = {
-        "default": {
-            "BACKEND": "reliable_messaging.contrib.task_backend.ReliableTaskBackend",
-            "QUEUES": ["default"],
-            "OPTIONS": {"MAX_ATTEMPTS": 5, "RETRY_DELAYS": [1, 10, 60]},
-        }
-    }
-
-A task enqueued inside ``transaction.atomic()`` is sent if and only if the transaction commits,
-and runs at most once (its inbox row), retried through the outbox (a scheduled copy) and a dead
-letter when it keeps failing.
-"""
+"""A ``django.tasks`` backend whose enqueue is a ``publish()`` (sent if and only if the
+transaction commits) and whose worker is ``manage.py consume`` (``docs/tasks.md``)."""
 
 from __future__ import annotations
 
@@ -49,16 +36,12 @@ P = ParamSpec("P")
 
 
 class ReliableTaskBackend(BaseTaskBackend):
-    """Tasks as messages of the outbox, run once each by ``manage.py consume``.
+    """Tasks as messages of the outbox, run once each by ``manage.py consume``."""
 
-    ``supports_defer``: ``run_after`` is the outbox's scheduled delivery. ``supports_get_result``:
-    every attempt is written to ``TaskRun`` rows any process reads. ``supports_async_task``:
-    a coroutine task runs on the delivery's worker thread, in its transaction.
-    ``supports_priority``: a task's priority is its message's AMQP priority, which the task
-    queues are declared to honour where the broker can (``docs/tasks.md#priorities``)."""
-
-    supports_defer = True
-    supports_get_result = True
+    supports_defer = True  # run_after is the outbox's scheduled delivery
+    supports_get_result = True  # every attempt is written to TaskRun rows any process reads
+    # A task's priority is its message's AMQP priority, which the task queues are declared to
+    # honour where the broker can (docs/tasks.md#priorities).
     supports_priority = True
     # An async def task runs on the delivery's worker thread as an async def handler does
     # (core/coroutines.py): its ORM calls (the async ORM, sync_to_async's thread-sensitive
