@@ -71,13 +71,9 @@ def deliver(
     redelivered: bool = False,
     exchange: str | None = None,
 ) -> Outcome:
-    """Deliver one message to ``consumer`` as the consume command would (an ``async def``
-    handler too: call it from a sync test), and return the outcome:
-    ``Acknowledge("processed" | "duplicate" | "dead_lettered")``, ``ScheduleRetry`` (its copy
-    waits in the outbox as with ``consume``; call ``deliver`` again with
-    ``attempt=outcome.next_attempt``) or ``RetryInPlace`` (the same for an ordered consumer).
-    ``body`` sends raw bytes instead of encoding ``payload``; through the default exchange
-    ``""``, ``routing_key`` names the queue, as for a replay."""
+    """Deliver one message to ``consumer`` as ``consume`` would (call it from a sync test for
+    an ``async def`` handler too) and return the outcome; after a ``ScheduleRetry`` or
+    ``RetryInPlace``, deliver again with ``attempt=outcome.next_attempt``."""
     spec = consumer if isinstance(consumer, ConsumerSpec) else find_consumer(consumer)
     all_headers = dict(headers or {})
     if attempt != 1:
@@ -161,10 +157,8 @@ def run_outbox(
     max_rounds: int = 100,
     due_by: dt.datetime | None = None,
 ) -> list[tuple[str, str, Outcome]]:
-    """Deliver pending outbox rows to every consumer bound to their exchange and routing key,
-    mark them sent, and repeat for what the handlers publish. Retries are delivered again at
-    once with the next attempt number (no delays). Scheduled messages are delivered once due:
-    by now, or by ``due_by`` (a time in your test's future: "a day later"). Returns
+    """Deliver pending outbox rows (and scheduled ones due by ``due_by``, default now) to every
+    consumer bound to them, retries at once, until none is left; mark them sent and return
     ``(consumer, message_id, outcome)`` in delivery order."""
     using = using or router.db_for_write(OutboxMessage)
     results: list[tuple[str, str, Outcome]] = []

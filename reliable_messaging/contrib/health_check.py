@@ -1,9 +1,5 @@
-"""A django-health-check (4.x) check: RabbitMQ answers, and the outbox is not falling behind.
-
-Only this module needs django-health-check (``pip install "reliable-messaging[health]"``).
-docs/operations.md#messaging_status-and-django-health-check shows how to register it; dead
-letters and queue depths need a person, not a restart, and are left to ``messaging_status``.
-"""
+"""A django-health-check (4.x) check: RabbitMQ answers, and the outbox is not falling behind
+(``docs/operations.md#messaging_status-and-django-health-check``)."""
 
 from __future__ import annotations
 
@@ -55,7 +51,6 @@ class MessagingHealthCheck(HealthCheck):
                 lag = outbox_lag(using)
         except DatabaseError as exc:
             raise ServiceUnavailable(f"the outbox cannot be read ({type(exc).__name__})") from exc
-        # Judged by .status, as messaging_status judges it.
         problem = outbox_lag_problem(lag, self.max_outbox_lag.total_seconds())
         if problem is not None:
             raise ServiceUnavailable(problem.message)
