@@ -16,6 +16,7 @@ from .core.envelope import (
     ORIGINAL_EXCHANGE_HEADER,
     ORIGINAL_ROUTING_KEY_HEADER,
     Delivery,
+    sent_to_its_queue,
 )
 from .core.outcomes import Acknowledge, Outcome, OutcomeLabel, Release, RetryInPlace, label_of
 from .core.trace_context import TRACE_HEADERS, header_text, ids_in
@@ -256,7 +257,7 @@ def _delivery_spans() -> dict[int, tuple[Delivery, Any]]:
 
 def _origin(delivery: Delivery) -> tuple[str, str]:
     """Where the message was first published (a retry or replay copy's headers say)."""
-    if delivery.exchange == "" and delivery.routing_key == delivery.queue:
+    if sent_to_its_queue(delivery):
         exchange = header_text(delivery.headers.get(ORIGINAL_EXCHANGE_HEADER))
         routing_key = header_text(delivery.headers.get(ORIGINAL_ROUTING_KEY_HEADER))
         return exchange or delivery.exchange, routing_key or delivery.routing_key
