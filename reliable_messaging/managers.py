@@ -1,8 +1,7 @@
-"""Every query and state change of the app's tables, on the models' managers.
-
-Methods that change rows run in the caller's transaction, and those that lock rows must run
-inside one (``docs/design.md#managers-every-state-change-in-one-place``).
-"""
+"""Every query and state change of the app's tables, on the models' managers. Methods that
+change rows run in the caller's transaction, and those that lock rows must run inside one
+(``docs/design.md#managers-every-state-change-in-one-place``). The model classes are ``Any``
+here, reached through ``self.model`` or :func:`_sibling`: models.py imports this module."""
 
 from __future__ import annotations
 
@@ -41,18 +40,15 @@ from .choices import (
 )
 from .core.advisory_locks import ADVISORY_CLASS, GROUP_FOLD_LOCK, IDEMPOTENCY_LOCK_CLASS
 
-# The model classes are Any here, reached through ``self.model`` or :func:`_sibling`: models.py
-# imports this module.
-
-# Told after each deleted batch: the rows deleted so far, and how many were due at the start.
-BatchProgress = Callable[[int, int], None]
-
 
 class BatchDeletingQuerySet(models.QuerySet):
     """A queryset whose rows can be deleted a batch per short transaction."""
 
-    def delete_in_batches(self, batch_size: int, progress: BatchProgress | None = None) -> int:
-        """Delete these rows ``batch_size`` per transaction; returns how many went."""
+    def delete_in_batches(
+        self, batch_size: int, progress: Callable[[int, int], None] | None = None
+    ) -> int:
+        """Delete these rows ``batch_size`` per transaction; returns how many went. ``progress``
+        is told after each batch the rows deleted so far and how many were due at the start."""
         using = _write_db(self)
         rows = self.using(using)
         total = rows.count() if progress else 0
@@ -72,7 +68,7 @@ def _write_db(rows: models.QuerySet[Any]) -> str:
 
 
 def _sibling(rows: models.QuerySet[Any], name: str) -> Any:
-    """Another model's rows on the same database, by name: models.py imports this module."""
+    """Another model's rows on the same database, by name."""
     model = rows.model._meta.apps.get_model(rows.model._meta.app_label, name)
     return model._default_manager.using(rows.db).all()
 
@@ -150,7 +146,7 @@ class SuspectDeliveryQuerySet(_PerMessageQuerySet):
 STATUS_COUNTERS = tuple(status.value for status in DeadLetterStatus)
 # A failure group's key, named as the columns of ``FailureGroupState``.
 GROUP_KEY = ("consumer", "fingerprint", "reason")
-# The keys of a failure group's dict (``failure_groups()``, ``DeadLetterGroup.objects.listing()``).
+# The keys of a failure group's dict (``DeadLetterGroup.objects.listing()``, ``_by_key()``).
 GROUP_FIELDS = (
     *("consumer", "fingerprint", "reason", "queue", "exception_type", "example_id"),
     *("first_seen", "last_seen", *STATUS_COUNTERS, "total"),
@@ -192,12 +188,6 @@ class DeadLetterQuerySet(_PerMessageQuerySet):
         key = {"consumer": OuterRef("consumer"), "message_id": OuterRef("message_id")}
         return self.filter(Exists(inbox.filter(**key)))
 
-    def failure_groups(self, *, with_open: bool = True) -> models.QuerySet[Any, dict[str, Any]]:
-        """One dict per (fingerprint, consumer) of these dead letters (:data:`GROUP_FIELDS`),
-        those with dead letters first; ``with_open``: only groups with a dead letter left."""
-        groups = _counted(self, "fingerprint", "consumer").annotate(reason=Max("reason"))
-        return _latest_first(groups, with_open, "fingerprint", "consumer")
-
     def closed_before(self, before: dt.datetime) -> DeadLetterQuerySet:
         """Resolved and discarded dead letters untouched since ``before`` (purge_messages's)."""
         return self.filter(
@@ -223,8 +213,9 @@ class DeadLetterQuerySet(_PerMessageQuerySet):
         """:meth:`mark_replayed` for many dead letters locked by the caller, in one UPDATE
         (``details``, such as the operation's id, go into each history entry)."""
         event = {"event": "replayed", "at": at.isoformat(), "by": by, "forced": forced, **details}
-        return _move_in_bulk(
+        return _update_appending(
             self.filter(pk__in=list(pks)),
+            "history",
             event,
             status=DeadLetterStatus.REPLAYED,
             replay_count=F("replay_count") + 1,
@@ -235,7 +226,9 @@ class DeadLetterQuerySet(_PerMessageQuerySet):
         """Mark these dead letters discarded in one UPDATE (which waits for a concurrent
         replay's locks, then re-reads the filter); returns how many."""
         event = {"event": "discarded", "at": at.isoformat(), "by": by, **details}
-        return _move_in_bulk(self, event, status=DeadLetterStatus.DISCARDED, updated_at=at)
+        return _update_appending(
+            self, "history", event, status=DeadLetterStatus.DISCARDED, updated_at=at
+        )
 
     def resolve(
         self, *, at: dt.datetime, by: str | None = None, trace_id: str | None = None
@@ -290,28 +283,26 @@ class DeadLetterQuerySet(_PerMessageQuerySet):
 
 
 class _JSONAppend(models.Func):
-    """``history || '[event]'``: PostgreSQL appends to a jsonb array in the UPDATE itself."""
+    """``field || '[item]'``: PostgreSQL appends to a jsonb array in the UPDATE itself."""
 
     template = "%(expressions)s"
     arg_joiner = " || "
     output_field = models.JSONField()
 
 
-def _move_in_bulk(rows: models.QuerySet[Any], event: dict[str, Any], **fields: Any) -> int:
-    """Set ``fields`` and append ``event`` to the history of ``rows``: one UPDATE on
-    PostgreSQL; elsewhere the fields in one UPDATE and the history row by row."""
+def _update_appending(rows: models.QuerySet[Any], field: str, item: Any, **fields: Any) -> int:
+    """Set ``fields`` and append ``item`` to the JSON list ``field`` of ``rows``: one UPDATE on
+    PostgreSQL; elsewhere the fields in one UPDATE and the list row by row."""
     using = rows.db
     if connections[using].vendor == "postgresql":
-        return rows.update(
-            history=_JSONAppend(F("history"), Value([event], output_field=models.JSONField())),
-            **fields,
-        )
+        appended = Value([item], output_field=models.JSONField())
+        return rows.update(**{field: _JSONAppend(F(field), appended)}, **fields)
     pks = list(rows.values_list("pk", flat=True))
     model = rows.model._default_manager.using(using)
     model.filter(pk__in=pks).update(**fields)
-    for dead_letter in model.filter(pk__in=pks).only("pk", "history"):
-        dead_letter.history = [*dead_letter.history, event]
-        dead_letter.save(using=using, update_fields=["history"])
+    for row in model.filter(pk__in=pks).only("pk", field):
+        setattr(row, field, [*getattr(row, field), item])
+        row.save(using=using, update_fields=[field])
     return len(pks)
 
 
@@ -415,20 +406,22 @@ class DeadLetterGroupQuerySet(models.QuerySet):
         return folded
 
     def listing(self, *, with_open: bool = True) -> models.QuerySet[Any, dict[str, Any]]:
-        """As ``DeadLetter.objects.failure_groups()``: one dict per (fingerprint, consumer), the
-        rows of its reasons added up."""
+        """One dict per (fingerprint, consumer) (:data:`GROUP_FIELDS`), its reasons added up,
+        those with dead letters first; ``with_open``: only groups with a dead letter left."""
         if not self.kept():
-            return self._dead_letters().failure_groups(with_open=with_open)
-        groups = (
-            self._live()
-            .values("fingerprint", "consumer")
-            .annotate(
-                **{name: Sum(name) for name in ("total", *STATUS_COUNTERS)},
-                first_seen=Min("first_seen"),
-                **{name: Max(name) for name in ("last_seen", "example_id", "reason", "queue")},
-                exception_type=Max("exception_type"),
+            letters = self._dead_letters()
+            groups = _counted(letters, "fingerprint", "consumer").annotate(reason=Max("reason"))
+        else:
+            groups = (
+                self._live()
+                .values("fingerprint", "consumer")
+                .annotate(
+                    **{name: Sum(name) for name in ("total", *STATUS_COUNTERS)},
+                    first_seen=Min("first_seen"),
+                    **{name: Max(name) for name in ("last_seen", "example_id", "reason", "queue")},
+                    exception_type=Max("exception_type"),
+                )
             )
-        )
         return _latest_first(groups, with_open, "fingerprint", "consumer")
 
     def of_fingerprint(self, fingerprint: str) -> dict[str, Any]:
@@ -674,12 +667,9 @@ class OutboxMessageQuerySet(BatchDeletingQuerySet):
         delay: float,
         idempotency_key: str,
     ) -> None:
-        """A retry copy due ``delay`` seconds from now (the database's clock), to be sent to
-        ``queue`` alone (through the default exchange) as it came: ``body`` and its encoded
-        ``properties``. Nothing is written when an unsent row of ``idempotency_key`` exists (its
-        original was handed to us again after its ack was lost): looked for in the scheduled and
-        the unsent partitions under the advisory lock ``publish()`` takes for a key, as a unique
-        index spans one partition (a copy made pending is no longer in the scheduled one)."""
+        """A retry copy of ``body`` and its encoded ``properties`` to ``queue`` alone, due
+        ``delay`` seconds from now (the database's clock); nothing when an unsent row of
+        ``idempotency_key`` exists (``docs/design.md#where-a-retry-waits``)."""
         using = self.db
         with transaction.atomic(using=using):
             if connections[using].vendor == "postgresql":
@@ -850,7 +840,7 @@ class TaskRunQuerySet(models.QuerySet):
                     started = self._start_free(wanted, worker_id, at)
             else:
                 # One statement, its own transaction: one round trip, and a commit that does
-                # not wait for the disk (_start_free says why that is safe).
+                # not wait for the disk (docs/tasks.md#what-it-costs says why that is safe).
                 started = self._start_free(wanted, worker_id, at, flush=False)
             # Not started: held by another transaction, SUCCESSFUL, or gone (each looked at
             # alone below: a held one is rare, and so is a duplicate of a finished task).
@@ -861,9 +851,8 @@ class TaskRunQuerySet(models.QuerySet):
                     self.select_for_update(skip_locked=True).filter(pk__in=wanted).order_by("pk")
                 )
                 started = [run for run in free if run.status != TaskRunStatus.SUCCESSFUL]
-                self._start_locked([run.pk for run in started], worker_id, at)
-            for run in started:
-                _started(run, worker_id, at)  # as the UPDATE left it
+                for run in started:
+                    _started(run, worker_id, at).save(using=self.db, update_fields=_STARTED_FIELDS)
             taken = {run.pk for run in free}
         for task_id in wanted:
             if task_id in taken:
@@ -881,14 +870,7 @@ class TaskRunQuerySet(models.QuerySet):
     ) -> list[Any]:
         """PostgreSQL: the rows of ``wanted`` that no other transaction holds and that are not
         SUCCESSFUL, RUNNING for one more attempt, read back by the same statement.
-
-        ``flush=False`` (the statement is its own transaction, in autocommit): the commit does
-        not wait for its WAL to reach the disk (``synchronous_commit`` off for this transaction
-        only). The rows are visible to every session at once; the server flushes them within
-        its ``wal_writer_delay``, and at the latest with the batch's own transaction, whose
-        commit waits for the disk and so for every WAL record before it. Only a crash of the
-        server in between can lose the mark, when the batch's transaction, not committed
-        either, is lost with it: the deliveries come again and count that attempt anew."""
+        ``flush=False`` (in autocommit only): its commit does not wait for the disk."""
         table = connections[self.db].ops.quote_name(self.model._meta.db_table)
         # In the statement itself (a CTE the WHERE reads), so it holds for its transaction.
         no_flush = (
@@ -948,28 +930,6 @@ class TaskRunQuerySet(models.QuerySet):
             run.last_attempted_at = at
             started.append(run)
         return started
-
-    def _start_locked(self, pks: list[str], worker_id: str, at: dt.datetime) -> None:
-        """One UPDATE of the rows ``pks`` the caller locked, as :func:`_started` changes a row
-        (the worker's id appended in the UPDATE on PostgreSQL, row by row elsewhere)."""
-        if not pks:
-            return
-        rows = self.filter(pk__in=pks)
-        appended = Value([worker_id], output_field=models.JSONField())
-        on_postgresql = connections[self.db].vendor == "postgresql"
-        extra = {"worker_ids": _JSONAppend(F("worker_ids"), appended)} if on_postgresql else {}
-        rows.update(
-            status=TaskRunStatus.RUNNING,
-            started_at=Coalesce(F("started_at"), Value(at)),
-            last_attempted_at=at,
-            finished_at=None,
-            attempts=F("attempts") + 1,
-            **extra,
-        )
-        if not on_postgresql:
-            for run in rows.only("pk", "worker_ids"):
-                run.worker_ids = [*run.worker_ids, worker_id]
-                run.save(using=self.db, update_fields=["worker_ids"])
 
     def succeed_all(self, returned: dict[str, Any], at: dt.datetime) -> int:
         """The tasks of ``returned`` returned its values (JSON): SUCCESSFUL, in one UPDATE of
