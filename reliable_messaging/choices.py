@@ -1,9 +1,5 @@
-"""The fixed vocabularies of the models: why a message is a dead letter, and the statuses of
-dead letters and outbox rows.
-
-They live apart from the models so that the managers (``managers.py``), which the models
-import, can name them without an import circle.
-"""
+"""The fixed vocabularies of the models, apart from them so that the managers, which the
+models import, can name them without an import circle."""
 
 from __future__ import annotations
 

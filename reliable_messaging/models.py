@@ -24,11 +24,7 @@ from .choices import (
 
 class ProcessedMessage(models.Model):
     """One row per (consumer, message_id) whose handler committed: the inbox, inserted in the
-    handler's own transaction (``docs/operations.md#how-the-tables-are-laid-out``).
-
-    The unique index leads with message_id, so it also answers lookups by message_id alone; the
-    one on consumer (few values, deduplicated by PostgreSQL) costs a fraction of a second index
-    on message_id."""
+    handler's own transaction (``docs/operations.md#how-the-tables-are-laid-out``)."""
 
     consumer = models.CharField(max_length=255)
     message_id = models.CharField(max_length=255)

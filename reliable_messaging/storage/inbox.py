@@ -24,6 +24,11 @@ try:
 except ImportError:  # psycopg2, or no PostgreSQL at all
     CLIENT_CURSOR = None
 
+# An inbox row's key: (consumer, message_id).
+InboxKey = tuple[str, str]
+# A claim's keys inserted (each with whether an open dead letter of it may exist), and busy.
+Claimed = tuple[dict[InboxKey, bool], set[InboxKey]]
+
 
 # After a batch's claim timed out, each of its rows is tried alone for this long: the batch
 # already waited LOCK_TIMEOUT, so a row still locked now is the busy one.
@@ -34,12 +39,12 @@ ROW_LOCK_PROBE = 0.1
 # next copies wait only ROW_LOCK_PROBE, not LOCK_TIMEOUT. A consumer cut off mid-batch
 # holds its rows until the server ends its transaction; the copies the broker redelivered
 # come back deferred again and again meanwhile, and each full wait would stall this consumer.
-_BUSY_KEYS: dict[tuple[str, str], float] = {}
+_BUSY_KEYS: dict[InboxKey, float] = {}
 BUSY_MEMORY = 60.0
 _BUSY_LOCK = threading.Lock()
 
 
-def remember_busy(keys: Iterable[tuple[str, str]]) -> None:
+def remember_busy(keys: Iterable[InboxKey]) -> None:
     now = time.monotonic()
     with _BUSY_LOCK:
         for key in keys:
@@ -56,17 +61,14 @@ def remember_busy(keys: Iterable[tuple[str, str]]) -> None:
 LOCK_TIMEOUT = 2.0
 
 
-def lock_wait_for(keys: Iterable[tuple[str, str]], redelivered: bool) -> float:
+def lock_wait_for(keys: Iterable[InboxKey], redelivered: bool) -> float:
     """How long an inbox claim of ``keys`` may wait on rows another transaction holds: the
     full ``LOCK_TIMEOUT``, or only ROW_LOCK_PROBE for a redelivery (its last holder may
     be the consumer that went away with its transaction open) or a key found held lately."""
-    if redelivered:
-        return min(ROW_LOCK_PROBE, LOCK_TIMEOUT)
     now = time.monotonic()
     with _BUSY_LOCK:
-        if any(now - _BUSY_KEYS.get(key, -BUSY_MEMORY) < BUSY_MEMORY for key in keys):
-            return min(ROW_LOCK_PROBE, LOCK_TIMEOUT)
-    return LOCK_TIMEOUT
+        held = any(now - _BUSY_KEYS.get(key, -BUSY_MEMORY) < BUSY_MEMORY for key in keys)
+    return min(ROW_LOCK_PROBE, LOCK_TIMEOUT) if redelivered or held else LOCK_TIMEOUT
 
 
 class InboxRowBusy(Exception):
@@ -76,11 +78,8 @@ class InboxRowBusy(Exception):
 @contextlib.contextmanager
 def bounded_lock_wait(using: str, seconds: float) -> Iterator[None]:
     """Within the current transaction, let lock waits last ``seconds`` at most (PostgreSQL's
-    ``lock_timeout``), then restore what it was, so a handler's own statements never see it.
-    Used around the inbox insert: a twin's transaction that never ends (its consumer cut off
-    from the network mid-batch) must turn a wait into a deferral, not stall this consumer.
-    Raises :class:`InboxRowBusy` when the wait is cut short; the caller's savepoint must
-    then be rolled back (the restore is skipped, and the rollback undoes the setting)."""
+    ``lock_timeout``), then restore it. Raises :class:`InboxRowBusy` when a wait is cut short:
+    the caller's savepoint must then be rolled back, which undoes the setting."""
     connection = connections[using]
     if connection.vendor != "postgresql" or seconds <= 0:
         yield
@@ -124,9 +123,7 @@ def claimed_atomic(
 CLAIM_VENDORS = frozenset({"postgresql", "sqlite"})
 
 
-def claim_inbox_rows(
-    using: str, keys: list[tuple[str, str]], lock_wait: float
-) -> tuple[dict[tuple[str, str], bool], set[tuple[str, str]]]:
+def claim_inbox_rows(using: str, keys: list[InboxKey], lock_wait: float) -> Claimed:
     """Insert the inbox rows of ``keys``, sorted (so two batches sharing keys never deadlock);
     returns those inserted (each with whether an open dead letter of it may exist) and those
     another transaction holds past ``lock_wait`` (busy, deferred). A claim allowed no more than
@@ -146,9 +143,7 @@ def claim_inbox_rows(
     return _claim_one_by_one(using, ordered)
 
 
-def _claim(
-    using: str, keys: list[tuple[str, str]], lock_wait: float
-) -> dict[tuple[str, str], bool]:
+def _claim(using: str, keys: list[InboxKey], lock_wait: float) -> dict[InboxKey, bool]:
     """The batch claim of sorted ``keys`` in a savepoint, its lock waits bounded by
     ``lock_wait``; raises :class:`InboxRowBusy` past it, the savepoint rolled back."""
     if _one_round_trip(using):
@@ -157,9 +152,7 @@ def _claim(
         return _insert_inbox_rows(using, keys)
 
 
-def _claim_around_held(
-    using: str, keys: list[tuple[str, str]]
-) -> tuple[dict[tuple[str, str], bool], set[tuple[str, str]]]:
+def _claim_around_held(using: str, keys: list[InboxKey]) -> Claimed:
     """On PostgreSQL: the keys whose claim lock another transaction holds are busy (found with
     ``pg_try_advisory_xact_lock``, which never waits); the others are claimed at once. Every
     claimant takes that lock before it inserts, so a key found free can only be held by a
@@ -182,17 +175,14 @@ def _claim_around_held(
         return claimed, busy | more
 
 
-def _claim_one_by_one(
-    using: str, keys: list[tuple[str, str]]
-) -> tuple[dict[tuple[str, str], bool], set[tuple[str, str]]]:
+def _claim_one_by_one(using: str, keys: list[InboxKey]) -> Claimed:
     """Each of ``keys`` claimed alone, waiting ``ROW_LOCK_PROBE`` at most: the held ones are
     busy, the rest claimed."""
-    claimed: dict[tuple[str, str], bool] = {}
-    busy: set[tuple[str, str]] = set()
+    claimed: dict[InboxKey, bool] = {}
+    busy: set[InboxKey] = set()
     for key in keys:
         try:
-            with transaction.atomic(using=using), bounded_lock_wait(using, ROW_LOCK_PROBE):
-                claimed.update(_insert_inbox_rows(using, [key]))
+            claimed.update(_claim(using, [key], ROW_LOCK_PROBE))
         except InboxRowBusy:
             busy.add(key)
     return claimed, busy
@@ -216,13 +206,11 @@ def _one_round_trip(using: str) -> bool:
 
 
 def _claim_in_one_round_trip(
-    using: str, keys: list[tuple[str, str]], lock_wait: float
-) -> dict[tuple[str, str], bool]:
+    using: str, keys: list[InboxKey], lock_wait: float
+) -> dict[InboxKey, bool]:
     """The batch claim as :func:`bounded_lock_wait` around :func:`_insert_inbox_rows` in a
-    savepoint does it, in one round trip instead of five (savepoint, set the lock_timeout,
-    insert, restore it, release): on a loaded machine each round trip costs as much as the
-    statement. Raises :class:`InboxRowBusy` when the wait was cut short, after rolling back to
-    the savepoint (which restores the lock_timeout too)."""
+    savepoint does it, in one round trip instead of five (on a loaded machine each costs as
+    much as the statement). Raises :class:`InboxRowBusy` after rolling back to the savepoint."""
     connection = connections[using]
     lock, lock_params = _key_locks_sql(keys)
     insert, params = _insert_inbox_rows_sql(using, keys)
@@ -258,7 +246,7 @@ def _claim_in_one_round_trip(
         return {(consumer, message_id): bool(open_) for consumer, message_id, open_ in raw}
 
 
-def _insert_inbox_rows_sql(using: str, keys: list[tuple[str, str]]) -> tuple[str, list[Any]]:
+def _insert_inbox_rows_sql(using: str, keys: list[InboxKey]) -> tuple[str, list[Any]]:
     """The claim's statement and parameters; see :func:`_insert_inbox_rows`."""
     connection = connections[using]
     now = timezone.now()
@@ -277,11 +265,9 @@ def _insert_inbox_rows_sql(using: str, keys: list[tuple[str, str]]) -> tuple[str
         return f"{insert}, 1", params
     # A day with no partition (every upkeep failing for days, a clock far ahead) is made first.
     ensure_covered(using, now)
-    # The inbox is partitioned by day (partitions.py): a unique index spans one partition, so
-    # the function (migrations/0001_initial.py, INBOX_CLAIM) looks for each key in every
-    # partition first, with a plan made once per connection. Run after _key_locks_sql's
-    # statement, in a snapshot of its own, it sees any copy committed while the lock was
-    # awaited; a copy in the same partition and not yet committed makes ON CONFLICT wait.
+    # The function (migrations/0001_initial.py) looks for each key in every day's partition.
+    # Run after _key_locks_sql's statement, in a snapshot of its own, it sees any copy committed
+    # while the lock was awaited; one in the same partition not yet committed makes it wait.
     sql = (
         "SELECT consumer, message_id, open_letter "  # noqa: S608
         f"FROM {INBOX_CLAIM_FUNCTION}(%s::text[], %s::text[], %s, %s::text[])"
@@ -291,7 +277,7 @@ def _insert_inbox_rows_sql(using: str, keys: list[tuple[str, str]]) -> tuple[str
     return sql, [consumers, message_ids, now, [str(s) for s in OPEN_DEAD_LETTER_STATUSES]]
 
 
-def _insert_inbox_rows(using: str, keys: list[tuple[str, str]]) -> dict[tuple[str, str], bool]:
+def _insert_inbox_rows(using: str, keys: list[InboxKey]) -> dict[InboxKey, bool]:
     """Insert the inbox rows of ``keys`` not there yet (``ON CONFLICT DO NOTHING``); returns
     those inserted, each with whether its consumer holds a dead letter of it that
     :func:`~reliable_messaging.dead_letters.ledger.settle_processed` must resolve (looked up in
@@ -311,11 +297,10 @@ def _key_hash(consumer: str, message_id: str) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
-def _key_locks_sql(keys: Sequence[tuple[str, str]]) -> tuple[str, list[Any]]:
-    """The statement that takes, in one order for everyone (so two batches sharing keys never
-    deadlock), a transaction-scoped advisory lock per (consumer, message_id) of ``keys``. Two
-    copies of a message handled at once wait for each other here whichever day's partition
-    they would go to; the wait is bounded by the transaction's lock_timeout like a row's."""
+def _key_locks_sql(keys: Sequence[InboxKey]) -> tuple[str, list[Any]]:
+    """The statement that takes a transaction-scoped advisory lock per key of ``keys``, in one
+    order for everyone (so two batches sharing keys never deadlock): two copies of a message
+    wait for each other here whichever day's partition they would go to."""
     hashes = sorted({_key_hash(consumer, message_id) for consumer, message_id in keys})
     return (
         "SELECT count(pg_advisory_xact_lock(%s, k)) FROM unnest(%s::int[]) AS k",

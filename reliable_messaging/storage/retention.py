@@ -62,10 +62,19 @@ def purge_messages(
     def expire(
         spec: partitions.DayPartitioned, before: dt.datetime, rows: BatchDeletingQuerySet
     ) -> tuple[int, tuple[str, ...]]:
+        """Drop the expired day partitions of ``spec`` (their estimated rows, and names), or
+        delete the expired ``rows`` of a table not partitioned."""
         using = router.db_for_write(rows.model)
-        if partitions.is_partitioned(using, spec):
-            return _purge_days(using, spec, before, now, dry_run)
-        return _purge(spec.label, rows, batch_size, dry_run, on_batch), ()
+        if not partitions.is_partitioned(using, spec):
+            return _purge(spec.label, rows, batch_size, dry_run, on_batch), ()
+        if dry_run:
+            return partitions.estimated_rows_of(using, partitions.expired(using, before, spec)), ()
+        partitions.ensure_partitions(using, now=now, spec=spec)
+        dropped = partitions.drop_expired(using, before, spec)
+        if now > timezone.now():
+            # A clock ahead (a test's, a what-if) may have dropped the days being written now.
+            partitions.ensure_partitions(using, spec=spec)
+        return sum(d.rows for d in dropped), tuple(d.name for d in dropped)
 
     inbox_before = now - settings.dedup_retention
     inbox_rows, inbox_partitions = expire(
@@ -91,22 +100,3 @@ def purge_messages(
         outbox_partitions=outbox_partitions,
         dead_letters=dead_letters,
     )
-
-
-def _purge_days(
-    using: str,
-    spec: partitions.DayPartitioned,
-    before: dt.datetime,
-    now: dt.datetime,
-    dry_run: bool,
-) -> tuple[int, tuple[str, ...]]:
-    """Drop the expired day partitions of ``spec``; the estimate of their rows, and names."""
-    if dry_run:
-        expired = partitions.expired(using, before, spec)
-        return partitions.estimated_rows_of(using, expired), ()
-    partitions.ensure_partitions(using, now=now, spec=spec)
-    dropped = partitions.drop_expired(using, before, spec)
-    if now > timezone.now():
-        # A clock ahead (a test's, a what-if) may have dropped the days being written now.
-        partitions.ensure_partitions(using, spec=spec)
-    return sum(d.rows for d in dropped), tuple(d.name for d in dropped)
