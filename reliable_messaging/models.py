@@ -463,12 +463,9 @@ class FailureGroupState(models.Model):
 
 
 class TaskRun(models.Model):
-    """One ``django.tasks`` task enqueued through the app's task backend, and its result.
-
-    ``id`` is also the message_id of the message that runs it: the inbox deduplicates its runs
-    and its dead letter carries it. Written in the caller's transaction with that message's
-    outbox row; RUNNING is committed before each attempt, SUCCESSFUL in the attempt's own
-    transaction (``docs/tasks.md``)."""
+    """One ``django.tasks`` task enqueued through the app's task backend, and its result; ``id``
+    is also the message_id of the message that runs it, so the inbox deduplicates its runs and
+    its dead letter carries it (``docs/tasks.md``)."""
 
     id = models.CharField(primary_key=True, max_length=64)
     backend = models.CharField(max_length=100)  # the alias in TASKS

@@ -125,9 +125,7 @@ CLAIM_VENDORS = frozenset({"postgresql", "sqlite"})
 
 def claim_inbox_rows(using: str, keys: list[InboxKey], lock_wait: float) -> Claimed:
     """Insert the inbox rows of ``keys``, sorted (so two batches sharing keys never deadlock);
-    returns those inserted (each with whether an open dead letter of it may exist) and those
-    another transaction holds past ``lock_wait`` (busy, deferred). A claim allowed no more than
-    ``ROW_LOCK_PROBE`` looks for held rows first instead of waiting
+    the keys held by another transaction past ``lock_wait`` come back busy, to be deferred
     (``docs/design.md#the-inbox-claim``)."""
     ordered = sorted(set(keys))
     if connections[using].vendor not in CLAIM_VENDORS:
@@ -278,10 +276,9 @@ def _insert_inbox_rows_sql(using: str, keys: list[InboxKey]) -> tuple[str, list[
 
 
 def _insert_inbox_rows(using: str, keys: list[InboxKey]) -> dict[InboxKey, bool]:
-    """Insert the inbox rows of ``keys`` not there yet (``ON CONFLICT DO NOTHING``); returns
-    those inserted, each with whether its consumer holds a dead letter of it that
-    :func:`~reliable_messaging.dead_letters.ledger.settle_processed` must resolve (looked up in
-    the same statement on PostgreSQL)."""
+    """Insert the inbox rows of ``keys`` not there yet; returns those inserted, each with
+    whether its consumer may hold an open dead letter of it (looked up in the same statement on
+    PostgreSQL) that ``dead_letters.ledger.settle_processed`` must resolve."""
     sql, params = _insert_inbox_rows_sql(using, keys)
     with connections[using].cursor() as cursor:
         if connections[using].vendor == "postgresql":
