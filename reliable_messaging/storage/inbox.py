@@ -105,9 +105,8 @@ def claimed_atomic(
     using: str, consumer: str, message_id: str, *, lock_wait: float = 0.0
 ) -> Iterator[bool]:
     """Open ``transaction.atomic(using)`` with the inbox row of (consumer, message_id) inserted;
-    yields whether it went in (``False``: a duplicate). The block commits or rolls back with the
-    row. Past ``lock_wait`` (0: no bound) on a row another transaction holds,
-    :class:`InboxRowBusy` is raised and nothing is left of the transaction."""
+    yields whether it went in (``False``: a duplicate). Past ``lock_wait`` (0: no bound) on a row
+    another transaction holds, :class:`InboxRowBusy` is raised, nothing left of the block."""
     with transaction.atomic(using=using):
         with bounded_lock_wait(using, lock_wait):
             if not insert_inbox_row(using, consumer, message_id):
@@ -152,9 +151,8 @@ def _claim(using: str, keys: list[InboxKey], lock_wait: float) -> dict[InboxKey,
 
 def _claim_around_held(using: str, keys: list[InboxKey]) -> Claimed:
     """On PostgreSQL: the keys whose claim lock another transaction holds are busy (found with
-    ``pg_try_advisory_xact_lock``, which never waits); the others are claimed at once. Every
-    claimant takes that lock before it inserts, so a key found free can only be held by a
-    transaction that took it since, which the claim then waits for up to ``ROW_LOCK_PROBE``."""
+    ``pg_try_advisory_xact_lock``, which never waits); the others are claimed at once, waiting
+    ``ROW_LOCK_PROBE`` at most for one a transaction took since."""
     hashes = sorted({_key_hash(consumer, message_id) for consumer, message_id in keys})
     with connections[using].cursor() as cursor:
         cursor.execute(
