@@ -74,12 +74,11 @@ class DeprecatedFeature:
 @dataclass(frozen=True)
 class BrokerFacts:
     """What was read of the broker. ``max_message_size`` is set when it refused a body of
-    ``probed_body_bytes``; ``deprecated_features`` is None before 3.13."""
+    ``MAX_BODY_BYTES``; ``deprecated_features`` is None before 3.13."""
 
     url: str
     vhost: str
     server_version: str | None = None
-    probed_body_bytes: int = 0
     max_message_size: int | None = None
     probe_error: str = ""
     management_url: str = ""
@@ -450,12 +449,6 @@ def _ttl_findings(facts: QueueFacts, vhost: str) -> list[Finding]:
     ]
 
 
-def _dead_letter_key_fix(facts: QueueFacts, vhost: str) -> str:
-    return _remove_key_fix(facts, "dead-letter-routing-key", vhost) or _remove_key_fix(
-        facts, "dead-letter-exchange", vhost
-    )
-
-
 def _consumer_timeout_findings(
     facts: QueueFacts, vhost: str, version: tuple[int, ...], expected: Expectations
 ) -> list[Finding]:
@@ -606,7 +599,9 @@ def _delivery_limit_findings(
             f"({_source(facts, 'dead-letter-routing-key')}), not to {wanted}: consume "
             "never records those messages as dead letters"
         )
-        fix = _dead_letter_key_fix(facts, vhost)
+        fix = _remove_key_fix(facts, "dead-letter-routing-key", vhost) or _remove_key_fix(
+            facts, "dead-letter-exchange", vhost
+        )
         found.append(Finding("warning", "dead-letter-target", name, message, fix))
     elif exchange == "" and target is not None and not target.exists:
         message = (

@@ -75,7 +75,6 @@ def read_broker_facts(
     settings: MessagingSettings = messaging_settings,
     management_url: str | None = None,
     timeout: float = DEFAULT_TIMEOUT,
-    probe_body: bool = True,
 ) -> BrokerFacts:
     """What the broker says about ``specs``' queues and ``MAX_BODY_BYTES``; raises what
     :func:`.queues.open_connection` raises when no broker URL can be reached."""
@@ -85,11 +84,10 @@ def read_broker_facts(
         impl: Any = getattr(connection, "_impl")  # noqa: B009 - pika private
         version = _text(impl.server_properties.get("version"))
         max_message_size, probe_error = None, ""
-        if probe_body:
-            try:
-                max_message_size = broker_refuses(connection, settings.max_body_bytes)
-            except READ_ERRORS as exc:
-                probe_error = scrub(describe_error(exc), *secrets)
+        try:
+            max_message_size = broker_refuses(connection, settings.max_body_bytes)
+        except READ_ERRORS as exc:
+            probe_error = scrub(describe_error(exc), *secrets)
     finally:
         if connection.is_open:
             connection.close()
@@ -97,7 +95,6 @@ def read_broker_facts(
         url=redact_url(_url_of(params)),
         vhost=params.virtual_host,
         server_version=version,
-        probed_body_bytes=settings.max_body_bytes if probe_body else 0,
         max_message_size=max_message_size,
         probe_error=probe_error,
     )

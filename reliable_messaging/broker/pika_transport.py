@@ -1,10 +1,5 @@
-"""The consumer's broker transport over pika's blocking adapter (the default).
-
-Everything here is a thin adapter: pika's ``BlockingConnection`` already has the shape of
-:class:`~reliable_messaging.broker.transport.BrokerConnection`; this adds the steps that take
-more than one AMQP method (topology, leftovers, a channel closed without cancelling its
-consumers).
-"""
+"""The consumer's broker transport over pika's ``BlockingConnection`` (the default): a thin
+adapter adding the steps that take more than one AMQP method."""
 
 from __future__ import annotations
 
@@ -73,14 +68,9 @@ class PikaConnection:
 
     def drop(self) -> None:
         """End the TCP stream without AMQP's close handshake, once every frame written so far
-        (the acks) has left.
-
-        A closing channel or connection makes RabbitMQ cancel its consumers first: on a
-        single-active-consumer queue the standby is activated at once and handed the ready
-        messages behind the ones this process held, which come back after them (seen on
-        RabbitMQ 4.0 for classic and quorum queues, on 3.10 for quorum queues). A connection
-        that just ends is handled as gone: what each channel held is requeued in place
-        *before* the next consumer is activated, on both versions and both queue types."""
+        (the acks) has left: a close would cancel the consumers first, and a single-active
+        consumer's standby would get the ready messages ahead of the requeued ones
+        (docs/guarantees.md, a graceful stop of an ordered partition's active consumer)."""
         impl: Any = getattr(self._connection, "_impl")  # noqa: B009 - pika private, see above
         transport = getattr(impl, "_transport", None)
         deadline = time.monotonic() + 10

@@ -1,15 +1,5 @@
-"""The frames of the relay's ``basic.publish``, encoded in one step, byte for byte as pika's.
-
-pika's ``basic_publish`` builds a method object, a properties object and three frame objects per
-message, and encodes every short string and header entry through a chain of calls: about 25 µs
-of the relay's CPU per message (docs/benchmarks.md, the CPU budget). Here the method frame is
-encoded once per (exchange, routing key), the constant properties once, and the header table's
-common values (strings, integers, booleans, None) inline; every other value goes through
-``pika.data.encode_value``, pika's own encoder as broker/codec.py corrects it. What it writes,
-and how, is what pika's ``Connection._send_message`` does: the method, header and body frames
-(bodies split at the connection's frame size) handed to the connection's transport, its byte and
-frame counts (which its heartbeats read) kept.
-"""
+"""The frames of the relay's ``basic.publish``, encoded in one step, byte for byte as pika's
+``basic_publish`` writes them (docs/design.md, "The relay's frames")."""
 
 from __future__ import annotations
 
@@ -94,11 +84,9 @@ def _name(key: Any) -> bytes:
 
 def field_table(table: dict[Any, Any]) -> bytes:
     """``table`` as an AMQP field table, its size first, as ``pika.data.encode_table`` writes it.
-
-    Values of exactly the types ``str``, ``int`` (32 bits, or 64 and not negative, with the
-    letter pika's encoder was found to write at import), ``bool`` and ``None`` are written here;
-    any other (a negative 64-bit int, a float, a subclass, a nested table, a list) by
-    ``pika.data.encode_value``, looked up at each call as pika's own table encoder does."""
+    Values of exactly ``str``, ``int`` (32 bits, or 64 and not negative), ``bool`` and ``None``
+    are written here; any other by ``pika.data.encode_value``, looked up at each call as pika's
+    own table encoder does."""
     pieces: list[bytes] = [b""]
     append = pieces.append
     size = 0
@@ -168,10 +156,8 @@ class PublishFrames:
         headers: dict[Any, Any],
         priority: int | None,
     ) -> list[bytes]:
-        """The frames of one message, as pika's ``basic_publish`` with
-        ``message_properties(message_id, timestamp, headers)`` would write them (the priority
-        is the one those properties carry). Raises what pika raises for what it cannot encode,
-        before anything is written."""
+        """The frames of one message, as pika's ``basic_publish`` with ``message_properties``
+        would write them; raises what pika raises for what it cannot encode."""
         method = self.method_frame(exchange, routing_key)
         table = field_table(headers)
         tail = short_string(message_id) + _UINT64.pack(timestamp)

@@ -1,10 +1,6 @@
-"""A publisher with confirms on pika's ``SelectConnection``: the relay's transport only.
-
-Its messages' frames are encoded by broker/publish_frames.py, byte for byte as pika's
-``basic_publish`` would, and written on pika's connection as pika writes them. The relay sees
-it through :class:`PublisherTransport` and hears the broker through :class:`PublisherEvents`
-(``docs/design.md#the-relay-a-pipeline-with-publisher-confirms``, the transport seam). Every
-method runs on the I/O loop's thread, except ``post``.
+"""The relay's transport: a publisher with confirms on pika's ``SelectConnection``, seen
+through :class:`PublisherTransport` and answering through :class:`PublisherEvents` (docs/design.md,
+the transport seam). Every method runs on the I/O loop's thread, except ``post``.
 """
 
 from __future__ import annotations
@@ -195,8 +191,8 @@ def publish_properties(
 
 
 def publish_frames_for(connection: Any, channel: Any) -> PublishFrames | None:
-    """The frame encoder for ``channel``, or None (publish through ``basic_publish``) when the
-    pika internals it writes through are not the ones it knows."""
+    """The frame encoder for ``channel``, or None (use ``basic_publish``) when pika's internals
+    are not the ones it knows."""
     body_max = getattr(connection, "_body_max_length", None)
     if not (isinstance(body_max, int) and body_max > 0):
         return None
@@ -337,9 +333,8 @@ class ConfirmingPublisher:
         return tag
 
     def _write(self, frames: list[bytes]) -> None:
-        """Hand a message's frames to the connection as pika's ``_output_marshaled_frames``
-        does, in one buffer: its counts of bytes and frames sent (which its heartbeats read)
-        move as they would."""
+        """Hand a message's frames to the connection in one buffer as pika does, keeping its
+        counts of bytes and frames sent (which its heartbeats read)."""
         connection: Any = self._connection
         data = frames[0] if len(frames) == 1 else b"".join(frames)
         connection.bytes_sent += len(data)

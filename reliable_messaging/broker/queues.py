@@ -81,7 +81,6 @@ def our_queues(
     specs: Iterable[ConsumerSpec], settings: MessagingSettings = messaging_settings
 ) -> list[OurQueue]:
     """Every queue ``consume`` declares for ``specs``, named as :mod:`.topology` names them."""
-    specs = list(specs)
     found = []
     for spec in specs:
         timeout = spec.timeout or settings.handler_timeout
@@ -230,7 +229,6 @@ def with_management_figures(
         if data is None:  # not declared, or deleted since the passive declare: nothing to add
             found.append(queue)
             continue
-        # A queue not sampled yet has no message_stats: nothing delivered from it.
         stats = data.get("message_stats")
         found.append(
             replace(
@@ -248,9 +246,8 @@ def queues_from_amqp(
     settings: MessagingSettings = messaging_settings,
     timeout: float = DEFAULT_TIMEOUT,
 ) -> tuple[QueueStatus, ...]:
-    """Ready counts and consumers of the consumer queues of ``specs`` by passive
-    declares, then the queues their earlier shapes left behind; raises when no broker URL can
-    be reached."""
+    """Ready counts and consumers of the consumer queues of ``specs`` by passive declares, then
+    the queues their earlier shapes left behind; raises when no broker URL can be reached."""
     connection = connect(settings, "messaging_status", timeout=timeout)
     try:
         return _queues_on(connection, list(specs), settings)

@@ -1,10 +1,5 @@
-"""A retry copy's AMQP properties as the outbox keeps them: pika's own encoding.
-
-A retry waits in the outbox as a scheduled row (``docs/design.md#where-a-retry-waits``) and
-must go out as its original came in: JSON would lose a header's type (a timestamp, bytes, a
-decimal), so the row keeps the properties as the content header frame carries them, written
-and read by pika's codec (with :mod:`.codec`'s corrections).
-"""
+"""A retry copy's AMQP properties as the outbox keeps them: encoded by pika's own codec, so
+that a header's type survives (``docs/design.md#where-a-retry-waits``)."""
 
 from __future__ import annotations
 
@@ -33,9 +28,8 @@ _KEPT = (
 
 
 def retry_properties(original: Any, headers: Mapping[str, Any]) -> bytes:
-    """The encoded properties of a retry copy of a delivery that came with ``original``
-    (pika's ``BasicProperties``, or any object with its attributes): the original's, persistent,
-    with ``headers`` (the retry headers) as pika can write them."""
+    """The encoded properties of a retry copy of a delivery that came with ``original`` (pika's
+    ``BasicProperties`` or alike): the original's, persistent, with ``headers`` as pika writes."""
     kept = {name: getattr(original, name, None) for name in _KEPT}
     kept["content_type"] = kept["content_type"] or CONTENT_TYPE
     properties = BasicProperties(

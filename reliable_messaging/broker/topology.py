@@ -1,7 +1,5 @@
-"""Names and declaration of the broker objects: exchanges and consumer queues.
-
-``docs/design.md#topology-ordered-partitions`` explains the ordered consumers' partitions.
-"""
+"""Names and declaration of the broker objects: exchanges and consumer queues (the ordered
+consumers' partitions: ``docs/design.md#topology-ordered-partitions``)."""
 
 from __future__ import annotations
 
@@ -162,19 +160,13 @@ class _Declarer(Declared):
         name: str,
         arguments: dict[str, Any],
         bind: Callable[[BlockingChannel], object] | None = None,
-        declare: Callable[[BlockingChannel], object] | None = None,
     ) -> None:
-        """Run ``declare`` (by default: declare durable queue ``name`` with ``arguments``) then
-        ``bind``; a queue unavailable now is noted so."""
+        """Declare durable queue ``name`` with ``arguments``, then ``bind`` it; a queue
+        unavailable now is noted so."""
         try:
             try:
-                if declare is None:
-                    self.channel.queue_declare(name, durable=True, arguments=arguments)
-                else:
-                    declare(self.channel)
+                self.channel.queue_declare(name, durable=True, arguments=arguments)
             except pika.exceptions.ChannelClosedByBroker as exc:
-                if exc.reply_code != PRECONDITION_FAILED:
-                    raise
                 self._mismatched(kind, name, exc, arguments)
             if bind is not None:
                 bind(self.channel)

@@ -1,13 +1,8 @@
 """The consumer's seam around the broker: what its connection thread asks of a connection.
 
-:class:`~reliable_messaging.consuming.connection.ConnectionThread` talks to the broker only
-through these protocols, so the same consumer runs over pika (:mod:`.pika_transport`, the
-default) or over the in-memory twin of :mod:`reliable_messaging.testing_broker`. The shapes
-follow pika's ``BlockingConnection``/``BlockingChannel``, plus the few steps that are more than
-one AMQP method (declaring the topology, retiring leftover queues, closing a channel without
-cancelling its consumers). Every method runs on the connection's
-thread except :meth:`BrokerConnection.add_callback_threadsafe`, which is how the workers hand
-outcomes back.
+Implemented over pika (:mod:`.pika_transport`) and in memory
+(:mod:`reliable_messaging.testing_broker`). Every method runs on the connection's thread except
+:meth:`BrokerConnection.add_callback_threadsafe`, which is how the workers hand outcomes back.
 """
 
 from __future__ import annotations
@@ -72,16 +67,14 @@ class BrokerConnection(Protocol):
         declared now (their node down), with why."""
 
     def messages_ready(self, queues: Sequence[str]) -> int:
-        """Messages ready (not delivered) in ``queues``; a queue the broker cannot serve counts
-        none."""
+        """Messages ready in ``queues``; a queue the broker cannot serve counts none."""
 
     def retire_leftovers(self, specs: Sequence[ConsumerSpec]) -> None:
         """Retire the queues ``specs`` left behind (see :mod:`.leftovers`)."""
 
     def drop(self) -> None:
-        """End the connection without the AMQP close handshake, once what was written (the
-        acks) has left: the broker requeues what each channel held in place before it
-        activates a standby consumer (ordered stop)."""
+        """End the connection without the AMQP close handshake, once the acks written have left
+        (an ordered stop: see :meth:`.pika_transport.PikaConnection.drop`)."""
 
 
 class BrokerTransport(Protocol):

@@ -1,10 +1,6 @@
-"""Fewer, larger socket writes for a burst of publishes on pika's asynchronous connection.
-
-pika writes each frame it buffered (three a message) with its own ``send()``; joined into
-chunks of up to ``CHUNK_BYTES`` they go in a few, the same bytes in the same order. It reads
-pika internals (``_transport._tx_buffers``) and does nothing where they are not what it knows.
-Call it on the connection's I/O thread. What it buys: docs/benchmarks.md, "Relay lanes and
-coalesced writes".
+"""Fewer, larger socket writes for a burst of publishes on pika's asynchronous connection: the
+buffers pika would ``send()`` one by one, joined (same bytes, same order). Reads pika internals
+(``_transport._tx_buffers``); call it on the connection's I/O thread. See docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -19,8 +15,8 @@ CHUNK_BYTES = 256 * 1024
 
 def coalesce_writes(connection: Any) -> int:
     """Join the buffers waiting on ``connection``'s transport into chunks of at most
-    ``CHUNK_BYTES`` (a single larger buffer stays whole). Returns how many buffers there were
-    before, or 0 when there was nothing to join or the transport is not one this knows."""
+    ``CHUNK_BYTES`` (a larger buffer stays whole); how many there were, or 0 when nothing was
+    joined."""
     buffers = getattr(getattr(connection, "_transport", None), "_tx_buffers", None)
     if not isinstance(buffers, collections.deque) or len(buffers) < 2:
         return 0

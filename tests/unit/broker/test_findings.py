@@ -118,7 +118,7 @@ def test_the_delivery_limit_as_each_version_resolves_it(
 
 def test_a_broker_that_refuses_max_body_bytes_is_an_error_naming_both_sizes() -> None:
     found = find_findings(
-        facts(probed_body_bytes=20 * MIB, max_message_size=16 * MIB),
+        facts(max_message_size=16 * MIB),
         Expectations(max_body_bytes=20 * MIB),
     )
     finding = only(found, "max-message-size")
