@@ -1,9 +1,6 @@
-"""What in the broker we are given can drop or redeliver our messages behind our back.
-
-A pure judgement of the facts :mod:`.inspection` read against :class:`Expectations`: one
-:class:`Finding` per thing an operator should know, with its fix (see docs/operations.md,
-"Checking the broker").
-"""
+"""What in the broker we are given can drop or redeliver our messages behind our back: a pure
+judgement of the facts :mod:`.inspection` read, one :class:`Finding` with its fix per thing an
+operator should know (docs/operations.md, "Checking the broker")."""
 
 from __future__ import annotations
 

@@ -4,9 +4,9 @@ start (``docs/design.md#leftover-queues``)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from contextlib import closing
 from dataclasses import dataclass
-from typing import TypeVar
 
 import pika
 import pika.exceptions
@@ -25,8 +25,6 @@ from .topology import consumer_exchange, consumer_queues, partition_exchange
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 # Partition queues are numbered from 0 without gaps; probing stops at the first missing one.
 MAX_PARTITIONS_PROBED = 256
 # Times a leftover is drained again when messages arrived between the drain and the delete.
@@ -43,22 +41,16 @@ class Leftover:
     consumers: int
 
 
-def _asked_once(connection: BlockingConnection, ask: Callable[[PassiveProbe], T]) -> T:
-    """One passive declare on a channel of its own, closed after."""
-    probe = PassiveProbe(connection)
-    try:
-        return ask(probe)
-    finally:
-        probe.close()
-
-
 def _exists(connection: BlockingConnection, queue: str) -> tuple[int, int] | None:
-    """(ready messages, consumers) of ``queue``, or None when it does not exist."""
-    return _asked_once(connection, lambda probe: probe.queue(queue))
+    """(ready messages, consumers) of ``queue``, or None when it does not exist; asked on a
+    channel of its own, closed after."""
+    with closing(PassiveProbe(connection)) as probe:
+        return probe.queue(queue)
 
 
 def _exchange_exists(connection: BlockingConnection, exchange: str) -> bool:
-    return _asked_once(connection, lambda probe: probe.exchange(exchange))
+    with closing(PassiveProbe(connection)) as probe:
+        return probe.exchange(exchange)
 
 
 def _partitions_from(connection: BlockingConnection, spec: ConsumerSpec, first: int) -> list[str]:

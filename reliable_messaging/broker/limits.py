@@ -1,7 +1,6 @@
-"""What the broker refuses for its size: a body over its ``max_message_size``, learned by asking
-(neither AMQP nor the management API tells it), and properties over its ``frame_max``: they
-travel in one header frame, and one too large closes the whole connection.
-"""
+"""What the broker refuses for its size: a body over its ``max_message_size`` (learned by
+asking: nothing else tells it), and properties over ``frame_max`` (one header frame too large
+closes the whole connection)."""
 
 from __future__ import annotations
 

@@ -29,29 +29,24 @@ def expecting_not_found() -> Iterator[None]:
 _CLOSE_MESSAGES = ("Received remote Channel.Close", "Closing channel")
 
 
-class ExpectedNotFound(logging.Filter):
-    """Drops pika's channel-close records of a 404 on a thread inside
+def _not_an_expected_404(record: logging.LogRecord) -> bool:
+    """False for pika's channel-close records of a 404 on a thread inside
     :func:`expecting_not_found`; looks only at an int argument (frames' ``==`` may raise)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not getattr(_probing, "depth", 0):
-            return True
-        message, args = record.msg, record.args
-        return not (
-            isinstance(message, str)
-            and message.startswith(_CLOSE_MESSAGES)
-            and isinstance(args, tuple)
-            and bool(args)
-            and type(args[0]) is int
-            and args[0] == NOT_FOUND
-        )
-
-
-_FILTER = ExpectedNotFound()
+    if not getattr(_probing, "depth", 0):
+        return True
+    message, args = record.msg, record.args
+    return not (
+        isinstance(message, str)
+        and message.startswith(_CLOSE_MESSAGES)
+        and isinstance(args, tuple)
+        and bool(args)
+        and type(args[0]) is int
+        and args[0] == NOT_FOUND
+    )
 
 
 def install() -> None:
     """Put the filter on pika's channel logger (idempotent)."""
     logger = logging.getLogger("pika.channel")
-    if _FILTER not in logger.filters:
-        logger.addFilter(_FILTER)
+    if _not_an_expected_404 not in logger.filters:
+        logger.addFilter(_not_an_expected_404)

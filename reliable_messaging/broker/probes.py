@@ -1,8 +1,6 @@
-"""Does a queue or an exchange exist? Passive declares, the one way the app asks.
-
-:class:`ExchangeProbe` is the relay's: publishing to a missing exchange would close the channel
-and throw away the confirms of every other row in flight.
-"""
+"""Does a queue or an exchange exist? Passive declares, the one way the app asks (the relay's
+:class:`ExchangeProbe`: a publish to a missing exchange would close the channel under every row
+in flight)."""
 
 from __future__ import annotations
 

@@ -73,12 +73,11 @@ _NAMES: dict[str, bytes] = {}
 _NAMES_KEPT = 1024
 
 
-def _name(key: Any) -> bytes:
-    name = _NAMES.get(key) if type(key) is str else None
-    if name is None:
-        name = short_string(key)
-        if type(key) is str and len(_NAMES) < _NAMES_KEPT:
-            _NAMES[key] = name
+def _new_name(key: Any) -> bytes:
+    """A header name not in ``_NAMES`` as a short string, kept there when it is a ``str``."""
+    name = short_string(key)
+    if type(key) is str and len(_NAMES) < _NAMES_KEPT:
+        _NAMES[key] = name
     return name
 
 
@@ -93,7 +92,7 @@ def field_table(table: dict[Any, Any]) -> bytes:
     for key, value in table.items():
         name = _NAMES.get(key) if type(key) is str else None
         if name is None:
-            name = _name(key)
+            name = _new_name(key)
         append(name)
         size += len(name)
         kind = type(value)

@@ -153,7 +153,7 @@ class PublisherTransport(Protocol):
         """Close the connection; the loop ends when the broker answers."""
 
     def abandon(self) -> None:
-        """End the loop without the closing handshake (the broker blocks the connection)."""
+        """End the loop without the closing handshake (a blocked connection sends no Close-Ok)."""
 
     def call_later(self, delay: float, callback: Callable[[], None]) -> Any: ...
 
@@ -273,7 +273,6 @@ class ConfirmingPublisher:
             connection.ioloop.stop()
 
     def abandon(self) -> None:
-        """End the loop without the closing handshake: a blocked connection sends no Close-Ok."""
         if self._connection is not None:
             self._connection.ioloop.stop()
 
@@ -346,8 +345,6 @@ class ConfirmingPublisher:
         coalesce_writes(self._connection)
 
     def exchange_exists(self, exchange: str) -> bool:
-        """Asked first: a publish to a missing exchange would close the channel under every
-        other row in flight."""
         return self._probe.exists(exchange)
 
     def forget_exchange(self, exchange: str | None) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,7 +146,6 @@ class _Declarer(Declared):
     def exchange(
         self, kind: str, name: str, exchange_type: str, arguments: dict[str, Any] | None = None
     ) -> None:
-        """Declare durable exchange ``name``."""
         try:
             self.channel.exchange_declare(
                 name, exchange_type=exchange_type, durable=True, arguments=arguments
@@ -159,17 +158,17 @@ class _Declarer(Declared):
         kind: str,
         name: str,
         arguments: dict[str, Any],
-        bind: Callable[[BlockingChannel], object] | None = None,
+        bindings: Iterable[tuple[str, str]] = (),
     ) -> None:
-        """Declare durable queue ``name`` with ``arguments``, then ``bind`` it; a queue
-        unavailable now is noted so."""
+        """Declare durable queue ``name`` with ``arguments`` and bind it (exchange, routing key);
+        a queue unavailable now is noted so."""
         try:
             try:
                 self.channel.queue_declare(name, durable=True, arguments=arguments)
             except pika.exceptions.ChannelClosedByBroker as exc:
                 self._mismatched(kind, name, exc, arguments)
-            if bind is not None:
-                bind(self.channel)
+            for exchange, routing_key in bindings:
+                self.channel.queue_bind(name, exchange, routing_key)
         except pika.exceptions.ChannelClosedByBroker as exc:
             if exc.reply_code != NOT_FOUND:
                 raise  # refused (403), locked (405)...: the broker's answer for every queue
@@ -204,19 +203,19 @@ def declare_topology(
     for spec in specs:
         dead_letter_to = _declare_dead_letter_queue(declarer, spec, settings)
         if spec.ordered:
-            _declare_partitions(declarer, spec, settings, dead_letter_to)
-            continue
-        arguments = _arguments_the_broker_takes(
-            declarer.channel,
-            spec.queue,
-            queue_arguments(settings, dead_letter_to=dead_letter_to, priorities=spec.priorities),
+            # Equal weights: the binding key of a consistent-hash exchange is the queue's weight.
+            bindings = [(_declare_partition_exchange(declarer, spec, settings), "1")]
+        else:
+            bindings = [(consumer_exchange(spec, settings), key) for key in spec.bindings]
+        wanted = queue_arguments(
+            settings,
+            ordered=spec.ordered,
+            dead_letter_to=dead_letter_to,
+            priorities=spec.priorities,
         )
-
-        def bind(channel: BlockingChannel, spec: ConsumerSpec = spec) -> None:
-            for binding in spec.bindings:
-                channel.queue_bind(spec.queue, consumer_exchange(spec, settings), binding)
-
-        declarer.queue("queue", spec.queue, arguments, bind)
+        for queue in consumer_queues(spec, settings):
+            arguments = _arguments_the_broker_takes(declarer.channel, queue, wanted)
+            declarer.queue("queue", queue, arguments, bindings)
     log = logger.debug if declarer.unavailable and declarer.known else logger.info
     log(
         "declared topology: %d queue(s)%s",
@@ -282,12 +281,10 @@ def _refusal(
     return None
 
 
-def _declare_partitions(
-    declarer: _Declarer,
-    spec: ConsumerSpec,
-    settings: MessagingSettings,
-    dead_letter_to: str | None = None,
-) -> None:
+def _declare_partition_exchange(
+    declarer: _Declarer, spec: ConsumerSpec, settings: MessagingSettings
+) -> str:
+    """Declare ``spec``'s consistent-hash exchange, bound to its consumer exchange; its name."""
     exchange = partition_exchange(spec)
     hashing = {"hash-header": ORDERING_KEY_HEADER}
     try:
@@ -303,17 +300,7 @@ def _declare_partitions(
         declarer.channel.exchange_bind(
             exchange, consumer_exchange(spec, settings), routing_key=binding
         )
-    wanted = queue_arguments(
-        settings, ordered=True, dead_letter_to=dead_letter_to, priorities=spec.priorities
-    )
-    for queue in consumer_queues(spec, settings):
-        arguments = _arguments_the_broker_takes(declarer.channel, queue, wanted)
-
-        def bind(channel: BlockingChannel, queue: str = queue) -> None:
-            # Equal weights: the binding key of a consistent-hash exchange is the queue's weight.
-            channel.queue_bind(queue, exchange, routing_key="1")
-
-        declarer.queue("queue", queue, arguments, bind)
+    return exchange
 
 
 def broker_host(url: str) -> str:
