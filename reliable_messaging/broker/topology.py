@@ -144,14 +144,14 @@ class _Declarer(Declared):
         self.channel = self.channel.connection.channel()
 
     def exchange(
-        self, kind: str, name: str, exchange_type: str, arguments: dict[str, Any] | None = None
+        self, name: str, exchange_type: str, arguments: dict[str, Any] | None = None
     ) -> None:
         try:
             self.channel.exchange_declare(
                 name, exchange_type=exchange_type, durable=True, arguments=arguments
             )
         except pika.exceptions.ChannelClosedByBroker as exc:
-            self._mismatched(kind, name, exc, arguments or {"type": exchange_type})
+            self._mismatched("exchange", name, exc, arguments or {"type": exchange_type})
 
     def queue(
         self,
@@ -199,7 +199,7 @@ def declare_topology(
     specs = list(specs)
     declarer = _Declarer(channel, known=known_unavailable, tolerate_mismatch=tolerate_mismatch)
     for exchange in sorted({consumer_exchange(s, settings) for s in specs} | {settings.exchange}):
-        declarer.exchange("exchange", exchange, "topic")
+        declarer.exchange(exchange, "topic")
     for spec in specs:
         dead_letter_to = _declare_dead_letter_queue(declarer, spec, settings)
         if spec.ordered:
@@ -288,7 +288,7 @@ def _declare_partition_exchange(
     exchange = partition_exchange(spec)
     hashing = {"hash-header": ORDERING_KEY_HEADER}
     try:
-        declarer.exchange("exchange", exchange, "x-consistent-hash", hashing)
+        declarer.exchange(exchange, "x-consistent-hash", hashing)
     except pika.exceptions.ConnectionClosedByBroker as exc:
         if exc.reply_code != COMMAND_INVALID or "exchange type" not in str(exc.reply_text):
             raise
