@@ -7,12 +7,12 @@ import datetime as dt
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from django.db import DatabaseError, connections, router
-from django.db.models import DurationField, ExpressionWrapper, F, Model, QuerySet
+from django.db.models import DurationField, ExpressionWrapper, F, QuerySet
 from django.db.models.functions import Now
 from django.utils import timezone
 from prometheus_client.core import GaugeMetricFamily
@@ -20,13 +20,14 @@ from prometheus_client.metrics_core import Metric
 
 from ..broker.queues import READ_ERRORS, describe_error, queues_from_amqp
 from ..choices import GroupState, OutboxStatus
-from ..conf import MessagingSettings, messaging_settings
+from ..conf import messaging_settings
 from ..core.registry import ConsumerSpec, registry
 from ..managers import waiting_since
 from ..models import DeadLetter, DeadLetterGroup, OutboxMessage, ProcessedMessage
 from ..storage import partitions
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # The largest new and regressed failure groups that get a series of their own (a storm of
 # distinct failures must not explode Prometheus's series).
@@ -122,9 +123,7 @@ def counted_or_estimated(rows: QuerySet[Any], table: str, up_to: int) -> tuple[f
 OVERDUE_AFTER = dt.timedelta(seconds=2 * partitions.UPKEEP_INTERVAL)
 
 
-def partition_upkeep(
-    using: str, settings: MessagingSettings = messaging_settings
-) -> tuple[tuple[tuple[str, float], ...], tuple[str, ...]]:
+def partition_upkeep(using: str) -> tuple[tuple[tuple[str, float], ...], tuple[str, ...]]:
     """Per day-partitioned table, the days made ahead of now; and the partitions expired more
     than ``OVERDUE_AFTER`` ago. Both empty where nothing is partitioned (SQLite)."""
     if connections[using].vendor != "postgresql":
@@ -133,8 +132,8 @@ def partition_upkeep(
     ahead: list[tuple[str, float]] = []
     overdue: list[str] = []
     for spec, retention in (
-        (partitions.INBOX, settings.dedup_retention),
-        (partitions.OUTBOX, settings.outbox_retention),
+        (partitions.INBOX, messaging_settings.dedup_retention),
+        (partitions.OUTBOX, messaging_settings.outbox_retention),
     ):
         days = partitions.days_ahead(using, now, spec)
         if days is None:
@@ -184,6 +183,27 @@ def database_status(using: str | None = None) -> DatabaseStatus:
 # --------------------------------------------------------------------------- the scrape
 
 
+class RecentValue(Generic[T]):
+    """``read()``'s last answer, read again once it is ``max_age`` seconds old."""
+
+    def __init__(self, read: Callable[[], T], max_age: float) -> None:
+        self.read = read
+        self.max_age = max_age
+        self._lock = threading.Lock()
+        self._kept: tuple[float, T] | None = None  # when it was read, and the answer
+
+    def get(self) -> T:
+        with self._lock:
+            if self._kept is None or time.monotonic() - self._kept[0] >= self.max_age:
+                answer = self.read()
+                self._kept = (time.monotonic(), answer)
+            return self._kept[1]
+
+    def forget(self) -> None:
+        with self._lock:
+            self._kept = None
+
+
 def _gauge(
     name: str,
     documentation: str,
@@ -202,9 +222,6 @@ class DatabaseCollector:
     cheap on a large table (partial indexes, failure groups, statistics). A database error
     exports ``reliable_messaging_database_up 0`` instead of failing the scrape."""
 
-    def __init__(self, using: str | None = None) -> None:
-        self.using = using
-
     def collect(self) -> Iterator[Metric]:
         try:
             families = list(self._read())
@@ -220,11 +237,8 @@ class DatabaseCollector:
         what = "1 when the last scrape could read the messaging tables, else 0."
         return GaugeMetricFamily("reliable_messaging_database_up", what, value=value)
 
-    def _alias(self, model: type[Model]) -> str:
-        return self.using or router.db_for_read(model)
-
     def _read(self) -> Iterator[Metric]:
-        alias = self._alias(OutboxMessage)
+        alias = router.db_for_read(OutboxMessage)
         outbox = OutboxMessage.objects.using(alias)
         yield GaugeMetricFamily(
             "reliable_messaging_outbox_pending_messages",
@@ -248,20 +262,20 @@ class DatabaseCollector:
             "Outbox rows marked failed after OUTBOX_MAX_ATTEMPTS; they wait for the admin.",
             value=outbox.failed().count(),
         )
-        groups = DeadLetterGroup.objects.using(self._alias(DeadLetter)).counts()
+        groups = DeadLetterGroup.objects.using(router.db_for_read(DeadLetter)).counts()
         yield _gauge(
             "reliable_messaging_dead_letters",
             "Dead letters by status, consumer and reason.",
             ["status", "consumer", "reason"],
             (([status, consumer, reason], rows) for status, consumer, reason, rows in groups),
         )
-        yield from self._failure_groups(self._alias(DeadLetter))
+        yield from self._failure_groups(router.db_for_read(DeadLetter))
         yield GaugeMetricFamily(
             "reliable_messaging_inbox_messages",
             "Inbox rows (processed messages kept for deduplication); estimated on PostgreSQL.",
-            value=inbox_rows(self._alias(ProcessedMessage))[0],
+            value=inbox_rows(router.db_for_read(ProcessedMessage))[0],
         )
-        days_ahead, overdue = partition_upkeep(self._alias(ProcessedMessage))
+        days_ahead, overdue = partition_upkeep(router.db_for_read(ProcessedMessage))
         yield _gauge(
             "reliable_messaging_partition_days_ahead",
             "Days of day partitions made ahead of now (PostgreSQL), by table; the upkeep keeps "
@@ -304,42 +318,25 @@ class DatabaseCollector:
 
 class BrokerCollector:
     """Reads the depth and the consumer count of every consumer queue (passive
-    declares on one AMQP connection), kept for ``max_age`` seconds. A broker that cannot be
+    declares on one AMQP connection), kept 5 s. A broker that cannot be
     reached exports ``reliable_messaging_broker_up 0`` and logs one warning."""
 
-    def __init__(
-        self,
-        specs: Iterable[ConsumerSpec] | None = None,
-        *,
-        timeout: float = 2.0,
-        max_age: float = 5.0,
-    ) -> None:
+    def __init__(self, specs: Iterable[ConsumerSpec] | None = None) -> None:
         self.specs = None if specs is None else list(specs)
-        self.timeout = timeout
-        self.max_age = max_age
-        self._lock = threading.Lock()
-        self._read_at: float | None = None
-        self._families: list[Metric] = []
         self._reachable = True
+        self._kept = RecentValue(self._read, max_age=5.0)
 
     def forget(self) -> None:
         """Drop the kept read: the next scrape asks the broker."""
-        with self._lock:
-            self._read_at = None
+        self._kept.forget()
 
     def collect(self) -> Iterator[Metric]:
-        with self._lock:
-            now = time.monotonic()
-            if self._read_at is None or now - self._read_at >= self.max_age:
-                self._families = self._read()
-                self._read_at = time.monotonic()
-            families = list(self._families)
-        yield from families
+        yield from self._kept.get()
 
     def _read(self) -> list[Metric]:
         specs = registry.all() if self.specs is None else self.specs
         try:
-            queues = queues_from_amqp(specs, timeout=self.timeout)
+            queues = queues_from_amqp(specs, timeout=2.0)
         except READ_ERRORS as exc:
             if self._reachable:
                 # describe_error names the error, never the URL or its password; pika's

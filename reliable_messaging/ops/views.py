@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import functools
 import hmac
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +24,7 @@ from prometheus_client.django import PrometheusDjangoView
 from ..broker.queues import broker_connection_error
 from ..conf import messaging_settings
 from ..models import OutboxMessage
-from .collectors import BrokerCollector, DatabaseCollector, outbox_lag
+from .collectors import BrokerCollector, DatabaseCollector, RecentValue, outbox_lag
 from .status import OUTBOX_LAG_LIMIT, CheckResult, outbox_lag_check, system_health
 
 MAX_OUTBOX_LAG = OUTBOX_LAG_LIMIT
@@ -94,36 +92,15 @@ def check_database(using: str) -> CheckResult:
     return CheckResult(True, "the database answers")
 
 
-def check_broker(timeout: float = BROKER_TIMEOUT) -> CheckResult:
+def check_broker() -> CheckResult:
     """Open (and close) an AMQP connection: the broker is up and accepts our login."""
-    error = broker_connection_error(timeout=timeout)
+    error = broker_connection_error(timeout=BROKER_TIMEOUT)
     if error:
         return CheckResult(False, f"the broker cannot be reached: {error}")
     return CheckResult(True, "the broker accepts connections")
 
 
-class _RecentBrokerCheck:
-    """The last :func:`check_broker` result, reused for ``max_age`` seconds."""
-
-    def __init__(self, max_age: float) -> None:
-        self.max_age = max_age
-        self._lock = threading.Lock()
-        self._result: CheckResult | None = None
-        self._at = 0.0
-
-    def get(self) -> CheckResult:
-        with self._lock:
-            if self._result is None or time.monotonic() - self._at >= self.max_age:
-                self._result = check_broker()
-                self._at = time.monotonic()
-            return self._result
-
-    def forget(self) -> None:
-        with self._lock:
-            self._result = None
-
-
-RECENT_BROKER_CHECK = _RecentBrokerCheck(BROKER_CHECK_MAX_AGE)
+RECENT_BROKER_CHECK = RecentValue(check_broker, BROKER_CHECK_MAX_AGE)
 
 
 def check_outbox_lag(using: str, max_lag: float) -> CheckResult:
