@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -13,8 +13,6 @@ from django.utils import timezone
 from ..broker.findings import summary
 from ..broker.inspection import BrokerCheck, check_broker
 from ..broker.queues import DEFAULT_TIMEOUT, BrokerStatus, broker_status
-from ..conf import MessagingSettings, messaging_settings
-from ..core.registry import ConsumerSpec
 from ..storage.partitions import UPKEEP_WARN_DAYS
 from .collectors import DatabaseStatus, database_status
 
@@ -240,25 +238,19 @@ def find_problems(
 
 
 def collect_status(
-    thresholds: Thresholds | None = None,
+    thresholds: Thresholds,
     *,
-    specs: Iterable[ConsumerSpec] | None = None,
-    settings: MessagingSettings = messaging_settings,
     management_url: str | None = None,
     timeout: float = DEFAULT_TIMEOUT,
-    using: str | None = None,
     inspect_broker: bool = False,
 ) -> MessagingStatus:
     """Read the broker and the database and judge the figures against ``thresholds``; with
     ``inspect_broker``, check the broker's settings and policies too."""
-    thresholds = thresholds or Thresholds()
-    broker = broker_status(specs, settings=settings, management_url=management_url, timeout=timeout)
-    database = database_status(using)
+    broker = broker_status(management_url=management_url, timeout=timeout)
+    database = database_status()
     check = None
     if inspect_broker:
-        check = check_broker(
-            specs, settings=settings, management_url=management_url, timeout=timeout
-        )
+        check = check_broker(management_url=management_url, timeout=timeout)
     return MessagingStatus(
         checked_at=timezone.now(),
         broker=broker,
