@@ -33,12 +33,7 @@ class RelayBeside:
 
     def __init__(self) -> None:
         self.relay: OutboxRelay = build_relay(health=HealthState())
-        self._upkeep = PartitionUpkeep(
-            router.db_for_write(OutboxMessage),
-            spec=OUTBOX,
-            retention=self.relay.settings.outbox_retention,
-            health=self.relay.health,
-        )
+        self._upkeep = outbox_upkeep(self.relay)
         self._thread = threading.Thread(target=self._run, name="rm-relay", daemon=True)
 
     def start(self) -> None:
@@ -73,6 +68,16 @@ class RelayBeside:
             logger.exception("the relay beside the consumer stopped; the outbox waits for another")
         finally:
             connections.close_all()  # this thread's connections
+
+
+def outbox_upkeep(relay: OutboxRelay) -> PartitionUpkeep:
+    """The upkeep of the outbox's day partitions (PostgreSQL), failing ``relay``'s health."""
+    return PartitionUpkeep(
+        router.db_for_write(OutboxMessage),
+        spec=OUTBOX,
+        retention=relay.settings.outbox_retention,
+        health=relay.health,
+    )
 
 
 def wake_relays_on_retry(spec: ConsumerSpec, delivery: Delivery, outcome: Outcome) -> None:

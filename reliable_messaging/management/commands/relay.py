@@ -8,7 +8,6 @@ from types import FrameType
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db import router
 
 from reliable_messaging.broker.inspection import log_body_limit_in_background
 from reliable_messaging.core import announcements
@@ -18,12 +17,11 @@ from reliable_messaging.dead_letters.operation_process import OperationProcess
 from reliable_messaging.dead_letters.operations import run_pending_operations
 from reliable_messaging.management.keepalive import keep_database_alive
 from reliable_messaging.management.metrics_options import add_metrics_arguments, serve_metrics
-from reliable_messaging.models import OutboxMessage
+from reliable_messaging.management.relay_beside import outbox_upkeep
 from reliable_messaging.publishing.claims import CLAIM_BYTES
 from reliable_messaging.publishing.lanes import RelayProgress, run_lanes
 from reliable_messaging.publishing.listener import NOTIFY_CHANNEL
 from reliable_messaging.publishing.relay import BATCH_SIZE, build_relay
-from reliable_messaging.storage.partitions import OUTBOX, PartitionUpkeep
 
 logger = logging.getLogger("reliable_messaging.relay")
 
@@ -117,13 +115,7 @@ class Command(BaseCommand):
         if options["progress_interval"] > 0:
             progress = RelayProgress(relays, options["progress_interval"])
             progress.start()
-        # On PostgreSQL the sent rows go into a partition per day, made ahead of time.
-        upkeep = PartitionUpkeep(
-            router.db_for_write(OutboxMessage),
-            spec=OUTBOX,
-            retention=relays[0].settings.outbox_retention,
-            health=relays[0].health,
-        )
+        upkeep = outbox_upkeep(relays[0])
         upkeep.start()
         # A broker max_message_size under MAX_BODY_BYTES is said once, at ERROR.
         log_body_limit_in_background(relays[0].settings)
