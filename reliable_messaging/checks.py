@@ -48,31 +48,28 @@ def check_broker_urls(value: Any) -> list[CheckMessage]:
     if not urls:
         hint = "Give one amqp:// URL, several joined by ';', or a list of them."
         return [_error(1, f"{SETTING}['BROKER_URL'] holds no URL.", hint)]
-    return [error for url in urls for error in _check_broker_url(url)]
+    hint = "Use amqp://USER:PASSWORD@HOST:5672/VHOST (the default vhost is %2F)."
+    problems = (_broker_url_problem(url) for url in urls)
+    return [_error(1, f"{SETTING}['BROKER_URL'] {what}", hint) for what in problems if what]
 
 
-def _check_broker_url(value: Any) -> list[CheckMessage]:
+def _broker_url_problem(value: Any) -> str | None:
     from .broker.topology import broker_host
 
-    hint = "Use amqp://USER:PASSWORD@HOST:5672/VHOST (the default vhost is %2F)."
     if not isinstance(value, str) or not value.startswith(("amqp://", "amqps://")):
         # Not repr() of another type: bytes or a dict may hold the password just the same.
         shown = redact_url(value) if isinstance(value, str) else f"a {type(value).__name__}"
-        message = f"{SETTING}['BROKER_URL'] is not an amqp:// or amqps:// URL: {shown}"
-        return [_error(1, message, hint)]
+        return f"is not an amqp:// or amqps:// URL: {shown}"
     try:
         if not broker_host(value):
             raise ValueError("no host")
     except Exception as exc:  # noqa: BLE001 - pika raises several types for bad URLs
         # Only the type: pika's messages quote pieces of the URL (a password holding a "/").
-        what = f"cannot be parsed ({type(exc).__name__}): {redact_url(value)}"
-        return [_error(1, f"{SETTING}['BROKER_URL'] {what}", hint)]
-    host_and_path = value.split("://", 1)[1]
-    if host_and_path.startswith("/") and "@" in host_and_path:
+        return f"cannot be parsed ({type(exc).__name__}): {redact_url(value)}"
+    if value.split("://", 1)[1].startswith("/") and "@" in value:
         # "amqp:///user:pw@mq": pika takes "user:pw@mq" for the vhost, which the broker quotes.
-        what = f"has no host, and its credentials would be taken for the vhost: {redact_url(value)}"
-        return [_error(1, f"{SETTING}['BROKER_URL'] {what}", hint)]
-    return []
+        return f"has no host, and its credentials would be taken for the vhost: {redact_url(value)}"
+    return None
 
 
 def check_cache_alias(alias: Any) -> list[CheckMessage]:
@@ -354,11 +351,16 @@ def _app_aliases() -> dict[str, str]:
     }
 
 
-def _engine(alias: str) -> str:
+def _app_databases() -> list[tuple[str, str, dict[str, Any]]]:
+    """The alias, engine and ``OPTIONS`` of each database the app's models are written to."""
     # Read from settings, not ``connections``: a check must not open a connection, and the
     # engine's module path says the vendor (custom backends usually keep it in their path).
     databases: dict[str, Any] = getattr(settings, "DATABASES", {})
-    return str(databases.get(alias, {}).get("ENGINE", ""))
+    found = []
+    for alias in sorted(set(_app_aliases().values())):
+        database = databases.get(alias, {})
+        found.append((alias, str(database.get("ENGINE", "")), database.get("OPTIONS") or {}))
+    return found
 
 
 @register(Tags.compatibility)
@@ -421,13 +423,10 @@ def _isolation_name(engine: str, value: Any) -> str:
 def check_isolation_level(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """The inbox claim and ``publish(idempotency_key=...)`` rely on READ COMMITTED's handling of
     a concurrent insert of the same key: wait for it, then see it."""
-    databases: dict[str, Any] = getattr(settings, "DATABASES", {})
     found: list[CheckMessage] = []
-    for alias in sorted(set(_app_aliases().values())):
-        options = databases.get(alias, {}).get("OPTIONS") or {}
+    for alias, engine, options in _app_databases():
         if "isolation_level" not in options:
             continue
-        engine = _engine(alias)
         level = _isolation_name(engine, options["isolation_level"])
         if level == "REPEATABLE_READ" and ("postgresql" in engine or "postgis" in engine):
             found.append(
@@ -472,10 +471,9 @@ def check_sqlite(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     several processes wait for the write lock instead of failing with ``database is locked``."""
     import sqlite3
 
-    databases: dict[str, Any] = getattr(settings, "DATABASES", {})
     found: list[CheckMessage] = []
-    for alias in sorted(set(_app_aliases().values())):
-        if "sqlite3" not in _engine(alias):
+    for alias, engine, options in _app_databases():
+        if "sqlite3" not in engine:
             continue
         if sqlite3.sqlite_version_info < SQLITE_RETURNING:
             found.append(
@@ -487,7 +485,6 @@ def check_sqlite(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
                     "build or the pysqlite3-binary package), or PostgreSQL.",
                 )
             )
-        options = databases[alias].get("OPTIONS") or {}
         if str(options.get("transaction_mode", "")).upper() != "IMMEDIATE":
             found.append(
                 _warning(
