@@ -533,14 +533,10 @@ class MessagingSettings:
         ),
     )
 
-    @property
-    def raw(self) -> Mapping[str, Any]:
-        value = getattr(django_settings, "RELIABLE_MESSAGING", None) or {}
-        return value if isinstance(value, Mapping) else {}
-
     def get(self, key: str) -> Any:
         """The value of ``key`` as given (not converted), or its declared default."""
-        return self.raw.get(key, DEFAULTS[key])
+        raw = getattr(django_settings, "RELIABLE_MESSAGING", None) or {}
+        return raw.get(key, DEFAULTS[key]) if isinstance(raw, Mapping) else DEFAULTS[key]
 
     @property
     def broker_url(self) -> str:
