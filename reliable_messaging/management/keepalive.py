@@ -1,6 +1,5 @@
 """TCP keepalives for the database connections of ``consume`` and ``relay``: a dead database
-host is given up on in about a minute, not TCP's 15. The server's side: see docs/cluster.md.
-"""
+host is given up on in about a minute, not TCP's 15. The server's side: see docs/cluster.md."""
 
 from __future__ import annotations
 

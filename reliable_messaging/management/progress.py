@@ -1,6 +1,5 @@
 """Progress of a long-running management command: on a terminal one line rewritten in place,
-elsewhere a plain line every ``interval`` seconds (none for a job that ends sooner).
-"""
+elsewhere a plain line every ``interval`` seconds (none for a job that ends sooner)."""
 
 from __future__ import annotations
 

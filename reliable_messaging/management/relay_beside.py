@@ -1,10 +1,6 @@
-"""The relay ``consume`` runs beside its handlers, so that a deployment of consumers alone
-still sends what waits in the outbox: its retry copies first of all
-(``docs/design.md#where-a-retry-waits``).
-
-It is the relay of ``manage.py relay`` (one lane, on a thread of its own) with the upkeep of the
-outbox's partitions; rows are shared out with every other relay by ``SKIP LOCKED``.
-"""
+"""The relay ``consume`` runs beside its handlers (one lane on a thread of its own, with the
+outbox's partition upkeep), so that consumers alone still send their retry copies
+(``docs/design.md#where-a-retry-waits``)."""
 
 from __future__ import annotations
 

@@ -317,9 +317,9 @@ class DatabaseCollector:
 
 
 class BrokerCollector:
-    """Reads the depth and the consumer count of every consumer queue (passive
-    declares on one AMQP connection), kept 5 s. A broker that cannot be
-    reached exports ``reliable_messaging_broker_up 0`` and logs one warning."""
+    """Reads the depth and the consumer count of every consumer queue (passive declares on one
+    AMQP connection), kept 5 s. A broker that cannot be reached exports
+    ``reliable_messaging_broker_up 0`` and logs one warning."""
 
     def __init__(self, specs: Iterable[ConsumerSpec] | None = None) -> None:
         self.specs = None if specs is None else list(specs)
