@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from django.db import DatabaseError, connections, router
-from django.db.models import DurationField, ExpressionWrapper, F, QuerySet
+from django.db.models import DurationField, ExpressionWrapper, F, Model, QuerySet
 from django.db.models.functions import Now
 from django.utils import timezone
 from prometheus_client.core import GaugeMetricFamily
@@ -32,7 +32,6 @@ T = TypeVar("T")
 # The largest new and regressed failure groups that get a series of their own (a storm of
 # distinct failures must not explode Prometheus's series).
 FAILURE_GROUP_SERIES = 50
-# The states the alerts fire on.
 ALERTING_GROUP_STATES = (GroupState.NEW.value, GroupState.REGRESSED.value)
 
 
@@ -222,6 +221,9 @@ class DatabaseCollector:
     cheap on a large table (partial indexes, failure groups, statistics). A database error
     exports ``reliable_messaging_database_up 0`` instead of failing the scrape."""
 
+    def __init__(self, using: str | None = None) -> None:
+        self.using = using
+
     def collect(self) -> Iterator[Metric]:
         try:
             families = list(self._read())
@@ -237,8 +239,11 @@ class DatabaseCollector:
         what = "1 when the last scrape could read the messaging tables, else 0."
         return GaugeMetricFamily("reliable_messaging_database_up", what, value=value)
 
+    def _alias(self, model: type[Model]) -> str:
+        return self.using or router.db_for_read(model)
+
     def _read(self) -> Iterator[Metric]:
-        alias = router.db_for_read(OutboxMessage)
+        alias = self._alias(OutboxMessage)
         outbox = OutboxMessage.objects.using(alias)
         yield GaugeMetricFamily(
             "reliable_messaging_outbox_pending_messages",
@@ -262,20 +267,20 @@ class DatabaseCollector:
             "Outbox rows marked failed after OUTBOX_MAX_ATTEMPTS; they wait for the admin.",
             value=outbox.failed().count(),
         )
-        groups = DeadLetterGroup.objects.using(router.db_for_read(DeadLetter)).counts()
+        groups = DeadLetterGroup.objects.using(self._alias(DeadLetter)).counts()
         yield _gauge(
             "reliable_messaging_dead_letters",
             "Dead letters by status, consumer and reason.",
             ["status", "consumer", "reason"],
             (([status, consumer, reason], rows) for status, consumer, reason, rows in groups),
         )
-        yield from self._failure_groups(router.db_for_read(DeadLetter))
+        yield from self._failure_groups(self._alias(DeadLetter))
         yield GaugeMetricFamily(
             "reliable_messaging_inbox_messages",
             "Inbox rows (processed messages kept for deduplication); estimated on PostgreSQL.",
-            value=inbox_rows(router.db_for_read(ProcessedMessage))[0],
+            value=inbox_rows(self._alias(ProcessedMessage))[0],
         )
-        days_ahead, overdue = partition_upkeep(router.db_for_read(ProcessedMessage))
+        days_ahead, overdue = partition_upkeep(self._alias(ProcessedMessage))
         yield _gauge(
             "reliable_messaging_partition_days_ahead",
             "Days of day partitions made ahead of now (PostgreSQL), by table; the upkeep keeps "
