@@ -189,8 +189,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         errors += _check_setting(setting, messaging_settings.get(setting.key))
     # The cross-setting warnings need valid values (a mere warning does not hide them).
     if not any(message.is_serious() for message in errors):
-        for check in CROSS_SETTING_CHECKS:
-            errors += check()
+        errors += _check_retention_horizon() + _check_consumer_timeout() + _check_crash_limit()
     return errors
 
 
@@ -288,14 +287,6 @@ def _horizon(spec: ConsumerSpec | None) -> float:
     delays = (spec and spec.retry_delays) or messaging_settings.retry_delays
     attempts = (spec and spec.max_attempts) or messaging_settings.max_attempts
     return sum(delay_for(attempt, delays) for attempt in range(1, attempts)) if delays else 0.0
-
-
-# The checks that judge settings together, run once every setting is valid on its own.
-CROSS_SETTING_CHECKS: tuple[Callable[[], list[CheckMessage]], ...] = (
-    _check_retention_horizon,
-    _check_consumer_timeout,
-    _check_crash_limit,
-)
 
 
 @register(Tags.compatibility)

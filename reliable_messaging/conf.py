@@ -3,6 +3,7 @@ setting is declared once, as a :class:`Setting` (``docs/design.md#settings``).""
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -88,22 +89,13 @@ def integer(
     what: str = "",
 ) -> Rule:
     """An int (not a bool, not a float) from ``minimum`` (to ``maximum``)."""
-    if not what:
-        what = (
-            f"an integer from {minimum} to {maximum}"
-            if maximum is not None
-            else f"an integer >= {minimum}"
-        )
+    top = math.inf if maximum is None else maximum
+    bounds = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
 
     def fits(value: Any) -> bool:
-        return (
-            _is_number(value)
-            and isinstance(value, int)
-            and minimum <= value
-            and (maximum is None or value <= maximum)
-        )
+        return _is_number(value) and isinstance(value, int) and minimum <= value <= top
 
-    return _judged(check_id, hint, fits, what)
+    return _judged(check_id, hint, fits, what or f"an integer {bounds}")
 
 
 def seconds(check_id: int, *, hint: str, zero_allowed: bool = False) -> Rule:
