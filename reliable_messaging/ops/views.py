@@ -71,12 +71,10 @@ SYSTEM_REGISTRY.register(DatabaseCollector())
 SYSTEM_REGISTRY.register(BROKER_COLLECTOR)
 
 
-class SystemMetricsView(PrometheusDjangoView):
-    registry = SYSTEM_REGISTRY
-
-
 # Outside ATOMIC_REQUESTS: a failing query must not poison a transaction around the view.
-metrics = transaction.non_atomic_requests(never_cache(ops_access(SystemMetricsView.as_view())))
+metrics = transaction.non_atomic_requests(
+    never_cache(ops_access(PrometheusDjangoView.as_view(registry=SYSTEM_REGISTRY)))
+)
 
 
 # The details name no host, user or password, nor a database error's text: a health endpoint
