@@ -1,6 +1,5 @@
 """Message bodies on the admin's detail pages: the first ``SHOWN_BYTES``, pretty-printed when
-JSON the printer can take (not 5,000 deep), raw text otherwise, and the whole as a download.
-"""
+JSON the printer can take (not 5,000 deep), raw text otherwise, and the whole as a download."""
 
 from __future__ import annotations
 
@@ -14,6 +13,8 @@ from django.http import HttpResponse
 from django.utils.html import format_html
 from django.utils.translation import gettext, ngettext
 
+from ..core.envelope import nesting_depth
+
 # What a detail page shows of a body, a pretty-printed payload or a long text.
 SHOWN_BYTES = 64 * 1024
 
@@ -22,9 +23,8 @@ _CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
 
 def head_and_size(rows: QuerySet[Any], pk: Any, field: str = "body") -> tuple[bytes, int]:
-    """The first ``SHOWN_BYTES`` + 1 bytes (characters of a text) of ``field`` of row ``pk``,
-    and its size (bytes of a binary field, characters of a text), read in one query that
-    sends no more of it."""
+    """The first ``SHOWN_BYTES`` + 1 bytes (characters of a text) of ``field`` of row ``pk``
+    and its size, read in one query that sends no more of it."""
     found = (
         rows.filter(pk=pk)
         .annotate(_head=Substr(field, 1, SHOWN_BYTES + 1), _size=Length(field))
@@ -37,38 +37,15 @@ def head_and_size(rows: QuerySet[Any], pk: Any, field: str = "body") -> tuple[by
     return (head.encode() if isinstance(head, str) else bytes(head or b"")), int(size or 0)
 
 
-def raw_text(data: bytes) -> str:
-    """``data`` as text: bytes that are not UTF-8, and control characters, as ``\\xNN``."""
-    return _CONTROL_CHARACTERS.sub(
-        lambda match: f"\\x{ord(match.group()):02x}",
-        data.decode("utf-8", errors="backslashreplace"),
-    )
-
-
 # Deeper JSON is shown raw: indented, each level adds two spaces to every line below it, so a
 # body nested 5,000 deep would print as tens of MB (Python 3.13's printer takes it).
 PRETTY_DEPTH = 64
 
 
-def _deeper_than(value: Any, limit: int) -> bool:
-    """Whether ``value`` nests lists and objects more than ``limit`` deep (no recursion)."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if not isinstance(item, dict | list):
-            continue
-        if depth > limit:
-            return True
-        stack.extend(
-            (child, depth + 1) for child in (item.values() if isinstance(item, dict) else item)
-        )
-    return False
-
-
 def pretty_json(value: Any) -> str | None:
     """``value`` indented, or None when it nests deeper than ``PRETTY_DEPTH`` or the printer
     refuses it."""
-    if _deeper_than(value, PRETTY_DEPTH):
+    if nesting_depth(value) > PRETTY_DEPTH:
         return None
     try:
         return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True)
@@ -100,6 +77,11 @@ def shown_text(text: str, download_url: str = "", full_size: int | None = None) 
     return format_html('{}<pre class="rm-pre">{}</pre>', header, text[:SHOWN_BYTES])
 
 
+def shown_json(value: Any) -> str:
+    """A ``<pre>`` of ``value`` indented, or of its ``repr`` when :func:`pretty_json` refuses it."""
+    return shown_text(pretty_json(value) or repr(value))
+
+
 def pretty_body(head: bytes, size: int, payload: Any = None) -> str | None:
     """A body of ``size`` bytes starting with ``head``, as indented JSON: when it is whole in
     ``head`` and the printer takes it (``payload``, when the consumer decoded one, stands for
@@ -115,13 +97,18 @@ def pretty_body(head: bytes, size: int, payload: Any = None) -> str | None:
 
 
 def raw_body(head: bytes, size: int, download_url: str) -> str:
-    """A body of ``size`` bytes starting with ``head``, as text cut at ``SHOWN_BYTES``."""
+    """A body of ``size`` bytes starting with ``head``, as text cut at ``SHOWN_BYTES``: bytes
+    that are not UTF-8, and control characters, as ``\\xNN``."""
+    text = _CONTROL_CHARACTERS.sub(
+        lambda match: f"\\x{ord(match.group()):02x}",
+        head[:SHOWN_BYTES].decode("utf-8", errors="backslashreplace"),
+    )
     described = format_html(
         '<p class="rm-body-note">{}; {}</p>',
         _size(size),
         gettext("bytes that are not UTF-8, and control characters, are shown as \\xNN"),
     )
-    return described + shown_text(raw_text(head[:SHOWN_BYTES]), download_url, full_size=size)
+    return described + shown_text(text, download_url, full_size=size)
 
 
 def download(

@@ -360,7 +360,7 @@ class DeadLetterAdmin(
 
     @admin.display(description=_("headers"))
     def pretty_headers(self, obj: DeadLetter) -> str:
-        return bodies.shown_text(bodies.pretty_json(obj.headers) or repr(obj.headers))
+        return bodies.shown_json(obj.headers)
 
     def body_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
         """The whole body, byte for byte, as a file: for those who may see the dead letter."""

@@ -115,7 +115,7 @@ class OutboxMessageAdmin(scaling.BoundedListAdmin):
             # A retry copy: the original's properties and headers, as pika reads them back.
             shown = shown_properties(obj.raw_properties)
             return bodies.shown_text("\n".join(f"{k}: {v!r}" for k, v in shown.items()))
-        return bodies.shown_text(bodies.pretty_json(obj.headers) or repr(obj.headers))
+        return bodies.shown_json(obj.headers)
 
     def body_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
         """The whole body as a file: for those who may see the row."""

@@ -90,17 +90,17 @@ class TaskRunAdmin(ReadOnlyAdmin, BoundedListAdmin):
 
     @admin.display(description=_("arguments"))
     def args_block(self, obj: TaskRun) -> str:
-        return bodies.shown_text(bodies.pretty_json(obj.args) or repr(obj.args))
+        return bodies.shown_json(obj.args)
 
     @admin.display(description=_("keyword arguments"))
     def kwargs_block(self, obj: TaskRun) -> str:
-        return bodies.shown_text(bodies.pretty_json(obj.kwargs) or repr(obj.kwargs))
+        return bodies.shown_json(obj.kwargs)
 
     @admin.display(description=_("return value"))
     def return_value_block(self, obj: TaskRun) -> str:
         if obj.status != TaskRunStatus.SUCCESSFUL:
             return "-"
-        return bodies.shown_text(bodies.pretty_json(obj.return_value) or repr(obj.return_value))
+        return bodies.shown_json(obj.return_value)
 
     @admin.display(description=_("errors"))
     def errors_block(self, obj: TaskRun) -> str:
