@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Mapping
 
+from django.db.models import QuerySet
 from django.utils import timezone
 
 from .. import tracing
@@ -16,31 +17,14 @@ from ..managers import TALLIED_OUTCOMES
 from ..models import DeadLetter, DeadLetterOperation, Replay, ReplayOutcomeTally
 
 
-def replay_id_of(delivery: Delivery) -> int | None:
-    """The ledger row a replayed copy names, when the copy came the way ours come."""
+def _own_row(delivery: Delivery, consumer: str, message_id: str, using: str) -> QuerySet[Replay]:
+    """The ledger row a replayed copy names, when the copy came the way ours come (else none)."""
     if not sent_to_its_queue(delivery):
-        return None
+        return Replay.objects.none()
     raw = delivery.headers.get(REPLAY_ID_HEADER)
     if isinstance(raw, bool) or not isinstance(raw, int) or raw <= 0:
-        return None
-    return raw
-
-
-def _in_flight(delivery: Delivery, consumer: str, message_id: str, using: str) -> Replay | None:
-    replay_id = replay_id_of(delivery)
-    if replay_id is None:
-        return None
-    return (
-        Replay.objects.using(using)
-        .select_for_update()
-        .filter(
-            pk=replay_id,
-            consumer=consumer,
-            message_id=message_id,
-            outcome=ReplayOutcome.IN_FLIGHT,
-        )
-        .first()
-    )
+        return Replay.objects.none()
+    return Replay.objects.using(using).filter(pk=raw, consumer=consumer, message_id=message_id)
 
 
 def replayed_dead_letter(
@@ -48,15 +32,8 @@ def replayed_dead_letter(
 ) -> int | None:
     """The id of the dead letter this copy replays (an edited copy's message_id is not its
     dead letter's), or None when the copy names no ledger row of its own."""
-    replay_id = replay_id_of(delivery)
-    if replay_id is None:
-        return None
-    return (
-        Replay.objects.using(using)
-        .filter(pk=replay_id, consumer=consumer, message_id=message_id)
-        .values_list("dead_letter_id", flat=True)
-        .first()
-    )
+    row = _own_row(delivery, consumer, message_id, using)
+    return row.values_list("dead_letter_id", flat=True).first()
 
 
 def settle_processed(
@@ -126,7 +103,8 @@ def settle(
     """Record what became of a replayed copy, inside the transaction that decided it; None
     when ``delivery`` is no replayed copy of ours still in flight. An edited copy stands for
     the dead letter it was edited from (resolved, or superseded by the new one)."""
-    row = _in_flight(delivery, consumer, message_id, using)
+    own = _own_row(delivery, consumer, message_id, using)
+    row = own.select_for_update().filter(outcome=ReplayOutcome.IN_FLIGHT).first()
     if row is None:
         return None
     now = timezone.now()
@@ -180,12 +158,11 @@ def outcome_counts(operation: DeadLetterOperation) -> Mapping[str, int]:
     return {ReplayOutcome.IN_FLIGHT.value: in_flight, **settled}
 
 
-def failed_again(operation_id: int, limit: int, using: str | None = None) -> list[Replay]:
+def failed_again(operation_id: int, limit: int) -> list[Replay]:
     """The first ``limit`` replays of an operation that failed again, by id, with the dead
     letter each became (``failed_as``; the index on operation and outcome finds them)."""
-    rows = Replay.objects.using(using) if using else Replay.objects.all()
     return list(
-        rows.filter(operation_id=operation_id, outcome=ReplayOutcome.FAILED_AGAIN)
+        Replay.objects.filter(operation_id=operation_id, outcome=ReplayOutcome.FAILED_AGAIN)
         .select_related("failed_as")
         .only(
             "pk",
