@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -197,17 +197,18 @@ def judge(
     return judgement
 
 
-def _letters(using: str, ids: Iterable[int], *, lock: bool) -> list[DeadLetter]:
+def _judge_rows(
+    using: str, ids: Iterable[int], *, lock: bool, force: bool, now: dt.datetime
+) -> Judgement:
+    """:func:`judge` the dead letters ``ids``, read (``lock``: locked) with their inbox rows."""
     rows = DeadLetter.objects.using(using)
     if lock:
         rows = rows.select_for_update()
-    return list(rows.filter(pk__in=list(ids)).only(*_REPLAY_FIELDS).order_by("pk"))
-
-
-def _inbox_keys(using: str, letters: Sequence[DeadLetter]) -> set[tuple[str, str]]:
-    return ProcessedMessage.objects.using(using).processed_keys(
+    letters = list(rows.filter(pk__in=list(ids)).only(*_REPLAY_FIELDS).order_by("pk"))
+    keys = ProcessedMessage.objects.using(using).processed_keys(
         d.message_id for d in letters if d.message_id
     )
+    return judge(letters, keys, force=force, now=now)
 
 
 def judge_batch(
@@ -216,8 +217,7 @@ def judge_batch(
     """What :func:`replay_batch` would do with ``ids`` now, by the same :func:`judge`, writing
     and locking nothing (a dry run; call it with bounded batches)."""
     using = router.db_for_read(DeadLetter)
-    letters = _letters(using, ids, lock=False)
-    return judge(letters, _inbox_keys(using, letters), force=force, now=now or timezone.now())
+    return _judge_rows(using, ids, lock=False, force=force, now=now or timezone.now())
 
 
 def _unsendable_body(body: bytes) -> str | None:
@@ -291,8 +291,7 @@ def replay_batch(
     with transaction.atomic(using=using):
         # Locked in pk order, so two replays of overlapping selections never deadlock; the
         # second one waits, then finds these "replayed" and refuses them.
-        letters = _letters(using, ids, lock=True)
-        judgement = judge(letters, _inbox_keys(using, letters), force=force, now=now)
+        judgement = _judge_rows(using, ids, lock=True, force=force, now=now)
         result.refused = {pk: why.text for pk, why in judgement.refused.items()}
         result.skipped = judgement.skipped
         chosen = judgement.chosen

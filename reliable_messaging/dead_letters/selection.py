@@ -12,14 +12,12 @@ from django.db.models import Q, QuerySet, TextField
 from django.db.models.functions import Cast
 from django.utils.text import smart_split, unescape_string_literal
 
-from ..choices import DeadLetterStatus, OperationKind
+from ..choices import OperationKind
 from ..models import DeadLetter
-from .replay import UNREPLAYABLE_REASONS, replayable, stale_replays
+from .replay import UNREPLAYABLE_REASONS, discardable, replayable
 
 # Query parameters of the admin's changelist that are not filters.
 NOT_FILTERS = frozenset({"o", "p", "e", "q", "_facets", "all", "_changelist_filters"})
-
-
 # How a selection's search term reads (its "search_mode").
 BY_MESSAGE_ID = "message_id"
 BY_WORDS = "words"
@@ -77,9 +75,7 @@ def _value(lookup: str, value: str) -> Any:
 
 
 def _filtered(lookups: Mapping[str, str]) -> QuerySet[DeadLetter]:
-    rows = DeadLetter.objects.all()
-    values = {k: _value(k, v) for k, v in lookups.items()}
-    return rows.filter(**values) if values else rows
+    return DeadLetter.objects.filter(**{k: _value(k, v) for k, v in lookups.items()})
 
 
 def matching(selection: Mapping[str, Any]) -> QuerySet[DeadLetter]:
@@ -140,7 +136,7 @@ def wanted(kind: str, selection: Mapping[str, Any], now: dt.datetime | None = No
     status filter only dead ones (and replays presumed lost), not those discarded on purpose."""
     if kind == OperationKind.REPLAY and selection.get("status_chosen"):
         return replayable(now)
-    return Q(status=DeadLetterStatus.DEAD) | stale_replays(now)
+    return discardable(now)
 
 
 def unreplayable(kind: str) -> list[str]:
