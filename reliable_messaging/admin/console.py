@@ -482,6 +482,5 @@ class DeadLetterConsole(OperationPages):
             + [("all", gettext("every state"))],
             here_query=f"?{here_query}" if here_query else "?",
             changelist_url=self.console_url("changelist"),
-            has_replay_permission=can_replay,
             can_triage=can_triage,
         )
