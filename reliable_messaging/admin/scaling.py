@@ -31,9 +31,20 @@ QUERY_CANCELED = "57014"
 
 
 class FieldFilter(admin.SimpleListFilter):
-    """Rows whose field named like the parameter equals the value chosen."""
+    """Rows whose field named like the parameter equals the value chosen, offered among the
+    ``known()`` values (none read from a large table: a DISTINCT would scan it)."""
 
     parameter_name: str
+
+    def known(self) -> list[str]:
+        return []
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        values = set(self.known())
+        value = self.value()
+        if value is not None:
+            values.add(value)  # since removed, reached through a link: offered, so Django keeps it
+        return [(value, value) for value in sorted(values)]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         value = self.value()
@@ -41,11 +52,8 @@ class FieldFilter(admin.SimpleListFilter):
 
 
 class GroupValueFilter(FieldFilter):
-    """The values of one field of the dead letters, from the failure groups and the registry."""
-
-    def known(self) -> list[str]:
-        """Values worth offering even without a dead letter (the registry's)."""
-        return []
+    """The values of one field of the dead letters, from the failure groups and ``known()``
+    (the registry's values, worth offering even without a dead letter)."""
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
         values = set(DeadLetterGroup.objects.values_of(self.parameter_name)) | set(self.known())
@@ -144,10 +152,8 @@ class ReadOnlyAdmin(admin.ModelAdmin):
 
 
 class BoundedListAdmin(admin.ModelAdmin):
-    """A list over a large table: a bounded count, exact searches in ``exact_search_fields``
-    (each word equal to one of them), and a search whose statements PostgreSQL stops past
-    ``SEARCH_TIMEOUT_MS`` (``SET LOCAL``, so nothing leaks to a pooled connection's next user),
-    the list then shown without it."""
+    """A list over a large table: a bounded count, exact searches (each word equal to one of
+    ``exact_search_fields``), and a search PostgreSQL stops past ``SEARCH_TIMEOUT_MS``."""
 
     paginator = BoundedCountPaginator
     show_full_result_count = False

@@ -32,18 +32,14 @@ class TaskQueueFilter(FieldFilter):
     title = _("queue")
     parameter_name = "queue_name"
 
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        names = {
+    def known(self) -> list[str]:
+        return [
             queue
             for params in (getattr(settings, "TASKS", None) or {}).values()
             if isinstance(params, dict)
             for queue in params.get("QUEUES") or ()
             if isinstance(queue, str)
-        }
-        value = self.value()
-        if value is not None:
-            names.add(value)  # a queue since removed, reached through a link
-        return [(name, name) for name in sorted(names)]
+        ]
 
 
 @admin.register(TaskRun)
