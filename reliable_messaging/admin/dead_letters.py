@@ -493,7 +493,6 @@ class DeadLetterAdmin(
     ) -> HttpResponse | None:
         if request.POST.get("post") == "yes" or request.POST.get("select_across") == "1":
             return self._act(request, queryset, "replay_matching", force=True)
-        # The confirmation page of a forced replay of a selection.
         return self.render_page(
             request,
             "confirm_operation",

@@ -39,8 +39,7 @@ def operator(request: HttpRequest) -> str:
 
 
 def log_rows(request: HttpRequest, rows: QuerySet[Any], message: str, flag: int = CHANGE) -> None:
-    """One admin log entry per row, so its history page shows it (an operation's dead letters'
-    history names it too)."""
+    """One admin log entry per row, so its history page shows it."""
     user: Any = request.user  # admin views only run for logged-in staff
     LogEntry.objects.log_actions(
         user_id=user.pk, queryset=rows, action_flag=flag, change_message=message
@@ -99,8 +98,7 @@ def _operation(pk: int) -> DeadLetterOperation:
 
 class OperationPages(admin.ModelAdmin):
     """The dead letters' ModelAdmin's console: its permission to replay, its pages' URLs and
-    frame, and the bulk operations' pages. Each view checks its permission itself
-    (``admin_view`` only ensures a staff user)."""
+    frame, and the bulk operations' pages. Each view checks its own permission."""
 
     def has_replay_permission(self, request: HttpRequest) -> bool:
         """``reliable_messaging.replay_deadletter`` and the view permission (every path to a

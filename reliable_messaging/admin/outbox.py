@@ -1,6 +1,5 @@
 """The outbox in the admin: what waits, what failed and why; retry failed rows and cancel
-scheduled ones. A bounded list (``scaling.BoundedListAdmin``) filtered by status only.
-"""
+scheduled ones. A bounded list (``scaling.BoundedListAdmin``) filtered by status only."""
 
 from __future__ import annotations
 

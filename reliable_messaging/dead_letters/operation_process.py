@@ -1,7 +1,6 @@
 """The relay's child process that carries out the bulk operations (:mod:`.operations`), why a
 process and how it stops: ``docs/design.md#dead-letters-replay-and-bulk-operations``. It imports
-no model: a spawned child imports it before Django is set up.
-"""
+no model: a spawned child imports it before Django is set up."""
 
 from __future__ import annotations
 

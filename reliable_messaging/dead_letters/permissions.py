@@ -1,7 +1,6 @@
 """Who may edit a dead letter's message and replay the edited copy: ``edit_replay_deadletter``
 for every consumer, or a registered consumer's own permission (made after each ``migrate``),
-with the dead letters' view and replay permissions.
-"""
+with the dead letters' view and replay permissions."""
 
 from __future__ import annotations
 

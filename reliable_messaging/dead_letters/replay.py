@@ -1,6 +1,5 @@
 """Replaying dead letters: back through the outbox, to the consumer that failed, only
-(``docs/design.md#dead-letters-replay-and-bulk-operations``).
-"""
+(``docs/design.md#dead-letters-replay-and-bulk-operations``)."""
 
 from __future__ import annotations
 
@@ -302,8 +301,7 @@ def replay_batch(
         entries = _record_replays(using, chosen, replayed_by, operation, now)
         copies: list[tuple[Any, ...]] = []  # the values of _OUTBOX_COLUMNS
         for (dead_letter, _forced), entry in zip(chosen, entries, strict=True):
-            headers = replay_headers(dead_letter, replayed_by)
-            headers[REPLAY_ID_HEADER] = entry.pk
+            headers = {**replay_headers(dead_letter, replayed_by), REPLAY_ID_HEADER: entry.pk}
             copies.append(
                 (
                     dead_letter.message_id,
