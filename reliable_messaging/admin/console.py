@@ -256,10 +256,9 @@ class DeadLetterConsole(OperationPages):
         return discarded
 
     def bulk_operation_view(self, request: HttpRequest, operation: Operation) -> HttpResponse:
-        """Replay or discard every dead letter the changelist's filter and search match: GET asks
-        for confirmation with the counts, POST records an operation (of what its page showed: the
-        same search, the dead letters up to the id it counted; when the count changed since,
-        nothing is recorded), the "Dry run" button shows what it would do."""
+        """Replay or discard what the changelist's filter and search match: GET shows the counts
+        to confirm, POST records an operation over what its page showed (nothing when the count
+        changed since), or with "Dry run" shows what it would do."""
         if not self.has_replay_permission(request):
             raise PermissionDenied
         if request.method not in ("GET", "POST"):
@@ -369,10 +368,9 @@ class DeadLetterConsole(OperationPages):
         return redirect(self.console_url("change", obj.pk))
 
     def failure_groups_view(self, request: HttpRequest) -> HttpResponse:
-        """Dead letters that fail the same way (fingerprint and reason) in the same consumer, each
-        with its lifecycle state; those with dead letters first. ``?state=`` filters by state
-        (default: every state but resolved; ``all``), ``?all=1`` shows groups without dead letters
-        too. A POST acknowledges, resolves or reopens one group (``triage_deadletter``)."""
+        """The failure groups (fingerprint and reason, per consumer) and their states. ``?state=``
+        filters (default: all but resolved; ``all``), ``?all=1`` adds groups without dead letters;
+        a POST acknowledges, resolves or reopens one group (``triage_deadletter``)."""
         if not self.has_view_permission(request):
             raise PermissionDenied
         user: Any = request.user

@@ -167,10 +167,9 @@ def run_pending_operations(batch_size: int = DEFAULT_BATCH_SIZE) -> int:
 
 
 class OperationRunner(threading.Thread):
-    """A thread that carries out the recorded operations: batch after batch while there are
-    some, otherwise a look every ``interval`` seconds on a connection kept open. A batch that
-    fails :data:`FAILURES_BEFORE_GIVING_UP` times in a row stops its operation. Every
-    ``fold_interval`` seconds (None: never) it also folds the failure groups' deltas."""
+    """A thread that runs the recorded operations batch after batch, else looks every ``interval``
+    seconds; a batch failing :data:`FAILURES_BEFORE_GIVING_UP` times in a row stops its operation.
+    Every ``fold_interval`` seconds (None: never) it folds the failure groups' deltas."""
 
     def __init__(
         self,
