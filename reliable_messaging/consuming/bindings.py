@@ -1,8 +1,5 @@
-"""The routing-key stage: a message that matches none of its consumer's bindings is refused.
-
-It reached the queue some other way (published straight to the queue, or a stale binding);
-running the handler on it would act on an event the consumer never asked for.
-"""
+"""The routing-key stage: a message that matches none of its consumer's bindings is a dead
+letter (it reached the queue some other way; the consumer never asked for it)."""
 
 from __future__ import annotations
 

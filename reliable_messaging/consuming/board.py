@@ -1,7 +1,5 @@
 """What passes between the consumer's connection thread and its worker threads: each delivery
-as a :class:`DeliveryWork` on the :class:`WorkBoard`, settled on the :class:`Link` it came on
-(after a reconnect, outcomes of the old link are dropped: the broker redelivers).
-"""
+as a :class:`DeliveryWork` on the :class:`WorkBoard`, settled on the :class:`Link` it came on."""
 
 from __future__ import annotations
 
@@ -55,6 +53,12 @@ class Link:
         return (
             self.stopping.is_set() or self.dropping is not None
         ) and channel.channel_number in self.ordered
+
+    @property
+    def busy(self) -> bool:
+        """Deliveries of this link are with the workers, not settled yet."""
+        with self.lock:
+            return self.in_flight > 0
 
     def forget(self, channel: BrokerChannel, tag: int) -> None:
         self.unsettled.get(channel.channel_number, {}).pop(tag, None)

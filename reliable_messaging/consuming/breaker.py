@@ -1,9 +1,5 @@
-"""The circuit breaker of one consumer in one consume process: closed, open, half-open.
-
-Workers ask :meth:`ConsumerBreakers.admit` which deliveries may run and report their outcomes;
-one not admitted waits in the process, unacked and unstarted. Only the handler's
-own failures count (:func:`handler_verdict`). ``docs/circuit-breaker.md`` is the user's view.
-"""
+"""The circuit breaker of one consumer in one consume process (``docs/circuit-breaker.md``):
+workers ask :meth:`ConsumerBreakers.admit` which deliveries may run and report their outcomes."""
 
 from __future__ import annotations
 
@@ -133,11 +129,7 @@ class CircuitBreaker:
 
     def look_again_in(self) -> float:
         """When a delivery not admitted should ask again (shortly while half-open)."""
-        with self._lock:
-            state = self._current()
-            if state is BreakerState.OPEN:
-                return max(0.0, self._reopen_at - self._clock())
-            return HALF_OPEN_LOOK if state is BreakerState.HALF_OPEN else 0.0
+        return HALF_OPEN_LOOK if self.state is BreakerState.HALF_OPEN else self.resumes_in
 
     def room(self) -> int:
         """How many deliveries may start together: closed, as many as could fail before it

@@ -1,9 +1,5 @@
-"""The consumer's connection thread: owns the broker connection, its channels and consumers.
-
-It connects (and reconnects), declares, subscribes, puts deliveries on the
-:class:`~.board.WorkBoard`, settles outcomes (:mod:`.settling`) and stops gracefully, through a
-:class:`~reliable_messaging.broker.transport.BrokerTransport`. ``docs/design.md`` explains why.
-"""
+"""The consumer's connection thread: owns the broker connection, its channels and consumers;
+(re)connects, subscribes, puts deliveries on the :class:`~.board.WorkBoard`, settles outcomes."""
 
 from __future__ import annotations
 
@@ -203,9 +199,7 @@ class ConnectionThread:
         deadline = time.monotonic() + DEAD_LETTERS_FIRST
         while time.monotonic() < deadline and not self._stop.is_set():
             link.connection.process_data_events(time_limit=0.1)
-            with link.lock:
-                busy = link.in_flight > 0
-            if not busy and not link.connection.messages_ready(queues):
+            if not link.busy and not link.connection.messages_ready(queues):
                 return
 
     def _subscribe_all(
@@ -330,9 +324,7 @@ class ConnectionThread:
     def _idle_expired(self, link: Link) -> bool:
         if self.idle_timeout is None:
             return False
-        with link.lock:
-            busy = link.in_flight > 0
-        if busy or not self.board.empty() or self._breaker_pausing():
+        if link.busy or not self.board.empty() or self._breaker_pausing():
             self._last_delivery = time.monotonic()
             return False
         return time.monotonic() - self._last_delivery >= self.idle_timeout
@@ -376,10 +368,7 @@ def stop_gracefully(link: Link, settings: MessagingSettings) -> bool:
         if channel.channel_number not in link.ordered:
             channel.basic_cancel(tag)
     deadline = time.monotonic() + settings.shutdown_timeout
-    while time.monotonic() < deadline:
-        with link.lock:
-            if link.in_flight == 0:
-                break
+    while time.monotonic() < deadline and link.busy:
         link.connection.process_data_events(time_limit=0.1)
     if link.ordered:
         link.connection.drop()

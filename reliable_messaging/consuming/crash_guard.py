@@ -1,9 +1,5 @@
-"""The crash guard: a message that kills its process is dead-lettered, not retried forever.
-
-A redelivered delivery gets a :class:`~reliable_messaging.models.SuspectDelivery` row committed
-before its handler runs; one still there when it comes back counts a death
-(``docs/design.md#the-crash-guard``).
-"""
+"""The crash guard: a message that kills its process is dead-lettered, not retried forever
+(``docs/design.md#the-crash-guard``)."""
 
 from __future__ import annotations
 
@@ -22,17 +18,13 @@ from ..choices import DeadLetterReason
 from ..core.envelope import DecodeError, Delivery
 from ..core.outcomes import Outcome, Release, RetryInPlace
 from ..models import SuspectDelivery
-from .last_resort import Processor, dead_letter_delivery
+from .last_resort import dead_letter_delivery
+from .stage import Processor
 
 logger = logging.getLogger(__name__)
 
 CRASHED = "crashed"
 TIMEOUT = "timeout"
-
-
-def process_label() -> str:
-    """``host:pid`` of this process, as the guard records who handled a suspect last."""
-    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 @dataclass(frozen=True)
@@ -41,7 +33,7 @@ class Suspicion:
 
     deaths: int
     cause: str  # how the last death happened: CRASHED or TIMEOUT
-    last_process: str  # the process that died on it last ("" when not known)
+    last_process: str  # host:pid of the process that died on it last ("" when not known)
 
     def exceeds(self, limit: int) -> bool:
         return self.deaths >= limit
@@ -101,7 +93,7 @@ class CrashGuard:
 
     def _save(self, row: SuspectDelivery, *, running: bool) -> None:
         row.running = running
-        row.last_process = process_label()
+        row.last_process = f"{socket.gethostname()}:{os.getpid()}"
         row.updated_at = timezone.now()
         row.save(using=self.using)
 

@@ -1,18 +1,5 @@
-"""Whether a delivery is past its deadline: the one place the consumer decides it.
-
-A message has a deadline when its producer gave one (``publish(..., expires=...)`` writes the
-absolute time in Unix milliseconds to ``x-rm-expires-at``) or when its consumer has a
-``max_age`` (counted from :attr:`Message.published_at`, the publish or, for a scheduled
-message, its due time). Both are compared with this host's clock, ``time.time()``: the
-producer's deadline is absolute, so only the hosts' clock skew can move it.
-
-Retry copies and in-place retries keep both headers and the AMQP timestamp unchanged, so a
-retry never extends a deadline. A replayed copy (``x-rm-replay``) is exempt: an operator's
-replay is a decision to handle the message now, whatever its age.
-
-A deadline a foreign producer wrote in a form we cannot read is ignored with a warning: the
-message is handled as if it had none, never lost for it.
-"""
+"""Whether a delivery is past its deadline (the producer's ``x-rm-expires-at`` or the
+consumer's ``max_age``): the one place the consumer decides it (``docs/expiry.md``)."""
 
 from __future__ import annotations
 
@@ -40,12 +27,9 @@ class MalformedDeadline(ValueError):
 
 
 def parse_deadline(raw: Any) -> int | None:
-    """The deadline in Unix milliseconds from the header's value, None when there is none.
-
-    Integer-like values are accepted: an int, digits as text or bytes (surrounding blanks
-    allowed), a finite float or decimal (its fraction dropped). Anything else (a bool, other
-    text, a value beyond 64 bits, a table) raises :class:`MalformedDeadline`.
-    """
+    """The deadline in Unix milliseconds from the header's value (an int, digits as text or
+    bytes, a finite float or decimal), None when there is none; :class:`MalformedDeadline` for
+    anything else."""
     if raw is None:
         return None
     if isinstance(raw, bool):
@@ -79,9 +63,8 @@ def parse_deadline(raw: Any) -> int | None:
 def expiry_of(
     delivery: Delivery, message: Message, spec: ConsumerSpec, now: float | None = None
 ) -> str | None:
-    """Why ``message`` must not be handled by ``spec``'s consumer because it is too late (the
-    text says by how much), or None when it may be handled. ``now`` is Unix seconds
-    (``time.time()`` when not given)."""
+    """Why ``message`` is too late for ``spec``'s consumer (by how much), or None when it may be
+    handled; ``now`` in Unix seconds."""
     if REPLAY_HEADER in delivery.headers:
         return None  # an operator's replay: handle it now, whatever its age
     raw = delivery.headers.get(EXPIRES_AT_HEADER)
@@ -115,9 +98,8 @@ def expiry_of(
 
 
 class Expiry(Stage):
-    """The stage that acks a message past its deadline without running its handler. Before
-    one is kept as a dead letter the inbox is asked: a late redelivery of a message handled
-    in time is a duplicate, not a failure for a person to review."""
+    """Acks a message past its deadline without running its handler (a duplicate instead of a
+    dead letter when the inbox shows it was handled in time)."""
 
     def screen(self, job: Job, message: Message, state: Any) -> DeliveryOutcome | None:
         spec = job.processor.spec

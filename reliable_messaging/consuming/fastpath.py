@@ -1,9 +1,5 @@
-"""The duplicate fast path: Redis remembers what the inbox holds, so duplicates skip PostgreSQL.
-
-One round trip per batch answers, per message, *done*, *leased elsewhere* or *new*; the inbox
-decides whatever the cache says or fails to say. The design is in docs/operations.md, "The
-Redis fast path".
-"""
+"""The duplicate fast path: Redis remembers what the inbox holds, so duplicates skip PostgreSQL
+(docs/operations.md, "The Redis fast path"); the inbox decides whatever the cache says."""
 
 from __future__ import annotations
 
@@ -94,19 +90,15 @@ class DuplicateCache:
         self._flusher: threading.Thread | None = None
         self._flushes_at_exit = False
 
-    @property
-    def cache(self) -> Any:
-        from django.core.cache import caches
-
-        return caches[self.alias]
-
     def _client(self) -> Any:
         from django_redis import get_redis_connection
 
         return get_redis_connection(self.alias)
 
     def _prefix(self) -> str:
-        return str(self.cache.make_key("rm:"))
+        from django.core.cache import caches
+
+        return str(caches[self.alias].make_key("rm:"))
 
     def done_key(self, consumer: str, message_id: str) -> str:
         return f"{self._prefix()}done:{_digest(consumer, message_id)}"
@@ -262,16 +254,15 @@ def duplicate_cache(settings: MessagingSettings = messaging_settings) -> Duplica
 
 
 class FastPath(Stage):
-    """The stage that settles, before the transaction, what Redis already knows: duplicates,
-    and messages another consumer is on (put aside). After the commit it remembers what the
-    batch processed and gives back the leases it took. Replays always go to the database (a
-    forced replay has just removed its inbox row, which the cache may still remember)."""
+    """Settles duplicates and messages another consumer leases before the transaction; after the
+    commit, remembers what the batch processed and gives back its leases."""
 
     def open(self, batch: Batch) -> Any:
         jobs, decided = batch.jobs, batch.decided
         cache = jobs[0].processor.cache if jobs else None
         if cache is None:
             return None
+        # Replays go to the database: a forced replay has just removed its inbox row.
         candidates = [
             (index, job, job.message)
             for index, job in enumerate(jobs)

@@ -9,7 +9,7 @@ import dataclasses
 import logging
 import traceback
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from django.db import transaction
 
@@ -18,18 +18,11 @@ from ..choices import DeadLetterReason
 from ..core.database_errors import classify
 from ..core.envelope import DecodeError, Delivery, Message, safe_text
 from ..core.outcomes import Acknowledge, OutcomeLabel, Release
-from ..core.registry import ConsumerSpec
 from ..dead_letters.record import record_dead_letter
 from ..models import ProcessedMessage
+from .stage import Processor
 
 logger = logging.getLogger(__name__)
-
-
-class Processor(Protocol):
-    spec: ConsumerSpec
-    using: str
-
-    def decode(self, delivery: Delivery) -> Message | DecodeError: ...
 
 
 def dead_letter_delivery(
@@ -120,32 +113,27 @@ def _first_death(headers: Mapping[str, Any], queues: list[str]) -> Mapping[str, 
     return (ours or entries or [{}])[0]
 
 
-def original_delivery(delivery: Delivery, queues: list[str]) -> Delivery:
-    """The delivery as it was in the consumer's queue, from ``x-death``, so a replay goes back."""
+def ingest_delivery_limit(
+    processor: Processor, delivery: Delivery, queues: list[str]
+) -> Acknowledge:
+    """A message the broker dead-lettered from one of ``queues`` at its delivery limit, recorded
+    as it was in the consumer's queue (from ``x-death``), so a replay goes back there."""
     death = _first_death(delivery.headers, queues)
-    queue = death.get("queue")
+    counts = (delivery.headers.get("x-delivery-count"), death.get("count"))
+    count = next((n for n in counts if isinstance(n, int) and not isinstance(n, bool)), 0)
+    why = death.get("reason")
+    queue, exchange = death.get("queue"), death.get("exchange")
     routing_keys = death.get("routing-keys")
     routing_key = routing_keys[0] if isinstance(routing_keys, list) and routing_keys else None
-    exchange = death.get("exchange")
-    return dataclasses.replace(
+    original = dataclasses.replace(
         delivery,
         queue=queue if isinstance(queue, str) and queue in queues else queues[0],
         exchange=exchange if isinstance(exchange, str) else delivery.exchange,
         routing_key=routing_key if isinstance(routing_key, str) else delivery.routing_key,
     )
-
-
-def ingest_delivery_limit(
-    processor: Processor, delivery: Delivery, queues: list[str]
-) -> Acknowledge:
-    """A message the broker dead-lettered from one of ``queues`` at its delivery limit."""
-    death = _first_death(delivery.headers, queues)
-    counts = (delivery.headers.get("x-delivery-count"), death.get("count"))
-    count = next((n for n in counts if isinstance(n, int) and not isinstance(n, bool)), 0)
-    why = death.get("reason")
     return dead_letter_delivery(
         processor,
-        original_delivery(delivery, queues),
+        original,
         reason=DeadLetterReason.DELIVERY_LIMIT,
         attempts=count or 1,
         detail=(

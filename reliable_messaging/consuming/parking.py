@@ -1,9 +1,5 @@
-"""The parked-key stage: an ordered consumer's message waits behind its key's dead letter.
-
-A later message of a key whose earlier message is a dead letter must not overtake it, so it
-is parked as a dead letter too. A replayed message is held back only by dead letters older
-than its own, so replaying a key's dead letters oldest first releases them in order.
-"""
+"""The parked-key stage: an ordered consumer's message behind an open dead letter of its key
+is parked as a dead letter too (a replayed one only behind older dead letters than its own)."""
 
 from __future__ import annotations
 

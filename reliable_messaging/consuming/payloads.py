@@ -1,14 +1,6 @@
-"""The declared-payload stage: a message that does not match its consumer's declared type
-(``@consumer(..., payload=Type)``) is a dead letter ``invalid_payload`` before the handler runs.
-
-Retrying cannot make a payload match, so no attempt is spent: the dead letter holds the raw body
-byte for byte and the validation errors (each field's path and what is wrong, never the value),
-and replays as usual once the type or the data is fixed. A message that matches reaches the
-handler as the type's object (``message.payload``), through :attr:`Job.for_handler`.
-
-A message the inbox already holds is a duplicate, not a dead letter: it was handled under the
-type of its time (a redelivery across a deploy that tightened the type).
-"""
+"""The declared-payload stage (``@consumer(..., payload=Type)``): a mismatch is a dead letter
+``invalid_payload`` (a duplicate if the inbox holds the message), a match reaches the handler as
+the type's object through :attr:`Job.for_handler` (``docs/contracts.md``)."""
 
 from __future__ import annotations
 

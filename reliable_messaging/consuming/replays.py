@@ -1,12 +1,6 @@
-"""The replay stage: what a processed copy settles, in the transaction that decided it.
-
-A replayed copy (``x-rm-replay``) that is processed resolves its dead letter; one found
-processed by another copy resolves it as such. Either way its ledger row is settled, naming
-the trace it was decided in. A message an unordered consumer processes resolves any open dead
-letter of it (an ordered consumer's keeps its key parked until replayed). The ledger
-(:func:`reliable_messaging.dead_letters.ledger.settle_processed`) does all of it; this stage
-says when.
-"""
+"""The replay stage: what a processed or duplicate copy settles in the replay ledger
+(:func:`~reliable_messaging.dead_letters.ledger.settle_processed`), in the transaction that
+decided it."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""Where a failed delivery becomes a retry or a dead letter: the whole policy of the consumer.
-
-:meth:`DeliveryFailures.on_failure` decides (:func:`decide`: a permanent error, the last attempt
-or no retry delays make a dead letter, anything else a retry after the attempt's delay), and the
-other methods say what an undecodable, rejected, expired or busy delivery becomes. The
-mechanics around it: :mod:`.processing` runs the handler and calls here, :mod:`.retry_rows`
-writes the retried copy into the outbox in the same transaction (the relay sends it when due),
-and :mod:`.last_resort` and :mod:`.crash_guard` dead-letter what the broker or a crashed worker
-gave up on. What the database does is never a handler's failure
-(``docs/delivery-outcomes.md``).
+"""Where a failed delivery becomes a retry or a dead letter: the whole policy of the consumer
+(:func:`decide` and :class:`DeliveryFailures`). What the database does is never a handler's
+failure (``docs/delivery-outcomes.md``).
 """
 
 from __future__ import annotations
@@ -87,24 +80,34 @@ def retry_headers(
 ) -> dict[str, Any]:
     """Headers of the retried copy: the original's, minus the broker's dead-letter bookkeeping,
     plus the next attempt number and where the message was first published."""
-    headers = {
-        k: v
-        for k, v in delivery.headers.items()
-        if k not in BROKER_HEADERS and k != DEFERRALS_HEADER
-    }
-    headers[ATTEMPT_HEADER] = next_attempt
-    headers[ORIGINAL_EXCHANGE_HEADER] = message.exchange
-    headers[ORIGINAL_ROUTING_KEY_HEADER] = message.routing_key
+    headers = _copy_headers(delivery, message, next_attempt)
     headers.setdefault(FIRST_FAILED_AT_HEADER, int(time.time() * 1000))
     headers[LAST_ERROR_HEADER] = f"{type(exc).__name__}: {exc}"[:500]
     return headers
 
 
+def _copy_headers(
+    delivery: Delivery, message: Message, attempt: int, deferrals: int | None = None
+) -> dict[str, Any]:
+    """The original's headers for a copy at ``attempt``, without the broker's bookkeeping (and,
+    unless ``deferrals`` is given, without the deferral count)."""
+    headers = {
+        k: v
+        for k, v in delivery.headers.items()
+        if k not in BROKER_HEADERS and (deferrals is not None or k != DEFERRALS_HEADER)
+    }
+    headers[ATTEMPT_HEADER] = attempt
+    if deferrals is not None:
+        headers[DEFERRALS_HEADER] = deferrals
+    headers[ORIGINAL_EXCHANGE_HEADER] = message.exchange
+    headers[ORIGINAL_ROUTING_KEY_HEADER] = message.routing_key
+    return headers
+
+
 def raise_for_our_write(exc: DatabaseError, what: str) -> NoReturn:
-    """A write of ours for a delivery (its dead letter, its retry copy) failed: without the row
-    the delivery must stay with the broker, so nothing is lost or charged. A read-only or lost
-    database holds it (:class:`DatabaseUnavailable`); a conflict runs its transaction again
-    (:class:`DatabaseConflict`); anything else is raised as it is (our own failure)."""
+    """A write of ours for a delivery (its dead letter, its retry copy) failed: the delivery stays
+    with the broker, held (:class:`DatabaseUnavailable`), run again (:class:`DatabaseConflict`),
+    or, for anything else, our own failure (raised as it is)."""
     trouble = classify(exc)
     if trouble is DatabaseTrouble.CONFLICT:
         raise DatabaseConflict(f"writing {what}: {exc}") from exc
@@ -213,16 +216,6 @@ class DeliveryFailures:
             error=exc,
         )
 
-    def defer_delay(self, deferrals: int = 0) -> float:
-        """Seconds a copy put aside for a busy lease or inbox row waits: the consumer's retry
-        delays (else the settings'), one step further for each time the copy was already put
-        aside, the last one after that. A holder that keeps the message for long (a consumer
-        cut off mid-batch, until the server ends its transaction) then costs a few deferrals,
-        not one every first delay. A consumer with ``retry_delays=()`` (no retries) takes the
-        settings' (which the system checks require to be non-empty)."""
-        delays = self.spec.retry_delays or self.settings.retry_delays
-        return delays[min(max(0, deferrals), len(delays) - 1)]
-
     def defer(
         self,
         delivery: Delivery,
@@ -231,15 +224,12 @@ class DeliveryFailures:
         error: str = "lease held",
     ) -> DeliveryOutcome:
         """Another consumer holds this message (its Redis lease, or its inbox row in a
-        transaction not yet ended): have the copy come back shortly, at the same attempt.
-        An ordered consumer's delivery waits in place instead, holding its partition."""
+        transaction not yet ended): the copy comes back at the same attempt after the next of
+        the retry delays (the settings' for ``retry_delays=()``); an ordered one waits in place."""
         deferrals = _deferrals(delivery.headers)
-        delay = self.defer_delay(deferrals)
-        headers = {k: v for k, v in delivery.headers.items() if k not in BROKER_HEADERS}
-        headers[ATTEMPT_HEADER] = message.attempt
-        headers[DEFERRALS_HEADER] = deferrals + 1
-        headers[ORIGINAL_EXCHANGE_HEADER] = message.exchange
-        headers[ORIGINAL_ROUTING_KEY_HEADER] = message.routing_key
+        delays = self.spec.retry_delays or self.settings.retry_delays
+        delay = delays[min(deferrals, len(delays) - 1)]
+        headers = _copy_headers(delivery, message, message.attempt, deferrals + 1)
         retry = RetryInPlace if self.spec.ordered else ScheduleRetry
         return DeliveryOutcome(
             retry(delay, message.attempt, headers, error, deferred=True),
@@ -248,8 +238,7 @@ class DeliveryFailures:
         )
 
     def busy(self, delivery: Delivery, message: Message) -> DeliveryOutcome:
-        """The inbox row is locked by a transaction that did not end within
-        ``storage.inbox.LOCK_TIMEOUT`` (a twin still running, or a consumer cut off mid-batch)."""
+        """The inbox row is locked past ``storage.inbox.LOCK_TIMEOUT``: deferred."""
         return self.defer(
             delivery,
             message,

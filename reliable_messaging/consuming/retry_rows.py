@@ -1,15 +1,5 @@
-"""The retry stage: a retry or a deferral waits in the outbox, as a scheduled row.
-
-A delivery decided :class:`~reliable_messaging.core.outcomes.ScheduleRetry` leaves a copy in the
-outbox, due after the delay, written in the transaction that decided it; the settler acks the
-original once that committed, and a relay sends the copy when due. The copy is the original as
-it came (its exact body bytes, its AMQP properties in pika's encoding, the retry headers added),
-for the consumer's own queue alone. A database that cannot take the row fails the batch as a
-dead letter's write does: the delivery stays with the broker, nothing charged. One row per
-consumer, message, attempt and deferral (its idempotency key), so an original handed to us
-again after a lost ack adds no second copy.
-``docs/design.md#where-a-retry-waits`` explains.
-"""
+"""The retry stage: a retry or a deferral waits in the outbox as a scheduled copy of the
+original, written in the transaction that decided it (``docs/design.md#where-a-retry-waits``)."""
 
 from __future__ import annotations
 

@@ -63,7 +63,6 @@ class ConsumerService:
         # Seconds between progress lines (outcomes so far); 0: none.
         self.progress_interval = progress_interval if progress_interval > 0 else float("inf")
         self._stop = threading.Event()
-        self._transport = transport if transport is not None else PikaTransport()
         cache = duplicate_cache(settings)
         processors = {spec.name: DeliveryProcessor(spec, settings, cache) for spec in self.specs}
         metrics.consumers_started(processors)
@@ -81,7 +80,7 @@ class ConsumerService:
         settler = OutcomeSettler(on_outcome)
         self._connection = ConnectionThread(
             self.specs,
-            transport=self._transport,
+            transport=transport if transport is not None else PikaTransport(),
             board=board,
             lane_of=lane_of,
             settler=settler,

@@ -1,9 +1,5 @@
-"""Carrying out the workers' outcomes on the broker, on the connection's thread.
-
-:meth:`OutcomeSettler.hand_back` (any thread) schedules :meth:`OutcomeSettler.settle_all` with
-``add_callback_threadsafe``: acks coalesced (a retry's too: its copy is an outbox row committed
-with its decision), releases nacked with requeue (except on an ordered channel being dropped).
-"""
+"""Carrying out the workers' outcomes on the broker, on the connection's thread: acks coalesced
+(a retry's too: its copy is an outbox row committed with its decision), releases nacked."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The tracing stage: a ``process`` span per delivery, current while its handler runs.
-
-The spans themselves (attributes, context propagation) are :mod:`reliable_messaging.tracing`'s;
-this stage only says when they start, are current, fail and end.
-"""
+"""The tracing stage: a ``process`` span per delivery (:mod:`reliable_messaging.tracing`),
+current while its handler runs."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""The consumer's stage of ``django.tasks`` tasks (:mod:`reliable_messaging.task_runs`).
-
-Before a batch's transaction: RUNNING and one more attempt committed, in one statement that
-also reads the rows the handler runs, and ``task_started``. In the transaction: a failed
-attempt's error with READY again (a retry), an attempt taken back when another worker holds
-the delivery, and SUCCESSFUL with the processed tasks' return values in one statement once
-every task the transaction screened is decided. After the commit: ``task_finished`` of the
-processed ones. FAILED is written with the dead letter (``dead_letters.record``), whichever
-path records it, and signalled after that commit. Why and what each costs:
-``docs/tasks.md``. The task framework is imported only for a batch that holds tasks.
+"""The consumer's stage of ``django.tasks`` tasks (:mod:`reliable_messaging.task_runs`): RUNNING
+before a batch's transaction, each attempt's outcome in it, ``task_finished`` after the commit
+(``docs/tasks.md``). The task framework is imported only for a batch that holds tasks.
 """
 
 from __future__ import annotations
@@ -45,8 +38,6 @@ class _Tasks:
 
 
 class TaskRuns(Stage):
-    """RUNNING before, the attempts' outcomes in, ``task_finished`` after each batch of tasks."""
-
     def open(self, batch: Batch) -> Any:
         ids = {
             job: task_id

@@ -1,10 +1,6 @@
-"""Handler time limits: a handler that never returns does not hold its delivery forever.
-
-Past a call's deadline (:meth:`TimeLimits.limit`) a watchdog raises :class:`_Interrupt` in the
-handler's thread, which the caller sees as a :class:`~reliable_messaging.exceptions.HandlerTimeout`;
-past ``HANDLER_TIMEOUT_GRACE`` the process exits (code 3). ``docs/design.md#time-limits`` explains
-the races and why nothing is lost.
-"""
+"""Handler time limits: past a call's deadline a watchdog interrupts the handler (the caller sees
+:class:`~reliable_messaging.exceptions.HandlerTimeout`); past ``HANDLER_TIMEOUT_GRACE`` the
+process exits (``docs/design.md#time-limits``)."""
 
 from __future__ import annotations
 
@@ -15,7 +11,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -44,8 +40,7 @@ class _Interrupt(BaseException):
             call.landed_in_handler = True
 
 
-# The call in progress in each thread (for _Interrupt to find).
-_running = threading.local()
+_running = threading.local()  # the call in progress in each thread, for _Interrupt
 
 
 @dataclass
@@ -56,7 +51,7 @@ class _Call:
     seconds: float
     started: float
     fired: bool = False
-    hopeless_at: float = field(default=0.0)
+    hopeless_at: float = 0.0
     # Set by the handler's thread once the body of the ``with`` block has ended.
     leaving: bool = False
     # Set when the interrupt took effect while the handler's code ran.
@@ -201,8 +196,7 @@ class TimeLimits:
             self.check(time.monotonic())
 
     def check(self, now: float, thread: int | None = None) -> None:
-        """One look at the calls in progress (the watchdog calls it every ``TICK``), or at
-        ``thread``'s only."""
+        """One look at the calls in progress (every ``TICK``), or at ``thread``'s only."""
         fire: list[_Call] = []
         hopeless: list[_Call] = []
         waiting: list[int] = []

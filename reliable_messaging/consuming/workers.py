@@ -44,6 +44,14 @@ def _key(item: DeliveryWork) -> tuple[int, int, int]:
     return (id(item.link), item.channel.channel_number, item.delivery.delivery_tag)
 
 
+def _held_back(held: dict[str, HeldPartition], item: DeliveryWork) -> bool:
+    """Put ``item`` behind its queue's held deliveries, in order; False when none are held."""
+    waiting = held.get(item.delivery.queue)
+    if waiting is not None:
+        waiting.items.append(item)
+    return waiting is not None
+
+
 class WorkerPool:
     """``concurrency`` daemon threads taking batches from ``board`` until it is closed."""
 
@@ -138,10 +146,7 @@ class WorkerPool:
                     wait = min(wait, max(0.0, min(h.ready_at for h in held.values()) - now))
                 for item in self.board.take(index, limit - len(batch), wait):
                     self._local.in_hand[_key(item)] = item
-                    waiting = held.get(item.delivery.queue)
-                    if waiting is not None:
-                        waiting.items.append(item)  # behind its partition's retry, in order
-                    else:
+                    if not _held_back(held, item):
                         batch.append(item)
                 if batch:
                     self._run_batch(batch, held)
@@ -243,10 +248,7 @@ class WorkerPool:
         while rest:
             batch: list[DeliveryWork] = []
             for item in rest:
-                waiting = held.get(item.delivery.queue)
-                if waiting is not None:
-                    waiting.items.append(item)  # behind its queue's waiting head, in order
-                else:
+                if not _held_back(held, item):
                     batch.append(item)
             rest = []
             admissions: list[Admission | None] = [None] * len(batch)
@@ -267,10 +269,7 @@ class WorkerPool:
                     else:
                         settled.append((item, outcome))
             for item in kept_back:
-                waiting = held.get(item.delivery.queue)
-                if waiting is not None:
-                    waiting.items.append(item)
-                else:
+                if not _held_back(held, item):
                     again_at = self.breakers.asked_again_at(item)
                     held[item.delivery.queue] = HeldPartition(again_at, [item])
         if settled:
