@@ -1,3 +1,1 @@
-"""Consuming deliveries: the service and its connection thread, the worker threads, processing in
-the inbox, the fast path and the guards.
-"""
+"""Consuming deliveries: the service, its threads, the inbox pipeline and its stages."""

@@ -66,8 +66,7 @@ def handler_verdict(outcome: Outcome) -> bool | None:
             return False
         if outcome.result == OutcomeLabel.DEAD_LETTERED and outcome.reason in HANDLER_FAILURES:
             return True
-        return None
-    if isinstance(outcome, ScheduleRetry | RetryInPlace):
+    elif isinstance(outcome, ScheduleRetry | RetryInPlace):
         return None if outcome.deferred else True
     return None
 

@@ -1,7 +1,6 @@
 """Dead letters for deliveries whose handler never decided anything: ``worker_crashed`` and
 ``timeout`` (:mod:`.crash_guard`), ``consumer_error`` and ``delivery_limit``; a duplicate instead
-when the inbox holds the message (``docs/design.md#the-crash-guard``).
-"""
+when the inbox holds the message (``docs/design.md#the-crash-guard``)."""
 
 from __future__ import annotations
 

@@ -20,33 +20,28 @@ class OutcomeLog(Stage):
                 log_outcome(job, done)
 
 
-def _level_of(done: DeliveryOutcome) -> int | None:
-    """The level of the line ``done`` is logged with (None: no line)."""
-    outcome = done.outcome
-    if done.label in _INFO_LABELS:
-        return logging.INFO
-    if isinstance(outcome, Acknowledge):  # a dead letter, or parked
-        return logging.ERROR
-    if isinstance(outcome, ScheduleRetry | RetryInPlace):
-        return logging.INFO if outcome.deferred else logging.WARNING
-    return None
-
-
 _INFO_LABELS = frozenset({OutcomeLabel.PROCESSED, OutcomeLabel.DUPLICATE, OutcomeLabel.EXPIRED})
 
 
 def log_outcome(job: Job, done: DeliveryOutcome) -> None:
-    level = _level_of(done)
+    outcome, label = done.outcome, done.label
+    retry = outcome if isinstance(outcome, ScheduleRetry | RetryInPlace) else None
+    if label in _INFO_LABELS or (retry is not None and retry.deferred):
+        level = logging.INFO
+    elif isinstance(outcome, Acknowledge):  # a dead letter, or parked
+        level = logging.ERROR
+    elif retry is not None:
+        level = logging.WARNING
+    else:
+        return
     # Nothing is formatted for a line the log would drop (INFO ones, in most deployments).
-    if level is None or not logger.isEnabledFor(level):
+    if not logger.isEnabledFor(level):
         return
     message = job.message
     attempt = 1 if isinstance(message, DecodeError) else message.attempt
     head = f"message_id={message.message_id or '-'} consumer={job.name} attempt={attempt}"
-    outcome = done.outcome
     why = f"{type(done.error).__name__}: {done.error}" if done.error is not None else done.detail
     took = f" duration_ms={done.duration * 1000:.1f}" if done.duration is not None else ""
-    label = done.label
     if label == OutcomeLabel.PROCESSED:
         logger.info("processed %s outcome=processed%s", head, took)
     elif label == OutcomeLabel.DUPLICATE:
@@ -66,17 +61,17 @@ def log_outcome(job: Job, done: DeliveryOutcome) -> None:
         logger.error(
             "dead-lettering %s outcome=%s reason=%s%s: %s", head, label, outcome.reason, took, why
         )
-    elif isinstance(outcome, ScheduleRetry | RetryInPlace) and outcome.deferred:
+    elif retry is not None and retry.deferred:
         logger.info(
-            "%s outcome=deferred: %s; it comes back in %.3gs", head, done.detail, outcome.delay
+            "%s outcome=deferred: %s; it comes back in %.3gs", head, done.detail, retry.delay
         )
-    elif isinstance(outcome, ScheduleRetry | RetryInPlace):
+    elif retry is not None:
         logger.warning(
             "retrying %s outcome=retry next_attempt=%d in %.3gs%s%s: %s",
             head,
-            outcome.next_attempt,
-            outcome.delay,
-            " in place (ordered)" if isinstance(outcome, RetryInPlace) else "",
+            retry.next_attempt,
+            retry.delay,
+            " in place (ordered)" if isinstance(retry, RetryInPlace) else "",
             took,
             why,
         )

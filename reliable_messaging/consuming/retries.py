@@ -1,7 +1,6 @@
 """Where a failed delivery becomes a retry or a dead letter: the whole policy of the consumer
 (:func:`decide` and :class:`DeliveryFailures`). What the database does is never a handler's
-failure (``docs/delivery-outcomes.md``).
-"""
+failure (``docs/delivery-outcomes.md``)."""
 
 from __future__ import annotations
 

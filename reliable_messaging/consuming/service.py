@@ -1,7 +1,6 @@
 """The long-running consumer: one broker connection (:mod:`.connection`), N worker threads
 (:mod:`.workers`) and the :mod:`.board` between them; reconnects by itself
-(``docs/design.md#the-consumer-service-and-its-threads``).
-"""
+(``docs/design.md#the-consumer-service-and-its-threads``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The consumer's stage of ``django.tasks`` tasks (:mod:`reliable_messaging.task_runs`): RUNNING
 before a batch's transaction, each attempt's outcome in it, ``task_finished`` after the commit
-(``docs/tasks.md``). The task framework is imported only for a batch that holds tasks.
-"""
+(``docs/tasks.md``). The task framework is imported only for a batch that holds tasks."""
 
 from __future__ import annotations
 

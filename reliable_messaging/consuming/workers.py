@@ -1,6 +1,5 @@
 """The consumer's worker threads: batches from the :class:`~.board.WorkBoard` through the inbox,
-outcomes handed back to the connection thread (``docs/design.md#worker-deaths``).
-"""
+outcomes handed back to the connection thread (``docs/design.md#worker-deaths``)."""
 
 from __future__ import annotations
 
