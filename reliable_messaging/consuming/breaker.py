@@ -71,8 +71,6 @@ def handler_verdict(outcome: Outcome) -> bool | None:
     return None
 
 
-Listener = Callable[["CircuitBreaker", BreakerState, BreakerState], None]
-
 # How often a delivery waiting for a half-open breaker looks again for a probe's place.
 HALF_OPEN_LOOK = 0.1
 
@@ -96,7 +94,7 @@ class CircuitBreaker:
         config: Breaker,
         *,
         clock: Callable[[], float] = time.monotonic,
-        listener: Listener | None = None,
+        listener: Callable[[CircuitBreaker, BreakerState, BreakerState], None] | None = None,
     ) -> None:
         self.consumer = consumer
         self.config = config

@@ -34,7 +34,6 @@ def parse_deadline(raw: Any) -> int | None:
         return None
     if isinstance(raw, bool):
         raise MalformedDeadline(f"{EXPIRES_AT_HEADER} is a boolean ({raw!r}), not milliseconds")
-    value: int
     if isinstance(raw, int):
         value = int(raw)
     elif isinstance(raw, float | decimal.Decimal):
@@ -44,8 +43,7 @@ def parse_deadline(raw: Any) -> int | None:
             raise MalformedDeadline(f"{EXPIRES_AT_HEADER} is {raw!r}, not a time in 64 bits")
         value = int(raw)
     elif isinstance(raw, str | bytes):
-        text = raw.decode("ascii", errors="replace") if isinstance(raw, bytes) else raw
-        text = text.strip()
+        text = (raw.decode("ascii", errors="replace") if isinstance(raw, bytes) else raw).strip()
         if not _DIGITS.fullmatch(text):
             raise MalformedDeadline(
                 f"{EXPIRES_AT_HEADER} is {text[:40]!r}, not a number of milliseconds"
