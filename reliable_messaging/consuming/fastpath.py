@@ -262,7 +262,8 @@ class FastPath(Stage):
         cache = jobs[0].processor.cache if jobs else None
         if cache is None:
             return None
-        # Replays go to the database: a forced replay has just removed its inbox row.
+        # Replays go to the database: a forced replay has just removed its inbox row, which the
+        # cache may still remember.
         candidates = [
             (index, job, job.message)
             for index, job in enumerate(jobs)
