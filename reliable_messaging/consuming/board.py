@@ -129,10 +129,9 @@ class WorkBoard:
             if not own and not self._shared and not self.closed and timeout > 0:
                 self._cond.wait(timeout)
             items: list[DeliveryWork] = []
-            while own and len(items) < limit:
-                items.append(own.popleft())
-            while self._shared and len(items) < limit:
-                items.append(self._shared.popleft())
+            for lane in (own, self._shared):
+                while lane and len(items) < limit:
+                    items.append(lane.popleft())
             return items
 
     def empty(self) -> bool:

@@ -159,8 +159,7 @@ class SuspectGate:
     @contextlib.contextmanager
     def shared(self) -> Iterator[None]:
         with self._cond:
-            while self._exclusive or self._waiting_exclusive:
-                self._cond.wait()
+            self._cond.wait_for(lambda: not (self._exclusive or self._waiting_exclusive))
             self._shared += 1
         try:
             yield
@@ -173,8 +172,7 @@ class SuspectGate:
     def exclusive(self) -> Iterator[None]:
         with self._cond:
             self._waiting_exclusive += 1
-            while self._exclusive or self._shared:
-                self._cond.wait()
+            self._cond.wait_for(lambda: not (self._exclusive or self._shared))
             self._waiting_exclusive -= 1
             self._exclusive = True
         try:
