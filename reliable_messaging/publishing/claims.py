@@ -21,7 +21,7 @@ from django.db.models.functions import Now
 from ..choices import OutboxStatus
 from ..conf import MessagingSettings
 from ..models import OutboxMessage
-from ..storage.partitions import UNSENT_STATUSES, row_moved
+from ..storage.partitions import row_moved
 from . import scheduled
 from .scheduled import MOVED_TRIES
 
@@ -40,12 +40,9 @@ CLAIM_BYTES = 16 * 1024 * 1024
 # body; octet_length reads a stored value's size without decompressing it).
 _ROW_BYTES = "coalesce(octet_length({t}.raw_body), octet_length({t}.body))"
 
-# Logged under the relay's name, the one users' logging configuration knows.
 logger = logging.getLogger("reliable_messaging.relay")
 
 T = TypeVar("T")
-
-UNSENT = UNSENT_STATUSES
 
 
 def _earlier_unsent_sql() -> str:
@@ -126,9 +123,8 @@ PARK_CHUNK = 10_000
 
 def park_behind(using: str, blockers: set[int]) -> int:
     """Park the due pending rows of each key behind its row in ``blockers`` (ids of unsent rows
-    this transaction holds locked), up to PARK_CHUNK of them; returns how many. Rows another
-    transaction holds are skipped, for a later claim. One statement through the key index: a
-    claim beside 200,000 held rows parked them a batch at a time before, one round each."""
+    this transaction holds locked), up to PARK_CHUNK of them, in one statement through the key
+    index; returns how many. Rows another transaction holds are skipped, for a later claim."""
     table = connections[using].ops.quote_name(OutboxMessage._meta.db_table)
     with connections[using].cursor() as cursor:
         cursor.execute(
@@ -272,8 +268,6 @@ class OutboxClaims:
     def __post_init__(self) -> None:
         self.lock_limit = self.batch_size
 
-    # -- claiming ---------------------------------------------------------------------------
-
     def claim(self) -> Claim:
         """Lock up to a batch of due rows in a transaction left open for the batch. Tried again
         at once when another relay sent a row this claim's snapshot still saw as due."""
@@ -334,12 +328,7 @@ class OutboxClaims:
             rows = cursor.fetchall()
         self._next_limit(limit, rows[0][-1] if rows else 0, len(rows))
         return [
-            (
-                *row[:_HEADERS],
-                _headers_of(row[_HEADERS]),
-                *row[_HEADERS + 1 : -1],
-            )
-            for row in rows
+            (*row[:_HEADERS], _headers_of(row[_HEADERS]), *row[_HEADERS + 1 : -1]) for row in rows
         ]
 
     def _next_limit(self, limit: int, locked: int, returned: int) -> None:
@@ -373,8 +362,7 @@ class OutboxClaims:
                 parked = [pk for pk, blocker in behind.items() if blocker in locked]
                 if parked and connections[self.using].vendor == "postgresql":
                     # Every due row behind those blockers, not only this batch's.
-                    blockers = {behind[pk] for pk in parked}
-                    parked_count = park_behind(self.using, blockers)
+                    parked_count = park_behind(self.using, {behind[pk] for pk in parked})
                 elif parked:
                     parked_count = outbox.filter(pk__in=parked, status=OutboxStatus.PENDING).update(
                         next_attempt_at=None
@@ -402,8 +390,6 @@ class OutboxClaims:
     def forget_connection(self) -> None:
         """After a database error: the next query opens a fresh connection."""
         connections[self.using].close()
-
-    # -- leasing ----------------------------------------------------------------------------
 
     def lease(self, rows: list[ClaimedRow], held: ClaimTransaction | None) -> None:
         """Lease ``rows`` ``lease_for`` ahead and commit ``held`` (or a new transaction)."""

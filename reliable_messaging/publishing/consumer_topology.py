@@ -19,7 +19,6 @@ from ..core.backoff import Backoff
 from ..core.liveness import HealthState
 from ..core.registry import ConsumerSpec
 
-# Logged under the relay's name, the one users' logging configuration knows.
 logger = logging.getLogger("reliable_messaging.relay")
 
 # Seconds the relay waits for the declaration before it sends anyway (and the connect timeout).
@@ -109,11 +108,6 @@ class ConsumerTopology:
             tuple((s.queue, s.exchange, s.bindings, s.ordered) for s in self.specs),
         )
 
-    def _remember(self) -> None:
-        if self.once_per_process:
-            with _declared_lock:
-                _declared_in_process.add(self._process_key())
-
     def _start_declaring(self) -> None:
         generation = self._generation
         known = set(self._unavailable)
@@ -185,7 +179,9 @@ class ConsumerTopology:
         if not unavailable:
             self.health.note(UNDECLARED_NOTE, None)
             self._redeclare.reset()
-            self._remember()
+            if self.once_per_process:
+                with _declared_lock:
+                    _declared_in_process.add(self._process_key())
             return
         self.failed()
         self.health.note(

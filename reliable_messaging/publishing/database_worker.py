@@ -10,7 +10,6 @@ from typing import Any
 
 from django.db import connections
 
-# Logged under the relay's name, the one users' logging configuration knows.
 logger = logging.getLogger("reliable_messaging.relay")
 
 

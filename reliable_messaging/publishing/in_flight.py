@@ -35,7 +35,6 @@ from .sent import (
     record_outcome,
 )
 
-# Logged under the relay's name, the one users' logging configuration knows.
 logger = logging.getLogger("reliable_messaging.relay")
 
 # Seconds a claim's transaction may stay open awaiting confirms; then its rows are leased.

@@ -16,7 +16,6 @@ from ..core.announcements import announce
 from ..models import OutboxMessage
 from .relay import OutboxRelay, RelayReport
 
-# Logged under the relay's name, the one users' logging configuration knows.
 logger = logging.getLogger("reliable_messaging.relay")
 
 

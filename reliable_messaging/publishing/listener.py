@@ -16,7 +16,6 @@ from django.db import connections
 
 from ..core.liveness import HealthState
 
-# Logged under the relay's name, the one users' logging configuration knows.
 logger = logging.getLogger("reliable_messaging.relay")
 
 NOTIFY_CHANNEL = "reliable_messaging_outbox"

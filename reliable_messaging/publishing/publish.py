@@ -343,10 +343,6 @@ def _insert_pg(
         cursor.execute(statement, [*row, *given])
 
 
-def _earlier(idempotency_key: str, using: str) -> str | None:
-    return OutboxMessage.objects.using(using).message_id_of(idempotency_key)
-
-
 def _publish_once_pg(
     insert: Callable[[], None], idempotency_key: str, using: str, message_id: str
 ) -> str:
@@ -357,7 +353,7 @@ def _publish_once_pg(
             "SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
             [IDEMPOTENCY_LOCK_CLASS, idempotency_key],
         )
-        existing = _earlier(idempotency_key, using)
+        existing = OutboxMessage.objects.using(using).message_id_of(idempotency_key)
         if existing is not None:
             return existing
         insert()
@@ -372,7 +368,7 @@ def _publish_once(row: OutboxMessage, idempotency_key: str, using: str) -> str:
             with transaction.atomic(using=using):
                 row.save(using=using, force_insert=True)
         except IntegrityError:
-            existing = _earlier(idempotency_key, using)
+            existing = OutboxMessage.objects.using(using).message_id_of(idempotency_key)
             if existing is not None:
                 return existing
             row.pk = None  # the other insert rolled back meanwhile: ours may go now

@@ -29,6 +29,7 @@ from .in_flight import InFlight
 from .listener import WakeUps
 from .scheduling import MAX_IN_FLIGHT, ClaimScheduler
 
+# Logged under the relay's name, the one users' logging configuration knows.
 logger = logging.getLogger("reliable_messaging.relay")
 
 # Seconds a claim's lease lasts past RELAY_CONFIRM_TIMEOUT.

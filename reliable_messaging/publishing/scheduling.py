@@ -23,7 +23,6 @@ from .in_flight import InFlight
 from .listener import WakeUps
 from .scheduled import PROMOTE_CHUNK, next_due_in, promote_due
 
-# Logged under the relay's name, the one users' logging configuration knows.
 logger = logging.getLogger("reliable_messaging.relay")
 
 # Batches awaiting confirms at once, each on a database worker of its own.
@@ -151,7 +150,8 @@ class ClaimScheduler:
             return  # the unblock, or the declaration's end, schedules the next tick
         sweep = time.monotonic() >= self._next_sweep
         if sweep:
-            self._next_sweep = float("inf")  # the sweep sets when the next one is due
+            # The sweep sets when the next one is due; this stands if it fails.
+            self._next_sweep = time.monotonic() + SWEEP_INTERVAL
         worker.claiming = True
         self._look_again = False
         worker.submit(functools.partial(self._claim_job, worker, sweep))
@@ -160,11 +160,7 @@ class ClaimScheduler:
         """Database worker: claim a batch and hand it to the I/O loop."""
         try:
             if sweep:
-                try:
-                    self._sweep()
-                finally:
-                    if self._next_sweep == float("inf"):  # it failed: try again in a while
-                        self._next_sweep = time.monotonic() + SWEEP_INTERVAL
+                self._sweep()
             if time.monotonic() >= self._next_promote:
                 self._promote()
             claim = self.claims.claim()

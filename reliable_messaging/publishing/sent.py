@@ -23,17 +23,9 @@ from ..choices import OutboxStatus
 from ..core.backoff import exponential
 from ..core.envelope import ORDERING_KEY_HEADER, OUTBOX_ID_HEADER, PUBLISHED_AT_HEADER
 from ..models import OutboxMessage
-from ..storage.partitions import OUTBOX, ensure_covered, row_moved
-from .claims import (
-    MOVED_TRIES,
-    UNSENT,
-    ClaimedRow,
-    ClaimTransaction,
-    any_id_of,
-    release_next_of_keys,
-)
+from ..storage.partitions import OUTBOX, UNSENT_STATUSES, ensure_covered, row_moved
+from .claims import MOVED_TRIES, ClaimedRow, ClaimTransaction, any_id_of, release_next_of_keys
 
-# Logged under the relay's name, the one users' logging configuration knows.
 logger = logging.getLogger("reliable_messaging.relay")
 
 
@@ -257,7 +249,7 @@ _KEPT_KEY = Case(When(raw_properties__isnull=False, then=Value(None)), default=F
 
 def _write_outcome(outcome: BatchOutcome, leased: bool, using: str, max_attempts: int) -> None:
     # Marking a row sent moves it to the sent side of the partitioned outbox.
-    outbox = OutboxMessage.objects.using(using).filter(status__in=UNSENT)
+    outbox = OutboxMessage.objects.using(using).filter(status__in=UNSENT_STATUSES)
     if outcome.sent or outcome.unrouted:
         # A day with no partition (every upkeep failing for days) is made here first.
         ensure_covered(using, timezone.now(), OUTBOX)
@@ -304,7 +296,7 @@ def _charge(
             "relay: message_id=%s not sent (attempt %d): %s", row.message_id, attempts, error
         )
     # Still unsent: a row another relay sent meanwhile (its lease ran out) stays sent.
-    OutboxMessage.objects.using(using).filter(pk=row.pk, status__in=UNSENT).update(
+    OutboxMessage.objects.using(using).filter(pk=row.pk, status__in=UNSENT_STATUSES).update(
         attempts=attempts,
         last_error=error[:2000],
         # From the database's clock, which the claim compares it with.
