@@ -254,7 +254,7 @@ class ClaimScheduler:
         if promoted:
             logger.debug("relay: %d scheduled row(s) fell due", promoted)
         if promoted >= PROMOTE_CHUNK:
-            self._note_scheduled(0.0)
+            self._next_promote = time.monotonic()  # more are due: look again at once
             return
         due_in = next_due_in(self.claims.using)
         if due_in == 0.0 and not promoted:
@@ -263,18 +263,16 @@ class ClaimScheduler:
         else:
             self._held_until = 0.0
             self._held_backoff.reset()
-        self._note_scheduled(self._scheduled_in(due_in))
+        self._note_scheduled(due_in)
 
-    def _scheduled_in(self, due_in: float | None) -> float | None:
-        """The wait until the next scheduled row is due, or, while it is locked, looked at again."""
+    def _note_scheduled(self, due_in: float | None) -> float | None:
+        """Look for due scheduled rows at the next one's due time (while a due one is locked,
+        when it is looked at again), or SCHEDULED_LOOK; returns that wait, None if none waits."""
         if due_in == 0.0:
-            return max(0.0, self._held_until - time.monotonic())
-        return due_in
-
-    def _note_scheduled(self, due_in: float | None) -> None:
-        """Look for due scheduled rows at the next one's due time, or SCHEDULED_LOOK."""
+            due_in = max(0.0, self._held_until - time.monotonic())
         wait = SCHEDULED_LOOK if due_in is None else min(SCHEDULED_LOOK, due_in)
         self._next_promote = time.monotonic() + wait
+        return due_in
 
     def _idle_wait(self) -> float:
         """Database worker: how long the relay may sleep before the next claim."""
@@ -286,8 +284,7 @@ class ClaimScheduler:
         if due_in is not None:
             poll = min(poll, due_in)
         # A scheduled row: at its due time, whatever the poll.
-        scheduled_in = self._scheduled_in(next_due_in(self.claims.using))
-        self._note_scheduled(scheduled_in)
+        scheduled_in = self._note_scheduled(next_due_in(self.claims.using))
         if scheduled_in is not None:
             poll = min(poll, scheduled_in)
         return min(poll, max(0.0, self._next_sweep - time.monotonic()))
