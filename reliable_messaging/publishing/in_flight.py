@@ -140,9 +140,10 @@ class InFlight:
         worker.batch = batch
         tracing_on = tracing.active()
         now = dt.datetime.now(dt.UTC)
+        refused = 0  # rows not published
         for row in rows:
             if not self.publisher.exchange_exists(row.exchange):
-                batch.unpublished.append(row)
+                refused += 1
                 batch.errors[row.pk] = f"exchange {row.exchange!r} does not exist"
                 continue
             headers = message_headers(row)
@@ -172,7 +173,7 @@ class InFlight:
                 )
             except Unencodable as exc:
                 # pika encodes a row the same way every time: failed at once, not retried.
-                batch.unpublished.append(row)
+                refused += 1
                 batch.errors[row.pk] = f"{exc}; this row will not be sent"[:2000]
                 batch.final.add(row.pk)
                 tracing.end_send(span, "failed", batch.errors[row.pk])
@@ -182,8 +183,8 @@ class InFlight:
                 batch.spans[row.pk] = span
         self.publisher.flush()
         batch.lowest_unsettled = min(batch.rows, default=0)  # tags are consecutive
-        if batch.unpublished:
-            metrics.relay_failed("refused", len(batch.unpublished))
+        if refused:
+            metrics.relay_failed("refused", refused)
         if not batch.rows:
             self._finish_batch(batch)
             return

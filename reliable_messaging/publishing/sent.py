@@ -85,7 +85,6 @@ class Batch:
     worker: Any = None  # the DatabaseWorker whose connection holds its transaction
     # The claim's transaction until HOLD_LIMIT (touched on the worker's thread only).
     transaction: ClaimTransaction | None = None
-    unpublished: list[ClaimedRow] = field(default_factory=list)  # refused before publishing
     errors: dict[int, str] = field(default_factory=dict)  # row id -> why it was not sent
     final: set[int] = field(default_factory=set)  # row ids of errors no retry can change
     confirmed: set[int] = field(default_factory=set)  # row ids acked by the broker
