@@ -59,10 +59,9 @@ class WakeUpSender:
     def request(self, using: str) -> None:
         """Ask for one ``NOTIFY`` on ``using`` soon. Called after the commit it announces."""
         try:
-            conninfo = self._conninfo.get(using)
-            if conninfo is None:
+            if using not in self._conninfo:
                 # Read on a thread that has the alias's settings at hand.
-                conninfo = self._conninfo[using] = listen_conninfo(using)
+                self._conninfo[using] = listen_conninfo(using)
             with self._lock:
                 self.requested += 1
                 self._due.add(using)
@@ -186,14 +185,9 @@ def notify_sql(probes: Sequence[str] = ()) -> str:
     settings (a pooler hands the session to others)."""
     notifies = [f"NOTIFY {NOTIFY_CHANNEL}"]
     notifies += [f"NOTIFY {NOTIFY_CHANNEL}, '{token}'" for token in probes]
-    return "; ".join(
-        [
-            "BEGIN",
-            f"SET LOCAL statement_timeout = {STATEMENT_TIMEOUT_MS}",
-            "SET LOCAL synchronous_commit = off",
-            *notifies,
-            "COMMIT",
-        ]
+    return (
+        f"BEGIN; SET LOCAL statement_timeout = {STATEMENT_TIMEOUT_MS}; "
+        f"SET LOCAL synchronous_commit = off; {'; '.join(notifies)}; COMMIT"
     )
 
 
