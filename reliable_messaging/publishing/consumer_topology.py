@@ -217,13 +217,11 @@ class ConsumerTopology:
             log = logger.debug if name in self._reported else logger.error
             log("relay: %s It is used as it is (and bound); the relay goes on sending", what)
             self._reported.add(name)
-        self.health.note(
-            DRIFT_NOTE,
+        drift = (
             "declared with other arguments than these settings ask for (see the relay's log "
             f"and messaging_status --broker): {', '.join(sorted(mismatched))}"
-            if mismatched
-            else None,
         )
+        self.health.note(DRIFT_NOTE, drift if mismatched else None)
 
     def _waited(self, generation: int) -> None:
         """I/O loop: the declaration takes longer than DECLARE_WAIT: send without it."""

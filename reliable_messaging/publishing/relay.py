@@ -234,12 +234,8 @@ class OutboxRelay:
             self._blocked = blocked
             metrics.relay_blocked(blocked)
             # A note, not a failure: the relay is fine, and restarting it would not help.
-            self.health.note(
-                "publish_blocked",
-                "the broker blocks publishing (a resource alarm): outbox rows wait"
-                if blocked
-                else None,
-            )
+            alarm = "the broker blocks publishing (a resource alarm): outbox rows wait"
+            self.health.note("publish_blocked", alarm if blocked else None)
 
     def on_confirm(self, tag: int, multiple: bool, acked: bool) -> None:
         self.in_flight.on_confirm(tag, multiple, acked)
