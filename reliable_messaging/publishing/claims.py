@@ -393,19 +393,12 @@ class OutboxClaims:
 
     def lease(self, rows: list[ClaimedRow], held: ClaimTransaction | None) -> None:
         """Lease ``rows`` ``lease_for`` ahead and commit ``held`` (or a new transaction)."""
+        leased = OutboxMessage.objects.using(self.using).filter(
+            pk__in=any_id_of(self.using, (row.pk for row in rows)), status=OutboxStatus.PENDING
+        )
+        until = Now() + Value(self.lease_for, output_field=DurationField())
         try:
-            (held or ClaimTransaction(self.using)).run(
-                lambda: (
-                    OutboxMessage.objects.using(self.using)
-                    .filter(
-                        pk__in=any_id_of(self.using, (row.pk for row in rows)),
-                        status=OutboxStatus.PENDING,
-                    )
-                    .update(
-                        next_attempt_at=Now() + Value(self.lease_for, output_field=DurationField())
-                    )
-                )
-            )
+            (held or ClaimTransaction(self.using)).run(lambda: leased.update(next_attempt_at=until))
         except DatabaseError as exc:
             self.forget_connection()
             logger.warning(
