@@ -80,9 +80,8 @@ def promote_due(using: str, limit: int = PROMOTE_CHUNK, due_by: dt.datetime | No
         )
         if not rows:
             return 0
-        OutboxMessage.objects.using(using).filter(pk__in=[row.pk for row in rows])._raw_delete(
-            using
-        )
+        pks = [row.pk for row in rows]
+        OutboxMessage.objects.using(using).filter(pk__in=pks)._raw_delete(using)
         for row in rows:
             row.pk = None
             row.status = OutboxStatus.PENDING
