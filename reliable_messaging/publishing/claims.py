@@ -45,19 +45,20 @@ logger = logging.getLogger("reliable_messaging.relay")
 T = TypeVar("T")
 
 
-def _earlier_unsent_sql() -> str:
-    """SQL for the id of an unsent row before the outer outbox row in its key, or NULL.
-
+def _behind() -> RawSQL:
+    """``behind``: the id of an unsent row before the outer outbox row in its key, or NULL.
     Compared as a row so that the key index answers it (with ``id < ...`` apart, the planner
     walks the primary key from the start)."""
     table = f'"{OutboxMessage._meta.db_table}"'
-    return (
+    sql = (
         f"CASE WHEN {table}.ordering_key IS NULL THEN NULL ELSE ("  # noqa: S608
         f"SELECT u.id FROM {table} u WHERE u.status IN ('pending', 'failed')"
         f" AND u.ordering_key = {table}.ordering_key"
         f" AND (u.ordering_key, u.id) < ({table}.ordering_key, {table}.id)"
         " ORDER BY u.ordering_key, u.id LIMIT 1) END"
     )
+    # No input of anyone in this SQL: only the table name and constants.
+    return RawSQL(sql, (), output_field=BigIntegerField())  # noqa: S611
 
 
 def claimable(using: str) -> Any:
@@ -69,8 +70,7 @@ def claimable(using: str) -> Any:
         # The database's clock, not this process's: next_attempt_at is written with it too, so
         # a relay whose clock is off neither sends rows early nor sits on due ones.
         .filter(status=OutboxStatus.PENDING, next_attempt_at__lte=Now())
-        # No input of anyone in this SQL: only the table name and constants.
-        .annotate(behind=RawSQL(_earlier_unsent_sql(), (), output_field=BigIntegerField()))  # noqa: S611
+        .annotate(behind=_behind())
         .order_by("next_attempt_at", "id")
     )
 
@@ -146,7 +146,7 @@ def release_parked(using: str, after: int = 0, limit: int = 2000) -> tuple[int, 
     outbox = OutboxMessage.objects.using(using)
     found = list(
         outbox.filter(status=OutboxStatus.PENDING, next_attempt_at__isnull=True, id__gt=after)
-        .annotate(behind=RawSQL(_earlier_unsent_sql(), (), output_field=BigIntegerField()))  # noqa: S611
+        .annotate(behind=_behind())
         .order_by("next_attempt_at", "id")  # the due index: its NULLs, in id order
         .values_list("id", "behind")[:limit]
     )
