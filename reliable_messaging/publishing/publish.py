@@ -149,13 +149,9 @@ async def apublish(
     expires: dt.timedelta | float | None = None,
     using: str | None = None,
 ) -> str:
-    """:func:`publish` for async code (the same arguments, checks and errors).
-
-    The row is written through ``sync_to_async(thread_sensitive=True)``, on the connection of
-    the thread Django's async ORM uses: in an async view it commits at once (autocommit); from
-    sync code inside ``transaction.atomic()`` reached through ``sync_to_async``, or in an
-    ``async def`` handler, it joins that transaction and is sent only if it commits.
-    """
+    """:func:`publish` for async code (the same arguments, checks and errors), written on the
+    connection Django's async ORM uses: an async view's row commits at once, an async handler's
+    joins its delivery's transaction (docs/concepts.md#async-handlers-and-apublish)."""
     return await _publish_on_sync_thread(
         routing_key,
         payload,
