@@ -109,11 +109,11 @@ def test_scheduled_messages_arrive_within_a_second_of_their_due_time_and_not_bef
         # not keep it from looking while it is busy.
         publish("order.remind", {"tomorrow": True}, delay=dt.timedelta(days=1))
         time.sleep(0.5)  # the relay woke, looked, and went idle again
-        # Busy: 40,000 rows nobody binds (marked unrouted) keep every claim full for seconds,
+        # Busy: 60,000 rows nobody binds (marked unrouted) keep every claim full for seconds,
         # so the relay never sleeps until a due time. The message due 1 s later must still join
         # the line then, ahead of 10,000 more rows written 1 s after that: a normal message
         # published at its due time would (rows go out in the order they became due).
-        noise(ns, "first", 40_000)
+        noise(ns, "first", 60_000)  # 40,000 went in about 4 s: a second too close
         start = timezone.now()
         busy = publish("order.remind", {"busy": True}, deliver_at=start + dt.timedelta(seconds=1))
         time.sleep(max(0.0, (start - timezone.now()).total_seconds() + 2.0))
