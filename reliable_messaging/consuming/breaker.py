@@ -240,7 +240,7 @@ class ConsumerBreakers:
         health: HealthState | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.health = health
+        self.health = health if health is not None else HealthState()
         self.settings = settings
         self._by_consumer: dict[str, CircuitBreaker] = {}
         for spec in specs:
@@ -326,8 +326,6 @@ class ConsumerBreakers:
         metrics.breaker_state(breaker.consumer, new)
         if new is BreakerState.OPEN:
             metrics.breaker_opened(breaker.consumer)
-        if self.health is None:
-            return
         note: str | None = None
         if new is BreakerState.OPEN:
             note = (

@@ -57,8 +57,8 @@ class ConnectionThread:
         idle_timeout: float | None,
         progress_interval: float,
         cache: DuplicateCache | None,
-        health: HealthState | None,
-        breakers: ConsumerBreakers | None = None,
+        health: HealthState,
+        breakers: ConsumerBreakers,
     ) -> None:
         self.specs = specs
         self.transport = transport
@@ -71,7 +71,7 @@ class ConnectionThread:
         self.progress_interval = progress_interval
         self.cache = cache
         self.health = health
-        self.breakers = breakers if breakers is not None else ConsumerBreakers([], settings)
+        self.breakers = breakers
         self.exit_code = 0
         self.connected = threading.Event()
         self._stop = stop
@@ -112,8 +112,7 @@ class ConnectionThread:
         """Wait to reconnect; the loop is alive meanwhile, not stuck (``/healthz``)."""
         end = time.monotonic() + seconds
         while not self._stop.is_set():
-            if self.health is not None:
-                self.health.heartbeat()
+            self.health.heartbeat()
             left = end - time.monotonic()
             if left <= 0:
                 return
@@ -121,8 +120,7 @@ class ConnectionThread:
 
     def set_connected(self, connected: bool) -> None:
         (self.connected.set if connected else self.connected.clear)()
-        if self.health is not None:
-            self.health.set_broker(connected)
+        self.health.set_broker(connected)
 
     def idle_for_want_of_queues(self) -> list[str]:
         """A ``/healthz`` problem source: connected, yet no queue can be consumed."""
@@ -163,8 +161,7 @@ class ConnectionThread:
                     self._declare_again(link)
                 if link.open_up:
                     self._open_up(link, prefetch)
-                if self.health is not None:
-                    self.health.heartbeat()
+                self.health.heartbeat()
                 if time.monotonic() >= next_progress:
                     self._log_progress()
                     next_progress = time.monotonic() + self.progress_interval
@@ -259,13 +256,12 @@ class ConnectionThread:
         link.retry_topology_at = time.monotonic() + TOPOLOGY_RETRY
         metrics.consumer_queues_unavailable(len(link.unavailable))
         self._consuming_nothing = not link.consumers
-        if self.health is not None:
-            self.health.note(
-                "queues_unavailable",
-                "not available now (consuming the rest): " + ", ".join(sorted(link.unavailable))
-                if link.unavailable
-                else None,
-            )
+        self.health.note(
+            "queues_unavailable",
+            "not available now (consuming the rest): " + ", ".join(sorted(link.unavailable))
+            if link.unavailable
+            else None,
+        )
 
     def _watch(self, link: Link, channel: BrokerChannel) -> None:
         """Note a broker ``basic.cancel`` on ``channel``: the main loop then reconnects."""

@@ -58,7 +58,8 @@ class ConsumerService:
         self.idle_timeout = idle_timeout
         self.settings = settings
         self.on_outcome = on_outcome
-        self.health = health
+        # Without one (no /healthz), a state nobody reads, so the parts need not ask.
+        self.health = health = health if health is not None else HealthState()
         # Seconds between progress lines (outcomes so far); 0: none.
         self.progress_interval = progress_interval if progress_interval > 0 else float("inf")
         self._stop = threading.Event()
@@ -104,8 +105,7 @@ class ConsumerService:
             health=health,
             breakers=self.breakers,
         )
-        if health is not None:
-            health.add_problem_source(self._connection.idle_for_want_of_queues)
+        health.add_problem_source(self._connection.idle_for_want_of_queues)
 
     @property
     def connected(self) -> threading.Event:
@@ -120,8 +120,7 @@ class ConsumerService:
     def request_stop(self) -> None:
         """Stop after the handlers in flight; safe from a signal handler or another thread."""
         self._stop.set()
-        if self.health is not None:
-            self.health.stopping()
+        self.health.stopping()
 
     @property
     def stopping(self) -> bool:
@@ -160,5 +159,4 @@ class ConsumerService:
         time_limits.on_timeout = timed_out
         time_limits.on_hopeless = hopeless
         time_limits.start(self.settings.handler_timeout_grace)
-        if self.health is not None:
-            self.health.add_problem_source(time_limits.overdue)
+        self.health.add_problem_source(time_limits.overdue)

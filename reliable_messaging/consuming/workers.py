@@ -74,7 +74,8 @@ class WorkerPool:
         self.settings = settings
         self.cache = cache
         self.crash_guard = crash_guard
-        self.health = health
+        # Without one (a test's pool), a state nobody reads.
+        self.health = health if health is not None else HealthState()
         self._stop = stop
         self._deliver_outcomes = hand_back
         self.breakers = breakers if breakers is not None else ConsumerBreakers([], settings)
@@ -88,8 +89,7 @@ class WorkerPool:
         self._deaths_lock = threading.Lock()
         # Why the pool gave up (its threads kept dying); the process then stops.
         self.failed: str | None = None
-        if health is not None:
-            health.add_problem_source(self.problems)
+        self.health.add_problem_source(self.problems)
 
     def start(self) -> None:
         for index in range(self.concurrency):
@@ -214,12 +214,11 @@ class WorkerPool:
             )
             self._stop.set()
             return
-        if self.health is not None:
-            self.health.note(
-                "worker-deaths",
-                f"{deaths} worker thread(s) died and were replaced (last: "
-                f"{type(exc).__name__}: {exc}); their deliveries went back to the broker",
-            )
+        self.health.note(
+            "worker-deaths",
+            f"{deaths} worker thread(s) died and were replaced (last: "
+            f"{type(exc).__name__}: {exc}); their deliveries went back to the broker",
+        )
         if not self.board.closed:
             self._threads[index] = self._start_worker(index)
 
@@ -324,14 +323,12 @@ class WorkerPool:
             close_old_connections()
             try:
                 outcomes = self._attempt(batch)
-                if self.health is not None:
-                    self.health.set_database(True)
+                self.health.set_database(True)
                 self._outage.recovered()
                 return outcomes
             except DatabaseUnavailable as exc:
                 delay = wait.next()
-                if self.health is not None:
-                    self.health.set_database(False, describe(exc))
+                self.health.set_database(False, describe(exc))
                 self._outage.held([item.delivery.message_id or "-" for item in batch], exc, delay)
             except DatabaseConflict as exc:
                 # Our bookkeeping's deadlock (a handler's is run again by process_batch).
