@@ -9,6 +9,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from .. import metrics
@@ -40,43 +41,30 @@ class ChannelLost(Exception):
     """The broker closed one of our consuming channels or cancelled one of our consumers."""
 
 
+@dataclass(eq=False, repr=False)  # no repr: the settings hold the broker's password
 class ConnectionThread:
     """Consumes ``specs`` over connections from ``transport`` until ``stop`` is set."""
 
-    def __init__(
-        self,
-        specs: list[ConsumerSpec],
-        *,
-        transport: BrokerTransport,
-        board: WorkBoard,
-        lane_of: Mapping[str, int],
-        settler: OutcomeSettler,
-        settings: MessagingSettings,
-        stop: threading.Event,
-        concurrency: int,
-        idle_timeout: float | None,
-        progress_interval: float,
-        cache: DuplicateCache | None,
-        health: HealthState,
-        breakers: ConsumerBreakers,
-    ) -> None:
-        self.specs = specs
-        self.transport = transport
-        self.board = board
-        self.lane_of = lane_of
-        self.settler = settler
-        self.settings = settings
-        self.concurrency = concurrency
-        self.idle_timeout = idle_timeout
-        self.progress_interval = progress_interval
-        self.cache = cache
-        self.health = health
-        self.breakers = breakers
-        self.exit_code = 0
-        self.connected = threading.Event()
-        self._stop = stop
+    specs: list[ConsumerSpec]
+    _: KW_ONLY
+    transport: BrokerTransport
+    board: WorkBoard
+    lane_of: Mapping[str, int]
+    settler: OutcomeSettler
+    settings: MessagingSettings
+    stop: threading.Event
+    concurrency: int
+    idle_timeout: float | None
+    progress_interval: float
+    cache: DuplicateCache | None
+    health: HealthState
+    breakers: ConsumerBreakers
+    exit_code: int = field(default=0, init=False)
+    connected: threading.Event = field(default_factory=threading.Event, init=False)
+
+    def __post_init__(self) -> None:
         self._last_delivery = time.monotonic()
-        self._reconnect = Backoff(0.5, settings.reconnect_max_delay)
+        self._reconnect = Backoff(0.5, self.settings.reconnect_max_delay)
         # Every queue of this process unavailable (their nodes down): connected, yet idle.
         self._consuming_nothing = False
 
@@ -87,7 +75,7 @@ class ConnectionThread:
             *self.transport.connection_errors,
             ChannelLost,
         )
-        while not self._stop.is_set():
+        while not self.stop.is_set():
             try:
                 self._run_connection()
             except TopologyMismatchError as exc:
@@ -96,7 +84,7 @@ class ConnectionThread:
                 break
             except reconnect_on as exc:
                 self.set_connected(False)
-                if self._stop.is_set():
+                if self.stop.is_set():
                     break
                 wait = self._reconnect.next()
                 logger.warning(
@@ -111,12 +99,12 @@ class ConnectionThread:
     def _wait_alive(self, seconds: float) -> None:
         """Wait to reconnect; the loop is alive meanwhile, not stuck (``/healthz``)."""
         end = time.monotonic() + seconds
-        while not self._stop.is_set():
+        while not self.stop.is_set():
             self.health.heartbeat()
             left = end - time.monotonic()
             if left <= 0:
                 return
-            self._stop.wait(min(0.2, left))
+            self.stop.wait(min(0.2, left))
 
     def set_connected(self, connected: bool) -> None:
         (self.connected.set if connected else self.connected.clear)()
@@ -134,7 +122,7 @@ class ConnectionThread:
             prefetch = max(self.settings.prefetch, self.concurrency)
             shared_channel, unavailable = connection.declare_topology(self.specs)
             connection.retire_leftovers(self.specs)
-            link = Link(connection, [shared_channel], unavailable=unavailable, stopping=self._stop)
+            link = Link(connection, [shared_channel], unavailable=unavailable, stopping=self.stop)
             shared_channel.basic_qos(prefetch_count=1)
             self._watch(link, shared_channel)
             self._ingest_dead_letters_first(link)
@@ -154,7 +142,7 @@ class ConnectionThread:
             self.set_connected(True)
             self._last_delivery = time.monotonic()
             next_progress = time.monotonic() + self.progress_interval
-            while not self._stop.is_set():
+            while not self.stop.is_set():
                 connection.process_data_events(time_limit=0.2)
                 self._check_channels(link)
                 if link.unavailable and time.monotonic() >= link.retry_topology_at:
@@ -169,7 +157,7 @@ class ConnectionThread:
                     announce(
                         logger, "no delivery for %ss: stopping (--idle-timeout)", self.idle_timeout
                     )
-                    self._stop.set()
+                    self.stop.set()
             if not stop_gracefully(link, self.settings):
                 self.exit_code = 1
         finally:
@@ -194,7 +182,7 @@ class ConnectionThread:
             if queue not in link.unavailable
         ]
         deadline = time.monotonic() + DEAD_LETTERS_FIRST
-        while time.monotonic() < deadline and not self._stop.is_set():
+        while time.monotonic() < deadline and not self.stop.is_set():
             link.connection.process_data_events(time_limit=0.1)
             if not link.busy and not link.connection.messages_ready(queues):
                 return
@@ -305,7 +293,7 @@ class ConnectionThread:
                 if not channel.is_open:
                     link.lost = f"the broker closed channel {channel.channel_number}"
                     break
-        if link.lost is not None and not self._stop.is_set():
+        if link.lost is not None and not self.stop.is_set():
             raise ChannelLost(link.lost)
 
     def _log_progress(self) -> None:

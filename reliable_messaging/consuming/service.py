@@ -54,23 +54,19 @@ class ConsumerService:
         self.specs = list(specs)
         if not self.specs:
             raise ValueError("no consumers to run")
-        self.concurrency = max(1, concurrency)
-        self.idle_timeout = idle_timeout
+        concurrency = max(1, concurrency)
         self.settings = settings
-        self.on_outcome = on_outcome
         # Without one (no /healthz), a state nobody reads, so the parts need not ask.
         self.health = health = health if health is not None else HealthState()
-        # Seconds between progress lines (outcomes so far); 0: none.
-        self.progress_interval = progress_interval if progress_interval > 0 else float("inf")
         self._stop = threading.Event()
         cache = duplicate_cache(settings)
         processors = {spec.name: DeliveryProcessor(spec, settings, cache) for spec in self.specs}
         metrics.consumers_started(processors)
         self._crash_guard = CrashGuard(settings.crash_limit)
-        board = WorkBoard(self.concurrency)
+        board = WorkBoard(concurrency)
         self.breakers = ConsumerBreakers(self.specs, settings, health=health)
         # Each ordered partition queue is tied to one worker, round robin.
-        workers = itertools.cycle(range(self.concurrency))
+        workers = itertools.cycle(range(concurrency))
         lane_of = {
             queue: next(workers)
             for spec in self.specs
@@ -86,9 +82,10 @@ class ConsumerService:
             settler=settler,
             settings=settings,
             stop=self._stop,
-            concurrency=self.concurrency,
+            concurrency=concurrency,
             idle_timeout=idle_timeout,
-            progress_interval=self.progress_interval,
+            # Seconds between progress lines (outcomes so far); 0: none.
+            progress_interval=progress_interval if progress_interval > 0 else float("inf"),
             cache=cache,
             health=health,
             breakers=self.breakers,
@@ -96,9 +93,8 @@ class ConsumerService:
         self._workers = WorkerPool(
             board,
             processors,
-            concurrency=self.concurrency,
+            concurrency=concurrency,
             settings=settings,
-            cache=cache,
             crash_guard=self._crash_guard,
             stop=self._stop,
             hand_back=settler.hand_back,

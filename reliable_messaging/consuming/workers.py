@@ -20,7 +20,6 @@ from ..exceptions import DatabaseConflict, DatabaseUnavailable
 from .board import DeliveryWork, HeldPartition, WorkBoard
 from .breaker import Admission, ConsumerBreakers
 from .crash_guard import CRASHED, CrashGuard, SuspectGate, decide_suspect
-from .fastpath import DuplicateCache
 from .last_resort import consumer_error, ingest_delivery_limit
 from .processing import DeliveryProcessor, Job, process_batch, raise_database_trouble
 from .time_limit import time_limits
@@ -61,7 +60,6 @@ class WorkerPool:
         *,
         concurrency: int,
         settings: MessagingSettings,
-        cache: DuplicateCache | None,
         crash_guard: CrashGuard,
         stop: threading.Event,
         hand_back: HandBack,
@@ -72,7 +70,6 @@ class WorkerPool:
         self.processors = processors
         self.concurrency = concurrency
         self.settings = settings
-        self.cache = cache
         self.crash_guard = crash_guard
         # Without one (a test's pool), a state nobody reads.
         self.health = health if health is not None else HealthState()

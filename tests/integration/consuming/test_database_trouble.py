@@ -114,7 +114,6 @@ def test_our_own_bookkeeping_on_a_read_only_database_holds_the_delivery(
         {processor.spec.name: processor},
         concurrency=1,
         settings=messaging_settings,
-        cache=None,
         crash_guard=CrashGuard(3),
         stop=threading.Event(),
         hand_back=lambda settled: None,
