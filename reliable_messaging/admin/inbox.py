@@ -6,19 +6,8 @@ from __future__ import annotations
 from django.contrib import admin
 from django.utils.translation import gettext_lazy as _
 
-from ..core.registry import registry
 from ..models import ProcessedMessage, SuspectDelivery
-from .scaling import BoundedListAdmin, FieldFilter, ReadOnlyAdmin
-
-
-class RegisteredConsumerFilter(FieldFilter):
-    """Consumers from the registry: a DISTINCT over the whole inbox would scan it every time."""
-
-    title = _("consumer")
-    parameter_name = "consumer"
-
-    def known(self) -> list[str]:
-        return [spec.name for spec in registry]
+from .scaling import BoundedListAdmin, ReadOnlyAdmin, RegisteredConsumerFilter
 
 
 @admin.register(ProcessedMessage)

@@ -56,19 +56,22 @@ class GroupValueFilter(FieldFilter):
     (the registry's values, worth offering even without a dead letter)."""
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        values = set(DeadLetterGroup.objects.values_of(self.parameter_name)) | set(self.known())
-        value = self.value()
-        if value:
-            values.add(value)  # reached through a link: offered, so Django keeps the filter
-        return [(value, value) for value in sorted(values)]
+        grouped = DeadLetterGroup.objects.values_of(self.parameter_name)
+        return sorted({*super().lookups(request, model_admin), *((v, v) for v in grouped)})
 
 
-class ConsumerFilter(GroupValueFilter):
+class RegisteredConsumerFilter(FieldFilter):
+    """Consumers from the registry: a DISTINCT over a large table would scan it every time."""
+
     title = _("consumer")
     parameter_name = "consumer"
 
     def known(self) -> list[str]:
         return [spec.name for spec in registry]
+
+
+class ConsumerFilter(GroupValueFilter, RegisteredConsumerFilter):
+    """The registry's consumers and the failure groups' (those gone from the registry)."""
 
 
 class QueueFilter(GroupValueFilter):
