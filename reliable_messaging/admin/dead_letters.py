@@ -134,11 +134,8 @@ class DeadLetterAdmin(
     ordering = ("-last_failed_at", "-id")
     list_per_page = 50
     actions = ("replay_selected", "force_replay_selected", "discard_selected")
-    readonly_fields = (
-        *(*_SUMMARY, *_FAILURE, *_HISTORY, "traceback_block", "pretty_payload", "raw_body"),
-        *("pretty_headers", "replay_of_link", "replays_table", "task_run_link"),
-        "payload_errors_table",
-    )
+    # No readonly_fields: a view-only admin (ReadOnlyAdmin) shows every field of its fieldsets
+    # read-only, the display methods included.
     # ------------------------------------------------------------------ list
 
     @admin.display(description=_("when"), ordering="last_failed_at")

@@ -75,11 +75,8 @@ class TaskRunAdmin(ReadOnlyAdmin, BoundedListAdmin):
         (_("Result"), {"fields": ("return_value_block", "errors_block")}),
         (_("Runs"), {"fields": _RUNS}),
     )
-    readonly_fields = (
-        *_SUMMARY,
-        *("args_block", "kwargs_block", "return_value_block", "errors_block"),
-        *_RUNS,
-    )
+    # No readonly_fields: a view-only admin (ReadOnlyAdmin) shows every field of its fieldsets
+    # read-only, the display methods included.
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
