@@ -212,7 +212,9 @@ class ConnectionThread:
                     link.channels.append(channel)
                     link.ordered.add(channel.channel_number)
                     self._watch(link, channel)
-                on_message = functools.partial(self._on_message, link, spec, queue)
+                on_message = functools.partial(
+                    self._on_message, link, spec, queue, queue in dead_letters
+                )
                 tag = channel.basic_consume(queue, on_message)
                 link.consumers.append((channel, tag, queue, on_message))
                 queues.append(queue)
@@ -318,6 +320,7 @@ class ConnectionThread:
         link: Link,
         spec: ConsumerSpec,
         queue: str,
+        from_dead_letter_queue: bool,
         channel: BrokerChannel,
         method: Any,
         properties: Any,
@@ -330,9 +333,6 @@ class ConnectionThread:
             return  # a graceful stop drops the connection: the broker requeues it in place
         if link.cautious and not delivery.redelivered and channel is link.channels[0]:
             link.open_up = True
-        from_dead_letter_queue = self.settings.queue_type == "quorum" and queue in (
-            broker_dead_letter_queues(spec)
-        )
         if not from_dead_letter_queue:
             metrics.consumer_received(spec.name, delivery.redelivered)
         with link.lock:
