@@ -12,7 +12,7 @@ from django.contrib.admin.options import IncorrectLookupParameters
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.core.paginator import Paginator
 from django.db import router, transaction
-from django.db.models import Max, QuerySet
+from django.db.models import Max
 from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, QueryDict
 from django.shortcuts import redirect
 from django.utils import timezone
@@ -33,7 +33,6 @@ from ..dead_letters.selection import (
     unreplayable,
     wanted,
 )
-from ..managers import DeadLetterQuerySet
 from ..models import DeadLetter, DeadLetterGroup, FailureGroupState
 from ..publishing.wake_after_commit import wake_relay_after_commit
 from .operations import COUNT_CAP, OperationPages, capped_count, log_rows, operator
@@ -42,13 +41,6 @@ Operation = Literal["replay", "discard"]
 # Refusals spelled out in the warning message; the rest are counted.
 REFUSALS_SHOWN = 5
 _OPERATORS = {"exact": "=", "gte": "≥", "gt": ">", "lte": "≤", "lt": "<", "isnull": "is null:"}
-
-
-def already_processed(queryset: QuerySet[DeadLetter]) -> QuerySet[DeadLetter]:
-    """Those whose consumer has an inbox row for their message_id (a replay is then refused)."""
-    if isinstance(queryset, DeadLetterQuerySet):  # the admin's querysets always are
-        return queryset.already_processed()
-    return DeadLetter.objects.filter(pk__in=queryset.values("pk")).already_processed()
 
 
 def log_changes(request: HttpRequest, ids: Sequence[int], message: str) -> None:
@@ -187,9 +179,8 @@ class DeadLetterConsole(OperationPages):
                 % {"count": refused, "details": details},
                 messages.WARNING,
             )
-            processed = already_processed(
-                DeadLetter.objects.filter(pk__in=list(result.refused))
-            ).count()
+            refused_rows = DeadLetter.objects.filter(pk__in=list(result.refused))
+            processed = refused_rows.already_processed().count()
             if processed and not force:
                 self.message_user(
                     request,
@@ -312,7 +303,7 @@ class DeadLetterConsole(OperationPages):
         wanted_rows = matching_rows.filter(wanted(operation, chosen))
         matching_count = capped_count(matching_rows)
         unreplayable_count = capped_count(wanted_rows.filter(reason__in=unreplayable(operation)))
-        processed = capped_count(already_processed(targets_rows)) if operation == "replay" else 0
+        processed = capped_count(targets_rows.already_processed()) if operation == "replay" else 0
         if operation == "replay":
             title = ngettext(
                 "Replay %(count)s dead letter?", "Replay %(count)s dead letters?", target_count

@@ -27,10 +27,11 @@ from ..contracts import consumer_payload_errors
 from ..dead_letters import selection
 from ..dead_letters.permissions import can_edit
 from ..dead_letters.replay import REPLAYABLE_STATUSES, UNREPLAYABLE_REASONS, stale_replays
+from ..managers import DeadLetterQuerySet
 from ..models import DeadLetter, DeadLetterGroup, ProcessedMessage, Replay, TaskRun
 from ..task_runs.naming import is_task_consumer
 from . import bodies, scaling
-from .console import DeadLetterConsole, already_processed
+from .console import DeadLetterConsole
 from .edit import EditReplayPage
 
 
@@ -486,7 +487,7 @@ class DeadLetterAdmin(
         permissions=["replay"],
     )
     def force_replay_selected(
-        self, request: HttpRequest, queryset: QuerySet[DeadLetter]
+        self, request: HttpRequest, queryset: DeadLetterQuerySet
     ) -> HttpResponse | None:
         if request.POST.get("post") == "yes" or request.POST.get("select_across") == "1":
             return self._act(request, queryset, "replay_matching", force=True)
@@ -496,7 +497,7 @@ class DeadLetterAdmin(
             gettext("Replay the selected dead letters, even if already processed?"),
             operation="replay",
             forced_selection=list(queryset.order_by("pk").only("message_id", "consumer", "reason")),
-            selection_processed=already_processed(queryset).count(),
+            selection_processed=queryset.already_processed().count(),
             action_checkbox_name=helpers.ACTION_CHECKBOX_NAME,
             changelist_url=self.console_url("changelist", query=_filter_query(request)),
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from django.core.exceptions import FieldDoesNotExist
 from django.db.models import Q, QuerySet, TextField
@@ -13,6 +13,7 @@ from django.db.models.functions import Cast
 from django.utils.text import smart_split, unescape_string_literal
 
 from ..choices import OperationKind
+from ..managers import DeadLetterQuerySet
 from ..models import DeadLetter
 from .replay import UNREPLAYABLE_REASONS, discardable, replayable
 
@@ -22,6 +23,7 @@ NOT_FILTERS = frozenset({"o", "p", "e", "q", "_facets", "all", "_changelist_filt
 BY_MESSAGE_ID = "message_id"
 BY_WORDS = "words"
 SEARCH_MODES = (BY_MESSAGE_ID, BY_WORDS)
+Rows = TypeVar("Rows", bound=QuerySet[Any])
 
 
 class SelectionError(ValueError):
@@ -74,11 +76,11 @@ def _value(lookup: str, value: str) -> Any:
     return value
 
 
-def _filtered(lookups: Mapping[str, str]) -> QuerySet[DeadLetter]:
+def _filtered(lookups: Mapping[str, str]) -> DeadLetterQuerySet:
     return DeadLetter.objects.filter(**{k: _value(k, v) for k, v in lookups.items()})
 
 
-def matching(selection: Mapping[str, Any]) -> QuerySet[DeadLetter]:
+def matching(selection: Mapping[str, Any]) -> DeadLetterQuerySet:
     """Every dead letter the selection's filter and search match (as its ``search_mode`` says),
     whatever its status."""
     term = selection.get("search") or ""
@@ -101,9 +103,7 @@ def how_search_reads(queryset: QuerySet[DeadLetter], term: str) -> str:
     return BY_MESSAGE_ID if one_word and queryset.filter(message_id=term).exists() else BY_WORDS
 
 
-def search(
-    queryset: QuerySet[DeadLetter], term: str, *, mode: str | None = None
-) -> QuerySet[DeadLetter]:
+def search(queryset: Rows, term: str, *, mode: str | None = None) -> Rows:
     """The dead letters of ``queryset`` that ``term`` finds, read as ``mode`` says (None:
     decided now): the exact message_id, or every word (quotes group words) in the exception
     message or the payload's JSON, case-insensitively (trigram indexes on PostgreSQL)."""
@@ -146,7 +146,7 @@ def unreplayable(kind: str) -> list[str]:
 
 def targets(
     kind: str, selection: Mapping[str, Any], now: dt.datetime | None = None
-) -> QuerySet[DeadLetter]:
+) -> DeadLetterQuerySet:
     """The dead letters an operation of ``kind`` over ``selection`` takes (the replay's
     refusal rules still judge each one in its batch)."""
     return (
