@@ -30,20 +30,43 @@ OUTBOX_LAG_LIMIT = 300.0
 OUTBOX_LAG_STRICT_LIMIT = 60.0
 
 
+def _limit(kind: type, metavar: str, what: str, default: float | None = None) -> Any:
+    """A threshold field; its metadata makes ``messaging_status``'s ``--<name>`` option."""
+    return field(default=default, metadata={"type": kind, "metavar": metavar, "help": what})
+
+
 @dataclass(frozen=True)
 class Thresholds:
     """Limits beyond which the status is a problem; None leaves a figure unjudged. The defaults
     suit a probe that restarts or pages; :meth:`strict` judges what needs a person too."""
 
-    max_outbox_lag: float | None = OUTBOX_LAG_LIMIT
-    max_outbox_failed: int | None = None
-    max_dead_letters: int | None = None
-    max_ready: int | None = None
-    max_redelivery_rate: float | None = None
-    min_consumers: int = 0
-    max_leftover_messages: int | None = None
-    min_partition_days_ahead: float | None = None
-    max_overdue_partitions: int | None = None
+    max_outbox_lag: float | None = _limit(
+        float, "SECONDS", "age of the oldest pending outbox row", OUTBOX_LAG_LIMIT
+    )
+    max_outbox_failed: int | None = _limit(int, "N", "outbox rows marked failed")
+    max_dead_letters: int | None = _limit(int, "N", "dead letters awaiting review, status dead")
+    max_ready: int | None = _limit(int, "N", "ready messages in any consumer queue")
+    max_redelivery_rate: float | None = _limit(
+        float,
+        "FRACTION",
+        "share of a queue's recent deliveries that are redeliveries, 0..1; needs the "
+        "management API",
+    )
+    min_consumers: int = _limit(
+        int, "N", "consumers each consumer queue must have attached, 0: not checked", 0
+    )
+    max_leftover_messages: int | None = _limit(
+        int,
+        "N",
+        "messages in a queue left by an earlier shape of a consumer (ordered turned on or off, "
+        "fewer partitions), which nobody handles until consume retires it",
+    )
+    min_partition_days_ahead: float | None = _limit(
+        float, "DAYS", "days of inbox and outbox day partitions made ahead, PostgreSQL"
+    )
+    max_overdue_partitions: int | None = _limit(
+        int, "N", "expired day partitions the upkeep has not dropped, PostgreSQL"
+    )
 
     @classmethod
     def strict(cls) -> Thresholds:

@@ -22,39 +22,6 @@ from reliable_messaging.ops.status import MessagingStatus, Thresholds, collect_s
 from reliable_messaging.publishing.listener import listen_hears_notify
 
 PROBE, STRICT = Thresholds(), Thresholds.strict()
-# The --max-*/--min-* options of the thresholds: field, type, metavar, what it limits.
-THRESHOLD_OPTIONS = (
-    ("max_outbox_lag", float, "SECONDS", "age of the oldest pending outbox row"),
-    ("max_outbox_failed", int, "N", "outbox rows marked failed"),
-    ("max_dead_letters", int, "N", "dead letters awaiting review, status dead"),
-    ("max_ready", int, "N", "ready messages in any consumer queue"),
-    (
-        "max_redelivery_rate",
-        float,
-        "FRACTION",
-        "share of a queue's recent deliveries that are redeliveries, 0..1; needs the "
-        "management API",
-    ),
-    (
-        "max_leftover_messages",
-        int,
-        "N",
-        "messages in a queue left by an earlier shape of a consumer (ordered turned on or off, "
-        "fewer partitions), which nobody handles until consume retires it",
-    ),
-    (
-        "min_partition_days_ahead",
-        float,
-        "DAYS",
-        "days of inbox and outbox day partitions made ahead, PostgreSQL",
-    ),
-    (
-        "max_overdue_partitions",
-        int,
-        "N",
-        "expired day partitions the upkeep has not dropped, PostgreSQL",
-    ),
-)
 
 
 def _limits(name: str) -> str:
@@ -108,22 +75,14 @@ class Command(BaseCommand):
         parser.add_argument(
             "--json", action="store_true", help="print a JSON document (see the module docs)"
         )
-        for name, kind, metavar, what in THRESHOLD_OPTIONS:
+        for limit in dataclasses.fields(Thresholds):
             parser.add_argument(
-                "--" + name.replace("_", "-"),
-                type=kind,
+                "--" + limit.name.replace("_", "-"),
+                type=limit.metadata["type"],
                 default=None,
-                metavar=metavar,
-                help=f"{what} ({_limits(name)})",
+                metavar=limit.metadata["metavar"],
+                help=f"{limit.metadata['help']} ({_limits(limit.name)})",
             )
-        parser.add_argument(
-            "--min-consumers",
-            type=int,
-            default=PROBE.min_consumers,
-            metavar="N",
-            help="consumers each consumer queue must have attached (default %(default)d: "
-            "not checked)",
-        )
         parser.add_argument(
             "--strict",
             action="store_true",
