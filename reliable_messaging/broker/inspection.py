@@ -7,7 +7,7 @@ import logging
 import threading
 import urllib.error
 import urllib.parse
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields, replace
 from functools import partial
 from typing import Any
@@ -201,6 +201,21 @@ def check_broker(
     )
 
 
+def _in_background(name: str, check: Callable[[], None]) -> threading.Thread:
+    """Run ``check`` on a daemon thread; its failure is logged, never raised: a check must not
+    take the consumer or the relay down."""
+
+    def run() -> None:
+        try:
+            check()
+        except Exception:
+            logger.info("%s failed", name, exc_info=True)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
 def log_findings_in_background(
     specs: Iterable[ConsumerSpec],
     settings: MessagingSettings = messaging_settings,
@@ -209,12 +224,8 @@ def log_findings_in_background(
     """Check the broker in a daemon thread and log each warning and error found at WARNING."""
     specs = list(specs)
 
-    def run() -> None:
-        try:
-            check = check_broker(specs, settings=settings, timeout=timeout)
-        except Exception:  # a check must never take the consumer down
-            logger.info("the broker check failed", exc_info=True)
-            return
+    def log_findings() -> None:
+        check = check_broker(specs, settings=settings, timeout=timeout)
         if not check.reachable:
             logger.info("broker check skipped: %s", check.error)
             return
@@ -229,9 +240,7 @@ def log_findings_in_background(
             elif finding.code == "management-api":
                 logger.info("broker check: %s", finding.message)
 
-    thread = threading.Thread(target=run, name="rm-broker-check", daemon=True)
-    thread.start()
-    return thread
+    return _in_background("rm-broker-check", log_findings)
 
 
 def log_body_limit_in_background(
@@ -239,12 +248,8 @@ def log_body_limit_in_background(
 ) -> threading.Thread:
     """In a daemon thread, log an ERROR when the broker refuses a body of ``MAX_BODY_BYTES``."""
 
-    def run() -> None:
-        try:
-            limit, _ = ask_broker(settings.max_body_bytes, settings, timeout=timeout)
-        except Exception:  # a check must never take the relay down
-            logger.debug("the broker's message size limit could not be learned", exc_info=True)
-            return
+    def log_body_limit() -> None:
+        limit, _ = ask_broker(settings.max_body_bytes, settings, timeout=timeout)
         if limit is not None:
             logger.error(
                 "the broker refuses message bodies over %d bytes (max_message_size), but "
@@ -257,6 +262,4 @@ def log_body_limit_in_background(
                 settings.max_body_bytes,
             )
 
-    thread = threading.Thread(target=run, name="rm-body-limit-check", daemon=True)
-    thread.start()
-    return thread
+    return _in_background("rm-body-limit-check", log_body_limit)
