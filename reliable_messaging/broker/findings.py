@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -155,14 +156,18 @@ def _source(facts: QueueFacts, key: str) -> str:
     return " or ".join(names) or "a policy"
 
 
+def _delete_queue(vhost: str, name: str) -> str:
+    return f"rabbitmqctl delete_queue -p {shlex.quote(vhost)} {shlex.quote(name)}"
+
+
 def _remove_key_fix(facts: QueueFacts, key: str, vhost: str) -> str:
     """How to take ``key`` off the queue: the policies that set it, or a new declaration."""
     v = shlex.quote(vhost)
     origin = _origin(facts, key)
     if origin == "argument":
         return (
-            f"x-{key} was given when the queue was declared: drain it, delete it (rabbitmqctl "
-            f"delete_queue -p {v} {shlex.quote(facts.queue.name)}) and let consume declare it"
+            f"x-{key} was given when the queue was declared: drain it, delete it "
+            f"({_delete_queue(vhost, facts.queue.name)}) and let consume declare it"
         )
     steps = []
     if origin == "policy" and facts.policy:
@@ -344,10 +349,7 @@ def _type_findings(facts: QueueFacts, vhost: str, expected: Expectations) -> lis
             f"queue {name} is a stream: an ack does not remove a message from it, and "
             "consume cannot read it as a queue"
         )
-        fix = (
-            f"drain and delete it (rabbitmqctl delete_queue -p {shlex.quote(vhost)} "
-            f"{shlex.quote(name)}) and let consume declare it"
-        )
+        fix = f"drain and delete it ({_delete_queue(vhost, name)}) and let consume declare it"
         return [Finding("error", "queue-type", name, message, fix)]
     if facts.type == "classic":
         what = "it is not replicated: a lost node takes its messages with it"
@@ -497,9 +499,8 @@ def _priority_findings(facts: QueueFacts, vhost: str, version: tuple[int, ...]) 
     docs/tasks.md#priorities says for our declaration."""
     name = facts.queue.name
     move = (
-        f"stop the relay, let the consumers empty {name}, delete it (rabbitmqctl delete_queue "
-        f"-p {shlex.quote(vhost)} {shlex.quote(name)}) and start consume, which declares it "
-        "afresh"
+        f"stop the relay, let the consumers empty {name}, delete it ({_delete_queue(vhost, name)}) "
+        "and start consume, which declares it afresh"
     )
     if facts.type == "classic":
         levels = _number(facts.arguments.get("x-max-priority"))
@@ -612,13 +613,9 @@ def _delivery_limit_findings(
 
 def summary(findings: Iterable[Finding]) -> str:
     """``2 errors, 1 warning, 3 notes``, or ``nothing found``."""
-    counts = {severity: 0 for severity in SEVERITIES}
-    for finding in findings:
-        counts[finding.severity] += 1
+    counts = Counter(finding.severity for finding in findings)
     words = {"error": "error", "warning": "warning", "info": "note"}
     parts = [
-        f"{count} {words[severity]}{'s' if count != 1 else ''}"
-        for severity, count in counts.items()
-        if count
+        f"{counts[s]} {words[s]}{'s' if counts[s] != 1 else ''}" for s in SEVERITIES if counts[s]
     ]
     return ", ".join(parts) or "nothing found"
