@@ -225,19 +225,14 @@ class DatabaseCollector:
         self.using = using
 
     def collect(self) -> Iterator[Metric]:
+        up = 1
         try:
-            families = list(self._read())
+            yield from list(self._read())
         except DatabaseError as exc:
             logger.warning("metrics: cannot read the database (%s); database_up is 0", exc)
-            yield self._up(0)
-            return
-        yield from families
-        yield self._up(1)
-
-    @staticmethod
-    def _up(value: int) -> Metric:
+            up = 0
         what = "1 when the last scrape could read the messaging tables, else 0."
-        return GaugeMetricFamily("reliable_messaging_database_up", what, value=value)
+        yield GaugeMetricFamily("reliable_messaging_database_up", what, value=up)
 
     def _alias(self, model: type[Model]) -> str:
         return self.using or router.db_for_read(model)
