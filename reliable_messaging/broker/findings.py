@@ -144,6 +144,12 @@ def _origin(facts: QueueFacts, key: str) -> str | None:
     return "policy"
 
 
+def _policies(facts: QueueFacts) -> list[tuple[str, str]]:
+    """(kind, name) of the policy and of the operator policy applied to the queue, if any."""
+    kinds = (("policy", facts.policy), ("operator_policy", facts.operator_policy))
+    return [(kind, name) for kind, name in kinds if name]
+
+
 def _source(facts: QueueFacts, key: str) -> str:
     """Who sets the effective value of ``key`` on the queue, for a person."""
     origin = _origin(facts, key)
@@ -151,8 +157,7 @@ def _source(facts: QueueFacts, key: str) -> str:
         return f"its argument x-{key}"
     if origin is None:
         return "nothing"
-    names = [f"policy {facts.policy}"] if facts.policy else []
-    names += [f"operator policy {facts.operator_policy}"] if facts.operator_policy else []
+    names = [f"{kind.replace('_', ' ')} {name}" for kind, name in _policies(facts)]
     return " or ".join(names) or "a policy"
 
 
@@ -162,25 +167,22 @@ def _delete_queue(vhost: str, name: str) -> str:
 
 def _remove_key_fix(facts: QueueFacts, key: str, vhost: str) -> str:
     """How to take ``key`` off the queue: the policies that set it, or a new declaration."""
-    v = shlex.quote(vhost)
     origin = _origin(facts, key)
     if origin == "argument":
         return (
             f"x-{key} was given when the queue was declared: drain it, delete it "
             f"({_delete_queue(vhost, facts.queue.name)}) and let consume declare it"
         )
+    if origin is None:
+        return ""
+    v = shlex.quote(vhost)
     steps = []
-    if origin == "policy" and facts.policy:
+    for kind, name in _policies(facts):
+        skip = f" or make its pattern skip {facts.queue.name}" if kind == "policy" else ""
+        n = shlex.quote(name)
         steps.append(
-            f"remove {key!r} from policy {facts.policy} or make its pattern skip "
-            f"{facts.queue.name} (rabbitmqctl set_policy -p {v} {shlex.quote(facts.policy)} "
-            f"... / rabbitmqctl clear_policy -p {v} {shlex.quote(facts.policy)})"
-        )
-    if origin == "policy" and facts.operator_policy:
-        steps.append(
-            f"remove {key!r} from operator policy {facts.operator_policy} (rabbitmqctl "
-            f"set_operator_policy -p {v} {shlex.quote(facts.operator_policy)} ... / "
-            f"rabbitmqctl clear_operator_policy -p {v} {shlex.quote(facts.operator_policy)})"
+            f"remove {key!r} from {kind.replace('_', ' ')} {name}{skip} (rabbitmqctl set_{kind} "
+            f"-p {v} {n} ... / rabbitmqctl clear_{kind} -p {v} {n})"
         )
     return "; ".join(steps)
 
@@ -237,8 +239,7 @@ def find_findings(facts: BrokerFacts, expected: Expectations) -> list[Finding]:
             if queue.queue.priorities:
                 found += _priority_findings(queue, vhost, version)
         found += _unread_queue_findings(facts.queues)
-    order = {severity: rank for rank, severity in enumerate(SEVERITIES)}
-    return sorted(found, key=lambda f: order[f.severity])
+    return sorted(found, key=lambda f: SEVERITIES.index(f.severity))
 
 
 def _broker_findings(facts: BrokerFacts, expected: Expectations) -> list[Finding]:
