@@ -30,7 +30,7 @@ OUTBOX_LAG_LIMIT = 300.0
 OUTBOX_LAG_STRICT_LIMIT = 60.0
 
 
-def _limit(kind: type, metavar: str, what: str, default: float | None = None) -> Any:
+def _threshold(kind: type, metavar: str, what: str, default: float | None = None) -> Any:
     """A threshold field; its metadata makes ``messaging_status``'s ``--<name>`` option."""
     return field(default=default, metadata={"type": kind, "metavar": metavar, "help": what})
 
@@ -40,31 +40,31 @@ class Thresholds:
     """Limits beyond which the status is a problem; None leaves a figure unjudged. The defaults
     suit a probe that restarts or pages; :meth:`strict` judges what needs a person too."""
 
-    max_outbox_lag: float | None = _limit(
+    max_outbox_lag: float | None = _threshold(
         float, "SECONDS", "age of the oldest pending outbox row", OUTBOX_LAG_LIMIT
     )
-    max_outbox_failed: int | None = _limit(int, "N", "outbox rows marked failed")
-    max_dead_letters: int | None = _limit(int, "N", "dead letters awaiting review, status dead")
-    max_ready: int | None = _limit(int, "N", "ready messages in any consumer queue")
-    max_redelivery_rate: float | None = _limit(
+    max_outbox_failed: int | None = _threshold(int, "N", "outbox rows marked failed")
+    max_dead_letters: int | None = _threshold(int, "N", "dead letters awaiting review, status dead")
+    max_ready: int | None = _threshold(int, "N", "ready messages in any consumer queue")
+    max_redelivery_rate: float | None = _threshold(
         float,
         "FRACTION",
         "share of a queue's recent deliveries that are redeliveries, 0..1; needs the "
         "management API",
     )
-    min_consumers: int = _limit(
+    min_consumers: int = _threshold(
         int, "N", "consumers each consumer queue must have attached, 0: not checked", 0
     )
-    max_leftover_messages: int | None = _limit(
+    max_leftover_messages: int | None = _threshold(
         int,
         "N",
         "messages in a queue left by an earlier shape of a consumer (ordered turned on or off, "
         "fewer partitions), which nobody handles until consume retires it",
     )
-    min_partition_days_ahead: float | None = _limit(
+    min_partition_days_ahead: float | None = _threshold(
         float, "DAYS", "days of inbox and outbox day partitions made ahead, PostgreSQL"
     )
-    max_overdue_partitions: int | None = _limit(
+    max_overdue_partitions: int | None = _threshold(
         int, "N", "expired day partitions the upkeep has not dropped, PostgreSQL"
     )
 
@@ -271,9 +271,7 @@ def collect_status(
     ``inspect_broker``, check the broker's settings and policies too."""
     broker = broker_status(management_url=management_url, timeout=timeout)
     database = database_status()
-    check = None
-    if inspect_broker:
-        check = check_broker(management_url=management_url, timeout=timeout)
+    check = check_broker(management_url=management_url, timeout=timeout) if inspect_broker else None
     return MessagingStatus(
         checked_at=timezone.now(),
         broker=broker,

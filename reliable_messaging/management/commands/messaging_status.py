@@ -176,14 +176,12 @@ class Command(BaseCommand):
         if timezone.is_aware(moment):
             moment = timezone.localtime(moment)
         checked = moment.strftime("%Y-%m-%d %H:%M:%S %Z").rstrip()
-        lines = [f"Messaging status at {checked}", ""]
-        lines += self.render_broker(status)
-        lines.append("")
-        lines += self.render_database(status)
-        lines.append("")
+        sections = [self.render_broker(status), self.render_database(status)]
         if status.broker_check is not None:
-            lines += self.render_broker_check(status.broker_check)
-            lines.append("")
+            sections.append(self.render_broker_check(status.broker_check))
+        lines = [f"Messaging status at {checked}", ""]
+        for section in sections:
+            lines += [*section, ""]
         if status.problems:
             lines += [self.style.ERROR(f"PROBLEM: {p.message}") for p in status.problems]
         elif not status.unreachable and status.exit_code == 0:
