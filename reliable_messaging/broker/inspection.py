@@ -209,7 +209,7 @@ def _in_background(name: str, check: Callable[[], None]) -> threading.Thread:
         try:
             check()
         except Exception:
-            logger.info("%s failed", name, exc_info=True)
+            logger.info("the broker check %s failed", name, exc_info=True)
 
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
