@@ -118,7 +118,7 @@ class MessagingStatus:
         return 1 if self.problems or check_failed else 0
 
     def as_dict(self) -> dict[str, Any]:
-        """The ``messaging_status --json`` document (see the command's docstring)."""
+        """The ``messaging_status --json`` document (docs/reference/commands.md)."""
         db, check = self.database, self.broker_check
         document: dict[str, Any] = {
             "version": STATUS_FORMAT_VERSION,

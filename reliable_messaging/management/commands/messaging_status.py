@@ -1,6 +1,5 @@
-"""``manage.py messaging_status``: the queues, the outbox, the dead letters and the inbox judged
-against thresholds; exits 0 when all is well, 1 past a threshold, 2 when the broker or the
-database cannot be reached (``docs/reference/commands.md``)."""
+"""``manage.py messaging_status``: the status judged against thresholds, as text or JSON
+(``docs/reference/commands.md``); its exit codes are in ``Command.help``."""
 
 from __future__ import annotations
 
@@ -73,7 +72,9 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(
-            "--json", action="store_true", help="print a JSON document (see the module docs)"
+            "--json",
+            action="store_true",
+            help="print a JSON document (see docs/reference/commands.md)",
         )
         for limit in dataclasses.fields(Thresholds):
             parser.add_argument(
