@@ -379,6 +379,15 @@ def _dead_letters_to(facts: QueueFacts) -> str | None:
     return f"{shown} with routing key {key!r}" if key is not None else shown
 
 
+def _fate(facts: QueueFacts, what: str) -> tuple[Severity, str]:
+    """What the broker does with ``what`` when it takes them out of the queue: drops them (an
+    error) or dead-letters them (a warning)."""
+    target = _dead_letters_to(facts)
+    if target is None:
+        return "error", f"the broker drops {what}, unhandled and unrecorded"
+    return "warning", f"the broker dead-letters {what} to {target}, unhandled"
+
+
 def _length_findings(facts: QueueFacts, vhost: str) -> list[Finding]:
     limits = {
         key: f"{value:,} {unit}"
@@ -392,24 +401,15 @@ def _length_findings(facts: QueueFacts, vhost: str) -> list[Finding]:
     fix = "; ".join(_remove_key_fix(facts, key, vhost) for key in limits)
     sources = " and ".join(_source(facts, key) for key in limits)
     held = f"queue {name} holds at most {' / '.join(limits.values())} ({sources}), overflow"
-    target = _dead_letters_to(facts)
-    severity: Severity = "warning"
-    if overflow != "drop-head":
+    if overflow == "drop-head":
+        severity, fate = _fate(facts, "the oldest messages")
+        message = f"{held} drop-head: past it {fate}"
+    else:
+        severity = "warning"
         message = (
             f"{held} {overflow}: past it the broker refuses new messages (a nack): the relay "
             "retries the rows and marks them failed after OUTBOX_MAX_ATTEMPTS, and retries of "
             "failed deliveries cannot be scheduled"
-        )
-    elif target is None:
-        severity = "error"
-        message = (
-            f"{held} drop-head: past it the broker drops the oldest messages, unhandled and "
-            "unrecorded"
-        )
-    else:
-        message = (
-            f"{held} drop-head: past it the broker dead-letters the oldest messages to "
-            f"{target}, unhandled"
         )
     return [Finding(severity, "queue-overflow", name, message, fix)]
 
@@ -433,20 +433,11 @@ def _ttl_findings(facts: QueueFacts, vhost: str) -> list[Finding]:
     if ttl is None:
         return []
     name = facts.queue.name
-    target = _dead_letters_to(facts)
-    happens = (
-        "the broker drops them, unhandled and unrecorded"
-        if target is None
-        else f"the broker dead-letters them to {target}, unhandled"
-    )
-    message = (
-        f"messages expire in queue {name} after {_ms(ttl)} "
-        f"({_source(facts, 'message-ttl')}): {happens}"
-    )
+    severity, fate = _fate(facts, "them")
+    source = _source(facts, "message-ttl")
+    message = f"messages expire in queue {name} after {_ms(ttl)} ({source}): {fate}"
     fix = _remove_key_fix(facts, "message-ttl", vhost)
-    return [
-        Finding("error" if target is None else "warning", "queue-message-ttl", name, message, fix)
-    ]
+    return [Finding(severity, "queue-message-ttl", name, message, fix)]
 
 
 def _consumer_timeout_findings(
