@@ -227,6 +227,7 @@ class DatabaseCollector:
     def collect(self) -> Iterator[Metric]:
         up = 1
         try:
+            # Read whole before yielding: a failure midway exports database_up 0 and nothing else.
             yield from list(self._read())
         except DatabaseError as exc:
             logger.warning("metrics: cannot read the database (%s); database_up is 0", exc)
