@@ -1,5 +1,4 @@
-"""The fixed vocabularies of the models, apart from them so that the managers, which the
-models import, can name them without an import circle."""
+"""The fixed vocabularies of the models, apart so that the managers can name them."""
 
 from __future__ import annotations
 
@@ -10,8 +9,7 @@ from .core.outcomes import FailureReason
 
 
 class DeadLetterReason(models.TextChoices):
-    """The failure reasons of :class:`~reliable_messaging.core.outcomes.FailureReason`, with the
-    labels the admin shows."""
+    """:class:`~reliable_messaging.core.outcomes.FailureReason`, with the admin's labels."""
 
     PERMANENT = FailureReason.PERMANENT.value, _("permanent error")
     RETRIES_EXHAUSTED = FailureReason.RETRIES_EXHAUSTED.value, _("retries exhausted")
@@ -61,14 +59,11 @@ class OutboxStatus(models.TextChoices):
     PENDING = "pending", _("pending")
     SENT = "sent", _("sent")
     FAILED = "failed", _("failed")
-    # An event the broker returned because no queue was bound for it: nobody subscribes to it
-    # yet, which is normal in publish-subscribe. Terminal, like sent (see REQUIRE_ROUTE).
+    # An event no queue was bound for (nobody subscribes yet): terminal, like sent.
     UNROUTED = "unrouted", _("unrouted")
 
 
-# Dead-letter statuses still awaiting an outcome: a dead letter not yet replayed or discarded,
-# or a replay not yet decided. They hold back an ordered consumer's key, and a later copy of
-# the message that is processed resolves them.
+# Dead-letter statuses awaiting an outcome: they hold back an ordered consumer's key.
 OPEN_DEAD_LETTER_STATUSES = (DeadLetterStatus.DEAD, DeadLetterStatus.REPLAYED)
 
 
@@ -104,9 +99,8 @@ class ReplayOutcome(models.TextChoices):
 
 
 class GroupState(models.TextChoices):
-    """A failure group's place in its lifecycle. Only ``acknowledged`` and ``resolved`` are
-    stored (``FailureGroupState``): a group without a row is ``new``, and a resolved one with
-    failures after it was resolved is ``regressed``."""
+    """A failure group's place in its lifecycle; ``new`` (no row) and ``regressed`` (failures
+    after it was resolved) are not stored."""
 
     NEW = "new", _("new")
     ACKNOWLEDGED = "acknowledged", _("acknowledged")
@@ -118,8 +112,7 @@ STORED_GROUP_STATES = (GroupState.ACKNOWLEDGED, GroupState.RESOLVED)
 
 
 class TaskRunStatus(models.TextChoices):
-    """Where a ``django.tasks`` task is (``TaskRun``): the framework's ``TaskResultStatus``,
-    value for value, without importing the framework (an optional extra on Django 5.2)."""
+    """``django.tasks``' ``TaskResultStatus``, value for value, without importing it."""
 
     READY = "READY", _("ready")  # enqueued, or waiting for its next attempt
     RUNNING = "RUNNING", _("running")

@@ -1,5 +1,4 @@
-"""The app's tables: fields, constraints and indexes only (queries and state changes live on the
-managers, ``managers.py``; the vocabularies in ``choices.py``)."""
+"""The app's tables: fields, constraints and indexes only (queries live in ``managers.py``)."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ from .choices import (
 
 
 class ProcessedMessage(models.Model):
-    """One row per (consumer, message_id) whose handler committed: the inbox, inserted in the
-    handler's own transaction (``docs/operations.md#how-the-tables-are-laid-out``)."""
+    """The inbox: one row per (consumer, message_id) whose handler committed, in its transaction."""
 
     consumer = models.CharField(max_length=255)
     message_id = models.CharField(max_length=255)
@@ -49,8 +47,7 @@ class ProcessedMessage(models.Model):
 
 
 class DeadLetter(models.Model):
-    """A message a consumer gave up on: one row per (consumer, message_id), ``body`` the
-    delivery's exact bytes."""
+    """A message a consumer gave up on, ``body`` the delivery's exact bytes."""
 
     message_id = models.CharField(max_length=255, blank=True)
     consumer = models.CharField(max_length=255)
@@ -74,10 +71,8 @@ class DeadLetter(models.Model):
         max_length=20, choices=DeadLetterStatus.choices, default=DeadLetterStatus.DEAD
     )
     replay_count = models.PositiveIntegerField(default=0)
-    # Groups the dead letters that fail the same way (see core/fingerprints.py).
-    fingerprint = models.CharField(max_length=64, blank=True)
-    # Append-only record of what happened to this message: failures, replays, resolution.
-    history = models.JSONField(default=list, blank=True)
+    fingerprint = models.CharField(max_length=64, blank=True)  # see core/fingerprints.py
+    history = models.JSONField(default=list, blank=True)  # append-only: failures, replays, ...
     # The trace of its last failure (W3C ids, hex); db_default for rows written with SQL.
     trace_id = models.CharField(max_length=32, blank=True, default="", db_default="")
     span_id = models.CharField(max_length=16, blank=True, default="", db_default="")
@@ -150,10 +145,9 @@ class _GroupCounts(models.Model):
     consumer = models.CharField(max_length=255)
     fingerprint = models.CharField(max_length=64, blank=True)
     reason = models.CharField(max_length=40, choices=DeadLetterReason.choices)
-    # Of the latest dead letter counted in: the same for the whole group but for a renamed queue.
+    # The queue and exception type of the latest dead letter counted in, and its id.
     queue = models.CharField(max_length=255, blank=True)
     exception_type = models.CharField(max_length=255, blank=True)
-    # The newest dead letter counted in (it may since have been deleted).
     example_id = models.BigIntegerField(null=True, blank=True)
     first_seen = models.DateTimeField(null=True, blank=True)
     last_seen = models.DateTimeField(null=True, blank=True)
@@ -171,10 +165,8 @@ class _GroupCounts(models.Model):
 
 
 class DeadLetterGroup(_GroupCounts):
-    """The dead letters of one consumer that fail the same way, counted per status. On
-    PostgreSQL, statement-level triggers append :class:`DeadLetterGroupDelta` rows and
-    ``objects.fold()`` adds them in (``docs/concepts.md#failure-groups``); elsewhere it stays
-    empty and the manager counts the dead letters."""
+    """The dead letters of one consumer that fail the same way, counted per status: kept by
+    triggers on PostgreSQL (``docs/concepts.md#failure-groups``), else empty."""
 
     objects = managers.DeadLetterGroupQuerySet.as_manager()
 
@@ -189,8 +181,7 @@ class DeadLetterGroup(_GroupCounts):
 
 
 class DeadLetterGroupDelta(_GroupCounts):
-    """What one statement on the dead letters changed in one failure group (counts to add, the
-    latest figures), appended by the triggers until a fold deletes it."""
+    """What one statement on the dead letters changed in one failure group, until folded."""
 
     class Meta:
         verbose_name = _("dead-letter group delta")
@@ -200,8 +191,7 @@ class DeadLetterGroupDelta(_GroupCounts):
 
 
 class LiveDeadLetterGroup(_GroupCounts):
-    """Each failure group as of now (its row plus the deltas not folded in): a PostgreSQL view
-    made by the initial migration, read through ``DeadLetterGroup.objects``."""
+    """Each failure group as of now (its row plus its deltas): a PostgreSQL view."""
 
     pk = models.CompositePrimaryKey("consumer", "fingerprint", "reason")
 
@@ -219,10 +209,8 @@ class SuspectDelivery(models.Model):
     message_id = models.CharField(max_length=255)
     deaths = models.PositiveIntegerField(default=0)
     running = models.BooleanField(default=False)
-    # "crashed" or "timeout": how the last death happened.
-    last_cause = models.CharField(max_length=20, blank=True)
-    # host:pid of the process that handled it last (the one that died, when it did).
-    last_process = models.CharField(max_length=255, blank=True)
+    last_cause = models.CharField(max_length=20, blank=True)  # "crashed" or "timeout"
+    last_process = models.CharField(max_length=255, blank=True)  # host:pid that handled it last
     first_seen_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(default=timezone.now)
 
@@ -242,10 +230,8 @@ class SuspectDelivery(models.Model):
 
 
 class OutboxMessage(models.Model):
-    """A message ``publish()`` wrote in the caller's transaction, sent later by the relay;
-    ``body`` is the exact JSON text sent (encoded by ``publish()``). A consumer's retry copy
-    carries instead the original's exact bytes (``raw_body``) and AMQP properties
-    (``raw_properties``, pika's encoding, so that header types survive); its ``body`` is empty."""
+    """A message ``publish()`` wrote, ``body`` its exact JSON text; a retry copy carries the
+    original's exact bytes and pika-encoded properties instead (``raw_*``)."""
 
     message_id = models.CharField(max_length=255)
     exchange = models.CharField(max_length=255, blank=True)
@@ -257,19 +243,16 @@ class OutboxMessage(models.Model):
     raw_properties = models.BinaryField(null=True, blank=True)
     # NULL, not "", means "no key": "" is a legitimate key, and the order index skips NULLs.
     ordering_key = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001
-    # NULL means "no key"; unique where given (see Meta.constraints).
     idempotency_key = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001
     status = models.CharField(
         max_length=10, choices=OutboxStatus.choices, default=OutboxStatus.PENDING
     )
     attempts = models.PositiveIntegerField(default=0)
     last_error = models.TextField(blank=True)
-    # When the relay may take the row next (the database's clock); in flight, its lease. NULL
-    # parks a pending row behind an earlier unsent message of its key.
+    # When the relay may take the row next (database clock), or its lease; NULL: parked.
     next_attempt_at = models.DateTimeField(default=timezone.now, null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     sent_at = models.DateTimeField(null=True, blank=True)
-    # When a scheduled message is due (``publish(deliver_at=...)``); NULL for the others.
     deliver_at = models.DateTimeField(_("due at"), null=True, blank=True)
 
     objects = managers.OutboxMessageQuerySet.as_manager()
@@ -313,14 +296,12 @@ class OutboxMessage(models.Model):
 
 
 class DeadLetterOperation(models.Model):
-    """A bulk replay or discard an operator recorded, carried out by the relay a batch per
-    transaction (``dead_letters/operations.py``): the ``selection``'s dead letters up to
-    ``max_pk``, in pk order, ``cursor`` the last one done."""
+    """A bulk replay or discard over the ``selection`` up to ``max_pk``, carried out a batch per
+    transaction (``dead_letters/operations.py``); ``cursor`` the last one done."""
 
     kind = models.CharField(max_length=10, choices=OperationKind.choices)
     force = models.BooleanField(default=False)
-    # What ``dead_letters.selection.selection_from_query`` makes.
-    selection = models.JSONField(default=dict)
+    selection = models.JSONField(default=dict)  # see dead_letters.selection
     # How many its confirmation announced (up to COUNT_CAP): the most it does.
     matched = models.PositiveIntegerField(default=0)
     max_pk = models.BigIntegerField(default=0)
@@ -359,8 +340,7 @@ class DeadLetterOperation(models.Model):
 
 
 class Replay(models.Model):
-    """One replay of a dead letter and what became of its copy (the replay ledger): written with
-    the copy, settled by the consumer that decides it (``dead_letters/ledger.py``)."""
+    """One replay of a dead letter and what became of its copy (``dead_letters/ledger.py``)."""
 
     # No database constraints: dead letters are also deleted with SQL, which one would refuse.
     dead_letter = models.ForeignKey(
@@ -412,8 +392,8 @@ class Replay(models.Model):
 
 
 class ReplayOutcomeTally(models.Model):
-    """How many of an operation's replays reached each outcome, added to as each is settled
-    (``docs/design.md#dead-letters-replay-and-bulk-operations`` says why a row of its own)."""
+    """How many of an operation's replays reached each outcome
+    (``docs/design.md#dead-letters-replay-and-bulk-operations``)."""
 
     operation = models.OneToOneField(
         DeadLetterOperation,
@@ -463,9 +443,8 @@ class FailureGroupState(models.Model):
 
 
 class TaskRun(models.Model):
-    """One ``django.tasks`` task enqueued through the app's task backend, and its result; ``id``
-    is also the message_id of the message that runs it, so the inbox deduplicates its runs and
-    its dead letter carries it (``docs/tasks.md``)."""
+    """A ``django.tasks`` task and its result; ``id`` is its message's message_id
+    (``docs/tasks.md``)."""
 
     id = models.CharField(primary_key=True, max_length=64)
     backend = models.CharField(max_length=100)  # the alias in TASKS

@@ -1,8 +1,5 @@
-"""The relay's database side: claim due outbox rows, and hold or lease them while in flight.
-
-Runs on the relay's database workers, never on the I/O loop
-(``docs/design.md#the-relay-a-pipeline-with-publisher-confirms``).
-"""
+"""The relay's database side, on its database workers: claim due outbox rows, and hold or lease
+them while in flight (``docs/design.md#the-relay-a-pipeline-with-publisher-confirms``)."""
 
 from __future__ import annotations
 
@@ -25,19 +22,14 @@ from ..storage.partitions import row_moved
 from . import scheduled
 from .scheduled import MOVED_TRIES
 
-# A claimed row's age counts from its publish() call, or from its due time when that is later
-# (a scheduled message), read as microseconds since the epoch (see OutboxClaims._select): from
-# a double (date_part; extract's numeric costs the database more), exact to the microsecond
-# for times before the year 2255 (2**53 µs), and a claimed row's times are all past.
-# PostgreSQL's GREATEST ignores a NULL deliver_at.
+# A claimed row's age counts from its publish() or its later due time, in microseconds since
+# the epoch: date_part's double (cheaper than extract's numeric) is exact until 2255.
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 _PUBLISHED_US = "round(date_part('epoch', GREATEST(created_at, deliver_at)) * 1000000)::bigint"
 
-# The bytes of bodies one claim takes at most (its first row whatever its size): with
-# MAX_IN_FLIGHT batches in flight, the relay's memory stays bounded when bodies are large.
+# The bytes of bodies one claim takes at most (its first row whatever its size).
 CLAIM_BYTES = 16 * 1024 * 1024
-# A row's bytes as the claim counts them: what goes out (a retry copy's exact bytes, else the
-# body; octet_length reads a stored value's size without decompressing it).
+# A row's bytes as they go out (octet_length does not decompress).
 _ROW_BYTES = "coalesce(octet_length({t}.raw_body), octet_length({t}.body))"
 
 logger = logging.getLogger("reliable_messaging.relay")
@@ -46,9 +38,8 @@ T = TypeVar("T")
 
 
 def _behind() -> RawSQL:
-    """``behind``: the id of an unsent row before the outer outbox row in its key, or NULL.
-    Compared as a row so that the key index answers it (with ``id < ...`` apart, the planner
-    walks the primary key from the start)."""
+    """``behind``: the id of an unsent row before the outer row in its key, or NULL (compared
+    as a row so that the key index answers it)."""
     table = f'"{OutboxMessage._meta.db_table}"'
     sql = (
         f"CASE WHEN {table}.ordering_key IS NULL THEN NULL ELSE ("  # noqa: S608
@@ -62,13 +53,10 @@ def _behind() -> RawSQL:
 
 
 def claimable(using: str) -> Any:
-    """Due pending rows, earliest due first, each with ``behind``: the id of an earlier unsent
-    row of its key (it must wait, parked) or None. Read through the index of due pending rows,
-    with one probe of the key index per keyed row."""
+    """Due pending rows, earliest due first, each with ``behind`` (see :func:`_behind`)."""
     return (
         OutboxMessage.objects.using(using)
-        # The database's clock, not this process's: next_attempt_at is written with it too, so
-        # a relay whose clock is off neither sends rows early nor sits on due ones.
+        # The database's clock, which writes next_attempt_at too: not this process's.
         .filter(status=OutboxStatus.PENDING, next_attempt_at__lte=Now())
         .annotate(behind=_behind())
         .order_by("next_attempt_at", "id")
@@ -76,16 +64,14 @@ def claimable(using: str) -> Any:
 
 
 def any_id_of(using: str, pks: Iterable[int]) -> Any:
-    """The right-hand side of ``pk__in`` for a batch of ids: on PostgreSQL one array parameter,
-    whose compiling time does not grow with the batch."""
+    """``pk__in``'s right-hand side: on PostgreSQL one array parameter, cheap to compile."""
     if connections[using].vendor == "postgresql":
         return RawSQL("SELECT unnest(%s::bigint[])", (list(pks),))
     return list(pks)
 
 
 def release_next_of_keys(using: str, keys: set[str]) -> int:
-    """Make the first unsent row of each key due, if it is parked: the row before it was just
-    sent. On PostgreSQL one statement finds each key's first row through the key index."""
+    """Make the first unsent row of each key due, if it is parked (the row before it was sent)."""
     if not keys:
         return 0
     connection = connections[using]
@@ -115,16 +101,13 @@ def release_next_of_keys(using: str, keys: set[str]) -> int:
     )
 
 
-# The most rows one claim parks behind the first rows of their keys (see park_behind): one
-# statement's worth, so that a claim beside many held rows parks them in a few rounds, each in a
-# short transaction.
+# The most rows one claim parks (park_behind), in one short transaction.
 PARK_CHUNK = 10_000
 
 
 def park_behind(using: str, blockers: set[int]) -> int:
-    """Park the due pending rows of each key behind its row in ``blockers`` (ids of unsent rows
-    this transaction holds locked), up to PARK_CHUNK of them, in one statement through the key
-    index; returns how many. Rows another transaction holds are skipped, for a later claim."""
+    """Park up to PARK_CHUNK due rows behind their key's row in ``blockers`` (unsent rows this
+    transaction locks), skipping rows another holds; returns how many."""
     table = connections[using].ops.quote_name(OutboxMessage._meta.db_table)
     with connections[using].cursor() as cursor:
         cursor.execute(
@@ -140,9 +123,8 @@ def park_behind(using: str, blockers: set[int]) -> int:
 
 
 def release_parked(using: str, after: int = 0, limit: int = 2000) -> tuple[int, int | None]:
-    """Make due the parked rows (up to ``limit`` of them with an id over ``after``) that no
-    earlier unsent row of their key holds back any more. Returns how many it released and the
-    id to go on after, or None when it reached the last parked row."""
+    """Make due up to ``limit`` parked rows past id ``after`` that nothing holds back; how many,
+    and the id to go on after (None at the last parked row)."""
     outbox = OutboxMessage.objects.using(using)
     found = list(
         outbox.filter(status=OutboxStatus.PENDING, next_attempt_at__isnull=True, id__gt=after)
@@ -174,8 +156,7 @@ def _headers_of(value: Any) -> dict[str, Any]:
 
 @dataclass(slots=True)
 class ClaimedRow:
-    """The columns of a claimed outbox row the relay needs (no model instance: cheaper; not
-    frozen either: a frozen dataclass sets each field through ``object.__setattr__``)."""
+    """The columns of a claimed outbox row the relay needs (cheaper than a model instance)."""
 
     pk: int
     message_id: str
@@ -188,9 +169,7 @@ class ClaimedRow:
     raw_properties: bytes | None
     ordering_key: str | None
     attempts: int
-    # Microseconds since the epoch of its publish() call, or of a scheduled message's due time
-    # when that is later: the time its age counts from.
-    published_us: int
+    published_us: int  # of its publish() or later due time (see _PUBLISHED_US)
 
     @property
     def wire_body(self) -> bytes:
@@ -215,8 +194,7 @@ _BODY, _RAW_BODY = CLAIMED_FIELDS.index("body"), CLAIMED_FIELDS.index("raw_body"
 
 
 class ClaimTransaction:
-    """A claim's transaction: Django's ``atomic`` entered by :meth:`OutboxClaims.claim` and
-    exited later by the batch's record, a lease or a rollback, on the same worker thread."""
+    """A claim's ``atomic``, exited later (record, lease, rollback) on the same worker thread."""
 
     def __init__(self, using: str) -> None:
         self._atomic = transaction.atomic(using=using)
@@ -242,8 +220,7 @@ class ClaimTransaction:
 
 @dataclass
 class Claim:
-    """What a claim found: rows to send under the transaction that locks them (None when there
-    are none), rows it parked, seconds until the next row is due, or an error."""
+    """What a claim found: rows under their transaction, rows parked, the wait, or an error."""
 
     rows: list[ClaimedRow]
     transaction: ClaimTransaction | None = None
@@ -260,17 +237,14 @@ class OutboxClaims:
     settings: MessagingSettings
     batch_size: int
     lease_for: dt.timedelta  # how long claimed rows stay leased past a claim's transaction
-    # How many rows the next claim locks: after a claim that CLAIM_BYTES cut, one more than it
-    # returned (a row locked past the budget waits until its batch ends, skipped by the other
-    # batches); doubled back towards batch_size by each claim that returns all it locked.
+    # Rows the next claim locks: one past what a CLAIM_BYTES cut returned, doubling back.
     lock_limit: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self.lock_limit = self.batch_size
 
     def claim(self) -> Claim:
-        """Lock up to a batch of due rows in a transaction left open for the batch. Tried again
-        at once when another relay sent a row this claim's snapshot still saw as due."""
+        """Lock a batch of due rows in a transaction left open for it (again if a row moved)."""
         for attempt in range(1, MOVED_TRIES + 1):
             try:
                 return self._claim()
@@ -302,12 +276,8 @@ class OutboxClaims:
                 )
             self._next_limit(limit, locked, len(found))
             return found
-        # The same statement with its times as integers, its rows read without the ORM's
-        # per-row converters: Django loads a timestamptz in Python and JSON through a
-        # converter per value, which cost more CPU per row than the rest of the claim
-        # (docs/benchmarks.md, the CPU budget). The rows it locks past CLAIM_BYTES are not
-        # returned: they stay locked until the batch's transaction ends, then are due again
-        # (lock_limit keeps them to one a claim while bodies are that large).
+        # Times as integers and no ORM converters: they cost more CPU than the rest of the claim
+        # (docs/benchmarks.md). Rows locked past CLAIM_BYTES stay locked until the batch ends.
         published = RawSQL(_PUBLISHED_US, (), output_field=BigIntegerField())  # noqa: S611
         columns = [*CLAIMED_FIELDS, "behind"]
         inner, params = (
@@ -380,8 +350,7 @@ class OutboxClaims:
         return Claim(rows=rows, transaction=held, parked=parked_count)
 
     def next_due_in(self) -> float | None:
-        """Seconds until the next row waiting out a backoff or a lease is due, by the database's
-        clock; None when none waits (parked rows are never due)."""
+        """Seconds until the next row backing off or leased is due; None when none waits."""
         outbox = OutboxMessage.objects.using(self.using)
         return scheduled.first_due_in(
             outbox.filter(status=OutboxStatus.PENDING, next_attempt_at__gt=Now())

@@ -1,8 +1,5 @@
-"""The registered consumers' queues and bindings, declared by the relay before it sends.
-
-Never fatal: drift, a refusal or a silent broker is reported and the relay sends anyway
-(``docs/design.md#the-relay-declares-the-consumers-topology`` explains why).
-"""
+"""The registered consumers' queues and bindings, declared by the relay before it sends; never
+fatal (``docs/design.md#the-relay-declares-the-consumers-topology``)."""
 
 from __future__ import annotations
 
@@ -37,8 +34,8 @@ _declared_lock = threading.Lock()
 
 @dataclass(eq=False)
 class ConsumerTopology:
-    """Declares ``specs``' topology once per relay connection (or process), before its first
-    claim. Everything runs on the relay's I/O loop, except :meth:`_declare`."""
+    """Declares ``specs``' topology once per relay connection (or process) before its first
+    claim, on the I/O loop but :meth:`_declare`."""
 
     specs: list[ConsumerSpec]
     publisher: PublisherTransport

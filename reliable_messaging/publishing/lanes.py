@@ -1,8 +1,5 @@
-"""Several relays side by side in one process (``relay --lanes``), and their progress lines.
-
-Rows are shared out between lanes (and between relay processes) by ``SKIP LOCKED``, and each
-key's order by the claim rule (:mod:`.claims`): the lanes need no coordination.
-"""
+"""Several relays side by side in one process (``relay --lanes``), and their progress lines;
+``SKIP LOCKED`` and the claim rule share the rows out, with no coordination."""
 
 from __future__ import annotations
 
@@ -20,8 +17,7 @@ logger = logging.getLogger("reliable_messaging.relay")
 
 
 def run_lanes(relays: list[OutboxRelay]) -> RelayReport:
-    """Run the first relay on this thread (signals arrive here) and the others on their own
-    threads."""
+    """Run the first relay on this thread (signals arrive here), the others on their own."""
     reports: list[RelayReport] = []
 
     def lane(relay: OutboxRelay) -> None:
@@ -48,8 +44,7 @@ def run_lanes(relays: list[OutboxRelay]) -> RelayReport:
 
 
 class RelayProgress:
-    """Logs one INFO line every ``interval`` seconds while relays run (rows sent, the rate,
-    rows pending), quiet while there is nothing to say; on a thread of its own."""
+    """Logs a progress line every ``interval`` seconds while relays run, on its own thread."""
 
     def __init__(self, relays: list[OutboxRelay], interval: float) -> None:
         self.relays = relays

@@ -1,8 +1,5 @@
-"""``publish()``: the transactional outbox's write side.
-
-``publish`` only inserts a row in the caller's transaction, its times by the database's clock;
-the relay sends committed rows later, woken after the commit (:mod:`.wake_after_commit`).
-"""
+"""``publish()``: the outbox's write side, a row in the caller's transaction that the relay
+sends once committed, woken after the commit (:mod:`.wake_after_commit`)."""
 
 from __future__ import annotations
 
@@ -57,29 +54,15 @@ def publish(
     expires: dt.timedelta | float | None = None,
     using: str | None = None,
 ) -> str:
-    """Write a message to the outbox in the current transaction of ``using``; return its id.
+    """Write a message to the outbox in the current transaction of ``using`` (by default the
+    outbox model's write alias, where the relay reads); return its id.
 
-    ``deliver_at`` (an aware datetime) or ``delay`` (a timedelta or seconds from now, by the
-    database's clock) schedules it: the relay sends it once it is due, not before, and
-    :func:`cancel_scheduled` can take it back until then. A ``deliver_at`` already past is sent
-    at once, and the message is as old as the call, not as the date. ``expires`` (a timedelta
-    or seconds, counted from the publish or, when scheduled, from the due time if later) is
-    its deadline: a consumer that receives it later does not handle it (outcome ``expired``).
-
-    ``using`` defaults to the alias the database routers give for writing ``OutboxMessage``
-    (``"default"`` without routers), which is where the relay reads: publish inside a
-    transaction on that alias. The relay sends the message once the transaction commits; a
-    rollback discards it. A payload JSON cannot encode raises ``TypeError`` here; a body larger
-    than ``MAX_BODY_BYTES`` (or than the broker's ``max_message_size``, once this process has
-    learned it) raises ``ValueError``, as do headers over the broker's frame size (they travel
-    in one frame), a ``deliver_at`` before 1970 and a deadline past 64 bits of milliseconds
-    (AMQP cannot carry them). With an ``idempotency_key`` already in the
-    outbox this is a no-op that returns the first message's id.
-
-    When ``routing_key`` has a declared payload type (``reliable_messaging.contracts.publishes``)
-    ``payload`` (a dict, or an object of the type) is checked against it first: a mismatch raises
-    :class:`~reliable_messaging.contracts.PayloadInvalid` with each field's path, and nothing is
-    written; what is sent is the type's JSON form of it.
+    ``deliver_at`` (an aware datetime) or ``delay`` (a timedelta or seconds, by the database's
+    clock) schedules it; ``expires`` (a timedelta or seconds, from the publish or the later due
+    time) is its deadline. An ``idempotency_key`` already in the outbox returns the first
+    message's id. A payload JSON cannot encode raises ``TypeError``, what AMQP or the broker
+    cannot carry ``ValueError``, and a payload its routing key's declared type refuses
+    :class:`~reliable_messaging.contracts.PayloadInvalid` (docs/reference/api.md).
     """
     if not isinstance(routing_key, str) or not routing_key:
         raise ValueError("routing_key must be a non-empty string")
@@ -171,8 +154,7 @@ _publish_on_sync_thread = sync_to_async(publish, thread_sensitive=True)
 
 
 def _encoded(routing_key: str, payload: Any) -> bytes:
-    """The body. With the step of declared payloads: ``payload`` checked against its routing
-    key's declared type (raises ``PayloadInvalid``), and written as that type writes it."""
+    """The body: ``payload`` checked against and encoded by its declared type, if any."""
     contract = contract_for(routing_key)
     if contract is None:
         return encode_payload(payload)
@@ -180,11 +162,8 @@ def _encoded(routing_key: str, payload: Any) -> bytes:
 
 
 def cancel_scheduled(message_id: str, *, using: str | None = None) -> bool:
-    """Cancel a scheduled message not sent yet, in the current transaction of ``using``.
-
-    Returns True when it was still waiting (it will not be sent, once this transaction
-    commits), False when there is no such scheduled message: never scheduled, cancelled
-    before, or already due and handed to the relay (then it is sent)."""
+    """Cancel a scheduled message not sent yet, in the current transaction of ``using``; False
+    when none was waiting (never scheduled, cancelled before, or already due)."""
     if using is None:
         using = router.db_for_write(OutboxMessage)
     return _cancel(str(message_id), using)
@@ -304,8 +283,7 @@ def _insert_sql(ordering_key: bool, idempotency_key: bool) -> str:
         "created_at": "STATEMENT_TIMESTAMP()",
     }
     if ordering_key:
-        # Written parked behind a held key (its first unsent row failed, backing off or
-        # parked), so that no claim has to find it due and park it (docs/concepts.md).
+        # Written parked behind a held key, so that no claim has to park it (docs/concepts.md).
         fixed["next_attempt_at"] = (
             f"CASE WHEN (SELECT u.status = 'failed' OR u.attempts > 0 "  # noqa: S608
             f'OR u.next_attempt_at IS NULL FROM "{meta.db_table}" u WHERE u.ordering_key = %s '
@@ -319,8 +297,7 @@ def _insert_sql(ordering_key: bool, idempotency_key: bool) -> str:
     return f'INSERT INTO "{meta.db_table}" ({quoted}) VALUES ({", ".join(placeholders)})'  # noqa: S608
 
 
-# On PostgreSQL publish() writes with these rather than Model.save(), whose compiler costs as
-# much as the rest of publish(): no pre_save/post_save signal (docs/concepts.md says so).
+# On PostgreSQL, not Model.save(), whose compiler costs as much as the rest of publish().
 _INSERT_PG = {
     (ordering, once): _insert_sql(ordering, once)
     for ordering in (False, True)

@@ -1,9 +1,6 @@
-"""The outbox relay: sends committed outbox rows with pipelined publisher confirms.
-
-This module runs the relay's life (connect, reconnect, stop, flow control) and routes what the
-broker says to its parts; :func:`build_relay` assembles them over a publisher transport.
-``docs/design.md#the-relay-a-pipeline-with-publisher-confirms`` explains the pipeline.
-"""
+"""The outbox relay's life (connect, reconnect, stop, flow control), routing what the broker
+says to its parts; :func:`build_relay` assembles them over a publisher transport
+(``docs/design.md#the-relay-a-pipeline-with-publisher-confirms``)."""
 
 from __future__ import annotations
 
@@ -34,9 +31,7 @@ logger = logging.getLogger("reliable_messaging.relay")
 
 # Seconds a claim's lease lasts past RELAY_CONFIRM_TIMEOUT.
 LEASE_MARGIN = 5.0
-# Outbox rows claimed and published per batch unless `relay --batch-size` says otherwise (and
-# fewer when their bodies pass claims.CLAIM_BYTES). 2,000 rather than 500: a batch's claim,
-# record and I/O-loop turns cost the same whatever its size (docs/benchmarks.md).
+# Outbox rows per batch unless `relay --batch-size` says otherwise (docs/benchmarks.md).
 BATCH_SIZE = 2000
 
 
@@ -60,8 +55,7 @@ class RelayReport:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def count_left(self, using: str) -> None:
-        """Read the rows left in the outbox (not when the database is down): three counts, each
-        through its own index (one aggregate would read every row)."""
+        """Read the rows left in the outbox: three counts, each through its own index."""
         outbox = OutboxMessage.objects.using(using)
         try:
             pending = outbox.pending()
@@ -83,8 +77,7 @@ class RelayReport:
 
 @dataclass(eq=False)
 class OutboxRelay:
-    """Publishes the outbox until stopped; with ``once`` until nothing is pending. Its publisher's
-    events and its timers run on the I/O loop. Built by :func:`build_relay`."""
+    """Publishes the outbox until stopped (``once``: until nothing is pending), on the I/O loop."""
 
     publisher: PublisherTransport
     claims: OutboxClaims
@@ -271,8 +264,7 @@ class OutboxRelay:
         self._watch_timer = None
 
     def _leave_blocked(self) -> None:
-        """Stop while the broker blocks us, without waiting for the alarm to clear: a batch in
-        flight rolls back."""
+        """Stop while the broker blocks us: a batch in flight rolls back."""
         self.in_flight.abort("stopping while the broker blocks the connection")
         self._set_blocked(False)
         self._finish(self.publisher.abandon)
@@ -304,11 +296,8 @@ def build_relay(
     consumers: Iterable[ConsumerSpec] = (),
     declare_once_per_process: bool = False,
 ) -> OutboxRelay:
-    """A relay assembled from its parts, publishing through ``transport`` (pika's
-    :class:`ConfirmingPublisher` unless given).
-
-    ``consumers``: those whose queues it declares before it sends, on each connection (or once
-    per process). ``on_batch`` gets the report after each batch, on a database worker."""
+    """A relay publishing through ``transport`` (pika's by default); it declares the queues of
+    ``consumers`` before it sends. ``on_batch`` gets the report after each batch."""
     publisher = transport if transport is not None else ConfirmingPublisher(settings)
     health = health if health is not None else HealthState()
     using = router.db_for_write(OutboxMessage)

@@ -1,7 +1,5 @@
-"""Scheduled messages: ``scheduled`` outbox rows (a partition of their own on PostgreSQL)
-whose ``next_attempt_at`` is their due time, made pending under a new id when due, so that they
-take their place in their key's order then (``docs/scheduling.md``), or cancelled before.
-"""
+"""Scheduled messages: ``scheduled`` outbox rows due at ``next_attempt_at``, made pending under
+a new id when due, or cancelled before (``docs/scheduling.md``)."""
 
 from __future__ import annotations
 
@@ -19,8 +17,7 @@ from ..storage.partitions import row_moved
 
 # How many due rows one promotion moves, in one short transaction.
 PROMOTE_CHUNK = 5000
-# Tries of a cancel, a claim or a batch's record that met a row moved to another partition
-# meanwhile (storage.partitions.row_moved).
+# Tries of what met a row moved to another partition meanwhile (partitions.row_moved).
 MOVED_TRIES = 3
 
 
@@ -29,14 +26,12 @@ def _scheduled(using: str) -> Any:
 
 
 def cancel(message_id: str, using: str) -> bool:
-    """Delete the scheduled row of ``message_id`` in the caller's transaction (in a savepoint,
-    so a race with the relay leaves that transaction usable). True when one was deleted."""
+    """Delete the scheduled row of ``message_id`` (in a savepoint); True when one was."""
     return bool(_delete_scheduled(_scheduled(using).filter(message_id=message_id), using))
 
 
 def cancel_rows(pks: Iterable[int], using: str) -> int:
-    """Delete those of the rows ``pks`` that still wait for their due time, and no other row
-    (another row may have the same message_id), as :func:`cancel` does; returns how many."""
+    """Delete those of the rows ``pks`` still scheduled, as :func:`cancel` does; how many."""
     return _delete_scheduled(_scheduled(using).filter(pk__in=list(pks)), using)
 
 
@@ -53,9 +48,8 @@ def _delete_scheduled(rows: Any, using: str) -> int:
 
 
 def promote_due(using: str, limit: int = PROMOTE_CHUNK, due_by: dt.datetime | None = None) -> int:
-    """Make up to ``limit`` due scheduled rows pending, earliest due first, each under a new id
-    (in due order); returns how many. Rows another relay is promoting are skipped. ``due_by``
-    (the testing helpers' "a day later") replaces the database's clock."""
+    """Make up to ``limit`` due scheduled rows pending under new ids in due order, skipping
+    those another relay holds; how many. ``due_by`` replaces the database's clock."""
     connection = connections[using]
     if connection.vendor == "postgresql":
         table = connection.ops.quote_name(OutboxMessage._meta.db_table)
@@ -91,8 +85,7 @@ def promote_due(using: str, limit: int = PROMOTE_CHUNK, due_by: dt.datetime | No
 
 
 def next_due_in(using: str) -> float | None:
-    """Seconds until the next scheduled row is due by the database's clock (0 when one is due
-    now); None when none is scheduled. Reads the first entry of the scheduled rows' index."""
+    """Seconds until the next scheduled row is due; None when none is scheduled."""
     return first_due_in(_scheduled(using))
 
 

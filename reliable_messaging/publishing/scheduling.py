@@ -1,7 +1,5 @@
-"""When the relay claims: a claim at a time, as soon as something may be due
-(``docs/design.md#when-the-relay-claims``). Everything here runs on the I/O loop, except the
-``*_job`` methods, which run on a database worker.
-"""
+"""When the relay claims (``docs/design.md#when-the-relay-claims``): on the I/O loop, but the
+``*_job`` methods, which run on a database worker."""
 
 from __future__ import annotations
 
@@ -34,8 +32,7 @@ TRAIL_FIRST = 0.01
 TRAIL_LAST = 0.64
 # How often a busy relay looks for a scheduled row fallen due: how late one can go out.
 SCHEDULED_LOOK = 0.5
-# The first wait, doubling to SCHEDULED_LOOK, while a due scheduled row is locked elsewhere
-# (looking again at once ran about 900 transactions a second).
+# The first wait, doubling to SCHEDULED_LOOK, while a due scheduled row is locked elsewhere.
 HELD_FIRST = 0.05
 
 
@@ -237,8 +234,7 @@ class ClaimScheduler:
         return min(trail, idle_wait)
 
     def _sweep(self) -> None:
-        """Release a slice of the parked rows nothing holds back any more; the next a second
-        later, a new pass SWEEP_INTERVAL after the last ended."""
+        """Release a slice of the parked rows nothing holds back any more."""
         released, self._sweep_after = release_parked(self.claims.using, self._sweep_after or 0)
         self._next_sweep = time.monotonic() + (1.0 if self._sweep_after else SWEEP_INTERVAL)
         if released:
@@ -266,8 +262,7 @@ class ClaimScheduler:
         self._note_scheduled(due_in)
 
     def _note_scheduled(self, due_in: float | None) -> float | None:
-        """Look for due scheduled rows at the next one's due time (while a due one is locked,
-        when it is looked at again), or SCHEDULED_LOOK; returns that wait, None if none waits."""
+        """Look for due scheduled rows at the next due time, at most SCHEDULED_LOOK from now."""
         if due_in == 0.0:
             due_in = max(0.0, self._held_until - time.monotonic())
         wait = SCHEDULED_LOOK if due_in is None else min(SCHEDULED_LOOK, due_in)

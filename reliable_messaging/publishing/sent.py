@@ -1,6 +1,5 @@
 """Where an outbox row is marked sent: a :class:`Batch` takes the broker's answers,
-:meth:`Batch.outcome` says what became of each row and :func:`record_outcome` writes it down.
-"""
+:meth:`Batch.outcome` says what became of each row, :func:`record_outcome` writes it."""
 
 from __future__ import annotations
 
@@ -48,7 +47,7 @@ class BatchOutcome:
 
     @property
     def released_keys(self) -> set[str]:
-        """The ordering keys whose next row may go now: a row of theirs left the unsent side."""
+        """The ordering keys whose next row may go now."""
         done = set(self.sent) | {row.pk for row in self.unrouted}
         return {
             row.ordering_key
@@ -63,9 +62,8 @@ def resend_backoff(attempts: int) -> dt.timedelta:
 
 
 def message_headers(row: ClaimedRow) -> dict[str, Any]:
-    """The headers a row goes out with: its own, ``published_at``, its row id (so that a
-    returned message finds its row) and its ordering key. A retry copy keeps its original's
-    (in its stored properties) and gets the row id alone."""
+    """A row's headers: its own, ``published_at``, its row id (for returns), its ordering key;
+    a retry copy keeps its original's and gets the row id alone."""
     if row.raw_properties is not None:
         return {OUTBOX_ID_HEADER: row.pk}
     headers: dict[str, Any] = dict(row.headers or {})
@@ -108,8 +106,7 @@ class Batch:
         ]
 
     def settle(self, tag: int, multiple: bool, acked: bool) -> tuple[int, int]:
-        """Take a confirm for ``tag`` (with ``multiple``, every tag up to it); how many of this
-        batch's rows it confirmed and nacked."""
+        """Take a confirm for ``tag`` (or up to it); how many rows it confirmed and nacked."""
         if not self.rows or (not multiple and tag not in self.rows):
             return 0, 0
         if multiple:
@@ -145,8 +142,7 @@ class Batch:
         return len(rows)
 
     def outcome(self) -> BatchOutcome:
-        """What to record: confirmed rows are sent (or unrouted), rows with an error charged,
-        the rest due again."""
+        """Confirmed rows sent (or unrouted), rows with an error charged, the rest due again."""
         sent = [pk for pk in self.confirmed if pk not in self.errors and pk not in self.unrouted]
         unrouted = [
             row
@@ -165,8 +161,7 @@ class Batch:
 
 
 def refused_rows(batches: list[Batch], reply_text: str) -> list[tuple[Batch, ClaimedRow]]:
-    """The unconfirmed rows a channel close was about: those bound for the exchange or with the
-    body size it names; failing that, the first one the broker did not confirm."""
+    """The unconfirmed rows a channel close names (exchange, body size), else the first."""
     unconfirmed = [(batch, row) for batch in batches for row in batch.unconfirmed()]
     named = _NAMED_EXCHANGE.search(reply_text)
     if named is not None:
@@ -186,9 +181,7 @@ def refused_rows(batches: list[Batch], reply_text: str) -> list[tuple[Batch, Cla
 def charge_refusal(
     batches: list[Batch], reply_code: int, reply_text: str, description: str
 ) -> tuple[int, str | None]:
-    """The broker closed the channel at a publish of ours: charge the rows it was about (a
-    404: those bound for the missing exchange). How many, and the missing exchange if any."""
-    # A 404's "no exchange 'x' in vhost ...": the rows refused_rows finds are those bound for x.
+    """Charge the rows a channel close was about; how many, and the missing exchange if any."""
     named = _MISSING_EXCHANGE.search(reply_text) if reply_code == NOT_FOUND else None
     missing = named.group(1) if named else None
     culprits = refused_rows(batches, reply_text)
@@ -219,8 +212,8 @@ def charge_refusal(
 def record_outcome(
     outcome: BatchOutcome, held: ClaimTransaction | None, *, using: str, max_attempts: int
 ) -> Exception | None:
-    """Write ``outcome`` down and release the next row of each key sent, committing ``held``
-    or, when the rows were leased, a new transaction. The error when it could not."""
+    """Write ``outcome`` and release the next row of each key sent, in ``held`` (or a new
+    transaction); the error when it could not."""
     leased = held is None
     for attempt in range(1, MOVED_TRIES + 1):
         try:
@@ -239,15 +232,12 @@ def record_outcome(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-# A retry copy's key guards only against a second copy waiting beside it (managers'
-# schedule_copy): once sent it is dropped, so that the copy an original handed back after a
-# lost ack may add can be marked sent too (the sent side's unique index would refuse it, and
-# with it the whole batch's record).
+# A retry copy's key is dropped once sent: it guards only against a second copy waiting beside
+# it, and the sent side's unique index would refuse a later copy's record.
 _KEPT_KEY = Case(When(raw_properties__isnull=False, then=Value(None)), default=F("idempotency_key"))
 
 
 def _write_outcome(outcome: BatchOutcome, leased: bool, using: str, max_attempts: int) -> None:
-    # Marking a row sent moves it to the sent side of the partitioned outbox.
     outbox = OutboxMessage.objects.using(using).filter(status__in=UNSENT_STATUSES)
     if outcome.sent or outcome.unrouted:
         # A day with no partition (every upkeep failing for days) is made here first.

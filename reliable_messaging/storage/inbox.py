@@ -30,15 +30,12 @@ InboxKey = tuple[str, str]
 Claimed = tuple[dict[InboxKey, bool], set[InboxKey]]
 
 
-# After a batch's claim timed out, each of its rows is tried alone for this long: the batch
-# already waited LOCK_TIMEOUT, so a row still locked now is the busy one.
+# How long a row is tried alone after its batch's claim timed out (a row still locked is busy).
 ROW_LOCK_PROBE = 0.1
 
 
-# Keys found held by another transaction, with when that was (monotonic): for a while their
-# next copies wait only ROW_LOCK_PROBE, not LOCK_TIMEOUT. A consumer cut off mid-batch
-# holds its rows until the server ends its transaction; the copies the broker redelivered
-# come back deferred again and again meanwhile, and each full wait would stall this consumer.
+# Keys found held by another transaction, and when (monotonic): for BUSY_MEMORY their copies
+# wait only ROW_LOCK_PROBE (``docs/design.md#the-inbox-claim``).
 _BUSY_KEYS: dict[InboxKey, float] = {}
 BUSY_MEMORY = 60.0
 _BUSY_LOCK = threading.Lock()
@@ -55,16 +52,14 @@ def remember_busy(keys: Iterable[InboxKey]) -> None:
                     del _BUSY_KEYS[key]
 
 
-# Seconds a claim waits for an inbox row another transaction holds (a twin still running, a
-# consumer cut off mid-batch) before its delivery is deferred (a copy due later) instead of
-# stalling the consumer. Longer only stalls a consumer behind a holder that may never end.
+# Seconds a claim waits for an inbox row another transaction holds before its delivery is
+# deferred instead of stalling the consumer.
 LOCK_TIMEOUT = 2.0
 
 
 def lock_wait_for(keys: Iterable[InboxKey], redelivered: bool) -> float:
-    """How long an inbox claim of ``keys`` may wait on rows another transaction holds: the
-    full ``LOCK_TIMEOUT``, or only ROW_LOCK_PROBE for a redelivery (its last holder may
-    be the consumer that went away with its transaction open) or a key found held lately."""
+    """How long a claim of ``keys`` may wait on held rows: ``LOCK_TIMEOUT``, or ROW_LOCK_PROBE
+    for a redelivery or a key found held lately."""
     now = time.monotonic()
     with _BUSY_LOCK:
         held = any(now - _BUSY_KEYS.get(key, -BUSY_MEMORY) < BUSY_MEMORY for key in keys)
@@ -77,9 +72,8 @@ class InboxRowBusy(Exception):
 
 @contextlib.contextmanager
 def bounded_lock_wait(using: str, seconds: float) -> Iterator[None]:
-    """Within the current transaction, let lock waits last ``seconds`` at most (PostgreSQL's
-    ``lock_timeout``), then restore it. Raises :class:`InboxRowBusy` when a wait is cut short:
-    the caller's savepoint must then be rolled back, which undoes the setting."""
+    """Bound lock waits to ``seconds`` in the current transaction, then restore the bound; a
+    wait cut short raises :class:`InboxRowBusy` (roll the savepoint back)."""
     connection = connections[using]
     if connection.vendor != "postgresql" or seconds <= 0:
         yield
@@ -104,27 +98,23 @@ def bounded_lock_wait(using: str, seconds: float) -> Iterator[None]:
 def claimed_atomic(
     using: str, consumer: str, message_id: str, *, lock_wait: float = 0.0
 ) -> Iterator[bool]:
-    """Open ``transaction.atomic(using)`` with the inbox row of (consumer, message_id) inserted;
-    yields whether it went in (``False``: a duplicate). Past ``lock_wait`` (0: no bound) on a row
-    another transaction holds, :class:`InboxRowBusy` is raised, nothing left of the block."""
+    """``transaction.atomic(using)`` with the inbox row of (consumer, message_id) inserted;
+    yields whether it went in. Past ``lock_wait`` (0: no bound) raises :class:`InboxRowBusy`."""
     with transaction.atomic(using=using):
         with bounded_lock_wait(using, lock_wait):
             if not insert_inbox_row(using, consumer, message_id):
-                # A duplicate's block runs before the bounded wait is restored: a caller that
-                # ends the transaction there (by raising) spares the round trip restoring it.
+                # Before the bound is restored: a caller that raises spares that round trip.
                 yield False
                 return
         yield True
 
 
-# Databases whose SQL has INSERT ... ON CONFLICT DO NOTHING RETURNING (the batched inbox claim);
-# on others every delivery takes the one-by-one path.
+# Databases with INSERT ... ON CONFLICT DO NOTHING RETURNING; others claim one by one.
 CLAIM_VENDORS = frozenset({"postgresql", "sqlite"})
 
 
 def claim_inbox_rows(using: str, keys: list[InboxKey], lock_wait: float) -> Claimed:
-    """Insert the inbox rows of ``keys``, sorted (so two batches sharing keys never deadlock);
-    the keys held by another transaction past ``lock_wait`` come back busy, to be deferred
+    """Insert the inbox rows of ``keys``, sorted; those held past ``lock_wait`` come back busy
     (``docs/design.md#the-inbox-claim``)."""
     ordered = sorted(set(keys))
     if connections[using].vendor not in CLAIM_VENDORS:
@@ -141,8 +131,8 @@ def claim_inbox_rows(using: str, keys: list[InboxKey], lock_wait: float) -> Clai
 
 
 def _claim(using: str, keys: list[InboxKey], lock_wait: float) -> dict[InboxKey, bool]:
-    """The batch claim of sorted ``keys`` in a savepoint, its lock waits bounded by
-    ``lock_wait``; raises :class:`InboxRowBusy` past it, the savepoint rolled back."""
+    """The batch claim of sorted ``keys`` in a savepoint; :class:`InboxRowBusy` past
+    ``lock_wait``."""
     if _one_round_trip(using):
         return _claim_in_one_round_trip(using, keys, lock_wait)
     with transaction.atomic(using=using), bounded_lock_wait(using, lock_wait):
@@ -150,9 +140,8 @@ def _claim(using: str, keys: list[InboxKey], lock_wait: float) -> dict[InboxKey,
 
 
 def _claim_around_held(using: str, keys: list[InboxKey]) -> Claimed:
-    """On PostgreSQL: the keys whose claim lock another transaction holds are busy (found with
-    ``pg_try_advisory_xact_lock``, which never waits); the others are claimed at once, waiting
-    ``ROW_LOCK_PROBE`` at most for one a transaction took since."""
+    """PostgreSQL: keys whose claim lock is held (found without waiting) are busy; the others
+    are claimed, waiting ``ROW_LOCK_PROBE`` at most."""
     hashes = sorted({_key_hash(consumer, message_id) for consumer, message_id in keys})
     with connections[using].cursor() as cursor:
         cursor.execute(
@@ -172,8 +161,7 @@ def _claim_around_held(using: str, keys: list[InboxKey]) -> Claimed:
 
 
 def _claim_one_by_one(using: str, keys: list[InboxKey]) -> Claimed:
-    """Each of ``keys`` claimed alone, waiting ``ROW_LOCK_PROBE`` at most: the held ones are
-    busy, the rest claimed."""
+    """Each of ``keys`` claimed alone, waiting ``ROW_LOCK_PROBE`` at most; the held ones busy."""
     claimed: dict[InboxKey, bool] = {}
     busy: set[InboxKey] = set()
     for key in keys:
@@ -184,16 +172,14 @@ def _claim_one_by_one(using: str, keys: list[InboxKey]) -> Claimed:
     return claimed, busy
 
 
-# The batch claim's own savepoint, and the setting of the transaction that keeps the
-# lock_timeout it replaces so that the same round trip can restore it.
+# The batch claim's savepoint, and the setting keeping the lock_timeout it replaces.
 CLAIM_SAVEPOINT = "rm_inbox_claim"
 SAVED_LOCK_TIMEOUT = "reliable_messaging.saved_lock_timeout"
 
 
 def _one_round_trip(using: str) -> bool:
-    """Whether the claim may go as one script of several statements: PostgreSQL through
-    psycopg 3 with client-side binding (Django's default). Server-side binding (the
-    ``server_side_binding`` option) and psycopg2 take a statement per round trip."""
+    """Whether the claim may go as one script: psycopg 3 with client-side binding (Django's
+    default)."""
     connection = connections[using]
     if connection.vendor != "postgresql" or CLIENT_CURSOR is None:
         return False
@@ -204,9 +190,8 @@ def _one_round_trip(using: str) -> bool:
 def _claim_in_one_round_trip(
     using: str, keys: list[InboxKey], lock_wait: float
 ) -> dict[InboxKey, bool]:
-    """The batch claim as :func:`bounded_lock_wait` around :func:`_insert_inbox_rows` in a
-    savepoint does it, in one round trip instead of five (on a loaded machine each costs as
-    much as the statement). Raises :class:`InboxRowBusy` after rolling back to the savepoint."""
+    """:func:`bounded_lock_wait` around :func:`_insert_inbox_rows` in a savepoint, in one round
+    trip instead of five; :class:`InboxRowBusy` after rolling back to the savepoint."""
     connection = connections[using]
     lock, lock_params = _key_locks_sql(keys)
     insert, params = _insert_inbox_rows_sql(using, keys)
@@ -261,9 +246,8 @@ def _insert_inbox_rows_sql(using: str, keys: list[InboxKey]) -> tuple[str, list[
         return f"{insert}, 1", params
     # A day with no partition (every upkeep failing for days, a clock far ahead) is made first.
     ensure_covered(using, now)
-    # The function (migrations/0001_initial.py) looks for each key in every day's partition.
-    # Run after _key_locks_sql's statement, in a snapshot of its own, it sees any copy committed
-    # while the lock was awaited; one in the same partition not yet committed makes it wait.
+    # The function (migrations/0001_initial.py) looks for each key in every day's partition,
+    # after _key_locks_sql's statement, in a snapshot that sees copies committed meanwhile.
     sql = (
         "SELECT consumer, message_id, open_letter "  # noqa: S608
         f"FROM {INBOX_CLAIM_FUNCTION}(%s::text[], %s::text[], %s, %s::text[])"
@@ -274,9 +258,8 @@ def _insert_inbox_rows_sql(using: str, keys: list[InboxKey]) -> tuple[str, list[
 
 
 def _insert_inbox_rows(using: str, keys: list[InboxKey]) -> dict[InboxKey, bool]:
-    """Insert the inbox rows of ``keys`` not there yet; returns those inserted, each with
-    whether its consumer may hold an open dead letter of it (looked up in the same statement on
-    PostgreSQL) that ``dead_letters.ledger.settle_processed`` must resolve."""
+    """Insert the inbox rows of ``keys`` not there yet; those inserted, each with whether an
+    open dead letter of it may exist (for ``dead_letters.ledger.settle_processed``)."""
     sql, params = _insert_inbox_rows_sql(using, keys)
     with connections[using].cursor() as cursor:
         if connections[using].vendor == "postgresql":
@@ -286,16 +269,14 @@ def _insert_inbox_rows(using: str, keys: list[InboxKey]) -> dict[InboxKey, bool]
 
 
 def _key_hash(consumer: str, message_id: str) -> int:
-    """A stable 32-bit signed hash of the pair (two pairs sharing one only wait for each
-    other a moment longer)."""
+    """A stable 32-bit signed hash of the pair (a collision only costs a wait)."""
     value = zlib.crc32(f"{consumer}\x1f{message_id}".encode("utf-8", "surrogatepass"))
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
 def _key_locks_sql(keys: Sequence[InboxKey]) -> tuple[str, list[Any]]:
-    """The statement that takes a transaction-scoped advisory lock per key of ``keys``, in one
-    order for everyone (so two batches sharing keys never deadlock): two copies of a message
-    wait for each other here whichever day's partition they would go to."""
+    """The statement that takes a transaction-scoped advisory lock per key, in one order for
+    everyone: two copies wait for each other whatever day's partition they go to."""
     hashes = sorted({_key_hash(consumer, message_id) for consumer, message_id in keys})
     return (
         "SELECT count(pg_advisory_xact_lock(%s, k)) FROM unnest(%s::int[]) AS k",
@@ -304,9 +285,7 @@ def _key_locks_sql(keys: Sequence[InboxKey]) -> tuple[str, list[Any]]:
 
 
 def insert_inbox_row(using: str, consumer: str, message_id: str) -> bool:
-    """Insert the inbox row of one message, in the caller's transaction: ``True`` if it went
-    in, ``False`` if the key is already there (a duplicate). A copy of it in a transaction not
-    yet committed makes this wait for that one's outcome."""
+    """Insert the inbox row of one message in the caller's transaction; False: a duplicate."""
     if connections[using].vendor in CLAIM_VENDORS:
         return (consumer, message_id) in _insert_inbox_rows(using, [(consumer, message_id)])
     try:

@@ -1,6 +1,5 @@
 """The day partitions of the inbox and of the outbox's sent rows on PostgreSQL, made ahead and
-dropped without a lock a claim, a publish or the relay holds
-(``docs/operations.md#how-the-tables-are-laid-out``)."""
+dropped concurrently (``docs/operations.md#how-the-tables-are-laid-out``)."""
 
 from __future__ import annotations
 
@@ -30,29 +29,26 @@ OUTBOX_SENT = f"{OUTBOX_TABLE}_sent"
 OUTBOX_SCHEDULED = f"{OUTBOX_TABLE}_scheduled"
 # The function that claims a batch of inbox rows (the migration makes it; storage.inbox calls it).
 INBOX_CLAIM_FUNCTION = "rm_inbox_claim"
-# The statuses of each side of the outbox (the values of its list partitions); every relay
-# query names the unsent ones, so that PostgreSQL reads only that partition.
+# The statuses of each side of the outbox (its list partitions): relay queries name the unsent.
 UNSENT_STATUSES = ("pending", "failed")
 SENT_STATUSES = ("sent", "unrouted")
 UNSENT_SQL = ", ".join(f"'{status}'" for status in UNSENT_STATUSES)
 SENT_SQL = ", ".join(f"'{status}'" for status in SENT_STATUSES)
-# Days made ahead of the current one; fewer than UPKEEP_WARN_DAYS means the upkeep has failed
-# for about a day (the status, the log and /healthz say so).
+# Days made ahead of the current one; fewer than UPKEEP_WARN_DAYS: the upkeep failed a day.
 AHEAD_DAYS = 7
 UPKEEP_WARN_DAYS = AHEAD_DAYS - 1
 # How long partition upkeep waits for a table lock (another process's DDL), and how often.
 DDL_LOCK_TIMEOUT = "500ms"
 DDL_ATTEMPTS = 3
 DDL_RETRY_AFTER = 1.0
-# PostgreSQL's SQLSTATE for a lock wait cut short by lock_timeout.
+# PostgreSQL's SQLSTATEs for a lock wait cut short by lock_timeout, and a serialization failure.
 LOCK_NOT_AVAILABLE = "55P03"
-# PostgreSQL's SQLSTATE for a serialization failure (see row_moved).
 SERIALIZATION_FAILURE = "40001"
 
 
 def row_moved(exc: BaseException) -> bool:
-    """Whether ``exc`` says, in READ COMMITTED, that a row to be locked or updated was moved to
-    another partition (marked sent) meanwhile: the statement is to be run again."""
+    """Whether ``exc`` says a row to lock or update moved to another partition meanwhile (to be
+    run again)."""
     return isinstance(exc, OperationalError) and sqlstate(exc) == SERIALIZATION_FAILURE
 
 
@@ -67,9 +63,8 @@ def _inbox_leaf_sql(name: str) -> list[str]:
 
 
 def outbox_leaf_sql(name: str) -> list[str]:
-    """A standalone table shaped like the outbox with what each of its partitions has of its
-    own: the primary key and the partial unique index of idempotency keys (see
-    docs/operations.md#how-the-tables-are-laid-out); the other indexes come as it is attached."""
+    """A standalone table shaped like an outbox partition: its primary key and unique index of
+    idempotency keys (the other indexes come as it is attached)."""
     return [
         f'CREATE TABLE "{name}" (LIKE "{OUTBOX_TABLE}" INCLUDING DEFAULTS INCLUDING CONSTRAINTS)',
         f'ALTER TABLE "{name}" ADD CONSTRAINT "{name}_pkey" PRIMARY KEY (id)',
@@ -83,15 +78,11 @@ class DayPartitioned:
     """A table partitioned by UTC day of a timestamp column."""
 
     label: str
-    # The table partitioned by range of ``column`` (for the outbox, its sent side).
-    table: str
+    table: str  # partitioned by range of ``column`` (for the outbox, its sent side)
     column: str
-    # The name of a day's partition is this and the day, YYYYMMDD.
-    prefix: str
-    # Creates a standalone table shaped like a partition (its range CHECK added apart).
-    leaf_sql: Callable[[str], list[str]]
-    # What a partition's rows satisfy beyond the range (the bound of ``table`` itself, when it
-    # is a partition): stated in the CHECK too, so that attaching needs no scan.
+    prefix: str  # a day's partition is this and the day, YYYYMMDD
+    leaf_sql: Callable[[str], list[str]]  # a standalone table shaped like a partition
+    # What its rows satisfy beyond the range (``table``'s own bound), so attaching needs no scan.
     also: str = ""
 
 
@@ -109,11 +100,9 @@ OUTBOX = DayPartitioned(
 @dataclass(frozen=True)
 class Partition:
     name: str
-    # Its range of the partitioning column, [start, end).
-    start: dt.datetime
+    start: dt.datetime  # its range, [start, end)
     end: dt.datetime
-    # Half detached by a DETACH ... CONCURRENTLY that did not finish (its process died).
-    detaching: bool = False
+    detaching: bool = False  # a DETACH ... CONCURRENTLY did not finish
 
     def overlaps(self, start: dt.datetime, end: dt.datetime) -> bool:
         return self.start < end and start < self.end
@@ -175,9 +164,8 @@ def partitions(using: str, spec: DayPartitioned = INBOX) -> list[Partition]:
 def create_partition_sql(
     name: str, start: dt.datetime, end: dt.datetime, spec: DayPartitioned = INBOX
 ) -> list[str]:
-    """The statements that make ``name`` a standalone table shaped like a partition of
-    ``spec``, with its indexes and a CHECK matching its range (so attaching it needs no
-    scan), then attach it."""
+    """Make ``name`` a standalone table with a CHECK of its range (so attaching needs no scan),
+    then attach it to ``spec``'s table."""
     column, start_at, end_at = spec.column, start.isoformat(), end.isoformat()
     also = f" AND {spec.also}" if spec.also else ""
     return [
@@ -203,8 +191,8 @@ def _statements(*statements: str) -> Callable[[Any], bool]:
 
 
 def _ddl(using: str, what: str, work: Callable[[Any], bool]) -> bool | None:
-    """Run ``work(cursor)`` under the upkeep's advisory lock with lock waits bounded, up to
-    ``DDL_ATTEMPTS`` times; its result, or None when it did not go through (logged)."""
+    """``work(cursor)`` under the upkeep's lock, lock waits bounded, up to ``DDL_ATTEMPTS``
+    times; its result, or None when it did not go through (logged)."""
     for attempt in range(1, DDL_ATTEMPTS + 1):
         try:
             with transaction.atomic(using=using), connections[using].cursor() as cursor:
@@ -231,8 +219,7 @@ def ensure_partitions(
     ahead: int = AHEAD_DAYS,
     spec: DayPartitioned = INBOX,
 ) -> list[str]:
-    """Create the missing day partitions of ``spec`` from yesterday to ``ahead`` days from now
-    (each a table made apart, then attached); returns the names created."""
+    """Create the missing day partitions of ``spec``, yesterday to ``ahead`` days on; names."""
     if not is_partitioned(using, spec):
         return []
     today = (now or dt.datetime.now(dt.UTC)).astimezone(dt.UTC).date()
@@ -264,8 +251,7 @@ def ensure_partitions(
 
 
 def covered_until(using: str, at: dt.datetime, spec: DayPartitioned = INBOX) -> dt.datetime | None:
-    """The instant before which rows from ``at`` on have a partition (``at`` when none holds
-    it); None where the table is not partitioned."""
+    """The instant before which rows from ``at`` on have a partition; None if not partitioned."""
     if not is_partitioned(using, spec):
         return None
     until = at
@@ -276,8 +262,7 @@ def covered_until(using: str, at: dt.datetime, spec: DayPartitioned = INBOX) -> 
 
 
 def days_ahead(using: str, at: dt.datetime, spec: DayPartitioned = INBOX) -> float | None:
-    """How many days from ``at`` rows of ``spec`` have their partitions made; None where the
-    table is not partitioned."""
+    """Days from ``at`` that have their partitions; None where not partitioned."""
     until = covered_until(using, at, spec)
     return None if until is None else max(0.0, (until - at).total_seconds() / 86400)
 
@@ -297,9 +282,8 @@ ON_THE_SPOT_TIMEOUT = 30.0
 
 
 def ensure_covered(using: str, at: dt.datetime, spec: DayPartitioned = INBOX) -> None:
-    """Make sure a row of ``spec`` stamped ``at`` has a partition to go to (almost always a
-    comparison with what this process last read); when none holds it, its days are made on
-    the spot, on a connection of their own, so the caller's open transaction is no obstacle."""
+    """Make sure a row of ``spec`` stamped ``at`` has a partition to go to (usually a comparison
+    with what this process last read), else make it on the spot, on a connection of its own."""
     key = (using, spec.table)
     if at < _COVERED.get(key, at):
         return
@@ -338,8 +322,7 @@ def _read_coverage(
     using: str, at: dt.datetime, spec: DayPartitioned
 ) -> tuple[bool, dt.datetime | None]:
     """Whether the catalog could be read, and :func:`covered_until`, in a savepoint of the
-    caller's connection: behind a pooler the callers' transactions hold, a second connection
-    could wait for ever."""
+    caller's connection (behind a pooler a second connection could wait for ever)."""
     try:
         with transaction.atomic(using=using):
             return True, covered_until(using, at, spec)
@@ -360,21 +343,19 @@ def _make_on_the_spot(using: str, at: dt.datetime, spec: DayPartitioned) -> None
 @dataclass(frozen=True)
 class Dropped:
     name: str
-    # PostgreSQL's estimate of its rows (counting them would read the whole partition).
-    rows: int
+    rows: int  # PostgreSQL's estimate
 
 
 def _detach_concurrently(using: str, parent: str, name: str, finalize: bool) -> bool:
-    """Detach ``name`` from ``parent`` ``CONCURRENTLY`` (in a transaction, a test's: plainly);
-    ``finalize`` completes a detach a process began and did not finish."""
+    """Detach ``name`` ``CONCURRENTLY`` (in a test's transaction: plainly); ``finalize``
+    completes an unfinished one."""
     connection = connections[using]
     detach = f'ALTER TABLE "{parent}" DETACH PARTITION "{name}"'
     if connection.in_atomic_block:
         plain = detach + (" FINALIZE" if finalize else "")
         return bool(_ddl(using, f"detach {name}", _statements(plain)))
     statement = f"{detach} {'FINALIZE' if finalize else 'CONCURRENTLY'}"
-    # No SET LOCAL outside a transaction: a probe under one first, so that a table another DDL
-    # holds is left for the next run; then a watchdog bounds the detach itself.
+    # No SET LOCAL outside a transaction: a bounded lock probe first, then a watchdog.
     probe = _statements(f'LOCK TABLE "{parent}" IN SHARE UPDATE EXCLUSIVE MODE')
     if not _ddl(using, f"lock {parent} to detach {name}", probe):
         return False
@@ -397,8 +378,7 @@ DETACH_TIMEOUT = 300.0
 
 
 def _cancel(using: str, statement: str) -> None:
-    """Cancel ``statement`` where it still runs (found by its text: behind a pooler the pid of
-    this session is not the statement's)."""
+    """Cancel ``statement`` where it still runs (found by its text, for a pooler's sake)."""
     try:
         with connections[using].cursor() as cursor:
             cursor.execute(
@@ -438,8 +418,7 @@ def _leftovers(using: str, before: dt.datetime, spec: DayPartitioned) -> list[st
 
 
 def drop_expired(using: str, before: dt.datetime, spec: DayPartitioned = INBOX) -> list[Dropped]:
-    """Detach concurrently and drop every partition of ``spec`` whose whole range lies before
-    ``before``, oldest first; returns what was dropped. What cannot be done waits."""
+    """Detach concurrently and drop the partitions of ``spec`` wholly before ``before``."""
     if not is_partitioned(using, spec):
         return []
     dropped: list[Dropped] = []
@@ -479,8 +458,7 @@ def estimated_rows_of(using: str, tables: list[str]) -> int:
 
 
 def estimated_rows(using: str, table: str = INBOX_TABLE) -> float | None:
-    """PostgreSQL's estimate of the rows of a table, summed over its partitions; None while
-    none was ever analyzed."""
+    """PostgreSQL's estimate of a table's rows over its partitions; None if never analyzed."""
     with connections[using].cursor() as cursor:
         # A plain table is its own leaf (pg_partition_tree lists nothing for it).
         cursor.execute(
@@ -501,8 +479,8 @@ UPKEEP_RETRY = 60.0
 
 
 class PartitionUpkeep:
-    """A thread that makes the coming day partitions of ``spec`` every ``interval`` seconds and,
-    given a ``retention``, drops the expired ones; a failed run is tried again after ``retry``."""
+    """A thread that makes the coming day partitions of ``spec`` every ``interval`` seconds and
+    drops those past ``retention``; a failed run is tried again after ``retry``."""
 
     def __init__(
         self,
@@ -522,8 +500,7 @@ class PartitionUpkeep:
         self.health = health
         self.retry = retry
         self.clock = clock or (lambda: dt.datetime.now(dt.UTC))
-        # Runs that failed in a row, and what the last one found.
-        self.failures = 0
+        self.failures = 0  # runs that failed in a row
         self.problem: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(

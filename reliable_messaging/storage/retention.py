@@ -28,8 +28,7 @@ class PurgeResult:
     dead_letters: int = 0
 
 
-# Called after each deleted batch with the table ("inbox" or "outbox"), the rows deleted from
-# it so far, and how many were due when its purge started.
+# Told after each deleted batch the table, the rows deleted so far and those due at the start.
 OnBatch = Callable[[str, int, int], None]
 
 
