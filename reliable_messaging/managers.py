@@ -1,7 +1,6 @@
-"""Every query and state change of the app's tables, on the models' managers. Methods that
-change rows run in the caller's transaction, and those that lock rows must run inside one
-(``docs/design.md#managers-every-state-change-in-one-place``). The model classes are ``Any``
-here, reached through ``self.model`` or :func:`_sibling`: models.py imports this module."""
+"""Every query and state change of the app's tables, in the caller's transaction
+(``docs/design.md#managers-every-state-change-in-one-place``). Models are ``Any`` here
+(``self.model``, :func:`_sibling`): models.py imports this module."""
 
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ class BatchDeletingQuerySet(models.QuerySet):
     def delete_in_batches(
         self, batch_size: int, progress: Callable[[int, int], None] | None = None
     ) -> int:
-        """Delete these rows ``batch_size`` per transaction; returns how many went. ``progress``
-        is told after each batch the rows deleted so far and how many were due at the start."""
+        """Delete these rows ``batch_size`` per transaction; ``progress(deleted, total)``."""
         using = _write_db(self)
         rows = self.using(using)
         total = rows.count() if progress else 0
@@ -81,12 +79,8 @@ class _PerMessageQuerySet(BatchDeletingQuerySet):
         return self.filter(consumer=consumer, message_id=message_id)
 
     def forget(self, consumer: str, message_id: str) -> int:
-        """Remove the row of one message: from the inbox, so a copy of it runs the handler
-        again; from the crash guard, once its delivery reached an outcome."""
+        """Remove the row of one message (a copy of it then runs again)."""
         return self.of(consumer, message_id).delete()[0]
-
-
-# -- the inbox ---------------------------------------------------------------------------------
 
 
 class ProcessedMessageQuerySet(_PerMessageQuerySet):
@@ -198,20 +192,17 @@ class DeadLetterQuerySet(_PerMessageQuerySet):
     # -- moves ------------------------------------------------------------------------------
 
     def mark_replayed(self, dead_letter: Any, *, by: str, forced: bool, at: dt.datetime) -> None:
-        """A copy of it is in the outbox, to its consumer's queue only; ``forced``: its inbox
-        row was removed for the copy to run."""
+        """A copy is in the outbox; ``forced``: its inbox row was removed for it."""
         _move(dead_letter, DeadLetterStatus.REPLAYED, "replayed", at, by=by, forced=forced)
 
     def mark_edited_replay(self, dead_letter: Any, *, at: dt.datetime, **details: str) -> None:
-        """An edited copy under a new message_id is in the outbox; ``details`` (by, reason,
-        message_id, diff) go into the history entry. Its own payload and headers are kept."""
+        """An edited copy under a new message_id is in the outbox; ``details`` go to history."""
         _move(dead_letter, DeadLetterStatus.REPLAYED, "edited_replay", at, **details)
 
     def mark_replayed_in_bulk(
         self, pks: Iterable[int], *, by: str, forced: bool, at: dt.datetime, **details: Any
     ) -> int:
-        """:meth:`mark_replayed` for many dead letters locked by the caller, in one UPDATE
-        (``details``, such as the operation's id, go into each history entry)."""
+        """:meth:`mark_replayed` for many locked dead letters, in one UPDATE."""
         event = {"event": "replayed", "at": at.isoformat(), "by": by, "forced": forced, **details}
         return _update_appending(
             self.filter(pk__in=list(pks)),
@@ -223,8 +214,7 @@ class DeadLetterQuerySet(_PerMessageQuerySet):
         )
 
     def discard(self, *, by: str, at: dt.datetime, **details: Any) -> int:
-        """Mark these dead letters discarded in one UPDATE (which waits for a concurrent
-        replay's locks, then re-reads the filter); returns how many."""
+        """Mark these dead letters discarded in one UPDATE; returns how many."""
         event = {"event": "discarded", "at": at.isoformat(), "by": by, **details}
         return _update_appending(
             self, "history", event, status=DeadLetterStatus.DISCARDED, updated_at=at
@@ -233,8 +223,7 @@ class DeadLetterQuerySet(_PerMessageQuerySet):
     def resolve(
         self, *, at: dt.datetime, by: str | None = None, trace_id: str | None = None
     ) -> int:
-        """Lock these dead letters and mark each resolved (a replay or another copy of its
-        message was processed, in the trace ``trace_id``); returns how many."""
+        """Lock these dead letters and mark each resolved; returns how many."""
         details: dict[str, Any] = {"by": by} if by is not None else {}
         if trace_id:
             details["trace_id"] = trace_id
@@ -252,8 +241,7 @@ class DeadLetterQuerySet(_PerMessageQuerySet):
         event: dict[str, Any],
         first_failed_at: dt.datetime,
     ) -> Any:
-        """Store a failure of ``message_id`` for ``consumer``: a new row, or its row updated with
-        ``fields``, ``event`` added to its history (a message without an id gets its own)."""
+        """Store a failure: a new row, or the existing one updated, ``event`` in its history."""
         using = self.db
         rows = self.using(using)
         for _ in range(2):  # a concurrent first insert of the same key turns into an update
@@ -291,8 +279,7 @@ class _JSONAppend(models.Func):
 
 
 def _update_appending(rows: models.QuerySet[Any], field: str, item: Any, **fields: Any) -> int:
-    """Set ``fields`` and append ``item`` to the JSON list ``field`` of ``rows``: one UPDATE on
-    PostgreSQL; elsewhere the fields in one UPDATE and the list row by row."""
+    """Set ``fields`` and append ``item`` to the JSON list ``field`` of ``rows``."""
     using = rows.db
     if connections[using].vendor == "postgresql":
         appended = Value([item], output_field=models.JSONField())
@@ -322,9 +309,8 @@ def _move(dead_letter: Any, status: str, event: str, at: dt.datetime, **details:
 # A fold moves at most this many deltas per transaction: about 20 ms of work.
 FOLD_BATCH_SIZE = 5000
 
-# The deltas' oldest ``%s`` rows, added up per group into the groups in key order (the same
-# rules the view ``LiveDeadLetterGroup`` adds them up by), deleted in the same statement.
-# ``SKIP LOCKED``: rows a concurrent fold holds are left to it.
+# The oldest deltas added into the groups (as the view LiveDeadLetterGroup adds them) and
+# deleted, in one statement; rows a concurrent fold holds are skipped.
 FOLD = """
 WITH moved AS (
     DELETE FROM {deltas}
@@ -368,9 +354,8 @@ def _fold_lock(cursor: Any) -> bool:
 
 
 class DeadLetterGroupQuerySet(models.QuerySet):
-    """The failure groups and their figures (``docs/concepts.md#failure-groups``): on PostgreSQL
-    read from the live view (groups plus deltas not folded yet), elsewhere counted over the dead
-    letters. Readers read every group: filters on this queryset do not narrow them."""
+    """The failure groups (``docs/concepts.md#failure-groups``): the live view on PostgreSQL,
+    else counted over the dead letters. Filters on this queryset do not narrow readers."""
 
     def kept(self) -> bool:
         """Whether the table is kept up to date on this database (PostgreSQL's triggers)."""
@@ -384,9 +369,8 @@ class DeadLetterGroupQuerySet(models.QuerySet):
         return _sibling(self, "LiveDeadLetterGroup").filter(total__gt=0)
 
     def fold(self, *, batch_size: int = FOLD_BATCH_SIZE, batches: int | None = 1) -> int:
-        """Move the oldest deltas into the groups, ``batch_size`` per transaction, for at most
-        ``batches`` transactions (None: until none is left); returns how many were folded. One
-        fold runs at a time: while another holds the lock this returns at once."""
+        """Fold the oldest deltas, ``batch_size`` per transaction, ``batches`` times (None: all);
+        returns how many. Returns at once while another fold holds the lock."""
         using = _write_db(self)
         if connections[using].vendor != "postgresql":
             return 0
@@ -406,8 +390,7 @@ class DeadLetterGroupQuerySet(models.QuerySet):
         return folded
 
     def listing(self, *, with_open: bool = True) -> models.QuerySet[Any, dict[str, Any]]:
-        """One dict per (fingerprint, consumer) (:data:`GROUP_FIELDS`), its reasons added up,
-        those with dead letters first; ``with_open``: only groups with a dead letter left."""
+        """One dict per (fingerprint, consumer) (:data:`GROUP_FIELDS`), reasons added up."""
         if not self.kept():
             letters = self._dead_letters()
             groups = _counted(letters, "fingerprint", "consumer").annotate(reason=Max("reason"))
@@ -425,8 +408,7 @@ class DeadLetterGroupQuerySet(models.QuerySet):
         return _latest_first(groups, with_open, "fingerprint", "consumer")
 
     def of_fingerprint(self, fingerprint: str) -> dict[str, Any]:
-        """How many dead letters (``total``) have ``fingerprint``, whatever their consumer,
-        and the exception type and reason of its latest group (None when there is none)."""
+        """``total`` dead letters of ``fingerprint``, and its latest exception type and reason."""
         if not self.kept():
             letters = self._dead_letters().filter(fingerprint=fingerprint)
             total = letters.count()
@@ -443,8 +425,7 @@ class DeadLetterGroupQuerySet(models.QuerySet):
         return {"total": total, **(latest or dict.fromkeys(("exception_type", "reason")))}
 
     def values_of(self, field: str) -> list[str]:
-        """The distinct values of a dead letter's ``field`` (consumer, queue, reason, exception
-        type), sorted: read from the groups (tens of rows, not millions)."""
+        """The distinct values of a dead letter's ``field``, sorted, read from the groups."""
         source: models.QuerySet[Any] = self._live() if self.kept() else self._dead_letters()
         return sorted(
             value for value in source.order_by().values_list(field, flat=True).distinct() if value
@@ -464,8 +445,7 @@ class DeadLetterGroupQuerySet(models.QuerySet):
         return sorted((*key, count) for key, count in totals.items())
 
     def forget_empty(self) -> int:
-        """Fold the deltas, then delete the groups left without a dead letter (after a purge);
-        returns how many. Under the fold's lock: while another fold runs, nothing is deleted."""
+        """Fold the deltas, then delete the empty groups under the fold's lock; how many."""
         using = _write_db(self)
         if connections[using].vendor != "postgresql":
             return 0
@@ -488,8 +468,7 @@ class DeadLetterGroupQuerySet(models.QuerySet):
     # -- the lifecycle (``FailureGroupState``) -------------------------------------------------
 
     def _by_key(self) -> models.QuerySet[Any, dict[str, Any]]:
-        """One dict per (consumer, fingerprint, reason) with a dead letter (:data:`GROUP_FIELDS`),
-        the key ``FailureGroupState`` names."""
+        """One dict per (consumer, fingerprint, reason) with a dead letter."""
         if self.kept():
             return self._live().values(*GROUP_FIELDS)
         return _counted(self._dead_letters(), *GROUP_KEY)
@@ -497,9 +476,8 @@ class DeadLetterGroupQuerySet(models.QuerySet):
     def with_states(
         self, *, states: Iterable[str] | None = None, with_open: bool = True
     ) -> models.QuerySet[Any, dict[str, Any]]:
-        """:meth:`_by_key`'s groups, each with its ``state`` (:class:`GroupState`, computed in
-        the query), ``state_by``, ``state_at`` and ``state_note`` (None when new), those with
-        dead letters first. ``states``: only those; ``with_open``: only groups with one dead."""
+        """:meth:`_by_key`'s groups with ``state`` (:class:`GroupState`), ``state_by``,
+        ``state_at`` and ``state_note``; ``states``: only those."""
         row = _sibling(self, "FailureGroupState").filter(
             **{name: OuterRef(name) for name in GROUP_KEY}
         )
@@ -552,9 +530,8 @@ GroupKey = tuple[str, str, str]
 
 
 class FailureGroupStateQuerySet(models.QuerySet):
-    """What operators said about failure groups (keyed by consumer, fingerprint, reason), and
-    the only code that changes it. ``reopen`` deletes the row (the group is new again); each
-    move writes an admin log entry when ``user_id`` is given, since ``reopen`` leaves no row."""
+    """What operators said about failure groups; each move writes an admin log entry when
+    ``user_id`` is given (``reopen`` deletes the row)."""
 
     def of(self, consumer: str, fingerprint: str, reason: str) -> FailureGroupStateQuerySet:
         return self.filter(consumer=consumer, fingerprint=fingerprint, reason=reason)
@@ -622,9 +599,6 @@ def _log_group_move(
     )
 
 
-# -- the outbox --------------------------------------------------------------------------------
-
-
 def waiting_since() -> Coalesce:
     """Since when an outbox row waits: its due time if scheduled, else when it was written."""
     return Coalesce("deliver_at", "created_at")
@@ -667,8 +641,7 @@ class OutboxMessageQuerySet(BatchDeletingQuerySet):
         delay: float,
         idempotency_key: str,
     ) -> None:
-        """A retry copy of ``body`` and its encoded ``properties`` to ``queue`` alone, due
-        ``delay`` seconds from now (the database's clock); nothing when an unsent row of
+        """A retry copy to ``queue`` alone, due in ``delay`` s, unless an unsent row of
         ``idempotency_key`` exists (``docs/design.md#where-a-retry-waits``)."""
         using = self.db
         with transaction.atomic(using=using):
@@ -678,8 +651,7 @@ class OutboxMessageQuerySet(BatchDeletingQuerySet):
                         "SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
                         [IDEMPOTENCY_LOCK_CLASS, idempotency_key],
                     )
-            # Unsent rows only: a sent copy's key may come again (a replay, a producer
-            # publishing the message anew), and a second copy after a sent one is absorbed.
+            # Unsent rows only: a sent copy's key may come again (a replay, a new publish).
             unsent = [OutboxStatus.SCHEDULED, OutboxStatus.PENDING, OutboxStatus.FAILED]
             if self.filter(idempotency_key=idempotency_key, status__in=unsent).exists():
                 return
@@ -701,12 +673,8 @@ class OutboxMessageQuerySet(BatchDeletingQuerySet):
             self.bulk_create([row], ignore_conflicts=True)
 
 
-# -- bulk operations on dead letters -----------------------------------------------------------
-
-
 class DeadLetterOperationQuerySet(models.QuerySet):
-    """The bulk replays and discards, and every change of their state: ``claim_next`` locks an
-    operation with SKIP LOCKED, ``advance`` moves it in the same transaction as its batch."""
+    """The bulk replays and discards, and every change of their state."""
 
     def unfinished(self) -> DeadLetterOperationQuerySet:
         return self.filter(state__in=UNFINISHED_OPERATION_STATES)
@@ -721,8 +689,7 @@ class DeadLetterOperationQuerySet(models.QuerySet):
         matched: int,
         max_pk: int,
     ) -> Any:
-        """A new pending operation over ``selection`` up to dead letter ``max_pk``, doing at most
-        the ``matched`` its confirmation announced."""
+        """A new pending operation over ``selection`` up to dead letter ``max_pk``."""
         fields = {"kind": kind, "selection": selection, "requested_by": requested_by}
         return self.create(**fields, force=force, matched=matched, max_pk=max_pk)
 
@@ -773,8 +740,7 @@ class DeadLetterOperationQuerySet(models.QuerySet):
         return self._stop(pk, OperationState.FAILED, error=error, finished_at=at, heartbeat_at=at)
 
     def cancel(self, pk: int, *, by: str, at: dt.datetime) -> bool:
-        """Stop ``pk`` after the batch under way (this UPDATE waits for it); False when it had
-        finished."""
+        """Stop ``pk`` after the batch under way; False when it had finished."""
         return bool(self._stop(pk, OperationState.CANCELLED, cancelled_by=by, finished_at=at))
 
 
@@ -786,8 +752,7 @@ class ReplayOutcomeTallyQuerySet(models.QuerySet):
     """The outcome counts of the bulk replays' copies (``ReplayOutcomeTally``)."""
 
     def add(self, operation_id: int, outcome: str) -> None:
-        """One more replay of operation ``operation_id`` reached ``outcome``: one upsert, so two
-        consumers settling its first replays at once both count."""
+        """One more replay of ``operation_id`` reached ``outcome`` (an upsert: none is lost)."""
         if outcome not in TALLIED_OUTCOMES:
             raise ValueError(f"not a settled replay outcome: {outcome!r}")
         using = self.db
@@ -825,13 +790,11 @@ def _started(run: Any, worker_id: str, at: dt.datetime) -> Any:
 
 
 class TaskRunQuerySet(models.QuerySet):
-    """The lifecycle of ``django.tasks`` tasks (``TaskRun``): READY, RUNNING for each attempt,
-    then SUCCESSFUL or FAILED (READY again between retries)."""
+    """The lifecycle of ``django.tasks`` tasks: READY, RUNNING per attempt, SUCCESSFUL or FAILED."""
 
     def start_attempts(self, ids: Iterable[str], worker_id: str, at: dt.datetime) -> list[Any]:
-        """Mark the tasks of ``ids`` RUNNING for one more attempt by ``worker_id`` (a SUCCESSFUL
-        one is left as it is) and return their rows, committed before they run: the free rows
-        in one transaction, each row another holds in one of its own."""
+        """Mark the tasks of ``ids`` (not SUCCESSFUL) RUNNING for one more attempt by
+        ``worker_id`` and return their rows, committed before they run."""
         wanted = list(dict.fromkeys(ids))
         connection = connections[self.db]
         if connection.vendor == "postgresql":
@@ -839,11 +802,9 @@ class TaskRunQuerySet(models.QuerySet):
                 with transaction.atomic(using=self.db):
                     started = self._start_free(wanted, worker_id, at)
             else:
-                # One statement, its own transaction: one round trip, and a commit that does
-                # not wait for the disk (docs/tasks.md#what-it-costs says why that is safe).
+                # One round trip, a commit that does not wait for the disk (docs/tasks.md).
                 started = self._start_free(wanted, worker_id, at, flush=False)
-            # Not started: held by another transaction, SUCCESSFUL, or gone (each looked at
-            # alone below: a held one is rare, and so is a duplicate of a finished task).
+            # Not started (held elsewhere, SUCCESSFUL, or gone): each looked at alone below.
             taken = {run.pk for run in started}
         else:
             with transaction.atomic(using=self.db):
@@ -868,8 +829,7 @@ class TaskRunQuerySet(models.QuerySet):
     def _start_free(
         self, wanted: list[str], worker_id: str, at: dt.datetime, *, flush: bool = True
     ) -> list[Any]:
-        """PostgreSQL: the rows of ``wanted`` that no other transaction holds and that are not
-        SUCCESSFUL, RUNNING for one more attempt, read back by the same statement.
+        """PostgreSQL: the free, not SUCCESSFUL rows of ``wanted`` started in one statement.
         ``flush=False`` (in autocommit only): its commit does not wait for the disk."""
         table = connections[self.db].ops.quote_name(self.model._meta.db_table)
         # In the statement itself (a CTE the WHERE reads), so it holds for its transaction.
@@ -879,8 +839,7 @@ class TaskRunQuerySet(models.QuerySet):
             else "WITH rm_no_flush AS (SELECT set_config('synchronous_commit', 'off', true)) "
         )
         flushed = "" if flush else "AND EXISTS (SELECT 1 FROM rm_no_flush) "
-        # Every column, but the times the statement sets to ``at`` come back NULL (set in
-        # Python below): a timestamp costs the row's loading more than all its other columns.
+        # The times set to ``at`` come back NULL, set in Python below (loading them costs most).
         connection = connections[self.db]
         fields = self.model._meta.concrete_fields
         in_python = {
@@ -911,8 +870,7 @@ class TaskRunQuerySet(models.QuerySet):
         with connection.cursor() as cursor:
             cursor.execute(sql, params)
             rows = cursor.fetchall()
-        # The rows as the ORM would build them, without its per-row machinery: only the JSON
-        # columns need their field's conversion on PostgreSQL.
+        # The rows as the ORM builds them, converting only the JSON columns (as on PostgreSQL).
         db_table = self.model._meta.db_table
         converted = [
             (i, f, f.get_col(db_table))
@@ -932,14 +890,12 @@ class TaskRunQuerySet(models.QuerySet):
         return started
 
     def succeed_all(self, returned: dict[str, Any], at: dt.datetime) -> int:
-        """The tasks of ``returned`` returned its values (JSON): SUCCESSFUL, in one UPDATE of
-        the attempts' transaction."""
+        """Mark the tasks of ``returned`` SUCCESSFUL with their values, in one UPDATE."""
         if not returned:
             return 0
         using = self.db
         if connections[using].vendor == "postgresql":
-            # The values travel as one JSON object, unpacked by the server: building a CASE
-            # per row costs the ORM more than the statement costs the database.
+            # One JSON object the server unpacks: a CASE per row costs the ORM more.
             table = connections[using].ops.quote_name(self.model._meta.db_table)
             with connections[using].cursor() as cursor:
                 cursor.execute(
@@ -958,8 +914,7 @@ class TaskRunQuerySet(models.QuerySet):
         )
 
     def fail_attempt(self, task_id: str, error: dict[str, str] | None) -> None:
-        """An attempt failed with ``error`` (``exception_class_path``, ``traceback``) and its
-        message will come back: READY for the next attempt, in the attempt's transaction."""
+        """An attempt failed with ``error``: READY for the next one."""
         run = self.select_for_update().filter(pk=task_id).first()
         if run is None or run.status == TaskRunStatus.SUCCESSFUL:
             return
@@ -969,9 +924,7 @@ class TaskRunQuerySet(models.QuerySet):
         run.save(using=self.db, update_fields=["errors", "status"])
 
     def take_back_attempt(self, task_id: str, worker_id: str) -> None:
-        """The attempt ``worker_id`` started was put aside before the task ran (another worker
-        held its delivery): uncount it, in the attempt's transaction. Its status stays what it
-        is (RUNNING: that other worker runs it)."""
+        """Uncount the attempt ``worker_id`` started but put aside (another worker runs it)."""
         run = self.select_for_update().filter(pk=task_id).first()
         if run is None or worker_id not in run.worker_ids:
             return
