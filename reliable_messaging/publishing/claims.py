@@ -38,8 +38,7 @@ T = TypeVar("T")
 
 
 def _behind() -> RawSQL:
-    """``behind``: the id of an unsent row before the outer row in its key, or NULL (compared
-    as a row so that the key index answers it)."""
+    """``behind``: the id of an unsent row before the outer row in its key, or NULL."""
     table = f'"{OutboxMessage._meta.db_table}"'
     sql = (
         f"CASE WHEN {table}.ordering_key IS NULL THEN NULL ELSE ("  # noqa: S608
@@ -308,8 +307,7 @@ class OutboxClaims:
             self.lock_limit = min(self.batch_size, limit * 2)
 
     def _claim(self) -> Claim:
-        """Rows behind an earlier unsent row of their key are parked first, in a transaction of
-        their own."""
+        """Park the rows behind an earlier unsent row of their key first, then claim."""
         outbox = OutboxMessage.objects.using(self.using)
         held = ClaimTransaction(self.using)
         parked_count = 0

@@ -14,8 +14,7 @@ logger = logging.getLogger("reliable_messaging.relay")
 
 
 class DatabaseWorker:
-    """Runs database jobs one at a time on a thread of its own with its own connection (one
-    per batch in flight, whose transaction it holds)."""
+    """Runs database jobs one at a time on a thread and connection of its own."""
 
     def __init__(self, name: str) -> None:
         self.batch: Any = None  # I/O loop only: the batch whose transaction it holds

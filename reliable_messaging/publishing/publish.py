@@ -206,8 +206,7 @@ def _deadline_ms(
     deliver_at: dt.datetime | None,
     delay: dt.timedelta | float | None,
 ) -> int:
-    """The deadline in Unix milliseconds: ``expires`` after the due time or now (this host's
-    clock, as the consumer's host compares it with its own)."""
+    """The deadline in Unix milliseconds (this host's clock): ``expires`` after due or now."""
     seconds = _seconds("expires", expires)
     if not seconds > 0:  # NaN too
         raise ValueError(f"expires must be positive, got {seconds} s")
@@ -236,8 +235,7 @@ def _write(
     idempotency_key: str | None,
     due: Combinable | None = None,
 ) -> str:
-    """Insert the row; returns its message_id (an earlier message's, for an idempotency key
-    published before)."""
+    """Insert the row; returns its message_id (or the idempotency key's earlier one)."""
     postgresql = connections[using].vendor == "postgresql"
     if due is None and postgresql:
         values = [message_id, exchange, routing_key, body, json.dumps(headers) if headers else "{}"]

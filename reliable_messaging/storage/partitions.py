@@ -47,8 +47,7 @@ SERIALIZATION_FAILURE = "40001"
 
 
 def row_moved(exc: BaseException) -> bool:
-    """Whether ``exc`` says a row to lock or update moved to another partition meanwhile (to be
-    run again)."""
+    """Whether ``exc`` says a row moved to another partition meanwhile (run it again)."""
     return isinstance(exc, OperationalError) and sqlstate(exc) == SERIALIZATION_FAILURE
 
 
@@ -164,8 +163,7 @@ def partitions(using: str, spec: DayPartitioned = INBOX) -> list[Partition]:
 def create_partition_sql(
     name: str, start: dt.datetime, end: dt.datetime, spec: DayPartitioned = INBOX
 ) -> list[str]:
-    """Make ``name`` a standalone table with a CHECK of its range (so attaching needs no scan),
-    then attach it to ``spec``'s table."""
+    """Make ``name`` a table with a CHECK of its range (no scan to attach), then attach it."""
     column, start_at, end_at = spec.column, start.isoformat(), end.isoformat()
     also = f" AND {spec.also}" if spec.also else ""
     return [
@@ -347,8 +345,7 @@ class Dropped:
 
 
 def _detach_concurrently(using: str, parent: str, name: str, finalize: bool) -> bool:
-    """Detach ``name`` ``CONCURRENTLY`` (in a test's transaction: plainly); ``finalize``
-    completes an unfinished one."""
+    """Detach ``name`` ``CONCURRENTLY`` (plainly in a test's transaction), or ``finalize``."""
     connection = connections[using]
     detach = f'ALTER TABLE "{parent}" DETACH PARTITION "{name}"'
     if connection.in_atomic_block:

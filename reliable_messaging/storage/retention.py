@@ -1,5 +1,4 @@
-"""Retention: expired inbox rows, sent outbox rows, crash-guard rows and closed dead letters go,
-without long transactions: whole day partitions on PostgreSQL, else batches of short deletes."""
+"""Retention without long transactions: day partitions dropped, or batches of short deletes."""
 
 from __future__ import annotations
 
@@ -53,16 +52,14 @@ def purge_messages(
     settings: MessagingSettings = messaging_settings,
     on_batch: OnBatch | None = None,
 ) -> PurgeResult:
-    """Delete inbox rows and crash-guard rows past ``DEDUP_RETENTION``, sent and unrouted
-    outbox rows past ``OUTBOX_RETENTION``, and resolved and discarded dead letters past
-    ``DEAD_LETTER_RETENTION`` (unless None). ``on_batch`` is told of each deleted batch."""
+    """Delete the inbox, crash-guard, sent outbox rows and closed dead letters past their
+    retention settings; ``on_batch`` is told of each deleted batch."""
     now = now or timezone.now()
 
     def expire(
         spec: partitions.DayPartitioned, before: dt.datetime, rows: BatchDeletingQuerySet
     ) -> tuple[int, tuple[str, ...]]:
-        """Drop the expired day partitions of ``spec`` (their estimated rows, and names), or
-        delete the expired ``rows`` of a table not partitioned."""
+        """Drop the expired day partitions of ``spec``, or delete the expired ``rows``."""
         using = router.db_for_write(rows.model)
         if not partitions.is_partitioned(using, spec):
             return _purge(spec.label, rows, batch_size, dry_run, on_batch), ()
