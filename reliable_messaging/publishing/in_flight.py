@@ -1,7 +1,5 @@
-"""The batches a relay has published and awaits confirms for: their confirms, returns,
-refusals, timeouts and leases. Everything here runs on the I/O loop, except the ``*_job``
-methods, which run on a database worker.
-"""
+"""The batches a relay awaits confirms for: confirms, returns, refusals, timeouts, leases. All
+on the I/O loop but the ``*_job`` methods, which run on a database worker."""
 
 from __future__ import annotations
 
@@ -26,6 +24,7 @@ from ..core.liveness import HealthState
 from ..core.routing import topic_matches
 from .claims import Claim, OutboxClaims
 from .database_worker import DatabaseWorker
+from .listener import quietly
 from .sent import (
     OUTBOX_ID_HEADER,
     Batch,
@@ -70,9 +69,8 @@ class InFlight:
                 self._finish_batch(batch)
 
     def on_returned(self, returned: Returned) -> None:
-        """An unroutable message, whose ack follows: an event is marked unrouted; a command
-        (``REQUIRE_ROUTE``) is charged, as is a copy for one queue through the default exchange
-        (a retry copy, a replay), sent again with backoff until its queue is back."""
+        """An unroutable message: an event is marked unrouted; a command (``REQUIRE_ROUTE``) or a
+        copy for one queue (a retry copy, a replay) is charged and sent again with backoff."""
         row_id = returned.headers.get(OUTBOX_ID_HEADER)
         if not isinstance(row_id, int):
             return
@@ -97,8 +95,7 @@ class InFlight:
         )
 
     def on_refused(self, closed: ChannelClosed) -> bool:
-        """The channel closed; True when the broker refused a publish in flight: the rows it
-        was about are charged and every batch recorded as far as it got."""
+        """True when the broker refused a publish in flight: its rows charged, batches recorded."""
         if not (self._batches and closed.by_broker):
             return False
         charged, missing = charge_refusal(
@@ -148,15 +145,13 @@ class InFlight:
                 continue
             headers = message_headers(row)
             span = None
-            # A retry copy carries its original's trace context unchanged: no span of its own.
+            # A span per row, in its publish()'s trace; a retry copy keeps its original's.
             if tracing_on and row.raw_properties is None:
-                # A span per row, in the trace its publish() stored: the message carries it.
                 span = tracing.start_send(
                     headers,
                     exchange=row.exchange,
                     routing_key=row.routing_key,
                     message_id=row.message_id,
-                    # A scheduled message counts its wait from its due time (if after publish()).
                     created_at=row.published_at,
                     now=now,
                 )
@@ -207,8 +202,7 @@ class InFlight:
         self.publisher.close("confirm timeout")
 
     def renew_leases(self) -> None:
-        """I/O loop: a batch unconfirmed past HOLD_LIMIT trades its transaction for a lease,
-        renewed at half its length while the batch is in flight."""
+        """Lease the batches unconfirmed past HOLD_LIMIT, renewed at half the lease."""
         now = time.monotonic()
         half = self.claims.lease_for.total_seconds() / 2
         for batch in self._batches:
@@ -230,10 +224,8 @@ class InFlight:
         if batch not in self._batches:
             return
         self._batches.remove(batch)
-        try:
-            self.publisher.cancel(batch.timer)
-        except Exception:  # the connection may be gone (abort)
-            logger.debug("removing the confirm timer failed", exc_info=True)
+        # The connection may be gone (abort).
+        quietly(lambda: self.publisher.cancel(batch.timer), "removing the confirm timer")
         batch.timer = None
         batch.worker.submit(functools.partial(self._settle_job, batch, then_claim))
 
@@ -308,7 +300,7 @@ class InFlight:
 
     def _charge_oversized(self, why: str) -> None:
         """After a ``frame_too_large`` close, fail for good the rows whose header frame is over
-        frame_max (pika splits bodies): they would close every connection."""
+        frame_max: they would close every connection."""
         if FRAME_TOO_LARGE not in why:
             return
         frame_max = self.publisher.frame_max

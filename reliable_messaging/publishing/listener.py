@@ -1,6 +1,5 @@
 """LISTEN for committed outbox rows, so that the relay wakes at once instead of polling
-(``docs/design.md#when-the-relay-claims``); a lost notification costs a poll interval.
-"""
+(``docs/design.md#when-the-relay-claims``)."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ _DRIVER_ONLY_PARAMS = frozenset({"cursor_factory", "context", "prepare_threshold
 
 
 def listen_conninfo(using: str, dsn: str | None = None) -> str:
-    """A libpq connection string from Django's parameters for ``using`` (its ``OPTIONS``
-    included), those ``dsn`` (``RELAY_LISTEN_DSN``) gives replacing theirs."""
+    """A libpq connection string from Django's parameters for ``using``, ``dsn``'s overriding."""
     import psycopg
 
     params = {
@@ -44,6 +42,14 @@ def listen_conninfo(using: str, dsn: str | None = None) -> str:
     return psycopg.conninfo.make_conninfo(**params)
 
 
+def quietly(call: Callable[[], object], what: str) -> None:
+    """Best effort: a failure of ``call`` (closing a broken connection, say) is logged at DEBUG."""
+    try:
+        call()
+    except Exception:
+        logger.debug("error %s", what, exc_info=True)
+
+
 class OutboxListener:
     """An autocommit psycopg connection LISTENing; ImportError without psycopg 3."""
 
@@ -55,8 +61,7 @@ class OutboxListener:
             listen_conninfo(using, dsn), autocommit=True, prepare_threshold=None
         )
         self.connection.execute(f"LISTEN {NOTIFY_CHANNEL}")
-        # Kept: once the server is gone psycopg raises for the socket it still holds, and the
-        # I/O loop must still be told to stop watching it.
+        # Kept: once the server is gone psycopg raises for it, and the loop must still unwatch it.
         self._fd = self.connection.fileno()
 
     def fileno(self) -> int:
@@ -73,21 +78,14 @@ class OutboxListener:
 
     def unlisten(self) -> None:
         """Best effort: through a pooler this reaches the server connection holding the LISTEN."""
-        try:
-            self.connection.execute(f"UNLISTEN {NOTIFY_CHANNEL}")
-        except Exception:
-            logger.debug("error sending UNLISTEN", exc_info=True)
+        quietly(lambda: self.connection.execute(f"UNLISTEN {NOTIFY_CHANNEL}"), "sending UNLISTEN")
 
     def close(self) -> None:
-        try:
-            self.connection.close()
-        except Exception:
-            logger.debug("error closing the LISTEN connection", exc_info=True)
+        quietly(self.connection.close, "closing the LISTEN connection")
 
 
 def listen_hears_notify(using: str, dsn: str | None, timeout: float = 3.0) -> bool | None:
-    """Whether a LISTEN made as the relay makes it hears a NOTIFY sent as publishers send
-    theirs, on a channel of its own; None when it cannot tell."""
+    """Whether the relay's LISTEN hears the publishers' NOTIFY; None when it cannot tell."""
     if connections[using].vendor != "postgresql":
         return None
     try:
@@ -124,8 +122,8 @@ class Loop(Protocol):
 
 @dataclass(eq=False)
 class WakeUps:
-    """The relay's LISTEN connection on its I/O loop, opened by :meth:`look_after` and
-    counted :attr:`listening` only once a probe reached it (a pooler's LISTEN hears nothing)."""
+    """The relay's LISTEN connection on its I/O loop, :attr:`listening` once a probe reached it
+    (a pooler's LISTEN hears nothing)."""
 
     using: str
     enabled: bool

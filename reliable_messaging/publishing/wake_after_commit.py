@@ -1,6 +1,5 @@
 """Wake the relay after a publishing transaction commits, from outside that transaction
-(``docs/design.md#waking-the-relay-after-a-commit`` explains why).
-"""
+(``docs/design.md#waking-the-relay-after-a-commit``)."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from typing import Any
 
 from django.db import connections
 
-from .listener import NOTIFY_CHANNEL, listen_conninfo
+from .listener import NOTIFY_CHANNEL, listen_conninfo, quietly
 
 logger = logging.getLogger("reliable_messaging.publish")
 
@@ -24,8 +23,7 @@ RETRY_PAUSE = 5.0
 # A hung database must not keep the sender from noticing a dead connection.
 CONNECT_TIMEOUT = 2
 STATEMENT_TIMEOUT_MS = 2000
-# The pause after each NOTIFY, doubling up to MAX_SPACING while commits keep coming in it,
-# back to SPACING after a quiet one; a busy relay's trail (scheduling) is longer than it.
+# The pause after each NOTIFY, doubling up to MAX_SPACING while commits keep coming in it.
 SPACING = 0.005
 MAX_SPACING = 0.1
 # A process that stopped publishing gives its connection back after this long.
@@ -35,8 +33,7 @@ EXIT_WAIT = 1.0
 
 
 class WakeUpSender:
-    """The process's sender of after-commit wake-ups: :meth:`request` is cheap, thread-safe and
-    never raises; a daemon thread sends."""
+    """The process's sender of wake-ups: :meth:`request` is cheap, thread-safe, never raises."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -133,7 +130,7 @@ class WakeUpSender:
             self._retry_at[using] = time.monotonic() + RETRY_PAUSE
             broken = self._connections.pop(using, None)
             if broken is not None:
-                _close(broken)
+                quietly(broken.close, "closing the wake-up connection")
             logger.warning(
                 "publish: could not wake the relay on %r (%s); it finds the new rows on its "
                 "next poll. Trying again in %ss",
@@ -147,8 +144,7 @@ class WakeUpSender:
     def _connect(self, using: str) -> Any:
         import psycopg
 
-        # Nothing prepared: behind a transaction-pooling PgBouncer (before 1.21) the next server
-        # connection has no such statement.
+        # Nothing prepared: behind a transaction-pooling PgBouncer the next server has none.
         return psycopg.connect(
             self._conninfo.get(using) or listen_conninfo(using),  # close() may have cleared it
             autocommit=True,
@@ -177,25 +173,17 @@ class WakeUpSender:
             connections_, self._connections = self._connections, {}
             self._conninfo = {}
         for connection in connections_.values():
-            _close(connection)
+            quietly(connection.close, "closing the wake-up connection")
 
 
 def notify_sql(probes: Sequence[str] = ()) -> str:
-    """The wake-up, with a NOTIFY per probe token, in one transaction with ``SET LOCAL``
-    settings (a pooler hands the session to others)."""
+    """The wake-up and a NOTIFY per probe token, with ``SET LOCAL`` settings (for a pooler)."""
     notifies = [f"NOTIFY {NOTIFY_CHANNEL}"]
     notifies += [f"NOTIFY {NOTIFY_CHANNEL}, '{token}'" for token in probes]
     return (
         f"BEGIN; SET LOCAL statement_timeout = {STATEMENT_TIMEOUT_MS}; "
         f"SET LOCAL synchronous_commit = off; {'; '.join(notifies)}; COMMIT"
     )
-
-
-def _close(connection: Any) -> None:
-    try:
-        connection.close()
-    except Exception:  # closing a broken connection may fail too
-        logger.debug("error closing the wake-up connection", exc_info=True)
 
 
 sender = WakeUpSender()
@@ -221,8 +209,8 @@ def _supported(using: str) -> bool:
 
 
 def wake_relay_after_commit(using: str) -> None:
-    """Have the relay woken once the current transaction on ``using`` commits (at once in
-    autocommit). Coalesced: a transaction registers one callback however often it publishes."""
+    """Have the relay woken once the current transaction on ``using`` commits (one callback
+    per transaction)."""
     if not _supported(using):
         return
     connection = connections[using]
