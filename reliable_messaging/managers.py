@@ -78,6 +78,24 @@ class _PerMessageQuerySet(BatchDeletingQuerySet):
         """The row of one (consumer, message_id): at most one."""
         return self.filter(consumer=consumer, message_id=message_id)
 
+    def locked_or_created(
+        self, consumer: str, message_id: str, **defaults: Any
+    ) -> tuple[Any, bool]:
+        """The row of (consumer, message_id), locked, or made with ``defaults``; whether it was
+        made. A concurrent first insert of the same key turns into a lock of its row."""
+        rows = self.using(self.db)
+        row = rows.select_for_update().of(consumer, message_id).first()
+        if row is not None:
+            return row, False
+        try:
+            with transaction.atomic(using=self.db):
+                return rows.create(consumer=consumer, message_id=message_id, **defaults), True
+        except IntegrityError:
+            row = rows.select_for_update().of(consumer, message_id).first()
+            if row is None:
+                raise
+            return row, False
+
     def forget(self, consumer: str, message_id: str) -> int:
         """Remove the row of one message (a copy of it then runs again)."""
         return self.of(consumer, message_id).delete()[0]
@@ -111,19 +129,6 @@ class ProcessedMessageQuerySet(_PerMessageQuerySet):
 
 class SuspectDeliveryQuerySet(_PerMessageQuerySet):
     """The crash guard's rows (``consuming/crash_guard.py`` decides what a death is)."""
-
-    def locked_or_created(self, consumer: str, message_id: str) -> tuple[Any, bool]:
-        """The row of (consumer, message_id), locked, and whether it was just made."""
-        using = self.db
-        rows = self.using(using)
-        row = rows.select_for_update().of(consumer, message_id).first()
-        if row is not None:
-            return row, False
-        try:
-            with transaction.atomic(using=using):
-                return rows.create(consumer=consumer, message_id=message_id), True
-        except IntegrityError:
-            return rows.select_for_update().get(consumer=consumer, message_id=message_id), False
 
     def mark_interrupted(self, consumer: str, message_id: str, *, at: dt.datetime) -> None:
         """The delivery was given back without an outcome by a process that lives on."""
@@ -242,32 +247,17 @@ class DeadLetterQuerySet(_PerMessageQuerySet):
         first_failed_at: dt.datetime,
     ) -> Any:
         """Store a failure: a new row, or the existing one updated, ``event`` in its history."""
-        using = self.db
-        rows = self.using(using)
-        for _ in range(2):  # a concurrent first insert of the same key turns into an update
-            with transaction.atomic(using=using):
-                existing = None
-                if message_id:
-                    existing = rows.select_for_update().of(consumer, message_id).first()
-                if existing is not None:
-                    for name, value in fields.items():
-                        setattr(existing, name, value)
-                    existing.history = [*existing.history, event]
-                    existing.save(using=using)
-                    return existing
-                try:
-                    with transaction.atomic(using=using):
-                        row = rows.create(
-                            consumer=consumer,
-                            message_id=message_id,
-                            first_failed_at=first_failed_at,
-                            history=[event],
-                            **fields,
-                        )
-                except IntegrityError:
-                    continue
-                return row
-        raise IntegrityError(f"could not record the dead letter of message_id={message_id}")
+        new = {"first_failed_at": first_failed_at, "history": [event], **fields}
+        with transaction.atomic(using=self.db):
+            if not message_id:  # not unique: a row of its own
+                return self.using(self.db).create(consumer=consumer, message_id="", **new)
+            row, created = self.locked_or_created(consumer, message_id, **new)
+            if not created:
+                for name, value in fields.items():
+                    setattr(row, name, value)
+                row.history = [*row.history, event]
+                row.save(using=self.db)
+            return row
 
 
 class _JSONAppend(models.Func):
