@@ -37,91 +37,78 @@ UNTYPED_MESSAGE = "untypedJson"
 TASK_MESSAGE = "djangoTask"
 # Set on a frame in the consuming process only (its properties could not be decoded); never sent.
 _IN_PROCESS_HEADERS = frozenset({envelope.UNDECODABLE_HEADER})
-_MILLISECONDS = {"type": "integer"}  # Unix time in milliseconds
+
+
+def _header(kind: str, description: str, **limits: Any) -> dict[str, Any]:
+    """The JSON Schema of one header of ours: its JSON type, what it holds, its limits."""
+    return {"type": kind, **limits, "description": description}
+
 
 # What each header of ours holds. The names come from the code (every ``*_HEADER`` constant of
 # core/envelope.py with our prefix, and the W3C trace headers); a header the code gains without
 # a line here is still listed, and tests/integration/contracts/test_asyncapi.py asks for one.
 HEADER_SCHEMAS: dict[str, dict[str, Any]] = {
-    envelope.PUBLISHED_AT_HEADER: {
-        **_MILLISECONDS,
-        "description": "When the outbox row was written (Unix ms); set by the relay.",
-    },
-    envelope.OUTBOX_ID_HEADER: {
-        "type": "integer",
-        "description": "The outbox row the message was sent from; set by the relay.",
-    },
-    envelope.ORDERING_KEY_HEADER: {
-        "type": "string",
-        "description": "publish(ordering_key=...): an ordered consumer handles the messages of "
-        "one key one at a time, in publish order; its partitions hash on this header.",
-    },
-    envelope.EXPIRES_AT_HEADER: {
-        **_MILLISECONDS,
-        "description": "publish(expires=...): the deadline (Unix ms) past which the message is "
-        "not handled.",
-    },
-    envelope.ATTEMPT_HEADER: {
-        "type": "integer",
-        "minimum": 1,
-        "description": "The attempt a retried copy is (absent on the first).",
-    },
-    envelope.ORIGINAL_EXCHANGE_HEADER: {
-        "type": "string",
-        "description": "On a retried or replayed copy: the exchange it was first published to.",
-    },
-    envelope.ORIGINAL_ROUTING_KEY_HEADER: {
-        "type": "string",
-        "description": "On a retried or replayed copy: the routing key it was first published "
-        "with.",
-    },
-    envelope.FIRST_FAILED_AT_HEADER: {
-        **_MILLISECONDS,
-        "description": "On a retried copy: when the first attempt failed (Unix ms).",
-    },
-    envelope.LAST_ERROR_HEADER: {
-        "type": "string",
-        "maxLength": 500,
-        "description": "On a retried copy: the type and text of the last attempt's exception.",
-    },
-    envelope.DEFERRALS_HEADER: {
-        "type": "integer",
-        "description": "How many times a copy was put aside because another consumer process "
-        "held the message.",
-    },
-    envelope.REPLAY_HEADER: {
-        "type": "integer",
-        "minimum": 1,
-        "description": "On a replayed dead letter: how many times it was replayed.",
-    },
-    envelope.REPLAYED_BY_HEADER: {
-        "type": "string",
-        "description": "On a replayed dead letter: who replayed it (an admin user, a command).",
-    },
-    envelope.DEAD_LETTER_ID_HEADER: {
-        "type": "integer",
-        "description": "On a replayed dead letter: its DeadLetter row.",
-    },
-    envelope.REPLAY_ID_HEADER: {
-        "type": "integer",
-        "description": "On a replayed dead letter: its row of the replay ledger.",
-    },
-    envelope.PRIORITY_HEADER: {
-        "type": "integer",
-        "minimum": 0,
-        "maximum": 9,
-        "description": "A task's AMQP priority (its framework priority mapped onto 0 to 9, 4 by "
-        "default); the relay sends it as the message's priority property too.",
-    },
-    TRACEPARENT: {
-        "type": "string",
-        "pattern": "^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}",
-        "description": "W3C Trace Context of the publishing span (with the otel extra).",
-    },
-    TRACESTATE: {
-        "type": "string",
-        "description": "W3C Trace Context vendor state, passed along with traceparent.",
-    },
+    envelope.PUBLISHED_AT_HEADER: _header(
+        "integer", "When the outbox row was written (Unix ms); set by the relay."
+    ),
+    envelope.OUTBOX_ID_HEADER: _header(
+        "integer", "The outbox row the message was sent from; set by the relay."
+    ),
+    envelope.ORDERING_KEY_HEADER: _header(
+        "string",
+        "publish(ordering_key=...): an ordered consumer handles the messages of one key one at "
+        "a time, in publish order; its partitions hash on this header.",
+    ),
+    envelope.EXPIRES_AT_HEADER: _header(
+        "integer",
+        "publish(expires=...): the deadline (Unix ms) past which the message is not handled.",
+    ),
+    envelope.ATTEMPT_HEADER: _header(
+        "integer", "The attempt a retried copy is (absent on the first).", minimum=1
+    ),
+    envelope.ORIGINAL_EXCHANGE_HEADER: _header(
+        "string", "On a retried or replayed copy: the exchange it was first published to."
+    ),
+    envelope.ORIGINAL_ROUTING_KEY_HEADER: _header(
+        "string", "On a retried or replayed copy: the routing key it was first published with."
+    ),
+    envelope.FIRST_FAILED_AT_HEADER: _header(
+        "integer", "On a retried copy: when the first attempt failed (Unix ms)."
+    ),
+    envelope.LAST_ERROR_HEADER: _header(
+        "string",
+        "On a retried copy: the type and text of the last attempt's exception.",
+        maxLength=500,
+    ),
+    envelope.DEFERRALS_HEADER: _header(
+        "integer",
+        "How many times a copy was put aside because another consumer process held the message.",
+    ),
+    envelope.REPLAY_HEADER: _header(
+        "integer", "On a replayed dead letter: how many times it was replayed.", minimum=1
+    ),
+    envelope.REPLAYED_BY_HEADER: _header(
+        "string", "On a replayed dead letter: who replayed it (an admin user, a command)."
+    ),
+    envelope.DEAD_LETTER_ID_HEADER: _header(
+        "integer", "On a replayed dead letter: its DeadLetter row."
+    ),
+    envelope.REPLAY_ID_HEADER: _header(
+        "integer", "On a replayed dead letter: its row of the replay ledger."
+    ),
+    envelope.PRIORITY_HEADER: _header(
+        "integer",
+        "A task's AMQP priority (its framework priority mapped onto 0 to 9, 4 by default); the "
+        "relay sends it as the message's priority property too.",
+        minimum=0,
+        maximum=9,
+    ),
+    TRACEPARENT: _header(
+        "string",
+        "W3C Trace Context of the publishing span (with the otel extra).",
+        pattern="^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}",
+    ),
+    TRACESTATE: _header("string", "W3C Trace Context vendor state, passed along with traceparent."),
 }
 
 
@@ -316,6 +303,18 @@ class _Document:
         self.schemas[key] = top
         return key
 
+    def _channel_binding(self, kind: str, name: str, **details: Any) -> dict[str, Any]:
+        """A channel's AMQP binding: a durable ``exchange`` (its routing key) or ``queue``."""
+        is_ = "routingKey" if kind == "exchange" else "queue"
+        entity = {"name": name, "durable": True, "autoDelete": False, "vhost": self.vhost}
+        return {
+            "amqp": {
+                "is": is_,
+                kind: {**entity, **details},
+                "bindingVersion": AMQP_BINDING_VERSION,
+            }
+        }
+
     # -- what the project publishes ----------------------------------------------------------
 
     def published(self, routing_key: str, payload: Contract) -> None:
@@ -327,19 +326,7 @@ class _Document:
             "description": "Published with publish() inside the caller's transaction; the "
             "relay sends it after commit.",
             "messages": {message: {"$ref": f"#/components/messages/{message}"}},
-            "bindings": {
-                "amqp": {
-                    "is": "routingKey",
-                    "exchange": {
-                        "name": self.settings.exchange,
-                        "type": "topic",
-                        "durable": True,
-                        "autoDelete": False,
-                        "vhost": self.vhost,
-                    },
-                    "bindingVersion": AMQP_BINDING_VERSION,
-                }
-            },
+            "bindings": self._channel_binding("exchange", self.settings.exchange, type="topic"),
         }
         self.operations[_unique(self.operations, f"publish_{_key(routing_key)}")] = {
             "action": "send",
@@ -359,21 +346,6 @@ class _Document:
         }
 
     # -- what the project consumes -----------------------------------------------------------
-
-    def _queue_binding(self, name: str) -> dict[str, Any]:
-        return {
-            "amqp": {
-                "is": "queue",
-                "queue": {
-                    "name": name,
-                    "durable": True,
-                    "exclusive": False,
-                    "autoDelete": False,
-                    "vhost": self.vhost,
-                },
-                "bindingVersion": AMQP_BINDING_VERSION,
-            }
-        }
 
     def consumed(self, spec: ConsumerSpec, published: Mapping[str, Contract]) -> None:
         settings = self.settings
@@ -397,7 +369,7 @@ class _Document:
             "address": address,
             "title": spec.queue,
             "messages": {m: {"$ref": f"#/components/messages/{m}"} for m in messages},
-            "bindings": self._queue_binding(address),
+            "bindings": self._channel_binding("queue", address, exclusive=False),
             "x-queue-arguments": queue_arguments(
                 settings,
                 ordered=spec.ordered,
