@@ -74,28 +74,23 @@ def _tracer() -> Any:
 
 if INSTALLED:
 
-    class _HeaderGetter(Getter[Mapping[str, Any]]):
-        """Reads the context from AMQP headers (pika may hand strings over as bytes)."""
+    class _TextGetter(Getter[Any]):
+        """Reads the context from AMQP headers (pika may hand strings over as bytes) or, with
+        ``attributes``, from a Celery task request's attributes."""
 
-        def get(self, carrier: Mapping[str, Any], key: str) -> list[str] | None:
-            text = header_text(carrier.get(key))
-            return None if text is None else [text]
-
-        def keys(self, carrier: Mapping[str, Any]) -> list[str]:
-            return [str(key) for key in carrier]
-
-    class _AttributeGetter(Getter[Any]):
-        """Reads the context from a Celery task request's attributes."""
+        def __init__(self, attributes: bool = False) -> None:
+            self.attributes = attributes
 
         def get(self, carrier: Any, key: str) -> list[str] | None:
-            text = header_text(getattr(carrier, key, None))
+            raw = getattr(carrier, key, None) if self.attributes else carrier.get(key)
+            text = header_text(raw)
             return None if text is None else [text]
 
         def keys(self, carrier: Any) -> list[str]:
-            return []
+            return [] if self.attributes else [str(key) for key in carrier]
 
-    _headers_getter = _HeaderGetter()
-    _attribute_getter = _AttributeGetter()
+    _headers_getter = _TextGetter()
+    _attribute_getter = _TextGetter(attributes=True)
 
 
 def _inject(span: Any, headers: MutableMapping[str, Any], parent: Any = None) -> None:
@@ -370,16 +365,21 @@ def end_deliveries(
         span.end()
 
 
+def _valid_context(span: Any) -> Any:
+    """``span``'s context when it has valid ids, else None."""
+    context = None if span is None else span.get_span_context()
+    return context if context is not None and context.is_valid else None
+
+
 def ids_of(delivery: Delivery) -> tuple[str, str] | None:
     """The trace and span ids to store with ``delivery``'s dead letter: its span's (or the
     current one's), else its ``traceparent``'s."""
     span = _span_of(delivery)
     if span is None and INSTALLED:
         span = trace.get_current_span()  # an idempotent task's
-    if span is not None:
-        context = span.get_span_context()
-        if context.is_valid:
-            return f"{context.trace_id:032x}", f"{context.span_id:016x}"
+    context = _valid_context(span)
+    if context is not None:
+        return f"{context.trace_id:032x}", f"{context.span_id:016x}"
     return ids_in(delivery.headers)
 
 
@@ -387,21 +387,18 @@ def sampled_trace_id(delivery: Delivery | None = None) -> str | None:
     """A metric exemplar's trace id, when ``delivery``'s (or the current) span is sampled."""
     if not INSTALLED:
         return None
-    span = _span_of(delivery) if delivery is not None else trace.get_current_span()
-    if span is None:
-        return None
-    context = span.get_span_context()
-    if not (context.is_valid and context.trace_flags.sampled):
+    context = _valid_context(
+        _span_of(delivery) if delivery is not None else trace.get_current_span()
+    )
+    if context is None or not context.trace_flags.sampled:
         return None
     return f"{context.trace_id:032x}"
 
 
 def current_trace_id() -> str | None:
     """The trace id of the current span, if any (what a history entry records)."""
-    if not INSTALLED:
-        return None
-    context = trace.get_current_span().get_span_context()
-    return f"{context.trace_id:032x}" if context.is_valid else None
+    context = _valid_context(trace.get_current_span()) if INSTALLED else None
+    return None if context is None else f"{context.trace_id:032x}"
 
 
 class TaskSpan:
