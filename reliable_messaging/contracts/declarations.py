@@ -3,23 +3,17 @@
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
 from ..core.contracts import Contract, ContractError, PayloadInvalid, contract_of
-from ..core.registry import registry
+from ..core.registry import KeyedRegistry, registry
 
 T = TypeVar("T")
 
 
-class PublishedRegistry:
+class PublishedRegistry(KeyedRegistry[Contract]):
     """Routing key → contract, one declaration per key."""
-
-    def __init__(self) -> None:
-        self._by_key: dict[str, Contract] = {}
-        self._lock = threading.Lock()
 
     def declare(self, routing_key: str, contract: Contract) -> None:
         if not isinstance(routing_key, str) or not routing_key.strip():
@@ -30,31 +24,20 @@ class PublishedRegistry:
                 f"pattern; declare each key"
             )
         with self._lock:
-            existing = self._by_key.get(routing_key)
+            existing = self._entries.get(routing_key)
             if existing is not None and existing != contract:
                 raise ContractError(
                     f"routing key {routing_key!r} is declared with {existing.name} and with "
                     f"{contract.name}: one key carries one payload type (a new shape is a new "
                     f"key, or a field added with a default: docs/contracts.md)"
                 )
-            self._by_key[routing_key] = contract
+            self._entries[routing_key] = contract
 
     def get(self, routing_key: str) -> Contract | None:
-        return self._by_key.get(routing_key)
+        return self._entries.get(routing_key)
 
     def all(self) -> dict[str, Contract]:
-        return dict(sorted(self._by_key.items()))
-
-    @contextmanager
-    def isolated(self) -> Iterator[PublishedRegistry]:
-        """Temporarily empty the registry (for tests); restores it on exit."""
-        with self._lock:
-            saved, self._by_key = self._by_key, {}
-        try:
-            yield self
-        finally:
-            with self._lock:
-                self._by_key = saved
+        return dict(sorted(self._entries.items()))
 
 
 published_registry = PublishedRegistry()

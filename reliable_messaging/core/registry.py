@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Generic, Literal, Self, TypeVar
 
 from ..exceptions import ConsumerConfigurationError
 from .breaker import Breaker
@@ -17,6 +17,7 @@ from .coroutines import CoroutineHandler
 from .envelope import Message
 
 Handler = Callable[[Message], Any]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -72,16 +73,31 @@ class ConsumerSpec:
         return handler.function if isinstance(handler, CoroutineHandler) else handler
 
 
-class ConsumerRegistry:
-    """Handlers by name, with one handler per queue."""
+class KeyedRegistry(Generic[T]):
+    """Entries by key, changed under a lock; :meth:`isolated` empties it for a test."""
 
     def __init__(self) -> None:
-        self._by_name: dict[str, ConsumerSpec] = {}
+        self._entries: dict[str, T] = {}
         self._lock = threading.Lock()
+
+    @contextmanager
+    def isolated(self) -> Iterator[Self]:
+        """Temporarily empty the registry (for tests); restores it on exit."""
+        with self._lock:
+            saved, self._entries = self._entries, {}
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._entries = saved
+
+
+class ConsumerRegistry(KeyedRegistry[ConsumerSpec]):
+    """Handlers by name, with one handler per queue."""
 
     def register(self, spec: ConsumerSpec) -> None:
         with self._lock:
-            existing = self._by_name.get(spec.name)
+            existing = self._entries.get(spec.name)
             if existing is not None:
                 if existing.function is spec.function or existing == spec:
                     return  # the same module imported twice under one name
@@ -89,44 +105,33 @@ class ConsumerRegistry:
                     f"Two consumers are named {spec.name!r}. The name is the deduplication "
                     f"scope, so it must be unique: pass name=... to one of them."
                 )
-            for other in self._by_name.values():
+            for other in self._entries.values():
                 if other.queue == spec.queue:
                     raise ConsumerConfigurationError(
                         f"Queue {spec.queue!r} has two handlers: {other.name!r} and "
                         f"{spec.name!r}. Each queue feeds exactly one handler (retries and "
                         f"replays go back to the queue); give one of them its own queue."
                     )
-            self._by_name[spec.name] = spec
+            self._entries[spec.name] = spec
 
     def unregister(self, name: str) -> None:
         with self._lock:
-            self._by_name.pop(name, None)
+            self._entries.pop(name, None)
 
     def get(self, name: str) -> ConsumerSpec:
-        return self._by_name[name]
+        return self._entries[name]
 
     def for_queue(self, queue: str) -> ConsumerSpec | None:
-        return next((s for s in self._by_name.values() if s.queue == queue), None)
+        return next((s for s in self._entries.values() if s.queue == queue), None)
 
     def all(self) -> list[ConsumerSpec]:
-        return sorted(self._by_name.values(), key=lambda s: s.queue)
+        return sorted(self._entries.values(), key=lambda s: s.queue)
 
     def __iter__(self) -> Iterator[ConsumerSpec]:
         return iter(self.all())
 
     def __len__(self) -> int:
-        return len(self._by_name)
-
-    @contextmanager
-    def isolated(self) -> Iterator[ConsumerRegistry]:
-        """Temporarily empty the registry (for tests); restores it on exit."""
-        with self._lock:
-            saved, self._by_name = self._by_name, {}
-        try:
-            yield self
-        finally:
-            with self._lock:
-                self._by_name = saved
+        return len(self._entries)
 
 
 registry = ConsumerRegistry()
