@@ -19,7 +19,8 @@ from .outcomes import FailureReason
 
 CONTENT_TYPE = "application/json"
 
-# Our own headers. They travel with retried and replayed copies; user headers are left alone.
+# Our own headers (what each holds: HEADER_SCHEMAS in contracts/asyncapi.py). They travel with
+# retried and replayed copies; user headers are left alone.
 HEADER_PREFIX = "x-rm-"
 ATTEMPT_HEADER = "x-rm-attempt"
 ORIGINAL_EXCHANGE_HEADER = "x-rm-exchange"
@@ -30,16 +31,12 @@ LAST_ERROR_HEADER = "x-rm-last-error"
 PUBLISHED_AT_HEADER = "x-rm-published-at"
 # The outbox row a message was sent from, so that a message the broker returns finds its row.
 OUTBOX_ID_HEADER = "x-rm-outbox-id"
-# A message's deadline (publish(expires=...)), Unix milliseconds: past it, it is not handled.
 EXPIRES_AT_HEADER = "x-rm-expires-at"
-REPLAY_HEADER = "x-rm-replay"  # how many times the message was replayed
+REPLAY_HEADER = "x-rm-replay"
 REPLAYED_BY_HEADER = "x-rm-replayed-by"
 DEAD_LETTER_ID_HEADER = "x-rm-dead-letter-id"
-REPLAY_ID_HEADER = "x-rm-replay-id"  # the replay ledger's row of a replayed copy
-# How many times a copy was put aside because another consumer held the message.
+REPLAY_ID_HEADER = "x-rm-replay-id"
 DEFERRALS_HEADER = "x-rm-deferrals"
-# A message's AMQP priority as the outbox row keeps it (core/priorities.py): the relay sets the
-# property from it; retried and replayed copies keep it, as they keep every header.
 PRIORITY_HEADER = "x-rm-priority"
 # On the dead letter of a Celery task whose pool child kept dying: not replayable.
 CELERY_TASK_HEADER = "celery-task"
