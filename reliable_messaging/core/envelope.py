@@ -10,7 +10,7 @@ import json
 import math
 import reprlib
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -323,11 +323,10 @@ def _wire_value(value: Any, depth: int) -> Any:
     if value is None or isinstance(value, bool | float | bytes | dt.datetime):
         return value
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate: pika could not write it
-            return value.encode("utf-8", errors="backslashreplace").decode("utf-8")
-        return value
+        if _is_utf8(value):
+            return value
+        # A lone surrogate: pika could not write it.
+        return value.encode("utf-8", errors="backslashreplace").decode("utf-8")
     if isinstance(value, int):
         return value if _INT64_MIN <= value < _INT64_END else str(value)
     if isinstance(value, decimal.Decimal):
@@ -407,23 +406,35 @@ def jsonable(value: Any, max_depth: int | None = None) -> Any:
     return result[0]
 
 
-def nesting_depth(value: Any) -> int:
-    """How deep lists and mappings nest in ``value`` (0 for a scalar); iterative."""
-    deepest = 0
+def _walk(value: Any) -> Iterator[tuple[Any, int]]:
+    """``value`` and everything nested in it (mapping keys too), each with its depth; iterative."""
     stack: list[tuple[Any, int]] = [(value, 0)]
     while stack:
         current, depth = stack.pop()
+        yield current, depth
         if isinstance(current, Mapping):
-            stack.extend((child, depth + 1) for child in current.values())
+            stack.extend((child, depth + 1) for child in (*current.keys(), *current.values()))
         elif isinstance(current, list | tuple):
             stack.extend((child, depth + 1) for child in current)
-        else:
-            deepest = max(deepest, depth)
-            continue
-        deepest = max(deepest, depth + 1)
+
+
+def nesting_depth(value: Any) -> int:
+    """How deep lists and mappings nest in ``value`` (0 for a scalar); iterative."""
+    deepest = 0
+    for node, depth in _walk(value):
+        deepest = max(deepest, depth + 1 if isinstance(node, Mapping | list | tuple) else depth)
         if deepest > 100_000:  # a structure holding itself: deep enough to say so
             break
     return deepest
+
+
+def _is_utf8(text: str) -> bool:
+    """Whether UTF-8 can encode ``text``: it holds no lone surrogate (such as "\\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def derived_message_id(body: bytes) -> str:
@@ -452,9 +463,7 @@ def _message_id(value: Any) -> tuple[str, str | None]:
         except UnicodeDecodeError:
             return fit_utf8(escaped_text(value)), "message_id is not UTF-8"
     text = str(value)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
+    if not _is_utf8(text):
         return fit_utf8(safe_text(text)), "message_id holds a lone surrogate, which is not text"
     return text, None
 
@@ -494,24 +503,6 @@ def user_headers(headers: Mapping[str, Any]) -> dict[str, Any]:
         for k, v in normalize_headers(headers).items()
         if not k.startswith(HEADER_PREFIX) and k not in BROKER_HEADERS
     }
-
-
-def _has_lone_surrogate(payload: Any) -> bool:
-    """Whether any text in ``payload`` (keys too) holds a lone surrogate; iterative."""
-    stack = [payload]
-    while stack:
-        current = stack.pop()
-        if isinstance(current, str):
-            try:
-                current.encode("utf-8")
-            except UnicodeEncodeError:
-                return True
-        elif isinstance(current, dict):
-            stack.extend(current.keys())
-            stack.extend(current.values())
-        elif isinstance(current, list):
-            stack.extend(current)
-    return False
 
 
 def sent_to_its_queue(delivery: Delivery) -> bool:
@@ -593,7 +584,7 @@ def decode_delivery(
             FailureReason.INVALID_JSON,
             f"the body is JSON with a number too long to decode: {str(exc)[:200]}",
         )
-    if "\\u" in text and _has_lone_surrogate(payload):
+    if "\\u" in text and any(isinstance(n, str) and not _is_utf8(n) for n, _ in _walk(payload)):
         return error(
             FailureReason.INVALID_JSON,
             "the body escapes a lone UTF-16 surrogate (such as \\ud800), which is "
