@@ -45,7 +45,9 @@ def _hints(tp: Any) -> dict[str, Any]:
 
 
 class _Validation:
-    """One validation: the errors found so far, with their paths."""
+    """One validation: the errors found so far, with their paths. Its types are ones
+    :func:`json_schema` accepted (``contract_of`` builds the schema first), so an annotation it
+    cannot check is refused there, not here."""
 
     def __init__(self) -> None:
         self.errors: list[tuple[_Location, str]] = []
@@ -94,9 +96,7 @@ class _Validation:
             return self._items(tp, origin, args, data, at)
         if tp is dict or origin in (dict, Mapping):
             return self._mapping(args, data, at)
-        if _is_object_type(tp):
-            return self.object(tp, data, at)
-        raise UnsupportedType(f"a field of type {tp!r} is not supported without pydantic")
+        return self.object(tp, data, at)  # a dataclass or a TypedDict
 
     def _union(self, args: tuple[Any, ...], data: Any, at: _Location) -> Any:
         if data is None and type(None) in args:
@@ -139,8 +139,6 @@ class _Validation:
     def _items(self, tp: Any, origin: Any, args: tuple[Any, ...], data: Any, at: _Location) -> Any:
         if not isinstance(data, list | tuple):
             return self.fail(at, "Input should be a valid list")
-        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
-            raise UnsupportedType(f"{tp!r}: only tuple[X, ...] is supported without pydantic")
         item = args[0] if args else Any
         values = [self.value(item, element, (*at, i)) for i, element in enumerate(data)]
         return tuple(values) if (tp is tuple or origin is tuple) else values
@@ -148,8 +146,6 @@ class _Validation:
     def _mapping(self, args: tuple[Any, ...], data: Any, at: _Location) -> Any:
         if not isinstance(data, Mapping):
             return self.fail(at, "Input should be a valid dictionary")
-        if args and args[0] is not str:
-            raise UnsupportedType("only dict[str, X] is supported: JSON keys are strings")
         item = args[1] if args else Any
         return {key: self.value(item, value, (*at, key)) for key, value in data.items()}
 
