@@ -54,8 +54,6 @@ UNAVAILABLE_PAUSE = 1.0
 P = ParamSpec("P")
 R = TypeVar("R")
 
-# Longer keys, or keys the database cannot store as text (NUL, lone surrogates), are kept as
-# HASHED_KEY_PREFIX + the SHA-256 of their UTF-8 bytes, which fits the column.
 KEY_MAX_LENGTH = 255
 HASHED_KEY_PREFIX = "sha256:"
 

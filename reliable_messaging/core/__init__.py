@@ -1,3 +1,2 @@
 """Pure logic, standard library only (no Django, no pika): envelopes, outcomes and failure reasons,
-retry decisions, backoff, routing, fingerprints, uuid7.
-"""
+retry decisions, backoff, routing, fingerprints, uuid7."""

@@ -1,7 +1,6 @@
 """Time-ordered message ids: UUID version 7 (RFC 9562), increasing within a process, so that
 they are inserted at the inbox index's right edge (Python before 3.14 has no ``uuid.uuid7``).
-``docs/design.md#time-ordered-message-ids`` explains the layout.
-"""
+``docs/design.md#time-ordered-message-ids`` explains the layout."""
 
 from __future__ import annotations
 
