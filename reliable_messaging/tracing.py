@@ -12,10 +12,10 @@ from importlib import metadata
 from typing import Any
 
 from .core.envelope import (
-    ATTEMPT_HEADER,
     ORIGINAL_EXCHANGE_HEADER,
     ORIGINAL_ROUTING_KEY_HEADER,
     Delivery,
+    parse_attempt,
     sent_to_its_queue,
 )
 from .core.outcomes import Acknowledge, Outcome, OutcomeLabel, Release, RetryInPlace, label_of
@@ -260,8 +260,11 @@ def _origin(delivery: Delivery) -> tuple[str, str]:
 
 
 def _attempt(headers: Mapping[str, Any]) -> int:
-    raw = headers.get(ATTEMPT_HEADER)
-    return raw if isinstance(raw, int) and not isinstance(raw, bool) and raw > 0 else 1
+    """The attempt as the consumer reads it (a malformed header: 1, the consumer refuses it)."""
+    try:
+        return parse_attempt(headers)
+    except ValueError:
+        return 1
 
 
 def start_deliveries(deliveries: Iterable[tuple[Delivery, str]]) -> list[Delivery] | None:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from reliable_messaging import tracing
-from reliable_messaging.core.envelope import Delivery
+from reliable_messaging.core.envelope import ATTEMPT_HEADER, Delivery
 from reliable_messaging.core.trace_context import header_text, ids_in, parse_traceparent
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -91,3 +91,28 @@ def test_without_a_span_the_header_ids_are_kept(monkeypatch: pytest.MonkeyPatch)
     assert tracing.current_trace_id() is None
     assert tracing.start_publish("x", "k", "m", 2) == (None, {})
     assert tracing.start_deliveries([(delivery({"traceparent": VALID}), "c")]) is None
+
+
+@pytest.mark.parametrize(
+    ("header", "attempt"),
+    [(None, 1), (3, 3), ("3", 3), (b"4", 4), ("three", 1), (0, 1), (True, 1)],
+)
+def test_a_process_span_records_the_attempt_the_consumer_reads(
+    monkeypatch: pytest.MonkeyPatch, header: Any, attempt: int
+) -> None:
+    # A foreign producer may send the attempt header as text: the span says what the consumer
+    # decides on (parse_attempt), and a header the consumer refuses is attempt 1.
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "active", lambda: True)
+    monkeypatch.setattr(tracing, "_tracer", lambda: provider.get_tracer("test"))
+    one = delivery({} if header is None else {ATTEMPT_HEADER: header})
+    tracing.end_deliveries(tracing.start_deliveries([(one, "c")]), [one], [None])
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes is not None
+    assert span.attributes["reliable_messaging.attempt"] == attempt
