@@ -3,6 +3,7 @@ start (``docs/design.md#leftover-queues``)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterable
 from contextlib import closing
@@ -41,26 +42,9 @@ class Leftover:
     consumers: int
 
 
-def _exists(connection: BlockingConnection, queue: str) -> tuple[int, int] | None:
-    """(ready messages, consumers) of ``queue``, or None when it does not exist; asked on a
-    channel of its own, closed after."""
-    with closing(PassiveProbe(connection)) as probe:
-        return probe.queue(queue)
-
-
-def _exchange_exists(connection: BlockingConnection, exchange: str) -> bool:
-    with closing(PassiveProbe(connection)) as probe:
-        return probe.exchange(exchange)
-
-
-def _partitions_from(connection: BlockingConnection, spec: ConsumerSpec, first: int) -> list[str]:
-    found: list[str] = []
-    for index in range(first, MAX_PARTITIONS_PROBED):
-        name = f"{spec.queue}.p{index}"
-        if _exists(connection, name) is None:
-            break
-        found.append(name)
-    return found
+def _partitions_from(probe: PassiveProbe, spec: ConsumerSpec, first: int) -> list[str]:
+    names = (f"{spec.queue}.p{index}" for index in range(first, MAX_PARTITIONS_PROBED))
+    return list(itertools.takewhile(lambda name: probe.queue(name) is not None, names))
 
 
 def find_leftovers(
@@ -75,24 +59,23 @@ def find_leftovers(
         queue for spec in [*registry.all(), *specs] for queue in consumer_queues(spec, settings)
     }
     found: list[Leftover] = []
-    for spec in specs:
-        names: list[tuple[str, tuple[tuple[str, str], ...]]] = []
-        if spec.ordered:
-            # From before ordered=True: most likely fed by the bindings the consumer has now.
-            exchange = consumer_exchange(spec, settings)
-            names.append((spec.queue, tuple((exchange, b) for b in spec.bindings)))
-            # From a larger ORDERED_PARTITIONS: fed by the partition exchange, weight "1".
-            extra = _partitions_from(connection, spec, settings.ordered_partitions)
-            names += [(name, ((partition_exchange(spec), "1"),)) for name in extra]
-        else:
-            # From before ordered=False: fed by the partition exchange, deleted first.
-            names += [(name, ()) for name in _partitions_from(connection, spec, 0)]
-        for name, feeds in names:
-            if name in live:
-                continue
-            figures = _exists(connection, name)
-            if figures is not None:
-                found.append(Leftover(spec, name, feeds, *figures))
+    with closing(PassiveProbe(connection)) as probe:
+        for spec in specs:
+            feeds: dict[str, tuple[tuple[str, str], ...]] = {}
+            if spec.ordered:
+                # From before ordered=True: most likely fed by the bindings the consumer has now.
+                exchange = consumer_exchange(spec, settings)
+                feeds[spec.queue] = tuple((exchange, b) for b in spec.bindings)
+                # From a larger ORDERED_PARTITIONS: fed by the partition exchange, weight "1".
+                for name in _partitions_from(probe, spec, settings.ordered_partitions):
+                    feeds[name] = ((partition_exchange(spec), "1"),)
+            else:
+                # From before ordered=False: fed by the partition exchange, deleted first.
+                feeds = dict.fromkeys(_partitions_from(probe, spec, 0), ())
+            for name, fed_by in feeds.items():
+                figures = None if name in live else probe.queue(name)
+                if figures is not None:
+                    found.append(Leftover(spec, name, fed_by, *figures))
     return found
 
 
@@ -107,19 +90,19 @@ def retire_leftovers(
     # An ordered consumer turned plain: stop the old partitions' feed before looking at them.
     live = {partition_exchange(spec) for spec in registry.all() if spec.ordered}
     try:
-        for spec in specs:
-            exchange = partition_exchange(spec)
-            if spec.ordered or exchange in live or not _exchange_exists(connection, exchange):
-                continue
-            channel = connection.channel()
-            channel.exchange_delete(exchange)
-            channel.close()
-            logger.warning(
-                "consumer=%s is no longer ordered: deleted its partition exchange %r, which "
-                "kept copying messages into its old partition queues",
-                spec.name,
-                exchange,
-            )
+        with closing(PassiveProbe(connection)) as probe:
+            for spec in specs:
+                exchange = partition_exchange(spec)
+                if spec.ordered or exchange in live or not probe.exchange(exchange):
+                    continue
+                with connection.channel() as channel:
+                    channel.exchange_delete(exchange)
+                logger.warning(
+                    "consumer=%s is no longer ordered: deleted its partition exchange %r, which "
+                    "kept copying messages into its old partition queues",
+                    spec.name,
+                    exchange,
+                )
         leftovers = find_leftovers(connection, specs, settings)
     except pika.exceptions.AMQPChannelError as exc:
         # Refused by the broker: left in place, and consuming goes on (connection errors
@@ -176,7 +159,8 @@ def _retire(
                 raise
             channel = connection.channel()
             channel.confirm_delivery()
-            figures = _exists(connection, queue)
+            with closing(PassiveProbe(connection)) as probe:
+                figures = probe.queue(queue)
             if figures is not None and figures[1] > 0:
                 logger.warning(
                     "consumer=%s: leftover queue %r still has %d consumer(s) (an older version "

@@ -67,17 +67,14 @@ def size_limit_in(reply_text: object) -> int | None:
 def broker_refuses(connection: BlockingConnection, size: int) -> int | None:
     """The broker's ``max_message_size`` if it refuses a body of ``size`` bytes (published to
     nowhere on a channel of its own); None when it takes it."""
-    channel = connection.channel()
     try:
-        channel.confirm_delivery()
-        channel.basic_publish("", PROBE_ROUTING_KEY, b"\0" * size)
+        with connection.channel() as channel:
+            channel.confirm_delivery()
+            channel.basic_publish("", PROBE_ROUTING_KEY, b"\0" * size)
     except pika.exceptions.ChannelClosedByBroker as exc:
         if exc.reply_code == PRECONDITION_FAILED and (limit := size_limit_in(exc.reply_text)):
             return limit
         raise
-    finally:
-        if channel.is_open:
-            channel.close()
     return None
 
 
@@ -87,12 +84,8 @@ def ask_broker(
     """:func:`broker_refuses` on a connection of its own: (the limit, or None; why the broker
     could not be asked, or None)."""
     try:
-        connection = connect(settings, name="reliable_messaging size check", timeout=timeout)
-        try:
+        with connect(settings, name="reliable_messaging size check", timeout=timeout) as connection:
             return broker_refuses(connection, size), None
-        finally:
-            if connection.is_open:
-                connection.close()
     except (pika.exceptions.AMQPError, OSError) as exc:
         return None, type(exc).__name__
 

@@ -16,6 +16,7 @@ from pika.adapters.blocking_connection import BlockingConnection
 from ..conf import MessagingSettings
 from ..core.registry import ConsumerSpec
 from .leftovers import retire_leftovers
+from .probes import PassiveProbe
 from .topology import CONNECTION_ERRORS, connect, declare_topology
 from .transport import BrokerChannel
 
@@ -56,14 +57,10 @@ class PikaConnection:
 
     def messages_ready(self, queues: Sequence[str]) -> int:
         ready = 0
-        channel = None
-        for queue in queues:
-            if channel is None or not channel.is_open:
-                channel = self._connection.channel()  # a 404 closes the one before
-            with contextlib.suppress(pika.exceptions.ChannelClosedByBroker):
-                ready += channel.queue_declare(queue, passive=True).method.message_count
-        if channel is not None and channel.is_open:
-            channel.close()
+        with contextlib.closing(PassiveProbe(self._connection)) as probe:
+            for queue in queues:
+                with contextlib.suppress(pika.exceptions.ChannelClosedByBroker):
+                    ready += (probe.queue(queue) or (0, 0))[0]
         return ready
 
     def drop(self) -> None:

@@ -248,12 +248,8 @@ def queues_from_amqp(
 ) -> tuple[QueueStatus, ...]:
     """Ready counts and consumers of the consumer queues of ``specs`` by passive declares, then
     the queues their earlier shapes left behind; raises when no broker URL can be reached."""
-    connection = connect(settings, "messaging_status", timeout=timeout)
-    try:
+    with connect(settings, "messaging_status", timeout=timeout) as connection:
         return _queues_on(connection, list(specs), settings)
-    finally:
-        if connection.is_open:
-            connection.close()
 
 
 def _queues_on(
@@ -358,13 +354,11 @@ def broker_status(
     except BrokerUnreachable as exc:
         return BrokerStatus(shown, reachable=False, error=f"cannot connect to {shown}: {exc}")
     try:
-        found = _queues_on(connection, specs, settings)
+        with connection:
+            found = _queues_on(connection, specs, settings)
     except (pika.exceptions.AMQPError, OSError) as exc:
         error = f"cannot connect to {shown}: {scrub(describe_error(exc), *secrets)}"
         return BrokerStatus(shown, reachable=False, error=error)
-    finally:
-        if connection.is_open:
-            connection.close()
     management_url = management_url_for(management_url, settings, params)
     if not management_url:
         note = "the management API was skipped (no URL given)"
@@ -389,6 +383,5 @@ def broker_connection_error(
         return f"the broker URL cannot be parsed ({exc})"
     except BrokerUnreachable as exc:
         return str(exc)
-    if connection.is_open:
-        connection.close()
-    return ""
+    with connection:
+        return ""

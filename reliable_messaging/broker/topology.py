@@ -271,13 +271,11 @@ def _refusal(
 ) -> pika.exceptions.ChannelClosedByBroker | None:
     """Declare ``queue`` on a channel of its own (the broker closes one that declares a queue
     differently); the broker's refusal, or None."""
-    probe = channel.connection.channel()
     try:
-        probe.queue_declare(queue, durable=True, arguments=arguments)
+        with channel.connection.channel() as probe:
+            probe.queue_declare(queue, durable=True, arguments=arguments)
     except pika.exceptions.ChannelClosedByBroker as exc:
         return exc
-    if probe.is_open:
-        probe.close()
     return None
 
 

@@ -11,8 +11,8 @@ import uuid
 import pika.exceptions
 import pytest
 
-from reliable_messaging.broker.leftovers import _exchange_exists, _exists
 from reliable_messaging.broker.pika_logs import expecting_not_found
+from reliable_messaging.broker.probes import PassiveProbe
 from tests.support import broker_connection
 
 
@@ -31,8 +31,8 @@ def test_a_probe_for_a_missing_queue_or_exchange_logs_nothing(
     connection = broker_connection()
     try:
         with caplog.at_level(logging.INFO, logger="pika"):
-            assert _exists(connection, missing) is None
-            assert _exchange_exists(connection, missing) is False
+            assert PassiveProbe(connection).queue(missing) is None
+            assert PassiveProbe(connection).exchange(missing) is False
             assert connection.is_open  # only the probe's channel was closed
     finally:
         connection.close()
@@ -50,8 +50,8 @@ def test_a_probe_under_debug_logging_answers_and_keeps_the_connection_usable(
     try:
         with caplog.at_level(logging.DEBUG, logger="pika"):
             connection.channel().queue_declare(existing)
-            assert _exists(connection, existing) == (0, 0)
-            assert _exists(connection, missing) is None
+            assert PassiveProbe(connection).queue(existing) == (0, 0)
+            assert PassiveProbe(connection).queue(missing) is None
             channel = connection.channel()
             with expecting_not_found():
                 assert channel.queue_declare(existing, passive=True).method.queue == existing
