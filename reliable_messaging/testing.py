@@ -13,9 +13,8 @@ from typing import Any, is_typeddict
 from django.db import router
 from django.utils import timezone
 
-from .broker.topology import consumer_queues
+from .broker.topology import consumer_exchange, consumer_queues
 from .choices import OutboxStatus
-from .conf import messaging_settings
 from .consuming.processing import DeliveryProcessor
 from .consuming.retry_rows import copy_key
 from .core.envelope import (
@@ -78,8 +77,7 @@ def deliver(
     all_headers = dict(headers or {})
     if attempt != 1:
         all_headers[ATTEMPT_HEADER] = attempt
-    if exchange is None:
-        exchange = spec.exchange or messaging_settings.exchange
+    exchange = consumer_exchange(spec) if exchange is None else exchange
     if routing_key is None:
         routing_key = (spec.bindings or ("",))[0]
     queues = consumer_queues(spec)
@@ -144,8 +142,7 @@ def scheduled(*, using: str | None = None) -> list[tuple[dt.datetime, Message]]:
 def _routes_to(row: OutboxMessage, spec: ConsumerSpec) -> bool:
     if row.exchange == "":  # the default exchange: straight to the queue of that name
         return row.routing_key in consumer_queues(spec)
-    exchange = spec.exchange or messaging_settings.exchange
-    return row.exchange == exchange and any(
+    return row.exchange == consumer_exchange(spec) and any(
         topic_matches(binding, row.routing_key) for binding in spec.bindings
     )
 

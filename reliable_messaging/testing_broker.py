@@ -125,23 +125,12 @@ class StubChannel:
             self.consumers = [c for c in self.consumers if c.tag != consumer_tag]
 
     def basic_ack(self, delivery_tag: int = 0, multiple: bool = False) -> None:
-        with self._broker.lock:
-            settled = self._take(delivery_tag, multiple)
-            if settled is not None:
-                self._broker.record("ack", self, delivery_tag, multiple=multiple, messages=settled)
+        self._settle("ack", delivery_tag, multiple, requeue=False)
 
     def basic_nack(
         self, delivery_tag: int = 0, multiple: bool = False, requeue: bool = True
     ) -> None:
-        with self._broker.lock:
-            settled = self._take(delivery_tag, multiple)
-            if settled is None:
-                return
-            self._broker.record(
-                "nack", self, delivery_tag, multiple=multiple, requeue=requeue, messages=settled
-            )
-            if requeue:
-                self._broker.requeue(settled)
+        self._settle("nack", delivery_tag, multiple, requeue)
 
     def add_on_cancel_callback(self, callback: Callable[[Any], None]) -> None:
         """The stub broker never cancels a consumer."""
@@ -161,16 +150,24 @@ class StubChannel:
 
     # -- the stub's side -------------------------------------------------------------------------
 
-    def _take(self, delivery_tag: int, multiple: bool) -> list[StubMessage] | None:
-        """The deliveries an ack or nack settles; None when the tag is unknown, which RabbitMQ
-        answers by closing the channel (406), as here."""
-        if not self.is_open:
-            raise StubConnectionLost(f"channel {self.channel_number} is closed")
-        if delivery_tag not in self.unacked:
-            self.close(by_broker=f"406 PRECONDITION_FAILED - unknown delivery tag {delivery_tag}")
-            return None
-        tags = [t for t in self.unacked if t <= delivery_tag] if multiple else [delivery_tag]
-        return [self.unacked.pop(t) for t in sorted(tags)]
+    def _settle(self, kind: str, delivery_tag: int, multiple: bool, requeue: bool) -> None:
+        """Take the deliveries an ack or nack settles; an unknown tag closes the channel (406),
+        as RabbitMQ does."""
+        with self._broker.lock:
+            if not self.is_open:
+                raise StubConnectionLost(f"channel {self.channel_number} is closed")
+            if delivery_tag not in self.unacked:
+                self.close(
+                    by_broker=f"406 PRECONDITION_FAILED - unknown delivery tag {delivery_tag}"
+                )
+                return
+            tags = [t for t in self.unacked if t <= delivery_tag] if multiple else [delivery_tag]
+            settled = [self.unacked.pop(t) for t in sorted(tags)]
+            self._broker.record(
+                kind, self, delivery_tag, multiple=multiple, requeue=requeue, messages=settled
+            )
+            if requeue:
+                self._broker.requeue(settled)
 
     def _deliverable(self) -> list[tuple[_Consumer, _Frame, StubMessage]]:
         """Move messages from the consumed queues into this channel's window (broker lock)."""
@@ -285,8 +282,6 @@ class StubTransport:
         self.log: list[BrokerEvent] = []
         self.ids = itertools.count(1)
 
-    # -- the transport -------------------------------------------------------------------------
-
     def connect(self, settings: MessagingSettings, name: str) -> StubConnection:
         with self.lock:
             connection = StubConnection(self, settings)
@@ -300,25 +295,16 @@ class StubTransport:
         queue: str,
         body: bytes,
         *,
-        message_id: str | None,
+        message_id: str | None = None,
         headers: Mapping[str, Any] | None = None,
         routing_key: str = "",
         redelivered: bool = False,
+        properties: Any = None,
     ) -> None:
-        """Put a message at the tail of ``queue`` (created if need be)."""
-        properties = StubProperties(message_id=message_id, headers=dict(headers or {}))
-        self.put(queue, body, properties, routing_key=routing_key, redelivered=redelivered)
-
-    def put(
-        self,
-        queue: str,
-        body: bytes,
-        properties: Any,
-        *,
-        routing_key: str = "",
-        redelivered: bool = False,
-    ) -> None:
-        """Put a message with ``properties`` (pika's, or :class:`StubProperties`) on ``queue``."""
+        """Put a message at the tail of ``queue`` (created if need be), with ``properties``
+        (pika's, or :class:`StubProperties`) or else these ``message_id`` and ``headers``."""
+        if properties is None:
+            properties = StubProperties(message_id=message_id, headers=dict(headers or {}))
         message = StubMessage(
             queue, body, properties, redelivered=redelivered, routing_key=routing_key or queue
         )
@@ -393,14 +379,11 @@ class StubPublished:
     properties: Any = field(default=None, compare=False, repr=False)
 
 
-@dataclass
+@dataclass(order=True)
 class _Timer:
     at: float
-    callback: Callable[[], None]
-    cancelled: bool = False
-
-    def __lt__(self, other: _Timer) -> bool:
-        return self.at < other.at
+    callback: Callable[[], None] = field(compare=False)
+    cancelled: bool = field(default=False, compare=False)
 
 
 class StubPublisher:
@@ -455,8 +438,6 @@ class StubPublisher:
         self._lock = threading.Lock()
         self._posted: collections.deque[Callable[[], None]] = collections.deque()
         self._wake: tuple[int, int] | None = None
-
-    # -- the transport ---------------------------------------------------------------------------
 
     @property
     def is_open(self) -> bool:
@@ -611,8 +592,6 @@ class StubPublisher:
         """The exchange goes; the probe still remembers it until the broker's 404."""
         self.missing.add(exchange)
 
-    # -- the loop -------------------------------------------------------------------------------
-
     def _turn(self) -> None:
         now = time.monotonic()
         while self._timers and self._timers[0].at <= now and self._open:
@@ -680,7 +659,9 @@ class StubPublisher:
                 self.routed.append(message)
                 if self.delivers_to is not None and message.exchange == "":
                     # Before its confirm, as a broker enqueues a message before confirming it.
-                    self.delivers_to.put(message.routing_key, message.body, message.properties)
+                    self.delivers_to.publish(
+                        message.routing_key, message.body, properties=message.properties
+                    )
             else:
                 self.returned.append(message)
                 returned = Returned(

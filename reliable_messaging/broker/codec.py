@@ -114,15 +114,13 @@ def decode_properties_tolerantly(
         setattr(properties, name, None)
     problem = f"the properties could not be decoded: {_describe(failure)}"
     try:
-        flags = 0
-        word_index = 0
-        while True:  # flag words chain while their lowest bit is set
+        # Every flag of BasicProperties is in the first word; more follow while a word's
+        # lowest bit is set.
+        flags = word = struct.unpack_from(">H", encoded, offset)[0]
+        offset += 2
+        while word & 1:
             word = struct.unpack_from(">H", encoded, offset)[0]
             offset += 2
-            flags |= word << (16 * word_index)
-            word_index += 1
-            if not word & 1:
-                break
         for name, kind in _PROPERTY_LAYOUT:
             if not flags & getattr(pika.spec.BasicProperties, f"FLAG_{name.upper()}"):
                 continue

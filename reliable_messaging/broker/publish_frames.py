@@ -180,13 +180,8 @@ class PublishFrames:
             + tail
             + _FRAME_END,
         ]
-        body_max = self.body_max
-        if length <= body_max:
-            if length:
-                frames.append(_FRAME.pack(_BODY_FRAME, channel, length) + body + _FRAME_END)
-            return frames
         view = memoryview(body)
-        for start in range(0, length, body_max):
-            chunk = view[start : start + body_max]
+        for start in range(0, length, self.body_max):
+            chunk = view[start : start + self.body_max]
             frames.append(_FRAME.pack(_BODY_FRAME, channel, len(chunk)) + chunk + _FRAME_END)
         return frames

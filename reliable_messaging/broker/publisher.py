@@ -222,8 +222,6 @@ class ConfirmingPublisher:
         self._brokers: list[pika.URLParameters] = []
         self._probe = ExchangeProbe(settings)
 
-    # -- the connection's life ---------------------------------------------------------------
-
     def run(self, events: PublisherEvents) -> None:
         self.events = events
         if not self._brokers:  # a shuffled list: a node that is down costs one connect
@@ -289,8 +287,6 @@ class ConfirmingPublisher:
             except Exception:
                 logger.debug("closing a broken relay connection failed", exc_info=True)
 
-    # -- publishing --------------------------------------------------------------------------
-
     def publish(
         self,
         exchange: str,
@@ -350,8 +346,6 @@ class ConfirmingPublisher:
     def forget_exchange(self, exchange: str | None) -> None:
         self._probe.forget(exchange)
 
-    # -- the I/O loop ------------------------------------------------------------------------
-
     def call_later(self, delay: float, callback: Callable[[], None]) -> Any:
         assert self._connection is not None
         return self._connection.ioloop.call_later(delay, callback)
@@ -379,8 +373,6 @@ class ConfirmingPublisher:
                 self._connection.ioloop.remove_handler(fd)
             except Exception:
                 logger.debug("removing a socket from the I/O loop failed", exc_info=True)
-
-    # -- pika's callbacks --------------------------------------------------------------------
 
     def _on_connection_open(self, connection: pika.SelectConnection) -> None:
         connection.add_on_connection_blocked_callback(self._on_connection_blocked)

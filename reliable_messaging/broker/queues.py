@@ -226,18 +226,15 @@ def with_management_figures(
         data = (
             management_queue(get, params, queue.name, _MANAGEMENT_COLUMNS) if queue.exists else None
         )
-        if data is None:  # not declared, or deleted since the passive declare: nothing to add
-            found.append(queue)
-            continue
-        stats = data.get("message_stats")
-        found.append(
-            replace(
+        if data is not None:  # else not declared, or deleted since the passive declare
+            stats = data.get("message_stats")
+            queue = replace(
                 queue,
                 unacked=int(data.get("messages_unacknowledged") or 0),
                 deliver_rate=_rate(stats, "deliver_get_details"),
                 redeliver_rate=_rate(stats, "redeliver_details"),
             )
-        )
+        found.append(queue)
     return tuple(found)
 
 
