@@ -668,10 +668,8 @@ class StubPublisher:
                     dict(message.headers), message.exchange, message.routing_key, 312, "NO_ROUTE"
                 )
                 self._event("on_returned", returned)
+        multiple = self.confirms == "multiple"
         for i, (tag, _message, acked) in enumerate(answers):
-            if self.confirms == "multiple":
-                if i + 1 < len(answers) and answers[i + 1][2] == acked:
-                    continue  # one ack or nack for the whole run
-                self._event("on_confirm", tag, True, acked)
-            else:
-                self._event("on_confirm", tag, False, acked)
+            if multiple and i + 1 < len(answers) and answers[i + 1][2] == acked:
+                continue  # one ack or nack for the whole run
+            self._event("on_confirm", tag, multiple, acked)

@@ -16,7 +16,9 @@ from pika.adapters.blocking_connection import BlockingConnection
 from pika.spec import Basic, BasicProperties
 
 from ..conf import MessagingSettings, messaging_settings
-from .publisher import ENCODING_ERRORS, Unencodable, message_properties
+from ..core.priorities import priority_of_headers
+from .publish_frames import PublishFrames
+from .publisher import ENCODING_ERRORS, Unencodable
 from .replies import PRECONDITION_FAILED
 from .topology import connect
 
@@ -114,43 +116,27 @@ def _client_frame_max(urls: tuple[str, ...]) -> int:
     return min(pika.URLParameters(url).frame_max for url in urls)
 
 
+# Encodes a header frame as the relay writes it (a body of 0 bytes: no body frame).
+_HEADER_FRAMES = PublishFrames(channel_number=1, body_max=1)
+
+
 def header_frame_refusal(
     message_id: str, headers: Mapping[str, Any], settings: MessagingSettings = messaging_settings
 ) -> str | None:
-    """Why a message with ``headers`` can never be sent (its header frame over ``frame_max``),
-    or None. Flat headers well under it are let through on a bound, not encoded."""
+    """Why a message with ``headers`` can never be sent (its header frame, encoded as the relay
+    encodes it, over ``frame_max``), or None."""
+    sent = dict(headers)
+    _method, header = _HEADER_FRAMES.encode(
+        "",
+        "",
+        b"",
+        message_id=message_id,
+        timestamp=0,
+        headers=sent,
+        priority=priority_of_headers(sent),
+    )
     frame_max = _client_frame_max(tuple(settings.broker_urls))
-    bound = _flat_headers_bound(headers)
-    if bound is not None and bound + len(message_id) + _PROPERTIES_ROOM <= frame_max:
-        return None
-    properties = message_properties(message_id, 0, dict(headers))
-    size = header_frame_size(properties) + RELAY_HEADERS_ROOM
-    return frame_size_refusal(size, frame_max)
-
-
-# Bytes of a header frame besides its headers' entries and the message id, the relay's included.
-_PROPERTIES_ROOM = 128 + RELAY_HEADERS_ROOM
-
-
-def _flat_headers_bound(headers: Mapping[str, Any]) -> int | None:
-    """At least the bytes ``headers`` take in a field table when each value is flat (a string,
-    a 64-bit number, a bool or None); None when only encoding tells."""
-    total = 0
-    for key, value in headers.items():
-        if not isinstance(key, str):
-            return None
-        total += 2 + len(key.encode("utf-8"))
-        if isinstance(value, str):
-            total += 4 + len(value.encode("utf-8"))
-        elif (
-            value is None
-            or isinstance(value, float)
-            or (isinstance(value, int) and -(2**63) <= value < 2**63)
-        ):
-            total += 8
-        else:
-            return None
-    return total
+    return frame_size_refusal(len(header) + RELAY_HEADERS_ROOM, frame_max)
 
 
 def header_frame_of(

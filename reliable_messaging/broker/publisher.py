@@ -22,7 +22,7 @@ from ..core.priorities import priority_of_headers
 from .probes import ExchangeProbe
 from .publish_frames import PublishFrames
 from .queues import scrub_broker_secrets
-from .stored_properties import properties_to_send
+from .stored_properties import decoded_properties
 from .topology import connection_parameters
 from .write_coalescing import coalesce_writes
 
@@ -185,9 +185,11 @@ def publish_properties(
 ) -> BasicProperties:
     """A row's properties: a retry copy's as stored with ``headers`` added (see
     :mod:`.stored_properties`), else :func:`message_properties`."""
-    if stored is not None:
-        return properties_to_send(stored, headers)
-    return message_properties(message_id, timestamp, headers)
+    if stored is None:
+        return message_properties(message_id, timestamp, headers)
+    properties = decoded_properties(stored)
+    properties.headers = {**(properties.headers or {}), **headers}
+    return properties
 
 
 def publish_frames_for(connection: Any, channel: Any) -> PublishFrames | None:

@@ -43,13 +43,6 @@ def decoded_properties(encoded: bytes | memoryview) -> BasicProperties:
     return BasicProperties().decode(bytes(encoded))
 
 
-def properties_to_send(encoded: bytes | memoryview, headers: Mapping[str, Any]) -> BasicProperties:
-    """The stored properties with ``headers`` (the relay's own, such as the row id) added."""
-    properties = decoded_properties(encoded)
-    properties.headers = {**(properties.headers or {}), **headers}
-    return properties
-
-
 def shown_properties(encoded: bytes | memoryview) -> dict[str, Any]:
     """The stored properties as names and values, for a person to read (the admin)."""
     properties = decoded_properties(encoded)

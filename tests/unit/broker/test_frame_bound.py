@@ -1,4 +1,4 @@
-"""The cheap bound publish() checks headers against before encoding them (broker/limits.py)."""
+"""publish()'s check of a message's header frame against frame_max (broker/limits.py)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,8 @@ from typing import Any
 
 import pytest
 
-from reliable_messaging.broker.limits import (
-    _flat_headers_bound,
-    header_frame_refusal,
-    header_frame_size,
-)
+from reliable_messaging.broker import limits
+from reliable_messaging.broker.limits import header_frame_refusal, header_frame_size
 from reliable_messaging.broker.publisher import message_properties
 
 
@@ -21,18 +18,17 @@ from reliable_messaging.broker.publisher import message_properties
         {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01", "x-rm-ordering-key": "k"},
         {"n": 2**63 - 1, "m": -(2**63), "small": 7, "f": 1.5, "t": True, "none": None},
         {"é" * 100: "ü" * 5000, "k": "v" * 60_000},
+        {"nested": {"a": [1, "b"]}, "raw": b"raw", "x-rm-priority": 3},
     ],
 )
-def test_the_bound_is_never_below_the_encoded_size(headers: dict[str, Any]) -> None:
-    bound = _flat_headers_bound(headers)
-    assert bound is not None
-    empty = header_frame_size(message_properties("m", 0, {}))
-    assert empty + bound >= header_frame_size(message_properties("m", 0, headers))
-
-
-@pytest.mark.parametrize("value", [{"nested": 1}, [1, 2], b"raw", 2**63])
-def test_what_the_bound_cannot_judge_is_encoded(value: Any) -> None:
-    assert _flat_headers_bound({"k": value}) is None
+def test_the_judged_frame_is_the_one_pika_writes(
+    headers: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    judged: list[int] = []
+    monkeypatch.setattr(limits, "frame_size_refusal", lambda size, _max: judged.append(size))
+    header_frame_refusal("m", headers)
+    expected = header_frame_size(message_properties("m", 0, dict(headers)))
+    assert judged == [expected + limits.RELAY_HEADERS_ROOM]
 
 
 def test_headers_near_the_frame_size_are_still_judged_exactly() -> None:
