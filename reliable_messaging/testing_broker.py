@@ -260,8 +260,7 @@ class StubConnection:
         return self.channel(), {}
 
     def messages_ready(self, queues: Sequence[str]) -> int:
-        with self.broker.lock:
-            return sum(len(self.broker.queues.get(queue, ())) for queue in queues)
+        return sum(self.broker.ready(queue) for queue in queues)
 
     def retire_leftovers(self, specs: Sequence[ConsumerSpec]) -> None:
         """Nothing is ever left over in memory."""

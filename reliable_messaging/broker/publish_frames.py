@@ -73,14 +73,6 @@ _NAMES: dict[str, bytes] = {}
 _NAMES_KEPT = 1024
 
 
-def _new_name(key: Any) -> bytes:
-    """A header name not in ``_NAMES`` as a short string, kept there when it is a ``str``."""
-    name = short_string(key)
-    if type(key) is str and len(_NAMES) < _NAMES_KEPT:
-        _NAMES[key] = name
-    return name
-
-
 def field_table(table: dict[Any, Any]) -> bytes:
     """``table`` as an AMQP field table, its size first, as ``pika.data.encode_table`` writes it.
     Values of exactly ``str``, ``int`` (32 bits, or 64 and not negative), ``bool`` and ``None``
@@ -92,7 +84,9 @@ def field_table(table: dict[Any, Any]) -> bytes:
     for key, value in table.items():
         name = _NAMES.get(key) if type(key) is str else None
         if name is None:
-            name = _new_name(key)
+            name = short_string(key)
+            if type(key) is str and len(_NAMES) < _NAMES_KEPT:
+                _NAMES[key] = name
         append(name)
         size += len(name)
         kind = type(value)
