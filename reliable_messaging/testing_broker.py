@@ -424,7 +424,7 @@ class StubPublisher:
         self.channel_closes: list[tuple[int, str]] = []
         self.connection_closes: list[str] = []
         self._events: PublisherEvents | None = None
-        self._open = False
+        self.is_open = False
         self._channel_open = False
         self._next_tag = 1
         self._unconfirmed: dict[int, StubPublished] = {}
@@ -439,25 +439,21 @@ class StubPublisher:
         self._wake: tuple[int, int] | None = None
 
     @property
-    def is_open(self) -> bool:
-        return self._open
-
-    @property
     def ready(self) -> bool:
-        return self._open and self._channel_open
+        return self.is_open and self._channel_open
 
     more_brokers = False
 
     def run(self, events: PublisherEvents) -> None:
         """One connection: serve timers, posted callbacks, sockets and answers until it closes."""
         self.connections += 1
-        self._events, self._open = events, True
+        self._events, self.is_open = events, True
         self._deaf = self._dropping = self._blocked = False
         with self._lock:
             self._wake = os.pipe()
         self.reopen_channel()
         try:
-            while self._open:
+            while self.is_open:
                 self._turn()
         finally:
             with self._lock:
@@ -465,7 +461,7 @@ class StubPublisher:
                 self._posted.clear()
             for fd in wake or ():
                 os.close(fd)
-            self._open = self._channel_open = False
+            self.is_open = self._channel_open = False
             self._timers.clear()
             self._readers.clear()
 
@@ -537,7 +533,7 @@ class StubPublisher:
         self.post(lambda: self._close_connection(str((200, reason))))
 
     def abandon(self) -> None:
-        self._open = False
+        self.is_open = False
 
     def call_later(self, delay: float, callback: Callable[[], None]) -> _Timer:
         timer = _Timer(time.monotonic() + delay, callback)
@@ -593,7 +589,7 @@ class StubPublisher:
 
     def _turn(self) -> None:
         now = time.monotonic()
-        while self._timers and self._timers[0].at <= now and self._open:
+        while self._timers and self._timers[0].at <= now and self.is_open:
             timer = heapq.heappop(self._timers)
             if not timer.cancelled:
                 timer.callback()
@@ -601,9 +597,9 @@ class StubPublisher:
             posted = list(self._posted)
             self._posted.clear()
         for callback in posted:
-            if self._open:
+            if self.is_open:
                 callback()
-        if not self._open:
+        if not self.is_open:
             return
         self._settle()
         timeout = 0.2 if not self._timers else max(0.0, self._timers[0].at - time.monotonic())
@@ -620,7 +616,7 @@ class StubPublisher:
                 self._readers[fd]()
 
     def _event(self, name: str, *args: Any) -> None:
-        if self._events is not None and self._open:
+        if self._events is not None and self.is_open:
             getattr(self._events, name)(*args)
 
     def _open_channel(self) -> None:
@@ -637,12 +633,12 @@ class StubPublisher:
         self._event("on_channel_closed", ChannelClosed(True, reply_code, reply_text, description))
 
     def _close_connection(self, reason: str) -> None:
-        if not self._open:
+        if not self.is_open:
             return
         self._unconfirmed.clear()
         self.connection_closes.append(reason)
         self._event("on_connection_closed", reason)
-        self._open = self._channel_open = False
+        self.is_open = self._channel_open = False
 
     def _settle(self) -> None:
         """The broker's answers to what was published: returns, then confirms."""
