@@ -581,3 +581,10 @@ class RelayProcess(ManageProcess):
 
 def count_where(rows: Iterable[Any], **fields: Any) -> int:
     return sum(all(getattr(r, k) == v for k, v in fields.items()) for r in rows)
+
+
+def fast_path_key(cache: Any, kind: str, consumer: str, message_id: str) -> str:
+    """The Redis key of a message's ``kind`` ("done" or "lease") in a ``DuplicateCache``."""
+    from reliable_messaging.consuming.fastpath import _digest
+
+    return f"{cache._prefix()}{kind}:{_digest(consumer, message_id)}"

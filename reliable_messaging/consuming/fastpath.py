@@ -100,12 +100,6 @@ class DuplicateCache:
 
         return str(caches[self.alias].make_key("rm:"))
 
-    def done_key(self, consumer: str, message_id: str) -> str:
-        return f"{self._prefix()}done:{_digest(consumer, message_id)}"
-
-    def lease_key(self, consumer: str, message_id: str) -> str:
-        return f"{self._prefix()}lease:{_digest(consumer, message_id)}"
-
     def check(
         self, keys: Sequence[tuple[str, str]], lease: Collection[tuple[str, str]] = ()
     ) -> tuple[set[tuple[str, str]], dict[tuple[str, str], bool] | None]:
@@ -126,15 +120,6 @@ class DuplicateCache:
             if flag == "1" and answer != DONE
         }
         return known, leases
-
-    def processed(self, keys: Sequence[tuple[str, str]]) -> set[tuple[str, str]]:
-        """Which of ``keys`` are known to be processed (:meth:`check` without leases)."""
-        return self.check(list(dict.fromkeys(keys)))[0]
-
-    def lease(self, keys: Sequence[tuple[str, str]]) -> dict[tuple[str, str], bool] | None:
-        """Take the leases of ``keys`` not known to be processed (:meth:`check`)."""
-        unique = list(dict.fromkeys(keys))
-        return self.check(unique, set(unique))[1]
 
     def remember(
         self, processed: Iterable[tuple[str, str]], leased: Iterable[tuple[str, str]]

@@ -42,6 +42,7 @@ from tests.support import (
     ConsumeProcess,
     WaitTimeout,
     broker_connection,
+    fast_path_key,
     wait_until,
 )
 
@@ -130,15 +131,15 @@ def test_the_duplicate_fast_path_never_unpickles_what_redis_holds() -> None:
     from django_redis import get_redis_connection
 
     duplicates = fastpath.DuplicateCache("messaging")
-    done = duplicates.done_key("tests.alpha", "pickle-1")
-    lease = duplicates.lease_key("tests.alpha", "pickle-2")
-    remembered = duplicates.done_key("tests.alpha", "pickle-3")
+    done = fast_path_key(duplicates, "done", "tests.alpha", "pickle-1")
+    lease = fast_path_key(duplicates, "lease", "tests.alpha", "pickle-2")
+    remembered = fast_path_key(duplicates, "done", "tests.alpha", "pickle-3")
     redis = get_redis_connection("messaging")
     # Someone who can write to Redis plants a pickle where the fast path looks.
     redis.set(done, pickle.dumps(_Payload()), ex=60)
     try:
-        seen = duplicates.processed([("tests.alpha", "pickle-1")])
-        duplicates.lease([("tests.alpha", "pickle-2")])
+        seen = duplicates.check([("tests.alpha", "pickle-1")])[0]
+        duplicates.check([("tests.alpha", "pickle-2")], {("tests.alpha", "pickle-2")})[1]
         duplicates.remember([("tests.alpha", "pickle-3")], [])
         duplicates.flush()
         written = [redis.get(lease) or b"", redis.get(remembered) or b""]

@@ -26,6 +26,7 @@ from reliable_messaging.core.envelope import REPLAY_HEADER, Delivery, encode_pay
 from reliable_messaging.core.outcomes import Acknowledge, Outcome, ScheduleRetry
 from reliable_messaging.models import ProcessedMessage
 from reliable_messaging.testing import find_consumer
+from tests.support import fast_path_key
 from tests.testapp.models import Effect
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -92,7 +93,9 @@ def test_a_message_leased_by_another_consumer_is_deferred_not_run(
 ) -> None:
     message_id = f"fp-{uuid.uuid4()}"
     other = DuplicateCache("messaging", messaging_settings)
-    assert other.lease([(ALPHA, message_id)]) == {(ALPHA, message_id): True}
+    assert other.check([(ALPHA, message_id)], {(ALPHA, message_id)})[1] == {
+        (ALPHA, message_id): True
+    }
     outcome = process(fast_path, message_id)
     assert isinstance(outcome, ScheduleRetry)
     assert outcome.deferred and outcome.next_attempt == 1
@@ -108,7 +111,9 @@ def test_flushed_cache_changes_nothing_but_speed(fast_path: DuplicateCache) -> N
     for message_id in ids:
         assert process(fast_path, message_id) == Acknowledge("processed")
     fast_path.flush()
-    assert get_redis_connection("messaging").delete(*[fast_path.done_key(ALPHA, m) for m in ids])
+    assert get_redis_connection("messaging").delete(
+        *[fast_path_key(fast_path, "done", ALPHA, m) for m in ids]
+    )
     for message_id in ids:
         assert process(fast_path, message_id) == Acknowledge("duplicate")  # the inbox decides
         assert Effect.objects.filter(consumer="alpha", message_id=message_id).count() == 1

@@ -31,7 +31,7 @@ from reliable_messaging.core.outcomes import Acknowledge, Outcome, ScheduleRetry
 from reliable_messaging.core.registry import ConsumerSpec
 from reliable_messaging.models import OutboxMessage
 from reliable_messaging.storage import inbox
-from tests.support import wait_until
+from tests.support import fast_path_key, wait_until
 from tests.testapp.models import Effect
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -152,19 +152,21 @@ def test_a_fresh_batch_costs_one_round_trip_and_carries_the_last_batchs_marks(
 
     assert run_batch(batches[0]) == [Acknowledge("processed")] * 5
     assert len(trips) == 1
-    assert not any(redis.exists(cache.done_key(spec.name, m)) for m in batches[0])
-    assert redis.exists(cache.lease_key(spec.name, batches[0][0]))  # not given back yet
+    assert not any(redis.exists(fast_path_key(cache, "done", spec.name, m)) for m in batches[0])
+    assert redis.exists(
+        fast_path_key(cache, "lease", spec.name, batches[0][0])
+    )  # not given back yet
 
     assert run_batch(batches[1]) == [Acknowledge("processed")] * 5
     assert len(trips) == 2
-    assert all(redis.exists(cache.done_key(spec.name, m)) for m in batches[0])
-    assert not any(redis.exists(cache.lease_key(spec.name, m)) for m in batches[0])
+    assert all(redis.exists(fast_path_key(cache, "done", spec.name, m)) for m in batches[0])
+    assert not any(redis.exists(fast_path_key(cache, "lease", spec.name, m)) for m in batches[0])
 
     assert run_batch(batches[0]) == [Acknowledge("duplicate")] * 5  # Redis alone answers
     assert len(trips) == 3
     cache.flush()
-    assert all(redis.exists(cache.done_key(spec.name, m)) for m in batches[1])
-    assert not any(redis.exists(cache.lease_key(spec.name, m)) for m in batches[1])
+    assert all(redis.exists(fast_path_key(cache, "done", spec.name, m)) for m in batches[1])
+    assert not any(redis.exists(fast_path_key(cache, "lease", spec.name, m)) for m in batches[1])
 
 
 def test_the_flusher_sends_the_last_batchs_marks_without_another_batch(
@@ -179,8 +181,8 @@ def test_the_flusher_sends_the_last_batchs_marks_without_another_batch(
     )
     wait_until(
         lambda: (
-            redis.exists(cache.done_key(spec.name, message_id))
-            and not redis.exists(cache.lease_key(spec.name, message_id))
+            redis.exists(fast_path_key(cache, "done", spec.name, message_id))
+            and not redis.exists(fast_path_key(cache, "lease", spec.name, message_id))
         ),
         timeout=5,
         message="the flusher to write the done key and give the lease back",
@@ -195,7 +197,7 @@ def test_a_process_that_ends_sends_what_its_last_batch_committed(
     key = ("leases.exit", f"ex-{uuid.uuid4()}")
     cache = DuplicateCache("messaging", messaging_settings)
     redis = get_redis_connection("messaging")
-    assert cache.lease([key]) == {key: True}  # taken with this process's token...
+    assert cache.check([key], {key})[1] == {key: True}  # taken with this process's token...
     script = (
         "import django; django.setup()\n"
         "from reliable_messaging.consuming import fastpath\n"
@@ -206,8 +208,8 @@ def test_a_process_that_ends_sends_what_its_last_batch_committed(
     )
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings"}
     subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=60)
-    assert redis.exists(cache.done_key(*key))
-    assert not redis.exists(cache.lease_key(*key))
+    assert redis.exists(fast_path_key(cache, "done", *key))
+    assert not redis.exists(fast_path_key(cache, "lease", *key))
 
 
 def test_a_consumer_without_retry_delays_defers_a_leased_message_to_a_declared_delay(
@@ -216,7 +218,9 @@ def test_a_consumer_without_retry_delays_defers_a_leased_message_to_a_declared_d
     spec = spec_of("leases.no-delays", record, retry_delays=())
     message_id = f"nd-{uuid.uuid4()}"
     other = DuplicateCache("messaging", messaging_settings)
-    assert other.lease([(spec.name, message_id)]) == {(spec.name, message_id): True}
+    assert other.check([(spec.name, message_id)], {(spec.name, message_id)})[1] == {
+        (spec.name, message_id): True
+    }
 
     processor = DeliveryProcessor(spec, cache=DuplicateCache("messaging", messaging_settings))
     outcome = processor.process(delivery_for(spec, message_id))
@@ -238,19 +242,19 @@ def test_an_expired_lease_given_back_late_leaves_the_new_holders_lease(
     slow = DuplicateCache("messaging", messaging_settings)
     other = DuplicateCache("messaging", messaging_settings)
     third = DuplicateCache("messaging", messaging_settings)
-    lease_key = slow.lease_key(*key)
+    lease_key = fast_path_key(slow, "lease", *key)
 
     monkeypatch.setattr(fastpath, "LEASE_SECONDS", 0.05)
-    assert slow.lease([key]) == {key: True}
+    assert slow.check([key], {key})[1] == {key: True}
     wait_until(lambda: not redis.exists(lease_key), timeout=5, message="the lease to expire")
     monkeypatch.setattr(fastpath, "LEASE_SECONDS", 60.0)
-    assert other.lease([key]) == {key: True}
+    assert other.check([key], {key})[1] == {key: True}
 
     slow.remember([key], [key])  # the slow consumer finishes and gives back "its" lease
     slow.flush()
 
     assert redis.exists(lease_key), "the other consumer's lease was deleted"
-    assert third.processed([key]) == {key}  # the done key is written all the same
+    assert third.check([key])[0] == {key}  # the done key is written all the same
     other.remember([], [key])
     other.flush()
     assert not redis.exists(lease_key)  # its holder gives it back
@@ -270,8 +274,10 @@ def test_a_batch_that_outlived_its_leases_gives_back_only_its_own(
         if message.message_id == taken_over:
             # This handler ran past the lease's LEASE_SECONDS: its lease is gone (as on expiry) and
             # another consumer, receiving a copy, takes the lease.
-            redis.delete(cache.lease_key(spec.name, taken_over))
-            assert other.lease([(spec.name, taken_over)]) == {(spec.name, taken_over): True}
+            redis.delete(fast_path_key(cache, "lease", spec.name, taken_over))
+            assert other.check([(spec.name, taken_over)], {(spec.name, taken_over)})[1] == {
+                (spec.name, taken_over): True
+            }
 
     spec = spec_of("leases.outlived", slow_handler)
     processor = DeliveryProcessor(spec, cache=cache)
@@ -280,13 +286,15 @@ def test_a_batch_that_outlived_its_leases_gives_back_only_its_own(
     assert process_batch(jobs) == [Acknowledge("processed")] * 3
     cache.flush()
 
-    assert redis.exists(cache.lease_key(spec.name, taken_over)), "the other's lease was deleted"
+    assert redis.exists(fast_path_key(cache, "lease", spec.name, taken_over)), (
+        "the other's lease was deleted"
+    )
     for message_id in (ids[0], ids[2]):
-        assert not redis.exists(cache.lease_key(spec.name, message_id))
-    assert cache.processed([(spec.name, m) for m in ids]) == {(spec.name, m) for m in ids}
+        assert not redis.exists(fast_path_key(cache, "lease", spec.name, message_id))
+    assert cache.check([(spec.name, m) for m in ids])[0] == {(spec.name, m) for m in ids}
     other.remember([], [(spec.name, taken_over)])
     other.flush()
-    assert not redis.exists(cache.lease_key(spec.name, taken_over))
+    assert not redis.exists(fast_path_key(cache, "lease", spec.name, taken_over))
 
 
 def test_a_copy_put_aside_again_and_again_waits_longer_each_time(
@@ -298,7 +306,9 @@ def test_a_copy_put_aside_again_and_again_waits_longer_each_time(
     spec = spec_of("leases.again", record, retry_delays=(0.2, 0.4, 0.8))
     message_id = f"ag-{uuid.uuid4()}"
     other = DuplicateCache("messaging", messaging_settings)
-    assert other.lease([(spec.name, message_id)]) == {(spec.name, message_id): True}
+    assert other.check([(spec.name, message_id)], {(spec.name, message_id)})[1] == {
+        (spec.name, message_id): True
+    }
     processor = DeliveryProcessor(spec, cache=DuplicateCache("messaging", messaging_settings))
 
     seen = []
