@@ -507,13 +507,6 @@ class DeadLetterGroupQuerySet(models.QuerySet):
         )
         return group or GroupState.NEW.value
 
-    def state_counts(self) -> dict[str, int]:
-        """Groups with a dead letter still dead, per :class:`GroupState` (every state, 0 too)."""
-        counts = dict.fromkeys((state.value for state in GroupState), 0)
-        for state in self.with_states().values_list("state", flat=True):
-            counts[state] += 1
-        return counts
-
 
 # A failure group's key: (consumer, fingerprint, reason).
 GroupKey = tuple[str, str, str]
@@ -606,11 +599,6 @@ class OutboxMessageQuerySet(BatchDeletingQuerySet):
         return self.filter(
             status__in=[OutboxStatus.SENT, OutboxStatus.UNROUTED], sent_at__lt=before
         )
-
-    def oldest_pending_at(self) -> dt.datetime | None:
-        """Since when the oldest pending row has waited, or None when none waits."""
-        waiting = self.pending().annotate(since=waiting_since()).order_by("since")
-        return waiting.values_list("since", flat=True).first()
 
     def message_id_of(self, idempotency_key: str) -> str | None:
         """The message_id published earlier with ``idempotency_key``, if any."""

@@ -10,6 +10,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from reliable_messaging.choices import DeadLetterReason, DeadLetterStatus, OutboxStatus
+from reliable_messaging.managers import waiting_since
 from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage
 from reliable_messaging.storage import partitions
 from reliable_messaging.storage.inbox import claimed_atomic
@@ -148,7 +149,8 @@ def test_outbox_queries() -> None:
     )
     assert OutboxMessage.objects.message_id_of("key-1") == "p"
     assert OutboxMessage.objects.message_id_of("key-2") is None
-    assert OutboxMessage.objects.oldest_pending_at() == pending.created_at
+    waiting = OutboxMessage.objects.pending().order_by("pk").values_list(waiting_since(), flat=True)
+    assert waiting.first() == pending.created_at
     finished = OutboxMessage.objects.finished_before(now - dt.timedelta(days=1))
     assert list(finished.values_list("message_id", flat=True)) == ["s"]
     assert OutboxMessage.objects.all().retry_failed() == 1
