@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from types import FrameType
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -15,8 +14,7 @@ from reliable_messaging.consuming.service import PROGRESS_EVERY, ConsumerService
 from reliable_messaging.core import announcements
 from reliable_messaging.core.liveness import HealthState
 from reliable_messaging.core.registry import registry
-from reliable_messaging.management.keepalive import keep_database_alive
-from reliable_messaging.management.metrics_options import add_metrics_arguments, serve_metrics
+from reliable_messaging.management import long_running
 from reliable_messaging.management.relay_beside import RelayBeside, wake_relays_on_retry
 
 logger = logging.getLogger("reliable_messaging.consume")
@@ -65,7 +63,7 @@ class Command(BaseCommand):
             help="do not run a relay beside the handlers (by default one sends the outbox's due "
             "rows, retry copies included, so that consumers alone still retry)",
         )
-        add_metrics_arguments(parser, "broker or database lost, loop stuck")
+        long_running.add_metrics_arguments(parser)
 
     def handle(self, *args: Any, **options: Any) -> None:
         specs = registry.all()
@@ -91,7 +89,7 @@ class Command(BaseCommand):
             raise CommandError("--progress-interval must not be negative")
         announcements.quiet_pika_info()
 
-        keep_database_alive()
+        long_running.keep_database_alive()
         health = HealthState()
         service = ConsumerService(
             specs,
@@ -101,41 +99,34 @@ class Command(BaseCommand):
             progress_interval=options["progress_interval"],
             on_outcome=wake_relays_on_retry,
         )
-        ops = serve_metrics(options, health)
-        # What in the broker would drop or redeliver messages behind our back, logged once at
-        # WARNING; it runs beside the service and never holds it up.
-        log_findings_in_background(specs)
 
-        def on_signal(signum: int, frame: FrameType | None) -> None:
+        def on_signal(received: signal.Signals) -> None:
             if service.stopping:
                 # Second signal: leave now. Uncommitted work rolls back when the database
                 # connection drops and unacked deliveries go back to their queues.
-                os._exit(128 + signum)
+                os._exit(128 + received)
             announcements.announce(
                 logger,
                 "received %s: finishing the handlers in flight, then exiting "
                 "(send it again to exit at once)",
-                signal.Signals(signum).name,
+                received.name,
             )
             service.request_stop()
 
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
-        # Its start, what it consumes, its progress and its stop show whatever LOGGING says.
-        announcements.attach(self.stdout.write)
-        # Retry copies wait in the outbox: a relay sends them, this one if no other runs.
-        relay = RelayBeside() if options["relay"] else None
-        if relay is not None:
-            health.add_problem_source(relay.problems)
-            health.add_note_source(relay.notes)
-            relay.start()
-        try:
-            code = service.run()
-        finally:
+        with long_running.serving(self, options, health, on_signal):
+            # What in the broker would drop or redeliver messages behind our back, logged once
+            # at WARNING; it runs beside the service and never holds it up.
+            log_findings_in_background(specs)
+            # Retry copies wait in the outbox: a relay sends them, this one if no other runs.
+            relay = RelayBeside() if options["relay"] else None
             if relay is not None:
-                relay.stop()
-            if ops is not None:
-                ops.close()
-            announcements.detach()
+                health.add_problem_source(relay.problems)
+                health.add_note_source(relay.notes)
+                relay.start()
+            try:
+                code = service.run()
+            finally:
+                if relay is not None:
+                    relay.stop()
         if code:
             raise CommandError(f"consume stopped with exit code {code}", returncode=code)

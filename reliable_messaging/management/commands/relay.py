@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import signal
-from types import FrameType
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -15,8 +14,7 @@ from reliable_messaging.core.liveness import HealthCheck, HealthGroup, HealthSta
 from reliable_messaging.core.registry import registry
 from reliable_messaging.dead_letters.operation_process import OperationProcess
 from reliable_messaging.dead_letters.operations import run_pending_operations
-from reliable_messaging.management.keepalive import keep_database_alive
-from reliable_messaging.management.metrics_options import add_metrics_arguments, serve_metrics
+from reliable_messaging.management import long_running
 from reliable_messaging.management.relay_beside import outbox_upkeep
 from reliable_messaging.publishing.claims import CLAIM_BYTES
 from reliable_messaging.publishing.lanes import RelayProgress, run_lanes
@@ -64,7 +62,7 @@ class Command(BaseCommand):
             "bulk operations recorded in the admin; 0 leaves them to another relay (default "
             "1000)",
         )
-        add_metrics_arguments(parser, "broker or database lost, loop stuck")
+        long_running.add_metrics_arguments(parser)
         parser.add_argument(
             "--progress-interval",
             type=float,
@@ -83,7 +81,7 @@ class Command(BaseCommand):
             raise CommandError("--progress-interval must not be negative")
         if options["operation_batch_size"] < 0:
             raise CommandError("--operation-batch-size must not be negative")
-        keep_database_alive()
+        long_running.keep_database_alive()
         announcements.quiet_pika_info()
         # Each lane declares every registered consumer's queues before it sends.
         relays = [
@@ -96,61 +94,55 @@ class Command(BaseCommand):
             for _ in range(options["lanes"])
         ]
 
-        def on_signal(signum: int, frame: FrameType | None) -> None:
+        def on_signal(received: signal.Signals) -> None:
             announcements.announce(
                 logger,
                 "received %s: finishing the batches in flight, then exiting",
-                signal.Signals(signum).name,
+                received.name,
             )
             for relay in relays:
                 relay.request_stop()
 
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
         health: HealthCheck = relays[0].health
         if len(relays) > 1:
             health = HealthGroup({f"lane {n}": r.health for n, r in enumerate(relays, 1)})
-        ops = serve_metrics(options, health)
-        progress = None
-        if options["progress_interval"] > 0:
-            progress = RelayProgress(relays, options["progress_interval"])
-            progress.start()
-        upkeep = outbox_upkeep(relays[0])
-        upkeep.start()
-        # A broker max_message_size under MAX_BODY_BYTES is said once, at ERROR.
-        log_body_limit_in_background(relays[0].settings)
-        # The admin's bulk replays and discards, in a process of their own that wakes the lanes.
-        operations = None
-        if options["operation_batch_size"]:
-            if options["once"]:  # before the lanes start: they find the replays due
-                run_pending_operations(options["operation_batch_size"])
-            else:
-                operations = OperationProcess(
-                    batch_size=options["operation_batch_size"], notify_channel=NOTIFY_CHANNEL
-                )
-                operations.start()
-        # Its start, its progress and its stop show whatever LOGGING says.
-        announcements.attach(self.stdout.write)
-        announcements.announce(
-            logger,
-            "relay: sending the outbox of database %r to %s (%d lane(s), batches of up to %d%s)",
-            relays[0].using,
-            relays[0].settings.broker_shown,
-            len(relays),
-            relays[0].batch_size,
-            ", until nothing is due" if options["once"] else "",
-        )
-        try:
-            report = run_lanes(relays)
-        finally:
-            if operations is not None:
-                operations.stop()
-            upkeep.stop()
-            if progress is not None:
-                progress.stop()
-            if ops is not None:
-                ops.close()
-            announcements.detach()
+        with long_running.serving(self, options, health, on_signal):
+            progress = None
+            if options["progress_interval"] > 0:
+                progress = RelayProgress(relays, options["progress_interval"])
+                progress.start()
+            upkeep = outbox_upkeep(relays[0])
+            upkeep.start()
+            # A broker max_message_size under MAX_BODY_BYTES is said once, at ERROR.
+            log_body_limit_in_background(relays[0].settings)
+            # The admin's bulk replays and discards, in a process of their own that wakes the lanes.
+            operations = None
+            if options["operation_batch_size"]:
+                if options["once"]:  # before the lanes start: they find the replays due
+                    run_pending_operations(options["operation_batch_size"])
+                else:
+                    operations = OperationProcess(
+                        batch_size=options["operation_batch_size"], notify_channel=NOTIFY_CHANNEL
+                    )
+                    operations.start()
+            announcements.announce(
+                logger,
+                "relay: sending the outbox of database %r to %s (%d lane(s), batches of up to "
+                "%d%s)",
+                relays[0].using,
+                relays[0].settings.broker_shown,
+                len(relays),
+                relays[0].batch_size,
+                ", until nothing is due" if options["once"] else "",
+            )
+            try:
+                report = run_lanes(relays)
+            finally:
+                if operations is not None:
+                    operations.stop()
+                upkeep.stop()
+                if progress is not None:
+                    progress.stop()
         self.stdout.write(f"relay: {report.summary()}")
         if options["once"] and (report.left_failed or report.left_retrying):
             raise CommandError(

@@ -19,7 +19,7 @@ from django.db import connection
 from django.test import override_settings
 
 from reliable_messaging.broker.queues import broker_connection_error, broker_status
-from reliable_messaging.management.keepalive import KEEPALIVE_OPTIONS, keep_database_alive
+from reliable_messaging.management.long_running import KEEPALIVE_OPTIONS, keep_database_alive
 from reliable_messaging.models import OutboxMessage, ProcessedMessage
 from reliable_messaging.storage import inbox
 from tests import support
