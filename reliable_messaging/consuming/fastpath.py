@@ -88,7 +88,8 @@ class DuplicateCache:
         self._to_give_back: list[str] = []
         self._wake = threading.Event()
         self._flusher: threading.Thread | None = None
-        self._flushes_at_exit = False
+        # The flusher is a daemon thread: a process that ends sends what is left.
+        atexit.register(_flush_at_exit, weakref.ref(self))
 
     def _client(self) -> Any:
         from django_redis import get_redis_connection
@@ -134,10 +135,6 @@ class DuplicateCache:
             self._to_write += done
             self._to_give_back += leases
             if self._flusher is None:
-                if not self._flushes_at_exit:
-                    # The flusher is a daemon thread: a process that ends sends what is left.
-                    atexit.register(_flush_at_exit, weakref.ref(self))
-                    self._flushes_at_exit = True
                 self._flusher = threading.Thread(
                     target=self._flush_loop, name="rm-fast-path-flush", daemon=True
                 )
@@ -146,9 +143,6 @@ class DuplicateCache:
 
     def flush(self) -> None:
         """Send what :meth:`remember` kept now (or drop it while the cache is failing)."""
-        with self._lock:
-            if not (self._to_write or self._to_give_back):
-                return  # a batch's check took it
         if self._available():
             self._run([], "", "record processed ids")
         else:
