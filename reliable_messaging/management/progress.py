@@ -40,11 +40,6 @@ class Progress:
         self._done = 0
         self._finished = False
 
-    def text(self, done: int) -> str:
-        total = max(self.total, done)  # rows that aged into the job while it ran
-        percent = f" ({done / total:.0%})" if total else ""
-        return f"  {self.label} {done:,}/{total:,}{percent}"
-
     def update(self, done: int) -> None:
         self._done = done
         now = self._clock()
@@ -69,7 +64,9 @@ class Progress:
             self._on_screen = None
 
     def _show(self, done: int) -> None:
-        text = self.text(done)
+        total = max(self.total, done)  # rows that aged into the job while it ran
+        percent = f" ({done / total:.0%})" if total else ""
+        text = f"  {self.label} {done:,}/{total:,}{percent}"
         if not self.tty:
             self.out.write(text)
             return

@@ -224,15 +224,10 @@ class Command(BaseCommand):
         if not check.reachable:
             return [f"Broker check: {self.style.ERROR('UNREACHABLE')}: {check.error}"]
         lines = [f"Broker check of {check.url}: {summary(check.findings)}"]
-        styles: dict[str, Callable[[str], str]] = {
-            "error": self.style.ERROR,
-            "warning": self.style.WARNING,
-            "info": str,
-        }
+        styles = {"error": self.style.ERROR, "warning": self.style.WARNING}
         for finding in check.findings:
-            lines.append(
-                styles[finding.severity](f"  {finding.severity.upper()}: {finding.message}")
-            )
+            style: Callable[[str], str] = styles.get(finding.severity, str)
+            lines.append(style(f"  {finding.severity.upper()}: {finding.message}"))
             if finding.fix:
                 lines.append(f"    fix: {finding.fix}")
         return lines
