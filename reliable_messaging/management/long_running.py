@@ -28,8 +28,7 @@ KEEPALIVE_OPTIONS: dict[str, Any] = {
 
 
 def keep_database_alive() -> list[str]:
-    """Add :data:`KEEPALIVE_OPTIONS` to every PostgreSQL database's ``OPTIONS`` (a value there
-    wins) and close this thread's connection to it; returns the aliases changed."""
+    """Add :data:`KEEPALIVE_OPTIONS` to PostgreSQL databases' ``OPTIONS`` (a value there wins)."""
     changed = []
     for alias in connections:
         settings_dict = connections.settings[alias]

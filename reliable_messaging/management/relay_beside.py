@@ -1,6 +1,5 @@
-"""The relay ``consume`` runs beside its handlers (one lane on a thread of its own, with the
-outbox's partition upkeep), so that consumers alone still send their retry copies
-(``docs/design.md#where-a-retry-waits``)."""
+"""The relay ``consume`` runs beside its handlers, so that consumers alone still send their
+retry copies (``docs/design.md#where-a-retry-waits``)."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ class RelayBeside:
         self._thread.start()
 
     def problems(self) -> list[str]:
-        """Why the relay is not doing its work now (empty when it is): a reason of ``consume``'s
-        ``/healthz``, whose retry copies wait for a relay."""
+        """Why the relay is not doing its work now (empty when it is), for consume's /healthz."""
         if self.relay.stopping():
             return []
         if self._thread.ident is not None and not self._thread.is_alive():
@@ -47,8 +45,7 @@ class RelayBeside:
         return [] if healthy else [f"the relay beside the handlers: {r}" for r in reasons]
 
     def notes(self) -> list[str]:
-        """What the relay notes without failing (a broker alarm blocking its publishing, say),
-        for ``consume``'s ``/healthz``."""
+        """What the relay notes without failing (a broker alarm, say), for consume's /healthz."""
         return [f"the relay beside the handlers: {note}" for note in self.relay.health.notes()]
 
     def stop(self) -> None:
@@ -77,7 +74,6 @@ def outbox_upkeep(relay: OutboxRelay) -> PartitionUpkeep:
 
 
 def wake_relays_on_retry(spec: ConsumerSpec, delivery: Delivery, outcome: Outcome) -> None:
-    """After a retry copy's commit (the consumer's ``on_outcome``): wake the relays, whose next
-    look at the scheduled rows may otherwise come after the copy is due."""
+    """The consumer's ``on_outcome``: wake the relays after a retry copy's commit."""
     if isinstance(outcome, ScheduleRetry):
         sender.request(router.db_for_write(OutboxMessage))

@@ -1,5 +1,4 @@
-"""``manage.py messaging_status``: the status judged against thresholds, as text or JSON
-(``docs/reference/commands.md``); its exit codes are in ``Command.help``."""
+"""``manage.py messaging_status``: the status judged against thresholds, as text or JSON."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""``manage.py purge_messages``: apply DEDUP_RETENTION, OUTBOX_RETENTION and
-DEAD_LETTER_RETENTION."""
+"""``manage.py purge_messages``: apply DEDUP_RETENTION, OUTBOX_RETENTION, DEAD_LETTER_RETENTION."""
 
 from __future__ import annotations
 

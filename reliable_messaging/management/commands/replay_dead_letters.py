@@ -157,8 +157,7 @@ class Command(BaseCommand):
         )
 
     def dry_run(self, ids: list[int], force: bool, batch_size: int) -> None:
-        """What a replay of ``ids`` would do now, judged batch by batch as the replay judges
-        (``replay.judge``), writing nothing."""
+        """What a replay of ``ids`` would do now (``replay.judge``, by batch), writing nothing."""
         would, refused = 0, 0
         for start in range(0, len(ids), batch_size):
             judgement = judge_batch(ids[start : start + batch_size], force=force)
@@ -190,8 +189,7 @@ class Command(BaseCommand):
     def record_operation(
         self, ids: list[int], who: str, force: bool, lookups: dict[str, str] | None
     ) -> None:
-        """The chosen dead letters as one operation for the relay: by their filters, or
-        frozen as ids, up to the last one chosen now."""
+        """The chosen dead letters as one operation for the relay, by their filters or ids."""
         if not ids:
             self.stdout.write("no dead letter matches; nothing recorded")
             return
