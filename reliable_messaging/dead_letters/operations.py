@@ -145,7 +145,7 @@ def run_batch(batch_size: int = DEFAULT_BATCH_SIZE) -> DeadLetterOperation | Non
             counts = {"replayed": len(result.replayed), "refused": len(result.refused) - skipped}
         else:
             rows = DeadLetter.objects.using(using).filter(pk__in=ids)
-            counts = {"discarded": discard(rows, discarded_by=by, operation=pk)}
+            counts = {"discarded": len(discard(rows, discarded_by=by, operation=pk))}
             skipped = len(ids) - counts["discarded"]
         operations.advance(operation, cursor=ids[-1], at=now, skipped=skipped, **counts)
     return operation

@@ -436,15 +436,18 @@ def replay(
 
 def discard(
     queryset: QuerySet[DeadLetter], *, discarded_by: str, operation: int | None = None
-) -> int:
-    """Mark the :func:`discardable` ones of these dead letters "discarded": kept for the record,
-    not replayed; returns how many."""
+) -> list[int]:
+    """Mark the :func:`discardable` ones of these dead letters "discarded" (kept for the record,
+    not replayed); returns their ids. Locked first, so a replay under way keeps its own."""
     using = router.db_for_write(DeadLetter)
     now = timezone.now()
     details = {} if operation is None else {"operation": operation}
     with transaction.atomic(using=using):
-        return (
-            DeadLetter.objects.using(using)
-            .filter(discardable(now), pk__in=queryset.values("pk"))
-            .discard(by=discarded_by, at=now, **details)
+        rows = DeadLetter.objects.using(using).filter(
+            discardable(now), pk__in=queryset.values("pk")
         )
+        ids = list(rows.select_for_update().order_by("pk").values_list("pk", flat=True))
+        DeadLetter.objects.using(using).filter(pk__in=ids).discard(
+            by=discarded_by, at=now, **details
+        )
+    return ids

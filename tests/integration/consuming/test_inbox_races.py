@@ -319,7 +319,7 @@ def test_a_replayed_dead_letter_whose_outcome_never_came_can_be_replayed_or_disc
     # Awaiting their outcome: neither replayed again nor discarded.
     again = replay(letters, replayed_by="test")
     assert again.replayed == [] and all("awaiting" in why for why in again.refused.values())
-    assert discard(letters, discarded_by="test") == 0
+    assert discard(letters, discarded_by="test") == []
 
     # The outcome never came.
     letters.update(updated_at=timezone.now() - STALE_REPLAY_AFTER - dt.timedelta(minutes=1))
@@ -327,7 +327,9 @@ def test_a_replayed_dead_letter_whose_outcome_never_came_can_be_replayed_or_disc
     assert replay(DeadLetter.objects.filter(pk=stale_replay.pk), replayed_by="test").replayed == [
         stale_replay.pk
     ]
-    assert discard(DeadLetter.objects.filter(pk=stale_discard.pk), discarded_by="test") == 1
+    assert discard(DeadLetter.objects.filter(pk=stale_discard.pk), discarded_by="test") == [
+        stale_discard.pk
+    ]
 
     stale_replay.refresh_from_db()
     stale_discard.refresh_from_db()
