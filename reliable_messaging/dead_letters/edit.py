@@ -14,12 +14,11 @@ from django.db import router, transaction
 from django.utils import timezone
 
 from ..broker.limits import body_size_refusal, header_frame_refusal
-from ..choices import OutboxStatus, ReplayKind
+from ..choices import ReplayKind
 from ..contracts import consumer_payload_errors
 from ..core.envelope import (
     BROKER_HEADERS,
     HEADER_PREFIX,
-    ORDERING_KEY_HEADER,
     REPLAY_ID_HEADER,
     SENDER_ROUTING_HEADERS,
     checked_headers,
@@ -29,7 +28,7 @@ from ..core.envelope import (
 from ..core.trace_context import TRACE_HEADERS
 from ..core.uuid7 import new_message_id
 from ..models import DeadLetter, ProcessedMessage, Replay
-from .replay import insert_copies, replay_headers, traced
+from .replay import insert_copies, outbox_row, replay_headers, traced
 from .replay import refusal as replay_refusal
 
 logger = logging.getLogger(__name__)
@@ -275,10 +274,7 @@ def replay_edited(
         )
         copy_headers = _copy_headers(original, edit.headers, replayed_by, entry.pk)
         copy_headers = traced(copy_headers, original, replayed_by, message_id)
-        ordering_key = (original.headers or {}).get(ORDERING_KEY_HEADER)
-        # Through the default exchange (""): straight to the failed consumer's queue.
-        copy = (message_id, "", original.queue, edit.body, copy_headers, ordering_key)
-        insert_copies(using, [(*copy, OutboxStatus.PENDING, 0, "")])
+        insert_copies(using, [outbox_row(original, message_id, edit.body, copy_headers)])
         diff = edit.diff
         if len(diff) > HISTORY_DIFF_CHARS:
             diff = diff[:HISTORY_DIFF_CHARS] + f"\n... (cut: the replay #{entry.pk} has all of it)"

@@ -196,27 +196,25 @@ def judge(
     return judgement
 
 
-def _judge_rows(
-    using: str, ids: Iterable[int], *, lock: bool, force: bool, now: dt.datetime
+def judge_batch(
+    ids: Iterable[int],
+    *,
+    force: bool = False,
+    now: dt.datetime | None = None,
+    using: str | None = None,
+    lock: bool = False,
 ) -> Judgement:
-    """:func:`judge` the dead letters ``ids``, read (``lock``: locked) with their inbox rows."""
-    rows = DeadLetter.objects.using(using)
+    """What :func:`replay_batch` does with the dead letters ``ids`` now, by :func:`judge`, read
+    with their inbox rows (``lock``: locked for the replay; without, a dry run that writes and
+    locks nothing; call it with bounded batches)."""
+    rows = DeadLetter.objects.using(using or router.db_for_read(DeadLetter))
     if lock:
         rows = rows.select_for_update()
     letters = list(rows.filter(pk__in=list(ids)).only(*_REPLAY_FIELDS).order_by("pk"))
-    keys = ProcessedMessage.objects.using(using).processed_keys(
+    keys = ProcessedMessage.objects.using(rows.db).processed_keys(
         d.message_id for d in letters if d.message_id
     )
-    return judge(letters, keys, force=force, now=now)
-
-
-def judge_batch(
-    ids: Iterable[int], *, force: bool = False, now: dt.datetime | None = None
-) -> Judgement:
-    """What :func:`replay_batch` would do with ``ids`` now, by the same :func:`judge`, writing
-    and locking nothing (a dry run; call it with bounded batches)."""
-    using = router.db_for_read(DeadLetter)
-    return _judge_rows(using, ids, lock=False, force=force, now=now or timezone.now())
+    return judge(letters, keys, force=force, now=now or timezone.now())
 
 
 def _unsendable_body(body: bytes) -> str | None:
@@ -290,7 +288,7 @@ def replay_batch(
     with transaction.atomic(using=using):
         # Locked in pk order, so two replays of overlapping selections never deadlock; the
         # second one waits, then finds these "replayed" and refuses them.
-        judgement = _judge_rows(using, ids, lock=True, force=force, now=now)
+        judgement = judge_batch(ids, force=force, now=now, using=using, lock=True)
         result.refused = {pk: why.text for pk, why in judgement.refused.items()}
         result.skipped = judgement.skipped
         chosen = judgement.chosen
@@ -299,22 +297,19 @@ def replay_batch(
         forced = [dead_letter for dead_letter, already in chosen if already]
         # The ledger's rows first: each copy names its own.
         entries = _record_replays(using, chosen, replayed_by, operation, now)
-        copies: list[tuple[Any, ...]] = []  # the values of _OUTBOX_COLUMNS
-        for (dead_letter, _forced), entry in zip(chosen, entries, strict=True):
-            headers = {**replay_headers(dead_letter, replayed_by), REPLAY_ID_HEADER: entry.pk}
-            copies.append(
-                (
-                    dead_letter.message_id,
-                    "",  # the default exchange: straight to the failed consumer's queue
-                    dead_letter.queue,
-                    bytes(dead_letter.body).decode("utf-8"),
-                    traced(headers, dead_letter, replayed_by),
-                    (dead_letter.headers or {}).get(ORDERING_KEY_HEADER),
-                    OutboxStatus.PENDING,
-                    0,
-                    "",
-                )
+        copies = [
+            outbox_row(
+                dead_letter,
+                dead_letter.message_id,
+                bytes(dead_letter.body).decode("utf-8"),
+                traced(
+                    {**replay_headers(dead_letter, replayed_by), REPLAY_ID_HEADER: entry.pk},
+                    dead_letter,
+                    replayed_by,
+                ),
             )
+            for (dead_letter, _forced), entry in zip(chosen, entries, strict=True)
+        ]
         if forced:
             ProcessedMessage.objects.using(using).forget_many(
                 (dead_letter.consumer, dead_letter.message_id) for dead_letter in forced
@@ -386,9 +381,19 @@ _OUTBOX_COLUMNS = (
     *("message_id", "exchange", "routing_key", "body", "headers", "ordering_key", "status"),
     *("attempts", "last_error"),
 )
+_NEW_ROW = (OutboxStatus.PENDING, 0, "")  # status, attempts, last_error
 # Set by insert_copies from the database's clock, which the relay compares them with (``Now()``): a
 # web server whose clock runs ahead would otherwise hold every replay back by the difference.
 _OUTBOX_TIME_COLUMNS = ("next_attempt_at", "created_at")
+
+
+def outbox_row(
+    dead_letter: DeadLetter, message_id: str, body: str, headers: dict[str, Any]
+) -> tuple[Any, ...]:
+    """The outbox row (values of :data:`_OUTBOX_COLUMNS`) of a copy of ``dead_letter``: through
+    the default exchange (""), straight to the failed consumer's queue."""
+    ordering_key = (dead_letter.headers or {}).get(ORDERING_KEY_HEADER)
+    return (message_id, "", dead_letter.queue, body, headers, ordering_key, *_NEW_ROW)
 
 
 def insert_copies(using: str, copies: list[tuple[Any, ...]]) -> None:
