@@ -73,14 +73,6 @@ class Edit:
     already_processed: bool = False
 
 
-@dataclass(frozen=True)
-class EditedReplay:
-    """What :func:`replay_edited` wrote: the ledger row and the copy's message_id."""
-
-    replay: Replay
-    message_id: str
-
-
 def pretty(value: Any) -> str:
     """JSON as the edit page shows it and the diff compares it."""
     return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=False)
@@ -247,12 +239,10 @@ def original_processed(dead_letter: DeadLetter) -> bool:
     return rows.has(dead_letter.consumer, dead_letter.message_id)
 
 
-def replay_edited(
-    dead_letter: DeadLetter, *, replayed_by: str, **form: Unpack[EditForm]
-) -> EditedReplay:
+def replay_edited(dead_letter: DeadLetter, *, replayed_by: str, **form: Unpack[EditForm]) -> Replay:
     """Replay an edited copy of ``dead_letter`` in one transaction, judged again on the locked
-    original (:class:`EditRefused`); ``force``: even if the original was processed. The caller
-    wakes the relay after the commit."""
+    original (:class:`EditRefused`); ``force``: even if the original was processed. Returns its
+    ledger row (with the copy's message_id); the caller wakes the relay after the commit."""
     using = router.db_for_write(DeadLetter)
     with transaction.atomic(using=using):
         original = DeadLetter.objects.using(using).select_for_update().get(pk=dead_letter.pk)
@@ -293,7 +283,7 @@ def replay_edited(
         replayed_by,
         message_id,
     )
-    return EditedReplay(replay=entry, message_id=message_id)
+    return entry
 
 
 def _copy_headers(

@@ -135,7 +135,7 @@ def test_the_copy_keeps_routing_and_ordering_and_replaces_user_headers(
     assert row.exchange == "" and row.routing_key == "gamma-queue"
     assert row.ordering_key == "key-1"
     assert row.headers["x-rm-ordering-key"] == "key-1"
-    assert row.headers["x-rm-replay-id"] == done.replay.pk
+    assert row.headers["x-rm-replay-id"] == done.pk
     assert row.headers["x-rm-replay"] == 1
     assert row.headers["x-rm-exchange"] == letter.exchange
     assert row.headers["x-rm-routing-key"] == letter.routing_key
@@ -225,9 +225,7 @@ def test_both_pages_show_the_link(admin: Client, make_dead_letter: MakeDeadLette
     )
     # The copy failed again: the consumer records its dead letter and the ledger links it.
     failed = make_dead_letter(message_id=done.message_id, replay_of=original)
-    Replay.objects.filter(pk=done.replay.pk).update(
-        outcome=ReplayOutcome.FAILED_AGAIN, failed_as=failed
-    )
+    Replay.objects.filter(pk=done.pk).update(outcome=ReplayOutcome.FAILED_AGAIN, failed_as=failed)
 
     page = admin.get(change_url(original)).text
     assert done.message_id in page and "failed again" in page
