@@ -162,11 +162,8 @@ def process_batch(jobs: Sequence[Job]) -> list[Outcome | None]:
     consumers): the caller runs it again after that one. The pipeline's stages open before the
     transaction and close after it (see :mod:`.pipeline`).
 
-    A conflict the database reports (a deadlock, a serialization failure) rolls the transaction
-    back and runs the batch again, up to ``CONFLICT_RETRIES`` times after the first, a short
-    jittered pause apart; no attempt is charged for it. Past that bound a batch of several is
-    decided one delivery per transaction (each with its own bound), and a lone delivery is
-    charged the conflict as its handler's failure.
+    A conflict the database reports runs the batch again, uncharged, up to a bound; past it a
+    batch is decided one delivery per transaction (``docs/delivery-outcomes.md``).
 
     Raises :class:`DatabaseUnavailable` when the database cannot be reached or the commit
     fails for want of a connection: nothing of the batch took effect or was decided.

@@ -281,7 +281,6 @@ def replay_batch(
     """Replay the given dead letters in one transaction (call it with bounded batches), each
     judged by :func:`judge`, set-based: one locking SELECT, one inbox lookup, one COPY of the
     outbox rows, one UPDATE of the dead letters. ``operation``: the bulk operation doing it."""
-    result = ReplayResult()
     using = router.db_for_write(DeadLetter)
     now = timezone.now()
     details = {} if operation is None else {"operation": operation}
@@ -289,10 +288,12 @@ def replay_batch(
         # Locked in pk order, so two replays of overlapping selections never deadlock; the
         # second one waits, then finds these "replayed" and refuses them.
         judgement = judge_batch(ids, force=force, now=now, using=using, lock=True)
-        result.refused = {pk: why.text for pk, why in judgement.refused.items()}
-        result.skipped = judgement.skipped
         chosen = judgement.chosen
-        result.replayed = [dead_letter.pk for dead_letter, _forced in chosen]
+        result = ReplayResult(
+            replayed=[dead_letter.pk for dead_letter, _forced in chosen],
+            refused={pk: why.text for pk, why in judgement.refused.items()},
+            skipped=judgement.skipped,
+        )
         # Forced: forget the inbox row, or the consumer would ack the copy as a duplicate.
         forced = [dead_letter for dead_letter, already in chosen if already]
         # The ledger's rows first: each copy names its own.
@@ -316,10 +317,9 @@ def replay_batch(
             )
         # In pk order: the outbox ids keep the dead letters' order, and so each ordering key's.
         insert_copies(using, copies)
-        forced_pks = {dead_letter.pk for dead_letter in forced}
         rows = DeadLetter.objects.using(using)
         for was_forced in (False, True):
-            if pks := [pk for pk in result.replayed if (pk in forced_pks) == was_forced]:
+            if pks := [letter.pk for letter, already in chosen if already == was_forced]:
                 rows.mark_replayed_in_bulk(
                     pks, by=replayed_by, forced=was_forced, at=now, **details
                 )
