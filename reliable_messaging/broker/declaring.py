@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass, field
 
 import pika.exceptions
 
@@ -12,17 +11,9 @@ from ..conf import MessagingSettings
 from ..core.registry import ConsumerSpec
 from ..exceptions import TopologyMismatchError
 from .queues import describe_broker_error
-from .topology import CONNECTION_ERRORS, connect, declare_topology
+from .topology import CONNECTION_ERRORS, Declared, connect, declare_topology
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TolerantDeclaration:
-    """The objects the broker has with other arguments, and the queues it cannot serve now."""
-
-    mismatched: dict[str, str] = field(default_factory=dict)
-    unavailable: dict[str, str] = field(default_factory=dict)
 
 
 def declare_tolerantly(
@@ -32,22 +23,21 @@ def declare_tolerantly(
     name: str,
     timeout: float,
     known_unavailable: Collection[str] = (),
-) -> TolerantDeclaration | str:
+) -> Declared | str:
     """Declare what ``specs`` need, as ``consume`` does; never raises for what the broker does:
-    what was declared, or, as a string, why the declaration failed."""
+    what was declared (on a connection closed since), or, as a string, why it failed."""
     try:
         connection = connect(settings, name, timeout=timeout)
     except CONNECTION_ERRORS as exc:
         return f"the broker could not be reached ({describe_broker_error(exc, settings)})"
     try:
-        declared = declare_topology(
+        return declare_topology(
             connection.channel(),
             specs,
             settings,
             known_unavailable=known_unavailable,
             tolerate_mismatch=True,
         )
-        return TolerantDeclaration(declared.mismatched, declared.unavailable)
     except TopologyMismatchError as exc:  # the consistent-hash plugin is missing
         return str(exc)
     except pika.exceptions.ChannelClosedByBroker as exc:

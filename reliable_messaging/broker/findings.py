@@ -136,12 +136,9 @@ def effective(facts: QueueFacts, key: str) -> Any:
 def _origin(facts: QueueFacts, key: str) -> str | None:
     """Whether ``argument`` or ``policy`` gives the effective value of ``key`` (or None)."""
     argument = facts.arguments.get(f"x-{key}")
-    if argument is None:
-        return None if facts.effective_policy.get(key) is None else "policy"
-    policy = facts.effective_policy.get(key)
-    if policy is None or key in ARGUMENT_WINS or effective(facts, key) == argument:
+    if argument is not None and effective(facts, key) == argument:
         return "argument"
-    return "policy"
+    return None if facts.effective_policy.get(key) is None else "policy"
 
 
 def _policies(facts: QueueFacts) -> list[tuple[str, str]]:

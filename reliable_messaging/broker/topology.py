@@ -89,19 +89,13 @@ def queue_arguments(
 
 @dataclass
 class Declared:
-    """What :func:`declare_topology` did: ``channel`` is open, ``unavailable`` names each queue
-    the broker could not declare now and ``mismatched`` each it has with other arguments."""
+    """:func:`declare_topology`'s declarer and its result: ``channel``, open, is reopened when
+    the broker closes it; ``unavailable`` names each queue the broker cannot serve now (404: its
+    node down) and ``mismatched`` each it has with other arguments."""
 
     channel: BlockingChannel
     unavailable: dict[str, str] = field(default_factory=dict)
     mismatched: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class _Declarer(Declared):
-    """Declares on one channel, opening a new one when the broker closes it over a queue it
-    cannot serve now (404: its node down): that queue is noted unavailable."""
-
     known: Collection[str] = ()  # already reported unavailable: tried again quietly
     tolerate_mismatch: bool = False
 
@@ -197,7 +191,7 @@ def declare_topology(
     raises :class:`TopologyMismatchError` (with ``tolerate_mismatch``, it is named in the
     result); a queue the broker cannot serve now is left out and named in the result."""
     specs = list(specs)
-    declarer = _Declarer(channel, known=known_unavailable, tolerate_mismatch=tolerate_mismatch)
+    declarer = Declared(channel, known=known_unavailable, tolerate_mismatch=tolerate_mismatch)
     for exchange in sorted({consumer_exchange(s, settings) for s in specs} | {settings.exchange}):
         declarer.exchange(exchange, "topic")
     for spec in specs:
@@ -224,11 +218,11 @@ def declare_topology(
         if declarer.unavailable
         else "",
     )
-    return Declared(declarer.channel, declarer.unavailable, declarer.mismatched)
+    return declarer
 
 
 def _declare_dead_letter_queue(
-    declarer: _Declarer, spec: ConsumerSpec, settings: MessagingSettings
+    declarer: Declared, spec: ConsumerSpec, settings: MessagingSettings
 ) -> str | None:
     if settings.queue_type != "quorum":
         return None
@@ -280,7 +274,7 @@ def _refusal(
 
 
 def _declare_partition_exchange(
-    declarer: _Declarer, spec: ConsumerSpec, settings: MessagingSettings
+    declarer: Declared, spec: ConsumerSpec, settings: MessagingSettings
 ) -> str:
     """Declare ``spec``'s consistent-hash exchange, bound to its consumer exchange; its name."""
     exchange = partition_exchange(spec)

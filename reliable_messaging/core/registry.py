@@ -121,9 +121,6 @@ class ConsumerRegistry(KeyedRegistry[ConsumerSpec]):
     def get(self, name: str) -> ConsumerSpec:
         return self._entries[name]
 
-    def for_queue(self, queue: str) -> ConsumerSpec | None:
-        return next((s for s in self._entries.values() if s.queue == queue), None)
-
     def all(self) -> list[ConsumerSpec]:
         return sorted(self._entries.values(), key=lambda s: s.queue)
 

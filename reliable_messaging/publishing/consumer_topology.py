@@ -8,9 +8,9 @@ import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
-from ..broker.declaring import TolerantDeclaration, declare_tolerantly
+from ..broker.declaring import declare_tolerantly
 from ..broker.publisher import PublisherTransport
-from ..broker.topology import consumer_queues
+from ..broker.topology import Declared, consumer_queues
 from ..conf import MessagingSettings
 from ..core.backoff import Backoff
 from ..core.liveness import HealthState
@@ -118,7 +118,7 @@ class ConsumerTopology:
 
     def _declare(self, generation: int, known_unavailable: set[str]) -> None:
         """Declaring thread: declare on a connection of its own; the outcome goes to the loop."""
-        outcome: TolerantDeclaration | str
+        outcome: Declared | str
         try:
             outcome = declare_tolerantly(
                 self.specs,
@@ -134,7 +134,7 @@ class ConsumerTopology:
 
     # -- back on the I/O loop ---------------------------------------------------------------
 
-    def _finished(self, generation: int, outcome: TolerantDeclaration | str) -> None:
+    def _finished(self, generation: int, outcome: Declared | str) -> None:
         if generation != self._generation:
             return  # declared for a connection that is gone; the new one declares again
         again = self._declared  # declared again for the queues that were unavailable

@@ -309,8 +309,8 @@ def test_consumer_payload_sets_the_specs_contract() -> None:
     @consumer("q.plain", registry=registry)
     def plain(message: Any) -> None: ...
 
-    assert registry.for_queue("q.orders").payload == contract_of(OrderModel)  # type: ignore[union-attr]
-    assert registry.for_queue("q.plain").payload is None  # type: ignore[union-attr]
+    payloads = {spec.queue: spec.payload for spec in registry}
+    assert payloads == {"q.orders": contract_of(OrderModel), "q.plain": None}
     with pytest.raises(ContractError):
         consumer("q.bad", payload=int, registry=registry)
 
