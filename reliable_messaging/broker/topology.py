@@ -242,11 +242,14 @@ def _arguments_the_broker_takes(
     one: its arguments cannot change in place, and refusing to start would be worse."""
     if "x-dead-letter-routing-key" not in arguments:
         return arguments
-    refused = _refusal(channel, queue, arguments)
-    if refused is None or refused.reply_code != PRECONDITION_FAILED:
-        return arguments  # another refusal: the real declaration reports it
-    if "x-dead-letter" not in str(refused.reply_text):
-        return arguments  # another mismatch: likewise
+    try:
+        # On a channel of its own: the broker closes one that declares a queue differently.
+        with channel.connection.channel() as probe:
+            probe.queue_declare(queue, durable=True, arguments=arguments)
+        return arguments
+    except pika.exceptions.ChannelClosedByBroker as refused:
+        if refused.reply_code != PRECONDITION_FAILED or "x-dead-letter" not in refused.reply_text:
+            return arguments  # another refusal or mismatch: the real declaration reports it
     logger.warning(
         "queue %s exists without a dead-letter target: a message that reaches its "
         "x-delivery-limit would be dropped by the broker. Give it one with a policy "
@@ -258,19 +261,6 @@ def _arguments_the_broker_takes(
         arguments["x-dead-letter-routing-key"],
     )
     return {k: v for k, v in arguments.items() if not k.startswith("x-dead-letter-")}
-
-
-def _refusal(
-    channel: BlockingChannel, queue: str, arguments: dict[str, Any]
-) -> pika.exceptions.ChannelClosedByBroker | None:
-    """Declare ``queue`` on a channel of its own (the broker closes one that declares a queue
-    differently); the broker's refusal, or None."""
-    try:
-        with channel.connection.channel() as probe:
-            probe.queue_declare(queue, durable=True, arguments=arguments)
-    except pika.exceptions.ChannelClosedByBroker as exc:
-        return exc
-    return None
 
 
 def _declare_partition_exchange(

@@ -103,3 +103,26 @@ def test_a_tolerated_mismatch_is_named_and_the_queue_bound_while_the_rest_is_dec
             connection.close()
     assert queue_exists(f"{ns}.beta")
     assert ready_count(f"{ns}.alpha") == 1 and ready_count(f"{ns}.beta") == 1
+
+
+def test_a_quorum_queue_without_a_dead_letter_target_is_used_as_it_is_with_a_warning(
+    ns: str, rm_settings: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its arguments cannot change in place: consume starts on it, and says how to give it one."""
+    from tests.support import queue_arguments
+
+    existing = {"x-queue-type": "quorum", "x-delivery-limit": 50}
+    connection = broker_connection()
+    try:
+        connection.channel().queue_declare(f"{ns}.alpha", durable=True, arguments=existing)
+        quorum = {**rm_settings, "QUEUE_TYPE": "quorum"}
+        with override_settings(RELIABLE_MESSAGING=quorum), caplog.at_level("WARNING"):
+            declared = declare_topology(connection.channel(), [spec(ns)], messaging_settings)
+        assert declared.channel.is_open and not declared.mismatched
+    finally:
+        if connection.is_open:
+            connection.close()
+    assert queue_arguments(f"{ns}.alpha") == existing
+    (warning,) = [r.getMessage() for r in caplog.records if "dead-letter target" in r.getMessage()]
+    assert f"queue {ns}.alpha exists without a dead-letter target" in warning
+    assert f'"dead-letter-routing-key":"{ns}.alpha.dead"' in warning
