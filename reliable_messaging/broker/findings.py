@@ -213,9 +213,6 @@ def delivery_limit(facts: QueueFacts, version: tuple[int, ...]) -> int | None:
     return min(given)
 
 
-# --------------------------------------------------------------------------- the judgement
-
-
 def find_findings(facts: BrokerFacts, expected: Expectations) -> list[Finding]:
     """Every finding, errors first."""
     found = _broker_findings(facts, expected)

@@ -65,9 +65,6 @@ class DatabaseStatus:
         return sum(d.count for d in self.dead_letters)
 
 
-# --------------------------------------------------------------------------- the database
-
-
 def outbox_lag(using: str) -> float:
     """Seconds the oldest row that should have been sent has waited (by the database's clock);
     0 when none. The oldest pending row is the lowest id, found on the relay's partial index
@@ -177,9 +174,6 @@ def database_status(using: str | None = None) -> DatabaseStatus:
         if not connections[using].in_atomic_block:
             connections[using].close()
         return DatabaseStatus(alias=using, reachable=False, error=describe_error(exc))
-
-
-# --------------------------------------------------------------------------- the scrape
 
 
 class RecentValue(Generic[T]):

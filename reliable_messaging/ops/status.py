@@ -170,9 +170,6 @@ class MessagingStatus:
         return document
 
 
-# --------------------------------------------------------------------------- the verdict
-
-
 def outbox_lag_problem(lag: float | None, limit: float | None) -> Problem | None:
     """The problem when the oldest pending outbox row (``lag`` seconds) is older than ``limit``."""
     if lag is None or not _over(lag, limit):
@@ -280,9 +277,6 @@ def collect_status(
         problems=tuple(find_problems(broker, database, thresholds)),
         broker_check=check,
     )
-
-
-# --------------------------------------------------------------------------- health endpoints
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ from ..models import OutboxMessage
 from .collectors import BrokerCollector, DatabaseCollector, RecentValue, outbox_lag
 from .status import OUTBOX_LAG_LIMIT, CheckResult, outbox_lag_check, system_health
 
-MAX_OUTBOX_LAG = OUTBOX_LAG_LIMIT
 # Seconds healthz/ waits for the broker to accept a connection, and reuses its answer.
 BROKER_TIMEOUT = 2.0
 BROKER_CHECK_MAX_AGE = 5.0
@@ -113,7 +112,7 @@ def check_outbox_lag(using: str, max_lag: float) -> CheckResult:
 @never_cache
 @require_GET
 @ops_access
-def healthz(request: HttpRequest, max_outbox_lag: float = MAX_OUTBOX_LAG) -> HttpResponse:
+def healthz(request: HttpRequest, max_outbox_lag: float = OUTBOX_LAG_LIMIT) -> HttpResponse:
     using = router.db_for_write(OutboxMessage)
     checks = {"database": check_database(using), "broker": RECENT_BROKER_CHECK.get()}
     if checks["database"].ok:
