@@ -7,10 +7,11 @@ import difflib
 import urllib.parse
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
+from django.db import router
 
 from .conf import (
     DEFAULTS,
@@ -22,9 +23,7 @@ from .conf import (
     split_broker_urls,
 )
 from .core.delays import delay_for
-
-if TYPE_CHECKING:
-    from .core.registry import ConsumerSpec
+from .core.registry import ConsumerSpec, registry
 
 SETTING = "RELIABLE_MESSAGING"
 
@@ -215,8 +214,6 @@ def _check_crash_limit() -> list[CheckMessage]:
 def _check_consumer_timeout() -> list[CheckMessage]:
     """What may hold a delivery unacked must stay below the broker's consumer_timeout, or the
     broker closes the channel under the consumer (and redelivers the whole prefetch window)."""
-    from .core.registry import registry
-
     limit = messaging_settings.broker_consumer_timeout
     found: list[CheckMessage] = []
     timeouts = [("HANDLER_TIMEOUT", messaging_settings.handler_timeout)]
@@ -268,8 +265,6 @@ def _is_django_redis(cache: Any) -> bool:
 
 def _check_retention_horizon() -> list[CheckMessage]:
     """The inbox must remember a message at least as long as its copies can still arrive."""
-    from .core.registry import registry
-
     horizon = timedelta(seconds=max([_horizon(None), *map(_horizon, registry)]))
     if messaging_settings.dedup_retention < horizon:
         message = (
@@ -291,8 +286,6 @@ def _horizon(spec: ConsumerSpec | None) -> float:
 
 @register(Tags.compatibility)
 def check_consumers(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    from .core.registry import registry
-
     return [
         _warning(
             3,
@@ -332,8 +325,6 @@ def check_idempotent_tasks(app_configs: Any = None, **kwargs: Any) -> list[Check
 
 def _app_aliases() -> dict[str, str]:
     """The alias the database routers give for writing each of the app's models."""
-    from django.db import router
-
     from .models import DeadLetter, OutboxMessage, ProcessedMessage
 
     return {
@@ -543,8 +534,6 @@ def check_task_backends(app_configs: Any = None, **kwargs: Any) -> list[CheckMes
                 "'reliable-messaging[tasks]'. Django 6.0 and later have django.tasks built in.",
             )
         ]
-    from django.db import router
-
     from .models import TaskRun
     from .task_runs.naming import TaskQueues, problems
     from .task_runs.policies import named_task_problems
