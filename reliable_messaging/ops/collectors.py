@@ -49,7 +49,6 @@ class DatabaseStatus:
     error: str = ""
     outbox_pending: int = 0
     outbox_scheduled: int = 0  # waiting for their due time
-    outbox_scheduled_estimated: bool = False
     outbox_failed: int = 0
     outbox_unrouted: int = 0  # no queue was bound for them: shown, never a problem
     outbox_lag: float | None = None  # None when nothing is pending
@@ -149,14 +148,12 @@ def database_status(using: str | None = None) -> DatabaseStatus:
         dead = DeadLetterGroup.objects.using(using).dead_counts()
         pending = outbox.pending().count()
         inbox = inbox_rows(using)
-        scheduled = scheduled_rows(using)
         days_ahead, overdue = partition_upkeep(using)
         return DatabaseStatus(
             alias=using,
             reachable=True,
             outbox_pending=pending,
-            outbox_scheduled=round(scheduled[0]),
-            outbox_scheduled_estimated=scheduled[1],
+            outbox_scheduled=round(scheduled_rows(using)[0]),
             outbox_failed=outbox.failed().count(),
             outbox_unrouted=outbox.filter(status=OutboxStatus.UNROUTED).count(),
             outbox_lag=outbox_lag(using) if pending else None,
