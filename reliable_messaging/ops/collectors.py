@@ -51,7 +51,7 @@ class DatabaseStatus:
     outbox_scheduled: int = 0  # waiting for their due time
     outbox_failed: int = 0
     outbox_unrouted: int = 0  # no queue was bound for them: shown, never a problem
-    outbox_lag: float | None = None  # None when nothing is pending
+    outbox_lag: float | None = None  # None when no row waits to be sent
     dead_letters: tuple[DeadLetterCount, ...] = ()  # status "dead", awaiting a person
     inbox_rows: int = 0
     inbox_estimated: bool = False
@@ -147,6 +147,8 @@ def database_status(using: str | None = None) -> DatabaseStatus:
         # From the failure groups (tens of rows), not a count of a million dead letters.
         dead = DeadLetterGroup.objects.using(using).dead_counts()
         pending = outbox.pending().count()
+        # A scheduled row past its due time waits as a pending one does (as /healthz sees).
+        lag = outbox_lag(using)
         inbox = inbox_rows(using)
         days_ahead, overdue = partition_upkeep(using)
         return DatabaseStatus(
@@ -156,7 +158,7 @@ def database_status(using: str | None = None) -> DatabaseStatus:
             outbox_scheduled=round(scheduled_rows(using)[0]),
             outbox_failed=outbox.failed().count(),
             outbox_unrouted=outbox.filter(status=OutboxStatus.UNROUTED).count(),
-            outbox_lag=outbox_lag(using) if pending else None,
+            outbox_lag=lag if pending or lag > 0 else None,
             dead_letters=tuple(
                 DeadLetterCount(consumer, reason, count) for consumer, reason, count in dead
             ),

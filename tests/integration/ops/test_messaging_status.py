@@ -28,6 +28,7 @@ from django.core.management import CommandError, call_command
 from django.test import override_settings
 from django.utils import timezone
 
+from reliable_messaging import publish
 from reliable_messaging.broker.queues import BrokerStatus, QueueStatus
 from reliable_messaging.broker.topology import (
     consumer_queues,
@@ -511,3 +512,19 @@ def test_the_inbox_is_estimated_on_postgresql_not_counted() -> None:
     assert figures.inbox_rows == 300
     inbox = ProcessedMessage._meta.db_table
     assert not [q for q in queries.captured_queries if "COUNT(" in q["sql"] and inbox in q["sql"]]
+
+
+def test_a_scheduled_row_past_its_due_time_is_outbox_lag() -> None:
+    # No relay runs: a scheduled row that came due six minutes ago waits as a pending one
+    # would, and a probe must see it as /healthz and the metrics do.
+    late = publish("status.x", {"n": 1}, deliver_at=timezone.now() + dt.timedelta(hours=1))
+    OutboxMessage.objects.filter(message_id=late).update(
+        next_attempt_at=timezone.now() - dt.timedelta(minutes=6)
+    )
+    with registry.isolated():
+        ran = status("--json")
+    outbox = ran.json["database"]["outbox"]
+    assert (outbox["pending"], outbox["scheduled"]) == (0, 1)
+    assert outbox["lag_seconds"] >= 360
+    assert ran.code == 1, ran.err
+    assert [p["threshold"] for p in ran.json["problems"]] == ["max_outbox_lag"]
