@@ -33,7 +33,8 @@ from ..core.database_errors import (
     CONFLICT_RETRIES,
     DatabaseTrouble,
     classify,
-    retrying_conflicts,
+    conflict_delay,
+    describe,
 )
 from ..core.envelope import DecodeError, Delivery, Message, decode_delivery
 from ..core.outcomes import Acknowledge, Outcome, OutcomeLabel, RetryInPlace
@@ -184,16 +185,24 @@ def _process_batch(
 ) -> list[DeliveryOutcome | None]:
     """``jobs`` decided in one transaction, conflicts run again (see :func:`process_batch`);
     ``settled`` holds what the stages decided before it."""
-    try:
-        return retrying_conflicts(
-            lambda: _process_batch_once(jobs, settled, stages),
-            lambda exc: isinstance(exc, DatabaseConflict),
-            logger,
-            jobs[0].delivery.message_id,
-            f" and {len(jobs) - 1} more" if len(jobs) > 1 else "",
-        )
-    except DatabaseConflict as exc:
-        conflict = exc
+    for retry in range(CONFLICT_RETRIES + 1):
+        try:
+            return _process_batch_once(jobs, settled, stages)
+        except DatabaseConflict as exc:
+            conflict = exc
+            if retry < CONFLICT_RETRIES:
+                delay = conflict_delay(retry)
+                logger.info(
+                    "database conflict (%s) on message_id=%s%s: running again in a new "
+                    "transaction in %.2fs (%d of %d), not charged",
+                    describe(exc),
+                    jobs[0].delivery.message_id,
+                    f" and {len(jobs) - 1} more" if len(jobs) > 1 else "",
+                    delay,
+                    retry + 1,
+                    CONFLICT_RETRIES,
+                )
+                time.sleep(delay)
     if len(jobs) > 1:
         return _one_by_one(jobs, settled, stages)
     cause = conflict.__cause__

@@ -28,7 +28,14 @@ from ..choices import DeadLetterReason
 from ..conf import messaging_settings
 from ..consuming.crash_guard import CrashGuard
 from ..core.backoff import Backoff
-from ..core.database_errors import DatabaseTrouble, OutageLog, classify, retrying_conflicts
+from ..core.database_errors import (
+    CONFLICT_RETRIES,
+    DatabaseTrouble,
+    OutageLog,
+    classify,
+    conflict_delay,
+    describe,
+)
 from ..core.envelope import CELERY_TASK_HEADER, CONTENT_TYPE, Delivery, jsonable
 from ..core.outcomes import OutcomeLabel
 from ..dead_letters.record import record_dead_letter
@@ -258,17 +265,8 @@ def _run_once_traced(
                 traced.settle(OutcomeLabel.DEAD_LETTERED, DeadLetterReason.WORKER_CRASHED)
                 return None  # Celery acks it, and the queue moves on
         try:
-            # Inside a caller's transaction a conflict is raised at once: only it can run again.
-            result = retrying_conflicts(
-                functools.partial(_run_in_inbox, body, args, kwargs, run, traced),
-                lambda exc: (
-                    isinstance(exc, DatabaseError)
-                    and classify(exc) is DatabaseTrouble.CONFLICT
-                    and not transaction.get_connection(alias).in_atomic_block
-                ),
-                logger,
-                message_id,
-                f" task={name}",
+            result = _run_retrying_conflicts(
+                functools.partial(_run_in_inbox, body, args, kwargs, run, traced), run
             )
         except BaseException as exc:
             if isinstance(exc, DatabaseError) and classify(exc) is DatabaseTrouble.UNAVAILABLE:
@@ -286,6 +284,35 @@ def _run_once_traced(
         if guard is not None:
             _forget(guard, name, message_id)
         return result
+
+
+def _run_retrying_conflicts(attempt: Callable[[], R], run: _Run) -> R:
+    """``attempt`` again in a new transaction (a bounded number of times, not charged to the
+    task) on a deadlock or a serialization failure; inside a caller's transaction it raises at
+    once."""
+    for retry in range(CONFLICT_RETRIES + 1):
+        try:
+            return attempt()
+        except DatabaseError as exc:
+            if (
+                classify(exc) is not DatabaseTrouble.CONFLICT
+                or retry == CONFLICT_RETRIES
+                or transaction.get_connection(run.alias).in_atomic_block
+            ):
+                raise
+            delay = conflict_delay(retry)
+            logger.info(
+                "database conflict (%s) on message_id=%s task=%s: running again in a new "
+                "transaction in %.2fs (%d of %d), not charged",
+                describe(exc),
+                run.message_id,
+                run.name,
+                delay,
+                retry + 1,
+                CONFLICT_RETRIES,
+            )
+            time.sleep(delay)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 class _RunAgain(Exception):

@@ -9,13 +9,10 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
-from typing import TypeVar
 
 from .backoff import exponential
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 class DatabaseTrouble(enum.Enum):
@@ -90,37 +87,6 @@ def conflict_delay(retry: int) -> float:
     """Seconds before run ``retry`` (0-based) after a conflict: small, doubling, jittered so
     that the two sides of a deadlock do not meet again in step."""
     return exponential(CONFLICT_BASE_DELAY, retry, CONFLICT_MAX_DELAY) * random.uniform(0.5, 1.5)
-
-
-def retrying_conflicts(
-    attempt: Callable[[], T],
-    is_conflict: Callable[[Exception], bool],
-    log: logging.Logger,
-    message_id: str | None,
-    detail: str = "",
-) -> T:
-    """``attempt()``, run again :func:`conflict_delay` later each time it raises a conflict
-    (``is_conflict``), up to :data:`CONFLICT_RETRIES` times, each logged at INFO; the last
-    conflict, like any other error, is raised."""
-    for retry in range(CONFLICT_RETRIES):
-        try:
-            return attempt()
-        except Exception as exc:
-            if not is_conflict(exc):
-                raise
-            delay = conflict_delay(retry)
-            log.info(
-                "database conflict (%s) on message_id=%s%s: running again in a new "
-                "transaction in %.2fs (%d of %d), not charged",
-                describe(exc),
-                message_id,
-                detail,
-                delay,
-                retry + 1,
-                CONFLICT_RETRIES,
-            )
-            time.sleep(delay)
-    return attempt()
 
 
 def _chain(exc: BaseException) -> list[BaseException]:

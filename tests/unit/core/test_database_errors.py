@@ -19,7 +19,6 @@ from reliable_messaging.core.database_errors import (
     OutageLog,
     classify,
     conflict_delay,
-    retrying_conflicts,
     sqlstate,
 )
 
@@ -173,23 +172,3 @@ def test_an_outage_is_said_once_then_its_end_with_the_count(
     assert "none charged" in loud[1].getMessage()
     assert not any(r.exc_info for r in caplog.records)
     assert not outage.ongoing
-
-
-def test_retrying_conflicts_runs_again_up_to_the_bound_then_raises(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr("reliable_messaging.core.database_errors.time.sleep", lambda _s: None)
-    runs = []
-
-    def conflicting() -> None:
-        runs.append(1)
-        raise LookupError("deadlock")
-
-    with pytest.raises(LookupError):
-        retrying_conflicts(
-            conflicting, lambda e: isinstance(e, LookupError), logging.getLogger(), "m"
-        )
-    assert len(runs) == CONFLICT_RETRIES + 1
-    with pytest.raises(LookupError):  # not a conflict: raised at once
-        retrying_conflicts(conflicting, lambda e: False, logging.getLogger(), "m")
-    assert len(runs) == CONFLICT_RETRIES + 2
