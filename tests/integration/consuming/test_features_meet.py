@@ -426,11 +426,16 @@ def test_invalid_payloads_never_count_for_the_breaker_nor_turn_into_anything_els
     assert breaker.state is BreakerState.OPEN  # they wait (pause 3 s)
 
     payments = failing + fresh
+    # Decided, not only written: a payment's outcome is told after its commit, a moment after
+    # its effect can be read (the race a PgBouncer run lost).
     wait_until(
-        lambda: Effect.objects.filter(consumer="ppay").count() == len(payments),
+        lambda: all(
+            results_by_id(rec, spec.name).get(m, [""])[-1] == "processed" for m in payments
+        ),
         timeout=45,
         message=lambda: f"every payment handled; outcomes {results_by_id(rec, spec.name)}",
     )
+    assert Effect.objects.filter(consumer="ppay").count() == len(payments)
     wait_until(
         lambda: all(m in results_by_id(rec, spec.name) for m in bad_while_open),
         timeout=30,
