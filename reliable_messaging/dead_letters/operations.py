@@ -17,7 +17,7 @@ from django.utils import timezone
 from ..choices import OperationKind
 from ..models import DeadLetter, DeadLetterGroup, DeadLetterOperation
 from .replay import discard, judge_batch, replay_batch
-from .selection import matching, targets, wanted
+from .selection import matching, targets, unreplayable, wanted
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ DRY_RUN_EXAMPLES = 5
 class DryRun:
     """What an operation would do with the first ``examined`` dead letters matching
     (``limited``: more match): ``done`` (``forced`` of them), ``refused`` by refusal code with
-    a few ``examples``, ``skipped`` for their status."""
+    a few ``examples``, ``skipped`` for their status or a reason that would fail again."""
 
     kind: str
     examined: int = 0
@@ -80,8 +80,11 @@ def dry_run(
     if not window:
         return result
     # The first ``limit`` matching ones by id are exactly those up to the last one's id.
+    # Taken as the operation takes them (``targets``): a reason a replay would fail again is
+    # left out from the start, like a status, not refused.
     taken = list(
         rows.filter(wanted(kind, selection, now), pk__lte=window[-1])
+        .exclude(reason__in=unreplayable(kind))
         .order_by("pk")
         .values_list("pk", flat=True)
     )
