@@ -284,13 +284,16 @@ def _update_appending(rows: models.QuerySet[Any], field: str, item: Any, **field
 
 
 def _move(dead_letter: Any, status: str, event: str, at: dt.datetime, **details: Any) -> None:
-    dead_letter.status = status
-    fields = ["status", "history", "updated_at"]
+    # An UPDATE, not save(): save() would stamp updated_at with the clock (auto_now), not ``at``
+    # as the bulk moves do.
+    history = [*dead_letter.history, {"event": event, "at": at.isoformat(), **details}]
+    fields = {"status": status, "history": history, "updated_at": at}
     if status == DeadLetterStatus.REPLAYED:
-        dead_letter.replay_count += 1
-        fields.append("replay_count")
-    dead_letter.history = [*dead_letter.history, {"event": event, "at": at.isoformat(), **details}]
-    dead_letter.save(using=dead_letter._state.db, update_fields=fields)
+        fields["replay_count"] = dead_letter.replay_count + 1
+    rows = type(dead_letter)._default_manager.using(dead_letter._state.db)
+    rows.filter(pk=dead_letter.pk).update(**fields)
+    for name, value in fields.items():
+        setattr(dead_letter, name, value)
 
 
 # -- the failure groups ------------------------------------------------------------------------

@@ -52,11 +52,15 @@ def test_a_failure_recorded_twice_updates_one_row_and_keeps_its_history() -> Non
 
 
 def test_each_move_sets_its_status_and_writes_one_history_entry() -> None:
+    """Each move stamps ``updated_at`` with its ``at``, as its history entry does: a replay's
+    wait for its outcome and retention count from it."""
     letter = _record("m-1")
     with transaction.atomic():
         DeadLetter.objects.mark_replayed(letter, by="ann (admin)", forced=True, at=AT)
+    assert (letter.status, letter.replay_count, letter.updated_at) == ("replayed", 1, AT)
     letter.refresh_from_db()
     assert (letter.status, letter.replay_count) == (DeadLetterStatus.REPLAYED, 1)
+    assert letter.updated_at == AT
     assert letter.history[-1] == {
         "event": "replayed",
         "at": AT.isoformat(),
@@ -68,14 +72,14 @@ def test_each_move_sets_its_status_and_writes_one_history_entry() -> None:
     with transaction.atomic():
         assert DeadLetter.objects.of("billing", "m-1").resolve(at=AT) == 1
     letter.refresh_from_db()
-    assert letter.status == DeadLetterStatus.RESOLVED
+    assert (letter.status, letter.updated_at) == (DeadLetterStatus.RESOLVED, AT)
     assert letter.history[-1] == {"event": "resolved", "at": AT.isoformat()}
     assert not DeadLetter.objects.open().exists()
 
     with transaction.atomic():
         assert DeadLetter.objects.filter(pk=letter.pk).discard(by="bob", at=AT) == 1
     letter.refresh_from_db()
-    assert letter.status == DeadLetterStatus.DISCARDED
+    assert (letter.status, letter.updated_at) == (DeadLetterStatus.DISCARDED, AT)
     assert letter.history[-1] == {"event": "discarded", "at": AT.isoformat(), "by": "bob"}
 
     with transaction.atomic():
