@@ -176,14 +176,19 @@ class Command(BaseCommand):
 
     def lookups(self, options: dict[str, Any]) -> dict[str, str] | None:
         """The filters as an operation's lookups; None when they cannot be (``--exception``
-        matches a dotted or a bare name, ``--limit`` a number of rows): then the ids are."""
+        matches a dotted or a bare name, ``--limit`` a number of rows, a value with a comma
+        would read as two in an ``__in`` list): then the ids are."""
         if options["exception"] or options["limit"] is not None:
+            return None
+        found = _filters(options)
+        lists = [value for value in found.values() if not isinstance(value, dt.datetime)]
+        if any("," in str(item) for value in lists for item in value):
             return None
         return {
             lookup: value.isoformat()
             if isinstance(value, dt.datetime)
             else ",".join(map(str, value))
-            for lookup, value in _filters(options).items()
+            for lookup, value in found.items()
         }
 
     def record_operation(

@@ -204,6 +204,27 @@ def test_replay_dead_letters_via_relay_records_an_operation(
     assert other.status == "dead"
 
 
+@pytest.mark.django_db
+def test_replay_dead_letters_via_relay_takes_a_queue_name_with_a_comma_as_one_name(
+    make_dead_letter: MakeDeadLetter,
+) -> None:
+    """RabbitMQ allows a comma in a queue's name; the operation replays that queue's dead
+    letters, not those of the names on each side of it."""
+    wanted = make_dead_letter(queue="orders,eu")
+    others = [make_dead_letter(queue="orders"), make_dead_letter(queue="eu")]
+
+    call_command("replay_dead_letters", "--queue", "orders,eu", "--via-relay", stdout=io.StringIO())
+    run_pending_operations()
+
+    assert list(OutboxMessage.objects.values_list("message_id", flat=True)) == [wanted.message_id]
+    assert [
+        letter.status for letter in DeadLetter.objects.filter(pk__in=[o.pk for o in others])
+    ] == [
+        "dead",
+        "dead",
+    ]
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_batch_that_keeps_failing_stops_its_operation_with_the_error(
     monkeypatch: pytest.MonkeyPatch,
