@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 from django.conf import settings as django_settings
+from django.db import connection as db_connection
 from django.db import transaction
 from django.db.models.functions import Now
 from django.test import override_settings
@@ -439,6 +441,70 @@ def test_a_past_deliver_at_goes_at_once_and_counts_its_age_from_the_call() -> No
     # Neither its published-at nor its deadline is counted from the date a minute ago.
     assert message.headers[PUBLISHED_AT_HEADER] >= int(called * 1000) - 1000  # the DB's clock
     assert message.headers[EXPIRES_AT_HEADER] >= int((called + 60) * 1000)
+
+
+def _backlog(name: str, count: int) -> None:
+    """``count`` rows due now, written in one statement."""
+    now = timezone.now()
+    OutboxMessage.objects.bulk_create(
+        OutboxMessage(
+            message_id=f"{name}-{n}",
+            exchange=str(django_settings.RELIABLE_MESSAGING["EXCHANGE"]),
+            routing_key="noise.x",
+            body="{}",
+            next_attempt_at=now,
+            created_at=now,
+        )
+        for n in range(count)
+    )
+
+
+def test_a_busy_relay_sends_a_row_falling_due_before_the_rows_written_after_its_due_time() -> None:
+    """The relay's first look knows of nothing due before tomorrow; a row due a second later
+    is written while a backlog keeps every claim full (a publisher taking 1 ms per message).
+    It must still fall due within SCHEDULED_LOOK of its time, so it takes its place in the line
+    ahead of the rows written a second after that, and it goes."""
+    publish("sched.tomorrow", {}, delay=dt.timedelta(days=1))
+    _backlog("first", 5000)
+    taken = threading.Event()
+    seen: dict[str, Any] = {}
+
+    def on_publish(message: StubPublished) -> None:
+        taken.set()
+        time.sleep(0.001)  # a slow broker: busy, at no CPU
+
+    def meanwhile() -> None:
+        try:
+            taken.wait(30)
+            due_at = timezone.now() + dt.timedelta(seconds=1)
+            seen["busy"] = publish("sched.busy", {}, deliver_at=due_at)
+            time.sleep(max(0.0, (due_at - timezone.now()).total_seconds()) + 1.0)
+            seen["first pending"] = OutboxMessage.objects.filter(
+                message_id__startswith="first-", status=OutboxStatus.PENDING
+            ).count()
+            _backlog("second", 300)
+        finally:
+            db_connection.close()
+
+    writer = threading.Thread(target=meanwhile)
+    writer.start()
+    stub = StubPublisher(on_publish=on_publish)
+    try:
+        relay_once(stub, batch_size=100)
+    finally:
+        writer.join(60)
+
+    assert seen["first pending"] > 0, "the backlog was all sent before the second rows came"
+    relay_once(stub)  # whatever the first run left due when it ended
+    busy = row(seen["busy"])
+    assert busy.status == OutboxStatus.SENT
+    # Its place in the line is the id it got when it fell due (not the order batches in flight
+    # were recorded in, sent_at).
+    overtaken = OutboxMessage.objects.filter(message_id__startswith="second-", pk__lt=busy.pk)
+    assert not overtaken.exists(), f"{overtaken.count()} rows written after its due time went first"
+    assert not OutboxMessage.objects.filter(
+        status=OutboxStatus.PENDING, deliver_at__isnull=True
+    ).exists()
 
 
 @pytest.mark.parametrize(
