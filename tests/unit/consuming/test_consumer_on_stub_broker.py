@@ -467,12 +467,14 @@ def test_waiting_to_reconnect_is_unhealthy_for_the_broker_alone_never_a_stuck_lo
         def connect(self, settings: Any, name: str) -> Any:
             raise StubConnectionLost("connection refused")
 
-    health = HealthState(stall_after=0.3)
+    # Five of the wait's beats (0.2 s apart): a process starved by a loaded machine still
+    # beats in time, and the reconnect waits within the 3 s (0.5, 1, 2 s) outlast it.
+    health = HealthState(stall_after=1.0)
     service = ConsumerService([spec(lambda message: None)], transport=Refusing(), health=health)
     thread = threading.Thread(target=service.run, name="rm-stub-refused", daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 2.0
+        deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline:
             assert health.check() == (False, ["broker not connected"])
             time.sleep(0.05)
