@@ -15,10 +15,6 @@ PYTEST_ARGS ?=
 MATRIX ?= 1
 TEST_WORKERS ?= 3
 WORKERS = -n $(TEST_WORKERS)
-# 1: `make test` runs its last part in three lanes side by side (see test:); 0: in turn. In
-# turn by default: side by side on two cores each lane ran 2.4 to 3.4 times slower, and the
-# cluster's rolling restart and the memory alarm timed out.
-TEST_LANES ?= 0
 # Run once more through a transaction-pooling PgBouncer (tests/conftest.py, RM_TEST_PGBOUNCER):
 # a representative part of the e2e and publishing slices: consume's life and faults, a replay,
 # publish -> relay -> consume -> publish, the relay, the wake-ups, scheduled rows and their
@@ -140,17 +136,16 @@ test: venv services
 	@# 2. Those that stop PostgreSQL or Redis (serial and stops_storage, tests/conftest.py), alone.
 	@#    The version matrix's two ends (noxfile.py: the newest Python and Django, and the lowest
 	@#    versions setup.cfg admits) install their virtualenvs meanwhile.
-	@# 3. Three lanes, in turn (TEST_LANES=1: side by side, as each breaks only what the others
-	@#    do not use):
-	@#    - the serial tests that stop or alarm the node on 5672 (serial and stops_broker); then
-	@#      PGBOUNCER_TESTS, every connection through a PgBouncer in transaction mode; then, once
-	@#      the cluster lane is done, the matrix's two ends on the version-sensitive slice
-	@#      (MATRIX=0 skips them; `make matrix` runs every pair);
-	@#    - the cluster tests on their own cluster (serial and cluster);
-	@#    - RABBITMQ4_SERIAL_TESTS, acting on the RabbitMQ 4.3 node (built the first time, about a
-	@#      minute; started if it is down), then RABBITMQ4_TESTS against that node, then
-	@#      RABBITMQ40_TESTS against the 4.0 node (built the first time, about 3 minutes).
-	@#    The second and third lanes print their output when done.
+	@# 3. The serial tests that stop or alarm the node on 5672 (serial and stops_broker); then
+	@#    PGBOUNCER_TESTS, every connection through a PgBouncer in transaction mode.
+	@# 4. The cluster tests on their own cluster (serial and cluster), then RABBITMQ4_SERIAL_TESTS,
+	@#    acting on the RabbitMQ 4.3 node (built the first time, about a minute; started if it is
+	@#    down). These mostly wait on the brokers' own timeouts, with a core idle on average, so
+	@#    the matrix's two ends on the version-sensitive slice run beside them at the lowest CPU
+	@#    priority (nice 19), printing their output when done: they use only the node on 5672 and
+	@#    their own databases (MATRIX=0 skips them; `make matrix` runs every pair).
+	@# 5. RABBITMQ4_TESTS against the 4.3 node, then RABBITMQ40_TESTS against the 4.0 node (built
+	@#    the first time, about 3 minutes).
 	@# Every part always runs; exit code 5 ("no tests selected", e.g. with -k) is not a failure.
 	@run() { local s=0; "$$@" || s=$$?; (( s == 5 )) && s=0; return $$s; }; \
 	db=$${RM_TEST_DB_NAME:-test_reliable_messaging}; \
@@ -166,24 +161,24 @@ test: venv services
 			$(PYTEST_ARGS) $(PGBOUNCER_TESTS) || s=$$?; \
 		return $$s; \
 	}; \
-	cluster_lane() { RM_TEST_DB_NAME=$${db}_cluster timed "serial, the cluster" run $(BIN)/pytest \
-		-m "serial and cluster" $(PYTEST_ARGS); }; \
-	rabbitmq4_lane() { \
+	waiting_lane() { \
 		local s=0; \
+		RM_TEST_DB_NAME=$${db}_cluster timed "serial, the cluster" run $(BIN)/pytest \
+			-m "serial and cluster" $(PYTEST_ARGS) || s=$$?; \
 		scripts/rabbitmq4.sh --release 4.3 start || return 99; \
 		timed "RABBITMQ4_SERIAL_TESTS on 4.3" on_broker rabbitmq43 $(BIN)/pytest -m serial \
 			$(PYTEST_ARGS) $(RABBITMQ4_SERIAL_TESTS) || s=$$?; \
+		return $$s; \
+	}; \
+	rabbitmq4_slices() { \
+		local s=0; \
+		scripts/rabbitmq4.sh --release 4.3 start || return 99; \
 		timed "RABBITMQ4_TESTS on 4.3" on_broker rabbitmq43 $(BIN)/pytest $(WORKERS) \
 			-m "not serial" $(PYTEST_ARGS) $(RABBITMQ4_TESTS) || s=$$?; \
 		scripts/rabbitmq4.sh start || return 99; \
 		timed "RABBITMQ40_TESTS on 4.0" on_broker rabbitmq4 $(BIN)/pytest $(WORKERS) \
 			-m "not serial" $(PYTEST_ARGS) $(RABBITMQ40_TESTS) || s=$$?; \
 		return $$s; \
-	}; \
-	matrix_ends() { \
-		[[ "$(MATRIX)" == 0 ]] && return 0; \
-		wait $$nox_install_pid || { cat "$$logs/nox-install.log"; return 1; }; \
-		timed "the matrix's two ends (nox -s ci)" $(BIN)/nox -R -s ci; \
 	}; \
 	show() { echo "==================== $$1 (exit $$2) ===================="; cat "$$logs/$$1.log"; }; \
 	rc=0; timed "parallel" run $(BIN)/pytest $(WORKERS) -m "not serial" --durations=25 \
@@ -193,19 +188,18 @@ test: venv services
 	rc2=0; timed "serial, PostgreSQL and Redis" run $(BIN)/pytest -m "serial and stops_storage" \
 		$(PYTEST_ARGS) || rc2=$$?; \
 	rc3=0; rc4=0; rc5=0; rc6=0; \
-	if [[ "$(TEST_LANES)" == 0 ]]; then \
-		broker_lane || rc3=$$?; cluster_lane || rc4=$$?; rabbitmq4_lane || rc5=$$?; \
-		matrix_ends || rc6=$$?; \
-	else \
-		cluster_lane >"$$logs/cluster.log" 2>&1 & cluster_pid=$$!; \
-		rabbitmq4_lane >"$$logs/rabbitmq4.log" 2>&1 & rabbitmq4_pid=$$!; \
-		echo "make test: the cluster lane and the RabbitMQ 4.x lane run beside this one; their" \
-			"output: $$logs/cluster.log, $$logs/rabbitmq4.log"; \
-		broker_lane || rc3=$$?; \
-		wait $$cluster_pid || rc4=$$?; show cluster $$rc4; \
-		matrix_ends || rc6=$$?; \
-		wait $$rabbitmq4_pid || rc5=$$?; show rabbitmq4 $$rc5; \
+	broker_lane || rc3=$$?; \
+	matrix_pid=; if [[ "$(MATRIX)" != 0 ]]; then \
+		if wait $$nox_install_pid; then \
+			timed "the matrix's two ends (nox -s ci), beside" nice -n 19 $(BIN)/nox -R -s ci \
+				>"$$logs/matrix.log" 2>&1 & matrix_pid=$$!; \
+			echo "make test: the matrix's two ends run beside the cluster and the 4.3 node's" \
+				"serial tests; their output follows them"; \
+		else cat "$$logs/nox-install.log"; rc6=1; fi; \
 	fi; \
+	timed "the cluster, then the 4.3 serial tests" waiting_lane || rc4=$$?; \
+	[[ -z "$$matrix_pid" ]] || { wait $$matrix_pid || rc6=$$?; show matrix $$rc6; }; \
+	rabbitmq4_slices || rc5=$$?; \
 	echo "make test: the time of each part"; cat "$$logs/times"; rm -rf "$$logs"; \
 	for code in $$rc $$rc2 $$rc3 $$rc4 $$rc5 $$rc6; do \
 		(( code == 0 )) || exit $$code; \
