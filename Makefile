@@ -59,7 +59,6 @@ RABBITMQ4_TESTS ?= tests/e2e/test_consume_command.py tests/e2e/test_ordering.py 
 	tests/integration/publishing/test_relay_edges.py \
 	tests/integration/publishing/test_relay_robustness.py \
 	tests/integration/publishing/test_publish_in_handler.py \
-	tests/integration/publishing/test_publish_edges.py \
 	tests/integration/ops/test_messaging_status.py tests/integration/ops/test_consume_ops.py \
 	tests/integration/ops/test_health.py tests/e2e/test_relay_declares_topology.py \
 	tests/e2e/test_breaker_meets.py tests/e2e/test_features_meet.py \
