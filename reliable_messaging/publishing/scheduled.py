@@ -54,15 +54,20 @@ def promote_due(using: str, limit: int = PROMOTE_CHUNK, due_by: dt.datetime | No
     if connection.vendor == "postgresql":
         table = connection.ops.quote_name(OutboxMessage._meta.db_table)
         with transaction.atomic(using=using), connection.cursor() as cursor:
-            # nextval() numbers the rows as the inner SELECT yields them: in due order.
+            # Both CTEs run once (MATERIALIZED): as a subquery, a planner that thinks the
+            # partition empty rescans it for each row of a nested loop, promoting more than
+            # ``limit`` rows and numbering them out of due order. nextval() numbers the rows
+            # as ``due`` yields them: in due order.
             cursor.execute(
-                f"UPDATE {table} o SET id = r.new_id, status = 'pending', "  # noqa: S608
-                "next_attempt_at = now() FROM ("
-                f"SELECT d.id, nextval(pg_get_serial_sequence('{table}', 'id')) AS new_id FROM ("
+                "WITH due AS MATERIALIZED ("  # noqa: S608
                 f"SELECT id FROM {table} WHERE status = 'scheduled' "
                 "AND next_attempt_at <= coalesce(%s, now()) "
-                "ORDER BY next_attempt_at, id LIMIT %s FOR UPDATE SKIP LOCKED) d) r "
-                "WHERE o.id = r.id AND o.status = 'scheduled'",
+                "ORDER BY next_attempt_at, id LIMIT %s FOR UPDATE SKIP LOCKED), "
+                "numbered AS MATERIALIZED ("
+                f"SELECT id, nextval(pg_get_serial_sequence('{table}', 'id')) AS new_id FROM due) "
+                f"UPDATE {table} o SET id = n.new_id, status = 'pending', "
+                "next_attempt_at = now() FROM numbered n "
+                "WHERE o.id = n.id AND o.status = 'scheduled'",
                 [due_by, limit],
             )
             return int(cursor.rowcount)
