@@ -109,13 +109,17 @@ def park_behind(using: str, blockers: set[int]) -> int:
     transaction locks), skipping rows another holds; returns how many."""
     table = connections[using].ops.quote_name(OutboxMessage._meta.db_table)
     with connections[using].cursor() as cursor:
+        # The rows are chosen once (MATERIALIZED), as scheduled.promote_due chooses its own:
+        # a subquery may be run again for every row of a nested loop.
         cursor.execute(
-            f"UPDATE {table} SET next_attempt_at = NULL WHERE id IN ("  # noqa: S608
+            "WITH chosen AS MATERIALIZED ("  # noqa: S608
             f"SELECT o.id FROM {table} b JOIN {table} o ON o.ordering_key = b.ordering_key "
             "AND (o.ordering_key, o.id) > (b.ordering_key, b.id) "
             "WHERE b.id = ANY(%s::bigint[]) AND b.status IN ('pending', 'failed') "
             "AND o.status = 'pending' AND o.next_attempt_at <= now() "
-            "LIMIT %s FOR UPDATE OF o SKIP LOCKED) AND status = 'pending'",
+            "LIMIT %s FOR UPDATE OF o SKIP LOCKED) "
+            f"UPDATE {table} SET next_attempt_at = NULL "
+            "WHERE id IN (SELECT id FROM chosen) AND status = 'pending'",
             [sorted(blockers), PARK_CHUNK],
         )
         return int(cursor.rowcount)

@@ -209,6 +209,34 @@ def test_once_the_budget_cut_a_claim_the_next_ones_lock_one_row_past_what_they_r
 
 
 @postgresql_only
+def test_a_claim_parks_at_most_park_chunk_rows_even_where_the_outbox_looks_empty(
+    ob: OutboxEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Statistics that say the outbox is empty (autovacuum analyzed it so) led the planner to
+    run the choice of rows again for every row of a nested loop, parking past the limit."""
+    with connection.cursor() as cursor:
+        cursor.execute(f"ANALYZE {OutboxMessage._meta.db_table}")
+    monkeypatch.setattr(claims, "PARK_CHUNK", 5)
+    OutboxMessage.objects.create(
+        message_id="head",
+        routing_key="x",
+        body="{}",
+        ordering_key="A",
+        status="failed",
+        next_attempt_at=timezone.now() + dt.timedelta(hours=1),
+    )
+    bulk_rows(20, ordering_key="A", next_attempt_at=timezone.now())
+
+    claim = OutboxClaims("default", messaging_settings, 10, dt.timedelta(seconds=60)).claim()
+    if claim.transaction is not None:
+        claim.transaction.rollback()
+
+    assert claim.parked == 5
+    held = OutboxMessage.objects.filter(ordering_key="A", status="pending")
+    assert held.filter(next_attempt_at__isnull=True).count() == 5
+
+
+@postgresql_only
 def test_one_claim_parks_every_due_row_behind_a_held_key_not_only_its_batch(
     ob: OutboxEnv,
 ) -> None:
