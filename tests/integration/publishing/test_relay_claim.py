@@ -209,6 +209,18 @@ def test_once_the_budget_cut_a_claim_the_next_ones_lock_one_row_past_what_they_r
     assert lane.lock_limit == 8
 
 
+def failed_head(key: str) -> None:
+    """A failed row of ``key``, backing off for an hour: it holds back the rows behind it."""
+    OutboxMessage.objects.create(
+        message_id="head",
+        routing_key="x",
+        body="{}",
+        ordering_key=key,
+        status="failed",
+        next_attempt_at=timezone.now() + dt.timedelta(hours=1),
+    )
+
+
 @postgresql_only
 def test_a_claim_parks_at_most_park_chunk_rows_even_where_the_outbox_looks_empty(
     ob: OutboxEnv, monkeypatch: pytest.MonkeyPatch
@@ -220,14 +232,7 @@ def test_a_claim_parks_at_most_park_chunk_rows_even_where_the_outbox_looks_empty
     with connection.cursor() as cursor:
         cursor.execute(f"ANALYZE {OUTBOX_UNSENT}")
     monkeypatch.setattr(claims, "PARK_CHUNK", 5)
-    OutboxMessage.objects.create(
-        message_id="head",
-        routing_key="x",
-        body="{}",
-        ordering_key="A",
-        status="failed",
-        next_attempt_at=timezone.now() + dt.timedelta(hours=1),
-    )
+    failed_head("A")
     bulk_rows(20, ordering_key="A", next_attempt_at=timezone.now())
 
     claim = OutboxClaims("default", messaging_settings, 10, dt.timedelta(seconds=60)).claim()
@@ -246,14 +251,7 @@ def test_one_claim_parks_every_due_row_behind_a_held_key_not_only_its_batch(
     """Rows held back by their key, due as publish() writes them, many times a batch: the
     first claim that meets them parks all of them in one statement (parked a batch at a time, a
     relay --once beside 200,000 of them spent most of its run parking), and claims free rows."""
-    OutboxMessage.objects.create(
-        message_id="head",
-        routing_key="x",
-        body="{}",
-        ordering_key="A",
-        status="failed",
-        next_attempt_at=timezone.now() + dt.timedelta(hours=1),
-    )
+    failed_head("A")
     for _ in range(3):  # interleaved with free rows, as they were published
         bulk_rows(20, ordering_key="A", next_attempt_at=timezone.now())
         bulk_rows(5, next_attempt_at=timezone.now())
