@@ -13,7 +13,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 MATRIX ?= 1
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 5
 WORKERS = -n $(TEST_WORKERS)
 # Run once more through a transaction-pooling PgBouncer (tests/conftest.py, RM_TEST_PGBOUNCER):
 # a representative part of the e2e and publishing slices: consume's life and faults, a replay,
@@ -136,13 +136,15 @@ test: venv services
 	@#    The version matrix's two ends (noxfile.py: the newest Python and Django, and the lowest
 	@#    versions setup.cfg admits) install their virtualenvs meanwhile.
 	@# 3. The serial tests that stop or alarm the node on 5672 (serial and stops_broker); then
-	@#    PGBOUNCER_TESTS, every connection through a PgBouncer in transaction mode.
-	@# 4. The cluster tests on their own cluster (serial and cluster), then RABBITMQ4_SERIAL_TESTS,
-	@#    acting on the RabbitMQ 4.3 node (built the first time, about a minute; started if it is
-	@#    down). These mostly wait on the brokers' own timeouts, with a core idle on average, so
-	@#    the matrix's two ends on the version-sensitive slice run beside them at the lowest CPU
-	@#    priority (nice 19), printing their output when done: they use only the node on 5672 and
-	@#    their own databases (MATRIX=0 skips them; `make matrix` runs every pair).
+	@#    PGBOUNCER_TESTS, every connection through a PgBouncer in transaction mode. Beside them,
+	@#    RABBITMQ4_SERIAL_TESTS acting on the RabbitMQ 4.3 node (built the first time, about 3
+	@#    minutes; started if it is down), on their own database: neither side touches the
+	@#    other's node, and both mostly wait on a broker's own timeouts.
+	@# 4. The cluster tests on their own cluster (serial and cluster). These mostly wait too, with
+	@#    a core idle on average, so the matrix's two ends on the version-sensitive slice run
+	@#    beside them at the lowest CPU priority (nice 19), printing their output when done: they
+	@#    use only the node on 5672 and their own databases (MATRIX=0 skips them; `make matrix`
+	@#    runs every pair).
 	@# 5. RABBITMQ4_TESTS against the 4.3 node, then RABBITMQ40_TESTS against the 4.0 node (built
 	@#    the first time, about 3 minutes).
 	@# Every part always runs; exit code 5 ("no tests selected", e.g. with -k) is not a failure.
@@ -158,15 +160,6 @@ test: venv services
 			$(PYTEST_ARGS) || s=$$?; \
 		RM_TEST_PGBOUNCER=1 timed "PGBOUNCER_TESTS" run $(BIN)/pytest $(WORKERS) -m "not serial" \
 			$(PYTEST_ARGS) $(PGBOUNCER_TESTS) || s=$$?; \
-		return $$s; \
-	}; \
-	waiting_lane() { \
-		local s=0; \
-		RM_TEST_DB_NAME=$${db}_cluster timed "serial, the cluster" run $(BIN)/pytest \
-			-m "serial and cluster" $(PYTEST_ARGS) || s=$$?; \
-		scripts/rabbitmq4.sh --release 4.3 start || return 99; \
-		timed "RABBITMQ4_SERIAL_TESTS on 4.3" on_broker rabbitmq43 $(BIN)/pytest -m serial \
-			$(PYTEST_ARGS) $(RABBITMQ4_SERIAL_TESTS) || s=$$?; \
 		return $$s; \
 	}; \
 	rabbitmq4_slices() { \
@@ -186,21 +179,29 @@ test: venv services
 		$(BIN)/nox -s ci --install-only >"$$logs/nox-install.log" 2>&1 & nox_install_pid=$$!; }; \
 	rc2=0; timed "serial, PostgreSQL and Redis" run $(BIN)/pytest -m "serial and stops_storage" \
 		$(PYTEST_ARGS) || rc2=$$?; \
-	rc3=0; rc4=0; rc5=0; rc6=0; \
+	rc3=0; rc4=0; rc5=0; rc6=0; rc7=0; \
+	serial43_pid=; if scripts/rabbitmq4.sh --release 4.3 start; then \
+		timed "RABBITMQ4_SERIAL_TESTS on 4.3, beside" on_broker rabbitmq43 $(BIN)/pytest -m serial \
+			$(PYTEST_ARGS) $(RABBITMQ4_SERIAL_TESTS) >"$$logs/serial43.log" 2>&1 & serial43_pid=$$!; \
+		echo "make test: the 4.3 node's serial tests run beside the 5672 node's and PgBouncer's;" \
+			"their output follows them"; \
+	else rc7=99; fi; \
 	broker_lane || rc3=$$?; \
+	[[ -z "$$serial43_pid" ]] || { wait $$serial43_pid || rc7=$$?; show serial43 $$rc7; }; \
 	matrix_pid=; if [[ "$(MATRIX)" != 0 ]]; then \
 		if wait $$nox_install_pid; then \
 			timed "the matrix's two ends (nox -s ci), beside" nice -n 19 $(BIN)/nox -R -s ci \
 				>"$$logs/matrix.log" 2>&1 & matrix_pid=$$!; \
-			echo "make test: the matrix's two ends run beside the cluster and the 4.3 node's" \
-				"serial tests; their output follows them"; \
+			echo "make test: the matrix's two ends run beside the cluster tests;" \
+				"their output follows them"; \
 		else cat "$$logs/nox-install.log"; rc6=1; fi; \
 	fi; \
-	timed "the cluster, then the 4.3 serial tests" waiting_lane || rc4=$$?; \
+	RM_TEST_DB_NAME=$${db}_cluster timed "serial, the cluster" run $(BIN)/pytest \
+		-m "serial and cluster" $(PYTEST_ARGS) || rc4=$$?; \
 	[[ -z "$$matrix_pid" ]] || { wait $$matrix_pid || rc6=$$?; show matrix $$rc6; }; \
 	rabbitmq4_slices || rc5=$$?; \
 	echo "make test: the time of each part"; cat "$$logs/times"; rm -rf "$$logs"; \
-	for code in $$rc $$rc2 $$rc3 $$rc4 $$rc5 $$rc6; do \
+	for code in $$rc $$rc2 $$rc3 $$rc4 $$rc5 $$rc6 $$rc7; do \
 		(( code == 0 )) || exit $$code; \
 	done
 
