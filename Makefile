@@ -13,7 +13,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 MATRIX ?= 1
-TEST_WORKERS ?= 5
+TEST_WORKERS ?= 3
 WORKERS = -n $(TEST_WORKERS)
 # Run once more through a transaction-pooling PgBouncer (tests/conftest.py, RM_TEST_PGBOUNCER):
 # a representative part of the e2e and publishing slices: consume's life and faults, a replay,

@@ -132,10 +132,10 @@ def _run_slice(session: nox.Session, leave_out: tuple[str, ...] = ()) -> None:
         "pytest",
         "-p",
         "no:cacheprovider",
-        # Five workers on two cores, as make test's parallel part: much of the slice waits on
+        # Three workers on two cores, as make test's parallel part: much of the slice waits on
         # real processes and the broker.
         "-n",
-        "5",
+        "3",
         "-m",
         "not serial",
         *(path for path in SLICE if path not in leave_out),
