@@ -324,8 +324,10 @@ def fill_inbox(consumer: str, kind: str, have: int, upto: int, base_ms: int, spa
 
     from reliable_messaging.conf import messaging_settings
 
-    window = messaging_settings.dedup_retention.total_seconds()
-    start_s = time.time() - window - 3600
+    # Inside the window by a minute at each end: a day wholly older than the retention is
+    # dropped by the partition upkeep of any consumer run before (here, the last step's).
+    window = messaging_settings.dedup_retention.total_seconds() - 120
+    start_s = time.time() - window - 60
     step_s = window / max(span, 1)
     table = "reliable_messaging_processedmessage"
     with connection.cursor() as cursor:

@@ -25,11 +25,12 @@ PostgreSQL backends (found in ``pg_stat_activity`` by the ``application_name`` t
 messages in between is the CPU per message. The broker's CPU is not counted (it is shared with
 everything else on the machine). Rounds alternate ours and the baseline, the order rotating.
 
-``--callgrind`` (the relay only): each build's ``manage.py relay --once`` under ``valgrind
---tool=callgrind`` over 1,000 rows and over 4,000; the difference over the extra 3,000 is its
-instructions per message, process only (PostgreSQL's are not counted). Start-up, topology and
-the last claim cancel out, and the count does not move with the load of a shared machine, where
-the rates above do.
+``--callgrind``: each build's ``manage.py relay --once``, and its ``manage.py consume --queue
+<alpha> --idle-timeout 5`` over a full queue, under ``valgrind --tool=callgrind`` over 1,000
+messages and over 4,000; the difference over the extra 3,000 is its instructions per message,
+process only (PostgreSQL's are not counted). Start-up, topology, the last claim and the last
+idle turns cancel out, and the count hardly moves with the load of a shared machine, where the
+rates above do (the consumer's threads poll while they wait: a percent or two).
 
 ``--builds``: several source trees (``git archive`` of a commit) run in turn with the baselines,
 each round giving every build's ratio to the baseline and to the first build. A build with
@@ -81,6 +82,7 @@ from _common import (
 
 HERE = Path(__file__).resolve()
 CALLGRIND_ROWS = (1000, 4000)
+CALLGRIND_IDLE = 5  # seconds of an empty queue after which consume exits, under callgrind
 
 
 @dataclass
@@ -261,36 +263,48 @@ def relay_run(
     )
 
 
+def instructions(command: list[str], env: dict[str, str]) -> int:
+    """The instructions ``command`` executes, every thread's, under callgrind."""
+    with tempfile.TemporaryDirectory() as scratch:
+        done = subprocess.run(
+            [
+                "valgrind",
+                "--tool=callgrind",
+                f"--callgrind-out-file={scratch}/callgrind.out",
+                *command,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    return sum(int(n) for n in re.findall(r"Collected : (\d+)", done.stderr))
+
+
+def per_message(count: Callable[[int], int]) -> float:
+    """Instructions per message: ``count(n)`` over two sizes, the difference over the extra
+    messages (start-up, topology and the last idle turns cancel out)."""
+    few, many = CALLGRIND_ROWS
+    return (count(many) - count(few)) / (many - few)
+
+
 def relay_instructions(namespace: str, exchange: str, queue: str, build: Build) -> float:
-    """Instructions per message of the build's ``manage.py relay --once``, from callgrind runs
-    over two sizes (the outbox filled as for :func:`relay_run`)."""
-    counts = {}
-    for rows in CALLGRIND_ROWS:
+    """Instructions per message of the build's ``manage.py relay --once`` (the outbox filled
+    as for :func:`relay_run`)."""
+
+    def count(rows: int) -> int:
         if build.database is None:
             fill_outbox(rows, exchange)
         else:
             build_side(build, namespace, "fill-outbox", str(rows), exchange)
         declare_sink(exchange, queue)
-        with tempfile.TemporaryDirectory() as scratch:
-            done = subprocess.run(
-                [
-                    "valgrind",
-                    "--tool=callgrind",
-                    f"--callgrind-out-file={scratch}/callgrind.out",
-                    sys.executable,
-                    str(build.root / "manage.py"),
-                    "relay",
-                    "--once",
-                ],
-                env=process_env(namespace, build),
-                capture_output=True,
-                text=True,
-                check=True,
-            )
-        counts[rows] = sum(int(n) for n in re.findall(r"Collected : (\d+)", done.stderr))
-        drop_sink(None, queue)
-    few, many = CALLGRIND_ROWS
-    return (counts[many] - counts[few]) / (many - few)
+        command = [sys.executable, str(build.root / "manage.py"), "relay", "--once"]
+        try:
+            return instructions(command, process_env(namespace, build))
+        finally:
+            drop_sink(None, queue)
+
+    return per_message(count)
 
 
 def raw_publish_run(namespace: str, exchange: str, queue: str, n: int) -> Run:
@@ -409,6 +423,21 @@ def prepare_consume(exchange: str, n: int, kind: str) -> None:
     fill(exchange, [f"{kind}-{uuid.uuid4()}" for _ in range(n)], {"n": 1})
 
 
+def prepare_alpha(namespace: str, exchange: str, n: int, build: Build) -> tuple[str, str | None]:
+    """``n`` fresh messages in tests.alpha's queue and the build's inbox emptied (its own
+    topology and inbox table when it has a database of its own): its database URL and inbox
+    table."""
+    if build.database is None:
+        prepare_consume(exchange, n, "app")
+        return DATABASE_URL, None
+    build_side(build, namespace, "declare-alpha")
+    inbox_table = build_side(build, namespace, "empty-inbox")["emptied"]
+    from consume import fill
+
+    fill(exchange, [f"app-{uuid.uuid4()}" for _ in range(n)], {"n": 1})
+    return database_url_for(build.database), inbox_table
+
+
 def consume_run(
     namespace: str,
     exchange: str,
@@ -420,16 +449,7 @@ def consume_run(
     """``manage.py consume --queue <alpha>`` (the defaults: concurrency 1, batches on), run
     from the build's source tree (on its own database, with tests.alpha's queue declared by
     its own topology, when it has one)."""
-    if build.database is None:
-        prepare_consume(exchange, n, "app")
-        database_url, inbox_table = DATABASE_URL, None
-    else:
-        build_side(build, namespace, "declare-alpha")
-        inbox_table = build_side(build, namespace, "empty-inbox")["emptied"]
-        database_url = database_url_for(build.database)
-        from consume import fill
-
-        fill(exchange, [f"app-{uuid.uuid4()}" for _ in range(n)], {"n": 1})
+    database_url, inbox_table = prepare_alpha(namespace, exchange, n, build)
     command = [
         *(wrapper or [sys.executable]),
         str(build.root / "manage.py"),
@@ -448,6 +468,23 @@ def consume_run(
         mark_window=wrapper is not None,
         upkeep=Autoanalyze(database_url, inbox_table),
     )
+
+
+def consume_instructions(namespace: str, exchange: str, queue: str, build: Build) -> float:
+    """Instructions per message of the build's ``manage.py consume --queue <alpha>`` over a
+    full queue, until it has been idle for ``CALLGRIND_IDLE`` seconds."""
+
+    def count(n: int) -> int:
+        database_url, _ = prepare_alpha(namespace, exchange, n, build)
+        command = [sys.executable, str(build.root / "manage.py"), "consume", "--queue", queue]
+        command += ["--idle-timeout", str(CALLGRIND_IDLE)]
+        counted = instructions(command, process_env(namespace, build))
+        handled = effects_of("alpha", database_url)()
+        if handled != n:
+            raise RuntimeError(f"consume under callgrind handled {handled} of {n} messages")
+        return counted
+
+    return per_message(count)
 
 
 def raw_consume_run(namespace: str, exchange: str, queue: str, n: int) -> Run:
@@ -564,8 +601,8 @@ def main() -> None:
     parser.add_argument(
         "--callgrind",
         action="store_true",
-        help="the relay's instructions per message under callgrind, each build's, instead of "
-        "the timed runs",
+        help="instructions per message under callgrind (the relay's and the consumer's, or "
+        "--only's), each build's, instead of the timed runs",
     )
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -592,11 +629,11 @@ def main() -> None:
     print(f"machine: {describe_machine()}; {n:,} messages per run, {args.rounds} rounds")
     result: dict[str, object] = {"machine": describe_machine(), "messages": n}
     try:
-        if args.callgrind:
+        if args.callgrind and args.only in (None, "relay"):
             for name, build in ours("relay").items():
-                per_message = relay_instructions(namespace, exchange, sink, build)
-                print(f"  {name}: relay --once, {per_message:,.0f} instructions per message")
-                result[name] = {"instructions_per_message": round(per_message)}
+                count = relay_instructions(namespace, exchange, sink, build)
+                print(f"  {name}: relay --once, {count:,.0f} instructions per message")
+                result.setdefault(name, {})["relay_instructions_per_message"] = round(count)
         elif args.only in (None, "relay"):
             runs: dict[str, Callable[[], Run]] = {
                 name: functools.partial(relay_run, namespace, exchange, sink, n, build=build)
@@ -604,12 +641,18 @@ def main() -> None:
             }
             runs["raw"] = lambda: raw_publish_run(namespace, exchange, sink, n)
             result["relay"] = summary(*alternate(runs, args.rounds, "raw"), "relay")
-        if not args.callgrind and args.only in (None, "consume"):
+        if args.only in (None, "consume"):
             from reliable_messaging.broker.topology import declare_topology
 
             connection = pika.BlockingConnection(pika.URLParameters(BROKER_URL))
             declare_topology(connection.channel(), [find_consumer("tests.alpha")])
             connection.close()
+        if args.callgrind and args.only in (None, "consume"):
+            for name, build in ours("consume").items():
+                count = consume_instructions(namespace, exchange, alpha, build)
+                print(f"  {name}: consume, {count:,.0f} instructions per message")
+                result.setdefault(name, {})["consume_instructions_per_message"] = round(count)
+        elif args.only in (None, "consume"):
             runs = {
                 name: functools.partial(consume_run, namespace, exchange, alpha, n, build=build)
                 for name, build in ours("consume").items()
