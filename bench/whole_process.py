@@ -629,11 +629,17 @@ def main() -> None:
     print(f"machine: {describe_machine()}; {n:,} messages per run, {args.rounds} rounds")
     result: dict[str, object] = {"machine": describe_machine(), "messages": n}
     try:
+
+        def count_instructions(kind: str, per_message: Callable[[Build], float]) -> None:
+            for name, build in ours(kind).items():
+                count = per_message(build)
+                print(f"  {name}: {kind}, {count:,.0f} instructions per message")
+                result.setdefault(name, {})[f"{kind}_instructions_per_message"] = round(count)
+
         if args.callgrind and args.only in (None, "relay"):
-            for name, build in ours("relay").items():
-                count = relay_instructions(namespace, exchange, sink, build)
-                print(f"  {name}: relay --once, {count:,.0f} instructions per message")
-                result.setdefault(name, {})["relay_instructions_per_message"] = round(count)
+            count_instructions(
+                "relay", functools.partial(relay_instructions, namespace, exchange, sink)
+            )
         elif args.only in (None, "relay"):
             runs: dict[str, Callable[[], Run]] = {
                 name: functools.partial(relay_run, namespace, exchange, sink, n, build=build)
@@ -648,10 +654,9 @@ def main() -> None:
             declare_topology(connection.channel(), [find_consumer("tests.alpha")])
             connection.close()
         if args.callgrind and args.only in (None, "consume"):
-            for name, build in ours("consume").items():
-                count = consume_instructions(namespace, exchange, alpha, build)
-                print(f"  {name}: consume, {count:,.0f} instructions per message")
-                result.setdefault(name, {})["consume_instructions_per_message"] = round(count)
+            count_instructions(
+                "consume", functools.partial(consume_instructions, namespace, exchange, alpha)
+            )
         elif args.only in (None, "consume"):
             runs = {
                 name: functools.partial(consume_run, namespace, exchange, alpha, n, build=build)
