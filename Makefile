@@ -180,14 +180,16 @@ test: venv services
 	rc2=0; timed "serial, PostgreSQL and Redis" run $(BIN)/pytest -m "serial and stops_storage" \
 		$(PYTEST_ARGS) || rc2=$$?; \
 	rc3=0; rc4=0; rc5=0; rc6=0; rc7=0; \
-	serial43_pid=; if scripts/rabbitmq4.sh --release 4.3 start; then \
+	serial43() { \
+		scripts/rabbitmq4.sh --release 4.3 start || return 99; \
 		timed "RABBITMQ4_SERIAL_TESTS on 4.3, beside" on_broker rabbitmq43 $(BIN)/pytest -m serial \
-			$(PYTEST_ARGS) $(RABBITMQ4_SERIAL_TESTS) >"$$logs/serial43.log" 2>&1 & serial43_pid=$$!; \
-		echo "make test: the 4.3 node's serial tests run beside the 5672 node's and PgBouncer's;" \
-			"their output follows them"; \
-	else rc7=99; fi; \
+			$(PYTEST_ARGS) $(RABBITMQ4_SERIAL_TESTS); \
+	}; \
+	serial43 >"$$logs/serial43.log" 2>&1 & serial43_pid=$$!; \
+	echo "make test: the 4.3 node's serial tests run beside the 5672 node's and PgBouncer's;" \
+		"their output follows them"; \
 	broker_lane || rc3=$$?; \
-	[[ -z "$$serial43_pid" ]] || { wait $$serial43_pid || rc7=$$?; show serial43 $$rc7; }; \
+	wait $$serial43_pid || rc7=$$?; show serial43 $$rc7; \
 	matrix_pid=; if [[ "$(MATRIX)" != 0 ]]; then \
 		if wait $$nox_install_pid; then \
 			timed "the matrix's two ends (nox -s ci), beside" nice -n 19 $(BIN)/nox -R -s ci \
