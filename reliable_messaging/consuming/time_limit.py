@@ -181,18 +181,24 @@ class TimeLimits:
             ]
 
     def start(self, grace: float) -> None:
+        """Start the watchdog, unless one runs that was not told to stop. A stopped one still
+        winding down keeps its own stop signal and ends; a new one watches from now on."""
         self.grace = max(0.0, grace)
-        if self._watchdog is not None and self._watchdog.is_alive():
-            return
-        self._stop.clear()
-        self._watchdog = threading.Thread(target=self._watch, name="rm-time-limits", daemon=True)
-        self._watchdog.start()
+        with self._lock:
+            watchdog = self._watchdog
+            if watchdog is not None and watchdog.is_alive() and not self._stop.is_set():
+                return
+            self._stop = threading.Event()
+            self._watchdog = threading.Thread(
+                target=self._watch, args=(self._stop,), name="rm-time-limits", daemon=True
+            )
+            self._watchdog.start()
 
     def stop(self) -> None:
         self._stop.set()
 
-    def _watch(self) -> None:
-        while not self._stop.wait(TICK):
+    def _watch(self, stop: threading.Event) -> None:
+        while not stop.wait(TICK):
             self.check(time.monotonic())
 
     def check(self, now: float, thread: int | None = None) -> None:

@@ -232,3 +232,14 @@ def test_discard_forgets_a_call_whose_block_was_left_without_its_exit() -> None:
     assert tl.overdue()
     tl.discard(threading.get_ident())
     assert tl.overdue() == []
+
+
+def test_a_watchdog_started_again_just_after_a_stop_still_watches(limits: Watched) -> None:
+    """A service stopped and started again in one process (the stopped watchdog has not woken
+    yet when the next start looks at it): the calls of the new run are still interrupted."""
+    limits.stop()
+    limits.start(grace=600.0)
+    started = time.monotonic()
+    with pytest.raises(HandlerTimeout), limits.limit(0.3, "tl.consumer", "restarted-1"):
+        spin()
+    assert time.monotonic() - started < IN_TIME
