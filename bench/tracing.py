@@ -83,7 +83,8 @@ def traceparent() -> str:
 
 class HookTimer:
     """Times every call into ``reliable_messaging.tracing`` (the outermost, per thread) and into
-    ``metrics.delivery_times`` (the histograms that came with tracing), by replacing the
+    ``metrics.delivery_times`` and ``metrics.batch_times`` (the histograms that came with
+    tracing; the second when no tracer provider is set), by replacing the
     module's functions with timed wrappers; callers look them up on the module at each call.
     What the timer itself costs a call is measured too (``floor_us``)."""
 
@@ -129,8 +130,9 @@ class HookTimer:
             if inspect.isfunction(function) and function.__module__ == tracing.__name__:
                 self.originals.append((tracing, name, function))
                 setattr(tracing, name, self._wrap("tracing", function))
-        self.originals.append((metrics, "delivery_times", metrics.delivery_times))
-        metrics.delivery_times = self._wrap("metrics", metrics.delivery_times)
+        for name in ("delivery_times", "batch_times"):
+            self.originals.append((metrics, name, getattr(metrics, name)))
+            setattr(metrics, name, self._wrap("metrics", getattr(metrics, name)))
 
     def uninstall(self) -> None:
         for module, name, function in self.originals:

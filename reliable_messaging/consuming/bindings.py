@@ -7,15 +7,20 @@ from typing import Any
 
 from ..core.envelope import Message
 from ..core.outcomes import FailureReason
+from ..core.registry import ConsumerSpec
 from ..core.routing import topic_matches
 from .stage import DeliveryOutcome, Job, Stage
 
 
 class UnexpectedRoutingKey(Stage):
+    def applies_to(self, spec: ConsumerSpec) -> bool:
+        return bool(spec.bindings)  # bound outside the app: nothing to compare with
+
     def screen(self, job: Job, message: Message, state: Any) -> DeliveryOutcome | None:
         bindings = job.processor.spec.bindings
-        if not bindings or any(topic_matches(b, message.routing_key) for b in bindings):
-            return None  # expected (or bound outside the app: nothing to compare with)
+        for binding in bindings:
+            if topic_matches(binding, message.routing_key):
+                return None
         return job.processor.failures.dead_letter(
             job.delivery,
             message,

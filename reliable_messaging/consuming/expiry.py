@@ -67,7 +67,7 @@ def expiry_of(
         return None  # an operator's replay: handle it now, whatever its age
     raw = delivery.headers.get(EXPIRES_AT_HEADER)
     try:
-        deadline = parse_deadline(raw)
+        deadline = None if raw is None else parse_deadline(raw)
     except MalformedDeadline as exc:
         logger.warning(
             "message_id=%s consumer=%s: ignoring the header %s: %s; handled as if it had no "

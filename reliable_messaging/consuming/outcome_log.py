@@ -15,8 +15,11 @@ logger = logging.getLogger("reliable_messaging.consuming.processing")
 
 class OutcomeLog(Stage):
     def close(self, batch: Batch, state: Any, error: BaseException | None) -> None:
-        if error is None:
-            for job, done in batch.outcomes():
+        if error is not None:
+            return
+        info = logger.isEnabledFor(logging.INFO)  # else no line of _INFO_LABELS is kept
+        for job, done in batch.outcomes():
+            if info or done.label not in _INFO_LABELS:
                 log_outcome(job, done)
 
 

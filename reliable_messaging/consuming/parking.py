@@ -7,12 +7,16 @@ from typing import Any
 
 from ..core.envelope import REPLAY_HEADER, Message
 from ..core.outcomes import FailureReason, OutcomeLabel
+from ..core.registry import ConsumerSpec
 from ..dead_letters import ledger
 from ..models import DeadLetter
 from .stage import DeliveryOutcome, Job, Stage
 
 
 class ParkedKeys(Stage):
+    def applies_to(self, spec: ConsumerSpec) -> bool:
+        return spec.ordered
+
     def screen(self, job: Job, message: Message, state: Any) -> DeliveryOutcome | None:
         blocker = _blocking_dead_letter(job, message)
         if blocker is None:
@@ -30,9 +34,9 @@ class ParkedKeys(Stage):
 
 
 def _blocking_dead_letter(job: Job, message: Message) -> DeadLetter | None:
-    """The earliest unresolved dead letter of the message's key, for an ordered consumer."""
+    """The earliest unresolved dead letter of the message's key (an ordered consumer's)."""
     spec, using = job.processor.spec, job.processor.using
-    if not spec.ordered or message.ordering_key is None:
+    if message.ordering_key is None:
         return None
     letters = DeadLetter.objects.using(using)
     blocking = (

@@ -10,15 +10,18 @@ from typing import Any
 from ..core.contracts import PayloadInvalid
 from ..core.envelope import Message
 from ..core.outcomes import FailureReason
+from ..core.registry import ConsumerSpec
 from ..models import ProcessedMessage
 from .stage import DUPLICATE, DeliveryOutcome, Job, Stage
 
 
 class DeclaredPayload(Stage):
+    def applies_to(self, spec: ConsumerSpec) -> bool:
+        return spec.payload is not None
+
     def screen(self, job: Job, message: Message, state: Any) -> DeliveryOutcome | None:
         spec = job.processor.spec
-        if spec.payload is None:
-            return None
+        assert spec.payload is not None
         try:
             typed = spec.payload.validate(message.payload)
         except PayloadInvalid as exc:

@@ -325,7 +325,8 @@ def _screen_claim_run(
             )
         else:
             done = stages.screen(job, message)
-        decided[index] = _report(job, done, stages)
+        if done is not None:
+            decided[index] = _report(job, done, stages)
     claim = [i for i in indexes if decided[i] is None]
     if not claim:
         return

@@ -9,21 +9,20 @@ from typing import Any
 from .. import tracing
 from ..core.envelope import Message
 from ..core.outcomes import Acknowledge, OutcomeLabel
-from .stage import Batch, DeliveryOutcome, Job, Stage
+from .stage import SITS_OUT, Batch, DeliveryOutcome, Job, Stage
 
 FAILED = frozenset({OutcomeLabel.DEAD_LETTERED, OutcomeLabel.PARKED, OutcomeLabel.RETRIED})
 
 
 class Spans(Stage):
     def open(self, batch: Batch) -> Any:
-        return tracing.start_deliveries((job.delivery, job.name) for job in batch.jobs)
+        started = tracing.start_deliveries((job.delivery, job.name) for job in batch.jobs)
+        return SITS_OUT if started is None else started  # None: tracing is off
 
     def handling(self, job: Job, message: Message, state: Any) -> AbstractContextManager[Any]:
         return tracing.handling(job.delivery)
 
     def close(self, batch: Batch, state: Any, error: BaseException | None) -> None:
-        if state is None:
-            return
         if error is None:
             for job, done in batch.outcomes():
                 if done.label in FAILED:

@@ -66,13 +66,11 @@ class Job:
     # with its payload as the declared type's object; the stage of tasks: the message with its
     # batch's attempts); None: ``message`` as decoded.
     for_handler: Message | None = field(default=None, init=False)
+    name: str = field(init=False)  # the consumer's (its spec's name)
 
     def __post_init__(self) -> None:
         self.message = self.processor.decode(self.delivery)
-
-    @property
-    def name(self) -> str:
-        return self.processor.spec.name
+        self.name = self.processor.spec.name
 
 
 @dataclass(eq=False)
@@ -90,12 +88,24 @@ class Batch:
                 yield job, done
 
 
+# What a stage's ``open`` returns when it has nothing to do for the batch: none of its other
+# hooks runs for it, ``close`` included.
+SITS_OUT: Any = object()
+
+
 class Stage:
     """A feature of the consumer. Every hook is optional (the base does nothing); a stage
     keeps what a batch needs in the state :meth:`open` returns, never in a delivery or a
     thread-local: every later hook is given that state (``state``, None when the stage does not
-    override :meth:`open`). When each hook runs and what it may change:
-    :class:`~.pipeline.Pipeline`."""
+    override :meth:`open`). A stage that cannot apply to a consumer says so in
+    :meth:`applies_to`, and none of its hooks runs for that consumer's deliveries; one with
+    nothing to do for a batch returns :data:`SITS_OUT` from :meth:`open`. When each hook runs
+    and what it may change: :class:`~.pipeline.Pipeline`."""
+
+    def applies_to(self, spec: ConsumerSpec) -> bool:
+        """Whether the stage can do anything for ``spec``'s deliveries (asked once per
+        consumer, so only of what the consumer's declaration fixes)."""
+        return True
 
     def open(self, batch: Batch) -> Any:
         return None

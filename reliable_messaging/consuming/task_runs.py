@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.envelope import Message
 from ..core.outcomes import OutcomeLabel
+from ..core.registry import ConsumerSpec
 from ..task_runs.naming import is_task_consumer, task_id_of
 from .stage import Batch, DeliveryOutcome, Job, Stage
 
@@ -37,6 +38,9 @@ class _Tasks:
 
 
 class TaskRuns(Stage):
+    def applies_to(self, spec: ConsumerSpec) -> bool:
+        return is_task_consumer(spec.name)
+
     def open(self, batch: Batch) -> Any:
         ids = {
             job: task_id

@@ -142,7 +142,7 @@ class WorkerPool:
                     wait = min(wait, max(0.0, min(h.ready_at for h in held.values()) - now))
                 for item in self.board.take(index, limit - len(batch), wait):
                     self._local.in_hand[_key(item)] = item
-                    if not _held_back(held, item):
+                    if not held or not _held_back(held, item):
                         batch.append(item)
                 if batch:
                     self._run_batch(batch, held)
@@ -243,7 +243,7 @@ class WorkerPool:
         while rest:
             batch: list[DeliveryWork] = []
             for item in rest:
-                if not _held_back(held, item):
+                if not held or not _held_back(held, item):
                     batch.append(item)
             rest = []
             admissions: list[Admission | None] = [None] * len(batch)

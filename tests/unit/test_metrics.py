@@ -47,3 +47,31 @@ def test_confirms_counted_at_once_are_the_observations_one_by_one(seconds: float
     assert expected.keys() == after.keys()
     for key, value in expected.items():
         assert after[key] - before[key] == pytest.approx(value), key
+
+
+def _state(histogram: Histogram) -> dict[tuple[str, str | None], float]:
+    return {
+        (sample.name, sample.labels.get("le")): sample.value
+        for metric in histogram.collect()
+        for sample in metric.samples
+        if not sample.name.endswith("_created")
+    }
+
+
+def test_values_observed_in_one_step_are_the_observations_one_by_one() -> None:
+    """What a batch's handler durations or times since publish leave: every bound met exactly,
+    values between bounds, below the first and past the last, each observed three times."""
+    values = [0.0, 0.005, 0.0051, 0.1, 0.1, 2.4, 10.0, 11.0, 400.0, 0.03]
+    batched, one_by_one = (
+        Histogram(f"{name}_seconds", "the default buckets", registry=None)
+        for name in ("batched", "one_by_one")
+    )
+    metrics._observe_all(batched, values, 3)
+    metrics._observe_all(batched, [])
+    for value in values * 3:
+        one_by_one.observe(value)
+    expected = {
+        (name.replace("one_by_one", "batched"), le): value
+        for (name, le), value in _state(one_by_one).items()
+    }
+    assert _state(batched) == pytest.approx(expected)

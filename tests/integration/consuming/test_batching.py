@@ -177,6 +177,9 @@ def test_metrics_after_twenty_messages_and_one_duplicate(
     assert sample(total, consumer=consumer, outcome="duplicate") == 1
     assert sample("reliable_messaging_consumer_received_total", consumer=consumer) == 21
     assert sample("reliable_messaging_handler_duration_seconds_count", consumer=consumer) == 20
+    # Counted per batch: every delivery decided once, every processed one since its publish.
+    assert sample("reliable_messaging_processing_time_seconds_count", consumer=consumer) == 21
+    assert sample("reliable_messaging_critical_time_seconds_count", consumer=consumer) == 20
     assert Effect.objects.filter(consumer="alpha").count() == 20
 
 

@@ -20,9 +20,10 @@ import pytest
 import reliable_messaging.consuming.processing as processing
 from reliable_messaging.consuming.pipeline import Pipeline, default_pipeline
 from reliable_messaging.consuming.processing import DeliveryProcessor, process_batch
-from reliable_messaging.consuming.stage import Batch, DeliveryOutcome, Job, Stage
+from reliable_messaging.consuming.stage import SITS_OUT, Batch, DeliveryOutcome, Job, Stage
 from reliable_messaging.core.envelope import Delivery, Message, encode_payload
 from reliable_messaging.core.outcomes import Acknowledge, OutcomeLabel
+from reliable_messaging.core.registry import ConsumerSpec
 from reliable_messaging.models import DeadLetter, ProcessedMessage
 from reliable_messaging.testing import find_consumer
 from tests.testapp.models import Effect
@@ -175,6 +176,63 @@ def test_each_stage_is_given_the_state_its_open_returned_in_every_hook() -> None
         [("open", "s-2"), ("screen", "s-2"), ("handling", "s-2"), ("decided processed", "s-2")],
     ]
     assert stateless.states == [None] * 8
+
+
+class AlphaOnly(Watcher):
+    """A watcher that applies to tests.alpha's consumer alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[str] = []
+
+    def applies_to(self, spec: ConsumerSpec) -> bool:
+        self.asked.append(spec.name)
+        return spec.name == "tests.alpha"
+
+
+def test_a_stage_that_does_not_apply_to_a_consumer_sees_none_of_its_deliveries() -> None:
+    """Asked once per consumer; not opened for a batch of the other consumer's alone, and in a
+    batch of both given the hooks of its own consumer's deliveries only."""
+    only = AlphaOnly()
+    pipeline = Pipeline([*default_pipeline().stages, only])
+    alpha = DeliveryProcessor(find_consumer("tests.alpha"), pipeline=pipeline)
+    beta = DeliveryProcessor(find_consumer("tests.beta"), pipeline=pipeline)
+    assert process_batch([job(beta, "b-1")]) == [Acknowledge("processed")]
+    assert only.seen == []
+    outcomes = process_batch([job(beta, "b-2"), job(alpha, "a-1"), job(beta, "b-3")])
+    assert outcomes == [Acknowledge("processed")] * 3
+    assert [seen for seen in only.seen if not seen[0].startswith(("open", "close"))] == [
+        ("screen", "a-1"),
+        ("before handler", "a-1"),
+        ("after handler", "a-1"),
+        ("decided processed", "a-1"),
+    ]
+    assert Effect.objects.filter(message_id__in=["b-1", "b-2", "a-1", "b-3"]).count() == 4
+    assert process_batch([job(alpha, "a-2")]) == [Acknowledge("processed")]
+    assert sorted(only.asked) == ["tests.alpha", "tests.beta"]
+
+
+class SitsOutOfRefusals(Watcher):
+    """Has nothing to do for a batch holding a message id starting ``quiet-``."""
+
+    def open(self, batch: Batch) -> Any:
+        if any((job.delivery.message_id or "").startswith("quiet-") for job in batch.jobs):
+            self.seen.append(("sits out", ""))
+            return SITS_OUT
+        return super().open(batch)
+
+
+def test_a_stage_sitting_out_a_batch_has_none_of_its_hooks_run_for_it() -> None:
+    stage = SitsOutOfRefusals()
+    processor = processor_with(stage)
+    assert process_batch([job(processor, "quiet-1"), job(processor, "refuse-2")]) == [
+        Acknowledge("processed"),
+        Acknowledge("processed"),  # its screen would have refused it
+    ]
+    assert stage.seen == [("sits out", "")]
+    assert process_batch([job(processor, "refuse-3")]) == [
+        Acknowledge(OutcomeLabel.DEAD_LETTERED, "unexpected_routing_key")
+    ]
 
 
 def test_a_screen_decides_before_the_claim_and_the_handler() -> None:
