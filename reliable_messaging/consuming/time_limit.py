@@ -62,11 +62,32 @@ class _Call:
         return self.started + self.seconds
 
 
-def _raise_in(thread: int, exc_type: type[BaseException] | None) -> None:
-    """Set (or, with None, clear) the pending asynchronous exception of ``thread``."""
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(
-        ctypes.c_ulong(thread), ctypes.py_object(exc_type) if exc_type else ctypes.c_void_p(0)
-    )
+def _raise_in(thread: int, exc_type: type[BaseException]) -> None:
+    """Set the pending asynchronous exception of ``thread``."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(exc_type))
+
+
+class _Withdrawn(BaseException):
+    """Put in the place of a pending interrupt, and taken at once, to withdraw it."""
+
+
+def _take_pending() -> None:
+    """Does nothing: entering it is where this thread takes a pending asynchronous exception."""
+
+
+def _withdraw_own() -> None:
+    """Withdraw the interrupt the watchdog may have left pending for this thread.
+
+    Not by clearing it (``PyThreadState_SetAsyncExc`` with NULL): on CPython 3.11 that leaves
+    the interpreter's signal of a pending asynchronous exception set for good (only a thread
+    taking its exception clears it), and any thread under a profiler or a tracer then loops in
+    the interpreter forever at its next call. A harmless exception takes the pending one's
+    place, and this thread takes it here."""
+    try:
+        _raise_in(threading.get_ident(), _Withdrawn)
+        _take_pending()
+    except _Withdrawn:
+        pass
 
 
 class _Limited:
@@ -125,7 +146,7 @@ class _Limited:
             if self._limits._calls.get(call.thread) is call:
                 del self._limits._calls[call.thread]
         if call.fired:
-            _raise_in(call.thread, None)
+            _withdraw_own()  # the call is this thread's
         _running.call = None
 
     def _timeout(self, cause: BaseException | None) -> HandlerTimeout:
@@ -162,12 +183,12 @@ class TimeLimits:
         call = _Call(threading.get_ident(), consumer, message_id, seconds, time.monotonic())
         return _Limited(self, call)
 
-    def discard(self, thread: int) -> None:
-        """Forget the call of ``thread`` (left without ``__exit__``); withdraw its interrupt."""
+    def discard(self) -> None:
+        """Forget this thread's call (left without ``__exit__``); withdraw its interrupt."""
         with self._lock:
-            call = self._calls.pop(thread, None)
+            call = self._calls.pop(threading.get_ident(), None)
         if call is not None and call.fired:
-            _raise_in(thread, None)
+            _withdraw_own()
 
     def overdue(self) -> list[str]:
         """The calls past their deadline now, in words (for ``/healthz``)."""

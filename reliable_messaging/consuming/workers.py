@@ -171,7 +171,7 @@ class WorkerPool:
     def _worker_died(self, index: int, exc: BaseException) -> None:
         """Give back what the dying worker held, then replace it or, past the limit, stop."""
         # Its handler's time limit, if the exception left the call registered.
-        time_limits.discard(threading.get_ident())
+        time_limits.discard()
         items = list(self._local.in_hand.values())
         self._local.in_hand.clear()
         with self._deaths_lock:

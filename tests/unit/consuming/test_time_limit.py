@@ -11,6 +11,8 @@ otherwise run for 10s well before those 10s.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +22,7 @@ import pytest
 
 from reliable_messaging.consuming.time_limit import TimeLimits
 from reliable_messaging.exceptions import HandlerTimeout
-from tests.support import wait_until
+from tests.support import ROOT, wait_until
 
 # The longest a test handler runs on its own when nothing interrupts it.
 SPIN = 10.0
@@ -230,7 +232,7 @@ def test_discard_forgets_a_call_whose_block_was_left_without_its_exit() -> None:
     tl.limit(0.01, "tl.consumer", "left-1").__enter__()
     time.sleep(0.05)
     assert tl.overdue()
-    tl.discard(threading.get_ident())
+    tl.discard()
     assert tl.overdue() == []
 
 
@@ -243,3 +245,46 @@ def test_a_watchdog_started_again_just_after_a_stop_still_watches(limits: Watche
     with pytest.raises(HandlerTimeout), limits.limit(0.3, "tl.consumer", "restarted-1"):
         spin()
     assert time.monotonic() - started < IN_TIME
+
+
+# Fires this thread's call from the watchdog's side while the thread waits outside Python, takes
+# the interrupt, then discards the call (as a dying worker does) and calls a function under a
+# profiler, as coverage or a debugger would run the process.
+_AFTER_A_WITHDRAWN_INTERRUPT = """
+import sys, threading, time
+from reliable_messaging.consuming.time_limit import TimeLimits
+
+limits = TimeLimits()
+limits.limit(3600, "tl.consumer", "withdrawn-1").__enter__()
+me = threading.get_ident()
+watchdog = threading.Thread(target=lambda: limits.check(time.monotonic() + 7200, thread=me))
+try:
+    watchdog.start()
+    watchdog.join()
+    time.sleep(0.01)
+except BaseException as landed:
+    print("landed", type(landed).__name__, flush=True)
+limits.discard()
+sys.setprofile(lambda *args: None)
+(lambda: None)()
+sys.setprofile(None)
+print("called", flush=True)
+"""
+
+
+def test_a_withdrawn_interrupt_leaves_a_profiled_process_running() -> None:
+    """Withdrawing an interrupt by clearing it left CPython 3.11's signal of a pending
+    asynchronous exception set for good: under a profiler, the next call of any thread looped
+    in the interpreter forever (the forced-interrupt test of the consumer service hung so)."""
+    try:
+        ran = subprocess.run(
+            [sys.executable, "-c", _AFTER_A_WITHDRAWN_INTERRUPT],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the profiled call never returned: {exc.stdout!r}")
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split("\n")[:2] == ["landed _Interrupt", "called"], ran.stdout
