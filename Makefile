@@ -14,7 +14,9 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 MATRIX ?= 1
 TEST_WORKERS ?= 3
-WORKERS = -n $(TEST_WORKERS)
+# worksteal: a worker that runs out takes tests from the others, so the part does not end on one
+# worker running alone (xdist's default schedule left one alone for its last 100 to 150 s).
+WORKERS = -n $(TEST_WORKERS) --dist worksteal
 # Run once more through a transaction-pooling PgBouncer (tests/conftest.py, RM_TEST_PGBOUNCER):
 # a representative part of the e2e and publishing slices: consume's life and faults, a replay,
 # publish -> relay -> consume -> publish, the relay, the wake-ups, scheduled rows and their

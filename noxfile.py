@@ -132,10 +132,12 @@ def _run_slice(session: nox.Session, leave_out: tuple[str, ...] = ()) -> None:
         "pytest",
         "-p",
         "no:cacheprovider",
-        # Three workers on two cores, as make test's parallel part: much of the slice waits on
-        # real processes and the broker.
+        # Three workers on two cores, scheduled as make test's parallel part: much of the slice
+        # waits on real processes and the broker.
         "-n",
         "3",
+        "--dist",
+        "worksteal",
         "-m",
         "not serial",
         *(path for path in SLICE if path not in leave_out),
