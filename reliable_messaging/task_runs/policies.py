@@ -30,6 +30,18 @@ class ReliableTask(Task):  # type: ignore[type-arg]  # generic in the backport o
         # The framework's check, through the backend (slots: no zero-argument super()).
         Task.__post_init__(self)
 
+    @property
+    def module_path(self) -> str:
+        """The framework's, worked out once per function (the log receivers of a task's two
+        signals ask for it at each run)."""
+        path = _MODULE_PATHS.get(self.func)
+        if path is None:
+            path = _MODULE_PATHS[self.func] = Task.module_path.__get__(self)
+        return path
+
+
+_MODULE_PATHS: dict[Any, str] = {}
+
 
 def task_policy_problems(task: Task[Any, Any]) -> list[str]:
     """What is wrong with the retry policy ``task`` was decorated with."""

@@ -93,7 +93,7 @@ def result_of(
     result: TaskResult = TaskResult(
         task=task if task is not None else task_of(run),
         id=run.id,
-        status=TaskResultStatus(status),
+        status=_STATUSES[status],
         enqueued_at=run.enqueued_at,
         started_at=run.started_at,
         finished_at=finished_at,
@@ -111,6 +111,7 @@ def result_of(
     return result
 
 
+_STATUSES = {status.value: status for status in TaskResultStatus}
 _RESULT_FIELDS = tuple(f.name for f in dataclasses.fields(TaskResult))
 
 

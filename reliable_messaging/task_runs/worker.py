@@ -10,7 +10,7 @@ import inspect
 import logging
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -81,6 +81,7 @@ class Attempts:
     # The results ``task_started`` was sent, from which ``task_finished``'s are copied.
     started: dict[str, TaskResult] = field(default_factory=dict)
     _tasks: dict[tuple[Any, ...], Task] = field(default_factory=dict)
+    _calls: dict[Callable[..., Any], Callable[..., Any]] = field(default_factory=dict)
 
     def task_of(self, run: TaskRun) -> Task:
         """The task ``run`` runs (found once per batch for each task and queue)."""
@@ -88,6 +89,12 @@ class Attempts:
         if key not in self._tasks:
             self._tasks[key] = task_of(run)
         return self._tasks[key]
+
+    def call_of(self, task: Task) -> Callable[..., Any]:
+        """What runs ``task`` (:func:`call_of`, once per batch for each task)."""
+        if task.func not in self._calls:
+            self._calls[task.func] = call_of(task)
+        return self._calls[task.func]
 
     def processed(self, task_id: str) -> None:
         """The delivery of ``task_id`` was decided processed: its return value is to be written."""
@@ -149,10 +156,12 @@ def run_task(message: Message) -> None:
         run = TaskRun.objects.using(using).filter(pk=task_id).first()
         if run is None:
             raise TaskRunMissing(task_id)
-    task = task_of(run) if attempts is None else attempts.task_of(run)
-    # An async def task through CoroutineHandler, not the framework's Task.call: that one's wait
-    # blocks the thread where the time limit's interrupt cannot land.
-    call = CoroutineHandler(task.func) if inspect.iscoroutinefunction(task.func) else task.func
+    if attempts is None:
+        task = task_of(run)
+        call = call_of(task)
+    else:
+        task = attempts.task_of(run)
+        call = attempts.call_of(task)
     if task.takes_context:
         value = call(TaskContext(task_result=result_of(run, task)), *run.args, **run.kwargs)
     else:
@@ -165,6 +174,13 @@ def run_task(message: Message) -> None:
         attempts.returned[task_id] = stored  # written once its delivery is decided processed
     else:
         TaskRun.objects.using(using).succeed_all({task_id: stored}, timezone.now())
+
+
+def call_of(task: Task) -> Callable[..., Any]:
+    """What runs ``task``: its function, or an async def one's through CoroutineHandler, not the
+    framework's ``Task.call``, whose wait blocks the thread where the time limit's interrupt
+    cannot land."""
+    return CoroutineHandler(task.func) if inspect.iscoroutinefunction(task.func) else task.func
 
 
 def consumer_specs(queues: TaskQueues) -> list[ConsumerSpec]:

@@ -4,8 +4,10 @@ consumer, retried, failed into a dead letter, replayed; results read through the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import decimal
+import json
 from typing import Any
 
 import pytest
@@ -18,12 +20,14 @@ from reliable_messaging.dead_letters.replay import replay
 from reliable_messaging.models import DeadLetter, OutboxMessage, TaskRun
 from reliable_messaging.task_runs.framework import (
     InvalidTask,
+    TaskResult,
     TaskResultDoesNotExist,
     TaskResultStatus,
     task,
     task_backends,
 )
 from reliable_messaging.task_runs.naming import TaskQueues
+from reliable_messaging.task_runs.results import result_of
 from tests.support import Publisher, wait_until
 from tests.testapp.models import Effect
 
@@ -241,6 +245,49 @@ def test_aenqueue_outside_a_transaction_commits_at_once(worker: Any) -> None:
 def test_an_unknown_result_does_not_exist(tasks_settings: TaskQueues) -> None:
     with pytest.raises(TaskResultDoesNotExist):
         task_backends["default"].get_result("no-such-task")
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [((1, 2.5, "x", None, True), {"k": "v"}), (([1, [2]], {"a": {"b": 1}}), {"k": [1]})],
+    ids=["flat", "nested"],
+)
+def test_a_result_read_back_is_what_the_frameworks_constructor_builds(
+    tasks_settings: TaskQueues, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    enqueued = tasks.always_fails.enqueue(*args, **kwargs)
+    run = TaskRun.objects.get(pk=enqueued.id)
+    at = timezone.now()
+    for succeeded in (None, ({"returned": [1]}, at)):
+        read = result_of(run, succeeded=succeeded)
+        built: TaskResult[Any] = TaskResult(
+            task=read.task,
+            id=run.id,
+            status=TaskResultStatus.SUCCESSFUL if succeeded else TaskResultStatus.READY,
+            enqueued_at=run.enqueued_at,
+            started_at=None,
+            finished_at=at if succeeded else None,
+            last_attempted_at=None,
+            args=json.loads(json.dumps(args)),
+            kwargs=kwargs,
+            backend="default",
+            errors=[],
+            worker_ids=[],
+        )
+        if succeeded:
+            object.__setattr__(built, "_return_value", {"returned": [1]})
+        assert type(read) is TaskResult
+        assert type(read.status) is TaskResultStatus
+        for name in (field.name for field in dataclasses.fields(TaskResult)):
+            assert getattr(read, name) == getattr(built, name), name
+        # The result shares nothing with the row it was read from.
+        run.args.append("more")
+        run.kwargs["k2"] = 2
+        if isinstance(run.args[0], list):
+            run.args[0].append(3)
+        assert read.args == built.args
+        assert read.kwargs == built.kwargs
+        run = TaskRun.objects.get(pk=enqueued.id)
 
 
 @pytest.mark.parametrize(
