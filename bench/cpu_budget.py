@@ -82,9 +82,9 @@ PARTS: dict[str, dict[str, tuple[str, ...]]] = {
         ),
         "commit": ("django.db.backends.base.base:BaseDatabaseWrapper.commit",),
         "stages (screens, handling, decided, open/close)": (
-            "reliable_messaging.consuming.pipeline:Pipeline.screen",
-            "reliable_messaging.consuming.pipeline:Pipeline.handling",
-            "reliable_messaging.consuming.pipeline:Pipeline.decided",
+            "reliable_messaging.consuming.pipeline:BatchStages.screen",
+            "reliable_messaging.consuming.pipeline:BatchStages.handling",
+            "reliable_messaging.consuming.pipeline:BatchStages.decided",
             "reliable_messaging.consuming.pipeline:Pipeline.around@cm",
         ),
         "metrics and outcome log": (
