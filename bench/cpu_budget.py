@@ -167,11 +167,11 @@ class Charges:
             manager = function(*args, **kwargs)
             charges.enter(part)
             try:
-                manager.__enter__()
+                entered = manager.__enter__()
             finally:
                 charges.exit()
             try:
-                yield
+                yield entered
             except BaseException as exc:  # noqa: BLE001 - the exit decides, as with-blocks do
                 charges.enter(part)
                 try:

@@ -156,13 +156,21 @@ def time_process(
     application_name = f"rmwp{uuid.uuid4().hex[:8]}"
     monitor = psycopg.connect(DATABASE_URL, autocommit=True)
     cursor = monitor.cursor()
+    # A file, not a pipe: a process logging an error per message would fill a pipe nobody
+    # reads until it ends, and stall there.
+    errors = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed with the process below
     proc = subprocess.Popen(
         command,
         env={**env, "PGAPPNAME": application_name},
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stderr=errors,
         text=True,
     )
+
+    def logged() -> str:
+        errors.seek(0)
+        return errors.read()[-4000:]
+
     try:
         deadline = time.monotonic() + timeout
         first = start = None
@@ -184,9 +192,9 @@ def time_process(
                     time.sleep(0.5)  # its snapshot is taken before SIGTERM
                 break
             if proc.poll() is not None:
-                raise RuntimeError(f"{label}: exited {proc.returncode}: {proc.stderr.read()}")
+                raise RuntimeError(f"{label}: exited {proc.returncode}: {logged()}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{label}: only {done}/{total} after {timeout:.0f}s")
+                raise RuntimeError(f"{label}: only {done}/{total} after {timeout:.0f}s: {logged()}")
             time.sleep(poll)
     finally:
         proc.terminate()
@@ -196,6 +204,7 @@ def time_process(
             proc.kill()
             proc.wait()
         monitor.close()
+        errors.close()
     assert first is not None and start is not None
     process_cpu, database_cpu = last.since(first[1])
     return Run(label, total - first[0], end - start, process_cpu, database_cpu)
