@@ -10,7 +10,9 @@ every one is settled, under ``valgrind --tool=callgrind --instr-atstart=no`` wit
 only while the consumer runs. The difference between the two sizes over the extra messages is
 the instructions per message: the consumer's start and its last idle turns cancel out. The
 consumer's threads keep polling while they wait, so runs of the same code differ by a percent
-or two.
+or two. A third kind, tasks with no receiver connected to the framework's ``task_started`` and
+``task_finished`` (so no result built or sent for them), prints what those two signals cost a
+task (``docs/tasks.md#where-a-tasks-extra-cost-goes``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import weakref
 from pathlib import Path
 
 os.environ.setdefault("RM_BENCH_DB", "rm_bench_tasks")
@@ -52,9 +55,17 @@ def child(kind: str, count: int, concurrency: int) -> None:
     from tests.testapp.models import Effect
 
     logging.getLogger("reliable_messaging").setLevel(logging.WARNING)
+    if kind == "unsignalled":
+        from reliable_messaging.task_runs.framework import task_finished, task_started
+
+        for signal in (task_started, task_finished):
+            for entry in list(signal.receivers):
+                held = entry[1]  # the receiver, or a weak reference to it
+                signal.disconnect(held() if isinstance(held, weakref.ReferenceType) else held)
+            assert not signal.receivers, signal.receivers
     for model in (OutboxMessage, ProcessedMessage, TaskRun, Effect):
         model.objects.all().delete()
-    if kind == "tasks":
+    if kind != "handler":
         specs = consumer_specs(TaskQueues.of("default", settings.TASKS["default"]))[:1]
     else:
         specs = [
@@ -69,7 +80,7 @@ def child(kind: str, count: int, concurrency: int) -> None:
     declare_topology(connection.channel(), specs, messaging_settings)
     connection.close()
     for n in range(count):
-        if kind == "tasks":
+        if kind != "handler":
             one_row.enqueue(10_000_000 + n)
         else:
             publish("bench.one-row", {"n": 10_000_000 + n})
@@ -114,13 +125,19 @@ def main() -> None:
         return
     few, many = (int(size) for size in args.sizes.split(","))
     per_message = {}
-    for kind in ("tasks", "handler"):
+    for kind in ("tasks", "handler", "unsignalled"):
         counts = {size: counted(kind, size, args.concurrency) for size in (few, many)}
         per_message[kind] = (counts[many] - counts[few]) / (many - few)
         print(f"{kind}: {per_message[kind] / 1e6:.3f} M instructions per message", flush=True)
     ratio = per_message["handler"] / per_message["tasks"]
     print(f"a task costs {per_message['tasks'] / per_message['handler']:.3f}x a handler's message")
     print(f"tasks / handler by instructions: {ratio:.3f} (issue 47's goal: >= 0.9 by rate)")
+    signals = per_message["tasks"] - per_message["unsignalled"]
+    extra = per_message["tasks"] - per_message["handler"]
+    print(
+        f"the framework's task_started and task_finished: {signals / 1e6:.3f} M per task, "
+        f"of the {extra / 1e6:.3f} M a task costs beyond a handler's message"
+    )
 
 
 if __name__ == "__main__":
