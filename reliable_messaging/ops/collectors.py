@@ -133,7 +133,7 @@ def partition_upkeep(using: str) -> tuple[tuple[tuple[str, float], ...], tuple[s
         days = partitions.days_ahead(using, now, spec)
         if days is None:
             continue
-        ahead.append((spec.label, round(days, 2)))
+        ahead.append((spec.label, days))  # judged as it is, rounded only when shown
         overdue += partitions.expired(using, now - retention - OVERDUE_AFTER, spec)
     return tuple(ahead), tuple(overdue)
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -152,7 +153,9 @@ class MessagingStatus:
                 },
                 "inbox": {"rows": db.inbox_rows},
                 "partitions": {
-                    "days_ahead": dict(db.partition_days_ahead),
+                    "days_ahead": {
+                        table: days_shown(days, 2) for table, days in db.partition_days_ahead
+                    },
                     "overdue": list(db.overdue_partitions),
                 },
             },
@@ -181,6 +184,11 @@ def outbox_lag_problem(lag: float | None, limit: float | None) -> Problem | None
     )
 
 
+def days_shown(days: float, places: int) -> float:
+    """Days made ahead as shown, rounded down: 5.9999 days is not the 6 a threshold asks for."""
+    return math.floor(days * 10**places) / 10**places
+
+
 def find_problems(
     broker: BrokerStatus, database: DatabaseStatus, thresholds: Thresholds
 ) -> list[Problem]:
@@ -205,7 +213,7 @@ def find_problems(
             if limit is not None and days < limit:
                 problem(
                     "min_partition_days_ahead",
-                    f"only {days:.1f} day(s) of {table} partitions are made ahead (at "
+                    f"only {days_shown(days, 1)} day(s) of {table} partitions are made ahead (at "
                     f"least {limit:g} expected): the partition upkeep of the "
                     f"{'consume' if table == 'inbox' else 'relay'} processes is failing; "
                     "their log says why (docs/operations.md#partition-upkeep)",

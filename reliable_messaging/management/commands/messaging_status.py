@@ -16,7 +16,7 @@ from reliable_messaging.broker.inspection import BrokerCheck
 from reliable_messaging.broker.queues import DEFAULT_TIMEOUT, QueueStatus
 from reliable_messaging.conf import messaging_settings
 from reliable_messaging.models import OutboxMessage
-from reliable_messaging.ops.status import MessagingStatus, Thresholds, collect_status
+from reliable_messaging.ops.status import MessagingStatus, Thresholds, collect_status, days_shown
 from reliable_messaging.publishing.listener import listen_hears_notify
 
 PROBE, STRICT = Thresholds(), Thresholds.strict()
@@ -249,7 +249,9 @@ class Command(BaseCommand):
             + (" (estimated)" if db.inbox_estimated else "")
         )
         if db.partition_days_ahead:
-            made = ", ".join(f"{table} {days:.1f}" for table, days in db.partition_days_ahead)
+            made = ", ".join(
+                f"{table} {days_shown(days, 1)}" for table, days in db.partition_days_ahead
+            )
             overdue = len(db.overdue_partitions)
             lines.append(f"Day partitions made ahead (days): {made}; {overdue} expired not dropped")
         return lines

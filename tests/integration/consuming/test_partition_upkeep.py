@@ -140,3 +140,23 @@ def test_an_upkeep_that_keeps_failing_is_seen_days_before_the_partitions_run_out
         server.close()
         # Its clock two days ahead dropped today's partition: back for the tests after this.
         partitions.ensure_partitions("default")
+
+
+def test_strict_status_judges_the_days_made_ahead_as_they_are_not_as_shown() -> None:
+    # Seconds past midnight, the partitions made ahead are seconds short of a whole number of
+    # days: shown rounded, 5.99997 days would pass a minimum of 6.
+    partitions.ensure_partitions("default")
+    today = partitions.day_start(timezone.now().date())
+    beyond = today + (partitions.AHEAD_DAYS + 1) * DAY
+    with connection.cursor() as cursor:
+        for ahead in partitions.partitions("default"):
+            if ahead.start >= beyond:
+                cursor.execute(f'DROP TABLE "{ahead.name}"')
+    partitions.forget_coverage()
+    at = today + 2 * DAY + dt.timedelta(seconds=3)
+    assert partitions.days_ahead("default", at) == pytest.approx(
+        partitions.UPKEEP_WARN_DAYS - 3 / 86400
+    )
+    code, output = strict_status(at)
+    assert code == 1 and "--min-partition-days-ahead" in output, output
+    assert "only 5.9 day(s) of inbox partitions are made ahead" in output, output
