@@ -343,6 +343,9 @@ def test_consumer_cut_off_by_a_partition_the_other_keeps_going(cluster_rig: Clus
         traffic.finish()
         verdict = rig.check_exactly_once(timeout=90)
         idle = longest_idle(start, end)
+        # Handled in 5 s of the partition before the broker gives the cut-off consumer's
+        # deliveries back (missed heartbeats), and in its last 5 s, after it has.
+        early = handled_between(start + 1, start + 6)
         late = handled_between(end - 5, end)
         report(
             "partition of one consumer",
@@ -350,18 +353,20 @@ def test_consumer_cut_off_by_a_partition_the_other_keeps_going(cluster_rig: Clus
             rig,
             idle,
             f"partition {end - start:.1f}s; before: {before}",
-            f"handled in the partition's last 5 s: {late}",
+            f"handled in 5 s of the partition: {early} early, {late} last",
             f"verdict: {verdict.summary()}",
         )
         rig.assert_still_running(relay, healthy, cut)
         assert idle.seconds < STALL
         # Still handling at the end of the partition, when the cut-off consumer's deliveries
-        # have come back to it while the cut-off transaction still locks their inbox rows: at
-        # least a second's worth of the traffic in those 5 s (a consumer that waits out a lock
-        # timeout per locked row handles a message every few seconds instead).
-        assert late >= RATE, (
-            f"the healthy consumer handled {late} messages in the partition's last 5 s, while "
-            f"{RATE * 5} were published"
+        # have come back to it while the cut-off transaction still locks their inbox rows. A
+        # consumer that waits out a lock timeout per locked row handles a message every few
+        # seconds instead. Judged against what this consumer handled earlier in the same run,
+        # as this machine's load lets it, and never under a message a second.
+        assert late >= max(5, early // 4), (
+            f"the healthy consumer handled {late} messages in the partition's last 5 s, against "
+            f"{early} in 5 s before the cut-off consumer's deliveries came back ({RATE * 5} "
+            "published in each)"
         )
         wait_until(
             lambda: cut.log().count("consuming ") >= 2,
