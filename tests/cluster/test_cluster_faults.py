@@ -359,10 +359,11 @@ def test_consumer_cut_off_by_a_partition_the_other_keeps_going(cluster_rig: Clus
         rig.assert_still_running(relay, healthy, cut)
         assert idle.seconds < STALL
         # Still handling at the end of the partition, when the cut-off consumer's deliveries
-        # have come back to it while the cut-off transaction still locks their inbox rows. A
-        # consumer that waits out a lock timeout per locked row handles a message every few
-        # seconds instead. Judged against what this consumer handled earlier in the same run,
-        # as this machine's load lets it, and never under a message a second.
+        # have come back to it while the cut-off transaction still locks their inbox rows:
+        # judged against what it handled earlier in the same run, as this machine's load lets
+        # it, and never under a message a second. (Waiting out the whole lock timeout on every
+        # held row, not a short probe, still handles 73 to 96 here: deferring a busy row keeps
+        # the rest flowing either way.)
         assert late >= max(5, early // 4), (
             f"the healthy consumer handled {late} messages in the partition's last 5 s, against "
             f"{early} in 5 s before the cut-off consumer's deliveries came back ({RATE * 5} "
