@@ -36,16 +36,16 @@ PGBOUNCER_TESTS ?= tests/e2e/test_consume_command.py tests/e2e/test_replay_end_t
 # consumers' topology it declares, replay, foreign producers, the management API's figures, delay
 # queues that hand a retry on at least once, the breaker where it meets ordered partitions, quorum
 # delivery limits and the crash guard, features meeting in one process, a row the broker
-# closes the connection on, and the order of tasks by priority. Before it, RABBITMQ4_SERIAL_TESTS,
-# the serial tests that stop, alarm or act inside that node, beside the serial tests of the 3.10
-# node and of the cluster: none of them uses the 4.x nodes, and none of these stops PostgreSQL or
-# touches the 3.10 node. After it, RABBITMQ40_TESTS against RabbitMQ 4.0.5 (scripts/rabbitmq4.sh,
-# RM_TEST_BROKER=rabbitmq4), the 4.x line's oldest end: the files whose behaviour differs between
-# 4.0 and 4.3 (what counts toward a quorum queue's delivery limit, the count a dead-lettered
-# message keeps, poison messages and the crash guard, the frame a row closes the connection on,
-# the order a quorum queue hands out tasks of different priorities). The tests that name the
-# brokers themselves (test_broker_versions.py, test_inspection.py, test_relay_broker_limits.py)
-# run in the first stage, on all three.
+# closes the connection on, and the order of tasks by priority. Earlier, RABBITMQ4_SERIAL_TESTS,
+# the serial tests that stop, alarm or act inside that node, run beside the serial tests of the
+# 3.10 node and PgBouncer's: none of those uses the 4.x nodes, and none of these stops PostgreSQL
+# or touches the 3.10 node. After them, in the same lane, RABBITMQ40_TESTS against RabbitMQ 4.0.5
+# (scripts/rabbitmq4.sh, RM_TEST_BROKER=rabbitmq4), the 4.x line's oldest end: the files whose
+# behaviour differs between 4.0 and 4.3 (what counts toward a quorum queue's delivery limit, the
+# count a dead-lettered message keeps, poison messages and the crash guard, the frame a row
+# closes the connection on, the order a quorum queue hands out tasks of different priorities).
+# The tests that name the brokers themselves (test_broker_versions.py, test_inspection.py,
+# test_relay_broker_limits.py) run in the first stage, on all three.
 RABBITMQ4_TESTS ?= tests/e2e/test_consume_command.py tests/e2e/test_ordering.py \
 	tests/e2e/test_replay_end_to_end.py tests/faults/test_poison_pills.py \
 	tests/faults/test_broker_closes.py tests/faults/test_foreign_producers.py \
@@ -140,15 +140,15 @@ test: venv services
 	@# 3. The serial tests that stop or alarm the node on 5672 (serial and stops_broker); then
 	@#    PGBOUNCER_TESTS, every connection through a PgBouncer in transaction mode. Beside them,
 	@#    RABBITMQ4_SERIAL_TESTS acting on the RabbitMQ 4.3 node (built the first time, about 3
-	@#    minutes; started if it is down), on their own database: neither side touches the
-	@#    other's node, and both mostly wait on a broker's own timeouts.
+	@#    minutes; started if it is down), on their own database, then RABBITMQ40_TESTS against
+	@#    the 4.0 node (built the first time, about 3 minutes), on another: neither side touches
+	@#    the other's node, and both mostly wait on a broker's own timeouts.
 	@# 4. The cluster tests on their own cluster (serial and cluster). These mostly wait too, with
 	@#    a core idle on average, so the matrix's two ends on the version-sensitive slice run
 	@#    beside them at the lowest CPU priority (nice 19), printing their output when done: they
 	@#    use only the node on 5672 and their own databases (MATRIX=0 skips them; `make matrix`
 	@#    runs every pair).
-	@# 5. RABBITMQ4_TESTS against the 4.3 node, then RABBITMQ40_TESTS against the 4.0 node (built
-	@#    the first time, about 3 minutes).
+	@# 5. RABBITMQ4_TESTS against the 4.3 node.
 	@# Every part always runs; exit code 5 ("no tests selected", e.g. with -k) is not a failure.
 	@run() { local s=0; "$$@" || s=$$?; (( s == 5 )) && s=0; return $$s; }; \
 	db=$${RM_TEST_DB_NAME:-test_reliable_messaging}; \
@@ -164,15 +164,10 @@ test: venv services
 			$(PYTEST_ARGS) $(PGBOUNCER_TESTS) || s=$$?; \
 		return $$s; \
 	}; \
-	rabbitmq4_slices() { \
-		local s=0; \
+	rabbitmq43_slice() { \
 		scripts/rabbitmq4.sh --release 4.3 start || return 99; \
 		timed "RABBITMQ4_TESTS on 4.3" on_broker rabbitmq43 $(BIN)/pytest $(WORKERS) \
-			-m "not serial" $(PYTEST_ARGS) $(RABBITMQ4_TESTS) || s=$$?; \
-		scripts/rabbitmq4.sh start || return 99; \
-		timed "RABBITMQ40_TESTS on 4.0" on_broker rabbitmq4 $(BIN)/pytest $(WORKERS) \
-			-m "not serial" $(PYTEST_ARGS) $(RABBITMQ40_TESTS) || s=$$?; \
-		return $$s; \
+			-m "not serial" $(PYTEST_ARGS) $(RABBITMQ4_TESTS); \
 	}; \
 	show() { echo "==================== $$1 (exit $$2) ===================="; cat "$$logs/$$1.log"; }; \
 	rc=0; timed "parallel" run $(BIN)/pytest $(WORKERS) -m "not serial" --durations=25 \
@@ -182,16 +177,21 @@ test: venv services
 	rc2=0; timed "serial, PostgreSQL and Redis" run $(BIN)/pytest -m "serial and stops_storage" \
 		$(PYTEST_ARGS) || rc2=$$?; \
 	rc3=0; rc4=0; rc5=0; rc6=0; rc7=0; \
-	serial43() { \
+	rabbitmq4_lane() { \
+		local s=0; \
 		scripts/rabbitmq4.sh --release 4.3 start || return 99; \
 		timed "RABBITMQ4_SERIAL_TESTS on 4.3, beside" on_broker rabbitmq43 $(BIN)/pytest -m serial \
-			$(PYTEST_ARGS) $(RABBITMQ4_SERIAL_TESTS); \
+			$(PYTEST_ARGS) $(RABBITMQ4_SERIAL_TESTS) || s=$$?; \
+		scripts/rabbitmq4.sh start || return 99; \
+		timed "RABBITMQ40_TESTS on 4.0, beside" on_broker rabbitmq4 $(BIN)/pytest $(WORKERS) \
+			-m "not serial" $(PYTEST_ARGS) $(RABBITMQ40_TESTS) || s=$$?; \
+		return $$s; \
 	}; \
-	serial43 >"$$logs/serial43.log" 2>&1 & serial43_pid=$$!; \
-	echo "make test: the 4.3 node's serial tests run beside the 5672 node's and PgBouncer's;" \
-		"their output follows them"; \
+	rabbitmq4_lane >"$$logs/rabbitmq4.log" 2>&1 & rabbitmq4_pid=$$!; \
+	echo "make test: the 4.3 node's serial tests, then the 4.0 node's slice, run beside the" \
+		"5672 node's serial tests and PgBouncer's; their output follows them"; \
 	broker_lane || rc3=$$?; \
-	wait $$serial43_pid || rc7=$$?; show serial43 $$rc7; \
+	wait $$rabbitmq4_pid || rc7=$$?; show rabbitmq4 $$rc7; \
 	matrix_pid=; if [[ "$(MATRIX)" != 0 ]]; then \
 		if wait $$nox_install_pid; then \
 			timed "the matrix's two ends (nox -s ci), beside" nice -n 19 $(BIN)/nox -R -s ci \
@@ -203,7 +203,7 @@ test: venv services
 	RM_TEST_DB_NAME=$${db}_cluster timed "serial, the cluster" run $(BIN)/pytest \
 		-m "serial and cluster" $(PYTEST_ARGS) || rc4=$$?; \
 	[[ -z "$$matrix_pid" ]] || { wait $$matrix_pid || rc6=$$?; show matrix $$rc6; }; \
-	rabbitmq4_slices || rc5=$$?; \
+	rabbitmq43_slice || rc5=$$?; \
 	echo "make test: the time of each part"; cat "$$logs/times"; rm -rf "$$logs"; \
 	for code in $$rc $$rc2 $$rc3 $$rc4 $$rc5 $$rc6 $$rc7; do \
 		(( code == 0 )) || exit $$code; \

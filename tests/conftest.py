@@ -47,8 +47,8 @@ def pytest_configure(config: pytest.Config) -> None:
 # - ``stops_storage``: PostgreSQL or Redis stopped. Every test uses them: nothing runs beside.
 # - ``stops_broker``: the broker under test stopped, alarmed, or closing channels and taking
 #   permissions away by ``rabbitmqctl eval`` in the node (the two test_broker_closes.py tests).
-#   What runs beside them (make test's lanes): the cluster tests, and the RabbitMQ 4.0 node's
-#   own serial tests and then its slice.
+#   What runs beside them (make test's lanes): the RabbitMQ 4.3 node's own serial tests, then
+#   the 4.0 node's slice.
 # - ``cluster``: a RabbitMQ cluster of the session's own (tests/cluster), beside the node under
 #   test, never touching it.
 #
