@@ -100,6 +100,7 @@ def main() -> None:
     from reliable_messaging.conf import messaging_settings
     from reliable_messaging.consuming.fastpath import DuplicateCache
     from reliable_messaging.testing import find_consumer
+    from tests.support import fast_path_key
     from tests.testapp.models import Effect
 
     logging.getLogger("reliable_messaging").setLevel(logging.WARNING)
@@ -182,7 +183,8 @@ def main() -> None:
         cache = DuplicateCache("messaging")
         client = get_redis_connection("messaging")
         for start in range(0, len(leftovers), 1000):
-            client.delete(*(cache.done_key(spec.name, m) for m in leftovers[start : start + 1000]))
+            batch = leftovers[start : start + 1000]
+            client.delete(*(fast_path_key(cache, "done", spec.name, m) for m in batch))
 
     fresh = [r["fresh_ratio"] for r in rounds]
     dups = [r["duplicates_ratio"] for r in rounds]

@@ -30,7 +30,15 @@ from pathlib import Path
 os.environ.setdefault("RM_BENCH_DB", "bench_held")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import declare_sink, describe_machine, drop_sink, median, parse_builds, setup_django
+from _common import (
+    Build,
+    declare_sink,
+    describe_machine,
+    drop_sink,
+    median,
+    parse_builds,
+    setup_django,
+)
 from whole_process import process_env
 
 
@@ -73,7 +81,7 @@ def fill(exchange: str, held: int, keys: int, sendable: int, due_held: bool) -> 
 def relay_once(namespace: str, root: Path) -> tuple[float, float]:
     """One ``manage.py relay --once`` of the source tree ``root``: its wall time, and its CPU
     (the process's; its backends' are not counted here, as they exit with it)."""
-    env = process_env(namespace, root)
+    env = process_env(namespace, Build(root))
     started = time.perf_counter()
     before = os.times()
     # It exits with 1 beside the held keys' failed first rows (and says so): expected here.
