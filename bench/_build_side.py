@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 
@@ -88,7 +89,7 @@ def declare_alpha() -> dict[str, Any]:
     from reliable_messaging.testing import find_consumer
 
     alpha = find_consumer("tests.alpha")
-    url = settings.RELIABLE_MESSAGING["BROKER_URL"]
+    url = str(settings.RELIABLE_MESSAGING["BROKER_URL"])
     connection = pika.BlockingConnection(pika.URLParameters(url))
     connection.channel().queue_delete(alpha.queue)
     declare_topology(connection.channel(), [alpha])
@@ -96,7 +97,7 @@ def declare_alpha() -> dict[str, Any]:
     return {"declared": alpha.queue}
 
 
-ACTIONS = {
+ACTIONS: dict[str, Callable[..., dict[str, Any]]] = {
     "migrate": migrate,
     "info": info,
     "fill-outbox": fill_outbox,

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -93,7 +94,7 @@ def latency(count: int, pause: float, interval: float) -> dict[str, list[float]]
         rows = Effect.objects.filter(consumer="bench.taskdb-latency")
         while rows.count() < count and time.monotonic() < deadline:
             time.sleep(0.2)
-        started = dict(rows.values_list("message_id", "payload"))
+        started: dict[str, Any] = dict(rows.values_list("message_id", "payload"))
     finally:
         worker.terminate()
         worker.wait(30)

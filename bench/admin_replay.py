@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import (
+from _common import (
     describe_machine,
     recreate_database,
     setup_django_on,

@@ -106,6 +106,7 @@ def raw_baseline(queue: str, count: int, prefetch: int) -> float:
     for method, properties, body in channel.consume(queue, inactivity_timeout=10):
         if method is None:
             raise RuntimeError(f"baseline: the queue ran dry after {done} messages")
+        assert properties is not None and body is not None and method.delivery_tag is not None
         payload = json.loads(body)
         with db.transaction(), db.cursor() as cursor:
             cursor.execute(
@@ -144,6 +145,8 @@ def raw_baseline_parallel(queue: str, count: int, prefetch: int, workers: int) -
                         break
                 if method is None:
                     continue
+                assert properties is not None and body is not None
+                assert method.delivery_tag is not None
                 payload = json.loads(body)
                 with db.transaction(), db.cursor() as cursor:
                     cursor.execute(

@@ -229,7 +229,7 @@ class Charges:
             connection.execute_wrappers.append(wrapper)
 
         connection_created.connect(on_created, weak=False)
-        commit = BaseDatabaseWrapper._commit
+        commit = BaseDatabaseWrapper._commit  # type: ignore[attr-defined]
 
         def charged_commit(self: Any) -> Any:
             pid = getattr(self, "_rm_backend_pid", None)
@@ -237,7 +237,7 @@ class Charges:
                 return commit(self)
             return charges.backend(pid, lambda: commit(self))
 
-        BaseDatabaseWrapper._commit = charged_commit  # type: ignore[method-assign]
+        BaseDatabaseWrapper._commit = charged_commit  # type: ignore[attr-defined]
 
 
 def run_charged(out: str, kind: str, argv: list[str]) -> None:
@@ -438,13 +438,13 @@ def main() -> None:
                 connection = pika.BlockingConnection(pika.URLParameters(BROKER_URL))
                 declare_topology(connection.channel(), [alpha])
                 connection.close()
-            rounds = alternate_builds(
-                builds,
-                args.rounds,
-                lambda build, kind=kind, queue=queue: budget(
+
+            def measure(build: Build, kind: str = kind, queue: str = queue) -> Budget:
+                return budget(
                     kind, namespace, exchange, queue, args.messages, build, not args.no_parts
-                ),
-            )
+                )
+
+            rounds = alternate_builds(builds, args.rounds, measure)
             result[kind] = {
                 name: show(f"{kind}, {name}", budgets) for name, budgets in rounds.items()
             }

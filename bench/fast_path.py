@@ -40,7 +40,7 @@ class RoundTrips:
     def __init__(self) -> None:
         self.calls: Counter[str] = Counter()
         self.keys: Counter[str] = Counter()
-        self.seconds: Counter[str] = Counter()
+        self.seconds: dict[str, float] = {}
 
     def install(self) -> None:
         from reliable_messaging.consuming import fastpath
@@ -59,13 +59,13 @@ class RoundTrips:
             try:
                 return original(cache, *args, **kwargs)
             finally:
-                self.seconds[name] += time.perf_counter() - started
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
                 self.calls[name] += 1
                 self.keys[name] += len(args[0]) if args and isinstance(args[0], list) else 0
 
         return timed
 
-    def reset(self) -> dict[str, object]:
+    def reset(self) -> dict[str, dict[str, float]]:
         summary = {
             name: {
                 "calls": self.calls[name],

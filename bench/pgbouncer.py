@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pika
 from _common import (
@@ -47,7 +48,7 @@ DIRECT_LISTEN = f"host=127.0.0.1 port=5432 dbname={BENCH_DB}"
 
 
 @contextmanager
-def relay(namespace: str, database_url: str, overrides: dict[str, object]) -> Iterator[None]:
+def relay(namespace: str, database_url: str, overrides: dict[str, str]) -> Iterator[None]:
     env = subprocess_env(
         namespace,
         DATABASE_URL=database_url,
@@ -84,7 +85,7 @@ def latencies(exchange: str, queue: str, rows: int) -> list[float]:
         ):
             if properties is None:
                 break  # a row lost for 30 s: the run says so by its count
-            started_us = (properties.headers or {}).get("x-bench-started-at")
+            started_us: Any = (properties.headers or {}).get("x-bench-started-at")
             found.append(time.time_ns() / 1e6 - started_us / 1000)
             arrived.set()
             if len(found) >= rows:

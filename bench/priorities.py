@@ -105,7 +105,7 @@ def consume(
     channel.basic_qos(prefetch_count=prefetch)
     start = time.perf_counter()
     for got, (method, _, _) in enumerate(channel.consume(queue, inactivity_timeout=30), 1):
-        if method is None:
+        if method is None or method.delivery_tag is None:
             raise RuntimeError(f"{queue}: nothing delivered for 30 s after {got - 1} messages")
         channel.basic_ack(method.delivery_tag)
         if got == count:
@@ -149,7 +149,7 @@ def main() -> None:
     args = parser.parse_args()
     pid = args.broker_pid or broker_pid(args.url)
     connection = pika.BlockingConnection(pika.URLParameters(args.url))
-    version = connection._impl.server_properties.get("version")
+    version = connection._impl.server_properties.get("version")  # type: ignore[attr-defined]
     connection.close()
     version = version.decode() if isinstance(version, bytes) else version
     print(f"RabbitMQ {version}; broker pid {pid}; load average {load()}")

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pika
@@ -226,7 +227,7 @@ def latency(
                 if done.is_set():
                     break
                 continue
-            sent_us = (properties.headers or {}).get("x-rm-committed-at")
+            sent_us: Any = (properties.headers or {}).get("x-rm-committed-at")
             if sent_us is not None:
                 latencies.append(time.time_ns() / 1e6 - sent_us / 1000)
             if len(latencies) >= total:

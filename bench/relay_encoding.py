@@ -60,9 +60,9 @@ def child(batches: int, loops: int) -> None:
         frames_sent = 0
         is_open = True
         _body_max_length = 131_072 - 8
-        _send_method = pika.connection.Connection._send_method
-        _send_message = pika.connection.Connection._send_message
-        _output_marshaled_frames = pika.connection.Connection._output_marshaled_frames
+        _send_method = pika.connection.Connection._send_method  # type: ignore[attr-defined]
+        _send_message = pika.connection.Connection._send_message  # type: ignore[attr-defined]
+        _output_marshaled_frames = pika.connection.Connection._output_marshaled_frames  # type: ignore[attr-defined]
 
         def __init__(self) -> None:
             self.written: list[bytes] = []
@@ -77,8 +77,8 @@ def child(batches: int, loops: int) -> None:
         is_open = True
         OPEN = _state = pika.channel.Channel.OPEN
         basic_publish = pika.channel.Channel.basic_publish
-        _raise_if_not_open = pika.channel.Channel._raise_if_not_open
-        _send_method = pika.channel.Channel._send_method
+        _raise_if_not_open = pika.channel.Channel._raise_if_not_open  # type: ignore[attr-defined]
+        _send_method = pika.channel.Channel._send_method  # type: ignore[attr-defined]
 
         def __init__(self, connection: Connection) -> None:
             self.connection = connection

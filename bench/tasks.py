@@ -43,6 +43,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("RM_BENCH_DB", "rm_bench_tasks")
 os.environ["RM_TEST_TASKS"] = "1"  # tests/settings.py: TASKS names our backend
@@ -134,7 +135,7 @@ def our_latency(namespace: str, specs: list, count: int, pause: float) -> list[f
         deadline = time.monotonic() + 60
         while rows.count() < count and time.monotonic() < deadline:
             time.sleep(0.2)
-        started = dict(rows.values_list("message_id", "payload"))
+        started: dict[str, Any] = dict(rows.values_list("message_id", "payload"))
     finally:
         service.request_stop()
         thread.join(60)

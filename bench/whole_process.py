@@ -58,6 +58,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("RM_BENCH_DB", "bench_whole")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -374,7 +375,7 @@ def child_raw_publish(path: str, exchange: str) -> None:
                 )
             state["next"] = start + RAW_BATCH
             if state["next"] < len(rows):
-                channel.connection.ioloop.call_later(0, publish_batch)
+                channel.connection.ioloop.call_later(0, publish_batch)  # type: ignore[attr-defined]
 
         channel.confirm_delivery(ack_nack_callback=on_confirm, callback=lambda _: publish_batch())
 
@@ -523,6 +524,7 @@ def child_raw_consume(queue: str, n: str, prefetch: str) -> None:
     channel = pika.BlockingConnection(pika.URLParameters(BROKER_URL)).channel()
     channel.basic_qos(prefetch_count=int(prefetch))
     for done, (method, properties, body) in enumerate(channel.consume(queue), start=1):
+        assert properties is not None and body is not None and method.delivery_tag is not None
         payload = json.loads(body)
         with db.transaction(), db.cursor() as cursor:
             cursor.execute(
@@ -617,7 +619,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         kind, *rest = args.child
-        {"raw-publish": child_raw_publish, "raw-consume": child_raw_consume}[kind](*rest)
+        children: dict[str, Callable[..., None]] = {
+            "raw-publish": child_raw_publish,
+            "raw-consume": child_raw_consume,
+        }
+        children[kind](*rest)
         return
 
     namespace = setup_django()
@@ -636,7 +642,7 @@ def main() -> None:
     sink = f"{namespace}.sink"
     alpha = find_consumer("tests.alpha").queue
     print(f"machine: {describe_machine()}; {n:,} messages per run, {args.rounds} rounds")
-    result: dict[str, object] = {"machine": describe_machine(), "messages": n}
+    result: dict[str, Any] = {"machine": describe_machine(), "messages": n}
     try:
 
         def count_instructions(kind: str, per_message: Callable[[Build], float]) -> None:
