@@ -56,6 +56,18 @@ def wait_until(
         time.sleep(interval)
 
 
+def no_suspect_left(context: str | Callable[[], str] = "") -> None:
+    """Wait until the crash guard holds no suspect. It forgets one just after the outcome's own
+    transaction commits, so a test that has seen the outcome may look a moment too early."""
+    from reliable_messaging.models import SuspectDelivery
+
+    def left() -> str:
+        extra = context() if callable(context) else context
+        return f"no suspect left: {list(SuspectDelivery.objects.values())}\n{extra}"
+
+    wait_until(lambda: not SuspectDelivery.objects.exists(), timeout=10, message=left)
+
+
 def new_namespace() -> str:
     return f"t{uuid.uuid4().hex[:10]}"
 

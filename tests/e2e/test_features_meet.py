@@ -44,11 +44,18 @@ import pytest
 from reliable_messaging.choices import DeadLetterReason, DeadLetterStatus, OutboxStatus
 from reliable_messaging.core.envelope import ORDERING_KEY_HEADER
 from reliable_messaging.dead_letters.replay import replay
-from reliable_messaging.models import DeadLetter, OutboxMessage, Replay, SuspectDelivery
+from reliable_messaging.models import DeadLetter, OutboxMessage, Replay
 from tests.conftest import subprocess_env
 from tests.integration.consuming.test_features_meet import return_until_dropped
 from tests.integration.ops.conftest import free_port
-from tests.support import ConsumeProcess, Publisher, drained, queue_counts, wait_until
+from tests.support import (
+    ConsumeProcess,
+    Publisher,
+    drained,
+    no_suspect_left,
+    queue_counts,
+    wait_until,
+)
 from tests.testapp.models import Effect
 from tests.trace_file import read_spans, render_tree
 
@@ -99,7 +106,7 @@ def test_suspects_redelivered_from_a_killed_process_wait_for_the_breaker_blamed_
         wait_until(lambda: queue_counts(queue) == (0, 0), timeout=30, message="queue drained")
 
         assert not DeadLetter.objects.exists(), list(DeadLetter.objects.values("reason"))
-        assert not SuspectDelivery.objects.exists()
+        no_suspect_left()
         handled = collections.Counter(
             Effect.objects.filter(consumer="payments").values_list("message_id", flat=True)
         )
@@ -465,7 +472,7 @@ def test_a_replay_of_a_message_that_killed_its_process_is_blamed_for_none_of_its
         ) == [("pill", 1)]
         assert list(Replay.objects.values_list("outcome", flat=True)) == ["processed"]
         assert letters.count() == 1
-        assert not SuspectDelivery.objects.exists(), list(SuspectDelivery.objects.values())
+        no_suspect_left(logs)
         wait_until(lambda: drained(queue), timeout=20, message="alpha's queue drained")
         assert last.returncode is None, logs()
     finally:
