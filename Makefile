@@ -144,11 +144,11 @@ test: venv services
 	@#    the 4.0 node (built the first time, about 3 minutes), on another: neither side touches
 	@#    the other's node, and both mostly wait on a broker's own timeouts.
 	@# 4. The cluster tests on their own cluster (serial and cluster). These mostly wait too, with
-	@#    a core idle on average, so the matrix's newest end on the version-sensitive slice runs
-	@#    beside them at the lowest CPU priority (nice 19), printing its output when done: it
-	@#    uses only the node on 5672 and its own databases (MATRIX=0 skips both ends; `make
-	@#    matrix` runs every pair).
-	@# 5. RABBITMQ4_TESTS against the 4.3 node, and beside them, likewise, the matrix's lowest end.
+	@#    a core idle on average, so the matrix's two ends on the version-sensitive slice run
+	@#    beside them at the lowest CPU priority (nice 19), printing their output when done: they
+	@#    use only the node on 5672 and their own databases (MATRIX=0 skips them; `make matrix`
+	@#    runs every pair).
+	@# 5. RABBITMQ4_TESTS against the 4.3 node.
 	@# Every part always runs; exit code 5 ("no tests selected", e.g. with -k) is not a failure.
 	@run() { local s=0; "$$@" || s=$$?; (( s == 5 )) && s=0; return $$s; }; \
 	db=$${RM_TEST_DB_NAME:-test_reliable_messaging}; \
@@ -176,7 +176,7 @@ test: venv services
 		$(BIN)/nox -s ci --install-only >"$$logs/nox-install.log" 2>&1 & nox_install_pid=$$!; }; \
 	rc2=0; timed "serial, PostgreSQL and Redis" run $(BIN)/pytest -m "serial and stops_storage" \
 		$(PYTEST_ARGS) || rc2=$$?; \
-	rc3=0; rc4=0; rc5=0; rc6=0; rc7=0; rc8=0; \
+	rc3=0; rc4=0; rc5=0; rc6=0; rc7=0; \
 	rabbitmq4_lane() { \
 		local s=0; \
 		scripts/rabbitmq4.sh --release 4.3 start || return 99; \
@@ -192,25 +192,20 @@ test: venv services
 		"5672 node's serial tests and PgBouncer's; their output follows them"; \
 	broker_lane || rc3=$$?; \
 	wait $$rabbitmq4_pid || rc7=$$?; show rabbitmq4 $$rc7; \
-	matrix=0; if [[ "$(MATRIX)" != 0 ]]; then \
-		if wait $$nox_install_pid; then matrix=1; \
+	matrix_pid=; if [[ "$(MATRIX)" != 0 ]]; then \
+		if wait $$nox_install_pid; then \
+			timed "the matrix's two ends (nox -s ci), beside" nice -n 19 $(BIN)/nox -R -s ci \
+				>"$$logs/matrix.log" 2>&1 & matrix_pid=$$!; \
+			echo "make test: the matrix's two ends run beside the cluster tests;" \
+				"their output follows them"; \
 		else cat "$$logs/nox-install.log"; rc6=1; fi; \
 	fi; \
-	beside() { \
-		local session=$$1; \
-		timed "the matrix's $$session end (nox -s $$session), beside" nice -n 19 $(BIN)/nox -R \
-			-s $$session >"$$logs/$$session.log" 2>&1 & matrix_pid=$$!; \
-		echo "make test: the matrix's $$session end runs beside; its output follows"; \
-	}; \
-	matrix_pid=; (( matrix == 0 )) || beside newest; \
 	RM_TEST_DB_NAME=$${db}_cluster timed "serial, the cluster" run $(BIN)/pytest \
 		-m "serial and cluster" $(PYTEST_ARGS) || rc4=$$?; \
-	[[ -z "$$matrix_pid" ]] || { wait $$matrix_pid || rc6=$$?; show newest $$rc6; }; \
-	matrix_pid=; (( matrix == 0 )) || beside lowest; \
+	[[ -z "$$matrix_pid" ]] || { wait $$matrix_pid || rc6=$$?; show matrix $$rc6; }; \
 	rabbitmq43_slice || rc5=$$?; \
-	[[ -z "$$matrix_pid" ]] || { wait $$matrix_pid || rc8=$$?; show lowest $$rc8; }; \
 	echo "make test: the time of each part"; cat "$$logs/times"; rm -rf "$$logs"; \
-	for code in $$rc $$rc2 $$rc3 $$rc4 $$rc5 $$rc6 $$rc7 $$rc8; do \
+	for code in $$rc $$rc2 $$rc3 $$rc4 $$rc5 $$rc6 $$rc7; do \
 		(( code == 0 )) || exit $$code; \
 	done
 

@@ -5,7 +5,6 @@ pair, and once on the lowest versions ``setup.cfg`` admits, against the real ser
     .venv/bin/nox -s "matrix(python='3.13', django='6.1')"   # one pair
     .venv/bin/nox -s matrix lowest                     # everything (about 15 minutes here)
     .venv/bin/nox -s ci                                # what `make test` adds: newest + lowest
-    .venv/bin/nox -s newest                            # the newest pair alone
 
 ``make test`` runs the whole suite on the default pair (requirements.txt); these sessions run
 what depends on the versions: unit tests, the admin (in a browser too, but for the lowest
@@ -173,13 +172,7 @@ def lowest(session: nox.Session) -> None:
 
 
 @nox.session(python=False)
-def newest(session: nox.Session) -> None:
-    """The newest pair: one end of the matrix (`make test` runs it beside the cluster tests)."""
-    session.notify(f"matrix(python='{NEWEST[0]}', django='{NEWEST[1]}')")
-
-
-@nox.session(python=False)
 def ci(session: nox.Session) -> None:
     """The newest pair and the lowest versions: the matrix's two ends, run by `make test`."""
-    session.notify("newest")
+    session.notify(f"matrix(python='{NEWEST[0]}', django='{NEWEST[1]}')")
     session.notify("lowest")
