@@ -10,6 +10,7 @@ import base64
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -33,6 +34,10 @@ MANAGE = ROOT / "manage.py"
 
 class WaitTimeout(AssertionError):
     """A bounded wait ran out; the message says what was awaited and the last value seen."""
+
+
+# What a process started with --metrics-port logs once it listens.
+OPS_LINE = re.compile(r"serving /metrics and /healthz on http://[^:]+:(\d+)")
 
 
 def wait_until(
@@ -545,6 +550,16 @@ class ManageProcess:
         wait_until(
             seen, timeout=timeout, interval=0.05, message=f"{text!r} in the {self.command} log"
         )
+
+    def ops_port(self, timeout: float = 30.0) -> int:
+        """The port of this process's /metrics and /healthz, started with ``--metrics-port 0``
+        (one the process binds itself: a port picked free beforehand may be taken by then)."""
+
+        def port() -> int | None:
+            found = OPS_LINE.search(self.log())
+            return int(found.group(1)) if found else None
+
+        return int(wait_until(port, timeout=timeout, message=f"the ops port of pid {self.pid}"))
 
     def send(self, sig: int) -> None:
         if self.popen.poll() is None:

@@ -14,7 +14,6 @@ import contextlib
 import itertools
 import json
 import os
-import re
 import time
 import urllib.error
 import urllib.request
@@ -34,7 +33,6 @@ from .netns import ConsumerHost, NetnsConsumeProcess
 from .rabbit_cluster import RabbitCluster
 
 HEARTBEAT = 5  # seconds: RM_TEST_HEARTBEAT of every process
-OPS_LINE = re.compile(r"serving /metrics and /healthz on http://[^:]+:(\d+)")
 
 
 class OpenTraffic(Traffic):
@@ -225,16 +223,6 @@ class ClusterRig(FaultRig):
         return "\n".join(parts)
 
     # -- what the processes say ----------------------------------------------------------------
-
-    def ops_port(self, proc: ManageProcess, timeout: float = 30) -> int:
-        """The port of ``proc``'s /healthz (started with ``--metrics-port 0``)."""
-
-        def port() -> int | None:
-            found = OPS_LINE.search(proc.log())
-            return int(found.group(1)) if found else None
-
-        value = wait_until(port, timeout=timeout, message=f"the ops port of pid {proc.pid}")
-        return int(value)
 
     def notable(self, proc: ManageProcess, limit: int = 6) -> list[str]:
         """What ``proc`` said about the fault, in its own words: its WARNING and ERROR lines

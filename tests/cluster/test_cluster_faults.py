@@ -231,7 +231,7 @@ def test_memory_alarm_on_one_node_blocks_publishers_consumers_keep_acking(
             rig.consumer_on(1, "--metrics-port", "0"),
         ]
         relay = rig.relay_on(2, "--metrics-port", "0")
-    ports = {proc.pid: rig.ops_port(proc) for proc in (*consumers, relay)}
+    ports = {proc.pid: proc.ops_port() for proc in (*consumers, relay)}
     # The first messages are slower to handle than they come: a backlog for the alarm.
     traffic = rig.start_open_traffic(RATE, payload=slow_first(BACKLOG, 0.1))
     traffic.wait_published(BACKLOG)

@@ -47,7 +47,6 @@ from reliable_messaging.dead_letters.replay import replay
 from reliable_messaging.models import DeadLetter, OutboxMessage, Replay
 from tests.conftest import subprocess_env
 from tests.integration.consuming.test_features_meet import return_until_dropped
-from tests.integration.ops.conftest import free_port
 from tests.support import (
     ConsumeProcess,
     Publisher,
@@ -78,7 +77,6 @@ def test_suspects_redelivered_from_a_killed_process_wait_for_the_breaker_blamed_
     first = ConsumeProcess(["--queue", queue], env, tmp_path / "consume-1.log")
     second: ConsumeProcess | None = None
     spans = tmp_path / "spans-2.jsonl"
-    metrics_port = free_port()
     try:
         first.wait_consuming()
         provider.stop()
@@ -88,10 +86,11 @@ def test_suspects_redelivered_from_a_killed_process_wait_for_the_breaker_blamed_
         first.kill()  # what it held goes back to the queue, redelivered to the next process
 
         second = ConsumeProcess(
-            ["--queue", queue, "--metrics-port", str(metrics_port)],
+            ["--queue", queue, "--metrics-port", "0"],
             {**env, "RM_TRACE_FILE": str(spans)},
             tmp_path / "consume-2.log",
         ).wait_consuming()
+        metrics_port = second.ops_port()
         wait_until(
             lambda: opened(second) >= 1,
             timeout=45,
