@@ -20,7 +20,7 @@ from django.db.models import Sum
 from reliable_messaging.models import DeadLetter
 from tests.conftest import subprocess_env
 from tests.e2e.conftest import Provider
-from tests.integration.ops.conftest import free_port, http_get
+from tests.integration.ops.conftest import http_get
 from tests.support import ConsumeProcess, Publisher, queue_counts, wait_until
 from tests.testapp.models import Effect
 
@@ -50,15 +50,15 @@ def test_a_downstream_outage_opens_the_breaker_spends_no_attempts_and_drains_aft
     ns: str, transactional_db: None, tmp_path: Path, provider: Provider, publisher: Publisher
 ) -> None:
     exchange = f"rmtest.{ns}"
-    metrics_port = free_port()
     queues = ["--queue", f"{ns}.payments", "--queue", f"{ns}.alpha"]
     proc = ConsumeProcess(
-        [*queues, "--metrics-port", str(metrics_port)],
+        [*queues, "--metrics-port", "0"],
         subprocess_env(ns, RM_TEST_DOWNSTREAM_URL=provider.url),
         tmp_path / "consume.log",
     )
     try:
         proc.wait_consuming()
+        metrics_port = proc.ops_port()
         for n in range(3):
             publisher.publish(exchange, "payment.due", {"n": n}, message_id=f"before-{n}")
         wait_until(lambda: payments_done() == 3, timeout=30, message="three payments before")

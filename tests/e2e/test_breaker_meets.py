@@ -22,7 +22,6 @@ import pytest
 from reliable_messaging.core.envelope import ORDERING_KEY_HEADER
 from reliable_messaging.models import DeadLetter
 from tests.conftest import subprocess_env
-from tests.integration.ops.conftest import free_port
 from tests.support import ConsumeProcess, Publisher, all_queue_counts, queue_counts, wait_until
 from tests.testapp.models import Effect
 
@@ -117,18 +116,18 @@ def test_half_open_keeps_what_it_does_not_run_spending_no_delivery_count(
     once, none reaches the quorum queue's delivery limit (20 here, RabbitMQ 4's default), and
     the process received each payment a bounded number of times: no redelivery loop."""
     exchange = f"rmtest.{ns}"
-    metrics_port = free_port()
     env = subprocess_env(
         ns,
         RM_TEST_DOWNSTREAM_URL=provider.url,
         RM_TEST_QUEUE_TYPE=queue_type,
         RM_TEST_QUORUM_DELIVERY_LIMIT="20",
     )
-    args = ["--queue", f"{ns}.payments", "--concurrency", "3", "--metrics-port", str(metrics_port)]
+    args = ["--queue", f"{ns}.payments", "--concurrency", "3", "--metrics-port", "0"]
     proc = ConsumeProcess(args, env, tmp_path / "consume.log")
     payments = [f"pay-{n}" for n in range(8)]
     try:
         proc.wait_consuming()
+        metrics_port = proc.ops_port()
         provider.stop()
         for message_id in payments:
             publisher.publish(exchange, "payment.due", {"id": message_id}, message_id=message_id)

@@ -28,7 +28,6 @@ from reliable_messaging.choices import DeadLetterReason, DeadLetterStatus
 from reliable_messaging.core.envelope import EXPIRES_AT_HEADER, PUBLISHED_AT_HEADER
 from reliable_messaging.models import DeadLetter, ProcessedMessage
 from tests.conftest import subprocess_env
-from tests.integration.ops.conftest import free_port
 from tests.support import ConsumeProcess, Publisher, drained, wait_until
 from tests.testapp.models import Effect
 from tests.trace_file import read_spans
@@ -47,16 +46,15 @@ class Consumers:
         self.running: list[ConsumeProcess] = []
 
     def start(self, *labels: str, **env: str) -> tuple[ConsumeProcess, int]:
-        port = free_port()
         queues = [arg for label in labels for arg in ("--queue", f"{self.ns}.{label}")]
         process = ConsumeProcess(
-            [*queues, "--metrics-port", str(port)],
+            [*queues, "--metrics-port", "0"],
             {**subprocess_env(self.ns), **env},
             self.tmp_path / f"consume-{len(self.running) + 1}.log",
         )
         self.running.append(process)
         process.wait_consuming()
-        return process, port
+        return process, process.ops_port()
 
     def declare(self, *labels: str) -> None:
         """Run a consume process once and stop it: the queues and bindings exist, nobody

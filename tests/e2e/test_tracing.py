@@ -30,7 +30,6 @@ from reliable_messaging.models import DeadLetter, OutboxMessage
 from tests import trace_file
 from tests.conftest import database_url, subprocess_env
 from tests.faults.test_foreign_producers import ensure_amqplib, publish_with_amqplib
-from tests.integration.ops.conftest import free_port
 from tests.support import (
     MANAGE,
     ROOT,
@@ -377,15 +376,15 @@ def test_batched_deliveries_each_have_a_span_in_their_own_trace_and_metrics_exem
     ns: str, tmp_path: Path, processes: list[ManageProcess], publisher: Publisher
 ) -> None:
     trace_file = tmp_path / "spans.jsonl"
-    port = free_port()
     consume = ConsumeProcess(
-        ["--queue", f"{ns}.alpha", "--metrics-port", str(port)],
+        ["--queue", f"{ns}.alpha", "--metrics-port", "0"],
         traced_env(ns, trace_file, RM_TEST_CONSUMER_BATCH_SIZE="20"),
         tmp_path / "consume.log",
     )
     processes.append(consume)
     processes.append(RelayProcess([], traced_env(ns, trace_file), tmp_path / "relay.log"))
     consume.wait_consuming()
+    port = consume.ops_port()
     exchange = f"rmtest.{ns}"
     ids = {f"batch-{n}": random_ids() for n in range(5)}
     # The first message's handler waits for a row this test holds locked; the others arrive

@@ -31,7 +31,7 @@ import pytest
 from reliable_messaging.core.envelope import ORDERING_KEY_HEADER
 from reliable_messaging.models import DeadLetter
 from tests import support
-from tests.integration.ops.conftest import free_port, http_json
+from tests.integration.ops.conftest import http_json
 from tests.support import ConsumeProcess, Publisher, wait_until
 from tests.testapp.models import Effect
 
@@ -185,9 +185,9 @@ def test_a_channel_the_broker_closes_mid_handler_is_noticed_and_nothing_is_lost(
     """The broker closes the consuming channel (406, as ``consumer_timeout`` does) while a
     handler runs. The process notices (a warning), consumes again, and every message, the one
     in flight and those published after, takes effect exactly once."""
-    port = free_port()
     alpha = rig.queues["alpha"]
-    proc = rig.consumer("--queue", alpha, "--metrics-port", str(port))
+    proc = rig.consumer("--queue", alpha, "--metrics-port", "0")
+    port = proc.ops_port()
     wait_healthy(port, proc)
     publisher = Publisher(rig.vhost)
     try:
@@ -214,9 +214,9 @@ def test_healthz_is_unhealthy_while_the_broker_keeps_the_consumer_off(rig: Fault
     subscription (403: no read permission in the vhost). Meanwhile ``/healthz`` says unhealthy
     and stays so; once the broker takes subscriptions again it is healthy again and the
     messages published meanwhile take effect once each."""
-    port = free_port()
     alpha = rig.queues["alpha"]
-    proc = rig.consumer("--queue", alpha, "--metrics-port", str(port))
+    proc = rig.consumer("--queue", alpha, "--metrics-port", "0")
+    port = proc.ops_port()
     wait_healthy(port, proc)
     publisher = Publisher(rig.vhost)
     try:
@@ -258,9 +258,9 @@ def test_a_queue_deleted_under_the_consumer_is_declared_again_and_consumed(
     """The queue is deleted while consume runs (the broker cancels its consumer). The process
     notices, declares the queue again and consumes it: what is published to it afterwards takes
     effect once each, and the process said something was wrong meanwhile."""
-    port = free_port()
     alpha = rig.queues["alpha"]
-    proc = rig.consumer("--queue", alpha, "--metrics-port", str(port))
+    proc = rig.consumer("--queue", alpha, "--metrics-port", "0")
+    port = proc.ops_port()
     wait_healthy(port, proc)
     publisher = Publisher(rig.vhost)
     try:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -386,13 +385,6 @@ def test_a_handler_blocked_past_its_time_limit_exits_and_is_dead_lettered(rig: F
         supervisor.stop()
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on right now (for the consume process to serve /healthz)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def healthz(port: int) -> tuple[int, Any]:
     """(status, JSON body) of the consume process's ``/healthz``, also for a 503."""
     url = f"http://127.0.0.1:{port}/healthz"
@@ -406,10 +398,10 @@ def healthz(port: int) -> tuple[int, Any]:
 
 
 def test_healthz_is_unhealthy_while_a_handler_is_past_its_time_limit(rig: FaultRig) -> None:
-    port = free_port()
     # A long grace: the process stays up (unhealthy) for 6 s before it exits.
     run = PoisonRun(rig, RM_TEST_HANDLER_TIMEOUT="1", RM_TEST_HANDLER_TIMEOUT_GRACE="6")
-    proc = run.start_consume("--metrics-port", str(port)).wait_consuming(60)
+    proc = run.start_consume("--metrics-port", "0").wait_consuming(60)
+    port = proc.ops_port()
     wait_until(
         lambda: healthz(port)[0] == 200,
         timeout=20,

@@ -13,15 +13,15 @@ import pytest
 from tests.integration.publishing.conftest import ensure_broker_running
 from tests.support import Publisher, rabbitmqctl, wait_until
 
-from .conftest import free_port, http_json, scraped
+from .conftest import http_json, scraped
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 
 def test_consumer_metrics_count_what_it_did(ns: str, consume: Any, publisher: Publisher) -> None:
-    port = free_port()
+    proc = consume("--queue", f"{ns}.alpha", "--metrics-port", "0").wait_consuming()
+    port = proc.ops_port()
     metrics_url = f"http://127.0.0.1:{port}/metrics"
-    proc = consume("--queue", f"{ns}.alpha", "--metrics-port", str(port)).wait_consuming()
     for n in range(5):
         publisher.publish(f"rmtest.{ns}", "order.placed", {"n": n}, message_id=f"ops-{n}")
     publisher.publish(f"rmtest.{ns}", "order.placed", {"n": 0}, message_id="ops-0")
@@ -44,9 +44,8 @@ def test_consumer_metrics_count_what_it_did(ns: str, consume: Any, publisher: Pu
 
 
 def test_consumer_healthz_fails_while_the_broker_is_stopped(ns: str, consume: Any) -> None:
-    port = free_port()
-    healthz = f"http://127.0.0.1:{port}/healthz"
-    proc = consume("--queue", f"{ns}.alpha", "--metrics-port", str(port)).wait_consuming()
+    proc = consume("--queue", f"{ns}.alpha", "--metrics-port", "0").wait_consuming()
+    healthz = f"http://127.0.0.1:{proc.ops_port()}/healthz"
     wait_until(lambda: http_json(healthz)[0] == 200, timeout=30, message="/healthz ok")
     try:
         rabbitmqctl("stop_app")

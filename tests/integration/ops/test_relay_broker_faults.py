@@ -24,7 +24,7 @@ from reliable_messaging.publishing.relay import MAX_IN_FLIGHT
 from tests.integration.publishing.conftest import OutboxEnv, ensure_broker_running
 from tests.support import rabbitmqctl, wait_until
 
-from .conftest import free_port, http_json, scraped
+from .conftest import http_json, scraped
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -80,9 +80,9 @@ def memory_alarm() -> Iterator[None]:
 
 def test_relay_healthz_fails_while_the_broker_is_stopped(ob: OutboxEnv) -> None:
     queue = ob.queue()
-    port = free_port()
+    relay = ob.relay_process("--metrics-port", "0").wait_connected()
+    port = relay.ops_port()
     healthz, metrics_url = f"http://127.0.0.1:{port}/healthz", f"http://127.0.0.1:{port}/metrics"
-    relay = ob.relay_process("--metrics-port", str(port)).wait_connected()
     wait_until(lambda: http_json(healthz)[0] == 200, timeout=30, message="/healthz ok")
     try:
         rabbitmqctl("stop_app")
@@ -124,9 +124,9 @@ def test_blocked_relay_claims_nothing_and_resumes_by_itself(ob: OutboxEnv) -> No
     # confirms, its rows would show failed attempts within the block.
     ob.set(RELAY_CONFIRM_TIMEOUT=2.0)
     queue = ob.queue()
-    port = free_port()
+    relay = ob.relay_process("--batch-size", "5", "--metrics-port", "0").wait_connected()
+    port = relay.ops_port()
     metrics_url = f"http://127.0.0.1:{port}/metrics"
-    relay = ob.relay_process("--batch-size", "5", "--metrics-port", str(port)).wait_connected()
     wait_until(lambda: scraped(metrics_url, "reliable_messaging_healthy") == 1, timeout=30)
     with memory_alarm():
         with transaction.atomic():

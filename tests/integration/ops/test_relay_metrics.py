@@ -18,7 +18,7 @@ from reliable_messaging.publishing.relay import build_relay
 from tests.integration.publishing.conftest import OutboxEnv
 from tests.support import wait_until
 
-from .conftest import free_port, http_json, sample, scraped
+from .conftest import http_json, sample, scraped
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -101,11 +101,10 @@ def test_the_relay_reports_its_health(ob: OutboxEnv) -> None:
 
 def test_relay_command_serves_metrics_and_healthz_and_logs_progress(ob: OutboxEnv) -> None:
     queue = ob.queue()
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
     relay = ob.relay_process(
-        "--metrics-port", str(port), "--progress-interval", "0.5", "--lanes", "2"
+        "--metrics-port", "0", "--progress-interval", "0.5", "--lanes", "2"
     ).wait_connected()
+    base = f"http://127.0.0.1:{relay.ops_port()}"
     # Both lanes must be connected before the process is healthy.
     wait_until(
         lambda: http_json(f"{base}/healthz") == (200, {"status": "ok"}),

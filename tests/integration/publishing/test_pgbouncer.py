@@ -31,7 +31,7 @@ from reliable_messaging.publishing.listener import NOTIFY_CHANNEL
 from reliable_messaging.publishing.wake_after_commit import sender
 from tests.conftest import POOL_OF_ONE
 from tests.markers import direct_only, postgresql_only
-from tests.pgbouncer import PgBouncer, free_port, routed
+from tests.pgbouncer import PgBouncer, routed
 from tests.support import wait_until
 from tests.testapp.consumers import behave
 from tests.testapp.models import Effect
@@ -149,9 +149,9 @@ def test_a_relay_whose_listen_goes_through_the_pooler_says_so_and_polls(
     # would miss it for one row of four all but 3 times in 100.
     ob.set(RELAY_POLL_INTERVAL=0.5)
     queue = ob.queue()
-    port = free_port()
     with routed("127.0.0.1", pgbouncer.port, connection.settings_dict["NAME"]):
-        relay = ob.relay_process("--metrics-port", str(port)).wait_connected()
+        relay = ob.relay_process("--metrics-port", "0").wait_connected()
+        port = relay.ops_port()
         relay.wait_for_log("hears nothing", timeout=30)
         assert "RELAY_LISTEN_DSN" in relay.log()
         notes = healthz(port).get("notes", [])
