@@ -18,9 +18,8 @@ from django.db.models.functions import Now
 from ..choices import OutboxStatus
 from ..conf import MessagingSettings
 from ..models import OutboxMessage
-from ..storage.partitions import row_moved
+from ..storage.partitions import again_if_moved
 from . import scheduled
-from .scheduled import MOVED_TRIES
 
 # A claimed row's age counts from its publish() or its later due time, in microseconds since
 # the epoch: date_part's double (cheaper than extract's numeric) is exact until 2255.
@@ -127,7 +126,12 @@ def park_behind(using: str, blockers: set[int]) -> int:
 
 def release_parked(using: str, after: int = 0, limit: int = 2000) -> tuple[int, int | None]:
     """Make due up to ``limit`` parked rows past id ``after`` that nothing holds back; how many,
-    and the id to go on after (None at the last parked row)."""
+    and the id to go on after (None at the last parked row). Again when another relay sent one
+    of them meanwhile (its update waited for that relay's lock, then found the row moved)."""
+    return again_if_moved(lambda: _release_parked(using, after, limit))
+
+
+def _release_parked(using: str, after: int, limit: int) -> tuple[int, int | None]:
     outbox = OutboxMessage.objects.using(using)
     found = list(
         outbox.filter(status=OutboxStatus.PENDING, next_attempt_at__isnull=True, id__gt=after)
@@ -248,15 +252,12 @@ class OutboxClaims:
 
     def claim(self) -> Claim:
         """Lock a batch of due rows in a transaction left open for it (again if a row moved)."""
-        for attempt in range(1, MOVED_TRIES + 1):
-            try:
-                return self._claim()
-            except DatabaseError as exc:
-                # The claim rolled back, and its next snapshot will not see the row.
-                if not row_moved(exc) or attempt == MOVED_TRIES:
-                    raise
-                logger.debug("relay: a row was sent by another relay meanwhile; claiming again")
-        raise AssertionError("unreachable")  # pragma: no cover
+        return again_if_moved(
+            self._claim,
+            lambda: logger.debug(
+                "relay: a row was sent by another relay meanwhile; claiming again"
+            ),
+        )
 
     def _select(self) -> list[tuple[Any, ...]]:
         """Up to ``lock_limit`` due rows, locked, in claim order, cut after ``CLAIM_BYTES``."""

@@ -7,18 +7,16 @@ import datetime as dt
 from collections.abc import Iterable
 from typing import Any
 
-from django.db import DatabaseError, connections, transaction
+from django.db import connections, transaction
 from django.db.models import F
 from django.db.models.functions import Now
 
 from ..choices import OutboxStatus
 from ..models import OutboxMessage
-from ..storage.partitions import row_moved
+from ..storage.partitions import again_if_moved
 
 # How many due rows one promotion moves, in one short transaction.
 PROMOTE_CHUNK = 5000
-# Tries of what met a row moved to another partition meanwhile (partitions.row_moved).
-MOVED_TRIES = 3
 
 
 def _scheduled(using: str) -> Any:
@@ -36,20 +34,23 @@ def cancel_rows(pks: Iterable[int], using: str) -> int:
 
 
 def _delete_scheduled(rows: Any, using: str) -> int:
-    for attempt in range(1, MOVED_TRIES + 1):
-        try:
-            with transaction.atomic(using=using):
-                return int(rows._raw_delete(using))
-        except DatabaseError as exc:
-            # The relay made it pending meanwhile: the next try does not find it.
-            if not row_moved(exc) or attempt == MOVED_TRIES:
-                raise
-    raise AssertionError("unreachable")  # pragma: no cover
+    def delete() -> int:
+        # A relay that made a row pending meanwhile moved it: the next try does not find it.
+        with transaction.atomic(using=using):
+            return int(rows._raw_delete(using))
+
+    return again_if_moved(delete)
 
 
 def promote_due(using: str, limit: int = PROMOTE_CHUNK, due_by: dt.datetime | None = None) -> int:
     """Make up to ``limit`` due scheduled rows pending under new ids in due order, skipping
-    those another relay holds; how many. ``due_by`` replaces the database's clock."""
+    those another relay holds; how many. ``due_by`` replaces the database's clock. Again when
+    another relay promoted a row meanwhile: moved after this statement's snapshot, it is not a
+    lock that SKIP LOCKED can skip."""
+    return again_if_moved(lambda: _promote(using, limit, due_by))
+
+
+def _promote(using: str, limit: int, due_by: dt.datetime | None) -> int:
     connection = connections[using]
     if connection.vendor == "postgresql":
         table = connection.ops.quote_name(OutboxMessage._meta.db_table)

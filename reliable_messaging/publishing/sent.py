@@ -22,8 +22,8 @@ from ..choices import OutboxStatus
 from ..core.backoff import exponential
 from ..core.envelope import ORDERING_KEY_HEADER, OUTBOX_ID_HEADER, PUBLISHED_AT_HEADER
 from ..models import OutboxMessage
-from ..storage.partitions import OUTBOX, UNSENT_STATUSES, ensure_covered, row_moved
-from .claims import MOVED_TRIES, ClaimedRow, ClaimTransaction, any_id_of, release_next_of_keys
+from ..storage.partitions import MOVED_TRIES, OUTBOX, UNSENT_STATUSES, ensure_covered, row_moved
+from .claims import ClaimedRow, ClaimTransaction, any_id_of, release_next_of_keys
 
 logger = logging.getLogger("reliable_messaging.relay")
 

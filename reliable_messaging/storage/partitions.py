@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from django.db import DatabaseError, OperationalError, connections, transaction
 
@@ -46,9 +46,31 @@ LOCK_NOT_AVAILABLE = "55P03"
 SERIALIZATION_FAILURE = "40001"
 
 
+# Tries of what meets a row another transaction moved to another partition meanwhile.
+MOVED_TRIES = 3
+
+T = TypeVar("T")
+
+
 def row_moved(exc: BaseException) -> bool:
     """Whether ``exc`` says a row moved to another partition meanwhile (run it again)."""
     return isinstance(exc, OperationalError) and sqlstate(exc) == SERIALIZATION_FAILURE
+
+
+def again_if_moved(run: Callable[[], T], on_moved: Callable[[], object] | None = None) -> T:
+    """``run()``, run again (MOVED_TRIES in all) while it meets a row that another transaction
+    moved to another partition meanwhile (another relay sent it, or made it pending): the next
+    statement's snapshot no longer sees it there. ``run`` is a transaction or a savepoint of
+    its own, or one statement in autocommit."""
+    for attempt in range(1, MOVED_TRIES + 1):
+        try:
+            return run()
+        except DatabaseError as exc:
+            if not row_moved(exc) or attempt == MOVED_TRIES:
+                raise
+            if on_moved is not None:
+                on_moved()
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _inbox_leaf_sql(name: str) -> list[str]:

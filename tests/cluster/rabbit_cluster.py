@@ -556,6 +556,8 @@ class RabbitCluster:
             if on_step is not None:
                 on_step(node, "starting")
             self.start(node)
+            if on_step is not None:
+                on_step(node, "back")
 
     def alarms(self, ref: NodeRef) -> list[Any]:
         status = json.loads(self.ctl(ref, "status", "--formatter", "json", timeout=30))

@@ -5,6 +5,7 @@ every partition; a row moved to the sent side under a concurrent claim."""
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import threading
 import time
 from typing import Any
@@ -19,6 +20,7 @@ from django.utils import timezone
 from reliable_messaging import publish
 from reliable_messaging.choices import OutboxStatus
 from reliable_messaging.models import OutboxMessage
+from reliable_messaging.publishing import claims, scheduled
 from reliable_messaging.publishing.claims import OutboxClaims
 from reliable_messaging.publishing.relay import RelayReport, build_relay
 from reliable_messaging.storage import partitions
@@ -256,6 +258,45 @@ def test_a_claim_that_meets_a_row_moved_meanwhile_claims_again(ob: OutboxEnv) ->
     assert report.sent == 5
     assert not [r for r in relay.health.check()[1] if "database" in r]
     assert sorted(m.message_id for m in ob.broker.drain(queue, expected=5)) == sorted(ids)
+
+
+def test_a_promotion_or_release_that_meets_a_row_moved_meanwhile_runs_again(
+    ob: OutboxEnv, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Relays beside one another (``consume`` runs one, and so may ``relay``): one promotes a
+    due scheduled row, or sends a released one, while another's statement still sees it where
+    it was. That is a row moved, not the database gone: run again, no outage said, nothing
+    left behind."""
+    error = moved_error()
+    queue = ob.queue()
+    due = publish("a.b", {"n": "scheduled"}, deliver_at=timezone.now() - dt.timedelta(seconds=1))
+    real_promote, real_release = scheduled._promote, claims._release_parked
+    calls = {"promote": 0, "release": 0}
+
+    def promote(*args: Any) -> int:
+        calls["promote"] += 1
+        if calls["promote"] == 1:
+            raise error
+        return real_promote(*args)
+
+    def release(*args: Any) -> tuple[int, int | None]:
+        calls["release"] += 1
+        if calls["release"] == 1:
+            raise error
+        return real_release(*args)
+
+    caplog.set_level(logging.DEBUG, logger="reliable_messaging.relay")
+    relay = build_relay(once=True)
+    with (
+        mock.patch.object(scheduled, "_promote", promote),
+        mock.patch.object(claims, "_release_parked", release),
+    ):
+        report = relay.run()
+    said = [r.getMessage() for r in caplog.records if "database" in r.getMessage()]
+    assert said == [], said
+    assert (report.sent, calls["promote"] > 1, calls["release"] > 1) == (1, True, True)
+    assert not [r for r in relay.health.check()[1] if "database" in r]
+    assert [m.message_id for m in ob.broker.drain(queue, expected=1)] == [due]
 
 
 def test_purge_drops_expired_days_of_sent_rows_whole_and_keeps_every_unsent_row(
