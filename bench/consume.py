@@ -705,7 +705,12 @@ def main() -> None:
         .filter(c__gt=1)
         .count()
     )
-    rss_10k, rss_end, mem_rate = memory_run(namespace, exchange, spec.queue, args.memory_messages)
+    # --memory-messages 0 skips the memory run: its figures are left out, not printed as zeros.
+    rss_10k, rss_end, mem_rate = (
+        memory_run(namespace, exchange, spec.queue, args.memory_messages)
+        if args.memory_messages
+        else (0, 0, 0.0)
+    )
 
     raw_rate, app_rate = n / raw_s, n / app_s
     result = {
@@ -725,12 +730,15 @@ def main() -> None:
         "two_processes_ratio_to_raw_two_workers": round(raw2_s / proc2_s, 2),
         "duplicates_per_s_database": round(n / dup_db_s),
         "doubled_effects": doubled,
-        "memory_messages": args.memory_messages,
-        "consumer_rss_kib_after_10k": rss_10k,
-        "consumer_rss_kib_at_end": rss_end,
-        "consumer_rss_growth": round(rss_end / rss_10k - 1, 3) if rss_10k else None,
-        "memory_run_msgs_per_s": round(mem_rate),
     }
+    if args.memory_messages:
+        result.update(
+            memory_messages=args.memory_messages,
+            consumer_rss_kib_after_10k=rss_10k,
+            consumer_rss_kib_at_end=rss_end,
+            consumer_rss_growth=round(rss_end / rss_10k - 1, 3) if rss_10k else None,
+            memory_run_msgs_per_s=round(mem_rate),
+        )
     print(f"machine: {result['machine']}")
     print(
         f"raw pika + psycopg (one transaction per message): {n} in {raw_s:.2f}s = "
@@ -750,7 +758,8 @@ def main() -> None:
     )
     print(f"duplicates: {result['duplicates_per_s_database']:,}/s through the database")
     print(f"doubled effects: {doubled}")
-    print_memory(args.memory_messages, rss_10k, rss_end, mem_rate)
+    if args.memory_messages:
+        print_memory(args.memory_messages, rss_10k, rss_end, mem_rate)
     print(json.dumps(result))
 
 

@@ -2,9 +2,10 @@
 
 Debian's ``pgbouncer`` (``make test`` installs it), run as the ``postgres`` user (it refuses
 root) with an ini, a pid file, a log and a unix-socket directory of its own under a temporary
-directory, on a free port. ``* = host=127.0.0.1 port=5432`` lets any database name through;
-``pools`` adds entries of their own (``default_pool_size`` per entry, e.g. a pool of one server
-connection). Used by the session fixture of ``tests/conftest.py`` and by ``bench/pgbouncer.py``.
+directory, on a free port (another when a process takes it before pgbouncer binds it).
+``* = host=127.0.0.1 port=5432`` lets any database name through; ``pools`` adds entries of their
+own (``default_pool_size`` per entry, e.g. a pool of one server connection). Used by the session
+fixture of ``tests/conftest.py`` and by ``bench/pgbouncer.py``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ def binary() -> str | None:
     return "/usr/sbin/pgbouncer" if os.access("/usr/sbin/pgbouncer", os.X_OK) else None
 
 
+class PortTaken(RuntimeError):
+    """pgbouncer could not bind its port: another process took it after it was found free."""
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -41,14 +46,34 @@ def free_port() -> int:
 class PgBouncer:
     """One pgbouncer process; :meth:`url` gives a DSN through it. Stop it with :meth:`stop`."""
 
+    # Ports tried: one found free may be taken by another process before pgbouncer binds it.
+    PORT_TRIES = 3
+
     def __init__(self, pools: Mapping[str, str] | None = None, pool_size: int = 40) -> None:
-        exe = binary()
-        if exe is None:
+        self.exe = binary()
+        if self.exe is None:
             raise RuntimeError("pgbouncer is not installed: apt-get install pgbouncer")
+        self.pools = dict(pools or {})
+        self.pool_size = pool_size
         self.dir = Path(tempfile.mkdtemp(prefix="rm-pgbouncer-"))
-        self.port = free_port()
         self.log = self.dir / "pgbouncer.log"
-        entries = [f"{name} = {spec}" for name, spec in (pools or {}).items()]
+        for attempt in range(1, self.PORT_TRIES + 1):
+            self.port = free_port()
+            self.process = self._start()
+            try:
+                self._wait_listening(20)
+                return
+            except PortTaken:
+                self._end_process()
+                if attempt == self.PORT_TRIES:
+                    self.stop()
+                    raise
+            except BaseException:
+                self.stop()
+                raise
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        entries = [f"{name} = {spec}" for name, spec in self.pools.items()]
         entries.append("* = host=127.0.0.1 port=5432")
         (self.dir / "pgbouncer.ini").write_text(
             "\n".join(
@@ -64,7 +89,7 @@ class PgBouncer:
                     "auth_type = trust",
                     f"auth_file = {self.dir / 'users.txt'}",
                     "pool_mode = transaction",
-                    f"default_pool_size = {pool_size}",
+                    f"default_pool_size = {self.pool_size}",
                     "max_client_conn = 500",
                     # The pooler as most deploy it: nothing reset between clients in
                     # transaction mode (server_reset_query applies to session mode only).
@@ -77,33 +102,36 @@ class PgBouncer:
             )
         )
         (self.dir / "users.txt").write_text('"postgres" ""\n"root" ""\n')
+        self.log.unlink(missing_ok=True)
         user = pwd.getpwnam(RUN_AS)
         for path in [self.dir, *self.dir.iterdir()]:
             os.chown(path, user.pw_uid, user.pw_gid)
-        command = [exe, str(self.dir / "pgbouncer.ini")]
+        command = [str(self.exe), str(self.dir / "pgbouncer.ini")]
         if os.geteuid() == 0:
             command[1:1] = ["-u", RUN_AS]
-        self.process = subprocess.Popen(
+        return subprocess.Popen(
             command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=self.dir
         )
-        try:
-            self._wait_listening(20)
-        except BaseException:
-            self.stop()
-            raise
 
     def _wait_listening(self, timeout: float) -> None:
+        """Until pgbouncer says it listens on its port (a connection alone could reach another
+        process that took the port); :class:`PortTaken` if it says it cannot (it then goes on,
+        on its unix socket alone)."""
         deadline = time.monotonic() + timeout
+        listening = f"listening on 127.0.0.1:{self.port}"
+        taken = f"cannot listen on 127.0.0.1:{self.port}"
         while time.monotonic() < deadline:
+            logs = self.logs()
+            if taken in logs:
+                raise PortTaken(f"pgbouncer: {taken}")
             if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"pgbouncer exited ({self.process.returncode}): {self.logs()[-2000:]}"
-                )
-            with (
-                contextlib.suppress(OSError),
-                socket.create_connection(("127.0.0.1", self.port), timeout=1),
-            ):
-                return
+                raise RuntimeError(f"pgbouncer exited ({self.process.returncode}): {logs[-2000:]}")
+            if listening in logs:
+                with (
+                    contextlib.suppress(OSError),
+                    socket.create_connection(("127.0.0.1", self.port), timeout=1),
+                ):
+                    return
             time.sleep(0.05)
         raise RuntimeError(f"pgbouncer did not listen on {self.port} in {timeout}s")
 
@@ -118,6 +146,10 @@ class PgBouncer:
 
     def stop(self) -> None:
         """Stop it (its server connections close with it) and remove its directory."""
+        self._end_process()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _end_process(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)  # immediate shutdown
             try:
@@ -125,7 +157,6 @@ class PgBouncer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(10)
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -9,15 +9,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tests.integration.ops.conftest import free_port
 from tests.support import ManageProcess
 
 
 class Provider:
-    """The payment provider: an HTTP server on a fixed port that the test stops and starts."""
+    """The payment provider: an HTTP server that the test stops and starts, on the port it
+    bound first (its own choice: none is picked free beforehand, for another to take)."""
 
     def __init__(self) -> None:
-        self.port = free_port()
+        self.port = 0
         self.calls = 0
         # Seconds each call takes, in turn (none: at once).
         self.delays: list[float] = []
@@ -43,6 +43,7 @@ class Provider:
                 pass
 
         self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Charge)
+        self.port = self._server.server_address[1]
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
 
     def stop(self) -> None:
