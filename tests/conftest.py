@@ -129,6 +129,16 @@ def _wake_up_connections_closed() -> Iterator[None]:
     sender.close()
 
 
+@pytest.fixture(autouse=True)
+def _no_broker_limit_learned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process remembers the smallest max_message_size a broker quoted in a refusal, and
+    publish() refuses bodies over it from then on: each test starts from a process that has
+    heard none (a twin's refusal of 300 bytes in one test refused the next tests' bodies)."""
+    from reliable_messaging.broker import limits
+
+    monkeypatch.setattr(limits, "_learned", None)
+
+
 @pytest.fixture(scope="session")
 def pgbouncer(django_db_setup: None) -> Iterator[PgBouncer]:
     """One transaction-pooling PgBouncer per session (per xdist worker), shared by every test

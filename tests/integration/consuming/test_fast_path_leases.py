@@ -139,7 +139,8 @@ def test_a_fresh_batch_costs_one_round_trip_and_carries_the_last_batchs_marks(
     run = DuplicateCache._run
 
     def counted(self: DuplicateCache, *args: Any, **kwargs: Any) -> Any:
-        trips.append(1)
+        if self is cache:  # not a cache an earlier test of this process left flushing
+            trips.append(1)
         return run(self, *args, **kwargs)
 
     monkeypatch.setattr(DuplicateCache, "_run", counted)

@@ -11,7 +11,6 @@ import pytest
 from django.db import transaction
 
 from reliable_messaging import publish
-from reliable_messaging.broker import limits
 from reliable_messaging.checks import check_broker_max_message_size
 from reliable_messaging.choices import OutboxStatus
 from reliable_messaging.models import OutboxMessage
@@ -31,12 +30,6 @@ def broker(request: pytest.FixtureRequest) -> Broker:
     if request.param == "rabbitmq3":
         return Broker(SYSTEM_URL)
     return Broker(request.getfixturevalue(request.param).url)
-
-
-@pytest.fixture(autouse=True)
-def _nothing_learned(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each test starts from a process that has not heard a broker's limit yet."""
-    monkeypatch.setattr(limits, "_learned", None)
 
 
 def test_a_body_over_the_brokers_limit_fails_at_once_and_the_rest_flows(
