@@ -79,7 +79,8 @@ RABBITMQ4_SERIAL_TESTS ?= \
 	tests/integration/ops/test_relay_broker_faults.py::test_relay_healthz_fails_while_the_broker_is_stopped \
 	tests/integration/ops/test_relay_broker_faults.py::test_blocked_relay_claims_nothing_and_resumes_by_itself \
 	tests/integration/ops/test_consume_ops.py::test_consumer_healthz_fails_while_the_broker_is_stopped \
-	tests/e2e/test_ordering.py::test_keys_keep_publish_order_across_a_restart_of_the_node
+	tests/e2e/test_ordering.py::test_keys_keep_publish_order_across_a_restart_of_the_node \
+	tests/integration/publishing/test_relay_broker_limits.py::test_a_limit_the_operator_raises_is_taken_without_a_restart
 
 # This machine's environment sets PYTHONDONTWRITEBYTECODE=1. Without bytecode files every pytest
 # process rewrites every test module's asserts again (about 9 s of CPU per collection of the

@@ -73,6 +73,7 @@ SERIAL = {
         "tests/integration/ops/test_consume_ops.py::test_consumer_healthz_fails_while_the_broker_is_stopped",
         "tests/integration/ops/test_relay_broker_faults.py",
         "tests/integration/publishing/test_relay_faults.py::test_relay_reconnects_by_itself_after_a_broker_restart",
+        "tests/integration/publishing/test_relay_broker_limits.py::test_a_limit_the_operator_raises_",
         "tests/e2e/test_ordering.py::test_keys_keep_publish_order_across_a_restart_",
     ),
     "stops_storage": (
@@ -131,8 +132,8 @@ def _wake_up_connections_closed() -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def _no_broker_limit_learned(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A process remembers the smallest max_message_size a broker quoted in a refusal, and
-    publish() refuses bodies over it from then on: each test starts from a process that has
+    """A process remembers for a minute the max_message_size a broker quoted in a refusal,
+    and publish() refuses bodies over it meanwhile: each test starts from a process that has
     heard none (a twin's refusal of 300 bytes in one test refused the next tests' bodies)."""
     from reliable_messaging.broker import limits
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import re
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,9 +32,26 @@ PROBE_ROUTING_KEY = "amq.reliable-messaging.size-probe"
 RELAY_HEADERS_ROOM = 64
 
 
-# The smallest max_message_size a broker of this process quoted, learned from a refusal (None:
-# none refused yet).
-_learned: int | None = None
+# How long a max_message_size learned from a broker's refusal holds: an operator who raises the
+# limit sees publish() take the larger bodies again within it, with no restart (a body still
+# over it meanwhile becomes a row the relay fails at once, and the limit is learned again).
+LEARNED_FOR = 60.0
+
+# The max_message_size a broker last quoted in a refusal, with the monotonic time it did (None:
+# none refused, or it was forgotten).
+_learned: tuple[int, float] | None = None
+
+
+def _learned_limit() -> int | None:
+    """The broker's ``max_message_size`` learned in the last ``LEARNED_FOR`` seconds, or None."""
+    global _learned
+    learned = _learned
+    if learned is None:
+        return None
+    if time.monotonic() - learned[1] > LEARNED_FOR:
+        _learned = None
+        return None
+    return learned[0]
 
 
 def body_size_refusal(size: int) -> str | None:
@@ -45,7 +63,7 @@ def body_size_refusal(size: int) -> str | None:
             f"the payload encodes to {size} bytes, over RELIABLE_MESSAGING"
             f"['MAX_BODY_BYTES'] ({limit}): consumers would dead-letter it unread"
         )
-    broker_limit = _learned
+    broker_limit = _learned_limit()
     if broker_limit is not None and size > broker_limit:
         return (
             f"the payload encodes to {size} bytes, over the broker's max_message_size "
@@ -56,13 +74,14 @@ def body_size_refusal(size: int) -> str | None:
 
 
 def size_limit_in(reply_text: object) -> int | None:
-    """The broker's ``max_message_size`` quoted in a 406 refusal (and remembered), or None."""
+    """The broker's ``max_message_size`` quoted in a 406 refusal (and remembered for
+    ``LEARNED_FOR`` seconds: the newest quote replaces an older one), or None."""
     global _learned
     found = _REFUSAL.search(str(reply_text))
     if not found:
         return None
     limit = int(found.group(2))
-    _learned = limit if _learned is None else min(_learned, limit)
+    _learned = (limit, time.monotonic())
     return limit
 
 
@@ -77,6 +96,9 @@ def broker_refuses(connection: BlockingConnection, size: int) -> int | None:
         if exc.reply_code == PRECONDITION_FAILED and (limit := size_limit_in(exc.reply_text)):
             return limit
         raise
+    global _learned
+    if _learned is not None and _learned[0] < size:
+        _learned = None  # the broker took more than the limit it quoted: it was raised
     return None
 
 

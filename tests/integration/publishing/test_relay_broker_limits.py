@@ -1,7 +1,8 @@
 """The broker's ``max_message_size`` (16 MiB by default from RabbitMQ 4.0, 128 MiB before): a
 body it refuses fails at once with the limit in its error, the rows after it flow, ``publish()``
-refuses it once the process knows the limit, and ``check --deploy`` compares the setting with
-the broker's limit. On 3.10.8 the same body is delivered."""
+refuses it while the process knows the limit and takes it again once the operator raised it,
+and ``check --deploy`` compares the setting with the broker's limit. On 3.10.8 the same body is
+delivered."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ import pytest
 from django.db import transaction
 
 from reliable_messaging import publish
+from reliable_messaging.broker import limits
 from reliable_messaging.checks import check_broker_max_message_size
 from reliable_messaging.choices import OutboxStatus
 from reliable_messaging.models import OutboxMessage
+from tests import support
+from tests.rabbitmq4 import NODES
 from tests.support import wait_until
 
 from .conftest import Broker, OutboxEnv
@@ -90,3 +94,77 @@ def test_check_deploy_warns_when_the_broker_cannot_be_asked(ob: OutboxEnv) -> No
     ob.set(BROKER_URL="amqp://guest:guest@127.0.0.1:1/%2F")
     found: list[Any] = check_broker_max_message_size()
     assert [m.id for m in found] == ["reliable_messaging.W050"]
+
+
+def _accepted(routing_key: str, payload: str) -> str | None:
+    """The message id of ``payload`` if ``publish()`` takes it, None while it refuses it."""
+    try:
+        return publish(routing_key, payload)
+    except ValueError:
+        return None
+
+
+@pytest.mark.skipif(
+    support.BROKER.name not in NODES,
+    reason="sets max_message_size inside the node: the 4.x nodes' serial lane only",
+)
+@pytest.mark.parametrize("broker", [support.BROKER.name], indirect=True)
+def test_a_limit_the_operator_raises_is_taken_without_a_restart(
+    ob: OutboxEnv, broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refusal teaches the process the limit; once the operator raises it, ``publish()`` and
+    the relay take the larger body again: after ``LEARNED_FOR`` (shortened here), or at once
+    when the broker takes a probe of that size. A 4.x node reads ``max_message_size`` from a
+    persistent term on every publish: putting it there is what a restart with a new
+    rabbitmq.conf would do, without the restart."""
+    node = NODES[support.BROKER.name]
+
+    def set_limit(size: int | str) -> None:
+        node.ctl("eval", f"persistent_term:put(max_message_size, {size}).")
+
+    original = node.ctl("eval", "persistent_term:get(max_message_size).").strip()
+    assert original.isdigit(), original
+    monkeypatch.setattr(limits, "LEARNED_FOR", 3.0, raising=False)
+    ob.set(BROKER_URL=broker.url, MAX_BODY_BYTES=8 * MIB)
+    queue = ob.queue()
+    body = "x" * (2 * MIB)
+    try:
+        set_limit(MIB)
+        with transaction.atomic():
+            refused = publish("limits.big", body)
+        ob.relay_thread()
+        wait_until(
+            lambda: OutboxMessage.objects.get(message_id=refused).status == OutboxStatus.FAILED,
+            timeout=30,
+            message="the row over the lowered limit failed at once",
+        )
+        assert (
+            "max_message_size is 1048576"
+            in OutboxMessage.objects.get(message_id=refused).last_error
+        )
+        with pytest.raises(ValueError, match="max_message_size \\(1048576\\)"):
+            publish("limits.big", body)
+
+        set_limit(4 * MIB)  # the operator raises it
+        taken = wait_until(
+            lambda: _accepted("limits.big", body),
+            timeout=limits.LEARNED_FOR + 10,
+            message="publish() takes the body once the learned limit is forgotten",
+        )
+        wait_until(
+            lambda: OutboxMessage.objects.get(message_id=taken).status == OutboxStatus.SENT,
+            timeout=30,
+            message="the relay sent the body under the raised limit",
+        )
+        assert [m.message_id for m in broker.drain(queue, expected=1)] == [taken]
+
+        # Learned again from a probe's refusal; a probe the raised broker takes forgets it.
+        monkeypatch.setattr(limits, "LEARNED_FOR", 3600.0)
+        set_limit(MIB)
+        assert limits.ask_broker(2 * MIB) == (MIB, None)
+        assert _accepted("limits.big", body) is None
+        set_limit(4 * MIB)
+        assert limits.ask_broker(2 * MIB) == (None, None)
+        assert _accepted("limits.big", body) is not None
+    finally:
+        set_limit(original)
