@@ -13,7 +13,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 MATRIX ?= 1
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 # worksteal: a worker that runs out takes tests from the others, so the part does not end on one
 # worker running alone (xdist's default schedule left one alone for its last 100 to 150 s).
 WORKERS = -n $(TEST_WORKERS) --dist worksteal
