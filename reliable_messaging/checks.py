@@ -12,6 +12,7 @@ from typing import Any
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.db import router
+from django.utils.text import capfirst
 
 from .conf import (
     DEFAULTS,
@@ -487,6 +488,7 @@ def check_sqlite(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
 def check_broker_max_message_size(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """``check --deploy``: the broker takes a body of ``MAX_BODY_BYTES`` (RabbitMQ 4 refuses
     more than 16 MiB by default), so that ``publish()`` never accepts what it would refuse."""
+    from .broker.findings import body_limit_under_setting
     from .broker.limits import ask_broker
 
     limit = messaging_settings.max_body_bytes
@@ -500,12 +502,8 @@ def check_broker_max_message_size(app_configs: Any = None, **kwargs: Any) -> lis
         return [_warning(50, message, hint + "`manage.py messaging_status --broker`.")]
     if refused is None:
         return []
-    message = (
-        f"{SETTING}['MAX_BODY_BYTES'] is {limit}, over the broker's max_message_size "
-        f"({refused}): publish() would accept payloads that the broker refuses."
-    )
-    hint = f"Set MAX_BODY_BYTES to at most {refused}, or raise max_message_size in rabbitmq.conf"
-    return [_error(50, message, hint + " (it cannot exceed 536870912).")]
+    message, fix = body_limit_under_setting(refused, limit)
+    return [_error(50, f"{capfirst(message)}.", f"{capfirst(fix)}.")]
 
 
 @register(Tags.compatibility)

@@ -197,6 +197,23 @@ def _mib(size: int) -> str:
     return f"{size:,} bytes ({size / 1024 / 1024:g} MiB)"
 
 
+def body_limit_under_setting(limit: int, max_body_bytes: int) -> tuple[str, str]:
+    """What is wrong, and the fix, when the broker's ``max_message_size`` is under
+    ``MAX_BODY_BYTES`` (``check --deploy``, ``messaging_status --broker``, the relay's start)."""
+    message = (
+        f"the broker refuses message bodies over {_mib(limit)} (max_message_size), but "
+        f"RELIABLE_MESSAGING['MAX_BODY_BYTES'] lets publish() accept up to "
+        f"{_mib(max_body_bytes)}: the relay's publish of a larger outbox row is refused (406) "
+        "and the row is marked failed at once"
+    )
+    fix = (
+        f"lower RELIABLE_MESSAGING['MAX_BODY_BYTES'] to {limit} or less, or raise the broker's "
+        f"limit: max_message_size = {max_body_bytes} in rabbitmq.conf (at most 536870912), "
+        "then restart the node"
+    )
+    return message, fix
+
+
 def delivery_limit(facts: QueueFacts, version: tuple[int, ...]) -> int | None:
     """A quorum queue's effective delivery limit; None when unlimited."""
     if facts.delivery_limit is not None:  # the broker's own figure (4.0+)
@@ -245,17 +262,7 @@ def _broker_findings(facts: BrokerFacts, expected: Expectations) -> list[Finding
         )
     found = [Finding("info", "server-version", url, versions)]
     if facts.max_message_size is not None:
-        message = (
-            f"the broker refuses message bodies over {_mib(facts.max_message_size)} "
-            f"(max_message_size), but MAX_BODY_BYTES lets publish() accept up to "
-            f"{_mib(expected.max_body_bytes)}: the relay's publish of a larger outbox row "
-            "is refused (406) and the row is marked failed at once"
-        )
-        fix = (
-            f"lower RELIABLE_MESSAGING['MAX_BODY_BYTES'] to {facts.max_message_size} or less, "
-            f"or raise the broker's limit: max_message_size = {expected.max_body_bytes} in "
-            "rabbitmq.conf (at most 536870912), then restart the node"
-        )
+        message, fix = body_limit_under_setting(facts.max_message_size, expected.max_body_bytes)
         found.append(Finding("error", "max-message-size", url, message, fix))
     elif facts.probe_error:
         message = (

@@ -23,6 +23,7 @@ from .findings import (
     Finding,
     OurQueue,
     QueueFacts,
+    body_limit_under_setting,
     find_findings,
 )
 from .limits import ask_broker, broker_refuses
@@ -251,15 +252,6 @@ def log_body_limit_in_background(
     def log_body_limit() -> None:
         limit, _ = ask_broker(settings.max_body_bytes, settings, timeout=timeout)
         if limit is not None:
-            logger.error(
-                "the broker refuses message bodies over %d bytes (max_message_size), but "
-                "RELIABLE_MESSAGING['MAX_BODY_BYTES'] is %d: publish() accepts bodies the "
-                "relay cannot send. Lower MAX_BODY_BYTES to %d or less, or raise "
-                "max_message_size in rabbitmq.conf to at least %d",
-                limit,
-                settings.max_body_bytes,
-                limit,
-                settings.max_body_bytes,
-            )
+            logger.error("%s. Fix: %s", *body_limit_under_setting(limit, settings.max_body_bytes))
 
     return _in_background("rm-body-limit-check", log_body_limit)

@@ -22,9 +22,7 @@ def test_relay_logs_the_size_4_0_refuses_once_and_keeps_running(
     relay.wait_connected()
     log = relay.log()
     assert log.count(LOGGED) == 1
-    assert (
-        "over 16777216 bytes (max_message_size), but RELIABLE_MESSAGING['MAX_BODY_BYTES'] is "
-        "20971520" in log
-    )
-    assert "Lower MAX_BODY_BYTES to 16777216 or less" in log
+    assert "over 16,777,216 bytes (16 MiB) (max_message_size)" in log
+    assert "MAX_BODY_BYTES'] lets publish() accept up to 20,971,520 bytes (20 MiB)" in log
+    assert "Fix: lower RELIABLE_MESSAGING['MAX_BODY_BYTES'] to 16777216 or less" in log
     assert relay.returncode is None

@@ -85,7 +85,7 @@ def test_check_deploy_compares_max_body_bytes_with_the_brokers_limit(
         assert found == []
     else:
         assert [m.id for m in found] == ["reliable_messaging.E050"]
-        assert "16777216" in found[0].msg and "at most 16777216" in str(found[0].hint)
+        assert "16,777,216 bytes" in found[0].msg and "16777216 or less" in str(found[0].hint)
     ob.set(MAX_BODY_BYTES=MIB)
     assert check_broker_max_message_size() == []
 
