@@ -2,7 +2,8 @@
 
 Debian's ``pgbouncer`` (``make test`` installs it), run as the ``postgres`` user (it refuses
 root) with an ini, a pid file, a log and a unix-socket directory of its own under a temporary
-directory, on a free port (another when a process takes it before pgbouncer binds it).
+directory, on a free port (another when a process takes it before pgbouncer binds it); killed
+with the process that started it.
 ``* = host=127.0.0.1 port=5432`` lets any database name through; ``pools`` adds entries of their
 own (``default_pool_size`` per entry, e.g. a pool of one server connection). Used by the session
 fixture of ``tests/conftest.py`` and by ``bench/pgbouncer.py``.
@@ -106,11 +107,17 @@ class PgBouncer:
         user = pwd.getpwnam(RUN_AS)
         for path in [self.dir, *self.dir.iterdir()]:
             os.chown(path, user.pw_uid, user.pw_gid)
-        command = [str(self.exe), str(self.dir / "pgbouncer.ini")]
-        if os.geteuid() == 0:
-            command[1:1] = ["-u", RUN_AS]
+        # setpriv (util-linux) makes the kernel kill pgbouncer when the process that started
+        # it dies, even by SIGKILL, so no pytest leaves one behind. The user is changed before
+        # (a change of user clears that signal: pgbouncer's own -u would).
+        as_user = {"user": user.pw_uid, "group": user.pw_gid} if os.geteuid() == 0 else {}
         return subprocess.Popen(
-            command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=self.dir
+            ["setpriv", "--pdeathsig=KILL", str(self.exe), str(self.dir / "pgbouncer.ini")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            cwd=self.dir,
+            extra_groups=[] if as_user else None,
+            **as_user,
         )
 
     def _wait_listening(self, timeout: float) -> None:

@@ -379,8 +379,8 @@ def test_relay_start_logs_an_error_naming_both_sizes(
         log_body_limit_in_background().join(timeout=60)
     (record,) = [r for r in caplog.records if r.name == "reliable_messaging.broker.inspection"]
     assert record.levelno == logging.ERROR
-    assert "over 16777216 bytes (max_message_size)" in record.getMessage()
-    assert "MAX_BODY_BYTES'] is 20971520" in record.getMessage()
+    assert "over 16,777,216 bytes (16 MiB) (max_message_size)" in record.getMessage()
+    assert "accept up to 20,971,520 bytes (20 MiB)" in record.getMessage()
 
 
 def test_relay_start_says_nothing_when_the_broker_takes_max_body_bytes(

@@ -542,7 +542,7 @@ def test_a_redelivered_suspect_past_its_deadline_is_expired_and_leaves_no_suspic
     """A message given back by another client comes redelivered: a suspect, run alone under the
     crash guard. Past its ``max_age`` by then, it is expired (its handler never runs), and the
     guard keeps no suspicion of it; a fresh message behind it is handled."""
-    nu = make_spec("nu", bindings=("nu.*",), max_age=2.0)
+    nu = make_spec("nu", bindings=("nu.*",), max_age=10.0)
     declaring = service([nu])
     declaring.request_stop()
     wait_until(lambda: consumers_of(f"{ns}.nu") == 0, timeout=30, message="no consumer")
@@ -553,7 +553,7 @@ def test_a_redelivered_suspect_past_its_deadline_is_expired_and_leaves_no_suspic
             "nu.due",
             {"n": 0},
             message_id="old-suspect",
-            headers={PUBLISHED_AT_HEADER: now_ms() - 10_000},
+            headers={PUBLISHED_AT_HEADER: now_ms() - 60_000},
         )
         assert return_until_dropped(f"{ns}.nu", most=1) == 1  # now redelivered
         publisher.publish(exchange_of(ns), "nu.due", {"n": 1}, message_id="fresh")
@@ -576,15 +576,15 @@ def test_a_redelivered_suspect_past_its_deadline_is_expired_and_leaves_no_suspic
 def test_an_expired_message_never_stalls_its_key_and_a_kept_one_parks_it_in_order(
     ns: str, rm_settings: dict[str, Any], service: Any, make_spec: Any, rec: Recorder
 ) -> None:
-    """One partition, two ordered consumers of the same key with a ``max_age`` of 2 s: seq 0
-    and 3 arrive already too old. ``iota`` drops them and handles 1, 2 and 4 in order, the
-    key never waiting. ``eta`` keeps them as dead letters: 1 to 4 are parked behind seq 0;
-    replayed oldest first (a replay is exempt from ``max_age``) all five are handled in
-    publish order."""
+    """One partition, two ordered consumers of the same key with a ``max_age`` of 10 s (room
+    for a loaded machine's start and handling): seq 0 and 3 arrive already too old. ``iota``
+    drops them and handles 1, 2 and 4 in order, the key never waiting. ``eta`` keeps them as
+    dead letters: 1 to 4 are parked behind seq 0; replayed oldest first (a replay is exempt
+    from ``max_age``) all five are handled in publish order."""
     with override_settings(RELIABLE_MESSAGING={**rm_settings, "ORDERED_PARTITIONS": 1}):
-        iota = make_spec("iota", bindings=("seq.*",), ordered=True, max_age=2.0)
+        iota = make_spec("iota", bindings=("seq.*",), ordered=True, max_age=10.0)
         eta = make_spec(
-            "eta", bindings=("seq.*",), ordered=True, max_age=2.0, on_expiry="dead_letter"
+            "eta", bindings=("seq.*",), ordered=True, max_age=10.0, on_expiry="dead_letter"
         )
         service([iota, eta], on_outcome=rec)
         publisher = Publisher()
@@ -592,7 +592,7 @@ def test_an_expired_message_never_stalls_its_key_and_a_kept_one_parks_it_in_orde
             for seq in range(5):
                 headers: dict[str, Any] = {ORDERING_KEY_HEADER: "k"}
                 if seq in (0, 3):
-                    headers[PUBLISHED_AT_HEADER] = now_ms() - 10_000
+                    headers[PUBLISHED_AT_HEADER] = now_ms() - 60_000
                 publisher.publish(
                     exchange_of(ns),
                     "seq.next",

@@ -13,8 +13,12 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import select
+import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -211,3 +215,31 @@ def test_relay_listen_dsn_wakes_the_relay_through_a_direct_session(
     assert listen_ports, "no LISTEN session of the relay"
     assert not set(listen_ports) & pooled_ports
     assert pooled_ports, "the relay's claims did not go through PgBouncer"
+
+
+def test_the_suites_pgbouncer_dies_with_the_process_that_started_it() -> None:
+    """A pytest killed by SIGKILL (a timeout, an impatient engineer) leaves no pgbouncer
+    behind: the kernel kills it with its parent (tests/pgbouncer.py)."""
+    script = (
+        "import sys, time\n"
+        "from tests.pgbouncer import PgBouncer\n"
+        "print(PgBouncer().process.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    starter = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=os.getcwd()
+    )
+    assert starter.stdout is not None
+    pid = int(starter.stdout.readline())
+
+    def alive() -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                return stat.read().split(") ", 1)[1][0] != "Z"  # a zombie has exited
+        except FileNotFoundError:
+            return False
+
+    assert alive()
+    starter.send_signal(signal.SIGKILL)
+    starter.wait(10)
+    wait_until(lambda: not alive(), timeout=10, message=f"pgbouncer {pid} gone with its parent")
