@@ -110,14 +110,15 @@ class PgBouncer:
         # setpriv (util-linux) makes the kernel kill pgbouncer when the process that started
         # it dies, even by SIGKILL, so no pytest leaves one behind. The user is changed before
         # (a change of user clears that signal: pgbouncer's own -u would).
-        as_user = {"user": user.pw_uid, "group": user.pw_gid} if os.geteuid() == 0 else {}
+        root = os.geteuid() == 0
         return subprocess.Popen(
             ["setpriv", "--pdeathsig=KILL", str(self.exe), str(self.dir / "pgbouncer.ini")],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
             cwd=self.dir,
-            extra_groups=[] if as_user else None,
-            **as_user,
+            user=user.pw_uid if root else None,
+            group=user.pw_gid if root else None,
+            extra_groups=[] if root else None,
         )
 
     def _wait_listening(self, timeout: float) -> None:
