@@ -104,7 +104,8 @@ in_root() {
     chroot "$ROOT" env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 \
         HOME="$BASE" ERL_EPMD_PORT="$EPMD_PORT" RABBITMQ_NODENAME="$NODE" \
         RABBITMQ_NODE_PORT="$AMQP_PORT" RABBITMQ_DIST_PORT="$DIST_PORT" \
-        RABBITMQ_CONFIG_FILE="$BASE/rabbitmq.conf" RABBITMQ_ENABLED_PLUGINS_FILE="$BASE/enabled_plugins" \
+        RABBITMQ_CONFIG_FILE="$BASE/rabbitmq.conf" RABBITMQ_ADVANCED_CONFIG_FILE="$BASE/advanced.config" \
+        RABBITMQ_ENABLED_PLUGINS_FILE="$BASE/enabled_plugins" \
         RABBITMQ_MNESIA_BASE="$BASE/mnesia" RABBITMQ_LOG_BASE="$BASE/log" \
         RABBITMQ_PID_FILE="$BASE/rabbit.pid" "$@"
 }
@@ -127,7 +128,12 @@ management.tcp.ip = 127.0.0.1
 loopback_users = none
 vm_memory_high_watermark.relative = 0.3
 disk_free_limit.absolute = 50000000
+collect_statistics_interval = 1000
 CONF
+        # Statistics every second, not every 5 s (above; and a quorum queue's tick, which
+        # publishes its figures and applied policy, in advanced.config): tests that wait for the
+        # management API to show a policy wait that much less; no test depends on the interval.
+        echo "[{rabbit, [{quorum_tick_interval, 1000}]}]." >"$ROOT$BASE/advanced.config"
         echo "[rabbitmq_management,rabbitmq_consistent_hash_exchange]." >"$ROOT$BASE/enabled_plugins"
         chown -R "$RABBIT_UID:$RABBIT_UID" "$ROOT$BASE"
         # The node runs as the chroot's rabbitmq user (the server script switches to it).
