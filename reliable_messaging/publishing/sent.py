@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db import DatabaseError, connections
+from django.db import DatabaseError, connections, transaction
 from django.db.models import Case, DurationField, F, Value, When
 from django.db.models.functions import Now
 from django.utils import timezone
@@ -22,7 +22,7 @@ from ..choices import OutboxStatus
 from ..core.backoff import exponential
 from ..core.envelope import ORDERING_KEY_HEADER, OUTBOX_ID_HEADER, PUBLISHED_AT_HEADER
 from ..models import OutboxMessage
-from ..storage.partitions import MOVED_TRIES, OUTBOX, UNSENT_STATUSES, ensure_covered, row_moved
+from ..storage.partitions import OUTBOX, UNSENT_STATUSES, again_if_moved, ensure_covered
 from .claims import ClaimedRow, ClaimTransaction, any_id_of, release_next_of_keys
 
 logger = logging.getLogger("reliable_messaging.relay")
@@ -213,23 +213,26 @@ def record_outcome(
     outcome: BatchOutcome, held: ClaimTransaction | None, *, using: str, max_attempts: int
 ) -> Exception | None:
     """Write ``outcome`` and release the next row of each key sent, in ``held`` (or a new
-    transaction); the error when it could not."""
-    leased = held is None
-    for attempt in range(1, MOVED_TRIES + 1):
-        try:
-            (held or ClaimTransaction(using)).run(
-                functools.partial(_write_outcome, outcome, leased, using, max_attempts)
-            )
-            return None
-        except Exception as exc:  # noqa: BLE001 - whatever failed, the relay goes on
-            if row_moved(exc) and attempt < MOVED_TRIES:
-                # Another relay sent a leased row meanwhile: again, in a new transaction.
-                held, leased = None, True
-                continue
-            if isinstance(exc, DatabaseError):
-                connections[using].close()  # the next query opens a fresh connection
-            return exc
-    raise AssertionError("unreachable")  # pragma: no cover
+    transaction); the error when it could not. A write that meets a row another relay moved
+    meanwhile runs again: in a savepoint of ``held``, which keeps the batch's rows locked
+    (rolled back, they would be due for another relay to send again), or in a new
+    transaction."""
+    write = functools.partial(_write_outcome, outcome, held is None, using, max_attempts)
+
+    def in_a_transaction_or_savepoint() -> None:
+        with transaction.atomic(using=using):
+            write()
+
+    try:
+        if held is None:
+            again_if_moved(in_a_transaction_or_savepoint)
+        else:
+            held.run(lambda: again_if_moved(in_a_transaction_or_savepoint))
+    except Exception as exc:  # noqa: BLE001 - whatever failed, the relay goes on
+        if isinstance(exc, DatabaseError):
+            connections[using].close()  # the next query opens a fresh connection
+        return exc
+    return None
 
 
 # A retry copy's key is dropped once sent: it guards only against a second copy waiting beside

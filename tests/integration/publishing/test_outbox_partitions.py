@@ -20,7 +20,7 @@ from django.utils import timezone
 from reliable_messaging import publish
 from reliable_messaging.choices import OutboxStatus
 from reliable_messaging.models import OutboxMessage
-from reliable_messaging.publishing import claims, scheduled
+from reliable_messaging.publishing import claims, scheduled, sent
 from reliable_messaging.publishing.claims import OutboxClaims
 from reliable_messaging.publishing.relay import RelayReport, build_relay
 from reliable_messaging.storage import partitions
@@ -346,3 +346,32 @@ def coming_days_ready() -> None:
     """The partitions a new installation has (a purge run by an earlier test with a clock far
     ahead may have dropped them)."""
     partitions.ensure_partitions("default", spec=OUTBOX)
+
+
+def test_an_outcome_that_meets_a_row_moved_meanwhile_is_written_again_keeping_its_rows_locked(
+    ob: OutboxEnv,
+) -> None:
+    """The write of a batch's outcome, in the claim's transaction that holds the rows, meets a
+    row another relay moved (the next row of a key, say): it runs again in a savepoint of that
+    transaction. Rolling the transaction back instead let the relay's next claim take the
+    batch's rows, sent and confirmed but still pending, and send them a second time."""
+    error = moved_error()
+    queue = ob.queue()
+    with transaction.atomic():
+        ids = [publish("a.b", {"n": n}) for n in range(3)]
+    real = sent._write_outcome
+    leased: list[bool] = []
+
+    def write(outcome: Any, as_leased: bool, *args: Any) -> None:
+        leased.append(as_leased)
+        if len(leased) == 1:
+            raise error
+        real(outcome, as_leased, *args)
+
+    relay = build_relay(once=True)
+    with mock.patch.object(sent, "_write_outcome", write):
+        report = relay.run()
+    assert (report.sent, leased) == (3, [False, False])
+    assert not [r for r in relay.health.check()[1] if "database" in r]
+    assert set(OutboxMessage.objects.values_list("status", flat=True)) == {OutboxStatus.SENT}
+    assert sorted(m.message_id for m in ob.broker.drain(queue, expected=3)) == sorted(ids)
