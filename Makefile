@@ -17,6 +17,11 @@ TEST_WORKERS ?= 4
 # worksteal: a worker that runs out takes tests from the others, so the part does not end on one
 # worker running alone (xdist's default schedule left one alone for its last 100 to 150 s).
 WORKERS = -n $(TEST_WORKERS) --dist worksteal
+# The parts that run beside another lane (PGBOUNCER_TESTS, RABBITMQ40_TESTS) in three: a fourth
+# worker saved them nothing (64 to 72 s against 77; 86 to 97 s against 90) and loaded the lane
+# beside them, where a consumer took 2 s to start and handle one message.
+LANE_TEST_WORKERS ?= 3
+LANE_WORKERS = -n $(LANE_TEST_WORKERS) --dist worksteal
 # Run once more through a transaction-pooling PgBouncer (tests/conftest.py, RM_TEST_PGBOUNCER):
 # a representative part of the e2e and publishing slices: consume's life and faults, a replay,
 # publish -> relay -> consume -> publish, the relay, the wake-ups, scheduled rows and their
@@ -161,7 +166,7 @@ test: venv services
 		local s=0; \
 		timed "serial, the node on 5672" run $(BIN)/pytest -m "serial and stops_broker" \
 			$(PYTEST_ARGS) || s=$$?; \
-		RM_TEST_PGBOUNCER=1 timed "PGBOUNCER_TESTS" run $(BIN)/pytest $(WORKERS) -m "not serial" \
+		RM_TEST_PGBOUNCER=1 timed "PGBOUNCER_TESTS" run $(BIN)/pytest $(LANE_WORKERS) -m "not serial" \
 			$(PYTEST_ARGS) $(PGBOUNCER_TESTS) || s=$$?; \
 		return $$s; \
 	}; \
@@ -184,7 +189,7 @@ test: venv services
 		timed "RABBITMQ4_SERIAL_TESTS on 4.3, beside" on_broker rabbitmq43 $(BIN)/pytest -m serial \
 			$(PYTEST_ARGS) $(RABBITMQ4_SERIAL_TESTS) || s=$$?; \
 		scripts/rabbitmq4.sh start || return 99; \
-		timed "RABBITMQ40_TESTS on 4.0, beside" on_broker rabbitmq4 $(BIN)/pytest $(WORKERS) \
+		timed "RABBITMQ40_TESTS on 4.0, beside" on_broker rabbitmq4 $(BIN)/pytest $(LANE_WORKERS) \
 			-m "not serial" $(PYTEST_ARGS) $(RABBITMQ40_TESTS) || s=$$?; \
 		return $$s; \
 	}; \
