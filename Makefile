@@ -18,8 +18,8 @@ TEST_WORKERS ?= 4
 # worker running alone (xdist's default schedule left one alone for its last 100 to 150 s).
 WORKERS = -n $(TEST_WORKERS) --dist worksteal
 # The parts that run beside another lane (PGBOUNCER_TESTS, RABBITMQ40_TESTS) in three: a fourth
-# worker saved them nothing (64 to 72 s against 77; 86 to 97 s against 90) and loaded the lane
-# beside them, where a consumer took 2 s to start and handle one message.
+# worker saved them little (64 to 72 s against 77 to 85; 86 to 97 s against 88 to 102) and
+# loaded the lane beside them, where a consumer took 2 s to start and handle one message.
 LANE_TEST_WORKERS ?= 3
 LANE_WORKERS = -n $(LANE_TEST_WORKERS) --dist worksteal
 # Run once more through a transaction-pooling PgBouncer (tests/conftest.py, RM_TEST_PGBOUNCER):
