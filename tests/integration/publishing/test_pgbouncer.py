@@ -16,6 +16,7 @@ import json
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -223,14 +224,16 @@ def test_the_suites_pgbouncer_dies_with_the_process_that_started_it() -> None:
     script = (
         "import sys, time\n"
         "from tests.pgbouncer import PgBouncer\n"
-        "print(PgBouncer().process.pid, flush=True)\n"
+        "bouncer = PgBouncer()\n"
+        "print(bouncer.process.pid, bouncer.dir, flush=True)\n"
         "time.sleep(120)\n"
     )
     starter = subprocess.Popen(
         [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=os.getcwd()
     )
     assert starter.stdout is not None
-    pid = int(starter.stdout.readline())
+    pid_text, directory = starter.stdout.readline().split(maxsplit=1)
+    pid = int(pid_text)
 
     def alive() -> bool:
         try:
@@ -242,4 +245,7 @@ def test_the_suites_pgbouncer_dies_with_the_process_that_started_it() -> None:
     assert alive()
     starter.send_signal(signal.SIGKILL)
     starter.wait(10)
-    wait_until(lambda: not alive(), timeout=10, message=f"pgbouncer {pid} gone with its parent")
+    try:
+        wait_until(lambda: not alive(), timeout=10, message=f"pgbouncer {pid} gone with its parent")
+    finally:
+        shutil.rmtree(directory.strip(), ignore_errors=True)  # the killed starter's
