@@ -17,7 +17,7 @@ from django.utils import timezone
 from ..choices import DeadLetterReason
 from ..core.envelope import DecodeError, Delivery
 from ..core.outcomes import Outcome, Release, RetryInPlace
-from ..models import SuspectDelivery
+from ..models import DeadLetter, SuspectDelivery
 from .last_resort import dead_letter_delivery
 from .stage import Processor
 
@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 
 CRASHED = "crashed"
 TIMEOUT = "timeout"
+# The dead letters of a message that killed its process.
+KILLED_ITS_PROCESS = (DeadLetterReason.WORKER_CRASHED, DeadLetterReason.TIMEOUT)
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,8 @@ class CrashGuard:
 
     def begin(self, consumer: str, message_id: str) -> Suspicion:
         """Mark (consumer, message_id) running and commit that, before the handler runs.
-        Returns the deaths counted so far, this delivery's own redelivery included."""
+        Returns the deaths counted so far, this delivery's own redelivery included, and those
+        of an earlier copy that is an open dead letter for killing its process."""
         with transaction.atomic(using=self.using):
             row, new = self._locked_row(consumer, message_id)
             died_in = row.last_process
@@ -88,8 +91,26 @@ class CrashGuard:
             row.last_cause = cause
             self._save(row, running=False)
 
+    def _count_earlier_copy(self, row: SuspectDelivery) -> None:
+        """A second copy of a message already dead-lettered for killing its process (sent
+        again by a relay that died before recording it sent): its deaths count for this one."""
+        earlier = (
+            DeadLetter.objects.using(router.db_for_write(DeadLetter))
+            .open()
+            .of(row.consumer, row.message_id)
+            .filter(reason__in=KILLED_ITS_PROCESS)
+            .values_list("attempts", "reason")
+            .first()
+        )
+        if earlier is not None:
+            row.deaths += earlier[0]
+            row.last_cause = TIMEOUT if earlier[1] == DeadLetterReason.TIMEOUT else CRASHED
+
     def _locked_row(self, consumer: str, message_id: str) -> tuple[SuspectDelivery, bool]:
-        return SuspectDelivery.objects.using(self.using).locked_or_created(consumer, message_id)
+        row, new = SuspectDelivery.objects.using(self.using).locked_or_created(consumer, message_id)
+        if new:
+            self._count_earlier_copy(row)
+        return row, new
 
     def _save(self, row: SuspectDelivery, *, running: bool) -> None:
         row.running = running

@@ -86,6 +86,15 @@ class PoisonRun:
         finally:
             publisher.close()
 
+    def publish_pill_again(self) -> None:
+        """A second, fresh copy of the pill (as a relay that died before recording it sent
+        would send it again)."""
+        publisher = Publisher(self.rig.vhost)
+        try:
+            publisher.publish(self.rig.exchange, ROUTING_KEY, body=self.bad_body, message_id=BAD_ID)
+        finally:
+            publisher.close()
+
     def publish_backlog(self, bad_payload: dict[str, Any], good: int) -> None:
         """Publish while nobody consumes, so the first supervised process takes the whole backlog
         into its prefetch: the good messages are in flight at every death and come back
@@ -283,6 +292,39 @@ def test_a_message_that_kills_its_process_becomes_a_dead_letter(
         )
         run.assert_neighbours_handled_once(supervisor)
         assert set(run.dead_letters()) == {BAD_ID}, run.context(supervisor)
+        support.no_suspect_left(lambda: run.context(supervisor))
+    finally:
+        supervisor.stop()
+
+
+def test_a_second_copy_of_a_dead_lettered_killer_costs_one_death_not_crash_limit(
+    rig: FaultRig,
+) -> None:
+    """The copy runs fresh and kills one process (the guard watches redeliveries only); its
+    redelivery counts the dead letter's deaths and is dead-lettered without running again."""
+    crash_limit = 2
+    run = PoisonRun(rig, RM_TEST_CRASH_LIMIT=str(crash_limit))
+    run.publish_backlog({"kill": {LABEL: True}}, good=3)
+    supervisor = run.supervise(max_restarts=2 * crash_limit + 2)
+    try:
+        run.settle(supervisor, timeout=90)
+        assert supervisor.restarts == crash_limit, run.context(supervisor)
+        first_letter = run.dead_letters()[BAD_ID].last_failed_at
+        run.publish_pill_again()
+        run.wait(
+            lambda: run.dead_letters()[BAD_ID].last_failed_at > first_letter and run.drained(),
+            "the second copy dead-lettered and the queue drained",
+            60,
+            supervisor,
+        )
+        run.assert_quiet(supervisor, seconds=2.0)
+        assert supervisor.restarts == crash_limit + 1, run.context(supervisor)
+        letter = run.dead_letters()[BAD_ID]
+        assert (letter.reason, letter.attempts) == ("worker_crashed", crash_limit + 1), run.context(
+            supervisor
+        )
+        assert f"{crash_limit + 1} time(s)" in letter.exception_message, letter.exception_message
+        run.assert_neighbours_handled_once(supervisor)
         support.no_suspect_left(lambda: run.context(supervisor))
     finally:
         supervisor.stop()
