@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from django.db import router, transaction
 from django.utils import timezone
 
-from ..choices import DeadLetterReason
+from ..choices import DeadLetterReason, DeadLetterStatus
 from ..core.envelope import DecodeError, Delivery
 from ..core.outcomes import Outcome, Release, RetryInPlace
 from ..models import DeadLetter, SuspectDelivery
@@ -60,7 +60,7 @@ class CrashGuard:
     def begin(self, consumer: str, message_id: str) -> Suspicion:
         """Mark (consumer, message_id) running and commit that, before the handler runs.
         Returns the deaths counted so far, this delivery's own redelivery included, and those
-        of an earlier copy that is an open dead letter for killing its process."""
+        of an earlier copy dead-lettered for killing its process (not replayed)."""
         with transaction.atomic(using=self.using):
             row, new = self._locked_row(consumer, message_id)
             died_in = row.last_process
@@ -96,7 +96,7 @@ class CrashGuard:
         again by a relay that died before recording it sent): its deaths count for this one."""
         earlier = (
             DeadLetter.objects.using(router.db_for_write(DeadLetter))
-            .open()
+            .filter(status=DeadLetterStatus.DEAD)  # a replayed copy has its deaths afresh
             .of(row.consumer, row.message_id)
             .filter(reason__in=KILLED_ITS_PROCESS)
             .values_list("attempts", "reason")
