@@ -49,9 +49,10 @@ def test_an_ordered_consumers_in_place_retry_past_max_age_is_expired(
     rec: Recorder,
     publisher: Publisher,
 ) -> None:
-    slow_retries = {**rm_settings, "ORDERED_PARTITIONS": 1, "RETRY_DELAYS": [1.5]}
+    # Room for a loaded machine: the first attempt has 3 s, the retry comes 4.5 s later.
+    slow_retries = {**rm_settings, "ORDERED_PARTITIONS": 1, "RETRY_DELAYS": [4.5]}
     with override_settings(RELIABLE_MESSAGING=slow_retries):
-        gamma = make_spec("gamma", bindings=("seq.*",), ordered=True, max_age=1.0)
+        gamma = make_spec("gamma", bindings=("seq.*",), ordered=True, max_age=3.0)
         service([gamma], on_outcome=rec)
         publisher.publish(
             exchange_of(ns),
@@ -61,7 +62,7 @@ def test_an_ordered_consumers_in_place_retry_past_max_age_is_expired(
             headers={ORDERING_KEY_HEADER: "k", PUBLISHED_AT_HEADER: now_ms()},
         )
         rec.wait_count(gamma.name, 1, timeout=30)
-    # The first attempt ran (and failed) in time; the second, 1.5 s later, is past max_age.
+    # The first attempt ran (and failed) in time; the second, 4.5 s later, is past max_age.
     assert rec.results(gamma.name) == ["expired"]
     assert attempts_run(rec, "gamma") == [1]
     assert effects("gamma") == []
@@ -77,7 +78,7 @@ def test_a_retry_whose_delay_outlives_the_deadline_is_expired_and_kept_when_aske
     rec: Recorder,
     publisher: Publisher,
 ) -> None:
-    with override_settings(RELIABLE_MESSAGING={**rm_settings, "RETRY_DELAYS": [1.5]}):
+    with override_settings(RELIABLE_MESSAGING={**rm_settings, "RETRY_DELAYS": [4.5]}):
         alpha = make_spec("alpha", on_expiry="dead_letter")
         service([alpha], on_outcome=rec)
         publisher.publish(
@@ -85,7 +86,7 @@ def test_a_retry_whose_delay_outlives_the_deadline_is_expired_and_kept_when_aske
             "order.placed",
             {"fail": {"alpha": 5}},
             message_id="late-retry",
-            headers={EXPIRES_AT_HEADER: now_ms() + 1000},
+            headers={EXPIRES_AT_HEADER: now_ms() + 3000},
         )
         rec.wait_count(alpha.name, 2, timeout=30)
     assert rec.results(alpha.name) == ["retry", "expired"]
