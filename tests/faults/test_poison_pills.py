@@ -297,6 +297,10 @@ def test_a_message_that_kills_its_process_becomes_a_dead_letter(
         supervisor.stop()
 
 
+@pytest.mark.skipif(
+    support.BROKER.name != "rabbitmq3",
+    reason="the crash guard's count is the database's, the same on every broker: once, on 3.10",
+)
 def test_a_second_copy_of_a_dead_lettered_killer_costs_one_death_not_crash_limit(
     rig: FaultRig,
 ) -> None:
