@@ -98,7 +98,8 @@ class CrashGuard:
             DeadLetter.objects.using(router.db_for_write(DeadLetter))
             .filter(status=DeadLetterStatus.DEAD)  # a replayed copy has its deaths afresh
             .of(row.consumer, row.message_id)
-            .filter(reason__in=KILLED_ITS_PROCESS)
+            # The guard's own (no exception: the process died), not a handler's HandlerTimeout.
+            .filter(reason__in=KILLED_ITS_PROCESS, exception_type="")
             .values_list("attempts", "reason")
             .first()
         )

@@ -12,7 +12,9 @@ pytestmark = pytest.mark.django_db
 CONSUMER = "tests.alpha"
 
 
-def dead_letter(message_id: str, reason: str, status: str, attempts: int = 3) -> None:
+def dead_letter(
+    message_id: str, reason: str, status: str, attempts: int = 3, exception_type: str = ""
+) -> None:
     DeadLetter.objects.create(
         consumer=CONSUMER,
         message_id=message_id,
@@ -21,25 +23,28 @@ def dead_letter(message_id: str, reason: str, status: str, attempts: int = 3) ->
         reason=reason,
         status=status,
         attempts=attempts,
+        exception_type=exception_type,
     )
 
 
 @pytest.mark.parametrize(
-    ("reason", "status", "deaths"),
+    ("reason", "status", "exception_type", "deaths"),
     [
-        ("worker_crashed", "dead", 4),
-        ("timeout", "dead", 4),
+        ("worker_crashed", "dead", "", 4),
+        ("timeout", "dead", "", 4),
         # An operator's replay gives its copy a full CRASH_LIMIT again.
-        ("worker_crashed", "replayed", 1),
-        ("worker_crashed", "resolved", 1),
-        # A message that failed otherwise never killed a process.
-        ("retries_exhausted", "dead", 1),
+        ("worker_crashed", "replayed", "", 1),
+        ("worker_crashed", "resolved", "", 1),
+        # A message that failed otherwise never killed a process: a handler interrupted at
+        # its time limit on every attempt is a dead letter "timeout" of its HandlerTimeout.
+        ("retries_exhausted", "dead", "", 1),
+        ("timeout", "dead", "reliable_messaging.exceptions.HandlerTimeout", 1),
     ],
 )
 def test_a_redelivered_copy_counts_the_deaths_of_its_dead_letter_for_killing(
-    reason: str, status: str, deaths: int
+    reason: str, status: str, exception_type: str, deaths: int
 ) -> None:
-    dead_letter("copy", reason, status)
+    dead_letter("copy", reason, status, exception_type=exception_type)
     dead_letter("other", "worker_crashed", "dead")
     guard = CrashGuard(limit=3)
     suspicion = guard.begin(CONSUMER, "copy")
