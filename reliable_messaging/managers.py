@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, Self
 
 from django.db import IntegrityError, connections, models, router, transaction
@@ -770,21 +770,37 @@ def _started(run: Any, worker_id: str, at: dt.datetime) -> Any:
     return run
 
 
+def _startable(run: Any, named: dict[str, list[str]] | None) -> bool:
+    """Not SUCCESSFUL, and of a task a message names (when ``named`` says which)."""
+    if run.status == TaskRunStatus.SUCCESSFUL:
+        return False
+    return named is None or run.task_path in named.get(run.pk, ())
+
+
 class TaskRunQuerySet(models.QuerySet):
     """The lifecycle of ``django.tasks`` tasks: READY, RUNNING per attempt, SUCCESSFUL or FAILED."""
 
-    def start_attempts(self, ids: Iterable[str], worker_id: str, at: dt.datetime) -> list[Any]:
+    def start_attempts(
+        self,
+        ids: Iterable[str],
+        worker_id: str,
+        at: dt.datetime,
+        *,
+        paths: Mapping[str, Collection[str]] | None = None,
+    ) -> list[Any]:
         """Mark the tasks of ``ids`` (not SUCCESSFUL) RUNNING for one more attempt by
-        ``worker_id`` and return their rows, committed before they run."""
+        ``worker_id`` and return their rows, committed before they run. With ``paths`` (the
+        task paths the messages of each id name), only a row whose task a message names."""
         wanted = list(dict.fromkeys(ids))
+        named = None if paths is None else {pk: sorted(paths.get(pk, ())) for pk in wanted}
         connection = connections[self.db]
         if connection.vendor == "postgresql":
             if connection.in_atomic_block:
                 with transaction.atomic(using=self.db):
-                    started = self._start_free(wanted, worker_id, at)
+                    started = self._start_free(wanted, named, worker_id, at)
             else:
                 # One round trip, a commit that does not wait for the disk (docs/tasks.md).
-                started = self._start_free(wanted, worker_id, at, flush=False)
+                started = self._start_free(wanted, named, worker_id, at, flush=False)
             # Not started (held elsewhere, SUCCESSFUL, or gone): each looked at alone below.
             taken = {run.pk for run in started}
         else:
@@ -792,7 +808,7 @@ class TaskRunQuerySet(models.QuerySet):
                 free = list(
                     self.select_for_update(skip_locked=True).filter(pk__in=wanted).order_by("pk")
                 )
-                started = [run for run in free if run.status != TaskRunStatus.SUCCESSFUL]
+                started = [run for run in free if _startable(run, named)]
                 for run in started:
                     _started(run, worker_id, at).save(using=self.db, update_fields=_STARTED_FIELDS)
             taken = {run.pk for run in free}
@@ -801,14 +817,20 @@ class TaskRunQuerySet(models.QuerySet):
                 continue
             with transaction.atomic(using=self.db):
                 run = self.select_for_update().filter(pk=task_id).first()
-                if run is None or run.status == TaskRunStatus.SUCCESSFUL:
+                if run is None or not _startable(run, named):
                     continue
                 _started(run, worker_id, at).save(using=self.db, update_fields=_STARTED_FIELDS)
             started.append(run)
         return started
 
     def _start_free(
-        self, wanted: list[str], worker_id: str, at: dt.datetime, *, flush: bool = True
+        self,
+        wanted: list[str],
+        named: dict[str, list[str]] | None,
+        worker_id: str,
+        at: dt.datetime,
+        *,
+        flush: bool = True,
     ) -> list[Any]:
         """PostgreSQL: the free, not SUCCESSFUL rows of ``wanted`` started in one statement.
         ``flush=False`` (in autocommit only): its commit does not wait for the disk."""
@@ -842,7 +864,9 @@ class TaskRunQuerySet(models.QuerySet):
             f"started_at = COALESCE(started_at, %s), "
             f"last_attempted_at = %s, finished_at = NULL, attempts = attempts + 1, "
             f"worker_ids = worker_ids || %s::jsonb WHERE id IN (SELECT id FROM {table} "
-            f"WHERE id = ANY(%s) AND status <> %s ORDER BY id FOR UPDATE SKIP LOCKED) "
+            f"WHERE id = ANY(%s) AND status <> %s "
+            f"AND (%s::jsonb IS NULL OR (%s::jsonb -> id) ? task_path) "
+            f"ORDER BY id FOR UPDATE SKIP LOCKED) "
             f"{flushed}RETURNING {returned}"
         )
         params: list[Any] = [
@@ -852,6 +876,7 @@ class TaskRunQuerySet(models.QuerySet):
             json.dumps([worker_id]),
             wanted,
             TaskRunStatus.SUCCESSFUL,
+            *[None if named is None else json.dumps(named)] * 2,
             at,
         ]
         with connection.cursor() as cursor:

@@ -25,6 +25,7 @@ from ..choices import DeadLetterReason, DeadLetterStatus
 from ..conf import messaging_settings
 from ..contracts import consumer_payload_errors
 from ..dead_letters import selection
+from ..dead_letters.edit import never_editable
 from ..dead_letters.permissions import can_edit
 from ..dead_letters.replay import REPLAYABLE_STATUSES, UNREPLAYABLE_REASONS, stale_replays
 from ..managers import DeadLetterQuerySet
@@ -270,7 +271,9 @@ class DeadLetterAdmin(
                 processed_row=self._processed_row(obj),
                 replay_url=self.console_url("replay", obj.pk),
                 discard_url=self.console_url("discard", obj.pk),
-                can_edit_replay=can_edit(request.user, obj.consumer) and replayable,
+                can_edit_replay=can_edit(request.user, obj.consumer)
+                and replayable
+                and never_editable(obj) is None,
                 edit_replay_url=self.console_url("edit_replay", obj.pk),
             )
         return super().change_view(

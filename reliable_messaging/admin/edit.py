@@ -17,6 +17,7 @@ from ..dead_letters.edit import (
     EditRefused,
     check_edit,
     editable_headers,
+    never_editable,
     original_payload_text,
     original_processed,
     pretty,
@@ -58,7 +59,9 @@ class EditReplayPage(OperationPages):
         else:
             form = {"payload": original_payload_text(obj), "headers": pretty(editable_headers(obj))}
             form.update(reason="", force=False)
+            never = never_editable(obj)
             edit = Edit(already_processed=original_processed(obj))
+            edit.problems += [never] if never else []
         return self.render_page(
             request,
             "edit_replay",

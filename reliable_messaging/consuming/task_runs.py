@@ -52,8 +52,14 @@ class TaskRuns(Stage):
         from ..task_runs.worker import start_attempts
 
         # Once per task: two copies of its message in one batch are one attempt (the inbox
-        # lets one of them run).
-        attempts = start_attempts(batch.jobs[0].processor.using, dict.fromkeys(ids.values()))
+        # lets one of them run). Only for a message that names the row's task (run_task refuses
+        # the others, which the row is not charged for).
+        paths: dict[str, set[str]] = {}
+        for job, task_id in ids.items():
+            message = job.message
+            named = message.payload.get("task") if isinstance(message, Message) else None
+            paths.setdefault(task_id, set()).update([named] if isinstance(named, str) else [])
+        attempts = start_attempts(batch.jobs[0].processor.using, paths)
         return _Tasks(attempts, ids)
 
     def screen(self, job: Job, message: Message, state: _Tasks | None) -> DeliveryOutcome | None:

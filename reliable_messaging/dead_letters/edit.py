@@ -28,6 +28,7 @@ from ..core.envelope import (
 from ..core.trace_context import TRACE_HEADERS
 from ..core.uuid7 import new_message_id
 from ..models import DeadLetter, ProcessedMessage, Replay
+from ..task_runs.naming import is_task_consumer
 from .replay import insert_copies, outbox_row, replay_headers, traced
 from .replay import refusal as replay_refusal
 
@@ -96,6 +97,18 @@ def editable_headers(dead_letter: DeadLetter) -> dict[str, Any]:
 _UNREAD = object()  # what _parse gives for text that is not JSON
 
 
+def never_editable(dead_letter: DeadLetter) -> str | None:
+    """Why no edit of ``dead_letter`` could change what its replay runs (None: one could)."""
+    if is_task_consumer(dead_letter.consumer):
+        return (
+            f"dead letter #{dead_letter.pk} is the message of a django.tasks task, which only "
+            "names the task's result row: the row holds the task and its arguments, so an edit "
+            "could not change what runs. Replay it as it is, or enqueue the task again with "
+            "other arguments"
+        )
+    return None
+
+
 def _parse(text: str, what: str, problems: list[str]) -> Any:
     try:
         return json.loads(text)
@@ -162,6 +175,8 @@ def check_edit(dead_letter: DeadLetter, *, now: Any = None, **form: Unpack[EditF
     diff against the original, and every problem that refuses it."""
     edit = Edit()
     problems = edit.problems
+    if never := never_editable(dead_letter):
+        problems.append(never)
     payload = _parse(form["payload_text"], "payload", problems)
     payload_ok = payload is not _UNREAD
     if payload_ok:

@@ -10,7 +10,7 @@ import inspect
 import logging
 import os
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -156,6 +156,12 @@ def run_task(message: Message) -> None:
         run = TaskRun.objects.using(using).filter(pk=task_id).first()
         if run is None:
             raise TaskRunMissing(task_id)
+    if (named := message.payload.get("task")) != run.task_path:
+        # What the message says it runs is not what its row runs: neither is trusted.
+        raise PermanentError(
+            f"message_id={message.message_id} names task {named!r}, but the row of task "
+            f"{task_id} is of {run.task_path}"
+        )
     if attempts is None:
         task = task_of(run)
         call = call_of(task)
@@ -200,12 +206,16 @@ def consumer_specs(queues: TaskQueues) -> list[ConsumerSpec]:
     ]
 
 
-def start_attempts(using: str, task_ids: Iterable[str]) -> Attempts:
+def start_attempts(using: str, paths: Mapping[str, Collection[str]]) -> Attempts:
     """Before the attempts' transaction: RUNNING, committed (so visible while the tasks run),
     then ``task_started``; the batch's :class:`Attempts`, which the stage of tasks keeps as its
-    state until :func:`end_attempts`. A database that cannot take the write holds the deliveries."""
+    state until :func:`end_attempts`. ``paths``: the task paths its messages name, by task id
+    (a row whose task none names is not started). A database that cannot take the write holds
+    the deliveries."""
     try:
-        runs = TaskRun.objects.using(using).start_attempts(task_ids, worker_id(), timezone.now())
+        runs = TaskRun.objects.using(using).start_attempts(
+            paths, worker_id(), timezone.now(), paths=paths
+        )
     except DatabaseError as exc:
         raise DatabaseUnavailable(f"could not mark tasks RUNNING: {exc}") from exc
     attempts = Attempts(using, {run.pk: run for run in runs})

@@ -23,6 +23,7 @@ from reliable_messaging.dead_letters.permissions import (
     create_consumer_permissions,
 )
 from reliable_messaging.models import DeadLetter, OutboxMessage, Replay
+from reliable_messaging.task_runs.naming import task_consumer_name
 
 from .conftest import BETA_QUEUE, change_url, staff_user
 
@@ -212,6 +213,35 @@ def test_a_celery_task_or_a_resolved_letter_is_refused(make_dead_letter: MakeDea
                 letter, payload_text="{}", headers="{}", reason="x", replayed_by="alice (admin)"
             )
     assert not Replay.objects.exists()
+
+
+def test_a_django_task_letter_offers_its_replay_and_no_edit(
+    admin: Client, make_dead_letter: MakeDeadLetter
+) -> None:
+    # Its message only names the task's row (which holds the task and its arguments), so an
+    # edit could only make it name another task: the worker would run the row's task, not the
+    # diff the operator confirmed.
+    letter = make_dead_letter(
+        consumer=task_consumer_name("default", "default"),
+        queue="tasks.default",
+        payload={"task_id": "t-1", "task": "shop.tasks.charge"},
+    )
+    page = admin.get(change_url(letter)).text
+    assert 'id="rm-edit-replay"' not in page
+    assert 'value="Replay"' in page
+    form = admin.get(edit_url(letter))
+    assert form.status_code == 200
+    assert "is the message of a django.tasks task" in html.unescape(form.text)
+    edited = {
+        "payload_text": '{"task_id": "t-2", "task": "shop.tasks.refund"}',
+        "headers": "{}",
+        "reason": "run the refund instead",
+    }
+    assert any("django.tasks task" in problem for problem in check_edit(letter, **edited).problems)
+    with pytest.raises(EditRefused, match="enqueue the task again"):
+        replay_edited(letter, **edited, replayed_by="alice (admin)")
+    assert not Replay.objects.exists()
+    assert not OutboxMessage.objects.exists()
 
 
 def test_both_pages_show_the_link(admin: Client, make_dead_letter: MakeDeadLetter) -> None:

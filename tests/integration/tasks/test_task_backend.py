@@ -151,6 +151,31 @@ def test_a_duplicated_delivery_runs_the_task_once(
     assert result.attempts == 1 and result.return_value == 8
 
 
+def test_a_message_naming_another_task_than_its_rows_runs_neither(
+    worker: Any, outcomes: Outcomes, tasks_settings: TaskQueues, rm_settings: dict[str, Any]
+) -> None:
+    result = tasks.add.enqueue(4, 4)
+    publisher = Publisher()
+    try:  # another message for its row, saying it runs another task
+        publisher.publish(
+            rm_settings["EXCHANGE"],
+            tasks_settings.amqp_queue("default"),
+            {"task_id": result.id, "task": "tests.integration.tasks.tasks.fails_before"},
+            message_id="not-the-task-id",
+        )
+    finally:
+        publisher.close()
+    until_status(result, "SUCCESSFUL")
+    assert sorted(outcomes.wait(2)) == ["dead_lettered", "processed"]
+    dead = DeadLetter.objects.get(message_id="not-the-task-id")
+    assert dead.exception_type == "reliable_messaging.exceptions.PermanentError"
+    assert "names task 'tests.integration.tasks.tasks.fails_before'" in dead.exception_message
+    assert "tests.integration.tasks.tasks.add" in dead.exception_message
+    assert effects("add") == [1]  # run once, by its own message
+    result.refresh()
+    assert (result.status, result.attempts, result.errors) == ("SUCCESSFUL", 1, [])
+
+
 def test_a_failing_task_is_retried_until_it_succeeds(worker: Any, outcomes: Outcomes) -> None:
     result = tasks.fails_before.enqueue(2)
     until_status(result, "SUCCESSFUL")
