@@ -320,6 +320,14 @@ class MessagingSettings:
         "change; `None` keeps them for good (dead and replayed ones are never purged)",
         duration(6, hint="e.g. timedelta(days=90), or None to keep them", none_allowed=True),
     )
+    task_result_retention = Setting(
+        timedelta(days=14),
+        _optional(_timedelta),
+        "how long `purge_messages` keeps the result of a finished `django.tasks` task after it "
+        "finished (a FAILED one only once its dead letter is closed or gone); `None` keeps "
+        "them for good",
+        duration(6, hint="e.g. timedelta(days=30), or None to keep them", none_allowed=True),
+    )
     cache_alias = Setting(
         None,
         _optional(str),

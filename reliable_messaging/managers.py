@@ -777,8 +777,22 @@ def _startable(run: Any, named: dict[str, list[str]] | None) -> bool:
     return named is None or run.task_path in named.get(run.pk, ())
 
 
-class TaskRunQuerySet(models.QuerySet):
+class TaskRunQuerySet(BatchDeletingQuerySet):
     """The lifecycle of ``django.tasks`` tasks: READY, RUNNING per attempt, SUCCESSFUL or FAILED."""
+
+    def finished_before(self, before: dt.datetime) -> TaskRunQuerySet:
+        """Tasks that finished before ``before``: SUCCESSFUL, or FAILED with no open dead letter
+        (one an operator could still replay runs the row). purge_messages's."""
+        open_letter = _sibling(self, "DeadLetter").filter(
+            message_id=OuterRef("pk"), status__in=OPEN_DEAD_LETTER_STATUSES
+        )
+        failed = Q(~Exists(open_letter), status=TaskRunStatus.FAILED)
+        return self.filter(
+            # A task finishes after its enqueue: the status index's range, then the finish.
+            Q(status=TaskRunStatus.SUCCESSFUL) | failed,
+            enqueued_at__lt=before,
+            finished_at__lt=before,
+        )
 
     def start_attempts(
         self,

@@ -12,7 +12,14 @@ from django.utils import timezone
 
 from ..conf import MessagingSettings, messaging_settings
 from ..managers import BatchDeletingQuerySet
-from ..models import DeadLetter, DeadLetterGroup, OutboxMessage, ProcessedMessage, SuspectDelivery
+from ..models import (
+    DeadLetter,
+    DeadLetterGroup,
+    OutboxMessage,
+    ProcessedMessage,
+    SuspectDelivery,
+    TaskRun,
+)
 from . import partitions
 
 
@@ -25,6 +32,7 @@ class PurgeResult:
     inbox_partitions: tuple[str, ...] = ()
     outbox_partitions: tuple[str, ...] = ()
     dead_letters: int = 0
+    task_results: int = 0  # of finished django.tasks tasks
 
 
 # Told after each deleted batch the table, the rows deleted so far and those due at the start.
@@ -52,8 +60,8 @@ def purge_messages(
     settings: MessagingSettings = messaging_settings,
     on_batch: OnBatch | None = None,
 ) -> PurgeResult:
-    """Delete the inbox, crash-guard, sent outbox rows and closed dead letters past their
-    retention settings; ``on_batch`` is told of each deleted batch."""
+    """Delete the inbox, crash-guard, sent outbox rows, closed dead letters and finished tasks'
+    results past their retention settings; ``on_batch`` is told of each deleted batch."""
     now = now or timezone.now()
 
     def expire(
@@ -85,6 +93,10 @@ def purge_messages(
     if settings.dead_letter_retention is not None:
         closed = DeadLetter.objects.closed_before(now - settings.dead_letter_retention)
         dead_letters = _purge("dead letters", closed, batch_size, dry_run, on_batch)
+    task_results = 0
+    if settings.task_result_retention is not None:
+        finished = TaskRun.objects.finished_before(now - settings.task_result_retention)
+        task_results = _purge("task results", finished, batch_size, dry_run, on_batch)
     if not dry_run:
         # Folds the deltas (the purge's deletes among them) before it looks for empty groups.
         DeadLetterGroup.objects.forget_empty()
@@ -95,4 +107,5 @@ def purge_messages(
         inbox_partitions=inbox_partitions,
         outbox_partitions=outbox_partitions,
         dead_letters=dead_letters,
+        task_results=task_results,
     )

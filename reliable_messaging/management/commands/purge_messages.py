@@ -1,4 +1,5 @@
-"""``manage.py purge_messages``: apply DEDUP_RETENTION, OUTBOX_RETENTION, DEAD_LETTER_RETENTION."""
+"""``manage.py purge_messages``: apply DEDUP_RETENTION, OUTBOX_RETENTION, DEAD_LETTER_RETENTION
+and TASK_RESULT_RETENTION."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from reliable_messaging.storage.retention import purge_messages
 class Command(BaseCommand):
     help = (
         "Delete inbox rows older than DEDUP_RETENTION, sent outbox rows older than "
-        "OUTBOX_RETENTION and resolved or discarded dead letters older than "
-        "DEAD_LETTER_RETENTION, in batches."
+        "OUTBOX_RETENTION, resolved or discarded dead letters older than "
+        "DEAD_LETTER_RETENTION and the results of tasks finished longer than "
+        "TASK_RESULT_RETENTION ago, in batches."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -53,4 +55,9 @@ class Command(BaseCommand):
             self.stdout.write(
                 f"{verb} {result.dead_letters} resolved or discarded dead letter(s) older than "
                 f"{retention}"
+            )
+        retention = messaging_settings.task_result_retention
+        if retention is not None:
+            self.stdout.write(
+                f"{verb} {result.task_results} finished task result(s) older than {retention}"
             )
