@@ -27,7 +27,8 @@ from ..contracts import consumer_payload_errors
 from ..dead_letters import selection
 from ..dead_letters.edit import never_editable
 from ..dead_letters.permissions import can_edit
-from ..dead_letters.replay import REPLAYABLE_STATUSES, UNREPLAYABLE_REASONS, stale_replays
+from ..dead_letters.replay import UNREPLAYABLE_REASONS, stale_replays
+from ..dead_letters.replay import refusal as replay_refusal
 from ..managers import DeadLetterQuerySet
 from ..models import DeadLetter, DeadLetterGroup, ProcessedMessage, Replay, TaskRun
 from ..task_runs.naming import is_task_consumer
@@ -264,15 +265,20 @@ class DeadLetterAdmin(
             # A replay whose outcome never came (STALE_REPLAY_AFTER) can be replayed or
             # discarded again, so a lost replay never parks an ordered key for good.
             stale = DeadLetter.objects.filter(stale_replays(), pk=obj.pk).exists()
-            replayable = obj.status in REPLAYABLE_STATUSES or stale
+            # The replay's own rule (what any body would meet): no button it would refuse.
+            held = replay_refusal(
+                obj, already_processed=False, force=True, now=timezone.now(), body_replaced=True
+            )
             context.update(
-                can_replay=replayable and obj.reason not in UNREPLAYABLE_REASONS,
+                can_replay=held is None and obj.reason not in UNREPLAYABLE_REASONS,
                 can_discard=obj.status == DeadLetterStatus.DEAD or stale,
+                # Why a dead one cannot be replayed at all (a Celery task's), said on its page.
+                not_replayable=held.text if held and obj.status == DeadLetterStatus.DEAD else "",
                 processed_row=self._processed_row(obj),
                 replay_url=self.console_url("replay", obj.pk),
                 discard_url=self.console_url("discard", obj.pk),
                 can_edit_replay=can_edit(request.user, obj.consumer)
-                and replayable
+                and held is None
                 and never_editable(obj) is None,
                 edit_replay_url=self.console_url("edit_replay", obj.pk),
             )

@@ -148,6 +148,21 @@ def test_no_replay_button_for_what_cannot_be_replayed(
     assert discard_url(no_json) in no_json_html
 
 
+def test_a_celery_tasks_dead_letter_offers_its_discard_and_says_why_not_a_replay(
+    admin: Client, make_dead_letter: MakeDeadLetter
+) -> None:
+    # The replay refuses it whatever its body (no message to publish): no button it refuses.
+    task = make_dead_letter(headers={"celery-task": "shop.tasks.charge"}, reason="worker_crashed")
+
+    page = admin.get(change_url(task)).content.decode()
+
+    assert replay_url(task) not in page
+    assert 'id="rm-edit-replay"' not in page
+    assert discard_url(task) in page
+    assert 'id="rm-not-replayable"' in page
+    assert "call the task again" in page
+
+
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 SPAN = "00f067aa0ba902b7"
 REPLAY_TRACE = "0af7651916cd43dd8448eb211c80319c"
