@@ -56,9 +56,11 @@ class TaskRuns(Stage):
         # the others, which the row is not charged for).
         paths: dict[str, set[str]] = {}
         for job, task_id in ids.items():
-            message = job.message
-            named = message.payload.get("task") if isinstance(message, Message) else None
-            paths.setdefault(task_id, set()).update([named] if isinstance(named, str) else [])
+            named = paths.setdefault(task_id, set())
+            path = job.message.payload.get("task")  # type: ignore[union-attr]  # see _task_id
+            # Text a statement can carry (no NUL, no lone surrogate): no row's path is other.
+            if isinstance(path, str) and path.isprintable():
+                named.add(path)
         attempts = start_attempts(batch.jobs[0].processor.using, paths)
         return _Tasks(attempts, ids)
 

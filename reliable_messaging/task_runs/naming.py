@@ -13,6 +13,7 @@ from ..core.registry import RetryPolicy
 
 # The consumer names of tasks start with this: what the consumer's stage of tasks looks for.
 TASK_CONSUMER_PREFIX = "django.tasks:"
+MAX_TASK_ID_LENGTH = 64  # TaskRun.id's
 DEFAULT_QUEUE_PREFIX = "tasks."
 # Longest AMQP queue name and routing key (a short string).
 _MAX_NAME_BYTES = 255
@@ -68,10 +69,14 @@ def is_task_consumer(name: str) -> bool:
 
 
 def task_id_of(message: Message) -> str | None:
-    """The task a message of the task queues runs (its payload's ``task_id``)."""
+    """The task a message of the task queues runs (its payload's ``task_id``), if a row could
+    have that id (printable ASCII, up to 64 characters: a foreign producer's NUL or lone
+    surrogate would fail every statement it went into, and hold the queue)."""
     payload = message.payload
     task_id = payload.get("task_id") if isinstance(payload, dict) else None
-    return task_id if isinstance(task_id, str) and task_id else None
+    if not isinstance(task_id, str) or not 0 < len(task_id) <= MAX_TASK_ID_LENGTH:
+        return None
+    return task_id if task_id.isascii() and task_id.isprintable() else None
 
 
 def delays_of(delays: Any) -> tuple[float, ...] | None:

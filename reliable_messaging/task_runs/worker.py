@@ -31,7 +31,7 @@ from .framework import (
     task_finished,
     task_started,
 )
-from .naming import TaskQueues, task_id_of
+from .naming import MAX_TASK_ID_LENGTH, TaskQueues, task_id_of
 from .policies import TaskRetryPolicies
 from .results import NotJSON, error_of, json_value, result_of, succeeded, task_of
 
@@ -148,7 +148,10 @@ def run_task(message: Message) -> None:
     others, when the stage of tasks marked it RUNNING and handed it a :class:`TaskMessage`)."""
     task_id = task_id_of(message)
     if task_id is None:
-        raise PermanentError(f"message_id={message.message_id} names no task_id")
+        raise PermanentError(
+            f"message_id={message.message_id} names no task_id a task could have (printable "
+            f"ASCII, up to {MAX_TASK_ID_LENGTH} characters)"
+        )
     attempts = message.attempts if isinstance(message, TaskMessage) else None
     run = None if attempts is None else attempts.runs.get(task_id)
     using = router.db_for_write(TaskRun) if attempts is None else attempts.using

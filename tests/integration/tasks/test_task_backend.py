@@ -176,6 +176,47 @@ def test_a_message_naming_another_task_than_its_rows_runs_neither(
     assert (result.status, result.attempts, result.errors) == ("SUCCESSFUL", 1, [])
 
 
+@pytest.mark.parametrize(
+    ("task_id", "path", "why"),
+    [
+        ("a\x00b", "tests.integration.tasks.tasks.add", "names no task_id a task could have"),
+        ("x" * 65, "tests.integration.tasks.tasks.add", "names no task_id a task could have"),
+        (None, "tests.integration.tasks.tasks.\x00add", "names task 'tests.integration"),
+    ],
+    ids=["nul-in-task-id", "task-id-too-long", "nul-in-task-path"],
+)
+def test_a_task_message_no_statement_could_carry_is_a_dead_letter_and_the_queue_flows(
+    worker: Any,
+    outcomes: Outcomes,
+    tasks_settings: TaskQueues,
+    rm_settings: dict[str, Any],
+    task_id: str | None,
+    path: str,
+    why: str,
+) -> None:
+    # A foreign producer's text no statement can carry (a NUL) held the whole task queue: the
+    # batch's RUNNING statement failed as if the database were down, again and again.
+    first = tasks.add.enqueue(1, 1)
+    until_status(first, "SUCCESSFUL")
+    publisher = Publisher()
+    try:
+        publisher.publish(
+            rm_settings["EXCHANGE"],
+            tasks_settings.amqp_queue("default"),
+            {"task_id": first.id if task_id is None else task_id, "task": path},
+            message_id="foreign",
+        )
+    finally:
+        publisher.close()
+    behind = tasks.add.enqueue(2, 2)
+    until_status(behind, "SUCCESSFUL")
+    assert sorted(outcomes.wait(3)) == ["dead_lettered", "processed", "processed"]
+    dead = DeadLetter.objects.get(message_id="foreign")
+    assert dead.reason == "permanent" and why in dead.exception_message
+    first.refresh()
+    assert (first.status, first.attempts) == ("SUCCESSFUL", 1)
+
+
 def test_a_failing_task_is_retried_until_it_succeeds(worker: Any, outcomes: Outcomes) -> None:
     result = tasks.fails_before.enqueue(2)
     until_status(result, "SUCCESSFUL")
