@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -85,9 +86,11 @@ class TaskRetryPolicies:
         path = payload.get("task") if isinstance(payload, Mapping) else None
         if not isinstance(path, str):
             return None
-        try:
-            task = task_at(path)  # imported already: its attempt just ran
-        except (ImportError, InvalidTask, ValueError):
+        # Never imported here: the path is the message's, which a foreign producer may write
+        # (an import runs a module's code). A task whose attempt just ran is imported already.
+        module, _, name = path.rpartition(".")
+        task = getattr(sys.modules.get(module), name, None) if module else None
+        if not isinstance(task, Task):
             return None
         named = dict(self.queues.task_retries).get(path, RetryPolicy())
         max_attempts = named.max_attempts or getattr(task, "max_attempts", None)

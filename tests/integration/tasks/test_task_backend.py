@@ -8,6 +8,7 @@ import dataclasses
 import datetime as dt
 import decimal
 import json
+import sys
 from typing import Any
 
 import pytest
@@ -215,6 +216,27 @@ def test_a_task_message_no_statement_could_carry_is_a_dead_letter_and_the_queue_
     assert dead.reason == "permanent" and why in dead.exception_message
     first.refresh()
     assert (first.status, first.attempts) == ("SUCCESSFUL", 1)
+
+
+def test_the_worker_never_imports_a_module_a_message_names(
+    worker: Any, outcomes: Outcomes, tasks_settings: TaskQueues, rm_settings: dict[str, Any]
+) -> None:
+    # Its failure looked the task's retry policy up by the message's path, importing it.
+    module = "tests.integration.tasks.imported_by_a_message"
+    sys.modules.pop(module, None)
+    publisher = Publisher()
+    try:
+        publisher.publish(
+            rm_settings["EXCHANGE"],
+            tasks_settings.amqp_queue("default"),
+            {"task_id": "no-such-task", "task": f"{module}.charge"},
+            message_id="foreign",
+        )
+    finally:
+        publisher.close()
+    assert outcomes.wait(1) == ["dead_lettered"]
+    assert "no-such-task" in DeadLetter.objects.get(message_id="foreign").exception_message
+    assert module not in sys.modules
 
 
 def test_a_failing_task_is_retried_until_it_succeeds(worker: Any, outcomes: Outcomes) -> None:
