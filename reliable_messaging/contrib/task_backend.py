@@ -26,7 +26,7 @@ from ..task_runs.framework import (
     TaskResultDoesNotExist,
     task_enqueued,
 )
-from ..task_runs.naming import TaskQueues, problems
+from ..task_runs.naming import TaskQueues, is_task_id, problems
 from ..task_runs.policies import ReliableTask, task_policy_problems
 from ..task_runs.results import NotJSON, json_value, result_of, task_at
 from ..task_runs.worker import consumer_specs
@@ -111,6 +111,8 @@ class ReliableTaskBackend(BaseTaskBackend):
 
     def get_result(self, result_id: str) -> TaskResult:
         """The stored result of ``result_id`` (raises ``TaskResultDoesNotExist``)."""
+        if not is_task_id(result_id):  # an id from a URL, say, that no statement could carry
+            raise TaskResultDoesNotExist(result_id)
         run = TaskRun.objects.using(router.db_for_read(TaskRun)).filter(pk=result_id).first()
         if run is None:
             raise TaskResultDoesNotExist(result_id)

@@ -68,15 +68,20 @@ def is_task_consumer(name: str) -> bool:
     return name.startswith(TASK_CONSUMER_PREFIX)
 
 
+def is_task_id(value: Any) -> bool:
+    """Whether a row could have ``value`` as its id: printable ASCII, up to 64 characters (a
+    NUL or a lone surrogate would fail every statement it went into)."""
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_TASK_ID_LENGTH:
+        return False
+    return value.isascii() and value.isprintable()
+
+
 def task_id_of(message: Message) -> str | None:
     """The task a message of the task queues runs (its payload's ``task_id``), if a row could
-    have that id (printable ASCII, up to 64 characters: a foreign producer's NUL or lone
-    surrogate would fail every statement it went into, and hold the queue)."""
+    have that id (:func:`is_task_id`: a foreign producer's other text would hold the queue)."""
     payload = message.payload
     task_id = payload.get("task_id") if isinstance(payload, dict) else None
-    if not isinstance(task_id, str) or not 0 < len(task_id) <= MAX_TASK_ID_LENGTH:
-        return None
-    return task_id if task_id.isascii() and task_id.isprintable() else None
+    return task_id if is_task_id(task_id) else None
 
 
 def delays_of(delays: Any) -> tuple[float, ...] | None:

@@ -333,6 +333,13 @@ def test_aenqueue_outside_a_transaction_commits_at_once(worker: Any) -> None:
 def test_an_unknown_result_does_not_exist(tasks_settings: TaskQueues) -> None:
     with pytest.raises(TaskResultDoesNotExist):
         task_backends["default"].get_result("no-such-task")
+    # Ids no row could have (from a URL, say) too, asked for before any query: not a database
+    # error (a NUL), nor a connection opened on the async call's thread.
+    for unknown in ("a\x00b", "x" * 65, "é"):
+        with pytest.raises(TaskResultDoesNotExist):
+            task_backends["default"].get_result(unknown)
+        with pytest.raises(TaskResultDoesNotExist):
+            asyncio.run(task_backends["default"].aget_result(unknown))
 
 
 @pytest.mark.parametrize(
