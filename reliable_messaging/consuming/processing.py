@@ -213,7 +213,7 @@ def _process_batch(
         CONFLICT_RETRIES + 1,
     )
     error = cause if isinstance(cause, Exception) else conflict
-    return [_report(jobs[0], jobs[0].processor.charge(jobs[0], error), stages)]
+    return [_charged(jobs[0], error, stages)]
 
 
 def _process_batch_once(
@@ -235,7 +235,7 @@ def _process_batch_once(
             return _decide(jobs, settled, stages, guarded=True, failed=failed)
     except _CommitRefused as refused:
         if len(jobs) == 1:
-            return [_report(jobs[0], jobs[0].processor.charge(jobs[0], refused.error), stages)]
+            return [_charged(jobs[0], refused.error, stages)]
         logger.warning(
             "a batch of %d deliveries failed to commit (%s: %s); deciding them one by one",
             len(jobs),
@@ -295,6 +295,13 @@ def _decide(
         # A deferred constraint (or the like) refused the commit: no savepoint can help.
         raise _CommitRefused(exc) from exc
     return decided
+
+
+def _charged(job: Job, error: Exception, stages: BatchStages) -> DeliveryOutcome | None:
+    """``job`` charged ``error`` (its transaction could not commit), decided and reported in a
+    transaction of its own, as a batch's are (the stages lock rows, a task's among them)."""
+    with transaction.atomic(using=job.processor.using):
+        return _report(job, job.processor.charge(job, error), stages)
 
 
 def _report(job: Job, done: DeliveryOutcome | None, stages: BatchStages) -> DeliveryOutcome | None:

@@ -30,6 +30,8 @@ def json_value(value: Any) -> Any:
     framework promises JSON in and out, and a worker on another host gets only what JSON
     carries, so nothing is converted behind the caller's back."""
     if type(value) in _SCALARS or (type(value) is float and math.isfinite(value)):
+        if type(value) is str and not _storable(value):
+            raise NotJSON(_UNSTORABLE.format(value))
         return value  # comes back from JSON as it is
     try:
         text = json.dumps(value, allow_nan=False)
@@ -38,10 +40,33 @@ def json_value(value: Any) -> Any:
     back = json.loads(text)
     if back != _as_lists(value):
         raise NotJSON(f"{value!r} does not come back from JSON as it went in")
+    if not _storable(back):
+        raise NotJSON(_UNSTORABLE.format(value))
     return back
 
 
 _SCALARS = frozenset({str, int, bool, type(None)})
+_UNSTORABLE = (
+    "{!r} holds a NUL character or a lone surrogate, which a database's JSON column cannot store"
+)
+
+
+def _storable(value: Any) -> bool:
+    """Whether every string of the JSON ``value`` (keys included) is text PostgreSQL's jsonb
+    takes: no NUL, no lone surrogate."""
+    if type(value) is str:
+        if value.isascii():
+            return "\x00" not in value
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return "\x00" not in value
+    if type(value) is list:
+        return all(_storable(item) for item in value)
+    if type(value) is dict:
+        return all(_storable(key) and _storable(item) for key, item in value.items())
+    return True
 
 
 def _as_lists(value: Any) -> Any:

@@ -11,6 +11,8 @@ import signal
 import threading
 from typing import Any
 
+from django.db import connection
+
 from reliable_messaging.task_runs.framework import TaskContext, task
 from tests.testapp.models import Effect
 
@@ -53,6 +55,19 @@ def fails_before(context: TaskContext, attempts: int) -> str:
 @task
 def not_json_back() -> Any:
     return {1, 2}
+
+
+@task
+def breaks_a_deferred_constraint() -> None:
+    """Writes what a constraint checked at commit refuses (its table is the test's)."""
+    with connection.cursor() as cursor:
+        cursor.execute("INSERT INTO rm_test_deferred (k) VALUES (1), (1)")
+
+
+@task
+def unstorable_back(kind: str) -> Any:
+    """JSON, but text no JSON column can store: a NUL, or a lone surrogate (in a key)."""
+    return ["a\x00b"] if kind == "nul" else {"\udcff": 1}
 
 
 # Set by a test to let ``waits`` finish (the worker runs in a thread of the test's process).

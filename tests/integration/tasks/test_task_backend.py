@@ -239,6 +239,30 @@ def test_the_worker_never_imports_a_module_a_message_names(
     assert module not in sys.modules
 
 
+def test_a_task_whose_commit_is_refused_is_retried_then_failed(worker: Any) -> None:
+    # Its attempt was charged outside any transaction, where the task's row cannot be locked:
+    # the consumer failed on it, the task stayed RUNNING, a dead letter blamed the consumer.
+    with connections["default"].cursor() as cursor:
+        cursor.execute("CREATE TABLE rm_test_deferred (k int UNIQUE DEFERRABLE INITIALLY DEFERRED)")
+    try:
+        result = tasks.breaks_a_deferred_constraint.enqueue()
+        until_status(result, "FAILED")
+        assert result.attempts == 3  # MAX_ATTEMPTS
+        assert [e.exception_class_path for e in result.errors] == [
+            "django.db.utils.IntegrityError"
+        ] * 3
+        dead = DeadLetter.objects.get(message_id=result.id)
+        assert (dead.reason, dead.exception_type) == (
+            "retries_exhausted",
+            "django.db.utils.IntegrityError",
+        )
+        beside = tasks.add.enqueue(1, 2)
+        until_status(beside, "SUCCESSFUL")
+    finally:
+        with connections["default"].cursor() as cursor:
+            cursor.execute("DROP TABLE rm_test_deferred")
+
+
 def test_a_failing_task_is_retried_until_it_succeeds(worker: Any, outcomes: Outcomes) -> None:
     result = tasks.fails_before.enqueue(2)
     until_status(result, "SUCCESSFUL")
@@ -294,13 +318,19 @@ def test_an_async_task_runs_in_the_attempts_transaction(worker: Any) -> None:
     assert effects("async_fails_before") == [2]
 
 
-def test_a_return_value_json_cannot_hold_fails_the_task_at_once(worker: Any) -> None:
-    result = tasks.not_json_back.enqueue()
+@pytest.mark.parametrize("kind", ["set", "nul", "surrogate"])
+def test_a_return_value_json_cannot_hold_fails_the_task_at_once(worker: Any, kind: str) -> None:
+    # A NUL or a lone surrogate failed the batch's SUCCESSFUL write: the task stayed RUNNING
+    # and its delivery became a dead letter blaming the consumer.
+    bad = tasks.unstorable_back
+    result = tasks.not_json_back.enqueue() if kind == "set" else bad.enqueue(kind)
+    beside = tasks.add.enqueue(1, 2)
     until_status(result, "FAILED")
     assert result.attempts == 1
     (error,) = result.errors
     assert error.exception_class_path.endswith("ReturnValueNotJSON")
-    assert DeadLetter.objects.filter(message_id=result.id).exists()
+    assert DeadLetter.objects.get(message_id=result.id).reason == "permanent"
+    until_status(beside, "SUCCESSFUL")
 
 
 def test_run_after_waits_in_the_outbox_until_due(worker: Any) -> None:
@@ -394,15 +424,22 @@ def test_a_result_read_back_is_what_the_frameworks_constructor_builds(
         ({1: "a non-string key"}, 1),
         (float("nan"), 1),
         (object(), 1),
+        # JSON, but text no JSON column stores: the row's write failed in the caller's
+        # transaction, which could then only roll back.
+        ("a\x00b", 1),
+        ({"key": ["\udcff"]}, 1),
+        ({"\x00": 1}, 1),
     ],
-    ids=["decimal", "datetime", "set", "int-key", "nan", "object"],
+    ids=["decimal", "datetime", "set", "int-key", "nan", "object", "nul", "surrogate", "nul-key"],
 )
 def test_an_argument_json_cannot_carry_is_refused(
     args: tuple[Any, ...], tasks_settings: TaskQueues
 ) -> None:
-    with pytest.raises(InvalidTask, match="must be JSON"):
-        tasks.add.enqueue(*args)
-    assert not TaskRun.objects.exists() and not OutboxMessage.objects.exists()
+    with transaction.atomic():
+        with pytest.raises(InvalidTask, match="must be JSON"):
+            tasks.add.enqueue(*args)
+        # Refused before anything is written: the caller's transaction goes on.
+        assert not TaskRun.objects.exists() and not OutboxMessage.objects.exists()
 
 
 def test_what_the_backend_cannot_run_is_refused(tasks_settings: TaskQueues) -> None:
