@@ -18,9 +18,11 @@ if TYPE_CHECKING:
 
 
 def _task_id(job: Job) -> str | None:
+    """The task of ``job``'s message, if it is that task's (published under its id)."""
     if not is_task_consumer(job.name) or not isinstance(job.message, Message):
         return None
-    return task_id_of(job.message)
+    task_id = task_id_of(job.message)
+    return task_id if task_id == job.message.message_id else None
 
 
 @dataclass(eq=False)

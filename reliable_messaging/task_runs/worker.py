@@ -152,6 +152,13 @@ def run_task(message: Message) -> None:
             f"message_id={message.message_id} names no task_id a task could have (printable "
             f"ASCII, up to {MAX_TASK_ID_LENGTH} characters)"
         )
+    if message.message_id != task_id:
+        # Every message of a task (its retries and replays too) carries the task's id as its
+        # message_id, which the inbox keeps once: another would run the task once more.
+        raise PermanentError(
+            f"message_id={message.message_id} is not the id of the task it names ({task_id}): "
+            "a task's message is published under its task's id"
+        )
     attempts = message.attempts if isinstance(message, TaskMessage) else None
     run = None if attempts is None else attempts.runs.get(task_id)
     using = router.db_for_write(TaskRun) if attempts is None else attempts.using

@@ -152,29 +152,56 @@ def test_a_duplicated_delivery_runs_the_task_once(
     assert result.attempts == 1 and result.return_value == 8
 
 
+def orphan_of(*args: Any) -> TaskResult:
+    """A task whose row commits and whose own message is never sent (its outbox row removed
+    in the enqueue's transaction): a foreign message is the only one naming it."""
+    with transaction.atomic():
+        result = tasks.add.enqueue(*args)
+        OutboxMessage.objects.filter(message_id=result.id).delete()
+    return result
+
+
+def publish_foreign(queues: TaskQueues, exchange: str, payload: Any, message_id: str) -> None:
+    publisher = Publisher()
+    try:
+        publisher.publish(exchange, queues.amqp_queue("default"), payload, message_id=message_id)
+    finally:
+        publisher.close()
+
+
+def test_a_copy_of_a_task_under_another_message_id_does_not_run_it_again(
+    worker: Any, outcomes: Outcomes, tasks_settings: TaskQueues, rm_settings: dict[str, Any]
+) -> None:
+    # The inbox keeps a message_id once; a copy under another one ran the task once more.
+    result = tasks.add.enqueue(4, 4)
+    until_status(result, "SUCCESSFUL")
+    payload = {"task_id": result.id, "task": "tests.integration.tasks.tasks.add"}
+    publish_foreign(tasks_settings, rm_settings["EXCHANGE"], payload, "another-id")
+    assert sorted(outcomes.wait(2)) == ["dead_lettered", "processed"]
+    dead = DeadLetter.objects.get(message_id="another-id")
+    assert dead.exception_type == "reliable_messaging.exceptions.PermanentError"
+    assert f"is not the id of the task it names ({result.id})" in dead.exception_message
+    assert effects("add") == [1]
+    result.refresh()
+    assert (result.status, result.attempts, result.errors) == ("SUCCESSFUL", 1, [])
+
+
 def test_a_message_naming_another_task_than_its_rows_runs_neither(
     worker: Any, outcomes: Outcomes, tasks_settings: TaskQueues, rm_settings: dict[str, Any]
 ) -> None:
-    result = tasks.add.enqueue(4, 4)
-    publisher = Publisher()
-    try:  # another message for its row, saying it runs another task
-        publisher.publish(
-            rm_settings["EXCHANGE"],
-            tasks_settings.amqp_queue("default"),
-            {"task_id": result.id, "task": "tests.integration.tasks.tasks.fails_before"},
-            message_id="not-the-task-id",
-        )
-    finally:
-        publisher.close()
-    until_status(result, "SUCCESSFUL")
-    assert sorted(outcomes.wait(2)) == ["dead_lettered", "processed"]
-    dead = DeadLetter.objects.get(message_id="not-the-task-id")
+    result = orphan_of(4, 4)
+    payload = {"task_id": result.id, "task": "tests.integration.tasks.tasks.fails_before"}
+    publish_foreign(tasks_settings, rm_settings["EXCHANGE"], payload, result.id)
+    until_status(result, "FAILED")  # its only message could not run it
+    assert outcomes.wait(1) == ["dead_lettered"]
+    dead = DeadLetter.objects.get(message_id=result.id)
     assert dead.exception_type == "reliable_messaging.exceptions.PermanentError"
     assert "names task 'tests.integration.tasks.tasks.fails_before'" in dead.exception_message
     assert "tests.integration.tasks.tasks.add" in dead.exception_message
-    assert effects("add") == [1]  # run once, by its own message
-    result.refresh()
-    assert (result.status, result.attempts, result.errors) == ("SUCCESSFUL", 1, [])
+    assert effects("add") == effects("fails_before") == []
+    # Not started for it: neither RUNNING nor charged an attempt.
+    assert result.attempts == 0 and result.worker_ids == []
+    assert [e.exception_class_path for e in result.errors] == [dead.exception_type]
 
 
 @pytest.mark.parametrize(
@@ -197,25 +224,16 @@ def test_a_task_message_no_statement_could_carry_is_a_dead_letter_and_the_queue_
 ) -> None:
     # A foreign producer's text no statement can carry (a NUL) held the whole task queue: the
     # batch's RUNNING statement failed as if the database were down, again and again.
-    first = tasks.add.enqueue(1, 1)
-    until_status(first, "SUCCESSFUL")
-    publisher = Publisher()
-    try:
-        publisher.publish(
-            rm_settings["EXCHANGE"],
-            tasks_settings.amqp_queue("default"),
-            {"task_id": first.id if task_id is None else task_id, "task": path},
-            message_id="foreign",
-        )
-    finally:
-        publisher.close()
+    named = orphan_of(1, 1) if task_id is None else None
+    message_id = "foreign" if named is None else named.id
+    payload = {"task_id": task_id if named is None else named.id, "task": path}
+    publish_foreign(tasks_settings, rm_settings["EXCHANGE"], payload, message_id)
     behind = tasks.add.enqueue(2, 2)
     until_status(behind, "SUCCESSFUL")
-    assert sorted(outcomes.wait(3)) == ["dead_lettered", "processed", "processed"]
-    dead = DeadLetter.objects.get(message_id="foreign")
+    assert sorted(outcomes.wait(2)) == ["dead_lettered", "processed"]
+    dead = DeadLetter.objects.get(message_id=message_id)
     assert dead.reason == "permanent" and why in dead.exception_message
-    first.refresh()
-    assert (first.status, first.attempts) == ("SUCCESSFUL", 1)
+    assert effects("add") == [1]  # the task behind, once
 
 
 def test_the_worker_never_imports_a_module_a_message_names(
