@@ -16,7 +16,7 @@ from django.urls import reverse
 
 from reliable_messaging.choices import ReplayKind, ReplayOutcome
 from reliable_messaging.core.registry import ConsumerSpec, registry
-from reliable_messaging.dead_letters.edit import EditRefused, check_edit, replay_edited
+from reliable_messaging.dead_letters.edit import EditForm, EditRefused, check_edit, replay_edited
 from reliable_messaging.dead_letters.permissions import (
     can_edit,
     consumer_codename,
@@ -232,7 +232,7 @@ def test_a_django_task_letter_offers_its_replay_and_no_edit(
     form = admin.get(edit_url(letter))
     assert form.status_code == 200
     assert "is the message of a django.tasks task" in html.unescape(form.text)
-    edited = {
+    edited: EditForm = {
         "payload_text": '{"task_id": "t-2", "task": "shop.tasks.refund"}',
         "headers": "{}",
         "reason": "run the refund instead",
