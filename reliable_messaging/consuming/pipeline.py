@@ -150,9 +150,13 @@ class BatchStages:
         }
 
     def screen(self, job: Job, message: Message | DecodeError) -> DeliveryOutcome | None:
+        """The outcome the first of ``job``'s screens decided, already reported to its
+        ``decided`` hooks; None when every screen let it through to the inbox claim."""
         for screen, state in self._hooks[job.name][0]:
             done = screen(job, message, state)
             if done is not None:
+                if isinstance(message, Message):
+                    self.decided(job, message, done)
                 return done
         return None
 

@@ -330,10 +330,9 @@ def _screen_claim_run(
             done = job.processor.failures.on_failure(
                 job.delivery, message, failed[index], time.perf_counter()
             )
-        else:
-            done = stages.screen(job, message)
-        if done is not None:
             decided[index] = _report(job, done, stages)
+        else:
+            decided[index] = stages.screen(job, message)
     claim = [i for i in indexes if decided[i] is None]
     if not claim:
         return
