@@ -794,6 +794,13 @@ class TaskRunQuerySet(BatchDeletingQuerySet):
             finished_at__lt=before,
         )
 
+    def run_again(self, ids: Iterable[str]) -> int:
+        """The SUCCESSFUL tasks of ``ids`` READY again, their result forgotten: a forced replay
+        runs such a task once more, started and counted as a new attempt."""
+        return self.filter(pk__in=list(ids), status=TaskRunStatus.SUCCESSFUL).update(
+            status=TaskRunStatus.READY, return_value=None, finished_at=None
+        )
+
     def start_attempts(
         self,
         ids: Iterable[str],

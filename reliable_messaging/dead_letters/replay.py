@@ -34,7 +34,8 @@ from ..core.envelope import (
     wire_headers,
 )
 from ..core.trace_context import TRACE_HEADERS
-from ..models import DeadLetter, OutboxMessage, ProcessedMessage, Replay
+from ..models import DeadLetter, OutboxMessage, ProcessedMessage, Replay, TaskRun
+from ..task_runs.naming import is_task_consumer
 
 logger = logging.getLogger(__name__)
 
@@ -314,6 +315,11 @@ def replay_batch(
         if forced:
             ProcessedMessage.objects.using(using).forget_many(
                 (dead_letter.consumer, dead_letter.message_id) for dead_letter in forced
+            )
+            # A task's result too (its message's id is its task's), or the copy would run it
+            # without starting it: no RUNNING, no attempt counted, no signals.
+            TaskRun.objects.using(using).run_again(
+                letter.message_id for letter in forced if is_task_consumer(letter.consumer)
             )
         # In pk order: the outbox ids keep the dead letters' order, and so each ordering key's.
         insert_copies(using, copies)

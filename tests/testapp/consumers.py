@@ -16,7 +16,9 @@ Database conflicts (issue 33): ``{"lock": {"alpha": ["hot-1", "hot-2"]}, "lock_p
 locks those hot rows (``Effect`` rows of consumer ``hot``, made by the test) in that order with
 ``SELECT ... FOR UPDATE``, pausing after each, and counts itself in them (two handlers with the
 opposite orders deadlock); ``{"conflict": {"alpha": 2}}`` has the server raise a serialization
-failure (SQLSTATE 40001) on the first two runs of the message in this process (``-1``: always).
+failure (SQLSTATE 40001) on the first two runs of the message in this process (``-1``: always);
+``{"break_at_commit": {"alpha": true}}`` writes twice the same key into ``rm_test_deferred``
+(made by the test, its key unique and checked at commit), so the commit is refused.
 Tracing: ``{"fail_while": {"alpha": "name"}}`` fails (a transient error) while an ``Effect`` row
 of consumer ``switch`` with that message_id exists (the test deletes it to deploy the fix), and
 ``{"publish": {"alpha": "order.shipped"}}`` publishes a message with that routing key.
@@ -104,6 +106,9 @@ def behave(label: str, message: Message) -> None:
     conflicts = payload.get("conflict", {}).get(label)
     if conflicts:
         serialization_failure(label, message.message_id, int(conflicts))
+    if payload.get("break_at_commit", {}).get(label):
+        with connection.cursor() as cursor:
+            cursor.execute("INSERT INTO rm_test_deferred (k) VALUES (1), (1)")
     gate = payload.get("hold", {}).get(label)
     if gate:
         GATES[gate].wait(60)

@@ -100,6 +100,40 @@ def test_a_delivery_that_always_conflicts_is_charged_after_the_bound() -> None:
     assert not ProcessedMessage.objects.exists()
 
 
+@pytest.fixture
+def deferred_table() -> Iterator[None]:
+    """``rm_test_deferred``: a unique key checked at commit (``break_at_commit`` breaks it)."""
+    with connection.cursor() as cursor:
+        cursor.execute("CREATE TABLE rm_test_deferred (k int UNIQUE DEFERRABLE INITIALLY DEFERRED)")
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("DROP TABLE rm_test_deferred")
+
+
+@postgresql_only
+@pytest.mark.parametrize("size", [1, 3])
+def test_a_handler_whose_commit_is_refused_is_charged_and_the_rest_commit(
+    deferred_table: None, size: int
+) -> None:
+    """A constraint checked at commit refuses what the handler wrote: no savepoint can help, so
+    it is charged in a transaction of its own (a retry, attempt 2) and the others of its batch
+    are decided one by one and commit."""
+    broken = job(f"refused-{size}", {"break_at_commit": {"alpha": True}})
+    jobs = [job(f"calm-{size}-{n}") for n in range(size - 1)]
+    jobs.insert(len(jobs) // 2, broken)
+    outcomes = process_batch(jobs)
+    charged = outcomes[jobs.index(broken)]
+    assert isinstance(charged, ScheduleRetry) and charged.next_attempt == 2
+    assert "rm_test_deferred_k_key" in charged.error  # the unique key checked at commit
+    assert [o for o in outcomes if o is not charged] == [Acknowledge("processed")] * (size - 1)
+    assert effects_of(f"refused-{size}") == 0
+    assert all(effects_of(j.delivery.message_id) == 1 for j in jobs if j is not broken)
+    assert not ProcessedMessage.objects.filter(message_id=f"refused-{size}").exists()
+    assert not DeadLetter.objects.exists()
+
+
 @pytest.mark.parametrize("path", ["dead_letter_queue", "crash_guard"])
 def test_our_own_bookkeeping_on_a_read_only_database_holds_the_delivery(
     read_only_session: None, path: str

@@ -17,6 +17,9 @@ from django.db import connections, transaction
 from django.utils import timezone
 
 from reliable_messaging.choices import OutboxStatus
+from reliable_messaging.core.envelope import Delivery
+from reliable_messaging.core.outcomes import FailureReason
+from reliable_messaging.dead_letters.record import record_dead_letter
 from reliable_messaging.dead_letters.replay import replay
 from reliable_messaging.models import DeadLetter, OutboxMessage, TaskRun
 from reliable_messaging.task_runs.framework import (
@@ -324,6 +327,36 @@ def test_a_task_that_keeps_failing_is_failed_and_a_dead_letter_and_a_replay_runs
     wait_until(lambda: ("finished", "SUCCESSFUL") in signals.of(result.id), timeout=10)
     finished = [sent for sent in signals.of(result.id) if sent[0] == "finished"]
     assert finished == [("finished", "FAILED"), ("finished", "SUCCESSFUL")]
+
+    # A copy of its message dead-lettered after it succeeded (past a quorum queue's delivery
+    # limit, say): the dead letter is open again and the task stays SUCCESSFUL. A replay,
+    # forced, runs it once more, started and counted as a new attempt; it ran with neither
+    # before (the row stayed SUCCESSFUL, its attempts at 4, no signals).
+    dead.refresh_from_db()
+    record_dead_letter(
+        consumer=dead.consumer,
+        delivery=Delivery(bytes(dead.body), dead.queue, "", dead.queue, message_id=result.id),
+        message_id=result.id,
+        reason=FailureReason.DELIVERY_LIMIT,
+        attempts=1,
+    )
+    result.refresh()
+    assert str(result.status) == "SUCCESSFUL"
+    replay(DeadLetter.objects.filter(pk=dead.pk), replayed_by="tests", force=True)
+
+    def ran_again() -> bool:
+        relay_once()
+        result.refresh()
+        return result.attempts == 5 and str(result.status) == "SUCCESSFUL"
+
+    wait_until(ran_again, timeout=30)
+    assert result.return_value == "succeeded at attempt 5"
+    assert effects("fails_before") == [4, 5]
+    assert len(result.worker_ids) == 5
+    wait_until(lambda: signals.of(result.id)[-1] == ("finished", "SUCCESSFUL"), timeout=10)
+    assert [sent for sent in signals.of(result.id) if sent[0] == "started"] == [
+        ("started", "RUNNING")
+    ] * 5
 
 
 def test_an_async_task_runs_in_the_attempts_transaction(worker: Any) -> None:
