@@ -324,8 +324,8 @@ class MessagingSettings:
         timedelta(days=14),
         _optional(_timedelta),
         "how long `purge_messages` keeps the result of a finished `django.tasks` task after it "
-        "finished (a FAILED one only once its dead letter is closed or gone); `None` keeps "
-        "them for good",
+        "finished (one whose dead letter can still be replayed only once that letter is resolved "
+        "or gone); `None` keeps them for good",
         duration(6, hint="e.g. timedelta(days=30), or None to keep them", none_allowed=True),
     )
     cache_alias = Setting(

@@ -781,15 +781,18 @@ class TaskRunQuerySet(BatchDeletingQuerySet):
     """The lifecycle of ``django.tasks`` tasks: READY, RUNNING per attempt, SUCCESSFUL or FAILED."""
 
     def finished_before(self, before: dt.datetime) -> TaskRunQuerySet:
-        """Tasks that finished before ``before``: SUCCESSFUL, or FAILED with no open dead letter
-        (one an operator could still replay runs the row). purge_messages's."""
-        open_letter = _sibling(self, "DeadLetter").filter(
-            message_id=OuterRef("pk"), status__in=OPEN_DEAD_LETTER_STATUSES
+        """Tasks that finished (SUCCESSFUL or FAILED) before ``before`` and have no dead letter
+        a replay could still take (dead, replayed or discarded: its replay runs the row; a
+        forced one, a SUCCESSFUL row too). purge_messages's."""
+        replayable = (
+            _sibling(self, "DeadLetter")
+            .filter(message_id=OuterRef("pk"))
+            .exclude(status=DeadLetterStatus.RESOLVED)
         )
-        failed = Q(~Exists(open_letter), status=TaskRunStatus.FAILED)
         return self.filter(
+            ~Exists(replayable),
             # A task finishes after its enqueue: the status index's range, then the finish.
-            Q(status=TaskRunStatus.SUCCESSFUL) | failed,
+            status__in=(TaskRunStatus.SUCCESSFUL, TaskRunStatus.FAILED),
             enqueued_at__lt=before,
             finished_at__lt=before,
         )

@@ -1,6 +1,7 @@
-"""``purge_messages`` and the results of finished tasks: SUCCESSFUL ones and FAILED ones whose
-dead letter is closed or gone go after ``TASK_RESULT_RETENTION``; a FAILED one an operator can
-still replay, and every unfinished one, stay."""
+"""``purge_messages`` and the results of finished tasks: SUCCESSFUL and FAILED ones go after
+``TASK_RESULT_RETENTION`` once no dead letter of theirs can be replayed (resolved, or gone); one
+whose dead letter an operator can still replay (dead, replayed, discarded; forced, for a
+SUCCESSFUL one), and every unfinished one, stay."""
 
 from __future__ import annotations
 
@@ -65,6 +66,11 @@ def tasks_of_every_kind() -> None:
         run(name, TaskRunStatus.FAILED, enqueued=30, finished=30)
         if dead_letter is not None:
             letter(name, dead_letter)
+    # A copy of its message dead-lettered after it succeeded: a forced replay runs it again.
+    run("ok-dead", TaskRunStatus.SUCCESSFUL, enqueued=20, finished=20)
+    letter("ok-dead", DeadLetterStatus.DEAD)
+    run("ok-resolved", TaskRunStatus.SUCCESSFUL, enqueued=20, finished=20)
+    letter("ok-resolved", DeadLetterStatus.RESOLVED)
     run("ready-old", TaskRunStatus.READY, enqueued=60)
     run("running-old", TaskRunStatus.RUNNING, enqueued=60)
 
@@ -94,13 +100,16 @@ def test_finished_results_go_after_their_retention_and_replayable_ones_stay(
     assert left() == {
         "ok-new",
         "ok-late",
+        "ok-dead",  # a forced replay of its dead letter runs the row again
         "failed-dead",  # its dead letter can still be replayed, which runs the row
         "failed-replayed",  # awaiting its replay's outcome
+        "failed-discarded",  # a discarded dead letter can still be replayed
         "ready-old",
         "running-old",
     }
+    assert everything - left() == {"ok-old", "ok-resolved", "failed-resolved", "failed-gone"}
     # The dead letters themselves follow their own retention.
-    assert DeadLetter.objects.count() == 4
+    assert DeadLetter.objects.count() == 6
 
 
 def test_every_result_stays_when_the_retention_is_none(tasks_of_every_kind: None) -> None:
