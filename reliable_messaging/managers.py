@@ -797,10 +797,16 @@ class TaskRunQuerySet(BatchDeletingQuerySet):
             finished_at__lt=before,
         )
 
-    def run_again(self, ids: Iterable[str]) -> int:
-        """The SUCCESSFUL tasks of ``ids`` READY again, their result forgotten: a forced replay
-        runs such a task once more, started and counted as a new attempt."""
-        return self.filter(pk__in=list(ids), status=TaskRunStatus.SUCCESSFUL).update(
+    def run_again(self, named: Mapping[str, object]) -> int:
+        """READY again, their result forgotten, the SUCCESSFUL tasks of ``named`` (task id ->
+        the task its message names) whose task is the one named: a forced replay runs such a
+        task once more, started and counted as a new attempt (a message naming another task
+        runs nothing, so its row keeps its result)."""
+        succeeded = self.filter(pk__in=list(named), status=TaskRunStatus.SUCCESSFUL)
+        again = [pk for pk, path in succeeded.values_list("pk", "task_path") if named[pk] == path]
+        if not again:
+            return 0
+        return succeeded.filter(pk__in=again).update(
             status=TaskRunStatus.READY, return_value=None, finished_at=None
         )
 

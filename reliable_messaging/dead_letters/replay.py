@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
@@ -319,7 +320,11 @@ def replay_batch(
             # A task's result too (its message's id is its task's), or the copy would run it
             # without starting it: no RUNNING, no attempt counted, no signals.
             TaskRun.objects.using(using).run_again(
-                letter.message_id for letter in forced if is_task_consumer(letter.consumer)
+                {
+                    letter.message_id: _named_task(bytes(letter.body))
+                    for letter in forced
+                    if is_task_consumer(letter.consumer)
+                }
             )
         # In pk order: the outbox ids keep the dead letters' order, and so each ordering key's.
         insert_copies(using, copies)
@@ -347,6 +352,15 @@ def replay_batch(
                     replayed_by,
                 )
     return result
+
+
+def _named_task(body: bytes) -> object:
+    """The task a task's message (``{"task_id", "task"}``) with this body names, if it does."""
+    try:
+        message = json.loads(body)
+    except ValueError:
+        return None
+    return message.get("task") if isinstance(message, dict) else None
 
 
 def _record_replays(

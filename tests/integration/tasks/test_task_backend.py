@@ -339,6 +339,7 @@ def test_a_task_that_keeps_failing_is_failed_and_a_dead_letter_and_a_replay_runs
         message_id=result.id,
         reason=FailureReason.DELIVERY_LIMIT,
         attempts=1,
+        payload=dead.payload,
     )
     result.refresh()
     assert str(result.status) == "SUCCESSFUL"
@@ -357,6 +358,34 @@ def test_a_task_that_keeps_failing_is_failed_and_a_dead_letter_and_a_replay_runs
     assert [sent for sent in signals.of(result.id) if sent[0] == "started"] == [
         ("started", "RUNNING")
     ] * 5
+
+
+def test_a_forced_replay_of_a_letter_naming_another_task_leaves_the_rows_result(
+    worker: Any, outcomes: Outcomes, tasks_settings: TaskQueues
+) -> None:
+    # A forced replay makes a task that succeeded READY again only for a message that names
+    # its task: this one runs nothing, and the row would have stayed READY, its result lost.
+    result = tasks.add.enqueue(4, 4)
+    until_status(result, "SUCCESSFUL")
+    assert outcomes.wait(1) == ["processed"]
+    payload = {"task_id": result.id, "task": "tests.integration.tasks.tasks.fails_before"}
+    queue = tasks_settings.amqp_queue("default")
+    dead = record_dead_letter(
+        consumer=tasks_settings.consumer_name("default"),
+        delivery=Delivery(json.dumps(payload).encode(), queue, "", queue, message_id=result.id),
+        message_id=result.id,
+        reason=FailureReason.DELIVERY_LIMIT,
+        attempts=1,
+        payload=payload,
+    )
+    replay(DeadLetter.objects.filter(pk=dead.pk), replayed_by="tests", force=True)
+    relay_once()
+    assert outcomes.wait(2) == ["processed", "dead_lettered"]
+    dead.refresh_from_db()
+    assert "names task 'tests.integration.tasks.tasks.fails_before'" in dead.exception_message
+    result.refresh()
+    assert (str(result.status), result.return_value, result.attempts) == ("SUCCESSFUL", 8, 1)
+    assert effects("add") == [1]
 
 
 def test_an_async_task_runs_in_the_attempts_transaction(worker: Any) -> None:
