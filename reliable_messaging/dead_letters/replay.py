@@ -321,7 +321,7 @@ def replay_batch(
             # without starting it: no RUNNING, no attempt counted, no signals.
             TaskRun.objects.using(using).run_again(
                 {
-                    letter.message_id: _named_task(bytes(letter.body))
+                    letter.message_id: _named_task(letter.message_id, bytes(letter.body))
                     for letter in forced
                     if is_task_consumer(letter.consumer)
                 }
@@ -354,13 +354,16 @@ def replay_batch(
     return result
 
 
-def _named_task(body: bytes) -> object:
-    """The task a task's message (``{"task_id", "task"}``) with this body names, if it does."""
+def _named_task(message_id: str, body: bytes) -> object:
+    """The task a task's message (``{"task_id", "task"}``) names, if it is that task's own (its
+    ``task_id`` its message_id; run_task runs no other)."""
     try:
         message = json.loads(body)
     except ValueError:
         return None
-    return message.get("task") if isinstance(message, dict) else None
+    if not isinstance(message, dict) or message.get("task_id") != message_id:
+        return None
+    return message.get("task")
 
 
 def _record_replays(
