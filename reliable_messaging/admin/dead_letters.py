@@ -27,7 +27,7 @@ from ..contracts import consumer_payload_errors
 from ..dead_letters import selection
 from ..dead_letters.edit import never_editable
 from ..dead_letters.permissions import can_edit
-from ..dead_letters.replay import UNREPLAYABLE_REASONS, stale_replays
+from ..dead_letters.replay import UNREPLAYABLE_REASONS, missing_task_rows, stale_replays
 from ..dead_letters.replay import refusal as replay_refusal
 from ..managers import DeadLetterQuerySet
 from ..models import DeadLetter, DeadLetterGroup, ProcessedMessage, Replay, TaskRun
@@ -267,7 +267,12 @@ class DeadLetterAdmin(
             stale = DeadLetter.objects.filter(stale_replays(), pk=obj.pk).exists()
             # The replay's own rule (what any body would meet): no button it would refuse.
             held = replay_refusal(
-                obj, already_processed=False, force=True, now=timezone.now(), body_replaced=True
+                obj,
+                already_processed=False,
+                force=True,
+                now=timezone.now(),
+                body_replaced=True,
+                task_row_gone=bool(missing_task_rows([obj])),
             )
             context.update(
                 can_replay=held is None and obj.reason not in UNREPLAYABLE_REASONS,

@@ -36,7 +36,7 @@ from ..core.envelope import (
 )
 from ..core.trace_context import TRACE_HEADERS
 from ..models import DeadLetter, OutboxMessage, ProcessedMessage, Replay, TaskRun
-from ..task_runs.naming import is_task_consumer
+from ..task_runs.naming import is_task_consumer, is_task_id
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +101,7 @@ NOT_REPLAYABLE_STATUS = "status"
 UNREPLAYABLE_REASON = "unreplayable_reason"
 UNSENDABLE_BODY = "unsendable_body"
 CELERY_TASK = "celery_task"
+TASK_ROW_GONE = "task_row_gone"
 ALREADY_PROCESSED = "already_processed"
 REFUSAL_LABELS = {
     AWAITING_OUTCOME: "replayed recently, awaiting that outcome",
@@ -108,6 +109,7 @@ REFUSAL_LABELS = {
     UNREPLAYABLE_REASON: "would be refused again (no message_id, body not JSON, UTF-8 or empty)",
     UNSENDABLE_BODY: "body cannot travel through the outbox (not UTF-8 text, or a NUL)",
     CELERY_TASK: "a Celery task, not a message",
+    TASK_ROW_GONE: "a django.tasks task with no row in the database",
     ALREADY_PROCESSED: "already processed by its consumer (force to run it again)",
 }
 
@@ -127,9 +129,11 @@ def refusal(
     force: bool,
     now: dt.datetime,
     body_replaced: bool = False,
+    task_row_gone: bool = False,
 ) -> Refusal | None:
     """Why a replay now would refuse ``dead_letter`` (None: it would replay it), the rule of
-    replays, dry runs and edited replays (``body_replaced``: the original's body is no ground)."""
+    replays, dry runs and edited replays (``body_replaced``: the original's body is no ground;
+    ``task_row_gone``: a task's letter whose row :func:`missing_task_rows` found gone)."""
     if dead_letter.status == DeadLetterStatus.REPLAYED:
         if dead_letter.updated_at > now - STALE_REPLAY_AFTER:
             return Refusal(
@@ -154,6 +158,13 @@ def refusal(
             CELERY_TASK,
             "it is a Celery task whose worker died on it, not a message a replay could "
             "publish; discard it and call the task again",
+        )
+    if task_row_gone:
+        return Refusal(
+            TASK_ROW_GONE,
+            f"no row of task {dead_letter.message_id} is in the database (deleted, never "
+            "enqueued there, or in another one), and a task's message only names its row: a "
+            "replay would run nothing; discard it and enqueue the task again",
         )
     if already_processed and not force:
         return Refusal(
@@ -182,13 +193,21 @@ def judge(
     *,
     force: bool,
     now: dt.datetime,
+    rows_gone: Container[int] = (),
 ) -> Judgement:
     """Judge each dead letter by :func:`refusal`, given the ``(consumer, message_id)`` pairs
-    of the inbox among them; pure (it reads and writes nothing)."""
+    of the inbox among them and the letters whose task's row is gone; pure (it reads and
+    writes nothing)."""
     judgement = Judgement()
     for dead_letter in letters:
         already = (dead_letter.consumer, dead_letter.message_id) in processed
-        refused = refusal(dead_letter, already_processed=already, force=force, now=now)
+        refused = refusal(
+            dead_letter,
+            already_processed=already,
+            force=force,
+            now=now,
+            task_row_gone=dead_letter.pk in rows_gone,
+        )
         if refused is not None:
             judgement.refused[dead_letter.pk] = refused
             if dead_letter.status not in REPLAYABLE_STATUSES:
@@ -216,7 +235,24 @@ def judge_batch(
     keys = ProcessedMessage.objects.using(rows.db).processed_keys(
         d.message_id for d in letters if d.message_id
     )
-    return judge(letters, keys, force=force, now=now or timezone.now())
+    gone = missing_task_rows(letters)
+    return judge(letters, keys, force=force, now=now or timezone.now(), rows_gone=gone)
+
+
+def missing_task_rows(letters: Iterable[DeadLetter]) -> set[int]:
+    """The ids of those of ``letters`` that are a task's (of a task queue's consumer) whose
+    ``TaskRun`` row is not in the database tasks are read from."""
+    tasks = {
+        letter.pk: letter.message_id for letter in letters if is_task_consumer(letter.consumer)
+    }
+    if not tasks:
+        return set()
+    found = set(
+        TaskRun.objects.using(router.db_for_read(TaskRun))
+        .filter(pk__in=[task_id for task_id in tasks.values() if is_task_id(task_id)])
+        .values_list("pk", flat=True)
+    )
+    return {pk for pk, task_id in tasks.items() if task_id not in found}
 
 
 def _unsendable_body(body: bytes) -> str | None:

@@ -9,7 +9,9 @@ import pytest
 from django.conf import settings
 from django.test import Client, override_settings
 
-from reliable_messaging.models import DeadLetter, ProcessedMessage
+from reliable_messaging.dead_letters.replay import replay
+from reliable_messaging.models import DeadLetter, OutboxMessage, ProcessedMessage, TaskRun
+from reliable_messaging.task_runs.naming import task_consumer_name
 
 from .conftest import change_url, discard_url, replay_url
 
@@ -161,6 +163,31 @@ def test_a_celery_tasks_dead_letter_offers_its_discard_and_says_why_not_a_replay
     assert discard_url(task) in page
     assert 'id="rm-not-replayable"' in page
     assert "call the task again" in page
+
+
+def test_a_tasks_dead_letter_whose_row_is_gone_offers_no_replay_and_a_replay_refuses_it(
+    admin: Client, make_dead_letter: MakeDeadLetter
+) -> None:
+    # A task's message only names its row: with the row gone (deleted by hand, or another
+    # database) the page offered Replay, and the replay became a new dead letter.
+    consumer = task_consumer_name("default", "default")
+    payload = {"task_id": "gone-1", "task": "shop.tasks.charge"}
+    gone = make_dead_letter(consumer=consumer, message_id="gone-1", payload=payload)
+    here = make_dead_letter(
+        consumer=consumer, message_id="here-1", payload={**payload, "task_id": "here-1"}
+    )
+    TaskRun.objects.create(id="here-1", task_path="shop.tasks.charge", queue_name="default")
+
+    page = admin.get(change_url(gone)).content.decode()
+    assert replay_url(gone) not in page
+    assert discard_url(gone) in page
+    assert 'id="rm-not-replayable"' in page and "no row of task gone-1" in page
+    assert replay_url(here) in admin.get(change_url(here)).content.decode()
+
+    result = replay(DeadLetter.objects.filter(pk__in=[gone.pk, here.pk]), replayed_by="tests")
+    assert result.replayed == [here.pk]
+    assert "enqueue the task again" in result.refused[gone.pk]
+    assert list(OutboxMessage.objects.values_list("message_id", flat=True)) == ["here-1"]
 
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -22,7 +22,7 @@ from reliable_messaging.dead_letters.permissions import (
     consumer_codename,
     create_consumer_permissions,
 )
-from reliable_messaging.models import DeadLetter, OutboxMessage, Replay
+from reliable_messaging.models import DeadLetter, OutboxMessage, Replay, TaskRun
 from reliable_messaging.task_runs.naming import task_consumer_name
 
 from .conftest import BETA_QUEUE, change_url, staff_user
@@ -224,8 +224,11 @@ def test_a_django_task_letter_offers_its_replay_and_no_edit(
     letter = make_dead_letter(
         consumer=task_consumer_name("default", "default"),
         queue="tasks.default",
+        message_id="t-1",
         payload={"task_id": "t-1", "task": "shop.tasks.charge"},
     )
+    # Its row, which a replay runs (without it, the page offers no replay).
+    TaskRun.objects.create(id="t-1", task_path="shop.tasks.charge", queue_name="default")
     page = admin.get(change_url(letter)).text
     assert 'id="rm-edit-replay"' not in page
     assert 'value="Replay"' in page
