@@ -272,7 +272,7 @@ class DeadLetterAdmin(
                 force=True,
                 now=timezone.now(),
                 body_replaced=True,
-                task_row_gone=bool(missing_task_rows([obj])),
+                task_row_gone=bool(missing_task_rows([obj], obj._state.db)),
             )
             context.update(
                 can_replay=held is None and obj.reason not in UNREPLAYABLE_REASONS,

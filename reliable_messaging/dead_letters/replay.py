@@ -235,20 +235,21 @@ def judge_batch(
     keys = ProcessedMessage.objects.using(rows.db).processed_keys(
         d.message_id for d in letters if d.message_id
     )
-    gone = missing_task_rows(letters)
+    gone = missing_task_rows(letters, rows.db)
     return judge(letters, keys, force=force, now=now or timezone.now(), rows_gone=gone)
 
 
-def missing_task_rows(letters: Iterable[DeadLetter]) -> set[int]:
+def missing_task_rows(letters: Iterable[DeadLetter], using: str) -> set[int]:
     """The ids of those of ``letters`` that are a task's (of a task queue's consumer) whose
-    ``TaskRun`` row is not in the database tasks are read from."""
+    ``TaskRun`` row is not in ``using``, their own database (where a task's dead letter and
+    its row are written together, and where a replay resets the row)."""
     tasks = {
         letter.pk: letter.message_id for letter in letters if is_task_consumer(letter.consumer)
     }
     if not tasks:
         return set()
     found = set(
-        TaskRun.objects.using(router.db_for_read(TaskRun))
+        TaskRun.objects.using(using)
         .filter(pk__in=[task_id for task_id in tasks.values() if is_task_id(task_id)])
         .values_list("pk", flat=True)
     )
