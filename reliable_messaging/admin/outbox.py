@@ -147,12 +147,17 @@ class OutboxMessageAdmin(scaling.BoundedListAdmin):
 
     @admin.action(description="Cancel the selected scheduled messages", permissions=["change"])
     def cancel_scheduled(self, request: HttpRequest, queryset: OutboxMessageQuerySet) -> None:
-        """Cancel each selected row that still waits for its due time; the others (sent, or
-        made pending meanwhile) are left alone and counted."""
+        """Cancel each selected row that still waits for its due time (a deferred task with
+        its result); the others (sent, made pending meanwhile, a consumer's retry) are left
+        alone and counted."""
         chosen = list(queryset.values_list("pk", "status"))
+        # A consumer's retry copy (raw_properties): never cancelled, see cancellable().
+        copies = queryset.filter(status=OutboxStatus.SCHEDULED, raw_properties__isnull=False)
+        kept = set(copies.values_list("pk", flat=True))
         # By id: another row may share a selected row's message_id (publish() allows it).
-        cancelled = cancel_rows(
-            [pk for pk, status in chosen if status == OutboxStatus.SCHEDULED], queryset.db
+        cancelled, tasks = cancel_rows(
+            [pk for pk, status in chosen if status == OutboxStatus.SCHEDULED and pk not in kept],
+            queryset.db,
         )
         self.message_user(
             request,
@@ -162,7 +167,35 @@ class OutboxMessageAdmin(scaling.BoundedListAdmin):
             % cancelled,
             messages.SUCCESS,
         )
-        left = len(chosen) - cancelled
+        if tasks:
+            self.message_user(
+                request,
+                ngettext(
+                    "%d of them was a task's (enqueued with run_after): its result is deleted "
+                    "with it, as if never enqueued.",
+                    "%d of them were tasks' (enqueued with run_after): their results are "
+                    "deleted with them, as if never enqueued.",
+                    tasks,
+                )
+                % tasks,
+                messages.SUCCESS,
+            )
+        if kept:
+            self.message_user(
+                request,
+                ngettext(
+                    "%d selected row is a consumer's retry of a failed delivery, not a scheduled "
+                    "message: left alone (the only copy of that delivery, its cancel would lose "
+                    "the message for its consumer).",
+                    "%d selected rows are a consumer's retries of failed deliveries, not "
+                    "scheduled messages: left alone (each the only copy of its delivery, their "
+                    "cancel would lose the messages for their consumers).",
+                    len(kept),
+                )
+                % len(kept),
+                messages.WARNING,
+            )
+        left = len(chosen) - cancelled - len(kept)
         if left:
             self.message_user(
                 request,

@@ -163,7 +163,8 @@ def _encoded(routing_key: str, payload: Any) -> bytes:
 
 def cancel_scheduled(message_id: str, *, using: str | None = None) -> bool:
     """Cancel a scheduled message not sent yet, in the current transaction of ``using``; False
-    when none was waiting (never scheduled, cancelled before, or already due)."""
+    when none was waiting (never scheduled, cancelled before, or already due). A consumer's
+    retry is not one; a deferred task's result goes with its message."""
     if using is None:
         using = router.db_for_write(OutboxMessage)
     return _cancel(str(message_id), using)

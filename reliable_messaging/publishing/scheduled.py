@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.db import connections, transaction
 from django.db.models import F
 from django.db.models.functions import Now
 
-from ..choices import OutboxStatus
-from ..models import OutboxMessage
+from ..choices import OutboxStatus, TaskRunStatus
+from ..models import OutboxMessage, TaskRun
 from ..storage.partitions import again_if_moved
 
 # How many due rows one promotion moves, in one short transaction.
@@ -23,21 +23,41 @@ def _scheduled(using: str) -> Any:
     return OutboxMessage.objects.using(using).filter(status=OutboxStatus.SCHEDULED)
 
 
+def cancellable(using: str) -> Any:
+    """The scheduled messages ``publish()`` wrote. Not a consumer's retry copy: the only copy
+    of a delivery that failed (its original was acked), whose cancel would lose it."""
+    return _scheduled(using).filter(raw_properties__isnull=True)
+
+
+class Cancelled(NamedTuple):
+    messages: int
+    tasks: int  # of them, deferred tasks' messages, whose results went with them
+
+
 def cancel(message_id: str, using: str) -> bool:
-    """Delete the scheduled row of ``message_id`` (in a savepoint); True when one was."""
-    return bool(_delete_scheduled(_scheduled(using).filter(message_id=message_id), using))
+    """Delete the scheduled message ``message_id`` (in a savepoint); True when one was."""
+    return bool(_delete_scheduled(cancellable(using).filter(message_id=message_id), using)[0])
 
 
-def cancel_rows(pks: Iterable[int], using: str) -> int:
-    """Delete those of the rows ``pks`` still scheduled, as :func:`cancel` does; how many."""
-    return _delete_scheduled(_scheduled(using).filter(pk__in=list(pks)), using)
+def cancel_rows(pks: Iterable[int], using: str) -> Cancelled:
+    """Cancel those of the rows ``pks`` still scheduled, as :func:`cancel` does."""
+    return _delete_scheduled(cancellable(using).filter(pk__in=list(pks)), using)
 
 
-def _delete_scheduled(rows: Any, using: str) -> int:
-    def delete() -> int:
+def _delete_scheduled(rows: Any, using: str) -> Cancelled:
+    """Delete ``rows``, and the result of each that is a deferred task's message: a task
+    cancelled before it was due is as if never enqueued (no result READY for ever)."""
+
+    def delete() -> Cancelled:
         # A relay that made a row pending meanwhile moved it: the next try does not find it.
         with transaction.atomic(using=using):
-            return int(rows._raw_delete(using))
+            taken = dict(rows.select_for_update().values_list("pk", "message_id"))
+            if not taken:
+                return Cancelled(0, 0)
+            OutboxMessage.objects.using(using).filter(pk__in=taken)._raw_delete(using)
+            results = TaskRun.objects.using(using).filter(status=TaskRunStatus.READY)
+            tasks = results.filter(id__in=set(taken.values()))._raw_delete(using)
+            return Cancelled(len(taken), int(tasks))
 
     return again_if_moved(delete)
 

@@ -12,8 +12,8 @@ from django.urls import reverse
 from django.utils import timezone
 
 from reliable_messaging import publish
-from reliable_messaging.choices import OutboxStatus
-from reliable_messaging.models import OutboxMessage
+from reliable_messaging.choices import OutboxStatus, TaskRunStatus
+from reliable_messaging.models import OutboxMessage, TaskRun
 from reliable_messaging.publishing import scheduled
 from tests.markers import postgresql_only
 
@@ -78,6 +78,83 @@ def test_the_cancel_action_cancels_the_selected_row_only_when_two_share_a_messag
     assert list(OutboxMessage.objects.filter(message_id=shared).values_list("pk", "status")) == [
         (second.pk, OutboxStatus.SCHEDULED)
     ]
+
+
+def select_for_cancel(admin: Client, *message_ids: str) -> list[str]:
+    pks = OutboxMessage.objects.filter(message_id__in=message_ids).values_list("pk", flat=True)
+    response = admin.post(
+        reverse(CHANGELIST),
+        {"action": "cancel_scheduled", "_selected_action": [str(pk) for pk in pks]},
+        follow=True,
+    )
+    return messages_of(response)
+
+
+def test_the_cancel_action_leaves_a_consumers_retry_copy_alone_and_says_why(
+    admin: Client, db: None
+) -> None:
+    """A retry copy is the only copy of a delivery that failed (the original was acked when
+    the copy was written): cancelling it would lose the message for its consumer, with no
+    dead letter."""
+    reminder = publish("order.remind", {"order": 6}, delay=3600)
+    OutboxMessage.objects.schedule_copy(
+        message_id="failed-once",
+        queue="billing",
+        body=b'{"order": 7}',
+        properties=b"",
+        delay=60,
+        idempotency_key="rm-retry:failed-once",
+    )
+    shown = select_for_cancel(admin, reminder, "failed-once")
+    assert "1 scheduled message cancelled." in shown
+    assert any(
+        text.startswith("1 selected row is a consumer's retry of a failed delivery")
+        for text in shown
+    ), shown
+    assert not OutboxMessage.objects.filter(message_id=reminder).exists()
+    copy = OutboxMessage.objects.get(message_id="failed-once")
+    assert copy.status == OutboxStatus.SCHEDULED
+
+
+def test_the_cancel_action_cancels_a_deferred_task_with_its_result(admin: Client, db: None) -> None:
+    """A task enqueued with run_after waits as a scheduled message; cancelled, it is as if
+    never enqueued: no result row READY for ever, which no worker would ever run."""
+    task_id = "0193a0a0-0000-7000-8000-000000000001"
+    TaskRun.objects.create(
+        id=task_id,
+        backend="default",
+        task_path="shop.tasks.send_receipt",
+        queue_name="default",
+        args=[1],
+        kwargs={},
+        run_after=timezone.now() + dt.timedelta(hours=1),
+        enqueued_at=timezone.now(),
+    )
+    publish(
+        "tasks.default",
+        {"task_id": task_id, "task": "shop.tasks.send_receipt"},
+        message_id=task_id,
+        delay=3600,
+    )
+    done = TaskRun.objects.create(
+        id="0193a0a0-0000-7000-8000-000000000002",
+        backend="default",
+        task_path="shop.tasks.send_receipt",
+        queue_name="default",
+        args=[2],
+        kwargs={},
+        status=TaskRunStatus.SUCCESSFUL,
+        enqueued_at=timezone.now(),
+    )
+    # A scheduled message sharing a finished task's id leaves its result alone.
+    publish("order.remind", {}, message_id=done.id, delay=3600)
+    shown = select_for_cancel(admin, task_id, done.id)
+    assert "2 scheduled messages cancelled." in shown
+    assert "1 of them was a task's (enqueued with run_after): its result is deleted " in " ".join(
+        shown
+    )
+    assert not OutboxMessage.objects.filter(message_id__in=[task_id, done.id]).exists()
+    assert list(TaskRun.objects.values_list("id", flat=True)) == [done.id]
 
 
 @postgresql_only

@@ -118,6 +118,28 @@ def test_cancel_scheduled_takes_it_back_in_the_callers_transaction() -> None:
     assert row(sent_at_once).status == OutboxStatus.PENDING
 
 
+def test_cancel_scheduled_never_takes_a_consumers_retry_copy() -> None:
+    """The message was sent, a consumer failed it and waits to retry it: its copy is that
+    delivery's, the only one left for that consumer, not the scheduled message."""
+    message_id = publish("orders.cancel_if_unpaid", {"order": 11}, delay=60)
+    make_due(message_id)
+    scheduled.promote_due("default")
+    OutboxMessage.objects.filter(message_id=message_id).update(
+        status=OutboxStatus.SENT, sent_at=timezone.now()
+    )
+    OutboxMessage.objects.schedule_copy(
+        message_id=message_id,
+        queue="billing",
+        body=b'{"order": 11}',
+        properties=b"",
+        delay=60,
+        idempotency_key=f"rm-retry:{message_id}",
+    )
+    assert cancel_scheduled(message_id) is False
+    statuses = OutboxMessage.objects.filter(message_id=message_id).values_list("status", flat=True)
+    assert sorted(statuses) == [OutboxStatus.SCHEDULED, OutboxStatus.SENT]
+
+
 def test_a_message_already_due_cannot_be_cancelled() -> None:
     message_id = publish("r", {}, delay=60)
     make_due(message_id)

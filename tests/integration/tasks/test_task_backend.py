@@ -16,6 +16,7 @@ from asgiref.sync import sync_to_async
 from django.db import connections, transaction
 from django.utils import timezone
 
+from reliable_messaging import cancel_scheduled
 from reliable_messaging.choices import OutboxStatus
 from reliable_messaging.core.envelope import Delivery
 from reliable_messaging.core.outcomes import FailureReason
@@ -422,6 +423,23 @@ def test_run_after_waits_in_the_outbox_until_due(worker: Any) -> None:
     assert result.status == TaskResultStatus.READY and result.task.run_after == due
     until_status(result, "SUCCESSFUL")
     assert result.started_at is not None and result.started_at >= due
+
+
+def test_cancel_scheduled_cancels_a_deferred_task_as_if_never_enqueued(
+    tasks_settings: TaskQueues,
+) -> None:
+    due = timezone.now() + dt.timedelta(hours=1)
+    result = tasks.add.using(run_after=due).enqueue(2, 2)
+    with transaction.atomic():
+        assert cancel_scheduled(result.id) is True
+        transaction.set_rollback(True)
+    result.refresh()  # the rollback undid the cancel
+    assert result.status == TaskResultStatus.READY
+    assert cancel_scheduled(result.id) is True
+    with pytest.raises(TaskResultDoesNotExist):
+        result.refresh()
+    assert not OutboxMessage.objects.filter(message_id=result.id).exists()
+    assert relay_once() == 0
 
 
 async def _closing(call: Any) -> Any:
