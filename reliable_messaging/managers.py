@@ -56,7 +56,9 @@ class BatchDeletingQuerySet(models.QuerySet):
                 ids = list(rows.order_by("pk").values_list("pk", flat=True)[:batch_size])
                 if not ids:
                     return deleted
-                deleted += self.model._default_manager.using(using).filter(pk__in=ids).delete()[0]
+                batch = self.model._default_manager.using(using).filter(pk__in=ids)
+                # Rows of this model only, not those deleted with them (a dead letter's replays).
+                deleted += batch.delete()[1].get(self.model._meta.label, 0)
             if progress:
                 progress(deleted, total)
 

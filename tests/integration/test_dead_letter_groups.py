@@ -37,6 +37,7 @@ from reliable_messaging.models import (
     DeadLetterGroup,
     DeadLetterGroupDelta,
     LiveDeadLetterGroup,
+    Replay,
 )
 from tests.markers import postgresql_only
 from tests.support import MANAGE
@@ -287,6 +288,23 @@ def test_purge_removes_old_resolved_and_discarded_dead_letters(old_and_new: None
     assert_kept()
     # The group left without a dead letter is gone from the table, not only hidden.
     assert not DeadLetterGroup.objects.filter(consumer="tests.beta").exists()
+
+
+def test_purge_counts_dead_letters_not_the_replays_deleted_with_them(old_and_new: None) -> None:
+    """A dead letter's replay ledger goes with it: the count says dead letters, as the dry
+    run's does, not every row deleted."""
+    for message_id in ("old-resolved", "old-resolved", "old-discarded"):
+        letter = DeadLetter.objects.get(message_id=message_id)
+        Replay.objects.create(
+            dead_letter=letter, consumer=letter.consumer, message_id=message_id, replayed_by="ops"
+        )
+    assert "would delete 4 resolved or discarded dead letter(s)" in purge("--dry-run")
+
+    output = purge()
+
+    assert "deleted 4 resolved or discarded dead letter(s) older than 30 days" in output
+    assert not Replay.objects.exists()
+    assert left() == {"old-dead", "old-replayed", "new-resolved"}
 
 
 def test_purge_keeps_every_dead_letter_when_the_retention_is_none(old_and_new: None) -> None:
