@@ -55,7 +55,9 @@ def _delete_scheduled(rows: Any, using: str) -> Cancelled:
             if not taken:
                 return Cancelled(0, 0)
             OutboxMessage.objects.using(using).filter(pk__in=taken)._raw_delete(using)
-            results = TaskRun.objects.using(using).filter(status=TaskRunStatus.READY)
+            results = TaskRun.objects.using(using).filter(
+                status=TaskRunStatus.READY, run_after__isnull=False
+            )
             tasks = results.filter(id__in=set(taken.values()))._raw_delete(using)
             return Cancelled(len(taken), int(tasks))
 
