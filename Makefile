@@ -25,13 +25,17 @@ LANE_WORKERS = -n $(LANE_TEST_WORKERS) --dist worksteal
 # Run once more through a transaction-pooling PgBouncer (tests/conftest.py, RM_TEST_PGBOUNCER):
 # a representative part of the e2e and publishing slices: consume's life and faults, a replay,
 # publish -> relay -> consume -> publish, the relay, the wake-ups, scheduled rows and their
-# cancelling, and where features meet in one consume process (retries, the breaker, expiry,
-# replays, ordered keys: about 40 s). All of both slices would add about 8 minutes.
+# cancelling, where features meet in one consume process (retries, the breaker, expiry,
+# replays, ordered keys: about 40 s), and the django.tasks backend's enqueue, runs, results,
+# replays and retention (about 15 s). All of both slices would add about 8 minutes.
 PGBOUNCER_TESTS ?= tests/e2e/test_consume_command.py tests/e2e/test_replay_end_to_end.py \
 	tests/integration/consuming/test_features_meet.py \
 	tests/integration/publishing/test_publish_in_handler.py \
 	tests/integration/publishing/test_relay.py tests/integration/publishing/test_wake_after_commit.py \
-	tests/integration/publishing/test_scheduled_rows.py
+	tests/integration/publishing/test_scheduled_rows.py \
+	tests/integration/tasks/test_task_backend.py tests/integration/tasks/test_batched_results.py \
+	tests/integration/tasks/test_start_attempts.py tests/integration/tasks/test_consume_runs_tasks.py \
+	tests/integration/tasks/test_task_result_retention.py
 
 # Run once more against RabbitMQ 4.3.6 (scripts/rabbitmq4.sh --release 4.3, RM_TEST_BROKER=
 # rabbitmq43), the newest release line, beside the 3.10.8 of the rest, where broker versions
