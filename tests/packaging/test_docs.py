@@ -139,6 +139,23 @@ def test_every_link_into_the_docs_lands_on_a_page_and_heading() -> None:
     assert not [p for p in problems if p], "\n".join(p for p in problems if p)
 
 
+# A test the docs cite as the proof of what they say: `tests/path.py::test_name`.
+CITED_TEST = re.compile(r"(?P<path>tests/[\w/]+\.py)::(?P<name>test_\w+)")
+
+
+def test_every_test_the_docs_cite_exists() -> None:
+    """A test renamed or removed leaves no claim of the docs without its proof."""
+    missing = []
+    for page in [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]:
+        for cited in CITED_TEST.finditer(page.read_text()):
+            path = ROOT / cited["path"]
+            if not path.exists() or not re.search(
+                rf"^\s*(?:async )?def {cited['name']}\(", path.read_text(), re.MULTILINE
+            ):
+                missing.append(f"{page.relative_to(ROOT)}: {cited[0]}")
+    assert not missing, "\n".join(missing)
+
+
 # The package's messages, hints and docstrings that send a reader to the docs: `docs/page.md`,
 # or `../page.md` in the settings' descriptions (written into docs/reference/settings.md).
 PACKAGE_LINK = re.compile(r"(?:docs/|\.\./)(?P<page>[\w/-]+\.md)(?:#(?P<anchor>[\w-]+))?")
