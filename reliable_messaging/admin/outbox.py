@@ -151,7 +151,7 @@ class OutboxMessageAdmin(scaling.BoundedListAdmin):
         its result); the others (sent, made pending meanwhile, a consumer's retry) are left
         alone and counted."""
         chosen = list(queryset.values_list("pk", "status"))
-        # A consumer's retry copy (raw_properties): never cancelled, see cancellable().
+        # A consumer's retry copy (raw_properties): never cancelled (publishing/scheduled.py).
         copies = queryset.filter(status=OutboxStatus.SCHEDULED, raw_properties__isnull=False)
         kept = set(copies.values_list("pk", flat=True))
         # By id: another row may share a selected row's message_id (publish() allows it).

@@ -23,7 +23,7 @@ def _scheduled(using: str) -> Any:
     return OutboxMessage.objects.using(using).filter(status=OutboxStatus.SCHEDULED)
 
 
-def cancellable(using: str) -> Any:
+def _cancellable(using: str) -> Any:
     """The scheduled messages ``publish()`` wrote. Not a consumer's retry copy: the only copy
     of a delivery that failed (its original was acked), whose cancel would lose it."""
     return _scheduled(using).filter(raw_properties__isnull=True)
@@ -36,12 +36,12 @@ class Cancelled(NamedTuple):
 
 def cancel(message_id: str, using: str) -> bool:
     """Delete the scheduled message ``message_id`` (in a savepoint); True when one was."""
-    return bool(_delete_scheduled(cancellable(using).filter(message_id=message_id), using)[0])
+    return bool(_delete_scheduled(_cancellable(using).filter(message_id=message_id), using)[0])
 
 
 def cancel_rows(pks: Iterable[int], using: str) -> Cancelled:
     """Cancel those of the rows ``pks`` still scheduled, as :func:`cancel` does."""
-    return _delete_scheduled(cancellable(using).filter(pk__in=list(pks)), using)
+    return _delete_scheduled(_cancellable(using).filter(pk__in=list(pks)), using)
 
 
 def _delete_scheduled(rows: Any, using: str) -> Cancelled:
