@@ -20,9 +20,14 @@ from .status import process_health
 
 logger = logging.getLogger(__name__)
 
+# Seconds a connection may keep a server thread waiting for a request or a read; a scraper
+# or probe sends its request at once.
+IDLE_TIMEOUT = 5.0
+
 
 class _OpsHandler(MetricsHandler):
     health: HealthCheck
+    timeout = IDLE_TIMEOUT  # else a client gone without closing holds its thread for ever
 
     def do_GET(self) -> None:
         path = urlsplit(self.path).path

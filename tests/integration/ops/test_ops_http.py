@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import socket
+import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 
@@ -11,7 +14,8 @@ import pytest
 
 from reliable_messaging import metrics
 from reliable_messaging.core.liveness import HealthState
-from reliable_messaging.ops.http import OpsServer, start_ops_server
+from reliable_messaging.ops.http import IDLE_TIMEOUT, OpsServer, start_ops_server
+from tests.support import wait_until
 
 from .conftest import http_get, http_json, parse_samples
 
@@ -99,3 +103,33 @@ def test_close_frees_the_port(health: HealthState) -> None:
         assert again.port == port
     finally:
         again.close()
+
+
+def test_a_connection_that_never_sends_its_request_is_closed_and_leaves_no_thread(
+    server: OpsServer,
+) -> None:
+    """A client gone without closing (a half-open connection, a probe that only connects)
+    holds a server thread while its request line is awaited: each is let go after
+    IDLE_TIMEOUT, so over weeks they never pile up; the others are served meanwhile."""
+    before = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(20)]
+    try:
+        wait_until(
+            lambda: threading.active_count() >= before + 20,
+            timeout=10,
+            message="a thread for each connection",
+        )
+        assert http_get(url(server, "/healthz"))[0] == 503  # served beside them
+        started = time.monotonic()
+        for connection in idle:
+            connection.settimeout(IDLE_TIMEOUT + 10)
+            assert connection.recv(1) == b""  # closed by the server
+        assert time.monotonic() - started < IDLE_TIMEOUT + 5
+        wait_until(
+            lambda: threading.active_count() <= before,
+            timeout=10,
+            message=lambda: f"their threads ended: {threading.active_count()} of {before}",
+        )
+    finally:
+        for connection in idle:
+            connection.close()
