@@ -23,6 +23,22 @@ from ..publishing.scheduled import cancel_rows
 from . import bodies, scaling
 
 
+class CopyFilter(admin.SimpleListFilter):
+    """What wrote the row: ``publish()``, or a consumer for its retry or deferral of a
+    delivery (a copy of the original's bytes and properties, for its queue alone)."""
+
+    title = _("written by")
+    parameter_name = "copy"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
+        return [("no", _("publish()")), ("yes", _("a consumer's retry or deferral"))]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        if self.value() not in ("no", "yes"):
+            return queryset
+        return queryset.filter(raw_properties__isnull=self.value() == "no")
+
+
 @admin.register(OutboxMessage)
 class OutboxMessageAdmin(scaling.BoundedListAdmin):
     list_display = (
@@ -31,13 +47,13 @@ class OutboxMessageAdmin(scaling.BoundedListAdmin):
         "exchange",
         "routing_key",
         "ordering_key",
-        "status",
+        "status_shown",
         "deliver_at",
         "attempts",
         "short_error",
         "sent_at",
     )
-    list_filter = ("status",)
+    list_filter = ("status", CopyFilter)
     search_fields = ("message_id",)  # only so that Django shows the search box
     exact_search_fields = ("message_id", "idempotency_key")
     search_help_text = _("An exact message_id or idempotency key.")
@@ -77,20 +93,33 @@ class OutboxMessageAdmin(scaling.BoundedListAdmin):
                 f"Oldest pending row waits for {timesince(oldest, timezone.now())}.",
                 messages.INFO,
             )
-        # The first entry of the scheduled rows' index.
-        next_due = (
+        # The first entry of the scheduled rows' index, whichever wrote it: looking past a
+        # consumer's retries for publish()'s first would read every one of them.
+        first = (
             OutboxMessage.objects.filter(status=OutboxStatus.SCHEDULED)
             .order_by("next_attempt_at")
-            .values_list("next_attempt_at", flat=True)
+            .values_list("next_attempt_at", "raw_properties")
             .first()
         )
-        if next_due is not None:
+        if first is not None:
+            due = f"{first[0]:%Y-%m-%d %H:%M:%S %Z}"
             self.message_user(
                 request,
-                f"Next scheduled message is due at {next_due:%Y-%m-%d %H:%M:%S %Z}.",
+                f"Next scheduled message is due at {due}."
+                if first[1] is None
+                else f"Next scheduled row is a consumer's retry or deferral, due at {due}.",
                 messages.INFO,
             )
         return super().changelist_view(request, extra_context)
+
+    @admin.display(description=_("status"), ordering="status")
+    def status_shown(self, obj: OutboxMessage) -> str:
+        """The status, and for a consumer's copy what it is: the only copy of a delivery that
+        failed or was deferred, which the cancel action leaves alone."""
+        status = obj.get_status_display()
+        if obj.raw_properties is None:
+            return status
+        return gettext("%(status)s: a consumer's retry or deferral") % {"status": status}
 
     @admin.display(description="last error")
     def short_error(self, obj: OutboxMessage) -> str:

@@ -35,6 +35,45 @@ def test_the_list_shows_due_times_and_the_next_one(admin: Client, db: None) -> N
     assert "Due at" in response.content.decode()
 
 
+def test_a_consumers_retry_is_shown_as_one_and_not_as_the_next_scheduled_message(
+    admin: Client, db: None
+) -> None:
+    """A consumer's retry waits as a scheduled row like a message publish() scheduled: the
+    list says which is which, filters by it, and names the next due row for what it is."""
+    reminder = publish("order.remind", {"order": 8}, delay=3600)
+    OutboxMessage.objects.schedule_copy(
+        message_id="failed-twice",
+        queue="billing",
+        body=b'{"order": 9}',
+        properties=b"",
+        delay=60,
+        idempotency_key="rm-retry:failed-twice",
+    )
+    url = reverse(CHANGELIST)
+    response = admin.get(url, {"status__exact": "scheduled"})
+    assert any(
+        text.startswith("Next scheduled row is a consumer's retry or deferral, due at ")
+        for text in messages_of(response)
+    ), messages_of(response)
+    shown = {
+        row.message_id: response.context["cl"].model_admin.status_shown(row)
+        for row in response.context["cl"].result_list
+    }
+    assert shown == {
+        reminder: "scheduled",
+        "failed-twice": "scheduled: a consumer's retry or deferral",
+    }
+    assert "a consumer&#x27;s retry or deferral" in response.content.decode()
+    for value, expected in (("yes", ["failed-twice"]), ("no", [reminder])):
+        listed = admin.get(url, {"status__exact": "scheduled", "copy": value})
+        assert [row.message_id for row in listed.context["cl"].result_list] == expected
+    OutboxMessage.objects.filter(message_id="failed-twice").delete()
+    response = admin.get(url)
+    assert any(
+        text.startswith("Next scheduled message is due at ") for text in messages_of(response)
+    )
+
+
 def test_the_cancel_action_cancels_waiting_rows_and_leaves_the_others(
     admin: Client, db: None
 ) -> None:
