@@ -154,6 +154,21 @@ def _drop(apps: Any, schema_editor: Any, model_name: str) -> None:
     partitions.forget_coverage()
 
 
+def no_task_id_like_index(apps: Any, schema_editor: Any) -> None:
+    """Leave out the ``varchar_pattern_ops`` index Django gives a character primary key on
+    PostgreSQL, for ``LIKE``: a task's id is only looked up whole, and every enqueue and every
+    status change of a task would write an entry in it. Django makes a new table's indexes at
+    the end of the migration (its deferred statements): the statement is taken out there."""
+    schema_editor.deferred_sql = [
+        statement
+        for statement in schema_editor.deferred_sql
+        if not (
+            "varchar_pattern_ops" in str(statement)
+            and '"reliable_messaging_taskrun"' in str(statement)
+        )
+    ]
+
+
 # -- the dead letters' failure groups and search on PostgreSQL ----------------------------------
 
 DEAD_LETTERS = "reliable_messaging_deadletter"
@@ -296,6 +311,7 @@ def drop_dead_letter_sql(apps: Any, schema_editor: Any) -> None:
     if schema_editor.connection.vendor == "postgresql":
         schema_editor.execute(DROP_DEAD_LETTER_SQL)
 
+
 # -- the inbox claim on PostgreSQL ------------------------------------------------------------
 
 # The inbox claim (reliable_messaging.storage.inbox): a function, so that PostgreSQL plans its
@@ -355,7 +371,6 @@ def create_inbox_claim(apps: Any, schema_editor: Any) -> None:
 def drop_inbox_claim(apps: Any, schema_editor: Any) -> None:
     if schema_editor.connection.vendor == "postgresql":
         schema_editor.execute(f"DROP FUNCTION {INBOX_CLAIM_FUNCTION}")
-
 
 
 def id_field() -> tuple[str, models.Field[Any, Any]]:
@@ -974,5 +989,11 @@ class Migration(migrations.Migration):
                     models.Index(fields=["-enqueued_at"], name="rm_taskrun_enqueued_idx"),
                 ],
             },
+        ),
+        migrations.RunPython(
+            no_task_id_like_index,
+            migrations.RunPython.noop,
+            hints={"model_name": "taskrun"},
+            elidable=False,
         ),
     ]

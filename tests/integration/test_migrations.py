@@ -72,6 +72,19 @@ def test_migrate_to_zero_and_back() -> None:
     assert OutboxMessage.objects.pending().count() == 1
 
 
+@postgresql_only
+@pytest.mark.django_db
+def test_a_task_run_has_no_index_nothing_reads() -> None:
+    """Django gives a character primary key a second index for LIKE: the task's id is only
+    looked up whole, and each enqueue and status change would write that index too."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT indexdef FROM pg_indexes WHERE tablename = 'reliable_messaging_taskrun'"
+        )
+        found = sorted(row[0].split(" USING ")[1] for row in cursor.fetchall())
+    assert found == ["btree (enqueued_at DESC)", "btree (id)", "btree (status, enqueued_at DESC)"]
+
+
 def migrate_sqlite(database: Path, *target: str) -> None:
     """``manage.py migrate TARGET`` on the SQLite file ``database``, in a process of its own."""
     env = {
