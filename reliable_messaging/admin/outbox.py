@@ -23,22 +23,6 @@ from ..publishing.scheduled import cancel_rows
 from . import bodies, scaling
 
 
-class CopyFilter(admin.SimpleListFilter):
-    """What wrote the row: ``publish()``, or a consumer for its retry or deferral of a
-    delivery (a copy of the original's bytes and properties, for its queue alone)."""
-
-    title = _("written by")
-    parameter_name = "copy"
-
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
-        return [("no", _("publish()")), ("yes", _("a consumer's retry or deferral"))]
-
-    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        if self.value() not in ("no", "yes"):
-            return queryset
-        return queryset.filter(raw_properties__isnull=self.value() == "no")
-
-
 @admin.register(OutboxMessage)
 class OutboxMessageAdmin(scaling.BoundedListAdmin):
     list_display = (
@@ -53,7 +37,7 @@ class OutboxMessageAdmin(scaling.BoundedListAdmin):
         "short_error",
         "sent_at",
     )
-    list_filter = ("status", CopyFilter)
+    list_filter = ("status",)
     search_fields = ("message_id",)  # only so that Django shows the search box
     exact_search_fields = ("message_id", "idempotency_key")
     search_help_text = _("An exact message_id or idempotency key.")

@@ -39,7 +39,7 @@ def test_a_consumers_retry_is_shown_as_one_and_not_as_the_next_scheduled_message
     admin: Client, db: None
 ) -> None:
     """A consumer's retry waits as a scheduled row like a message publish() scheduled: the
-    list says which is which, filters by it, and names the next due row for what it is."""
+    list says which is which, and names the next due row for what it is."""
     reminder = publish("order.remind", {"order": 8}, delay=3600)
     OutboxMessage.objects.schedule_copy(
         message_id="failed-twice",
@@ -64,9 +64,6 @@ def test_a_consumers_retry_is_shown_as_one_and_not_as_the_next_scheduled_message
         "failed-twice": "scheduled: a consumer's retry or deferral",
     }
     assert "a consumer&#x27;s retry or deferral" in response.content.decode()
-    for value, expected in (("yes", ["failed-twice"]), ("no", [reminder])):
-        listed = admin.get(url, {"status__exact": "scheduled", "copy": value})
-        assert [row.message_id for row in listed.context["cl"].result_list] == expected
     OutboxMessage.objects.filter(message_id="failed-twice").delete()
     response = admin.get(url)
     assert any(
