@@ -96,6 +96,9 @@ class ReliableTaskBackend(BaseTaskBackend):
             publish(
                 self.task_queues.amqp_queue(task.queue_name),
                 {"task_id": task_id, "task": task.module_path},
+                # To its queue alone: a queue gone (deleted, expired) returns it, and the
+                # outbox keeps it until the queue is back, where an event would be unrouted.
+                exchange="",
                 message_id=task_id,
                 # The relay sends it as the message's priority property.
                 headers={PRIORITY_HEADER: amqp_priority(task.priority)},

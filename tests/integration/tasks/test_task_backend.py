@@ -9,6 +9,7 @@ import datetime as dt
 import decimal
 import json
 import sys
+import threading
 from typing import Any
 
 import pytest
@@ -33,6 +34,7 @@ from reliable_messaging.task_runs.framework import (
 )
 from reliable_messaging.task_runs.naming import TaskQueues
 from reliable_messaging.task_runs.results import result_of
+from tests import support
 from tests.support import Publisher, wait_until
 from tests.testapp.models import Effect
 
@@ -423,6 +425,40 @@ def test_run_after_waits_in_the_outbox_until_due(worker: Any) -> None:
     assert result.status == TaskResultStatus.READY and result.task.run_after == due
     until_status(result, "SUCCESSFUL")
     assert result.started_at is not None and result.started_at >= due
+
+
+def test_a_task_whose_queue_is_gone_waits_in_the_outbox_until_the_queue_is_back(
+    tasks_settings: TaskQueues, service: Any, outcomes: Outcomes
+) -> None:
+    """A task's message is for its queue alone. With that queue gone (deleted by an operator,
+    expired by a policy, on a node that is down) the broker returns it: the outbox keeps it,
+    charged and sent again with backoff, until consume declares the queue again, and the task
+    runs once. Sent as an event, it would be marked unrouted, its result READY for ever."""
+    from reliable_messaging.task_runs.worker import consumer_specs
+
+    specs = consumer_specs(tasks_settings)
+    service(specs, relay=False).request_stop()  # the exchange and the queues declared
+    wait_until(
+        lambda: not any(t.name == "rm-test-service" for t in threading.enumerate()),
+        timeout=30,
+        message="the consumer stopped",
+    )
+    admin = support.broker_connection()
+    try:
+        admin.channel().queue_delete(tasks_settings.amqp_queue("default"))
+    finally:
+        admin.close()
+    result = tasks.add.enqueue(5, 6)
+    relay_once()
+    row = OutboxMessage.objects.get(message_id=result.id)
+    assert (row.status, row.attempts) == (OutboxStatus.PENDING, 1), row.last_error
+    assert "its queue does not exist now" in row.last_error
+    result.refresh()
+    assert result.status == TaskResultStatus.READY
+    service(specs, on_outcome=outcomes)  # declares the queue again
+    until_status(result, "SUCCESSFUL")  # sent again once its backoff (1 s) is over
+    assert result.return_value == 11 and effects("add") == [1]
+    assert outcomes.words() == ["processed"]
 
 
 def test_cancel_scheduled_cancels_a_deferred_task_as_if_never_enqueued(
