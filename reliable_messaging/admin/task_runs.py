@@ -3,6 +3,7 @@ state changes only by its runs (``docs/tasks.md``)."""
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any
 
 from django.conf import settings
@@ -13,8 +14,8 @@ from django.utils.html import format_html, format_html_join
 from django.utils.translation import gettext
 from django.utils.translation import gettext_lazy as _
 
-from ..choices import TaskRunStatus
-from ..models import DeadLetter, TaskRun
+from ..choices import OutboxStatus, TaskRunStatus
+from ..models import DeadLetter, OutboxMessage, TaskRun
 from ..task_runs.naming import task_consumer_name
 from . import bodies
 from .scaling import BoundedListAdmin, FieldFilter, ReadOnlyAdmin
@@ -24,6 +25,10 @@ def dead_letter_of(run: TaskRun) -> DeadLetter | None:
     """The dead letter of a task's message, recorded by the consumer of its queue."""
     rows = DeadLetter.objects.using(run._state.db)
     return rows.of(task_consumer_name(run.backend, run.queue_name), run.id).first()
+
+
+def _moment(value: dt.datetime | None) -> str:
+    return "?" if value is None else f"{value:%Y-%m-%d %H:%M:%S %Z}"
 
 
 class TaskQueueFilter(FieldFilter):
@@ -63,7 +68,7 @@ class TaskRunAdmin(ReadOnlyAdmin, BoundedListAdmin):
     ordering = ("-enqueued_at",)
     _SUMMARY = (
         *("id", "task_path", "backend", "queue_name", "priority", "status", "attempts"),
-        "dead_letter_link",
+        *("dead_letter_link", "message_link"),
     )
     _RUNS = (
         *("worker_ids_block", "enqueued_at", "run_after", "started_at", "last_attempted_at"),
@@ -120,6 +125,43 @@ class TaskRunAdmin(ReadOnlyAdmin, BoundedListAdmin):
         if not obj.worker_ids:
             return "-"
         return format_html_join(", ", "<code>{}</code>", ((w,) for w in obj.worker_ids))
+
+    @admin.display(description=_("message"))
+    def message_link(self, obj: TaskRun) -> str:
+        """Where a READY task's message is: waiting in the outbox, not sent (its queue gone,
+        say), or sent and waiting in its queue for a worker."""
+        if obj.status != TaskRunStatus.READY:
+            return "-"
+        row = (
+            OutboxMessage.objects.using(obj._state.db)
+            .filter(message_id=obj.pk)
+            .only("status", "attempts", "last_error", "next_attempt_at", "sent_at")
+            .order_by("-pk")
+            .first()
+        )
+        if row is None:
+            return gettext("none in the outbox (cancelled, or purged)")
+        if row.status == OutboxStatus.SCHEDULED:
+            said = gettext("scheduled, due at %(due)s") % {"due": _moment(row.next_attempt_at)}
+        elif row.status in (OutboxStatus.SENT, OutboxStatus.UNROUTED):
+            said = gettext("sent at %(sent)s: in its queue until a worker takes it") % {
+                "sent": _moment(row.sent_at)
+            }
+        elif row.status == OutboxStatus.FAILED:
+            said = gettext("not sent (%(error)s): the outbox's retry action sends it again") % {
+                "error": row.last_error
+            }
+        elif row.attempts:
+            said = gettext("not sent yet, attempt %(attempts)d failed (%(error)s)") % {
+                "attempts": row.attempts,
+                "error": row.last_error,
+            }
+        else:
+            said = gettext("waiting for the relay to send it")
+        url = reverse(
+            f"{self.admin_site.name}:reliable_messaging_outboxmessage_change", args=[row.pk]
+        )
+        return format_html('<a href="{}" id="rm-task-message">{}</a>', url, said)
 
     @admin.display(description=_("dead letter"))
     def dead_letter_link(self, obj: TaskRun) -> str:

@@ -15,8 +15,9 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from reliable_messaging.choices import TaskRunStatus
-from reliable_messaging.models import DeadLetter, TaskRun
+from reliable_messaging import publish
+from reliable_messaging.choices import OutboxStatus, TaskRunStatus
+from reliable_messaging.models import DeadLetter, OutboxMessage, TaskRun
 from reliable_messaging.task_runs.naming import task_consumer_name
 
 from .conftest import change_url
@@ -110,6 +111,32 @@ def test_a_tasks_page_shows_what_it_was_asked_and_what_came_of_it(
     assert "shop.tasks.MailServerDown" in page
     assert "smtp.example.com refused the connection" in page  # the traceback itself
     assert "rm-task-dead-letter" not in page  # not failed: no dead letter to link
+
+
+def test_a_ready_tasks_page_says_where_its_message_is(
+    admin: Client, make_run: Callable[..., TaskRun]
+) -> None:
+    """A task stays READY while its message waits: in the outbox (not sent: its queue gone,
+    say), or in its queue for a worker. Its page says which, linked to the outbox row."""
+    unsent, sent = make_run(), make_run()
+    for run in (unsent, sent):
+        publish("tasks.default", {"task_id": run.id}, exchange="", message_id=run.id)
+    gone = "unroutable: 312 NO_ROUTE: its queue does not exist now (deleted, or its node down)"
+    OutboxMessage.objects.filter(message_id=unsent.id).update(
+        status=OutboxStatus.FAILED, attempts=10, last_error=gone
+    )
+    row = OutboxMessage.objects.get(message_id=unsent.id)
+    page = admin.get(task_url(unsent)).content.decode()
+    link = reverse("admin:reliable_messaging_outboxmessage_change", args=[row.pk])
+    assert f'href="{link}" id="rm-task-message"' in page
+    assert "its queue does not exist now" in page
+    assert "the outbox&#x27;s retry action sends it again" in page
+    OutboxMessage.objects.filter(message_id=sent.id).update(
+        status=OutboxStatus.SENT, sent_at=timezone.now()
+    )
+    assert "in its queue until a worker takes it" in admin.get(task_url(sent)).content.decode()
+    done = make_run(status=TaskRunStatus.SUCCESSFUL)
+    assert "rm-task-message" not in admin.get(task_url(done)).content.decode()
 
 
 def test_a_failed_task_links_to_its_dead_letter_and_back(
