@@ -5,6 +5,7 @@ all."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 
 from django.db import connection
 from django.test import Client
@@ -35,20 +36,25 @@ def test_the_list_shows_due_times_and_the_next_one(admin: Client, db: None) -> N
     assert "Due at" in response.content.decode()
 
 
+def retry_copy(message_id: str, order: int) -> None:
+    """A consumer's retry of a failed delivery, due in a minute."""
+    OutboxMessage.objects.schedule_copy(
+        message_id=message_id,
+        queue="billing",
+        body=json.dumps({"order": order}).encode(),
+        properties=b"",
+        delay=60,
+        idempotency_key=f"rm-retry:{message_id}",
+    )
+
+
 def test_a_consumers_retry_is_shown_as_one_and_not_as_the_next_scheduled_message(
     admin: Client, db: None
 ) -> None:
     """A consumer's retry waits as a scheduled row like a message publish() scheduled: the
     list says which is which, and names the next due row for what it is."""
     reminder = publish("order.remind", {"order": 8}, delay=3600)
-    OutboxMessage.objects.schedule_copy(
-        message_id="failed-twice",
-        queue="billing",
-        body=b'{"order": 9}',
-        properties=b"",
-        delay=60,
-        idempotency_key="rm-retry:failed-twice",
-    )
+    retry_copy("failed-twice", 9)
     url = reverse(CHANGELIST)
     response = admin.get(url, {"status__exact": "scheduled"})
     assert any(
@@ -133,14 +139,7 @@ def test_the_cancel_action_leaves_a_consumers_retry_copy_alone_and_says_why(
     the copy was written): cancelling it would lose the message for its consumer, with no
     dead letter."""
     reminder = publish("order.remind", {"order": 6}, delay=3600)
-    OutboxMessage.objects.schedule_copy(
-        message_id="failed-once",
-        queue="billing",
-        body=b'{"order": 7}',
-        properties=b"",
-        delay=60,
-        idempotency_key="rm-retry:failed-once",
-    )
+    retry_copy("failed-once", 7)
     shown = select_for_cancel(admin, reminder, "failed-once")
     assert "1 scheduled message cancelled." in shown
     assert any(
