@@ -14,8 +14,7 @@ from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import URLPattern, reverse
-from django.utils import formats, timezone
-from django.utils.dateparse import parse_datetime
+from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 from django.utils.translation import gettext, ngettext
@@ -35,17 +34,6 @@ from ..task_runs.naming import is_task_consumer
 from . import bodies, scaling
 from .console import DeadLetterConsole
 from .edit import EditReplayPage
-
-
-def _moment(value: Any, format: str = "Y-m-d H:i:s") -> str:
-    """A datetime (or its ISO text, as in ``history``) in local time, sortable at a glance."""
-    if isinstance(value, str):
-        value = parse_datetime(value) or value
-    if not hasattr(value, "tzinfo"):
-        return str(value)
-    if timezone.is_aware(value):
-        value = timezone.localtime(value)
-    return formats.date_format(value, format)
 
 
 def trace_link(trace_id: str, span_id: str = "") -> str:
@@ -143,7 +131,7 @@ class DeadLetterAdmin(
 
     @admin.display(description=_("when"), ordering="last_failed_at")
     def when(self, obj: DeadLetter) -> str:
-        return _moment(obj.last_failed_at, "Y-m-d H:i")
+        return bodies.moment(obj.last_failed_at, "Y-m-d H:i")
 
     @admin.display(description=_("message ID"), ordering="message_id")
     def message_id_display(self, obj: DeadLetter) -> str:
@@ -325,7 +313,7 @@ class DeadLetterAdmin(
             gettext("yes, at"),
             inbox,
             urlencode({"q": f"{obj.message_id} {obj.consumer}"}),
-            _moment(row.processed_at),
+            bodies.moment(row.processed_at),
             gettext("a replay runs the handler again only if forced"),
         )
 
@@ -438,7 +426,7 @@ class DeadLetterAdmin(
 
         cells = (
             (
-                _moment(row.replayed_at),
+                bodies.moment(row.replayed_at),
                 row.replayed_by,
                 row.get_kind_display(),
                 format_html(
@@ -483,7 +471,7 @@ class DeadLetterAdmin(
                     if key not in ("event", "at", "by") and value not in ("", None, False)
                 ),
             )
-            when = _moment(event.get("at", ""))
+            when = bodies.moment(event.get("at", ""))
             return (when, str(event.get("event", "")), str(event.get("by", "")), details)
 
         return _table("rm-history", _HISTORY_HEADS, (row(event) for event in events))

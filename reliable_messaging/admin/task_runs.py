@@ -3,7 +3,6 @@ state changes only by its runs (``docs/tasks.md``)."""
 
 from __future__ import annotations
 
-import datetime as dt
 from typing import Any
 
 from django.conf import settings
@@ -25,10 +24,6 @@ def dead_letter_of(run: TaskRun) -> DeadLetter | None:
     """The dead letter of a task's message, recorded by the consumer of its queue."""
     rows = DeadLetter.objects.using(run._state.db)
     return rows.of(task_consumer_name(run.backend, run.queue_name), run.id).first()
-
-
-def _moment(value: dt.datetime | None) -> str:
-    return "?" if value is None else f"{value:%Y-%m-%d %H:%M:%S %Z}"
 
 
 class TaskQueueFilter(FieldFilter):
@@ -142,10 +137,12 @@ class TaskRunAdmin(ReadOnlyAdmin, BoundedListAdmin):
         if row is None:
             return gettext("none in the outbox (cancelled, or purged)")
         if row.status == OutboxStatus.SCHEDULED:
-            said = gettext("scheduled, due at %(due)s") % {"due": _moment(row.next_attempt_at)}
+            said = gettext("scheduled, due at %(due)s") % {
+                "due": bodies.moment(row.next_attempt_at)
+            }
         elif row.status in (OutboxStatus.SENT, OutboxStatus.UNROUTED):
             said = gettext("sent at %(sent)s: in its queue until a worker takes it") % {
-                "sent": _moment(row.sent_at)
+                "sent": bodies.moment(row.sent_at)
             }
         elif row.status == OutboxStatus.FAILED:
             said = gettext("not sent (%(error)s): the outbox's retry action sends it again") % {
