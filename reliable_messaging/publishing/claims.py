@@ -68,22 +68,27 @@ def any_id_of(using: str, pks: Iterable[int]) -> Any:
     return list(pks)
 
 
+def release_next_sql() -> str:
+    """PostgreSQL's statement for :func:`release_next_of_keys`, the keys its one parameter (an
+    array): the relay's after a send, and publish()'s sender after a commit."""
+    table = f'"{OutboxMessage._meta.db_table}"'
+    return (
+        f"UPDATE {table} SET next_attempt_at = now() WHERE id IN ("  # noqa: S608
+        f"SELECT (SELECT o.id FROM {table} o WHERE o.ordering_key = k.key"
+        " AND o.status IN ('pending', 'failed') ORDER BY o.id LIMIT 1)"
+        " FROM unnest(%s::text[]) AS k(key))"
+        " AND status = 'pending' AND next_attempt_at IS NULL"
+    )
+
+
 def release_next_of_keys(using: str, keys: set[str]) -> int:
     """Make the first unsent row of each key due, if it is parked (the row before it was sent)."""
     if not keys:
         return 0
     connection = connections[using]
     if connection.vendor == "postgresql":
-        table = connection.ops.quote_name(OutboxMessage._meta.db_table)
         with connection.cursor() as cursor:
-            cursor.execute(
-                f"UPDATE {table} SET next_attempt_at = now() WHERE id IN ("  # noqa: S608
-                f"SELECT (SELECT o.id FROM {table} o WHERE o.ordering_key = k.key"
-                " AND o.status IN ('pending', 'failed') ORDER BY o.id LIMIT 1)"
-                " FROM unnest(%s::text[]) AS k(key))"
-                " AND status = 'pending' AND next_attempt_at IS NULL",
-                [sorted(keys)],
-            )
+            cursor.execute(release_next_sql(), [sorted(keys)])
             return int(cursor.rowcount)
     first_unsent = (
         OutboxMessage.objects.using(using)

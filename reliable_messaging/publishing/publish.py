@@ -34,7 +34,7 @@ from ..core.envelope import checked_headers as _json_headers
 from ..core.uuid7 import new_message_id
 from ..models import OutboxMessage
 from .scheduled import cancel as _cancel
-from .wake_after_commit import wake_relay_after_commit
+from .wake_after_commit import release_after_commit, wake_relay_after_commit
 
 # The largest deadline (milliseconds since 1970) a long header carries.
 _MAX_LONG = 2**63 - 1
@@ -281,19 +281,22 @@ def _insert_sql(ordering_key: bool, idempotency_key: bool) -> str:
         "next_attempt_at": "STATEMENT_TIMESTAMP()",
         "created_at": "STATEMENT_TIMESTAMP()",
     }
+    returning = ""
     if ordering_key:
-        # Written parked behind a held key, so that no claim has to park it (docs/concepts.md).
+        # Written parked behind any unsent row of its key, so that no claim has to find it due
+        # and park it (docs/concepts.md); whether it was comes back.
         fixed["next_attempt_at"] = (
-            f"CASE WHEN (SELECT u.status = 'failed' OR u.attempts > 0 "  # noqa: S608
-            f'OR u.next_attempt_at IS NULL FROM "{meta.db_table}" u WHERE u.ordering_key = %s '
-            "AND u.status IN ('pending', 'failed') ORDER BY u.ordering_key, u.id LIMIT 1) "
+            f'CASE WHEN EXISTS (SELECT FROM "{meta.db_table}" u '
+            "WHERE u.ordering_key = %s AND u.status IN ('pending', 'failed')) "
             "THEN NULL ELSE STATEMENT_TIMESTAMP() END"
         )
+        returning = f' RETURNING "{meta.get_field("next_attempt_at").column}" IS NULL'
     columns = [cast("Field[Any, Any]", meta.get_field(name)).column for name in [*given, *fixed]]
     placeholders = ["%s"] * len(given) + list(fixed.values())
     placeholders[given.index("headers")] = "%s::jsonb"
     quoted = ", ".join(f'"{column}"' for column in columns)
-    return f'INSERT INTO "{meta.db_table}" ({quoted}) VALUES ({", ".join(placeholders)})'  # noqa: S608
+    values = ", ".join(placeholders)
+    return f'INSERT INTO "{meta.db_table}" ({quoted}) VALUES ({values}){returning}'  # noqa: S608
 
 
 # On PostgreSQL, not Model.save(), whose compiler costs as much as the rest of publish().
@@ -308,11 +311,14 @@ def _insert_pg(
     using: str, row: list[Any], ordering_key: str | None, idempotency_key: str | None
 ) -> None:
     """``row``: message_id, exchange, routing_key, body, headers (JSON); keys not given left out
-    (the ordering key is given twice: its column, and the look at its key's first unsent row)."""
+    (the ordering key is given twice: its column, and the look at its key's unsent rows). A row
+    written parked is released after the commit if its key has emptied meanwhile."""
     statement = _INSERT_PG[ordering_key is not None, idempotency_key is not None]
     given = [key for key in (ordering_key, idempotency_key, ordering_key) if key is not None]
     with connections[using].cursor() as cursor:
         cursor.execute(statement, [*row, *given])
+        if ordering_key is not None and cursor.fetchone()[0]:
+            release_after_commit(using, ordering_key)
 
 
 def _publish_once_pg(

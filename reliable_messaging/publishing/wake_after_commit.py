@@ -9,11 +9,12 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from django.db import connections
 
+from .claims import release_next_sql
 from .listener import NOTIFY_CHANNEL, listen_conninfo, quietly
 
 logger = logging.getLogger("reliable_messaging.publish")
@@ -47,6 +48,7 @@ class WakeUpSender:
         self._connections: dict[str, Any] = {}
         self._retry_at: dict[str, float] = {}
         self._probes: dict[str, list[str]] = {}  # probe payloads to send, by alias
+        self._keys: dict[str, set[str]] = {}  # keys of rows publish() wrote parked, by alias
         self.pause = SPACING  # after the next NOTIFY
         # Counters for tests and the benchmark: wake-ups asked for, NOTIFYs sent, failures.
         self.requested = 0
@@ -73,6 +75,13 @@ class WakeUpSender:
             raise ValueError(f"a probe token is letters and digits, got {token!r}")
         with self._lock:
             self._probes.setdefault(using, []).append(token)
+        self.request(using)
+
+    def release(self, using: str, key: str) -> None:
+        """Ask for the key's first unsent row to be made due if it is parked, with the next
+        ``NOTIFY``: after the commit of a row written parked behind rows sent meanwhile."""
+        with self._lock:
+            self._keys.setdefault(using, set()).add(key)
         self.request(using)
 
     def _ensure_thread(self) -> None:
@@ -110,21 +119,35 @@ class WakeUpSender:
                     self._event.clear()
                     due, self._due = self._due, set()
                     probes, self._probes = self._probes, {}
+                    keys, self._keys = self._keys, {}
                 for using in due | set(probes):
-                    self._notify(using, probes.get(using, ()))
+                    self._notify(using, probes.get(using, ()), keys.get(using, ()))
             if due:
                 time.sleep(self.pause)
                 busy = self._event.is_set()  # commits came in during the pause
                 self.pause = min(MAX_SPACING, self.pause * 2) if busy else SPACING
 
-    def _notify(self, using: str, probes: Sequence[str] = ()) -> None:
+    def _notify(self, using: str, probes: Sequence[str] = (), keys: Iterable[str] = ()) -> None:
+        # Keys dropped in a pause are released by the relay's sweep of parked rows.
         if time.monotonic() < self._retry_at.get(using, 0.0) and not probes:
             return
         try:
             connection = self._connections.get(using)
             if connection is None or connection.closed:
                 connection = self._connections[using] = self._connect(using)
-            connection.execute(notify_sql(probes))
+            from psycopg import ClientCursor
+            from psycopg.errors import SerializationFailure
+
+            release = ""
+            if keys:
+                release = ClientCursor(connection).mogrify(release_next_sql(), [sorted(keys)])
+            try:
+                connection.execute(notify_sql(probes, release))
+            except SerializationFailure:
+                # A row of those keys was sent meanwhile: the relay that sent it releases the
+                # next one.
+                connection.execute("ROLLBACK")
+                connection.execute(notify_sql(probes))
         except Exception as exc:  # noqa: BLE001 - any failure: the relay's poll covers it
             self.failed += 1
             self._retry_at[using] = time.monotonic() + RETRY_PAUSE
@@ -176,13 +199,15 @@ class WakeUpSender:
             quietly(connection.close, "closing the wake-up connection")
 
 
-def notify_sql(probes: Sequence[str] = ()) -> str:
-    """The wake-up and a NOTIFY per probe token, with ``SET LOCAL`` settings (for a pooler)."""
-    notifies = [f"NOTIFY {NOTIFY_CHANNEL}"]
-    notifies += [f"NOTIFY {NOTIFY_CHANNEL}, '{token}'" for token in probes]
+def notify_sql(probes: Sequence[str] = (), release: str = "") -> str:
+    """The wake-up and a NOTIFY per probe token, after ``release`` (a statement) if given, with
+    ``SET LOCAL`` settings (for a pooler)."""
+    statements = [release] if release else []
+    statements.append(f"NOTIFY {NOTIFY_CHANNEL}")
+    statements += [f"NOTIFY {NOTIFY_CHANNEL}, '{token}'" for token in probes]
     return (
         f"BEGIN; SET LOCAL statement_timeout = {STATEMENT_TIMEOUT_MS}; "
-        f"SET LOCAL synchronous_commit = off; {'; '.join(notifies)}; COMMIT"
+        f"SET LOCAL synchronous_commit = off; {'; '.join(statements)}; COMMIT"
     )
 
 
@@ -206,6 +231,19 @@ def _supported(using: str) -> bool:
         else:
             _can_notify[using] = connections[using].vendor == "postgresql"
     return _can_notify[using]
+
+
+def release_after_commit(using: str, key: str) -> None:
+    """Have :meth:`WakeUpSender.release` asked for ``key`` once the current transaction on
+    ``using`` commits: its row was written parked, and the rows it waited behind may be sent
+    before then, their release not seeing it (``docs/concepts.md``)."""
+    if not _supported(using):
+        return  # the relay's sweep of parked rows releases it
+    connection = connections[using]
+    if connection.in_atomic_block:
+        connection.on_commit(functools.partial(sender.release, using, key))
+    else:
+        sender.release(using, key)
 
 
 def wake_relay_after_commit(using: str) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from django.db import connection, transaction
+from django.db import connection, connections, transaction
 from django.db.models.functions import Now
 from django.utils import timezone
 
@@ -24,6 +24,7 @@ from reliable_messaging.publishing import claims, listener
 from reliable_messaging.publishing.claims import OutboxClaims, claimable, release_parked
 from reliable_messaging.publishing.relay import LEASE_MARGIN, build_relay
 from reliable_messaging.publishing.sent import Batch, record_outcome
+from reliable_messaging.publishing.wake_after_commit import sender
 from reliable_messaging.storage.partitions import OUTBOX_UNSENT
 from tests.markers import postgresql_only
 
@@ -274,6 +275,7 @@ def test_a_parked_row_nothing_holds_back_is_released_by_the_sweep(ob: OutboxEnv)
     with transaction.atomic():
         first = publish("order.1", {"n": 1}, ordering_key="K")
         second = publish("order.2", {"n": 2}, ordering_key="K")
+    assert sender.flush()  # its release after the commit, which finds the first row unsent
     OutboxMessage.objects.filter(message_id=first).update(status=OutboxStatus.SENT, sent_at=Now())
     OutboxMessage.objects.filter(message_id=second).update(next_attempt_at=None)
 
@@ -386,13 +388,13 @@ def test_a_scheduled_row_falling_due_behind_a_held_key_is_parked_then_sent_in_it
 
 
 @postgresql_only
-def test_a_row_published_behind_a_held_key_is_written_parked_and_behind_a_busy_key_due(
+def test_a_row_published_behind_any_unsent_row_of_its_key_is_written_parked(
     ob: OutboxEnv,
 ) -> None:
-    """publish() looks at its key's first unsent row: when it failed or backs off, the new row
-    is written parked, and no claim has to find it due and park it; behind rows merely not sent
-    yet it is written due, as before (a claim parks a key's rows behind its first). The held
-    keys' rows go in order once their heads are sent."""
+    """publish() looks for an unsent row of its key: behind one that failed, backs off or is
+    merely not sent yet, the new row is written parked, and no claim has to find it due and
+    park it (nor later, when the key's first row fails). The keys' rows go in order once their
+    first rows are sent."""
     ob.set(OUTBOX_MAX_ATTEMPTS=1, REQUIRE_ROUTE=["stuck.#"])
     queue = ob.queue(bindings=["ok.#"])
     with transaction.atomic():
@@ -417,13 +419,13 @@ def test_a_row_published_behind_a_held_key_is_written_parked_and_behind_a_busy_k
         return OutboxMessage.objects.get(message_id=message_id).next_attempt_at is not None
 
     assert [due(m) for m in [*behind_failed, behind_backoff]] == [False, False, False]
-    assert [due(m) for m in busy] == [True, True, True]
+    assert [due(m) for m in busy] == [True, False, False], "written due behind a busy key"
     claims = OutboxClaims("default", messaging_settings, 10, dt.timedelta(seconds=60))
     claim = claims.claim()
     assert claim.transaction is not None
     claim.transaction.rollback()
     assert [row.message_id for row in claim.rows] == busy[:1]
-    assert claim.parked == 2, "the claim parked more than the busy key's rows behind its first"
+    assert claim.parked == 0, "the claim found rows to park"
 
     ob.broker.bind(queue, ob.exchange, "stuck.#")
     OutboxMessage.objects.filter(pk__in=[backing_off.pk]).update(next_attempt_at=Now())
@@ -434,3 +436,33 @@ def test_a_row_published_behind_a_held_key_is_written_parked_and_behind_a_busy_k
     sent = [m.message_id for m in ob.broker.drain(queue, expected=8)]
     for key in ([head, *behind_failed], ["backing-off", behind_backoff], busy):
         assert [m for m in sent if m in key] == key
+
+
+@postgresql_only
+def test_a_row_parked_behind_a_row_sent_before_it_committed_is_released_once_it_commits(
+    ob: OutboxEnv,
+) -> None:
+    """publish() writes a row parked behind its key's unsent row. When the relay sends that row
+    while the publishing transaction is still open, its release does not see the new row: the
+    process's wake-up thread releases it once the transaction commits, not the sweep (30 s)."""
+    queue = ob.queue()
+    first = publish("order.1", {"n": 1}, ordering_key="K")
+    sent: list[int] = []
+
+    def relay() -> None:
+        try:
+            sent.append(build_relay(once=True).run().sent)
+        finally:
+            connections.close_all()
+
+    with transaction.atomic():
+        second = publish("order.2", {"n": 2}, ordering_key="K")
+        assert OutboxMessage.objects.get(message_id=second).next_attempt_at is None
+        thread = threading.Thread(target=relay)
+        thread.start()
+        thread.join(30)
+        assert sent == [1], "the relay did not send the first row"
+    assert sender.flush()
+    assert OutboxMessage.objects.get(message_id=second).next_attempt_at is not None, "parked"
+    assert build_relay(once=True).run().sent == 1
+    assert [m.message_id for m in ob.broker.drain(queue, expected=2)] == [first, second]
