@@ -2,13 +2,16 @@
 with none held: the time a run spends on rows it cannot send.
 
     RM_BENCH_DB=bench_held .venv/bin/python bench/relay_held.py [--held 200000] [--keys 1000]
-        [--sendable 5000] [--rounds 2] [--due-held] [--builds NAME=PATH,NAME=PATH]
+        [--sendable 5000] [--rounds 2] [--due-held | --busy] [--builds NAME=PATH,NAME=PATH]
 
 Each round fills an emptied outbox with ``--keys`` keys whose first row failed and backs off an
-hour, and behind them ``--held`` rows of those keys as ``publish()`` writes them behind a held
-key (parked), by INSERT ... SELECT generate_series; with ``--due-held``, as it writes the rows
-published before their key's first row failed (pending, due now: a claim must park them). Then
-``--sendable`` rows without a key from ``publish()``. Two ``relay --once`` processes run one
+hour, and behind them ``--held`` rows of those keys parked, as ``publish()`` writes them behind
+an unsent row of their key, by INSERT ... SELECT generate_series. With ``--due-held`` the held
+rows are written due (pending, due now), as ``publish()`` writes none behind an unsent row of
+their key: a claim must park them. With ``--busy`` each build's own ``publish()`` statement
+writes them (run by the database in a loop) while their key's first row is still due and
+unsent, and then that row fails: the rows published behind a busy key before it was held, as
+that build writes them. Then ``--sendable`` rows without a key from ``publish()``. Two ``relay --once`` processes run one
 after the other, as the Celery ``relay_outbox`` task does every few seconds (with
 ``--due-held`` the first finds the held rows due, the second finds them parked). The baseline
 run has the sendable rows only. Each figure is the process's wall time from start to exit and
@@ -21,7 +24,9 @@ archive`` of the commit before a change, and this checkout).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+import re
 import subprocess
 import sys
 import time
@@ -42,8 +47,32 @@ from _common import (
 from whole_process import process_env
 
 
-def fill(exchange: str, held: int, keys: int, sendable: int, due_held: bool) -> None:
-    """The outbox as the module's docstring says, vacuumed and analyzed."""
+def insert_statement(root: Path, namespace: str) -> str:
+    """The build's publish() INSERT of a row with an ordering key, its parameters ``$1`` to
+    ``$7`` (message_id, exchange, routing_key, body, headers, the key for its column and for
+    the look at the key's rows)."""
+    code = (
+        "import django; django.setup(); "
+        "from reliable_messaging.publishing.publish import _INSERT_PG; "
+        "print(_INSERT_PG[True, False])"
+    )
+    statement = subprocess.run(
+        [sys.executable, "-c", code],
+        env=process_env(namespace, Build(root)),
+        cwd=root,  # python -c puts the working directory first on its path
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    numbers = itertools.count(1)
+    return re.sub("%s", lambda _: f"${next(numbers)}", statement)
+
+
+def fill(
+    exchange: str, held: int, keys: int, sendable: int, due_held: bool, statement: str | None
+) -> None:
+    """The outbox as the module's docstring says (``statement``: the build's INSERT, for
+    ``--busy``), vacuumed and analyzed."""
     from django.db import connection, transaction
 
     from reliable_messaging import publish
@@ -63,6 +92,22 @@ def fill(exchange: str, held: int, keys: int, sendable: int, due_held: bool) -> 
                 "now() + interval '1 hour', now() FROM generate_series(1, %s) AS k",
                 [exchange, keys],
             )
+        if held and statement is not None:
+            # The first rows unsent and due while the rest are published, then failed.
+            cursor.execute(
+                f"UPDATE {table} SET status = 'pending', attempts = 0, next_attempt_at = now()"
+            )
+            cursor.execute(
+                "DO $$ BEGIN FOR g IN 1..%s LOOP EXECUTE %s USING 'held-' || g, %s, "
+                "'bench.held', '{\"n\": ' || g || '}', '{}', 'key-' || (g %% %s + 1), "
+                "'key-' || (g %% %s + 1); END LOOP; END $$",
+                [held, statement, exchange, keys, keys],
+            )
+            cursor.execute(
+                f"UPDATE {table} SET status = 'failed', attempts = 1, "
+                "next_attempt_at = now() + interval '1 hour' WHERE message_id LIKE 'head-%%'"
+            )
+        elif held:
             cursor.execute(
                 f"INSERT INTO {table} ({columns}) SELECT 'held-' || g, %s, 'bench.held', "
                 "'{\"n\": ' || g || '}', '{}', 'key-' || (g %% %s + 1), 'pending', 0, '', "
@@ -105,8 +150,12 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=1000)
     parser.add_argument("--sendable", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument(
+    written = parser.add_mutually_exclusive_group()
+    written.add_argument(
         "--due-held", action="store_true", help="write the held rows due, for a claim to park"
+    )
+    written.add_argument(
+        "--busy", action="store_true", help="each build's publish() writes the held rows"
     )
     parser.add_argument("--builds", help="NAME=PATH,NAME=PATH: source trees run in turn")
     args = parser.parse_args()
@@ -115,6 +164,10 @@ def main() -> None:
     exchange, queue = f"{namespace}.ex", f"{namespace}.sink"
     declare_sink(exchange, queue)
     print(f"machine: {describe_machine()}; load average {os.getloadavg()}", flush=True)
+    statements = {
+        name: insert_statement(build, namespace) if args.busy else None
+        for name, build in builds.items()
+    }
     figures: dict[tuple[str, str], list[float]] = {}
     try:
         for round_ in range(args.rounds):
@@ -128,6 +181,7 @@ def main() -> None:
                         args.keys,
                         args.sendable,
                         args.due_held,
+                        statements[name],
                     )
                     runs = ("first", "next") if kind == "held" else ("first",)
                     for run in runs:
@@ -150,7 +204,8 @@ def main() -> None:
         drop_sink(exchange, queue)
     print(
         f"relay --once beside {args.held:,} held rows ({args.keys:,} keys, "
-        f"{'due' if args.due_held else 'parked'} as written) and "
+        f"{'due' if args.due_held else 'by publish() when busy' if args.busy else 'parked'} "
+        "as written) and "
         f"{args.sendable:,} sendable rows, medians:"
     )
     for name in builds:

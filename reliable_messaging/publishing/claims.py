@@ -20,6 +20,7 @@ from ..conf import MessagingSettings
 from ..models import OutboxMessage
 from ..storage.partitions import again_if_moved
 from . import scheduled
+from .wake_after_commit import release_next_sql
 
 # A claimed row's age counts from its publish() or its later due time, in microseconds since
 # the epoch: date_part's double (cheaper than extract's numeric) is exact until 2255.
@@ -68,19 +69,6 @@ def any_id_of(using: str, pks: Iterable[int]) -> Any:
     return list(pks)
 
 
-def release_next_sql() -> str:
-    """PostgreSQL's statement for :func:`release_next_of_keys`, the keys its one parameter (an
-    array): the relay's after a send, and publish()'s sender after a commit."""
-    table = f'"{OutboxMessage._meta.db_table}"'
-    return (
-        f"UPDATE {table} SET next_attempt_at = now() WHERE id IN ("  # noqa: S608
-        f"SELECT (SELECT o.id FROM {table} o WHERE o.ordering_key = k.key"
-        " AND o.status IN ('pending', 'failed') ORDER BY o.id LIMIT 1)"
-        " FROM unnest(%s::text[]) AS k(key))"
-        " AND status = 'pending' AND next_attempt_at IS NULL"
-    )
-
-
 def release_next_of_keys(using: str, keys: set[str]) -> int:
     """Make the first unsent row of each key due, if it is parked (the row before it was sent)."""
     if not keys:
@@ -88,7 +76,7 @@ def release_next_of_keys(using: str, keys: set[str]) -> int:
     connection = connections[using]
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
-            cursor.execute(release_next_sql(), [sorted(keys)])
+            cursor.execute(release_next_sql(OutboxMessage._meta.db_table), [sorted(keys)])
             return int(cursor.rowcount)
     first_unsent = (
         OutboxMessage.objects.using(using)

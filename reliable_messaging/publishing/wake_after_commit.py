@@ -12,9 +12,9 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from django.apps import apps
 from django.db import connections
 
-from .claims import release_next_sql
 from .listener import NOTIFY_CHANNEL, listen_conninfo, quietly
 
 logger = logging.getLogger("reliable_messaging.publish")
@@ -140,7 +140,8 @@ class WakeUpSender:
 
             release = ""
             if keys:
-                release = ClientCursor(connection).mogrify(release_next_sql(), [sorted(keys)])
+                table = apps.get_model("reliable_messaging", "OutboxMessage")._meta.db_table
+                release = ClientCursor(connection).mogrify(release_next_sql(table), [sorted(keys)])
             try:
                 connection.execute(notify_sql(probes, release))
             except SerializationFailure:
@@ -197,6 +198,19 @@ class WakeUpSender:
             self._conninfo = {}
         for connection in connections_.values():
             quietly(connection.close, "closing the wake-up connection")
+
+
+def release_next_sql(table: str) -> str:
+    """The statement that makes the first unsent row of each key due if it is parked, the keys
+    its one parameter (an array): the relay's after a send (``claims.release_next_of_keys``),
+    and this sender's after a commit."""
+    return (
+        f'UPDATE "{table}" SET next_attempt_at = now() WHERE id IN ('  # noqa: S608
+        f'SELECT (SELECT o.id FROM "{table}" o WHERE o.ordering_key = k.key'
+        " AND o.status IN ('pending', 'failed') ORDER BY o.id LIMIT 1)"
+        " FROM unnest(%s::text[]) AS k(key))"
+        " AND status = 'pending' AND next_attempt_at IS NULL"
+    )
 
 
 def notify_sql(probes: Sequence[str] = (), release: str = "") -> str:
