@@ -11,9 +11,10 @@ rows are written due (pending, due now), as ``publish()`` writes none behind an 
 their key: a claim must park them. With ``--busy`` each build's own ``publish()`` statement
 writes them (run by the database in a loop) while their key's first row is still due and
 unsent, and then that row fails: the rows published behind a busy key before it was held, as
-that build writes them. Then ``--sendable`` rows without a key from ``publish()``. Two ``relay --once`` processes run one
-after the other, as the Celery ``relay_outbox`` task does every few seconds (with
-``--due-held`` the first finds the held rows due, the second finds them parked). The baseline
+that build writes them. Then ``--sendable`` rows without a key from ``publish()``. Two
+``relay --once`` processes run one after the other, as the Celery ``relay_outbox`` task does
+every few seconds (with rows written due, the first parks them, the second finds them
+parked). The baseline
 run has the sendable rows only. Each figure is the process's wall time from start to exit and
 its CPU; "outside sending" is the held run's wall time less the baseline's, in the same round.
 Rounds alternate the order.

@@ -1,16 +1,19 @@
 """The ``django.tasks`` tasks of the app's task backend in the admin, read-only: a task's
-state changes only by its runs (``docs/tasks.md``)."""
+state changes only by its runs; a READY task's lost message can be sent again
+(``docs/tasks.md``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from django.conf import settings
-from django.contrib import admin
+from django.contrib import admin, messages
+from django.contrib.auth import get_permission_codename
+from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
-from django.utils.translation import gettext
+from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
 from ..choices import OutboxStatus, TaskRunStatus
@@ -77,9 +80,71 @@ class TaskRunAdmin(ReadOnlyAdmin, BoundedListAdmin):
     )
     # No readonly_fields: a view-only admin (ReadOnlyAdmin) shows every field of its fieldsets
     # read-only, the display methods included.
+    actions = ("send_again",)
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
+
+    def has_send_again_permission(self, request: HttpRequest) -> bool:
+        """Whoever holds the model's change permission: sending a message changes no row."""
+        codename = get_permission_codename("change", self.opts)
+        return request.user.has_perm(f"{self.opts.app_label}.{codename}")
+
+    @admin.action(
+        description=_("Send the selected ready tasks' messages again"),
+        permissions=["send_again"],
+    )
+    def send_again(self, request: HttpRequest, queryset: QuerySet[TaskRun]) -> None:
+        """A READY task whose message left the outbox and was lost (a purged queue) is never
+        run: a copy under its id, which runs it at most once (``docs/tasks.md``)."""
+        from ..contrib.task_backend import send_ready_again  # the task framework, if installed
+
+        done = send_ready_again(queryset)
+        self.message_user(
+            request,
+            ngettext(
+                "%d task's message sent again: its consumer runs the task at most once.",
+                "%d tasks' messages sent again: their consumer runs each task at most once.",
+                done.sent,
+            )
+            % done.sent,
+            messages.SUCCESS,
+        )
+        if done.not_ready:
+            self.message_user(
+                request,
+                ngettext(
+                    "%d selected task is not ready (running or finished): left alone.",
+                    "%d selected tasks are not ready (running or finished): left alone.",
+                    done.not_ready,
+                )
+                % done.not_ready,
+                messages.WARNING,
+            )
+        if done.in_outbox:
+            self.message_user(
+                request,
+                ngettext(
+                    "%d selected task's message has not left the outbox (see its message "
+                    "line): left alone.",
+                    "%d selected tasks' messages have not left the outbox (see their message "
+                    "lines): left alone.",
+                    done.in_outbox,
+                )
+                % done.in_outbox,
+                messages.WARNING,
+            )
+        if done.no_backend:
+            self.message_user(
+                request,
+                ngettext(
+                    "%d selected task's backend is no longer one of ours in TASKS: left alone.",
+                    "%d selected tasks' backends are no longer ours in TASKS: left alone.",
+                    done.no_backend,
+                )
+                % done.no_backend,
+                messages.WARNING,
+            )
 
     @admin.display(description=_("arguments"))
     def args_block(self, obj: TaskRun) -> str:

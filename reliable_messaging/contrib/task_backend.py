@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Mapping
-from typing import Any, ParamSpec, TypeVar
+from dataclasses import dataclass
+from typing import Any, ParamSpec, TypeVar, cast
 
 from django.conf import settings
 from django.db import router, transaction
+from django.db.models import OuterRef, QuerySet, Subquery
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
+from ..choices import OutboxStatus, TaskRunStatus
 from ..core.envelope import PRIORITY_HEADER
 from ..core.priorities import amqp_priority
 from ..core.registry import ConsumerRegistry, registry
 from ..core.uuid7 import new_message_id
-from ..models import TaskRun
+from ..models import OutboxMessage, TaskRun
 from ..publishing.publish import publish
 from ..task_runs.framework import (
     BaseTaskBackend,
@@ -24,6 +27,7 @@ from ..task_runs.framework import (
     Task,
     TaskResult,
     TaskResultDoesNotExist,
+    task_backends,
     task_enqueued,
 )
 from ..task_runs.naming import TaskQueues, is_task_id, problems
@@ -93,24 +97,33 @@ class ReliableTaskBackend(BaseTaskBackend):
                 run_after=run_after,
                 enqueued_at=timezone.now(),
             )
-            publish(
-                self.task_queues.amqp_queue(task.queue_name),
-                {"task_id": task_id, "task": task.module_path},
-                # To its queue alone: a queue gone (deleted, expired) returns it, and the
-                # outbox keeps it until the queue is back, where an event would be unrouted.
-                exchange="",
-                message_id=task_id,
-                # The relay sends it as the message's priority property.
-                headers={PRIORITY_HEADER: amqp_priority(task.priority)},
-                deliver_at=run_after,
-                using=using,
-            )
+            self._publish(run, run_after)
         result: TaskResult[T] = result_of(run, task)
         # Enqueued means committed: a rolled-back task was never enqueued, nor signalled.
         transaction.on_commit(
             lambda: task_enqueued.send(type(self), task_result=result), using=using, robust=True
         )
         return result
+
+    def _publish(self, run: TaskRun, deliver_at: dt.datetime | None) -> None:
+        """The task's message, in the current transaction of the run's database."""
+        publish(
+            self.task_queues.amqp_queue(run.queue_name),
+            {"task_id": run.id, "task": run.task_path},
+            # To its queue alone: a queue gone (deleted, expired) returns it, and the outbox
+            # keeps it until the queue is back, where an event would be unrouted.
+            exchange="",
+            message_id=run.id,
+            # The relay sends it as the message's priority property.
+            headers={PRIORITY_HEADER: amqp_priority(run.priority)},
+            deliver_at=deliver_at,
+            using=run._state.db,
+        )
+
+    def send_again(self, run: TaskRun) -> None:
+        """Publish ``run``'s message once more, due now, under its id: the inbox of its queue's
+        consumer runs the task at most once however many copies arrive."""
+        self._publish(run, None)
 
     def get_result(self, result_id: str) -> TaskResult:
         """The stored result of ``result_id`` (raises ``TaskResultDoesNotExist``)."""
@@ -120,6 +133,38 @@ class ReliableTaskBackend(BaseTaskBackend):
         if run is None:
             raise TaskResultDoesNotExist(result_id)
         return result_of(run)
+
+
+@dataclass
+class SentAgain:
+    """What :func:`send_ready_again` did with the tasks it was given."""
+
+    sent: int = 0
+    not_ready: int = 0  # running or finished: nothing to send
+    in_outbox: int = 0  # its message has not left the outbox (waiting, scheduled, failed)
+    no_backend: int = 0  # TASKS no longer names its backend as one of ours
+
+
+def send_ready_again(runs: QuerySet[TaskRun]) -> SentAgain:
+    """Publish again, in one transaction, the message of each READY task whose message left
+    the outbox (sent, or purged since): a message the broker lost (a queue an operator
+    purged, a node's disk) leaves its task READY for ever. The others are counted."""
+    using = runs.db
+    done = SentAgain()
+    ours = reliable_backends()
+    newest = OutboxMessage.objects.using(using).filter(message_id=OuterRef("pk")).order_by("-pk")
+    with transaction.atomic(using=using):
+        for run in runs.annotate(message_status=Subquery(newest.values("status")[:1])):
+            if run.status != TaskRunStatus.READY:
+                done.not_ready += 1
+            elif run.message_status not in (None, OutboxStatus.SENT, OutboxStatus.UNROUTED):
+                done.in_outbox += 1
+            elif run.backend not in ours:
+                done.no_backend += 1
+            else:
+                cast(ReliableTaskBackend, task_backends[run.backend]).send_again(run)
+                done.sent += 1
+    return done
 
 
 def _check_importable(task: Task[Any, Any]) -> None:

@@ -20,7 +20,7 @@ from reliable_messaging.choices import OutboxStatus, TaskRunStatus
 from reliable_messaging.models import DeadLetter, OutboxMessage, TaskRun
 from reliable_messaging.task_runs.naming import task_consumer_name
 
-from .conftest import change_url
+from .conftest import change_url, staff_user
 
 CHANGELIST = reverse("admin:reliable_messaging_taskrun_changelist")
 TRACEBACK = (
@@ -172,3 +172,22 @@ def test_tasks_are_read_only_in_the_admin(admin: Client, make_run: Callable[...,
     delete = reverse("admin:reliable_messaging_taskrun_delete", args=[run.pk])
     assert admin.post(delete, {"post": "yes"}).status_code == 403
     assert TaskRun.objects.get(pk=run.pk).status == TaskRunStatus.READY
+
+
+def test_only_who_may_change_tasks_may_send_a_tasks_message_again(
+    make_run: Callable[..., TaskRun], task_queues: None
+) -> None:
+    """The list's action that sends a READY task's message again is offered to (and taken
+    from) those with the task's change permission, never to those who may only look."""
+    run = make_run()
+    looker, sender = Client(), Client()
+    looker.force_login(staff_user("looker", "view_taskrun"))
+    sender.force_login(staff_user("sender", "view_taskrun", "change_taskrun"))
+    assert 'value="send_again"' not in looker.get(CHANGELIST).content.decode()
+    assert 'value="send_again"' in sender.get(CHANGELIST).content.decode()
+    form = {"action": "send_again", "_selected_action": [run.pk]}
+    looker.post(CHANGELIST, form, follow=True)
+    assert not OutboxMessage.objects.filter(message_id=run.pk).exists()
+    page = sender.post(CHANGELIST, form, follow=True).content.decode()
+    assert "1 task&#x27;s message sent again" in page, page
+    assert OutboxMessage.objects.filter(message_id=run.pk).count() == 1

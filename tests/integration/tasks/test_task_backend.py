@@ -461,6 +461,63 @@ def test_a_task_whose_queue_is_gone_waits_in_the_outbox_until_the_queue_is_back(
     assert outcomes.words() == ["processed"]
 
 
+def test_a_ready_task_whose_message_the_broker_lost_is_sent_again_from_the_admin(
+    tasks_settings: TaskQueues, service: Any, outcomes: Outcomes
+) -> None:
+    """A task whose message was sent and then lost (an operator purged its queue) stays READY
+    for ever. The task admin's action sends a copy under its id, and consume runs the task
+    once; a task whose message has not left the outbox, or that is no longer ready, is left
+    alone and said so."""
+    from django.contrib.auth.models import User
+    from django.test import Client
+    from django.urls import reverse
+
+    from reliable_messaging.task_runs.worker import consumer_specs
+
+    specs = consumer_specs(tasks_settings)
+    service(specs, relay=False).request_stop()  # the exchange and the queues declared
+    wait_until(
+        lambda: not any(t.name == "rm-test-service" for t in threading.enumerate()),
+        timeout=30,
+        message="the consumer stopped",
+    )
+    lost = tasks.add.enqueue(1, 2)
+    assert relay_once() == 1
+    admin = support.broker_connection()
+    try:
+        assert admin.channel().queue_purge(tasks_settings.amqp_queue("default")).method
+    finally:
+        admin.close()
+    waiting = tasks.add.enqueue(3, 4)
+    client = Client()
+    client.force_login(User.objects.create_superuser("ops", "ops@example.com", "x"))
+    changelist = reverse("admin:reliable_messaging_taskrun_changelist")
+
+    def send_again(*ids: str) -> str:
+        form = {"action": "send_again", "_selected_action": list(ids)}
+        response = client.post(changelist, form, follow=True)
+        assert response.status_code == 200
+        return response.content.decode()
+
+    page = send_again(lost.id, waiting.id)
+    assert "1 task&#x27;s message sent again" in page, page
+    assert "1 selected task&#x27;s message has not left the outbox" in page
+    copies = OutboxMessage.objects.filter(message_id=lost.id).order_by("pk")
+    assert [row.status for row in copies] == [OutboxStatus.SENT, OutboxStatus.PENDING]
+    assert copies[1].routing_key == tasks_settings.amqp_queue("default")
+    assert OutboxMessage.objects.filter(message_id=waiting.id).count() == 1
+    assert relay_once() == 2
+    service(specs, on_outcome=outcomes)
+    until_status(lost, "SUCCESSFUL")
+    until_status(waiting, "SUCCESSFUL")
+    assert (lost.return_value, waiting.return_value) == (3, 7)
+    assert effects("add") == [1, 1] and outcomes.wait(2) == ["processed", "processed"]
+    page = send_again(lost.id)
+    assert "0 tasks&#x27; messages sent again" in page
+    assert "1 selected task is not ready (running or finished)" in page
+    assert OutboxMessage.objects.filter(message_id=lost.id).count() == 2
+
+
 def test_cancel_scheduled_cancels_a_deferred_task_as_if_never_enqueued(
     tasks_settings: TaskQueues,
 ) -> None:
