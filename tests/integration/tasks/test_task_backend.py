@@ -427,6 +427,21 @@ def test_run_after_waits_in_the_outbox_until_due(worker: Any) -> None:
     assert result.started_at is not None and result.started_at >= due
 
 
+def declared_task_queues(tasks_settings: TaskQueues, service: Any) -> list[Any]:
+    """The task queues' consumer specs, their exchange and queues declared as consume does (a
+    service started and stopped)."""
+    from reliable_messaging.task_runs.worker import consumer_specs
+
+    specs = consumer_specs(tasks_settings)
+    service(specs, relay=False).request_stop()
+    wait_until(
+        lambda: not any(t.name == "rm-test-service" for t in threading.enumerate()),
+        timeout=30,
+        message="the consumer stopped",
+    )
+    return specs
+
+
 def test_a_task_whose_queue_is_gone_waits_in_the_outbox_until_the_queue_is_back(
     tasks_settings: TaskQueues, service: Any, outcomes: Outcomes
 ) -> None:
@@ -434,15 +449,7 @@ def test_a_task_whose_queue_is_gone_waits_in_the_outbox_until_the_queue_is_back(
     expired by a policy, on a node that is down) the broker returns it: the outbox keeps it,
     charged and sent again with backoff, until consume declares the queue again, and the task
     runs once. Sent as an event, it would be marked unrouted, its result READY for ever."""
-    from reliable_messaging.task_runs.worker import consumer_specs
-
-    specs = consumer_specs(tasks_settings)
-    service(specs, relay=False).request_stop()  # the exchange and the queues declared
-    wait_until(
-        lambda: not any(t.name == "rm-test-service" for t in threading.enumerate()),
-        timeout=30,
-        message="the consumer stopped",
-    )
+    specs = declared_task_queues(tasks_settings, service)
     admin = support.broker_connection()
     try:
         admin.channel().queue_delete(tasks_settings.amqp_queue("default"))
@@ -472,15 +479,7 @@ def test_a_ready_task_whose_message_the_broker_lost_is_sent_again_from_the_admin
     from django.test import Client
     from django.urls import reverse
 
-    from reliable_messaging.task_runs.worker import consumer_specs
-
-    specs = consumer_specs(tasks_settings)
-    service(specs, relay=False).request_stop()  # the exchange and the queues declared
-    wait_until(
-        lambda: not any(t.name == "rm-test-service" for t in threading.enumerate()),
-        timeout=30,
-        message="the consumer stopped",
-    )
+    specs = declared_task_queues(tasks_settings, service)
     lost = tasks.add.enqueue(1, 2)
     assert relay_once() == 1
     admin = support.broker_connection()
