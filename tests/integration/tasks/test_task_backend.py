@@ -10,6 +10,7 @@ import decimal
 import json
 import sys
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -442,20 +443,29 @@ def declared_task_queues(tasks_settings: TaskQueues, service: Any) -> list[Any]:
     return specs
 
 
+@pytest.mark.parametrize("deferred", [False, True], ids=["enqueued", "deferred"])
 def test_a_task_whose_queue_is_gone_waits_in_the_outbox_until_the_queue_is_back(
-    tasks_settings: TaskQueues, service: Any, outcomes: Outcomes
+    tasks_settings: TaskQueues, service: Any, outcomes: Outcomes, deferred: bool
 ) -> None:
     """A task's message is for its queue alone. With that queue gone (deleted by an operator,
     expired by a policy, on a node that is down) the broker returns it: the outbox keeps it,
     charged and sent again with backoff, until consume declares the queue again, and the task
-    runs once. Sent as an event, it would be marked unrouted, its result READY for ever."""
+    runs once. Sent as an event, it would be marked unrouted, its result READY for ever. So
+    does a task deferred with ``run_after`` whose queue is gone when it falls due."""
     specs = declared_task_queues(tasks_settings, service)
     admin = support.broker_connection()
     try:
         admin.channel().queue_delete(tasks_settings.amqp_queue("default"))
     finally:
         admin.close()
-    result = tasks.add.enqueue(5, 6)
+    if deferred:
+        due = timezone.now() + dt.timedelta(seconds=1)
+        result = tasks.add.using(run_after=due).enqueue(5, 6)
+        assert relay_once() == 0
+        assert OutboxMessage.objects.get(message_id=result.id).status == OutboxStatus.SCHEDULED
+        time.sleep(max(0.0, (due - timezone.now()).total_seconds()) + 0.1)
+    else:
+        result = tasks.add.enqueue(5, 6)
     relay_once()
     row = OutboxMessage.objects.get(message_id=result.id)
     assert (row.status, row.attempts) == (OutboxStatus.PENDING, 1), row.last_error
