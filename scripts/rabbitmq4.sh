@@ -110,7 +110,11 @@ in_root() {
         RABBITMQ_PID_FILE="$BASE/rabbit.pid" "$@"
 }
 
-ctl() { in_root rabbitmqctl -n "$NODE" "$@"; }
+# The CLI's Erlang VM with one scheduler that sleeps when idle (tests/support.py, LEAN_CLI_ERL_ARGS).
+ctl() {
+    in_root RABBITMQ_CTL_ERL_ARGS="+S 1:1 +sbwt none +sbwtdcpu none +sbwtdio none" \
+        rabbitmqctl -n "$NODE" "$@"
+}
 
 start() {
     build

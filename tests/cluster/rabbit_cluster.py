@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from tests.support import wait_until
+from tests.support import cli_env, wait_until
 
 RUN_ROOT = Path(tempfile.gettempdir()) / "rm-cluster"
 PREFIX = "rmc"
@@ -276,7 +276,7 @@ class RabbitCluster:
                 capture_output=True,
                 text=True,
                 timeout=timeout,
-                env=self._base_env(),
+                env=cli_env(self._base_env()),
                 cwd=self.run_dir,
                 check=False,
             )
